@@ -1,0 +1,49 @@
+# The two commands: `make run` and `make test`. Both install what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps
+ARGS ?=
+
+.PHONY: install install-system install-python run test lint types pytest clean
+
+install: install-system install-python
+
+# Debian packages for the interop, Redis and NAT-lab tests. Idempotent: apt only
+# runs when something is missing.
+install-system:
+	@missing=""; for p in $(DEBIAN_PACKAGES); do \
+	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
+	  $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+install-python: $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+
+run: $(BIN)/python
+	@$(BIN)/python -c 'import crossroads' 2>/dev/null || $(MAKE) install-python
+	$(BIN)/crossroads serve $(ARGS)
+
+lint:
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+types:
+	$(BIN)/mypy --strict src
+
+pytest:
+	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
+
+test: install lint types pytest
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,3 @@
+from crossroads.cli import main
+
+main()

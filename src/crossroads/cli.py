@@ -1,0 +1,116 @@
+"""The ``crossroads`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+import crossroads
+from crossroads.config import Config, build_config, flag_name, iter_settings, read_toml
+from crossroads.errors import ConfigError
+from crossroads.services import load_service_modules
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop when it is installed, else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
+def _param_name(section: str, field_name: str) -> str:
+    return f"cfg__{section}__{field_name}"
+
+
+def config_options(command: F) -> F:
+    """Add one option per configuration setting to a click command."""
+    load_service_modules()
+    for section, f, info in reversed(list(iter_settings())):
+        flag = flag_name(section, f)
+        name = _param_name(section, f.name)
+        help_text = f"{info.help} [{section}.{f.name}; default: {f.default!r}]"
+        if info.kind == "bool":
+            negative = "--no-" + flag[2:]
+            option = click.option(
+                f"{flag}/{negative}", name, default=None, help=help_text
+            )
+        elif info.kind == "list":
+            option = click.option(
+                flag, name, multiple=True, default=None, help=help_text
+            )
+        else:
+            option = click.option(flag, name, default=None, help=help_text)
+        command = option(command)
+    return command
+
+
+def config_from_cli(config_file: Path | None, params: dict[str, Any]) -> Config:
+    flags: dict[str, Any] = {}
+    for section, f, info in iter_settings():
+        value = params.get(_param_name(section, f.name))
+        if value is None or (info.kind == "list" and not value):
+            continue
+        if info.kind == "list":
+            # Repeated flags and comma-separated values both work.
+            value = [part for item in value for part in item.split(",") if part]
+        flags[f"{section}.{f.name}"] = value
+    file_data = read_toml(config_file) if config_file else {}
+    return build_config(
+        flags=flags,
+        file_data=file_data,
+        file_name=str(config_file) if config_file else "config file",
+    )
+
+
+def fail(message: str) -> None:
+    click.echo(f"crossroads: {message}", err=True)
+    sys.exit(2)
+
+
+@click.group()
+@click.version_option(crossroads.__version__, prog_name="crossroads")
+def main() -> None:
+    """Connectivity for multiplayer games: STUN, TURN, game coordinator, NAT
+    negotiation and relays, in one process."""
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="CROSSROADS_CONFIG",
+    help="TOML configuration file.",
+)
+@config_options
+def serve(config_file: Path | None, **params: Any) -> None:
+    """Run the services (all by default; see --only)."""
+    try:
+        config = config_from_cli(config_file, params)
+    except ConfigError as exc:
+        fail(f"config error: {exc}")
+        return
+    logging.basicConfig(
+        level=config.core.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from crossroads.runtime import serve_forever
+
+    try:
+        run_async(serve_forever(config))
+    except OSError as exc:
+        fail(f"cannot start: {exc}")
+    except ConfigError as exc:
+        fail(f"config error: {exc}")

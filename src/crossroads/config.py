@@ -1,0 +1,385 @@
+"""Typed configuration, built once from flags, environment and a TOML file.
+
+Precedence is flag > ``CROSSROADS_*`` environment variable > TOML file > default.
+
+Configuration is split in *sections*: ``core`` (bind host, HTTP port, store, the
+set of services) and one section per service (``stun``, ``turn``, ...). A section
+is a frozen dataclass whose fields are declared with :func:`setting`; from that one
+declaration come the command-line flag, the environment variable, the TOML key,
+the conversion and the validation, so a service adds its options in its own module
+and nowhere else.
+
+TOML layout::
+
+    host = "0.0.0.0"          # core keys at the top level
+    http_port = 8080
+    [stun]
+    port = 3478
+    [turn]
+    realm = "example.org"
+
+A field named ``port`` in section ``stun`` is flag ``--stun-port``, environment
+variable ``CROSSROADS_STUN_PORT`` and TOML key ``stun.port``; a field may choose
+another flag name (``--relay-ports``), and the environment name follows the flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from crossroads.errors import ConfigError
+
+Kind = Literal["str", "int", "port", "float", "bool", "host", "list", "port_range"]
+
+ENV_PREFIX = "CROSSROADS_"
+_META_KEY = "crossroads"
+
+
+@dataclass(frozen=True, slots=True)
+class SettingInfo:
+    """How one configuration field is exposed and converted."""
+
+    help: str
+    kind: Kind
+    flag: str | None = None
+    #: Extra validation after conversion; raise ValueError with a short reason.
+    check: Callable[[Any], None] | None = None
+
+
+def setting(
+    default: Any,
+    *,
+    help: str,
+    kind: Kind = "str",
+    flag: str | None = None,
+    check: Callable[[Any], None] | None = None,
+) -> Any:
+    """Declare a configuration field (use as a dataclass field default)."""
+    info = SettingInfo(help=help, kind=kind, flag=flag, check=check)
+    if isinstance(default, list):
+        default = tuple(default)
+    return field(default=default, metadata={_META_KEY: info})
+
+
+def setting_info(f: dataclasses.Field[Any]) -> SettingInfo:
+    info = f.metadata.get(_META_KEY)
+    if not isinstance(info, SettingInfo):
+        raise TypeError(f"config field {f.name} was not declared with setting()")
+    return info
+
+
+# --------------------------------------------------------------------- conversions
+
+
+def _to_str(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _to_int(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip(), 0)
+        except ValueError:
+            pass
+    raise ValueError(f"expected an integer, got {value!r}")
+
+
+def _to_port(value: object) -> int:
+    try:
+        port = _to_int(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a port number (0-65535)") from None
+    # 0 means "any free port", which tests and `--only` subsets rely on.
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{port} is not a port number (0-65535)")
+    return port
+
+
+def _to_float(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ValueError(f"expected a number, got {value!r}")
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _to_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _to_host(value: object) -> str:
+    text = _to_str(value).strip()
+    if text == "":
+        return ""
+    if text == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(text.strip("[]")))
+    except ValueError:
+        raise ValueError(f"{text!r} is not an IP address") from None
+
+
+def _to_list(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(part.strip() for part in value.split(",") if part.strip())
+    if isinstance(value, list | tuple):
+        return tuple(_to_str(v) for v in value)
+    raise ValueError(f"expected a list of strings, got {value!r}")
+
+
+def _to_port_range(value: object) -> tuple[int, int]:
+    if isinstance(value, list | tuple) and len(value) == 2:
+        low, high = _to_port(value[0]), _to_port(value[1])
+    else:
+        text = _to_str(value)
+        low_text, sep, high_text = text.partition("-")
+        if not sep:
+            raise ValueError(f"{text!r} is not a port range like 49152-65535")
+        low, high = _to_port(low_text), _to_port(high_text)
+    if low == 0 or low > high:
+        raise ValueError(f"{low}-{high} is not a port range (1 <= low <= high)")
+    return low, high
+
+
+CONVERTERS: dict[Kind, Callable[[object], Any]] = {
+    "str": _to_str,
+    "int": _to_int,
+    "port": _to_port,
+    "float": _to_float,
+    "bool": _to_bool,
+    "host": _to_host,
+    "list": _to_list,
+    "port_range": _to_port_range,
+}
+
+
+def parse_service_list(value: object) -> tuple[str, ...]:
+    return _to_list(value)
+
+
+# ------------------------------------------------------------------ core section
+
+
+def _check_store(url: str) -> None:
+    if url != "memory" and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"{url!r} is neither 'memory' nor a redis:// URL")
+
+
+def _check_log_level(level: str) -> None:
+    if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+        raise ValueError(f"{level!r} is not one of debug, info, warning, error")
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Settings that apply to the whole process."""
+
+    host: str = setting("0.0.0.0", kind="host", help="Bind address for every service.")
+    http_port: int = setting(
+        8080, kind="port", help="HTTP port: REST APIs, pages, /metrics, /healthz."
+    )
+    store: str = setting(
+        "memory",
+        check=_check_store,
+        help="Shared state: 'memory' (one process) or a redis:// URL.",
+    )
+    only: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        help="Run only these services (comma separated); HTTP always runs.",
+    )
+    log_level: str = setting(
+        "info", check=_check_log_level, help="debug, info, warning or error."
+    )
+    public_host: str = setting(
+        "",
+        kind="host",
+        help="Address clients should use to reach this host, when it differs from --host.",
+    )
+
+
+# --------------------------------------------------------------------- sections
+
+#: Section name -> dataclass. Services register theirs with :func:`register_section`.
+SECTIONS: dict[str, type[Any]] = {"core": CoreConfig}
+
+T = TypeVar("T")
+
+
+def register_section(name: str, cls: type[T]) -> type[T]:
+    """Make ``cls`` the configuration section ``name``."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"config section {name} must be a dataclass")
+    for f in dataclasses.fields(cls):
+        setting_info(f)
+    SECTIONS[name] = cls
+    return cls
+
+
+def flag_name(section: str, f: dataclasses.Field[Any]) -> str:
+    info = setting_info(f)
+    if info.flag:
+        return info.flag
+    stem = f.name.replace("_", "-")
+    return f"--{stem}" if section == "core" else f"--{section}-{stem}"
+
+
+def env_name(section: str, f: dataclasses.Field[Any]) -> str:
+    return ENV_PREFIX + flag_name(section, f).lstrip("-").replace("-", "_").upper()
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The whole validated configuration: the core section plus one per service."""
+
+    core: CoreConfig
+    sections: Mapping[str, Any]
+
+    def section(self, name: str, cls: type[T]) -> T:
+        value = self.sections[name]
+        if not isinstance(value, cls):
+            raise TypeError(f"section {name} is {type(value).__name__}")
+        return value
+
+    def enabled(self, service: str) -> bool:
+        return not self.core.only or service in self.core.only
+
+
+def _convert(section: str, f: dataclasses.Field[Any], raw: object, source: str) -> Any:
+    info = setting_info(f)
+    key = f.name if section == "core" else f"{section}.{f.name}"
+    try:
+        value = CONVERTERS[info.kind](raw)
+        if info.check is not None:
+            info.check(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key} ({source}): {exc}") from None
+    return value
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
+def build_config(
+    *,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    file_data: Mapping[str, Any] | None = None,
+    file_name: str = "config file",
+    sections: Mapping[str, type[Any]] | None = None,
+) -> Config:
+    """Build and validate a :class:`Config`.
+
+    Args:
+        flags: values given on the command line, keyed ``section.field``
+            (``core.host``, ``stun.port``); only keys the user actually gave.
+        env: the process environment (``os.environ`` when None).
+        file_data: parsed TOML.
+        file_name: used in error messages.
+        sections: the section registry (defaults to :data:`SECTIONS`).
+
+    Raises:
+        ConfigError: one line naming the key at fault.
+    """
+    flags = flags or {}
+    env = os.environ if env is None else env
+    file_data = dict(file_data or {})
+    sections = SECTIONS if sections is None else sections
+    core_fields = {f.name for f in dataclasses.fields(CoreConfig)}
+
+    # Reject unknown keys in the file before anything else: a typo must not be
+    # silently ignored.
+    for key, value in file_data.items():
+        if key in core_fields:
+            continue
+        if key in sections and key != "core":
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key} ({file_name}): expected a [{key}] table")
+            known = {f.name for f in dataclasses.fields(sections[key])}
+            for sub in value:
+                if sub not in known:
+                    raise ConfigError(f"unknown key {key}.{sub} in {file_name}")
+            continue
+        raise ConfigError(f"unknown key {key} in {file_name}")
+
+    built: dict[str, Any] = {}
+    for name, cls in sections.items():
+        file_section = (
+            {k: v for k, v in file_data.items() if k in core_fields}
+            if name == "core"
+            else file_data.get(name, {})
+        )
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            key = f"{name}.{f.name}"
+            if key in flags:
+                kwargs[f.name] = _convert(name, f, flags[key], flag_name(name, f))
+            elif env_name(name, f) in env:
+                variable = env_name(name, f)
+                kwargs[f.name] = _convert(name, f, env[variable], variable)
+            elif f.name in file_section:
+                kwargs[f.name] = _convert(name, f, file_section[f.name], file_name)
+        try:
+            built[name] = cls(**kwargs)
+        except ValueError as exc:
+            # Cross-field checks in __post_init__ raise ValueError("key: reason").
+            raise ConfigError(f"{name}: {exc}") from None
+
+    core = built.pop("core")
+    config = Config(core=core, sections=built)
+    known_services = set(sections) - {"core"}
+    for service in config.core.only:
+        if service not in known_services:
+            names = ", ".join(sorted(known_services))
+            raise ConfigError(f"only: unknown service {service!r} (known: {names})")
+    return config
+
+
+def iter_settings(
+    sections: Mapping[str, type[Any]] | None = None,
+) -> Iterable[tuple[str, dataclasses.Field[Any], SettingInfo]]:
+    """Every (section, field, info), in registry order, for building a CLI."""
+    for name, cls in (SECTIONS if sections is None else sections).items():
+        for f in dataclasses.fields(cls):
+            yield name, f, setting_info(f)
+
+
+def default_config(overrides: Mapping[str, Any] | None = None) -> Config:
+    """A config from defaults plus ``section.field`` overrides (for tests and embedding).
+
+    The environment is ignored, so a test is not changed by the shell it runs in.
+    """
+    return build_config(flags=dict(overrides or {}), env={})

@@ -1,0 +1,29 @@
+"""The registry of services.
+
+Order matters: services start in this order (a service may use those before it),
+and stop in reverse. Each entry is a module path; see :mod:`crossroads.services.base`
+for what the module provides.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from crossroads.config import register_section
+
+SERVICE_MODULES: dict[str, str] = {
+    # name -> module. One line per service; keep names as in DESIGN.md.
+}
+
+
+def load_service_modules() -> dict[str, ModuleType]:
+    """Import every service module and register its config section."""
+    modules: dict[str, ModuleType] = {}
+    for name, path in SERVICE_MODULES.items():
+        module = importlib.import_module(path)
+        if getattr(module, "NAME", None) != name:
+            raise RuntimeError(f"{path}.NAME must be {name!r}")
+        register_section(name, module.Config)
+        modules[name] = module
+    return modules

@@ -1,0 +1,102 @@
+"""The Store protocol.
+
+A deliberately small key-value surface — the operations Redis does natively and
+that the services need to share state between processes: TTL keys refreshed by a
+heartbeat (registrations, relay nodes), ``SET NX`` claims (invite codes, join codes,
+slots), counters, hashes, and pub/sub to route a command to the instance that
+holds a peer's socket. Keys are strings, values bytes; services own their key
+prefixes (``openttd:``, ``relay:``, ...).
+
+Both implementations pass the same contract suite (``tests/store/test_contract.py``),
+the Redis one against a real ``redis-server``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+from crossroads.errors import ConfigError
+
+
+class Subscription(Protocol):
+    """Messages published on one channel after the subscription was made."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def get(self, timeout: float | None = None) -> bytes | None:
+        """The next message, or None when ``timeout`` seconds pass without one."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class Store(Protocol):
+    """Shared state. All TTLs are in seconds (floats allowed, millisecond precision)."""
+
+    async def get(self, key: str) -> bytes | None: ...
+
+    async def set(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        ttl: float | None = None,
+        only_if_absent: bool = False,
+    ) -> bool:
+        """Store ``value``; with ``only_if_absent`` only when the key is free.
+
+        Returns True when the value was written.
+        """
+        ...
+
+    async def delete(self, *keys: str) -> int:
+        """Delete keys; returns how many existed."""
+        ...
+
+    async def expire(self, key: str, ttl: float) -> bool:
+        """Set a key's TTL; False when the key does not exist."""
+        ...
+
+    async def ttl(self, key: str) -> float | None:
+        """Seconds left, or None when the key is missing or has no TTL."""
+        ...
+
+    async def incr(self, key: str, amount: int = 1) -> int: ...
+
+    async def keys(self, prefix: str) -> list[str]:
+        """Every live key starting with ``prefix`` (scanned, not KEYS)."""
+        ...
+
+    async def hset(self, key: str, mapping: Mapping[str, bytes]) -> None: ...
+
+    async def hget(self, key: str, field: str) -> bytes | None: ...
+
+    async def hgetall(self, key: str) -> dict[str, bytes]: ...
+
+    async def hdel(self, key: str, *fields: str) -> int: ...
+
+    async def publish(self, channel: str, message: bytes) -> int:
+        """Send to every current subscriber; returns how many got it (0 is fine)."""
+        ...
+
+    async def subscribe(self, channel: str) -> Subscription: ...
+
+    async def ping(self) -> bool:
+        """True when the backend answers (used by /healthz)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def open_store(url: str) -> Store:
+    """Open the store named by ``url``: ``memory`` or ``redis://host:port/db``."""
+    if url == "memory":
+        from crossroads.store.memory import MemoryStore
+
+        return MemoryStore()
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from crossroads.store.redis import RedisStore
+
+        return RedisStore(url)
+    raise ConfigError(f"store: {url!r} is neither 'memory' nor a redis:// URL")

@@ -1,0 +1,136 @@
+"""Redis-backed Store (redis-py asyncio): many processes, many machines, one state."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
+from redis.exceptions import RedisError
+
+from crossroads.errors import StoreError
+
+T = TypeVar("T")
+
+
+async def _guard(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except RedisError as exc:
+        raise StoreError(f"redis: {exc}") from exc
+
+
+class RedisSubscription:
+    def __init__(self, pubsub: PubSub) -> None:
+        self._pubsub = pubsub
+
+    async def get(self, timeout: float | None = None) -> bytes | None:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            wait = 1.0 if deadline is None else max(0.0, deadline - loop.time())
+            message = await _guard(
+                self._pubsub.get_message(ignore_subscribe_messages=True, timeout=wait)
+            )
+            if message is not None and message.get("type") == "message":
+                data = message["data"]
+                return data if isinstance(data, bytes) else str(data).encode()
+            if deadline is not None and loop.time() >= deadline:
+                return None
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            message = await self.get()
+            if message is not None:
+                yield message
+
+    async def close(self) -> None:
+        await self._pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class RedisStore:
+    """A Store on a Redis server. Reconnects on its own (redis-py's pool)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+            url,
+            decode_responses=False,
+            health_check_interval=10,
+            retry_on_timeout=True,
+            socket_connect_timeout=5,
+        )
+
+    async def get(self, key: str) -> bytes | None:
+        value: Any = await _guard(self._redis.get(key))
+        return None if value is None else bytes(value)
+
+    async def set(
+        self,
+        key: str,
+        value: bytes,
+        *,
+        ttl: float | None = None,
+        only_if_absent: bool = False,
+    ) -> bool:
+        px = None if ttl is None else max(1, int(ttl * 1000))
+        result = await _guard(self._redis.set(key, value, px=px, nx=only_if_absent))
+        return bool(result)
+
+    async def delete(self, *keys: str) -> int:
+        if not keys:
+            return 0
+        return int(await _guard(self._redis.delete(*keys)))
+
+    async def expire(self, key: str, ttl: float) -> bool:
+        return bool(await _guard(self._redis.pexpire(key, max(1, int(ttl * 1000)))))
+
+    async def ttl(self, key: str) -> float | None:
+        millis = int(await _guard(self._redis.pttl(key)))
+        return None if millis < 0 else millis / 1000
+
+    async def incr(self, key: str, amount: int = 1) -> int:
+        return int(await _guard(self._redis.incrby(key, amount)))
+
+    async def keys(self, prefix: str) -> list[str]:
+        found: list[str] = []
+        pattern = prefix.replace("[", r"\[").replace("*", r"\*").replace("?", r"\?")
+        async for key in self._redis.scan_iter(match=pattern + "*", count=500):
+            found.append(key.decode() if isinstance(key, bytes) else str(key))
+        return found
+
+    async def hset(self, key: str, mapping: Mapping[str, bytes]) -> None:
+        if mapping:
+            await _guard(self._redis.hset(key, mapping=dict(mapping)))  # type: ignore[arg-type]
+
+    async def hget(self, key: str, field: str) -> bytes | None:
+        value: Any = await _guard(self._redis.hget(key, field))
+        return None if value is None else bytes(value)
+
+    async def hgetall(self, key: str) -> dict[str, bytes]:
+        raw: Any = await _guard(self._redis.hgetall(key))
+        return {k.decode(): v for k, v in raw.items()}
+
+    async def hdel(self, key: str, *fields: str) -> int:
+        if not fields:
+            return 0
+        return int(await _guard(self._redis.hdel(key, *fields)))
+
+    async def publish(self, channel: str, message: bytes) -> int:
+        return int(await _guard(self._redis.publish(channel, message)))
+
+    async def subscribe(self, channel: str) -> RedisSubscription:
+        pubsub = self._redis.pubsub()
+        await _guard(pubsub.subscribe(channel))
+        return RedisSubscription(pubsub)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except RedisError:
+            return False
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,1 @@
+"""Thin asyncio adapters between sockets and the sans-I/O cores in ``proto/``."""

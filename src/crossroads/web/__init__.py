@@ -1,0 +1,1 @@
+"""The HTTP app: REST APIs, pages, ``/metrics`` and ``/healthz``."""

@@ -1,0 +1,107 @@
+"""The FastAPI application shared by all services of one runtime."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import crossroads
+from crossroads.store.base import Store
+
+
+class ApiError(Exception):
+    """An HTTP error with the JSON body ``{"code": ..., "message": ...}``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def create_app(
+    *,
+    metrics: CollectorRegistry,
+    store: Store,
+    routers: Sequence[APIRouter] = (),
+    services: Callable[[], list[str]] = lambda: [],
+) -> FastAPI:
+    app = FastAPI(
+        title="crossroads",
+        version=crossroads.__version__,
+        description="Connectivity for multiplayer games.",
+    )
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(
+            {"code": exc.code, "message": exc.message}, status_code=exc.status
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(
+        request: Request, exc: RequestValidationError
+    ) -> JSONResponse:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', '')}"
+            for err in exc.errors()
+        )
+        return JSONResponse(
+            {"code": "invalid_request", "message": problems}, status_code=400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(
+        request: Request, exc: StarletteHTTPException
+    ) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "http_error"
+        )
+        return JSONResponse(
+            {"code": code, "message": str(exc.detail)}, status_code=exc.status_code
+        )
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz() -> JSONResponse:
+        store_ok = await store.ping()
+        body = {
+            "status": "ok" if store_ok else "degraded",
+            "store": store_ok,
+            "services": services(),
+        }
+        return JSONResponse(body, status_code=200 if store_ok else 503)
+
+    @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics), media_type=CONTENT_TYPE_LATEST)
+
+    for router in routers:
+        app.include_router(router)
+    return app
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn inside our event loop; signals stay with the crossroads runtime."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_http_server(app: FastAPI) -> EmbeddedServer:
+    """An uvicorn server for ``app``; start it with ``serve(sockets=[sock])``."""
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        lifespan="off",
+        access_log=False,
+        server_header=False,
+    )
+    return EmbeddedServer(config)

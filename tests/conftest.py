@@ -1,0 +1,140 @@
+"""Fixtures shared by the whole suite: free ports, a real redis-server, runtimes."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from crossroads.config import default_config
+from crossroads.runtime import Runtime, start
+
+
+def free_port(kind: int = socket.SOCK_STREAM, host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for programs that need a number up front)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, kind) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def free_udp_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port free for both UDP and TCP (STUN and TURN listen on both)."""
+    for _ in range(50):
+        port = free_port(socket.SOCK_DGRAM, host)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port free for both UDP and TCP")
+
+
+class RedisServer:
+    """A real redis-server on a private port and directory, for one test session."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; run `make install`")
+        self.port = free_port()
+        self.directory = tempfile.mkdtemp(prefix="crossroads-redis-")
+        self.process = subprocess.Popen(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.directory,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(
+                    ("127.0.0.1", self.port), timeout=0.2
+                ) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def flush(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
+            s.sendall(b"FLUSHALL\r\n")
+            s.recv(16)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of a real, empty Redis (flushed before each test)."""
+    redis_server.flush()
+    return redis_server.url
+
+
+def loopback_config(**overrides: Any) -> dict[str, Any]:
+    """Config overrides for a runtime on 127.0.0.1 with every port chosen by the OS."""
+    import dataclasses
+
+    from crossroads.config import SECTIONS, setting_info
+    from crossroads.services import load_service_modules
+
+    load_service_modules()
+    values: dict[str, Any] = {"core.host": "127.0.0.1", "core.http_port": 0}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            if setting_info(f).kind == "port" and section != "core":
+                values[f"{section}.{f.name}"] = 0
+    values.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return values
+
+
+@pytest.fixture
+async def runtime() -> AsyncIterator[Runtime]:
+    """Every service on 127.0.0.1, OS-chosen ports, in-memory store."""
+    rt = await start(default_config(loopback_config()))
+    try:
+        yield rt
+    finally:
+        await rt.close()
