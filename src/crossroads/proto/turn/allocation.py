@@ -212,7 +212,9 @@ class Allocation:
         channel.active = False
         self.routes.pop(channel.number, None)
         channel.relay.peer_channels.pop(channel.peer, None)
-        channel.expires = now + CHANNEL_QUARANTINE
+        # Counted from the moment the binding lapsed, not from when the timer
+        # ran (a late timer must not lengthen the quarantine).
+        channel.expires = min(channel.expires, now) + CHANNEL_QUARANTINE
         schedule(channel.expires, Kind.QUARANTINE, (self, channel))
 
     def forget_channel(self, channel: Channel) -> None:
