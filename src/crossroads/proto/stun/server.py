@@ -163,21 +163,28 @@ class BindingCore:
         self.limiter = SourceRateLimiter(rate_limit, max_sources)
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""
-        # Pre-encoded tails per sending endpoint, for RFC 5389+ and RFC 3489.
+        # Pre-encoded tails per (receiving, sending) endpoint pair, for RFC 5389+
+        # and RFC 3489 clients. RFC 5780 Table 1: RESPONSE-ORIGIN is the socket
+        # that sends; OTHER-ADDRESS is Ca:Cp of the socket that *received* the
+        # request, whatever the CHANGE-REQUEST flags.
+        count = len(self.advertised)
+        self._count = count
         self._tail: list[bytes] = []
         self._tail3489: list[bytes] = []
-        for index, origin in enumerate(self.advertised):
-            tail = b""
-            tail3489 = b""
-            if self.rfc5780 and origin is not None:
-                tail += _address_attr(AttrType.RESPONSE_ORIGIN, origin)
-                tail3489 += _address_attr(AttrType.SOURCE_ADDRESS, origin)
-            other = self.advertised[index ^ 3] if self.change_supported else None
-            if other is not None:
-                tail += _address_attr(AttrType.OTHER_ADDRESS, other)
-                tail3489 += _address_attr(AttrType.CHANGED_ADDRESS, other)
-            self._tail.append(tail + software_attr)
-            self._tail3489.append(tail3489 + software_attr)
+        for received in range(count):
+            other = self.advertised[received ^ 3] if self.change_supported else None
+            for sending in range(count):
+                origin = self.advertised[sending]
+                tail = b""
+                tail3489 = b""
+                if self.rfc5780 and origin is not None:
+                    tail += _address_attr(AttrType.RESPONSE_ORIGIN, origin)
+                    tail3489 += _address_attr(AttrType.SOURCE_ADDRESS, origin)
+                if other is not None:
+                    tail += _address_attr(AttrType.OTHER_ADDRESS, other)
+                    tail3489 += _address_attr(AttrType.CHANGED_ADDRESS, other)
+                self._tail.append(tail + software_attr)
+                self._tail3489.append(tail3489 + software_attr)
         self._known = frozenset(
             t
             for t in ATTRIBUTE_CLASSES
@@ -326,7 +333,7 @@ class BindingCore:
         family, packed, xored = entry
         port = addr[1]
         if cookie == MAGIC_COOKIE:
-            tail = self._tail[send_from]
+            tail = self._tail[local * self._count + send_from]
             if self.rfc5780:
                 if family == 1:
                     body = 24 + len(tail)
@@ -360,7 +367,7 @@ class BindingCore:
         else:
             # RFC 8489 §12: an RFC 3489 client gets MAPPED-ADDRESS instead of
             # XOR-MAPPED-ADDRESS, and the request's cookie back.
-            tail = self._tail3489[send_from]
+            tail = self._tail3489[local * self._count + send_from]
             if family == 1:
                 body = 12 + len(tail)
                 head = _V4M.pack(0x0101, body, data[4:20], _MA, 8, 1, port, packed)
