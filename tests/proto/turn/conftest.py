@@ -50,6 +50,10 @@ class FakeRelay:
     allocation: Allocation
     peer_channels: dict[Address, int] = field(default_factory=dict)
     closed: bool = False
+    sent: list[tuple[bytes, Address]] = field(default_factory=list)
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        self.sent.append((data, addr))
 
     def close(self) -> None:
         self.closed = True

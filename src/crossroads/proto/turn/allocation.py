@@ -60,6 +60,10 @@ class RelayPort(Protocol):
     family: Family
     peer_channels: dict[Address, int]
 
+    def sendto(self, data: bytes, addr: Address) -> None:
+        """Send one datagram to a peer from the relayed address (data plane)."""
+        ...
+
     def close(self) -> None:
         """Release the socket (idempotent)."""
         ...

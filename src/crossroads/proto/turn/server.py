@@ -65,6 +65,7 @@ from crossroads.proto.stun import (
     RequestedAddressFamily,
     RequestedTransport,
     ReservationToken,
+    UnknownAttribute,
     UnknownAttributes,
     Userhash,
     Username,
@@ -672,7 +673,7 @@ class TurnServer:
             if five[0] != Transport.TCP or token or even or dont_fragment:
                 raise _Reject(TurnError.BAD_REQUEST)
         requested_family = msg.get(RequestedAddressFamily)
-        additional = msg.get(AdditionalAddressFamily)
+        additional = msg.get(AdditionalAddressFamily) or _legacy_additional(msg)
         # RFC 8656 §7.2: these combinations are 400.
         if (token and even) or (token and (requested_family or additional)):
             raise _Reject(TurnError.BAD_REQUEST)
@@ -1070,6 +1071,18 @@ class TurnServer:
         connection.client = five
         self._events.append(BindConnection(connection.id, five))
         return self._answer(msg, auth, success_response(msg))
+
+
+#: draft-ietf-tram-turnbis numbered ADDITIONAL-ADDRESS-FAMILY 0x8032 before RFC
+#: 8656 moved it to 0x8000; coturn 4.6.1 (Debian 12) still sends 0x8032.
+LEGACY_ADDITIONAL_ADDRESS_FAMILY = 0x8032
+
+
+def _legacy_additional(msg: Message) -> AdditionalAddressFamily | None:
+    for attr in msg.get_all(UnknownAttribute):
+        if attr.type_code == LEGACY_ADDITIONAL_ADDRESS_FAMILY and len(attr.value) == 4:
+            return AdditionalAddressFamily(attr.value[0])
+    return None
 
 
 def error_code_of(message: Message) -> int | None:
