@@ -83,7 +83,11 @@ from crossroads.proto.turn.constants import (
     Family,
     Transport,
 )
-from crossroads.proto.turn.fastpath import data_indication, parse_send_indication
+from crossroads.proto.turn.fastpath import (
+    data_indication,
+    parse_send_indication,
+    xor_peer_address,
+)
 from crossroads.proto.turn.policy import PeerPolicy, parse_networks
 from crossroads.proto.turn.ports import PortAllocator
 from crossroads.proto.turn.server import (
@@ -98,6 +102,12 @@ from crossroads.proto.turn.server import (
 )
 from crossroads.services.base import ServiceContext
 from crossroads.services.stun import Endpoint, StunService
+from crossroads.transport.turnplane import (
+    ACCELERATED,
+    PAD,
+    ListenerTapBase,
+    RelayTapBase,
+)
 from crossroads.types import Address
 
 NAME = "turn"
@@ -105,8 +115,6 @@ log = logging.getLogger("crossroads.turn")
 
 #: ChannelData header: channel number, length (RFC 8656 §12.4).
 _CHANNEL_HEADER = struct.Struct("!HH").pack
-#: Padding to a multiple of 4 for ChannelData over TCP (RFC 8656 §12.5).
-_PAD = (b"", b"\x00\x00\x00", b"\x00\x00", b"\x00")
 #: A pipe pauses reading when the other side has this much unsent (bytes).
 PIPE_HIGH_WATER = 256 * 1024
 #: Linux IP_MTU_DISCOVER / IP_PMTUDISC_DO: set the DF bit (RFC 8656 §7.2
@@ -281,6 +289,7 @@ class Stats:
         "to_peer_bytes",
         "to_client_packets",
         "to_client_bytes",
+        "retired_errors",
         "drops",
     )
 
@@ -289,6 +298,8 @@ class Stats:
         self.to_peer_bytes = 0
         self.to_client_packets = 0
         self.to_client_bytes = 0
+        #: Send errors and malformed drops counted by relays that are gone.
+        self.retired_errors = 0
         self.drops: dict[str, int] = {}
 
     def drop(self, reason: str) -> None:
@@ -321,16 +332,17 @@ class _Collector(Collector):
             "Datagrams relayed (to_peer: from clients; to_client: from peers).",
             labels=["direction"],
         )
-        packets.add_metric(["to_peer"], stats.to_peer_packets)
-        packets.add_metric(["to_client"], stats.to_client_packets)
+        to_peer, to_peer_bytes, to_client, to_client_bytes, errors = service.counters()
+        packets.add_metric(["to_peer"], to_peer)
+        packets.add_metric(["to_client"], to_client)
         yield packets
         volume = CounterMetricFamily(
             "crossroads_turn_relayed_bytes",
             "Application bytes relayed.",
             labels=["direction"],
         )
-        volume.add_metric(["to_peer"], stats.to_peer_bytes)
-        volume.add_metric(["to_client"], stats.to_client_bytes)
+        volume.add_metric(["to_peer"], to_peer_bytes)
+        volume.add_metric(["to_client"], to_client_bytes)
         yield volume
         dropped = CounterMetricFamily(
             "crossroads_turn_dropped",
@@ -340,6 +352,8 @@ class _Collector(Collector):
         merged = dict(stats.drops)
         for reason, count in core.counters.drops.items():
             merged[reason] = merged.get(reason, 0) + count
+        if errors:
+            merged["data-plane-malformed-or-send-error"] = errors
         for reason, count in sorted(merged.items()):
             dropped.add_metric([reason], count)
         yield dropped
@@ -373,12 +387,19 @@ class ClientLink:
     """How to reach the client of an allocation: a UDP socket + address, or a
     TCP connection (ChannelData padded to 4 bytes, RFC 8656 §12.5)."""
 
-    __slots__ = ("endpoint", "client", "tcp")
+    __slots__ = ("endpoint", "client", "tcp", "fd")
 
     def __init__(self, endpoint: Endpoint, client: Address) -> None:
         self.endpoint = endpoint
         self.client = client
         self.tcp = endpoint.transport == "tcp"
+        #: The listening socket's fd (UDP), for the C data plane's sends.
+        self.fd = -1
+        if not self.tcp:
+            udp = getattr(endpoint, "udp", None)
+            sock = udp.get_extra_info("socket") if udp is not None else None
+            if sock is not None:
+                self.fd = sock.fileno()
 
     def send(self, data: bytes) -> None:
         self.endpoint.send(data, self.client)
@@ -387,10 +408,12 @@ class ClientLink:
 # ------------------------------------------------------------------ UDP relays
 
 
-class UdpRelay(asyncio.DatagramProtocol):
+class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
     """One relay socket of a UDP allocation (a ``RelayPort`` for the core).
 
-    ``datagram_received`` is the peer -> client data plane.
+    Its ``datagram_received`` — peer -> client — is the tap's (C or Python, see
+    :mod:`crossroads.transport.turnplane`); peers without a channel come back to
+    :meth:`from_peer` (Data indication, or a drop).
     """
 
     def __init__(
@@ -401,25 +424,33 @@ class UdpRelay(asyncio.DatagramProtocol):
         sock: socket.socket,
         address: Address,
     ) -> None:
+        RelayTapBase.__init__(self)
         self.service = service
         self.allocation = allocation
         self.family = family
         self.address = address
         self.sock = sock
+        self.fd = sock.fileno()
         self.peer_channels: dict[Address, int] = {}
+        self.fallback = self.from_peer
         self.permissions = allocation.permissions
         self.stats = service.stats
         self.closed = False
         self.transport: asyncio.DatagramTransport | None = None
         #: Until the asyncio transport is up, send on the raw socket.
-        self.sendto: Any = self._sock_sendto
+        self.sendto = self._sock_sendto
         link = allocation.transport_data
         assert isinstance(link, ClientLink)
-        self.link = link
-        self.tcp_client = link.tcp
         self.client = link.client
         self.client_send = link.endpoint.send
+        if not link.tcp:
+            self.set_client(link.fd, link.client, link.endpoint.send)
         self.task: asyncio.Task[Any] | None = None
+        #: XOR-PEER-ADDRESS of IPv4 peers does not depend on the transaction
+        #: id: cache it (bounded by the permission count in practice).
+        self._peer_attributes: dict[Address, bytes] = {}
+        self._txid_prefix = os.urandom(8)
+        self._txid_counter = 0
 
     def _sock_sendto(self, data: bytes, addr: Address) -> None:
         try:
@@ -434,25 +465,22 @@ class UdpRelay(asyncio.DatagramProtocol):
             return
         self.sendto = self.transport.sendto
 
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        if len(addr) != 2:
-            addr = (addr[0], addr[1])
-        channel = self.peer_channels.get(addr)
-        size = len(data)
-        if channel is not None:
-            if self.tcp_client:
-                frame = _CHANNEL_HEADER(channel, size) + data + _PAD[size & 3]
-            else:
-                frame = _CHANNEL_HEADER(channel, size) + data
-        elif addr[0] in self.permissions:
-            frame = data_indication(addr, data, os.urandom(12))
-        else:
+    def from_peer(self, data: bytes, addr: Address) -> None:
+        """A datagram from a peer that has no channel (RFC 8656 §11.3)."""
+        if addr[0] not in self.permissions:
             self.stats.drop("peer-no-permission")
             return
-        self.client_send(frame, self.client)
+        attribute = self._peer_attributes.get(addr)
+        if attribute is None and ":" not in addr[0]:
+            if len(self._peer_attributes) > 1024:
+                self._peer_attributes.clear()
+            attribute = self._peer_attributes[addr] = xor_peer_address(addr, b"")
+        self._txid_counter = (self._txid_counter + 1) & 0xFFFFFFFF
+        txid = self._txid_prefix + self._txid_counter.to_bytes(4, "big")
+        self.client_send(data_indication(addr, data, txid, attribute), self.client)
         stats = self.stats
         stats.to_client_packets += 1
-        stats.to_client_bytes += size
+        stats.to_client_bytes += len(data)
 
     def error_received(self, exc: Exception) -> None:
         # ICMP from a peer (port unreachable...). RFC 8656 §11.4 lets the
@@ -464,12 +492,53 @@ class UdpRelay(asyncio.DatagramProtocol):
             return
         self.closed = True
         self.peer_channels.clear()
+        self.service.retire(self)
+        self.fd = -1
         if self.transport is not None:
             self.transport.close()
         else:
             if self.task is not None:
                 self.task.cancel()
             self.sock.close()
+
+
+class TcpClientRelay(UdpRelay):
+    """A UDP relay whose client speaks TCP: ChannelData padded to 4 bytes
+    (RFC 8656 §12.5), all in Python."""
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        key = addr if len(addr) == 2 else (addr[0], addr[1])
+        channel = self.peer_channels.get(key)
+        if channel is None:
+            self.from_peer(data, key)
+            return
+        size = len(data)
+        self.client_send(
+            _CHANNEL_HEADER(channel, size) + data + PAD[size & 3], self.client
+        )
+        stats = self.stats
+        stats.to_client_packets += 1
+        stats.to_client_bytes += size
+
+
+class ListenerTap(ListenerTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
+    """Sits in front of one STUN UDP endpoint (see turnplane)."""
+
+    def __init__(self, endpoint: Any, fd: int) -> None:
+        ListenerTapBase.__init__(self)
+        self.endpoint = endpoint
+        self.fd = fd
+        self.clients: dict[Address, dict[int, Any]] = {}
+        self.fallback = endpoint.datagram_received
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.endpoint.connection_made(transport)
+
+    def error_received(self, exc: Exception) -> None:
+        self.endpoint.error_received(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.endpoint.connection_lost(exc)
 
 
 # ------------------------------------------------------------------ TCP relays
@@ -678,6 +747,9 @@ class TurnService:
         self.peer_pipes: dict[int, Pipe] = {}
         self.client_pipes: dict[int, Pipe] = {}
         self._pending_link: ClientLink | None = None
+        #: Live UDP relays, and the listener taps in front of the STUN sockets.
+        self.relays: set[UdpRelay] = set()
+        self.taps: dict[Any, ListenerTap] = {}
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -713,7 +785,42 @@ class TurnService:
 
     def start(self) -> None:
         self.stun.attach_turn(self)
+        for endpoint in self.stun.udp_endpoints:
+            udp = endpoint.udp
+            sock = udp.get_extra_info("socket") if udp is not None else None
+            if udp is None or sock is None:
+                continue
+            tap = ListenerTap(endpoint, sock.fileno())
+            udp.set_protocol(tap)
+            self.taps[endpoint] = tap
         self.ctx.metrics.register(self._collector)
+
+    def retire(self, relay: UdpRelay) -> None:
+        """Fold a closing relay's data-plane counters into the totals."""
+        self.relays.discard(relay)
+        stats = self.stats
+        stats.to_client_packets += relay.forwarded
+        stats.to_client_bytes += relay.forwarded_bytes
+        stats.retired_errors += relay.send_errors + relay.malformed
+
+    def counters(self) -> tuple[int, int, int, int, int]:
+        """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
+        data-plane drops), Python and C paths together."""
+        stats = self.stats
+        to_peer = stats.to_peer_packets + sum(t.forwarded for t in self.taps.values())
+        to_peer_bytes = stats.to_peer_bytes + sum(
+            t.forwarded_bytes for t in self.taps.values()
+        )
+        to_client = stats.to_client_packets + sum(r.forwarded for r in self.relays)
+        to_client_bytes = stats.to_client_bytes + sum(
+            r.forwarded_bytes for r in self.relays
+        )
+        errors = (
+            stats.retired_errors
+            + sum(t.send_errors + t.malformed for t in self.taps.values())
+            + sum(r.send_errors + r.malformed for r in self.relays)
+        )
+        return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
 
     def describe(self) -> list[str]:
         low, high = self.config.relay_ports
@@ -722,6 +829,9 @@ class TurnService:
         lines.append(
             f"on the STUN sockets ({', '.join(where) or 'none'}), "
             f"relay ports {low}-{high}"
+        )
+        lines.append(
+            "data plane: " + ("C (recvmmsg/sendmmsg)" if ACCELERATED else "pure Python")
         )
         for family, (bind, advertised) in self.relay_hosts.items():
             label = "ipv4" if family == Family.IPV4 else "ipv6"
@@ -734,6 +844,10 @@ class TurnService:
         self._closed = True
         if self.stun.turn is self:
             self.stun.detach_turn()
+        for endpoint in self.taps:
+            if endpoint.udp is not None and not endpoint.udp.is_closing():
+                endpoint.udp.set_protocol(endpoint)
+        self.taps.clear()
         self.core.close()
         self._process_events()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
@@ -902,7 +1016,11 @@ class TurnService:
             if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                 log.warning("relay bind %s:%s failed: %s", bind_host, port, exc)
             return None
-        relay = UdpRelay(self, allocation, family, sock, (advertised, port))
+        link = allocation.transport_data
+        assert isinstance(link, ClientLink)
+        kind = TcpClientRelay if link.tcp else UdpRelay
+        relay = kind(self, allocation, family, sock, (advertised, port))
+        self.relays.add(relay)
         relay.task = self._spawn(
             self.loop.create_datagram_endpoint(lambda: relay, sock=sock)
         )
@@ -958,12 +1076,20 @@ class TurnService:
                     link = allocation.transport_data
                     assert isinstance(link, ClientLink)
                     self.routes[(link.client, link.endpoint)] = allocation
+                    tap = self.taps.get(link.endpoint)
+                    if tap is not None:
+                        tap.clients[link.client] = allocation.routes
                 case AllocationDeleted(allocation=allocation):
                     link = allocation.transport_data
                     if isinstance(link, ClientLink):
                         key = (link.client, link.endpoint)
                         if self.routes.get(key) is allocation:
                             del self.routes[key]
+                        tap = self.taps.get(link.endpoint)
+                        if tap is not None and tap.clients.get(link.client) is (
+                            allocation.routes
+                        ):
+                            del tap.clients[link.client]
                 case SendToClient(five_tuple=five, data=data):
                     self._send_to_client(five, data)
                 case ConnectPeer(connection_id=cid, relay=relay, peer=peer):

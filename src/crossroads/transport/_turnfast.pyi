@@ -1,0 +1,27 @@
+"""Type stub of the optional C data plane (see _turnfast.c and turnplane.py)."""
+
+from collections.abc import Callable
+from typing import Any
+
+RECV_BATCH: int
+
+class _Counters:
+    forwarded: int
+    forwarded_bytes: int
+    send_errors: int
+    malformed: int
+    batches: int
+    drained: int
+
+class ListenerTap(_Counters):
+    fd: int
+    clients: dict[tuple[str, int], dict[int, tuple[Any, tuple[str, int]]]]
+    fallback: Callable[[bytes, Any], None]
+    def datagram_received(self, data: bytes, addr: Any) -> None: ...
+
+class RelayTap(_Counters):
+    fd: int
+    peer_channels: dict[tuple[str, int], int]
+    fallback: Callable[[bytes, Any], None]
+    def datagram_received(self, data: bytes, addr: Any) -> None: ...
+    def set_client(self, fd: int, addr: tuple[str, int], sendto: Any = ...) -> None: ...
