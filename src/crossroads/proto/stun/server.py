@@ -185,6 +185,20 @@ class BindingCore:
                     tail3489 += _address_attr(AttrType.CHANGED_ADDRESS, other)
                 self._tail.append(tail + software_attr)
                 self._tail3489.append(tail3489 + software_attr)
+        # IPv4 with the magic cookie, the common case: per endpoint pair, a Struct
+        # and the pre-encoded constant parts (header type+length, attribute
+        # headers, tail), so a reply is one pack() call.
+        self._v4: list[tuple[struct.Struct, bytes, bytes, bytes, bytes]] = []
+        xma = _AH.pack(_XMA, 8) + b"\x00\x01"
+        ma = _AH.pack(_MA, 8) + b"\x00\x01" if self.rfc5780 else b""
+        for tail in self._tail:
+            body = 12 + len(ma) + (6 if ma else 0) + len(tail)
+            prefix = struct.pack("!HH", 0x0101, body)
+            if ma:
+                fmt = struct.Struct(f"!4s16s6sH4s6sH4s{len(tail)}s")
+            else:
+                fmt = struct.Struct(f"!4s16s6sH4s{len(tail)}s")
+            self._v4.append((fmt, prefix, xma, ma, tail))
         self._known = frozenset(
             t
             for t in ATTRIBUTE_CLASSES
@@ -332,49 +346,54 @@ class BindingCore:
 
         family, packed, xored = entry
         port = addr[1]
+        slot = local * self._count + send_from
+        txid = data[4:20]  # cookie + transaction id, echoed (RFC 8489 §12)
         if cookie == MAGIC_COOKIE:
-            tail = self._tail[local * self._count + send_from]
-            if self.rfc5780:
-                if family == 1:
-                    body = 24 + len(tail)
-                    head = _V4XM.pack(
-                        0x0101, body, data[4:20], _XMA, 8, 1, port ^ _PORT_XOR, xored,
-                        _MA, 8, 1, port, packed,
-                    )  # fmt: skip
+            if family == 1:
+                # IPv4 fast path: one pack, constant parts pre-encoded.
+                fmt, prefix, xma, ma, tail = self._v4[slot]
+                if ma:
+                    response = fmt.pack(
+                        prefix,
+                        txid,
+                        xma,
+                        port ^ _PORT_XOR,
+                        xored,
+                        ma,
+                        port,
+                        packed,
+                        tail,
+                    )
                 else:
-                    body = 48 + len(tail)
-                    x6 = (
-                        int.from_bytes(packed, "big")
-                        ^ int.from_bytes(data[4:20], "big")
-                    ).to_bytes(16, "big")
-                    head = _V6XM.pack(
-                        0x0101, body, data[4:20], _XMA, 20, 2, port ^ _PORT_XOR, x6,
-                        _MA, 20, 2, port, packed,
-                    )  # fmt: skip
-            elif family == 1:
-                body = 12 + len(tail)
-                head = _V4X.pack(
-                    0x0101, body, data[4:20], _XMA, 8, 1, port ^ _PORT_XOR, xored
-                )
+                    response = fmt.pack(
+                        prefix, txid, xma, port ^ _PORT_XOR, xored, tail
+                    )
             else:
-                body = 24 + len(tail)
+                tail = self._tail[slot]
                 x6 = (
-                    int.from_bytes(packed, "big") ^ int.from_bytes(data[4:20], "big")
+                    int.from_bytes(packed, "big") ^ int.from_bytes(txid, "big")
                 ).to_bytes(16, "big")
-                head = _V6X.pack(
-                    0x0101, body, data[4:20], _XMA, 20, 2, port ^ _PORT_XOR, x6
-                )
+                if self.rfc5780:
+                    response = _V6XM.pack(
+                        0x0101, 48 + len(tail), txid, _XMA, 20, 2, port ^ _PORT_XOR, x6,
+                        _MA, 20, 2, port, packed,
+                    ) + tail  # fmt: skip
+                else:
+                    response = _V6X.pack(
+                        0x0101, 24 + len(tail), txid, _XMA, 20, 2, port ^ _PORT_XOR, x6
+                    ) + tail  # fmt: skip
         else:
             # RFC 8489 §12: an RFC 3489 client gets MAPPED-ADDRESS instead of
             # XOR-MAPPED-ADDRESS, and the request's cookie back.
-            tail = self._tail3489[local * self._count + send_from]
+            tail = self._tail3489[slot]
             if family == 1:
-                body = 12 + len(tail)
-                head = _V4M.pack(0x0101, body, data[4:20], _MA, 8, 1, port, packed)
+                response = _V4M.pack(
+                    0x0101, 12 + len(tail), txid, _MA, 8, 1, port, packed
+                ) + tail  # fmt: skip
             else:
-                body = 24 + len(tail)
-                head = _V6M.pack(0x0101, body, data[4:20], _MA, 20, 2, port, packed)
-        response = head + tail
+                response = _V6M.pack(
+                    0x0101, 24 + len(tail), txid, _MA, 20, 2, port, packed
+                ) + tail  # fmt: skip
         if padding >= 0:
             # Abuse limit: echo the request's PADDING size, never more (see above).
             pad_len = min((padding + 3) & ~3, MAX_PADDING)
