@@ -15,7 +15,8 @@ with the CPU time each server used during its measured window (from
 crossroads runs with ``--stun-rate-limit 0``: all load comes from one IP, which
 the default per-source limit (100/s) would cut. A third line measures a bare
 uvloop echo server (no STUN work at all) as the ceiling for a Python
-DatagramProtocol on this machine.
+DatagramProtocol on this machine. ``--variants`` adds crossroads with the rate
+limiter counting (limit 10^9/s) and crossroads without recvmmsg batching.
 
 Loopback only. Needs: coturn (turnserver), cc, taskset.
 """
@@ -109,17 +110,21 @@ def binding_response_size(port: int) -> int:
         return len(probe.recvfrom(2048)[0])
 
 
-def start_crossroads(workdir: Path) -> Server:
+def start_crossroads(
+    workdir: Path, name: str = "crossroads", rate_limit: int = 0, batch_io: bool = True
+) -> Server:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
     command = [
         sys.executable, "-m", "crossroads", "serve", "--only", "stun",
         "--host", HOST, "--http-port", "0", "--stun-port", str(port),
-        "--stun-alt-port", "0", "--stun-rate-limit", "0", "--log-level", "warning",
+        "--stun-alt-port", "0", "--stun-rate-limit", str(rate_limit),
+        "--log-level", "warning",
+        "--stun-batch-io" if batch_io else "--no-stun-batch-io",
     ]  # fmt: skip
-    log = (workdir / "crossroads.log").open("wb")
+    log = (workdir / f"{name.replace(' ', '_')}.log").open("wb")
     process = subprocess.Popen(pinned(0, command), stdout=log, stderr=log, env=env)
-    server = Server("crossroads", process, port)
+    server = Server(name, process, port)
     wait_ready(port)
     return server
 
@@ -197,6 +202,12 @@ def main() -> None:
     parser.add_argument("--sockets", type=int, default=16)
     parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--no-echo", action="store_true", help="skip the echo baseline")
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="also measure crossroads with its rate limiter on (limit 10^9/s, so "
+        "it counts but never refuses) and without recvmmsg batching",
+    )
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-stun-"))
@@ -205,6 +216,13 @@ def main() -> None:
         load = build_load(workdir)
         servers.append(start_crossroads(workdir))
         servers.append(start_coturn(workdir))
+        if args.variants:
+            servers.append(
+                start_crossroads(workdir, "crossroads, limiter on", 1_000_000_000)
+            )
+            servers.append(
+                start_crossroads(workdir, "crossroads, no batching", 0, batch_io=False)
+            )
         if not args.no_echo:
             servers.append(start_echo(workdir))
         results: dict[str, list[tuple[float, float]]] = {s.name: [] for s in servers}

@@ -10,8 +10,11 @@ UDP and four TCP endpoints, as RFC 5780 §6 asks. When ``--host`` is the IPv4
 wildcard (``0.0.0.0``), the same ports are also bound on ``::`` (IPv6 only), so
 the server answers both families; a machine without IPv6 just skips that.
 
-The per-datagram path (``UdpEndpoint.datagram_received``) looks at the first
-two bytes only:
+UDP sockets are drained in batches with ``recvmmsg`` and answered with one
+``sendmmsg`` per batch (:class:`BatchUdpEndpoint`, Linux, ``--stun-batch-io``,
+on by default); elsewhere, or with ``--no-stun-batch-io``, each datagram is one
+asyncio callback (:class:`UdpEndpoint`). Either path looks at the first two
+bytes of a datagram only:
 
 - ``0x00 0x01`` (Binding request) and other Binding messages: the sans-I/O
   :class:`~crossroads.proto.stun.server.BindingCore`, which never allocates a

@@ -42,9 +42,12 @@ RFC 5780 decisions (documented in the README):
   answer no larger than the question plus the usual attributes, so PADDING is
   never an amplifier), and RESPONSE-PORT 0 is refused (400).
 
-The Binding path reads the header and walks the attribute TLVs by hand; it
-builds the reply with one ``struct.pack`` plus pre-encoded tail bytes. No
-message object is allocated for a Binding request.
+The Binding path reads the header and walks the attribute TLVs by hand; an IPv4
+reply is one ``struct.pack`` of the echoed transaction id and the client's
+address into a per-endpoint format whose constant parts (header, attribute
+headers, RESPONSE-ORIGIN, OTHER-ADDRESS, SOFTWARE) are encoded once at start.
+No message object is allocated for a Binding request; the general codec is only
+used for the rare error responses.
 """
 
 from __future__ import annotations
@@ -83,11 +86,9 @@ _HEADER = struct.Struct("!HHI")
 _AH = struct.Struct("!HH")
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
-# Header (type, length, cookie+txid) then XOR-MAPPED-ADDRESS (IPv4 / IPv6).
-_V4X = struct.Struct("!HH16sHHxBH4s")
+# IPv6: header (type, length, cookie+txid) then XOR-MAPPED-ADDRESS, optionally
+# followed by MAPPED-ADDRESS. (IPv4 uses per-endpoint Structs, see __init__.)
 _V6X = struct.Struct("!HH16sHHxBH16s")
-# The same followed by MAPPED-ADDRESS.
-_V4XM = struct.Struct("!HH16sHHxBH4sHHxBH4s")
 _V6XM = struct.Struct("!HH16sHHxBH16sHHxBH16s")
 # Header then MAPPED-ADDRESS only (RFC 3489 clients).
 _V4M = struct.Struct("!HH16sHHxBH4s")
