@@ -169,8 +169,14 @@ def router_ruleset(
     lan_net: str,
     wan_ip: str,
     hairpin: bool,
+    stun_check: tuple[tuple[str, ...], tuple[int, ...]] | None = None,
 ) -> str:
     """The nftables ruleset (table ``ip xr``) of a home router of ``kind``.
+
+    ``stun_check`` (addresses, ports) opens the router's own input to that STUN
+    server: miniupnpd checks with RFC 5780 change requests that its WAN address
+    is reachable (answers from the other address and port) before it agrees to
+    forward ports.
 
     ``lan`` and ``wan`` are the router's interface names. Only traffic from
     ``lan_net`` is translated: the router's own traffic (miniupnpd's STUN check)
@@ -232,8 +238,20 @@ def router_ruleset(
         post.insert(
             0, f'ip saddr {lan_net} oifname "lan" ct status dnat snat ip to {wan_ip}'
         )
+    accept_input = []
+    if stun_check is not None:
+        ips = ", ".join(stun_check[0])
+        ports = ", ".join(str(p) for p in stun_check[1])
+        accept_input.append(
+            f'iifname "wan" ip saddr {{ {ips} }} udp sport {{ {ports} }} accept'
+        )
     return _table(
-        pre=pre, post=post, record=record, forward=forward, input_wan_drop=True
+        pre=pre,
+        post=post,
+        record=record,
+        forward=forward,
+        input_wan_drop=True,
+        accept_input=accept_input,
     )
 
 
@@ -249,6 +267,7 @@ def cgn_ruleset(*, inside_net: str) -> str:
         record=[],
         forward=["ct state established,related accept", 'iifname "lan" accept'],
         input_wan_drop=True,
+        accept_input=[],
     )
 
 
@@ -259,6 +278,7 @@ def _table(
     record: list[str],
     forward: list[str],
     input_wan_drop: bool,
+    accept_input: list[str],
 ) -> str:
     def chain(name: str, hook: str, rules: list[str], policy: str = "accept") -> str:
         body = "".join(f"    {rule}\n" for rule in rules)
@@ -267,6 +287,7 @@ def _table(
     input_rules = [
         'iifname "wan" ct state established,related accept',
         'iifname "wan" meta l4proto icmp accept',
+        *accept_input,
     ]
     if input_wan_drop:
         input_rules.append('iifname "wan" drop')

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from crossroads.lab import netns
+from crossroads.lab import natpmp, netns
 from crossroads.lab.kinds import (
     KINDS,
     KINDS_BY_NAME,
@@ -66,8 +66,6 @@ FIRST_SITE_HOST = 10
 COTURN_STUN_PORT = 3480
 #: HTTP port of ``crossroads serve`` in the lab (inside the server namespace).
 SERVER_HTTP_PORT = 8080
-#: NAT-PMP server port (RFC 6886 section 3).
-NATPMP_PORT = 5351
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
@@ -392,6 +390,7 @@ class Lab:
                 lan_net=site.lan_net,
                 wan_ip=site.router_wan_ip,
                 hairpin=site.kind.hairpin,
+                stun_check=self._stun_check(site),
             )
             if site.kind.upnp:
                 rules += MINIUPNPD_TABLE
@@ -416,6 +415,11 @@ class Lab:
                     "net.netfilter.nf_conntrack_udp_timeout": "120",
                 },
             )
+
+    def _stun_check(self, site: Site) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+        if not site.kind.upnp:
+            return None
+        return SERVER_IPS, (COTURN_STUN_PORT, COTURN_STUN_PORT + 1)
 
     async def _start_processes(self) -> None:
         logs = self.state_dir
@@ -513,7 +517,12 @@ class Lab:
         """Wait until miniupnpd answers NAT-PMP on the LAN (it first runs its STUN
         check, a few seconds)."""
         for _ in range(150):
-            if await natpmp_public_address(self, site, timeout=0.1) is not None:
+            sock = self.udp_socket(site)
+            try:
+                answer = await natpmp.public_address(sock, site.gateway, 0.1)
+            finally:
+                sock.close()
+            if answer is not None:
                 return
             await asyncio.sleep(0.1)
         raise LabError(f"miniupnpd on {site.name} does not answer NAT-PMP")
@@ -557,6 +566,7 @@ class Lab:
             lan_net=site.lan_net,
             wan_ip=site.router_wan_ip,
             hairpin=on,
+            stun_check=self._stun_check(site),
         )
         script = "delete table ip xr\n" + rules
         await netns.run_in(
@@ -569,23 +579,3 @@ class Lab:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.down()
-
-
-async def natpmp_public_address(
-    lab: Lab, site: Site, timeout: float = 0.5
-) -> tuple[int, str] | None:
-    """Ask the site's router for its external address over NAT-PMP (RFC 6886
-    section 3.2): returns (result code, address), or None without an answer."""
-    sock = lab.udp_socket(site)
-    try:
-        send(sock, b"\x00\x00", (site.gateway, NATPMP_PORT))
-        got = await recv(sock, timeout)
-    finally:
-        sock.close()
-    if got is None or len(got[0]) < 12:
-        return None
-    data = got[0]
-    _version, opcode, result, _epoch = struct.unpack_from("!BBHI", data)
-    if opcode != 128:
-        return None
-    return result, socket.inet_ntoa(data[8:12])
