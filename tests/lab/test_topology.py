@@ -91,3 +91,17 @@ def test_down_removes_everything_and_a_failed_up_cleans_up() -> None:
         assert not the_lab.state_dir.exists()
 
     asyncio.run(scenario())
+
+
+def test_cli_exec_runs_in_a_lab_host(lab: Lab) -> None:
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "crossroads", "lab", "exec", "--prefix", lab.prefix]
+        + ["cgnat-b", "--", "ip", "-4", "-o", "addr", "show", "dev", "lan"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert lab.site("cgnat-b").host_ip in out.stdout

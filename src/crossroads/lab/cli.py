@@ -76,7 +76,7 @@ def exec_(prefix: str, where: str, argv: tuple[str, ...]) -> None:
     """Run a command in a lab namespace: a kind (its host a), a site
     (full-cone-b), SITE-router, SITE-cgn, server or inet.
 
-    Example: crossroads lab exec symmetric-random -- ping -c1 203.0.113.10
+    Example: crossroads lab exec symmetric-random -- ip -4 addr
     """
     the_lab = _lab(prefix)
     try:
@@ -85,7 +85,10 @@ def exec_(prefix: str, where: str, argv: tuple[str, ...]) -> None:
         raise click.ClickException(str(exc)) from exc
     if not the_lab.is_up():
         raise click.ClickException(f"lab {prefix} is not up (crossroads lab up)")
-    os.execvp("ip", ["ip", "netns", "exec", ns, *argv])
+    command = list(argv[1:] if argv and argv[0] == "--" else argv)
+    if not command:
+        raise click.UsageError("no command given")
+    os.execvp("ip", ["ip", "netns", "exec", ns, *command])
 
 
 @lab.command()

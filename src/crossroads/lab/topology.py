@@ -67,6 +67,12 @@ COTURN_STUN_PORT = 3480
 #: HTTP port of ``crossroads serve`` in the lab (inside the server namespace).
 SERVER_HTTP_PORT = 8080
 
+#: Settings of the lab's ``crossroads serve`` that exist only once their service
+#: has landed; each is passed when the running code has it.
+SERVER_SETTINGS: dict[str, str] = {
+    "stun.alt_host": SERVER_IPS[1],
+}
+
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
 
@@ -450,16 +456,20 @@ class Lab:
         await asyncio.gather(*waits)
 
     def server_args(self) -> list[str]:
-        """The ``crossroads`` command line of the lab server."""
-        return [
-            "serve",
-            "--host",
-            "0.0.0.0",
-            "--http-port",
-            str(SERVER_HTTP_PORT),
-            "--log-level",
-            "info",
-        ]
+        """The ``crossroads`` command line of the lab server: every service on the
+        first server address, the second one where a service takes it (RFC 5780
+        alternate address, natneg secondary address), lab-wide overrides."""
+        from crossroads.config import flag_name, iter_settings
+        from crossroads.services import load_service_modules
+
+        load_service_modules()
+        args = ["serve", "--host", SERVER_IPS[0]]
+        args += ["--http-port", str(SERVER_HTTP_PORT), "--log-level", "info"]
+        for section, f, _info in iter_settings():
+            value = SERVER_SETTINGS.get(f"{section}.{f.name}")
+            if value is not None:
+                args += [flag_name(section, f), value]
+        return args
 
     def _spawn(self, name: str, ns: str, argv: Sequence[str]) -> None:
         env = dict(os.environ)
