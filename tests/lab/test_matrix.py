@@ -62,7 +62,7 @@ def test_full_matrix(lab: Lab, tmp_path: Path) -> None:
         assert f"| **{kind.name}** |" in text
 
 
-def test_known_outcomes(lab: Lab) -> None:
+def test_known_outcomes() -> None:
     """A few textbook cells, spelled out (independent of the prediction code)."""
     methods = load_methods()
     k = KINDS_BY_NAME

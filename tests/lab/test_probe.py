@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from crossroads.lab.kinds import KINDS, Filtering, Mapping
+from crossroads.lab.kinds import KINDS, Filtering, Mapping, NatKind
 from crossroads.lab.probe import Reflector, measure
 from crossroads.lab.topology import Lab
 
@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.timeout(120)]
 
 @pytest.mark.parametrize("letter", ["a", "b"])
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
-async def test_kind_behaves_as_declared(lab: Lab, kind: object, letter: str) -> None:
-    site = lab.site(f"{kind.name}-{letter}")  # type: ignore[attr-defined]
+async def test_kind_behaves_as_declared(lab: Lab, kind: NatKind, letter: str) -> None:
+    site = lab.site(f"{kind.name}-{letter}")
     async with Reflector(lab) as reflector:
         got = await measure(lab, site, reflector)
     k = site.kind

@@ -435,7 +435,12 @@ class Lab:
             raise LabError("turnserver (coturn) is not installed; run `make install`")
         argv = [turnserver, "-n", "--stun-only", "--no-tls", "--no-dtls", "--no-cli"]
         argv += ["--log-file=stdout", "--simple-log", "-p", str(COTURN_STUN_PORT)]
-        argv += ["--pidfile", str(logs / "turnserver.pid")]
+        argv += [
+            "--pidfile",
+            str(logs / "turnserver.pid"),
+            "--db",
+            str(logs / "turndb"),
+        ]
         for ip in SERVER_IPS:
             argv += ["-L", ip]
         self._spawn("coturn", self.server_ns, argv)
