@@ -31,9 +31,10 @@ FILTERING_NAMES = {
 }
 
 
-async def test_coturn_natdiscovery_agrees_with_every_kind(lab: Lab) -> None:
-    argv = ["turnutils_natdiscovery", "-m", "-f", "-H"]
-    argv += ["-p", str(COTURN_STUN_PORT), SERVER_IPS[0]]
+async def natdiscovery_agrees(lab: Lab, port: int) -> None:
+    """turnutils_natdiscovery on every kind's host against the STUN server on
+    ``port`` of the lab server reports each kind's declared behaviour."""
+    argv = ["turnutils_natdiscovery", "-m", "-f", "-H", "-p", str(port), SERVER_IPS[0]]
     sites = [lab.site(kind.name) for kind in KINDS]
     outputs = await asyncio.gather(
         *(
@@ -49,7 +50,23 @@ async def test_coturn_natdiscovery_agrees_with_every_kind(lab: Lab) -> None:
         if not kind.udp:
             assert mapping is None and filtering is None, out
             continue
-        assert mapping is not None and filtering is not None, out
+        assert mapping is not None and filtering is not None, (kind.name, out)
         assert mapping.group(1) == MAPPING_NAMES[kind.mapping], (kind.name, out)
         assert filtering.group(1) == FILTERING_NAMES[kind.filtering], (kind.name, out)
         assert hairpin == kind.hairpin, (kind.name, out)
+
+
+async def test_coturn_natdiscovery_agrees_with_every_kind(lab: Lab) -> None:
+    await natdiscovery_agrees(lab, COTURN_STUN_PORT)
+
+
+async def test_crossroads_stun_classifies_every_kind_for_coturn_client(
+    lab: Lab,
+) -> None:
+    """The same third-party RFC 5780 client against crossroads' own STUN server
+    (two addresses, alternate port) on the lab server."""
+    from crossroads.services import SERVICE_MODULES
+
+    if "stun" not in SERVICE_MODULES:
+        pytest.skip("the STUN service is not merged into this tree yet")
+    await natdiscovery_agrees(lab, 3478)
