@@ -265,3 +265,31 @@ async def test_turn_extension_hook(runtime: Runtime) -> None:
     stun.detach_turn()
     result = await asyncio.to_thread(_udp_exchange, allocate, stun.primary)
     assert result is not None and decode(result[0]).error is not None
+
+
+async def test_asyncio_datagram_path_without_batching() -> None:
+    """The per-datagram asyncio path (used where recvmmsg is unavailable)."""
+    runtime = await start(default_config(loopback_config(stun__batch_io=False)))
+    try:
+        stun = _stun(runtime)
+        assert not any(
+            type(e).__name__ == "BatchUdpEndpoint" for e in stun.udp_endpoints
+        )
+        binding = encode(request(Method.BINDING, TXID))
+        result = await asyncio.to_thread(_udp_exchange, binding, stun.primary)
+        assert result is not None and decode(result[0]).msg_class is Class.SUCCESS
+        assert (
+            await asyncio.to_thread(
+                _udp_exchange, b"\xff" * 20, stun.primary, expect=False
+            )
+            is None
+        )
+        turn = RecordingTurn()
+        stun.attach_turn(turn)
+        channel = b"\x40\x00\x00\x04ping"
+        result = await asyncio.to_thread(_udp_exchange, channel, stun.primary)
+        assert result is not None and result[0] == channel
+        text = await asyncio.to_thread(_metrics, runtime)
+        assert 'crossroads_stun_dropped_total{reason="not-stun"} 1.0' in text
+    finally:
+        await runtime.close()

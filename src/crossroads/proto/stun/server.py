@@ -42,9 +42,12 @@ RFC 5780 decisions (documented in the README):
   answer no larger than the question plus the usual attributes, so PADDING is
   never an amplifier), and RESPONSE-PORT 0 is refused (400).
 
-The Binding path reads the header and walks the attribute TLVs by hand; it
-builds the reply with one ``struct.pack`` plus pre-encoded tail bytes. No
-message object is allocated for a Binding request.
+The Binding path reads the header and walks the attribute TLVs by hand; an IPv4
+reply is one ``struct.pack`` of the echoed transaction id and the client's
+address into a per-endpoint format whose constant parts (header, attribute
+headers, RESPONSE-ORIGIN, OTHER-ADDRESS, SOFTWARE) are encoded once at start.
+No message object is allocated for a Binding request; the general codec is only
+used for the rare error responses.
 """
 
 from __future__ import annotations
@@ -83,11 +86,9 @@ _HEADER = struct.Struct("!HHI")
 _AH = struct.Struct("!HH")
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
-# Header (type, length, cookie+txid) then XOR-MAPPED-ADDRESS (IPv4 / IPv6).
-_V4X = struct.Struct("!HH16sHHxBH4s")
+# IPv6: header (type, length, cookie+txid) then XOR-MAPPED-ADDRESS, optionally
+# followed by MAPPED-ADDRESS. (IPv4 uses per-endpoint Structs, see __init__.)
 _V6X = struct.Struct("!HH16sHHxBH16s")
-# The same followed by MAPPED-ADDRESS.
-_V4XM = struct.Struct("!HH16sHHxBH4sHHxBH4s")
 _V6XM = struct.Struct("!HH16sHHxBH16sHHxBH16s")
 # Header then MAPPED-ADDRESS only (RFC 3489 clients).
 _V4M = struct.Struct("!HH16sHHxBH4s")
@@ -185,6 +186,20 @@ class BindingCore:
                     tail3489 += _address_attr(AttrType.CHANGED_ADDRESS, other)
                 self._tail.append(tail + software_attr)
                 self._tail3489.append(tail3489 + software_attr)
+        # IPv4 with the magic cookie, the common case: per endpoint pair, a Struct
+        # and the pre-encoded constant parts (header type+length, attribute
+        # headers, tail), so a reply is one pack() call.
+        self._v4: list[tuple[struct.Struct, bytes, bytes, bytes, bytes]] = []
+        xma = _AH.pack(_XMA, 8) + b"\x00\x01"
+        ma = _AH.pack(_MA, 8) + b"\x00\x01" if self.rfc5780 else b""
+        for tail in self._tail:
+            body = 12 + len(ma) + (6 if ma else 0) + len(tail)
+            prefix = struct.pack("!HH", 0x0101, body)
+            if ma:
+                fmt = struct.Struct(f"!4s16s6sH4s6sH4s{len(tail)}s")
+            else:
+                fmt = struct.Struct(f"!4s16s6sH4s{len(tail)}s")
+            self._v4.append((fmt, prefix, xma, ma, tail))
         self._known = frozenset(
             t
             for t in ATTRIBUTE_CLASSES
@@ -332,49 +347,54 @@ class BindingCore:
 
         family, packed, xored = entry
         port = addr[1]
+        slot = local * self._count + send_from
+        txid = data[4:20]  # cookie + transaction id, echoed (RFC 8489 §12)
         if cookie == MAGIC_COOKIE:
-            tail = self._tail[local * self._count + send_from]
-            if self.rfc5780:
-                if family == 1:
-                    body = 24 + len(tail)
-                    head = _V4XM.pack(
-                        0x0101, body, data[4:20], _XMA, 8, 1, port ^ _PORT_XOR, xored,
-                        _MA, 8, 1, port, packed,
-                    )  # fmt: skip
+            if family == 1:
+                # IPv4 fast path: one pack, constant parts pre-encoded.
+                fmt, prefix, xma, ma, tail = self._v4[slot]
+                if ma:
+                    response = fmt.pack(
+                        prefix,
+                        txid,
+                        xma,
+                        port ^ _PORT_XOR,
+                        xored,
+                        ma,
+                        port,
+                        packed,
+                        tail,
+                    )
                 else:
-                    body = 48 + len(tail)
-                    x6 = (
-                        int.from_bytes(packed, "big")
-                        ^ int.from_bytes(data[4:20], "big")
-                    ).to_bytes(16, "big")
-                    head = _V6XM.pack(
-                        0x0101, body, data[4:20], _XMA, 20, 2, port ^ _PORT_XOR, x6,
-                        _MA, 20, 2, port, packed,
-                    )  # fmt: skip
-            elif family == 1:
-                body = 12 + len(tail)
-                head = _V4X.pack(
-                    0x0101, body, data[4:20], _XMA, 8, 1, port ^ _PORT_XOR, xored
-                )
+                    response = fmt.pack(
+                        prefix, txid, xma, port ^ _PORT_XOR, xored, tail
+                    )
             else:
-                body = 24 + len(tail)
+                tail = self._tail[slot]
                 x6 = (
-                    int.from_bytes(packed, "big") ^ int.from_bytes(data[4:20], "big")
+                    int.from_bytes(packed, "big") ^ int.from_bytes(txid, "big")
                 ).to_bytes(16, "big")
-                head = _V6X.pack(
-                    0x0101, body, data[4:20], _XMA, 20, 2, port ^ _PORT_XOR, x6
-                )
+                if self.rfc5780:
+                    response = _V6XM.pack(
+                        0x0101, 48 + len(tail), txid, _XMA, 20, 2, port ^ _PORT_XOR, x6,
+                        _MA, 20, 2, port, packed,
+                    ) + tail  # fmt: skip
+                else:
+                    response = _V6X.pack(
+                        0x0101, 24 + len(tail), txid, _XMA, 20, 2, port ^ _PORT_XOR, x6
+                    ) + tail  # fmt: skip
         else:
             # RFC 8489 §12: an RFC 3489 client gets MAPPED-ADDRESS instead of
             # XOR-MAPPED-ADDRESS, and the request's cookie back.
-            tail = self._tail3489[local * self._count + send_from]
+            tail = self._tail3489[slot]
             if family == 1:
-                body = 12 + len(tail)
-                head = _V4M.pack(0x0101, body, data[4:20], _MA, 8, 1, port, packed)
+                response = _V4M.pack(
+                    0x0101, 12 + len(tail), txid, _MA, 8, 1, port, packed
+                ) + tail  # fmt: skip
             else:
-                body = 24 + len(tail)
-                head = _V6M.pack(0x0101, body, data[4:20], _MA, 20, 2, port, packed)
-        response = head + tail
+                response = _V6M.pack(
+                    0x0101, 24 + len(tail), txid, _MA, 20, 2, port, packed
+                ) + tail  # fmt: skip
         if padding >= 0:
             # Abuse limit: echo the request's PADDING size, never more (see above).
             pad_len = min((padding + 3) & ~3, MAX_PADDING)
