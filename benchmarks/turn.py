@@ -48,6 +48,8 @@ USER, PASSWORD, REALM = "bench", "bench-secret", "bench.local"
 #: Payload bytes per message (as in the reference measurements, §1.4).
 LENGTH = 120
 LOSS_LIMIT = 0.5  # percent
+#: Extra `crossroads serve` flags (--crossroads-flag).
+EXTRA_ARGS: list[str] = []
 
 
 def free_port() -> int:
@@ -200,6 +202,7 @@ def start_crossroads(workers: int, cpus: str | None) -> Server:
     ]
     if workers > 1:
         command += ["--turn-workers", str(workers)]
+    command += EXTRA_ARGS
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
@@ -347,7 +350,17 @@ def main() -> None:
         "--workers", type=int, default=1, help="also compare N workers vs N threads"
     )
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
+    parser.add_argument(
+        "--crossroads-flag",
+        action="append",
+        default=[],
+        help="extra flag for crossroads serve (repeatable), e.g. --no-stun-batch-io",
+    )
+    parser.add_argument(
+        "--skip-coturn", action="store_true", help="only measure crossroads"
+    )
     args = parser.parse_args()
+    EXTRA_ARGS.extend(args.crossroads_flag)
     for tool in ("turnserver", "turnutils_uclient", "turnutils_peer"):
         if not shutil.which(tool):
             sys.exit(f"{tool} not found: apt-get install coturn")

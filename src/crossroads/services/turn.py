@@ -105,6 +105,7 @@ from crossroads.services.stun import Endpoint, StunService
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
+    ChannelRouterType,
     ListenerTapBase,
     RelayTapBase,
 )
@@ -396,10 +397,7 @@ class ClientLink:
         #: The listening socket's fd (UDP), for the C data plane's sends.
         self.fd = -1
         if not self.tcp:
-            udp = getattr(endpoint, "udp", None)
-            sock = udp.get_extra_info("socket") if udp is not None else None
-            if sock is not None:
-                self.fd = sock.fileno()
+            self.fd = _endpoint_fd(endpoint)
 
     def send(self, data: bytes) -> None:
         self.endpoint.send(data, self.client)
@@ -529,7 +527,7 @@ class ListenerTap(ListenerTapBase, asyncio.DatagramProtocol):  # type: ignore[mi
         self.endpoint = endpoint
         self.fd = fd
         self.clients: dict[Address, dict[int, Any]] = {}
-        self.fallback = endpoint.datagram_received
+        self.fallback = getattr(endpoint, "datagram_received", None)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.endpoint.connection_made(transport)
@@ -750,6 +748,13 @@ class TurnService:
         #: Live UDP relays, and the listener taps in front of the STUN sockets.
         self.relays: set[UdpRelay] = set()
         self.taps: dict[Any, ListenerTap] = {}
+        #: Client -> peer ChannelData for hook callers (batched STUN endpoints,
+        #: TCP connections); its per-endpoint client tables are shared with
+        #: the taps. Replaces the handle_channel_data method on this instance.
+        self.router = ChannelRouterType()
+        self.router.endpoints = {}
+        self.router.fallback = self._channel_data_slow
+        self.handle_channel_data = self.router.handle_channel_data
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -786,14 +791,108 @@ class TurnService:
     def start(self) -> None:
         self.stun.attach_turn(self)
         for endpoint in self.stun.udp_endpoints:
-            udp = endpoint.udp
-            sock = udp.get_extra_info("socket") if udp is not None else None
-            if udp is None or sock is None:
-                continue
+            self._install_tap(endpoint)
+        self.ctx.metrics.register(self._collector)
+
+    def _install_tap(self, endpoint: Any) -> None:
+        """Put a listener tap in front of one STUN UDP socket.
+
+        An asyncio endpoint gets the tap as its transport's protocol. A batched
+        endpoint (recvmmsg, ``--stun-batch-io``) that reads the socket itself
+        is taken over only with the C data plane: the tap reads the socket and
+        hands what is not ChannelData back to STUN's dispatch one datagram at
+        a time (:meth:`_stun_dispatch`). Without C, the batched endpoint keeps
+        reading and calls ``handle_channel_data`` (the router).
+        """
+        udp = getattr(endpoint, "udp", None)
+        if udp is not None:
+            sock = udp.get_extra_info("socket")
+            if sock is None:
+                return
             tap = ListenerTap(endpoint, sock.fileno())
+            tap.clients = self.router.endpoints.setdefault(endpoint, {})
             udp.set_protocol(tap)
             self.taps[endpoint] = tap
-        self.ctx.metrics.register(self._collector)
+            return
+        sock = getattr(endpoint, "sock", None)
+        if not ACCELERATED or sock is None or not hasattr(endpoint, "_readable"):
+            return
+        fd = sock.fileno()
+        tap = ListenerTap(endpoint, fd)
+        tap.clients = self.router.endpoints.setdefault(endpoint, {})
+        tap.fallback = self._stun_dispatch(endpoint)
+        self.loop.remove_reader(fd)
+        self.loop.add_reader(fd, tap.readable)
+        self.taps[endpoint] = tap
+
+    def _restore_taps(self) -> None:
+        for endpoint, tap in self.taps.items():
+            udp = getattr(endpoint, "udp", None)
+            if udp is not None:
+                if not udp.is_closing():
+                    udp.set_protocol(endpoint)
+                continue
+            sock = getattr(endpoint, "sock", None)
+            if sock is not None and sock.fileno() >= 0:
+                self.loop.remove_reader(tap.fd)
+                if not getattr(endpoint, "_closed", False):
+                    self.loop.add_reader(tap.fd, endpoint._readable)
+        self.taps.clear()
+
+    def _stun_dispatch(self, endpoint: Any) -> Any:
+        """Per-datagram STUN dispatch for a batched endpoint the tap reads for
+        (the same decisions as the STUN service's own loop, including whatever
+        TURN handler is attached at the time)."""
+        core = endpoint.core
+        index = endpoint.index
+        group_udp = endpoint.group.udp
+        service = endpoint.service
+        stats = service.stats
+        loop = self.loop
+
+        def dispatch(data: bytes, addr: Address) -> None:
+            try:
+                first = data[0]
+                if first < 0x40:
+                    if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                        endpoint.requests += 1
+                        reply = core.handle(data, addr, index, loop.time())
+                        if type(reply) is tuple:
+                            response, dest, send_from = reply
+                            group_udp[send_from].send(response, dest)
+                            if response[1] == 0x01:
+                                endpoint.success += 1
+                            else:
+                                endpoint.errors += 1
+                        else:
+                            stats.drop(reply)
+                        return
+                    turn = service.turn
+                    if turn is not None:
+                        turn.handle_stun(data, addr, endpoint)
+                        return
+                    endpoint.requests += 1
+                    answer = core.unsupported(data, addr, loop.time())
+                    if isinstance(answer, str):
+                        stats.drop(answer)
+                    else:
+                        endpoint.send(answer, addr)
+                        endpoint.errors += 1
+                elif first < 0x80:
+                    turn = service.turn
+                    if turn is not None:
+                        turn.handle_channel_data(data, addr, endpoint)
+                    else:
+                        stats.drop("channel-data-no-turn")
+                else:
+                    stats.drop("not-stun")
+            except IndexError:
+                stats.drop("empty")
+            except Exception:  # never let one datagram kill the socket
+                log.exception("TURN/STUN datagram handler failed")
+                stats.drop("internal-error")
+
+        return dispatch
 
     def retire(self, relay: UdpRelay) -> None:
         """Fold a closing relay's data-plane counters into the totals."""
@@ -807,17 +906,16 @@ class TurnService:
         """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
         data-plane drops), Python and C paths together."""
         stats = self.stats
-        to_peer = stats.to_peer_packets + sum(t.forwarded for t in self.taps.values())
-        to_peer_bytes = stats.to_peer_bytes + sum(
-            t.forwarded_bytes for t in self.taps.values()
-        )
+        taps = [*self.taps.values(), self.router]
+        to_peer = stats.to_peer_packets + sum(t.forwarded for t in taps)
+        to_peer_bytes = stats.to_peer_bytes + sum(t.forwarded_bytes for t in taps)
         to_client = stats.to_client_packets + sum(r.forwarded for r in self.relays)
         to_client_bytes = stats.to_client_bytes + sum(
             r.forwarded_bytes for r in self.relays
         )
         errors = (
             stats.retired_errors
-            + sum(t.send_errors + t.malformed for t in self.taps.values())
+            + sum(t.send_errors + t.malformed for t in taps)
             + sum(r.send_errors + r.malformed for r in self.relays)
         )
         return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
@@ -844,10 +942,7 @@ class TurnService:
         self._closed = True
         if self.stun.turn is self:
             self.stun.detach_turn()
-        for endpoint in self.taps:
-            if endpoint.udp is not None and not endpoint.udp.is_closing():
-                endpoint.udp.set_protocol(endpoint)
-        self.taps.clear()
+        self._restore_taps()
         self.core.close()
         self._process_events()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
@@ -872,30 +967,17 @@ class TurnService:
 
     # ------------------------------------------------------------ StunExtension
 
-    def handle_channel_data(
+    def _channel_data_slow(
         self, data: bytes, client: Address, endpoint: Endpoint
     ) -> None:
-        """Client -> peer ChannelData: the hot path."""
+        """ChannelData the router did not forward: count why."""
         allocation = self.routes.get((client, endpoint))
         if allocation is None:
             self.stats.drop("channel-no-allocation")
-            return
-        route = allocation.routes.get((data[0] << 8) | data[1])
-        if route is None:
+        elif len(data) < 4 or allocation.routes.get((data[0] << 8) | data[1]) is None:
             self.stats.drop("channel-unbound")
-            return
-        length = (data[2] << 8) | data[3]
-        extra = len(data) - 4 - length
-        if extra < 0:
-            self.stats.drop("channel-truncated")
-            return
-        if extra > 3:
-            self.stats.drop("channel-trailing")
-            return
-        route[0].sendto(data[4 : 4 + length], route[1])
-        stats = self.stats
-        stats.to_peer_packets += 1
-        stats.to_peer_bytes += length
+        else:
+            self.stats.drop("channel-unroutable")
 
     def handle_stun(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
         """Every non-Binding STUN message from a client."""
@@ -1076,20 +1158,21 @@ class TurnService:
                     link = allocation.transport_data
                     assert isinstance(link, ClientLink)
                     self.routes[(link.client, link.endpoint)] = allocation
-                    tap = self.taps.get(link.endpoint)
-                    if tap is not None:
-                        tap.clients[link.client] = allocation.routes
+                    clients = self.router.endpoints.setdefault(link.endpoint, {})
+                    clients[link.client] = allocation.routes
                 case AllocationDeleted(allocation=allocation):
                     link = allocation.transport_data
                     if isinstance(link, ClientLink):
                         key = (link.client, link.endpoint)
                         if self.routes.get(key) is allocation:
                             del self.routes[key]
-                        tap = self.taps.get(link.endpoint)
-                        if tap is not None and tap.clients.get(link.client) is (
-                            allocation.routes
-                        ):
-                            del tap.clients[link.client]
+                        clients = self.router.endpoints.get(link.endpoint)
+                        if clients is not None:
+                            if clients.get(link.client) is allocation.routes:
+                                del clients[link.client]
+                            if not clients and link.endpoint not in self.taps:
+                                # TCP connections come and go: no empty tables.
+                                del self.router.endpoints[link.endpoint]
                 case SendToClient(five_tuple=five, data=data):
                     self._send_to_client(five, data)
                 case ConnectPeer(connection_id=cid, relay=relay, peer=peer):
@@ -1205,6 +1288,15 @@ class TurnService:
         self.core.connection_closed(cid)
         self._process_events()
         self._rearm()
+
+
+def _endpoint_fd(endpoint: Any) -> int:
+    """The fd of a STUN UDP endpoint's socket (batched or asyncio), or -1."""
+    sock = getattr(endpoint, "sock", None)
+    if sock is None:
+        udp = getattr(endpoint, "udp", None)
+        sock = udp.get_extra_info("socket") if udp is not None else None
+    return sock.fileno() if sock is not None else -1
 
 
 def _take_over(stun: StunService, endpoint: Endpoint) -> tuple[Any, bytes]:

@@ -139,17 +139,17 @@ key_from_addr(PyObject *addr)
 /* ------------------------------------------------------------ counters */
 
 #define COUNTER_MEMBERS(Type)                                                   \
-    {"forwarded", T_ULONGLONG, offsetof(Type, forwarded), READONLY,             \
+    {"forwarded", T_ULONGLONG, offsetof(Type, c.forwarded), READONLY,             \
      "Datagrams forwarded in C."},                                             \
-    {"forwarded_bytes", T_ULONGLONG, offsetof(Type, forwarded_bytes), READONLY, \
+    {"forwarded_bytes", T_ULONGLONG, offsetof(Type, c.forwarded_bytes), READONLY, \
      "Payload bytes forwarded in C."},                                         \
-    {"send_errors", T_ULONGLONG, offsetof(Type, send_errors), READONLY,         \
+    {"send_errors", T_ULONGLONG, offsetof(Type, c.send_errors), READONLY,         \
      "Sends that failed (dropped)."},                                          \
-    {"malformed", T_ULONGLONG, offsetof(Type, malformed), READONLY,             \
+    {"malformed", T_ULONGLONG, offsetof(Type, c.malformed), READONLY,             \
      "Truncated, padded-too-much or oversized datagrams dropped."},            \
-    {"batches", T_ULONGLONG, offsetof(Type, batches), READONLY,                 \
+    {"batches", T_ULONGLONG, offsetof(Type, c.batches), READONLY,                 \
      "recvmmsg calls that returned datagrams."},                               \
-    {"drained", T_ULONGLONG, offsetof(Type, drained), READONLY,                 \
+    {"drained", T_ULONGLONG, offsetof(Type, c.drained), READONLY,                 \
      "Datagrams read by recvmmsg (beyond those the event loop delivered)."}
 
 #define COUNTER_FIELDS            \
@@ -159,6 +159,10 @@ key_from_addr(PyObject *addr)
     unsigned long long malformed; \
     unsigned long long batches;   \
     unsigned long long drained
+
+typedef struct {
+    COUNTER_FIELDS;
+} Counters;
 
 /* ------------------------------------------------------------ RelayTap */
 
@@ -171,7 +175,7 @@ typedef struct {
     PyObject *peer_channels; /* dict (host, port) -> channel */
     PyObject *fallback;      /* callable(data, addr) */
     PyObject *dict;
-    COUNTER_FIELDS;
+    Counters c;
     int queued;
     int skip, misses;
 } RelayTap;
@@ -188,12 +192,12 @@ relay_flush(RelayTap *self)
         if (sent <= 0) {
             if (sent < 0 && errno == EINTR)
                 continue;
-            self->send_errors += (unsigned long long)(self->queued - start);
+            self->c.send_errors += (unsigned long long)(self->queued - start);
             break;
         }
         for (int i = start; i < start + sent; i++) {
-            self->forwarded += 1;
-            self->forwarded_bytes += siov[i][1].iov_len;
+            self->c.forwarded += 1;
+            self->c.forwarded_bytes += siov[i][1].iov_len;
         }
         start += sent;
     }
@@ -338,17 +342,17 @@ RelayTap_datagram_received(RelayTap *self, PyObject *args)
             drain_result(n, &self->skip, &self->misses);
         if (n <= 0)
             break;
-        self->batches += 1;
-        self->drained += (unsigned long long)n;
+        self->c.batches += 1;
+        self->c.drained += (unsigned long long)n;
         for (int i = 0; i < n; i++) {
             if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
-                self->malformed += 1;
+                self->c.malformed += 1;
                 continue;
             }
             PyObject *peer = tuple_from_sockaddr(&raddr[i]);
             if (peer == NULL) {
                 PyErr_Clear();
-                self->malformed += 1;
+                self->c.malformed += 1;
                 continue;
             }
             rc = relay_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL);
@@ -459,58 +463,65 @@ typedef struct {
     PyObject *clients;  /* dict (host, port) -> {channel: (relay, peer)} */
     PyObject *fallback; /* callable(data, addr) */
     PyObject *dict;
-    COUNTER_FIELDS;
+    Counters c;
     int skip, misses;
 } ListenerTap;
 
-/* One datagram from a client. Returns 0, or -1 with an exception set. */
+/* Try to forward one ChannelData datagram from a client whose channel table
+ * (channel -> (relay, peer)) is looked up in `clients` by `key`.
+ * Returns 1 when handled (forwarded, or dropped as malformed), 0 when it is
+ * not ours to forward, -1 with an exception set. */
 static int
-listener_one(ListenerTap *self, const unsigned char *buf, size_t size,
-             PyObject *key, PyObject *data, PyObject *addr)
+forward_channel_data(PyObject *clients, const unsigned char *buf, size_t size,
+                     PyObject *key, Counters *c)
 {
-    if (size >= 4 && buf[0] >= 0x40 && buf[0] < 0x80) {
-        PyObject *routes = PyDict_GetItemWithError(self->clients, key);
-        if (routes != NULL && PyDict_Check(routes)) {
-            long number = ((long)buf[0] << 8) | buf[1];
-            PyObject *channel = PyLong_FromLong(number);
-            if (channel == NULL)
-                return -1;
-            PyObject *route = PyDict_GetItemWithError(routes, channel);
-            Py_DECREF(channel);
-            if (route != NULL && PyTuple_Check(route) && PyTuple_GET_SIZE(route) == 2 &&
-                PyObject_TypeCheck(PyTuple_GET_ITEM(route, 0), &RelayTapType)) {
-                RelayTap *relay = (RelayTap *)PyTuple_GET_ITEM(route, 0);
-                size_t length = ((size_t)buf[2] << 8) | buf[3];
-                /* RFC 8656 §12.5: shorter than claimed is dropped; over UDP
-                 * up to 3 bytes of padding may follow. */
-                if (size < 4 + length || size - 4 - length > 3) {
-                    self->malformed += 1;
-                    return 0;
-                }
-                struct sockaddr_storage sa;
-                socklen_t salen;
-                if (relay->fd >= 0 &&
-                    sockaddr_from_tuple(PyTuple_GET_ITEM(route, 1), &sa, &salen) == 0) {
-                    ssize_t sent;
-                    do {
-                        sent = sendto(relay->fd, buf + 4, length, MSG_DONTWAIT,
-                                      (struct sockaddr *)&sa, salen);
-                    } while (sent < 0 && errno == EINTR);
-                    if (sent < 0) {
-                        self->send_errors += 1;
-                    } else {
-                        self->forwarded += 1;
-                        self->forwarded_bytes += length;
-                    }
-                    return 0;
-                }
-            }
-            if (PyErr_Occurred())
-                return -1;
-        } else if (PyErr_Occurred()) {
-            return -1;
-        }
+    if (size < 4 || buf[0] < 0x40 || buf[0] >= 0x80)
+        return 0;
+    PyObject *routes = PyDict_GetItemWithError(clients, key);
+    if (routes == NULL || !PyDict_Check(routes))
+        return PyErr_Occurred() ? -1 : 0;
+    long number = ((long)buf[0] << 8) | buf[1];
+    PyObject *channel = PyLong_FromLong(number);
+    if (channel == NULL)
+        return -1;
+    PyObject *route = PyDict_GetItemWithError(routes, channel);
+    Py_DECREF(channel);
+    if (route == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_Check(route) || PyTuple_GET_SIZE(route) != 2 ||
+        !PyObject_TypeCheck(PyTuple_GET_ITEM(route, 0), &RelayTapType))
+        return 0;
+    RelayTap *relay = (RelayTap *)PyTuple_GET_ITEM(route, 0);
+    size_t length = ((size_t)buf[2] << 8) | buf[3];
+    /* RFC 8656 §12.5: shorter than claimed is dropped; up to 3 bytes of
+     * padding may follow (optional over UDP, mandatory over TCP). */
+    if (size < 4 + length || size - 4 - length > 3) {
+        c->malformed += 1;
+        return 1;
     }
+    struct sockaddr_storage sa;
+    socklen_t salen;
+    if (relay->fd < 0 ||
+        sockaddr_from_tuple(PyTuple_GET_ITEM(route, 1), &sa, &salen) != 0)
+        return 0;
+    ssize_t sent;
+    do {
+        sent = sendto(relay->fd, buf + 4, length, MSG_DONTWAIT,
+                      (struct sockaddr *)&sa, salen);
+    } while (sent < 0 && errno == EINTR);
+    if (sent < 0) {
+        c->send_errors += 1;
+    } else {
+        c->forwarded += 1;
+        c->forwarded_bytes += length;
+    }
+    return 1;
+}
+
+static int
+call_fallback(PyObject *fallback, const unsigned char *buf, size_t size,
+              PyObject *data, PyObject *arg1, PyObject *arg2)
+{
     PyObject *bytes = data;
     if (bytes == NULL) {
         bytes = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)size);
@@ -519,12 +530,64 @@ listener_one(ListenerTap *self, const unsigned char *buf, size_t size,
     } else {
         Py_INCREF(bytes);
     }
-    PyObject *result = PyObject_CallFunctionObjArgs(self->fallback, bytes, addr, NULL);
+    PyObject *result = PyObject_CallFunctionObjArgs(fallback, bytes, arg1, arg2, NULL);
     Py_DECREF(bytes);
     if (result == NULL)
         return -1;
     Py_DECREF(result);
     return 0;
+}
+
+/* One datagram from a client. Returns 0, or -1 with an exception set. */
+static int
+listener_one(ListenerTap *self, const unsigned char *buf, size_t size,
+             PyObject *key, PyObject *data, PyObject *addr)
+{
+    int rc = forward_channel_data(self->clients, buf, size, key,
+                                  &self->c);
+    if (rc != 0)
+        return rc < 0 ? -1 : 0;
+    return call_fallback(self->fallback, buf, size, data, addr, NULL);
+}
+
+/* Drain the listening socket: recvmmsg batches, forward or fall back. */
+static PyObject *
+listener_drain(ListenerTap *self)
+{
+    if (self->fd < 0 || draining)
+        Py_RETURN_NONE;
+    draining = 1;
+    for (int round = 0; round < MAX_ROUNDS; round++) {
+        int n = receive_batch(self->fd);
+        if (round == 0)
+            drain_result(n, &self->skip, &self->misses);
+        if (n <= 0)
+            break;
+        self->c.batches += 1;
+        self->c.drained += (unsigned long long)n;
+        for (int i = 0; i < n; i++) {
+            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
+                self->c.malformed += 1;
+                continue;
+            }
+            PyObject *peer = tuple_from_sockaddr(&raddr[i]);
+            if (peer == NULL) {
+                PyErr_Clear();
+                self->c.malformed += 1;
+                continue;
+            }
+            int rc = listener_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL, peer);
+            Py_DECREF(peer);
+            if (rc < 0) {
+                draining = 0;
+                return NULL;
+            }
+        }
+        if (n < RECV_BATCH)
+            break;
+    }
+    draining = 0;
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -548,40 +611,21 @@ ListenerTap_datagram_received(ListenerTap *self, PyObject *args)
     Py_DECREF(key);
     if (rc < 0)
         return NULL;
-    if (self->fd < 0 || draining || !should_drain(&self->skip))
+    if (!should_drain(&self->skip))
         Py_RETURN_NONE;
-    draining = 1;
-    for (int round = 0; round < MAX_ROUNDS; round++) {
-        int n = receive_batch(self->fd);
-        if (round == 0)
-            drain_result(n, &self->skip, &self->misses);
-        if (n <= 0)
-            break;
-        self->batches += 1;
-        self->drained += (unsigned long long)n;
-        for (int i = 0; i < n; i++) {
-            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
-                self->malformed += 1;
-                continue;
-            }
-            PyObject *peer = tuple_from_sockaddr(&raddr[i]);
-            if (peer == NULL) {
-                PyErr_Clear();
-                self->malformed += 1;
-                continue;
-            }
-            rc = listener_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL, peer);
-            Py_DECREF(peer);
-            if (rc < 0) {
-                draining = 0;
-                return NULL;
-            }
-        }
-        if (n < RECV_BATCH)
-            break;
+    return listener_drain(self);
+}
+
+/* For loop.add_reader(fd, tap.readable): the tap reads the socket itself. */
+static PyObject *
+ListenerTap_readable(ListenerTap *self, PyObject *unused)
+{
+    if (self->clients == NULL || self->fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ListenerTap not configured");
+        return NULL;
     }
-    draining = 0;
-    Py_RETURN_NONE;
+    self->skip = 0;
+    return listener_drain(self);
 }
 
 static int
@@ -620,6 +664,8 @@ ListenerTap_dealloc(ListenerTap *self)
 static PyMethodDef ListenerTap_methods[] = {
     {"datagram_received", (PyCFunction)ListenerTap_datagram_received, METH_VARARGS,
      "Forward client ChannelData (asyncio DatagramProtocol callback)."},
+    {"readable", (PyCFunction)ListenerTap_readable, METH_NOARGS,
+     "Drain the socket (for loop.add_reader)."},
     {NULL},
 };
 
@@ -649,6 +695,105 @@ static PyTypeObject ListenerTapType = {
     .tp_dictoffset = offsetof(ListenerTap, dict),
 };
 
+/* ------------------------------------------------------------ ChannelRouter */
+
+/* For listeners that read their own socket (the STUN service's batched
+ * recvmmsg endpoints) and TCP connections: they call
+ * handle_channel_data(data, client, endpoint) per ChannelData message. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *endpoints; /* dict endpoint -> {(host, port): {channel: route}} */
+    PyObject *fallback;  /* callable(data, client, endpoint) */
+    PyObject *dict;
+    Counters c;
+} ChannelRouter;
+
+static PyObject *
+ChannelRouter_handle(ChannelRouter *self, PyObject *args)
+{
+    PyObject *data, *client, *endpoint;
+    if (!PyArg_ParseTuple(args, "SOO", &data, &client, &endpoint))
+        return NULL;
+    if (self->endpoints == NULL || self->fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChannelRouter not configured");
+        return NULL;
+    }
+    PyObject *clients = PyDict_GetItemWithError(self->endpoints, endpoint);
+    if (clients != NULL && PyDict_Check(clients)) {
+        int rc = forward_channel_data(
+            clients, (const unsigned char *)PyBytes_AS_STRING(data),
+            (size_t)PyBytes_GET_SIZE(data), client, &self->c);
+        if (rc < 0)
+            return NULL;
+        if (rc > 0)
+            Py_RETURN_NONE;
+    } else if (PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *result =
+        PyObject_CallFunctionObjArgs(self->fallback, data, client, endpoint, NULL);
+    if (result == NULL)
+        return NULL;
+    Py_DECREF(result);
+    Py_RETURN_NONE;
+}
+
+static int
+ChannelRouter_traverse(ChannelRouter *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->endpoints);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+ChannelRouter_clear(ChannelRouter *self)
+{
+    Py_CLEAR(self->endpoints);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+ChannelRouter_dealloc(ChannelRouter *self)
+{
+    PyObject_GC_UnTrack(self);
+    ChannelRouter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef ChannelRouter_methods[] = {
+    {"handle_channel_data", (PyCFunction)ChannelRouter_handle, METH_VARARGS,
+     "handle_channel_data(data, client, endpoint): forward or fall back."},
+    {NULL},
+};
+
+static PyMemberDef ChannelRouter_members[] = {
+    {"endpoints", T_OBJECT_EX, offsetof(ChannelRouter, endpoints), 0,
+     "dict endpoint -> {(host, port): {channel: (relay, peer)}}."},
+    {"fallback", T_OBJECT_EX, offsetof(ChannelRouter, fallback), 0,
+     "callable(data, client, endpoint) for what is not forwarded here."},
+    COUNTER_MEMBERS(ChannelRouter),
+    {NULL},
+};
+
+static PyTypeObject ChannelRouterType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.ChannelRouter",
+    .tp_basicsize = sizeof(ChannelRouter),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Client -> peer ChannelData forwarding for hook callers.",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)ChannelRouter_dealloc,
+    .tp_traverse = (traverseproc)ChannelRouter_traverse,
+    .tp_clear = (inquiry)ChannelRouter_clear,
+    .tp_methods = ChannelRouter_methods,
+    .tp_members = ChannelRouter_members,
+    .tp_dictoffset = offsetof(ChannelRouter, dict),
+};
+
 /* ------------------------------------------------------------ module */
 
 static struct PyModuleDef module = {
@@ -661,7 +806,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__turnfast(void)
 {
-    if (PyType_Ready(&RelayTapType) < 0 || PyType_Ready(&ListenerTapType) < 0)
+    if (PyType_Ready(&RelayTapType) < 0 || PyType_Ready(&ListenerTapType) < 0 ||
+        PyType_Ready(&ChannelRouterType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -675,6 +821,12 @@ PyInit__turnfast(void)
     Py_INCREF(&ListenerTapType);
     if (PyModule_AddObject(m, "ListenerTap", (PyObject *)&ListenerTapType) < 0) {
         Py_DECREF(&ListenerTapType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&ChannelRouterType);
+    if (PyModule_AddObject(m, "ChannelRouter", (PyObject *)&ChannelRouterType) < 0) {
+        Py_DECREF(&ChannelRouterType);
         Py_DECREF(m);
         return NULL;
     }

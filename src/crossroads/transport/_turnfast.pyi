@@ -18,6 +18,7 @@ class ListenerTap(_Counters):
     clients: dict[tuple[str, int], dict[int, tuple[Any, tuple[str, int]]]]
     fallback: Callable[[bytes, Any], None]
     def datagram_received(self, data: bytes, addr: Any) -> None: ...
+    def readable(self) -> None: ...
 
 class RelayTap(_Counters):
     fd: int
@@ -25,3 +26,10 @@ class RelayTap(_Counters):
     fallback: Callable[[bytes, Any], None]
     def datagram_received(self, data: bytes, addr: Any) -> None: ...
     def set_client(self, fd: int, addr: tuple[str, int], sendto: Any = ...) -> None: ...
+
+class ChannelRouter(_Counters):
+    endpoints: dict[Any, dict[tuple[str, int], dict[int, tuple[Any, tuple[str, int]]]]]
+    fallback: Callable[[bytes, tuple[str, int], Any], None]
+    def handle_channel_data(
+        self, data: bytes, client: tuple[str, int], endpoint: Any
+    ) -> None: ...

@@ -34,6 +34,13 @@ Two implementations with identical behaviour:
   ``CROSSROADS_TURN_PURE_PYTHON=1`` is set: one datagram per callback, a
   couple of dict lookups, a slice and a ``sendto``.
 
+:class:`ChannelRouter`
+    The same client -> peer forwarding for listeners that read their socket
+    themselves — the STUN service's batched ``recvmmsg`` endpoints — and for
+    TCP connections: they call ``handle_channel_data(data, client, endpoint)``
+    (the STUN extension hook) and the router looks the client up in
+    ``endpoints[endpoint]``, the same dicts the listener taps use.
+
 Both count what they forward in ``forwarded`` / ``forwarded_bytes`` and what they
 drop as malformed in ``malformed`` (the service exports these).
 """
@@ -125,16 +132,53 @@ class PyRelayTap:
         self.forwarded_bytes += size
 
 
+class PyChannelRouter:
+    """Pure-Python :class:`ChannelRouter`."""
+
+    def __init__(self) -> None:
+        self.endpoints: dict[Any, dict[Address, dict[int, Route]]] = {}
+        self.fallback: Callable[[bytes, Address, Any], None] = _unset
+        self.forwarded = 0
+        self.forwarded_bytes = 0
+        self.send_errors = 0
+        self.malformed = 0
+        self.batches = 0
+        self.drained = 0
+
+    def handle_channel_data(self, data: bytes, client: Address, endpoint: Any) -> None:
+        clients = self.endpoints.get(endpoint)
+        if clients is not None:
+            routes = clients.get(client)
+            if routes is not None and len(data) >= 4:
+                route = routes.get((data[0] << 8) | data[1])
+                if route is not None:
+                    length = (data[2] << 8) | data[3]
+                    extra = len(data) - 4 - length
+                    if extra < 0 or extra > 3:
+                        self.malformed += 1
+                        return
+                    route[0].sendto(data[4 : 4 + length], route[1])
+                    self.forwarded += 1
+                    self.forwarded_bytes += length
+                    return
+        self.fallback(data, client, endpoint)
+
+
 def _unset(*args: Any) -> None:
     raise RuntimeError("tap used before it was configured")
 
 
 ListenerTapBase: type[Any]
 RelayTapBase: type[Any]
+ChannelRouterType: type[Any]
 ACCELERATED = False
 if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes"):
     try:
-        from crossroads.transport._turnfast import ListenerTap, RelayTap
+        from crossroads.transport._turnfast import (
+            ChannelRouter,
+            ListenerTap,
+            RelayTap,
+        )
     except ImportError:  # not built (no C compiler at install time)
         pass
     else:
@@ -142,6 +186,8 @@ if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes")
 if ACCELERATED:
     ListenerTapBase = ListenerTap
     RelayTapBase = RelayTap
+    ChannelRouterType = ChannelRouter
 else:
     ListenerTapBase = PyListenerTap
     RelayTapBase = PyRelayTap
+    ChannelRouterType = PyChannelRouter
