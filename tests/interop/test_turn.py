@@ -463,3 +463,60 @@ def test_coturn_tools_present() -> None:
         [tool("turnutils_uclient")], capture_output=True, text=True, timeout=10
     )
     assert "Usage" in done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ CLI, pure Python
+
+
+@pytest.mark.parametrize("pure_python", [True, False], ids=["pure-python", "default"])
+async def test_crossroads_serve_only_turn_cli(
+    echo_peer: Callable[..., Awaitable[int]], pure_python: bool, tmp_path: Any
+) -> None:
+    """`crossroads serve --only turn` (no stun service): TURN starts the STUN
+    listener itself; flags, env and the users file work; the pure-Python data
+    plane passes the same uclient run as the C one."""
+    import os
+    import sys
+    import time
+
+    from tests.conftest import free_udp_tcp_port
+
+    port = free_udp_tcp_port()
+    users = tmp_path / "users"
+    users.write_text(f"# test users\n{USER}:{PASSWORD}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
+    env["CROSSROADS_ALLOW_LOOPBACK_PEERS"] = "true"
+    env["CROSSROADS_TURN_REALM"] = REALM
+    if pure_python:
+        env["CROSSROADS_TURN_PURE_PYTHON"] = "1"
+    log = tmp_path / "serve.log"
+    command = [
+        sys.executable, "-m", "crossroads", "serve", "--only", "turn",
+        "--host", "127.0.0.1", "--http-port", "0", "--stun-port", str(port),
+        "--stun-alt-port", "0", "--turn-users-file", str(users),
+        "--relay-ports", "42000-42999",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while "data plane" not in log.read_text(errors="replace"):
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.05)
+        text = log.read_text()
+        assert ("pure Python" in text) == pure_python
+        assert f"udp 127.0.0.1:{port}" in text  # the STUN listener, started by TURN
+        peer = await echo_peer("127.0.0.1")
+        output = await uclient(
+            "-c", "-e", "127.0.0.1", "-r", str(peer), "-u", USER, "-w", PASSWORD,
+            *base_args(port), "127.0.0.1",
+        )  # fmt: skip
+        assert_no_loss(output)
+        relayed = re.findall(r"relay addr: 127\.0\.0\.1:(\d+)", output)
+        assert all(42000 <= int(p) <= 42999 for p in relayed)
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -65,23 +65,32 @@ def test_users_file_and_merge() -> None:
     }
 
 
-def test_nonce_valid_stale_and_bound_to_ip() -> None:
+def test_nonce_valid_stale_and_bound_to_address() -> None:
     minter = NonceMinter(b"k" * 32, lifetime=600)
-    nonce = minter.mint("192.0.2.1", 1_000_000)
+    nonce = minter.mint("17/192.0.2.1", 4000, 1_000_000)
     assert nonce.startswith(NONCE_COOKIE + "gAAA")  # password-algorithms bit
-    assert minter.check(nonce, "192.0.2.1", 1_000_100) is NonceCheck.VALID
-    assert minter.check(nonce, "192.0.2.1", 1_000_601) is NonceCheck.EXPIRED
-    assert minter.check(nonce, "192.0.2.2", 1_000_100) is NonceCheck.INVALID
+    assert minter.check(nonce, "17/192.0.2.1", 4000, 1_000_100) is NonceCheck.VALID
+    assert minter.check(nonce, "17/192.0.2.1", 4000, 1_000_601) is NonceCheck.EXPIRED
+    assert minter.check(nonce, "17/192.0.2.2", 4000, 1_000_100) is NonceCheck.INVALID
+    assert minter.check(nonce, "17/192.0.2.1", 4001, 1_000_100) is NonceCheck.INVALID
+    assert minter.check(nonce, "6/192.0.2.1", 4000, 1_000_100) is NonceCheck.INVALID
+    # Any port of the same scope (RFC 6062 ConnectionBind).
+    assert minter.check(nonce, "17/192.0.2.1", None, 1_000_100) is NonceCheck.VALID
     other = NonceMinter(b"x" * 32)
-    assert other.check(nonce, "192.0.2.1", 1_000_100) is NonceCheck.INVALID
+    assert other.check(nonce, "17/192.0.2.1", 4000, 1_000_100) is NonceCheck.INVALID
     tampered = nonce[:-1] + ("A" if nonce[-1] != "A" else "B")
-    assert minter.check(tampered, "192.0.2.1", 1_000_100) is NonceCheck.INVALID
-    assert minter.mint("192.0.2.1", 1_000_001) > nonce  # monotonic
+    assert minter.check(tampered, "17/192.0.2.1", 4000, 1_000_100) is NonceCheck.INVALID
+    forged_port = nonce.replace("0fa0", "0fa1")  # 4000 -> 4001 without the key
+    assert (
+        minter.check(forged_port, "17/192.0.2.1", None, 1_000_100) is NonceCheck.INVALID
+    )
+    assert minter.mint("17/192.0.2.1", 4000, 1_000_001) > nonce  # monotonic
     plain = NonceMinter(b"k" * 32, password_algorithms=False)
-    assert plain.mint("192.0.2.1", 0).startswith(NONCE_COOKIE + "AAAA")
+    assert plain.mint("17/192.0.2.1", 1, 0).startswith(NONCE_COOKIE + "AAAA")
 
 
 @given(st.text(max_size=60))
 def test_nonce_check_never_raises(nonce: str) -> None:
     minter = NonceMinter(b"k" * 32)
-    assert minter.check(nonce, "::1", 5000) in set(NonceCheck)
+    assert minter.check(nonce, "17/::1", 5000, 5000) in set(NonceCheck)
+    assert minter.check(nonce, "17/::1", None, 5000) in set(NonceCheck)

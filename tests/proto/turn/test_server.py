@@ -115,7 +115,7 @@ def test_password_algorithms_downgrade_is_400(harness: Harness) -> None:
     harness.allocate(udp(), session)  # learn realm, nonce, offered list
     assert session.offered is not None
     session.offered = PasswordAlgorithms(((1, b""),))  # pretend MD5 only was offered
-    answer = harness.allocate(udp(40001), session)
+    answer = harness.request(Method.REFRESH, [], udp(), session)
     assert code(answer) == 400
 
 
@@ -162,6 +162,24 @@ def test_stale_nonce_438_then_retry(harness: Harness) -> None:
     assert session.nonce != old_nonce
     retry = harness.request(Method.REFRESH, [], udp(), session)
     assert retry is not None and retry.msg_class == Class.SUCCESS
+
+
+def test_replay_from_another_port_is_stale(harness: Harness) -> None:
+    """Even behind the same NAT (same IP), a replay from another port is stale."""
+    session = alice()
+    challenge = harness.request(Method.ALLOCATE, [], udp(1))
+    assert challenge is not None
+    session.learn(challenge)
+    from crossroads.proto.stun import RequestedTransport
+
+    captured = session.sign(
+        Message(
+            Class.REQUEST, Method.ALLOCATE, os.urandom(12), (RequestedTransport(17),)
+        )
+    )
+    assert code(harness.raw(captured, udp(2))) == 438
+    assert code(harness.raw(captured, tcp(1))) == 438
+    assert harness.server.allocations == {}
 
 
 def test_replay_from_another_address_is_stale(harness: Harness) -> None:

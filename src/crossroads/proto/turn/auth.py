@@ -17,11 +17,12 @@ REALM, NONCE and MESSAGE-INTEGRITY(-SHA256), keyed with
 
 *Nonces* (:class:`NonceMinter`) are stateless: ``obMatJos2`` + the RFC 8489 §9.2
 security-feature bits (password algorithms, so clients that know SHA-256 use it)
-+ the issue time in hex + a truncated HMAC over (time, client IP). Nothing is stored
++ the issue time in hex + a truncated HMAC over (time, client transport address).
+Nothing is stored
 per nonce — a flood of unauthenticated requests creates no state (the class of
 problem behind coturn's ``--stateless-nonce``) — and several worker processes that
 share the key accept each other's nonces. A nonce older than its lifetime, or
-presented from another IP address (a replayed request), is *stale*: 438 with a fresh
+presented from another address (a replayed request), is *stale*: 438 with a fresh
 nonce. Issue times only grow, so nonces are monotonic.
 """
 
@@ -162,7 +163,7 @@ class NonceCheck(IntEnum):
 
 
 class NonceMinter:
-    """Mints and checks stateless, time-limited nonces bound to the client IP."""
+    """Mints and checks stateless, time-limited nonces bound to a client address."""
 
     __slots__ = ("_key", "lifetime", "features", "_prefix")
 
@@ -185,28 +186,46 @@ class NonceMinter:
     def offers_password_algorithms(self) -> bool:
         return bool(self.features & FEATURE_PASSWORD_ALGORITHMS)
 
-    def _tag(self, stamp: str, client_ip: str) -> str:
-        message = f"{self._prefix}{stamp}|{client_ip}".encode()
+    def _tag(self, stamp: str, scope: str, port: str) -> str:
+        message = f"{self._prefix}{stamp}{port}|{scope}".encode()
         digest = hmac.new(self._key, message, hashlib.sha256).digest()[:_TAG_BYTES]
         return base64.urlsafe_b64encode(digest).decode("ascii")
 
-    def mint(self, client_ip: str, unix_now: float) -> str:
-        """A fresh nonce for a client at ``client_ip``."""
-        stamp = f"{int(unix_now) & 0xFFFFFFFF:08x}"
-        return self._prefix + stamp + self._tag(stamp, client_ip)
+    def mint(self, scope: str, port: int, unix_now: float) -> str:
+        """A fresh nonce for the client at ``scope`` (protocol and IP) and ``port``.
 
-    def check(self, nonce: str, client_ip: str, unix_now: float) -> NonceCheck:
-        """Whether ``nonce`` is one we minted for ``client_ip`` and still fresh."""
+        The port is carried in the nonce (4 hex digits) and covered by the HMAC,
+        so :meth:`check` can either require the same port, or — for RFC 6062
+        ConnectionBind, which legitimately arrives on a new TCP connection with
+        the control connection's nonce — accept any port of the same scope.
+        """
+        stamp = f"{int(unix_now) & 0xFFFFFFFF:08x}"
+        hexport = f"{port & 0xFFFF:04x}"
+        return self._prefix + stamp + hexport + self._tag(stamp, scope, hexport)
+
+    def check(
+        self,
+        nonce: str,
+        scope: str,
+        port: int | None,
+        unix_now: float,
+    ) -> NonceCheck:
+        """Whether ``nonce`` was minted by us for ``scope`` and ``port`` (any
+        port when ``port`` is None) and is still fresh."""
         prefix = self._prefix
         if (
-            len(nonce) != len(prefix) + 8 + 16
+            len(nonce) != len(prefix) + 8 + 4 + 16
             or not nonce.isascii()
             or not nonce.startswith(prefix)
         ):
             return NonceCheck.INVALID
-        stamp = nonce[len(prefix) : len(prefix) + 8]
-        tag = nonce[len(prefix) + 8 :]
-        if not hmac.compare_digest(tag, self._tag(stamp, client_ip)):
+        start = len(prefix)
+        stamp = nonce[start : start + 8]
+        hexport = nonce[start + 8 : start + 12]
+        tag = nonce[start + 12 :]
+        if port is not None and hexport != f"{port & 0xFFFF:04x}":
+            return NonceCheck.INVALID
+        if not hmac.compare_digest(tag, self._tag(stamp, scope, hexport)):
             return NonceCheck.INVALID
         try:
             issued = int(stamp, 16)

@@ -530,7 +530,11 @@ class TurnServer:
         self.counters.response(name, code)
         attributes: list[Attribute] = [
             Realm(self.credentials.realm),
-            Nonce(self.nonces.mint(client_ip, now + self.clock_offset)),
+            Nonce(
+                self.nonces.mint(
+                    _nonce_scope(five), five[1][1], now + self.clock_offset
+                )
+            ),
         ]
         if self.nonces.offers_password_algorithms:
             attributes.append(PasswordAlgorithms(OFFERED_ALGORITHMS))
@@ -559,8 +563,12 @@ class TurnServer:
             self.counters.response(name, 400)
             return self._answer(msg, None, self._error(msg, TurnError.BAD_REQUEST))
         unix_now = now + self.clock_offset
-        client_ip = five[1][0]
-        verdict = self.nonces.check(nonce.value, client_ip, unix_now)
+        # RFC 6062 §5.4: ConnectionBind comes on a new TCP connection, signed
+        # with the nonce of the control connection (same client IP): any port.
+        any_port = msg.method == Method.CONNECTION_BIND and five[0] == Transport.TCP
+        verdict = self.nonces.check(
+            nonce.value, _nonce_scope(five), None if any_port else five[1][1], unix_now
+        )
         if verdict is not NonceCheck.VALID:
             self.counters.drop(
                 "nonce-expired" if verdict is NonceCheck.EXPIRED else "nonce-invalid"
@@ -1071,6 +1079,16 @@ class TurnServer:
         connection.client = five
         self._events.append(BindConnection(connection.id, five))
         return self._answer(msg, auth, success_response(msg))
+
+
+def _nonce_scope(five: FiveTuple) -> str:
+    """What a nonce is bound to besides the client port: protocol and client IP.
+
+    A request captured and replayed from any other address or port — even
+    behind the same NAT — carries a nonce that is not valid there: 438, and
+    the replayer has no password to sign a new one.
+    """
+    return f"{int(five[0])}/{five[1][0]}"
 
 
 #: draft-ietf-tram-turnbis numbered ADDITIONAL-ADDRESS-FAMILY 0x8032 before RFC
