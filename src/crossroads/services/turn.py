@@ -264,7 +264,7 @@ class Config:
         1024, kind="int", help="Permissions per allocation: 508 beyond."
     )
     unauthenticated_rate: float = setting(
-        20.0,
+        100.0,
         kind="float",
         check=_check_non_negative,
         help="401/438 answers per second per source IP (flood protection).",

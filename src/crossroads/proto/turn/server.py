@@ -142,8 +142,10 @@ class TurnSettings:
     #: Accept REQUESTED-TRANSPORT=TCP (RFC 6062).
     tcp_relay: bool = True
     #: Unauthenticated answers (401/438) per source IP: sustained rate and burst.
-    unauthenticated_rate: float = 20.0
-    unauthenticated_burst: float = 40.0
+    #: A 401 is ~100 bytes, so 100/s caps what a spoofed victim can be sent at
+    #: ~10 kB/s, while a NAT full of clients starting at once still gets in.
+    unauthenticated_rate: float = 100.0
+    unauthenticated_burst: float = 200.0
 
 
 class RelayBinder(Protocol):
@@ -285,7 +287,7 @@ class Counters:
         self.drops[reason] = self.drops.get(reason, 0) + 1
 
     def response(self, method: str, code: int) -> None:
-        key = (method, code)
+        key = (method, int(code))
         self.responses[key] = self.responses.get(key, 0) + 1
 
 
