@@ -89,6 +89,14 @@ def tree_ticks(pid: int) -> int:
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def udp_rcvbuf_errors() -> int:
+    """System-wide UDP datagrams dropped for a full socket buffer."""
+    lines = Path("/proc/net/snmp").read_text().splitlines()
+    udp = [line.split() for line in lines if line.startswith("Udp:")]
+    header, values = udp[0], udp[1]
+    return int(values[header.index("RcvbufErrors")])
+
+
 def wait_udp_ready(port: int, timeout: float = 15.0) -> None:
     """Wait until something answers a STUN Binding request on ``port``."""
     request = b"\x00\x01\x00\x00\x21\x12\xa4\x42" + os.urandom(12)
@@ -224,6 +232,7 @@ class Step:
     loss: float  # percent
     cpu_per_10k: float  # CPU-seconds per second per 10 k relayed datagrams/s
     cpu_share: float  # CPU-seconds per second during the run
+    rcvbuf_errors: int  # UDP datagrams the kernel dropped (full buffers), all sockets
 
     @property
     def passed(self) -> bool:
@@ -269,6 +278,7 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
             "127.0.0.1",
         ]
         ticks0 = tree_ticks(server.process.pid)
+        drops0 = udp_rcvbuf_errors()
         started = time.monotonic()
         try:
             result = subprocess.run(
@@ -281,6 +291,7 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
             )
         elapsed = time.monotonic() - started
         ticks = tree_ticks(server.process.pid) - ticks0
+        drops = udp_rcvbuf_errors() - drops0
     finally:
         peer.terminate()
         peer.wait(5)
@@ -292,13 +303,19 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
     steady = [d for d in deltas if d >= 0.6 * best] or [0]
     loss_match = _LOSS.search(output)
     loss = float(loss_match.group(2)) if loss_match else 100.0
+    if loss >= LOSS_LIMIT:
+        saved = (
+            Path(tempfile.gettempdir()) / f"turn-bench-{server.name}-m{sessions}.log"
+        )
+        saved.write_text(output)
+        print(f"  (uclient output of the lossy run: {saved})", flush=True)
     total_recv = received[-1] if received else 0
     relayed_total = 2 * total_recv
     cpu_seconds = ticks / TICK
     relayed = 2 * statistics.median(steady)
     cpu_share = cpu_seconds / elapsed if elapsed else 0.0
     per_10k = (cpu_seconds / relayed_total * 10_000) if relayed_total else float("nan")
-    return Step(sessions, sessions * 2000, relayed, loss, per_10k, cpu_share)
+    return Step(sessions, sessions * 2000, relayed, loss, per_10k, cpu_share, drops)
 
 
 def sweep(
@@ -326,7 +343,8 @@ def sweep(
             print(
                 f"  {label:<24} offered {step.offered:>6}/s  relayed {step.relayed:>8.0f}/s"
                 f"  loss {step.loss:6.2f}%  cpu {step.cpu_share * 100:5.1f}%"
-                f"  cpu/10k {step.cpu_per_10k:.3f} s  {mark}",
+                f"  cpu/10k {step.cpu_per_10k:.3f} s  rcvbuf-drops {step.rcvbuf_errors}"
+                f"  {mark}",
                 flush=True,
             )
             if step.loss > 5:

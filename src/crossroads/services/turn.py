@@ -260,6 +260,12 @@ class Config:
         help="Only accept channel numbers 0x4000-0x4FFF (RFC 8656) instead of "
         "0x4000-0x7FFF (RFC 5766, what most clients use).",
     )
+    max_bps: int = setting(
+        0,
+        kind="int",
+        help="Bandwidth limit per allocation in bytes/s, both directions "
+        "together (0 = none); excess datagrams are dropped and counted.",
+    )
     max_permissions: int = setting(
         1024, kind="int", help="Permissions per allocation: 508 beyond."
     )
@@ -291,6 +297,7 @@ class Stats:
         "to_client_packets",
         "to_client_bytes",
         "retired_errors",
+        "retired_throttled",
         "drops",
     )
 
@@ -301,6 +308,8 @@ class Stats:
         self.to_client_bytes = 0
         #: Send errors and malformed drops counted by relays that are gone.
         self.retired_errors = 0
+        #: Datagrams dropped by the bandwidth limit of relays that are gone.
+        self.retired_throttled = 0
         self.drops: dict[str, int] = {}
 
     def drop(self, reason: str) -> None:
@@ -355,6 +364,9 @@ class _Collector(Collector):
             merged[reason] = merged.get(reason, 0) + count
         if errors:
             merged["data-plane-malformed-or-send-error"] = errors
+        throttled = stats.retired_throttled + sum(r.throttled for r in service.relays)
+        if throttled:
+            merged["bandwidth-limit"] = throttled
         for reason, count in sorted(merged.items()):
             dropped.add_metric([reason], count)
         yield dropped
@@ -431,6 +443,7 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         self.fd = sock.fileno()
         self.peer_channels: dict[Address, int] = {}
         self.fallback = self.from_peer
+        self.bps = float(service.config.max_bps)
         self.permissions = allocation.permissions
         self.stats = service.stats
         self.closed = False
@@ -467,6 +480,8 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         """A datagram from a peer that has no channel (RFC 8656 §11.3)."""
         if addr[0] not in self.permissions:
             self.stats.drop("peer-no-permission")
+            return
+        if self.bps and not self.allow(len(data)):
             return
         attribute = self._peer_attributes.get(addr)
         if attribute is None and ":" not in addr[0]:
@@ -511,6 +526,8 @@ class TcpClientRelay(UdpRelay):
             self.from_peer(data, key)
             return
         size = len(data)
+        if self.bps and not self.allow(size):
+            return
         self.client_send(
             _CHANNEL_HEADER(channel, size) + data + PAD[size & 3], self.client
         )
@@ -634,9 +651,13 @@ class TcpRelay:
         self.address = address
         self.bind_address: Address = (sock.getsockname()[0], sock.getsockname()[1])
         self.peer_channels: dict[Address, int] = {}  # unused: no channels on TCP
+        self.bps = 0.0  # RFC 6062 data is piped; TCP flow control applies
         self.server: asyncio.Server | None = None
         self.closed = False
         self.task: asyncio.Task[Any] | None = None
+
+    def allow(self, size: int) -> bool:
+        return True
 
     def accepted(self) -> PeerSide:
         return PeerSide(self.service, self)
@@ -901,6 +922,7 @@ class TurnService:
         stats.to_client_packets += relay.forwarded
         stats.to_client_bytes += relay.forwarded_bytes
         stats.retired_errors += relay.send_errors + relay.malformed
+        stats.retired_throttled += relay.throttled
 
     def counters(self) -> tuple[int, int, int, int, int]:
         """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
@@ -994,6 +1016,9 @@ class TurnService:
             route = self.core.send_indication(message, five)
             if route is not None:
                 relay, peer, payload = route
+                allow = getattr(relay, "allow", None)
+                if getattr(relay, "bps", 0) and allow and not allow(len(payload)):
+                    return
                 relay.sendto(payload, peer)
                 self.stats.to_peer_packets += 1
                 self.stats.to_peer_bytes += len(payload)
@@ -1026,6 +1051,8 @@ class TurnService:
             return True
         if peer[0] not in allocation.permissions:
             self.stats.drop("send-no-permission")
+            return True
+        if relay.bps and not relay.allow(len(payload)):
             return True
         relay.sendto(payload, peer)
         stats = self.stats

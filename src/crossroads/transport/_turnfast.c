@@ -39,6 +39,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/types.h>
+#include <time.h>
 
 /* recvmmsg/sendmmsg batch (the measured knee of batching is ~8-32,
  * reference §5.2; 32 keeps the static buffers at 2 MiB). */
@@ -150,7 +151,9 @@ key_from_addr(PyObject *addr)
     {"batches", T_ULONGLONG, offsetof(Type, c.batches), READONLY,                 \
      "recvmmsg calls that returned datagrams."},                               \
     {"drained", T_ULONGLONG, offsetof(Type, c.drained), READONLY,                 \
-     "Datagrams read by recvmmsg (beyond those the event loop delivered)."}
+     "Datagrams read by recvmmsg (beyond those the event loop delivered)."},    \
+    {"throttled", T_ULONGLONG, offsetof(Type, c.throttled), READONLY,             \
+     "Datagrams dropped by the relay's bandwidth limit."}
 
 #define COUNTER_FIELDS            \
     unsigned long long forwarded; \
@@ -158,7 +161,8 @@ key_from_addr(PyObject *addr)
     unsigned long long send_errors; \
     unsigned long long malformed; \
     unsigned long long batches;   \
-    unsigned long long drained
+    unsigned long long drained;   \
+    unsigned long long throttled
 
 typedef struct {
     COUNTER_FIELDS;
@@ -178,9 +182,34 @@ typedef struct {
     Counters c;
     int queued;
     int skip, misses;
+    /* Bandwidth limit of the allocation, both directions (bytes/s; 0 = none):
+     * a token bucket holding at most one second's worth. */
+    double bps, tokens, stamp;
 } RelayTap;
 
 static PyTypeObject RelayTapType;
+
+/* Whether `size` more bytes fit the relay's bandwidth budget now. */
+static int
+budget_ok(RelayTap *r, size_t size)
+{
+    if (r->bps <= 0)
+        return 1;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    double tokens = r->tokens + (now - r->stamp) * r->bps;
+    if (tokens > r->bps)
+        tokens = r->bps;
+    r->stamp = now;
+    if (tokens < (double)size) {
+        r->tokens = tokens;
+        r->c.throttled += 1;
+        return 0;
+    }
+    r->tokens = tokens - (double)size;
+    return 1;
+}
 
 static void
 relay_flush(RelayTap *self)
@@ -232,7 +261,8 @@ relay_one(RelayTap *self, const unsigned char *buf, size_t size, PyObject *key,
 {
     PyObject *channel = PyDict_GetItemWithError(self->peer_channels, key);
     if (channel != NULL && PyLong_Check(channel) && size <= 0xFFFF) {
-        relay_queue(self, PyLong_AsLong(channel), buf, size);
+        if (budget_ok(self, size))
+            relay_queue(self, PyLong_AsLong(channel), buf, size);
         return 0;
     }
     if (PyErr_Occurred())
@@ -421,7 +451,21 @@ RelayTap_dealloc(RelayTap *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+static PyObject *
+RelayTap_allow(RelayTap *self, PyObject *arg)
+{
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (size < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "size must be >= 0");
+        return NULL;
+    }
+    return PyBool_FromLong(budget_ok(self, (size_t)size));
+}
+
 static PyMethodDef RelayTap_methods[] = {
+    {"allow", (PyCFunction)RelayTap_allow, METH_O,
+     "allow(size): spend `size` bytes of the bandwidth budget (False: drop)."},
     {"datagram_received", (PyCFunction)RelayTap_datagram_received, METH_VARARGS,
      "Forward peer data to the client (asyncio DatagramProtocol callback)."},
     {"set_client", (PyCFunction)RelayTap_set_client, METH_VARARGS,
@@ -431,6 +475,8 @@ static PyMethodDef RelayTap_methods[] = {
 
 static PyMemberDef RelayTap_members[] = {
     {"fd", T_INT, offsetof(RelayTap, fd), 0, "Relay socket fd (-1: no drain)."},
+    {"bps", T_DOUBLE, offsetof(RelayTap, bps), 0,
+     "Bandwidth limit in bytes/s, both directions (0: none)."},
     {"peer_channels", T_OBJECT_EX, offsetof(RelayTap, peer_channels), 0,
      "dict (host, port) -> channel number."},
     {"fallback", T_OBJECT_EX, offsetof(RelayTap, fallback), 0,
@@ -504,6 +550,8 @@ forward_channel_data(PyObject *clients, const unsigned char *buf, size_t size,
     if (relay->fd < 0 ||
         sockaddr_from_tuple(PyTuple_GET_ITEM(route, 1), &sa, &salen) != 0)
         return 0;
+    if (!budget_ok(relay, length))
+        return 1; /* counted on the relay */
     ssize_t sent;
     do {
         sent = sendto(relay->fd, buf + 4, length, MSG_DONTWAIT,

@@ -12,6 +12,7 @@ class _Counters:
     malformed: int
     batches: int
     drained: int
+    throttled: int
 
 class ListenerTap(_Counters):
     fd: int
@@ -22,9 +23,11 @@ class ListenerTap(_Counters):
 
 class RelayTap(_Counters):
     fd: int
+    bps: float
     peer_channels: dict[tuple[str, int], int]
     fallback: Callable[[bytes, Any], None]
     def datagram_received(self, data: bytes, addr: Any) -> None: ...
+    def allow(self, size: int) -> bool: ...
     def set_client(self, fd: int, addr: tuple[str, int], sendto: Any = ...) -> None: ...
 
 class ChannelRouter(_Counters):

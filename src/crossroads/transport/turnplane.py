@@ -48,6 +48,7 @@ drop as malformed in ``malformed`` (the service exports these).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,7 @@ class PyListenerTap:
         self.malformed = 0
         self.batches = 0
         self.drained = 0
+        self.throttled = 0
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         size = len(data)
@@ -86,7 +88,10 @@ class PyListenerTap:
                     if extra < 0 or extra > 3:
                         self.malformed += 1
                         return
-                    route[0].sendto(data[4 : 4 + length], route[1])
+                    relay = route[0]
+                    if relay.bps and not relay.allow(length):
+                        return  # counted by the relay
+                    relay.sendto(data[4 : 4 + length], route[1])
                     self.forwarded += 1
                     self.forwarded_bytes += length
                     return
@@ -107,8 +112,27 @@ class PyRelayTap:
         self.malformed = 0
         self.batches = 0
         self.drained = 0
+        self.throttled = 0
         self._client: Address = ("", 0)
         self._client_sendto: Callable[[bytes, Address], None] = _unset
+        #: Bandwidth limit, bytes/s both directions (0: none), token bucket.
+        self.bps = 0.0
+        self._tokens = 0.0
+        self._stamp = 0.0
+
+    def allow(self, size: int) -> bool:
+        """Spend ``size`` bytes of the bandwidth budget; False: drop it."""
+        if self.bps <= 0:
+            return True
+        now = time.monotonic()
+        tokens = min(self.bps, self._tokens + (now - self._stamp) * self.bps)
+        self._stamp = now
+        if tokens < size:
+            self._tokens = tokens
+            self.throttled += 1
+            return False
+        self._tokens = tokens - size
+        return True
 
     def set_client(
         self, fd: int, addr: Address, sendto: Callable[[bytes, Address], None]
@@ -124,6 +148,8 @@ class PyRelayTap:
             self.fallback(data, key)
             return
         size = len(data)
+        if self.bps and not self.allow(size):
+            return
         self._client_sendto(
             bytes((channel >> 8, channel & 0xFF, size >> 8, size & 0xFF)) + data,
             self._client,
@@ -144,6 +170,7 @@ class PyChannelRouter:
         self.malformed = 0
         self.batches = 0
         self.drained = 0
+        self.throttled = 0
 
     def handle_channel_data(self, data: bytes, client: Address, endpoint: Any) -> None:
         clients = self.endpoints.get(endpoint)
@@ -157,7 +184,10 @@ class PyChannelRouter:
                     if extra < 0 or extra > 3:
                         self.malformed += 1
                         return
-                    route[0].sendto(data[4 : 4 + length], route[1])
+                    relay = route[0]
+                    if relay.bps and not relay.allow(length):
+                        return  # counted by the relay
+                    relay.sendto(data[4 : 4 + length], route[1])
                     self.forwarded += 1
                     self.forwarded_bytes += length
                     return

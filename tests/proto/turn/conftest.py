@@ -51,6 +51,10 @@ class FakeRelay:
     peer_channels: dict[Address, int] = field(default_factory=dict)
     closed: bool = False
     sent: list[tuple[bytes, Address]] = field(default_factory=list)
+    bps: float = 0.0
+
+    def allow(self, size: int) -> bool:
+        return True
 
     def sendto(self, data: bytes, addr: Address) -> None:
         self.sent.append((data, addr))

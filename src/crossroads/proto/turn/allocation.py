@@ -59,6 +59,12 @@ class RelayPort(Protocol):
     address: Address
     family: Family
     peer_channels: dict[Address, int]
+    #: Bandwidth limit in bytes/s for the data plane (0: none).
+    bps: float
+
+    def allow(self, size: int) -> bool:
+        """Spend ``size`` bytes of the bandwidth budget (False: drop)."""
+        ...
 
     def sendto(self, data: bytes, addr: Address) -> None:
         """Send one datagram to a peer from the relayed address (data plane)."""
