@@ -318,39 +318,50 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
     return Step(sessions, sessions * 2000, relayed, loss, per_10k, cpu_share, drops)
 
 
-def sweep(
-    label: str,
-    starter: object,
-    count: int,
+def report(label: str, step: Step) -> None:
+    mark = "ok " if step.passed else "LOSS"
+    print(
+        f"  {label:<24} offered {step.offered:>6}/s  relayed {step.relayed:>8.0f}/s"
+        f"  loss {step.loss:6.2f}%  cpu {step.cpu_share * 100:5.1f}%"
+        f"  cpu/10k {step.cpu_per_10k:.3f} s  rcvbuf-drops {step.rcvbuf_errors}"
+        f"  {mark}",
+        flush=True,
+    )
+
+
+def median_step(tries: list[Step]) -> Step:
+    """The run with the median relayed rate (its own CPU and loss figures)."""
+    ordered = sorted(tries, key=lambda s: s.relayed)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def interleaved(
+    servers: list[tuple[str, Server]],
     steps: list[int],
     messages: int,
-    server_cpus: str | None,
     load_cpus: str | None,
     rounds: int,
-) -> list[Step]:
-    assert callable(starter)
-    server: Server = starter(count, server_cpus)
-    results: list[Step] = []
-    try:
-        for sessions in steps:
-            tries = [
-                run_step(server, sessions, messages, load_cpus) for _ in range(rounds)
-            ]
-            tries.sort(key=lambda s: s.relayed)
-            step = tries[len(tries) // 2]
-            results.append(step)
-            mark = "ok " if step.passed else "LOSS"
-            print(
-                f"  {label:<24} offered {step.offered:>6}/s  relayed {step.relayed:>8.0f}/s"
-                f"  loss {step.loss:6.2f}%  cpu {step.cpu_share * 100:5.1f}%"
-                f"  cpu/10k {step.cpu_per_10k:.3f} s  rcvbuf-drops {step.rcvbuf_errors}"
-                f"  {mark}",
-                flush=True,
-            )
+) -> dict[str, list[Step]]:
+    """Each step, each round: one uclient run per server, back to back, so that
+    the other tenants of a shared machine weigh on both alike."""
+    results: dict[str, list[Step]] = {label: [] for label, _ in servers}
+    alive = {label for label, _ in servers}
+    for sessions in steps:
+        tries: dict[str, list[Step]] = {label: [] for label in alive}
+        for _ in range(rounds):
+            for label, server in servers:
+                if label in alive:
+                    tries[label].append(run_step(server, sessions, messages, load_cpus))
+        for label, _ in servers:
+            if label not in alive:
+                continue
+            step = median_step(tries[label])
+            results[label].append(step)
+            report(label, step)
             if step.loss > 5:
-                break  # well past the knee
-    finally:
-        server.stop()
+                alive.discard(label)  # well past its knee
+        if not alive:
+            break
     return results
 
 
@@ -361,9 +372,9 @@ def best(steps: list[Step]) -> Step | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", default="5,10,20,30,40", help="uclient -m values")
-    parser.add_argument("--messages", type=int, default=4000, help="uclient -n")
-    parser.add_argument("--rounds", type=int, default=1, help="runs per step (median)")
+    parser.add_argument("--steps", default="10,25,40,50", help="uclient -m values")
+    parser.add_argument("--messages", type=int, default=3000, help="uclient -n")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per step (median)")
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
     parser.add_argument(
         "--crossroads-flag",
@@ -388,16 +399,17 @@ def main() -> None:
     )
     label_c, label_x = "coturn (1 relay thread)", "crossroads (1 process)"
     print()
-    coturn: list[Step] = []
-    if not args.skip_coturn:
-        coturn = sweep(
-            label_c, start_coturn, 1, steps, args.messages, server_cpus, load_cpus,
-            args.rounds,
-        )  # fmt: skip
-    ours = sweep(
-        label_x, start_crossroads, 1, steps, args.messages, server_cpus, load_cpus,
-        args.rounds,
-    )  # fmt: skip
+    servers: list[tuple[str, Server]] = []
+    try:
+        if not args.skip_coturn:
+            servers.append((label_c, start_coturn(1, server_cpus)))
+        servers.append((label_x, start_crossroads(1, server_cpus)))
+        results = interleaved(servers, steps, args.messages, load_cpus, args.rounds)
+    finally:
+        for _, server in servers:
+            server.stop()
+    coturn = results.get(label_c, [])
+    ours = results[label_x]
     top_c, top_x = best(coturn), best(ours)
     print()
     for name, top in ((label_c, top_c), (label_x, top_x)):

@@ -538,3 +538,24 @@ async def test_only_turn_starts_its_own_stun_listener() -> None:
         assert "crossroads_stun_requests_total" in text
     finally:
         await runtime.close()
+
+
+async def test_bandwidth_limit_per_allocation(turn: Any) -> None:
+    service: TurnService = await turn(turn__max_bps=1000)
+    peer = Peer()
+    try:
+        async with await TurnClient.connect(service.stun.primary, USER, PASSWORD) as c:
+            await c.allocate()
+            await c.bind_channel(peer.address)
+            for _ in range(10):
+                await c.send(b"x" * 400, peer.address)  # 4000 bytes at once
+            received = 0
+            while await peer.recv(0.3) is not None:
+                received += 1
+            # One second's worth (1000 bytes) passes: two or three datagrams.
+            assert 1 <= received <= 3
+            assert sum(r.throttled for r in service.relays) >= 7
+            text = await asyncio.to_thread(_metrics_text, service)
+            assert 'crossroads_turn_dropped_total{reason="bandwidth-limit"}' in text
+    finally:
+        peer.close()

@@ -183,3 +183,19 @@ def test_c_taps_refuse_misuse() -> None:
     relay = _turnfast.RelayTap()
     with pytest.raises(ValueError):
         relay.set_client(3, ("not an ip", 1))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bandwidth_budget(impl: Any) -> None:
+    _, RelayTap, _ = impl
+    sock = udp()
+    try:
+        relay = relay_class(RelayTap)(sock)
+        assert relay.allow(10**9)  # no limit by default
+        relay.bps = 1000.0
+        assert relay.allow(600)
+        assert relay.allow(400)
+        assert not relay.allow(100)  # the second's budget is spent
+        assert relay.throttled == 1
+    finally:
+        sock.close()

@@ -457,6 +457,8 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         if not link.tcp:
             self.set_client(link.fd, link.client, link.endpoint.send)
         self.task: asyncio.Task[Any] | None = None
+        #: True when the socket is read with loop.add_reader (C data plane).
+        self.reading = False
         #: XOR-PEER-ADDRESS of IPv4 peers does not depend on the transaction
         #: id: cache it (bounded by the permission count in practice).
         self._peer_attributes: dict[Address, bytes] = {}
@@ -507,7 +509,11 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         self.peer_channels.clear()
         self.service.retire(self)
         self.fd = -1
-        if self.transport is not None:
+        if self.reading:
+            self.reading = False
+            self.service.loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+        elif self.transport is not None:
             self.transport.close()
         else:
             if self.task is not None:
@@ -1130,9 +1136,15 @@ class TurnService:
         kind = TcpClientRelay if link.tcp else UdpRelay
         relay = kind(self, allocation, family, sock, (advertised, port))
         self.relays.add(relay)
-        relay.task = self._spawn(
-            self.loop.create_datagram_endpoint(lambda: relay, sock=sock)
-        )
+        if ACCELERATED and kind is UdpRelay:
+            # The C tap reads the socket itself (recvmmsg): no asyncio
+            # transport, no Python object per datagram.
+            self.loop.add_reader(sock.fileno(), relay.readable)
+            relay.reading = True
+        else:
+            relay.task = self._spawn(
+                self.loop.create_datagram_endpoint(lambda: relay, sock=sock)
+            )
         return relay
 
     def _open_tcp(

@@ -339,6 +339,49 @@ receive_batch(int fd)
     return n;
 }
 
+/* Drain the relay socket: recvmmsg batches, ChannelData out with sendmmsg. */
+static PyObject *
+relay_drain(RelayTap *self)
+{
+    if (self->fd < 0 || draining)
+        Py_RETURN_NONE;
+    draining = 1;
+    for (int round = 0; round < MAX_ROUNDS; round++) {
+        int n = receive_batch(self->fd);
+        if (round == 0)
+            drain_result(n, &self->skip, &self->misses);
+        if (n <= 0)
+            break;
+        self->c.batches += 1;
+        self->c.drained += (unsigned long long)n;
+        for (int i = 0; i < n; i++) {
+            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
+                self->c.malformed += 1;
+                continue;
+            }
+            PyObject *peer = tuple_from_sockaddr(&raddr[i]);
+            if (peer == NULL) {
+                PyErr_Clear();
+                self->c.malformed += 1;
+                continue;
+            }
+            int rc = relay_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL);
+            Py_DECREF(peer);
+            if (rc < 0) {
+                relay_flush(self);
+                draining = 0;
+                return NULL;
+            }
+        }
+        if (self->queued)
+            relay_flush(self);
+        if (n < RECV_BATCH)
+            break;
+    }
+    draining = 0;
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 RelayTap_datagram_received(RelayTap *self, PyObject *args)
 {
@@ -363,43 +406,21 @@ RelayTap_datagram_received(RelayTap *self, PyObject *args)
     /* The queued send may point into `data`: flush before it can go away. */
     if (self->queued)
         relay_flush(self);
-    if (self->fd < 0 || draining || !should_drain(&self->skip))
+    if (!should_drain(&self->skip))
         Py_RETURN_NONE;
-    draining = 1;
-    for (int round = 0; round < MAX_ROUNDS; round++) {
-        int n = receive_batch(self->fd);
-        if (round == 0)
-            drain_result(n, &self->skip, &self->misses);
-        if (n <= 0)
-            break;
-        self->c.batches += 1;
-        self->c.drained += (unsigned long long)n;
-        for (int i = 0; i < n; i++) {
-            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
-                self->c.malformed += 1;
-                continue;
-            }
-            PyObject *peer = tuple_from_sockaddr(&raddr[i]);
-            if (peer == NULL) {
-                PyErr_Clear();
-                self->c.malformed += 1;
-                continue;
-            }
-            rc = relay_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL);
-            Py_DECREF(peer);
-            if (rc < 0) {
-                relay_flush(self);
-                draining = 0;
-                return NULL;
-            }
-        }
-        if (self->queued)
-            relay_flush(self);
-        if (n < RECV_BATCH)
-            break;
+    return relay_drain(self);
+}
+
+/* For loop.add_reader(fd, relay.readable): the relay reads its socket. */
+static PyObject *
+RelayTap_readable(RelayTap *self, PyObject *unused)
+{
+    if (self->peer_channels == NULL || self->fallback == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "RelayTap not configured");
+        return NULL;
     }
-    draining = 0;
-    Py_RETURN_NONE;
+    self->skip = 0;
+    return relay_drain(self);
 }
 
 static PyObject *
@@ -464,6 +485,8 @@ RelayTap_allow(RelayTap *self, PyObject *arg)
 }
 
 static PyMethodDef RelayTap_methods[] = {
+    {"readable", (PyCFunction)RelayTap_readable, METH_NOARGS,
+     "Drain the socket (for loop.add_reader)."},
     {"allow", (PyCFunction)RelayTap_allow, METH_O,
      "allow(size): spend `size` bytes of the bandwidth budget (False: drop)."},
     {"datagram_received", (PyCFunction)RelayTap_datagram_received, METH_VARARGS,
