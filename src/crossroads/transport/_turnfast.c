@@ -104,7 +104,7 @@ sockaddr_from_tuple(PyObject *addr, struct sockaddr_storage *ss, socklen_t *len)
 
 /* sockaddr -> (host, port), the key form of the forwarding tables. */
 static PyObject *
-tuple_from_sockaddr(const struct sockaddr_storage *ss)
+build_tuple(const struct sockaddr_storage *ss)
 {
     char text[INET6_ADDRSTRLEN];
     unsigned short port;
@@ -122,6 +122,59 @@ tuple_from_sockaddr(const struct sockaddr_storage *ss)
         return NULL;
     }
     return Py_BuildValue("(sH)", text, port);
+}
+
+/* Datagrams come from few addresses (the clients and peers of the live
+ * allocations), and formatting an address (inet_ntop, a str, an int, a
+ * tuple) costs more than forwarding. A direct-mapped cache of the tuples,
+ * keyed by the raw address and port, makes the common case one compare. */
+#define ADDR_CACHE 4096
+
+typedef struct {
+    unsigned char family;
+    unsigned short port;
+    unsigned char addr[16];
+    PyObject *tuple;
+} AddrEntry;
+
+static AddrEntry acache[ADDR_CACHE];
+
+static PyObject *
+tuple_from_sockaddr(const struct sockaddr_storage *ss)
+{
+    unsigned char key[16];
+    size_t size;
+    unsigned short port;
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *v4 = (const struct sockaddr_in *)ss;
+        memcpy(key, &v4->sin_addr, 4);
+        size = 4;
+        port = v4->sin_port;
+    } else if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)ss;
+        memcpy(key, &v6->sin6_addr, 16);
+        size = 16;
+        port = v6->sin6_port;
+    } else {
+        return NULL;
+    }
+    unsigned int h = port * 2654435761u;
+    for (size_t i = 0; i < size; i++)
+        h = (h ^ key[i]) * 16777619u;
+    AddrEntry *e = &acache[(h >> 8) & (ADDR_CACHE - 1)];
+    if (e->tuple != NULL && e->family == ss->ss_family && e->port == port &&
+        memcmp(e->addr, key, size) == 0) {
+        Py_INCREF(e->tuple);
+        return e->tuple;
+    }
+    PyObject *tuple = build_tuple(ss);
+    if (tuple == NULL)
+        return NULL;
+    Py_XSETREF(e->tuple, Py_NewRef(tuple));
+    e->family = (unsigned char)ss->ss_family;
+    e->port = port;
+    memcpy(e->addr, key, size);
+    return tuple;
 }
 
 /* A 2-tuple key from whatever address form the event loop handed over. */
