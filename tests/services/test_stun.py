@@ -283,3 +283,19 @@ async def test_asyncio_datagram_path_without_batching() -> None:
         assert 'crossroads_stun_dropped_total{reason="not-stun"} 1.0' in text
     finally:
         await runtime.close()
+
+
+async def test_ipv6_loopback_udp_and_tcp() -> None:
+    runtime = await start(default_config(loopback_config(core__host="::1")))
+    try:
+        stun = _stun(runtime)
+        assert stun.primary[0] == "::1"
+        from crossroads.client.stun import stun_binding
+
+        udp = await stun_binding(stun.primary, local=("::1", 0))
+        assert udp.mapped == udp.local and udp.mapped[0] == "::1"
+        assert udp.response_origin == stun.primary
+        tcp = await stun_binding(stun.primary, transport="tcp")
+        assert tcp.mapped[0] == "::1"
+    finally:
+        await runtime.close()
