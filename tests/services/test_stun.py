@@ -299,3 +299,37 @@ async def test_ipv6_loopback_udp_and_tcp() -> None:
         assert tcp.mapped[0] == "::1"
     finally:
         await runtime.close()
+
+
+async def test_random_datagrams_never_break_the_server() -> None:
+    import random
+
+    # No rate limit, so the last, valid request is answered whatever came before.
+    runtime = await start(default_config(loopback_config(stun__rate_limit=0)))
+    stun = _stun(runtime)
+    rng = random.Random(5780)
+    templates = [encode(request(Method.BINDING, TXID)), b"\x40\x00\x00\x04abcd"]
+
+    def blast() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for n in range(400):
+                if n % 2:
+                    data = bytearray(rng.choice(templates))
+                    for _ in range(rng.randint(1, 4)):
+                        data[rng.randrange(len(data))] = rng.randrange(256)
+                    data += rng.randbytes(rng.randint(0, 12))
+                else:
+                    data = bytearray(rng.randbytes(rng.randint(0, 64)))
+                sock.sendto(bytes(data), stun.primary)
+
+    try:
+        await asyncio.to_thread(blast)
+        result = await asyncio.to_thread(
+            _udp_exchange, encode(request(Method.BINDING, TXID)), stun.primary
+        )
+        assert result is not None and decode(result[0]).msg_class is Class.SUCCESS
+        text = await asyncio.to_thread(_metrics, runtime)
+        assert "internal-error" not in text
+        assert 'crossroads_stun_dropped_total{reason="not-stun"}' in text
+    finally:
+        await runtime.close()
