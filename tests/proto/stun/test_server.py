@@ -78,10 +78,11 @@ def test_binding_with_alternate_port_only_never_sends_other_address() -> None:
     assert msg.get(ResponseOrigin) == ResponseOrigin(*A1P2)
     assert msg.get(OtherAddress) is None
     # RFC 5780 §6: no second IP -> 420 to CHANGE-REQUEST.
-    err, _, _ = _answer(core, _binding(ChangeRequest(change_port=True)))
-    assert err.msg_class is Class.ERROR
-    assert err.error is not None and err.error.code == 420
-    assert err.get(UnknownAttributes) == UnknownAttributes((0x0003,))
+    for change in (ChangeRequest(change_port=True), ChangeRequest()):
+        err, _, _ = _answer(core, _binding(change))
+        assert err.msg_class is Class.ERROR
+        assert err.error is not None and err.error.code == 420
+        assert err.get(UnknownAttributes) == UnknownAttributes((0x0003,))
 
 
 @pytest.mark.parametrize(
@@ -113,6 +114,9 @@ def test_change_request_over_tcp_is_400() -> None:
     core = BindingCore(FULL)
     msg, _, _ = _answer(core, _binding(ChangeRequest(True, True)), tcp=True)
     assert msg.error is not None and msg.error.code == 400
+    # No flag set: nothing to change, answered normally.
+    msg, _, _ = _answer(core, _binding(ChangeRequest()), tcp=True)
+    assert msg.msg_class is Class.SUCCESS
 
 
 def test_response_port_and_padding() -> None:

@@ -27,8 +27,8 @@ asked, and FINGERPRINT when the request had one.
 
 RFC 5780 decisions (documented in the README):
 
-- Without a second IP the server MUST NOT send OTHER-ADDRESS and MUST answer a
-  CHANGE-REQUEST with 420 (RFC 5780 §6, §7.4) — so it never claims an address it
+- Without a second IP the server MUST NOT send OTHER-ADDRESS and MUST answer any
+  CHANGE-REQUEST (even one with no flag set) with 420 (RFC 5780 §6, §7.4) — so it never claims an address it
   does not have. RESPONSE-ORIGIN, RESPONSE-PORT and PADDING still work, and the
   alternate port still answers (a client told about it can test port-dependent
   mapping), but it is not advertised.
@@ -259,7 +259,7 @@ class BindingCore:
             return DROP_RATE_LIMITED
 
         fingerprint = False
-        flags = 0
+        flags = -1  # -1: no CHANGE-REQUEST; else its A|B bits
         response_port = -1
         padding = -1
         unknown: list[int] | None = None
@@ -313,12 +313,13 @@ class BindingCore:
             )
         send_from = local
         dest = addr
-        if flags:
-            if not self.change_supported:
-                # RFC 5780 §6: no second IP -> 420 to any CHANGE-REQUEST.
-                return self._error(
-                    data, addr, local, fingerprint, 420, [UnknownAttributes((_CHANGE,))]
-                )
+        if flags >= 0 and not self.change_supported:
+            # RFC 5780 §6: without a second IP, 420 to *any* CHANGE-REQUEST (even
+            # one with no flag set), so the client learns it is unsupported.
+            return self._error(
+                data, addr, local, fingerprint, 420, [UnknownAttributes((_CHANGE,))]
+            )
+        if flags > 0:
             if tcp:
                 return self._error(
                     data,
