@@ -188,6 +188,10 @@ class StunExtension(Protocol):
 
     All three are called synchronously from the transport's receive callback:
     keep them quick (no awaits; schedule tasks for slow work) and never raise.
+    With batched UDP (the default on Linux) they run inside the socket's drain
+    loop, once per datagram; ``endpoint.send`` is then a non-blocking
+    ``sendto`` that drops (and counts ``send-failed``) if the socket buffer is
+    full. ``data`` is a private copy: keep it if you like.
     ``client`` is ``(host, port)`` as the socket reports it (on a dual-stack
     ``::`` socket an IPv4 client appears as ``::ffff:a.b.c.d``); answer with
     ``endpoint.send(data, client)``.
