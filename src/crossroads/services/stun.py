@@ -20,8 +20,8 @@ bytes of a datagram only:
   :class:`~crossroads.proto.stun.server.BindingCore`, which never allocates a
   message object for a Binding request;
 - any other STUN message (first bits ``00``): the attached TURN handler, or,
-  without one, 400 "Unsupported method" to a request and a counted drop for
-  indications and responses;
+  without one, a counted drop (``unsupported-method``): RFC 8489 §6.3 discards
+  messages of unsupported methods silently;
 - ChannelData (first byte 0x40-0x7F): the attached TURN handler, or a counted
   drop;
 - anything else: counted drop (``not-stun``).
@@ -238,8 +238,7 @@ class _Collector(Collector):
         udp = service.udp_endpoints
         requests = CounterMetricFamily(
             "crossroads_stun_requests",
-            "STUN requests handled by the STUN server (Binding, and others "
-            "when no TURN is attached).",
+            "STUN Binding messages handled by the STUN server.",
             labels=["transport"],
         )
         requests.add_metric(["udp"], sum(e.requests for e in udp))
@@ -342,13 +341,7 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             self.service.stats.drop("internal-error")
 
     def _unsupported(self, data: bytes, addr: Any) -> None:
-        self.requests += 1
-        answer = self.core.unsupported(data, addr, self._loop.time())
-        if isinstance(answer, str):
-            self.service.stats.drop(answer)
-        else:
-            self.send(answer, addr)
-            self.errors += 1
+        self.service.stats.drop(self.core.unsupported(data))
 
     def error_received(self, exc: Exception) -> None:
         # ICMP errors for earlier sends (port unreachable...): nothing to do.
@@ -498,13 +491,7 @@ class BatchUdpEndpoint:
                         if turn is not None:
                             turn.handle_stun(data, addr, self)
                             continue
-                        self.requests += 1
-                        answer = core.unsupported(data, addr, now)
-                        if isinstance(answer, str):
-                            stats.drop(answer)
-                        else:
-                            self.send(answer, addr)
-                            self.errors += 1
+                        stats.drop(core.unsupported(data))
                     elif first < 0x80:
                         turn = self.service.turn
                         if turn is not None:
@@ -632,13 +619,7 @@ class TcpConnection(asyncio.Protocol):
                 if turn is not None:
                     turn.handle_stun(frame, self.peer, self)
                     return
-                stats.tcp_requests += 1
-                answer = self.core.unsupported(frame, self.peer, self._loop.time())
-                if isinstance(answer, str):
-                    stats.drop(answer)
-                else:
-                    self.send(answer)
-                    stats.tcp_error += 1
+                stats.drop(self.core.unsupported(frame))
             else:
                 turn = self.service.turn
                 if turn is not None:
@@ -760,7 +741,7 @@ class StunService:
         self.turn = handler
 
     def detach_turn(self) -> None:
-        """Forget the TURN handler (non-Binding requests get 400 again)."""
+        """Forget the TURN handler (non-Binding messages are dropped again)."""
         self.turn = None
 
     @property

@@ -37,6 +37,7 @@ from crossroads.proto.stun.server import (
     DROP_MALFORMED,
     DROP_RATE_LIMITED,
     DROP_RESPONSE,
+    DROP_UNSUPPORTED,
     BindingCore,
 )
 
@@ -217,17 +218,15 @@ def test_drops() -> None:
     assert core.handle(truncated, ("192.0.2.12", 1), 0, 2.0) == DROP_MALFORMED
 
 
-def test_unsupported_method() -> None:
+def test_unsupported_method_is_discarded() -> None:
+    # RFC 8489 §6.3: unsupported methods are silently discarded.
     core = BindingCore([A1P1], software="sw")
     allocate = encode(request(Method.ALLOCATE, TXID), fingerprint=True)
-    answer = core.unsupported(allocate, CLIENT, 0.0)
-    assert isinstance(answer, bytes)
-    msg = decode(answer)
-    assert msg.method is Method.ALLOCATE and msg.error is not None
-    assert msg.error.code == 400 and isinstance(msg.attributes[-1], Fingerprint)
+    assert core.unsupported(allocate) == DROP_UNSUPPORTED
     send = encode(Message(Class.INDICATION, Method.SEND, TXID))
-    assert core.unsupported(send, CLIENT, 0.0) == DROP_INDICATION
-    assert core.unsupported(b"\x00\x03\x00", CLIENT, 0.0) == DROP_MALFORMED
+    assert core.unsupported(send) == DROP_UNSUPPORTED
+    assert core.unsupported(b"\x00\x03\x00") == DROP_MALFORMED
+    assert core.unsupported(allocate + b"\0\0\0\0") == DROP_MALFORMED
 
 
 @settings(max_examples=400)

@@ -57,7 +57,6 @@ import struct
 import zlib
 from collections.abc import Sequence
 
-from crossroads.errors import DecodeError
 from crossroads.proto.stun.attributes import (
     ATTRIBUTE_CLASSES,
     ErrorCodeAttribute,
@@ -72,11 +71,10 @@ from crossroads.proto.stun.constants import (
     MAGIC_COOKIE,
     AttrType,
     Class,
-    ErrorCode,
     Method,
     reason_phrase,
 )
-from crossroads.proto.stun.message import Message, decode, encode, error_response
+from crossroads.proto.stun.message import Message, encode, peek_header
 from crossroads.proto.stun.ratelimit import SourceRateLimiter
 
 #: A reply: (datagram, destination address, endpoint index to send from).
@@ -430,28 +428,15 @@ class BindingCore:
         msg = Message(Class.ERROR, Method.BINDING, data[8:20], tuple(attrs), cookie)
         return encode(msg, fingerprint=fingerprint), addr, local
 
-    def unsupported(
-        self, data: bytes, addr: tuple[str, int], now: float
-    ) -> bytes | str:
-        """Answer for a STUN message whose method this server does not handle
-        (no TURN attached): 400 to a request, a drop reason for anything else."""
-        try:
-            msg = decode(data)
-        except DecodeError as exc:
-            return (
-                DROP_BAD_FINGERPRINT
-                if exc.reason == "bad-fingerprint"
-                else DROP_MALFORMED
-            )
-        if msg.msg_class is not Class.REQUEST:
-            return (
-                DROP_INDICATION if msg.msg_class is Class.INDICATION else DROP_RESPONSE
-            )
-        if not self.limiter.allow(addr[0], now):
-            return DROP_RATE_LIMITED
-        attrs = [Software(self.software)] if self.software else []
-        reply = error_response(msg, ErrorCode.BAD_REQUEST, "Unsupported method", attrs)
-        return encode(reply, fingerprint=msg.has(_FP))
+    def unsupported(self, data: bytes) -> str:
+        """Drop reason for a STUN message whose method this server does not
+        handle (no TURN attached). RFC 8489 §6.3: a message whose method is not
+        supported is silently discarded — no 400, nothing a spoofed source can
+        bounce off us."""
+        header = peek_header(data)
+        if header is None or header.length + 20 != len(data):
+            return DROP_MALFORMED
+        return DROP_UNSUPPORTED
 
 
 def _with_length(response: bytes, extra: int = 0) -> bytes:
