@@ -77,8 +77,9 @@ log = logging.getLogger("crossroads.stun")
 #: How often idle TCP connections are looked for (seconds).
 TCP_SWEEP_INTERVAL = 30.0
 #: A TCP client that does not read its responses is cut off once this many bytes
-#: wait in our write buffer (bounded memory per connection).
-TCP_MAX_UNSENT = 256 * 1024
+#: wait in our write buffer. With at most one partial frame (< 64 KiB, the STUN
+#: length field's limit) in the read buffer, a connection holds < 128 KiB.
+TCP_MAX_UNSENT = 64 * 1024
 #: Batches of 64 datagrams read per readiness callback before yielding to the
 #: event loop (fairness with TCP, HTTP and timers).
 DRAIN_BATCHES = 8
