@@ -51,7 +51,6 @@ import errno
 import ipaddress
 import logging
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
@@ -83,8 +82,18 @@ TCP_MAX_UNSENT = 64 * 1024
 #: Batches of 64 datagrams read per readiness callback before yielding to the
 #: event loop (fairness with TCP, HTTP and timers).
 DRAIN_BATCHES = 8
-#: Bound on the raw-address -> host string cache of a batched endpoint.
-HOST_CACHE_SIZE = 65_536
+#: Bound on the raw sockaddr -> (host, port) cache of a batched endpoint; it is
+#: cleared when full (~150 bytes an entry, so ~10 MB at most).
+ADDRESS_CACHE_SIZE = 65_536
+#: 64-bit words per receive-side address slot (transport.mmsg.NAME bytes).
+NAME_U64 = NAME_SLOT // 8
+
+
+def mm_names_u64(mm: MmsgSocket) -> memoryview[int]:
+    """The receive-side address slots of ``mm`` as native 64-bit words."""
+    return mm._rnames_view.cast("Q")
+
+
 #: Retries when binding "any free port" (port 0) must find the same free port on
 #: several addresses / both protocols.
 BIND_ATTEMPTS = 30
@@ -379,7 +388,13 @@ class BatchUdpEndpoint:
         self.requests = 0
         self.success = 0
         self.errors = 0
-        self._hosts: dict[int | bytes, str] = {}
+        #: Raw sockaddr (family+port+IPv4 as one u64, or IPv6 port..address
+        #: bytes) -> (host, port), so a known client costs one dict lookup.
+        self._addresses: dict[int | bytes, tuple[str, int]] = {}
+        self._names_u64 = mm_names_u64(self.mm)
+        self._name_ptrs = [
+            self.mm._rnames_addr + i * NAME_SLOT for i in range(self.mm.batch)
+        ]
         self._family = sock.family
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
@@ -399,14 +414,23 @@ class BatchUdpEndpoint:
             self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
 
-    def _host(self, key: int | bytes) -> str:
-        raw = key if isinstance(key, bytes) else key.to_bytes(4, sys.byteorder)
-        host = socket.inet_ntop(self._family, raw)
-        hosts = self._hosts
-        if len(hosts) >= HOST_CACHE_SIZE:
-            hosts.clear()
-        hosts[raw] = host
-        return host
+    def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
+        """Decode slot ``i``'s sender address and cache it under ``key``."""
+        base = i * NAME_SLOT
+        view = self.mm._rnames_view
+        if self.mm.ipv6:
+            raw = view[base + 8 : base + 24].tobytes()
+        else:
+            raw = view[base + 4 : base + 8].tobytes()
+        address = (
+            socket.inet_ntop(self._family, raw),
+            (view[base + 2] << 8) | view[base + 3],
+        )
+        addresses = self._addresses
+        if len(addresses) >= ADDRESS_CACHE_SIZE:
+            addresses.clear()
+        addresses[key] = address
+        return address
 
     def _readable(self) -> None:
         # Hot loop. The MmsgSocket accessors are inlined here (memoryview reads
@@ -415,7 +439,7 @@ class BatchUdpEndpoint:
         mm = self.mm
         core = self.core
         index = self.index
-        hosts = self._hosts
+        addresses = self._addresses
         stats = self.service.stats
         ipv6 = mm.ipv6
         words = mm._rwords
@@ -425,8 +449,8 @@ class BatchUdpEndpoint:
         rview = mm._rview
         slot = mm.slot
         names = mm._rnames_view
-        names_u32 = mm._rnames_u32
-        names_addr = mm._rnames_addr
+        names_u64 = self._names_u64
+        name_ptrs = self._name_ptrs
         sview = mm._sview
         siov = mm._siov_words
         smsgs = mm._smsgs_u64
@@ -434,13 +458,14 @@ class BatchUdpEndpoint:
         batch = mm.batch
         udp = self.group.udp
         now = self._loop.time()
+        requests = success = errors = 0
         for _ in range(DRAIN_BATCHES):
             try:
                 count = mm.recv()
             except OSError as exc:
                 log.warning("STUN recvmmsg failed: %s", exc)
                 stats.drop("recv-failed")
-                return
+                break
             for i in range(count):
                 try:
                     w = i * stride
@@ -449,20 +474,19 @@ class BatchUdpEndpoint:
                         continue
                     start = i * slot
                     data = rview[start : start + words[w + len_at]].tobytes()
-                    base = i * NAME_SLOT
+                    # sockaddr_in: family, port and address in its first 8 bytes.
                     key: int | bytes = (
-                        names[base + 8 : base + 24].tobytes()
+                        names[i * NAME_SLOT + 2 : i * NAME_SLOT + 24].tobytes()
                         if ipv6
-                        else names_u32[(base >> 2) + 1]
+                        else names_u64[i * NAME_U64]
                     )
-                    host = hosts.get(key)
-                    if host is None:
-                        host = self._host(key)
-                    addr = (host, (names[base + 2] << 8) | names[base + 3])
+                    addr = addresses.get(key)
+                    if addr is None:
+                        addr = self._address(i, key)
                     first = data[0]
                     if first < 0x40:
                         if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                            self.requests += 1
+                            requests += 1
                             reply = core.handle(data, addr, index, now)
                             if type(reply) is tuple:
                                 response, dest, send_from = reply
@@ -477,14 +501,14 @@ class BatchUdpEndpoint:
                                     out = j * slot
                                     sview[out : out + size] = response
                                     siov[j * 2 + 1] = size
-                                    smsgs[j * stride8] = names_addr + base
+                                    smsgs[j * stride8] = name_ptrs[i]
                                     mm.pending = j + 1
                                 else:
                                     udp[send_from].send(response, dest)
                                 if response[1] == 0x01:
-                                    self.success += 1
+                                    success += 1
                                 else:
-                                    self.errors += 1
+                                    errors += 1
                             else:
                                 stats.drop(reply)  # type: ignore[arg-type]
                             continue
@@ -513,7 +537,10 @@ class BatchUdpEndpoint:
                         stats.drops.get("send-failed", 0) + failed
                     )
             if count < batch:
-                return
+                break
+        self.requests += requests
+        self.success += success
+        self.errors += errors
 
 
 def _client(addr: Any) -> Address:

@@ -302,9 +302,11 @@ class BindingCore:
                     padding = alen
                 offset = nxt
 
-        entry = self._encoded(host)
+        entry = self._cache.get(host)
         if entry is None:
-            return DROP_MALFORMED
+            entry = self._encoded(host)
+            if entry is None:
+                return DROP_MALFORMED
         if unknown is not None:
             return self._error(
                 data, addr, local, fingerprint, 420, [UnknownAttributes(tuple(unknown))]
