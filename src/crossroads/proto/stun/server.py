@@ -253,7 +253,8 @@ class BindingCore:
                 return DROP_INDICATION  # RFC 8489 §6.3.2: keepalive, no answer
             return DROP_RESPONSE if mtype & 0x0100 else DROP_UNSUPPORTED
         host = addr[0]
-        if not self.limiter.allow(host, now):
+        limiter = self.limiter
+        if limiter.limit and not limiter.allow(host, now):
             return DROP_RATE_LIMITED
 
         fingerprint = False
