@@ -336,3 +336,28 @@ async def test_random_datagrams_never_break_the_server() -> None:
         assert 'crossroads_stun_dropped_total{reason="not-stun"}' in text
     finally:
         await runtime.close()
+
+
+async def test_tcp_connection_limit() -> None:
+    runtime = await start(default_config(loopback_config(stun__tcp_max_connections=1)))
+    try:
+        host, port = _stun(runtime).primary
+        first = await asyncio.open_connection(host, port)
+        for _ in range(100):  # wait until the server has accepted it
+            if _stun(runtime).connections:
+                break
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at once
+        writer.close()
+        # The first connection still works.
+        first[1].write(encode(request(Method.BINDING, TXID)))
+        header = await asyncio.wait_for(first[0].readexactly(20), 5)
+        assert header[:2] == b"\x01\x01"
+        first[1].close()
+        text = await asyncio.to_thread(_metrics, runtime)
+        assert (
+            'crossroads_stun_dropped_total{reason="tcp-connection-limit"} 1.0' in text
+        )
+    finally:
+        await runtime.close()
