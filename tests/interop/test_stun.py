@@ -121,6 +121,19 @@ def test_tcp_binding_with_a_third_party_codec(
     assert response.attributes["SOFTWARE"].startswith("crossroads")
 
 
+def _free_udp_pair(host: str) -> int:
+    """A UDP port p with p + 1 free too (the RFC 3489 client binds both)."""
+    for _ in range(50):
+        port = free_port(socket.SOCK_DGRAM, host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free UDP port pair")
+
+
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
@@ -155,7 +168,7 @@ def test_rfc3489_client_against_crossroads(
     server = crossroads_serve("--stun-alt-host", "127.0.0.2")
     primary = server.endpoint("udp")
     alt = server.endpoint("udp", "alt host, alt port")
-    local_port = free_port(socket.SOCK_DGRAM, "127.0.0.1")
+    local_port = _free_udp_pair("127.0.0.1")
     # Its exit code is the NAT type it found (1 = open), so not checked here.
     # It binds local_port and local_port + 1.
     done = subprocess.run(

@@ -87,7 +87,7 @@ def test_concurrent_transactions_have_distinct_ids() -> None:
     assert len(ids) == 5 and len(core.datagrams_to_send(0.0)) == 5
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=80))
 def test_random_datagrams_never_raise(data: bytes) -> None:
     core = _core()

@@ -229,7 +229,7 @@ def test_unsupported_method_is_discarded() -> None:
     assert core.unsupported(allocate + b"\0\0\0\0") == DROP_MALFORMED
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=120), st.sampled_from([0, 1, 2, 3]), st.booleans())
 def test_random_input_never_raises(body: bytes, local: int, tcp: bool) -> None:
     core = BindingCore(FULL, software="x")
@@ -239,7 +239,7 @@ def test_random_input_never_raises(body: bytes, local: int, tcp: bool) -> None:
         decode(reply[0])  # whatever we send is valid STUN
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64).map(lambda b: b[: len(b) & ~3]), st.booleans())
 def test_random_attributes_behind_valid_header(body: bytes, magic: bool) -> None:
     core = BindingCore(FULL)
