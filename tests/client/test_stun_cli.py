@@ -10,7 +10,10 @@ from collections.abc import Callable
 import pytest
 
 from crossroads.client.stun_cli import parse_server
-from tests.interop.conftest import CrossroadsProcess, crossroads_serve  # noqa: F401
+from tests.interop.stun_support import (  # noqa: F401 (fixture)
+    CrossroadsProcess,
+    crossroads_serve_fixture,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +37,7 @@ def _cli(*args: str) -> tuple[int, dict[str, object]]:
 
 
 def test_binding_and_nat_commands(
-    crossroads_serve: Callable[..., CrossroadsProcess],  # noqa: F811
+    crossroads_serve: Callable[..., CrossroadsProcess],
 ) -> None:
     server = crossroads_serve("--stun-alt-host", "127.0.0.2")
     target = f"127.0.0.1:{server.stun_port}"

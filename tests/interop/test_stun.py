@@ -27,7 +27,12 @@ from crossroads.client.stun import (
     stun_binding,
 )
 from tests.conftest import free_port
-from tests.interop.conftest import Coturn, CrossroadsProcess
+from tests.interop.stun_support import (  # noqa: F401 (fixtures)
+    Coturn,
+    CrossroadsProcess,
+    coturn_fixture,
+    crossroads_serve_fixture,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(60)]
 
