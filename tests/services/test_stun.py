@@ -361,3 +361,20 @@ async def test_tcp_connection_limit() -> None:
         )
     finally:
         await runtime.close()
+
+
+async def test_wildcard_bind_replies_from_the_address_the_client_used() -> None:
+    """RFC 8489 §6.3.1.2: the response's source is the request's destination,
+    also on a 0.0.0.0 socket (IP_PKTINFO). Traffic stays on 127.0.0.0/8."""
+    runtime = await start(default_config(loopback_config(core__host="0.0.0.0")))
+    try:
+        stun = _stun(runtime)
+        port = stun.primary[1]
+        binding = encode(request(Method.BINDING, TXID))
+        for destination in ("127.0.0.1", "127.0.0.2", "127.0.0.9"):
+            result = await asyncio.to_thread(
+                _udp_exchange, binding, (destination, port)
+            )
+            assert result is not None and result[1] == (destination, port)
+    finally:
+        await runtime.close()

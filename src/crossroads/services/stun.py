@@ -384,7 +384,8 @@ class BatchUdpEndpoint:
         self.local = local
         self.transport: Literal["udp"] = "udp"
         self.sock = sock
-        self.mm = MmsgSocket(sock)
+        # On a wildcard bind, reply from the address the client sent to.
+        self.mm = MmsgSocket(sock, pktinfo=_is_wildcard(local[0]))
         self.requests = 0
         self.success = 0
         self.errors = 0
@@ -456,6 +457,7 @@ class BatchUdpEndpoint:
         smsgs = mm._smsgs_u64
         stride8 = mm._stride8
         batch = mm.batch
+        pktinfo = mm.pktinfo
         udp = self.group.udp
         now = self._loop.time()
         requests = success = errors = 0
@@ -502,6 +504,8 @@ class BatchUdpEndpoint:
                                     sview[out : out + size] = response
                                     siov[j * 2 + 1] = size
                                     smsgs[j * stride8] = name_ptrs[i]
+                                    if pktinfo:
+                                        mm.reply_from_destination(i, j)
                                     mm.pending = j + 1
                                 else:
                                     udp[send_from].send(response, dest)
@@ -853,6 +857,13 @@ class StunService:
                 )
                 assert isinstance(protocol, UdpEndpoint)
                 endpoint = protocol
+                if _is_wildcard(local[0]):
+                    log.warning(
+                        "STUN on %s without batched I/O: replies leave from the "
+                        "address the kernel routes by, which on a multi-homed host "
+                        "may not be the one the client used; set --host",
+                        _join(*local),
+                    )
             group.udp.append(endpoint)
             self.udp_endpoints.append(endpoint)
             self._descriptions.append(f"udp {_join(*local)}{labels[index]}")
