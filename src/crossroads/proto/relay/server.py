@@ -211,6 +211,32 @@ class RelayServerConfig:
         return min(1.0, max(0.05, shortest / 10))
 
 
+#: Where a relay must never send on a client's say-so. Written out rather than
+#: ``ip.is_private`` because Python counts the documentation ranges (192.0.2.0/24,
+#: 198.51.100.0/24, 203.0.113.0/24) as private, and the NAT lab uses them as its
+#: public internet.
+_REFUSED_NETWORKS: Final = tuple(
+    ipaddress.ip_network(net)
+    for net in (
+        "0.0.0.0/8",  # "this network" (RFC 791)
+        "10.0.0.0/8",  # RFC 1918
+        "100.64.0.0/10",  # carrier-grade NAT shared space (RFC 6598)
+        "127.0.0.0/8",  # loopback
+        "169.254.0.0/16",  # link-local (RFC 3927)
+        "172.16.0.0/12",  # RFC 1918
+        "192.168.0.0/16",  # RFC 1918
+        "224.0.0.0/4",  # multicast
+        "240.0.0.0/4",  # reserved, and broadcast
+        "::/128",  # unspecified
+        "::1/128",  # loopback
+        "fc00::/7",  # unique local (RFC 4193)
+        "fe80::/10",  # link-local
+        "fec0::/10",  # deprecated site-local
+        "ff00::/8",  # multicast
+    )
+)
+
+
 def is_private_address(host: str) -> bool:
     """Loopback, private, link-local, multicast, unspecified or reserved."""
     try:
@@ -219,14 +245,7 @@ def is_private_address(host: str) -> bool:
         return True
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    return (
-        ip.is_private
-        or ip.is_loopback
-        or ip.is_link_local
-        or ip.is_multicast
-        or ip.is_unspecified
-        or ip.is_reserved
-    )
+    return any(ip in net for net in _REFUSED_NETWORKS)
 
 
 # ------------------------------------------------------------------------- server
@@ -386,6 +405,14 @@ class RelayServer:
         for allocation_id, deadline in list(self._ended.items()):
             if wall > deadline:
                 del self._ended[allocation_id]
+
+    def relayed(self) -> tuple[int, int]:
+        """Frames and bytes forwarded so far, including those not yet swept."""
+        packets, octets = self.relayed_packets, self.relayed_octets
+        for route in self.routes.values():
+            packets += route.packets - route.seen_packets
+            octets += route.octets - route.seen_octets
+        return packets, octets
 
     def stats(self) -> dict[str, int]:
         return {
