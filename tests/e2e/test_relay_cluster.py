@@ -60,16 +60,21 @@ def start_node_b(redis_url: str) -> subprocess.Popen[str]:
 async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -> None:
     process = start_node_b(redis_url)
     try:
-        async with relay_runtime(
-            core__store=redis_url,
-            relay__node_id="node-a",
-            relay__region="eu",
-            relay__heartbeat=HEARTBEAT,
-        ) as rt, api(rt) as http:
+        async with (
+            relay_runtime(
+                core__store=redis_url,
+                relay__node_id="node-a",
+                relay__region="eu",
+                relay__heartbeat=HEARTBEAT,
+            ) as rt,
+            api(rt) as http,
+        ):
             raw_b = None
             async with asyncio.timeout(30):
                 while raw_b is None:
-                    assert process.poll() is None, process.stdout.read() if process.stdout else ""
+                    assert process.poll() is None, (
+                        process.stdout.read() if process.stdout else ""
+                    )
                     raw_b = await rt.store.get(node_key("node-b"))
                     await asyncio.sleep(0.05)
             port_b = json.loads(raw_b)["port"]
@@ -100,7 +105,10 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -
                 await player.bind()
                 await player.connect()
                 player.send(host.allocation_id, b"through node b")
-                assert await host.recv(timeout=5) == (player.allocation_id, b"through node b")
+                assert await host.recv(timeout=5) == (
+                    player.allocation_id,
+                    b"through node b",
+                )
                 await player.close()
                 await host.close()
 
@@ -127,16 +135,24 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -
 
 
 async def test_api_only_and_node_only_runtimes(redis_url: str) -> None:
-    async with relay_runtime(
-        core__store=redis_url, relay__node_only=True, relay__region="us", relay__heartbeat=HEARTBEAT
-    ) as node_rt, relay_runtime(core__store=redis_url, relay__api_only=True) as api_rt:
+    async with (
+        relay_runtime(
+            core__store=redis_url,
+            relay__node_only=True,
+            relay__region="us",
+            relay__heartbeat=HEARTBEAT,
+        ) as node_rt,
+        relay_runtime(core__store=redis_url, relay__api_only=True) as api_rt,
+    ):
         async with RelayApi(base_url(api_rt), API_KEY) as relay_api:
             assert await relay_api.regions() == [("us", "us")]
             allocation = await relay_api.allocate(2, "us")
             host = await RelayConnection.open(allocation)
             await host.bind()
             player = await RelayConnection.open(
-                await relay_api.join(await relay_api.join_code(allocation.allocation_id))
+                await relay_api.join(
+                    await relay_api.join_code(allocation.allocation_id)
+                )
             )
             await player.bind()
             await player.connect()

@@ -203,3 +203,28 @@ async def test_openapi_documents_the_relay_api() -> None:
         assert schema["required"] == ["maxConnections"]
         assert "201" in allocate["responses"] and "401" in allocate["responses"]
         assert "AllocationModel" in document["components"]["schemas"]
+
+
+async def test_allocations_are_rate_limited_per_client() -> None:
+    async with relay_runtime(relay__api_rate=1.0) as rt, api(rt) as http:
+        statuses = [
+            (await http.post("/v1/allocate", json={"maxConnections": 1})).status_code
+            for _ in range(6)
+        ]
+        assert statuses[:3] == [201, 201, 201]  # a burst of three seconds' worth
+        assert 429 in statuses[3:]
+        limited = await http.post("/v1/allocate", json={"maxConnections": 1})
+        assert_error(limited, 429, 15429)
+        assert limited.headers["retry-after"] == "1"
+        # Reading regions is not limited.
+        assert (await http.get("/v1/regions")).status_code == 200
+
+
+async def test_oversized_body_is_refused() -> None:
+    async with relay_runtime() as rt, api(rt) as http:
+        response = await http.post(
+            "/v1/join",
+            content=b'{"joinCode": "' + b"B" * 20000 + b'"}',
+            headers={"content-type": "application/json"},
+        )
+        assert_error(response, 413, 15413)

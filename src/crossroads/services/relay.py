@@ -185,6 +185,11 @@ class Config:
         kind="bool",
         help="Accept clients at loopback/private/link-local addresses (LAN and tests).",
     )
+    api_rate: float = setting(
+        10.0,
+        kind="float",
+        help="Allocate/join calls per second per client IP (0 = no limit; burst 3 s).",
+    )
     max_route_pps: float = setting(
         0.0,
         kind="float",
@@ -788,6 +793,9 @@ async def serve(ctx: ServiceContext) -> Service:
                     host_alone_timeout=cfg.host_alone_timeout,
                     allow_private_peers=cfg.allow_private_peers,
                     max_route_pps=cfg.max_route_pps,
+                    # Hosts reserve seats for their joiners; twice the seats leaves
+                    # room for joiners bound but not yet connected.
+                    max_allocations=2 * cfg.capacity,
                 ),
                 sealer,
                 wall_offset=time.time() - loop.time(),
@@ -825,7 +833,14 @@ async def serve(ctx: ServiceContext) -> Service:
             ["endpoint", "status"],
             registry=ctx.metrics,
         )
-        ctx.add_router(make_router(allocator, cfg.api_keys, requests))
+        router = make_router(
+            allocator,
+            cfg.api_keys,
+            requests,
+            rate=cfg.api_rate,
+            burst=max(1.0, cfg.api_rate * 3),
+        )
+        ctx.add_router(router)
         ctx.shared["relay.allocator"] = allocator
         if not cfg.api_keys:
             log.warning(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -146,6 +147,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (401, "Missing or wrong API key (15401)"),
         (404, "Unknown allocation (15008) or join code (15009)"),
         (409, "Session full (15409)"),
+        (413, "Body larger than 16 KiB (15413)"),
+        (429, "Too many allocate/join calls from this address (15429)"),
         (503, "No relay node has room (15010), or the store is down (15503)"),
     )
 }
@@ -177,9 +180,55 @@ def _envelope(status: int, data: dict[str, Any]) -> JSONResponse:
     return JSONResponse({"meta": meta, "data": data}, status_code=status)
 
 
+#: Request bodies are a few dozen bytes; anything near this is not a client of ours.
+MAX_BODY = 16 * 1024
+#: Client IPs tracked by the rate limiter before the oldest is forgotten.
+MAX_TRACKED_CLIENTS = 65_536
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise AllocationError(
+                413, 15413, "PayloadTooLarge", f"bodies are at most {MAX_BODY} bytes"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class RateLimiter:
+    """A token bucket per client IP, for the calls that create allocations."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self._buckets: dict[str, list[float]] = {}
+
+    def allow(self, client: str) -> bool:
+        if self.rate <= 0:
+            return True
+        now = self.clock()
+        bucket = self._buckets.get(client)
+        if bucket is None:
+            if len(self._buckets) >= MAX_TRACKED_CLIENTS:
+                del self._buckets[next(iter(self._buckets))]
+            bucket = self._buckets[client] = [self.burst, now]
+        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        if tokens < 1:
+            bucket[0] = tokens
+            return False
+        bucket[0] = tokens - 1
+        return True
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await _read_body(request)
     try:
-        raw = await request.body()
         data = json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise AllocationError(
@@ -196,11 +245,21 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def make_router(
-    allocator: Allocator, api_keys: Sequence[str], requests: Counter
+    allocator: Allocator,
+    api_keys: Sequence[str],
+    requests: Counter,
+    *,
+    rate: float = 0.0,
+    burst: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> APIRouter:
-    """The ``/v1`` allocations router for one allocator and set of API keys."""
+    """The ``/v1`` allocations router for one allocator and set of API keys.
+
+    ``rate`` and ``burst`` limit allocate and join calls per client IP (0: none).
+    """
     keys = [key.encode() for key in api_keys]
     router = APIRouter(prefix="/v1", tags=["relay"])
+    limiter = RateLimiter(rate, burst, clock)
 
     def authorized(request: Request) -> bool:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -228,6 +287,13 @@ def make_router(
                 "Unauthorized",
                 "missing or unknown API key (Authorization: Bearer …)",
             )
+        elif endpoint in ("allocate", "join") and not limiter.allow(
+            request.client.host if request.client else ""
+        ):
+            response = error_response(
+                429, 15429, "RateLimited", "too many allocations from this address"
+            )
+            response.headers["Retry-After"] = "1"
         else:
             try:
                 response = await handler()
