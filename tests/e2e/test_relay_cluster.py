@@ -8,10 +8,13 @@ registration must expire by itself).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,43 +25,59 @@ from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
 
-HEARTBEAT = 0.2  # registration TTL = 3 heartbeats = 0.6 s
+HEARTBEAT = 0.5  # registration TTL = 3 heartbeats = 1.5 s
 
 
-def start_node_b(redis_url: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "crossroads",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--only",
-            "relay",
-            "--store",
-            redis_url,
-            "--relay-port",
-            "0",
-            "--relay-node-only",
-            "--relay-node-id",
-            "node-b",
-            "--relay-region",
-            "eu",
-            "--relay-heartbeat",
-            str(HEARTBEAT),
-            "--relay-allow-private-peers",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+@contextlib.asynccontextmanager
+async def step(
+    what: str, seconds: float, log: Path | None = None
+) -> AsyncIterator[None]:
+    """Bound one step of the scenario, and say which one ran out of time."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        output = log.read_text() if log is not None and log.exists() else ""
+        pytest.fail(f"{what}: no result within {seconds} s\n{output}")
 
 
-async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -> None:
-    process = start_node_b(redis_url)
+def start_node_b(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "crossroads",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--only",
+                "relay",
+                "--store",
+                redis_url,
+                "--relay-port",
+                "0",
+                "--relay-node-only",
+                "--relay-node-id",
+                "node-b",
+                "--relay-region",
+                "eu",
+                "--relay-heartbeat",
+                str(HEARTBEAT),
+                "--relay-allow-private-peers",
+            ],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def test_two_nodes_share_load_and_a_dead_node_is_avoided(
+    redis_url: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "node-b.log"
+    process = start_node_b(redis_url, log)
     try:
         async with (
             relay_runtime(
@@ -70,11 +89,9 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -
             api(rt) as http,
         ):
             raw_b = None
-            async with asyncio.timeout(30):
+            async with step("node B registers", 40, log):
                 while raw_b is None:
-                    assert process.poll() is None, (
-                        process.stdout.read() if process.stdout else ""
-                    )
+                    assert process.poll() is None, log.read_text()
                     raw_b = await rt.store.get(node_key("node-b"))
                     await asyncio.sleep(0.05)
             port_b = json.loads(raw_b)["port"]
@@ -96,26 +113,27 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -
             # A whole session on node B, a process that shares only Redis with us.
             on_b = next(a for a in spread if a["relayServer"]["port"] == port_b)
             async with RelayApi(base_url(rt), API_KEY) as relay_api:
-                host = await RelayConnection.open(Allocation.from_json(on_b))
-                await host.bind()
-                code = await relay_api.join_code(host.allocation.allocation_id)
-                joined = await relay_api.join(code)
-                assert joined.server == host.allocation.server
-                player = await RelayConnection.open(joined)
-                await player.bind()
-                await player.connect()
-                player.send(host.allocation_id, b"through node b")
-                assert await host.recv(timeout=5) == (
-                    player.allocation_id,
-                    b"through node b",
-                )
-                await player.close()
-                await host.close()
+                async with step("a session on node B", 30, log):
+                    host = await RelayConnection.open(Allocation.from_json(on_b))
+                    await host.bind()
+                    code = await relay_api.join_code(host.allocation.allocation_id)
+                    joined = await relay_api.join(code)
+                    assert joined.server == host.allocation.server
+                    player = await RelayConnection.open(joined)
+                    await player.bind()
+                    await player.connect()
+                    player.send(host.allocation_id, b"through node b")
+                    assert await host.recv(timeout=5) == (
+                        player.allocation_id,
+                        b"through node b",
+                    )
+                    await player.close()
+                    await host.close()
 
                 # Kill node B outright; its registration expires with its TTL.
                 process.kill()
                 process.wait(10)
-                async with asyncio.timeout(30):
+                async with step("node B's registration expires", 20):
                     while await rt.store.get(node_key("node-b")) is not None:
                         await asyncio.sleep(0.05)
                 after = [await allocate() for _ in range(4)]
@@ -130,8 +148,6 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(redis_url: str) -
         if process.poll() is None:
             process.kill()
         process.wait(10)
-        if process.stdout is not None:
-            process.stdout.close()
 
 
 async def test_api_only_and_node_only_runtimes(redis_url: str) -> None:
