@@ -586,7 +586,10 @@ class RelayNode:
 
     async def _heartbeat(self) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
+        loop = asyncio.get_running_loop()
         while True:
+            # Token deadlines are Unix times; follow wall-clock corrections.
+            self.core.wall_offset = time.time() - loop.time()
             try:
                 await self.register()
                 for host_id in list(self._hosts):
@@ -626,6 +629,7 @@ class RelayNode:
 
     async def _apply(self, event: Event) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
+        log.debug("relay node %s: %s", self.info.node_id, event)
         match event:
             case AllocationBound(is_host=True, rebind=False, allocation_id=aid):
                 host_id = uuid.UUID(bytes=aid)
