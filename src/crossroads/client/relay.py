@@ -217,17 +217,26 @@ class RelayConnection:
         *,
         local_host: str | None = None,
         config: core.RelayClientConfig | None = None,
+        sock: socket.socket | None = None,
     ) -> RelayConnection:
-        """Open a UDP socket for ``allocation`` (nothing is sent until :meth:`bind`)."""
+        """Open a UDP socket for ``allocation`` (nothing is sent until :meth:`bind`).
+
+        ``sock`` uses a socket the caller already has (bound, non-blocking; e.g. the
+        game's own, or one made in another network namespace); it is closed with
+        the connection.
+        """
         connection = cls(allocation, config)
-        await connection._open_socket(local_host)
+        await connection._open_socket(local_host, sock)
         return connection
 
-    async def _open_socket(self, local_host: str | None) -> None:
-        server_host = self.allocation.server[0]
-        if local_host is None:
-            local_host = "::" if ":" in server_host else "0.0.0.0"
-        sock = make_udp_socket(local_host, 0)
+    async def _open_socket(
+        self, local_host: str | None, sock: socket.socket | None = None
+    ) -> None:
+        if sock is None:
+            server_host = self.allocation.server[0]
+            if local_host is None:
+                local_host = "::" if ":" in server_host else "0.0.0.0"
+            sock = make_udp_socket(local_host, 0)
         transport, _ = await self._loop.create_datagram_endpoint(
             lambda: _Protocol(self), sock=sock
         )

@@ -186,7 +186,7 @@ class Config:
         help="Accept clients at loopback/private/link-local addresses (LAN and tests).",
     )
     api_rate: float = setting(
-        10.0,
+        20.0,
         kind="float",
         help="Allocate/join calls per second per client IP (0 = no limit; burst 3 s).",
     )
