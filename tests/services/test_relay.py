@@ -243,3 +243,19 @@ async def test_metrics_are_exported() -> None:
             "crossroads_relay_load_seats",
         ):
             assert name in text
+
+
+async def test_a_remnant_record_is_not_a_session() -> None:
+    store = MemoryStore()
+    await register(store, "a", "eu")
+    alloc = allocator(store)
+    ghost = uuid.uuid4()
+    # Only what a node writes (live connections), none of the API's fields.
+    await store.hset(f"relay:alloc:{ghost}", {"connections": b"1"})
+    await store.set("relay:joincode:BCDFGH", str(ghost).encode())
+    with pytest.raises(AllocationError) as info:
+        await alloc.join("BCDFGH")
+    assert info.value.code == 15009
+    with pytest.raises(AllocationError) as info:
+        await alloc.join_code(ghost)
+    assert info.value.code == 15008

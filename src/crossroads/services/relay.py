@@ -245,6 +245,10 @@ class NodeInfo:
         )
 
 
+#: Fields the API writes in ``relay:alloc:<uuid>``; a hash without them is a remnant.
+RECORD_FIELDS = frozenset({"node", "region", "maxConnections", "connectionData"})
+
+
 def node_key(node_id: str) -> str:
     return f"relay:node:{node_id}"
 
@@ -446,7 +450,7 @@ class Allocator:
 
     async def join_code(self, allocation_id: uuid.UUID) -> str:
         record = await self.store.hgetall(alloc_key(allocation_id))
-        if not record:
+        if not RECORD_FIELDS <= set(record):
             raise AllocationError(
                 404,
                 15008,
@@ -491,14 +495,18 @@ class Allocator:
             raise not_found
         host_id = uuid.UUID(raw_id.decode())
         record = await self.store.hgetall(alloc_key(host_id))
-        if not record:
-            raise not_found
+        if not RECORD_FIELDS <= set(record):
+            raise not_found  # gone, or a remnant without the API's fields
         raw_node = await self.store.get(node_key(record["node"].decode()))
         if raw_node is None:
             raise not_found
-        node = NodeInfo.from_json(raw_node)
-        max_connections = int(record["maxConnections"])
-        if int(record.get("connections", b"0")) >= max_connections:
+        try:
+            node = NodeInfo.from_json(raw_node)
+            max_connections = int(record["maxConnections"])
+            connections = int(record.get("connections", b"0"))
+        except (ValueError, KeyError, TypeError):
+            raise not_found from None
+        if connections >= max_connections:
             raise AllocationError(
                 409,
                 15409,
@@ -643,9 +651,11 @@ class RelayNode:
             ):
                 host_id = uuid.UUID(bytes=hid)
                 if host_id in self._hosts:
-                    await self.store.hset(
-                        alloc_key(host_id), {"connections": str(n).encode()}
-                    )
+                    key = alloc_key(host_id)
+                    await self.store.hset(key, {"connections": str(n).encode()})
+                    # Never leave a hash without a TTL, even if the API's record
+                    # expired meanwhile (join treats such a remnant as gone).
+                    await self.store.expire(key, ttl)
             case AllocationEnded(is_host=True, allocation_id=aid):
                 host_id = uuid.UUID(bytes=aid)
                 code = self._hosts.pop(host_id, None)
