@@ -201,7 +201,10 @@ class StunExtension(Protocol):
     With batched UDP (the default on Linux) they run inside the socket's drain
     loop, once per datagram; ``endpoint.send`` is then a non-blocking
     ``sendto`` that drops (and counts ``send-failed``) if the socket buffer is
-    full. ``data`` is a private copy: keep it if you like.
+    full. ``data`` is a private copy: keep it if you like. On a wildcard-bound
+    socket the STUN Binding replies leave from the client's destination address
+    (IP_PKTINFO), but ``endpoint.send`` leaves from the kernel's routed choice:
+    on a multi-homed host, run with a specific ``--host``.
     ``client`` is ``(host, port)`` as the socket reports it (on a dual-stack
     ``::`` socket an IPv4 client appears as ``::ffff:a.b.c.d``); answer with
     ``endpoint.send(data, client)``.
