@@ -27,7 +27,12 @@ from crossroads.client.stun import (
     stun_binding,
 )
 from tests.conftest import free_port
-from tests.interop.conftest import Coturn, CrossroadsProcess
+from tests.interop.stun_support import (  # noqa: F401 (fixtures)
+    Coturn,
+    CrossroadsProcess,
+    coturn_fixture,
+    crossroads_serve_fixture,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(60)]
 
@@ -121,6 +126,19 @@ def test_tcp_binding_with_a_third_party_codec(
     assert response.attributes["SOFTWARE"].startswith("crossroads")
 
 
+def _free_udp_pair(host: str) -> int:
+    """A UDP port p with p + 1 free too (the RFC 3489 client binds both)."""
+    for _ in range(50):
+        port = free_port(socket.SOCK_DGRAM, host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((host, port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free UDP port pair")
+
+
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
@@ -144,3 +162,33 @@ async def test_crossroads_client_against_coturn(coturn: Callable[..., Coturn]) -
     assert behavior.mapping is MappingBehavior.ENDPOINT_INDEPENDENT
     assert behavior.filtering is FilteringBehavior.ENDPOINT_INDEPENDENT
     assert behavior.hairpinning is True and not behavior.behind_nat
+
+
+def test_rfc3489_client_against_crossroads(
+    crossroads_serve: Callable[..., CrossroadsProcess],
+) -> None:
+    """The classic RFC 3489 client (Debian `stun-client`, Vovida 0.97) runs its
+    NAT-type tests I-III with CHANGE-REQUEST and reads MAPPED-, SOURCE- and
+    CHANGED-ADDRESS: the RFC 3489 compatibility path of the server."""
+    server = crossroads_serve("--stun-alt-host", "127.0.0.2")
+    primary = server.endpoint("udp")
+    alt = server.endpoint("udp", "alt host, alt port")
+    local_port = _free_udp_pair("127.0.0.1")
+    # Its exit code is the NAT type it found (1 = open), so not checked here.
+    # It binds local_port and local_port + 1.
+    done = subprocess.run(
+        [_tool("stun"), f"127.0.0.1:{primary[1]}", "-v", "-p", str(local_port)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    out = done.stdout + done.stderr
+    assert f"MappedAddress = 127.0.0.1:{local_port}" in out, out
+    assert f"ChangedAddress = {alt[0]}:{alt[1]}" in out, out
+    # Its tests change the IP alone (answer from A2:P1), then the port alone (A1:P2).
+    for label in ("alt host", "alt port"):
+        host, port = server.endpoint("udp", label)
+        assert f"SourceAddress = {host}:{port}" in out, out
+    for test in ("test I = 1", "test II = 1", "test III = 1"):
+        assert test in out, out
+    assert "Primary: Open" in out, out

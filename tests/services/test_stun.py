@@ -95,12 +95,13 @@ async def _check_bad_input(runtime: Runtime) -> None:
         assert (
             await asyncio.to_thread(_udp_exchange, data, primary, expect=False) is None
         )
+    # No TURN attached: other methods are silently discarded (RFC 8489 §6.3).
     allocate = encode(request(Method.ALLOCATE, TXID))
-    result = await asyncio.to_thread(_udp_exchange, allocate, primary)
-    assert result is not None
-    answer = decode(result[0])
-    assert answer.error is not None and answer.error.code == 400
+    assert (
+        await asyncio.to_thread(_udp_exchange, allocate, primary, expect=False) is None
+    )
     text = await asyncio.to_thread(_metrics, runtime)
+    assert 'crossroads_stun_dropped_total{reason="unsupported-method"} 1.0' in text
     assert 'crossroads_stun_dropped_total{reason="not-stun"} 1.0' in text
     assert 'crossroads_stun_dropped_total{reason="channel-data-no-turn"} 1.0' in text
     assert 'crossroads_stun_dropped_total{reason="malformed"} 1.0' in text
@@ -263,8 +264,10 @@ async def test_turn_extension_hook(runtime: Runtime) -> None:
         await asyncio.sleep(0.02)
     assert turn.lost == [writer.get_extra_info("sockname")[:2]]
     stun.detach_turn()
-    result = await asyncio.to_thread(_udp_exchange, allocate, stun.primary)
-    assert result is not None and decode(result[0]).error is not None
+    assert (
+        await asyncio.to_thread(_udp_exchange, allocate, stun.primary, expect=False)
+        is None
+    )
 
 
 async def test_asyncio_datagram_path_without_batching() -> None:
@@ -291,5 +294,97 @@ async def test_asyncio_datagram_path_without_batching() -> None:
         assert result is not None and result[0] == channel
         text = await asyncio.to_thread(_metrics, runtime)
         assert 'crossroads_stun_dropped_total{reason="not-stun"} 1.0' in text
+    finally:
+        await runtime.close()
+
+
+async def test_ipv6_loopback_udp_and_tcp() -> None:
+    runtime = await start(default_config(loopback_config(core__host="::1")))
+    try:
+        stun = _stun(runtime)
+        assert stun.primary[0] == "::1"
+        from crossroads.client.stun import stun_binding
+
+        udp = await stun_binding(stun.primary, local=("::1", 0))
+        assert udp.mapped == udp.local and udp.mapped[0] == "::1"
+        assert udp.response_origin == stun.primary
+        tcp = await stun_binding(stun.primary, transport="tcp")
+        assert tcp.mapped[0] == "::1"
+    finally:
+        await runtime.close()
+
+
+async def test_random_datagrams_never_break_the_server() -> None:
+    import random
+
+    # No rate limit, so the last, valid request is answered whatever came before.
+    runtime = await start(default_config(loopback_config(stun__rate_limit=0)))
+    stun = _stun(runtime)
+    rng = random.Random(5780)
+    templates = [encode(request(Method.BINDING, TXID)), b"\x40\x00\x00\x04abcd"]
+
+    def blast() -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            for n in range(400):
+                if n % 2:
+                    data = bytearray(rng.choice(templates))
+                    for _ in range(rng.randint(1, 4)):
+                        data[rng.randrange(len(data))] = rng.randrange(256)
+                    data += rng.randbytes(rng.randint(0, 12))
+                else:
+                    data = bytearray(rng.randbytes(rng.randint(0, 64)))
+                sock.sendto(bytes(data), stun.primary)
+
+    try:
+        await asyncio.to_thread(blast)
+        result = await asyncio.to_thread(
+            _udp_exchange, encode(request(Method.BINDING, TXID)), stun.primary
+        )
+        assert result is not None and decode(result[0]).msg_class is Class.SUCCESS
+        text = await asyncio.to_thread(_metrics, runtime)
+        assert "internal-error" not in text
+        assert 'crossroads_stun_dropped_total{reason="not-stun"}' in text
+    finally:
+        await runtime.close()
+
+
+async def test_tcp_connection_limit() -> None:
+    runtime = await start(default_config(loopback_config(stun__tcp_max_connections=1)))
+    try:
+        host, port = _stun(runtime).primary
+        first = await asyncio.open_connection(host, port)
+        for _ in range(100):  # wait until the server has accepted it
+            if _stun(runtime).connections:
+                break
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection(host, port)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed at once
+        writer.close()
+        # The first connection still works.
+        first[1].write(encode(request(Method.BINDING, TXID)))
+        header = await asyncio.wait_for(first[0].readexactly(20), 5)
+        assert header[:2] == b"\x01\x01"
+        first[1].close()
+        text = await asyncio.to_thread(_metrics, runtime)
+        assert (
+            'crossroads_stun_dropped_total{reason="tcp-connection-limit"} 1.0' in text
+        )
+    finally:
+        await runtime.close()
+
+
+async def test_wildcard_bind_replies_from_the_address_the_client_used() -> None:
+    """RFC 8489 §6.3.1.2: the response's source is the request's destination,
+    also on a 0.0.0.0 socket (IP_PKTINFO). Traffic stays on 127.0.0.0/8."""
+    runtime = await start(default_config(loopback_config(core__host="0.0.0.0")))
+    try:
+        stun = _stun(runtime)
+        port = stun.primary[1]
+        binding = encode(request(Method.BINDING, TXID))
+        for destination in ("127.0.0.1", "127.0.0.2", "127.0.0.9"):
+            result = await asyncio.to_thread(
+                _udp_exchange, binding, (destination, port)
+            )
+            assert result is not None and result[1] == (destination, port)
     finally:
         await runtime.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -515,7 +516,13 @@ async def stun_binding(
     dest = await _resolve(server)
     local = local or (_wildcard_for(dest[0]), 0)
     async with await StunClient.open(local) as client:
-        return await client.binding(dest, timers=timers)
+        result = await client.binding(dest, timers=timers)
+    if ipaddress.ip_address(result.local[0]).is_unspecified:
+        # Report the address the OS actually sent from, not the wildcard bind.
+        routed = _route_source(dest)
+        if routed is not None:
+            result = dataclasses.replace(result, local=(routed, result.local[1]))
+    return result
 
 
 async def _try_binding(

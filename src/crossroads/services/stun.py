@@ -20,8 +20,8 @@ bytes of a datagram only:
   :class:`~crossroads.proto.stun.server.BindingCore`, which never allocates a
   message object for a Binding request;
 - any other STUN message (first bits ``00``): the attached TURN handler, or,
-  without one, 400 "Unsupported method" to a request and a counted drop for
-  indications and responses;
+  without one, a counted drop (``unsupported-method``): RFC 8489 §6.3 discards
+  messages of unsupported methods silently;
 - ChannelData (first byte 0x40-0x7F): the attached TURN handler, or a counted
   drop;
 - anything else: counted drop (``not-stun``).
@@ -51,7 +51,6 @@ import errno
 import ipaddress
 import logging
 import socket
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
@@ -77,13 +76,24 @@ log = logging.getLogger("crossroads.stun")
 #: How often idle TCP connections are looked for (seconds).
 TCP_SWEEP_INTERVAL = 30.0
 #: A TCP client that does not read its responses is cut off once this many bytes
-#: wait in our write buffer (bounded memory per connection).
-TCP_MAX_UNSENT = 256 * 1024
+#: wait in our write buffer. With at most one partial frame (< 64 KiB, the STUN
+#: length field's limit) in the read buffer, a connection holds < 128 KiB.
+TCP_MAX_UNSENT = 64 * 1024
 #: Batches of 64 datagrams read per readiness callback before yielding to the
 #: event loop (fairness with TCP, HTTP and timers).
 DRAIN_BATCHES = 8
-#: Bound on the raw-address -> host string cache of a batched endpoint.
-HOST_CACHE_SIZE = 65_536
+#: Bound on the raw sockaddr -> (host, port) cache of a batched endpoint; it is
+#: cleared when full (~150 bytes an entry, so ~10 MB at most).
+ADDRESS_CACHE_SIZE = 65_536
+#: 64-bit words per receive-side address slot (transport.mmsg.NAME bytes).
+NAME_U64 = NAME_SLOT // 8
+
+
+def mm_names_u64(mm: MmsgSocket) -> memoryview[int]:
+    """The receive-side address slots of ``mm`` as native 64-bit words."""
+    return mm._rnames_view.cast("Q")
+
+
 #: Retries when binding "any free port" (port 0) must find the same free port on
 #: several addresses / both protocols.
 BIND_ATTEMPTS = 30
@@ -188,6 +198,13 @@ class StunExtension(Protocol):
 
     All three are called synchronously from the transport's receive callback:
     keep them quick (no awaits; schedule tasks for slow work) and never raise.
+    With batched UDP (the default on Linux) they run inside the socket's drain
+    loop, once per datagram; ``endpoint.send`` is then a non-blocking
+    ``sendto`` that drops (and counts ``send-failed``) if the socket buffer is
+    full. ``data`` is a private copy: keep it if you like. On a wildcard-bound
+    socket the STUN Binding replies leave from the client's destination address
+    (IP_PKTINFO), but ``endpoint.send`` leaves from the kernel's routed choice:
+    on a multi-homed host, run with a specific ``--host``.
     ``client`` is ``(host, port)`` as the socket reports it (on a dual-stack
     ``::`` socket an IPv4 client appears as ``::ffff:a.b.c.d``); answer with
     ``endpoint.send(data, client)``.
@@ -234,8 +251,7 @@ class _Collector(Collector):
         udp = service.udp_endpoints
         requests = CounterMetricFamily(
             "crossroads_stun_requests",
-            "STUN requests handled by the STUN server (Binding, and others "
-            "when no TURN is attached).",
+            "STUN Binding messages handled by the STUN server.",
             labels=["transport"],
         )
         requests.add_metric(["udp"], sum(e.requests for e in udp))
@@ -338,13 +354,7 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             self.service.stats.drop("internal-error")
 
     def _unsupported(self, data: bytes, addr: Any) -> None:
-        self.requests += 1
-        answer = self.core.unsupported(data, addr, self._loop.time())
-        if isinstance(answer, str):
-            self.service.stats.drop(answer)
-        else:
-            self.send(answer, addr)
-            self.errors += 1
+        self.service.stats.drop(self.core.unsupported(data))
 
     def error_received(self, exc: Exception) -> None:
         # ICMP errors for earlier sends (port unreachable...): nothing to do.
@@ -377,11 +387,18 @@ class BatchUdpEndpoint:
         self.local = local
         self.transport: Literal["udp"] = "udp"
         self.sock = sock
-        self.mm = MmsgSocket(sock)
+        # On a wildcard bind, reply from the address the client sent to.
+        self.mm = MmsgSocket(sock, pktinfo=_is_wildcard(local[0]))
         self.requests = 0
         self.success = 0
         self.errors = 0
-        self._hosts: dict[int | bytes, str] = {}
+        #: Raw sockaddr (family+port+IPv4 as one u64, or IPv6 port..address
+        #: bytes) -> (host, port), so a known client costs one dict lookup.
+        self._addresses: dict[int | bytes, tuple[str, int]] = {}
+        self._names_u64 = mm_names_u64(self.mm)
+        self._name_ptrs = [
+            self.mm._rnames_addr + i * NAME_SLOT for i in range(self.mm.batch)
+        ]
         self._family = sock.family
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
@@ -401,14 +418,23 @@ class BatchUdpEndpoint:
             self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
 
-    def _host(self, key: int | bytes) -> str:
-        raw = key if isinstance(key, bytes) else key.to_bytes(4, sys.byteorder)
-        host = socket.inet_ntop(self._family, raw)
-        hosts = self._hosts
-        if len(hosts) >= HOST_CACHE_SIZE:
-            hosts.clear()
-        hosts[raw] = host
-        return host
+    def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
+        """Decode slot ``i``'s sender address and cache it under ``key``."""
+        base = i * NAME_SLOT
+        view = self.mm._rnames_view
+        if self.mm.ipv6:
+            raw = view[base + 8 : base + 24].tobytes()
+        else:
+            raw = view[base + 4 : base + 8].tobytes()
+        address = (
+            socket.inet_ntop(self._family, raw),
+            (view[base + 2] << 8) | view[base + 3],
+        )
+        addresses = self._addresses
+        if len(addresses) >= ADDRESS_CACHE_SIZE:
+            addresses.clear()
+        addresses[key] = address
+        return address
 
     def _readable(self) -> None:
         # Hot loop. The MmsgSocket accessors are inlined here (memoryview reads
@@ -417,7 +443,7 @@ class BatchUdpEndpoint:
         mm = self.mm
         core = self.core
         index = self.index
-        hosts = self._hosts
+        addresses = self._addresses
         stats = self.service.stats
         ipv6 = mm.ipv6
         words = mm._rwords
@@ -427,22 +453,24 @@ class BatchUdpEndpoint:
         rview = mm._rview
         slot = mm.slot
         names = mm._rnames_view
-        names_u32 = mm._rnames_u32
-        names_addr = mm._rnames_addr
+        names_u64 = self._names_u64
+        name_ptrs = self._name_ptrs
         sview = mm._sview
         siov = mm._siov_words
         smsgs = mm._smsgs_u64
         stride8 = mm._stride8
         batch = mm.batch
+        pktinfo = mm.pktinfo
         udp = self.group.udp
         now = self._loop.time()
+        requests = success = errors = 0
         for _ in range(DRAIN_BATCHES):
             try:
                 count = mm.recv()
             except OSError as exc:
                 log.warning("STUN recvmmsg failed: %s", exc)
                 stats.drop("recv-failed")
-                return
+                break
             for i in range(count):
                 try:
                     w = i * stride
@@ -451,20 +479,19 @@ class BatchUdpEndpoint:
                         continue
                     start = i * slot
                     data = rview[start : start + words[w + len_at]].tobytes()
-                    base = i * NAME_SLOT
+                    # sockaddr_in: family, port and address in its first 8 bytes.
                     key: int | bytes = (
-                        names[base + 8 : base + 24].tobytes()
+                        names[i * NAME_SLOT + 2 : i * NAME_SLOT + 24].tobytes()
                         if ipv6
-                        else names_u32[(base >> 2) + 1]
+                        else names_u64[i * NAME_U64]
                     )
-                    host = hosts.get(key)
-                    if host is None:
-                        host = self._host(key)
-                    addr = (host, (names[base + 2] << 8) | names[base + 3])
+                    addr = addresses.get(key)
+                    if addr is None:
+                        addr = self._address(i, key)
                     first = data[0]
                     if first < 0x40:
                         if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                            self.requests += 1
+                            requests += 1
                             reply = core.handle(data, addr, index, now)
                             if type(reply) is tuple:
                                 response, dest, send_from = reply
@@ -479,14 +506,16 @@ class BatchUdpEndpoint:
                                     out = j * slot
                                     sview[out : out + size] = response
                                     siov[j * 2 + 1] = size
-                                    smsgs[j * stride8] = names_addr + base
+                                    smsgs[j * stride8] = name_ptrs[i]
+                                    if pktinfo:
+                                        mm.reply_from_destination(i, j)
                                     mm.pending = j + 1
                                 else:
                                     udp[send_from].send(response, dest)
                                 if response[1] == 0x01:
-                                    self.success += 1
+                                    success += 1
                                 else:
-                                    self.errors += 1
+                                    errors += 1
                             else:
                                 stats.drop(reply)  # type: ignore[arg-type]
                             continue
@@ -494,13 +523,7 @@ class BatchUdpEndpoint:
                         if turn is not None:
                             turn.handle_stun(data, addr, self)
                             continue
-                        self.requests += 1
-                        answer = core.unsupported(data, addr, now)
-                        if isinstance(answer, str):
-                            stats.drop(answer)
-                        else:
-                            self.send(answer, addr)
-                            self.errors += 1
+                        stats.drop(core.unsupported(data))
                     elif first < 0x80:
                         turn = self.service.turn
                         if turn is not None:
@@ -521,7 +544,10 @@ class BatchUdpEndpoint:
                         stats.drops.get("send-failed", 0) + failed
                     )
             if count < batch:
-                return
+                break
+        self.requests += requests
+        self.success += success
+        self.errors += errors
 
 
 def _client(addr: Any) -> Address:
@@ -628,13 +654,7 @@ class TcpConnection(asyncio.Protocol):
                 if turn is not None:
                     turn.handle_stun(frame, self.peer, self)
                     return
-                stats.tcp_requests += 1
-                answer = self.core.unsupported(frame, self.peer, self._loop.time())
-                if isinstance(answer, str):
-                    stats.drop(answer)
-                else:
-                    self.send(answer)
-                    stats.tcp_error += 1
+                stats.drop(self.core.unsupported(frame))
             else:
                 turn = self.service.turn
                 if turn is not None:
@@ -756,7 +776,7 @@ class StunService:
         self.turn = handler
 
     def detach_turn(self) -> None:
-        """Forget the TURN handler (non-Binding requests get 400 again)."""
+        """Forget the TURN handler (non-Binding messages are dropped again)."""
         self.turn = None
 
     @property
@@ -840,6 +860,13 @@ class StunService:
                 )
                 assert isinstance(protocol, UdpEndpoint)
                 endpoint = protocol
+                if _is_wildcard(local[0]):
+                    log.warning(
+                        "STUN on %s without batched I/O: replies leave from the "
+                        "address the kernel routes by, which on a multi-homed host "
+                        "may not be the one the client used; set --host",
+                        _join(*local),
+                    )
             group.udp.append(endpoint)
             self.udp_endpoints.append(endpoint)
             self._descriptions.append(f"udp {_join(*local)}{labels[index]}")

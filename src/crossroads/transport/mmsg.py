@@ -35,6 +35,9 @@ BATCH = 64
 SLOT = 9216
 #: Room for a sockaddr_in6 (28 bytes), rounded up.
 NAME = 32
+#: Room for one IP_PKTINFO / IPV6_PKTINFO control message (cmsghdr 16 bytes +
+#: in_pktinfo 12 or in6_pktinfo 20, aligned), per slot.
+CONTROL = 64
 
 MSG_DONTWAIT = 0x40
 MSG_TRUNC = 0x20
@@ -105,8 +108,17 @@ class MmsgSocket:
     """Preallocated recvmmsg/sendmmsg batches for one non-blocking UDP socket."""
 
     def __init__(
-        self, sock: socket.socket, batch: int = BATCH, slot: int = SLOT
+        self,
+        sock: socket.socket,
+        batch: int = BATCH,
+        slot: int = SLOT,
+        pktinfo: bool = False,
     ) -> None:
+        """``pktinfo``: learn each datagram's destination address (IP_PKTINFO /
+        IPV6_PKTINFO) and send replies *from* it. Needed on a wildcard-bound
+        socket, where the kernel would otherwise pick the reply's source address
+        by route, which on a multi-homed host is not always the address the
+        client sent to (RFC 8489 §6.3.1.2 wants exactly that address)."""
         libc = _load()
         if libc is None:
             raise OSError(errno.ENOSYS, "recvmmsg/sendmmsg not available")
@@ -117,12 +129,20 @@ class MmsgSocket:
         self.batch = batch
         self.slot = slot
         self.ipv6 = sock.family == socket.AF_INET6
+        self.pktinfo = pktinfo
+        if pktinfo:
+            if self.ipv6:
+                option = getattr(socket, "IPV6_RECVPKTINFO", 49)
+                sock.setsockopt(socket.IPPROTO_IPV6, option, 1)
+            else:
+                sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_PKTINFO", 8), 1)
         namelen = 28 if self.ipv6 else 16
         # Receive side.
         self._rbuf = ctypes.create_string_buffer(batch * slot)
         self._rnames = ctypes.create_string_buffer(batch * NAME)
         self._riov = (_Iovec * batch)()
         self._rmsgs = (_Mmsghdr * batch)()
+        self._rctrl = ctypes.create_string_buffer(batch * CONTROL if pktinfo else 1)
         # Send side (replies point msg_name at the receive-side addresses).
         self._sbuf = ctypes.create_string_buffer(batch * slot)
         self._siov = (_Iovec * batch)()
@@ -138,6 +158,9 @@ class MmsgSocket:
             hdr.msg_namelen = NAME
             hdr.msg_iov = ctypes.addressof(self._riov[i])
             hdr.msg_iovlen = 1
+            if pktinfo:
+                hdr.msg_control = ctypes.addressof(self._rctrl) + i * CONTROL
+                hdr.msg_controllen = CONTROL
             self._siov[i].iov_base = sbase + i * slot
             shdr = self._smsgs[i].msg_hdr
             shdr.msg_name = rnames + i * NAME
@@ -158,12 +181,28 @@ class MmsgSocket:
         self._rnames_addr = rnames
         self._smsgs_u64 = memoryview(self._smsgs).cast("B").cast("Q")
         self._stride8 = size // 8
+        self._rmsgs_u64 = memoryview(self._rmsgs).cast("B").cast("Q")
+        base = _Mmsghdr.msg_hdr.offset
+        self._control_at = (base + _Msghdr.msg_control.offset) // 8
+        self._controllen_at = (base + _Msghdr.msg_controllen.offset) // 8
+        self._ctrl_ptrs = [
+            ctypes.addressof(self._rctrl) + i * CONTROL if pktinfo else 0
+            for i in range(batch)
+        ]
+        self._received = 0  # slots filled by the last recv()
         self.pending = 0  # replies queued in the send batch
 
     # ------------------------------------------------------------ receive
 
     def recv(self) -> int:
         """Receive up to ``batch`` datagrams without blocking; 0 when none."""
+        if self.pktinfo:
+            # The kernel wrote the control lengths it used: give the room back.
+            words = self._rmsgs_u64
+            at = self._controllen_at
+            stride = self._stride8
+            for i in range(self._received):
+                words[i * stride + at] = CONTROL
         n = self._recvmmsg(
             self.fd, ctypes.addressof(self._rmsgs), self.batch, MSG_DONTWAIT, None
         )
@@ -174,6 +213,7 @@ class MmsgSocket:
             if err == errno.ECONNREFUSED:
                 return 0  # an ICMP error for an earlier send: nothing to read
             raise OSError(err, "recvmmsg failed")
+        self._received = int(n)
         return int(n)
 
     def length(self, i: int) -> int:
@@ -217,8 +257,20 @@ class MmsgSocket:
         # Point the outgoing message's address at the received one (msg_name is
         # the first field of mmsghdr); valid until the next recv().
         self._smsgs_u64[j * self._stride8] = self._rnames_addr + i * NAME
+        if self.pktinfo:
+            self.reply_from_destination(i, j)
         self.pending = j + 1
         return True
+
+    def reply_from_destination(self, i: int, j: int) -> None:
+        """Make outgoing message ``j`` leave from the address received datagram
+        ``i`` was sent to: its IP_PKTINFO/IPV6_PKTINFO control message, reused
+        as is, sets the source (``ipi_spec_dst`` / ``ipi6_addr``)."""
+        out = j * self._stride8
+        self._smsgs_u64[out + self._control_at] = self._ctrl_ptrs[i]
+        self._smsgs_u64[out + self._controllen_at] = self._rmsgs_u64[
+            i * self._stride8 + self._controllen_at
+        ]
 
     def flush(self) -> int:
         """Send the queued replies; returns how many could not be sent."""

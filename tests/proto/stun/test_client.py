@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crossroads.proto.stun import (
     Class,
     Method,
@@ -82,3 +85,14 @@ def test_concurrent_transactions_have_distinct_ids() -> None:
     core = _core()
     ids = {core.start_request(SERVER, 0.0) for _ in range(5)}
     assert len(ids) == 5 and len(core.datagrams_to_send(0.0)) == 5
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=80))
+def test_random_datagrams_never_raise(data: bytes) -> None:
+    core = _core()
+    core.start_request(SERVER, 0.0)
+    core.receive_datagram(data, SERVER, 0.1)
+    core.receive_datagram(b"\x01\x01" + data, SERVER, 0.1)
+    for event in core.events():
+        assert isinstance(event, TransactionResult | RequestReceived)

@@ -50,7 +50,7 @@ def _message(parts: tuple[Class, int, bytes, tuple[object, ...]]) -> Message:
     return Message(cls, method, txid, attrs)  # type: ignore[arg-type]
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_decode_or_decode_error(data: bytes) -> None:
     try:
@@ -61,7 +61,7 @@ def test_random_bytes_decode_or_decode_error(data: bytes) -> None:
         assert isinstance(msg, Message)
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(min_size=0, max_size=120), st.sampled_from([0x0001, 0x0101, 0x0017]))
 def test_random_attribute_area_decode_or_decode_error(body: bytes, mtype: int) -> None:
     # Random attribute bytes behind a valid header reach the attribute decoders.
@@ -73,14 +73,14 @@ def test_random_attribute_area_decode_or_decode_error(body: bytes, mtype: int) -
         pass
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(messages)
 def test_round_trip(parts: tuple[Class, int, bytes, tuple[object, ...]]) -> None:
     msg = _message(parts)
     assert decode(encode(msg)) == msg
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(messages, st.binary(min_size=1, max_size=20), st.booleans())
 def test_round_trip_with_integrity_and_fingerprint(
     parts: tuple[Class, int, bytes, tuple[object, ...]], key: bytes, fp: bool
@@ -94,6 +94,7 @@ def test_round_trip_with_integrity_and_fingerprint(
     assert isinstance(back.attributes[len(msg.attributes)], MessageIntegrity)
 
 
+@settings(deadline=None)
 @given(attributes)
 def test_attribute_value_round_trip(attr: object) -> None:
     from crossroads.proto.stun.attributes import Attribute

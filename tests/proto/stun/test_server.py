@@ -37,6 +37,7 @@ from crossroads.proto.stun.server import (
     DROP_MALFORMED,
     DROP_RATE_LIMITED,
     DROP_RESPONSE,
+    DROP_UNSUPPORTED,
     BindingCore,
 )
 
@@ -78,10 +79,11 @@ def test_binding_with_alternate_port_only_never_sends_other_address() -> None:
     assert msg.get(ResponseOrigin) == ResponseOrigin(*A1P2)
     assert msg.get(OtherAddress) is None
     # RFC 5780 §6: no second IP -> 420 to CHANGE-REQUEST.
-    err, _, _ = _answer(core, _binding(ChangeRequest(change_port=True)))
-    assert err.msg_class is Class.ERROR
-    assert err.error is not None and err.error.code == 420
-    assert err.get(UnknownAttributes) == UnknownAttributes((0x0003,))
+    for change in (ChangeRequest(change_port=True), ChangeRequest()):
+        err, _, _ = _answer(core, _binding(change))
+        assert err.msg_class is Class.ERROR
+        assert err.error is not None and err.error.code == 420
+        assert err.get(UnknownAttributes) == UnknownAttributes((0x0003,))
 
 
 @pytest.mark.parametrize(
@@ -113,6 +115,9 @@ def test_change_request_over_tcp_is_400() -> None:
     core = BindingCore(FULL)
     msg, _, _ = _answer(core, _binding(ChangeRequest(True, True)), tcp=True)
     assert msg.error is not None and msg.error.code == 400
+    # No flag set: nothing to change, answered normally.
+    msg, _, _ = _answer(core, _binding(ChangeRequest()), tcp=True)
+    assert msg.msg_class is Class.SUCCESS
 
 
 def test_response_port_and_padding() -> None:
@@ -213,20 +218,18 @@ def test_drops() -> None:
     assert core.handle(truncated, ("192.0.2.12", 1), 0, 2.0) == DROP_MALFORMED
 
 
-def test_unsupported_method() -> None:
+def test_unsupported_method_is_discarded() -> None:
+    # RFC 8489 §6.3: unsupported methods are silently discarded.
     core = BindingCore([A1P1], software="sw")
     allocate = encode(request(Method.ALLOCATE, TXID), fingerprint=True)
-    answer = core.unsupported(allocate, CLIENT, 0.0)
-    assert isinstance(answer, bytes)
-    msg = decode(answer)
-    assert msg.method is Method.ALLOCATE and msg.error is not None
-    assert msg.error.code == 400 and isinstance(msg.attributes[-1], Fingerprint)
+    assert core.unsupported(allocate) == DROP_UNSUPPORTED
     send = encode(Message(Class.INDICATION, Method.SEND, TXID))
-    assert core.unsupported(send, CLIENT, 0.0) == DROP_INDICATION
-    assert core.unsupported(b"\x00\x03\x00", CLIENT, 0.0) == DROP_MALFORMED
+    assert core.unsupported(send) == DROP_UNSUPPORTED
+    assert core.unsupported(b"\x00\x03\x00") == DROP_MALFORMED
+    assert core.unsupported(allocate + b"\0\0\0\0") == DROP_MALFORMED
 
 
-@settings(max_examples=400)
+@settings(max_examples=400, deadline=None)
 @given(st.binary(max_size=120), st.sampled_from([0, 1, 2, 3]), st.booleans())
 def test_random_input_never_raises(body: bytes, local: int, tcp: bool) -> None:
     core = BindingCore(FULL, software="x")
@@ -236,7 +239,7 @@ def test_random_input_never_raises(body: bytes, local: int, tcp: bool) -> None:
         decode(reply[0])  # whatever we send is valid STUN
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=64).map(lambda b: b[: len(b) & ~3]), st.booleans())
 def test_random_attributes_behind_valid_header(body: bytes, magic: bool) -> None:
     core = BindingCore(FULL)

@@ -27,8 +27,8 @@ asked, and FINGERPRINT when the request had one.
 
 RFC 5780 decisions (documented in the README):
 
-- Without a second IP the server MUST NOT send OTHER-ADDRESS and MUST answer a
-  CHANGE-REQUEST with 420 (RFC 5780 §6, §7.4) — so it never claims an address it
+- Without a second IP the server MUST NOT send OTHER-ADDRESS and MUST answer any
+  CHANGE-REQUEST (even one with no flag set) with 420 (RFC 5780 §6, §7.4) — so it never claims an address it
   does not have. RESPONSE-ORIGIN, RESPONSE-PORT and PADDING still work, and the
   alternate port still answers (a client told about it can test port-dependent
   mapping), but it is not advertised.
@@ -57,7 +57,6 @@ import struct
 import zlib
 from collections.abc import Sequence
 
-from crossroads.errors import DecodeError
 from crossroads.proto.stun.attributes import (
     ATTRIBUTE_CLASSES,
     ErrorCodeAttribute,
@@ -72,11 +71,10 @@ from crossroads.proto.stun.constants import (
     MAGIC_COOKIE,
     AttrType,
     Class,
-    ErrorCode,
     Method,
     reason_phrase,
 )
-from crossroads.proto.stun.message import Message, decode, encode, error_response
+from crossroads.proto.stun.message import Message, encode, peek_header
 from crossroads.proto.stun.ratelimit import SourceRateLimiter
 
 #: A reply: (datagram, destination address, endpoint index to send from).
@@ -255,11 +253,12 @@ class BindingCore:
                 return DROP_INDICATION  # RFC 8489 §6.3.2: keepalive, no answer
             return DROP_RESPONSE if mtype & 0x0100 else DROP_UNSUPPORTED
         host = addr[0]
-        if not self.limiter.allow(host, now):
+        limiter = self.limiter
+        if limiter.limit and not limiter.allow(host, now):
             return DROP_RATE_LIMITED
 
         fingerprint = False
-        flags = 0
+        flags = -1  # -1: no CHANGE-REQUEST; else its A|B bits
         response_port = -1
         padding = -1
         unknown: list[int] | None = None
@@ -304,21 +303,24 @@ class BindingCore:
                     padding = alen
                 offset = nxt
 
-        entry = self._encoded(host)
+        entry = self._cache.get(host)
         if entry is None:
-            return DROP_MALFORMED
+            entry = self._encoded(host)
+            if entry is None:
+                return DROP_MALFORMED
         if unknown is not None:
             return self._error(
                 data, addr, local, fingerprint, 420, [UnknownAttributes(tuple(unknown))]
             )
         send_from = local
         dest = addr
-        if flags:
-            if not self.change_supported:
-                # RFC 5780 §6: no second IP -> 420 to any CHANGE-REQUEST.
-                return self._error(
-                    data, addr, local, fingerprint, 420, [UnknownAttributes((_CHANGE,))]
-                )
+        if flags >= 0 and not self.change_supported:
+            # RFC 5780 §6: without a second IP, 420 to *any* CHANGE-REQUEST (even
+            # one with no flag set), so the client learns it is unsupported.
+            return self._error(
+                data, addr, local, fingerprint, 420, [UnknownAttributes((_CHANGE,))]
+            )
+        if flags > 0:
             if tcp:
                 return self._error(
                     data,
@@ -429,28 +431,15 @@ class BindingCore:
         msg = Message(Class.ERROR, Method.BINDING, data[8:20], tuple(attrs), cookie)
         return encode(msg, fingerprint=fingerprint), addr, local
 
-    def unsupported(
-        self, data: bytes, addr: tuple[str, int], now: float
-    ) -> bytes | str:
-        """Answer for a STUN message whose method this server does not handle
-        (no TURN attached): 400 to a request, a drop reason for anything else."""
-        try:
-            msg = decode(data)
-        except DecodeError as exc:
-            return (
-                DROP_BAD_FINGERPRINT
-                if exc.reason == "bad-fingerprint"
-                else DROP_MALFORMED
-            )
-        if msg.msg_class is not Class.REQUEST:
-            return (
-                DROP_INDICATION if msg.msg_class is Class.INDICATION else DROP_RESPONSE
-            )
-        if not self.limiter.allow(addr[0], now):
-            return DROP_RATE_LIMITED
-        attrs = [Software(self.software)] if self.software else []
-        reply = error_response(msg, ErrorCode.BAD_REQUEST, "Unsupported method", attrs)
-        return encode(reply, fingerprint=msg.has(_FP))
+    def unsupported(self, data: bytes) -> str:
+        """Drop reason for a STUN message whose method this server does not
+        handle (no TURN attached). RFC 8489 §6.3: a message whose method is not
+        supported is silently discarded — no 400, nothing a spoofed source can
+        bounce off us."""
+        header = peek_header(data)
+        if header is None or header.length + 20 != len(data):
+            return DROP_MALFORMED
+        return DROP_UNSUPPORTED
 
 
 def _with_length(response: bytes, extra: int = 0) -> bytes:

@@ -1,4 +1,8 @@
-"""Real processes for interop tests: `crossroads serve` and coturn's turnserver."""
+"""Fixtures for the STUN interop tests: `crossroads serve` and coturn's turnserver.
+
+A module, not a conftest.py, so other areas' interop fixtures cannot collide with
+these; test modules import the fixtures they use.
+"""
 
 from __future__ import annotations
 
@@ -52,8 +56,8 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-@pytest.fixture
-def crossroads_serve() -> Iterator[Callable[..., CrossroadsProcess]]:
+@pytest.fixture(name="crossroads_serve")
+def crossroads_serve_fixture() -> Iterator[Callable[..., CrossroadsProcess]]:
     """Start `crossroads serve --only stun` on 127.0.0.1 with OS-chosen ports."""
     started: list[CrossroadsProcess] = []
     directory = Path(tempfile.mkdtemp(prefix="crossroads-stun-interop-"))
@@ -124,8 +128,8 @@ def _free_pair(hosts: list[str]) -> tuple[int, int]:
     raise RuntimeError("no free port pair")
 
 
-@pytest.fixture
-def coturn() -> Iterator[Callable[..., Coturn]]:
+@pytest.fixture(name="coturn")
+def coturn_fixture() -> Iterator[Callable[..., Coturn]]:
     """Start coturn's turnserver on 127.0.0.1 + 127.0.0.2 (RFC 5780 needs two
     IPs), ephemeral ports, temp config/db/log, no CLI, no TLS."""
     binary = shutil.which("turnserver")
