@@ -205,43 +205,64 @@ def packet(packet_type: int, payload: bytes = b"") -> bytes:
 class PacketSplitter:
     """Cuts a TCP byte stream into packets.
 
-    ``feed`` returns the complete packets as ``(type, payload)`` and keeps any
-    partial packet buffered. A size field below 3 or above ``max_size`` can never
+    Bytes go in with :meth:`push`; :meth:`next` takes one complete packet out as
+    ``(type, payload)`` or returns None when the next one is incomplete. Cutting
+    lazily lets a consumer stop taking packets (and stop reading the socket)
+    while the backlog is kept as raw bytes, bounded by the caller. :meth:`feed`
+    does both at once. A size field below 3 or above ``max_size`` can never
     start a valid packet, so it raises :class:`DecodeError` and the stream is
     unusable from then on (OpenTTD drops such connections, ``ParsePacketSize``).
     """
 
-    __slots__ = ("_buffer", "max_size")
+    __slots__ = ("_buffer", "_pos", "max_size")
 
     def __init__(self, max_size: int = TCP_MTU) -> None:
         self._buffer = bytearray()
+        self._pos = 0
         self.max_size = max_size
 
     @property
     def pending(self) -> int:
-        """Bytes of an incomplete packet held back (0 between packets)."""
-        return len(self._buffer)
+        """Bytes held back: unconsumed packets and any partial packet."""
+        return len(self._buffer) - self._pos
+
+    def push(self, data: bytes) -> None:
+        if self._pos and self._pos == len(self._buffer):
+            self._buffer.clear()
+            self._pos = 0
+        self._buffer += data
+
+    def next(self) -> tuple[int, bytes] | None:
+        buffer, pos = self._buffer, self._pos
+        if len(buffer) - pos < 2:
+            self._compact()
+            return None
+        size = buffer[pos] | (buffer[pos + 1] << 8)
+        if size < HEADER_SIZE or size > self.max_size:
+            raise DecodeError(f"packet size {size} is impossible", "bad-size")
+        if len(buffer) - pos < size:
+            self._compact()
+            return None
+        self._pos = pos + size
+        return buffer[pos + 2], bytes(buffer[pos + 3 : pos + size])
+
+    def _compact(self) -> None:
+        # Drop consumed bytes once they are a large share of the buffer.
+        if self._pos > 4096 and self._pos * 2 > len(self._buffer):
+            del self._buffer[: self._pos]
+            self._pos = 0
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        buffer = self._buffer
-        buffer += data
-        packets: list[tuple[int, bytes]] = []
-        pos = 0
-        available = len(buffer)
-        while available - pos >= 2:
-            size = buffer[pos] | (buffer[pos + 1] << 8)
-            if size < HEADER_SIZE or size > self.max_size:
-                raise DecodeError(f"packet size {size} is impossible", "bad-size")
-            if available - pos < size:
-                break
-            packets.append((buffer[pos + 2], bytes(buffer[pos + 3 : pos + size])))
-            pos += size
-        if pos:
-            del buffer[:pos]
+        """Push ``data`` and return every complete packet."""
+        self.push(data)
+        packets = []
+        while (item := self.next()) is not None:
+            packets.append(item)
         return packets
 
     def take_remaining(self) -> bytes:
         """Hand over the buffered bytes (when a socket leaves packet mode)."""
-        data = bytes(self._buffer)
+        data = bytes(self._buffer[self._pos :])
         self._buffer.clear()
+        self._pos = 0
         return data

@@ -7,8 +7,9 @@ handler may await the store). It enforces the bounds every listener needs:
 - connection count, total and per source address (over the limit: closed at once);
 - a deadline for the first packet and for finishing any started packet
   (slowloris), and an idle deadline between packets;
-- an inbox of decoded packets: past :data:`INBOX_PAUSE` reading pauses until the
-  handler catches up, so a flood costs the flooder its own TCP window;
+- received bytes are cut into packets only as the handler takes them; past
+  :data:`INBOX_PAUSE` buffered bytes reading pauses until the handler catches
+  up, so a flood costs the flooder its own TCP window, not our memory;
 - a cap on bytes queued for a peer that does not read.
 
 Once :meth:`PacketConnection.relay_to` pairs two connections (TURN), each one's
@@ -24,23 +25,23 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections import deque
 from dataclasses import dataclass
 from typing import Protocol, cast
 
 from prometheus_client import Counter, Gauge
 
 from crossroads.errors import DecodeError
-from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter, packet
+from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.udp import make_tcp_listener
 from crossroads.types import Address, normalize_address
 
 log = logging.getLogger("crossroads.openttd")
 
-#: Pause reading when this many decoded packets wait for the handler.
-INBOX_PAUSE = 32
+#: Pause reading when this many received bytes wait for the handler (a few
+#: typical packets; the largest packet is 32 KiB, so this never blocks one).
+INBOX_PAUSE = 64 * 1024
 #: Resume reading once the backlog is down to this.
-INBOX_RESUME = 8
+INBOX_RESUME = 16 * 1024
 #: How often the sweeper checks deadlines (seconds). Deadlines are coarse on
 #: purpose: one timer per listener, not one per connection.
 SWEEP_EVERY = 1.0
@@ -89,7 +90,6 @@ class PacketConnection(asyncio.Protocol):
         self.peer: Address = ("", 0)
         self.local: Address = ("", 0)
         self.splitter = PacketSplitter(TCP_MTU)
-        self.inbox: deque[tuple[int, bytes]] = deque()
         self.worker: asyncio.Task[None] | None = None
         self.accepted = 0.0
         self.last_packet = 0.0
@@ -137,26 +137,13 @@ class PacketConnection(asyncio.Protocol):
             return
         if self.closed:
             return
-        try:
-            packets = self.splitter.feed(data)
-        except DecodeError as exc:
-            self.listener.reject(self, exc.reason)
-            return
-        now = self.listener.loop.time()
-        if packets:
-            self.last_packet = now
-            self.packets += len(packets)
-            self.inbox.extend(packets)
-            if self.worker is None:
-                self.worker = asyncio.create_task(self._work())
-            if len(self.inbox) >= INBOX_PAUSE and not self.paused and self.transport:
-                self.paused = True
-                self.transport.pause_reading()
-        if self.splitter.pending:
-            if self.partial_since is None or packets:
-                self.partial_since = now
-        else:
-            self.partial_since = None
+        splitter = self.splitter
+        splitter.push(data)
+        if self.worker is None:
+            self.worker = asyncio.create_task(self._work())
+        if splitter.pending >= INBOX_PAUSE and not self.paused and self.transport:
+            self.paused = True
+            self.transport.pause_reading()
 
     def eof_received(self) -> bool | None:
         return None  # close our side too
@@ -221,33 +208,43 @@ class PacketConnection(asyncio.Protocol):
         self.relay_peer = other.transport
         self.relay_quiet_since = self.listener.loop.time()
         self.partial_since = None
-        # Packets already cut but not handled go out again as they came in.
-        early = b"".join(packet(t, p) for t, p in self.inbox)
-        self.inbox.clear()
         if self.paused and self.transport is not None:
             self.paused = False
             self.transport.resume_reading()
-        return early + self.splitter.take_remaining()
+        # Bytes received but not handled yet go out as they came in.
+        return self.splitter.take_remaining()
 
     async def _work(self) -> None:
         handler = self.listener.handler
+        splitter = self.splitter
+        loop = self.listener.loop
         try:
-            while self.inbox and not self.closed:
-                packet_type, payload = self.inbox.popleft()
-                if self.paused and len(self.inbox) <= INBOX_RESUME and self.transport:
-                    self.paused = False
-                    self.transport.resume_reading()
+            while not self.closed and self.relay_peer is None:
                 try:
-                    await handler.handle(self, packet_type, payload)
+                    item = splitter.next()
+                    if item is None:
+                        break
+                    if (
+                        self.paused
+                        and splitter.pending <= INBOX_RESUME
+                        and self.transport
+                    ):
+                        self.paused = False
+                        self.transport.resume_reading()
+                    self.last_packet = loop.time()
+                    self.packets += 1
+                    self.partial_since = None
+                    await handler.handle(self, *item)
                 except DecodeError as exc:
                     self.listener.reject(self, exc.reason)
                     return
-                if self.relay_peer is not None:
-                    return
+            if splitter.pending and self.partial_since is None:
+                self.partial_since = loop.time()
         except Exception:
             log.exception("openttd %s: handler failed", self.listener.name)
             self.listener.drop(self, "internal-error")
         finally:
+            # No await since the last next(): nothing arrived unseen.
             self.worker = None
 
 
