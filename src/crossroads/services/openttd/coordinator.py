@@ -749,7 +749,7 @@ class Coordinator:
             code,
             conn.host,
             msg.server_port,
-            ServerGameType(msg.game_type).name.lower(),
+            ServerGameType(msg.game_type).name.lower().replace("_", "-"),
             result.connection_type.name.lower(),
         )
 
