@@ -460,3 +460,30 @@ async def test_reports_with_foreign_tokens_are_ignored(
         for peer in (client, stranger):
             await peer.close()
         await server.close()
+
+
+async def test_version_1_clients_get_ip_and_port(
+    ottd: Runtime, game_server: GameInfoResponder
+) -> None:
+    server = await register(ottd, game_server.port)
+    unreachable = await register(ottd, 1)
+    lister = await gc(ottd, version=1)
+    try:
+        await update(server, INFO)
+        await update(
+            unreachable, GameInfo(server_name="no direct", server_revision="13.0")
+        )
+        await asyncio.sleep(0.3)
+        ottd.services["openttd"].coordinator.listing.invalidate()  # type: ignore[attr-defined]
+        await lister.send_message(ClientListing(1, 4, "12.0", 0))
+        listing = await lister.recv()
+        assert isinstance(listing, GcListing)
+        # No invite codes below protocol 2: only the directly reachable server,
+        # by address.
+        assert [e.connection_string for e in listing.entries] == [
+            f"127.0.0.1:{game_server.port}"
+        ]
+    finally:
+        await server.close()
+        await unreachable.close()
+        await lister.close()

@@ -44,6 +44,9 @@ from crossroads.types import Address
 
 NAME = "openttd"
 ROLES = ("coordinator", "stun", "turn")
+#: How often each coordinator sweeps expired server records out of the store
+#: (a server updates every 30 s; its record lives ``server_ttl`` = 90 s).
+SWEEP_EVERY = 30.0
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -378,6 +381,17 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                         "instance heartbeat",
                     )
                 )
+            )
+            loop = asyncio.get_running_loop()
+
+            async def sweep() -> None:
+                # Reading the list drops expired records (servers of a dead
+                # instance), even when no client asks for a listing.
+                listing.invalidate()
+                await listing.all(loop.time())
+
+            service.tasks.append(
+                asyncio.create_task(_every(SWEEP_EVERY, sweep, "record sweep"))
             )
             if service.turn is None and not cfg.turn_address:
                 service.tasks.append(

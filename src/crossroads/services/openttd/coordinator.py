@@ -45,6 +45,7 @@ from crossroads.proto.openttd.codes import (
     split_ticket,
 )
 from crossroads.proto.openttd.coordinator import (
+    VERSION_INVITE_CODES,
     VERSION_NEWGRF_LOOKUP,
     ClientConnect,
     ClientConnected,
@@ -377,16 +378,36 @@ class ListingCache:
         self.loaded_at = -1e9
 
     def entry(
-        self, record: ServerRecord, version: int, nst: NewGRFSerialization
+        self,
+        record: ServerRecord,
+        version: int,
+        nst: NewGRFSerialization,
+        invite_codes: bool = True,
     ) -> bytes | None:
-        key = (record.code, record.updated, version, int(nst))
+        """One server's listing bytes; None when it cannot be listed this way.
+
+        A client below protocol 2 knows no invite codes: it gets the server's
+        first direct address as ``ip:port``, or nothing.
+        """
+        key = (
+            record.code,
+            record.updated,
+            version,
+            int(nst) + (0 if invite_codes else 16),
+        )
         cached = self._entries.get(key)
         if cached is not None:
             return cached
         assert record.info is not None
+        connection_string = record.connection_string
+        if not invite_codes:
+            if not record.direct:
+                return None
+            host, port = record.direct[0]
+            connection_string = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             data = encode_listing_entry(
-                ListingEntry(record.connection_string, record.info),
+                ListingEntry(connection_string, record.info),
                 version,
                 nst,
                 self.registry.newgrf_index,
@@ -796,7 +817,9 @@ class Coordinator:
         for record in records:
             if not record.public:
                 continue
-            entry = self.listing.entry(record, version, nst)
+            entry = self.listing.entry(
+                record, version, nst, msg.protocol >= VERSION_INVITE_CODES
+            )
             if entry is None:
                 continue
             assert record.info is not None
