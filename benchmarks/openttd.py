@@ -213,7 +213,34 @@ async def register_one(
     await client.send_message(
         ServerUpdate(6, 6, NewGRFSerialization.GRFID_MD5_NAME, info_for(i))
     )
+    # Later updates carry no NewGRF names (NST 0), as OpenTTD's do.
+    UPDATES[client] = encode_peer_packet(
+        ServerUpdate(6, 6, NewGRFSerialization.GRFID_MD5, info_for(i))
+    )
     return client
+
+
+#: The periodic SERVER_UPDATE of every registered fake server.
+UPDATES: dict[GcClient, bytes] = {}
+#: OpenTTD sends SERVER_UPDATE every 30 s (NETWORK_COORDINATOR_DELAY_BETWEEN_UPDATES);
+#: a little sooner here so no record nears its 90 s expiry under load.
+UPDATE_EVERY = 25.0
+
+
+async def keep_updating() -> None:
+    """Send every server's update once per period, spread evenly over it."""
+    while True:
+        clients = list(UPDATES.items())
+        if not clients:
+            await asyncio.sleep(1)
+            continue
+        batch = 100
+        pause = UPDATE_EVERY / max(1, len(clients) / batch)
+        for start in range(0, len(clients), batch):
+            for client, data in clients[start : start + batch]:
+                if not client.writer.is_closing():
+                    client.writer.write(data)
+            await asyncio.sleep(pause)
 
 
 async def bounded(
@@ -371,6 +398,8 @@ async def run(store: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
     results: dict[str, float] = {}
     servers: list[GcClient] = []
     codes: list[str] = []
+    UPDATES.clear()
+    updater = asyncio.create_task(keep_updating())
     try:
         await asyncio.sleep(0.5)
         baseline = rss_kib(server.pid)
@@ -443,6 +472,7 @@ async def run(store: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
         results["TURN relay MB/s"] = statistics.median(relayed)
         results["direct loopback MB/s"] = statistics.median(direct)
     finally:
+        updater.cancel()
         for client in servers:
             with contextlib.suppress(Exception):
                 client.writer.close()
