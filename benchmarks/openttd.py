@@ -518,6 +518,7 @@ def main() -> None:
                 table[store] = uvloop.run(run(url, args, workdir))
             except ImportError:
                 table[store] = asyncio.run(run(url, args, workdir))
+            print(store, table[store], flush=True)
             if redis is not None:
                 redis.stop()
                 redis = None

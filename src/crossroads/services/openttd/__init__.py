@@ -23,6 +23,7 @@ from prometheus_client import Counter, Gauge
 from crossroads.config import setting
 from crossroads.errors import StoreError
 from crossroads.services.base import ServiceContext
+from crossroads.services.openttd.bounded import BoundedStore
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import Limits, Listener, PacketConnection
 from crossroads.services.openttd.coordinator import (
@@ -255,9 +256,10 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
     cfg = ctx.section(NAME, Config)
     service = OpenTTDService()
     service.instance = os.urandom(4).hex()
-    registry = Registry(ctx.store, os.urandom)
+    store = BoundedStore(ctx.store)
+    registry = Registry(store, os.urandom)
     service.registry = registry
-    bus = Bus(ctx.store, service.instance, ctx.metrics)
+    bus = Bus(store, service.instance, ctx.metrics)
     service.bus = bus
     dropped = Counter(
         "crossroads_openttd_dropped",
@@ -332,7 +334,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
             # Start NewGRF lookup indexes at a random offset, so a client that
             # kept its lookup table across a restart of an in-memory coordinator
             # does not mistake new indexes for old ones.
-            await ctx.store.set(
+            await store.set(
                 NEWGRF_COUNTER_KEY,
                 str(random.SystemRandom().randrange(1 << 20) * 1000).encode(),
                 only_if_absent=True,

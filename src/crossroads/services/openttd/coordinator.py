@@ -56,6 +56,7 @@ from crossroads.proto.openttd.coordinator import (
     GcMessage,
     GcRegisterAck,
     ListingEntry,
+    PeerMessage,
     ServerGameType,
     ServerRegister,
     ServerUpdate,
@@ -496,6 +497,18 @@ class Coordinator:
         state = self.state(conn)
         if state.version == 0:
             state.version = message.protocol
+        try:
+            await self._dispatch(conn, state, message)
+        except StoreError:
+            # Our state is unreachable. Close without GC_ERROR: OpenTTD then
+            # retries with back-off, whereas REGISTRATION_FAILED would switch a
+            # server to a local game for good.
+            self.metrics.store_errors.inc()
+            conn.close("store-error")
+
+    async def _dispatch(
+        self, conn: PacketConnection, state: PeerState, message: PeerMessage
+    ) -> None:
         match message:
             case ServerRegister():
                 await self.on_register(conn, state, message)
