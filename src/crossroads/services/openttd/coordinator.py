@@ -92,6 +92,7 @@ from crossroads.services.openttd.limits import AddressRateLimiter
 from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import (
     NEWGRF_COUNTER_KEY,
+    SERVERS_KEY,
     Registry,
     ServerRecord,
 )
@@ -339,44 +340,113 @@ class CoordinatorMetrics:
 
 
 class ListingCache:
-    """The public server list, re-read from the store at most every ``ttl`` s.
+    """The server list, re-read from the store at most every ``ttl`` s.
 
     Clients refresh their server list by hand and all at once after an outage;
-    one HGETALL every couple of seconds serves them all. Serialized entries are
-    cached per (server, update, listing shape).
+    one HGETALL every couple of seconds serves them all. Only records whose
+    stored bytes changed are parsed again; each listing shape (game-info
+    version, NewGRF serialization, invite codes or not, client revision first)
+    is packed into packets once per refresh and then sent as is.
+
+    :meth:`invalidate` asks for an earlier refresh when a server becomes
+    listable or leaves, but refreshes stay at least :data:`MIN_REFRESH` apart so
+    a registration storm cannot turn every listing into an HGETALL.
     """
+
+    #: Shortest time between two refreshes, even when invalidated.
+    MIN_REFRESH = 0.25
 
     def __init__(self, registry: Registry, ttl: float) -> None:
         self.registry = registry
         self.ttl = ttl
         self.records: list[ServerRecord] = []
+        self.public: list[ServerRecord] = []
         self.loaded_at = -1e9
+        self._dirty = True
         self._lock = asyncio.Lock()
+        self._raw: dict[str, tuple[bytes, ServerRecord]] = {}
         self._entries: dict[tuple[str, float, int, int], bytes] = {}
+        self._packed: dict[tuple[int, int, bool, str], list[bytes]] = {}
         self._newgrf_max = 0
 
+    def _fresh(self, now: float) -> bool:
+        age = now - self.loaded_at
+        return age < self.ttl and not (self._dirty and age >= self.MIN_REFRESH)
+
     async def all(self, now: float) -> list[ServerRecord]:
-        if now - self.loaded_at < self.ttl:
+        if self._fresh(now):
             return self.records
         async with self._lock:
-            if now - self.loaded_at < self.ttl:
+            if self._fresh(now):
                 return self.records
-            live, dead = await self.registry.all_servers()
+            self._dirty = False
+            raw = await self.registry.store.hgetall(SERVERS_KEY)
+            wall = self.registry.wall_clock()
+            parsed: dict[str, tuple[bytes, ServerRecord]] = {}
+            dead: list[str] = []
+            for code, value in raw.items():
+                previous = self._raw.get(code)
+                if previous is not None and previous[0] == value:
+                    record = previous[1]
+                else:
+                    try:
+                        record = ServerRecord.from_json(value)
+                    except (ValueError, KeyError, TypeError):
+                        dead.append(code)
+                        continue
+                if record.expires < wall:
+                    dead.append(code)
+                    continue
+                parsed[code] = (value, record)
+            self._raw = parsed
             if dead:
                 await self.registry.sweep(dead)
-            live.sort(key=lambda r: r.registered)
+            live = sorted((r for _, r in parsed.values()), key=lambda r: r.registered)
             self.records = live
+            self.public = [r for r in live if r.public]
             self.loaded_at = now
             counter = await self.registry.store.get(NEWGRF_COUNTER_KEY)
             if counter is not None and int(counter) > self._newgrf_max:
                 await self.registry.load_newgrfs()
                 self._newgrf_max = int(counter)
-            keep = {(r.code, r.updated) for r in live}
+            keep = {(r.code, r.updated) for r in self.public}
             self._entries = {k: v for k, v in self._entries.items() if k[:2] in keep}
+            self._packed = {}
             return live
 
     def invalidate(self) -> None:
-        self.loaded_at = -1e9
+        self._dirty = True
+
+    def packets(
+        self,
+        version: int,
+        nst: NewGRFSerialization,
+        invite_codes: bool,
+        revision: str,
+    ) -> list[bytes]:
+        """The GC_LISTING packets for one listing shape (cached until refresh).
+
+        Servers of the client's own revision come first, as with the reference
+        coordinator, so a client sees the servers it can join at the top.
+        """
+        key = (version, int(nst), invite_codes, revision)
+        packed = self._packed.get(key)
+        if packed is not None:
+            return packed
+        same: list[bytes] = []
+        other: list[bytes] = []
+        for record in self.public:
+            entry = self.entry(record, version, nst, invite_codes)
+            if entry is None:
+                continue
+            assert record.info is not None
+            (same if record.info.server_revision == revision else other).append(entry)
+        packed = pack_listing(same + other)
+        if len(self._packed) >= 64:
+            # Bounded: revisions are client input.
+            self._packed.clear()
+        self._packed[key] = packed
+        return packed
 
     def entry(
         self,
@@ -801,6 +871,8 @@ class Coordinator:
                     msg.info.newgrfs, state.newgrf_budget
                 )
             wall = self.wall_clock()
+            if record.info is None:
+                self.listing.invalidate()  # the server becomes listable
             record.info = msg.info
             record.game_info_version = msg.game_info_version
             record.updated = wall
@@ -816,7 +888,7 @@ class Coordinator:
     async def on_listing(
         self, conn: PacketConnection, state: PeerState, msg: ClientListing
     ) -> None:
-        records = await self.listing.all(self.loop.time())
+        await self.listing.all(self.loop.time())
         version, nst = listing_shape(msg.protocol, msg.game_info_version)
         if msg.protocol >= VERSION_NEWGRF_LOOKUP:
             table = self.registry.newgrf_by_index
@@ -825,21 +897,10 @@ class Coordinator:
             fresh = sorted((i, g) for i, g in table.items() if i > cursor)
             for data in newgrf_lookup_packets(fresh, top):
                 conn.send(data)
-        same: list[bytes] = []
-        other: list[bytes] = []
-        for record in records:
-            if not record.public:
-                continue
-            entry = self.listing.entry(
-                record, version, nst, msg.protocol >= VERSION_INVITE_CODES
-            )
-            if entry is None:
-                continue
-            assert record.info is not None
-            (same if record.info.server_revision == msg.revision else other).append(
-                entry
-            )
-        for data in pack_listing(same + other):
+        packets = self.listing.packets(
+            version, nst, msg.protocol >= VERSION_INVITE_CODES, msg.revision
+        )
+        for data in packets:
             conn.send(data)
             await conn.drain()
         self.metrics.listings.inc()

@@ -234,24 +234,6 @@ class Registry:
         if current == session:
             await self.store.hdel(SERVERS_KEY, code)
 
-    async def all_servers(self) -> tuple[list[ServerRecord], list[str]]:
-        """Every live record, and the codes of expired or corrupt ones."""
-        raw = await self.store.hgetall(SERVERS_KEY)
-        now = self.wall_clock()
-        live: list[ServerRecord] = []
-        dead: list[str] = []
-        for code, value in raw.items():
-            try:
-                record = ServerRecord.from_json(value)
-            except (ValueError, KeyError, TypeError):
-                dead.append(code)
-                continue
-            if record.expires < now:
-                dead.append(code)
-            else:
-                live.append(record)
-        return live, dead
-
     async def sweep(self, codes: list[str]) -> None:
         if codes:
             await self.store.hdel(SERVERS_KEY, *codes)
