@@ -6,7 +6,6 @@ OS picks; the servers and clients are Debian's ``openttd`` binary, headless.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -262,15 +261,3 @@ def test_two_coordinators_on_one_redis(
     finally:
         for process in reversed(processes):
             process.stop()
-
-
-def test_netns_and_iptables_are_usable() -> None:
-    """The TURN test needs root for a network namespace; say so clearly."""
-    try:
-        netns = NetNS()
-    except (
-        subprocess.CalledProcessError,
-        FileNotFoundError,
-    ) as exc:  # pragma: no cover
-        pytest.fail(f"cannot create a network namespace (root needed): {exc}")
-    netns.close()
