@@ -487,3 +487,25 @@ async def test_version_1_clients_get_ip_and_port(
         await server.close()
         await unreachable.close()
         await lister.close()
+
+
+async def test_listing_puts_the_clients_revision_first(
+    ottd: Runtime, game_server: GameInfoResponder
+) -> None:
+    old = await register(ottd, game_server.port)
+    new = await register(ottd, game_server.port + 1)
+    lister = await gc(ottd)
+    try:
+        await update(old, GameInfo(server_name="old", server_revision="13.0"))
+        await update(new, GameInfo(server_name="new", server_revision="14.0"))
+        await asyncio.sleep(0.5)
+        for revision, expected in (("14.0", ["new", "old"]), ("13.0", ["old", "new"])):
+            await lister.send_message(ClientListing(6, 7, revision, 0))
+            listing = await recv_until(lister, GcListing)
+            assert [e.info.server_name for e in listing.entries] == expected
+            assert listing.game_info_version == 7
+            await recv_until(lister, GcListing)  # end of list
+    finally:
+        for peer in (old, new):
+            await peer.close()
+        await lister.close()
