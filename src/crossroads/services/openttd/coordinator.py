@@ -350,7 +350,8 @@ class ListingCache:
 
     :meth:`invalidate` asks for an earlier refresh when a server becomes
     listable or leaves, but refreshes stay at least :data:`MIN_REFRESH` apart so
-    a registration storm cannot turn every listing into an HGETALL.
+    a registration storm cannot turn every listing into an HGETALL. While one
+    refresh runs, other readers get the previous list.
     """
 
     #: Shortest time between two refreshes, even when invalidated.
@@ -375,6 +376,10 @@ class ListingCache:
 
     async def all(self, now: float) -> list[ServerRecord]:
         if self._fresh(now):
+            return self.records
+        if self._lock.locked() and self.loaded_at > -1e9:
+            # A refresh is under way (an HGETALL of every record): serve the
+            # list it replaces rather than make every client wait for it.
             return self.records
         async with self._lock:
             if self._fresh(now):
