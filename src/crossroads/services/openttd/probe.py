@@ -4,6 +4,13 @@ Connect to the server's game port, send CLIENT_GAME_INFO, and expect a
 SERVER_GAME_INFO packet back (reference ``openttd-coordinator.md`` section 7;
 the game packet ids 6 and 7 are frozen in every OpenTTD release). A listening
 port that is not an OpenTTD server does not pass.
+
+Whom it connects to: only addresses the registering server itself connected
+from -- the source of its coordinator connection, or the source the STUN
+service saw on a connection carrying the server's secret ``V`` token. The port
+is the server's to choose (it is its game port), the address is not, so the
+probe cannot be aimed at a third party; the per-address registration limit
+bounds how often it runs. One probe is one small request and one answer.
 """
 
 from __future__ import annotations
