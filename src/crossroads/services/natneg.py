@@ -82,6 +82,11 @@ def parse_port_range(value: str) -> tuple[int, int] | None:
     return converted
 
 
+def _check_optional_port(value: int) -> None:
+    if not -1 <= value <= 65535:
+        raise ValueError(f"{value} is not -1 or a port number (0-65535)")
+
+
 def _check_port_range(value: str) -> None:
     parse_port_range(value)
 
@@ -104,15 +109,27 @@ class Config:
     natneg2_host: str = setting(
         "", kind="host", help="Address natneg2.<domain> resolves to ('' = host)."
     )
-    natneg2_port: int = setting(27901, kind="port", help="natneg2 UDP port.")
+    natneg2_port: int = setting(
+        -1,
+        kind="int",
+        check=_check_optional_port,
+        help="natneg2 UDP port (-1 = same as port).",
+    )
     natneg3_host: str = setting(
         "", kind="host", help="Address natneg3.<domain> resolves to ('' = host)."
     )
-    natneg3_port: int = setting(27901, kind="port", help="natneg3 UDP port.")
+    natneg3_port: int = setting(
+        -1,
+        kind="int",
+        check=_check_optional_port,
+        help="natneg3 UDP port (-1 = same as port).",
+    )
     probe_port: int = setting(
-        27902,
-        kind="port",
-        help="Second port on host: source of the 'unsolicited port' NAT probe.",
+        -1,
+        kind="int",
+        check=_check_optional_port,
+        help="Second port on host, source of the 'unsolicited port' NAT probe "
+        "(-1 = port + 1, 0 = any free port).",
     )
     probe_host: str = setting(
         "",
@@ -278,28 +295,36 @@ class Layout:
 def plan_layout(cfg: Config, core_host: str) -> Layout:
     """Decide the sockets for a config (pure, so tests can check it)."""
     host = _ipv4_host(cfg.host or core_host, "host")
-    nn2 = (_ipv4_host(cfg.natneg2_host or host, "natneg2_host"), cfg.natneg2_port)
-    nn3 = (_ipv4_host(cfg.natneg3_host or host, "natneg3_host"), cfg.natneg3_port)
+    nn2_host = _ipv4_host(cfg.natneg2_host or host, "natneg2_host")
+    nn3_host = _ipv4_host(cfg.natneg3_host or host, "natneg3_host")
+    nn2 = (nn2_host, cfg.port if cfg.natneg2_port < 0 else cfg.natneg2_port)
+    nn3 = (nn3_host, cfg.port if cfg.natneg3_port < 0 else cfg.natneg3_port)
+    probe_port = cfg.probe_port
+    if probe_port < 0:
+        probe_port = cfg.port + 1 if 0 < cfg.port < 65535 else 0
     wanted: list[tuple[Endpoint, Address]] = [
         (Endpoint.PRIMARY, (host, cfg.port)),
         (Endpoint.NATNEG2, nn2),
         (Endpoint.NATNEG3, nn3),
-        (Endpoint.PROBE_PORT, (host, cfg.probe_port)),
+        (Endpoint.PROBE_PORT, (host, probe_port)),
     ]
     if cfg.probe_host:
-        wanted.append(
-            (
-                Endpoint.PROBE_IP,
-                (_ipv4_host(cfg.probe_host, "probe_host"), cfg.probe_port),
-            )
-        )
+        probe_ip = _ipv4_host(cfg.probe_host, "probe_host")
+        wanted.append((Endpoint.PROBE_IP, (probe_ip, probe_port)))
+    # "Same as port" on the same host is the same socket, even for port 0.
+    same_as_primary = {
+        Endpoint.NATNEG2: cfg.natneg2_port < 0 and nn2_host == host,
+        Endpoint.NATNEG3: cfg.natneg3_port < 0 and nn3_host == host,
+    }
     binds: dict[Endpoint, Address] = {}
     shared: dict[Endpoint, Endpoint] = {}
     for endpoint, address in wanted:
-        # Port 0 means "any free port": never the same socket as another.
-        owner = next(
-            (e for e, a in binds.items() if a == address and address[1] != 0), None
-        )
+        owner: Endpoint | None = None
+        if same_as_primary.get(endpoint):
+            owner = Endpoint.PRIMARY
+        elif address[1] != 0:
+            # Port 0 means "any free port": never the same socket as another.
+            owner = next((e for e, a in binds.items() if a == address), None)
         if owner is None:
             binds[endpoint] = address
         else:
