@@ -175,7 +175,7 @@ def ip_to_bytes(ip: str) -> bytes:
     parts = ip.split(".")
     if len(parts) != 4:
         raise ValueError(f"{ip!r} is not an IPv4 address")
-    return bytes(int(part) for part in parts)
+    return bytes(map(int, parts))
 
 
 def bytes_to_ip(data: bytes, offset: int) -> str:
@@ -712,6 +712,10 @@ _DECODERS: dict[PacketType, Callable[[bytes, int, int], Packet]] = {
 }
 
 
+#: Type byte -> PacketType without the Enum call (it is on every datagram's path).
+_TYPES = tuple(PacketType)
+
+
 def decode(data: bytes) -> Packet:
     """Decode one datagram.
 
@@ -730,10 +734,9 @@ def decode(data: bytes) -> Packet:
     version = data[6]
     if version not in SUPPORTED_VERSIONS:
         raise DecodeError(f"unknown natneg version {version}", "bad-version")
-    try:
-        ptype = PacketType(data[7])
-    except ValueError:
-        raise DecodeError(f"unknown natneg packet type {data[7]}", "bad-type") from None
+    if data[7] >= len(_TYPES):
+        raise DecodeError(f"unknown natneg packet type {data[7]}", "bad-type")
+    ptype = _TYPES[data[7]]
     cookie = int.from_bytes(data[8:12], "big")
     return _DECODERS[ptype](data, version, cookie)
 

@@ -80,7 +80,6 @@ from crossroads.proto.natneg.packets import (
     ErtTest,
     Finished,
     Init,
-    InitAck,
     NatifyRequest,
     NatType,
     Packet,
@@ -92,6 +91,7 @@ from crossroads.proto.natneg.packets import (
     Report,
     ReportAck,
     decode,
+    ip_to_bytes,
 )
 from crossroads.types import Address
 
@@ -430,7 +430,7 @@ class NatNegServer:
         self.stats.received[ptype] += 1
         match packet:
             case Init():
-                self._on_init(packet, addr, endpoint, now)
+                self._on_init(packet, data, addr, endpoint, now)
             case ConnectAck():
                 self._on_connect_ack(packet, addr, now)
             case Report():
@@ -580,7 +580,9 @@ class NatNegServer:
 
     # ------------------------------------------------------------ INIT
 
-    def _on_init(self, p: Init, addr: Address, endpoint: Endpoint, now: float) -> None:
+    def _on_init(
+        self, p: Init, data: bytes, addr: Address, endpoint: Endpoint, now: float
+    ) -> None:
         if p.port_type > PortType.NN3:
             self._drop("bad-port-type")
             return
@@ -620,18 +622,19 @@ class NatNegServer:
         if p.port_type >= PortType.NN2 and p.local_port:
             # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
             client.local_port = p.local_port
-        self._send(
-            InitAck(
-                p.version,
-                p.cookie,
-                p.port_type,
-                p.client_index,
-                p.use_game_port,
-                addr[0],
-                addr[1],
-            ),
-            addr,
-            endpoint,
+        # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
+        # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
+        # Built from the INIT's bytes directly: this is the hottest reply.
+        self._out.append(
+            (
+                data[:7]
+                + b"\x01"
+                + data[8:15]
+                + ip_to_bytes(ip)
+                + addr[1].to_bytes(2, "big"),
+                addr,
+                endpoint,
+            )
         )
         if session.state is _State.FAILING and session.codes[p.client_index] is None:
             # Joined after the session gave up on it: its partner is gone.
