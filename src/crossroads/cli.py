@@ -114,3 +114,8 @@ def serve(config_file: Path | None, **params: Any) -> None:
         fail(f"cannot start: {exc}")
     except ConfigError as exc:
         fail(f"config error: {exc}")
+
+
+from crossroads.lab.cli import lab as _lab_group  # noqa: E402
+
+main.add_command(_lab_group)
