@@ -441,7 +441,8 @@ async def main() -> None:
     with server(
         "--natneg-relay-mode",
         "always",
-        "--natneg-relay-allow-private",
+        "--natneg-relay-allow",
+        "127.0.0.0/8",
         "--natneg-relay-host",
         "127.0.0.1",
     ) as (target, http, _):

@@ -74,7 +74,7 @@ async def natneg() -> AsyncIterator[Starter]:
             "natneg__connect_interval": 0.3,
             "natneg__linger": 2.0,
             "natneg__relay_host": "127.0.0.1",
-            "natneg__relay_allow_private": True,
+            "natneg__relay_allow": "127.0.0.0/8",
             **overrides,
         }
         rt = await start(default_config(loopback_config(**values)))
@@ -428,7 +428,7 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
 
 
 async def test_relay_refuses_private_peers_by_default(natneg: Starter) -> None:
-    rt = await natneg(natneg__relay_mode="always", natneg__relay_allow_private=False)
+    rt = await natneg(natneg__relay_mode="always", natneg__relay_allow="")
     srv = servers(rt)
     a = SdkNegotiator(version=4, cookie=903, client_index=1, servers=srv)
     b = SdkNegotiator(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import AsyncIterator
 
@@ -13,6 +14,8 @@ from crossroads.transport.natneg_relay import RelayPool, refused_peer
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(30)
+
+LOOPBACK = (ipaddress.ip_network("127.0.0.0/8"),)
 
 
 def udp(ip: str) -> socket.socket:
@@ -41,7 +44,7 @@ async def pool() -> AsyncIterator[RelayPool]:
         port_range=None,
         idle_timeout=30.0,
         max_pairs=2,
-        allow_private=True,
+        allow_networks=LOOPBACK,
     )
     try:
         yield relay
@@ -108,12 +111,11 @@ async def test_limits_and_private_peers() -> None:
         port_range=None,
         idle_timeout=30.0,
         max_pairs=1,
-        allow_private=False,
     )
     try:
         assert relay.allocate(1, ("127.0.0.1", "198.51.100.1")) is None
         assert relay.stats.refused == 1
-        relay.allow_private = True
+        relay.allow_networks = LOOPBACK
         assert relay.allocate(1, ("127.0.0.1", "127.0.0.2")) is not None
         assert relay.allocate(2, ("127.0.0.1", "127.0.0.2")) is None
         assert relay.stats.failed == 1
@@ -121,6 +123,8 @@ async def test_limits_and_private_peers() -> None:
         await relay.close()
     assert refused_peer("10.0.0.1") and refused_peer("169.254.1.1")
     assert refused_peer("127.0.0.1") and not refused_peer("8.8.8.8")
+    assert refused_peer("198.51.100.7")  # documentation range: not global
+    assert not refused_peer("198.51.100.7", (ipaddress.ip_network("198.51.100.0/24"),))
 
 
 async def test_port_range_exhausted_releases_what_it_bound() -> None:
@@ -131,7 +135,7 @@ async def test_port_range_exhausted_releases_what_it_bound() -> None:
         port_range=(port, port),
         idle_timeout=30.0,
         max_pairs=4,
-        allow_private=True,
+        allow_networks=LOOPBACK,
     )
     try:
         # One port cannot hold a pair: the first socket is closed again.

@@ -82,6 +82,14 @@ def parse_port_range(value: str) -> tuple[int, int] | None:
     return converted
 
 
+def _check_networks(value: tuple[str, ...]) -> None:
+    for network in value:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError:
+            raise ValueError(f"{network!r} is not a network like 10.0.0.0/8") from None
+
+
 def _check_optional_port(value: int) -> None:
     if not -1 <= value <= 65535:
         raise ValueError(f"{value} is not -1 or a port number (0-65535)")
@@ -176,10 +184,12 @@ class Config:
         60.0, kind="float", help="Release a relay pair after this many idle seconds."
     )
     max_relays: int = setting(1000, kind="int", help="Relay pairs at most.")
-    relay_allow_private: bool = setting(
-        False,
-        kind="bool",
-        help="Relay for clients with loopback/private addresses (tests only).",
+    relay_allow: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_networks,
+        help="Non-global networks (CIDR) whose clients may still be relayed: "
+        "loopback/private/link-local/documentation addresses are refused otherwise.",
     )
     max_sessions: int = setting(
         100_000, kind="int", help="Concurrent negotiation sessions at most."
@@ -613,7 +623,9 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 port_range=parse_port_range(cfg.relay_ports),
                 idle_timeout=cfg.relay_idle_timeout,
                 max_pairs=cfg.max_relays,
-                allow_private=cfg.relay_allow_private,
+                allow_networks=tuple(
+                    ipaddress.ip_network(n, strict=False) for n in cfg.relay_allow
+                ),
             )
             ports = cfg.relay_ports or "ephemeral ports"
             notes.append(f"relay udp {advertise} {ports} (mode {cfg.relay_mode})")

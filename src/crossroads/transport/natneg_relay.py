@@ -45,14 +45,20 @@ _MAX_DATAGRAM = 65535
 _BIND_ATTEMPTS = 32
 
 
-def refused_peer(ip: str) -> bool:
-    """Loopback, private, link-local and other non-global addresses are refused by
-    default (the class of bug behind coturn CVE-2020-26262, DESIGN.md)."""
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def refused_peer(ip: str, allowed: tuple[Network, ...] = ()) -> bool:
+    """Loopback, private, link-local and other non-global addresses are refused
+    unless in ``allowed`` (the class of bug behind coturn CVE-2020-26262,
+    DESIGN.md; tests and labs opt in with their ranges)."""
     try:
         address = ipaddress.ip_address(ip)
     except ValueError:
         return True
-    return not address.is_global
+    if address.is_global:
+        return False
+    return not any(address in network for network in allowed)
 
 
 class _Side:
@@ -148,14 +154,14 @@ class RelayPool:
         port_range: tuple[int, int] | None,
         idle_timeout: float,
         max_pairs: int,
-        allow_private: bool,
+        allow_networks: tuple[Network, ...] = (),
     ) -> None:
         self.bind_host = bind_host
         self.advertise_host = advertise_host
         self.port_range = port_range
         self.idle_timeout = idle_timeout
         self.max_pairs = max_pairs
-        self.allow_private = allow_private
+        self.allow_networks = allow_networks
         self.stats = RelayStats()
         self._pairs: dict[int, _Pair] = {}
         self._loop = asyncio.get_running_loop()
@@ -177,7 +183,7 @@ class RelayPool:
         """A pair for a session: the address to give client 0 and client 1."""
         if self._closed:
             return None
-        if not self.allow_private and any(refused_peer(ip) for ip in client_ips):
+        if any(refused_peer(ip, self.allow_networks) for ip in client_ips):
             self.stats.refused += 1
             return None
         if len(self._pairs) >= self.max_pairs or cookie in self._pairs:
