@@ -430,10 +430,10 @@ class SdkNegotiator:
             while True:
                 try:
                     data, addr = sock.recvfrom(512)
-                except (BlockingIOError, InterruptedError):
-                    break
                 except OSError:
-                    continue
+                    # EAGAIN, or an ICMP error from an earlier send: the SDK's
+                    # loop stops reading this socket for this pass too.
+                    break
                 self.process_data(data, addr, sock, now)
         state = self.state
         if state in (State.INITSENT, State.CONNECTPING) and now > self.retry_time:
@@ -492,6 +492,13 @@ class SdkNegotiator:
         for sock in (self.negotiate_sock, *self.extra_socks):
             if sock is not handed:
                 sock.close()
+
+    def release(self) -> None:
+        """Close every socket of this negotiator, the handed-over one included."""
+        for sock in (self.negotiate_sock, *self.extra_socks):
+            sock.close()
+        if self in SdkNegotiator.instances:
+            SdkNegotiator.instances.remove(self)
 
     @classmethod
     def close_all(cls) -> None:
@@ -563,7 +570,7 @@ async def detect_nat(
                 while True:
                     try:
                         data, _ = sock.recvfrom(512)
-                    except (BlockingIOError, InterruptedError):
+                    except OSError:
                         break
                     # NATify's Think drops bad magic and anything under 21 bytes.
                     if data[:6] != MAGIC or len(data) < INIT_SIZE:
