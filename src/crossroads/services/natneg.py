@@ -10,12 +10,13 @@ SDK clients resolve ``<game>.natneg1.<domain>``, ``natneg2`` and ``natneg3`` and
 port 27901 on each (ref §1). What crossroads can learn depends on how many IPs those
 names resolve to:
 
-* **Three (or two) IPs** -- bind ``host``, ``natneg2_host``, ``natneg3_host`` to them:
-  the NN1/NN2/NN3 INITs then reach different addresses, so a symmetric NAT shows as
-  different public ports (relay fallback), and NAT detection (NATify) can tell
-  symmetric NATs from cones and, with an IP clients never contact (``probe_host``,
-  or natneg3 when the ERT socket's targets natneg1/natneg2 are elsewhere), IP
-  filtering from port filtering.
+* **Two or three IPs** -- natneg1 and natneg2 on ``host``, natneg3 on a second IP
+  (``natneg3_host``), or one IP each: the NN1 and NN3 INITs then reach different
+  addresses, so a symmetric NAT shows as different public ports (relay fallback),
+  and the SDK's NAT detection (NATify) can tell symmetric NATs from cones and, with
+  an IP the client's ERT socket never contacts (natneg3: that socket sends only to
+  natneg1 and natneg2; or ``probe_host``), IP filtering from port filtering. The NAT
+  lab runs the two-IP layout and the SDK classifies every kind right through it.
 * **One IP** -- all three names resolve to ``host``; natneg2/natneg3 share its socket
   and only ``probe_port`` (a second port on the same IP) is available as a probe
   source. This *cannot detect*: symmetric NATs (every INIT reaches one ip:port, so
