@@ -687,3 +687,18 @@ def test_random_traffic_never_raises(steps: list[tuple[bytes, str, float]]) -> N
             core.handle_timer(now)
     run_until(core, now + 100.0)
     assert core.session_count == 0
+
+
+def test_history_expires() -> None:
+    core = NatNegServer(tight(history_ttl=60.0))
+    a, b = Client(0, "198.51.100.1", cookie=5), Client(1, "203.0.113.7", cookie=5)
+    negotiate(core, a, b)
+    ack(core, a, 0.1)
+    ack(core, b, 0.1)
+    report(core, a, success=False, nat_type=NatType.PORT_RESTRICTED_CONE, now=1.0)
+    core.pop_events()
+    run_until(core, 200.0)  # housekeeping forgets the failure and the NAT type
+    assert core.get_timer() is None  # nothing left to wake up for
+    a2, b2 = Client(0, a.ip, cookie=6), Client(1, b.ip, cookie=6, symmetric=True)
+    assert len(negotiate(core, a2, b2, now=201.0)) == 8
+    assert not [e for e in core.pop_events() if isinstance(e, RelayNeeded)]

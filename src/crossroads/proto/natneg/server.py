@@ -560,9 +560,9 @@ class NatNegServer:
 
     def _housekeeping(self, now: float) -> None:
         self._prune_buckets(now)
-        for table in (self._nat_history,):
-            for ip in [ip for ip, (_, expires) in table.items() if expires <= now]:
-                del table[ip]
+        history = self._nat_history
+        for ip in [ip for ip, (_, expires) in history.items() if expires <= now]:
+            del history[ip]
         for pair in [p for p, expires in self._failed_pairs.items() if expires <= now]:
             del self._failed_pairs[pair]
         for cookie in [c for c, e in self._preinits.items() if e.expires <= now]:
