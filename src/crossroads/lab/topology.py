@@ -76,6 +76,8 @@ SERVER_SETTINGS: dict[str, str] = {
     # refuses unless allowed.
     "natneg.natneg3_host": SERVER_IPS[1],
     "natneg.relay_allow": "198.51.100.0/24",
+    # The key the ``unity-relay`` method uses (lab/methods/relay.py LAB_API_KEY).
+    "relay.api_keys": "crossroads-lab-relay-key",
 }
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
