@@ -286,9 +286,15 @@ def apply_seed_config(config: Config, path: Path) -> Config:
 def _ipv4_host(host: str, what: str) -> str:
     if host in ("", "::"):
         return "0.0.0.0"
+    if host == "::1":
+        # The same intent ("loopback only") in the only family natneg has.
+        return "127.0.0.1"
     if ipaddress.ip_address(host).version != 4:
         # Every address field of the protocol is 4 bytes (ref §3).
-        raise ConfigError(f"natneg.{what}: {host} is IPv6; natneg is IPv4-only")
+        raise ConfigError(
+            f"natneg.{what}: {host} is IPv6; natneg is IPv4-only"
+            " (set --natneg-host to an IPv4 address, or leave natneg out of --only)"
+        )
     return host
 
 
