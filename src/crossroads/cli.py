@@ -119,3 +119,7 @@ def serve(config_file: Path | None, **params: Any) -> None:
 from crossroads.lab.cli import lab as _lab_group  # noqa: E402
 
 main.add_command(_lab_group)
+
+from crossroads.client.stun_cli import stun as _stun_group  # noqa: E402
+
+main.add_command(_stun_group)

@@ -14,7 +14,10 @@ from crossroads.config import register_section
 
 SERVICE_MODULES: dict[str, str] = {
     # name -> module. One line per service; keep names as in DESIGN.md.
+    "stun": "crossroads.services.stun",
     "openttd": "crossroads.services.openttd",
+    "natneg": "crossroads.services.natneg",
+    "relay": "crossroads.services.relay",
 }
 
 
