@@ -29,7 +29,10 @@ from crossroads.config import default_config
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import TurnService
 from tests.conftest import free_port, loopback_config
-from tests.interop.conftest import Coturn
+from tests.interop.stun_support import (  # noqa: F401 (fixture)
+    Coturn,
+    coturn_fixture,
+)
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(90)]
 

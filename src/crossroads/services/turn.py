@@ -858,6 +858,12 @@ class TurnService:
             or not all(hasattr(endpoint, n) for n in needed)
         ):
             return
+        if getattr(getattr(endpoint, "mm", None), "pktinfo", False):
+            # Wildcard bind: the STUN loop answers Binding from the request's
+            # destination address (IP_PKTINFO), which a plain recvmmsg here
+            # would lose. Keep its loop; ChannelData still reaches the C
+            # router through handle_channel_data.
+            return
         if self.poller is None:
             return
         fd = sock.fileno()

@@ -52,7 +52,9 @@ def test_random_signed_messages_after_allocation(message: Message, sha: bool) ->
 
 @FUZZ
 @given(st.binary(max_size=200))
-def test_random_bytes_through_the_codec_never_reach_the_core_broken(data: bytes) -> None:
+def test_random_bytes_through_the_codec_never_reach_the_core_broken(
+    data: bytes,
+) -> None:
     harness = Harness()
     try:
         message = decode(data)
