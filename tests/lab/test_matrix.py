@@ -52,6 +52,16 @@ def test_full_matrix(lab: Lab, tmp_path: Path) -> None:
         if want(KINDS_BY_NAME[row["a"]], KINDS_BY_NAME[row["b"]]) != row["connected"]:
             wrong.append(row)
     assert not wrong, "\n".join(map(str, wrong)) + "\n" + proc.stdout[-3000:]
+    # The ladder (with its TURN relay step) connects every pair; TURN over TCP
+    # connects every pair; TURN over UDP all but those with a udp-blocked side.
+    by_method: dict[str, list[dict[str, object]]] = {}
+    for row in results:
+        by_method.setdefault(row["method"], []).append(row)
+    assert all(row["connected"] for row in by_method["ladder"])
+    assert all(row["connected"] for row in by_method["turn-tcp"])
+    assert {
+        (row["a"], row["b"]) for row in by_method["turn-udp"] if not row["connected"]
+    } == {(x.name, y.name) for x, y in pairs() if "udp-blocked" in (x.name, y.name)}
     assert proc.returncode == 0, proc.stderr
     # Progress lines, and the table has a row per kind for every method.
     assert proc.stdout.count(" <-> ") == len(results)

@@ -108,6 +108,8 @@ METHOD_MODULES: list[str] = [
     "crossroads.lab.methods.ladder",
     "crossroads.lab.methods.natneg",
     "crossroads.lab.methods.relay",
+    "crossroads.lab.methods.turn_udp",
+    "crossroads.lab.methods.turn_tcp",
 ]
 
 
