@@ -110,6 +110,7 @@ METHOD_MODULES: list[str] = [
     "crossroads.lab.methods.relay",
     "crossroads.lab.methods.turn_udp",
     "crossroads.lab.methods.turn_tcp",
+    "crossroads.lab.methods.openttd",
 ]
 
 

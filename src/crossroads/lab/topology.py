@@ -85,6 +85,8 @@ SERVER_SETTINGS: dict[str, str] = {
     # Peers are the server's own relayed addresses (203.0.113.0/24): the TURN
     # peer policy allows documentation ranges by default, nothing to widen.
     "turn.user": LAB_TURN_USER,
+    # Invite codes survive a coordinator restart (lab/methods/openttd.py).
+    "openttd.secret": "crossroads-lab-openttd",
 }
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
