@@ -195,6 +195,7 @@ def matrix(
                     kinds=chosen,
                     parallel=parallel,
                     progress=progress,
+                    all_pairs=[m for m in methods.split(",") if m],
                 )
             )
         finally:

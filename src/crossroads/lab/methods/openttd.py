@@ -223,5 +223,7 @@ METHOD = register(
         timeout=100.0,
         max_parallel=1,
         needs=("openttd",),
+        expected_via=expected_via,
+        default_pairs=CI_PAIRS,
     )
 )
