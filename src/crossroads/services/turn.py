@@ -107,6 +107,7 @@ from crossroads.transport.turnplane import (
     PAD,
     ChannelRouterType,
     ListenerTapBase,
+    PollerType,
     RelayTapBase,
 )
 from crossroads.types import Address
@@ -511,7 +512,9 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         self.fd = -1
         if self.reading:
             self.reading = False
-            self.service.loop.remove_reader(self.sock.fileno())
+            poller = self.service.poller
+            if poller is not None:
+                poller.unregister(self.sock.fileno())
             self.sock.close()
         elif self.transport is not None:
             self.transport.close()
@@ -782,6 +785,10 @@ class TurnService:
         self.router.endpoints = {}
         self.router.fallback = self._channel_data_slow
         self.handle_channel_data = self.router.handle_channel_data
+        #: C data plane: one epoll set for every socket the taps read.
+        self.poller = PollerType() if PollerType is not None else None
+        if self.poller is not None:
+            self.loop.add_reader(self.poller.fileno(), self.poller.poll)
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -842,14 +849,23 @@ class TurnService:
             self.taps[endpoint] = tap
             return
         sock = getattr(endpoint, "sock", None)
-        if not ACCELERATED or sock is None or not hasattr(endpoint, "_readable"):
+        # What _stun_dispatch uses of the STUN service's batched endpoint; if
+        # its shape ever changes, keep its own loop (and the router hook).
+        needed = ("_readable", "core", "index", "group", "service", "requests")
+        if (
+            not ACCELERATED
+            or sock is None
+            or not all(hasattr(endpoint, n) for n in needed)
+        ):
+            return
+        if self.poller is None:
             return
         fd = sock.fileno()
         tap = ListenerTap(endpoint, fd)
         tap.clients = self.router.endpoints.setdefault(endpoint, {})
         tap.fallback = self._stun_dispatch(endpoint)
         self.loop.remove_reader(fd)
-        self.loop.add_reader(fd, tap.readable)
+        self.poller.register(fd, tap)
         self.taps[endpoint] = tap
 
     def _restore_taps(self) -> None:
@@ -860,9 +876,9 @@ class TurnService:
                     udp.set_protocol(endpoint)
                 continue
             sock = getattr(endpoint, "sock", None)
-            if sock is not None and sock.fileno() >= 0:
-                self.loop.remove_reader(tap.fd)
-                if not getattr(endpoint, "_closed", False):
+            if sock is not None and self.poller is not None:
+                self.poller.unregister(tap.fd)
+                if sock.fileno() >= 0 and not getattr(endpoint, "_closed", False):
                     self.loop.add_reader(tap.fd, endpoint._readable)
         self.taps.clear()
 
@@ -982,6 +998,9 @@ class TurnService:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
+        if self.poller is not None:
+            self.loop.remove_reader(self.poller.fileno())
+            self.poller.close()
         with contextlib.suppress(KeyError):
             self.ctx.metrics.unregister(self._collector)
         if self.owns_stun:
@@ -1136,10 +1155,10 @@ class TurnService:
         kind = TcpClientRelay if link.tcp else UdpRelay
         relay = kind(self, allocation, family, sock, (advertised, port))
         self.relays.add(relay)
-        if ACCELERATED and kind is UdpRelay:
-            # The C tap reads the socket itself (recvmmsg): no asyncio
-            # transport, no Python object per datagram.
-            self.loop.add_reader(sock.fileno(), relay.readable)
+        if self.poller is not None and kind is UdpRelay:
+            # The C tap reads the socket itself (recvmmsg), woken through the
+            # service's epoll set: no asyncio transport, no callback per socket.
+            self.poller.register(sock.fileno(), relay)
             relay.reading = True
         else:
             relay.task = self._spawn(

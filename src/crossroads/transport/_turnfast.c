@@ -104,7 +104,7 @@ sockaddr_from_tuple(PyObject *addr, struct sockaddr_storage *ss, socklen_t *len)
 
 /* sockaddr -> (host, port), the key form of the forwarding tables. */
 static PyObject *
-tuple_from_sockaddr(const struct sockaddr_storage *ss)
+build_tuple(const struct sockaddr_storage *ss)
 {
     char text[INET6_ADDRSTRLEN];
     unsigned short port;
@@ -122,6 +122,59 @@ tuple_from_sockaddr(const struct sockaddr_storage *ss)
         return NULL;
     }
     return Py_BuildValue("(sH)", text, port);
+}
+
+/* Datagrams come from few addresses (the clients and peers of the live
+ * allocations), and formatting an address (inet_ntop, a str, an int, a
+ * tuple) costs more than forwarding. A direct-mapped cache of the tuples,
+ * keyed by the raw address and port, makes the common case one compare. */
+#define ADDR_CACHE 4096
+
+typedef struct {
+    unsigned char family;
+    unsigned short port;
+    unsigned char addr[16];
+    PyObject *tuple;
+} AddrEntry;
+
+static AddrEntry acache[ADDR_CACHE];
+
+static PyObject *
+tuple_from_sockaddr(const struct sockaddr_storage *ss)
+{
+    unsigned char key[16];
+    size_t size;
+    unsigned short port;
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *v4 = (const struct sockaddr_in *)ss;
+        memcpy(key, &v4->sin_addr, 4);
+        size = 4;
+        port = v4->sin_port;
+    } else if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *v6 = (const struct sockaddr_in6 *)ss;
+        memcpy(key, &v6->sin6_addr, 16);
+        size = 16;
+        port = v6->sin6_port;
+    } else {
+        return NULL;
+    }
+    unsigned int h = port * 2654435761u;
+    for (size_t i = 0; i < size; i++)
+        h = (h ^ key[i]) * 16777619u;
+    AddrEntry *e = &acache[(h >> 8) & (ADDR_CACHE - 1)];
+    if (e->tuple != NULL && e->family == ss->ss_family && e->port == port &&
+        memcmp(e->addr, key, size) == 0) {
+        Py_INCREF(e->tuple);
+        return e->tuple;
+    }
+    PyObject *tuple = build_tuple(ss);
+    if (tuple == NULL)
+        return NULL;
+    Py_XSETREF(e->tuple, Py_NewRef(tuple));
+    e->family = (unsigned char)ss->ss_family;
+    e->port = port;
+    memcpy(e->addr, key, size);
+    return tuple;
 }
 
 /* A 2-tuple key from whatever address form the event loop handed over. */
@@ -865,6 +918,227 @@ static PyTypeObject ChannelRouterType = {
     .tp_dictoffset = offsetof(ChannelRouter, dict),
 };
 
+/* ------------------------------------------------------------ Poller */
+
+/* One epoll set holding every relay socket (and the listening sockets the
+ * taps read themselves). The event loop watches only the epoll fd: one
+ * wakeup, one Python-level call, then poll() drains every ready socket in C.
+ * With one relay socket per allocation this replaces one event-loop callback
+ * per socket per datagram. Level-triggered: a socket left with data (the
+ * MAX_ROUNDS cap) keeps the epoll fd readable for the next loop turn. */
+#include <sys/epoll.h>
+#include <unistd.h>
+
+#define POLL_EVENTS 128
+
+typedef struct {
+    PyObject_HEAD
+    int epfd;
+    PyObject *taps; /* dict fd -> tap (keeps them alive while registered) */
+    unsigned long long wakeups;
+    unsigned long long events;
+} Poller;
+
+static struct epoll_event pevents[POLL_EVENTS];
+
+static int
+Poller_init(Poller *self, PyObject *args, PyObject *kwds)
+{
+    if (self->epfd >= 0)
+        return 0;
+    self->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (self->epfd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->taps = PyDict_New();
+    return self->taps ? 0 : -1;
+}
+
+static PyObject *
+Poller_register(Poller *self, PyObject *args)
+{
+    int fd;
+    PyObject *tap;
+    if (!PyArg_ParseTuple(args, "iO", &fd, &tap))
+        return NULL;
+    if (!PyObject_TypeCheck(tap, &RelayTapType) &&
+        !PyObject_TypeCheck(tap, &ListenerTapType)) {
+        PyErr_SetString(PyExc_TypeError, "tap must be a RelayTap or ListenerTap");
+        return NULL;
+    }
+    if (self->epfd < 0) {
+        PyErr_SetString(PyExc_ValueError, "poller is closed");
+        return NULL;
+    }
+    PyObject *key = PyLong_FromLong(fd);
+    if (key == NULL || PyDict_SetItem(self->taps, key, tap) < 0) {
+        Py_XDECREF(key);
+        return NULL;
+    }
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.events = EPOLLIN;
+    ev.data.ptr = tap; /* borrowed: self->taps holds the reference */
+    if (epoll_ctl(self->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        PyDict_DelItem(self->taps, key);
+        Py_DECREF(key);
+        return NULL;
+    }
+    Py_DECREF(key);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Poller_unregister(Poller *self, PyObject *arg)
+{
+    int fd = (int)PyLong_AsLong(arg);
+    if (fd < 0 && PyErr_Occurred())
+        return NULL;
+    if (self->epfd >= 0)
+        epoll_ctl(self->epfd, EPOLL_CTL_DEL, fd, NULL);
+    /* Events already fetched for this fd cannot be pending: poll() runs
+     * them before returning to Python. */
+    if (PyDict_DelItem(self->taps, arg) < 0)
+        PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Poller_poll(Poller *self, PyObject *unused)
+{
+    if (self->epfd < 0)
+        Py_RETURN_NONE;
+    int n;
+    do {
+        n = epoll_wait(self->epfd, pevents, POLL_EVENTS, 0);
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0)
+        Py_RETURN_NONE;
+    self->wakeups += 1;
+    self->events += (unsigned long long)n;
+    /* Hold every tap of this batch: a fallback may unregister (and free) a
+     * tap whose event is still in pevents. */
+    PyObject *held[POLL_EVENTS];
+    for (int i = 0; i < n; i++) {
+        held[i] = (PyObject *)pevents[i].data.ptr;
+        Py_INCREF(held[i]);
+    }
+    PyObject *failed = NULL;
+    for (int i = 0; i < n && failed == NULL; i++) {
+        PyObject *tap = held[i];
+        PyObject *result;
+        if (PyObject_TypeCheck(tap, &RelayTapType)) {
+            RelayTap *relay = (RelayTap *)tap;
+            if (relay->fd < 0 || relay->peer_channels == NULL || relay->fallback == NULL)
+                continue;
+            relay->skip = 0;
+            result = relay_drain(relay);
+        } else {
+            ListenerTap *listener = (ListenerTap *)tap;
+            if (listener->fd < 0 || listener->clients == NULL || listener->fallback == NULL)
+                continue;
+            listener->skip = 0;
+            result = listener_drain(listener);
+        }
+        if (result == NULL)
+            failed = tap;
+        else
+            Py_DECREF(result);
+    }
+    for (int i = 0; i < n; i++)
+        Py_DECREF(held[i]);
+    if (failed != NULL)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Poller_fileno(Poller *self, PyObject *unused)
+{
+    return PyLong_FromLong(self->epfd);
+}
+
+static PyObject *
+Poller_close(Poller *self, PyObject *unused)
+{
+    if (self->epfd >= 0) {
+        close(self->epfd);
+        self->epfd = -1;
+    }
+    if (self->taps != NULL)
+        PyDict_Clear(self->taps);
+    Py_RETURN_NONE;
+}
+
+static int
+Poller_traverse(Poller *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->taps);
+    return 0;
+}
+
+static int
+Poller_clear(Poller *self)
+{
+    Py_CLEAR(self->taps);
+    return 0;
+}
+
+static void
+Poller_dealloc(Poller *self)
+{
+    PyObject_GC_UnTrack(self);
+    if (self->epfd >= 0)
+        close(self->epfd);
+    Poller_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Poller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    Poller *self = (Poller *)type->tp_alloc(type, 0);
+    if (self != NULL)
+        self->epfd = -1;
+    return (PyObject *)self;
+}
+
+static PyMethodDef Poller_methods[] = {
+    {"register", (PyCFunction)Poller_register, METH_VARARGS,
+     "register(fd, tap): drain `fd` with `tap` when it is readable."},
+    {"unregister", (PyCFunction)Poller_unregister, METH_O, "unregister(fd)."},
+    {"poll", (PyCFunction)Poller_poll, METH_NOARGS,
+     "Drain every ready socket (for loop.add_reader(poller.fileno(), poller.poll))."},
+    {"fileno", (PyCFunction)Poller_fileno, METH_NOARGS, "The epoll fd."},
+    {"close", (PyCFunction)Poller_close, METH_NOARGS, "Close the epoll fd."},
+    {NULL},
+};
+
+static PyMemberDef Poller_members[] = {
+    {"wakeups", T_ULONGLONG, offsetof(Poller, wakeups), READONLY,
+     "poll() calls that found ready sockets."},
+    {"events", T_ULONGLONG, offsetof(Poller, events), READONLY,
+     "Ready sockets handled."},
+    {NULL},
+};
+
+static PyTypeObject PollerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.Poller",
+    .tp_basicsize = sizeof(Poller),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "An epoll set of TURN sockets, drained in C.",
+    .tp_new = Poller_new,
+    .tp_init = (initproc)Poller_init,
+    .tp_dealloc = (destructor)Poller_dealloc,
+    .tp_traverse = (traverseproc)Poller_traverse,
+    .tp_clear = (inquiry)Poller_clear,
+    .tp_methods = Poller_methods,
+    .tp_members = Poller_members,
+};
+
 /* ------------------------------------------------------------ module */
 
 static struct PyModuleDef module = {
@@ -878,7 +1152,7 @@ PyMODINIT_FUNC
 PyInit__turnfast(void)
 {
     if (PyType_Ready(&RelayTapType) < 0 || PyType_Ready(&ListenerTapType) < 0 ||
-        PyType_Ready(&ChannelRouterType) < 0)
+        PyType_Ready(&ChannelRouterType) < 0 || PyType_Ready(&PollerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -898,6 +1172,12 @@ PyInit__turnfast(void)
     Py_INCREF(&ChannelRouterType);
     if (PyModule_AddObject(m, "ChannelRouter", (PyObject *)&ChannelRouterType) < 0) {
         Py_DECREF(&ChannelRouterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PollerType);
+    if (PyModule_AddObject(m, "Poller", (PyObject *)&PollerType) < 0) {
+        Py_DECREF(&PollerType);
         Py_DECREF(m);
         return NULL;
     }

@@ -26,10 +26,12 @@ into the control plane for a datagram they can forward:
 Two implementations with identical behaviour:
 
 - the C accelerator :mod:`crossroads.transport._turnfast` (built at install
-  time when a C compiler is present). After the event loop hands it one
-  datagram it drains the socket with ``recvmmsg`` and sends peer->client
-  ChannelData with ``sendmmsg`` — no payload copies, one wakeup for many
-  datagrams. See ``benchmarks/turn.py`` for what that buys.
+  time when a C compiler is present). The relay sockets — and the listening
+  sockets the STUN service would read in batches — go into one epoll set
+  (``Poller``) that the event loop watches as a single fd: one wakeup drains
+  every ready socket with ``recvmmsg`` and sends peer->client ChannelData with
+  ``sendmmsg`` — no payload copies, no Python object per datagram but its
+  address. See ``benchmarks/turn.py`` for what that buys.
 - the pure-Python classes below, used when the accelerator is missing or
   ``CROSSROADS_TURN_PURE_PYTHON=1`` is set: one datagram per callback, a
   couple of dict lookups, a slice and a ``sendto``.
@@ -201,12 +203,15 @@ def _unset(*args: Any) -> None:
 ListenerTapBase: type[Any]
 RelayTapBase: type[Any]
 ChannelRouterType: type[Any]
+#: The C epoll set of taps (None in pure-Python mode).
+PollerType: type[Any] | None = None
 ACCELERATED = False
 if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes"):
     try:
         from crossroads.transport._turnfast import (
             ChannelRouter,
             ListenerTap,
+            Poller,
             RelayTap,
         )
     except ImportError:  # not built (no C compiler at install time)
@@ -217,6 +222,7 @@ if ACCELERATED:
     ListenerTapBase = ListenerTap
     RelayTapBase = RelayTap
     ChannelRouterType = ChannelRouter
+    PollerType = Poller
 else:
     ListenerTapBase = PyListenerTap
     RelayTapBase = PyRelayTap
