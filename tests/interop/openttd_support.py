@@ -24,6 +24,20 @@ import uuid
 from pathlib import Path
 
 OPENTTD = shutil.which("openttd") or "/usr/games/openttd"
+#: An HTTP GET run inside the namespace (so its socket lives there); prints the
+#: body, a newline, and the status.
+_HTTP_GET = """
+import sys
+import urllib.error
+import urllib.request
+
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=5) as response:
+        body, status = response.read().decode(), response.status
+except urllib.error.HTTPError as error:
+    body, status = error.read().decode(), error.code
+sys.stdout.write(body + "\\n" + str(status))
+"""
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -171,7 +185,7 @@ class Crossroads:
     def get(self, path: str) -> tuple[int, str]:
         """HTTP GET from inside the process's network namespace."""
         url = f"http://127.0.0.1:{self.ports['http']}{path}"
-        command = ["curl", "-s", "-o", "-", "-w", "\n%{http_code}", url]
+        command = [sys.executable, "-c", _HTTP_GET, url]
         if self.netns is not None:
             command = self.netns.prefix() + command
         output = subprocess.run(
