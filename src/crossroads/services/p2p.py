@@ -149,7 +149,7 @@ class P2PService:
             secrets.token_bytes,
         )
         self._conn_ids = itertools.count(1)
-        self._queues: dict[int, asyncio.Queue[tuple[str, int, str]]] = {}
+        self._queues: dict[int, asyncio.Queue[tuple[str, int, str | bytes]]] = {}
         self._transports: list[asyncio.DatagramTransport] = []
         self._udp: list[Address] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -280,7 +280,9 @@ class P2PService:
     async def handle_websocket(self, ws: WebSocket) -> None:
         await ws.accept()
         conn = next(self._conn_ids)
-        queue: asyncio.Queue[tuple[str, int, str]] = asyncio.Queue(MAX_OUTBOUND_FRAMES)
+        queue: asyncio.Queue[tuple[str, int, str | bytes]] = asyncio.Queue(
+            MAX_OUTBOUND_FRAMES
+        )
         self._queues[conn] = queue
         ip = ws.client.host if ws.client else ""
         self.core.connection_made(conn, ip, self.loop.time())
@@ -301,7 +303,10 @@ class P2PService:
                 text = message.get("text")
                 if text is None:
                     data = message.get("bytes") or b""
-                    # Binary frames are accepted when they hold UTF-8 JSON.
+                    if data[:1] == b"\x01":
+                        self._relay(conn, data)
+                        continue
+                    # Other binary frames are accepted when they hold UTF-8 JSON.
                     try:
                         text = data.decode("utf-8")
                     except UnicodeDecodeError:
@@ -322,16 +327,35 @@ class P2PService:
                 with contextlib.suppress(Exception):
                     await ws.close(1000)
 
+    def _relay(self, conn: int, frame: bytes) -> None:
+        route = self.core.relay_route(conn, frame, self.loop.time())
+        if route is None:
+            self.flush()
+            return
+        target, out = route
+        queue = self._queues.get(target)
+        if queue is None:
+            return
+        try:
+            queue.put_nowait(("bytes", 0, out))
+        except asyncio.QueueFull:
+            # A datagram relay may drop: the receiver is behind, as a full UDP
+            # socket buffer would drop.
+            self.rejected.labels("relay-queue-full").inc()
+
     async def _writer(
-        self, ws: WebSocket, queue: asyncio.Queue[tuple[str, int, str]]
+        self, ws: WebSocket, queue: asyncio.Queue[tuple[str, int, str | bytes]]
     ) -> None:
         while True:
-            kind, code, text = await queue.get()
+            kind, code, payload = await queue.get()
             if kind == "close":
                 with contextlib.suppress(Exception):
-                    await ws.close(code, text[:120])
+                    await ws.close(code, str(payload)[:120])
                 return
-            await ws.send_text(text)
+            if isinstance(payload, bytes):
+                await ws.send_bytes(payload)
+            else:
+                await ws.send_text(payload)
 
 
 async def serve(ctx: ServiceContext) -> Service:

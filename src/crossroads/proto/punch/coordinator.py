@@ -94,6 +94,15 @@ MAX_STRIKES = 50
 CODE_ALPHABET = "23456789ABCDEFGHJKMNPQRSTUVWXYZ"
 CODE_LENGTH = 8
 
+#: Relay frames over the WebSocket (binary, see docs/p2p-protocol.md): the last
+#: resort when no UDP path exists (even with UDP blocked: the WebSocket is TCP).
+#: 256 KiB/s per connection with 64 KiB bursts carries chat, lobby and modest game
+#: state; heavy traffic belongs on TURN. One frame holds one sealed datagram.
+RELAY_BYTES_RATE = 256 * 1024
+RELAY_BYTES_BURST = 64 * 1024
+RELAY_MAX_FRAME = 1 + 8 + 1400 + 64
+RELAY_FRAME = 0x01
+
 CLOSE_POLICY = 1008
 CLOSE_TRY_AGAIN = 1013
 CLOSE_PROTOCOL = 1002
@@ -161,6 +170,7 @@ class _Conn:
     id: int
     ip: str
     bucket: _Bucket
+    relay_bucket: _Bucket
     peer: str | None = None
     strikes: int = 0
     last_rate_error: float = -1e9
@@ -300,7 +310,10 @@ class Coordinator:
             return False
         self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
         self._conns[conn] = _Conn(
-            conn, ip, _Bucket(FRAME_RATE, FRAME_BURST, FRAME_BURST, now)
+            conn,
+            ip,
+            _Bucket(FRAME_RATE, FRAME_BURST, FRAME_BURST, now),
+            _Bucket(RELAY_BYTES_RATE, RELAY_BYTES_BURST, RELAY_BYTES_BURST, now),
         )
         return True
 
@@ -384,6 +397,38 @@ class Coordinator:
                 self._signal(peer, message)
             case _:  # pragma: no cover - every client type is handled above
                 self._error(conn, "unknown_type", "not a client message", message.TYPE)
+
+    def relay_route(
+        self, conn: int, frame: bytes, now: float
+    ) -> tuple[int, bytes] | None:
+        """Route a binary relay frame ``0x01 | peer id (8) | datagram``.
+
+        Returns (target connection, frame to send it) or None (dropped and
+        counted). This is the relay's data plane: a few dict lookups, no parsing
+        of the datagram, which is end-to-end sealed and opaque to the server.
+        """
+        c = self._conns.get(conn)
+        if c is None or c.peer is None:
+            self._events.append(FrameRejected("relay-before-hello"))
+            return None
+        if len(frame) < 10 or len(frame) > RELAY_MAX_FRAME or frame[0] != RELAY_FRAME:
+            self._events.append(FrameRejected("relay-bad-frame"))
+            return None
+        c.relay_bucket.tokens = min(
+            c.relay_bucket.burst,
+            c.relay_bucket.tokens + (now - c.relay_bucket.last) * c.relay_bucket.rate,
+        )
+        c.relay_bucket.last = now
+        if c.relay_bucket.tokens < len(frame):
+            self._events.append(FrameRejected("relay-rate-limited"))
+            return None
+        c.relay_bucket.tokens -= len(frame)
+        target = self._peers.get(frame[1:9].hex())
+        source = self._peers[c.peer]
+        if target is None or target is source or not self._related(source, target):
+            self._events.append(FrameRejected("relay-no-route"))
+            return None
+        return target.conn, bytes([RELAY_FRAME]) + bytes.fromhex(source.id) + frame[9:]
 
     def receive_rendezvous(
         self, data: bytes, addr: Address, index: int, now: float

@@ -81,9 +81,13 @@ class ChannelKeys:
     recv_id: bytes
 
 
-def derive_keys(private: X25519PrivateKey, their_public: bytes) -> ChannelKeys:
+def derive_keys(
+    private: X25519PrivateKey, their_public: bytes, context: bytes = b""
+) -> ChannelKeys:
     """Directional keys for the channel between ``private``'s owner and the holder
-    of ``their_public``. Raises :class:`DecodeError` on an invalid peer key."""
+    of ``their_public``. ``context`` (the punch attempt number) makes each
+    attempt's keys fresh, so datagrams of an earlier attempt cannot be replayed
+    into a later one. Raises :class:`DecodeError` on an invalid peer key."""
     mine = private.public_key().public_bytes_raw()
     if their_public == mine:
         raise DecodeError("peer key equals our own", "bad-key")
@@ -94,7 +98,7 @@ def derive_keys(private: X25519PrivateKey, their_public: bytes) -> ChannelKeys:
         raise DecodeError("peer key is not a valid X25519 key", "bad-key") from None
     low, high = sorted((mine, their_public))
     material = HKDF(
-        algorithm=hashes.SHA256(), length=80, salt=KDF_SALT, info=low + high
+        algorithm=hashes.SHA256(), length=80, salt=KDF_SALT, info=low + high + context
     ).derive(shared)
     key_low_to_high, key_high_to_low = material[:32], material[32:64]
     id_low, id_high = material[64:72], material[72:80]
