@@ -206,7 +206,7 @@ class P2PClient:
         *,
         name: str = "",
         bind: Address = ("0.0.0.0", 0),
-        relay: bool = True,
+        relay: str = "allow",
         accept_join: Callable[[str], bool] | None = None,
         mapped: sig.Endpoint | None = None,
         socket_factory: Callable[[], socket.socket] | None = None,
@@ -215,7 +215,11 @@ class P2PClient:
         self.url = url
         self.name = name
         self.bind = bind
-        self.relay_enabled = relay
+        if relay not in ("allow", "force", "never"):
+            raise ValueError("relay must be 'allow', 'force' or 'never'")
+        #: EOS-style relay control (reference §3.2): "allow" tries every direct
+        #: step first, "force" uses only the relay, "never" never relays.
+        self.relay_mode = relay
         self.accept_join = accept_join or (lambda peer: True)
         #: A port mapping held for the peer socket (see crossroads.client.portmap).
         self.mapped = mapped
@@ -501,22 +505,33 @@ class P2PClient:
             await self.signalling.send(sig.PunchResult(start.attempt, False))
             return
         channel = SecureChannel(keys)
-        plan = ladder.plan(
-            initiator,
-            responder,
-            own_role=start.role,
-            randbelow=secrets.randbelow,
-            birthday_rate=self.birthday_rate,
-        )
+        if self.relay_mode == "force":
+            plan = ladder.Plan()
+        else:
+            plan = ladder.plan(
+                initiator,
+                responder,
+                own_role=start.role,
+                randbelow=secrets.randbelow,
+                birthday_rate=self.birthday_rate,
+            )
         extra: list[_UdpTransport] = []
         if plan.sockets(start.role):
             extra = await self.socket.open_extra(
                 plan.sockets(start.role), self._socket_factory
             )
-        relay = (
-            (self._relay, (f"relay:{start.peer}", 0)) if self.relay_enabled else None
+        relay = None
+        if self.relay_mode != "never":
+            relay = (self._relay, (f"relay:{start.peer}", 0))
+        run = LadderRun(
+            self.socket,
+            channel,
+            plan,
+            start.role,
+            extra,
+            relay,
+            udp=self.relay_mode != "force",
         )
-        run = LadderRun(self.socket, channel, plan, start.role, extra, relay)
         self.socket.route(keys.recv_id, run.receive)
         run.start(t_go)
         try:

@@ -232,6 +232,8 @@ class LadderRun:
         role: str,
         extra: list[_UdpTransport],
         relay: tuple[Transport, Address] | None = None,
+        *,
+        udp: bool = True,
     ) -> None:
         self.socket = socket_
         self.channel = channel
@@ -239,6 +241,8 @@ class LadderRun:
         self.role = role
         self.extra = extra
         self.relay = relay
+        #: False in relay-only mode: paths over UDP are ignored.
+        self.udp = udp
         self.result: asyncio.Future[LadderResult] = (
             asyncio.get_running_loop().create_future()
         )
@@ -253,6 +257,8 @@ class LadderRun:
         return self.extra[index - 1]
 
     def receive(self, data: bytes, addr: Address, via: Transport) -> None:
+        if not self.udp and via is not (self.relay[0] if self.relay else None):
+            return
         try:
             kind, body = self.channel.open(data)
         except DecodeError:
