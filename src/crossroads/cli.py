@@ -114,3 +114,10 @@ def serve(config_file: Path | None, **params: Any) -> None:
         fail(f"cannot start: {exc}")
     except ConfigError as exc:
         fail(f"config error: {exc}")
+
+
+from crossroads.client.demo import host as _p2p_host  # noqa: E402
+from crossroads.client.demo import join as _p2p_join  # noqa: E402
+
+main.add_command(_p2p_host)
+main.add_command(_p2p_join)
