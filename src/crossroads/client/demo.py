@@ -85,8 +85,8 @@ async def _chat(client: P2PClient) -> None:
                 await task
 
 
-async def _host(server: str, relay: str, max_members: int) -> None:
-    async with P2PClient(server, relay=relay) as client:
+async def _host(server: str, relay: str, portmap: bool, max_members: int) -> None:
+    async with P2PClient(server, relay=relay, portmap=portmap) as client:
         code = await client.host(max_members)
         _out(f"invite code: {code}")
         _out(
@@ -95,8 +95,8 @@ async def _host(server: str, relay: str, max_members: int) -> None:
         await _chat(client)
 
 
-async def _join(server: str, code: str, relay: str) -> None:
-    async with P2PClient(server, relay=relay) as client:
+async def _join(server: str, code: str, relay: str, portmap: bool) -> None:
+    async with P2PClient(server, relay=relay, portmap=portmap) as client:
         await client.join(code)
         for peer, link in client.links.items():
             _out(
@@ -123,28 +123,33 @@ def _options(command: Any) -> Any:
         show_default=True,
         help="Relay control: try direct steps first, relay only, or never relay.",
     )(command)
+    command = click.option(
+        "--portmap/--no-portmap",
+        default=False,
+        help="Ask the home gateway for a port mapping (PCP, NAT-PMP, UPnP-IGD).",
+    )(command)
     return command
 
 
 @click.command("host")
 @_options
 @click.option("--max-members", default=sig.MAX_MEMBERS, show_default=True, type=int)
-def host(server: str, relay: str, max_members: int) -> None:
+def host(server: str, relay: str, portmap: bool, max_members: int) -> None:
     """Create a p2p session, print its invite code, chat with whoever joins."""
     from crossroads.cli import run_async
 
-    run_async(_host(server, relay, max_members))
+    run_async(_host(server, relay, portmap, max_members))
 
 
 @click.command("join")
 @click.argument("code")
 @_options
-def join(code: str, server: str, relay: str) -> None:
+def join(code: str, server: str, relay: str, portmap: bool) -> None:
     """Join the p2p session behind CODE and chat with its members."""
     from crossroads.cli import run_async
 
     try:
-        run_async(_join(server, code, relay))
+        run_async(_join(server, code, relay, portmap))
     except Exception as exc:  # noqa: BLE001 - one line for the user, exit 1
         click.echo(f"crossroads join: {exc}", err=True)
         sys.exit(1)

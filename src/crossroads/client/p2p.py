@@ -44,6 +44,7 @@ from crossroads.client.peer import (
     Transport,
     _UdpTransport,
 )
+from crossroads.client.portmap import PortMapper
 from crossroads.client.signalling import SignallingClient
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.punch import ladder
@@ -211,6 +212,7 @@ class P2PClient:
         mapped: sig.Endpoint | None = None,
         socket_factory: Callable[[], socket.socket] | None = None,
         birthday_rate: float = ladder.BIRTHDAY_RATE,
+        portmap: bool = False,
     ) -> None:
         self.url = url
         self.name = name
@@ -225,6 +227,9 @@ class P2PClient:
         self.mapped = mapped
         self._socket_factory = socket_factory
         self.birthday_rate = birthday_rate
+        #: Ask the gateway for a port mapping (PCP, NAT-PMP, UPnP) at start.
+        self.portmap = portmap
+        self.portmapper: PortMapper | None = None
         self._key = X25519PrivateKey.generate()
         self.public_key = self._key.public_key().public_bytes_raw()
         self.socket = PeerSocket()
@@ -253,6 +258,11 @@ class P2PClient:
             await self.socket.open(sock=self._socket_factory())
         else:
             await self.socket.open(*self.bind)
+        if self.portmap and self.mapped is None:
+            self.portmapper = PortMapper(self.socket.local[1])
+            mapping = await self.portmapper.start()
+            if mapping is not None:
+                self.mapped = sig.Endpoint(mapping.external_ip, mapping.external_port)
         welcome = await self.signalling.connect(self.public_key, self.name, timeout)
         self.peer_id = welcome.peer
         server_host = urlparse(self.url).hostname or "127.0.0.1"
@@ -281,6 +291,8 @@ class P2PClient:
         for task in list(self._tasks):
             task.cancel()
         await self.signalling.close()
+        if self.portmapper is not None:
+            await self.portmapper.close()
         self.socket.close()
 
     async def __aenter__(self) -> P2PClient:
