@@ -116,6 +116,10 @@ def serve(config_file: Path | None, **params: Any) -> None:
         fail(f"config error: {exc}")
 
 
+from crossroads.lab.cli import lab as _lab_group  # noqa: E402
+
+main.add_command(_lab_group)
+
 from crossroads.client.demo import host as _p2p_host  # noqa: E402
 from crossroads.client.demo import join as _p2p_join  # noqa: E402
 

@@ -1,0 +1,310 @@
+"""The connection-success matrix: every unordered pair of NAT kinds (a kind with
+itself included) x every method, run through the lab, written as a table.
+
+Methods are plug-ins: :func:`register` a :class:`Method` whose ``run`` coroutine gets
+an :class:`Attempt` (the lab, the two sites, shared helpers) and returns an
+:class:`Outcome`. Other areas add columns (natneg, SDK punch-through, port mapping)
+by registering theirs in :data:`METHOD_MODULES`.
+
+Scheduling: a pair (X, Y) runs between host X-a and host Y-b (two separate routers
+even when X == Y). Attempts that share no host run in parallel; before each
+attempt the NAT state of both sites' routers is flushed, so no attempt rides on
+the conntrack entries of an earlier one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from crossroads.lab.kinds import KINDS, KINDS_BY_NAME, NatKind
+from crossroads.lab.topology import Lab, Site
+
+log = logging.getLogger("crossroads.lab.matrix")
+
+#: The steps of the connection ladder, in the order it tries them.
+VIA_STEPS = ("lan", "direct", "mapping", "punch", "relay")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a method reports: did the two hosts exchange data both ways, and how."""
+
+    connected: bool
+    via: str | None = None
+    #: Seconds to connect as the method measures it (None: the runner's clock).
+    seconds: float | None = None
+    detail: str = ""
+
+
+@dataclass
+class Attempt:
+    """One method run between two lab hosts."""
+
+    lab: Lab
+    a: Site
+    b: Site
+    #: Objects shared by all attempts of one matrix run (the probe reflector,
+    #: credentials, ...), created by methods' ``prepare`` hooks.
+    shared: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    a: str
+    b: str
+    method: str
+    connected: bool
+    seconds: float
+    via: str | None
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "method": self.method,
+            "connected": self.connected,
+            "seconds": round(self.seconds, 3),
+            "via": self.via,
+        }
+
+
+MethodRun = Callable[[Attempt], Awaitable[Outcome]]
+Prepare = Callable[[Lab, dict[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A column of the matrix."""
+
+    name: str
+    summary: str
+    run: MethodRun
+    #: The outcome the lab's NAT kinds must give; None when not predicted.
+    expected: Callable[[NatKind, NatKind], bool] | None = None
+    #: Hard limit for one attempt (the method's own timeouts are tighter).
+    timeout: float = 20.0
+    #: At most this many attempts of this method at once (heavy processes).
+    max_parallel: int = 8
+    #: Called once per matrix run before the first attempt (start helpers).
+    prepare: Prepare | None = None
+    #: Services the lab server must run for this method (``crossroads serve``).
+    needs: tuple[str, ...] = ()
+
+
+METHODS: dict[str, Method] = {}
+
+#: Modules that register methods when imported. One line per area.
+METHOD_MODULES: list[str] = [
+    "crossroads.lab.methods.direct",
+    "crossroads.lab.methods.punch",
+    "crossroads.lab.methods.ladder",
+]
+
+
+def register(method: Method) -> Method:
+    """Add a method to the registry (its name is the column title)."""
+    METHODS[method.name] = method
+    return method
+
+
+def load_methods() -> dict[str, Method]:
+    for module in METHOD_MODULES:
+        importlib.import_module(module)
+    return METHODS
+
+
+def pairs(kinds: Sequence[NatKind] = KINDS) -> list[tuple[NatKind, NatKind]]:
+    """Every unordered pair of kinds, each kind with itself included."""
+    return [(x, y) for i, x in enumerate(kinds) for y in kinds[i:]]
+
+
+def sites_for(lab: Lab, x: NatKind, y: NatKind) -> tuple[Site, Site]:
+    return lab.site(f"{x.name}-a"), lab.site(f"{y.name}-b")
+
+
+async def run_attempt(method: Method, attempt: Attempt) -> Result:
+    lab = attempt.lab
+    await asyncio.gather(lab.reset_nat(attempt.a), lab.reset_nat(attempt.b))
+    started = time.monotonic()
+    try:
+        outcome = await asyncio.wait_for(method.run(attempt), method.timeout)
+    except TimeoutError:
+        outcome = Outcome(False, detail=f"no result in {method.timeout:.0f} s")
+    except Exception as exc:  # a broken method must not stop the matrix
+        log.exception("%s %s-%s failed", method.name, attempt.a.name, attempt.b.name)
+        outcome = Outcome(False, detail=f"error: {exc!r}")
+    elapsed = time.monotonic() - started
+    seconds = outcome.seconds if outcome.seconds is not None else elapsed
+    return Result(
+        attempt.a.kind.name,
+        attempt.b.kind.name,
+        method.name,
+        outcome.connected,
+        seconds,
+        outcome.via if outcome.connected else None,
+        outcome.detail,
+    )
+
+
+async def run_matrix(
+    lab: Lab,
+    methods: Iterable[Method],
+    *,
+    kinds: Sequence[NatKind] = KINDS,
+    parallel: int = 8,
+    progress: Callable[[Result, int, int], None] | None = None,
+) -> list[Result]:
+    """Run every pair for every method; attempts sharing no host run in parallel."""
+    methods = list(methods)
+    shared: dict[str, Any] = {}
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+    shared["cleanups"] = cleanups
+    jobs = [(m, x, y) for m in methods for x, y in pairs(kinds)]
+    results: list[Result] = []
+    try:
+        for method in methods:
+            if method.prepare is not None:
+                await method.prepare(lab, shared)
+        busy: set[str] = set()
+        per_method: dict[str, int] = {m.name: 0 for m in methods}
+        pending = list(jobs)
+        running: dict[asyncio.Task[Result], tuple[Method, Site, Site]] = {}
+        while pending or running:
+            for job in list(pending):
+                if len(running) >= parallel:
+                    break
+                method, x, y = job
+                a, b = sites_for(lab, x, y)
+                if a.name in busy or b.name in busy:
+                    continue
+                if per_method[method.name] >= method.max_parallel:
+                    continue
+                pending.remove(job)
+                busy.update((a.name, b.name))
+                per_method[method.name] += 1
+                attempt = Attempt(lab, a, b, shared)
+                task = asyncio.create_task(run_attempt(method, attempt))
+                running[task] = (method, a, b)
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                method, a, b = running.pop(task)
+                busy.difference_update((a.name, b.name))
+                per_method[method.name] -= 1
+                result = task.result()
+                results.append(result)
+                if progress is not None:
+                    progress(result, len(results), len(jobs))
+    finally:
+        for cleanup in reversed(cleanups):
+            try:
+                await cleanup()
+            except Exception:
+                log.exception("matrix cleanup failed")
+    order = {(m.name, x.name, y.name): i for i, (m, x, y) in enumerate(jobs)}
+    results.sort(key=lambda r: order[(r.method, r.a, r.b)])
+    return results
+
+
+def unexpected(results: Iterable[Result]) -> list[Result]:
+    """The results that differ from their method's prediction."""
+    out = []
+    for result in results:
+        method = METHODS.get(result.method)
+        if method is None or method.expected is None:
+            continue
+        want = method.expected(KINDS_BY_NAME[result.a], KINDS_BY_NAME[result.b])
+        if want != result.connected:
+            out.append(result)
+    return out
+
+
+def progress_line(result: Result, done: int, total: int) -> str:
+    mark = "ok  " if result.connected else "FAIL"
+    via = f" via {result.via}" if result.via else ""
+    return (
+        f"[{done:3d}/{total}] {result.method:<10} {result.a:>20} <-> "
+        f"{result.b:<20} {mark} {result.seconds:6.2f} s{via}"
+    )
+
+
+def _cell(result: Result | None) -> str:
+    if result is None:
+        return ""
+    if result.connected:
+        return f"✅ {result.via} {result.seconds:.2f}s"
+    return "❌"
+
+
+def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
+    """docs/nat-matrix.md: a summary, then one kind x kind table per method."""
+    kinds = [k.name for k in KINDS]
+    methods = list(dict.fromkeys(r.method for r in results))
+    by_key = {(r.method, r.a, r.b): r for r in results}
+    lines = [
+        "# NAT connection-success matrix",
+        "",
+        f"Generated by `{command}` ({len(results)} attempts, {wall:.0f} s wall",
+        "time). Do not edit by hand: run the command again.",
+        "",
+        "Each attempt runs between host *A*-a and host *B*-b of the NAT lab",
+        "(two separate routers even for a kind paired with itself), after both",
+        "routers' NAT state was flushed; pairs are unordered, so the tables are",
+        "symmetric.",
+        "A cell reads `✅ via seconds` (the",
+        "step that connected and the time it took) or `❌`. How each kind is",
+        "built: [nat-lab.md](nat-lab.md).",
+        "",
+        "## Summary",
+        "",
+        "| method | what it tries | connected | median time to connect |",
+        "|---|---|---|---|",
+    ]
+    for name in methods:
+        rows = [r for r in results if r.method == name]
+        ok = [r for r in rows if r.connected]
+        times = [r.seconds for r in ok]
+        median = f"{statistics.median(times):.2f} s" if times else "—"
+        summary = METHODS[name].summary if name in METHODS else ""
+        lines.append(
+            f"| `{name}` | {summary} | {len(ok)}/{len(rows)} "
+            f"({100 * len(ok) / max(1, len(rows)):.0f} %) | {median} |"
+        )
+    steps = [(s, [r.seconds for r in results if r.via == s]) for s in VIA_STEPS]
+    lines += [
+        "",
+        "Median time to connect per step (all methods):",
+        "",
+        "| step | attempts won | median |",
+        "|---|---|---|",
+    ]
+    for step, times in steps:
+        if times:
+            lines.append(
+                f"| {step} | {len(times)} | {statistics.median(times):.2f} s |"
+            )
+    wrong = unexpected(results)
+    lines += ["", f"Outcomes differing from the prediction: {len(wrong)}."]
+    for r in wrong:
+        lines.append(f"- `{r.method}` {r.a} ↔ {r.b}: connected={r.connected}")
+    for name in methods:
+        lines += ["", f"## `{name}`", ""]
+        if name in METHODS:
+            lines += [METHODS[name].summary, ""]
+        lines.append("| A \\ B | " + " | ".join(kinds) + " |")
+        lines.append("|---" * (len(kinds) + 1) + "|")
+        for i, x in enumerate(kinds):
+            cells = []
+            for j, y in enumerate(kinds):
+                key = (name, x, y) if i <= j else (name, y, x)
+                cells.append(_cell(by_key.get(key)))
+            lines.append(f"| **{x}** | " + " | ".join(cells) + " |")
+    lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Matrix methods; each module registers its own with :func:`crossroads.lab.matrix.register`."""

@@ -1,0 +1,596 @@
+"""The lab: an "internet", a server with two public addresses, and one site per NAT
+kind and letter (``full-cone-a``, ``full-cone-b``, ...), each a host behind its own
+router (two routers for ``cgnat``), all in network namespaces.
+
+Theory of operation::
+
+    {p}-inet   bridge br0, 198.51.100.1/24 + 203.0.113.1/24, routes between the two
+      |-- {p}-srv         203.0.113.10 + 203.0.113.20: crossroads serve, coturn STUN
+      |-- {p}-open-a      198.51.100.10 (a host with a public address, no router)
+      |-- {p}-KIND-a-r    198.51.100.N  router: nftables NAT of KIND (+ miniupnpd)
+      |     `-- {p}-KIND-a       192.168.M.2 host behind it
+      `-- {p}-cgnat-a-c   198.51.100.N  carrier-grade NAT
+            `-- {p}-cgnat-a-r   100.64.M.2  home router
+                  `-- {p}-cgnat-a   192.168.M.2
+
+Namespace names carry the lab prefix (``xr`` by default) so several labs can live
+on one machine; interface names (``wan``, ``lan``, ``vN``, ``br0``) exist only inside
+their namespaces. Every address is a documentation (RFC 5737), private (RFC 1918)
+or shared (RFC 6598) address that exists only in these namespaces; the lab has no
+link to the machine's own network, so nothing it sends can leave the machine.
+
+``up`` is idempotent (a complete, healthy lab is left alone; a partial one is torn
+down and rebuilt) and tears everything down again if any step fails. ``down``
+stops every process the lab started and deletes every namespace with its prefix
+(which deletes their links too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import struct
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from crossroads.lab import natpmp, netns
+from crossroads.lab.kinds import (
+    KINDS,
+    KINDS_BY_NAME,
+    MINIUPNPD_TABLE,
+    NatKind,
+    cgn_ruleset,
+    router_ruleset,
+)
+from crossroads.lab.udp import recv, send
+
+log = logging.getLogger("crossroads.lab")
+
+#: The server's two public addresses (RFC 5780 needs two IPs; natneg uses the
+#: second as its secondary address).
+SERVER_IPS = ("203.0.113.10", "203.0.113.20")
+#: The internet router's address in each public range.
+INET_GATEWAYS = ("198.51.100.1", "203.0.113.1")
+#: Sites' public addresses start here in 198.51.100.0/24.
+FIRST_SITE_HOST = 10
+#: Reference STUN server (coturn, RFC 5780 with both server IPs) port; the
+#: alternate port is this + 1. miniupnpd uses it to learn its external address.
+COTURN_STUN_PORT = 3480
+#: HTTP port of ``crossroads serve`` in the lab (inside the server namespace).
+SERVER_HTTP_PORT = 8080
+
+#: Settings of the lab's ``crossroads serve`` that exist only once their service
+#: has landed; each is passed when the running code has it.
+SERVER_SETTINGS: dict[str, str] = {
+    "stun.alt_host": SERVER_IPS[1],
+}
+
+PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
+DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """One host behind one router (or two, for cgnat), or a public host (open)."""
+
+    kind: NatKind
+    letter: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind.name}-{self.letter}"
+
+    @property
+    def public_ip(self) -> str:
+        """The outermost public address: the host's own, or its (outer) router's."""
+        return f"198.51.100.{FIRST_SITE_HOST + self.index}"
+
+    @property
+    def lan_net(self) -> str:
+        return f"192.168.{self.index + 1}.0/24"
+
+    @property
+    def host_ip(self) -> str:
+        if not self.kind.natted:
+            return self.public_ip
+        return f"192.168.{self.index + 1}.2"
+
+    @property
+    def gateway(self) -> str:
+        """The host's default gateway (its router's LAN address)."""
+        return f"192.168.{self.index + 1}.1"
+
+    @property
+    def router_wan_ip(self) -> str:
+        if self.kind.double:
+            return f"100.64.{self.index + 1}.2"
+        return self.public_ip
+
+    @property
+    def cgn_inside_ip(self) -> str:
+        return f"100.64.{self.index + 1}.1"
+
+
+def make_sites() -> list[Site]:
+    """Two sites (a and b) per kind, so a kind can be paired with itself."""
+    sites: list[Site] = []
+    for kind in KINDS:
+        for letter in ("a", "b"):
+            sites.append(Site(kind, letter, len(sites)))
+    return sites
+
+
+@dataclass
+class State:
+    """What ``up`` made, saved so another process (``down``, ``exec``) can use it."""
+
+    prefix: str
+    pids: dict[str, int] = field(default_factory=dict)
+    created: float = 0.0
+
+    def dump(self) -> str:
+        return json.dumps(
+            {"prefix": self.prefix, "pids": self.pids, "created": self.created},
+            indent=2,
+        )
+
+    @classmethod
+    def load(cls, text: str) -> State:
+        data = json.loads(text)
+        return cls(
+            prefix=str(data["prefix"]),
+            pids={str(k): int(v) for k, v in data["pids"].items()},
+            created=float(data.get("created", 0.0)),
+        )
+
+
+class LabError(RuntimeError):
+    """The lab cannot be built or used."""
+
+
+class Lab:
+    """A NAT lab with a name prefix; :meth:`up` builds it, :meth:`down` removes it."""
+
+    def __init__(
+        self,
+        prefix: str = "xr",
+        *,
+        state_root: Path = DEFAULT_STATE_ROOT,
+        server: bool = True,
+    ) -> None:
+        if not PREFIX_RE.match(prefix):
+            raise LabError(
+                f"bad lab prefix {prefix!r}: 1-12 lowercase letters/digits, "
+                "starting with a letter"
+            )
+        self.prefix = prefix
+        self.state_dir = state_root / prefix
+        #: Start ``crossroads serve`` in the server namespace.
+        self.server = server
+        self.sites = make_sites()
+        self.state = State(prefix)
+
+    # -- names ---------------------------------------------------------------
+    def ns(self, suffix: str) -> str:
+        return f"{self.prefix}-{suffix}"
+
+    @property
+    def inet_ns(self) -> str:
+        return self.ns("inet")
+
+    @property
+    def server_ns(self) -> str:
+        return self.ns("srv")
+
+    def host_ns(self, site: Site) -> str:
+        return self.ns(site.name)
+
+    def router_ns(self, site: Site) -> str:
+        return self.ns(site.name + "-r")
+
+    def cgn_ns(self, site: Site) -> str:
+        return self.ns(site.name + "-c")
+
+    def site(self, name: str) -> Site:
+        """A site by name (``full-cone-b``) or kind (``full-cone``: its site a)."""
+        if name in KINDS_BY_NAME:
+            name += "-a"
+        for site in self.sites:
+            if site.name == name:
+                return site
+        raise LabError(
+            f"no lab host {name!r}; kinds: {', '.join(KINDS_BY_NAME)} "
+            "(append -a or -b for a site)"
+        )
+
+    def resolve(self, name: str) -> str:
+        """A namespace for ``lab exec``: a kind, a site, ``server``, ``inet``,
+        ``SITE-router`` or ``SITE-cgn``."""
+        if name in ("server", "srv"):
+            return self.server_ns
+        if name == "inet":
+            return self.inet_ns
+        for suffix, attr in (("-router", "r"), ("-cgn", "c")):
+            if name.endswith(suffix):
+                site = self.site(name[: -len(suffix)])
+                if not site.kind.natted or (attr == "c" and not site.kind.double):
+                    raise LabError(f"{site.name} has no {suffix[1:]}")
+                return self.ns(f"{site.name}-{attr}")
+        return self.host_ns(self.site(name))
+
+    def namespaces(self) -> list[str]:
+        out = [self.inet_ns, self.server_ns]
+        for site in self.sites:
+            out.append(self.host_ns(site))
+            if site.kind.natted:
+                out.append(self.router_ns(site))
+            if site.kind.double:
+                out.append(self.cgn_ns(site))
+        return out
+
+    def routers(self, site: Site) -> list[str]:
+        """The namespaces that translate this site's traffic, inner first."""
+        out = []
+        if site.kind.natted:
+            out.append(self.router_ns(site))
+        if site.kind.double:
+            out.append(self.cgn_ns(site))
+        return out
+
+    # -- sockets -------------------------------------------------------------
+    def udp_socket(self, site: Site, port: int = 0) -> socket.socket:
+        """A non-blocking UDP socket on the site's host, bound to its address."""
+        return netns.socket_in(self.host_ns(site), bind=(site.host_ip, port))
+
+    def server_udp_socket(self, ip: str, port: int = 0) -> socket.socket:
+        return netns.socket_in(self.server_ns, bind=(ip, port))
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def _state_file(self) -> Path:
+        return self.state_dir / "state.json"
+
+    def load_state(self) -> bool:
+        try:
+            self.state = State.load(self._state_file.read_text())
+        except (OSError, ValueError, KeyError):
+            return False
+        return True
+
+    def _save_state(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._state_file.write_text(self.state.dump())
+
+    def is_up(self) -> bool:
+        """A complete lab: saved state, every namespace, every process alive."""
+        if not self.load_state():
+            return False
+        if not all(netns.exists(name) for name in self.namespaces()):
+            return False
+        return all(netns.alive(pid) for pid in self.state.pids.values())
+
+    # -- up / down -----------------------------------------------------------
+    async def up(self) -> bool:
+        """Build the lab; return False if it was already up (nothing done)."""
+        if os.geteuid() != 0:
+            raise LabError("the NAT lab needs root (network namespaces, nftables)")
+        for tool in ("ip", "nft", "conntrack"):
+            if shutil.which(tool) is None:
+                raise LabError(f"{tool} is not installed; run `make install`")
+        if self.is_up():
+            return False
+        await self.down()
+        try:
+            self.state = State(self.prefix, created=time.time())
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._save_state()
+            await self._build_network()
+            await self._start_processes()
+            self._save_state()
+        except BaseException:
+            await self.down()
+            raise
+        return True
+
+    async def down(self) -> None:
+        """Stop every process and delete every namespace of this lab. Idempotent."""
+        self.load_state()
+        await asyncio.gather(
+            *(netns.kill_group(pid) for pid in self.state.pids.values()),
+            return_exceptions=True,
+        )
+        self.state.pids.clear()
+        leftovers = netns.names(self.prefix)
+        if leftovers:
+            await netns.ip_batch([f"netns delete {name}" for name in leftovers])
+        if self.state_dir.exists():
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+
+    async def _build_network(self) -> None:
+        names = self.namespaces()
+        await netns.ip_batch([f"netns add {name}" for name in names])
+        for name in names:
+            # IPv6 is off in the lab: no autoconfiguration noise, IPv4 NAT only.
+            netns.write_sysctl(
+                name,
+                {
+                    "net.ipv6.conf.all.disable_ipv6": "1",
+                    "net.ipv6.conf.default.disable_ipv6": "1",
+                },
+            )
+        links: list[str] = []
+        per_ns: dict[str, list[str]] = {name: ["link set lo up"] for name in names}
+        inet = per_ns[self.inet_ns]
+        inet += ["link add br0 type bridge", "link set br0 up"]
+        inet += [f"addr add {gw}/24 dev br0" for gw in INET_GATEWAYS]
+        port = 0
+
+        def attach(node: str, addrs: Sequence[str], gateway: str) -> None:
+            nonlocal port
+            port += 1
+            links.append(
+                f"link add wan netns {node} type veth peer name v{port} "
+                f"netns {self.inet_ns}"
+            )
+            inet.extend([f"link set v{port} master br0", f"link set v{port} up"])
+            per_ns[node] += [f"addr add {a}/24 dev wan" for a in addrs]
+            per_ns[node] += ["link set wan up", f"route add default via {gateway}"]
+
+        def lan(outer: str, inner: str, outer_ip: str, inner_ip: str) -> None:
+            inner_dev = "wan" if inner.endswith("-r") else "lan"
+            links.append(
+                f"link add lan netns {outer} type veth peer name {inner_dev} "
+                f"netns {inner}"
+            )
+            per_ns[outer] += [f"addr add {outer_ip}/24 dev lan", "link set lan up"]
+            per_ns[inner] += [
+                f"addr add {inner_ip}/24 dev {inner_dev}",
+                f"link set {inner_dev} up",
+                f"route add default via {outer_ip}",
+            ]
+
+        attach(self.server_ns, SERVER_IPS, INET_GATEWAYS[1])
+        for site in self.sites:
+            host = self.host_ns(site)
+            if not site.kind.natted:
+                attach(host, [site.public_ip], INET_GATEWAYS[0])
+                continue
+            router = self.router_ns(site)
+            if site.kind.double:
+                cgn = self.cgn_ns(site)
+                attach(cgn, [site.public_ip], INET_GATEWAYS[0])
+                lan(cgn, router, site.cgn_inside_ip, site.router_wan_ip)
+            else:
+                attach(router, [site.public_ip], INET_GATEWAYS[0])
+            lan(router, host, site.gateway, site.host_ip)
+        await netns.ip_batch(links)
+        await asyncio.gather(
+            *(netns.ip_batch(lines, name) for name, lines in per_ns.items())
+        )
+
+        # Routers forward; the internet router must not send ICMP redirects
+        # (routers and the server sit on one bridge in two subnets).
+        netns.write_sysctl(
+            self.inet_ns,
+            {
+                "net.ipv4.ip_forward": "1",
+                "net.ipv4.conf.all.send_redirects": "0",
+                "net.ipv4.conf.br0.send_redirects": "0",
+            },
+        )
+        rulesets: list[tuple[str, str]] = []
+        for site in self.sites:
+            if not site.kind.natted:
+                continue
+            rules = router_ruleset(
+                site.kind,
+                lan_net=site.lan_net,
+                wan_ip=site.router_wan_ip,
+                hairpin=site.kind.hairpin,
+                stun_check=self._stun_check(site),
+            )
+            if site.kind.upnp:
+                rules += MINIUPNPD_TABLE
+            rulesets.append((self.router_ns(site), rules))
+            if site.kind.double:
+                inside = f"100.64.{site.index + 1}.0/24"
+                rulesets.append((self.cgn_ns(site), cgn_ruleset(inside_net=inside)))
+        await asyncio.gather(
+            *(
+                netns.run_in(ns, ["nft", "-f", "-"], input=rules.encode())
+                for ns, rules in rulesets
+            )
+        )
+        for ns, _ in rulesets:
+            netns.write_sysctl(
+                ns,
+                {
+                    "net.ipv4.ip_forward": "1",
+                    "net.ipv4.conf.all.accept_redirects": "0",
+                    # RFC 4787 REQ-5: UDP mappings live at least two minutes,
+                    # also before the first reply (conntrack's default is 30 s).
+                    "net.netfilter.nf_conntrack_udp_timeout": "120",
+                },
+            )
+
+    def _stun_check(self, site: Site) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
+        if not site.kind.upnp:
+            return None
+        return SERVER_IPS, (COTURN_STUN_PORT, COTURN_STUN_PORT + 1)
+
+    async def _start_processes(self) -> None:
+        logs = self.state_dir
+        # coturn as a reference RFC 5780 STUN server on both server addresses.
+        turnserver = shutil.which("turnserver")
+        if turnserver is None:
+            raise LabError("turnserver (coturn) is not installed; run `make install`")
+        argv = [turnserver, "-n", "--stun-only", "--no-tls", "--no-dtls", "--no-cli"]
+        argv += ["--log-file=stdout", "--simple-log", "-p", str(COTURN_STUN_PORT)]
+        argv += [
+            "--pidfile",
+            str(logs / "turnserver.pid"),
+            "--db",
+            str(logs / "turndb"),
+        ]
+        for ip in SERVER_IPS:
+            argv += ["-L", ip]
+        self._spawn("coturn", self.server_ns, argv)
+        if self.server:
+            self._spawn(
+                "crossroads",
+                self.server_ns,
+                [sys.executable, "-m", "crossroads", *self.server_args()],
+            )
+        await self._wait_stun(SERVER_IPS[0], COTURN_STUN_PORT, "coturn")
+        for site in self.sites:
+            if site.kind.upnp:
+                self._start_miniupnpd(site)
+        self._save_state()
+        waits = [self._wait_natpmp(site) for site in self.sites if site.kind.upnp]
+        if self.server:
+            waits.append(self._wait_http())
+        await asyncio.gather(*waits)
+
+    def server_args(self) -> list[str]:
+        """The ``crossroads`` command line of the lab server: every service on the
+        first server address, the second one where a service takes it (RFC 5780
+        alternate address, natneg secondary address), lab-wide overrides."""
+        from crossroads.config import flag_name, iter_settings
+        from crossroads.services import load_service_modules
+
+        load_service_modules()
+        args = ["serve", "--host", SERVER_IPS[0]]
+        args += ["--http-port", str(SERVER_HTTP_PORT), "--log-level", "info"]
+        for section, f, _info in iter_settings():
+            value = SERVER_SETTINGS.get(f"{section}.{f.name}")
+            if value is not None:
+                args += [flag_name(section, f), value]
+        return args
+
+    def _spawn(self, name: str, ns: str, argv: Sequence[str]) -> None:
+        env = dict(os.environ)
+        env.pop("CROSSROADS_CONFIG", None)
+        pid = netns.spawn(ns, argv, log=self.state_dir / f"{name}.log", env=env)
+        self.state.pids[name] = pid
+        self._save_state()
+
+    def _start_miniupnpd(self, site: Site) -> None:
+        conf = self.state_dir / f"miniupnpd-{site.name}.conf"
+        # The external address is learnt by STUN against the lab's RFC 5780
+        # server: miniupnpd refuses documentation addresses as "reserved"
+        # unless a STUN check shows them reachable (unrestricted 1:1).
+        conf.write_text(
+            "\n".join(
+                [
+                    "ext_ifname=wan",
+                    "listening_ip=lan",
+                    "port=0",
+                    "enable_natpmp=yes",
+                    "enable_upnp=yes",
+                    "secure_mode=yes",
+                    "system_uptime=yes",
+                    "ext_perform_stun=yes",
+                    f"ext_stun_host={SERVER_IPS[0]}",
+                    f"ext_stun_port={COTURN_STUN_PORT}",
+                    f"lease_file={self.state_dir}/miniupnpd-{site.name}.leases",
+                    f"uuid=3a1d6c2e-7e0b-4c3f-9d2a-{site.index:012d}",
+                    f"allow 1024-65535 {site.lan_net} 1024-65535",
+                    "deny 0-65535 0.0.0.0/0 0-65535",
+                    "",
+                ]
+            )
+        )
+        pidfile = self.state_dir / f"miniupnpd-{site.name}.pid"
+        self._spawn(
+            f"miniupnpd-{site.name}",
+            self.router_ns(site),
+            ["miniupnpd", "-d", "-f", str(conf), "-P", str(pidfile)],
+        )
+
+    async def _wait_stun(self, ip: str, port: int, what: str) -> None:
+        sock = netns.socket_in(self.server_ns, bind=(SERVER_IPS[1], 0))
+        request = struct.pack("!HHI12s", 0x0001, 0, 0x2112A442, os.urandom(12))
+        try:
+            for _ in range(100):
+                send(sock, request, (ip, port))
+                if await recv(sock, 0.1) is not None:
+                    return
+        finally:
+            sock.close()
+        raise LabError(f"{what} STUN server did not answer on {ip}:{port}")
+
+    async def _wait_natpmp(self, site: Site) -> None:
+        """Wait until miniupnpd answers NAT-PMP on the LAN (it first runs its STUN
+        check, a few seconds)."""
+        for _ in range(150):
+            sock = self.udp_socket(site)
+            try:
+                answer = await natpmp.public_address(sock, site.gateway, 0.1)
+            finally:
+                sock.close()
+            if answer is not None:
+                return
+            await asyncio.sleep(0.1)
+        raise LabError(f"miniupnpd on {site.name} does not answer NAT-PMP")
+
+    async def _wait_http(self) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(200):
+            if not netns.alive(self.state.pids["crossroads"]):
+                break
+            sock = netns.socket_in(self.server_ns, socket.SOCK_STREAM)
+            try:
+                await asyncio.wait_for(
+                    loop.sock_connect(sock, (SERVER_IPS[0], SERVER_HTTP_PORT)), 1
+                )
+                return
+            except (OSError, TimeoutError):
+                await asyncio.sleep(0.1)
+            finally:
+                sock.close()
+        tail = (self.state_dir / "crossroads.log").read_text(errors="replace")[-2000:]
+        raise LabError(f"crossroads serve did not start in the lab:\n{tail}")
+
+    # -- per-attempt hygiene ---------------------------------------------------
+    async def reset_nat(self, site: Site) -> None:
+        """Forget every mapping of the site's routers (conntrack + nft sets), so
+        one attempt cannot ride on the state of an earlier one."""
+        script = (
+            "conntrack -F >/dev/null 2>&1; "
+            "nft flush set ip xr emap; nft flush set ip xr adf"
+        )
+        await asyncio.gather(
+            *(netns.run_in(ns, ["sh", "-c", script]) for ns in self.routers(site))
+        )
+
+    async def set_hairpin(self, site: Site, on: bool) -> None:
+        """Turn hairpinning on or off on the site's (home) router."""
+        if not site.kind.natted:
+            raise LabError(f"{site.name} has no router")
+        rules = router_ruleset(
+            site.kind,
+            lan_net=site.lan_net,
+            wan_ip=site.router_wan_ip,
+            hairpin=on,
+            stun_check=self._stun_check(site),
+        )
+        script = "delete table ip xr\n" + rules
+        await netns.run_in(
+            self.router_ns(site), ["nft", "-f", "-"], input=script.encode()
+        )
+
+    async def __aenter__(self) -> Lab:
+        await self.up()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.down()
