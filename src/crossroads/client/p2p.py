@@ -212,7 +212,8 @@ class P2PClient:
         mapped: sig.Endpoint | None = None,
         socket_factory: Callable[[], socket.socket] | None = None,
         birthday_rate: float = ladder.BIRTHDAY_RATE,
-        portmap: bool = False,
+        portmap: bool | Callable[[int], PortMapper] = False,
+        tcp_factory: Callable[[], socket.socket] | None = None,
     ) -> None:
         self.url = url
         self.name = name
@@ -226,6 +227,8 @@ class P2PClient:
         #: A port mapping held for the peer socket (see crossroads.client.portmap).
         self.mapped = mapped
         self._socket_factory = socket_factory
+        #: Makes the signalling TCP socket (e.g. inside a lab namespace).
+        self._tcp_factory = tcp_factory
         self.birthday_rate = birthday_rate
         #: Ask the gateway for a port mapping (PCP, NAT-PMP, UPnP) at start.
         self.portmap = portmap
@@ -259,11 +262,17 @@ class P2PClient:
         else:
             await self.socket.open(*self.bind)
         if self.portmap and self.mapped is None:
-            self.portmapper = PortMapper(self.socket.local[1])
+            port = self.socket.local[1]
+            self.portmapper = (
+                self.portmap(port) if callable(self.portmap) else PortMapper(port)
+            )
             mapping = await self.portmapper.start()
             if mapping is not None:
                 self.mapped = sig.Endpoint(mapping.external_ip, mapping.external_port)
-        welcome = await self.signalling.connect(self.public_key, self.name, timeout)
+        tcp = self._tcp_factory() if self._tcp_factory is not None else None
+        welcome = await self.signalling.connect(
+            self.public_key, self.name, timeout, sock=tcp
+        )
         self.peer_id = welcome.peer
         server_host = urlparse(self.url).hostname or "127.0.0.1"
         try:
@@ -483,7 +492,12 @@ class P2PClient:
         ip = ip or _local_ip_towards(self._server_ip)
         if ip is not None:
             local.append(sig.Endpoint(ip, port))
-        return sig.Candidates(local=tuple(local), mapped=self.mapped, nat=self.mapping)
+        return sig.Candidates(
+            local=tuple(local),
+            mapped=self.mapped,
+            nat=self.mapping,
+            flows=self.socket.flows(self._rendezvous),
+        )
 
     async def _probe(self, attempt: int) -> None:
         welcome = self.signalling.welcome

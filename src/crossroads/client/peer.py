@@ -44,6 +44,10 @@ LINK_TIMEOUT = 6.0
 RELAY_DURATION = 3.0
 RELAY_INTERVAL = 0.1
 
+#: Distinct destinations remembered per socket, for :attr:`PeerSocket.flows`
+#: (a birthday run sends to 2048; past this the count stops mattering).
+MAX_TRACKED_DESTINATIONS = 65536
+
 _PROBE = struct.Struct("!BHI")  # step index, sequence number, sent-at (ms)
 STEP_NAMES = ("lan", "direct", "mapping", "punch", "relay")
 
@@ -68,6 +72,8 @@ class _UdpTransport(Transport, asyncio.DatagramProtocol):
         self.index = index
         self.transport: asyncio.DatagramTransport | None = None
         self._local: Address = ("", 0)
+        #: Destinations this socket has sent to (bounded; see PeerSocket.flows).
+        self.destinations: set[Address] = set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
@@ -82,6 +88,8 @@ class _UdpTransport(Transport, asyncio.DatagramProtocol):
 
     def send(self, data: bytes, addr: Address) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            if len(self.destinations) < MAX_TRACKED_DESTINATIONS:
+                self.destinations.add(addr)
             self.transport.sendto(data, addr)
 
     @property
@@ -142,6 +150,13 @@ class PeerSocket:
             await loop.create_datagram_endpoint(_constant(protocol), sock=sock)
             out.append(protocol)
         return out
+
+    def flows(self, exclude: list[Address]) -> int:
+        """New destinations of the main socket other than ``exclude`` (the
+        rendezvous ports): each opened a new NAT mapping."""
+        if self.main is None:
+            return 0
+        return len(self.main.destinations - set(exclude))
 
     def route(self, rid: bytes, receiver: Receiver) -> None:
         self._routes[rid] = receiver

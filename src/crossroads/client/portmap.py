@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -40,6 +41,9 @@ FIRST_RETRANSMIT = 0.25
 TRIES = 3
 #: SSDP discovery wait (RakNet's sample uses 2000 ms, reference §2.7).
 UPNP_DISCOVERY = 2
+
+
+SocketFactory = Callable[[], socket.socket]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +97,24 @@ class _Exchange(asyncio.DatagramProtocol):
         pass
 
 
-async def _request(gateway: Address, local_ip: str, payload: bytes, accept: Any) -> Any:
+async def _request(
+    gateway: Address,
+    local_ip: str,
+    payload: bytes,
+    accept: Any,
+    factory: SocketFactory | None = None,
+) -> Any:
     """Send ``payload`` with retransmissions; the first answer ``accept`` takes."""
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.create_datagram_endpoint(
-        _Exchange, local_addr=(local_ip, 0), remote_addr=gateway
-    )
+    if factory is not None:
+        sock = factory()
+        sock.setblocking(False)
+        sock.connect(gateway)
+        transport, protocol = await loop.create_datagram_endpoint(_Exchange, sock=sock)
+    else:
+        transport, protocol = await loop.create_datagram_endpoint(
+            _Exchange, local_addr=(local_ip, 0), remote_addr=gateway
+        )
     exchange = protocol
     try:
         wait = FIRST_RETRANSMIT
@@ -131,6 +147,7 @@ class PortMapper:
         lifetime: int = DEFAULT_LIFETIME,
         methods: tuple[str, ...] = ("pcp", "natpmp", "upnp"),
         upnp_timeout: int = UPNP_DISCOVERY,
+        socket_factory: SocketFactory | None = None,
     ) -> None:
         self.internal_port = internal_port
         self.gateway = gateway
@@ -138,6 +155,8 @@ class PortMapper:
         self.lifetime = lifetime
         self.methods = methods
         self.upnp_timeout = upnp_timeout
+        #: Makes the UDP sockets for PCP / NAT-PMP (e.g. inside a namespace).
+        self.socket_factory = socket_factory
         self.mapping: Mapping | None = None
         self._nonce = secrets.token_bytes(12)
         self._refresh: asyncio.Task[None] | None = None
@@ -149,6 +168,10 @@ class PortMapper:
         self.gateway = self.gateway or default_gateway()
         if self.gateway is None:
             return None
+        if self.internal_ip is None and self.socket_factory is not None:
+            with self.socket_factory() as probe:
+                probe.connect((self.gateway, 9))
+                self.internal_ip = str(probe.getsockname()[0])
         self.internal_ip = self.internal_ip or local_ip_towards(self.gateway)
         if self.internal_ip is None:
             return None
@@ -202,7 +225,11 @@ class PortMapper:
             return response
 
         response = await _request(
-            (self.gateway, pcp.PORT), self.internal_ip, request.encode(), accept
+            (self.gateway, pcp.PORT),
+            self.internal_ip,
+            request.encode(),
+            accept,
+            self.socket_factory,
         )
         if (
             not isinstance(response, pcp.MapResponse)
@@ -233,6 +260,7 @@ class PortMapper:
             self.internal_ip,
             natpmp.ExternalAddressRequest().encode(),
             accept_address,
+            self.socket_factory,
         )
         if not isinstance(address, natpmp.ExternalAddressResponse) or address.result:
             return None
@@ -241,7 +269,11 @@ class PortMapper:
             natpmp.Opcode.MAP_UDP, self.internal_port, previous, lifetime
         )
         response = await _request(
-            gateway, self.internal_ip, request.encode(), accept_address
+            gateway,
+            self.internal_ip,
+            request.encode(),
+            accept_address,
+            self.socket_factory,
         )
         if not isinstance(response, natpmp.MapResponse) or response.result:
             return None
@@ -350,6 +382,7 @@ class PortMapper:
                     self.internal_ip,
                     request.encode(),
                     lambda d: d,
+                    self.socket_factory,
                 )
             elif mapping.method == "natpmp":
                 delete = natpmp.MapRequest(
@@ -360,6 +393,7 @@ class PortMapper:
                     self.internal_ip,
                     delete.encode(),
                     lambda d: d,
+                    self.socket_factory,
                 )
             elif self._igd is not None:
                 await self._igd.async_delete_port_mapping(

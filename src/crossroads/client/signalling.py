@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import urlparse
 
 import websockets
 from websockets.asyncio.client import ClientConnection
@@ -54,11 +57,29 @@ class SignallingClient:
         self.welcome: sig.Welcome | None = None
 
     async def connect(
-        self, key: bytes, name: str = "", timeout: float = 10.0
+        self,
+        key: bytes,
+        name: str = "",
+        timeout: float = 10.0,
+        sock: socket.socket | None = None,
     ) -> sig.Welcome:
+        """Open the WebSocket (over ``sock`` when given: an unconnected TCP socket,
+        e.g. made in another network namespace), send ``hello``, await ``welcome``."""
+        extra: dict[str, Any] = {}
+        if sock is not None:
+            parsed = urlparse(self.url)
+            port = parsed.port or (443 if parsed.scheme == "wss" else 80)
+            sock.setblocking(False)
+            await asyncio.wait_for(
+                asyncio.get_running_loop().sock_connect(
+                    sock, (parsed.hostname or "", port)
+                ),
+                timeout,
+            )
+            extra["sock"] = sock
         self._ws = await asyncio.wait_for(
             websockets.connect(
-                self.url, max_size=sig.MAX_FRAME_BYTES, open_timeout=timeout
+                self.url, max_size=sig.MAX_FRAME_BYTES, open_timeout=timeout, **extra
             ),
             timeout,
         )

@@ -123,7 +123,10 @@ class _NatModel:
     def __init__(self, info: PeerInfo) -> None:
         self.info = info
         self.mapping = info.mapping if info.public is not None else "unknown"
-        self.last = info.ports[-1] if info.ports else 0
+        last = info.ports[-1] if info.ports else 0
+        # Flows the client opened since the server saw ``last`` moved a
+        # sequential NAT's counter on by that many ports.
+        self.last = last + info.stride * info.candidates.flows
         self.contacted: dict[Address, int] = {}
 
     @property

@@ -219,6 +219,10 @@ class Candidates:
     relay: Endpoint | None = None
     #: The client's own NAT classification (informational, e.g. "port-restricted").
     nat: str = ""
+    #: New destinations the peer socket sent to since its first rendezvous probes
+    #: (RakNet's "most recent port" in another form): a sequential NAT has
+    #: allocated that many ports since, so the next one is further on.
+    flows: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -226,6 +230,7 @@ class Candidates:
             "mapped": _opt(self.mapped),
             "relay": _opt(self.relay),
             "nat": self.nat,
+            "flows": self.flows,
         }
 
     @classmethod
@@ -237,6 +242,7 @@ class Candidates:
             mapped=_endpoint(value, "mapped"),
             relay=_endpoint(value, "relay"),
             nat=_str(value, "nat", max_chars=40, default="", allow_empty=True),
+            flows=_int(value, "flows", 0, 1_000_000, 0),
         )
 
 

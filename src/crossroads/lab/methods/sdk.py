@@ -1,0 +1,123 @@
+"""Method ``sdk``: crossroads' peer-to-peer SDK (issue 8) between two lab hosts.
+
+Host A creates a session with ``crossroads.client.p2p`` against the lab server's
+``p2p`` service and asks its router for a port mapping (PCP, then NAT-PMP: the
+kinds with miniupnpd grant one); host B joins with the invite code. The join runs
+the full connection ladder — LAN, direct, port mapping, punch-through with port
+prediction and the birthday technique, then the relay through the signalling
+WebSocket — and ends with an authenticated, encrypted datagram each way. ``via``
+is the ladder step that won; ``seconds`` is from ``join`` to the established link
+(signalling, the coordinator's synchronised start, the ladder).
+
+Expected: every pair connects (the relay step needs only TCP to the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+from crossroads.client.p2p import JoinRejected, P2PClient
+from crossroads.client.portmap import PortMapper
+from crossroads.lab import netns
+from crossroads.lab.kinds import Allocation, NatKind
+from crossroads.lab.matrix import Attempt, Method, Outcome, register
+from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab, Site
+
+URL = f"ws://{SERVER_IPS[0]}:{SERVER_HTTP_PORT}/p2p/v1/ws"
+#: Port-mapping requests in the lab: PCP and NAT-PMP only (UPnP's SSDP multicast
+#: would need the process inside the namespace; tests/client covers UPnP).
+PORTMAP_METHODS = ("pcp", "natpmp")
+
+
+def _client(lab: Lab, site: Site, *, portmap: bool) -> P2PClient:
+    ns = lab.host_ns(site)
+
+    def udp() -> socket.socket:
+        return lab.udp_socket(site)
+
+    def tcp() -> socket.socket:
+        return netns.socket_in(ns, socket.SOCK_STREAM)
+
+    def mapper(port: int) -> PortMapper:
+        return PortMapper(
+            port,
+            gateway=site.gateway,
+            internal_ip=site.host_ip,
+            methods=PORTMAP_METHODS,
+            socket_factory=lambda: netns.socket_in(ns),
+        )
+
+    return P2PClient(
+        URL,
+        name=site.name,
+        socket_factory=udp,
+        tcp_factory=tcp,
+        portmap=mapper if portmap and site.kind.natted else False,
+    )
+
+
+async def connect(lab: Lab, a: Site, b: Site) -> Outcome:
+    host = _client(lab, a, portmap=True)
+    guest = _client(lab, b, portmap=True)
+    try:
+        await asyncio.gather(host.start(), guest.start())
+        code = await host.host(2)
+        started = time.monotonic()
+        try:
+            await guest.join(code, timeout=40)
+        except JoinRejected as exc:
+            return Outcome(False, detail=str(exc))
+        seconds = time.monotonic() - started
+        link = guest.links[host.peer_id]
+        guest.send(host.peer_id, b"ping")
+        peer, data = await asyncio.wait_for(host.recv(), 5)
+        host.send(guest.peer_id, b"pong")
+        back = await asyncio.wait_for(guest.recv(), 5)
+        if (peer, data) != (guest.peer_id, b"ping") or back != (host.peer_id, b"pong"):
+            return Outcome(False, detail="data did not come through")
+        detail = (
+            f"ladder {link.seconds:.2f}s; A {host.mapping}"
+            f"{' mapped' if host.mapped else ''}, B {guest.mapping}"
+        )
+        return Outcome(True, link.step, seconds, detail)
+    finally:
+        await asyncio.gather(host.close(), guest.close(), return_exceptions=True)
+
+
+async def run(attempt: Attempt) -> Outcome:
+    return await connect(attempt.lab, attempt.a, attempt.b)
+
+
+def expected(x: NatKind, y: NatKind) -> bool:
+    """The SDK connects every pair: the relay needs only TCP to the server."""
+    return True
+
+
+def needs_relay(x: NatKind, y: NatKind) -> bool:
+    """Pairs no direct technique of the SDK can open (see docs/p2p.md):
+    UDP blocked on either side, or a random-port symmetric NAT against another
+    endpoint-dependent mapping (both holes unknown)."""
+    if not (x.udp and y.udp):
+        return True
+    random = {k for k in (x, y) if k.allocation is Allocation.RANDOM}
+    if not random:
+        return False
+    other = y if x in random and x is not y else x
+    if x.allocation is Allocation.RANDOM and y.allocation is Allocation.RANDOM:
+        return True
+    return other.allocation is Allocation.SEQUENTIAL
+
+
+METHOD = register(
+    Method(
+        name="sdk",
+        summary="crossroads p2p SDK: LAN, direct, port mapping, punch (prediction, birthday), relay",
+        run=run,
+        expected=expected,
+        timeout=60.0,
+        max_parallel=4,
+        needs=("p2p",),
+    )
+)
