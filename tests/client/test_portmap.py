@@ -108,11 +108,11 @@ def server(gateway: GatewayLab) -> Iterator[str]:
         "--http-port",
         str(port),
         "--p2p-port",
-        "3480",
+        "3490",
         "--p2p-alt-port",
-        "3481",
+        "3491",
         "--p2p-alt-port2",
-        "3482",
+        "3492",
         log="serve.log",
     )
     url = f"http://{WAN_IP}:{port}/healthz"

@@ -64,12 +64,12 @@ def _check_timeout(value: int) -> None:
 class Config:
     """Settings of the p2p service."""
 
-    port: int = setting(3480, kind="port", help="UDP rendezvous port (primary).")
+    port: int = setting(3490, kind="port", help="UDP rendezvous port (primary).")
     alt_port: int = setting(
-        3481, kind="port", help="UDP rendezvous port (first alternate)."
+        3491, kind="port", help="UDP rendezvous port (first alternate)."
     )
     alt_port2: int = setting(
-        3482, kind="port", help="UDP rendezvous port (second alternate)."
+        3492, kind="port", help="UDP rendezvous port (second alternate)."
     )
     max_connections: int = setting(
         10_000,
