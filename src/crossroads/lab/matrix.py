@@ -299,6 +299,16 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
         lines += ["", f"## `{name}`", ""]
         if name in METHODS:
             lines += [METHODS[name].summary, ""]
+        per_step = [
+            (s, [r.seconds for r in results if r.method == name and r.via == s])
+            for s in VIA_STEPS
+        ]
+        won = [f"{s} {statistics.median(t):.2f} s ({len(t)})" for s, t in per_step if t]
+        if won:
+            lines += [
+                "Median time to connect per step (pairs won): " + ", ".join(won) + ".",
+                "",
+            ]
         lines.append("| A \\ B | " + " | ".join(kinds) + " |")
         lines.append("|---" * (len(kinds) + 1) + "|")
         for i, x in enumerate(kinds):
