@@ -588,6 +588,8 @@ class P2PClient:
         link.send(step.encode(), Kind.KEEPALIVE)
         ms = min(600_000, round(result.seconds * 1000))
         await self.signalling.send(sig.PunchResult(start.attempt, True, step, ms))
+        if result.first_data is not None:
+            self._incoming(start.peer, result.first_data)
         self._emit(LinkUp(start.peer, step, result.seconds))
         self._resolve(ConnectResult(start.peer, True, step, result.seconds))
 

@@ -228,6 +228,9 @@ class LadderResult:
     seconds: float = 0.0
     via: Transport | None = None
     addr: Address | None = None
+    #: Application data that arrived before our side saw the path established
+    #: (the peer established first and already sent); delivered by the caller.
+    first_data: bytes | None = None
 
 
 class LadderRun:
@@ -295,9 +298,10 @@ class LadderRun:
             step = ""
         else:
             return
+        first: bytes | None = body if kind == Kind.DATA else None
         # Half an RTT of skew between the two starts can make this negative.
         elapsed = max(0.0, time.monotonic() - self._start)
-        self.result.set_result(LadderResult(True, step, elapsed, via, addr))
+        self.result.set_result(LadderResult(True, step, elapsed, via, addr, first))
 
     def start(self, t_go: float, extra_delay: float = 0.0) -> None:
         """Schedule every send; ``t_go`` is in ``loop.time()`` terms."""
