@@ -250,6 +250,9 @@ class P2PClient:
         self._tasks: set[asyncio.Task[None]] = set()
         self._rendezvous: list[Address] = []
         self._relay = _RelayTransport(self)
+        #: Relayed datagrams waiting for the WebSocket (bounded: 256 x ~1.4 KB).
+        self._relay_queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=256)
+        self._relay_writer: asyncio.Task[None] | None = None
         self._keepalive: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -297,6 +300,8 @@ class P2PClient:
             link.closed = True
         if self._keepalive is not None:
             self._keepalive.cancel()
+        if self._relay_writer is not None:
+            self._relay_writer.cancel()
         for task in list(self._tasks):
             task.cancel()
         await self.signalling.close()
@@ -602,13 +607,22 @@ class P2PClient:
 
     def _relay_out(self, peer: str, datagram: bytes) -> None:
         frame = bytes([RELAY_FRAME]) + bytes.fromhex(peer) + datagram
-        self._spawn(self._send_binary(frame))
+        try:
+            self._relay_queue.put_nowait(frame)
+        except asyncio.QueueFull:
+            return  # a datagram path may drop, like a full UDP socket buffer
+        if self._relay_writer is None or self._relay_writer.done():
+            self._relay_writer = asyncio.create_task(self._relay_write())
 
-    async def _send_binary(self, frame: bytes) -> None:
+    async def _relay_write(self) -> None:
+        """One writer drains the relay queue in order (no task per datagram)."""
         ws = self.signalling._ws
-        if ws is not None:
-            with contextlib.suppress(Exception):
+        while not self._relay_queue.empty() and ws is not None:
+            frame = self._relay_queue.get_nowait()
+            try:
                 await ws.send(frame)
+            except Exception:  # noqa: BLE001 - the signalling connection is gone
+                return
 
     def relay_in(self, frame: bytes) -> None:
         """A binary frame from the server: a relayed datagram."""

@@ -83,6 +83,12 @@ class Config:
         check=_check_positive,
         help="Signalling WebSocket connections from one IP.",
     )
+    relay_bytes_per_second: int = setting(
+        256 * 1024,
+        kind="int",
+        check=_check_positive,
+        help="WebSocket relay budget per connection, bytes/s (the relay is the last resort).",
+    )
     master_path: str = setting(
         "/testServer",
         help="Path of the MasterServer2-compatible listing (RakNet's samples use /testServer).",
@@ -145,6 +151,7 @@ class P2PService:
             CoordinatorConfig(
                 max_connections=config.max_connections,
                 max_connections_per_ip=config.max_connections_per_ip,
+                relay_bytes_per_second=config.relay_bytes_per_second,
             ),
             secrets.token_bytes,
         )
@@ -204,6 +211,7 @@ class P2PService:
         self.core.config = CoordinatorConfig(
             max_connections=self.config.max_connections,
             max_connections_per_ip=self.config.max_connections_per_ip,
+            relay_bytes_per_second=self.config.relay_bytes_per_second,
             udp=tuple(sig.Endpoint(advertised, port) for _, port in self._udp),
         )
 

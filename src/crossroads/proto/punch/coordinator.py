@@ -94,6 +94,12 @@ MAX_STRIKES = 50
 CODE_ALPHABET = "23456789ABCDEFGHJKMNPQRSTUVWXYZ"
 CODE_LENGTH = 8
 
+
+CLOSE_POLICY = 1008
+CLOSE_TRY_AGAIN = 1013
+CLOSE_PROTOCOL = 1002
+
+
 #: Relay frames over the WebSocket (binary, see docs/p2p-protocol.md): the last
 #: resort when no UDP path exists (even with UDP blocked: the WebSocket is TCP).
 #: 256 KiB/s per connection with 64 KiB bursts carries chat, lobby and modest game
@@ -102,10 +108,6 @@ RELAY_BYTES_RATE = 256 * 1024
 RELAY_BYTES_BURST = 64 * 1024
 RELAY_MAX_FRAME = 1 + 8 + 1400 + 64
 RELAY_FRAME = 0x01
-
-CLOSE_POLICY = 1008
-CLOSE_TRY_AGAIN = 1013
-CLOSE_PROTOCOL = 1002
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +118,9 @@ class CoordinatorConfig:
     max_connections_per_ip: int = 64
     #: Rendezvous endpoints handed to clients in ``welcome`` (primary, alt, alt2).
     udp: tuple[sig.Endpoint, ...] = ()
+    #: Relay budget per connection, bytes per second (bursts of a quarter of it,
+    #: at least 64 KiB).
+    relay_bytes_per_second: int = RELAY_BYTES_RATE
 
 
 # ------------------------------------------------------------------------ events
@@ -309,11 +314,13 @@ class Coordinator:
             self._events.append(FrameRejected("ip-limit"))
             return False
         self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+        relay_rate = float(self.config.relay_bytes_per_second)
+        relay_burst = max(float(RELAY_BYTES_BURST), relay_rate / 4)
         self._conns[conn] = _Conn(
             conn,
             ip,
             _Bucket(FRAME_RATE, FRAME_BURST, FRAME_BURST, now),
-            _Bucket(RELAY_BYTES_RATE, RELAY_BYTES_BURST, RELAY_BYTES_BURST, now),
+            _Bucket(relay_rate, relay_burst, relay_burst, now),
         )
         return True
 
