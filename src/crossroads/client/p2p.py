@@ -245,6 +245,7 @@ class P2PClient:
         self.code = ""
         self.members: dict[str, sig.Member] = {}
         self.events: asyncio.Queue[Event] = asyncio.Queue(maxsize=1000)
+        self._subscribers: list[asyncio.Queue[Event]] = []
         self._data: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=10_000)
         self._connecting: dict[str, asyncio.Future[ConnectResult]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -433,9 +434,21 @@ class P2PClient:
         with contextlib.suppress(asyncio.QueueFull):
             self._data.put_nowait((peer, data))
 
+    def subscribe(self) -> asyncio.Queue[Event]:
+        """A private queue that receives every event from now on (besides
+        :attr:`events`), for helpers such as listing advertisement."""
+        queue: asyncio.Queue[Event] = asyncio.Queue(maxsize=1000)
+        self._subscribers.append(queue)
+        return queue
+
+    def unsubscribe(self, queue: asyncio.Queue[Event]) -> None:
+        with contextlib.suppress(ValueError):
+            self._subscribers.remove(queue)
+
     def _emit(self, event: Event) -> None:
-        with contextlib.suppress(asyncio.QueueFull):
-            self.events.put_nowait(event)
+        for queue in (self.events, *self._subscribers):
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(event)
 
     # ------------------------------------------------------------ signalling
 
