@@ -459,3 +459,19 @@ def test_relay_route_only_between_related_peers() -> None:
     big = b"\x01" + bytes.fromhex(pb) + bytes(1400)
     sent = sum(h.core.relay_route(a, big, h.now) is not None for _ in range(200))
     assert 40 <= sent <= 50  # 64 KiB burst
+
+
+def test_mapped_candidate_must_be_on_the_public_address() -> None:
+    h = Harness()
+    a, pa, b, pb, _ = session_of_two(h)
+    h.send(a, sig.Connect(pb))
+    attempt = h.take(a, "punch_prepare")[0]["attempt"]
+    h.take(b)
+    good = sig.Candidates(mapped=sig.Endpoint("198.51.100.7", 5000))
+    bad = sig.Candidates(mapped=sig.Endpoint("192.0.2.200", 53))
+    h.send(a, sig.PunchReady(attempt, good))
+    h.send(b, sig.PunchReady(attempt, bad))
+    start_a = h.take(a, "punch_start")[0]
+    start_b = h.take(b, "punch_start")[0]
+    assert start_b["them"]["candidates"]["mapped"] == ["198.51.100.7", 5000]
+    assert start_a["them"]["candidates"]["mapped"] is None

@@ -41,6 +41,7 @@ datagrams and the clock, and collects frames to send and connections to close.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -838,12 +839,20 @@ class Coordinator:
         ports = tuple(seen[i][1] for i in sorted(seen))
         mapping, stride = classify_mapping(ports) if len(seen) == 3 else ("unknown", 0)
         public = sig.Endpoint(*seen[0]) if 0 in seen else None
+        candidates = attempt.ready[peer.id]
+        if candidates.mapped is not None and (
+            public is None or candidates.mapped.host != public.host
+        ):
+            # A port mapping lives on the peer's public address; any other
+            # address is either useless (a mapping inside a carrier-grade NAT)
+            # or an attempt to make the other peer send probes somewhere else.
+            candidates = dataclasses.replace(candidates, mapped=None)
         return sig.PeerInfo(
             public=public,
             ports=ports,
             mapping=mapping,
             stride=stride,
-            candidates=attempt.ready[peer.id],
+            candidates=candidates,
         )
 
     def _punch_result(self, peer: _Peer, result: sig.PunchResult, now: float) -> None:
