@@ -50,7 +50,11 @@ def test_nat_pmp_answer_is_not_pcp() -> None:
     st.sampled_from([6, 17]),
     st.integers(0, 65535),
     st.integers(0, 65535),
-    st.ip_addresses().map(str),
+    # IPv4-mapped IPv6 addresses are how PCP carries IPv4 (RFC 6887 §5), so they
+    # decode as IPv4: leave them out of the round trip.
+    st.ip_addresses()
+    .filter(lambda ip: ip.version == 4 or ip.ipv4_mapped is None)
+    .map(str),
     st.integers(0, 2**32 - 1),
     st.integers(0, 2**32 - 1),
     st.integers(0, 255),
