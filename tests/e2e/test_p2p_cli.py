@@ -108,9 +108,9 @@ def test_host_and_join_chat(server: str) -> None:
     try:
         code = host.wait_for("invite code:").split(":", 1)[1].strip()
         join = Proc("join", code, "--server", server)
+        join.wait_for("Type lines to chat")
         connected = join.wait_for("connected to")
         assert " via " in connected and " ms" in connected
-        join.wait_for("Type lines to chat")
         host.wait_for("joined")
         join.type("hello from the joiner")
         line = host.wait_for("hello from the joiner")

@@ -103,7 +103,7 @@ async def _join(server: str, code: str, relay: str, portmap: bool) -> None:
                 f"* connected to {_short(peer)} via {link.step} in {link.seconds * 1000:.0f} ms"
             )
         _out(
-            f"* joined {code}; host is {_short(client.host_peer)}. Type lines to chat."
+            f"* joined {client.code}; host is {_short(client.host_peer)}. Type lines to chat."
         )
         await _chat(client)
 

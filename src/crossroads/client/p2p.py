@@ -49,7 +49,7 @@ from crossroads.client.signalling import SignallingClient
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.punch import ladder
 from crossroads.proto.punch import signalling as sig
-from crossroads.proto.punch.coordinator import RELAY_FRAME
+from crossroads.proto.punch.coordinator import RELAY_FRAME, Coordinator
 from crossroads.proto.punch.secure import Kind, SecureChannel, derive_keys
 from crossroads.types import Address
 
@@ -379,7 +379,7 @@ class P2PClient:
                 raise JoinRejected(answer.reason)
             if isinstance(answer, sig.JoinAccepted):
                 self.session = answer.session
-                self.code = code
+                self.code = Coordinator.normalize_code(code)
                 self.members = {m.peer: m for m in answer.members}
                 return
 
