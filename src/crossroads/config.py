@@ -51,6 +51,8 @@ class SettingInfo:
     flag: str | None = None
     #: Extra validation after conversion; raise ValueError with a short reason.
     check: Callable[[Any], None] | None = None
+    #: Environment variable, when it should not follow the flag's name.
+    env: str | None = None
 
 
 def setting(
@@ -60,9 +62,10 @@ def setting(
     kind: Kind = "str",
     flag: str | None = None,
     check: Callable[[Any], None] | None = None,
+    env: str | None = None,
 ) -> Any:
     """Declare a configuration field (use as a dataclass field default)."""
-    info = SettingInfo(help=help, kind=kind, flag=flag, check=check)
+    info = SettingInfo(help=help, kind=kind, flag=flag, check=check, env=env)
     if isinstance(default, list):
         default = tuple(default)
     return field(default=default, metadata={_META_KEY: info})
@@ -251,6 +254,9 @@ def flag_name(section: str, f: dataclasses.Field[Any]) -> str:
 
 
 def env_name(section: str, f: dataclasses.Field[Any]) -> str:
+    info = setting_info(f)
+    if info.env:
+        return info.env
     return ENV_PREFIX + flag_name(section, f).lstrip("-").replace("-", "_").upper()
 
 

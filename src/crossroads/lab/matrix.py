@@ -107,6 +107,7 @@ METHOD_MODULES: list[str] = [
     "crossroads.lab.methods.punch",
     "crossroads.lab.methods.ladder",
     "crossroads.lab.methods.sdk",
+    "crossroads.lab.methods.relay",
 ]
 
 

@@ -71,6 +71,8 @@ SERVER_HTTP_PORT = 8080
 #: has landed; each is passed when the running code has it.
 SERVER_SETTINGS: dict[str, str] = {
     "stun.alt_host": SERVER_IPS[1],
+    # The key the ``unity-relay`` method uses (lab/methods/relay.py LAB_API_KEY).
+    "relay.api_keys": "crossroads-lab-relay-key",
 }
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")

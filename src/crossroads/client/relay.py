@@ -1,0 +1,392 @@
+"""Python client for crossroads relays (and any Unity-Relay-compatible service).
+
+Two halves, as in Unity's SDK:
+
+- :class:`RelayApi` talks to the allocations REST API: :meth:`~RelayApi.allocate`
+  a seat for a host, get its :meth:`~RelayApi.join_code`, :meth:`~RelayApi.join`
+  with a code, list :meth:`~RelayApi.regions`.
+- :class:`RelayConnection` speaks the relay's UDP protocol for one allocation:
+  bind, connect (joiners), send and receive, keep-alive and re-bind, driven by the
+  sans-I/O :class:`crossroads.proto.relay.client.RelayClient`.
+
+A host::
+
+    async with RelayApi("http://relay.example:8080", api_key) as api:
+        allocation = await api.allocate(max_connections=4)
+        code = await api.join_code(allocation.allocation_id)
+        host = await RelayConnection.open(allocation)
+        await host.bind()
+        sender, data = await host.recv()          # from any joiner
+        host.send(sender, b"welcome")
+
+A joining player::
+
+        allocation = await api.join(code)
+        player = await RelayConnection.open(allocation)
+        await player.bind()
+        host_id = await player.connect()
+        player.send(host_id, b"hello")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import socket
+import uuid
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from crossroads.errors import CrossroadsError
+from crossroads.proto.relay import client as core
+from crossroads.transport.udp import make_udp_socket
+from crossroads.types import Address
+
+#: Received frames waiting for :meth:`RelayConnection.recv`; beyond this the oldest
+#: is dropped (UDP semantics) so a slow reader cannot grow memory without end.
+MAX_QUEUED_FRAMES = 4096
+
+
+class RelayApiError(CrossroadsError):
+    """The allocations API answered with an error (Unity's error body)."""
+
+    def __init__(self, status: int, code: int, title: str, detail: str) -> None:
+        super().__init__(f"{status} {title} ({code}): {detail}")
+        self.status = status
+        self.code = code
+        self.title = title
+        self.detail = detail
+
+
+class RelayConnectionError(CrossroadsError):
+    """The relay refused or dropped this allocation."""
+
+
+class RelayRejected(RelayConnectionError):
+    """The host already has its maximum number of connections."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """An allocation as the API returns it (Unity's Allocation / JoinAllocation)."""
+
+    allocation_id: uuid.UUID
+    allocation_id_bytes: bytes
+    key: bytes
+    connection_data: bytes
+    server: Address
+    region: str
+    #: Only for joiners: the host's connection data, for CONNECT_REQUEST.
+    host_connection_data: bytes | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Allocation:
+        """Parse an ``allocation`` object; the first ``udp`` endpoint is used."""
+        endpoints = [
+            e
+            for e in data.get("serverEndpoints", [])
+            if e.get("connectionType") == "udp"
+        ]
+        if endpoints:
+            server = (str(endpoints[0]["host"]), int(endpoints[0]["port"]))
+        else:
+            server = (
+                str(data["relayServer"]["ipV4"]),
+                int(data["relayServer"]["port"]),
+            )
+        host_data = data.get("hostConnectionData")
+        return cls(
+            allocation_id=uuid.UUID(data["allocationId"]),
+            allocation_id_bytes=base64.b64decode(data["allocationIdBytes"]),
+            key=base64.b64decode(data["key"]),
+            connection_data=base64.b64decode(data["connectionData"]),
+            server=server,
+            region=str(data.get("region", "")),
+            host_connection_data=base64.b64decode(host_data) if host_data else None,
+        )
+
+
+class RelayApi:
+    """Async client of the allocations API (``/v1/...``) with an API key."""
+
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = 10.0) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=timeout,
+        )
+
+    async def __aenter__(self) -> RelayApi:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> Any:
+        response = await self._http.request(method, path, json=body)
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = {}
+        if response.status_code >= 400:
+            raise RelayApiError(
+                response.status_code,
+                int(payload.get("code", 0)),
+                str(payload.get("title", "")),
+                str(payload.get("detail", response.text)),
+            )
+        return payload["data"]
+
+    async def allocate(
+        self, max_connections: int, region: str | None = None
+    ) -> Allocation:
+        body: dict[str, Any] = {"maxConnections": max_connections}
+        if region is not None:
+            body["region"] = region
+        data = await self._call("POST", "/v1/allocate", body)
+        return Allocation.from_json(data["allocation"])
+
+    async def join_code(self, allocation_id: uuid.UUID) -> str:
+        data = await self._call(
+            "POST", "/v1/joincode", {"allocationId": str(allocation_id)}
+        )
+        return str(data["joinCode"])
+
+    async def join(self, join_code: str) -> Allocation:
+        data = await self._call("POST", "/v1/join", {"joinCode": join_code})
+        return Allocation.from_json(data["allocation"])
+
+    async def regions(self) -> list[tuple[str, str]]:
+        data = await self._call("GET", "/v1/regions")
+        return [(str(r["id"]), str(r["description"])) for r in data["regions"]]
+
+
+class _Protocol(asyncio.DatagramProtocol):
+    def __init__(self, owner: RelayConnection) -> None:
+        self.owner = owner
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        self.owner._received(data, (str(addr[0]), int(addr[1])))
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # ICMP unreachable: the keep-alive and re-bind logic copes.
+
+
+class RelayConnection:
+    """One allocation's UDP session with a relay server."""
+
+    def __init__(
+        self, allocation: Allocation, config: core.RelayClientConfig | None
+    ) -> None:
+        self.allocation = allocation
+        self.core = core.RelayClient(
+            allocation.allocation_id_bytes,
+            allocation.key,
+            allocation.connection_data,
+            allocation.server,
+            host_connection_data=allocation.host_connection_data,
+            config=config,
+        )
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.DatagramTransport | None = None
+        self._frames: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        self._changed = asyncio.Event()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self.frames_dropped = 0
+        #: Every non-data event, in order (for callers that want the details).
+        self.history: list[core.ClientEvent] = []
+
+    @classmethod
+    async def open(
+        cls,
+        allocation: Allocation,
+        *,
+        local_host: str | None = None,
+        config: core.RelayClientConfig | None = None,
+        sock: socket.socket | None = None,
+    ) -> RelayConnection:
+        """Open a UDP socket for ``allocation`` (nothing is sent until :meth:`bind`).
+
+        ``sock`` uses a socket the caller already has (bound, non-blocking; e.g. the
+        game's own, or one made in another network namespace); it is closed with
+        the connection.
+        """
+        connection = cls(allocation, config)
+        await connection._open_socket(local_host, sock)
+        return connection
+
+    async def _open_socket(
+        self, local_host: str | None, sock: socket.socket | None = None
+    ) -> None:
+        if sock is None:
+            server_host = self.allocation.server[0]
+            if local_host is None:
+                local_host = "::" if ":" in server_host else "0.0.0.0"
+            sock = make_udp_socket(local_host, 0)
+        transport, _ = await self._loop.create_datagram_endpoint(
+            lambda: _Protocol(self), sock=sock
+        )
+        self._transport = transport
+
+    @property
+    def local_address(self) -> Address:
+        assert self._transport is not None
+        sock: socket.socket = self._transport.get_extra_info("socket")
+        host, port = sock.getsockname()[:2]
+        return str(host), int(port)
+
+    @property
+    def allocation_id(self) -> bytes:
+        return self.allocation.allocation_id_bytes
+
+    @property
+    def state(self) -> core.ClientState:
+        return self.core.state
+
+    @property
+    def peers(self) -> set[bytes]:
+        return set(self.core.peers)
+
+    # ------------------------------------------------------------- commands
+
+    async def bind(self, timeout: float = 10.0) -> None:
+        """BIND (retried every second) until BIND_RECEIVED."""
+        if self.core.state is core.ClientState.BINDING:
+            self.core.start(self._loop.time())
+            self._flush()
+        await self._wait(
+            lambda: self.core.state is not core.ClientState.BINDING, timeout, "BIND"
+        )
+
+    async def connect(self, timeout: float = 10.0) -> bytes:
+        """Joiner: CONNECT_REQUEST until ACCEPTED; returns the host's allocation ID.
+
+        Raises:
+            RelayRejected: the host is full.
+            RelayConnectionError: the allocation is invalid.
+        """
+        self.core.connect(self._loop.time())
+        self._flush()
+        await self._wait(
+            lambda: self.core.state is not core.ClientState.CONNECTING,
+            timeout,
+            "CONNECT",
+        )
+        if self.core.state is core.ClientState.BOUND:
+            raise RelayRejected(
+                "the host has reached its maximum number of connections"
+            )
+        assert self.core.host_allocation_id is not None
+        return self.core.host_allocation_id
+
+    def send(self, to_allocation_id: bytes, payload: bytes) -> None:
+        """Relay ``payload`` to another allocation of the session (unreliable)."""
+        self.core.send(to_allocation_id, payload, self._loop.time())
+        self._flush()
+
+    async def recv(self, timeout: float | None = None) -> tuple[bytes, bytes]:
+        """The next (sender allocation ID, payload).
+
+        Raises:
+            TimeoutError: nothing within ``timeout`` seconds.
+        """
+        return await asyncio.wait_for(self._frames.get(), timeout)
+
+    def disconnect(self, peer: bytes) -> None:
+        self.core.disconnect(peer, self._loop.time())
+        self._flush()
+
+    async def migrate(self, local_host: str | None = None) -> None:
+        """Move to a new local socket, as a NAT rebinding would.
+
+        The relay answers the next frame from the new address with ERROR 3 and
+        the client re-BINDs; call :meth:`rebind` to do it straight away.
+        """
+        old = self._transport
+        await self._open_socket(local_host)
+        if old is not None:
+            old.close()
+
+    def rebind(self) -> None:
+        """BIND again now with the next nonce."""
+        self.core.rebind(self._loop.time())
+        self._flush()
+
+    async def close(self) -> None:
+        """CLOSE the allocation on the relay and release the socket."""
+        self.core.close(self._loop.time())
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._rearm()
+        self._changed.set()
+
+    # ------------------------------------------------------------- plumbing
+
+    async def _wait(self, done: Any, timeout: float, what: str) -> None:
+        async with asyncio.timeout(timeout):
+            while not done():
+                if self.core.state is core.ClientState.INVALID:
+                    break
+                self._changed.clear()
+                await self._changed.wait()
+        if self.core.state in (core.ClientState.INVALID, core.ClientState.CLOSED):
+            reasons = [e.reason for e in self.history if isinstance(e, core.Invalid)]
+            raise RelayConnectionError(
+                f"{what} failed: allocation {', '.join(reasons) or 'closed'}"
+            )
+
+    def _received(self, data: bytes, addr: Address) -> None:
+        self.core.receive_datagram(data, addr, self._loop.time())
+        self._flush()
+
+    def _flush(self) -> None:
+        now = self._loop.time()
+        if self._transport is not None:
+            for data, addr in self.core.datagrams_to_send(now):
+                self._transport.sendto(data, addr)
+        changed = False
+        for event in self.core.events():
+            if isinstance(event, core.Data):
+                if self._frames.qsize() >= MAX_QUEUED_FRAMES:
+                    self._frames.get_nowait()
+                    self.frames_dropped += 1
+                self._frames.put_nowait((event.from_allocation_id, event.payload))
+            else:
+                self.history.append(event)
+                changed = True
+        if changed:
+            self._changed.set()
+        self._rearm()
+
+    def _rearm(self) -> None:
+        deadline = self.core.get_timer() if self._transport is not None else None
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.core.handle_timer(self._loop.time())
+        self._flush()

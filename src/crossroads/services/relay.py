@@ -1,0 +1,893 @@
+"""The ``relay`` service: Unity-Relay-compatible relay nodes and the allocations API.
+
+One process runs, by default, both halves:
+
+- a **relay node**: a UDP socket (7780) speaking the Unity Relay protocol, driven
+  by :class:`crossroads.proto.relay.server.RelayServer` behind the fast-path
+  endpoint :class:`crossroads.transport.relay.RelayEndpoint`. The node registers
+  itself in the store under ``relay:node:<id>`` (region, public address, capacity,
+  load) with a TTL refreshed by a heartbeat, so a node that dies disappears from
+  the allocation service by itself;
+- the **allocations API** (``/v1/allocate``, ``/v1/joincode``, ``/v1/join``,
+  ``/v1/regions``; :mod:`crossroads.web.relay`), which picks the least-loaded live
+  node of a region and hands out sealed connection data and keys.
+
+``--relay-node-only`` and ``--relay-api-only`` split them across processes that
+share a Redis store (``--store redis://…``) and a secret (``--relay-secret``, or
+one created once in the store).
+
+Store keys (all under ``relay:``)::
+
+    relay:secret              the token/key secret when none is configured
+    relay:node:<id>           JSON registration of a live node (TTL = 3 heartbeats)
+    relay:pending:<id>        hash: allocations handed out but not yet bound
+                              (uuid -> "seats:deadline"), so a burst of requests
+                              spreads before the node's next heartbeat
+    relay:alloc:<uuid>        hash: a host allocation (node, region, seats,
+                              connection data, join code, live connections);
+                              refreshed by the node while the host is bound
+    relay:joincode:<CODE>     uuid of the host allocation (SET NX, same TTL)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from crossroads.config import setting
+from crossroads.errors import CrossroadsError, DecodeError
+from crossroads.proto.relay import joincode
+from crossroads.proto.relay.server import (
+    AllocationBound,
+    AllocationEnded,
+    Event,
+    PeerConnected,
+    PeerDisconnected,
+    RelayServer,
+    RelayServerConfig,
+)
+from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
+from crossroads.services.base import Service, ServiceContext
+from crossroads.store.base import Store
+from crossroads.transport.relay import RelayEndpoint
+from crossroads.transport.udp import bound_address, make_udp_socket
+
+NAME = "relay"
+log = logging.getLogger("crossroads.relay")
+
+#: Unity's documented session limit: "A maximum of 150 players can join the host
+#: in the same session" (reference §1.3, Limits).
+UNITY_MAX_CONNECTIONS = 150
+#: Registrations live for this many heartbeats: one lost heartbeat is forgiven,
+#: three mean the node is gone (the OpenTTD coordinator uses 10 s / 15 s alike).
+HEARTBEATS_PER_TTL = 3
+#: Events waiting for the store; beyond this they are dropped and counted (the
+#: store lags, the relay must not grow without bound).
+MAX_PENDING_EVENTS = 10_000
+#: Attempts at a fresh join code before giving up (20**6 codes: a collision is
+#: already rare, ten in a row means the store is broken).
+JOIN_CODE_ATTEMPTS = 10
+
+
+def _check_join_code_length(value: int) -> None:
+    if not joincode.MIN_LENGTH <= value <= joincode.MAX_LENGTH:
+        raise ValueError(f"must be {joincode.MIN_LENGTH}-{joincode.MAX_LENGTH}")
+
+
+def _check_positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError("must be greater than 0")
+
+
+def _check_max_connections(value: int) -> None:
+    if not 1 <= value <= 0xFFFF:
+        raise ValueError("must be between 1 and 65535")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The ``[relay]`` section."""
+
+    port: int = setting(
+        7780, kind="port", help="UDP port of the relay node (Unity Relay)."
+    )
+    public_host: str = setting(
+        "",
+        kind="host",
+        help="Address clients use to reach this node (default: --public-host, "
+        "else the bound address).",
+    )
+    public_port: int = setting(
+        0, kind="port", help="UDP port clients use, when a NAT or proxy changes it."
+    )
+    region: str = setting("local", help="Region of this relay node.")
+    region_description: str = setting("", help="Human-readable name of the region.")
+    node_id: str = setting(
+        "", help="Stable ID of this node (default: random at start)."
+    )
+    capacity: int = setting(
+        5000,
+        kind="int",
+        check=_check_positive,
+        help="Seats on this node; a host allocation reserves 1 + maxConnections.",
+    )
+    node_only: bool = setting(
+        False, kind="bool", help="Run only the relay node (no allocations API)."
+    )
+    api_only: bool = setting(
+        False, kind="bool", help="Run only the allocations API (no relay node)."
+    )
+    api_keys: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        flag="--api-key",
+        env="CROSSROADS_API_KEYS",
+        help="API key accepted as 'Authorization: Bearer KEY' (repeatable). "
+        "With none, the allocations API refuses every request.",
+    )
+    secret: str = setting(
+        "",
+        help="Secret shared by the API and relay nodes (>= 16 chars; default: "
+        "created once in the store).",
+    )
+    default_region: str = setting(
+        "", help="Region used when a request names none (default: the least loaded)."
+    )
+    max_connections: int = setting(
+        UNITY_MAX_CONNECTIONS,
+        kind="int",
+        check=_check_max_connections,
+        help="Largest maxConnections a host may ask for.",
+    )
+    bind_timeout: float = setting(
+        10.0,
+        kind="float",
+        check=_check_positive,
+        help="Seconds a new allocation has to BIND (Unity: 10).",
+    )
+    idle_timeout: float = setting(
+        10.0,
+        kind="float",
+        check=_check_positive,
+        help="Seconds without traffic before a client is dropped (Unity: 10).",
+    )
+    host_alone_timeout: float = setting(
+        60.0,
+        kind="float",
+        check=_check_positive,
+        help="Idle seconds allowed to a host with no joiner (Unity: 60).",
+    )
+    heartbeat: float = setting(
+        5.0,
+        kind="float",
+        check=_check_positive,
+        help="Seconds between node registrations (the TTL is three of them).",
+    )
+    join_code_length: int = setting(
+        6, kind="int", check=_check_join_code_length, help="Join code length (6-12)."
+    )
+    allow_private_peers: bool = setting(
+        False,
+        kind="bool",
+        help="Accept clients at loopback/private/link-local addresses (LAN and tests).",
+    )
+    api_rate: float = setting(
+        20.0,
+        kind="float",
+        help="Allocate/join calls per second per client IP (0 = no limit; burst 3 s).",
+    )
+    max_route_pps: float = setting(
+        0.0,
+        kind="float",
+        help="RELAY frames per second per direction before it is paused (0 = no limit).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.node_only and self.api_only:
+            raise ValueError("node_only and api_only: choose at most one")
+        if self.secret and len(self.secret) < 16:
+            raise ValueError("secret: must be at least 16 characters")
+
+
+# ------------------------------------------------------------------ store records
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A live relay node as registered in the store."""
+
+    node_id: str
+    region: str
+    description: str
+    host: str
+    port: int
+    capacity: int
+    load: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "id": self.node_id,
+                "region": self.region,
+                "description": self.description,
+                "host": self.host,
+                "port": self.port,
+                "capacity": self.capacity,
+                "load": self.load,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NodeInfo:
+        data = json.loads(raw)
+        return cls(
+            node_id=str(data["id"]),
+            region=str(data["region"]),
+            description=str(data.get("description", "")),
+            host=str(data["host"]),
+            port=int(data["port"]),
+            capacity=int(data["capacity"]),
+            load=int(data["load"]),
+        )
+
+
+#: Fields the API writes in ``relay:alloc:<uuid>``; a hash without them is a remnant.
+RECORD_FIELDS = frozenset({"node", "region", "maxConnections", "connectionData"})
+
+
+def node_key(node_id: str) -> str:
+    return f"relay:node:{node_id}"
+
+
+def pending_key(node_id: str) -> str:
+    return f"relay:pending:{node_id}"
+
+
+def alloc_key(allocation_id: uuid.UUID) -> str:
+    return f"relay:alloc:{allocation_id}"
+
+
+def code_key(code: str) -> str:
+    return f"relay:joincode:{code}"
+
+
+async def resolve_secret(cfg: Config, store: Store) -> bytes:
+    """The configured secret, or the one every process of this store shares."""
+    if cfg.secret:
+        return cfg.secret.encode()
+    await store.set("relay:secret", os.urandom(32).hex().encode(), only_if_absent=True)
+    secret = await store.get("relay:secret")
+    assert secret is not None
+    return secret
+
+
+# ---------------------------------------------------------------- allocation API
+
+
+class AllocationError(CrossroadsError):
+    """An allocations API failure, in Unity's error vocabulary.
+
+    ``code`` is the Relay error code (reference §1.3: 15001 InvalidRequest,
+    15007 RegionNotFound, 15008 AllocationNotFound, 15009 JoinCodeNotFound,
+    15010 NoSuitableRelay; 154xx mirror HTTP statuses).
+    """
+
+    def __init__(self, status: int, code: int, title: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.title = title
+        self.detail = detail
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """An allocation handed to a player."""
+
+    allocation_id: uuid.UUID
+    key: bytes
+    connection_data: bytes
+    node: NodeInfo
+    host_connection_data: bytes | None = None
+
+
+class Allocator:
+    """Chooses relay nodes and creates allocations and join codes in the store."""
+
+    def __init__(
+        self,
+        store: Store,
+        sealer: TokenSealer,
+        cfg: Config,
+        *,
+        clock: Callable[[], float] = time.time,
+        random_bytes: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.store = store
+        self.sealer = sealer
+        self.cfg = cfg
+        self.clock = clock
+        self.random_bytes = random_bytes
+
+    def record_ttl(self) -> float:
+        """How long an allocation's records live unless the node refreshes them."""
+        return self.cfg.bind_timeout + self.cfg.heartbeat * HEARTBEATS_PER_TTL
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        nodes = []
+        for key in await self.store.keys("relay:node:"):
+            raw = await self.store.get(key)
+            if raw is None:
+                continue
+            try:
+                nodes.append(NodeInfo.from_json(raw))
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring malformed relay node record %s", key)
+        return nodes
+
+    async def regions(self) -> list[tuple[str, str]]:
+        """(id, description) of every region with a live node."""
+        found: dict[str, str] = {}
+        for node in await self.live_nodes():
+            if node.description or node.region not in found:
+                found[node.region] = node.description or node.region
+        return sorted(found.items())
+
+    async def _pending_seats(self, node_id: str, now: float) -> int:
+        seats = 0
+        stale = []
+        for field_name, raw in (await self.store.hgetall(pending_key(node_id))).items():
+            try:
+                weight_text, deadline_text = raw.decode().split(":")
+                weight, deadline = int(weight_text), float(deadline_text)
+            except ValueError:
+                stale.append(field_name)
+                continue
+            if deadline < now:
+                stale.append(field_name)
+            else:
+                seats += weight
+        if stale:
+            await self.store.hdel(pending_key(node_id), *stale)
+        return seats
+
+    async def choose_node(self, region: str | None, seats: int) -> NodeInfo:
+        nodes = await self.live_nodes()
+        wanted = region or self.cfg.default_region or None
+        if wanted is not None:
+            nodes = [n for n in nodes if n.region == wanted]
+            if not nodes:
+                raise AllocationError(
+                    400, 15007, "RegionNotFound", f"region {wanted!r} has no live relay"
+                )
+        now = self.clock()
+        best: tuple[float, float, NodeInfo] | None = None
+        for node in nodes:
+            used = node.load + await self._pending_seats(node.node_id, now)
+            if used + seats > node.capacity:
+                continue
+            # Least loaded by share of capacity; ties broken at random so that
+            # equal nodes share a burst.
+            candidate = (used / node.capacity, random.random(), node)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        if best is None:
+            raise AllocationError(
+                503, 15010, "NoSuitableRelay", "no relay node has room; retry later"
+            )
+        return best[2]
+
+    def _grant(
+        self,
+        node: NodeInfo,
+        role: Role,
+        max_connections: int,
+        host_id: bytes | None,
+        now: float,
+    ) -> Grant:
+        allocation_id = uuid.UUID(bytes=self.random_bytes(16), version=4)
+        claims = AllocationClaims(
+            allocation_id=allocation_id.bytes,
+            host_allocation_id=host_id or allocation_id.bytes,
+            role=role,
+            max_connections=max_connections,
+            bind_deadline=now + self.cfg.bind_timeout,
+        )
+        return Grant(
+            allocation_id=allocation_id,
+            key=self.sealer.key_for(allocation_id.bytes),
+            connection_data=self.sealer.seal(claims, node.node_id),
+            node=node,
+        )
+
+    async def allocate(self, max_connections: int, region: str | None) -> Grant:
+        if not 1 <= max_connections <= self.cfg.max_connections:
+            raise AllocationError(
+                400,
+                15001,
+                "InvalidRequest",
+                f"maxConnections must be between 1 and {self.cfg.max_connections}",
+            )
+        seats = 1 + max_connections
+        node = await self.choose_node(region, seats)
+        now = self.clock()
+        grant = self._grant(node, Role.HOST, max_connections, None, now)
+        ttl = self.record_ttl()
+        pkey = pending_key(node.node_id)
+        await self.store.hset(
+            pkey,
+            {
+                grant.allocation_id.hex: f"{seats}:{now + self.cfg.bind_timeout}".encode()
+            },
+        )
+        await self.store.expire(pkey, ttl)
+        await self.store.hset(
+            alloc_key(grant.allocation_id),
+            {
+                "node": node.node_id.encode(),
+                "region": node.region.encode(),
+                "maxConnections": str(max_connections).encode(),
+                "connectionData": grant.connection_data,
+                "connections": b"0",
+            },
+        )
+        await self.store.expire(alloc_key(grant.allocation_id), ttl)
+        return grant
+
+    async def join_code(self, allocation_id: uuid.UUID) -> str:
+        record = await self.store.hgetall(alloc_key(allocation_id))
+        if not RECORD_FIELDS <= set(record):
+            raise AllocationError(
+                404,
+                15008,
+                "AllocationNotFound",
+                "no such host allocation (it may have timed out; keep it alive with PING)",
+            )
+        ttl = await self.store.ttl(alloc_key(allocation_id)) or self.record_ttl()
+        existing = record.get("joinCode")
+        if existing:
+            code = existing.decode()
+            await self.store.set(code_key(code), str(allocation_id).encode(), ttl=ttl)
+            return code
+        for _ in range(JOIN_CODE_ATTEMPTS):
+            code = joincode.generate(self.cfg.join_code_length, self.random_bytes)
+            claimed = await self.store.set(
+                code_key(code),
+                str(allocation_id).encode(),
+                ttl=ttl,
+                only_if_absent=True,
+            )
+            if claimed:
+                await self.store.hset(
+                    alloc_key(allocation_id), {"joinCode": code.encode()}
+                )
+                return code
+        raise AllocationError(
+            503, 15503, "ServiceUnavailable", "could not find a free join code"
+        )
+
+    async def join(self, code_text: str) -> Grant:
+        try:
+            code = joincode.normalize(code_text)
+        except DecodeError as exc:
+            raise AllocationError(
+                400, 15001, "InvalidRequest", f"joinCode: {exc}"
+            ) from None
+        not_found = AllocationError(
+            404, 15009, "JoinCodeNotFound", f"join code {code} is unknown or expired"
+        )
+        raw_id = await self.store.get(code_key(code))
+        if raw_id is None:
+            raise not_found
+        host_id = uuid.UUID(raw_id.decode())
+        record = await self.store.hgetall(alloc_key(host_id))
+        if not RECORD_FIELDS <= set(record):
+            raise not_found  # gone, or a remnant without the API's fields
+        raw_node = await self.store.get(node_key(record["node"].decode()))
+        if raw_node is None:
+            raise not_found
+        try:
+            node = NodeInfo.from_json(raw_node)
+            max_connections = int(record["maxConnections"])
+            connections = int(record.get("connections", b"0"))
+        except (ValueError, KeyError, TypeError):
+            raise not_found from None
+        if connections >= max_connections:
+            raise AllocationError(
+                409,
+                15409,
+                "SessionFull",
+                f"the session already has its {max_connections} connections",
+            )
+        grant = self._grant(
+            node, Role.JOINER, max_connections, host_id.bytes, self.clock()
+        )
+        return Grant(
+            allocation_id=grant.allocation_id,
+            key=grant.key,
+            connection_data=grant.connection_data,
+            node=node,
+            host_connection_data=record["connectionData"],
+        )
+
+
+# --------------------------------------------------------------------- relay node
+
+
+class RelayNode:
+    """One relay node: socket, core, registration heartbeat and store bookkeeping."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        core: RelayServer,
+        endpoint: RelayEndpoint,
+        info: NodeInfo,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.core = core
+        self.endpoint = endpoint
+        self.info = info
+        self.events_dropped = 0
+        self._events: asyncio.Queue[Event] = asyncio.Queue(MAX_PENDING_EVENTS)
+        #: Bound host allocations -> their join code once known.
+        self._hosts: dict[uuid.UUID, str | None] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.endpoint.on_events = self._enqueue
+        self.endpoint.start()
+        self._tasks = [
+            asyncio.create_task(self._heartbeat(), name="relay-heartbeat"),
+            asyncio.create_task(self._apply_events(), name="relay-events"),
+        ]
+
+    async def close(self) -> None:
+        self.endpoint.close()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(Exception):
+            await self.store.delete(node_key(self.info.node_id))
+
+    def _enqueue(self, events: list[Event]) -> None:
+        for event in events:
+            try:
+                self._events.put_nowait(event)
+            except asyncio.QueueFull:
+                self.events_dropped += 1
+
+    def registration(self) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.info.node_id,
+            region=self.info.region,
+            description=self.info.description,
+            host=self.info.host,
+            port=self.info.port,
+            capacity=self.info.capacity,
+            load=self.core.load,
+        )
+
+    async def register(self) -> None:
+        ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
+        await self.store.set(
+            node_key(self.info.node_id), self.registration().to_json(), ttl=ttl
+        )
+
+    async def _heartbeat(self) -> None:
+        ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
+        loop = asyncio.get_running_loop()
+        while True:
+            # Token deadlines are Unix times; follow wall-clock corrections.
+            self.core.wall_offset = time.time() - loop.time()
+            try:
+                await self.register()
+                for host_id in list(self._hosts):
+                    await self._refresh_host(host_id, ttl)
+            except Exception:
+                log.warning(
+                    "relay node %s: store update failed",
+                    self.info.node_id,
+                    exc_info=True,
+                )
+            await asyncio.sleep(self.cfg.heartbeat)
+
+    async def _refresh_host(self, host_id: uuid.UUID, ttl: float) -> None:
+        """Keep a bound host's records (and its join code) alive."""
+        await self.store.expire(alloc_key(host_id), ttl)
+        code = self._hosts.get(host_id)
+        if code is None:
+            raw = await self.store.hget(alloc_key(host_id), "joinCode")
+            if raw is None:
+                return
+            code = raw.decode()
+            if host_id in self._hosts:
+                self._hosts[host_id] = code
+        await self.store.expire(code_key(code), ttl)
+
+    async def _apply_events(self) -> None:
+        while True:
+            event = await self._events.get()
+            try:
+                await self._apply(event)
+            except Exception:
+                log.warning(
+                    "relay node %s: store update failed",
+                    self.info.node_id,
+                    exc_info=True,
+                )
+
+    async def _apply(self, event: Event) -> None:
+        ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
+        log.debug("relay node %s: %s", self.info.node_id, event)
+        match event:
+            case AllocationBound(is_host=True, rebind=False, allocation_id=aid):
+                host_id = uuid.UUID(bytes=aid)
+                self._hosts[host_id] = None
+                await self.store.hdel(pending_key(self.info.node_id), host_id.hex)
+                await self._refresh_host(host_id, ttl)
+                await self.register()
+            case (
+                PeerConnected(host_allocation_id=hid, connections=n)
+                | PeerDisconnected(host_allocation_id=hid, connections=n)
+            ):
+                host_id = uuid.UUID(bytes=hid)
+                if host_id in self._hosts:
+                    key = alloc_key(host_id)
+                    await self.store.hset(key, {"connections": str(n).encode()})
+                    # Never leave a hash without a TTL, even if the API's record
+                    # expired meanwhile (join treats such a remnant as gone).
+                    await self.store.expire(key, ttl)
+            case AllocationEnded(is_host=True, allocation_id=aid):
+                host_id = uuid.UUID(bytes=aid)
+                code = self._hosts.pop(host_id, None)
+                if code is None:
+                    raw = await self.store.hget(alloc_key(host_id), "joinCode")
+                    code = raw.decode() if raw else None
+                keys = [alloc_key(host_id)] + ([code_key(code)] if code else [])
+                await self.store.delete(*keys)
+                await self.register()
+            case _:
+                pass
+
+
+class RelayCollector(Collector):
+    """Prometheus view of a node's counters, read at scrape time (zero per-packet cost)."""
+
+    def __init__(self, node: RelayNode) -> None:
+        self.node = node
+
+    def collect(self) -> Iterable[Metric]:
+        core = self.node.core
+        dropped = CounterMetricFamily(
+            "crossroads_relay_dropped_datagrams",
+            "Datagrams the relay dropped, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(core.drops.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        errors = CounterMetricFamily(
+            "crossroads_relay_errors_sent",
+            "ERROR messages sent, by code.",
+            labels=["code"],
+        )
+        for code, count in sorted(core.errors_sent.items()):
+            errors.add_metric([str(int(code))], count)
+        yield errors
+        ended = CounterMetricFamily(
+            "crossroads_relay_allocations_ended",
+            "Allocations that ended, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(core.ended_total.items()):
+            ended.add_metric([reason], count)
+        yield ended
+        packets, octets = core.relayed()
+        yield CounterMetricFamily(
+            "crossroads_relay_relayed_packets", "RELAY frames forwarded.", value=packets
+        )
+        yield CounterMetricFamily(
+            "crossroads_relay_relayed_bytes", "RELAY bytes forwarded.", value=octets
+        )
+        yield CounterMetricFamily(
+            "crossroads_relay_send_failures",
+            "Datagrams the kernel refused to send (buffer full).",
+            value=self.node.endpoint.send_failures,
+        )
+        yield CounterMetricFamily(
+            "crossroads_relay_store_events_dropped",
+            "Node events dropped because the store lagged.",
+            value=self.node.events_dropped,
+        )
+        yield GaugeMetricFamily(
+            "crossroads_relay_allocations",
+            "Bound allocations.",
+            value=len(core.allocations),
+        )
+        yield GaugeMetricFamily(
+            "crossroads_relay_connections",
+            "Connected joiner-host pairs.",
+            value=core.connections,
+        )
+        yield GaugeMetricFamily(
+            "crossroads_relay_load_seats",
+            "Seats reserved by bound hosts.",
+            value=core.load,
+        )
+
+
+# ------------------------------------------------------------------------ service
+
+
+class RelayService:
+    """The running ``relay`` service."""
+
+    name = NAME
+
+    def __init__(
+        self, node: RelayNode | None, api: bool, bound: tuple[str, int] | None
+    ) -> None:
+        self.node = node
+        self.api = api
+        self.bound = bound
+        self._closed = False
+
+    def describe(self) -> list[str]:
+        lines = []
+        if self.node is not None and self.bound is not None:
+            info = self.node.info
+            host, port = self.bound
+            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            lines.append(
+                f"udp {shown} (node {info.node_id}, region {info.region}, "
+                f"public {info.host}:{info.port})"
+            )
+        if self.api:
+            lines.append("http /v1/allocate /v1/joincode /v1/join /v1/regions")
+        return lines
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.node is not None:
+            await self.node.close()
+
+
+def _public_host(cfg: Config, ctx: ServiceContext, bound_host: str) -> str:
+    if cfg.public_host:
+        return cfg.public_host
+    if ctx.config.core.public_host:
+        return ctx.config.core.public_host
+    if bound_host not in ("0.0.0.0", "::"):
+        return bound_host
+    log.warning(
+        "relay: bound to %s with no --relay-public-host/--public-host; "
+        "advertising 127.0.0.1 to clients",
+        bound_host,
+    )
+    return "127.0.0.1"
+
+
+async def serve(ctx: ServiceContext) -> Service:
+    cfg = ctx.section(NAME, Config)
+    secret = await resolve_secret(cfg, ctx.store)
+    sealer = TokenSealer(secret, os.urandom)
+    node: RelayNode | None = None
+    bound: tuple[str, int] | None = None
+    if not cfg.api_only:
+        node_id = cfg.node_id or f"{cfg.region}-{uuid.uuid4().hex[:12]}"
+        sock = make_udp_socket(ctx.host, cfg.port)
+        try:
+            bound = bound_address(sock)
+            loop = asyncio.get_running_loop()
+            core = RelayServer(
+                RelayServerConfig(
+                    node_id=node_id,
+                    idle_timeout=cfg.idle_timeout,
+                    host_alone_timeout=cfg.host_alone_timeout,
+                    allow_private_peers=cfg.allow_private_peers,
+                    max_route_pps=cfg.max_route_pps,
+                    # Hosts reserve seats for their joiners; twice the seats leaves
+                    # room for joiners bound but not yet connected.
+                    max_allocations=2 * cfg.capacity,
+                ),
+                sealer,
+                wall_offset=time.time() - loop.time(),
+            )
+            endpoint = RelayEndpoint(core, sock)
+        except BaseException:
+            sock.close()
+            raise
+        info = NodeInfo(
+            node_id=node_id,
+            region=cfg.region,
+            description=cfg.region_description or cfg.region,
+            host=_public_host(cfg, ctx, bound[0]),
+            port=cfg.public_port or bound[1],
+            capacity=cfg.capacity,
+            load=0,
+        )
+        node = RelayNode(cfg, ctx.store, core, endpoint, info)
+        node.start()
+        try:
+            await node.register()
+        except Exception:
+            await node.close()
+            raise
+        ctx.metrics.register(RelayCollector(node))
+        ctx.shared["relay.node"] = node
+    api = not cfg.node_only
+    if api:
+        from crossroads.web.relay import make_router
+
+        allocator = Allocator(ctx.store, sealer, cfg)
+        requests = Counter(
+            "crossroads_relay_api_requests",
+            "Allocations API requests, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=ctx.metrics,
+        )
+        router = make_router(
+            allocator,
+            cfg.api_keys,
+            requests,
+            rate=cfg.api_rate,
+            burst=max(1.0, cfg.api_rate * 3),
+        )
+        ctx.add_router(router)
+        ctx.shared["relay.allocator"] = allocator
+        if not cfg.api_keys:
+            log.warning(
+                "relay: no --api-key configured; the allocations API refuses requests"
+            )
+    return RelayService(node, api, bound)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def encode_grant(grant: Grant) -> dict[str, Any]:
+    """A grant as Unity's Allocation / JoinAllocation JSON object."""
+    node = grant.node
+    body: dict[str, Any] = {
+        "allocationId": str(grant.allocation_id),
+        "allocationIdBytes": b64(grant.allocation_id.bytes),
+        "key": b64(grant.key),
+        "connectionData": b64(grant.connection_data),
+        "serverEndpoints": [
+            {
+                "connectionType": "udp",
+                "network": "udp",
+                "reliable": False,
+                "secure": False,
+                "host": node.host,
+                "port": node.port,
+            }
+        ],
+        "relayServer": {"ipV4": node.host, "port": node.port},
+        "region": node.region,
+    }
+    if grant.host_connection_data is not None:
+        body["hostConnectionData"] = b64(grant.host_connection_data)
+    return body

@@ -1,0 +1,376 @@
+"""The allocations REST API, in the shapes of Unity's Relay Allocations service.
+
+Paths, JSON field names, the ``{"meta": …, "data": {…}}`` envelope and the error
+body follow ``reference/unity-relay-and-raknet.md`` §1.3 (RSDK models), so a
+client written for Unity's service needs only a new base URL and an API key:
+
+- ``POST /v1/allocate``  ``{"maxConnections": int, "region": str?}`` → ``data.allocation``
+- ``POST /v1/joincode``  ``{"allocationId": uuid}`` → ``data.joinCode``
+- ``POST /v1/join``      ``{"joinCode": str}`` → ``data.allocation`` (+ ``hostConnectionData``)
+- ``GET  /v1/regions``   → ``data.regions`` (no ``meta``, as Unity's)
+
+Every request needs ``Authorization: Bearer <API key>``. Errors use Unity's
+error body ``{"status", "title", "detail", "type", "code"}`` (plus crossroads'
+``message``, the same text as ``detail``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import Counter
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from crossroads.errors import StoreError
+from crossroads.services.relay import AllocationError, Allocator, encode_grant
+
+# ------------------------------------------------------------------ JSON models
+
+
+class AllocateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    maxConnections: StrictInt = Field(
+        description="Joiners the host accepts (1-150 by default)."
+    )
+    region: str | None = Field(
+        default=None, description="Region id from /v1/regions; default: least loaded."
+    )
+
+
+class JoinCodeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    allocationId: uuid.UUID = Field(description="The host's allocationId.")
+
+
+class JoinRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    joinCode: str = Field(
+        description="6-12 characters of 6789BCDFGHJKLMNPQRTW, any case."
+    )
+
+
+class RelayServerEndpoint(BaseModel):
+    connectionType: str
+    network: str
+    reliable: bool
+    secure: bool
+    host: str
+    port: int
+
+
+class RelayServerModel(BaseModel):
+    ipV4: str
+    port: int
+
+
+class AllocationModel(BaseModel):
+    allocationId: uuid.UUID
+    allocationIdBytes: str = Field(
+        description="base64 of the 16 bytes used on the wire"
+    )
+    key: str = Field(description="base64 of the 64-byte BIND HMAC key")
+    connectionData: str = Field(description="base64, at most 255 bytes, opaque")
+    serverEndpoints: list[RelayServerEndpoint]
+    relayServer: RelayServerModel
+    region: str
+
+
+class JoinAllocationModel(AllocationModel):
+    hostConnectionData: str = Field(description="base64 of the host's connectionData")
+
+
+class Meta(BaseModel):
+    requestId: str
+    status: int
+
+
+class AllocateData(BaseModel):
+    allocation: AllocationModel
+
+
+class AllocateResponse(BaseModel):
+    meta: Meta
+    data: AllocateData
+
+
+class JoinCodeData(BaseModel):
+    joinCode: str
+
+
+class JoinCodeResponse(BaseModel):
+    meta: Meta
+    data: JoinCodeData
+
+
+class JoinData(BaseModel):
+    allocation: JoinAllocationModel
+
+
+class JoinResponse(BaseModel):
+    meta: Meta
+    data: JoinData
+
+
+class Region(BaseModel):
+    id: str
+    description: str
+
+
+class RegionsData(BaseModel):
+    regions: list[Region]
+
+
+class RegionsResponse(BaseModel):
+    data: RegionsData
+
+
+class ErrorBody(BaseModel):
+    status: int
+    title: str
+    detail: str
+    type: str
+    code: int
+    message: str
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": text}
+    for status, text in (
+        (400, "Invalid request (15001) or unknown region (15007)"),
+        (401, "Missing or wrong API key (15401)"),
+        (404, "Unknown allocation (15008) or join code (15009)"),
+        (409, "Session full (15409)"),
+        (413, "Body larger than 16 KiB (15413)"),
+        (429, "Too many allocate/join calls from this address (15429)"),
+        (503, "No relay node has room (15010), or the store is down (15503)"),
+    )
+}
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }
+
+
+def error_response(status: int, code: int, title: str, detail: str) -> JSONResponse:
+    body = {
+        "status": status,
+        "title": title,
+        "detail": detail,
+        "type": f"urn:crossroads:relay:error:{code}",
+        "code": code,
+        "message": detail,
+    }
+    return JSONResponse(body, status_code=status)
+
+
+def _envelope(status: int, data: dict[str, Any]) -> JSONResponse:
+    meta = {"requestId": str(uuid.uuid4()), "status": status}
+    return JSONResponse({"meta": meta, "data": data}, status_code=status)
+
+
+#: Request bodies are a few dozen bytes; anything near this is not a client of ours.
+MAX_BODY = 16 * 1024
+#: Client IPs tracked by the rate limiter before the oldest is forgotten.
+MAX_TRACKED_CLIENTS = 65_536
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise AllocationError(
+                413, 15413, "PayloadTooLarge", f"bodies are at most {MAX_BODY} bytes"
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class RateLimiter:
+    """A token bucket per client IP, for the calls that create allocations."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.clock = clock
+        self._buckets: dict[str, list[float]] = {}
+
+    def allow(self, client: str) -> bool:
+        if self.rate <= 0:
+            return True
+        now = self.clock()
+        bucket = self._buckets.get(client)
+        if bucket is None:
+            if len(self._buckets) >= MAX_TRACKED_CLIENTS:
+                del self._buckets[next(iter(self._buckets))]
+            bucket = self._buckets[client] = [self.burst, now]
+        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+        bucket[1] = now
+        if tokens < 1:
+            bucket[0] = tokens
+            return False
+        bucket[0] = tokens - 1
+        return True
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await _read_body(request)
+    try:
+        data = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise AllocationError(
+            400, 15001, "InvalidRequest", "the body is not JSON"
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise AllocationError(400, 15001, "InvalidRequest", problems) from None
+
+
+def make_router(
+    allocator: Allocator,
+    api_keys: Sequence[str],
+    requests: Counter,
+    *,
+    rate: float = 0.0,
+    burst: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+) -> APIRouter:
+    """The ``/v1`` allocations router for one allocator and set of API keys.
+
+    ``rate`` and ``burst`` limit allocate and join calls per client IP (0: none).
+    """
+    keys = [key.encode() for key in api_keys]
+    router = APIRouter(prefix="/v1", tags=["relay"])
+    limiter = RateLimiter(rate, burst, clock)
+
+    def authorized(request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return False
+        presented = token.strip().encode()
+        # Compare with every key, in constant time each, so timing says nothing.
+        matches = [hmac.compare_digest(presented, key) for key in keys]
+        return any(matches)
+
+    async def guarded(
+        endpoint: str, request: Request, handler: Callable[[], Awaitable[JSONResponse]]
+    ) -> JSONResponse:
+        if not keys:
+            response = error_response(
+                401,
+                15401,
+                "Unauthorized",
+                "this server has no API key configured (--api-key)",
+            )
+        elif not authorized(request):
+            response = error_response(
+                401,
+                15401,
+                "Unauthorized",
+                "missing or unknown API key (Authorization: Bearer …)",
+            )
+        elif endpoint in ("allocate", "join") and not limiter.allow(
+            request.client.host if request.client else ""
+        ):
+            response = error_response(
+                429, 15429, "RateLimited", "too many allocations from this address"
+            )
+            response.headers["Retry-After"] = "1"
+        else:
+            try:
+                response = await handler()
+            except AllocationError as exc:
+                response = error_response(exc.status, exc.code, exc.title, exc.detail)
+            except StoreError as exc:
+                response = error_response(
+                    503, 15503, "ServiceUnavailable", f"store: {exc}"
+                )
+        requests.labels(endpoint, str(response.status_code)).inc()
+        if response.status_code == 401:
+            response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @router.post(
+        "/allocate",
+        status_code=201,
+        response_model=AllocateResponse,
+        responses=_ERRORS,
+        openapi_extra=_body_schema(AllocateRequest),
+        summary="Allocate a seat for a host on the least-loaded relay of a region",
+    )
+    async def allocate(request: Request) -> JSONResponse:
+        async def run() -> JSONResponse:
+            body = await _parse(request, AllocateRequest)
+            assert isinstance(body, AllocateRequest)
+            grant = await allocator.allocate(body.maxConnections, body.region)
+            return _envelope(201, {"allocation": encode_grant(grant)})
+
+        return await guarded("allocate", request, run)
+
+    @router.post(
+        "/joincode",
+        response_model=JoinCodeResponse,
+        responses=_ERRORS,
+        openapi_extra=_body_schema(JoinCodeRequest),
+        summary="Get the join code of a host allocation (the same one each time)",
+    )
+    async def create_join_code(request: Request) -> JSONResponse:
+        async def run() -> JSONResponse:
+            body = await _parse(request, JoinCodeRequest)
+            assert isinstance(body, JoinCodeRequest)
+            code = await allocator.join_code(body.allocationId)
+            return _envelope(200, {"joinCode": code})
+
+        return await guarded("joincode", request, run)
+
+    @router.post(
+        "/join",
+        response_model=JoinResponse,
+        responses=_ERRORS,
+        openapi_extra=_body_schema(JoinRequest),
+        summary="Join a host's session with its join code",
+    )
+    async def join(request: Request) -> JSONResponse:
+        async def run() -> JSONResponse:
+            body = await _parse(request, JoinRequest)
+            assert isinstance(body, JoinRequest)
+            grant = await allocator.join(body.joinCode)
+            return _envelope(200, {"allocation": encode_grant(grant)})
+
+        return await guarded("join", request, run)
+
+    @router.get(
+        "/regions",
+        response_model=RegionsResponse,
+        responses=_ERRORS,
+        summary="Regions with at least one live relay node",
+    )
+    async def regions(request: Request) -> JSONResponse:
+        async def run() -> JSONResponse:
+            found = await allocator.regions()
+            body = {
+                "data": {"regions": [{"id": i, "description": d} for i, d in found]}
+            }
+            return JSONResponse(body)
+
+        return await guarded("regions", request, run)
+
+    return router
