@@ -148,3 +148,29 @@ async def test_unknown_code(make: Any) -> None:
     with pytest.raises(SignallingError) as info:
         await guest.join("ZZZZ-ZZZZ")
     assert info.value.code == "unknown_code"
+
+
+async def test_links_survive_the_server_going_away() -> None:
+    rt = await start(default_config(loopback_config(core__only="p2p")))
+    host, port = rt.http_address
+    url = f"ws://{host}:{port}/p2p/v1/ws"
+    a = P2PClient(url, bind=("127.0.0.1", 0))
+    b = P2PClient(url, bind=("127.0.0.1", 0))
+    try:
+        await a.start()
+        await b.start()
+        await b.join(await a.host())
+        await rt.close()
+        await asyncio.wait_for(a.signalling.closed.wait(), 5)
+        # The peers talk to each other, not through the server.
+        for _ in range(3):
+            b.send(a.peer_id, b"still here")
+            assert await asyncio.wait_for(a.recv(), 5) == (b.peer_id, b"still here")
+            a.send(b.peer_id, b"me too")
+            assert await asyncio.wait_for(b.recv(), 5) == (a.peer_id, b"me too")
+            await asyncio.sleep(1)
+        assert a.peer_id in b.links and b.peer_id in a.links
+    finally:
+        await a.close()
+        await b.close()
+        await rt.close()
