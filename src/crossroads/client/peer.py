@@ -212,6 +212,12 @@ class PeerSocket:
                 except TimeoutError:
                     self._observed.pop(key, None)
             results.append(found)
+            if found is None and index == 0:
+                # Nothing came back from the primary port: UDP to the server is
+                # blocked (or the server is down); the other ports would only
+                # add 2 x 600 ms of waiting before the ladder can fall back.
+                results.extend([None] * (len(servers) - 1))
+                break
         return results
 
     def close(self) -> None:
