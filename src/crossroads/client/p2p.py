@@ -29,8 +29,9 @@ import logging
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlparse
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -41,6 +42,7 @@ from crossroads.client.peer import (
     LadderResult,
     LadderRun,
     PeerSocket,
+    RelayPath,
     Transport,
     _UdpTransport,
 )
@@ -58,6 +60,9 @@ log = logging.getLogger("crossroads.client.p2p")
 #: How long one ``connect`` may take: prepare (up to the server's 10 s phase
 #: timeout) + the longest ladder (about 7 s with the birthday step) + relay.
 CONNECT_TIMEOUT = 30.0
+#: In the relay step TURN paths get this head start over the WebSocket relay:
+#: UDP through TURN has no head-of-line blocking, so it is the better relay.
+TURN_HEAD_START = 1.0
 #: A verified join against N members punches them one after the other.
 JOIN_TIMEOUT = 120.0
 #: Links to a peer that never became a member (a joiner the host rejected) are
@@ -140,6 +145,45 @@ class _RelayTransport(Transport):
         return ("relay", 0)
 
 
+class TurnRelay(Protocol):
+    """A TURN allocation as the SDK uses it (``crossroads.client.turn`` or any
+    RFC 8656 client wrapped to this shape)."""
+
+    #: Our relayed transport address on the TURN server.
+    relayed: Address
+
+    def set_receiver(self, receiver: Callable[[bytes, Address], None]) -> None:
+        """Deliver every datagram relayed to us: (data, peer address)."""
+        ...
+
+    async def permit(self, *hosts: str) -> None:
+        """Install permissions for these peer IPs (RFC 8656 §9)."""
+        ...
+
+    def send(self, data: bytes, peer: Address) -> None:
+        """Relay ``data`` to ``peer`` (fire and forget, like a UDP send)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+TurnFactory = Callable[[], Awaitable[TurnRelay]]
+
+
+class _TurnTransport(Transport):
+    """Sealed datagrams through our TURN allocation."""
+
+    def __init__(self, relay: TurnRelay) -> None:
+        self.relay = relay
+
+    def send(self, data: bytes, addr: Address) -> None:
+        self.relay.send(data, addr)
+
+    @property
+    def local(self) -> Address:
+        return self.relay.relayed
+
+
 @dataclass(eq=False)
 class PeerLink:
     """An established, encrypted path to one peer."""
@@ -214,6 +258,7 @@ class P2PClient:
         birthday_rate: float = ladder.BIRTHDAY_RATE,
         portmap: bool | Callable[[int], PortMapper] = False,
         tcp_factory: Callable[[], socket.socket] | None = None,
+        turn: TurnFactory | None = None,
     ) -> None:
         self.url = url
         self.name = name
@@ -229,6 +274,11 @@ class P2PClient:
         self._socket_factory = socket_factory
         #: Makes the signalling TCP socket (e.g. inside a lab namespace).
         self._tcp_factory = tcp_factory
+        #: Allocates a TURN relay for the relay step (tried before the
+        #: WebSocket relay); None: no TURN.
+        self._turn_factory = turn
+        self.turn: TurnRelay | None = None
+        self._turn_transport: _TurnTransport | None = None
         self.birthday_rate = birthday_rate
         #: Ask the gateway for a port mapping (PCP, NAT-PMP, UPnP) at start.
         self.portmap = portmap
@@ -290,6 +340,17 @@ class P2PClient:
             self._rendezvous.append((host, endpoint.port))
         self._server_ip = str(server_ip)
         await self._probe(0)
+        if self._turn_factory is not None and self.relay_mode != "never":
+            try:
+                self.turn = await self._turn_factory()
+            except Exception as exc:  # noqa: BLE001 - TURN is optional
+                log.warning("no TURN allocation: %r", exc)
+            else:
+                transport = _TurnTransport(self.turn)
+                self._turn_transport = transport
+                self.turn.set_receiver(
+                    lambda data, peer: self.socket.deliver(data, peer, transport)
+                )
         self._keepalive = asyncio.create_task(self._keepalive_loop())
 
     async def close(self) -> None:
@@ -306,6 +367,9 @@ class P2PClient:
         for task in list(self._tasks):
             task.cancel()
         await self.signalling.close()
+        if self.turn is not None:
+            with contextlib.suppress(Exception):
+                await self.turn.close()
         if self.portmapper is not None:
             await self.portmapper.close()
         self.socket.close()
@@ -513,6 +577,7 @@ class P2PClient:
         return sig.Candidates(
             local=tuple(local),
             mapped=self.mapped,
+            relay=sig.Endpoint(*self.turn.relayed) if self.turn else None,
             nat=self.mapping,
             flows=self.socket.flows(self._rendezvous),
         )
@@ -564,16 +629,15 @@ class P2PClient:
             extra = await self.socket.open_extra(
                 plan.sockets(start.role), self._socket_factory
             )
-        relay = None
-        if self.relay_mode != "never":
-            relay = (self._relay, (f"relay:{start.peer}", 0))
+        theirs = start.them
+        relays = await self._relay_paths(start.peer, theirs)
         run = LadderRun(
             self.socket,
             channel,
             plan,
             start.role,
             extra,
-            relay,
+            relays,
             udp=self.relay_mode != "force",
         )
         self.socket.route(keys.recv_id, run.receive)
@@ -610,6 +674,31 @@ class P2PClient:
             self._incoming(start.peer, result.first_data)
         self._emit(LinkUp(start.peer, step, result.seconds))
         self._resolve(ConnectResult(start.peer, True, step, result.seconds))
+
+    async def _relay_paths(self, peer: str, them: sig.PeerInfo) -> list[RelayPath]:
+        """The relay step's paths, best first: TURN (UDP, no head-of-line
+        blocking), then the WebSocket relay a second later."""
+        if self.relay_mode == "never":
+            return []
+        paths: list[RelayPath] = []
+        their_relay = them.candidates.relay
+        force = self.relay_mode == "force"
+        if self.turn is not None and self._turn_transport is not None:
+            hosts = {e.host for e in (their_relay, them.public) if e is not None}
+            if force and their_relay is not None:
+                hosts = {their_relay.host}
+            with contextlib.suppress(Exception):
+                await self.turn.permit(*sorted(hosts))
+            if their_relay is not None:
+                paths.append(RelayPath(self._turn_transport, their_relay.address()))
+            if them.public is not None and not force:
+                paths.append(RelayPath(self._turn_transport, them.public.address()))
+        if their_relay is not None and not force and self.socket.main is not None:
+            # Our UDP to their relayed address (their TURN server relays it).
+            paths.append(RelayPath(self.socket.main, their_relay.address()))
+        offset = TURN_HEAD_START if paths else 0.0
+        paths.append(RelayPath(self._relay, (f"relay:{peer}", 0), offset))
+        return paths
 
     def _resolve(self, result: ConnectResult) -> None:
         future = self._connecting.get(result.peer)

@@ -226,6 +226,16 @@ class PeerSocket:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayPath:
+    """One way through a relay: send on ``transport`` to ``addr``, starting
+    ``offset`` seconds into the relay step."""
+
+    transport: Transport
+    addr: Address
+    offset: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class LadderResult:
     """How a ladder ended: the step that won and the time from t_go, or failure."""
 
@@ -255,7 +265,7 @@ class LadderRun:
         plan: Plan,
         role: str,
         extra: list[_UdpTransport],
-        relay: tuple[Transport, Address] | None = None,
+        relays: list[RelayPath] | None = None,
         *,
         udp: bool = True,
     ) -> None:
@@ -264,8 +274,11 @@ class LadderRun:
         self.plan = plan
         self.role = role
         self.extra = extra
-        self.relay = relay
-        #: False in relay-only mode: paths over UDP are ignored.
+        #: Relay paths, each probed every 100 ms from its offset into the relay
+        #: step: TURN first, the WebSocket relay a moment later.
+        self.relays = relays or []
+        #: False in relay-only mode: only datagrams that came through a relay
+        #: transport count.
         self.udp = udp
         self.result: asyncio.Future[LadderResult] = (
             asyncio.get_running_loop().create_future()
@@ -281,7 +294,7 @@ class LadderRun:
         return self.extra[index - 1]
 
     def receive(self, data: bytes, addr: Address, via: Transport) -> None:
-        if not self.udp and via is not (self.relay[0] if self.relay else None):
+        if not self.udp and not any(via is path.transport for path in self.relays):
             return
         try:
             kind, body = self.channel.open(data)
@@ -319,12 +332,15 @@ class LadderRun:
             )
             self._handles.append(handle)
         end = t_go + self.plan.duration
-        if self.relay is not None:
+        if self.relays:
             # Relay step: both sides reach it at the same moment (the plan is
-            # shared), and probe through the relay every 100 ms.
-            for i in range(int(RELAY_DURATION / RELAY_INTERVAL)):
-                handle = loop.call_at(end + i * RELAY_INTERVAL, self._send_relay)
-                self._handles.append(handle)
+            # shared), and probe every path every 100 ms from its offset.
+            for path in self.relays:
+                at = end + path.offset
+                while at < end + RELAY_DURATION:
+                    handle = loop.call_at(at, self._send_relay, path)
+                    self._handles.append(handle)
+                    at += RELAY_INTERVAL
             end += RELAY_DURATION
         self._handles.append(loop.call_at(end + extra_delay, self._timeout))
 
@@ -337,10 +353,10 @@ class LadderRun:
         with contextlib.suppress(OSError):
             self._transport(index).send(self.channel.seal(Kind.PROBE, body), dest)
 
-    def _send_relay(self) -> None:
-        if self.result.done() or self.relay is None:
+    def _send_relay(self, path: RelayPath) -> None:
+        if self.result.done():
             return
-        transport, addr = self.relay
+        transport, addr = path.transport, path.addr
         self._seq = (self._seq + 1) & 0xFFFF
         stamp = int((time.monotonic() - self._start) * 1000) & 0xFFFFFFFF
         body = _PROBE.pack(STEP_NAMES.index("relay"), self._seq, stamp)
