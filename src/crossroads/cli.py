@@ -120,6 +120,10 @@ from crossroads.lab.cli import lab as _lab_group  # noqa: E402
 
 main.add_command(_lab_group)
 
+from crossroads.client.stun_cli import stun as _stun_group  # noqa: E402
+
+main.add_command(_stun_group)
+
 from crossroads.client.demo import host as _p2p_host  # noqa: E402
 from crossroads.client.demo import join as _p2p_join  # noqa: E402
 

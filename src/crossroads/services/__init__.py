@@ -14,6 +14,7 @@ from crossroads.config import register_section
 
 SERVICE_MODULES: dict[str, str] = {
     # name -> module. One line per service; keep names as in DESIGN.md.
+    "stun": "crossroads.services.stun",
     "relay": "crossroads.services.relay",
     "p2p": "crossroads.services.p2p",
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from typing import Protocol
+from typing import Protocol, cast
 
 from crossroads.types import Address, normalize_address
 
@@ -100,8 +100,9 @@ class CoreDatagramProtocol(asyncio.DatagramProtocol):
         self._timer_at: float | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        # uvloop's UDPTransport is not a subclass of asyncio.DatagramTransport,
+        # so no isinstance check here (it failed under `crossroads serve`).
+        self.transport = cast(asyncio.DatagramTransport, transport)
         self._rearm()
 
     def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:

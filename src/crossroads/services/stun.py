@@ -1,0 +1,931 @@
+"""The ``stun`` service: STUN Binding (RFC 8489) and NAT behaviour discovery
+(RFC 5780) over UDP and TCP, IPv4 and IPv6 — and the sockets TURN shares.
+
+Sockets
+-------
+Port ``--stun-port`` (3478) on ``--host``, UDP and TCP. With RFC 5780 on
+(``--stun-rfc5780``, the default) also ``--stun-alt-port`` (3479) on the same IP,
+and, when ``--stun-alt-host`` names a second IP, both ports on that IP too: four
+UDP and four TCP endpoints, as RFC 5780 §6 asks. When ``--host`` is the IPv4
+wildcard (``0.0.0.0``), the same ports are also bound on ``::`` (IPv6 only), so
+the server answers both families; a machine without IPv6 just skips that.
+
+UDP sockets are drained in batches with ``recvmmsg`` and answered with one
+``sendmmsg`` per batch (:class:`BatchUdpEndpoint`, Linux, ``--stun-batch-io``,
+on by default); elsewhere, or with ``--no-stun-batch-io``, each datagram is one
+asyncio callback (:class:`UdpEndpoint`). Either path looks at the first two
+bytes of a datagram only:
+
+- ``0x00 0x01`` (Binding request) and other Binding messages: the sans-I/O
+  :class:`~crossroads.proto.stun.server.BindingCore`, which never allocates a
+  message object for a Binding request;
+- any other STUN message (first bits ``00``): the attached TURN handler, or,
+  without one, a counted drop (``unsupported-method``): RFC 8489 §6.3 discards
+  messages of unsupported methods silently;
+- ChannelData (first byte 0x40-0x7F): the attached TURN handler, or a counted
+  drop;
+- anything else: counted drop (``not-stun``).
+
+Over TCP the stream is cut into STUN / ChannelData frames (RFC 8489 §6.2.2,
+RFC 8656 §12.5 — ChannelData is padded to 4 bytes over TCP) and each frame takes
+the same path. Connections are bounded in number, idle time and unsent bytes.
+
+Extension point for TURN
+------------------------
+TURN (RFC 8656) runs on these same sockets. Another service attaches itself
+with :meth:`StunService.attach_turn`; see :class:`StunExtension` for what it
+receives and :class:`Endpoint` for how it answers from the same socket.
+
+Metrics (in the runtime registry, counted in plain ints on the hot path and
+exported at scrape time): ``crossroads_stun_requests_total{transport}``,
+``crossroads_stun_responses_total{transport,class}``,
+``crossroads_stun_dropped_total{reason}`` (``rate-limited`` is the rate-limit
+counter), ``crossroads_stun_tcp_connections``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, cast
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+import crossroads
+from crossroads.config import setting
+from crossroads.errors import ConfigError, DecodeError
+from crossroads.proto.stun.message import stream_frame_length
+from crossroads.proto.stun.server import DROP_NOT_STUN, BindingCore
+from crossroads.services.base import ServiceContext
+from crossroads.transport import mmsg
+from crossroads.transport.mmsg import MSG_TRUNC, MmsgSocket
+from crossroads.transport.mmsg import NAME as NAME_SLOT
+from crossroads.transport.udp import SOCKET_BUFFER_BYTES
+from crossroads.types import Address
+
+NAME = "stun"
+log = logging.getLogger("crossroads.stun")
+
+#: How often idle TCP connections are looked for (seconds).
+TCP_SWEEP_INTERVAL = 30.0
+#: A TCP client that does not read its responses is cut off once this many bytes
+#: wait in our write buffer. With at most one partial frame (< 64 KiB, the STUN
+#: length field's limit) in the read buffer, a connection holds < 128 KiB.
+TCP_MAX_UNSENT = 64 * 1024
+#: Batches of 64 datagrams read per readiness callback before yielding to the
+#: event loop (fairness with TCP, HTTP and timers).
+DRAIN_BATCHES = 8
+#: Bound on the raw sockaddr -> (host, port) cache of a batched endpoint; it is
+#: cleared when full (~150 bytes an entry, so ~10 MB at most).
+ADDRESS_CACHE_SIZE = 65_536
+#: 64-bit words per receive-side address slot (transport.mmsg.NAME bytes).
+NAME_U64 = NAME_SLOT // 8
+
+
+def mm_names_u64(mm: MmsgSocket) -> memoryview[int]:
+    """The receive-side address slots of ``mm`` as native 64-bit words."""
+    return mm._rnames_view.cast("Q")
+
+
+#: Retries when binding "any free port" (port 0) must find the same free port on
+#: several addresses / both protocols.
+BIND_ATTEMPTS = 30
+
+
+def _check_non_negative(value: int) -> None:
+    if value < 0:
+        raise ValueError("must be >= 0")
+
+
+def _check_positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError("must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """``[stun]`` settings."""
+
+    port: int = setting(3478, kind="port", help="STUN/TURN port, UDP and TCP.")
+    alt_port: int = setting(
+        3479,
+        kind="port",
+        help="RFC 5780 alternate port (CHANGE-REQUEST change-port, OTHER-ADDRESS).",
+    )
+    alt_host: str = setting(
+        "",
+        kind="host",
+        help="Second IP of this host for RFC 5780 (change-IP, OTHER-ADDRESS); "
+        "empty = none: OTHER-ADDRESS is then never sent.",
+    )
+    rfc5780: bool = setting(
+        True,
+        kind="bool",
+        help="RFC 5780 behaviour discovery: alternate port, RESPONSE-ORIGIN, "
+        "CHANGE-REQUEST, RESPONSE-PORT, PADDING.",
+    )
+    software: str = setting(
+        f"crossroads {crossroads.__version__}",
+        help="SOFTWARE attribute in responses; empty to leave it out.",
+    )
+    tcp: bool = setting(True, kind="bool", help="Also serve STUN over TCP.")
+    batch_io: bool = setting(
+        True,
+        kind="bool",
+        help="Read and answer UDP in batches with recvmmsg/sendmmsg (Linux); "
+        "off, or where unavailable: one asyncio callback per datagram.",
+    )
+    rate_limit: int = setting(
+        100,
+        kind="int",
+        check=_check_non_negative,
+        help="Binding requests answered per second per source IP; 0 = unlimited.",
+    )
+    rate_limit_sources: int = setting(
+        100_000,
+        kind="int",
+        check=_check_positive,
+        help="Source IPs tracked by the rate limiter per second (memory bound).",
+    )
+    tcp_max_connections: int = setting(
+        10_000,
+        kind="int",
+        check=_check_positive,
+        help="Concurrent TCP connections; more are closed at once.",
+    )
+    tcp_idle_timeout: float = setting(
+        900.0,
+        kind="float",
+        check=_check_positive,
+        help="Seconds before an idle TCP connection is closed.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.rfc5780 and self.port and self.port == self.alt_port:
+            raise ValueError("alt_port: must differ from port")
+
+
+# ------------------------------------------------------------------ extension
+
+
+class Endpoint(Protocol):
+    """A place STUN traffic arrived on: one UDP socket or one TCP connection.
+
+    ``transport`` is ``"udp"`` or ``"tcp"``; ``local`` the bound address;
+    ``send(data, addr)`` sends from that same socket (for TCP, ``addr`` is
+    ignored: data goes down the connection, which must already be framed — STUN
+    messages as they are, ChannelData padded to 4 bytes).
+    """
+
+    @property
+    def transport(self) -> Literal["udp", "tcp"]: ...
+
+    @property
+    def local(self) -> Address: ...
+
+    def send(self, data: bytes, addr: Address) -> None: ...
+
+
+class StunExtension(Protocol):
+    """What a service (TURN) implements to share the STUN sockets.
+
+    All three are called synchronously from the transport's receive callback:
+    keep them quick (no awaits; schedule tasks for slow work) and never raise.
+    With batched UDP (the default on Linux) they run inside the socket's drain
+    loop, once per datagram; ``endpoint.send`` is then a non-blocking
+    ``sendto`` that drops (and counts ``send-failed``) if the socket buffer is
+    full. ``data`` is a private copy: keep it if you like. On a wildcard-bound
+    socket the STUN Binding replies leave from the client's destination address
+    (IP_PKTINFO), but ``endpoint.send`` leaves from the kernel's routed choice:
+    on a multi-homed host, run with a specific ``--host``.
+    ``client`` is ``(host, port)`` as the socket reports it (on a dual-stack
+    ``::`` socket an IPv4 client appears as ``::ffff:a.b.c.d``); answer with
+    ``endpoint.send(data, client)``.
+    """
+
+    def handle_stun(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
+        """A STUN message whose method is not Binding (first bits 00), whole and
+        unparsed: the handler decodes it."""
+
+    def handle_channel_data(
+        self, data: bytes, client: Address, endpoint: Endpoint
+    ) -> None:
+        """A ChannelData message (first byte 0x40-0x7F), unparsed; over TCP the
+        frame includes its padding."""
+
+    def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
+        """A TCP connection closed (RFC 8656 §3.1: allocations made over it end)."""
+
+
+# ------------------------------------------------------------------ stats
+
+
+class _Stats:
+    """Plain counters; the hot path increments ints, the collector exports."""
+
+    def __init__(self) -> None:
+        self.drops: dict[str, int] = {}
+        self.tcp_requests = 0
+        self.tcp_success = 0
+        self.tcp_error = 0
+        self.tcp_connections = 0
+
+    def drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
+
+class _Collector(Collector):
+    def __init__(self, service: StunService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        service = self.service
+        stats = service.stats
+        udp = service.udp_endpoints
+        requests = CounterMetricFamily(
+            "crossroads_stun_requests",
+            "STUN Binding messages handled by the STUN server.",
+            labels=["transport"],
+        )
+        requests.add_metric(["udp"], sum(e.requests for e in udp))
+        requests.add_metric(["tcp"], stats.tcp_requests)
+        yield requests
+        responses = CounterMetricFamily(
+            "crossroads_stun_responses",
+            "STUN responses sent by the STUN server.",
+            labels=["transport", "class"],
+        )
+        responses.add_metric(["udp", "success"], sum(e.success for e in udp))
+        responses.add_metric(["udp", "error"], sum(e.errors for e in udp))
+        responses.add_metric(["tcp", "success"], stats.tcp_success)
+        responses.add_metric(["tcp", "error"], stats.tcp_error)
+        yield responses
+        dropped = CounterMetricFamily(
+            "crossroads_stun_dropped",
+            "Input dropped by the STUN service, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(stats.drops.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        gauge = GaugeMetricFamily(
+            "crossroads_stun_tcp_connections", "Open STUN/TURN TCP connections."
+        )
+        gauge.add_metric([], stats.tcp_connections)
+        yield gauge
+
+
+# ------------------------------------------------------------------ UDP
+
+
+class UdpEndpoint(asyncio.DatagramProtocol):
+    """One UDP socket of the STUN service (an :class:`Endpoint`)."""
+
+    def __init__(
+        self, service: StunService, group: _Group, index: int, local: Address
+    ) -> None:
+        self.service = service
+        self.group = group
+        self.core = group.core
+        self.index = index
+        self.local = local
+        self.transport: Literal["udp"] = "udp"
+        self.udp: asyncio.DatagramTransport | None = None
+        self.requests = 0
+        self.success = 0
+        self.errors = 0
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's UDPTransport is not a subclass of asyncio.DatagramTransport.
+        self.udp = cast(asyncio.DatagramTransport, transport)
+
+    def send(self, data: bytes, addr: Address) -> None:
+        """Send from this socket (part of the :class:`Endpoint` interface)."""
+        if self.udp is not None:
+            self.udp.sendto(data, addr)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        # Hot path: dispatch on the first two bytes, nothing parsed before.
+        try:
+            first = data[0]
+            if first < 0x40:
+                # Binding method (any class): 0x0001/0x0011/0x0101/0x0111.
+                if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                    self.requests += 1
+                    reply = self.core.handle(data, addr, self.index, self._loop.time())
+                    if type(reply) is tuple:
+                        response, dest, send_from = reply
+                        if send_from == self.index and self.udp is not None:
+                            self.udp.sendto(response, dest)
+                        else:
+                            self.group.udp[send_from].send(response, dest)
+                        if response[1] == 0x01:
+                            self.success += 1
+                        else:
+                            self.errors += 1
+                    else:
+                        self.service.stats.drop(reply)  # type: ignore[arg-type]
+                    return
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_stun(data, _client(addr), self)
+                    return
+                self._unsupported(data, addr)
+            elif first < 0x80:
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_channel_data(data, _client(addr), self)
+                else:
+                    self.service.stats.drop("channel-data-no-turn")
+            else:
+                self.service.stats.drop(DROP_NOT_STUN)
+        except IndexError:
+            self.service.stats.drop("empty")
+        except Exception:  # never let one datagram kill the endpoint
+            log.exception("STUN datagram handler failed")
+            self.service.stats.drop("internal-error")
+
+    def _unsupported(self, data: bytes, addr: Any) -> None:
+        self.service.stats.drop(self.core.unsupported(data))
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors for earlier sends (port unreachable...): nothing to do.
+        pass
+
+
+class BatchUdpEndpoint:
+    """One UDP socket drained with recvmmsg/sendmmsg (an :class:`Endpoint`).
+
+    Same dispatch as :class:`UdpEndpoint`, but the event loop only reports that
+    the socket is readable; each wakeup reads up to :data:`DRAIN_BATCHES` batches
+    of 64 datagrams with one system call each, and the Binding replies of a
+    batch leave with one ``sendmmsg``. Replies that must leave from another
+    socket (CHANGE-REQUEST) or go to another port (RESPONSE-PORT), and whatever
+    TURN sends, use a plain non-blocking ``sendto``.
+    """
+
+    def __init__(
+        self,
+        service: StunService,
+        group: _Group,
+        index: int,
+        local: Address,
+        sock: socket.socket,
+    ) -> None:
+        self.service = service
+        self.group = group
+        self.core = group.core
+        self.index = index
+        self.local = local
+        self.transport: Literal["udp"] = "udp"
+        self.sock = sock
+        # On a wildcard bind, reply from the address the client sent to.
+        self.mm = MmsgSocket(sock, pktinfo=_is_wildcard(local[0]))
+        self.requests = 0
+        self.success = 0
+        self.errors = 0
+        #: Raw sockaddr (family+port+IPv4 as one u64, or IPv6 port..address
+        #: bytes) -> (host, port), so a known client costs one dict lookup.
+        self._addresses: dict[int | bytes, tuple[str, int]] = {}
+        self._names_u64 = mm_names_u64(self.mm)
+        self._name_ptrs = [
+            self.mm._rnames_addr + i * NAME_SLOT for i in range(self.mm.batch)
+        ]
+        self._family = sock.family
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._readable)
+        self._closed = False
+
+    def send(self, data: bytes, addr: Address) -> None:
+        """Send from this socket now (part of the :class:`Endpoint` interface)."""
+        try:
+            self.sock.sendto(data, addr)
+        except OSError:
+            # Full socket buffer (EAGAIN) or an ICMP error from an earlier send.
+            self.service.stats.drop("send-failed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._loop.remove_reader(self.sock.fileno())
+            self.sock.close()
+
+    def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
+        """Decode slot ``i``'s sender address and cache it under ``key``."""
+        base = i * NAME_SLOT
+        view = self.mm._rnames_view
+        if self.mm.ipv6:
+            raw = view[base + 8 : base + 24].tobytes()
+        else:
+            raw = view[base + 4 : base + 8].tobytes()
+        address = (
+            socket.inet_ntop(self._family, raw),
+            (view[base + 2] << 8) | view[base + 3],
+        )
+        addresses = self._addresses
+        if len(addresses) >= ADDRESS_CACHE_SIZE:
+            addresses.clear()
+        addresses[key] = address
+        return address
+
+    def _readable(self) -> None:
+        # Hot loop. The MmsgSocket accessors are inlined here (memoryview reads
+        # and writes on its arrays) because a method call per field per
+        # datagram costs as much as the STUN work itself.
+        mm = self.mm
+        core = self.core
+        index = self.index
+        addresses = self._addresses
+        stats = self.service.stats
+        ipv6 = mm.ipv6
+        words = mm._rwords
+        stride = mm._stride4
+        len_at = mm._len_at
+        flags_at = mm._flags_at
+        rview = mm._rview
+        slot = mm.slot
+        names = mm._rnames_view
+        names_u64 = self._names_u64
+        name_ptrs = self._name_ptrs
+        sview = mm._sview
+        siov = mm._siov_words
+        smsgs = mm._smsgs_u64
+        stride8 = mm._stride8
+        batch = mm.batch
+        pktinfo = mm.pktinfo
+        udp = self.group.udp
+        now = self._loop.time()
+        requests = success = errors = 0
+        for _ in range(DRAIN_BATCHES):
+            try:
+                count = mm.recv()
+            except OSError as exc:
+                log.warning("STUN recvmmsg failed: %s", exc)
+                stats.drop("recv-failed")
+                break
+            for i in range(count):
+                try:
+                    w = i * stride
+                    if words[w + flags_at] & MSG_TRUNC:
+                        stats.drop("too-big")
+                        continue
+                    start = i * slot
+                    data = rview[start : start + words[w + len_at]].tobytes()
+                    # sockaddr_in: family, port and address in its first 8 bytes.
+                    key: int | bytes = (
+                        names[i * NAME_SLOT + 2 : i * NAME_SLOT + 24].tobytes()
+                        if ipv6
+                        else names_u64[i * NAME_U64]
+                    )
+                    addr = addresses.get(key)
+                    if addr is None:
+                        addr = self._address(i, key)
+                    first = data[0]
+                    if first < 0x40:
+                        if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                            requests += 1
+                            reply = core.handle(data, addr, index, now)
+                            if type(reply) is tuple:
+                                response, dest, send_from = reply
+                                size = len(response)
+                                j = mm.pending
+                                if (
+                                    dest is addr
+                                    and send_from == index
+                                    and j < batch
+                                    and size <= slot
+                                ):
+                                    out = j * slot
+                                    sview[out : out + size] = response
+                                    siov[j * 2 + 1] = size
+                                    smsgs[j * stride8] = name_ptrs[i]
+                                    if pktinfo:
+                                        mm.reply_from_destination(i, j)
+                                    mm.pending = j + 1
+                                else:
+                                    udp[send_from].send(response, dest)
+                                if response[1] == 0x01:
+                                    success += 1
+                                else:
+                                    errors += 1
+                            else:
+                                stats.drop(reply)  # type: ignore[arg-type]
+                            continue
+                        turn = self.service.turn
+                        if turn is not None:
+                            turn.handle_stun(data, addr, self)
+                            continue
+                        stats.drop(core.unsupported(data))
+                    elif first < 0x80:
+                        turn = self.service.turn
+                        if turn is not None:
+                            turn.handle_channel_data(data, addr, self)
+                        else:
+                            stats.drop("channel-data-no-turn")
+                    else:
+                        stats.drop(DROP_NOT_STUN)
+                except IndexError:
+                    stats.drop("empty")
+                except Exception:  # never let one datagram kill the endpoint
+                    log.exception("STUN datagram handler failed")
+                    stats.drop("internal-error")
+            if mm.pending:
+                failed = mm.flush()
+                if failed:
+                    stats.drops["send-failed"] = (
+                        stats.drops.get("send-failed", 0) + failed
+                    )
+            if count < batch:
+                break
+        self.requests += requests
+        self.success += success
+        self.errors += errors
+
+
+def _client(addr: Any) -> Address:
+    return addr if len(addr) == 2 else (addr[0], addr[1])
+
+
+# ------------------------------------------------------------------ TCP
+
+
+class TcpConnection(asyncio.Protocol):
+    """One accepted TCP connection (an :class:`Endpoint`)."""
+
+    def __init__(self, service: StunService, group: _Group, index: int) -> None:
+        self.service = service
+        self.core = group.core
+        self.index = index
+        self.transport: Literal["tcp"] = "tcp"
+        self.local: Address = ("", 0)
+        self.peer: Address = ("", 0)
+        self.stream: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.last_activity = 0.0
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.stream = cast(asyncio.Transport, transport)
+        service = self.service
+        if len(service.connections) >= service.config.tcp_max_connections:
+            service.stats.drop("tcp-connection-limit")
+            self.stream.abort()
+            self.stream = None
+            return
+        peer = transport.get_extra_info("peername")
+        sockname = transport.get_extra_info("sockname")
+        self.peer = _client(peer)
+        self.local = _client(sockname)
+        self.last_activity = self._loop.time()
+        service.connections.add(self)
+        service.stats.tcp_connections = len(service.connections)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        service = self.service
+        if self in service.connections:
+            service.connections.discard(self)
+            service.stats.tcp_connections = len(service.connections)
+            if service.turn is not None:
+                try:
+                    service.turn.connection_lost(self.peer, self)
+                except Exception:
+                    log.exception("TURN connection_lost handler failed")
+        self.stream = None
+
+    def send(self, data: bytes, addr: Address | None = None) -> None:
+        """Write to the connection (part of the :class:`Endpoint` interface)."""
+        stream = self.stream
+        if stream is None or stream.is_closing():
+            return
+        stream.write(data)
+        if stream.get_write_buffer_size() > TCP_MAX_UNSENT:
+            self.service.stats.drop("tcp-slow-reader")
+            stream.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.stream is None:
+            return
+        self.last_activity = self._loop.time()
+        buffer = self.buffer
+        buffer += data
+        while True:
+            try:
+                size = stream_frame_length(buffer)
+            except DecodeError:
+                self.service.stats.drop("tcp-not-stun")
+                self.stream.abort()
+                return
+            if size is None or size > len(buffer):
+                return
+            frame = bytes(buffer[:size])
+            del buffer[:size]
+            self._frame(frame)
+            if self.stream is None:
+                return
+
+    def _frame(self, frame: bytes) -> None:
+        stats = self.service.stats
+        try:
+            first = frame[0]
+            if first < 0x40:
+                if (first & 0x3E) == 0 and (frame[1] & 0xEF) == 0x01:
+                    stats.tcp_requests += 1
+                    reply = self.core.handle(
+                        frame, self.peer, self.index, self._loop.time(), tcp=True
+                    )
+                    if isinstance(reply, str):
+                        stats.drop(reply)
+                        return
+                    self.send(reply[0])
+                    if reply[0][1] == 0x01:
+                        stats.tcp_success += 1
+                    else:
+                        stats.tcp_error += 1
+                    return
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_stun(frame, self.peer, self)
+                    return
+                stats.drop(self.core.unsupported(frame))
+            else:
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_channel_data(frame, self.peer, self)
+                else:
+                    stats.drop("channel-data-no-turn")
+        except Exception:
+            log.exception("STUN TCP frame handler failed")
+            stats.drop("internal-error")
+
+
+# ------------------------------------------------------------------ service
+
+
+@dataclass
+class _Group:
+    """The sockets of one address family: 1, 2 or 4 endpoints (see server.py)."""
+
+    core: BindingCore
+    udp: list[UdpEndpoint | BatchUdpEndpoint]
+    tcp_servers: list[asyncio.Server]
+
+
+def _is_wildcard(host: str) -> bool:
+    return ipaddress.ip_address(host).is_unspecified
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return (
+        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    )
+
+
+def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket.socket:
+    sock = socket.socket(_family(host), kind)
+    try:
+        if kind == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        else:
+            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
+        sock.bind((host, port))
+        if kind == socket.SOCK_STREAM:
+            sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _bind_set(
+    hosts: list[str], ports: list[int], tcp: bool, v6only: bool
+) -> list[tuple[socket.socket, socket.socket | None]]:
+    """Bind UDP (+TCP) on every host x port with the *same* port numbers on each
+    host; port 0 picks a free one, retried until one is free everywhere."""
+    flexible = 0 in ports
+    for attempt in range(BIND_ATTEMPTS if flexible else 1):
+        socks: list[tuple[socket.socket, socket.socket | None]] = []
+        chosen = list(ports)
+        try:
+            for host in hosts:
+                for i, port in enumerate(chosen):
+                    udp = _bind(host, port, socket.SOCK_DGRAM, v6only)
+                    socks.append((udp, None))
+                    if port == 0:
+                        chosen[i] = udp.getsockname()[1]
+                    if tcp:
+                        stream = _bind(host, chosen[i], socket.SOCK_STREAM, v6only)
+                        socks[-1] = (udp, stream)
+            # Order endpoints ip-major: (A1,P1), (A1,P2), (A2,P1), (A2,P2).
+            return socks
+        except OSError as exc:
+            for udp_sock, tcp_sock in socks:
+                udp_sock.close()
+                if tcp_sock is not None:
+                    tcp_sock.close()
+            if (
+                not flexible
+                or exc.errno != errno.EADDRINUSE
+                or attempt == BIND_ATTEMPTS - 1
+            ):
+                raise
+    raise AssertionError("unreachable")
+
+
+class StunService:
+    """The running STUN service. Other services find it in
+    ``ctx.running["stun"]`` or ``ctx.shared["stun"]``."""
+
+    name = NAME
+
+    def __init__(self, ctx: ServiceContext, config: Config) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.stats = _Stats()
+        self.groups: list[_Group] = []
+        self.udp_endpoints: list[UdpEndpoint | BatchUdpEndpoint] = []
+        self.connections: set[TcpConnection] = set()
+        #: The attached TURN handler, if any (see :meth:`attach_turn`).
+        self.turn: StunExtension | None = None
+        self._descriptions: list[str] = []
+        self._collector = _Collector(self)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def attach_turn(self, handler: StunExtension) -> None:
+        """Route non-Binding STUN messages and ChannelData, on every UDP socket
+        and TCP connection of this service, to ``handler``.
+
+        Binding stays with the STUN server. ``handler`` answers through the
+        :class:`Endpoint` it is given, from the same socket the client used.
+        Call it once, from the TURN service's ``serve()``; ``detach_turn``
+        undoes it.
+        """
+        self.turn = handler
+
+    def detach_turn(self) -> None:
+        """Forget the TURN handler (non-Binding messages are dropped again)."""
+        self.turn = None
+
+    @property
+    def primary(self) -> Address:
+        """The bound (host, port) of the primary UDP socket."""
+        return self.udp_endpoints[0].local
+
+    def describe(self) -> list[str]:
+        return list(self._descriptions)
+
+    async def start(self) -> None:
+        cfg = self.config
+        host = self.ctx.host
+        public = self.ctx.config.core.public_host
+        ports = [cfg.port, cfg.alt_port] if cfg.rfc5780 else [cfg.port]
+        hosts = [host]
+        if cfg.alt_host:
+            if not cfg.rfc5780:
+                raise ConfigError("stun.alt_host: needs RFC 5780 (--stun-rfc5780)")
+            if _is_wildcard(host):
+                raise ConfigError(
+                    "stun.alt_host: RFC 5780 with a second IP needs --host set to "
+                    "this host's first IP, not a wildcard"
+                )
+            if _family(host) != _family(cfg.alt_host) or cfg.alt_host == host:
+                raise ConfigError(
+                    "stun.alt_host: must be another address of --host's family"
+                )
+            hosts.append(cfg.alt_host)
+        sets = [(hosts, False)]
+        if host == "0.0.0.0":
+            sets.append((["::"], True))
+        for index, (group_hosts, v6only) in enumerate(sets):
+            try:
+                socks = _bind_set(group_hosts, ports, cfg.tcp, v6only)
+            except OSError as exc:
+                if index == 0:
+                    raise
+                # IPv6 companion of a 0.0.0.0 bind: optional.
+                log.warning("STUN: no IPv6 listener on [::]: %s", exc)
+                continue
+            ports = [s[0].getsockname()[1] for s in socks[: len(ports)]]
+            await self._start_group(socks, public)
+        self.ctx.metrics.register(self._collector)
+        if cfg.tcp:
+            self._sweeper = asyncio.create_task(self._sweep_idle())
+
+    async def _start_group(
+        self, socks: list[tuple[socket.socket, socket.socket | None]], public: str
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        locals_: list[Address] = [
+            (udp.getsockname()[0], udp.getsockname()[1]) for udp, _ in socks
+        ]
+        advertised: list[Address | None] = []
+        for i, (h, p) in enumerate(locals_):
+            if i < 2 and public and _family(public) == _family(h):
+                advertised.append((public, p))
+            elif _is_wildcard(h):
+                advertised.append(None)
+            else:
+                advertised.append((h, p))
+        core = BindingCore(
+            advertised,
+            software=self.config.software,
+            rate_limit=self.config.rate_limit,
+            max_sources=self.config.rate_limit_sources,
+        )
+        group = _Group(core=core, udp=[], tcp_servers=[])
+        self.groups.append(group)
+        labels = ["", " (alt port)", " (alt host)", " (alt host, alt port)"]
+        for index, (udp_sock, tcp_sock) in enumerate(socks):
+            local = locals_[index]
+            endpoint: UdpEndpoint | BatchUdpEndpoint
+            if self.config.batch_io and mmsg.available():
+                endpoint = BatchUdpEndpoint(self, group, index, local, udp_sock)
+            else:
+                _, protocol = await loop.create_datagram_endpoint(
+                    lambda i=index, a=local: UdpEndpoint(self, group, i, a),  # type: ignore[misc]
+                    sock=udp_sock,
+                )
+                assert isinstance(protocol, UdpEndpoint)
+                endpoint = protocol
+                if _is_wildcard(local[0]):
+                    log.warning(
+                        "STUN on %s without batched I/O: replies leave from the "
+                        "address the kernel routes by, which on a multi-homed host "
+                        "may not be the one the client used; set --host",
+                        _join(*local),
+                    )
+            group.udp.append(endpoint)
+            self.udp_endpoints.append(endpoint)
+            self._descriptions.append(f"udp {_join(*local)}{labels[index]}")
+            if tcp_sock is not None:
+                server = await loop.create_server(
+                    lambda i=index: TcpConnection(self, group, i),  # type: ignore[misc]
+                    sock=tcp_sock,
+                )
+                group.tcp_servers.append(server)
+                self._descriptions.append(f"tcp {_join(*local)}{labels[index]}")
+
+    async def _sweep_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TCP_SWEEP_INTERVAL)
+            deadline = loop.time() - self.config.tcp_idle_timeout
+            for conn in list(self.connections):
+                if conn.last_activity < deadline and conn.stream is not None:
+                    self.stats.drop("tcp-idle-timeout")
+                    conn.stream.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        for group in self.groups:
+            for server in group.tcp_servers:
+                server.close()
+        for conn in list(self.connections):
+            if conn.stream is not None:
+                conn.stream.abort()
+        for group in self.groups:
+            for endpoint in group.udp:
+                if isinstance(endpoint, BatchUdpEndpoint):
+                    endpoint.close()
+                elif endpoint.udp is not None:
+                    endpoint.udp.close()
+            for server in group.tcp_servers:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(server.wait_closed(), 2)
+        with contextlib.suppress(KeyError):
+            self.ctx.metrics.unregister(self._collector)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def serve(ctx: ServiceContext) -> StunService:
+    """Bind the STUN sockets and start answering."""
+    service = StunService(ctx, ctx.section(NAME, Config))
+    try:
+        await service.start()
+    except BaseException:
+        await service.close()
+        raise
+    ctx.shared[NAME] = service
+    return service
