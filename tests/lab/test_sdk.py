@@ -124,3 +124,55 @@ def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:
 
 def test_p2p_client_class_is_the_sdk() -> None:
     assert P2PClient.__module__ == "crossroads.client.p2p"
+
+
+NAT_SCRIPT = """
+import asyncio, sys
+from crossroads.client.nat import detect_nat
+
+async def main():
+    report = await detect_nat((sys.argv[1], int(sys.argv[2])))
+    print(report.name + "|" + report.friendly)
+
+asyncio.run(main())
+"""
+
+#: RakNet's NATTypeDetectionResult for each lab kind (reference §2.2): a
+#: carrier-grade NAT in front of a home NAT behaves as its outer EIM + APDF NAT.
+RAKNET_NAMES = {
+    "open": "None|Open",
+    "full-cone": "Full cone|Relaxed",
+    "restricted-cone": "Address restricted|Relaxed",
+    "port-restricted-cone": "Port restricted|Moderate",
+    "symmetric-sequential": "Symmetric|Strict",
+    "symmetric-random": "Symmetric|Strict",
+    "cgnat": "Port restricted|Moderate",
+    "udp-blocked": "Unknown|Unknown",
+}
+
+
+def test_nat_types_in_raknet_terms(lab: Lab) -> None:
+    import sys
+
+    from crossroads.lab import netns
+    from crossroads.lab.topology import SERVER_IPS
+    from crossroads.services import SERVICE_MODULES
+
+    if "stun" not in SERVICE_MODULES:
+        pytest.skip("the STUN service is not in this tree")
+
+    async def run_all() -> list[str]:
+        argv = [sys.executable, "-c", NAT_SCRIPT, SERVER_IPS[0], "3478"]
+        return await asyncio.gather(
+            *(
+                netns.run_in(lab.host_ns(lab.site(k)), argv, timeout=90)
+                for k in RAKNET_NAMES
+            )
+        )
+
+    outputs = asyncio.run(run_all())
+    got = {
+        kind: out.strip().splitlines()[-1]
+        for kind, out in zip(RAKNET_NAMES, outputs, strict=True)
+    }
+    assert got == RAKNET_NAMES

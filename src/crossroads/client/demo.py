@@ -85,8 +85,34 @@ async def _chat(client: P2PClient) -> None:
                 await task
 
 
-async def _host(server: str, relay: str, portmap: bool, max_members: int) -> None:
-    async with P2PClient(server, relay=relay, portmap=portmap) as client:
+def _address(text: str | None) -> tuple[str, int] | None:
+    if not text:
+        return None
+    host, _, port = text.rpartition(":")
+    try:
+        return (host.strip("[]"), int(port))
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not HOST:PORT") from None
+
+
+def _show_nat(client: P2PClient) -> None:
+    if client.nat is not None:
+        n = client.nat
+        _out(
+            f"* NAT type: {n.name} ({n.friendly}); mapping {n.mapping or '?'}, "
+            f"filtering {n.filtering or '?'}"
+        )
+
+
+async def _host(
+    server: str,
+    relay: str,
+    portmap: bool,
+    max_members: int,
+    stun: tuple[str, int] | None,
+) -> None:
+    async with P2PClient(server, relay=relay, portmap=portmap, stun=stun) as client:
+        _show_nat(client)
         code = await client.host(max_members)
         _out(f"invite code: {code}")
         _out(
@@ -95,8 +121,11 @@ async def _host(server: str, relay: str, portmap: bool, max_members: int) -> Non
         await _chat(client)
 
 
-async def _join(server: str, code: str, relay: str, portmap: bool) -> None:
-    async with P2PClient(server, relay=relay, portmap=portmap) as client:
+async def _join(
+    server: str, code: str, relay: str, portmap: bool, stun: tuple[str, int] | None
+) -> None:
+    async with P2PClient(server, relay=relay, portmap=portmap, stun=stun) as client:
+        _show_nat(client)
         await client.join(code)
         for peer, link in client.links.items():
             _out(
@@ -124,6 +153,12 @@ def _options(command: Any) -> Any:
         help="Relay control: try direct steps first, relay only, or never relay.",
     )(command)
     command = click.option(
+        "--stun",
+        default=None,
+        metavar="HOST:PORT",
+        help="Detect the NAT type (RFC 5780) against this STUN server first.",
+    )(command)
+    command = click.option(
         "--portmap/--no-portmap",
         default=False,
         help="Ask the home gateway for a port mapping (PCP, NAT-PMP, UPnP-IGD).",
@@ -134,22 +169,24 @@ def _options(command: Any) -> Any:
 @click.command("host")
 @_options
 @click.option("--max-members", default=sig.MAX_MEMBERS, show_default=True, type=int)
-def host(server: str, relay: str, portmap: bool, max_members: int) -> None:
+def host(
+    server: str, relay: str, stun: str | None, portmap: bool, max_members: int
+) -> None:
     """Create a p2p session, print its invite code, chat with whoever joins."""
     from crossroads.cli import run_async
 
-    run_async(_host(server, relay, portmap, max_members))
+    run_async(_host(server, relay, portmap, max_members, _address(stun)))
 
 
 @click.command("join")
 @click.argument("code")
 @_options
-def join(code: str, server: str, relay: str, portmap: bool) -> None:
+def join(code: str, server: str, relay: str, stun: str | None, portmap: bool) -> None:
     """Join the p2p session behind CODE and chat with its members."""
     from crossroads.cli import run_async
 
     try:
-        run_async(_join(server, code, relay, portmap))
+        run_async(_join(server, code, relay, portmap, _address(stun)))
     except Exception as exc:  # noqa: BLE001 - one line for the user, exit 1
         click.echo(f"crossroads join: {exc}", err=True)
         sys.exit(1)

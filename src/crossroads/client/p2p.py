@@ -36,6 +36,7 @@ from urllib.parse import urlparse
 
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
+from crossroads.client.nat import NatReport, detect_nat
 from crossroads.client.peer import (
     KEEPALIVE_INTERVAL,
     LINK_TIMEOUT,
@@ -259,6 +260,7 @@ class P2PClient:
         portmap: bool | Callable[[int], PortMapper] = False,
         tcp_factory: Callable[[], socket.socket] | None = None,
         turn: TurnFactory | None = None,
+        stun: Address | None = None,
     ) -> None:
         self.url = url
         self.name = name
@@ -278,6 +280,10 @@ class P2PClient:
         #: WebSocket relay); None: no TURN.
         self._turn_factory = turn
         self.turn: TurnRelay | None = None
+        #: An RFC 5780 STUN server (two addresses) for NAT type detection.
+        self._stun = stun
+        #: The detected NAT type (RFC 5780 + RakNet's names), if ``stun`` given.
+        self.nat: NatReport | None = None
         self._turn_transport: _TurnTransport | None = None
         self.birthday_rate = birthday_rate
         #: Ask the gateway for a port mapping (PCP, NAT-PMP, UPnP) at start.
@@ -340,6 +346,11 @@ class P2PClient:
             self._rendezvous.append((host, endpoint.port))
         self._server_ip = str(server_ip)
         await self._probe(0)
+        if self._stun is not None:
+            try:
+                self.nat = await detect_nat(self._stun)
+            except Exception as exc:  # noqa: BLE001 - detection is informational
+                log.warning("NAT type detection failed: %r", exc)
         if self._turn_factory is not None and self.relay_mode != "never":
             try:
                 self.turn = await self._turn_factory()
@@ -578,7 +589,7 @@ class P2PClient:
             local=tuple(local),
             mapped=self.mapped,
             relay=sig.Endpoint(*self.turn.relayed) if self.turn else None,
-            nat=self.mapping,
+            nat=self.nat.name if self.nat is not None else self.mapping,
             flows=self.socket.flows(self._rendezvous),
         )
 
