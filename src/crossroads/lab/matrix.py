@@ -106,6 +106,7 @@ METHOD_MODULES: list[str] = [
     "crossroads.lab.methods.direct",
     "crossroads.lab.methods.punch",
     "crossroads.lab.methods.ladder",
+    "crossroads.lab.methods.natneg",
     "crossroads.lab.methods.sdk",
     "crossroads.lab.methods.relay",
 ]

@@ -71,6 +71,11 @@ SERVER_HTTP_PORT = 8080
 #: has landed; each is passed when the running code has it.
 SERVER_SETTINGS: dict[str, str] = {
     "stun.alt_host": SERVER_IPS[1],
+    # natneg: natneg1/natneg2 on the first address, natneg3 on the second (the
+    # two-IP layout); lab sites have documentation addresses, which the relay
+    # refuses unless allowed.
+    "natneg.natneg3_host": SERVER_IPS[1],
+    "natneg.relay_allow": "198.51.100.0/24",
     # The key the ``unity-relay`` method uses (lab/methods/relay.py LAB_API_KEY).
     "relay.api_keys": "crossroads-lab-relay-key",
 }

@@ -1,0 +1,1000 @@
+"""The natneg server as a sans-I/O state machine.
+
+Theory of operation
+-------------------
+A GameSpy SDK client negotiates in four steps (``shared/reference/gamespy-natneg.md``,
+"ref §N" below):
+
+1. It sends INITs, one per *port type*: GP from the game's own socket to natneg1
+   (only when the game lent its socket), NN1/NN2/NN3 from the SDK's negotiate socket
+   to natneg1/natneg2/natneg3 (v2 stops at NN2). Every un-acked INIT is resent every
+   500 ms (ref §6). We answer each with a 21-byte INIT_ACK from the address it was
+   sent to and remember the *mapping*: the public address and the local endpoint
+   it arrived on.
+2. Both clients of a session share the 32-bit *cookie* (the game passed it through
+   its master server) and take slot 0 or 1 by their ``clientindex``. A client is
+   *complete* when every port type it sends has arrived (NN1+NN2, +NN3 for v3/v4,
+   +GP if ``usegameport``). When both are complete we pick, for each client, the
+   address of its peer (:meth:`NatNegServer._peer_address`) or a relay pair
+   (:class:`RelayNeeded`), and send CONNECT to *every* mapping the client used, each
+   from the endpoint that received it, so every NAT filter lets one through. The
+   SDK uses only the first CONNECT it accepts and ACKs every CONNECT with finished=0
+   (ref §6 step 3); we resend every ``connect_interval`` to each client that has not
+   ACKed, ``connect_attempts`` times at most.
+3. The clients then ping each other directly (CONNECT_PING); we are not involved.
+4. v3/v4 clients send a 73-byte REPORT; we always answer REPORT_ACK (a v3 client
+   without it waits ~7 s more, ref §6) and remember the outcome per public IP, which
+   feeds the relay decision of later negotiations between the same addresses.
+
+If the partner never comes, or a client never completes, within ``session_timeout``
+of the session's first INIT, each present client gets CONNECT with ``finished`` =
+1 (deadbeat partner: the partner never appeared) or 2 (INIT packets timed out: the
+session has two clients but one never completed) -- ref §8. The client does not ACK
+error CONNECTs, so they are sent ``error_attempts`` times.
+
+Stateless requests are answered from the endpoint that received them: ADDRESS_CHECK
+(NAT mapping probes), NATIFY_REQUEST (reachability probes: the ERT answers come from
+*other* endpoints, :class:`Endpoint`), BACKUP_TEST and the v4 PREINIT handshake.
+
+Sessions are keyed by cookie alone (ref §8 "Matching key"). A finished session is
+kept for ``linger`` seconds so late duplicates (INITs, CONNECT_ACKs, REPORTs) are
+answered without starting a new negotiation.
+
+Every bad input is dropped and counted in :attr:`Stats.dropped` by reason; nothing
+raises out of :meth:`NatNegServer.receive_datagram`.
+
+Where the product seed (``seeds/002_*.txt``) and the real client disagree the real
+client wins:
+
+* no 100 ms delay before CONNECT (seed "Step 3"): the SDK accepts CONNECT in any
+  state before pinging, even while still sending INITs (ref §6 step 3), and OpenSpy
+  sends at once (ref §7.1); a delay only slows every negotiation down;
+* INIT_ACK and REPORT_ACK are 21 bytes, not 14 (the SDK drops shorter ones, ref §2);
+* the seed's "4 INITs from different source ports" is wrong: GP comes from the game
+  socket, NN1-3 from one negotiate socket (ref §3.1), which is what makes the
+  NN1/NN2/NN3 mappings comparable for symmetric-NAT detection below;
+* readiness is "every port type the client sends", not "port type 2 or 3 seen"
+  (seed "Session Ready Check"): a v2 client never sends NN3 (ref §1);
+* the seed's LAN detection compares the first three octets of *public* IPs; two
+  different households in one /24 are not a LAN, so only equal public IPs count.
+"""
+
+from __future__ import annotations
+
+import heapq
+import ipaddress
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import TypeVar
+
+from crossroads.errors import DecodeError
+from crossroads.proto.natneg.packets import (
+    NATIFY_COOKIE,
+    AddressCheck,
+    AddressReply,
+    BackupAck,
+    BackupTest,
+    Connect,
+    ConnectAck,
+    ErtAck,
+    ErtTest,
+    Finished,
+    Init,
+    NatifyRequest,
+    NatType,
+    Packet,
+    PacketType,
+    PortType,
+    Preinit,
+    PreinitAck,
+    PreinitState,
+    Report,
+    ReportAck,
+    decode,
+    ip_to_bytes,
+)
+from crossroads.types import Address
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Endpoint(IntEnum):
+    """The server's local sockets, as the core knows them.
+
+    The transport tells :meth:`NatNegServer.receive_datagram` which one received a
+    datagram and sends each reply from the endpoint the core names. Endpoints that
+    share one socket (a single-IP deployment: natneg1/2/3 all resolve to one
+    address) are all reported as :attr:`PRIMARY`.
+    """
+
+    PRIMARY = 0  # natneg1: GP/NN1 INITs, REPORT, ADDRESS_CHECK map1a/1b, NATIFY pt1/2
+    NATNEG2 = 1  # natneg2: NN2 INIT, ADDRESS_CHECK map2, NATIFY pt3
+    NATNEG3 = 2  # natneg3: NN3 INIT, ADDRESS_CHECK map3
+    PROBE_PORT = 3  # natneg1's IP, another port: the "unsolicited port" ERT source
+    PROBE_IP = 4  # an IP clients never send to: the "unsolicited IP" ERT source
+
+
+class RelayMode(Enum):
+    """When negotiations go through a relay instead of a direct path."""
+
+    AUTO = "auto"  # when the NAT behaviour makes a direct path impossible
+    ALWAYS = "always"  # every negotiation (testing, or networks known to be hostile)
+    NEVER = "never"
+
+
+class Outcome(Enum):
+    """How a session ended, as far as the server can tell."""
+
+    CONNECTED = "connected"  # both clients ACKed a CONNECT with a peer address
+    UNACKED = "unacked"  # CONNECT resends ran out before one client ACKed
+    DEADBEAT = "deadbeat"  # a client waited for a partner who never came
+    INIT_TIMEOUT = "init-timeout"  # both came, one never sent all its INITs
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Behaviour of the core; every timer and limit has its reason beside it."""
+
+    #: Seconds from a session's first INIT until a missing or incomplete client makes
+    #: it fail. The seed's ``session_timeout`` (30 s default). SDK clients wait 60 s
+    #: for the partner after their INITs are acked (PARTNER_WAIT_TIME), DWC v2 only
+    #: 10 s (ref §6): 30 s answers PC clients before their own timeout.
+    session_timeout: float = 30.0
+    #: CONNECT resend interval until CONNECT_ACK. ref §8: "every ~1-2 s"; OpenSpy
+    #: resends every 2 s (ref §7.1). The client ACKs each one within milliseconds.
+    connect_interval: float = 1.0
+    #: CONNECT sends per client before giving up; with 1 s that covers the v3/v4
+    #: client's ping phase (7 x 700 ms, ref §6) several times over.
+    connect_attempts: int = 10
+    #: Error CONNECTs (finished=1/2) are never ACKed by the client (ref §6 step 3),
+    #: so they are sent a fixed number of times, ``connect_interval`` apart.
+    error_attempts: int = 3
+    #: How long a finished session is kept to answer late duplicates. A v3 client's
+    #: REPORT comes ~5 s after CONNECT and is retried 7 x 1 s (ref §6): 20 s covers it.
+    linger: float = 20.0
+    #: The seed's ``force_lan_mode``: always give the peer's private INIT address.
+    force_lan_mode: bool = False
+    relay_mode: RelayMode = RelayMode.AUTO
+    #: Live sessions in one process (memory bound: a session is ~1 KB).
+    max_sessions: int = 100_000
+    #: Sessions one public IP may open at once: games open several (data, voice);
+    #: a cookie flood from one address stops here. CGNAT users share an IP, hence
+    #: a generous default.
+    max_sessions_per_ip: int = 64
+    #: Token bucket per source IP, packets per second and burst. A negotiation is
+    #: ~10 packets per client, so 200/s lets dozens run at once from one IP.
+    rate_limit: float = 200.0
+    rate_burst: float = 400.0
+    #: Bound on the rate limiter's table (one entry per recent source IP).
+    max_tracked_ips: int = 100_000
+    #: How long a REPORT's outcome is remembered for later relay decisions. Games
+    #: retry a failed negotiation with a new cookie within seconds (RA3: 5 tries,
+    #: ref §7.4); 10 minutes covers a player's retries without pinning them forever.
+    history_ttl: float = 600.0
+    max_history: int = 100_000
+    #: Source of the NATIFY pt2 ERT ("unsolicited IP", ref §5): must be an IP the
+    #: client's ERT socket never sent to. None: fall back to ``unsolicited_port``.
+    unsolicited_ip: Endpoint | None = None
+    #: Source of the NATIFY pt3 ERT ("unsolicited port"): natneg1's IP, other port.
+    #: None: pt3 (and pt2 without ``unsolicited_ip``) get no answer.
+    unsolicited_port: Endpoint | None = None
+
+
+# ------------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, slots=True)
+class RelayNeeded:
+    """Both clients are complete and a direct path looks impossible.
+
+    Answer with :meth:`NatNegServer.relay_allocated` (the relay address each client
+    should be told) or :meth:`NatNegServer.relay_unavailable`.
+    """
+
+    cookie: int
+    #: Public IPv4 of client 0 and client 1 (the only sources the relay may accept).
+    client_ips: tuple[str, str]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class NegotiationFinished:
+    """A session reached its end (CONNECT phase over, or failed)."""
+
+    cookie: int
+    outcome: Outcome
+    relayed: bool
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class ReportReceived:
+    """A client reported its result (v3/v4)."""
+
+    cookie: int
+    client_index: int
+    success: bool
+    nat_type: int | None
+    game_name: str
+
+
+Event = RelayNeeded | NegotiationFinished | ReportReceived
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters the transport exports (read at scrape time, not per packet)."""
+
+    #: Decoded packets by :class:`PacketType`.
+    received: list[int] = field(default_factory=lambda: [0] * len(PacketType))
+    #: Dropped datagrams by reason.
+    dropped: dict[str, int] = field(default_factory=dict)
+    sent: int = 0
+
+
+# ----------------------------------------------------------------------- state
+
+#: Port types a client must have sent before it is "complete", by version (ref §6:
+#: the client waits for acks of NN1+NN2, v3+ also NN3; GP is added for usegameport).
+_REQUIRED: dict[int, frozenset[int]] = {
+    1: frozenset({PortType.NN1, PortType.NN2}),
+    2: frozenset({PortType.NN1, PortType.NN2}),
+    3: frozenset({PortType.NN1, PortType.NN2, PortType.NN3}),
+    4: frozenset({PortType.NN1, PortType.NN2, PortType.NN3}),
+}
+_NEGOTIATE_SOCKET_PORTS = (PortType.NN1, PortType.NN2, PortType.NN3)
+#: What the real GameSpy server put in CONNECT's gotyourdata (ref §3.3); the SDK
+#: ignores it, so we copy the original.
+_GOT_YOUR_DATA = 0x42
+#: Housekeeping (rate-limiter, history and PREINIT tables) runs this often.
+_HOUSEKEEPING_INTERVAL = 10.0
+
+
+class _State(Enum):
+    WAITING = "waiting"  # for both clients to complete
+    RELAY_PENDING = "relay-pending"  # waiting for the transport's relay answer
+    CONNECTING = "connecting"  # sending CONNECT until ACKed
+    FAILING = "failing"  # sending error CONNECTs
+    DONE = "done"  # lingering for duplicates
+
+
+class _Client:
+    __slots__ = (
+        "index",
+        "version",
+        "public_ip",
+        "local_ip",
+        "local_port",
+        "use_game_port",
+        "mappings",
+        "acked",
+    )
+
+    def __init__(self, packet: Init, public_ip: str) -> None:
+        self.index = packet.client_index
+        self.version = packet.version
+        self.public_ip = public_ip
+        self.local_ip = packet.local_ip
+        self.local_port = 0
+        self.use_game_port = bool(packet.use_game_port)
+        #: port type -> (public address, endpoint it arrived on); first one wins,
+        #: so a late spoofed INIT cannot redirect a client's CONNECT.
+        self.mappings: dict[int, tuple[Address, Endpoint]] = {}
+        self.acked = False
+
+    def is_same(self, packet: Init, ip: str) -> bool:
+        """Is this INIT from this client rather than a third one on the cookie?
+
+        Same public IP and same private IP (the SDK puts the same ``localip`` in
+        every INIT). Two hosts behind one NAT with the same private address and the
+        same ``clientindex`` cannot be told apart; nothing in the packet could.
+        """
+        return ip == self.public_ip and (
+            packet.version == 1 or packet.local_ip == self.local_ip
+        )
+
+    def complete(self) -> bool:
+        need = _REQUIRED[self.version]
+        if self.use_game_port and PortType.GP not in self.mappings:
+            return False
+        return need <= self.mappings.keys()
+
+    def symmetric(self) -> bool:
+        """Did the NAT give the negotiate socket different public addresses for
+        natneg1/2/3? That is endpoint-dependent ("symmetric") mapping (ref §5)."""
+        seen = {
+            self.mappings[pt][0]
+            for pt in _NEGOTIATE_SOCKET_PORTS
+            if pt in self.mappings
+        }
+        return len(seen) > 1
+
+
+class _Session:
+    __slots__ = (
+        "cookie",
+        "created",
+        "owner_ip",
+        "clients",
+        "state",
+        "generation",
+        "targets",
+        "codes",
+        "sends_left",
+        "relayed",
+    )
+
+    def __init__(self, cookie: int, owner_ip: str, now: float) -> None:
+        self.cookie = cookie
+        self.created = now
+        self.owner_ip = owner_ip
+        self.clients: list[_Client | None] = [None, None]
+        self.state = _State.WAITING
+        self.generation = 0
+        #: What CONNECT tells client 0 and client 1: (ip, port).
+        self.targets: list[Address] = []
+        #: ``finished`` code per slot while FAILING.
+        self.codes: list[int | None] = [None, None]
+        self.sends_left = 0
+        self.relayed = False
+
+
+class _PreinitEntry:
+    __slots__ = ("slots", "expires")
+
+    def __init__(self, expires: float) -> None:
+        self.slots: list[tuple[Address, Endpoint, int] | None] = [None, None]
+        self.expires = expires
+
+
+def _valid_private_ip(local_ip: str, public_ip: str) -> bool:
+    """Is an INIT's ``localip`` usable as a destination for the peer?
+
+    The SDK reports the first private address of the host, else the last one it
+    saw, possibly 0.0.0.0 (ref §3.1); Linux hosts may report 127.0.1.1. Loopback is
+    only meaningful when the public address is loopback too (both on one machine).
+    """
+    try:
+        ip = ipaddress.IPv4Address(local_ip)
+    except ValueError:
+        return False
+    if (
+        ip.is_unspecified
+        or ip.is_multicast
+        or ip == ipaddress.IPv4Address("255.255.255.255")
+    ):
+        return False
+    if ip.is_loopback:
+        return public_ip.startswith("127.")
+    return True
+
+
+# ------------------------------------------------------------------------ core
+
+
+class NatNegServer:
+    """The natneg server core: feed it datagrams and time, send what it returns.
+
+    ``receive_datagram`` / ``datagrams_to_send`` / ``get_timer`` / ``handle_timer``
+    follow DESIGN.md's datagram-core shape, with one addition: every datagram comes
+    in with the :class:`Endpoint` that received it and goes out with the one to send
+    it from. Lifecycle events (:data:`Event`) are collected by :meth:`pop_events`.
+    """
+
+    def __init__(self, config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig()
+        self.stats = Stats()
+        self._sessions: dict[int, _Session] = {}
+        self._per_ip: dict[str, int] = {}
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._out: list[tuple[bytes, Address, Endpoint]] = []
+        self._events: list[Event] = []
+        self._buckets: dict[str, list[float]] = {}
+        self._nat_history: dict[str, tuple[int, float]] = {}
+        self._failed_pairs: dict[tuple[str, str], float] = {}
+        self._preinits: dict[int, _PreinitEntry] = {}
+        self._next_housekeeping: float | None = None
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def session_count(self) -> int:
+        """Sessions currently held (any state, including lingering ones)."""
+        return len(self._sessions)
+
+    def receive_datagram(
+        self,
+        data: bytes,
+        addr: Address,
+        now: float,
+        endpoint: Endpoint = Endpoint.PRIMARY,
+    ) -> None:
+        """Process one datagram that ``endpoint`` received from ``addr``."""
+        ip = addr[0]
+        if ":" in ip:
+            # Every natneg address field is 4 bytes: an IPv6 client cannot be
+            # described to its peer.
+            self._drop("not-ipv4")
+            return
+        if not self._allow(ip, now):
+            self._drop("rate-limit")
+            return
+        try:
+            packet = decode(data)
+        except DecodeError as exc:
+            self._drop(exc.reason)
+            return
+        ptype = packet.TYPE
+        self.stats.received[ptype] += 1
+        match packet:
+            case Init():
+                self._on_init(packet, data, addr, endpoint, now)
+            case ConnectAck():
+                self._on_connect_ack(packet, addr, now)
+            case Report():
+                self._on_report(packet, addr, endpoint, now)
+            case AddressCheck():
+                self._on_address_check(packet, addr, endpoint)
+            case NatifyRequest():
+                self._on_natify(packet, addr, endpoint)
+            case Preinit():
+                self._on_preinit(packet, addr, endpoint, now)
+            case BackupTest():
+                self._on_backup_test(packet, addr, endpoint)
+            case ErtAck():
+                # We send no ERT during negotiations (only NATify ERTs, which the
+                # client does not ACK), so an ERT_ACK answers nothing of ours.
+                self._drop("unsolicited-ert-ack")
+            case _:
+                # Server-to-client types (INIT_ACK, CONNECT, ...), CONNECT_PING
+                # (client to client) and STATE_UPDATE (never sent, ref §2).
+                self._drop("unexpected-type")
+        if self._next_housekeeping is None:
+            self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, Endpoint]]:
+        """Datagrams to send: (bytes, destination, endpoint to send from)."""
+        out, self._out = self._out, []
+        self.stats.sent += len(out)
+        return out
+
+    @property
+    def has_events(self) -> bool:
+        """Whether :meth:`pop_events` has something (cheap check per datagram)."""
+        return bool(self._events)
+
+    def pop_events(self) -> list[Event]:
+        """Events since the last call (the transport acts on :class:`RelayNeeded`)."""
+        events, self._events = self._events, []
+        return events
+
+    def get_timer(self) -> float | None:
+        """When :meth:`handle_timer` must next run, or None."""
+        deadline = self._heap[0][0] if self._heap else None
+        house = self._next_housekeeping
+        if house is not None and (deadline is None or house < deadline):
+            return house
+        return deadline
+
+    def handle_timer(self, now: float) -> None:
+        """Run every deadline that is due."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, cookie, generation = heapq.heappop(heap)
+            session = self._sessions.get(cookie)
+            if session is not None and session.generation == generation:
+                self._on_session_timer(session, now)
+        if self._next_housekeeping is not None and self._next_housekeeping <= now:
+            self._housekeeping(now)
+
+    def relay_allocated(
+        self, cookie: int, for_client0: Address, for_client1: Address, now: float
+    ) -> None:
+        """The relay for ``cookie`` exists: tell client 0 to ping ``for_client0``
+        and client 1 ``for_client1`` (each its own side of the relay pair)."""
+        session = self._sessions.get(cookie)
+        if session is None or session.state is not _State.RELAY_PENDING:
+            return
+        session.targets = [for_client0, for_client1]
+        session.relayed = True
+        self._begin_connecting(session, now)
+
+    def relay_unavailable(self, cookie: int, now: float) -> None:
+        """No relay could be allocated: negotiate a direct path anyway."""
+        session = self._sessions.get(cookie)
+        if session is None or session.state is not _State.RELAY_PENDING:
+            return
+        session.targets = self._direct_targets(session)
+        self._begin_connecting(session, now)
+
+    # ------------------------------------------------------------ helpers
+
+    def _drop(self, reason: str) -> None:
+        dropped = self.stats.dropped
+        dropped[reason] = dropped.get(reason, 0) + 1
+
+    def _send(self, packet: Packet, addr: Address, endpoint: Endpoint) -> None:
+        self._out.append((packet.encode(), addr, endpoint))
+
+    def _schedule(self, session: _Session, when: float) -> None:
+        session.generation += 1
+        self._seq += 1
+        heapq.heappush(
+            self._heap, (when, self._seq, session.cookie, session.generation)
+        )
+
+    def _allow(self, ip: str, now: float) -> bool:
+        """Per-source-IP token bucket (``rate_limit``/``rate_burst``)."""
+        rate = self.config.rate_limit
+        if rate <= 0:
+            return True
+        bucket = self._buckets.get(ip)
+        if bucket is None:
+            if len(self._buckets) >= self.config.max_tracked_ips:
+                self._prune_buckets(now)
+            self._buckets[ip] = [self.config.rate_burst - 1.0, now]
+            return True
+        tokens = min(self.config.rate_burst, bucket[0] + (now - bucket[1]) * rate)
+        bucket[1] = now
+        if tokens < 1.0:
+            bucket[0] = tokens
+            return False
+        bucket[0] = tokens - 1.0
+        return True
+
+    def _prune_buckets(self, now: float) -> None:
+        rate, burst = self.config.rate_limit, self.config.rate_burst
+        full = [
+            ip
+            for ip, (tokens, last) in self._buckets.items()
+            if tokens + (now - last) * rate >= burst
+        ]
+        for ip in full:
+            del self._buckets[ip]
+        if len(self._buckets) >= self.config.max_tracked_ips:
+            # A flood from more distinct sources than the table holds: forget them
+            # all rather than grow without bound (each gets a fresh burst).
+            self._buckets.clear()
+
+    def _housekeeping(self, now: float) -> None:
+        self._prune_buckets(now)
+        history = self._nat_history
+        for ip in [ip for ip, (_, expires) in history.items() if expires <= now]:
+            del history[ip]
+        for pair in [p for p, expires in self._failed_pairs.items() if expires <= now]:
+            del self._failed_pairs[pair]
+        for cookie in [c for c, e in self._preinits.items() if e.expires <= now]:
+            del self._preinits[cookie]
+        busy = (
+            self._buckets or self._nat_history or self._failed_pairs or self._preinits
+        )
+        self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL if busy else None
+
+    def _remember(self, table: dict[K, V], key: K, value: V) -> None:
+        if key not in table and len(table) >= self.config.max_history:
+            # Oldest insertion first: dicts keep insertion order.
+            del table[next(iter(table))]
+        table[key] = value
+
+    # ------------------------------------------------------------ INIT
+
+    def _on_init(
+        self, p: Init, data: bytes, addr: Address, endpoint: Endpoint, now: float
+    ) -> None:
+        if p.port_type > PortType.NN3:
+            self._drop("bad-port-type")
+            return
+        if p.client_index > 1:
+            self._drop("bad-client-index")
+            return
+        ip = addr[0]
+        session = self._sessions.get(p.cookie)
+        if session is not None and session.state is _State.DONE:
+            known = session.clients[p.client_index]
+            mapping = known.mappings.get(p.port_type) if known is not None else None
+            if mapping is None or mapping[0] != addr:
+                # Not a late duplicate of a finished negotiation: the game started
+                # again with the same cookie. Forget the old session.
+                self._delete(session)
+                session = None
+        if session is None:
+            if len(self._sessions) >= self.config.max_sessions:
+                self._drop("session-limit")
+                return
+            if self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip:
+                self._drop("source-limit")
+                return
+            session = _Session(p.cookie, ip, now)
+            self._sessions[p.cookie] = session
+            self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+            self._schedule(session, now + self.config.session_timeout)
+        client = session.clients[p.client_index]
+        if client is None:
+            client = _Client(p, ip)
+            session.clients[p.client_index] = client
+        elif not client.is_same(p, ip):
+            self._drop("third-client")
+            return
+        if p.port_type not in client.mappings:
+            client.mappings[p.port_type] = (addr, endpoint)
+        if p.port_type >= PortType.NN2 and p.local_port:
+            # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
+            client.local_port = p.local_port
+        # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
+        # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
+        # Built from the INIT's bytes directly: this is the hottest reply.
+        self._out.append(
+            (
+                data[:7]
+                + b"\x01"
+                + data[8:15]
+                + ip_to_bytes(ip)
+                + addr[1].to_bytes(2, "big"),
+                addr,
+                endpoint,
+            )
+        )
+        if session.state is _State.FAILING and session.codes[p.client_index] is None:
+            # Joined after the session gave up on it: its partner is gone.
+            session.codes[p.client_index] = Finished.DEADBEAT_PARTNER
+        if session.state is _State.WAITING:
+            first, second = session.clients
+            if first is not None and second is not None:
+                if first.complete() and second.complete():
+                    self._start_connect(session, now)
+
+    # ------------------------------------------------------------ CONNECT
+
+    def _start_connect(self, session: _Session, now: float) -> None:
+        first, second = session.clients
+        assert first is not None and second is not None
+        reason = self._relay_reason(first, second)
+        if reason is None:
+            session.targets = self._direct_targets(session)
+            self._begin_connecting(session, now)
+            return
+        session.state = _State.RELAY_PENDING
+        self._events.append(
+            RelayNeeded(session.cookie, (first.public_ip, second.public_ip), reason)
+        )
+        # Safety net: if the transport never answers, negotiate directly.
+        self._schedule(session, now + self.config.connect_interval)
+
+    def _relay_reason(self, a: _Client, b: _Client) -> str | None:
+        """Why a direct path between ``a`` and ``b`` looks impossible, or None.
+
+        Only NAT *mapping* is visible in INITs: a client whose NN1/NN2/NN3 INITs
+        (one socket, three server addresses) arrive from different public ports is
+        behind an endpoint-dependent ("symmetric") NAT. Two of them cannot reach each
+        other by pinging observed addresses (each opens a fresh, unknown port toward
+        the other), nor can a symmetric NAT and a port-restricted one. Filtering
+        behaviour is not visible in INITs; it comes from earlier REPORTs of the same
+        public IP (the natType the client detected) and from failed REPORTs between
+        the same two addresses (games retry with a new cookie, ref §7.4).
+        """
+        mode = self.config.relay_mode
+        if mode is RelayMode.NEVER:
+            return None
+        if mode is RelayMode.ALWAYS:
+            return "forced"
+        if a.public_ip == b.public_ip or self.config.force_lan_mode:
+            return None  # the LAN path needs no NAT traversal
+        sym_a, sym_b = a.symmetric(), b.symmetric()
+        if sym_a and sym_b:
+            return "both-symmetric"
+        hard = (NatType.PORT_RESTRICTED_CONE, NatType.SYMMETRIC)
+        if sym_a and self._known_nat(b.public_ip) in hard:
+            return "symmetric-vs-restricted"
+        if sym_b and self._known_nat(a.public_ip) in hard:
+            return "symmetric-vs-restricted"
+        if _pair(a.public_ip, b.public_ip) in self._failed_pairs:
+            return "failed-before"
+        return None
+
+    def _known_nat(self, ip: str) -> int | None:
+        entry = self._nat_history.get(ip)
+        return entry[0] if entry is not None else None
+
+    def _direct_targets(self, session: _Session) -> list[Address]:
+        first, second = session.clients
+        assert first is not None and second is not None
+        return [self._peer_address(first, second), self._peer_address(second, first)]
+
+    def _peer_address(self, me: _Client, peer: _Client) -> Address:
+        """Where ``me`` should ping ``peer``.
+
+        The peer's private INIT address when ``force_lan_mode`` is set or when both
+        share a public IP (they are behind one NAT; hairpinning is not assumed) and
+        the address is usable; otherwise the peer's public mapping of the socket it
+        will ping from: the game socket (GP INIT) if it lent one, else the negotiate
+        socket (NN1 INIT) -- ref §8 "Peer address".
+        """
+        if self.config.force_lan_mode or me.public_ip == peer.public_ip:
+            if peer.local_port and _valid_private_ip(peer.local_ip, peer.public_ip):
+                return (peer.local_ip, peer.local_port)
+        for port_type in (
+            (PortType.GP, PortType.NN1) if peer.use_game_port else (PortType.NN1,)
+        ):
+            mapping = peer.mappings.get(port_type)
+            if mapping is not None:
+                return mapping[0]
+        return next(iter(peer.mappings.values()))[0]
+
+    def _begin_connecting(self, session: _Session, now: float) -> None:
+        session.state = _State.CONNECTING
+        session.sends_left = self.config.connect_attempts
+        self._send_connects(session)
+        self._schedule(session, now + self.config.connect_interval)
+
+    def _send_connects(self, session: _Session) -> None:
+        session.sends_left -= 1
+        for index, client in enumerate(session.clients):
+            if client is None or client.acked:
+                continue
+            ip, port = session.targets[index]
+            packet = Connect(
+                client.version,
+                session.cookie,
+                ip,
+                port,
+                _GOT_YOUR_DATA,
+                Finished.NOERROR,
+            )
+            wire = packet.encode()
+            for addr, endpoint in client.mappings.values():
+                self._out.append((wire, addr, endpoint))
+
+    def _on_connect_ack(self, p: ConnectAck, addr: Address, now: float) -> None:
+        # Only the cookie and byte 13 are set by the SDK; the rest is stack garbage.
+        session = self._sessions.get(p.cookie)
+        if session is None:
+            self._drop("unknown-cookie")
+            return
+        if p.client_index > 1:
+            self._drop("bad-client-index")
+            return
+        client = session.clients[p.client_index]
+        if client is None or client.public_ip != addr[0]:
+            self._drop("bad-source")
+            return
+        client.acked = True
+        if session.state is _State.CONNECTING and all(
+            c is not None and c.acked for c in session.clients
+        ):
+            self._finish(session, Outcome.CONNECTED, now)
+
+    # ------------------------------------------------------------ failures
+
+    def _fail(self, session: _Session, now: float) -> None:
+        """``session_timeout`` passed before both clients were complete."""
+        outcome = Outcome.INIT_TIMEOUT
+        for index, client in enumerate(session.clients):
+            if client is None:
+                continue
+            partner = session.clients[1 - index]
+            if partner is None:
+                session.codes[index] = Finished.DEADBEAT_PARTNER
+                outcome = Outcome.DEADBEAT
+            else:
+                session.codes[index] = Finished.INIT_PACKETS_TIMEDOUT
+        self._events.append(
+            NegotiationFinished(session.cookie, outcome, False, now - session.created)
+        )
+        session.state = _State.FAILING
+        session.sends_left = self.config.error_attempts
+        self._send_errors(session)
+        self._schedule(session, now + self.config.connect_interval)
+
+    def _send_errors(self, session: _Session) -> None:
+        session.sends_left -= 1
+        for index, client in enumerate(session.clients):
+            code = session.codes[index]
+            if client is None or code is None:
+                continue
+            wire = Connect(
+                client.version, session.cookie, "0.0.0.0", 0, 0, code
+            ).encode()
+            for addr, endpoint in client.mappings.values():
+                self._out.append((wire, addr, endpoint))
+
+    def _finish(self, session: _Session, outcome: Outcome, now: float) -> None:
+        self._events.append(
+            NegotiationFinished(
+                session.cookie, outcome, session.relayed, now - session.created
+            )
+        )
+        session.state = _State.DONE
+        self._schedule(session, now + self.config.linger)
+
+    def _on_session_timer(self, session: _Session, now: float) -> None:
+        state = session.state
+        if state is _State.WAITING:
+            self._fail(session, now)
+        elif state is _State.RELAY_PENDING:
+            self.relay_unavailable(session.cookie, now)
+        elif state is _State.CONNECTING:
+            if session.sends_left > 0:
+                self._send_connects(session)
+                self._schedule(session, now + self.config.connect_interval)
+            else:
+                self._finish(session, Outcome.UNACKED, now)
+        elif state is _State.FAILING:
+            if session.sends_left > 0:
+                self._send_errors(session)
+                self._schedule(session, now + self.config.connect_interval)
+            else:
+                session.state = _State.DONE
+                self._schedule(session, now + self.config.linger)
+        else:
+            self._delete(session)
+
+    def _delete(self, session: _Session) -> None:
+        del self._sessions[session.cookie]
+        # Invalidate any pending heap entry.
+        session.generation += 1
+        count = self._per_ip.get(session.owner_ip, 0) - 1
+        if count > 0:
+            self._per_ip[session.owner_ip] = count
+        else:
+            self._per_ip.pop(session.owner_ip, None)
+
+    # ------------------------------------------------------------ stateless
+
+    def _on_report(
+        self, p: Report, addr: Address, endpoint: Endpoint, now: float
+    ) -> None:
+        # REPORT_ACK as the real server sent it: the REPORT's first 21 bytes, type
+        # 0x0E, byte 14 (negResult) cleared (ref §3.2). Always answered: a v3 client
+        # without it delays its success callback by ~7 s (ref §6).
+        wire = p.encode()
+        ack = ReportAck(
+            p.version,
+            p.cookie,
+            p.port_type,
+            p.client_index,
+            0,
+            f"{wire[15]}.{wire[16]}.{wire[17]}.{wire[18]}",
+            int.from_bytes(wire[19:21], "big"),
+        )
+        self._send(ack, addr, endpoint)
+        nat_type = p.nat_type
+        ip = addr[0]
+        if nat_type is not None and nat_type < NatType.UNKNOWN:
+            self._remember(
+                self._nat_history, ip, (nat_type, now + self.config.history_ttl)
+            )
+            self._arm_housekeeping(now)
+        if not p.neg_result:
+            session = self._sessions.get(p.cookie)
+            if session is not None and all(c is not None for c in session.clients):
+                a, b = session.clients
+                assert a is not None and b is not None
+                if ip in (a.public_ip, b.public_ip) and a.public_ip != b.public_ip:
+                    self._remember(
+                        self._failed_pairs,
+                        _pair(a.public_ip, b.public_ip),
+                        now + self.config.history_ttl,
+                    )
+                    self._arm_housekeeping(now)
+        self._events.append(
+            ReportReceived(
+                p.cookie, p.client_index, bool(p.neg_result), nat_type, p.game_name
+            )
+        )
+
+    def _arm_housekeeping(self, now: float) -> None:
+        if self._next_housekeeping is None:
+            self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL
+
+    def _on_address_check(
+        self, p: AddressCheck, addr: Address, endpoint: Endpoint
+    ) -> None:
+        # The client indexes nat->mappings[cookie] with the reply's cookie: anything
+        # but 0-3 would make it write out of bounds (ref §3.2), so never echo it.
+        if p.cookie > 3:
+            self._drop("bad-cookie")
+            return
+        reply = AddressReply(
+            p.version, p.cookie, p.port_type, p.client_index, 0, addr[0], addr[1]
+        )
+        self._send(reply, addr, endpoint)
+
+    def _on_natify(self, p: NatifyRequest, addr: Address, endpoint: Endpoint) -> None:
+        """Reachability test (ref §5): echo the request as ERT_TEST (what GameSpy did).
+
+        pt1 is answered from where it arrived (solicited). pt2 must come from an IP
+        the client's ERT socket never contacted (it sent to natneg1 and natneg2) to
+        show whether its NAT filters by IP; pt3 from a contacted IP but another port.
+        Without a spare IP, pt2 is sent from the spare port too: then an
+        address-restricted cone NAT is reported as full cone (documented limit), but
+        the client completes at once instead of waiting 10 s for a reply that never
+        comes (ref §8).
+        """
+        if p.cookie != NATIFY_COOKIE:
+            # The SDK's only NATify cookie is 777 (ref §3.5); this is not NATify.
+            self._drop("bad-cookie")
+            return
+        config = self.config
+        source: Endpoint | None
+        if p.port_type <= PortType.NN1:
+            source = endpoint
+        elif p.port_type == PortType.NN2:
+            source = (
+                config.unsolicited_ip
+                if config.unsolicited_ip is not None
+                else config.unsolicited_port
+            )
+        elif p.port_type == PortType.NN3:
+            source = config.unsolicited_port
+        else:
+            self._drop("bad-port-type")
+            return
+        if source is None:
+            self._drop("no-probe-endpoint")
+            return
+        ert = ErtTest(
+            p.version,
+            p.cookie,
+            p.port_type,
+            p.client_index,
+            p.use_game_port,
+            p.ip,
+            p.port,
+            p.extra,
+        )
+        self._send(ert, addr, source)
+
+    def _on_backup_test(self, p: BackupTest, addr: Address, endpoint: Endpoint) -> None:
+        # No client sends BACKUP_TEST; answer with the echo the DWC emulator uses
+        # (same size as the request, so no amplification).
+        ack = BackupAck(
+            p.version,
+            p.cookie,
+            p.port_type,
+            p.client_index,
+            p.use_game_port,
+            p.ip,
+            p.port,
+            p.extra,
+        )
+        self._send(ack, addr, endpoint)
+
+    def _on_preinit(
+        self, p: Preinit, addr: Address, endpoint: Endpoint, now: float
+    ) -> None:
+        """v4 PREINIT (ref §3.6): WAITING_FOR_CLIENT until the partner's PREINIT for
+        the same cookie has arrived, then READY to both (the DWC emulator's
+        pairing; OpenSpy answers READY at once). PREINIT_ACK carries clientID 0, as
+        in the captured replies."""
+        if p.client_index > 1:
+            self._drop("bad-client-index")
+            return
+        entry = self._preinits.get(p.cookie)
+        if entry is None:
+            if len(self._preinits) >= self.config.max_sessions:
+                self._drop("session-limit")
+                return
+            entry = _PreinitEntry(now + self.config.session_timeout)
+            self._preinits[p.cookie] = entry
+            self._arm_housekeeping(now)
+        entry.slots[p.client_index] = (addr, endpoint, p.version)
+        partner = entry.slots[1 - p.client_index]
+        if partner is None:
+            state = PreinitState.WAITING_FOR_CLIENT
+        else:
+            state = PreinitState.READY
+            p_addr, p_endpoint, p_version = partner
+            self._send(
+                PreinitAck(p_version, p.cookie, 1 - p.client_index, state, 0),
+                p_addr,
+                p_endpoint,
+            )
+        self._send(
+            PreinitAck(p.version, p.cookie, p.client_index, state, 0), addr, endpoint
+        )
+
+
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a < b else (b, a)

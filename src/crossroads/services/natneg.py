@@ -1,0 +1,672 @@
+"""``natneg``: the GameSpy NAT negotiation server (UDP 27901) with relay fallback.
+
+The protocol lives in :mod:`crossroads.proto.natneg.server` (sans-I/O); this module
+binds the sockets, feeds the core, runs its timer, allocates relays when the core
+asks (:mod:`crossroads.transport.natneg_relay`) and exports metrics.
+
+Addresses
+---------
+SDK clients resolve ``<game>.natneg1.<domain>``, ``natneg2`` and ``natneg3`` and send to
+port 27901 on each (ref §1). What crossroads can learn depends on how many IPs those
+names resolve to:
+
+* **Two or three IPs** -- natneg1 and natneg2 on ``host``, natneg3 on a second IP
+  (``natneg3_host``), or one IP each: the NN1 and NN3 INITs then reach different
+  addresses, so a symmetric NAT shows as different public ports (relay fallback),
+  and the SDK's NAT detection (NATify) can tell symmetric NATs from cones and, with
+  an IP the client's ERT socket never contacts (natneg3: that socket sends only to
+  natneg1 and natneg2; or ``probe_host``), IP filtering from port filtering. The NAT
+  lab runs the two-IP layout and the SDK classifies every kind right through it.
+* **One IP** -- all three names resolve to ``host``; natneg2/natneg3 share its socket
+  and only ``probe_port`` (a second port on the same IP) is available as a probe
+  source. This *cannot detect*: symmetric NATs (every INIT reaches one ip:port, so
+  every NAT maps it to one public port: no automatic relay for symmetric pairs,
+  only after a failed REPORT), and address-restricted vs full-cone filtering
+  (reported as full cone). Port-restricted filtering is still detected.
+* Other *ports* on one IP (``natneg2_port`` != ``port``) separate natneg1/2/3 only for
+  clients that can be told a port -- the SDK cannot (MATCHUP_PORT is 27901) -- and a
+  NAT that maps per destination IP (address-dependent) still looks like a cone.
+  Tests use them on loopback.
+
+Binding ``0.0.0.0`` with several public IPs is wrong: replies could leave from
+another IP than the client sent to, and its NAT would drop them. Bind each IP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import ipaddress
+import json
+import logging
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from crossroads.config import CONVERTERS, Kind, setting
+from crossroads.errors import ConfigError
+from crossroads.proto.natneg.packets import PacketType
+from crossroads.proto.natneg.server import (
+    Endpoint,
+    NatNegServer,
+    NegotiationFinished,
+    RelayMode,
+    RelayNeeded,
+    ReportReceived,
+    ServerConfig,
+)
+from crossroads.services.base import ServiceContext
+from crossroads.transport.natneg_relay import RelayPool
+from crossroads.transport.udp import make_udp_socket
+from crossroads.types import Address
+
+NAME = "natneg"
+log = logging.getLogger("crossroads.natneg")
+
+
+def _check_relay_mode(value: str) -> None:
+    if value not in {mode.value for mode in RelayMode}:
+        raise ValueError(f"{value!r} is not one of auto, always, never")
+
+
+def parse_port_range(value: str) -> tuple[int, int] | None:
+    """``""`` (OS-chosen ports) or ``"low-high"``."""
+    if not value:
+        return None
+    converted: tuple[int, int] = CONVERTERS["port_range"](value)
+    return converted
+
+
+def _check_networks(value: tuple[str, ...]) -> None:
+    for network in value:
+        try:
+            ipaddress.ip_network(network, strict=False)
+        except ValueError:
+            raise ValueError(f"{network!r} is not a network like 10.0.0.0/8") from None
+
+
+def _check_optional_port(value: int) -> None:
+    if not -1 <= value <= 65535:
+        raise ValueError(f"{value} is not -1 or a port number (0-65535)")
+
+
+def _check_port_range(value: str) -> None:
+    parse_port_range(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """``[natneg]``: GameSpy NAT negotiation (flags ``--natneg-*``)."""
+
+    enabled: bool = setting(
+        True, kind="bool", help="Run the natneg server (config.json 'enabled')."
+    )
+    host: str = setting(
+        "",
+        kind="host",
+        help="natneg1 bind address, IPv4 ('' = the core --host).",
+    )
+    port: int = setting(
+        27901, kind="port", help="natneg1 UDP port (SDK clients always use 27901)."
+    )
+    natneg2_host: str = setting(
+        "", kind="host", help="Address natneg2.<domain> resolves to ('' = host)."
+    )
+    natneg2_port: int = setting(
+        -1,
+        kind="int",
+        check=_check_optional_port,
+        help="natneg2 UDP port (-1 = same as port).",
+    )
+    natneg3_host: str = setting(
+        "", kind="host", help="Address natneg3.<domain> resolves to ('' = host)."
+    )
+    natneg3_port: int = setting(
+        -1,
+        kind="int",
+        check=_check_optional_port,
+        help="natneg3 UDP port (-1 = same as port).",
+    )
+    probe_port: int = setting(
+        -1,
+        kind="int",
+        check=_check_optional_port,
+        help="Second port on host, source of the 'unsolicited port' NAT probe "
+        "(-1 = port + 1, 0 = any free port).",
+    )
+    probe_host: str = setting(
+        "",
+        kind="host",
+        help="A local IP no natneg name resolves to: source of the "
+        "'unsolicited IP' NAT probe ('' = natneg3 if it is a third IP).",
+    )
+    session_timeout: float = setting(
+        30.0,
+        kind="float",
+        help="Seconds to wait for both clients before CONNECT with an error.",
+    )
+    force_lan_mode: bool = setting(
+        False,
+        kind="bool",
+        help="Always send the peer's private (INIT) address: LAN parties only.",
+    )
+    connect_interval: float = setting(
+        1.0, kind="float", help="CONNECT resend interval until CONNECT_ACK (s)."
+    )
+    connect_attempts: int = setting(
+        10, kind="int", help="CONNECT sends per client before giving up."
+    )
+    linger: float = setting(
+        20.0, kind="float", help="Seconds a finished session answers duplicates."
+    )
+    relay_mode: str = setting(
+        "auto",
+        check=_check_relay_mode,
+        help="Relay fallback: auto (when a direct path looks impossible), always, never.",
+    )
+    relay_host: str = setting(
+        "",
+        kind="host",
+        help="IPv4 address clients are told to relay through "
+        "('' = --public-host, else host if it is not a wildcard).",
+    )
+    relay_ports: str = setting(
+        "",
+        check=_check_port_range,
+        help="Relay UDP port range like 50000-59999 ('' = OS-chosen).",
+    )
+    relay_idle_timeout: float = setting(
+        60.0, kind="float", help="Release a relay pair after this many idle seconds."
+    )
+    max_relays: int = setting(1000, kind="int", help="Relay pairs at most.")
+    relay_allow: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_networks,
+        help="Non-global networks (CIDR) whose clients may still be relayed: "
+        "loopback/private/link-local/documentation addresses are refused otherwise.",
+    )
+    max_sessions: int = setting(
+        100_000, kind="int", help="Concurrent negotiation sessions at most."
+    )
+    max_sessions_per_ip: int = setting(
+        64, kind="int", help="Concurrent sessions one source IP may open."
+    )
+    rate_limit: float = setting(
+        200.0, kind="float", help="Packets per second per source IP (0 = no limit)."
+    )
+    config_json: str = setting(
+        "",
+        flag="--natneg-config-json",
+        help="A seed-style config.json whose 'natneg' object (host, port, enabled, "
+        "session_timeout, force_lan_mode) overrides these settings.",
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "session_timeout",
+            "connect_interval",
+            "linger",
+            "relay_idle_timeout",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+        for name in (
+            "connect_attempts",
+            "max_relays",
+            "max_sessions",
+            "max_sessions_per_ip",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be at least 1")
+        if self.rate_limit < 0:
+            raise ValueError("rate_limit: must not be negative")
+
+
+# ------------------------------------------------------------- seed config.json
+
+#: The seed's ``config.json`` keys (seeds/002, "Configuration") and their kinds.
+SEED_KEYS: dict[str, Kind] = {
+    "host": "host",
+    "port": "port",
+    "enabled": "bool",
+    "session_timeout": "float",
+    "force_lan_mode": "bool",
+}
+#: The seed's defaults for keys a config.json leaves out where they differ from
+#: crossroads': ``force_lan_mode`` defaults to true there ("LAN mode (default)").
+SEED_DEFAULTS: dict[str, Any] = {"force_lan_mode": True}
+
+
+def apply_seed_config(config: Config, path: Path) -> Config:
+    """``config`` with the ``natneg`` object of a seed ``config.json`` applied.
+
+    Keys it names override; ``force_lan_mode`` left out means the seed's default
+    (true). Unknown keys inside ``natneg`` are an error (a typo must not be ignored);
+    other top-level objects (other servers of that emulator) are ignored.
+
+    Raises:
+        ConfigError: unreadable file, bad JSON, no ``natneg`` object, bad value.
+    """
+    where = f"natneg.config_json ({path})"
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: not JSON: {exc}") from None
+    section = document.get("natneg") if isinstance(document, dict) else None
+    if not isinstance(section, dict):
+        raise ConfigError(f'{where}: no "natneg" object')
+    values = {**SEED_DEFAULTS}
+    for key, raw in section.items():
+        kind = SEED_KEYS.get(key)
+        if kind is None:
+            known = ", ".join(SEED_KEYS)
+            raise ConfigError(f"{where}: unknown key natneg.{key} (known: {known})")
+        try:
+            values[key] = CONVERTERS[kind](raw)
+        except ValueError as exc:
+            raise ConfigError(f"{where}: natneg.{key}: {exc}") from None
+    try:
+        return dataclasses.replace(config, **values)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+# ---------------------------------------------------------------- addresses
+
+
+def _ipv4_host(host: str, what: str) -> str:
+    if host in ("", "::"):
+        return "0.0.0.0"
+    if host == "::1":
+        # The same intent ("loopback only") in the only family natneg has.
+        return "127.0.0.1"
+    if ipaddress.ip_address(host).version != 4:
+        # Every address field of the protocol is 4 bytes (ref §3).
+        raise ConfigError(
+            f"natneg.{what}: {host} is IPv6; natneg is IPv4-only"
+            " (set --natneg-host to an IPv4 address, or leave natneg out of --only)"
+        )
+    return host
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which socket serves which :class:`Endpoint`, and the probe choices."""
+
+    binds: dict[Endpoint, Address]
+    #: Endpoints that share the socket of another (endpoint -> owner).
+    shared: dict[Endpoint, Endpoint]
+    unsolicited_ip: Endpoint | None
+    unsolicited_port: Endpoint | None
+
+
+def plan_layout(cfg: Config, core_host: str) -> Layout:
+    """Decide the sockets for a config (pure, so tests can check it)."""
+    host = _ipv4_host(cfg.host or core_host, "host")
+    nn2_host = _ipv4_host(cfg.natneg2_host or host, "natneg2_host")
+    nn3_host = _ipv4_host(cfg.natneg3_host or host, "natneg3_host")
+    nn2 = (nn2_host, cfg.port if cfg.natneg2_port < 0 else cfg.natneg2_port)
+    nn3 = (nn3_host, cfg.port if cfg.natneg3_port < 0 else cfg.natneg3_port)
+    probe_port = cfg.probe_port
+    if probe_port < 0:
+        probe_port = cfg.port + 1 if 0 < cfg.port < 65535 else 0
+    wanted: list[tuple[Endpoint, Address]] = [
+        (Endpoint.PRIMARY, (host, cfg.port)),
+        (Endpoint.NATNEG2, nn2),
+        (Endpoint.NATNEG3, nn3),
+        (Endpoint.PROBE_PORT, (host, probe_port)),
+    ]
+    if cfg.probe_host:
+        probe_ip = _ipv4_host(cfg.probe_host, "probe_host")
+        wanted.append((Endpoint.PROBE_IP, (probe_ip, probe_port)))
+    # "Same as port" on the same host is the same socket, even for port 0.
+    same_as_primary = {
+        Endpoint.NATNEG2: cfg.natneg2_port < 0 and nn2_host == host,
+        Endpoint.NATNEG3: cfg.natneg3_port < 0 and nn3_host == host,
+    }
+    binds: dict[Endpoint, Address] = {}
+    shared: dict[Endpoint, Endpoint] = {}
+    for endpoint, address in wanted:
+        owner: Endpoint | None = None
+        if same_as_primary.get(endpoint):
+            owner = Endpoint.PRIMARY
+        elif address[1] != 0:
+            # Port 0 means "any free port": never the same socket as another.
+            owner = next((e for e, a in binds.items() if a == address), None)
+        if owner is None:
+            binds[endpoint] = address
+        else:
+            shared[endpoint] = owner
+    if Endpoint.PROBE_PORT in shared:
+        raise ConfigError("natneg.probe_port: must differ from the natneg ports")
+    unsolicited_ip: Endpoint | None = None
+    if Endpoint.PROBE_IP in binds:
+        unsolicited_ip = Endpoint.PROBE_IP
+    elif Endpoint.NATNEG3 in binds and nn3[0] not in (host, nn2[0], "0.0.0.0"):
+        # The NATify ERT socket sends to natneg1 and natneg2 only (ref §5).
+        unsolicited_ip = Endpoint.NATNEG3
+    return Layout(binds, shared, unsolicited_ip, Endpoint.PROBE_PORT)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class _Collector(Collector):
+    """Reads the core's and the relay pool's counters at scrape time."""
+
+    def __init__(self, service: NatNegService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        core = self.service.core
+        received = CounterMetricFamily(
+            "crossroads_natneg_packets_received",
+            "natneg packets decoded, by type.",
+            labels=["type"],
+        )
+        for ptype in PacketType:
+            received.add_metric([ptype.name.lower()], core.stats.received[ptype])
+        yield received
+        dropped = CounterMetricFamily(
+            "crossroads_natneg_dropped",
+            "natneg datagrams dropped, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(core.stats.dropped.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield CounterMetricFamily(
+            "crossroads_natneg_packets_sent",
+            "natneg packets sent.",
+            value=core.stats.sent,
+        )
+        yield GaugeMetricFamily(
+            "crossroads_natneg_sessions",
+            "natneg sessions held (including lingering ones).",
+            value=core.session_count,
+        )
+        relay = self.service.relay
+        if relay is not None:
+            yield GaugeMetricFamily(
+                "crossroads_natneg_relays",
+                "Relay pairs allocated now.",
+                value=relay.active,
+            )
+            yield CounterMetricFamily(
+                "crossroads_natneg_relay_packets",
+                "Datagrams forwarded by natneg relays.",
+                value=relay.packets(),
+            )
+            allocations = CounterMetricFamily(
+                "crossroads_natneg_relay_allocations",
+                "Relay pair requests, by result.",
+                labels=["result"],
+            )
+            allocations.add_metric(["allocated"], relay.stats.allocated)
+            allocations.add_metric(["refused-private"], relay.stats.refused)
+            allocations.add_metric(["failed"], relay.stats.failed)
+            yield allocations
+
+
+# ---------------------------------------------------------------- service
+
+
+class _EndpointProtocol(asyncio.DatagramProtocol):
+    def __init__(self, service: NatNegService, endpoint: Endpoint) -> None:
+        self.service = service
+        self.endpoint = endpoint
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        self.service.receive(data, (addr[0], addr[1]), self.endpoint)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors for earlier sends (port unreachable): nothing to do.
+        pass
+
+
+class NatNegService:
+    """The running natneg service: sockets, core, timer, relay pool."""
+
+    name = NAME
+
+    def __init__(self, core: NatNegServer, relay: RelayPool | None) -> None:
+        self.core = core
+        self.relay = relay
+        self.addresses: dict[Endpoint, Address] = {}
+        self._transports: dict[Endpoint, asyncio.DatagramTransport] = {}
+        self._send_via: dict[Endpoint, asyncio.DatagramTransport] = {}
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._collector: _Collector | None = None
+        self._registry: Any = None
+        self._closed = False
+        self._notes: list[str] = []
+        self.negotiations = Counter(
+            "crossroads_natneg_negotiations",
+            "Finished natneg sessions, by outcome.",
+            ["outcome", "relayed"],
+            registry=None,
+        )
+        self.reports = Counter(
+            "crossroads_natneg_reports",
+            "REPORTs received, by the client's result.",
+            ["result"],
+            registry=None,
+        )
+
+    # The transport side ---------------------------------------------------
+
+    def receive(self, data: bytes, addr: Address, endpoint: Endpoint) -> None:
+        now = self._loop.time()
+        core = self.core
+        core.receive_datagram(data, addr, now, endpoint)
+        self._flush(now)
+
+    def _flush(self, now: float) -> None:
+        core = self.core
+        if core.has_events:
+            self._handle_events(now)
+        send_via = self._send_via
+        for data, addr, endpoint in core.datagrams_to_send(now):
+            transport = send_via.get(endpoint)
+            if transport is not None:
+                transport.sendto(data, addr)
+        self._rearm()
+
+    def _handle_events(self, now: float) -> None:
+        for event in self.core.pop_events():
+            match event:
+                case RelayNeeded(cookie=cookie, client_ips=ips, reason=reason):
+                    pair = self.relay.allocate(cookie, ips) if self.relay else None
+                    if pair is None:
+                        log.info(
+                            "natneg %08x: relay needed (%s) but unavailable",
+                            cookie,
+                            reason,
+                        )
+                        self.core.relay_unavailable(cookie, now)
+                    else:
+                        log.info(
+                            "natneg %08x: relaying (%s) via %s:%d / %s:%d",
+                            cookie,
+                            reason,
+                            *pair[0],
+                            *pair[1],
+                        )
+                        self.core.relay_allocated(cookie, pair[0], pair[1], now)
+                case NegotiationFinished(
+                    cookie=cookie, outcome=outcome, relayed=relayed
+                ):
+                    self.negotiations.labels(outcome.value, str(relayed).lower()).inc()
+                    log.debug("natneg %08x: %s", cookie, outcome.value)
+                case ReportReceived(success=success):
+                    self.reports.labels("success" if success else "failure").inc()
+
+    def _rearm(self) -> None:
+        deadline = self.core.get_timer()
+        if deadline == self._timer_at or self._closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        now = self._loop.time()
+        self.core.handle_timer(now)
+        self._flush(now)
+
+    # The Service protocol ---------------------------------------------------
+
+    def describe(self) -> list[str]:
+        if not self._transports and not self._notes:
+            return ["disabled"]
+        roles = {
+            Endpoint.PRIMARY: "natneg1",
+            Endpoint.NATNEG2: "natneg2",
+            Endpoint.NATNEG3: "natneg3",
+            Endpoint.PROBE_PORT: "probe port",
+            Endpoint.PROBE_IP: "probe ip",
+        }
+        lines = [
+            f"udp {host}:{port} ({roles[endpoint]})"
+            for endpoint, (host, port) in self.addresses.items()
+        ]
+        return lines + self._notes
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+        self._send_via.clear()
+        if self.relay is not None:
+            await self.relay.close()
+        if self._collector is not None and self._registry is not None:
+            try:
+                self._registry.unregister(self._collector)
+            except KeyError:
+                pass
+            for metric in (self.negotiations, self.reports):
+                try:
+                    self._registry.unregister(metric)
+                except KeyError:
+                    pass
+
+
+def _protocol_factory(
+    service: NatNegService, endpoint: Endpoint
+) -> Callable[[], _EndpointProtocol]:
+    return lambda: _EndpointProtocol(service, endpoint)
+
+
+def core_config(cfg: Config, layout: Layout) -> ServerConfig:
+    """The core's settings from the service config."""
+    return ServerConfig(
+        session_timeout=cfg.session_timeout,
+        connect_interval=cfg.connect_interval,
+        connect_attempts=cfg.connect_attempts,
+        linger=cfg.linger,
+        force_lan_mode=cfg.force_lan_mode,
+        relay_mode=RelayMode(cfg.relay_mode),
+        max_sessions=cfg.max_sessions,
+        max_sessions_per_ip=cfg.max_sessions_per_ip,
+        rate_limit=cfg.rate_limit,
+        # The burst lets one client's whole INIT/ACK exchange through at once.
+        rate_burst=max(cfg.rate_limit * 2, 20.0),
+        unsolicited_ip=layout.unsolicited_ip,
+        unsolicited_port=layout.unsolicited_port,
+    )
+
+
+def _relay_advertise(cfg: Config, public_host: str, bind_host: str) -> str | None:
+    for candidate in (cfg.relay_host, public_host, bind_host):
+        if candidate and candidate not in ("0.0.0.0", "::"):
+            if ipaddress.ip_address(candidate).version == 4:
+                return candidate
+    return None
+
+
+async def serve(ctx: ServiceContext) -> NatNegService:
+    """Bind the natneg sockets (and the relay pool) and start answering."""
+    cfg = ctx.section(NAME, Config)
+    if cfg.config_json:
+        cfg = apply_seed_config(cfg, Path(cfg.config_json))
+    core_host = ctx.host
+    if not cfg.enabled:
+        service = NatNegService(NatNegServer(), None)
+        return service
+    layout = plan_layout(cfg, core_host)
+    relay: RelayPool | None = None
+    notes: list[str] = []
+    bind_host = layout.binds[Endpoint.PRIMARY][0]
+    advertise = _relay_advertise(cfg, ctx.config.core.public_host, bind_host)
+    if cfg.relay_mode != RelayMode.NEVER.value:
+        if advertise is None:
+            notes.append("relay disabled: set --public-host or --natneg-relay-host")
+        else:
+            relay = RelayPool(
+                bind_host=bind_host,
+                advertise_host=advertise,
+                port_range=parse_port_range(cfg.relay_ports),
+                idle_timeout=cfg.relay_idle_timeout,
+                max_pairs=cfg.max_relays,
+                allow_networks=tuple(
+                    ipaddress.ip_network(n, strict=False) for n in cfg.relay_allow
+                ),
+            )
+            ports = cfg.relay_ports or "ephemeral ports"
+            notes.append(f"relay udp {advertise} {ports} (mode {cfg.relay_mode})")
+    service = NatNegService(NatNegServer(core_config(cfg, layout)), relay)
+    service._notes = notes
+    sockets: list[socket.socket] = []
+    try:
+        for endpoint, (host, port) in layout.binds.items():
+            try:
+                sock = make_udp_socket(host, port)
+            except OSError as exc:
+                raise OSError(
+                    exc.errno,
+                    f"natneg {endpoint.name.lower()} {host}:{port}: {exc.strerror}",
+                ) from None
+            sockets.append(sock)
+            transport, _ = await service._loop.create_datagram_endpoint(
+                _protocol_factory(service, endpoint), sock=sock
+            )
+            service._transports[endpoint] = transport
+            service.addresses[endpoint] = sock.getsockname()[:2]
+        for endpoint, owner in layout.shared.items():
+            service._send_via[endpoint] = service._transports[owner]
+        service._send_via.update(service._transports)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        await service.close()
+        raise
+    registry = ctx.metrics
+    service._registry = registry
+    service._collector = _Collector(service)
+    registry.register(service._collector)
+    registry.register(service.negotiations)
+    registry.register(service.reports)
+    ctx.shared["natneg"] = service
+    return service

@@ -1,0 +1,277 @@
+"""The natneg relay fallback: UDP port pairs that splice two game clients together.
+
+When the natneg core decides that two clients cannot reach each other directly
+(:class:`crossroads.proto.natneg.server.RelayNeeded`), the service asks this pool for a
+*pair*: two UDP sockets, side 0 for client 0 and side 1 for client 1. CONNECT tells
+client 0 "your peer is at side 0" and client 1 "your peer is at side 1"; the SDK
+client pings whatever address CONNECT names (ref §8), so an unmodified game talks
+through the relay without knowing.
+
+A side does not know its client's port in advance: behind a symmetric NAT the port
+toward the relay is a fresh mapping. It *learns* it from the first datagram that
+comes from the client's public IP (seen in its INITs) and is a CONNECT_PING carrying
+the session's cookie -- the first thing the SDK sends to a CONNECT address. After
+that, a side accepts datagrams from exactly that (ip, port).
+
+Data plane: each socket is read with ``loop.add_reader`` in batches; a datagram from
+the learned source is sent from the partner socket to the partner's learned source.
+One tuple comparison and one ``sendto`` per packet; no parsing, no allocation beyond
+the datagram itself, no store. A pair is released when no datagram crossed it for
+``idle_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import random
+import socket
+from dataclasses import dataclass
+
+from crossroads.proto.natneg.packets import MAGIC, PacketType
+from crossroads.transport.udp import SOCKET_BUFFER_BYTES
+from crossroads.types import Address
+
+log = logging.getLogger("crossroads.natneg.relay")
+
+#: Datagrams read per readiness callback: enough to amortise the callback, small
+#: enough that one busy pair cannot starve the event loop.
+_BATCH = 64
+#: Largest datagram relayed; game datagrams over UDP stay well below the usual MTU,
+#: but fragments reassembled by the kernel can be larger.
+_MAX_DATAGRAM = 65535
+#: Random ports tried in ``port_range`` before giving up on an allocation.
+_BIND_ATTEMPTS = 32
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def refused_peer(ip: str, allowed: tuple[Network, ...] = ()) -> bool:
+    """Loopback, private, link-local and other non-global addresses are refused
+    unless in ``allowed`` (the class of bug behind coturn CVE-2020-26262,
+    DESIGN.md; tests and labs opt in with their ranges)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return True
+    if address.is_global:
+        return False
+    return not any(address in network for network in allowed)
+
+
+class _Side:
+    """One socket of a pair, serving one client."""
+
+    __slots__ = (
+        "sock",
+        "fd",
+        "expected_ip",
+        "ping_prefix",
+        "src",
+        "partner",
+        "packets",
+    )
+
+    def __init__(self, sock: socket.socket, expected_ip: str, cookie: int) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.expected_ip = expected_ip
+        # Bytes 0-11 of a CONNECT_PING minus the version byte, which we do not check.
+        self.ping_prefix = (
+            MAGIC,
+            bytes((PacketType.CONNECT_PING,)) + cookie.to_bytes(4, "big"),
+        )
+        self.src: Address | None = None
+        self.partner: _Side = self
+        self.packets = 0
+
+    def on_readable(self) -> None:
+        sock = self.sock
+        for _ in range(_BATCH):
+            try:
+                data, addr = sock.recvfrom(_MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # ICMP errors from earlier sends surface here on Linux; keep reading.
+                continue
+            if addr == self.src:
+                dst = self.partner.src
+                if dst is not None:
+                    try:
+                        self.partner.sock.sendto(data, dst)
+                    except OSError:
+                        pass
+                    self.packets += 1
+            elif self.src is None:
+                self._learn(data, addr)
+
+    def _learn(self, data: bytes, addr: Address) -> None:
+        magic, rest = self.ping_prefix
+        if addr[0] != self.expected_ip or data[:6] != magic or data[7:12] != rest:
+            return
+        self.src = addr
+        dst = self.partner.src
+        if dst is not None:
+            try:
+                self.partner.sock.sendto(data, dst)
+            except OSError:
+                pass
+            self.packets += 1
+
+
+@dataclass(slots=True)
+class _Pair:
+    cookie: int
+    sides: tuple[_Side, _Side]
+    created: float
+    last_active: float
+    last_packets: int = 0
+
+
+@dataclass(slots=True)
+class RelayStats:
+    """Counters for the metrics collector."""
+
+    allocated: int = 0
+    refused: int = 0
+    failed: int = 0
+    released: int = 0
+    #: Packets relayed by pairs already released (live pairs are summed on read).
+    released_packets: int = 0
+
+
+class RelayPool:
+    """Allocates and releases relay pairs; owns their sockets."""
+
+    def __init__(
+        self,
+        *,
+        bind_host: str,
+        advertise_host: str,
+        port_range: tuple[int, int] | None,
+        idle_timeout: float,
+        max_pairs: int,
+        allow_networks: tuple[Network, ...] = (),
+    ) -> None:
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host
+        self.port_range = port_range
+        self.idle_timeout = idle_timeout
+        self.max_pairs = max_pairs
+        self.allow_networks = allow_networks
+        self.stats = RelayStats()
+        self._pairs: dict[int, _Pair] = {}
+        self._loop = asyncio.get_running_loop()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def active(self) -> int:
+        return len(self._pairs)
+
+    def packets(self) -> int:
+        """Datagrams relayed so far (live and released pairs)."""
+        live = sum(side.packets for pair in self._pairs.values() for side in pair.sides)
+        return self.stats.released_packets + live
+
+    def allocate(
+        self, cookie: int, client_ips: tuple[str, str]
+    ) -> tuple[Address, Address] | None:
+        """A pair for a session: the address to give client 0 and client 1."""
+        if self._closed:
+            return None
+        if any(refused_peer(ip, self.allow_networks) for ip in client_ips):
+            self.stats.refused += 1
+            return None
+        if len(self._pairs) >= self.max_pairs or cookie in self._pairs:
+            self.stats.failed += 1
+            return None
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(2):
+                socks.append(self._bind())
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            log.warning("natneg relay: cannot bind a relay socket: %s", exc)
+            self.stats.failed += 1
+            return None
+        side0 = _Side(socks[0], client_ips[0], cookie)
+        side1 = _Side(socks[1], client_ips[1], cookie)
+        side0.partner, side1.partner = side1, side0
+        now = self._loop.time()
+        self._pairs[cookie] = _Pair(cookie, (side0, side1), now, now)
+        for side in (side0, side1):
+            self._loop.add_reader(side.fd, side.on_readable)
+        self.stats.allocated += 1
+        if self._sweeper is None:
+            self._sweeper = asyncio.ensure_future(self._sweep_forever())
+        port0 = socks[0].getsockname()[1]
+        port1 = socks[1].getsockname()[1]
+        return (self.advertise_host, port0), (self.advertise_host, port1)
+
+    def _bind(self) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+                except OSError:
+                    pass
+            sock.setblocking(False)
+            if self.port_range is None:
+                sock.bind((self.bind_host, 0))
+                return sock
+            low, high = self.port_range
+            for _ in range(_BIND_ATTEMPTS):
+                try:
+                    sock.bind((self.bind_host, random.randint(low, high)))
+                    return sock
+                except OSError:
+                    continue
+            raise OSError(f"no free port in {low}-{high}")
+        except BaseException:
+            sock.close()
+            raise
+
+    def release(self, cookie: int) -> None:
+        pair = self._pairs.pop(cookie, None)
+        if pair is None:
+            return
+        for side in pair.sides:
+            self.stats.released_packets += side.packets
+            self._loop.remove_reader(side.fd)
+            side.sock.close()
+        self.stats.released += 1
+
+    def sweep(self, now: float) -> None:
+        """Release pairs that carried nothing for ``idle_timeout`` seconds."""
+        for cookie, pair in list(self._pairs.items()):
+            packets = pair.sides[0].packets + pair.sides[1].packets
+            if packets != pair.last_packets:
+                pair.last_packets = packets
+                pair.last_active = now
+            elif now - pair.last_active >= self.idle_timeout:
+                self.release(cookie)
+
+    async def _sweep_forever(self) -> None:
+        # Idle detection granularity: a quarter of the timeout, at most 5 s.
+        interval = min(self.idle_timeout / 4, 5.0)
+        while not self._closed:
+            await asyncio.sleep(interval)
+            self.sweep(self._loop.time())
+
+    async def close(self) -> None:
+        self._closed = True
+        for cookie in list(self._pairs):
+            self.release(cookie)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            try:
+                await self._sweeper
+            except asyncio.CancelledError:
+                pass
+            self._sweeper = None

@@ -1,0 +1,103 @@
+"""GameSpy NAT negotiation through real kernel NAT: the SDK client emulation on lab
+hosts, crossroads' natneg server on the lab server (natneg1/2 on its first address,
+natneg3 on its second)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from crossroads.lab.matrix import Attempt
+from crossroads.lab.methods.natneg import (
+    SERVERS,
+    game_data_crosses,
+    negotiate,
+    run,
+    succeeded,
+)
+from crossroads.lab.natneg_sdk import SdkNegotiator, detect_nat
+from crossroads.lab.topology import SERVER_IPS, Lab
+from crossroads.proto.natneg.packets import NatType, NegotiateResult
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(120)]
+
+
+async def reset(lab: Lab, *names: str) -> None:
+    await asyncio.gather(*(lab.reset_nat(lab.site(name)) for name in names))
+
+
+async def test_direct_negotiation_through_nat(lab: Lab) -> None:
+    await reset(lab, "port-restricted-cone-a", "full-cone-b")
+    a, b = lab.site("port-restricted-cone-a"), lab.site("full-cone-b")
+    host, guest = await negotiate(lab, a, b, 0x11112222)
+    try:
+        assert succeeded(host, guest)
+        assert host.outcome and guest.outcome
+        # Each pings the other's public mapping (the routers keep the host's port).
+        assert host.outcome.remote and host.outcome.remote[0] == b.public_ip
+        assert guest.outcome.remote and guest.outcome.remote[0] == a.public_ip
+        assert await game_data_crosses(host, guest)
+    finally:
+        SdkNegotiator.close_all()
+
+
+async def test_symmetric_pair_is_relayed(lab: Lab) -> None:
+    await reset(lab, "symmetric-random-a", "symmetric-sequential-b")
+    a, b = lab.site("symmetric-random-a"), lab.site("symmetric-sequential-b")
+    host, guest = await negotiate(lab, a, b, 0x33334444)
+    try:
+        assert succeeded(host, guest)
+        assert host.outcome and guest.outcome
+        # The server saw different NN1/NN3 mappings on both sides and put a relay
+        # port pair on its own address into the CONNECTs.
+        assert host.outcome.remote and host.outcome.remote[0] == SERVER_IPS[0]
+        assert guest.outcome.remote and guest.outcome.remote[0] == SERVER_IPS[0]
+        assert host.outcome.remote != guest.outcome.remote
+        assert await game_data_crosses(host, guest)
+    finally:
+        SdkNegotiator.close_all()
+
+
+async def test_failed_negotiation_is_relayed_on_retry(lab: Lab) -> None:
+    await reset(lab, "symmetric-random-b", "port-restricted-cone-b")
+    a, b = lab.site("symmetric-random-b"), lab.site("port-restricted-cone-b")
+    host, guest = await negotiate(lab, a, b, 0x55556666)
+    try:
+        # One endpoint-dependent mapping against port-dependent filtering: the pings
+        # never meet; both clients time out and REPORT the failure.
+        assert host.outcome and host.outcome.result == NegotiateResult.PING_TIMEOUT
+        assert guest.outcome and guest.outcome.result == NegotiateResult.PING_TIMEOUT
+    finally:
+        SdkNegotiator.close_all()
+    # The game retries with a new cookie: the server remembers the failed pair.
+    outcome = await run(Attempt(lab, a, b))
+    assert outcome.connected and outcome.via == "relay"
+
+
+@pytest.mark.parametrize(
+    ("site", "want"),
+    [
+        ("open-a", NatType.NO_NAT),
+        ("full-cone-a", NatType.FULL_CONE),
+        ("restricted-cone-a", NatType.RESTRICTED_CONE),
+        ("port-restricted-cone-a", NatType.PORT_RESTRICTED_CONE),
+        ("symmetric-random-a", NatType.SYMMETRIC),
+    ],
+)
+async def test_sdk_nat_detection_through_nat(
+    lab: Lab, site: str, want: NatType
+) -> None:
+    """The SDK's own NAT detection classifies each kind right: the server's ERTs
+    come from an uncontacted IP (natneg3) and from a second port, and natneg2/3
+    sit on different IPs."""
+    await reset(lab, site)
+    where = lab.site(site)
+    result = await detect_nat(
+        SERVERS,
+        local_ip=where.host_ip,
+        timeout=2.0,
+        make_socket=lambda: lab.udp_socket(where),
+    )
+    assert result.success
+    assert result.nat_type == want, result
