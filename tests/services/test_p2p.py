@@ -175,3 +175,38 @@ async def test_listing_is_mounted(rt: Runtime) -> None:
         assert (await client.get("/testServer", params={"__gameId": "g"})).json()[
             "GET"
         ][0]["__addr"] == "127.0.0.1"
+
+
+async def test_welcome_carries_turn_rest_credentials() -> None:
+    import hashlib
+    import hmac
+    import time
+
+    runtime = await start(
+        default_config(
+            loopback_config(
+                core__only="p2p",
+                p2p__turn_secret="s3cret",
+                p2p__turn_server="192.0.2.1:3478",
+            )
+        )
+    )
+    try:
+        async with websockets.connect(ws_url(runtime)) as ws:
+            await ws.send(hello())
+            welcome = await recv_type(ws, "welcome")
+        turn = welcome["turn"]
+        assert turn["servers"] == [["192.0.2.1", 3478]]
+        expires, peer = turn["username"].split(":")
+        assert peer == welcome["peer"] and int(expires) == turn["expires"]
+        assert 3500 < turn["expires"] - time.time() <= 3600
+        digest = hmac.new(b"s3cret", turn["username"].encode(), hashlib.sha1).digest()
+        assert base64.b64decode(turn["password"]) == digest
+    finally:
+        await runtime.close()
+
+
+async def test_no_turn_without_a_secret(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        assert (await recv_type(ws, "welcome"))["turn"] is None

@@ -19,9 +19,14 @@ in the Store and work across instances.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import hmac
 import itertools
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -30,6 +35,7 @@ from prometheus_client import Counter, Gauge
 from starlette.websockets import WebSocketState
 
 from crossroads.config import setting
+from crossroads.errors import ConfigError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
     Coordinator,
@@ -88,6 +94,23 @@ class Config:
         kind="int",
         check=_check_positive,
         help="WebSocket relay budget per connection, bytes/s (the relay is the last resort).",
+    )
+    turn_secret: str = setting(
+        "",
+        help="Shared secret of a TURN server (coturn use-auth-secret / --turn-secret): "
+        "peers get time-limited TURN credentials in welcome. Empty: the TURN "
+        "service's first secret when it runs in this process.",
+    )
+    turn_server: str = setting(
+        "",
+        help="TURN server for those credentials, HOST:PORT. Empty: this host's "
+        "STUN/TURN port when the TURN service runs here.",
+    )
+    turn_ttl: int = setting(
+        3600,
+        kind="int",
+        check=_check_positive,
+        help="Lifetime of the TURN credentials handed out, seconds.",
     )
     master_path: str = setting(
         "/testServer",
@@ -366,9 +389,59 @@ class P2PService:
                 await ws.send_text(payload)
 
 
+def turn_credentials(
+    secret: str, server: sig.Endpoint, ttl: int, clock: Callable[[], float] = time.time
+) -> Callable[[str], sig.TurnInfo]:
+    """coturn's REST-API credentials (draft-uberti-behave-turn-rest-00):
+    username ``<expiry>:<peer id>``, password ``base64(HMAC-SHA1(secret, username))``."""
+
+    def make(peer_id: str) -> sig.TurnInfo:
+        expires = int(clock()) + ttl
+        username = f"{expires}:{peer_id}"
+        digest = hmac.new(secret.encode(), username.encode(), hashlib.sha1).digest()
+        return sig.TurnInfo(
+            (server,), username, base64.b64encode(digest).decode("ascii"), expires
+        )
+
+    return make
+
+
+def _turn_settings(ctx: ServiceContext, config: Config) -> tuple[str, str]:
+    """(secret, HOST:PORT) from the p2p settings, else from a TURN service that
+    runs in this process (its first ``secret`` and STUN's port)."""
+    secret, server = config.turn_secret, config.turn_server
+    turn = ctx.config.sections.get("turn") if ctx.config.enabled("turn") else None
+    if not secret and turn is not None:
+        secrets_ = getattr(turn, "secret", ())
+        secret = secrets_[0] if secrets_ else ""
+    if secret and not server and turn is not None:
+        stun = ctx.config.sections.get("stun")
+        port = getattr(stun, "port", 3478) if stun is not None else 3478
+        running = ctx.running.get("stun")
+        if running is not None:
+            # The bound port (the configured one may be 0 in tests).
+            for line in running.describe():
+                if line.startswith("udp "):
+                    port = int(line.rsplit(":", 1)[1].split()[0])
+                    break
+        host = ctx.config.core.public_host or ctx.host
+        server = f"{host}:{port}"
+    return secret, server
+
+
 async def serve(ctx: ServiceContext) -> Service:
     config = ctx.section(NAME, Config)
     service = P2PService(ctx, config)
+    secret, server = _turn_settings(ctx, config)
+    if secret and server:
+        host, _, port = server.rpartition(":")
+        try:
+            endpoint = sig.Endpoint(host.strip("[]"), int(port))
+        except ValueError:
+            raise ConfigError(f"p2p.turn_server: {server!r} is not HOST:PORT") from None
+        service.core._turn_credentials = turn_credentials(
+            secret, endpoint, config.turn_ttl
+        )
     await service.start(ctx.host, ctx.config.core.public_host)
     router = APIRouter(tags=["p2p"])
 

@@ -77,6 +77,14 @@ SERVER_MESSAGES = st.one_of(
         IDS,
         IDS,
         st.lists(ENDPOINTS, max_size=3).map(tuple),
+        st.none()
+        | st.builds(
+            sig.TurnInfo,
+            st.lists(ENDPOINTS, max_size=4).map(tuple),
+            st.text(min_size=1, max_size=128),
+            st.text(min_size=1, max_size=128),
+            st.integers(0, 2**40),
+        ),
     ),
     st.builds(sig.Hosted, IDS, IDS, st.integers(0, 2**31)),
     st.builds(sig.JoinStart, IDS, IDS, st.lists(MEMBERS, max_size=4).map(tuple)),

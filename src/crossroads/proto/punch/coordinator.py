@@ -245,9 +245,13 @@ class Coordinator:
         self,
         config: CoordinatorConfig,
         random_bytes: Callable[[int], bytes],
+        turn_credentials: Callable[[str], sig.TurnInfo | None] | None = None,
     ) -> None:
         self.config = config
         self._random = random_bytes
+        #: Makes TURN credentials for a new peer id (the service supplies the
+        #: wall clock and the shared secret); None: no TURN in ``welcome``.
+        self._turn_credentials = turn_credentials
         self._conns: dict[int, _Conn] = {}
         self._per_ip: dict[str, int] = {}
         self._peers: dict[str, _Peer] = {}
@@ -259,6 +263,12 @@ class Coordinator:
         self._out: list[tuple[int, str]] = []
         self._close: list[tuple[int, int, str]] = []
         self._events: list[Event] = []
+
+    def set_turn_credentials(
+        self, make: Callable[[str], sig.TurnInfo | None] | None
+    ) -> None:
+        """Hand out TURN credentials in ``welcome`` (``make(peer_id)``)."""
+        self._turn_credentials = make
 
     # ------------------------------------------------------------- introspection
 
@@ -527,7 +537,12 @@ class Coordinator:
         self._send(
             peer,
             sig.Welcome(
-                sig.PROTOCOL_VERSION, peer_id, token.hex(), c.ip, self.config.udp
+                sig.PROTOCOL_VERSION,
+                peer_id,
+                token.hex(),
+                c.ip,
+                self.config.udp,
+                self._turn_credentials(peer_id) if self._turn_credentials else None,
             ),
         )
         self._ping(peer, now)

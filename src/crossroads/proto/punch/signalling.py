@@ -380,6 +380,37 @@ class Hello(Message):
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TurnInfo:
+    """TURN servers and time-limited credentials for this peer (the coturn
+    "REST API" scheme: username ``<expiry unix time>:<peer id>``, password
+    ``base64(HMAC-SHA1(shared secret, username))``)."""
+
+    servers: tuple[Endpoint, ...]
+    username: str
+    password: str
+    expires: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "servers": [e.to_json() for e in self.servers],
+            "username": self.username,
+            "password": self.password,
+            "expires": self.expires,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> TurnInfo:
+        if not isinstance(value, dict):
+            raise DecodeError("turn must be an object", "bad-type")
+        return cls(
+            servers=_endpoints(value, "servers", 4),
+            username=_str(value, "username", max_chars=128),
+            password=_str(value, "password", max_chars=128),
+            expires=_int(value, "expires", 0, 2**40),
+        )
+
+
 @_server
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
@@ -394,6 +425,8 @@ class Welcome(Message):
     ip: str
     #: Primary, first and second alternate rendezvous UDP ports, in probe order.
     udp: tuple[Endpoint, ...]
+    #: TURN for the relay step, when the server hands out credentials.
+    turn: TurnInfo | None = None
 
     def body(self) -> dict[str, Any]:
         return {
@@ -402,6 +435,7 @@ class Welcome(Message):
             "token": self.token,
             "ip": self.ip,
             "udp": [e.to_json() for e in self.udp],
+            "turn": None if self.turn is None else self.turn.to_json(),
         }
 
     @classmethod
@@ -412,6 +446,7 @@ class Welcome(Message):
             token=_str(o, "token"),
             ip=_str(o, "ip"),
             udp=_endpoints(o, "udp", 3),
+            turn=None if o.get("turn") is None else TurnInfo.from_json(o["turn"]),
         )
 
 
