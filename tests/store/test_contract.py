@@ -104,3 +104,18 @@ async def test_redis_down_is_a_store_error() -> None:
             await store.get("k")
     finally:
         await store.close()
+
+
+async def test_redis_burst_beyond_pool_size_waits_instead_of_failing(
+    redis_url: str,
+) -> None:
+    store = RedisStore(redis_url)
+    try:
+        burst = RedisStore.MAX_CONNECTIONS * 4
+        results = await asyncio.gather(
+            *(store.set(f"burst:{i}", b"x") for i in range(burst))
+        )
+        assert all(results)
+        assert len(await store.keys("burst:")) == burst
+    finally:
+        await store.close()

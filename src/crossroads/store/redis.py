@@ -53,15 +53,25 @@ class RedisSubscription:
 class RedisStore:
     """A Store on a Redis server. Reconnects on its own (redis-py's pool)."""
 
+    #: Connections per process. A burst beyond it waits for a free connection
+    #: (BlockingConnectionPool) instead of failing at once, which redis-py's
+    #: default pool does when its limit is reached.
+    MAX_CONNECTIONS = 64
+    #: How long an operation waits for a pooled connection before StoreError.
+    POOL_TIMEOUT = 10.0
+
     def __init__(self, url: str) -> None:
         self.url = url
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=self.MAX_CONNECTIONS,
+            timeout=self.POOL_TIMEOUT,
             decode_responses=False,
             health_check_interval=10,
             retry_on_timeout=True,
             socket_connect_timeout=5,
         )
+        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
 
     async def get(self, key: str) -> bytes | None:
         value: Any = await _guard(self._redis.get(key))
@@ -134,3 +144,4 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._redis.connection_pool.disconnect()

@@ -1,0 +1,385 @@
+"""The connection ladder: one client joining one server by invite code.
+
+Theory of operation
+-------------------
+A :class:`ConnectAttempt` is created when a client sends CLIENT_CONNECT for a
+known invite code. It answers GC_CONNECTING (which tells the client the token)
+and then walks the ladder of reference ``openttd-coordinator.md`` section 7,
+one method at a time, each with its own *tracking number* (1, 2, 3, ...):
+
+1. **Direct**: for each address the registration probe reached (IPv4 first),
+   GC_DIRECT_CONNECT to the client.
+2. **STUN** (both peers at protocol 3+): GC_STUN_REQUEST to both. Each peer opens
+   one STUN connection per address family and reports SERCLI_STUN_RESULT per
+   family; the STUN service reports the address it saw. When each side has two
+   results (or :attr:`stun_wait` passes) the families both sides reached are
+   paired, IPv4 first, and each pair gets GC_STUN_CONNECT to *both* sides at once
+   with the other side's public address: a TCP simultaneous open.
+3. **TURN** (both peers at protocol 5+ and a relay known): a ticket, then
+   GC_TURN_CONNECT to both; the relay pairs them by ticket.
+
+SERCLI_CONNECT_FAILED with the current tracking number moves to the next
+method; an older number is stale and ignored; number 0 means the client gave
+up. CLIENT_CONNECTED (only the client reports success) ends the attempt. When
+the ladder runs out, or after :attr:`timeout` overall, both sides get
+GC_CONNECT_FAILED.
+
+The core never does I/O: events come in with ``now``, and it returns
+:data:`Command` lists for the service to carry out in order (an
+:class:`IssueTicket` must be stored before the GC_TURN_CONNECT after it is sent).
+The families in STUN messages are opaque ``AF_*`` bytes of each peer's own OS,
+so pairs are matched on the IP version of the *observed* addresses and each side
+gets its own byte back.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
+
+from crossroads.proto.openttd.codes import TokenSide, token_for
+from crossroads.proto.openttd.coordinator import (
+    VERSION_STUN,
+    VERSION_TURN,
+    GcConnectFailed,
+    GcConnecting,
+    GcDirectConnect,
+    GcMessage,
+    GcStunConnect,
+    GcStunRequest,
+    GcTurnConnect,
+)
+
+#: Overall limit of one join (reference section 7: the reference GC's 20 s
+#: timeout; an OpenTTD client gives up its own connecter well within it).
+CONNECT_TIMEOUT = 20.0
+#: How long to wait for both sides' STUN results before pairing what arrived.
+#: A peer without IPv6 may take OpenTTD's 3 s TCP connect timeout to report that
+#: family as failed, so wait a little longer than that.
+STUN_WAIT = 5.0
+#: Each OpenTTD peer opens one STUN connection per family (AF_INET6, AF_INET)
+#: and reports both (``Receive_GC_STUN_REQUEST``).
+STUN_RESULTS_PER_SIDE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SendToClient:
+    message: GcMessage
+
+
+@dataclass(frozen=True, slots=True)
+class SendToServer:
+    message: GcMessage
+
+
+@dataclass(frozen=True, slots=True)
+class IssueTicket:
+    """Store this TURN ticket (with its TTL) before sending what follows."""
+
+    ticket: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The attempt is over. ``method`` names what worked (or was last tried)."""
+
+    success: bool
+    method: str
+    reason: str
+
+
+Command = SendToClient | SendToServer | IssueTicket | Finished
+
+
+class Side(Enum):
+    CLIENT = auto()
+    SERVER = auto()
+
+
+class _Stage(Enum):
+    METHOD = auto()  # a method with a tracking number is under way
+    STUN_COLLECT = auto()  # waiting for STUN results and observations
+    DONE = auto()
+
+
+@dataclass(slots=True)
+class _StunSide:
+    results: dict[int, bool]
+    seen: dict[int, tuple[str, int]]
+
+    def ready(self) -> bool:
+        if len(self.results) < STUN_RESULTS_PER_SIDE:
+            return False
+        return all(f in self.seen for f, ok in self.results.items() if ok)
+
+    def usable(self, ip_version: int) -> tuple[int, tuple[str, int]] | None:
+        for family, ok in self.results.items():
+            address = self.seen.get(family)
+            if ok and address is not None and _ip_version(address[0]) == ip_version:
+                return family, address
+        return None
+
+
+def _ip_version(host: str) -> int:
+    try:
+        return ipaddress.ip_address(host).version
+    except ValueError:
+        return 0
+
+
+class ConnectAttempt:
+    """One join by invite code; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        attempt_key: str,
+        invite_code: str,
+        client_version: int,
+        server_version: int,
+        direct: Sequence[tuple[str, int]],
+        turn_address: str | None,
+        ticket: str,
+        now: float,
+        timeout: float = CONNECT_TIMEOUT,
+        stun_wait: float = STUN_WAIT,
+    ) -> None:
+        self.attempt_key = attempt_key
+        self.invite_code = invite_code
+        self.client_token = token_for(TokenSide.CLIENT, attempt_key)
+        self.server_token = token_for(TokenSide.SERVER, attempt_key)
+        self.client_version = client_version
+        self.server_version = server_version
+        self.stun_wait = stun_wait
+        self.ticket = ticket
+        self.turn_address = turn_address
+        self.started = now
+        self._deadline = now + timeout
+        self._stun_deadline: float | None = None
+        self._stage = _Stage.METHOD
+        self._tracking = 0
+        self._open = False  # the current tracking number still awaits its outcome
+        self._method = "none"
+        self._server_involved = False
+        self._client_gone = False
+        self._server_gone = False
+        self._stun: dict[Side, _StunSide] = {
+            Side.CLIENT: _StunSide({}, {}),
+            Side.SERVER: _StunSide({}, {}),
+        }
+        self._pairs: list[
+            tuple[int, tuple[int, tuple[str, int]], tuple[int, tuple[str, int]]]
+        ] = []
+        steps: list[tuple[str, str, int]] = []
+        ordered = sorted(direct, key=lambda a: _ip_version(a[0]))
+        for host, port in ordered:
+            steps.append((f"direct-ipv{_ip_version(host)}", host, port))
+        lowest = min(client_version, server_version)
+        if lowest >= VERSION_STUN:
+            steps.append(("stun", "", 0))
+        if lowest >= VERSION_TURN and turn_address:
+            steps.append(("turn", "", 0))
+        self._steps = steps
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def done(self) -> bool:
+        return self._stage is _Stage.DONE
+
+    @property
+    def method(self) -> str:
+        return self._method
+
+    @property
+    def tracking_number(self) -> int:
+        return self._tracking
+
+    def get_timer(self) -> float | None:
+        if self._stage is _Stage.DONE:
+            return None
+        if self._stage is _Stage.STUN_COLLECT and self._stun_deadline is not None:
+            return min(self._deadline, self._stun_deadline)
+        return self._deadline
+
+    # ------------------------------------------------------------------ events
+
+    def start(self, now: float) -> list[Command]:
+        commands: list[Command] = [
+            SendToClient(GcConnecting(self.client_token, self.invite_code))
+        ]
+        return commands + self._advance(now)
+
+    def connect_failed(
+        self, side: Side, tracking_number: int, now: float
+    ) -> list[Command]:
+        """SERCLI_CONNECT_FAILED from ``side``."""
+        if self._stage is _Stage.DONE:
+            return []
+        if tracking_number == 0:
+            who = "client" if side is Side.CLIENT else "server"
+            return self._finish(False, f"{who} gave up")
+        if tracking_number != self._tracking or not self._open:
+            return []  # stale: a method we already moved past
+        self._open = False
+        return self._advance(now)
+
+    def connected(self, now: float) -> list[Command]:
+        """CLIENT_CONNECTED: the client holds a game connection to the server."""
+        if self._stage is _Stage.DONE:
+            return []
+        return self._finish(True, "connected")
+
+    def stun_result(
+        self, side: Side, family: int, ok: bool, now: float
+    ) -> list[Command]:
+        """SERCLI_STUN_RESULT from ``side``."""
+        if self._stage is not _Stage.STUN_COLLECT:
+            return []
+        results = self._stun[side].results
+        if family not in results and len(results) >= STUN_RESULTS_PER_SIDE * 2:
+            return []  # bounded: a peer cannot grow this with made-up families
+        results[family] = ok
+        return self._maybe_pair(now)
+
+    def stun_observed(
+        self, side: Side, family: int, host: str, port: int, now: float
+    ) -> list[Command]:
+        """The STUN service saw ``side``'s packet for ``family`` from host:port."""
+        if self._stage is _Stage.DONE:
+            return []
+        seen = self._stun[side].seen
+        if family not in seen and len(seen) >= STUN_RESULTS_PER_SIDE * 2:
+            return []
+        seen[family] = (host, port)
+        if self._stage is _Stage.STUN_COLLECT:
+            return self._maybe_pair(now)
+        return []
+
+    def peer_gone(self, side: Side, now: float) -> list[Command]:
+        """The client's or server's coordinator connection closed."""
+        if self._stage is _Stage.DONE:
+            return []
+        if side is Side.CLIENT:
+            self._client_gone = True
+            return self._finish(False, "client left")
+        self._server_gone = True
+        return self._finish(False, "server left")
+
+    def handle_timer(self, now: float) -> list[Command]:
+        if self._stage is _Stage.DONE:
+            return []
+        if now >= self._deadline:
+            return self._finish(False, "timeout")
+        if (
+            self._stage is _Stage.STUN_COLLECT
+            and self._stun_deadline is not None
+            and now >= self._stun_deadline
+        ):
+            return self._pair(now)
+        return []
+
+    # --------------------------------------------------------------- internals
+
+    def _advance(self, now: float) -> list[Command]:
+        if self._pairs:
+            return self._stun_connect(self._pairs.pop(0))
+        if not self._steps:
+            return self._finish(False, "no method left")
+        method, host, port = self._steps.pop(0)
+        if method == "stun":
+            self._stage = _Stage.STUN_COLLECT
+            self._stun_deadline = now + self.stun_wait
+            self._server_involved = True
+            return [
+                SendToClient(GcStunRequest(self.client_token)),
+                SendToServer(GcStunRequest(self.server_token)),
+            ]
+        self._tracking += 1
+        self._open = True
+        self._method = method
+        self._stage = _Stage.METHOD
+        if method == "turn":
+            self._server_involved = True
+            assert self.turn_address is not None
+            return [
+                IssueTicket(self.ticket),
+                SendToClient(
+                    GcTurnConnect(
+                        self.client_token,
+                        self._tracking,
+                        self.ticket,
+                        self.turn_address,
+                    )
+                ),
+                SendToServer(
+                    GcTurnConnect(
+                        self.server_token,
+                        self._tracking,
+                        self.ticket,
+                        self.turn_address,
+                    )
+                ),
+            ]
+        return [
+            SendToClient(GcDirectConnect(self.client_token, self._tracking, host, port))
+        ]
+
+    def _maybe_pair(self, now: float) -> list[Command]:
+        if self._stun[Side.CLIENT].ready() and self._stun[Side.SERVER].ready():
+            return self._pair(now)
+        return []
+
+    def _pair(self, now: float) -> list[Command]:
+        self._stun_deadline = None
+        for version in (4, 6):
+            client = self._stun[Side.CLIENT].usable(version)
+            server = self._stun[Side.SERVER].usable(version)
+            if client is not None and server is not None:
+                self._pairs.append((version, client, server))
+        self._stage = _Stage.METHOD
+        return self._advance(now)
+
+    def _stun_connect(
+        self,
+        pair: tuple[int, tuple[int, tuple[str, int]], tuple[int, tuple[str, int]]],
+    ) -> list[Command]:
+        version, (client_family, client_addr), (server_family, server_addr) = pair
+        self._tracking += 1
+        self._open = True
+        self._method = f"stun-ipv{version}"
+        self._stage = _Stage.METHOD
+        return [
+            SendToClient(
+                GcStunConnect(
+                    self.client_token,
+                    self._tracking,
+                    client_family,
+                    server_addr[0],
+                    server_addr[1],
+                )
+            ),
+            SendToServer(
+                GcStunConnect(
+                    self.server_token,
+                    self._tracking,
+                    server_family,
+                    client_addr[0],
+                    client_addr[1],
+                )
+            ),
+        ]
+
+    def _finish(self, success: bool, reason: str) -> list[Command]:
+        self._stage = _Stage.DONE
+        self._open = False
+        commands: list[Command] = []
+        if not success:
+            if not self._client_gone:
+                commands.append(SendToClient(GcConnectFailed(self.client_token)))
+            if self._server_involved and not self._server_gone:
+                commands.append(SendToServer(GcConnectFailed(self.server_token)))
+        commands.append(Finished(success, self._method, reason))
+        return commands

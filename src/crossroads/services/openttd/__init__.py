@@ -1,0 +1,436 @@
+"""OpenTTD-compatible Game Coordinator (TCP 3976), STUN (3975) and TURN (3974).
+
+Point a real OpenTTD 12-15 at it with ``OTTD_COORDINATOR_CS=host:3976`` and
+``OTTD_STUN_CS=host:3975``; the TURN address is handed out by the coordinator.
+One service, three listeners (``roles``); with ``--store redis://...`` any number
+of processes share registrations, tickets and routing (see :mod:`.registry` and
+:mod:`.bus`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Gauge
+
+from crossroads.config import setting
+from crossroads.errors import StoreError
+from crossroads.services.base import ServiceContext
+from crossroads.services.openttd.bounded import BoundedStore
+from crossroads.services.openttd.bus import Bus
+from crossroads.services.openttd.conn import Limits, Listener, PacketConnection
+from crossroads.services.openttd.coordinator import (
+    Coordinator,
+    CoordinatorSettings,
+    ListingCache,
+)
+from crossroads.services.openttd.registry import (
+    INSTANCE_EVERY,
+    NEWGRF_COUNTER_KEY,
+    TURN_ANNOUNCE_EVERY,
+    Registry,
+    ServerRecord,
+)
+from crossroads.services.openttd.stun import StunService
+from crossroads.services.openttd.turn import TurnService
+from crossroads.services.openttd.web import make_router
+from crossroads.types import Address
+
+NAME = "openttd"
+ROLES = ("coordinator", "stun", "turn")
+#: How often each coordinator sweeps expired server records out of the store
+#: (a server updates every 30 s; its record lives ``server_ttl`` = 90 s).
+SWEEP_EVERY = 30.0
+
+log = logging.getLogger("crossroads.openttd")
+
+
+def _check_roles(roles: tuple[str, ...]) -> None:
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown or not roles:
+        raise ValueError(
+            f"{', '.join(unknown) or 'nothing'} is not one of {', '.join(ROLES)}"
+        )
+
+
+def _positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError("must be greater than 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """The ``[openttd]`` section."""
+
+    coordinator_port: int = setting(
+        3976,
+        kind="port",
+        help="Game Coordinator TCP port (OpenTTD's OTTD_COORDINATOR_CS).",
+    )
+    stun_port: int = setting(
+        3975, kind="port", help="OpenTTD STUN TCP port (OTTD_STUN_CS)."
+    )
+    turn_port: int = setting(
+        3974,
+        kind="port",
+        help="OpenTTD TURN relay TCP port (the coordinator tells peers).",
+    )
+    roles: tuple[str, ...] = setting(
+        ROLES,
+        kind="list",
+        check=_check_roles,
+        help="Listeners this process runs: coordinator, stun, turn.",
+    )
+    secret: str = setting(
+        "",
+        help="Key that signs invite-code secrets, so servers keep their codes across "
+        "restarts. Empty: a random key, shared through the store.",
+    )
+    turn_address: str = setting(
+        "",
+        help="host[:port] of the TURN relay told to OpenTTD peers. Empty: this process's "
+        "relay at --public-host (or the address the peer reached us on).",
+    )
+    connect_timeout: float = setting(
+        20.0, kind="float", check=_positive, help="Seconds one join may take in total."
+    )
+    stun_wait: float = setting(
+        5.0,
+        kind="float",
+        check=_positive,
+        help="Seconds to wait for both peers' STUN results.",
+    )
+    verify_timeout: float = setting(
+        7.0,
+        kind="float",
+        check=_positive,
+        help="Seconds a registration check may take.",
+    )
+    probe_timeout: float = setting(
+        3.0,
+        kind="float",
+        check=_positive,
+        help="Seconds for one direct game-protocol probe.",
+    )
+    packet_timeout: float = setting(
+        10.0,
+        kind="float",
+        check=_positive,
+        help="Seconds to send the first packet, or to finish any started packet.",
+    )
+    idle_timeout: float = setting(
+        90.0,
+        kind="float",
+        check=_positive,
+        help="Seconds without a packet before a coordinator connection is closed "
+        "(servers update every 30 s).",
+    )
+    stun_hold: float = setting(
+        60.0,
+        kind="float",
+        check=_positive,
+        help="Seconds a STUN connection is kept open.",
+    )
+    turn_wait: float = setting(
+        20.0,
+        kind="float",
+        check=_positive,
+        help="Seconds a TURN side waits for its peer.",
+    )
+    relay_idle_timeout: float = setting(
+        300.0,
+        kind="float",
+        check=_positive,
+        help="Seconds a silent TURN relay is kept.",
+    )
+    max_connections: int = setting(
+        50000, kind="int", check=_positive, help="Open connections per listener."
+    )
+    max_connections_per_address: int = setting(
+        256,
+        kind="int",
+        check=_positive,
+        help="Open connections per listener and source IP.",
+    )
+    registrations_per_minute: int = setting(
+        30, kind="int", check=_positive, help="Registrations per source IP and minute."
+    )
+    max_servers_per_address: int = setting(
+        64,
+        kind="int",
+        check=_positive,
+        help="Registered servers per source IP (per instance).",
+    )
+    listing_cache: float = setting(
+        2.0, kind="float", check=_positive, help="Seconds a server listing is reused."
+    )
+    server_ttl: float = setting(
+        90.0,
+        kind="float",
+        check=_positive,
+        help="Seconds a server record lives without an update (servers update every 30 s).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.server_ttl <= 30.0:
+            raise ValueError("server_ttl: must exceed the 30 s server update period")
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _specific(host: str) -> bool:
+    return bool(host) and not ipaddress.ip_address(host).is_unspecified
+
+
+class OpenTTDService:
+    """The running listeners and their background tasks."""
+
+    name = NAME
+
+    def __init__(self) -> None:
+        self.listeners: dict[str, Listener] = {}
+        self.coordinator: Coordinator | None = None
+        self.turn: TurnService | None = None
+        self.bus: Bus | None = None
+        self.registry: Registry | None = None
+        self.instance = ""
+        self.tasks: list[asyncio.Task[None]] = []
+        self.turn_public: str | None = None
+        self._closed = False
+
+    def describe(self) -> list[str]:
+        return [
+            f"tcp {_join(*listener.address)} ({role})"
+            for role, listener in self.listeners.items()
+        ]
+
+    def address(self, role: str) -> Address:
+        return self.listeners[role].address
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.registry is not None:
+            with contextlib.suppress(StoreError):
+                if self.turn_public:
+                    await self.registry.withdraw_turn(self.turn_public)
+                if self.coordinator is not None:
+                    await self.registry.withdraw_instance(self.instance)
+        if self.coordinator is not None:
+            await self.coordinator.close()
+        if self.turn is not None:
+            self.turn.cancel_all()
+        for listener in self.listeners.values():
+            await listener.close()
+        if self.bus is not None:
+            await self.bus.close()
+
+
+async def _every(
+    period: float, action: Callable[[], Awaitable[None]], what: str
+) -> None:
+    while True:
+        try:
+            await action()
+        except StoreError as exc:
+            log.warning("openttd: %s failed: %s", what, exc)
+        await asyncio.sleep(period)
+
+
+async def serve(ctx: ServiceContext) -> OpenTTDService:
+    cfg = ctx.section(NAME, Config)
+    service = OpenTTDService()
+    service.instance = os.urandom(4).hex()
+    store = BoundedStore(ctx.store)
+    registry = Registry(store, os.urandom)
+    service.registry = registry
+    bus = Bus(store, service.instance, ctx.metrics)
+    service.bus = bus
+    dropped = Counter(
+        "crossroads_openttd_dropped",
+        "OpenTTD connections closed for bad input or limits, by listener and reason.",
+        ["listener", "reason"],
+        registry=ctx.metrics,
+    )
+    connections = Gauge(
+        "crossroads_openttd_connections",
+        "Open OpenTTD connections, by listener.",
+        ["listener"],
+        registry=ctx.metrics,
+    )
+    public_host = ctx.config.core.public_host
+    host = ctx.host
+
+    try:
+        if "turn" in cfg.roles:
+            turn = TurnService(registry, ctx.metrics, cfg.turn_wait)
+            service.turn = turn
+            listener = Listener(
+                "turn",
+                turn,
+                Limits(
+                    max_connections=cfg.max_connections,
+                    max_per_address=cfg.max_connections_per_address,
+                    packet_timeout=cfg.packet_timeout,
+                    idle_timeout=cfg.turn_wait + cfg.packet_timeout,
+                    relay_idle_timeout=cfg.relay_idle_timeout,
+                ),
+                dropped,
+                connections,
+            )
+            service.listeners["turn"] = listener
+            address = await listener.start(host, cfg.turn_port)
+            announce_host = public_host or (host if _specific(host) else "")
+            if cfg.turn_address:
+                service.turn_public = cfg.turn_address
+            elif announce_host:
+                service.turn_public = _join(announce_host, address[1])
+            if service.turn_public:
+                announced = service.turn_public
+                service.tasks.append(
+                    asyncio.create_task(
+                        _every(
+                            TURN_ANNOUNCE_EVERY,
+                            lambda: registry.announce_turn(announced),
+                            "TURN announcement",
+                        )
+                    )
+                )
+
+        if "stun" in cfg.roles:
+            listener = Listener(
+                "stun",
+                StunService(bus, ctx.metrics),
+                Limits(
+                    max_connections=cfg.max_connections,
+                    max_per_address=cfg.max_connections_per_address,
+                    packet_timeout=cfg.packet_timeout,
+                    idle_timeout=cfg.stun_hold,
+                ),
+                dropped,
+                connections,
+            )
+            service.listeners["stun"] = listener
+            await listener.start(host, cfg.stun_port)
+
+        listing = ListingCache(registry, cfg.listing_cache)
+        if "coordinator" in cfg.roles:
+            secret_key = await registry.secret_key(cfg.secret)
+            # Start NewGRF lookup indexes at a random offset, so a client that
+            # kept its lookup table across a restart of an in-memory coordinator
+            # does not mistake new indexes for old ones.
+            await store.set(
+                NEWGRF_COUNTER_KEY,
+                str(random.SystemRandom().randrange(1 << 20) * 1000).encode(),
+                only_if_absent=True,
+            )
+            relays: list[str] = []
+
+            async def refresh_relays() -> None:
+                relays[:] = await registry.turn_relays()
+
+            def turn_address(conn: PacketConnection) -> str | None:
+                if cfg.turn_address:
+                    return cfg.turn_address
+                if service.turn is not None:
+                    if service.turn_public:
+                        return service.turn_public
+                    return _join(conn.local[0], service.listeners["turn"].address[1])
+                return random.choice(relays) if relays else None
+
+            coordinator = Coordinator(
+                settings=CoordinatorSettings(
+                    connect_timeout=cfg.connect_timeout,
+                    stun_wait=cfg.stun_wait,
+                    verify_timeout=cfg.verify_timeout,
+                    probe_timeout=cfg.probe_timeout,
+                    server_ttl=cfg.server_ttl,
+                    registrations_per_minute=float(cfg.registrations_per_minute),
+                    max_servers_per_address=cfg.max_servers_per_address,
+                    listing_cache=cfg.listing_cache,
+                ),
+                registry=registry,
+                bus=bus,
+                metrics=ctx.metrics,
+                instance=service.instance,
+                secret_key=secret_key,
+                turn_address=turn_address,
+            )
+            coordinator.listing = listing
+            service.coordinator = coordinator
+            await bus.start(coordinator.on_bus)
+            await registry.announce_instance(service.instance)
+            service.tasks.append(
+                asyncio.create_task(
+                    _every(
+                        INSTANCE_EVERY,
+                        lambda: registry.announce_instance(service.instance),
+                        "instance heartbeat",
+                    )
+                )
+            )
+            loop = asyncio.get_running_loop()
+
+            async def sweep() -> None:
+                # Reading the list drops expired records (servers of a dead
+                # instance), even when no client asks for a listing.
+                listing.invalidate()
+                await listing.all(loop.time())
+
+            service.tasks.append(
+                asyncio.create_task(_every(SWEEP_EVERY, sweep, "record sweep"))
+            )
+            if service.turn is None and not cfg.turn_address:
+                service.tasks.append(
+                    asyncio.create_task(
+                        _every(TURN_ANNOUNCE_EVERY, refresh_relays, "relay discovery")
+                    )
+                )
+            listener = Listener(
+                "coordinator",
+                coordinator,
+                Limits(
+                    max_connections=cfg.max_connections,
+                    max_per_address=cfg.max_connections_per_address,
+                    packet_timeout=cfg.packet_timeout,
+                    idle_timeout=cfg.idle_timeout,
+                ),
+                dropped,
+                connections,
+            )
+            service.listeners["coordinator"] = listener
+            await listener.start(host, cfg.coordinator_port)
+            service.listeners = {
+                role: service.listeners[role]
+                for role in ROLES
+                if role in service.listeners
+            }
+
+        loop = asyncio.get_running_loop()
+
+        async def all_records() -> list[ServerRecord]:
+            return await listing.all(loop.time())
+
+        async def one_record(code: str) -> ServerRecord | None:
+            return await registry.get_server(code)
+
+        ctx.add_router(make_router(all_records, one_record))
+    except BaseException:
+        await service.close()
+        raise
+    return service

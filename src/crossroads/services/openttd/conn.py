@@ -1,0 +1,387 @@
+"""TCP plumbing shared by the OpenTTD coordinator, STUN and TURN listeners.
+
+A :class:`PacketConnection` cuts its byte stream into OpenTTD packets and hands
+them, in order, to the listener's :class:`PacketHandler`, one at a time (a
+handler may await the store). It enforces the bounds every listener needs:
+
+- connection count, total and per source address (over the limit: closed at once);
+- a deadline for the first packet and for finishing any started packet
+  (slowloris), and an idle deadline between packets;
+- received bytes are cut into packets only as the handler takes them; past
+  :data:`INBOX_PAUSE` buffered bytes reading pauses until the handler catches
+  up, so a flood costs the flooder its own TCP window, not our memory;
+- a cap on bytes queued for a peer that does not read.
+
+Once :meth:`PacketConnection.relay_to` pairs two connections (TURN), each one's
+``data_received`` becomes a single ``write`` to the other: no framing, no
+parsing, no allocation beyond what asyncio does. Flow control pauses the reader
+when the other side's send buffer is full. Idle relays are detected from byte
+counters by the sweeper, not by stamping the clock per packet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+from prometheus_client import Counter, Gauge
+
+from crossroads.errors import DecodeError
+from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
+from crossroads.transport.udp import make_tcp_listener
+from crossroads.types import Address, normalize_address
+
+log = logging.getLogger("crossroads.openttd")
+
+#: Pause reading when this many received bytes wait for the handler (a few
+#: typical packets; the largest packet is 32 KiB, so this never blocks one).
+INBOX_PAUSE = 64 * 1024
+#: Resume reading once the backlog is down to this.
+INBOX_RESUME = 16 * 1024
+#: How often the sweeper checks deadlines (seconds). Deadlines are coarse on
+#: purpose: one timer per listener, not one per connection.
+SWEEP_EVERY = 1.0
+#: Write-buffer high-water mark (asyncio pauses us above it) ...
+WRITE_HIGH_WATER = 256 * 1024
+#: ... and the hard cap: a peer this far behind is not reading; drop it.
+WRITE_HARD_CAP = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds of one listener (see the module docstring)."""
+
+    max_connections: int
+    max_per_address: int
+    #: Seconds to deliver the first complete packet, and to finish any packet.
+    packet_timeout: float
+    #: Seconds without a complete packet before the connection is dropped.
+    idle_timeout: float
+    #: Seconds a relayed pair may stay silent in both directions.
+    relay_idle_timeout: float = 300.0
+
+
+class PacketHandler(Protocol):
+    async def handle(
+        self, conn: PacketConnection, packet_type: int, payload: bytes
+    ) -> None:
+        """One packet, in order. Raise DecodeError for bad input."""
+        ...
+
+    def rejected(self, conn: PacketConnection, reason: str) -> None:
+        """The stream is unusable (bad framing, bad packet): answer and close."""
+        ...
+
+    def closed(self, conn: PacketConnection) -> None:
+        """The connection is gone (called once)."""
+        ...
+
+
+class PacketConnection(asyncio.Protocol):
+    """One accepted TCP connection; see the module docstring."""
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.transport: asyncio.Transport | None = None
+        self.peer: Address = ("", 0)
+        self.local: Address = ("", 0)
+        self.splitter = PacketSplitter(TCP_MTU)
+        self.worker: asyncio.Task[None] | None = None
+        self.accepted = 0.0
+        self.last_packet = 0.0
+        self.partial_since: float | None = None
+        self.packets = 0
+        self.closed = False
+        self.close_reason = ""
+        self.paused = False
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        # Relay mode (TURN): the other side's transport, and byte counters.
+        self.relay_peer: asyncio.Transport | None = None
+        self.relay_partner: PacketConnection | None = None
+        self.relay_bytes = 0
+        self.relay_seen = 0
+        self.relay_quiet_since = 0.0
+        self.relay_done = False
+        #: Free slot for the owning service (its per-connection state).
+        self.state: object = None
+
+    # ------------------------------------------------------------ asyncio API
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        transport = cast(asyncio.Transport, transport)
+        self.transport = transport
+        self.peer = normalize_address(transport.get_extra_info("peername"))
+        self.local = normalize_address(transport.get_extra_info("sockname"))
+        now = self.listener.loop.time()
+        self.accepted = self.last_packet = now
+        if not self.listener.admit(self):
+            return
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        peer = self.relay_peer
+        if peer is not None:
+            # Data plane: one write, one integer add.
+            peer.write(data)
+            self.relay_bytes += len(data)
+            return
+        if self.closed:
+            return
+        splitter = self.splitter
+        splitter.push(data)
+        if self.worker is None:
+            self.worker = asyncio.create_task(self._work())
+        if splitter.pending >= INBOX_PAUSE and not self.paused and self.transport:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._can_write.set()
+        partner = self.relay_partner
+        if partner is not None and not partner.closed:
+            partner.close("peer closed")
+        if not self.closed:
+            self.closed = True
+            self.close_reason = self.close_reason or "peer closed"
+        self.listener.forget(self)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+        partner = self.relay_partner
+        if partner is not None and partner.transport is not None:
+            partner.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+        partner = self.relay_partner
+        if partner is not None and partner.transport is not None and not partner.closed:
+            partner.transport.resume_reading()
+
+    # -------------------------------------------------------------- our API
+
+    @property
+    def host(self) -> str:
+        return self.peer[0]
+
+    def send(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or self.closed or transport.is_closing():
+            return
+        transport.write(data)
+        if transport.get_write_buffer_size() > WRITE_HARD_CAP:
+            self.listener.drop(self, "slow-reader")
+
+    async def drain(self, timeout: float = 30.0) -> None:
+        """Wait until the peer has read what we queued (bounded)."""
+        if self._can_write.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._can_write.wait(), timeout)
+        except TimeoutError:
+            self.listener.drop(self, "slow-reader")
+
+    def close(self, reason: str = "") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        if self.transport is not None:
+            self.transport.close()
+
+    def relay_to(self, other: PacketConnection) -> bytes:
+        """Switch to byte relaying with ``other``; returns bytes already buffered."""
+        assert other.transport is not None
+        self.relay_partner = other
+        self.relay_peer = other.transport
+        self.relay_quiet_since = self.listener.loop.time()
+        self.partial_since = None
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        # Bytes received but not handled yet go out as they came in.
+        return self.splitter.take_remaining()
+
+    async def _work(self) -> None:
+        handler = self.listener.handler
+        splitter = self.splitter
+        loop = self.listener.loop
+        try:
+            while not self.closed and self.relay_peer is None:
+                try:
+                    item = splitter.next()
+                    if item is None:
+                        break
+                    if (
+                        self.paused
+                        and splitter.pending <= INBOX_RESUME
+                        and self.transport
+                    ):
+                        self.paused = False
+                        self.transport.resume_reading()
+                    self.last_packet = loop.time()
+                    self.packets += 1
+                    self.partial_since = None
+                    await handler.handle(self, *item)
+                except DecodeError as exc:
+                    self.listener.reject(self, exc.reason)
+                    return
+            if splitter.pending and self.partial_since is None:
+                self.partial_since = loop.time()
+        except Exception:
+            log.exception("openttd %s: handler failed", self.listener.name)
+            self.listener.drop(self, "internal-error")
+        finally:
+            # No await since the last next(): nothing arrived unseen.
+            self.worker = None
+
+
+class Listener:
+    """Accepts :class:`PacketConnection` s for one service and polices them."""
+
+    def __init__(
+        self,
+        name: str,
+        handler: PacketHandler,
+        limits: Limits,
+        dropped: Counter,
+        connections: Gauge,
+    ) -> None:
+        self.name = name
+        self.handler = handler
+        self.limits = limits
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[PacketConnection] = set()
+        self.per_address: dict[str, int] = {}
+        self._dropped = dropped
+        self._gauge = connections.labels(name)
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.address: Address = ("", 0)
+
+    async def start(self, host: str, port: int) -> Address:
+        sock = make_tcp_listener(host, port)
+        self._server = await self.loop.create_server(
+            lambda: PacketConnection(self), sock=sock
+        )
+        self.address = normalize_address(sock.getsockname())
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+        return self.address
+
+    def admit(self, conn: PacketConnection) -> bool:
+        count = self.per_address.get(conn.host, 0)
+        if len(self.connections) >= self.limits.max_connections:
+            self._count("over-limit")
+            conn.close("over-limit")
+            return False
+        if count >= self.limits.max_per_address:
+            self._count("over-address-limit")
+            conn.close("over-address-limit")
+            return False
+        self.connections.add(conn)
+        self.per_address[conn.host] = count + 1
+        self._gauge.inc()
+        return True
+
+    def forget(self, conn: PacketConnection) -> None:
+        if conn not in self.connections:
+            return
+        self.connections.discard(conn)
+        count = self.per_address.get(conn.host, 1) - 1
+        if count <= 0:
+            self.per_address.pop(conn.host, None)
+        else:
+            self.per_address[conn.host] = count
+        self._gauge.dec()
+        if conn.worker is not None:
+            conn.worker.cancel()
+        try:
+            self.handler.closed(conn)
+        except Exception:
+            log.exception("openttd %s: close handler failed", self.name)
+
+    def _count(self, reason: str) -> None:
+        self._dropped.labels(self.name, reason).inc()
+
+    def reject(self, conn: PacketConnection, reason: str) -> None:
+        """Bad input: count it, let the handler answer, close."""
+        if conn.closed:
+            return
+        self._count(reason)
+        try:
+            self.handler.rejected(conn, reason)
+        finally:
+            conn.close(reason)
+
+    def drop(self, conn: PacketConnection, reason: str) -> None:
+        """Close without an answer (timeouts, slow readers, limits)."""
+        if conn.closed:
+            return
+        self._count(reason)
+        conn.close(reason)
+        if conn.transport is not None:
+            conn.transport.abort()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            self.sweep(self.loop.time())
+
+    def sweep(self, now: float) -> None:
+        limits = self.limits
+        for conn in list(self.connections):
+            if conn.closed:
+                continue
+            if conn.relay_peer is not None:
+                if conn.relay_bytes != conn.relay_seen:
+                    conn.relay_seen = conn.relay_bytes
+                    conn.relay_quiet_since = now
+                partner = conn.relay_partner
+                quiet = now - conn.relay_quiet_since
+                if partner is not None:
+                    quiet = min(quiet, now - partner.relay_quiet_since)
+                if quiet > limits.relay_idle_timeout:
+                    self.drop(conn, "relay-idle")
+                continue
+            if (
+                conn.partial_since is not None
+                and now - conn.partial_since > limits.packet_timeout
+            ):
+                self.drop(conn, "slow-packet")
+            elif conn.packets == 0 and now - conn.accepted > limits.packet_timeout:
+                self.drop(conn, "no-packet")
+            elif now - conn.last_packet > limits.idle_timeout and not self.handler_busy(
+                conn
+            ):
+                self.drop(conn, "idle")
+
+    def handler_busy(self, conn: PacketConnection) -> bool:
+        return conn.worker is not None
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            conn.close("shutdown")
+            if conn.transport is not None:
+                conn.transport.abort()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5)
+        await asyncio.sleep(0)

@@ -1,0 +1,1135 @@
+"""The OpenTTD Game Coordinator service (TCP 3976).
+
+This module is I/O glue around the sans-I/O cores in
+:mod:`crossroads.proto.openttd`: it decodes packets, keeps per-connection state,
+runs one :class:`~crossroads.proto.openttd.verify.RegistrationCheck` per
+registering server and one :class:`~crossroads.proto.openttd.ladder.ConnectAttempt`
+per join, executes their commands in order, and keeps the shared records in the
+store (:mod:`.registry`). A command for a server held by another instance, or a
+report for an attempt owned by another instance, travels over the bus
+(:mod:`.bus`).
+
+Rules for answering bad input (reference section 3, "How OpenTTD 13 reacts"):
+an undecodable packet or a wrong protocol version gets GC_ERROR(UNKNOWN), which
+makes OpenTTD close, and we close too; an unknown invite code gets
+GC_ERROR(INVALID_INVITE_CODE) and the connection stays; a refused registration
+gets REGISTRATION_FAILED (REUSE_OF_INVITE_CODE for a code held by another live
+server, for peers at protocol 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from crossroads.errors import StoreError
+from crossroads.proto.openttd.codes import (
+    ParsedToken,
+    TokenSide,
+    check_invite_code_secret,
+    invite_code_secret,
+    looks_like_invite_code,
+    make_attempt_id,
+    make_ticket,
+    parse_token,
+    split_ticket,
+)
+from crossroads.proto.openttd.coordinator import (
+    VERSION_INVITE_CODES,
+    VERSION_NEWGRF_LOOKUP,
+    ClientConnect,
+    ClientConnected,
+    ClientListing,
+    ConnectFailed,
+    ErrorType,
+    GcError,
+    GcMessage,
+    GcRegisterAck,
+    ListingEntry,
+    PeerMessage,
+    ServerGameType,
+    ServerRegister,
+    ServerUpdate,
+    StunResult,
+    decode_peer_packet,
+    encode_gc_packet,
+    encode_listing_entry,
+    error_for_version,
+    listing_shape,
+    newgrf_lookup_packets,
+    pack_listing,
+)
+from crossroads.proto.openttd.gameinfo import NewGRFSerialization
+from crossroads.proto.openttd.ladder import (
+    Command,
+    ConnectAttempt,
+    Finished,
+    IssueTicket,
+    SendToClient,
+    SendToServer,
+    Side,
+)
+from crossroads.proto.openttd.verify import (
+    Concluded,
+    Probe,
+    RegistrationCheck,
+    VerifyCommand,
+)
+from crossroads.proto.openttd.wire import TCP_MTU
+from crossroads.services.openttd.bus import Bus
+from crossroads.services.openttd.conn import PacketConnection
+from crossroads.services.openttd.limits import AddressRateLimiter
+from crossroads.services.openttd.probe import probe_game_server
+from crossroads.services.openttd.registry import (
+    NEWGRF_COUNTER_KEY,
+    SERVERS_KEY,
+    Registry,
+    ServerRecord,
+)
+
+log = logging.getLogger("crossroads.openttd")
+
+#: Joins one client connection may have under way at once (OpenTTD runs one at
+#: a time; a few allow for refresh-hammering, more is abuse).
+MAX_ATTEMPTS_PER_CONNECTION = 8
+#: New NewGRFs one server session may add to the shared lookup table (a server
+#: has at most 255; twice that covers a change of NewGRFs without letting a
+#: bogus server fill the table).
+NEWGRF_BUDGET_PER_SESSION = 512
+#: Concurrent direct probes, process wide (each holds a socket for up to 3 s).
+MAX_CONCURRENT_PROBES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorSettings:
+    """The coordinator's knobs (from the service Config)."""
+
+    connect_timeout: float
+    stun_wait: float
+    verify_timeout: float
+    probe_timeout: float
+    server_ttl: float
+    registrations_per_minute: float
+    max_servers_per_address: int
+    listing_cache: float
+
+
+@dataclass(slots=True)
+class PeerState:
+    """What the coordinator knows about one connection."""
+
+    version: int = 0
+    #: Registered (ACKed) invite code, when this connection is a server.
+    code: str | None = None
+    session: str = ""
+    server_port: int = 0
+    game_type: int = 0
+    check: CheckRunner | None = None
+    record: ServerRecord | None = None
+    newgrf_budget: int = NEWGRF_BUDGET_PER_SESSION
+    attempts: set[str] = field(default_factory=set)
+    superseded: bool = False
+
+
+class _Runner:
+    """Executes a core's commands in order, one at a time, and keeps its timer."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.loop = coordinator.loop
+        self.queue: deque[Any] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.finished = False
+
+    def feed(self, commands: list[Any]) -> None:
+        if commands:
+            self.queue.extend(commands)
+            if self.task is None:
+                self.task = asyncio.create_task(self._drain())
+        self._rearm()
+
+    async def _drain(self) -> None:
+        try:
+            while self.queue:
+                await self.execute(self.queue.popleft())
+        except Exception:
+            log.exception("openttd: command failed")
+        finally:
+            self.task = None
+
+    def _rearm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        deadline = self.deadline()
+        if deadline is not None and not self.finished:
+            self.timer = self.loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        self.feed(self.on_timer(self.loop.time()))
+
+    def cancel(self) -> None:
+        self.finished = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def deadline(self) -> float | None:
+        raise NotImplementedError
+
+    def on_timer(self, now: float) -> list[Any]:
+        raise NotImplementedError
+
+    async def execute(self, command: Any) -> None:
+        raise NotImplementedError
+
+
+class AttemptRunner(_Runner):
+    """Drives one :class:`ConnectAttempt` against real sockets."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        attempt: ConnectAttempt,
+        client: PacketConnection,
+        record: ServerRecord,
+    ) -> None:
+        super().__init__(coordinator)
+        self.attempt = attempt
+        self.client = client
+        self.record = record
+
+    def deadline(self) -> float | None:
+        return self.attempt.get_timer()
+
+    def on_timer(self, now: float) -> list[Command]:
+        return self.attempt.handle_timer(now)
+
+    async def execute(self, command: Command) -> None:
+        coordinator = self.coordinator
+        log.debug("openttd: join %s -> %s", self.record.code, command)
+        match command:
+            case SendToClient(message):
+                coordinator.send(self.client, message)
+            case SendToServer(message):
+                await coordinator.send_to_server(self.record, message)
+            case IssueTicket(ticket):
+                parts = split_ticket(ticket)
+                if parts is not None:
+                    try:
+                        await coordinator.registry.put_ticket(*parts)
+                    except StoreError:
+                        coordinator.metrics.store_errors.inc()
+            case Finished():
+                coordinator.attempt_finished(self, command)
+
+
+class CheckRunner(_Runner):
+    """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        check: RegistrationCheck,
+        conn: PacketConnection,
+        register: ServerRegister,
+        code: str,
+    ) -> None:
+        super().__init__(coordinator)
+        self.check = check
+        self.conn = conn
+        self.register = register
+        self.code = code
+        self.probes: set[asyncio.Task[None]] = set()
+
+    def deadline(self) -> float | None:
+        return self.check.get_timer()
+
+    def on_timer(self, now: float) -> list[VerifyCommand]:
+        return self.check.handle_timer(now)
+
+    async def execute(self, command: VerifyCommand) -> None:
+        match command:
+            case SendToServer(message):
+                self.coordinator.send(self.conn, message)
+            case Probe(host, port):
+                task = asyncio.create_task(self._probe(host, port))
+                self.probes.add(task)
+                task.add_done_callback(self.probes.discard)
+            case Concluded():
+                await self.coordinator.registration_concluded(self, command)
+
+    async def _probe(self, host: str, port: int) -> None:
+        coordinator = self.coordinator
+        async with coordinator.probe_slots:
+            ok = await probe_game_server(host, port, coordinator.settings.probe_timeout)
+        coordinator.metrics.probes.labels("ok" if ok else "failed").inc()
+        if not self.finished:
+            self.feed(self.check.probe_result(host, ok, self.loop.time()))
+
+    def cancel(self) -> None:
+        super().cancel()
+        for task in list(self.probes):
+            task.cancel()
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registrations = Counter(
+            "crossroads_openttd_registrations",
+            "Server registrations, by result and connection type.",
+            ["result", "connection_type"],
+            registry=registry,
+        )
+        self.servers = Gauge(
+            "crossroads_openttd_servers",
+            "Servers registered on this instance.",
+            registry=registry,
+        )
+        self.updates = Counter(
+            "crossroads_openttd_server_updates",
+            "SERVER_UPDATE packets accepted.",
+            registry=registry,
+        )
+        self.listings = Counter(
+            "crossroads_openttd_listings",
+            "CLIENT_LISTING requests answered.",
+            registry=registry,
+        )
+        self.connects = Counter(
+            "crossroads_openttd_connects",
+            "Joins by invite code, by result and by the method that worked or was last tried.",
+            ["result", "method"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            "crossroads_openttd_gc_errors",
+            "GC_ERROR packets sent, by error type.",
+            ["error"],
+            registry=registry,
+        )
+        self.probes = Counter(
+            "crossroads_openttd_probes",
+            "Direct probes (game-protocol exchanges), by result.",
+            ["result"],
+            registry=registry,
+        )
+        self.ignored = Counter(
+            "crossroads_openttd_ignored",
+            "Well-formed reports that were ignored, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.store_errors = Counter(
+            "crossroads_openttd_store_errors",
+            "Store operations that failed.",
+            registry=registry,
+        )
+
+
+class ListingCache:
+    """The server list, re-read from the store at most every ``ttl`` s.
+
+    Clients refresh their server list by hand and all at once after an outage;
+    one HGETALL every couple of seconds serves them all. Only records whose
+    stored bytes changed are parsed again; each listing shape (game-info
+    version, NewGRF serialization, invite codes or not, client revision first)
+    is packed into packets once per refresh and then sent as is.
+
+    :meth:`invalidate` asks for an earlier refresh when a server becomes
+    listable or leaves, but refreshes stay at least :data:`MIN_REFRESH` apart so
+    a registration storm cannot turn every listing into an HGETALL. While one
+    refresh runs, other readers get the previous list.
+    """
+
+    #: Shortest time between two refreshes, even when invalidated.
+    MIN_REFRESH = 0.25
+
+    def __init__(self, registry: Registry, ttl: float) -> None:
+        self.registry = registry
+        self.ttl = ttl
+        self.records: list[ServerRecord] = []
+        self.public: list[ServerRecord] = []
+        self.loaded_at = -1e9
+        self._dirty = True
+        self._lock = asyncio.Lock()
+        self._raw: dict[str, tuple[bytes, ServerRecord]] = {}
+        self._entries: dict[tuple[str, float, int, int], bytes] = {}
+        self._packed: dict[tuple[int, int, bool, str], list[bytes]] = {}
+        self._newgrf_max = 0
+
+    def _fresh(self, now: float) -> bool:
+        age = now - self.loaded_at
+        return age < self.ttl and not (self._dirty and age >= self.MIN_REFRESH)
+
+    async def all(self, now: float) -> list[ServerRecord]:
+        if self._fresh(now):
+            return self.records
+        if self._lock.locked() and self.loaded_at > -1e9:
+            # A refresh is under way (an HGETALL of every record): serve the
+            # list it replaces rather than make every client wait for it.
+            return self.records
+        async with self._lock:
+            if self._fresh(now):
+                return self.records
+            self._dirty = False
+            raw = await self.registry.store.hgetall(SERVERS_KEY)
+            wall = self.registry.wall_clock()
+            parsed: dict[str, tuple[bytes, ServerRecord]] = {}
+            dead: list[str] = []
+            for code, value in raw.items():
+                previous = self._raw.get(code)
+                if previous is not None and previous[0] == value:
+                    record = previous[1]
+                else:
+                    try:
+                        record = ServerRecord.from_json(value)
+                    except (ValueError, KeyError, TypeError):
+                        dead.append(code)
+                        continue
+                if record.expires < wall:
+                    dead.append(code)
+                    continue
+                parsed[code] = (value, record)
+            self._raw = parsed
+            if dead:
+                await self.registry.sweep(dead)
+            live = sorted((r for _, r in parsed.values()), key=lambda r: r.registered)
+            self.records = live
+            self.public = [r for r in live if r.public]
+            self.loaded_at = now
+            counter = await self.registry.store.get(NEWGRF_COUNTER_KEY)
+            if counter is not None and int(counter) > self._newgrf_max:
+                await self.registry.load_newgrfs()
+                self._newgrf_max = int(counter)
+            keep = {(r.code, r.updated) for r in self.public}
+            self._entries = {k: v for k, v in self._entries.items() if k[:2] in keep}
+            self._packed = {}
+            return live
+
+    def invalidate(self) -> None:
+        self._dirty = True
+
+    def packets(
+        self,
+        version: int,
+        nst: NewGRFSerialization,
+        invite_codes: bool,
+        revision: str,
+    ) -> list[bytes]:
+        """The GC_LISTING packets for one listing shape (cached until refresh).
+
+        Servers of the client's own revision come first, as with the reference
+        coordinator, so a client sees the servers it can join at the top.
+        """
+        key = (version, int(nst), invite_codes, revision)
+        packed = self._packed.get(key)
+        if packed is not None:
+            return packed
+        same: list[bytes] = []
+        other: list[bytes] = []
+        for record in self.public:
+            entry = self.entry(record, version, nst, invite_codes)
+            if entry is None:
+                continue
+            assert record.info is not None
+            (same if record.info.server_revision == revision else other).append(entry)
+        packed = pack_listing(same + other)
+        if len(self._packed) >= 64:
+            # Bounded: revisions are client input.
+            self._packed.clear()
+        self._packed[key] = packed
+        return packed
+
+    def entry(
+        self,
+        record: ServerRecord,
+        version: int,
+        nst: NewGRFSerialization,
+        invite_codes: bool = True,
+    ) -> bytes | None:
+        """One server's listing bytes; None when it cannot be listed this way.
+
+        A client below protocol 2 knows no invite codes: it gets the server's
+        first direct address as ``ip:port``, or nothing.
+        """
+        key = (
+            record.code,
+            record.updated,
+            version,
+            int(nst) + (0 if invite_codes else 16),
+        )
+        cached = self._entries.get(key)
+        if cached is not None:
+            return cached
+        assert record.info is not None
+        connection_string = record.connection_string
+        if not invite_codes:
+            if not record.direct:
+                return None
+            host, port = record.direct[0]
+            connection_string = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            data = encode_listing_entry(
+                ListingEntry(connection_string, record.info),
+                version,
+                nst,
+                self.registry.newgrf_index,
+            )
+        except Exception:
+            return None  # e.g. a NewGRF without a lookup index: leave it out
+        self._entries[key] = data
+        return data
+
+
+class Coordinator:
+    """Game Coordinator logic for one instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        settings: CoordinatorSettings,
+        registry: Registry,
+        bus: Bus,
+        metrics: CollectorRegistry,
+        instance: str,
+        secret_key: bytes,
+        turn_address: Callable[[PacketConnection], str | None],
+        random_bytes: Callable[[int], bytes] = os.urandom,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.bus = bus
+        self.instance = instance
+        self.secret_key = secret_key
+        self.turn_address = turn_address
+        self.random_bytes = random_bytes
+        self.wall_clock = wall_clock
+        self.loop = asyncio.get_running_loop()
+        self.metrics = CoordinatorMetrics(metrics)
+        self.local_servers: dict[str, PacketConnection] = {}
+        self.servers_per_address: dict[str, int] = {}
+        self.attempts: dict[str, AttemptRunner] = {}
+        self.attempts_by_server: dict[str, set[str]] = {}
+        self.checks: dict[str, CheckRunner] = {}
+        self.listing = ListingCache(registry, settings.listing_cache)
+        self.register_limiter = AddressRateLimiter(settings.registrations_per_minute)
+        self.probe_slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+
+    # ------------------------------------------------------------- plumbing
+
+    @staticmethod
+    def state(conn: PacketConnection) -> PeerState:
+        if conn.state is None:
+            conn.state = PeerState()
+        assert isinstance(conn.state, PeerState)
+        return conn.state
+
+    def send(self, conn: PacketConnection, message: GcMessage) -> None:
+        version = self.state(conn).version or 1
+        if isinstance(message, GcError):
+            message = GcError(error_for_version(message.error, version), message.detail)
+            self.metrics.errors.labels(message.error.name).inc()
+        conn.send(encode_gc_packet(message, version))
+
+    def fail(
+        self, conn: PacketConnection, error: ErrorType, detail: str, close: bool
+    ) -> None:
+        self.send(conn, GcError(error, detail[:99]))
+        if close:
+            conn.close(f"gc-error-{error.name.lower()}")
+
+    async def send_to_server(self, record: ServerRecord, message: GcMessage) -> None:
+        data = encode_gc_packet(message, record.protocol)
+        conn = self.local_servers.get(record.code)
+        if conn is not None:
+            conn.send(data)
+            return
+        await self.bus.send(
+            record.owner,
+            {"t": "send", "code": record.code, "data": base64.b64encode(data).decode()},
+        )
+
+    # ------------------------------------------------------ PacketHandler API
+
+    async def handle(
+        self, conn: PacketConnection, packet_type: int, payload: bytes
+    ) -> None:
+        message = decode_peer_packet(packet_type, payload)
+        state = self.state(conn)
+        if state.version == 0:
+            state.version = message.protocol
+        try:
+            await self._dispatch(conn, state, message)
+        except StoreError:
+            # Our state is unreachable. Close without GC_ERROR: OpenTTD then
+            # retries with back-off, whereas REGISTRATION_FAILED would switch a
+            # server to a local game for good.
+            self.metrics.store_errors.inc()
+            conn.close("store-error")
+
+    async def _dispatch(
+        self, conn: PacketConnection, state: PeerState, message: PeerMessage
+    ) -> None:
+        match message:
+            case ServerRegister():
+                await self.on_register(conn, state, message)
+            case ServerUpdate():
+                await self.on_update(conn, state, message)
+            case ClientListing():
+                await self.on_listing(conn, state, message)
+            case ClientConnect():
+                await self.on_connect(conn, state, message)
+            case ConnectFailed():
+                await self.on_report(
+                    conn,
+                    state,
+                    message.token,
+                    {"ev": "failed", "n": message.tracking_number},
+                )
+            case ClientConnected():
+                await self.on_report(conn, state, message.token, {"ev": "connected"})
+            case StunResult():
+                await self.on_report(
+                    conn,
+                    state,
+                    message.token,
+                    {"ev": "stun", "family": message.family, "ok": message.result},
+                )
+
+    def rejected(self, conn: PacketConnection, reason: str) -> None:
+        # GC_ERROR(UNKNOWN) makes OpenTTD close its side (Receive_GC_ERROR).
+        self.fail(conn, ErrorType.UNKNOWN, f"malformed packet: {reason}", close=False)
+
+    def closed(self, conn: PacketConnection) -> None:
+        state = conn.state
+        if not isinstance(state, PeerState):
+            return
+        now = self.loop.time()
+        if state.check is not None:
+            self.checks.pop(state.check.check.check_key, None)
+            state.check.cancel()
+            state.check = None
+        for key in list(state.attempts):
+            runner = self.attempts.get(key)
+            if runner is not None:
+                runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
+        code = state.code
+        if code is not None and self.local_servers.get(code) is conn:
+            del self.local_servers[code]
+            self._count_server(conn.host, -1)
+            for key in list(self.attempts_by_server.get(code, ())):
+                runner = self.attempts.get(key)
+                if runner is not None:
+                    runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
+            if not state.superseded:
+                task = asyncio.create_task(self._forget_server(code, state.session))
+                task.add_done_callback(_log_task_error)
+
+    async def _forget_server(self, code: str, session: str) -> None:
+        try:
+            await self.registry.delete_server(code, session)
+        except StoreError:
+            self.metrics.store_errors.inc()
+        self.listing.invalidate()
+
+    def _count_server(self, address: str, delta: int) -> None:
+        count = self.servers_per_address.get(address, 0) + delta
+        if count <= 0:
+            self.servers_per_address.pop(address, None)
+        else:
+            self.servers_per_address[address] = count
+        self.metrics.servers.set(len(self.local_servers))
+
+    # --------------------------------------------------------- registration
+
+    async def on_register(
+        self, conn: PacketConnection, state: PeerState, msg: ServerRegister
+    ) -> None:
+        now = self.loop.time()
+        if state.check is not None:
+            self.metrics.ignored.labels("register-during-check").inc()
+            return
+        if not self.register_limiter.allow(conn.host, now):
+            self.metrics.registrations.labels("rate-limited", "none").inc()
+            self.fail(
+                conn,
+                ErrorType.REGISTRATION_FAILED,
+                "too many registrations from your address",
+                close=True,
+            )
+            return
+        if (
+            msg.game_type not in (ServerGameType.PUBLIC, ServerGameType.INVITE_ONLY)
+            or msg.server_port == 0
+        ):
+            self.metrics.registrations.labels("refused", "none").inc()
+            self.fail(
+                conn,
+                ErrorType.REGISTRATION_FAILED,
+                "invalid game type or port",
+                close=True,
+            )
+            return
+        if (
+            state.code is None
+            and self.servers_per_address.get(conn.host, 0)
+            >= self.settings.max_servers_per_address
+        ):
+            self.metrics.registrations.labels("over-address-limit", "none").inc()
+            self.fail(
+                conn,
+                ErrorType.REGISTRATION_FAILED,
+                "too many servers from your address",
+                close=True,
+            )
+            return
+        code = await self._choose_code(conn, state, msg)
+        if code is None:
+            return
+        state.server_port = msg.server_port
+        state.game_type = msg.game_type
+        attempt_key = make_attempt_id(self.instance, self.random_bytes(12))
+        turn = self.turn_address(conn)
+        check = RegistrationCheck(
+            check_key=attempt_key,
+            server_version=msg.protocol,
+            source_host=conn.host,
+            server_port=msg.server_port,
+            turn_available=turn is not None,
+            now=now,
+            timeout=self.settings.verify_timeout,
+        )
+        runner = CheckRunner(self, check, conn, msg, code)
+        state.check = runner
+        self.checks[attempt_key] = runner
+        runner.feed(check.start(now))
+
+    async def _choose_code(
+        self, conn: PacketConnection, state: PeerState, msg: ServerRegister
+    ) -> str | None:
+        """The code this registration gets; None when it was refused."""
+        wanted, secret = msg.invite_code, msg.invite_code_secret
+        if (
+            wanted
+            and secret
+            and looks_like_invite_code(wanted)
+            and check_invite_code_secret(self.secret_key, wanted, secret)
+        ):
+            if state.code == wanted:
+                return wanted  # the same connection registers again (settings change)
+            existing = await self.registry.get_server(wanted)
+            if existing is not None and not await self._can_take_over(
+                conn, msg, existing
+            ):
+                self.metrics.registrations.labels("code-in-use", "none").inc()
+                self.fail(
+                    conn,
+                    ErrorType.REUSE_OF_INVITE_CODE,
+                    "invite code is in use by another server",
+                    close=True,
+                )
+                return None
+            await self.registry.keep_code(wanted)
+            return wanted
+        if state.code is not None:
+            return state.code
+        return await self.registry.new_code()
+
+    async def _can_take_over(
+        self, conn: PacketConnection, msg: ServerRegister, existing: ServerRecord
+    ) -> bool:
+        """A live record of the code exists: is this the same server coming back?
+
+        The same source address and game port can only be the same server (two
+        servers cannot listen on one address and port), typically reconnecting
+        before we noticed its old connection died; the old session is dropped.
+        A record whose instance is gone is stale. Anything else is a second
+        server with a copied secret, and gets REUSE_OF_INVITE_CODE.
+        """
+        same = existing.source == conn.host and existing.port == msg.server_port
+        alive = existing.owner == self.instance or await self.registry.instance_alive(
+            existing.owner
+        )
+        if alive and not same:
+            return False
+        if alive:
+            await self._drop_session(existing.owner, existing.code, existing.session)
+        return True
+
+    async def _drop_session(self, owner: str, code: str, session: str) -> None:
+        if owner == self.instance:
+            self.drop_local(code, session)
+        else:
+            await self.bus.send(owner, {"t": "drop", "code": code, "session": session})
+
+    def drop_local(self, code: str, session: str) -> None:
+        conn = self.local_servers.get(code)
+        if conn is None:
+            return
+        state = self.state(conn)
+        if state.session != session:
+            return
+        state.superseded = True
+        self.metrics.ignored.labels("superseded-session").inc()
+        conn.close("superseded")
+
+    async def registration_concluded(
+        self, runner: CheckRunner, result: Concluded
+    ) -> None:
+        conn = runner.conn
+        state = self.state(conn)
+        self.checks.pop(runner.check.check_key, None)
+        runner.cancel()
+        if state.check is runner:
+            state.check = None
+        if conn.closed:
+            return
+        code = runner.code
+        msg = runner.register
+        wall = self.wall_clock()
+        previous = state.record if state.code == code else None
+        session = state.session if previous is not None else runner.check.check_key
+        record = ServerRecord(
+            code=code,
+            owner=self.instance,
+            session=session,
+            protocol=msg.protocol,
+            game_type=msg.game_type,
+            connection_type=int(result.connection_type),
+            source=conn.host,
+            port=msg.server_port,
+            direct=list(result.direct),
+            registered=previous.registered if previous else wall,
+            expires=wall + self.settings.server_ttl,
+            game_info_version=previous.game_info_version if previous else 0,
+            info=previous.info if previous else None,
+            updated=previous.updated if previous else 0.0,
+        )
+        try:
+            await self.registry.put_server(record)
+        except StoreError:
+            self.metrics.store_errors.inc()
+            self.fail(
+                conn,
+                ErrorType.REGISTRATION_FAILED,
+                "coordinator storage unavailable",
+                close=True,
+            )
+            return
+        if (
+            state.code is not None
+            and state.code != code
+            and self.local_servers.get(state.code) is conn
+        ):
+            del self.local_servers[state.code]
+            self._count_server(conn.host, -1)
+        if self.local_servers.get(code) is not conn:
+            old = self.local_servers.get(code)
+            if old is not None:
+                self.state(old).superseded = True
+                old.close("superseded")
+            self.local_servers[code] = conn
+            self._count_server(conn.host, +1)
+        state.code = code
+        state.session = session
+        state.record = record
+        self.listing.invalidate()
+        secret = invite_code_secret(self.secret_key, code)
+        self.send(conn, GcRegisterAck(result.connection_type, code, secret))
+        self.metrics.registrations.labels(
+            "ok", result.connection_type.name.lower()
+        ).inc()
+        log.info(
+            "openttd: server %s registered from %s:%d as %s (%s)",
+            code,
+            conn.host,
+            msg.server_port,
+            ServerGameType(msg.game_type).name.lower().replace("_", "-"),
+            result.connection_type.name.lower(),
+        )
+
+    async def on_update(
+        self, conn: PacketConnection, state: PeerState, msg: ServerUpdate
+    ) -> None:
+        record = state.record
+        if record is None or state.code is None:
+            # Updates only follow an ACK; anything else is a confused peer.
+            self.fail(conn, ErrorType.UNKNOWN, "update before registration", close=True)
+            return
+        try:
+            if msg.info.newgrfs and state.newgrf_budget > 0:
+                state.newgrf_budget -= await self.registry.index_newgrfs(
+                    msg.info.newgrfs, state.newgrf_budget
+                )
+            wall = self.wall_clock()
+            if record.info is None:
+                self.listing.invalidate()  # the server becomes listable
+            record.info = msg.info
+            record.game_info_version = msg.game_info_version
+            record.updated = wall
+            record.expires = wall + self.settings.server_ttl
+            await self.registry.put_server(record)
+        except StoreError:
+            self.metrics.store_errors.inc()
+            return
+        self.metrics.updates.inc()
+
+    # -------------------------------------------------------------- listing
+
+    async def on_listing(
+        self, conn: PacketConnection, state: PeerState, msg: ClientListing
+    ) -> None:
+        await self.listing.all(self.loop.time())
+        version, nst = listing_shape(msg.protocol, msg.game_info_version)
+        if msg.protocol >= VERSION_NEWGRF_LOOKUP:
+            table = self.registry.newgrf_by_index
+            top = max(table, default=0)
+            cursor = msg.newgrf_cursor if msg.newgrf_cursor <= top else 0
+            fresh = sorted((i, g) for i, g in table.items() if i > cursor)
+            for data in newgrf_lookup_packets(fresh, top):
+                conn.send(data)
+        packets = self.listing.packets(
+            version, nst, msg.protocol >= VERSION_INVITE_CODES, msg.revision
+        )
+        for data in packets:
+            conn.send(data)
+            await conn.drain()
+        self.metrics.listings.inc()
+
+    # ---------------------------------------------------------------- joins
+
+    async def on_connect(
+        self, conn: PacketConnection, state: PeerState, msg: ClientConnect
+    ) -> None:
+        code = msg.invite_code
+        record = None
+        if looks_like_invite_code(code):
+            local = self.local_servers.get(code)
+            local_state = self.state(local) if local is not None else None
+            if local_state is not None and local_state.record is not None:
+                record = local_state.record
+            else:
+                try:
+                    record = await self.registry.get_server(code)
+                except StoreError:
+                    self.metrics.store_errors.inc()
+        if record is None:
+            self.metrics.connects.labels("invalid-code", "none").inc()
+            self.fail(conn, ErrorType.INVALID_INVITE_CODE, code[:63], close=False)
+            return
+        if len(state.attempts) >= MAX_ATTEMPTS_PER_CONNECTION:
+            self.metrics.connects.labels("too-many", "none").inc()
+            self.fail(conn, ErrorType.UNKNOWN, "too many joins at once", close=True)
+            return
+        now = self.loop.time()
+        key = make_attempt_id(self.instance, self.random_bytes(12))
+        turn = self.turn_address(conn)
+        attempt = ConnectAttempt(
+            attempt_key=key,
+            invite_code=code,
+            client_version=msg.protocol,
+            server_version=record.protocol,
+            direct=record.direct,
+            turn_address=turn,
+            ticket=make_ticket(self.random_bytes(16)),
+            now=now,
+            timeout=self.settings.connect_timeout,
+            stun_wait=self.settings.stun_wait,
+        )
+        runner = AttemptRunner(self, attempt, conn, record)
+        self.attempts[key] = runner
+        self.attempts_by_server.setdefault(code, set()).add(key)
+        state.attempts.add(key)
+        runner.feed(attempt.start(now))
+
+    def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
+        runner.cancel()
+        key = runner.attempt.attempt_key
+        self.attempts.pop(key, None)
+        keys = self.attempts_by_server.get(runner.record.code)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.attempts_by_server[runner.record.code]
+        self.state(runner.client).attempts.discard(key)
+        outcome = "ok" if result.success else "failed"
+        self.metrics.connects.labels(outcome, result.method).inc()
+        log.info(
+            "openttd: join of %s %s (%s, %s)",
+            runner.record.code,
+            "succeeded" if result.success else "failed",
+            result.method,
+            result.reason,
+        )
+
+    # --------------------------------------------------- reports and routing
+
+    async def on_report(
+        self,
+        conn: PacketConnection,
+        state: PeerState,
+        token: str,
+        event: dict[str, Any],
+    ) -> None:
+        parsed = parse_token(token)
+        if parsed is None:
+            self.metrics.ignored.labels("unknown-token").inc()
+            return
+        if parsed.instance == self.instance:
+            self.local_report(parsed, event, conn, state.code)
+            return
+        if parsed.side is TokenSide.SERVER and state.code is not None:
+            await self.bus.send(
+                parsed.instance,
+                {"t": "event", "token": token, "code": state.code, **event},
+            )
+            return
+        self.metrics.ignored.labels("foreign-token").inc()
+
+    def local_report(
+        self,
+        parsed: ParsedToken,
+        event: dict[str, Any],
+        conn: PacketConnection | None,
+        server_code: str | None,
+    ) -> None:
+        """A report on one of our attempts or checks; check who sent it."""
+        now = self.loop.time()
+        log.debug(
+            "openttd: report %s on %s%s", event, parsed.side.value, parsed.attempt_key
+        )
+        kind = event.get("ev")
+        key = parsed.attempt_key
+        if parsed.side is TokenSide.VERIFY:
+            check = self.checks.get(key)
+            if check is None or conn is not check.conn:
+                self.metrics.ignored.labels("stale-token").inc()
+                return
+            if kind == "stun":
+                check.feed(
+                    check.check.stun_result(
+                        int(event["family"]), bool(event["ok"]), now
+                    )
+                )
+            # Other reports on a V token carry nothing we need.
+            return
+        runner = self.attempts.get(key)
+        if runner is None:
+            self.metrics.ignored.labels("stale-token").inc()
+            return
+        if parsed.side is TokenSide.CLIENT:
+            if conn is not runner.client:
+                self.metrics.ignored.labels("wrong-sender").inc()
+                return
+            side = Side.CLIENT
+        else:
+            if server_code != runner.record.code:
+                self.metrics.ignored.labels("wrong-sender").inc()
+                return
+            side = Side.SERVER
+        attempt = runner.attempt
+        match kind:
+            case "failed":
+                runner.feed(attempt.connect_failed(side, int(event["n"]), now))
+            case "connected" if side is Side.CLIENT:
+                runner.feed(attempt.connected(now))
+            case "stun":
+                runner.feed(
+                    attempt.stun_result(
+                        side, int(event["family"]), bool(event["ok"]), now
+                    )
+                )
+            case _:
+                self.metrics.ignored.labels("bad-report").inc()
+
+    def stun_seen(self, token: str, family: int, host: str, port: int) -> None:
+        """The STUN service saw ``token`` (ours) arrive from host:port."""
+        parsed = parse_token(token)
+        if parsed is None or parsed.instance != self.instance:
+            self.metrics.ignored.labels("unknown-token").inc()
+            return
+        log.debug(
+            "openttd: STUN saw %s family %d from %s:%d", token, family, host, port
+        )
+        now = self.loop.time()
+        if parsed.side is TokenSide.VERIFY:
+            check = self.checks.get(parsed.attempt_key)
+            if check is not None:
+                check.feed(check.check.stun_observed(family, host, now))
+            return
+        runner = self.attempts.get(parsed.attempt_key)
+        if runner is None:
+            self.metrics.ignored.labels("stale-token").inc()
+            return
+        side = Side.CLIENT if parsed.side is TokenSide.CLIENT else Side.SERVER
+        runner.feed(runner.attempt.stun_observed(side, family, host, port, now))
+
+    def on_bus(self, message: dict[str, Any]) -> None:
+        """A command from another instance (or from our own STUN listener)."""
+        match message.get("t"):
+            case "send":
+                conn = self.local_servers.get(str(message.get("code")))
+                if conn is None:
+                    self.metrics.ignored.labels("send-to-unknown-server").inc()
+                    return
+                data = base64.b64decode(str(message["data"]), validate=True)
+                if len(data) <= TCP_MTU:
+                    conn.send(data)
+            case "event":
+                parsed = parse_token(str(message.get("token", "")))
+                if (
+                    parsed is None
+                    or parsed.instance != self.instance
+                    or parsed.side is not TokenSide.SERVER
+                ):
+                    self.metrics.ignored.labels("bad-bus-event").inc()
+                    return
+                self.local_report(parsed, message, None, str(message.get("code")))
+            case "seen":
+                self.stun_seen(
+                    str(message["token"]),
+                    int(message["family"]),
+                    str(message["host"]),
+                    int(message["port"]),
+                )
+            case "drop":
+                self.drop_local(str(message.get("code")), str(message.get("session")))
+            case _:
+                self.metrics.ignored.labels("bad-bus-message").inc()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def close(self) -> None:
+        for runner in list(self.attempts.values()):
+            runner.cancel()
+            if runner.task is not None:
+                runner.task.cancel()
+        for check in list(self.checks.values()):
+            check.cancel()
+            if check.task is not None:
+                check.task.cancel()
+        self.attempts.clear()
+        self.checks.clear()
+        for code, conn in list(self.local_servers.items()):
+            with contextlib.suppress(StoreError):
+                await self.registry.delete_server(code, self.state(conn).session)
+        await asyncio.sleep(0)
+
+
+def _log_task_error(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("openttd: background task failed: %s", task.exception())

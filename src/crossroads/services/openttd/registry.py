@@ -1,0 +1,327 @@
+"""Shared OpenTTD state behind the Store: what every coordinator, STUN and TURN
+process of one deployment agrees on.
+
+Keys (all under ``openttd:``; values are JSON or short strings):
+
+===============================  ============================================  =========
+key                              value                                         lifetime
+===============================  ============================================  =========
+``openttd:secret``               key for invite-code secrets (when not set     none
+                                 in the config: first process to start
+                                 writes it with SET NX)
+``openttd:code:<code>``          an issued invite code (SET NX claims it)      30 days,
+                                                                               refreshed
+``openttd:servers``              hash: code -> server record (below)           per field
+                                                                               ``expires``
+``openttd:newgrf``               hash: ``<grfid>-<md5>`` -> index and name     none
+``openttd:newgrf:next``          INCR counter of NewGRF lookup indexes         none
+``openttd:ticket:<id>``          TURN ticket secret                            30 s
+``openttd:turn:<host:port>``     an announced TURN relay                       15 s
+``openttd:instance:<id>``        a live coordinator instance                   30 s
+===============================  ============================================  =========
+
+Servers live in one hash so a listing is one HGETALL and an invite-code lookup
+one HGET, however many processes share the Redis. A hash field has no TTL, so
+each record carries ``expires`` (wall clock): the owner pushes it forward on
+every SERVER_UPDATE (every 30 s) and deletes the field when the server leaves;
+readers ignore expired records and any instance sweeps them out, which is what
+removes the servers of an instance that died.
+
+Pub/sub channel ``openttd:gc:<instance>`` carries commands to the instance that
+holds a socket (see :mod:`crossroads.services.openttd.bus`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from crossroads.proto.openttd.codes import make_invite_code
+from crossroads.proto.openttd.coordinator import ConnectionType, ServerGameType
+from crossroads.proto.openttd.gameinfo import (
+    GameInfo,
+    NewGRF,
+    game_info_from_json,
+    game_info_to_json,
+)
+from crossroads.store.base import Store
+
+PREFIX = "openttd:"
+SERVERS_KEY = PREFIX + "servers"
+NEWGRF_KEY = PREFIX + "newgrf"
+NEWGRF_COUNTER_KEY = PREFIX + "newgrf:next"
+SECRET_KEY = PREFIX + "secret"
+#: An issued code stays reserved this long after its server was last seen, so a
+#: server that is away for a while (or restarts) gets its code back rather than
+#: someone else getting it.
+CODE_RESERVATION = 30 * 24 * 3600.0
+#: A TURN ticket is good this long (reference section 6: 30 s).
+TICKET_TTL = 30.0
+#: A TURN relay announcement lives this long; relays refresh every
+#: :data:`TURN_ANNOUNCE_EVERY` (reference section 6: 15 s TTL, 10 s refresh).
+TURN_ANNOUNCE_TTL = 15.0
+TURN_ANNOUNCE_EVERY = 5.0
+#: Instance liveness key TTL and refresh period.
+INSTANCE_TTL = 30.0
+INSTANCE_EVERY = 10.0
+#: How often to draw a new code when the drawn one is taken (2^40 codes: one
+#: retry is already astronomically rare).
+CODE_ATTEMPTS = 16
+
+
+def channel(instance: str) -> str:
+    """The pub/sub channel of one coordinator instance."""
+    return f"{PREFIX}gc:{instance}"
+
+
+@dataclass(slots=True)
+class ServerRecord:
+    """What every instance knows about one registered server."""
+
+    code: str
+    owner: str
+    #: Identifies the owning connection, so a stale close cannot delete a newer
+    #: registration of the same code.
+    session: str
+    protocol: int
+    game_type: int
+    connection_type: int
+    source: str
+    port: int
+    direct: list[tuple[str, int]]
+    registered: float
+    expires: float
+    game_info_version: int = 0
+    info: GameInfo | None = None
+    updated: float = 0.0
+
+    @property
+    def public(self) -> bool:
+        """Listed: public, reachable somehow, and has sent its game info."""
+        return (
+            self.game_type == ServerGameType.PUBLIC
+            and self.connection_type != ConnectionType.ISOLATED
+            and self.info is not None
+        )
+
+    @property
+    def connection_string(self) -> str:
+        return self.code
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "code": self.code,
+                "owner": self.owner,
+                "session": self.session,
+                "protocol": self.protocol,
+                "game_type": self.game_type,
+                "connection_type": self.connection_type,
+                "source": self.source,
+                "port": self.port,
+                "direct": [list(a) for a in self.direct],
+                "registered": self.registered,
+                "expires": self.expires,
+                "game_info_version": self.game_info_version,
+                "info": None if self.info is None else game_info_to_json(self.info),
+                "updated": self.updated,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ServerRecord:
+        """Parse a stored record; raises ValueError (or KeyError) when corrupt."""
+        data = json.loads(raw)
+        info = data.get("info")
+        return cls(
+            code=str(data["code"]),
+            owner=str(data["owner"]),
+            session=str(data["session"]),
+            protocol=int(data["protocol"]),
+            game_type=int(data["game_type"]),
+            connection_type=int(data["connection_type"]),
+            source=str(data["source"]),
+            port=int(data["port"]),
+            direct=[(str(h), int(p)) for h, p in data["direct"]],
+            registered=float(data["registered"]),
+            expires=float(data["expires"]),
+            game_info_version=int(data.get("game_info_version", 0)),
+            info=None if info is None else game_info_from_json(info),
+            updated=float(data.get("updated", 0.0)),
+        )
+
+    def to_api(self) -> dict[str, object]:
+        """The HTTP API view (no owner/session internals)."""
+        return {
+            "invite_code": self.code,
+            "game_type": ServerGameType(self.game_type).name.lower().replace("_", "-"),
+            "connection_type": ConnectionType(self.connection_type).name.lower(),
+            "protocol": self.protocol,
+            "game_info_version": self.game_info_version,
+            "direct": [
+                f"{h}:{p}" if ":" not in h else f"[{h}]:{p}" for h, p in self.direct
+            ],
+            "registered": self.registered,
+            "updated": self.updated or None,
+            "info": None if self.info is None else game_info_to_json(self.info),
+        }
+
+
+@dataclass
+class Registry:
+    """Store-backed state; see the module docstring for the key layout."""
+
+    store: Store
+    random_bytes: Callable[[int], bytes]
+    wall_clock: Callable[[], float] = time.time
+    #: NewGRF lookup table cache: key -> index, index -> NewGRF.
+    newgrf_index: dict[tuple[int, bytes], int] = field(default_factory=dict)
+    newgrf_by_index: dict[int, NewGRF] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ secret key
+
+    async def secret_key(self, configured: str) -> bytes:
+        if configured:
+            return configured.encode()
+        candidate = self.random_bytes(32).hex().encode()
+        await self.store.set(SECRET_KEY, candidate, only_if_absent=True)
+        stored = await self.store.get(SECRET_KEY)
+        return stored if stored else candidate
+
+    # --------------------------------------------------------------- codes
+
+    async def new_code(self) -> str:
+        for _ in range(CODE_ATTEMPTS):
+            code = make_invite_code(self.random_bytes(8))
+            if await self.store.set(
+                f"{PREFIX}code:{code}", b"1", ttl=CODE_RESERVATION, only_if_absent=True
+            ):
+                return code
+        raise RuntimeError("could not draw a free invite code")
+
+    async def keep_code(self, code: str) -> None:
+        await self.store.set(f"{PREFIX}code:{code}", b"1", ttl=CODE_RESERVATION)
+
+    # -------------------------------------------------------------- servers
+
+    async def put_server(self, record: ServerRecord) -> None:
+        await self.store.hset(SERVERS_KEY, {record.code: record.to_json()})
+
+    async def get_server(self, code: str) -> ServerRecord | None:
+        raw = await self.store.hget(SERVERS_KEY, code)
+        if raw is None:
+            return None
+        try:
+            record = ServerRecord.from_json(raw)
+        except (ValueError, KeyError, TypeError):
+            return None
+        if record.expires < self.wall_clock():
+            return None
+        return record
+
+    async def delete_server(self, code: str, session: str) -> None:
+        """Remove ``code`` if it still belongs to ``session``."""
+        raw = await self.store.hget(SERVERS_KEY, code)
+        if raw is None:
+            return
+        try:
+            current = ServerRecord.from_json(raw).session
+        except (ValueError, KeyError, TypeError):
+            current = session
+        if current == session:
+            await self.store.hdel(SERVERS_KEY, code)
+
+    async def sweep(self, codes: list[str]) -> None:
+        if codes:
+            await self.store.hdel(SERVERS_KEY, *codes)
+
+    # -------------------------------------------------------------- NewGRFs
+
+    async def index_newgrfs(self, grfs: tuple[NewGRF, ...], budget: int) -> int:
+        """Give every NewGRF a lookup index; returns how many were new.
+
+        ``budget`` caps how many new entries this call may create (a server
+        cannot grow the shared table without bound).
+        """
+        created = 0
+        for grf in grfs:
+            known = self.newgrf_index.get(grf.key)
+            if known is not None:
+                if grf.name and not self.newgrf_by_index[known].name:
+                    await self._store_newgrf(known, grf)
+                continue
+            field_name = f"{grf.grfid:08x}-{grf.md5.hex()}"
+            raw = await self.store.hget(NEWGRF_KEY, field_name)
+            if raw is not None:
+                data = json.loads(raw)
+                index = int(data["i"])
+                name = data.get("n") or grf.name
+                self._cache(index, NewGRF(grf.grfid, grf.md5, name))
+                if grf.name and not data.get("n"):
+                    await self._store_newgrf(index, grf)
+                continue
+            if created >= budget:
+                continue
+            index = await self.store.incr(NEWGRF_COUNTER_KEY)
+            created += 1
+            await self._store_newgrf(index, grf)
+        return created
+
+    async def _store_newgrf(self, index: int, grf: NewGRF) -> None:
+        field_name = f"{grf.grfid:08x}-{grf.md5.hex()}"
+        value = json.dumps({"i": index, "n": grf.name or ""}).encode()
+        await self.store.hset(NEWGRF_KEY, {field_name: value})
+        self._cache(index, grf)
+
+    def _cache(self, index: int, grf: NewGRF) -> None:
+        self.newgrf_index[grf.key] = index
+        self.newgrf_by_index[index] = NewGRF(grf.grfid, grf.md5, grf.name or "")
+
+    async def load_newgrfs(self) -> None:
+        """Refresh the local lookup-table cache from the store."""
+        raw = await self.store.hgetall(NEWGRF_KEY)
+        for field_name, value in raw.items():
+            try:
+                grfid_hex, md5_hex = field_name.split("-", 1)
+                data = json.loads(value)
+                grf = NewGRF(int(grfid_hex, 16), bytes.fromhex(md5_hex), str(data["n"]))
+                index = int(data["i"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            self._cache(index, grf)
+
+    # --------------------------------------------------------------- tickets
+
+    async def put_ticket(self, left: str, right: str) -> None:
+        await self.store.set(f"{PREFIX}ticket:{left}", right.encode(), ttl=TICKET_TTL)
+
+    async def get_ticket(self, left: str) -> str | None:
+        raw = await self.store.get(f"{PREFIX}ticket:{left}")
+        return None if raw is None else raw.decode(errors="replace")
+
+    async def drop_ticket(self, left: str) -> None:
+        await self.store.delete(f"{PREFIX}ticket:{left}")
+
+    # ----------------------------------------------------- relays, instances
+
+    async def announce_turn(self, address: str) -> None:
+        await self.store.set(f"{PREFIX}turn:{address}", b"1", ttl=TURN_ANNOUNCE_TTL)
+
+    async def withdraw_turn(self, address: str) -> None:
+        await self.store.delete(f"{PREFIX}turn:{address}")
+
+    async def turn_relays(self) -> list[str]:
+        keys = await self.store.keys(f"{PREFIX}turn:")
+        return sorted(k[len(PREFIX) + 5 :] for k in keys)
+
+    async def announce_instance(self, instance: str) -> None:
+        await self.store.set(f"{PREFIX}instance:{instance}", b"1", ttl=INSTANCE_TTL)
+
+    async def withdraw_instance(self, instance: str) -> None:
+        await self.store.delete(f"{PREFIX}instance:{instance}")
+
+    async def instance_alive(self, instance: str) -> bool:
+        return await self.store.get(f"{PREFIX}instance:{instance}") is not None

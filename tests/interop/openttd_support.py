@@ -1,0 +1,354 @@
+"""Run the real OpenTTD 13 binary and `crossroads serve` for the interop tests.
+
+Recipe from reference ``openttd-coordinator.md`` section 10: headless dedicated
+server (``-D``) and a null-driver client (``-v null:ticks=N -s null -m null``),
+a fresh HOME and config per process, ``-x`` so nothing is saved,
+``OTTD_COORDINATOR_CS`` / ``OTTD_STUN_CS`` pointing at crossroads. Each OpenTTD
+process runs on one core under SCHED_BATCH (``taskset -c N chrt -b 0``), which
+removes OpenTTD 13's connect race on a busy 2-core machine (same section,
+"Caveats for CI"). Processes and network namespaces are always cleaned up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+OPENTTD = shutil.which("openttd") or "/usr/games/openttd"
+#: An HTTP GET run inside the namespace (so its socket lives there); prints the
+#: body, a newline, and the status.
+_HTTP_GET = """
+import sys
+import urllib.error
+import urllib.request
+
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=5) as response:
+        body, status = response.read().decode(), response.status
+except urllib.error.HTTPError as error:
+    body, status = error.read().decode(), error.code
+sys.stdout.write(body + "\\n" + str(status))
+"""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def openttd_available() -> bool:
+    return Path(OPENTTD).exists()
+
+
+class NetNS:
+    """A private network namespace with only loopback, removed on close."""
+
+    def __init__(self) -> None:
+        self.name = f"ottd-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        subprocess.run(["ip", "netns", "add", self.name], check=True)
+        try:
+            self.run("ip", "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def run(self, *command: str) -> str:
+        done = subprocess.run(
+            [*self.prefix(), *command], check=True, capture_output=True, text=True
+        )
+        return done.stdout
+
+    def close(self) -> None:
+        subprocess.run(
+            ["ip", "netns", "delete", self.name], check=False, capture_output=True
+        )
+
+
+def _stop(process: subprocess.Popen[bytes] | None) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def wait_for(
+    path: Path,
+    pattern: str,
+    timeout: float,
+    process: subprocess.Popen[bytes] | None = None,
+) -> re.Match[str]:
+    """Poll a log file until ``pattern`` matches; fail with the log on timeout."""
+    deadline = time.monotonic() + timeout
+    regex = re.compile(pattern)
+    text = ""
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        match = regex.search(text)
+        if match:
+            return match
+        if process is not None and process.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(
+        f"{pattern!r} not in {path.name} after {timeout}s:\n{text[-3000:]}"
+    )
+
+
+class Crossroads:
+    """``crossroads serve --only openttd`` as a real process."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        name: str = "crossroads",
+        netns: NetNS | None = None,
+        store: str = "memory",
+        secret: str = "interop-secret",
+        ports: dict[str, int] | None = None,
+    ) -> None:
+        self.log = workdir / f"{name}.log"
+        self.netns = netns
+        ports = ports or {}
+        command = [
+            sys.executable,
+            "-m",
+            "crossroads",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--http-port",
+            str(ports.get("http", 0)),
+            "--only",
+            "openttd",
+            "--store",
+            store,
+            "--openttd-secret",
+            secret,
+            "--openttd-coordinator-port",
+            str(ports.get("coordinator", 0)),
+            "--openttd-stun-port",
+            str(ports.get("stun", 0)),
+            "--openttd-turn-port",
+            str(ports.get("turn", 0)),
+            "--log-level",
+            "debug",
+        ]
+        if netns is not None:
+            command = netns.prefix() + command
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        with self.log.open("wb") as out:
+            self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+            )
+        try:
+            match = wait_for(
+                self.log,
+                r"openttd: tcp 127\.0\.0\.1:(\d+) \(coordinator\), tcp 127\.0\.0\.1:(\d+) \(stun\), "
+                r"tcp 127\.0\.0\.1:(\d+) \(turn\)",
+                30,
+                self.process,
+            )
+            self.ports = {
+                "coordinator": int(match.group(1)),
+                "stun": int(match.group(2)),
+                "turn": int(match.group(3)),
+            }
+            self.ports["http"] = int(
+                wait_for(
+                    self.log, r"http: tcp 127\.0\.0\.1:(\d+)", 10, self.process
+                ).group(1)
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "OTTD_COORDINATOR_CS": f"127.0.0.1:{self.ports['coordinator']}",
+            "OTTD_STUN_CS": f"127.0.0.1:{self.ports['stun']}",
+        }
+
+    def get(self, path: str) -> tuple[int, str]:
+        """HTTP GET from inside the process's network namespace."""
+        url = f"http://127.0.0.1:{self.ports['http']}{path}"
+        command = [sys.executable, "-c", _HTTP_GET, url]
+        if self.netns is not None:
+            command = self.netns.prefix() + command
+        output = subprocess.run(
+            command, capture_output=True, text=True, timeout=10
+        ).stdout
+        body, _, status = output.rpartition("\n")
+        return int(status or 0), body
+
+    def json(self, path: str) -> object:
+        status, body = self.get(path)
+        assert status == 200, (status, body)
+        return json.loads(body)
+
+    def metric(self, name: str, **labels: str) -> float:
+        _, text = self.get("/metrics")
+        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            head, _, value = line.rpartition(" ")
+            metric, _, rest = head.partition("{")
+            if (
+                metric == name
+                and ",".join(sorted(rest.rstrip("}").split(","))) == wanted
+            ):
+                return float(value)
+        return 0.0
+
+    def stop(self) -> None:
+        _stop(self.process)
+
+
+def _config(directory: Path, network: dict[str, str]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["[network]"] + [f"{k} = {v}" for k, v in network.items()]
+    # A small map, no AI: start-up in seconds (reference section 10).
+    lines += [
+        "[game_creation]",
+        "map_x = 6",
+        "map_y = 6",
+        "[difficulty]",
+        "max_no_competitors = 0",
+    ]
+    path = directory / "openttd.cfg"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class OpenTTDServer:
+    """``openttd -D`` registered with a coordinator."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        crossroads: Crossroads,
+        *,
+        name: str,
+        bind: str,
+        port: int,
+        game_type: str,
+        netns: NetNS | None = None,
+        cpu: int = 0,
+    ) -> None:
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        home = Path(tempfile.mkdtemp(prefix="home-", dir=workdir))
+        config = _config(
+            workdir / name,
+            {
+                "server_game_type": game_type,
+                "server_port": str(port),
+                "server_name": name,
+                "client_name": "srv",
+            },
+        )
+        command = [
+            "taskset", "-c", str(cpu), "chrt", "-b", "0",
+            OPENTTD, "-D", f"{bind}:{port}", "-c", str(config), "-x", "-d", "net=3",
+        ]  # fmt: skip
+        if netns is not None:
+            command = netns.prefix() + command
+        env = {**os.environ, "HOME": str(home), **crossroads.env}
+        with self.log.open("wb") as out:
+            # The open stdin keeps the dedicated server's console alive.
+            self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def registration(self, timeout: float = 60, after: int = 0) -> dict[str, str]:
+        """The block OpenTTD prints on GC_REGISTER_ACK (``after`` skips earlier ones)."""
+        pattern = (
+            r"Game type: +(?P<game_type>[^\n]+?)\s*\n.*?Connection type: +(?P<connection_type>[^\n]+?)"
+            r"\s*\n.*?Invite code: +(?P<code>\+[A-Za-z0-9]+)"
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log.read_text(errors="replace") if self.log.exists() else ""
+            found = list(re.finditer(pattern, text, re.S))
+            if len(found) > after:
+                return found[after].groupdict()
+            if time.monotonic() > deadline or (
+                self.process and self.process.poll() is not None
+            ):
+                raise AssertionError(f"{self.name} did not register:\n{text[-3000:]}")
+            time.sleep(0.2)
+
+    def joined(self, client_name: str, timeout: float) -> str:
+        return wait_for(
+            self.log,
+            rf"{re.escape(client_name)} has joined the game[^\n]*",
+            timeout,
+            self.process,
+        ).group(0)
+
+    def stop(self) -> None:
+        _stop(self.process)
+
+
+class OpenTTDClient:
+    """A headless client joining by invite code (null drivers)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        crossroads: Crossroads,
+        *,
+        name: str,
+        code: str,
+        netns: NetNS | None = None,
+        cpu: int = 1,
+    ) -> None:
+        self.name = name
+        self.log = workdir / f"{name}.log"
+        home = Path(tempfile.mkdtemp(prefix="home-", dir=workdir))
+        config = _config(
+            workdir / name,
+            # use_relay_service lives in openttd.cfg in 13 (private.cfg from 14);
+            # "allow" answers the relay question a GUI would ask.
+            {"client_name": name, "use_relay_service": "allow"},
+        )
+        command = [
+            "taskset", "-c", str(cpu), "chrt", "-b", "0",
+            OPENTTD, "-c", str(config), "-x", "-n", code,
+            "-v", "null:ticks=100000000", "-s", "null", "-m", "null", "-d", "net=5",
+        ]  # fmt: skip
+        if netns is not None:
+            command = netns.prefix() + command
+        env = {**os.environ, "HOME": str(home), **crossroads.env}
+        with self.log.open("wb") as out:
+            self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+
+    def used(self) -> list[str]:
+        """Every peer the client's TCP connects reached (``- using IP:PORT``)."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return re.findall(r"- using (\S+) \(IPv", text)
+
+    def stop(self) -> None:
+        _stop(self.process)

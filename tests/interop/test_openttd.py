@@ -1,0 +1,263 @@
+"""crossroads' OpenTTD coordinator, STUN and TURN against the real OpenTTD 13.0.
+
+Everything runs on loopback (or in a private network namespace) with ports the
+OS picks; the servers and clients are Debian's ``openttd`` binary, headless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import RedisServer
+from tests.interop.openttd_support import (
+    Crossroads,
+    NetNS,
+    OpenTTDClient,
+    OpenTTDServer,
+    openttd_available,
+)
+
+pytestmark = [
+    pytest.mark.interop,
+    pytest.mark.skipif(
+        not openttd_available(), reason="openttd is not installed (make install)"
+    ),
+]
+
+JOIN_TIMEOUT = 45.0
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    from tests.conftest import free_port
+
+    return free_port(host=host)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("openttd-interop")
+
+
+@pytest.fixture(scope="module")
+def crossroads(workdir: Path) -> Iterator[Crossroads]:
+    process = Crossroads(workdir)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(
+    workdir: Path, crossroads: Crossroads
+) -> Iterator[dict[str, OpenTTDServer]]:
+    """One public and one invite-only dedicated server, started together."""
+    started = {
+        "public": OpenTTDServer(
+            workdir, crossroads, name="Public interop", bind="127.0.0.1",
+            port=free_tcp_port(), game_type="public", cpu=0,
+        ),
+        "invite-only": OpenTTDServer(
+            workdir, crossroads, name="Invite interop", bind="127.0.0.1",
+            port=free_tcp_port(), game_type="invite-only", cpu=1,
+        ),
+    }  # fmt: skip
+    try:
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+@pytest.mark.timeout(120)
+def test_dedicated_servers_register_public_and_invite_only(
+    crossroads: Crossroads, servers: dict[str, OpenTTDServer]
+) -> None:
+    public = servers["public"].registration()
+    invite = servers["invite-only"].registration()
+    assert public["game_type"] == "Public"
+    assert invite["game_type"] == "Invite only"
+    # The coordinator reached both with a game-protocol probe.
+    assert public["connection_type"] == invite["connection_type"] == "Public"
+    assert public["code"] != invite["code"]
+
+    # The list shows a server once its first SERVER_UPDATE (sent right after
+    # the ACK) is in; the HTTP list may lag by the listing cache's refresh.
+    by_code: dict[str, dict[str, object]] = {}
+    deadline = time.monotonic() + 10
+    while public["code"] not in by_code and time.monotonic() < deadline:
+        listed = crossroads.json("/openttd/servers")
+        assert isinstance(listed, list)
+        by_code = {entry["invite_code"]: entry for entry in listed}
+        time.sleep(0.2)
+    assert public["code"] in by_code and invite["code"] not in by_code
+    entry: dict[str, Any] = by_code[public["code"]]
+    assert entry["info"]["server_name"] == "Public interop"
+    assert entry["info"]["server_revision"] == "13.0"
+    assert entry["info"]["map_width"] == entry["info"]["map_height"] == 64
+    assert entry["game_info_version"] == 6 and entry["protocol"] == 6
+    record = crossroads.json(f"/openttd/servers/{invite['code']}")
+    assert isinstance(record, dict)
+    assert record["game_type"] == "invite-only"
+    assert record["connection_type"] == "direct"
+    status, page = crossroads.get("/openttd")
+    assert status == 200 and "Public interop" in page and "Invite interop" not in page
+
+
+@pytest.mark.timeout(120)
+def test_client_joins_by_invite_code_directly(
+    workdir: Path, crossroads: Crossroads, servers: dict[str, OpenTTDServer]
+) -> None:
+    server = servers["invite-only"]
+    code = server.registration()["code"]
+    client = OpenTTDClient(workdir, crossroads, name="direct-client", code=code)
+    try:
+        line = server.joined("direct-client", JOIN_TIMEOUT)
+        assert "has joined the game" in line
+    finally:
+        client.stop()
+    game_port = int(
+        server.process.args[server.process.args.index("-D") + 1].rsplit(":", 1)[1]
+    )  # type: ignore[union-attr, index]
+    assert f"127.0.0.1:{game_port}" in client.used()  # the game connection was direct
+    assert (
+        crossroads.metric(
+            "crossroads_openttd_connects_total", method="direct-ipv4", result="ok"
+        )
+        >= 1
+    )
+
+
+@pytest.mark.timeout(150)
+def test_server_reconnecting_keeps_its_invite_code(
+    workdir: Path, crossroads: Crossroads, servers: dict[str, OpenTTDServer]
+) -> None:
+    """Restart crossroads on the same ports: the running server reconnects by
+    itself (after OpenTTD's back-off), presents its code and secret, and gets
+    the same invite code back."""
+    server = servers["public"]
+    before = server.registration()
+    ports = dict(crossroads.ports)
+    crossroads.stop()
+    restarted = Crossroads(workdir, name="crossroads-restarted", ports=ports)
+    try:
+        again = server.registration(timeout=90, after=1)
+        assert again["code"] == before["code"]
+        record = restarted.json(f"/openttd/servers/{before['code']}")
+        assert isinstance(record, dict) and record["game_type"] == "public"
+    finally:
+        restarted.stop()
+
+
+@pytest.mark.timeout(150)
+def test_join_through_turn_when_the_server_is_unreachable(workdir: Path) -> None:
+    """In a private network namespace, the server listens on 127.0.0.2 while its
+    coordinator traffic leaves from 127.0.0.1, so the direct probe fails; an
+    iptables rule there refuses every new TCP connection except to the known
+    service ports, so the STUN simultaneous open fails too. TURN must carry it."""
+    netns = NetNS()
+    processes: list[Crossroads | OpenTTDServer | OpenTTDClient] = []
+    try:
+        turn_dir = workdir / "turn"
+        turn_dir.mkdir()
+        crossroads = Crossroads(turn_dir, netns=netns)
+        processes.append(crossroads)
+        game_port = 3979 + 20000  # free: the namespace is ours alone
+        allowed = ",".join(str(p) for p in (*crossroads.ports.values(), game_port))
+        netns.run(
+            "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-m", "multiport",
+            "!", "--dports", allowed, "-j", "REJECT", "--reject-with", "tcp-reset",
+        )  # fmt: skip
+        server = OpenTTDServer(
+            turn_dir, crossroads, name="NAT interop", bind="127.0.0.2",
+            port=game_port, game_type="invite-only", netns=netns, cpu=0,
+        )  # fmt: skip
+        processes.append(server)
+        registration = server.registration()
+        assert registration["connection_type"] == "Behind NAT"
+        client = OpenTTDClient(
+            turn_dir,
+            crossroads,
+            name="turn-client",
+            code=registration["code"],
+            netns=netns,
+        )
+        processes.append(client)
+        assert "has joined the game" in server.joined("turn-client", JOIN_TIMEOUT)
+        assert f"127.0.0.1:{crossroads.ports['turn']}" in client.used()
+        assert (
+            crossroads.metric(
+                "crossroads_openttd_connects_total", method="turn", result="ok"
+            )
+            == 1
+        )
+        assert (
+            crossroads.metric("crossroads_openttd_turn_sessions_total", result="paired")
+            == 1
+        )
+        record = crossroads.json(f"/openttd/servers/{registration['code']}")
+        assert (
+            isinstance(record, dict)
+            and record["connection_type"] == "stun"
+            and record["direct"] == []
+        )
+        # The STUN attempt happened and failed before TURN.
+        assert (
+            crossroads.metric("crossroads_openttd_stun_requests_total", result="ok")
+            >= 3
+        )
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        netns.close()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.redis
+def test_two_coordinators_on_one_redis(
+    workdir: Path, redis_server: RedisServer
+) -> None:
+    """The server registers with coordinator A, the client asks coordinator B.
+    The server is not directly reachable, so B drives STUN and TURN through
+    the server's connection on A (commands and reports cross over Redis)."""
+    redis_server.flush()
+    redis_dir = workdir / "redis"
+    redis_dir.mkdir()
+    processes: list[Crossroads | OpenTTDServer | OpenTTDClient] = []
+    try:
+        a = Crossroads(redis_dir, name="crossroads-a", store=redis_server.url)
+        processes.append(a)
+        b = Crossroads(redis_dir, name="crossroads-b", store=redis_server.url)
+        processes.append(b)
+        server = OpenTTDServer(
+            redis_dir, a, name="Redis interop", bind="127.0.0.2",
+            port=free_tcp_port("127.0.0.2"), game_type="invite-only", cpu=0,
+        )  # fmt: skip
+        processes.append(server)
+        code = server.registration()["code"]
+        client = OpenTTDClient(redis_dir, b, name="redis-client", code=code)
+        processes.append(client)
+        assert "has joined the game" in server.joined("redis-client", JOIN_TIMEOUT)
+        joined = sum(
+            b.metric("crossroads_openttd_connects_total", method=m, result="ok")
+            for m in ("stun-ipv4", "turn")
+        )
+        assert joined == 1
+        assert (
+            a.metric("crossroads_openttd_connects_total", method="turn", result="ok")
+            == 0
+        )
+        assert (
+            a.metric("crossroads_openttd_bus_published_total") >= 2
+        )  # reports went A -> B
+        assert (
+            b.metric("crossroads_openttd_bus_published_total") >= 2
+        )  # commands went B -> A
+    finally:
+        for process in reversed(processes):
+            process.stop()

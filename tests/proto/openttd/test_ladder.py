@@ -1,0 +1,217 @@
+from __future__ import annotations
+
+from crossroads.proto.openttd.coordinator import (
+    GcConnectFailed,
+    GcConnecting,
+    GcDirectConnect,
+    GcStunConnect,
+    GcStunRequest,
+    GcTurnConnect,
+)
+from crossroads.proto.openttd.ladder import (
+    CONNECT_TIMEOUT,
+    Command,
+    ConnectAttempt,
+    Finished,
+    IssueTicket,
+    SendToClient,
+    SendToServer,
+    Side,
+)
+
+KEY = "0a1b2c3d" + "00" * 12
+TICKET = "0123456789abcdef:0123456789abcdef"
+C, S = "C" + KEY, "S" + KEY
+
+
+def attempt(
+    direct: list[tuple[str, int]] | None = None,
+    client_version: int = 6,
+    server_version: int = 6,
+    turn: str | None = "relay.example:3974",
+) -> tuple[ConnectAttempt, list[Command]]:
+    a = ConnectAttempt(
+        attempt_key=KEY,
+        invite_code="+abcdefg",
+        client_version=client_version,
+        server_version=server_version,
+        direct=direct if direct is not None else [("203.0.113.5", 3979)],
+        turn_address=turn,
+        ticket=TICKET,
+        now=0.0,
+    )
+    return a, a.start(0.0)
+
+
+def stun_both(
+    a: ConnectAttempt, client_family: int = 10, server_family: int = 10
+) -> list[Command]:
+    """Both sides report IPv4 ok (family 2) and IPv6 with their own byte."""
+    out: list[Command] = []
+    out += a.stun_observed(Side.CLIENT, 2, "198.51.100.7", 40000, 1.0)
+    out += a.stun_result(Side.CLIENT, client_family, False, 1.0)
+    out += a.stun_result(Side.CLIENT, 2, True, 1.0)
+    out += a.stun_result(Side.SERVER, server_family, False, 1.0)
+    out += a.stun_result(Side.SERVER, 2, True, 1.0)
+    assert out == []  # the server's IPv4 observation is still missing
+    return a.stun_observed(Side.SERVER, 2, "203.0.113.5", 50000, 1.1)
+
+
+def test_direct_join() -> None:
+    a, out = attempt()
+    assert out == [
+        SendToClient(GcConnecting(C, "+abcdefg")),
+        SendToClient(GcDirectConnect(C, 1, "203.0.113.5", 3979)),
+    ]
+    assert a.connected(0.5) == [Finished(True, "direct-ipv4", "connected")]
+    assert a.done and a.get_timer() is None
+
+
+def test_ipv4_is_tried_before_ipv6() -> None:
+    a, out = attempt(direct=[("2001:db8::5", 3979), ("203.0.113.5", 3979)])
+    assert out[-1] == SendToClient(GcDirectConnect(C, 1, "203.0.113.5", 3979))
+    assert a.connect_failed(Side.CLIENT, 1, 1.0) == [
+        SendToClient(GcDirectConnect(C, 2, "2001:db8::5", 3979))
+    ]
+    assert a.connected(1.5) == [Finished(True, "direct-ipv6", "connected")]
+
+
+def test_full_ladder_direct_stun_turn() -> None:
+    a, _ = attempt()
+    assert a.connect_failed(Side.CLIENT, 1, 1.0) == [
+        SendToClient(GcStunRequest(C)),
+        SendToServer(GcStunRequest(S)),
+    ]
+    # Each side gets the other's public address and its own family byte back.
+    assert stun_both(a, client_family=10, server_family=23) == [
+        SendToClient(GcStunConnect(C, 2, 2, "203.0.113.5", 50000)),
+        SendToServer(GcStunConnect(S, 2, 2, "198.51.100.7", 40000)),
+    ]
+    assert a.method == "stun-ipv4"
+    # The server fails first; the client's failure for the same number is stale.
+    out = a.connect_failed(Side.SERVER, 2, 2.0)
+    assert out == [
+        IssueTicket(TICKET),
+        SendToClient(GcTurnConnect(C, 3, TICKET, "relay.example:3974")),
+        SendToServer(GcTurnConnect(S, 3, TICKET, "relay.example:3974")),
+    ]
+    assert a.connect_failed(Side.CLIENT, 2, 2.1) == []
+    assert a.connected(3.0) == [Finished(True, "turn", "connected")]
+
+
+def test_stun_pairs_every_shared_family_ipv4_first() -> None:
+    a, _ = attempt(direct=[])
+    for side, addr6, addr4 in (
+        (Side.CLIENT, ("2001:db8::c", 1), ("198.51.100.7", 2)),
+        (Side.SERVER, ("2001:db8::5", 3), ("203.0.113.5", 4)),
+    ):
+        a.stun_observed(side, 10, *addr6, 0.5)
+        a.stun_observed(side, 2, *addr4, 0.5)
+        a.stun_result(side, 10, True, 0.5)
+    out = a.stun_result(Side.CLIENT, 2, True, 0.6) + a.stun_result(
+        Side.SERVER, 2, True, 0.6
+    )
+    assert out[0] == SendToClient(GcStunConnect(C, 1, 2, "203.0.113.5", 4))
+    out = a.connect_failed(Side.CLIENT, 1, 1.0)
+    assert out[0] == SendToClient(GcStunConnect(C, 2, 10, "2001:db8::5", 3))
+    assert a.connected(1.2)[-1] == Finished(True, "stun-ipv6", "connected")
+
+
+def test_stun_wait_pairs_what_arrived() -> None:
+    a, out = attempt(direct=[])
+    assert out[-1] == SendToServer(GcStunRequest(S))
+    assert a.get_timer() == 5.0
+    a.stun_observed(Side.CLIENT, 2, "198.51.100.7", 1, 0.1)
+    a.stun_result(Side.CLIENT, 2, True, 0.1)
+    a.stun_observed(Side.SERVER, 2, "203.0.113.5", 2, 0.1)
+    a.stun_result(Side.SERVER, 2, True, 0.1)
+    # Neither side reported its second family: wait for the STUN deadline.
+    assert a.handle_timer(4.9) == []
+    out = a.handle_timer(5.0)
+    assert out[0] == SendToClient(GcStunConnect(C, 1, 2, "203.0.113.5", 2))
+
+
+def test_no_shared_family_goes_to_turn() -> None:
+    a, _ = attempt(direct=[])
+    a.stun_observed(Side.CLIENT, 10, "2001:db8::c", 1, 0.1)
+    a.stun_result(Side.CLIENT, 10, True, 0.1)
+    a.stun_result(Side.CLIENT, 2, False, 0.1)
+    a.stun_result(Side.SERVER, 10, False, 0.1)
+    out = a.stun_observed(Side.SERVER, 2, "203.0.113.5", 2, 0.1) + a.stun_result(
+        Side.SERVER, 2, True, 0.1
+    )
+    assert out[0] == IssueTicket(TICKET)
+
+
+def test_old_peers_get_no_stun_or_turn() -> None:
+    a, _ = attempt(client_version=2)
+    assert a.connect_failed(Side.CLIENT, 1, 1.0) == [
+        SendToClient(GcConnectFailed(C)),
+        Finished(False, "direct-ipv4", "no method left"),
+    ]
+    a, _ = attempt(server_version=4, direct=[])
+    stun_out = stun_both(a)
+    assert a.connect_failed(Side.CLIENT, 1, 2.0)[-1] == Finished(
+        False, "stun-ipv4", "no method left"
+    )
+    assert stun_out[0] == SendToClient(GcStunConnect(C, 1, 2, "203.0.113.5", 50000))
+
+
+def test_no_turn_without_a_relay() -> None:
+    a, _ = attempt(direct=[], turn=None)
+    stun_both(a)
+    out = a.connect_failed(Side.CLIENT, 1, 2.0)
+    assert out == [
+        SendToClient(GcConnectFailed(C)),
+        SendToServer(GcConnectFailed(S)),
+        Finished(False, "stun-ipv4", "no method left"),
+    ]
+
+
+def test_stale_and_unknown_tracking_numbers_are_ignored() -> None:
+    a, _ = attempt(direct=[("203.0.113.5", 1), ("203.0.113.6", 1)])
+    assert a.connect_failed(Side.CLIENT, 5, 1.0) == []
+    assert a.connect_failed(Side.CLIENT, 1, 1.0) != []
+    assert a.connect_failed(Side.CLIENT, 1, 1.0) == []
+    assert a.tracking_number == 2
+
+
+def test_tracking_zero_means_the_client_gave_up() -> None:
+    a, _ = attempt(direct=[])
+    assert a.connect_failed(Side.CLIENT, 0, 1.0) == [
+        SendToClient(GcConnectFailed(C)),
+        SendToServer(GcConnectFailed(S)),
+        Finished(False, "none", "client gave up"),
+    ]
+    assert a.connected(2.0) == []
+
+
+def test_overall_timeout() -> None:
+    a, _ = attempt()
+    assert a.get_timer() == CONNECT_TIMEOUT
+    assert a.handle_timer(CONNECT_TIMEOUT - 0.1) == []
+    assert a.handle_timer(CONNECT_TIMEOUT) == [
+        SendToClient(GcConnectFailed(C)),
+        Finished(False, "direct-ipv4", "timeout"),
+    ]
+
+
+def test_peer_gone() -> None:
+    a, _ = attempt(direct=[])
+    assert a.peer_gone(Side.SERVER, 1.0) == [
+        SendToClient(GcConnectFailed(C)),
+        Finished(False, "none", "server left"),
+    ]
+    a, _ = attempt(direct=[])
+    assert a.peer_gone(Side.CLIENT, 1.0) == [
+        SendToServer(GcConnectFailed(S)),
+        Finished(False, "none", "client left"),
+    ]
+
+
+def test_made_up_families_cannot_grow_the_tables() -> None:
+    a, _ = attempt(direct=[])
+    for family in range(200):
+        a.stun_result(Side.CLIENT, family, False, 0.1)
+        a.stun_observed(Side.CLIENT, family, "198.51.100.1", family, 0.1)
+    assert a.done is False
