@@ -59,9 +59,13 @@ class AioiceTurn:
         self._transport.close()
 
 
+SECRET = "sdk-rest-secret"
+
+
 @contextmanager
-def coturn() -> Iterator[Address]:
-    """coturn on 127.0.0.1 with long-term credentials, loopback peers allowed."""
+def coturn(rest: bool = False) -> Iterator[Address]:
+    """coturn on 127.0.0.1 with long-term credentials (or, with ``rest``, the
+    REST-API shared secret), loopback peers allowed."""
     binary = shutil.which("turnserver")
     assert binary is not None, "coturn is not installed (make install)"
     port = free_udp_tcp_port()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import ipaddress
 import logging
 import secrets
@@ -49,6 +50,7 @@ from crossroads.client.peer import (
 )
 from crossroads.client.portmap import PortMapper
 from crossroads.client.signalling import SignallingClient
+from crossroads.client.turnrelay import welcome_factory
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.punch import ladder
 from crossroads.proto.punch import signalling as sig
@@ -261,6 +263,7 @@ class P2PClient:
         tcp_factory: Callable[[], socket.socket] | None = None,
         turn: TurnFactory | None = None,
         stun: Address | None = None,
+        auto_turn: bool = True,
     ) -> None:
         self.url = url
         self.name = name
@@ -279,6 +282,8 @@ class P2PClient:
         #: Allocates a TURN relay for the relay step (tried before the
         #: WebSocket relay); None: no TURN.
         self._turn_factory = turn
+        #: Use the TURN credentials of ``welcome`` when no factory is given.
+        self._auto_turn = auto_turn
         self.turn: TurnRelay | None = None
         #: An RFC 5780 STUN server (two addresses) for NAT type detection.
         self._stun = stun
@@ -346,6 +351,13 @@ class P2PClient:
             self._rendezvous.append((host, endpoint.port))
         self._server_ip = str(server_ip)
         await self._probe(0)
+        if (
+            self._turn_factory is None
+            and self._auto_turn
+            and welcome.turn is not None
+            and importlib.util.find_spec("crossroads.client.turn") is not None
+        ):
+            self._turn_factory = welcome_factory(welcome.turn, self._server_ip)
         if self._stun is not None:
             try:
                 self.nat = await detect_nat(self._stun)
