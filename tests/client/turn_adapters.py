@@ -77,8 +77,11 @@ def coturn(rest: bool = False) -> Iterator[Address]:
             "--listening-ip=127.0.0.1",
             f"--listening-port={port}",
             "--relay-ip=127.0.0.1",
-            "--lt-cred-mech",
-            f"--user={USER}:{PASSWORD}",
+            *(
+                ["--use-auth-secret", f"--static-auth-secret={SECRET}"]
+                if rest
+                else ["--lt-cred-mech", f"--user={USER}:{PASSWORD}"]
+            ),
             f"--realm={REALM}",
             "--allow-loopback-peers",
             "--no-cli",
