@@ -79,7 +79,17 @@ async def test_udp_binding(runtime: Runtime) -> None:
     )
 
 
-async def test_bad_input_is_dropped_and_counted(runtime: Runtime) -> None:
+async def test_bad_input_is_dropped_and_counted() -> None:
+    # STUN alone: with the turn service attached, Allocate and ChannelData
+    # are TURN's to answer (401, counted drops).
+    runtime = await start(default_config(loopback_config(core__only=["stun"])))
+    try:
+        await _check_bad_input(runtime)
+    finally:
+        await runtime.close()
+
+
+async def _check_bad_input(runtime: Runtime) -> None:
     primary = _stun(runtime).primary
     for data in (b"\xff" * 30, b"\x40\x00\x00\x04abcd", b"", b"\x00\x01\x00"):
         assert (

@@ -136,7 +136,12 @@ def probe(prefix: str) -> None:
 @click.option(
     "--prefix", default="xr", envvar="CROSSROADS_LAB_PREFIX", help=PREFIX_HELP
 )
-@click.option("--methods", default="", help="Comma-separated methods (default: all).")
+@click.option(
+    "--methods",
+    default="",
+    help="Comma-separated methods (default: all). A method named here runs every "
+    "pair; by default slow ones (openttd) run a representative subset.",
+)
 @click.option("--kinds", default="", help="Comma-separated NAT kinds (default: all).")
 @click.option(
     "--out",
@@ -195,6 +200,7 @@ def matrix(
                     kinds=chosen,
                     parallel=parallel,
                     progress=progress,
+                    all_pairs=[m for m in methods.split(",") if m],
                 )
             )
         finally:

@@ -69,6 +69,9 @@ SERVER_HTTP_PORT = 8080
 
 #: Settings of the lab's ``crossroads serve`` that exist only once their service
 #: has landed; each is passed when the running code has it.
+#: ``name:password`` of the lab TURN server's user (lab/methods/turn_udp.py).
+LAB_TURN_USER = "lab:crossroads-lab-turn"
+
 SERVER_SETTINGS: dict[str, str] = {
     "stun.alt_host": SERVER_IPS[1],
     # natneg: natneg1/natneg2 on the first address, natneg3 on the second (the
@@ -78,6 +81,12 @@ SERVER_SETTINGS: dict[str, str] = {
     "natneg.relay_allow": "198.51.100.0/24",
     # The key the ``unity-relay`` method uses (lab/methods/relay.py LAB_API_KEY).
     "relay.api_keys": "crossroads-lab-relay-key",
+    # The static user the ``turn-udp`` / ``turn-tcp`` methods allocate with.
+    # Peers are the server's own relayed addresses (203.0.113.0/24): the TURN
+    # peer policy allows documentation ranges by default, nothing to widen.
+    "turn.user": LAB_TURN_USER,
+    # Invite codes survive a coordinator restart (lab/methods/openttd.py).
+    "openttd.secret": "crossroads-lab-openttd",
 }
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")

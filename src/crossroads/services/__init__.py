@@ -15,6 +15,7 @@ from crossroads.config import register_section
 SERVICE_MODULES: dict[str, str] = {
     # name -> module. One line per service; keep names as in DESIGN.md.
     "stun": "crossroads.services.stun",
+    "turn": "crossroads.services.turn",
     "openttd": "crossroads.services.openttd",
     "natneg": "crossroads.services.natneg",
     "relay": "crossroads.services.relay",

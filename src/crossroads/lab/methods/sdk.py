@@ -21,7 +21,7 @@ import time
 from crossroads.client.p2p import JoinRejected, P2PClient
 from crossroads.client.portmap import PortMapper
 from crossroads.lab import netns
-from crossroads.lab.kinds import Allocation, NatKind
+from crossroads.lab.kinds import Allocation, Filtering, Mapping, NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab, Site
 
@@ -110,12 +110,33 @@ def needs_relay(x: NatKind, y: NatKind) -> bool:
     return other.allocation is Allocation.SEQUENTIAL
 
 
+def expected_via(x: NatKind, y: NatKind) -> str:
+    """The step that wins for host ``x`` (site a) and joiner ``y`` (site b).
+
+    The joiner is the initiator, so ``direct`` reaches the host when the host has
+    no NAT, an endpoint-independent filter, or a port mapping from its router's
+    miniupnpd (not behind a carrier-grade NAT, where the mapping is useless and
+    the server drops it). Everything else that can be opened is opened by the
+    punch step (prediction and birthday included); the rest relays.
+    """
+    if needs_relay(x, y):
+        return "relay"
+    if (
+        x.mapping is Mapping.NONE
+        or x.filtering is Filtering.ENDPOINT_INDEPENDENT
+        or (x.upnp and not x.double)
+    ):
+        return "direct"
+    return "punch"
+
+
 METHOD = register(
     Method(
         name="sdk",
         summary="crossroads p2p SDK: LAN, direct, port mapping, punch (prediction, birthday), relay",
         run=run,
         expected=expected,
+        expected_via=expected_via,
         timeout=60.0,
         max_parallel=4,
         needs=("p2p",),

@@ -1,0 +1,32 @@
+"""Method ``turn-tcp``: as ``turn-udp`` (two allocations on crossroads' TURN
+server, one ChannelData frame each way), but each host talks to the TURN server
+over TCP (RFC 8656 §3.1 TCP client-server transport; the relayed legs are UDP).
+TCP passes every lab NAT and the ``udp-blocked`` firewall, so all pairs connect.
+"""
+
+from __future__ import annotations
+
+from crossroads.lab.kinds import NatKind
+from crossroads.lab.matrix import Attempt, Method, Outcome, register
+from crossroads.lab.methods.turn_udp import exchange
+
+
+async def run(attempt: Attempt) -> Outcome:
+    return await exchange(attempt.lab, attempt.a, attempt.b, "tcp")
+
+
+def expected(x: NatKind, y: NatKind) -> bool:
+    """Every lab site can open a TCP connection to the server."""
+    return True
+
+
+METHOD = register(
+    Method(
+        name="turn-tcp",
+        summary="crossroads' TURN relay, allocations over TCP (crossroads TURN client)",
+        run=run,
+        expected=expected,
+        timeout=15.0,
+        needs=("turn",),
+    )
+)

@@ -1,0 +1,1111 @@
+"""The TURN server core (RFC 8656, RFC 6062), sans-I/O.
+
+Theory of operation
+-------------------
+The transport decodes a STUN message from a client (codec:
+:mod:`crossroads.proto.stun`) and calls :meth:`TurnServer.handle_message` with the
+message, its raw bytes (integrity is checked on those), the 5-tuple and ``now``.
+The core answers with the encoded response, or None (indications, silently dropped
+requests). Side effects the transport must carry out are queued as *events*
+(:meth:`TurnServer.pop_events`): an allocation appeared or went away (update the
+data-plane routes), connect to a peer, pipe or close a TCP connection, send an
+indication or a late response to a client.
+
+Relay sockets are opened through the injected :class:`RelayBinder` — the one
+synchronous call into the I/O layer, because whether a port can be bound is only
+known by trying. Everything else the core owns: the allocation table keyed by
+5-tuple, per-user and total quotas, the port allocator, the nonce minter, the
+peer policy, and one heap of deadlines (``get_timer`` / ``handle_timer``).
+
+Per-packet forwarding (ChannelData, Send and Data indications) does not come
+here: the transport reads the forwarding tables kept in :mod:`.allocation`.
+Only Send indications the fast parser cannot take go through
+:meth:`TurnServer.send_indication` (the slow path, which counts each drop).
+
+Request processing order (RFC 8656 §6-§12, RFC 8489 §9.2.4): class and method;
+authentication (401 / 400 / 438 / 401, each unauthenticated answer rate-limited
+per source IP); unknown comprehension-required attributes (420); then the method.
+Every answer after successful authentication carries MESSAGE-INTEGRITY (or
+MESSAGE-INTEGRITY-SHA256, whichever the request used), and FINGERPRINT when the
+request had one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Protocol, cast
+
+from crossroads.errors import LocalProtocolError
+from crossroads.proto.stun import (
+    AdditionalAddressFamily,
+    AddressErrorCode,
+    AlternateServer,
+    Attribute,
+    ChannelNumber,
+    Class,
+    ConnectionId,
+    Data,
+    DontFragment,
+    ErrorCodeAttribute,
+    EvenPort,
+    Fingerprint,
+    Lifetime,
+    Message,
+    MessageIntegrity,
+    MessageIntegritySha256,
+    Method,
+    Nonce,
+    PasswordAlgorithm,
+    PasswordAlgorithmId,
+    PasswordAlgorithms,
+    Realm,
+    RequestedAddressFamily,
+    RequestedTransport,
+    ReservationToken,
+    UnknownAttribute,
+    UnknownAttributes,
+    Userhash,
+    Username,
+    XorMappedAddress,
+    XorPeerAddress,
+    XorRelayedAddress,
+    check_message_integrity,
+    check_message_integrity_sha256,
+    encode,
+    error_response,
+    indication,
+    long_term_key,
+    success_response,
+)
+from crossroads.proto.turn.allocation import (
+    Allocation,
+    Channel,
+    Deadlines,
+    FiveTuple,
+    Kind,
+    Permission,
+    RelayPort,
+)
+from crossroads.proto.turn.auth import Credentials, Lookup, NonceCheck, NonceMinter
+from crossroads.proto.turn.constants import (
+    CHANNEL_MAX_RFC5766,
+    CHANNEL_MIN,
+    CONNECT_TIMEOUT,
+    CONNECTION_BIND_TIMEOUT,
+    DEFAULT_ALLOCATION_LIFETIME,
+    DEFAULT_MAX_ALLOCATION_LIFETIME,
+    REASONS,
+    Family,
+    Transport,
+    TurnError,
+)
+from crossroads.proto.turn.policy import PeerPolicy
+from crossroads.proto.turn.ports import PortAllocator, Reservation
+from crossroads.proto.turn.ratelimit import TokenBuckets
+from crossroads.types import Address
+
+#: The algorithms offered in PASSWORD-ALGORITHMS, in preference order
+#: (RFC 8489 §14.11; SHA-256 first, MD5 for RFC 5389 clients).
+OFFERED_ALGORITHMS: tuple[tuple[int, bytes], ...] = (
+    (PasswordAlgorithmId.SHA256, b""),
+    (PasswordAlgorithmId.MD5, b""),
+)
+
+
+# ------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSettings:
+    """Policy knobs of the core (built from the service configuration)."""
+
+    realm: str = "crossroads"
+    #: Upper bound on allocation lifetime (RFC 8656 §7.2 lets the server cap it).
+    max_lifetime: float = DEFAULT_MAX_ALLOCATION_LIFETIME
+    #: Allocations per user (0 = no limit); 486 beyond (RFC 8656 §7.2).
+    user_quota: int = 0
+    #: Allocations in this process (0 = no limit); 486, or 300 to an alternate.
+    total_quota: int = 0
+    #: Permissions per allocation; 508 beyond. Bounds per-allocation state.
+    max_permissions: int = 1024
+    #: RFC 6062 peer connections per allocation; 508 beyond.
+    max_connections: int = 64
+    #: Highest channel number accepted (0x4FFF per RFC 8656, 0x7FFF per 5766).
+    channel_max: int = CHANNEL_MAX_RFC5766
+    #: Serve TURN without credentials. Off unless explicitly configured.
+    allow_unauthenticated: bool = False
+    #: Where to send clients when this server is full (300 + ALTERNATE-SERVER).
+    alternate_servers: tuple[Address, ...] = ()
+    #: Accept REQUESTED-TRANSPORT=TCP (RFC 6062).
+    tcp_relay: bool = True
+    #: Unauthenticated answers (401/438) per source IP: sustained rate and burst.
+    #: A 401 is ~100 bytes, so 100/s caps what a spoofed victim can be sent at
+    #: ~10 kB/s, while a NAT full of clients starting at once still gets in.
+    unauthenticated_rate: float = 100.0
+    unauthenticated_burst: float = 200.0
+
+
+class RelayBinder(Protocol):
+    """Opens relay sockets for the core (implemented by the transport)."""
+
+    def has_relay_address(self, family: Family) -> bool:
+        """Whether this server can relay in ``family`` (else 440)."""
+        ...
+
+    def open_relay(
+        self,
+        allocation: Allocation,
+        family: Family,
+        port: int,
+        transport: Transport,
+        dont_fragment: bool,
+    ) -> RelayPort | None:
+        """Bind a relay socket on ``port``; None when the port is taken."""
+        ...
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationCreated:
+    """A new allocation: the transport installs its data-plane routes."""
+
+    allocation: Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationDeleted:
+    """An allocation is gone (relays already closed): drop its routes."""
+
+    allocation: Allocation
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectPeer:
+    """RFC 6062 Connect: open a TCP connection from ``relay`` to ``peer``.
+
+    Report the outcome with :meth:`TurnServer.peer_connected` or
+    :meth:`TurnServer.peer_connect_failed`.
+    """
+
+    connection_id: int
+    relay: RelayPort
+    peer: Address
+
+
+@dataclass(frozen=True, slots=True)
+class BindConnection:
+    """ConnectionBind succeeded: after sending the response on ``five_tuple``, pipe
+    that client data connection to the peer data connection."""
+
+    connection_id: int
+    five_tuple: FiveTuple
+
+
+@dataclass(frozen=True, slots=True)
+class CloseConnection:
+    """Close the peer data connection (and its client data connection, if any)."""
+
+    connection_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class SendToClient:
+    """Send bytes to a client (an indication, or a late response)."""
+
+    five_tuple: FiveTuple
+    data: bytes
+
+
+TurnEvent = (
+    AllocationCreated
+    | AllocationDeleted
+    | ConnectPeer
+    | BindConnection
+    | CloseConnection
+    | SendToClient
+)
+
+
+# ------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """Who sent an authenticated request, and how to sign the answer."""
+
+    username: str
+    quota_user: str
+    #: Long-term key (None: unauthenticated mode).
+    key: bytes | None
+    #: The request used MESSAGE-INTEGRITY-SHA256 (answer the same way).
+    sha256: bool = False
+
+
+class ConnState(IntEnum):
+    """RFC 6062 peer data connection states."""
+
+    CONNECTING = 0  # Connect sent, TCP handshake under way
+    PENDING = 1  # established, waiting for ConnectionBind
+    BOUND = 2  # piped to a client data connection
+
+
+@dataclass(slots=True, eq=False)
+class TcpConnection:
+    """An RFC 6062 peer data connection."""
+
+    id: int
+    allocation: Allocation
+    peer: Address
+    state: ConnState
+    expires: float
+    #: The Connect request waiting for the outcome (CONNECTING only).
+    request: Message | None = None
+    auth: Auth | None = None
+    client: FiveTuple | None = None
+    dead: bool = False
+
+
+@dataclass(slots=True)
+class Counters:
+    """Plain counters the metrics layer reads (no Prometheus in the core)."""
+
+    #: (method name, response code or 0 for success) -> count.
+    responses: dict[tuple[str, int], int] = field(default_factory=dict)
+    #: Drop reason -> count.
+    drops: dict[str, int] = field(default_factory=dict)
+    allocations_created: int = 0
+    #: Deletion reason -> count.
+    allocations_deleted: dict[str, int] = field(default_factory=dict)
+
+    def drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
+    def response(self, method: str, code: int) -> None:
+        key = (method, int(code))
+        self.responses[key] = self.responses.get(key, 0) + 1
+
+
+def _method_name(method: int) -> str:
+    try:
+        return Method(method).name.lower()
+    except ValueError:
+        return "unknown"
+
+
+class _Reject(Exception):
+    """Internal: abort a request with an error code."""
+
+    def __init__(self, code: int, attributes: tuple[Attribute, ...] = ()) -> None:
+        super().__init__(code)
+        self.code = code
+        self.attributes = attributes
+
+
+# ------------------------------------------------------------------ core
+
+
+class TurnServer:
+    """The TURN control plane. See the module docstring."""
+
+    def __init__(
+        self,
+        settings: TurnSettings,
+        credentials: Credentials,
+        nonces: NonceMinter,
+        policy: PeerPolicy,
+        ports: PortAllocator,
+        binder: RelayBinder,
+    ) -> None:
+        self.settings = settings
+        self.credentials = credentials
+        self.nonces = nonces
+        self.policy = policy
+        self.ports = ports
+        self.binder = binder
+        self.allocations: dict[FiveTuple, Allocation] = {}
+        self.connections: dict[int, TcpConnection] = {}
+        self.user_allocations: dict[str, int] = {}
+        self.counters = Counters()
+        #: Wall-clock minus ``now``: REST credentials and nonces use Unix time,
+        #: timers use the monotonic ``now``. The transport keeps it current.
+        self.clock_offset = 0.0
+        self._deadlines = Deadlines()
+        self._events: list[TurnEvent] = []
+        self._limiter = TokenBuckets(
+            settings.unauthenticated_rate, settings.unauthenticated_burst
+        )
+        self._alternate_index = 0
+        self._userhashes: dict[bytes, str] = {
+            hashlib.sha256(f"{name}:{credentials.realm}".encode()).digest(): name
+            for name in credentials.users
+        }
+        self._handlers: dict[
+            int, Callable[[Message, FiveTuple, Auth, float], bytes | None]
+        ] = {
+            Method.ALLOCATE: self._allocate,
+            Method.REFRESH: self._refresh,
+            Method.CREATE_PERMISSION: self._create_permission,
+            Method.CHANNEL_BIND: self._channel_bind,
+            Method.CONNECT: self._connect,
+            Method.CONNECTION_BIND: self._connection_bind,
+        }
+
+    # ------------------------------------------------------------ driving
+
+    def pop_events(self) -> list[TurnEvent]:
+        """Events queued since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def get_timer(self) -> float | None:
+        """The next deadline, or None."""
+        return self._deadlines.next_deadline()
+
+    def handle_timer(self, now: float) -> None:
+        """Expire whatever is due at ``now``."""
+        schedule = self._deadlines.schedule
+        for _deadline, kind, subject in self._deadlines.pop_due(now):
+            match kind:
+                case Kind.ALLOCATION:
+                    assert isinstance(subject, Allocation)
+                    if subject.dead:
+                        continue
+                    if subject.expires > now:
+                        schedule(subject.expires, kind, subject)
+                    else:
+                        self.delete_allocation(subject, "expired")
+                case Kind.PERMISSION:
+                    allocation, permission = cast(
+                        tuple[Allocation, Permission], subject
+                    )
+                    if permission.dead or allocation.dead:
+                        continue
+                    if permission.expires > now:
+                        schedule(permission.expires, kind, subject)
+                    else:
+                        allocation.expire_permission(permission)
+                case Kind.CHANNEL | Kind.QUARANTINE:
+                    allocation, channel = cast(tuple[Allocation, Channel], subject)
+                    if channel.dead or allocation.dead:
+                        continue
+                    if channel.expires > now:
+                        again = Kind.CHANNEL if channel.active else Kind.QUARANTINE
+                        schedule(channel.expires, again, subject)
+                    elif channel.active:
+                        allocation.expire_channel(channel, now, schedule)
+                    else:
+                        allocation.forget_channel(channel)
+                case Kind.RESERVATION:
+                    assert isinstance(subject, Reservation)
+                    self.ports.expire(subject)
+                case Kind.CONNECTION:
+                    assert isinstance(subject, TcpConnection)
+                    if subject.dead:
+                        continue
+                    if subject.expires > now:
+                        schedule(subject.expires, kind, subject)
+                    else:
+                        self._connection_timeout(subject)
+
+    # ------------------------------------------------------------ counts
+
+    @property
+    def permission_count(self) -> int:
+        return sum(len(a.permissions) for a in self.allocations.values())
+
+    @property
+    def channel_count(self) -> int:
+        return sum(a.active_channels for a in self.allocations.values())
+
+    # ------------------------------------------------------------ messages
+
+    def handle_message(
+        self, msg: Message, raw: bytes, five: FiveTuple, now: float
+    ) -> bytes | None:
+        """Process one decoded STUN message from a client.
+
+        Returns the encoded answer, or None when nothing is to be sent now.
+        Never raises on bad input.
+        """
+        if msg.msg_class == Class.INDICATION:
+            if msg.method == Method.SEND:
+                self.counters.drop("send-slow-path-unused")
+            else:
+                self.counters.drop("unexpected-indication")
+            return None
+        if msg.msg_class != Class.REQUEST:
+            self.counters.drop("not-a-request")
+            return None
+        handler = self._handlers.get(msg.method)
+        name = _method_name(msg.method)
+        if handler is None:
+            self.counters.drop("unknown-method")
+            return self._answer(msg, None, self._error(msg, TurnError.BAD_REQUEST))
+        auth = self._authenticate(msg, raw, five, now)
+        if not isinstance(auth, Auth):
+            return auth
+        unknown = msg.unknown_comprehension_required()
+        if unknown:
+            self.counters.response(name, 420)
+            return self._answer(
+                msg,
+                auth,
+                self._error(
+                    msg, TurnError.UNKNOWN_ATTRIBUTE, (UnknownAttributes(unknown),)
+                ),
+            )
+        try:
+            answer = handler(msg, five, auth, now)
+        except _Reject as reject:
+            self.counters.response(name, reject.code)
+            return self._answer(
+                msg, auth, self._error(msg, reject.code, reject.attributes)
+            )
+        except LocalProtocolError:
+            # A value we cannot encode (should not happen): answer 500, never crash.
+            self.counters.response(name, 500)
+            return self._answer(msg, auth, self._error(msg, TurnError.SERVER_ERROR))
+        if answer is not None:
+            self.counters.response(name, 0)
+        return answer
+
+    def send_indication(
+        self, msg: Message, five: FiveTuple
+    ) -> tuple[RelayPort, Address, bytes] | None:
+        """Slow path of a Send indication (RFC 8656 §11.2): where to send what.
+
+        None when it must be dropped (counted by reason).
+        """
+        allocation = self.allocations.get(five)
+        if allocation is None:
+            self.counters.drop("send-no-allocation")
+            return None
+        if msg.unknown_comprehension_required():
+            self.counters.drop("send-unknown-attribute")
+            return None
+        peer = msg.get(XorPeerAddress)
+        data = msg.get(Data)
+        if peer is None or data is None:
+            self.counters.drop("send-malformed")
+            return None
+        relay = allocation.relay_for(6 if ":" in peer.host else 4)
+        if relay is None:
+            self.counters.drop("send-family-mismatch")
+            return None
+        if peer.host not in allocation.permissions:
+            self.counters.drop("send-no-permission")
+            return None
+        return relay, (peer.host, peer.port), data.value
+
+    # ------------------------------------------------------------ answers
+
+    def _error(
+        self, msg: Message, code: int, attributes: tuple[Attribute, ...] = ()
+    ) -> Message:
+        return error_response(msg, code, REASONS.get(code), attributes)
+
+    def _answer(self, request: Message, auth: Auth | None, answer: Message) -> bytes:
+        fingerprint = request.get(Fingerprint) is not None
+        if auth is None or auth.key is None:
+            return encode(answer, fingerprint=fingerprint)
+        if auth.sha256:
+            return encode(
+                answer, integrity_sha256_key=auth.key, fingerprint=fingerprint
+            )
+        return encode(answer, integrity_key=auth.key, fingerprint=fingerprint)
+
+    def _challenge(
+        self, msg: Message, code: int, five: FiveTuple, now: float
+    ) -> bytes | None:
+        """401 or 438 with REALM and a fresh NONCE (rate-limited per IP)."""
+        client_ip = five[1][0]
+        name = _method_name(msg.method)
+        if not self._limiter.allow(client_ip, now):
+            self.counters.drop("unauthenticated-rate-limit")
+            return None
+        self.counters.response(name, code)
+        attributes: list[Attribute] = [
+            Realm(self.credentials.realm),
+            Nonce(
+                self.nonces.mint(
+                    _nonce_scope(five), five[1][1], now + self.clock_offset
+                )
+            ),
+        ]
+        if self.nonces.offers_password_algorithms:
+            attributes.append(PasswordAlgorithms(OFFERED_ALGORITHMS))
+        return self._answer(msg, None, self._error(msg, code, tuple(attributes)))
+
+    # ------------------------------------------------------------ authentication
+
+    def _authenticate(
+        self, msg: Message, raw: bytes, five: FiveTuple, now: float
+    ) -> Auth | bytes | None:
+        """RFC 8489 §9.2.4. Returns :class:`Auth`, or the error to send (or None)."""
+        mi = msg.get(MessageIntegrity)
+        mi256 = msg.get(MessageIntegritySha256)
+        if mi is None and mi256 is None:
+            if self.settings.allow_unauthenticated:
+                return Auth("", "", None)
+            return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
+        username_attr = msg.get(Username)
+        userhash_attr = msg.get(Userhash)
+        realm = msg.get(Realm)
+        nonce = msg.get(Nonce)
+        name = _method_name(msg.method)
+        if (username_attr is None and userhash_attr is None) or (
+            realm is None or nonce is None
+        ):
+            self.counters.response(name, 400)
+            return self._answer(msg, None, self._error(msg, TurnError.BAD_REQUEST))
+        unix_now = now + self.clock_offset
+        # RFC 6062 §5.4: ConnectionBind comes on a new TCP connection, signed
+        # with the nonce of the control connection (same client IP): any port.
+        any_port = msg.method == Method.CONNECTION_BIND and five[0] == Transport.TCP
+        verdict = self.nonces.check(
+            nonce.value, _nonce_scope(five), None if any_port else five[1][1], unix_now
+        )
+        if verdict is not NonceCheck.VALID:
+            self.counters.drop(
+                "nonce-expired" if verdict is NonceCheck.EXPIRED else "nonce-invalid"
+            )
+            return self._challenge(msg, TurnError.STALE_NONCE, five, now)
+        algorithm = PasswordAlgorithmId.MD5
+        if self.nonces.offers_password_algorithms:
+            offered = msg.get(PasswordAlgorithms)
+            chosen = msg.get(PasswordAlgorithm)
+            if offered is not None or chosen is not None:
+                # RFC 8489 §9.2.4: both or neither; the list must be the one we
+                # sent (downgrade protection); the choice must be in it.
+                if (
+                    offered is None
+                    or chosen is None
+                    or offered.algorithms != OFFERED_ALGORITHMS
+                    or chosen.algorithm
+                    not in (PasswordAlgorithmId.MD5, PasswordAlgorithmId.SHA256)
+                    or chosen.parameters
+                ):
+                    self.counters.response(name, 400)
+                    return self._answer(
+                        msg, None, self._error(msg, TurnError.BAD_REQUEST)
+                    )
+                algorithm = PasswordAlgorithmId(chosen.algorithm)
+        if username_attr is not None:
+            username = username_attr.value
+        else:
+            assert userhash_attr is not None
+            found = self._userhashes.get(userhash_attr.value)
+            if found is None:
+                self.counters.drop("auth-unknown-userhash")
+                return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
+            username = found
+        result, passwords = self.credentials.passwords(username, unix_now)
+        if result is not Lookup.FOUND:
+            self.counters.drop(
+                "auth-expired" if result is Lookup.EXPIRED else "auth-unknown-user"
+            )
+            return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
+        check = (
+            check_message_integrity_sha256
+            if mi256 is not None
+            else check_message_integrity
+        )
+        for password in passwords:
+            try:
+                key = long_term_key(
+                    username, self.credentials.realm, password, algorithm
+                )
+            except LocalProtocolError:
+                continue
+            if check(raw, key):
+                return Auth(
+                    username, self._quota_user(username), key, mi256 is not None
+                )
+        self.counters.drop("auth-bad-integrity")
+        return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
+
+    def _quota_user(self, username: str) -> str:
+        if username in self.credentials.users:
+            return username
+        _head, sep, tail = username.partition(self.credentials.separator)
+        return tail if sep and tail else username
+
+    def _owned(self, five: FiveTuple, auth: Auth) -> Allocation:
+        """The allocation on ``five`` made with the same credentials (437 / 441)."""
+        allocation = self.allocations.get(five)
+        if allocation is None:
+            raise _Reject(TurnError.ALLOCATION_MISMATCH)
+        if allocation.username != auth.username:
+            raise _Reject(TurnError.WRONG_CREDENTIALS)
+        return allocation
+
+    def _lifetime(self, msg: Message) -> float:
+        """RFC 8656 §7.2 / §8 "desired lifetime" (non-zero case)."""
+        requested = msg.get(Lifetime)
+        if requested is None:
+            return DEFAULT_ALLOCATION_LIFETIME
+        return max(
+            min(float(requested.value), self.settings.max_lifetime),
+            DEFAULT_ALLOCATION_LIFETIME,
+        )
+
+    # ------------------------------------------------------------ Allocate
+
+    def _allocate(
+        self, msg: Message, five: FiveTuple, auth: Auth, now: float
+    ) -> bytes | None:
+        existing = self.allocations.get(five)
+        if existing is not None:
+            if existing.transaction_id == msg.transaction_id and existing.response:
+                return existing.response  # retransmission: same answer
+            raise _Reject(TurnError.ALLOCATION_MISMATCH)
+        requested = msg.get(RequestedTransport)
+        if requested is None:
+            raise _Reject(TurnError.BAD_REQUEST)
+        if requested.value == Transport.UDP:
+            transport = Transport.UDP
+        elif requested.value == Transport.TCP and self.settings.tcp_relay:
+            transport = Transport.TCP
+        else:
+            raise _Reject(TurnError.UNSUPPORTED_TRANSPORT_PROTOCOL)
+        dont_fragment = msg.get(DontFragment) is not None
+        token = msg.get(ReservationToken)
+        even = msg.get(EvenPort)
+        if transport == Transport.TCP:
+            # RFC 6062 §5.1: only over a TCP (or TLS) control connection, and
+            # the UDP-only port and fragment options make no sense.
+            if five[0] != Transport.TCP or token or even or dont_fragment:
+                raise _Reject(TurnError.BAD_REQUEST)
+        requested_family = msg.get(RequestedAddressFamily)
+        additional = msg.get(AdditionalAddressFamily) or _legacy_additional(msg)
+        # RFC 8656 §7.2: these combinations are 400.
+        if (token and even) or (token and (requested_family or additional)):
+            raise _Reject(TurnError.BAD_REQUEST)
+        if requested_family and additional:
+            raise _Reject(TurnError.BAD_REQUEST)
+        if additional is not None and additional.value != Family.IPV6:
+            raise _Reject(TurnError.BAD_REQUEST)
+        reservation: Reservation | None = None
+        if token is not None:
+            reservation = self.ports.claim(token.value, now)
+            if reservation is None:
+                raise _Reject(TurnError.INSUFFICIENT_CAPACITY)
+        families: list[Family]
+        if requested_family is not None:
+            if requested_family.value not in (Family.IPV4, Family.IPV6):
+                raise _Reject(TurnError.ADDRESS_FAMILY_NOT_SUPPORTED)
+            families = [Family(requested_family.value)]
+        elif additional is not None:
+            families = [Family.IPV4, Family.IPV6]
+        elif reservation is not None:
+            families = [Family(reservation.family)]
+        else:
+            families = [Family.IPV4]
+        try:
+            self._check_quota(auth)
+        except _Reject:
+            if reservation is not None:
+                self.ports.release(reservation.port)
+            raise
+        lifetime = self._lifetime(msg)
+        allocation = Allocation(
+            five_tuple=five,
+            username=auth.username,
+            quota_user=auth.quota_user,
+            realm=self.credentials.realm,
+            key=auth.key or b"",
+            relays={},
+            requested_transport=transport,
+            expires=now + lifetime,
+            transaction_id=msg.transaction_id,
+        )
+        address_errors: list[Attribute] = []
+        reserved: Reservation | None = None
+        for index, family in enumerate(families):
+            code = self._open_relay(
+                allocation, family, transport, dont_fragment, reservation, even
+            )
+            if code:
+                if index == 0:
+                    self._close_relays(allocation)
+                    if reservation is not None:
+                        self.ports.release(reservation.port)
+                    raise _Reject(code)
+                address_errors.append(
+                    AddressErrorCode(family, code, REASONS.get(code, ""))
+                )
+        if even is not None and even.reserve:
+            primary = allocation.relays[families[0]]
+            next_port = primary.address[1] + 1
+            if next_port <= self.ports.high and next_port not in self.ports.in_use:
+                reserved = self.ports.reserve(next_port, families[0], now)
+                self._deadlines.schedule(reserved.expires, Kind.RESERVATION, reserved)
+        attributes: list[Attribute] = [
+            XorRelayedAddress(*relay.address) for relay in allocation.relays.values()
+        ]
+        attributes.append(Lifetime(int(lifetime)))
+        attributes.append(XorMappedAddress(*five[1]))
+        if reserved is not None:
+            attributes.append(ReservationToken(reserved.token))
+        attributes.extend(address_errors)
+        response = self._answer(msg, auth, success_response(msg, attributes))
+        allocation.response = response
+        self.allocations[five] = allocation
+        self.user_allocations[auth.quota_user] = (
+            self.user_allocations.get(auth.quota_user, 0) + 1
+        )
+        self.counters.allocations_created += 1
+        self._deadlines.schedule(allocation.expires, Kind.ALLOCATION, allocation)
+        self._events.append(AllocationCreated(allocation))
+        return response
+
+    def _check_quota(self, auth: Auth) -> None:
+        settings = self.settings
+        if settings.user_quota and (
+            self.user_allocations.get(auth.quota_user, 0) >= settings.user_quota
+        ):
+            raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
+        if settings.total_quota and len(self.allocations) >= settings.total_quota:
+            if settings.alternate_servers:
+                # Over capacity: redirect (RFC 8656 §7.2, RFC 8489 §10), round robin.
+                servers = settings.alternate_servers
+                host, port = servers[self._alternate_index % len(servers)]
+                self._alternate_index += 1
+                raise _Reject(TurnError.TRY_ALTERNATE, (AlternateServer(host, port),))
+            raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
+
+    def _open_relay(
+        self,
+        allocation: Allocation,
+        family: Family,
+        transport: Transport,
+        dont_fragment: bool,
+        reservation: Reservation | None,
+        even: EvenPort | None,
+    ) -> int:
+        """Bind one relay port of ``family``; returns 0 or the error code."""
+        if not self.binder.has_relay_address(family):
+            return TurnError.ADDRESS_FAMILY_NOT_SUPPORTED
+        if reservation is not None:
+            relay = self.binder.open_relay(
+                allocation, family, reservation.port, transport, dont_fragment
+            )
+            if relay is None:
+                return TurnError.INSUFFICIENT_CAPACITY
+            allocation.relays[family] = relay
+            return 0
+        candidates = self.ports.candidates(
+            even=even is not None, pair=even is not None and even.reserve
+        )
+        for port in candidates:
+            relay = self.binder.open_relay(
+                allocation, family, port, transport, dont_fragment
+            )
+            if relay is not None:
+                self.ports.take(port)
+                allocation.relays[family] = relay
+                return 0
+        return TurnError.INSUFFICIENT_CAPACITY
+
+    def _close_relays(self, allocation: Allocation) -> None:
+        for relay in allocation.relays.values():
+            self.ports.release(relay.address[1])
+            relay.close()
+
+    def delete_allocation(self, allocation: Allocation, reason: str) -> None:
+        """Delete an allocation now: close relays and peer connections."""
+        if allocation.dead:
+            return
+        if self.allocations.get(allocation.five_tuple) is allocation:
+            del self.allocations[allocation.five_tuple]
+        left = self.user_allocations.get(allocation.quota_user, 0) - 1
+        if left > 0:
+            self.user_allocations[allocation.quota_user] = left
+        else:
+            self.user_allocations.pop(allocation.quota_user, None)
+        for connection_id in list(allocation.connections):
+            connection = self.connections.get(connection_id)
+            if connection is not None:
+                self._forget_connection(connection)
+                self._events.append(CloseConnection(connection_id))
+        allocation.clear()
+        self._close_relays(allocation)
+        deleted = self.counters.allocations_deleted
+        deleted[reason] = deleted.get(reason, 0) + 1
+        self._events.append(AllocationDeleted(allocation, reason))
+
+    def client_disconnected(self, five: FiveTuple) -> None:
+        """A TCP connection from a client closed (RFC 8656 §3.1 / RFC 6062 §5.5)."""
+        allocation = self.allocations.get(five)
+        if allocation is not None:
+            self.delete_allocation(allocation, "disconnected")
+        for connection in list(self.connections.values()):
+            if connection.client == five:
+                self._forget_connection(connection)
+                self._events.append(CloseConnection(connection.id))
+
+    def close(self) -> None:
+        """Delete every allocation (server shutdown)."""
+        for allocation in list(self.allocations.values()):
+            self.delete_allocation(allocation, "shutdown")
+
+    # ------------------------------------------------------------ Refresh
+
+    def _refresh(
+        self, msg: Message, five: FiveTuple, auth: Auth, now: float
+    ) -> bytes | None:
+        allocation = self._owned(five, auth)
+        family = msg.get(RequestedAddressFamily)
+        if family is not None and family.value not in allocation.relays:
+            raise _Reject(TurnError.PEER_ADDRESS_FAMILY_MISMATCH)
+        requested = msg.get(Lifetime)
+        if requested is not None and requested.value == 0:
+            self.delete_allocation(allocation, "refresh")
+            return self._answer(msg, auth, success_response(msg, [Lifetime(0)]))
+        lifetime = self._lifetime(msg)
+        allocation.expires = now + lifetime
+        return self._answer(msg, auth, success_response(msg, [Lifetime(int(lifetime))]))
+
+    # ------------------------------------------------------------ permissions
+
+    def _peer(self, allocation: Allocation, peer: XorPeerAddress) -> RelayPort:
+        """Check a peer address against the relay families and the policy."""
+        relay = allocation.relay_for(6 if ":" in peer.host else 4)
+        if relay is None:
+            raise _Reject(TurnError.PEER_ADDRESS_FAMILY_MISMATCH)
+        if not self.policy.permits(peer.host):
+            self.counters.drop("peer-denied")
+            raise _Reject(TurnError.FORBIDDEN)
+        return relay
+
+    def _create_permission(
+        self, msg: Message, five: FiveTuple, auth: Auth, now: float
+    ) -> bytes | None:
+        allocation = self._owned(five, auth)
+        peers = msg.get_all(XorPeerAddress)
+        if not peers:
+            raise _Reject(TurnError.BAD_REQUEST)
+        for peer in peers:
+            self._peer(allocation, peer)
+        new = {p.host for p in peers} - allocation.permissions.keys()
+        if len(allocation.permissions) + len(new) > self.settings.max_permissions:
+            raise _Reject(TurnError.INSUFFICIENT_CAPACITY)
+        # RFC 8656 §10.2: all or nothing — every check passed, install them all.
+        for peer in peers:
+            allocation.install_permission(peer.host, now, self._deadlines.schedule)
+        return self._answer(msg, auth, success_response(msg))
+
+    def _channel_bind(
+        self, msg: Message, five: FiveTuple, auth: Auth, now: float
+    ) -> bytes | None:
+        allocation = self._owned(five, auth)
+        if allocation.requested_transport != Transport.UDP:
+            raise _Reject(TurnError.BAD_REQUEST)  # RFC 6062: no channels on TCP
+        number = msg.get(ChannelNumber)
+        peer = msg.get(XorPeerAddress)
+        if number is None or peer is None:
+            raise _Reject(TurnError.BAD_REQUEST)
+        if not CHANNEL_MIN <= number.value <= self.settings.channel_max:
+            raise _Reject(TurnError.BAD_REQUEST)
+        relay = self._peer(allocation, peer)
+        address = (peer.host, peer.port)
+        if allocation.channel_conflict(number.value, address):
+            raise _Reject(TurnError.BAD_REQUEST)
+        if (
+            peer.host not in allocation.permissions
+            and len(allocation.permissions) >= self.settings.max_permissions
+        ):
+            raise _Reject(TurnError.INSUFFICIENT_CAPACITY)
+        allocation.bind_channel(
+            number.value, address, relay, now, self._deadlines.schedule
+        )
+        return self._answer(msg, auth, success_response(msg))
+
+    # ------------------------------------------------------------ RFC 6062
+
+    def _new_connection_id(self) -> int:
+        while True:
+            candidate = self.ports.entropy.randbelow(0xFFFFFFFF) + 1
+            if candidate not in self.connections:
+                return candidate
+
+    def _connect(
+        self, msg: Message, five: FiveTuple, auth: Auth, now: float
+    ) -> bytes | None:
+        allocation = self._owned(five, auth)
+        if allocation.requested_transport != Transport.TCP:
+            raise _Reject(TurnError.BAD_REQUEST)
+        peer = msg.get(XorPeerAddress)
+        if peer is None:
+            raise _Reject(TurnError.BAD_REQUEST)
+        relay = self._peer(allocation, peer)
+        address = (peer.host, peer.port)
+        for connection_id in allocation.connections:
+            if self.connections[connection_id].peer == address:
+                raise _Reject(TurnError.CONNECTION_ALREADY_EXISTS)
+        if len(allocation.connections) >= self.settings.max_connections:
+            raise _Reject(TurnError.INSUFFICIENT_CAPACITY)
+        connection = TcpConnection(
+            id=self._new_connection_id(),
+            allocation=allocation,
+            peer=address,
+            state=ConnState.CONNECTING,
+            # RFC 6062 §5.2: give up (447) if the peer does not answer in time.
+            expires=now + CONNECT_TIMEOUT,
+            request=msg,
+            auth=auth,
+        )
+        self._add_connection(connection)
+        self._events.append(ConnectPeer(connection.id, relay, address))
+        return None
+
+    def _add_connection(self, connection: TcpConnection) -> None:
+        self.connections[connection.id] = connection
+        connection.allocation.connections.add(connection.id)
+        self._deadlines.schedule(connection.expires, Kind.CONNECTION, connection)
+
+    def _forget_connection(self, connection: TcpConnection) -> None:
+        connection.dead = True
+        self.connections.pop(connection.id, None)
+        connection.allocation.connections.discard(connection.id)
+
+    def peer_connected(self, connection_id: int, now: float) -> None:
+        """The TCP connection asked by Connect is up: answer with CONNECTION-ID."""
+        connection = self.connections.get(connection_id)
+        if connection is None or connection.state != ConnState.CONNECTING:
+            self._events.append(CloseConnection(connection_id))
+            return
+        request, auth = connection.request, connection.auth
+        assert request is not None and auth is not None
+        connection.state = ConnState.PENDING
+        connection.request = None
+        # RFC 6062 §5.2: the client has 30 s to send ConnectionBind.
+        connection.expires = now + CONNECTION_BIND_TIMEOUT
+        answer = self._answer(
+            request, auth, success_response(request, [ConnectionId(connection_id)])
+        )
+        self.counters.response("connect", 0)
+        self._events.append(SendToClient(connection.allocation.five_tuple, answer))
+
+    def peer_connect_failed(self, connection_id: int) -> None:
+        """Connect could not reach the peer: 447."""
+        connection = self.connections.get(connection_id)
+        if connection is None or connection.state != ConnState.CONNECTING:
+            return
+        self._fail_connect(connection)
+
+    def _fail_connect(self, connection: TcpConnection) -> None:
+        request, auth = connection.request, connection.auth
+        assert request is not None and auth is not None
+        self._forget_connection(connection)
+        self._events.append(CloseConnection(connection.id))
+        self.counters.response("connect", 447)
+        answer = self._answer(
+            request, auth, self._error(request, TurnError.CONNECTION_TIMEOUT_OR_FAILURE)
+        )
+        if not connection.allocation.dead:
+            self._events.append(SendToClient(connection.allocation.five_tuple, answer))
+
+    def peer_accepted(
+        self, allocation: Allocation, peer: Address, now: float
+    ) -> int | None:
+        """A peer connected to a TCP relay (RFC 6062 §5.3).
+
+        Returns the new connection id, or None when the connection must be closed
+        (no permission for the peer, allocation gone or full).
+        """
+        if allocation.dead or allocation.five_tuple not in self.allocations:
+            return None
+        if peer[0] not in allocation.permissions:
+            self.counters.drop("tcp-peer-no-permission")
+            return None
+        if len(allocation.connections) >= self.settings.max_connections:
+            self.counters.drop("tcp-peer-over-limit")
+            return None
+        connection = TcpConnection(
+            id=self._new_connection_id(),
+            allocation=allocation,
+            peer=peer,
+            state=ConnState.PENDING,
+            expires=now + CONNECTION_BIND_TIMEOUT,
+        )
+        self._add_connection(connection)
+        attempt = indication(
+            Method.CONNECTION_ATTEMPT,
+            self.ports.entropy.token_bytes(12),
+            [XorPeerAddress(*peer), ConnectionId(connection.id)],
+        )
+        self._events.append(SendToClient(allocation.five_tuple, encode(attempt)))
+        return connection.id
+
+    def connection_closed(self, connection_id: int) -> None:
+        """The peer or client data connection closed."""
+        connection = self.connections.get(connection_id)
+        if connection is None:
+            return
+        if connection.state == ConnState.CONNECTING:
+            self._fail_connect(connection)
+            return
+        self._forget_connection(connection)
+        self._events.append(CloseConnection(connection_id))
+
+    def _connection_timeout(self, connection: TcpConnection) -> None:
+        if connection.state == ConnState.CONNECTING:
+            self._fail_connect(connection)
+        elif connection.state == ConnState.PENDING:
+            self.counters.drop("tcp-bind-timeout")
+            self._forget_connection(connection)
+            self._events.append(CloseConnection(connection.id))
+        # BOUND connections live as long as both TCP connections do.
+
+    def _connection_bind(
+        self, msg: Message, five: FiveTuple, auth: Auth, now: float
+    ) -> bytes | None:
+        if five[0] != Transport.TCP or five in self.allocations:
+            raise _Reject(TurnError.BAD_REQUEST)
+        connection_id = msg.get(ConnectionId)
+        if connection_id is None:
+            raise _Reject(TurnError.BAD_REQUEST)
+        connection = self.connections.get(connection_id.value)
+        if connection is None or connection.state != ConnState.PENDING:
+            raise _Reject(TurnError.BAD_REQUEST)
+        if connection.allocation.username != auth.username:
+            raise _Reject(TurnError.WRONG_CREDENTIALS)
+        connection.state = ConnState.BOUND
+        connection.client = five
+        self._events.append(BindConnection(connection.id, five))
+        return self._answer(msg, auth, success_response(msg))
+
+
+def _nonce_scope(five: FiveTuple) -> str:
+    """What a nonce is bound to besides the client port: protocol and client IP.
+
+    A request captured and replayed from any other address or port — even
+    behind the same NAT — carries a nonce that is not valid there: 438, and
+    the replayer has no password to sign a new one.
+    """
+    return f"{int(five[0])}/{five[1][0]}"
+
+
+#: draft-ietf-tram-turnbis numbered ADDITIONAL-ADDRESS-FAMILY 0x8032 before RFC
+#: 8656 moved it to 0x8000; coturn 4.6.1 (Debian 12) still sends 0x8032.
+LEGACY_ADDITIONAL_ADDRESS_FAMILY = 0x8032
+
+
+def _legacy_additional(msg: Message) -> AdditionalAddressFamily | None:
+    for attr in msg.get_all(UnknownAttribute):
+        if attr.type_code == LEGACY_ADDITIONAL_ADDRESS_FAMILY and len(attr.value) == 4:
+            return AdditionalAddressFamily(attr.value[0])
+    return None
+
+
+def error_code_of(message: Message) -> int | None:
+    """The ERROR-CODE of a response, for tests and clients."""
+    attr = message.get(ErrorCodeAttribute)
+    return None if attr is None else attr.code

@@ -1,0 +1,1428 @@
+"""The ``turn`` service: a TURN relay (RFC 8656, RFC 6062) on the STUN sockets.
+
+How it is wired
+---------------
+TURN shares port 3478 (UDP and TCP, IPv4 and IPv6) with STUN. The ``stun``
+service owns those sockets and hands this service every non-Binding STUN message
+and every ChannelData message through its extension hook
+(:meth:`crossroads.services.stun.StunService.attach_turn`). With ``--only turn``
+(no ``stun`` service), this service starts the STUN listener itself, so Binding
+still works — TURN clients use it too.
+
+Control plane and data plane
+----------------------------
+Requests go to the sans-I/O core (:class:`crossroads.proto.turn.server.TurnServer`),
+which keeps the allocation table and the forwarding tables, and asks this module
+(its :class:`~crossroads.proto.turn.server.RelayBinder`) for relay sockets.
+
+Per-packet work never touches the core, a message object or the store:
+
+- client -> peer, ChannelData: one dict lookup for the allocation (by client
+  address and listening endpoint), one for the channel, a slice and a ``sendto``
+  on the relay socket (:meth:`TurnService.handle_channel_data`);
+- client -> peer, Send indication: the attribute walk of
+  :func:`~crossroads.proto.turn.fastpath.parse_send_indication`, a permission
+  lookup and a ``sendto``;
+- peer -> client (:class:`UdpRelay`): one lookup in the relay's peer -> channel
+  table (which only holds peers with a live permission), a 4-byte header and a
+  send; peers without a channel but with a permission get a Data indication
+  built with ``struct``; anything else is dropped and counted.
+
+RFC 6062 TCP relays: each TCP allocation has a listening socket on its relayed
+address; peer data connections (accepted, or opened by Connect) are buffered
+until the client's ConnectionBind, then piped to the client data connection,
+which this service takes over from the STUN listener.
+
+Metrics (``/metrics``, counted in plain ints and exported at scrape time):
+``crossroads_turn_allocations``, ``crossroads_turn_permissions``,
+``crossroads_turn_channels``, ``crossroads_turn_tcp_connections`` (gauges);
+``crossroads_turn_relayed_packets_total{direction}``,
+``crossroads_turn_relayed_bytes_total{direction}``,
+``crossroads_turn_dropped_total{reason}``,
+``crossroads_turn_responses_total{method,code}``,
+``crossroads_turn_allocations_created_total``,
+``crossroads_turn_allocations_deleted_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import secrets
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from crossroads.config import setting
+from crossroads.errors import ConfigError, DecodeError
+from crossroads.proto.stun import Class, Method, decode
+from crossroads.proto.turn.allocation import Allocation, FiveTuple
+from crossroads.proto.turn.auth import (
+    Credentials,
+    NonceMinter,
+    merge_users,
+    parse_user_spec,
+    parse_users_file,
+)
+from crossroads.proto.turn.constants import (
+    CHANNEL_MAX_RFC5766,
+    CHANNEL_MAX_RFC8656,
+    DEFAULT_MAX_ALLOCATION_LIFETIME,
+    MAX_PENDING_PEER_BYTES,
+    Family,
+    Transport,
+)
+from crossroads.proto.turn.fastpath import (
+    data_indication,
+    parse_send_indication,
+    xor_peer_address,
+)
+from crossroads.proto.turn.policy import PeerPolicy, parse_networks
+from crossroads.proto.turn.ports import PortAllocator
+from crossroads.proto.turn.server import (
+    AllocationCreated,
+    AllocationDeleted,
+    BindConnection,
+    CloseConnection,
+    ConnectPeer,
+    SendToClient,
+    TurnServer,
+    TurnSettings,
+)
+from crossroads.services.base import ServiceContext
+from crossroads.services.stun import Endpoint, StunService
+from crossroads.transport.turnplane import (
+    ACCELERATED,
+    PAD,
+    ChannelRouterType,
+    ListenerTapBase,
+    PollerType,
+    RelayTapBase,
+)
+from crossroads.types import Address
+
+NAME = "turn"
+log = logging.getLogger("crossroads.turn")
+
+#: ChannelData header: channel number, length (RFC 8656 §12.4).
+_CHANNEL_HEADER = struct.Struct("!HH").pack
+#: A pipe pauses reading when the other side has this much unsent (bytes).
+PIPE_HIGH_WATER = 256 * 1024
+#: Linux IP_MTU_DISCOVER / IP_PMTUDISC_DO: set the DF bit (RFC 8656 §7.2
+#: DONT-FRAGMENT; §11.2 "the server sets the DF bit").
+_IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+_IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+_IPV6_DONTFRAG = getattr(socket, "IPV6_DONTFRAG", 62)
+#: Kernel buffers of relay sockets (same reasoning as the STUN sockets:
+#: bursts are dropped by a small default buffer long before Python is busy).
+RELAY_BUFFER_BYTES = 1024 * 1024
+
+
+# ------------------------------------------------------------------ config
+
+
+def _check_users(values: tuple[str, ...]) -> None:
+    for value in values:
+        parse_user_spec(value)
+
+
+def _check_networks(values: tuple[str, ...]) -> None:
+    parse_networks(values)
+
+
+def _check_alternates(values: tuple[str, ...]) -> None:
+    for value in values:
+        _parse_host_port(value)
+
+
+def _check_non_negative(value: float) -> None:
+    if value < 0:
+        raise ValueError("must be >= 0")
+
+
+def _parse_host_port(text: str) -> Address:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        raise ValueError(f"{text!r} is not host:port")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"{text!r} is not ip:port") from None
+    if not 1 <= number <= 65535:
+        raise ValueError(f"{text!r}: bad port")
+    return host, number
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """``[turn]`` settings."""
+
+    realm: str = setting("crossroads", help="Realm of the long-term credentials.")
+    user: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_users,
+        help="A static user 'name:password' (repeatable).",
+    )
+    users_file: str = setting(
+        "", help="File of 'name:password' lines (# comments), read at start."
+    )
+    secret: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        help="Shared secret for coturn-style time-limited credentials "
+        "(use-auth-secret); several may be given to rotate.",
+    )
+    relay_ports: tuple[int, int] = setting(
+        (49152, 65535),
+        kind="port_range",
+        flag="--relay-ports",
+        help="Range of relay ports, e.g. 49152-65535.",
+    )
+    relay_ip: str = setting(
+        "",
+        kind="host",
+        help="IPv4 address relay sockets bind to (default: --host when it is "
+        "an IPv4 address).",
+    )
+    relay_ip6: str = setting(
+        "",
+        kind="host",
+        help="IPv6 address relay sockets bind to (empty: no IPv6 relays unless "
+        "--host is IPv6).",
+    )
+    external_ip: str = setting(
+        "",
+        kind="host",
+        help="Relayed IPv4 address to advertise when relays bind a private or "
+        "wildcard address (default: --public-host, then the bound address).",
+    )
+    allow_loopback_peers: bool = setting(
+        False,
+        kind="bool",
+        flag="--allow-loopback-peers",
+        help="Allow peers on 127.0.0.0/8 and ::1 (tests, local setups).",
+    )
+    allowed_peers: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_networks,
+        help="Peer ranges always allowed (CIDR), overriding the deny lists.",
+    )
+    denied_peers: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_networks,
+        help="Extra peer ranges denied (CIDR).",
+    )
+    max_lifetime: int = setting(
+        int(DEFAULT_MAX_ALLOCATION_LIFETIME),
+        kind="int",
+        help="Longest allocation lifetime granted, seconds (default 600 s is "
+        "what clients get without asking).",
+    )
+    user_quota: int = setting(
+        0, kind="int", help="Allocations per user (0 = no limit): 486 beyond."
+    )
+    total_quota: int = setting(
+        0,
+        kind="int",
+        help="Allocations in this process (0 = no limit): 486 beyond, or 300 "
+        "to an alternate server.",
+    )
+    alternate_server: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_alternates,
+        help="ip:port a full server redirects to (300 Try Alternate); repeatable.",
+    )
+    allow_unauthenticated: bool = setting(
+        False, kind="bool", help="Serve TURN without credentials (not advised)."
+    )
+    tcp_relay: bool = setting(
+        True, kind="bool", help="Accept TCP relay allocations (RFC 6062)."
+    )
+    rfc8656_channels: bool = setting(
+        False,
+        kind="bool",
+        help="Only accept channel numbers 0x4000-0x4FFF (RFC 8656) instead of "
+        "0x4000-0x7FFF (RFC 5766, what most clients use).",
+    )
+    max_bps: int = setting(
+        0,
+        kind="int",
+        help="Bandwidth limit per allocation in bytes/s, both directions "
+        "together (0 = none); excess datagrams are dropped and counted.",
+    )
+    max_permissions: int = setting(
+        1024, kind="int", help="Permissions per allocation: 508 beyond."
+    )
+    unauthenticated_rate: float = setting(
+        100.0,
+        kind="float",
+        check=_check_non_negative,
+        help="401/438 answers per second per source IP (flood protection).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_lifetime < 600:
+            raise ValueError("max_lifetime: must be at least 600 (RFC 8656 default)")
+        if self.relay_ip and ":" in self.relay_ip:
+            raise ValueError("relay_ip: must be an IPv4 address")
+        if self.relay_ip6 and ":" not in self.relay_ip6:
+            raise ValueError("relay_ip6: must be an IPv6 address")
+
+
+# ------------------------------------------------------------------ stats
+
+
+class Stats:
+    """Data-plane counters: plain ints on the hot path, exported at scrape time."""
+
+    __slots__ = (
+        "to_peer_packets",
+        "to_peer_bytes",
+        "to_client_packets",
+        "to_client_bytes",
+        "retired_errors",
+        "retired_throttled",
+        "drops",
+    )
+
+    def __init__(self) -> None:
+        self.to_peer_packets = 0
+        self.to_peer_bytes = 0
+        self.to_client_packets = 0
+        self.to_client_bytes = 0
+        #: Send errors and malformed drops counted by relays that are gone.
+        self.retired_errors = 0
+        #: Datagrams dropped by the bandwidth limit of relays that are gone.
+        self.retired_throttled = 0
+        self.drops: dict[str, int] = {}
+
+    def drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
+
+class _Collector(Collector):
+    def __init__(self, service: TurnService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[Any]:
+        service = self.service
+        core = service.core
+        stats = service.stats
+        for name, help_text, value in (
+            ("allocations", "Live TURN allocations.", len(core.allocations)),
+            ("permissions", "Live TURN permissions.", core.permission_count),
+            ("channels", "Live TURN channel bindings.", core.channel_count),
+            (
+                "tcp_connections",
+                "RFC 6062 peer data connections.",
+                len(core.connections),
+            ),
+        ):
+            gauge = GaugeMetricFamily(f"crossroads_turn_{name}", help_text)
+            gauge.add_metric([], value)
+            yield gauge
+        packets = CounterMetricFamily(
+            "crossroads_turn_relayed_packets",
+            "Datagrams relayed (to_peer: from clients; to_client: from peers).",
+            labels=["direction"],
+        )
+        to_peer, to_peer_bytes, to_client, to_client_bytes, errors = service.counters()
+        packets.add_metric(["to_peer"], to_peer)
+        packets.add_metric(["to_client"], to_client)
+        yield packets
+        volume = CounterMetricFamily(
+            "crossroads_turn_relayed_bytes",
+            "Application bytes relayed.",
+            labels=["direction"],
+        )
+        volume.add_metric(["to_peer"], to_peer_bytes)
+        volume.add_metric(["to_client"], to_client_bytes)
+        yield volume
+        dropped = CounterMetricFamily(
+            "crossroads_turn_dropped",
+            "Input dropped by TURN, by reason.",
+            labels=["reason"],
+        )
+        merged = dict(stats.drops)
+        for reason, count in core.counters.drops.items():
+            merged[reason] = merged.get(reason, 0) + count
+        if errors:
+            merged["data-plane-malformed-or-send-error"] = errors
+        throttled = stats.retired_throttled + sum(r.throttled for r in service.relays)
+        if throttled:
+            merged["bandwidth-limit"] = throttled
+        for reason, count in sorted(merged.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        responses = CounterMetricFamily(
+            "crossroads_turn_responses",
+            "TURN responses by method and code (0 = success).",
+            labels=["method", "code"],
+        )
+        for (method, code), count in sorted(core.counters.responses.items()):
+            responses.add_metric([method, str(code)], count)
+        yield responses
+        created = CounterMetricFamily(
+            "crossroads_turn_allocations_created", "Allocations created."
+        )
+        created.add_metric([], core.counters.allocations_created)
+        yield created
+        deleted = CounterMetricFamily(
+            "crossroads_turn_allocations_deleted",
+            "Allocations deleted, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(core.counters.allocations_deleted.items()):
+            deleted.add_metric([reason], count)
+        yield deleted
+
+
+# ------------------------------------------------------------------ clients
+
+
+class ClientLink:
+    """How to reach the client of an allocation: a UDP socket + address, or a
+    TCP connection (ChannelData padded to 4 bytes, RFC 8656 §12.5)."""
+
+    __slots__ = ("endpoint", "client", "tcp", "fd")
+
+    def __init__(self, endpoint: Endpoint, client: Address) -> None:
+        self.endpoint = endpoint
+        self.client = client
+        self.tcp = endpoint.transport == "tcp"
+        #: The listening socket's fd (UDP), for the C data plane's sends.
+        self.fd = -1
+        if not self.tcp:
+            self.fd = _endpoint_fd(endpoint)
+
+    def send(self, data: bytes) -> None:
+        self.endpoint.send(data, self.client)
+
+
+# ------------------------------------------------------------------ UDP relays
+
+
+class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
+    """One relay socket of a UDP allocation (a ``RelayPort`` for the core).
+
+    Its ``datagram_received`` — peer -> client — is the tap's (C or Python, see
+    :mod:`crossroads.transport.turnplane`); peers without a channel come back to
+    :meth:`from_peer` (Data indication, or a drop).
+    """
+
+    def __init__(
+        self,
+        service: TurnService,
+        allocation: Allocation,
+        family: Family,
+        sock: socket.socket,
+        address: Address,
+    ) -> None:
+        RelayTapBase.__init__(self)
+        self.service = service
+        self.allocation = allocation
+        self.family = family
+        self.address = address
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer_channels: dict[Address, int] = {}
+        self.fallback = self.from_peer
+        self.bps = float(service.config.max_bps)
+        self.permissions = allocation.permissions
+        self.stats = service.stats
+        self.closed = False
+        self.transport: asyncio.DatagramTransport | None = None
+        #: Until the asyncio transport is up, send on the raw socket.
+        self.sendto = self._sock_sendto
+        link = allocation.transport_data
+        assert isinstance(link, ClientLink)
+        self.client = link.client
+        self.client_send = link.endpoint.send
+        if not link.tcp:
+            self.set_client(link.fd, link.client, link.endpoint.send)
+        self.task: asyncio.Task[Any] | None = None
+        #: True when the socket is read with loop.add_reader (C data plane).
+        self.reading = False
+        #: XOR-PEER-ADDRESS of IPv4 peers does not depend on the transaction
+        #: id: cache it (bounded by the permission count in practice).
+        self._peer_attributes: dict[Address, bytes] = {}
+        self._txid_prefix = os.urandom(8)
+        self._txid_counter = 0
+
+    def _sock_sendto(self, data: bytes, addr: Address) -> None:
+        try:
+            self.sock.sendto(data, addr)
+        except OSError:
+            self.stats.drop("relay-send-error")
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+        if self.closed:
+            transport.close()
+            return
+        self.sendto = self.transport.sendto
+
+    def from_peer(self, data: bytes, addr: Address) -> None:
+        """A datagram from a peer that has no channel (RFC 8656 §11.3)."""
+        if addr[0] not in self.permissions:
+            self.stats.drop("peer-no-permission")
+            return
+        if self.bps and not self.allow(len(data)):
+            return
+        attribute = self._peer_attributes.get(addr)
+        if attribute is None and ":" not in addr[0]:
+            if len(self._peer_attributes) > 1024:
+                self._peer_attributes.clear()
+            attribute = self._peer_attributes[addr] = xor_peer_address(addr, b"")
+        self._txid_counter = (self._txid_counter + 1) & 0xFFFFFFFF
+        txid = self._txid_prefix + self._txid_counter.to_bytes(4, "big")
+        self.client_send(data_indication(addr, data, txid, attribute), self.client)
+        stats = self.stats
+        stats.to_client_packets += 1
+        stats.to_client_bytes += len(data)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP from a peer (port unreachable...). RFC 8656 §11.4 lets the
+        # server pass it on in an ICMP attribute; crossroads only counts it.
+        self.stats.drop("peer-icmp-error")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.peer_channels.clear()
+        self.service.retire(self)
+        self.fd = -1
+        if self.reading:
+            self.reading = False
+            poller = self.service.poller
+            if poller is not None:
+                poller.unregister(self.sock.fileno())
+            self.sock.close()
+        elif self.transport is not None:
+            self.transport.close()
+        else:
+            if self.task is not None:
+                self.task.cancel()
+            self.sock.close()
+
+
+class TcpClientRelay(UdpRelay):
+    """A UDP relay whose client speaks TCP: ChannelData padded to 4 bytes
+    (RFC 8656 §12.5), all in Python."""
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        key = addr if len(addr) == 2 else (addr[0], addr[1])
+        channel = self.peer_channels.get(key)
+        if channel is None:
+            self.from_peer(data, key)
+            return
+        size = len(data)
+        if self.bps and not self.allow(size):
+            return
+        self.client_send(
+            _CHANNEL_HEADER(channel, size) + data + PAD[size & 3], self.client
+        )
+        stats = self.stats
+        stats.to_client_packets += 1
+        stats.to_client_bytes += size
+
+
+class ListenerTap(ListenerTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
+    """Sits in front of one STUN UDP endpoint (see turnplane)."""
+
+    def __init__(self, endpoint: Any, fd: int) -> None:
+        ListenerTapBase.__init__(self)
+        self.endpoint = endpoint
+        self.fd = fd
+        self.clients: dict[Address, dict[int, Any]] = {}
+        self.fallback = getattr(endpoint, "datagram_received", None)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.endpoint.connection_made(transport)
+
+    def error_received(self, exc: Exception) -> None:
+        self.endpoint.error_received(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.endpoint.connection_lost(exc)
+
+
+# ------------------------------------------------------------------ TCP relays
+
+
+class Pipe(asyncio.Protocol):
+    """One side of a spliced pair of TCP connections, with flow control."""
+
+    def __init__(self, service: TurnService, connection_id: int, name: str) -> None:
+        self.service = service
+        self.connection_id = connection_id
+        self.name = name
+        self.transport: asyncio.Transport | None = None
+        self.other: Pipe | None = None
+        #: Bytes received before the other side exists (bounded, RFC 6062 §5.3).
+        self.pending = bytearray()
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        other = self.other
+        if other is not None and other.transport is not None:
+            other.transport.write(data)
+            stats = self.service.stats
+            if self.name == "peer":
+                stats.to_client_packets += 1
+                stats.to_client_bytes += len(data)
+            else:
+                stats.to_peer_packets += 1
+                stats.to_peer_bytes += len(data)
+            return
+        self.pending += data
+        if len(self.pending) >= MAX_PENDING_PEER_BYTES and self.transport:
+            # Stop reading: TCP flow control holds the peer back.
+            self.transport.pause_reading()
+
+    def pause_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.other is not None and self.other.transport is not None:
+            self.other.transport.resume_reading()
+
+    def splice(self, other: Pipe) -> None:
+        """Connect to ``other`` and flush what was buffered on both sides."""
+        self.other = other
+        other.other = self
+        for side in (self, other):
+            if side.pending and side.other and side.other.transport:
+                side.other.transport.write(bytes(side.pending))
+                side.pending.clear()
+            if side.transport is not None:
+                side.transport.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        self.close()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.service.tcp_connection_lost(self.connection_id)
+        if self.other is not None and not self.other.closed:
+            self.other.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+        self.service.tcp_connection_lost(self.connection_id)
+        if self.other is not None:
+            self.other.close()
+
+
+class TcpRelay:
+    """The listening socket of an RFC 6062 TCP allocation (a ``RelayPort``)."""
+
+    def __init__(
+        self,
+        service: TurnService,
+        allocation: Allocation,
+        family: Family,
+        sock: socket.socket,
+        address: Address,
+    ) -> None:
+        self.service = service
+        self.allocation = allocation
+        self.family = family
+        self.sock = sock
+        self.address = address
+        self.bind_address: Address = (sock.getsockname()[0], sock.getsockname()[1])
+        self.peer_channels: dict[Address, int] = {}  # unused: no channels on TCP
+        self.bps = 0.0  # RFC 6062 data is piped; TCP flow control applies
+        self.server: asyncio.Server | None = None
+        self.closed = False
+        self.task: asyncio.Task[Any] | None = None
+
+    def allow(self, size: int) -> bool:
+        return True
+
+    def accepted(self) -> PeerSide:
+        return PeerSide(self.service, self)
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        self.service.stats.drop("send-on-tcp-allocation")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.server is not None:
+            self.server.close()
+        else:
+            if self.task is not None:
+                self.task.cancel()
+            self.sock.close()
+
+
+class PeerSide(Pipe):
+    """A peer data connection accepted on a TCP relay (RFC 6062 §5.3)."""
+
+    def __init__(self, service: TurnService, relay: TcpRelay) -> None:
+        super().__init__(service, 0, "peer")
+        self.relay = relay
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        connection_id = self.service.peer_accepted(
+            self.relay.allocation, (peer[0], peer[1]), self
+        )
+        if connection_id is None:
+            self.closed = True
+            transport.close()
+            return
+        self.connection_id = connection_id
+
+
+# ------------------------------------------------------------------ service
+
+
+class TurnService:
+    """The running TURN service (a ``StunExtension`` and a ``RelayBinder``)."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        config: Config,
+        stun: StunService,
+        owns_stun: bool,
+    ) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.stun = stun
+        self.owns_stun = owns_stun
+        self.stats = Stats()
+        self.loop = asyncio.get_running_loop()
+        self.relay_hosts = self._relay_hosts(ctx)
+        users = dict(merge_users(config.user, _read_users(config.users_file)))
+        credentials = Credentials(config.realm, users, config.secret)
+        if not credentials.enabled and not config.allow_unauthenticated:
+            log.warning(
+                "TURN has no users and no secret: every Allocate will get 401 "
+                "(add --turn-user name:password or --turn-secret)"
+            )
+        policy = PeerPolicy(
+            allow_loopback=config.allow_loopback_peers,
+            allow=parse_networks(config.allowed_peers),
+            deny=parse_networks(config.denied_peers),
+        )
+        low, high = config.relay_ports
+        settings = TurnSettings(
+            realm=config.realm,
+            max_lifetime=float(config.max_lifetime),
+            user_quota=config.user_quota,
+            total_quota=config.total_quota,
+            max_permissions=config.max_permissions,
+            channel_max=(
+                CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766
+            ),
+            allow_unauthenticated=config.allow_unauthenticated,
+            alternate_servers=tuple(
+                _parse_host_port(a) for a in config.alternate_server
+            ),
+            tcp_relay=config.tcp_relay,
+            unauthenticated_rate=config.unauthenticated_rate,
+            unauthenticated_burst=max(1.0, config.unauthenticated_rate * 2),
+        )
+        self.core = TurnServer(
+            settings,
+            credentials,
+            # A per-process nonce key: nonces do not survive a restart (clients
+            # just get a 438 and retry).
+            NonceMinter(secrets.token_bytes(32)),
+            policy,
+            PortAllocator(low, high, cast(Any, secrets)),
+            self,
+        )
+        self.core.clock_offset = time.time() - self.loop.time()
+        #: (client, endpoint) -> allocation: the client -> peer route table.
+        self.routes: dict[tuple[Address, Endpoint], Allocation] = {}
+        #: Peer data connections by RFC 6062 connection id.
+        self.peer_pipes: dict[int, Pipe] = {}
+        self.client_pipes: dict[int, Pipe] = {}
+        self._pending_link: ClientLink | None = None
+        #: Live UDP relays, and the listener taps in front of the STUN sockets.
+        self.relays: set[UdpRelay] = set()
+        self.taps: dict[Any, ListenerTap] = {}
+        #: Client -> peer ChannelData for hook callers (batched STUN endpoints,
+        #: TCP connections); its per-endpoint client tables are shared with
+        #: the taps. Replaces the handle_channel_data method on this instance.
+        self.router = ChannelRouterType()
+        self.router.endpoints = {}
+        self.router.fallback = self._channel_data_slow
+        self.handle_channel_data = self.router.handle_channel_data
+        #: C data plane: one epoll set for every socket the taps read.
+        self.poller = PollerType() if PollerType is not None else None
+        if self.poller is not None:
+            self.loop.add_reader(self.poller.fileno(), self.poller.poll)
+        self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._collector = _Collector(self)
+        self._closed = False
+
+    # ------------------------------------------------------------ setup
+
+    def _relay_hosts(self, ctx: ServiceContext) -> dict[Family, tuple[str, str]]:
+        """family -> (bind address, advertised address or "" = find per client)."""
+        host = ctx.host
+        public = ctx.config.core.public_host
+        config = self.config
+        hosts: dict[Family, tuple[str, str]] = {}
+        v4 = config.relay_ip or ("0.0.0.0" if host in ("0.0.0.0", "::") else "")
+        if not v4 and ":" not in host:
+            v4 = host
+        if v4:
+            advertised = config.external_ip or (
+                public if public and ":" not in public else ""
+            )
+            if not advertised and v4 != "0.0.0.0":
+                advertised = v4
+            hosts[Family.IPV4] = (v4, advertised)
+        v6 = config.relay_ip6 or (host if ":" in host else "")
+        if v6:
+            advertised6 = public if public and ":" in public else ""
+            if not advertised6 and v6 != "::":
+                advertised6 = v6
+            hosts[Family.IPV6] = (v6, advertised6)
+        return hosts
+
+    def start(self) -> None:
+        self.stun.attach_turn(self)
+        for endpoint in self.stun.udp_endpoints:
+            self._install_tap(endpoint)
+        self.ctx.metrics.register(self._collector)
+
+    def _install_tap(self, endpoint: Any) -> None:
+        """Put a listener tap in front of one STUN UDP socket.
+
+        An asyncio endpoint gets the tap as its transport's protocol. A batched
+        endpoint (recvmmsg, ``--stun-batch-io``) that reads the socket itself
+        is taken over only with the C data plane: the tap reads the socket and
+        hands what is not ChannelData back to STUN's dispatch one datagram at
+        a time (:meth:`_stun_dispatch`). Without C, the batched endpoint keeps
+        reading and calls ``handle_channel_data`` (the router).
+        """
+        udp = getattr(endpoint, "udp", None)
+        if udp is not None:
+            sock = udp.get_extra_info("socket")
+            if sock is None:
+                return
+            tap = ListenerTap(endpoint, sock.fileno())
+            tap.clients = self.router.endpoints.setdefault(endpoint, {})
+            udp.set_protocol(tap)
+            self.taps[endpoint] = tap
+            return
+        sock = getattr(endpoint, "sock", None)
+        # What _stun_dispatch uses of the STUN service's batched endpoint; if
+        # its shape ever changes, keep its own loop (and the router hook).
+        needed = ("_readable", "core", "index", "group", "service", "requests")
+        if (
+            not ACCELERATED
+            or sock is None
+            or not all(hasattr(endpoint, n) for n in needed)
+        ):
+            return
+        if getattr(getattr(endpoint, "mm", None), "pktinfo", False):
+            # Wildcard bind: the STUN loop answers Binding from the request's
+            # destination address (IP_PKTINFO), which a plain recvmmsg here
+            # would lose. Keep its loop; ChannelData still reaches the C
+            # router through handle_channel_data.
+            return
+        if self.poller is None:
+            return
+        fd = sock.fileno()
+        tap = ListenerTap(endpoint, fd)
+        tap.clients = self.router.endpoints.setdefault(endpoint, {})
+        tap.fallback = self._stun_dispatch(endpoint)
+        self.loop.remove_reader(fd)
+        self.poller.register(fd, tap)
+        self.taps[endpoint] = tap
+
+    def _restore_taps(self) -> None:
+        for endpoint, tap in self.taps.items():
+            udp = getattr(endpoint, "udp", None)
+            if udp is not None:
+                if not udp.is_closing():
+                    udp.set_protocol(endpoint)
+                continue
+            sock = getattr(endpoint, "sock", None)
+            if sock is not None and self.poller is not None:
+                self.poller.unregister(tap.fd)
+                if sock.fileno() >= 0 and not getattr(endpoint, "_closed", False):
+                    self.loop.add_reader(tap.fd, endpoint._readable)
+        self.taps.clear()
+
+    def _stun_dispatch(self, endpoint: Any) -> Any:
+        """Per-datagram STUN dispatch for a batched endpoint the tap reads for
+        (the same decisions as the STUN service's own loop, including whatever
+        TURN handler is attached at the time)."""
+        core = endpoint.core
+        index = endpoint.index
+        group_udp = endpoint.group.udp
+        service = endpoint.service
+        stats = service.stats
+        loop = self.loop
+
+        def dispatch(data: bytes, addr: Address) -> None:
+            try:
+                first = data[0]
+                if first < 0x40:
+                    if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                        endpoint.requests += 1
+                        reply = core.handle(data, addr, index, loop.time())
+                        if type(reply) is tuple:
+                            response, dest, send_from = reply
+                            group_udp[send_from].send(response, dest)
+                            if response[1] == 0x01:
+                                endpoint.success += 1
+                            else:
+                                endpoint.errors += 1
+                        else:
+                            stats.drop(reply)
+                        return
+                    turn = service.turn
+                    if turn is not None:
+                        turn.handle_stun(data, addr, endpoint)
+                        return
+                    endpoint.requests += 1
+                    answer = core.unsupported(data, addr, loop.time())
+                    if isinstance(answer, str):
+                        stats.drop(answer)
+                    else:
+                        endpoint.send(answer, addr)
+                        endpoint.errors += 1
+                elif first < 0x80:
+                    turn = service.turn
+                    if turn is not None:
+                        turn.handle_channel_data(data, addr, endpoint)
+                    else:
+                        stats.drop("channel-data-no-turn")
+                else:
+                    stats.drop("not-stun")
+            except IndexError:
+                stats.drop("empty")
+            except Exception:  # never let one datagram kill the socket
+                log.exception("TURN/STUN datagram handler failed")
+                stats.drop("internal-error")
+
+        return dispatch
+
+    def retire(self, relay: UdpRelay) -> None:
+        """Fold a closing relay's data-plane counters into the totals."""
+        self.relays.discard(relay)
+        stats = self.stats
+        stats.to_client_packets += relay.forwarded
+        stats.to_client_bytes += relay.forwarded_bytes
+        stats.retired_errors += relay.send_errors + relay.malformed
+        stats.retired_throttled += relay.throttled
+
+    def counters(self) -> tuple[int, int, int, int, int]:
+        """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
+        data-plane drops), Python and C paths together."""
+        stats = self.stats
+        taps = [*self.taps.values(), self.router]
+        to_peer = stats.to_peer_packets + sum(t.forwarded for t in taps)
+        to_peer_bytes = stats.to_peer_bytes + sum(t.forwarded_bytes for t in taps)
+        to_client = stats.to_client_packets + sum(r.forwarded for r in self.relays)
+        to_client_bytes = stats.to_client_bytes + sum(
+            r.forwarded_bytes for r in self.relays
+        )
+        errors = (
+            stats.retired_errors
+            + sum(t.send_errors + t.malformed for t in taps)
+            + sum(r.send_errors + r.malformed for r in self.relays)
+        )
+        return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
+
+    def describe(self) -> list[str]:
+        low, high = self.config.relay_ports
+        lines = list(self.stun.describe()) if self.owns_stun else []
+        where = self.stun.describe()[:1]
+        lines.append(
+            f"on the STUN sockets ({', '.join(where) or 'none'}), "
+            f"relay ports {low}-{high}"
+        )
+        lines.append(
+            "data plane: " + ("C (recvmmsg/sendmmsg)" if ACCELERATED else "pure Python")
+        )
+        for family, (bind, advertised) in self.relay_hosts.items():
+            label = "ipv4" if family == Family.IPV4 else "ipv6"
+            lines.append(f"relay {label} {bind} (advertised {advertised or 'auto'})")
+        return lines
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.stun.turn is self:
+            self.stun.detach_turn()
+        self._restore_taps()
+        self.core.close()
+        self._process_events()
+        for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
+            pipe.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        if self.poller is not None:
+            self.loop.remove_reader(self.poller.fileno())
+            self.poller.close()
+        with contextlib.suppress(KeyError):
+            self.ctx.metrics.unregister(self._collector)
+        if self.owns_stun:
+            await self.stun.close()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------ StunExtension
+
+    def _channel_data_slow(
+        self, data: bytes, client: Address, endpoint: Endpoint
+    ) -> None:
+        """ChannelData the router did not forward: count why."""
+        allocation = self.routes.get((client, endpoint))
+        if allocation is None:
+            self.stats.drop("channel-no-allocation")
+        elif len(data) < 4 or allocation.routes.get((data[0] << 8) | data[1]) is None:
+            self.stats.drop("channel-unbound")
+        else:
+            self.stats.drop("channel-unroutable")
+
+    def handle_stun(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
+        """Every non-Binding STUN message from a client."""
+        if data[1] == 0x16 and data[0] == 0 and self._fast_send(data, client, endpoint):
+            return
+        try:
+            message = decode(data)
+        except DecodeError as exc:
+            self.stats.drop(f"decode-{exc.reason}")
+            return
+        transport = Transport.TCP if endpoint.transport == "tcp" else Transport.UDP
+        five: FiveTuple = (transport, client, endpoint.local)
+        if message.msg_class == Class.INDICATION and message.method == Method.SEND:
+            route = self.core.send_indication(message, five)
+            if route is not None:
+                relay, peer, payload = route
+                allow = getattr(relay, "allow", None)
+                if getattr(relay, "bps", 0) and allow and not allow(len(payload)):
+                    return
+                relay.sendto(payload, peer)
+                self.stats.to_peer_packets += 1
+                self.stats.to_peer_bytes += len(payload)
+            return
+        now = self.loop.time()
+        self._pending_link = ClientLink(endpoint, client)
+        self._pending_endpoints[five] = endpoint
+        try:
+            answer = self.core.handle_message(message, data, five, now)
+        finally:
+            self._pending_link = None
+        if answer is not None:
+            endpoint.send(answer, client)
+        self._process_events()
+        self._pending_endpoints.pop(five, None)
+        self._rearm()
+
+    def _fast_send(self, data: bytes, client: Address, endpoint: Endpoint) -> bool:
+        """Send indication without a message object; False: use the slow path."""
+        allocation = self.routes.get((client, endpoint))
+        if allocation is None:
+            return False
+        parsed = parse_send_indication(data)
+        if parsed is None:
+            return False
+        peer, payload, _dont_fragment = parsed
+        relay = allocation.relays.get(Family.IPV6 if ":" in peer[0] else Family.IPV4)
+        if relay is None:
+            self.stats.drop("send-family-mismatch")
+            return True
+        if peer[0] not in allocation.permissions:
+            self.stats.drop("send-no-permission")
+            return True
+        if relay.bps and not relay.allow(len(payload)):
+            return True
+        relay.sendto(payload, peer)
+        stats = self.stats
+        stats.to_peer_packets += 1
+        stats.to_peer_bytes += len(payload)
+        return True
+
+    def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
+        """A TCP control connection closed: its allocation goes (RFC 8656 §3.1)."""
+        self.core.client_disconnected((Transport.TCP, client, endpoint.local))
+        self._process_events()
+        self._rearm()
+
+    # ------------------------------------------------------------ RelayBinder
+
+    def has_relay_address(self, family: Family) -> bool:
+        return family in self.relay_hosts
+
+    def open_relay(
+        self,
+        allocation: Allocation,
+        family: Family,
+        port: int,
+        transport: Transport,
+        dont_fragment: bool,
+    ) -> UdpRelay | TcpRelay | None:
+        bind_host, advertised = self.relay_hosts[family]
+        if not advertised:
+            advertised = _route_source(family, allocation.five_tuple[1][0])
+            if not advertised:
+                return None
+        link = self._pending_link
+        assert link is not None
+        allocation.transport_data = link
+        af = socket.AF_INET6 if family == Family.IPV6 else socket.AF_INET
+        if transport == Transport.UDP:
+            return self._open_udp(
+                allocation, family, af, bind_host, port, advertised, dont_fragment
+            )
+        return self._open_tcp(allocation, family, af, bind_host, port, advertised)
+
+    def _open_udp(
+        self,
+        allocation: Allocation,
+        family: Family,
+        af: socket.AddressFamily,
+        bind_host: str,
+        port: int,
+        advertised: str,
+        dont_fragment: bool,
+    ) -> UdpRelay | None:
+        sock = socket.socket(af, socket.SOCK_DGRAM)
+        try:
+            if af == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, option, RELAY_BUFFER_BYTES)
+            if dont_fragment:
+                if af == socket.AF_INET:
+                    sock.setsockopt(
+                        socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO
+                    )
+                else:
+                    sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_DONTFRAG, 1)
+            sock.bind((bind_host, port))
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                log.warning("relay bind %s:%s failed: %s", bind_host, port, exc)
+            return None
+        link = allocation.transport_data
+        assert isinstance(link, ClientLink)
+        kind = TcpClientRelay if link.tcp else UdpRelay
+        relay = kind(self, allocation, family, sock, (advertised, port))
+        self.relays.add(relay)
+        if self.poller is not None and kind is UdpRelay:
+            # The C tap reads the socket itself (recvmmsg), woken through the
+            # service's epoll set: no asyncio transport, no callback per socket.
+            self.poller.register(sock.fileno(), relay)
+            relay.reading = True
+        else:
+            relay.task = self._spawn(
+                self.loop.create_datagram_endpoint(lambda: relay, sock=sock)
+            )
+        return relay
+
+    def _open_tcp(
+        self,
+        allocation: Allocation,
+        family: Family,
+        af: socket.AddressFamily,
+        bind_host: str,
+        port: int,
+        advertised: str,
+    ) -> TcpRelay | None:
+        # Probe without SO_REUSEPORT first: the port must be ours alone. The
+        # listener then uses SO_REUSEPORT so that Connect can open outgoing
+        # connections from the same relayed address (RFC 6062 §5.2).
+        try:
+            with socket.socket(af, socket.SOCK_STREAM) as probe:
+                if af == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind((bind_host, port))
+        except OSError:
+            return None
+        sock = socket.socket(af, socket.SOCK_STREAM)
+        try:
+            if af == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((bind_host, port))
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            return None
+        relay = TcpRelay(self, allocation, family, sock, (advertised, port))
+
+        async def listen() -> None:
+            relay.server = await self.loop.create_server(relay.accepted, sock=sock)
+            if relay.closed:
+                relay.server.close()
+
+        relay.task = self._spawn(listen())
+        return relay
+
+    # ------------------------------------------------------------ events
+
+    def _process_events(self) -> None:
+        for event in self.core.pop_events():
+            match event:
+                case AllocationCreated(allocation=allocation):
+                    link = allocation.transport_data
+                    assert isinstance(link, ClientLink)
+                    self.routes[(link.client, link.endpoint)] = allocation
+                    clients = self.router.endpoints.setdefault(link.endpoint, {})
+                    clients[link.client] = allocation.routes
+                case AllocationDeleted(allocation=allocation):
+                    link = allocation.transport_data
+                    if isinstance(link, ClientLink):
+                        key = (link.client, link.endpoint)
+                        if self.routes.get(key) is allocation:
+                            del self.routes[key]
+                        clients = self.router.endpoints.get(link.endpoint)
+                        if clients is not None:
+                            if clients.get(link.client) is allocation.routes:
+                                del clients[link.client]
+                            if not clients and link.endpoint not in self.taps:
+                                # TCP connections come and go: no empty tables.
+                                del self.router.endpoints[link.endpoint]
+                case SendToClient(five_tuple=five, data=data):
+                    self._send_to_client(five, data)
+                case ConnectPeer(connection_id=cid, relay=relay, peer=peer):
+                    assert isinstance(relay, TcpRelay)
+                    self._spawn(self._connect_peer(cid, relay, peer))
+                case BindConnection(connection_id=cid, five_tuple=five):
+                    self._bind_connection(cid, five)
+                case CloseConnection(connection_id=cid):
+                    for table in (self.peer_pipes, self.client_pipes):
+                        pipe = table.pop(cid, None)
+                        if pipe is not None:
+                            pipe.close()
+
+    def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
+        allocation = self.core.allocations.get(five)
+        link = allocation.transport_data if allocation is not None else None
+        if isinstance(link, ClientLink):
+            link.send(data)
+            return
+        endpoint = self._pending_endpoints.get(five)
+        if endpoint is not None:
+            endpoint.send(data, five[1])
+
+    def _rearm(self) -> None:
+        deadline = self.core.get_timer()
+        if deadline == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None and not self._closed:
+            self._timer = self.loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.core.clock_offset = time.time() - self.loop.time()
+        self.core.handle_timer(self.loop.time())
+        self._process_events()
+        self._rearm()
+
+    # ------------------------------------------------------------ RFC 6062
+
+    async def _connect_peer(self, cid: int, relay: TcpRelay, peer: Address) -> None:
+        af = socket.AF_INET6 if relay.family == Family.IPV6 else socket.AF_INET
+        sock = socket.socket(af, socket.SOCK_STREAM)
+        pipe = Pipe(self, cid, "peer")
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            with contextlib.suppress(OSError):
+                # RFC 6062 §5.2: from the relayed transport address.
+                sock.bind(relay.bind_address)
+            await self.loop.sock_connect(sock, peer)
+            await self.loop.create_connection(lambda: pipe, sock=sock)
+        except (OSError, asyncio.CancelledError) as exc:
+            sock.close()
+            if not isinstance(exc, asyncio.CancelledError):
+                self.core.peer_connect_failed(cid)
+                self._process_events()
+                self._rearm()
+            return
+        if cid not in self.core.connections:
+            pipe.close()
+            return
+        self.peer_pipes[cid] = pipe
+        self.core.peer_connected(cid, self.loop.time())
+        self._process_events()
+        self._rearm()
+
+    def peer_accepted(
+        self, allocation: Allocation, peer: Address, pipe: Pipe
+    ) -> int | None:
+        cid = self.core.peer_accepted(allocation, peer, self.loop.time())
+        if cid is not None:
+            self.peer_pipes[cid] = pipe
+        self._process_events()
+        self._rearm()
+        return cid
+
+    def _bind_connection(self, cid: int, five: FiveTuple) -> None:
+        """Take the client data connection over from the STUN listener."""
+        endpoint = self._pending_endpoints.get(five)
+        peer_pipe = self.peer_pipes.get(cid)
+        if endpoint is None or peer_pipe is None:
+            self.core.connection_closed(cid)
+            return
+        client_pipe = Pipe(self, cid, "client")
+        self.client_pipes[cid] = client_pipe
+        stream, leftover = _take_over(self.stun, endpoint)
+        if stream is None:
+            self.core.connection_closed(cid)
+            return
+
+        def splice() -> None:
+            # After the ConnectionBind response (already written) the
+            # connection carries raw application data (RFC 6062 §5.4).
+            stream.set_protocol(client_pipe)
+            client_pipe.connection_made(stream)
+            if leftover:
+                client_pipe.pending += leftover
+            client_pipe.splice(peer_pipe)
+
+        self.loop.call_soon(splice)
+
+    def tcp_connection_lost(self, cid: int) -> None:
+        if self._closed:
+            return
+        self.peer_pipes.pop(cid, None)
+        self.client_pipes.pop(cid, None)
+        self.core.connection_closed(cid)
+        self._process_events()
+        self._rearm()
+
+
+def _endpoint_fd(endpoint: Any) -> int:
+    """The fd of a STUN UDP endpoint's socket (batched or asyncio), or -1."""
+    sock = getattr(endpoint, "sock", None)
+    if sock is None:
+        udp = getattr(endpoint, "udp", None)
+        sock = udp.get_extra_info("socket") if udp is not None else None
+    return sock.fileno() if sock is not None else -1
+
+
+def _take_over(stun: StunService, endpoint: Endpoint) -> tuple[Any, bytes]:
+    """Detach a TCP connection from the STUN listener: returns its transport and
+    the bytes it had buffered past the last frame."""
+    stream = getattr(endpoint, "stream", None)
+    if stream is None:
+        return None, b""
+    buffer = getattr(endpoint, "buffer", bytearray())
+    leftover = bytes(buffer)
+    buffer.clear()
+    stun.connections.discard(cast(Any, endpoint))
+    stun.stats.tcp_connections = len(stun.connections)
+    endpoint.stream = None  # type: ignore[attr-defined]
+    return stream, leftover
+
+
+def _route_source(family: Family, client_host: str) -> str:
+    """The local address the kernel would use to reach ``client_host`` (a UDP
+    ``connect`` does a route lookup and sends nothing)."""
+    af = socket.AF_INET6 if family == Family.IPV6 else socket.AF_INET
+    if (":" in client_host) != (family == Family.IPV6):
+        return ""
+    with socket.socket(af, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((client_host, 9))
+        except OSError:
+            return ""
+        return str(probe.getsockname()[0])
+
+
+def _read_users(path: str) -> dict[str, str]:
+    if not path:
+        return {}
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"turn.users_file: {exc}") from None
+    try:
+        return parse_users_file(text)
+    except ValueError as exc:
+        raise ConfigError(f"turn.users_file: {path}: {exc}") from None
+
+
+async def serve(ctx: ServiceContext) -> TurnService:
+    """Attach TURN to the STUN sockets (starting them when ``stun`` is not run)."""
+    config = ctx.section(NAME, Config)
+    running = ctx.running.get("stun")
+    owns_stun = False
+    if isinstance(running, StunService):
+        stun = running
+    else:
+        from crossroads.services import stun as stun_module
+
+        stun = await stun_module.serve(ctx)
+        owns_stun = True
+    try:
+        service = TurnService(ctx, config, stun, owns_stun)
+    except BaseException:
+        if owns_stun:
+            await stun.close()
+        raise
+    service.start()
+    ctx.shared[NAME] = service
+    return service
