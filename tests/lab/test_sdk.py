@@ -29,6 +29,8 @@ CASES = [
     ("restricted-cone", "port-restricted-cone", {"direct", "mapping"}),  # miniupnpd
     ("symmetric-random", "symmetric-random", {"relay"}),
     ("open", "udp-blocked", {"relay"}),
+    ("symmetric-sequential", "symmetric-random", {"relay"}),
+    ("udp-blocked", "udp-blocked", {"relay"}),
 ]
 
 
@@ -62,6 +64,10 @@ def test_sdk_step_per_technique(lab: Lab, a: str, b: str, steps: set[str]) -> No
     result = asyncio.run(main())
     assert result.connected, result  # type: ignore[attr-defined]
     assert result.via in steps, result  # type: ignore[attr-defined]
+    if steps == {"relay"}:
+        # TURN (UDP relayed, over TCP for a UDP-blocked site) wins over the
+        # WebSocket relay
+        assert "over TURN" in result.detail, result  # type: ignore[attr-defined]
 
 
 def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:

@@ -350,7 +350,9 @@ class P2PClient:
                 host = str(server_ip)
             self._rendezvous.append((host, endpoint.port))
         self._server_ip = str(server_ip)
-        await self._probe(0)
+        # NAT detection and the TURN allocation open flows of their own; on a
+        # sequential NAT each takes a port, so they go before the rendezvous
+        # probes, whose ports are then the latest (port prediction needs that).
         if (
             self._turn_factory is None
             and self._auto_turn
@@ -374,6 +376,7 @@ class P2PClient:
                 self.turn.set_receiver(
                     lambda data, peer: self.socket.deliver(data, peer, transport)
                 )
+        await self._probe(0)
         self._keepalive = asyncio.create_task(self._keepalive_loop())
 
     async def close(self) -> None:

@@ -2,14 +2,18 @@
 
 Host A creates a session with ``crossroads.client.p2p`` against the lab server's
 ``p2p`` service and asks its router for a port mapping (PCP, then NAT-PMP: the
-kinds with miniupnpd grant one); host B joins with the invite code. The join runs
-the full connection ladder — LAN, direct, port mapping, punch-through with port
-prediction and the birthday technique, then the relay through the signalling
-WebSocket — and ends with an authenticated, encrypted datagram each way. ``via``
-is the ladder step that won; ``seconds`` is from ``join`` to the established link
+kinds with miniupnpd grant one); both hosts allocate a TURN relay on the lab
+server (``crossroads.client.turn``: UDP, or TCP where UDP is blocked); host B
+joins with the invite code. The join runs the full connection ladder — LAN,
+direct, port mapping, punch-through with port prediction and the birthday
+technique, then the relay (TURN first, the signalling WebSocket after) — and
+ends with an authenticated, encrypted datagram each way. ``via`` is the ladder
+step that won; ``seconds`` is from ``join`` to the established link
 (signalling, the coordinator's synchronised start, the ladder).
 
-Expected: every pair connects (the relay step needs only TCP to the server).
+Expected: every pair connects (the relay step needs only TCP to the server), by
+the step :func:`expected_via` names. ``detail`` says whether a relayed link runs
+over TURN or the WebSocket.
 """
 
 from __future__ import annotations
@@ -17,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Awaitable, Callable
 
 from crossroads.client.p2p import JoinRejected, P2PClient
 from crossroads.client.portmap import PortMapper
+from crossroads.client.turn import TurnClientError
+from crossroads.client.turnrelay import TurnClientRelay
 from crossroads.lab import netns
 from crossroads.lab.kinds import Allocation, Filtering, Mapping, NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
+from crossroads.lab.methods.turn_udp import open_client
 from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab, Site
 
 URL = f"ws://{SERVER_IPS[0]}:{SERVER_HTTP_PORT}/p2p/v1/ws"
@@ -31,7 +39,28 @@ URL = f"ws://{SERVER_IPS[0]}:{SERVER_HTTP_PORT}/p2p/v1/ws"
 PORTMAP_METHODS = ("pcp", "natpmp")
 
 
-def _client(lab: Lab, site: Site, *, portmap: bool) -> P2PClient:
+def _turn(lab: Lab, site: Site) -> Callable[[], Awaitable[TurnClientRelay]]:
+    """A TURN allocation on the lab server from inside the site's namespace:
+    UDP, or TCP when the site's UDP is blocked (the relayed address is UDP
+    either way)."""
+
+    async def make() -> TurnClientRelay:
+        try:
+            client = await open_client(lab, site, "udp")
+            try:
+                relayed = await client.allocate()
+            except BaseException:
+                await client.close()
+                raise
+        except (OSError, TimeoutError, TurnClientError):
+            client = await open_client(lab, site, "tcp")
+            relayed = await client.allocate()
+        return TurnClientRelay(client, (str(relayed[0]), int(relayed[1])))
+
+    return make
+
+
+def _client(lab: Lab, site: Site, *, portmap: bool, turn: bool = True) -> P2PClient:
     ns = lab.host_ns(site)
 
     def udp() -> socket.socket:
@@ -55,6 +84,7 @@ def _client(lab: Lab, site: Site, *, portmap: bool) -> P2PClient:
         socket_factory=udp,
         tcp_factory=tcp,
         portmap=mapper if portmap and site.kind.natted else False,
+        turn=_turn(lab, site) if turn else None,
     )
 
 
@@ -77,9 +107,16 @@ async def connect(lab: Lab, a: Site, b: Site) -> Outcome:
         back = await asyncio.wait_for(guest.recv(), 5)
         if (peer, data) != (guest.peer_id, b"ping") or back != (host.peer_id, b"pong"):
             return Outcome(False, detail="data did not come through")
+        relay = ""
+        if link.step == "relay":
+            relay = (
+                "; over TURN"
+                if link.addr[0] != "relay" and not link.addr[0].startswith("relay:")
+                else "; over the WebSocket"
+            )
         detail = (
             f"ladder {link.seconds:.2f}s; A {host.mapping}"
-            f"{' mapped' if host.mapped else ''}, B {guest.mapping}"
+            f"{' mapped' if host.mapped else ''}, B {guest.mapping}{relay}"
         )
         return Outcome(True, link.step, seconds, detail)
     finally:
