@@ -123,3 +123,9 @@ main.add_command(_lab_group)
 from crossroads.client.stun_cli import stun as _stun_group  # noqa: E402
 
 main.add_command(_stun_group)
+
+from crossroads.client.demo import host as _p2p_host  # noqa: E402
+from crossroads.client.demo import join as _p2p_join  # noqa: E402
+
+main.add_command(_p2p_host)
+main.add_command(_p2p_join)

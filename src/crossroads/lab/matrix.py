@@ -122,6 +122,7 @@ METHOD_MODULES: list[str] = [
     "crossroads.lab.methods.punch",
     "crossroads.lab.methods.ladder",
     "crossroads.lab.methods.natneg",
+    "crossroads.lab.methods.sdk",
     "crossroads.lab.methods.relay",
     "crossroads.lab.methods.turn_udp",
     "crossroads.lab.methods.turn_tcp",
@@ -332,6 +333,16 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
                 "Only the pairs below were run (the method is slow: the default",
                 f"matrix runs a subset; `crossroads lab matrix --methods {name}`",
                 "runs every pair). An empty cell was not run.",
+                "",
+            ]
+        per_step = [
+            (s, [r.seconds for r in results if r.method == name and r.via == s])
+            for s in VIA_STEPS
+        ]
+        won = [f"{s} {statistics.median(t):.2f} s ({len(t)})" for s, t in per_step if t]
+        if won:
+            lines += [
+                "Median time to connect per step (pairs won): " + ", ".join(won) + ".",
                 "",
             ]
         lines.append("| A \\ B | " + " | ".join(kinds) + " |")

@@ -19,6 +19,7 @@ SERVICE_MODULES: dict[str, str] = {
     "openttd": "crossroads.services.openttd",
     "natneg": "crossroads.services.natneg",
     "relay": "crossroads.services.relay",
+    "p2p": "crossroads.services.p2p",
 }
 
 

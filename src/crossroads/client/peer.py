@@ -1,0 +1,374 @@
+"""The peer socket, the ladder runner and established peer links.
+
+One UDP socket (the *peer socket*) carries everything of one SDK instance:
+rendezvous probes to the server, sealed probes and data to every peer. Sealed
+datagrams are routed by their receiver id (:mod:`crossroads.proto.punch.secure`)
+to the ladder or link that owns the key, so a peer is recognised by its key, not
+by its address — its address is what punching discovers. Birthday sockets
+(extra sockets the hard side of a birthday punch opens) feed the same router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from crossroads.errors import DecodeError
+from crossroads.proto.punch import rendezvous as rv
+from crossroads.proto.punch.ladder import Plan
+from crossroads.proto.punch.secure import Kind, SecureChannel, receiver_id
+from crossroads.types import Address, normalize_address
+
+log = logging.getLogger("crossroads.client.p2p")
+
+#: Rendezvous probes: 3 tries per port, 200 ms apart (a lost datagram costs 200 ms,
+#: three lost ones mean UDP does not get through).
+RENDEZVOUS_TRIES = 3
+RENDEZVOUS_INTERVAL = 0.2
+#: A link sends a keepalive when it sent nothing for this long, which also keeps
+#: NAT mappings alive (UDP mappings last at least 2 minutes per RFC 4787 REQ-5, but
+#: many home routers use 30 s; Unity's relay pings every 3 s).
+KEEPALIVE_INTERVAL = 1.0
+#: A link that heard nothing for this long is dead (about 5 missed keepalives).
+LINK_TIMEOUT = 6.0
+
+#: The relay step: probes every 100 ms for 3 s (a relay adds a server hop, so
+#: allow several round trips through a loaded server).
+RELAY_DURATION = 3.0
+RELAY_INTERVAL = 0.1
+
+#: Distinct destinations remembered per socket, for :attr:`PeerSocket.flows`
+#: (a birthday run sends to 2048; past this the count stops mattering).
+MAX_TRACKED_DESTINATIONS = 65536
+
+_PROBE = struct.Struct("!BHI")  # step index, sequence number, sent-at (ms)
+STEP_NAMES = ("lan", "direct", "mapping", "punch", "relay")
+
+
+Receiver = Callable[[bytes, Address, "Transport"], None]
+
+
+class Transport:
+    """Something a sealed datagram can be sent on: a UDP socket or a relay."""
+
+    def send(self, data: bytes, addr: Address) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    @property
+    def local(self) -> Address:  # pragma: no cover
+        raise NotImplementedError
+
+
+class _UdpTransport(Transport, asyncio.DatagramProtocol):
+    def __init__(self, owner: PeerSocket, index: int) -> None:
+        self.owner = owner
+        self.index = index
+        self.transport: asyncio.DatagramTransport | None = None
+        self._local: Address = ("", 0)
+        #: Destinations this socket has sent to (bounded; see PeerSocket.flows).
+        self.destinations: set[Address] = set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.DatagramTransport, transport)
+        sock = transport.get_extra_info("socket")
+        self._local = normalize_address(sock.getsockname())
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, ...]) -> None:
+        self.owner._dispatch(data, normalize_address(addr), self)
+
+    def error_received(self, exc: Exception) -> None:
+        pass  # ICMP unreachable for probes to closed ports: expected while punching
+
+    def send(self, data: bytes, addr: Address) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            if len(self.destinations) < MAX_TRACKED_DESTINATIONS:
+                self.destinations.add(addr)
+            self.transport.sendto(data, addr)
+
+    @property
+    def local(self) -> Address:
+        return self._local
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _constant(protocol: _UdpTransport) -> Callable[[], _UdpTransport]:
+    return lambda: protocol
+
+
+class PeerSocket:
+    """The SDK's UDP socket and its datagram router."""
+
+    def __init__(self) -> None:
+        self.main: _UdpTransport | None = None
+        self._routes: dict[bytes, Receiver] = {}
+        self._observed: dict[tuple[int, int], asyncio.Future[rv.Observed]] = {}
+        self.dropped = 0
+
+    async def open(
+        self, host: str = "0.0.0.0", port: int = 0, sock: socket.socket | None = None
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.bind((host, port))
+        sock.setblocking(False)
+        _, protocol = await loop.create_datagram_endpoint(
+            lambda: _UdpTransport(self, 0), sock=sock
+        )
+        self.main = protocol
+
+    @property
+    def local(self) -> Address:
+        assert self.main is not None
+        return self.main.local
+
+    async def open_extra(
+        self, count: int, factory: Callable[[], socket.socket] | None = None
+    ) -> list[_UdpTransport]:
+        """Open ``count`` more sockets routed like the main one (birthday)."""
+        loop = asyncio.get_running_loop()
+        host = self.local[0]
+        out = []
+        for i in range(count):
+            if factory is not None:
+                sock = factory()
+            else:
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                sock.bind((host, 0))
+            sock.setblocking(False)
+            protocol = _UdpTransport(self, i + 1)
+            await loop.create_datagram_endpoint(_constant(protocol), sock=sock)
+            out.append(protocol)
+        return out
+
+    def flows(self, exclude: list[Address]) -> int:
+        """New destinations of the main socket other than ``exclude`` (the
+        rendezvous ports): each opened a new NAT mapping."""
+        if self.main is None:
+            return 0
+        return len(self.main.destinations - set(exclude))
+
+    def route(self, rid: bytes, receiver: Receiver) -> None:
+        self._routes[rid] = receiver
+
+    def unroute(self, rid: bytes, receiver: Receiver | None = None) -> None:
+        if receiver is None or self._routes.get(rid) is receiver:
+            self._routes.pop(rid, None)
+
+    def _dispatch(self, data: bytes, addr: Address, via: Transport) -> None:
+        rid = receiver_id(data)
+        if rid is not None:
+            receiver = self._routes.get(rid)
+            if receiver is not None:
+                receiver(data, addr, via)
+                return
+        elif data[:4] == rv.OBSERVED_MAGIC:
+            try:
+                observed = rv.Observed.decode(data)
+            except DecodeError:
+                self.dropped += 1
+                return
+            future = self._observed.pop((observed.index, observed.seq), None)
+            if future is not None and not future.done():
+                future.set_result(observed)
+            return
+        self.dropped += 1
+
+    def deliver(self, data: bytes, addr: Address, via: Transport) -> None:
+        """Feed a datagram that arrived some other way (e.g. through a relay)."""
+        self._dispatch(data, addr, via)
+
+    async def rendezvous(
+        self, servers: list[Address], token: bytes, attempt: int
+    ) -> list[rv.Observed | None]:
+        """Probe each rendezvous port; the addresses the server saw (None if lost)."""
+        assert self.main is not None
+        results: list[rv.Observed | None] = []
+        loop = asyncio.get_running_loop()
+        # Probe the ports one after the other, so that a sequential NAT allocates
+        # its mappings in port order and the stride is measurable.
+        for index, server in enumerate(servers):
+            found = None
+            for seq in range(RENDEZVOUS_TRIES):
+                key = (index, attempt * 16 + seq)
+                future: asyncio.Future[rv.Observed] = loop.create_future()
+                self._observed[key] = future
+                self.main.send(
+                    rv.Probe(token, attempt, key[1] & 0xFFFF).encode(), server
+                )
+                try:
+                    found = await asyncio.wait_for(future, RENDEZVOUS_INTERVAL)
+                    break
+                except TimeoutError:
+                    self._observed.pop(key, None)
+            results.append(found)
+            if found is None and index == 0:
+                # Nothing came back from the primary port: UDP to the server is
+                # blocked (or the server is down); the other ports would only
+                # add 2 x 600 ms of waiting before the ladder can fall back.
+                results.extend([None] * (len(servers) - 1))
+                break
+        return results
+
+    def close(self) -> None:
+        if self.main is not None:
+            self.main.close()
+
+
+@dataclass(frozen=True, slots=True)
+class RelayPath:
+    """One way through a relay: send on ``transport`` to ``addr``, starting
+    ``offset`` seconds into the relay step."""
+
+    transport: Transport
+    addr: Address
+    offset: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class LadderResult:
+    """How a ladder ended: the step that won and the time from t_go, or failure."""
+
+    ok: bool
+    step: str = ""
+    seconds: float = 0.0
+    via: Transport | None = None
+    addr: Address | None = None
+    #: Application data that arrived before our side saw the path established
+    #: (the peer established first and already sent); delivered by the caller.
+    first_data: bytes | None = None
+
+
+class LadderRun:
+    """Executes this side's half of a :class:`Plan` and waits for a path.
+
+    Probes carry (step, seq, time); the peer answers each with PROBE_ACK from the
+    socket it arrived on. A PROBE_ACK (or any later sealed datagram) proves both
+    directions, and the path it came on is the link's path. The step reported is
+    the step of the acknowledged probe.
+    """
+
+    def __init__(
+        self,
+        socket_: PeerSocket,
+        channel: SecureChannel,
+        plan: Plan,
+        role: str,
+        extra: list[_UdpTransport],
+        relays: list[RelayPath] | None = None,
+        *,
+        udp: bool = True,
+    ) -> None:
+        self.socket = socket_
+        self.channel = channel
+        self.plan = plan
+        self.role = role
+        self.extra = extra
+        #: Relay paths, each probed every 100 ms from its offset into the relay
+        #: step: TURN first, the WebSocket relay a moment later.
+        self.relays = relays or []
+        #: False in relay-only mode: only datagrams that came through a relay
+        #: transport count.
+        self.udp = udp
+        self.result: asyncio.Future[LadderResult] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._start = 0.0
+        self._handles: list[asyncio.TimerHandle] = []
+        self._seq = 0
+
+    def _transport(self, index: int) -> Transport:
+        if index == 0:
+            assert self.socket.main is not None
+            return self.socket.main
+        return self.extra[index - 1]
+
+    def receive(self, data: bytes, addr: Address, via: Transport) -> None:
+        if not self.udp and not any(via is path.transport for path in self.relays):
+            return
+        try:
+            kind, body = self.channel.open(data)
+        except DecodeError:
+            self.socket.dropped += 1
+            return
+        if kind == Kind.PROBE:
+            via.send(self.channel.seal(Kind.PROBE_ACK, body), addr)
+            return
+        if self.result.done():
+            return
+        if kind == Kind.PROBE_ACK and len(body) == _PROBE.size:
+            step_index, _, _ = _PROBE.unpack(body)
+            step = STEP_NAMES[step_index] if step_index < len(STEP_NAMES) else "punch"
+        elif kind == Kind.KEEPALIVE:
+            # The side that established first sends a keepalive naming the step.
+            name = body.decode("ascii", "replace")
+            step = name if name in STEP_NAMES else ""
+        elif kind in (Kind.DATA, Kind.CONTROL):
+            step = ""
+        else:
+            return
+        first: bytes | None = body if kind == Kind.DATA else None
+        # Half an RTT of skew between the two starts can make this negative.
+        elapsed = max(0.0, time.monotonic() - self._start)
+        self.result.set_result(LadderResult(True, step, elapsed, via, addr, first))
+
+    def start(self, t_go: float, extra_delay: float = 0.0) -> None:
+        """Schedule every send; ``t_go`` is in ``loop.time()`` terms."""
+        loop = asyncio.get_running_loop()
+        self._start = time.monotonic() + max(0.0, t_go - loop.time())
+        for send in self.plan.sends(self.role):
+            handle = loop.call_at(
+                t_go + send.at, self._send, send.step, send.dest, send.socket
+            )
+            self._handles.append(handle)
+        end = t_go + self.plan.duration
+        if self.relays:
+            # Relay step: both sides reach it at the same moment (the plan is
+            # shared), and probe every path every 100 ms from its offset.
+            for path in self.relays:
+                at = end + path.offset
+                while at < end + RELAY_DURATION:
+                    handle = loop.call_at(at, self._send_relay, path)
+                    self._handles.append(handle)
+                    at += RELAY_INTERVAL
+            end += RELAY_DURATION
+        self._handles.append(loop.call_at(end + extra_delay, self._timeout))
+
+    def _send(self, step: str, dest: Address, index: int) -> None:
+        if self.result.done():
+            return
+        self._seq = (self._seq + 1) & 0xFFFF
+        stamp = int((time.monotonic() - self._start) * 1000) & 0xFFFFFFFF
+        body = _PROBE.pack(STEP_NAMES.index(step), self._seq, stamp)
+        with contextlib.suppress(OSError):
+            self._transport(index).send(self.channel.seal(Kind.PROBE, body), dest)
+
+    def _send_relay(self, path: RelayPath) -> None:
+        if self.result.done():
+            return
+        transport, addr = path.transport, path.addr
+        self._seq = (self._seq + 1) & 0xFFFF
+        stamp = int((time.monotonic() - self._start) * 1000) & 0xFFFFFFFF
+        body = _PROBE.pack(STEP_NAMES.index("relay"), self._seq, stamp)
+        transport.send(self.channel.seal(Kind.PROBE, body), addr)
+
+    def _timeout(self) -> None:
+        if not self.result.done():
+            self.result.set_result(
+                LadderResult(False, "", time.monotonic() - self._start)
+            )
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.cancel()
+        self._handles.clear()

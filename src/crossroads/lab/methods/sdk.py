@@ -1,0 +1,181 @@
+"""Method ``sdk``: crossroads' peer-to-peer SDK (issue 8) between two lab hosts.
+
+Host A creates a session with ``crossroads.client.p2p`` against the lab server's
+``p2p`` service and asks its router for a port mapping (PCP, then NAT-PMP: the
+kinds with miniupnpd grant one); both hosts allocate a TURN relay on the lab
+server (``crossroads.client.turn``: UDP, or TCP where UDP is blocked); host B
+joins with the invite code. The join runs the full connection ladder — LAN,
+direct, port mapping, punch-through with port prediction and the birthday
+technique, then the relay (TURN first, the signalling WebSocket after) — and
+ends with an authenticated, encrypted datagram each way. ``via`` is the ladder
+step that won; ``seconds`` is from ``join`` to the established link
+(signalling, the coordinator's synchronised start, the ladder).
+
+Expected: every pair connects (the relay step needs only TCP to the server), by
+the step :func:`expected_via` names. ``detail`` says whether a relayed link runs
+over TURN or the WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from crossroads.client.p2p import JoinRejected, P2PClient
+from crossroads.client.portmap import PortMapper
+from crossroads.client.turn import TurnClientError
+from crossroads.client.turnrelay import TurnClientRelay
+from crossroads.lab import netns
+from crossroads.lab.kinds import Allocation, Filtering, Mapping, NatKind
+from crossroads.lab.matrix import Attempt, Method, Outcome, register
+from crossroads.lab.methods.turn_udp import open_client
+from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab, Site
+
+URL = f"ws://{SERVER_IPS[0]}:{SERVER_HTTP_PORT}/p2p/v1/ws"
+#: Port-mapping requests in the lab: PCP and NAT-PMP only (UPnP's SSDP multicast
+#: would need the process inside the namespace; tests/client covers UPnP).
+PORTMAP_METHODS = ("pcp", "natpmp")
+
+
+def _turn(lab: Lab, site: Site) -> Callable[[], Awaitable[TurnClientRelay]]:
+    """A TURN allocation on the lab server from inside the site's namespace:
+    UDP, or TCP when the site's UDP is blocked (the relayed address is UDP
+    either way)."""
+
+    async def make() -> TurnClientRelay:
+        try:
+            client = await open_client(lab, site, "udp")
+            try:
+                relayed = await client.allocate()
+            except BaseException:
+                await client.close()
+                raise
+        except (OSError, TimeoutError, TurnClientError):
+            client = await open_client(lab, site, "tcp")
+            relayed = await client.allocate()
+        return TurnClientRelay(client, (str(relayed[0]), int(relayed[1])))
+
+    return make
+
+
+def _client(lab: Lab, site: Site, *, portmap: bool, turn: bool = True) -> P2PClient:
+    ns = lab.host_ns(site)
+
+    def udp() -> socket.socket:
+        return lab.udp_socket(site)
+
+    def tcp() -> socket.socket:
+        return netns.socket_in(ns, socket.SOCK_STREAM)
+
+    def mapper(port: int) -> PortMapper:
+        return PortMapper(
+            port,
+            gateway=site.gateway,
+            internal_ip=site.host_ip,
+            methods=PORTMAP_METHODS,
+            socket_factory=lambda: netns.socket_in(ns),
+        )
+
+    return P2PClient(
+        URL,
+        name=site.name,
+        socket_factory=udp,
+        tcp_factory=tcp,
+        portmap=mapper if portmap and site.kind.natted else False,
+        turn=_turn(lab, site) if turn else None,
+    )
+
+
+async def connect(lab: Lab, a: Site, b: Site) -> Outcome:
+    host = _client(lab, a, portmap=True)
+    guest = _client(lab, b, portmap=True)
+    try:
+        await asyncio.gather(host.start(), guest.start())
+        code = await host.host(2)
+        started = time.monotonic()
+        try:
+            await guest.join(code, timeout=40)
+        except JoinRejected as exc:
+            return Outcome(False, detail=str(exc))
+        seconds = time.monotonic() - started
+        link = guest.links[host.peer_id]
+        guest.send(host.peer_id, b"ping")
+        peer, data = await asyncio.wait_for(host.recv(), 5)
+        host.send(guest.peer_id, b"pong")
+        back = await asyncio.wait_for(guest.recv(), 5)
+        if (peer, data) != (guest.peer_id, b"ping") or back != (host.peer_id, b"pong"):
+            return Outcome(False, detail="data did not come through")
+        relay = ""
+        if link.step == "relay":
+            relay = (
+                "; over TURN"
+                if link.addr[0] != "relay" and not link.addr[0].startswith("relay:")
+                else "; over the WebSocket"
+            )
+        detail = (
+            f"ladder {link.seconds:.2f}s; A {host.mapping}"
+            f"{' mapped' if host.mapped else ''}, B {guest.mapping}{relay}"
+        )
+        return Outcome(True, link.step, seconds, detail)
+    finally:
+        await asyncio.gather(host.close(), guest.close(), return_exceptions=True)
+
+
+async def run(attempt: Attempt) -> Outcome:
+    return await connect(attempt.lab, attempt.a, attempt.b)
+
+
+def expected(x: NatKind, y: NatKind) -> bool:
+    """The SDK connects every pair: the relay needs only TCP to the server."""
+    return True
+
+
+def needs_relay(x: NatKind, y: NatKind) -> bool:
+    """Pairs no direct technique of the SDK can open (see docs/p2p.md):
+    UDP blocked on either side, or a random-port symmetric NAT against another
+    endpoint-dependent mapping (both holes unknown)."""
+    if not (x.udp and y.udp):
+        return True
+    random = {k for k in (x, y) if k.allocation is Allocation.RANDOM}
+    if not random:
+        return False
+    other = y if x in random and x is not y else x
+    if x.allocation is Allocation.RANDOM and y.allocation is Allocation.RANDOM:
+        return True
+    return other.allocation is Allocation.SEQUENTIAL
+
+
+def expected_via(x: NatKind, y: NatKind) -> str:
+    """The step that wins for host ``x`` (site a) and joiner ``y`` (site b).
+
+    The joiner is the initiator, so ``direct`` reaches the host when the host has
+    no NAT, an endpoint-independent filter, or a port mapping from its router's
+    miniupnpd (not behind a carrier-grade NAT, where the mapping is useless and
+    the server drops it). Everything else that can be opened is opened by the
+    punch step (prediction and birthday included); the rest relays.
+    """
+    if needs_relay(x, y):
+        return "relay"
+    if (
+        x.mapping is Mapping.NONE
+        or x.filtering is Filtering.ENDPOINT_INDEPENDENT
+        or (x.upnp and not x.double)
+    ):
+        return "direct"
+    return "punch"
+
+
+METHOD = register(
+    Method(
+        name="sdk",
+        summary="crossroads p2p SDK: LAN, direct, port mapping, punch (prediction, birthday), relay",
+        run=run,
+        expected=expected,
+        expected_via=expected_via,
+        timeout=60.0,
+        max_parallel=4,
+        needs=("p2p",),
+    )
+)

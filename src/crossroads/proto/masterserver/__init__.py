@@ -1,0 +1,1 @@
+"""RakNet MasterServer2-compatible game listing: request parsing and validation."""

@@ -1,0 +1,286 @@
+"""The connection ladder's schedule: who sends which probe where, and when.
+
+Theory of operation
+-------------------
+Both peers receive ``punch_start`` with the same two :class:`PeerInfo` records and
+start at the same instant (``t_go``). Each runs :func:`plan` on the same inputs
+and gets the *same* schedule for both sides; it executes its own half. Because
+the schedule is shared, each side can predict the NAT ports the other side's
+sends will create — which is what port prediction needs.
+
+Steps, in order (names as the NAT lab reports them):
+
+``lan``      both send to the other's host candidates, when both have the same
+             public IP (they are behind the same NAT) — RakNet's
+             TESTING_INTERNAL_IPS: 2 sends per address, 15 ms apart (§2.1).
+``direct``   only the initiator sends, to the responder's server-observed public
+             endpoint: succeeds when the responder has no NAT or a NAT that filters
+             nothing (endpoint-independent filtering).
+``mapping``  each side sends to the other's port-mapped (UPnP / NAT-PMP / PCP)
+             endpoint, if it holds one: an open port needs no punching.
+``punch``    simultaneous open: both send to the other's public endpoint at the
+             same time, in three slots for port offsets 0..2 (RakNet's
+             MAX_PREDICTIVE_PORT_RANGE = 2); 8 sends 50 ms apart per slot
+             (UDP_SENDS_PER_PORT_EXTERNAL, TIME_BETWEEN_PUNCH_ATTEMPTS_EXTERNAL).
+             A side whose NAT maps *sequentially* is predicted: each new
+             destination it contacts gets ``last + stride x n`` (the server saw
+             ``last`` and ``stride`` on its three rendezvous ports; the shared
+             schedule gives ``n``). When both map sequentially, slot k of each side
+             targets the port the other side's k-th new destination gets, so the
+             two new mappings meet.
+             A *random* mapping against an endpoint-independent one adds the
+             birthday technique (reference §3.4): the hard side opens 256 sockets
+             that each send to the easy side; the easy side probes random ports
+             of the hard side's IP. With 256 holes among 65 535 ports, k probes
+             succeed with P = 1 - (1 - 256/65535)^k: 98 % at 1024, 99.97 % at
+             2048. We probe 2048 at 500/s (about 4 s; Tailscale's figure is 100/s).
+
+What the schedule cannot do — a random mapping against a random or sequential
+mapping (both holes unknown: about 65 536 probes per side for 64 %), or UDP that
+never reached the server — is left to the ``relay`` step, which the client runs
+when the schedule ends without a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from crossroads.proto.punch.signalling import PeerInfo
+from crossroads.types import Address
+
+#: RakNet internal-address schedule (§2.1): 2 sends per address, 15 ms apart; at
+#: most 5 addresses (MAXIMUM_NUMBER_OF_INTERNAL_IDS_TO_CHECK).
+LAN_SENDS = 2
+LAN_INTERVAL = 0.015
+LAN_MAX_ADDRESSES = 5
+LAN_DURATION = 0.25
+#: External sends per target, and the gap between them (§2.1 defaults 8 / 50 ms).
+EXTERNAL_SENDS = 8
+EXTERNAL_INTERVAL = 0.05
+#: Direct and mapping steps: 8 sends + 100 ms for the answer to come back.
+DIRECT_DURATION = EXTERNAL_SENDS * EXTERNAL_INTERVAL + 0.1
+#: Port offsets 0..2: RakNet's MAX_PREDICTIVE_PORT_RANGE = 2.
+PREDICTION_SLOTS = 3
+SLOT_DURATION = EXTERNAL_SENDS * EXTERNAL_INTERVAL + 0.1
+#: Birthday technique (reference §3.4, Tailscale / danderson): 256 sockets on the
+#: hard side, 2048 random probes from the easy side (99.97 %).
+BIRTHDAY_SOCKETS = 256
+BIRTHDAY_PROBES = 2048
+BIRTHDAY_RATE = 500.0
+#: Hard-side sockets re-send every second so their mappings stay alive and each
+#: new probe from the easy side finds the hole open.
+BIRTHDAY_RESEND = 1.0
+#: Ports a random NAT allocates from (Linux' default NAT range is 1024-65535).
+BIRTHDAY_LOW_PORT = 1024
+#: After the last send, how long to wait for a late answer before giving up.
+FINAL_WAIT = 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """One probe: at ``at`` seconds after t_go, from socket ``socket`` (0 is the
+    peer socket, 1.. are birthday sockets) to ``dest``."""
+
+    at: float
+    step: str
+    dest: Address
+    socket: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    name: str
+    start: float
+    end: float
+
+
+@dataclass(slots=True)
+class Plan:
+    """Both sides' schedules; ``mine``/``theirs`` select by role."""
+
+    steps: list[Step] = field(default_factory=list)
+    initiator: list[Send] = field(default_factory=list)
+    responder: list[Send] = field(default_factory=list)
+    #: Birthday sockets each side must open.
+    initiator_sockets: int = 0
+    responder_sockets: int = 0
+
+    @property
+    def duration(self) -> float:
+        return (self.steps[-1].end if self.steps else 0.0) + FINAL_WAIT
+
+    def sends(self, role: str) -> list[Send]:
+        return self.initiator if role == "initiator" else self.responder
+
+    def sockets(self, role: str) -> int:
+        return self.initiator_sockets if role == "initiator" else self.responder_sockets
+
+
+class _NatModel:
+    """Predicts the public port one side's NAT gives each new destination."""
+
+    def __init__(self, info: PeerInfo) -> None:
+        self.info = info
+        self.mapping = info.mapping if info.public is not None else "unknown"
+        last = info.ports[-1] if info.ports else 0
+        # Flows the client opened since the server saw ``last`` moved a
+        # sequential NAT's counter on by that many ports.
+        self.last = last + info.stride * info.candidates.flows
+        self.contacted: dict[Address, int] = {}
+
+    @property
+    def ip(self) -> str | None:
+        return self.info.public.host if self.info.public else None
+
+    @property
+    def public_port(self) -> int:
+        return self.info.public.port if self.info.public else 0
+
+    def next_port(self) -> int:
+        """The port the next *new* destination will get (sequential mapping)."""
+        port = self.last + self.info.stride * (len(self.contacted) + 1)
+        return (port - 1) % 65535 + 1
+
+    def contact(self, dest: Address) -> int | None:
+        """Record that this side sends to ``dest``; the public port it uses."""
+        if self.mapping == "sequential":
+            if dest not in self.contacted:
+                self.contacted[dest] = self.next_port()
+            return self.contacted[dest]
+        if self.mapping in ("independent", "unknown"):
+            return self.public_port
+        return None
+
+
+def plan(
+    initiator: PeerInfo,
+    responder: PeerInfo,
+    *,
+    own_role: str,
+    randbelow: Callable[[int], int],
+    birthday_probes: int = BIRTHDAY_PROBES,
+    birthday_sockets: int = BIRTHDAY_SOCKETS,
+    birthday_rate: float = BIRTHDAY_RATE,
+) -> Plan:
+    """The ladder schedule for both sides (see module docstring).
+
+    ``randbelow`` is used only for ``own_role``'s random birthday ports, which the
+    other side never needs to know.
+    """
+    result = Plan()
+    nat = {"initiator": _NatModel(initiator), "responder": _NatModel(responder)}
+    info = {"initiator": initiator, "responder": responder}
+    sends = {"initiator": result.initiator, "responder": result.responder}
+    t = 0.0
+
+    def other(role: str) -> str:
+        return "responder" if role == "initiator" else "initiator"
+
+    def burst(role: str, step: str, dest: Address, start: float) -> None:
+        nat[role].contact(dest)
+        for i in range(EXTERNAL_SENDS):
+            sends[role].append(Send(start + i * EXTERNAL_INTERVAL, step, dest))
+
+    # -- lan
+    same_nat = (
+        initiator.public is not None
+        and responder.public is not None
+        and initiator.public.host == responder.public.host
+    )
+    either_unknown = initiator.public is None or responder.public is None
+    if same_nat or either_unknown:
+        any_lan = False
+        for role in ("initiator", "responder"):
+            lan_targets = info[other(role)].candidates.local[:LAN_MAX_ADDRESSES]
+            for n, endpoint in enumerate(lan_targets):
+                any_lan = True
+                for i in range(LAN_SENDS):
+                    at = t + n * LAN_SENDS * LAN_INTERVAL + i * LAN_INTERVAL
+                    sends[role].append(Send(at, "lan", endpoint.address()))
+        if any_lan:
+            result.steps.append(Step("lan", t, t + LAN_DURATION))
+            t += LAN_DURATION
+
+    # -- direct: initiator -> responder's public endpoint
+    if responder.public is not None:
+        burst("initiator", "direct", responder.public.address(), t)
+        result.steps.append(Step("direct", t, t + DIRECT_DURATION))
+        t += DIRECT_DURATION
+
+    # -- mapping: each side -> the other's port mapping
+    any_mapping = False
+    for role in ("initiator", "responder"):
+        mapped = info[other(role)].candidates.mapped
+        if mapped is not None:
+            any_mapping = True
+            burst(role, "mapping", mapped.address(), t)
+    if any_mapping:
+        result.steps.append(Step("mapping", t, t + DIRECT_DURATION))
+        t += DIRECT_DURATION
+
+    # -- punch: simultaneous open with port prediction
+    a, b = nat["initiator"], nat["responder"]
+    if a.ip is None or b.ip is None:
+        return result
+    punch_start = t
+    for slot in range(PREDICTION_SLOTS):
+        targets: dict[str, Address] = {}
+        if a.mapping == "sequential" and b.mapping == "sequential":
+            # Both allocate a new port for each new destination: aim slot k of
+            # each side at the port the other's k-th new destination gets.
+            a_next, b_next = a.next_port(), b.next_port()
+            targets["initiator"] = (b.ip, b_next)
+            targets["responder"] = (a.ip, a_next)
+        else:
+            for me, them in ((a, b), (b, a)):
+                role = "initiator" if me is a else "responder"
+                if them.mapping == "sequential":
+                    # Where their mapping towards us will be: the port for our
+                    # endpoint, then +stride per slot in case other traffic on
+                    # their NAT took a port in between.
+                    my_port = me.public_port if me.mapping != "sequential" else 0
+                    base = them.contact((me.ip or "", my_port))
+                    port = (base or 0) + them.info.stride * slot
+                    targets[role] = (them.ip or "", (port - 1) % 65535 + 1)
+                else:
+                    targets[role] = (them.ip or "", them.public_port)
+        start = t + slot * SLOT_DURATION
+        for role, dest in targets.items():
+            burst(role, "punch", dest, start)
+    t += PREDICTION_SLOTS * SLOT_DURATION
+
+    # -- birthday: random mapping against endpoint-independent mapping
+    hard = easy = None
+    if a.mapping == "random" and b.mapping == "independent":
+        hard, easy = "initiator", "responder"
+    elif b.mapping == "random" and a.mapping == "independent":
+        hard, easy = "responder", "initiator"
+    if hard is not None and easy is not None:
+        duration = birthday_probes / birthday_rate + BIRTHDAY_RESEND
+        easy_endpoint = (nat[easy].ip or "", nat[easy].public_port)
+        if hard == "initiator":
+            result.initiator_sockets = birthday_sockets
+        else:
+            result.responder_sockets = birthday_sockets
+        rounds = int(duration / BIRTHDAY_RESEND) + 1
+        for r in range(rounds):
+            for s in range(1, birthday_sockets + 1):
+                # Spread each round over 100 ms so 256 sends are not one burst.
+                at = t + r * BIRTHDAY_RESEND + (s / birthday_sockets) * 0.1
+                sends[hard].append(Send(at, "punch", easy_endpoint, s))
+        if own_role == easy:
+            hard_ip = nat[hard].ip or ""
+            span = 65536 - BIRTHDAY_LOW_PORT
+            chosen: set[int] = set()
+            while len(chosen) < min(birthday_probes, span):
+                chosen.add(BIRTHDAY_LOW_PORT + randbelow(span))
+            for i, port in enumerate(chosen):
+                sends[easy].append(
+                    Send(t + 0.05 + i / birthday_rate, "punch", (hard_ip, port))
+                )
+        t += duration
+    result.steps.append(Step("punch", punch_start, t))
+    for role in sends:
+        sends[role].sort(key=lambda s: s.at)
+    return result

@@ -1,0 +1,990 @@
+"""The p2p signalling message set, version 1 (JSON over WebSocket).
+
+Every WebSocket text frame carries one JSON object with a ``"type"`` member; the
+rest of the members depend on the type. The full specification, written for
+implementers in other languages, is ``docs/p2p-protocol.md``; this module is its
+executable form. Two tables decode the two directions (:func:`decode_client` for
+what a client sends, :func:`decode_server` for what the server sends), and every
+message encodes with :func:`encode`.
+
+Decoding is strict about types and bounds (so that a bad client gets a precise
+``error`` frame) and lenient about unknown members (so that a newer client can add
+members without breaking an older server): unknown members are ignored.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ipaddress
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from crossroads.errors import DecodeError
+
+#: Version carried in ``hello``/``welcome``; bumped on incompatible changes only.
+PROTOCOL_VERSION = 1
+
+#: Largest text frame either side accepts. The biggest legitimate message
+#: (``punch_start`` with eight local candidates each side, or a 32-member
+#: ``join_start``) is about 4 KiB; 16 KiB leaves room and bounds per-frame memory.
+MAX_FRAME_BYTES = 16 * 1024
+
+#: Local (host) candidates a client may report. RakNet tries at most 5 internal
+#: addresses (MAXIMUM_NUMBER_OF_INTERNAL_IDS_TO_CHECK, reference §2.1); 8 allows
+#: dual-stack hosts a little more.
+MAX_LOCAL_CANDIDATES = 8
+
+#: Members of one mesh session. EOS caps P2P connections at 32 (reference §3.2);
+#: a full mesh of N peers costs N-1 links each, so this also bounds client work.
+MAX_MEMBERS = 32
+
+#: ``signal`` payloads are application data forwarded verbatim; 4 KiB is enough for
+#: offers, game settings or a chat line and keeps forwarding cheap.
+MAX_SIGNAL_BYTES = 4096
+
+#: Identifier lengths (peer ids, session ids, codes, reasons, names).
+MAX_ID_CHARS = 64
+MAX_TEXT_CHARS = 200
+
+#: Step names of the connection ladder, as the NAT lab reports them (issue 7).
+STEPS = ("lan", "direct", "mapping", "punch", "relay")
+
+#: Mapping behaviours the server derives from the three rendezvous ports.
+MAPPINGS = ("independent", "sequential", "random", "unknown")
+
+ROLES = ("initiator", "responder")
+
+
+# ------------------------------------------------------------------- field helpers
+
+
+def _need(obj: Mapping[str, Any], key: str) -> Any:
+    if key not in obj:
+        raise DecodeError(f"missing member {key!r}", "missing-member")
+    return obj[key]
+
+
+def _str(
+    obj: Mapping[str, Any],
+    key: str,
+    *,
+    max_chars: int = MAX_ID_CHARS,
+    default: str | None = None,
+    allow_empty: bool = False,
+) -> str:
+    if default is not None and key not in obj:
+        return default
+    value = _need(obj, key)
+    if not isinstance(value, str):
+        raise DecodeError(f"{key} must be a string", "bad-type")
+    if len(value) > max_chars:
+        raise DecodeError(f"{key} is longer than {max_chars} characters", "too-long")
+    if not value and not allow_empty:
+        raise DecodeError(f"{key} must not be empty", "empty")
+    return value
+
+
+def _int(
+    obj: Mapping[str, Any],
+    key: str,
+    low: int,
+    high: int,
+    default: int | None = None,
+) -> int:
+    if default is not None and key not in obj:
+        return default
+    value = _need(obj, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DecodeError(f"{key} must be an integer", "bad-type")
+    if not low <= value <= high:
+        raise DecodeError(f"{key} must be in {low}..{high}", "out-of-range")
+    return value
+
+
+def _bool(obj: Mapping[str, Any], key: str) -> bool:
+    value = _need(obj, key)
+    if not isinstance(value, bool):
+        raise DecodeError(f"{key} must be true or false", "bad-type")
+    return value
+
+
+def _choice(obj: Mapping[str, Any], key: str, choices: tuple[str, ...]) -> str:
+    value = _str(obj, key)
+    if value not in choices:
+        raise DecodeError(f"{key} must be one of {', '.join(choices)}", "bad-value")
+    return value
+
+
+def _key(obj: Mapping[str, Any], key: str) -> bytes:
+    text = _str(obj, key, max_chars=64)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise DecodeError(f"{key} must be base64", "bad-key") from None
+    if len(raw) != 32:
+        raise DecodeError(f"{key} must be a 32-byte X25519 public key", "bad-key")
+    return raw
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _ids(obj: Mapping[str, Any], key: str, max_items: int) -> tuple[str, ...]:
+    value = _need(obj, key)
+    if not isinstance(value, list):
+        raise DecodeError(f"{key} must be a list", "bad-type")
+    if len(value) > max_items:
+        raise DecodeError(f"{key} has more than {max_items} items", "too-many")
+    out = []
+    for item in value:
+        if not isinstance(item, str) or not 0 < len(item) <= MAX_ID_CHARS:
+            raise DecodeError(f"{key} must hold peer ids", "bad-type")
+        out.append(item)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A transport address; JSON ``["203.0.113.7", 40000]`` (IPv6 without brackets)."""
+
+    host: str
+    port: int
+
+    def to_json(self) -> list[Any]:
+        return [self.host, self.port]
+
+    @classmethod
+    def from_json(cls, value: Any, what: str) -> Endpoint:
+        if not (isinstance(value, list) and len(value) == 2):
+            raise DecodeError(f"{what} must be [host, port]", "bad-endpoint")
+        host, port = value
+        if not isinstance(host, str) or len(host) > 45:
+            raise DecodeError(f"{what} host must be an IP address", "bad-endpoint")
+        try:
+            host = str(ipaddress.ip_address(host))
+        except ValueError:
+            raise DecodeError(
+                f"{what} host must be an IP address", "bad-endpoint"
+            ) from None
+        if (
+            isinstance(port, bool)
+            or not isinstance(port, int)
+            or not 1 <= port <= 65535
+        ):
+            raise DecodeError(f"{what} port must be in 1..65535", "bad-endpoint")
+        return cls(host, port)
+
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+def _endpoint(obj: Mapping[str, Any], key: str) -> Endpoint | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    return Endpoint.from_json(value, key)
+
+
+def _endpoints(
+    obj: Mapping[str, Any], key: str, max_items: int
+) -> tuple[Endpoint, ...]:
+    value = obj.get(key, [])
+    if not isinstance(value, list):
+        raise DecodeError(f"{key} must be a list", "bad-type")
+    if len(value) > max_items:
+        raise DecodeError(f"{key} has more than {max_items} items", "too-many")
+    return tuple(Endpoint.from_json(v, key) for v in value)
+
+
+def _opt(value: Endpoint | None) -> list[Any] | None:
+    return None if value is None else value.to_json()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """What a client knows about its own reachability (sent in ``punch_ready``).
+
+    The public (server-reflexive) address is *not* here: the server observes it on
+    its rendezvous ports, so a client cannot lie about where it is.
+    """
+
+    local: tuple[Endpoint, ...] = ()
+    #: External address of a UPnP / NAT-PMP / PCP port mapping, if one is held.
+    mapped: Endpoint | None = None
+    #: A relayed address (TURN) the peer may send to, if the client holds one.
+    relay: Endpoint | None = None
+    #: The client's own NAT classification (informational, e.g. "port-restricted").
+    nat: str = ""
+    #: New destinations the peer socket sent to since its first rendezvous probes
+    #: (RakNet's "most recent port" in another form): a sequential NAT has
+    #: allocated that many ports since, so the next one is further on.
+    flows: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "local": [e.to_json() for e in self.local],
+            "mapped": _opt(self.mapped),
+            "relay": _opt(self.relay),
+            "nat": self.nat,
+            "flows": self.flows,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> Candidates:
+        if not isinstance(value, dict):
+            raise DecodeError("candidates must be an object", "bad-type")
+        return cls(
+            local=_endpoints(value, "local", MAX_LOCAL_CANDIDATES),
+            mapped=_endpoint(value, "mapped"),
+            relay=_endpoint(value, "relay"),
+            nat=_str(value, "nat", max_chars=40, default="", allow_empty=True),
+            flows=_int(value, "flows", 0, 1_000_000, 0),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """Everything one side of a punch needs about the other (``punch_start``)."""
+
+    #: The address the server saw on its primary rendezvous port.
+    public: Endpoint | None
+    #: Ports the server saw on its primary, first and second alternate rendezvous
+    #: ports, in the order the client probed them (empty when UDP never arrived).
+    ports: tuple[int, ...]
+    #: "independent", "sequential", "random" or "unknown" (see coordinator).
+    mapping: str
+    #: Port increment per new destination for a sequential mapping, else 0.
+    stride: int
+    candidates: Candidates
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "public": _opt(self.public),
+            "ports": list(self.ports),
+            "mapping": self.mapping,
+            "stride": self.stride,
+            "candidates": self.candidates.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> PeerInfo:
+        if not isinstance(value, dict):
+            raise DecodeError("peer info must be an object", "bad-type")
+        ports = _need(value, "ports")
+        if not isinstance(ports, list) or len(ports) > 3:
+            raise DecodeError("ports must be a list of up to 3 ports", "bad-type")
+        for p in ports:
+            if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
+                raise DecodeError("ports must hold port numbers", "bad-type")
+        return cls(
+            public=_endpoint(value, "public"),
+            ports=tuple(ports),
+            mapping=_choice(value, "mapping", MAPPINGS),
+            stride=_int(value, "stride", -65535, 65535),
+            candidates=Candidates.from_json(_need(value, "candidates")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One participant of a mesh session."""
+
+    peer: str
+    key: bytes
+    #: Join order: 0 for the creator, then 1, 2, ... The lowest present member is
+    #: the host (FullyConnectedMesh2's rule, reference §2.6).
+    seniority: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer": self.peer, "key": _b64(self.key), "seniority": self.seniority}
+
+    @classmethod
+    def from_json(cls, value: Any) -> Member:
+        if not isinstance(value, dict):
+            raise DecodeError("member must be an object", "bad-type")
+        return cls(
+            peer=_str(value, "peer"),
+            key=_key(value, "key"),
+            seniority=_int(value, "seniority", 0, 2**31),
+        )
+
+
+def _members(obj: Mapping[str, Any], key: str) -> tuple[Member, ...]:
+    value = _need(obj, key)
+    if not isinstance(value, list) or len(value) > MAX_MEMBERS:
+        raise DecodeError(f"{key} must be a list of members", "bad-type")
+    return tuple(Member.from_json(v) for v in value)
+
+
+def _json_value(value: Any) -> Any:
+    encoded = json.dumps(value, separators=(",", ":"))
+    if len(encoded.encode()) > MAX_SIGNAL_BYTES:
+        raise DecodeError(
+            f"signal data is larger than {MAX_SIGNAL_BYTES} bytes", "too-large"
+        )
+    return value
+
+
+# ------------------------------------------------------------------------ messages
+
+
+class Message:
+    """Base of every signalling message."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+
+    def body(self) -> dict[str, Any]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+M = TypeVar("M", bound=Message)
+
+_CLIENT: dict[str, Callable[[Mapping[str, Any]], Message]] = {}
+_SERVER: dict[str, Callable[[Mapping[str, Any]], Message]] = {}
+
+
+def _client(cls: type[M]) -> type[M]:
+    _CLIENT[cls.TYPE] = cls.parse  # type: ignore[attr-defined]
+    return cls
+
+
+def _server(cls: type[M]) -> type[M]:
+    _SERVER[cls.TYPE] = cls.parse  # type: ignore[attr-defined]
+    return cls
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """First client frame: protocol version and the peer-channel public key."""
+
+    TYPE: ClassVar[str] = "hello"
+    v: int
+    key: bytes
+    name: str = ""
+
+    def body(self) -> dict[str, Any]:
+        return {"v": self.v, "key": _b64(self.key), "name": self.name}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Hello:
+        return cls(
+            v=_int(o, "v", 0, 1_000_000),
+            key=_key(o, "key"),
+            name=_str(o, "name", max_chars=MAX_ID_CHARS, default="", allow_empty=True),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TurnInfo:
+    """TURN servers and time-limited credentials for this peer (the coturn
+    "REST API" scheme: username ``<expiry unix time>:<peer id>``, password
+    ``base64(HMAC-SHA1(shared secret, username))``)."""
+
+    servers: tuple[Endpoint, ...]
+    username: str
+    password: str
+    expires: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "servers": [e.to_json() for e in self.servers],
+            "username": self.username,
+            "password": self.password,
+            "expires": self.expires,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> TurnInfo:
+        if not isinstance(value, dict):
+            raise DecodeError("turn must be an object", "bad-type")
+        return cls(
+            servers=_endpoints(value, "servers", 4),
+            username=_str(value, "username", max_chars=128),
+            password=_str(value, "password", max_chars=128),
+            expires=_int(value, "expires", 0, 2**40),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class Welcome(Message):
+    """Answer to ``hello``: the peer id, the UDP rendezvous token and addresses."""
+
+    TYPE: ClassVar[str] = "welcome"
+    v: int
+    peer: str
+    #: Hex token the client puts in its rendezvous datagrams.
+    token: str
+    #: The client's IP as the server saw the WebSocket connection.
+    ip: str
+    #: Primary, first and second alternate rendezvous UDP ports, in probe order.
+    udp: tuple[Endpoint, ...]
+    #: TURN for the relay step, when the server hands out credentials.
+    turn: TurnInfo | None = None
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "v": self.v,
+            "peer": self.peer,
+            "token": self.token,
+            "ip": self.ip,
+            "udp": [e.to_json() for e in self.udp],
+            "turn": None if self.turn is None else self.turn.to_json(),
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Welcome:
+        return cls(
+            v=_int(o, "v", 0, 1_000_000),
+            peer=_str(o, "peer"),
+            token=_str(o, "token"),
+            ip=_str(o, "ip"),
+            udp=_endpoints(o, "udp", 3),
+            turn=None if o.get("turn") is None else TurnInfo.from_json(o["turn"]),
+        )
+
+
+@_client
+@_server
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """Round-trip probe, either direction; the receiver answers ``pong`` at once."""
+
+    TYPE: ClassVar[str] = "ping"
+    id: int
+
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Ping:
+        return cls(id=_int(o, "id", 0, 2**53))
+
+
+@_client
+@_server
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    id: int
+
+    def body(self) -> dict[str, Any]:
+        return {"id": self.id}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Pong:
+        return cls(id=_int(o, "id", 0, 2**53))
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class Host(Message):
+    """Create a mesh session; answered by ``hosted`` with its invite code."""
+
+    TYPE: ClassVar[str] = "host"
+    max_members: int = MAX_MEMBERS
+
+    def body(self) -> dict[str, Any]:
+        return {"max_members": self.max_members}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Host:
+        return cls(max_members=_int(o, "max_members", 2, MAX_MEMBERS, MAX_MEMBERS))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class Hosted(Message):
+    TYPE: ClassVar[str] = "hosted"
+    session: str
+    code: str
+    seniority: int
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "code": self.code, "seniority": self.seniority}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Hosted:
+        return cls(
+            session=_str(o, "session"),
+            code=_str(o, "code"),
+            seniority=_int(o, "seniority", 0, 2**31),
+        )
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class Join(Message):
+    """Ask to join the session behind an invite code (starts a verified join)."""
+
+    TYPE: ClassVar[str] = "join"
+    code: str
+
+    def body(self) -> dict[str, Any]:
+        return {"code": self.code}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Join:
+        return cls(code=_str(o, "code", max_chars=32))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class JoinStart(Message):
+    """The members a joiner must connect to before it may join (FCM2 step 1)."""
+
+    TYPE: ClassVar[str] = "join_start"
+    session: str
+    host: str
+    members: tuple[Member, ...]
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "host": self.host,
+            "members": [m.to_json() for m in self.members],
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> JoinStart:
+        return cls(
+            session=_str(o, "session"),
+            host=_str(o, "host"),
+            members=_members(o, "members"),
+        )
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class JoinResult(Message):
+    """The joiner's outcome: which members it reached over the peer channel."""
+
+    TYPE: ClassVar[str] = "join_result"
+    session: str
+    connected: tuple[str, ...]
+    failed: tuple[str, ...] = ()
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "connected": list(self.connected),
+            "failed": list(self.failed),
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> JoinResult:
+        return cls(
+            session=_str(o, "session"),
+            connected=_ids(o, "connected", MAX_MEMBERS),
+            failed=_ids(o, "failed", MAX_MEMBERS) if "failed" in o else (),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class JoinCapable(Message):
+    """To the host: this joiner reached every member; accept or reject it."""
+
+    TYPE: ClassVar[str] = "join_capable"
+    session: str
+    peer: str
+    key: bytes
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "peer": self.peer, "key": _b64(self.key)}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> JoinCapable:
+        return cls(session=_str(o, "session"), peer=_str(o, "peer"), key=_key(o, "key"))
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class JoinAnswer(Message):
+    """The host's decision on a ``join_capable`` joiner."""
+
+    TYPE: ClassVar[str] = "join_answer"
+    session: str
+    peer: str
+    accept: bool
+    reason: str = ""
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "peer": self.peer,
+            "accept": self.accept,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> JoinAnswer:
+        return cls(
+            session=_str(o, "session"),
+            peer=_str(o, "peer"),
+            accept=_bool(o, "accept"),
+            reason=_str(
+                o, "reason", max_chars=MAX_TEXT_CHARS, default="", allow_empty=True
+            ),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class JoinAccepted(Message):
+    TYPE: ClassVar[str] = "join_accepted"
+    session: str
+    seniority: int
+    host: str
+    members: tuple[Member, ...]
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "seniority": self.seniority,
+            "host": self.host,
+            "members": [m.to_json() for m in self.members],
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> JoinAccepted:
+        return cls(
+            session=_str(o, "session"),
+            seniority=_int(o, "seniority", 0, 2**31),
+            host=_str(o, "host"),
+            members=_members(o, "members"),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class JoinRejected(Message):
+    TYPE: ClassVar[str] = "join_rejected"
+    session: str
+    reason: str
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "reason": self.reason}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> JoinRejected:
+        return cls(
+            session=_str(o, "session"),
+            reason=_str(o, "reason", max_chars=MAX_TEXT_CHARS, allow_empty=True),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class MemberJoined(Message):
+    TYPE: ClassVar[str] = "member_joined"
+    session: str
+    member: Member
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "member": self.member.to_json()}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> MemberJoined:
+        return cls(session=_str(o, "session"), member=Member.from_json(o.get("member")))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class MemberLeft(Message):
+    """A member left (or its signalling connection dropped); ``host`` is the
+    host after the departure, by seniority."""
+
+    TYPE: ClassVar[str] = "member_left"
+    session: str
+    peer: str
+    host: str
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session, "peer": self.peer, "host": self.host}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> MemberLeft:
+        return cls(
+            session=_str(o, "session"),
+            peer=_str(o, "peer"),
+            host=_str(o, "host", allow_empty=True),
+        )
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class Leave(Message):
+    TYPE: ClassVar[str] = "leave"
+    session: str
+
+    def body(self) -> dict[str, Any]:
+        return {"session": self.session}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Leave:
+        return cls(session=_str(o, "session"))
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class Connect(Message):
+    """Ask the coordinator for a punch-through to ``peer``."""
+
+    TYPE: ClassVar[str] = "connect"
+    peer: str
+
+    def body(self) -> dict[str, Any]:
+        return {"peer": self.peer}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Connect:
+        return cls(peer=_str(o, "peer"))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class PunchPrepare(Message):
+    """Refresh your mapping (rendezvous probes with this attempt), then answer
+    ``punch_ready`` — RakNet's GET_MOST_RECENT_PORT (reference §2.1 step 2)."""
+
+    TYPE: ClassVar[str] = "punch_prepare"
+    attempt: int
+    peer: str
+
+    def body(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "peer": self.peer}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> PunchPrepare:
+        return cls(attempt=_int(o, "attempt", 1, 2**31), peer=_str(o, "peer"))
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class PunchReady(Message):
+    TYPE: ClassVar[str] = "punch_ready"
+    attempt: int
+    candidates: Candidates
+
+    def body(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "candidates": self.candidates.to_json()}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> PunchReady:
+        return cls(
+            attempt=_int(o, "attempt", 1, 2**31),
+            candidates=Candidates.from_json(_need(o, "candidates")),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class PunchStart(Message):
+    """Start the connection ladder ``delay_ms`` after receiving this frame.
+
+    The server already subtracted half of this client's RTT, so both sides start
+    together (RakNet's CONNECT_AT_TIME, reference §2.1 step 3).
+    """
+
+    TYPE: ClassVar[str] = "punch_start"
+    attempt: int
+    peer: str
+    key: bytes
+    role: str
+    delay_ms: int
+    you: PeerInfo
+    them: PeerInfo
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "peer": self.peer,
+            "key": _b64(self.key),
+            "role": self.role,
+            "delay_ms": self.delay_ms,
+            "you": self.you.to_json(),
+            "them": self.them.to_json(),
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> PunchStart:
+        return cls(
+            attempt=_int(o, "attempt", 1, 2**31),
+            peer=_str(o, "peer"),
+            key=_key(o, "key"),
+            role=_choice(o, "role", ROLES),
+            delay_ms=_int(o, "delay_ms", 0, 60_000),
+            you=PeerInfo.from_json(_need(o, "you")),
+            them=PeerInfo.from_json(_need(o, "them")),
+        )
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class PunchFailed(Message):
+    """The attempt ended without a start: ``target_not_connected``,
+    ``already_in_progress``, ``target_unresponsive`` or ``connection_lost``."""
+
+    TYPE: ClassVar[str] = "punch_failed"
+    attempt: int
+    peer: str
+    reason: str
+
+    def body(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "peer": self.peer, "reason": self.reason}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> PunchFailed:
+        return cls(
+            attempt=_int(o, "attempt", 0, 2**31),
+            peer=_str(o, "peer"),
+            reason=_str(o, "reason"),
+        )
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class PunchResult(Message):
+    """How the ladder ended on this side (RakNet's CLIENT_READY plus the outcome)."""
+
+    TYPE: ClassVar[str] = "punch_result"
+    attempt: int
+    ok: bool
+    step: str = ""
+    ms: int = 0
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "ok": self.ok,
+            "step": self.step,
+            "ms": self.ms,
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> PunchResult:
+        ok = _bool(o, "ok")
+        step = _str(o, "step", max_chars=16, default="", allow_empty=True)
+        if step and step not in STEPS:
+            raise DecodeError(f"step must be one of {', '.join(STEPS)}", "bad-value")
+        return cls(
+            attempt=_int(o, "attempt", 1, 2**31),
+            ok=ok,
+            step=step,
+            ms=_int(o, "ms", 0, 600_000, 0),
+        )
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class Signal(Message):
+    """Application data to another member of a shared session (client -> server)."""
+
+    TYPE: ClassVar[str] = "signal"
+    to: str
+    data: Any
+
+    def body(self) -> dict[str, Any]:
+        return {"to": self.to, "data": self.data}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Signal:
+        return cls(to=_str(o, "to"), data=_json_value(o.get("data")))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class SignalFrom(Message):
+    """Application data from another member (server -> client)."""
+
+    TYPE: ClassVar[str] = "signal"
+    sender: str
+    data: Any
+
+    def body(self) -> dict[str, Any]:
+        return {"from": self.sender, "data": self.data}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> SignalFrom:
+        return cls(sender=_str(o, "from"), data=_json_value(o.get("data")))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class Error(Message):
+    """A request could not be served. ``ref`` names the request type it answers."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    ref: str = ""
+
+    def body(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "ref": self.ref}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Error:
+        return cls(
+            code=_str(o, "code"),
+            message=_str(o, "message", max_chars=MAX_TEXT_CHARS * 2, allow_empty=True),
+            ref=_str(o, "ref", default="", allow_empty=True),
+        )
+
+
+# ---------------------------------------------------------------------- codec
+
+
+def encode(message: Message) -> str:
+    """One WebSocket text frame for ``message``."""
+    body = message.body()
+    return json.dumps({"type": message.TYPE, **body}, separators=(",", ":"))
+
+
+def _decode(
+    text: str | bytes, table: Mapping[str, Callable[[Mapping[str, Any]], Message]]
+) -> Message:
+    if len(text) > MAX_FRAME_BYTES:
+        raise DecodeError(f"frame is larger than {MAX_FRAME_BYTES} bytes", "too-large")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        raise DecodeError("frame is not valid JSON", "bad-json") from None
+    if not isinstance(obj, dict):
+        raise DecodeError("frame must be a JSON object", "not-object")
+    kind = obj.get("type")
+    if not isinstance(kind, str):
+        raise DecodeError("frame has no string member 'type'", "no-type")
+    parser = table.get(kind)
+    if parser is None:
+        raise DecodeError(f"unknown message type {kind[:40]!r}", "unknown-type")
+    try:
+        return parser(obj)
+    except RecursionError:
+        raise DecodeError("frame nests too deeply", "bad-json") from None
+
+
+def decode_client(text: str | bytes) -> Message:
+    """Decode a frame sent by a client; raises :class:`DecodeError`."""
+    return _decode(text, _CLIENT)
+
+
+def decode_server(text: str | bytes) -> Message:
+    """Decode a frame sent by the server; raises :class:`DecodeError`."""
+    return _decode(text, _SERVER)
+
+
+def message_type(text: str | bytes) -> str:
+    """Best-effort ``type`` of a frame, for error replies (``""`` if unknown)."""
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError):
+        return ""
+    kind = obj.get("type") if isinstance(obj, dict) else None
+    return kind[:40] if isinstance(kind, str) else ""

@@ -1,0 +1,455 @@
+"""The ``p2p`` service: signalling, punch-through coordination, game listing.
+
+- ``GET /p2p/v1/ws`` (WebSocket, on the HTTP port): the signalling protocol of
+  ``docs/p2p-protocol.md``, driven by :class:`~crossroads.proto.punch.coordinator.Coordinator`.
+  We mount it on the shared HTTP port rather than a port of its own: one port to
+  open in firewalls, TLS and load balancing handled once by whatever fronts the
+  HTTP API, and the same origin as the listing API a game already talks to.
+- three UDP rendezvous ports (``--p2p-port``, ``--p2p-alt-port``,
+  ``--p2p-alt-port2``): where clients' public UDP endpoints and NAT mapping
+  behaviour are observed (:mod:`crossroads.proto.punch.rendezvous`).
+- ``/testServer``: a RakNet MasterServer2-compatible game listing
+  (:mod:`crossroads.services.p2p_master`).
+
+The signalling state lives in this process: a session's members must reach the
+same instance (route them by invite code at the load balancer). Listing rows live
+in the Store and work across instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import itertools
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+from fastapi import APIRouter, WebSocket
+from prometheus_client import Counter, Gauge
+from starlette.websockets import WebSocketState
+
+from crossroads.config import setting
+from crossroads.errors import ConfigError
+from crossroads.proto.punch import signalling as sig
+from crossroads.proto.punch.coordinator import (
+    Coordinator,
+    CoordinatorConfig,
+    FrameRejected,
+    ProbeDropped,
+    PunchFinished,
+)
+from crossroads.services.base import Service, ServiceContext
+from crossroads.services.p2p_master import MasterServer, make_master_router
+from crossroads.transport.udp import bound_address, make_udp_socket
+from crossroads.types import Address, normalize_address
+
+NAME = "p2p"
+
+#: Frames queued towards one slow WebSocket client before it is dropped: a client
+#: that does not read cannot make the server buffer without bound.
+MAX_OUTBOUND_FRAMES = 256
+
+
+def _check_positive(value: int) -> None:
+    if value < 1:
+        raise ValueError("must be at least 1")
+
+
+def _check_timeout(value: int) -> None:
+    if not 15 <= value <= 900:
+        raise ValueError("must be in 15..900 (MasterServer2's private-server range)")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Settings of the p2p service."""
+
+    port: int = setting(3490, kind="port", help="UDP rendezvous port (primary).")
+    alt_port: int = setting(
+        3491, kind="port", help="UDP rendezvous port (first alternate)."
+    )
+    alt_port2: int = setting(
+        3492, kind="port", help="UDP rendezvous port (second alternate)."
+    )
+    max_connections: int = setting(
+        10_000,
+        kind="int",
+        check=_check_positive,
+        help="Signalling WebSocket connections, in total.",
+    )
+    max_connections_per_ip: int = setting(
+        64,
+        kind="int",
+        check=_check_positive,
+        help="Signalling WebSocket connections from one IP.",
+    )
+    relay_bytes_per_second: int = setting(
+        256 * 1024,
+        kind="int",
+        check=_check_positive,
+        help="WebSocket relay budget per connection, bytes/s (the relay is the last resort).",
+    )
+    turn_secret: str = setting(
+        "",
+        help="Shared secret of a TURN server (coturn use-auth-secret / --turn-secret): "
+        "peers get time-limited TURN credentials in welcome. Empty: the TURN "
+        "service's first secret when it runs in this process.",
+    )
+    turn_server: str = setting(
+        "",
+        help="TURN server for those credentials, HOST:PORT. Empty: this host's "
+        "STUN/TURN port when the TURN service runs here.",
+    )
+    turn_ttl: int = setting(
+        3600,
+        kind="int",
+        check=_check_positive,
+        help="Lifetime of the TURN credentials handed out, seconds.",
+    )
+    master_path: str = setting(
+        "/testServer",
+        help="Path of the MasterServer2-compatible listing (RakNet's samples use /testServer).",
+    )
+    master_max_timeout: int = setting(
+        300,
+        kind="int",
+        check=_check_timeout,
+        help="Largest __timeoutSec a listing row may ask for (300 public, 900 private).",
+    )
+    master_rows_per_ip: int = setting(
+        10,
+        kind="int",
+        check=_check_positive,
+        help="Listing rows one IP may hold at once (MasterServer2: 10).",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.master_path.startswith("/"):
+            raise ValueError("master_path: must start with '/'")
+        ports = [p for p in (self.port, self.alt_port, self.alt_port2) if p]
+        if len(set(ports)) != len(ports):
+            raise ValueError("alt_port: the three rendezvous ports must differ")
+
+
+class _Rendezvous(asyncio.DatagramProtocol):
+    def __init__(self, service: P2PService, index: int) -> None:
+        self.service = service
+        self.index = index
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Not an isinstance check: on 3.11 the selector loop's datagram transport
+        # does not derive from asyncio.DatagramTransport.
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+        service = self.service
+        source = normalize_address(addr)
+        reply = service.core.receive_rendezvous(
+            data, source, self.index, service.loop.time()
+        )
+        if reply is not None and self.transport is not None:
+            self.transport.sendto(reply, addr)
+        service.flush()
+
+    def error_received(self, exc: Exception) -> None:
+        pass
+
+
+class P2PService:
+    """The running service (see module docstring)."""
+
+    name = NAME
+
+    def __init__(self, ctx: ServiceContext, config: Config) -> None:
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.core = Coordinator(
+            CoordinatorConfig(
+                max_connections=config.max_connections,
+                max_connections_per_ip=config.max_connections_per_ip,
+                relay_bytes_per_second=config.relay_bytes_per_second,
+            ),
+            secrets.token_bytes,
+        )
+        self._conn_ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue[tuple[str, int, str | bytes]]] = {}
+        self._transports: list[asyncio.DatagramTransport] = []
+        self._udp: list[Address] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._closed = False
+        registry = ctx.metrics
+        self.rejected = Counter(
+            "crossroads_p2p_frames_rejected",
+            "Signalling frames refused, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.probes_dropped = Counter(
+            "crossroads_p2p_rendezvous_dropped",
+            "Rendezvous datagrams dropped, by reason.",
+            ["reason"],
+            registry=registry,
+        )
+        self.punches = Counter(
+            "crossroads_p2p_punch_results",
+            "Connection ladder outcomes reported by clients (and server failures).",
+            ["side", "ok", "step"],
+            registry=registry,
+        )
+        peers = Gauge(
+            "crossroads_p2p_peers", "Signalling peers connected.", registry=registry
+        )
+        peers.set_function(lambda: self.core.peer_count)
+        sessions = Gauge(
+            "crossroads_p2p_sessions", "Mesh sessions open.", registry=registry
+        )
+        sessions.set_function(lambda: self.core.session_count)
+        self.master = MasterServer(
+            ctx.store,
+            max_timeout=config.master_max_timeout,
+            rows_per_ip=config.master_rows_per_ip,
+            registry=registry,
+        )
+
+    async def start(self, host: str, public_host: str) -> None:
+        for index, port in enumerate(
+            (self.config.port, self.config.alt_port, self.config.alt_port2)
+        ):
+            sock = make_udp_socket(host, port)
+            transport, _ = await self.loop.create_datagram_endpoint(
+                lambda i=index: _Rendezvous(self, i),  # type: ignore[misc]
+                sock=sock,
+            )
+            self._transports.append(transport)
+            self._udp.append(bound_address(sock))
+        advertised = public_host or host
+        self.core.config = CoordinatorConfig(
+            max_connections=self.config.max_connections,
+            max_connections_per_ip=self.config.max_connections_per_ip,
+            relay_bytes_per_second=self.config.relay_bytes_per_second,
+            udp=tuple(sig.Endpoint(advertised, port) for _, port in self._udp),
+        )
+
+    def describe(self) -> list[str]:
+        lines = [f"udp {h}:{p}" for h, p in self._udp]
+        lines.append("ws /p2p/v1/ws")
+        lines.append(f"http {self.config.master_path} (MasterServer2)")
+        return lines
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for transport in self._transports:
+            transport.close()
+        for queue in self._queues.values():
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(("close", 1001, "server shutting down"))
+
+    # ---------------------------------------------------------------- plumbing
+
+    def flush(self) -> None:
+        """Move the core's output to the connections, count its events, re-arm."""
+        for conn, text in self.core.frames_to_send():
+            queue = self._queues.get(conn)
+            if queue is None:
+                continue
+            try:
+                queue.put_nowait(("text", 0, text))
+            except asyncio.QueueFull:
+                self.rejected.labels("slow-consumer").inc()
+                self._force_close(conn, 1008, "not reading")
+        for conn, code, reason in self.core.connections_to_close():
+            self._force_close(conn, code, reason)
+        for event in self.core.events():
+            match event:
+                case FrameRejected(reason=reason):
+                    self.rejected.labels(reason).inc()
+                case ProbeDropped(reason=reason):
+                    self.probes_dropped.labels(reason).inc()
+                case PunchFinished(ok=ok, step=step, side=side):
+                    self.punches.labels(side, str(ok).lower(), step or "none").inc()
+        self._rearm()
+
+    def _force_close(self, conn: int, code: int, reason: str) -> None:
+        queue = self._queues.get(conn)
+        if queue is None:
+            return
+        # Replace whatever is queued with the close, so it is not stuck behind
+        # frames a slow client will never read.
+        while not queue.empty():
+            queue.get_nowait()
+        queue.put_nowait(("close", code, reason))
+
+    def _rearm(self) -> None:
+        deadline = self.core.get_timer()
+        if deadline == self._timer_at or self._closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = deadline
+        self._timer = (
+            None if deadline is None else self.loop.call_at(deadline, self._on_timer)
+        )
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.core.handle_timer(self.loop.time())
+        self.flush()
+
+    async def handle_websocket(self, ws: WebSocket) -> None:
+        await ws.accept()
+        conn = next(self._conn_ids)
+        queue: asyncio.Queue[tuple[str, int, str | bytes]] = asyncio.Queue(
+            MAX_OUTBOUND_FRAMES
+        )
+        self._queues[conn] = queue
+        ip = ws.client.host if ws.client else ""
+        self.core.connection_made(conn, ip, self.loop.time())
+        writer = asyncio.create_task(self._writer(ws, queue))
+        self.flush()
+        try:
+            while not writer.done():
+                receive = asyncio.ensure_future(ws.receive())
+                done, _ = await asyncio.wait(
+                    {receive, writer}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if receive not in done:
+                    receive.cancel()
+                    break
+                message = receive.result()
+                if message["type"] == "websocket.disconnect":
+                    break
+                text = message.get("text")
+                if text is None:
+                    data = message.get("bytes") or b""
+                    if data[:1] == b"\x01":
+                        self._relay(conn, data)
+                        continue
+                    # Other binary frames are accepted when they hold UTF-8 JSON.
+                    try:
+                        text = data.decode("utf-8")
+                    except UnicodeDecodeError:
+                        text = "\x00"
+                self.core.receive_text(conn, text, self.loop.time())
+                self.flush()
+        except Exception:  # noqa: BLE001 - a broken socket ends one connection only
+            pass
+        finally:
+            self.core.connection_lost(conn, self.loop.time())
+            self._queues.pop(conn, None)
+            self.flush()
+            if not writer.done():
+                writer.cancel()
+            with contextlib.suppress(BaseException):
+                await writer
+            if ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(Exception):
+                    await ws.close(1000)
+
+    def _relay(self, conn: int, frame: bytes) -> None:
+        route = self.core.relay_route(conn, frame, self.loop.time())
+        if route is None:
+            self.flush()
+            return
+        target, out = route
+        queue = self._queues.get(target)
+        if queue is None:
+            return
+        try:
+            queue.put_nowait(("bytes", 0, out))
+        except asyncio.QueueFull:
+            # A datagram relay may drop: the receiver is behind, as a full UDP
+            # socket buffer would drop.
+            self.rejected.labels("relay-queue-full").inc()
+
+    async def _writer(
+        self, ws: WebSocket, queue: asyncio.Queue[tuple[str, int, str | bytes]]
+    ) -> None:
+        while True:
+            kind, code, payload = await queue.get()
+            if kind == "close":
+                with contextlib.suppress(Exception):
+                    await ws.close(code, str(payload)[:120])
+                return
+            if isinstance(payload, bytes):
+                await ws.send_bytes(payload)
+            else:
+                await ws.send_text(payload)
+
+
+def turn_credentials(
+    secret: str, server: sig.Endpoint, ttl: int, clock: Callable[[], float] = time.time
+) -> Callable[[str], sig.TurnInfo]:
+    """coturn's REST-API credentials (draft-uberti-behave-turn-rest-00):
+    username ``<expiry>:<peer id>``, password ``base64(HMAC-SHA1(secret, username))``."""
+
+    def make(peer_id: str) -> sig.TurnInfo:
+        expires = int(clock()) + ttl
+        username = f"{expires}:{peer_id}"
+        digest = hmac.new(secret.encode(), username.encode(), hashlib.sha1).digest()
+        return sig.TurnInfo(
+            (server,), username, base64.b64encode(digest).decode("ascii"), expires
+        )
+
+    return make
+
+
+def _turn_settings(ctx: ServiceContext, config: Config) -> tuple[str, str]:
+    """(secret, HOST:PORT) from the p2p settings, else from a TURN service that
+    runs in this process (its first ``secret`` and STUN's port)."""
+    secret, server = config.turn_secret, config.turn_server
+    turn = ctx.config.sections.get("turn") if ctx.config.enabled("turn") else None
+    if not secret and turn is not None:
+        secrets_ = getattr(turn, "secret", ())
+        secret = secrets_[0] if secrets_ else ""
+    if secret and not server and turn is not None:
+        stun = ctx.config.sections.get("stun")
+        port = getattr(stun, "port", 3478) if stun is not None else 3478
+        running = ctx.running.get("stun")
+        if running is not None:
+            # The bound port (the configured one may be 0 in tests).
+            for line in running.describe():
+                if line.startswith("udp "):
+                    port = int(line.rsplit(":", 1)[1].split()[0])
+                    break
+        host = ctx.config.core.public_host or ctx.host
+        server = f"{host}:{port}"
+    return secret, server
+
+
+async def serve(ctx: ServiceContext) -> Service:
+    config = ctx.section(NAME, Config)
+    service = P2PService(ctx, config)
+    secret, server = _turn_settings(ctx, config)
+    if secret and server:
+        host, _, port = server.rpartition(":")
+        try:
+            endpoint = sig.Endpoint(host.strip("[]"), int(port))
+        except ValueError:
+            raise ConfigError(f"p2p.turn_server: {server!r} is not HOST:PORT") from None
+        service.core._turn_credentials = turn_credentials(
+            secret, endpoint, config.turn_ttl
+        )
+    await service.start(ctx.host, ctx.config.core.public_host)
+    router = APIRouter(tags=["p2p"])
+
+    @router.websocket("/p2p/v1/ws")
+    async def signalling(ws: WebSocket) -> None:
+        await service.handle_websocket(ws)
+
+    ctx.add_router(router)
+    ctx.add_router(make_master_router(service.master, config.master_path))
+    ctx.shared["p2p"] = service
+    return service

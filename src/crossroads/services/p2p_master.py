@@ -1,0 +1,285 @@
+"""A RakNet MasterServer2-compatible game listing on the HTTP port (reference §2.3).
+
+``POST``/``PUT`` add or refresh a row, ``GET`` lists a game's rows, ``DELETE``
+removes one. Each ``__gameId`` is a table; each row is one game instance, stored
+in the Store under ``ms2:row:<game>:<rowId>`` with TTL ``__timeoutSec``, so rows
+vanish by themselves when their host stops refreshing (RakNet's hosts re-POST
+every ``__timeoutSec - 1`` s). Game passwords (``__updatePW``, ``__readPW``) are
+set by the POST that creates the game and kept under ``ms2:game:<game>`` for as
+long as any of its rows could live. Each IP may hold at most 10 rows
+(``ms2:ip:<ip>`` maps each row to its expiry time).
+
+GeoIP: RakNet's server filtered and annotated results by location. crossroads
+ships no GeoIP database, so ``__geoIP``, ``__includeDist`` and
+``__includeDistSq`` are accepted and ignored, and no ``__city*``/``__dist``
+columns are returned.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter
+
+from crossroads.proto.masterserver.rows import (
+    MAX_ROW_ID,
+    ListingError,
+    PostRequest,
+    parse_int,
+    parse_post,
+    results_hint,
+)
+from crossroads.store.base import Store
+
+#: Bodies larger than this are refused with 413 before parsing (64 columns of
+#: 1 KiB values fit).
+MAX_BODY_BYTES = 96 * 1024
+#: MasterServer2 returned "at most 10 000 bytes of results per request".
+MAX_RESULT_BYTES = 10_000
+#: A game record outlives its newest row by this much, so passwords survive a
+#: host re-POSTing a little late.
+GAME_GRACE = 60
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+class MasterServer:
+    """The listing's logic over a Store."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_timeout: int,
+        rows_per_ip: int,
+        registry: CollectorRegistry,
+        clock: Any = time.time,
+    ) -> None:
+        self.store = store
+        self.max_timeout = max_timeout
+        self.rows_per_ip = rows_per_ip
+        self.clock = clock
+        self.requests = Counter(
+            "crossroads_p2p_master_requests",
+            "MasterServer2 requests, by method and status.",
+            ["method", "status"],
+            registry=registry,
+        )
+
+    @staticmethod
+    def _row_key(game: str, row: int) -> str:
+        return f"ms2:row:{game}:{row}"
+
+    async def _game(self, game: str) -> dict[str, Any] | None:
+        raw = await self.store.get(f"ms2:game:{game}")
+        return None if raw is None else dict(json.loads(raw))
+
+    async def post(self, body: bytes, addr: str) -> dict[str, Any] | None:
+        request = parse_post(body, self.max_timeout)
+        now = self.clock()
+        game = await self._game(request.game_id)
+        if game is None:
+            game = {"updatePW": request.update_pw, "readPW": request.read_pw}
+        elif game["updatePW"] and not _same(game["updatePW"], request.update_pw):
+            raise ListingError(401, "wrong_password", "wrong __updatePW for this game")
+        row_id = request.row_id
+        existing = None
+        if row_id is not None:
+            raw = await self.store.get(self._row_key(request.game_id, row_id))
+            existing = None if raw is None else json.loads(raw)
+        if existing is not None and existing["rowPW"]:
+            if not _same(existing["rowPW"], request.row_pw):
+                raise ListingError(401, "wrong_password", "wrong __rowPW for this row")
+        ip_key = f"ms2:ip:{addr}"
+        if existing is None:
+            live = await self._live_rows(ip_key, now)
+            if live >= self.rows_per_ip:
+                raise ListingError(
+                    403,
+                    "too_many_rows",
+                    f"at most {self.rows_per_ip} rows from one IP",
+                )
+        if row_id is None:
+            row_id = await self._new_row_id(request.game_id)
+        await self._store_row(request, row_id, addr, game, now)
+        await self.store.hset(
+            ip_key,
+            {f"{request.game_id}\x00{row_id}": str(now + request.timeout).encode()},
+        )
+        await self._extend(ip_key, request.timeout)
+        if not request.has_client_req_id:
+            return None
+        return {
+            "POST": {
+                "__rowId": row_id,
+                "__clientReqId": request.client_req_id,
+                "__gameId": request.game_id,
+            }
+        }
+
+    async def _live_rows(self, ip_key: str, now: float) -> int:
+        entries = await self.store.hgetall(ip_key)
+        dead = [f for f, exp in entries.items() if float(exp) <= now]
+        if dead:
+            await self.store.hdel(ip_key, *dead)
+        return len(entries) - len(dead)
+
+    async def _new_row_id(self, game: str) -> int:
+        while True:
+            row_id = (await self.store.incr(f"ms2:next:{game}")) - 1
+            if row_id > MAX_ROW_ID:  # pragma: no cover - 2^64 posts
+                raise ListingError(500, "internal", "row ids exhausted")
+            if await self.store.get(self._row_key(game, row_id)) is None:
+                return row_id
+
+    async def _extend(self, key: str, ttl: float) -> None:
+        left = await self.store.ttl(key)
+        if left is None or left < ttl:
+            await self.store.expire(key, ttl)
+
+    async def _store_row(
+        self,
+        request: PostRequest,
+        row_id: int,
+        addr: str,
+        game: dict[str, Any],
+        now: float,
+    ) -> None:
+        row = {
+            "cols": dict(request.columns),
+            "addr": addr,
+            "timeoutSec": request.timeout,
+            "rowPW": request.row_pw,
+        }
+        await self.store.set(
+            self._row_key(request.game_id, row_id),
+            json.dumps(row).encode(),
+            ttl=request.timeout,
+        )
+        game_key = f"ms2:game:{request.game_id}"
+        left = await self.store.ttl(game_key)
+        ttl = max(left or 0.0, request.timeout + GAME_GRACE)
+        await self.store.set(game_key, json.dumps(game).encode(), ttl=ttl)
+        await self._extend(f"ms2:next:{request.game_id}", ttl)
+
+    async def get(self, params: dict[str, str], url: str) -> dict[str, Any]:
+        game_id = params.get("__gameId", "")
+        if not game_id:
+            raise ListingError(400, "missing_field", "__gameId is required")
+        game = await self._game(game_id)
+        if game is None:
+            raise ListingError(400, "unknown_game", f"no game {game_id[:64]!r}")
+        if game["readPW"] and not _same(game["readPW"], params.get("__readPW", "")):
+            raise ListingError(401, "wrong_password", "wrong __readPW for this game")
+        limit = results_hint(params.get("__minResultsHint"))
+        exclude = {c for c in params.get("__excludeCols", "").split(",") if c}
+        prefix = f"ms2:row:{game_id}:"
+        keys = await self.store.keys(prefix)
+        ids = sorted(int(k[len(prefix) :]) for k in keys if k[len(prefix) :].isdigit())
+        rows: list[dict[str, Any]] = []
+        size = 0
+        for row_id in ids:
+            if len(rows) >= limit:
+                break
+            raw = await self.store.get(self._row_key(game_id, row_id))
+            if raw is None:
+                continue
+            stored = json.loads(raw)
+            row: dict[str, Any] = {
+                "__rowId": row_id,
+                "__timeoutSec": stored["timeoutSec"],
+                "__addr": stored["addr"],
+                "__gameId": game_id,
+            }
+            row.update(stored["cols"])
+            for column in exclude:
+                row.pop(column, None)
+            encoded = len(json.dumps(row)) + 1
+            if size + encoded > MAX_RESULT_BYTES:
+                break
+            size += encoded
+            rows.append(row)
+        return {"GET": rows, "requestURL": url}
+
+    async def delete(self, params: dict[str, str], addr: str) -> None:
+        game_id = params.get("__gameId", "")
+        if not game_id:
+            raise ListingError(400, "missing_field", "__gameId is required")
+        if "__rowId" not in params or params["__rowId"] == "":
+            raise ListingError(400, "missing_field", "__rowId is required")
+        row_id = parse_int(params["__rowId"], "__rowId", 0, MAX_ROW_ID)
+        game = await self._game(game_id)
+        if game is None:
+            return  # 200 even when nothing was there (reference §2.3)
+        if game["updatePW"] and not _same(
+            game["updatePW"], params.get("__updatePW", "")
+        ):
+            raise ListingError(401, "wrong_password", "wrong __updatePW for this game")
+        raw = await self.store.get(self._row_key(game_id, row_id))
+        if raw is None:
+            return
+        stored = json.loads(raw)
+        if stored["rowPW"] and not _same(stored["rowPW"], params.get("__rowPW", "")):
+            raise ListingError(401, "wrong_password", "wrong __rowPW for this row")
+        await self.store.delete(self._row_key(game_id, row_id))
+        await self.store.hdel(f"ms2:ip:{stored['addr']}", f"{game_id}\x00{row_id}")
+
+
+def make_master_router(master: MasterServer, path: str) -> APIRouter:
+    """The HTTP routes of the listing at ``path``."""
+    router = APIRouter(tags=["masterserver2"])
+
+    def error(method: str, exc: ListingError) -> JSONResponse:
+        master.requests.labels(method, str(exc.status)).inc()
+        return JSONResponse({"code": exc.code, "message": exc.message}, exc.status)
+
+    async def post_or_put(request: Request) -> Response:
+        method = request.method
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                master.requests.labels(method, "413").inc()
+                return JSONResponse(
+                    {"code": "too_large", "message": "the body is too large"}, 413
+                )
+        addr = request.client.host if request.client else ""
+        try:
+            result = await master.post(body, addr)
+        except ListingError as exc:
+            return error(method, exc)
+        master.requests.labels(method, "200").inc()
+        if result is None:
+            return Response(status_code=200)
+        return JSONResponse(result)
+
+    async def get(request: Request) -> Response:
+        try:
+            result = await master.get(dict(request.query_params), str(request.url))
+        except ListingError as exc:
+            return error("GET", exc)
+        master.requests.labels("GET", "200").inc()
+        return JSONResponse(result)
+
+    async def delete(request: Request) -> Response:
+        addr = request.client.host if request.client else ""
+        try:
+            await master.delete(dict(request.query_params), addr)
+        except ListingError as exc:
+            return error("DELETE", exc)
+        master.requests.labels("DELETE", "200").inc()
+        return Response(status_code=200)
+
+    router.add_api_route(
+        path, post_or_put, methods=["POST", "PUT"], include_in_schema=True
+    )
+    router.add_api_route(path, get, methods=["GET"])
+    router.add_api_route(path, delete, methods=["DELETE"])
+    return router

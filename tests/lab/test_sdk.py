@@ -1,0 +1,184 @@
+"""The p2p SDK through real kernel NAT (issue 8): which ladder step wins for the
+pairs that need each technique, and a 4-peer mesh across NAT kinds whose host
+leaves. 100 % connectivity over every pair is checked by test_matrix.py (the
+``sdk`` method's prediction is "always connects")."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from crossroads.client.p2p import HostChanged, P2PClient
+from crossroads.lab.kinds import KINDS, KINDS_BY_NAME
+from crossroads.lab.matrix import Attempt, load_methods, run_attempt
+from crossroads.lab.methods.sdk import _client, needs_relay
+from crossroads.lab.topology import Lab
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(300)]
+
+#: (a, b, steps allowed) — one pair per technique.
+CASES = [
+    ("port-restricted-cone", "symmetric-random", {"punch"}),  # birthday
+    ("cgnat", "symmetric-random", {"punch"}),  # birthday through a double NAT
+    ("symmetric-sequential", "symmetric-sequential", {"punch"}),  # prediction, both
+    ("port-restricted-cone", "symmetric-sequential", {"punch"}),  # prediction
+    ("port-restricted-cone", "port-restricted-cone", {"punch"}),
+    ("full-cone", "symmetric-random", {"direct"}),
+    ("restricted-cone", "port-restricted-cone", {"direct", "mapping"}),  # miniupnpd
+    ("symmetric-random", "symmetric-random", {"relay"}),
+    ("open", "udp-blocked", {"relay"}),
+    ("symmetric-sequential", "symmetric-random", {"relay"}),
+    ("udp-blocked", "udp-blocked", {"relay"}),
+]
+
+
+def test_relay_prediction_matches_the_cases() -> None:
+    for a, b, steps in CASES:
+        assert needs_relay(KINDS_BY_NAME[a], KINDS_BY_NAME[b]) == (steps == {"relay"})
+    relay_pairs = {
+        (x.name, y.name)
+        for i, x in enumerate(KINDS)
+        for y in KINDS[i:]
+        if needs_relay(x, y)
+    }
+    # only UDP-blocked pairs and random-port symmetric NAT against another
+    # endpoint-dependent mapping need the relay
+    assert ("symmetric-sequential", "symmetric-random") in relay_pairs
+    assert all(
+        "udp-blocked" in pair or "symmetric-random" in pair for pair in relay_pairs
+    )
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "steps"), CASES, ids=[f"{a}~{b}" for a, b, _ in CASES]
+)
+def test_sdk_step_per_technique(lab: Lab, a: str, b: str, steps: set[str]) -> None:
+    method = load_methods()["sdk"]
+
+    async def main() -> object:
+        attempt = Attempt(lab, lab.site(f"{a}-a"), lab.site(f"{b}-b"), {"cleanups": []})
+        return await run_attempt(method, attempt)
+
+    result = asyncio.run(main())
+    assert result.connected, result  # type: ignore[attr-defined]
+    assert result.via in steps, result  # type: ignore[attr-defined]
+    if steps == {"relay"}:
+        # TURN (UDP relayed, over TCP for a UDP-blocked site) wins over the
+        # WebSocket relay
+        assert "over TURN" in result.detail, result  # type: ignore[attr-defined]
+
+
+def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:
+    sites = [
+        "port-restricted-cone-a",
+        "symmetric-sequential-a",
+        "cgnat-a",
+        "full-cone-b",
+    ]
+
+    async def main() -> None:
+        peers = [_client(lab, lab.site(name), portmap=False) for name in sites]
+        try:
+            await asyncio.gather(*(p.start() for p in peers))
+            code = await peers[0].host()
+            for peer in peers[1:]:
+                await peer.join(code, timeout=60)
+            ids = {p.peer_id for p in peers}
+            for peer in peers:
+                assert set(peer.links) == ids - {peer.peer_id}, peer.name
+                assert peer.host_peer == peers[0].peer_id
+            steps = {
+                (p.name, q): link.step for p in peers for q, link in p.links.items()
+            }
+            assert "relay" not in steps.values(), steps
+            # the host leaves
+            await peers[0].close()
+            survivors = peers[1:]
+            for peer in survivors:
+                deadline = time.monotonic() + 10
+                while True:
+                    event = await asyncio.wait_for(
+                        peer.events.get(), deadline - time.monotonic()
+                    )
+                    if isinstance(event, HostChanged):
+                        break
+                assert event.new == peers[1].peer_id
+            # nobody drops: after longer than the link timeout, every remaining
+            # link still carries data both ways
+            await asyncio.sleep(7)
+            for peer in survivors:
+                assert peer.host_peer == peers[1].peer_id
+                assert set(peer.links) == {p.peer_id for p in survivors} - {
+                    peer.peer_id
+                }
+            for sender in survivors:
+                assert sender.broadcast(sender.peer_id.encode()) == 2
+            for receiver in survivors:
+                got = set()
+                for _ in range(2):
+                    peer_id, data = await asyncio.wait_for(receiver.recv(), 5)
+                    assert data == peer_id.encode()
+                    got.add(peer_id)
+                assert got == {p.peer_id for p in survivors} - {receiver.peer_id}
+        finally:
+            await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
+
+    asyncio.run(main())
+
+
+def test_p2p_client_class_is_the_sdk() -> None:
+    assert P2PClient.__module__ == "crossroads.client.p2p"
+
+
+NAT_SCRIPT = """
+import asyncio, sys
+from crossroads.client.nat import detect_nat
+
+async def main():
+    report = await detect_nat((sys.argv[1], int(sys.argv[2])))
+    print(report.name + "|" + report.friendly)
+
+asyncio.run(main())
+"""
+
+#: RakNet's NATTypeDetectionResult for each lab kind (reference §2.2): a
+#: carrier-grade NAT in front of a home NAT behaves as its outer EIM + APDF NAT.
+RAKNET_NAMES = {
+    "open": "None|Open",
+    "full-cone": "Full cone|Relaxed",
+    "restricted-cone": "Address restricted|Relaxed",
+    "port-restricted-cone": "Port restricted|Moderate",
+    "symmetric-sequential": "Symmetric|Strict",
+    "symmetric-random": "Symmetric|Strict",
+    "cgnat": "Port restricted|Moderate",
+    "udp-blocked": "Unknown|Unknown",
+}
+
+
+def test_nat_types_in_raknet_terms(lab: Lab) -> None:
+    import sys
+
+    from crossroads.lab import netns
+    from crossroads.lab.topology import SERVER_IPS
+    from crossroads.services import SERVICE_MODULES
+
+    if "stun" not in SERVICE_MODULES:
+        pytest.skip("the STUN service is not in this tree")
+
+    async def run_all() -> list[str]:
+        argv = [sys.executable, "-c", NAT_SCRIPT, SERVER_IPS[0], "3478"]
+        return await asyncio.gather(
+            *(
+                netns.run_in(lab.host_ns(lab.site(k)), argv, timeout=90)
+                for k in RAKNET_NAMES
+            )
+        )
+
+    outputs = asyncio.run(run_all())
+    got = {
+        kind: out.strip().splitlines()[-1]
+        for kind, out in zip(RAKNET_NAMES, outputs, strict=True)
+    }
+    assert got == RAKNET_NAMES

@@ -1,0 +1,212 @@
+"""The p2p service over a real WebSocket and real UDP on loopback: bad input,
+limits, and the server staying up through all of it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from crossroads.config import default_config
+from crossroads.proto.punch.rendezvous import Observed, Probe
+from crossroads.runtime import Runtime, start
+from tests.conftest import loopback_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[Runtime]:
+    runtime = await start(
+        default_config(loopback_config(core__only="p2p", p2p__max_connections_per_ip=8))
+    )
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+def ws_url(rt: Runtime) -> str:
+    host, port = rt.http_address
+    return f"ws://{host}:{port}/p2p/v1/ws"
+
+
+def hello() -> str:
+    return json.dumps(
+        {"type": "hello", "v": 1, "key": base64.b64encode(os.urandom(32)).decode()}
+    )
+
+
+async def recv_type(ws: Any, kind: str, timeout: float = 5) -> dict[str, Any]:
+    while True:
+        frame = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+        if frame["type"] == kind:
+            return dict(frame)
+
+
+async def assert_alive(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        assert (await recv_type(ws, "welcome"))["peer"]
+    host, port = rt.http_address
+    async with httpx.AsyncClient() as client:
+        assert (await client.get(f"http://{host}:{port}/healthz")).status_code == 200
+
+
+async def test_welcome_and_rendezvous_over_real_udp(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        welcome = await recv_type(ws, "welcome")
+        assert len(welcome["udp"]) == 3
+        token = bytes.fromhex(welcome["token"])
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            sock.setblocking(False)
+            for index, (host, port) in enumerate(welcome["udp"]):
+                sock.sendto(Probe(token, 0, index).encode(), (host, port))
+                data = await asyncio.wait_for(loop.sock_recv(sock, 100), 2)
+                observed = Observed.decode(data)
+                assert (observed.host, observed.port) == sock.getsockname()
+                assert observed.index == index
+            # an unknown token gets no answer at all
+            sock.sendto(Probe(bytes(16), 0, 9).encode(), tuple(welcome["udp"][0]))
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(loop.sock_recv(sock, 100), 0.3)
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        ("this is not json", "bad_json"),
+        ('{"type": "teleport"}', "unknown_type"),
+        ('{"type": "connect"}', "bad_message"),
+        ('{"type": "connect", "peer": 5}', "bad_message"),
+        (json.dumps({"type": "signal", "to": "x", "data": "a" * 15000}), "too_large"),
+    ],
+)
+async def test_bad_frames_get_clear_errors(rt: Runtime, frame: str, code: str) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        await recv_type(ws, "welcome")
+        await ws.send(frame)
+        error = await recv_type(ws, "error")
+        assert error["code"] == code and error["message"]
+        await ws.send(json.dumps({"type": "ping", "id": 5}))
+        assert (await recv_type(ws, "pong"))["id"] == 5
+    await assert_alive(rt)
+
+
+async def test_oversized_frame_is_refused_and_the_server_survives(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt), max_size=None) as ws:
+        await ws.send(hello())
+        await recv_type(ws, "welcome")
+        await ws.send("x" * 1_000_000)
+        assert (await recv_type(ws, "error"))["code"] == "too_large"
+    await assert_alive(rt)
+
+
+async def test_hello_required_first(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(json.dumps({"type": "host"}))
+        assert (await recv_type(ws, "error"))["code"] == "hello_required"
+
+
+async def test_flood_is_rate_limited_then_closed(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        await recv_type(ws, "welcome")
+        for i in range(400):
+            await ws.send(json.dumps({"type": "ping", "id": i}))
+        codes = []
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            while True:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), 5))
+                codes.append(frame.get("code"))
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1008
+        assert "rate_limited" in codes
+    await assert_alive(rt)
+
+
+async def test_connections_per_ip_are_limited(rt: Runtime) -> None:
+    sockets = [await websockets.connect(ws_url(rt)) for _ in range(8)]
+    try:
+        async with websockets.connect(ws_url(rt)) as extra:
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(extra.recv(), 5)
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1013
+    finally:
+        for ws in sockets:
+            await ws.close()
+    await assert_alive(rt)
+
+
+async def test_binary_garbage_and_relay_without_route(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        await recv_type(ws, "welcome")
+        await ws.send(b"\x00\xff\xfe")
+        assert (await recv_type(ws, "error"))["code"] == "bad_json"
+        await ws.send(b"\x01" + bytes(8) + b"sealed")  # no such peer: dropped
+        await ws.send(json.dumps({"type": "ping", "id": 1}))
+        assert (await recv_type(ws, "pong"))["id"] == 1
+    host, port = rt.http_address
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"http://{host}:{port}/metrics")).text
+    assert (
+        'crossroads_p2p_frames_rejected_total{reason="relay-no-route"} 1.0' in metrics
+    )
+    assert 'crossroads_p2p_frames_rejected_total{reason="bad-json"} 1.0' in metrics
+
+
+async def test_listing_is_mounted(rt: Runtime) -> None:
+    host, port = rt.http_address
+    async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+        r = await client.post("/testServer", json={"__gameId": "g", "__clientReqId": 1})
+        assert r.json()["POST"]["__rowId"] == 0
+        assert (await client.get("/testServer", params={"__gameId": "g"})).json()[
+            "GET"
+        ][0]["__addr"] == "127.0.0.1"
+
+
+async def test_welcome_carries_turn_rest_credentials() -> None:
+    import hashlib
+    import hmac
+    import time
+
+    runtime = await start(
+        default_config(
+            loopback_config(
+                core__only="p2p",
+                p2p__turn_secret="s3cret",
+                p2p__turn_server="192.0.2.1:3478",
+            )
+        )
+    )
+    try:
+        async with websockets.connect(ws_url(runtime)) as ws:
+            await ws.send(hello())
+            welcome = await recv_type(ws, "welcome")
+        turn = welcome["turn"]
+        assert turn["servers"] == [["192.0.2.1", 3478]]
+        expires, peer = turn["username"].split(":")
+        assert peer == welcome["peer"] and int(expires) == turn["expires"]
+        assert 3500 < turn["expires"] - time.time() <= 3600
+        digest = hmac.new(b"s3cret", turn["username"].encode(), hashlib.sha1).digest()
+        assert base64.b64decode(turn["password"]) == digest
+    finally:
+        await runtime.close()
+
+
+async def test_no_turn_without_a_secret(rt: Runtime) -> None:
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        assert (await recv_type(ws, "welcome"))["turn"] is None
