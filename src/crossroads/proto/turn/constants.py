@@ -8,62 +8,14 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+from crossroads.proto.stun.constants import REASONS as STUN_REASONS
+from crossroads.proto.stun.constants import ErrorCode, Method
 
-class TurnMethod(IntEnum):
-    """STUN methods defined by TURN (RFC 8656 §18, RFC 6062 §6.1)."""
-
-    ALLOCATE = 0x003
-    REFRESH = 0x004
-    SEND = 0x006
-    DATA = 0x007
-    CREATE_PERMISSION = 0x008
-    CHANNEL_BIND = 0x009
-    CONNECT = 0x00A
-    CONNECTION_BIND = 0x00B
-    CONNECTION_ATTEMPT = 0x00C
-
-
-class TurnError(IntEnum):
-    """Error codes a TURN server sends (RFC 8489 §14.8, RFC 8656 §19, RFC 6062 §6.3)."""
-
-    TRY_ALTERNATE = 300
-    BAD_REQUEST = 400
-    UNAUTHENTICATED = 401
-    FORBIDDEN = 403
-    UNKNOWN_ATTRIBUTE = 420
-    ALLOCATION_MISMATCH = 437
-    STALE_NONCE = 438
-    ADDRESS_FAMILY_NOT_SUPPORTED = 440
-    WRONG_CREDENTIALS = 441
-    UNSUPPORTED_TRANSPORT_PROTOCOL = 442
-    PEER_ADDRESS_FAMILY_MISMATCH = 443
-    CONNECTION_ALREADY_EXISTS = 446
-    CONNECTION_TIMEOUT_OR_FAILURE = 447
-    ALLOCATION_QUOTA_REACHED = 486
-    SERVER_ERROR = 500
-    INSUFFICIENT_CAPACITY = 508
-
-
-#: Reason phrases. Kept short on purpose: a 401 answers an unauthenticated
-#: request, and DESIGN.md forbids replies much larger than the request.
-REASONS: dict[int, str] = {
-    300: "Try Alternate",
-    400: "Bad Request",
-    401: "Unauthenticated",
-    403: "Forbidden",
-    420: "Unknown Attribute",
-    437: "Allocation Mismatch",
-    438: "Stale Nonce",
-    440: "Address Family not Supported",
-    441: "Wrong Credentials",
-    442: "Unsupported Transport Protocol",
-    443: "Peer Address Family Mismatch",
-    446: "Connection Already Exists",
-    447: "Connection Timeout or Failure",
-    486: "Allocation Quota Reached",
-    500: "Server Error",
-    508: "Insufficient Capacity",
-}
+# TURN's methods, error codes and reason phrases are the STUN codec's own
+# tables (they cover RFC 8656 and RFC 6062); the TURN names stay as aliases.
+TurnMethod = Method
+TurnError = ErrorCode
+REASONS = STUN_REASONS
 
 
 class Transport(IntEnum):
