@@ -29,7 +29,8 @@ CASES = [
     ("restricted-cone", "port-restricted-cone", {"direct", "mapping"}),  # miniupnpd
     ("symmetric-random", "symmetric-random", {"relay"}),
     ("open", "udp-blocked", {"relay"}),
-    ("symmetric-sequential", "symmetric-random", {"relay"}),
+    ("symmetric-sequential", "symmetric-random", {"punch"}),  # prediction spray
+    ("symmetric-random", "symmetric-sequential", {"punch"}),  # spray, other roles
     ("udp-blocked", "udp-blocked", {"relay"}),
 ]
 
@@ -43,12 +44,11 @@ def test_relay_prediction_matches_the_cases() -> None:
         for y in KINDS[i:]
         if needs_relay(x, y)
     }
-    # only UDP-blocked pairs and random-port symmetric NAT against another
-    # endpoint-dependent mapping need the relay
-    assert ("symmetric-sequential", "symmetric-random") in relay_pairs
-    assert all(
-        "udp-blocked" in pair or "symmetric-random" in pair for pair in relay_pairs
-    )
+    # only UDP-blocked pairs and random-port symmetric NAT on both sides need
+    # the relay (issue 8)
+    assert relay_pairs - {("symmetric-random", "symmetric-random")} == {
+        pair for pair in relay_pairs if "udp-blocked" in pair
+    }
 
 
 @pytest.mark.parametrize(

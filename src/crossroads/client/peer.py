@@ -22,7 +22,7 @@ from typing import Any, cast
 
 from crossroads.errors import DecodeError
 from crossroads.proto.punch import rendezvous as rv
-from crossroads.proto.punch.ladder import Plan
+from crossroads.proto.punch.ladder import Plan, Spray
 from crossroads.proto.punch.secure import Kind, SecureChannel, receiver_id
 from crossroads.types import Address, normalize_address
 
@@ -47,6 +47,10 @@ RELAY_INTERVAL = 0.1
 #: Distinct destinations remembered per socket, for :attr:`PeerSocket.flows`
 #: (a birthday run sends to 2048; past this the count stops mattering).
 MAX_TRACKED_DESTINATIONS = 65536
+
+#: A spray yields to the event loop after this many datagrams (a few ms of
+#: sending), so other peers' timers and the answer it waits for are not held up.
+SPRAY_CHUNK = 512
 
 _PROBE = struct.Struct("!BHI")  # step index, sequence number, sent-at (ms)
 STEP_NAMES = ("lan", "direct", "mapping", "punch", "relay")
@@ -74,6 +78,8 @@ class _UdpTransport(Transport, asyncio.DatagramProtocol):
         self._local: Address = ("", 0)
         #: Destinations this socket has sent to (bounded; see PeerSocket.flows).
         self.destinations: set[Address] = set()
+        #: The socket itself, for bulk sends that must not queue in the transport.
+        self.sock: socket.socket | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.DatagramTransport, transport)
@@ -135,7 +141,7 @@ class PeerSocket:
     async def open_extra(
         self, count: int, factory: Callable[[], socket.socket] | None = None
     ) -> list[_UdpTransport]:
-        """Open ``count`` more sockets routed like the main one (birthday)."""
+        """Open ``count`` more sockets routed like the main one (birthday, spray)."""
         loop = asyncio.get_running_loop()
         host = self.local[0]
         out = []
@@ -148,6 +154,7 @@ class PeerSocket:
             sock.setblocking(False)
             protocol = _UdpTransport(self, i + 1)
             await loop.create_datagram_endpoint(_constant(protocol), sock=sock)
+            protocol.sock = sock
             out.append(protocol)
         return out
 
@@ -285,7 +292,11 @@ class LadderRun:
         )
         self._start = 0.0
         self._handles: list[asyncio.TimerHandle] = []
+        self._sprays: set[asyncio.Task[None]] = set()
         self._seq = 0
+        #: Datagrams the sprays sent (and could not send: a full socket buffer).
+        self.sprayed = 0
+        self.spray_errors = 0
 
     def _transport(self, index: int) -> Transport:
         if index == 0:
@@ -331,6 +342,10 @@ class LadderRun:
                 t_go + send.at, self._send, send.step, send.dest, send.socket
             )
             self._handles.append(handle)
+        for spray in self.plan.sprays(self.role):
+            if spray.ports:
+                handle = loop.call_at(t_go + spray.at, self._start_spray, spray)
+                self._handles.append(handle)
         end = t_go + self.plan.duration
         if self.relays:
             # Relay step: both sides reach it at the same moment (the plan is
@@ -347,20 +362,77 @@ class LadderRun:
     def _send(self, step: str, dest: Address, index: int) -> None:
         if self.result.done():
             return
+        with contextlib.suppress(OSError):
+            self._transport(index).send(self._probe(step), dest)
+
+    def _probe(self, step: str) -> bytes:
         self._seq = (self._seq + 1) & 0xFFFF
         stamp = int((time.monotonic() - self._start) * 1000) & 0xFFFFFFFF
         body = _PROBE.pack(STEP_NAMES.index(step), self._seq, stamp)
-        with contextlib.suppress(OSError):
-            self._transport(index).send(self.channel.seal(Kind.PROBE, body), dest)
+        return self.channel.seal(Kind.PROBE, body)
+
+    def _start_spray(self, spray: Spray) -> None:
+        if self.result.done():
+            return
+        task = asyncio.ensure_future(self._spray(spray))
+        self._sprays.add(task)
+        task.add_done_callback(self._sprays.discard)
+
+    async def _spray(self, spray: Spray) -> None:
+        """Send ``spray`` paced at its rate until it ends or a path is found.
+
+        The random side's sockets send straight on the socket (hundreds of
+        thousands of datagrams must not queue in asyncio transports); a
+        datagram the kernel refuses is counted and skipped, like a lost one.
+        """
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        sent = 0
+        addresses = [(spray.host, port) for port in spray.ports]
+        if spray.sockets == 0:
+            assert self.socket.main is not None
+            main = self.socket.main
+            for i, address in enumerate(addresses):
+                with contextlib.suppress(OSError):
+                    main.send(self._probe(spray.step), address)
+                sent += 1
+                if i % SPRAY_CHUNK == SPRAY_CHUNK - 1:
+                    if not await self._pace(began, sent, spray.rate):
+                        break
+            self.sprayed += sent
+            return
+        # One sealed probe per port, shared by every socket: the peer answers
+        # the first that gets through; later copies fail its replay check.
+        probes = [self._probe(spray.step) for _ in addresses]
+        sockets = [t.sock for t in self.extra[: spray.sockets] if t.sock is not None]
+        for sock in sockets:
+            for start in range(0, len(addresses), SPRAY_CHUNK):
+                for probe, address in zip(
+                    probes[start : start + SPRAY_CHUNK],
+                    addresses[start : start + SPRAY_CHUNK],
+                    strict=True,
+                ):
+                    try:
+                        sock.sendto(probe, address)
+                    except OSError:
+                        self.spray_errors += 1
+                sent += min(SPRAY_CHUNK, len(addresses) - start)
+                if not await self._pace(began, sent, spray.rate):
+                    self.sprayed += sent
+                    return
+        self.sprayed += sent
+
+    async def _pace(self, began: float, sent: int, rate: float) -> bool:
+        """Yield (and wait if ahead of ``rate``); False once a path is found."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, began + sent / rate - loop.time()))
+        return not self.result.done()
 
     def _send_relay(self, path: RelayPath) -> None:
         if self.result.done():
             return
         transport, addr = path.transport, path.addr
-        self._seq = (self._seq + 1) & 0xFFFF
-        stamp = int((time.monotonic() - self._start) * 1000) & 0xFFFFFFFF
-        body = _PROBE.pack(STEP_NAMES.index("relay"), self._seq, stamp)
-        transport.send(self.channel.seal(Kind.PROBE, body), addr)
+        transport.send(self._probe("relay"), addr)
 
     def _timeout(self) -> None:
         if not self.result.done():
@@ -372,3 +444,5 @@ class LadderRun:
         for handle in self._handles:
             handle.cancel()
         self._handles.clear()
+        for task in self._sprays:
+            task.cancel()

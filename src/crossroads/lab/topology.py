@@ -89,6 +89,14 @@ SERVER_SETTINGS: dict[str, str] = {
     "openttd.secret": "crossroads-lab-openttd",
 }
 
+#: Conntrack entries a namespace may hold. The ceiling, nf_conntrack_max, is one
+#: value for every namespace and writable only from the initial one; the kernel
+#: sizes it from memory (262 144 here). One prediction spray opens up to 524 288
+#: mappings on a random-port router (crossroads.proto.punch.ladder), so the lab
+#: raises it; it never lowers it (other labs may be running).
+CONNTRACK_MAX = 1 << 20
+CONNTRACK_MAX_PATH = Path("/proc/sys/net/netfilter/nf_conntrack_max")
+
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
 
@@ -167,6 +175,20 @@ class State:
             pids={str(k): int(v) for k, v in data["pids"].items()},
             created=float(data.get("created", 0.0)),
         )
+
+
+def _raise_conntrack_max() -> None:
+    """Let a router hold a whole prediction spray (see CONNTRACK_MAX)."""
+    try:
+        current = int(CONNTRACK_MAX_PATH.read_text())
+    except (OSError, ValueError):
+        log.warning(
+            "cannot read %s: conntrack table stays as it is", CONNTRACK_MAX_PATH
+        )
+        return
+    if current < CONNTRACK_MAX:
+        CONNTRACK_MAX_PATH.write_text(str(CONNTRACK_MAX))
+        log.info("nf_conntrack_max raised from %d to %d", current, CONNTRACK_MAX)
 
 
 class LabError(RuntimeError):
@@ -437,6 +459,7 @@ class Lab:
                     "net.netfilter.nf_conntrack_udp_timeout": "120",
                 },
             )
+        _raise_conntrack_max()
 
     def _stun_check(self, site: Site) -> tuple[tuple[str, ...], tuple[int, ...]] | None:
         if not site.kind.upnp:

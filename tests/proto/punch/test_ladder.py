@@ -173,3 +173,66 @@ def test_unknown_public_address_only_tries_lan() -> None:
     )
     p = plan(CONE_A, blocked)
     assert [s.name for s in p.steps] == ["lan"]
+
+
+SEQ = info("198.51.100.1", (20000, 20001, 20002), "sequential", stride=1)
+RANDOM = info("203.0.113.1", (31000, 12000, 55000), "random")
+
+
+def test_spray_for_random_against_sequential() -> None:
+    for seq_role, hard_role, pair in (
+        ("initiator", "responder", (SEQ, RANDOM)),
+        ("responder", "initiator", (RANDOM, SEQ)),
+    ):
+        mine = plan(*pair, role=seq_role)
+        theirs = plan(*pair, role=hard_role)
+        assert [s.name for s in mine.steps][-1] == "punch"
+        assert mine.sockets(hard_role) == ladder.SPRAY_SOCKETS
+        assert mine.sockets(seq_role) == 0
+        # the sequential side aims its new mappings at distinct random ports of
+        # the random side's IP, from its own socket
+        (aim,) = mine.sprays(seq_role)
+        assert aim.host == "203.0.113.1" and aim.sockets == 0
+        assert len(set(aim.ports)) == len(aim.ports) == ladder.SPRAY_PORTS
+        assert all(1024 <= port <= 65535 for port in aim.ports)
+        # ... which the random side's plan does not know
+        assert theirs.sprays(seq_role)[0].ports == ()
+        # both sides predict the same sequential ports: after the punch slots'
+        # one new destination (port 20003), the next 2048 in order
+        (hard,) = theirs.sprays(hard_role)
+        assert hard == mine.sprays(hard_role)[0]
+        assert hard.host == "198.51.100.1" and hard.sockets == ladder.SPRAY_SOCKETS
+        assert hard.ports == tuple(range(20004, 20004 + ladder.SPRAY_PORTS))
+        # the sequential side's mappings are made before the random side sends
+        assert hard.at >= aim.at + aim.duration
+        assert theirs.duration >= hard.at + hard.duration
+
+
+def test_spray_probability_figures() -> None:
+    # each random-side mapping hits with P = 1/64512 (Linux' NAT range 1024-65535)
+    def p(n: int) -> float:
+        return 1 - (1 - 1 / 64512) ** n
+
+    assert round(p(64512), 2) == 0.63  # the mean cost
+    assert p(ladder.SPRAY_PORTS * ladder.SPRAY_SOCKETS) > 0.9996
+
+
+def test_spray_aims_skip_ports_already_contacted() -> None:
+    # the punch step already sent to the random side's public port 31000: an aim
+    # at it would open no new mapping and shift every predicted port after it
+    for seed in range(20):
+        rng = random.Random(seed)
+        p = ladder.plan(
+            SEQ,
+            RANDOM,
+            own_role="initiator",
+            randbelow=lambda n, rng=rng: 31000 - 1024 + rng.randrange(3),
+            spray_ports=2,
+        )
+        assert 31000 not in p.sprays("initiator")[0].ports
+
+
+def test_random_against_sequential_without_spray_budget() -> None:
+    p = plan(SEQ, RANDOM, spray_ports=0)
+    assert p.sprays("initiator") == p.sprays("responder") == []
+    assert p.sockets("initiator") == p.sockets("responder") == 0

@@ -5,8 +5,8 @@ Host A creates a session with ``crossroads.client.p2p`` against the lab server's
 kinds with miniupnpd grant one); both hosts allocate a TURN relay on the lab
 server (``crossroads.client.turn``: UDP, or TCP where UDP is blocked); host B
 joins with the invite code. The join runs the full connection ladder — LAN,
-direct, port mapping, punch-through with port prediction and the birthday
-technique, then the relay (TURN first, the signalling WebSocket after) — and
+direct, port mapping, punch-through with port prediction, the birthday
+technique and the prediction spray, then the relay (TURN first, the signalling WebSocket after) — and
 ends with an authenticated, encrypted datagram each way. ``via`` is the ladder
 step that won; ``seconds`` is from ``join`` to the established link
 (signalling, the coordinator's synchronised start, the ladder).
@@ -133,18 +133,14 @@ def expected(x: NatKind, y: NatKind) -> bool:
 
 
 def needs_relay(x: NatKind, y: NatKind) -> bool:
-    """Pairs no direct technique of the SDK can open (see docs/p2p.md):
-    UDP blocked on either side, or a random-port symmetric NAT against another
-    endpoint-dependent mapping (both holes unknown)."""
+    """Pairs no direct technique of the SDK can open (see docs/p2p.md): UDP
+    blocked on either side, or random-port symmetric NAT on both sides (both
+    holes unknown and new for every destination). Random against sequential is
+    opened by the prediction spray, random against a cone by the birthday
+    technique."""
     if not (x.udp and y.udp):
         return True
-    random = {k for k in (x, y) if k.allocation is Allocation.RANDOM}
-    if not random:
-        return False
-    other = y if x in random and x is not y else x
-    if x.allocation is Allocation.RANDOM and y.allocation is Allocation.RANDOM:
-        return True
-    return other.allocation is Allocation.SEQUENTIAL
+    return x.allocation is Allocation.RANDOM and y.allocation is Allocation.RANDOM
 
 
 def expected_via(x: NatKind, y: NatKind) -> str:
@@ -170,7 +166,7 @@ def expected_via(x: NatKind, y: NatKind) -> str:
 METHOD = register(
     Method(
         name="sdk",
-        summary="crossroads p2p SDK: LAN, direct, port mapping, punch (prediction, birthday), relay",
+        summary="crossroads p2p SDK: LAN, direct, port mapping, punch (prediction, birthday, spray), relay",
         run=run,
         expected=expected,
         expected_via=expected_via,

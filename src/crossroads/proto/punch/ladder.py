@@ -35,10 +35,30 @@ Steps, in order (names as the NAT lab reports them):
              succeed with P = 1 - (1 - 256/65535)^k: 98 % at 1024, 99.97 % at
              2048. We probe 2048 at 500/s (about 4 s; Tailscale's figure is 100/s).
 
-What the schedule cannot do — a random mapping against a random or sequential
-mapping (both holes unknown: about 65 536 probes per side for 64 %), or UDP that
-never reached the server — is left to the ``relay`` step, which the client runs
-when the schedule ends without a path.
+             A *random* mapping against a *sequential* one cannot use the
+             birthday technique: neither side has a fixed port. It uses the
+             *prediction spray* instead. The sequential side opens
+             ``SPRAY_PORTS`` new mappings, each aimed at a random port of the
+             random side's IP; its NAT numbers them ``last + stride x n``, so the
+             random side knows every one of their ports without knowing what
+             they aim at. The random side then sends from ``SPRAY_SOCKETS``
+             sockets to each of those ports. Each of its new mappings gets a
+             random port r towards one sequential-side port b; it is a hit when
+             b's mapping was aimed at r, P = 1/64 512 per mapping. So
+             P(hit) = 1 - exp(-n / 64 512) after n mappings: the mean cost is
+             64 512 datagrams (about 1 s at the lab's 60 000/s), and the budget
+             of 2048 x 256 = 524 288 fails 3 times in 10 000. There is no
+             cheaper way: each random-side mapping can match exactly one
+             sequential-side mapping, so the expected hits are n / 64 512
+             whatever the arrangement. It needs a NAT that holds that many
+             flows at once (the lab's kernel NAT does; a home router that caps a
+             host at a few thousand sessions will not, and the relay step takes
+             over).
+
+What the schedule cannot do — a random mapping against another random mapping
+(both holes unknown and both change with every destination: about 65 536 probes
+per side for 64 %), or UDP that never reached the server — is left to the
+``relay`` step, which the client runs when the schedule ends without a path.
 """
 
 from __future__ import annotations
@@ -73,6 +93,19 @@ BIRTHDAY_RATE = 500.0
 BIRTHDAY_RESEND = 1.0
 #: Ports a random NAT allocates from (Linux' default NAT range is 1024-65535).
 BIRTHDAY_LOW_PORT = 1024
+#: Prediction spray (random against sequential mapping, see above): the
+#: sequential side's new mappings, and the random side's sockets that each send to
+#: all of them. 2048 x 256 = 524 288 random-side mappings: P(hit) = 99.97 %.
+SPRAY_PORTS = 2048
+SPRAY_SOCKETS = 256
+#: Random side: datagrams per second at most. Each one makes a new conntrack
+#: entry on its NAT; the lab's kernel path sustains ~67 000/s from one core, so
+#: the whole budget takes ~9 s and the mean hit ~1 s.
+SPRAY_RATE = 60_000.0
+#: Sequential side: its 2048 mappings in ~0.1 s, before the random side starts
+#: (a datagram that reaches a NAT before the mapping it needs is lost).
+SPRAY_SEQUENTIAL_RATE = 20_000.0
+SPRAY_HEAD_START = 0.15
 #: After the last send, how long to wait for a late answer before giving up.
 FINAL_WAIT = 0.3
 
@@ -89,6 +122,32 @@ class Send:
 
 
 @dataclass(frozen=True, slots=True)
+class Spray:
+    """Many probes in one run, sent by one paced task rather than a timer each.
+
+    From ``at`` seconds after t_go: with ``sockets`` = 0 the peer socket sends
+    one probe to each of ``ports`` on ``host``; with ``sockets`` = n, each of the
+    extra sockets 1..n sends one to every port, socket after socket. At most
+    ``rate`` datagrams per second; it stops as soon as a path is found.
+    """
+
+    at: float
+    step: str
+    host: str
+    ports: tuple[int, ...]
+    sockets: int
+    rate: float
+
+    @property
+    def count(self) -> int:
+        return len(self.ports) * max(1, self.sockets)
+
+    @property
+    def duration(self) -> float:
+        return self.count / self.rate
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
     name: str
     start: float
@@ -102,7 +161,10 @@ class Plan:
     steps: list[Step] = field(default_factory=list)
     initiator: list[Send] = field(default_factory=list)
     responder: list[Send] = field(default_factory=list)
-    #: Birthday sockets each side must open.
+    #: Bulk sends (the prediction spray), per side.
+    initiator_sprays: list[Spray] = field(default_factory=list)
+    responder_sprays: list[Spray] = field(default_factory=list)
+    #: Extra sockets (birthday, spray) each side must open.
     initiator_sockets: int = 0
     responder_sockets: int = 0
 
@@ -112,6 +174,9 @@ class Plan:
 
     def sends(self, role: str) -> list[Send]:
         return self.initiator if role == "initiator" else self.responder
+
+    def sprays(self, role: str) -> list[Spray]:
+        return self.initiator_sprays if role == "initiator" else self.responder_sprays
 
     def sockets(self, role: str) -> int:
         return self.initiator_sockets if role == "initiator" else self.responder_sockets
@@ -128,6 +193,8 @@ class _NatModel:
         # sequential NAT's counter on by that many ports.
         self.last = last + info.stride * info.candidates.flows
         self.contacted: dict[Address, int] = {}
+        #: New destinations whose addresses only this side knows (spray probes).
+        self.unnamed = 0
 
     @property
     def ip(self) -> str | None:
@@ -139,8 +206,16 @@ class _NatModel:
 
     def next_port(self) -> int:
         """The port the next *new* destination will get (sequential mapping)."""
-        port = self.last + self.info.stride * (len(self.contacted) + 1)
+        port = self.last + self.info.stride * (len(self.contacted) + self.unnamed + 1)
         return (port - 1) % 65535 + 1
+
+    def open_unnamed(self, count: int) -> list[int]:
+        """The ports of ``count`` new destinations, in the order they are opened."""
+        ports = []
+        for _ in range(count):
+            ports.append(self.next_port())
+            self.unnamed += 1
+        return ports
 
     def contact(self, dest: Address) -> int | None:
         """Record that this side sends to ``dest``; the public port it uses."""
@@ -162,11 +237,14 @@ def plan(
     birthday_probes: int = BIRTHDAY_PROBES,
     birthday_sockets: int = BIRTHDAY_SOCKETS,
     birthday_rate: float = BIRTHDAY_RATE,
+    spray_ports: int = SPRAY_PORTS,
+    spray_sockets: int = SPRAY_SOCKETS,
+    spray_rate: float = SPRAY_RATE,
 ) -> Plan:
     """The ladder schedule for both sides (see module docstring).
 
-    ``randbelow`` is used only for ``own_role``'s random birthday ports, which the
-    other side never needs to know.
+    ``randbelow`` is used only for ``own_role``'s random birthday and spray
+    ports, which the other side never needs to know.
     """
     result = Plan()
     nat = {"initiator": _NatModel(initiator), "responder": _NatModel(responder)}
@@ -280,6 +358,49 @@ def plan(
                     Send(t + 0.05 + i / birthday_rate, "punch", (hard_ip, port))
                 )
         t += duration
+
+    # -- prediction spray: random mapping against sequential mapping
+    hard = seq = None
+    if a.mapping == "random" and b.mapping == "sequential":
+        hard, seq = "initiator", "responder"
+    elif b.mapping == "random" and a.mapping == "sequential":
+        hard, seq = "responder", "initiator"
+    if hard is not None and seq is not None and spray_ports > 0:
+        span = 65536 - BIRTHDAY_LOW_PORT
+        count = min(spray_ports, span // 2)  # leaves room for the taken ones
+        # Both sides compute the sequential side's ports; only it knows the
+        # random ports they aim at (they stay in ``own_role``'s plan).
+        predicted = tuple(nat[seq].open_unnamed(count))
+        aims: tuple[int, ...] = ()
+        if own_role == seq:
+            hard_ip = nat[hard].ip or ""
+            # Every aim must be a new destination, or the NAT opens fewer
+            # mappings than the other side predicted.
+            taken = {port for host, port in nat[seq].contacted if host == hard_ip}
+            distinct: dict[int, None] = {}  # insertion-ordered set
+            while len(distinct) < count:
+                port = BIRTHDAY_LOW_PORT + randbelow(span)
+                if port not in taken:
+                    distinct[port] = None
+            aims = tuple(distinct)
+        seq_spray = Spray(
+            t, "punch", nat[hard].ip or "", aims, 0, SPRAY_SEQUENTIAL_RATE
+        )
+        hard_spray = Spray(
+            t + SPRAY_HEAD_START,
+            "punch",
+            nat[seq].ip or "",
+            predicted,
+            spray_sockets,
+            spray_rate,
+        )
+        result.sprays(seq).append(seq_spray)
+        result.sprays(hard).append(hard_spray)
+        if hard == "initiator":
+            result.initiator_sockets = spray_sockets
+        else:
+            result.responder_sockets = spray_sockets
+        t = hard_spray.at + hard_spray.duration
     result.steps.append(Step("punch", punch_start, t))
     for role in sends:
         sends[role].sort(key=lambda s: s.at)
