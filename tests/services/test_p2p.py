@@ -16,8 +16,11 @@ import pytest
 import websockets
 
 from crossroads.config import default_config
+from crossroads.proto.punch import signalling as sig
+from crossroads.proto.punch.coordinator import RELAY_MAX_FRAME
 from crossroads.proto.punch.rendezvous import Observed, Probe
 from crossroads.runtime import Runtime, start
+from crossroads.web.app import WS_MAX_MESSAGE_BYTES
 from tests.conftest import loopback_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -105,12 +108,43 @@ async def test_bad_frames_get_clear_errors(rt: Runtime, frame: str, code: str) -
     await assert_alive(rt)
 
 
-async def test_oversized_frame_is_refused_and_the_server_survives(rt: Runtime) -> None:
+def test_transport_cap_is_above_every_legitimate_frame() -> None:
+    # 16 Ki characters of JSON are at most 4 UTF-8 bytes each.
+    assert 4 * sig.MAX_FRAME_BYTES <= WS_MAX_MESSAGE_BYTES < 1024 * 1024
+    assert RELAY_MAX_FRAME <= WS_MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize("binary", [False, True])
+async def test_oversized_frame_is_refused_and_the_connection_stays_usable(
+    rt: Runtime, binary: bool
+) -> None:
+    # Above the 16 KiB protocol limit, within the transport cap: the protocol's
+    # error, and the connection goes on.
+    frame = "x" * (WS_MAX_MESSAGE_BYTES - 100)
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
+        await recv_type(ws, "welcome")
+        await ws.send(frame.encode() if binary else frame)
+        assert (await recv_type(ws, "error"))["code"] == "too_large"
+        await ws.send(json.dumps({"type": "ping", "id": 7}))
+        assert (await recv_type(ws, "pong"))["id"] == 7
+    await assert_alive(rt)
+
+
+@pytest.mark.parametrize("size", [WS_MAX_MESSAGE_BYTES + 1, 1_000_000])
+async def test_frame_above_the_transport_cap_is_closed_1009(
+    rt: Runtime, size: int
+) -> None:
+    # uvicorn refuses it from the frame header (close 1009) instead of buffering
+    # it for the handler; the server serves the next connections.
     async with websockets.connect(ws_url(rt), max_size=None) as ws:
         await ws.send(hello())
         await recv_type(ws, "welcome")
-        await ws.send("x" * 1_000_000)
-        assert (await recv_type(ws, "error"))["code"] == "too_large"
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await ws.send("x" * size)
+            while True:
+                await asyncio.wait_for(ws.recv(), 5)
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1009
     await assert_alive(rt)
 
 

@@ -87,6 +87,15 @@ def create_app(
     return app
 
 
+#: Largest WebSocket message uvicorn reads for any endpoint on the HTTP port;
+#: above it the protocol layer closes the connection with 1009 ("message too
+#: big") without buffering the rest. uvicorn's default is 16 MiB, which let one
+#: client make the server hold 16 MiB per connection. The only WebSocket is the
+#: p2p signalling one: its text frames are refused above 16 Ki characters (at most
+#: 4 UTF-8 bytes each, so 64 KiB) and its relay frames are at most 1473 bytes.
+WS_MAX_MESSAGE_BYTES = 64 * 1024
+
+
 class EmbeddedServer(uvicorn.Server):
     """uvicorn inside our event loop; signals stay with the crossroads runtime."""
 
@@ -103,5 +112,6 @@ def make_http_server(app: FastAPI) -> EmbeddedServer:
         lifespan="off",
         access_log=False,
         server_header=False,
+        ws_max_size=WS_MAX_MESSAGE_BYTES,
     )
     return EmbeddedServer(config)
