@@ -208,6 +208,11 @@ def test_typed_garbage_decodes_or_raises(kind: str, members: dict[str, object]) 
         ),
         ("[" * 100_000 + "]" * 100_000, "too-large"),
         ('{"type": "signal", "to": "x", "data": "' + "a" * 5000 + '"}', "too-large"),
+        # 5 000 characters, 20 000 bytes of UTF-8: the limit counts bytes
+        (
+            '{"type": "ping", "id": 1, "pad": "' + "\U0001f600" * 5000 + '"}',
+            "too-large",
+        ),
     ],
 )
 def test_errors_have_stable_reasons(frame: str, reason: str) -> None:

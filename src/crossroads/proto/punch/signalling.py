@@ -950,7 +950,14 @@ def encode(message: Message) -> str:
 def _decode(
     text: str | bytes, table: Mapping[str, Callable[[Mapping[str, Any]], Message]]
 ) -> Message:
-    if len(text) > MAX_FRAME_BYTES:
+    # The limit is in bytes on the wire: a text frame's characters can take up to
+    # four bytes each in UTF-8.
+    size = (
+        len(text)
+        if isinstance(text, bytes)
+        else len(text.encode("utf-8", "surrogatepass"))
+    )
+    if size > MAX_FRAME_BYTES:
         raise DecodeError(f"frame is larger than {MAX_FRAME_BYTES} bytes", "too-large")
     try:
         obj = json.loads(text)
