@@ -6,6 +6,7 @@ leaves. 100 % connectivity over every pair is checked by test_matrix.py (the
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -64,6 +65,14 @@ def test_sdk_step_per_technique(lab: Lab, a: str, b: str, steps: set[str]) -> No
     result = asyncio.run(main())
     assert result.connected, result  # type: ignore[attr-defined]
     assert result.via in steps, result  # type: ignore[attr-defined]
+    if {a, b} == {"symmetric-sequential", "symmetric-random"}:
+        # the prediction spray ran on both sides: the sequential side's aimed
+        # mappings (at most 2048), the random side's search until the hit
+        match = re.search(r"sprayed A (\d+), B (\d+)", result.detail)  # type: ignore[attr-defined]
+        assert match is not None, result
+        counts = dict(zip((a, b), map(int, match.groups()), strict=True))
+        assert 0 < counts["symmetric-sequential"] <= 2048
+        assert counts["symmetric-random"] > 0
     if steps == {"relay"}:
         # TURN (UDP relayed, over TCP for a UDP-blocked site) wins over the
         # WebSocket relay

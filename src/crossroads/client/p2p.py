@@ -198,6 +198,9 @@ class PeerLink:
     step: str
     seconds: float
     owner: P2PClient
+    #: Datagrams this side's prediction spray sent before the path was found
+    #: (to within SPRAY_CHUNK); 0 when no spray ran.
+    sprayed: int = 0
     created: float = field(default_factory=time.monotonic)
     last_heard: float = field(default_factory=time.monotonic)
     last_sent: float = field(default_factory=time.monotonic)
@@ -687,7 +690,14 @@ class P2PClient:
             self.socket.unroute(old.channel.keys.recv_id)
             old.closed = True
         link = PeerLink(
-            start.peer, channel, result.via, result.addr, step, result.seconds, self
+            start.peer,
+            channel,
+            result.via,
+            result.addr,
+            step,
+            result.seconds,
+            self,
+            sprayed=run.sprayed,
         )
         self.links[start.peer] = link
         self.socket.route(keys.recv_id, link.receive)

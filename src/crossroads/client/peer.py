@@ -294,7 +294,8 @@ class LadderRun:
         self._handles: list[asyncio.TimerHandle] = []
         self._sprays: set[asyncio.Task[None]] = set()
         self._seq = 0
-        #: Datagrams the sprays sent (and could not send: a full socket buffer).
+        #: Datagrams the sprays sent, counted per chunk of SPRAY_CHUNK (and
+        #: those the kernel refused: a full socket buffer).
         self.sprayed = 0
         self.spray_errors = 0
 
@@ -396,10 +397,10 @@ class LadderRun:
                 with contextlib.suppress(OSError):
                     main.send(self._probe(spray.step), address)
                 sent += 1
+                self.sprayed += 1
                 if i % SPRAY_CHUNK == SPRAY_CHUNK - 1:
                     if not await self._pace(began, sent, spray.rate):
-                        break
-            self.sprayed += sent
+                        return
             return
         # One sealed probe per port, shared by every socket: the peer answers
         # the first that gets through; later copies fail its replay check.
@@ -416,11 +417,11 @@ class LadderRun:
                         sock.sendto(probe, address)
                     except OSError:
                         self.spray_errors += 1
-                sent += min(SPRAY_CHUNK, len(addresses) - start)
+                chunk = min(SPRAY_CHUNK, len(addresses) - start)
+                sent += chunk
+                self.sprayed += chunk
                 if not await self._pace(began, sent, spray.rate):
-                    self.sprayed += sent
                     return
-        self.sprayed += sent
 
     async def _pace(self, began: float, sent: int, rate: float) -> bool:
         """Yield (and wait if ahead of ``rate``); False once a path is found."""

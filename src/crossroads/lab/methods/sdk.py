@@ -114,9 +114,14 @@ async def connect(lab: Lab, a: Site, b: Site) -> Outcome:
                 if link.addr[0] != "relay" and not link.addr[0].startswith("relay:")
                 else "; over the WebSocket"
             )
+        spray = ""
+        host_link = host.links.get(guest.peer_id)
+        host_sprayed = host_link.sprayed if host_link is not None else 0
+        if host_sprayed or link.sprayed:
+            spray = f"; sprayed A {host_sprayed}, B {link.sprayed}"
         detail = (
             f"ladder {link.seconds:.2f}s; A {host.mapping}"
-            f"{' mapped' if host.mapped else ''}, B {guest.mapping}{relay}"
+            f"{' mapped' if host.mapped else ''}, B {guest.mapping}{relay}{spray}"
         )
         return Outcome(True, link.step, seconds, detail)
     finally:
