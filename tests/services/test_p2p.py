@@ -109,7 +109,8 @@ async def test_bad_frames_get_clear_errors(rt: Runtime, frame: str, code: str) -
 
 
 def test_transport_cap_is_above_every_legitimate_frame() -> None:
-    # 16 Ki characters of JSON are at most 4 UTF-8 bytes each.
+    # Frames somewhat over the 16 KiB protocol limit get its clear error (4x
+    # headroom) before the transport closes the connection.
     assert 4 * sig.MAX_FRAME_BYTES <= WS_MAX_MESSAGE_BYTES < 1024 * 1024
     assert RELAY_MAX_FRAME <= WS_MAX_MESSAGE_BYTES
 

@@ -91,8 +91,10 @@ def create_app(
 #: above it the protocol layer closes the connection with 1009 ("message too
 #: big") without buffering the rest. uvicorn's default is 16 MiB, which let one
 #: client make the server hold 16 MiB per connection. The only WebSocket is the
-#: p2p signalling one: its text frames are refused above 16 Ki characters (at most
-#: 4 UTF-8 bytes each, so 64 KiB) and its relay frames are at most 1473 bytes.
+#: p2p signalling one: its JSON frames are refused above 16 KiB with the
+#: protocol's own ``too_large`` error (this cap leaves four times that, so a frame
+#: a little too large gets that clear answer, not a closed connection), and its
+#: relay frames are at most 1473 bytes.
 WS_MAX_MESSAGE_BYTES = 64 * 1024
 
 

@@ -6,8 +6,8 @@ kinds with miniupnpd grant one); both hosts allocate a TURN relay on the lab
 server (``crossroads.client.turn``: UDP, or TCP where UDP is blocked); host B
 joins with the invite code. The join runs the full connection ladder — LAN,
 direct, port mapping, punch-through with port prediction, the birthday
-technique and the prediction spray, then the relay (TURN first, the signalling WebSocket after) — and
-ends with an authenticated, encrypted datagram each way. ``via`` is the ladder
+technique and the prediction spray, then the relay (TURN first, the signalling
+WebSocket after) — and ends with an authenticated, encrypted datagram each way. ``via`` is the ladder
 step that won; ``seconds`` is from ``join`` to the established link
 (signalling, the coordinator's synchronised start, the ladder).
 

@@ -93,6 +93,7 @@ BIRTHDAY_RATE = 500.0
 BIRTHDAY_RESEND = 1.0
 #: Ports a random NAT allocates from (Linux' default NAT range is 1024-65535).
 BIRTHDAY_LOW_PORT = 1024
+NAT_PORT_SPAN = 65536 - BIRTHDAY_LOW_PORT
 #: Prediction spray (random against sequential mapping, see above): the
 #: sequential side's new mappings, and the random side's sockets that each send to
 #: all of them. 2048 x 256 = 524 288 random-side mappings: P(hit) = 99.97 %.
@@ -228,6 +229,21 @@ class _NatModel:
         return None
 
 
+def _random_ports(
+    count: int,
+    randbelow: Callable[[int], int],
+    exclude: set[int] | frozenset[int] = frozenset(),
+) -> tuple[int, ...]:
+    """``count`` distinct ports of a random NAT's range, not in ``exclude``, in
+    the order drawn (``count`` must leave room for ``exclude``)."""
+    distinct: dict[int, None] = {}  # an insertion-ordered set
+    while len(distinct) < count:
+        port = BIRTHDAY_LOW_PORT + randbelow(NAT_PORT_SPAN)
+        if port not in exclude:
+            distinct[port] = None
+    return tuple(distinct)
+
+
 def plan(
     initiator: PeerInfo,
     responder: PeerInfo,
@@ -349,10 +365,7 @@ def plan(
                 sends[hard].append(Send(at, "punch", easy_endpoint, s))
         if own_role == easy:
             hard_ip = nat[hard].ip or ""
-            span = 65536 - BIRTHDAY_LOW_PORT
-            chosen: set[int] = set()
-            while len(chosen) < min(birthday_probes, span):
-                chosen.add(BIRTHDAY_LOW_PORT + randbelow(span))
+            chosen = _random_ports(min(birthday_probes, NAT_PORT_SPAN), randbelow)
             for i, port in enumerate(chosen):
                 sends[easy].append(
                     Send(t + 0.05 + i / birthday_rate, "punch", (hard_ip, port))
@@ -366,8 +379,7 @@ def plan(
     elif b.mapping == "random" and a.mapping == "sequential":
         hard, seq = "responder", "initiator"
     if hard is not None and seq is not None and spray_ports > 0:
-        span = 65536 - BIRTHDAY_LOW_PORT
-        count = min(spray_ports, span // 2)  # leaves room for the taken ones
+        count = min(spray_ports, NAT_PORT_SPAN // 2)  # leaves room for taken ones
         # Both sides compute the sequential side's ports; only it knows the
         # random ports they aim at (they stay in ``own_role``'s plan).
         predicted = tuple(nat[seq].open_unnamed(count))
@@ -377,12 +389,7 @@ def plan(
             # Every aim must be a new destination, or the NAT opens fewer
             # mappings than the other side predicted.
             taken = {port for host, port in nat[seq].contacted if host == hard_ip}
-            distinct: dict[int, None] = {}  # insertion-ordered set
-            while len(distinct) < count:
-                port = BIRTHDAY_LOW_PORT + randbelow(span)
-                if port not in taken:
-                    distinct[port] = None
-            aims = tuple(distinct)
+            aims = _random_ports(count, randbelow, exclude=taken)
         seq_spray = Spray(
             t, "punch", nat[hard].ip or "", aims, 0, SPRAY_SEQUENTIAL_RATE
         )
