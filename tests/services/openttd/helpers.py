@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,6 +174,77 @@ async def http_get(rt: Runtime, path: str) -> httpx.Response:
     host, port = rt.http_address
     async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as http:
         return await http.get(path)
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0
+) -> None:
+    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout`` s.
+
+    The coordinator has no acknowledgement for SERVER_UPDATE or CLIENT_CONNECTED,
+    so a test learns that they were handled by looking, not by sleeping: a fixed
+    sleep is too short on a loaded CI machine and too long everywhere else.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def listed_names(rt: Runtime) -> list[str]:
+    """Names in the public listing, asking for a fresh read of the store first."""
+    coordinator = service(rt).coordinator
+    assert coordinator is not None
+    coordinator.listing.invalidate()
+    return [
+        entry["info"]["server_name"]
+        for entry in (await http_get(rt, "/openttd/servers")).json()
+    ]
+
+
+async def until_listed(rt: Runtime, *names: str) -> None:
+    """Wait until the public listing holds exactly ``names`` (in any order)."""
+
+    async def check() -> bool:
+        return sorted(await listed_names(rt)) == sorted(names)
+
+    await eventually(check, f"public listing == {sorted(names)}")
+
+
+async def until_named(rt: Runtime, code: str, name: str) -> None:
+    """Wait until the record under ``code`` (public or not) carries ``name``."""
+
+    async def check() -> bool:
+        response = await http_get(rt, f"/openttd/servers/{code}")
+        info = response.json().get("info") if response.status_code == 200 else None
+        return info is not None and info["server_name"] == name
+
+    await eventually(check, f"{code} named {name!r}")
+
+
+async def until_gone(rt: Runtime, code: str) -> None:
+    async def check() -> bool:
+        response = await http_get(rt, f"/openttd/servers/{code}")
+        return response.status_code == 404
+
+    await eventually(check, f"{code} removed")
+
+
+async def until_metric(rt: Runtime, name: str, value: float, **labels: str) -> None:
+    """Wait until a metric sample equals ``value`` (a counter that overshoots
+    never does, so the wait fails on it too)."""
+    seen: list[float] = []
+
+    async def check() -> bool:
+        seen.append(metric_value(await metrics(rt), name, **labels))
+        return seen[-1] == value
+
+    try:
+        await eventually(check, f"{name}{labels} == {value}")
+    except AssertionError as error:
+        raise AssertionError(f"{error}; last seen {seen[-1]}") from None
 
 
 async def metrics(rt: Runtime) -> str:

@@ -7,7 +7,6 @@ with separate processes; see tests/interop/test_openttd.py for the real binary).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -39,6 +38,8 @@ from tests.services.openttd.helpers import (
     start_openttd,
     turn_connect,
     turn_connected,
+    until_listed,
+    until_metric,
     update,
 )
 
@@ -115,13 +116,8 @@ async def test_stun_and_turn_across_instances(pair: tuple[Runtime, Runtime]) -> 
         await turn_connected(relay_a)
         await turn_connected(relay_b)
         await client.send_message(ClientConnected(6, client_turn.token))
-        await asyncio.sleep(0.3)
-        text = await metrics(b)
-        assert (
-            metric_value(
-                text, "crossroads_openttd_connects_total", method="turn", result="ok"
-            )
-            == 1
+        await until_metric(
+            b, "crossroads_openttd_connects_total", 1, method="turn", result="ok"
         )
         assert (
             metric_value(await metrics(a), "crossroads_openttd_bus_published_total")
@@ -140,10 +136,9 @@ async def test_listing_and_http_see_every_instance(
     a, b = pair
     server = await register(a, game_server.port)
     await update(server, GameInfo(server_name="on A", server_revision="13.0"))
-    await asyncio.sleep(0.3)
+    await until_listed(b, "on A")
     lister = await gc(b)
     try:
-        b.services["openttd"].coordinator.listing.invalidate()  # type: ignore[attr-defined]
         await lister.send_message(ClientListing(6, 6, "13.0", 0))
         listing = await recv_until(lister, GcListing)
         assert [e.info.server_name for e in listing.entries] == ["on A"]

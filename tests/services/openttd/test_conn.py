@@ -27,6 +27,7 @@ from tests.services.openttd.helpers import (
     register,
     running,
     service,
+    until_listed,
     update,
 )
 
@@ -215,7 +216,7 @@ async def test_packet_flood_is_back_pressured_not_buffered(
     await update(
         server, GameInfo(server_name="x" * 79, server_revision="13.0", newgrfs=grfs)
     )
-    await asyncio.sleep(0.2)
+    await until_listed(ottd, "x" * 79)
     stream = await raw(ottd)
     request = encode_peer_packet(ClientListing(6, 6, "13.0", 0))
     sent = 50_000

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from crossroads.client.openttd import GameInfoResponder
@@ -36,12 +34,14 @@ from tests.services.openttd.helpers import (
     answer_stun_request,
     gc,
     http_get,
-    metric_value,
-    metrics,
     recv_until,
     register,
     turn_connect,
     turn_connected,
+    until_gone,
+    until_listed,
+    until_metric,
+    until_named,
     update,
 )
 
@@ -131,10 +131,8 @@ async def test_update_and_listing_with_newgrf_lookup(
         await update(
             invite_only, GameInfo(server_name="hidden", server_revision="13.0")
         )
-        await asyncio.sleep(0.3)
-        service_listing = ottd.services["openttd"]
-        coordinator = service_listing.coordinator  # type: ignore[attr-defined]
-        coordinator.listing.invalidate()
+        await until_named(ottd, invite_only.code, "hidden")
+        await until_listed(ottd, "Protocol test")
 
         await lister.send_message(ClientListing(6, 6, "13.0", 0))
         lookup = await lister.recv()
@@ -204,8 +202,7 @@ async def test_duplicate_registration_of_the_same_server_replaces_the_old(
     finally:
         await first.close()
         await second.close()
-    await asyncio.sleep(0.2)
-    assert (await http_get(ottd, f"/openttd/servers/{first.code}")).status_code == 404
+    await until_gone(ottd, first.code)
 
 
 @pytest.mark.parametrize(
@@ -282,16 +279,12 @@ async def test_direct_join(ottd: Runtime, game_server: GameInfoResponder) -> Non
             connecting.token, 1, "127.0.0.1", game_server.port
         )
         await client.send_message(ClientConnected(6, connecting.token))
-        await asyncio.sleep(0.3)
-        text = await metrics(ottd)
-        assert (
-            metric_value(
-                text,
-                "crossroads_openttd_connects_total",
-                method="direct-ipv4",
-                result="ok",
-            )
-            == 1
+        await until_metric(
+            ottd,
+            "crossroads_openttd_connects_total",
+            1,
+            method="direct-ipv4",
+            result="ok",
         )
     finally:
         await server.close()
@@ -349,13 +342,8 @@ async def test_join_through_stun_then_turn(ottd: Runtime) -> None:
         await relay_server.send(b"x" * 100_000)
         assert await relay_client.reader.readexactly(100_000) == b"x" * 100_000
         await client.send_message(ClientConnected(6, client_turn.token))
-        await asyncio.sleep(0.3)
-        text = await metrics(ottd)
-        assert (
-            metric_value(
-                text, "crossroads_openttd_connects_total", method="turn", result="ok"
-            )
-            == 1
+        await until_metric(
+            ottd, "crossroads_openttd_connects_total", 1, method="turn", result="ok"
         )
         for stream in streams + [relay_client, relay_server]:
             await stream.close()
@@ -404,8 +392,7 @@ async def test_server_leaving_removes_it(
     server = await register(ottd, game_server.port)
     await update(server, INFO)
     await server.close()
-    await asyncio.sleep(0.3)
-    assert (await http_get(ottd, f"/openttd/servers/{server.code}")).status_code == 404
+    await until_gone(ottd, server.code)
     client = await gc(ottd)
     try:
         await client.send_message(ClientConnect(6, server.code))
@@ -430,31 +417,19 @@ async def test_reports_with_foreign_tokens_are_ignored(
         await stranger.send_message(ClientConnected(6, connecting.token))
         await stranger.send_message(ConnectFailed(6, connecting.token, 1))
         await stranger.send_message(StunResult(6, "Cnot-a-token", AF_INET6, True))
-        await asyncio.sleep(0.3)
-        text = await metrics(ottd)
-        assert (
-            metric_value(
-                text, "crossroads_openttd_ignored_total", reason="wrong-sender"
-            )
-            == 2
+        await until_metric(
+            ottd, "crossroads_openttd_ignored_total", 2, reason="wrong-sender"
         )
-        assert (
-            metric_value(
-                text, "crossroads_openttd_ignored_total", reason="unknown-token"
-            )
-            == 1
+        await until_metric(
+            ottd, "crossroads_openttd_ignored_total", 1, reason="unknown-token"
         )
         await client.send_message(ClientConnected(6, connecting.token))
-        await asyncio.sleep(0.3)
-        text = await metrics(ottd)
-        assert (
-            metric_value(
-                text,
-                "crossroads_openttd_connects_total",
-                method="direct-ipv4",
-                result="ok",
-            )
-            == 1
+        await until_metric(
+            ottd,
+            "crossroads_openttd_connects_total",
+            1,
+            method="direct-ipv4",
+            result="ok",
         )
     finally:
         for peer in (client, stranger):
@@ -473,8 +448,7 @@ async def test_version_1_clients_get_ip_and_port(
         await update(
             unreachable, GameInfo(server_name="no direct", server_revision="13.0")
         )
-        await asyncio.sleep(0.3)
-        ottd.services["openttd"].coordinator.listing.invalidate()  # type: ignore[attr-defined]
+        await until_listed(ottd, "Protocol test", "no direct")
         await lister.send_message(ClientListing(1, 4, "12.0", 0))
         listing = await lister.recv()
         assert isinstance(listing, GcListing)
@@ -498,7 +472,7 @@ async def test_listing_puts_the_clients_revision_first(
     try:
         await update(old, GameInfo(server_name="old", server_revision="13.0"))
         await update(new, GameInfo(server_name="new", server_revision="14.0"))
-        await asyncio.sleep(0.5)
+        await until_listed(ottd, "old", "new")
         for revision, expected in (("14.0", ["new", "old"]), ("13.0", ["old", "new"])):
             await lister.send_message(ClientListing(6, 7, revision, 0))
             listing = await recv_until(lister, GcListing)

@@ -19,6 +19,7 @@ from tests.services.openttd.helpers import (
     service,
     turn_connect,
     turn_connected,
+    until_metric,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,19 +53,13 @@ async def test_pairs_and_relays_both_ways(ottd: Runtime) -> None:
         # Closing one side closes the other.
         await a.close()
         assert await b.at_eof(5)
-        await asyncio.sleep(0.2)
-        text = await metrics(ottd)
-        assert (
-            metric_value(
-                text, "crossroads_openttd_turn_sessions_total", result="paired"
-            )
-            == 1
+        await until_metric(ottd, "crossroads_openttd_turn_relays", 0)
+        await until_metric(
+            ottd, "crossroads_openttd_turn_bytes_total", len(payload) + 4
         )
-        assert (
-            metric_value(text, "crossroads_openttd_turn_bytes_total")
-            == len(payload) + 4
+        await until_metric(
+            ottd, "crossroads_openttd_turn_sessions_total", 1, result="paired"
         )
-        assert metric_value(text, "crossroads_openttd_turn_relays") == 0
     finally:
         await a.close()
         await b.close()

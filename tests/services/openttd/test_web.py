@@ -1,11 +1,9 @@
 from __future__ import annotations
 
-import asyncio
-
 from crossroads.client.openttd import GameInfoResponder
 from crossroads.proto.openttd.gameinfo import GameInfo
 from crossroads.runtime import Runtime
-from tests.services.openttd.helpers import http_get, register, update
+from tests.services.openttd.helpers import http_get, register, until_listed, update
 
 
 async def test_unknown_code_is_a_json_404(ottd: Runtime) -> None:
@@ -29,8 +27,7 @@ async def test_page_escapes_server_names(
         await update(
             server, GameInfo(server_name="<script>x</script>", server_revision="13.0")
         )
-        await asyncio.sleep(0.2)
-        ottd.services["openttd"].coordinator.listing.invalidate()  # type: ignore[attr-defined]
+        await until_listed(ottd, "<script>x</script>")
         page = (await http_get(ottd, "/openttd")).text
         assert "<script>x" not in page
         assert "&lt;script&gt;x&lt;/script&gt;" in page
