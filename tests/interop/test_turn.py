@@ -99,7 +99,7 @@ async def echo_peer() -> AsyncIterator[Callable[[str], Awaitable[int]]]:
             stderr=asyncio.subprocess.DEVNULL,
         )
         processes.append(process)
-        await asyncio.sleep(0.2)
+        await echoes(hosts[0], port, process)
         return port
 
     try:
@@ -109,6 +109,27 @@ async def echo_peer() -> AsyncIterator[Callable[[str], Awaitable[int]]]:
             if process.returncode is None:
                 process.kill()
             await process.wait()
+
+
+async def echoes(host: str, port: int, process: asyncio.subprocess.Process) -> None:
+    """Wait (bounded) until the echo peer answers: a client started before it
+    has bound its port would see its first datagrams refused."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.setblocking(False)
+        probe.connect((host, port))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while loop.time() < deadline:
+            assert process.returncode is None, "turnutils_peer exited"
+            try:
+                probe.send(b"ready?")
+                async with asyncio.timeout(0.1):
+                    if await loop.sock_recv(probe, 64) == b"ready?":
+                        return
+            except (TimeoutError, ConnectionRefusedError):
+                await asyncio.sleep(0.05)
+    raise AssertionError(f"turnutils_peer on {host}:{port} never echoed")
 
 
 async def uclient(*args: str, timeout: float = 60) -> str:
