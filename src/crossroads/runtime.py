@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -78,7 +79,12 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         log=log,
         running=runtime.services,
     )
+    sock: socket.socket | None = None
     try:
+        # Bound first, so services know the HTTP port they are reached on (the
+        # p2p service advertises its signalling URL to other instances).
+        sock = make_tcp_listener(config.core.host, config.core.http_port)
+        runtime.http_address = ctx.http_address = bound_address(sock)
         for name, module in modules.items():
             if config.enabled(name):
                 service: Service = await module.serve(ctx)
@@ -89,8 +95,6 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             routers=ctx.routers,
             services=lambda: list(runtime.services),
         )
-        sock = make_tcp_listener(config.core.host, config.core.http_port)
-        runtime.http_address = bound_address(sock)
         runtime._http = make_http_server(app)
         runtime._http_task = asyncio.create_task(runtime._http.serve(sockets=[sock]))
         while not runtime._http.started:
@@ -99,6 +103,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
                 raise RuntimeError("HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
     except BaseException:
+        if runtime._http is None and sock is not None:
+            sock.close()  # bound, but no server took it over
         await runtime.close()
         raise
     return runtime

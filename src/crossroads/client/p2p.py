@@ -68,6 +68,8 @@ CONNECT_TIMEOUT = 30.0
 TURN_HEAD_START = 1.0
 #: A verified join against N members punches them one after the other.
 JOIN_TIMEOUT = 120.0
+#: Redirects one ``join`` follows (one is the norm: to the code's holder).
+MAX_REDIRECTS = 2
 #: Links to a peer that never became a member (a joiner the host rejected) are
 #: closed after this.
 STRANGER_TIMEOUT = 120.0
@@ -337,22 +339,7 @@ class P2PClient:
             mapping = await self.portmapper.start()
             if mapping is not None:
                 self.mapped = sig.Endpoint(mapping.external_ip, mapping.external_port)
-        tcp = self._tcp_factory() if self._tcp_factory is not None else None
-        welcome = await self.signalling.connect(
-            self.public_key, self.name, timeout, sock=tcp
-        )
-        self.peer_id = welcome.peer
-        server_host = urlparse(self.url).hostname or "127.0.0.1"
-        try:
-            server_ip = socket.getaddrinfo(server_host, None, socket.AF_INET)[0][4][0]
-        except OSError:
-            server_ip = server_host
-        for endpoint in welcome.udp:
-            host = endpoint.host
-            if ipaddress.ip_address(host).is_unspecified:
-                host = str(server_ip)
-            self._rendezvous.append((host, endpoint.port))
-        self._server_ip = str(server_ip)
+        welcome = await self._hello(timeout)
         # NAT detection and the TURN allocation open flows of their own; on a
         # sequential NAT each takes a port, so they go before the rendezvous
         # probes, whose ports are then the latest (port prediction needs that).
@@ -381,6 +368,44 @@ class P2PClient:
                 )
         await self._probe(0)
         self._keepalive = asyncio.create_task(self._keepalive_loop())
+
+    async def _hello(self, timeout: float) -> sig.Welcome:
+        """Open the signalling WebSocket to :attr:`url`; learn our peer id and
+        the rendezvous ports of that server instance."""
+        tcp = self._tcp_factory() if self._tcp_factory is not None else None
+        welcome = await self.signalling.connect(
+            self.public_key, self.name, timeout, sock=tcp
+        )
+        self.peer_id = welcome.peer
+        server_host = urlparse(self.url).hostname or "127.0.0.1"
+        try:
+            server_ip = socket.getaddrinfo(server_host, None, socket.AF_INET)[0][4][0]
+        except OSError:
+            server_ip = server_host
+        self._rendezvous = []
+        for endpoint in welcome.udp:
+            host = endpoint.host
+            if ipaddress.ip_address(host).is_unspecified:
+                host = str(server_ip)
+            self._rendezvous.append((host, endpoint.port))
+        self._server_ip = str(server_ip)
+        return welcome
+
+    async def _move(self, url: str, timeout: float = 10.0) -> None:
+        """Follow a ``redirect``: the session lives on another server instance.
+        Only a peer outside any session moves (its links and membership belong
+        to the instance it is on); the peer socket, port mapping and TURN
+        allocation stay, the peer id and rendezvous observations are renewed."""
+        if self.session or self.links:
+            raise JoinRejected(
+                f"that session is on another server ({url}): leave this one first"
+            )
+        log.info("session is on %s: reconnecting there", url)
+        await self.signalling.close()
+        self.url = url
+        self.signalling = SignallingClient(url, self._on_message, self.relay_in)
+        await self._hello(timeout)
+        await self._probe(0)
 
     async def close(self) -> None:
         if self._closed:
@@ -436,9 +461,17 @@ class P2PClient:
     async def join(self, code: str, timeout: float = JOIN_TIMEOUT) -> None:
         """Join the session behind ``code``: connect to every member, then wait
         for the host's acceptance. Raises :class:`JoinRejected`."""
-        answer = await self.signalling.request(
-            sig.Join(code), lambda m: isinstance(m, sig.JoinStart), ref="join"
-        )
+        for _ in range(MAX_REDIRECTS + 1):
+            answer = await self.signalling.request(
+                sig.Join(code),
+                lambda m: isinstance(m, sig.JoinStart | sig.Redirect),
+                ref="join",
+            )
+            if not isinstance(answer, sig.Redirect):
+                break
+            await self._move(answer.url)
+        else:
+            raise JoinRejected(f"more than {MAX_REDIRECTS} redirects")
         deadline = time.monotonic() + timeout
         while True:
             assert isinstance(answer, sig.JoinStart)

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
 from crossroads.store.base import Store
+from crossroads.types import Address
 
 T = TypeVar("T")
 
@@ -56,6 +57,8 @@ class ServiceContext:
     running: dict[str, Service] = field(default_factory=dict)
     #: Free-form shared objects between services of one runtime.
     shared: dict[str, Any] = field(default_factory=dict)
+    #: Where the HTTP API listens (bound before any service starts).
+    http_address: Address = ("", 0)
 
     def section(self, name: str, cls: type[T]) -> T:
         return self.config.section(name, cls)

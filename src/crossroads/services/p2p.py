@@ -11,9 +11,13 @@
 - ``/testServer``: a RakNet MasterServer2-compatible game listing
   (:mod:`crossroads.services.p2p_master`).
 
-The signalling state lives in this process: a session's members must reach the
-same instance (route them by invite code at the load balancer). Listing rows live
-in the Store and work across instances.
+Scale-out: a session lives on the instance its host is connected to; its
+members' WebSockets must reach that instance, since punch coordination needs
+their live RTTs and rendezvous observations in one place. Invite codes are
+claimed in the Store (``SET NX`` with a TTL, refreshed while the session lives),
+so codes are unique across instances, and a ``join`` reaching another instance
+gets ``redirect`` with the holder's signalling URL (``--p2p-public-url``); the
+client reconnects there. Listing rows live in the Store and work everywhere.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import contextlib
 import hashlib
 import hmac
 import itertools
+import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +44,9 @@ from crossroads.config import setting
 from crossroads.errors import ConfigError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
+    CodeClaim,
+    CodeLookup,
+    CodeReleased,
     Coordinator,
     CoordinatorConfig,
     FrameRejected,
@@ -50,6 +59,17 @@ from crossroads.transport.udp import bound_address, make_udp_socket
 from crossroads.types import Address, normalize_address
 
 NAME = "p2p"
+
+log = logging.getLogger(__name__)
+
+#: Invite-code claims in the Store: ``p2p:code:<CODE>`` -> the holder's
+#: signalling URL. The TTL bounds how long a crashed instance's codes linger;
+#: live ones are refreshed every third of it.
+CODE_KEY = "p2p:code:"
+CODE_TTL = 30.0
+#: Pause before a directory operation is retried after a Store error (Redis
+#: restarting): the operations wait in order rather than being lost.
+STORE_RETRY = 0.5
 
 #: Frames queued towards one slow WebSocket client before it is dropped: a client
 #: that does not read cannot make the server buffer without bound.
@@ -112,6 +132,12 @@ class Config:
         check=_check_positive,
         help="Lifetime of the TURN credentials handed out, seconds.",
     )
+    public_url: str = setting(
+        "",
+        help="Signalling URL other instances redirect joiners to "
+        "(ws://HOST:PORT/p2p/v1/ws, or wss:// behind TLS). Empty: built from "
+        "--public-host (else --host, else this machine's name) and the HTTP port.",
+    )
     master_path: str = setting(
         "/testServer",
         help="Path of the MasterServer2-compatible listing (RakNet's samples use /testServer).",
@@ -132,6 +158,8 @@ class Config:
     def __post_init__(self) -> None:
         if not self.master_path.startswith("/"):
             raise ValueError("master_path: must start with '/'")
+        if self.public_url and not self.public_url.startswith(("ws://", "wss://")):
+            raise ValueError("public_url: must start with ws:// or wss://")
         ports = [p for p in (self.port, self.alt_port, self.alt_port2) if p]
         if len(set(ports)) != len(ports):
             raise ValueError("alt_port: the three rendezvous ports must differ")
@@ -170,6 +198,10 @@ class P2PService:
     def __init__(self, ctx: ServiceContext, config: Config) -> None:
         self.config = config
         self.loop = asyncio.get_running_loop()
+        self.store = ctx.store
+        self.url = config.public_url or signalling_url(
+            ctx.config.core.public_host or ctx.host, ctx.http_address[1]
+        )
         self.core = Coordinator(
             CoordinatorConfig(
                 max_connections=config.max_connections,
@@ -177,7 +209,16 @@ class P2PService:
                 relay_bytes_per_second=config.relay_bytes_per_second,
             ),
             secrets.token_bytes,
+            directory=True,
         )
+        #: Codes this instance holds in the Store (claimed, not yet released).
+        self.owned_codes: set[str] = set()
+        #: Claims and releases, applied in order by one task (a release never
+        #: overtakes its claim).
+        self._directory_ops: asyncio.Queue[CodeClaim | CodeReleased] = asyncio.Queue()
+        self._directory_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._lookups: set[asyncio.Task[None]] = set()
         self._conn_ids = itertools.count(1)
         self._queues: dict[int, asyncio.Queue[tuple[str, int, str | bytes]]] = {}
         self._transports: list[asyncio.DatagramTransport] = []
@@ -212,6 +253,11 @@ class P2PService:
             "crossroads_p2p_sessions", "Mesh sessions open.", registry=registry
         )
         sessions.set_function(lambda: self.core.session_count)
+        self.redirects = Counter(
+            "crossroads_p2p_redirects",
+            "Joins sent to the instance holding the session's code.",
+            registry=registry,
+        )
         self.master = MasterServer(
             ctx.store,
             max_timeout=config.master_max_timeout,
@@ -237,10 +283,12 @@ class P2PService:
             relay_bytes_per_second=self.config.relay_bytes_per_second,
             udp=tuple(sig.Endpoint(advertised, port) for _, port in self._udp),
         )
+        self._directory_task = asyncio.create_task(self._apply_directory_ops())
+        self._heartbeat_task = asyncio.create_task(self._refresh_codes())
 
     def describe(self) -> list[str]:
         lines = [f"udp {h}:{p}" for h, p in self._udp]
-        lines.append("ws /p2p/v1/ws")
+        lines.append(f"ws /p2p/v1/ws (advertised as {self.url})")
         lines.append(f"http {self.config.master_path} (MasterServer2)")
         return lines
 
@@ -255,6 +303,78 @@ class P2PService:
         for queue in self._queues.values():
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(("close", 1001, "server shutting down"))
+        tasks = [self._directory_task, self._heartbeat_task, *self._lookups]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+        for task in tasks:
+            if task is not None:
+                with contextlib.suppress(BaseException):
+                    await task
+        # Free our codes at once rather than after their TTL; a Store that is
+        # down by now lets them expire.
+        if self.owned_codes:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2):
+                    await self.store.delete(*(CODE_KEY + c for c in self.owned_codes))
+            self.owned_codes.clear()
+
+    # ------------------------------------------------------- code directory
+
+    async def _apply_directory_ops(self) -> None:
+        while True:
+            op = await self._directory_ops.get()
+            while True:
+                try:
+                    await self._apply(op)
+                    break
+                except Exception as exc:  # noqa: BLE001 - Store down: retry in order
+                    log.warning("p2p code directory: %r; retrying", exc)
+                    await asyncio.sleep(STORE_RETRY)
+
+    async def _apply(self, op: CodeClaim | CodeReleased) -> None:
+        key = CODE_KEY + op.code
+        if isinstance(op, CodeClaim):
+            ok = await self.store.set(
+                key, self.url.encode(), ttl=CODE_TTL, only_if_absent=True
+            )
+            if ok:
+                self.owned_codes.add(op.code)
+            self.core.code_claimed(op.session, ok)
+            self.flush()
+        elif op.code in self.owned_codes:
+            self.owned_codes.discard(op.code)
+            await self.store.delete(key)
+
+    async def _lookup(self, lookup: CodeLookup) -> None:
+        try:
+            raw = await self.store.get(CODE_KEY + lookup.code)
+        except Exception as exc:  # noqa: BLE001 - answered as unknown, not hung
+            log.warning("p2p code lookup failed: %r", exc)
+            raw = None
+        url = raw.decode("utf-8", "replace") if raw is not None else None
+        if url == self.url:
+            url = None  # a stale claim of our own: the session is gone
+        if url is not None:
+            self.redirects.inc()
+        self.core.code_located(lookup.peer, lookup.code, url)
+        self.flush()
+
+    async def _refresh_codes(self) -> None:
+        """Keep live codes' claims alive; re-claim any the Store lost (a Redis
+        restart without persistence) so joins keep finding them."""
+        while True:
+            await asyncio.sleep(CODE_TTL / 3)
+            for code in [c for c in self.core.live_codes() if c in self.owned_codes]:
+                key = CODE_KEY + code
+                try:
+                    if not await self.store.expire(key, CODE_TTL):
+                        await self.store.set(
+                            key, self.url.encode(), ttl=CODE_TTL, only_if_absent=True
+                        )
+                except Exception as exc:  # noqa: BLE001 - next round retries
+                    log.warning("p2p code refresh failed: %r", exc)
+                    break
 
     # ---------------------------------------------------------------- plumbing
 
@@ -279,6 +399,12 @@ class P2PService:
                     self.probes_dropped.labels(reason).inc()
                 case PunchFinished(ok=ok, step=step, side=side):
                     self.punches.labels(side, str(ok).lower(), step or "none").inc()
+                case CodeClaim() | CodeReleased():
+                    self._directory_ops.put_nowait(event)
+                case CodeLookup():
+                    task = asyncio.create_task(self._lookup(event))
+                    self._lookups.add(task)
+                    task.add_done_callback(self._lookups.discard)
         self._rearm()
 
     def _force_close(self, conn: int, code: int, reason: str) -> None:
@@ -387,6 +513,15 @@ class P2PService:
                 await ws.send_bytes(payload)
             else:
                 await ws.send_text(payload)
+
+
+def signalling_url(host: str, port: int) -> str:
+    """This instance's signalling URL as other instances hand it out."""
+    if not host or host in ("0.0.0.0", "::"):
+        host = socket.getfqdn()
+    if ":" in host:
+        host = f"[{host}]"
+    return f"ws://{host}:{port}/p2p/v1/ws"
 
 
 def turn_credentials(

@@ -12,6 +12,9 @@ from crossroads.proto.punch.coordinator import (
     FRAME_BURST,
     MAX_STRIKES,
     PHASE_TIMEOUT,
+    CodeClaim,
+    CodeLookup,
+    CodeReleased,
     Coordinator,
     CoordinatorConfig,
     FrameRejected,
@@ -34,8 +37,10 @@ class Rng:
 
 
 class Harness:
-    def __init__(self, **config: Any) -> None:
-        self.core = Coordinator(CoordinatorConfig(udp=UDP, **config), Rng())
+    def __init__(self, *, directory: bool = False, **config: Any) -> None:
+        self.core = Coordinator(
+            CoordinatorConfig(udp=UDP, **config), Rng(), directory=directory
+        )
         self.now = 1000.0
         self.conns = itertools.count(1)
         self.inbox: dict[int, list[dict[str, Any]]] = {}
@@ -475,3 +480,105 @@ def test_mapped_candidate_must_be_on_the_public_address() -> None:
     start_b = h.take(b, "punch_start")[0]
     assert start_b["them"]["candidates"]["mapped"] == ["198.51.100.7", 5000]
     assert start_a["them"]["candidates"]["mapped"] is None
+
+
+# ------------------------------------------------- directory mode (scale-out)
+
+
+def directory_events(h: Harness) -> list[object]:
+    return [
+        e
+        for e in h.core.events()
+        if isinstance(e, CodeClaim | CodeLookup | CodeReleased)
+    ]
+
+
+def test_directory_claims_the_code_before_hosted() -> None:
+    h = Harness(directory=True)
+    a, pa, _ = h.peer()
+    h.send(a, sig.Host())
+    assert h.take(a, "hosted") == []
+    [claim] = directory_events(h)
+    assert isinstance(claim, CodeClaim)
+    # Another instance holds that code: the session draws another one.
+    h.core.code_claimed(claim.session, ok=False)
+    [again] = directory_events(h)
+    assert isinstance(again, CodeClaim) and again.session == claim.session
+    assert again.code != claim.code
+    assert h.core.live_codes() == []
+    h.core.code_claimed(claim.session, ok=True)
+    h.pump()
+    [hosted] = h.take(a, "hosted")
+    assert hosted["code"] == again.code and hosted["session"] == claim.session
+    assert h.core.live_codes() == [again.code]
+    # A late or repeated answer changes nothing.
+    h.core.code_claimed(claim.session, ok=False)
+    h.core.code_claimed("no-such-session", ok=True)
+    h.pump()
+    assert h.take(a) == [] and h.core.live_codes() == [again.code]
+    # The last member leaving releases the claim.
+    h.send(a, sig.Leave(claim.session))
+    assert directory_events(h) == [CodeReleased(again.code)]
+    assert h.core.live_codes() == []
+
+
+def test_directory_host_leaving_before_the_claim_answer() -> None:
+    h = Harness(directory=True)
+    a, _, _ = h.peer()
+    h.send(a, sig.Host())
+    [claim] = directory_events(h)
+    h.core.connection_lost(a, h.now)
+    assert directory_events(h) == [CodeReleased(claim.code)]  # type: ignore[attr-defined]
+    h.core.code_claimed(claim.session, ok=True)  # type: ignore[attr-defined]
+    h.pump()
+    assert h.core.session_count == 0 and h.core.live_codes() == []
+
+
+def test_directory_redirects_joins_for_codes_held_elsewhere() -> None:
+    h = Harness(directory=True)
+    b, pb, _ = h.peer()
+    h.send(b, sig.Join("k7qm3xzp"))
+    assert h.take(b) == []
+    assert directory_events(h) == [CodeLookup(pb, "K7QM-3XZP")]
+    h.core.code_located(pb, "K7QM-3XZP", "ws://192.0.2.8:8080/p2p/v1/ws")
+    h.pump()
+    assert h.take(b) == [
+        {
+            "type": "redirect",
+            "code": "K7QM-3XZP",
+            "url": "ws://192.0.2.8:8080/p2p/v1/ws",
+        }
+    ]
+    # Held nowhere: the usual error.
+    h.send(b, sig.Join("K7QM-3XZQ"))
+    [lookup] = directory_events(h)
+    h.core.code_located(pb, lookup.code, None)  # type: ignore[attr-defined]
+    h.pump()
+    [error] = h.take(b, "error")
+    assert error["code"] == "unknown_code" and error["ref"] == "join"
+    # Not code-shaped: no directory lookup at all.
+    h.send(b, sig.Join("hello there"))
+    assert directory_events(h) == []
+    assert h.take(b, "error")[0]["code"] == "unknown_code"
+    # The peer left before the answer: nothing to send.
+    h.send(b, sig.Join("K7QM-3XZR"))
+    h.core.connection_lost(b, h.now)
+    h.core.code_located(pb, "K7QM-3XZR", "ws://x/p2p/v1/ws")
+    h.pump()
+    assert h.take(b) == []
+
+
+def test_directory_local_codes_join_without_a_lookup() -> None:
+    h = Harness(directory=True)
+    a, _, _ = h.peer()
+    b, _, _ = h.peer("203.0.113.9")
+    h.send(a, sig.Host())
+    [claim] = directory_events(h)
+    # Not yet claimed: a join for it is not served from this instance either.
+    h.send(b, sig.Join(claim.code))  # type: ignore[attr-defined]
+    assert h.take(b, "error")[0]["code"] == "unknown_code"
+    h.core.code_claimed(claim.session, ok=True)  # type: ignore[attr-defined]
+    h.pump()
+    h.send(b, sig.Join(claim.code))  # type: ignore[attr-defined]
+    assert h.take(b, "join_start")
+    assert directory_events(h) == []

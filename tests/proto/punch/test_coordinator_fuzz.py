@@ -6,11 +6,18 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crossroads.proto.punch import signalling as sig
-from crossroads.proto.punch.coordinator import Coordinator, CoordinatorConfig
+from crossroads.proto.punch.coordinator import (
+    CodeClaim,
+    CodeLookup,
+    CodeReleased,
+    Coordinator,
+    CoordinatorConfig,
+)
 from crossroads.proto.punch.rendezvous import Probe
 
 KEYS = [bytes([i + 1]) * 32 for i in range(4)]
@@ -44,10 +51,21 @@ STEPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(STEPS)
-def test_random_conversations(steps: list[tuple[int, str, int, bool]]) -> None:
+@pytest.mark.parametrize("directory", [False, True], ids=["local", "directory"])
+@given(steps=STEPS)
+def test_random_conversations(
+    directory: bool, steps: list[tuple[int, str, int, bool]]
+) -> None:
     counter = itertools.count(1)
-    core = Coordinator(CoordinatorConfig(), lambda n: next(counter).to_bytes(n, "big"))
+    core = Coordinator(
+        CoordinatorConfig(),
+        lambda n: next(counter).to_bytes(n, "big"),
+        directory=directory,
+    )
+    # The directory's view: claims granted and not yet released. The first
+    # claim of each session is refused (another instance holds that code).
+    held: set[str] = set()
+    refused: set[str] = set()
     now = 1000.0
     conns = {i: i + 1 for i in range(4)}
     for conn in conns.values():
@@ -60,22 +78,39 @@ def test_random_conversations(steps: list[tuple[int, str, int, bool]]) -> None:
     pings: dict[int, int] = {}
 
     def pump() -> None:
-        for conn, text in core.frames_to_send():
-            frame = json.loads(text)
-            index = conn - 1
-            match frame["type"]:
-                case "welcome":
-                    peers[index] = frame["peer"]
-                    tokens[index] = bytes.fromhex(frame["token"])
-                case "hosted":
-                    sessions.append(frame["session"])
-                    codes.append(frame["code"])
-                case "punch_prepare":
-                    attempts.append(frame["attempt"])
-                case "ping":
-                    pings[index] = frame["id"]
-        core.connections_to_close()
-        core.events()
+        # Until quiet: answering the directory's events queues more frames.
+        while True:
+            frames, events = core.frames_to_send(), core.events()
+            if not frames and not events:
+                break
+            for conn, text in frames:
+                frame = json.loads(text)
+                index = conn - 1
+                match frame["type"]:
+                    case "welcome":
+                        peers[index] = frame["peer"]
+                        tokens[index] = bytes.fromhex(frame["token"])
+                    case "hosted":
+                        sessions.append(frame["session"])
+                        codes.append(frame["code"])
+                    case "punch_prepare":
+                        attempts.append(frame["attempt"])
+                    case "ping":
+                        pings[index] = frame["id"]
+            core.connections_to_close()
+            for event in events:
+                match event:
+                    case CodeClaim(session=claim_session, code=code):
+                        ok = claim_session in refused
+                        refused.add(claim_session)
+                        if ok:
+                            held.add(code)
+                        core.code_claimed(claim_session, ok)
+                    case CodeReleased(code=code):
+                        held.discard(code)
+                    case CodeLookup(peer=peer, code=code):
+                        url = "ws://x/p2p/v1/ws" if held else None
+                        core.code_located(peer, code, url)
 
     for index, action, arg, flag in steps:
         conn = conns[index]
@@ -149,3 +184,4 @@ def test_random_conversations(steps: list[tuple[int, str, int, bool]]) -> None:
     assert core.session_count == 0
     assert core.attempt_count == 0
     assert not core._conns and not core._per_ip and not core._tokens and not core._codes
+    assert not held  # every claim granted was released

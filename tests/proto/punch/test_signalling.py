@@ -88,6 +88,13 @@ SERVER_MESSAGES = st.one_of(
     ),
     st.builds(sig.Hosted, IDS, IDS, st.integers(0, 2**31)),
     st.builds(sig.JoinStart, IDS, IDS, st.lists(MEMBERS, max_size=4).map(tuple)),
+    st.builds(
+        sig.Redirect,
+        st.text(min_size=1, max_size=32),
+        st.sampled_from(["ws://", "wss://"]).flatmap(
+            lambda scheme: st.text(min_size=1, max_size=200).map(scheme.__add__)
+        ),
+    ),
     st.builds(sig.JoinCapable, IDS, IDS, st.binary(min_size=32, max_size=32)),
     st.builds(
         sig.JoinAccepted,
@@ -244,3 +251,18 @@ def test_hello_example_from_the_protocol_document() -> None:
 
     frame = json.dumps({"type": "hello", "v": 1, "key": base64.b64encode(key).decode()})
     assert sig.decode_client(frame) == sig.Hello(1, key, "")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"code": "K7QM-3XZP"},
+        {"code": "K7QM-3XZP", "url": "http://x/p2p/v1/ws"},
+        {"code": "K7QM-3XZP", "url": "ws://" + "x" * sig.MAX_URL_CHARS},
+        {"code": "", "url": "ws://x/p2p/v1/ws"},
+        {"code": "K7QM-3XZP", "url": 7},
+    ],
+)
+def test_bad_redirects_are_refused(body: dict[str, object]) -> None:
+    with pytest.raises(DecodeError):
+        sig.decode_server(json.dumps({"type": "redirect", **body}))

@@ -149,7 +149,34 @@ class PunchFinished:
     side: str
 
 
-Event = FrameRejected | ProbeDropped | PunchFinished
+@dataclass(frozen=True, slots=True)
+class CodeClaim:
+    """Directory mode: claim ``code`` for ``session`` in the store shared by the
+    instances; answer with :meth:`Coordinator.code_claimed`."""
+
+    session: str
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
+class CodeReleased:
+    """Directory mode: the session behind ``code`` ended (drop its claim)."""
+
+    code: str
+
+
+@dataclass(frozen=True, slots=True)
+class CodeLookup:
+    """Directory mode: ``join`` named a code no local session holds; find the
+    instance that holds it and answer with :meth:`Coordinator.code_located`."""
+
+    peer: str
+    code: str
+
+
+Event = (
+    FrameRejected | ProbeDropped | PunchFinished | CodeClaim | CodeReleased | CodeLookup
+)
 
 
 # ------------------------------------------------------------------------- state
@@ -231,6 +258,8 @@ class _Session:
     members: dict[str, sig.Member] = field(default_factory=dict)
     next_seniority: int = 0
     joins: dict[str, _Join] = field(default_factory=dict)
+    #: False while the code's claim in the shared directory is pending.
+    claimed: bool = True
 
     def host(self) -> str:
         if not self.members:
@@ -246,8 +275,14 @@ class Coordinator:
         config: CoordinatorConfig,
         random_bytes: Callable[[int], bytes],
         turn_credentials: Callable[[str], sig.TurnInfo | None] | None = None,
+        *,
+        directory: bool = False,
     ) -> None:
         self.config = config
+        #: Invite codes are shared with other instances through a directory (the
+        #: service's store): codes are claimed before ``hosted`` and a join for a
+        #: code held elsewhere is redirected there (see :class:`CodeClaim`).
+        self.directory = directory
         self._random = random_bytes
         #: Makes TURN credentials for a new peer id (the service supplies the
         #: wall clock and the shared secret); None: no TURN in ``welcome``.
@@ -283,6 +318,10 @@ class Coordinator:
     @property
     def attempt_count(self) -> int:
         return len(self._attempts)
+
+    def live_codes(self) -> list[str]:
+        """Codes of the sessions whose directory claim succeeded."""
+        return [s.code for s in self._sessions.values() if s.claimed]
 
     def session_members(self, session: str) -> list[str]:
         s = self._sessions.get(session)
@@ -607,7 +646,39 @@ class Coordinator:
         self._sessions[session.id] = session
         self._codes[session.code] = session.id
         peer.sessions.add(session.id)
+        if self.directory:
+            session.claimed = False
+            self._events.append(CodeClaim(session.id, session.code))
+            return
         self._send(peer, sig.Hosted(session.id, session.code, 0))
+
+    def code_claimed(self, session_id: str, ok: bool) -> None:
+        """The directory's answer to :class:`CodeClaim`: ``ok`` False means
+        another instance holds the code, so the session draws another."""
+        session = self._sessions.get(session_id)
+        if session is None or session.claimed:
+            return  # the host left meanwhile (its CodeReleased follows the claim)
+        if not ok:
+            self._codes.pop(session.code, None)
+            session.code = self._new_code()
+            self._codes[session.code] = session.id
+            self._events.append(CodeClaim(session.id, session.code))
+            return
+        session.claimed = True
+        host = self._peers.get(session.host())
+        if host is not None:
+            self._send(host, sig.Hosted(session.id, session.code, 0))
+
+    def code_located(self, peer_id: str, code: str, url: str | None) -> None:
+        """The directory's answer to :class:`CodeLookup`: the signalling URL of
+        the instance holding ``code``, or None when no instance does."""
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return
+        if url is None:
+            self._error(peer.conn, "unknown_code", "no session has this code", "join")
+        else:
+            self._send(peer, sig.Redirect(code, url))
 
     @staticmethod
     def normalize_code(code: str) -> str:
@@ -615,10 +686,24 @@ class Coordinator:
         text = code.strip().upper().replace("-", "").replace(" ", "")
         return text[:4] + "-" + text[4:] if len(text) == CODE_LENGTH else text
 
+    @staticmethod
+    def looks_like_code(code: str) -> bool:
+        """A normalized code of the right shape (worth asking the directory)."""
+        head, dash, tail = code.partition("-")
+        return (
+            bool(dash)
+            and len(head) + len(tail) == CODE_LENGTH
+            and all(c in CODE_ALPHABET for c in head + tail)
+        )
+
     def _join(self, peer: _Peer, join: sig.Join, now: float) -> None:
-        session_id = self._codes.get(self.normalize_code(join.code))
+        code = self.normalize_code(join.code)
+        session_id = self._codes.get(code)
         session = self._sessions.get(session_id) if session_id else None
-        if session is None:
+        if session is None or not session.claimed:
+            if self.directory and session is None and self.looks_like_code(code):
+                self._events.append(CodeLookup(peer.id, code))
+                return
             self._error(peer.conn, "unknown_code", "no session has this code", "join")
             return
         if peer.id in session.members:
@@ -728,6 +813,8 @@ class Coordinator:
                 self._reject_join(session, join.peer, "session closed")
             del self._sessions[session_id]
             self._codes.pop(session.code, None)
+            if self.directory:
+                self._events.append(CodeReleased(session.code))
             return
         new_host = session.host()
         for member in session.members.values():

@@ -48,6 +48,8 @@ MAX_SIGNAL_BYTES = 4096
 #: Identifier lengths (peer ids, session ids, codes, reasons, names).
 MAX_ID_CHARS = 64
 MAX_TEXT_CHARS = 200
+#: Longest instance URL in ``redirect`` (a host name, a port and a path).
+MAX_URL_CHARS = 512
 
 #: Step names of the connection ladder, as the NAT lab reports them (issue 7).
 STEPS = ("lan", "direct", "mapping", "punch", "relay")
@@ -532,6 +534,27 @@ class Join(Message):
     @classmethod
     def parse(cls, o: Mapping[str, Any]) -> Join:
         return cls(code=_str(o, "code", max_chars=32))
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class Redirect(Message):
+    """The session behind ``code`` lives on another server instance: reconnect
+    to ``url`` (a fresh ``hello`` there) and send the ``join`` again."""
+
+    TYPE: ClassVar[str] = "redirect"
+    code: str
+    url: str
+
+    def body(self) -> dict[str, Any]:
+        return {"code": self.code, "url": self.url}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Redirect:
+        url = _str(o, "url", max_chars=MAX_URL_CHARS)
+        if not url.startswith(("ws://", "wss://")):
+            raise DecodeError("redirect: url must be ws:// or wss://")
+        return cls(code=_str(o, "code", max_chars=32), url=url)
 
 
 @_server

@@ -1,0 +1,184 @@
+"""Two p2p instances sharing a real Redis: invite codes claimed in the Store,
+joins that reach the wrong instance redirected to the session's, SDK clients
+following the redirect, claims kept alive and freed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from crossroads.client.p2p import P2PClient
+from crossroads.client.signalling import SignallingError
+from crossroads.config import default_config
+from crossroads.runtime import Runtime, start
+from crossroads.services import p2p as p2p_service
+from crossroads.services.p2p import CODE_KEY, P2PService
+from tests.conftest import loopback_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ws_url(rt: Runtime) -> str:
+    host, port = rt.http_address
+    return f"ws://{host}:{port}/p2p/v1/ws"
+
+
+def service(rt: Runtime) -> P2PService:
+    svc = rt.services["p2p"]
+    assert isinstance(svc, P2PService)
+    return svc
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not await check():
+        assert loop.time() < deadline, f"not within 10 s: {what}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def pair(redis_url: str) -> AsyncIterator[tuple[Runtime, Runtime]]:
+    started: list[Runtime] = []
+    try:
+        for _ in range(2):
+            config = loopback_config(core__only="p2p", core__store=redis_url)
+            started.append(await start(default_config(config)))
+        yield started[0], started[1]
+    finally:
+        for rt in started:
+            await rt.close()
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[Callable[[str], Awaitable[P2PClient]]]:
+    made: list[P2PClient] = []
+
+    async def make(url: str) -> P2PClient:
+        client = P2PClient(url, bind=("127.0.0.1", 0))
+        await client.start()
+        made.append(client)
+        return client
+
+    try:
+        yield make
+    finally:
+        for client in made:
+            await client.close()
+
+
+async def test_a_join_on_the_other_instance_is_redirected_and_connects(
+    pair: tuple[Runtime, Runtime], clients: Callable[[str], Awaitable[P2PClient]]
+) -> None:
+    a, b = pair
+    host = await clients(ws_url(a))
+    code = await host.host()
+    assert await a.store.get(CODE_KEY + code) == ws_url(a).encode()
+    assert CODE_KEY + code in [k for k in await b.store.keys(CODE_KEY)]
+
+    guest = await clients(ws_url(b))
+    first_id = guest.peer_id
+    await guest.join(code.lower().replace("-", ""))
+    assert guest.url == ws_url(a)  # moved to the session's instance
+    assert guest.peer_id != first_id  # a new peer there
+    assert set(guest.members) == {host.peer_id, guest.peer_id}
+    assert service(b).core.peer_count == 0 and service(a).core.peer_count == 2
+    guest.send(host.peer_id, b"across instances")
+    assert await asyncio.wait_for(host.recv(), 5) == (
+        guest.peer_id,
+        b"across instances",
+    )
+    metrics = service(b).redirects._value.get()
+    assert metrics == 1
+
+    # The session ends with its last member: the claim goes at once.
+    await guest.leave()
+    await host.leave()
+
+    async def released() -> bool:
+        return await b.store.get(CODE_KEY + code) is None
+
+    await eventually(released, "code released")
+
+
+async def test_codes_nobody_holds_and_stale_own_claims_are_unknown(
+    pair: tuple[Runtime, Runtime], clients: Callable[[str], Awaitable[P2PClient]]
+) -> None:
+    a, b = pair
+    guest = await clients(ws_url(b))
+    with pytest.raises(SignallingError) as nobody:
+        await guest.join("K7QM-3XZP")
+    assert nobody.value.code == "unknown_code"
+    # A claim naming this very instance whose session is gone (a restart
+    # within the TTL): unknown, not a redirect to itself.
+    await b.store.set(CODE_KEY + "K7QM-3XZQ", ws_url(b).encode(), ttl=30)
+    with pytest.raises(SignallingError) as stale:
+        await guest.join("K7QM-3XZQ")
+    assert stale.value.code == "unknown_code"
+    assert guest.url == ws_url(b)
+    assert service(b).redirects._value.get() == 0
+
+
+async def test_a_member_is_not_moved_out_of_its_session(
+    pair: tuple[Runtime, Runtime], clients: Callable[[str], Awaitable[P2PClient]]
+) -> None:
+    a, b = pair
+    host_a = await clients(ws_url(a))
+    code_a = await host_a.host()
+    host_b = await clients(ws_url(b))
+    await host_b.host()
+    with pytest.raises(Exception, match="leave this one first"):
+        await host_b.join(code_a)
+    assert host_b.url == ws_url(b) and host_b.session
+
+
+async def test_claims_are_refreshed_restored_and_freed_on_close(
+    redis_url: str,
+    clients: Callable[[str], Awaitable[P2PClient]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(p2p_service, "CODE_TTL", 0.6)
+    config = loopback_config(core__only="p2p", core__store=redis_url)
+    rt = await start(default_config(config))
+    try:
+        host = await clients(ws_url(rt))
+        code = await host.host()
+        key = CODE_KEY + code
+        # Refreshed: alive well past its TTL while the session lives.
+        await asyncio.sleep(1.5)
+        assert await rt.store.get(key) == ws_url(rt).encode()
+        ttl = await rt.store.ttl(key)
+        assert ttl is not None and 0 < ttl <= 0.6
+        # Lost by the Store (a Redis restart without persistence): re-claimed.
+        await rt.store.delete(key)
+
+        async def restored() -> bool:
+            return await rt.store.get(key) == ws_url(rt).encode()
+
+        await eventually(restored, "claim restored")
+    finally:
+        await rt.close()
+    # An instance that stops frees its codes without waiting for the TTL.
+    check = await start(default_config(config))
+    try:
+        assert await check.store.get(key) is None
+    finally:
+        await check.close()
+
+
+async def test_codes_are_unique_across_instances(
+    pair: tuple[Runtime, Runtime], clients: Callable[[str], Awaitable[P2PClient]]
+) -> None:
+    a, b = pair
+    hosts = [await clients(ws_url(rt)) for rt in (a, b, a, b)]
+    codes = [await h.host() for h in hosts]
+    assert len(set(codes)) == 4
+    holders = {code: await a.store.get(CODE_KEY + code) for code in codes}
+    assert holders == {
+        codes[0]: ws_url(a).encode(),
+        codes[1]: ws_url(b).encode(),
+        codes[2]: ws_url(a).encode(),
+        codes[3]: ws_url(b).encode(),
+    }
