@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -138,3 +139,20 @@ async def runtime() -> AsyncIterator[Runtime]:
         yield rt
     finally:
         await rt.close()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0
+) -> None:
+    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout`` s.
+
+    For effects a protocol does not acknowledge (OpenTTD's SERVER_UPDATE, a
+    released claim): a test learns they happened by looking, not by sleeping; a
+    fixed sleep is too short on a loaded CI machine and too long elsewhere.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.05)

@@ -15,7 +15,7 @@ from crossroads.config import default_config
 from crossroads.runtime import Runtime, start
 from crossroads.services import p2p as p2p_service
 from crossroads.services.p2p import CODE_KEY, P2PService
-from tests.conftest import loopback_config
+from tests.conftest import eventually, loopback_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,14 +29,6 @@ def service(rt: Runtime) -> P2PService:
     svc = rt.services["p2p"]
     assert isinstance(svc, P2PService)
     return svc
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
-    while not await check():
-        assert loop.time() < deadline, f"not within 10 s: {what}"
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

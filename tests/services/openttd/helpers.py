@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,7 @@ from crossroads.proto.openttd.turn import (
 )
 from crossroads.runtime import Runtime, start
 from crossroads.services.openttd import OpenTTDService
-from tests.conftest import loopback_config
+from tests.conftest import eventually, loopback_config
 
 AF_INET = 2
 AF_INET6 = 10  # Linux (reference section 6)
@@ -174,23 +173,6 @@ async def http_get(rt: Runtime, path: str) -> httpx.Response:
     host, port = rt.http_address
     async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as http:
         return await http.get(path)
-
-
-async def eventually(
-    check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0
-) -> None:
-    """Poll ``check`` until it holds; fail naming ``what`` after ``timeout`` s.
-
-    The coordinator has no acknowledgement for SERVER_UPDATE or CLIENT_CONNECTED,
-    so a test learns that they were handled by looking, not by sleeping: a fixed
-    sleep is too short on a loaded CI machine and too long everywhere else.
-    """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not await check():
-        if loop.time() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.05)
 
 
 async def listed_names(rt: Runtime) -> list[str]:
