@@ -75,6 +75,9 @@ async def test_a_join_on_the_other_instance_is_redirected_and_connects(
     await guest.join(code.lower().replace("-", ""))
     assert guest.url == ws_url(a)  # moved to the session's instance
     assert guest.peer_id != first_id  # a new peer there
+    # The old instance's rendezvous ports were sent to before the new instance
+    # first saw the socket: they must not shift a sequential NAT's prediction.
+    assert guest.socket.flows(guest._rendezvous) <= 1  # at most the host's link
     assert set(guest.members) == {host.peer_id, guest.peer_id}
     assert service(b).core.peer_count == 0 and service(a).core.peer_count == 2
     guest.send(host.peer_id, b"across instances")

@@ -405,6 +405,7 @@ class P2PClient:
         self.url = url
         self.signalling = SignallingClient(url, self._on_message, self.relay_in)
         await self._hello(timeout)
+        self.socket.restart_flow_count()
         await self._probe(0)
 
     async def close(self) -> None:

@@ -165,6 +165,12 @@ class PeerSocket:
             return 0
         return len(self.main.destinations - set(exclude))
 
+    def restart_flow_count(self) -> None:
+        """Count flows from here on: the next rendezvous probes go to a new server
+        whose first observation already follows every earlier destination."""
+        if self.main is not None:
+            self.main.destinations.clear()
+
     def route(self, rid: bytes, receiver: Receiver) -> None:
         self._routes[rid] = receiver
 
