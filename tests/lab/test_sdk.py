@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
+import socket
+import sys
 import time
 
 import pytest
 
 from crossroads.client.p2p import HostChanged, P2PClient
+from crossroads.lab import netns
 from crossroads.lab.kinds import KINDS, KINDS_BY_NAME
 from crossroads.lab.matrix import Attempt, load_methods, run_attempt
 from crossroads.lab.methods.sdk import _client, needs_relay
-from crossroads.lab.topology import Lab
+from crossroads.lab.topology import SERVER_IPS, Lab
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(300)]
 
@@ -135,6 +139,91 @@ def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:
             await asyncio.gather(*(p.close() for p in peers), return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_join_redirected_between_instances_through_nat(lab: Lab) -> None:
+    """Two p2p instances on one Redis in the server namespace (one per server
+    address). The host registers its session on the first; a joiner behind a
+    symmetric-sequential NAT reaches the second, is redirected, re-probes the
+    first instance's rendezvous ports and punches by port prediction — which
+    needs the flow count restarted at the move (the second instance's ports were
+    earlier destinations of the same socket)."""
+    redis_server = shutil.which("redis-server")
+    assert redis_server is not None, "redis-server is not installed"
+    store = f"redis://{SERVER_IPS[0]}:6390/0"
+    pids = []
+
+    async def main() -> None:
+        pids.append(
+            _spawn(lab, "redis", [redis_server, "--port", "6390", "--bind",
+                                  SERVER_IPS[0], "--save", "", "--appendonly", "no",
+                                  "--protected-mode", "no"])
+        )  # fmt: skip
+        await _wait_tcp(lab, SERVER_IPS[0], 6390)
+        for index, ip in enumerate(SERVER_IPS):
+            argv = [sys.executable, "-m", "crossroads", "serve", "--only", "p2p",
+                    "--host", ip, "--http-port", "8091", "--store", store,
+                    "--p2p-port", "3590", "--p2p-alt-port", "3591",
+                    "--p2p-alt-port2", "3592"]  # fmt: skip
+            pids.append(_spawn(lab, f"p2p-{index}", argv))
+        for ip in SERVER_IPS:
+            await _wait_tcp(lab, ip, 8091)
+        first, second = (f"ws://{ip}:8091/p2p/v1/ws" for ip in SERVER_IPS)
+        host = _client(lab, lab.site("port-restricted-cone-a"), portmap=False,
+                       turn=False, url=first)  # fmt: skip
+        guest = _client(lab, lab.site("symmetric-sequential-b"), portmap=False,
+                        turn=False, url=second)  # fmt: skip
+        try:
+            await asyncio.gather(host.start(), guest.start())
+            code = await host.host(2)
+            await guest.join(code, timeout=40)
+            assert guest.url == first
+            link = guest.links[host.peer_id]
+            assert link.step == "punch", link.step
+            guest.send(host.peer_id, b"via the other instance")
+            assert await asyncio.wait_for(host.recv(), 5) == (
+                guest.peer_id,
+                b"via the other instance",
+            )
+        finally:
+            await asyncio.gather(host.close(), guest.close(), return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    except BaseException:
+        for name in ("redis", "p2p-0", "p2p-1"):
+            log = lab.state_dir / f"{name}.log"
+            if log.exists():
+                print(f"--- {name}.log\n" + log.read_text(errors="replace")[-3000:])
+        raise
+    finally:
+
+        async def stop() -> None:
+            for pid in pids:
+                await netns.kill_group(pid)
+
+        asyncio.run(stop())
+
+
+def _spawn(lab: Lab, name: str, argv: list[str]) -> int:
+    """A process in the server namespace, stopped by the lab's teardown too."""
+    lab._spawn(name, lab.server_ns, argv)
+    return lab.state.pids[name]
+
+
+async def _wait_tcp(lab: Lab, ip: str, port: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 20
+    while True:
+        sock = netns.socket_in(lab.server_ns, socket.SOCK_STREAM)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), 1)
+            return
+        except (OSError, TimeoutError):
+            assert loop.time() < deadline, f"nothing listens on {ip}:{port}"
+            await asyncio.sleep(0.1)
+        finally:
+            sock.close()
 
 
 def test_p2p_client_class_is_the_sdk() -> None:

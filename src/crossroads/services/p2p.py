@@ -322,15 +322,27 @@ class P2PService:
     # ------------------------------------------------------- code directory
 
     async def _apply_directory_ops(self) -> None:
+        failing = False
         while True:
             op = await self._directory_ops.get()
             while True:
                 try:
                     await self._apply(op)
-                    break
                 except Exception as exc:  # noqa: BLE001 - Store down: retry in order
-                    log.warning("p2p code directory: %r; retrying", exc)
+                    if not failing:  # once per outage, not every retry
+                        log.warning(
+                            "p2p code directory: %s; hosting waits, retrying every "
+                            "%.1f s",
+                            exc,
+                            STORE_RETRY,
+                        )
+                        failing = True
                     await asyncio.sleep(STORE_RETRY)
+                    continue
+                if failing:
+                    log.warning("p2p code directory: the Store answers again")
+                    failing = False
+                break
 
     async def _apply(self, op: CodeClaim | CodeReleased) -> None:
         key = CODE_KEY + op.code

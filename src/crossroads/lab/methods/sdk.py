@@ -60,7 +60,9 @@ def _turn(lab: Lab, site: Site) -> Callable[[], Awaitable[TurnClientRelay]]:
     return make
 
 
-def _client(lab: Lab, site: Site, *, portmap: bool, turn: bool = True) -> P2PClient:
+def _client(
+    lab: Lab, site: Site, *, portmap: bool, turn: bool = True, url: str = URL
+) -> P2PClient:
     ns = lab.host_ns(site)
 
     def udp() -> socket.socket:
@@ -79,7 +81,7 @@ def _client(lab: Lab, site: Site, *, portmap: bool, turn: bool = True) -> P2PCli
         )
 
     return P2PClient(
-        URL,
+        url,
         name=site.name,
         socket_factory=udp,
         tcp_factory=tcp,
