@@ -42,11 +42,12 @@ def free_udp_tcp_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A real redis-server on a private port and directory, for one test session."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int | None = None) -> None:
+        """``port``: start on this one (a restart of a stopped server)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; run `make install`")
-        self.port = free_port()
+        self.port = port or free_port()
         self.directory = tempfile.mkdtemp(prefix="crossroads-redis-")
         self.process = subprocess.Popen(
             [

@@ -15,7 +15,7 @@ from crossroads.config import default_config
 from crossroads.runtime import Runtime, start
 from crossroads.services import p2p as p2p_service
 from crossroads.services.p2p import CODE_KEY, P2PService
-from tests.conftest import eventually, loopback_config
+from tests.conftest import RedisServer, eventually, loopback_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,3 +177,35 @@ async def test_codes_are_unique_across_instances(
         codes[2]: ws_url(a).encode(),
         codes[3]: ws_url(b).encode(),
     }
+
+
+async def test_hosting_waits_out_a_redis_restart(
+    clients: Callable[[str], Awaitable[P2PClient]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Redis restarts empty: a session hosted meanwhile gets its code once Redis
+    is back, and the live session's claim is restored by the refresh."""
+    monkeypatch.setattr(p2p_service, "CODE_TTL", 1.5)
+    redis = RedisServer()
+    config = loopback_config(core__only="p2p", core__store=redis.url)
+    rt = await start(default_config(config))
+    try:
+        first = await clients(ws_url(rt))
+        code = await first.host()
+        redis.stop()
+        second = await clients(ws_url(rt))  # signalling needs no Store
+        hosting = asyncio.create_task(second.host())
+        await asyncio.sleep(1.0)
+        assert not hosting.done()  # the claim waits for the Store
+        redis = RedisServer(port=redis.port)
+        later = await asyncio.wait_for(hosting, 15)
+        assert later != code
+
+        async def both_claimed() -> bool:
+            held = [await rt.store.get(CODE_KEY + c) for c in (code, later)]
+            return held == [ws_url(rt).encode()] * 2
+
+        await eventually(both_claimed, "both codes claimed after the restart")
+    finally:
+        await rt.close()
+        redis.stop()
