@@ -16,10 +16,12 @@ import pytest
 import websockets
 
 from crossroads.config import default_config
+from crossroads.errors import ConfigError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import RELAY_MAX_FRAME
 from crossroads.proto.punch.rendezvous import Observed, Probe
 from crossroads.runtime import Runtime, start
+from crossroads.services.p2p import signalling_url
 from crossroads.web.app import WS_MAX_MESSAGE_BYTES
 from tests.conftest import loopback_config
 
@@ -245,3 +247,25 @@ async def test_no_turn_without_a_secret(rt: Runtime) -> None:
     async with websockets.connect(ws_url(rt)) as ws:
         await ws.send(hello())
         assert (await recv_type(ws, "welcome"))["turn"] is None
+
+
+def test_signalling_url_other_instances_hand_out() -> None:
+    assert signalling_url("203.0.113.10", 8080) == "ws://203.0.113.10:8080/p2p/v1/ws"
+    assert signalling_url("2001:db8::1", 8080) == "ws://[2001:db8::1]:8080/p2p/v1/ws"
+    # A wildcard bind is no address to give out: the machine's name instead.
+    for wildcard in ("0.0.0.0", "::", ""):
+        assert (
+            signalling_url(wildcard, 80) == f"ws://{socket.gethostname()}:80/p2p/v1/ws"
+        )
+
+
+async def test_public_url_setting_is_advertised() -> None:
+    config = loopback_config(core__only="p2p", p2p__public_url="wss://p2p.example/ws")
+    runtime = await start(default_config(config))
+    try:
+        service = runtime.services["p2p"]
+        assert service.url == "wss://p2p.example/ws"  # type: ignore[attr-defined]
+    finally:
+        await runtime.close()
+    with pytest.raises(ConfigError, match="public_url"):
+        default_config(loopback_config(p2p__public_url="http://x/"))

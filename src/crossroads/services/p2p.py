@@ -530,7 +530,7 @@ class P2PService:
 def signalling_url(host: str, port: int) -> str:
     """This instance's signalling URL as other instances hand it out."""
     if not host or host in ("0.0.0.0", "::"):
-        host = socket.getfqdn()
+        host = socket.gethostname()  # no DNS lookup at start-up
     if ":" in host:
         host = f"[{host}]"
     return f"ws://{host}:{port}/p2p/v1/ws"
