@@ -74,8 +74,9 @@ async def udp_round() -> float:
 
 
 async def sdk_round(url: str, relay: str) -> tuple[float, str]:
-    a = P2PClient(url, bind=("127.0.0.1", 0))
-    b = P2PClient(url, bind=("127.0.0.1", 0), relay=relay)
+    # IPv4 only, like the plain-UDP baseline it is compared with
+    a = P2PClient(url, bind=("127.0.0.1", 0), bind6=None)
+    b = P2PClient(url, bind=("127.0.0.1", 0), bind6=None, relay=relay)
     await a.start()
     await b.start()
     try:

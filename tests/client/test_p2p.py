@@ -174,3 +174,45 @@ async def test_links_survive_the_server_going_away() -> None:
         await a.close()
         await b.close()
         await rt.close()
+
+
+async def test_ipv6_host_candidates_connect_peers_behind_different_ipv4s(
+    url: str,
+) -> None:
+    """The server sees two public IPv4 addresses (127.0.0.1 and 127.0.0.2: no
+    LAN step over IPv4), both peers have an IPv6 host address (::1): the ladder
+    tries IPv6 first and the link runs over it."""
+    host = P2PClient(url, bind=("127.0.0.1", 0), bind6=("::1", 0))
+    guest = P2PClient(url, bind=("127.0.0.2", 0), bind6=("::1", 0))
+    try:
+        await host.start()
+        await guest.start()
+        assert host.public is not None and guest.public is not None
+        assert host.public[0] != guest.public[0]
+        code = await host.host()
+        await guest.join(code)
+        link = guest.links[host.peer_id]
+        assert link.step == "lan"
+        assert link.addr == ("::1", host.socket.v6.local[1])  # type: ignore[union-attr]
+        guest.send(host.peer_id, b"over IPv6")
+        assert await asyncio.wait_for(host.recv(), 5) == (guest.peer_id, b"over IPv6")
+        host.send(guest.peer_id, b"and back")
+        assert await asyncio.wait_for(guest.recv(), 5) == (host.peer_id, b"and back")
+    finally:
+        await host.close()
+        await guest.close()
+
+
+async def test_without_ipv6_on_one_side_the_ladder_stays_on_ipv4(url: str) -> None:
+    host = P2PClient(url, bind=("127.0.0.1", 0), bind6=("::1", 0))
+    guest = P2PClient(url, bind=("127.0.0.2", 0), bind6=None)
+    try:
+        await host.start()
+        await guest.start()
+        assert guest.socket.v6 is None
+        await guest.join(await host.host())
+        link = guest.links[host.peer_id]
+        assert link.step == "direct" and link.addr[0] == "127.0.0.1"
+    finally:
+        await host.close()
+        await guest.close()

@@ -103,14 +103,17 @@ def server() -> Iterator[str]:
 
 
 def test_host_and_join_chat(server: str) -> None:
-    host = Proc("host", "--server", server)
+    # --bind: loopback only (the IPv6 socket follows: ::1)
+    host = Proc("host", "--server", server, "--bind", "127.0.0.1")
     join = None
     try:
         code = host.wait_for("invite code:").split(":", 1)[1].strip()
-        join = Proc("join", code, "--server", server)
+        join = Proc("join", code, "--server", server, "--bind", "127.0.0.1")
         join.wait_for("Type lines to chat")
         connected = join.wait_for("connected to")
         assert " via " in connected and " ms" in connected
+        # IPv6 host candidates go first (sent 30 ms before the IPv4 ones)
+        assert "via lan (IPv6 [::1]:" in connected, connected
         host.wait_for("joined")
         join.type("hello from the joiner")
         line = host.wait_for("hello from the joiner")
@@ -124,7 +127,7 @@ def test_host_and_join_chat(server: str) -> None:
 
 
 def test_join_with_bad_code_fails_cleanly(server: str) -> None:
-    join = Proc("join", "NOPE-NOPE", "--server", server)
+    join = Proc("join", "NOPE-NOPE", "--server", server, "--bind", "127.0.0.1")
     try:
         line = join.wait_for("crossroads join:")
         assert "unknown_code" in line

@@ -36,6 +36,17 @@ def _short(peer: str) -> str:
     return peer[:8]
 
 
+def _where(client: P2PClient, peer: str) -> str:
+    """`` (IPv6 [2001:db8::7]:5000)``: where the link runs, when over UDP."""
+    link = client.links.get(peer)
+    if link is None or link.addr[0].startswith("relay:"):
+        return ""
+    host, port = link.addr
+    if ":" in host:
+        return f" (IPv6 [{host}]:{port})"
+    return f" ({host}:{port})"
+
+
 async def _chat(client: P2PClient) -> None:
     async def show_events() -> None:
         while True:
@@ -43,7 +54,8 @@ async def _chat(client: P2PClient) -> None:
             match event:
                 case LinkUp(peer=peer, step=step, seconds=seconds):
                     _out(
-                        f"* connected to {_short(peer)} via {step} in {seconds * 1000:.0f} ms"
+                        f"* connected to {_short(peer)} via {step}"
+                        f"{_where(client, peer)} in {seconds * 1000:.0f} ms"
                     )
                 case LinkDown(peer=peer, reason=reason):
                     _out(f"* link to {_short(peer)} down: {reason}")
@@ -110,8 +122,11 @@ async def _host(
     portmap: bool,
     max_members: int,
     stun: tuple[str, int] | None,
+    bind: str,
 ) -> None:
-    async with P2PClient(server, relay=relay, portmap=portmap, stun=stun) as client:
+    async with P2PClient(
+        server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0)
+    ) as client:
         _show_nat(client)
         code = await client.host(max_members)
         _out(f"invite code: {code}")
@@ -122,14 +137,22 @@ async def _host(
 
 
 async def _join(
-    server: str, code: str, relay: str, portmap: bool, stun: tuple[str, int] | None
+    server: str,
+    code: str,
+    relay: str,
+    portmap: bool,
+    stun: tuple[str, int] | None,
+    bind: str,
 ) -> None:
-    async with P2PClient(server, relay=relay, portmap=portmap, stun=stun) as client:
+    async with P2PClient(
+        server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0)
+    ) as client:
         _show_nat(client)
         await client.join(code)
         for peer, link in client.links.items():
             _out(
-                f"* connected to {_short(peer)} via {link.step} in {link.seconds * 1000:.0f} ms"
+                f"* connected to {_short(peer)} via {link.step}"
+                f"{_where(client, peer)} in {link.seconds * 1000:.0f} ms"
             )
         _out(
             f"* joined {client.code}; host is {_short(client.host_peer)}. Type lines to chat."
@@ -159,6 +182,14 @@ def _options(command: Any) -> Any:
         help="Detect the NAT type (RFC 5780) against this STUN server first.",
     )(command)
     command = click.option(
+        "--bind",
+        default="0.0.0.0",
+        show_default=True,
+        metavar="IPV4",
+        help="Local IPv4 address of the peer socket. The IPv6 socket follows it: "
+        ":: beside 0.0.0.0, ::1 beside a loopback address, none otherwise.",
+    )(command)
+    command = click.option(
         "--portmap/--no-portmap",
         default=False,
         help="Ask the home gateway for a port mapping (PCP, NAT-PMP, UPnP-IGD).",
@@ -170,23 +201,30 @@ def _options(command: Any) -> Any:
 @_options
 @click.option("--max-members", default=sig.MAX_MEMBERS, show_default=True, type=int)
 def host(
-    server: str, relay: str, stun: str | None, portmap: bool, max_members: int
+    server: str,
+    relay: str,
+    stun: str | None,
+    portmap: bool,
+    max_members: int,
+    bind: str,
 ) -> None:
     """Create a p2p session, print its invite code, chat with whoever joins."""
     from crossroads.cli import run_async
 
-    run_async(_host(server, relay, portmap, max_members, _address(stun)))
+    run_async(_host(server, relay, portmap, max_members, _address(stun), bind))
 
 
 @click.command("join")
 @click.argument("code")
 @_options
-def join(code: str, server: str, relay: str, stun: str | None, portmap: bool) -> None:
+def join(
+    code: str, server: str, relay: str, stun: str | None, portmap: bool, bind: str
+) -> None:
     """Join the p2p session behind CODE and chat with its members."""
     from crossroads.cli import run_async
 
     try:
-        run_async(_join(server, code, relay, portmap, _address(stun)))
+        run_async(_join(server, code, relay, portmap, _address(stun), bind))
     except Exception as exc:  # noqa: BLE001 - one line for the user, exit 1
         click.echo(f"crossroads join: {exc}", err=True)
         sys.exit(1)

@@ -242,12 +242,31 @@ class PeerLink:
 
 def _local_ip_towards(host: str) -> str | None:
     """The local address the kernel would use to reach ``host`` (no packet sent)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))
             return str(s.getsockname()[0])
     except OSError:
         return None
+
+
+#: A global IPv6 destination for a route lookup (documentation prefix: the
+#: lookup sends nothing); the answer is this host's global source address.
+IPV6_ROUTE_PROBE = "2001:db8::1"
+
+
+def _ipv6_host_address(bound: str) -> str | None:
+    """The IPv6 address peers can reach this host on: the bound one, else the
+    kernel's source for global destinations (None without global IPv6;
+    link-local addresses need a scope no peer could supply)."""
+    ip = ipaddress.ip_address(bound)
+    if ip.is_unspecified:
+        found = _local_ip_towards(IPV6_ROUTE_PROBE)
+        if found is None:
+            return None
+        ip = ipaddress.ip_address(found.split("%")[0])
+    return None if ip.is_link_local else str(ip)
 
 
 class P2PClient:
@@ -259,6 +278,7 @@ class P2PClient:
         *,
         name: str = "",
         bind: Address = ("0.0.0.0", 0),
+        bind6: Address | None | bool = True,
         relay: str = "allow",
         accept_join: Callable[[str], bool] | None = None,
         mapped: sig.Endpoint | None = None,
@@ -273,6 +293,19 @@ class P2PClient:
         self.url = url
         self.name = name
         self.bind = bind
+        #: The IPv6 socket: an address binds there, None/False opens none, True
+        #: follows ``bind``: ``::`` beside ``0.0.0.0``, ``::1`` beside a
+        #: loopback address, none beside another specific address or when
+        #: ``socket_factory`` makes the IPv4 socket (e.g. in a lab namespace).
+        self.bind6: Address | None = None
+        if bind6 is True:
+            bind_ip = ipaddress.ip_address(bind[0])
+            if socket_factory is None and bind_ip.is_unspecified:
+                self.bind6 = ("::", 0)
+            elif socket_factory is None and bind_ip.is_loopback:
+                self.bind6 = ("::1", 0)
+        elif bind6:
+            self.bind6 = bind6
         if relay not in ("allow", "force", "never"):
             raise ValueError("relay must be 'allow', 'force' or 'never'")
         #: EOS-style relay control (reference §3.2): "allow" tries every direct
@@ -331,6 +364,8 @@ class P2PClient:
             await self.socket.open(sock=self._socket_factory())
         else:
             await self.socket.open(*self.bind)
+        if self.bind6 is not None and not await self.socket.open_v6(*self.bind6):
+            log.info("no IPv6 socket on %s: IPv4 only", self.bind6)
         if self.portmap and self.mapped is None:
             port = self.socket.local[1]
             self.portmapper = (
@@ -637,6 +672,11 @@ class P2PClient:
         ip = ip or _local_ip_towards(self._server_ip)
         if ip is not None:
             local.append(sig.Endpoint(ip, port))
+        if self.socket.v6 is not None:
+            bound6, port6 = self.socket.v6.local
+            ip6 = _ipv6_host_address(bound6)
+            if ip6 is not None:
+                local.insert(0, sig.Endpoint(ip6, port6))  # IPv6 first, as ICE
         return sig.Candidates(
             local=tuple(local),
             mapped=self.mapped,

@@ -116,6 +116,10 @@ class PeerSocket:
 
     def __init__(self) -> None:
         self.main: _UdpTransport | None = None
+        #: An IPv6 socket beside the (IPv4) main one, for IPv6 host candidates:
+        #: IPv6 needs no NAT traversal, only a stateful firewall opened by the
+        #: ladder's simultaneous sends.
+        self.v6: _UdpTransport | None = None
         self._routes: dict[bytes, Receiver] = {}
         self._observed: dict[tuple[int, int], asyncio.Future[rv.Observed]] = {}
         self.dropped = 0
@@ -132,6 +136,36 @@ class PeerSocket:
             lambda: _UdpTransport(self, 0), sock=sock
         )
         self.main = protocol
+
+    async def open_v6(
+        self, host: str = "::", port: int = 0, sock: socket.socket | None = None
+    ) -> bool:
+        """Open the IPv6 socket (IPv6 only: IPv4 stays on the main socket, whose
+        NAT mappings port prediction counts). False when the host has no IPv6."""
+        loop = asyncio.get_running_loop()
+        try:
+            if sock is None:
+                sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind((host, port))
+        except OSError:
+            if sock is not None:
+                sock.close()
+            return False
+        sock.setblocking(False)
+        _, protocol = await loop.create_datagram_endpoint(
+            lambda: _UdpTransport(self, 0), sock=sock
+        )
+        self.v6 = protocol
+        return True
+
+    def transport_for(self, dest: Address) -> _UdpTransport:
+        """The socket that sends to ``dest``: IPv6 destinations leave from the
+        IPv6 socket when there is one."""
+        if self.v6 is not None and ":" in dest[0]:
+            return self.v6
+        assert self.main is not None
+        return self.main
 
     @property
     def local(self) -> Address:
@@ -236,6 +270,8 @@ class PeerSocket:
     def close(self) -> None:
         if self.main is not None:
             self.main.close()
+        if self.v6 is not None:
+            self.v6.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,10 +341,9 @@ class LadderRun:
         self.sprayed = 0
         self.spray_errors = 0
 
-    def _transport(self, index: int) -> Transport:
+    def _transport(self, index: int, dest: Address) -> Transport:
         if index == 0:
-            assert self.socket.main is not None
-            return self.socket.main
+            return self.socket.transport_for(dest)
         return self.extra[index - 1]
 
     def receive(self, data: bytes, addr: Address, via: Transport) -> None:
@@ -370,7 +405,7 @@ class LadderRun:
         if self.result.done():
             return
         with contextlib.suppress(OSError):
-            self._transport(index).send(self._probe(step), dest)
+            self._transport(index, dest).send(self._probe(step), dest)
 
     def _probe(self, step: str) -> bytes:
         self._seq = (self._seq + 1) & 0xFFFF

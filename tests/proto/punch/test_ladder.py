@@ -236,3 +236,32 @@ def test_random_against_sequential_without_spray_budget() -> None:
     p = plan(SEQ, RANDOM, spray_ports=0)
     assert p.sprays("initiator") == p.sprays("responder") == []
     assert p.sockets("initiator") == p.sockets("responder") == 0
+
+
+def test_ipv6_host_candidates_are_tried_across_different_nats() -> None:
+    v6_a, v6_b = Endpoint("2001:db8:a::7", 5000), Endpoint("2001:db8:b::9", 6000)
+    lan_a, lan_b = Endpoint("192.168.1.2", 4000), Endpoint("10.0.0.9", 5000)
+    a = info("198.51.100.1", (4000, 4000, 4000), "independent", local=(v6_a, lan_a))
+    b = info("203.0.113.9", (5000, 5000, 5000), "independent", local=(v6_b, lan_b))
+    p = plan(a, b)
+    assert p.steps[0].name == "lan"
+    # only the IPv6 addresses: the private IPv4 ones are behind other NATs
+    assert dests(p.initiator, "lan") == [v6_b.address()]
+    assert dests(p.responder, "lan") == [v6_a.address()]
+    assert [s.name for s in p.steps[1:3]] == ["direct", "punch"]
+
+
+def test_no_ipv6_step_unless_both_sides_have_ipv6() -> None:
+    v6_a = Endpoint("2001:db8:a::7", 5000)
+    a = info("198.51.100.1", (4000, 4000, 4000), "independent", local=(v6_a,))
+    b = info("203.0.113.9", (5000, 5000, 5000), "independent")
+    assert "lan" not in [s.name for s in plan(a, b).steps]
+    assert "lan" not in [s.name for s in plan(b, a).steps]
+
+
+def test_same_nat_tries_ipv6_and_ipv4_host_candidates() -> None:
+    v6_a, lan_a = Endpoint("2001:db8::7", 5000), Endpoint("192.168.1.2", 4000)
+    v6_b, lan_b = Endpoint("2001:db8::9", 6000), Endpoint("192.168.1.3", 4001)
+    a = info("198.51.100.1", (4000, 4000, 4000), "independent", local=(v6_a, lan_a))
+    b = info("198.51.100.1", (4001, 4001, 4001), "independent", local=(v6_b, lan_b))
+    assert dests(plan(a, b).initiator, "lan") == [v6_b.address(), lan_b.address()]

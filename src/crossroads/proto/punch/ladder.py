@@ -13,6 +13,9 @@ Steps, in order (names as the NAT lab reports them):
 ``lan``      both send to the other's host candidates, when both have the same
              public IP (they are behind the same NAT) — RakNet's
              TESTING_INTERNAL_IPS: 2 sends per address, 15 ms apart (§2.1).
+             When both have IPv6 host candidates, they send to those in any
+             case: IPv6 has no NAT to traverse, only stateful firewalls, which
+             simultaneous sends open (ICE's preference for IPv6 host pairs).
 ``direct``   only the initiator sends, to the responder's server-observed public
              endpoint: succeeds when the responder has no NAT or a NAT that filters
              nothing (endpoint-independent filtering).
@@ -244,6 +247,10 @@ def _random_ports(
     return tuple(distinct)
 
 
+def _is_ipv6(host: str) -> bool:
+    return ":" in host
+
+
 def plan(
     initiator: PeerInfo,
     responder: PeerInfo,
@@ -283,10 +290,20 @@ def plan(
         and initiator.public.host == responder.public.host
     )
     either_unknown = initiator.public is None or responder.public is None
-    if same_nat or either_unknown:
+    both_ipv6 = all(
+        any(_is_ipv6(c.host) for c in i.candidates.local)
+        for i in (initiator, responder)
+    )
+    if same_nat or either_unknown or both_ipv6:
         any_lan = False
         for role in ("initiator", "responder"):
-            lan_targets = info[other(role)].candidates.local[:LAN_MAX_ADDRESSES]
+            lan_targets = info[other(role)].candidates.local
+            if not (same_nat or either_unknown):
+                # Behind different NATs only IPv6 host addresses are reachable:
+                # no NAT, just a stateful firewall on each side, which these
+                # simultaneous sends open (RFC 6092 section 3.2.3).
+                lan_targets = tuple(c for c in lan_targets if _is_ipv6(c.host))
+            lan_targets = lan_targets[:LAN_MAX_ADDRESSES]
             for n, endpoint in enumerate(lan_targets):
                 any_lan = True
                 for i in range(LAN_SENDS):
