@@ -15,7 +15,7 @@ import time
 import pytest
 
 from crossroads.client.p2p import HostChanged, P2PClient
-from crossroads.lab import netns
+from crossroads.lab import netns, udp
 from crossroads.lab.kinds import KINDS, KINDS_BY_NAME
 from crossroads.lab.matrix import Attempt, load_methods, run_attempt
 from crossroads.lab.methods.sdk import _client, needs_relay
@@ -224,6 +224,55 @@ async def _wait_tcp(lab: Lab, ip: str, port: int) -> None:
             await asyncio.sleep(0.1)
         finally:
             sock.close()
+
+
+def test_ipv6_joins_directly_the_pair_ipv4_can_only_relay(lab: Lab) -> None:
+    """The symmetric-random sites also have routed IPv6 behind stateful
+    firewalls (no NAT; RFC 6092). Over IPv4 this pair needs a relay (CASES);
+    with IPv6 sockets both peers offer IPv6 host candidates and the ladder's
+    first step connects them through both firewalls."""
+    a, b = lab.site("symmetric-random-a"), lab.site("symmetric-random-b")
+
+    async def firewall_is_stateful() -> None:
+        sa, sb = lab.udp_socket6(a), lab.udp_socket6(b)
+        try:
+            at_a, at_b = udp.local(sa), udp.local(sb)
+            udp.send(sb, b"unsolicited", at_a)
+            assert await udp.recv(sa, 0.5) is None  # a's firewall drops it
+            udp.send(sa, b"reply", at_b)  # b's firewall lets it in: b sent first
+            got = await udp.recv(sb, 2)
+            assert got is not None and got[0] == b"reply", got
+            udp.send(sb, b"now both ways", at_a)
+            got = await udp.recv(sa, 2)
+            assert got is not None and got[0] == b"now both ways", got
+        finally:
+            sa.close()
+            sb.close()
+
+    async def main() -> None:
+        await firewall_is_stateful()
+        host = _client(lab, a, portmap=False, turn=False, ipv6=True)
+        guest = _client(lab, b, portmap=False, turn=False, ipv6=True)
+        try:
+            await asyncio.gather(host.start(), guest.start())
+            await guest.join(await host.host(2), timeout=40)
+            link = guest.links[host.peer_id]
+            assert link.step == "lan", link.step
+            assert link.addr[0] == a.host_ip6, link.addr
+            guest.send(host.peer_id, b"over IPv6")
+            assert await asyncio.wait_for(host.recv(), 5) == (
+                guest.peer_id,
+                b"over IPv6",
+            )
+            host.send(guest.peer_id, b"and back")
+            assert await asyncio.wait_for(guest.recv(), 5) == (
+                host.peer_id,
+                b"and back",
+            )
+        finally:
+            await asyncio.gather(host.close(), guest.close(), return_exceptions=True)
+
+    asyncio.run(main())
 
 
 def test_p2p_client_class_is_the_sdk() -> None:

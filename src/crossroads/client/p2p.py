@@ -283,6 +283,7 @@ class P2PClient:
         accept_join: Callable[[str], bool] | None = None,
         mapped: sig.Endpoint | None = None,
         socket_factory: Callable[[], socket.socket] | None = None,
+        socket6_factory: Callable[[], socket.socket] | None = None,
         birthday_rate: float = ladder.BIRTHDAY_RATE,
         portmap: bool | Callable[[int], PortMapper] = False,
         tcp_factory: Callable[[], socket.socket] | None = None,
@@ -315,6 +316,8 @@ class P2PClient:
         #: A port mapping held for the peer socket (see crossroads.client.portmap).
         self.mapped = mapped
         self._socket_factory = socket_factory
+        #: Makes the IPv6 socket, bound (e.g. in a lab namespace); beats bind6.
+        self._socket6_factory = socket6_factory
         #: Makes the signalling TCP socket (e.g. inside a lab namespace).
         self._tcp_factory = tcp_factory
         #: Allocates a TURN relay for the relay step (tried before the
@@ -364,7 +367,9 @@ class P2PClient:
             await self.socket.open(sock=self._socket_factory())
         else:
             await self.socket.open(*self.bind)
-        if self.bind6 is not None and not await self.socket.open_v6(*self.bind6):
+        if self._socket6_factory is not None:
+            await self.socket.open_v6(sock=self._socket6_factory())
+        elif self.bind6 is not None and not await self.socket.open_v6(*self.bind6):
             log.info("no IPv6 socket on %s: IPv4 only", self.bind6)
         if self.portmap and self.mapped is None:
             port = self.socket.local[1]

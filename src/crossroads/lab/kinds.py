@@ -310,6 +310,36 @@ def _table(
     )
 
 
+def router_firewall6(kind: NatKind) -> str:
+    """The IPv6 side of a home router (table ``ip6 xr6``): no NAT, a stateful
+    firewall (RFC 6092): the LAN's flows out and their replies in; nothing
+    unsolicited from the WAN. Its filtering is conntrack's (address and port
+    dependent), so two hosts reach each other only by sending at the same time.
+    ICMPv6 passes (neighbour discovery, errors)."""
+    forward = [
+        "ct state established,related accept",
+        "meta l4proto ipv6-icmp accept",
+        'iifname "lan" accept',
+    ]
+    if not kind.udp:
+        forward.insert(0, "meta l4proto udp drop")
+    body = "".join(f"    {rule}\n" for rule in forward)
+    return (
+        "table ip6 xr6 {\n"
+        "  chain forward {\n"
+        "    type filter hook forward priority filter; policy drop;\n"
+        f"{body}"
+        "  }\n"
+        "  chain input {\n"
+        "    type filter hook input priority filter; policy accept;\n"
+        '    iifname "wan" ct state established,related accept\n'
+        '    iifname "wan" meta l4proto ipv6-icmp accept\n'
+        '    iifname "wan" drop\n'
+        "  }\n"
+        "}\n"
+    )
+
+
 #: The empty chains miniupnpd 2.3 (nftables backend) fills with its port
 #: forwards; the names are fixed in its source (table ``inet filter``).
 MINIUPNPD_TABLE = """\

@@ -68,10 +68,12 @@ def socket_in(
     name: str,
     kind: int = socket.SOCK_DGRAM,
     bind: tuple[str, int] | None = None,
+    family: int = socket.AF_INET,
 ) -> socket.socket:
-    """A non-blocking IPv4 socket living in namespace ``name``, bound if asked."""
+    """A non-blocking socket (IPv4 unless asked) living in namespace ``name``,
+    bound if asked."""
     with entered(name):
-        sock = socket.socket(socket.AF_INET, kind)
+        sock = socket.socket(family, kind)
     try:
         sock.setblocking(False)
         if kind == socket.SOCK_STREAM:

@@ -48,6 +48,7 @@ from crossroads.lab.kinds import (
     MINIUPNPD_TABLE,
     NatKind,
     cgn_ruleset,
+    router_firewall6,
     router_ruleset,
 )
 from crossroads.lab.udp import recv, send
@@ -59,6 +60,11 @@ log = logging.getLogger("crossroads.lab")
 SERVER_IPS = ("203.0.113.10", "203.0.113.20")
 #: The internet router's address in each public range.
 INET_GATEWAYS = ("198.51.100.1", "203.0.113.1")
+#: Sites that also have IPv6 (RFC 3849 documentation prefix): a routed /64 per
+#: LAN behind a stateful firewall (no NAT), as home routers do it (RFC 6092).
+#: Only the pair that IPv4 can join by relay alone: IPv6 must join it directly.
+IPV6_KINDS = ("symmetric-random",)
+INET_GATEWAY6 = "2001:db8:ffff::1"
 #: Sites' public addresses start here in 198.51.100.0/24.
 FIRST_SITE_HOST = 10
 #: Reference STUN server (coturn, RFC 5780 with both server IPs) port; the
@@ -132,6 +138,22 @@ class Site:
     def gateway(self) -> str:
         """The host's default gateway (its router's LAN address)."""
         return f"192.168.{self.index + 1}.1"
+
+    @property
+    def ipv6(self) -> bool:
+        return self.kind.name in IPV6_KINDS and self.kind.natted
+
+    @property
+    def host_ip6(self) -> str:
+        return f"2001:db8:{self.index + 1:x}::2"
+
+    @property
+    def gateway6(self) -> str:
+        return f"2001:db8:{self.index + 1:x}::1"
+
+    @property
+    def router_wan_ip6(self) -> str:
+        return f"2001:db8:ffff::{self.index + 0x11:x}"
 
     @property
     def router_wan_ip(self) -> str:
@@ -289,6 +311,14 @@ class Lab:
         """A non-blocking UDP socket on the site's host, bound to its address."""
         return netns.socket_in(self.host_ns(site), bind=(site.host_ip, port))
 
+    def udp_socket6(self, site: Site, port: int = 0) -> socket.socket:
+        """A non-blocking IPv6 UDP socket on an IPv6 site's host."""
+        if not site.ipv6:
+            raise LabError(f"{site.name} has no IPv6 (only {', '.join(IPV6_KINDS)})")
+        return netns.socket_in(
+            self.host_ns(site), bind=(site.host_ip6, port), family=socket.AF_INET6
+        )
+
     def server_udp_socket(self, ip: str, port: int = 0) -> socket.socket:
         return netns.socket_in(self.server_ns, bind=(ip, port))
 
@@ -356,13 +386,27 @@ class Lab:
     async def _build_network(self) -> None:
         names = self.namespaces()
         await netns.ip_batch([f"netns add {name}" for name in names])
+        ipv6_names = {self.inet_ns}
+        ipv6_routers = {self.inet_ns}
+        for site in self.sites:
+            if site.ipv6:
+                ipv6_names |= {self.router_ns(site), self.host_ns(site)}
+                ipv6_routers.add(self.router_ns(site))
         for name in names:
-            # IPv6 is off in the lab: no autoconfiguration noise, IPv4 NAT only.
+            # IPv6 is off in the lab but for the IPv6 sites and the internet
+            # router, and there static: no autoconfiguration, no DAD delay.
+            on = name in ipv6_names
             netns.write_sysctl(
                 name,
                 {
-                    "net.ipv6.conf.all.disable_ipv6": "1",
-                    "net.ipv6.conf.default.disable_ipv6": "1",
+                    "net.ipv6.conf.all.disable_ipv6": "0" if on else "1",
+                    "net.ipv6.conf.default.disable_ipv6": "0" if on else "1",
+                    "net.ipv6.conf.all.accept_ra": "0",
+                    "net.ipv6.conf.default.accept_ra": "0",
+                    "net.ipv6.conf.default.accept_dad": "0",
+                    "net.ipv6.conf.all.forwarding": (
+                        "1" if name in ipv6_routers else "0"
+                    ),
                 },
             )
         links: list[str] = []
@@ -370,6 +414,7 @@ class Lab:
         inet = per_ns[self.inet_ns]
         inet += ["link add br0 type bridge", "link set br0 up"]
         inet += [f"addr add {gw}/24 dev br0" for gw in INET_GATEWAYS]
+        inet.append(f"addr add {INET_GATEWAY6}/64 dev br0 nodad")
         port = 0
 
         def attach(node: str, addrs: Sequence[str], gateway: str) -> None:
@@ -410,6 +455,19 @@ class Lab:
             else:
                 attach(router, [site.public_ip], INET_GATEWAYS[0])
             lan(router, host, site.gateway, site.host_ip)
+            if site.ipv6:
+                inet.append(
+                    f"route add {site.gateway6[:-1]}/64 via {site.router_wan_ip6}"
+                )
+                per_ns[router] += [
+                    f"addr add {site.router_wan_ip6}/64 dev wan nodad",
+                    f"addr add {site.gateway6}/64 dev lan nodad",
+                    f"route add default via {INET_GATEWAY6}",
+                ]
+                per_ns[host] += [
+                    f"addr add {site.host_ip6}/64 dev lan nodad",
+                    f"route add default via {site.gateway6}",
+                ]
         await netns.ip_batch(links)
         await asyncio.gather(
             *(netns.ip_batch(lines, name) for name, lines in per_ns.items())
@@ -438,6 +496,8 @@ class Lab:
             )
             if site.kind.upnp:
                 rules += MINIUPNPD_TABLE
+            if site.ipv6:
+                rules += router_firewall6(site.kind)
             rulesets.append((self.router_ns(site), rules))
             if site.kind.double:
                 inside = f"100.64.{site.index + 1}.0/24"
@@ -604,7 +664,7 @@ class Lab:
         """Forget every mapping of the site's routers (conntrack + nft sets), so
         one attempt cannot ride on the state of an earlier one."""
         script = (
-            "conntrack -F >/dev/null 2>&1; "
+            "conntrack -F >/dev/null 2>&1; conntrack -F -f ipv6 >/dev/null 2>&1; "
             "nft flush set ip xr emap; nft flush set ip xr adf"
         )
         await asyncio.gather(

@@ -61,7 +61,13 @@ def _turn(lab: Lab, site: Site) -> Callable[[], Awaitable[TurnClientRelay]]:
 
 
 def _client(
-    lab: Lab, site: Site, *, portmap: bool, turn: bool = True, url: str = URL
+    lab: Lab,
+    site: Site,
+    *,
+    portmap: bool,
+    turn: bool = True,
+    url: str = URL,
+    ipv6: bool = False,
 ) -> P2PClient:
     ns = lab.host_ns(site)
 
@@ -84,6 +90,7 @@ def _client(
         url,
         name=site.name,
         socket_factory=udp,
+        socket6_factory=(lambda: lab.udp_socket6(site)) if ipv6 else None,
         tcp_factory=tcp,
         portmap=mapper if portmap and site.kind.natted else False,
         turn=_turn(lab, site) if turn else None,
