@@ -180,11 +180,7 @@ def test_join_redirected_between_instances_through_nat(lab: Lab) -> None:
             assert guest.url == first
             link = guest.links[host.peer_id]
             assert link.step == "punch", link.step
-            guest.send(host.peer_id, b"via the other instance")
-            assert await asyncio.wait_for(host.recv(), 5) == (
-                guest.peer_id,
-                b"via the other instance",
-            )
+            await exchange(host, guest)
         finally:
             await asyncio.gather(host.close(), guest.close(), return_exceptions=True)
 
@@ -201,12 +197,25 @@ def test_join_redirected_between_instances_through_nat(lab: Lab) -> None:
         async def stop() -> None:
             for pid in pids:
                 await netns.kill_group(pid)
+            # gone for good: the lab is whole again (is_up checks every pid)
+            for name in ("redis", "p2p-0", "p2p-1"):
+                lab.state.pids.pop(name, None)
+            lab._save_state()
 
         asyncio.run(stop())
 
 
+async def exchange(host: P2PClient, guest: P2PClient) -> None:
+    """One sealed datagram each way over the link the join made."""
+    guest.send(host.peer_id, b"to the host")
+    assert await asyncio.wait_for(host.recv(), 5) == (guest.peer_id, b"to the host")
+    host.send(guest.peer_id, b"to the guest")
+    assert await asyncio.wait_for(guest.recv(), 5) == (host.peer_id, b"to the guest")
+
+
 def _spawn(lab: Lab, name: str, argv: list[str]) -> int:
-    """A process in the server namespace, stopped by the lab's teardown too."""
+    """A process in the server namespace, registered with the lab so that its
+    teardown stops it too if the test cannot."""
     lab._spawn(name, lab.server_ns, argv)
     return lab.state.pids[name]
 
@@ -259,16 +268,7 @@ def test_ipv6_joins_directly_the_pair_ipv4_can_only_relay(lab: Lab) -> None:
             link = guest.links[host.peer_id]
             assert link.step == "lan", link.step
             assert link.addr[0] == a.host_ip6, link.addr
-            guest.send(host.peer_id, b"over IPv6")
-            assert await asyncio.wait_for(host.recv(), 5) == (
-                guest.peer_id,
-                b"over IPv6",
-            )
-            host.send(guest.peer_id, b"and back")
-            assert await asyncio.wait_for(guest.recv(), 5) == (
-                host.peer_id,
-                b"and back",
-            )
+            await exchange(host, guest)
         finally:
             await asyncio.gather(host.close(), guest.close(), return_exceptions=True)
 
