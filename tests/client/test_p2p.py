@@ -16,6 +16,7 @@ from crossroads.client.p2p import (
     P2PClient,
 )
 from crossroads.config import default_config
+from crossroads.proto.punch import signalling as sig
 from crossroads.runtime import Runtime, start
 from tests.conftest import loopback_config
 
@@ -110,8 +111,17 @@ async def test_four_peer_mesh_host_leaves_and_nobody_drops(make: Any) -> None:
 async def test_forced_relay_carries_only_sealed_data(make: Any) -> None:
     host = await make()
     guest = await make(relay="force")
+    seen: list[sig.Message] = []
+    handler = host.signalling._handler
+    host.signalling._handler = lambda m: (seen.append(m), handler(m))[1]
     code = await host.host()
     await guest.join(code)
+    # The host learned no address of the guest: no public endpoint (the guest
+    # sent no rendezvous probes), no host candidates, no port mapping.
+    [start] = [m for m in seen if isinstance(m, sig.PunchStart)]
+    assert start.them.public is None and start.them.ports == ()
+    assert start.them.candidates.local == () and start.them.candidates.mapped is None
+    assert guest.public is None
     assert guest.links[host.peer_id].step == "relay"
     assert guest.links[host.peer_id].addr[0].startswith("relay:")
     guest.send(host.peer_id, b"through the relay")

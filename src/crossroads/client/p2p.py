@@ -670,6 +670,13 @@ class P2PClient:
                 pass
 
     def _candidates(self) -> sig.Candidates:
+        if self.relay_mode == "force":
+            # Relay only: peers learn no address of ours (no host candidates;
+            # no rendezvous either, so the server has no public one to pass on).
+            return sig.Candidates(
+                relay=sig.Endpoint(*self.turn.relayed) if self.turn else None,
+                nat=self.mapping,
+            )
         local = []
         port = self.socket.local[1]
         bound = self.socket.local[0]
@@ -691,6 +698,8 @@ class P2PClient:
         )
 
     async def _probe(self, attempt: int) -> None:
+        if self.relay_mode == "force":
+            return  # see _candidates: the server must not learn our endpoint
         welcome = self.signalling.welcome
         assert welcome is not None
         observed = await self.socket.rendezvous(
