@@ -25,7 +25,9 @@ from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
 
-HEARTBEAT = 0.5  # registration TTL = 3 heartbeats = 1.5 s
+# Registration TTL = 3 heartbeats = 3 s: short enough for the dead-node test,
+# long enough that a loaded CI machine stalling the loop a second keeps nodes.
+HEARTBEAT = 1.0
 
 
 @contextlib.asynccontextmanager

@@ -34,7 +34,7 @@ from crossroads.proto.stun import (
 from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
 from crossroads.runtime import Runtime, start
-from crossroads.services.turn import TurnService
+from crossroads.services.turn import ACCELERATED, TurnService
 from tests.conftest import loopback_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -559,3 +559,48 @@ async def test_bandwidth_limit_per_allocation(turn: Any) -> None:
             assert 'crossroads_turn_dropped_total{reason="bandwidth-limit"}' in text
     finally:
         peer.close()
+
+
+@pytest.mark.parametrize("batch_io", [True, False], ids=["recvmmsg", "asyncio"])
+async def test_data_plane_takes_over_either_stun_socket_kind_and_gives_it_back(
+    turn: Any, batch_io: bool
+) -> None:
+    """The TURN data plane diverts the STUN socket's datagrams (recvmmsg
+    endpoint or asyncio endpoint), relays ChannelData itself and hands the rest
+    (Allocate, ChannelBind, Binding) back to STUN's per-datagram dispatch; on
+    close STUN reads its socket again."""
+    service: TurnService = await turn(stun__batch_io=batch_io)
+    endpoint = service.stun.udp_endpoints[0]
+    assert (endpoint in service.taps) == (ACCELERATED or not batch_io)
+    peer = Peer()
+    raw = RawClient(service.stun.primary)
+    try:
+        session, _ = await signed_allocate(raw)
+        bind = session.sign(
+            Message(
+                Class.REQUEST,
+                Method.CHANNEL_BIND,
+                os.urandom(12),
+                (ChannelNumber(0x4001), XorPeerAddress(*peer.address)),
+            )
+        )
+        answer = await raw.request(bind)
+        assert answer is not None and answer.msg_class == Class.SUCCESS
+        raw.send(b"\x40\x01\x00\x04ping")
+        assert await peer.recv() == b"ping"
+        binding = Message(Class.REQUEST, Method.BINDING, os.urandom(12))
+        reply = await raw.request(encode(binding))
+        assert reply is not None and reply.msg_class == Class.SUCCESS
+    finally:
+        raw.close()
+        peer.close()
+    await service.close()
+    assert not service.taps
+    # STUN alone answers on its socket again.
+    raw = RawClient(service.stun.primary)
+    try:
+        binding = Message(Class.REQUEST, Method.BINDING, os.urandom(12))
+        reply = await raw.request(encode(binding))
+        assert reply is not None and reply.msg_class == Class.SUCCESS
+    finally:
+        raw.close()

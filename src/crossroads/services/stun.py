@@ -360,6 +360,32 @@ class UdpEndpoint(asyncio.DatagramProtocol):
         # ICMP errors for earlier sends (port unreachable...): nothing to do.
         pass
 
+    # -- hand-over to a faster reader (the TURN data plane) --------------------
+
+    #: Per-datagram STUN dispatch, for a reader that took the socket over and
+    #: hands back what it does not handle itself.
+    dispatch = datagram_received
+
+    #: Binding replies leave from the socket's own address (no IP_PKTINFO).
+    replies_from_destination = False
+
+    def fileno(self) -> int:
+        sock = self.udp.get_extra_info("socket") if self.udp is not None else None
+        return sock.fileno() if sock is not None else -1
+
+    def divert(self, protocol: asyncio.BaseProtocol) -> bool:
+        """Let ``protocol`` receive this socket's datagrams instead (it calls
+        :meth:`dispatch` for those it does not handle). False if closed."""
+        if self.udp is None or self.udp.is_closing():
+            return False
+        self.udp.set_protocol(protocol)
+        return True
+
+    def restore(self) -> None:
+        """Receive this socket's datagrams again (undoes :meth:`divert`)."""
+        if self.udp is not None and not self.udp.is_closing():
+            self.udp.set_protocol(self)
+
 
 class BatchUdpEndpoint:
     """One UDP socket drained with recvmmsg/sendmmsg (an :class:`Endpoint`).
@@ -403,6 +429,8 @@ class BatchUdpEndpoint:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
         self._closed = False
+        #: Another reader drains the socket (see :meth:`divert`).
+        self._diverted = False
 
     def send(self, data: bytes, addr: Address) -> None:
         """Send from this socket now (part of the :class:`Endpoint` interface)."""
@@ -415,8 +443,76 @@ class BatchUdpEndpoint:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._loop.remove_reader(self.sock.fileno())
+            if not self._diverted:
+                self._loop.remove_reader(self.sock.fileno())
             self.sock.close()
+
+    # -- hand-over to a faster reader (the TURN data plane) --------------------
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    @property
+    def replies_from_destination(self) -> bool:
+        """Binding replies leave from the request's destination address
+        (IP_PKTINFO on a wildcard bind): a reader that takes this socket over
+        with a plain recvmmsg would lose that."""
+        return self.mm.pktinfo
+
+    def divert(self) -> bool:
+        """Stop reading this socket: another reader (registered by the caller)
+        drains it and calls :meth:`dispatch` for what it does not handle.
+        False if closed."""
+        if self._closed or self._diverted:
+            return False
+        self._loop.remove_reader(self.sock.fileno())
+        self._diverted = True
+        return True
+
+    def restore(self) -> None:
+        """Read this socket again (undoes :meth:`divert`)."""
+        if self._diverted and not self._closed:
+            self._loop.add_reader(self.sock.fileno(), self._readable)
+        self._diverted = False
+
+    def dispatch(self, data: bytes, addr: Address) -> None:
+        """One datagram, as :meth:`_readable` would handle it (replies by plain
+        ``sendto``: no batch to join)."""
+        stats = self.service.stats
+        try:
+            first = data[0]
+            if first < 0x40:
+                if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                    self.requests += 1
+                    reply = self.core.handle(data, addr, self.index, self._loop.time())
+                    if type(reply) is tuple:
+                        response, dest, send_from = reply
+                        self.group.udp[send_from].send(response, dest)
+                        if response[1] == 0x01:
+                            self.success += 1
+                        else:
+                            self.errors += 1
+                    else:
+                        stats.drop(reply)  # type: ignore[arg-type]
+                    return
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_stun(data, addr, self)
+                    return
+                stats.drop(self.core.unsupported(data))
+            elif first < 0x80:
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_channel_data(data, addr, self)
+                else:
+                    stats.drop("channel-data-no-turn")
+            else:
+                stats.drop(DROP_NOT_STUN)
+        except IndexError:
+            stats.drop("empty")
+        except Exception:  # never let one datagram kill the socket
+            log.exception("STUN datagram handler failed")
+            stats.drop("internal-error")
 
     def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
         """Decode slot ``i``'s sender address and cache it under ``key``."""
@@ -778,6 +874,21 @@ class StunService:
     def detach_turn(self) -> None:
         """Forget the TURN handler (non-Binding messages are dropped again)."""
         self.turn = None
+
+    def detach_tcp(self, conn: TcpConnection) -> tuple[asyncio.Transport | None, bytes]:
+        """Hand a TCP connection over (RFC 6062: after ConnectionBind it carries
+        raw application data): the service forgets it and returns its transport
+        (None if already closed) and the bytes it had buffered past the last
+        frame. The caller sets the transport's new protocol."""
+        stream = conn.stream
+        if stream is None:
+            return None, b""
+        leftover = bytes(conn.buffer)
+        conn.buffer.clear()
+        conn.stream = None
+        self.connections.discard(conn)
+        self.stats.tcp_connections = len(self.connections)
+        return stream, leftover
 
     @property
     def primary(self) -> Address:

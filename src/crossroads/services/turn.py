@@ -101,7 +101,13 @@ from crossroads.proto.turn.server import (
     TurnSettings,
 )
 from crossroads.services.base import ServiceContext
-from crossroads.services.stun import Endpoint, StunService
+from crossroads.services.stun import (
+    BatchUdpEndpoint,
+    Endpoint,
+    StunService,
+    TcpConnection,
+    UdpEndpoint,
+)
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
@@ -409,8 +415,8 @@ class ClientLink:
         self.tcp = endpoint.transport == "tcp"
         #: The listening socket's fd (UDP), for the C data plane's sends.
         self.fd = -1
-        if not self.tcp:
-            self.fd = _endpoint_fd(endpoint)
+        if isinstance(endpoint, UdpEndpoint | BatchUdpEndpoint):
+            self.fd = endpoint.fileno()
 
     def send(self, data: bytes) -> None:
         self.endpoint.send(data, self.client)
@@ -553,7 +559,9 @@ class ListenerTap(ListenerTapBase, asyncio.DatagramProtocol):  # type: ignore[mi
         self.endpoint = endpoint
         self.fd = fd
         self.clients: dict[Address, dict[int, Any]] = {}
-        self.fallback = getattr(endpoint, "datagram_received", None)
+        #: Where datagrams the tap does not relay go: the STUN endpoint's own
+        #: per-datagram dispatch.
+        self.fallback = endpoint.dispatch
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.endpoint.connection_made(transport)
@@ -828,120 +836,46 @@ class TurnService:
             self._install_tap(endpoint)
         self.ctx.metrics.register(self._collector)
 
-    def _install_tap(self, endpoint: Any) -> None:
+    def _install_tap(self, endpoint: UdpEndpoint | BatchUdpEndpoint) -> None:
         """Put a listener tap in front of one STUN UDP socket.
 
-        An asyncio endpoint gets the tap as its transport's protocol. A batched
-        endpoint (recvmmsg, ``--stun-batch-io``) that reads the socket itself
-        is taken over only with the C data plane: the tap reads the socket and
-        hands what is not ChannelData back to STUN's dispatch one datagram at
-        a time (:meth:`_stun_dispatch`). Without C, the batched endpoint keeps
-        reading and calls ``handle_channel_data`` (the router).
+        An asyncio endpoint diverts its datagrams to the tap (the transport's
+        protocol). A batched endpoint (recvmmsg, ``--stun-batch-io``) stops
+        reading only with the C data plane: the tap reads the socket and hands
+        what is not ChannelData back to the endpoint's :meth:`dispatch` one
+        datagram at a time. Without C, the batched endpoint keeps reading and
+        calls ``handle_channel_data`` (the router).
         """
-        udp = getattr(endpoint, "udp", None)
-        if udp is not None:
-            sock = udp.get_extra_info("socket")
-            if sock is None:
+        if isinstance(endpoint, UdpEndpoint):
+            fd = endpoint.fileno()
+            if fd < 0:
                 return
-            tap = ListenerTap(endpoint, sock.fileno())
+            tap = ListenerTap(endpoint, fd)
             tap.clients = self.router.endpoints.setdefault(endpoint, {})
-            udp.set_protocol(tap)
-            self.taps[endpoint] = tap
+            if endpoint.divert(tap):
+                self.taps[endpoint] = tap
             return
-        sock = getattr(endpoint, "sock", None)
-        # What _stun_dispatch uses of the STUN service's batched endpoint; if
-        # its shape ever changes, keep its own loop (and the router hook).
-        needed = ("_readable", "core", "index", "group", "service", "requests")
-        if (
-            not ACCELERATED
-            or sock is None
-            or not all(hasattr(endpoint, n) for n in needed)
-        ):
+        if not ACCELERATED or self.poller is None:
             return
-        if getattr(getattr(endpoint, "mm", None), "pktinfo", False):
+        if endpoint.replies_from_destination:
             # Wildcard bind: the STUN loop answers Binding from the request's
             # destination address (IP_PKTINFO), which a plain recvmmsg here
             # would lose. Keep its loop; ChannelData still reaches the C
             # router through handle_channel_data.
             return
-        if self.poller is None:
-            return
-        fd = sock.fileno()
+        fd = endpoint.fileno()
         tap = ListenerTap(endpoint, fd)
         tap.clients = self.router.endpoints.setdefault(endpoint, {})
-        tap.fallback = self._stun_dispatch(endpoint)
-        self.loop.remove_reader(fd)
-        self.poller.register(fd, tap)
-        self.taps[endpoint] = tap
+        if endpoint.divert():
+            self.poller.register(fd, tap)
+            self.taps[endpoint] = tap
 
     def _restore_taps(self) -> None:
         for endpoint, tap in self.taps.items():
-            udp = getattr(endpoint, "udp", None)
-            if udp is not None:
-                if not udp.is_closing():
-                    udp.set_protocol(endpoint)
-                continue
-            sock = getattr(endpoint, "sock", None)
-            if sock is not None and self.poller is not None:
+            if isinstance(endpoint, BatchUdpEndpoint) and self.poller is not None:
                 self.poller.unregister(tap.fd)
-                if sock.fileno() >= 0 and not getattr(endpoint, "_closed", False):
-                    self.loop.add_reader(tap.fd, endpoint._readable)
+            endpoint.restore()
         self.taps.clear()
-
-    def _stun_dispatch(self, endpoint: Any) -> Any:
-        """Per-datagram STUN dispatch for a batched endpoint the tap reads for
-        (the same decisions as the STUN service's own loop, including whatever
-        TURN handler is attached at the time)."""
-        core = endpoint.core
-        index = endpoint.index
-        group_udp = endpoint.group.udp
-        service = endpoint.service
-        stats = service.stats
-        loop = self.loop
-
-        def dispatch(data: bytes, addr: Address) -> None:
-            try:
-                first = data[0]
-                if first < 0x40:
-                    if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                        endpoint.requests += 1
-                        reply = core.handle(data, addr, index, loop.time())
-                        if type(reply) is tuple:
-                            response, dest, send_from = reply
-                            group_udp[send_from].send(response, dest)
-                            if response[1] == 0x01:
-                                endpoint.success += 1
-                            else:
-                                endpoint.errors += 1
-                        else:
-                            stats.drop(reply)
-                        return
-                    turn = service.turn
-                    if turn is not None:
-                        turn.handle_stun(data, addr, endpoint)
-                        return
-                    endpoint.requests += 1
-                    answer = core.unsupported(data, addr, loop.time())
-                    if isinstance(answer, str):
-                        stats.drop(answer)
-                    else:
-                        endpoint.send(answer, addr)
-                        endpoint.errors += 1
-                elif first < 0x80:
-                    turn = service.turn
-                    if turn is not None:
-                        turn.handle_channel_data(data, addr, endpoint)
-                    else:
-                        stats.drop("channel-data-no-turn")
-                else:
-                    stats.drop("not-stun")
-            except IndexError:
-                stats.drop("empty")
-            except Exception:  # never let one datagram kill the socket
-                log.exception("TURN/STUN datagram handler failed")
-                stats.drop("internal-error")
-
-        return dispatch
 
     def retire(self, relay: UdpRelay) -> None:
         """Fold a closing relay's data-plane counters into the totals."""
@@ -1328,7 +1262,11 @@ class TurnService:
             return
         client_pipe = Pipe(self, cid, "client")
         self.client_pipes[cid] = client_pipe
-        stream, leftover = _take_over(self.stun, endpoint)
+        stream, leftover = (
+            self.stun.detach_tcp(endpoint)
+            if isinstance(endpoint, TcpConnection)
+            else (None, b"")
+        )
         if stream is None:
             self.core.connection_closed(cid)
             return
@@ -1352,30 +1290,6 @@ class TurnService:
         self.core.connection_closed(cid)
         self._process_events()
         self._rearm()
-
-
-def _endpoint_fd(endpoint: Any) -> int:
-    """The fd of a STUN UDP endpoint's socket (batched or asyncio), or -1."""
-    sock = getattr(endpoint, "sock", None)
-    if sock is None:
-        udp = getattr(endpoint, "udp", None)
-        sock = udp.get_extra_info("socket") if udp is not None else None
-    return sock.fileno() if sock is not None else -1
-
-
-def _take_over(stun: StunService, endpoint: Endpoint) -> tuple[Any, bytes]:
-    """Detach a TCP connection from the STUN listener: returns its transport and
-    the bytes it had buffered past the last frame."""
-    stream = getattr(endpoint, "stream", None)
-    if stream is None:
-        return None, b""
-    buffer = getattr(endpoint, "buffer", bytearray())
-    leftover = bytes(buffer)
-    buffer.clear()
-    stun.connections.discard(cast(Any, endpoint))
-    stun.stats.tcp_connections = len(stun.connections)
-    endpoint.stream = None  # type: ignore[attr-defined]
-    return stream, leftover
 
 
 def _route_source(family: Family, client_host: str) -> str:
