@@ -153,9 +153,32 @@ async def test_claims_are_refreshed_restored_and_freed_on_close(
             return await rt.store.get(key) == ws_url(rt).encode()
 
         await eventually(restored, "claim restored")
+        # Claimed by another instance in a gap: never refreshed nor deleted by us.
+        await rt.store.set(key, b"ws://other:8080/p2p/v1/ws", ttl=30)
+
+        async def disowned() -> bool:
+            return code not in service(rt).owned_codes
+
+        await eventually(disowned, "claim given up")
+        await host.leave()
+
+        async def released() -> bool:
+            svc = service(rt)
+            return svc.core.session_count == 0 and svc._directory_ops.empty()
+
+        await eventually(released, "session over, release handled")
+        await asyncio.sleep(0.2)  # the release op itself, if it were to delete
+        assert await rt.store.get(key) == b"ws://other:8080/p2p/v1/ws"
     finally:
         await rt.close()
     # An instance that stops frees its codes without waiting for the TTL.
+    rt = await start(default_config(config))
+    try:
+        host = await clients(ws_url(rt))
+        key = CODE_KEY + await host.host()
+        assert await rt.store.get(key) is not None
+    finally:
+        await rt.close()
     check = await start(default_config(config))
     try:
         assert await check.store.get(key) is None

@@ -375,15 +375,25 @@ class P2PService:
     async def _refresh_codes(self) -> None:
         """Keep live codes' claims alive; re-claim any the Store lost (a Redis
         restart without persistence) so joins keep finding them."""
+        mine = self.url.encode()
         while True:
             await asyncio.sleep(CODE_TTL / 3)
             for code in [c for c in self.core.live_codes() if c in self.owned_codes]:
                 key = CODE_KEY + code
                 try:
-                    if not await self.store.expire(key, CODE_TTL):
-                        await self.store.set(
-                            key, self.url.encode(), ttl=CODE_TTL, only_if_absent=True
-                        )
+                    holder = await self.store.get(key)
+                    if holder == mine:
+                        await self.store.expire(key, CODE_TTL)
+                    elif holder is None and await self.store.set(
+                        key, mine, ttl=CODE_TTL, only_if_absent=True
+                    ):
+                        pass  # re-claimed
+                    else:
+                        # Another instance claimed it in a gap (our claim had
+                        # expired): our members stay; new joiners go there, and
+                        # we must never delete its claim.
+                        log.warning("p2p code %s is claimed elsewhere now", code)
+                        self.owned_codes.discard(code)
                 except Exception as exc:  # noqa: BLE001 - next round retries
                     log.warning("p2p code refresh failed: %r", exc)
                     break
