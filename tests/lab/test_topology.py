@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from crossroads.lab import netns
-from crossroads.lab.topology import Lab, LabError
+from crossroads.lab.topology import TOPOLOGY_VERSION, Lab, LabError
 
 from .conftest import unique_prefix
 
@@ -42,6 +42,18 @@ def test_up_is_idempotent_and_processes_run(lab: Lab) -> None:
     assert asyncio.run(lab.up()) is False  # already up: nothing rebuilt
     assert lab.state.pids == pids
     assert {"coturn", "crossroads", "miniupnpd-restricted-cone-a"} <= set(pids)
+
+
+def test_a_lab_built_by_older_code_is_not_up(lab: Lab) -> None:
+    assert lab.is_up()
+    lab.state.version = TOPOLOGY_VERSION - 1
+    lab._save_state()
+    try:
+        assert not lab.is_up()  # `up` would rebuild it
+    finally:
+        lab.state.version = TOPOLOGY_VERSION
+        lab._save_state()
+    assert lab.is_up()
 
 
 def test_nothing_routes_out_of_the_lab(lab: Lab) -> None:

@@ -105,6 +105,9 @@ CONNTRACK_MAX_PATH = Path("/proc/sys/net/netfilter/nf_conntrack_max")
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
+#: Bumped whenever the built network changes (2: IPv6 on the symmetric-random
+#: sites), so that ``up`` rebuilds a lab that older code left running.
+TOPOLOGY_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +185,18 @@ class State:
     prefix: str
     pids: dict[str, int] = field(default_factory=dict)
     created: float = 0.0
+    #: The topology's version when built: a lab left up by older code is
+    #: rebuilt rather than reused (see :data:`TOPOLOGY_VERSION`).
+    version: int = 0
 
     def dump(self) -> str:
         return json.dumps(
-            {"prefix": self.prefix, "pids": self.pids, "created": self.created},
+            {
+                "prefix": self.prefix,
+                "pids": self.pids,
+                "created": self.created,
+                "version": self.version,
+            },
             indent=2,
         )
 
@@ -196,6 +207,7 @@ class State:
             prefix=str(data["prefix"]),
             pids={str(k): int(v) for k, v in data["pids"].items()},
             created=float(data.get("created", 0.0)),
+            version=int(data.get("version", 0)),
         )
 
 
@@ -340,7 +352,7 @@ class Lab:
 
     def is_up(self) -> bool:
         """A complete lab: saved state, every namespace, every process alive."""
-        if not self.load_state():
+        if not self.load_state() or self.state.version != TOPOLOGY_VERSION:
             return False
         if not all(netns.exists(name) for name in self.namespaces()):
             return False
@@ -358,7 +370,9 @@ class Lab:
             return False
         await self.down()
         try:
-            self.state = State(self.prefix, created=time.time())
+            self.state = State(
+                self.prefix, created=time.time(), version=TOPOLOGY_VERSION
+            )
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._save_state()
             await self._build_network()
