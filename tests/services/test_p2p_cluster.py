@@ -232,3 +232,25 @@ async def test_hosting_waits_out_a_redis_restart(
     finally:
         await rt.close()
         redis.stop()
+
+
+async def test_a_release_never_deletes_another_instances_claim(
+    pair: tuple[Runtime, Runtime], clients: Callable[[str], Awaitable[P2PClient]]
+) -> None:
+    """Our claim expired (a stall past the TTL) and another instance claimed the
+    code before our refresh noticed: the session's end must leave that claim."""
+    a, _ = pair
+    host = await clients(ws_url(a))
+    code = await host.host()
+    key = CODE_KEY + code
+    other = b"ws://203.0.113.99:8080/p2p/v1/ws"
+    await a.store.set(key, other, ttl=30)
+    assert code in service(a).owned_codes  # not noticed yet (refresh every 10 s)
+    await host.leave()
+
+    async def released() -> bool:
+        return code not in service(a).owned_codes
+
+    await eventually(released, "release handled")
+    await asyncio.sleep(0.2)  # the release's store call itself
+    assert await a.store.get(key) == other

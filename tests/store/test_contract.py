@@ -47,6 +47,17 @@ async def test_ttl_expires(store: Store) -> None:
     assert await store.set("short", b"y", only_if_absent=True)
 
 
+async def test_delete_if_equal_releases_only_the_holders_claim(store: Store) -> None:
+    await store.set("claim", b"me", ttl=10)
+    assert not await store.delete_if_equal("claim", b"someone else")
+    assert await store.get("claim") == b"me"
+    assert await store.delete_if_equal("claim", b"me")
+    assert await store.get("claim") is None
+    assert not await store.delete_if_equal("claim", b"me")  # already gone
+    await store.incr("counter")
+    assert not await store.delete_if_equal("counter", b"me")
+
+
 async def test_expire_refreshes_and_reports_missing(store: Store) -> None:
     await store.set("hb", b"x", ttl=0.2)
     assert await store.expire("hb", 10)

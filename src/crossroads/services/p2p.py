@@ -314,9 +314,11 @@ class P2PService:
         # Free our codes at once rather than after their TTL; a Store that is
         # down by now lets them expire.
         if self.owned_codes:
+            mine = self.url.encode()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(2):
-                    await self.store.delete(*(CODE_KEY + c for c in self.owned_codes))
+                    for code in self.owned_codes:
+                        await self.store.delete_if_equal(CODE_KEY + code, mine)
             self.owned_codes.clear()
 
     # ------------------------------------------------------- code directory
@@ -356,7 +358,9 @@ class P2PService:
             self.flush()
         elif op.code in self.owned_codes:
             self.owned_codes.discard(op.code)
-            await self.store.delete(key)
+            # Only our own claim: if ours expired (a stall past the TTL) and
+            # another instance claimed the code since, its claim stays.
+            await self.store.delete_if_equal(key, self.url.encode())
 
     async def _lookup(self, lookup: CodeLookup) -> None:
         try:

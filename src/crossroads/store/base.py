@@ -58,6 +58,11 @@ class Store(Protocol):
         """Set a key's TTL; False when the key does not exist."""
         ...
 
+    async def delete_if_equal(self, key: str, value: bytes) -> bool:
+        """Delete ``key`` only while it holds ``value``, atomically (a claim is
+        released only by its holder). True when it was deleted."""
+        ...
+
     async def ttl(self, key: str) -> float | None:
         """Seconds left, or None when the key is missing or has no TTL."""
         ...

@@ -96,6 +96,13 @@ class MemoryStore:
             self._deadlines.pop(key, None)
         return count
 
+    async def delete_if_equal(self, key: str, value: bytes) -> bool:
+        if not self._live(key) or self._values.get(key) != value:
+            return False
+        self._values.pop(key, None)
+        self._deadlines.pop(key, None)
+        return True
+
     async def expire(self, key: str, ttl: float) -> bool:
         if not self._live(key):
             return False

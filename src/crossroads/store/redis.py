@@ -50,6 +50,14 @@ class RedisSubscription:
         await self._pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
+_DELETE_IF_EQUAL = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
 class RedisStore:
     """A Store on a Redis server. Reconnects on its own (redis-py's pool)."""
 
@@ -93,6 +101,11 @@ class RedisStore:
         if not keys:
             return 0
         return int(await _guard(self._redis.delete(*keys)))
+
+    async def delete_if_equal(self, key: str, value: bytes) -> bool:
+        # GET and DEL in one script: nothing can claim the key in between.
+        deleted = await _guard(self._redis.eval(_DELETE_IF_EQUAL, 1, key, value))
+        return bool(deleted)
 
     async def expire(self, key: str, ttl: float) -> bool:
         return bool(await _guard(self._redis.pexpire(key, max(1, int(ttl * 1000)))))

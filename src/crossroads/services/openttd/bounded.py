@@ -48,6 +48,10 @@ class BoundedStore:
         async with self._slots:
             return await self.inner.delete(*keys)
 
+    async def delete_if_equal(self, key: str, value: bytes) -> bool:
+        async with self._slots:
+            return await self.inner.delete_if_equal(key, value)
+
     async def expire(self, key: str, ttl: float) -> bool:
         async with self._slots:
             return await self.inner.expire(key, ttl)
