@@ -285,7 +285,73 @@ class _Collector(Collector):
 # ------------------------------------------------------------------ UDP
 
 
-class UdpEndpoint(asyncio.DatagramProtocol):
+class _UdpDispatch:
+    """Per-datagram STUN dispatch of one UDP socket, shared by both endpoint
+    kinds: the asyncio endpoint for every datagram, the recvmmsg endpoint for
+    those a reader that took its socket over (the TURN data plane) hands back.
+    (The recvmmsg loop itself inlines the same decisions to batch its replies.)
+    """
+
+    service: StunService
+    group: _Group
+    core: BindingCore
+    index: int
+    local: Address
+    transport: Literal["udp"]
+    requests: int
+    success: int
+    errors: int
+    _loop: asyncio.AbstractEventLoop
+
+    def send(self, data: bytes, addr: Address) -> None:
+        raise NotImplementedError
+
+    def dispatch(self, data: bytes, addr: Any) -> None:
+        """One datagram from ``addr`` (as the socket reports it: a 4-tuple on
+        IPv6, kept for the reply; TURN gets ``(host, port)``)."""
+        # Hot path: dispatch on the first two bytes, nothing parsed before.
+        stats = self.service.stats
+        try:
+            first = data[0]
+            if first < 0x40:
+                # Binding method (any class): 0x0001/0x0011/0x0101/0x0111.
+                if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                    self.requests += 1
+                    reply = self.core.handle(data, addr, self.index, self._loop.time())
+                    if type(reply) is tuple:
+                        response, dest, send_from = reply
+                        if send_from == self.index:
+                            self.send(response, dest)
+                        else:
+                            self.group.udp[send_from].send(response, dest)
+                        if response[1] == 0x01:
+                            self.success += 1
+                        else:
+                            self.errors += 1
+                    else:
+                        stats.drop(reply)  # type: ignore[arg-type]
+                    return
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_stun(data, _client(addr), self)
+                    return
+                stats.drop(self.core.unsupported(data))
+            elif first < 0x80:
+                turn = self.service.turn
+                if turn is not None:
+                    turn.handle_channel_data(data, _client(addr), self)
+                else:
+                    stats.drop("channel-data-no-turn")
+            else:
+                stats.drop(DROP_NOT_STUN)
+        except IndexError:
+            stats.drop("empty")
+        except Exception:  # never let one datagram kill the socket
+            log.exception("STUN datagram handler failed")
+            stats.drop("internal-error")
+
+
+class UdpEndpoint(_UdpDispatch, asyncio.DatagramProtocol):
     """One UDP socket of the STUN service (an :class:`Endpoint`)."""
 
     def __init__(
@@ -312,59 +378,13 @@ class UdpEndpoint(asyncio.DatagramProtocol):
         if self.udp is not None:
             self.udp.sendto(data, addr)
 
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        # Hot path: dispatch on the first two bytes, nothing parsed before.
-        try:
-            first = data[0]
-            if first < 0x40:
-                # Binding method (any class): 0x0001/0x0011/0x0101/0x0111.
-                if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                    self.requests += 1
-                    reply = self.core.handle(data, addr, self.index, self._loop.time())
-                    if type(reply) is tuple:
-                        response, dest, send_from = reply
-                        if send_from == self.index and self.udp is not None:
-                            self.udp.sendto(response, dest)
-                        else:
-                            self.group.udp[send_from].send(response, dest)
-                        if response[1] == 0x01:
-                            self.success += 1
-                        else:
-                            self.errors += 1
-                    else:
-                        self.service.stats.drop(reply)  # type: ignore[arg-type]
-                    return
-                turn = self.service.turn
-                if turn is not None:
-                    turn.handle_stun(data, _client(addr), self)
-                    return
-                self._unsupported(data, addr)
-            elif first < 0x80:
-                turn = self.service.turn
-                if turn is not None:
-                    turn.handle_channel_data(data, _client(addr), self)
-                else:
-                    self.service.stats.drop("channel-data-no-turn")
-            else:
-                self.service.stats.drop(DROP_NOT_STUN)
-        except IndexError:
-            self.service.stats.drop("empty")
-        except Exception:  # never let one datagram kill the endpoint
-            log.exception("STUN datagram handler failed")
-            self.service.stats.drop("internal-error")
-
-    def _unsupported(self, data: bytes, addr: Any) -> None:
-        self.service.stats.drop(self.core.unsupported(data))
+    datagram_received = _UdpDispatch.dispatch
 
     def error_received(self, exc: Exception) -> None:
         # ICMP errors for earlier sends (port unreachable...): nothing to do.
         pass
 
     # -- hand-over to a faster reader (the TURN data plane) --------------------
-
-    #: Per-datagram STUN dispatch, for a reader that took the socket over and
-    #: hands back what it does not handle itself.
-    dispatch = datagram_received
 
     #: Binding replies leave from the socket's own address (no IP_PKTINFO).
     replies_from_destination = False
@@ -387,7 +407,7 @@ class UdpEndpoint(asyncio.DatagramProtocol):
             self.udp.set_protocol(self)
 
 
-class BatchUdpEndpoint:
+class BatchUdpEndpoint(_UdpDispatch):
     """One UDP socket drained with recvmmsg/sendmmsg (an :class:`Endpoint`).
 
     Same dispatch as :class:`UdpEndpoint`, but the event loop only reports that
@@ -474,45 +494,6 @@ class BatchUdpEndpoint:
         if self._diverted and not self._closed:
             self._loop.add_reader(self.sock.fileno(), self._readable)
         self._diverted = False
-
-    def dispatch(self, data: bytes, addr: Address) -> None:
-        """One datagram, as :meth:`_readable` would handle it (replies by plain
-        ``sendto``: no batch to join)."""
-        stats = self.service.stats
-        try:
-            first = data[0]
-            if first < 0x40:
-                if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                    self.requests += 1
-                    reply = self.core.handle(data, addr, self.index, self._loop.time())
-                    if type(reply) is tuple:
-                        response, dest, send_from = reply
-                        self.group.udp[send_from].send(response, dest)
-                        if response[1] == 0x01:
-                            self.success += 1
-                        else:
-                            self.errors += 1
-                    else:
-                        stats.drop(reply)  # type: ignore[arg-type]
-                    return
-                turn = self.service.turn
-                if turn is not None:
-                    turn.handle_stun(data, addr, self)
-                    return
-                stats.drop(self.core.unsupported(data))
-            elif first < 0x80:
-                turn = self.service.turn
-                if turn is not None:
-                    turn.handle_channel_data(data, addr, self)
-                else:
-                    stats.drop("channel-data-no-turn")
-            else:
-                stats.drop(DROP_NOT_STUN)
-        except IndexError:
-            stats.drop("empty")
-        except Exception:  # never let one datagram kill the socket
-            log.exception("STUN datagram handler failed")
-            stats.drop("internal-error")
 
     def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
         """Decode slot ``i``'s sender address and cache it under ``key``."""
