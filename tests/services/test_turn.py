@@ -147,6 +147,22 @@ async def signed_allocate(client: RawClient) -> tuple[LongTermSession, Message]:
     return session, answer
 
 
+async def bind_channel(
+    client: RawClient, session: LongTermSession, peer: tuple[str, int]
+) -> None:
+    """ChannelBind 0x4001 to ``peer``; it must succeed."""
+    bind = session.sign(
+        Message(
+            Class.REQUEST,
+            Method.CHANNEL_BIND,
+            os.urandom(12),
+            (ChannelNumber(0x4001), XorPeerAddress(*peer)),
+        )
+    )
+    answer = await client.request(bind)
+    assert answer is not None and answer.msg_class == Class.SUCCESS
+
+
 # ------------------------------------------------------------------ credentials
 
 
@@ -259,16 +275,7 @@ async def test_unknown_channel_and_bad_channeldata_dropped(turn: Any) -> None:
     raw = RawClient(service.stun.primary)
     try:
         session, _ = await signed_allocate(raw)
-        bind = session.sign(
-            Message(
-                Class.REQUEST,
-                Method.CHANNEL_BIND,
-                os.urandom(12),
-                (ChannelNumber(0x4001), XorPeerAddress(*peer.address)),
-            )
-        )
-        answer = await raw.request(bind)
-        assert answer is not None and answer.msg_class == Class.SUCCESS
+        await bind_channel(raw, session, peer.address)
         _, _, _, _, errors_before = service.counters()
         raw.send(b"\x40\x02\x00\x04ping")  # unbound channel
         raw.send(b"\x40\x01\x00\x10ping")  # truncated: claims 16 bytes, has 4
@@ -576,16 +583,7 @@ async def test_data_plane_takes_over_either_stun_socket_kind_and_gives_it_back(
     raw = RawClient(service.stun.primary)
     try:
         session, _ = await signed_allocate(raw)
-        bind = session.sign(
-            Message(
-                Class.REQUEST,
-                Method.CHANNEL_BIND,
-                os.urandom(12),
-                (ChannelNumber(0x4001), XorPeerAddress(*peer.address)),
-            )
-        )
-        answer = await raw.request(bind)
-        assert answer is not None and answer.msg_class == Class.SUCCESS
+        await bind_channel(raw, session, peer.address)
         raw.send(b"\x40\x01\x00\x04ping")
         assert await peer.recv() == b"ping"
         binding = Message(Class.REQUEST, Method.BINDING, os.urandom(12))
