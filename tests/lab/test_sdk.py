@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
-import socket
 import sys
 import time
 
@@ -151,23 +150,25 @@ def test_join_redirected_between_instances_through_nat(lab: Lab) -> None:
     redis_server = shutil.which("redis-server")
     assert redis_server is not None, "redis-server is not installed"
     store = f"redis://{SERVER_IPS[0]}:6390/0"
-    pids = []
+    # Registered with the lab (its teardown stops them if this test cannot).
+    spawned: list[str] = []
+
+    def spawn(name: str, argv: list[str]) -> None:
+        lab._spawn(name, lab.server_ns, argv)
+        spawned.append(name)
 
     async def main() -> None:
-        pids.append(
-            _spawn(lab, "redis", [redis_server, "--port", "6390", "--bind",
-                                  SERVER_IPS[0], "--save", "", "--appendonly", "no",
-                                  "--protected-mode", "no"])
-        )  # fmt: skip
-        await _wait_tcp(lab, SERVER_IPS[0], 6390)
+        spawn("redis", [redis_server, "--port", "6390", "--bind", SERVER_IPS[0],
+                        "--save", "", "--appendonly", "no",
+                        "--protected-mode", "no"])  # fmt: skip
+        await lab.wait_listening(SERVER_IPS[0], 6390, "redis")
         for index, ip in enumerate(SERVER_IPS):
-            argv = [sys.executable, "-m", "crossroads", "serve", "--only", "p2p",
-                    "--host", ip, "--http-port", "8091", "--store", store,
-                    "--p2p-port", "3590", "--p2p-alt-port", "3591",
-                    "--p2p-alt-port2", "3592"]  # fmt: skip
-            pids.append(_spawn(lab, f"p2p-{index}", argv))
-        for ip in SERVER_IPS:
-            await _wait_tcp(lab, ip, 8091)
+            spawn(f"p2p-{index}",
+                  [sys.executable, "-m", "crossroads", "serve", "--only", "p2p",
+                   "--host", ip, "--http-port", "8091", "--store", store,
+                   "--p2p-port", "3590", "--p2p-alt-port", "3591",
+                   "--p2p-alt-port2", "3592"])  # fmt: skip
+            await lab.wait_listening(ip, 8091, f"p2p-{index}")
         first, second = (f"ws://{ip}:8091/p2p/v1/ws" for ip in SERVER_IPS)
         host = _client(lab, lab.site("port-restricted-cone-a"), portmap=False,
                        turn=False, url=first)  # fmt: skip
@@ -187,7 +188,7 @@ def test_join_redirected_between_instances_through_nat(lab: Lab) -> None:
     try:
         asyncio.run(main())
     except BaseException:
-        for name in ("redis", "p2p-0", "p2p-1"):
+        for name in spawned:
             log = lab.state_dir / f"{name}.log"
             if log.exists():
                 print(f"--- {name}.log\n" + log.read_text(errors="replace")[-3000:])
@@ -195,11 +196,10 @@ def test_join_redirected_between_instances_through_nat(lab: Lab) -> None:
     finally:
 
         async def stop() -> None:
-            for pid in pids:
-                await netns.kill_group(pid)
-            # gone for good: the lab is whole again (is_up checks every pid)
-            for name in ("redis", "p2p-0", "p2p-1"):
-                lab.state.pids.pop(name, None)
+            # gone for good, and unregistered: the lab is whole again (is_up
+            # checks every pid it knows)
+            for name in spawned:
+                await netns.kill_group(lab.state.pids.pop(name))
             lab._save_state()
 
         asyncio.run(stop())
@@ -211,28 +211,6 @@ async def exchange(host: P2PClient, guest: P2PClient) -> None:
     assert await asyncio.wait_for(host.recv(), 5) == (guest.peer_id, b"to the host")
     host.send(guest.peer_id, b"to the guest")
     assert await asyncio.wait_for(guest.recv(), 5) == (host.peer_id, b"to the guest")
-
-
-def _spawn(lab: Lab, name: str, argv: list[str]) -> int:
-    """A process in the server namespace, registered with the lab so that its
-    teardown stops it too if the test cannot."""
-    lab._spawn(name, lab.server_ns, argv)
-    return lab.state.pids[name]
-
-
-async def _wait_tcp(lab: Lab, ip: str, port: int) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + 20
-    while True:
-        sock = netns.socket_in(lab.server_ns, socket.SOCK_STREAM)
-        try:
-            await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), 1)
-            return
-        except (OSError, TimeoutError):
-            assert loop.time() < deadline, f"nothing listens on {ip}:{port}"
-            await asyncio.sleep(0.1)
-        finally:
-            sock.close()
 
 
 def test_ipv6_joins_directly_the_pair_ipv4_can_only_relay(lab: Lab) -> None:

@@ -147,6 +147,10 @@ class Site:
         return self.kind.name in IPV6_KINDS and self.kind.natted
 
     @property
+    def lan_net6(self) -> str:
+        return f"2001:db8:{self.index + 1:x}::/64"
+
+    @property
     def host_ip6(self) -> str:
         return f"2001:db8:{self.index + 1:x}::2"
 
@@ -470,9 +474,7 @@ class Lab:
                 attach(router, [site.public_ip], INET_GATEWAYS[0])
             lan(router, host, site.gateway, site.host_ip)
             if site.ipv6:
-                inet.append(
-                    f"route add {site.gateway6[:-1]}/64 via {site.router_wan_ip6}"
-                )
+                inet.append(f"route add {site.lan_net6} via {site.router_wan_ip6}")
                 per_ns[router] += [
                     f"addr add {site.router_wan_ip6}/64 dev wan nodad",
                     f"addr add {site.gateway6}/64 dev lan nodad",
@@ -656,22 +658,27 @@ class Lab:
         raise LabError(f"miniupnpd on {site.name} does not answer NAT-PMP")
 
     async def _wait_http(self) -> None:
+        await self.wait_listening(SERVER_IPS[0], SERVER_HTTP_PORT, "crossroads")
+
+    async def wait_listening(self, ip: str, port: int, process: str) -> None:
+        """Wait until the server namespace accepts TCP on ``ip:port``, served by
+        the lab process ``process``; LabError with its log's tail if it dies or
+        takes more than 20 s."""
         loop = asyncio.get_running_loop()
         for _ in range(200):
-            if not netns.alive(self.state.pids["crossroads"]):
+            if not netns.alive(self.state.pids[process]):
                 break
             sock = netns.socket_in(self.server_ns, socket.SOCK_STREAM)
             try:
-                await asyncio.wait_for(
-                    loop.sock_connect(sock, (SERVER_IPS[0], SERVER_HTTP_PORT)), 1
-                )
+                await asyncio.wait_for(loop.sock_connect(sock, (ip, port)), 1)
                 return
             except (OSError, TimeoutError):
                 await asyncio.sleep(0.1)
             finally:
                 sock.close()
-        tail = (self.state_dir / "crossroads.log").read_text(errors="replace")[-2000:]
-        raise LabError(f"crossroads serve did not start in the lab:\n{tail}")
+        log_file = self.state_dir / f"{process}.log"
+        tail = log_file.read_text(errors="replace")[-2000:]
+        raise LabError(f"{process} did not start in the lab ({ip}:{port}):\n{tail}")
 
     # -- per-attempt hygiene ---------------------------------------------------
     async def reset_nat(self, site: Site) -> None:
