@@ -14,49 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.conftest import RedisServer  # noqa: E402
+
 from crossroads.client.p2p import P2PClient  # noqa: E402
 from crossroads.config import default_config  # noqa: E402
 from crossroads.runtime import Runtime, start  # noqa: E402
 from crossroads.services import load_service_modules  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def redis_server(directory: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server is not installed: run `make install`")
-    port = free_port()
-    process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", directory],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return process, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    process.kill()
-    sys.exit("redis-server did not start")
 
 
 async def instance(store: str) -> Runtime:
@@ -95,11 +65,10 @@ async def one_join(url: str, code: str, expect: str) -> float:
 
 
 async def main(runs: int) -> None:
-    directory = tempfile.mkdtemp(prefix="crossroads-bench-redis-")
-    process, store = redis_server(directory)
+    redis = RedisServer()  # a real redis-server on a free port, its own folder
     a = b = None
     try:
-        a, b = await instance(store), await instance(store)
+        a, b = await instance(redis.url), await instance(redis.url)
         times: dict[str, list[float]] = {"same instance": [], "redirected": []}
         for run in range(runs):
             # A fresh host per run: one host taking dozens of joins in seconds
@@ -126,9 +95,7 @@ async def main(runs: int) -> None:
         for rt in (a, b):
             if rt is not None:
                 await rt.close()
-        process.terminate()
-        process.wait(5)
-        shutil.rmtree(directory, ignore_errors=True)
+        redis.stop()
 
 
 if __name__ == "__main__":
