@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from crossroads.client.p2p import P2PClient
+from crossroads.client.p2p import MAX_REDIRECTS, JoinRejected, P2PClient
 from crossroads.client.signalling import SignallingError
 from crossroads.config import default_config
 from crossroads.runtime import Runtime, start
@@ -254,3 +254,20 @@ async def test_a_release_never_deletes_another_instances_claim(
     await eventually(released, "release handled")
     await asyncio.sleep(0.2)  # the release's store call itself
     assert await a.store.get(key) == other
+
+
+async def test_redirects_are_bounded(
+    pair: tuple[Runtime, Runtime], clients: Callable[[str], Awaitable[P2PClient]]
+) -> None:
+    """A claim naming this instance under another spelling (a misconfigured
+    --p2p-public-url) would redirect forever; the client stops after
+    MAX_REDIRECTS with a clear error."""
+    a, _ = pair
+    port = a.http_address[1]
+    await a.store.set(
+        CODE_KEY + "K7QM-3XZP", f"ws://localhost:{port}/p2p/v1/ws".encode(), ttl=30
+    )
+    guest = await clients(ws_url(a))
+    with pytest.raises(JoinRejected, match=f"more than {MAX_REDIRECTS} redirects"):
+        await guest.join("K7QM-3XZP")
+    assert service(a).redirects._value.get() == MAX_REDIRECTS + 1
