@@ -428,7 +428,13 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
 
 
 async def test_relay_refuses_private_peers_by_default(natneg: Starter) -> None:
-    rt = await natneg(natneg__relay_mode="always", natneg__relay_allow="")
+    # A relay advertised at a public address serves no loopback client (one
+    # advertised at 127.0.0.1 would: test_relay_serves_its_advertised_scope).
+    rt = await natneg(
+        natneg__relay_mode="always",
+        natneg__relay_allow="",
+        natneg__relay_host="203.0.113.9",
+    )
     srv = servers(rt)
     a = SdkNegotiator(version=4, cookie=903, client_index=1, servers=srv)
     b = SdkNegotiator(
@@ -440,9 +446,26 @@ async def test_relay_refuses_private_peers_by_default(natneg: Starter) -> None:
     assert a.outcome.remote == address_of(b.negotiate_sock)
     assert (
         metric(
-            rt, "crossroads_natneg_relay_allocations_total", result="refused-private"
+            rt, "crossroads_natneg_relay_allocations_total", result="refused-loopback"
         )
         == 1
+    )
+
+
+async def test_relay_serves_its_advertised_scope(natneg: Starter) -> None:
+    """A relay advertised at 127.0.0.1 relays loopback clients without any
+    --natneg-relay-allow: refusing them made its own advertisement useless."""
+    rt = await natneg(natneg__relay_mode="always", natneg__relay_allow="")
+    srv = servers(rt)
+    a = SdkNegotiator(version=4, cookie=904, client_index=1, servers=srv)
+    b = SdkNegotiator(
+        version=4, cookie=904, client_index=0, servers=srv, bind_ip="127.0.0.5"
+    )
+    await both(a, b)
+    assert a.outcome and a.outcome.result == NegotiateResult.SUCCESS
+    assert a.outcome.remote != address_of(b.negotiate_sock)  # through the relay
+    assert (
+        metric(rt, "crossroads_natneg_relay_allocations_total", result="allocated") == 1
     )
 
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from crossroads.proto.policy import AddressPolicy, Scope
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.server import (
     AllocationBound,
@@ -23,6 +24,7 @@ from crossroads.transport.udp import make_udp_socket
 pytestmark = pytest.mark.timeout(30)
 
 SEALER = TokenSealer(b"t" * 32, os.urandom)
+LOOPBACK_CLIENTS = AddressPolicy(admitted=frozenset({Scope.LOOPBACK}))
 
 
 def bind_message(allocation_id: bytes, token: bytes, nonce: int) -> bytes:
@@ -69,7 +71,7 @@ async def run_session(
     bind_host: str, family: int, client_host: str, server_host: str
 ) -> None:
     core = RelayServer(
-        RelayServerConfig(node_id="node", allow_private_peers=True),
+        RelayServerConfig(node_id="node", policy=LOOPBACK_CLIENTS),
         SEALER,
         wall_offset=time.time() - asyncio.get_running_loop().time(),
     )
@@ -124,7 +126,7 @@ async def test_timers_fire_without_traffic() -> None:
     core = RelayServer(
         RelayServerConfig(
             node_id="node",
-            allow_private_peers=True,
+            policy=LOOPBACK_CLIENTS,
             idle_timeout=0.2,
             host_alone_timeout=0.2,
         ),

@@ -61,7 +61,9 @@ from crossroads.proto.natneg.server import (
     ReportReceived,
     ServerConfig,
 )
+from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext
+from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.udp import make_udp_socket
 from crossroads.types import Address
@@ -189,8 +191,9 @@ class Config:
         (),
         kind="list",
         check=_check_networks,
-        help="Non-global networks (CIDR) whose clients may still be relayed: "
-        "loopback/private/link-local/documentation addresses are refused otherwise.",
+        help="Networks (CIDR) whose clients may still be relayed: loopback, "
+        "private, link-local and the server's own addresses are refused "
+        "otherwise (except the scope of the advertised relay address).",
     )
     max_sessions: int = setting(
         100_000, kind="int", help="Concurrent negotiation sessions at most."
@@ -412,7 +415,9 @@ class _Collector(Collector):
                 labels=["result"],
             )
             allocations.add_metric(["allocated"], relay.stats.allocated)
-            allocations.add_metric(["refused-private"], relay.stats.refused)
+            # One result per refusal verdict (refused-loopback, refused-self, ...).
+            for reason, count in sorted(relay.stats.refused_by.items()):
+                allocations.add_metric([f"refused-{reason}"], count)
             allocations.add_metric(["failed"], relay.stats.failed)
             yield allocations
 
@@ -630,8 +635,10 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 port_range=parse_port_range(cfg.relay_ports),
                 idle_timeout=cfg.relay_idle_timeout,
                 max_pairs=cfg.max_relays,
-                allow_networks=tuple(
-                    ipaddress.ip_network(n, strict=False) for n in cfg.relay_allow
+                policy=AddressPolicy(
+                    allow=parse_networks(cfg.relay_allow),
+                    self_addresses=own_addresses(ctx.config, ctx.shared),
+                    admitted=scopes_for([advertise]),
                 ),
             )
             ports = cfg.relay_ports or "ephemeral ports"

@@ -50,10 +50,12 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import setting
 from crossroads.errors import CrossroadsError, DecodeError
+from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
     AllocationBound,
     AllocationEnded,
+    ClientRefused,
     Event,
     PeerConnected,
     PeerDisconnected,
@@ -63,6 +65,8 @@ from crossroads.proto.relay.server import (
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
 from crossroads.services.base import Service, ServiceContext
 from crossroads.store.base import Store
+from crossroads.transport.localaddrs import own_addresses
+from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.udp import bound_address, make_udp_socket
 
@@ -545,6 +549,13 @@ class RelayNode:
         self.endpoint = endpoint
         self.info = info
         self.events_dropped = 0
+        self.refusals = RefusalLog(
+            log,
+            "relay: client",
+            "a node serves the scope of the address it advertises "
+            "(--relay-public-host); --relay-allow-private-peers admits every "
+            "private scope",
+        )
         self._events: asyncio.Queue[Event] = asyncio.Queue(MAX_PENDING_EVENTS)
         #: Bound host allocations -> their join code once known.
         self._hosts: dict[uuid.UUID, str | None] = {}
@@ -656,6 +667,8 @@ class RelayNode:
                     # Never leave a hash without a TTL, even if the API's record
                     # expired meanwhile (join treats such a remnant as gone).
                     await self.store.expire(key, ttl)
+            case ClientRefused(address=address, verdict=verdict):
+                self.refusals.refused(address, verdict)
             case AllocationEnded(is_host=True, allocation_id=aid):
                 host_id = uuid.UUID(bytes=aid)
                 code = self._hosts.pop(host_id, None)
@@ -773,6 +786,18 @@ class RelayService:
             await self.node.close()
 
 
+def client_policy(cfg: Config, ctx: ServiceContext, public_host: str) -> AddressPolicy:
+    """Who may BIND: not internal or own addresses, except the scope this node
+    advertises (a node at 127.0.0.1 serves loopback clients), and every
+    non-global scope with ``--relay-allow-private-peers``."""
+    admitted = scopes_for([public_host])
+    if cfg.allow_private_peers:
+        admitted |= {Scope.LOOPBACK, Scope.PRIVATE, Scope.LINK_LOCAL}
+    return AddressPolicy(
+        self_addresses=own_addresses(ctx.config, ctx.shared), admitted=admitted
+    )
+
+
 def _public_host(cfg: Config, ctx: ServiceContext, bound_host: str) -> str:
     if cfg.public_host:
         return cfg.public_host
@@ -799,13 +824,14 @@ async def serve(ctx: ServiceContext) -> Service:
         sock = make_udp_socket(ctx.host, cfg.port)
         try:
             bound = bound_address(sock)
+            public_host = _public_host(cfg, ctx, bound[0])
             loop = asyncio.get_running_loop()
             core = RelayServer(
                 RelayServerConfig(
                     node_id=node_id,
                     idle_timeout=cfg.idle_timeout,
                     host_alone_timeout=cfg.host_alone_timeout,
-                    allow_private_peers=cfg.allow_private_peers,
+                    policy=client_policy(cfg, ctx, public_host),
                     max_route_pps=cfg.max_route_pps,
                     # Hosts reserve seats for their joiners; twice the seats leaves
                     # room for joiners bound but not yet connected.
@@ -822,7 +848,7 @@ async def serve(ctx: ServiceContext) -> Service:
             node_id=node_id,
             region=cfg.region,
             description=cfg.region_description or cfg.region,
-            host=_public_host(cfg, ctx, bound[0]),
+            host=public_host,
             port=cfg.public_port or bound[1],
             capacity=cfg.capacity,
             load=0,

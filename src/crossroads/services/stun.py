@@ -67,7 +67,7 @@ from crossroads.services.base import ServiceContext
 from crossroads.transport import mmsg
 from crossroads.transport.mmsg import MSG_TRUNC, MmsgSocket
 from crossroads.transport.mmsg import NAME as NAME_SLOT
-from crossroads.transport.udp import SOCKET_BUFFER_BYTES
+from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
 
 NAME = "stun"
@@ -783,6 +783,7 @@ def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket
     except BaseException:
         sock.close()
         raise
+    register_listener(sock)
     return sock
 
 

@@ -66,6 +66,7 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import setting
 from crossroads.errors import ConfigError, DecodeError
+from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.stun import Class, Method, decode
 from crossroads.proto.turn.allocation import Allocation, FiveTuple
 from crossroads.proto.turn.auth import (
@@ -88,7 +89,6 @@ from crossroads.proto.turn.fastpath import (
     parse_send_indication,
     xor_peer_address,
 )
-from crossroads.proto.turn.policy import PeerPolicy, parse_networks
 from crossroads.proto.turn.ports import PortAllocator
 from crossroads.proto.turn.server import (
     AllocationCreated,
@@ -108,6 +108,7 @@ from crossroads.services.stun import (
     TcpConnection,
     UdpEndpoint,
 )
+from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
@@ -116,6 +117,7 @@ from crossroads.transport.turnplane import (
     PollerType,
     RelayTapBase,
 )
+from crossroads.transport.udp import listening_ports
 from crossroads.types import Address
 
 NAME = "turn"
@@ -743,10 +745,15 @@ class TurnService:
                 "TURN has no users and no secret: every Allocate will get 401 "
                 "(add --turn-user name:password or --turn-secret)"
             )
-        policy = PeerPolicy(
-            allow_loopback=config.allow_loopback_peers,
+        policy = AddressPolicy(
             allow=parse_networks(config.allowed_peers),
             deny=parse_networks(config.denied_peers),
+            self_addresses=own_addresses(ctx.config, ctx.shared),
+            admitted=(
+                frozenset({Scope.LOOPBACK})
+                if config.allow_loopback_peers
+                else frozenset()
+            ),
         )
         low, high = config.relay_ports
         settings = TurnSettings(
@@ -775,6 +782,7 @@ class TurnService:
             policy,
             PortAllocator(low, high, cast(Any, secrets)),
             self,
+            own_ports=listening_ports,
         )
         self.core.clock_offset = time.time() - self.loop.time()
         #: (client, endpoint) -> allocation: the client -> peer route table.
@@ -1016,6 +1024,8 @@ class TurnService:
             return True
         if peer[0] not in allocation.permissions:
             self.stats.drop("send-no-permission")
+            return True
+        if self.core.self_peer_refused(peer):
             return True
         if relay.bps and not relay.allow(len(payload)):
             return True

@@ -23,13 +23,14 @@ the datagram itself, no store. A pair is released when no datagram crossed it fo
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import random
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from crossroads.proto.natneg.packets import MAGIC, PacketType
+from crossroads.proto.policy import AddressPolicy, Verdict
+from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES
 from crossroads.types import Address
 
@@ -43,22 +44,6 @@ _BATCH = 64
 _MAX_DATAGRAM = 65535
 #: Random ports tried in ``port_range`` before giving up on an allocation.
 _BIND_ATTEMPTS = 32
-
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-def refused_peer(ip: str, allowed: tuple[Network, ...] = ()) -> bool:
-    """Loopback, private, link-local and other non-global addresses are refused
-    unless in ``allowed`` (the class of bug behind coturn CVE-2020-26262,
-    DESIGN.md; tests and labs opt in with their ranges)."""
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return True
-    if address.is_global:
-        return False
-    return not any(address in network for network in allowed)
 
 
 class _Side:
@@ -137,6 +122,8 @@ class RelayStats:
 
     allocated: int = 0
     refused: int = 0
+    #: Refusals by policy verdict (``loopback``, ``private``, ``self``, ...).
+    refused_by: dict[str, int] = field(default_factory=dict)
     failed: int = 0
     released: int = 0
     #: Packets relayed by pairs already released (live pairs are summed on read).
@@ -154,14 +141,23 @@ class RelayPool:
         port_range: tuple[int, int] | None,
         idle_timeout: float,
         max_pairs: int,
-        allow_networks: tuple[Network, ...] = (),
+        policy: AddressPolicy,
     ) -> None:
+        """``policy``: which client IPs may be relayed (:mod:`crossroads.proto.policy`:
+        the class of bug behind coturn CVE-2020-26262; tests and labs opt in with
+        their ranges)."""
         self.bind_host = bind_host
         self.advertise_host = advertise_host
         self.port_range = port_range
         self.idle_timeout = idle_timeout
         self.max_pairs = max_pairs
-        self.allow_networks = allow_networks
+        self.policy = policy
+        self.refusals = RefusalLog(
+            log,
+            "natneg relay: client",
+            "a relay serves the scope of the address it advertises "
+            "(--natneg-relay-host); --natneg-relay-allow admits more",
+        )
         self.stats = RelayStats()
         self._pairs: dict[int, _Pair] = {}
         self._loop = asyncio.get_running_loop()
@@ -183,9 +179,15 @@ class RelayPool:
         """A pair for a session: the address to give client 0 and client 1."""
         if self._closed:
             return None
-        if any(refused_peer(ip, self.allow_networks) for ip in client_ips):
-            self.stats.refused += 1
-            return None
+        for ip in client_ips:
+            verdict = self.policy.judge(ip)
+            if verdict != Verdict.ALLOWED:
+                self.stats.refused += 1
+                self.stats.refused_by[verdict.reason] = (
+                    self.stats.refused_by.get(verdict.reason, 0) + 1
+                )
+                self.refusals.refused((ip, 0), verdict)
+                return None
         if len(self._pairs) >= self.max_pairs or cookie in self._pairs:
             self.stats.failed += 1
             return None

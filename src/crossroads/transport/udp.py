@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+import weakref
 from typing import Protocol, cast
 
 from crossroads.types import Address, normalize_address
@@ -29,6 +30,32 @@ class DatagramCore(Protocol):
     def get_timer(self) -> float | None: ...
 
     def handle_timer(self, now: float) -> None: ...
+
+
+#: Every listening socket of a service in this process (UDP sockets from
+#: :func:`make_udp_socket`, TCP listeners from :func:`make_tcp_listener`, and
+#: the ones services register themselves). TURN reads their ports so a client
+#: can never relay into them (:mod:`crossroads.proto.policy`). Weak: a closed
+#: and dropped socket leaves by itself.
+_LISTENERS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def register_listener(sock: socket.socket) -> None:
+    """Count ``sock`` among the service listeners (see :func:`listening_ports`)."""
+    _LISTENERS.add(sock)
+
+
+def listening_ports() -> frozenset[int]:
+    """Local ports of the live service listeners of this process."""
+    ports: set[int] = set()
+    for sock in list(_LISTENERS):
+        if sock.fileno() < 0:
+            continue
+        try:
+            ports.add(sock.getsockname()[1])
+        except OSError:
+            continue
+    return frozenset(ports)
 
 
 def make_udp_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
@@ -58,6 +85,7 @@ def make_udp_socket(host: str, port: int, *, reuse_port: bool = False) -> socket
     except BaseException:
         sock.close()
         raise
+    register_listener(sock)
     return sock
 
 
@@ -82,6 +110,7 @@ def make_tcp_listener(
     except BaseException:
         sock.close()
         raise
+    register_listener(sock)
     return sock
 
 

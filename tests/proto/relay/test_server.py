@@ -5,20 +5,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crossroads.proto.policy import AddressPolicy, Scope, Verdict
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.server import (
     AllocationBound,
     AllocationEnded,
+    ClientRefused,
     ConnectRejected,
     PeerConnected,
     PeerDisconnected,
     RelayServer,
     RelayServerConfig,
-    is_private_address,
 )
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer, bind_hmac
 from crossroads.types import Address
@@ -199,29 +199,15 @@ def test_private_addresses_refused_by_default() -> None:
     assert h.send(host.bind(), ("127.0.0.1", 4000)) == []
     assert h.send(host.bind(), ("10.1.2.3", 4000)) == []
     assert h.send(host.bind(), ("::ffff:192.168.1.1", 4000)) == []
-    assert h.server.drops == {"private-peer": 3}
-    h2 = Harness(allow_private_peers=True)
+    assert h.server.drops == {"client-loopback": 1, "client-private": 2}
+    refused = [e for e in h.server.events() if isinstance(e, ClientRefused)]
+    assert [e.verdict for e in refused] == [
+        Verdict.LOOPBACK,
+        Verdict.PRIVATE,
+        Verdict.PRIVATE,
+    ]
+    h2 = Harness(policy=AddressPolicy(admitted=frozenset({Scope.LOOPBACK})))
     assert h2.send(host.bind(), ("127.0.0.1", 4000))
-
-
-@pytest.mark.parametrize(
-    ("host", "private"),
-    [
-        ("127.0.0.1", True),
-        ("10.0.0.1", True),
-        ("169.254.1.1", True),
-        ("::1", True),
-        ("fe80::1", True),
-        ("::ffff:127.0.0.1", True),
-        ("0.0.0.0", True),
-        ("224.0.0.1", True),
-        ("8.8.8.8", False),
-        ("2001:4860::1", False),
-        ("not-an-ip", True),
-    ],
-)
-def test_is_private_address(host: str, private: bool) -> None:
-    assert is_private_address(host) is private
 
 
 # -------------------------------------------------------------------- connecting

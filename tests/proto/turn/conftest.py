@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from crossroads.proto.policy import AddressPolicy
 from crossroads.proto.stun import (
     Attribute,
     Class,
@@ -22,7 +23,6 @@ from crossroads.proto.turn.allocation import Allocation, FiveTuple
 from crossroads.proto.turn.auth import Credentials, NonceMinter
 from crossroads.proto.turn.constants import Family, Transport
 from crossroads.proto.turn.credentials import LongTermSession
-from crossroads.proto.turn.policy import PeerPolicy
 from crossroads.proto.turn.ports import PortAllocator
 from crossroads.proto.turn.server import TurnServer, TurnSettings, error_code_of
 from crossroads.types import Address
@@ -106,7 +106,7 @@ class Harness:
             settings.pop("users", {"alice": "secret", "bob": "hunter2"}),
             settings.pop("secrets", ("s3cr3t",)),
         )
-        policy = settings.pop("policy", PeerPolicy())
+        policy = settings.pop("policy", AddressPolicy())
         self.server = TurnServer(
             TurnSettings(realm=credentials.realm, **settings),
             credentials,

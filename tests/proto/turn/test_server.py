@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from crossroads.proto.policy import AddressPolicy, Scope
 from crossroads.proto.stun import (
     AdditionalAddressFamily,
     AddressErrorCode,
@@ -38,7 +39,6 @@ from crossroads.proto.stun import (
 from crossroads.proto.turn.auth import rest_password
 from crossroads.proto.turn.constants import Family
 from crossroads.proto.turn.credentials import LongTermSession
-from crossroads.proto.turn.policy import PeerPolicy
 from crossroads.proto.turn.server import (
     AllocationCreated,
     AllocationDeleted,
@@ -446,7 +446,7 @@ def test_loopback_peer_needs_opt_in() -> None:
     session = allocated(strict)
     loop = [XorPeerAddress("127.0.0.1", 3480)]
     assert code(strict.request(Method.CREATE_PERMISSION, loop, udp(), session)) == 403
-    relaxed = Harness(policy=PeerPolicy(allow_loopback=True))
+    relaxed = Harness(policy=AddressPolicy(admitted=frozenset({Scope.LOOPBACK})))
     session = allocated(relaxed)
     answer = relaxed.request(Method.CREATE_PERMISSION, loop, udp(), session)
     assert answer is not None and answer.msg_class == Class.SUCCESS

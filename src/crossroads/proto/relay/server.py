@@ -46,12 +46,12 @@ out as events from :meth:`RelayServer.events`; the core does no I/O.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
 from crossroads.errors import DecodeError
+from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import AllocationClaims, TokenSealer, verify_bind_hmac
 from crossroads.types import Address
@@ -149,6 +149,14 @@ class ConnectRejected:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientRefused:
+    """A BIND from an address the policy refuses (dropped, not answered)."""
+
+    address: Address
+    verdict: Verdict
+
+
+@dataclass(frozen=True, slots=True)
 class AllocationEnded:
     allocation_id: bytes
     host_allocation_id: bytes
@@ -163,6 +171,7 @@ Event = (
     | PeerDisconnected
     | ConnectRejected
     | AllocationEnded
+    | ClientRefused
 )
 
 
@@ -183,10 +192,12 @@ class RelayServerConfig:
     sweep_interval: float | None = None
     #: Hard cap on bound allocations (the node's advertised capacity is in seats).
     max_allocations: int = 100_000
-    #: Relays refuse loopback/private/link-local clients by default: a BIND with a
-    #: spoofed internal source would otherwise turn the relay into a UDP proxy
-    #: towards internal services (the coturn CVE-2020-26262 class of bug).
-    allow_private_peers: bool = False
+    #: Which client addresses the relay serves (:mod:`crossroads.proto.policy`):
+    #: by default not loopback, private, link-local, reserved or the server's
+    #: own addresses -- a BIND with a spoofed internal source would otherwise
+    #: turn the relay into a UDP proxy towards internal services (the coturn
+    #: CVE-2020-26262 class of bug) -- except the scope the node advertises.
+    policy: AddressPolicy = AddressPolicy()
     #: Slow-path datagrams per second per source IP, and the burst. Legitimate
     #: clients need a handful (BIND, CONNECT, a PING every 3 s); RELAY frames of
     #: connected peers never reach the slow path.
@@ -209,43 +220,6 @@ class RelayServerConfig:
             return self.sweep_interval
         shortest = min(self.idle_timeout, self.host_alone_timeout)
         return min(1.0, max(0.05, shortest / 10))
-
-
-#: Where a relay must never send on a client's say-so. Written out rather than
-#: ``ip.is_private`` because Python counts the documentation ranges (192.0.2.0/24,
-#: 198.51.100.0/24, 203.0.113.0/24) as private, and the NAT lab uses them as its
-#: public internet.
-_REFUSED_NETWORKS: Final = tuple(
-    ipaddress.ip_network(net)
-    for net in (
-        "0.0.0.0/8",  # "this network" (RFC 791)
-        "10.0.0.0/8",  # RFC 1918
-        "100.64.0.0/10",  # carrier-grade NAT shared space (RFC 6598)
-        "127.0.0.0/8",  # loopback
-        "169.254.0.0/16",  # link-local (RFC 3927)
-        "172.16.0.0/12",  # RFC 1918
-        "192.168.0.0/16",  # RFC 1918
-        "224.0.0.0/4",  # multicast
-        "240.0.0.0/4",  # reserved, and broadcast
-        "::/128",  # unspecified
-        "::1/128",  # loopback
-        "fc00::/7",  # unique local (RFC 4193)
-        "fe80::/10",  # link-local
-        "fec0::/10",  # deprecated site-local
-        "ff00::/8",  # multicast
-    )
-)
-
-
-def is_private_address(host: str) -> bool:
-    """Loopback, private, link-local, multicast, unspecified or reserved."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return True
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return any(ip in net for net in _REFUSED_NETWORKS)
 
 
 # ------------------------------------------------------------------------- server
@@ -451,8 +425,7 @@ class RelayServer:
             else:
                 self._drop("replayed-nonce")
             return
-        if addr != alloc.address and not self._peer_allowed(addr):
-            self._drop("private-peer")
+        if addr != alloc.address and not self._client_allowed(addr):
             return
         alloc.last_nonce = nonce
         alloc.last_activity = now
@@ -487,8 +460,7 @@ class RelayServer:
                 addr, claims.allocation_id, m.ErrorCode.ALLOCATION_ID_NOT_FOUND, now
             )
             return
-        if not self._peer_allowed(addr):
-            self._drop("private-peer")
+        if not self._client_allowed(addr):
             return
         if len(self.allocations) >= self.config.max_allocations:
             self._drop("capacity")
@@ -737,8 +709,15 @@ class RelayServer:
             for peer in peers:
                 self._end(peer, "host-ended", now, notify=False)
 
-    def _peer_allowed(self, addr: Address) -> bool:
-        return self.config.allow_private_peers or not is_private_address(addr[0])
+    def _client_allowed(self, addr: Address) -> bool:
+        """Whether the policy lets ``addr`` bind; a refusal is counted (drop
+        reason ``client-<verdict>``) and reported as :class:`ClientRefused`."""
+        verdict = self.config.policy.judge(addr[0])
+        if verdict == Verdict.ALLOWED:
+            return True
+        self._drop(f"client-{verdict.reason}")
+        self._events.append(ClientRefused(addr, verdict))
+        return False
 
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -747,7 +726,7 @@ class RelayServer:
         self, addr: Address, allocation_id: bytes, code: m.ErrorCode, now: float
     ) -> None:
         """Answer with ERROR, unless the source is over its error budget."""
-        if not self._peer_allowed(addr):
+        if not self.config.policy.permits(addr[0]):
             return
         if not self._take(
             self._error_buckets,

@@ -17,6 +17,20 @@ known by trying. Everything else the core owns: the allocation table keyed by
 5-tuple, per-user and total quotas, the port allocator, the nonce minter, the
 peer policy, and one heap of deadlines (``get_timer`` / ``handle_timer``).
 
+Peers (:meth:`TurnServer.peer_verdict`): the shared
+:class:`~crossroads.proto.policy.AddressPolicy` refuses internal ranges and the
+server's own addresses, with two TURN rules on top. The relayed transport address
+of a live allocation is always a valid peer: two clients both forced to relay
+(WebRTC ``iceTransportPolicy: "relay"``) talk through each other's relayed
+addresses, which on a server with a private address are private -- coturn allows
+the same, and RFC 8656 §9 only asks the server to refuse what its policy
+forbids. And a peer on one of the server's own addresses (allowed explicitly,
+e.g. ``--allow-loopback-peers``) is still refused on a port this process listens
+on (``own_ports``), so no client reaches the server's HTTP API or its STUN, relay
+or natneg sockets through the relay. Because a permission covers an IP and not a
+port (RFC 8656 §9), Send indications to such an IP are checked per datagram
+(:meth:`TurnServer.self_peer_refused`); channels are checked when bound.
+
 Per-packet forwarding (ChannelData, Send and Data indications) does not come
 here: the transport reads the forwarding tables kept in :mod:`.allocation`.
 Only Send indications the fast parser cannot take go through
@@ -33,12 +47,13 @@ request had one.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol, cast
 
 from crossroads.errors import LocalProtocolError
+from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.stun import (
     AdditionalAddressFamily,
     AddressErrorCode,
@@ -102,10 +117,15 @@ from crossroads.proto.turn.constants import (
     Transport,
     TurnError,
 )
-from crossroads.proto.turn.policy import PeerPolicy
 from crossroads.proto.turn.ports import PortAllocator, Reservation
 from crossroads.proto.turn.ratelimit import TokenBuckets
 from crossroads.types import Address
+
+#: Distinct peer IPs on this host that may hold permissions. Only reachable with
+#: an explicit opt-in (``--allow-loopback-peers`` or an allowed range covering
+#: the host) or through relayed addresses, so a handful in practice; the bound
+#: keeps 127.0.0.0/8 from growing the set without limit.
+MAX_SELF_PEERS = 4096
 
 #: The algorithms offered in PASSWORD-ALGORITHMS, in preference order
 #: (RFC 8489 §14.11; SHA-256 first, MD5 for RFC 5389 clients).
@@ -318,9 +338,10 @@ class TurnServer:
         settings: TurnSettings,
         credentials: Credentials,
         nonces: NonceMinter,
-        policy: PeerPolicy,
+        policy: AddressPolicy,
         ports: PortAllocator,
         binder: RelayBinder,
+        own_ports: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         self.settings = settings
         self.credentials = credentials
@@ -328,6 +349,14 @@ class TurnServer:
         self.policy = policy
         self.ports = ports
         self.binder = binder
+        #: Ports this process listens on (the transport's hook: read from the
+        #: OS, so ``port 0`` listeners are known too).
+        self.own_ports = own_ports
+        #: Relayed transport address -> its allocation, for live allocations.
+        self.relayed: dict[Address, Allocation] = {}
+        #: Peer IPs on this host that hold a permission: the data path checks
+        #: the port of every Send indication to them (module docstring).
+        self.self_peers: set[str] = set()
         self.allocations: dict[FiveTuple, Allocation] = {}
         self.connections: dict[int, TcpConnection] = {}
         self.user_allocations: dict[str, int] = {}
@@ -500,6 +529,8 @@ class TurnServer:
             return None
         if peer.host not in allocation.permissions:
             self.counters.drop("send-no-permission")
+            return None
+        if self.self_peer_refused((peer.host, peer.port)):
             return None
         return relay, (peer.host, peer.port), data.value
 
@@ -799,6 +830,7 @@ class TurnServer:
             if relay is None:
                 return TurnError.INSUFFICIENT_CAPACITY
             allocation.relays[family] = relay
+            self.relayed[relay.address] = allocation
             return 0
         candidates = self.ports.candidates(
             even=even is not None, pair=even is not None and even.reserve
@@ -810,11 +842,14 @@ class TurnServer:
             if relay is not None:
                 self.ports.take(port)
                 allocation.relays[family] = relay
+                self.relayed[relay.address] = allocation
                 return 0
         return TurnError.INSUFFICIENT_CAPACITY
 
     def _close_relays(self, allocation: Allocation) -> None:
         for relay in allocation.relays.values():
+            if self.relayed.get(relay.address) is allocation:
+                del self.relayed[relay.address]
             self.ports.release(relay.address[1])
             relay.close()
 
@@ -874,14 +909,46 @@ class TurnServer:
 
     # ------------------------------------------------------------ permissions
 
+    def peer_verdict(self, peer: Address) -> Verdict:
+        """Whether a relay may exchange data with ``peer`` (module docstring)."""
+        verdict = self.policy.judge(peer[0])
+        if peer in self.relayed:
+            # One of our own relayed addresses: allowed unless explicitly denied.
+            return Verdict.DENIED if verdict == Verdict.DENIED else Verdict.ALLOWED
+        if (
+            verdict == Verdict.ALLOWED
+            and self.policy.is_self(peer[0])
+            and peer[1] in self.own_ports()
+        ):
+            return Verdict.SERVICE_PORT
+        return verdict
+
+    def self_peer_refused(self, peer: Address) -> bool:
+        """Data path check of a Send indication: True (and counted) when it
+        goes to a port of this host it must not reach. Cheap for every other
+        peer: one set lookup."""
+        if peer[0] not in self.self_peers:
+            return False
+        verdict = self.peer_verdict(peer)
+        if verdict == Verdict.ALLOWED:
+            return False
+        self.counters.drop(f"peer-{verdict.reason}")
+        return True
+
     def _peer(self, allocation: Allocation, peer: XorPeerAddress) -> RelayPort:
         """Check a peer address against the relay families and the policy."""
         relay = allocation.relay_for(6 if ":" in peer.host else 4)
         if relay is None:
             raise _Reject(TurnError.PEER_ADDRESS_FAMILY_MISMATCH)
-        if not self.policy.permits(peer.host):
-            self.counters.drop("peer-denied")
+        verdict = self.peer_verdict((peer.host, peer.port))
+        if verdict != Verdict.ALLOWED:
+            self.counters.drop(f"peer-{verdict.reason}")
             raise _Reject(TurnError.FORBIDDEN)
+        if peer.host not in self.self_peers and self.policy.is_self(peer.host):
+            if len(self.self_peers) >= MAX_SELF_PEERS:
+                self.counters.drop("peer-self-table-full")
+                raise _Reject(TurnError.FORBIDDEN)
+            self.self_peers.add(peer.host)
         return relay
 
     def _create_permission(
