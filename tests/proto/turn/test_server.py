@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 import pytest
@@ -471,6 +472,57 @@ def test_permission_limit_508() -> None:
     assert code(harness.request(Method.CREATE_PERMISSION, peers, udp(), session)) == 508
     answer = harness.request(Method.CREATE_PERMISSION, peers[:2], udp(), session)
     assert answer is not None and answer.msg_class == Class.SUCCESS
+
+
+def test_own_relayed_addresses_are_peers_other_own_ports_are_not() -> None:
+    """Two clients both forced to relay reach each other through their relayed
+    addresses even though those are the server's own (private, here: own)
+    addresses; any other port of the server stays out of reach."""
+    own = ipaddress.IPv4Address("203.0.113.5")  # FakeBinder's relayed address
+    harness = Harness(policy=AddressPolicy(self_addresses=frozenset({own})))
+    server = harness.server
+    first = allocated(harness)
+    answer = harness.allocate(udp(40001), alice(), [Lifetime(3600)])
+    second_relay = answer.get(XorRelayedAddress)
+    assert second_relay is not None
+    their = (second_relay.host, second_relay.port)
+    # CreatePermission's port means nothing: the host of a relayed address is enough.
+    ok = harness.request(
+        Method.CREATE_PERMISSION, [XorPeerAddress(their[0], 0)], udp(), first
+    )
+    assert ok is not None and ok.msg_class == Class.SUCCESS
+    assert bind(harness, first, 0x4000, their) is not None
+    assert code(bind(harness, first, 0x4001, (their[0], 8080))) == 403
+    assert server.counters.drops["peer-self"] == 1
+    # Send indications to the relayed host are checked port by port.
+    route = server.send_indication(send_indication(their, b"x"), udp())
+    assert route is not None and route[1] == their
+    assert (
+        server.send_indication(send_indication((their[0], 3478), b"x"), udp()) is None
+    )
+    assert server.counters.drops["peer-self"] == 2
+    assert server.self_peer_refused((their[0], 3478))
+    assert not server.self_peer_refused(their)
+    # Once the allocation is gone, its address is the server's again.
+    harness.request(Method.REFRESH, [Lifetime(0)], udp(40001), alice())
+    assert their not in server.relayed
+    assert server.self_peer_refused(their)
+
+
+def test_own_listening_ports_refused_even_when_loopback_is_allowed() -> None:
+    harness = Harness(policy=AddressPolicy(admitted=frozenset({Scope.LOOPBACK})))
+    harness.server.own_ports = lambda: frozenset({3478, 8080})
+    session = allocated(harness)
+    assert code(bind(harness, session, 0x4000, ("127.0.0.1", 8080))) == 403
+    assert harness.server.counters.drops["peer-service-port"] == 1
+    assert bind(harness, session, 0x4001, ("127.0.0.1", 5000)) is not None
+    server = harness.server
+    assert (
+        server.send_indication(send_indication(("127.0.0.1", 3478), b"x"), udp())
+        is None
+    )
+    assert server.send_indication(send_indication(("127.0.0.1", 5000), b"x"), udp())
+    assert harness.server.counters.drops["peer-service-port"] == 2
 
 
 # ------------------------------------------------------------------ channels

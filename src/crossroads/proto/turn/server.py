@@ -354,6 +354,8 @@ class TurnServer:
         self.own_ports = own_ports
         #: Relayed transport address -> its allocation, for live allocations.
         self.relayed: dict[Address, Allocation] = {}
+        #: IP of relayed addresses -> how many live ones (permissions are per IP).
+        self._relayed_hosts: dict[str, int] = {}
         #: Peer IPs on this host that hold a permission: the data path checks
         #: the port of every Send indication to them (module docstring).
         self.self_peers: set[str] = set()
@@ -830,7 +832,7 @@ class TurnServer:
             if relay is None:
                 return TurnError.INSUFFICIENT_CAPACITY
             allocation.relays[family] = relay
-            self.relayed[relay.address] = allocation
+            self._add_relayed(relay, allocation)
             return 0
         candidates = self.ports.candidates(
             even=even is not None, pair=even is not None and even.reserve
@@ -842,7 +844,7 @@ class TurnServer:
             if relay is not None:
                 self.ports.take(port)
                 allocation.relays[family] = relay
-                self.relayed[relay.address] = allocation
+                self._add_relayed(relay, allocation)
                 return 0
         return TurnError.INSUFFICIENT_CAPACITY
 
@@ -850,8 +852,19 @@ class TurnServer:
         for relay in allocation.relays.values():
             if self.relayed.get(relay.address) is allocation:
                 del self.relayed[relay.address]
+                host = relay.address[0]
+                left = self._relayed_hosts.get(host, 0) - 1
+                if left > 0:
+                    self._relayed_hosts[host] = left
+                else:
+                    self._relayed_hosts.pop(host, None)
             self.ports.release(relay.address[1])
             relay.close()
+
+    def _add_relayed(self, relay: RelayPort, allocation: Allocation) -> None:
+        self.relayed[relay.address] = allocation
+        host = relay.address[0]
+        self._relayed_hosts[host] = self._relayed_hosts.get(host, 0) + 1
 
     def delete_allocation(self, allocation: Allocation, reason: str) -> None:
         """Delete an allocation now: close relays and peer connections."""
@@ -935,16 +948,36 @@ class TurnServer:
         self.counters.drop(f"peer-{verdict.reason}")
         return True
 
-    def _peer(self, allocation: Allocation, peer: XorPeerAddress) -> RelayPort:
-        """Check a peer address against the relay families and the policy."""
+    def _permission_verdict(self, host: str) -> Verdict:
+        """Whether ``host`` may hold a permission (which covers every port of
+        it, RFC 8656 §9): the host of a live relayed address may, since the
+        data path checks each datagram's port to it."""
+        verdict = self.policy.judge(host)
+        if verdict not in (Verdict.ALLOWED, Verdict.DENIED) and host in (
+            self._relayed_hosts
+        ):
+            return Verdict.ALLOWED
+        return verdict
+
+    def _peer(
+        self, allocation: Allocation, peer: XorPeerAddress, exact: bool = True
+    ) -> RelayPort:
+        """Check a peer against the relay families and the policy: the exact
+        transport address (ChannelBind, Connect), or only the IP (``exact``
+        False: CreatePermission, whose port means nothing)."""
         relay = allocation.relay_for(6 if ":" in peer.host else 4)
         if relay is None:
             raise _Reject(TurnError.PEER_ADDRESS_FAMILY_MISMATCH)
-        verdict = self.peer_verdict((peer.host, peer.port))
+        if exact:
+            verdict = self.peer_verdict((peer.host, peer.port))
+        else:
+            verdict = self._permission_verdict(peer.host)
         if verdict != Verdict.ALLOWED:
             self.counters.drop(f"peer-{verdict.reason}")
             raise _Reject(TurnError.FORBIDDEN)
-        if peer.host not in self.self_peers and self.policy.is_self(peer.host):
+        if peer.host not in self.self_peers and (
+            self.policy.is_self(peer.host) or peer.host in self._relayed_hosts
+        ):
             if len(self.self_peers) >= MAX_SELF_PEERS:
                 self.counters.drop("peer-self-table-full")
                 raise _Reject(TurnError.FORBIDDEN)
@@ -959,7 +992,7 @@ class TurnServer:
         if not peers:
             raise _Reject(TurnError.BAD_REQUEST)
         for peer in peers:
-            self._peer(allocation, peer)
+            self._peer(allocation, peer, exact=False)
         new = {p.host for p in peers} - allocation.permissions.keys()
         if len(allocation.permissions) + len(new) > self.settings.max_permissions:
             raise _Reject(TurnError.INSUFFICIENT_CAPACITY)
