@@ -16,11 +16,12 @@ natneg relay therefore ask this one module, with the same answers.
 2. inside an explicit ``allow`` range -> ``ALLOWED`` (operators and tests opt in);
 3. the address, or the IPv4 address an IPv6 form embeds, inside an explicit
    ``deny`` range -> ``DENIED``;
-4. one of the server's own addresses (``self_addresses``: every local interface
+4. a non-global scope (loopback, private, link-local, reserved) -> refused with
+   that scope as the verdict, unless the scope is admitted (a relay advertising
+   127.0.0.1 serves loopback clients);
+5. one of the server's own addresses (``self_addresses``: every local interface
    address and every advertised address, given as data) -> ``SELF``, unless its
-   scope is admitted (a relay advertising 127.0.0.1 serves loopback clients);
-5. a non-global scope (loopback, private, link-local, reserved) -> refused with
-   that scope as the verdict, unless the scope is admitted;
+   scope is admitted;
 6. everything else -> ``ALLOWED``.
 
 IPv6 forms that carry an IPv4 address are judged by that address too
@@ -221,10 +222,10 @@ class AddressPolicy:
             scope = scope_of(form)
             if scope in self.admitted:
                 continue
-            if form in self.self_addresses:
-                return Verdict.SELF
             if scope != Scope.GLOBAL:
                 return _SCOPE_VERDICT[scope]
+            if form in self.self_addresses:
+                return Verdict.SELF
         return Verdict.ALLOWED
 
     def permits(self, ip: str | IPAddress) -> bool:
