@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -40,3 +42,38 @@ def turn_of(runtime: Runtime) -> TurnService:
 def binding_request() -> bytes:
     """A STUN Binding request: what a relay must never carry to our own port."""
     return encode(Message(Class.REQUEST, Method.BINDING, os.urandom(12), ()))
+
+
+class AliasClient:
+    """A UDP client on 127.0.0.1 that talks to a wildcard-bound server at
+    127.0.0.2: both reach the same socket, and a reply that does not come from
+    127.0.0.2 would be dropped by the client's NAT (the kernel, without
+    IP_PKTINFO, picks 127.0.0.1 by route)."""
+
+    SERVER_IP = "127.0.0.2"
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setblocking(False)
+
+    async def exchange(
+        self, data: bytes, port: int, attempts: int = 5
+    ) -> tuple[bytes, tuple[str, int]]:
+        """Send to 127.0.0.2:``port``; the first reply and where it came from
+        (resent on loss: UDP, even on loopback)."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(attempts):
+            self.sock.sendto(data, (self.SERVER_IP, port))
+            try:
+                reply, source = await asyncio.wait_for(
+                    loop.sock_recvfrom(self.sock, 65535), 1.0
+                )
+                return reply, (source[0], source[1])
+            except TimeoutError:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.sock.close()

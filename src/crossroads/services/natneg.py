@@ -65,6 +65,7 @@ from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.natneg_relay import RelayPool
+from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.udp import make_udp_socket
 from crossroads.types import Address
 
@@ -656,8 +657,9 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                     f"natneg {endpoint.name.lower()} {host}:{port}: {exc.strerror}",
                 ) from None
             sockets.append(sock)
-            transport, _ = await service._loop.create_datagram_endpoint(
-                _protocol_factory(service, endpoint), sock=sock
+            # Replies from the address the client sent to, on a wildcard bind.
+            transport = await open_datagram_endpoint(
+                _protocol_factory(service, endpoint)(), sock
             )
             service._transports[endpoint] = transport
             service.addresses[endpoint] = sock.getsockname()[:2]

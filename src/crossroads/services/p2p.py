@@ -55,6 +55,7 @@ from crossroads.proto.punch.coordinator import (
 )
 from crossroads.services.base import Service, ServiceContext
 from crossroads.services.p2p_master import MasterServer, make_master_router
+from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.udp import bound_address, make_udp_socket
 from crossroads.types import Address, normalize_address
 
@@ -270,10 +271,8 @@ class P2PService:
             (self.config.port, self.config.alt_port, self.config.alt_port2)
         ):
             sock = make_udp_socket(host, port)
-            transport, _ = await self.loop.create_datagram_endpoint(
-                lambda i=index: _Rendezvous(self, i),  # type: ignore[misc]
-                sock=sock,
-            )
+            # Replies from the address the client sent to, on a wildcard bind.
+            transport = await open_datagram_endpoint(_Rendezvous(self, index), sock)
             self._transports.append(transport)
             self._udp.append(bound_address(sock))
         advertised = public_host or host

@@ -67,6 +67,7 @@ from crossroads.services.base import ServiceContext
 from crossroads.transport import mmsg
 from crossroads.transport.mmsg import MSG_TRUNC, MmsgSocket
 from crossroads.transport.mmsg import NAME as NAME_SLOT
+from crossroads.transport.pktinfo import ReplySource, is_wildcard
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
 
@@ -434,7 +435,10 @@ class BatchUdpEndpoint(_UdpDispatch):
         self.transport: Literal["udp"] = "udp"
         self.sock = sock
         # On a wildcard bind, reply from the address the client sent to.
-        self.mm = MmsgSocket(sock, pktinfo=_is_wildcard(local[0]))
+        self.mm = MmsgSocket(sock, pktinfo=is_wildcard(local[0]))
+        #: On a wildcard bind, what TURN sends (answers, Data indications,
+        #: late responses) leaves from the address the client sent to as well.
+        self.replies = ReplySource(sock) if self.mm.pktinfo else None
         self.requests = 0
         self.success = 0
         self.errors = 0
@@ -455,7 +459,10 @@ class BatchUdpEndpoint(_UdpDispatch):
     def send(self, data: bytes, addr: Address) -> None:
         """Send from this socket now (part of the :class:`Endpoint` interface)."""
         try:
-            self.sock.sendto(data, addr)
+            if self.replies is not None:
+                self.replies.sendto(data, addr)
+            else:
+                self.sock.sendto(data, addr)
         except OSError:
             # Full socket buffer (EAGAIN) or an ICMP error from an earlier send.
             self.service.stats.drop("send-failed")
@@ -494,6 +501,14 @@ class BatchUdpEndpoint(_UdpDispatch):
         if self._diverted and not self._closed:
             self._loop.add_reader(self.sock.fileno(), self._readable)
         self._diverted = False
+
+    def _learn_destination(self, i: int, addr: Address) -> None:
+        """Remember where slot ``i``'s sender sent to (TURN messages only:
+        Binding replies take the control message straight from the slot)."""
+        replies = self.replies
+        control = self.mm.destination_control(i)
+        if replies is not None and control is not None:
+            replies.remember(addr, control)
 
     def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
         """Decode slot ``i``'s sender address and cache it under ``key``."""
@@ -598,6 +613,8 @@ class BatchUdpEndpoint(_UdpDispatch):
                             continue
                         turn = self.service.turn
                         if turn is not None:
+                            if pktinfo:
+                                self._learn_destination(i, addr)
                             turn.handle_stun(data, addr, self)
                             continue
                         stats.drop(core.unsupported(data))
@@ -755,10 +772,6 @@ class _Group:
     tcp_servers: list[asyncio.Server]
 
 
-def _is_wildcard(host: str) -> bool:
-    return ipaddress.ip_address(host).is_unspecified
-
-
 def _family(host: str) -> socket.AddressFamily:
     return (
         socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
@@ -889,7 +902,7 @@ class StunService:
         if cfg.alt_host:
             if not cfg.rfc5780:
                 raise ConfigError("stun.alt_host: needs RFC 5780 (--stun-rfc5780)")
-            if _is_wildcard(host):
+            if is_wildcard(host):
                 raise ConfigError(
                     "stun.alt_host: RFC 5780 with a second IP needs --host set to "
                     "this host's first IP, not a wildcard"
@@ -928,7 +941,7 @@ class StunService:
         for i, (h, p) in enumerate(locals_):
             if i < 2 and public and _family(public) == _family(h):
                 advertised.append((public, p))
-            elif _is_wildcard(h):
+            elif is_wildcard(h):
                 advertised.append(None)
             else:
                 advertised.append((h, p))
@@ -953,7 +966,7 @@ class StunService:
                 )
                 assert isinstance(protocol, UdpEndpoint)
                 endpoint = protocol
-                if _is_wildcard(local[0]):
+                if is_wildcard(local[0]):
                     log.warning(
                         "STUN on %s without batched I/O: replies leave from the "
                         "address the kernel routes by, which on a multi-homed host "

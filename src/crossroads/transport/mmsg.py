@@ -27,6 +27,8 @@ import errno
 import socket
 import sys
 
+from crossroads.transport.pktinfo import Control, enable_pktinfo, parse_control
+
 #: Datagrams per system call. 64 is where coturn's and libuv's experiments saw
 #: no further gain (reference §1.2, §5.2: the batch-size knee is ~8-64).
 BATCH = 64
@@ -131,11 +133,7 @@ class MmsgSocket:
         self.ipv6 = sock.family == socket.AF_INET6
         self.pktinfo = pktinfo
         if pktinfo:
-            if self.ipv6:
-                option = getattr(socket, "IPV6_RECVPKTINFO", 49)
-                sock.setsockopt(socket.IPPROTO_IPV6, option, 1)
-            else:
-                sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_PKTINFO", 8), 1)
+            enable_pktinfo(sock)
         namelen = 28 if self.ipv6 else 16
         # Receive side.
         self._rbuf = ctypes.create_string_buffer(batch * slot)
@@ -241,6 +239,15 @@ class MmsgSocket:
         view = self._rnames_view
         base = i * NAME
         return (view[base + 2] << 8) | view[base + 3]
+
+    def destination_control(self, i: int) -> Control | None:
+        """The control message that makes a later reply to the sender of slot
+        ``i`` leave from the address it sent to (``pktinfo`` sockets), for a
+        :class:`~crossroads.transport.pktinfo.ReplySource`."""
+        if not self.pktinfo:
+            return None
+        used = self._rmsgs_u64[i * self._stride8 + self._controllen_at]
+        return parse_control(ctypes.string_at(self._ctrl_ptrs[i], min(used, CONTROL)))
 
     # ------------------------------------------------------------ send
 

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Callable
 
 from crossroads.proto.relay.server import Event, RelayServer
+from crossroads.transport.pktinfo import ReplySource, is_wildcard
 from crossroads.types import Address
 
 #: Datagrams read per readiness callback: enough to amortise the event-loop
@@ -44,6 +45,11 @@ class RelayEndpoint:
         self.send_failures = 0
         self._loop = asyncio.get_running_loop()
         self._v4 = sock.family == socket.AF_INET
+        #: On a wildcard bind, replies and relayed frames leave from the address
+        #: each client sent to (:mod:`crossroads.transport.pktinfo`).
+        self._replies = (
+            ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
+        )
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closed = False
@@ -65,8 +71,9 @@ class RelayEndpoint:
 
     def _readable(self) -> None:
         routes = self.core.routes
-        recvfrom = self.sock.recvfrom
-        sendto = self.sock.sendto
+        replies = self._replies
+        recvfrom = self.sock.recvfrom if replies is None else replies.recvfrom
+        sendto = self.sock.sendto if replies is None else replies.sendto
         v4 = self._v4
         slow = False
         now = 0.0
@@ -103,7 +110,7 @@ class RelayEndpoint:
     # ----------------------------------------------------------- control plane
 
     def _flush(self, now: float) -> None:
-        sendto = self.sock.sendto
+        sendto = self.sock.sendto if self._replies is None else self._replies.sendto
         for data, addr in self.core.datagrams_to_send(now):
             try:
                 sendto(data, addr)
