@@ -9,11 +9,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
+
 from crossroads.config import default_config
 from crossroads.proto.stun import Class, Message, Method, encode
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import TurnService
 from tests.conftest import loopback_config
+from tests.e2e.relay_support import API_KEY
 
 USER, PASSWORD = "alice", "secret123"
 
@@ -31,6 +34,18 @@ async def turn_runtime(**extra: Any) -> AsyncIterator[Runtime]:
         yield runtime
     finally:
         await runtime.close()
+
+
+async def relay_allocation(runtime: Runtime) -> dict[str, Any]:
+    """A host allocation from the relay's allocations API (over loopback)."""
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{runtime.http_address[1]}",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=10,
+    ) as http:
+        reply = await http.post("/v1/allocate", json={"maxConnections": 1})
+    allocation: dict[str, Any] = reply.json()["data"]["allocation"]
+    return allocation
 
 
 def turn_of(runtime: Runtime) -> TurnService:

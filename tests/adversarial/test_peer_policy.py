@@ -12,7 +12,6 @@ import asyncio
 import logging
 import socket
 
-import httpx
 import pytest
 
 from crossroads.client.turn import TurnClient, TurnClientError
@@ -21,15 +20,14 @@ from tests.adversarial.h12_policy_support import (
     PASSWORD,
     USER,
     binding_request,
+    relay_allocation,
     turn_of,
     turn_runtime,
 )
 from tests.conftest import eventually
 from tests.e2e.relay_support import (
-    API_KEY,
     BIND_RECEIVED,
     RawPeer,
-    metric,
     raw_bind,
     relay_runtime,
 )
@@ -129,14 +127,7 @@ async def test_relay_on_loopback_serves_loopback_clients() -> None:
     """`crossroads serve --only relay` on one machine advertises 127.0.0.1; its
     loopback clients used to be dropped silently, failing a new user's first try."""
     async with relay_runtime(relay__allow_private_peers=False) as runtime:
-        host, port = runtime.http_address
-        async with httpx.AsyncClient(
-            base_url=f"http://{host}:{port}",
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=10,
-        ) as http:
-            reply = await http.post("/v1/allocate", json={"maxConnections": 1})
-            allocation = reply.json()["data"]["allocation"]
+        allocation = await relay_allocation(runtime)
         endpoint = allocation["relayServer"]
         assert endpoint["ipV4"] == "127.0.0.1"
         peer = RawPeer((endpoint["ipV4"], endpoint["port"]))
@@ -156,34 +147,22 @@ async def test_refused_relay_client_is_logged_and_counted(
     async with relay_runtime(
         relay__allow_private_peers=False, relay__public_host="203.0.113.9"
     ) as runtime:
-        host, port = runtime.http_address
-        async with httpx.AsyncClient(
-            base_url=f"http://{host}:{port}",
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=10,
-        ) as http:
-            reply = await http.post("/v1/allocate", json={"maxConnections": 1})
-            allocation = reply.json()["data"]["allocation"]
-            relay_port = allocation["relayServer"]["port"]
-            peer = RawPeer(("127.0.0.1", relay_port))
-            try:
-                for nonce in range(1, 4):
-                    peer.send(raw_bind(allocation, nonce))
+        allocation = await relay_allocation(runtime)
+        peer = RawPeer(("127.0.0.1", allocation["relayServer"]["port"]))
+        try:
+            for nonce in range(1, 4):
+                peer.send(raw_bind(allocation, nonce))
 
-                async def refused() -> bool:
-                    page = (await http.get("/metrics")).text
-                    return (
-                        metric(
-                            page,
-                            "crossroads_relay_dropped_datagrams_total",
-                            reason="client-loopback",
-                        )
-                        >= 3
-                    )
+            async def refused() -> bool:
+                value = runtime.metrics.get_sample_value(
+                    "crossroads_relay_dropped_datagrams_total",
+                    {"reason": "client-loopback"},
+                )
+                return (value or 0) >= 3
 
-                await eventually(refused, "three loopback BINDs refused and counted")
-            finally:
-                peer.close()
+            await eventually(refused, "three loopback BINDs refused and counted")
+        finally:
+            peer.close()
 
         async def logged() -> bool:
             return any("refused: loopback" in r.getMessage() for r in caplog.records)

@@ -17,7 +17,6 @@ import os
 import socket
 from typing import Any
 
-import httpx
 import pytest
 import websockets
 
@@ -30,11 +29,12 @@ from tests.adversarial.h12_policy_support import (
     PASSWORD,
     USER,
     AliasClient,
+    relay_allocation,
     turn_of,
     turn_runtime,
 )
 from tests.conftest import loopback_config
-from tests.e2e.relay_support import API_KEY, BIND_RECEIVED, raw_bind, relay_runtime
+from tests.e2e.relay_support import BIND_RECEIVED, raw_bind, relay_runtime
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,14 +68,7 @@ async def test_turn_answers_and_relays_from_the_address_it_was_sent_to() -> None
 
 async def test_unity_relay_answers_from_the_address_it_was_sent_to() -> None:
     async with relay_runtime(core__host=WILDCARD) as runtime:
-        port = runtime.http_address[1]
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{port}",
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=10,
-        ) as http:
-            reply = await http.post("/v1/allocate", json={"maxConnections": 1})
-            allocation = reply.json()["data"]["allocation"]
+        allocation = await relay_allocation(runtime)
         client = AliasClient()
         try:
             answer, source = await client.exchange(

@@ -427,13 +427,24 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
     assert h2.outcome.remote == address_of(g2.negotiate_sock)
 
 
-async def test_relay_refuses_private_peers_by_default(natneg: Starter) -> None:
-    # A relay advertised at a public address serves no loopback client (one
-    # advertised at 127.0.0.1 would: test_relay_serves_its_advertised_scope).
+@pytest.mark.parametrize(
+    ("relay_host", "relayed", "result"),
+    [
+        # Advertised at a public address: no loopback client is relayed, the
+        # negotiation falls back to a direct path.
+        ("203.0.113.9", False, "refused-loopback"),
+        # Advertised at 127.0.0.1: loopback clients are its scope, no
+        # --natneg-relay-allow needed (refusing them made the relay useless).
+        ("127.0.0.1", True, "allocated"),
+    ],
+)
+async def test_relay_serves_only_its_advertised_scope(
+    natneg: Starter, relay_host: str, relayed: bool, result: str
+) -> None:
     rt = await natneg(
         natneg__relay_mode="always",
         natneg__relay_allow="",
-        natneg__relay_host="203.0.113.9",
+        natneg__relay_host=relay_host,
     )
     srv = servers(rt)
     a = SdkNegotiator(version=4, cookie=903, client_index=1, servers=srv)
@@ -441,32 +452,9 @@ async def test_relay_refuses_private_peers_by_default(natneg: Starter) -> None:
         version=4, cookie=903, client_index=0, servers=srv, bind_ip="127.0.0.5"
     )
     await both(a, b)
-    # Loopback clients: no relay, the negotiation falls back to a direct path.
     assert a.outcome and a.outcome.result == NegotiateResult.SUCCESS
-    assert a.outcome.remote == address_of(b.negotiate_sock)
-    assert (
-        metric(
-            rt, "crossroads_natneg_relay_allocations_total", result="refused-loopback"
-        )
-        == 1
-    )
-
-
-async def test_relay_serves_its_advertised_scope(natneg: Starter) -> None:
-    """A relay advertised at 127.0.0.1 relays loopback clients without any
-    --natneg-relay-allow: refusing them made its own advertisement useless."""
-    rt = await natneg(natneg__relay_mode="always", natneg__relay_allow="")
-    srv = servers(rt)
-    a = SdkNegotiator(version=4, cookie=904, client_index=1, servers=srv)
-    b = SdkNegotiator(
-        version=4, cookie=904, client_index=0, servers=srv, bind_ip="127.0.0.5"
-    )
-    await both(a, b)
-    assert a.outcome and a.outcome.result == NegotiateResult.SUCCESS
-    assert a.outcome.remote != address_of(b.negotiate_sock)  # through the relay
-    assert (
-        metric(rt, "crossroads_natneg_relay_allocations_total", result="allocated") == 1
-    )
+    assert (a.outcome.remote != address_of(b.negotiate_sock)) is relayed
+    assert metric(rt, "crossroads_natneg_relay_allocations_total", result=result) == 1
 
 
 # ------------------------------------------------------------------ NAT detection
