@@ -64,6 +64,16 @@ async def test_turn_answers_and_relays_from_the_address_it_was_sent_to() -> None
                         assert attempt < 9, "no Data indication from 127.0.0.2"
                 assert data == b"to the client"
                 assert source == peer.getsockname()
+                # With a channel (ChannelData, the C data plane's path otherwise).
+                await client.bind_channel(peer.getsockname())
+                for attempt in range(10):
+                    peer.sendto(b"on a channel", ("127.0.0.1", relayed[1]))
+                    try:
+                        data, source = await client.receive(timeout=0.5)
+                        break
+                    except TimeoutError:
+                        assert attempt < 9, "no ChannelData from 127.0.0.2"
+                assert (data, source) == (b"on a channel", peer.getsockname())
 
 
 async def test_unity_relay_answers_from_the_address_it_was_sent_to() -> None:

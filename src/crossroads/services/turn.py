@@ -532,9 +532,16 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
             self.sock.close()
 
 
-class TcpClientRelay(UdpRelay):
-    """A UDP relay whose client speaks TCP: ChannelData padded to 4 bytes
-    (RFC 8656 §12.5), all in Python."""
+class PythonClientRelay(UdpRelay):
+    """A UDP relay that sends to its client in Python, through the listening
+    endpoint's ``send``: for a UDP client of a wildcard-bound listener, whose
+    ChannelData must leave from the address the client sent to (the endpoint's
+    :class:`~crossroads.transport.pktinfo.ReplySource`; the C tap would send
+    from the route's source), and the base of :class:`TcpClientRelay`."""
+
+    #: RFC 8656 §12.5: ChannelData over TCP is padded to a multiple of 4 bytes;
+    #: over UDP it is not.
+    padded = False
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         key = addr if len(addr) == 2 else (addr[0], addr[1])
@@ -545,12 +552,20 @@ class TcpClientRelay(UdpRelay):
         size = len(data)
         if self.bps and not self.allow(size):
             return
-        self.client_send(
-            _CHANNEL_HEADER(channel, size) + data + PAD[size & 3], self.client
-        )
+        frame = _CHANNEL_HEADER(channel, size) + data
+        if self.padded:
+            frame += PAD[size & 3]
+        self.client_send(frame, self.client)
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += size
+
+
+class TcpClientRelay(PythonClientRelay):
+    """A UDP relay whose client speaks TCP: ChannelData padded to 4 bytes
+    (RFC 8656 §12.5), all in Python."""
+
+    padded = True
 
 
 class ListenerTap(ListenerTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
@@ -1102,7 +1117,14 @@ class TurnService:
             return None
         link = allocation.transport_data
         assert isinstance(link, ClientLink)
-        kind = TcpClientRelay if link.tcp else UdpRelay
+        kind: type[UdpRelay] = UdpRelay
+        if link.tcp:
+            kind = TcpClientRelay
+        elif (
+            isinstance(link.endpoint, BatchUdpEndpoint)
+            and link.endpoint.replies_from_destination
+        ):
+            kind = PythonClientRelay  # replies from the client's destination
         relay = kind(self, allocation, family, sock, (advertised, port))
         self.relays.add(relay)
         if self.poller is not None and kind is UdpRelay:
