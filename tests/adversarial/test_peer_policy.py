@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from typing import Any
 
 import pytest
 
@@ -53,21 +54,26 @@ async def test_turn_connect_to_own_http_port_is_403() -> None:
         assert service.core.counters.drops.get("peer-service-port") == 1
 
 
-async def test_turn_send_to_own_stun_port_is_not_relayed() -> None:
-    async with turn_runtime(turn__allow_loopback_peers=True) as runtime:
+async def test_turn_send_to_own_stun_and_relay_ports_is_not_relayed() -> None:
+    async with turn_runtime(
+        core__only=["stun", "turn", "relay"], turn__allow_loopback_peers=True
+    ) as runtime:
         service = turn_of(runtime)
         stun_port = service.stun.primary
+        relay: Any = runtime.services["relay"]
+        unity_relay = ("127.0.0.1", relay.bound[1])
         async with await TurnClient.connect(
             stun_port, USER, PASSWORD, timeout=5
         ) as client:
             await client.allocate()
             await client.create_permission("127.0.0.1")
             await client.send(binding_request(), stun_port)
+            await client.send(b"\xda\x72\x00\x02" + bytes(18), unity_relay)
 
             async def counted() -> bool:
-                return service.core.counters.drops.get("peer-service-port", 0) >= 1
+                return service.core.counters.drops.get("peer-service-port", 0) >= 2
 
-            await eventually(counted, "the Send to our own STUN port counted")
+            await eventually(counted, "the Sends to our own STUN and relay ports")
             # An ordinary loopback peer is still reached, and its answer is the
             # first thing back: the STUN port's answer, had the Send been
             # relayed, would have come before it.

@@ -16,6 +16,7 @@ from crossroads.transport.pktinfo import (
     parse_control,
     reply_control,
 )
+from crossroads.transport.udp import make_udp_socket
 
 
 @given(st.binary(max_size=80))
@@ -68,3 +69,23 @@ def test_reply_source_answers_from_the_alias_and_forgets_the_oldest() -> None:
         assert len(source) == 2  # bounded: the client was the oldest
         source.sendto(b"again", addr)  # unknown now: the route's source
         assert client.recvfrom(100) == (b"again", ("127.0.0.1", port))
+
+
+def test_dual_stack_socket_answers_ipv4_clients_from_the_alias() -> None:
+    """A ``::`` socket sees IPv4 clients as ::ffff:a.b.c.d; the answer still
+    leaves from the IPv4 address they sent to, whichever form the caller uses."""
+    server = make_udp_socket("::", 0)
+    with server, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as client:
+        server.setblocking(True)
+        server.settimeout(5)
+        client.bind(("127.0.0.1", 0))
+        client.settimeout(5)
+        port = server.getsockname()[1]
+        source = ReplySource(server)
+        client.sendto(b"hi", ("127.0.0.2", port))
+        _data, addr = source.recvfrom(100)
+        assert addr[0] == "::ffff:127.0.0.1"
+        source.sendto(b"mapped", addr)
+        assert client.recvfrom(100) == (b"mapped", ("127.0.0.2", port))
+        source.sendto(b"plain", ("::ffff:127.0.0.1", addr[1]))
+        assert client.recvfrom(100) == (b"plain", ("127.0.0.2", port))
