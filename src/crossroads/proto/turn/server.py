@@ -47,6 +47,7 @@ request had one.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -850,9 +851,10 @@ class TurnServer:
 
     def _close_relays(self, allocation: Allocation) -> None:
         for relay in allocation.relays.values():
-            if self.relayed.get(relay.address) is allocation:
-                del self.relayed[relay.address]
-                host = relay.address[0]
+            address = _canonical(relay.address)
+            if self.relayed.get(address) is allocation:
+                del self.relayed[address]
+                host = address[0]
                 left = self._relayed_hosts.get(host, 0) - 1
                 if left > 0:
                     self._relayed_hosts[host] = left
@@ -862,8 +864,9 @@ class TurnServer:
             relay.close()
 
     def _add_relayed(self, relay: RelayPort, allocation: Allocation) -> None:
-        self.relayed[relay.address] = allocation
-        host = relay.address[0]
+        address = _canonical(relay.address)
+        self.relayed[address] = allocation
+        host = address[0]
         self._relayed_hosts[host] = self._relayed_hosts.get(host, 0) + 1
 
     def delete_allocation(self, allocation: Allocation, reason: str) -> None:
@@ -1181,6 +1184,15 @@ class TurnServer:
         connection.client = five
         self._events.append(BindConnection(connection.id, five))
         return self._answer(msg, auth, success_response(msg))
+
+
+def _canonical(address: Address) -> Address:
+    """``address`` spelled as decoded XOR-PEER-ADDRESS hosts are (an advertised
+    address comes from configuration, where ``2001:DB8::1`` is as good)."""
+    try:
+        return str(ipaddress.ip_address(address[0])), address[1]
+    except ValueError:
+        return address
 
 
 def _nonce_scope(five: FiveTuple) -> str:
