@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from crossroads.proto.policy import (
@@ -114,6 +114,8 @@ def test_teredo_client_is_the_xored_last_32_bits() -> None:
 
 @given(st.integers(0, 2**32 - 1), st.integers(0, 5))
 def test_an_embedding_is_judged_like_its_ipv4(value: int, which: int) -> None:
+    # ::0.0.0.0 and ::0.0.0.1 are :: and ::1, judged as such (both refused).
+    assume(which != 0 or value > 1)
     v4 = str(ipaddress.IPv4Address(value))
     own = ipaddress.IPv4Address("203.0.113.5")
     policy = AddressPolicy(self_addresses=frozenset({own}))
