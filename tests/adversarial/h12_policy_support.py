@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 
+from crossroads.client.turn import TurnClient
 from crossroads.config import default_config
 from crossroads.proto.stun import Class, Message, Method, encode
 from crossroads.runtime import Runtime, start
@@ -92,3 +94,22 @@ class AliasClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+async def resend_until_received(
+    send: Callable[[], object],
+    client: TurnClient,
+    what: str,
+    attempts: int = 20,
+) -> tuple[bytes, tuple[str, int]]:
+    """Call ``send`` until ``client`` receives a datagram (UDP, even on
+    loopback, may lose one); the first one received, as ``(data, peer)``."""
+    for _ in range(attempts):
+        sent = send()
+        if inspect.isawaitable(sent):
+            await sent
+        try:
+            return await client.receive(timeout=0.5)
+        except TimeoutError:
+            continue
+    raise AssertionError(f"nothing received after {attempts} sends: {what}")

@@ -22,6 +22,7 @@ from tests.adversarial.h12_policy_support import (
     USER,
     binding_request,
     relay_allocation,
+    resend_until_received,
     turn_of,
     turn_runtime,
 )
@@ -111,14 +112,14 @@ async def test_two_relay_only_clients_meet_through_relayed_addresses() -> None:
             await alice.create_permission(bob_relayed)
             await bob.create_permission(alice_relayed)
             await alice.bind_channel(bob_relayed)
-            for attempt in range(20):  # UDP: resend until one arrives
+
+            async def both_ways() -> None:
                 await alice.send(b"hello over two relays", bob_relayed)
                 await bob.send(b"hello back", alice_relayed)
-                try:
-                    data, source = await bob.receive(timeout=0.5)
-                    break
-                except TimeoutError:
-                    assert attempt < 19, "nothing crossed the two relays"
+
+            data, source = await resend_until_received(
+                both_ways, bob, "nothing crossed the two relays"
+            )
             assert data == b"hello over two relays"
             assert source == alice_relayed
             data, source = await alice.receive(timeout=5)

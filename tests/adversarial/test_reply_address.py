@@ -30,6 +30,7 @@ from tests.adversarial.h12_policy_support import (
     USER,
     AliasClient,
     relay_allocation,
+    resend_until_received,
     turn_of,
     turn_runtime,
 )
@@ -55,25 +56,21 @@ async def test_turn_answers_and_relays_from_the_address_it_was_sent_to() -> None
             await client.create_permission("127.0.0.1")
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as peer:
                 peer.bind(("127.0.0.1", 0))
-                for attempt in range(10):
-                    peer.sendto(b"to the client", ("127.0.0.1", relayed[1]))
-                    try:
-                        data, source = await client.receive(timeout=0.5)
-                        break
-                    except TimeoutError:
-                        assert attempt < 9, "no Data indication from 127.0.0.2"
-                assert data == b"to the client"
-                assert source == peer.getsockname()
+                to_relay = ("127.0.0.1", relayed[1])
+                received = await resend_until_received(
+                    lambda: peer.sendto(b"to the client", to_relay),
+                    client,
+                    "no Data indication from 127.0.0.2",
+                )
+                assert received == (b"to the client", peer.getsockname())
                 # With a channel (ChannelData, the C data plane's path otherwise).
                 await client.bind_channel(peer.getsockname())
-                for attempt in range(10):
-                    peer.sendto(b"on a channel", ("127.0.0.1", relayed[1]))
-                    try:
-                        data, source = await client.receive(timeout=0.5)
-                        break
-                    except TimeoutError:
-                        assert attempt < 9, "no ChannelData from 127.0.0.2"
-                assert (data, source) == (b"on a channel", peer.getsockname())
+                received = await resend_until_received(
+                    lambda: peer.sendto(b"on a channel", to_relay),
+                    client,
+                    "no ChannelData from 127.0.0.2",
+                )
+                assert received == (b"on a channel", peer.getsockname())
 
 
 async def test_unity_relay_answers_from_the_address_it_was_sent_to() -> None:
