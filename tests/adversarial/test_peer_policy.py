@@ -37,7 +37,9 @@ from tests.e2e.relay_support import (
 pytestmark = pytest.mark.timeout(60)
 
 
-async def test_turn_connect_to_own_http_port_is_403() -> None:
+async def test_turn_connect_to_own_http_port_is_403(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """RFC 6062 Connect to the server's own HTTP port: 403, not /metrics.
     Loopback peers are allowed here on purpose (--allow-loopback-peers): the
     server's own listening ports stay out of reach even then."""
@@ -53,6 +55,10 @@ async def test_turn_connect_to_own_http_port_is_403() -> None:
                 )
             assert refused.value.code == 403
         assert service.core.counters.drops.get("peer-service-port") == 1
+        assert any(
+            "peer 127.0.0.1 refused: service-port" in r.getMessage()
+            for r in caplog.records
+        )
 
 
 async def test_turn_send_to_own_stun_and_relay_ports_is_not_relayed() -> None:

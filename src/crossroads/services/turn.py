@@ -96,6 +96,7 @@ from crossroads.proto.turn.server import (
     BindConnection,
     CloseConnection,
     ConnectPeer,
+    PeerRefused,
     SendToClient,
     TurnServer,
     TurnSettings,
@@ -109,6 +110,7 @@ from crossroads.services.stun import (
     UdpEndpoint,
 )
 from crossroads.transport.localaddrs import own_addresses
+from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
@@ -826,6 +828,12 @@ class TurnService:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector = _Collector(self)
         self._closed = False
+        self.refusals = RefusalLog(
+            log,
+            "turn: peer",
+            "answered 403; --allow-loopback-peers or --turn-allowed-peers "
+            "admit more (the relayed addresses of live allocations always are)",
+        )
 
     # ------------------------------------------------------------ setup
 
@@ -1215,6 +1223,8 @@ class TurnService:
                         pipe = table.pop(cid, None)
                         if pipe is not None:
                             pipe.close()
+                case PeerRefused(peer=peer, verdict=verdict):
+                    self.refusals.refused(peer, verdict)
 
     def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
         allocation = self.core.allocations.get(five)

@@ -243,6 +243,17 @@ class SendToClient:
     data: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class PeerRefused:
+    """A request named a peer the policy refuses (answered 403): for the log.
+    Only requests emit it, never the data path, so a flood of Send indications
+    cannot queue events."""
+
+    five_tuple: FiveTuple
+    peer: Address
+    verdict: Verdict
+
+
 TurnEvent = (
     AllocationCreated
     | AllocationDeleted
@@ -250,6 +261,7 @@ TurnEvent = (
     | BindConnection
     | CloseConnection
     | SendToClient
+    | PeerRefused
 )
 
 
@@ -977,6 +989,9 @@ class TurnServer:
             verdict = self._permission_verdict(peer.host)
         if verdict != Verdict.ALLOWED:
             self.counters.drop(f"peer-{verdict.reason}")
+            self._events.append(
+                PeerRefused(allocation.five_tuple, (peer.host, peer.port), verdict)
+            )
             raise _Reject(TurnError.FORBIDDEN)
         if peer.host not in self.self_peers and (
             self.policy.is_self(peer.host) or peer.host in self._relayed_hosts
