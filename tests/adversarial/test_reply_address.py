@@ -42,9 +42,14 @@ pytestmark = pytest.mark.timeout(60)
 WILDCARD = "0.0.0.0"
 
 
-async def test_turn_answers_and_relays_from_the_address_it_was_sent_to() -> None:
+@pytest.mark.parametrize("batch_io", [True, False])
+async def test_turn_answers_and_relays_from_the_address_it_was_sent_to(
+    batch_io: bool,
+) -> None:
     async with turn_runtime(
-        core__host=WILDCARD, turn__allow_loopback_peers=True
+        core__host=WILDCARD,
+        turn__allow_loopback_peers=True,
+        stun__batch_io=batch_io,
     ) as runtime:
         port = turn_of(runtime).stun.primary[1]
         # A connected socket only accepts datagrams from 127.0.0.2:port: the

@@ -67,7 +67,12 @@ from crossroads.services.base import ServiceContext
 from crossroads.transport import mmsg
 from crossroads.transport.mmsg import MSG_TRUNC, MmsgSocket
 from crossroads.transport.mmsg import NAME as NAME_SLOT
-from crossroads.transport.pktinfo import ReplySource, is_wildcard
+from crossroads.transport.pktinfo import (
+    DatagramEndpoint,
+    ReplySource,
+    is_wildcard,
+    open_datagram_endpoint,
+)
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
 
@@ -387,8 +392,11 @@ class UdpEndpoint(_UdpDispatch, asyncio.DatagramProtocol):
 
     # -- hand-over to a faster reader (the TURN data plane) --------------------
 
-    #: Binding replies leave from the socket's own address (no IP_PKTINFO).
-    replies_from_destination = False
+    @property
+    def replies_from_destination(self) -> bool:
+        """Replies leave from each request's destination address (a wildcard
+        bind runs on a :class:`~crossroads.transport.pktinfo.DatagramEndpoint`)."""
+        return isinstance(self.udp, DatagramEndpoint)
 
     def fileno(self) -> int:
         sock = self.udp.get_extra_info("socket") if self.udp is not None else None
@@ -960,19 +968,9 @@ class StunService:
             if self.config.batch_io and mmsg.available():
                 endpoint = BatchUdpEndpoint(self, group, index, local, udp_sock)
             else:
-                _, protocol = await loop.create_datagram_endpoint(
-                    lambda i=index, a=local: UdpEndpoint(self, group, i, a),  # type: ignore[misc]
-                    sock=udp_sock,
-                )
-                assert isinstance(protocol, UdpEndpoint)
-                endpoint = protocol
-                if is_wildcard(local[0]):
-                    log.warning(
-                        "STUN on %s without batched I/O: replies leave from the "
-                        "address the kernel routes by, which on a multi-homed host "
-                        "may not be the one the client used; set --host",
-                        _join(*local),
-                    )
+                # On a wildcard bind, replies from each client's destination.
+                endpoint = UdpEndpoint(self, group, index, local)
+                await open_datagram_endpoint(endpoint, udp_sock)
             group.udp.append(endpoint)
             self.udp_endpoints.append(endpoint)
             self._descriptions.append(f"udp {_join(*local)}{labels[index]}")

@@ -1129,7 +1129,7 @@ class TurnService:
         if link.tcp:
             kind = TcpClientRelay
         elif (
-            isinstance(link.endpoint, BatchUdpEndpoint)
+            isinstance(link.endpoint, UdpEndpoint | BatchUdpEndpoint)
             and link.endpoint.replies_from_destination
         ):
             kind = PythonClientRelay  # replies from the client's destination

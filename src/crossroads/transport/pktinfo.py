@@ -152,7 +152,6 @@ class DatagramEndpoint:
 
     def _readable(self) -> None:
         recvfrom = self.source.recvfrom
-        received = self.protocol.datagram_received
         for _ in range(BATCH):
             if self._closing:
                 return
@@ -164,7 +163,8 @@ class DatagramEndpoint:
                 # ICMP errors from earlier sends surface here on Linux.
                 self.protocol.error_received(exc)
                 continue
-            received(data, addr)
+            # Looked up each time: set_protocol may hand the socket over.
+            self.protocol.datagram_received(data, addr)
 
     def sendto(self, data: bytes, addr: Any = None) -> None:
         if self._closing or addr is None:
@@ -178,6 +178,13 @@ class DatagramEndpoint:
 
     def is_closing(self) -> bool:
         return self._closing
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        """Hand the datagrams to another protocol (the TURN listener tap)."""
+        self.protocol = cast(asyncio.DatagramProtocol, protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.protocol
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         if name == "sockname":
