@@ -1,0 +1,171 @@
+"""Issue 12 item 3: no free relay.
+
+The p2p WebSocket ``welcome`` used to hand every anonymous socket TURN
+credentials valid for an hour; with them one IP made 3,000 allocations in 28 s.
+Now credentials go only to peers in a session (``hosted``, ``join_start``,
+``turn_refresh``), and TURN has default quotas per user, per client IP and in
+total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import resource
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import websockets
+
+from crossroads.client.turn import TurnClient, rest_credentials
+from crossroads.config import default_config
+from crossroads.runtime import Runtime, start
+from crossroads.services.turn import (
+    DEFAULT_IP_QUOTA,
+    DEFAULT_USER_QUOTA,
+    TurnService,
+    auto_total_quota,
+)
+from tests.adversarial.h12_turn_support import (  # noqa: F401 (fixture)
+    SECRET,
+    DirectClient,
+    turn_service_fixture,
+)
+from tests.conftest import loopback_config
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[Runtime]:
+    runtime = await start(
+        default_config(
+            loopback_config(
+                core__only=["p2p", "stun", "turn"],
+                turn__secret=[SECRET],
+                turn__relay_ports=(44000, 44999),
+            )
+        )
+    )
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+def _url(rt: Runtime) -> str:
+    host, port = rt.http_address
+    return f"ws://{host}:{port}/p2p/v1/ws"
+
+
+def _hello() -> str:
+    key = base64.b64encode(os.urandom(32)).decode()
+    return json.dumps({"type": "hello", "v": 1, "key": key})
+
+
+async def _until(ws: Any, kind: str) -> dict[str, Any]:
+    while True:
+        frame = json.loads(await asyncio.wait_for(ws.recv(), 5))
+        if frame["type"] in (kind, "error"):
+            return dict(frame)
+
+
+async def test_anonymous_sockets_get_no_turn_credentials(rt: Runtime) -> None:
+    async with websockets.connect(_url(rt)) as ws:
+        await ws.send(_hello())
+        welcome = await _until(ws, "welcome")
+        assert welcome["type"] == "welcome" and welcome["turn"] is None
+        await ws.send(json.dumps({"type": "turn_refresh"}))
+        refused = await _until(ws, "turn")
+        assert refused["type"] == "error" and refused["code"] == "not_in_session"
+
+
+async def test_session_members_get_working_refreshable_credentials(
+    rt: Runtime,
+) -> None:
+    turn = rt.services["turn"]
+    assert isinstance(turn, TurnService)
+    async with (
+        websockets.connect(_url(rt)) as host,
+        websockets.connect(_url(rt)) as guest,
+    ):
+        await host.send(_hello())
+        await _until(host, "welcome")
+        await host.send(json.dumps({"type": "host"}))
+        hosted = await _until(host, "hosted")
+        assert hosted["turn"] is not None
+        await guest.send(_hello())
+        await _until(guest, "welcome")
+        await guest.send(json.dumps({"type": "join", "code": hosted["code"]}))
+        join_start = await _until(guest, "join_start")
+        assert join_start["turn"] is not None
+        await host.send(json.dumps({"type": "turn_refresh"}))
+        fresh = (await _until(host, "turn"))["turn"]
+        server = tuple(fresh["servers"][0])
+        assert server == turn.stun.primary
+        # The credentials allocate on the TURN service of this process.
+        client = await TurnClient.connect(
+            (str(server[0]), int(server[1])), fresh["username"], fresh["password"]
+        )
+        async with client:
+            await client.allocate()
+            assert len(turn.core.allocations) == 1
+
+
+async def test_default_quotas_stop_one_ip_from_taking_the_relay(
+    turn_service: Any,
+) -> None:
+    # (401s are rate-limited per IP: lifted here, each client needs one.)
+    service: TurnService = await turn_service(turn__unauthenticated_rate=100000)
+    settings = service.core.settings
+    low, high = service.config.relay_ports
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert settings.user_quota == DEFAULT_USER_QUOTA
+    assert settings.ip_quota == DEFAULT_IP_QUOTA
+    assert settings.total_quota == auto_total_quota(soft, high - low + 1)
+    # One IP, many users (one credential each, as minted by an application):
+    # the per-IP quota ends it; the per-user quota ends one user sooner.
+    clients: list[DirectClient] = []
+    codes: list[int | None] = []
+    try:
+        limit = min(settings.ip_quota, settings.total_quota)
+        for index in range(limit + 5):
+            username, password = rest_credentials(SECRET, f"player{index}")
+            client = DirectClient(service, username, password)
+            clients.append(client)
+            codes.append(client.allocate())
+        assert codes[:limit] == [None] * limit
+        assert codes[limit:] == [486] * 5
+        assert len(service.core.allocations) == limit
+    finally:
+        for client in clients:
+            client.release()
+            client.close()
+    assert service.core.allocations == {}
+
+
+async def test_user_quota_counts_the_user_part(turn_service: Any) -> None:
+    service: TurnService = await turn_service(turn__user_quota=2)
+    clients = []
+    try:
+        for _ in range(3):
+            username, password = rest_credentials(SECRET, "mallory")
+            clients.append(DirectClient(service, username, password))
+        assert [c.allocate() for c in clients] == [None, None, 486]
+    finally:
+        for client in clients:
+            client.release()
+            client.close()
+
+
+def test_auto_total_quota_arithmetic() -> None:
+    # ulimit -n 1024: (1024 - 256) / 2 descriptors for TURN, 2 per allocation.
+    assert auto_total_quota(1024, 16384) == 192
+    # A large limit: the relay port range is the bound.
+    assert auto_total_quota(1_048_576, 16384) == 16384
+    assert auto_total_quota(65536, 16384) == 16320
+    # Never below 16.
+    assert auto_total_quota(64, 16384) == 16
