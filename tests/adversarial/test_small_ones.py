@@ -5,10 +5,14 @@ poster's passwords."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+import httpx
 import pytest
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from crossroads.client.turn import TurnClient, TurnClientError, rest_credentials
 from crossroads.proto.stun import (
@@ -21,6 +25,8 @@ from crossroads.proto.stun import (
 from crossroads.proto.turn.auth import rest_password
 from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
+from crossroads.services.p2p_master import MasterServer, make_master_router
+from crossroads.store.memory import MemoryStore
 from tests.adversarial.h12_turn_support import (  # noqa: F401 (fixture)
     SECRET,
     turn_service_fixture,
@@ -133,3 +139,48 @@ async def _ask(raw: RawClient, data: bytes) -> Message:
     assert answer is not None
     assert isinstance(answer, Message)
     return answer
+
+
+# ------------------------------------------------------------------ MasterServer2
+
+
+async def test_a_game_id_cannot_be_squatted_by_the_first_posters_passwords() -> None:
+    store = MemoryStore()
+    master = MasterServer(
+        store, max_timeout=300, rows_per_ip=10, registry=CollectorRegistry()
+    )
+    app = FastAPI()
+    app.include_router(make_master_router(master, "/testServer"))
+
+    def client(ip: str) -> httpx.AsyncClient:
+        transport = httpx.ASGITransport(app=app, client=(ip, 5555))
+        return httpx.AsyncClient(transport=transport, base_url="http://ms2.test")
+
+    async with client("203.0.113.66") as squatter, client("198.51.100.7") as game:
+        # The squatter posts first, with passwords only it knows.
+        body = {"__gameId": "popular", "__updatePW": "mine", "__readPW": "mine"}
+        assert (
+            await squatter.post("/testServer", content=json.dumps(body))
+        ).status_code == 200
+        # The real game still lists its servers under its own id (with a
+        # password of its own) ...
+        body = {
+            "__gameId": "popular",
+            "__clientReqId": "1",
+            "__updatePW": "ours",
+            "name": "real server",
+        }
+        posted = await game.post("/testServer", content=json.dumps(body))
+        assert posted.status_code == 200
+        row_id = posted.json()["POST"]["__rowId"]
+        listed = await game.get("/testServer", params={"__gameId": "popular"})
+        assert listed.status_code == 200
+        assert [r["name"] for r in listed.json()["GET"]] == ["real server"]
+        # ... and the squatter's passwords give it no power over that row.
+        overwrite = {"__gameId": "popular", "__rowId": row_id, "__updatePW": "mine"}
+        refused = await squatter.post("/testServer", content=json.dumps(overwrite))
+        assert refused.status_code == 401
+        params = {"__gameId": "popular", "__rowId": str(row_id), "__updatePW": "mine"}
+        assert (await squatter.delete("/testServer", params=params)).status_code == 401
+        listed = await game.get("/testServer", params={"__gameId": "popular"})
+        assert [r["name"] for r in listed.json()["GET"]] == ["real server"]
