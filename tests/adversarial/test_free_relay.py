@@ -22,6 +22,7 @@ import websockets
 
 from crossroads.client.turn import TurnClient, rest_credentials
 from crossroads.config import default_config
+from crossroads.errors import ConfigError
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import (
     DEFAULT_IP_QUOTA,
@@ -126,6 +127,10 @@ async def test_default_quotas_stop_one_ip_from_taking_the_relay(
     assert settings.user_quota == DEFAULT_USER_QUOTA
     assert settings.ip_quota == DEFAULT_IP_QUOTA
     assert settings.total_quota == auto_total_quota(soft, high - low + 1)
+    assert (
+        f"quotas: {DEFAULT_USER_QUOTA} per user, {DEFAULT_IP_QUOTA} per IP, "
+        f"{settings.total_quota} in total" in service.describe()
+    )
     # One IP, many users (one credential each, as minted by an application):
     # the per-IP quota ends it; the per-user quota ends one user sooner.
     clients: list[DirectClient] = []
@@ -169,3 +174,16 @@ def test_auto_total_quota_arithmetic() -> None:
     assert auto_total_quota(65536, 16384) == 16320
     # Never below 16.
     assert auto_total_quota(64, 16384) == 16
+
+
+async def test_p2p_credentials_longer_than_the_turn_cap_refuse_to_start() -> None:
+    config = default_config(
+        loopback_config(
+            core__only=["p2p", "stun", "turn"],
+            turn__secret=[SECRET],
+            p2p__turn_ttl=2 * 86400,
+        )
+    )
+    with pytest.raises(ConfigError, match="max_credential_ttl"):
+        runtime = await start(config)
+        await runtime.close()

@@ -14,12 +14,13 @@ from typing import Any
 import pytest
 
 from crossroads.proto.stun import Lifetime, Method, XorPeerAddress
+from crossroads.proto.turn.auth import rest_password
 from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
 from tests.adversarial.h12_turn_support import (  # noqa: F401 (fixture)
     turn_service_fixture,
 )
-from tests.proto.turn.conftest import Harness, udp
+from tests.proto.turn.conftest import EPOCH, Harness, udp
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,6 +94,23 @@ def test_stale_release_cannot_free_a_newer_allocation_on_the_same_5_tuple() -> N
     )
     assert answer is not None and error_code_of(answer) == 438
     assert udp() in harness.server.allocations
+
+
+def test_an_expired_rest_username_can_still_free_its_allocation() -> None:
+    harness = Harness()
+    username = f"{int(EPOCH + 3600)}:carol"
+    session = LongTermSession(username, rest_password("s3cr3t", username))
+    answer = harness.allocate(udp(), session, [Lifetime(3600)])
+    assert error_code_of(answer) is None
+    harness.advance(3000)
+    refresh = harness.request(Method.REFRESH, [Lifetime(3600)], udp(), session)
+    assert refresh is not None and error_code_of(refresh) is None
+    harness.advance(700)  # the username expired 100 s ago
+    refused = harness.request(Method.REFRESH, [Lifetime(600)], udp(), session)
+    assert refused is not None and error_code_of(refused) == 401
+    release = harness.request(Method.REFRESH, [Lifetime(0)], udp(), session)
+    assert release is not None and error_code_of(release) is None
+    assert harness.server.allocations == {}
 
 
 async def test_nonce_lifetime_is_configurable(turn_service: Any) -> None:
