@@ -1,20 +1,21 @@
 """Shared helpers of the h12-turn adversarial tests (TURN quotas, credentials,
-churn): a fixture that starts the turn service on loopback, and a client that
-drives it in-process."""
+churn): a runtime with p2p and TURN, a TURN client that drives the service
+in-process, and object counts. The turn service fixture is
+``tests.services.test_turn``'s ``turn``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import collections
+import contextlib
 import gc
 import json
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 import websockets
 
 from crossroads.config import default_config
@@ -34,37 +35,25 @@ from crossroads.runtime import Runtime, start
 from crossroads.services.p2p import P2PService
 from crossroads.services.turn import TurnService
 from tests.conftest import eventually, loopback_config
-
-USER, PASSWORD, SECRET = "alice", "secret123", "s3cr3t"
-
-TurnFactory = Callable[..., Awaitable[TurnService]]
+from tests.services.test_turn import PASSWORD, SECRET, USER
 
 
-@pytest.fixture(name="turn_service")
-async def turn_service_fixture() -> AsyncIterator[TurnFactory]:
-    """``await turn_service(**overrides)``: a running turn service (with STUN)."""
-    runtimes: list[Runtime] = []
-
-    async def make(**overrides: Any) -> TurnService:
-        values: dict[str, Any] = {
-            "core__only": ["stun", "turn"],
-            "turn__user": [f"{USER}:{PASSWORD}"],
-            "turn__secret": [SECRET],
-            "turn__allow_loopback_peers": True,
-            "turn__relay_ports": (44000, 44999),
-        }
-        values.update(overrides)
-        runtime = await start(default_config(loopback_config(**values)))
-        runtimes.append(runtime)
-        service = runtime.services["turn"]
-        assert isinstance(service, TurnService)
-        return service
-
+@contextlib.asynccontextmanager
+async def p2p_with_turn(**overrides: Any) -> AsyncIterator[Runtime]:
+    """p2p, STUN and TURN in one runtime on loopback; the p2p service hands out
+    credentials of the TURN service's secret."""
+    values: dict[str, Any] = {
+        "core__only": ["p2p", "stun", "turn"],
+        "turn__user": [f"{USER}:{PASSWORD}"],
+        "turn__secret": [SECRET],
+        "turn__relay_ports": (47000, 47999),
+    }
+    values.update(overrides)
+    runtime = await start(default_config(loopback_config(**values)))
     try:
-        yield make
+        yield runtime
     finally:
-        for runtime in runtimes:
-            await runtime.close()
+        await runtime.close()
 
 
 class DirectClient:

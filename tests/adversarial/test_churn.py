@@ -18,21 +18,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from crossroads.config import default_config
-from crossroads.runtime import Runtime, start
+from crossroads.runtime import Runtime
 from crossroads.services.turn import TurnService
 from crossroads.transport.turnplane import ACCELERATED
 from tests.adversarial.h12_turn_support import (
-    PASSWORD,
-    SECRET,
-    USER,
     grown,
     live_objects,
     measure_turn_churn,
     p2p_churn,
+    p2p_with_turn,
     settled,
 )
-from tests.conftest import eventually, loopback_config
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,27 +58,16 @@ def test_turn_churn_in_the_pure_python_data_plane() -> None:
 
 @pytest.fixture
 async def rt() -> AsyncIterator[Runtime]:
-    runtime = await start(
-        default_config(
-            loopback_config(
-                core__only=["p2p", "stun", "turn"],
-                turn__user=[f"{USER}:{PASSWORD}"],
-                turn__secret=[SECRET],
-                turn__relay_ports=(47000, 47999),
-                # Every hosting peer is a new TURN client on 127.0.0.1: its 401
-                # must not be rate-limited away.
-                turn__unauthenticated_rate=100_000,
-                # A freed allocation is remembered (replay protection) for one
-                # nonce lifetime + 5 s: short here, so the test sees it go.
-                turn__nonce_lifetime=1,
-                p2p__max_connections_per_ip=1000,
-            )
-        )
-    )
-    try:
+    async with p2p_with_turn(
+        # Every hosting peer is a new TURN client on 127.0.0.1: its 401 must
+        # not be rate-limited away.
+        turn__unauthenticated_rate=100_000,
+        # A freed allocation is remembered (replay protection) for one nonce
+        # lifetime + 5 s: short here, so the test sees it go.
+        turn__nonce_lifetime=1,
+        p2p__max_connections_per_ip=1000,
+    ) as runtime:
         yield runtime
-    finally:
-        await runtime.close()
 
 
 def _forgotten(runtime: Runtime) -> Callable[[], Awaitable[bool]]:

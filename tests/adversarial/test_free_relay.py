@@ -10,9 +10,7 @@ total.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
-import os
 import resource
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,41 +28,18 @@ from crossroads.services.turn import (
     TurnService,
     auto_total_quota,
 )
-from tests.adversarial.h12_turn_support import (  # noqa: F401 (fixture)
-    SECRET,
-    DirectClient,
-    turn_service_fixture,
-)
+from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
 from tests.conftest import loopback_config
+from tests.services.test_p2p import hello, ws_url
+from tests.services.test_turn import SECRET, turn_fixture  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 async def rt() -> AsyncIterator[Runtime]:
-    runtime = await start(
-        default_config(
-            loopback_config(
-                core__only=["p2p", "stun", "turn"],
-                turn__secret=[SECRET],
-                turn__relay_ports=(44000, 44999),
-            )
-        )
-    )
-    try:
+    async with p2p_with_turn() as runtime:
         yield runtime
-    finally:
-        await runtime.close()
-
-
-def _url(rt: Runtime) -> str:
-    host, port = rt.http_address
-    return f"ws://{host}:{port}/p2p/v1/ws"
-
-
-def _hello() -> str:
-    key = base64.b64encode(os.urandom(32)).decode()
-    return json.dumps({"type": "hello", "v": 1, "key": key})
 
 
 async def _until(ws: Any, kind: str) -> dict[str, Any]:
@@ -75,8 +50,8 @@ async def _until(ws: Any, kind: str) -> dict[str, Any]:
 
 
 async def test_anonymous_sockets_get_no_turn_credentials(rt: Runtime) -> None:
-    async with websockets.connect(_url(rt)) as ws:
-        await ws.send(_hello())
+    async with websockets.connect(ws_url(rt)) as ws:
+        await ws.send(hello())
         welcome = await _until(ws, "welcome")
         assert welcome["type"] == "welcome" and welcome["turn"] is None
         await ws.send(json.dumps({"type": "turn_refresh"}))
@@ -90,15 +65,15 @@ async def test_session_members_get_working_refreshable_credentials(
     turn = rt.services["turn"]
     assert isinstance(turn, TurnService)
     async with (
-        websockets.connect(_url(rt)) as host,
-        websockets.connect(_url(rt)) as guest,
+        websockets.connect(ws_url(rt)) as host,
+        websockets.connect(ws_url(rt)) as guest,
     ):
-        await host.send(_hello())
+        await host.send(hello())
         await _until(host, "welcome")
         await host.send(json.dumps({"type": "host"}))
         hosted = await _until(host, "hosted")
         assert hosted["turn"] is not None
-        await guest.send(_hello())
+        await guest.send(hello())
         await _until(guest, "welcome")
         await guest.send(json.dumps({"type": "join", "code": hosted["code"]}))
         join_start = await _until(guest, "join_start")
@@ -117,10 +92,10 @@ async def test_session_members_get_working_refreshable_credentials(
 
 
 async def test_default_quotas_stop_one_ip_from_taking_the_relay(
-    turn_service: Any,
+    turn: Any,
 ) -> None:
     # (401s are rate-limited per IP: lifted here, each client needs one.)
-    service: TurnService = await turn_service(turn__unauthenticated_rate=100000)
+    service: TurnService = await turn(turn__unauthenticated_rate=100000)
     settings = service.core.settings
     low, high = service.config.relay_ports
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
@@ -152,8 +127,8 @@ async def test_default_quotas_stop_one_ip_from_taking_the_relay(
     assert service.core.allocations == {}
 
 
-async def test_user_quota_counts_the_user_part(turn_service: Any) -> None:
-    service: TurnService = await turn_service(turn__user_quota=2)
+async def test_user_quota_counts_the_user_part(turn: Any) -> None:
+    service: TurnService = await turn(turn__user_quota=2)
     clients = []
     try:
         for _ in range(3):

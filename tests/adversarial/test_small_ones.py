@@ -27,12 +27,12 @@ from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
 from crossroads.services.p2p_master import MasterServer, make_master_router
 from crossroads.store.memory import MemoryStore
-from tests.adversarial.h12_turn_support import (  # noqa: F401 (fixture)
-    SECRET,
-    turn_service_fixture,
-)
 from tests.proto.turn.conftest import EPOCH, Harness, udp
-from tests.services.test_turn import RawClient
+from tests.services.test_turn import (  # noqa: F401 (fixture)
+    SECRET,
+    RawClient,
+    turn_fixture,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,8 +53,8 @@ def test_rest_username_valid_for_years_is_refused() -> None:
     assert error_code_of(harness.allocate(udp(1), session)) is None
 
 
-async def test_max_credential_ttl_flag(turn_service: Any) -> None:
-    service = await turn_service()
+async def test_max_credential_ttl_flag(turn: Any) -> None:
+    service = await turn()
     assert service.core.credentials.max_ttl == 86400
     server = service.stun.primary
     username, password = rest_credentials(SECRET, "mallory", ttl=5 * 365 * 86400)
@@ -68,7 +68,7 @@ async def test_max_credential_ttl_flag(turn_service: Any) -> None:
     username, password = rest_credentials(SECRET, "carol", ttl=86400)
     async with await TurnClient.connect(server, username, password) as good:
         await good.allocate()
-    longer = await turn_service(turn__max_credential_ttl=10 * 365 * 86400)
+    longer = await turn(turn__max_credential_ttl=10 * 365 * 86400)
     username, password = rest_credentials(SECRET, "mallory", ttl=5 * 365 * 86400)
     async with await TurnClient.connect(longer.stun.primary, username, password) as ok:
         await ok.allocate()
@@ -112,8 +112,8 @@ def test_allocate_replayed_after_refresh_zero_does_not_resurrect() -> None:
     assert harness.server.freed_count == 0
 
 
-async def test_allocate_replay_on_the_real_service(turn_service: Any) -> None:
-    service = await turn_service()
+async def test_allocate_replay_on_the_real_service(turn: Any) -> None:
+    service = await turn()
     raw = RawClient(service.stun.primary)
     try:
         session = LongTermSession("alice", "secret123")

@@ -17,10 +17,8 @@ from crossroads.proto.stun import Lifetime, Method, XorPeerAddress
 from crossroads.proto.turn.auth import rest_password
 from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
-from tests.adversarial.h12_turn_support import (  # noqa: F401 (fixture)
-    turn_service_fixture,
-)
 from tests.proto.turn.conftest import EPOCH, Harness, udp
+from tests.services.test_turn import turn_fixture  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,8 +111,8 @@ def test_an_expired_rest_username_can_still_free_its_allocation() -> None:
     assert harness.server.allocations == {}
 
 
-async def test_nonce_lifetime_is_configurable(turn_service: Any) -> None:
-    service = await turn_service(turn__nonce_lifetime=45)
+async def test_nonce_lifetime_is_configurable(turn: Any) -> None:
+    service = await turn(turn__nonce_lifetime=45)
     assert service.core.nonces.lifetime == 45
-    default = await turn_service()
+    default = await turn()
     assert default.core.nonces.lifetime == 600
