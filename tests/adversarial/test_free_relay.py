@@ -12,15 +12,22 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import websockets
 
+from crossroads.client.p2p import P2PClient
 from crossroads.client.turn import TurnClient, rest_credentials
+from crossroads.client.turnrelay import TurnClientRelay
 from crossroads.config import default_config
 from crossroads.errors import ConfigError
+from crossroads.proto.stun import Lifetime, Method
+from crossroads.proto.turn.auth import rest_password
+from crossroads.proto.turn.credentials import LongTermSession
+from crossroads.proto.turn.server import error_code_of
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import (
     DEFAULT_IP_QUOTA,
@@ -29,7 +36,8 @@ from crossroads.services.turn import (
     auto_total_quota,
 )
 from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
-from tests.conftest import loopback_config
+from tests.conftest import eventually, loopback_config
+from tests.proto.turn.conftest import EPOCH, Harness, udp
 from tests.services.test_p2p import hello, ws_url
 from tests.services.test_turn import SECRET, turn_fixture  # noqa: F401 (fixture)
 
@@ -162,3 +170,51 @@ async def test_p2p_credentials_longer_than_the_turn_cap_refuse_to_start() -> Non
     with pytest.raises(ConfigError, match="max_credential_ttl"):
         runtime = await start(config)
         await runtime.close()
+
+
+def test_a_later_credential_of_the_same_user_takes_the_allocation_over() -> None:
+    harness = Harness()
+    first = f"{int(EPOCH + 600)}:peer1"
+    session = LongTermSession(first, rest_password("s3cr3t", first))
+    assert error_code_of(harness.allocate(udp(), session, [Lifetime(3600)])) is None
+    harness.advance(700)  # the first credentials expired
+    refused = harness.request(Method.REFRESH, [Lifetime(600)], udp(), session)
+    assert refused is not None and error_code_of(refused) == 401
+    later = f"{int(EPOCH + 4000)}:peer1"
+    session.renew(later, rest_password("s3cr3t", later))
+    renewed = harness.request(Method.REFRESH, [Lifetime(600)], udp(), session)
+    assert renewed is not None and error_code_of(renewed) is None
+    assert harness.server.allocations[udp()].username == later
+    assert harness.server.counters.credential_renewals == 1
+    # Another user's credentials (or an older one of the same user) do not.
+    for other in (f"{int(EPOCH + 5000)}:peer2", f"{int(EPOCH + 3000)}:peer1"):
+        stranger = LongTermSession(other, rest_password("s3cr3t", other))
+        answer = harness.request(Method.REFRESH, [Lifetime(600)], udp(), stranger)
+        assert answer is not None and error_code_of(answer) == 441
+
+
+async def test_the_sdk_renews_its_allocation_with_refreshed_credentials() -> None:
+    # Credentials that live 4 s: the SDK asks for fresh ones after half of it
+    # and its allocation goes on with them after the first ones expired.
+    async with p2p_with_turn(p2p__turn_ttl=4) as runtime:
+        turn = runtime.services["turn"]
+        assert isinstance(turn, TurnService)
+        me = P2PClient(ws_url(runtime), bind=("127.0.0.1", 0))
+        try:
+            await me.start()
+            await me.host()
+            relay = me.turn
+            assert isinstance(relay, TurnClientRelay)
+            first = relay.client.session.username
+            expiry = int(first.partition(":")[0])
+
+            async def renewed_and_expired() -> bool:
+                return relay.client.session.username != first and time.time() > (
+                    expiry + 1
+                )
+
+            await eventually(renewed_and_expired, "fresh credentials in use")
+            assert await relay.client.refresh() > 0
+            assert turn.core.counters.credential_renewals >= 1
+        finally:
+            await me.close()

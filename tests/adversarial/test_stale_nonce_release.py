@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from crossroads.proto.stun import Lifetime, Method, XorPeerAddress
 from crossroads.proto.turn.auth import rest_password
@@ -116,3 +117,6 @@ async def test_nonce_lifetime_is_configurable(turn: Any) -> None:
     assert service.core.nonces.lifetime == 45
     default = await turn()
     assert default.core.nonces.lifetime == 600
+    text = generate_latest(default.ctx.metrics).decode()
+    assert "crossroads_turn_stale_nonce_releases_total 0.0" in text
+    assert "crossroads_turn_credential_renewals_total 0.0" in text

@@ -329,6 +329,7 @@ class P2PClient:
         #: Credentials the server handed out (None: none, or the
         #: application's own factory is used).
         self._turn_info: sig.TurnInfo | None = None
+        self._turn_learned = 0.0
         self._turn_refresh_sent = False
         #: Use the TURN credentials of ``welcome`` when no factory is given.
         self._auto_turn = auto_turn
@@ -413,6 +414,7 @@ class P2PClient:
         if importlib.util.find_spec("crossroads.client.turn") is None:
             return
         self._turn_info = info
+        self._turn_learned = time.time()
         self._turn_factory = welcome_factory(info, self._server_ip)
 
     async def _open_turn(self) -> None:
@@ -439,12 +441,11 @@ class P2PClient:
         (only a session member gets them), so that an allocation made later —
         after a TURN error or a redirect — is made with valid ones."""
         info = self._turn_info
-        if (
-            info is None
-            or not self.session
-            or self._turn_refresh_sent
-            or info.expires - time.time() > TURN_REFRESH_MARGIN
-        ):
+        if info is None or not self.session or self._turn_refresh_sent:
+            return
+        # Half the credentials' life for short ones, else TURN_REFRESH_MARGIN.
+        margin = min(TURN_REFRESH_MARGIN, (info.expires - self._turn_learned) / 2)
+        if info.expires - time.time() > margin:
             return
         self._turn_refresh_sent = True
         self._spawn(self.signalling.send(sig.TurnRefresh()))
@@ -689,6 +690,11 @@ class P2PClient:
             case sig.Turn(turn=turn):
                 self._learn_turn(turn)
                 self._turn_refresh_sent = False
+                renew = getattr(self.turn, "renew", None)
+                if self._turn_info is turn and callable(renew):
+                    # The allocation's own credentials are about to expire
+                    # (TURN_REFRESH_MARGIN): its refreshes go on with these.
+                    renew(turn.username, turn.password)
             case sig.JoinCapable(session=session, peer=peer):
                 accept = bool(self.accept_join(peer))
                 self._spawn(

@@ -41,7 +41,9 @@ Metrics (``/metrics``, counted in plain ints and exported at scrape time):
 ``crossroads_turn_dropped_total{reason}``,
 ``crossroads_turn_responses_total{method,code}``,
 ``crossroads_turn_allocations_created_total``,
-``crossroads_turn_allocations_deleted_total{reason}``.
+``crossroads_turn_allocations_deleted_total{reason}``,
+``crossroads_turn_stale_nonce_releases_total``,
+``crossroads_turn_credential_renewals_total``.
 """
 
 from __future__ import annotations
@@ -469,6 +471,12 @@ class _Collector(Collector):
         )
         stale.add_metric([], core.counters.stale_nonce_releases)
         yield stale
+        renewals = CounterMetricFamily(
+            "crossroads_turn_credential_renewals",
+            "Allocations taken over by a later time-limited username of their user.",
+        )
+        renewals.add_metric([], core.counters.credential_renewals)
+        yield renewals
 
 
 # ------------------------------------------------------------------ clients

@@ -90,7 +90,13 @@ from crossroads.proto.turn.allocation import (
     RelayPort,
     TimerHandle,
 )
-from crossroads.proto.turn.auth import Credentials, Lookup, NonceCheck, NonceMinter
+from crossroads.proto.turn.auth import (
+    Credentials,
+    Lookup,
+    NonceCheck,
+    NonceMinter,
+    parse_rest_username,
+)
 from crossroads.proto.turn.constants import (
     CHANNEL_MAX_RFC5766,
     CHANNEL_MIN,
@@ -308,6 +314,8 @@ class Counters:
     #: Refresh(LIFETIME=0) honoured although its nonce was stale (see
     #: :meth:`TurnServer._authenticate`).
     stale_nonce_releases: int = 0
+    #: Allocations taken over by a later time-limited username of their user.
+    credential_renewals: int = 0
 
     def drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -692,13 +700,43 @@ class TurnServer:
         return tail if sep and tail else username
 
     def _owned(self, five: FiveTuple, auth: Auth) -> Allocation:
-        """The allocation on ``five`` made with the same credentials (437 / 441)."""
+        """The allocation on ``five`` made with the same credentials (437 / 441).
+
+        One extension to RFC 8656's "same credentials": a *later* time-limited
+        username of the same user, minted with the same shared secret, takes
+        the allocation over (the p2p service's ``turn_refresh``). Time-limited
+        credentials exist to expire; without this an allocation could not
+        outlive the ones it was made with, however long the call. Only the
+        holder of the secret mints such a username, so the authority is the
+        same.
+        """
         allocation = self.allocations.get(five)
         if allocation is None:
             raise _Reject(TurnError.ALLOCATION_MISMATCH)
         if allocation.username != auth.username:
-            raise _Reject(TurnError.WRONG_CREDENTIALS)
+            if not self._renews(allocation.username, auth.username):
+                raise _Reject(TurnError.WRONG_CREDENTIALS)
+            allocation.username = auth.username
+            allocation.key = auth.key or b""
+            self.counters.credential_renewals += 1
         return allocation
+
+    def _renews(self, old: str, new: str) -> bool:
+        """Whether ``new`` is a later time-limited username of ``old``'s user."""
+        credentials = self.credentials
+        if not credentials.secrets or old in credentials.users:
+            return False
+        if new in credentials.users:
+            return False
+        before = parse_rest_username(old, credentials.separator)
+        after = parse_rest_username(new, credentials.separator)
+        return (
+            before is not None
+            and after is not None
+            and bool(after[1])
+            and after[1] == before[1]
+            and after[0] > before[0]
+        )
 
     def _lifetime(self, msg: Message) -> float:
         """RFC 8656 §7.2 / §8 "desired lifetime" (non-zero case)."""
