@@ -14,8 +14,11 @@ indication or a late response to a client.
 Relay sockets are opened through the injected :class:`RelayBinder` — the one
 synchronous call into the I/O layer, because whether a port can be bound is only
 known by trying. Everything else the core owns: the allocation table keyed by
-5-tuple, per-user and total quotas, the port allocator, the nonce minter, the
-peer policy, and one heap of deadlines (``get_timer`` / ``handle_timer``).
+5-tuple, per-user, per-client-IP and total quotas, the port allocator, the nonce
+minter, the peer policy, the memory of deleted allocations (an Allocate replayed
+after Refresh 0 gets 437, not a new allocation), and one heap of deadlines
+(``get_timer`` / ``handle_timer``). Deleting an allocation cancels its deadlines,
+so nothing of it stays referenced.
 
 Per-packet forwarding (ChannelData, Send and Data indications) does not come
 here: the transport reads the forwarding tables kept in :mod:`.allocation`.
@@ -24,7 +27,9 @@ Only Send indications the fast parser cannot take go through
 
 Request processing order (RFC 8656 §6-§12, RFC 8489 §9.2.4): class and method;
 authentication (401 / 400 / 438 / 401, each unauthenticated answer rate-limited
-per source IP); unknown comprehension-required attributes (420); then the method.
+per source IP; the one exception to 438 is a correctly signed Refresh with
+LIFETIME 0 whose nonce is ours but stale, see :meth:`TurnServer._authenticate`);
+unknown comprehension-required attributes (420); then the method.
 Every answer after successful authentication carries MESSAGE-INTEGRITY (or
 MESSAGE-INTEGRITY-SHA256, whichever the request used), and FINGERPRINT when the
 request had one.
