@@ -211,7 +211,7 @@ async def settled(runtime: Runtime) -> None:
     async def gone() -> bool:
         return p2p.core.peer_count == 0 and p2p.core.session_count == 0
 
-    await eventually(gone, "every p2p peer and session gone")
+    await eventually(gone, "every p2p peer and session gone", timeout=30)
     for _ in range(10):
         await asyncio.sleep(0)
 

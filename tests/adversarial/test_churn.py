@@ -88,6 +88,10 @@ async def test_p2p_sessions_with_turn_leave_object_counts_where_they_started(
     before = live_objects()
     await p2p_churn(rt, P2P_SESSIONS)
     await settled(rt)
-    await eventually(_forgotten(rt), "the replay memory of freed allocations expired")
+    # One nonce lifetime (1 s) + 5 s after the last release; generous bound
+    # for a loaded machine.
+    await eventually(
+        _forgotten(rt), "the replay memory of freed allocations expired", timeout=30
+    )
     await asyncio.sleep(0)
     assert grown(before, live_objects()) == {}

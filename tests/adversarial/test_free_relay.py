@@ -213,7 +213,9 @@ async def test_the_sdk_renews_its_allocation_with_refreshed_credentials() -> Non
                     expiry + 1
                 )
 
-            await eventually(renewed_and_expired, "fresh credentials in use")
+            await eventually(
+                renewed_and_expired, "fresh credentials in use", timeout=30
+            )
             assert await relay.client.refresh() > 0
             assert turn.core.counters.credential_renewals >= 1
         finally:
