@@ -1,4 +1,4 @@
-"""The SDK with crossroads' own TURN client: credentials from ``welcome`` (coturn's
+"""The SDK with crossroads' own TURN client: credentials from ``hosted`` / ``join_start`` (coturn's
 REST-API scheme), a real coturn as the TURN server, relay step over TURN."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def turn_server() -> Iterator[Address]:
         yield address
 
 
-async def test_relay_over_turn_with_welcome_credentials(turn_server: Address) -> None:
+async def test_relay_over_turn_with_session_credentials(turn_server: Address) -> None:
     rt = await start(
         default_config(
             loopback_config(
@@ -45,8 +45,11 @@ async def test_relay_over_turn_with_welcome_credentials(turn_server: Address) ->
     try:
         await a.start()
         await b.start()
-        assert a.turn is not None and b.turn is not None
+        # No credentials before a session (issue 12 item 3): hosting and
+        # joining bring them, and the SDK allocates then.
+        assert a.turn is None and b.turn is None
         await b.join(await a.host())
+        assert a.turn is not None and b.turn is not None
         link = b.links[a.peer_id]
         assert link.step == "relay" and isinstance(link.via, _TurnTransport)
         assert link.addr == a.turn.relayed

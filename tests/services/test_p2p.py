@@ -214,7 +214,7 @@ async def test_listing_is_mounted(rt: Runtime) -> None:
         ][0]["__addr"] == "127.0.0.1"
 
 
-async def test_welcome_carries_turn_rest_credentials() -> None:
+async def test_session_members_get_turn_rest_credentials() -> None:
     import hashlib
     import hmac
     import time
@@ -232,7 +232,11 @@ async def test_welcome_carries_turn_rest_credentials() -> None:
         async with websockets.connect(ws_url(runtime)) as ws:
             await ws.send(hello())
             welcome = await recv_type(ws, "welcome")
-        turn = welcome["turn"]
+            # Nothing for an anonymous socket (issue 12 item 3) ...
+            assert welcome["turn"] is None
+            # ... credentials come with the session.
+            await ws.send(json.dumps({"type": "host"}))
+            turn = (await recv_type(ws, "hosted"))["turn"]
         assert turn["servers"] == [["192.0.2.1", 3478]]
         expires, peer = turn["username"].split(":")
         assert peer == welcome["peer"] and int(expires) == turn["expires"]

@@ -185,18 +185,29 @@ async def test_more_than_ten_rows_from_one_ip_is_403(
     assert (await post(api, {"__gameId": "othergame"})).status_code == 200
 
 
-async def test_game_passwords(api: httpx.AsyncClient) -> None:
-    await post(
-        api, {"__gameId": "mygame", "__updatePW": "up", "__readPW": "rd", "a": 1}
+async def test_update_and_read_passwords_guard_their_rows(
+    api: httpx.AsyncClient,
+) -> None:
+    created = await post(
+        api,
+        {
+            "__gameId": "mygame",
+            "__rowId": 1,
+            "__updatePW": "up",
+            "__readPW": "rd",
+            "a": 1,
+        },
     )
-    r = await post(api, {"__gameId": "mygame", "a": 2})
-    assert r.status_code == 401
-    assert (
-        await post(api, {"__gameId": "mygame", "__updatePW": "up", "a": 2})
-    ).status_code == 200
-    r = await api.get("/testServer", params={"__gameId": "mygame"})
+    assert created.status_code == 200
+    # Updating the row needs its __updatePW ...
+    r = await post(api, {"__gameId": "mygame", "__rowId": 1, "a": 2})
     assert r.status_code == 401 and r.json()["code"] == "wrong_password"
-    assert len(await rows(api, __readPW="rd")) == 2
+    assert (
+        await post(api, {"__gameId": "mygame", "__rowId": 1, "__updatePW": "up"})
+    ).status_code == 200
+    # ... and listing it its __readPW.
+    assert await rows(api) == []
+    assert len(await rows(api, __readPW="rd")) == 1
 
 
 async def test_row_password(api: httpx.AsyncClient) -> None:

@@ -48,8 +48,8 @@ def service_of(runtime: Runtime) -> TurnService:
     return service
 
 
-@pytest.fixture
-async def turn() -> AsyncIterator[Callable[..., Awaitable[TurnService]]]:
+@pytest.fixture(name="turn")
+async def turn_fixture() -> AsyncIterator[Callable[..., Awaitable[TurnService]]]:
     runtimes: list[Runtime] = []
 
     async def make(**overrides: Any) -> TurnService:

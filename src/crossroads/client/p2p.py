@@ -73,6 +73,9 @@ MAX_REDIRECTS = 2
 #: Links to a peer that never became a member (a joiner the host rejected) are
 #: closed after this.
 STRANGER_TIMEOUT = 120.0
+#: Ask for fresh TURN credentials this long before the server's expire: a few
+#: keepalive rounds (KEEPALIVE_INTERVAL / 2 apart) to get the answer.
+TURN_REFRESH_MARGIN = 300.0
 
 
 class JoinRejected(CrossroadsError):
@@ -323,6 +326,11 @@ class P2PClient:
         #: Allocates a TURN relay for the relay step (tried before the
         #: WebSocket relay); None: no TURN.
         self._turn_factory = turn
+        #: Credentials the server handed out (None: none, or the
+        #: application's own factory is used).
+        self._turn_info: sig.TurnInfo | None = None
+        self._turn_learned = 0.0
+        self._turn_refresh_sent = False
         #: Use the TURN credentials of ``welcome`` when no factory is given.
         self._auto_turn = auto_turn
         self.turn: TurnRelay | None = None
@@ -383,31 +391,64 @@ class P2PClient:
         # NAT detection and the TURN allocation open flows of their own; on a
         # sequential NAT each takes a port, so they go before the rendezvous
         # probes, whose ports are then the latest (port prediction needs that).
-        if (
-            self._turn_factory is None
-            and self._auto_turn
-            and welcome.turn is not None
-            and importlib.util.find_spec("crossroads.client.turn") is not None
-        ):
-            self._turn_factory = welcome_factory(welcome.turn, self._server_ip)
+        # Credentials from the server come only with a session (hosted,
+        # join_start); a server that still puts them in welcome is honoured.
+        if welcome.turn is not None:
+            self._learn_turn(welcome.turn)
         if self._stun is not None:
             try:
                 self.nat = await detect_nat(self._stun)
             except Exception as exc:  # noqa: BLE001 - detection is informational
                 log.warning("NAT type detection failed: %r", exc)
-        if self._turn_factory is not None and self.relay_mode != "never":
-            try:
-                self.turn = await self._turn_factory()
-            except Exception as exc:  # noqa: BLE001 - TURN is optional
-                log.warning("no TURN allocation: %r", exc)
-            else:
-                transport = _TurnTransport(self.turn)
-                self._turn_transport = transport
-                self.turn.set_receiver(
-                    lambda data, peer: self.socket.deliver(data, peer, transport)
-                )
+        await self._open_turn()
         await self._probe(0)
         self._keepalive = asyncio.create_task(self._keepalive_loop())
+
+    def _learn_turn(self, info: sig.TurnInfo) -> None:
+        """Use credentials the server handed out (unless the application gave
+        its own TURN factory): the next allocation is made with them."""
+        if not self._auto_turn or (
+            self._turn_factory is not None and self._turn_info is None
+        ):
+            return
+        if importlib.util.find_spec("crossroads.client.turn") is None:
+            return
+        self._turn_info = info
+        self._turn_learned = time.time()
+        self._turn_factory = welcome_factory(info, self._server_ip)
+
+    async def _open_turn(self) -> None:
+        """Allocate the TURN relay once a factory is known (idempotent)."""
+        if (
+            self.turn is not None
+            or self._turn_factory is None
+            or self.relay_mode == "never"
+        ):
+            return
+        try:
+            self.turn = await self._turn_factory()
+        except Exception as exc:  # noqa: BLE001 - TURN is optional
+            log.warning("no TURN allocation: %r", exc)
+            return
+        transport = _TurnTransport(self.turn)
+        self._turn_transport = transport
+        self.turn.set_receiver(
+            lambda data, peer: self.socket.deliver(data, peer, transport)
+        )
+
+    def _refresh_turn_credentials(self) -> None:
+        """Ask for fresh TURN credentials shortly before the server's expire
+        (only a session member gets them), so that an allocation made later —
+        after a TURN error or a redirect — is made with valid ones."""
+        info = self._turn_info
+        if info is None or not self.session or self._turn_refresh_sent:
+            return
+        # Half the credentials' life for short ones, else TURN_REFRESH_MARGIN.
+        margin = min(TURN_REFRESH_MARGIN, (info.expires - self._turn_learned) / 2)
+        if info.expires - time.time() > margin:
+            return
+        self._turn_refresh_sent = True
+        self._spawn(self.signalling.send(sig.TurnRefresh()))
 
     async def _hello(self, timeout: float) -> sig.Welcome:
         """Open the signalling WebSocket to :attr:`url`; learn our peer id and
@@ -497,6 +538,9 @@ class P2PClient:
         assert isinstance(hosted, sig.Hosted)
         self.session, self.code = hosted.session, hosted.code
         self.members = {self.peer_id: sig.Member(self.peer_id, self.public_key, 0)}
+        if hosted.turn is not None:
+            self._learn_turn(hosted.turn)
+            await self._open_turn()
         return hosted.code
 
     async def join(self, code: str, timeout: float = JOIN_TIMEOUT) -> None:
@@ -517,6 +561,10 @@ class P2PClient:
         while True:
             assert isinstance(answer, sig.JoinStart)
             session = answer.session
+            if answer.turn is not None:
+                # Before connecting: the relay step offers the relayed address.
+                self._learn_turn(answer.turn)
+                await self._open_turn()
             connected: list[str] = []
             failed: list[str] = []
             for member in answer.members:
@@ -639,6 +687,14 @@ class P2PClient:
                 future = self._connecting.get(peer)
                 if future is not None and not future.done():
                     future.set_result(ConnectResult(peer, False, reason=reason))
+            case sig.Turn(turn=turn):
+                self._learn_turn(turn)
+                self._turn_refresh_sent = False
+                renew = getattr(self.turn, "renew", None)
+                if self._turn_info is turn and callable(renew):
+                    # The allocation's own credentials are about to expire
+                    # (TURN_REFRESH_MARGIN): its refreshes go on with these.
+                    renew(turn.username, turn.password)
             case sig.JoinCapable(session=session, peer=peer):
                 accept = bool(self.accept_join(peer))
                 self._spawn(
@@ -871,6 +927,7 @@ class P2PClient:
     async def _keepalive_loop(self) -> None:
         while True:
             await asyncio.sleep(KEEPALIVE_INTERVAL / 2)
+            self._refresh_turn_credentials()
             now = time.monotonic()
             for link in list(self.links.values()):
                 if now - link.last_heard > LINK_TIMEOUT:

@@ -184,6 +184,17 @@ class TurnClient:
         #: Datagrams dropped because nobody called :meth:`receive`.
         self.dropped = 0
 
+    def renew_credentials(self, username: str, password: str) -> None:
+        """Sign later requests (refreshes, permissions, channels) with fresh
+        time-limited credentials of the same user, before the old ones expire.
+
+        crossroads' TURN server accepts them for the allocation (see
+        :meth:`crossroads.proto.turn.server.TurnServer`); an RFC 8656 server
+        that does not answers 441, so renew only when the old credentials are
+        about to expire anyway.
+        """
+        self.session.renew(username, password)
+
     # ------------------------------------------------------------ setup
 
     @classmethod

@@ -101,6 +101,10 @@ class TurnClientRelay:
                 return
             self._receiver(data, (str(peer[0]), int(peer[1])))
 
+    def renew(self, username: str, password: str) -> None:
+        """Use fresh credentials of the same user for this allocation."""
+        self.client.renew_credentials(username, password)
+
     async def close(self) -> None:
         for task in (self._reader, self._writer):
             if task is not None:

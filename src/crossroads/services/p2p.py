@@ -119,7 +119,8 @@ class Config:
     turn_secret: str = setting(
         "",
         help="Shared secret of a TURN server (coturn use-auth-secret / --turn-secret): "
-        "peers get time-limited TURN credentials in welcome. Empty: the TURN "
+        "peers in a session get time-limited TURN credentials (hosted, join_start, "
+        "turn_refresh). Empty: the TURN "
         "service's first secret when it runs in this process.",
     )
     turn_server: str = setting(
@@ -131,7 +132,8 @@ class Config:
         3600,
         kind="int",
         check=_check_positive,
-        help="Lifetime of the TURN credentials handed out, seconds.",
+        help="Lifetime of the TURN credentials handed out, seconds; a session "
+        "member asks for fresh ones (turn_refresh) before they expire.",
     )
     public_url: str = setting(
         "",
@@ -599,8 +601,16 @@ async def serve(ctx: ServiceContext) -> Service:
             endpoint = sig.Endpoint(host.strip("[]"), int(port))
         except ValueError:
             raise ConfigError(f"p2p.turn_server: {server!r} is not HOST:PORT") from None
-        service.core._turn_credentials = turn_credentials(
-            secret, endpoint, config.turn_ttl
+        turn = ctx.config.sections.get("turn") if ctx.config.enabled("turn") else None
+        cap = int(getattr(turn, "max_credential_ttl", 0) or 0)
+        if cap and config.turn_ttl > cap:
+            raise ConfigError(
+                f"p2p.turn_ttl: {config.turn_ttl} s is longer than "
+                f"turn.max_credential_ttl ({cap} s): the TURN service would refuse "
+                "the credentials"
+            )
+        service.core.set_turn_credentials(
+            turn_credentials(secret, endpoint, config.turn_ttl)
         )
     await service.start(ctx.host, ctx.config.core.public_host)
     router = APIRouter(tags=["p2p"])

@@ -4,10 +4,16 @@
 removes one. Each ``__gameId`` is a table; each row is one game instance, stored
 in the Store under ``ms2:row:<game>:<rowId>`` with TTL ``__timeoutSec``, so rows
 vanish by themselves when their host stops refreshing (RakNet's hosts re-POST
-every ``__timeoutSec - 1`` s). Game passwords (``__updatePW``, ``__readPW``) are
-set by the POST that creates the game and kept under ``ms2:game:<game>`` for as
+every ``__timeoutSec - 1`` s). ``ms2:game:<game>`` marks the game as known for as
 long as any of its rows could live. Each IP may hold at most 10 rows
 (``ms2:ip:<ip>`` maps each row to its expiry time).
+
+Passwords belong to rows, not to the game id (issue 12: the first poster of a
+game id used to set ``__updatePW``/``__readPW`` for the whole game and so lock
+everyone else out of it): ``__updatePW`` and ``__rowPW`` given when a row is
+created guard updating and deleting *that row*; ``__readPW`` hides *that row*
+from a GET that does not give the same ``__readPW``. Anyone may add rows to any
+game id; nobody can change, delete or read another poster's protected rows.
 
 GeoIP: RakNet's server filtered and annotated results by location. crossroads
 ships no GeoIP database, so ``__geoIP``, ``__includeDist`` and
@@ -77,26 +83,29 @@ class MasterServer:
     def _row_key(game: str, row: int) -> str:
         return f"ms2:row:{game}:{row}"
 
-    async def _game(self, game: str) -> dict[str, Any] | None:
-        raw = await self.store.get(f"ms2:game:{game}")
-        return None if raw is None else dict(json.loads(raw))
+    async def _game_known(self, game: str) -> bool:
+        return await self.store.get(f"ms2:game:{game}") is not None
+
+    @staticmethod
+    def _check_row_passwords(
+        stored: dict[str, Any], update_pw: str, row_pw: str
+    ) -> None:
+        """401 unless the caller knows the row's update and row passwords."""
+        if stored.get("updatePW") and not _same(stored["updatePW"], update_pw):
+            raise ListingError(401, "wrong_password", "wrong __updatePW for this row")
+        if stored.get("rowPW") and not _same(stored["rowPW"], row_pw):
+            raise ListingError(401, "wrong_password", "wrong __rowPW for this row")
 
     async def post(self, body: bytes, addr: str) -> dict[str, Any] | None:
         request = parse_post(body, self.max_timeout)
         now = self.clock()
-        game = await self._game(request.game_id)
-        if game is None:
-            game = {"updatePW": request.update_pw, "readPW": request.read_pw}
-        elif game["updatePW"] and not _same(game["updatePW"], request.update_pw):
-            raise ListingError(401, "wrong_password", "wrong __updatePW for this game")
         row_id = request.row_id
         existing = None
         if row_id is not None:
             raw = await self.store.get(self._row_key(request.game_id, row_id))
             existing = None if raw is None else json.loads(raw)
-        if existing is not None and existing["rowPW"]:
-            if not _same(existing["rowPW"], request.row_pw):
-                raise ListingError(401, "wrong_password", "wrong __rowPW for this row")
+        if existing is not None:
+            self._check_row_passwords(existing, request.update_pw, request.row_pw)
         ip_key = f"ms2:ip:{addr}"
         if existing is None:
             live = await self._live_rows(ip_key, now)
@@ -108,7 +117,7 @@ class MasterServer:
                 )
         if row_id is None:
             row_id = await self._new_row_id(request.game_id)
-        await self._store_row(request, row_id, addr, game, now)
+        await self._store_row(request, row_id, addr, existing)
         await self.store.hset(
             ip_key,
             {f"{request.game_id}\x00{row_id}": str(now + request.timeout).encode()},
@@ -149,14 +158,22 @@ class MasterServer:
         request: PostRequest,
         row_id: int,
         addr: str,
-        game: dict[str, Any],
-        now: float,
+        existing: dict[str, Any] | None,
     ) -> None:
+        # The passwords are the ones the row was created with: an update (by
+        # someone who knew them) does not change who may touch the row.
+        origin: dict[str, Any] = existing or {
+            "rowPW": request.row_pw,
+            "updatePW": request.update_pw,
+            "readPW": request.read_pw,
+        }
         row = {
             "cols": dict(request.columns),
             "addr": addr,
             "timeoutSec": request.timeout,
-            "rowPW": request.row_pw,
+            "rowPW": origin.get("rowPW", ""),
+            "updatePW": origin.get("updatePW", ""),
+            "readPW": origin.get("readPW", ""),
         }
         await self.store.set(
             self._row_key(request.game_id, row_id),
@@ -166,18 +183,16 @@ class MasterServer:
         game_key = f"ms2:game:{request.game_id}"
         left = await self.store.ttl(game_key)
         ttl = max(left or 0.0, request.timeout + GAME_GRACE)
-        await self.store.set(game_key, json.dumps(game).encode(), ttl=ttl)
+        await self.store.set(game_key, b"{}", ttl=ttl)
         await self._extend(f"ms2:next:{request.game_id}", ttl)
 
     async def get(self, params: dict[str, str], url: str) -> dict[str, Any]:
         game_id = params.get("__gameId", "")
         if not game_id:
             raise ListingError(400, "missing_field", "__gameId is required")
-        game = await self._game(game_id)
-        if game is None:
+        if not await self._game_known(game_id):
             raise ListingError(400, "unknown_game", f"no game {game_id[:64]!r}")
-        if game["readPW"] and not _same(game["readPW"], params.get("__readPW", "")):
-            raise ListingError(401, "wrong_password", "wrong __readPW for this game")
+        read_pw = params.get("__readPW", "")
         limit = results_hint(params.get("__minResultsHint"))
         exclude = {c for c in params.get("__excludeCols", "").split(",") if c}
         prefix = f"ms2:row:{game_id}:"
@@ -192,6 +207,8 @@ class MasterServer:
             if raw is None:
                 continue
             stored = json.loads(raw)
+            if stored.get("readPW") and not _same(stored["readPW"], read_pw):
+                continue  # a row only its __readPW lists
             row: dict[str, Any] = {
                 "__rowId": row_id,
                 "__timeoutSec": stored["timeoutSec"],
@@ -215,19 +232,13 @@ class MasterServer:
         if "__rowId" not in params or params["__rowId"] == "":
             raise ListingError(400, "missing_field", "__rowId is required")
         row_id = parse_int(params["__rowId"], "__rowId", 0, MAX_ROW_ID)
-        game = await self._game(game_id)
-        if game is None:
-            return  # 200 even when nothing was there (reference §2.3)
-        if game["updatePW"] and not _same(
-            game["updatePW"], params.get("__updatePW", "")
-        ):
-            raise ListingError(401, "wrong_password", "wrong __updatePW for this game")
         raw = await self.store.get(self._row_key(game_id, row_id))
         if raw is None:
-            return
+            return  # 200 even when nothing was there (reference §2.3)
         stored = json.loads(raw)
-        if stored["rowPW"] and not _same(stored["rowPW"], params.get("__rowPW", "")):
-            raise ListingError(401, "wrong_password", "wrong __rowPW for this row")
+        self._check_row_passwords(
+            stored, params.get("__updatePW", ""), params.get("__rowPW", "")
+        )
         await self.store.delete(self._row_key(game_id, row_id))
         await self.store.hdel(f"ms2:ip:{stored['addr']}", f"{game_id}\x00{row_id}")
 

@@ -41,7 +41,9 @@ Metrics (``/metrics``, counted in plain ints and exported at scrape time):
 ``crossroads_turn_dropped_total{reason}``,
 ``crossroads_turn_responses_total{method,code}``,
 ``crossroads_turn_allocations_created_total``,
-``crossroads_turn_allocations_deleted_total{reason}``.
+``crossroads_turn_allocations_deleted_total{reason}``,
+``crossroads_turn_stale_nonce_releases_total``,
+``crossroads_turn_credential_renewals_total``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import errno
 import ipaddress
 import logging
 import os
+import resource
 import secrets
 import socket
 import struct
@@ -81,6 +84,7 @@ from crossroads.proto.turn.constants import (
     CHANNEL_MAX_RFC8656,
     DEFAULT_MAX_ALLOCATION_LIFETIME,
     MAX_PENDING_PEER_BYTES,
+    NONCE_LIFETIME,
     Family,
     Transport,
 )
@@ -159,6 +163,43 @@ def _check_alternates(values: tuple[str, ...]) -> None:
 def _check_non_negative(value: float) -> None:
     if value < 0:
         raise ValueError("must be >= 0")
+
+
+def _check_positive(value: float) -> None:
+    if value <= 0:
+        raise ValueError("must be > 0")
+
+
+#: Default allocations per user. A browser makes one or two per peer
+#: connection (UDP, sometimes TCP/TLS, IPv4 and IPv6); 128 leaves room for an
+#: application that shares one static user between its players, while one
+#: leaked credential cannot hold the whole port range.
+DEFAULT_USER_QUOTA = 128
+#: Default allocations per client IP: a carrier-grade NAT puts many players
+#: behind one address, so this is larger than the per-user quota; one host
+#: still cannot hold more than a small part of the relay ports and
+#: descriptors (issue 12: one IP made 3,000 allocations in 28 s).
+DEFAULT_IP_QUOTA = 256
+#: Default cap on time-limited credentials: one day, what coturn-style
+#: deployments hand out (draft-uberti-behave-turn-rest-00 suggests 86400 s).
+DEFAULT_MAX_CREDENTIAL_TTL = 86400
+#: Descriptors kept back for everything that is not a TURN relay socket
+#: (listeners, HTTP and WebSocket connections, Redis, logs) before the rest is
+#: shared out; see :func:`auto_total_quota`.
+RESERVED_DESCRIPTORS = 256
+
+
+def auto_total_quota(descriptor_limit: int, relay_ports: int) -> int:
+    """The default total allocation quota (``--turn-total-quota 0``).
+
+    TURN may use half of the descriptors above :data:`RESERVED_DESCRIPTORS`
+    (the other half is for every other service), and an allocation costs up
+    to two (one relay socket per address family, RFC 8656 §7.1 dual
+    allocations). It can also never exceed the relay port range. At least 16,
+    so a tiny ``ulimit -n`` still relays something.
+    """
+    by_descriptors = max(0, descriptor_limit - RESERVED_DESCRIPTORS) // 2 // 2
+    return max(16, min(relay_ports, by_descriptors))
 
 
 def _parse_host_port(text: str) -> Address:
@@ -245,13 +286,39 @@ class Config:
         "what clients get without asking).",
     )
     user_quota: int = setting(
-        0, kind="int", help="Allocations per user (0 = no limit): 486 beyond."
+        DEFAULT_USER_QUOTA,
+        kind="int",
+        check=_check_non_negative,
+        help="Allocations per user (the user part of a time-limited username) "
+        "(0 = no limit): 486 beyond.",
+    )
+    ip_quota: int = setting(
+        DEFAULT_IP_QUOTA,
+        kind="int",
+        check=_check_non_negative,
+        help="Allocations per client IP address (0 = no limit): 486 beyond.",
     )
     total_quota: int = setting(
         0,
         kind="int",
-        help="Allocations in this process (0 = no limit): 486 beyond, or 300 "
-        "to an alternate server.",
+        check=_check_non_negative,
+        help="Allocations in this process: 486 beyond, or 300 to an alternate "
+        "server. 0 = sized from the relay port range and the descriptor limit "
+        "(see docs/security.md).",
+    )
+    nonce_lifetime: int = setting(
+        int(NONCE_LIFETIME),
+        kind="int",
+        check=_check_positive,
+        help="Seconds a nonce stays fresh before 438 Stale Nonce (a closing "
+        "Refresh with LIFETIME 0 is honoured with a stale nonce anyway).",
+    )
+    max_credential_ttl: int = setting(
+        DEFAULT_MAX_CREDENTIAL_TTL,
+        kind="int",
+        check=_check_non_negative,
+        help="Longest validity of a time-limited (--turn-secret) username, "
+        "seconds from now; a username expiring later is refused (0 = no cap).",
     )
     alternate_server: tuple[str, ...] = setting(
         (),
@@ -402,6 +469,18 @@ class _Collector(Collector):
         for reason, count in sorted(core.counters.allocations_deleted.items()):
             deleted.add_metric([reason], count)
         yield deleted
+        stale = CounterMetricFamily(
+            "crossroads_turn_stale_nonce_releases",
+            "Refresh(LIFETIME=0) honoured although its nonce was stale.",
+        )
+        stale.add_metric([], core.counters.stale_nonce_releases)
+        yield stale
+        renewals = CounterMetricFamily(
+            "crossroads_turn_credential_renewals",
+            "Allocations taken over by a later time-limited username of their user.",
+        )
+        renewals.add_metric([], core.counters.credential_renewals)
+        yield renewals
 
 
 # ------------------------------------------------------------------ clients
@@ -756,7 +835,12 @@ class TurnService:
         self.loop = asyncio.get_running_loop()
         self.relay_hosts = self._relay_hosts(ctx)
         users = dict(merge_users(config.user, _read_users(config.users_file)))
-        credentials = Credentials(config.realm, users, config.secret)
+        credentials = Credentials(
+            config.realm,
+            users,
+            config.secret,
+            max_ttl=float(config.max_credential_ttl),
+        )
         if not credentials.enabled and not config.allow_unauthenticated:
             log.warning(
                 "TURN has no users and no secret: every Allocate will get 401 "
@@ -773,11 +857,15 @@ class TurnService:
             ),
         )
         low, high = config.relay_ports
+        total_quota = config.total_quota or auto_total_quota(
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0], high - low + 1
+        )
         settings = TurnSettings(
             realm=config.realm,
             max_lifetime=float(config.max_lifetime),
             user_quota=config.user_quota,
-            total_quota=config.total_quota,
+            ip_quota=config.ip_quota,
+            total_quota=total_quota,
             max_permissions=config.max_permissions,
             channel_max=(
                 CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766
@@ -795,7 +883,7 @@ class TurnService:
             credentials,
             # A per-process nonce key: nonces do not survive a restart (clients
             # just get a 438 and retry).
-            NonceMinter(secrets.token_bytes(32)),
+            NonceMinter(secrets.token_bytes(32), lifetime=float(config.nonce_lifetime)),
             policy,
             PortAllocator(low, high, cast(Any, secrets)),
             self,
@@ -945,6 +1033,12 @@ class TurnService:
         )
         lines.append(
             "data plane: " + ("C (recvmmsg/sendmmsg)" if ACCELERATED else "pure Python")
+        )
+        settings = self.core.settings
+        lines.append(
+            f"quotas: {settings.user_quota or 'no limit'} per user, "
+            f"{settings.ip_quota or 'no limit'} per IP, "
+            f"{settings.total_quota} in total"
         )
         for family, (bind, advertised) in self.relay_hosts.items():
             label = "ipv4" if family == Family.IPV4 else "ipv6"

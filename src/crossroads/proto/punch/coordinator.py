@@ -284,8 +284,8 @@ class Coordinator:
         #: code held elsewhere is redirected there (see :class:`CodeClaim`).
         self.directory = directory
         self._random = random_bytes
-        #: Makes TURN credentials for a new peer id (the service supplies the
-        #: wall clock and the shared secret); None: no TURN in ``welcome``.
+        #: Makes TURN credentials for a peer id (the service supplies the wall
+        #: clock and the shared secret); None: no TURN for anyone.
         self._turn_credentials = turn_credentials
         self._conns: dict[int, _Conn] = {}
         self._per_ip: dict[str, int] = {}
@@ -302,7 +302,8 @@ class Coordinator:
     def set_turn_credentials(
         self, make: Callable[[str], sig.TurnInfo | None] | None
     ) -> None:
-        """Hand out TURN credentials in ``welcome`` (``make(peer_id)``)."""
+        """Hand out TURN credentials (``make(peer_id)``) to session members in
+        ``hosted``, ``join_start`` and ``turn``."""
         self._turn_credentials = make
 
     # ------------------------------------------------------------- introspection
@@ -452,6 +453,8 @@ class Coordinator:
                 self._punch_result(peer, message, now)
             case sig.Signal():
                 self._signal(peer, message)
+            case sig.TurnRefresh():
+                self._turn_refresh(peer)
             case _:  # pragma: no cover - every client type is handled above
                 self._error(conn, "unknown_type", "not a client message", message.TYPE)
 
@@ -581,10 +584,33 @@ class Coordinator:
                 token.hex(),
                 c.ip,
                 self.config.udp,
-                self._turn_credentials(peer_id) if self._turn_credentials else None,
+                # No TURN credentials for an anonymous socket (issue 12: with
+                # them one IP made 3,000 allocations): hosted / join_start /
+                # turn_refresh hand them to peers in a session.
+                None,
             ),
         )
         self._ping(peer, now)
+
+    def _turn(self, peer: _Peer) -> sig.TurnInfo | None:
+        """TURN credentials for a peer that is in (or joining) a session."""
+        if self._turn_credentials is None:
+            return None
+        return self._turn_credentials(peer.id)
+
+    def _turn_refresh(self, peer: _Peer) -> None:
+        """Fresh credentials, for a peer in a session only: the relay is for
+        reaching session members, not for anyone who opens a WebSocket."""
+        if not (peer.sessions or peer.joining):
+            self._error(
+                peer.conn, "not_in_session", "TURN is for session members", "turn"
+            )
+            return
+        turn = self._turn(peer)
+        if turn is None:
+            self._error(peer.conn, "no_turn", "this server hands out no TURN", "turn")
+            return
+        self._send(peer, sig.Turn(turn))
 
     def _ping(self, peer: _Peer, now: float) -> None:
         peer.ping_id += 1
@@ -650,7 +676,7 @@ class Coordinator:
             session.claimed = False
             self._events.append(CodeClaim(session.id, session.code))
             return
-        self._send(peer, sig.Hosted(session.id, session.code, 0))
+        self._send(peer, sig.Hosted(session.id, session.code, 0, self._turn(peer)))
 
     def code_claimed(self, session_id: str, ok: bool) -> None:
         """The directory's answer to :class:`CodeClaim`: ``ok`` False means
@@ -667,7 +693,7 @@ class Coordinator:
         session.claimed = True
         host = self._peers.get(session.host())
         if host is not None:
-            self._send(host, sig.Hosted(session.id, session.code, 0))
+            self._send(host, sig.Hosted(session.id, session.code, 0, self._turn(host)))
 
     def code_located(self, peer_id: str, code: str, url: str | None) -> None:
         """The directory's answer to :class:`CodeLookup`: the signalling URL of
@@ -719,7 +745,12 @@ class Coordinator:
         peer.joining.add(session.id)
         self._send(
             peer,
-            sig.JoinStart(session.id, session.host(), tuple(session.members.values())),
+            sig.JoinStart(
+                session.id,
+                session.host(),
+                tuple(session.members.values()),
+                self._turn(peer),
+            ),
         )
 
     def _join_result(self, peer: _Peer, result: sig.JoinResult, now: float) -> None:
@@ -739,7 +770,10 @@ class Coordinator:
             self._send(
                 peer,
                 sig.JoinStart(
-                    session.id, session.host(), tuple(session.members.values())
+                    session.id,
+                    session.host(),
+                    tuple(session.members.values()),
+                    self._turn(peer),
                 ),
             )
             return

@@ -413,6 +413,15 @@ class TurnInfo:
         )
 
 
+def _turn(o: Mapping[str, Any]) -> TurnInfo | None:
+    """An optional ``turn`` member (null or absent: none)."""
+    return None if o.get("turn") is None else TurnInfo.from_json(o["turn"])
+
+
+def _turn_json(turn: TurnInfo | None) -> dict[str, Any] | None:
+    return None if turn is None else turn.to_json()
+
+
 @_server
 @dataclass(frozen=True, slots=True)
 class Welcome(Message):
@@ -427,7 +436,9 @@ class Welcome(Message):
     ip: str
     #: Primary, first and second alternate rendezvous UDP ports, in probe order.
     udp: tuple[Endpoint, ...]
-    #: TURN for the relay step, when the server hands out credentials.
+    #: Always null from crossroads since issue 12: TURN credentials go only to
+    #: peers in a session (``hosted``, ``join_start``, ``turn``). Still decoded,
+    #: for servers that send them here.
     turn: TurnInfo | None = None
 
     def body(self) -> dict[str, Any]:
@@ -448,7 +459,7 @@ class Welcome(Message):
             token=_str(o, "token"),
             ip=_str(o, "ip"),
             udp=_endpoints(o, "udp", 3),
-            turn=None if o.get("turn") is None else TurnInfo.from_json(o["turn"]),
+            turn=_turn(o),
         )
 
 
@@ -507,9 +518,16 @@ class Hosted(Message):
     session: str
     code: str
     seniority: int
+    #: TURN for the relay step, when the server hands out credentials.
+    turn: TurnInfo | None = None
 
     def body(self) -> dict[str, Any]:
-        return {"session": self.session, "code": self.code, "seniority": self.seniority}
+        return {
+            "session": self.session,
+            "code": self.code,
+            "seniority": self.seniority,
+            "turn": _turn_json(self.turn),
+        }
 
     @classmethod
     def parse(cls, o: Mapping[str, Any]) -> Hosted:
@@ -517,6 +535,7 @@ class Hosted(Message):
             session=_str(o, "session"),
             code=_str(o, "code"),
             seniority=_int(o, "seniority", 0, 2**31),
+            turn=_turn(o),
         )
 
 
@@ -566,12 +585,15 @@ class JoinStart(Message):
     session: str
     host: str
     members: tuple[Member, ...]
+    #: TURN for the relay step, when the server hands out credentials.
+    turn: TurnInfo | None = None
 
     def body(self) -> dict[str, Any]:
         return {
             "session": self.session,
             "host": self.host,
             "members": [m.to_json() for m in self.members],
+            "turn": _turn_json(self.turn),
         }
 
     @classmethod
@@ -580,7 +602,39 @@ class JoinStart(Message):
             session=_str(o, "session"),
             host=_str(o, "host"),
             members=_members(o, "members"),
+            turn=_turn(o),
         )
+
+
+@_client
+@dataclass(frozen=True, slots=True)
+class TurnRefresh(Message):
+    """Ask for fresh TURN credentials (only a peer in a session gets them)."""
+
+    TYPE: ClassVar[str] = "turn_refresh"
+
+    def body(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> TurnRefresh:
+        return cls()
+
+
+@_server
+@dataclass(frozen=True, slots=True)
+class Turn(Message):
+    """Fresh TURN credentials, the answer to ``turn_refresh``."""
+
+    TYPE: ClassVar[str] = "turn"
+    turn: TurnInfo
+
+    def body(self) -> dict[str, Any]:
+        return {"turn": self.turn.to_json()}
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Turn:
+        return cls(turn=TurnInfo.from_json(o.get("turn")))
 
 
 @_client

@@ -9,7 +9,11 @@ timestamp; nothing has its own timer. The server core keeps one heap of deadline
 (:class:`Deadlines`) with at most one entry per object: a refresh only moves
 ``expires``, and when a stale heap entry pops the object is re-queued at its new
 deadline. So a client hammering Refresh creates no timer garbage, and the whole
-core needs one ``call_at`` (``get_timer``).
+core needs one ``call_at`` (``get_timer``). An object deleted early (Refresh 0,
+a closed TCP connection) *cancels* its entry: the entry lets go of the object at
+once (so a deleted allocation and its relay sockets are freed now, not when
+their old deadline would have come, up to an hour later) and the heap drops such
+empty entries in bulk once they are as many as the live ones.
 
 The *forwarding tables* are plain dicts the data plane reads with one lookup per
 packet; only this module writes them:
@@ -34,7 +38,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 from crossroads.proto.turn.constants import (
     CHANNEL_LIFETIME,
@@ -47,6 +51,12 @@ from crossroads.types import Address
 
 #: (transport protocol, client address, server address) — RFC 8656 §2 5-tuple.
 FiveTuple = tuple[Transport, Address, Address]
+
+#: A heap entry ``[deadline, seq, kind, subject]``, returned by
+#: :meth:`Deadlines.schedule` so that the owner can :meth:`Deadlines.cancel` it.
+TimerHandle = list[Any]
+#: ``schedule(deadline, kind, subject) -> handle``.
+Schedule = Callable[[float, "Kind", object], TimerHandle]
 
 
 class RelayPort(Protocol):
@@ -84,6 +94,8 @@ class Kind(IntEnum):
     QUARANTINE = 3
     RESERVATION = 4
     CONNECTION = 5
+    #: The memory of a deleted allocation's Allocate (replay protection).
+    FREED = 6
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +105,8 @@ class Permission:
     ip: str
     expires: float
     dead: bool = False
+    #: Its entry in the core's deadline heap (cancelled on early deletion).
+    timer: TimerHandle | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +119,7 @@ class Channel:
     expires: float
     active: bool = True
     dead: bool = False
+    timer: TimerHandle | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -136,6 +151,11 @@ class Allocation:
     connections: set[int] = field(default_factory=set)
     #: Free-form slot for the transport (e.g. how to reach the client).
     transport_data: object = None
+    #: Its entry in the core's deadline heap (cancelled on early deletion).
+    timer: TimerHandle | None = None
+    #: Unix issue time of the nonce the Allocate was signed with (see
+    #: :meth:`crossroads.proto.turn.server.TurnServer` on stale-nonce Refresh 0).
+    nonce_issued: int = 0
 
     def relay_for(self, peer_ip_version: int) -> RelayPort | None:
         """The relay port of the family of a peer (None: 443 mismatch)."""
@@ -146,9 +166,7 @@ class Allocation:
     def permission_live(self, ip: str) -> bool:
         return ip in self.permissions
 
-    def install_permission(
-        self, ip: str, now: float, schedule: Callable[[float, Kind, object], None]
-    ) -> None:
+    def install_permission(self, ip: str, now: float, schedule: Schedule) -> None:
         """Install or refresh the permission for ``ip`` (RFC 8656 §9)."""
         permission = self.permissions.get(ip)
         expires = now + PERMISSION_LIFETIME
@@ -157,7 +175,7 @@ class Allocation:
             return
         permission = Permission(ip, expires)
         self.permissions[ip] = permission
-        schedule(expires, Kind.PERMISSION, (self, permission))
+        permission.timer = schedule(expires, Kind.PERMISSION, (self, permission))
         # Channels to this IP whose permission had lapsed forward again.
         for channel in self.channels.values():
             if channel.active and channel.peer[0] == ip:
@@ -188,7 +206,7 @@ class Allocation:
         peer: Address,
         relay: RelayPort,
         now: float,
-        schedule: Callable[[float, Kind, object], None],
+        schedule: Schedule,
     ) -> Channel:
         """Create or refresh a binding; also installs/refreshes the permission.
 
@@ -200,7 +218,7 @@ class Allocation:
             channel = Channel(number, peer, relay, expires)
             self.channels[number] = channel
             self.channel_of_peer[peer] = channel
-            schedule(expires, Kind.CHANNEL, (self, channel))
+            channel.timer = schedule(expires, Kind.CHANNEL, (self, channel))
         else:
             # Refresh, or revival of a quarantined binding of the same pair (its
             # heap entry re-queues itself at the new deadline).
@@ -216,7 +234,7 @@ class Allocation:
         self,
         channel: Channel,
         now: float,
-        schedule: Callable[[float, Kind, object], None],
+        schedule: Schedule,
     ) -> None:
         """A binding lapsed: stop forwarding, keep the pair reserved 5 minutes."""
         channel.active = False
@@ -225,7 +243,7 @@ class Allocation:
         # Counted from the moment the binding lapsed, not from when the timer
         # ran (a late timer must not lengthen the quarantine).
         channel.expires = min(channel.expires, now) + CHANNEL_QUARANTINE
-        schedule(channel.expires, Kind.QUARANTINE, (self, channel))
+        channel.timer = schedule(channel.expires, Kind.QUARANTINE, (self, channel))
 
     def forget_channel(self, channel: Channel) -> None:
         """End of quarantine: the number and the peer are free again."""
@@ -241,13 +259,20 @@ class Allocation:
 
     # ------------------------------------------------------------ teardown
 
-    def clear(self) -> None:
-        """Drop every table (the allocation is being deleted)."""
+    def clear(self, cancel: Callable[[TimerHandle | None], None]) -> None:
+        """Drop every table and cancel every timer (the allocation is being
+        deleted)."""
         self.dead = True
+        cancel(self.timer)
+        self.timer = None
         for permission in self.permissions.values():
             permission.dead = True
+            cancel(permission.timer)
+            permission.timer = None
         for channel in self.channels.values():
             channel.dead = True
+            cancel(channel.timer)
+            channel.timer = None
         for relay in self.relays.values():
             relay.peer_channels.clear()
         self.permissions.clear()
@@ -257,33 +282,64 @@ class Allocation:
 
 
 class Deadlines:
-    """One heap of ``(deadline, seq, kind, subject)`` — the core's only timer.
+    """One heap of ``[deadline, seq, kind, subject]`` — the core's only timer.
 
-    Entries are never removed early; an object that was refreshed or deleted is
-    recognised when its entry pops (see module docstring).
+    Entries are not moved when an object is refreshed: an object whose deadline
+    moved is recognised when its entry pops (see module docstring). An object
+    deleted early cancels its entry instead: the entry forgets its subject at
+    once, and the heap is rebuilt without such empty entries when they make up
+    half of it (amortised O(1) per cancel; at most as many empty entries as
+    live ones, plus :attr:`COMPACT_MIN`).
     """
 
-    __slots__ = ("_heap", "_seq")
+    __slots__ = ("_heap", "_seq", "_cancelled")
+
+    #: Below this many cancelled entries the heap is not worth rebuilding.
+    COMPACT_MIN = 64
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Kind, object]] = []
+        self._heap: list[TimerHandle] = []
         self._seq = 0
+        self._cancelled = 0
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def schedule(self, deadline: float, kind: Kind, subject: object) -> None:
+    def schedule(self, deadline: float, kind: Kind, subject: object) -> TimerHandle:
         self._seq += 1
-        heapq.heappush(self._heap, (deadline, self._seq, kind, subject))
+        entry: TimerHandle = [deadline, self._seq, kind, subject]
+        heapq.heappush(self._heap, entry)
+        return entry
+
+    def cancel(self, entry: TimerHandle | None) -> None:
+        """Forget ``entry``'s subject now (idempotent; None is ignored)."""
+        if entry is None or entry[3] is None:
+            return
+        entry[3] = None
+        self._cancelled += 1
+        heap = self._heap
+        if self._cancelled > self.COMPACT_MIN and self._cancelled * 2 > len(heap):
+            heap[:] = [e for e in heap if e[3] is not None]
+            heapq.heapify(heap)
+            self._cancelled = 0
 
     def next_deadline(self) -> float | None:
-        return self._heap[0][0] if self._heap else None
+        heap = self._heap
+        while heap and heap[0][3] is None:
+            heapq.heappop(heap)
+            self._cancelled -= 1
+        return heap[0][0] if heap else None
 
     def pop_due(self, now: float) -> list[tuple[float, Kind, object]]:
-        """Entries whose deadline is ``<= now``, earliest first."""
+        """Live entries whose deadline is ``<= now``, earliest first."""
         heap = self._heap
         due: list[tuple[float, Kind, object]] = []
         while heap and heap[0][0] <= now:
-            deadline, _seq, kind, subject = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            deadline, _seq, kind, subject = entry
+            if subject is None:
+                self._cancelled -= 1
+                continue
+            entry[3] = None  # popped: a later cancel() of it is a no-op
             due.append((deadline, kind, subject))
         return due

@@ -67,12 +67,20 @@ def parse_rest_username(username: str, separator: str = ":") -> tuple[int, str] 
     return int(head), tail
 
 
+#: Slack on the credential TTL cap: the minting application's clock and ours
+#: may differ a little, and a credential minted for exactly the cap must pass.
+TTL_SKEW = 60
+
+
 class Lookup(IntEnum):
     """Outcome of a password lookup."""
 
     FOUND = 0
     UNKNOWN_USER = 1
     EXPIRED = 2
+    #: A time-limited username whose expiry is further away than the server's
+    #: cap (``--turn-max-credential-ttl``): refused like an unknown user.
+    TTL_TOO_LONG = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +94,27 @@ class Credentials:
     secrets: tuple[str, ...] = ()
     #: Separator between expiry and user in time-limited usernames (coturn -C).
     separator: str = ":"
+    #: Longest time-limited credential accepted, seconds from now (0: no cap).
+    #: A leaked username valid for years is a free relay for years; whoever
+    #: mints credentials with the shared secret picks the expiry, so the
+    #: server caps it.
+    max_ttl: float = 0.0
 
     @property
     def enabled(self) -> bool:
         """False when no user and no secret is configured."""
         return bool(self.users or self.secrets)
 
-    def passwords(self, username: str, unix_now: float) -> tuple[Lookup, list[str]]:
+    def passwords(
+        self, username: str, unix_now: float, *, allow_expired: bool = False
+    ) -> tuple[Lookup, list[str]]:
         """Candidate passwords for ``username`` at wall-clock time ``unix_now``.
 
         A static user gives one password. A time-limited username gives one per
         configured secret (the caller accepts whichever key verifies), or
-        :attr:`Lookup.EXPIRED` once its expiry is in the past.
+        :attr:`Lookup.EXPIRED` once its expiry is in the past (unless
+        ``allow_expired``), or :attr:`Lookup.TTL_TOO_LONG` when its expiry is
+        more than :attr:`max_ttl` away.
         """
         static = self.users.get(username)
         if static is not None:
@@ -106,8 +123,10 @@ class Credentials:
             parsed = parse_rest_username(username, self.separator)
             if parsed is not None:
                 expiry, _user = parsed
-                if expiry < unix_now:
+                if expiry < unix_now and not allow_expired:
                     return Lookup.EXPIRED, []
+                if self.max_ttl and expiry - unix_now > self.max_ttl + TTL_SKEW:
+                    return Lookup.TTL_TOO_LONG, []
                 return Lookup.FOUND, [rest_password(s, username) for s in self.secrets]
         return Lookup.UNKNOWN_USER, []
 
@@ -202,6 +221,18 @@ class NonceMinter:
         stamp = f"{int(unix_now) & 0xFFFFFFFF:08x}"
         hexport = f"{port & 0xFFFF:04x}"
         return self._prefix + stamp + hexport + self._tag(stamp, scope, hexport)
+
+    def issued(self, nonce: str) -> int:
+        """The issue time (Unix, 32 bits) a nonce claims; 0 when unreadable.
+
+        Only meaningful for a nonce :meth:`check` accepted as valid or expired
+        (its tag covers the stamp).
+        """
+        start = len(self._prefix)
+        try:
+            return int(nonce[start : start + 8], 16)
+        except ValueError:
+            return 0
 
     def check(
         self,

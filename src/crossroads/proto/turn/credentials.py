@@ -56,6 +56,13 @@ class LongTermSession:
             )
         return self._key
 
+    def renew(self, username: str, password: str) -> None:
+        """Sign from now on with new credentials (fresh time-limited ones of the
+        same user); the realm, nonce and algorithm stay."""
+        self.username = username
+        self.password = password
+        self._key = None
+
     @property
     def sha256(self) -> bool:
         return self.algorithm == PasswordAlgorithmId.SHA256

@@ -14,8 +14,11 @@ indication or a late response to a client.
 Relay sockets are opened through the injected :class:`RelayBinder` — the one
 synchronous call into the I/O layer, because whether a port can be bound is only
 known by trying. Everything else the core owns: the allocation table keyed by
-5-tuple, per-user and total quotas, the port allocator, the nonce minter, the
-peer policy, and one heap of deadlines (``get_timer`` / ``handle_timer``).
+5-tuple, per-user, per-client-IP and total quotas, the port allocator, the nonce
+minter, the peer policy, the memory of deleted allocations (an Allocate replayed
+after Refresh 0 gets 437, not a new allocation), and one heap of deadlines
+(``get_timer`` / ``handle_timer``). Deleting an allocation cancels its deadlines,
+so nothing of it stays referenced.
 
 Peers (:meth:`TurnServer.peer_verdict`): the shared
 :class:`~crossroads.proto.policy.AddressPolicy` refuses internal ranges and the
@@ -38,7 +41,9 @@ Only Send indications the fast parser cannot take go through
 
 Request processing order (RFC 8656 §6-§12, RFC 8489 §9.2.4): class and method;
 authentication (401 / 400 / 438 / 401, each unauthenticated answer rate-limited
-per source IP); unknown comprehension-required attributes (420); then the method.
+per source IP; the one exception to 438 is a correctly signed Refresh with
+LIFETIME 0 whose nonce is ours but stale, see :meth:`TurnServer._authenticate`);
+unknown comprehension-required attributes (420); then the method.
 Every answer after successful authentication carries MESSAGE-INTEGRITY (or
 MESSAGE-INTEGRITY-SHA256, whichever the request used), and FINGERPRINT when the
 request had one.
@@ -104,8 +109,15 @@ from crossroads.proto.turn.allocation import (
     Kind,
     Permission,
     RelayPort,
+    TimerHandle,
 )
-from crossroads.proto.turn.auth import Credentials, Lookup, NonceCheck, NonceMinter
+from crossroads.proto.turn.auth import (
+    Credentials,
+    Lookup,
+    NonceCheck,
+    NonceMinter,
+    parse_rest_username,
+)
 from crossroads.proto.turn.constants import (
     CHANNEL_MAX_RFC5766,
     CHANNEL_MIN,
@@ -150,6 +162,9 @@ class TurnSettings:
     user_quota: int = 0
     #: Allocations in this process (0 = no limit); 486, or 300 to an alternate.
     total_quota: int = 0
+    #: Allocations per client IP address (0 = no limit); 486 beyond. Stops one
+    #: host with one credential (or many) from taking every relay port.
+    ip_quota: int = 0
     #: Permissions per allocation; 508 beyond. Bounds per-allocation state.
     max_permissions: int = 1024
     #: RFC 6062 peer connections per allocation; 508 beyond.
@@ -278,6 +293,8 @@ class Auth:
     key: bytes | None
     #: The request used MESSAGE-INTEGRITY-SHA256 (answer the same way).
     sha256: bool = False
+    #: Unix issue time of the request's nonce (0: unauthenticated mode).
+    nonce_issued: int = 0
 
 
 class ConnState(IntEnum):
@@ -302,6 +319,23 @@ class TcpConnection:
     auth: Auth | None = None
     client: FiveTuple | None = None
     dead: bool = False
+    timer: TimerHandle | None = None
+
+
+@dataclass(slots=True, eq=False)
+class Freed:
+    """What is remembered of a deleted allocation: the transaction id of the
+    Allocate that made it, until no nonce that could sign a replay of that
+    Allocate is fresh any more."""
+
+    five_tuple: FiveTuple
+    transaction_id: bytes
+    timer: TimerHandle | None = None
+
+
+#: Deleted allocations remembered at once (oldest forgotten first): bounds the
+#: replay table under an allocate/free flood (~200 bytes each, so ~13 MB at most).
+MAX_FREED = 65536
 
 
 @dataclass(slots=True)
@@ -315,6 +349,11 @@ class Counters:
     allocations_created: int = 0
     #: Deletion reason -> count.
     allocations_deleted: dict[str, int] = field(default_factory=dict)
+    #: Refresh(LIFETIME=0) honoured although its nonce was stale (see
+    #: :meth:`TurnServer._authenticate`).
+    stale_nonce_releases: int = 0
+    #: Allocations taken over by a later time-limited username of their user.
+    credential_renewals: int = 0
 
     def drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -375,6 +414,9 @@ class TurnServer:
         self.allocations: dict[FiveTuple, Allocation] = {}
         self.connections: dict[int, TcpConnection] = {}
         self.user_allocations: dict[str, int] = {}
+        self.ip_allocations: dict[str, int] = {}
+        #: 5-tuple -> the deleted allocation it last had (replayed Allocate: 437).
+        self._freed: dict[FiveTuple, Freed] = {}
         self.counters = Counters()
         #: Wall-clock minus ``now``: REST credentials and nonces use Unix time,
         #: timers use the monotonic ``now``. The transport keeps it current.
@@ -421,9 +463,9 @@ class TurnServer:
                     if subject.dead:
                         continue
                     if subject.expires > now:
-                        schedule(subject.expires, kind, subject)
+                        subject.timer = schedule(subject.expires, kind, subject)
                     else:
-                        self.delete_allocation(subject, "expired")
+                        self.delete_allocation(subject, "expired", now)
                 case Kind.PERMISSION:
                     allocation, permission = cast(
                         tuple[Allocation, Permission], subject
@@ -431,7 +473,7 @@ class TurnServer:
                     if permission.dead or allocation.dead:
                         continue
                     if permission.expires > now:
-                        schedule(permission.expires, kind, subject)
+                        permission.timer = schedule(permission.expires, kind, subject)
                     else:
                         allocation.expire_permission(permission)
                 case Kind.CHANNEL | Kind.QUARANTINE:
@@ -440,7 +482,7 @@ class TurnServer:
                         continue
                     if channel.expires > now:
                         again = Kind.CHANNEL if channel.active else Kind.QUARANTINE
-                        schedule(channel.expires, again, subject)
+                        channel.timer = schedule(channel.expires, again, subject)
                     elif channel.active:
                         allocation.expire_channel(channel, now, schedule)
                     else:
@@ -453,9 +495,13 @@ class TurnServer:
                     if subject.dead:
                         continue
                     if subject.expires > now:
-                        schedule(subject.expires, kind, subject)
+                        subject.timer = schedule(subject.expires, kind, subject)
                     else:
                         self._connection_timeout(subject)
+                case Kind.FREED:
+                    assert isinstance(subject, Freed)
+                    if self._freed.get(subject.five_tuple) is subject:
+                        del self._freed[subject.five_tuple]
 
     # ------------------------------------------------------------ counts
 
@@ -617,7 +663,21 @@ class TurnServer:
         verdict = self.nonces.check(
             nonce.value, _nonce_scope(five), None if any_port else five[1][1], unix_now
         )
-        if verdict is not NonceCheck.VALID:
+        releasing = _is_release(msg)
+        issued = self.nonces.issued(nonce.value)
+        stale_release = False
+        if verdict is NonceCheck.EXPIRED and releasing:
+            # A closing Refresh (LIFETIME 0) with a nonce that is ours, minted
+            # for this very 5-tuple, only too old. Chromium sends it once and
+            # does not retry after a 438, so a 438 here would keep the ports
+            # until the allocation expires. The integrity check below still
+            # proves the key; the nonce must not predate the allocation (a
+            # Refresh captured from an earlier allocation on the same 5-tuple
+            # cannot free a newer one). Freeing is the only thing it can do.
+            current = self.allocations.get(five)
+            if current is not None and issued >= current.nonce_issued:
+                stale_release = True
+        if verdict is not NonceCheck.VALID and not stale_release:
             self.counters.drop(
                 "nonce-expired" if verdict is NonceCheck.EXPIRED else "nonce-invalid"
             )
@@ -651,11 +711,13 @@ class TurnServer:
                 self.counters.drop("auth-unknown-userhash")
                 return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
             username = found
-        result, passwords = self.credentials.passwords(username, unix_now)
+        # A closing Refresh may use a time-limited username that has expired
+        # since: it can only free what that username already holds.
+        result, passwords = self.credentials.passwords(
+            username, unix_now, allow_expired=releasing
+        )
         if result is not Lookup.FOUND:
-            self.counters.drop(
-                "auth-expired" if result is Lookup.EXPIRED else "auth-unknown-user"
-            )
+            self.counters.drop(_LOOKUP_DROPS[result])
             return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
         check = (
             check_message_integrity_sha256
@@ -670,8 +732,14 @@ class TurnServer:
             except LocalProtocolError:
                 continue
             if check(raw, key):
+                if stale_release:
+                    self.counters.stale_nonce_releases += 1
                 return Auth(
-                    username, self._quota_user(username), key, mi256 is not None
+                    username,
+                    self._quota_user(username),
+                    key,
+                    mi256 is not None,
+                    issued,
                 )
         self.counters.drop("auth-bad-integrity")
         return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
@@ -683,13 +751,43 @@ class TurnServer:
         return tail if sep and tail else username
 
     def _owned(self, five: FiveTuple, auth: Auth) -> Allocation:
-        """The allocation on ``five`` made with the same credentials (437 / 441)."""
+        """The allocation on ``five`` made with the same credentials (437 / 441).
+
+        One extension to RFC 8656's "same credentials": a *later* time-limited
+        username of the same user, minted with the same shared secret, takes
+        the allocation over (the p2p service's ``turn_refresh``). Time-limited
+        credentials exist to expire; without this an allocation could not
+        outlive the ones it was made with, however long the call. Only the
+        holder of the secret mints such a username, so the authority is the
+        same.
+        """
         allocation = self.allocations.get(five)
         if allocation is None:
             raise _Reject(TurnError.ALLOCATION_MISMATCH)
         if allocation.username != auth.username:
-            raise _Reject(TurnError.WRONG_CREDENTIALS)
+            if not self._renews(allocation.username, auth.username):
+                raise _Reject(TurnError.WRONG_CREDENTIALS)
+            allocation.username = auth.username
+            allocation.key = auth.key or b""
+            self.counters.credential_renewals += 1
         return allocation
+
+    def _renews(self, old: str, new: str) -> bool:
+        """Whether ``new`` is a later time-limited username of ``old``'s user."""
+        credentials = self.credentials
+        if not credentials.secrets or old in credentials.users:
+            return False
+        if new in credentials.users:
+            return False
+        before = parse_rest_username(old, credentials.separator)
+        after = parse_rest_username(new, credentials.separator)
+        return (
+            before is not None
+            and after is not None
+            and bool(after[1])
+            and after[1] == before[1]
+            and after[0] > before[0]
+        )
 
     def _lifetime(self, msg: Message) -> float:
         """RFC 8656 §7.2 / §8 "desired lifetime" (non-zero case)."""
@@ -710,6 +808,15 @@ class TurnServer:
         if existing is not None:
             if existing.transaction_id == msg.transaction_id and existing.response:
                 return existing.response  # retransmission: same answer
+            raise _Reject(TurnError.ALLOCATION_MISMATCH)
+        freed = self._freed.get(five)
+        if freed is not None and freed.transaction_id == msg.transaction_id:
+            # The Allocate of an allocation already deleted on this 5-tuple,
+            # sent again (a late retransmission or a replay): RFC 8656 §7.2
+            # step 1 only lets a retransmission get the *same* answer while the
+            # allocation exists; recreating it would undo the Refresh 0 and hold
+            # ports nobody asked for. 437 as for any transaction mismatch.
+            self.counters.drop("allocate-replayed-after-delete")
             raise _Reject(TurnError.ALLOCATION_MISMATCH)
         requested = msg.get(RequestedTransport)
         if requested is None:
@@ -754,7 +861,7 @@ class TurnServer:
         else:
             families = [Family.IPV4]
         try:
-            self._check_quota(auth)
+            self._check_quota(auth, five[1][0])
         except _Reject:
             if reservation is not None:
                 self.ports.release(reservation.port)
@@ -770,6 +877,7 @@ class TurnServer:
             requested_transport=transport,
             expires=now + lifetime,
             transaction_id=msg.transaction_id,
+            nonce_issued=auth.nonce_issued,
         )
         address_errors: list[Attribute] = []
         reserved: Reservation | None = None
@@ -806,16 +914,26 @@ class TurnServer:
         self.user_allocations[auth.quota_user] = (
             self.user_allocations.get(auth.quota_user, 0) + 1
         )
+        client_ip = five[1][0]
+        self.ip_allocations[client_ip] = self.ip_allocations.get(client_ip, 0) + 1
         self.counters.allocations_created += 1
-        self._deadlines.schedule(allocation.expires, Kind.ALLOCATION, allocation)
+        allocation.timer = self._deadlines.schedule(
+            allocation.expires, Kind.ALLOCATION, allocation
+        )
         self._events.append(AllocationCreated(allocation))
         return response
 
-    def _check_quota(self, auth: Auth) -> None:
+    def _check_quota(self, auth: Auth, client_ip: str) -> None:
         settings = self.settings
         if settings.user_quota and (
             self.user_allocations.get(auth.quota_user, 0) >= settings.user_quota
         ):
+            self.counters.drop("quota-user")
+            raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
+        if settings.ip_quota and (
+            self.ip_allocations.get(client_ip, 0) >= settings.ip_quota
+        ):
+            self.counters.drop("quota-ip")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
         if settings.total_quota and len(self.allocations) >= settings.total_quota:
             if settings.alternate_servers:
@@ -824,6 +942,7 @@ class TurnServer:
                 host, port = servers[self._alternate_index % len(servers)]
                 self._alternate_index += 1
                 raise _Reject(TurnError.TRY_ALTERNATE, (AlternateServer(host, port),))
+            self.counters.drop("quota-total")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
 
     def _open_relay(
@@ -881,27 +1000,56 @@ class TurnServer:
         host = address[0]
         self._relayed_hosts[host] = self._relayed_hosts.get(host, 0) + 1
 
-    def delete_allocation(self, allocation: Allocation, reason: str) -> None:
-        """Delete an allocation now: close relays and peer connections."""
+    def delete_allocation(
+        self, allocation: Allocation, reason: str, now: float | None = None
+    ) -> None:
+        """Delete an allocation now: close relays and peer connections.
+
+        With ``now``, the Allocate that made it is remembered until no fresh
+        nonce could sign a replay of it (see :meth:`_allocate`).
+        """
         if allocation.dead:
             return
-        if self.allocations.get(allocation.five_tuple) is allocation:
-            del self.allocations[allocation.five_tuple]
-        left = self.user_allocations.get(allocation.quota_user, 0) - 1
-        if left > 0:
-            self.user_allocations[allocation.quota_user] = left
-        else:
-            self.user_allocations.pop(allocation.quota_user, None)
+        five = allocation.five_tuple
+        if self.allocations.get(five) is allocation:
+            del self.allocations[five]
+        _decrement(self.user_allocations, allocation.quota_user)
+        _decrement(self.ip_allocations, five[1][0])
+        if now is not None and allocation.transaction_id:
+            self._remember_freed(five, allocation.transaction_id, now)
         for connection_id in list(allocation.connections):
             connection = self.connections.get(connection_id)
             if connection is not None:
                 self._forget_connection(connection)
                 self._events.append(CloseConnection(connection_id))
-        allocation.clear()
+        allocation.clear(self._deadlines.cancel)
         self._close_relays(allocation)
         deleted = self.counters.allocations_deleted
         deleted[reason] = deleted.get(reason, 0) + 1
         self._events.append(AllocationDeleted(allocation, reason))
+
+    def _remember_freed(
+        self, five: FiveTuple, transaction_id: bytes, now: float
+    ) -> None:
+        deadlines = self._deadlines
+        previous = self._freed.pop(five, None)
+        if previous is not None:
+            deadlines.cancel(previous.timer)
+        elif len(self._freed) >= MAX_FREED:
+            oldest = self._freed.pop(next(iter(self._freed)))
+            deadlines.cancel(oldest.timer)
+        freed = Freed(five, transaction_id)
+        # A replay needs a nonce that is still fresh: after one nonce lifetime
+        # (and the 5 s of skew NonceMinter.check tolerates) it gets 438 anyway.
+        freed.timer = deadlines.schedule(
+            now + self.nonces.lifetime + 5, Kind.FREED, freed
+        )
+        self._freed[five] = freed
+
+    @property
+    def freed_count(self) -> int:
+        """Deleted allocations still remembered for replay protection."""
+        return len(self._freed)
 
     def client_disconnected(self, five: FiveTuple) -> None:
         """A TCP connection from a client closed (RFC 8656 §3.1 / RFC 6062 §5.5)."""
@@ -929,7 +1077,7 @@ class TurnServer:
             raise _Reject(TurnError.PEER_ADDRESS_FAMILY_MISMATCH)
         requested = msg.get(Lifetime)
         if requested is not None and requested.value == 0:
-            self.delete_allocation(allocation, "refresh")
+            self.delete_allocation(allocation, "refresh", now)
             return self._answer(msg, auth, success_response(msg, [Lifetime(0)]))
         lifetime = self._lifetime(msg)
         allocation.expires = now + lifetime
@@ -1086,10 +1234,14 @@ class TurnServer:
     def _add_connection(self, connection: TcpConnection) -> None:
         self.connections[connection.id] = connection
         connection.allocation.connections.add(connection.id)
-        self._deadlines.schedule(connection.expires, Kind.CONNECTION, connection)
+        connection.timer = self._deadlines.schedule(
+            connection.expires, Kind.CONNECTION, connection
+        )
 
     def _forget_connection(self, connection: TcpConnection) -> None:
         connection.dead = True
+        self._deadlines.cancel(connection.timer)
+        connection.timer = None
         self.connections.pop(connection.id, None)
         connection.allocation.connections.discard(connection.id)
 
@@ -1208,6 +1360,29 @@ def _canonical(address: Address) -> Address:
         return str(ipaddress.ip_address(address[0])), address[1]
     except ValueError:
         return address
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
+def _is_release(msg: Message) -> bool:
+    """A Refresh with LIFETIME 0: "delete my allocation" (RFC 8656 §8)."""
+    if msg.method != Method.REFRESH:
+        return False
+    lifetime = msg.get(Lifetime)
+    return lifetime is not None and lifetime.value == 0
+
+
+_LOOKUP_DROPS = {
+    Lookup.EXPIRED: "auth-expired",
+    Lookup.UNKNOWN_USER: "auth-unknown-user",
+    Lookup.TTL_TOO_LONG: "auth-ttl-too-long",
+}
 
 
 def _nonce_scope(five: FiveTuple) -> str:
