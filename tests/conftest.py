@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
@@ -97,6 +98,25 @@ class RedisServer:
             self.process.kill()
             self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir() -> Iterator[str]:
+    """Point XDG_STATE_HOME at a temporary directory for the whole session: a
+    ``crossroads serve`` the tests start (in-process or as a child, which inherits
+    the environment) keeps its development credentials there, never in the
+    home directory of whoever runs the tests."""
+    directory = tempfile.mkdtemp(prefix="crossroads-state-")
+    previous = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = directory
+    try:
+        yield directory
+    finally:
+        if previous is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = previous
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

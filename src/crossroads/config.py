@@ -225,6 +225,11 @@ class CoreConfig:
         kind="host",
         help="Address clients should use to reach this host, when it differs from --host.",
     )
+    state_dir: str = setting(
+        "",
+        help="Where this installation keeps its development credentials and admin "
+        "token (default: $XDG_STATE_HOME/crossroads, else ~/.local/state/crossroads).",
+    )
 
 
 # --------------------------------------------------------------------- sections

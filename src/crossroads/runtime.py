@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from crossroads.config import Config
 from crossroads.services import load_service_modules
 from crossroads.services.base import Service, ServiceContext
+from crossroads.services.stun import StunService
 from crossroads.store.base import Store, open_store
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
@@ -111,10 +113,27 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
 
 
 async def serve_forever(config: Config) -> None:
-    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM."""
-    runtime = await start(config)
+    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM.
+
+    Missing credentials are filled in from the state directory first
+    (:mod:`crossroads.firstrun`); the development ones are printed to stdout, not
+    logged (DESIGN: nothing secret in logs), with commands to try them.
+    """
+    from crossroads.firstrun import banner, prepare
+
+    first_run = prepare(config)
+    runtime = await start(first_run.config)
     for line in runtime.describe():
         log.info("%s", line)
+    stun = runtime.services.get("stun")
+    lines = banner(
+        first_run,
+        stun=stun.primary if isinstance(stun, StunService) else None,
+        http=runtime.http_address,
+    )
+    if lines:
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
