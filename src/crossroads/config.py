@@ -230,6 +230,11 @@ class CoreConfig:
         help="Where this installation keeps its development credentials and admin "
         "token (default: $XDG_STATE_HOME/crossroads, else ~/.local/state/crossroads).",
     )
+    admin_token: str = setting(
+        "",
+        help="Bearer token of the console's admin pages and API (default: the one "
+        "created in --state-dir; with neither, admin pages are refused).",
+    )
 
 
 # --------------------------------------------------------------------- sections

@@ -143,8 +143,11 @@ def prepare(config: Config, env: Mapping[str, str] | None = None) -> FirstRun:
             api_keys=(credentials.relay_api_key,),
             allow_private_peers=True,
         )
+    core = config.core
+    if not core.admin_token:
+        core = dataclasses.replace(core, admin_token=credentials.admin_token)
     return FirstRun(
-        config=dataclasses.replace(config, sections=sections),
+        config=dataclasses.replace(config, core=core, sections=sections),
         state_dir=state_dir,
         credentials=credentials,
         created=created,
@@ -211,7 +214,8 @@ def banner(first_run: FirstRun, *, stun: Address | None, http: Address) -> list[
         lines.append(
             f"  relay API key (--api-key):          {credentials.relay_api_key}"
         )
-    lines.append(f"  admin token (console, admin CLI):   {credentials.admin_token}")
+    if first_run.config.core.admin_token == credentials.admin_token:
+        lines.append(f"  admin token (console, admin CLI):   {credentials.admin_token}")
     lines.append("Try it from this machine:")
     if first_run.dev_turn and stun is not None:
         lines.append("  " + turn_test_command(credentials.turn_secret, stun))

@@ -15,10 +15,12 @@ from crossroads.config import Config
 from crossroads.services import load_service_modules
 from crossroads.services.base import Service, ServiceContext
 from crossroads.services.stun import StunService
+from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
+from crossroads.web.console import Console
 
 log = logging.getLogger("crossroads")
 
@@ -32,6 +34,7 @@ class Runtime:
     metrics: CollectorRegistry
     services: dict[str, Service] = field(default_factory=dict)
     http_address: Address = ("", 0)
+    console: Console | None = None
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
     _closed: bool = False
@@ -42,7 +45,9 @@ class Runtime:
             for name, service in self.services.items()
         ]
         host, port = self.http_address
-        lines.append(f"http: tcp {_join(host, port)} (/healthz, /metrics)")
+        lines.append(
+            f"http: tcp {_join(host, port)} (console /, /admin, /healthz, /metrics)"
+        )
         return lines
 
     async def close(self) -> None:
@@ -56,6 +61,8 @@ class Runtime:
                 await asyncio.wait_for(self._http_task, 5)
             except (TimeoutError, asyncio.CancelledError):
                 self._http_task.cancel()
+        if self.console is not None:
+            await self.console.close()
         for name, service in reversed(list(self.services.items())):
             try:
                 await service.close()
@@ -91,10 +98,18 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             if config.enabled(name):
                 service: Service = await module.serve(ctx)
                 runtime.services[name] = service
+        runtime.console = Console(
+            config=config,
+            metrics=metrics,
+            services=lambda: runtime.services,
+            matrix_path=results_dir(resolve_state_dir(config.core.state_dir))
+            / MATRIX_FILE,
+        )
+        runtime.console.start()
         app = create_app(
             metrics=metrics,
             store=store,
-            routers=ctx.routers,
+            routers=[*ctx.routers, runtime.console.router()],
             services=lambda: list(runtime.services),
         )
         runtime._http = make_http_server(app)

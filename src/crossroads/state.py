@@ -4,6 +4,8 @@
 ``~/.local/state/crossroads``, as the XDG Base Directory specification puts
 "state data that should persist between restarts") holds:
 
+- ``results/``: what ``crossroads lab matrix`` writes (``nat-matrix.md``), which
+  the web console shows.
 - ``credentials.json``: the development TURN secret and relay API key that
   ``crossroads serve`` creates on a first run without credentials, and the admin
   token of the console and the admin CLI. Created once, mode 0600 in a 0700
@@ -47,6 +49,15 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
 def resolve_state_dir(configured: str, env: Mapping[str, str] | None = None) -> Path:
     """The configured ``--state-dir``, or the default one."""
     return Path(configured).expanduser() if configured else default_state_dir(env)
+
+
+def results_dir(state_dir: Path) -> Path:
+    """Where generated results go (``crossroads lab matrix``), read by the console."""
+    return state_dir / "results"
+
+
+#: The NAT-lab matrix file name in :func:`results_dir`.
+MATRIX_FILE = "nat-matrix.md"
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,12 @@ from crossroads.proto.relay.server import (
     RelayServerConfig,
 )
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
-from crossroads.services.base import Service, ServiceContext
+from crossroads.services.base import (
+    Service,
+    ServiceContext,
+    SessionInfo,
+    show_address,
+)
 from crossroads.store.base import Store
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.udp import bound_address, make_udp_socket
@@ -764,6 +769,38 @@ class RelayService:
         if self.api:
             lines.append("http /v1/allocate /v1/joincode /v1/join /v1/regions")
         return lines
+
+    def sessions(self) -> list[SessionInfo]:
+        """Bound allocations of this node (hosts and joiners)."""
+        if self.node is None:
+            return []
+        core = self.node.core
+        now = asyncio.get_running_loop().time()
+        listed = []
+        for allocation in core.allocations.values():
+            role = "host" if allocation.is_host else "joiner"
+            listed.append(
+                SessionInfo(
+                    id=str(uuid.UUID(bytes=allocation.allocation_id)),
+                    client=show_address(allocation.address),
+                    detail=f"{role}, {len(allocation.peers)} connected, "
+                    f"region {self.node.info.region}",
+                    expires_in=max(
+                        0.0, allocation.last_activity + core.config.idle_timeout - now
+                    ),
+                )
+            )
+        return listed
+
+    def revoke(self, session_id: str) -> bool:
+        """Kick one allocation (by its allocationId)."""
+        if self.node is None:
+            return False
+        try:
+            allocation_id = uuid.UUID(session_id).bytes
+        except ValueError:
+            return False
+        return self.node.endpoint.kick(allocation_id)
 
     async def close(self) -> None:
         if self._closed:

@@ -100,7 +100,7 @@ from crossroads.proto.turn.server import (
     TurnServer,
     TurnSettings,
 )
-from crossroads.services.base import ServiceContext
+from crossroads.services.base import ServiceContext, SessionInfo, show_address
 from crossroads.services.stun import (
     BatchUdpEndpoint,
     Endpoint,
@@ -903,6 +903,57 @@ class TurnService:
             + sum(r.send_errors + r.malformed for r in self.relays)
         )
         return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
+
+    # ------------------------------------------------------------ admin
+
+    @staticmethod
+    def _session_id(five: FiveTuple) -> str:
+        transport, client, server = five
+        return f"{transport.name.lower()}/{show_address(client)}/{show_address(server)}"
+
+    def sessions(self) -> list[SessionInfo]:
+        """Live allocations (the console's and ``crossroads sessions turn``'s view)."""
+        now = self.loop.time()
+        listed = []
+        for five, allocation in self.core.allocations.items():
+            relayed = ", ".join(
+                show_address(relay.address) for relay in allocation.relays.values()
+            )
+            listed.append(
+                SessionInfo(
+                    id=self._session_id(five),
+                    client=show_address(five[1]),
+                    user=allocation.username,
+                    detail=f"relayed {relayed}; {len(allocation.permissions)} "
+                    f"permissions, {len(allocation.channels)} channels",
+                    expires_in=max(0.0, allocation.expires - now),
+                )
+            )
+        return listed
+
+    def revoke(self, session_id: str) -> bool:
+        """Delete one allocation now, as if it expired (relays closed)."""
+        for five, allocation in list(self.core.allocations.items()):
+            if self._session_id(five) == session_id:
+                self.core.delete_allocation(allocation, "revoked")
+                self._process_events()
+                self._rearm()
+                return True
+        return False
+
+    def revoke_user(self, username: str) -> int:
+        """Delete every allocation of ``username`` (the full name, or the user
+        part of a time-limited ``expiry:user`` name); return how many."""
+        doomed = [
+            allocation
+            for allocation in self.core.allocations.values()
+            if username in (allocation.username, allocation.quota_user)
+        ]
+        for allocation in doomed:
+            self.core.delete_allocation(allocation, "revoked")
+        self._process_events()
+        self._rearm()
+        return len(doomed)
 
     def describe(self) -> list[str]:
         low, high = self.config.relay_ports
