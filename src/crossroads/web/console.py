@@ -358,6 +358,7 @@ class Console:
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{html.escape(title)} · crossroads</title>
 <link rel="stylesheet" href="/console/static/console.css">
+<link rel="icon" href="/console/static/favicon.svg" type="image/svg+xml">
 <script src="/console/static/console.js" defer></script>
 </head>
 <body data-page="{"admin" if admin else "public"}" data-poll="{POLL_SECONDS}">
@@ -470,13 +471,24 @@ class Console:
             host = self.config.core.public_host or (request.url.hostname or "")
             return self.overview(host or "127.0.0.1")
 
+        @router.get("/favicon.ico", include_in_schema=False)
+        async def favicon() -> Response:
+            # Browsers ask for it whatever the page says; answer, not 404.
+            return Response(
+                (static / "favicon.svg").read_bytes(), media_type="image/svg+xml"
+            )
+
         @router.get("/admin", include_in_schema=False)
         async def admin() -> HTMLResponse:
             return self.admin_page()
 
         @router.get("/console/static/{name}", include_in_schema=False)
         async def asset(name: str) -> Response:
-            media = {"console.js": "text/javascript", "console.css": "text/css"}
+            media = {
+                "console.js": "text/javascript",
+                "console.css": "text/css",
+                "favicon.svg": "image/svg+xml",
+            }
             if name not in media:
                 return JSONResponse(
                     {"code": "not_found", "message": "Not Found"}, status_code=404
