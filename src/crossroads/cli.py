@@ -109,7 +109,9 @@ def serve(config_file: Path | None, **params: Any) -> None:
     from crossroads.runtime import serve_forever
 
     try:
-        run_async(serve_forever(config))
+        run_async(
+            serve_forever(config, reread=lambda: config_from_cli(config_file, params))
+        )
     except OSError as exc:
         fail(f"cannot start: {exc}")
     except ConfigError as exc:
@@ -129,3 +131,8 @@ from crossroads.client.demo import join as _p2p_join  # noqa: E402
 
 main.add_command(_p2p_host)
 main.add_command(_p2p_join)
+
+from crossroads.admincli import COMMANDS as _admin_commands  # noqa: E402
+
+for _command in _admin_commands:
+    main.add_command(_command)

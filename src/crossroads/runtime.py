@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
+from crossroads.errors import ConfigError
 from crossroads.services import load_service_modules
-from crossroads.services.base import Service, ServiceContext
+from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
@@ -49,6 +55,18 @@ class Runtime:
             f"http: tcp {_join(host, port)} (console /, /admin, /healthz, /metrics)"
         )
         return lines
+
+    def reload(self, config: Config) -> list[str]:
+        """Hand a new configuration to every service that can apply it live.
+
+        Raises:
+            ConfigError: from the first service that refuses it.
+        """
+        applied: list[str] = []
+        for service in self.services.values():
+            if isinstance(service, Reloadable):
+                applied += service.reload(config)
+        return applied
 
     async def close(self) -> None:
         if self._closed:
@@ -127,17 +145,24 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     return runtime
 
 
-async def serve_forever(config: Config) -> None:
+async def serve_forever(
+    config: Config, reread: Callable[[], Config] | None = None
+) -> None:
     """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM.
 
     Missing credentials are filled in from the state directory first
     (:mod:`crossroads.firstrun`); the development ones are printed to stdout, not
-    logged (DESIGN: nothing secret in logs), with commands to try them.
+    logged (DESIGN: nothing secret in logs), with commands to try them. The
+    state directory also gets ``server.json`` (pid and URL) for the admin CLI.
+    SIGHUP calls ``reread`` (flags, environment and the TOML file again) and
+    applies the result to the services that can reload live; a bad new
+    configuration is logged and the running one kept.
     """
     from crossroads.firstrun import banner, prepare
 
     first_run = prepare(config)
     runtime = await start(first_run.config)
+    server_file = write_server_file(first_run.state_dir, runtime)
     for line in runtime.describe():
         log.info("%s", line)
     stun = runtime.services.get("stun")
@@ -153,11 +178,49 @@ async def serve_forever(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+
+    def reload() -> None:
+        if reread is None:
+            log.warning("reload: this server cannot re-read its configuration")
+            return
+        try:
+            applied = runtime.reload(prepare(reread()).config)
+        except ConfigError as exc:
+            log.error("reload refused, configuration unchanged: %s", exc)
+            return
+        for line in applied:
+            log.info("reloaded %s", line)
+        log.info("reload done (%d change(s) applied)", len(applied))
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await stop.wait()
         log.info("shutting down")
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        with contextlib.suppress(OSError):
+            server_file.unlink()
         await runtime.close()
     log.info("stopped")
+
+
+#: What ``crossroads serve`` leaves in the state directory while it runs.
+SERVER_FILE = "server.json"
+
+
+def write_server_file(state_dir: Path, runtime: Runtime) -> Path:
+    """Record pid and HTTP URL so the admin CLI finds this server."""
+    host, port = runtime.http_address
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    path = state_dir / SERVER_FILE
+    body = {"pid": os.getpid(), "url": f"http://{_join(host, port)}"}
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.write_text(json.dumps(body) + "\n")
+    except OSError as exc:
+        log.warning("cannot write %s: %s (the admin CLI needs --url)", path, exc)
+    return path

@@ -71,6 +71,21 @@ class SessionAdmin(Protocol):
         ...
 
 
+@runtime_checkable
+class Reloadable(Protocol):
+    """A service that applies a new configuration without dropping sessions
+    (``crossroads reload``, SIGHUP)."""
+
+    def reload(self, config: Config) -> list[str]:
+        """Apply what can change live; return one line per change applied.
+
+        Raises:
+            ConfigError: the new configuration cannot be applied (the old one
+                stays in force).
+        """
+        ...
+
+
 def show_address(address: Address) -> str:
     """``host:port``, with brackets around an IPv6 host."""
     host, port = address[0], address[1]

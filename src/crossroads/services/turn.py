@@ -64,6 +64,7 @@ from typing import Any, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
 from crossroads.errors import ConfigError, DecodeError
 from crossroads.proto.stun import Class, Method, decode
@@ -736,38 +737,15 @@ class TurnService:
         self.stats = Stats()
         self.loop = asyncio.get_running_loop()
         self.relay_hosts = self._relay_hosts(ctx)
-        users = dict(merge_users(config.user, _read_users(config.users_file)))
-        credentials = Credentials(config.realm, users, config.secret)
-        if not credentials.enabled and not config.allow_unauthenticated:
-            log.warning(
-                "TURN has no users and no secret: every Allocate will get 401 "
-                "(add --turn-user name:password or --turn-secret)"
-            )
+        credentials = _credentials(config)
         policy = PeerPolicy(
             allow_loopback=config.allow_loopback_peers,
             allow=parse_networks(config.allowed_peers),
             deny=parse_networks(config.denied_peers),
         )
         low, high = config.relay_ports
-        settings = TurnSettings(
-            realm=config.realm,
-            max_lifetime=float(config.max_lifetime),
-            user_quota=config.user_quota,
-            total_quota=config.total_quota,
-            max_permissions=config.max_permissions,
-            channel_max=(
-                CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766
-            ),
-            allow_unauthenticated=config.allow_unauthenticated,
-            alternate_servers=tuple(
-                _parse_host_port(a) for a in config.alternate_server
-            ),
-            tcp_relay=config.tcp_relay,
-            unauthenticated_rate=config.unauthenticated_rate,
-            unauthenticated_burst=max(1.0, config.unauthenticated_rate * 2),
-        )
         self.core = TurnServer(
-            settings,
+            _settings(config),
             credentials,
             # A per-process nonce key: nonces do not survive a restart (clients
             # just get a 438 and retry).
@@ -905,6 +883,25 @@ class TurnService:
         return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
 
     # ------------------------------------------------------------ admin
+
+    def reload(self, config: RuntimeConfig) -> list[str]:
+        """Apply new users (``--turn-user``, ``--turn-users-file`` re-read),
+        secrets and limits without touching live allocations.
+
+        Raises:
+            ConfigError: the users file is unreadable, or the realm changed.
+        """
+        section = config.section(NAME, Config)
+        credentials = _credentials(section)
+        try:
+            self.core.reconfigure(_settings(section), credentials)
+        except ValueError as exc:
+            raise ConfigError(f"turn.realm: {exc}") from None
+        return [
+            f"turn: {len(credentials.users)} users, {len(credentials.secrets)} "
+            f"secrets, user quota {section.user_quota}, total quota "
+            f"{section.total_quota}"
+        ]
 
     @staticmethod
     def _session_id(five: FiveTuple) -> str:
@@ -1355,6 +1352,35 @@ def _route_source(family: Family, client_host: str) -> str:
         except OSError:
             return ""
         return str(probe.getsockname()[0])
+
+
+def _credentials(config: Config) -> Credentials:
+    users = dict(merge_users(config.user, _read_users(config.users_file)))
+    credentials = Credentials(config.realm, users, config.secret)
+    if not credentials.enabled and not config.allow_unauthenticated:
+        log.warning(
+            "TURN has no users and no secret: every Allocate will get 401 "
+            "(add --turn-user name:password or --turn-secret)"
+        )
+    return credentials
+
+
+def _settings(config: Config) -> TurnSettings:
+    return TurnSettings(
+        realm=config.realm,
+        max_lifetime=float(config.max_lifetime),
+        user_quota=config.user_quota,
+        total_quota=config.total_quota,
+        max_permissions=config.max_permissions,
+        channel_max=(
+            CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766
+        ),
+        allow_unauthenticated=config.allow_unauthenticated,
+        alternate_servers=tuple(_parse_host_port(a) for a in config.alternate_server),
+        tcp_relay=config.tcp_relay,
+        unauthenticated_rate=config.unauthenticated_rate,
+        unauthenticated_burst=max(1.0, config.unauthenticated_rate * 2),
+    )
 
 
 def _read_users(path: str) -> dict[str, str]:
