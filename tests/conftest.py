@@ -9,7 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -43,8 +43,9 @@ def free_udp_tcp_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A real redis-server on a private port and directory, for one test session."""
 
-    def __init__(self, port: int | None = None) -> None:
-        """``port``: start on this one (a restart of a stopped server)."""
+    def __init__(self, port: int | None = None, extra: Sequence[str] = ()) -> None:
+        """``port``: start on this one (a restart of a stopped server);
+        ``extra``: more redis-server arguments (``--replicaof host port``)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; run `make install`")
@@ -63,6 +64,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 self.directory,
+                *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -190,8 +190,13 @@ def parse_service_list(value: object) -> tuple[str, ...]:
 
 
 def _check_store(url: str) -> None:
-    if url != "memory" and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"{url!r} is neither 'memory' nor a redis:// URL")
+    from crossroads.store.base import REDIS_SCHEMES
+
+    if url != "memory" and not url.startswith(REDIS_SCHEMES):
+        raise ValueError(
+            f"{url!r} is neither 'memory' nor a redis://, rediss://, unix:// or "
+            "redis+sentinel:// URL"
+        )
 
 
 def _check_log_level(level: str) -> None:
@@ -210,7 +215,8 @@ class CoreConfig:
     store: str = setting(
         "memory",
         check=_check_store,
-        help="Shared state: 'memory' (one process) or a redis:// URL.",
+        help="Shared state: 'memory' (one process) or a Redis URL: redis://, "
+        "rediss:// (TLS), unix://, redis+sentinel://host:26379,host2:26379/mymaster/0.",
     )
     only: tuple[str, ...] = setting(
         (),
