@@ -199,6 +199,11 @@ def _check_store(url: str) -> None:
         )
 
 
+def _check_log_format(value: str) -> None:
+    if value not in {"text", "json"}:
+        raise ValueError(f"{value!r} is not 'text' or 'json'")
+
+
 def _check_log_level(level: str) -> None:
     if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ValueError(f"{level!r} is not one of debug, info, warning, error")
@@ -225,6 +230,12 @@ class CoreConfig:
     )
     log_level: str = setting(
         "info", check=_check_log_level, help="debug, info, warning or error."
+    )
+    log_format: str = setting(
+        "text",
+        check=_check_log_format,
+        help="Log lines as 'text' or 'json' (one object per line: time, level, "
+        "logger, message, exception).",
     )
     public_host: str = setting(
         "",
