@@ -24,8 +24,9 @@ from crossroads.services import load_service_modules
 from crossroads.services.relay import Config as RelayConfig
 from crossroads.services.turn import Config as TurnConfig
 from crossroads.state import CREDENTIALS_FILE, default_state_dir
-from tests.conftest import loopback_config
+from tests.conftest import free_port
 from tests.interop.test_turn import assert_no_loss, tool
+from tests.test_runtime import _all_ports_any as all_ports_any
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -167,14 +168,8 @@ async def serve_fresh(state_home: Path) -> AsyncIterator[list[str]]:
 
 
 def _all_ports_any() -> dict[str, str]:
-    # loopback_config's port overrides, as environment variables.
-    from crossroads.config import ENV_PREFIX
-
-    return {
-        ENV_PREFIX + key.replace(".", "_").upper(): str(value)
-        for key, value in loopback_config().items()
-        if isinstance(value, int) and key.split(".")[1].endswith("port")
-    }
+    """Every port OS-chosen (services through their variables, HTTP free now)."""
+    return {**all_ports_any(), "CROSSROADS_HTTP_PORT": str(free_port())}
 
 
 def printed(banner: list[str], program: str) -> list[str]:

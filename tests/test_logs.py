@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from crossroads.logs import JsonFormatter
+from tests.conftest import free_port
 from tests.test_firstrun import _all_ports_any
 
 
@@ -30,7 +31,12 @@ def test_json_formatter_keeps_exceptions_and_unicode() -> None:
 
 
 def test_serve_logs_json_lines(tmp_path: Path) -> None:
-    env = {**os.environ, **_all_ports_any(), "XDG_STATE_HOME": str(tmp_path)}
+    env = {
+        **os.environ,
+        **_all_ports_any(),
+        "XDG_STATE_HOME": str(tmp_path),
+        "CROSSROADS_HTTP_PORT": str(free_port()),
+    }
     process = subprocess.Popen(
         [sys.executable, "-m", "crossroads", "serve", "--host", "127.0.0.1",
          "--only", "stun", "--log-format", "json"],

@@ -162,6 +162,12 @@ async def serve_forever(
 
     first_run = prepare(config)
     runtime = await start(first_run.config)
+    # Handlers before the first "ready" line: a supervisor (or a test) that
+    # stops the server as soon as it reads that line gets a clean shutdown.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
     server_file = write_server_file(first_run.state_dir, runtime)
     for line in runtime.describe():
         log.info("%s", line)
@@ -174,10 +180,6 @@ async def serve_forever(
     if lines:
         sys.stdout.write("\n".join(lines) + "\n")
         sys.stdout.flush()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
 
     def reload() -> None:
         if reread is None:
