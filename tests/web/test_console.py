@@ -18,6 +18,7 @@ from crossroads.services.stun import StunService
 from crossroads.services.turn import TurnService
 from crossroads.state import MATRIX_FILE, results_dir
 from tests.conftest import eventually, loopback_config
+from tests.e2e.relay_support import base_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,11 +51,6 @@ async def console_runtime(tmp_path: Path) -> AsyncIterator[Runtime]:
         await rt.close()
 
 
-def base_url(rt: Runtime) -> str:
-    host, port = rt.http_address
-    return f"http://{host}:{port}"
-
-
 def admin_headers(token: str = ADMIN_TOKEN) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
@@ -83,6 +79,11 @@ async def test_public_pages_show_services_but_no_session_data(
         status = (await http.get("/console/api/status")).json()
         assert status["current"]["turn_allocations"] == 1
         assert {s["name"] for s in status["services"]} == {"stun", "turn", "relay"}
+        # Relay nodes per region, from the store (what /v1/regions offers).
+        [node] = status["relay_nodes"]
+        assert node["region"] == "local" and node["capacity"] == 5000
+        assert node["address"].startswith("127.0.0.1:")
+        assert "Relay nodes" in page.text and node["node"] in page.text
         local_port = str(client.local_address[1])
         for text in (page.text, str(status)):
             assert USER not in text and PASSWORD not in text

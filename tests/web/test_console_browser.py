@@ -25,6 +25,7 @@ from crossroads.runtime import Runtime, start
 from crossroads.services.natneg import NatNegService
 from crossroads.services.turn import TurnService
 from tests.conftest import eventually
+from tests.e2e.relay_support import base_url
 from tests.interop.test_turn import uclient
 from tests.services.natneg_sdk import SdkNegotiator
 from tests.web.test_console import (
@@ -32,7 +33,6 @@ from tests.web.test_console import (
     API_KEY,
     PASSWORD,
     USER,
-    base_url,
     console_overrides,
     turn_server,
 )

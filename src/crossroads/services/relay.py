@@ -754,7 +754,16 @@ class RelayService:
         self.node = node
         self.api = api
         self.bound = bound
+        #: The allocations API's view of every node (None on a node-only process).
+        self.allocator: Allocator | None = None
         self._closed = False
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        """Every relay node registered in the store (all regions, all
+        processes), as the allocations API sees them; [] without the API."""
+        if self.allocator is None:
+            return []
+        return await self.allocator.live_nodes()
 
     def describe(self) -> list[str]:
         lines = []
@@ -897,7 +906,9 @@ async def serve(ctx: ServiceContext) -> Service:
             log.warning(
                 "relay: no --api-key configured; the allocations API refuses requests"
             )
-    return RelayService(node, api, bound)
+    service = RelayService(node, api, bound)
+    service.allocator = ctx.shared.get("relay.allocator")
+    return service
 
 
 def b64(data: bytes) -> str:

@@ -39,7 +39,8 @@ from prometheus_client import CollectorRegistry
 
 import crossroads
 from crossroads.config import Config
-from crossroads.services.base import Service, SessionAdmin
+from crossroads.errors import StoreError
+from crossroads.services.base import Service, SessionAdmin, show_address
 
 #: Seconds between two readings of the counters: fine enough for "packets per
 #: second right now", coarse enough to cost nothing (one registry walk).
@@ -305,9 +306,33 @@ class Console:
         url = self.config.core.store
         return url.split(":", 1)[0] if "://" in url else url
 
-    def status(self) -> dict[str, Any]:
+    async def relay_nodes(self) -> list[dict[str, Any]]:
+        """Relay nodes by region with their load (public: clients are handed
+        these addresses by the allocations API anyway)."""
+        from crossroads.services.relay import RelayService
+
+        relay = self.services().get("relay")
+        if not isinstance(relay, RelayService):
+            return []
+        try:
+            nodes = await relay.live_nodes()
+        except StoreError:
+            return []
+        return [
+            {
+                "region": n.region,
+                "node": n.node_id,
+                "address": show_address((n.host, n.port)),
+                "load": n.load,
+                "capacity": n.capacity,
+            }
+            for n in sorted(nodes, key=lambda n: (n.region, n.node_id))
+        ]
+
+    async def status(self) -> dict[str, Any]:
         services = self.services()
         return {
+            "relay_nodes": await self.relay_nodes(),
             "version": crossroads.__version__,
             "uptime": time.time() - self.started,
             "store": self.store_kind(),
@@ -383,8 +408,8 @@ class Console:
 """
         return HTMLResponse(document, headers=SECURITY_HEADERS)
 
-    def overview(self, host: str) -> HTMLResponse:
-        status = self.status()
+    async def overview(self, host: str) -> HTMLResponse:
+        status = await self.status()
         cards = "".join(
             f'<li class="card"><span class="label" id="label-{s.key}">'
             f"{html.escape(s.label)}</span>"
@@ -403,6 +428,22 @@ class Console:
             f"<details><summary>{html.escape(title)}</summary>"
             f"<pre><code>{html.escape(text)}</code></pre></details>"
             for title, text in connect_snippets(host, self.config, self.stun_port())
+        )
+        node_rows = "".join(
+            f'<tr><th scope="row">{html.escape(n["region"])}</th>'
+            f"<td>{html.escape(n['node'])}</td><td>{html.escape(n['address'])}</td>"
+            f"<td>{n['load']} / {n['capacity']}</td></tr>"
+            for n in status["relay_nodes"]
+        )
+        nodes_section = (
+            '<section aria-labelledby="nodes-h"><h2 id="nodes-h">Relay nodes</h2>'
+            '<div class="scroll"><table><caption>Unity relay nodes by region '
+            "(seats reserved / capacity)</caption><thead><tr>"
+            '<th scope="col">Region</th><th scope="col">Node</th>'
+            '<th scope="col">Address</th><th scope="col">Load</th></tr></thead>'
+            f"<tbody>{node_rows}</tbody></table></div></section>"
+            if node_rows
+            else ""
         )
         matrix = matrix_table(self.matrix_path)
         matrix_section = (
@@ -427,6 +468,7 @@ class Console:
 <tbody>{rows}</tbody>
 </table></div>
 </section>
+{nodes_section}
 <section aria-labelledby="connect-h">
 <h2 id="connect-h">Connect a client</h2>
 {snippets}
@@ -469,7 +511,7 @@ class Console:
         @router.get("/", include_in_schema=False)
         async def overview(request: Request) -> HTMLResponse:
             host = self.config.core.public_host or (request.url.hostname or "")
-            return self.overview(host or "127.0.0.1")
+            return await self.overview(host or "127.0.0.1")
 
         @router.get("/favicon.ico", include_in_schema=False)
         async def favicon() -> Response:
@@ -501,7 +543,7 @@ class Console:
 
         @router.get("/console/api/status")
         async def status() -> JSONResponse:
-            return JSONResponse(self.status())
+            return JSONResponse(await self.status())
 
         @router.get("/console/api/admin/sessions")
         async def sessions(request: Request) -> JSONResponse:
