@@ -13,12 +13,13 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from crossroads.client.openttd import GameInfoResponder
 from crossroads.client.relay import RelayApi, RelayConnection
 from crossroads.config import default_config
 from crossroads.runtime import Runtime, start
@@ -28,6 +29,7 @@ from tests.conftest import eventually
 from tests.e2e.relay_support import base_url
 from tests.interop.test_turn import uclient
 from tests.services.natneg_sdk import SdkNegotiator
+from tests.services.openttd.helpers import register
 from tests.web.test_console import (
     ADMIN_TOKEN,
     API_KEY,
@@ -165,7 +167,8 @@ async def busy_runtime(tmp_path: Path) -> AsyncIterator[Runtime]:
     rt = await start(
         default_config(
             console_overrides(
-                core__only=["stun", "turn", "relay", "natneg"],
+                core__only=["stun", "turn", "relay", "natneg", "openttd"],
+                openttd__secret="console-test-secret",
                 core__state_dir=str(tmp_path / "state"),
                 natneg__relay_allow="127.0.0.0/8",
                 natneg__session_timeout=1.5,
@@ -231,12 +234,21 @@ async def test_console_in_chromium_with_real_traffic(
     )
     assert "Total lost packets 0" in output, output[-2000:]
     assert len(turn.sessions()) >= 1
+    cleanups: list[Callable[[], Awaitable[None]]] = []
     async with RelayApi(url, API_KEY) as api:
         allocation = await api.allocate(max_connections=2)
         host = await RelayConnection.open(allocation)
         try:
             await host.bind()
             await natneg_negotiation(rt)
+            # An OpenTTD server as OpenTTD 13 registers (protocol-level peer:
+            # the real binary needs a namespace and a minute, see
+            # tests/interop/test_openttd.py).
+            game = GameInfoResponder()
+            await game.start()
+            registered = await register(rt, game.port)
+            cleanups.append(registered.close)
+            cleanups.append(game.close)
 
             # The numbers change without a reload (the page polls).
             async def shows_traffic() -> bool:
@@ -246,9 +258,10 @@ async def test_console_in_chromium_with_real_traffic(
                         "turn_allocations",
                         "relay_allocations",
                         "natneg_negotiations",
+                        "openttd_servers",
                     )
                 ]
-                return values[0] >= 1 and values[1] >= 1 and values[2] >= 1
+                return all(value >= 1 for value in values)
 
             await eventually(
                 shows_traffic, "the overview shows the traffic", timeout=20
@@ -315,12 +328,17 @@ async def test_console_in_chromium_with_real_traffic(
                 return shown and await revoke_buttons() == len(turn.sessions())
 
             await eventually(listed, "the admin page lists the TURN allocations")
-            relay_rows = await off_loop(
-                browser.find_elements,
-                By.CSS_SELECTOR,
-                'section[data-kind="relay"] tbody tr',
+            for kind in ("relay", "openttd"):
+                rows = await off_loop(
+                    browser.find_elements,
+                    By.CSS_SELECTOR,
+                    f'section[data-kind="{kind}"] tbody tr',
+                )
+                assert len(rows) == 1, kind
+            openttd_section = await off_loop(
+                browser.find_element, By.CSS_SELECTOR, 'section[data-kind="openttd"]'
             )
-            assert len(relay_rows) == 1
+            assert registered.code in await off_loop(lambda: openttd_section.text)
             await off_loop(browser.save_screenshot, str(shots / "console-admin.png"))
             assert (
                 await off_loop(browser.execute_script, CONTRAST_JS, TEXT_SELECTOR) == []
@@ -365,4 +383,6 @@ async def test_console_in_chromium_with_real_traffic(
             await off_loop(browser.save_screenshot, str(shots / "console-phone.png"))
             assert await off_loop(severe_console_messages, browser) == []
         finally:
+            for cleanup in reversed(cleanups):
+                await cleanup()
             await host.close()

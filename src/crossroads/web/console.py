@@ -53,6 +53,9 @@ POLL_SECONDS = SAMPLE_SECONDS
 ERROR_RING = 100
 #: Longest message kept per record: a huge message must not grow the ring.
 ERROR_MESSAGE_CHARS = 500
+#: The public status is shared by every viewer for this long: one computation
+#: per second bounds what polling browsers (or a flood of them) cost.
+STATUS_CACHE_SECONDS = 1.0
 #: Largest NAT-lab matrix file shown (bytes); bigger ones are not read.
 MATRIX_MAX_BYTES = 256 * 1024
 
@@ -284,6 +287,8 @@ class Console:
         self.matrix_path = matrix_path
         self.started = time.time()
         self._task: asyncio.Task[None] | None = None
+        self._status: dict[str, Any] | None = None
+        self._status_at = 0.0
 
     def start(self) -> None:
         logging.getLogger("crossroads").addHandler(self.errors)
@@ -330,6 +335,16 @@ class Console:
         ]
 
     async def status(self) -> dict[str, Any]:
+        """The public status, computed at most once per :data:`STATUS_CACHE_SECONDS`
+        however many browsers poll it (a registry walk and a store read each)."""
+        now = time.monotonic()
+        if self._status is not None and now - self._status_at < STATUS_CACHE_SECONDS:
+            return self._status
+        self._status = await self._fresh_status()
+        self._status_at = now
+        return self._status
+
+    async def _fresh_status(self) -> dict[str, Any]:
         services = self.services()
         return {
             "relay_nodes": await self.relay_nodes(),
