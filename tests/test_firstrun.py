@@ -5,6 +5,7 @@ relay flow with the printed API key)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shlex
@@ -235,3 +236,29 @@ async def unity_relay_flow(base_url: str, api_key: str) -> None:
                 await player.close()
         finally:
             await host.close()
+
+
+def test_two_first_runs_at_once_agree_on_one_file(tmp_path: Path) -> None:
+    """Another process creates credentials.json while this one is generating
+    its own (simulated through the injected randomness): this one adopts the
+    file that won instead of replacing it."""
+    from crossroads.state import load_or_create_credentials
+
+    other = {
+        "turn_secret": "other-turn",
+        "relay_api_key": "other-key",
+        "admin_token": "other-admin",
+    }
+
+    def racing_random(size: int) -> bytes:
+        path = tmp_path / CREDENTIALS_FILE
+        if not path.exists():
+            tmp_path.mkdir(exist_ok=True)
+            path.write_text(json.dumps(other))
+        return b"\x01" * size
+
+    credentials, created = load_or_create_credentials(tmp_path, random=racing_random)
+    assert not created
+    assert credentials.turn_secret == "other-turn"
+    assert json.loads((tmp_path / CREDENTIALS_FILE).read_text()) == other
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CREDENTIALS_FILE]

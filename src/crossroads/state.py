@@ -102,16 +102,22 @@ def load_or_create_credentials(
         relay_api_key=_new_secret(random),
         admin_token=_new_secret(random),
     )
+    temporary = directory / f".{CREDENTIALS_FILE}.{os.getpid()}"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # Written to a private temporary file, then renamed: a reader never sees
-        # half a file, and the secrets are never readable by others.
-        temporary = directory / f".{CREDENTIALS_FILE}.{os.getpid()}"
+        # Written to a private temporary file, then linked into place: a reader
+        # never sees half a file, the secrets are never readable by others, and
+        # of two first runs at once only one file wins (link fails if it exists).
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as handle:
             json.dump(asdict(credentials), handle, indent=2)
             handle.write("\n")
-        os.replace(temporary, path)
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            return _parse(path, path.read_text()), False
+        finally:
+            temporary.unlink(missing_ok=True)
     except OSError as exc:
         raise ConfigError(
             f"state_dir: cannot write {path}: {exc.strerror} "
