@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner, Result
 
@@ -256,3 +257,34 @@ def test_without_a_running_server_the_cli_says_how_to_point_it(
     result = cli(cli_env, "status")
     assert result.exit_code != 0
     assert "give --url or --http-port" in result.output
+
+
+def test_reload_rotates_relay_api_keys_from_the_config_file(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    config = tmp_path / "crossroads.toml"
+    config.write_text('[relay]\napi_keys = ["old-key"]\n')
+    server = Server(tmp_path, "--config", str(config))
+    base = f"http://127.0.0.1:{server.http_port}"
+
+    async def allocate(key: str) -> int:
+        async with httpx.AsyncClient(base_url=base) as http:
+            answer = await http.post(
+                "/v1/allocate",
+                json={"maxConnections": 1},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            return answer.status_code
+
+    try:
+        assert asyncio.run(allocate("old-key")) == 201
+        config.write_text('[relay]\napi_keys = ["new-key"]\n')
+        assert cli(cli_env, "reload").exit_code == 0
+        deadline = time.monotonic() + 20
+        while "relay: 1 API key(s)" not in server.output():
+            assert time.monotonic() < deadline, server.output()[-2000:]
+            time.sleep(0.05)
+        assert asyncio.run(allocate("new-key")) == 201
+        assert asyncio.run(allocate("old-key")) == 401
+    finally:
+        server.stop()

@@ -42,12 +42,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.relay import joincode
@@ -70,6 +71,9 @@ from crossroads.services.base import (
 from crossroads.store.base import Store
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.udp import bound_address, make_udp_socket
+
+if TYPE_CHECKING:
+    from crossroads.web.relay import ApiKeys
 
 NAME = "relay"
 log = logging.getLogger("crossroads.relay")
@@ -756,7 +760,18 @@ class RelayService:
         self.bound = bound
         #: The allocations API's view of every node (None on a node-only process).
         self.allocator: Allocator | None = None
+        #: The keys the allocations API accepts (None on a node-only process).
+        self.api_keys: ApiKeys | None = None
         self._closed = False
+
+    def reload(self, config: RuntimeConfig) -> list[str]:
+        """New API keys (``--api-key``) for the allocations API; allocations,
+        join codes and relayed sessions are untouched."""
+        if self.api_keys is None:
+            return []
+        keys = config.section(NAME, Config).api_keys
+        self.api_keys.replace(keys)
+        return [f"relay: {len(keys)} API key(s)"]
 
     async def live_nodes(self) -> list[NodeInfo]:
         """Every relay node registered in the store (all regions, all
@@ -883,8 +898,9 @@ async def serve(ctx: ServiceContext) -> Service:
         ctx.metrics.register(RelayCollector(node))
         ctx.shared["relay.node"] = node
     api = not cfg.node_only
+    api_keys: ApiKeys | None = None
     if api:
-        from crossroads.web.relay import make_router
+        from crossroads.web.relay import ApiKeys, make_router
 
         allocator = Allocator(ctx.store, sealer, cfg)
         requests = Counter(
@@ -893,9 +909,10 @@ async def serve(ctx: ServiceContext) -> Service:
             ["endpoint", "status"],
             registry=ctx.metrics,
         )
+        api_keys = ApiKeys(cfg.api_keys)
         router = make_router(
             allocator,
-            cfg.api_keys,
+            api_keys,
             requests,
             rate=cfg.api_rate,
             burst=max(1.0, cfg.api_rate * 3),
@@ -908,6 +925,7 @@ async def serve(ctx: ServiceContext) -> Service:
             )
     service = RelayService(node, api, bound)
     service.allocator = ctx.shared.get("relay.allocator")
+    service.api_keys = api_keys
     return service
 
 
