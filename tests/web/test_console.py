@@ -84,6 +84,12 @@ async def test_public_pages_show_services_but_no_session_data(
         assert node["region"] == "local" and node["capacity"] == 5000
         assert node["address"].startswith("127.0.0.1:")
         assert "Relay nodes" in page.text and node["node"] in page.text
+        # Snippets carry the ports this server really listens on.
+        stun_port = turn_server(rt)[1]
+        assert f"turn:127.0.0.1:{stun_port}?transport=udp" in page.text
+        assert f"relay node UDP {node['address'].split(':')[1]}" in page.text
+        http_port = rt.http_address[1]
+        assert f"http://127.0.0.1:{http_port}/v1/allocate" in page.text
         local_port = str(client.local_address[1])
         for text in (page.text, str(status)):
             assert USER not in text and PASSWORD not in text

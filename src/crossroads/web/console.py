@@ -168,20 +168,26 @@ class ErrorRing(logging.Handler):
 # ------------------------------------------------------------------ snippets
 
 
-def connect_snippets(
-    host: str, config: Config, stun_port: int
-) -> list[tuple[str, str]]:
+@dataclass(frozen=True, slots=True)
+class ClientPorts:
+    """The ports clients use, as bound (0 in a configuration means "any")."""
+
+    stun: int = 3478
+    coordinator: int = 3976
+    openttd_stun: int = 3975
+    relay: int = 7780
+    http: int = 8080
+
+
+def connect_snippets(host: str, ports: ClientPorts) -> list[tuple[str, str]]:
     """(title, text) for each kind of client, with this server's address."""
     shown = f"[{host}]" if ":" in host else host
-
-    def port(section: str, field: str, default: int) -> int:
-        value = getattr(config.sections.get(section), field, default)
-        return int(value) if value else default
-
-    coordinator = port("openttd", "coordinator_port", 3976)
-    openttd_stun = port("openttd", "stun_port", 3975)
-    relay_port = port("relay", "port", 7780)
-    http_port = config.core.http_port or 8080
+    stun_port, coordinator, openttd_stun = (
+        ports.stun,
+        ports.coordinator,
+        ports.openttd_stun,
+    )
+    relay_port, http_port = ports.relay, ports.http
     return [
         (
             "WebRTC (browser, libwebrtc)",
@@ -378,13 +384,25 @@ class Console:
             return False
         return hmac.compare_digest(given.strip().encode(), token.encode())
 
-    def stun_port(self) -> int:
+    def client_ports(self, http_port: int) -> ClientPorts:
+        """Where this process's services actually listen (public accessors)."""
+        from crossroads.services.openttd import OpenTTDService
+        from crossroads.services.relay import RelayService
         from crossroads.services.stun import StunService
 
-        stun = self.services().get("stun")
+        services = self.services()
+        found: dict[str, int] = {"http": http_port}
+        stun = services.get("stun")
         if isinstance(stun, StunService):
-            return stun.primary[1]
-        return 3478
+            found["stun"] = stun.primary[1]
+        openttd = services.get("openttd")
+        if isinstance(openttd, OpenTTDService):
+            found["coordinator"] = openttd.address("coordinator")[1]
+            found["openttd_stun"] = openttd.address("stun")[1]
+        relay = services.get("relay")
+        if isinstance(relay, RelayService) and relay.node is not None:
+            found["relay"] = relay.node.info.port
+        return ClientPorts(**found)
 
     # ------------------------------------------------------------ pages
 
@@ -423,7 +441,7 @@ class Console:
 """
         return HTMLResponse(document, headers=SECURITY_HEADERS)
 
-    async def overview(self, host: str) -> HTMLResponse:
+    async def overview(self, host: str, http_port: int) -> HTMLResponse:
         status = await self.status()
         cards = "".join(
             f'<li class="card"><span class="label" id="label-{s.key}">'
@@ -442,7 +460,7 @@ class Console:
         snippets = "".join(
             f"<details><summary>{html.escape(title)}</summary>"
             f"<pre><code>{html.escape(text)}</code></pre></details>"
-            for title, text in connect_snippets(host, self.config, self.stun_port())
+            for title, text in connect_snippets(host, self.client_ports(http_port))
         )
         node_rows = "".join(
             f'<tr><th scope="row">{html.escape(n["region"])}</th>'
@@ -526,7 +544,9 @@ class Console:
         @router.get("/", include_in_schema=False)
         async def overview(request: Request) -> HTMLResponse:
             host = self.config.core.public_host or (request.url.hostname or "")
-            return await self.overview(host or "127.0.0.1")
+            # The port the browser used is the one clients reach HTTP on.
+            port = request.url.port or (443 if request.url.scheme == "https" else 80)
+            return await self.overview(host or "127.0.0.1", port)
 
         @router.get("/favicon.ico", include_in_schema=False)
         async def favicon() -> Response:
