@@ -56,6 +56,9 @@ class SessionInfo:
     detail: str = ""
     #: Seconds until it expires unless refreshed (None: no deadline).
     expires_in: float | None = None
+    #: False for sessions that end on their own within seconds (natneg
+    #: negotiations): listed, never revoked.
+    revocable: bool = True
 
 
 @runtime_checkable

@@ -105,6 +105,10 @@ function sessionTable(kind, sessions) {
     cell(row, s.user || "—");
     cell(row, s.detail);
     cell(row, s.expires_in === null ? "—" : `${Math.round(s.expires_in)} s`);
+    if (!s.revocable) {
+      cell(row, "—");
+      continue;
+    }
     const button = document.createElement("button");
     button.type = "button";
     button.className = "revoke";
