@@ -288,3 +288,20 @@ def test_reload_rotates_relay_api_keys_from_the_config_file(
         assert asyncio.run(allocate("old-key")) == 401
     finally:
         server.stop()
+
+
+def test_server_file_belongs_to_the_last_server_started(tmp_path: Path) -> None:
+    first = Server(tmp_path)
+    server_file = first.state_dir / SERVER_FILE
+    (first.state_dir / SERVER_FILE).unlink()  # wait for the second's own file
+    second = Server(tmp_path)
+    try:
+        assert json.loads(server_file.read_text())["pid"] == second.process.pid
+        first.stop()
+        # The first one leaves the second's file alone ...
+        assert json.loads(server_file.read_text())["pid"] == second.process.pid
+    finally:
+        first.stop()
+        second.stop()
+    # ... and the second removes its own.
+    assert not server_file.exists()

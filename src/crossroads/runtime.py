@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -201,14 +200,23 @@ async def serve_forever(
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
-        with contextlib.suppress(OSError):
-            server_file.unlink()
+        remove_server_file(server_file)
         await runtime.close()
     log.info("stopped")
 
 
 #: What ``crossroads serve`` leaves in the state directory while it runs.
 SERVER_FILE = "server.json"
+
+
+def remove_server_file(path: Path) -> None:
+    """Remove ``server.json`` if it is still ours (another server started on
+    the same state directory since then owns it now)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def write_server_file(state_dir: Path, runtime: Runtime) -> Path:
