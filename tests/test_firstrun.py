@@ -262,3 +262,27 @@ def test_two_first_runs_at_once_agree_on_one_file(tmp_path: Path) -> None:
     assert credentials.turn_secret == "other-turn"
     assert json.loads((tmp_path / CREDENTIALS_FILE).read_text()) == other
     assert sorted(p.name for p in tmp_path.iterdir()) == [CREDENTIALS_FILE]
+
+
+def test_state_directory_is_only_needed_for_what_is_missing(tmp_path: Path) -> None:
+    explicit = {
+        "turn.user": ["alice:pw"],
+        "relay.api_keys": ["real-key"],
+        "core.admin_token": "admin",
+    }
+    state = tmp_path / "state"
+    result = prepare(default_config({**explicit, "core.state_dir": str(state)}))
+    assert result.credentials is None and result.config.core.admin_token == "admin"
+    assert not state.exists()
+    # An unusable state directory (a file stands where it should be): with every
+    # credential given the server still runs, only without admin pages ...
+    blocked = tmp_path / "blocked"
+    blocked.write_text("not a directory")
+    without_admin = {k: v for k, v in explicit.items() if k != "core.admin_token"}
+    result = prepare(
+        default_config({**without_admin, "core.state_dir": str(blocked / "x")})
+    )
+    assert result.credentials is None and result.config.core.admin_token == ""
+    # ... while development mode, which needs it, says so.
+    with pytest.raises(ConfigError, match="state_dir: cannot"):
+        prepare(default_config({"core.state_dir": str(blocked / "x")}))

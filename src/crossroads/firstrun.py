@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import logging
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from crossroads.services.turn import Config as TurnConfig
 from crossroads.state import LocalCredentials, load_or_create_credentials
 from crossroads.state import resolve_state_dir as _resolve_state_dir
 from crossroads.types import Address
+
+log = logging.getLogger("crossroads")
 
 #: The TURN user name the printed test command asks uclient to sign with; any
 #: name works with a shared secret (coturn use-auth-secret: "<expiry>:<name>").
@@ -54,7 +57,8 @@ class FirstRun:
     #: filled in where they were missing.
     config: Config
     state_dir: Path
-    credentials: LocalCredentials
+    #: None when the state directory was not needed or not usable.
+    credentials: LocalCredentials | None
     #: Whether ``credentials.json`` was created by this start.
     created: bool
     #: True when the TURN secret is the development one.
@@ -129,7 +133,19 @@ def prepare(config: Config, env: Mapping[str, str] | None = None) -> FirstRun:
             "(or the CROSSROADS_* variables / TOML keys of the same names)"
         )
     state_dir = _resolve_state_dir(config.core.state_dir, env)
-    credentials, created = load_or_create_credentials(state_dir)
+    if not (dev_turn or dev_relay or config.core.admin_token == ""):
+        # Everything was given: the state directory is not needed (a read-only
+        # container keeps working).
+        return FirstRun(config, state_dir, None, False, False, False)
+    try:
+        credentials, created = load_or_create_credentials(state_dir)
+    except ConfigError as exc:
+        if dev_turn or dev_relay:
+            raise
+        # Only the admin token was missing: run without admin pages rather than
+        # not at all.
+        log.warning("%s; the admin pages and CLI stay closed", exc)
+        return FirstRun(config, state_dir, None, False, False, False)
     sections = dict(config.sections)
     if dev_turn:
         sections["turn"] = dataclasses.replace(
@@ -202,6 +218,8 @@ def banner(first_run: FirstRun, *, stun: Address | None, http: Address) -> list[
     if not first_run.development:
         return []
     credentials = first_run.credentials
+    if credentials is None:
+        return []
     where = first_run.state_dir / "credentials.json"
     verb = "created" if first_run.created else "kept"
     lines = [
