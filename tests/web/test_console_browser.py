@@ -18,6 +18,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service as ChromeService
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.remote.webdriver import WebDriver
 
 from crossroads.client.openttd import GameInfoResponder
 from crossroads.client.relay import RelayApi, RelayConnection
@@ -38,14 +45,6 @@ from tests.web.test_console import (
     console_overrides,
     turn_server,
 )
-
-webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.webdriver.chrome.options import Options  # noqa: E402
-from selenium.webdriver.chrome.service import Service as ChromeService  # noqa: E402
-from selenium.webdriver.common.action_chains import ActionChains  # noqa: E402
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.common.keys import Keys  # noqa: E402
-from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
 
