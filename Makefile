@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd
 ARGS ?=
 
 .PHONY: install install-system install-python run test lint types pytest clean
@@ -11,7 +11,11 @@ ARGS ?=
 install: install-system install-python
 
 # Debian packages for the interop, Redis and NAT-lab tests. Idempotent: apt only
-# runs when something is missing.
+# runs when something is missing. chromium/chromium-driver drive the console
+# test; redis-sentinel the failover test; prometheus brings promtool (on a host
+# running systemd its package also enables a prometheus.service on :9090 —
+# `systemctl disable --now prometheus` if unwanted); systemd brings
+# systemd-analyze for the unit in deploy/.
 install-system:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -42,8 +43,9 @@ def free_udp_tcp_port(host: str = "127.0.0.1") -> int:
 class RedisServer:
     """A real redis-server on a private port and directory, for one test session."""
 
-    def __init__(self, port: int | None = None) -> None:
-        """``port``: start on this one (a restart of a stopped server)."""
+    def __init__(self, port: int | None = None, extra: Sequence[str] = ()) -> None:
+        """``port``: start on this one (a restart of a stopped server);
+        ``extra``: more redis-server arguments (``--replicaof host port``)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError("redis-server is not installed; run `make install`")
@@ -62,6 +64,7 @@ class RedisServer:
                 "no",
                 "--dir",
                 self.directory,
+                *extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -97,6 +100,25 @@ class RedisServer:
             self.process.kill()
             self.process.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir() -> Iterator[str]:
+    """Point XDG_STATE_HOME at a temporary directory for the whole session: a
+    ``crossroads serve`` the tests start (in-process or as a child, which inherits
+    the environment) keeps its development credentials there, never in the
+    home directory of whoever runs the tests."""
+    directory = tempfile.mkdtemp(prefix="crossroads-state-")
+    previous = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = directory
+    try:
+        yield directory
+    finally:
+        if previous is None:
+            os.environ.pop("XDG_STATE_HOME", None)
+        else:
+            os.environ["XDG_STATE_HOME"] = previous
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

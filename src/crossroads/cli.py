@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -14,6 +13,7 @@ import click
 import crossroads
 from crossroads.config import Config, build_config, flag_name, iter_settings, read_toml
 from crossroads.errors import ConfigError
+from crossroads.logs import configure_logging
 from crossroads.services import load_service_modules
 
 T = TypeVar("T")
@@ -102,14 +102,13 @@ def serve(config_file: Path | None, **params: Any) -> None:
     except ConfigError as exc:
         fail(f"config error: {exc}")
         return
-    logging.basicConfig(
-        level=config.core.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(config.core.log_level, config.core.log_format)
     from crossroads.runtime import serve_forever
 
     try:
-        run_async(serve_forever(config))
+        run_async(
+            serve_forever(config, reread=lambda: config_from_cli(config_file, params))
+        )
     except OSError as exc:
         fail(f"cannot start: {exc}")
     except ConfigError as exc:
@@ -129,3 +128,10 @@ from crossroads.client.demo import join as _p2p_join  # noqa: E402
 
 main.add_command(_p2p_host)
 main.add_command(_p2p_join)
+
+from crossroads.admincli import COMMANDS as _admin_commands  # noqa: E402
+from crossroads.config_doc import config_reference as _config_reference  # noqa: E402
+
+for _command in _admin_commands:
+    main.add_command(_command)
+main.add_command(_config_reference)

@@ -190,8 +190,18 @@ def parse_service_list(value: object) -> tuple[str, ...]:
 
 
 def _check_store(url: str) -> None:
-    if url != "memory" and not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(f"{url!r} is neither 'memory' nor a redis:// URL")
+    from crossroads.store.base import REDIS_SCHEMES
+
+    if url != "memory" and not url.startswith(REDIS_SCHEMES):
+        raise ValueError(
+            f"{url!r} is neither 'memory' nor a redis://, rediss://, unix:// or "
+            "redis+sentinel:// URL"
+        )
+
+
+def _check_log_format(value: str) -> None:
+    if value not in {"text", "json"}:
+        raise ValueError(f"{value!r} is not 'text' or 'json'")
 
 
 def _check_log_level(level: str) -> None:
@@ -210,7 +220,8 @@ class CoreConfig:
     store: str = setting(
         "memory",
         check=_check_store,
-        help="Shared state: 'memory' (one process) or a redis:// URL.",
+        help="Shared state: 'memory' (one process) or a Redis URL: redis://, "
+        "rediss:// (TLS), unix://, redis+sentinel://host:26379,host2:26379/mymaster/0.",
     )
     only: tuple[str, ...] = setting(
         (),
@@ -220,10 +231,26 @@ class CoreConfig:
     log_level: str = setting(
         "info", check=_check_log_level, help="debug, info, warning or error."
     )
+    log_format: str = setting(
+        "text",
+        check=_check_log_format,
+        help="Log lines as 'text' or 'json' (one object per line: time, level, "
+        "logger, message, exception).",
+    )
     public_host: str = setting(
         "",
         kind="host",
         help="Address clients should use to reach this host, when it differs from --host.",
+    )
+    state_dir: str = setting(
+        "",
+        help="Where this installation keeps its development credentials and admin "
+        "token (default: $XDG_STATE_HOME/crossroads, else ~/.local/state/crossroads).",
+    )
+    admin_token: str = setting(
+        "",
+        help="Bearer token of the console's admin pages and API (default: the one "
+        "created in --state-dir; with neither, admin pages are refused).",
     )
 
 

@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import signal
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
+from crossroads.errors import ConfigError
 from crossroads.services import load_service_modules
-from crossroads.services.base import Service, ServiceContext
+from crossroads.services.base import Reloadable, Service, ServiceContext
+from crossroads.services.stun import StunService
+from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
+from crossroads.web.console import Console
 
 log = logging.getLogger("crossroads")
 
@@ -30,6 +39,7 @@ class Runtime:
     metrics: CollectorRegistry
     services: dict[str, Service] = field(default_factory=dict)
     http_address: Address = ("", 0)
+    console: Console | None = None
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
     _closed: bool = False
@@ -40,8 +50,22 @@ class Runtime:
             for name, service in self.services.items()
         ]
         host, port = self.http_address
-        lines.append(f"http: tcp {_join(host, port)} (/healthz, /metrics)")
+        lines.append(
+            f"http: tcp {_join(host, port)} (console /, /admin, /healthz, /metrics)"
+        )
         return lines
+
+    def reload(self, config: Config) -> list[str]:
+        """Hand a new configuration to every service that can apply it live.
+
+        Raises:
+            ConfigError: from the first service that refuses it.
+        """
+        applied: list[str] = []
+        for service in self.services.values():
+            if isinstance(service, Reloadable):
+                applied += service.reload(config)
+        return applied
 
     async def close(self) -> None:
         if self._closed:
@@ -54,6 +78,8 @@ class Runtime:
                 await asyncio.wait_for(self._http_task, 5)
             except (TimeoutError, asyncio.CancelledError):
                 self._http_task.cancel()
+        if self.console is not None:
+            await self.console.close()
         for name, service in reversed(list(self.services.items())):
             try:
                 await service.close()
@@ -89,10 +115,18 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             if config.enabled(name):
                 service: Service = await module.serve(ctx)
                 runtime.services[name] = service
+        runtime.console = Console(
+            config=config,
+            metrics=metrics,
+            services=lambda: runtime.services,
+            matrix_path=results_dir(resolve_state_dir(config.core.state_dir))
+            / MATRIX_FILE,
+        )
+        runtime.console.start()
         app = create_app(
             metrics=metrics,
             store=store,
-            routers=ctx.routers,
+            routers=[*ctx.routers, runtime.console.router()],
             services=lambda: list(runtime.services),
         )
         runtime._http = make_http_server(app)
@@ -110,20 +144,93 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     return runtime
 
 
-async def serve_forever(config: Config) -> None:
-    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM."""
-    runtime = await start(config)
-    for line in runtime.describe():
-        log.info("%s", line)
+async def serve_forever(
+    config: Config, reread: Callable[[], Config] | None = None
+) -> None:
+    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM.
+
+    Missing credentials are filled in from the state directory first
+    (:mod:`crossroads.firstrun`); the development ones are printed to stdout, not
+    logged (DESIGN: nothing secret in logs), with commands to try them. The
+    state directory also gets ``server.json`` (pid and URL) for the admin CLI.
+    SIGHUP calls ``reread`` (flags, environment and the TOML file again) and
+    applies the result to the services that can reload live; a bad new
+    configuration is logged and the running one kept.
+    """
+    from crossroads.firstrun import banner, prepare
+
+    first_run = prepare(config)
+    runtime = await start(first_run.config)
+    # Handlers before the first "ready" line: a supervisor (or a test) that
+    # stops the server as soon as it reads that line gets a clean shutdown.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    server_file = write_server_file(first_run.state_dir, runtime)
+    for line in runtime.describe():
+        log.info("%s", line)
+    stun = runtime.services.get("stun")
+    lines = banner(
+        first_run,
+        stun=stun.primary if isinstance(stun, StunService) else None,
+        http=runtime.http_address,
+    )
+    if lines:
+        sys.stdout.write("\n".join(lines) + "\n")
+        sys.stdout.flush()
+
+    def reload() -> None:
+        if reread is None:
+            log.warning("reload: this server cannot re-read its configuration")
+            return
+        try:
+            applied = runtime.reload(prepare(reread()).config)
+        except ConfigError as exc:
+            log.error("reload refused, configuration unchanged: %s", exc)
+            return
+        for line in applied:
+            log.info("reloaded %s", line)
+        log.info("reload done (%d change(s) applied)", len(applied))
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     try:
         await stop.wait()
         log.info("shutting down")
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
+        remove_server_file(server_file)
         await runtime.close()
     log.info("stopped")
+
+
+#: What ``crossroads serve`` leaves in the state directory while it runs.
+SERVER_FILE = "server.json"
+
+
+def remove_server_file(path: Path) -> None:
+    """Remove ``server.json`` if it is still ours (another server started on
+    the same state directory since then owns it now)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def write_server_file(state_dir: Path, runtime: Runtime) -> Path:
+    """Record pid and HTTP URL so the admin CLI finds this server."""
+    host, port = runtime.http_address
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    path = state_dir / SERVER_FILE
+    body = {"pid": os.getpid(), "url": f"http://{_join(host, port)}"}
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.write_text(json.dumps(body) + "\n")
+    except OSError as exc:
+        log.warning("cannot write %s: %s (the admin CLI needs --url)", path, exc)
+    return path

@@ -8,11 +8,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from crossroads.lab.kinds import KINDS, KINDS_BY_NAME
 from crossroads.lab.topology import SERVER_IPS, Lab, LabError
+
+if TYPE_CHECKING:
+    from crossroads.lab.matrix import Result
 
 PREFIX_HELP = "Name prefix of the lab's namespaces (several labs can coexist)."
 
@@ -145,15 +149,18 @@ def probe(prefix: str) -> None:
 @click.option("--kinds", default="", help="Comma-separated NAT kinds (default: all).")
 @click.option(
     "--out",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Write the results as JSON.",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Directory for nat-matrix.md and nat-matrix.json (default: the "
+    "results folder of the state directory, <state dir>/results, which the web "
+    "console shows).",
 )
 @click.option(
     "--markdown",
     type=click.Path(path_type=Path, dir_okay=False),
-    default=Path("docs/nat-matrix.md"),
-    show_default=True,
-    help="Where to write the Markdown table.",
+    default=None,
+    help="Also copy the Markdown table here (e.g. docs/nat-matrix.md to "
+    "update the documentation on purpose).",
 )
 @click.option("--parallel", default=8, show_default=True, help="Attempts at once.")
 def matrix(
@@ -161,7 +168,7 @@ def matrix(
     methods: str,
     kinds: str,
     out: Path | None,
-    markdown: Path,
+    markdown: Path | None,
     parallel: int,
 ) -> None:
     """Run every pair of NAT kinds through each method; print, write the table."""
@@ -219,18 +226,18 @@ def matrix(
     command = "crossroads lab matrix" + (
         f" --methods {','.join(names)}" if methods else ""
     )
-    markdown.parent.mkdir(parents=True, exist_ok=True)
-    markdown.write_text(to_markdown(typed, command=command, wall=wall))
-    if out is not None:
-        out.write_text(json.dumps([r.to_json() for r in typed], indent=1) + "\n")
+    written = write_results(
+        typed,
+        out if out is not None else default_results_dir(),
+        markdown,
+        to_markdown(typed, command=command, wall=wall),
+    )
     wrong = unexpected(typed)
     for name in names:
         rows = [r for r in typed if r.method == name]
         ok = sum(r.connected for r in rows)
         click.echo(f"{name:<12} {ok}/{len(rows)} connected")
-    click.echo(
-        f"wrote {markdown}" + (f" and {out}" if out else "") + f" in {wall:.0f} s"
-    )
+    click.echo(f"wrote {', '.join(map(str, written))} in {wall:.0f} s")
     if wrong:
         click.echo(f"{len(wrong)} outcome(s) differ from the prediction:", err=True)
         for r in wrong:
@@ -239,6 +246,34 @@ def matrix(
                 err=True,
             )
         sys.exit(1)
+
+
+def default_results_dir() -> Path:
+    """``<state dir>/results`` (``CROSSROADS_STATE_DIR`` or the XDG default):
+    never the checkout the command runs in."""
+    from crossroads.state import resolve_state_dir, results_dir
+
+    return results_dir(resolve_state_dir(os.environ.get("CROSSROADS_STATE_DIR", "")))
+
+
+def write_results(
+    results: list[Result], out: Path, markdown: Path | None, table: str
+) -> list[Path]:
+    """Write ``nat-matrix.md`` and ``nat-matrix.json`` in ``out`` (and the
+    table to ``markdown`` when given); return the files written."""
+    from crossroads.state import MATRIX_FILE
+
+    out.mkdir(parents=True, exist_ok=True)
+    table_path = out / MATRIX_FILE
+    json_path = table_path.with_suffix(".json")
+    table_path.write_text(table)
+    json_path.write_text(json.dumps([r.to_json() for r in results], indent=1) + "\n")
+    written = [table_path, json_path]
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(table)
+        written.append(markdown)
+    return written
 
 
 __all__ = ["lab"]

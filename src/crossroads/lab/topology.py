@@ -585,6 +585,8 @@ class Lab:
         load_service_modules()
         args = ["serve", "--host", SERVER_IPS[0]]
         args += ["--http-port", str(SERVER_HTTP_PORT), "--log-level", "info"]
+        # Its admin token stays with the lab, not in root's home directory.
+        args += ["--state-dir", str(self.state_dir / "server-state")]
         for section, f, _info in iter_settings():
             value = SERVER_SETTINGS.get(f"{section}.{f.name}")
             if value is not None:

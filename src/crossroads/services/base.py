@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
@@ -39,6 +39,60 @@ class Service(Protocol):
     async def close(self) -> None:
         """Stop listening and release every socket and task. Idempotent."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    """One live session as admin tools show it (web console, ``crossroads
+    sessions``). Plain strings and numbers: it is sent as JSON."""
+
+    #: Stable while the session lives; what :meth:`SessionAdmin.revoke` takes.
+    id: str
+    #: The client's transport address, ``host:port`` (``[v6]:port``).
+    client: str
+    #: User name, or "" when the protocol has none.
+    user: str = ""
+    #: One short line: relayed addresses, peers, region ...
+    detail: str = ""
+    #: Seconds until it expires unless refreshed (None: no deadline).
+    expires_in: float | None = None
+    #: False for sessions that end on their own within seconds (natneg
+    #: negotiations): listed, never revoked.
+    revocable: bool = True
+
+
+@runtime_checkable
+class SessionAdmin(Protocol):
+    """A service whose live sessions an operator can list and end."""
+
+    def sessions(self) -> list[SessionInfo]:
+        """Every live session of this process."""
+        ...
+
+    def revoke(self, session_id: str) -> bool:
+        """End one session now; False when no such session is live."""
+        ...
+
+
+@runtime_checkable
+class Reloadable(Protocol):
+    """A service that applies a new configuration without dropping sessions
+    (``crossroads reload``, SIGHUP)."""
+
+    def reload(self, config: Config) -> list[str]:
+        """Apply what can change live; return one line per change applied.
+
+        Raises:
+            ConfigError: the new configuration cannot be applied (the old one
+                stays in force).
+        """
+        ...
+
+
+def show_address(address: Address) -> str:
+    """``host:port``, with brackets around an IPv6 host."""
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass

@@ -62,7 +62,7 @@ from crossroads.proto.natneg.server import (
     ServerConfig,
 )
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
-from crossroads.services.base import ServiceContext
+from crossroads.services.base import ServiceContext, SessionInfo
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.pktinfo import open_datagram_endpoint
@@ -537,6 +537,40 @@ class NatNegService:
         self._flush(now)
 
     # The Service protocol ---------------------------------------------------
+
+    def sessions(self) -> list[SessionInfo]:
+        """Negotiations in progress (seconds long, not revocable) and relay
+        pairs (``relay-<cookie>``, revocable: the pair's sockets close)."""
+        listed = [
+            SessionInfo(
+                id=str(summary.cookie),
+                client=summary.owner_ip,
+                detail=f"negotiation {summary.state}, {summary.clients}/2 clients, "
+                f"{summary.age:.0f} s old",
+                revocable=False,
+            )
+            for summary in self.core.session_summaries(self._loop.time())
+        ]
+        if self.relay is not None:
+            listed += [
+                SessionInfo(
+                    id=f"relay-{cookie}",
+                    client=f"{ips[0]} <-> {ips[1]}",
+                    detail=f"relay pair, {packets} datagrams relayed",
+                )
+                for cookie, ips, packets in self.relay.pair_summaries()
+            ]
+        return listed
+
+    def revoke(self, session_id: str) -> bool:
+        """Close a relay pair (``relay-<cookie>``)."""
+        prefix, _, cookie = session_id.partition("-")
+        if self.relay is None or prefix != "relay" or not cookie.isdigit():
+            return False
+        if int(cookie) not in {c for c, _ips, _n in self.relay.pair_summaries()}:
+            return False
+        self.relay.release(int(cookie))
+        return True
 
     def describe(self) -> list[str]:
         if not self._transports and not self._notes:

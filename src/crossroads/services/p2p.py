@@ -53,7 +53,7 @@ from crossroads.proto.punch.coordinator import (
     ProbeDropped,
     PunchFinished,
 )
-from crossroads.services.base import Service, ServiceContext
+from crossroads.services.base import Service, ServiceContext, SessionInfo
 from crossroads.services.p2p_master import MasterServer, make_master_router
 from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.udp import bound_address, make_udp_socket
@@ -402,6 +402,26 @@ class P2PService:
                 except Exception as exc:  # noqa: BLE001 - next round retries
                     log.warning("p2p code refresh failed: %r", exc)
                     break
+
+    # ---------------------------------------------------------------- admin
+
+    def sessions(self) -> list[SessionInfo]:
+        """Mesh sessions hosted on this instance."""
+        return [
+            SessionInfo(
+                id=summary.session,
+                client=summary.host_ip,
+                detail=f"code {summary.code}, "
+                f"{summary.members}/{summary.max_members} members",
+            )
+            for summary in self.core.session_summaries()
+        ]
+
+    def revoke(self, session_id: str) -> bool:
+        """Disconnect every member of a session."""
+        ended = self.core.end_session(session_id)
+        self.flush()
+        return ended
 
     # ---------------------------------------------------------------- plumbing
 

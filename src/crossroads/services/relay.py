@@ -42,12 +42,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
@@ -63,12 +64,20 @@ from crossroads.proto.relay.server import (
     RelayServerConfig,
 )
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
-from crossroads.services.base import Service, ServiceContext
+from crossroads.services.base import (
+    Service,
+    ServiceContext,
+    SessionInfo,
+    show_address,
+)
 from crossroads.store.base import Store
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.udp import bound_address, make_udp_socket
+
+if TYPE_CHECKING:
+    from crossroads.web.relay import ApiKeys
 
 NAME = "relay"
 log = logging.getLogger("crossroads.relay")
@@ -762,7 +771,27 @@ class RelayService:
         self.node = node
         self.api = api
         self.bound = bound
+        #: The allocations API's view of every node (None on a node-only process).
+        self.allocator: Allocator | None = None
+        #: The keys the allocations API accepts (None on a node-only process).
+        self.api_keys: ApiKeys | None = None
         self._closed = False
+
+    def reload(self, config: RuntimeConfig) -> list[str]:
+        """New API keys (``--api-key``) for the allocations API; allocations,
+        join codes and relayed sessions are untouched."""
+        if self.api_keys is None:
+            return []
+        keys = config.section(NAME, Config).api_keys
+        self.api_keys.replace(keys)
+        return [f"relay: {len(keys)} API key(s)"]
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        """Every relay node registered in the store (all regions, all
+        processes), as the allocations API sees them; [] without the API."""
+        if self.allocator is None:
+            return []
+        return await self.allocator.live_nodes()
 
     def describe(self) -> list[str]:
         lines = []
@@ -777,6 +806,38 @@ class RelayService:
         if self.api:
             lines.append("http /v1/allocate /v1/joincode /v1/join /v1/regions")
         return lines
+
+    def sessions(self) -> list[SessionInfo]:
+        """Bound allocations of this node (hosts and joiners)."""
+        if self.node is None:
+            return []
+        core = self.node.core
+        now = asyncio.get_running_loop().time()
+        listed = []
+        for allocation in core.allocations.values():
+            role = "host" if allocation.is_host else "joiner"
+            listed.append(
+                SessionInfo(
+                    id=str(uuid.UUID(bytes=allocation.allocation_id)),
+                    client=show_address(allocation.address),
+                    detail=f"{role}, {len(allocation.peers)} connected, "
+                    f"region {self.node.info.region}",
+                    expires_in=max(
+                        0.0, allocation.last_activity + core.config.idle_timeout - now
+                    ),
+                )
+            )
+        return listed
+
+    def revoke(self, session_id: str) -> bool:
+        """Kick one allocation (by its allocationId)."""
+        if self.node is None:
+            return False
+        try:
+            allocation_id = uuid.UUID(session_id).bytes
+        except ValueError:
+            return False
+        return self.node.endpoint.kick(allocation_id)
 
     async def close(self) -> None:
         if self._closed:
@@ -863,8 +924,9 @@ async def serve(ctx: ServiceContext) -> Service:
         ctx.metrics.register(RelayCollector(node))
         ctx.shared["relay.node"] = node
     api = not cfg.node_only
+    api_keys: ApiKeys | None = None
     if api:
-        from crossroads.web.relay import make_router
+        from crossroads.web.relay import ApiKeys, make_router
 
         allocator = Allocator(ctx.store, sealer, cfg)
         requests = Counter(
@@ -873,9 +935,10 @@ async def serve(ctx: ServiceContext) -> Service:
             ["endpoint", "status"],
             registry=ctx.metrics,
         )
+        api_keys = ApiKeys(cfg.api_keys)
         router = make_router(
             allocator,
-            cfg.api_keys,
+            api_keys,
             requests,
             rate=cfg.api_rate,
             burst=max(1.0, cfg.api_rate * 3),
@@ -886,7 +949,10 @@ async def serve(ctx: ServiceContext) -> Service:
             log.warning(
                 "relay: no --api-key configured; the allocations API refuses requests"
             )
-    return RelayService(node, api, bound)
+    service = RelayService(node, api, bound)
+    service.allocator = ctx.shared.get("relay.allocator")
+    service.api_keys = api_keys
+    return service
 
 
 def b64(data: bytes) -> str:

@@ -67,6 +67,7 @@ from typing import Any, cast
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
 from crossroads.errors import ConfigError, DecodeError
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
@@ -105,7 +106,7 @@ from crossroads.proto.turn.server import (
     TurnServer,
     TurnSettings,
 )
-from crossroads.services.base import ServiceContext
+from crossroads.services.base import ServiceContext, SessionInfo, show_address
 from crossroads.services.stun import (
     BatchUdpEndpoint,
     Endpoint,
@@ -834,18 +835,7 @@ class TurnService:
         self.stats = Stats()
         self.loop = asyncio.get_running_loop()
         self.relay_hosts = self._relay_hosts(ctx)
-        users = dict(merge_users(config.user, _read_users(config.users_file)))
-        credentials = Credentials(
-            config.realm,
-            users,
-            config.secret,
-            max_ttl=float(config.max_credential_ttl),
-        )
-        if not credentials.enabled and not config.allow_unauthenticated:
-            log.warning(
-                "TURN has no users and no secret: every Allocate will get 401 "
-                "(add --turn-user name:password or --turn-secret)"
-            )
+        credentials = _credentials(config)
         policy = AddressPolicy(
             allow=parse_networks(config.allowed_peers),
             deny=parse_networks(config.denied_peers),
@@ -857,29 +847,8 @@ class TurnService:
             ),
         )
         low, high = config.relay_ports
-        total_quota = config.total_quota or auto_total_quota(
-            resource.getrlimit(resource.RLIMIT_NOFILE)[0], high - low + 1
-        )
-        settings = TurnSettings(
-            realm=config.realm,
-            max_lifetime=float(config.max_lifetime),
-            user_quota=config.user_quota,
-            ip_quota=config.ip_quota,
-            total_quota=total_quota,
-            max_permissions=config.max_permissions,
-            channel_max=(
-                CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766
-            ),
-            allow_unauthenticated=config.allow_unauthenticated,
-            alternate_servers=tuple(
-                _parse_host_port(a) for a in config.alternate_server
-            ),
-            tcp_relay=config.tcp_relay,
-            unauthenticated_rate=config.unauthenticated_rate,
-            unauthenticated_burst=max(1.0, config.unauthenticated_rate * 2),
-        )
         self.core = TurnServer(
-            settings,
+            _settings(config),
             credentials,
             # A per-process nonce key: nonces do not survive a restart (clients
             # just get a 438 and retry).
@@ -1022,6 +991,76 @@ class TurnService:
             + sum(r.send_errors + r.malformed for r in self.relays)
         )
         return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
+
+    # ------------------------------------------------------------ admin
+
+    def reload(self, config: RuntimeConfig) -> list[str]:
+        """Apply new users (``--turn-user``, ``--turn-users-file`` re-read),
+        secrets and limits without touching live allocations.
+
+        Raises:
+            ConfigError: the users file is unreadable, or the realm changed.
+        """
+        section = config.section(NAME, Config)
+        credentials = _credentials(section)
+        try:
+            self.core.reconfigure(_settings(section), credentials)
+        except ValueError as exc:
+            raise ConfigError(f"turn.realm: {exc}") from None
+        return [
+            f"turn: {len(credentials.users)} users, {len(credentials.secrets)} "
+            f"secrets, user quota {section.user_quota}, total quota "
+            f"{section.total_quota}"
+        ]
+
+    @staticmethod
+    def _session_id(five: FiveTuple) -> str:
+        transport, client, server = five
+        return f"{transport.name.lower()}/{show_address(client)}/{show_address(server)}"
+
+    def sessions(self) -> list[SessionInfo]:
+        """Live allocations (the console's and ``crossroads sessions turn``'s view)."""
+        now = self.loop.time()
+        listed = []
+        for five, allocation in self.core.allocations.items():
+            relayed = ", ".join(
+                show_address(relay.address) for relay in allocation.relays.values()
+            )
+            listed.append(
+                SessionInfo(
+                    id=self._session_id(five),
+                    client=show_address(five[1]),
+                    user=allocation.username,
+                    detail=f"relayed {relayed}; {len(allocation.permissions)} "
+                    f"permissions, {len(allocation.channels)} channels",
+                    expires_in=max(0.0, allocation.expires - now),
+                )
+            )
+        return listed
+
+    def revoke(self, session_id: str) -> bool:
+        """Delete one allocation now, as if it expired (relays closed)."""
+        for five, allocation in list(self.core.allocations.items()):
+            if self._session_id(five) == session_id:
+                self.core.delete_allocation(allocation, "revoked")
+                self._process_events()
+                self._rearm()
+                return True
+        return False
+
+    def revoke_user(self, username: str) -> int:
+        """Delete every allocation of ``username`` (the full name, or the user
+        part of a time-limited ``expiry:user`` name); return how many."""
+        doomed = [
+            allocation
+            for allocation in self.core.allocations.values()
+            if username in (allocation.username, allocation.quota_user)
+        ]
+        for allocation in doomed:
+            self.core.delete_allocation(allocation, "revoked")
+        self._process_events()
+        self._rearm()
+        return len(doomed)
 
     def describe(self) -> list[str]:
         low, high = self.config.relay_ports
@@ -1440,6 +1479,42 @@ def _route_source(family: Family, client_host: str) -> str:
         except OSError:
             return ""
         return str(probe.getsockname()[0])
+
+
+def _credentials(config: Config) -> Credentials:
+    users = dict(merge_users(config.user, _read_users(config.users_file)))
+    credentials = Credentials(
+        config.realm, users, config.secret, max_ttl=float(config.max_credential_ttl)
+    )
+    if not credentials.enabled and not config.allow_unauthenticated:
+        log.warning(
+            "TURN has no users and no secret: every Allocate will get 401 "
+            "(add --turn-user name:password or --turn-secret)"
+        )
+    return credentials
+
+
+def _settings(config: Config) -> TurnSettings:
+    low, high = config.relay_ports
+    total_quota = config.total_quota or auto_total_quota(
+        resource.getrlimit(resource.RLIMIT_NOFILE)[0], high - low + 1
+    )
+    return TurnSettings(
+        realm=config.realm,
+        max_lifetime=float(config.max_lifetime),
+        user_quota=config.user_quota,
+        ip_quota=config.ip_quota,
+        total_quota=total_quota,
+        max_permissions=config.max_permissions,
+        channel_max=(
+            CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766
+        ),
+        allow_unauthenticated=config.allow_unauthenticated,
+        alternate_servers=tuple(_parse_host_port(a) for a in config.alternate_server),
+        tcp_relay=config.tcp_relay,
+        unauthenticated_rate=config.unauthenticated_rate,
+        unauthenticated_burst=max(1.0, config.unauthenticated_rate * 2),
+    )
 
 
 def _read_users(path: str) -> dict[str, str]:

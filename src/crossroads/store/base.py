@@ -18,6 +18,15 @@ from typing import Protocol
 
 from crossroads.errors import ConfigError
 
+#: URL schemes of the Redis store (see crossroads.store.redis_url).
+REDIS_SCHEMES = (
+    "redis://",
+    "rediss://",
+    "unix://",
+    "redis+sentinel://",
+    "rediss+sentinel://",
+)
+
 
 class Subscription(Protocol):
     """Messages published on one channel after the subscription was made."""
@@ -95,12 +104,14 @@ class Store(Protocol):
 
 
 def open_store(url: str) -> Store:
-    """Open the store named by ``url``: ``memory`` or ``redis://host:port/db``."""
+    """Open the store named by ``url``: ``memory`` or a Redis URL
+    (:mod:`crossroads.store.redis_url`: redis://, rediss://, unix://,
+    redis+sentinel://)."""
     if url == "memory":
         from crossroads.store.memory import MemoryStore
 
         return MemoryStore()
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(REDIS_SCHEMES):
         from crossroads.store.redis import RedisStore
 
         return RedisStore(url)

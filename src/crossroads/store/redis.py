@@ -11,6 +11,7 @@ from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from crossroads.errors import StoreError
+from crossroads.store.redis_url import redis_client
 
 T = TypeVar("T")
 
@@ -70,7 +71,7 @@ class RedisStore:
 
     def __init__(self, url: str) -> None:
         self.url = url
-        pool = aioredis.BlockingConnectionPool.from_url(
+        self._redis: aioredis.Redis = redis_client(
             url,
             max_connections=self.MAX_CONNECTIONS,
             timeout=self.POOL_TIMEOUT,
@@ -79,7 +80,6 @@ class RedisStore:
             retry_on_timeout=True,
             socket_connect_timeout=5,
         )
-        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
 
     async def get(self, key: str) -> bytes | None:
         value: Any = await _guard(self._redis.get(key))

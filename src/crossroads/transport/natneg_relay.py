@@ -168,6 +168,17 @@ class RelayPool:
     def active(self) -> int:
         return len(self._pairs)
 
+    def pair_summaries(self) -> list[tuple[int, tuple[str, str], int]]:
+        """(cookie, the two clients' IPs, datagrams relayed) per live pair."""
+        return [
+            (
+                cookie,
+                (pair.sides[0].expected_ip, pair.sides[1].expected_ip),
+                sum(side.packets for side in pair.sides),
+            )
+            for cookie, pair in self._pairs.items()
+        ]
+
     def packets(self) -> int:
         """Datagrams relayed so far (live and released pairs)."""
         live = sum(side.packets for pair in self._pairs.values() for side in pair.sides)

@@ -109,6 +109,13 @@ class RelayEndpoint:
 
     # ----------------------------------------------------------- control plane
 
+    def kick(self, allocation_id: bytes) -> bool:
+        """End one allocation now (:meth:`RelayServer.kick`) and send what it says."""
+        now = self._loop.time()
+        kicked = self.core.kick(allocation_id, now)
+        self._flush(now)
+        return kicked
+
     def _flush(self, now: float) -> None:
         sendto = self.sock.sendto if self._replies is None else self._replies.sendto
         for data, addr in self.core.datagrams_to_send(now):

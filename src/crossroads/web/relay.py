@@ -244,9 +244,19 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raise AllocationError(400, 15001, "InvalidRequest", problems) from None
 
 
+class ApiKeys:
+    """The accepted API keys; replaced as a whole on reload (SIGHUP)."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.replace(keys)
+
+    def replace(self, keys: Sequence[str]) -> None:
+        self.encoded: tuple[bytes, ...] = tuple(key.encode() for key in keys)
+
+
 def make_router(
     allocator: Allocator,
-    api_keys: Sequence[str],
+    api_keys: ApiKeys,
     requests: Counter,
     *,
     rate: float = 0.0,
@@ -257,7 +267,6 @@ def make_router(
 
     ``rate`` and ``burst`` limit allocate and join calls per client IP (0: none).
     """
-    keys = [key.encode() for key in api_keys]
     router = APIRouter(prefix="/v1", tags=["relay"])
     limiter = RateLimiter(rate, burst, clock)
 
@@ -267,13 +276,13 @@ def make_router(
             return False
         presented = token.strip().encode()
         # Compare with every key, in constant time each, so timing says nothing.
-        matches = [hmac.compare_digest(presented, key) for key in keys]
+        matches = [hmac.compare_digest(presented, key) for key in api_keys.encoded]
         return any(matches)
 
     async def guarded(
         endpoint: str, request: Request, handler: Callable[[], Awaitable[JSONResponse]]
     ) -> JSONResponse:
-        if not keys:
+        if not api_keys.encoded:
             response = error_response(
                 401,
                 15401,

@@ -251,6 +251,20 @@ _GOT_YOUR_DATA = 0x42
 _HOUSEKEEPING_INTERVAL = 10.0
 
 
+@dataclass(frozen=True, slots=True)
+class NegotiationSummary:
+    """One negotiation as an operator sees it."""
+
+    cookie: int
+    #: IP of the first client that named the cookie.
+    owner_ip: str
+    #: waiting, relay-pending, connecting, failing or done (lingering).
+    state: str
+    #: Clients (of two) that have shown up.
+    clients: int
+    age: float
+
+
 class _State(Enum):
     WAITING = "waiting"  # for both clients to complete
     RELAY_PENDING = "relay-pending"  # waiting for the transport's relay answer
@@ -403,6 +417,19 @@ class NatNegServer:
     def session_count(self) -> int:
         """Sessions currently held (any state, including lingering ones)."""
         return len(self._sessions)
+
+    def session_summaries(self, now: float) -> list[NegotiationSummary]:
+        """Every session held, for operators (admin console, CLI)."""
+        return [
+            NegotiationSummary(
+                cookie=session.cookie,
+                owner_ip=session.owner_ip,
+                state=session.state.value,
+                clients=sum(client is not None for client in session.clients),
+                age=max(0.0, now - session.created),
+            )
+            for session in self._sessions.values()
+        ]
 
     def receive_datagram(
         self,

@@ -198,6 +198,18 @@ class _Bucket:
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """One open mesh session as an operator sees it."""
+
+    session: str
+    code: str
+    members: int
+    max_members: int
+    #: IP of the host's signalling connection ("" while unknown).
+    host_ip: str
+
+
 @dataclass(slots=True)
 class _Conn:
     id: int
@@ -327,6 +339,36 @@ class Coordinator:
     def session_members(self, session: str) -> list[str]:
         s = self._sessions.get(session)
         return [] if s is None else list(s.members)
+
+    def session_summaries(self) -> list[SessionSummary]:
+        """Every open session, for operators (no keys or tokens)."""
+        out = []
+        for s in self._sessions.values():
+            host = self._peers.get(s.host())
+            out.append(
+                SessionSummary(
+                    session=s.id,
+                    code=s.code,
+                    members=len(s.members),
+                    max_members=s.max_members,
+                    host_ip=self._conns[host.conn].ip
+                    if host is not None and host.conn in self._conns
+                    else "",
+                )
+            )
+        return out
+
+    def end_session(self, session: str) -> bool:
+        """Close every member's signalling connection (an operator's kick); the
+        usual connection-lost path then dissolves the session."""
+        s = self._sessions.get(session)
+        if s is None:
+            return False
+        for peer_id in list(s.members):
+            peer = self._peers.get(peer_id)
+            if peer is not None:
+                self._close.append((peer.conn, CLOSE_POLICY, "removed by the operator"))
+        return True
 
     # ------------------------------------------------------------------- outputs
 

@@ -380,6 +380,15 @@ class RelayServer:
             if wall > deadline:
                 del self._ended[allocation_id]
 
+    def kick(self, allocation_id: bytes, now: float) -> bool:
+        """End an allocation on an operator's order (its client gets the same
+        ERROR as on a timeout, its peers are unlinked); False when unknown."""
+        alloc = self.allocations.get(allocation_id)
+        if alloc is None:
+            return False
+        self._end(alloc, "revoked", now, notify=True)
+        return True
+
     def relayed(self) -> tuple[int, int]:
         """Frames and bytes forwarded so far, including those not yet swept."""
         packets, octets = self.relayed_packets, self.relayed_octets

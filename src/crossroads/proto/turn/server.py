@@ -444,6 +444,18 @@ class TurnServer:
 
     # ------------------------------------------------------------ driving
 
+    def reconfigure(self, settings: TurnSettings, credentials: Credentials) -> None:
+        """New users, secrets and limits (a reload). Live allocations stay:
+        they keep the key they were created with (RFC 8656 §7.2), a removed
+        user just cannot refresh beyond its lifetime; quotas apply to new
+        Allocates. The realm is part of every key, so it cannot change here."""
+        if settings.realm != self.settings.realm or (
+            credentials.realm != self.credentials.realm
+        ):
+            raise ValueError("the realm cannot change without a restart")
+        self.settings = settings
+        self.credentials = credentials
+
     def pop_events(self) -> list[TurnEvent]:
         """Events queued since the last call, oldest first."""
         events, self._events = self._events, []

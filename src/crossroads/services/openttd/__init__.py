@@ -22,7 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from crossroads.config import setting
 from crossroads.errors import StoreError
-from crossroads.services.base import ServiceContext
+from crossroads.services.base import ServiceContext, SessionInfo, show_address
 from crossroads.services.openttd.bounded import BoundedStore
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import Limits, Listener, PacketConnection
@@ -215,6 +215,28 @@ class OpenTTDService:
 
     def address(self, role: str) -> Address:
         return self.listeners[role].address
+
+    def sessions(self) -> list[SessionInfo]:
+        """Game servers registered on this instance (by invite code)."""
+        if self.coordinator is None:
+            return []
+        listed = []
+        for code, conn, state in self.coordinator.local_server_list():
+            info = state.record.info if state.record is not None else None
+            name = info.server_name if info is not None else "(no game info yet)"
+            players = f", {info.clients_on}/{info.clients_max} players" if info else ""
+            listed.append(
+                SessionInfo(
+                    id=code,
+                    client=show_address(conn.peer),
+                    detail=f"{name}{players}, game port {state.server_port}",
+                )
+            )
+        return listed
+
+    def revoke(self, session_id: str) -> bool:
+        """Unregister the server with this invite code."""
+        return self.coordinator is not None and self.coordinator.kick_server(session_id)
 
     async def close(self) -> None:
         if self._closed:

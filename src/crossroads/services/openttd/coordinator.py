@@ -552,6 +552,21 @@ class Coordinator:
         if close:
             conn.close(f"gc-error-{error.name.lower()}")
 
+    def local_server_list(self) -> list[tuple[str, PacketConnection, PeerState]]:
+        """(invite code, connection, state) of every server registered here."""
+        return [
+            (code, conn, self.state(conn)) for code, conn in self.local_servers.items()
+        ]
+
+    def kick_server(self, code: str) -> bool:
+        """Unregister a server on an operator's order: GC_ERROR then close (the
+        usual end of a connection; its record is withdrawn from the listing)."""
+        conn = self.local_servers.get(code)
+        if conn is None:
+            return False
+        self.fail(conn, ErrorType.REGISTRATION_FAILED, "removed by the operator", True)
+        return True
+
     async def send_to_server(self, record: ServerRecord, message: GcMessage) -> None:
         data = encode_gc_packet(message, record.protocol)
         conn = self.local_servers.get(record.code)

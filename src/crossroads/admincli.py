@@ -1,0 +1,386 @@
+"""The admin CLI: ``crossroads status``, ``sessions``, ``credentials``, ``revoke``,
+``reload`` and ``doctor``, talking to a running ``crossroads serve``.
+
+The server is found, in order, through ``--url``, ``--http-port`` (on
+127.0.0.1), or the ``server.json`` that ``crossroads serve`` keeps in the state
+directory (``--state-dir``, default as for ``serve``). The admin token is
+``--admin-token`` / ``CROSSROADS_ADMIN_TOKEN``, else the one in the state
+directory's ``credentials.json``. Everything goes through the console's HTTP API
+(``/console/api/...``), so the CLI works against a remote server too, except
+``reload``, which signals the local process (SIGHUP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import click
+import httpx
+
+from crossroads.runtime import SERVER_FILE
+from crossroads.services.base import show_address
+from crossroads.state import CREDENTIALS_FILE, resolve_state_dir
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: HTTP timeout of one CLI request: a local server answers in milliseconds; a
+#: remote one gets a generous margin before the command gives up.
+HTTP_TIMEOUT = 10.0
+#: Clock skew that breaks TURN REST credentials in practice: a credential made
+#: on a client whose clock is ahead looks expired to the server; one minute is
+#: well within the 24 h TTL coturn's documentation suggests, so the doctor only
+#: warns beyond it.
+CLOCK_SKEW_WARNING = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A running server as the CLI reaches it."""
+
+    url: str
+    token: str
+    pid: int | None
+    state_dir: Path
+
+
+def target_options(command: F) -> F:
+    for option in (
+        click.option("--url", help="URL of the server's HTTP port."),
+        click.option("--http-port", type=int, help="HTTP port on 127.0.0.1."),
+        click.option(
+            "--state-dir",
+            default="",
+            envvar="CROSSROADS_STATE_DIR",
+            help="State directory of the server (default as for serve).",
+        ),
+        click.option(
+            "--admin-token",
+            default="",
+            envvar="CROSSROADS_ADMIN_TOKEN",
+            help="Admin token (default: the one in the state directory).",
+        ),
+    ):
+        command = option(command)
+    return command
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot read {path}: {exc}") from None
+    return data if isinstance(data, dict) else {}
+
+
+def find_target(
+    url: str | None, http_port: int | None, state_dir: str, admin_token: str
+) -> Target:
+    directory = resolve_state_dir(state_dir)
+    running = _read_json(directory / SERVER_FILE)
+    pid = running.get("pid") if isinstance(running.get("pid"), int) else None
+    if url:
+        found = url.rstrip("/")
+    elif http_port:
+        found = f"http://127.0.0.1:{http_port}"
+    elif isinstance(running.get("url"), str):
+        found = str(running["url"])
+    else:
+        raise click.ClickException(
+            f"no running server found in {directory} (no {SERVER_FILE}); "
+            "give --url or --http-port"
+        )
+    token = admin_token or str(
+        _read_json(directory / CREDENTIALS_FILE).get("admin_token", "")
+    )
+    return Target(url=found, token=token, pid=pid, state_dir=directory)
+
+
+def request(
+    target: Target, method: str, path: str, *, admin: bool = False, **kwargs: Any
+) -> Any:
+    headers = {"Authorization": f"Bearer {target.token}"} if admin else {}
+    if admin and not target.token:
+        raise click.ClickException(
+            "no admin token: give --admin-token or run where the state directory is"
+        )
+    try:
+        response = httpx.request(
+            method,
+            target.url + path,
+            headers=headers,
+            timeout=HTTP_TIMEOUT,
+            **kwargs,
+        )
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"{target.url}: {exc}") from None
+    if response.status_code == 401:
+        raise click.ClickException("the server refused the admin token")
+    if response.status_code >= 400:
+        try:
+            message = response.json().get("message", response.text)
+        except ValueError:
+            message = response.text
+        raise click.ClickException(f"{response.status_code}: {message}")
+    return response.json()
+
+
+# ---------------------------------------------------------------- commands
+
+
+@click.command()
+@target_options
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+def status(as_json: bool, **where: Any) -> None:
+    """What runs where, and the live counters."""
+    data = request(find_target(**where), "GET", "/console/api/status")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(
+        f"crossroads {data['version']}, up {data['uptime']:.0f} s, "
+        f"store {data['store']}"
+    )
+    for service in data["services"]:
+        click.echo(f"{service['name']}: {', '.join(service['listens'])}")
+    for spec in data["counters"]:
+        value = data["current"][spec["key"]]
+        click.echo(f"  {spec['label']:<22} {value:g}")
+    click.echo(f"  {'recent warnings':<22} {data['errors']}")
+
+
+@click.command()
+@target_options
+@click.argument("kind", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+def sessions(kind: str | None, as_json: bool, **where: Any) -> None:
+    """Live sessions: turn, relay, openttd, p2p (all by default)."""
+    data: dict[str, list[dict[str, Any]]] = request(
+        find_target(**where), "GET", "/console/api/admin/sessions", admin=True
+    )
+    if kind is not None:
+        if kind not in data:
+            known = ", ".join(sorted(data)) or "none running"
+            raise click.ClickException(f"no {kind} sessions here (kinds: {known})")
+        data = {kind: data[kind]}
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for name, listed in data.items():
+        click.echo(f"{name}: {len(listed)}")
+        for s in listed:
+            expires = (
+                f", expires in {s['expires_in']:.0f} s"
+                if s["expires_in"] is not None
+                else ""
+            )
+            user = f" user {s['user']}" if s["user"] else ""
+            click.echo(f"  {s['id']}  {s['client']}{user}  {s['detail']}{expires}")
+
+
+@click.command()
+@target_options
+@click.argument("kind")
+@click.argument("session_id")
+def revoke(kind: str, session_id: str, **where: Any) -> None:
+    """End one session (ids as `crossroads sessions` prints them)."""
+    request(
+        find_target(**where),
+        "POST",
+        "/console/api/admin/revoke",
+        admin=True,
+        json={"kind": kind, "id": session_id},
+    )
+    click.echo(f"revoked {kind} {session_id}")
+
+
+@click.command()
+@click.option(
+    "--state-dir", default="", envvar="CROSSROADS_STATE_DIR", help="State directory."
+)
+def reload(state_dir: str) -> None:
+    """Re-read users, secrets and limits (SIGHUP); live sessions stay."""
+    directory = resolve_state_dir(state_dir)
+    pid = _read_json(directory / SERVER_FILE).get("pid")
+    if not isinstance(pid, int):
+        raise click.ClickException(f"no running server recorded in {directory}")
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        raise click.ClickException(f"server pid {pid} is not running") from None
+    click.echo(f"sent SIGHUP to {pid}; the server logs what it reloaded")
+
+
+@click.group()
+def credentials() -> None:
+    """Credentials for clients of this server."""
+
+
+def _local_secret(state_dir: str, env_name: str, field: str) -> str:
+    configured = os.environ.get(env_name, "")
+    if configured:
+        return configured.split(",")[0].strip()
+    stored = _read_json(resolve_state_dir(state_dir) / CREDENTIALS_FILE)
+    value = stored.get(field)
+    if not isinstance(value, str) or not value:
+        raise click.ClickException(
+            f"no {field.replace('_', ' ')}: set {env_name} or run where the "
+            "state directory is"
+        )
+    return value
+
+
+@credentials.command("turn")
+@target_options
+@click.argument("user")
+@click.option(
+    "--ttl",
+    default=86400,
+    show_default=True,
+    help="Seconds the credential is valid (coturn's REST API suggests a day).",
+)
+@click.option("--secret", default="", help="TURN shared secret (default: local).")
+def credentials_turn(
+    user: str, ttl: int, secret: str, url: str | None, http_port: int | None,
+    state_dir: str, admin_token: str,
+) -> None:  # fmt: skip
+    """Time-limited TURN credentials as WebRTC iceServers JSON."""
+    from crossroads.client.turn import rest_credentials
+
+    if ttl <= 0:
+        raise click.ClickException("--ttl must be positive")
+    secret = secret or _local_secret(state_dir, "CROSSROADS_TURN_SECRET", "turn_secret")
+    target = find_target(url, http_port, state_dir, admin_token)
+    data = request(target, "GET", "/console/api/status")
+    host = urlsplit(target.url).hostname or "127.0.0.1"
+    port = _stun_port(data)
+    shown = f"[{host}]" if ":" in host else host
+    username, password = rest_credentials(secret, user, ttl)
+    body = {
+        "iceServers": [
+            {
+                "urls": [
+                    f"stun:{shown}:{port}",
+                    f"turn:{shown}:{port}?transport=udp",
+                    f"turn:{shown}:{port}?transport=tcp",
+                ],
+                "username": username,
+                "credential": password,
+            }
+        ]
+    }
+    click.echo(json.dumps(body, indent=2))
+
+
+def _stun_port(status_data: dict[str, Any]) -> int:
+    for service in status_data["services"]:
+        if service["name"] == "stun":
+            for line in service["listens"]:
+                if line.startswith("udp "):
+                    return int(line.split()[1].rsplit(":", 1)[1])
+    raise click.ClickException("the server runs no STUN/TURN service")
+
+
+@credentials.command("api-key")
+@click.option(
+    "--state-dir", default="", envvar="CROSSROADS_STATE_DIR", help="State directory."
+)
+def credentials_api_key(state_dir: str) -> None:
+    """The relay API key to use (Authorization: Bearer KEY)."""
+    click.echo(_local_secret(state_dir, "CROSSROADS_API_KEYS", "relay_api_key"))
+
+
+# ---------------------------------------------------------------- doctor
+
+
+@click.command()
+@target_options
+def doctor(**where: Any) -> None:
+    """Check from here what a client needs: ports, public address, NAT, clock."""
+    target = find_target(**where)
+    problems = asyncio.run(_doctor(target))
+    sys.exit(1 if problems else 0)
+
+
+async def _doctor(target: Target) -> int:
+    from crossroads.client.stun import stun_binding
+
+    problems = 0
+
+    def report(ok: bool, text: str) -> None:
+        nonlocal problems
+        problems += 0 if ok else 1
+        click.echo(f"[{'ok' if ok else 'FAIL'}] {text}")
+
+    try:
+        async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as http:
+            response = await http.get(target.url + "/console/api/status")
+            response.raise_for_status()
+    except httpx.HTTPError as exc:
+        report(False, f"HTTP {target.url}: {exc}")
+        return problems
+    data = response.json()
+    report(True, f"HTTP {target.url} answers (crossroads {data['version']})")
+    server_date = response.headers.get("date")
+    if server_date:
+        skew = parsedate_to_datetime(server_date).timestamp() - time.time()
+        # The Date header has one-second resolution.
+        report(
+            abs(skew) <= CLOCK_SKEW_WARNING,
+            f"clock: server and this machine differ by {skew:+.0f} s "
+            "(TURN REST credentials need synchronised clocks)",
+        )
+    host = urlsplit(target.url).hostname or "127.0.0.1"
+    names = {service["name"] for service in data["services"]}
+    if "stun" in names:
+        port = _stun_port(data)
+        for transport in ("udp", "tcp"):
+            try:
+                result = await stun_binding((host, port), transport=transport)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                report(False, f"STUN {transport} {host}:{port}: {exc}")
+                continue
+            mapped = show_address(result.mapped)
+            report(True, f"STUN {transport} {host}:{port}: seen as {mapped}")
+            if transport == "udp":
+                behind = result.mapped[0] != result.local[0]
+                click.echo(
+                    f"      {'a NAT is' if behind else 'no NAT'} between this "
+                    f"machine ({show_address(result.local)}) and the server"
+                )
+    for service in data["services"]:
+        for line in service["listens"]:
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "tcp" and service["name"] != "stun":
+                port = int(parts[1].rsplit(":", 1)[1])
+                report(
+                    await _tcp_open(host, port),
+                    f"{service['name']} tcp {host}:{port} reachable",
+                )
+    return problems
+
+
+async def _tcp_open(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(
+            asyncio.open_connection(host, port), HTTP_TIMEOUT
+        )
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+COMMANDS = (status, sessions, revoke, reload, credentials, doctor)

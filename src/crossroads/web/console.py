@@ -1,0 +1,635 @@
+"""The web console at ``/``: what runs, live counters, charts, recent errors,
+how to connect clients, and admin pages behind a token.
+
+Everything is served by crossroads itself: two server-rendered pages, one
+stylesheet and one small vanilla script (no build step, no CDN; a
+Content-Security-Policy of ``'self'`` only). The script polls
+``/console/api/status`` every :data:`POLL_SECONDS` and redraws counters and
+inline-SVG charts.
+
+Theory of operation. A :class:`Sampler` task reads the runtime's Prometheus
+registry every :data:`SAMPLE_SECONDS` and keeps the last :data:`HISTORY_SAMPLES`
+readings of a fixed list of counters (:data:`COUNTERS`); rates are the
+difference of two readings. An :class:`ErrorRing` logging handler keeps the last
+:data:`ERROR_RING` WARNING-or-worse records. Public pages and ``/console/api/status``
+show only what a client could learn by connecting anyway: services, ports,
+counters. Sessions (client addresses, user names), recent errors and revoke are
+under ``/console/api/admin/*``, which needs ``Authorization: Bearer <admin token>``
+(compared in constant time); the admin page asks for the token and keeps it in
+the tab's sessionStorage (no cookie, so no cross-site request can use it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import html
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CollectorRegistry
+
+import crossroads
+from crossroads.config import Config
+from crossroads.errors import StoreError
+from crossroads.services.base import Service, SessionAdmin, show_address
+
+#: Seconds between two readings of the counters: fine enough for "packets per
+#: second right now", coarse enough to cost nothing (one registry walk).
+SAMPLE_SECONDS = 2.0
+#: Readings kept: 300 x 2 s = the last ten minutes, the charts' span.
+HISTORY_SAMPLES = 300
+#: How often the page asks for fresh numbers (the sampling period).
+POLL_SECONDS = SAMPLE_SECONDS
+#: Recent WARNING/ERROR records kept for the admin page (bounded memory).
+ERROR_RING = 100
+#: Longest message kept per record: a huge message must not grow the ring.
+ERROR_MESSAGE_CHARS = 500
+#: The public status is shared by every viewer for this long: one computation
+#: per second bounds what polling browsers (or a flood of them) cost.
+STATUS_CACHE_SECONDS = 1.0
+#: Largest NAT-lab matrix file shown (bytes); bigger ones are not read.
+MATRIX_MAX_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSpec:
+    """One number the console shows: a Prometheus sample, summed over labels."""
+
+    key: str
+    label: str
+    sample: str
+    #: "gauge": the value; "total": a counter's value; "rate": per second.
+    kind: str
+
+
+COUNTERS: tuple[CounterSpec, ...] = (
+    CounterSpec("turn_allocations", "TURN allocations", "crossroads_turn_allocations", "gauge"),
+    CounterSpec("turn_pps", "TURN packets/s", "crossroads_turn_relayed_packets_total", "rate"),
+    CounterSpec("relay_allocations", "Relay allocations", "crossroads_relay_allocations", "gauge"),
+    CounterSpec("relay_pps", "Relay packets/s", "crossroads_relay_relayed_packets_total", "rate"),
+    CounterSpec("openttd_servers", "OpenTTD servers", "crossroads_openttd_servers", "gauge"),
+    CounterSpec("natneg_negotiations", "natneg negotiations", "crossroads_natneg_negotiations_total", "total"),
+    CounterSpec("p2p_sessions", "p2p sessions", "crossroads_p2p_sessions", "gauge"),
+    CounterSpec("stun_rps", "STUN requests/s", "crossroads_stun_requests_total", "rate"),
+)  # fmt: skip
+
+
+def read_samples(registry: CollectorRegistry) -> dict[str, float]:
+    """Current value of every :data:`COUNTERS` sample, summed over its labels."""
+    wanted = {spec.sample for spec in COUNTERS}
+    values = dict.fromkeys(wanted, 0.0)
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name in wanted:
+                values[sample.name] += sample.value
+    return values
+
+
+class Sampler:
+    """The last :data:`HISTORY_SAMPLES` readings of :data:`COUNTERS`."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.history: collections.deque[tuple[float, dict[str, float]]] = (
+            collections.deque(maxlen=HISTORY_SAMPLES)
+        )
+
+    def sample(self, now: float) -> None:
+        self.history.append((now, read_samples(self.registry)))
+
+    def series(self) -> dict[str, list[tuple[float, float]]]:
+        """key -> [(wall time, shown value)], oldest first."""
+        points = list(self.history)
+        out: dict[str, list[tuple[float, float]]] = {s.key: [] for s in COUNTERS}
+        for index, (at, values) in enumerate(points):
+            for spec in COUNTERS:
+                if spec.kind != "rate":
+                    out[spec.key].append((at, values[spec.sample]))
+                elif index > 0:
+                    before_at, before = points[index - 1]
+                    elapsed = max(at - before_at, 1e-9)
+                    # A counter never goes down; a restart of its service would.
+                    delta = max(0.0, values[spec.sample] - before[spec.sample])
+                    out[spec.key].append((at, delta / elapsed))
+        return out
+
+    def current(self) -> dict[str, float]:
+        """Gauges and totals read now; rates over the last sampling period."""
+        now_values = read_samples(self.registry)
+        series = self.series()
+        current: dict[str, float] = {}
+        for spec in COUNTERS:
+            if spec.kind == "rate":
+                points = series[spec.key]
+                current[spec.key] = points[-1][1] if points else 0.0
+            else:
+                current[spec.key] = now_values[spec.sample]
+        return current
+
+    async def run(self) -> None:
+        while True:
+            self.sample(time.time())
+            await asyncio.sleep(SAMPLE_SECONDS)
+
+
+class ErrorRing(logging.Handler):
+    """Keeps the last :data:`ERROR_RING` WARNING-or-worse records."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: collections.deque[dict[str, Any]] = collections.deque(
+            maxlen=ERROR_RING
+        )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string must not break logging
+            message = str(record.msg)
+        self.records.append(
+            {
+                "time": record.created,
+                "level": record.levelname,
+                "logger": record.name,
+                "message": message[:ERROR_MESSAGE_CHARS],
+            }
+        )
+
+
+# ------------------------------------------------------------------ snippets
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPorts:
+    """The ports clients use, as bound (0 in a configuration means "any")."""
+
+    stun: int = 3478
+    coordinator: int = 3976
+    openttd_stun: int = 3975
+    relay: int = 7780
+    http: int = 8080
+
+
+def connect_snippets(host: str, ports: ClientPorts) -> list[tuple[str, str]]:
+    """(title, text) for each kind of client, with this server's address."""
+    shown = f"[{host}]" if ":" in host else host
+    stun_port, coordinator, openttd_stun = (
+        ports.stun,
+        ports.coordinator,
+        ports.openttd_stun,
+    )
+    relay_port, http_port = ports.relay, ports.http
+    return [
+        (
+            "WebRTC (browser, libwebrtc)",
+            "const pc = new RTCPeerConnection({iceServers: [\n"
+            f'  {{urls: ["stun:{shown}:{stun_port}"]}},\n'
+            f'  {{urls: ["turn:{shown}:{stun_port}?transport=udp", '
+            f'"turn:{shown}:{stun_port}?transport=tcp"],\n'
+            '   username: "<from crossroads credentials turn USER>",\n'
+            '   credential: "<idem>"}]});',
+        ),
+        (
+            "coturn test client",
+            f"turnutils_uclient -y -W <turn secret> -u me -p {stun_port} {shown}",
+        ),
+        (
+            "OpenTTD 12-14",
+            f"export OTTD_COORDINATOR_CS={shown}:{coordinator}\n"
+            f"export OTTD_STUN_CS={shown}:{openttd_stun}\nopenttd -D",
+        ),
+        (
+            "GameSpy natneg (hosts file)",
+            f"{host}  <gamename>.natneg1.gamespy.com\n"
+            f"{host}  <gamename>.natneg2.gamespy.com\n"
+            f"{host}  <gamename>.natneg3.gamespy.com",
+        ),
+        (
+            f"Unity Relay-style client (REST API, relay node UDP {relay_port})",
+            f'curl -H "Authorization: Bearer <api key>" -d \'{{"maxConnections": 4}}\' '
+            f"http://{shown}:{http_port}/v1/allocate",
+        ),
+        (
+            "crossroads p2p SDK demo",
+            f"crossroads host --server ws://{shown}:{http_port}/p2p/v1/ws",
+        ),
+    ]
+
+
+# ------------------------------------------------------------------ matrix
+
+
+def matrix_table(path: Path | None) -> str:
+    """The NAT-lab matrix (a Markdown pipe table) as an HTML table, or ""."""
+    if path is None:
+        return ""
+    try:
+        if path.stat().st_size > MATRIX_MAX_BYTES:
+            return ""
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    rows = [
+        [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.strip().startswith("|")
+    ]
+    rows = [r for r in rows if not all(set(c) <= set("-: ") for c in r)]
+    if len(rows) < 2:
+        return ""
+    head = "".join(f'<th scope="col">{html.escape(c)}</th>' for c in rows[0])
+    body = "".join(
+        "<tr>"
+        + f'<th scope="row">{html.escape(row[0])}</th>'
+        + "".join(f"<td>{html.escape(c)}</td>" for c in row[1:])
+        + "</tr>"
+        for row in rows[1:]
+    )
+    return (
+        '<div class="scroll"><table><caption>Latest NAT-lab matrix '
+        f"({html.escape(path.name)})</caption><thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table></div>"
+    )
+
+
+# ------------------------------------------------------------------ console
+
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+        "form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+class Console:
+    """The console of one runtime (routes, sampler task, error ring)."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        metrics: CollectorRegistry,
+        services: Callable[[], Mapping[str, Service]],
+        matrix_path: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.services = services
+        self.sampler = Sampler(metrics)
+        self.errors = ErrorRing()
+        self.matrix_path = matrix_path
+        self.started = time.time()
+        self._task: asyncio.Task[None] | None = None
+        self._status: dict[str, Any] | None = None
+        self._status_at = 0.0
+
+    def start(self) -> None:
+        logging.getLogger("crossroads").addHandler(self.errors)
+        self._task = asyncio.create_task(self.sampler.run(), name="console-sampler")
+
+    async def close(self) -> None:
+        logging.getLogger("crossroads").removeHandler(self.errors)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # ------------------------------------------------------------ data
+
+    def store_kind(self) -> str:
+        """The store's kind only: a Redis URL may carry a password."""
+        url = self.config.core.store
+        return url.split(":", 1)[0] if "://" in url else url
+
+    async def relay_nodes(self) -> list[dict[str, Any]]:
+        """Relay nodes by region with their load (public: clients are handed
+        these addresses by the allocations API anyway)."""
+        from crossroads.services.relay import RelayService
+
+        relay = self.services().get("relay")
+        if not isinstance(relay, RelayService):
+            return []
+        try:
+            nodes = await relay.live_nodes()
+        except StoreError:
+            return []
+        return [
+            {
+                "region": n.region,
+                "node": n.node_id,
+                "address": show_address((n.host, n.port)),
+                "load": n.load,
+                "capacity": n.capacity,
+            }
+            for n in sorted(nodes, key=lambda n: (n.region, n.node_id))
+        ]
+
+    async def status(self) -> dict[str, Any]:
+        """The public status, computed at most once per :data:`STATUS_CACHE_SECONDS`
+        however many browsers poll it (a registry walk and a store read each)."""
+        now = time.monotonic()
+        if self._status is not None and now - self._status_at < STATUS_CACHE_SECONDS:
+            return self._status
+        self._status = await self._fresh_status()
+        self._status_at = now
+        return self._status
+
+    async def _fresh_status(self) -> dict[str, Any]:
+        services = self.services()
+        return {
+            "relay_nodes": await self.relay_nodes(),
+            "version": crossroads.__version__,
+            "uptime": time.time() - self.started,
+            "store": self.store_kind(),
+            "services": [
+                {"name": name, "listens": service.describe()}
+                for name, service in services.items()
+            ],
+            "counters": [
+                {"key": s.key, "label": s.label, "kind": s.kind} for s in COUNTERS
+            ],
+            "current": self.sampler.current(),
+            "series": self.sampler.series(),
+            "errors": len(self.errors.records),
+        }
+
+    def session_admins(self) -> dict[str, SessionAdmin]:
+        return {
+            name: service
+            for name, service in self.services().items()
+            if isinstance(service, SessionAdmin)
+        }
+
+    def authorized(self, request: Request) -> bool:
+        token = self.config.core.admin_token
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not token or scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.strip().encode(), token.encode())
+
+    def client_ports(self, http_port: int) -> ClientPorts:
+        """Where this process's services actually listen (public accessors)."""
+        from crossroads.services.openttd import OpenTTDService
+        from crossroads.services.relay import RelayService
+        from crossroads.services.stun import StunService
+
+        services = self.services()
+        found: dict[str, int] = {"http": http_port}
+        stun = services.get("stun")
+        if isinstance(stun, StunService):
+            found["stun"] = stun.primary[1]
+        openttd = services.get("openttd")
+        if isinstance(openttd, OpenTTDService):
+            found["coordinator"] = openttd.address("coordinator")[1]
+            found["openttd_stun"] = openttd.address("stun")[1]
+        relay = services.get("relay")
+        if isinstance(relay, RelayService) and relay.node is not None:
+            found["relay"] = relay.node.info.port
+        return ClientPorts(**found)
+
+    # ------------------------------------------------------------ pages
+
+    def page(self, title: str, body: str, *, admin: bool) -> HTMLResponse:
+        nav_public = 'aria-current="page"' if not admin else ""
+        nav_admin = 'aria-current="page"' if admin else ""
+        document = f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{html.escape(title)} · crossroads</title>
+<link rel="stylesheet" href="/console/static/console.css">
+<link rel="icon" href="/console/static/favicon.svg" type="image/svg+xml">
+<script src="/console/static/console.js" defer></script>
+</head>
+<body data-page="{"admin" if admin else "public"}" data-poll="{POLL_SECONDS}">
+<a class="skip" href="#main">Skip to content</a>
+<header>
+<p class="brand">crossroads <span class="version">{html.escape(crossroads.__version__)}</span></p>
+<nav aria-label="Console">
+<ul>
+<li><a href="/" {nav_public}>Overview</a></li>
+<li><a href="/admin" {nav_admin}>Admin</a></li>
+<li><a href="/metrics">Metrics</a></li>
+</ul>
+</nav>
+</header>
+<main id="main" tabindex="-1">
+<h1>{html.escape(title)}</h1>
+{body}
+</main>
+<footer><p>crossroads {html.escape(crossroads.__version__)} · store: {html.escape(self.store_kind())}</p></footer>
+</body>
+</html>
+"""
+        return HTMLResponse(document, headers=SECURITY_HEADERS)
+
+    async def overview(self, host: str, http_port: int) -> HTMLResponse:
+        status = await self.status()
+        cards = "".join(
+            f'<li class="card"><span class="label" id="label-{s.key}">'
+            f"{html.escape(s.label)}</span>"
+            f'<span class="value" data-counter="{s.key}" '
+            f'aria-labelledby="label-{s.key}">'
+            f"{_number(status['current'][s.key])}</span>"
+            f'<span class="chart" data-chart="{s.key}"></span></li>'
+            for s in COUNTERS
+        )
+        rows = "".join(
+            f'<tr><th scope="row">{html.escape(entry["name"])}</th>'
+            f'<td><ul class="plain">{"".join(f"<li>{html.escape(line)}</li>" for line in entry["listens"])}</ul></td></tr>'
+            for entry in status["services"]
+        )
+        snippets = "".join(
+            f"<details><summary>{html.escape(title)}</summary>"
+            f"<pre><code>{html.escape(text)}</code></pre></details>"
+            for title, text in connect_snippets(host, self.client_ports(http_port))
+        )
+        node_rows = "".join(
+            f'<tr><th scope="row">{html.escape(n["region"])}</th>'
+            f"<td>{html.escape(n['node'])}</td><td>{html.escape(n['address'])}</td>"
+            f"<td>{n['load']} / {n['capacity']}</td></tr>"
+            for n in status["relay_nodes"]
+        )
+        nodes_section = (
+            '<section aria-labelledby="nodes-h"><h2 id="nodes-h">Relay nodes</h2>'
+            '<div class="scroll"><table><caption>Unity relay nodes by region '
+            "(seats reserved / capacity)</caption><thead><tr>"
+            '<th scope="col">Region</th><th scope="col">Node</th>'
+            '<th scope="col">Address</th><th scope="col">Load</th></tr></thead>'
+            f"<tbody>{node_rows}</tbody></table></div></section>"
+            if node_rows
+            else ""
+        )
+        matrix = matrix_table(self.matrix_path)
+        matrix_section = (
+            f'<section aria-labelledby="matrix-h"><h2 id="matrix-h">NAT lab</h2>'
+            f"{matrix}</section>"
+            if matrix
+            else ""
+        )
+        body = f"""
+<section aria-labelledby="live-h">
+<h2 id="live-h">Live</h2>
+<p class="muted">Updated every {POLL_SECONDS:g} s; charts show the last ten minutes.
+<span id="updated" role="status" aria-live="polite"></span></p>
+<ul class="cards">{cards}</ul>
+<p>Recent warnings and errors: <span data-errors>{status["errors"]}</span> (listed on the admin page).</p>
+</section>
+<section aria-labelledby="services-h">
+<h2 id="services-h">Services</h2>
+<div class="scroll"><table>
+<caption>What runs where (store: {html.escape(status["store"])}, version {html.escape(status["version"])})</caption>
+<thead><tr><th scope="col">Service</th><th scope="col">Listens on</th></tr></thead>
+<tbody>{rows}</tbody>
+</table></div>
+</section>
+{nodes_section}
+<section aria-labelledby="connect-h">
+<h2 id="connect-h">Connect a client</h2>
+{snippets}
+</section>
+{matrix_section}
+"""
+        return self.page("Overview", body, admin=False)
+
+    def admin_page(self) -> HTMLResponse:
+        kinds = "".join(
+            f'<section aria-labelledby="sessions-{name}-h" class="sessions" '
+            f'data-kind="{html.escape(name)}">'
+            f'<h2 id="sessions-{name}-h">{html.escape(name)} sessions</h2>'
+            '<p class="muted" data-empty>Not loaded.</p></section>'
+            for name in self.session_admins()
+        )
+        body = f"""
+<form id="token-form" class="token">
+<label for="token">Admin token</label>
+<input id="token" name="token" type="password" autocomplete="current-password" required>
+<button type="submit">Show sessions</button>
+<p id="admin-status" role="status" aria-live="polite"></p>
+</form>
+<div id="admin" hidden>
+{kinds}
+<section aria-labelledby="errors-h">
+<h2 id="errors-h">Recent warnings and errors</h2>
+<div id="errors"><p class="muted">None.</p></div>
+</section>
+</div>
+"""
+        return self.page("Admin", body, admin=True)
+
+    # ------------------------------------------------------------ routes
+
+    def router(self) -> APIRouter:
+        router = APIRouter(tags=["console"])
+        static = resources.files("crossroads.web") / "static"
+
+        @router.get("/", include_in_schema=False)
+        async def overview(request: Request) -> HTMLResponse:
+            host = self.config.core.public_host or (request.url.hostname or "")
+            # The port the browser used is the one clients reach HTTP on.
+            port = request.url.port or (443 if request.url.scheme == "https" else 80)
+            return await self.overview(host or "127.0.0.1", port)
+
+        @router.get("/favicon.ico", include_in_schema=False)
+        async def favicon() -> Response:
+            # Browsers ask for it whatever the page says; answer, not 404.
+            return Response(
+                (static / "favicon.svg").read_bytes(), media_type="image/svg+xml"
+            )
+
+        @router.get("/admin", include_in_schema=False)
+        async def admin() -> HTMLResponse:
+            return self.admin_page()
+
+        @router.get("/console/static/{name}", include_in_schema=False)
+        async def asset(name: str) -> Response:
+            media = {
+                "console.js": "text/javascript",
+                "console.css": "text/css",
+                "favicon.svg": "image/svg+xml",
+            }
+            if name not in media:
+                return JSONResponse(
+                    {"code": "not_found", "message": "Not Found"}, status_code=404
+                )
+            return Response(
+                (static / name).read_bytes(),
+                media_type=media[name],
+                headers=SECURITY_HEADERS,
+            )
+
+        @router.get("/console/api/status")
+        async def status() -> JSONResponse:
+            return JSONResponse(await self.status())
+
+        @router.get("/console/api/admin/sessions")
+        async def sessions(request: Request) -> JSONResponse:
+            if not self.authorized(request):
+                return _forbidden()
+            return JSONResponse(
+                {
+                    name: [asdict(s) for s in admin.sessions()]
+                    for name, admin in self.session_admins().items()
+                }
+            )
+
+        @router.get("/console/api/admin/errors")
+        async def errors(request: Request) -> JSONResponse:
+            if not self.authorized(request):
+                return _forbidden()
+            return JSONResponse({"errors": list(self.errors.records)})
+
+        @router.post("/console/api/admin/revoke")
+        async def revoke(request: Request) -> JSONResponse:
+            if not self.authorized(request):
+                return _forbidden()
+            try:
+                body = await request.json()
+                kind, session_id = str(body["kind"]), str(body["id"])
+            except (ValueError, KeyError, TypeError):
+                return JSONResponse(
+                    {"code": "invalid_request", "message": "need {kind, id}"},
+                    status_code=400,
+                )
+            admin = self.session_admins().get(kind)
+            if admin is None or not admin.revoke(session_id):
+                return JSONResponse(
+                    {"code": "not_found", "message": "no such session"},
+                    status_code=404,
+                )
+            return JSONResponse({"revoked": session_id, "kind": kind})
+
+        return router
+
+
+def _forbidden() -> JSONResponse:
+    return JSONResponse(
+        {
+            "code": "forbidden",
+            "message": "admin token required (Authorization: Bearer)",
+        },
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def _number(value: float) -> str:
+    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
