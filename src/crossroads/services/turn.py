@@ -775,6 +775,7 @@ class TurnService:
             policy,
             PortAllocator(low, high, cast(Any, secrets)),
             self,
+            reflection=ctx.reflection_budget(),
         )
         self.core.clock_offset = time.time() - self.loop.time()
         #: (client, endpoint) -> allocation: the client -> peer route table.

@@ -57,6 +57,11 @@ import struct
 import zlib
 from collections.abc import Sequence
 
+from crossroads.proto.reflection import (
+    DROP_REFLECTION,
+    ReflectionBudget,
+    ReflectionSettings,
+)
 from crossroads.proto.stun.attributes import (
     ATTRIBUTE_CLASSES,
     ErrorCodeAttribute,
@@ -143,6 +148,9 @@ class BindingCore:
         software: SOFTWARE value ("" to leave it out).
         rate_limit: Binding requests per second per source IP (0 = unlimited).
         max_sources: bound on the rate limiter's table.
+        reflection: the service's reflection budget: a UDP reply is sent only
+            while the client's address has been sent no more than it sent plus
+            the allowance (None: no budget).
     """
 
     def __init__(
@@ -152,6 +160,7 @@ class BindingCore:
         software: str = "",
         rate_limit: int = 0,
         max_sources: int = 100_000,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
         if len(advertised) not in (1, 2, 4):
             raise ValueError("advertised must have 1, 2 or 4 endpoints")
@@ -160,6 +169,9 @@ class BindingCore:
         self.change_supported = len(advertised) == 4
         self.software = software
         self.limiter = SourceRateLimiter(rate_limit, max_sources)
+        self.reflection = reflection or ReflectionBudget(
+            ReflectionSettings(enabled=False)
+        )
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""
         # Pre-encoded tails per (receiving, sending) endpoint pair, for RFC 5389+
@@ -241,7 +253,26 @@ class BindingCore:
 
         Returns a :data:`Reply` or a drop reason. ``addr`` is the client address
         as the transport reports it; replies go back to it (or to RESPONSE-PORT).
+        A UDP reply the reflection budget refuses is the drop reason
+        ``reflection-budget`` (a TCP client proved its address by the handshake).
         """
+        reply = self._reply(data, addr, local, now, tcp)
+        if (
+            tcp
+            or type(reply) is str
+            or self.reflection.answer(addr[0], len(data), len(reply[0]), now)
+        ):
+            return reply
+        return DROP_REFLECTION
+
+    def _reply(
+        self,
+        data: bytes,
+        addr: tuple[str, int],
+        local: int,
+        now: float,
+        tcp: bool,
+    ) -> Reply | str:
         size = len(data)
         if size < 20:
             return DROP_MALFORMED
@@ -456,6 +487,7 @@ __all__ = [
     "DROP_MALFORMED",
     "DROP_NOT_STUN",
     "DROP_RATE_LIMITED",
+    "DROP_REFLECTION",
     "DROP_RESPONSE",
     "DROP_UNSUPPORTED",
     "Reply",
