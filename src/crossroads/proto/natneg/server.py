@@ -395,8 +395,10 @@ class NatNegServer:
         self.config = config or ServerConfig()
         #: natneg has no authentication: every datagram it sends goes through
         #: this budget (docs/security.md, "Reflection budget"); None: no budget.
-        self.reflection = reflection or ReflectionBudget(
-            ReflectionSettings(enabled=False)
+        self.reflection = (
+            ReflectionBudget(ReflectionSettings(enabled=False))
+            if reflection is None
+            else reflection
         )
         self.stats = Stats()
         self._sessions: dict[int, _Session] = {}

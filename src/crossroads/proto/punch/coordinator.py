@@ -288,8 +288,10 @@ class Coordinator:
         self.config = config
         #: Rendezvous answers per source IP (docs/security.md, "Reflection
         #: budget"): a token holder can spoof the source; None: no budget.
-        self.reflection = reflection or ReflectionBudget(
-            ReflectionSettings(enabled=False)
+        self.reflection = (
+            ReflectionBudget(ReflectionSettings(enabled=False))
+            if reflection is None
+            else reflection
         )
         #: Invite codes are shared with other instances through a directory (the
         #: service's store): codes are claimed before ``hosted`` and a join for a

@@ -281,8 +281,10 @@ class RelayServer:
         self.config = config
         #: ERRORs to sources that are not bound where they claim to be
         #: (docs/security.md, "Reflection budget"); None: no budget.
-        self.reflection = reflection or ReflectionBudget(
-            ReflectionSettings(enabled=False)
+        self.reflection = (
+            ReflectionBudget(ReflectionSettings(enabled=False))
+            if reflection is None
+            else reflection
         )
         self.sealer = sealer
         self.wall_offset = wall_offset

@@ -169,8 +169,10 @@ class BindingCore:
         self.change_supported = len(advertised) == 4
         self.software = software
         self.limiter = SourceRateLimiter(rate_limit, max_sources)
-        self.reflection = reflection or ReflectionBudget(
-            ReflectionSettings(enabled=False)
+        self.reflection = (
+            ReflectionBudget(ReflectionSettings(enabled=False))
+            if reflection is None
+            else reflection
         )
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""

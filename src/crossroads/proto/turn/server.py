@@ -331,8 +331,10 @@ class TurnServer:
         self.settings = settings
         #: Unauthenticated answers over UDP per source IP (docs/security.md,
         #: "Reflection budget"); None: no budget.
-        self.reflection = reflection or ReflectionBudget(
-            ReflectionSettings(enabled=False)
+        self.reflection = (
+            ReflectionBudget(ReflectionSettings(enabled=False))
+            if reflection is None
+            else reflection
         )
         self.credentials = credentials
         self.nonces = nonces
