@@ -19,6 +19,8 @@ waits until the core holds no session any more.
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import socket
 import struct
@@ -26,8 +28,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import websockets
+
 from crossroads.config import default_config
 from crossroads.proto.natneg.packets import Init
+from crossroads.proto.punch.rendezvous import Probe as RendezvousProbe
 from crossroads.proto.relay.messages import Close
 from crossroads.runtime import Runtime, start
 from crossroads.services.natneg import NatNegService
@@ -251,3 +256,44 @@ async def start_for(probe: Probe, **settings: Any) -> Runtime:
     values = dict(probe.settings)
     values.update(settings)
     return await start(default_config(loopback_config(**values)))
+
+
+#: The p2p rendezvous answers only probes that carry a token from ``welcome``,
+#: so its probe needs a WebSocket first (not a :class:`Probe`).
+P2P_SETTINGS: dict[str, Any] = {"core__only": ["p2p"]}
+
+
+async def _welcome(url: str, ws: Any) -> dict[str, Any]:
+    key = base64.b64encode(os.urandom(32)).decode()
+    await ws.send(json.dumps({"type": "hello", "v": 1, "key": key}))
+    while True:
+        frame = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        if frame["type"] == "welcome":
+            return dict(frame)
+
+
+async def p2p_reflect(rt: Runtime, count: int, source: str = VICTIM_IP) -> Exchange:
+    """:func:`reflect` for the p2p rendezvous port: ``count`` probes carrying a
+    real peer's token (a token holder can name any source address)."""
+    host, port = rt.http_address
+    url = f"ws://{host}:{port}/p2p/v1/ws"
+    async with websockets.connect(url) as ws, websockets.connect(url) as ws2:
+        welcome = await _welcome(url, ws)
+        witness_welcome = await _welcome(url, ws2)
+        target = tuple(welcome["udp"][0])
+        token = bytes.fromhex(welcome["token"])
+        burst = [RendezvousProbe(token, 0, i).encode() for i in range(count)]
+        witness_probe = Probe(
+            "p2p",
+            "rendezvous probe",
+            lambda n: [
+                RendezvousProbe(bytes.fromhex(witness_welcome["token"]), 0, 0).encode()
+            ],
+            lambda rt: (str(target[0]), int(target[1])),
+        )
+        with _udp_socket(source) as victim:
+            for datagram in burst:
+                victim.sendto(datagram, target)
+            await _witness(witness_probe, (str(target[0]), int(target[1])))
+            replies = _drain(victim)
+    return Exchange(count, sum(map(len, burst)), sum(map(len, replies)), len(replies))
