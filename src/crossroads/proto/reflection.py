@@ -178,9 +178,27 @@ class ReflectionBudget:
         """:meth:`received` then :meth:`allow`: one request, one reply."""
         if not self.enabled:
             return True
-        entry = self._entry(source, now)
-        entry[0] += size_in
-        return self._spend(entry, size_out)
+        # Hot path (every STUN Binding): inlined lookup of a known source.
+        entry = self._current.get(source) if now < self._period_end else None
+        if entry is None:
+            entry = self._entry(source, now)
+        received = entry[0] + size_in
+        entry[0] = received
+        sent = entry[1]
+        after = sent + size_out
+        if after <= received:
+            entry[1] = after
+            return True
+        # _spend() inlined: a Binding answer is always beyond its request.
+        grown = after - (received if received > sent else sent)
+        overdraft = self.overdraft + grown
+        if after > received + self.allowance or overdraft > self.global_allowance:
+            self.refused += 1
+            self.refused_bytes += size_out
+            return False
+        self.overdraft = overdraft
+        entry[1] = after
+        return True
 
     def _spend(self, entry: list[int], size: int) -> bool:
         received, sent = entry[0], entry[1]
