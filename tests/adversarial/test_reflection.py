@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import httpx
 import pytest
 
 from crossroads.proto.reflection import (
@@ -27,16 +28,33 @@ from tests.adversarial.h12_reflect_support import PROBES, reflect, start_for
 pytestmark = pytest.mark.timeout(60)
 
 
+#: Each service's drop metric (its ``reflection-budget`` reason counts refusals).
+DROP_METRICS = {
+    "stun": "crossroads_stun_dropped_total",
+    "turn": "crossroads_turn_dropped_total",
+    "natneg": "crossroads_natneg_dropped_total",
+}
+
+
 @pytest.mark.parametrize("name", ["stun", "turn", "natneg"])
 async def test_a_spoofed_burst_gets_back_at_most_what_it_cost(name: str) -> None:
     probe = PROBES[name]
     rt = await start_for(probe)
     try:
         exchange = await reflect(rt, probe, probe.count)
+        host, port = rt.http_address
+        async with httpx.AsyncClient() as http:
+            metrics = (await http.get(f"http://{host}:{port}/metrics")).text
     finally:
         await rt.close()
     assert exchange.replies > 0, "the service answered nothing at all"
     assert exchange.bytes_out <= exchange.bytes_in + DEFAULT_ALLOWANCE, exchange
+    refused = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith(DROP_METRICS[name]) and f'"{DROP_REFLECTION}"' in line
+    ]
+    assert refused and float(refused[0].rsplit(" ", 1)[1]) > 0, refused
 
 
 def test_relay_errors_stay_within_the_budget_whatever_the_error_rate() -> None:
