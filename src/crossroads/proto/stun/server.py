@@ -258,6 +258,23 @@ class BindingCore:
         A UDP reply the reflection budget refuses is the drop reason
         ``reflection-budget`` (a TCP client proved its address by the handshake).
         """
+        reply = self._reply(data, addr, local, now, tcp)
+        if (
+            tcp
+            or type(reply) is str
+            or self.reflection.answer(addr[0], len(data), len(reply[0]), now)
+        ):
+            return reply
+        return DROP_REFLECTION
+
+    def _reply(
+        self,
+        data: bytes,
+        addr: tuple[str, int],
+        local: int,
+        now: float,
+        tcp: bool,
+    ) -> Reply | str:
         size = len(data)
         if size < 20:
             return DROP_MALFORMED
@@ -326,14 +343,7 @@ class BindingCore:
                 return DROP_MALFORMED
         if unknown is not None:
             return self._error(
-                now,
-                tcp,
-                data,
-                addr,
-                local,
-                fingerprint,
-                420,
-                [UnknownAttributes(tuple(unknown))],
+                data, addr, local, fingerprint, 420, [UnknownAttributes(tuple(unknown))]
             )
         send_from = local
         dest = addr
@@ -341,20 +351,11 @@ class BindingCore:
             # RFC 5780 §6: without a second IP, 420 to *any* CHANGE-REQUEST (even
             # one with no flag set), so the client learns it is unsupported.
             return self._error(
-                now,
-                tcp,
-                data,
-                addr,
-                local,
-                fingerprint,
-                420,
-                [UnknownAttributes((_CHANGE,))],
+                data, addr, local, fingerprint, 420, [UnknownAttributes((_CHANGE,))]
             )
         if flags > 0:
             if tcp:
                 return self._error(
-                    now,
-                    tcp,
                     data,
                     addr,
                     local,
@@ -366,8 +367,6 @@ class BindingCore:
         if response_port >= 0:
             if padding >= 0:
                 return self._error(
-                    now,
-                    tcp,
                     data,
                     addr,
                     local,
@@ -377,14 +376,7 @@ class BindingCore:
                 )
             if tcp or response_port == 0:
                 return self._error(
-                    now,
-                    tcp,
-                    data,
-                    addr,
-                    local,
-                    fingerprint,
-                    400,
-                    reason="bad RESPONSE-PORT",
+                    data, addr, local, fingerprint, 400, reason="bad RESPONSE-PORT"
                 )
             dest = (host, response_port)
 
@@ -449,14 +441,10 @@ class BindingCore:
             response += _AH.pack(_FP, 4) + _U32.pack(
                 zlib.crc32(response) ^ FINGERPRINT_XOR
             )
-        if tcp or self.reflection.answer(host, size, len(response), now):
-            return response, dest, send_from
-        return DROP_REFLECTION
+        return response, dest, send_from
 
     def _error(
         self,
-        now: float,
-        tcp: bool,
         data: bytes,
         addr: tuple[str, int],
         local: int,
@@ -464,9 +452,8 @@ class BindingCore:
         code: int,
         extra: list[UnknownAttributes] | None = None,
         reason: str | None = None,
-    ) -> Reply | str:
-        """An error response to a Binding request (rare path: full encoder), or
-        the drop reason when the reflection budget refuses it."""
+    ) -> Reply:
+        """An error response to a Binding request (rare path: full encoder)."""
         cookie = _U32.unpack_from(data, 4)[0]
         attrs: list[ErrorCodeAttribute | UnknownAttributes | Software] = [
             ErrorCodeAttribute(code, reason or reason_phrase(code))
@@ -475,10 +462,7 @@ class BindingCore:
         if self.software:
             attrs.append(Software(self.software))
         msg = Message(Class.ERROR, Method.BINDING, data[8:20], tuple(attrs), cookie)
-        response = encode(msg, fingerprint=fingerprint)
-        if tcp or self.reflection.answer(addr[0], len(data), len(response), now):
-            return response, addr, local
-        return DROP_REFLECTION
+        return encode(msg, fingerprint=fingerprint), addr, local
 
     def unsupported(self, data: bytes) -> str:
         """Drop reason for a STUN message whose method this server does not
