@@ -133,6 +133,13 @@ class ReflectionBudget:
         self._previous: dict[str, list[int]] = {}
         self._period_end = -1.0
 
+    @classmethod
+    def or_unlimited(cls, budget: ReflectionBudget | None) -> ReflectionBudget:
+        """``budget``, or a new disabled one for None (cores built without a
+        budget: unit tests, tools). Not ``budget or ...``: an empty budget is
+        falsy (``__len__``)."""
+        return cls(ReflectionSettings(enabled=False)) if budget is None else budget
+
     def __len__(self) -> int:
         """Sources tracked (both periods)."""
         return len(self._current) + len(self._previous)

@@ -93,11 +93,7 @@ from crossroads.proto.natneg.packets import (
     decode,
     ip_to_bytes,
 )
-from crossroads.proto.reflection import (
-    DROP_REFLECTION,
-    ReflectionBudget,
-    ReflectionSettings,
-)
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.types import Address
 
 K = TypeVar("K")
@@ -395,11 +391,7 @@ class NatNegServer:
         self.config = config or ServerConfig()
         #: natneg has no authentication: every datagram it sends goes through
         #: this budget (docs/security.md, "Reflection budget"); None: no budget.
-        self.reflection = (
-            ReflectionBudget(ReflectionSettings(enabled=False))
-            if reflection is None
-            else reflection
-        )
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.stats = Stats()
         self._sessions: dict[int, _Session] = {}
         self._per_ip: dict[str, int] = {}

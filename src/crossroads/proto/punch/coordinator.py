@@ -55,11 +55,7 @@ from crossroads.proto.punch.rendezvous import (
     Probe,
     classify_mapping,
 )
-from crossroads.proto.reflection import (
-    DROP_REFLECTION,
-    ReflectionBudget,
-    ReflectionSettings,
-)
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.types import Address
 
 #: RakNet's server-side phase timeout: "after 10 000 ms in phase" the attempt is
@@ -288,11 +284,7 @@ class Coordinator:
         self.config = config
         #: Rendezvous answers per source IP (docs/security.md, "Reflection
         #: budget"): a token holder can spoof the source; None: no budget.
-        self.reflection = (
-            ReflectionBudget(ReflectionSettings(enabled=False))
-            if reflection is None
-            else reflection
-        )
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         #: Invite codes are shared with other instances through a directory (the
         #: service's store): codes are claimed before ``hosted`` and a join for a
         #: code held elsewhere is redirected there (see :class:`CodeClaim`).

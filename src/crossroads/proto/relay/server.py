@@ -56,11 +56,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from crossroads.errors import DecodeError
-from crossroads.proto.reflection import (
-    DROP_REFLECTION,
-    ReflectionBudget,
-    ReflectionSettings,
-)
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import AllocationClaims, TokenSealer, verify_bind_hmac
 from crossroads.types import Address
@@ -281,11 +277,7 @@ class RelayServer:
         self.config = config
         #: ERRORs to sources that are not bound where they claim to be
         #: (docs/security.md, "Reflection budget"); None: no budget.
-        self.reflection = (
-            ReflectionBudget(ReflectionSettings(enabled=False))
-            if reflection is None
-            else reflection
-        )
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.sealer = sealer
         self.wall_offset = wall_offset
         self.allocations: dict[bytes, Allocation] = {}

@@ -57,11 +57,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 
-from crossroads.proto.reflection import (
-    DROP_REFLECTION,
-    ReflectionBudget,
-    ReflectionSettings,
-)
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.stun.attributes import (
     ATTRIBUTE_CLASSES,
     ErrorCodeAttribute,
@@ -169,11 +165,7 @@ class BindingCore:
         self.change_supported = len(advertised) == 4
         self.software = software
         self.limiter = SourceRateLimiter(rate_limit, max_sources)
-        self.reflection = (
-            ReflectionBudget(ReflectionSettings(enabled=False))
-            if reflection is None
-            else reflection
-        )
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""
         # Pre-encoded tails per (receiving, sending) endpoint pair, for RFC 5389+

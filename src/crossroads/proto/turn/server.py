@@ -39,11 +39,7 @@ from enum import IntEnum
 from typing import Protocol, cast
 
 from crossroads.errors import LocalProtocolError
-from crossroads.proto.reflection import (
-    DROP_REFLECTION,
-    ReflectionBudget,
-    ReflectionSettings,
-)
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.stun import (
     AdditionalAddressFamily,
     AddressErrorCode,
@@ -331,11 +327,7 @@ class TurnServer:
         self.settings = settings
         #: Unauthenticated answers over UDP per source IP (docs/security.md,
         #: "Reflection budget"); None: no budget.
-        self.reflection = (
-            ReflectionBudget(ReflectionSettings(enabled=False))
-            if reflection is None
-            else reflection
-        )
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.credentials = credentials
         self.nonces = nonces
         self.policy = policy
