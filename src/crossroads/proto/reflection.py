@@ -20,14 +20,14 @@ service's metrics).
 
 Theory of operation
 -------------------
-Time is cut into fixed, aligned periods of ``window`` seconds. Each source IP has one
-ledger entry ``[received, sent, received_before, sent_before]``: the first two
-are the totals over the previous and the current period, the last two the part
-of those totals that belongs to the previous period. A reply of ``n`` bytes is
-allowed when ``sent + n <= received + allowance``. When a period ends, the
-entries of the period that ends become the *previous* table, and a source's
-entry is carried into the new period on its first use there (its previous
-period's part is forgotten then), so:
+Time is cut into fixed periods of ``window`` seconds, aligned on multiples of
+it. Each source IP has one ledger entry ``[received, sent, received_before,
+sent_before]``: the first two are the totals over the previous and the current
+period, the last two the part of those totals that belongs to the previous
+period. A reply of ``n`` bytes is allowed when ``sent + n <= received +
+allowance``. When a period ends, its table becomes the *previous* table, and a
+source's entry is carried into the new period on its first use there (keeping
+only the part of the period that just ended), so:
 
 - at every reply the check covers the last 10 to 20 s: what the source was
   sent in that span is at most what it sent in the same span plus the
@@ -43,9 +43,8 @@ current and the previous period). When the current one is full it becomes the
 previous one at once, and the older table is forgotten: O(1) per source, at most
 ``2 * max_sources`` entries. Forgetting resets those sources' ledgers (so they
 could get the allowance again); that is why the allowance itself is also capped
-*globally*:
-the bytes sent beyond what their destinations sent ("overdraft") add up, across
-all sources, to at most ``global_allowance`` per period. A flood of spoofed
+*globally*: the bytes sent beyond what their destinations sent ("overdraft") add
+up, across all sources, to at most ``global_allowance`` per period. A flood of spoofed
 sources (each one a victim that gets its allowance) therefore yields at most
 ``global_allowance`` bytes of amplification per 10 s in all; replies that are no
 larger than what their source sent are never refused by the global cap.
