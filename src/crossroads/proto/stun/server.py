@@ -17,7 +17,10 @@ The server listens on up to four local endpoints, indexed ``ip * 2 + port``:
 returns either a reply ``(bytes, destination, send_from)`` — ``send_from`` is the
 endpoint index the transport must send from — or a short drop reason (a metric
 label). It never raises on network input. There are no timers: the only state is
-the per-source rate limiter and a bounded cache of encoded client addresses.
+the per-source rate limiter, the reflection budget (a UDP answer is sent only
+while its address has been sent no more than it sent plus an allowance,
+:mod:`crossroads.proto.reflection`) and a bounded cache of encoded client
+addresses.
 
 The Binding success response carries, in this order: XOR-MAPPED-ADDRESS (or
 MAPPED-ADDRESS alone for an RFC 3489 request, RFC 8489 §12), MAPPED-ADDRESS when
