@@ -57,6 +57,21 @@ async def test_a_spoofed_burst_gets_back_at_most_what_it_cost(name: str) -> None
     assert refused and float(refused[0].rsplit(" ", 1)[1]) > 0, refused
 
 
+@pytest.mark.parametrize("name", ["stun", "turn", "natneg"])
+async def test_without_the_budget_the_same_burst_amplifies(name: str) -> None:
+    """The probes are strong enough to see an amplifier: with
+    ``--no-reflection-budget`` (the code as it was) each burst comes back larger
+    than it cost plus the allowance. If a rate limit changes so that this no
+    longer holds, the test above would pass without proving anything."""
+    probe = PROBES[name]
+    rt = await start_for(probe, core__reflection_budget=False)
+    try:
+        exchange = await reflect(rt, probe, probe.count)
+    finally:
+        await rt.close()
+    assert exchange.bytes_out > exchange.bytes_in + DEFAULT_ALLOWANCE, exchange
+
+
 def test_relay_errors_stay_within_the_budget_whatever_the_error_rate() -> None:
     """The relay's ERROR (21 B) to a CLOSE (20 B) is one byte larger; its ERROR
     rate limit (20/s) hides that in a short burst, but not over minutes. With
