@@ -25,7 +25,8 @@ Only Send indications the fast parser cannot take go through
 Request processing order (RFC 8656 §6-§12, RFC 8489 §9.2.4): class and method;
 authentication (401 / 400 / 438 / 401, each unauthenticated answer rate-limited
 per source IP and, over UDP, sent only within the source's reflection budget,
-:mod:`crossroads.proto.reflection`); unknown comprehension-required attributes (420); then the method.
+:mod:`crossroads.proto.reflection`); unknown comprehension-required attributes
+(420); then the method.
 Every answer after successful authentication carries MESSAGE-INTEGRITY (or
 MESSAGE-INTEGRITY-SHA256, whichever the request used), and FINGERPRINT when the
 request had one.
