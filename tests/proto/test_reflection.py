@@ -126,3 +126,32 @@ def test_over_any_window_sent_is_at_most_received_plus_allowance(
     periods = int(now // WINDOW) + 1
     total_in = sum(n for _, n in received)
     assert sum(n for _, n in sent) <= total_in + allowance * periods
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=20),
+            st.integers(min_value=0, max_value=300),
+            st.integers(min_value=0, max_value=300),
+        ),
+        max_size=300,
+    ),
+    cap=st.integers(min_value=0, max_value=5000),
+)
+def test_the_global_cap_bounds_the_total_overdraft(
+    events: list[tuple[int, int, int]], cap: int
+) -> None:
+    """Within one period, what all sources together were sent beyond what each
+    of them sent never exceeds the global allowance, whatever the mix."""
+    b = budget(allowance=10**9, global_allowance=cap, max_sources=10**6)
+    received: dict[int, int] = {}
+    sent: dict[int, int] = {}
+    for source, size_in, size_out in events:
+        b.received(f"192.0.2.{source}", size_in, now=1.0)
+        received[source] = received.get(source, 0) + size_in
+        if b.allow(f"192.0.2.{source}", size_out, now=1.0):
+            sent[source] = sent.get(source, 0) + size_out
+        overdraft = sum(max(0, n - received.get(s, 0)) for s, n in sent.items())
+        assert overdraft <= cap
