@@ -83,6 +83,8 @@ def server(
         "0",
         "--natneg-rate-limit",
         "0",
+        # All load comes from one IP (see --natneg-rate-limit 0 above).
+        "--no-reflection-budget",
         "--natneg-max-sessions",
         "1000000",
         "--natneg-max-sessions-per-ip",

@@ -204,6 +204,16 @@ def _check_log_format(value: str) -> None:
         raise ValueError(f"{value!r} is not 'text' or 'json'")
 
 
+def _check_non_negative(value: int) -> None:
+    if value < 0:
+        raise ValueError("must be >= 0")
+
+
+def _check_positive_int(value: int) -> None:
+    if value < 1:
+        raise ValueError("must be >= 1")
+
+
 def _check_log_level(level: str) -> None:
     if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ValueError(f"{level!r} is not one of debug, info, warning, error")
@@ -251,6 +261,34 @@ class CoreConfig:
         "",
         help="Bearer token of the console's admin pages and API (default: the one "
         "created in --state-dir; with neither, admin pages are refused).",
+    )
+    # Reflection budget (docs/security.md "Reflection budget",
+    # crossroads.proto.reflection): per source IP and service, unauthenticated
+    # UDP replies may exceed what that IP sent by at most the allowance per 10 s.
+    reflection_budget: bool = setting(
+        True,
+        kind="bool",
+        help="Cap unauthenticated UDP replies per source IP at what it sent plus "
+        "--reflection-allowance per 10 s (off: only for load tests on one source).",
+    )
+    reflection_allowance: int = setting(
+        4096,
+        kind="int",
+        check=_check_non_negative,
+        help="Bytes per 10 s a source IP may be sent beyond what it sent (per service).",
+    )
+    reflection_global_allowance: int = setting(
+        16 * 1024 * 1024,
+        kind="int",
+        check=_check_non_negative,
+        help="Bytes per 10 s all sources together may be sent beyond what they sent "
+        "(per service): the most a flood of spoofed sources can be amplified.",
+    )
+    reflection_max_sources: int = setting(
+        65_536,
+        kind="int",
+        check=_check_positive_int,
+        help="Source IPs each service's reflection ledger tracks per 10 s.",
     )
 
 

@@ -21,6 +21,7 @@ from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
+from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
 from crossroads.types import Address
 
@@ -120,6 +121,19 @@ class ServiceContext:
     @property
     def host(self) -> str:
         return self.config.core.host
+
+    def reflection_budget(self) -> ReflectionBudget:
+        """A new reflection budget sized by the ``--reflection-*`` settings; each
+        UDP service owns one (docs/security.md, "Reflection budget")."""
+        core = self.config.core
+        return ReflectionBudget(
+            ReflectionSettings(
+                enabled=core.reflection_budget,
+                allowance=core.reflection_allowance,
+                global_allowance=core.reflection_global_allowance,
+                max_sources=core.reflection_max_sources,
+            )
+        )
 
     def add_router(self, router: APIRouter) -> None:
         self.routers.append(router)

@@ -678,7 +678,9 @@ async def serve(ctx: ServiceContext) -> NatNegService:
             )
             ports = cfg.relay_ports or "ephemeral ports"
             notes.append(f"relay udp {advertise} {ports} (mode {cfg.relay_mode})")
-    service = NatNegService(NatNegServer(core_config(cfg, layout)), relay)
+    service = NatNegService(
+        NatNegServer(core_config(cfg, layout), ctx.reflection_budget()), relay
+    )
     service._notes = notes
     sockets: list[socket.socket] = []
     try:

@@ -213,6 +213,7 @@ class P2PService:
             ),
             secrets.token_bytes,
             directory=True,
+            reflection=ctx.reflection_budget(),
         )
         #: Codes this instance holds in the Store (claimed, not yet released).
         self.owned_codes: set[str] = set()

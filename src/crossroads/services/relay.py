@@ -900,6 +900,7 @@ async def serve(ctx: ServiceContext) -> Service:
                 ),
                 sealer,
                 wall_offset=time.time() - loop.time(),
+                reflection=ctx.reflection_budget(),
             )
             endpoint = RelayEndpoint(core, sock)
         except BaseException:

@@ -853,6 +853,8 @@ class StunService:
         self.ctx = ctx
         self.config = config
         self.stats = _Stats()
+        #: Binding replies over UDP per source IP (docs/security.md).
+        self.reflection = ctx.reflection_budget()
         self.groups: list[_Group] = []
         self.udp_endpoints: list[UdpEndpoint | BatchUdpEndpoint] = []
         self.connections: set[TcpConnection] = set()
@@ -958,6 +960,7 @@ class StunService:
             software=self.config.software,
             rate_limit=self.config.rate_limit,
             max_sources=self.config.rate_limit_sources,
+            reflection=self.reflection,
         )
         group = _Group(core=core, udp=[], tcp_servers=[])
         self.groups.append(group)

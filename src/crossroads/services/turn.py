@@ -857,6 +857,7 @@ class TurnService:
             PortAllocator(low, high, cast(Any, secrets)),
             self,
             own_ports=listening_ports,
+            reflection=ctx.reflection_budget(),
         )
         self.core.clock_offset = time.time() - self.loop.time()
         #: (client, endpoint) -> allocation: the client -> peer route table.

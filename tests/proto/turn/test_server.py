@@ -8,6 +8,11 @@ import os
 import pytest
 
 from crossroads.proto.policy import AddressPolicy, Scope
+from crossroads.proto.reflection import (
+    DROP_REFLECTION,
+    ReflectionBudget,
+    ReflectionSettings,
+)
 from crossroads.proto.stun import (
     AdditionalAddressFamily,
     AddressErrorCode,
@@ -217,6 +222,27 @@ def test_unauthenticated_answers_are_rate_limited() -> None:
     assert harness.server.counters.drops["unauthenticated-rate-limit"] == 7
     harness.advance(1.0)
     assert harness.request(Method.ALLOCATE, [], udp()) is not None
+
+
+def test_unsigned_answers_over_udp_stay_within_the_reflection_budget() -> None:
+    """A 401 is ~4x its Allocate: once a source has been sent its allowance,
+    further unsigned answers over UDP are dropped and counted; signed answers
+    (the source proved it holds a key) and TCP are not limited."""
+    harness = Harness()
+    harness.server.reflection = ReflectionBudget(ReflectionSettings(allowance=100))
+    five = udp()
+    session = alice()
+    # The allowance pays for one 401 beyond its request: the client gets in.
+    assert harness.allocate(five, session).msg_class == Class.SUCCESS
+    # What the source sent (its signed Allocate too) pays for a few more; then
+    # the 401s stop.
+    answers = [harness.request(Method.ALLOCATE, [], five) for _ in range(20)]
+    assert answers[-1] is None
+    refused = harness.server.counters.drops[DROP_REFLECTION]
+    assert refused == sum(a is None for a in answers) > 10
+    # Signed answers are not the budget's business (here a 437: taken 5-tuple).
+    assert code(harness.allocate(five, session)) == 437
+    assert code(harness.request(Method.ALLOCATE, [], tcp())) == 401
 
 
 def test_missing_realm_or_nonce_400(harness: Harness) -> None:

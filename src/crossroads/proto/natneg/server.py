@@ -93,6 +93,7 @@ from crossroads.proto.natneg.packets import (
     decode,
     ip_to_bytes,
 )
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.types import Address
 
 K = TypeVar("K")
@@ -396,8 +397,15 @@ class NatNegServer:
     it from. Lifecycle events (:data:`Event`) are collected by :meth:`pop_events`.
     """
 
-    def __init__(self, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: ServerConfig | None = None,
+        reflection: ReflectionBudget | None = None,
+    ) -> None:
         self.config = config or ServerConfig()
+        #: natneg has no authentication: every datagram it sends goes through
+        #: this budget (docs/security.md, "Reflection budget"); None: no budget.
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.stats = Stats()
         self._sessions: dict[int, _Session] = {}
         self._per_ip: dict[str, int] = {}
@@ -445,6 +453,7 @@ class NatNegServer:
             # described to its peer.
             self._drop("not-ipv4")
             return
+        self.reflection.received(ip, len(data), now)
         if not self._allow(ip, now):
             self._drop("rate-limit")
             return
@@ -482,8 +491,24 @@ class NatNegServer:
             self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, Endpoint]]:
-        """Datagrams to send: (bytes, destination, endpoint to send from)."""
+        """Datagrams to send: (bytes, destination, endpoint to send from).
+
+        natneg authenticates nobody (a cookie is no secret), so every datagram,
+        INIT_ACKs and delayed CONNECTs alike, is sent only within the
+        destination's reflection budget; the rest are dropped and counted.
+        """
         out, self._out = self._out, []
+        budget = self.reflection
+        if budget.enabled:
+            allowed = [
+                item for item in out if budget.allow(item[1][0], len(item[0]), now)
+            ]
+            if len(allowed) < len(out):
+                dropped = self.stats.dropped
+                dropped[DROP_REFLECTION] = (
+                    dropped.get(DROP_REFLECTION, 0) + len(out) - len(allowed)
+                )
+            out = allowed
         self.stats.sent += len(out)
         return out
 

@@ -49,11 +49,13 @@ from dataclasses import dataclass, field
 from crossroads.errors import DecodeError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.rendezvous import (
+    OBSERVED_SIZE,
     TOKEN_BYTES,
     Observed,
     Probe,
     classify_mapping,
 )
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.types import Address
 
 #: RakNet's server-side phase timeout: "after 10 000 ms in phase" the attempt is
@@ -289,8 +291,12 @@ class Coordinator:
         turn_credentials: Callable[[str], sig.TurnInfo | None] | None = None,
         *,
         directory: bool = False,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
         self.config = config
+        #: Rendezvous answers per source IP (docs/security.md, "Reflection
+        #: budget"): a token holder can spoof the source; None: no budget.
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         #: Invite codes are shared with other instances through a directory (the
         #: service's store): codes are claimed before ``hosted`` and a join for a
         #: code held elsewhere is redirected there (see :class:`CodeClaim`).
@@ -536,6 +542,7 @@ class Coordinator:
         self, data: bytes, addr: Address, index: int, now: float
     ) -> bytes | None:
         """A datagram on rendezvous port ``index``; returns the answer, if any."""
+        self.reflection.received(addr[0], len(data), now)
         try:
             probe = Probe.decode(data)
         except DecodeError as exc:
@@ -555,6 +562,9 @@ class Coordinator:
             peer.observed.setdefault(probe.attempt, {})[index] = addr
             for stale in [a for a in peer.observed if a not in (0, peer.attempt)]:
                 del peer.observed[stale]
+        if not self.reflection.allow(addr[0], OBSERVED_SIZE, now):
+            self._events.append(ProbeDropped(DROP_REFLECTION))
+            return None
         return Observed(probe.attempt, probe.seq, index, addr[0], addr[1]).encode()
 
     def handle_timer(self, now: float) -> None:

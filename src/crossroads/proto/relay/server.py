@@ -28,8 +28,12 @@ BIND, so the API never has to reach the node before the player does.
    :class:`Route` counts packets; the periodic *sweep* turns counter changes into
    activity (for the idle timers) and metrics.
 4. Anything that misses the route table takes the *slow path*: full decode, a
-   per-source token bucket, and the protocol's ERROR (rate limited, never larger
-   than the request) or a counted drop. A frame naming a bound allocation from a
+   per-source token bucket, and the protocol's ERROR or a counted drop. An
+   ERROR (21 bytes) can be one byte larger than what provoked it (a 20-byte
+   CLOSE or PING naming an unknown allocation), so ERRORs are rate limited *and*
+   go through the node's reflection budget
+   (:mod:`crossroads.proto.reflection`): a source is never sent more than it
+   sent plus a small allowance. A frame naming a bound allocation from a
    different IP:port gets ERROR 3 and is not forwarded: that is how a NAT
    rebinding is noticed (the client bumps its nonce and re-BINDs, which moves the
    routes) and how a spoofed source is refused.
@@ -52,6 +56,7 @@ from typing import Final
 
 from crossroads.errors import DecodeError
 from crossroads.proto.policy import AddressPolicy, Verdict
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import AllocationClaims, TokenSealer, verify_bind_hmac
 from crossroads.types import Address
@@ -203,8 +208,9 @@ class RelayServerConfig:
     #: connected peers never reach the slow path.
     slow_path_rate: float = 200.0
     slow_path_burst: float = 400.0
-    #: ERROR replies per second per source IP: an ERROR (21 bytes) is never larger
-    #: than what provoked it, and the rate keeps the relay from being a reflector.
+    #: ERROR replies per second per source IP. An ERROR (21 bytes) is at most one
+    #: byte larger than what provoked it (a 20-byte CLOSE); the rate and the
+    #: reflection budget keep the relay from being a reflector.
     error_rate: float = 20.0
     error_burst: float = 40.0
     #: Source IPs tracked by the token buckets; the oldest is forgotten beyond it.
@@ -236,9 +242,16 @@ class RelayServer:
     """
 
     def __init__(
-        self, config: RelayServerConfig, sealer: TokenSealer, wall_offset: float = 0.0
+        self,
+        config: RelayServerConfig,
+        sealer: TokenSealer,
+        wall_offset: float = 0.0,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
         self.config = config
+        #: ERRORs to sources that are not bound where they claim to be
+        #: (docs/security.md, "Reflection budget"); None: no budget.
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.sealer = sealer
         self.wall_offset = wall_offset
         self.allocations: dict[bytes, Allocation] = {}
@@ -297,6 +310,7 @@ class RelayServer:
         ):
             self._drop("rate-limited")
             return
+        self.reflection.received(addr[0], len(data), now)
         try:
             message_type = m.check_header(data)
         except DecodeError as exc:
@@ -745,6 +759,9 @@ class RelayServer:
             self.config.error_burst,
         ):
             self._drop("error-rate-limited")
+            return
+        if not self.reflection.allow(addr[0], m.ERROR_SIZE, now):
+            self._drop(DROP_REFLECTION)
             return
         self._send_error(addr, allocation_id, code)
 

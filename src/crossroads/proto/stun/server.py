@@ -17,7 +17,10 @@ The server listens on up to four local endpoints, indexed ``ip * 2 + port``:
 returns either a reply ``(bytes, destination, send_from)`` — ``send_from`` is the
 endpoint index the transport must send from — or a short drop reason (a metric
 label). It never raises on network input. There are no timers: the only state is
-the per-source rate limiter and a bounded cache of encoded client addresses.
+the per-source rate limiter, the reflection budget (a UDP answer is sent only
+while its address has been sent no more than it sent plus an allowance,
+:mod:`crossroads.proto.reflection`) and a bounded cache of encoded client
+addresses.
 
 The Binding success response carries, in this order: XOR-MAPPED-ADDRESS (or
 MAPPED-ADDRESS alone for an RFC 3489 request, RFC 8489 §12), MAPPED-ADDRESS when
@@ -57,6 +60,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.stun.attributes import (
     ATTRIBUTE_CLASSES,
     ErrorCodeAttribute,
@@ -143,6 +147,9 @@ class BindingCore:
         software: SOFTWARE value ("" to leave it out).
         rate_limit: Binding requests per second per source IP (0 = unlimited).
         max_sources: bound on the rate limiter's table.
+        reflection: the service's reflection budget: a UDP reply is sent only
+            while the client's address has been sent no more than it sent plus
+            the allowance (None: no budget).
     """
 
     def __init__(
@@ -152,6 +159,7 @@ class BindingCore:
         software: str = "",
         rate_limit: int = 0,
         max_sources: int = 100_000,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
         if len(advertised) not in (1, 2, 4):
             raise ValueError("advertised must have 1, 2 or 4 endpoints")
@@ -160,6 +168,7 @@ class BindingCore:
         self.change_supported = len(advertised) == 4
         self.software = software
         self.limiter = SourceRateLimiter(rate_limit, max_sources)
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""
         # Pre-encoded tails per (receiving, sending) endpoint pair, for RFC 5389+
@@ -241,7 +250,26 @@ class BindingCore:
 
         Returns a :data:`Reply` or a drop reason. ``addr`` is the client address
         as the transport reports it; replies go back to it (or to RESPONSE-PORT).
+        A UDP reply the reflection budget refuses is the drop reason
+        ``reflection-budget`` (a TCP client proved its address by the handshake).
         """
+        reply = self._reply(data, addr, local, now, tcp)
+        if (
+            tcp
+            or type(reply) is str
+            or self.reflection.answer(addr[0], len(data), len(reply[0]), now)
+        ):
+            return reply
+        return DROP_REFLECTION
+
+    def _reply(
+        self,
+        data: bytes,
+        addr: tuple[str, int],
+        local: int,
+        now: float,
+        tcp: bool,
+    ) -> Reply | str:
         size = len(data)
         if size < 20:
             return DROP_MALFORMED
@@ -456,6 +484,7 @@ __all__ = [
     "DROP_MALFORMED",
     "DROP_NOT_STUN",
     "DROP_RATE_LIMITED",
+    "DROP_REFLECTION",
     "DROP_RESPONSE",
     "DROP_UNSUPPORTED",
     "Reply",

@@ -41,9 +41,11 @@ Only Send indications the fast parser cannot take go through
 
 Request processing order (RFC 8656 §6-§12, RFC 8489 §9.2.4): class and method;
 authentication (401 / 400 / 438 / 401, each unauthenticated answer rate-limited
-per source IP; the one exception to 438 is a correctly signed Refresh with
-LIFETIME 0 whose nonce is ours but stale, see :meth:`TurnServer._authenticate`);
-unknown comprehension-required attributes (420); then the method.
+per source IP and, over UDP, sent only within the source's reflection budget,
+:mod:`crossroads.proto.reflection`; the one exception to 438 is a correctly signed
+Refresh with LIFETIME 0 whose nonce is ours but stale, see
+:meth:`TurnServer._authenticate`); unknown comprehension-required attributes
+(420); then the method.
 Every answer after successful authentication carries MESSAGE-INTEGRITY (or
 MESSAGE-INTEGRITY-SHA256, whichever the request used), and FINGERPRINT when the
 request had one.
@@ -60,6 +62,7 @@ from typing import Protocol, cast
 
 from crossroads.errors import LocalProtocolError
 from crossroads.proto.policy import AddressPolicy, Verdict
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.stun import (
     AdditionalAddressFamily,
     AddressErrorCode,
@@ -394,8 +397,12 @@ class TurnServer:
         ports: PortAllocator,
         binder: RelayBinder,
         own_ports: Callable[[], Collection[int]] = frozenset,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
         self.settings = settings
+        #: Unauthenticated answers over UDP per source IP (docs/security.md,
+        #: "Reflection budget"); None: no budget.
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.credentials = credentials
         self.nonces = nonces
         self.policy = policy
@@ -533,25 +540,48 @@ class TurnServer:
         """Process one decoded STUN message from a client.
 
         Returns the encoded answer, or None when nothing is to be sent now.
-        Never raises on bad input.
+        Never raises on bad input. An answer that is not signed (400, 401, 438,
+        or any answer with ``allow_unauthenticated``) goes to a source that has
+        proved nothing: over UDP it is sent only within the reflection budget.
         """
+        udp = five[0] == Transport.UDP
+        if udp:
+            self.reflection.received(five[1][0], len(raw), now)
+        answer, signed = self._handle(msg, raw, five, now)
+        if (
+            answer is None
+            or signed
+            or not udp
+            or self.reflection.allow(five[1][0], len(answer), now)
+        ):
+            return answer
+        self.counters.drop(DROP_REFLECTION)
+        return None
+
+    def _handle(
+        self, msg: Message, raw: bytes, five: FiveTuple, now: float
+    ) -> tuple[bytes | None, bool]:
+        """:meth:`handle_message` before the reflection budget: (answer, signed)."""
         if msg.msg_class == Class.INDICATION:
             if msg.method == Method.SEND:
                 self.counters.drop("send-slow-path-unused")
             else:
                 self.counters.drop("unexpected-indication")
-            return None
+            return None, False
         if msg.msg_class != Class.REQUEST:
             self.counters.drop("not-a-request")
-            return None
+            return None, False
         handler = self._handlers.get(msg.method)
         name = _method_name(msg.method)
         if handler is None:
             self.counters.drop("unknown-method")
-            return self._answer(msg, None, self._error(msg, TurnError.BAD_REQUEST))
+            return self._answer(
+                msg, None, self._error(msg, TurnError.BAD_REQUEST)
+            ), False
         auth = self._authenticate(msg, raw, five, now)
         if not isinstance(auth, Auth):
-            return auth
+            return auth, False
+        signed = auth.key is not None
         unknown = msg.unknown_comprehension_required()
         if unknown:
             self.counters.response(name, 420)
@@ -561,21 +591,23 @@ class TurnServer:
                 self._error(
                     msg, TurnError.UNKNOWN_ATTRIBUTE, (UnknownAttributes(unknown),)
                 ),
-            )
+            ), signed
         try:
             answer = handler(msg, five, auth, now)
         except _Reject as reject:
             self.counters.response(name, reject.code)
             return self._answer(
                 msg, auth, self._error(msg, reject.code, reject.attributes)
-            )
+            ), signed
         except LocalProtocolError:
             # A value we cannot encode (should not happen): answer 500, never crash.
             self.counters.response(name, 500)
-            return self._answer(msg, auth, self._error(msg, TurnError.SERVER_ERROR))
+            return self._answer(
+                msg, auth, self._error(msg, TurnError.SERVER_ERROR)
+            ), signed
         if answer is not None:
             self.counters.response(name, 0)
-        return answer
+        return answer, signed
 
     def send_indication(
         self, msg: Message, five: FiveTuple
