@@ -14,9 +14,15 @@ from crossroads.config import Config
 from crossroads.services import load_service_modules
 from crossroads.services.base import Service, ServiceContext
 from crossroads.store.base import Store, open_store
+from crossroads.transport.admission import (
+    BudgetCollector,
+    ConnectionBudget,
+    raise_fd_limit,
+)
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
+from crossroads.web.guard import HttpGuard
 
 log = logging.getLogger("crossroads")
 
@@ -32,6 +38,7 @@ class Runtime:
     http_address: Address = ("", 0)
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
+    _http_guard: HttpGuard | None = None
     _closed: bool = False
 
     def describe(self) -> list[str]:
@@ -54,6 +61,8 @@ class Runtime:
                 await asyncio.wait_for(self._http_task, 5)
             except (TimeoutError, asyncio.CancelledError):
                 self._http_task.cancel()
+        if self._http_guard is not None:
+            await self._http_guard.close()
         for name, service in reversed(list(self.services.items())):
             try:
                 await service.close()
@@ -72,12 +81,24 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     store = store if store is not None else open_store(config.core.store)
     metrics = CollectorRegistry()
     runtime = Runtime(config=config, store=store, metrics=metrics)
+    # The hard descriptor limit is the budget; TCP listeners share half of it
+    # (crossroads.transport.admission explains the split).
+    budget = ConnectionBudget(raise_fd_limit())
+    metrics.register(BudgetCollector(budget))
     ctx = ServiceContext(
         config=config,
         store=store,
         metrics=metrics,
         log=log,
         running=runtime.services,
+        connections=budget,
+    )
+    core = config.core
+    guard = HttpGuard(
+        budget.listener(
+            "http", core.http_max_connections, core.http_max_connections_per_ip
+        ),
+        core.http_request_timeout,
     )
     sock: socket.socket | None = None
     try:
@@ -95,7 +116,9 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             routers=ctx.routers,
             services=lambda: list(runtime.services),
         )
-        runtime._http = make_http_server(app)
+        runtime._http = make_http_server(app, guard)
+        runtime._http_guard = guard
+        guard.start()
         runtime._http_task = asyncio.create_task(runtime._http.serve(sockets=[sock]))
         while not runtime._http.started:
             if runtime._http_task.done():

@@ -292,6 +292,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ),
                 dropped,
                 connections,
+                ctx.connections,
             )
             service.listeners["turn"] = listener
             address = await listener.start(host, cfg.turn_port)
@@ -324,6 +325,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ),
                 dropped,
                 connections,
+                ctx.connections,
             )
             service.listeners["stun"] = listener
             await listener.start(host, cfg.stun_port)
@@ -412,6 +414,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ),
                 dropped,
                 connections,
+                ctx.connections,
             )
             service.listeners["coordinator"] = listener
             await listener.start(host, cfg.coordinator_port)
