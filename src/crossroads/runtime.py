@@ -39,6 +39,8 @@ class Runtime:
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
     _http_guard: HttpGuard | None = None
+    #: The descriptor budget and per-listener admissions (caps, counts).
+    connections: ConnectionBudget = field(default_factory=ConnectionBudget)
     _closed: bool = False
 
     def describe(self) -> list[str]:
@@ -83,7 +85,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     runtime = Runtime(config=config, store=store, metrics=metrics)
     # The hard descriptor limit is the budget; TCP listeners share half of it
     # (crossroads.transport.admission explains the split).
-    budget = ConnectionBudget(raise_fd_limit())
+    budget = runtime.connections = ConnectionBudget(raise_fd_limit())
     metrics.register(BudgetCollector(budget))
     ctx = ServiceContext(
         config=config,
