@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import signal
 import socket
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from crossroads.transport.admission import (
     ConnectionBudget,
     raise_fd_limit,
 )
+from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
@@ -42,6 +44,17 @@ class Runtime:
     #: The descriptor budget and per-listener admissions (caps, counts).
     connections: ConnectionBudget = field(default_factory=ConnectionBudget)
     _closed: bool = False
+
+    def udp_ports(self) -> dict[int, str]:
+        """Local UDP port -> the service listening on it, from what each
+        service describes (the first service to name a port keeps it: TURN
+        describes the STUN sockets it shares)."""
+        ports: dict[int, str] = {}
+        for name, service in self.services.items():
+            for entry in service.describe():
+                for match in _UDP_ADDRESS.finditer(entry):
+                    ports.setdefault(int(match.group(1)), name)
+        return ports
 
     def describe(self) -> list[str]:
         lines = [
@@ -73,6 +86,10 @@ class Runtime:
         await self.store.close()
 
 
+#: "udp 127.0.0.1:3478" or "udp [::]:3478" in a service's describe() line.
+_UDP_ADDRESS = re.compile(r"\budp (?:\[[0-9a-fA-F:.]*\]|[0-9.]+):(\d+)")
+
+
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -87,6 +104,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     # (crossroads.transport.admission explains the split).
     budget = runtime.connections = ConnectionBudget(raise_fd_limit())
     metrics.register(BudgetCollector(budget))
+    metrics.register(KernelDropCollector(runtime.udp_ports))
     ctx = ServiceContext(
         config=config,
         store=store,

@@ -93,6 +93,7 @@ from crossroads.proto.turn.ports import PortAllocator
 from crossroads.proto.turn.server import (
     AllocationCreated,
     AllocationDeleted,
+    AuthFailed,
     BindConnection,
     CloseConnection,
     ConnectPeer,
@@ -100,6 +101,7 @@ from crossroads.proto.turn.server import (
     TurnServer,
     TurnSettings,
 )
+from crossroads.ratelog import RateLimitedLog
 from crossroads.services.base import ServiceContext
 from crossroads.services.stun import (
     BatchUdpEndpoint,
@@ -798,6 +800,8 @@ class TurnService:
         if self.poller is not None:
             self.loop.add_reader(self.poller.fileno(), self.poller.poll)
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
+        #: Authentication failures: one line per reason a minute at most.
+        self.auth_log = RateLimitedLog(log)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -1183,6 +1187,16 @@ class TurnService:
                         pipe = table.pop(cid, None)
                         if pipe is not None:
                             pipe.close()
+                case AuthFailed(reason=reason, username=username, client=client):
+                    # The username is the client's own text: repr() and a cap
+                    # keep it on one line; no password or key is ever known here.
+                    self.auth_log.log(
+                        reason,
+                        "TURN authentication failed (%s) from %s, username %r",
+                        reason,
+                        client[0],
+                        username[:64],
+                    )
 
     def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
         allocation = self.core.allocations.get(five)

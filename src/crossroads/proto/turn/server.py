@@ -222,6 +222,18 @@ class SendToClient:
     data: bytes
 
 
+@dataclass(frozen=True, slots=True)
+class AuthFailed:
+    """A signed request failed authentication (unknown or expired user, bad
+    MESSAGE-INTEGRITY), answered with 401: for the log, never with a secret.
+    The first, unsigned request of every client (the normal challenge) and a
+    stale nonce (438) are not failures."""
+
+    reason: str
+    username: str
+    client: Address
+
+
 TurnEvent = (
     AllocationCreated
     | AllocationDeleted
@@ -229,6 +241,7 @@ TurnEvent = (
     | BindConnection
     | CloseConnection
     | SendToClient
+    | AuthFailed
 )
 
 
@@ -603,13 +616,14 @@ class TurnServer:
             found = self._userhashes.get(userhash_attr.value)
             if found is None:
                 self.counters.drop("auth-unknown-userhash")
+                self._events.append(AuthFailed("auth-unknown-userhash", "", five[1]))
                 return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
             username = found
         result, passwords = self.credentials.passwords(username, unix_now)
         if result is not Lookup.FOUND:
-            self.counters.drop(
-                "auth-expired" if result is Lookup.EXPIRED else "auth-unknown-user"
-            )
+            reason = "auth-expired" if result is Lookup.EXPIRED else "auth-unknown-user"
+            self.counters.drop(reason)
+            self._events.append(AuthFailed(reason, username, five[1]))
             return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
         check = (
             check_message_integrity_sha256
@@ -628,6 +642,7 @@ class TurnServer:
                     username, self._quota_user(username), key, mi256 is not None
                 )
         self.counters.drop("auth-bad-integrity")
+        self._events.append(AuthFailed("auth-bad-integrity", username, five[1]))
         return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
 
     def _quota_user(self, username: str) -> str:
