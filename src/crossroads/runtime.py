@@ -155,13 +155,20 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
 
 async def serve_forever(config: Config) -> None:
     """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM."""
-    runtime = await start(config)
-    for line in runtime.describe():
-        log.info("%s", line)
+    # Handlers first: /healthz answers before start() returns, and a SIGTERM
+    # sent as soon as it does must stop the process cleanly, not kill it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    try:
+        runtime = await start(config)
+    except BaseException:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        raise
+    for line in runtime.describe():
+        log.info("%s", line)
     try:
         await stop.wait()
         log.info("shutting down")

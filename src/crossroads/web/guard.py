@@ -62,6 +62,11 @@ def _refusal(reason: str) -> bytes:
     )
 
 
+def _peer_host(transport: asyncio.Transport) -> str:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if peer else ""
+
+
 class HttpGuard:
     """The admission and deadlines of one HTTP port (see module docstring)."""
 
@@ -118,13 +123,13 @@ class GuardedHttp(H11Protocol):
     """uvicorn's h11 protocol with admission and a request deadline."""
 
     guard: HttpGuard
+    peer_host: str
 
     def connection_made(  # type: ignore[override]
         self, transport: asyncio.Transport
     ) -> None:
         super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        self.peer_host: str = peer[0] if peer else ""
+        self.peer_host = _peer_host(transport)
         self.responses = 0
         self.deadline_key: tuple[object, int] | None = None
         self.waiting_since = 0.0
@@ -163,13 +168,13 @@ class GuardedWebSocket(WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol, giving the HTTP admission back at the end."""
 
     guard: HttpGuard
+    peer_host: str
 
     def connection_made(  # type: ignore[override]
         self, transport: asyncio.Transport
     ) -> None:
         super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        self.peer_host: str = peer[0] if peer else ""
+        self.peer_host = _peer_host(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
