@@ -223,6 +223,38 @@ async def test_kernel_drops_of_a_listener_are_exported_by_service() -> None:
         await runtime.close()
 
 
+async def test_kernel_drops_of_turn_relayed_sockets_are_exported(
+    turn_runtime: Runtime,
+) -> None:
+    """The C data plane reads relayed sockets itself (recvmmsg): their drops
+    are counted all the same, as ``relayed``."""
+    stun = turn_runtime.services["stun"]
+    assert isinstance(stun, StunService)
+    host, port = turn_runtime.http_address
+
+    async def relayed_drops() -> float:
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"http://{host}:{port}/metrics")).text
+        return float(
+            next(
+                line.split()[-1]
+                for line in text.splitlines()
+                if line.startswith(
+                    f'crossroads_udp_kernel_drops_total{{socket="{RELAYED}"}}'
+                )
+            )
+        )
+
+    async with await TurnClient.connect(stun.primary, "alice", PASSWORD) as client:
+        relayed = await client.allocate()
+        before = await relayed_drops()
+        # The event loop is busy sending: nothing reads the relayed socket.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            for _ in range(30_000):
+                sender.sendto(bytes(1200), relayed)
+        assert await relayed_drops() > before
+
+
 async def _async(value: bool) -> bool:
     await asyncio.sleep(0)
     return value

@@ -49,6 +49,7 @@ def test_a_stopped_listener_gives_its_share_back() -> None:
     first = budget.listener("a", 10_000, 10_000)
     budget.listener("b", 10_000, 10_000)
     assert first.max_connections == 250
+    assert budget.reserved() == 500
     budget.forget("b")
     assert first.max_connections == 500
 

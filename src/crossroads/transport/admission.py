@@ -188,6 +188,12 @@ class ConnectionBudget:
         """The listener ``name`` stopped: its share goes back to the others."""
         self.admissions.pop(name, None)
 
+    def reserved(self) -> int:
+        """Descriptors kept out of the listener shares: what relay sockets (one
+        per TURN allocation), peer connections and the process's own files may
+        use. A quota sized from the descriptor limit starts from this."""
+        return self.fd_limit - self.share() * max(1, len(self.admissions))
+
     def share(self) -> int:
         """Connections one listener may hold: an even part of the listener
         fraction of the limit, never less than one."""
