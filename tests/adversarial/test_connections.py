@@ -93,6 +93,8 @@ async def test_http_per_ip_cap_refuses_the_next_connection_with_503() -> None:
             'crossroads_tcp_refused_total{listener="http",reason="over-ip-limit"} 1.0'
             in metrics
         )
+        assert 'crossroads_tcp_connection_limit{listener="http"}' in metrics
+        assert "crossroads_fd_limit " in metrics
     finally:
         close_all(held)
         await runtime.close()
@@ -146,6 +148,19 @@ async def test_http_slowloris_is_closed_after_the_request_deadline() -> None:
     finally:
         for _, writer in (silent, drip, body):
             writer.transport.abort()
+        await runtime.close()
+
+
+async def test_http_headers_over_16_kib_are_refused() -> None:
+    runtime = await _start(core__only=["stun"])
+    host, port = runtime.http_address
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(HALF_REQUEST + b"X-Big: " + b"a" * 20_000 + b"\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)
+        assert answer.startswith(b"HTTP/1.1 400 ")
+        writer.close()
+    finally:
         await runtime.close()
 
 

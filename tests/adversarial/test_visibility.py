@@ -219,6 +219,7 @@ async def test_kernel_drops_of_a_listener_are_exported_by_service() -> None:
         )
         assert float(line.split()[-1]) > 0
         assert "crossroads_tcp_listen_overflows_total" in text
+        assert "crossroads_tcp_listen_drops_total" in text
     finally:
         await runtime.close()
 
