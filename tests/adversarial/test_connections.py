@@ -335,7 +335,14 @@ async def test_http_flood_under_ulimit_leaves_turn_and_openttd_working() -> None
                 await client.close()
         finally:
             close_all(writers)
-        # Once the flood is gone, HTTP answers again (here: its own counters).
+
+        # Once the flood is gone, HTTP answers again and holds only the
+        # connection of the scrape itself.
+        async def released() -> bool:
+            text = await asyncio.to_thread(server.metrics)
+            return 'crossroads_tcp_connections{listener="http"} 1.0' in text
+
+        await eventually(released, "flood connections released")
         metrics = await asyncio.to_thread(server.metrics)
         assert 'crossroads_tcp_refused_total{listener="http",reason="over-limit"}' in (
             metrics
