@@ -189,6 +189,16 @@ def parse_service_list(value: object) -> tuple[str, ...]:
 # ------------------------------------------------------------------ core section
 
 
+def _check_positive_int(value: int) -> None:
+    if value <= 0:
+        raise ValueError("must be > 0")
+
+
+def _check_positive_float(value: float) -> None:
+    if value <= 0:
+        raise ValueError("must be > 0")
+
+
 def _check_store(url: str) -> None:
     from crossroads.store.base import REDIS_SCHEMES
 
@@ -207,11 +217,6 @@ def _check_log_format(value: str) -> None:
 def _check_non_negative(value: int) -> None:
     if value < 0:
         raise ValueError("must be >= 0")
-
-
-def _check_positive_int(value: int) -> None:
-    if value < 1:
-        raise ValueError("must be >= 1")
 
 
 def _check_log_level(level: str) -> None:
@@ -289,6 +294,26 @@ class CoreConfig:
         kind="int",
         check=_check_positive_int,
         help="Source IPs each service's reflection ledger tracks per 10 s.",
+    )
+    http_max_connections: int = setting(
+        10_000,
+        kind="int",
+        check=_check_positive_int,
+        help="Concurrent HTTP connections, WebSockets included (also capped by "
+        "the descriptor share of the port, see docs/security.md).",
+    )
+    http_max_connections_per_ip: int = setting(
+        128,
+        kind="int",
+        check=_check_positive_int,
+        help="Concurrent HTTP connections from one IPv4 address or IPv6 /64.",
+    )
+    http_request_timeout: float = setting(
+        20.0,
+        kind="float",
+        check=_check_positive_float,
+        help="Seconds a client has to send a whole request (headers and body) "
+        "after connecting or after the previous response (slowloris).",
     )
 
 

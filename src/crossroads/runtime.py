@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -22,10 +23,17 @@ from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
+from crossroads.transport.admission import (
+    BudgetCollector,
+    ConnectionBudget,
+    raise_fd_limit,
+)
+from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
 from crossroads.web.console import Console
+from crossroads.web.guard import HttpGuard
 
 log = logging.getLogger("crossroads")
 
@@ -42,7 +50,21 @@ class Runtime:
     console: Console | None = None
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
+    _http_guard: HttpGuard | None = None
+    #: The descriptor budget and per-listener admissions (caps, counts).
+    connections: ConnectionBudget = field(default_factory=ConnectionBudget)
     _closed: bool = False
+
+    def udp_ports(self) -> dict[int, str]:
+        """Local UDP port -> the service listening on it, from what each
+        service describes (the first service to name a port keeps it: TURN
+        describes the STUN sockets it shares)."""
+        ports: dict[int, str] = {}
+        for name, service in self.services.items():
+            for entry in service.describe():
+                for match in _UDP_ADDRESS.finditer(entry):
+                    ports.setdefault(int(match.group(1)), name)
+        return ports
 
     def describe(self) -> list[str]:
         lines = [
@@ -80,12 +102,18 @@ class Runtime:
                 self._http_task.cancel()
         if self.console is not None:
             await self.console.close()
+        if self._http_guard is not None:
+            await self._http_guard.close()
         for name, service in reversed(list(self.services.items())):
             try:
                 await service.close()
             except Exception:
                 log.exception("error while closing %s", name)
         await self.store.close()
+
+
+#: "udp 127.0.0.1:3478" or "udp [::]:3478" in a service's describe() line.
+_UDP_ADDRESS = re.compile(r"\budp (?:\[[0-9a-fA-F:.]*\]|[0-9.]+):(\d+)")
 
 
 def _join(host: str, port: int) -> str:
@@ -98,12 +126,25 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     store = store if store is not None else open_store(config.core.store)
     metrics = CollectorRegistry()
     runtime = Runtime(config=config, store=store, metrics=metrics)
+    # The hard descriptor limit is the budget; TCP listeners share half of it
+    # (crossroads.transport.admission explains the split).
+    budget = runtime.connections = ConnectionBudget(raise_fd_limit())
+    metrics.register(BudgetCollector(budget))
+    metrics.register(KernelDropCollector(runtime.udp_ports))
     ctx = ServiceContext(
         config=config,
         store=store,
         metrics=metrics,
         log=log,
         running=runtime.services,
+        connections=budget,
+    )
+    core = config.core
+    guard = HttpGuard(
+        budget.listener(
+            "http", core.http_max_connections, core.http_max_connections_per_ip
+        ),
+        core.http_request_timeout,
     )
     sock: socket.socket | None = None
     try:
@@ -129,7 +170,9 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             routers=[*ctx.routers, runtime.console.router()],
             services=lambda: list(runtime.services),
         )
-        runtime._http = make_http_server(app)
+        runtime._http = make_http_server(app, guard)
+        runtime._http_guard = guard
+        guard.start()
         runtime._http_task = asyncio.create_task(runtime._http.serve(sockets=[sock]))
         while not runtime._http.started:
             if runtime._http_task.done():
@@ -160,13 +203,19 @@ async def serve_forever(
     from crossroads.firstrun import banner, prepare
 
     first_run = prepare(config)
-    runtime = await start(first_run.config)
-    # Handlers before the first "ready" line: a supervisor (or a test) that
-    # stops the server as soon as it reads that line gets a clean shutdown.
+    # Handlers first: /healthz answers before start() returns, and a SIGTERM
+    # sent as soon as it does (or as soon as a supervisor reads the first
+    # "ready" line) must stop the process cleanly, not kill it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    try:
+        runtime = await start(first_run.config)
+    except BaseException:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        raise
     server_file = write_server_file(first_run.state_dir, runtime)
     for line in runtime.describe():
         log.info("%s", line)

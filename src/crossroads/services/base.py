@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from crossroads.config import Config
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
+from crossroads.transport.admission import ConnectionBudget
 from crossroads.types import Address
 
 T = TypeVar("T")
@@ -114,6 +115,9 @@ class ServiceContext:
     shared: dict[str, Any] = field(default_factory=dict)
     #: Where the HTTP API listens (bound before any service starts).
     http_address: Address = ("", 0)
+    #: The descriptor budget every TCP listener registers with (per-IP and
+    #: global caps, a share of the fd limit each).
+    connections: ConnectionBudget = field(default_factory=ConnectionBudget)
 
     def section(self, name: str, cls: type[T]) -> T:
         return self.config.section(name, cls)

@@ -56,6 +56,7 @@ from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
     AllocationBound,
     AllocationEnded,
+    BindRejected,
     ClientRefused,
     Event,
     PeerConnected,
@@ -64,6 +65,7 @@ from crossroads.proto.relay.server import (
     RelayServerConfig,
 )
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
+from crossroads.ratelog import RateLimitedLog
 from crossroads.services.base import (
     Service,
     ServiceContext,
@@ -566,6 +568,8 @@ class RelayNode:
             "private scope",
         )
         self._events: asyncio.Queue[Event] = asyncio.Queue(MAX_PENDING_EVENTS)
+        #: Authentication failures: one line per reason a minute at most.
+        self.auth_log = RateLimitedLog(log)
         #: Bound host allocations -> their join code once known.
         self._hosts: dict[uuid.UUID, str | None] = {}
         self._tasks: list[asyncio.Task[None]] = []
@@ -590,6 +594,16 @@ class RelayNode:
 
     def _enqueue(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, BindRejected):
+                # Logged here, not queued: a flood of bad BINDs must not push
+                # the events that update the store out of the bounded queue.
+                self.auth_log.log(
+                    event.reason,
+                    "relay BIND rejected (%s) from %s",
+                    event.reason,
+                    event.client[0],
+                )
+                continue
             try:
                 self._events.put_nowait(event)
             except asyncio.QueueFull:

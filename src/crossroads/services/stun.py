@@ -28,7 +28,9 @@ bytes of a datagram only:
 
 Over TCP the stream is cut into STUN / ChannelData frames (RFC 8489 §6.2.2,
 RFC 8656 §12.5 — ChannelData is padded to 4 bytes over TCP) and each frame takes
-the same path. Connections are bounded in number, idle time and unsent bytes.
+the same path. Connections are bounded in number (in total and per source, by
+the runtime's shared :mod:`~crossroads.transport.admission`), idle time, time
+to send the first message and to finish any started one, and unsent bytes.
 
 Extension point for TURN
 ------------------------
@@ -65,6 +67,7 @@ from crossroads.proto.stun.message import stream_frame_length
 from crossroads.proto.stun.server import DROP_NOT_STUN, BindingCore
 from crossroads.services.base import ServiceContext
 from crossroads.transport import mmsg
+from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.transport.mmsg import MSG_TRUNC, MmsgSocket
 from crossroads.transport.mmsg import NAME as NAME_SLOT
 from crossroads.transport.pktinfo import (
@@ -79,8 +82,9 @@ from crossroads.types import Address
 NAME = "stun"
 log = logging.getLogger("crossroads.stun")
 
-#: How often idle TCP connections are looked for (seconds).
-TCP_SWEEP_INTERVAL = 30.0
+#: How often TCP deadlines are checked (seconds). Deadlines are coarse on
+#: purpose: one timer for every connection of the service, not one each.
+TCP_SWEEP_INTERVAL = 1.0
 #: A TCP client that does not read its responses is cut off once this many bytes
 #: wait in our write buffer. With at most one partial frame (< 64 KiB, the STUN
 #: length field's limit) in the read buffer, a connection holds < 128 KiB.
@@ -91,6 +95,11 @@ DRAIN_BATCHES = 8
 #: Bound on the raw sockaddr -> (host, port) cache of a batched endpoint; it is
 #: cleared when full (~150 bytes an entry, so ~10 MB at most).
 ADDRESS_CACHE_SIZE = 65_536
+#: Drop reason of a TCP connection refused by the admission, by its reason.
+_TCP_REFUSALS = {
+    REFUSED_OVER_LIMIT: "tcp-connection-limit",
+    REFUSED_OVER_IP_LIMIT: "tcp-ip-connection-limit",
+}
 #: 64-bit words per receive-side address slot (transport.mmsg.NAME bytes).
 NAME_U64 = NAME_SLOT // 8
 
@@ -164,7 +173,21 @@ class Config:
         10_000,
         kind="int",
         check=_check_positive,
-        help="Concurrent TCP connections; more are closed at once.",
+        help="Concurrent TCP connections (also capped by the descriptor share "
+        "of the listener, see docs/security.md); more are closed at once.",
+    )
+    tcp_max_connections_per_ip: int = setting(
+        128,
+        kind="int",
+        check=_check_positive,
+        help="Concurrent TCP connections from one IPv4 address or IPv6 /64.",
+    )
+    tcp_message_timeout: float = setting(
+        10.0,
+        kind="float",
+        check=_check_positive,
+        help="Seconds a TCP client has to send its first complete message after "
+        "connecting, and to finish any message it has started (slowloris).",
     )
     tcp_idle_timeout: float = setting(
         900.0,
@@ -672,21 +695,27 @@ class TcpConnection(asyncio.Protocol):
         self.stream: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.last_activity = 0.0
+        #: When the connection was accepted; frames completed since then.
+        self.accepted = 0.0
+        self.frames = 0
+        #: When the unfinished frame in ``buffer`` started (None: no partial).
+        self.partial_since: float | None = None
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.stream = cast(asyncio.Transport, transport)
         service = self.service
-        if len(service.connections) >= service.config.tcp_max_connections:
-            service.stats.drop("tcp-connection-limit")
+        peer = transport.get_extra_info("peername")
+        refused = service.admission.admit(peer[0])
+        if refused is not None:
+            service.stats.drop(_TCP_REFUSALS[refused])
             self.stream.abort()
             self.stream = None
             return
-        peer = transport.get_extra_info("peername")
         sockname = transport.get_extra_info("sockname")
         self.peer = _client(peer)
         self.local = _client(sockname)
-        self.last_activity = self._loop.time()
+        self.last_activity = self.accepted = self._loop.time()
         service.connections.add(self)
         service.stats.tcp_connections = len(service.connections)
 
@@ -694,6 +723,7 @@ class TcpConnection(asyncio.Protocol):
         service = self.service
         if self in service.connections:
             service.connections.discard(self)
+            service.admission.release(self.peer[0])
             service.stats.tcp_connections = len(service.connections)
             if service.turn is not None:
                 try:
@@ -726,9 +756,16 @@ class TcpConnection(asyncio.Protocol):
                 self.stream.abort()
                 return
             if size is None or size > len(buffer):
+                if buffer:
+                    if self.partial_since is None:
+                        self.partial_since = self.last_activity
+                else:
+                    self.partial_since = None
                 return
             frame = bytes(buffer[:size])
             del buffer[:size]
+            self.frames += 1
+            self.partial_since = None
             self._frame(frame)
             if self.stream is None:
                 return
@@ -858,6 +895,12 @@ class StunService:
         self.groups: list[_Group] = []
         self.udp_endpoints: list[UdpEndpoint | BatchUdpEndpoint] = []
         self.connections: set[TcpConnection] = set()
+        #: Per-IP and global caps of the TCP listener (one for all its ports).
+        self.admission = ctx.connections.listener(
+            "stun",
+            config.tcp_max_connections,
+            config.tcp_max_connections_per_ip,
+        )
         #: The attached TURN handler, if any (see :meth:`attach_turn`).
         self.turn: StunExtension | None = None
         self._descriptions: list[str] = []
@@ -891,7 +934,9 @@ class StunService:
         leftover = bytes(conn.buffer)
         conn.buffer.clear()
         conn.stream = None
-        self.connections.discard(conn)
+        if conn in self.connections:
+            self.connections.discard(conn)
+            self.admission.release(conn.peer[0])
         self.stats.tcp_connections = len(self.connections)
         return stream, leftover
 
@@ -989,11 +1034,31 @@ class StunService:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(TCP_SWEEP_INTERVAL)
-            deadline = loop.time() - self.config.tcp_idle_timeout
-            for conn in list(self.connections):
-                if conn.last_activity < deadline and conn.stream is not None:
-                    self.stats.drop("tcp-idle-timeout")
-                    conn.stream.close()
+            self.sweep(loop.time())
+
+    def sweep(self, now: float) -> None:
+        """Close the TCP connections past a deadline: no first message within
+        ``tcp_message_timeout`` of connecting, a message started and not
+        finished within it (each holds up to 64 KiB of buffer), or nothing at
+        all for ``tcp_idle_timeout``."""
+        cfg = self.config
+        idle_deadline = now - cfg.tcp_idle_timeout
+        message_deadline = now - cfg.tcp_message_timeout
+        for conn in list(self.connections):
+            stream = conn.stream
+            if stream is None:
+                continue
+            if conn.partial_since is not None and conn.partial_since < message_deadline:
+                reason = "tcp-partial-message-timeout"
+            elif conn.frames == 0 and conn.accepted < message_deadline:
+                reason = "tcp-first-message-timeout"
+            elif conn.last_activity < idle_deadline:
+                reason = "tcp-idle-timeout"
+            else:
+                continue
+            self.stats.drop(reason)
+            self.admission.closed(reason.removeprefix("tcp-"))
+            stream.abort()
 
     async def close(self) -> None:
         if self._closed:
@@ -1020,6 +1085,7 @@ class StunService:
                     await asyncio.wait_for(server.wait_closed(), 2)
         with contextlib.suppress(KeyError):
             self.ctx.metrics.unregister(self._collector)
+        self.ctx.connections.forget("stun")
 
 
 def _join(host: str, port: int) -> str:

@@ -98,6 +98,7 @@ from crossroads.proto.turn.ports import PortAllocator
 from crossroads.proto.turn.server import (
     AllocationCreated,
     AllocationDeleted,
+    AuthFailed,
     BindConnection,
     CloseConnection,
     ConnectPeer,
@@ -106,6 +107,7 @@ from crossroads.proto.turn.server import (
     TurnServer,
     TurnSettings,
 )
+from crossroads.ratelog import RateLimitedLog
 from crossroads.services.base import ServiceContext, SessionInfo, show_address
 from crossroads.services.stun import (
     BatchUdpEndpoint,
@@ -881,6 +883,8 @@ class TurnService:
         if self.poller is not None:
             self.loop.add_reader(self.poller.fileno(), self.poller.poll)
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
+        #: Authentication failures: one line per reason a minute at most.
+        self.auth_log = RateLimitedLog(log)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -1359,6 +1363,16 @@ class TurnService:
                             pipe.close()
                 case PeerRefused(peer=peer, verdict=verdict):
                     self.refusals.refused(peer, verdict)
+                case AuthFailed(reason=reason, username=username, client=client):
+                    # The username is the client's own text: repr() and a cap
+                    # keep it on one line; no password or key is ever known here.
+                    self.auth_log.log(
+                        reason,
+                        "TURN authentication failed (%s) from %s, username %r",
+                        reason,
+                        client[0],
+                        username[:64],
+                    )
 
     def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
         allocation = self.core.allocations.get(five)

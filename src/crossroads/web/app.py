@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import crossroads
 from crossroads.store.base import Store
+from crossroads.web.guard import HttpGuard
 
 
 class ApiError(Exception):
@@ -106,8 +108,19 @@ class EmbeddedServer(uvicorn.Server):
         yield
 
 
-def make_http_server(app: FastAPI) -> EmbeddedServer:
-    """An uvicorn server for ``app``; start it with ``serve(sockets=[sock])``."""
+def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedServer:
+    """An uvicorn server for ``app``; start it with ``serve(sockets=[sock])``.
+
+    With ``guard``, connections go through its admission and request deadline
+    (:mod:`crossroads.web.guard`). uvicorn's ``limit_concurrency`` is not used:
+    it counts the same connections (one request task each at most, h11 reads
+    no further request while one runs) but answers 503 to a request on an
+    admitted connection once the count reaches it, where the guard refuses the
+    connection that would exceed the cap."""
+    kwargs: dict[str, Any] = {}
+    if guard is not None:
+        http, ws = guard.protocols()
+        kwargs = {"http": http, "ws": ws}
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -115,5 +128,6 @@ def make_http_server(app: FastAPI) -> EmbeddedServer:
         access_log=False,
         server_header=False,
         ws_max_size=WS_MAX_MESSAGE_BYTES,
+        **kwargs,
     )
     return EmbeddedServer(config)

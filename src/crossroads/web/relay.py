@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -29,7 +30,10 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from crossroads.errors import StoreError
+from crossroads.ratelog import RateLimitedLog
 from crossroads.services.relay import AllocationError, Allocator, encode_grant
+
+log = logging.getLogger("crossroads.relay")
 
 # ------------------------------------------------------------------ JSON models
 
@@ -269,6 +273,7 @@ def make_router(
     """
     router = APIRouter(prefix="/v1", tags=["relay"])
     limiter = RateLimiter(rate, burst, clock)
+    auth_log = RateLimitedLog(log)
 
     def authorized(request: Request) -> bool:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -290,6 +295,12 @@ def make_router(
                 "this server has no API key configured (--api-key)",
             )
         elif not authorized(request):
+            # Who, never what: the presented key stays out of the log.
+            auth_log.log(
+                "bad-api-key",
+                "relay API: missing or unknown API key from %s",
+                request.client.host if request.client else "?",
+            )
             response = error_response(
                 401,
                 15401,

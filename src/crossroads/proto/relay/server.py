@@ -170,6 +170,16 @@ class AllocationEnded:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class BindRejected:
+    """A BIND failed authentication: a token this node did not seal
+    (``bad-token``), a bad HMAC (``bad-hmac``) or a token past its bind
+    deadline (``bind-deadline``). For the log; no key or HMAC in it."""
+
+    reason: str
+    client: Address
+
+
 Event = (
     AllocationBound
     | PeerConnected
@@ -177,6 +187,7 @@ Event = (
     | ConnectRejected
     | AllocationEnded
     | ClientRefused
+    | BindRejected
 )
 
 
@@ -430,10 +441,12 @@ class RelayServer:
             claims = self.sealer.open(data[8 : 8 + length], self.config.node_id)
         except DecodeError:
             self._drop("bad-token")
+            self._events.append(BindRejected("bad-token", addr))
             return
         key = self.sealer.key_for(claims.allocation_id)
         if not verify_bind_hmac(key, data):
             self._drop("bad-hmac")
+            self._events.append(BindRejected("bad-hmac", addr))
             return
         nonce = int.from_bytes(data[5:7], "little")
         alloc = self.allocations.get(claims.allocation_id)
@@ -479,6 +492,7 @@ class RelayServer:
         if now + self.wall_offset > claims.bind_deadline:
             # Seed 003: the host must BIND within 10 s of allocating.
             self._drop("bind-deadline")
+            self._events.append(BindRejected("bind-deadline", addr))
             self._error(
                 addr, claims.allocation_id, m.ErrorCode.ALLOCATION_ID_NOT_FOUND, now
             )

@@ -272,6 +272,18 @@ class PeerRefused:
     verdict: Verdict
 
 
+@dataclass(frozen=True, slots=True)
+class AuthFailed:
+    """A signed request failed authentication (unknown or expired user, bad
+    MESSAGE-INTEGRITY), answered with 401: for the log, never with a secret.
+    The first, unsigned request of every client (the normal challenge) and a
+    stale nonce (438) are not failures."""
+
+    reason: str
+    username: str
+    client: Address
+
+
 TurnEvent = (
     AllocationCreated
     | AllocationDeleted
@@ -280,6 +292,7 @@ TurnEvent = (
     | CloseConnection
     | SendToClient
     | PeerRefused
+    | AuthFailed
 )
 
 
@@ -753,6 +766,7 @@ class TurnServer:
             found = self._userhashes.get(userhash_attr.value)
             if found is None:
                 self.counters.drop("auth-unknown-userhash")
+                self._events.append(AuthFailed("auth-unknown-userhash", "", five[1]))
                 return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
             username = found
         # A closing Refresh may use a time-limited username that has expired
@@ -761,7 +775,9 @@ class TurnServer:
             username, unix_now, allow_expired=releasing
         )
         if result is not Lookup.FOUND:
-            self.counters.drop(_LOOKUP_DROPS[result])
+            reason = _LOOKUP_DROPS[result]
+            self.counters.drop(reason)
+            self._events.append(AuthFailed(reason, username, five[1]))
             return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
         check = (
             check_message_integrity_sha256
@@ -786,6 +802,7 @@ class TurnServer:
                     issued,
                 )
         self.counters.drop("auth-bad-integrity")
+        self._events.append(AuthFailed("auth-bad-integrity", username, five[1]))
         return self._challenge(msg, TurnError.UNAUTHENTICATED, five, now)
 
     def _quota_user(self, username: str) -> str:

@@ -314,6 +314,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ),
                 dropped,
                 connections,
+                ctx.connections,
             )
             service.listeners["turn"] = listener
             address = await listener.start(host, cfg.turn_port)
@@ -346,6 +347,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ),
                 dropped,
                 connections,
+                ctx.connections,
             )
             service.listeners["stun"] = listener
             await listener.start(host, cfg.stun_port)
@@ -434,6 +436,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ),
                 dropped,
                 connections,
+                ctx.connections,
             )
             service.listeners["coordinator"] = listener
             await listener.start(host, cfg.coordinator_port)

@@ -4,7 +4,9 @@ A :class:`PacketConnection` cuts its byte stream into OpenTTD packets and hands
 them, in order, to the listener's :class:`PacketHandler`, one at a time (a
 handler may await the store). It enforces the bounds every listener needs:
 
-- connection count, total and per source address (over the limit: closed at once);
+- connection count, total and per source address (over the limit: closed at
+  once), through the runtime's shared :mod:`~crossroads.transport.admission`
+  (the total is also capped by the listener's share of the descriptor limit);
 - a deadline for the first packet and for finishing any started packet
   (slowloris), and an idle deadline between packets;
 - received bytes are cut into packets only as the handler takes them; past
@@ -32,6 +34,7 @@ from prometheus_client import Counter, Gauge
 
 from crossroads.errors import DecodeError
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
+from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, ConnectionBudget
 from crossroads.transport.udp import make_tcp_listener
 from crossroads.types import Address, normalize_address
 
@@ -45,6 +48,8 @@ INBOX_RESUME = 16 * 1024
 #: How often the sweeper checks deadlines (seconds). Deadlines are coarse on
 #: purpose: one timer per listener, not one per connection.
 SWEEP_EVERY = 1.0
+#: Drop reasons that are read deadlines (also counted by the admission).
+_DEADLINES = frozenset({"slow-packet", "no-packet", "idle", "relay-idle"})
 #: Write-buffer high-water mark (asyncio pauses us above it) ...
 WRITE_HIGH_WATER = 256 * 1024
 #: ... and the hard cap: a peer this far behind is not reading; drop it.
@@ -258,13 +263,17 @@ class Listener:
         limits: Limits,
         dropped: Counter,
         connections: Gauge,
+        budget: ConnectionBudget,
     ) -> None:
         self.name = name
         self.handler = handler
         self.limits = limits
         self.loop = asyncio.get_running_loop()
         self.connections: set[PacketConnection] = set()
-        self.per_address: dict[str, int] = {}
+        self._budget = budget
+        self.admission = budget.listener(
+            f"openttd-{name}", limits.max_connections, limits.max_per_address
+        )
         self._dropped = dropped
         self._gauge = connections.labels(name)
         self._server: asyncio.Server | None = None
@@ -281,17 +290,15 @@ class Listener:
         return self.address
 
     def admit(self, conn: PacketConnection) -> bool:
-        count = self.per_address.get(conn.host, 0)
-        if len(self.connections) >= self.limits.max_connections:
-            self._count("over-limit")
-            conn.close("over-limit")
-            return False
-        if count >= self.limits.max_per_address:
-            self._count("over-address-limit")
-            conn.close("over-address-limit")
+        refused = self.admission.admit(conn.host)
+        if refused is not None:
+            reason = (
+                "over-address-limit" if refused == REFUSED_OVER_IP_LIMIT else refused
+            )
+            self._count(reason)
+            conn.close(reason)
             return False
         self.connections.add(conn)
-        self.per_address[conn.host] = count + 1
         self._gauge.inc()
         return True
 
@@ -299,11 +306,7 @@ class Listener:
         if conn not in self.connections:
             return
         self.connections.discard(conn)
-        count = self.per_address.get(conn.host, 1) - 1
-        if count <= 0:
-            self.per_address.pop(conn.host, None)
-        else:
-            self.per_address[conn.host] = count
+        self.admission.release(conn.host)
         self._gauge.dec()
         if conn.worker is not None:
             conn.worker.cancel()
@@ -314,6 +317,8 @@ class Listener:
 
     def _count(self, reason: str) -> None:
         self._dropped.labels(self.name, reason).inc()
+        if reason in _DEADLINES:
+            self.admission.closed(reason)
 
     def reject(self, conn: PacketConnection, reason: str) -> None:
         """Bad input: count it, let the handler answer, close."""
@@ -385,3 +390,4 @@ class Listener:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         await asyncio.sleep(0)
+        self._budget.forget(self.admission.name)
