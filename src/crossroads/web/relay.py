@@ -17,7 +17,6 @@ error body ``{"status", "title", "detail", "type", "code"}`` (plus crossroads'
 from __future__ import annotations
 
 import hmac
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -28,8 +27,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from crossroads.errors import StoreError
+from crossroads.errors import DecodeError, StoreError
+from crossroads.proto import jsontext
 from crossroads.services.relay import AllocationError, Allocator, encode_grant
+from crossroads.web.app import log_client_error
 
 # ------------------------------------------------------------------ JSON models
 
@@ -229,10 +230,10 @@ class RateLimiter:
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await _read_body(request)
     try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = jsontext.loads(raw) if raw else None
+    except DecodeError as exc:
         raise AllocationError(
-            400, 15001, "InvalidRequest", "the body is not JSON"
+            400, 15001, "InvalidRequest", f"the body is not JSON ({exc})"
         ) from None
     try:
         return model.model_validate(data)
@@ -298,6 +299,8 @@ def make_router(
             try:
                 response = await handler()
             except AllocationError as exc:
+                if exc.status in (400, 413):
+                    log_client_error(request, exc.status, exc.detail)
                 response = error_response(exc.status, exc.code, exc.title, exc.detail)
             except StoreError as exc:
                 response = error_response(
