@@ -194,6 +194,11 @@ def _check_store(url: str) -> None:
         raise ValueError(f"{url!r} is neither 'memory' nor a redis:// URL")
 
 
+def _check_not_negative(value: float) -> None:
+    if value < 0:
+        raise ValueError("must not be negative")
+
+
 def _check_log_level(level: str) -> None:
     if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ValueError(f"{level!r} is not one of debug, info, warning, error")
@@ -224,6 +229,22 @@ class CoreConfig:
         "",
         kind="host",
         help="Address clients should use to reach this host, when it differs from --host.",
+    )
+    # Guessing budgets (proto/budget.py; arithmetic in docs/security.md): failed
+    # join-code / invite-code lookups and failed API keys, each kind its own budget.
+    guess_per_source: float = setting(
+        30.0,
+        kind="float",
+        check=_check_not_negative,
+        help="Failed code lookups or API keys per minute per source IP (IPv6: per "
+        "/64), a minute's worth in a row (0 = no limit).",
+    )
+    guess_global: float = setting(
+        10.0,
+        kind="float",
+        check=_check_not_negative,
+        help="Failed code lookups or API keys per second for this whole instance, "
+        "ten seconds' worth in a row (0 = no limit).",
     )
 
 

@@ -21,6 +21,7 @@ from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.store.base import Store
 from crossroads.types import Address
 
@@ -69,3 +70,11 @@ class ServiceContext:
 
     def add_router(self, router: APIRouter) -> None:
         self.routers.append(router)
+
+    def guess_budget(self) -> FailureBudget:
+        """A fresh budget of failed guesses (one per kind of secret) sized by
+        ``--guess-per-source`` and ``--guess-global``."""
+        core = self.config.core
+        return FailureBudget(
+            BudgetConfig.from_settings(core.guess_per_source, core.guess_global)
+        )

@@ -210,6 +210,7 @@ class P2PService:
             ),
             secrets.token_bytes,
             directory=True,
+            guesses=ctx.guess_budget(),
         )
         #: Codes this instance holds in the Store (claimed, not yet released).
         self.owned_codes: set[str] = set()

@@ -853,6 +853,8 @@ async def serve(ctx: ServiceContext) -> Service:
             requests,
             rate=cfg.api_rate,
             burst=max(1.0, cfg.api_rate * 3),
+            key_budget=ctx.guess_budget(),
+            join_budget=ctx.guess_budget(),
         )
         ctx.add_router(router)
         ctx.shared["relay.allocator"] = allocator

@@ -370,6 +370,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 instance=service.instance,
                 secret_key=secret_key,
                 turn_address=turn_address,
+                guesses=ctx.guess_budget(),
             )
             coordinator.listing = listing
             service.coordinator = coordinator

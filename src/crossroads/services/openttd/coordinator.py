@@ -33,6 +33,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from crossroads.errors import StoreError
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
@@ -509,8 +510,13 @@ class Coordinator:
         turn_address: Callable[[PacketConnection], str | None],
         random_bytes: Callable[[int], bytes] = os.urandom,
         wall_clock: Callable[[], float] = time.time,
+        guesses: FailureBudget | None = None,
     ) -> None:
         self.settings = settings
+        #: Budget of CONNECTs naming an unknown invite code, per source and in
+        #: total (proto/budget.py); the connection stayed open for the next
+        #: guess, so nothing else bounded them.
+        self.guesses = guesses or FailureBudget(BudgetConfig(0.0, 1.0, 0.0, 1.0))
         self.registry = registry
         self.bus = bus
         self.instance = instance
@@ -917,6 +923,12 @@ class Coordinator:
     ) -> None:
         code = msg.invite_code
         record = None
+        if not self.guesses.try_spend(conn.host, self.loop.time()):
+            # OpenTTD has no "slow down" error: UNKNOWN with a text, and the
+            # connection closed so a guesser pays a reconnect per try.
+            self.metrics.connects.labels("guess-budget", "none").inc()
+            self.fail(conn, ErrorType.UNKNOWN, "too many unknown invite codes", True)
+            return
         if looks_like_invite_code(code):
             local = self.local_servers.get(code)
             local_state = self.state(local) if local is not None else None
@@ -927,10 +939,12 @@ class Coordinator:
                     record = await self.registry.get_server(code)
                 except StoreError:
                     self.metrics.store_errors.inc()
+                    self.guesses.refund(conn.host)  # not a wrong guess
         if record is None:
             self.metrics.connects.labels("invalid-code", "none").inc()
             self.fail(conn, ErrorType.INVALID_INVITE_CODE, code[:63], close=False)
             return
+        self.guesses.refund(conn.host)
         if len(state.attempts) >= MAX_ATTEMPTS_PER_CONNECTION:
             self.metrics.connects.labels("too-many", "none").inc()
             self.fail(conn, ErrorType.UNKNOWN, "too many joins at once", close=True)
