@@ -41,7 +41,7 @@ from prometheus_client import Counter, Gauge
 from starlette.websockets import WebSocketState
 
 from crossroads.config import setting
-from crossroads.errors import ConfigError
+from crossroads.errors import ConfigError, StoreError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
     CodeClaim,
@@ -366,6 +366,9 @@ class P2PService:
     async def _lookup(self, lookup: CodeLookup) -> None:
         try:
             raw = await self.store.get(CODE_KEY + lookup.code)
+        except StoreError as exc:  # answered as unknown, not hung
+            log.debug("p2p code lookup failed: %r", exc)  # the store logs outages
+            raw = None
         except Exception as exc:  # noqa: BLE001 - answered as unknown, not hung
             log.warning("p2p code lookup failed: %r", exc)
             raw = None
@@ -399,6 +402,9 @@ class P2PService:
                         # we must never delete its claim.
                         log.warning("p2p code %s is claimed elsewhere now", code)
                         self.owned_codes.discard(code)
+                except StoreError as exc:  # logged once per outage by the store
+                    log.debug("p2p code refresh failed: %r", exc)
+                    break
                 except Exception as exc:  # noqa: BLE001 - next round retries
                     log.warning("p2p code refresh failed: %r", exc)
                     break

@@ -248,7 +248,9 @@ async def _every(
         try:
             await action()
         except StoreError as exc:
-            log.warning("openttd: %s failed: %s", what, exc)
+            # The store logs the outage once (store/redis.py); a line per task
+            # and period would bury it.
+            log.debug("openttd: %s failed: %s", what, exc)
         await asyncio.sleep(period)
 
 

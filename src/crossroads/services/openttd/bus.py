@@ -74,7 +74,8 @@ class Bus:
             try:
                 raw = await subscription.get(timeout=5.0)
             except StoreError as exc:
-                log.warning("openttd bus: %s; retrying", exc)
+                # Logged once per outage by the store itself.
+                log.debug("openttd bus: %s; retrying", exc)
                 await asyncio.sleep(1.0)
                 continue
             if raw is None:
