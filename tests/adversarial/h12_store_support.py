@@ -40,35 +40,40 @@ def http_base(rt: Runtime) -> str:
     return f"http://{host}:{port}"
 
 
-def redis_get(server: RedisServer, key: str) -> bytes | None:
-    """GET ``key`` over a raw RESP connection (no crossroads code involved)."""
+def redis_command(server: RedisServer, *args: str | bytes) -> bytes:
+    """One command over a raw RESP connection (no crossroads code involved);
+    returns the reply's payload (bulk string or integer as text; b"" for nil)."""
+    parts = [a.encode() if isinstance(a, str) else a for a in args]
+    request = b"*%d\r\n" % len(parts) + b"".join(
+        b"$%d\r\n%s\r\n" % (len(p), p) for p in parts
+    )
     with socket.create_connection(("127.0.0.1", server.port), timeout=2) as s:
-        name = key.encode()
-        s.sendall(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(name), name))
+        s.sendall(request)
         reply = b""
-        while not reply.endswith(b"\r\n") or (
-            reply.startswith(b"$")
-            and not reply.startswith(b"$-1")
-            and reply.count(b"\r\n") < 2
-        ):
-            chunk = s.recv(4096)
+        while True:
+            chunk = s.recv(65536)
             if not chunk:
                 break
             reply += chunk
-    if reply.startswith(b"$-1"):
-        return None
+            header, sep, rest = reply.partition(b"\r\n")
+            if not sep:
+                continue
+            if header[:1] != b"$" or header == b"$-1":
+                break
+            if len(rest) >= int(header[1:]) + 2:
+                break
     header, _, rest = reply.partition(b"\r\n")
-    return rest[: int(header[1:])]
+    if header[:1] == b"$":
+        return b"" if header == b"$-1" else rest[: int(header[1:])]
+    return header[1:]
+
+
+def redis_get(server: RedisServer, key: str) -> bytes | None:
+    return redis_command(server, "GET", key) or None
 
 
 def redis_set(server: RedisServer, key: str, value: bytes) -> None:
-    with socket.create_connection(("127.0.0.1", server.port), timeout=2) as s:
-        name = key.encode()
-        s.sendall(
-            b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n"
-            % (len(name), name, len(value), value)
-        )
-        assert s.recv(16).startswith(b"+OK")
+    assert redis_command(server, "SET", key, value) == b"OK"
 
 
 @contextmanager

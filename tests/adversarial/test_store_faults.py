@@ -13,18 +13,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import signal
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
+from crossroads.client.openttd import GameInfoResponder, GcClient
+from crossroads.proto.openttd.coordinator import ClientConnect, ErrorType, GcError
+from crossroads.proto.openttd.gameinfo import GameInfo
 from crossroads.runtime import Runtime
 from tests.adversarial.h12_store_support import (
     private_redis,
+    redis_command,
     redis_get,
     redis_set,
 )
-from tests.conftest import RedisServer, eventually
+from tests.conftest import RedisServer, eventually, free_port
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
     RawPeer,
@@ -33,6 +41,13 @@ from tests.e2e.relay_support import (
     raw_bind,
     raw_ping,
     relay_runtime,
+)
+from tests.services.openttd.helpers import (
+    gc,
+    register,
+    start_openttd,
+    until_listed,
+    update,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -204,3 +219,149 @@ async def test_every_http_api_is_503_while_the_store_is_down() -> None:
                     )
                     assert response.status_code == 503, (path, response.text)
                     assert set(response.json()) >= {"code", "message"}
+
+
+# ------------------------------------------------ OpenTTD: an instance is killed
+
+#: Liveness beats of the test's coordinators (default 10 s): a killed instance
+#: is noticed after three of them.
+INSTANCE_HEARTBEAT = 0.5
+
+
+def start_coordinator(redis_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    """A second OpenTTD coordinator instance, as its own process (kill -9 able)."""
+    with log.open("wb") as output:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "crossroads",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--http-port",
+                "0",
+                "--only",
+                "openttd",
+                "--store",
+                redis_url,
+                "--openttd-coordinator-port",
+                str(port),
+                "--openttd-stun-port",
+                "0",
+                "--openttd-turn-port",
+                "0",
+                "--openttd-instance-heartbeat",
+                str(INSTANCE_HEARTBEAT),
+            ],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def connect_when_listening(
+    port: int, process: subprocess.Popen[bytes], log: Path
+) -> GcClient:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while True:
+        assert process.poll() is None, log.read_text()
+        try:
+            return await GcClient.connect("127.0.0.1", port, 6)
+        except OSError:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def test_a_killed_coordinators_servers_stop_being_advertised(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "victim.log"
+    with private_redis() as redis:
+        survivor = await start_openttd(
+            store=redis.url, instance_heartbeat=INSTANCE_HEARTBEAT
+        )
+        responder = GameInfoResponder()
+        await responder.start()
+        port = free_port()
+        victim = start_coordinator(redis.url, port, log)
+        try:
+            client = await connect_when_listening(port, victim, log)
+            server = await register(
+                survivor, responder.port, client=client, stun_ok=False
+            )
+            await update(server, GameInfo(server_name="doomed", server_revision="13.0"))
+            await until_listed(survivor, "doomed")
+
+            victim.send_signal(signal.SIGKILL)  # no goodbye, no cleanup
+            victim.wait(10)
+            # Within a few heartbeats, not the record's 90 s: not listed, not
+            # joinable through the survivor.
+            await until_listed(survivor)
+            joiner = await gc(survivor)
+            try:
+                await joiner.send_message(ClientConnect(6, server.code))
+                assert await joiner.recv() == GcError(
+                    ErrorType.INVALID_INVITE_CODE, server.code
+                )
+            finally:
+                await joiner.close()
+            await server.close()
+        finally:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait(10)
+            await responder.close()
+            await survivor.close()
+
+
+async def test_openttd_records_and_secret_come_back_after_redis_lost_them() -> None:
+    with private_redis() as redis:
+        first = await start_openttd(
+            store=redis.url, instance_heartbeat=INSTANCE_HEARTBEAT
+        )
+        responder = GameInfoResponder()
+        await responder.start()
+        try:
+            server = await register(first, responder.port, stun_ok=False)
+            await update(server, GameInfo(server_name="kept", server_revision="13.0"))
+            await until_listed(first, "kept")
+            secret = redis_get(redis, "openttd:secret")
+            assert secret
+
+            redis.flush()  # Redis came back empty (--save '')
+            # The record is back within a heartbeat, not at the server's next
+            # update (30 s); the shared key is back as it was.
+
+            async def record_back() -> bool:
+                found = redis_command(redis, "HEXISTS", "openttd:servers", server.code)
+                return found == b"1"
+
+            await eventually(record_back, "the server's record re-created")
+            await until_listed(first, "kept")
+
+            async def secret_back() -> bool:
+                return redis_get(redis, "openttd:secret") == secret
+
+            await eventually(secret_back, "openttd:secret re-published")
+
+            # An instance started now honours the server's saved code and secret:
+            # the server re-registering there keeps its invite code.
+            second = await start_openttd(store=redis.url)
+            try:
+                again = await register(
+                    second,
+                    responder.port,
+                    code=server.code,
+                    secret=server.ack.invite_code_secret,
+                    stun_ok=False,
+                )
+                assert again.code == server.code
+                await again.close()
+            finally:
+                await second.close()
+            await server.close()
+        finally:
+            await responder.close()
+            await first.close()

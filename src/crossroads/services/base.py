@@ -13,6 +13,7 @@ the runtime logs one line per service from :meth:`Service.describe`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -78,3 +79,18 @@ class ServiceContext:
         return FailureBudget(
             BudgetConfig.from_settings(core.guess_per_source, core.guess_global)
         )
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended.
+
+    Cancelled in the middle of a store command, redis-py can swallow the
+    CancelledError (seen right after a Redis restart); a heartbeat loop then went
+    back to sleep and ``close`` waited for it forever. So cancel again until the
+    task is done.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved: a failure at shutdown is not reported twice

@@ -61,7 +61,7 @@ from crossroads.proto.relay.server import (
     RelayServerConfig,
 )
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
-from crossroads.services.base import Service, ServiceContext
+from crossroads.services.base import Service, ServiceContext, stop_task
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.relay import RelayEndpoint
@@ -569,7 +569,7 @@ class RelayNode:
     async def close(self) -> None:
         self.endpoint.close()
         for task in self._tasks:
-            await _stop(task)
+            await stop_task(task)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
 
@@ -794,21 +794,6 @@ class RelayCollector(Collector):
 # ------------------------------------------------------------------------ service
 
 
-async def _stop(task: asyncio.Task[None]) -> None:
-    """Cancel ``task`` and wait for it to end.
-
-    Cancelled in the middle of a store command, redis-py may swallow the
-    CancelledError and return (seen with a Redis that had just restarted); the
-    loop then went back to sleep and ``close`` waited forever. So cancel again
-    until the task is done.
-    """
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        task.result()
-
-
 class RelayService:
     """The running ``relay`` service."""
 
@@ -866,7 +851,7 @@ class RelayService:
             return
         self._closed = True
         if self._secret_task is not None:
-            await _stop(self._secret_task)
+            await stop_task(self._secret_task)
         if self.node is not None:
             await self.node.close()
 

@@ -404,6 +404,15 @@ class ListingCache:
                     dead.append(code)
                     continue
                 parsed[code] = (value, record)
+            # A record whose instance stopped heartbeating (killed, crashed)
+            # names a server nobody holds a connection to: not listed, swept.
+            gone = await self.registry.dead_instances(
+                {r.owner for _, r in parsed.values()}
+            )
+            for code, (_, record) in list(parsed.items()):
+                if record.owner in gone:
+                    dead.append(code)
+                    del parsed[code]
             self._raw = parsed
             if dead:
                 await self.registry.sweep(dead)
@@ -521,6 +530,10 @@ class Coordinator:
         self.bus = bus
         self.instance = instance
         self.secret_key = secret_key
+        #: Keys this instance signed invite-code secrets with before it adopted
+        #: another instance's re-published key (store/shared_secret.py): the
+        #: servers it gave codes to keep them.
+        self.previous_secret_keys: list[bytes] = []
         self.turn_address = turn_address
         self.random_bytes = random_bytes
         self.wall_clock = wall_clock
@@ -733,7 +746,10 @@ class Coordinator:
             wanted
             and secret
             and looks_like_invite_code(wanted)
-            and check_invite_code_secret(self.secret_key, wanted, secret)
+            and any(
+                check_invite_code_secret(key, wanted, secret)
+                for key in (self.secret_key, *self.previous_secret_keys)
+            )
         ):
             if state.code == wanted:
                 return wanted  # the same connection registers again (settings change)
@@ -893,6 +909,20 @@ class Coordinator:
             self.metrics.store_errors.inc()
             return
         self.metrics.updates.inc()
+
+    def adopt_secret_key(self, key: bytes, previous: list[bytes]) -> None:
+        """Sign new invite-code secrets with ``key``; still accept ``previous``."""
+        self.secret_key = key
+        self.previous_secret_keys = list(previous)
+
+    def local_records(self) -> list[ServerRecord]:
+        """The records of the servers connected to this instance."""
+        records = []
+        for conn in self.local_servers.values():
+            record = self.state(conn).record
+            if record is not None:
+                records.append(record)
+        return records
 
     # -------------------------------------------------------------- listing
 

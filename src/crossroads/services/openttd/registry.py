@@ -63,9 +63,14 @@ TICKET_TTL = 30.0
 #: :data:`TURN_ANNOUNCE_EVERY` (reference section 6: 15 s TTL, 10 s refresh).
 TURN_ANNOUNCE_TTL = 15.0
 TURN_ANNOUNCE_EVERY = 5.0
-#: Instance liveness key TTL and refresh period.
-INSTANCE_TTL = 30.0
+#: Instance liveness: refreshed every heartbeat (``--openttd-instance-heartbeat``,
+#: default :data:`INSTANCE_EVERY`), it lives :data:`INSTANCE_HEARTBEATS`
+#: heartbeats, so one late beat is forgiven and an instance killed without a
+#: goodbye stops being advertised after at most that many (issue 12: a killed
+#: instance's servers stayed listed, and joinable, for 80 s).
 INSTANCE_EVERY = 10.0
+INSTANCE_HEARTBEATS = 3
+INSTANCE_TTL = INSTANCE_EVERY * INSTANCE_HEARTBEATS
 #: How often to draw a new code when the drawn one is taken (2^40 codes: one
 #: retry is already astronomically rare).
 CODE_ATTEMPTS = 16
@@ -177,6 +182,9 @@ class Registry:
     store: Store
     random_bytes: Callable[[int], bytes]
     wall_clock: Callable[[], float] = time.time
+    #: This instance's id (always alive to itself) and liveness heartbeat.
+    instance: str = ""
+    instance_every: float = INSTANCE_EVERY
     #: NewGRF lookup table cache: key -> index, index -> NewGRF.
     newgrf_index: dict[tuple[int, bytes], int] = field(default_factory=dict)
     newgrf_by_index: dict[int, NewGRF] = field(default_factory=dict)
@@ -211,6 +219,7 @@ class Registry:
         await self.store.hset(SERVERS_KEY, {record.code: record.to_json()})
 
     async def get_server(self, code: str) -> ServerRecord | None:
+        """A live server's record: not expired, and its instance alive."""
         raw = await self.store.hget(SERVERS_KEY, code)
         if raw is None:
             return None
@@ -219,6 +228,8 @@ class Registry:
         except (ValueError, KeyError, TypeError):
             return None
         if record.expires < self.wall_clock():
+            return None
+        if not await self.instance_alive(record.owner):
             return None
         return record
 
@@ -317,11 +328,28 @@ class Registry:
         keys = await self.store.keys(f"{PREFIX}turn:")
         return sorted(k[len(PREFIX) + 5 :] for k in keys)
 
-    async def announce_instance(self, instance: str) -> None:
-        await self.store.set(f"{PREFIX}instance:{instance}", b"1", ttl=INSTANCE_TTL)
+    async def announce_instance(self, instance: str) -> bool:
+        """Refresh ``instance``'s liveness key; True when the key had been
+        missing (first start, or the store lost it: time to re-publish)."""
+        key = f"{PREFIX}instance:{instance}"
+        ttl = self.instance_every * INSTANCE_HEARTBEATS
+        if await self.store.expire(key, ttl):
+            return False
+        await self.store.set(key, b"1", ttl=ttl)
+        return True
+
+    async def dead_instances(self, owners: set[str]) -> set[str]:
+        """The instances among ``owners`` whose liveness key is gone."""
+        dead = set()
+        for owner in owners:
+            if not await self.instance_alive(owner):
+                dead.add(owner)
+        return dead
 
     async def withdraw_instance(self, instance: str) -> None:
         await self.store.delete(f"{PREFIX}instance:{instance}")
 
     async def instance_alive(self, instance: str) -> bool:
+        if instance and instance == self.instance:
+            return True
         return await self.store.get(f"{PREFIX}instance:{instance}") is not None
