@@ -8,7 +8,8 @@ key                              value                                         l
 ===============================  ============================================  =========
 ``openttd:secret``               key for invite-code secrets (when not set     none
                                  in the config: first process to start
-                                 writes it with SET NX)
+                                 writes it with SET NX; every instance
+                                 re-publishes it, store/shared_secret.py)
 ``openttd:code:<code>``          an issued invite code (SET NX claims it)      30 days,
                                                                                refreshed
 ``openttd:servers``              hash: code -> server record (below)           per field
@@ -17,15 +18,19 @@ key                              value                                         l
 ``openttd:newgrf:next``          INCR counter of NewGRF lookup indexes         none
 ``openttd:ticket:<id>``          TURN ticket secret                            30 s
 ``openttd:turn:<host:port>``     an announced TURN relay                       15 s
-``openttd:instance:<id>``        a live coordinator instance                   30 s
+``openttd:instance:<id>``        a live coordinator instance                   3 beats
 ===============================  ============================================  =========
 
 Servers live in one hash so a listing is one HGETALL and an invite-code lookup
 one HGET, however many processes share the Redis. A hash field has no TTL, so
 each record carries ``expires`` (wall clock): the owner pushes it forward on
 every SERVER_UPDATE (every 30 s) and deletes the field when the server leaves;
-readers ignore expired records and any instance sweeps them out, which is what
-removes the servers of an instance that died.
+readers ignore expired records and any instance sweeps them out. Readers also
+ignore, and sweep, the records of an instance whose liveness key is gone: an
+instance killed without a goodbye stops being advertised after three of its
+heartbeats, not after its servers' records expire. When an instance finds its
+own liveness key gone (the store lost everything), it re-creates the records
+and code reservations of the servers connected to it.
 
 Pub/sub channel ``openttd:gc:<instance>`` carries commands to the instance that
 holds a socket (see :mod:`crossroads.services.openttd.bus`).
@@ -188,16 +193,6 @@ class Registry:
     #: NewGRF lookup table cache: key -> index, index -> NewGRF.
     newgrf_index: dict[tuple[int, bytes], int] = field(default_factory=dict)
     newgrf_by_index: dict[int, NewGRF] = field(default_factory=dict)
-
-    # ------------------------------------------------------------ secret key
-
-    async def secret_key(self, configured: str) -> bytes:
-        if configured:
-            return configured.encode()
-        candidate = self.random_bytes(32).hex().encode()
-        await self.store.set(SECRET_KEY, candidate, only_if_absent=True)
-        stored = await self.store.get(SECRET_KEY)
-        return stored if stored else candidate
 
     # --------------------------------------------------------------- codes
 
