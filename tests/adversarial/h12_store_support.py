@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -84,3 +85,12 @@ def private_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+async def next_frame(ws: Any, kind: str) -> dict[str, Any]:
+    """The next p2p signalling frame of type ``kind`` (keep-alive pings skipped)."""
+    while True:
+        frame: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 10))
+        if frame["type"] == kind:
+            return frame
+        assert frame["type"] == "ping", frame

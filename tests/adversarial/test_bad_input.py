@@ -8,7 +8,6 @@ error envelope, and random or malicious bodies never get a 5xx.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from collections.abc import Iterator
@@ -21,7 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crossroads.runtime import Runtime
-from tests.adversarial.h12_store_support import http_base, runtime_in_thread
+from tests.adversarial.h12_store_support import (
+    http_base,
+    next_frame,
+    runtime_in_thread,
+)
 from tests.conftest import runtime  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -132,15 +135,6 @@ def test_random_bodies_never_get_a_5xx(
     assert response.status_code < 500, (body[:80], response.text[:200])
     if response.status_code >= 400:
         assert_envelope(response, response.status_code)
-
-
-async def next_frame(ws: Any, kind: str) -> dict[str, Any]:
-    """The next frame of type ``kind`` (the server's keep-alive pings skipped)."""
-    while True:
-        frame: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 10))
-        if frame["type"] == kind:
-            return frame
-        assert frame["type"] == "ping", frame
 
 
 async def test_malicious_websocket_frames_get_the_protocols_error(

@@ -11,12 +11,10 @@ loopback addresses (127.0.0.0/8), so no traffic leaves the machine.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
 import time
-from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +25,7 @@ from crossroads.config import default_config
 from crossroads.proto.openttd.coordinator import ClientConnect, ErrorType, GcError
 from crossroads.runtime import Runtime, start
 from crossroads.services.openttd import OpenTTDService
+from tests.adversarial.h12_store_support import next_frame
 from tests.conftest import loopback_config
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
@@ -124,14 +123,6 @@ async def test_wrong_api_keys_are_bounded_and_then_even_the_right_key_waits() ->
         async with client_at(rt, "127.0.0.5") as elsewhere:
             for _ in range(3 * PER_SOURCE):  # a right key costs nothing
                 assert (await elsewhere.get("/v1/regions")).status_code == 200
-
-
-async def next_frame(ws: Any, kind: str) -> dict[str, Any]:
-    while True:
-        frame: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 10))
-        if frame["type"] == kind:
-            return frame
-        assert frame["type"] == "ping", frame
 
 
 async def test_p2p_invite_code_guesses_are_bounded_across_websockets() -> None:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import httpx
@@ -57,6 +58,18 @@ pytestmark = pytest.mark.timeout(60)
 HEARTBEAT = 1.0
 
 
+def relay_on(redis: RedisServer) -> AbstractAsyncContextManager[Runtime]:
+    """A relay node and API on ``redis``, fast heartbeats, no request limits
+    (the test polls /v1/join while the code is away)."""
+    return relay_runtime(
+        core__store=redis.url,
+        relay__heartbeat=HEARTBEAT,
+        relay__api_rate=0,
+        core__guess_per_source=0,
+        core__guess_global=0,
+    )
+
+
 async def allocate_and_bind(rt: Runtime) -> tuple[dict[str, object], RawPeer]:
     async with api(rt) as http:
         response = await http.post("/v1/allocate", json={"maxConnections": 4})
@@ -81,13 +94,7 @@ async def test_relay_survives_a_redis_restart_that_lost_everything(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="crossroads")
     with private_redis() as redis:
-        async with relay_runtime(
-            core__store=redis.url,
-            relay__heartbeat=HEARTBEAT,
-            relay__api_rate=0,
-            core__guess_per_source=0,
-            core__guess_global=0,
-        ) as node:
+        async with relay_on(redis) as node:
             host, peer = await allocate_and_bind(node)
             pinger = asyncio.create_task(keep_alive(peer, host))
             try:
@@ -168,9 +175,7 @@ async def test_an_instance_whose_secret_lost_the_race_adopts_the_winner(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="crossroads")
     with private_redis() as redis:
-        async with relay_runtime(
-            core__store=redis.url, relay__heartbeat=HEARTBEAT, relay__api_rate=0
-        ) as node:
+        async with relay_on(redis) as node:
             before, before_peer = await allocate_and_bind(node)
             before_peer.close()
             # Redis came back empty and another instance published its own
