@@ -30,7 +30,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from crossroads.errors import StoreError
+from crossroads.errors import DecodeError, StoreError
+from crossroads.proto import jsontext
 from crossroads.services.openttd.registry import channel
 from crossroads.store.base import Store, Subscription
 
@@ -84,8 +85,8 @@ class Bus:
                 self._dropped.labels("too-large").inc()
                 continue
             try:
-                message = json.loads(raw)
-            except ValueError:
+                message = jsontext.loads(raw)
+            except DecodeError:
                 self._dropped.labels("bad-json").inc()
                 continue
             if not isinstance(message, dict):
