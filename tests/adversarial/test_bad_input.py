@@ -8,6 +8,7 @@ error envelope, and random or malicious bodies never get a 5xx.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from collections.abc import Iterator
@@ -18,8 +19,12 @@ import pytest
 import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from crossroads.runtime import Runtime
+from crossroads.services.openttd.bus import Bus
+from crossroads.services.openttd.registry import channel
+from crossroads.store.memory import MemoryStore
 from tests.adversarial.h12_store_support import (
     http_base,
     next_frame,
@@ -153,3 +158,20 @@ async def test_malicious_websocket_frames_get_the_protocols_error(
             assert (await next_frame(ws, "error"))["code"] == "bad_json"
         await ws.send(json.dumps({"type": "ping", "id": 5}))
         assert (await next_frame(ws, "pong"))["id"] == 5
+
+
+async def test_a_deeply_nested_bus_message_is_dropped_and_the_bus_goes_on() -> None:
+    store = MemoryStore()
+    received: list[dict[str, Any]] = []
+    bus = Bus(store, "abcd1234", CollectorRegistry())
+    await bus.start(received.append)
+    try:
+        await store.publish(channel("abcd1234"), b"[" * 5000 + b"]" * 5000)
+        await store.publish(channel("abcd1234"), b'{"t": "after"}')
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not received and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert received == [{"t": "after"}]
+    finally:
+        await bus.close()
