@@ -657,7 +657,8 @@ class RelayNode:
         code = self._hosts.get(host_id)
         if code is None:
             raw = self._records.get(host_id, {}).get("joinCode")
-            if raw is None:
+            if raw is None and host_id not in self._records:
+                # (A cached record was re-read above: no second round trip.)
                 raw = await self.store.hget(key, "joinCode")
             if raw is None:
                 return restored
