@@ -214,7 +214,7 @@ def _check_log_format(value: str) -> None:
         raise ValueError(f"{value!r} is not 'text' or 'json'")
 
 
-def _check_non_negative(value: int) -> None:
+def _check_non_negative(value: float) -> None:
     if value < 0:
         raise ValueError("must be >= 0")
 
@@ -314,6 +314,22 @@ class CoreConfig:
         check=_check_positive_float,
         help="Seconds a client has to send a whole request (headers and body) "
         "after connecting or after the previous response (slowloris).",
+    )
+    # Guessing budgets (proto/budget.py; arithmetic in docs/security.md): failed
+    # join-code / invite-code lookups and failed API keys, each kind its own budget.
+    guess_per_source: float = setting(
+        30.0,
+        kind="float",
+        check=_check_non_negative,
+        help="Failed code lookups or API keys per minute per source IP (IPv6: per "
+        "/64), a minute's worth in a row (0 = no limit).",
+    )
+    guess_global: float = setting(
+        10.0,
+        kind="float",
+        check=_check_non_negative,
+        help="Failed code lookups or API keys per second for this whole instance, "
+        "ten seconds' worth in a row (0 = no limit).",
     )
 
 

@@ -13,6 +13,7 @@ the runtime logs one line per service from :meth:`Service.describe`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -21,6 +22,7 @@ from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
 from crossroads.transport.admission import ConnectionBudget
@@ -141,3 +143,26 @@ class ServiceContext:
 
     def add_router(self, router: APIRouter) -> None:
         self.routers.append(router)
+
+    def guess_budget(self) -> FailureBudget:
+        """A fresh budget of failed guesses (one per kind of secret) sized by
+        ``--guess-per-source`` and ``--guess-global``."""
+        core = self.config.core
+        return FailureBudget(
+            BudgetConfig.from_settings(core.guess_per_source, core.guess_global)
+        )
+
+
+async def stop_task(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait until it has ended.
+
+    Cancelled in the middle of a store command, redis-py can swallow the
+    CancelledError (seen right after a Redis restart); a heartbeat loop then went
+    back to sleep and ``close`` waited for it forever. So cancel again until the
+    task is done.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled():
+        task.exception()  # retrieved: a failure at shutdown is not reported twice

@@ -41,7 +41,7 @@ from prometheus_client import Counter, Gauge
 from starlette.websockets import WebSocketState
 
 from crossroads.config import setting
-from crossroads.errors import ConfigError
+from crossroads.errors import ConfigError, StoreError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
     CodeClaim,
@@ -214,6 +214,7 @@ class P2PService:
             secrets.token_bytes,
             directory=True,
             reflection=ctx.reflection_budget(),
+            guesses=ctx.guess_budget(),
         )
         #: Codes this instance holds in the Store (claimed, not yet released).
         self.owned_codes: set[str] = set()
@@ -367,6 +368,9 @@ class P2PService:
     async def _lookup(self, lookup: CodeLookup) -> None:
         try:
             raw = await self.store.get(CODE_KEY + lookup.code)
+        except StoreError as exc:  # answered as unknown, not hung
+            log.debug("p2p code lookup failed: %r", exc)  # the store logs outages
+            raw = None
         except Exception as exc:  # noqa: BLE001 - answered as unknown, not hung
             log.warning("p2p code lookup failed: %r", exc)
             raw = None
@@ -400,6 +404,9 @@ class P2PService:
                         # we must never delete its claim.
                         log.warning("p2p code %s is claimed elsewhere now", code)
                         self.owned_codes.discard(code)
+                except StoreError as exc:  # logged once per outage by the store
+                    log.debug("p2p code refresh failed: %r", exc)
+                    break
                 except Exception as exc:  # noqa: BLE001 - next round retries
                     log.warning("p2p code refresh failed: %r", exc)
                     break

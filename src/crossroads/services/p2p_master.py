@@ -41,6 +41,7 @@ from crossroads.proto.masterserver.rows import (
     results_hint,
 )
 from crossroads.store.base import Store
+from crossroads.web.app import log_client_error
 
 #: Bodies larger than this are refused with 413 before parsing (64 columns of
 #: 1 KiB values fit).
@@ -247,8 +248,10 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
     """The HTTP routes of the listing at ``path``."""
     router = APIRouter(tags=["masterserver2"])
 
-    def error(method: str, exc: ListingError) -> JSONResponse:
+    def error(method: str, exc: ListingError, request: Request) -> JSONResponse:
         master.requests.labels(method, str(exc.status)).inc()
+        if exc.status == 400:
+            log_client_error(request, exc.status, exc.message)
         return JSONResponse({"code": exc.code, "message": exc.message}, exc.status)
 
     async def post_or_put(request: Request) -> Response:
@@ -265,7 +268,7 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
         try:
             result = await master.post(body, addr)
         except ListingError as exc:
-            return error(method, exc)
+            return error(method, exc, request)
         master.requests.labels(method, "200").inc()
         if result is None:
             return Response(status_code=200)
@@ -275,7 +278,7 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
         try:
             result = await master.get(dict(request.query_params), str(request.url))
         except ListingError as exc:
-            return error("GET", exc)
+            return error("GET", exc, request)
         master.requests.labels("GET", "200").inc()
         return JSONResponse(result)
 
@@ -284,7 +287,7 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
         try:
             await master.delete(dict(request.query_params), addr)
         except ListingError as exc:
-            return error("DELETE", exc)
+            return error("DELETE", exc, request)
         master.requests.labels("DELETE", "200").inc()
         return Response(status_code=200)
 

@@ -50,7 +50,7 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
-from crossroads.errors import CrossroadsError, DecodeError
+from crossroads.errors import CrossroadsError, DecodeError, StoreError
 from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
@@ -71,8 +71,10 @@ from crossroads.services.base import (
     ServiceContext,
     SessionInfo,
     show_address,
+    stop_task,
 )
 from crossroads.store.base import Store
+from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
@@ -280,14 +282,14 @@ def code_key(code: str) -> str:
     return f"relay:joincode:{code}"
 
 
+SECRET_KEY = "relay:secret"
+
+
 async def resolve_secret(cfg: Config, store: Store) -> bytes:
     """The configured secret, or the one every process of this store shares."""
     if cfg.secret:
         return cfg.secret.encode()
-    await store.set("relay:secret", os.urandom(32).hex().encode(), only_if_absent=True)
-    secret = await store.get("relay:secret")
-    assert secret is not None
-    return secret
+    return await SharedSecret(store, SECRET_KEY, "relay").resolve()
 
 
 # ---------------------------------------------------------------- allocation API
@@ -572,6 +574,13 @@ class RelayNode:
         self.auth_log = RateLimitedLog(log)
         #: Bound host allocations -> their join code once known.
         self._hosts: dict[uuid.UUID, str | None] = {}
+        #: The API's record of each bound host allocation, as last seen: what
+        #: the heartbeat re-creates when the store lost it (a Redis restarted
+        #: empty), so its join code works again. EXPIRE alone cannot bring
+        #: back a key that is gone.
+        self._records: dict[uuid.UUID, dict[str, bytes]] = {}
+        #: Host records (and join codes) re-created after the store lost them.
+        self.records_restored = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -585,10 +594,7 @@ class RelayNode:
     async def close(self) -> None:
         self.endpoint.close()
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await stop_task(task)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
 
@@ -608,6 +614,15 @@ class RelayNode:
                 self._events.put_nowait(event)
             except asyncio.QueueFull:
                 self.events_dropped += 1
+
+    def join_code_of(self, host_id: uuid.UUID) -> str | None:
+        """The join code of a bound host allocation, once a heartbeat saw it
+        (what the node can re-create after the store lost it)."""
+        code = self._hosts.get(host_id)
+        if code is None:
+            raw = self._records.get(host_id, {}).get("joinCode")
+            code = raw.decode() if raw is not None else None
+        return code
 
     def registration(self) -> NodeInfo:
         return NodeInfo(
@@ -634,8 +649,19 @@ class RelayNode:
             self.core.wall_offset = time.time() - loop.time()
             try:
                 await self.register()
+                restored = 0
                 for host_id in list(self._hosts):
-                    await self._refresh_host(host_id, ttl)
+                    restored += await self._refresh_host(host_id, ttl)
+                if restored:
+                    self.records_restored += restored
+                    log.warning(
+                        "relay node %s: the store had lost %d host allocation(s) "
+                        "and join codes; re-created them",
+                        self.info.node_id,
+                        restored,
+                    )
+            except StoreError:
+                pass  # the store logs the outage once; the next beat retries
             except Exception:
                 log.warning(
                     "relay node %s: store update failed",
@@ -644,24 +670,53 @@ class RelayNode:
                 )
             await asyncio.sleep(self.cfg.heartbeat)
 
-    async def _refresh_host(self, host_id: uuid.UUID, ttl: float) -> None:
-        """Keep a bound host's records (and its join code) alive."""
-        await self.store.expire(alloc_key(host_id), ttl)
+    async def _refresh_host(self, host_id: uuid.UUID, ttl: float) -> bool:
+        """Keep a bound host's records (and its join code) alive; re-create
+        them when the store lost them (then True)."""
+        key = alloc_key(host_id)
+        restored = False
+        if await self.store.expire(key, ttl):
+            if host_id in self._hosts and (
+                host_id not in self._records or self._hosts[host_id] is None
+            ):
+                record = await self.store.hgetall(key)
+                if RECORD_FIELDS <= set(record):
+                    self._records[host_id] = record
+        else:
+            record = self._records.get(host_id, {})
+            if not record:
+                return False  # never seen: nothing to re-create it from
+            await self.store.hset(key, record)
+            await self.store.expire(key, ttl)
+            restored = True
         code = self._hosts.get(host_id)
         if code is None:
-            raw = await self.store.hget(alloc_key(host_id), "joinCode")
+            raw = self._records.get(host_id, {}).get("joinCode")
+            if raw is None and host_id not in self._records:
+                # (A cached record was re-read above: no second round trip.)
+                raw = await self.store.hget(key, "joinCode")
             if raw is None:
-                return
+                return restored
             code = raw.decode()
             if host_id in self._hosts:
                 self._hosts[host_id] = code
-        await self.store.expire(code_key(code), ttl)
+        if not await self.store.expire(code_key(code), ttl):
+            # SET NX: a claim of this code by another allocation (ours lapsed
+            # and the code was drawn again) is never overwritten.
+            restored |= await self.store.set(
+                code_key(code), str(host_id).encode(), ttl=ttl, only_if_absent=True
+            )
+        return restored
 
     async def _apply_events(self) -> None:
         while True:
             event = await self._events.get()
             try:
                 await self._apply(event)
+            except StoreError:
+                # Logged once per outage by the store; the heartbeat re-creates
+                # what this event would have written.
+                self.events_dropped += 1
             except Exception:
                 log.warning(
                     "relay node %s: store update failed",
@@ -686,6 +741,8 @@ class RelayNode:
                 host_id = uuid.UUID(bytes=hid)
                 if host_id in self._hosts:
                     key = alloc_key(host_id)
+                    if host_id in self._records:
+                        self._records[host_id]["connections"] = str(n).encode()
                     await self.store.hset(key, {"connections": str(n).encode()})
                     # Never leave a hash without a TTL, even if the API's record
                     # expired meanwhile (join treats such a remnant as gone).
@@ -695,6 +752,7 @@ class RelayNode:
             case AllocationEnded(is_host=True, allocation_id=aid):
                 host_id = uuid.UUID(bytes=aid)
                 code = self._hosts.pop(host_id, None)
+                self._records.pop(host_id, None)
                 if code is None:
                     raw = await self.store.hget(alloc_key(host_id), "joinCode")
                     code = raw.decode() if raw else None
@@ -790,6 +848,30 @@ class RelayService:
         #: The keys the allocations API accepts (None on a node-only process).
         self.api_keys: ApiKeys | None = None
         self._closed = False
+        #: The store-held secret (None when --relay-secret is configured).
+        self.secret: SharedSecret | None = None
+        self._secret_task: asyncio.Task[None] | None = None
+
+    def keep_secret(self, shared: SharedSecret, every: float) -> None:
+        """Re-publish the shared secret every ``every`` s (store/shared_secret.py)."""
+        self.secret = shared
+        self._secret_task = asyncio.create_task(
+            self._keep_secret(shared, every), name="relay-secret"
+        )
+
+    async def _keep_secret(self, shared: SharedSecret, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            try:
+                adopted = await shared.republish()
+            except StoreError:
+                continue  # the store logs the outage once
+            if adopted is not None:
+                sealer = TokenSealer(shared.current, os.urandom, shared.previous)
+                if self.allocator is not None:
+                    self.allocator.sealer = sealer
+                if self.node is not None:
+                    self.node.core.sealer = sealer
 
     def reload(self, config: RuntimeConfig) -> list[str]:
         """New API keys (``--api-key``) for the allocations API; allocations,
@@ -857,6 +939,8 @@ class RelayService:
         if self._closed:
             return
         self._closed = True
+        if self._secret_task is not None:
+            await stop_task(self._secret_task)
         if self.node is not None:
             await self.node.close()
 
@@ -890,7 +974,8 @@ def _public_host(cfg: Config, ctx: ServiceContext, bound_host: str) -> str:
 
 async def serve(ctx: ServiceContext) -> Service:
     cfg = ctx.section(NAME, Config)
-    secret = await resolve_secret(cfg, ctx.store)
+    shared = None if cfg.secret else SharedSecret(ctx.store, SECRET_KEY, "relay")
+    secret = cfg.secret.encode() if shared is None else await shared.resolve()
     sealer = TokenSealer(secret, os.urandom)
     node: RelayNode | None = None
     bound: tuple[str, int] | None = None
@@ -940,6 +1025,7 @@ async def serve(ctx: ServiceContext) -> Service:
         ctx.shared["relay.node"] = node
     api = not cfg.node_only
     api_keys: ApiKeys | None = None
+    service = RelayService(node, api, bound)
     if api:
         from crossroads.web.relay import ApiKeys, make_router
 
@@ -957,16 +1043,19 @@ async def serve(ctx: ServiceContext) -> Service:
             requests,
             rate=cfg.api_rate,
             burst=max(1.0, cfg.api_rate * 3),
+            key_budget=ctx.guess_budget(),
+            join_budget=ctx.guess_budget(),
         )
         ctx.add_router(router)
         ctx.shared["relay.allocator"] = allocator
+        service.allocator = allocator
         if not cfg.api_keys:
             log.warning(
                 "relay: no --api-key configured; the allocations API refuses requests"
             )
-    service = RelayService(node, api, bound)
-    service.allocator = ctx.shared.get("relay.allocator")
     service.api_keys = api_keys
+    if shared is not None:
+        service.keep_secret(shared, cfg.heartbeat)
     return service
 
 

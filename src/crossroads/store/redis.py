@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Mapping
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -16,11 +18,61 @@ from crossroads.store.redis_url import redis_client
 T = TypeVar("T")
 
 
-async def _guard(call: Awaitable[T]) -> T:
+log = logging.getLogger("crossroads.store")
+
+
+class OutageLog:
+    """One log line when the store becomes unreachable and one when it answers
+    again, however many operations fail in between (issue 12: a traceback per
+    request and per heartbeat buried the one fact that mattered)."""
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.url = url
+        self.clock = clock
+        #: When the current outage started (None: the store answers).
+        self.down_since: float | None = None
+        #: Operations that failed in the current outage.
+        self.failures = 0
+        #: Outages seen since start.
+        self.outages = 0
+
+    def failed(self, exc: Exception) -> None:
+        self.failures += 1
+        if self.down_since is None:
+            self.down_since = self.clock()
+            self.outages += 1
+            log.warning("store %s is unreachable: %s", _redact(self.url), exc)
+
+    def answered(self) -> None:
+        if self.down_since is not None:
+            log.warning(
+                "store %s answers again after %.1f s (%d operations failed)",
+                _redact(self.url),
+                self.clock() - self.down_since,
+                self.failures,
+            )
+            self.down_since = None
+            self.failures = 0
+
+
+def _redact(url: str) -> str:
+    """The URL without a password (``redis://:secret@host`` -> ``redis://***@host``)."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme + sep + rest
+
+
+async def _guard(call: Awaitable[T], outage: OutageLog | None = None) -> T:
     try:
-        return await call
+        result = await call
     except RedisError as exc:
+        if outage is not None:
+            outage.failed(exc)
         raise StoreError(f"redis: {exc}") from exc
+    if outage is not None:
+        outage.answered()
+    return result
 
 
 class RedisSubscription:
@@ -80,9 +132,13 @@ class RedisStore:
             retry_on_timeout=True,
             socket_connect_timeout=5,
         )
+        self.outage = OutageLog(url)
+
+    async def _run(self, call: Awaitable[T]) -> T:
+        return await _guard(call, self.outage)
 
     async def get(self, key: str) -> bytes | None:
-        value: Any = await _guard(self._redis.get(key))
+        value: Any = await self._run(self._redis.get(key))
         return None if value is None else bytes(value)
 
     async def set(
@@ -94,65 +150,71 @@ class RedisStore:
         only_if_absent: bool = False,
     ) -> bool:
         px = None if ttl is None else max(1, int(ttl * 1000))
-        result = await _guard(self._redis.set(key, value, px=px, nx=only_if_absent))
+        result = await self._run(self._redis.set(key, value, px=px, nx=only_if_absent))
         return bool(result)
 
     async def delete(self, *keys: str) -> int:
         if not keys:
             return 0
-        return int(await _guard(self._redis.delete(*keys)))
+        return int(await self._run(self._redis.delete(*keys)))
 
     async def delete_if_equal(self, key: str, value: bytes) -> bool:
         # GET and DEL in one script: nothing can claim the key in between.
-        deleted = await _guard(self._redis.eval(_DELETE_IF_EQUAL, 1, key, value))
+        deleted = await self._run(self._redis.eval(_DELETE_IF_EQUAL, 1, key, value))
         return bool(deleted)
 
     async def expire(self, key: str, ttl: float) -> bool:
-        return bool(await _guard(self._redis.pexpire(key, max(1, int(ttl * 1000)))))
+        return bool(await self._run(self._redis.pexpire(key, max(1, int(ttl * 1000)))))
 
     async def ttl(self, key: str) -> float | None:
-        millis = int(await _guard(self._redis.pttl(key)))
+        millis = int(await self._run(self._redis.pttl(key)))
         return None if millis < 0 else millis / 1000
 
     async def incr(self, key: str, amount: int = 1) -> int:
-        return int(await _guard(self._redis.incrby(key, amount)))
+        return int(await self._run(self._redis.incrby(key, amount)))
 
     async def keys(self, prefix: str) -> list[str]:
-        found: list[str] = []
         pattern = prefix.replace("[", r"\[").replace("*", r"\*").replace("?", r"\?")
-        async for key in self._redis.scan_iter(match=pattern + "*", count=500):
-            found.append(key.decode() if isinstance(key, bytes) else str(key))
-        return found
+
+        async def scan() -> list[str]:
+            found: list[str] = []
+            async for key in self._redis.scan_iter(match=pattern + "*", count=500):
+                found.append(key.decode() if isinstance(key, bytes) else str(key))
+            return found
+
+        # Guarded like every other call: a scan against a dead Redis raised
+        # redis' own ConnectionError, which reached HTTP handlers as a 500.
+        return await self._run(scan())
 
     async def hset(self, key: str, mapping: Mapping[str, bytes]) -> None:
         if mapping:
-            await _guard(self._redis.hset(key, mapping=dict(mapping)))  # type: ignore[arg-type]
+            await self._run(self._redis.hset(key, mapping=dict(mapping)))  # type: ignore[arg-type]
 
     async def hget(self, key: str, field: str) -> bytes | None:
-        value: Any = await _guard(self._redis.hget(key, field))
+        value: Any = await self._run(self._redis.hget(key, field))
         return None if value is None else bytes(value)
 
     async def hgetall(self, key: str) -> dict[str, bytes]:
-        raw: Any = await _guard(self._redis.hgetall(key))
+        raw: Any = await self._run(self._redis.hgetall(key))
         return {k.decode(): v for k, v in raw.items()}
 
     async def hdel(self, key: str, *fields: str) -> int:
         if not fields:
             return 0
-        return int(await _guard(self._redis.hdel(key, *fields)))
+        return int(await self._run(self._redis.hdel(key, *fields)))
 
     async def publish(self, channel: str, message: bytes) -> int:
-        return int(await _guard(self._redis.publish(channel, message)))
+        return int(await self._run(self._redis.publish(channel, message)))
 
     async def subscribe(self, channel: str) -> RedisSubscription:
         pubsub = self._redis.pubsub()
-        await _guard(pubsub.subscribe(channel))
+        await self._run(pubsub.subscribe(channel))
         return RedisSubscription(pubsub)
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._redis.ping())
-        except RedisError:
+            return bool(await self._run(self._redis.ping()))
+        except StoreError:
             return False
 
     async def close(self) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -14,8 +16,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import crossroads
+from crossroads.errors import DecodeError, StoreError
 from crossroads.store.base import Store
 from crossroads.web.guard import HttpGuard
+
+log = logging.getLogger("crossroads.http")
 
 
 class ApiError(Exception):
@@ -59,6 +64,25 @@ def create_app(
             {"code": "invalid_request", "message": problems}, status_code=400
         )
 
+    @app.exception_handler(DecodeError)
+    async def _decode_error(request: Request, exc: DecodeError) -> JSONResponse:
+        # A body a route decoded itself and found malformed: the client's fault,
+        # one line in the log (no traceback), the error envelope in the answer.
+        log_client_error(request, 400, str(exc))
+        return JSONResponse(
+            {"code": "invalid_request", "message": str(exc)}, status_code=400
+        )
+
+    @app.exception_handler(StoreError)
+    async def _store_error(request: Request, exc: StoreError) -> JSONResponse:
+        # The store logs the outage once (store/redis.py); a request that meets
+        # it gets 503 and is told to come back, never a 500 with a traceback.
+        return JSONResponse(
+            {"code": "store_unavailable", "message": "the shared store is unreachable"},
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(
         request: Request, exc: StarletteHTTPException
@@ -87,6 +111,35 @@ def create_app(
     for router in routers:
         app.include_router(router)
     return app
+
+
+#: Client-error log lines per second; beyond it lines are counted and the count
+#: is logged with the next line, so a flood of bad requests cannot flood the log.
+CLIENT_ERROR_LINES_PER_SECOND = 10
+_client_error_window = [0.0, 0.0, 0.0]  # window start, lines in it, suppressed
+
+
+def log_client_error(request: Request, status: int, message: str) -> None:
+    """One log line (no traceback) for a request refused as the client's fault."""
+    now = time.monotonic()
+    window = _client_error_window
+    if now - window[0] >= 1.0:
+        window[0], window[1] = now, 0.0
+    if window[1] >= CLIENT_ERROR_LINES_PER_SECOND:
+        window[2] += 1
+        return
+    window[1] += 1
+    suppressed, window[2] = int(window[2]), 0.0
+    client = request.client.host if request.client else "?"
+    log.info(
+        "%s %s from %s: %d %s%s",
+        request.method,
+        request.url.path,
+        client,
+        status,
+        message[:200],
+        f" ({suppressed} similar lines suppressed)" if suppressed else "",
+    )
 
 
 #: Largest WebSocket message uvicorn reads for any endpoint on the HTTP port;

@@ -17,7 +17,6 @@ error body ``{"status", "title", "detail", "type", "code"}`` (plus crossroads'
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -29,9 +28,12 @@ from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
-from crossroads.errors import StoreError
+from crossroads.errors import DecodeError, StoreError
+from crossroads.proto import jsontext
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.ratelog import RateLimitedLog
 from crossroads.services.relay import AllocationError, Allocator, encode_grant
+from crossroads.web.app import log_client_error
 
 log = logging.getLogger("crossroads.relay")
 
@@ -186,6 +188,9 @@ def _envelope(status: int, data: dict[str, Any]) -> JSONResponse:
 
 #: Request bodies are a few dozen bytes; anything near this is not a client of ours.
 MAX_BODY = 16 * 1024
+#: Unity's error code for an unknown or expired join code (reference §1.3); the
+#: one failure a join-code guesser pays for.
+JOIN_CODE_NOT_FOUND = 15009
 #: Client IPs tracked by the rate limiter before the oldest is forgotten.
 MAX_TRACKED_CLIENTS = 65_536
 
@@ -233,10 +238,10 @@ class RateLimiter:
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await _read_body(request)
     try:
-        data = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = jsontext.loads(raw) if raw else None
+    except DecodeError as exc:
         raise AllocationError(
-            400, 15001, "InvalidRequest", "the body is not JSON"
+            400, 15001, "InvalidRequest", f"the body is not JSON ({exc})"
         ) from None
     try:
         return model.model_validate(data)
@@ -266,13 +271,20 @@ def make_router(
     rate: float = 0.0,
     burst: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
+    key_budget: FailureBudget | None = None,
+    join_budget: FailureBudget | None = None,
 ) -> APIRouter:
     """The ``/v1`` allocations router for one allocator and set of API keys.
 
     ``rate`` and ``burst`` limit allocate and join calls per client IP (0: none).
+    ``key_budget`` bounds wrong API keys and ``join_budget`` unknown join codes,
+    per source and in total (:mod:`crossroads.proto.budget`; None: no bound).
     """
     router = APIRouter(prefix="/v1", tags=["relay"])
     limiter = RateLimiter(rate, burst, clock)
+    unbounded = FailureBudget(BudgetConfig(0.0, 1.0, 0.0, 1.0))
+    keys_tried = key_budget or unbounded
+    codes_tried = join_budget or unbounded
     auth_log = RateLimitedLog(log)
 
     def authorized(request: Request) -> bool:
@@ -284,46 +296,63 @@ def make_router(
         matches = [hmac.compare_digest(presented, key) for key in api_keys.encoded]
         return any(matches)
 
-    async def guarded(
-        endpoint: str, request: Request, handler: Callable[[], Awaitable[JSONResponse]]
-    ) -> JSONResponse:
+    def refusal(request: Request, client: str) -> JSONResponse | None:
+        """The answer when the request may not go on: no key configured, the
+        source's (or everyone's) wrong-key budget spent, or a wrong key."""
         if not api_keys.encoded:
-            response = error_response(
+            return error_response(
                 401,
                 15401,
                 "Unauthorized",
                 "this server has no API key configured (--api-key)",
             )
-        elif not authorized(request):
+        if not keys_tried.try_spend(client, clock()):
+            # Checked before the key is: while the budget is spent even the
+            # right key is refused, so the answer says nothing about the key.
+            return error_response(
+                429, 15429, "RateLimited", "too many wrong API keys; retry later"
+            )
+        if not authorized(request):
             # Who, never what: the presented key stays out of the log.
             auth_log.log(
                 "bad-api-key",
                 "relay API: missing or unknown API key from %s",
-                request.client.host if request.client else "?",
+                client,
             )
-            response = error_response(
+            return error_response(
                 401,
                 15401,
                 "Unauthorized",
                 "missing or unknown API key (Authorization: Bearer …)",
             )
-        elif endpoint in ("allocate", "join") and not limiter.allow(
-            request.client.host if request.client else ""
-        ):
+        keys_tried.refund(client)  # the key was right: its try costs nothing
+        return None
+
+    async def guarded(
+        endpoint: str, request: Request, handler: Callable[[], Awaitable[JSONResponse]]
+    ) -> JSONResponse:
+        client = request.client.host if request.client else ""
+        refused = refusal(request, client)
+        if refused is not None:
+            response = refused
+        elif endpoint in ("allocate", "join") and not limiter.allow(client):
             response = error_response(
                 429, 15429, "RateLimited", "too many allocations from this address"
             )
-            response.headers["Retry-After"] = "1"
         else:
             try:
                 response = await handler()
             except AllocationError as exc:
+                if exc.status in (400, 413):
+                    log_client_error(request, exc.status, exc.detail)
                 response = error_response(exc.status, exc.code, exc.title, exc.detail)
             except StoreError as exc:
                 response = error_response(
                     503, 15503, "ServiceUnavailable", f"store: {exc}"
                 )
         requests.labels(endpoint, str(response.status_code)).inc()
+        if response.status_code == 429:
+            response.headers["Retry-After"] = "1"
         if response.status_code == 401:
             response.headers["WWW-Authenticate"] = "Bearer"
         return response
@@ -372,7 +401,24 @@ def make_router(
         async def run() -> JSONResponse:
             body = await _parse(request, JoinRequest)
             assert isinstance(body, JoinRequest)
-            grant = await allocator.join(body.joinCode)
+            client = request.client.host if request.client else ""
+            if not codes_tried.try_spend(client, clock()):
+                raise AllocationError(
+                    429,
+                    15429,
+                    "RateLimited",
+                    "too many unknown join codes; retry later",
+                )
+            try:
+                grant = await allocator.join(body.joinCode)
+            except AllocationError as exc:
+                if exc.code != JOIN_CODE_NOT_FOUND:
+                    codes_tried.refund(client)
+                raise
+            except BaseException:
+                codes_tried.refund(client)
+                raise
+            codes_tried.refund(client)
             return _envelope(200, {"allocation": encode_grant(grant)})
 
         return await guarded("join", request, run)

@@ -99,3 +99,18 @@ def test_random_bytes_open_or_decode_error(data: bytes) -> None:
         sealer().open(data, "n")
     except DecodeError:
         pass
+
+
+def test_a_sealer_that_adopted_a_secret_still_opens_what_the_old_one_sealed() -> None:
+    old = sealer()
+    old_token = old.seal(claims(), "node-a")
+    adopted = TokenSealer(b"n" * 32, os.urandom, previous=[SECRET])
+    # Tokens sealed before the adoption open, with the key of the old secret.
+    assert adopted.open_with_key(old_token, "node-a") == (claims(), old.key_for(ID))
+    # New tokens and keys use the adopted secret only.
+    new_token = adopted.seal(claims(), "node-a")
+    with pytest.raises(DecodeError):
+        old.open(new_token, "node-a")
+    fresh = TokenSealer(b"n" * 32, os.urandom)
+    assert adopted.open_with_key(new_token, "node-a") == (claims(), fresh.key_for(ID))
+    assert adopted.key_for(ID) == fresh.key_for(ID)

@@ -16,11 +16,11 @@ anything else raises :class:`DecodeError`.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from crossroads.errors import DecodeError
+from crossroads.proto import jsontext
 
 #: Listing rows are flat; 16 levels is generous and keeps recursion shallow.
 MAX_DEPTH = 16
@@ -44,11 +44,10 @@ _ESCAPES = {
 def loads(text: str) -> Any:
     """Parse strict JSON, else the lenient grammar above."""
     try:
-        return json.loads(text)
-    except RecursionError:
-        raise DecodeError("JSON nests too deeply", "too-deep") from None
-    except ValueError:
-        pass
+        return jsontext.loads(text)
+    except DecodeError as exc:
+        if exc.reason == "too-deep":
+            raise
     parser = _Parser(text)
     value = parser.value(0)
     parser.space()
@@ -88,7 +87,11 @@ class _Parser:
         if number:
             self.pos = number.end()
             token = number.group()
-            return float(token) if any(ch in token for ch in ".eE") else int(token)
+            try:
+                return float(token) if any(ch in token for ch in ".eE") else int(token)
+            except ValueError:
+                # More digits than CPython converts (4,300): not a listing value.
+                raise self.fail("number too long") from None
         word = _WORD.match(self.text, self.pos)
         if word:
             self.pos = word.end()

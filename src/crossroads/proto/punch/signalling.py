@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from crossroads.errors import DecodeError
+from crossroads.proto import jsontext
 
 #: Version carried in ``hello``/``welcome``; bumped on incompatible changes only.
 PROTOCOL_VERSION = 1
@@ -1037,8 +1038,8 @@ def _decode(
     if size > MAX_FRAME_BYTES:
         raise DecodeError(f"frame is larger than {MAX_FRAME_BYTES} bytes", "too-large")
     try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
+        obj = jsontext.loads(text)
+    except DecodeError:
         raise DecodeError("frame is not valid JSON", "bad-json") from None
     if not isinstance(obj, dict):
         raise DecodeError("frame must be a JSON object", "not-object")
@@ -1067,8 +1068,8 @@ def decode_server(text: str | bytes) -> Message:
 def message_type(text: str | bytes) -> str:
     """Best-effort ``type`` of a frame, for error replies (``""`` if unknown)."""
     try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError):
+        obj = jsontext.loads(text)
+    except DecodeError:
         return ""
     kind = obj.get("type") if isinstance(obj, dict) else None
     return kind[:40] if isinstance(kind, str) else ""

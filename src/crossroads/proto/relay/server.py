@@ -438,12 +438,13 @@ class RelayServer:
             return
         length = data[7]
         try:
-            claims = self.sealer.open(data[8 : 8 + length], self.config.node_id)
+            claims, key = self.sealer.open_with_key(
+                data[8 : 8 + length], self.config.node_id
+            )
         except DecodeError:
             self._drop("bad-token")
             self._events.append(BindRejected("bad-token", addr))
             return
-        key = self.sealer.key_for(claims.allocation_id)
         if not verify_bind_hmac(key, data):
             self._drop("bad-hmac")
             self._events.append(BindRejected("bad-hmac", addr))

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -84,19 +84,38 @@ class TokenSealer:
         random_bytes: the randomness source (``os.urandom`` in production).
     """
 
-    def __init__(self, secret: bytes, random_bytes: Callable[[int], bytes]) -> None:
-        if len(secret) < 16:
-            raise LocalProtocolError("relay secret must be at least 16 bytes")
+    def __init__(
+        self,
+        secret: bytes,
+        random_bytes: Callable[[int], bytes],
+        previous: Sequence[bytes] = (),
+    ) -> None:
+        """``previous``: secrets this node held before it adopted ``secret``
+        (store/shared_secret.py); tokens they sealed still open, with their
+        keys. New tokens and keys always use ``secret``."""
+        for candidate in (secret, *previous):
+            if len(candidate) < 16:
+                raise LocalProtocolError("relay secret must be at least 16 bytes")
         self._secret = secret
-        aead_key = hmac.new(secret, b"relay-token-aead", hashlib.sha256).digest()
-        self._aead = AESGCM(aead_key)
+        self._secrets = (secret, *previous)
+        self._aeads = [
+            AESGCM(hmac.new(s, b"relay-token-aead", hashlib.sha256).digest())
+            for s in self._secrets
+        ]
+        self._aead = self._aeads[0]
         self._random = random_bytes
 
     def key_for(self, allocation_id: bytes) -> bytes:
         """The 64-byte HMAC key of an allocation (the API's base64 ``key``)."""
-        return hmac.new(
-            self._secret, b"relay-key" + allocation_id, hashlib.sha512
-        ).digest()
+        return _allocation_key(self._secret, allocation_id)
+
+    def open_with_key(
+        self, data: bytes, node_id: str
+    ) -> tuple[AllocationClaims, bytes]:
+        """:meth:`open`, plus the allocation's HMAC key under the secret that
+        sealed the token (the current one or a previous one)."""
+        claims, index = self._open(data, node_id)
+        return claims, _allocation_key(self._secrets[index], claims.allocation_id)
 
     def seal(self, claims: AllocationClaims, node_id: str) -> bytes:
         """The token for ``claims``, valid on relay node ``node_id`` only."""
@@ -123,32 +142,42 @@ class TokenSealer:
         Raises:
             DecodeError: not a token sealed by this secret for this node.
         """
+        return self._open(data, node_id)[0]
+
+    def _open(self, data: bytes, node_id: str) -> tuple[AllocationClaims, int]:
         if len(data) < TOKEN_SIZE or data[0] != TOKEN_VERSION:
             raise DecodeError("not a crossroads relay token", reason="bad-token")
         nonce = bytes(data[1 : 1 + _NONCE_SIZE])
-        try:
-            plain = self._aead.decrypt(
-                nonce,
-                bytes(data[1 + _NONCE_SIZE : TOKEN_SIZE]),
-                _AAD_PREFIX + node_id.encode(),
-            )
-        except InvalidTag:
-            raise DecodeError(
-                "relay token does not verify", reason="bad-token"
-            ) from None
+        sealed = bytes(data[1 + _NONCE_SIZE : TOKEN_SIZE])
+        aad = _AAD_PREFIX + node_id.encode()
+        plain, index = self._decrypt(nonce, sealed, aad)
         try:
             role = Role(plain[32])
         except ValueError:
             raise DecodeError(
                 "relay token has an unknown role", reason="bad-token"
             ) from None
-        return AllocationClaims(
+        claims = AllocationClaims(
             allocation_id=plain[0:16],
             host_allocation_id=plain[16:32],
             role=role,
             max_connections=int.from_bytes(plain[33:35], "big"),
             bind_deadline=int.from_bytes(plain[35:43], "big") / 1000,
         )
+        return claims, index
+
+    def _decrypt(self, nonce: bytes, sealed: bytes, aad: bytes) -> tuple[bytes, int]:
+        """The plaintext and the index of the secret that sealed it."""
+        for index, aead in enumerate(self._aeads):
+            try:
+                return aead.decrypt(nonce, sealed, aad), index
+            except InvalidTag:
+                continue
+        raise DecodeError("relay token does not verify", reason="bad-token")
+
+
+def _allocation_key(secret: bytes, allocation_id: bytes) -> bytes:
+    return hmac.new(secret, b"relay-key" + allocation_id, hashlib.sha512).digest()
 
 
 def bind_hmac(key: bytes, signed_bytes: bytes) -> bytes:

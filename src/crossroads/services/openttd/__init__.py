@@ -22,7 +22,12 @@ from prometheus_client import Counter, Gauge
 
 from crossroads.config import setting
 from crossroads.errors import StoreError
-from crossroads.services.base import ServiceContext, SessionInfo, show_address
+from crossroads.services.base import (
+    ServiceContext,
+    SessionInfo,
+    show_address,
+    stop_task,
+)
 from crossroads.services.openttd.bounded import BoundedStore
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import Limits, Listener, PacketConnection
@@ -34,6 +39,7 @@ from crossroads.services.openttd.coordinator import (
 from crossroads.services.openttd.registry import (
     INSTANCE_EVERY,
     NEWGRF_COUNTER_KEY,
+    SECRET_KEY,
     TURN_ANNOUNCE_EVERY,
     Registry,
     ServerRecord,
@@ -41,6 +47,7 @@ from crossroads.services.openttd.registry import (
 from crossroads.services.openttd.stun import StunService
 from crossroads.services.openttd.turn import TurnService
 from crossroads.services.openttd.web import make_router
+from crossroads.store.shared_secret import SharedSecret
 from crossroads.types import Address
 
 NAME = "openttd"
@@ -171,6 +178,13 @@ class Config:
     listing_cache: float = setting(
         2.0, kind="float", check=_positive, help="Seconds a server listing is reused."
     )
+    instance_heartbeat: float = setting(
+        INSTANCE_EVERY,
+        kind="float",
+        check=_positive,
+        help="Seconds between this coordinator's liveness beats; another instance "
+        "stops advertising its servers three beats after it dies.",
+    )
     server_ttl: float = setting(
         90.0,
         kind="float",
@@ -243,10 +257,7 @@ class OpenTTDService:
             return
         self._closed = True
         for task in self.tasks:
-            task.cancel()
-        for task in self.tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await stop_task(task)
         if self.registry is not None:
             with contextlib.suppress(StoreError):
                 if self.turn_public:
@@ -270,8 +281,38 @@ async def _every(
         try:
             await action()
         except StoreError as exc:
-            log.warning("openttd: %s failed: %s", what, exc)
+            # The store logs the outage once (store/redis.py); a line per task
+            # and period would bury it.
+            log.debug("openttd: %s failed: %s", what, exc)
         await asyncio.sleep(period)
+
+
+async def _heartbeat(
+    registry: Registry,
+    coordinator: Coordinator,
+    instance: str,
+    shared_secret: SharedSecret | None,
+) -> None:
+    """One liveness beat; when the store had lost our liveness key (a Redis
+    restarted empty), put back everything this instance holds: its servers'
+    records and codes. The shared key is re-published on every beat."""
+    if shared_secret is not None:
+        adopted = await shared_secret.republish()
+        if adopted is not None:
+            coordinator.adopt_secret_key(adopted, shared_secret.previous)
+    if not await registry.announce_instance(instance):
+        return
+    records = coordinator.local_records()
+    for record in records:
+        await registry.keep_code(record.code)
+        await registry.put_server(record)
+    if records:
+        coordinator.listing.invalidate()
+        log.warning(
+            "openttd: the store had lost this instance's records; re-created %d "
+            "server(s)",
+            len(records),
+        )
 
 
 async def serve(ctx: ServiceContext) -> OpenTTDService:
@@ -279,7 +320,12 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
     service = OpenTTDService()
     service.instance = os.urandom(4).hex()
     store = BoundedStore(ctx.store)
-    registry = Registry(store, os.urandom)
+    registry = Registry(
+        store,
+        os.urandom,
+        instance=service.instance,
+        instance_every=cfg.instance_heartbeat,
+    )
     service.registry = registry
     bus = Bus(store, service.instance, ctx.metrics)
     service.bus = bus
@@ -354,7 +400,16 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
 
         listing = ListingCache(registry, cfg.listing_cache)
         if "coordinator" in cfg.roles:
-            secret_key = await registry.secret_key(cfg.secret)
+            shared_secret = (
+                None
+                if cfg.secret
+                else SharedSecret(store, SECRET_KEY, "openttd", os.urandom)
+            )
+            secret_key = (
+                cfg.secret.encode()
+                if shared_secret is None
+                else await shared_secret.resolve()
+            )
             # Start NewGRF lookup indexes at a random offset, so a client that
             # kept its lookup table across a restart of an in-memory coordinator
             # does not mistake new indexes for old ones.
@@ -394,18 +449,19 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 instance=service.instance,
                 secret_key=secret_key,
                 turn_address=turn_address,
+                guesses=ctx.guess_budget(),
             )
             coordinator.listing = listing
             service.coordinator = coordinator
             await bus.start(coordinator.on_bus)
             await registry.announce_instance(service.instance)
+
+            async def heartbeat() -> None:
+                await _heartbeat(registry, coordinator, service.instance, shared_secret)
+
             service.tasks.append(
                 asyncio.create_task(
-                    _every(
-                        INSTANCE_EVERY,
-                        lambda: registry.announce_instance(service.instance),
-                        "instance heartbeat",
-                    )
+                    _every(cfg.instance_heartbeat, heartbeat, "instance heartbeat")
                 )
             )
             loop = asyncio.get_running_loop()

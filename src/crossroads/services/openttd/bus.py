@@ -30,7 +30,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from crossroads.errors import StoreError
+from crossroads.errors import DecodeError, StoreError
+from crossroads.proto import jsontext
 from crossroads.services.openttd.registry import channel
 from crossroads.store.base import Store, Subscription
 
@@ -74,7 +75,8 @@ class Bus:
             try:
                 raw = await subscription.get(timeout=5.0)
             except StoreError as exc:
-                log.warning("openttd bus: %s; retrying", exc)
+                # Logged once per outage by the store itself.
+                log.debug("openttd bus: %s; retrying", exc)
                 await asyncio.sleep(1.0)
                 continue
             if raw is None:
@@ -83,8 +85,8 @@ class Bus:
                 self._dropped.labels("too-large").inc()
                 continue
             try:
-                message = json.loads(raw)
-            except ValueError:
+                message = jsontext.loads(raw)
+            except DecodeError:
                 self._dropped.labels("bad-json").inc()
                 continue
             if not isinstance(message, dict):

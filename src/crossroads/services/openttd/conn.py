@@ -32,7 +32,7 @@ from typing import Protocol, cast
 
 from prometheus_client import Counter, Gauge
 
-from crossroads.errors import DecodeError
+from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, ConnectionBudget
 from crossroads.transport.udp import make_tcp_listener
@@ -245,6 +245,11 @@ class PacketConnection(asyncio.Protocol):
                     return
             if splitter.pending and self.partial_since is None:
                 self.partial_since = loop.time()
+        except StoreError as exc:
+            # The store is down (logged once per outage by the store): the
+            # client reconnects later, as after any coordinator failure.
+            log.debug("openttd %s: store failed: %s", self.listener.name, exc)
+            self.listener.drop(self, "store-unavailable")
         except Exception:
             log.exception("openttd %s: handler failed", self.listener.name)
             self.listener.drop(self, "internal-error")

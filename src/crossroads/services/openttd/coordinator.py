@@ -33,6 +33,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from crossroads.errors import StoreError
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
@@ -403,6 +404,15 @@ class ListingCache:
                     dead.append(code)
                     continue
                 parsed[code] = (value, record)
+            # A record whose instance stopped heartbeating (killed, crashed)
+            # names a server nobody holds a connection to: not listed, swept.
+            gone = await self.registry.dead_instances(
+                {r.owner for _, r in parsed.values()}
+            )
+            for code, (_, record) in list(parsed.items()):
+                if record.owner in gone:
+                    dead.append(code)
+                    del parsed[code]
             self._raw = parsed
             if dead:
                 await self.registry.sweep(dead)
@@ -509,12 +519,21 @@ class Coordinator:
         turn_address: Callable[[PacketConnection], str | None],
         random_bytes: Callable[[int], bytes] = os.urandom,
         wall_clock: Callable[[], float] = time.time,
+        guesses: FailureBudget | None = None,
     ) -> None:
         self.settings = settings
+        #: Budget of CONNECTs naming an unknown invite code, per source and in
+        #: total (proto/budget.py); the connection stayed open for the next
+        #: guess, so nothing else bounded them.
+        self.guesses = guesses or FailureBudget(BudgetConfig(0.0, 1.0, 0.0, 1.0))
         self.registry = registry
         self.bus = bus
         self.instance = instance
         self.secret_key = secret_key
+        #: Keys this instance signed invite-code secrets with before it adopted
+        #: another instance's re-published key (store/shared_secret.py): the
+        #: servers it gave codes to keep them.
+        self.previous_secret_keys: list[bytes] = []
         self.turn_address = turn_address
         self.random_bytes = random_bytes
         self.wall_clock = wall_clock
@@ -742,7 +761,10 @@ class Coordinator:
             wanted
             and secret
             and looks_like_invite_code(wanted)
-            and check_invite_code_secret(self.secret_key, wanted, secret)
+            and any(
+                check_invite_code_secret(key, wanted, secret)
+                for key in (self.secret_key, *self.previous_secret_keys)
+            )
         ):
             if state.code == wanted:
                 return wanted  # the same connection registers again (settings change)
@@ -903,6 +925,20 @@ class Coordinator:
             return
         self.metrics.updates.inc()
 
+    def adopt_secret_key(self, key: bytes, previous: list[bytes]) -> None:
+        """Sign new invite-code secrets with ``key``; still accept ``previous``."""
+        self.secret_key = key
+        self.previous_secret_keys = list(previous)
+
+    def local_records(self) -> list[ServerRecord]:
+        """The records of the servers connected to this instance."""
+        records = []
+        for conn in self.local_servers.values():
+            record = self.state(conn).record
+            if record is not None:
+                records.append(record)
+        return records
+
     # -------------------------------------------------------------- listing
 
     async def on_listing(
@@ -932,6 +968,12 @@ class Coordinator:
     ) -> None:
         code = msg.invite_code
         record = None
+        if not self.guesses.try_spend(conn.host, self.loop.time()):
+            # OpenTTD has no "slow down" error: UNKNOWN with a text, and the
+            # connection closed so a guesser pays a reconnect per try.
+            self.metrics.connects.labels("guess-budget", "none").inc()
+            self.fail(conn, ErrorType.UNKNOWN, "too many unknown invite codes", True)
+            return
         if looks_like_invite_code(code):
             local = self.local_servers.get(code)
             local_state = self.state(local) if local is not None else None
@@ -942,10 +984,12 @@ class Coordinator:
                     record = await self.registry.get_server(code)
                 except StoreError:
                     self.metrics.store_errors.inc()
+                    self.guesses.refund(conn.host)  # not a wrong guess
         if record is None:
             self.metrics.connects.labels("invalid-code", "none").inc()
             self.fail(conn, ErrorType.INVALID_INVITE_CODE, code[:63], close=False)
             return
+        self.guesses.refund(conn.host)
         if len(state.attempts) >= MAX_ATTEMPTS_PER_CONNECTION:
             self.metrics.connects.labels("too-many", "none").inc()
             self.fail(conn, ErrorType.UNKNOWN, "too many joins at once", close=True)

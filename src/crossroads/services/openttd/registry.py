@@ -8,7 +8,8 @@ key                              value                                         l
 ===============================  ============================================  =========
 ``openttd:secret``               key for invite-code secrets (when not set     none
                                  in the config: first process to start
-                                 writes it with SET NX)
+                                 writes it with SET NX; every instance
+                                 re-publishes it, store/shared_secret.py)
 ``openttd:code:<code>``          an issued invite code (SET NX claims it)      30 days,
                                                                                refreshed
 ``openttd:servers``              hash: code -> server record (below)           per field
@@ -17,15 +18,19 @@ key                              value                                         l
 ``openttd:newgrf:next``          INCR counter of NewGRF lookup indexes         none
 ``openttd:ticket:<id>``          TURN ticket secret                            30 s
 ``openttd:turn:<host:port>``     an announced TURN relay                       15 s
-``openttd:instance:<id>``        a live coordinator instance                   30 s
+``openttd:instance:<id>``        a live coordinator instance                   3 beats
 ===============================  ============================================  =========
 
 Servers live in one hash so a listing is one HGETALL and an invite-code lookup
 one HGET, however many processes share the Redis. A hash field has no TTL, so
 each record carries ``expires`` (wall clock): the owner pushes it forward on
 every SERVER_UPDATE (every 30 s) and deletes the field when the server leaves;
-readers ignore expired records and any instance sweeps them out, which is what
-removes the servers of an instance that died.
+readers ignore expired records and any instance sweeps them out. Readers also
+ignore, and sweep, the records of an instance whose liveness key is gone: an
+instance killed without a goodbye stops being advertised after three of its
+heartbeats, not after its servers' records expire. When an instance finds its
+own liveness key gone (the store lost everything), it re-creates the records
+and code reservations of the servers connected to it.
 
 Pub/sub channel ``openttd:gc:<instance>`` carries commands to the instance that
 holds a socket (see :mod:`crossroads.services.openttd.bus`).
@@ -63,9 +68,14 @@ TICKET_TTL = 30.0
 #: :data:`TURN_ANNOUNCE_EVERY` (reference section 6: 15 s TTL, 10 s refresh).
 TURN_ANNOUNCE_TTL = 15.0
 TURN_ANNOUNCE_EVERY = 5.0
-#: Instance liveness key TTL and refresh period.
-INSTANCE_TTL = 30.0
+#: Instance liveness: refreshed every heartbeat (``--openttd-instance-heartbeat``,
+#: default :data:`INSTANCE_EVERY`), it lives :data:`INSTANCE_HEARTBEATS`
+#: heartbeats, so one late beat is forgiven and an instance killed without a
+#: goodbye stops being advertised after at most that many (issue 12: a killed
+#: instance's servers stayed listed, and joinable, for 80 s).
 INSTANCE_EVERY = 10.0
+INSTANCE_HEARTBEATS = 3
+INSTANCE_TTL = INSTANCE_EVERY * INSTANCE_HEARTBEATS
 #: How often to draw a new code when the drawn one is taken (2^40 codes: one
 #: retry is already astronomically rare).
 CODE_ATTEMPTS = 16
@@ -177,19 +187,12 @@ class Registry:
     store: Store
     random_bytes: Callable[[int], bytes]
     wall_clock: Callable[[], float] = time.time
+    #: This instance's id (always alive to itself) and liveness heartbeat.
+    instance: str = ""
+    instance_every: float = INSTANCE_EVERY
     #: NewGRF lookup table cache: key -> index, index -> NewGRF.
     newgrf_index: dict[tuple[int, bytes], int] = field(default_factory=dict)
     newgrf_by_index: dict[int, NewGRF] = field(default_factory=dict)
-
-    # ------------------------------------------------------------ secret key
-
-    async def secret_key(self, configured: str) -> bytes:
-        if configured:
-            return configured.encode()
-        candidate = self.random_bytes(32).hex().encode()
-        await self.store.set(SECRET_KEY, candidate, only_if_absent=True)
-        stored = await self.store.get(SECRET_KEY)
-        return stored if stored else candidate
 
     # --------------------------------------------------------------- codes
 
@@ -211,6 +214,7 @@ class Registry:
         await self.store.hset(SERVERS_KEY, {record.code: record.to_json()})
 
     async def get_server(self, code: str) -> ServerRecord | None:
+        """A live server's record: not expired, and its instance alive."""
         raw = await self.store.hget(SERVERS_KEY, code)
         if raw is None:
             return None
@@ -219,6 +223,8 @@ class Registry:
         except (ValueError, KeyError, TypeError):
             return None
         if record.expires < self.wall_clock():
+            return None
+        if not await self.instance_alive(record.owner):
             return None
         return record
 
@@ -317,11 +323,28 @@ class Registry:
         keys = await self.store.keys(f"{PREFIX}turn:")
         return sorted(k[len(PREFIX) + 5 :] for k in keys)
 
-    async def announce_instance(self, instance: str) -> None:
-        await self.store.set(f"{PREFIX}instance:{instance}", b"1", ttl=INSTANCE_TTL)
+    async def announce_instance(self, instance: str) -> bool:
+        """Refresh ``instance``'s liveness key; True when the key had been
+        missing (first start, or the store lost it: time to re-publish)."""
+        key = f"{PREFIX}instance:{instance}"
+        ttl = self.instance_every * INSTANCE_HEARTBEATS
+        if await self.store.expire(key, ttl):
+            return False
+        await self.store.set(key, b"1", ttl=ttl)
+        return True
+
+    async def dead_instances(self, owners: set[str]) -> set[str]:
+        """The instances among ``owners`` whose liveness key is gone."""
+        dead = set()
+        for owner in owners:
+            if not await self.instance_alive(owner):
+                dead.add(owner)
+        return dead
 
     async def withdraw_instance(self, instance: str) -> None:
         await self.store.delete(f"{PREFIX}instance:{instance}")
 
     async def instance_alive(self, instance: str) -> bool:
+        if instance and instance == self.instance:
+            return True
         return await self.store.get(f"{PREFIX}instance:{instance}") is not None
