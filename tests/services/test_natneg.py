@@ -34,7 +34,7 @@ from crossroads.services.natneg import (
     apply_seed_config,
     plan_layout,
 )
-from tests.conftest import loopback_config
+from tests.conftest import eventually, loopback_config
 from tests.services.natneg_sdk import (
     SdkNegotiator,
     State,
@@ -198,15 +198,23 @@ async def test_full_negotiation_direct(natneg: Starter, version: int) -> None:
             assert host.reports_sent == 0
         from_host, from_guest = await exchange_game_data(host, guest)
         assert from_guest == guest_addr and from_host == host_addr
-        assert (
-            metric(
-                rt,
-                "crossroads_natneg_negotiations_total",
-                outcome="connected",
-                relayed="false",
+        # Connected means a REPORT said so; v2 clients never REPORT, so theirs is
+        # "unreported", known when the session's linger ends.
+        outcome = "connected" if version >= 3 else "unreported"
+
+        async def counted() -> bool:
+            return (
+                metric(
+                    rt,
+                    "crossroads_natneg_negotiations_total",
+                    outcome=outcome,
+                    relayed="false",
+                    attempt="first",
+                )
+                == 1
             )
-            == 1
-        )
+
+        await eventually(counted, f"one {outcome} negotiation")
         if version >= 3:
             assert metric(rt, "crossroads_natneg_reports_total", result="success") == 2
     finally:
@@ -267,6 +275,7 @@ async def test_deadbeat_partner(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="deadbeat",
             relayed="false",
+            attempt="first",
         )
         == 1
     )
@@ -301,6 +310,7 @@ async def test_partner_init_timeout_code(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="init-timeout",
             relayed="false",
+            attempt="first",
         )
         == 1
     )
@@ -357,6 +367,7 @@ async def test_relay_forced_by_config(natneg: Starter) -> None:
                 "crossroads_natneg_negotiations_total",
                 outcome="connected",
                 relayed="true",
+                attempt="first",
             )
             == 1
         )
@@ -401,6 +412,7 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="connected",
             relayed="true",
+            attempt="first",
         )
         == 1
     )
@@ -425,6 +437,59 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
     await both(h2, g2)
     assert h2.outcome and h2.outcome.result == NegotiateResult.SUCCESS
     assert h2.outcome.remote == address_of(g2.negotiate_sock)
+
+
+@pytest.mark.parametrize("relay_mode", ["auto", "always"])
+async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None:
+    """The SDK test program's way (issue 15): cookie 666 every time, the host's
+    own game socket lent each time, the second negotiation right after the first.
+    Each gets its own session (and relay pair), none is touched by the other's."""
+    rt = await natneg(natneg__relay_mode=relay_mode)
+    srv = servers(rt)
+    host_game = game_socket()
+    relays: list[Address] = []
+    try:
+        for _ in range(2):
+            host = SdkNegotiator(
+                version=4, cookie=666, client_index=1, servers=srv, game_sock=host_game
+            )
+            guest = SdkNegotiator(
+                version=4, cookie=666, client_index=0, servers=srv, bind_ip="127.0.0.5"
+            )
+            await both(host, guest)
+            assert host.outcome and guest.outcome
+            assert host.outcome.result == NegotiateResult.SUCCESS
+            assert guest.outcome.result == NegotiateResult.SUCCESS
+            assert host.outcome.remote is not None
+            if relay_mode == "always":
+                # Told a relay port, not the guest's own socket.
+                assert host.outcome.remote != address_of(guest.negotiate_sock)
+                relays.append(host.outcome.remote)
+            else:
+                assert host.outcome.remote == address_of(guest.negotiate_sock)
+            await exchange_game_data(host, guest)
+        relayed = "true" if relay_mode == "always" else "false"
+        assert (
+            metric(
+                rt,
+                "crossroads_natneg_negotiations_total",
+                outcome="connected",
+                relayed=relayed,
+                attempt="first",
+            )
+            == 2
+        )
+        assert metric(rt, "crossroads_natneg_dropped_total", reason="third-client") == 0
+        if relay_mode == "always":
+            assert relays[0] != relays[1]
+            assert (
+                metric(rt, "crossroads_natneg_relay_allocations_total", result="failed")
+                == 0
+            )
+            # The first pair went with its session; the second carries the game.
+            assert metric(rt, "crossroads_natneg_relays") == 1
+    finally:
+        host_game.close()
 
 
 async def test_relay_refuses_private_peers_by_default(natneg: Starter) -> None:
@@ -580,6 +645,7 @@ async def test_many_concurrent_negotiations(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="connected",
             relayed="false",
+            attempt="first",
         )
         == 20
     )

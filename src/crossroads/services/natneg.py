@@ -60,6 +60,7 @@ from crossroads.proto.natneg.server import (
     RelayNeeded,
     ReportReceived,
     ServerConfig,
+    SessionClosed,
 )
 from crossroads.services.base import ServiceContext
 from crossroads.transport.natneg_relay import RelayPool
@@ -454,7 +455,7 @@ class NatNegService:
         self.negotiations = Counter(
             "crossroads_natneg_negotiations",
             "Finished natneg sessions, by outcome.",
-            ["outcome", "relayed"],
+            ["outcome", "relayed", "attempt"],
             registry=None,
         )
         self.reports = Counter(
@@ -486,29 +487,44 @@ class NatNegService:
     def _handle_events(self, now: float) -> None:
         for event in self.core.pop_events():
             match event:
-                case RelayNeeded(cookie=cookie, client_ips=ips, reason=reason):
-                    pair = self.relay.allocate(cookie, ips) if self.relay else None
+                case RelayNeeded(session=session, client_ips=ips, reason=reason):
+                    pair = self.relay.allocate(session, ips) if self.relay else None
                     if pair is None:
                         log.info(
                             "natneg %08x: relay needed (%s) but unavailable",
-                            cookie,
+                            session.cookie,
                             reason,
                         )
-                        self.core.relay_unavailable(cookie, now)
+                        self.core.relay_unavailable(session, now)
                     else:
                         log.info(
                             "natneg %08x: relaying (%s) via %s:%d / %s:%d",
-                            cookie,
+                            session.cookie,
                             reason,
                             *pair[0],
                             *pair[1],
                         )
-                        self.core.relay_allocated(cookie, pair[0], pair[1], now)
+                        self.core.relay_allocated(session, pair[0], pair[1], now)
                 case NegotiationFinished(
-                    cookie=cookie, outcome=outcome, relayed=relayed
+                    session=session,
+                    outcome=outcome,
+                    relayed=relayed,
+                    first_attempt=first_attempt,
                 ):
-                    self.negotiations.labels(outcome.value, str(relayed).lower()).inc()
-                    log.debug("natneg %08x: %s", cookie, outcome.value)
+                    self.negotiations.labels(
+                        outcome.value,
+                        str(relayed).lower(),
+                        "first" if first_attempt else "retry",
+                    ).inc()
+                    log.debug("natneg %08x: %s", session.cookie, outcome.value)
+                case SessionClosed(session=session, replaced=replaced):
+                    # Replaced: a new negotiation on the cookie gets its own pair
+                    # and nothing will use this one. Ended: a pair that never heard
+                    # both clients never will (a pair in use lives on for the game
+                    # until idle).
+                    relay = self.relay
+                    if relay is not None and (replaced or not relay.in_use(session)):
+                        relay.release(session)
                 case ReportReceived(success=success):
                     self.reports.labels("success" if success else "failure").inc()
 

@@ -16,8 +16,11 @@ that, a side accepts datagrams from exactly that (ip, port).
 Data plane: each socket is read with ``loop.add_reader`` in batches; a datagram from
 the learned source is sent from the partner socket to the partner's learned source.
 One tuple comparison and one ``sendto`` per packet; no parsing, no allocation beyond
-the datagram itself, no store. A pair is released when no datagram crossed it for
-``idle_timeout`` seconds.
+the datagram itself, no store. A pair belongs to one negotiation
+(:class:`~crossroads.proto.natneg.server.SessionId`), not to its cookie: games reuse
+cookies, and a new negotiation on the same cookie gets its own pair while the old
+one is released (:meth:`RelayPool.release`, when the core replaces the session). A
+pair is also released when no datagram crossed it for ``idle_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import socket
 from dataclasses import dataclass
 
 from crossroads.proto.natneg.packets import MAGIC, PacketType
+from crossroads.proto.natneg.server import SessionId
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES
 from crossroads.types import Address
 
@@ -124,7 +128,7 @@ class _Side:
 
 @dataclass(slots=True)
 class _Pair:
-    cookie: int
+    session: SessionId
     sides: tuple[_Side, _Side]
     created: float
     last_active: float
@@ -163,7 +167,7 @@ class RelayPool:
         self.max_pairs = max_pairs
         self.allow_networks = allow_networks
         self.stats = RelayStats()
-        self._pairs: dict[int, _Pair] = {}
+        self._pairs: dict[SessionId, _Pair] = {}
         self._loop = asyncio.get_running_loop()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
@@ -178,7 +182,7 @@ class RelayPool:
         return self.stats.released_packets + live
 
     def allocate(
-        self, cookie: int, client_ips: tuple[str, str]
+        self, session: SessionId, client_ips: tuple[str, str]
     ) -> tuple[Address, Address] | None:
         """A pair for a session: the address to give client 0 and client 1."""
         if self._closed:
@@ -186,7 +190,7 @@ class RelayPool:
         if any(refused_peer(ip, self.allow_networks) for ip in client_ips):
             self.stats.refused += 1
             return None
-        if len(self._pairs) >= self.max_pairs or cookie in self._pairs:
+        if len(self._pairs) >= self.max_pairs or session in self._pairs:
             self.stats.failed += 1
             return None
         socks: list[socket.socket] = []
@@ -199,11 +203,11 @@ class RelayPool:
             log.warning("natneg relay: cannot bind a relay socket: %s", exc)
             self.stats.failed += 1
             return None
-        side0 = _Side(socks[0], client_ips[0], cookie)
-        side1 = _Side(socks[1], client_ips[1], cookie)
+        side0 = _Side(socks[0], client_ips[0], session.cookie)
+        side1 = _Side(socks[1], client_ips[1], session.cookie)
         side0.partner, side1.partner = side1, side0
         now = self._loop.time()
-        self._pairs[cookie] = _Pair(cookie, (side0, side1), now, now)
+        self._pairs[session] = _Pair(session, (side0, side1), now, now)
         for side in (side0, side1):
             self._loop.add_reader(side.fd, side.on_readable)
         self.stats.allocated += 1
@@ -237,8 +241,14 @@ class RelayPool:
             sock.close()
             raise
 
-    def release(self, cookie: int) -> None:
-        pair = self._pairs.pop(cookie, None)
+    def in_use(self, session: SessionId) -> bool:
+        """Has the session's pair learned both clients (is a game using it)?"""
+        pair = self._pairs.get(session)
+        return pair is not None and all(side.src is not None for side in pair.sides)
+
+    def release(self, session: SessionId) -> None:
+        """Close the session's pair, if it has one."""
+        pair = self._pairs.pop(session, None)
         if pair is None:
             return
         for side in pair.sides:
@@ -249,13 +259,13 @@ class RelayPool:
 
     def sweep(self, now: float) -> None:
         """Release pairs that carried nothing for ``idle_timeout`` seconds."""
-        for cookie, pair in list(self._pairs.items()):
+        for session, pair in list(self._pairs.items()):
             packets = pair.sides[0].packets + pair.sides[1].packets
             if packets != pair.last_packets:
                 pair.last_packets = packets
                 pair.last_active = now
             elif now - pair.last_active >= self.idle_timeout:
-                self.release(cookie)
+                self.release(session)
 
     async def _sweep_forever(self) -> None:
         # Idle detection granularity: a quarter of the timeout, at most 5 s.
@@ -266,8 +276,8 @@ class RelayPool:
 
     async def close(self) -> None:
         self._closed = True
-        for cookie in list(self._pairs):
-            self.release(cookie)
+        for session in list(self._pairs):
+            self.release(session)
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

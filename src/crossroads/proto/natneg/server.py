@@ -36,9 +36,21 @@ Stateless requests are answered from the endpoint that received them: ADDRESS_CH
 (NAT mapping probes), NATIFY_REQUEST (reachability probes: the ERT answers come from
 *other* endpoints, :class:`Endpoint`), BACKUP_TEST and the v4 PREINIT handshake.
 
-Sessions are keyed by cookie alone (ref §8 "Matching key"). A finished session is
-kept for ``linger`` seconds so late duplicates (INITs, CONNECT_ACKs, REPORTs) are
-answered without starting a new negotiation.
+Sessions are found by cookie (ref §8 "Matching key"), but games reuse cookies (the
+SDK test program always uses 666; a game retries a failed negotiation with the same
+one), so a session's *identity* is its :class:`SessionId`: the cookie plus a serial
+number that never repeats in this process. Every deadline, relay pair and event
+belongs to one SessionId, so nothing left over from an earlier negotiation on the same
+cookie (its timeout, its linger, its relay pair) can touch a later one. A finished
+session is kept for ``linger`` seconds so late duplicates (INITs, CONNECT_ACKs,
+REPORTs) are answered without starting a new negotiation; an INIT from a socket the
+finished session has not seen for that port type is a new negotiation and replaces
+it (:meth:`NatNegServer._restarted`).
+
+Outcomes (:class:`Outcome`) say what happened, not what the server hoped: a session
+is *connected* only when a client REPORTs success; CONNECTs acknowledged without a
+REPORT (v1/v2 clients never report) are *unreported*. Each carries whether it was a
+first attempt or a retry of a pair whose earlier negotiation failed.
 
 Every bad input is dropped and counted in :attr:`Stats.dropped` by reason; nothing
 raises out of :meth:`NatNegServer.receive_datagram`.
@@ -126,10 +138,25 @@ class RelayMode(Enum):
 class Outcome(Enum):
     """How a session ended, as far as the server can tell."""
 
-    CONNECTED = "connected"  # both clients ACKed a CONNECT with a peer address
+    CONNECTED = "connected"  # a client REPORTed success (v3/v4, ref §3.4)
+    FAILED = "failed"  # a client REPORTed failure: its pings timed out (ref §6)
+    UNREPORTED = "unreported"  # both ACKed CONNECT, no REPORT came (v1/v2 never send)
     UNACKED = "unacked"  # CONNECT resends ran out before one client ACKed
     DEADBEAT = "deadbeat"  # a client waited for a partner who never came
     INIT_TIMEOUT = "init-timeout"  # both came, one never sent all its INITs
+    RESTARTED = "restarted"  # the same clients began again on the cookie mid-CONNECT
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SessionId:
+    """One negotiation: its cookie and a serial number that never repeats.
+
+    The cookie alone does not identify a negotiation: games reuse cookies. Relay
+    pairs and everything else that outlives a packet are keyed by this.
+    """
+
+    cookie: int
+    serial: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +219,7 @@ class RelayNeeded:
     should be told) or :meth:`NatNegServer.relay_unavailable`.
     """
 
-    cookie: int
+    session: SessionId
     #: Public IPv4 of client 0 and client 1 (the only sources the relay may accept).
     client_ips: tuple[str, str]
     reason: str
@@ -200,12 +227,26 @@ class RelayNeeded:
 
 @dataclass(frozen=True, slots=True)
 class NegotiationFinished:
-    """A session reached its end (CONNECT phase over, or failed)."""
+    """A session's outcome is known (a REPORT came, or it failed, or it ended)."""
 
-    cookie: int
+    session: SessionId
     outcome: Outcome
     relayed: bool
+    #: Seconds from the session's first INIT to the outcome.
     duration: float
+    #: False when the same two public IPs had a failed negotiation within
+    #: ``history_ttl`` (a game's retry); True otherwise.
+    first_attempt: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed:
+    """A session is gone from the table: its linger ended, or it was ``replaced``
+    by a new negotiation on the same cookie. The transport releases what it holds
+    for a replaced session (its relay pair is no longer the one clients are told)."""
+
+    session: SessionId
+    replaced: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,7 +260,7 @@ class ReportReceived:
     game_name: str
 
 
-Event = RelayNeeded | NegotiationFinished | ReportReceived
+Event = RelayNeeded | NegotiationFinished | ReportReceived | SessionClosed
 
 
 @dataclass(slots=True)
@@ -257,6 +298,10 @@ class _State(Enum):
     CONNECTING = "connecting"  # sending CONNECT until ACKed
     FAILING = "failing"  # sending error CONNECTs
     DONE = "done"  # lingering for duplicates
+
+
+#: States in which the clients were sent CONNECTs (an INIT now may be a restart).
+_AFTER_CONNECT = frozenset({_State.CONNECTING, _State.FAILING, _State.DONE})
 
 
 class _Client:
@@ -313,31 +358,45 @@ class _Client:
 
 class _Session:
     __slots__ = (
+        "id",
         "cookie",
         "created",
         "owner_ip",
         "clients",
         "state",
-        "generation",
+        "timer",
         "targets",
         "codes",
         "sends_left",
         "relayed",
+        "first_attempt",
+        "outcome",
+        "game_port_echoes",
     )
 
-    def __init__(self, cookie: int, owner_ip: str, now: float) -> None:
-        self.cookie = cookie
+    def __init__(self, session_id: SessionId, owner_ip: str, now: float) -> None:
+        self.id = session_id
+        self.cookie = session_id.cookie
         self.created = now
         self.owner_ip = owner_ip
         self.clients: list[_Client | None] = [None, None]
         self.state = _State.WAITING
-        self.generation = 0
+        #: Sequence number of the one live deadline in the heap (0: none). Sequence
+        #: numbers never repeat, so a deadline of another session never matches.
+        self.timer = 0
         #: What CONNECT tells client 0 and client 1: (ip, port).
         self.targets: list[Address] = []
         #: ``finished`` code per slot while FAILING.
         self.codes: list[int | None] = [None, None]
         self.sends_left = 0
         self.relayed = False
+        self.first_attempt = True
+        #: Set once :class:`NegotiationFinished` was emitted (one per session).
+        self.outcome: Outcome | None = None
+        #: GP INITs that repeated a known mapping after CONNECT, by client index: a
+        #: late duplicate, or the first INIT of a new negotiation on the same game
+        #: socket (see :meth:`NatNegServer._restarted`).
+        self.game_port_echoes: dict[int, tuple[Init, Address, Endpoint]] = {}
 
 
 class _PreinitEntry:
@@ -387,8 +446,12 @@ class NatNegServer:
         self.stats = Stats()
         self._sessions: dict[int, _Session] = {}
         self._per_ip: dict[str, int] = {}
-        self._heap: list[tuple[float, int, int, int]] = []
+        #: Deadlines: (when, sequence number, cookie). A session's entry is live
+        #: only while the session's ``timer`` holds that sequence number.
+        self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
+        #: Last :class:`SessionId` serial handed out; serials never repeat.
+        self._serial = 0
         self._out: list[tuple[bytes, Address, Endpoint]] = []
         self._events: list[Event] = []
         self._buckets: dict[str, list[float]] = {}
@@ -482,30 +545,49 @@ class NatNegServer:
         """Run every deadline that is due."""
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, _, cookie, generation = heapq.heappop(heap)
+            _, seq, cookie = heapq.heappop(heap)
             session = self._sessions.get(cookie)
-            if session is not None and session.generation == generation:
+            if session is not None and session.timer == seq:
                 self._on_session_timer(session, now)
         if self._next_housekeeping is not None and self._next_housekeeping <= now:
             self._housekeeping(now)
 
     def relay_allocated(
-        self, cookie: int, for_client0: Address, for_client1: Address, now: float
-    ) -> None:
-        """The relay for ``cookie`` exists: tell client 0 to ping ``for_client0``
-        and client 1 ``for_client1`` (each its own side of the relay pair)."""
-        session = self._sessions.get(cookie)
-        if session is None or session.state is not _State.RELAY_PENDING:
-            return
+        self,
+        session_id: SessionId,
+        for_client0: Address,
+        for_client1: Address,
+        now: float,
+    ) -> bool:
+        """The relay for ``session_id`` exists: tell client 0 to ping
+        ``for_client0`` and client 1 ``for_client1`` (each its own side of the
+        relay pair). False if that session no longer waits for it (the caller
+        then releases the pair)."""
+        session = self._relay_pending(session_id)
+        if session is None:
+            return False
         session.targets = [for_client0, for_client1]
         session.relayed = True
         self._begin_connecting(session, now)
+        return True
 
-    def relay_unavailable(self, cookie: int, now: float) -> None:
+    def relay_unavailable(self, session_id: SessionId, now: float) -> None:
         """No relay could be allocated: negotiate a direct path anyway."""
-        session = self._sessions.get(cookie)
-        if session is None or session.state is not _State.RELAY_PENDING:
-            return
+        session = self._relay_pending(session_id)
+        if session is not None:
+            self._connect_direct(session, now)
+
+    def _relay_pending(self, session_id: SessionId) -> _Session | None:
+        session = self._sessions.get(session_id.cookie)
+        if (
+            session is None
+            or session.id != session_id
+            or session.state is not _State.RELAY_PENDING
+        ):
+            return None
+        return session
+
+    def _connect_direct(self, session: _Session, now: float) -> None:
         session.targets = self._direct_targets(session)
         self._begin_connecting(session, now)
 
@@ -519,11 +601,10 @@ class NatNegServer:
         self._out.append((packet.encode(), addr, endpoint))
 
     def _schedule(self, session: _Session, when: float) -> None:
-        session.generation += 1
+        """Make ``when`` the session's one deadline (earlier entries go stale)."""
         self._seq += 1
-        heapq.heappush(
-            self._heap, (when, self._seq, session.cookie, session.generation)
-        )
+        session.timer = self._seq
+        heapq.heappush(self._heap, (when, self._seq, session.cookie))
 
     def _allow(self, ip: str, now: float) -> bool:
         """Per-source-IP token bucket (``rate_limit``/``rate_burst``)."""
@@ -591,13 +672,11 @@ class NatNegServer:
             return
         ip = addr[0]
         session = self._sessions.get(p.cookie)
-        if session is not None and session.state is _State.DONE:
-            known = session.clients[p.client_index]
-            mapping = known.mappings.get(p.port_type) if known is not None else None
-            if mapping is None or mapping[0] != addr:
-                # Not a late duplicate of a finished negotiation: the game started
-                # again with the same cookie. Forget the old session.
-                self._delete(session)
+        replayed: list[tuple[Init, Address, Endpoint]] = []
+        if session is not None and session.state in _AFTER_CONNECT:
+            if self._restarted(session, p, addr, endpoint):
+                replayed = list(session.game_port_echoes.values())
+                self._delete(session, now, replaced=True)
                 session = None
         if session is None:
             if len(self._sessions) >= self.config.max_sessions:
@@ -606,22 +685,16 @@ class NatNegServer:
             if self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip:
                 self._drop("source-limit")
                 return
-            session = _Session(p.cookie, ip, now)
+            self._serial += 1
+            session = _Session(SessionId(p.cookie, self._serial), ip, now)
             self._sessions[p.cookie] = session
             self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
             self._schedule(session, now + self.config.session_timeout)
-        client = session.clients[p.client_index]
-        if client is None:
-            client = _Client(p, ip)
-            session.clients[p.client_index] = client
-        elif not client.is_same(p, ip):
+            for echo, echo_addr, echo_endpoint in replayed:
+                self._record_init(session, echo, echo_addr, echo_endpoint)
+        if not self._record_init(session, p, addr, endpoint):
             self._drop("third-client")
             return
-        if p.port_type not in client.mappings:
-            client.mappings[p.port_type] = (addr, endpoint)
-        if p.port_type >= PortType.NN2 and p.local_port:
-            # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
-            client.local_port = p.local_port
         # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
         # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
         # Built from the INIT's bytes directly: this is the hottest reply.
@@ -645,19 +718,65 @@ class NatNegServer:
                 if first.complete() and second.complete():
                     self._start_connect(session, now)
 
+    def _record_init(
+        self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
+    ) -> bool:
+        """Note the mapping an INIT shows; False if it is from a third client."""
+        ip = addr[0]
+        client = session.clients[p.client_index]
+        if client is None:
+            client = _Client(p, ip)
+            session.clients[p.client_index] = client
+        elif not client.is_same(p, ip):
+            return False
+        if p.port_type not in client.mappings:
+            client.mappings[p.port_type] = (addr, endpoint)
+        if p.port_type >= PortType.NN2 and p.local_port:
+            # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
+            client.local_port = p.local_port
+        return True
+
+    def _restarted(
+        self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
+    ) -> bool:
+        """Is this INIT, arriving after CONNECTs went out, a new negotiation?
+
+        A client stops sending INITs once it accepts a CONNECT (ref §6 step 3), so
+        an INIT now is either a late duplicate (reordered, or resent before the
+        CONNECT arrived) or the first INIT of a new negotiation on the same cookie.
+        The SDK opens a new negotiate socket per negotiation (ref §6 "Sockets"), so
+        an NN INIT from an address the session has not seen for that port type is
+        a new negotiation. The game socket is kept across negotiations, so a GP
+        INIT from a known address proves nothing: it is answered as a duplicate and
+        kept, and replayed into the new session if an NN INIT then shows a restart
+        (the SDK sends GP first and never resends an acked INIT).
+        """
+        known = session.clients[p.client_index]
+        mapping = known.mappings.get(p.port_type) if known is not None else None
+        if mapping is not None and mapping[0] == addr:
+            if p.port_type == PortType.GP:
+                session.game_port_echoes[p.client_index] = (p, addr, endpoint)
+            return False
+        if known is None:
+            # A partner arriving after CONNECT: in FAILING it is told its partner
+            # is gone (see _on_init); once the session is DONE it starts afresh.
+            return session.state is _State.DONE
+        return known.is_same(p, addr[0])
+
     # ------------------------------------------------------------ CONNECT
 
     def _start_connect(self, session: _Session, now: float) -> None:
         first, second = session.clients
         assert first is not None and second is not None
+        pair = _pair(first.public_ip, second.public_ip)
+        session.first_attempt = pair not in self._failed_pairs
         reason = self._relay_reason(first, second)
         if reason is None:
-            session.targets = self._direct_targets(session)
-            self._begin_connecting(session, now)
+            self._connect_direct(session, now)
             return
         session.state = _State.RELAY_PENDING
         self._events.append(
-            RelayNeeded(session.cookie, (first.public_ip, second.public_ip), reason)
+            RelayNeeded(session.id, (first.public_ip, second.public_ip), reason)
         )
         # Safety net: if the transport never answers, negotiate directly.
         self._schedule(session, now + self.config.connect_interval)
@@ -759,11 +878,17 @@ class NatNegServer:
         if client is None or client.public_ip != addr[0]:
             self._drop("bad-source")
             return
+        if session.state is not _State.CONNECTING:
+            if session.state is not _State.DONE:
+                # No CONNECT of this session was sent yet (or only error CONNECTs,
+                # which are never ACKed): an ACK of an earlier session on the
+                # cookie, which must not stop this one's CONNECTs.
+                self._drop("stale-connect-ack")
+            return
         client.acked = True
-        if session.state is _State.CONNECTING and all(
-            c is not None and c.acked for c in session.clients
-        ):
-            self._finish(session, Outcome.CONNECTED, now)
+        if all(c is not None and c.acked for c in session.clients):
+            session.state = _State.DONE
+            self._schedule(session, now + self.config.linger)
 
     # ------------------------------------------------------------ failures
 
@@ -779,9 +904,13 @@ class NatNegServer:
                 outcome = Outcome.DEADBEAT
             else:
                 session.codes[index] = Finished.INIT_PACKETS_TIMEDOUT
-        self._events.append(
-            NegotiationFinished(session.cookie, outcome, False, now - session.created)
-        )
+        if all(c is not None for c in session.clients):
+            a, b = session.clients
+            assert a is not None and b is not None
+            session.first_attempt = (
+                _pair(a.public_ip, b.public_ip) not in self._failed_pairs
+            )
+        self._conclude(session, outcome, now)
         session.state = _State.FAILING
         session.sends_left = self.config.error_attempts
         self._send_errors(session)
@@ -799,27 +928,35 @@ class NatNegServer:
             for addr, endpoint in client.mappings.values():
                 self._out.append((wire, addr, endpoint))
 
-    def _finish(self, session: _Session, outcome: Outcome, now: float) -> None:
+    def _conclude(self, session: _Session, outcome: Outcome, now: float) -> None:
+        """Emit the session's one :class:`NegotiationFinished` (later calls: no-op)."""
+        if session.outcome is not None:
+            return
+        session.outcome = outcome
         self._events.append(
             NegotiationFinished(
-                session.cookie, outcome, session.relayed, now - session.created
+                session.id,
+                outcome,
+                session.relayed,
+                now - session.created,
+                session.first_attempt,
             )
         )
-        session.state = _State.DONE
-        self._schedule(session, now + self.config.linger)
 
     def _on_session_timer(self, session: _Session, now: float) -> None:
         state = session.state
         if state is _State.WAITING:
             self._fail(session, now)
         elif state is _State.RELAY_PENDING:
-            self.relay_unavailable(session.cookie, now)
+            self._connect_direct(session, now)
         elif state is _State.CONNECTING:
             if session.sends_left > 0:
                 self._send_connects(session)
                 self._schedule(session, now + self.config.connect_interval)
             else:
-                self._finish(session, Outcome.UNACKED, now)
+                self._conclude(session, Outcome.UNACKED, now)
+                session.state = _State.DONE
+                self._schedule(session, now + self.config.linger)
         elif state is _State.FAILING:
             if session.sends_left > 0:
                 self._send_errors(session)
@@ -828,12 +965,19 @@ class NatNegServer:
                 session.state = _State.DONE
                 self._schedule(session, now + self.config.linger)
         else:
-            self._delete(session)
+            self._delete(session, now, replaced=False)
 
-    def _delete(self, session: _Session) -> None:
+    def _delete(self, session: _Session, now: float, *, replaced: bool) -> None:
+        # CONNECTs acknowledged but no REPORT: a v1/v2 client (they never report)
+        # or a lost REPORT. Replaced before that: the clients started over.
+        self._conclude(
+            session,
+            Outcome.UNREPORTED if session.state is _State.DONE else Outcome.RESTARTED,
+            now,
+        )
         del self._sessions[session.cookie]
-        # Invalidate any pending heap entry.
-        session.generation += 1
+        session.timer = 0  # its heap entry, if any, is now stale
+        self._events.append(SessionClosed(session.id, replaced))
         count = self._per_ip.get(session.owner_ip, 0) - 1
         if count > 0:
             self._per_ip[session.owner_ip] = count
@@ -866,12 +1010,22 @@ class NatNegServer:
                 self._nat_history, ip, (nat_type, now + self.config.history_ttl)
             )
             self._arm_housekeeping(now)
-        if not p.neg_result:
-            session = self._sessions.get(p.cookie)
-            if session is not None and all(c is not None for c in session.clients):
-                a, b = session.clients
-                assert a is not None and b is not None
-                if ip in (a.public_ip, b.public_ip) and a.public_ip != b.public_ip:
+        session = self._sessions.get(p.cookie)
+        if (
+            session is not None
+            and session.targets
+            and session.state in (_State.CONNECTING, _State.DONE)
+        ):
+            # A REPORT is the only word on whether the clients reached each other;
+            # it counts only for a session that sent them a peer address.
+            a, b = session.clients
+            assert a is not None and b is not None
+            if ip in (a.public_ip, b.public_ip):
+                success = bool(p.neg_result)
+                self._conclude(
+                    session, Outcome.CONNECTED if success else Outcome.FAILED, now
+                )
+                if not success and a.public_ip != b.public_ip:
                     self._remember(
                         self._failed_pairs,
                         _pair(a.public_ip, b.public_ip),
