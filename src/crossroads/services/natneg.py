@@ -157,6 +157,12 @@ class Config:
         kind="bool",
         help="Always send the peer's private (INIT) address: LAN parties only.",
     )
+    timed_connect: bool = setting(
+        True,
+        kind="bool",
+        help="Time the two CONNECTs from each client's measured round trip so both "
+        "first pings leave at once (false: send both together, as GameSpy did).",
+    )
     connect_interval: float = setting(
         1.0, kind="float", help="CONNECT resend interval until CONNECT_ACK (s)."
     )
@@ -603,6 +609,7 @@ def core_config(cfg: Config, layout: Layout) -> ServerConfig:
         connect_attempts=cfg.connect_attempts,
         linger=cfg.linger,
         force_lan_mode=cfg.force_lan_mode,
+        timed_connect=cfg.timed_connect,
         relay_mode=RelayMode(cfg.relay_mode),
         max_sessions=cfg.max_sessions,
         max_sessions_per_ip=cfg.max_sessions_per_ip,

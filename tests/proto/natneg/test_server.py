@@ -165,7 +165,11 @@ def test_every_init_gets_a_21_byte_ack_from_the_endpoint_it_reached() -> None:
     a = Client(0, "198.51.100.1")
     a.send_inits(core, 0.0)
     out = sent(core)
-    assert len(out) == 4
+    assert len(out) == 5
+    # Complete: one ERT_TEST to its negotiate socket times its round trip.
+    wire, addr, endpoint = out.pop()
+    assert decode(wire) == ErtTest(3, COOKIE, 1, 0)
+    assert (addr, endpoint) == (a.source(1), a.endpoint(1))
     for (wire, addr, endpoint), pt in zip(out, a.port_types(), strict=True):
         assert len(wire) == 21
         reply = decode(wire)
@@ -177,12 +181,29 @@ def test_every_init_gets_a_21_byte_ack_from_the_endpoint_it_reached() -> None:
         assert endpoint == a.endpoint(pt)
 
 
+def answer_erts(core: NatNegServer, out: Sent, now: float) -> Sent:
+    """Answer every ERT_TEST in ``out`` at ``now`` as the SDK does (ERT_ACK = its
+    first 21 bytes, type 3, from the socket it reached); return ``out`` plus what
+    the server sends then."""
+    for wire, addr, endpoint in out:
+        if isinstance(decode(wire), ErtTest):
+            ert_ack = wire[:7] + b"\x03" + wire[8:21]
+            core.receive_datagram(ert_ack, addr, now, endpoint)
+    return out + core.datagrams_to_send(now)
+
+
+def replies(core: NatNegServer, now: float) -> list[tuple[Connect, Address, Endpoint]]:
+    """The CONNECTs the server sends at ``now``, with ERTs answered at once."""
+    return connects(answer_erts(core, sent(core, now), now))
+
+
 def negotiate(
     core: NatNegServer, a: Client, b: Client, now: float = 0.0
 ) -> list[tuple[Connect, Address, Endpoint]]:
+    """Both clients' INITs at ``now``, ERTs answered at once (zero round trip)."""
     a.send_inits(core, now)
     b.send_inits(core, now)
-    return connects(sent(core, now))
+    return connects(answer_erts(core, sent(core, now), now))
 
 
 def test_connect_goes_to_every_mapping_with_the_peer_public_address() -> None:
@@ -313,9 +334,9 @@ def test_v2_client_is_complete_without_nn3_and_v4_needs_it() -> None:
     b = Client(1, "203.0.113.7", version=4)
     a.send_inits(core, 0.0)
     b.send_inits(core, 0.0, [0, 1, 2])
-    assert connects(sent(core)) == []
+    assert replies(core, 0.0) == []
     b.send_inits(core, 0.1, [3])
-    assert {c.version for c, _, _ in connects(sent(core))} == {4}
+    assert {c.version for c, _, _ in replies(core, 0.1)} == {4}
 
 
 def test_game_port_client_needs_its_gp_init() -> None:
@@ -324,9 +345,9 @@ def test_game_port_client_needs_its_gp_init() -> None:
     b = Client(1, "203.0.113.7")
     a.send_inits(core, 0.0)
     b.send_inits(core, 0.0, [1, 2, 3])
-    assert connects(sent(core)) == []
+    assert replies(core, 0.0) == []
     b.send_inits(core, 0.5, [0])
-    assert len(connects(sent(core))) == 8
+    assert len(replies(core, 0.5)) == 8
 
 
 # ------------------------------------------------------------------ failures
@@ -590,7 +611,7 @@ def test_bad_packets_dropped_and_counted_sessions_unaffected() -> None:
     core = NatNegServer(tight())
     a = Client(0, "198.51.100.1")
     a.send_inits(core, 0.0)
-    sent(core)
+    answer_erts(core, sent(core), 0.0)
     src = ("192.0.2.99", 1)
     garbage = [
         b"\x00" * 30,  # wrong magic
@@ -620,7 +641,7 @@ def test_bad_packets_dropped_and_counted_sessions_unaffected() -> None:
     }
     b = Client(1, "203.0.113.7")
     b.send_inits(core, 0.2)
-    assert len(connects(sent(core))) == 8
+    assert len(replies(core, 0.2)) == 8
 
 
 def test_third_client_on_a_cookie_is_dropped() -> None:
@@ -632,10 +653,10 @@ def test_third_client_on_a_cookie_is_dropped() -> None:
     # Same public IP, other host (other private address), same index: dropped too.
     neighbour = Client(0, "198.51.100.1", local_ip="192.168.1.99", nego_port=45000)
     neighbour.send_inits(core, 0.0, [1])
-    assert len(sent(core)) == 4  # only a's INIT_ACKs
+    assert len(answer_erts(core, sent(core), 0.0)) == 5  # a's INIT_ACKs and ERT
     assert core.stats.dropped == {"third-client": 5}
     b.send_inits(core, 0.1)
-    out = connects(sent(core))
+    out = replies(core, 0.1)
     assert {addr[0] for _, addr, _ in out} == {a.ip, b.ip}
     assert {(c.remote_ip, c.remote_port) for c, addr, _ in out if addr[0] == b.ip} == {
         a.source(0)
@@ -718,7 +739,7 @@ def test_old_session_deadlines_never_fire_on_a_new_one_with_the_cookie() -> None
     out = run_until(core, 8.9)
     assert [c for c, _, _ in connects(out)] == []
     b2.send_inits(core, 8.9)
-    out = connects(sent(core))
+    out = replies(core, 8.9)
     assert {addr for _, addr, _ in out} == {
         a2.source(1),
         a2.source(2),
@@ -864,8 +885,92 @@ def test_a_stale_connect_ack_does_not_silence_a_new_session() -> None:
     a2 = Client(0, a.ip, nego_port=41000)
     b2 = Client(1, b.ip, nego_port=42000)
     a2.send_inits(core, 7.5)  # session 1 is gone
+    answer_erts(core, sent(core), 7.5)
     ack(core, a, 7.6)  # a's late CONNECT_ACK for session 1
     assert core.stats.dropped == {"stale-connect-ack": 1}
     b2.send_inits(core, 7.7)
-    out = connects(sent(core))
+    out = replies(core, 7.7)
     assert {addr[0] for _, addr, _ in out} == {a.ip, b.ip}
+
+
+# ------------------------------------------------------------------ CONNECT timing
+
+
+def connect_times(core: NatNegServer, until: float) -> dict[str, float]:
+    """When the first CONNECT to each client's IP went out, firing timers."""
+    first: dict[str, float] = {}
+    while (deadline := core.get_timer()) is not None and deadline <= until:
+        core.handle_timer(deadline)
+        for c, addr, _ in connects(core.datagrams_to_send(deadline)):
+            assert c.finished == Finished.NOERROR
+            first.setdefault(addr[0], deadline)
+    return first
+
+
+def test_connects_are_timed_so_both_arrive_together() -> None:
+    """The farther client's CONNECT leaves first, the nearer one's later by the
+    difference of their one-way times (rtt / 2), so both first pings leave at the
+    same moment (docs/natneg.md, "CONNECT timing")."""
+    core = NatNegServer(tight())
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 0.2)  # a: rtt 200 ms
+    b.send_inits(core, 1.0)
+    out = sent(core, 1.0)
+    assert connects(out) == []  # TIMING: b's round trip is not known yet
+    now = 1.04
+    out = answer_erts(core, out, now)  # b: rtt 40 ms
+    to_a = {addr for c, addr, _ in connects(out) if addr[0] == a.ip}
+    assert to_a == {a.source(pt) for pt in a.port_types()}
+    assert not [addr for _, addr, _ in connects(out) if addr[0] == b.ip]
+    times = connect_times(core, 3.0)
+    lead = times[b.ip] - now
+    # a hears its CONNECT at now + 0.1, b at now + lead + 0.02: the same moment.
+    assert abs((now + 0.1) - (times[b.ip] + 0.02)) < 1e-9
+    assert abs(lead - 0.08) < 1e-9
+    # Resends keep each client's own rhythm until it ACKs.
+    ack(core, a, 1.2)
+    ack(core, b, 1.2)
+    assert connect_times(core, 5.0) == {}
+
+
+def test_timing_waits_for_an_ert_ack_at_most_rtt_wait() -> None:
+    core = NatNegServer(tight(rtt_wait=0.5))
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 0.1)
+    b.send_inits(core, 2.0)
+    assert connects(sent(core)) == []  # b never answers its ERT
+    # Given up on at 2.5: both CONNECTs at once (an unknown rtt means no lead).
+    assert connect_times(core, 2.6) == {a.ip: 2.5, b.ip: 2.5}
+
+
+def test_lead_is_capped_and_untimed_mode_sends_together_without_erts() -> None:
+    core = NatNegServer(tight(max_connect_lead=0.2))
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 0.9)  # rtt 900 ms: one-way 450 ms
+    b.send_inits(core, 1.0)
+    out = answer_erts(core, sent(core), 1.0)  # rtt 0
+    assert {addr[0] for _, addr, _ in connects(out)} == {a.ip}
+    assert connect_times(core, 1.5) == {b.ip: 1.2}  # not 1.45: capped
+
+    core = NatNegServer(tight(timed_connect=False))
+    a.send_inits(core, 0.0)
+    b.send_inits(core, 0.0)
+    out = sent(core)
+    assert not [w for w, _, _ in out if isinstance(decode(w), ErtTest)]
+    assert len(connects(out)) == 8
+
+
+def test_a_forged_ert_ack_is_dropped() -> None:
+    core = NatNegServer(tight())
+    a = Client(0, "198.51.100.1")
+    a.send_inits(core, 0.0)
+    ((ert, _, endpoint),) = [x for x in sent(core) if isinstance(decode(x[0]), ErtTest)]
+    forged = ert[:7] + b"\x03" + ert[8:21]
+    core.receive_datagram(forged, ("192.0.2.66", 40000), 0.1, endpoint)
+    core.receive_datagram(
+        forged[:8] + b"\x00\x00\x00\x01" + forged[12:], a.source(1), 0.1
+    )
+    assert core.stats.dropped == {"unsolicited-ert-ack": 2}

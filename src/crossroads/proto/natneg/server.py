@@ -22,6 +22,20 @@ A GameSpy SDK client negotiates in four steps (``shared/reference/gamespy-natneg
    (ref §6 step 3); we resend every ``connect_interval`` to each client that has not
    ACKed, ``connect_attempts`` times at most.
 3. The clients then ping each other directly (CONNECT_PING); we are not involved.
+   *CONNECT timing.* Each client sends its first ping the moment its CONNECT
+   arrives (ref §6 step 3). If client A's ping reaches B's router before B has sent
+   anything toward A, a port-restricted router drops it and, if it accepts
+   unsolicited input, keeps a conntrack entry that makes it *remap* B's later ping
+   to a new port -- and the first attempt fails (issue 15). So when a client is
+   complete we send it one ERT_TEST from the endpoint its NN1 INIT reached; every
+   SDK version answers with ERT_ACK (ref §3.2), which gives its round-trip time
+   ``rtt``. CONNECT to the client with the longer one-way time ``rtt/2`` goes out
+   first and the other one ``|rtt_A - rtt_B| / 2`` later (capped by
+   ``max_connect_lead``), so both arrive, and both first pings leave, at the same
+   moment: each ping then reaches the other router one peer-to-peer delay after
+   that router's own ping went out, and the pings cross in flight. This is what
+   RakNet's NatPunchthroughServer does with CONNECT_AT_TIME; no GameSpy server did.
+   CONNECTs wait at most ``rtt_wait`` for an ERT_ACK (state TIMING).
 4. v3/v4 clients send a 73-byte REPORT; we always answer REPORT_ACK (a v3 client
    without it waits ~7 s more, ref §6) and remember the outcome per public IP, which
    feeds the relay decision of later negotiations between the same addresses.
@@ -174,6 +188,20 @@ class ServerConfig:
     #: CONNECT sends per client before giving up; with 1 s that covers the v3/v4
     #: client's ping phase (7 x 700 ms, ref §6) several times over.
     connect_attempts: int = 10
+    #: Time the two clients' CONNECTs so that both reach their clients at the same
+    #: moment (see "CONNECT timing" above). False: send both at once, as GameSpy's
+    #: and every emulator's server did (the benchmark's comparison).
+    timed_connect: bool = True
+    #: How long the CONNECTs may wait for a client's round-trip time (its ERT_ACK).
+    #: The ERT goes out when the client's last INIT arrives, so its ACK is one
+    #: round trip away; 500 ms covers any terrestrial path, and a client that does
+    #: not answer by then costs the pair half a second, once.
+    rtt_wait: float = 0.5
+    #: Longest head start one client's CONNECT gets over the other's. The SDK pings
+    #: every 700 ms (ref §6): beyond ~half of that the second ping of the early
+    #: side would cross anyway, and a client faking a slow ERT_ACK must not be able
+    #: to hold its partner's CONNECT back for long.
+    max_connect_lead: float = 0.35
     #: Error CONNECTs (finished=1/2) are never ACKed by the client (ref §6 step 3),
     #: so they are sent a fixed number of times, ``connect_interval`` apart.
     error_attempts: int = 3
@@ -294,6 +322,7 @@ _HOUSEKEEPING_INTERVAL = 10.0
 
 class _State(Enum):
     WAITING = "waiting"  # for both clients to complete
+    TIMING = "timing"  # both complete, waiting for a round-trip time (ERT_ACK)
     RELAY_PENDING = "relay-pending"  # waiting for the transport's relay answer
     CONNECTING = "connecting"  # sending CONNECT until ACKed
     FAILING = "failing"  # sending error CONNECTs
@@ -314,6 +343,10 @@ class _Client:
         "use_game_port",
         "mappings",
         "acked",
+        "ert_sent",
+        "rtt",
+        "next_connect",
+        "connects_left",
     )
 
     def __init__(self, packet: Init, public_ip: str) -> None:
@@ -327,6 +360,12 @@ class _Client:
         #: so a late spoofed INIT cannot redirect a client's CONNECT.
         self.mappings: dict[int, tuple[Address, Endpoint]] = {}
         self.acked = False
+        #: When our ERT_TEST went out, and the round trip its ERT_ACK measured.
+        self.ert_sent: float | None = None
+        self.rtt: float | None = None
+        #: When this client's next CONNECT is due, and how many are left.
+        self.next_connect = 0.0
+        self.connects_left = 0
 
     def is_same(self, packet: Init, ip: str) -> bool:
         """Is this INIT from this client rather than a third one on the cookie?
@@ -507,9 +546,7 @@ class NatNegServer:
             case BackupTest():
                 self._on_backup_test(packet, addr, endpoint)
             case ErtAck():
-                # We send no ERT during negotiations (only NATify ERTs, which the
-                # client does not ACK), so an ERT_ACK answers nothing of ours.
-                self._drop("unsolicited-ert-ack")
+                self._on_ert_ack(packet, addr, now)
             case _:
                 # Server-to-client types (INIT_ACK, CONNECT, ...), CONNECT_PING
                 # (client to client) and STATE_UPDATE (never sent, ref §2).
@@ -712,11 +749,20 @@ class NatNegServer:
         if session.state is _State.FAILING and session.codes[p.client_index] is None:
             # Joined after the session gave up on it: its partner is gone.
             session.codes[p.client_index] = Finished.DEADBEAT_PARTNER
+        client = session.clients[p.client_index]
+        assert client is not None
+        if (
+            self.config.timed_connect
+            and client.ert_sent is None
+            and client.version >= 2
+            and client.complete()
+        ):
+            self._send_ert(session, client, now)
         if session.state is _State.WAITING:
             first, second = session.clients
             if first is not None and second is not None:
                 if first.complete() and second.complete():
-                    self._start_connect(session, now)
+                    self._both_complete(session, now)
 
     def _record_init(
         self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
@@ -762,6 +808,84 @@ class NatNegServer:
             # is gone (see _on_init); once the session is DONE it starts afresh.
             return session.state is _State.DONE
         return known.is_same(p, addr[0])
+
+    # ------------------------------------------------------------ CONNECT timing
+
+    def _send_ert(self, session: _Session, client: _Client, now: float) -> None:
+        """One ERT_TEST to the client's negotiate socket, to time its ERT_ACK.
+
+        Sent once per client, when it is complete: after three or four INITs (each
+        at least 22 bytes), so the replies to a spoofed client (its INIT_ACKs and
+        this) are no larger in total than what it sent.
+        """
+        mapping = client.mappings.get(PortType.NN1)
+        if mapping is None:
+            return
+        addr, endpoint = mapping
+        client.ert_sent = now
+        self._send(
+            ErtTest(client.version, session.cookie, PortType.NN1, client.index),
+            addr,
+            endpoint,
+        )
+
+    def _on_ert_ack(self, p: ErtAck, addr: Address, now: float) -> None:
+        session = self._sessions.get(p.cookie)
+        client = (
+            session.clients[p.client_index]
+            if session is not None and p.client_index <= 1
+            else None
+        )
+        if (
+            session is None
+            or client is None
+            or client.ert_sent is None
+            or client.public_ip != addr[0]
+        ):
+            # NATify ERTs are not ACKed (ref §3.2): nothing else of ours is.
+            self._drop("unsolicited-ert-ack")
+            return
+        if client.rtt is None:
+            client.rtt = now - client.ert_sent
+            if session.state is _State.TIMING and self._rtts_settled(session, now):
+                self._start_connect(session, now)
+
+    def _rtts_settled(self, session: _Session, now: float) -> bool:
+        """Is every round trip we asked for measured or given up on?"""
+        return all(
+            c is None
+            or c.rtt is not None
+            or c.ert_sent is None
+            or now - c.ert_sent >= self.config.rtt_wait
+            for c in session.clients
+        )
+
+    def _both_complete(self, session: _Session, now: float) -> None:
+        if self._rtts_settled(session, now):
+            self._start_connect(session, now)
+            return
+        session.state = _State.TIMING
+        sent = [
+            c.ert_sent
+            for c in session.clients
+            if c is not None and c.ert_sent is not None
+        ]
+        self._schedule(session, max(sent) + self.config.rtt_wait)
+
+    def _connect_leads(self, session: _Session) -> tuple[float, float]:
+        """Seconds each client's first CONNECT waits so both arrive together.
+
+        With one-way times ``d = rtt / 2``, the farther client's CONNECT goes at
+        once and the nearer one's ``d_far - d_near`` later (at most
+        ``max_connect_lead``). Unknown round trips (a v1 client, a lost ERT): no
+        wait, as before.
+        """
+        first, second = session.clients
+        assert first is not None and second is not None
+        if not self.config.timed_connect or first.rtt is None or second.rtt is None:
+            return (0.0, 0.0)
+        lead = min(abs(first.rtt - second.rtt) / 2, self.config.max_connect_lead)
+        return (0.0, lead) if first.rtt > second.rtt else (lead, 0.0)
 
     # ------------------------------------------------------------ CONNECT
 
@@ -843,15 +967,37 @@ class NatNegServer:
 
     def _begin_connecting(self, session: _Session, now: float) -> None:
         session.state = _State.CONNECTING
-        session.sends_left = self.config.connect_attempts
-        self._send_connects(session)
-        self._schedule(session, now + self.config.connect_interval)
+        for client, lead in zip(
+            session.clients, self._connect_leads(session), strict=True
+        ):
+            assert client is not None
+            client.next_connect = now + lead
+            client.connects_left = self.config.connect_attempts
+        self._connect_tick(session, now)
 
-    def _send_connects(self, session: _Session) -> None:
-        session.sends_left -= 1
+    def _connect_tick(self, session: _Session, now: float) -> None:
+        """Send the CONNECTs that are due; re-arm for the next one, or give up
+        ``connect_interval`` after a client's last CONNECT went unACKed."""
+        self._send_connects(session, now)
+        pending = [c for c in session.clients if c is not None and not c.acked]
+        if any(c.connects_left == 0 and c.next_connect <= now for c in pending):
+            self._conclude(session, Outcome.UNACKED, now)
+            session.state = _State.DONE
+            self._schedule(session, now + self.config.linger)
+        elif pending:
+            self._schedule(session, min(c.next_connect for c in pending))
+
+    def _send_connects(self, session: _Session, now: float) -> None:
         for index, client in enumerate(session.clients):
-            if client is None or client.acked:
+            if (
+                client is None
+                or client.acked
+                or client.connects_left == 0
+                or client.next_connect > now
+            ):
                 continue
+            client.connects_left -= 1
+            client.next_connect = now + self.config.connect_interval
             ip, port = session.targets[index]
             packet = Connect(
                 client.version,
@@ -949,14 +1095,10 @@ class NatNegServer:
             self._fail(session, now)
         elif state is _State.RELAY_PENDING:
             self._connect_direct(session, now)
+        elif state is _State.TIMING:
+            self._start_connect(session, now)
         elif state is _State.CONNECTING:
-            if session.sends_left > 0:
-                self._send_connects(session)
-                self._schedule(session, now + self.config.connect_interval)
-            else:
-                self._conclude(session, Outcome.UNACKED, now)
-                session.state = _State.DONE
-                self._schedule(session, now + self.config.linger)
+            self._connect_tick(session, now)
         elif state is _State.FAILING:
             if session.sends_left > 0:
                 self._send_errors(session)
