@@ -119,6 +119,7 @@ from crossroads.proto.natneg.packets import (
     decode,
     ip_to_bytes,
 )
+from crossroads.proto.timing import crossing_leads
 from crossroads.types import Address
 
 K = TypeVar("K")
@@ -882,10 +883,9 @@ class NatNegServer:
         """
         first, second = session.clients
         assert first is not None and second is not None
-        if not self.config.timed_connect or first.rtt is None or second.rtt is None:
+        if not self.config.timed_connect:
             return (0.0, 0.0)
-        lead = min(abs(first.rtt - second.rtt) / 2, self.config.max_connect_lead)
-        return (0.0, lead) if first.rtt > second.rtt else (lead, 0.0)
+        return crossing_leads(first.rtt, second.rtt, self.config.max_connect_lead)
 
     # ------------------------------------------------------------ CONNECT
 
