@@ -34,6 +34,25 @@ SERVERS: list[Address] = [
     (SERVER_IPS[0], 27901),
     (SERVER_IPS[1], 27901),
 ]
+
+
+def extra_server_args(port: int, *, timed: bool, relay: str = "auto") -> list[str]:
+    """``crossroads serve`` arguments of a natneg server on ``port`` in the lab's
+    two-IP layout (see :meth:`Lab.start_extra_server`): ``timed`` CONNECTs or
+    both at once (GameSpy's way), relay mode ``relay``."""
+    args = ["--only", "natneg", "--natneg-port", str(port)]
+    args += ["--natneg-probe-port", str(port + 1)]
+    args += ["--natneg-natneg3-host", SERVER_IPS[1]]
+    args += ["--natneg-relay-allow", "198.51.100.0/24", "--natneg-relay-mode", relay]
+    args.append("--natneg-timed-connect" if timed else "--no-natneg-timed-connect")
+    return args
+
+
+def servers_at(port: int) -> list[Address]:
+    """natneg1, natneg2, natneg3 of a natneg server on ``port`` in the lab."""
+    return [(SERVER_IPS[0], port), (SERVER_IPS[0], port), (SERVER_IPS[1], port)]
+
+
 #: One negotiation: ~0.1 s to CONNECT in the lab, then at most the v4 ping phase
 #: (7 x 700 ms, ref §6) before the client gives up itself; the INIT phase gives up
 #: after ~6 s (12 x 500 ms).
@@ -42,14 +61,14 @@ GAME_DATA = b"woohoo!!"  # what the SDK test program sends after success
 
 
 async def negotiate(
-    lab: Lab, a: Site, b: Site, cookie: int
+    lab: Lab, a: Site, b: Site, cookie: int, servers: list[Address] = SERVERS
 ) -> tuple[SdkNegotiator, SdkNegotiator]:
     """One negotiation between a (index 1, the host) and b (index 0)."""
     host = SdkNegotiator(
         version=4,
         cookie=cookie,
         client_index=1,
-        servers=SERVERS,
+        servers=servers,
         negotiate_sock=lab.udp_socket(a),
         local_ip=a.host_ip,
     )
@@ -57,7 +76,7 @@ async def negotiate(
         version=4,
         cookie=cookie,
         client_index=0,
-        servers=SERVERS,
+        servers=servers,
         negotiate_sock=lab.udp_socket(b),
         local_ip=b.host_ip,
     )
