@@ -46,13 +46,25 @@ def test_full_matrix(lab: Lab, tmp_path: Path) -> None:
     assert len(pairs()) == 36
     wrong = []
     for row in results:
-        assert set(row) == {"a", "b", "method", "connected", "seconds", "via"}
+        assert set(row) == {
+            "a",
+            "b",
+            "method",
+            "connected",
+            "first_attempt",
+            "seconds",
+            "via",
+        }
+        assert row["connected"] or not row["first_attempt"]
         assert row["via"] in (VIA_STEPS if row["connected"] else (None,))
         want = methods[row["method"]].expected
         if want is None:
             continue
         x, y = KINDS_BY_NAME[row["a"]], KINDS_BY_NAME[row["b"]]
         if want(x, y) != row["connected"]:
+            wrong.append(row)
+        first = methods[row["method"]].expected_first
+        if first is not None and first(x, y) != row["first_attempt"]:
             wrong.append(row)
         via = methods[row["method"]].expected_via
         if row["connected"] and via is not None and via(x, y) != row["via"]:

@@ -41,6 +41,9 @@ class Outcome:
     #: Seconds to connect as the method measures it (None: the runner's clock).
     seconds: float | None = None
     detail: str = ""
+    #: Connected on the first attempt, for methods that retry like a game
+    #: (natneg); None: the method makes one attempt, so it is ``connected``.
+    first_attempt: bool | None = None
 
 
 @dataclass
@@ -64,6 +67,8 @@ class Result:
     seconds: float
     via: str | None
     detail: str = ""
+    #: Connected without a retry (for one-attempt methods: ``connected``).
+    first_attempt: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +76,7 @@ class Result:
             "b": self.b,
             "method": self.method,
             "connected": self.connected,
+            "first_attempt": self.first_attempt,
             "seconds": round(self.seconds, 3),
             "via": self.via,
         }
@@ -99,6 +105,9 @@ class Method:
     needs: tuple[str, ...] = ()
     #: The step that must win for a pair, when the method predicts it.
     expected_via: Callable[[NatKind, NatKind], str | None] | None = None
+    #: Whether the first attempt must connect, for methods that retry (natneg);
+    #: None: not predicted separately.
+    expected_first: Callable[[NatKind, NatKind], bool] | None = None
     #: For slow methods: the (unordered) pairs a matrix runs unless the method
     #: is asked for by name (``--methods``); None: every pair, always.
     default_pairs: tuple[tuple[str, str], ...] | None = None
@@ -172,6 +181,9 @@ async def run_attempt(method: Method, attempt: Attempt) -> Result:
         seconds,
         outcome.via if outcome.connected else None,
         outcome.detail,
+        outcome.connected
+        if outcome.first_attempt is None
+        else outcome.connected and outcome.first_attempt,
     )
 
 
@@ -248,6 +260,10 @@ def unexpected(results: Iterable[Result]) -> list[Result]:
         x, y = KINDS_BY_NAME[result.a], KINDS_BY_NAME[result.b]
         if method.expected(x, y) != result.connected:
             out.append(result)
+        elif method.expected_first is not None and (
+            method.expected_first(x, y) != result.first_attempt
+        ):
+            out.append(result)
         elif result.connected and method.expected_via is not None:
             if method.expected_via(x, y) not in (None, result.via):
                 out.append(result)
@@ -267,13 +283,24 @@ def _cell(result: Result | None) -> str:
     if result is None:
         return ""
     if result.connected:
-        return f"✅ {result.via} {result.seconds:.2f}s"
+        retry = "" if result.first_attempt else " (retry)"
+        return f"✅ {result.via} {result.seconds:.2f}s{retry}"
     return "❌"
+
+
+def _times(rows: Sequence[Result]) -> str:
+    """``median / p90`` of the rows' times to connect, or a dash."""
+    times = sorted(r.seconds for r in rows)
+    if not times:
+        return "—"
+    p90 = times[min(len(times) - 1, round(0.9 * (len(times) - 1)))]
+    return f"{statistics.median(times):.2f} / {p90:.2f} s"
 
 
 def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
     """docs/nat-matrix.md: a summary, then one kind x kind table per method."""
-    kinds = [k.name for k in KINDS]
+    seen = {r.a for r in results} | {r.b for r in results}
+    kinds = [k for k in KINDS_BY_NAME if k in seen]
     methods = list(dict.fromkeys(r.method for r in results))
     by_key = {(r.method, r.a, r.b): r for r in results}
     lines = [
@@ -287,23 +314,29 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
         "routers' NAT state was flushed; pairs are unordered, so the tables are",
         "symmetric.",
         "A cell reads `✅ via seconds` (the",
-        "step that connected and the time it took) or `❌`. How each kind is",
-        "built: [nat-lab.md](nat-lab.md).",
+        "step that connected and the time it took; `(retry)` when only the",
+        "method's retry connected, as a game retries natneg) or `❌`. How each",
+        "kind is built: [nat-lab.md](nat-lab.md).",
         "",
         "## Summary",
         "",
-        "| method | what it tries | connected | median time to connect |",
-        "|---|---|---|---|",
+        "First attempt and with one retry (only natneg retries; for the other",
+        "methods the two columns are the same), with median / p90 time to connect.",
+        "",
+        "| method | what it tries | first attempt | median / p90 |"
+        " with one retry | median / p90 |",
+        "|---|---|---|---|---|---|",
     ]
     for name in methods:
         rows = [r for r in results if r.method == name]
+        first = [r for r in rows if r.first_attempt]
         ok = [r for r in rows if r.connected]
-        times = [r.seconds for r in ok]
-        median = f"{statistics.median(times):.2f} s" if times else "—"
         summary = METHODS[name].summary if name in METHODS else ""
+        share = 100 / max(1, len(rows))
         lines.append(
-            f"| `{name}` | {summary} | {len(ok)}/{len(rows)} "
-            f"({100 * len(ok) / max(1, len(rows)):.0f} %) | {median} |"
+            f"| `{name}` | {summary} | {len(first)}/{len(rows)} "
+            f"({len(first) * share:.0f} %) | {_times(first)} | {len(ok)}/{len(rows)} "
+            f"({len(ok) * share:.0f} %) | {_times(ok)} |"
         )
     steps = [(s, [r.seconds for r in results if r.via == s]) for s in VIA_STEPS]
     lines += [

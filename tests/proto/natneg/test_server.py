@@ -192,6 +192,13 @@ def answer_erts(core: NatNegServer, out: Sent, now: float) -> Sent:
     return out + core.datagrams_to_send(now)
 
 
+def connected(core: NatNegServer, a: Client, b: Client) -> None:
+    """Both clients negotiate at 0 and ACK their CONNECTs at 0.1."""
+    negotiate(core, a, b)
+    ack(core, a, 0.1)
+    ack(core, b, 0.1)
+
+
 def replies(core: NatNegServer, now: float) -> list[tuple[Connect, Address, Endpoint]]:
     """The CONNECTs the server sends at ``now``, with ERTs answered at once."""
     return connects(answer_erts(core, sent(core, now), now))
@@ -257,9 +264,7 @@ def finished(core: NatNegServer) -> list[NegotiationFinished]:
 def test_outcome_is_the_report_first_attempt_and_retry() -> None:
     core = NatNegServer(tight())
     a, b = Client(0, "198.51.100.1", cookie=1), Client(1, "203.0.113.7", cookie=1)
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     report(core, a, success=False, nat_type=NatType.UNKNOWN, now=6.0)
     report(core, b, success=False, nat_type=NatType.UNKNOWN, now=6.1)
     # One outcome per session, from the first REPORT: the pings failed.
@@ -589,9 +594,7 @@ def test_history_symmetric_vs_port_restricted_and_failed_pair() -> None:
     # A direct negotiation that failed: the retry with a new cookie is relayed.
     core = NatNegServer(tight())
     a, b = Client(0, "198.51.100.1", cookie=3), Client(1, "203.0.113.7", cookie=3)
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     report(core, a, success=False, nat_type=NatType.UNKNOWN, now=3.0)
     core.pop_events()
     a2, b2 = (
@@ -698,9 +701,7 @@ def test_global_session_limit_and_rate_limit() -> None:
 def test_duplicate_init_after_done_is_acked_and_restart_starts_over() -> None:
     core = NatNegServer(tight())
     a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     a.send_inits(core, 0.5, [2])
     out = sent(core)
     assert [type(decode(w)) for w, _, _ in out] == [InitAck]
@@ -807,9 +808,7 @@ def test_random_traffic_never_raises(steps: list[tuple[bytes, str, float]]) -> N
 def test_history_expires() -> None:
     core = NatNegServer(tight(history_ttl=60.0))
     a, b = Client(0, "198.51.100.1", cookie=5), Client(1, "203.0.113.7", cookie=5)
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     report(core, a, success=False, nat_type=NatType.PORT_RESTRICTED_CONE, now=1.0)
     core.pop_events()
     run_until(core, 200.0)  # housekeeping forgets the failure and the NAT type
@@ -856,9 +855,7 @@ def test_restart_on_the_same_game_socket_keeps_its_gp_init() -> None:
     resend an INIT that was ACKed)."""
     core = NatNegServer(tight())
     a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     report(core, a, success=True, nat_type=NatType.UNKNOWN, now=0.2)
     core.pop_events()
     a2 = Client(0, a.ip, nego_port=41000)  # same game socket, new negotiate socket

@@ -138,7 +138,7 @@ def succeeded(host: SdkNegotiator, guest: SdkNegotiator) -> bool:
 async def run(attempt: Attempt) -> Outcome:
     started = time.monotonic()
     details: list[str] = []
-    for _ in range(2):
+    for tries in range(2):
         cookie = int.from_bytes(os.urandom(4), "big")
         host, guest = await negotiate(attempt.lab, attempt.a, attempt.b, cookie)
         try:
@@ -146,7 +146,11 @@ async def run(attempt: Attempt) -> Outcome:
                 assert host.outcome is not None and host.outcome.remote is not None
                 via = "relay" if host.outcome.remote[0] in SERVER_IPS else "punch"
                 return Outcome(
-                    True, via, time.monotonic() - started, "; ".join(details)
+                    True,
+                    via,
+                    time.monotonic() - started,
+                    "; ".join(details),
+                    first_attempt=tries == 0,
                 )
             results = [
                 n.outcome.result.name if n.outcome else n.state.name
@@ -180,12 +184,25 @@ def direct_expected(x: NatKind, y: NatKind) -> bool:
     return x.udp and y.udp
 
 
+def first_expected(x: NatKind, y: NatKind) -> bool:
+    """The first attempt connects wherever a direct path works (the CONNECTs are
+    timed, so the pings cross even behind routers that remap on a knock), and
+    between two endpoint-dependent mappings, which the server relays at once.
+    A symmetric NAT against address-and-port-dependent filtering needs the
+    retry: only the failed REPORT tells the server to relay."""
+    both_symmetric = all(
+        k.mapping is Mapping.ADDRESS_AND_PORT_DEPENDENT for k in (x, y)
+    )
+    return direct_expected(x, y) or (both_symmetric and x.udp and y.udp)
+
+
 METHOD = register(
     Method(
         name="natneg",
         summary="GameSpy natneg (SDK client v4) via crossroads, one retry; relay when needed",
         run=run,
         expected=expected,
+        expected_first=first_expected,
         timeout=2 * NEGOTIATION_S + 6,
         needs=("natneg",),
     )
