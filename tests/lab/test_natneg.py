@@ -74,9 +74,38 @@ async def test_failed_negotiation_is_relayed_on_retry(lab: Lab) -> None:
         assert guest.outcome and guest.outcome.result == NegotiateResult.PING_TIMEOUT
     finally:
         SdkNegotiator.close_all()
-    # The game retries with a new cookie: the server remembers the failed pair.
+    # The game retries (with the same cookie, as games do): the server remembers
+    # the failed pair and relays.
     outcome = await run(Attempt(lab, a, b))
     assert outcome.connected and outcome.via == "relay"
+
+
+async def test_cookie_666_back_to_back_through_the_relay(lab: Lab) -> None:
+    """Issue 15's two cookie-reuse bugs, as the SDK test program meets them: cookie
+    666 every time, the host's game socket lent each time, the second negotiation
+    right after the first, both relayed (two symmetric NATs). The second must get
+    a session of its own (its game-socket INIT counted, no deadline of the first)
+    and a relay pair of its own."""
+    a, b = lab.site("symmetric-random-b"), lab.site("symmetric-sequential-a")
+    await reset(lab, a.name, b.name)
+    game_sock = lab.udp_socket(a)
+    relays: list[Address] = []
+    try:
+        for _ in range(2):
+            host, guest = await negotiate(lab, a, b, 666, game_sock=game_sock)
+            try:
+                assert succeeded(host, guest)
+                assert host.outcome and host.outcome.remote
+                assert host.outcome.remote[0] == SERVER_IPS[0]  # relayed
+                assert host.outcome.sock is game_sock
+                relays.append(host.outcome.remote)
+                assert await game_data_crosses(host, guest)
+            finally:
+                host.release()
+                guest.release()
+        assert relays[0] != relays[1]
+    finally:
+        game_sock.close()
 
 
 @pytest.mark.parametrize(

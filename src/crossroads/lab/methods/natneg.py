@@ -7,8 +7,12 @@ layout: symmetric NATs show in the NN1/NN3 mappings, the NATify "unsolicited IP"
 probe comes from natneg3). Connected when both clients succeed and a game datagram
 then crosses both ways on the sockets they got back.
 
-As a game does (Red Alert 3 retries five times, ref §7.4), a failed negotiation is
-retried once with a new cookie: the failed REPORT makes the server relay the retry.
+The host lends its game socket (as a QR2 host does: GP INIT, pings and game data
+from it, ref §3.7). As a game does, a failed negotiation is retried once, with the
+same cookie and the same game socket (the SDK test program always uses cookie 666;
+games reuse theirs): the failed REPORT makes the server relay the retry, and the
+server must tell the new negotiation from the old one (docs/natneg.md, "Cookie
+reuse").
 So two symmetric NATs connect through the relay at once, a symmetric NAT against an
 address-and-port-dependent filter on the second try, everything else directly. A
 negotiation whose INITs never reached the server (UDP blocked) is not retried: the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 
 from crossroads.lab.kinds import Filtering, Mapping, NatKind
@@ -61,15 +66,22 @@ GAME_DATA = b"woohoo!!"  # what the SDK test program sends after success
 
 
 async def negotiate(
-    lab: Lab, a: Site, b: Site, cookie: int, servers: list[Address] = SERVERS
+    lab: Lab,
+    a: Site,
+    b: Site,
+    cookie: int,
+    servers: list[Address] = SERVERS,
+    game_sock: socket.socket | None = None,
 ) -> tuple[SdkNegotiator, SdkNegotiator]:
-    """One negotiation between a (index 1, the host) and b (index 0)."""
+    """One negotiation between a (index 1, the host, lending ``game_sock`` if
+    given) and b (index 0)."""
     host = SdkNegotiator(
         version=4,
         cookie=cookie,
         client_index=1,
         servers=servers,
         negotiate_sock=lab.udp_socket(a),
+        game_sock=game_sock,
         local_ip=a.host_ip,
     )
     guest = SdkNegotiator(
@@ -136,11 +148,21 @@ def succeeded(host: SdkNegotiator, guest: SdkNegotiator) -> bool:
 
 
 async def run(attempt: Attempt) -> Outcome:
+    game_sock = attempt.lab.udp_socket(attempt.a)
+    try:
+        return await _run(attempt, game_sock)
+    finally:
+        game_sock.close()
+
+
+async def _run(attempt: Attempt, game_sock: socket.socket) -> Outcome:
     started = time.monotonic()
     details: list[str] = []
+    cookie = int.from_bytes(os.urandom(4), "big")  # one per game: kept for the retry
     for tries in range(2):
-        cookie = int.from_bytes(os.urandom(4), "big")
-        host, guest = await negotiate(attempt.lab, attempt.a, attempt.b, cookie)
+        host, guest = await negotiate(
+            attempt.lab, attempt.a, attempt.b, cookie, game_sock=game_sock
+        )
         try:
             if succeeded(host, guest) and await game_data_crosses(host, guest):
                 assert host.outcome is not None and host.outcome.remote is not None
