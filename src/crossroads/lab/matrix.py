@@ -106,8 +106,8 @@ class Method:
     #: The step that must win for a pair, when the method predicts it.
     expected_via: Callable[[NatKind, NatKind], str | None] | None = None
     #: Whether the first attempt must connect, for methods that retry (natneg);
-    #: None: not predicted separately.
-    expected_first: Callable[[NatKind, NatKind], bool] | None = None
+    #: None (or a None answer for a pair): not predicted separately.
+    expected_first: Callable[[NatKind, NatKind], bool | None] | None = None
     #: For slow methods: the (unordered) pairs a matrix runs unless the method
     #: is asked for by name (``--methods``); None: every pair, always.
     default_pairs: tuple[tuple[str, str], ...] | None = None
@@ -261,7 +261,7 @@ def unexpected(results: Iterable[Result]) -> list[Result]:
         if method.expected(x, y) != result.connected:
             out.append(result)
         elif method.expected_first is not None and (
-            method.expected_first(x, y) != result.first_attempt
+            method.expected_first(x, y) not in (None, result.first_attempt)
         ):
             out.append(result)
         elif result.connected and method.expected_via is not None:
