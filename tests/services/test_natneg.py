@@ -128,6 +128,23 @@ async def both(a: SdkNegotiator, b: SdkNegotiator) -> None:
         b.close()
 
 
+async def game_host_and_guest(
+    srv: list[Address], cookie: int, host_game: socket.socket
+) -> tuple[SdkNegotiator, SdkNegotiator]:
+    """A v4 negotiation: the host (index 1) lends ``host_game``, the guest (index
+    0) negotiates from another "public" address; both must succeed."""
+    host = SdkNegotiator(
+        version=4, cookie=cookie, client_index=1, servers=srv, game_sock=host_game
+    )
+    guest = SdkNegotiator(
+        version=4, cookie=cookie, client_index=0, servers=srv, bind_ip="127.0.0.5"
+    )
+    await both(host, guest)
+    assert host.outcome and guest.outcome
+    assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
+    return host, guest
+
+
 async def exchange_game_data(
     a: SdkNegotiator, b: SdkNegotiator
 ) -> tuple[Address, Address]:
@@ -341,15 +358,7 @@ async def test_relay_forced_by_config(natneg: Starter) -> None:
     srv = servers(rt)
     host_game = game_socket()
     try:
-        host = SdkNegotiator(
-            version=4, cookie=900, client_index=1, servers=srv, game_sock=host_game
-        )
-        guest = SdkNegotiator(
-            version=4, cookie=900, client_index=0, servers=srv, bind_ip="127.0.0.5"
-        )
-        await both(host, guest)
-        assert host.outcome and guest.outcome
-        assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
+        host, guest = await game_host_and_guest(srv, 900, host_game)
         # Each was told a relay port and heard its peer from there, not directly.
         relay_for_host, relay_for_guest = host.outcome.remote, guest.outcome.remote
         assert relay_for_host and relay_for_guest
@@ -450,17 +459,8 @@ async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None
     relays: list[Address] = []
     try:
         for _ in range(2):
-            host = SdkNegotiator(
-                version=4, cookie=666, client_index=1, servers=srv, game_sock=host_game
-            )
-            guest = SdkNegotiator(
-                version=4, cookie=666, client_index=0, servers=srv, bind_ip="127.0.0.5"
-            )
-            await both(host, guest)
-            assert host.outcome and guest.outcome
-            assert host.outcome.result == NegotiateResult.SUCCESS
-            assert guest.outcome.result == NegotiateResult.SUCCESS
-            assert host.outcome.remote is not None
+            host, guest = await game_host_and_guest(srv, 666, host_game)
+            assert host.outcome and host.outcome.remote is not None
             if relay_mode == "always":
                 # Told a relay port, not the guest's own socket.
                 assert host.outcome.remote != address_of(guest.negotiate_sock)
