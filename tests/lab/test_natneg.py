@@ -141,10 +141,12 @@ async def test_sdk_nat_detection_through_nat(
 #: The two sites of issue 15: port-restricted cones behind routers that accept
 #: unsolicited input, so a ping that arrives first makes the router remap.
 REMAP_A, REMAP_B = "port-restricted-remap-a", "port-restricted-remap-b"
-#: Geometry that makes the race real: the server is 80 ms (one way) from site a
-#: and next to site b, while a and b are 25 ms apart. With CONNECTs sent together,
-#: b pings 80 ms before a and its ping is at a's router 55 ms before a sends.
-FAR_SERVER_S, PEERS_S = 0.080, 0.025
+#: Geometry that makes the race real: the server is 100 ms (one way) from site a
+#: and next to site b, while a and b are 40 ms apart. With CONNECTs sent together,
+#: b pings 100 ms before a and its ping is at a's router 60 ms before a sends;
+#: timed, both ping together and each ping has 40 ms to spare (more than the
+#: clients' 10 ms polling and a loaded machine's timer slack).
+FAR_SERVER_S, PEERS_S = 0.100, 0.040
 #: Ports of a second natneg server that sends both CONNECTs at once (as GameSpy's
 #: did), beside the lab's own (timed) one.
 UNTIMED_PORT, UNTIMED_HTTP_PORT = 27911, 8091
