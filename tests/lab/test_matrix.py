@@ -113,3 +113,42 @@ def test_known_outcomes() -> None:
     assert not punch(k["udp-blocked"], k["open"])
     assert direct(k["open"], k["symmetric-random"])
     assert not direct(k["full-cone"], k["full-cone"])
+
+
+def test_remapping_routers_connect_first_time_with_distance(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """`lab matrix --delay`: each attempt's paths get 30-60 ms one way (delay
+    lines). Two port-restricted cones behind routers that remap on a knock
+    (issue 15) then connect on natneg's first attempt, directly: the timed
+    CONNECTs make the first pings cross in flight."""
+    out = tmp_path / "matrix.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crossroads",
+            "lab",
+            "matrix",
+            "--prefix",
+            lab.prefix,
+            "--methods",
+            "natneg",
+            "--kinds",
+            "port-restricted-remap",
+            "--delay",
+            "30-60",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "matrix.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert (row["a"], row["b"]) == ("port-restricted-remap", "port-restricted-remap")
+    assert row["connected"] and row["first_attempt"] and row["via"] == "punch"
+    assert "--delay 30-60" in (tmp_path / "matrix.md").read_text()

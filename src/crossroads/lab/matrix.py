@@ -15,8 +15,10 @@ the conntrack entries of an earlier one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -160,9 +162,46 @@ def sites_for(lab: Lab, x: NatKind, y: NatKind) -> tuple[Site, Site]:
     return lab.site(f"{x.name}-a"), lab.site(f"{y.name}-b")
 
 
-async def run_attempt(method: Method, attempt: Attempt) -> Result:
+@dataclass(frozen=True, slots=True)
+class Delays:
+    """One-way delays (seconds) of one attempt's three paths, from delay lines."""
+
+    server_a: float
+    server_b: float
+    a_b: float
+
+    @classmethod
+    def draw(cls, rng: random.Random, low: float, high: float) -> Delays:
+        return cls(*(rng.uniform(low, high) for _ in range(3)))
+
+
+#: Routing tables of the delay lines: attempt slot k uses FIRST + 3k .. + 2.
+FIRST_DELAY_TABLE = 100
+
+
+async def run_attempt(
+    method: Method,
+    attempt: Attempt,
+    delays: Delays | None = None,
+    slot: int = 0,
+) -> Result:
     lab = attempt.lab
     await asyncio.gather(lab.reset_nat(attempt.a), lab.reset_nat(attempt.b))
+    async with contextlib.AsyncExitStack() as stack:
+        if delays is not None:
+            table = FIRST_DELAY_TABLE + 3 * slot
+            for (x, y), delay, offset in (
+                ((attempt.a, "server"), delays.server_a, 0),
+                ((attempt.b, "server"), delays.server_b, 1),
+                ((attempt.a, attempt.b), delays.a_b, 2),
+            ):
+                await stack.enter_async_context(
+                    lab.path_delay(x, y, delay, table=table + offset)
+                )
+        return await _timed_attempt(method, attempt)
+
+
+async def _timed_attempt(method: Method, attempt: Attempt) -> Result:
     started = time.monotonic()
     try:
         outcome = await asyncio.wait_for(method.run(attempt), method.timeout)
@@ -195,10 +234,15 @@ async def run_matrix(
     parallel: int = 8,
     progress: Callable[[Result, int, int], None] | None = None,
     all_pairs: Iterable[str] = (),
+    delay: tuple[float, float] | None = None,
+    seed: int = 1,
 ) -> list[Result]:
     """Run every pair for every method (a method with ``default_pairs`` runs
     those only unless named in ``all_pairs``); attempts sharing no host run in
-    parallel."""
+    parallel. With ``delay`` (low, high seconds) each attempt's three paths
+    (server-a, server-b, a-b) get a one-way delay drawn uniformly from it."""
+    rng = random.Random(seed)
+    free_slots = list(range(parallel))
     methods = list(methods)
     full = set(all_pairs)
     shared: dict[str, Any] = {}
@@ -213,7 +257,7 @@ async def run_matrix(
         busy: set[str] = set()
         per_method: dict[str, int] = {m.name: 0 for m in methods}
         pending = list(jobs)
-        running: dict[asyncio.Task[Result], tuple[Method, Site, Site]] = {}
+        running: dict[asyncio.Task[Result], tuple[Method, Site, Site, int]] = {}
         while pending or running:
             for job in list(pending):
                 if len(running) >= parallel:
@@ -228,11 +272,14 @@ async def run_matrix(
                 busy.update((a.name, b.name))
                 per_method[method.name] += 1
                 attempt = Attempt(lab, a, b, shared)
-                task = asyncio.create_task(run_attempt(method, attempt))
-                running[task] = (method, a, b)
+                slot = free_slots.pop()
+                delays = Delays.draw(rng, *delay) if delay is not None else None
+                task = asyncio.create_task(run_attempt(method, attempt, delays, slot))
+                running[task] = (method, a, b, slot)
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                method, a, b = running.pop(task)
+                method, a, b, slot = running.pop(task)
+                free_slots.append(slot)
                 busy.difference_update((a.name, b.name))
                 per_method[method.name] -= 1
                 result = task.result()
