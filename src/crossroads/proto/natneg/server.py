@@ -72,9 +72,10 @@ raises out of :meth:`NatNegServer.receive_datagram`.
 Where the product seed (``seeds/002_*.txt``) and the real client disagree the real
 client wins:
 
-* no 100 ms delay before CONNECT (seed "Step 3"): the SDK accepts CONNECT in any
-  state before pinging, even while still sending INITs (ref §6 step 3), and OpenSpy
-  sends at once (ref §7.1); a delay only slows every negotiation down;
+* no fixed 100 ms delay before CONNECT (seed "Step 3"): the SDK accepts CONNECT in
+  any state before pinging, even while still sending INITs (ref §6 step 3), and
+  OpenSpy sends at once (ref §7.1); the only wait is the measured one of step 3
+  (one round trip of the later client, then the lead);
 * INIT_ACK and REPORT_ACK are 21 bytes, not 14 (the SDK drops shorter ones, ref §2);
 * the seed's "4 INITs from different source ports" is wrong: GP comes from the game
   socket, NN1-3 from one negotiate socket (ref §3.1), which is what makes the
