@@ -5,7 +5,8 @@ load generator does not share its event loop) and measures, each as the median o
 several short rounds:
 
 1. **negotiations/s**: pairs of clients (v3, negotiate socket only, as the SDK sends
-   them: NN1/NN2/NN3 INITs, a CONNECT_ACK for every CONNECT) with a fixed window of
+   them: NN1/NN2/NN3 INITs, an ERT_ACK for the ERT_TEST that times the CONNECTs, a
+   CONNECT_ACK for every CONNECT) with a fixed window of
    negotiations in flight; a negotiation counts when both clients got their CONNECT.
    Also the same protocol work on the sans-I/O core alone (no sockets), to show how
    much of the cost is the UDP path.
@@ -149,6 +150,11 @@ def inits(cookie: int, index: int) -> list[bytes]:
     ]
 
 
+def ert_ack(ert: bytes) -> bytes:
+    """The SDK's answer to an ERT_TEST: its first 21 bytes with type ERT_ACK."""
+    return ert[:7] + bytes((PacketType.ERT_ACK,)) + ert[8:21]
+
+
 class Negotiations:
     """Windowed load: ``window`` negotiations in flight, a new one per completion."""
 
@@ -184,6 +190,9 @@ class Negotiations:
                 data, addr = sock.recvfrom(512)
             except BlockingIOError:
                 return
+            if len(data) >= 21 and data[7] == PacketType.ERT_TEST:
+                sock.sendto(ert_ack(data), addr)  # as the SDK does, at once
+                continue
             if len(data) < 20 or data[7] != PacketType.CONNECT:
                 continue
             cookie = int.from_bytes(data[8:12], "big")
@@ -239,8 +248,9 @@ def core_only(seconds: float) -> float:
             for index, addr in ((0, a), (1, b)):
                 for packet in inits(cookie, index):
                     core.receive_datagram(packet, addr, now)
-            for _wire, _to, _ in core.datagrams_to_send(now):
-                pass
+            for wire, to, endpoint in core.datagrams_to_send(now):
+                if wire[7] == PacketType.ERT_TEST:
+                    core.receive_datagram(ert_ack(wire), to, now, endpoint)
             for index, addr in ((0, a), (1, b)):
                 for _ in range(3):
                     core.receive_datagram(

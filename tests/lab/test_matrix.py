@@ -48,13 +48,25 @@ def test_full_matrix(lab: Lab, tmp_path: Path) -> None:
     assert len(pairs()) == 36
     wrong = []
     for row in results:
-        assert set(row) == {"a", "b", "method", "connected", "seconds", "via"}
+        assert set(row) == {
+            "a",
+            "b",
+            "method",
+            "connected",
+            "first_attempt",
+            "seconds",
+            "via",
+        }
+        assert row["connected"] or not row["first_attempt"]
         assert row["via"] in (VIA_STEPS if row["connected"] else (None,))
         want = methods[row["method"]].expected
         if want is None:
             continue
         x, y = KINDS_BY_NAME[row["a"]], KINDS_BY_NAME[row["b"]]
         if want(x, y) != row["connected"]:
+            wrong.append(row)
+        first = methods[row["method"]].expected_first
+        if first is not None and first(x, y) not in (None, row["first_attempt"]):
             wrong.append(row)
         via = methods[row["method"]].expected_via
         if row["connected"] and via is not None and via(x, y) != row["via"]:
@@ -103,3 +115,42 @@ def test_known_outcomes() -> None:
     assert not punch(k["udp-blocked"], k["open"])
     assert direct(k["open"], k["symmetric-random"])
     assert not direct(k["full-cone"], k["full-cone"])
+
+
+def test_remapping_routers_connect_first_time_with_distance(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """`lab matrix --delay`: each attempt's paths get 30-60 ms one way (delay
+    lines). Two port-restricted cones behind routers that remap on a knock
+    (issue 15) then connect on natneg's first attempt, directly: the timed
+    CONNECTs make the first pings cross in flight."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crossroads",
+            "lab",
+            "matrix",
+            "--prefix",
+            lab.prefix,
+            "--methods",
+            "natneg",
+            "--kinds",
+            "port-restricted-remap",
+            "--delay",
+            "30-60",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "matrix.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (row,) = json.loads((out / "nat-matrix.json").read_text())
+    assert (row["a"], row["b"]) == ("port-restricted-remap", "port-restricted-remap")
+    assert row["connected"] and row["first_attempt"] and row["via"] == "punch"
+    assert "--delay 30-60" in (tmp_path / "matrix.md").read_text()

@@ -5,20 +5,24 @@ natneg3 on its second)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
 from crossroads.lab.matrix import Attempt
 from crossroads.lab.methods.natneg import (
     SERVERS,
+    extra_server_args,
     game_data_crosses,
     negotiate,
     run,
+    servers_at,
     succeeded,
 )
 from crossroads.lab.natneg_sdk import SdkNegotiator, detect_nat
 from crossroads.lab.topology import SERVER_IPS, Lab
 from crossroads.proto.natneg.packets import NatType, NegotiateResult
+from crossroads.types import Address
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(120)]
 
@@ -70,9 +74,38 @@ async def test_failed_negotiation_is_relayed_on_retry(lab: Lab) -> None:
         assert guest.outcome and guest.outcome.result == NegotiateResult.PING_TIMEOUT
     finally:
         SdkNegotiator.close_all()
-    # The game retries with a new cookie: the server remembers the failed pair.
+    # The game retries (with the same cookie, as games do): the server remembers
+    # the failed pair and relays.
     outcome = await run(Attempt(lab, a, b))
     assert outcome.connected and outcome.via == "relay"
+
+
+async def test_cookie_666_back_to_back_through_the_relay(lab: Lab) -> None:
+    """Issue 15's two cookie-reuse bugs, as the SDK test program meets them: cookie
+    666 every time, the host's game socket lent each time, the second negotiation
+    right after the first, both relayed (two symmetric NATs). The second must get
+    a session of its own (its game-socket INIT counted, no deadline of the first)
+    and a relay pair of its own."""
+    a, b = lab.site("symmetric-random-b"), lab.site("symmetric-sequential-a")
+    await reset(lab, a.name, b.name)
+    game_sock = lab.udp_socket(a)
+    relays: list[Address] = []
+    try:
+        for _ in range(2):
+            host, guest = await negotiate(lab, a, b, 666, game_sock=game_sock)
+            try:
+                assert succeeded(host, guest)
+                assert host.outcome and host.outcome.remote
+                assert host.outcome.remote[0] == SERVER_IPS[0]  # relayed
+                assert host.outcome.sock is game_sock
+                relays.append(host.outcome.remote)
+                assert await game_data_crosses(host, guest)
+            finally:
+                host.release()
+                guest.release()
+        assert relays[0] != relays[1]
+    finally:
+        game_sock.close()
 
 
 @pytest.mark.parametrize(
@@ -101,3 +134,81 @@ async def test_sdk_nat_detection_through_nat(
     )
     assert result.success
     assert result.nat_type == want, result
+
+
+# --------------------------------------------------------- remapping routers
+
+#: The two sites of issue 15: port-restricted cones behind routers that accept
+#: unsolicited input, so a ping that arrives first makes the router remap.
+REMAP_A, REMAP_B = "port-restricted-remap-a", "port-restricted-remap-b"
+#: Geometry that makes the race real: the server is 100 ms (one way) from site a
+#: and next to site b, while a and b are 40 ms apart. With CONNECTs sent together,
+#: b pings 100 ms before a and its ping is at a's router 60 ms before a sends;
+#: timed, both ping together and each ping has 40 ms to spare (more than the
+#: clients' 10 ms polling and a loaded machine's timer slack).
+FAR_SERVER_S, PEERS_S = 0.100, 0.040
+#: Ports of a second natneg server that sends both CONNECTs at once (as GameSpy's
+#: did), beside the lab's own (timed) one.
+UNTIMED_PORT, UNTIMED_HTTP_PORT = 27911, 8091
+
+
+@pytest.fixture
+async def untimed_server(lab: Lab) -> AsyncIterator[list[Address]]:
+    """A second natneg server in the server namespace that sends both CONNECTs
+    at once; yields its natneg1/2/3 addresses."""
+    args = extra_server_args(UNTIMED_PORT, timed=False)
+    await lab.start_extra_server("natneg-untimed", args, UNTIMED_HTTP_PORT)
+    try:
+        yield servers_at(UNTIMED_PORT)
+    finally:
+        await lab.stop_extra_server("natneg-untimed")
+
+
+async def negotiate_far_server(
+    lab: Lab, cookie: int, servers: list[Address]
+) -> tuple[SdkNegotiator, SdkNegotiator]:
+    a, b = lab.site(REMAP_A), lab.site(REMAP_B)
+    await reset(lab, REMAP_A, REMAP_B)
+    async with (
+        lab.path_delay(a, "server", FAR_SERVER_S, table=77) as far,
+        lab.path_delay(a, b, PEERS_S, table=78) as near,
+    ):
+        host, guest = await negotiate(lab, a, b, cookie, servers)
+    assert far.packets and near.packets  # both lines carried the negotiation
+    return host, guest
+
+
+async def test_remapping_routers_fail_first_when_connects_go_together(
+    lab: Lab, untimed_server: list[Address]
+) -> None:
+    """Issue 15, the failure: CONNECTs sent together (GameSpy's way). b's first
+    ping reaches a's router before a has sent anything; the router takes it in,
+    and a's own pings leave from a remapped port that b's router never opened."""
+    host, guest = await negotiate_far_server(lab, 0x15151515, untimed_server)
+    try:
+        assert host.outcome and guest.outcome
+        assert NegotiateResult.PING_TIMEOUT in (
+            host.outcome.result,
+            guest.outcome.result,
+        )
+    finally:
+        SdkNegotiator.close_all()
+
+
+async def test_timed_connects_cross_behind_remapping_routers(lab: Lab) -> None:
+    """Issue 15, the fix: the lab server times the CONNECTs from the measured
+    round trips; both first pings leave together, cross in flight, and the first
+    attempt connects directly."""
+    host, guest = await negotiate_far_server(lab, 0x15151516, SERVERS)
+    try:
+        assert succeeded(host, guest)
+        assert host.outcome and guest.outcome
+        a, b = lab.site(REMAP_A), lab.site(REMAP_B)
+        assert host.outcome.remote and host.outcome.remote[0] == b.public_ip
+        assert guest.outcome.remote == (
+            a.public_ip,
+            host.negotiate_sock.getsockname()[1],
+        )
+        assert await game_data_crosses(host, guest)
+    finally:
+        SdkNegotiator.close_all()

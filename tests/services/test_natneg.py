@@ -34,7 +34,7 @@ from crossroads.services.natneg import (
     apply_seed_config,
     plan_layout,
 )
-from tests.conftest import loopback_config
+from tests.conftest import eventually, loopback_config
 from tests.services.natneg_sdk import (
     SdkNegotiator,
     State,
@@ -128,6 +128,23 @@ async def both(a: SdkNegotiator, b: SdkNegotiator) -> None:
         b.close()
 
 
+async def game_host_and_guest(
+    srv: list[Address], cookie: int, host_game: socket.socket
+) -> tuple[SdkNegotiator, SdkNegotiator]:
+    """A v4 negotiation: the host (index 1) lends ``host_game``, the guest (index
+    0) negotiates from another "public" address; both must succeed."""
+    host = SdkNegotiator(
+        version=4, cookie=cookie, client_index=1, servers=srv, game_sock=host_game
+    )
+    guest = SdkNegotiator(
+        version=4, cookie=cookie, client_index=0, servers=srv, bind_ip="127.0.0.5"
+    )
+    await both(host, guest)
+    assert host.outcome and guest.outcome
+    assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
+    return host, guest
+
+
 async def exchange_game_data(
     a: SdkNegotiator, b: SdkNegotiator
 ) -> tuple[Address, Address]:
@@ -198,15 +215,23 @@ async def test_full_negotiation_direct(natneg: Starter, version: int) -> None:
             assert host.reports_sent == 0
         from_host, from_guest = await exchange_game_data(host, guest)
         assert from_guest == guest_addr and from_host == host_addr
-        assert (
-            metric(
-                rt,
-                "crossroads_natneg_negotiations_total",
-                outcome="connected",
-                relayed="false",
+        # Connected means a REPORT said so; v2 clients never REPORT, so theirs is
+        # "unreported", known when the session's linger ends.
+        outcome = "connected" if version >= 3 else "unreported"
+
+        async def counted() -> bool:
+            return (
+                metric(
+                    rt,
+                    "crossroads_natneg_negotiations_total",
+                    outcome=outcome,
+                    relayed="false",
+                    attempt="first",
+                )
+                == 1
             )
-            == 1
-        )
+
+        await eventually(counted, f"one {outcome} negotiation")
         if version >= 3:
             assert metric(rt, "crossroads_natneg_reports_total", result="success") == 2
     finally:
@@ -267,6 +292,7 @@ async def test_deadbeat_partner(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="deadbeat",
             relayed="false",
+            attempt="first",
         )
         == 1
     )
@@ -301,6 +327,7 @@ async def test_partner_init_timeout_code(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="init-timeout",
             relayed="false",
+            attempt="first",
         )
         == 1
     )
@@ -331,15 +358,7 @@ async def test_relay_forced_by_config(natneg: Starter) -> None:
     srv = servers(rt)
     host_game = game_socket()
     try:
-        host = SdkNegotiator(
-            version=4, cookie=900, client_index=1, servers=srv, game_sock=host_game
-        )
-        guest = SdkNegotiator(
-            version=4, cookie=900, client_index=0, servers=srv, bind_ip="127.0.0.5"
-        )
-        await both(host, guest)
-        assert host.outcome and guest.outcome
-        assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
+        host, guest = await game_host_and_guest(srv, 900, host_game)
         # Each was told a relay port and heard its peer from there, not directly.
         relay_for_host, relay_for_guest = host.outcome.remote, guest.outcome.remote
         assert relay_for_host and relay_for_guest
@@ -357,6 +376,7 @@ async def test_relay_forced_by_config(natneg: Starter) -> None:
                 "crossroads_natneg_negotiations_total",
                 outcome="connected",
                 relayed="true",
+                attempt="first",
             )
             == 1
         )
@@ -401,6 +421,7 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="connected",
             relayed="true",
+            attempt="first",
         )
         == 1
     )
@@ -425,6 +446,50 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
     await both(h2, g2)
     assert h2.outcome and h2.outcome.result == NegotiateResult.SUCCESS
     assert h2.outcome.remote == address_of(g2.negotiate_sock)
+
+
+@pytest.mark.parametrize("relay_mode", ["auto", "always"])
+async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None:
+    """The SDK test program's way (issue 15): cookie 666 every time, the host's
+    own game socket lent each time, the second negotiation right after the first.
+    Each gets its own session (and relay pair), none is touched by the other's."""
+    rt = await natneg(natneg__relay_mode=relay_mode)
+    srv = servers(rt)
+    host_game = game_socket()
+    relays: list[Address] = []
+    try:
+        for _ in range(2):
+            host, guest = await game_host_and_guest(srv, 666, host_game)
+            assert host.outcome and host.outcome.remote is not None
+            if relay_mode == "always":
+                # Told a relay port, not the guest's own socket.
+                assert host.outcome.remote != address_of(guest.negotiate_sock)
+                relays.append(host.outcome.remote)
+            else:
+                assert host.outcome.remote == address_of(guest.negotiate_sock)
+            await exchange_game_data(host, guest)
+        relayed = "true" if relay_mode == "always" else "false"
+        assert (
+            metric(
+                rt,
+                "crossroads_natneg_negotiations_total",
+                outcome="connected",
+                relayed=relayed,
+                attempt="first",
+            )
+            == 2
+        )
+        assert metric(rt, "crossroads_natneg_dropped_total", reason="third-client") == 0
+        if relay_mode == "always":
+            assert relays[0] != relays[1]
+            assert (
+                metric(rt, "crossroads_natneg_relay_allocations_total", result="failed")
+                == 0
+            )
+            # The first pair went with its session; the second carries the game.
+            assert metric(rt, "crossroads_natneg_relays") == 1
+    finally:
+        host_game.close()
 
 
 @pytest.mark.parametrize(
@@ -591,6 +656,7 @@ async def test_many_concurrent_negotiations(natneg: Starter) -> None:
             "crossroads_natneg_negotiations_total",
             outcome="connected",
             relayed="false",
+            attempt="first",
         )
         == 20
     )

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from crossroads.proto.natneg.packets import ConnectPing
+from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.transport.natneg_relay import RelayPool
 from tests.conftest import free_port
@@ -58,7 +59,7 @@ def ping(cookie: int) -> bytes:
 
 
 async def test_learns_from_cookie_ping_and_forwards_both_ways(pool: RelayPool) -> None:
-    pair = pool.allocate(77, ("127.0.0.1", "127.0.0.5"))
+    pair = pool.allocate(SessionId(77, 1), ("127.0.0.1", "127.0.0.5"))
     assert pair is not None
     side0, side1 = pair
     a, b, stranger = udp("127.0.0.1"), udp("127.0.0.5"), udp("127.0.0.9")
@@ -87,7 +88,7 @@ async def test_learns_from_cookie_ping_and_forwards_both_ways(pool: RelayPool) -
 
 
 async def test_idle_pairs_are_released(pool: RelayPool) -> None:
-    pair = pool.allocate(1, ("127.0.0.1", "127.0.0.5"))
+    pair = pool.allocate(SessionId(1, 1), ("127.0.0.1", "127.0.0.5"))
     assert pair is not None and pool.active == 1
     now = asyncio.get_running_loop().time()
     pool.sweep(now + 10)
@@ -115,12 +116,12 @@ async def test_limits_and_private_peers() -> None:
         policy=AddressPolicy(),
     )
     try:
-        assert relay.allocate(1, ("127.0.0.1", "198.51.100.1")) is None
+        assert relay.allocate(SessionId(1, 1), ("127.0.0.1", "198.51.100.1")) is None
         assert relay.stats.refused == 1
         assert relay.stats.refused_by == {Verdict.LOOPBACK.reason: 1}
         relay.policy = AddressPolicy(allow=LOOPBACK)
-        assert relay.allocate(1, ("127.0.0.1", "127.0.0.2")) is not None
-        assert relay.allocate(2, ("127.0.0.1", "127.0.0.2")) is None
+        assert relay.allocate(SessionId(1, 1), ("127.0.0.1", "127.0.0.2")) is not None
+        assert relay.allocate(SessionId(2, 2), ("127.0.0.1", "127.0.0.2")) is None
         assert relay.stats.failed == 1
     finally:
         await relay.close()
@@ -138,9 +139,34 @@ async def test_port_range_exhausted_releases_what_it_bound() -> None:
     )
     try:
         # One port cannot hold a pair: the first socket is closed again.
-        assert relay.allocate(1, ("127.0.0.1", "127.0.0.2")) is None
+        assert relay.allocate(SessionId(1, 1), ("127.0.0.1", "127.0.0.2")) is None
         assert relay.stats.failed == 1
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             sock.bind(("127.0.0.1", port))
     finally:
         await relay.close()
+
+
+async def test_a_reused_cookie_gets_its_own_pair(pool: RelayPool) -> None:
+    """Games reuse cookies: a second negotiation on cookie 666 gets a pair even
+    while the first one's pair lives, and releasing the old one leaves it alone."""
+    ips = ("127.0.0.1", "127.0.0.5")
+    first, second = SessionId(666, 1), SessionId(666, 2)
+    old = pool.allocate(first, ips)
+    new = pool.allocate(second, ips)
+    assert old is not None and new is not None and old != new
+    assert pool.stats.failed == 0 and pool.active == 2
+    a, b = udp("127.0.0.1"), udp("127.0.0.5")
+    try:
+        assert not pool.in_use(second)
+        a.sendto(ping(666), new[0])
+        b.sendto(ping(666), new[1])
+        assert await recv(a) == (ping(666), new[0])
+        assert pool.in_use(second) and not pool.in_use(first)
+        pool.release(first)
+        assert pool.active == 1
+        a.sendto(b"game data", new[0])
+        assert await recv(b) == (b"game data", new[1])
+    finally:
+        a.close()
+        b.close()

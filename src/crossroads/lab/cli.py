@@ -163,6 +163,13 @@ def probe(prefix: str) -> None:
     "update the documentation on purpose).",
 )
 @click.option("--parallel", default=8, show_default=True, help="Attempts at once.")
+@click.option(
+    "--delay",
+    default="",
+    help="MIN-MAX milliseconds: each attempt's paths server-a, server-b and a-b get "
+    "a one-way delay drawn uniformly from it (lab delay lines; e.g. 20-80).",
+)
+@click.option("--seed", default=1, show_default=True, help="Seed of the delays.")
 def matrix(
     prefix: str,
     methods: str,
@@ -170,6 +177,8 @@ def matrix(
     out: Path | None,
     markdown: Path | None,
     parallel: int,
+    delay: str,
+    seed: int,
 ) -> None:
     """Run every pair of NAT kinds through each method; print, write the table."""
     from crossroads.lab.matrix import (
@@ -192,6 +201,15 @@ def matrix(
     if bad_kinds:
         raise click.ClickException(f"unknown kind(s) {', '.join(bad_kinds)}")
     chosen = [KINDS_BY_NAME[k] for k in kind_names]
+    delay_range: tuple[float, float] | None = None
+    if delay:
+        try:
+            low, high = (float(part) / 1000 for part in delay.split("-", 1))
+        except ValueError:
+            raise click.ClickException(f"--delay {delay!r}: want MIN-MAX ms") from None
+        if not 0 <= low <= high:
+            raise click.ClickException(f"--delay {delay!r}: want 0 <= MIN <= MAX")
+        delay_range = (low, high)
     the_lab = _lab(prefix)
 
     def progress(result: object, done: int, total: int) -> None:
@@ -208,6 +226,8 @@ def matrix(
                     parallel=parallel,
                     progress=progress,
                     all_pairs=[m for m in methods.split(",") if m],
+                    delay=delay_range,
+                    seed=seed,
                 )
             )
         finally:
@@ -226,6 +246,10 @@ def matrix(
     command = "crossroads lab matrix" + (
         f" --methods {','.join(names)}" if methods else ""
     )
+    if kinds:
+        command += f" --kinds {','.join(kind_names)}"
+    if delay:
+        command += f" --delay {delay} --seed {seed}"
     written = write_results(
         typed,
         out if out is not None else default_results_dir(),

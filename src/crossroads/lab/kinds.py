@@ -20,6 +20,12 @@ router's network namespace; docs/nat-lab.md explains each one. In short:
   address is in ``adf``) is DNATed to the internal endpoint; anything else is dropped.
 - *Hairpinning*: a LAN packet to the router's own public address whose port is in
   ``emap`` is DNATed back into the LAN and SNATed to the public address.
+- *Unsolicited input* (``port-restricted-remap``): most kinds drop what arrives on
+  the WAN for the router itself. Many home routers do not (a Linux box with no input
+  firewall): the packet is delivered to the router, conntrack confirms an entry for
+  it, and when the host later sends from that port to that remote endpoint, SNAT
+  finds the reply tuple taken and picks another external port: the mapping is
+  *remapped* for exactly the peer that knocked first (issue 15).
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class NatKind:
     double: bool = False
     #: A real miniupnpd (UPnP IGD + NAT-PMP/PCP) runs on the (home) router.
     upnp: bool = False
+    #: The router's input chain accepts unsolicited WAN packets (see above).
+    accepts_unsolicited: bool = False
 
     @property
     def natted(self) -> bool:
@@ -149,7 +157,25 @@ KINDS: tuple[NatKind, ...] = (
     ),
 )
 
-KINDS_BY_NAME: dict[str, NatKind] = {kind.name: kind for kind in KINDS}
+#: Router variants: built in the lab (sites ``-a`` and ``-b``) and usable by name
+#: (``lab matrix --kinds``, ``lab exec``), but not in the default matrix, whose
+#: kinds are one per RFC 4787 behaviour.
+VARIANT_KINDS: tuple[NatKind, ...] = (
+    NatKind(
+        "port-restricted-remap",
+        "port-restricted-cone whose router accepts unsolicited input (no input"
+        " firewall): a packet that knocks first makes it remap the later mapping",
+        Mapping.ENDPOINT_INDEPENDENT,
+        Filtering.ADDRESS_AND_PORT_DEPENDENT,
+        Allocation.PRESERVE,
+        hairpin=True,
+        accepts_unsolicited=True,
+    ),
+)
+
+KINDS_BY_NAME: dict[str, NatKind] = {
+    kind.name: kind for kind in (*KINDS, *VARIANT_KINDS)
+}
 
 #: First external port of the symmetric-sequential window, and its size. The
 #: window only has to be larger than the number of flows one lab run opens
@@ -250,7 +276,7 @@ def router_ruleset(
         post=post,
         record=record,
         forward=forward,
-        input_wan_drop=True,
+        input_wan_drop=not kind.accepts_unsolicited,
         accept_input=accept_input,
     )
 

@@ -15,8 +15,10 @@ the conntrack entries of an earlier one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
+import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -41,6 +43,9 @@ class Outcome:
     #: Seconds to connect as the method measures it (None: the runner's clock).
     seconds: float | None = None
     detail: str = ""
+    #: Connected on the first attempt, for methods that retry like a game
+    #: (natneg); None: the method makes one attempt, so it is ``connected``.
+    first_attempt: bool | None = None
 
 
 @dataclass
@@ -64,6 +69,8 @@ class Result:
     seconds: float
     via: str | None
     detail: str = ""
+    #: Connected without a retry (for one-attempt methods: ``connected``).
+    first_attempt: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -71,6 +78,7 @@ class Result:
             "b": self.b,
             "method": self.method,
             "connected": self.connected,
+            "first_attempt": self.first_attempt,
             "seconds": round(self.seconds, 3),
             "via": self.via,
         }
@@ -99,6 +107,9 @@ class Method:
     needs: tuple[str, ...] = ()
     #: The step that must win for a pair, when the method predicts it.
     expected_via: Callable[[NatKind, NatKind], str | None] | None = None
+    #: Whether the first attempt must connect, for methods that retry (natneg);
+    #: None (or a None answer for a pair): not predicted separately.
+    expected_first: Callable[[NatKind, NatKind], bool | None] | None = None
     #: For slow methods: the (unordered) pairs a matrix runs unless the method
     #: is asked for by name (``--methods``); None: every pair, always.
     default_pairs: tuple[tuple[str, str], ...] | None = None
@@ -151,9 +162,46 @@ def sites_for(lab: Lab, x: NatKind, y: NatKind) -> tuple[Site, Site]:
     return lab.site(f"{x.name}-a"), lab.site(f"{y.name}-b")
 
 
-async def run_attempt(method: Method, attempt: Attempt) -> Result:
+@dataclass(frozen=True, slots=True)
+class Delays:
+    """One-way delays (seconds) of one attempt's three paths, from delay lines."""
+
+    server_a: float
+    server_b: float
+    a_b: float
+
+    @classmethod
+    def draw(cls, rng: random.Random, low: float, high: float) -> Delays:
+        return cls(*(rng.uniform(low, high) for _ in range(3)))
+
+
+#: Routing tables of the delay lines: attempt slot k uses FIRST + 3k .. + 2.
+FIRST_DELAY_TABLE = 100
+
+
+async def run_attempt(
+    method: Method,
+    attempt: Attempt,
+    delays: Delays | None = None,
+    slot: int = 0,
+) -> Result:
     lab = attempt.lab
     await asyncio.gather(lab.reset_nat(attempt.a), lab.reset_nat(attempt.b))
+    async with contextlib.AsyncExitStack() as stack:
+        if delays is not None:
+            table = FIRST_DELAY_TABLE + 3 * slot
+            for (x, y), delay, offset in (
+                ((attempt.a, "server"), delays.server_a, 0),
+                ((attempt.b, "server"), delays.server_b, 1),
+                ((attempt.a, attempt.b), delays.a_b, 2),
+            ):
+                await stack.enter_async_context(
+                    lab.path_delay(x, y, delay, table=table + offset)
+                )
+        return await _timed_attempt(method, attempt)
+
+
+async def _timed_attempt(method: Method, attempt: Attempt) -> Result:
     started = time.monotonic()
     try:
         outcome = await asyncio.wait_for(method.run(attempt), method.timeout)
@@ -172,6 +220,9 @@ async def run_attempt(method: Method, attempt: Attempt) -> Result:
         seconds,
         outcome.via if outcome.connected else None,
         outcome.detail,
+        outcome.connected
+        if outcome.first_attempt is None
+        else outcome.connected and outcome.first_attempt,
     )
 
 
@@ -183,10 +234,15 @@ async def run_matrix(
     parallel: int = 8,
     progress: Callable[[Result, int, int], None] | None = None,
     all_pairs: Iterable[str] = (),
+    delay: tuple[float, float] | None = None,
+    seed: int = 1,
 ) -> list[Result]:
     """Run every pair for every method (a method with ``default_pairs`` runs
     those only unless named in ``all_pairs``); attempts sharing no host run in
-    parallel."""
+    parallel. With ``delay`` (low, high seconds) each attempt's three paths
+    (server-a, server-b, a-b) get a one-way delay drawn uniformly from it."""
+    rng = random.Random(seed)
+    free_slots = list(range(parallel))
     methods = list(methods)
     full = set(all_pairs)
     shared: dict[str, Any] = {}
@@ -201,7 +257,7 @@ async def run_matrix(
         busy: set[str] = set()
         per_method: dict[str, int] = {m.name: 0 for m in methods}
         pending = list(jobs)
-        running: dict[asyncio.Task[Result], tuple[Method, Site, Site]] = {}
+        running: dict[asyncio.Task[Result], tuple[Method, Site, Site, int]] = {}
         while pending or running:
             for job in list(pending):
                 if len(running) >= parallel:
@@ -216,11 +272,14 @@ async def run_matrix(
                 busy.update((a.name, b.name))
                 per_method[method.name] += 1
                 attempt = Attempt(lab, a, b, shared)
-                task = asyncio.create_task(run_attempt(method, attempt))
-                running[task] = (method, a, b)
+                slot = free_slots.pop()
+                delays = Delays.draw(rng, *delay) if delay is not None else None
+                task = asyncio.create_task(run_attempt(method, attempt, delays, slot))
+                running[task] = (method, a, b, slot)
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                method, a, b = running.pop(task)
+                method, a, b, slot = running.pop(task)
+                free_slots.append(slot)
                 busy.difference_update((a.name, b.name))
                 per_method[method.name] -= 1
                 result = task.result()
@@ -248,6 +307,10 @@ def unexpected(results: Iterable[Result]) -> list[Result]:
         x, y = KINDS_BY_NAME[result.a], KINDS_BY_NAME[result.b]
         if method.expected(x, y) != result.connected:
             out.append(result)
+        elif method.expected_first is not None and (
+            method.expected_first(x, y) not in (None, result.first_attempt)
+        ):
+            out.append(result)
         elif result.connected and method.expected_via is not None:
             if method.expected_via(x, y) not in (None, result.via):
                 out.append(result)
@@ -267,13 +330,24 @@ def _cell(result: Result | None) -> str:
     if result is None:
         return ""
     if result.connected:
-        return f"✅ {result.via} {result.seconds:.2f}s"
+        retry = "" if result.first_attempt else " (retry)"
+        return f"✅ {result.via} {result.seconds:.2f}s{retry}"
     return "❌"
+
+
+def _times(rows: Sequence[Result]) -> str:
+    """``median / p90`` of the rows' times to connect, or a dash."""
+    times = sorted(r.seconds for r in rows)
+    if not times:
+        return "—"
+    p90 = times[min(len(times) - 1, round(0.9 * (len(times) - 1)))]
+    return f"{statistics.median(times):.2f} / {p90:.2f} s"
 
 
 def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
     """docs/nat-matrix.md: a summary, then one kind x kind table per method."""
-    kinds = [k.name for k in KINDS]
+    seen = {r.a for r in results} | {r.b for r in results}
+    kinds = [k for k in KINDS_BY_NAME if k in seen]
     methods = list(dict.fromkeys(r.method for r in results))
     by_key = {(r.method, r.a, r.b): r for r in results}
     lines = [
@@ -287,23 +361,29 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
         "routers' NAT state was flushed; pairs are unordered, so the tables are",
         "symmetric.",
         "A cell reads `✅ via seconds` (the",
-        "step that connected and the time it took) or `❌`. How each kind is",
-        "built: [nat-lab.md](nat-lab.md).",
+        "step that connected and the time it took; `(retry)` when only the",
+        "method's retry connected, as a game retries natneg) or `❌`. How each",
+        "kind is built: [nat-lab.md](nat-lab.md).",
         "",
         "## Summary",
         "",
-        "| method | what it tries | connected | median time to connect |",
-        "|---|---|---|---|",
+        "First attempt and with one retry (only natneg retries; for the other",
+        "methods the two columns are the same), with median / p90 time to connect.",
+        "",
+        "| method | what it tries | first attempt | median / p90 |"
+        " with one retry | median / p90 |",
+        "|---|---|---|---|---|---|",
     ]
     for name in methods:
         rows = [r for r in results if r.method == name]
+        first = [r for r in rows if r.first_attempt]
         ok = [r for r in rows if r.connected]
-        times = [r.seconds for r in ok]
-        median = f"{statistics.median(times):.2f} s" if times else "—"
         summary = METHODS[name].summary if name in METHODS else ""
+        share = 100 / max(1, len(rows))
         lines.append(
-            f"| `{name}` | {summary} | {len(ok)}/{len(rows)} "
-            f"({100 * len(ok) / max(1, len(rows)):.0f} %) | {median} |"
+            f"| `{name}` | {summary} | {len(first)}/{len(rows)} "
+            f"({len(first) * share:.0f} %) | {_times(first)} | {len(ok)}/{len(rows)} "
+            f"({len(ok) * share:.0f} %) | {_times(ok)} |"
         )
     steps = [(s, [r.seconds for r in results if r.via == s]) for s in VIA_STEPS]
     lines += [

@@ -4,7 +4,8 @@ router (two routers for ``cgnat``), all in network namespaces.
 
 Theory of operation::
 
-    {p}-inet   bridge br0, 198.51.100.1/24 + 203.0.113.1/24, routes between the two
+    {p}-inet   bridge br0, 198.51.100.1/24 + 203.0.113.1/24: routes between the two,
+               and between sites (each has a /32 and this router as its only neighbour)
       |-- {p}-srv         203.0.113.10 + 203.0.113.20: crossroads serve, coturn STUN
       |-- {p}-open-a      198.51.100.10 (a host with a public address, no router)
       |-- {p}-KIND-a-r    198.51.100.N  router: nftables NAT of KIND (+ miniupnpd)
@@ -42,10 +43,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from crossroads.lab import natpmp, netns
+from crossroads.lab.delay import DEFAULT_TABLE, DelayLine
 from crossroads.lab.kinds import (
     KINDS,
     KINDS_BY_NAME,
     MINIUPNPD_TABLE,
+    VARIANT_KINDS,
     NatKind,
     cgn_ruleset,
     router_firewall6,
@@ -58,6 +61,8 @@ log = logging.getLogger("crossroads.lab")
 #: The server's two public addresses (RFC 5780 needs two IPs; natneg uses the
 #: second as its secondary address).
 SERVER_IPS = ("203.0.113.10", "203.0.113.20")
+#: The public network the server's addresses are in.
+SERVER_NET = "203.0.113.0/24"
 #: The internet router's address in each public range.
 INET_GATEWAYS = ("198.51.100.1", "203.0.113.1")
 #: Sites that also have IPv6 (RFC 3849 documentation prefix): a routed /64 per
@@ -106,8 +111,9 @@ CONNTRACK_MAX_PATH = Path("/proc/sys/net/netfilter/nf_conntrack_max")
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
 #: Bumped whenever the built network changes (2: IPv6 on the symmetric-random
-#: sites), so that ``up`` rebuilds a lab that older code left running.
-TOPOLOGY_VERSION = 2
+#: sites; 3: the port-restricted-remap sites, sites routed to each other through
+#: the internet router), so that ``up`` rebuilds a lab that older code left running.
+TOPOLOGY_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,9 +180,10 @@ class Site:
 
 
 def make_sites() -> list[Site]:
-    """Two sites (a and b) per kind, so a kind can be paired with itself."""
+    """Two sites (a and b) per kind, so a kind can be paired with itself. The
+    variants come last, so the other sites keep their addresses."""
     sites: list[Site] = []
-    for kind in KINDS:
+    for kind in (*KINDS, *VARIANT_KINDS):
         for letter in ("a", "b"):
             sites.append(Site(kind, letter, len(sites)))
     return sites
@@ -435,7 +442,12 @@ class Lab:
         inet.append(f"addr add {INET_GATEWAY6}/64 dev br0 nodad")
         port = 0
 
-        def attach(node: str, addrs: Sequence[str], gateway: str) -> None:
+        def attach(
+            node: str, addrs: Sequence[str], gateway: str, prefix: int = 32
+        ) -> None:
+            # Sites get a /32 and an on-link route to the internet router only:
+            # site-to-site traffic is *routed* by it (one hop, TTL decremented,
+            # delay lines apply), as between two homes, not bridged as on a LAN.
             nonlocal port
             port += 1
             links.append(
@@ -443,8 +455,11 @@ class Lab:
                 f"netns {self.inet_ns}"
             )
             inet.extend([f"link set v{port} master br0", f"link set v{port} up"])
-            per_ns[node] += [f"addr add {a}/24 dev wan" for a in addrs]
-            per_ns[node] += ["link set wan up", f"route add default via {gateway}"]
+            per_ns[node] += [f"addr add {a}/{prefix} dev wan" for a in addrs]
+            per_ns[node] += ["link set wan up"]
+            if prefix == 32:
+                per_ns[node].append(f"route add {gateway} dev wan scope link")
+            per_ns[node].append(f"route add default via {gateway} dev wan")
 
         def lan(outer: str, inner: str, outer_ip: str, inner_ip: str) -> None:
             inner_dev = "wan" if inner.endswith("-r") else "lan"
@@ -459,7 +474,7 @@ class Lab:
                 f"route add default via {outer_ip}",
             ]
 
-        attach(self.server_ns, SERVER_IPS, INET_GATEWAYS[1])
+        attach(self.server_ns, SERVER_IPS, INET_GATEWAYS[1], prefix=24)
         for site in self.sites:
             host = self.host_ns(site)
             if not site.kind.natted:
@@ -593,6 +608,24 @@ class Lab:
                 args += [flag_name(section, f), value]
         return args
 
+    async def start_extra_server(
+        self, name: str, args: Sequence[str], http_port: int
+    ) -> None:
+        """Another ``crossroads serve ARGS`` in the server namespace (on the first
+        server address, HTTP on ``http_port``), for a test or benchmark that needs
+        a second server beside the lab's own; waits until it listens. Stopped by
+        :meth:`stop_extra_server`, or by :meth:`down` with everything else."""
+        argv = [sys.executable, "-m", "crossroads", "serve", "--host", SERVER_IPS[0]]
+        argv += ["--http-port", str(http_port), *args]
+        self._spawn(name, self.server_ns, argv)
+        await self.wait_listening(SERVER_IPS[0], http_port, name)
+
+    async def stop_extra_server(self, name: str) -> None:
+        pid = self.state.pids.pop(name, None)
+        if pid is not None:
+            await netns.kill_group(pid)
+            self._save_state()
+
     def _spawn(self, name: str, ns: str, argv: Sequence[str]) -> None:
         env = dict(os.environ)
         env.pop("CROSSROADS_CONFIG", None)
@@ -692,6 +725,33 @@ class Lab:
         )
         await asyncio.gather(
             *(netns.run_in(ns, ["sh", "-c", script]) for ns in self.routers(site))
+        )
+
+    def path_delay(
+        self,
+        a: Site | str,
+        b: Site | str,
+        delay: float,
+        jitter: float = 0.0,
+        *,
+        table: int = DEFAULT_TABLE,
+    ) -> DelayLine:
+        """A delay line (``async with``) on the path between two sites, or a site
+        and ``"server"``, both ways: ``delay`` one way, plus up to ``jitter``.
+        Several lines at once need distinct ``table`` numbers."""
+
+        def net(end: Site | str) -> str:
+            if end == "server":
+                return SERVER_NET
+            site = end if isinstance(end, Site) else self.site(end)
+            return f"{site.public_ip}/32"
+
+        return DelayLine(
+            self.inet_ns,
+            [(net(a), net(b)), (net(b), net(a))],
+            delay=delay,
+            jitter=jitter,
+            table=table,
         )
 
     async def set_hairpin(self, site: Site, on: bool) -> None:

@@ -60,6 +60,7 @@ from crossroads.proto.natneg.server import (
     RelayNeeded,
     ReportReceived,
     ServerConfig,
+    SessionClosed,
 )
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext, SessionInfo
@@ -158,6 +159,12 @@ class Config:
         False,
         kind="bool",
         help="Always send the peer's private (INIT) address: LAN parties only.",
+    )
+    timed_connect: bool = setting(
+        True,
+        kind="bool",
+        help="Time the two CONNECTs from each client's measured round trip so both "
+        "first pings leave at once (false: send both together, as GameSpy did).",
     )
     connect_interval: float = setting(
         1.0, kind="float", help="CONNECT resend interval until CONNECT_ACK (s)."
@@ -460,7 +467,7 @@ class NatNegService:
         self.negotiations = Counter(
             "crossroads_natneg_negotiations",
             "Finished natneg sessions, by outcome.",
-            ["outcome", "relayed"],
+            ["outcome", "relayed", "attempt"],
             registry=None,
         )
         self.reports = Counter(
@@ -492,29 +499,44 @@ class NatNegService:
     def _handle_events(self, now: float) -> None:
         for event in self.core.pop_events():
             match event:
-                case RelayNeeded(cookie=cookie, client_ips=ips, reason=reason):
-                    pair = self.relay.allocate(cookie, ips) if self.relay else None
+                case RelayNeeded(session=session, client_ips=ips, reason=reason):
+                    pair = self.relay.allocate(session, ips) if self.relay else None
                     if pair is None:
                         log.info(
                             "natneg %08x: relay needed (%s) but unavailable",
-                            cookie,
+                            session.cookie,
                             reason,
                         )
-                        self.core.relay_unavailable(cookie, now)
+                        self.core.relay_unavailable(session, now)
                     else:
                         log.info(
                             "natneg %08x: relaying (%s) via %s:%d / %s:%d",
-                            cookie,
+                            session.cookie,
                             reason,
                             *pair[0],
                             *pair[1],
                         )
-                        self.core.relay_allocated(cookie, pair[0], pair[1], now)
+                        self.core.relay_allocated(session, pair[0], pair[1], now)
                 case NegotiationFinished(
-                    cookie=cookie, outcome=outcome, relayed=relayed
+                    session=session,
+                    outcome=outcome,
+                    relayed=relayed,
+                    first_attempt=first_attempt,
                 ):
-                    self.negotiations.labels(outcome.value, str(relayed).lower()).inc()
-                    log.debug("natneg %08x: %s", cookie, outcome.value)
+                    self.negotiations.labels(
+                        outcome.value,
+                        str(relayed).lower(),
+                        "first" if first_attempt else "retry",
+                    ).inc()
+                    log.debug("natneg %08x: %s", session.cookie, outcome.value)
+                case SessionClosed(session=session, replaced=replaced):
+                    # Replaced: a new negotiation on the cookie gets its own pair
+                    # and nothing will use this one. Ended: a pair that never heard
+                    # both clients never will (a pair in use lives on for the game
+                    # until idle).
+                    relay = self.relay
+                    if relay is not None and (replaced or not relay.in_use(session)):
+                        relay.release(session)
                 case ReportReceived(success=success):
                     self.reports.labels("success" if success else "failure").inc()
 
@@ -540,7 +562,8 @@ class NatNegService:
 
     def sessions(self) -> list[SessionInfo]:
         """Negotiations in progress (seconds long, not revocable) and relay
-        pairs (``relay-<cookie>``, revocable: the pair's sockets close)."""
+        pairs (``relay-<cookie>-<serial>``, revocable: the pair's sockets close;
+        the serial tells apart negotiations that reuse a cookie)."""
         listed = [
             SessionInfo(
                 id=str(summary.cookie),
@@ -554,23 +577,23 @@ class NatNegService:
         if self.relay is not None:
             listed += [
                 SessionInfo(
-                    id=f"relay-{cookie}",
+                    id=f"relay-{session.cookie}-{session.serial}",
                     client=f"{ips[0]} <-> {ips[1]}",
                     detail=f"relay pair, {packets} datagrams relayed",
                 )
-                for cookie, ips, packets in self.relay.pair_summaries()
+                for session, ips, packets in self.relay.pair_summaries()
             ]
         return listed
 
     def revoke(self, session_id: str) -> bool:
-        """Close a relay pair (``relay-<cookie>``)."""
-        prefix, _, cookie = session_id.partition("-")
-        if self.relay is None or prefix != "relay" or not cookie.isdigit():
+        """Close a relay pair (``relay-<cookie>-<serial>``)."""
+        if self.relay is None:
             return False
-        if int(cookie) not in {c for c, _ips, _n in self.relay.pair_summaries()}:
-            return False
-        self.relay.release(int(cookie))
-        return True
+        for session, _ips, _packets in self.relay.pair_summaries():
+            if session_id == f"relay-{session.cookie}-{session.serial}":
+                self.relay.release(session)
+                return True
+        return False
 
     def describe(self) -> list[str]:
         if not self._transports and not self._notes:
@@ -627,6 +650,7 @@ def core_config(cfg: Config, layout: Layout) -> ServerConfig:
         connect_attempts=cfg.connect_attempts,
         linger=cfg.linger,
         force_lan_mode=cfg.force_lan_mode,
+        timed_connect=cfg.timed_connect,
         relay_mode=RelayMode(cfg.relay_mode),
         max_sessions=cfg.max_sessions,
         max_sessions_per_ip=cfg.max_sessions_per_ip,

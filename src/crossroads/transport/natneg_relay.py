@@ -16,8 +16,11 @@ that, a side accepts datagrams from exactly that (ip, port).
 Data plane: each socket is read with ``loop.add_reader`` in batches; a datagram from
 the learned source is sent from the partner socket to the partner's learned source.
 One tuple comparison and one ``sendto`` per packet; no parsing, no allocation beyond
-the datagram itself, no store. A pair is released when no datagram crossed it for
-``idle_timeout`` seconds.
+the datagram itself, no store. A pair belongs to one negotiation
+(:class:`~crossroads.proto.natneg.server.SessionId`), not to its cookie: games reuse
+cookies, and a new negotiation on the same cookie gets its own pair while the old
+one is released (:meth:`RelayPool.release`, when the core replaces the session). A
+pair is also released when no datagram crossed it for ``idle_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import socket
 from dataclasses import dataclass, field
 
 from crossroads.proto.natneg.packets import MAGIC, PacketType
+from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES
@@ -109,7 +113,7 @@ class _Side:
 
 @dataclass(slots=True)
 class _Pair:
-    cookie: int
+    session: SessionId
     sides: tuple[_Side, _Side]
     created: float
     last_active: float
@@ -159,7 +163,7 @@ class RelayPool:
             "(--natneg-relay-host); --natneg-relay-allow admits more",
         )
         self.stats = RelayStats()
-        self._pairs: dict[int, _Pair] = {}
+        self._pairs: dict[SessionId, _Pair] = {}
         self._loop = asyncio.get_running_loop()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
@@ -168,15 +172,15 @@ class RelayPool:
     def active(self) -> int:
         return len(self._pairs)
 
-    def pair_summaries(self) -> list[tuple[int, tuple[str, str], int]]:
-        """(cookie, the two clients' IPs, datagrams relayed) per live pair."""
+    def pair_summaries(self) -> list[tuple[SessionId, tuple[str, str], int]]:
+        """(session, the two clients' IPs, datagrams relayed) per live pair."""
         return [
             (
-                cookie,
+                session,
                 (pair.sides[0].expected_ip, pair.sides[1].expected_ip),
                 sum(side.packets for side in pair.sides),
             )
-            for cookie, pair in self._pairs.items()
+            for session, pair in self._pairs.items()
         ]
 
     def packets(self) -> int:
@@ -185,7 +189,7 @@ class RelayPool:
         return self.stats.released_packets + live
 
     def allocate(
-        self, cookie: int, client_ips: tuple[str, str]
+        self, session: SessionId, client_ips: tuple[str, str]
     ) -> tuple[Address, Address] | None:
         """A pair for a session: the address to give client 0 and client 1."""
         if self._closed:
@@ -199,7 +203,7 @@ class RelayPool:
                 )
                 self.refusals.refused((ip, 0), verdict)
                 return None
-        if len(self._pairs) >= self.max_pairs or cookie in self._pairs:
+        if len(self._pairs) >= self.max_pairs or session in self._pairs:
             self.stats.failed += 1
             return None
         socks: list[socket.socket] = []
@@ -212,11 +216,11 @@ class RelayPool:
             log.warning("natneg relay: cannot bind a relay socket: %s", exc)
             self.stats.failed += 1
             return None
-        side0 = _Side(socks[0], client_ips[0], cookie)
-        side1 = _Side(socks[1], client_ips[1], cookie)
+        side0 = _Side(socks[0], client_ips[0], session.cookie)
+        side1 = _Side(socks[1], client_ips[1], session.cookie)
         side0.partner, side1.partner = side1, side0
         now = self._loop.time()
-        self._pairs[cookie] = _Pair(cookie, (side0, side1), now, now)
+        self._pairs[session] = _Pair(session, (side0, side1), now, now)
         for side in (side0, side1):
             self._loop.add_reader(side.fd, side.on_readable)
         self.stats.allocated += 1
@@ -250,8 +254,14 @@ class RelayPool:
             sock.close()
             raise
 
-    def release(self, cookie: int) -> None:
-        pair = self._pairs.pop(cookie, None)
+    def in_use(self, session: SessionId) -> bool:
+        """Has the session's pair learned both clients (is a game using it)?"""
+        pair = self._pairs.get(session)
+        return pair is not None and all(side.src is not None for side in pair.sides)
+
+    def release(self, session: SessionId) -> None:
+        """Close the session's pair, if it has one."""
+        pair = self._pairs.pop(session, None)
         if pair is None:
             return
         for side in pair.sides:
@@ -262,13 +272,13 @@ class RelayPool:
 
     def sweep(self, now: float) -> None:
         """Release pairs that carried nothing for ``idle_timeout`` seconds."""
-        for cookie, pair in list(self._pairs.items()):
+        for session, pair in list(self._pairs.items()):
             packets = pair.sides[0].packets + pair.sides[1].packets
             if packets != pair.last_packets:
                 pair.last_packets = packets
                 pair.last_active = now
             elif now - pair.last_active >= self.idle_timeout:
-                self.release(cookie)
+                self.release(session)
 
     async def _sweep_forever(self) -> None:
         # Idle detection granularity: a quarter of the timeout, at most 5 s.
@@ -279,8 +289,8 @@ class RelayPool:
 
     async def close(self) -> None:
         self._closed = True
-        for cookie in list(self._pairs):
-            self.release(cookie)
+        for session in list(self._pairs):
+            self.release(session)
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

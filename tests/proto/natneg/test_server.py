@@ -36,10 +36,14 @@ from crossroads.proto.natneg.server import (
     RelayNeeded,
     ReportReceived,
     ServerConfig,
+    SessionClosed,
+    SessionId,
 )
 from crossroads.types import Address
 
 COOKIE = 0x1234
+#: The first session of a fresh core.
+FIRST = SessionId(COOKIE, 1)
 
 Sent = list[tuple[bytes, Address, Endpoint]]
 
@@ -161,7 +165,11 @@ def test_every_init_gets_a_21_byte_ack_from_the_endpoint_it_reached() -> None:
     a = Client(0, "198.51.100.1")
     a.send_inits(core, 0.0)
     out = sent(core)
-    assert len(out) == 4
+    assert len(out) == 5
+    # Complete: one ERT_TEST to its negotiate socket times its round trip.
+    wire, addr, endpoint = out.pop()
+    assert decode(wire) == ErtTest(3, COOKIE, 1, 0)
+    assert (addr, endpoint) == (a.source(1), a.endpoint(1))
     for (wire, addr, endpoint), pt in zip(out, a.port_types(), strict=True):
         assert len(wire) == 21
         reply = decode(wire)
@@ -173,12 +181,36 @@ def test_every_init_gets_a_21_byte_ack_from_the_endpoint_it_reached() -> None:
         assert endpoint == a.endpoint(pt)
 
 
+def answer_erts(core: NatNegServer, out: Sent, now: float) -> Sent:
+    """Answer every ERT_TEST in ``out`` at ``now`` as the SDK does (ERT_ACK = its
+    first 21 bytes, type 3, from the socket it reached); return ``out`` plus what
+    the server sends then."""
+    for wire, addr, endpoint in out:
+        if isinstance(decode(wire), ErtTest):
+            ert_ack = wire[:7] + b"\x03" + wire[8:21]
+            core.receive_datagram(ert_ack, addr, now, endpoint)
+    return out + core.datagrams_to_send(now)
+
+
+def connected(core: NatNegServer, a: Client, b: Client) -> None:
+    """Both clients negotiate at 0 and ACK their CONNECTs at 0.1."""
+    negotiate(core, a, b)
+    ack(core, a, 0.1)
+    ack(core, b, 0.1)
+
+
+def replies(core: NatNegServer, now: float) -> list[tuple[Connect, Address, Endpoint]]:
+    """The CONNECTs the server sends at ``now``, with ERTs answered at once."""
+    return connects(answer_erts(core, sent(core, now), now))
+
+
 def negotiate(
     core: NatNegServer, a: Client, b: Client, now: float = 0.0
 ) -> list[tuple[Connect, Address, Endpoint]]:
+    """Both clients' INITs at ``now``, ERTs answered at once (zero round trip)."""
     a.send_inits(core, now)
     b.send_inits(core, now)
-    return connects(sent(core, now))
+    return connects(answer_erts(core, sent(core, now), now))
 
 
 def test_connect_goes_to_every_mapping_with_the_peer_public_address() -> None:
@@ -212,13 +244,49 @@ def test_connect_resent_until_acked_then_session_finishes() -> None:
     resent = connects(run_until(core, 1.0))
     assert resent and all(addr[0] == b.ip for _, addr, _ in resent)
     ack(core, b, 1.1)
-    events = core.pop_events()
-    assert events == [NegotiationFinished(COOKIE, Outcome.CONNECTED, False, 1.1)]
+    # ACKs say the CONNECTs arrived, not that the clients reached each other.
+    assert core.pop_events() == []
     assert connects(run_until(core, 3.0)) == []
-    # Lingers, then goes away.
+    # Lingers, then goes away: no REPORT came (a v1/v2 client never sends one).
     assert core.session_count == 1
     run_until(core, 10.0)
     assert core.session_count == 0
+    assert core.pop_events() == [
+        NegotiationFinished(FIRST, Outcome.UNREPORTED, False, 5.1, True),
+        SessionClosed(FIRST, replaced=False),
+    ]
+
+
+def finished(core: NatNegServer) -> list[NegotiationFinished]:
+    return [e for e in core.pop_events() if isinstance(e, NegotiationFinished)]
+
+
+def test_outcome_is_the_report_first_attempt_and_retry() -> None:
+    core = NatNegServer(tight())
+    a, b = Client(0, "198.51.100.1", cookie=1), Client(1, "203.0.113.7", cookie=1)
+    connected(core, a, b)
+    report(core, a, success=False, nat_type=NatType.UNKNOWN, now=6.0)
+    report(core, b, success=False, nat_type=NatType.UNKNOWN, now=6.1)
+    # One outcome per session, from the first REPORT: the pings failed.
+    assert finished(core) == [
+        NegotiationFinished(SessionId(1, 1), Outcome.FAILED, False, 6.0, True)
+    ]
+    # The game retries (new cookie): relayed, a retry, and it works.
+    a2 = Client(0, a.ip, cookie=2, nego_port=41000)
+    b2 = Client(1, b.ip, cookie=2, nego_port=42000)
+    negotiate(core, a2, b2, now=7.0)
+    core.relay_allocated(SessionId(2, 2), ("192.0.2.1", 1), ("192.0.2.1", 2), 7.0)
+    ack(core, a2, 7.1)
+    ack(core, b2, 7.1)
+    report(core, b2, success=True, nat_type=NatType.UNKNOWN, now=7.5)
+    assert finished(core) == [
+        NegotiationFinished(SessionId(2, 2), Outcome.CONNECTED, True, 0.5, False)
+    ]
+    # A REPORT before any CONNECT of its session (a stale one) decides nothing.
+    a3 = Client(0, a.ip, cookie=3)
+    a3.send_inits(core, 8.0)
+    report(core, a3, success=True, nat_type=NatType.UNKNOWN, now=8.1)
+    assert finished(core) == []
 
 
 def test_connect_resends_run_out() -> None:
@@ -229,7 +297,8 @@ def test_connect_resends_run_out() -> None:
     out = connects(run_until(core, 10.0))
     assert len(out) == 2 * 8  # two more rounds to both clients' 4 mappings
     assert core.pop_events() == [
-        NegotiationFinished(COOKIE, Outcome.UNACKED, False, 3.0)
+        NegotiationFinished(FIRST, Outcome.UNACKED, False, 3.0, True),
+        SessionClosed(FIRST, replaced=False),
     ]
 
 
@@ -270,9 +339,9 @@ def test_v2_client_is_complete_without_nn3_and_v4_needs_it() -> None:
     b = Client(1, "203.0.113.7", version=4)
     a.send_inits(core, 0.0)
     b.send_inits(core, 0.0, [0, 1, 2])
-    assert connects(sent(core)) == []
+    assert replies(core, 0.0) == []
     b.send_inits(core, 0.1, [3])
-    assert {c.version for c, _, _ in connects(sent(core))} == {4}
+    assert {c.version for c, _, _ in replies(core, 0.1)} == {4}
 
 
 def test_game_port_client_needs_its_gp_init() -> None:
@@ -281,9 +350,9 @@ def test_game_port_client_needs_its_gp_init() -> None:
     b = Client(1, "203.0.113.7")
     a.send_inits(core, 0.0)
     b.send_inits(core, 0.0, [1, 2, 3])
-    assert connects(sent(core)) == []
+    assert replies(core, 0.0) == []
     b.send_inits(core, 0.5, [0])
-    assert len(connects(sent(core))) == 8
+    assert len(replies(core, 0.5)) == 8
 
 
 # ------------------------------------------------------------------ failures
@@ -302,7 +371,8 @@ def test_deadbeat_partner() -> None:
     }
     assert {addr for _, addr, _ in out} == {a.source(pt) for pt in a.port_types()}
     assert core.pop_events() == [
-        NegotiationFinished(COOKIE, Outcome.DEADBEAT, False, 5.0)
+        NegotiationFinished(FIRST, Outcome.DEADBEAT, False, 5.0, True),
+        SessionClosed(FIRST, replaced=False),
     ]
     assert core.session_count == 0
 
@@ -439,8 +509,12 @@ def test_both_symmetric_needs_relay() -> None:
     b = Client(1, "203.0.113.7", symmetric=True, game_port=None)
     assert negotiate(core, a, b) == []
     (event,) = core.pop_events()
-    assert event == RelayNeeded(COOKIE, (a.ip, b.ip), "both-symmetric")
-    core.relay_allocated(COOKIE, ("192.0.2.1", 50001), ("192.0.2.1", 50002), 0.1)
+    assert event == RelayNeeded(FIRST, (a.ip, b.ip), "both-symmetric")
+    # An answer for another session on the cookie changes nothing.
+    stale = SessionId(COOKIE, 99)
+    assert not core.relay_allocated(stale, ("192.0.2.1", 1), ("192.0.2.1", 2), 0.1)
+    assert sent(core) == []
+    assert core.relay_allocated(FIRST, ("192.0.2.1", 50001), ("192.0.2.1", 50002), 0.1)
     out = connects(sent(core))
     assert {(addr[0], (c.remote_ip, c.remote_port)) for c, addr, _ in out} == {
         (a.ip, ("192.0.2.1", 50001)),
@@ -448,8 +522,9 @@ def test_both_symmetric_needs_relay() -> None:
     }
     ack(core, a, 0.2)
     ack(core, b, 0.2)
-    (finished,) = core.pop_events()
-    assert isinstance(finished, NegotiationFinished) and finished.relayed
+    report(core, a, success=True, nat_type=NatType.SYMMETRIC, now=0.3)
+    (outcome,) = finished(core)
+    assert outcome.relayed and outcome.outcome is Outcome.CONNECTED
 
 
 def test_relay_unavailable_falls_back_to_direct() -> None:
@@ -519,9 +594,7 @@ def test_history_symmetric_vs_port_restricted_and_failed_pair() -> None:
     # A direct negotiation that failed: the retry with a new cookie is relayed.
     core = NatNegServer(tight())
     a, b = Client(0, "198.51.100.1", cookie=3), Client(1, "203.0.113.7", cookie=3)
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     report(core, a, success=False, nat_type=NatType.UNKNOWN, now=3.0)
     core.pop_events()
     a2, b2 = (
@@ -541,7 +614,7 @@ def test_bad_packets_dropped_and_counted_sessions_unaffected() -> None:
     core = NatNegServer(tight())
     a = Client(0, "198.51.100.1")
     a.send_inits(core, 0.0)
-    sent(core)
+    answer_erts(core, sent(core), 0.0)
     src = ("192.0.2.99", 1)
     garbage = [
         b"\x00" * 30,  # wrong magic
@@ -571,7 +644,7 @@ def test_bad_packets_dropped_and_counted_sessions_unaffected() -> None:
     }
     b = Client(1, "203.0.113.7")
     b.send_inits(core, 0.2)
-    assert len(connects(sent(core))) == 8
+    assert len(replies(core, 0.2)) == 8
 
 
 def test_third_client_on_a_cookie_is_dropped() -> None:
@@ -583,10 +656,10 @@ def test_third_client_on_a_cookie_is_dropped() -> None:
     # Same public IP, other host (other private address), same index: dropped too.
     neighbour = Client(0, "198.51.100.1", local_ip="192.168.1.99", nego_port=45000)
     neighbour.send_inits(core, 0.0, [1])
-    assert len(sent(core)) == 4  # only a's INIT_ACKs
+    assert len(answer_erts(core, sent(core), 0.0)) == 5  # a's INIT_ACKs and ERT
     assert core.stats.dropped == {"third-client": 5}
     b.send_inits(core, 0.1)
-    out = connects(sent(core))
+    out = replies(core, 0.1)
     assert {addr[0] for _, addr, _ in out} == {a.ip, b.ip}
     assert {(c.remote_ip, c.remote_port) for c, addr, _ in out if addr[0] == b.ip} == {
         a.source(0)
@@ -628,9 +701,7 @@ def test_global_session_limit_and_rate_limit() -> None:
 def test_duplicate_init_after_done_is_acked_and_restart_starts_over() -> None:
     core = NatNegServer(tight())
     a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     a.send_inits(core, 0.5, [2])
     out = sent(core)
     assert [type(decode(w)) for w, _, _ in out] == [InitAck]
@@ -642,8 +713,53 @@ def test_duplicate_init_after_done_is_acked_and_restart_starts_over() -> None:
     assert [
         e.outcome for e in core.pop_events() if isinstance(e, NegotiationFinished)
     ] == [
-        Outcome.CONNECTED,
+        Outcome.UNREPORTED,
         Outcome.DEADBEAT,
+    ]
+
+
+# ------------------------------------------------------------------ cookie reuse
+
+
+def test_old_session_deadlines_never_fire_on_a_new_one_with_the_cookie() -> None:
+    """Issue 15 bug (a): the deadline queue keyed sessions by (cookie, generation)
+    and every session counted generations from 0, so the first session's session
+    timeout fired on the second one (a deadbeat CONNECT 1 s after its INIT)."""
+    core = NatNegServer(tight())  # session_timeout 5, connect_interval 1, linger 4
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    negotiate(core, a, b)  # deadlines of session 1: 1.0 (resend), 5.0 (timeout)
+    ack(core, a, 0.1)
+    ack(core, b, 0.1)  # 4.1 (linger)
+    report(core, a, success=True, nat_type=NatType.UNKNOWN, now=0.2)
+    # The same game plays again with the same cookie, from new sockets.
+    a2 = Client(0, a.ip, nego_port=41000, game_port=None)
+    b2 = Client(1, b.ip, nego_port=42000, game_port=None)
+    a2.send_inits(core, 4.0)
+    sent(core)
+    # Session 1's 5.0 s timeout must not make session 2 give up at 5.0.
+    out = run_until(core, 8.9)
+    assert [c for c, _, _ in connects(out)] == []
+    b2.send_inits(core, 8.9)
+    out = replies(core, 8.9)
+    assert {addr for _, addr, _ in out} == {
+        a2.source(1),
+        a2.source(2),
+        a2.source(3),
+        b2.source(1),
+        b2.source(2),
+        b2.source(3),
+    }
+    assert {c.finished for c, _, _ in out} == {Finished.NOERROR}
+    second = SessionId(COOKIE, 2)
+    assert [e for e in core.pop_events() if not isinstance(e, ReportReceived)] == [
+        NegotiationFinished(FIRST, Outcome.CONNECTED, False, 0.2, True),
+        SessionClosed(FIRST, replaced=True),
+    ]
+    ack(core, a2, 9.0)
+    ack(core, b2, 9.0)
+    report(core, b2, success=True, nat_type=NatType.UNKNOWN, now=9.1)
+    assert finished(core) == [
+        NegotiationFinished(second, Outcome.CONNECTED, False, 5.1, True)
     ]
 
 
@@ -692,9 +808,7 @@ def test_random_traffic_never_raises(steps: list[tuple[bytes, str, float]]) -> N
 def test_history_expires() -> None:
     core = NatNegServer(tight(history_ttl=60.0))
     a, b = Client(0, "198.51.100.1", cookie=5), Client(1, "203.0.113.7", cookie=5)
-    negotiate(core, a, b)
-    ack(core, a, 0.1)
-    ack(core, b, 0.1)
+    connected(core, a, b)
     report(core, a, success=False, nat_type=NatType.PORT_RESTRICTED_CONE, now=1.0)
     core.pop_events()
     run_until(core, 200.0)  # housekeeping forgets the failure and the NAT type
@@ -702,3 +816,158 @@ def test_history_expires() -> None:
     a2, b2 = Client(0, a.ip, cookie=6), Client(1, b.ip, cookie=6, symmetric=True)
     assert len(negotiate(core, a2, b2, now=201.0)) == 8
     assert not [e for e in core.pop_events() if isinstance(e, RelayNeeded)]
+
+
+def test_old_linger_never_deletes_a_new_session_before_its_report() -> None:
+    """Issue 15 bug (a), second face: session 1's linger deleted session 2 early,
+    so session 2's failed REPORT found no session and the retry was not relayed."""
+    core = NatNegServer(tight())  # linger 4
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    negotiate(core, a, b)
+    ack(core, a, 0.1)
+    ack(core, b, 0.1)  # session 1 lingers until 4.1
+    a2 = Client(0, a.ip, nego_port=41000)
+    b2 = Client(1, b.ip, nego_port=42000)
+    assert len(negotiate(core, a2, b2, now=1.0)) == 8
+    ack(core, a2, 1.1)
+    ack(core, b2, 1.1)  # session 2 lingers until 5.1
+    run_until(core, 4.5)
+    assert core.session_count == 1
+    report(core, a2, success=False, nat_type=NatType.UNKNOWN, now=4.5)
+    assert finished(core) == [
+        NegotiationFinished(FIRST, Outcome.UNREPORTED, False, 1.0, True),
+        NegotiationFinished(SessionId(COOKIE, 2), Outcome.FAILED, False, 3.5, True),
+    ]
+    # The game retries with the same cookie: relayed, because session 2 failed.
+    a3 = Client(0, a.ip, nego_port=43000)
+    b3 = Client(1, b.ip, nego_port=44000)
+    assert negotiate(core, a3, b3, now=5.0) == []
+    assert [e for e in core.pop_events() if isinstance(e, RelayNeeded)] == [
+        RelayNeeded(SessionId(COOKIE, 3), (a.ip, b.ip), "failed-before")
+    ]
+
+
+def test_restart_on_the_same_game_socket_keeps_its_gp_init() -> None:
+    """The SDK test program lends its game socket and always uses cookie 666: a
+    second negotiation's GP INIT comes from the address the first one saw (it
+    looks like a duplicate), and only the NN INITs from a new negotiate socket show
+    the restart. The GP INIT must count for the new session (the client will not
+    resend an INIT that was ACKed)."""
+    core = NatNegServer(tight())
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    connected(core, a, b)
+    report(core, a, success=True, nat_type=NatType.UNKNOWN, now=0.2)
+    core.pop_events()
+    a2 = Client(0, a.ip, nego_port=41000)  # same game socket, new negotiate socket
+    b2 = Client(1, b.ip, nego_port=42000)
+    out = negotiate(core, a2, b2, now=1.0)
+    assert {addr for _, addr, _ in out} == {
+        *(a2.source(pt) for pt in a2.port_types()),
+        *(b2.source(pt) for pt in b2.port_types()),
+    }
+    assert {c.finished for c, _, _ in out} == {Finished.NOERROR}
+    closed = [e for e in core.pop_events() if isinstance(e, SessionClosed)]
+    assert closed == [SessionClosed(FIRST, replaced=True)]
+
+
+def test_a_stale_connect_ack_does_not_silence_a_new_session() -> None:
+    """A CONNECT_ACK of session 1, late, must not mark the client of session 2 as
+    having ACKed CONNECTs it was never sent."""
+    core = NatNegServer(tight())
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    negotiate(core, a, b)
+    ack(core, b, 0.1)
+    run_until(core, 3.0)  # a never ACKs: resends run out at 3.0, linger to 7.0
+    core.pop_events()
+    a2 = Client(0, a.ip, nego_port=41000)
+    b2 = Client(1, b.ip, nego_port=42000)
+    a2.send_inits(core, 7.5)  # session 1 is gone
+    answer_erts(core, sent(core), 7.5)
+    ack(core, a, 7.6)  # a's late CONNECT_ACK for session 1
+    assert core.stats.dropped == {"stale-connect-ack": 1}
+    b2.send_inits(core, 7.7)
+    out = replies(core, 7.7)
+    assert {addr[0] for _, addr, _ in out} == {a.ip, b.ip}
+
+
+# ------------------------------------------------------------------ CONNECT timing
+
+
+def connect_times(core: NatNegServer, until: float) -> dict[str, float]:
+    """When the first CONNECT to each client's IP went out, firing timers."""
+    first: dict[str, float] = {}
+    while (deadline := core.get_timer()) is not None and deadline <= until:
+        core.handle_timer(deadline)
+        for c, addr, _ in connects(core.datagrams_to_send(deadline)):
+            assert c.finished == Finished.NOERROR
+            first.setdefault(addr[0], deadline)
+    return first
+
+
+def test_connects_are_timed_so_both_arrive_together() -> None:
+    """The farther client's CONNECT leaves first, the nearer one's later by the
+    difference of their one-way times (rtt / 2), so both first pings leave at the
+    same moment (docs/natneg.md, "CONNECT timing")."""
+    core = NatNegServer(tight())
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 0.2)  # a: rtt 200 ms
+    b.send_inits(core, 1.0)
+    out = sent(core, 1.0)
+    assert connects(out) == []  # TIMING: b's round trip is not known yet
+    now = 1.04
+    out = answer_erts(core, out, now)  # b: rtt 40 ms
+    to_a = {addr for c, addr, _ in connects(out) if addr[0] == a.ip}
+    assert to_a == {a.source(pt) for pt in a.port_types()}
+    assert not [addr for _, addr, _ in connects(out) if addr[0] == b.ip]
+    times = connect_times(core, 3.0)
+    lead = times[b.ip] - now
+    # a hears its CONNECT at now + 0.1, b at now + lead + 0.02: the same moment.
+    assert abs((now + 0.1) - (times[b.ip] + 0.02)) < 1e-9
+    assert abs(lead - 0.08) < 1e-9
+    # Resends keep each client's own rhythm until it ACKs.
+    ack(core, a, 1.2)
+    ack(core, b, 1.2)
+    assert connect_times(core, 5.0) == {}
+
+
+def test_timing_waits_for_an_ert_ack_at_most_rtt_wait() -> None:
+    core = NatNegServer(tight(rtt_wait=0.5))
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 0.1)
+    b.send_inits(core, 2.0)
+    assert connects(sent(core)) == []  # b never answers its ERT
+    # Given up on at 2.5: both CONNECTs at once (an unknown rtt means no lead).
+    assert connect_times(core, 2.6) == {a.ip: 2.5, b.ip: 2.5}
+
+
+def test_lead_is_capped_and_untimed_mode_sends_together_without_erts() -> None:
+    core = NatNegServer(tight(max_connect_lead=0.2))
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 0.9)  # rtt 900 ms: one-way 450 ms
+    b.send_inits(core, 1.0)
+    out = answer_erts(core, sent(core), 1.0)  # rtt 0
+    assert {addr[0] for _, addr, _ in connects(out)} == {a.ip}
+    assert connect_times(core, 1.5) == {b.ip: 1.2}  # not 1.45: capped
+
+    core = NatNegServer(tight(timed_connect=False))
+    a.send_inits(core, 0.0)
+    b.send_inits(core, 0.0)
+    out = sent(core)
+    assert not [w for w, _, _ in out if isinstance(decode(w), ErtTest)]
+    assert len(connects(out)) == 8
+
+
+def test_a_forged_ert_ack_is_dropped() -> None:
+    core = NatNegServer(tight())
+    a = Client(0, "198.51.100.1")
+    a.send_inits(core, 0.0)
+    ((ert, _, endpoint),) = [x for x in sent(core) if isinstance(decode(x[0]), ErtTest)]
+    forged = ert[:7] + b"\x03" + ert[8:21]
+    core.receive_datagram(forged, ("192.0.2.66", 40000), 0.1, endpoint)
+    core.receive_datagram(
+        forged[:8] + b"\x00\x00\x00\x01" + forged[12:], a.source(1), 0.1
+    )
+    assert core.stats.dropped == {"unsolicited-ert-ack": 2}

@@ -10,6 +10,7 @@ from crossroads.proto.openttd.coordinator import (
 )
 from crossroads.proto.openttd.ladder import (
     CONNECT_TIMEOUT,
+    MAX_STUN_LEAD,
     Command,
     ConnectAttempt,
     Finished,
@@ -97,6 +98,34 @@ def test_full_ladder_direct_stun_turn() -> None:
     ]
     assert a.connect_failed(Side.CLIENT, 2, 2.1) == []
     assert a.connected(3.0) == [Finished(True, "turn", "connected")]
+
+
+def test_stun_connect_to_the_nearer_side_is_held_so_both_syns_cross() -> None:
+    """Each side sends its SYN when GC_STUN_CONNECT arrives (rtt / 2 after it
+    left): the message to the nearer side waits the difference of the one-way
+    times, so both SYNs leave at once (docs/natneg.md, "CONNECT timing")."""
+    a, _ = attempt(direct=[])
+    a.round_trip(Side.CLIENT, 0.180)
+    a.round_trip(Side.SERVER, 0.020)
+    client, server = stun_both(a, client_family=10, server_family=23)
+    assert client == SendToClient(GcStunConnect(C, 1, 2, "203.0.113.5", 50000), 0.0)
+    assert isinstance(server, SendToServer) and abs(server.delay - 0.080) < 1e-9
+    # Arrival: client at 0 + 0.090, server at 0.080 + 0.010.
+    assert abs((0.0 + 0.180 / 2) - (server.delay + 0.020 / 2)) < 1e-9
+
+    # The server is the farther one; the lead is capped at MAX_STUN_LEAD.
+    a, _ = attempt(direct=[])
+    a.round_trip(Side.CLIENT, 0.010)
+    a.round_trip(Side.SERVER, 3.0)
+    client, server = stun_both(a)
+    assert isinstance(client, SendToClient) and client.delay == MAX_STUN_LEAD
+    assert isinstance(server, SendToServer) and server.delay == 0.0
+
+    # An unknown round trip (the server's connection on another instance): both
+    # at once, as before.
+    a, _ = attempt(direct=[])
+    a.round_trip(Side.CLIENT, 0.2)
+    assert [c.delay for c in stun_both(a)] == [0.0, 0.0]  # type: ignore[union-attr]
 
 
 def test_stun_pairs_every_shared_family_ipv4_first() -> None:

@@ -262,3 +262,19 @@ async def test_bad_stun_packets_are_closed(ottd: Runtime, data: bytes) -> None:
         )
         == 1
     )
+
+
+async def test_round_trip_of_a_coordinator_connection(ottd: Runtime) -> None:
+    """The kernel's TCP round trip of a server's coordinator connection: what the
+    join ladder times GC_STUN_CONNECT with (proto/openttd/ladder.py)."""
+    server = await register(ottd, 1)
+    try:
+        coordinator = service(ottd).coordinator
+        assert coordinator is not None
+        conn = coordinator.local_servers[server.code]
+        rtt = conn.round_trip()
+        assert rtt is not None and rtt > 0
+        conn.close("test")
+        assert conn.round_trip() is None
+    finally:
+        await server.close()

@@ -22,6 +22,20 @@ A GameSpy SDK client negotiates in four steps (``shared/reference/gamespy-natneg
    (ref §6 step 3); we resend every ``connect_interval`` to each client that has not
    ACKed, ``connect_attempts`` times at most.
 3. The clients then ping each other directly (CONNECT_PING); we are not involved.
+   *CONNECT timing.* Each client sends its first ping the moment its CONNECT
+   arrives (ref §6 step 3). If client A's ping reaches B's router before B has sent
+   anything toward A, a port-restricted router drops it and, if it accepts
+   unsolicited input, keeps a conntrack entry that makes it *remap* B's later ping
+   to a new port -- and the first attempt fails (issue 15). So when a client is
+   complete we send it one ERT_TEST from the endpoint its NN1 INIT reached; every
+   SDK version answers with ERT_ACK (ref §3.2), which gives its round-trip time
+   ``rtt``. CONNECT to the client with the longer one-way time ``rtt/2`` goes out
+   first and the other one ``|rtt_A - rtt_B| / 2`` later (capped by
+   ``max_connect_lead``), so both arrive, and both first pings leave, at the same
+   moment: each ping then reaches the other router one peer-to-peer delay after
+   that router's own ping went out, and the pings cross in flight. This is what
+   RakNet's NatPunchthroughServer does with CONNECT_AT_TIME; no GameSpy server did.
+   CONNECTs wait at most ``rtt_wait`` for an ERT_ACK (state TIMING).
 4. v3/v4 clients send a 73-byte REPORT; we always answer REPORT_ACK (a v3 client
    without it waits ~7 s more, ref §6) and remember the outcome per public IP, which
    feeds the relay decision of later negotiations between the same addresses.
@@ -36,9 +50,21 @@ Stateless requests are answered from the endpoint that received them: ADDRESS_CH
 (NAT mapping probes), NATIFY_REQUEST (reachability probes: the ERT answers come from
 *other* endpoints, :class:`Endpoint`), BACKUP_TEST and the v4 PREINIT handshake.
 
-Sessions are keyed by cookie alone (ref §8 "Matching key"). A finished session is
-kept for ``linger`` seconds so late duplicates (INITs, CONNECT_ACKs, REPORTs) are
-answered without starting a new negotiation.
+Sessions are found by cookie (ref §8 "Matching key"), but games reuse cookies (the
+SDK test program always uses 666; a game retries a failed negotiation with the same
+one), so a session's *identity* is its :class:`SessionId`: the cookie plus a serial
+number that never repeats in this process. Every deadline, relay pair and event
+belongs to one SessionId, so nothing left over from an earlier negotiation on the same
+cookie (its timeout, its linger, its relay pair) can touch a later one. A finished
+session is kept for ``linger`` seconds so late duplicates (INITs, CONNECT_ACKs,
+REPORTs) are answered without starting a new negotiation; an INIT from a socket the
+finished session has not seen for that port type is a new negotiation and replaces
+it (:meth:`NatNegServer._restarted`).
+
+Outcomes (:class:`Outcome`) say what happened, not what the server hoped: a session
+is *connected* only when a client REPORTs success; CONNECTs acknowledged without a
+REPORT (v1/v2 clients never report) are *unreported*. Each carries whether it was a
+first attempt or a retry of a pair whose earlier negotiation failed.
 
 Every bad input is dropped and counted in :attr:`Stats.dropped` by reason; nothing
 raises out of :meth:`NatNegServer.receive_datagram`.
@@ -46,9 +72,10 @@ raises out of :meth:`NatNegServer.receive_datagram`.
 Where the product seed (``seeds/002_*.txt``) and the real client disagree the real
 client wins:
 
-* no 100 ms delay before CONNECT (seed "Step 3"): the SDK accepts CONNECT in any
-  state before pinging, even while still sending INITs (ref §6 step 3), and OpenSpy
-  sends at once (ref §7.1); a delay only slows every negotiation down;
+* no fixed 100 ms delay before CONNECT (seed "Step 3"): the SDK accepts CONNECT in
+  any state before pinging, even while still sending INITs (ref §6 step 3), and
+  OpenSpy sends at once (ref §7.1); the only wait is the measured one of step 3
+  (one round trip of the later client, then the lead);
 * INIT_ACK and REPORT_ACK are 21 bytes, not 14 (the SDK drops shorter ones, ref §2);
 * the seed's "4 INITs from different source ports" is wrong: GP comes from the game
   socket, NN1-3 from one negotiate socket (ref §3.1), which is what makes the
@@ -94,6 +121,7 @@ from crossroads.proto.natneg.packets import (
     ip_to_bytes,
 )
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
+from crossroads.proto.timing import crossing_leads
 from crossroads.types import Address
 
 K = TypeVar("K")
@@ -127,10 +155,25 @@ class RelayMode(Enum):
 class Outcome(Enum):
     """How a session ended, as far as the server can tell."""
 
-    CONNECTED = "connected"  # both clients ACKed a CONNECT with a peer address
+    CONNECTED = "connected"  # a client REPORTed success (v3/v4, ref §3.4)
+    FAILED = "failed"  # a client REPORTed failure: its pings timed out (ref §6)
+    UNREPORTED = "unreported"  # both ACKed CONNECT, no REPORT came (v1/v2 never send)
     UNACKED = "unacked"  # CONNECT resends ran out before one client ACKed
     DEADBEAT = "deadbeat"  # a client waited for a partner who never came
     INIT_TIMEOUT = "init-timeout"  # both came, one never sent all its INITs
+    RESTARTED = "restarted"  # the same clients began again on the cookie mid-CONNECT
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class SessionId:
+    """One negotiation: its cookie and a serial number that never repeats.
+
+    The cookie alone does not identify a negotiation: games reuse cookies. Relay
+    pairs and everything else that outlives a packet are keyed by this.
+    """
+
+    cookie: int
+    serial: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +191,20 @@ class ServerConfig:
     #: CONNECT sends per client before giving up; with 1 s that covers the v3/v4
     #: client's ping phase (7 x 700 ms, ref §6) several times over.
     connect_attempts: int = 10
+    #: Time the two clients' CONNECTs so that both reach their clients at the same
+    #: moment (see "CONNECT timing" above). False: send both at once, as GameSpy's
+    #: and every emulator's server did (the benchmark's comparison).
+    timed_connect: bool = True
+    #: How long the CONNECTs may wait for a client's round-trip time (its ERT_ACK).
+    #: The ERT goes out when the client's last INIT arrives, so its ACK is one
+    #: round trip away; 500 ms covers any terrestrial path, and a client that does
+    #: not answer by then costs the pair half a second, once.
+    rtt_wait: float = 0.5
+    #: Longest head start one client's CONNECT gets over the other's. The SDK pings
+    #: every 700 ms (ref §6): beyond ~half of that the second ping of the early
+    #: side would cross anyway, and a client faking a slow ERT_ACK must not be able
+    #: to hold its partner's CONNECT back for long.
+    max_connect_lead: float = 0.35
     #: Error CONNECTs (finished=1/2) are never ACKed by the client (ref §6 step 3),
     #: so they are sent a fixed number of times, ``connect_interval`` apart.
     error_attempts: int = 3
@@ -193,7 +250,7 @@ class RelayNeeded:
     should be told) or :meth:`NatNegServer.relay_unavailable`.
     """
 
-    cookie: int
+    session: SessionId
     #: Public IPv4 of client 0 and client 1 (the only sources the relay may accept).
     client_ips: tuple[str, str]
     reason: str
@@ -201,12 +258,26 @@ class RelayNeeded:
 
 @dataclass(frozen=True, slots=True)
 class NegotiationFinished:
-    """A session reached its end (CONNECT phase over, or failed)."""
+    """A session's outcome is known (a REPORT came, or it failed, or it ended)."""
 
-    cookie: int
+    session: SessionId
     outcome: Outcome
     relayed: bool
+    #: Seconds from the session's first INIT to the outcome.
     duration: float
+    #: False when the same two public IPs had a failed negotiation within
+    #: ``history_ttl`` (a game's retry); True otherwise.
+    first_attempt: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SessionClosed:
+    """A session is gone from the table: its linger ended, or it was ``replaced``
+    by a new negotiation on the same cookie. The transport releases what it holds
+    for a replaced session (its relay pair is no longer the one clients are told)."""
+
+    session: SessionId
+    replaced: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,7 +291,7 @@ class ReportReceived:
     game_name: str
 
 
-Event = RelayNeeded | NegotiationFinished | ReportReceived
+Event = RelayNeeded | NegotiationFinished | ReportReceived | SessionClosed
 
 
 @dataclass(slots=True)
@@ -268,10 +339,15 @@ class NegotiationSummary:
 
 class _State(Enum):
     WAITING = "waiting"  # for both clients to complete
+    TIMING = "timing"  # both complete, waiting for a round-trip time (ERT_ACK)
     RELAY_PENDING = "relay-pending"  # waiting for the transport's relay answer
     CONNECTING = "connecting"  # sending CONNECT until ACKed
     FAILING = "failing"  # sending error CONNECTs
     DONE = "done"  # lingering for duplicates
+
+
+#: States in which the clients were sent CONNECTs (an INIT now may be a restart).
+_AFTER_CONNECT = frozenset({_State.CONNECTING, _State.FAILING, _State.DONE})
 
 
 class _Client:
@@ -284,6 +360,10 @@ class _Client:
         "use_game_port",
         "mappings",
         "acked",
+        "ert_sent",
+        "rtt",
+        "next_connect",
+        "connects_left",
     )
 
     def __init__(self, packet: Init, public_ip: str) -> None:
@@ -297,6 +377,12 @@ class _Client:
         #: so a late spoofed INIT cannot redirect a client's CONNECT.
         self.mappings: dict[int, tuple[Address, Endpoint]] = {}
         self.acked = False
+        #: When our ERT_TEST went out, and the round trip its ERT_ACK measured.
+        self.ert_sent: float | None = None
+        self.rtt: float | None = None
+        #: When this client's next CONNECT is due, and how many are left.
+        self.next_connect = 0.0
+        self.connects_left = 0
 
     def is_same(self, packet: Init, ip: str) -> bool:
         """Is this INIT from this client rather than a third one on the cookie?
@@ -328,31 +414,45 @@ class _Client:
 
 class _Session:
     __slots__ = (
+        "id",
         "cookie",
         "created",
         "owner_ip",
         "clients",
         "state",
-        "generation",
+        "timer",
         "targets",
         "codes",
         "sends_left",
         "relayed",
+        "first_attempt",
+        "outcome",
+        "game_port_echoes",
     )
 
-    def __init__(self, cookie: int, owner_ip: str, now: float) -> None:
-        self.cookie = cookie
+    def __init__(self, session_id: SessionId, owner_ip: str, now: float) -> None:
+        self.id = session_id
+        self.cookie = session_id.cookie
         self.created = now
         self.owner_ip = owner_ip
         self.clients: list[_Client | None] = [None, None]
         self.state = _State.WAITING
-        self.generation = 0
+        #: Sequence number of the one live deadline in the heap (0: none). Sequence
+        #: numbers never repeat, so a deadline of another session never matches.
+        self.timer = 0
         #: What CONNECT tells client 0 and client 1: (ip, port).
         self.targets: list[Address] = []
         #: ``finished`` code per slot while FAILING.
         self.codes: list[int | None] = [None, None]
         self.sends_left = 0
         self.relayed = False
+        self.first_attempt = True
+        #: Set once :class:`NegotiationFinished` was emitted (one per session).
+        self.outcome: Outcome | None = None
+        #: GP INITs that repeated a known mapping after CONNECT, by client index: a
+        #: late duplicate, or the first INIT of a new negotiation on the same game
+        #: socket (see :meth:`NatNegServer._restarted`).
+        self.game_port_echoes: dict[int, tuple[Init, Address, Endpoint]] = {}
 
 
 class _PreinitEntry:
@@ -409,8 +509,12 @@ class NatNegServer:
         self.stats = Stats()
         self._sessions: dict[int, _Session] = {}
         self._per_ip: dict[str, int] = {}
-        self._heap: list[tuple[float, int, int, int]] = []
+        #: Deadlines: (when, sequence number, cookie). A session's entry is live
+        #: only while the session's ``timer`` holds that sequence number.
+        self._heap: list[tuple[float, int, int]] = []
         self._seq = 0
+        #: Last :class:`SessionId` serial handed out; serials never repeat.
+        self._serial = 0
         self._out: list[tuple[bytes, Address, Endpoint]] = []
         self._events: list[Event] = []
         self._buckets: dict[str, list[float]] = {}
@@ -480,9 +584,7 @@ class NatNegServer:
             case BackupTest():
                 self._on_backup_test(packet, addr, endpoint)
             case ErtAck():
-                # We send no ERT during negotiations (only NATify ERTs, which the
-                # client does not ACK), so an ERT_ACK answers nothing of ours.
-                self._drop("unsolicited-ert-ack")
+                self._on_ert_ack(packet, addr, now)
             case _:
                 # Server-to-client types (INIT_ACK, CONNECT, ...), CONNECT_PING
                 # (client to client) and STATE_UPDATE (never sent, ref §2).
@@ -534,30 +636,49 @@ class NatNegServer:
         """Run every deadline that is due."""
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, _, cookie, generation = heapq.heappop(heap)
+            _, seq, cookie = heapq.heappop(heap)
             session = self._sessions.get(cookie)
-            if session is not None and session.generation == generation:
+            if session is not None and session.timer == seq:
                 self._on_session_timer(session, now)
         if self._next_housekeeping is not None and self._next_housekeeping <= now:
             self._housekeeping(now)
 
     def relay_allocated(
-        self, cookie: int, for_client0: Address, for_client1: Address, now: float
-    ) -> None:
-        """The relay for ``cookie`` exists: tell client 0 to ping ``for_client0``
-        and client 1 ``for_client1`` (each its own side of the relay pair)."""
-        session = self._sessions.get(cookie)
-        if session is None or session.state is not _State.RELAY_PENDING:
-            return
+        self,
+        session_id: SessionId,
+        for_client0: Address,
+        for_client1: Address,
+        now: float,
+    ) -> bool:
+        """The relay for ``session_id`` exists: tell client 0 to ping
+        ``for_client0`` and client 1 ``for_client1`` (each its own side of the
+        relay pair). False if that session no longer waits for it (the caller
+        then releases the pair)."""
+        session = self._relay_pending(session_id)
+        if session is None:
+            return False
         session.targets = [for_client0, for_client1]
         session.relayed = True
         self._begin_connecting(session, now)
+        return True
 
-    def relay_unavailable(self, cookie: int, now: float) -> None:
+    def relay_unavailable(self, session_id: SessionId, now: float) -> None:
         """No relay could be allocated: negotiate a direct path anyway."""
-        session = self._sessions.get(cookie)
-        if session is None or session.state is not _State.RELAY_PENDING:
-            return
+        session = self._relay_pending(session_id)
+        if session is not None:
+            self._connect_direct(session, now)
+
+    def _relay_pending(self, session_id: SessionId) -> _Session | None:
+        session = self._sessions.get(session_id.cookie)
+        if (
+            session is None
+            or session.id != session_id
+            or session.state is not _State.RELAY_PENDING
+        ):
+            return None
+        return session
+
+    def _connect_direct(self, session: _Session, now: float) -> None:
         session.targets = self._direct_targets(session)
         self._begin_connecting(session, now)
 
@@ -571,11 +692,10 @@ class NatNegServer:
         self._out.append((packet.encode(), addr, endpoint))
 
     def _schedule(self, session: _Session, when: float) -> None:
-        session.generation += 1
+        """Make ``when`` the session's one deadline (earlier entries go stale)."""
         self._seq += 1
-        heapq.heappush(
-            self._heap, (when, self._seq, session.cookie, session.generation)
-        )
+        session.timer = self._seq
+        heapq.heappush(self._heap, (when, self._seq, session.cookie))
 
     def _allow(self, ip: str, now: float) -> bool:
         """Per-source-IP token bucket (``rate_limit``/``rate_burst``)."""
@@ -643,13 +763,11 @@ class NatNegServer:
             return
         ip = addr[0]
         session = self._sessions.get(p.cookie)
-        if session is not None and session.state is _State.DONE:
-            known = session.clients[p.client_index]
-            mapping = known.mappings.get(p.port_type) if known is not None else None
-            if mapping is None or mapping[0] != addr:
-                # Not a late duplicate of a finished negotiation: the game started
-                # again with the same cookie. Forget the old session.
-                self._delete(session)
+        replayed: list[tuple[Init, Address, Endpoint]] = []
+        if session is not None and session.state in _AFTER_CONNECT:
+            if self._restarted(session, p, addr, endpoint):
+                replayed = list(session.game_port_echoes.values())
+                self._delete(session, now, replaced=True)
                 session = None
         if session is None:
             if len(self._sessions) >= self.config.max_sessions:
@@ -658,22 +776,16 @@ class NatNegServer:
             if self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip:
                 self._drop("source-limit")
                 return
-            session = _Session(p.cookie, ip, now)
+            self._serial += 1
+            session = _Session(SessionId(p.cookie, self._serial), ip, now)
             self._sessions[p.cookie] = session
             self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
             self._schedule(session, now + self.config.session_timeout)
-        client = session.clients[p.client_index]
-        if client is None:
-            client = _Client(p, ip)
-            session.clients[p.client_index] = client
-        elif not client.is_same(p, ip):
+            for echo, echo_addr, echo_endpoint in replayed:
+                self._record_init(session, echo, echo_addr, echo_endpoint)
+        if not self._record_init(session, p, addr, endpoint):
             self._drop("third-client")
             return
-        if p.port_type not in client.mappings:
-            client.mappings[p.port_type] = (addr, endpoint)
-        if p.port_type >= PortType.NN2 and p.local_port:
-            # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
-            client.local_port = p.local_port
         # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
         # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
         # Built from the INIT's bytes directly: this is the hottest reply.
@@ -691,25 +803,157 @@ class NatNegServer:
         if session.state is _State.FAILING and session.codes[p.client_index] is None:
             # Joined after the session gave up on it: its partner is gone.
             session.codes[p.client_index] = Finished.DEADBEAT_PARTNER
+        client = session.clients[p.client_index]
+        assert client is not None
+        if (
+            self.config.timed_connect
+            and client.ert_sent is None
+            and client.version >= 2
+            and client.complete()
+        ):
+            self._send_ert(session, client, now)
         if session.state is _State.WAITING:
             first, second = session.clients
             if first is not None and second is not None:
                 if first.complete() and second.complete():
-                    self._start_connect(session, now)
+                    self._both_complete(session, now)
+
+    def _record_init(
+        self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
+    ) -> bool:
+        """Note the mapping an INIT shows; False if it is from a third client."""
+        ip = addr[0]
+        client = session.clients[p.client_index]
+        if client is None:
+            client = _Client(p, ip)
+            session.clients[p.client_index] = client
+        elif not client.is_same(p, ip):
+            return False
+        if p.port_type not in client.mappings:
+            client.mappings[p.port_type] = (addr, endpoint)
+        if p.port_type >= PortType.NN2 and p.local_port:
+            # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
+            client.local_port = p.local_port
+        return True
+
+    def _restarted(
+        self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
+    ) -> bool:
+        """Is this INIT, arriving after CONNECTs went out, a new negotiation?
+
+        A client stops sending INITs once it accepts a CONNECT (ref §6 step 3), so
+        an INIT now is either a late duplicate (reordered, or resent before the
+        CONNECT arrived) or the first INIT of a new negotiation on the same cookie.
+        The SDK opens a new negotiate socket per negotiation (ref §6 "Sockets"), so
+        an NN INIT from an address the session has not seen for that port type is
+        a new negotiation. The game socket is kept across negotiations, so a GP
+        INIT from a known address proves nothing: it is answered as a duplicate and
+        kept, and replayed into the new session if an NN INIT then shows a restart
+        (the SDK sends GP first and never resends an acked INIT).
+        """
+        known = session.clients[p.client_index]
+        mapping = known.mappings.get(p.port_type) if known is not None else None
+        if mapping is not None and mapping[0] == addr:
+            if p.port_type == PortType.GP:
+                session.game_port_echoes[p.client_index] = (p, addr, endpoint)
+            return False
+        if known is None:
+            # A partner arriving after CONNECT: in FAILING it is told its partner
+            # is gone (see _on_init); once the session is DONE it starts afresh.
+            return session.state is _State.DONE
+        return known.is_same(p, addr[0])
+
+    # ------------------------------------------------------------ CONNECT timing
+
+    def _send_ert(self, session: _Session, client: _Client, now: float) -> None:
+        """One ERT_TEST to the client's negotiate socket, to time its ERT_ACK.
+
+        Sent once per client, when it is complete: after three or four INITs (each
+        at least 22 bytes), so the replies to a spoofed client (its INIT_ACKs and
+        this) are no larger in total than what it sent.
+        """
+        mapping = client.mappings.get(PortType.NN1)
+        if mapping is None:
+            return
+        addr, endpoint = mapping
+        client.ert_sent = now
+        self._send(
+            ErtTest(client.version, session.cookie, PortType.NN1, client.index),
+            addr,
+            endpoint,
+        )
+
+    def _on_ert_ack(self, p: ErtAck, addr: Address, now: float) -> None:
+        session = self._sessions.get(p.cookie)
+        client = (
+            session.clients[p.client_index]
+            if session is not None and p.client_index <= 1
+            else None
+        )
+        if (
+            session is None
+            or client is None
+            or client.ert_sent is None
+            or client.public_ip != addr[0]
+        ):
+            # NATify ERTs are not ACKed (ref §3.2): nothing else of ours is.
+            self._drop("unsolicited-ert-ack")
+            return
+        if client.rtt is None:
+            client.rtt = now - client.ert_sent
+            if session.state is _State.TIMING and self._rtts_settled(session, now):
+                self._start_connect(session, now)
+
+    def _rtts_settled(self, session: _Session, now: float) -> bool:
+        """Is every round trip we asked for measured or given up on?"""
+        return all(
+            c is None
+            or c.rtt is not None
+            or c.ert_sent is None
+            or now - c.ert_sent >= self.config.rtt_wait
+            for c in session.clients
+        )
+
+    def _both_complete(self, session: _Session, now: float) -> None:
+        if self._rtts_settled(session, now):
+            self._start_connect(session, now)
+            return
+        session.state = _State.TIMING
+        sent = [
+            c.ert_sent
+            for c in session.clients
+            if c is not None and c.ert_sent is not None
+        ]
+        self._schedule(session, max(sent) + self.config.rtt_wait)
+
+    def _connect_leads(self, session: _Session) -> tuple[float, float]:
+        """Seconds each client's first CONNECT waits so both arrive together.
+
+        With one-way times ``d = rtt / 2``, the farther client's CONNECT goes at
+        once and the nearer one's ``d_far - d_near`` later (at most
+        ``max_connect_lead``). Unknown round trips (a v1 client, a lost ERT): no
+        wait, as before.
+        """
+        first, second = session.clients
+        assert first is not None and second is not None
+        if not self.config.timed_connect:
+            return (0.0, 0.0)
+        return crossing_leads(first.rtt, second.rtt, self.config.max_connect_lead)
 
     # ------------------------------------------------------------ CONNECT
 
     def _start_connect(self, session: _Session, now: float) -> None:
         first, second = session.clients
         assert first is not None and second is not None
+        pair = _pair(first.public_ip, second.public_ip)
+        session.first_attempt = pair not in self._failed_pairs
         reason = self._relay_reason(first, second)
         if reason is None:
-            session.targets = self._direct_targets(session)
-            self._begin_connecting(session, now)
+            self._connect_direct(session, now)
             return
         session.state = _State.RELAY_PENDING
         self._events.append(
-            RelayNeeded(session.cookie, (first.public_ip, second.public_ip), reason)
+            RelayNeeded(session.id, (first.public_ip, second.public_ip), reason)
         )
         # Safety net: if the transport never answers, negotiate directly.
         self._schedule(session, now + self.config.connect_interval)
@@ -776,15 +1020,37 @@ class NatNegServer:
 
     def _begin_connecting(self, session: _Session, now: float) -> None:
         session.state = _State.CONNECTING
-        session.sends_left = self.config.connect_attempts
-        self._send_connects(session)
-        self._schedule(session, now + self.config.connect_interval)
+        for client, lead in zip(
+            session.clients, self._connect_leads(session), strict=True
+        ):
+            assert client is not None
+            client.next_connect = now + lead
+            client.connects_left = self.config.connect_attempts
+        self._connect_tick(session, now)
 
-    def _send_connects(self, session: _Session) -> None:
-        session.sends_left -= 1
+    def _connect_tick(self, session: _Session, now: float) -> None:
+        """Send the CONNECTs that are due; re-arm for the next one, or give up
+        ``connect_interval`` after a client's last CONNECT went unACKed."""
+        self._send_connects(session, now)
+        pending = [c for c in session.clients if c is not None and not c.acked]
+        if any(c.connects_left == 0 and c.next_connect <= now for c in pending):
+            self._conclude(session, Outcome.UNACKED, now)
+            session.state = _State.DONE
+            self._schedule(session, now + self.config.linger)
+        elif pending:
+            self._schedule(session, min(c.next_connect for c in pending))
+
+    def _send_connects(self, session: _Session, now: float) -> None:
         for index, client in enumerate(session.clients):
-            if client is None or client.acked:
+            if (
+                client is None
+                or client.acked
+                or client.connects_left == 0
+                or client.next_connect > now
+            ):
                 continue
+            client.connects_left -= 1
+            client.next_connect = now + self.config.connect_interval
             ip, port = session.targets[index]
             packet = Connect(
                 client.version,
@@ -811,11 +1077,17 @@ class NatNegServer:
         if client is None or client.public_ip != addr[0]:
             self._drop("bad-source")
             return
+        if session.state is not _State.CONNECTING:
+            if session.state is not _State.DONE:
+                # No CONNECT of this session was sent yet (or only error CONNECTs,
+                # which are never ACKed): an ACK of an earlier session on the
+                # cookie, which must not stop this one's CONNECTs.
+                self._drop("stale-connect-ack")
+            return
         client.acked = True
-        if session.state is _State.CONNECTING and all(
-            c is not None and c.acked for c in session.clients
-        ):
-            self._finish(session, Outcome.CONNECTED, now)
+        if all(c is not None and c.acked for c in session.clients):
+            session.state = _State.DONE
+            self._schedule(session, now + self.config.linger)
 
     # ------------------------------------------------------------ failures
 
@@ -831,9 +1103,13 @@ class NatNegServer:
                 outcome = Outcome.DEADBEAT
             else:
                 session.codes[index] = Finished.INIT_PACKETS_TIMEDOUT
-        self._events.append(
-            NegotiationFinished(session.cookie, outcome, False, now - session.created)
-        )
+        if all(c is not None for c in session.clients):
+            a, b = session.clients
+            assert a is not None and b is not None
+            session.first_attempt = (
+                _pair(a.public_ip, b.public_ip) not in self._failed_pairs
+            )
+        self._conclude(session, outcome, now)
         session.state = _State.FAILING
         session.sends_left = self.config.error_attempts
         self._send_errors(session)
@@ -851,27 +1127,31 @@ class NatNegServer:
             for addr, endpoint in client.mappings.values():
                 self._out.append((wire, addr, endpoint))
 
-    def _finish(self, session: _Session, outcome: Outcome, now: float) -> None:
+    def _conclude(self, session: _Session, outcome: Outcome, now: float) -> None:
+        """Emit the session's one :class:`NegotiationFinished` (later calls: no-op)."""
+        if session.outcome is not None:
+            return
+        session.outcome = outcome
         self._events.append(
             NegotiationFinished(
-                session.cookie, outcome, session.relayed, now - session.created
+                session.id,
+                outcome,
+                session.relayed,
+                now - session.created,
+                session.first_attempt,
             )
         )
-        session.state = _State.DONE
-        self._schedule(session, now + self.config.linger)
 
     def _on_session_timer(self, session: _Session, now: float) -> None:
         state = session.state
         if state is _State.WAITING:
             self._fail(session, now)
         elif state is _State.RELAY_PENDING:
-            self.relay_unavailable(session.cookie, now)
+            self._connect_direct(session, now)
+        elif state is _State.TIMING:
+            self._start_connect(session, now)
         elif state is _State.CONNECTING:
-            if session.sends_left > 0:
-                self._send_connects(session)
-                self._schedule(session, now + self.config.connect_interval)
-            else:
-                self._finish(session, Outcome.UNACKED, now)
+            self._connect_tick(session, now)
         elif state is _State.FAILING:
             if session.sends_left > 0:
                 self._send_errors(session)
@@ -880,12 +1160,19 @@ class NatNegServer:
                 session.state = _State.DONE
                 self._schedule(session, now + self.config.linger)
         else:
-            self._delete(session)
+            self._delete(session, now, replaced=False)
 
-    def _delete(self, session: _Session) -> None:
+    def _delete(self, session: _Session, now: float, *, replaced: bool) -> None:
+        # CONNECTs acknowledged but no REPORT: a v1/v2 client (they never report)
+        # or a lost REPORT. Replaced before that: the clients started over.
+        self._conclude(
+            session,
+            Outcome.UNREPORTED if session.state is _State.DONE else Outcome.RESTARTED,
+            now,
+        )
         del self._sessions[session.cookie]
-        # Invalidate any pending heap entry.
-        session.generation += 1
+        session.timer = 0  # its heap entry, if any, is now stale
+        self._events.append(SessionClosed(session.id, replaced))
         count = self._per_ip.get(session.owner_ip, 0) - 1
         if count > 0:
             self._per_ip[session.owner_ip] = count
@@ -918,12 +1205,22 @@ class NatNegServer:
                 self._nat_history, ip, (nat_type, now + self.config.history_ttl)
             )
             self._arm_housekeeping(now)
-        if not p.neg_result:
-            session = self._sessions.get(p.cookie)
-            if session is not None and all(c is not None for c in session.clients):
-                a, b = session.clients
-                assert a is not None and b is not None
-                if ip in (a.public_ip, b.public_ip) and a.public_ip != b.public_ip:
+        session = self._sessions.get(p.cookie)
+        if (
+            session is not None
+            and session.targets
+            and session.state in (_State.CONNECTING, _State.DONE)
+        ):
+            # A REPORT is the only word on whether the clients reached each other;
+            # it counts only for a session that sent them a peer address.
+            a, b = session.clients
+            assert a is not None and b is not None
+            if ip in (a.public_ip, b.public_ip):
+                success = bool(p.neg_result)
+                self._conclude(
+                    session, Outcome.CONNECTED if success else Outcome.FAILED, now
+                )
+                if not success and a.public_ip != b.public_ip:
                     self._remember(
                         self._failed_pairs,
                         _pair(a.public_ip, b.public_ip),

@@ -13,8 +13,15 @@ one method at a time, each with its own *tracking number* (1, 2, 3, ...):
    one STUN connection per address family and reports SERCLI_STUN_RESULT per
    family; the STUN service reports the address it saw. When each side has two
    results (or :attr:`stun_wait` passes) the families both sides reached are
-   paired, IPv4 first, and each pair gets GC_STUN_CONNECT to *both* sides at once
-   with the other side's public address: a TCP simultaneous open.
+   paired, IPv4 first, and each pair gets GC_STUN_CONNECT to both sides with the
+   other side's public address: a TCP simultaneous open. Each side sends its SYN
+   when GC_STUN_CONNECT arrives, and a SYN that reaches the other router before
+   that router's side has sent its own is dropped (or, on a router that accepts
+   unsolicited input, makes it remap the later SYN). So the message to the side
+   nearer to the coordinator is held back by the difference of the one-way times
+   (:func:`crossroads.proto.timing.crossing_leads`, from the round trips the
+   service reports with :meth:`ConnectAttempt.round_trip`): both SYNs leave at
+   once and cross in flight.
 3. **TURN** (both peers at protocol 5+ and a relay known): a ticket, then
    GC_TURN_CONNECT to both; the relay pairs them by ticket.
 
@@ -51,6 +58,7 @@ from crossroads.proto.openttd.coordinator import (
     GcStunRequest,
     GcTurnConnect,
 )
+from crossroads.proto.timing import crossing_leads
 
 #: Overall limit of one join (reference section 7: the reference GC's 20 s
 #: timeout; an OpenTTD client gives up its own connecter well within it).
@@ -62,16 +70,24 @@ STUN_WAIT = 5.0
 #: Each OpenTTD peer opens one STUN connection per family (AF_INET6, AF_INET)
 #: and reports both (``Receive_GC_STUN_REQUEST``).
 STUN_RESULTS_PER_SIDE = 2
+#: Longest hold of one side's GC_STUN_CONNECT. OpenTTD's SYN retransmits after
+#: Linux's 1 s initial RTO (RFC 6298 section 2), so a lead near that would only
+#: delay; a side that fakes a slow round trip holds the other back no longer.
+MAX_STUN_LEAD = 0.5
 
 
 @dataclass(frozen=True, slots=True)
 class SendToClient:
     message: GcMessage
+    #: Seconds to hold the message first (timed GC_STUN_CONNECT); 0: at once.
+    delay: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class SendToServer:
     message: GcMessage
+    #: Seconds to hold the message first (timed GC_STUN_CONNECT); 0: at once.
+    delay: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +185,7 @@ class ConnectAttempt:
             Side.CLIENT: _StunSide({}, {}),
             Side.SERVER: _StunSide({}, {}),
         }
+        self._rtt: dict[Side, float | None] = {Side.CLIENT: None, Side.SERVER: None}
         self._pairs: list[
             tuple[int, tuple[int, tuple[str, int]], tuple[int, tuple[str, int]]]
         ] = []
@@ -231,6 +248,11 @@ class ConnectAttempt:
         if self._stage is _Stage.DONE:
             return []
         return self._finish(True, "connected")
+
+    def round_trip(self, side: Side, rtt: float | None) -> None:
+        """The current round-trip time of ``side``'s coordinator connection
+        (None: unknown), for timing GC_STUN_CONNECT."""
+        self._rtt[side] = rtt
 
     def stun_result(
         self, side: Side, family: int, ok: bool, now: float
@@ -347,6 +369,9 @@ class ConnectAttempt:
         pair: tuple[int, tuple[int, tuple[str, int]], tuple[int, tuple[str, int]]],
     ) -> list[Command]:
         version, (client_family, client_addr), (server_family, server_addr) = pair
+        client_lead, server_lead = crossing_leads(
+            self._rtt[Side.CLIENT], self._rtt[Side.SERVER], MAX_STUN_LEAD
+        )
         self._tracking += 1
         self._open = True
         self._method = f"stun-ipv{version}"
@@ -359,7 +384,8 @@ class ConnectAttempt:
                     client_family,
                     server_addr[0],
                     server_addr[1],
-                )
+                ),
+                client_lead,
             ),
             SendToServer(
                 GcStunConnect(
@@ -368,7 +394,8 @@ class ConnectAttempt:
                     server_family,
                     client_addr[0],
                     client_addr[1],
-                )
+                ),
+                server_lead,
             ),
         ]
 

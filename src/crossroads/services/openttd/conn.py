@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -37,6 +38,12 @@ from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, ConnectionBudget
 from crossroads.transport.udp import make_tcp_listener
 from crossroads.types import Address, normalize_address
+
+#: Linux ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_rtt``, the smoothed
+#: RTT in microseconds, follows 8 one-byte fields and 15 u32 fields.
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
+_TCPI_RTT_OFFSET = 8 + 15 * 4
+_TCP_INFO_LEN = 104
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -180,6 +187,22 @@ class PacketConnection(asyncio.Protocol):
     @property
     def host(self) -> str:
         return self.peer[0]
+
+    def round_trip(self) -> float | None:
+        """The kernel's smoothed round-trip time of this connection (seconds), or
+        None where TCP_INFO is not available."""
+        transport = self.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is None or self.closed:
+            return None
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+        except (OSError, AttributeError):
+            return None
+        if len(info) < _TCPI_RTT_OFFSET + 4:
+            return None
+        (rtt_us,) = struct.unpack_from("I", info, _TCPI_RTT_OFFSET)
+        return rtt_us / 1e6 if rtt_us else None
 
     def send(self, data: bytes) -> None:
         transport = self.transport

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -211,17 +212,47 @@ class AttemptRunner(_Runner):
         self.attempt = attempt
         self.client = client
         self.record = record
+        #: Messages held back to time a STUN pairing (cancelled with the runner).
+        self.held: set[asyncio.TimerHandle] = set()
 
     def deadline(self) -> float | None:
         return self.attempt.get_timer()
 
     def on_timer(self, now: float) -> list[Command]:
+        self.measure_round_trips()
         return self.attempt.handle_timer(now)
+
+    def measure_round_trips(self) -> None:
+        """Tell the attempt both coordinator connections' round trips (the
+        server's only when its connection is on this instance)."""
+        attempt = self.attempt
+        attempt.round_trip(Side.CLIENT, self.client.round_trip())
+        server = self.coordinator.local_servers.get(self.record.code)
+        attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
+
+    def _hold(self, delay: float, command: Command) -> None:
+        def release() -> None:
+            self.held.discard(handle)
+            if not self.finished:
+                self.feed([command])
+
+        handle = self.loop.call_later(delay, release)
+        self.held.add(handle)
+
+    def cancel(self) -> None:
+        super().cancel()
+        for handle in self.held:
+            handle.cancel()
+        self.held.clear()
 
     async def execute(self, command: Command) -> None:
         coordinator = self.coordinator
         log.debug("openttd: join %s -> %s", self.record.code, command)
         match command:
+            case SendToClient(message, delay) | SendToServer(message, delay) if (
+                delay > 0
+            ):
+                self._hold(delay, dataclasses.replace(command, delay=0.0))
             case SendToClient(message):
                 coordinator.send(self.client, message)
             case SendToServer(message):
@@ -1010,6 +1041,7 @@ class Coordinator:
             stun_wait=self.settings.stun_wait,
         )
         runner = AttemptRunner(self, attempt, conn, record)
+        runner.measure_round_trips()
         self.attempts[key] = runner
         self.attempts_by_server.setdefault(code, set()).add(key)
         state.attempts.add(key)
@@ -1107,6 +1139,7 @@ class Coordinator:
             case "connected" if side is Side.CLIENT:
                 runner.feed(attempt.connected(now))
             case "stun":
+                runner.measure_round_trips()
                 runner.feed(
                     attempt.stun_result(
                         side, int(event["family"]), bool(event["ok"]), now
@@ -1135,6 +1168,7 @@ class Coordinator:
             self.metrics.ignored.labels("stale-token").inc()
             return
         side = Side.CLIENT if parsed.side is TokenSide.CLIENT else Side.SERVER
+        runner.measure_round_trips()
         runner.feed(runner.attempt.stun_observed(side, family, host, port, now))
 
     def on_bus(self, message: dict[str, Any]) -> None:

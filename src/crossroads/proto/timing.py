@@ -1,0 +1,35 @@
+"""When to tell two peers to start a hole punch so that both start together.
+
+A server that tells two NATed peers "connect to each other" sends each a message;
+each peer sends its first packet (a natneg CONNECT_PING, a TCP SYN) the moment that
+message arrives. If one peer's first packet reaches the other's router before that
+router's own peer has sent anything toward it, a port-restricted router drops it,
+and a router that accepts unsolicited input keeps a conntrack entry that makes it
+remap its own peer's port when that peer sends -- the first attempt fails (issue 15;
+the arithmetic is in docs/natneg.md, "CONNECT timing").
+
+The server knows each peer's round-trip time ``rtt``; the message takes about
+``rtt / 2`` to arrive. Sending to the farther peer first and to the nearer one
+``(rtt_far - rtt_near) / 2`` later makes both arrive, and both first packets leave,
+at the same moment, so they cross in flight. RakNet's NatPunchthroughServer gets the
+same effect by telling both peers a common start time (CONNECT_AT_TIME); the
+protocols here cannot carry a time, so the server times its sends instead.
+"""
+
+from __future__ import annotations
+
+
+def crossing_leads(
+    rtt_a: float | None, rtt_b: float | None, max_lead: float
+) -> tuple[float, float]:
+    """Seconds to hold the message to peer A and to peer B.
+
+    One of the two is always 0 (the farther peer's message goes at once); the other
+    is the difference of the one-way times, at most ``max_lead`` (a peer that fakes
+    a slow round trip must not hold its partner back for long). An unknown round
+    trip gives no lead: both at once, as servers have always done.
+    """
+    if rtt_a is None or rtt_b is None:
+        return (0.0, 0.0)
+    lead = min(abs(rtt_a - rtt_b) / 2, max_lead)
+    return (0.0, lead) if rtt_a >= rtt_b else (lead, 0.0)
