@@ -61,9 +61,6 @@ from crossroads.types import Address
 
 #: ``defaultTimeoutTime`` 10 000 ms in release builds (RakPeer.cpp:247-249).
 TIMEOUT_MS = 10_000
-#: A reliable keep-alive ping when nothing reliable went out for timeout/2
-#: (RakPeer.cpp:5857-5867).
-KEEPALIVE_MS = TIMEOUT_MS // 2
 #: Resend check interval while reliable data is in flight; RakNet's update
 #: thread runs every 10 ms, 50 ms keeps a Python server cheap and is well
 #: under the 100 ms minimum RTO.
@@ -92,6 +89,9 @@ class ServerConfig:
     local_addresses: tuple[Address, ...] = ()
     #: ``SetOfflinePingResponse`` data appended to unconnected pongs.
     offline_ping_response: bytes = b""
+    #: Silence after which a connection is lost; a reliable keep-alive ping
+    #: goes out when nothing reliable was sent for half of it
+    #: (RakPeer.cpp:5857-5867).
     timeout_ms: int = TIMEOUT_MS
 
 
@@ -551,7 +551,7 @@ class RakNetServer:
                 continue
             if (
                 conn.state is State.CONNECTED
-                and now_ms - conn.layer.last_reliable_send_ms > KEEPALIVE_MS
+                and now_ms - conn.layer.last_reliable_send_ms > timeout // 2
             ):
                 conn.layer.send(
                     m.connected_ping(now_ms), Reliability.RELIABLE, 0, now_ms
