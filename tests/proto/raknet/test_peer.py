@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossroads.proto.raknet import messages as m
-from crossroads.proto.raknet.bitstream import BitWriter
 from crossroads.proto.raknet.peer import (
     Connected,
     Disconnected,
@@ -17,83 +16,14 @@ from crossroads.proto.raknet.peer import (
     RakNetServer,
     ServerConfig,
 )
-from crossroads.proto.raknet.reliability import (
-    Reliability,
-    ReliabilityLayer,
-    SplitBudget,
-)
-from crossroads.types import Address
+from crossroads.proto.raknet.reliability import Frame, Reliability
+from tests.proto.raknet.support import CLIENT, Client, ocr2
 
-SERVER: Address = ("203.0.113.1", 61111)
-CLIENT: Address = ("198.51.100.7", 50000)
 SERVER_GUID = 0x1122334455667788
 
 
 def new_server(**overrides: object) -> RakNetServer:
     return RakNetServer(ServerConfig(**overrides), guid=SERVER_GUID)  # type: ignore[arg-type]
-
-
-def ocr2(guid: int, mtu: int = 1492) -> bytes:
-    return m.OpenConnectionRequest2(SERVER, mtu, guid).encode()
-
-
-class Client:
-    """Just enough of a RakNet client to drive the server."""
-
-    def __init__(
-        self, server: RakNetServer, addr: Address = CLIENT, guid: int = 42
-    ) -> None:
-        self.server = server
-        self.addr = addr
-        self.guid = guid
-        self.layer = ReliabilityLayer(1492, SplitBudget(10**9))
-        self.inbox: list[bytes] = []
-        self.offline: list[bytes] = []
-
-    def raw(self, data: bytes, now: float) -> list[bytes]:
-        self.server.receive_datagram(data, self.addr, now)
-        return self.pump(now)
-
-    def pump(self, now: float) -> list[bytes]:
-        out = []
-        for data, addr in self.server.datagrams_to_send(now):
-            if addr != self.addr:
-                continue
-            if data[0] & 0x80 and not m.is_offline(data):
-                self.inbox += self.layer.receive(data, int(now * 1000))
-            else:
-                out.append(data)
-        for data in self.layer.datagrams(int(now * 1000)):
-            self.server.receive_datagram(data, self.addr, now)
-        return out
-
-    def send(self, payload: bytes, now: float) -> None:
-        self.layer.send(payload, Reliability.RELIABLE_ORDERED, 0, int(now * 1000))
-        self.pump(now)
-        self.pump(now)
-
-    def connect(self, now: float = 1.0) -> None:
-        self.raw(m.OpenConnectionRequest1(6, 1492).encode(), now)
-        self.raw(ocr2(self.guid), now)
-        writer = BitWriter()
-        writer.write_u8(m.MessageId.CONNECTION_REQUEST)
-        writer.write_u64(self.guid)
-        writer.write_u64(1234)
-        writer.write_bool(False)
-        self.send(writer.data(), now)
-        accepted = [
-            p for p in self.inbox if p[0] == m.MessageId.CONNECTION_REQUEST_ACCEPTED
-        ]
-        assert accepted, self.inbox
-        writer = BitWriter()
-        writer.write_u8(m.MessageId.NEW_INCOMING_CONNECTION)
-        writer.write_address(SERVER)
-        writer.write_address(("192.168.1.20", 50000))
-        for _ in range(9):
-            writer.write_address(("0.0.0.0", 0))
-        writer.write_u64(1)
-        writer.write_u64(2)
-        self.send(writer.data(), now)
 
 
 def test_open_connection_request_1_gets_a_28_byte_reply_with_the_mtu() -> None:
@@ -130,7 +60,8 @@ def test_full_handshake_and_messages_both_ways() -> None:
     client.connect()
     (event,) = server.pop_events()
     assert event == Connected(42, CLIENT, (("192.168.1.20", 50000),))
-    accepted = client.inbox[0]
+    assert not client.inbox
+    accepted = client.accepted
     assert len(accepted) == 96 and accepted[1:8] == bytes.fromhex("0439cc9bf8c350")
     client.send(b"\x86ping", 1.1)
     assert server.pop_events() == [MessageReceived(42, CLIENT, b"\x86ping")]
@@ -230,8 +161,6 @@ def test_limits_close_only_the_offending_connection() -> None:
     bad.connect(1.0)
     server.pop_events()
     # a split message claiming 2^31 fragments
-    from crossroads.proto.raknet.reliability import Frame
-
     frame = Frame(Reliability.RELIABLE, b"\x86", 50, split_count=2**31)
     server.receive_datagram(b"\x84\x50\x00\x00" + frame.encode(), bad.addr, 1.5)
     assert server.pop_events() == [Disconnected(66, bad.addr, "limit")]

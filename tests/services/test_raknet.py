@@ -1,0 +1,163 @@
+"""The ``raknet`` service (``crossroads serve --only raknet``) with real RakNet
+4.081 peers (PyPI ``raknet==0.3.0``) scripting NatPunchthroughClient's side of
+the exchange (the wheel exposes the peer, not the plugin; message layouts from
+reference raknet-wire.md §3), plus the port-stride ping on the second socket."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from crossroads.config import default_config
+from crossroads.proto.raknet import messages as m
+from crossroads.proto.raknet.bitstream import BitReader
+from crossroads.runtime import Runtime, start
+from crossroads.services.raknet import RakNetService
+from tests.conftest import eventually, loopback_config
+from tests.interop.raknet_support import ID, RakNetPeer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def rt() -> AsyncIterator[Runtime]:
+    runtime = await start(default_config(loopback_config(core__only="raknet")))
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+@pytest.fixture
+def peers() -> AsyncIterator[tuple[RakNetPeer, RakNetPeer]]:
+    a, b = RakNetPeer(), RakNetPeer()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def service_of(rt: Runtime) -> RakNetService:
+    service = rt.services["raknet"]
+    assert isinstance(service, RakNetService)
+    return service
+
+
+async def guid_of(service: RakNetService, peer: RakNetPeer) -> int:
+    """The GUID the server knows a wheel peer by (the wheel does not expose it)."""
+
+    async def known() -> bool:
+        return any(u.address[1] == peer.port for u in service.node.punch.users.values())
+
+    await eventually(known, "the server has the peer as a punchthrough user")
+    return next(
+        g for g, u in service.node.punch.users.items() if u.address[1] == peer.port
+    )
+
+
+def connect_at_time(data: bytes) -> tuple[int, tuple[str, int], int, bool]:
+    """(session, peer public address, peer GUID, we-are-sender) of a
+    ``1b`` Time ``3b`` ... message."""
+    assert (
+        data[0] == m.MessageId.TIMESTAMP and data[9] == m.MessageId.NAT_CONNECT_AT_TIME
+    )
+    reader = BitReader(data, start_bits=10 * 8)
+    session = reader.read_u16()
+    public = reader.read_address()
+    for _ in range(10):
+        reader.read_address()
+    return session, public, reader.read_u64(), reader.read_bool()
+
+
+async def test_punchthrough_between_two_stock_raknet_peers(
+    rt: Runtime, peers: tuple[RakNetPeer, RakNetPeer]
+) -> None:
+    service = service_of(rt)
+    port = service.addresses[0][1]
+    a, b = peers
+    await a.connect("127.0.0.1", port)
+    await b.connect("127.0.0.1", port)
+    b_guid = await guid_of(service, b)
+    a_guid = await guid_of(service, a)
+
+    a.send(bytes([m.MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b_guid.to_bytes(8, "big"))
+    ask_a = await a.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    ask_b = await b.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    assert ask_a == ask_b and len(ask_a) == 3
+    session = ask_a[1:3]
+    for peer in (a, b):
+        peer.send(ask_a[:1] + session + peer.port.to_bytes(2, "big"))
+    at_a = connect_at_time(await a.expect(m.MessageId.TIMESTAMP))
+    at_b = connect_at_time(await b.expect(m.MessageId.TIMESTAMP))
+    assert at_a == (int.from_bytes(session, "big"), ("127.0.0.1", b.port), b_guid, True)
+    assert at_b == (
+        int.from_bytes(session, "big"),
+        ("127.0.0.1", a.port),
+        a_guid,
+        False,
+    )
+
+    # an unknown target
+    a.send(bytes([m.MessageId.NAT_CLIENT_READY]))
+    b.send(bytes([m.MessageId.NAT_CLIENT_READY]))
+    a.send(bytes([m.MessageId.NAT_PUNCHTHROUGH_REQUEST]) + (12345).to_bytes(8, "big"))
+    refused = await a.expect(m.MessageId.NAT_TARGET_NOT_CONNECTED)
+    assert refused == bytes([0x3E]) + (12345).to_bytes(8, "big")
+
+    # the target leaves mid-attempt
+    a.send(bytes([m.MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b_guid.to_bytes(8, "big"))
+    await b.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    b.peer.shutdown(0.3)
+    lost = await a.expect(m.MessageId.NAT_CONNECTION_TO_TARGET_LOST)
+    assert lost[1:9] == b_guid.to_bytes(8, "big")
+
+
+async def test_bound_addresses_and_port_stride_ping(
+    rt: Runtime, peers: tuple[RakNetPeer, RakNetPeer]
+) -> None:
+    service = service_of(rt)
+    first, second = service.addresses
+    a, _ = peers
+    await a.connect("127.0.0.1", first[1])
+    a.send(bytes([m.MessageId.NAT_REQUEST_BOUND_ADDRESSES]))
+    answer = await a.expect(m.MessageId.NAT_RESPOND_BOUND_ADDRESSES)
+    reader = BitReader(answer, start_bits=8)
+    assert reader.read_u8() == 2
+    assert [reader.read_address(), reader.read_address()] == [first, second]
+
+    # The client's out-of-band NAT_PING to the second socket: the pong comes
+    # from the first, with the port as reported and as seen.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.settimeout(5)
+        ping = m.OutOfBand(99, bytes([0x0A]) + (4242).to_bytes(2, "big")).encode()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sock.sendto, ping, second)
+        data, source = await loop.run_in_executor(None, sock.recvfrom, 2048)
+        seen = sock.getsockname()[1]
+    assert source == first
+    pong = m.OutOfBand.decode(data)
+    assert pong.guid == service.node.peer.guid
+    assert pong.payload == bytes([0x0B]) + (4242).to_bytes(2, "big") + seen.to_bytes(
+        2, "big"
+    )
+
+
+async def test_garbage_does_not_disturb_a_connected_peer(
+    rt: Runtime, peers: tuple[RakNetPeer, RakNetPeer]
+) -> None:
+    service = service_of(rt)
+    first, second = service.addresses
+    a, _ = peers
+    await a.connect("127.0.0.1", first[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for garbage in (b"", b"\x84", b"\xc0\xff\xff", b"\x05" + m.MAGIC, bytes(600)):
+            sock.sendto(garbage, first)
+            sock.sendto(garbage, second)
+    a.send(bytes([m.MessageId.NAT_REQUEST_BOUND_ADDRESSES]))
+    await a.expect(m.MessageId.NAT_RESPOND_BOUND_ADDRESSES)
+    assert not [d for d, _ in a.backlog if d[0] == ID.ID_CONNECTION_LOST]
+    dropped = service.node.peer.stats.dropped
+    assert sum(dropped.values()) >= 3 and service.node.second_dropped >= 3
