@@ -25,6 +25,7 @@ from crossroads.proto.raknet.peer import (
     RakNetServer,
     ServerConfig,
 )
+from crossroads.proto.raknet.reliability import decode_frames
 from crossroads.transport.udp import CoreDatagramProtocol, make_udp_socket
 from tests.conftest import eventually
 from tests.interop.raknet_support import ID, RakNetPeer
@@ -163,3 +164,57 @@ def test_the_wheel_is_raknet_4081_with_protocol_6() -> None:
     peer = raknet.RakPeer()
     peer.startup(port=0, protocol_version=6)
     peer.shutdown(0)
+
+
+class FirstFragmentLost(EchoDriver):
+    """Drops the first datagram carrying fragment 0 of a split message."""
+
+    def __init__(self, core: RakNetServer) -> None:
+        super().__init__(core)
+        self.dropped = 0
+
+    def transmit(self, now: float | None = None) -> None:
+        send = self.server.datagrams_to_send
+
+        def lossy(at: float) -> list[tuple[bytes, tuple[str, int]]]:
+            kept = []
+            for data, addr in send(at):
+                if data[0] == 0x84 and not self.dropped:
+                    frames = decode_frames(data, 4)
+                    if any(f.split_count and f.split_index == 0 for f in frames):
+                        self.dropped += 1
+                        continue
+                kept.append((data, addr))
+            return kept
+
+        self.server.datagrams_to_send = lossy  # type: ignore[method-assign]
+        try:
+            super().transmit(now)
+        finally:
+            del self.server.datagrams_to_send
+
+
+async def test_a_split_message_whose_first_fragment_is_lost_arrives_intact(
+    client: RakNetPeer,
+) -> None:
+    """RakNet 4.081 joins fragments in arrival order: a resent fragment 0
+    arriving after fragment 1 scrambled the message (measured). The server
+    sends a split message's fragments one at a time to keep them in order."""
+    core = RakNetServer()
+    sock = make_udp_socket("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    transport, driver = await loop.create_datagram_endpoint(
+        lambda: FirstFragmentLost(core), sock=sock
+    )
+    try:
+        await client.connect("127.0.0.1", sock.getsockname()[1])
+        big = b"\x86" + bytes(range(256)) * 16
+        client.send(big)
+        client.send(b"\x86after")
+        assert await client.expect(lambda d: len(d) > 1000) == b"\x86echo" + big
+        assert (
+            await client.expect(lambda d: d.endswith(b"after")) == b"\x86echo\x86after"
+        )
+        assert driver.dropped == 1
+    finally:
+        transport.close()

@@ -270,11 +270,20 @@ def test_resend_buffer_caps_messages_in_flight() -> None:
     assert sender.in_flight == RESEND_BUFFER and sender.queued == 10
 
 
-def test_large_messages_are_split_to_the_mtu() -> None:
+def test_large_messages_are_split_to_the_mtu_one_fragment_at_a_time() -> None:
+    """RakNet 4.081 joins fragments in arrival order, so fragment n+1 leaves
+    only once fragment n is acknowledged (see the module docstring)."""
     sender, receiver = layer(), layer()
     payload = b"\x86" + bytes(range(256)) * 40
     sender.send(payload, Reliability.UNRELIABLE, 0, 0)
-    out = sender.datagrams(0)
-    assert len(out) > 1 and all(len(d) <= MTU - 28 for d in out)
-    delivered = [m for d in out for m in receiver.receive(d, 0)]
-    assert delivered == [payload]
+    delivered: list[bytes] = []
+    fragments = 0
+    for now in range(0, 1000, 10):
+        out = sender.datagrams(now)
+        assert len(out) <= 1 and all(len(d) <= MTU - 28 for d in out)
+        fragments += len(out)
+        for data in out:
+            delivered += receiver.receive(data, now)
+        for ack in receiver.datagrams(now):
+            sender.receive(ack, now)
+    assert delivered == [payload] and fragments == 8

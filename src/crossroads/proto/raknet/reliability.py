@@ -30,7 +30,11 @@ the current ordering index and is newer than the last one delivered, and
 dropped when stale.
 
 Sending: payloads larger than one datagram are split (and made reliable, as
-RakNet does). Reliable frames wait in a resend buffer of at most 512 messages
+RakNet does). A split message's fragments go out one at a time, each once
+the previous one is acknowledged: RakNet 4.081's receiver joins fragments in
+the order they *arrive* (measured with the real library: when fragment 0 is
+lost and resent after fragment 1 arrived, the message is delivered
+scrambled), so a resent fragment must never be overtaken by a later one. Reliable frames wait in a resend buffer of at most 512 messages
 (``RESEND_BUFFER_ARRAY_LENGTH``) until a datagram carrying them is ACKed; a NAK
 or the retransmission timeout (from measured round trips, as
 CCRakNetSlidingWindow's ``GetRTOForRetransmission``) sends them again. Frames
@@ -335,6 +339,8 @@ class ReliabilityLayer:
         self._ordered_write = [0] * ORDERING_CHANNELS
         self._sequenced_write = [0] * ORDERING_CHANNELS
         self._next_split_id = 0
+        #: Reliable number of the split fragment sent last (see _pack's caller).
+        self._split_gate = -1
         self._queue: deque[tuple[Frame, bytes]] = deque()
         self._in_flight: dict[int, _InFlight] = {}
         self._datagrams: dict[int, tuple[int, list[int]]] = {}
@@ -628,7 +634,10 @@ class ReliabilityLayer:
                 pending.append((flight.data, number))
                 self.resends += 1
         while self._queue and len(self._in_flight) < RESEND_BUFFER:
-            frame, _ = self._queue.popleft()
+            frame = self._queue[0][0]
+            if frame.split_index > 0 and self._split_gate in self._in_flight:
+                break  # the previous fragment is not acknowledged yet
+            self._queue.popleft()
             index: int | None = None
             if frame.reliability in _RELIABLE:
                 index = self._next_reliable
@@ -650,6 +659,8 @@ class ReliabilityLayer:
                 flight.resend_ms = now_ms + rto
                 self._in_flight[index] = flight
                 self.last_reliable_send_ms = now_ms
+                if frame.split_count:
+                    self._split_gate = index
             pending.append((data, index))
         if pending:
             out.extend(self._pack(pending, now_ms))
