@@ -13,7 +13,8 @@ import pytest
 
 from crossroads.config import default_config
 from crossroads.proto.raknet import messages as m
-from crossroads.proto.raknet.bitstream import BitReader
+from crossroads.proto.raknet.bitstream import BitReader, BitWriter
+from crossroads.proto.raknet.nattype import Socket
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
 from tests.conftest import eventually, loopback_config
@@ -161,3 +162,53 @@ async def test_garbage_does_not_disturb_a_connected_peer(
     assert not [d for d, _ in a.backlog if d[0] == ID.ID_CONNECTION_LOST]
     dropped = service.node.peer.stats.dropped
     assert sum(dropped.values()) >= 3 and service.node.second_dropped >= 3
+
+
+@pytest.fixture
+async def rt_detection() -> AsyncIterator[Runtime]:
+    runtime = await start(
+        default_config(
+            loopback_config(core__only="raknet", raknet__detection_hosts=["127.0.0.1"])
+        )
+    )
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+async def test_nat_type_detection_with_a_stock_raknet_peer(
+    rt_detection: Runtime, peers: tuple[RakNetPeer, RakNetPeer]
+) -> None:
+    """The client side scripted as NatTypeDetectionClient does it (the wheel
+    has the peer, not the plugin): C1 is the wheel's socket, C2 a plain one."""
+    service = service_of(rt_detection)
+    sides = service.side_addresses
+    a, _ = peers
+    await a.connect("127.0.0.1", service.addresses[0][1])
+    guid = await guid_of(service, a)
+    loop = asyncio.get_running_loop()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as c2:
+        c2.bind(("127.0.0.1", 0))
+        c2.settimeout(5)
+        request = BitWriter()
+        request.write_u8(m.MessageId.NAT_TYPE_DETECTION_REQUEST)
+        request.write_bool(True)
+        request.write_u16(c2.getsockname()[1])
+        a.send(request.data())
+        # NONE: the raw byte 00 from s4p5 to C2
+        data, source = await loop.run_in_executor(None, c2.recvfrom, 100)
+        assert (data, source) == (b"\x00", sides[Socket.S4P5])
+        # FULL_CONE from s2p3 and ADDRESS_RESTRICTED from s1p2, out of band to C1
+        full = await a.expect(lambda d: d == bytes([0x0D, 0x02, 0x01]))
+        restricted = await a.expect(lambda d: d == bytes([0x0D, 0x02, 0x02]))
+        assert full and restricted
+        # PORT_RESTRICTED: where to send the probe, over the connection
+        probe = await a.expect(m.MessageId.NAT_TYPE_DETECTION_REQUEST)
+        reader = BitReader(probe, start_bits=8)
+        s3p4 = (reader.read_rakstring().decode(), reader.read_u16())
+        assert s3p4 == sides[Socket.S3P4]
+        # a probe from another port than the connection's: SYMMETRIC
+        c2.sendto(b"\x03" + guid.to_bytes(8, "big"), s3p4)
+        result = await a.expect(m.MessageId.NAT_TYPE_DETECTION_RESULT)
+    assert result == bytes([0x61, 4])

@@ -14,6 +14,7 @@ module adds the second socket, the config section and the metrics.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.config import setting
+from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import ServerConfig
 from crossroads.services.base import ServiceContext
@@ -34,6 +36,13 @@ from crossroads.transport.udp import (
 from crossroads.types import Address, normalize_address
 
 NAME = "raknet"
+
+
+def _check_detection_hosts(value: tuple[str, ...]) -> None:
+    if len(value) not in (0, 1, 3):
+        raise ValueError("give one IP (all three sockets on it) or three")
+    for host in value:
+        ipaddress.IPv4Address(host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +78,14 @@ class Config:
         1000.0,
         kind="float",
         help="Connection requests answered per second, all sources together.",
+    )
+    detection_hosts: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_detection_hosts,
+        help="NAT type detection: IPs for its sockets s2p3, s3p4, s4p5 (one IP: "
+        "all three on it, the layout the stock server really uses; three: one "
+        "each). Empty: no NAT type detection.",
     )
     split_memory: int = setting(
         64 * 1024 * 1024,
@@ -124,6 +141,49 @@ class _Collector(Collector):
         outcomes.add_metric(["unresponsive"], punch.unresponsive)
         outcomes.add_metric(["connection-lost"], punch.lost)
         yield outcomes
+        if node.detection is not None:
+            results = CounterMetricFamily(
+                "crossroads_raknet_nat_type_results",
+                "NAT type detection results sent, by NATTypeDetectionResult.",
+                labels=["result"],
+            )
+            for result, count in sorted(node.detection.stats.results.items()):
+                results.add_metric([result], count)
+            yield results
+
+
+class _Driver(CoreDatagramProtocol):
+    """The project's driver, plus the datagrams of the detection sockets."""
+
+    def __init__(self, service: RakNetService) -> None:
+        super().__init__(service.node)
+        self.service = service
+
+    def transmit(self, now: float | None = None) -> None:
+        super().transmit(now)
+        for role, data, addr in self.service.node.side_datagrams():
+            transport = self.service.side.get(role)
+            if transport is not None:
+                transport.sendto(data, addr)
+
+
+class _SideSocket(asyncio.DatagramProtocol):
+    """A NAT type detection socket; only s3p4 reads what arrives."""
+
+    def __init__(self, service: RakNetService, role: Socket) -> None:
+        self.service = service
+        self.role = role
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        driver = self.service.driver
+        if self.role is not Socket.S3P4 or driver is None:
+            return
+        now = asyncio.get_running_loop().time()
+        self.service.node.receive_s3p4(data, normalize_address(addr), now)
+        driver.transmit(now)
+
+    def error_received(self, exc: Exception) -> None:
+        pass
 
 
 class _SecondSocket(asyncio.DatagramProtocol):
@@ -149,6 +209,9 @@ class RakNetService:
         self.node = node
         self.driver: CoreDatagramProtocol | None = None
         self.addresses: list[Address] = []
+        #: NAT type detection's sockets (transports), by role.
+        self.side: dict[Socket, asyncio.DatagramTransport] = {}
+        self.side_addresses: dict[Socket, Address] = {}
         self._transports: list[asyncio.BaseTransport] = []
         self._collector: _Collector | None = None
         self._registry: Any = None
@@ -166,6 +229,7 @@ class RakNetService:
         for transport in self._transports:
             transport.close()
         self._transports.clear()
+        self.side.clear()
         self.driver = None
         if self._collector is not None and self._registry is not None:
             try:
@@ -186,14 +250,31 @@ async def serve(ctx: ServiceContext) -> RakNetService:
     host = cfg.host or ctx.host
     second_host = cfg.second_host or host
     sockets: list[socket.socket] = []
+    side_hosts: dict[Socket, str] = {}
+    if cfg.detection_hosts:
+        ips = (
+            cfg.detection_hosts * 3
+            if len(cfg.detection_hosts) == 1
+            else cfg.detection_hosts
+        )
+        side_hosts = {
+            Socket.S1P2: host,
+            Socket.S2P3: ips[0],
+            Socket.S3P4: ips[1],
+            Socket.S4P5: ips[2],
+        }
+    side_sockets: dict[Socket, socket.socket] = {}
     try:
         sockets.append(make_udp_socket(host, cfg.port))
         sockets.append(make_udp_socket(second_host, cfg.second_port))
+        for role, side_host in side_hosts.items():
+            side_sockets[role] = make_udp_socket(side_host, 0)
     except BaseException:
-        for sock in sockets:
+        for sock in [*sockets, *side_sockets.values()]:
             sock.close()
         raise
     bound = [bound_address(s) for s in sockets]
+    side_bound = {role: bound_address(s) for role, s in side_sockets.items()}
     public = cfg.advertise_host or ctx.config.core.public_host
     advertised = [
         _advertised(public if public else "", bound[0]),
@@ -208,13 +289,15 @@ async def serve(ctx: ServiceContext) -> RakNetService:
             local_addresses=(advertised[0],),
         ),
         bound_addresses=advertised,
+        s3p4=side_bound.get(Socket.S3P4),
     )
     service = RakNetService(node)
     service.addresses = bound
+    service.side_addresses = side_bound
     loop = asyncio.get_running_loop()
     try:
         transport, driver = await loop.create_datagram_endpoint(
-            lambda: CoreDatagramProtocol(node), sock=sockets[0]
+            lambda: _Driver(service), sock=sockets[0]
         )
         service._transports.append(transport)
         service.driver = driver
@@ -222,9 +305,16 @@ async def serve(ctx: ServiceContext) -> RakNetService:
             lambda: _SecondSocket(service), sock=sockets[1]
         )
         service._transports.append(second)
+        for role, sock in side_sockets.items():
+            side, _ = await loop.create_datagram_endpoint(
+                lambda role=role: _SideSocket(service, role),  # type: ignore[misc]
+                sock=sock,
+            )
+            service._transports.append(side)
+            service.side[role] = side
     except BaseException:
         await service.close()
-        for sock in sockets:
+        for sock in [*sockets, *side_sockets.values()]:
             sock.close()
         raise
     service._registry = ctx.metrics

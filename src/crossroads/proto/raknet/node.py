@@ -2,7 +2,8 @@
 
 :class:`RakNetNode` is what the service runs on its socket: the
 :class:`~crossroads.proto.raknet.peer.RakNetServer` and the server plugins
-behind it (NatPunchthroughServer today), with the one core API
+behind it (NatPunchthroughServer, and NatTypeDetectionServer when its extra
+sockets are configured), with the one core API
 (``receive_datagram``, ``datagrams_to_send``, ``get_timer``, ``handle_timer``,
 ``pop_events``). After every input the node hands the peer's events to the
 plugins; a message no plugin claims is counted and ignored, as a stock RakPeer
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 from crossroads.proto.raknet import messages as m
+from crossroads.proto.raknet.nattype import NatTypeDetectionServer, Socket
 from crossroads.proto.raknet.peer import (
     Connected,
     Disconnected,
@@ -44,9 +46,15 @@ class RakNetNode:
         *,
         bound_addresses: list[Address] | None = None,
         guid: int | None = None,
+        s3p4: Address | None = None,
     ) -> None:
         self.peer = RakNetServer(config, guid=guid)
         self.punch = NatPunchthroughServer(self.peer, bound_addresses or [])
+        #: NatTypeDetectionServer, when its extra sockets exist (``s3p4`` is
+        #: where clients send their port-restricted probe).
+        self.detection = (
+            None if s3p4 is None else NatTypeDetectionServer(self.peer, s3p4)
+        )
         #: Messages no plugin handles, by message id.
         self.unhandled: Counter[int] = Counter()
         #: Datagrams refused on the second socket.
@@ -67,18 +75,35 @@ class RakNetNode:
         self.peer.receive_datagram(data, addr, now)
         self._dispatch(now)
 
+    def receive_s3p4(self, data: bytes, addr: Address, now: float) -> None:
+        """A datagram on NAT type detection's s3p4 socket."""
+        if self.detection is not None and data:
+            self.detection.receive_s3p4(data, addr, now)
+
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         return self.peer.datagrams_to_send(now)
 
+    def side_datagrams(self) -> list[tuple[Socket, bytes, Address]]:
+        """Datagrams for NAT type detection's extra sockets."""
+        return [] if self.detection is None else self.detection.side_datagrams()
+
     def get_timer(self) -> float | None:
         timers = [
-            t for t in (self.peer.get_timer(), self.punch.get_timer()) if t is not None
+            t
+            for t in (
+                self.peer.get_timer(),
+                self.punch.get_timer(),
+                None if self.detection is None else self.detection.get_timer(),
+            )
+            if t is not None
         ]
         return min(timers) if timers else None
 
     def handle_timer(self, now: float) -> None:
         self.peer.handle_timer(now)
         self.punch.handle_timer(now)
+        if self.detection is not None:
+            self.detection.handle_timer(now)
         self._dispatch(now)
 
     def pop_events(self) -> list[Event]:
@@ -93,8 +118,14 @@ class RakNetNode:
                     self.punch.on_connected(guid, address, internal)
                 case Disconnected(guid, _, _):
                     self.punch.on_disconnected(guid, now)
+                    if self.detection is not None:
+                        self.detection.on_disconnected(guid)
                 case MessageReceived(guid, address, payload):
-                    if not self.punch.on_message(guid, address, payload, now):
+                    handled = self.punch.on_message(guid, address, payload, now) or (
+                        self.detection is not None
+                        and self.detection.on_message(guid, address, payload, now)
+                    )
+                    if not handled:
                         self.unhandled[payload[0]] += 1
                 case OutOfBandReceived(_, address, payload):
                     if not self.punch.on_out_of_band(address, payload):
