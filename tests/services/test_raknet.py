@@ -212,3 +212,38 @@ async def test_nat_type_detection_with_a_stock_raknet_peer(
         c2.sendto(b"\x03" + guid.to_bytes(8, "big"), s3p4)
         result = await a.expect(m.MessageId.NAT_TYPE_DETECTION_RESULT)
     assert result == bytes([0x61, 4])
+
+
+async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
+    rt: Runtime, peers: tuple[RakNetPeer, RakNetPeer]
+) -> None:
+    """UDPProxyClient's request scripted from a real RakNet peer; then the two
+    peers RakNet-connect through the forwarding port and exchange a message."""
+    service = service_of(rt)
+    a, b = peers
+    b.peer.max_incoming_connections = 4  # b hosts the game
+    await a.connect("127.0.0.1", service.addresses[0][1])
+    await b.connect("127.0.0.1", service.addresses[0][1])
+    b_guid = await guid_of(service, b)
+    request = BitWriter()
+    request.write_u8(m.MessageId.UDP_PROXY_GENERAL)
+    request.write_u8(6)  # FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR
+    request.write_address(("0.0.0.0", 0))
+    request.write_bool(False)
+    request.write_u64(b_guid)
+    request.write_u32(5000)
+    request.write_bool(False)
+    a.send(request.data())
+    succeeded = await a.expect(m.MessageId.UDP_PROXY_GENERAL)
+    notified = await b.expect(m.MessageId.UDP_PROXY_GENERAL)
+    assert succeeded[1] == 0 and notified[1] == 1
+    reader = BitReader(succeeded, start_bits=16 + 7 * 8 * 2 + 64)
+    proxy = (reader.read_rakstring().decode(), reader.read_u16())
+    assert proxy[0] == "127.0.0.1"
+    # a connects to the proxy; b sees an incoming connection from it
+    a.server = None
+    await a.connect(*proxy)
+    await b.expect(m.MessageId.NEW_INCOMING_CONNECTION)
+    a.send(b"\x86through the proxy")
+    assert await b.expect(0x86) == b"\x86through the proxy"
+    assert service.forwarders is not None and service.forwarders.packets() > 0

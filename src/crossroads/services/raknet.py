@@ -28,6 +28,7 @@ from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import ServerConfig
 from crossroads.services.base import ServiceContext
+from crossroads.transport.raknet_forwarder import ForwarderPool
 from crossroads.transport.udp import (
     CoreDatagramProtocol,
     bound_address,
@@ -87,6 +88,20 @@ class Config:
         "all three on it, the layout the stock server really uses; three: one "
         "each). Empty: no NAT type detection.",
     )
+    proxy: bool = setting(
+        True,
+        kind="bool",
+        help="Run UDPProxyCoordinator with a built-in UDPProxyServer (forwarding "
+        "ports on the bind address).",
+    )
+    proxy_max_forwarders: int = setting(
+        1000, kind="int", help="Forwarding ports open at once (one per pair)."
+    )
+    proxy_password: str = setting(
+        "",
+        kind="str",
+        help="Password external RakNet UDPProxyServers log in with ('' = none accepted).",
+    )
     split_memory: int = setting(
         64 * 1024 * 1024,
         kind="int",
@@ -141,6 +156,28 @@ class _Collector(Collector):
         outcomes.add_metric(["unresponsive"], punch.unresponsive)
         outcomes.add_metric(["connection-lost"], punch.lost)
         yield outcomes
+        proxy = node.proxy.stats
+        forwarding = CounterMetricFamily(
+            "crossroads_raknet_proxy_requests",
+            "UDP proxy forwarding requests, by answer.",
+            labels=["answer"],
+        )
+        forwarding.add_metric(["succeeded"], proxy.succeeded)
+        for answer, count in sorted(proxy.results.items()):
+            forwarding.add_metric([answer], count)
+        yield forwarding
+        pool = self.service.forwarders
+        if pool is not None:
+            yield GaugeMetricFamily(
+                "crossroads_raknet_proxy_forwarders",
+                "UDP proxy forwarding ports open.",
+                value=len(pool.entries),
+            )
+            yield CounterMetricFamily(
+                "crossroads_raknet_proxy_packets",
+                "Datagrams forwarded by the built-in UDP proxy.",
+                value=pool.packets(),
+            )
         if node.detection is not None:
             results = CounterMetricFamily(
                 "crossroads_raknet_nat_type_results",
@@ -213,6 +250,7 @@ class RakNetService:
         self.side: dict[Socket, asyncio.DatagramTransport] = {}
         self.side_addresses: dict[Socket, Address] = {}
         self._transports: list[asyncio.BaseTransport] = []
+        self.forwarders: ForwarderPool | None = None
         self._collector: _Collector | None = None
         self._registry: Any = None
 
@@ -230,6 +268,9 @@ class RakNetService:
             transport.close()
         self._transports.clear()
         self.side.clear()
+        if self.forwarders is not None:
+            await self.forwarders.close()
+            self.forwarders = None
         self.driver = None
         if self._collector is not None and self._registry is not None:
             try:
@@ -280,6 +321,7 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         _advertised(public if public else "", bound[0]),
         _advertised(public if public and not cfg.second_host else "", bound[1]),
     ]
+    forwarders = ForwarderPool(host, cfg.proxy_max_forwarders) if cfg.proxy else None
     node = RakNetNode(
         ServerConfig(
             max_connections=cfg.max_connections,
@@ -290,8 +332,12 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         ),
         bound_addresses=advertised,
         s3p4=side_bound.get(Socket.S3P4),
+        forwarders=forwarders,
+        proxy_public_ip=public,
+        proxy_password=cfg.proxy_password,
     )
     service = RakNetService(node)
+    service.forwarders = forwarders
     service.addresses = bound
     service.side_addresses = side_bound
     loop = asyncio.get_running_loop()

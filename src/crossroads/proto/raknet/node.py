@@ -2,8 +2,8 @@
 
 :class:`RakNetNode` is what the service runs on its socket: the
 :class:`~crossroads.proto.raknet.peer.RakNetServer` and the server plugins
-behind it (NatPunchthroughServer, and NatTypeDetectionServer when its extra
-sockets are configured), with the one core API
+behind it (NatPunchthroughServer, UDPProxyCoordinator, and
+NatTypeDetectionServer when its extra sockets are configured), with the one core API
 (``receive_datagram``, ``datagrams_to_send``, ``get_timer``, ``handle_timer``,
 ``pop_events``). After every input the node hands the peer's events to the
 plugins; a message no plugin claims is counted and ignored, as a stock RakPeer
@@ -31,6 +31,7 @@ from crossroads.proto.raknet.peer import (
     ServerConfig,
 )
 from crossroads.proto.raknet.punchthrough import NatPunchthroughServer
+from crossroads.proto.raknet.udpproxy import Forwarders, UDPProxyCoordinator
 from crossroads.types import Address
 
 #: Events kept for :meth:`RakNetNode.pop_events` (the oldest go first).
@@ -47,9 +48,16 @@ class RakNetNode:
         bound_addresses: list[Address] | None = None,
         guid: int | None = None,
         s3p4: Address | None = None,
+        forwarders: Forwarders | None = None,
+        proxy_public_ip: str = "",
+        proxy_password: str = "",
     ) -> None:
         self.peer = RakNetServer(config, guid=guid)
         self.punch = NatPunchthroughServer(self.peer, bound_addresses or [])
+        #: UDPProxyCoordinator; ``forwarders`` is the built-in UDPProxyServer.
+        self.proxy = UDPProxyCoordinator(
+            self.peer, forwarders, proxy_public_ip, proxy_password
+        )
         #: NatTypeDetectionServer, when its extra sockets exist (``s3p4`` is
         #: where clients send their port-restricted probe).
         self.detection = (
@@ -93,6 +101,7 @@ class RakNetNode:
             for t in (
                 self.peer.get_timer(),
                 self.punch.get_timer(),
+                self.proxy.get_timer(),
                 None if self.detection is None else self.detection.get_timer(),
             )
             if t is not None
@@ -102,6 +111,7 @@ class RakNetNode:
     def handle_timer(self, now: float) -> None:
         self.peer.handle_timer(now)
         self.punch.handle_timer(now)
+        self.proxy.handle_timer(now)
         if self.detection is not None:
             self.detection.handle_timer(now)
         self._dispatch(now)
@@ -116,12 +126,16 @@ class RakNetNode:
             match event:
                 case Connected(guid, address, internal):
                     self.punch.on_connected(guid, address, internal)
-                case Disconnected(guid, _, _):
+                case Disconnected(guid, address, _):
                     self.punch.on_disconnected(guid, now)
+                    self.proxy.on_disconnected(address, now)
                     if self.detection is not None:
                         self.detection.on_disconnected(guid)
                 case MessageReceived(guid, address, payload):
-                    handled = self.punch.on_message(guid, address, payload, now) or (
+                    handled = (
+                        self.punch.on_message(guid, address, payload, now)
+                        or self.proxy.on_message(guid, address, payload, now)
+                    ) or (
                         self.detection is not None
                         and self.detection.on_message(guid, address, payload, now)
                     )
