@@ -36,6 +36,8 @@ class Network:
         self.core = core
         self.clients: dict[Address, Client] = {}
         self.stray: list[tuple[bytes, Address]] = []
+        #: Clients that may have something to send (received or queued).
+        self.dirty: set[Address] = set()
 
     def flush(self, now: float) -> None:
         """Move datagrams both ways until both sides are quiet."""
@@ -49,9 +51,12 @@ class Network:
                     self.stray.append((data, addr))
                 elif data[0] & 0x80 and not m.is_offline(data):
                     client.inbox += client.layer.receive(data, now_ms)
+                    self.dirty.add(addr)
                 else:
                     client.offline.append(data)
-            for client in self.clients.values():
+            dirty, self.dirty = self.dirty, set()
+            for addr in dirty:
+                client = self.clients[addr]
                 for data in client.layer.datagrams(now_ms):
                     moved = True
                     self.core.receive_datagram(data, client.addr, now)
@@ -82,10 +87,12 @@ class Client:
         return self.offline
 
     def pump(self, now: float) -> None:
+        self.net.dirty.add(self.addr)
         self.net.flush(now)
 
     def send(self, payload: bytes, now: float) -> None:
         self.layer.send(payload, Reliability.RELIABLE_ORDERED, 0, int(now * 1000))
+        self.net.dirty.add(self.addr)
         self.net.flush(now)
 
     def take(self, kind: int) -> list[bytes]:

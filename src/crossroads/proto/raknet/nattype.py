@@ -35,11 +35,14 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
+from crossroads.proto.punch.nattype import NatType
 from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId, OutOfBand
 from crossroads.proto.raknet.peer import RakNetServer
 from crossroads.proto.raknet.reliability import Reliability
 from crossroads.types import Address
+
+__all__ = ["NatType", "NatTypeDetectionServer", "Socket"]
 
 #: ``ID_NAT_TYPE_DETECT``: the out-of-band sub-id of the cone tests.
 NAT_TYPE_DETECT = 0x02
@@ -48,19 +51,6 @@ PING_MULTIPLE = 3
 EXTRA_MS = 50
 #: Detection attempts at once (stock RakNet has no bound).
 MAX_ATTEMPTS = 10_000
-
-
-class NatType(IntEnum):
-    """RakNet's ``NATTypeDetectionResult``."""
-
-    NONE = 0
-    FULL_CONE = 1
-    ADDRESS_RESTRICTED = 2
-    PORT_RESTRICTED = 3
-    SYMMETRIC = 4
-    UNKNOWN = 5
-    DETECTION_IN_PROGRESS = 6
-    SUPPORTS_UPNP = 7
 
 
 class Socket(IntEnum):
