@@ -197,3 +197,20 @@ def test_malformed_handshakes_are_counted(data: bytes) -> None:
     server.receive_datagram(data, CLIENT, 0.0)
     assert server.datagrams_to_send(0.0) == []
     assert sum(server.stats.dropped.values()) == 1
+
+
+def test_close_sends_disconnection_notification_and_forgets_the_connection() -> None:
+    server = new_server()
+    client = Client(server)
+    client.connect(1.0)
+    server.pop_events()
+    server.close(CLIENT, 2.0)
+    assert server.pop_events() == [Disconnected(42, CLIENT, "local")]
+    client.pump(2.0)
+    assert client.take(m.MessageId.DISCONNECTION_NOTIFICATION) == [b"\x15"]
+    now = 2.0
+    while server.connections and now < 5:
+        now = server.get_timer() or now + 0.5
+        server.handle_timer(now)
+        client.pump(now)
+    assert not server.connections and now < 3.6
