@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from crossroads.errors import DecodeError
 from crossroads.proto.raknet.reliability import (
     MAX_ORDERING_QUEUE,
+    MAX_SEND_QUEUE,
+    MAX_SPLIT_BYTES,
     MAX_SPLITS_IN_PROGRESS,
     RESEND_BUFFER,
     Frame,
@@ -287,3 +289,29 @@ def test_large_messages_are_split_to_the_mtu_one_fragment_at_a_time() -> None:
         for ack in receiver.datagrams(now):
             sender.receive(ack, now)
     assert delivered == [payload] and fragments == 8
+
+
+def test_the_send_queue_is_bounded() -> None:
+    sender = layer()
+    for _ in range(MAX_SEND_QUEUE):
+        sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    with pytest.raises(LimitExceeded) as info:
+        sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    assert info.value.reason == "send-queue"
+
+
+def test_split_memory_per_connection_is_bounded() -> None:
+    receiver = layer()  # a server budget far above the per-connection cap
+    with pytest.raises(LimitExceeded) as info:
+        for i in range(MAX_SPLIT_BYTES // 1000 + 2):
+            frame = Frame(
+                Reliability.RELIABLE,
+                bytes(1000),
+                i,
+                split_count=4000,
+                split_id=7,
+                split_index=i,
+            )
+            receiver.receive(data_datagram(i, frame), 0)
+    assert info.value.reason == "split-memory"
+    receiver.release()
