@@ -9,6 +9,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
 from crossroads.config import default_config
@@ -162,6 +163,11 @@ async def test_garbage_does_not_disturb_a_connected_peer(
     assert not [d for d, _ in a.backlog if d[0] == ID.ID_CONNECTION_LOST]
     dropped = service.node.peer.stats.dropped
     assert sum(dropped.values()) >= 3 and service.node.second_dropped >= 3
+    host, port = rt.http_address
+    async with httpx.AsyncClient() as http:
+        metrics = (await http.get(f"http://{host}:{port}/metrics")).text
+    assert 'crossroads_raknet_dropped_total{reason="second-socket"}' in metrics
+    assert "crossroads_raknet_connections 1.0" in metrics
 
 
 @pytest.fixture
