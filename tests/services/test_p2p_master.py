@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from crossroads.config import default_config
+from crossroads.runtime import start
 from crossroads.services.p2p_master import MasterServer, make_master_router
 from crossroads.store.memory import MemoryStore
+from tests.conftest import loopback_config
 
 
 class Clock:
@@ -97,11 +104,40 @@ async def test_post_without_client_req_id_has_an_empty_body(
 
 
 async def test_raknet_sample_single_quoted_body(api: httpx.AsyncClient) -> None:
-    body = "{'__gameId': 'mygame', '__clientReqId': '0', '__timeoutSec': '30', '__rowId': 12345678901234567890, 'routerIsOpen': 1 }"
+    body = "{'__gameId': 'mygame', '__clientReqId': '0', '__timeoutSec': '30', '__rowId': 9223372036854775807, 'routerIsOpen': 1 }"
     r = await post(api, body)
-    assert r.json()["POST"]["__rowId"] == 12345678901234567890
+    assert r.json()["POST"]["__rowId"] == 2**63 - 1
     (row,) = await rows(api)
     assert row["__timeoutSec"] == 30 and row["routerIsOpen"] == 1
+
+
+async def test_row_id_above_the_signed_64_bit_range_is_refused(
+    api: httpx.AsyncClient,
+) -> None:
+    """jansson 2.4 (RakNet's samples) fails a whole GET on one integer above
+    2^63-1, so such a row would hide the game from every reader."""
+    for row_id in (2**63, 12345678901234567890, str(2**63)):
+        r = await post(api, {"__gameId": "mygame", "__rowId": row_id})
+        assert r.status_code == 400 and r.json()["code"] == "bad_value"
+    assert await rows(api) == []
+
+
+async def test_columns_may_hold_arrays_and_objects(api: httpx.AsyncClient) -> None:
+    body = "{'__gameId': 'mygame', 'natTypes' : [ {'type': 5}, {'type': 2} ], 'map': {'name': 'dust', 'size': [64, 64]} }"
+    assert (await post(api, body)).status_code == 200
+    (row,) = await rows(api)
+    assert row["natTypes"] == [{"type": 5}, {"type": 2}]
+    assert row["map"] == {"name": "dust", "size": [64, 64]}
+
+
+async def test_get_for_a_game_without_rows_is_an_empty_list(
+    api: httpx.AsyncClient, clock: Clock
+) -> None:
+    """ComprehensivePCGame shows its menu only after a response with "GET"."""
+    assert await rows(api) == []
+    await post(api, {"__gameId": "mygame", "__timeoutSec": 15})
+    clock.now += 10_000  # the row and the game record are long gone
+    assert await rows(api) == []
 
 
 async def test_put_updates_the_row_with_row_id(api: httpx.AsyncClient) -> None:
@@ -151,8 +187,17 @@ async def test_timeout_out_of_range_is_403(
         ({"__gameId": "g", "__timeoutSec": "soon"}, "bad_type"),
         ({"__gameId": "g", "__rowId": -1}, "bad_value"),
         ({"__gameId": "g", "__rowId": 2**64}, "bad_value"),
-        ({"__gameId": "g", "col": {"nested": 1}}, "bad_type"),
+        ({"__gameId": "g", "col": {"nested": "x" * 1100}}, "bad_type"),
+        ({"__gameId": "g", "col": ["x"] * 300}, "bad_type"),
         ({"__gameId": "g", "col": "x" * 2000}, "bad_type"),
+        ({"__gameId": "g", "col": [1, {"deep": 2**63}]}, "bad_value"),
+        ({"__gameId": "g", "col": -(2**63) - 1}, "bad_value"),
+        ('{"__gameId": "g", "col": [NaN]}', "bad_value"),
+        ('{"__gameId": "g", "col": 1e400}', "bad_value"),
+        ('{"__gameId": "g", "col": "\\u0000"}', "bad_value"),
+        ('{"__gameId": "g", "col": {"\\ud800": 1}}', "bad_value"),
+        ('{"__gameId": "g\\u0000"}', "bad_value"),
+        ({"__gameId": "g", "__clientReqId": 2**64}, "bad_value"),
         ({"__gameId": "g", **{f"c{i}": i for i in range(65)}}, "too_many_columns"),
     ],
 )
@@ -228,8 +273,6 @@ async def test_row_password(api: httpx.AsyncClient) -> None:
 async def test_get_errors(api: httpx.AsyncClient) -> None:
     r = await api.get("/testServer")
     assert r.status_code == 400 and r.json()["code"] == "missing_field"
-    r = await api.get("/testServer", params={"__gameId": "nosuchgame"})
-    assert r.status_code == 400 and r.json()["code"] == "unknown_game"
     await post(api, {"__gameId": "mygame"})
     r = await api.get(
         "/testServer", params={"__gameId": "mygame", "__minResultsHint": "lots"}
@@ -318,3 +361,162 @@ async def test_listing_on_redis(redis_url: str) -> None:
             assert 19 <= (await store.ttl("ms2:row:mygame:0") or 0) <= 20
     finally:
         await store.close()
+
+
+# --- RakNet's own client, byte for byte -------------------------------------
+#
+# RakNet 4.081's HTTPConnection2 (Source/HTTPConnection2.cpp, OnReceive) appends
+# each TCP read to a string and looks for the case-sensitive text
+# "Content-Length: " followed by digits and CR/LF. With it, the request
+# completes once the body after "\r\n\r\n" has that many bytes; without it, the
+# request completes at the first read that holds "\r\n\r\n" -- whatever part of
+# the body came in later segments is lost. The samples then hand the body to
+# jansson 2.4's json_loads(JSON_REJECT_DUPLICATES) and walk its keys looking
+# for "GET" or "POST". The requests below are what RakString::FormatForPOST /
+# FormatForGET / FormatForDELETE produce for ComprehensivePCGame.
+
+
+def raknet_request(method: str, path: str, body: str | None = None) -> bytes:
+    """The text of RakString::FormatFor{POST,GET,DELETE} (no extra headers)."""
+    if body is None:
+        return f"{method} {path} HTTP/1.1\r\nHost: ms2.test\r\n\r\n".encode()
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: ms2.test\r\n"
+        "Content-Type: text/plain; charset=UTF-8\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+
+
+def raknet_read(sock: socket.socket) -> str | None:
+    """One response as HTTPConnection2 sees it: the body, or None when the
+    response carried no usable "Content-Length: " (contentOffset -1 there)."""
+    received = b""
+    content_length = -1
+    while True:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed mid-response: {received!r}"
+        received += chunk
+        marker = received.find(b"Content-Length: ")
+        if content_length == -1 and marker != -1:
+            digits = re.match(rb"([0-9]+)[\r\n]", received[marker + 16 :])
+            if digits:
+                content_length = int(digits.group(1))
+        head_end = received.find(b"\r\n\r\n")
+        if content_length == -1:
+            assert head_end == -1 or received.startswith(b"HTTP/1.1"), received
+            if head_end != -1:
+                raise AssertionError(
+                    f"no exact 'Content-Length: ' header; RakNet stops here: {received!r}"
+                )
+            continue
+        if content_length == 0 and head_end != -1:
+            return None
+        if head_end != -1 and len(received) - head_end - 4 >= content_length:
+            return received[head_end + 4 :].decode()
+
+
+def jansson_loads(text: str) -> dict[str, Any]:
+    """json.loads with jansson 2.4's limits: integers are long long, no
+    NaN/Infinity, no \\u0000, no duplicate keys."""
+
+    def integer(token: str) -> int:
+        value = int(token)
+        assert -(2**63) <= value < 2**63, f"jansson: too big integer {token}"
+        return value
+
+    def constant(token: str) -> None:
+        raise AssertionError(f"jansson: invalid token {token}")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), f"jansson: duplicate key in {keys}"
+        return dict(pairs)
+
+    assert "\\u0000" not in text
+    result = json.loads(
+        text,
+        parse_int=integer,
+        parse_constant=constant,
+        object_pairs_hook=no_duplicates,
+    )
+    assert isinstance(result, dict)
+    return result
+
+
+@pytest.fixture
+async def http_port() -> AsyncIterator[int]:
+    runtime = await start(default_config(loopback_config(core__only="p2p")))
+    try:
+        yield runtime.http_address[1]
+    finally:
+        await runtime.close()
+
+
+def exchange(port: int, request: bytes) -> str | None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        return raknet_read(sock)
+
+
+async def test_comprehensive_pc_game_through_raknet_s_http_client(
+    http_port: int,
+) -> None:
+    """The sample's own requests, read the way HTTPConnection2 + jansson do."""
+    loop = asyncio.get_running_loop()
+
+    async def send(request: bytes) -> str | None:
+        return await loop.run_in_executor(None, exchange, http_port, request)
+
+    search = raknet_request("GET", "/testServer?__gameId=comprehensivePCGame")
+    # SearchForGames() before anyone hosted: the menu needs a "GET" key.
+    body = await send(search)
+    assert body is not None
+    listing = jansson_loads(body)
+    assert next(iter(listing)) == "GET" and listing["GET"] == []
+
+    # PostRoomToMaster() the first time (masterServerRow == -1): no "__rowId".
+    guid = str(2**64 - 2)  # RakNetGUID::ToString() is the unsigned decimal
+    first = (
+        "{'__gameId': 'comprehensivePCGame', '__clientReqId': '0',  "
+        "'__timeoutSec': '30', 'roomName': 'Default room name', "
+        f"'guid': '{guid}', 'natTypes' : [ {{'type': 5}} ]  }}"
+    )
+    body = await send(raknet_request("POST", "/testServer", first))
+    assert body is not None
+    posted = jansson_loads(body)
+    assert next(iter(posted)) == "POST"
+    row_id = posted["POST"]["__rowId"]
+    assert isinstance(row_id, int)
+
+    # The refresh 29 s later, with the row it was given and a second player.
+    refresh = (
+        "{'__gameId': 'comprehensivePCGame', '__clientReqId': '0', "
+        f'"__rowId": {row_id}, '
+        "'__timeoutSec': '30', 'roomName': 'Default room name', "
+        f"'guid': '{guid}', 'natTypes' : [ {{'type': 5}}, {{'type': 2}} ]  }}"
+    )
+    body = await send(raknet_request("POST", "/testServer", refresh))
+    assert body is not None and jansson_loads(body)["POST"]["__rowId"] == row_id
+
+    body = await send(search)
+    assert body is not None
+    (room,) = jansson_loads(body)["GET"]
+    assert room["roomName"] == "Default room name" and room["guid"] == guid
+    assert room["natTypes"] == [{"type": 5}, {"type": 2}]
+
+    # ReleaseRoomFromCloud(): 200 with an empty body (contentOffset -1).
+    release = f"/testServer?__gameId=comprehensivePCGame&__rowId={row_id}"
+    assert await send(raknet_request("DELETE", release)) is None
+    body = await send(search)
+    assert body is not None and jansson_loads(body)["GET"] == []
+
+
+async def test_errors_are_readable_by_raknet_s_http_client(http_port: int) -> None:
+    loop = asyncio.get_running_loop()
+    body = await loop.run_in_executor(
+        None,
+        exchange,
+        http_port,
+        raknet_request("POST", "/testServer", "{'__gameId': 'g', '__rowId': -1}"),
+    )
+    assert body is not None and jansson_loads(body)["code"] == "bad_value"

@@ -131,6 +131,7 @@ METHODS: dict[str, Method] = {}
 METHOD_MODULES: list[str] = [
     "crossroads.lab.methods.direct",
     "crossroads.lab.methods.punch",
+    "crossroads.lab.methods.raknet",
     "crossroads.lab.methods.ladder",
     "crossroads.lab.methods.natneg",
     "crossroads.lab.methods.sdk",

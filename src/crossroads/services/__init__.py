@@ -20,6 +20,7 @@ SERVICE_MODULES: dict[str, str] = {
     "natneg": "crossroads.services.natneg",
     "relay": "crossroads.services.relay",
     "p2p": "crossroads.services.p2p",
+    "raknet": "crossroads.services.raknet",
 }
 
 

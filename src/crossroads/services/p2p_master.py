@@ -26,6 +26,7 @@ from __future__ import annotations
 import hmac
 import json
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -192,7 +193,10 @@ class MasterServer:
         if not game_id:
             raise ListingError(400, "missing_field", "__gameId is required")
         if not await self._game_known(game_id):
-            raise ListingError(400, "unknown_game", f"no game {game_id[:64]!r}")
+            # A game nobody has posted to (or whose rows all expired) is an
+            # empty table, not an error: ComprehensivePCGame shows its
+            # "(C)reate room" menu only after a response with a "GET" key.
+            return {"GET": [], "requestURL": url}
         read_pw = params.get("__readPW", "")
         limit = results_hint(params.get("__minResultsHint"))
         exclude = {c for c in params.get("__excludeCols", "").split(",") if c}
@@ -244,6 +248,30 @@ class MasterServer:
         await self.store.hdel(f"ms2:ip:{stored['addr']}", f"{game_id}\x00{row_id}")
 
 
+class RakNetResponse(Response):
+    """A response whose length header reads exactly ``Content-Length: ``.
+
+    RakNet 4's HTTPConnection2 (the client of every MasterServer2 sample) finds
+    the body length with a case-sensitive ``strstr(.., "Content-Length: ")``;
+    without a match it completes the request as soon as it has seen the blank
+    line after the headers, so a body arriving in a later TCP segment is lost.
+    Starlette writes the name in lower case (HTTP names are case-insensitive,
+    RFC 9110 §5.1) and uvicorn passes names through as given, so the name is
+    rewritten here, for the listing's responses only.
+    """
+
+    def init_headers(self, headers: Mapping[str, str] | None = None) -> None:
+        super().init_headers(headers)
+        self.raw_headers = [
+            (b"Content-Length", value) if name == b"content-length" else (name, value)
+            for name, value in self.raw_headers
+        ]
+
+
+class RakNetJSONResponse(RakNetResponse, JSONResponse):
+    """:class:`RakNetResponse`'s header casing for a JSON body."""
+
+
 def make_master_router(master: MasterServer, path: str) -> APIRouter:
     """The HTTP routes of the listing at ``path``."""
     router = APIRouter(tags=["masterserver2"])
@@ -252,7 +280,9 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
         master.requests.labels(method, str(exc.status)).inc()
         if exc.status == 400:
             log_client_error(request, exc.status, exc.message)
-        return JSONResponse({"code": exc.code, "message": exc.message}, exc.status)
+        return RakNetJSONResponse(
+            {"code": exc.code, "message": exc.message}, exc.status
+        )
 
     async def post_or_put(request: Request) -> Response:
         method = request.method
@@ -261,7 +291,7 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
             body += chunk
             if len(body) > MAX_BODY_BYTES:
                 master.requests.labels(method, "413").inc()
-                return JSONResponse(
+                return RakNetJSONResponse(
                     {"code": "too_large", "message": "the body is too large"}, 413
                 )
         addr = request.client.host if request.client else ""
@@ -271,8 +301,8 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
             return error(method, exc, request)
         master.requests.labels(method, "200").inc()
         if result is None:
-            return Response(status_code=200)
-        return JSONResponse(result)
+            return RakNetResponse(status_code=200)
+        return RakNetJSONResponse(result)
 
     async def get(request: Request) -> Response:
         try:
@@ -280,7 +310,7 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
         except ListingError as exc:
             return error("GET", exc, request)
         master.requests.labels("GET", "200").inc()
-        return JSONResponse(result)
+        return RakNetJSONResponse(result)
 
     async def delete(request: Request) -> Response:
         addr = request.client.host if request.client else ""
@@ -289,7 +319,7 @@ def make_master_router(master: MasterServer, path: str) -> APIRouter:
         except ListingError as exc:
             return error("DELETE", exc, request)
         master.requests.labels("DELETE", "200").inc()
-        return Response(status_code=200)
+        return RakNetResponse(status_code=200)
 
     router.add_api_route(
         path, post_or_put, methods=["POST", "PUT"], include_in_schema=True

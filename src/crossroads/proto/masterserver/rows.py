@@ -10,6 +10,8 @@ too many rows from one IP.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,13 +28,20 @@ DEFAULT_RESULTS_HINT = 200
 MIN_RESULTS_HINT = 10
 MAX_RESULTS_HINT = 500
 #: Bounds on what a row may hold, so one client cannot store megabytes: 64
-#: columns, 64-character names, 1024-character values.
+#: columns, 64-character names, values of at most 1024 characters (a string's
+#: length, or an array's or object's compact JSON text).
 MAX_COLUMNS = 64
 MAX_COLUMN_NAME = 64
 MAX_VALUE_CHARS = 1024
 MAX_ID_CHARS = 64
-#: Row ids are RakNetGUIDs in the samples: unsigned 64-bit.
-MAX_ROW_ID = 2**64 - 1
+#: The readers are RakNet's samples, which parse responses with jansson 2.4:
+#: its ``json_int_t`` is ``long long``, so a single integer above 2^63-1 (or
+#: below -2^63) anywhere in a GET makes ``json_loads`` fail for the whole
+#: response -- one such row would hide the game from every later reader. Row
+#: ids and every number a row stores are held to that range.
+MAX_JSON_INT = 2**63 - 1
+MIN_JSON_INT = -(2**63)
+MAX_ROW_ID = MAX_JSON_INT
 
 #: Control fields a POST may carry (others starting with ``__`` are ignored).
 CONTROL_FIELDS = frozenset(
@@ -60,6 +69,9 @@ class ListingError(Exception):
 
 
 Scalar = str | int | float | bool | None
+#: A column value: a scalar, or an array/object of them (ComprehensivePCGame
+#: posts ``'natTypes' : [ {'type': 5} ]``).
+JsonValue = Scalar | list["JsonValue"] | dict[str, "JsonValue"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +84,7 @@ class PostRequest:
     row_pw: str
     update_pw: str
     read_pw: str
-    columns: Mapping[str, Scalar]
+    columns: Mapping[str, JsonValue]
 
 
 def _text(obj: Mapping[str, Any], key: str, *, required: bool = False) -> str:
@@ -110,6 +122,58 @@ def parse_int(value: Any, key: str, low: int, high: int) -> int:
     return value
 
 
+def _jansson_problem(value: Any) -> str | None:
+    """Why jansson 2.4 could not read ``value`` back, or None.
+
+    Beyond the integer range above: jansson < 2.6 refuses ``\\u0000`` in
+    strings and keys, every version refuses lone UTF-16 surrogates, and JSON has
+    no NaN or Infinity (Python's ``json`` accepts and writes all of these).
+    """
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, int):
+        if not MIN_JSON_INT <= value <= MAX_JSON_INT:
+            return "an integer outside the signed 64-bit range"
+        return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else "a non-finite number"
+    if isinstance(value, str):
+        if "\x00" in value or any("\ud800" <= c <= "\udfff" for c in value):
+            return "a NUL character or a lone surrogate"
+        return None
+    if isinstance(value, list):
+        for item in value:
+            if (problem := _jansson_problem(item)) is not None:
+                return problem
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = _jansson_problem(key) or _jansson_problem(item)
+            if problem is not None:
+                return problem
+        return None
+    return "an unsupported value"  # pragma: no cover - the parsers give no other type
+
+
+def check_column(key: str, value: Any) -> JsonValue:
+    """A user column's value, refused with 400 unless RakNet can read it back."""
+    if not key or len(key) > MAX_COLUMN_NAME:
+        raise ListingError(400, "bad_column", "column names are 1..64 characters")
+    problem = _jansson_problem(key) or _jansson_problem(value)
+    if problem is not None:
+        raise ListingError(400, "bad_value", f"column {key[:64]} holds {problem}")
+    if isinstance(value, str):
+        size = len(value)
+    elif isinstance(value, list | dict):
+        size = len(json.dumps(value, separators=(",", ":")))
+    else:
+        size = 0
+    if size > MAX_VALUE_CHARS:
+        raise ListingError(400, "bad_type", f"column {key[:64]} is too long")
+    result: JsonValue = value
+    return result
+
+
 def parse_post(body: bytes, max_timeout: int) -> PostRequest:
     """Validate a POST/PUT body."""
     if not body.strip():
@@ -123,6 +187,8 @@ def parse_post(body: bytes, max_timeout: int) -> PostRequest:
     if not isinstance(obj, dict):
         raise ListingError(400, "bad_json", "the body must be a JSON object")
     game_id = _text(obj, "__gameId", required=True)
+    if _jansson_problem(game_id) is not None:
+        raise ListingError(400, "bad_value", "__gameId cannot be echoed")
     timeout = DEFAULT_TIMEOUT
     if obj.get("__timeoutSec") is not None:
         timeout = parse_int(obj["__timeoutSec"], "__timeoutSec", 0, 2**31)
@@ -140,19 +206,15 @@ def parse_post(body: bytes, max_timeout: int) -> PostRequest:
         raise ListingError(400, "bad_type", "__clientReqId must be a scalar")
     if isinstance(req_id, str) and len(req_id) > MAX_ID_CHARS:
         raise ListingError(400, "bad_type", "__clientReqId is too long")
+    if _jansson_problem(req_id) is not None:
+        raise ListingError(400, "bad_value", "__clientReqId cannot be echoed")
     if obj.get("__geoIP") is not None:
         _text(obj, "__geoIP")
-    columns: dict[str, Scalar] = {}
+    columns: dict[str, JsonValue] = {}
     for key, value in obj.items():
         if key.startswith("__"):
             continue
-        if not key or len(key) > MAX_COLUMN_NAME:
-            raise ListingError(400, "bad_column", "column names are 1..64 characters")
-        if isinstance(value, dict | list):
-            raise ListingError(400, "bad_type", f"column {key} must be a scalar")
-        if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
-            raise ListingError(400, "bad_type", f"column {key} is too long")
-        columns[key] = value
+        columns[key] = check_column(key, value)
         if len(columns) > MAX_COLUMNS:
             raise ListingError(
                 400, "too_many_columns", f"at most {MAX_COLUMNS} columns"

@@ -1,0 +1,291 @@
+"""Method ``raknet``: RakNet's NAT traversal through crossroads' ``raknet`` service.
+
+Both hosts are RakNet clients of the lab server's RakNet service
+(:mod:`crossroads.services.raknet`, UDP 61111 on the first server address),
+speaking RakNet's own protocol from one UDP socket each: the offline
+handshake and the reliability layer of :mod:`crossroads.proto.raknet`, and
+NatPunchthroughClient's side of the exchange (reference raknet-wire.md §3):
+host a asks for b (``ID_NAT_PUNCHTHROUGH_REQUEST``), both report the port the
+server sees (``ID_NAT_GET_MOST_RECENT_PORT``), both get
+``ID_NAT_CONNECT_AT_TIME`` with the other's address and punch with
+out-of-band ``ID_NAT_ESTABLISH_UNIDIRECTIONAL`` / ``_BIDIRECTIONAL``
+datagrams for up to :data:`PUNCH_S`. When that fails, UDPProxyClient's
+fallback: a asks the coordinator for a forwarder (``ID_UDP_PROXY_GENERAL``
+``FORWARDING_REQUEST``) and both send through the port they are given.
+Connected when a game datagram crosses both ways.
+
+This is crossroads' emulation of the client plugins, not the stock C++
+client (the PyPI wheel exposes the peer, not the plugins); what it proves is
+the server side: the exchange and the forwarder between real kernel NATs.
+Stock clients also send a TTL-2 datagram first, which needs a routed hop
+between the NAT sites; the emulation does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+from crossroads.lab.kinds import NatKind
+from crossroads.lab.matrix import Attempt, Method, Outcome, register
+from crossroads.lab.methods.punch import expected as punch_expected
+from crossroads.lab.topology import SERVER_IPS
+from crossroads.lab.udp import recv, send
+from crossroads.proto.raknet import messages as m
+from crossroads.proto.raknet.bitstream import BitReader, BitWriter
+from crossroads.proto.raknet.messages import MessageId
+from crossroads.proto.raknet.reliability import (
+    Reliability,
+    ReliabilityLayer,
+    SplitBudget,
+)
+from crossroads.proto.raknet.udpproxy import Sub
+from crossroads.types import Address
+
+#: RakNet's default port, where the lab server's ``raknet`` service listens.
+SERVER: Address = (SERVER_IPS[0], 61111)
+#: NatPunchthroughClient's out-of-band sub-ids (reference §3, §7).
+ESTABLISH_UNIDIRECTIONAL = 0x00
+ESTABLISH_BIDIRECTIONAL = 0x01
+#: How long the two sides punch, and the interval between their datagrams
+#: (the lab's round trip is far below a millisecond).
+PUNCH_S = 3.0
+PUNCH_INTERVAL_S = 0.05
+#: Each server exchange is a lab round trip; this is generous.
+STEP_S = 5.0
+GAME_DATA = b"\x86raknet lab"
+
+
+class LabClient:
+    """A RakNet client on one lab socket (see the module docstring)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.guid = int.from_bytes(os.urandom(8), "big")
+        self.layer = ReliabilityLayer(1492, SplitBudget(1 << 20))
+        self.inbox: list[bytes] = []
+        self.offline: list[bytes] = []
+        self.others: list[tuple[bytes, Address]] = []
+        self.external: Address = ("0.0.0.0", 0)
+        self._loop = asyncio.get_running_loop()
+
+    def _now_ms(self) -> int:
+        return int(self._loop.time() * 1000)
+
+    def _flush(self) -> None:
+        for data in self.layer.datagrams(self._now_ms()):
+            send(self.sock, data, SERVER)
+
+    async def pump(self, timeout: float) -> None:
+        got = await recv(self.sock, timeout)
+        if got is None:
+            self._flush()
+            return
+        data, addr = got
+        if addr != SERVER:
+            self.others.append((data, addr))
+        elif data and data[0] & 0x80 and not m.is_offline(data):
+            self.inbox += self.layer.receive(data, self._now_ms())
+        else:
+            self.offline.append(data)
+        self._flush()
+
+    async def expect(self, kind: int, timeout: float = STEP_S) -> bytes:
+        deadline = self._loop.time() + timeout
+        while True:
+            for i, payload in enumerate(self.inbox):
+                if payload[0] == kind:
+                    return self.inbox.pop(i)
+            if self._loop.time() > deadline:
+                raise TimeoutError(f"no message {kind:#04x} from the server")
+            await self.pump(0.05)
+
+    async def offline_reply(self, data: bytes, kind: int) -> bytes:
+        deadline = self._loop.time() + STEP_S
+        while self._loop.time() < deadline:
+            send(self.sock, data, SERVER)
+            end = self._loop.time() + 0.5
+            while self._loop.time() < end:
+                await self.pump(0.05)
+                for reply in self.offline:
+                    if reply[0] == kind:
+                        self.offline.remove(reply)
+                        return reply
+        raise TimeoutError(f"no offline reply {kind:#04x}")
+
+    def send(self, payload: bytes) -> None:
+        self.layer.send(payload, Reliability.RELIABLE_ORDERED, 0, self._now_ms())
+        self._flush()
+
+    async def connect(self) -> None:
+        await self.offline_reply(m.OpenConnectionRequest1(6, 1492).encode(), 0x06)
+        await self.offline_reply(
+            m.OpenConnectionRequest2(SERVER, 1492, self.guid).encode(), 0x08
+        )
+        writer = BitWriter()
+        writer.write_u8(MessageId.CONNECTION_REQUEST)
+        writer.write_u64(self.guid)
+        writer.write_u64(self._now_ms())
+        writer.write_bool(False)
+        self.send(writer.data())
+        accepted = await self.expect(MessageId.CONNECTION_REQUEST_ACCEPTED)
+        self.external = BitReader(accepted, start_bits=8).read_address()
+        writer = BitWriter()
+        writer.write_u8(MessageId.NEW_INCOMING_CONNECTION)
+        writer.write_address(SERVER)
+        writer.write_address(self.sock.getsockname()[:2])
+        for _ in range(9):
+            writer.write_address(("0.0.0.0", 0))
+        writer.write_u64(self._now_ms())
+        writer.write_u64(self._now_ms())
+        self.send(writer.data())
+
+    def out_of_band(self, payload: bytes, to: Address) -> None:
+        send(self.sock, m.OutOfBand(self.guid, payload).encode(), to)
+
+
+async def punch_side(client: LabClient, peer: Address, session: int) -> Address | None:
+    """Punch towards ``peer``; the address the peer was heard from, or None."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + PUNCH_S
+    heard: Address | None = None
+    acked = False
+    next_send = 0.0
+    while loop.time() < deadline and not (heard and acked):
+        if loop.time() >= next_send:
+            kind = ESTABLISH_BIDIRECTIONAL if heard else ESTABLISH_UNIDIRECTIONAL
+            client.out_of_band(
+                bytes([kind]) + session.to_bytes(2, "big"), heard or peer
+            )
+            next_send = loop.time() + PUNCH_INTERVAL_S
+        await client.pump(max(0.001, next_send - loop.time()))
+        while client.others:
+            data, addr = client.others.pop(0)
+            if data[:1] == bytes([MessageId.OUT_OF_BAND_INTERNAL]) and m.is_offline(
+                data
+            ):
+                sub = m.OutOfBand.decode(data).payload[:1]
+                heard = addr
+                acked = acked or sub == bytes([ESTABLISH_BIDIRECTIONAL])
+    if heard and acked:
+        for _ in range(2):  # so the peer learns it was heard, too
+            client.out_of_band(
+                bytes([ESTABLISH_BIDIRECTIONAL]) + session.to_bytes(2, "big"), heard
+            )
+        return heard
+    return None
+
+
+async def game_data_crosses(
+    a: LabClient, to_b: Address, b: LabClient, to_a: Address
+) -> bool:
+    async def receive(client: LabClient) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2.0
+        while loop.time() < deadline:
+            if any(data == GAME_DATA for data, _ in client.others):
+                return True
+            await client.pump(0.05)
+        return False
+
+    for _ in range(3):
+        send(a.sock, GAME_DATA, to_b)
+        send(b.sock, GAME_DATA, to_a)
+    got = await asyncio.gather(receive(a), receive(b))
+    return all(got)
+
+
+def connect_at_time(payload: bytes) -> tuple[int, Address]:
+    reader = BitReader(payload, start_bits=10 * 8)  # 1b Time 3b
+    return reader.read_u16(), reader.read_address()
+
+
+async def punchthrough(a: LabClient, b: LabClient) -> bool:
+    a.send(bytes([MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b.guid.to_bytes(8, "big"))
+    asks = await asyncio.gather(
+        a.expect(MessageId.NAT_GET_MOST_RECENT_PORT),
+        b.expect(MessageId.NAT_GET_MOST_RECENT_PORT),
+    )
+    for client, ask in zip((a, b), asks, strict=True):
+        client.send(ask + client.external[1].to_bytes(2, "big"))
+    at_a, at_b = await asyncio.gather(
+        a.expect(MessageId.TIMESTAMP), b.expect(MessageId.TIMESTAMP)
+    )
+    (session, b_addr), (_, a_addr) = connect_at_time(at_a), connect_at_time(at_b)
+    heard = await asyncio.gather(
+        punch_side(a, b_addr, session), punch_side(b, a_addr, session)
+    )
+    for client in (a, b):
+        client.send(bytes([MessageId.NAT_CLIENT_READY]))
+    if heard[0] is None or heard[1] is None:
+        return False
+    return await game_data_crosses(a, heard[0], b, heard[1])
+
+
+async def proxy(a: LabClient, b: LabClient) -> bool:
+    writer = BitWriter()
+    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(Sub.FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR)
+    writer.write_address(("0.0.0.0", 0))
+    writer.write_bool(False)
+    writer.write_u64(b.guid)
+    writer.write_u32(10_000)
+    writer.write_bool(False)
+    a.send(writer.data())
+    answers = await asyncio.gather(
+        a.expect(MessageId.UDP_PROXY_GENERAL), b.expect(MessageId.UDP_PROXY_GENERAL)
+    )
+    if answers[0][1] != Sub.FORWARDING_SUCCEEDED:
+        return False
+    reader = BitReader(answers[0], start_bits=16 + 2 * 56 + 64)
+    forwarder = (reader.read_rakstring().decode(), reader.read_u16())
+    return await game_data_crosses(a, forwarder, b, forwarder)
+
+
+async def run(attempt: Attempt) -> Outcome:
+    started = time.monotonic()
+    a = LabClient(attempt.lab.udp_socket(attempt.a))
+    b = LabClient(attempt.lab.udp_socket(attempt.b))
+    try:
+        try:
+            await asyncio.gather(a.connect(), b.connect())
+        except TimeoutError as exc:
+            return Outcome(False, detail=str(exc))
+        if await punchthrough(a, b):
+            return Outcome(True, "punch", time.monotonic() - started)
+        if await proxy(a, b):
+            return Outcome(True, "relay", time.monotonic() - started, "punch failed")
+        return Outcome(False, detail="punch and proxy failed")
+    except TimeoutError as exc:
+        return Outcome(False, detail=str(exc))
+    finally:
+        a.sock.close()
+        b.sock.close()
+
+
+def expected(x: NatKind, y: NatKind) -> bool:
+    """Everything with UDP connects: punched, or through the forwarder."""
+    return x.udp and y.udp
+
+
+def expected_via(x: NatKind, y: NatKind) -> str | None:
+    """Punched when the reflexive addresses the server saw can be punched
+    (as the ``punch`` column); otherwise the UDP proxy."""
+    if not expected(x, y):
+        return None
+    return "punch" if punch_expected(x, y) else "relay"
+
+
+METHOD = register(
+    Method(
+        name="raknet",
+        summary="RakNet NatPunchthrough via crossroads' raknet service; UDP proxy fallback",
+        run=run,
+        expected=expected,
+        expected_via=expected_via,
+        timeout=4 * STEP_S + PUNCH_S + 8,
+        needs=("raknet",),
+    )
+)

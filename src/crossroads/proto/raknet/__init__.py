@@ -1,0 +1,1 @@
+"""RakNet 4 (protocol 6) wire protocol, sans-I/O (reference: raknet-wire.md)."""

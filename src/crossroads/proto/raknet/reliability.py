@@ -1,0 +1,723 @@
+"""RakNet's reliability layer for one connection (reference raknet-wire.md §2).
+
+Theory of operation
+-------------------
+Every connected datagram starts with a one-byte header (ReliabilityLayer.cpp
+110-220): bit isValid=1, bit isACK, then
+
+- data (``0x84`` in captures): isNAK=0, isPacketPair, isContinuousSend,
+  needsBAndAs, then a byte-aligned u24LE *datagram number*, then frames;
+- ACK (``0xC0``): hasBAndAS (a float follows when set), then a range list;
+- NAK (``0xA0``): a range list.
+
+A range list (DS_RangeList.h) is u16 BE count, then per range u8
+minEqualsMax, u24LE min and, unless min == max, u24LE max.
+
+A *frame* (ReliabilityLayer.cpp 2610-2800) is ``reliability<<5 | hasSplit<<4``,
+u16 BE payload length in bits, then u24LE reliable message number (reliable
+kinds), u24LE sequencing index (sequenced kinds), u24LE ordering index + u8
+channel (ordered and sequenced kinds), u32 split count + u16 split id + u32
+split index (split frames), then the payload.
+
+Receiving: every data datagram is ACKed by number; a jump in datagram numbers
+NAKs the hole so the sender resends at once. Reliable frames are de-duplicated
+by reliable message number (a window above the lowest number not yet seen),
+split frames are reassembled (bounded per connection and by a budget shared
+by every connection), then ordered/sequenced frames go through their channel:
+an ordered frame is delivered when its ordering index is the next expected
+one, later ones wait (bounded); a sequenced frame is delivered if it belongs to
+the current ordering index and is newer than the last one delivered, and
+dropped when stale.
+
+Sending: payloads larger than one datagram are split (and made reliable, as
+RakNet does). A split message's fragments go out one at a time, each once
+the previous one is acknowledged: RakNet 4.081's receiver joins fragments in
+the order they *arrive* (measured with the real library: when fragment 0 is
+lost and resent after fragment 1 arrived, the message is delivered
+scrambled), so a resent fragment must never be overtaken by a later one. Reliable frames wait in a resend buffer of at most 512 messages
+(``RESEND_BUFFER_ARRAY_LENGTH``) until a datagram carrying them is ACKed; a NAK
+or the retransmission timeout (from measured round trips, as
+CCRakNetSlidingWindow's ``GetRTOForRetransmission``) sends them again. Frames
+beyond the resend buffer wait in a bounded queue.
+
+Everything is in integer milliseconds of one monotonic clock (``now_ms``).
+Violating a bound raises :class:`LimitExceeded`; malformed bytes raise
+:class:`DecodeError`. The owner closes the connection on either.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass
+from enum import IntEnum
+
+from crossroads.errors import DecodeError
+
+U24 = 1 << 24
+HALF_U24 = 1 << 23
+#: ``NUMBER_OF_ORDERED_STREAMS`` (ReliabilityLayer.h:52).
+ORDERING_CHANNELS = 32
+#: ``RESEND_BUFFER_ARRAY_LENGTH`` (ReliabilityLayer.h): reliable messages in
+#: flight per connection.
+RESEND_BUFFER = 512
+#: Frames waiting behind a full resend buffer before the connection is
+#: considered hopeless (a peer that never ACKs cannot make us hold more).
+MAX_SEND_QUEUE = 4096
+#: Reliable message numbers accepted above the lowest one not yet received.
+#: RakNet gives up at a hole of 1 000 000 (ReliabilityLayer.cpp ~980); a hostile
+#: peer could then make us hold a million-entry set, so the window is smaller:
+#: far more than a resend buffer (512) of any RakNet sender can be in flight.
+RELIABLE_WINDOW = 8192
+#: Out-of-order frames held for the ordering channels, all channels together.
+MAX_ORDERING_QUEUE = 1024
+#: Split messages being reassembled at once per connection, fragments per
+#: message, and bytes held per connection.
+MAX_SPLITS_IN_PROGRESS = 16
+MAX_SPLIT_COUNT = 4096
+MAX_SPLIT_BYTES = 1024 * 1024
+#: Datagram-number holes NAKed at once; a larger jump is ACKed without NAKs
+#: (the sender's RTO covers it) so one forged number cannot cost a huge NAK.
+MAX_NAK_GAP = 512
+#: Ranges read from one ACK/NAK: one datagram of ranges is at most ~200.
+MAX_RANGES = 512
+#: Retransmission timeout bounds and the extra allowance for delayed ACKs,
+#: after CCRakNetSlidingWindow::GetRTOForRetransmission (reference §2): 2 s
+#: before any round trip is measured and at most, ``2*RTT + 4*dev + 30 ms``.
+RTO_MAX_MS = 2000
+RTO_MIN_MS = 100
+RTO_ADDITIONAL_MS = 30
+#: Datagram header bytes (flags + u24) and the largest frame header.
+DATAGRAM_HEADER = 4
+MAX_FRAME_HEADER = 1 + 2 + 3 + 3 + 3 + 1 + 10
+
+FLAG_VALID = 0x80
+FLAG_ACK = 0x40
+FLAG_NAK = 0x20
+DATA_FLAGS = 0x84  # valid, needsBAndAs: what stock RakNet sends (pcap)
+ACK_FLAGS = 0xC0
+NAK_FLAGS = 0xA0
+
+
+class Reliability(IntEnum):
+    """PacketReliability as it appears on the wire (0..4)."""
+
+    UNRELIABLE = 0
+    UNRELIABLE_SEQUENCED = 1
+    RELIABLE = 2
+    RELIABLE_ORDERED = 3
+    RELIABLE_SEQUENCED = 4
+
+
+_RELIABLE = frozenset(
+    {Reliability.RELIABLE, Reliability.RELIABLE_ORDERED, Reliability.RELIABLE_SEQUENCED}
+)
+_SEQUENCED = frozenset(
+    {Reliability.UNRELIABLE_SEQUENCED, Reliability.RELIABLE_SEQUENCED}
+)
+_ORDERED = frozenset(
+    {
+        Reliability.UNRELIABLE_SEQUENCED,
+        Reliability.RELIABLE_ORDERED,
+        Reliability.RELIABLE_SEQUENCED,
+    }
+)
+
+
+class LimitExceeded(DecodeError):
+    """The peer made this connection exceed one of the bounds above."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """One message (or one fragment of a split message) inside a datagram."""
+
+    reliability: Reliability
+    payload: bytes
+    reliable_index: int = 0
+    sequencing_index: int = 0
+    ordering_index: int = 0
+    channel: int = 0
+    split_count: int = 0
+    split_id: int = 0
+    split_index: int = 0
+
+    def encode(self) -> bytes:
+        rel = self.reliability
+        split = self.split_count > 0
+        out = bytearray(
+            struct.pack(">BH", rel << 5 | (0x10 if split else 0), len(self.payload) * 8)
+        )
+        if rel in _RELIABLE:
+            out += self.reliable_index.to_bytes(3, "little")
+        if rel in _SEQUENCED:
+            out += self.sequencing_index.to_bytes(3, "little")
+        if rel in _ORDERED:
+            out += self.ordering_index.to_bytes(3, "little")
+            out.append(self.channel)
+        if split:
+            out += struct.pack(
+                ">IHI", self.split_count, self.split_id, self.split_index
+            )
+        out += self.payload
+        return bytes(out)
+
+
+def decode_frames(data: bytes, offset: int) -> list[Frame]:
+    """The frames of a data datagram from ``offset`` on."""
+    frames: list[Frame] = []
+    end = len(data)
+    while offset < end:
+        if end - offset < 3:
+            raise DecodeError("truncated frame header", "short")
+        flags, bit_length = struct.unpack_from(">BH", data, offset)
+        offset += 3
+        kind = flags >> 5
+        if kind > Reliability.RELIABLE_SEQUENCED:
+            raise DecodeError(
+                f"reliability {kind} is not sent on the wire", "bad-frame"
+            )
+        rel = Reliability(kind)
+        reliable_index = sequencing_index = ordering_index = channel = 0
+        split_count = split_id = split_index = 0
+        need = (
+            (3 if rel in _RELIABLE else 0)
+            + (3 if rel in _SEQUENCED else 0)
+            + (4 if rel in _ORDERED else 0)
+            + (10 if flags & 0x10 else 0)
+        )
+        if end - offset < need:
+            raise DecodeError("truncated frame header", "short")
+        if rel in _RELIABLE:
+            reliable_index = int.from_bytes(data[offset : offset + 3], "little")
+            offset += 3
+        if rel in _SEQUENCED:
+            sequencing_index = int.from_bytes(data[offset : offset + 3], "little")
+            offset += 3
+        if rel in _ORDERED:
+            ordering_index = int.from_bytes(data[offset : offset + 3], "little")
+            channel = data[offset + 3]
+            offset += 4
+            if channel >= ORDERING_CHANNELS:
+                raise DecodeError("ordering channel above 31", "bad-frame")
+        if flags & 0x10:
+            split_count, split_id, split_index = struct.unpack_from(
+                ">IHI", data, offset
+            )
+            offset += 10
+            if not 0 < split_count <= MAX_SPLIT_COUNT or split_index >= split_count:
+                raise LimitExceeded("split count or index out of range", "split-count")
+        length = (bit_length + 7) // 8
+        if length == 0:
+            raise DecodeError("empty frame", "bad-frame")
+        if end - offset < length:
+            raise DecodeError("frame longer than the datagram", "short")
+        payload = data[offset : offset + length]
+        offset += length
+        frames.append(
+            Frame(
+                rel,
+                payload,
+                reliable_index,
+                sequencing_index,
+                ordering_index,
+                channel,
+                split_count,
+                split_id,
+                split_index,
+            )
+        )
+    return frames
+
+
+def encode_ranges(flags: int, numbers: list[int]) -> bytes:
+    """An ACK/NAK datagram for ``numbers`` (sorted, merged into ranges)."""
+    ranges: list[tuple[int, int]] = []
+    for n in sorted(set(numbers)):
+        if ranges and n == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], n)
+        else:
+            ranges.append((n, n))
+    out = bytearray([flags])
+    out += len(ranges).to_bytes(2, "big")
+    for low, high in ranges:
+        if low == high:
+            out += b"\x01" + low.to_bytes(3, "little")
+        else:
+            out += b"\x00" + low.to_bytes(3, "little") + high.to_bytes(3, "little")
+    return bytes(out)
+
+
+def decode_ranges(data: bytes, offset: int) -> list[tuple[int, int]]:
+    """The (min, max) ranges of an ACK/NAK from ``offset`` (the u16 count)."""
+    if len(data) - offset < 2:
+        raise DecodeError("truncated range list", "short")
+    count = int.from_bytes(data[offset : offset + 2], "big")
+    offset += 2
+    if count > MAX_RANGES:
+        raise LimitExceeded("too many ACK ranges", "ack-ranges")
+    ranges: list[tuple[int, int]] = []
+    for _ in range(count):
+        if len(data) - offset < 4:
+            raise DecodeError("truncated range", "short")
+        single = data[offset]
+        low = int.from_bytes(data[offset + 1 : offset + 4], "little")
+        offset += 4
+        high = low
+        if not single:
+            if len(data) - offset < 3:
+                raise DecodeError("truncated range", "short")
+            high = int.from_bytes(data[offset : offset + 3], "little")
+            offset += 3
+        if (high - low) % U24 >= HALF_U24:
+            raise DecodeError("range with max before min", "bad-range")
+        ranges.append((low, high))
+    return ranges
+
+
+def ahead(index: int, base: int) -> int:
+    """How far ``index`` is at or after ``base`` in u24 serial arithmetic (<0: before)."""
+    d = (index - base) % U24
+    return d if d < HALF_U24 else d - U24
+
+
+class SplitBudget:
+    """Reassembly bytes held by all connections of one server together."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+class _Split:
+    __slots__ = ("count", "parts", "size", "first")
+
+    def __init__(self, count: int, first: Frame) -> None:
+        self.count = count
+        self.parts: dict[int, bytes] = {}
+        self.size = 0
+        self.first = first
+
+
+class _InFlight:
+    __slots__ = ("frame", "data", "sent_ms", "resend_ms", "first_ms")
+
+    def __init__(self, frame: Frame, data: bytes, now_ms: int) -> None:
+        self.frame = frame
+        self.data = data
+        self.first_ms = now_ms
+        self.sent_ms = now_ms
+        self.resend_ms = now_ms
+
+
+class ReliabilityLayer:
+    """Send and receive state of one connection; see the module docstring."""
+
+    def __init__(self, mtu: int, budget: SplitBudget) -> None:
+        #: Largest datagram payload: the MTU minus IP + UDP headers (28).
+        self.max_datagram = mtu - 28
+        self.budget = budget
+        # receive side
+        self._expected_datagram = 0
+        self._acks: list[int] = []
+        self._naks: list[int] = []
+        self._reliable_base = 0
+        self._reliable_seen: set[int] = set()
+        self._splits: dict[int, _Split] = {}
+        self._split_bytes = 0
+        self._ordered_read = [0] * ORDERING_CHANNELS
+        self._sequenced_read = [0] * ORDERING_CHANNELS
+        self._waiting: list[dict[int, list[Frame]]] = [
+            {} for _ in range(ORDERING_CHANNELS)
+        ]
+        self._waiting_count = 0
+        # send side
+        self._next_datagram = 0
+        self._next_reliable = 0
+        self._ordered_write = [0] * ORDERING_CHANNELS
+        self._sequenced_write = [0] * ORDERING_CHANNELS
+        self._next_split_id = 0
+        #: Reliable number of the split fragment sent last (see _pack's caller).
+        self._split_gate = -1
+        self._queue: deque[tuple[Frame, bytes]] = deque()
+        self._in_flight: dict[int, _InFlight] = {}
+        self._datagrams: dict[int, tuple[int, list[int]]] = {}
+        self._srtt: float | None = None
+        self._rttvar = 0.0
+        #: Time of the last reliable send, for the keep-alive ping rule.
+        self.last_reliable_send_ms = 0
+        self.resends = 0
+
+    # ----------------------------------------------------------- receiving
+
+    def receive(self, data: bytes, now_ms: int) -> list[bytes]:
+        """One connected datagram; returns the messages it completes, in order."""
+        flags = data[0]
+        if not flags & FLAG_VALID:
+            raise DecodeError("not a connected datagram", "not-valid")
+        if flags & FLAG_ACK:
+            offset = 5 if flags & 0x20 else 1  # hasBAndAS: a float AS follows
+            self._on_ack(decode_ranges(data, offset), now_ms)
+            return []
+        if flags & FLAG_NAK:
+            self._on_nak(decode_ranges(data, 1), now_ms)
+            return []
+        if len(data) < DATAGRAM_HEADER:
+            raise DecodeError("truncated datagram header", "short")
+        number = int.from_bytes(data[1:4], "little")
+        frames = decode_frames(data, DATAGRAM_HEADER)
+        self._note_datagram(number)
+        out: list[bytes] = []
+        for frame in frames:
+            self._receive_frame(frame, out)
+        return out
+
+    def _note_datagram(self, number: int) -> None:
+        gap = ahead(number, self._expected_datagram)
+        if gap >= 0:
+            if 0 < gap <= MAX_NAK_GAP:
+                self._naks.extend(
+                    (self._expected_datagram + i) % U24 for i in range(gap)
+                )
+            self._expected_datagram = (number + 1) % U24
+        if len(self._acks) < RESEND_BUFFER * 4:
+            self._acks.append(number)
+
+    def _receive_frame(self, frame: Frame, out: list[bytes]) -> None:
+        if frame.reliability in _RELIABLE:
+            offset = ahead(frame.reliable_index, self._reliable_base)
+            if offset < 0 or frame.reliable_index in self._reliable_seen:
+                return  # duplicate
+            if offset >= RELIABLE_WINDOW:
+                raise LimitExceeded("reliable message number too far ahead", "window")
+            self._reliable_seen.add(frame.reliable_index)
+            while self._reliable_base in self._reliable_seen:
+                self._reliable_seen.discard(self._reliable_base)
+                self._reliable_base = (self._reliable_base + 1) % U24
+        if frame.split_count:
+            whole = self._reassemble(frame)
+            if whole is None:
+                return
+            frame = whole
+        if frame.reliability not in _ORDERED:
+            out.append(frame.payload)
+            return
+        channel = frame.channel
+        expected = self._ordered_read[channel]
+        distance = ahead(frame.ordering_index, expected)
+        if distance < 0:
+            return  # older than what was delivered: a stale sequenced frame
+        if distance == 0:
+            self._deliver_ordered(frame, out)
+            return
+        if self._waiting_count >= MAX_ORDERING_QUEUE:
+            raise LimitExceeded("too many frames waiting for order", "ordering")
+        self._waiting[channel].setdefault(frame.ordering_index, []).append(frame)
+        self._waiting_count += 1
+
+    def _deliver_ordered(self, frame: Frame, out: list[bytes]) -> None:
+        channel = frame.channel
+        if frame.reliability in _SEQUENCED:
+            if ahead(frame.sequencing_index, self._sequenced_read[channel]) >= 0:
+                self._sequenced_read[channel] = (frame.sequencing_index + 1) % U24
+                out.append(frame.payload)
+            return
+        out.append(frame.payload)
+        waiting = self._waiting[channel]
+        while True:
+            self._ordered_read[channel] = (self._ordered_read[channel] + 1) % U24
+            self._sequenced_read[channel] = 0
+            held = waiting.pop(self._ordered_read[channel], None)
+            if held is None:
+                return
+            self._waiting_count -= len(held)
+            held.sort(
+                key=lambda f: (f.reliability not in _SEQUENCED, f.sequencing_index)
+            )
+            advanced = False
+            for item in held:
+                if item.reliability in _SEQUENCED:
+                    if ahead(item.sequencing_index, self._sequenced_read[channel]) >= 0:
+                        self._sequenced_read[channel] = (
+                            item.sequencing_index + 1
+                        ) % U24
+                        out.append(item.payload)
+                elif not advanced:
+                    out.append(item.payload)
+                    advanced = True
+            if not advanced:
+                return
+
+    def _reassemble(self, frame: Frame) -> Frame | None:
+        split = self._splits.get(frame.split_id)
+        if split is None:
+            if len(self._splits) >= MAX_SPLITS_IN_PROGRESS:
+                raise LimitExceeded("too many split messages at once", "splits")
+            split = self._splits[frame.split_id] = _Split(frame.split_count, frame)
+        if frame.split_count != split.count:
+            raise DecodeError("split count changed within one message", "bad-split")
+        if frame.split_index in split.parts:
+            return None
+        size = len(frame.payload)
+        if self._split_bytes + size > MAX_SPLIT_BYTES:
+            raise LimitExceeded(
+                "split reassembly over its per-connection cap", "split-memory"
+            )
+        if self.budget.used + size > self.budget.limit:
+            raise LimitExceeded(
+                "split reassembly over the server's budget", "split-memory"
+            )
+        split.parts[frame.split_index] = frame.payload
+        split.size += size
+        self._split_bytes += size
+        self.budget.used += size
+        if frame.split_index == 0:
+            split.first = frame
+        if len(split.parts) < split.count:
+            return None
+        del self._splits[frame.split_id]
+        self._split_bytes -= split.size
+        self.budget.used -= split.size
+        payload = b"".join(split.parts[i] for i in range(split.count))
+        first = split.first
+        return Frame(
+            first.reliability,
+            payload,
+            first.reliable_index,
+            first.sequencing_index,
+            first.ordering_index,
+            first.channel,
+        )
+
+    def release(self) -> None:
+        """Give back this connection's share of the split budget (on close)."""
+        self.budget.used -= self._split_bytes
+        self._split_bytes = 0
+        self._splits.clear()
+
+    def _on_ack(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
+        for number in self._numbers_in(ranges):
+            entry = self._datagrams.pop(number, None)
+            if entry is None:
+                continue
+            sent_ms, reliables = entry
+            fresh = False
+            for index in reliables:
+                flight = self._in_flight.get(index)
+                if flight is not None and flight.sent_ms == sent_ms:
+                    fresh = fresh or flight.first_ms == sent_ms
+                    del self._in_flight[index]
+            if fresh:
+                self._sample_rtt(now_ms - sent_ms)
+
+    def _on_nak(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
+        for number in self._numbers_in(ranges):
+            entry = self._datagrams.pop(number, None)
+            if entry is None:
+                continue
+            for index in entry[1]:
+                flight = self._in_flight.get(index)
+                if flight is not None:
+                    flight.resend_ms = now_ms
+
+    def _numbers_in(self, ranges: list[tuple[int, int]]) -> list[int]:
+        """Datagram numbers we track inside ``ranges``: at most the smaller of
+        the span and the tracked set, so a forged 0..2^24-1 range is cheap."""
+        found: list[int] = []
+        for low, high in ranges:
+            span = (high - low) % U24 + 1
+            if span <= len(self._datagrams):
+                found.extend(
+                    n
+                    for n in ((low + i) % U24 for i in range(span))
+                    if n in self._datagrams
+                )
+            else:
+                found.extend(
+                    n
+                    for n in self._datagrams
+                    if ahead(n, low) >= 0 and ahead(high, n) >= 0
+                )
+        return found
+
+    def _sample_rtt(self, rtt: int) -> None:
+        if self._srtt is None:
+            self._srtt = float(rtt)
+            self._rttvar = rtt / 2
+        else:
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+            self._srtt = 0.875 * self._srtt + 0.125 * rtt
+
+    @property
+    def rto_ms(self) -> int:
+        if self._srtt is None:
+            return RTO_MAX_MS
+        rto = int(2 * self._srtt + 4 * self._rttvar) + RTO_ADDITIONAL_MS
+        return max(RTO_MIN_MS, min(RTO_MAX_MS, rto))
+
+    @property
+    def rtt_ms(self) -> int | None:
+        """Smoothed round-trip time, once a datagram has been ACKed."""
+        return None if self._srtt is None else int(self._srtt)
+
+    # ------------------------------------------------------------- sending
+
+    def send(
+        self, payload: bytes, reliability: Reliability, channel: int, now_ms: int
+    ) -> None:
+        """Queue one message; large ones are split."""
+        if len(self._queue) >= MAX_SEND_QUEUE:
+            raise LimitExceeded("send queue full", "send-queue")
+        room = self.max_datagram - DATAGRAM_HEADER - MAX_FRAME_HEADER
+        split = len(payload) > room
+        if split:
+            # RakNet sends every fragment reliably (ReliabilityLayer.cpp, SplitPacket).
+            if reliability == Reliability.UNRELIABLE:
+                reliability = Reliability.RELIABLE
+            elif reliability == Reliability.UNRELIABLE_SEQUENCED:
+                reliability = Reliability.RELIABLE_SEQUENCED
+        ordering = sequencing = 0
+        if reliability in _SEQUENCED:
+            ordering = self._ordered_write[channel]
+            sequencing = self._sequenced_write[channel]
+            self._sequenced_write[channel] = (sequencing + 1) % U24
+        elif reliability in _ORDERED:
+            ordering = self._ordered_write[channel]
+            self._ordered_write[channel] = (ordering + 1) % U24
+            self._sequenced_write[channel] = 0
+        if not split:
+            self._queue.append(
+                (Frame(reliability, payload, 0, sequencing, ordering, channel), b"")
+            )
+            return
+        count = (len(payload) + room - 1) // room
+        if count > MAX_SPLIT_COUNT or len(self._queue) + count > MAX_SEND_QUEUE:
+            raise LimitExceeded("message too large to send", "send-queue")
+        split_id = self._next_split_id
+        self._next_split_id = (split_id + 1) % 65536
+        for i in range(count):
+            part = payload[i * room : (i + 1) * room]
+            self._queue.append(
+                (
+                    Frame(
+                        reliability,
+                        part,
+                        0,
+                        sequencing,
+                        ordering,
+                        channel,
+                        count,
+                        split_id,
+                        i,
+                    ),
+                    b"",
+                )
+            )
+
+    def datagrams(self, now_ms: int) -> list[bytes]:
+        """ACKs, NAKs, due resends and queued frames, packed into datagrams."""
+        out: list[bytes] = []
+        if self._acks:
+            out.extend(self._chunked_ranges(ACK_FLAGS, self._acks))
+            self._acks = []
+        if self._naks:
+            out.extend(self._chunked_ranges(NAK_FLAGS, self._naks))
+            self._naks = []
+        pending: list[tuple[bytes, int | None]] = []
+        rto = self.rto_ms
+        for number, flight in self._in_flight.items():
+            if flight.resend_ms <= now_ms:
+                flight.resend_ms = now_ms + rto
+                flight.sent_ms = now_ms
+                pending.append((flight.data, number))
+                self.resends += 1
+        while self._queue and len(self._in_flight) < RESEND_BUFFER:
+            frame = self._queue[0][0]
+            if frame.split_index > 0 and self._split_gate in self._in_flight:
+                break  # the previous fragment is not acknowledged yet
+            self._queue.popleft()
+            index: int | None = None
+            if frame.reliability in _RELIABLE:
+                index = self._next_reliable
+                self._next_reliable = (index + 1) % U24
+                frame = Frame(
+                    frame.reliability,
+                    frame.payload,
+                    index,
+                    frame.sequencing_index,
+                    frame.ordering_index,
+                    frame.channel,
+                    frame.split_count,
+                    frame.split_id,
+                    frame.split_index,
+                )
+            data = frame.encode()
+            if index is not None:
+                flight = _InFlight(frame, data, now_ms)
+                flight.resend_ms = now_ms + rto
+                self._in_flight[index] = flight
+                self.last_reliable_send_ms = now_ms
+                if frame.split_count:
+                    self._split_gate = index
+            pending.append((data, index))
+        if pending:
+            out.extend(self._pack(pending, now_ms))
+        return out
+
+    def _pack(
+        self, pending: list[tuple[bytes, int | None]], now_ms: int
+    ) -> list[bytes]:
+        out: list[bytes] = []
+        body = bytearray()
+        reliables: list[int] = []
+        for data, index in pending:
+            if body and DATAGRAM_HEADER + len(body) + len(data) > self.max_datagram:
+                out.append(self._seal(body, reliables, now_ms))
+                body = bytearray()
+                reliables = []
+            body += data
+            if index is not None:
+                reliables.append(index)
+        if body:
+            out.append(self._seal(body, reliables, now_ms))
+        return out
+
+    def _seal(self, body: bytearray, reliables: list[int], now_ms: int) -> bytes:
+        number = self._next_datagram
+        self._next_datagram = (number + 1) % U24
+        if reliables:
+            self._datagrams[number] = (now_ms, reliables)
+            if len(self._datagrams) > 4 * RESEND_BUFFER:
+                # Unanswered datagrams of frames since resent: forget the oldest.
+                self._datagrams.pop(next(iter(self._datagrams)))
+        return bytes([DATA_FLAGS]) + number.to_bytes(3, "little") + bytes(body)
+
+    def _chunked_ranges(self, flags: int, numbers: list[int]) -> list[bytes]:
+        # ~200 ranges of 7 bytes fit any MTU RakNet uses (576 and up).
+        step = max(1, (self.max_datagram - 3) // 7)
+        ordered = sorted(set(numbers))
+        return [
+            encode_ranges(flags, ordered[i : i + step])
+            for i in range(0, len(ordered), step)
+        ]
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def oldest_unacked_ms(self) -> int | None:
+        """When the oldest reliable message still unacknowledged was first sent."""
+        if not self._in_flight:
+            return None
+        return min(f.first_ms for f in self._in_flight.values())
+
+    def next_resend_ms(self) -> int | None:
+        if not self._in_flight:
+            return None
+        return min(f.resend_ms for f in self._in_flight.values())

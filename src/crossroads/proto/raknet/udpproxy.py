@@ -1,0 +1,387 @@
+"""RakNet's UDPProxyCoordinator (with a built-in UDPProxyServer), sans-I/O
+(reference raknet-wire.md §5).
+
+Theory of operation
+-------------------
+Two RakNet clients that cannot punch through ask for a relay. The requester
+sends ``5c 06`` (FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR): its source
+address (unassigned: "as you see me"), a bit usesAddress, the target's
+SystemAddress or GUID, u32 timeoutOnNoDataMS and a bit (plus a bitstream) for
+server selection (UDPProxyCoordinator.cpp:170-200). The coordinator answers
+(215-256):
+
+- a pair already being set up (either direction): IN_PROGRESS (``5c 05``);
+- no proxy server at all: NO_SERVERS_ONLINE (``5c 02``);
+- a target not connected here: RECIPIENT_GUID_NOT_CONNECTED (``5c 03``; stock
+  RakNet says so only for targets given by GUID, and relays to any target
+  address -- here both ends must be connected, so no forwarder can be aimed
+  at a third party; a request for a source that is not connected is dropped);
+- otherwise a forwarder is started -- by the built-in forwarder of this
+  process (:class:`Forwarders`, a UDP port that relays between the two), or by
+  an external UDPProxyServer that logged in (``5c 0b`` password: ``0c`` ok,
+  ``0d`` already, ``0e`` no password set here, ``0f`` wrong), asked with
+  ``5c 09`` and answering ``5c 0a`` (UDPProxyServer.cpp:155-176).
+
+On success the requester gets FORWARDING_SUCCEEDED (``5c 00``) and the target
+FORWARDING_NOTIFICATION (``5c 01``): both addresses, the other side's GUID,
+RakString proxy IP, u16 proxy port (383-405). Both then RakNet-connect to that
+address: the relayed bytes are an ordinary RakNet connection between the two
+games. The request is remembered for ``timeoutOnNoDataMS`` after success, so
+a late duplicate from the other side is IN_PROGRESS, not a second forwarder.
+
+Not implemented: choosing among several proxy servers by the clients' pings
+(``5c 07``/``5c 08``); the first logged-in server is used, else the built-in
+forwarder.
+
+Bounds: requests in progress, the logged-in servers, and (in the forwarder)
+the forwarding ports.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Protocol
+
+from crossroads.errors import DecodeError
+from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS, BitReader, BitWriter
+from crossroads.proto.raknet.messages import MessageId
+from crossroads.proto.raknet.peer import RakNetServer
+from crossroads.types import Address
+
+#: A server that does not answer a forwarding request within this long is
+#: skipped (``DEFAULT_UNRESPONSIVE_PING_TIME_COORDINATOR`` = 2000 + 1000 ms,
+#: UDPProxyCoordinator.cpp:24-25).
+SERVER_REPLY_TIMEOUT_MS = 3000
+#: Requests being set up or remembered at once, and proxy servers logged in.
+MAX_REQUESTS = 10_000
+MAX_SERVERS = 64
+#: How often remembered requests are forgotten.
+SWEEP_INTERVAL = 0.25
+
+
+class Sub(IntEnum):
+    """``UDPProxyMessages`` (UDPProxyCommon.h)."""
+
+    FORWARDING_SUCCEEDED = 0
+    FORWARDING_NOTIFICATION = 1
+    NO_SERVERS_ONLINE = 2
+    RECIPIENT_GUID_NOT_CONNECTED_TO_COORDINATOR = 3
+    ALL_SERVERS_BUSY = 4
+    IN_PROGRESS = 5
+    FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR = 6
+    PING_SERVERS_FROM_COORDINATOR_TO_CLIENT = 7
+    PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR = 8
+    FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER = 9
+    FORWARDING_REPLY_FROM_SERVER_TO_COORDINATOR = 10
+    LOGIN_REQUEST_FROM_SERVER_TO_COORDINATOR = 11
+    LOGIN_SUCCESS_FROM_COORDINATOR_TO_SERVER = 12
+    ALREADY_LOGGED_IN_FROM_COORDINATOR_TO_SERVER = 13
+    NO_PASSWORD_SET_FROM_COORDINATOR_TO_SERVER = 14
+    WRONG_PASSWORD_FROM_COORDINATOR_TO_SERVER = 15
+
+
+class ForwarderResult(IntEnum):
+    """``UDPForwarderResult`` (UDPForwarder.h)."""
+
+    FORWARDING_ALREADY_EXISTS = 0
+    NO_SOCKETS = 1
+    BIND_FAILED = 2
+    INVALID_PARAMETERS = 3
+    NOT_RUNNING = 4
+    SUCCESS = 5
+
+
+class Forwarders(Protocol):
+    """The built-in forwarder (an I/O object the service provides)."""
+
+    def start(
+        self, source: Address, target: Address, timeout_ms: int
+    ) -> tuple[ForwarderResult, int]:
+        """Relay between ``source`` and ``target``; (result, forwarding port)."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    source: Address
+    target: Address
+    sender_guid: int
+    target_guid: int
+    requester: Address
+    timeout_ms: int
+    server: Address | None = None
+    asked_ms: int = 0
+    forget_ms: int | None = None
+
+
+@dataclass
+class ProxyStats:
+    requests: int = 0
+    succeeded: int = 0
+    results: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+
+
+class UDPProxyCoordinator:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        peer: RakNetServer,
+        forwarders: Forwarders | None,
+        public_ip: str,
+        password: str = "",
+    ) -> None:
+        self.peer = peer
+        self.forwarders = forwarders
+        self.public_ip = public_ip
+        self.password = password
+        self.servers: list[Address] = []
+        self.requests: dict[tuple[Address, Address], Request] = {}
+        self.stats = ProxyStats()
+        self._next_sweep: float | None = None
+
+    # ------------------------------------------------------------- hooks
+
+    def on_message(
+        self, guid: int, address: Address, payload: bytes, now: float
+    ) -> bool:
+        if payload[0] != MessageId.UDP_PROXY_GENERAL or len(payload) < 2:
+            return False
+        try:
+            match payload[1]:
+                case Sub.FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR:
+                    self._on_request(address, payload, now)
+                case Sub.LOGIN_REQUEST_FROM_SERVER_TO_COORDINATOR:
+                    self._on_login(address, payload, now)
+                case Sub.FORWARDING_REPLY_FROM_SERVER_TO_COORDINATOR:
+                    self._on_server_reply(address, payload, now)
+                case _:
+                    self.stats.dropped["unknown-sub-id"] += 1
+        except DecodeError as exc:
+            self.stats.dropped[exc.reason] += 1
+        return True
+
+    def on_disconnected(self, address: Address, now: float) -> None:
+        for key, request in list(self.requests.items()):
+            if request.requester == address:
+                del self.requests[key]
+        if address in self.servers:
+            self.servers.remove(address)
+            for request in list(self.requests.values()):
+                if request.server == address and request.forget_ms is None:
+                    self._start(request, now, skip=address)
+
+    def get_timer(self) -> float | None:
+        return self._next_sweep if self.requests else None
+
+    def handle_timer(self, now: float) -> None:
+        if self._next_sweep is None or now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_INTERVAL
+        now_ms = int(now * 1000)
+        for key, request in list(self.requests.items()):
+            if request.forget_ms is not None:
+                if now_ms > request.forget_ms:
+                    del self.requests[key]
+            elif (
+                request.server is not None
+                and now_ms > request.asked_ms + SERVER_REPLY_TIMEOUT_MS
+            ):
+                self._start(request, now, skip=request.server)
+
+    # ---------------------------------------------------------- internals
+
+    def _send(self, to: Address, sub: Sub, body: BitWriter | None, now: float) -> None:
+        writer = BitWriter()
+        writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+        writer.write_u8(sub)
+        data = writer.data() + (body.data() if body is not None else b"")
+        self.peer.send(to, data, now=now)
+
+    def _pair(
+        self, request: Request, guid: int, ip: str | None, port: int | None
+    ) -> BitWriter:
+        writer = BitWriter()
+        writer.write_address(request.source)
+        writer.write_address(request.target)
+        writer.write_u64(guid)
+        if ip is not None and port is not None:
+            writer.write_rakstring(ip.encode())
+            writer.write_u16(port)
+        return writer
+
+    def _on_request(self, address: Address, payload: bytes, now: float) -> None:
+        reader = BitReader(payload, start_bits=16)
+        source = reader.read_address()
+        if source == UNASSIGNED_ADDRESS:
+            source = address
+        uses_address = reader.read_bool()
+        if uses_address:
+            target = reader.read_address()
+            conn = self.peer.connection(target)
+            target_guid = conn.guid if conn is not None else (2**64 - 1)
+        else:
+            target_guid = reader.read_u64()
+            target = self.peer.address_of(target_guid) or UNASSIGNED_ADDRESS
+        timeout_ms = reader.read_u32()
+        self.stats.requests += 1
+        sender = self.peer.connection(source)
+        request = Request(
+            source,
+            target,
+            sender.guid if sender is not None else 2**64 - 1,
+            target_guid,
+            address,
+            timeout_ms,
+        )
+        if (source, target) in self.requests or (target, source) in self.requests:
+            self._result(request, Sub.IN_PROGRESS, target_guid, "", 0, now)
+            return
+        if self.forwarders is None and not self.servers:
+            self._result(request, Sub.NO_SERVERS_ONLINE, target_guid, None, None, now)
+            return
+        if self.peer.connection(source) is None:
+            # Hardening: stock RakNet relays for any source address it is told;
+            # here both ends must hold a RakNet connection to this server, so a
+            # forwarder can never be aimed at a third party.
+            self.stats.dropped["source-not-connected"] += 1
+            return
+        if self.peer.connection(target) is None or target == source:
+            self._result(
+                request,
+                Sub.RECIPIENT_GUID_NOT_CONNECTED_TO_COORDINATOR,
+                target_guid,
+                None,
+                None,
+                now,
+            )
+            return
+        if len(self.requests) >= MAX_REQUESTS:
+            self.stats.dropped["requests-full"] += 1
+            self._result(request, Sub.ALL_SERVERS_BUSY, target_guid, None, None, now)
+            return
+        self.requests[(source, target)] = request
+        if self._next_sweep is None:
+            self._next_sweep = now + SWEEP_INTERVAL
+        self._start(request, now)
+
+    def _start(self, request: Request, now: float, skip: Address | None = None) -> None:
+        """Ask the first logged-in server (but ``skip``), else the built-in one."""
+        servers = [s for s in self.servers if s != skip]
+        if servers:
+            request.server = servers[0]
+            request.asked_ms = int(now * 1000)
+            writer = BitWriter()
+            writer.write_address(request.source)
+            writer.write_address(request.target)
+            writer.write_u32(request.timeout_ms)
+            self._send(
+                request.server,
+                Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER,
+                writer,
+                now,
+            )
+            return
+        request.server = None
+        if self.forwarders is None:
+            self._busy(request, now)
+            return
+        result, port = self.forwarders.start(
+            request.source, request.target, request.timeout_ms
+        )
+        self._forwarded(request, result, self._public_ip(request), port, now)
+
+    def _public_ip(self, request: Request) -> str:
+        """The configured public IP, else the address the requester dialled."""
+        if self.public_ip:
+            return self.public_ip
+        conn = self.peer.connection(request.requester)
+        return conn.dialled[0] if conn is not None else ""
+
+    def _busy(self, request: Request, now: float) -> None:
+        self.requests.pop((request.source, request.target), None)
+        self._result(
+            request, Sub.ALL_SERVERS_BUSY, request.target_guid, None, None, now
+        )
+
+    def _forwarded(
+        self, request: Request, result: ForwarderResult, ip: str, port: int, now: float
+    ) -> None:
+        if result == ForwarderResult.SUCCESS:
+            self.stats.succeeded += 1
+            self._send(
+                request.requester,
+                Sub.FORWARDING_SUCCEEDED,
+                self._pair(request, request.target_guid, ip, port),
+                now,
+            )
+            self._send(
+                request.target,
+                Sub.FORWARDING_NOTIFICATION,
+                self._pair(request, request.sender_guid, ip, port),
+                now,
+            )
+            request.forget_ms = int(now * 1000) + request.timeout_ms
+        elif result == ForwarderResult.FORWARDING_ALREADY_EXISTS:
+            self.requests.pop((request.source, request.target), None)
+            self._result(request, Sub.IN_PROGRESS, request.target_guid, ip, port, now)
+        else:
+            self.stats.results[result.name.lower()] += 1
+            self._busy(request, now)
+
+    def _result(
+        self,
+        request: Request,
+        sub: Sub,
+        guid: int,
+        ip: str | None,
+        port: int | None,
+        now: float,
+    ) -> None:
+        self.stats.results[sub.name.lower()] += 1
+        self._send(request.requester, sub, self._pair(request, guid, ip, port), now)
+
+    def _on_login(self, address: Address, payload: bytes, now: float) -> None:
+        password = BitReader(payload, start_bits=16).read_rakstring()
+        echo = BitWriter()
+        echo.write_rakstring(password)
+        if not self.password:
+            sub = Sub.NO_PASSWORD_SET_FROM_COORDINATOR_TO_SERVER
+        elif password != self.password.encode():
+            sub = Sub.WRONG_PASSWORD_FROM_COORDINATOR_TO_SERVER
+        elif address in self.servers:
+            sub = Sub.ALREADY_LOGGED_IN_FROM_COORDINATOR_TO_SERVER
+        elif len(self.servers) >= MAX_SERVERS:
+            self.stats.dropped["servers-full"] += 1
+            return
+        else:
+            self.servers.append(address)
+            sub = Sub.LOGIN_SUCCESS_FROM_COORDINATOR_TO_SERVER
+        self._send(address, sub, echo, now)
+
+    def _on_server_reply(self, address: Address, payload: bytes, now: float) -> None:
+        reader = BitReader(payload, start_bits=16)
+        source = reader.read_address()
+        target = reader.read_address()
+        ip = reader.read_rakstring().decode("latin-1")
+        result = reader.read_u8()
+        port = reader.read_u16()
+        request = self.requests.get((source, target))
+        if (
+            request is None
+            or request.server != address
+            or request.forget_ms is not None
+        ):
+            self.stats.dropped["unexpected-server-reply"] += 1
+            return
+        try:
+            outcome = ForwarderResult(result)
+        except ValueError:
+            raise DecodeError("unknown UDPForwarderResult", "bad-result") from None
+        if outcome in (ForwarderResult.NO_SOCKETS, ForwarderResult.BIND_FAILED):
+            self._start(request, now, skip=address)
+            return
+        self._forwarded(request, outcome, ip or address[0], port, now)

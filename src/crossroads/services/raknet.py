@@ -1,0 +1,369 @@
+"""``raknet``: a drop-in server for stock RakNet 4 games (reference raknet-wire.md).
+
+One UDP socket (61111 by default, what RakNet's samples dial for
+``natpunch.jenkinssoftware.com``) runs :class:`~crossroads.proto.raknet.node.RakNetNode`:
+RakNet's connection handshake and reliability layer, and NatPunchthroughServer.
+A second socket (``--raknet-second-port``, optionally on ``--raknet-second-host``)
+answers the port-stride NAT_PING that a RakNet client sends on its first
+``OpenNAT`` (without it every client's first punch waits 5 s).
+
+The driver is :class:`~crossroads.transport.udp.CoreDatagramProtocol`; this
+module adds the second socket, the config section and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from crossroads.config import setting
+from crossroads.proto.raknet.nattype import Socket
+from crossroads.proto.raknet.node import RakNetNode
+from crossroads.proto.raknet.peer import ServerConfig
+from crossroads.services.base import ServiceContext
+from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.udp import (
+    CoreDatagramProtocol,
+    bound_address,
+    make_udp_socket,
+)
+from crossroads.types import Address, normalize_address
+
+NAME = "raknet"
+
+
+def _check_detection_hosts(value: tuple[str, ...]) -> None:
+    if len(value) not in (0, 1, 3):
+        raise ValueError("give one IP (all three sockets on it) or three")
+    for host in value:
+        ipaddress.IPv4Address(host)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """``[raknet]``: RakNet 4 NAT punchthrough server (flags ``--raknet-*``)."""
+
+    enabled: bool = setting(True, kind="bool", help="Run the RakNet server.")
+    host: str = setting("", kind="host", help="Bind address ('' = the core --host).")
+    port: int = setting(
+        61111, kind="port", help="UDP port (RakNet's samples dial 61111)."
+    )
+    second_host: str = setting(
+        "",
+        kind="host",
+        help="Second socket's address, for the port-stride check ('' = host).",
+    )
+    second_port: int = setting(
+        61112, kind="port", help="Second socket's UDP port (0 = any free port)."
+    )
+    advertise_host: str = setting(
+        "",
+        kind="host",
+        help="Address clients reach the sockets at, sent in the bound-address "
+        "list ('' = --public-host, else the bind address).",
+    )
+    max_connections: int = setting(
+        4096, kind="int", help="RakNet connections at most (handshakes included)."
+    )
+    max_connections_per_ip: int = setting(
+        16, kind="int", help="RakNet connections one IP may hold."
+    )
+    handshakes_per_second: float = setting(
+        1000.0,
+        kind="float",
+        help="Connection requests answered per second, all sources together.",
+    )
+    detection_hosts: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        check=_check_detection_hosts,
+        help="NAT type detection: IPs for its sockets s2p3, s3p4, s4p5 (one IP: "
+        "all three on it, the layout the stock server really uses; three: one "
+        "each). Empty: no NAT type detection.",
+    )
+    proxy: bool = setting(
+        True,
+        kind="bool",
+        help="Run UDPProxyCoordinator with a built-in UDPProxyServer (forwarding "
+        "ports on the bind address).",
+    )
+    proxy_max_forwarders: int = setting(
+        1000, kind="int", help="Forwarding ports open at once (one per pair)."
+    )
+    proxy_password: str = setting(
+        "",
+        kind="str",
+        help="Password external RakNet UDPProxyServers log in with ('' = none accepted).",
+    )
+    split_memory: int = setting(
+        64 * 1024 * 1024,
+        kind="int",
+        help="Bytes of split messages held for reassembly, all connections together.",
+    )
+
+
+class _Collector(Collector):
+    def __init__(self, service: RakNetService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        node = self.service.node
+        peer = node.peer
+        yield GaugeMetricFamily(
+            "crossroads_raknet_connections",
+            "RakNet connections held (handshakes included).",
+            value=len(peer.connections),
+        )
+        yield CounterMetricFamily(
+            "crossroads_raknet_handshakes",
+            "RakNet connections opened (OPEN_CONNECTION_REQUEST_2 accepted).",
+            value=peer.stats.handshakes,
+        )
+        dropped = CounterMetricFamily(
+            "crossroads_raknet_dropped",
+            "RakNet datagrams or connections dropped, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(peer.stats.dropped.items()):
+            dropped.add_metric([reason], count)
+        for reason, count in sorted(node.punch.stats.dropped.items()):
+            dropped.add_metric([f"punch-{reason}"], count)
+        dropped.add_metric(["second-socket"], node.second_dropped)
+        yield dropped
+        unhandled = CounterMetricFamily(
+            "crossroads_raknet_unhandled_messages",
+            "Messages for plugins this server does not run, by message id.",
+            labels=["id"],
+        )
+        for kind, count in sorted(node.unhandled.items()):
+            unhandled.add_metric([str(kind)], count)
+        yield unhandled
+        punch = node.punch.stats
+        outcomes = CounterMetricFamily(
+            "crossroads_raknet_punchthrough_outcomes",
+            "NAT punchthrough requests and their outcomes.",
+            labels=["outcome"],
+        )
+        outcomes.add_metric(["requested"], punch.requests)
+        outcomes.add_metric(["connect-at-time"], punch.connect_at_time)
+        outcomes.add_metric(["unresponsive"], punch.unresponsive)
+        outcomes.add_metric(["connection-lost"], punch.lost)
+        yield outcomes
+        proxy = node.proxy.stats
+        forwarding = CounterMetricFamily(
+            "crossroads_raknet_proxy_requests",
+            "UDP proxy forwarding requests, by answer.",
+            labels=["answer"],
+        )
+        forwarding.add_metric(["succeeded"], proxy.succeeded)
+        for answer, count in sorted(proxy.results.items()):
+            forwarding.add_metric([answer], count)
+        yield forwarding
+        pool = self.service.forwarders
+        if pool is not None:
+            yield GaugeMetricFamily(
+                "crossroads_raknet_proxy_forwarders",
+                "UDP proxy forwarding ports open.",
+                value=len(pool.entries),
+            )
+            yield CounterMetricFamily(
+                "crossroads_raknet_proxy_packets",
+                "Datagrams forwarded by the built-in UDP proxy.",
+                value=pool.packets(),
+            )
+        if node.detection is not None:
+            results = CounterMetricFamily(
+                "crossroads_raknet_nat_type_results",
+                "NAT type detection results sent, by NATTypeDetectionResult.",
+                labels=["result"],
+            )
+            for result, count in sorted(node.detection.stats.results.items()):
+                results.add_metric([result], count)
+            yield results
+
+
+class _Driver(CoreDatagramProtocol):
+    """The project's driver, plus the datagrams of the detection sockets."""
+
+    def __init__(self, service: RakNetService) -> None:
+        super().__init__(service.node)
+        self.service = service
+
+    def transmit(self, now: float | None = None) -> None:
+        super().transmit(now)
+        for role, data, addr in self.service.node.side_datagrams():
+            transport = self.service.side.get(role)
+            if transport is not None:
+                transport.sendto(data, addr)
+
+
+class _SideSocket(asyncio.DatagramProtocol):
+    """A NAT type detection socket; only s3p4 reads what arrives."""
+
+    def __init__(self, service: RakNetService, role: Socket) -> None:
+        self.service = service
+        self.role = role
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        driver = self.service.driver
+        if self.role is not Socket.S3P4 or driver is None:
+            return
+        now = asyncio.get_running_loop().time()
+        self.service.node.receive_s3p4(data, normalize_address(addr), now)
+        driver.transmit(now)
+
+    def error_received(self, exc: Exception) -> None:
+        pass
+
+
+class _SecondSocket(asyncio.DatagramProtocol):
+    def __init__(self, service: RakNetService) -> None:
+        self.service = service
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        driver = self.service.driver
+        if driver is None or not data:
+            return
+        now = asyncio.get_running_loop().time()
+        self.service.node.receive_second(data, normalize_address(addr), now)
+        driver.transmit(now)
+
+    def error_received(self, exc: Exception) -> None:
+        pass
+
+
+class RakNetService:
+    name = NAME
+
+    def __init__(self, node: RakNetNode) -> None:
+        self.node = node
+        self.driver: CoreDatagramProtocol | None = None
+        self.addresses: list[Address] = []
+        #: NAT type detection's sockets (transports), by role.
+        self.side: dict[Socket, asyncio.DatagramTransport] = {}
+        self.side_addresses: dict[Socket, Address] = {}
+        self._transports: list[asyncio.BaseTransport] = []
+        self.forwarders: ForwarderPool | None = None
+        self._collector: _Collector | None = None
+        self._registry: Any = None
+
+    def describe(self) -> list[str]:
+        if not self.addresses:
+            return ["disabled"]
+        roles = ["RakNet", "RakNet port-stride"]
+        return [
+            f"udp {h}:{p} ({r})"
+            for (h, p), r in zip(self.addresses, roles, strict=False)
+        ]
+
+    async def close(self) -> None:
+        for transport in self._transports:
+            transport.close()
+        self._transports.clear()
+        self.side.clear()
+        if self.forwarders is not None:
+            await self.forwarders.close()
+            self.forwarders = None
+        self.driver = None
+        if self._collector is not None and self._registry is not None:
+            try:
+                self._registry.unregister(self._collector)
+            except KeyError:  # pragma: no cover - already unregistered
+                pass
+            self._collector = None
+
+
+def _advertised(host: str, bound: Address) -> Address:
+    return (host, bound[1]) if host else bound
+
+
+async def serve(ctx: ServiceContext) -> RakNetService:
+    cfg = ctx.section(NAME, Config)
+    if not cfg.enabled:
+        return RakNetService(RakNetNode())
+    host = cfg.host or ctx.host
+    second_host = cfg.second_host or host
+    sockets: list[socket.socket] = []
+    side_hosts: dict[Socket, str] = {}
+    if cfg.detection_hosts:
+        ips = (
+            cfg.detection_hosts * 3
+            if len(cfg.detection_hosts) == 1
+            else cfg.detection_hosts
+        )
+        side_hosts = {
+            Socket.S1P2: host,
+            Socket.S2P3: ips[0],
+            Socket.S3P4: ips[1],
+            Socket.S4P5: ips[2],
+        }
+    side_sockets: dict[Socket, socket.socket] = {}
+    try:
+        sockets.append(make_udp_socket(host, cfg.port))
+        sockets.append(make_udp_socket(second_host, cfg.second_port))
+        for role, side_host in side_hosts.items():
+            side_sockets[role] = make_udp_socket(side_host, 0)
+    except BaseException:
+        for sock in [*sockets, *side_sockets.values()]:
+            sock.close()
+        raise
+    bound = [bound_address(s) for s in sockets]
+    side_bound = {role: bound_address(s) for role, s in side_sockets.items()}
+    public = cfg.advertise_host or ctx.config.core.public_host
+    advertised = [
+        _advertised(public if public else "", bound[0]),
+        _advertised(public if public and not cfg.second_host else "", bound[1]),
+    ]
+    forwarders = ForwarderPool(host, cfg.proxy_max_forwarders) if cfg.proxy else None
+    node = RakNetNode(
+        ServerConfig(
+            max_connections=cfg.max_connections,
+            max_connections_per_ip=cfg.max_connections_per_ip,
+            handshakes_per_second=cfg.handshakes_per_second,
+            split_budget=cfg.split_memory,
+            local_addresses=(advertised[0],),
+        ),
+        bound_addresses=advertised,
+        s3p4=side_bound.get(Socket.S3P4),
+        forwarders=forwarders,
+        proxy_public_ip=public,
+        proxy_password=cfg.proxy_password,
+    )
+    service = RakNetService(node)
+    service.forwarders = forwarders
+    service.addresses = bound
+    service.side_addresses = side_bound
+    loop = asyncio.get_running_loop()
+    try:
+        transport, driver = await loop.create_datagram_endpoint(
+            lambda: _Driver(service), sock=sockets[0]
+        )
+        service._transports.append(transport)
+        service.driver = driver
+        second, _ = await loop.create_datagram_endpoint(
+            lambda: _SecondSocket(service), sock=sockets[1]
+        )
+        service._transports.append(second)
+        for role, sock in side_sockets.items():
+            side, _ = await loop.create_datagram_endpoint(
+                lambda role=role: _SideSocket(service, role),  # type: ignore[misc]
+                sock=sock,
+            )
+            service._transports.append(side)
+            service.side[role] = side
+    except BaseException:
+        await service.close()
+        for sock in [*sockets, *side_sockets.values()]:
+            sock.close()
+        raise
+    service._registry = ctx.metrics
+    service._collector = _Collector(service)
+    ctx.metrics.register(service._collector)
+    return service

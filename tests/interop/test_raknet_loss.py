@@ -1,0 +1,128 @@
+"""The real RakNet 4.081 peer against crossroads' RakNet core across a lossy
+link: two network namespaces joined by a veth pair, each dropping 10 % of the
+UDP datagrams it sends (an nftables ``numgen random`` rule: this kernel has no
+``sch_netem``, so there is no delay or reordering here; the in-memory property
+test of the reliability layer covers reordering and duplication). The
+connection must stay up and carry every reliable ordered message, small and
+split, exactly once and in order, both ways."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from crossroads.lab.netns import entered, socket_in
+from crossroads.proto.raknet.peer import Disconnected, RakNetServer, ServerConfig
+from tests.conftest import eventually
+from tests.interop.raknet_support import ID, RakNetPeer
+from tests.interop.test_raknet import EchoDriver
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(90)]
+
+SERVER_IP = "198.51.100.1"
+CLIENT_IP = "198.51.100.2"
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[str, str]]:
+    """(server namespace, client namespace), joined by a lossy veth pair."""
+    if os.geteuid() != 0:
+        pytest.fail("the netem loss test needs root (network namespaces)")
+    tag = f"rkl{os.getpid() % 100000}"
+    server_ns, client_ns = f"{tag}s", f"{tag}c"
+    try:
+        ip("netns", "add", server_ns)
+        ip("netns", "add", client_ns)
+        ip(
+            "link",
+            "add",
+            f"{tag}a",
+            "netns",
+            server_ns,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            f"{tag}b",
+            "netns",
+            client_ns,
+        )
+        for ns, dev, addr in (
+            (server_ns, f"{tag}a", SERVER_IP),
+            (client_ns, f"{tag}b", CLIENT_IP),
+        ):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            for rule in (
+                "add table inet loss",
+                "add chain inet loss in { type filter hook input priority 0; }",
+                "add rule inet loss in meta l4proto udp numgen random mod 10 == 0 drop",
+            ):
+                ip("netns", "exec", ns, "nft", rule)
+        yield server_ns, client_ns
+    finally:
+        for ns in (server_ns, client_ns):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.fixture
+async def server(
+    link: tuple[str, str],
+) -> AsyncIterator[tuple[RakNetServer, EchoDriver]]:
+    core = RakNetServer(ServerConfig())
+    sock = socket_in(link[0], bind=(SERVER_IP, 61111))
+    loop = asyncio.get_running_loop()
+    transport, driver = await loop.create_datagram_endpoint(
+        lambda: EchoDriver(core), sock=sock
+    )
+    try:
+        yield core, driver
+    finally:
+        transport.close()
+
+
+async def test_reliable_ordered_traffic_survives_loss_and_reordering(
+    link: tuple[str, str], server: tuple[RakNetServer, EchoDriver]
+) -> None:
+    core, driver = server
+    with entered(
+        link[1]
+    ):  # the wheel's socket and threads live in the client namespace
+        client = RakNetPeer(host=CLIENT_IP)
+    try:
+        await client.connect(SERVER_IP, 61111)
+        sent: list[bytes] = []
+        for i in range(150):
+            size = 4000 if i % 10 == 0 else 20  # every tenth one is split
+            payload = b"\x86" + i.to_bytes(2, "big") + bytes(size)
+            client.send(payload)
+            sent.append(payload)
+            await asyncio.sleep(0.02)  # ~3 s of traffic: a stream, not a burst
+        echoed = [
+            await client.expect(lambda d: d.startswith(b"\x86echo"), timeout=30)
+            for _ in sent
+        ]
+        assert [e[5:] for e in echoed] == sent
+        assert core.connected_count == 1
+        assert not [e for e in driver.events if isinstance(e, Disconnected)]
+        assert not [d for d, _ in client.backlog if d[0] == ID.ID_CONNECTION_LOST]
+        resends = sum(c.layer.resends for c in core.connections.values())
+        assert resends > 0  # the loss was real and the server repaired its side
+    finally:
+        client.close()
+    await eventually(
+        lambda: _false_if(core.connected_count), "the server sees the disconnection"
+    )
+
+
+async def _false_if(value: int) -> bool:
+    return value == 0

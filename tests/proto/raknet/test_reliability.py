@@ -1,0 +1,317 @@
+"""The reliability layer in memory: two ends over a lossy, reordering,
+duplicating link; frames and range lists fuzzed; every bound enforced."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crossroads.errors import DecodeError
+from crossroads.proto.raknet.reliability import (
+    MAX_ORDERING_QUEUE,
+    MAX_SEND_QUEUE,
+    MAX_SPLIT_BYTES,
+    MAX_SPLITS_IN_PROGRESS,
+    RESEND_BUFFER,
+    Frame,
+    LimitExceeded,
+    Reliability,
+    ReliabilityLayer,
+    SplitBudget,
+    decode_frames,
+    decode_ranges,
+    encode_ranges,
+)
+
+MTU = 1492
+
+
+def layer(budget: SplitBudget | None = None) -> ReliabilityLayer:
+    return ReliabilityLayer(MTU, budget or SplitBudget(64 * 1024 * 1024))
+
+
+def data_datagram(number: int, *frames: Frame) -> bytes:
+    return b"\x84" + number.to_bytes(3, "little") + b"".join(f.encode() for f in frames)
+
+
+def test_ack_bytes_match_the_capture() -> None:
+    # reference §2: "pcap: c0 0001 01 000000"
+    assert encode_ranges(0xC0, [0]) == bytes.fromhex("c0000101000000")
+    expected = (
+        b"\xa0\x00\x02"
+        + b"\x00"
+        + (3).to_bytes(3, "little")
+        + (5).to_bytes(3, "little")
+        + b"\x01"
+        + (9).to_bytes(3, "little")
+    )
+    assert encode_ranges(0xA0, [3, 4, 5, 9]) == expected
+    assert decode_ranges(encode_ranges(0xC0, [1, 2, 3, 7]), 1) == [(1, 3), (7, 7)]
+
+
+def test_connection_request_frame_layout() -> None:
+    frame = Frame(Reliability.RELIABLE_ORDERED, b"\x09abc", 5, 0, 7, 2)
+    data = frame.encode()
+    # flags 3<<5, 32 bits, u24 reliable 5, u24 ordering 7, channel 2
+    assert data == bytes.fromhex("60002005000007000002") + b"\x09abc"
+    assert decode_frames(data, 0) == [frame]
+
+
+@st.composite
+def frames(draw: st.DrawFn) -> Frame:
+    rel = draw(st.sampled_from(list(Reliability)))
+    split = draw(st.booleans())
+    count = draw(st.integers(1, 100)) if split else 0
+    return Frame(
+        rel,
+        draw(st.binary(min_size=1, max_size=40)),
+        draw(st.integers(0, 2**24 - 1)) if rel in (2, 3, 4) else 0,
+        draw(st.integers(0, 2**24 - 1)) if rel in (1, 4) else 0,
+        draw(st.integers(0, 2**24 - 1)) if rel in (1, 3, 4) else 0,
+        draw(st.integers(0, 31)) if rel in (1, 3, 4) else 0,
+        count,
+        draw(st.integers(0, 65535)) if split else 0,
+        draw(st.integers(0, count - 1)) if split else 0,
+    )
+
+
+@given(st.lists(frames(), min_size=1, max_size=5))
+def test_frames_round_trip(items: list[Frame]) -> None:
+    assert decode_frames(b"".join(f.encode() for f in items), 0) == items
+
+
+@given(st.binary(max_size=200))
+def test_random_datagrams_are_messages_or_decode_errors(data: bytes) -> None:
+    receiver = layer()
+    try:
+        if data:
+            receiver.receive(data, 0)
+    except DecodeError:
+        pass
+    receiver.datagrams(0)
+
+
+def run_link(
+    sender: ReliabilityLayer,
+    receiver: ReliabilityLayer,
+    rng: random.Random,
+    loss: float,
+    steps: int,
+    now: int,
+) -> tuple[list[bytes], int]:
+    """Move datagrams both ways for ``steps`` ticks of 50 ms."""
+    delivered: list[bytes] = []
+    delayed: list[tuple[ReliabilityLayer, bytes]] = []
+    for _ in range(steps):
+        now += 50
+        for data in sender.datagrams(now):
+            if rng.random() < loss:
+                continue
+            if rng.random() < 0.1:
+                delayed.append((receiver, data))  # reordered
+                continue
+            delivered += receiver.receive(data, now)
+            if rng.random() < 0.05:
+                delivered += receiver.receive(data, now)  # duplicated
+        for data in receiver.datagrams(now):
+            if rng.random() >= loss:
+                sender.receive(data, now)
+        rng.shuffle(delayed)
+        while delayed:
+            target, data = delayed.pop()
+            delivered += target.receive(data, now)
+    return delivered, now
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(1, 4000)), min_size=1, max_size=60
+    ),
+    st.floats(0, 0.3),
+    st.integers(0, 2**32),
+)
+def test_reliable_ordered_arrives_once_in_order_over_a_lossy_link(
+    messages: list[tuple[int, int]], loss: float, seed: int
+) -> None:
+    rng = random.Random(seed)
+    sender, receiver = layer(), layer()
+    sent: dict[int, list[bytes]] = {}
+    for i, (channel, size) in enumerate(messages):
+        payload = bytes([0x86, channel]) + i.to_bytes(4, "big") + bytes(size)
+        sent.setdefault(channel, []).append(payload)
+        sender.send(payload, Reliability.RELIABLE_ORDERED, channel, 0)
+    delivered, now = run_link(sender, receiver, rng, loss, 400, 0)
+    more, _ = run_link(sender, receiver, rng, 0.0, 100, now)
+    delivered += more
+    got: dict[int, list[bytes]] = {}
+    for payload in delivered:
+        got.setdefault(payload[1], []).append(payload)
+    assert got == sent
+    assert sender.in_flight == 0 and sender.queued == 0
+
+
+def test_sequenced_drops_stale_and_delivers_newest() -> None:
+    receiver = layer()
+    newer = Frame(Reliability.UNRELIABLE_SEQUENCED, b"\x86new", 0, 5, 0, 1)
+    older = Frame(Reliability.UNRELIABLE_SEQUENCED, b"\x86old", 0, 4, 0, 1)
+    assert receiver.receive(data_datagram(0, newer), 0) == [b"\x86new"]
+    assert receiver.receive(data_datagram(1, older), 0) == []
+
+
+def test_duplicate_reliable_frames_are_delivered_once() -> None:
+    receiver = layer()
+    frame = Frame(Reliability.RELIABLE, b"\x86x", 0)
+    assert receiver.receive(data_datagram(0, frame), 0) == [b"\x86x"]
+    assert receiver.receive(data_datagram(1, frame), 0) == []
+
+
+def test_holes_in_datagram_numbers_are_naked() -> None:
+    receiver = layer()
+    receiver.receive(data_datagram(0, Frame(Reliability.UNRELIABLE, b"\x86")), 0)
+    receiver.receive(data_datagram(4, Frame(Reliability.UNRELIABLE, b"\x86")), 0)
+    out = receiver.datagrams(0)
+    assert out[0] == encode_ranges(0xC0, [0, 4])
+    assert out[1] == encode_ranges(0xA0, [1, 2, 3])
+
+
+def test_nak_resends_at_once() -> None:
+    sender = layer()
+    sender.send(b"\x86hello", Reliability.RELIABLE, 0, 0)
+    (first,) = sender.datagrams(0)
+    assert sender.datagrams(10) == []
+    sender.receive(encode_ranges(0xA0, [0]), 20)
+    (again,) = sender.datagrams(20)
+    assert again[4:] == first[4:]  # same frame, new datagram number
+
+
+def test_forged_ack_ranges_are_cheap_and_harmless() -> None:
+    sender = layer()
+    sender.send(b"\x86hello", Reliability.RELIABLE, 0, 0)
+    sender.datagrams(0)
+
+    def ack(low: int, high: int) -> bytes:
+        return (
+            b"\xc0\x00\x01\x00" + low.to_bytes(3, "little") + high.to_bytes(3, "little")
+        )
+
+    # max before min (or a span over half the number space): malformed
+    with pytest.raises(DecodeError):
+        sender.receive(ack(5, 2), 1)
+    with pytest.raises(DecodeError):
+        sender.receive(ack(0, 2**24 - 1), 1)
+    # a range over 8M numbers: costs what we track (one datagram), not 8M steps
+    sender.receive(ack(0, 2**23 - 1), 1)
+    assert sender.in_flight == 0
+    with pytest.raises(LimitExceeded):
+        sender.receive(b"\xc0\xff\xff", 1)  # 65535 ranges announced
+
+
+def test_huge_split_counts_are_refused() -> None:
+    frame = Frame(Reliability.RELIABLE, b"\x86", 0, split_count=2**31, split_id=1)
+    with pytest.raises(LimitExceeded):
+        layer().receive(data_datagram(0, frame), 0)
+
+
+def test_split_messages_in_progress_are_bounded() -> None:
+    receiver = layer()
+    with pytest.raises(LimitExceeded) as info:
+        for i in range(MAX_SPLITS_IN_PROGRESS + 1):
+            frame = Frame(
+                Reliability.RELIABLE, b"\x86" * 100, i, split_count=10, split_id=i
+            )
+            receiver.receive(data_datagram(i, frame), 0)
+    assert info.value.reason == "splits"
+    receiver.release()
+
+
+def test_split_memory_is_bounded_by_the_shared_budget() -> None:
+    budget = SplitBudget(5000)
+    receiver = layer(budget)
+    with pytest.raises(LimitExceeded) as info:
+        for i in range(10):
+            frame = Frame(
+                Reliability.RELIABLE,
+                bytes(1000),
+                i,
+                split_count=100,
+                split_id=1,
+                split_index=i,
+            )
+            receiver.receive(data_datagram(i, frame), 0)
+    assert info.value.reason == "split-memory"
+    assert budget.used <= 5000
+    receiver.release()
+    assert budget.used == 0
+
+
+def test_ordering_gaps_are_bounded() -> None:
+    receiver = layer()
+    with pytest.raises(LimitExceeded) as info:
+        for i in range(MAX_ORDERING_QUEUE + 1):
+            # ordering index 0 never comes: everything waits
+            frame = Frame(Reliability.RELIABLE_ORDERED, b"\x86", i, 0, i + 1, 0)
+            receiver.receive(data_datagram(i, frame), 0)
+    assert info.value.reason == "ordering"
+
+
+def test_reliable_numbers_far_ahead_are_refused() -> None:
+    frame = Frame(Reliability.RELIABLE, b"\x86", 2**20)
+    with pytest.raises(LimitExceeded):
+        layer().receive(data_datagram(0, frame), 0)
+
+
+def test_resend_buffer_caps_messages_in_flight() -> None:
+    sender = layer()
+    for i in range(RESEND_BUFFER + 10):
+        sender.send(b"\x86" + i.to_bytes(4, "big"), Reliability.RELIABLE, 0, 0)
+    sender.datagrams(0)
+    assert sender.in_flight == RESEND_BUFFER and sender.queued == 10
+
+
+def test_large_messages_are_split_to_the_mtu_one_fragment_at_a_time() -> None:
+    """RakNet 4.081 joins fragments in arrival order, so fragment n+1 leaves
+    only once fragment n is acknowledged (see the module docstring)."""
+    sender, receiver = layer(), layer()
+    payload = b"\x86" + bytes(range(256)) * 40
+    sender.send(payload, Reliability.UNRELIABLE, 0, 0)
+    delivered: list[bytes] = []
+    fragments = 0
+    for now in range(0, 1000, 10):
+        out = sender.datagrams(now)
+        assert len(out) <= 1 and all(len(d) <= MTU - 28 for d in out)
+        fragments += len(out)
+        for data in out:
+            delivered += receiver.receive(data, now)
+        for ack in receiver.datagrams(now):
+            sender.receive(ack, now)
+    assert delivered == [payload] and fragments == 8
+
+
+def test_the_send_queue_is_bounded() -> None:
+    sender = layer()
+    for _ in range(MAX_SEND_QUEUE):
+        sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    with pytest.raises(LimitExceeded) as info:
+        sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    assert info.value.reason == "send-queue"
+
+
+def test_split_memory_per_connection_is_bounded() -> None:
+    receiver = layer()  # a server budget far above the per-connection cap
+    with pytest.raises(LimitExceeded) as info:
+        for i in range(MAX_SPLIT_BYTES // 1000 + 2):
+            frame = Frame(
+                Reliability.RELIABLE,
+                bytes(1000),
+                i,
+                split_count=4000,
+                split_id=7,
+                split_index=i,
+            )
+            receiver.receive(data_datagram(i, frame), 0)
+    assert info.value.reason == "split-memory"
+    receiver.release()

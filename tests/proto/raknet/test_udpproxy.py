@@ -1,0 +1,207 @@
+"""UDPProxyCoordinator in memory: every answer, external proxy servers (login,
+forwarding request/reply, fallback), and the hardening against third-party
+targets. The built-in forwarder here records what it is asked (the real one,
+with sockets, is exercised in tests/services/test_raknet.py)."""
+
+from __future__ import annotations
+
+from crossroads.proto.raknet.bitstream import BitReader, BitWriter
+from crossroads.proto.raknet.messages import MessageId
+from crossroads.proto.raknet.node import RakNetNode
+from crossroads.proto.raknet.udpproxy import ForwarderResult, Sub
+from crossroads.types import Address
+from tests.proto.raknet.support import Client, Network
+
+A_ADDR = ("198.51.100.10", 40000)
+B_ADDR = ("192.0.2.20", 50000)
+P_ADDR = ("203.0.113.50", 60000)  # an external proxy server
+A_GUID, B_GUID, P_GUID = 0xA1, 0xB2, 0xC3
+
+
+class RecordingForwarders:
+    def __init__(self, result: ForwarderResult = ForwarderResult.SUCCESS) -> None:
+        self.result = result
+        self.started: list[tuple[Address, Address, int]] = []
+
+    def start(
+        self, source: Address, target: Address, timeout_ms: int
+    ) -> tuple[ForwarderResult, int]:
+        self.started.append((source, target, timeout_ms))
+        return self.result, 45000
+
+
+def setup(
+    forwarders: RecordingForwarders | None = None, password: str = ""
+) -> tuple[RakNetNode, Client, Client, Client]:
+    node = RakNetNode(
+        guid=7,
+        forwarders=forwarders,
+        proxy_public_ip="203.0.113.1",
+        proxy_password=password,
+    )
+    net = Network(node)
+    clients = [
+        Client(net, a, g)
+        for a, g in ((A_ADDR, A_GUID), (B_ADDR, B_GUID), (P_ADDR, P_GUID))
+    ]
+    for client in clients:
+        client.connect(1.0)
+    return node, *clients  # type: ignore[return-value]
+
+
+def request(target_guid: int, timeout_ms: int = 7000) -> bytes:
+    writer = BitWriter()
+    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(Sub.FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR)
+    writer.write_address(("0.0.0.0", 0))  # "as you see me"
+    writer.write_bool(False)  # by GUID
+    writer.write_u64(target_guid)
+    writer.write_u32(timeout_ms)
+    writer.write_bool(False)  # no server selection bitstream
+    return writer.data()
+
+
+def answer(
+    client: Client,
+) -> tuple[int, Address, Address, int, bytes | None, int | None]:
+    (message,) = client.take(MessageId.UDP_PROXY_GENERAL)
+    reader = BitReader(message, start_bits=8)
+    sub = reader.read_u8()
+    fields = (reader.read_address(), reader.read_address(), reader.read_u64())
+    if reader.remaining_bits >= 24:
+        return sub, *fields, reader.read_rakstring(), reader.read_u16()
+    return sub, *fields, None, None
+
+
+def test_forwarding_with_the_built_in_forwarder() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b, _ = setup(forwarders)
+    a.send(request(B_GUID), 2.0)
+    assert forwarders.started == [(A_ADDR, B_ADDR, 7000)]
+    assert answer(a) == (
+        Sub.FORWARDING_SUCCEEDED,
+        A_ADDR,
+        B_ADDR,
+        B_GUID,
+        b"203.0.113.1",
+        45000,
+    )
+    assert answer(b) == (
+        Sub.FORWARDING_NOTIFICATION,
+        A_ADDR,
+        B_ADDR,
+        A_GUID,
+        b"203.0.113.1",
+        45000,
+    )
+    # the other side asking too (within timeoutOnNoDataMS): in progress
+    b.send(request(A_GUID), 3.0)
+    assert answer(b)[0] == Sub.IN_PROGRESS
+    # ... and forgotten once that time has passed
+    now = 3.0
+    while node.proxy.requests and now < 20:
+        now += 0.25
+        node.handle_timer(now)
+    assert not node.proxy.requests and 9.0 <= now <= 9.5
+
+
+def test_refusals() -> None:
+    _, a, _, _ = setup(None)
+    a.send(request(B_GUID), 2.0)
+    assert answer(a)[0] == Sub.NO_SERVERS_ONLINE
+    _, a, _, _ = setup(RecordingForwarders())
+    a.send(request(0xDEAD), 2.0)
+    assert answer(a)[0] == Sub.RECIPIENT_GUID_NOT_CONNECTED_TO_COORDINATOR
+    a.send(request(A_GUID), 2.0)  # itself
+    assert answer(a)[0] == Sub.RECIPIENT_GUID_NOT_CONNECTED_TO_COORDINATOR
+    _, a, _, _ = setup(RecordingForwarders(ForwarderResult.NO_SOCKETS))
+    a.send(request(B_GUID), 2.0)
+    assert answer(a)[0] == Sub.ALL_SERVERS_BUSY
+
+
+def test_a_forwarder_cannot_be_aimed_at_a_third_party() -> None:
+    forwarders = RecordingForwarders()
+    node, a, _, _ = setup(forwarders)
+    writer = BitWriter()
+    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(Sub.FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR)
+    writer.write_address(("0.0.0.0", 0))
+    writer.write_bool(True)  # by address: a victim that never connected
+    writer.write_address(("192.0.2.99", 53))
+    writer.write_u32(7000)
+    writer.write_bool(False)
+    a.send(writer.data(), 2.0)
+    assert answer(a)[0] == Sub.RECIPIENT_GUID_NOT_CONNECTED_TO_COORDINATOR
+    assert forwarders.started == []
+
+
+def login(client: Client, password: bytes, now: float) -> int:
+    writer = BitWriter()
+    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(Sub.LOGIN_REQUEST_FROM_SERVER_TO_COORDINATOR)
+    writer.write_rakstring(password)
+    client.send(writer.data(), now)
+    (reply,) = client.take(MessageId.UDP_PROXY_GENERAL)
+    assert BitReader(reply, start_bits=16).read_rakstring() == password
+    return reply[1]
+
+
+def test_proxy_server_login() -> None:
+    _, _, _, p = setup(None)
+    assert login(p, b"pw", 2.0) == Sub.NO_PASSWORD_SET_FROM_COORDINATOR_TO_SERVER
+    node, _, _, p = setup(None, password="pw")
+    assert login(p, b"nope", 2.0) == Sub.WRONG_PASSWORD_FROM_COORDINATOR_TO_SERVER
+    assert login(p, b"pw", 2.0) == Sub.LOGIN_SUCCESS_FROM_COORDINATOR_TO_SERVER
+    assert login(p, b"pw", 2.0) == Sub.ALREADY_LOGGED_IN_FROM_COORDINATOR_TO_SERVER
+    assert node.proxy.servers == [P_ADDR]
+
+
+def server_reply(result: ForwarderResult, port: int) -> bytes:
+    writer = BitWriter()
+    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(Sub.FORWARDING_REPLY_FROM_SERVER_TO_COORDINATOR)
+    writer.write_address(A_ADDR)
+    writer.write_address(B_ADDR)
+    writer.write_rakstring(b"")  # "use the address you see me at"
+    writer.write_u8(result)
+    writer.write_u16(port)
+    return writer.data()
+
+
+def test_an_external_proxy_server_does_the_forwarding() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b, p = setup(forwarders, password="pw")
+    login(p, b"pw", 2.0)
+    a.send(request(B_GUID, 5000), 2.1)
+    (asked,) = p.take(MessageId.UDP_PROXY_GENERAL)
+    reader = BitReader(asked, start_bits=8)
+    assert reader.read_u8() == Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER
+    assert (reader.read_address(), reader.read_address(), reader.read_u32()) == (
+        A_ADDR,
+        B_ADDR,
+        5000,
+    )
+    p.send(server_reply(ForwarderResult.SUCCESS, 47000), 2.2)
+    assert answer(a)[4:] == (P_ADDR[0].encode(), 47000)
+    assert answer(b)[0] == Sub.FORWARDING_NOTIFICATION
+    assert forwarders.started == []
+
+
+def test_a_busy_or_silent_proxy_server_falls_back_to_the_built_in_one() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b, p = setup(forwarders, password="pw")
+    login(p, b"pw", 2.0)
+    a.send(request(B_GUID), 2.1)
+    p.take(MessageId.UDP_PROXY_GENERAL)
+    p.send(server_reply(ForwarderResult.NO_SOCKETS, 0), 2.2)
+    assert answer(a)[0] == Sub.FORWARDING_SUCCEEDED and len(forwarders.started) == 1
+    # silent: after 3 s the built-in one takes over
+    c = Client(a.net, ("198.51.100.77", 1), 0xD4)
+    c.connect(3.0)
+    c.send(request(B_GUID), 3.1)
+    p.take(MessageId.UDP_PROXY_GENERAL)
+    now = 3.1
+    while len(forwarders.started) < 2 and now < 10:
+        now += 0.25
+        node.handle_timer(now)
+    assert 6.1 <= now <= 6.6
