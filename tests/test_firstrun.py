@@ -51,7 +51,7 @@ def test_missing_credentials_are_created_once_and_kept(tmp_path: Path) -> None:
     turn = first.config.section("turn", TurnConfig)
     relay = first.config.section("relay", RelayConfig)
     assert turn.secret == (first.credentials.turn_secret,)
-    assert turn.allow_loopback_peers
+    assert turn.same_host_loopback_peers and not turn.allow_loopback_peers
     assert relay.api_keys == (first.credentials.relay_api_key,)
     assert relay.allow_private_peers
     path = tmp_path / "state" / CREDENTIALS_FILE

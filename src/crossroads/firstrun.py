@@ -9,7 +9,8 @@ configuration before anything binds:
    ``--turn-secret``/``--turn-user``/``--turn-users-file`` (and not
    ``--turn-allow-unauthenticated``), the relay allocations API with no
    ``--api-key`` — the stored development one is filled in. This is *development
-   mode*: the server then also accepts loopback peers (TURN) and loopback/private
+   mode*: the server then also accepts loopback peers for clients on this
+   machine's loopback (TURN; a remote client still gets 403) and loopback/private
    clients (relay), because without a public address the addresses it hands out
    are this machine's own (127.0.0.1 or a LAN address), and the printed test
    command could not work otherwise. The secrets are random and known only to
@@ -151,7 +152,7 @@ def prepare(config: Config, env: Mapping[str, str] | None = None) -> FirstRun:
         sections["turn"] = dataclasses.replace(
             config.section("turn", TurnConfig),
             secret=(credentials.turn_secret,),
-            allow_loopback_peers=True,
+            same_host_loopback_peers=True,
         )
     if dev_relay:
         sections["relay"] = dataclasses.replace(

@@ -270,6 +270,13 @@ class Config:
         flag="--allow-loopback-peers",
         help="Allow peers on 127.0.0.0/8 and ::1 (tests, local setups).",
     )
+    same_host_loopback_peers: bool = setting(
+        False,
+        kind="bool",
+        help="Allow loopback peers to clients that are themselves on loopback "
+        "(development mode turns it on so the printed test command works on one "
+        "machine; remote clients still get 403, own service ports stay refused).",
+    )
     allowed_peers: tuple[str, ...] = setting(
         (),
         kind="list",
@@ -1186,7 +1193,7 @@ class TurnService:
         if peer[0] not in allocation.permissions:
             self.stats.drop("send-no-permission")
             return True
-        if self.core.self_peer_refused(peer):
+        if self.core.self_peer_refused(peer, client[0]):
             return True
         if relay.bps and not relay.allow(len(payload)):
             return True
@@ -1527,6 +1534,7 @@ def _settings(config: Config) -> TurnSettings:
         allow_unauthenticated=config.allow_unauthenticated,
         alternate_servers=tuple(_parse_host_port(a) for a in config.alternate_server),
         tcp_relay=config.tcp_relay,
+        same_host_loopback_peers=config.same_host_loopback_peers,
         unauthenticated_rate=config.unauthenticated_rate,
         unauthenticated_burst=max(1.0, config.unauthenticated_rate * 2),
     )

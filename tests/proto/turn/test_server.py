@@ -799,3 +799,35 @@ def test_incoming_peer_connection(harness: Harness) -> None:
     harness.advance(31)  # no ConnectionBind within 30 s: closed
     assert server.pop_events() == [CloseConnection(connection_id)]
     assert server.connections == {}
+
+
+def test_same_host_loopback_peers_only_for_loopback_clients() -> None:
+    """Development mode (crossroads.firstrun): a client on loopback may relay to
+    loopback peers (it reaches them directly anyway); a remote client may not,
+    and nobody reaches the server's own listening ports."""
+    harness = Harness(
+        same_host_loopback_peers=True,
+        policy=AddressPolicy(
+            self_addresses=frozenset({ipaddress.ip_address("127.0.0.1")})
+        ),
+    )
+    harness.server.own_ports = lambda: frozenset({3478, 8080})
+    local = udp(40010, host="127.0.0.1")
+    remote = udp(40011)
+    session = alice()
+    for five in (local, remote):
+        assert (
+            harness.allocate(five, session, [Lifetime(600)]).msg_class == Class.SUCCESS
+        )
+    peer = [XorPeerAddress("127.0.0.1", 6379)]
+    ok = harness.request(Method.CREATE_PERMISSION, peer, local, session)
+    assert ok is not None and ok.msg_class == Class.SUCCESS
+    refused = harness.request(Method.CREATE_PERMISSION, peer, remote, session)
+    assert code(refused) == 403
+    server = harness.server
+    assert server.send_indication(send_indication(("127.0.0.1", 6379), b"x"), local)
+    assert (
+        server.send_indication(send_indication(("127.0.0.1", 8080), b"x"), local)
+        is None
+    )
+    assert server.counters.drops["peer-service-port"] == 1

@@ -185,6 +185,11 @@ class TurnSettings:
     #: ~10 kB/s, while a NAT full of clients starting at once still gets in.
     unauthenticated_rate: float = 100.0
     unauthenticated_burst: float = 200.0
+    #: Loopback peers for clients that are themselves on loopback (development
+    #: mode, crossroads.firstrun): such a client already reaches every loopback
+    #: port directly, so relaying gives it nothing new; a remote client still
+    #: gets 403. The server's own listening ports stay refused either way.
+    same_host_loopback_peers: bool = False
 
 
 class RelayBinder(Protocol):
@@ -648,7 +653,7 @@ class TurnServer:
         if peer.host not in allocation.permissions:
             self.counters.drop("send-no-permission")
             return None
-        if self.self_peer_refused((peer.host, peer.port)):
+        if self.self_peer_refused((peer.host, peer.port), five[1][0]):
             return None
         return relay, (peer.host, peer.port), data.value
 
@@ -1146,12 +1151,20 @@ class TurnServer:
 
     # ------------------------------------------------------------ permissions
 
-    def peer_verdict(self, peer: Address) -> Verdict:
-        """Whether a relay may exchange data with ``peer`` (module docstring)."""
+    def peer_verdict(self, peer: Address, client: str | None = None) -> Verdict:
+        """Whether a relay may exchange data with ``peer`` (module docstring),
+        for a client at ``client`` (None: judged as a remote client)."""
         verdict = self.policy.judge(peer[0])
         if peer in self.relayed:
             # One of our own relayed addresses: allowed unless explicitly denied.
             return Verdict.DENIED if verdict == Verdict.DENIED else Verdict.ALLOWED
+        if (
+            verdict == Verdict.LOOPBACK
+            and client is not None
+            and self.settings.same_host_loopback_peers
+            and _is_loopback(client)
+        ):
+            verdict = Verdict.ALLOWED
         if (
             verdict == Verdict.ALLOWED
             and self.policy.is_self(peer[0])
@@ -1160,23 +1173,25 @@ class TurnServer:
             return Verdict.SERVICE_PORT
         return verdict
 
-    def self_peer_refused(self, peer: Address) -> bool:
-        """Data path check of a Send indication: True (and counted) when it
-        goes to a port of this host it must not reach. Cheap for every other
-        peer: one set lookup."""
+    def self_peer_refused(self, peer: Address, client: str | None = None) -> bool:
+        """Data path check of a Send indication from ``client``: True (and
+        counted) when it goes to a port of this host it must not reach. Cheap
+        for every other peer: one set lookup."""
         if peer[0] not in self.self_peers:
             return False
-        verdict = self.peer_verdict(peer)
+        verdict = self.peer_verdict(peer, client)
         if verdict == Verdict.ALLOWED:
             return False
         self.counters.drop(f"peer-{verdict.reason}")
         return True
 
-    def _permission_verdict(self, host: str) -> Verdict:
+    def _permission_verdict(self, host: str, client: str) -> Verdict:
         """Whether ``host`` may hold a permission (which covers every port of
         it, RFC 8656 §9): the host of a live relayed address may, since the
         data path checks each datagram's port to it."""
-        verdict = self.policy.judge(host)
+        verdict = self.peer_verdict((host, 0), client)
+        if verdict == Verdict.SERVICE_PORT:  # port 0 is no port: judge the IP
+            verdict = Verdict.ALLOWED
         if verdict not in (Verdict.ALLOWED, Verdict.DENIED) and host in (
             self._relayed_hosts
         ):
@@ -1192,10 +1207,11 @@ class TurnServer:
         relay = allocation.relay_for(6 if ":" in peer.host else 4)
         if relay is None:
             raise _Reject(TurnError.PEER_ADDRESS_FAMILY_MISMATCH)
+        client = allocation.five_tuple[1][0]
         if exact:
-            verdict = self.peer_verdict((peer.host, peer.port))
+            verdict = self.peer_verdict((peer.host, peer.port), client)
         else:
-            verdict = self._permission_verdict(peer.host)
+            verdict = self._permission_verdict(peer.host, client)
         if verdict != Verdict.ALLOWED:
             self.counters.drop(f"peer-{verdict.reason}")
             self._events.append(
@@ -1421,6 +1437,13 @@ def _canonical(address: Address) -> Address:
         return str(ipaddress.ip_address(address[0])), address[1]
     except ValueError:
         return address
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _decrement(counts: dict[str, int], key: str) -> None:
