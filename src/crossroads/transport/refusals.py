@@ -10,9 +10,9 @@ metric (a drop reason per verdict) counts every refusal.
 from __future__ import annotations
 
 import logging
-import time
 
 from crossroads.proto.policy import Verdict
+from crossroads.ratelog import RateLimitedLog
 from crossroads.types import Address
 
 #: Seconds between two log lines about refused addresses, per service: one line
@@ -21,30 +21,20 @@ LOG_INTERVAL = 10.0
 
 
 class RefusalLog:
-    """Rate-limited "refused client" log lines for one service."""
+    """Rate-limited "refused client" log lines for one service (one reason of a
+    :class:`~crossroads.ratelog.RateLimitedLog`, which counts the lines held back)."""
 
     def __init__(self, log: logging.Logger, what: str, hint: str) -> None:
-        self.log = log
         self.what = what
         self.hint = hint
-        self.suppressed = 0
-        self._last = -LOG_INTERVAL
+        self.lines = RateLimitedLog(log, LOG_INTERVAL)
 
     def refused(self, address: Address, verdict: Verdict) -> None:
-        now = time.monotonic()
-        if now - self._last < LOG_INTERVAL:
-            self.suppressed += 1
-            return
-        self._last = now
-        more = (
-            f" ({self.suppressed} more since the last line)" if self.suppressed else ""
-        )
-        self.suppressed = 0
-        self.log.warning(
-            "%s %s refused: %s address%s; %s",
+        self.lines.log(
+            "refused",
+            "%s %s refused: %s address; %s",
             self.what,
             address[0],
             verdict.reason,
-            more,
             self.hint,
         )
