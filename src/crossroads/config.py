@@ -225,6 +225,21 @@ class CoreConfig:
         kind="host",
         help="Address clients should use to reach this host, when it differs from --host.",
     )
+    tls_cert: str = setting(
+        "",
+        help="PEM certificate chain (leaf first) for the TLS listeners "
+        "(TURN over TLS); reloaded on SIGHUP.",
+    )
+    tls_key: str = setting("", help="PEM private key of --tls-cert.")
+    tls_dev_cert_dir: str = setting(
+        "",
+        help="Without --tls-cert, on a loopback --host: make (once) a self-signed "
+        "development certificate in this directory and serve TLS with it.",
+    )
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert: --tls-cert and --tls-key go together")
 
 
 # --------------------------------------------------------------------- sections

@@ -14,6 +14,7 @@ from crossroads.config import Config
 from crossroads.services import load_service_modules
 from crossroads.services.base import Service, ServiceContext
 from crossroads.store.base import Store, open_store
+from crossroads.transport.tls import Certificates, certificates_for
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
@@ -30,6 +31,8 @@ class Runtime:
     metrics: CollectorRegistry
     services: dict[str, Service] = field(default_factory=dict)
     http_address: Address = ("", 0)
+    #: The TLS certificate, reloaded on SIGHUP; None when TLS is off.
+    certificates: Certificates | None = None
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
     _closed: bool = False
@@ -71,13 +74,20 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     modules = load_service_modules()
     store = store if store is not None else open_store(config.core.store)
     metrics = CollectorRegistry()
-    runtime = Runtime(config=config, store=store, metrics=metrics)
+    core = config.core
+    certificates = certificates_for(
+        core.tls_cert, core.tls_key, host=core.host, dev_dir=core.tls_dev_cert_dir
+    )
+    runtime = Runtime(
+        config=config, store=store, metrics=metrics, certificates=certificates
+    )
     ctx = ServiceContext(
         config=config,
         store=store,
         metrics=metrics,
         log=log,
         running=runtime.services,
+        certificates=certificates,
     )
     sock: socket.socket | None = None
     try:
@@ -111,7 +121,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
 
 
 async def serve_forever(config: Config) -> None:
-    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM."""
+    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM;
+    SIGHUP reloads the TLS certificate (live connections stay up)."""
     runtime = await start(config)
     for line in runtime.describe():
         log.info("%s", line)
@@ -119,11 +130,13 @@ async def serve_forever(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if runtime.certificates is not None:
+        loop.add_signal_handler(signal.SIGHUP, runtime.certificates.reload)
     try:
         await stop.wait()
         log.info("shutting down")
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
         await runtime.close()
     log.info("stopped")

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
 from crossroads.store.base import Store
+from crossroads.transport.tls import Certificates, HandshakeLimits
 from crossroads.types import Address
 
 T = TypeVar("T")
@@ -59,6 +60,11 @@ class ServiceContext:
     shared: dict[str, Any] = field(default_factory=dict)
     #: Where the HTTP API listens (bound before any service starts).
     http_address: Address = ("", 0)
+    #: The server certificate of the TLS listeners, None when TLS is off
+    #: (see :func:`crossroads.transport.tls.certificates_for`).
+    certificates: Certificates | None = None
+    #: Bounds on TLS handshakes in progress, shared by every TLS listener.
+    tls_limits: HandshakeLimits = field(default_factory=HandshakeLimits)
 
     def section(self, name: str, cls: type[T]) -> T:
         return self.config.section(name, cls)
