@@ -858,6 +858,8 @@ class StunService:
         self.groups: list[_Group] = []
         self.udp_endpoints: list[UdpEndpoint | BatchUdpEndpoint] = []
         self.connections: set[TcpConnection] = set()
+        #: Where STUN/TURN over TLS listens (see :meth:`listen_tls`).
+        self.tls_addresses: list[Address] = []
         #: The attached TURN handler, if any (see :meth:`attach_turn`).
         self.turn: StunExtension | None = None
         self._descriptions: list[str] = []
@@ -1027,6 +1029,7 @@ class StunService:
                 sock=sock,
             )
             group.tcp_servers.append(server)
+            self.tls_addresses.append((bind_host, port))
             self._descriptions.append(f"tls {_join(bind_host, port)}")
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_idle())
