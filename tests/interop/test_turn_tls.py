@@ -34,6 +34,7 @@ from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     TurnRuntime,
     assert_no_loss,
     assert_released,
+    coturn_with_user,
     echo_peer,
     exercise,
     settle,
@@ -155,17 +156,7 @@ async def test_crossroads_client_over_tls_against_coturn(
     coturn: Callable[..., Coturn], tmp_path: Path
 ) -> None:
     cert, key = development_certificate(tmp_path)
-    server = await asyncio.to_thread(
-        coturn,
-        "-a",
-        "-f",
-        "--allow-loopback-peers",
-        f"--user={USER}:{PASSWORD}",
-        "--min-port=40000",
-        "--max-port=49999",
-        hosts=("127.0.0.1",),
-        tls=(cert, key),
-    )
+    server = await coturn_with_user(coturn, tls=(cert, key))
     trust = ssl.create_default_context(cafile=str(cert))
     clients: list[TurnClient] = []
 

@@ -8,7 +8,7 @@ import datetime
 import shutil
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +57,14 @@ class Server:
     def drop(self, reason: str) -> None:
         self.drops[reason] += 1
 
+    async def counted(self, reason: str) -> None:
+        """Wait until one handshake was dropped for ``reason`` and its slot freed."""
+
+        async def check() -> bool:
+            return self.drops[reason] == 1 and self.limits.pending == 0
+
+        await eventually(check, f"one {reason} counted")
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
@@ -69,11 +77,18 @@ class Server:
         self.port = self.server.sockets[0].getsockname()[1]
 
 
+MakeServer = Callable[..., Awaitable[Server]]
+
+
 @pytest.fixture
-async def make_server() -> AsyncIterator[object]:
+async def make_server(tmp_path: Path) -> AsyncIterator[MakeServer]:
+    """A TLS echo server behind a TlsAcceptor: ``make(certificates=None,
+    **limits)``; without certificates, a development one in ``tmp_path``."""
     servers: list[Server] = []
 
-    async def make(certificates: Certificates, **limits: float) -> Server:
+    async def make(certificates: Certificates | None = None, **limits: float) -> Server:
+        if certificates is None:
+            certificates = Certificates(*development_certificate(tmp_path / "dev"))
         server = Server(certificates, HandshakeLimits(**limits))  # type: ignore[arg-type]
         await server.start()
         servers.append(server)
@@ -147,7 +162,7 @@ def test_expired_or_broken_certificate_is_refused(tmp_path: Path) -> None:
 
 
 async def test_reload_serves_new_chain_and_keeps_live_connections(
-    tmp_path: Path, make_server: object
+    tmp_path: Path, make_server: MakeServer
 ) -> None:
     first_cert, first_key = development_certificate(tmp_path / "a")
     second_cert, second_key = development_certificate(tmp_path / "b")
@@ -155,7 +170,7 @@ async def test_reload_serves_new_chain_and_keeps_live_connections(
     shutil.copy(first_cert, cert)
     shutil.copy(first_key, key)
     certificates = Certificates(cert, key)
-    server: Server = await make_server(certificates)  # type: ignore[operator]
+    server = await make_server(certificates)
     reader, writer, served = await echo_once(server.port, first_cert)
     assert served == serial(first_cert)
 
@@ -186,22 +201,15 @@ async def test_reload_serves_new_chain_and_keeps_live_connections(
 
 
 async def test_slow_handshakes_are_cut_and_counted(
-    tmp_path: Path, make_server: object
+    make_server: MakeServer,
 ) -> None:
-    certificates = Certificates(*development_certificate(tmp_path))
-    server: Server = await make_server(  # type: ignore[operator]
-        certificates, handshake_timeout=0.5
-    )
+    server = await make_server(handshake_timeout=0.5)
     # Connects and sends half a ClientHello record header, then nothing.
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"\x16\x03\x01")
     assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
 
-    async def counted() -> bool:
-        return server.drops["tls-handshake-timeout"] == 1
-
-    await eventually(counted, "the slow handshake counted")
-    assert server.limits.pending == 0
+    await server.counted("tls-handshake-timeout")
     writer.close()
 
 
@@ -211,33 +219,25 @@ async def test_slow_handshakes_are_cut_and_counted(
     ids=["plaintext", "truncated-record"],
 )
 async def test_garbage_and_truncated_records_fail_and_are_counted(
-    tmp_path: Path, make_server: object, garbage: bytes
+    tmp_path: Path, make_server: MakeServer, garbage: bytes
 ) -> None:
-    certificates = Certificates(*development_certificate(tmp_path))
-    server: Server = await make_server(certificates)  # type: ignore[operator]
+    server = await make_server()
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(garbage)
     writer.write_eof()
     await asyncio.wait_for(reader.read(), 10)
 
-    async def counted() -> bool:
-        return server.drops["tls-handshake-failed"] == 1
-
-    await eventually(counted, "the failed handshake counted")
-    assert server.limits.pending == 0
+    await server.counted("tls-handshake-failed")
     writer.close()
     # The listener still serves real clients.
-    _, good, _ = await echo_once(server.port, certificates.cert)
+    _, good, _ = await echo_once(server.port, server.certificates.cert)
     good.close()
 
 
 async def test_handshake_flood_from_one_address_is_capped(
-    tmp_path: Path, make_server: object
+    make_server: MakeServer,
 ) -> None:
-    certificates = Certificates(*development_certificate(tmp_path))
-    server: Server = await make_server(  # type: ignore[operator]
-        certificates, max_handshakes_per_ip=3, handshake_timeout=30
-    )
+    server = await make_server(max_handshakes_per_ip=3, handshake_timeout=30)
     idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
 
     async def admitted() -> bool:
@@ -257,56 +257,41 @@ async def test_handshake_flood_from_one_address_is_capped(
         return server.limits.pending == 0 and not server.limits.pending_by_ip
 
     await eventually(released, "slots released when the clients left")
-    _, good, _ = await echo_once(server.port, certificates.cert)
+    _, good, _ = await echo_once(server.port, server.certificates.cert)
     good.close()
 
 
-async def test_tls_below_1_2_is_refused(tmp_path: Path, make_server: object) -> None:
-    certificates = Certificates(*development_certificate(tmp_path))
-    server: Server = await make_server(certificates)  # type: ignore[operator]
+async def s_client(port: int, version: str, stdin: bytes) -> tuple[int, str]:
+    """openssl s_client with ``version`` (``-tls1_2``), ``stdin`` as its
+    commands (``R``: renegotiate); its exit code and output."""
     process = await asyncio.create_subprocess_exec(
-        "openssl",
-        "s_client",
-        "-tls1_1",
-        "-connect",
-        f"127.0.0.1:{server.port}",
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert await asyncio.wait_for(process.wait(), 20) != 0
-
-    async def counted() -> bool:
-        return server.drops["tls-handshake-failed"] == 1
-
-    await eventually(counted, "the old-version handshake counted")
-
-
-async def test_renegotiation_is_refused(tmp_path: Path, make_server: object) -> None:
-    """A TLS 1.2 client asking to renegotiate (openssl s_client's ``R``) gets
-    no second handshake: the server answers no_renegotiation (OP_NO_RENEGOTIATION;
-    OpenSSL 3 also refuses client-initiated renegotiation by default)."""
-    certificates = Certificates(*development_certificate(tmp_path))
-    server: Server = await make_server(certificates)  # type: ignore[operator]
-    process = await asyncio.create_subprocess_exec(
-        "openssl",
-        "s_client",
-        "-tls1_2",
-        "-connect",
-        f"127.0.0.1:{server.port}",
+        "openssl", "s_client", version, "-connect", f"127.0.0.1:{port}",
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
-    )
-    assert process.stdin is not None
-    process.stdin.write(b"R\n")
-    await process.stdin.drain()
+    )  # fmt: skip
     try:
-        out, _ = await asyncio.wait_for(process.communicate(), 20)
+        out, _ = await asyncio.wait_for(process.communicate(stdin), 20)
     except TimeoutError:
         process.kill()
         await process.wait()
         raise
-    text = out.decode(errors="replace")
+    assert process.returncode is not None
+    return process.returncode, out.decode(errors="replace")
+
+
+async def test_tls_below_1_2_is_refused(make_server: MakeServer) -> None:
+    server = await make_server()
+    code, _ = await s_client(server.port, "-tls1_1", b"")
+    assert code != 0
+    await server.counted("tls-handshake-failed")
+
+
+async def test_renegotiation_is_refused(make_server: MakeServer) -> None:
+    """A TLS 1.2 client asking to renegotiate (openssl s_client's ``R``) gets
+    no second handshake: the server answers no_renegotiation (OP_NO_RENEGOTIATION;
+    OpenSSL 3 also refuses client-initiated renegotiation by default)."""
+    server = await make_server()
+    _, text = await s_client(server.port, "-tls1_2", b"R\n")
     assert "RENEGOTIATING" in text, text
     assert "no renegotiation" in text, text
