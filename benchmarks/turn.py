@@ -119,6 +119,11 @@ class Server:
     process: subprocess.Popen[bytes]
     port: int
     directory: str
+    #: The port uclient talks to: ``port``, or the TLS port (benchmarks/turn_tls.py).
+    client_port: int = 0
+
+    def __post_init__(self) -> None:
+        self.client_port = self.client_port or self.port
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -135,9 +140,19 @@ def pin(cpus: str | None) -> list[str]:
     return ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
 
 
-def start_coturn(threads: int, cpus: str | None) -> Server:
+def start_coturn(
+    threads: int, cpus: str | None, tls: tuple[Path, Path] | None = None
+) -> Server:
+    """``tls``: (certificate, key) to also serve TURN over TLS (client_port)."""
     directory = tempfile.mkdtemp(prefix="bench-coturn-")
     port = free_port()
+    tls_port = free_port() if tls else 0
+    tls_args = (
+        ["--cert", str(tls[0]), "--pkey", str(tls[1]), "--tls-listening-port",
+         str(tls_port), "--alt-tls-listening-port", str(free_port())]
+        if tls
+        else ["--no-tls"]
+    )  # fmt: skip
     low = 20000 + (port % 20) * 1000
     command = [
         *pin(cpus),
@@ -153,7 +168,7 @@ def start_coturn(threads: int, cpus: str | None) -> Server:
         "-p",
         str(port),
         "--allow-loopback-peers",
-        "--no-tls",
+        *tls_args,
         "--no-dtls",
         "--no-cli",
         "-a",
@@ -171,7 +186,7 @@ def start_coturn(threads: int, cpus: str | None) -> Server:
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory
     )
-    server = Server("coturn", process, port, directory)
+    server = Server("coturn", process, port, directory, tls_port)
     try:
         wait_udp_ready(port)
     except BaseException:
@@ -180,9 +195,19 @@ def start_coturn(threads: int, cpus: str | None) -> Server:
     return server
 
 
-def start_crossroads(_count: int, cpus: str | None) -> Server:
+def start_crossroads(
+    _count: int, cpus: str | None, tls: tuple[Path, Path] | None = None
+) -> Server:
+    """``tls``: (certificate, key) to also serve TURN over TLS (client_port)."""
     directory = tempfile.mkdtemp(prefix="bench-crossroads-")
     port = free_port()
+    tls_port = free_port() if tls else 0
+    tls_args = (
+        ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1]),
+         "--turn-tls-port", str(tls_port)]
+        if tls
+        else []
+    )  # fmt: skip
     low = 20000 + ((port + 7) % 20) * 1000
     command = [
         *pin(cpus),
@@ -210,12 +235,12 @@ def start_crossroads(_count: int, cpus: str | None) -> Server:
         "--log-level",
         "warning",
     ]
-    command += EXTRA_ARGS
+    command += tls_args + EXTRA_ARGS
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
-    server = Server("crossroads", process, port, directory)
+    server = Server("crossroads", process, port, directory, tls_port)
     try:
         wait_udp_ready(port)
     except BaseException:
@@ -243,7 +268,16 @@ _LOSS = re.compile(r"Total lost packets (\d+) \(([\d.]+)%\)")
 _RECV = re.compile(r"msz=\d+, tot_send_msgs=(\d+), tot_recv_msgs=(\d+)")
 
 
-def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> Step:
+def run_step(
+    server: Server,
+    sessions: int,
+    messages: int,
+    cpus: str | None,
+    flags: tuple[str, ...] = ("-X",),
+    interval_ms: int = 1,
+) -> Step:
+    """One uclient run; ``flags``: its transport flags (``-t -S``: TLS);
+    ``interval_ms``: between two messages of a session (uclient -z)."""
     peer_port = free_port()
     peer = subprocess.Popen(
         [*pin(cpus), "turnutils_peer", "-L", "127.0.0.1", "-p", str(peer_port)],
@@ -259,7 +293,7 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
             "127.0.0.1",
             "-r",
             str(peer_port),
-            "-X",
+            *flags,
             "-c",
             "-m",
             str(sessions),
@@ -268,13 +302,13 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
             "-l",
             str(LENGTH),
             "-z",
-            "1",
+            str(interval_ms),
             "-u",
             USER,
             "-w",
             PASSWORD,
             "-p",
-            str(server.port),
+            str(server.client_port),
             "127.0.0.1",
         ]
         ticks0 = tree_ticks(server.process.pid)
@@ -315,7 +349,8 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
     relayed = 2 * statistics.median(steady)
     cpu_share = cpu_seconds / elapsed if elapsed else 0.0
     per_10k = (cpu_seconds / relayed_total * 10_000) if relayed_total else float("nan")
-    return Step(sessions, sessions * 2000, relayed, loss, per_10k, cpu_share, drops)
+    offered = sessions * 2000 // interval_ms
+    return Step(sessions, offered, relayed, loss, per_10k, cpu_share, drops)
 
 
 def report(label: str, step: Step) -> None:
@@ -341,6 +376,8 @@ def interleaved(
     messages: int,
     load_cpus: str | None,
     rounds: int,
+    flags: tuple[str, ...] = ("-X",),
+    interval_ms: int = 1,
 ) -> dict[str, list[Step]]:
     """Each step, each round: one uclient run per server, back to back, so that
     the other tenants of a shared machine weigh on both alike."""
@@ -351,7 +388,11 @@ def interleaved(
         for _ in range(rounds):
             for label, server in servers:
                 if label in alive:
-                    tries[label].append(run_step(server, sessions, messages, load_cpus))
+                    tries[label].append(
+                        run_step(
+                            server, sessions, messages, load_cpus, flags, interval_ms
+                        )
+                    )
         for label, _ in servers:
             if label not in alive:
                 continue
@@ -368,6 +409,40 @@ def interleaved(
 def best(steps: list[Step]) -> Step | None:
     passing = [s for s in steps if s.passed]
     return max(passing, key=lambda s: s.relayed) if passing else None
+
+
+def summarize(label_c: str, label_x: str, results: dict[str, list[Step]]) -> None:
+    """The best passing step of each server and the two ratios."""
+    coturn = results.get(label_c, [])
+    ours = results[label_x]
+    top_c, top_x = best(coturn), best(ours)
+    print()
+    for name, top in ((label_c, top_c), (label_x, top_x)):
+        if top is None:
+            print(f"  {name:<24} no step under {LOSS_LIMIT}% loss")
+        else:
+            print(
+                f"  {name:<24} best {top.relayed:8.0f} relayed/s (<{LOSS_LIMIT}% loss)"
+                f" at offered {top.offered}/s; cpu per 10k pps {top.cpu_per_10k:.3f} s"
+                f" (~{10_000 / top.cpu_per_10k:,.0f} pps per core)"
+            )
+    if top_c and top_x:
+        print(
+            f"  ratio crossroads/coturn, highest relayed pps:  "
+            f"{top_x.relayed / top_c.relayed:.2f}"
+        )
+        # CPU per packet at the highest load both passed (same offered load).
+        common = [
+            (c, x)
+            for c, x in zip(coturn, ours, strict=False)
+            if c.passed and x.passed and c.offered == x.offered
+        ]
+        if common:
+            c, x = common[-1]
+            print(
+                f"  ratio coturn/crossroads, CPU per packet at {c.offered}/s offered: "
+                f"{c.cpu_per_10k / x.cpu_per_10k:.2f}  (>1: crossroads uses less)"
+            )
 
 
 def main() -> None:
@@ -408,36 +483,7 @@ def main() -> None:
     finally:
         for _, server in servers:
             server.stop()
-    coturn = results.get(label_c, [])
-    ours = results[label_x]
-    top_c, top_x = best(coturn), best(ours)
-    print()
-    for name, top in ((label_c, top_c), (label_x, top_x)):
-        if top is None:
-            print(f"  {name:<24} no step under {LOSS_LIMIT}% loss")
-        else:
-            print(
-                f"  {name:<24} best {top.relayed:8.0f} relayed/s (<{LOSS_LIMIT}% loss)"
-                f" at offered {top.offered}/s; cpu per 10k pps {top.cpu_per_10k:.3f} s"
-                f" (~{10_000 / top.cpu_per_10k:,.0f} pps per core)"
-            )
-    if top_c and top_x:
-        print(
-            f"  ratio crossroads/coturn, highest relayed pps:  "
-            f"{top_x.relayed / top_c.relayed:.2f}"
-        )
-        # CPU per packet at the highest load both passed (same offered load).
-        common = [
-            (c, x)
-            for c, x in zip(coturn, ours, strict=False)
-            if c.passed and x.passed and c.offered == x.offered
-        ]
-        if common:
-            c, x = common[-1]
-            print(
-                f"  ratio coturn/crossroads, CPU per packet at {c.offered}/s offered: "
-                f"{c.cpu_per_10k / x.cpu_per_10k:.2f}  (>1: crossroads uses less)"
-            )
+    summarize(label_c, label_x, results)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     uclient,
     udp_echo,
 )
-from tests.transport.test_tls import serial
+from tests.tls_support import serial
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(90)]
 
