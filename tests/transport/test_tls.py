@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import shutil
+import ssl
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,14 @@ async def test_reload_serves_new_chain_and_keeps_live_connections(
     assert served3 == serial(second_cert)
     for w in (writer, writer2, writer3):
         w.close()
+
+
+def test_server_context_refuses_old_versions_and_renegotiation(
+    tmp_path: Path,
+) -> None:
+    """Set by crossroads itself, not left to the system's OpenSSL configuration
+    (Debian's already refuses both, so the end-to-end checks in
+    tests/adversarial/test_tls_handshakes.py would pass without these)."""
+    context = Certificates(*development_certificate(tmp_path)).context
+    assert context.minimum_version == ssl.TLSVersion.TLSv1_2
+    assert context.options & ssl.OP_NO_RENEGOTIATION
