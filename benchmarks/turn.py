@@ -445,12 +445,36 @@ def summarize(label_c: str, label_x: str, results: dict[str, list[Step]]) -> Non
             )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", default="10,25,40,50", help="uclient -m values")
+def argument_parser(doc: str | None, steps: str) -> argparse.ArgumentParser:
+    """The arguments every TURN benchmark takes (``steps``: default -m values)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--steps", default=steps, help="uclient -m values")
     parser.add_argument("--messages", type=int, default=3000, help="uclient -n")
     parser.add_argument("--rounds", type=int, default=3, help="runs per step (median)")
     parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
+    return parser
+
+
+def prepare(
+    args: argparse.Namespace, title: str, uclient_flags: str
+) -> tuple[list[int], str | None, str | None]:
+    """Check coturn's tools are installed, print the banner; the steps and the
+    CPUs of the server and of the load from the common arguments."""
+    for tool in ("turnserver", "turnutils_uclient", "turnutils_peer"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} not found: apt-get install coturn")
+    steps = [int(s) for s in args.steps.split(",")]
+    server_cpus, load_cpus = (None, None) if args.no_pin else ("0", "1")
+    print(
+        f"{title} benchmark: uclient {uclient_flags} -l {LENGTH} -n {args.messages}, "
+        f"steps -m {args.steps}; server on CPU {server_cpus or 'any'}, "
+        f"load on CPU {load_cpus or 'any'}"
+    )
+    return steps, server_cpus, load_cpus
+
+
+def main() -> None:
+    parser = argument_parser(__doc__, "10,25,40,50")
     parser.add_argument(
         "--crossroads-flag",
         action="append",
@@ -462,16 +486,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     EXTRA_ARGS.extend(args.crossroads_flag)
-    for tool in ("turnserver", "turnutils_uclient", "turnutils_peer"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} not found: apt-get install coturn")
-    steps = [int(s) for s in args.steps.split(",")]
-    server_cpus, load_cpus = (None, None) if args.no_pin else ("0", "1")
-    print(
-        f"TURN relay benchmark: uclient -c -X -z 1 -l {LENGTH} -n {args.messages}, "
-        f"steps -m {args.steps}; server on CPU {server_cpus or 'any'}, "
-        f"load on CPU {load_cpus or 'any'}"
-    )
+    steps, server_cpus, load_cpus = prepare(args, "TURN relay", "-c -X -z 1")
     label_c, label_x = "coturn (1 relay thread)", "crossroads (1 process)"
     print()
     servers: list[tuple[str, Server]] = []

@@ -23,7 +23,6 @@ DTLS is not measured: crossroads does not serve TURN over DTLS yet.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import socket
 import sys
@@ -36,9 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from crossroads.transport.tls import development_certificate  # noqa: E402
 from turn import (  # noqa: E402
-    LENGTH,
     Server,
+    argument_parser,
     interleaved,
+    prepare,
     start_coturn,
     start_crossroads,
     summarize,
@@ -58,11 +58,7 @@ def wait_tls_listening(server: Server, timeout: float = 15.0) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", default="5,10,20", help="uclient -m values")
-    parser.add_argument("--messages", type=int, default=3000, help="uclient -n")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per step (median)")
-    parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
+    parser = argument_parser(__doc__, "5,10,20")
     parser.add_argument(
         "--interval",
         type=int,
@@ -70,15 +66,8 @@ def main() -> None:
         help="ms between two messages of a session (uclient -z)",
     )
     args = parser.parse_args()
-    for tool in ("turnserver", "turnutils_uclient", "turnutils_peer"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} not found: apt-get install coturn")
-    steps = [int(s) for s in args.steps.split(",")]
-    server_cpus, load_cpus = (None, None) if args.no_pin else ("0", "1")
-    print(
-        f"TURN over TLS benchmark: uclient -t -S -c -z {args.interval} -l {LENGTH} "
-        f"-n {args.messages}, steps -m {args.steps}; server on CPU "
-        f"{server_cpus or 'any'}, load on CPU {load_cpus or 'any'}"
+    steps, server_cpus, load_cpus = prepare(
+        args, "TURN over TLS", f"-t -S -c -z {args.interval}"
     )
     label_c, label_x = "coturn TLS (1 thread)", "crossroads TLS (1 proc)"
     certificate_dir = Path(tempfile.mkdtemp(prefix="bench-tls-"))
