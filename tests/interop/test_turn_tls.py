@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import shutil
 import signal
 import ssl
@@ -19,6 +20,9 @@ import pytest
 from cryptography import x509
 
 from crossroads.client.turn import TurnClient, TurnClientError
+from crossroads.proto.stun.attributes import ResponseOrigin, XorMappedAddress
+from crossroads.proto.stun.constants import Method
+from crossroads.proto.stun.message import decode, encode, request
 from crossroads.runtime import Runtime
 from crossroads.transport.tls import DEV_CERT_LIFETIME, development_certificate
 from tests.conftest import eventually
@@ -258,3 +262,26 @@ async def test_serve_refuses_an_expired_certificate(tmp_path: Path) -> None:
     out, _ = await asyncio.wait_for(process.communicate(), 30)
     assert process.returncode == 2
     assert b"config error: tls_cert:" in out and b"expired on" in out
+
+
+async def test_binding_over_tls_names_the_client_and_no_plain_port(
+    turn_runtime: TurnRuntime,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A Binding request over TLS is answered with the client's real address,
+    and without RFC 5780's RESPONSE-ORIGIN (which would name the UDP/TCP port)."""
+    _, port = await tls_runtime(turn_runtime, tmp_path)
+    trust = ssl.create_default_context(cafile=str(tmp_path / "dev-cert.pem"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=trust)
+    try:
+        writer.write(encode(request(Method.BINDING, os.urandom(12))))
+        header = await asyncio.wait_for(reader.readexactly(20), 10)
+        body = await reader.readexactly(int.from_bytes(header[2:4], "big"))
+        answer = decode(header + body)
+        mapped = answer.get(XorMappedAddress)
+        assert mapped is not None
+        local = writer.get_extra_info("sockname")
+        assert (mapped.host, mapped.port) == (local[0], local[1])
+        assert answer.get(ResponseOrigin) is None
+    finally:
+        writer.close()

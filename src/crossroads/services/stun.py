@@ -1019,8 +1019,21 @@ class StunService:
                 log.warning("STUN: no IPv6 TLS listener on [::]: %s", exc)
                 continue
             port = sock.getsockname()[1]
+            # Binding over TLS answers from its own core with one endpoint and
+            # no RFC 5780 attributes: RESPONSE-ORIGIN would otherwise name the
+            # plain STUN port, and behaviour discovery does not run over TLS.
+            tls_group = _Group(
+                core=BindingCore(
+                    [None],
+                    software=self.config.software,
+                    rate_limit=self.config.rate_limit,
+                    max_sources=self.config.rate_limit_sources,
+                ),
+                udp=[],
+                tcp_servers=[],
+            )
             server = await loop.create_server(
-                lambda g=group: TlsAcceptor(  # type: ignore[misc]
+                lambda g=tls_group: TlsAcceptor(  # type: ignore[misc]
                     context,
                     lambda: TcpConnection(self, g, 0),
                     limits,
