@@ -35,7 +35,8 @@ install-python: $(BIN)/python
 
 run: $(BIN)/python
 	@$(BIN)/python -c 'import crossroads' 2>/dev/null || $(MAKE) install-python
-	$(BIN)/crossroads serve $(ARGS)
+	CROSSROADS_TLS_DEV_CERT_DIR=$${CROSSROADS_TLS_DEV_CERT_DIR-.state/tls} \
+		$(BIN)/crossroads serve $(ARGS)
 
 lint:
 	$(BIN)/ruff check src tests benchmarks

@@ -119,6 +119,11 @@ class Server:
     process: subprocess.Popen[bytes]
     port: int
     directory: str
+    #: The port uclient talks to: ``port``, or the TLS port (benchmarks/turn_tls.py).
+    client_port: int = 0
+
+    def __post_init__(self) -> None:
+        self.client_port = self.client_port or self.port
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -135,9 +140,19 @@ def pin(cpus: str | None) -> list[str]:
     return ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
 
 
-def start_coturn(threads: int, cpus: str | None) -> Server:
+def start_coturn(
+    threads: int, cpus: str | None, tls: tuple[Path, Path] | None = None
+) -> Server:
+    """``tls``: (certificate, key) to also serve TURN over TLS (client_port)."""
     directory = tempfile.mkdtemp(prefix="bench-coturn-")
     port = free_port()
+    tls_port = free_port() if tls else 0
+    tls_args = (
+        ["--cert", str(tls[0]), "--pkey", str(tls[1]), "--tls-listening-port",
+         str(tls_port), "--alt-tls-listening-port", str(free_port())]
+        if tls
+        else ["--no-tls"]
+    )  # fmt: skip
     low = 20000 + (port % 20) * 1000
     command = [
         *pin(cpus),
@@ -153,7 +168,7 @@ def start_coturn(threads: int, cpus: str | None) -> Server:
         "-p",
         str(port),
         "--allow-loopback-peers",
-        "--no-tls",
+        *tls_args,
         "--no-dtls",
         "--no-cli",
         "-a",
@@ -171,7 +186,7 @@ def start_coturn(threads: int, cpus: str | None) -> Server:
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=directory
     )
-    server = Server("coturn", process, port, directory)
+    server = Server("coturn", process, port, directory, tls_port)
     try:
         wait_udp_ready(port)
     except BaseException:
@@ -180,9 +195,19 @@ def start_coturn(threads: int, cpus: str | None) -> Server:
     return server
 
 
-def start_crossroads(_count: int, cpus: str | None) -> Server:
+def start_crossroads(
+    _count: int, cpus: str | None, tls: tuple[Path, Path] | None = None
+) -> Server:
+    """``tls``: (certificate, key) to also serve TURN over TLS (client_port)."""
     directory = tempfile.mkdtemp(prefix="bench-crossroads-")
     port = free_port()
+    tls_port = free_port() if tls else 0
+    tls_args = (
+        ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1]),
+         "--turn-tls-port", str(tls_port)]
+        if tls
+        else []
+    )  # fmt: skip
     low = 20000 + ((port + 7) % 20) * 1000
     command = [
         *pin(cpus),
@@ -210,12 +235,12 @@ def start_crossroads(_count: int, cpus: str | None) -> Server:
         "--log-level",
         "warning",
     ]
-    command += EXTRA_ARGS
+    command += tls_args + EXTRA_ARGS
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
-    server = Server("crossroads", process, port, directory)
+    server = Server("crossroads", process, port, directory, tls_port)
     try:
         wait_udp_ready(port)
     except BaseException:
@@ -243,7 +268,16 @@ _LOSS = re.compile(r"Total lost packets (\d+) \(([\d.]+)%\)")
 _RECV = re.compile(r"msz=\d+, tot_send_msgs=(\d+), tot_recv_msgs=(\d+)")
 
 
-def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> Step:
+def run_step(
+    server: Server,
+    sessions: int,
+    messages: int,
+    cpus: str | None,
+    flags: tuple[str, ...] = ("-X",),
+    interval_ms: int = 1,
+) -> Step:
+    """One uclient run; ``flags``: its transport flags (``-t -S``: TLS);
+    ``interval_ms``: between two messages of a session (uclient -z)."""
     peer_port = free_port()
     peer = subprocess.Popen(
         [*pin(cpus), "turnutils_peer", "-L", "127.0.0.1", "-p", str(peer_port)],
@@ -259,7 +293,7 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
             "127.0.0.1",
             "-r",
             str(peer_port),
-            "-X",
+            *flags,
             "-c",
             "-m",
             str(sessions),
@@ -268,13 +302,13 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
             "-l",
             str(LENGTH),
             "-z",
-            "1",
+            str(interval_ms),
             "-u",
             USER,
             "-w",
             PASSWORD,
             "-p",
-            str(server.port),
+            str(server.client_port),
             "127.0.0.1",
         ]
         ticks0 = tree_ticks(server.process.pid)
@@ -315,7 +349,8 @@ def run_step(server: Server, sessions: int, messages: int, cpus: str | None) -> 
     relayed = 2 * statistics.median(steady)
     cpu_share = cpu_seconds / elapsed if elapsed else 0.0
     per_10k = (cpu_seconds / relayed_total * 10_000) if relayed_total else float("nan")
-    return Step(sessions, sessions * 2000, relayed, loss, per_10k, cpu_share, drops)
+    offered = sessions * 2000 // interval_ms
+    return Step(sessions, offered, relayed, loss, per_10k, cpu_share, drops)
 
 
 def report(label: str, step: Step) -> None:
@@ -341,6 +376,8 @@ def interleaved(
     messages: int,
     load_cpus: str | None,
     rounds: int,
+    flags: tuple[str, ...] = ("-X",),
+    interval_ms: int = 1,
 ) -> dict[str, list[Step]]:
     """Each step, each round: one uclient run per server, back to back, so that
     the other tenants of a shared machine weigh on both alike."""
@@ -351,7 +388,11 @@ def interleaved(
         for _ in range(rounds):
             for label, server in servers:
                 if label in alive:
-                    tries[label].append(run_step(server, sessions, messages, load_cpus))
+                    tries[label].append(
+                        run_step(
+                            server, sessions, messages, load_cpus, flags, interval_ms
+                        )
+                    )
         for label, _ in servers:
             if label not in alive:
                 continue
@@ -370,44 +411,8 @@ def best(steps: list[Step]) -> Step | None:
     return max(passing, key=lambda s: s.relayed) if passing else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", default="10,25,40,50", help="uclient -m values")
-    parser.add_argument("--messages", type=int, default=3000, help="uclient -n")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per step (median)")
-    parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
-    parser.add_argument(
-        "--crossroads-flag",
-        action="append",
-        default=[],
-        help="extra flag for crossroads serve (repeatable), e.g. --no-stun-batch-io",
-    )
-    parser.add_argument(
-        "--skip-coturn", action="store_true", help="only measure crossroads"
-    )
-    args = parser.parse_args()
-    EXTRA_ARGS.extend(args.crossroads_flag)
-    for tool in ("turnserver", "turnutils_uclient", "turnutils_peer"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} not found: apt-get install coturn")
-    steps = [int(s) for s in args.steps.split(",")]
-    server_cpus, load_cpus = (None, None) if args.no_pin else ("0", "1")
-    print(
-        f"TURN relay benchmark: uclient -c -X -z 1 -l {LENGTH} -n {args.messages}, "
-        f"steps -m {args.steps}; server on CPU {server_cpus or 'any'}, "
-        f"load on CPU {load_cpus or 'any'}"
-    )
-    label_c, label_x = "coturn (1 relay thread)", "crossroads (1 process)"
-    print()
-    servers: list[tuple[str, Server]] = []
-    try:
-        if not args.skip_coturn:
-            servers.append((label_c, start_coturn(1, server_cpus)))
-        servers.append((label_x, start_crossroads(1, server_cpus)))
-        results = interleaved(servers, steps, args.messages, load_cpus, args.rounds)
-    finally:
-        for _, server in servers:
-            server.stop()
+def summarize(label_c: str, label_x: str, results: dict[str, list[Step]]) -> None:
+    """The best passing step of each server and the two ratios."""
     coturn = results.get(label_c, [])
     ours = results[label_x]
     top_c, top_x = best(coturn), best(ours)
@@ -438,6 +443,62 @@ def main() -> None:
                 f"  ratio coturn/crossroads, CPU per packet at {c.offered}/s offered: "
                 f"{c.cpu_per_10k / x.cpu_per_10k:.2f}  (>1: crossroads uses less)"
             )
+
+
+def argument_parser(doc: str | None, steps: str) -> argparse.ArgumentParser:
+    """The arguments every TURN benchmark takes (``steps``: default -m values)."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    parser.add_argument("--steps", default=steps, help="uclient -m values")
+    parser.add_argument("--messages", type=int, default=3000, help="uclient -n")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per step (median)")
+    parser.add_argument("--no-pin", action="store_true", help="do not use taskset")
+    return parser
+
+
+def prepare(
+    args: argparse.Namespace, title: str, uclient_flags: str
+) -> tuple[list[int], str | None, str | None]:
+    """Check coturn's tools are installed, print the banner; the steps and the
+    CPUs of the server and of the load from the common arguments."""
+    for tool in ("turnserver", "turnutils_uclient", "turnutils_peer"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} not found: apt-get install coturn")
+    steps = [int(s) for s in args.steps.split(",")]
+    server_cpus, load_cpus = (None, None) if args.no_pin else ("0", "1")
+    print(
+        f"{title} benchmark: uclient {uclient_flags} -l {LENGTH} -n {args.messages}, "
+        f"steps -m {args.steps}; server on CPU {server_cpus or 'any'}, "
+        f"load on CPU {load_cpus or 'any'}"
+    )
+    return steps, server_cpus, load_cpus
+
+
+def main() -> None:
+    parser = argument_parser(__doc__, "10,25,40,50")
+    parser.add_argument(
+        "--crossroads-flag",
+        action="append",
+        default=[],
+        help="extra flag for crossroads serve (repeatable), e.g. --no-stun-batch-io",
+    )
+    parser.add_argument(
+        "--skip-coturn", action="store_true", help="only measure crossroads"
+    )
+    args = parser.parse_args()
+    EXTRA_ARGS.extend(args.crossroads_flag)
+    steps, server_cpus, load_cpus = prepare(args, "TURN relay", "-c -X -z 1")
+    label_c, label_x = "coturn (1 relay thread)", "crossroads (1 process)"
+    print()
+    servers: list[tuple[str, Server]] = []
+    try:
+        if not args.skip_coturn:
+            servers.append((label_c, start_coturn(1, server_cpus)))
+        servers.append((label_x, start_crossroads(1, server_cpus)))
+        results = interleaved(servers, steps, args.messages, load_cpus, args.rounds)
+    finally:
+        for _, server in servers:
+            server.stop()
+    summarize(label_c, label_x, results)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,10 @@ def test_lists_and_bools_from_env() -> None:
         ),
         ({"flags": {"core.only": ["demo", "nope"]}}, "only: unknown service 'nope'"),
         ({"flags": {"core.store": "mysql://x"}}, "store (--store)"),
+        (
+            {"flags": {"core.tls_cert": "cert.pem"}},
+            "tls_cert: --tls-cert and --tls-key go together",
+        ),
     ],
 )
 def test_errors_name_the_key(kwargs: dict[str, object], message: str) -> None:

@@ -331,6 +331,21 @@ class CoreConfig:
         help="Failed code lookups or API keys per second for this whole instance, "
         "ten seconds' worth in a row (0 = no limit).",
     )
+    tls_cert: str = setting(
+        "",
+        help="PEM certificate chain (leaf first) for the TLS listeners "
+        "(TURN over TLS); reloaded on SIGHUP.",
+    )
+    tls_key: str = setting("", help="PEM private key of --tls-cert.")
+    tls_dev_cert_dir: str = setting(
+        "",
+        help="Without --tls-cert, on a loopback --host: make (once) a self-signed "
+        "development certificate in this directory and serve TLS with it.",
+    )
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert: --tls-cert and --tls-key go together")
 
 
 # --------------------------------------------------------------------- sections

@@ -29,6 +29,7 @@ from crossroads.transport.admission import (
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.tls import Certificates, certificates_for
 from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
@@ -48,6 +49,8 @@ class Runtime:
     services: dict[str, Service] = field(default_factory=dict)
     http_address: Address = ("", 0)
     console: Console | None = None
+    #: The TLS certificate, reloaded on SIGHUP; None when TLS is off.
+    certificates: Certificates | None = None
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
     _http_guard: HttpGuard | None = None
@@ -84,6 +87,8 @@ class Runtime:
             ConfigError: from the first service that refuses it.
         """
         applied: list[str] = []
+        if self.certificates is not None and self.certificates.reload():
+            applied.append("tls: certificate")
         for service in self.services.values():
             if isinstance(service, Reloadable):
                 applied += service.reload(config)
@@ -125,7 +130,13 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     modules = load_service_modules()
     store = store if store is not None else open_store(config.core.store)
     metrics = CollectorRegistry()
-    runtime = Runtime(config=config, store=store, metrics=metrics)
+    core = config.core
+    certificates = certificates_for(
+        core.tls_cert, core.tls_key, host=core.host, dev_dir=core.tls_dev_cert_dir
+    )
+    runtime = Runtime(
+        config=config, store=store, metrics=metrics, certificates=certificates
+    )
     # The hard descriptor limit is the budget; TCP listeners share half of it
     # (crossroads.transport.admission explains the split).
     budget = runtime.connections = ConnectionBudget(raise_fd_limit())
@@ -138,8 +149,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         log=log,
         running=runtime.services,
         connections=budget,
+        certificates=certificates,
     )
-    core = config.core
     guard = HttpGuard(
         budget.listener(
             "http", core.http_max_connections, core.http_max_connections_per_ip
@@ -232,6 +243,8 @@ async def serve_forever(
     def reload() -> None:
         if reread is None:
             log.warning("reload: this server cannot re-read its configuration")
+            if runtime.certificates is not None:
+                runtime.certificates.reload()
             return
         try:
             applied = runtime.reload(prepare(reread()).config)

@@ -43,7 +43,7 @@ class CrossroadsProcess:
         raise KeyError((proto, label))
 
 
-_ENDPOINT = re.compile(r"(udp|tcp) ([0-9.]+|\[[0-9a-f:]+\]):(\d+)(?: \(([^)]*)\))?")
+_ENDPOINT = re.compile(r"(udp|tcp|tls) ([0-9.]+|\[[0-9a-f:]+\]):(\d+)(?: \(([^)]*)\))?")
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -108,6 +108,8 @@ class Coturn:
     port: int
     alt_port: int
     log: Path
+    #: TURN over TLS port, when started with a certificate (else 0).
+    tls_port: int = 0
 
 
 def _free_pair(hosts: list[str]) -> tuple[int, int]:
@@ -139,15 +141,27 @@ def coturn_fixture() -> Iterator[Callable[..., Coturn]]:
     directory = Path(tempfile.mkdtemp(prefix="crossroads-coturn-"))
 
     def start(
-        *extra: str, hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.2")
+        *extra: str,
+        hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.2"),
+        tls: tuple[Path, Path] | None = None,
     ) -> Coturn:
+        """``tls``: (certificate, key) to serve TURN over TLS with (no DTLS)."""
         port, alt_port = _free_pair(list(hosts))
+        tls_port = 0
+        tls_args = ["--no-tls"]
+        if tls is not None:
+            tls_port, alt_tls_port = _free_pair(list(hosts))
+            tls_args = [
+                "--cert", str(tls[0]), "--pkey", str(tls[1]),
+                "--tls-listening-port", str(tls_port),
+                "--alt-tls-listening-port", str(alt_tls_port),
+            ]  # fmt: skip
         log = directory / f"turnserver-{len(started)}.log"
         command = [
             binary, "-n", "--log-file", str(log), "--simple-log",
             *[arg for host in hosts for arg in ("-L", host)],
             "-p", str(port), "--alt-listening-port", str(alt_port),
-            "--no-tls", "--no-dtls", "--no-cli", "-r", "crossroads.test",
+            *tls_args, "--no-dtls", "--no-cli", "-r", "crossroads.test",
             "--pidfile", str(directory / f"turnserver-{len(started)}.pid"),
             "--db", str(directory / f"turndb-{len(started)}"),
             *extra,
@@ -155,7 +169,7 @@ def coturn_fixture() -> Iterator[Callable[..., Coturn]]:
         process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        server = Coturn(process, port, alt_port, log)
+        server = Coturn(process, port, alt_port, log, tls_port)
         started.append(server)
         # Ready when the UDP listener answers a Binding request.
         request = bytes.fromhex("000100002112a442") + os.urandom(12)

@@ -351,11 +351,10 @@ async def exercise(client: TurnClient, peer: tuple[str, int]) -> None:
     assert await client.refresh() > 0
 
 
-@pytest.mark.parametrize("transport", ["udp", "tcp"])
-async def test_crossroads_client_against_coturn(
-    coturn: Callable[..., Coturn], transport: str
-) -> None:
-    server = await asyncio.to_thread(
+async def coturn_with_user(coturn: Callable[..., Coturn], **options: Any) -> Coturn:
+    """coturn on 127.0.0.1 with the static user USER:PASSWORD and loopback
+    peers allowed; ``options`` go to the fixture (``tls=(cert, key)``)."""
+    return await asyncio.to_thread(
         coturn,
         "-a",
         "-f",
@@ -364,7 +363,15 @@ async def test_crossroads_client_against_coturn(
         "--min-port=40000",
         "--max-port=49999",
         hosts=("127.0.0.1",),
+        **options,
     )
+
+
+@pytest.mark.parametrize("transport", ["udp", "tcp"])
+async def test_crossroads_client_against_coturn(
+    coturn: Callable[..., Coturn], transport: str
+) -> None:
+    server = await coturn_with_user(coturn)
     sock, task = await udp_echo()
     try:
         async with await TurnClient.connect(

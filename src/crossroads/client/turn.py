@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import time
 from collections.abc import Iterable
 from types import TracebackType
@@ -208,8 +209,15 @@ class TurnClient:
         local: Address | None = None,
         timeout: float = 10.0,
         prefer_sha256: bool = True,
+        tls: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> TurnClient:
-        """Open the client-server connection (no allocation yet)."""
+        """Open the client-server connection (no allocation yet).
+
+        With ``tls`` (and ``transport="tcp"``) the connection is TURN over TLS
+        (RFC 8656 §3, port 5349); ``server_hostname`` is the name the server
+        certificate is checked against (default: the server's address).
+        """
         loop = asyncio.get_running_loop()
         session = LongTermSession(username, password, prefer_sha256=prefer_sha256)
         client = cls(server, session, transport, timeout)
@@ -221,7 +229,12 @@ class TurnClient:
         else:
             tcp, _ = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Tcp(client), server[0], server[1], local_addr=local
+                    lambda: _Tcp(client),
+                    server[0],
+                    server[1],
+                    local_addr=local,
+                    ssl=tls,
+                    server_hostname=(server_hostname or server[0]) if tls else None,
                 ),
                 timeout,
             )

@@ -26,6 +26,7 @@ from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
 from crossroads.transport.admission import ConnectionBudget
+from crossroads.transport.tls import Certificates, HandshakeLimits
 from crossroads.types import Address
 
 T = TypeVar("T")
@@ -120,6 +121,11 @@ class ServiceContext:
     #: The descriptor budget every TCP listener registers with (per-IP and
     #: global caps, a share of the fd limit each).
     connections: ConnectionBudget = field(default_factory=ConnectionBudget)
+    #: The server certificate of the TLS listeners, None when TLS is off
+    #: (see :func:`crossroads.transport.tls.certificates_for`).
+    certificates: Certificates | None = None
+    #: Bounds on TLS handshakes in progress, shared by every TLS listener.
+    tls_limits: HandshakeLimits = field(default_factory=HandshakeLimits)
 
     def section(self, name: str, cls: type[T]) -> T:
         return self.config.section(name, cls)

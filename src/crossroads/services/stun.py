@@ -53,6 +53,7 @@ import errno
 import ipaddress
 import logging
 import socket
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
@@ -76,6 +77,7 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
+from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
 
@@ -901,6 +903,8 @@ class StunService:
             config.tcp_max_connections,
             config.tcp_max_connections_per_ip,
         )
+        #: Where STUN/TURN over TLS listens (see :meth:`listen_tls`).
+        self.tls_addresses: list[Address] = []
         #: The attached TURN handler, if any (see :meth:`attach_turn`).
         self.turn: StunExtension | None = None
         self._descriptions: list[str] = []
@@ -1029,6 +1033,68 @@ class StunService:
                 )
                 group.tcp_servers.append(server)
                 self._descriptions.append(f"tcp {_join(*local)}{labels[index]}")
+
+    async def listen_tls(
+        self, port: int, context: ssl.SSLContext, limits: HandshakeLimits
+    ) -> int:
+        """Serve STUN/TURN over TLS (RFC 8656 §3, RFC 7350) on ``port`` of
+        ``--host`` (and ``::`` beside a ``0.0.0.0`` bind); return the port.
+
+        A TLS connection is a :class:`TcpConnection` once its handshake is done
+        (bounded by ``limits``, failures counted as drops): same framing, same
+        caps and idle timeout, TURN and RFC 6062 on it exactly as on TCP, and
+        its peer address is the real client's.
+        """
+        loop = asyncio.get_running_loop()
+        host = self.ctx.host
+        binds = [(host, False)] + ([("::", True)] if host == "0.0.0.0" else [])
+        for bind_host, v6only in binds:
+            group = next(
+                (
+                    g
+                    for g in self.groups
+                    if _family(g.udp[0].local[0]) == _family(bind_host)
+                ),
+                None,
+            )
+            if group is None:
+                continue
+            try:
+                sock = _bind(bind_host, port, socket.SOCK_STREAM, v6only)
+            except OSError as exc:
+                if bind_host == host:
+                    raise
+                log.warning("STUN: no IPv6 TLS listener on [::]: %s", exc)
+                continue
+            port = sock.getsockname()[1]
+            # Binding over TLS answers from its own core with one endpoint and
+            # no RFC 5780 attributes: RESPONSE-ORIGIN would otherwise name the
+            # plain STUN port, and behaviour discovery does not run over TLS.
+            tls_group = _Group(
+                core=BindingCore(
+                    [None],
+                    software=self.config.software,
+                    rate_limit=self.config.rate_limit,
+                    max_sources=self.config.rate_limit_sources,
+                ),
+                udp=[],
+                tcp_servers=[],
+            )
+            server = await loop.create_server(
+                lambda g=tls_group: TlsAcceptor(  # type: ignore[misc]
+                    context,
+                    lambda: TcpConnection(self, g, 0),
+                    limits,
+                    self.stats.drop,
+                ),
+                sock=sock,
+            )
+            group.tcp_servers.append(server)
+            self.tls_addresses.append((bind_host, port))
+            self._descriptions.append(f"tls {_join(bind_host, port)}")
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_idle())
+        return port
 
     async def _sweep_idle(self) -> None:
         loop = asyncio.get_running_loop()

@@ -357,6 +357,12 @@ class Config:
     max_permissions: int = setting(
         1024, kind="int", help="Permissions per allocation: 508 beyond."
     )
+    tls_port: int = setting(
+        5349,
+        kind="port",
+        help="TURN over TLS (TCP) port (RFC 8656 §3: 5349), served when a "
+        "certificate is configured (--tls-cert).",
+    )
     unauthenticated_rate: float = setting(
         100.0,
         kind="float",
@@ -1572,5 +1578,13 @@ async def serve(ctx: ServiceContext) -> TurnService:
             await stun.close()
         raise
     service.start()
+    if ctx.certificates is not None:
+        try:
+            await stun.listen_tls(
+                config.tls_port, ctx.certificates.context, ctx.tls_limits
+            )
+        except BaseException:
+            await service.close()
+            raise
     ctx.shared[NAME] = service
     return service

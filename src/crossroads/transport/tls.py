@@ -1,0 +1,336 @@
+"""TLS for the stream listeners: certificates, reload, and bounded handshakes.
+
+Certificates
+------------
+:class:`Certificates` owns the one server :class:`ssl.SSLContext` every TLS
+listener of a process shares. ``--tls-cert`` is a PEM chain (leaf first) and
+``--tls-key`` its private key. :meth:`Certificates.reload` (the runtime calls it
+on SIGHUP) loads the files again *into the same context*: OpenSSL copies the
+certificate into each connection when it is accepted, so connections already up
+(and the TURN allocations made over them) keep going, and the next handshake
+presents the new chain. A chain that does not load, or whose leaf has expired,
+is refused and the old one stays.
+
+Without a certificate, and only on a loopback bind, :func:`development_certificate`
+makes (once) a self-signed certificate for ``localhost``, ``127.0.0.1`` and
+``::1`` in a directory it is given, so ``make run`` has ``turns:`` to try.
+
+Handshakes
+----------
+:class:`TlsAcceptor` is the protocol of an accepted TCP connection that must
+speak TLS. The application protocol sees the connection only once the
+handshake is done (``connection_made`` with the TLS transport, whose
+``peername`` is the real client address, so per-source limits apply to it).
+Until then the connection is bounded: at most ``max_handshakes`` of them at a
+time in the process, ``max_handshakes_per_ip`` per source address, and each
+must finish within ``handshake_timeout`` seconds (a slow-loris client is cut).
+Every refusal and failure is counted through the ``drop(reason)`` callback:
+``tls-handshake-limit``, ``tls-handshake-ip-limit``, ``tls-handshake-timeout``,
+``tls-handshake-failed``. Renegotiation is off (``OP_NO_RENEGOTIATION``;
+TLS 1.3 has none), and TLS below 1.2 is refused (RFC 8996).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import logging
+import ssl
+from asyncio import sslproto
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from crossroads.errors import ConfigError
+
+log = logging.getLogger("crossroads.tls")
+
+#: Seconds a client has to finish its TLS handshake once connected. A real
+#: client needs one or two round trips; 10 s leaves room for a slow mobile link
+#: and still frees a slot held by a client that sends nothing (asyncio's own
+#: default is 60 s).
+HANDSHAKE_TIMEOUT = 10.0
+#: Handshakes in progress at once, process-wide. A handshake costs one
+#: asymmetric signature (~0.1 ms for P-256, ~1 ms for RSA-2048); 256 in flight
+#: is more than two cores can complete within HANDSHAKE_TIMEOUT under a flood.
+MAX_HANDSHAKES = 256
+#: Handshakes in progress at once from one source IP: a browser opens a few
+#: connections at once; more are a flood.
+MAX_HANDSHAKES_PER_IP = 8
+#: A development certificate is made anew when it has less than this left.
+DEV_CERT_MIN_REMAINING = datetime.timedelta(days=7)
+#: Lifetime of a development certificate (a loopback convenience, never public).
+DEV_CERT_LIFETIME = datetime.timedelta(days=90)
+DEV_CERT_NAME = "dev-cert.pem"
+DEV_KEY_NAME = "dev-key.pem"
+
+
+def _leaf_not_after(chain: Path) -> datetime.datetime:
+    """The expiry of the first certificate in the PEM file ``chain``."""
+    try:
+        leaf = x509.load_pem_x509_certificate(chain.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tls_cert: {chain}: {exc}") from None
+    return leaf.not_valid_after_utc
+
+
+def server_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server context for TLS 1.2+ without renegotiation, holding ``cert``."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    # RFC 8996: TLS 1.0 and 1.1 are deprecated; coturn's uclient and every
+    # WebRTC stack speak 1.2 or 1.3.
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # Renegotiation lets a client make the server repeat the expensive part of
+    # a handshake on an established connection (CVE-2011-1473 class).
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    _load(context, cert, key)
+    return context
+
+
+def _load(context: ssl.SSLContext, cert: Path, key: Path) -> None:
+    not_after = _leaf_not_after(cert)
+    if not_after <= datetime.datetime.now(datetime.UTC):
+        raise ConfigError(f"tls_cert: {cert} expired on {not_after:%Y-%m-%d %H:%M} UTC")
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"tls_cert/tls_key: {cert}, {key}: {exc}") from None
+
+
+class Certificates:
+    """The process's server certificate and the shared TLS context."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert = cert
+        self.key = key
+        self.context = server_context(cert, key)
+        self.not_after = _leaf_not_after(cert)
+        #: Reloads that were refused (the old certificate stayed).
+        self.failed_reloads = 0
+
+    def reload(self) -> bool:
+        """Load the files again into the same context; True if they loaded.
+
+        Live connections are untouched; new handshakes get the new chain. On
+        failure the previous certificate stays and the reason is logged.
+        """
+        try:
+            _load(self.context, self.cert, self.key)
+        except ConfigError as exc:
+            self.failed_reloads += 1
+            log.error("TLS certificate not reloaded, keeping the old one: %s", exc)
+            return False
+        self.not_after = _leaf_not_after(self.cert)
+        log.info(
+            "TLS certificate reloaded from %s (valid until %s UTC)",
+            self.cert,
+            f"{self.not_after:%Y-%m-%d %H:%M}",
+        )
+        return True
+
+
+def development_certificate(
+    directory: Path, *, now: datetime.datetime | None = None
+) -> tuple[Path, Path]:
+    """The self-signed loopback certificate and key in ``directory``, made (or
+    made anew when it expires within a week) on demand.
+
+    The certificate names ``localhost``, ``127.0.0.1`` and ``::1``; clients
+    must be told to trust it (coturn's uclient does not check; a browser
+    needs it added). The key file is readable by its owner only.
+    """
+    now = now or datetime.datetime.now(datetime.UTC)
+    cert_path, key_path = directory / DEV_CERT_NAME, directory / DEV_KEY_NAME
+    if cert_path.exists() and key_path.exists():
+        try:
+            if _leaf_not_after(cert_path) - now > DEV_CERT_MIN_REMAINING:
+                return cert_path, key_path
+        except ConfigError:
+            pass  # unreadable: make a new one
+    directory.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name(
+        [x509.NameAttribute(NameOID.COMMON_NAME, "crossroads development")]
+    )
+    names: list[x509.GeneralName] = [
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.IPAddress(ipaddress.ip_address("::1")),
+    ]
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        # Backdated a little: a client whose clock is slightly behind would
+        # otherwise see a certificate that is "not yet valid".
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + DEV_CERT_LIFETIME)
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_bytes = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    key_path.touch(mode=0o600, exist_ok=True)
+    key_path.chmod(0o600)
+    key_path.write_bytes(key_bytes)
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    log.warning(
+        "made a self-signed development certificate %s (localhost, 127.0.0.1, ::1);"
+        " clients must be told to trust it",
+        cert_path,
+    )
+    return cert_path, key_path
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback bind address (where a development certificate may be
+    made); False for wildcards and public addresses."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def certificates_for(
+    cert: str, key: str, *, host: str, dev_dir: str
+) -> Certificates | None:
+    """The certificates a process should serve with: ``cert``/``key`` when
+    given; else a development certificate in ``dev_dir`` when it is set and
+    ``host`` is loopback; else None (no TLS listener)."""
+    if cert and key:
+        return Certificates(Path(cert), Path(key))
+    if dev_dir and is_loopback(host):
+        return Certificates(*development_certificate(Path(dev_dir)))
+    return None
+
+
+# ------------------------------------------------------------------ handshakes
+
+
+@dataclass
+class HandshakeLimits:
+    """Bounds on TLS handshakes in progress, shared by the listeners that use it."""
+
+    max_handshakes: int = MAX_HANDSHAKES
+    max_handshakes_per_ip: int = MAX_HANDSHAKES_PER_IP
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+
+    def __post_init__(self) -> None:
+        self.pending = 0
+        self.pending_by_ip: dict[str, int] = {}
+        self.completed = 0
+
+    def admit(self, ip: str) -> str | None:
+        """Take a slot for a handshake from ``ip``; the refusal reason if none."""
+        if self.pending >= self.max_handshakes:
+            return "tls-handshake-limit"
+        count = self.pending_by_ip.get(ip, 0)
+        if count >= self.max_handshakes_per_ip:
+            return "tls-handshake-ip-limit"
+        self.pending += 1
+        self.pending_by_ip[ip] = count + 1
+        return None
+
+    def release(self, ip: str) -> None:
+        self.pending -= 1
+        count = self.pending_by_ip[ip] - 1
+        if count:
+            self.pending_by_ip[ip] = count
+        else:
+            del self.pending_by_ip[ip]
+
+
+class TlsAcceptor(asyncio.Protocol):
+    """An accepted TCP connection that must speak TLS: ``factory()``'s protocol
+    gets the TLS transport once the server-side handshake is done.
+
+    The TLS layer is asyncio's :class:`~asyncio.sslproto.SSLProtocol` put on
+    the stream *synchronously* in :meth:`connection_made`, so no byte of the
+    ClientHello can reach a plaintext protocol whatever the event loop (uvloop
+    starts reading before a ``start_tls`` task would run), and the application
+    protocol takes over inside the handshake-complete callback, before any
+    application data a TLS 1.3 client sends right behind its Finished.
+    """
+
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        factory: Callable[[], asyncio.BaseProtocol],
+        limits: HandshakeLimits,
+        drop: Callable[[str], None],
+    ) -> None:
+        self.context = context
+        self.factory = factory
+        self.limits = limits
+        self.drop = drop
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        stream = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        ip = str(peer[0]) if peer else ""
+        limits = self.limits
+        refused = limits.admit(ip)
+        if refused is not None:
+            self.drop(refused)
+            stream.abort()
+            return
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        layer = sslproto.SSLProtocol(
+            loop,
+            self.factory(),
+            self.context,
+            done,
+            server_side=True,
+            # Backstop only: our own timer below cuts first and counts it.
+            ssl_handshake_timeout=int(limits.handshake_timeout * 2) + 1,
+        )
+        timed_out = False
+
+        def expired() -> None:
+            nonlocal timed_out
+            if not done.done():
+                # Cancelled, not failed: the TLS layer then leaves it alone
+                # when the abort below reaches it.
+                timed_out = True
+                done.cancel()
+                stream.abort()
+
+        timer = loop.call_later(limits.handshake_timeout, expired)
+
+        def finished(future: asyncio.Future[None]) -> None:
+            timer.cancel()
+            limits.release(ip)
+            if future.cancelled():
+                if timed_out:
+                    self.drop("tls-handshake-timeout")
+                return
+            exc = future.exception()
+            if exc is None:
+                limits.completed += 1
+            else:
+                log.debug("TLS handshake from %s failed: %r", ip, exc)
+                self.drop("tls-handshake-failed")
+
+        done.add_done_callback(finished)
+        stream.set_protocol(layer)
+        layer.connection_made(stream)
+
+    def data_received(self, data: bytes) -> None:
+        """Never called: the TLS layer replaced this protocol on connect."""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Only for a connection refused by the limits (the TLS layer owns the rest)."""

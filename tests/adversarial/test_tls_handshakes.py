@@ -1,0 +1,125 @@
+"""Hostile TLS clients against a TlsAcceptor (crossroads.transport.tls): slow
+handshakes, garbage and truncated records, handshake floods from one address,
+old protocol versions and renegotiation are bounded, counted, and leave the
+listener serving real clients (docs/security.md, "TLS handshakes")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from tests.conftest import eventually
+from tests.tls_support import (  # noqa: F401 (fixture)
+    MakeServer,
+    echo_once,
+    make_server_fixture,
+)
+
+
+async def test_slow_handshakes_are_cut_and_counted(
+    make_server: MakeServer,
+) -> None:
+    server = await make_server(handshake_timeout=0.5)
+    # Connects and sends half a ClientHello record header, then nothing.
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"\x16\x03\x01")
+    assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+
+    await server.counted("tls-handshake-timeout")
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"GET / HTTP/1.1\r\n\r\n", b"\x16\x03\x01\x00\x10" + b"\x01\x00\x00\x0c"],
+    ids=["plaintext", "truncated-record"],
+)
+async def test_garbage_and_truncated_records_fail_and_are_counted(
+    make_server: MakeServer, garbage: bytes
+) -> None:
+    server = await make_server()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(garbage)
+    writer.write_eof()
+    await asyncio.wait_for(reader.read(), 10)
+
+    await server.counted("tls-handshake-failed")
+    writer.close()
+    # The listener still serves real clients.
+    _, good, _ = await echo_once(server.port, server.certificates.cert)
+    good.close()
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [
+        ({"max_handshakes_per_ip": 3}, "tls-handshake-ip-limit"),
+        ({"max_handshakes": 3}, "tls-handshake-limit"),
+    ],
+    ids=["per-ip", "global"],
+)
+async def test_handshake_floods_are_capped(
+    make_server: MakeServer, limits: dict[str, int], reason: str
+) -> None:
+    """Three silent clients hold every slot; the fourth connection is closed
+    at accept and counted; the slots come back when the three leave."""
+    server = await make_server(handshake_timeout=30, **limits)
+    idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+
+    async def admitted() -> bool:
+        return server.limits.pending == 3
+
+    await eventually(admitted, "three handshakes pending")
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    with contextlib.suppress(ConnectionResetError):  # aborted: EOF or RST
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    assert server.drops[reason] == 1
+    assert server.limits.pending == 3
+    for _, w in idle:
+        w.close()
+    writer.close()
+
+    async def released() -> bool:
+        return server.limits.pending == 0 and not server.limits.pending_by_ip
+
+    await eventually(released, "slots released when the clients left")
+    _, good, _ = await echo_once(server.port, server.certificates.cert)
+    good.close()
+
+
+async def s_client(port: int, version: str, stdin: bytes) -> tuple[int, str]:
+    """openssl s_client with ``version`` (``-tls1_2``), ``stdin`` as its
+    commands (``R``: renegotiate); its exit code and output."""
+    process = await asyncio.create_subprocess_exec(
+        "openssl", "s_client", version, "-connect", f"127.0.0.1:{port}",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(stdin), 20)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    assert process.returncode is not None
+    return process.returncode, out.decode(errors="replace")
+
+
+async def test_tls_below_1_2_is_refused(make_server: MakeServer) -> None:
+    server = await make_server()
+    code, _ = await s_client(server.port, "-tls1_1", b"")
+    assert code != 0
+    await server.counted("tls-handshake-failed")
+
+
+async def test_renegotiation_is_refused(make_server: MakeServer) -> None:
+    """A TLS 1.2 client asking to renegotiate (openssl s_client's ``R``) gets
+    no second handshake: the server answers no_renegotiation (OP_NO_RENEGOTIATION;
+    OpenSSL 3 also refuses client-initiated renegotiation by default)."""
+    server = await make_server()
+    _, text = await s_client(server.port, "-tls1_2", b"R\n")
+    assert "RENEGOTIATING" in text, text
+    assert "no renegotiation" in text, text
