@@ -81,7 +81,8 @@ static int parse_hex(const char *hex, unsigned char *out, int max) {
 
 /* The relayed payload inside a datagram: the value of the DATA attribute of a
  * Data indication (attributes may follow it: coturn adds XOR-PEER-ADDRESS,
- * SOFTWARE and FINGERPRINT after DATA), else the datagram itself. Sets *len. */
+ * SOFTWARE and FINGERPRINT after DATA), else the datagram itself. Sets *len;
+ * NULL for a Data indication without a well-formed DATA attribute. */
 static const unsigned char *payload_of(const unsigned char *p, unsigned *len) {
     if (*len >= 20 && p[0] == 0x00 && p[1] == 0x17) {
         unsigned offset = 20;
@@ -95,6 +96,7 @@ static const unsigned char *payload_of(const unsigned char *p, unsigned *len) {
             }
             offset += 4 + ((size + 3) & ~3u);
         }
+        return NULL;
     }
     return p;
 }
@@ -103,7 +105,7 @@ static const unsigned char *payload_of(const unsigned char *p, unsigned *len) {
  * *measured to the tag's "measured" bit. */
 static int tag_of(const unsigned char *datagram, unsigned len, int *measured) {
     const unsigned char *p = payload_of(datagram, &len);
-    if (len < 12) return 0;
+    if (p == NULL || len < 12) return 0;
     uint32_t flow, seq, tag_magic;
     memcpy(&flow, p + len - 12, 4);
     memcpy(&seq, p + len - 8, 4);
