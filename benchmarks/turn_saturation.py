@@ -29,7 +29,10 @@ step under 0.5 % loss. A step is ``--warmup`` s unmeasured, ``--seconds`` s
 measured, then a drain; datagrams carry a step number, so late ones of an
 earlier step never count. CPU per packet is the server's user+system time
 (``/proc/<pid>/stat``, all threads) during the measured window divided by the
-datagrams delivered in it, at the step kept.
+datagrams delivered in it, at the step kept, and at one more step at the same
+offered rate for every target (``--same-rate``, 50,000/s by default), which
+compares the work per packet at equal load (batching makes it depend on the
+rate) and is less noisy than the loss threshold.
 
 Targets, each started fresh in every round (rounds interleave the targets, so
 the machine's other load weighs on all of them alike):
@@ -119,8 +122,12 @@ class Step:
 
 
 @dataclass
-class Series:
-    best: list[Step] = field(default_factory=list)
+class Results:
+    """Per target label: the best passing step of each round, and the step at
+    the common rate (--same-rate) of each round."""
+
+    best: dict[str, list[Step]] = field(default_factory=dict)
+    same_load: dict[str, list[Step]] = field(default_factory=dict)
 
 
 def pin(cpus: str) -> list[str]:
@@ -216,28 +223,59 @@ def bare_turn_flows(
     return flows
 
 
-def start_crossroads_turn() -> Target:
-    port = turn.free_port()
-    low = 20000 + ((port + 11) % 20) * 1000
+def workers_flag() -> bool:
+    """Whether ``crossroads serve`` has ``--workers`` (issue 17) in this checkout."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "crossroads", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return "--workers" in help_text
+
+
+def crossroads_label(workers: int | None) -> str:
+    return (
+        "crossroads (1 process)"
+        if workers is None
+        else f"crossroads --workers {workers}"
+    )
+
+
+def spawn_crossroads(workers: int | None, flags: list[str]) -> subprocess.Popen[bytes]:
+    """``crossroads serve`` with ``flags``: one process on CPU 0, or
+    ``--workers N`` on CPUs 0 and 1 for N > 1 (as coturn -m 2)."""
+    cpus = SERVER_CPU if workers is None or workers == 1 else "0,1"
+    extra = [] if workers is None else ["--workers", str(workers)]
     command = [
-        *pin(SERVER_CPU), sys.executable, "-m", "crossroads", "serve",
-        "--only", "stun,turn", "--host", HOST, "--http-port", "0",
-        "--stun-port", str(port), "--stun-alt-port", "0",
-        "--turn-user", f"{turn.USER}:{turn.PASSWORD}", "--turn-realm", turn.REALM,
-        "--allow-loopback-peers", "--relay-ports", f"{low}-{low + 999}",
-        "--log-level", "warning",
+        *pin(cpus), sys.executable, "-m", "crossroads", "serve", "--host", HOST,
+        "--log-level", "warning", *extra, *flags,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
-    process = subprocess.Popen(
+    return subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
+
+
+def start_crossroads_turn(workers: int | None) -> Target:
+    port = turn.free_port()
+    low = 20000 + ((port + 11) % 20) * 1000
+    process = spawn_crossroads(
+        workers,
+        [
+            "--only", "stun,turn", "--http-port", "0",
+            "--stun-port", str(port), "--stun-alt-port", "0",
+            "--turn-user", f"{turn.USER}:{turn.PASSWORD}", "--turn-realm", turn.REALM,
+            "--allow-loopback-peers", "--relay-ports", f"{low}-{low + 999}",
+        ],
+    )  # fmt: skip
     try:
         turn.wait_udp_ready(port)
     except BaseException:
         stop(process)
         raise
     return Target(
-        "crossroads (1 process)",
+        crossroads_label(workers),
         process,
         lambda stack, n, size: turn_flows((HOST, port), stack, n, size),
     )
@@ -310,19 +348,16 @@ def bare_pair_flows(
     return pair_flows(pairs, payload)
 
 
-def start_crossroads_relay() -> Target:
+def start_crossroads_relay(workers: int | None) -> Target:
     http_port, relay_port = relay.free_port(socket.SOCK_STREAM), relay.free_port()
-    command = [
-        *pin(SERVER_CPU), sys.executable, "-m", "crossroads", "serve",
-        "--host", HOST, "--http-port", str(http_port), "--only", "relay",
-        "--relay-port", str(relay_port), "--api-key", relay.API_KEY,
-        "--relay-allow-private-peers", "--relay-api-rate", "0",
-        "--log-level", "warning",
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
-    process = subprocess.Popen(
-        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
-    )
+    process = spawn_crossroads(
+        workers,
+        [
+            "--http-port", str(http_port), "--only", "relay",
+            "--relay-port", str(relay_port), "--api-key", relay.API_KEY,
+            "--relay-allow-private-peers", "--relay-api-rate", "0",
+        ],
+    )  # fmt: skip
     base = f"http://{HOST}:{http_port}"
     try:
         relay.wait_until(lambda: bool(relay.http_json(f"{base}/v1/regions")), "relay")
@@ -338,7 +373,11 @@ def start_crossroads_relay() -> Target:
             pairs.append((host, joiner, hid, jid, server))
         return pair_flows(pairs, payload)
 
-    return Target("crossroads relay", process, flows)
+    return Target(
+        crossroads_label(workers).replace("crossroads", "crossroads relay"),
+        process,
+        flows,
+    )
 
 
 # ------------------------------------------------------------------ measuring
@@ -431,7 +470,7 @@ def search(
             step = run_step(load, target, flows, rate, args, next(epochs))
             if args.verbose:
                 print(
-                    f"    {target.name:<24} offered {step.offered:>9.0f}/s  delivered "
+                    f"    {target.name:<28} offered {step.offered:>9.0f}/s  delivered "
                     f"{step.delivered:>9.0f}/s  loss {step.loss:6.2f}%  server "
                     f"{step.server_cpu * 100:5.1f}%  core {step.core_busy * 100:5.1f}%  "
                     f"load {step.load_cpu * 100:5.1f}%  short {step.short}  "
@@ -459,60 +498,72 @@ def search(
 def measure_round(
     load: Path,
     starters: list[tuple[str, Callable[[], Target]]],
-    results: dict[str, list[Step]],
+    results: Results,
     args: argparse.Namespace,
     epochs: Iterator[int],
 ) -> None:
     for label, starter in starters:
-        previous = results[label]
+        previous = results.best.setdefault(label, [])
         start = 0.7 * previous[-1].delivered if previous else args.start_rate
         with ExitStack() as stack:
             target = starter()
             stack.callback(stop, target.process)
             flows = target.flows(stack, args.allocations, args.payload)
             best = search(load, target, flows, start, args, epochs)
+            same = run_step(load, target, flows, args.same_rate, args, next(epochs))
+        results.same_load.setdefault(label, []).append(same)
+        same_text = (
+            f"  at {args.same_rate:.0f}/s: {same.us_per_packet:5.2f} us/packet"
+            f" (loss {same.loss:.2f}%)"
+        )
         if best is None:
-            print(f"  {label:<24} no step under {LOSS_LIMIT}% loss", flush=True)
+            print(f"  {label:<28} no step under {LOSS_LIMIT}% loss{same_text}")
             continue
-        results[label].append(best)
+        previous.append(best)
         print(
-            f"  {label:<24} {best.delivered:>9.0f} relayed/s (loss {best.loss:.2f}%)"
+            f"  {label:<28} {best.delivered:>9.0f} relayed/s (loss {best.loss:.2f}%)"
             f"  server CPU {best.server_cpu * 100:5.1f}%"
-            f"  {best.us_per_packet:5.2f} us/packet  load CPU {best.load_cpu * 100:5.1f}%",
+            f"  {best.us_per_packet:5.2f} us/packet{same_text}",
             flush=True,
         )
 
 
-def summary(title: str, results: dict[str, list[Step]], reference: str) -> None:
+def summary(
+    title: str, results: Results, reference: str, args: argparse.Namespace
+) -> None:
     print(f"\n{title}: medians over rounds")
     print(
-        f"  {'target':<24} {'relayed/s <0.5% loss':>21} {'server CPU':>11}"
-        f" {'us CPU/packet':>14} {'packets per CPU-s':>18}"
+        f"  {'target':<28} {'relayed/s <0.5% loss':>21} {'server CPU':>11}"
+        f" {'core busy':>10} {'us CPU/packet':>14} {f'us/pkt @{args.same_rate:.0f}/s':>16}"
     )
     medians: dict[str, tuple[float, float]] = {}
-    for label, steps in results.items():
+    for label, same in results.same_load.items():
+        steps = results.best.get(label, [])
+        at_same = statistics.median(s.us_per_packet for s in same)
         if not steps:
-            print(f"  {label:<24} {'n/a':>21}")
+            print(
+                f"  {label:<28} {'n/a':>21} {'':>11} {'':>10} {'':>14} {at_same:>16.2f}"
+            )
             continue
         rate = statistics.median(s.delivered for s in steps)
         per_packet = statistics.median(s.us_per_packet for s in steps)
         cpu = statistics.median(s.server_cpu for s in steps)
-        medians[label] = (rate, per_packet)
-        per_cpu = 1e6 / per_packet if per_packet else float("nan")
+        busy = statistics.median(s.core_busy for s in steps)
+        medians[label] = (rate, at_same)
         print(
-            f"  {label:<24} {rate:>21.0f} {cpu * 100:>10.1f}% {per_packet:>14.2f}"
-            f" {per_cpu:>18.0f}"
+            f"  {label:<28} {rate:>21.0f} {cpu * 100:>10.1f}% {busy * 100:>9.1f}%"
+            f" {per_packet:>14.2f} {at_same:>16.2f}"
         )
     ours = medians.get(reference)
     if ours is None:
         return
-    for label, (rate, per_packet) in medians.items():
-        if label == reference:
-            continue
-        print(
-            f"  {reference} / {label}: relayed/s {ours[0] / rate:.2f}, "
-            f"packets per CPU-second {per_packet / ours[1]:.2f}"
-        )
+    for label, (rate, at_same) in medians.items():
+        if label != reference:
+            print(
+                f"  {reference} / {label}: relayed/s {ours[0] / rate:.2f}; "
+                f"CPU per packet at {args.same_rate:.0f}/s {ours[1] / at_same:.2f}"
+                f" (>1: crossroads spends more)"
+            )
 
 
 def stun_rounds(binaries: dict[str, Path], args: argparse.Namespace) -> None:
@@ -543,7 +594,7 @@ def stun_rounds(binaries: dict[str, Path], args: argparse.Namespace) -> None:
         rate = statistics.median(r for r, _ in values)
         per_cpu = statistics.median(r / c for r, c in values if c > 0)
         medians[name] = (rate, per_cpu)
-        print(f"  {name:<24} {rate:>10.0f} req/s  {per_cpu:>10.0f} req per CPU-second")
+        print(f"  {name:<28} {rate:>10.0f} req/s  {per_cpu:>10.0f} req per CPU-second")
     ours, theirs = medians["crossroads"], medians["coturn"]
     print(
         f"  crossroads / coturn -m 1: req/s {ours[0] / theirs[0]:.2f}, "
@@ -558,9 +609,15 @@ def main() -> None:
     parser.add_argument("--payload", type=int, default=100, help="bytes, x4, >= 12")
     parser.add_argument("--warmup", type=float, default=0.3)
     parser.add_argument("--seconds", type=float, default=1.0, help="measured/step")
-    parser.add_argument("--drain", type=float, default=0.2)
+    parser.add_argument("--drain", type=float, default=0.3)
     parser.add_argument("--start-rate", type=float, default=40_000)
     parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument(
+        "--same-rate",
+        type=float,
+        default=50_000,
+        help="offered rate of the extra step that compares CPU per packet",
+    )
     parser.add_argument(
         "--retries", type=int, default=1, help="tries again of a failed step"
     )
@@ -577,11 +634,16 @@ def main() -> None:
             sys.exit(f"{tool} not found (make install)")
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-sat-"))
     epochs = iter(range(1, 1 << 30))
+    # --workers N (issue 17) is measured at 1 and 2 once it exists; until then
+    # crossroads is one process.
+    worker_counts: list[int | None] = [1, 2] if workers_flag() else [None]
     print(
         f"saturation: {args.allocations} allocations, {args.payload}-byte payloads, "
         f"steps of {args.seconds:g} s, {args.rounds} rounds; servers on CPU "
         f"{SERVER_CPU} (coturn -m 2 on CPUs 0,1), load generator on CPU {LOAD_CPU}"
     )
+    if worker_counts == [None]:
+        print("crossroads has no --workers flag in this checkout: one process only")
     try:
         binaries = build(workdir)
         if "turn" in parts:
@@ -593,7 +655,10 @@ def main() -> None:
                 return target
 
             starters: list[tuple[str, Callable[[], Target]]] = [
-                ("crossroads (1 process)", start_crossroads_turn),
+                *(
+                    (crossroads_label(n), lambda n=n: start_crossroads_turn(n))
+                    for n in worker_counts
+                ),
                 ("coturn -m 1", lambda: coturn(1)),
                 ("coturn -m 2", lambda: coturn(2)),
                 (
@@ -603,7 +668,7 @@ def main() -> None:
                     ),
                 ),
             ]
-            results: dict[str, list[Step]] = {label: [] for label, _ in starters}
+            results = Results()
             try:
                 for round_no in range(args.rounds):
                     print(f"TURN round {round_no + 1}", flush=True)
@@ -616,25 +681,37 @@ def main() -> None:
             summary(
                 "TURN (ChannelData and Send/Data indications, both ways)",
                 results,
-                "crossroads (1 process)",
+                crossroads_label(worker_counts[0]),
+                args,
             )
         if "relay" in parts:
             relay_starters: list[tuple[str, Callable[[], Target]]] = [
-                ("crossroads relay", start_crossroads_relay),
+                *(
+                    (
+                        crossroads_label(n).replace("crossroads", "crossroads relay"),
+                        lambda n=n: start_crossroads_relay(n),
+                    )
+                    for n in worker_counts
+                ),
                 (
                     "bare forwarder",
                     lambda: start_bare(binaries["bare_forwarder"], 0, pairs=True),
                 ),
             ]
-            relay_results: dict[str, list[Step]] = {
-                label: [] for label, _ in relay_starters
-            }
+            relay_results = Results()
             for round_no in range(args.rounds):
                 print(f"Unity relay round {round_no + 1}", flush=True)
                 measure_round(
                     binaries["turn_load"], relay_starters, relay_results, args, epochs
                 )
-            summary("Unity relay (RELAY both ways)", relay_results, "crossroads relay")
+            summary(
+                "Unity relay (RELAY both ways)",
+                relay_results,
+                crossroads_label(worker_counts[0]).replace(
+                    "crossroads", "crossroads relay"
+                ),
+                args,
+            )
         if "stun" in parts:
             stun_rounds(binaries, args)
     except urllib.error.URLError as exc:
