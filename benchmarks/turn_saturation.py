@@ -37,8 +37,9 @@ rate) and is less noisy than the loss threshold.
 Targets, each started fresh in every round (rounds interleave the targets, so
 the machine's other load weighs on all of them alike):
 
-- ``crossroads``: ``crossroads serve --only stun,turn`` (one process; there is
-  no ``--workers`` flag on this branch yet) / ``--only relay``;
+- ``crossroads``: ``crossroads serve --only stun,turn`` / ``--only relay``: one
+  process, or ``--workers 1`` and ``--workers 2`` (on CPUs 0,1) once ``serve``
+  has that flag (issue 17; it has not on this branch);
 - ``coturn -m 1`` and ``coturn -m 2``: ``turnserver`` with one and two relay
   threads, same credentials, same relay port range size;
 - ``bare``: ``benchmarks/bare_forwarder.c``, epoll + recvmmsg/sendmmsg and a
@@ -163,8 +164,8 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def client_socket(stack: ExitStack) -> socket.socket:
-    sock = stack.enter_context(relay.udp_socket())
-    return sock
+    """A loopback UDP socket with 4 MiB buffers, closed with ``stack``."""
+    return stack.enter_context(relay.udp_socket())
 
 
 # ------------------------------------------------------------------ TURN flows
