@@ -243,6 +243,37 @@ def exchange(sock: socket.socket, data: bytes, server: Address) -> bytes:
     raise RuntimeError("no answer from the relay")
 
 
+def connect_pair(
+    base: str, host_sock: socket.socket, join_sock: socket.socket
+) -> tuple[bytes, bytes, Address]:
+    """Allocate a host and a joiner through crossroads' REST API at ``base``,
+    BIND both sockets and CONNECT the joiner to the host: (host allocation id,
+    joiner allocation id, relay server address)."""
+    host = http_json(f"{base}/v1/allocate", {"maxConnections": 1})["data"]
+    assert isinstance(host, dict)
+    host_alloc = host["allocation"]
+    code = http_json(
+        f"{base}/v1/joincode", {"allocationId": host_alloc["allocationId"]}
+    )
+    joined = http_json(f"{base}/v1/join", {"joinCode": code["data"]["joinCode"]})  # type: ignore[index]
+    join_alloc = joined["data"]["allocation"]  # type: ignore[index]
+    server = (host_alloc["relayServer"]["ipV4"], host_alloc["relayServer"]["port"])
+    ids = {}
+    for sock, alloc in ((host_sock, host_alloc), (join_sock, join_alloc)):
+        key = base64.b64decode(alloc["key"])
+        data = m.pad_connection_data(base64.b64decode(alloc["connectionData"]))
+        unsigned = m.Bind(nonce=0, connection_data=data, hmac=bytes(32))
+        signed = unsigned.signed_bytes()
+        bind = signed + hmac.new(key, signed, hashlib.sha256).digest()
+        assert exchange(sock, bind, server) == m.BindReceived().encode()
+        ids[id(sock)] = base64.b64decode(alloc["allocationIdBytes"])
+    hid, jid = ids[id(host_sock)], ids[id(join_sock)]
+    host_data = base64.b64decode(join_alloc["hostConnectionData"])
+    accepted = exchange(join_sock, m.ConnectRequest(jid, host_data).encode(), server)
+    assert accepted == m.Accepted(hid, jid).encode()
+    return hid, jid, server
+
+
 @contextmanager
 def crossroads_relay_path(payload: bytes) -> Iterator[Path_]:
     http_port, relay_port = free_port(socket.SOCK_STREAM), free_port()
@@ -274,30 +305,7 @@ def crossroads_relay_path(payload: bytes) -> Iterator[Path_]:
     host_sock, join_sock = udp_socket(), udp_socket()
     try:
         wait_until(lambda: bool(http_json(f"{base}/v1/regions")), "crossroads")
-        host = http_json(f"{base}/v1/allocate", {"maxConnections": 1})["data"]
-        assert isinstance(host, dict)
-        host_alloc = host["allocation"]
-        code = http_json(
-            f"{base}/v1/joincode", {"allocationId": host_alloc["allocationId"]}
-        )
-        joined = http_json(f"{base}/v1/join", {"joinCode": code["data"]["joinCode"]})  # type: ignore[index]
-        join_alloc = joined["data"]["allocation"]  # type: ignore[index]
-        server = (host_alloc["relayServer"]["ipV4"], host_alloc["relayServer"]["port"])
-        ids = {}
-        for sock, alloc in ((host_sock, host_alloc), (join_sock, join_alloc)):
-            key = base64.b64decode(alloc["key"])
-            data = m.pad_connection_data(base64.b64decode(alloc["connectionData"]))
-            unsigned = m.Bind(nonce=0, connection_data=data, hmac=bytes(32))
-            signed = unsigned.signed_bytes()
-            bind = signed + hmac.new(key, signed, hashlib.sha256).digest()
-            assert exchange(sock, bind, server) == m.BindReceived().encode()
-            ids[id(sock)] = base64.b64decode(alloc["allocationIdBytes"])
-        hid, jid = ids[id(host_sock)], ids[id(join_sock)]
-        host_data = base64.b64decode(join_alloc["hostConnectionData"])
-        accepted = exchange(
-            join_sock, m.ConnectRequest(jid, host_data).encode(), server
-        )
-        assert accepted == m.Accepted(hid, jid).encode()
+        hid, jid, server = connect_pair(base, host_sock, join_sock)
         yield Path_(
             join_sock,
             host_sock,
@@ -385,6 +393,14 @@ class TurnClient:
             b ^ c for b, c in zip(relayed[4:8], struct.pack("!I", MAGIC), strict=True)
         )
         return socket.inet_ntoa(host), port
+
+    def create_permission(self, peer: Address) -> None:
+        attrs = _attr(0x0012, _xor_address(peer))
+        answer = exchange(
+            self.sock, _stun(0x0008, attrs + self.auth, self.key), self.server
+        )
+        if struct.unpack_from("!H", answer)[0] != 0x0108:
+            raise RuntimeError(f"TURN CreatePermission failed: {answer[:2].hex()}")
 
     def channel_bind(self, channel: int, peer: Address) -> None:
         attrs = _attr(0x000C, struct.pack("!HH", channel, 0)) + _attr(
