@@ -1,0 +1,209 @@
+"""One-datagram probes of crossroads' UDP services, for ``crossroads doctor``.
+
+Each probe sends what a real client of that protocol sends and waits for the
+server's protocol answer, so an OK means the service itself answered, not only
+that a port is open (UDP has no handshake to tell):
+
+- Unity relay: a PING naming a random allocation ID is answered with ERROR 4
+  (ALLOCATION_ID_NOT_FOUND) echoing that ID (reference unity-relay-and-raknet.md
+  §1.1). 22 bytes in, 21 out: within every reflection budget.
+- natneg: ADDRESS_CHECK, what NATify sends to learn its public address; the
+  answer is ADDRESS_REPLY with the address the server saw (reference
+  gamespy-natneg.md §3.2, §3.5). 73 bytes in, 21 out.
+- RakNet: UNCONNECTED_PING, what ``RakPeer::Ping`` sends, answered with
+  UNCONNECTED_PONG carrying the server's GUID (raknet-wire.md §1). 33 in, 33 out.
+- p2p rendezvous: a Probe with the token of a signalling ``welcome``, answered
+  with Observed (docs/p2p-protocol.md §3); an unknown token gets no answer by
+  design, so :func:`p2p_rendezvous` opens the WebSocket first.
+
+Every answer is smaller than (or as large as) its question, so the doctor never
+spends a server's reflection allowance. Each probe uses a *connected* UDP socket:
+the kernel then reports an ICMP port unreachable as an error, so a port nobody
+listens on fails at once instead of after the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Generic, TypeVar
+from urllib.parse import urlsplit
+
+from crossroads.errors import CrossroadsError, DecodeError
+from crossroads.proto.natneg import packets as nn
+from crossroads.proto.punch import rendezvous as rv
+from crossroads.proto.raknet import messages as rak
+from crossroads.proto.relay import messages as relay
+from crossroads.types import Address
+
+T = TypeVar("T")
+
+#: Tries per probe and seconds between them: three tries ride out a lost
+#: datagram or two (what STUN's RFC 8489 §6.2.1 retransmissions are for) while a
+#: dead service is reported within a few seconds.
+TRIES = 3
+INTERVAL = 1.0
+#: natneg ADDRESS_CHECK mapping ids and port types by endpoint role, as NATify
+#: sends them: map1a to natneg1 from port type 1, map2 to natneg2, map3 to
+#: natneg3 (reference gamespy-natneg.md §3.5).
+NATNEG_CHECKS: dict[str, tuple[nn.NatifyMapping, nn.PortType]] = {
+    "natneg1": (nn.NatifyMapping.MAP1A, nn.PortType.NN1),
+    "natneg2": (nn.NatifyMapping.MAP2, nn.PortType.NN2),
+    "natneg3": (nn.NatifyMapping.MAP3, nn.PortType.NN3),
+}
+
+
+class ProbeError(CrossroadsError):
+    """The service gave no (valid) answer; the message says what happened."""
+
+
+class _Exchange(asyncio.DatagramProtocol, Generic[T]):
+    def __init__(self, parse: Callable[[bytes], T | None]) -> None:
+        self.parse = parse
+        self.done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        try:
+            answer = self.parse(data)
+        except DecodeError:
+            return  # not the answer: keep waiting
+        if answer is not None and not self.done.done():
+            self.done.set_result(answer)
+
+    def error_received(self, exc: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(exc)
+
+
+async def exchange(
+    server: Address,
+    request: bytes,
+    parse: Callable[[bytes], T | None],
+    *,
+    family: int = 0,
+    tries: int = TRIES,
+    interval: float = INTERVAL,
+) -> tuple[T, Address]:
+    """Send ``request`` to ``server`` up to ``tries`` times until ``parse``
+    accepts an answer (returns non-None); (answer, local address) or
+    :class:`ProbeError`."""
+    loop = asyncio.get_running_loop()
+    try:
+        transport, protocol = await loop.create_datagram_endpoint(
+            lambda: _Exchange(parse), remote_addr=server, family=family
+        )
+    except OSError as exc:
+        raise ProbeError(f"cannot send to {server[0]}:{server[1]}: {exc}") from None
+    try:
+        for _ in range(tries):
+            transport.sendto(request)
+            try:
+                answer = await asyncio.wait_for(asyncio.shield(protocol.done), interval)
+            except TimeoutError:
+                continue
+            except ConnectionRefusedError:
+                raise ProbeError("port unreachable (nothing listens)") from None
+            except OSError as exc:
+                raise ProbeError(str(exc)) from None
+            local = transport.get_extra_info("sockname")
+            return answer, (str(local[0]), int(local[1]))
+        raise ProbeError(f"no answer to {tries} tries in {tries * interval:.0f} s")
+    finally:
+        transport.close()
+
+
+async def relay_ping(server: Address) -> int:
+    """A Unity Relay PING for an allocation that does not exist; the ERROR code
+    the relay answers with (4 from a healthy relay)."""
+    allocation_id = secrets.token_bytes(relay.ALLOCATION_ID_SIZE)
+
+    def parse(data: bytes) -> int | None:
+        match relay.decode(data):
+            case relay.Error(allocation_id=echoed, code=code) if (
+                echoed == allocation_id
+            ):
+                return code
+            case _:
+                return None
+
+    code, _ = await exchange(server, relay.Ping(allocation_id).encode(), parse)
+    return code
+
+
+async def natneg_address_check(server: Address, role: str = "natneg1") -> Address:
+    """The public address a natneg endpoint (``role``: natneg1-3) saw."""
+    mapping, port_type = NATNEG_CHECKS[role]
+    check = nn.AddressCheck(
+        3, mapping, port_type, extra=bytes(nn.UNION_SIZE - nn.INIT_SIZE)
+    )
+
+    def parse(data: bytes) -> Address | None:
+        reply = nn.decode(data)
+        if isinstance(reply, nn.AddressReply) and reply.cookie == mapping:
+            return (reply.ip, reply.port)
+        return None
+
+    # Every natneg address field is 4 bytes: the service speaks IPv4 only.
+    seen, _ = await exchange(server, check.encode(), parse, family=socket.AF_INET)
+    return seen
+
+
+async def raknet_ping(server: Address) -> int:
+    """The GUID of the RakNet server that answered an unconnected ping."""
+    ping_time = secrets.randbits(63)
+
+    def parse(data: bytes) -> int | None:
+        pong = rak.UnconnectedPong.decode(data)
+        return pong.guid if pong.time == ping_time else None
+
+    request = rak.unconnected_ping(ping_time, secrets.randbits(64))
+    guid, _ = await exchange(server, request, parse)
+    return guid
+
+
+async def p2p_rendezvous(
+    http_url: str, host: str = "", timeout: float = 10.0
+) -> list[tuple[Address, Address | ProbeError]]:
+    """Open the p2p signalling WebSocket under ``http_url``, then probe each
+    rendezvous port the ``welcome`` lists with its token: per port, (where it
+    was probed, the address the server saw or why not). A port listed on an
+    unspecified address is probed on ``host`` (default: the URL's host).
+    Signalling failures raise :class:`ProbeError`."""
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    from crossroads.client.signalling import SignallingClient
+
+    parts = urlsplit(http_url)
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    client = SignallingClient(f"{scheme}://{parts.netloc}/p2p/v1/ws", lambda _: None)
+    key = X25519PrivateKey.generate().public_key().public_bytes_raw()
+    try:
+        try:
+            welcome = await client.connect(key, "crossroads doctor", timeout)
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer
+            raise ProbeError(f"signalling: {exc!r}") from None
+        token = bytes.fromhex(welcome.token)
+        results: list[tuple[Address, Address | ProbeError]] = []
+        for index, endpoint in enumerate(welcome.udp):
+            # An unspecified address means "where you reached the WebSocket".
+            if endpoint.host in ("0.0.0.0", "::"):
+                where = (host or parts.hostname or "127.0.0.1", endpoint.port)
+            else:
+                where = (endpoint.host, endpoint.port)
+
+            def parse(data: bytes, index: int = index) -> Address | None:
+                seen = rv.Observed.decode(data)
+                return (seen.host, seen.port) if seen.index == index else None
+
+            probe = rv.Probe(token, 0, index).encode()
+            try:
+                seen, _ = await exchange(where, probe, parse)
+            except ProbeError as exc:
+                results.append((where, exc))
+                continue
+            results.append((where, seen))
+        return results
+    finally:
+        await client.close()
