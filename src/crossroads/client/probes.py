@@ -28,6 +28,7 @@ import asyncio
 import secrets
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
@@ -114,9 +115,18 @@ async def exchange(
         transport.close()
 
 
-async def relay_ping(server: Address) -> int:
-    """A Unity Relay PING for an allocation that does not exist; the ERROR code
-    the relay answers with (4 from a healthy relay)."""
+@dataclass(frozen=True, slots=True)
+class Probe(Generic[T]):
+    """One probe: the datagram to send and the parser of its answer (None: not
+    the answer to this request; DecodeError: not this protocol)."""
+
+    request: bytes
+    parse: Callable[[bytes], T | None]
+
+
+def relay_probe() -> Probe[int]:
+    """A Unity Relay PING for a random (so unknown) allocation; the answer is
+    the ERROR code that echoes that allocation ID (4 from a healthy relay)."""
     allocation_id = secrets.token_bytes(relay.ALLOCATION_ID_SIZE)
 
     def parse(data: bytes) -> int | None:
@@ -128,12 +138,12 @@ async def relay_ping(server: Address) -> int:
             case _:
                 return None
 
-    code, _ = await exchange(server, relay.Ping(allocation_id).encode(), parse)
-    return code
+    return Probe(relay.Ping(allocation_id).encode(), parse)
 
 
-async def natneg_address_check(server: Address, role: str = "natneg1") -> Address:
-    """The public address a natneg endpoint (``role``: natneg1-3) saw."""
+def natneg_probe(role: str = "natneg1") -> Probe[Address]:
+    """A v3 ADDRESS_CHECK as NATify sends it to endpoint ``role`` (natneg1-3),
+    zero-filled to 73 bytes; the answer is the public address the server saw."""
     mapping, port_type = NATNEG_CHECKS[role]
     check = nn.AddressCheck(
         3, mapping, port_type, extra=bytes(nn.UNION_SIZE - nn.INIT_SIZE)
@@ -145,21 +155,40 @@ async def natneg_address_check(server: Address, role: str = "natneg1") -> Addres
             return (reply.ip, reply.port)
         return None
 
-    # Every natneg address field is 4 bytes: the service speaks IPv4 only.
-    seen, _ = await exchange(server, check.encode(), parse, family=socket.AF_INET)
-    return seen
+    return Probe(check.encode(), parse)
 
 
-async def raknet_ping(server: Address) -> int:
-    """The GUID of the RakNet server that answered an unconnected ping."""
+def raknet_probe() -> Probe[int]:
+    """A RakNet UNCONNECTED_PING; the answer is the server GUID of the pong
+    that echoes the ping's time."""
     ping_time = secrets.randbits(63)
 
     def parse(data: bytes) -> int | None:
         pong = rak.UnconnectedPong.decode(data)
         return pong.guid if pong.time == ping_time else None
 
-    request = rak.unconnected_ping(ping_time, secrets.randbits(64))
-    guid, _ = await exchange(server, request, parse)
+    return Probe(rak.unconnected_ping(ping_time, secrets.randbits(64)), parse)
+
+
+async def relay_ping(server: Address) -> int:
+    """The ERROR code a Unity Relay answers :func:`relay_probe` with."""
+    probe = relay_probe()
+    code, _ = await exchange(server, probe.request, probe.parse)
+    return code
+
+
+async def natneg_address_check(server: Address, role: str = "natneg1") -> Address:
+    """The public address a natneg endpoint (``role``: natneg1-3) saw."""
+    probe = natneg_probe(role)
+    # Every natneg address field is 4 bytes: the service speaks IPv4 only.
+    seen, _ = await exchange(server, probe.request, probe.parse, family=socket.AF_INET)
+    return seen
+
+
+async def raknet_ping(server: Address) -> int:
+    """The GUID of the RakNet server that answered :func:`raknet_probe`."""
+    probe = raknet_probe()
+    guid, _ = await exchange(server, probe.request, probe.parse)
     return guid
 
 
