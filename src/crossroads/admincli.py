@@ -33,6 +33,7 @@ from crossroads.services.base import show_address
 from crossroads.state import CREDENTIALS_FILE, resolve_state_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 #: HTTP timeout of one CLI request: a local server answers in milliseconds; a
 #: remote one gets a generous margin before the command gives up.
@@ -397,63 +398,70 @@ def _udp_ports(service: dict[str, Any]) -> list[tuple[int, str]]:
 CheckLines = list[tuple[bool, str]]
 
 
+async def _udp_line(
+    where: str,
+    answer: Awaitable[R],
+    judge: Callable[[R], tuple[bool, str]],
+    hint: str = UDP_HINT,
+) -> tuple[bool, str]:
+    """One check line: the probe's answer judged, or why there was none."""
+    from crossroads.client.probes import ProbeError
+
+    try:
+        value = await answer
+    except ProbeError as exc:
+        return False, f"{where}: {exc} {hint}"
+    ok, text = judge(value)
+    return ok, f"{where}: {text}"
+
+
 async def _check_relay(host: str, url: str, ports: list[tuple[int, str]]) -> CheckLines:
-    from crossroads.client.probes import ProbeError, relay_ping
+    from crossroads.client.probes import relay_ping
     from crossroads.proto.relay.messages import ErrorCode
 
-    lines = []
-    for port, _ in ports:
-        where = f"relay udp {host}:{port}"
-        try:
-            code = await relay_ping((host, port))
-        except ProbeError as exc:
-            lines.append((False, f"{where}: {exc} {UDP_HINT}"))
-            continue
-        lines.append(
-            (
-                code == ErrorCode.ALLOCATION_ID_NOT_FOUND,
-                f"{where}: Unity Relay answers a PING (ERROR {code})",
-            )
-        )
-    return lines
+    def judge(code: int) -> tuple[bool, str]:
+        ok = code == ErrorCode.ALLOCATION_ID_NOT_FOUND
+        return ok, f"Unity Relay answers a PING (ERROR {code})"
+
+    return [
+        await _udp_line(f"relay udp {host}:{port}", relay_ping((host, port)), judge)
+        for port, _ in ports
+    ]
 
 
 async def _check_natneg(
     host: str, url: str, ports: list[tuple[int, str]]
 ) -> CheckLines:
-    from crossroads.client.probes import NATNEG_CHECKS, ProbeError, natneg_address_check
+    from crossroads.client.probes import NATNEG_CHECKS, natneg_address_check
 
-    lines = []
-    for port, role in ports:
-        if role not in NATNEG_CHECKS:
-            continue  # probe ports only send (ERT tests); they answer nothing
-        where = f"natneg udp {host}:{port} ({role})"
-        try:
-            seen = await natneg_address_check((host, port), role)
-        except ProbeError as exc:
-            lines.append((False, f"{where}: {exc} (natneg is IPv4 only) {UDP_HINT}"))
-            continue
-        lines.append((True, f"{where}: ADDRESS_CHECK seen as {show_address(seen)}"))
-    return lines
+    # Probe ports only send (ERT tests): they answer nothing, so are skipped.
+    return [
+        await _udp_line(
+            f"natneg udp {host}:{port} ({role})",
+            natneg_address_check((host, port), role),
+            lambda seen: (True, f"ADDRESS_CHECK seen as {show_address(seen)}"),
+            f"(natneg is IPv4 only) {UDP_HINT}",
+        )
+        for port, role in ports
+        if role in NATNEG_CHECKS
+    ]
 
 
 async def _check_raknet(
     host: str, url: str, ports: list[tuple[int, str]]
 ) -> CheckLines:
-    from crossroads.client.probes import ProbeError, raknet_ping
+    from crossroads.client.probes import raknet_ping
 
-    lines = []
     # The port-stride socket answers from the main one: a connected probe
     # cannot hear it, and a RakNet client reaches the main port first anyway.
-    for port, role in ports[:1]:
-        where = f"raknet udp {host}:{port} ({role})"
-        try:
-            guid = await raknet_ping((host, port))
-        except ProbeError as exc:
-            lines.append((False, f"{where}: {exc} {UDP_HINT}"))
-            continue
-        lines.append((True, f"{where}: unconnected ping answered (GUID {guid:x})"))
-    return lines
+    return [
+        await _udp_line(
+            f"raknet udp {host}:{port} ({role})",
+            raknet_ping((host, port)),
+            lambda guid: (True, f"unconnected ping answered (GUID {guid:x})"),
+        )
+        for port, role in ports[:1]
+    ]
 
 
 async def _check_p2p(host: str, url: str, ports: list[tuple[int, str]]) -> CheckLines:
