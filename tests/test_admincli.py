@@ -256,6 +256,7 @@ def test_doctor(server: Server, cli_env: dict[str, str]) -> None:
     for index in (1, 2, 3):
         assert f"(rendezvous {index}): seen as 127.0.0.1:" in result.output
     assert "(RakNet): unconnected ping answered (GUID" in result.output
+    assert "(RakNet port-stride): NAT_PING answered (source port" in result.output
     dead = cli(cli_env, "doctor", "--url", f"http://127.0.0.1:{free_port()}")
     assert dead.exit_code == 1 and "[FAIL] HTTP" in dead.output
 

@@ -450,11 +450,9 @@ async def _check_natneg(
 async def _check_raknet(
     host: str, url: str, ports: list[tuple[int, str]]
 ) -> CheckLines:
-    from crossroads.client.probes import raknet_ping
+    from crossroads.client.probes import raknet_ping, raknet_stride_ping
 
-    # The port-stride socket answers from the main one: a connected probe
-    # cannot hear it, and a RakNet client reaches the main port first anyway.
-    return [
+    lines = [
         await _udp_line(
             f"raknet udp {host}:{port} ({role})",
             raknet_ping((host, port)),
@@ -462,6 +460,17 @@ async def _check_raknet(
         )
         for port, role in ports[:1]
     ]
+    # Without the port-stride socket a RakNet client's first punch waits 5 s
+    # (raknet-wire.md §2); its answer comes from the main port.
+    lines += [
+        await _udp_line(
+            f"raknet udp {host}:{port} ({role})",
+            raknet_stride_ping((host, port)),
+            lambda seen: (True, f"NAT_PING answered (source port {seen})"),
+        )
+        for port, role in ports[1:2]
+    ]
+    return lines
 
 
 async def _check_p2p(host: str, url: str, ports: list[tuple[int, str]]) -> CheckLines:

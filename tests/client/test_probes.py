@@ -77,6 +77,17 @@ def test_raknet_answers_the_unconnected_ping_with_its_guid() -> None:
         probe.parse(probe.request)
 
 
+def test_raknet_answers_the_port_stride_ping_from_its_main_socket() -> None:
+    node = RakNetNode(guid=0x1234)
+    probe = probes.raknet_stride_probe()
+    node.receive_second(probe.request, CLIENT, 1.0)
+    # datagrams_to_send is the main socket's queue: the pong leaves from there.
+    [(answer, to)] = node.datagrams_to_send(1.0)
+    assert to == CLIENT and len(answer) <= len(probe.request)
+    assert probe.parse(answer) == CLIENT[1]
+    assert probes.raknet_stride_probe().parse(answer) is None
+
+
 def test_a_port_nobody_listens_on_fails_at_once() -> None:
     """Connected UDP sockets surface the ICMP port unreachable: the probe does
     not wait for its tries (a timing bound would be fragile; the message says

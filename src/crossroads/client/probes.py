@@ -36,6 +36,7 @@ from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.natneg import packets as nn
 from crossroads.proto.punch import rendezvous as rv
 from crossroads.proto.raknet import messages as rak
+from crossroads.proto.raknet.punchthrough import NAT_PING, NAT_PONG
 from crossroads.proto.relay import messages as relay
 from crossroads.types import Address
 
@@ -86,20 +87,34 @@ async def exchange(
     family: int = 0,
     tries: int = TRIES,
     interval: float = INTERVAL,
+    connected: bool = True,
 ) -> tuple[T, Address]:
     """Send ``request`` to ``server`` up to ``tries`` times until ``parse``
     accepts an answer (returns non-None); (answer, local address) or
-    :class:`ProbeError`."""
+    :class:`ProbeError`. ``connected=False`` hears answers from any source
+    (a service that answers from another port), at the price of no ICMP
+    errors: a dead port then fails only after the tries."""
     loop = asyncio.get_running_loop()
     try:
-        transport, protocol = await loop.create_datagram_endpoint(
-            lambda: _Exchange(parse), remote_addr=server, family=family
-        )
+        if connected:
+            transport, protocol = await loop.create_datagram_endpoint(
+                lambda: _Exchange(parse), remote_addr=server, family=family
+            )
+            destination = None
+        else:
+            found = await loop.getaddrinfo(
+                *server, family=family, type=socket.SOCK_DGRAM
+            )
+            destination = found[0][4][:2]
+            wildcard = "::" if found[0][0] == socket.AF_INET6 else "0.0.0.0"
+            transport, protocol = await loop.create_datagram_endpoint(
+                lambda: _Exchange(parse), local_addr=(wildcard, 0)
+            )
     except OSError as exc:
         raise ProbeError(f"cannot send to {server[0]}:{server[1]}: {exc}") from None
     try:
         for _ in range(tries):
-            transport.sendto(request)
+            transport.sendto(request, destination)
             try:
                 answer = await asyncio.wait_for(asyncio.shield(protocol.done), interval)
             except TimeoutError:
@@ -168,6 +183,34 @@ def raknet_probe() -> Probe[int]:
         return pong.guid if pong.time == ping_time else None
 
     return Probe(rak.unconnected_ping(ping_time, secrets.randbits(64)), parse)
+
+
+def raknet_stride_probe() -> Probe[int]:
+    """RakNet's port-stride ``ID_NAT_PING`` (out of band, to the second
+    socket; raknet-wire.md §2); the answer is the ``ID_NAT_PONG`` the server
+    sends from its main socket, with the source port it saw. Padded by two
+    bytes so that the pong (which adds that port) is no larger."""
+    guid = secrets.randbits(64)
+    reported = secrets.randbits(16)
+    ping = bytes([NAT_PING]) + reported.to_bytes(2, "big") + bytes(2)
+
+    def parse(data: bytes) -> int | None:
+        if data[:1] != bytes([rak.MessageId.OUT_OF_BAND_INTERNAL]):
+            return None
+        pong = rak.OutOfBand.decode(data).payload
+        if len(pong) < 5 or pong[0] != NAT_PONG or pong[1:3] != ping[1:3]:
+            return None
+        return int.from_bytes(pong[3:5], "big")
+
+    return Probe(rak.OutOfBand(guid, ping).encode(), parse)
+
+
+async def raknet_stride_ping(server: Address) -> int:
+    """The source port the RakNet server saw a port-stride ping come from (its
+    answer comes from the main port, so the socket is not connected)."""
+    probe = raknet_stride_probe()
+    port, _ = await exchange(server, probe.request, probe.parse, connected=False)
+    return port
 
 
 async def relay_ping(server: Address) -> int:
