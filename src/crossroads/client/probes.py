@@ -12,14 +12,16 @@ that a port is open (UDP has no handshake to tell):
   gamespy-natneg.md §3.2, §3.5). 73 bytes in, 21 out.
 - RakNet: UNCONNECTED_PING, what ``RakPeer::Ping`` sends, answered with
   UNCONNECTED_PONG carrying the server's GUID (raknet-wire.md §1). 33 in, 33 out.
+  Its port-stride socket gets the out-of-band ``ID_NAT_PING`` a client sends
+  there, answered with ``ID_NAT_PONG`` from the main socket (§2). 30 in, 30 out.
 - p2p rendezvous: a Probe with the token of a signalling ``welcome``, answered
   with Observed (docs/p2p-protocol.md §3); an unknown token gets no answer by
   design, so :func:`p2p_rendezvous` opens the WebSocket first.
 
 Every answer is smaller than (or as large as) its question, so the doctor never
-spends a server's reflection allowance. Each probe uses a *connected* UDP socket:
-the kernel then reports an ICMP port unreachable as an error, so a port nobody
-listens on fails at once instead of after the timeout.
+spends a server's reflection allowance. Each probe but the port-stride one uses
+a *connected* UDP socket: the kernel then reports an ICMP port unreachable as an
+error, so a port nobody listens on fails at once instead of after the timeout.
 """
 
 from __future__ import annotations
