@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import httpx
 import pytest
 from click.testing import CliRunner, Result
 
+from crossroads.admincli import UDP_CHECKS, UDP_HINT
 from crossroads.cli import main
 from crossroads.client.relay import RelayApi
 from crossroads.client.turn import TurnClient, TurnClientError
@@ -247,8 +249,38 @@ def test_doctor(server: Server, cli_env: dict[str, str]) -> None:
     assert "no NAT between" in result.output
     assert "[ok] clock" in result.output
     assert "openttd tcp" in result.output and "[FAIL]" not in result.output
+    # Every UDP service answered its own protocol's probe.
+    assert "ADDRESS_CHECK seen as 127.0.0.1:" in result.output  # natneg1
+    assert "Unity Relay answers a PING (ERROR 4)" in result.output
+    assert "[ok] p2p signalling /p2p/v1/ws: welcome" in result.output
+    for index in (1, 2, 3):
+        assert f"(rendezvous {index}): seen as 127.0.0.1:" in result.output
+    assert "(RakNet): unconnected ping answered (GUID" in result.output
+    assert "(RakNet port-stride): NAT_PING answered (source port" in result.output
     dead = cli(cli_env, "doctor", "--url", f"http://127.0.0.1:{free_port()}")
     assert dead.exit_code == 1 and "[FAIL] HTTP" in dead.output
+
+
+@pytest.mark.parametrize("service", ["relay", "natneg", "raknet"])
+def test_doctor_fails_a_udp_service_where_nothing_listens(service: str) -> None:
+    """The probes are connected UDP sockets: the ICMP port unreachable of a
+    port nobody listens on fails the check at once, with the firewall hint."""
+    port = free_port(socket.SOCK_DGRAM)
+    role = {"relay": "", "natneg": "natneg1", "raknet": "RakNet"}[service]
+    lines = asyncio.run(
+        UDP_CHECKS[service]("127.0.0.1", "http://127.0.0.1:1", [(port, role)])
+    )
+    assert len(lines) == 1
+    ok, text = lines[0]
+    assert not ok and f"127.0.0.1:{port}" in text
+    assert "port unreachable" in text and UDP_HINT in text
+
+
+def test_doctor_fails_p2p_without_signalling() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    lines = asyncio.run(UDP_CHECKS["p2p"]("127.0.0.1", url, []))
+    assert len(lines) == 1 and not lines[0][0]
+    assert "p2p signalling /p2p/v1/ws" in lines[0][1] and "Upgrade" in lines[0][1]
 
 
 def test_without_a_running_server_the_cli_says_how_to_point_it(

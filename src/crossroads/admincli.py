@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -33,6 +33,7 @@ from crossroads.services.base import show_address
 from crossroads.state import CREDENTIALS_FILE, resolve_state_dir
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 #: HTTP timeout of one CLI request: a local server answers in milliseconds; a
 #: remote one gets a generous margin before the command gives up.
@@ -308,7 +309,8 @@ def credentials_api_key(state_dir: str) -> None:
 @click.command()
 @target_options
 def doctor(**where: Any) -> None:
-    """Check from here what a client needs: ports, public address, NAT, clock."""
+    """Check from here what a client needs: ports, public address, NAT, clock,
+    and each UDP service (relay, natneg, p2p, raknet) with its own protocol."""
     target = find_target(**where)
     problems = asyncio.run(_doctor(target))
     sys.exit(1 if problems else 0)
@@ -369,7 +371,135 @@ async def _doctor(target: Target) -> int:
                     await _tcp_open(host, port),
                     f"{service['name']} tcp {host}:{port} reachable",
                 )
+    for service in data["services"]:
+        check = UDP_CHECKS.get(service["name"])
+        if check is not None:
+            for ok, text in await check(host, target.url, _udp_ports(service)):
+                report(ok, text)
     return problems
+
+
+#: What to tell the operator when a UDP service does not answer: UDP has no
+#: handshake, so the usual cause is a firewall or a forward that drops it.
+UDP_HINT = "(open/forward this UDP port to the server; UDP drops show no error)"
+
+
+def _udp_ports(service: dict[str, Any]) -> list[tuple[int, str]]:
+    """(port, role) of each ``udp HOST:PORT (role ...)`` line of a service."""
+    found = []
+    for line in service["listens"]:
+        parts = line.split(maxsplit=2)
+        if len(parts) >= 2 and parts[0] == "udp" and ":" in parts[1]:
+            role = parts[2].strip("()").split(",")[0] if len(parts) > 2 else ""
+            found.append((int(parts[1].rsplit(":", 1)[1]), role))
+    return found
+
+
+CheckLines = list[tuple[bool, str]]
+
+
+async def _udp_line(
+    where: str,
+    answer: Awaitable[R],
+    judge: Callable[[R], tuple[bool, str]],
+    hint: str = UDP_HINT,
+) -> tuple[bool, str]:
+    """One check line: the probe's answer judged, or why there was none."""
+    from crossroads.client.probes import ProbeError
+
+    try:
+        value = await answer
+    except ProbeError as exc:
+        return False, f"{where}: {exc} {hint}"
+    ok, text = judge(value)
+    return ok, f"{where}: {text}"
+
+
+async def _check_relay(host: str, url: str, ports: list[tuple[int, str]]) -> CheckLines:
+    from crossroads.client.probes import relay_ping
+    from crossroads.proto.relay.messages import ErrorCode
+
+    def judge(code: int) -> tuple[bool, str]:
+        ok = code == ErrorCode.ALLOCATION_ID_NOT_FOUND
+        return ok, f"Unity Relay answers a PING (ERROR {code})"
+
+    return [
+        await _udp_line(f"relay udp {host}:{port}", relay_ping((host, port)), judge)
+        for port, _ in ports
+    ]
+
+
+async def _check_natneg(
+    host: str, url: str, ports: list[tuple[int, str]]
+) -> CheckLines:
+    from crossroads.client.probes import NATNEG_CHECKS, natneg_address_check
+
+    # Probe ports only send (ERT tests): they answer nothing, so are skipped.
+    return [
+        await _udp_line(
+            f"natneg udp {host}:{port} ({role})",
+            natneg_address_check((host, port), role),
+            lambda seen: (True, f"ADDRESS_CHECK seen as {show_address(seen)}"),
+            f"(natneg is IPv4 only) {UDP_HINT}",
+        )
+        for port, role in ports
+        if role in NATNEG_CHECKS
+    ]
+
+
+async def _check_raknet(
+    host: str, url: str, ports: list[tuple[int, str]]
+) -> CheckLines:
+    from crossroads.client.probes import raknet_ping, raknet_stride_ping
+
+    lines = [
+        await _udp_line(
+            f"raknet udp {host}:{port} ({role})",
+            raknet_ping((host, port)),
+            lambda guid: (True, f"unconnected ping answered (GUID {guid:x})"),
+        )
+        for port, role in ports[:1]
+    ]
+    # Without the port-stride socket a RakNet client's first punch waits 5 s
+    # (raknet-wire.md §2); its answer comes from the main port.
+    lines += [
+        await _udp_line(
+            f"raknet udp {host}:{port} ({role})",
+            raknet_stride_ping((host, port)),
+            lambda seen: (True, f"NAT_PING answered (source port {seen})"),
+        )
+        for port, role in ports[1:2]
+    ]
+    return lines
+
+
+async def _check_p2p(host: str, url: str, ports: list[tuple[int, str]]) -> CheckLines:
+    from crossroads.client.probes import ProbeError, p2p_rendezvous
+
+    try:
+        results = await p2p_rendezvous(url, host)
+    except ProbeError as exc:
+        hint = "(the WebSocket shares the HTTP port; a proxy must pass Upgrade)"
+        return [(False, f"p2p signalling /p2p/v1/ws: {exc} {hint}")]
+    lines = [(True, "p2p signalling /p2p/v1/ws: welcome")]
+    for index, (where, seen) in enumerate(results):
+        text = f"p2p udp {show_address(where)} (rendezvous {index + 1})"
+        if isinstance(seen, ProbeError):
+            lines.append((False, f"{text}: {seen} {UDP_HINT}"))
+        else:
+            lines.append((True, f"{text}: seen as {show_address(seen)}"))
+    return lines
+
+
+#: The UDP services the doctor probes with their own protocol, by service name.
+UDP_CHECKS: dict[
+    str, Callable[[str, str, list[tuple[int, str]]], Awaitable[CheckLines]]
+] = {
+    "relay": _check_relay,
+    "natneg": _check_natneg,
+    "raknet": _check_raknet,
+    "p2p": _check_p2p,
+}
 
 
 async def _tcp_open(host: str, port: int) -> bool:

@@ -59,6 +59,7 @@ DECODERS: list[Callable[[bytes], object]] = [
     m.OpenConnectionRequest1.decode,
     m.OpenConnectionRequest2.decode,
     m.UnconnectedPing.decode,
+    m.UnconnectedPong.decode,
     m.OutOfBand.decode,
     m.ConnectionRequest.decode,
     m.NewIncomingConnection.decode,
@@ -74,6 +75,7 @@ def test_random_bytes_decode_or_raise_decode_error(
         data,
         data[:1] + m.MAGIC + data[1:],
         data[:9] + m.MAGIC + data[9:],
+        data[:17] + m.MAGIC + data[17:],
     ):
         try:
             decode(candidate)
@@ -101,3 +103,14 @@ def test_plugin_decoders_take_random_payloads(kind: int, rest: bytes) -> None:
     node.handle_timer(3.0)
     node.receive_s3p4(bytes([3]) + rest, CLIENT, 3.0)
     assert node.peer.connected_count == 1
+
+
+def test_unconnected_ping_round_trips_through_the_server_s_pong() -> None:
+    ping = m.unconnected_ping(0x0102030405060708, 77)
+    assert len(ping) == 33 and m.is_offline(ping)
+    decoded = m.UnconnectedPing.decode(ping)
+    assert decoded.time == 0x0102030405060708 and not decoded.open_connections_only
+    pong = m.UnconnectedPong.decode(m.unconnected_pong(decoded.time, 99, b"hi"))
+    assert pong == m.UnconnectedPong(0x0102030405060708, 99, b"hi")
+    with pytest.raises(DecodeError):
+        m.UnconnectedPong.decode(ping)

@@ -205,6 +205,38 @@ def unconnected_pong(ping_time: int, server_guid: int, response: bytes) -> bytes
     )
 
 
+def unconnected_ping(ping_time: int, client_guid: int) -> bytes:
+    """``01`` Time magic clientGUID, 33 bytes: what ``RakPeer::Ping`` sends
+    (RakPeer.cpp:4635-4680); the pong is no larger (no response data fits)."""
+    return (
+        bytes([MessageId.UNCONNECTED_PING])
+        + ping_time.to_bytes(8, "big")
+        + MAGIC
+        + client_guid.to_bytes(8, "big")
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class UnconnectedPong:
+    """``1c`` Time serverGUID magic [offline ping response]: a ping's answer."""
+
+    time: int
+    guid: int
+    response: bytes
+
+    @classmethod
+    def decode(cls, data: bytes) -> UnconnectedPong:
+        if len(data) < 33 or data[0] != MessageId.UNCONNECTED_PONG:
+            raise DecodeError("not an UNCONNECTED_PONG", "bad-id")
+        if data[17:33] != MAGIC:
+            raise DecodeError("bad UNCONNECTED_PONG", "bad-magic")
+        return cls(
+            int.from_bytes(data[1:9], "big"),
+            int.from_bytes(data[9:17], "big"),
+            bytes(data[33:]),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class OutOfBand:
     """``0d`` senderGUID magic payload (RakPeer.cpp:2979-2984, 4706-4735)."""
