@@ -167,13 +167,16 @@ class Config:
         help="Open connections per listener and source IP.",
     )
     registrations_per_minute: int = setting(
-        30, kind="int", check=_positive, help="Registrations per source IP and minute."
+        30,
+        kind="int",
+        check=_positive,
+        help="Registrations per source IP (IPv6: per /64) and minute.",
     )
     max_servers_per_address: int = setting(
         64,
         kind="int",
         check=_positive,
-        help="Registered servers per source IP (per instance).",
+        help="Registered servers per source IP (IPv6: per /64), per instance.",
     )
     listing_cache: float = setting(
         2.0, kind="float", check=_positive, help="Seconds a server listing is reused."

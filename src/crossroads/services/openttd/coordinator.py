@@ -34,7 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from crossroads.errors import StoreError
-from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
 from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
@@ -711,7 +711,9 @@ class Coordinator:
             self.metrics.store_errors.inc()
         self.listing.invalidate()
 
-    def _count_server(self, address: str, delta: int) -> None:
+    def _count_server(self, host: str, delta: int) -> None:
+        # Per source as the admission counts them (an IPv6 /64, not an address).
+        address = source_key(host)
         count = self.servers_per_address.get(address, 0) + delta
         if count <= 0:
             self.servers_per_address.pop(address, None)
@@ -751,7 +753,7 @@ class Coordinator:
             return
         if (
             state.code is None
-            and self.servers_per_address.get(conn.host, 0)
+            and self.servers_per_address.get(source_key(conn.host), 0)
             >= self.settings.max_servers_per_address
         ):
             self.metrics.registrations.labels("over-address-limit", "none").inc()

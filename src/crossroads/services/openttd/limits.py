@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from crossroads.proto.budget import source_key
+
 
 @dataclass(slots=True)
 class AddressRateLimiter:
     """Allow ``per_minute`` events per address, in bursts of up to ``per_minute``.
+
+    An address is a source as the connection admission counts it: an IPv4
+    address, or an IPv6 /64 (:func:`~crossroads.proto.budget.source_key`), the
+    smallest block an IPv6 site gets. Keyed by the full address, a /64 had a
+    fresh bucket for each of its 2^64 addresses, so its registrations were not
+    limited at all, and each one leaves an invite-code reservation in the store
+    for 30 days (registry.CODE_RESERVATION).
 
     Memory is bounded: at most ``max_addresses`` buckets are kept; when full, the
     buckets that have refilled completely (idle addresses) are forgotten first,
@@ -18,7 +27,8 @@ class AddressRateLimiter:
     max_addresses: int = 65536
     _buckets: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    def allow(self, address: str, now: float) -> bool:
+    def allow(self, host: str, now: float) -> bool:
+        address = source_key(host)
         capacity = self.per_minute
         rate = self.per_minute / 60.0
         tokens, stamp = self._buckets.get(address, (capacity, now))
