@@ -242,9 +242,10 @@ def banner(first_run: FirstRun, *, stun: Address | None, http: Address) -> list[
         lines.append("  " + relay_test_command(credentials.relay_api_key, http))
     lines += [
         "WARNING: development mode. These credentials are for trying crossroads on",
-        "this machine; loopback and private clients/peers are allowed. Production",
-        "needs real ones: --turn-secret (or --turn-user) and --api-key, and",
-        "--public-host set to the server's public address.",
+        "this machine; TURN clients on loopback may use loopback peers, and the",
+        "relay serves loopback and private clients. Production needs real ones:",
+        "--turn-secret (or --turn-user) and --api-key, and --public-host set to",
+        "the server's public address.",
         "=" * 72,
     ]
     return lines
