@@ -343,6 +343,17 @@ async def test_udp_proxy_server_chosen_by_the_clients_pings_then_fallback(
         a.send(b"\x86through the fallback")
         assert await b.expect(0x86) == b"\x86through the fallback"
         assert service.node.proxy.stats.dropped == {}
+        # a late report (the round is over) is dropped and counted
+        client.send(proxy_message(8, reply))
+        host, http_port = runtime.http_address
+        metric = 'crossroads_raknet_dropped_total{reason="proxy-unexpected-ping-reply"}'
+
+        async def counted() -> bool:
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(f"http://{host}:{http_port}/metrics")).text
+            return f"{metric} 1.0" in text
+
+        await eventually(counted, "the late ping report is counted")
     finally:
         far.close()
         near.close()
