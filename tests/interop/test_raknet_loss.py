@@ -9,7 +9,7 @@ split, exactly once and in order, both ways.
 The issue asks for a connection that stays up for a minute. ``make test`` runs
 ``LOSS_SECONDS`` (15 s: longer than RakNet's 10 s dead-connection timeout, so
 a connection that only survives on luck between keepalives would be caught,
-while each test stays at seconds); ``CROSSROADS_RAKNET_LOSS_SECONDS=60`` runs
+while each test stays at seconds); ``CROSSROADS_TEST_RAKNET_LOSS_SECONDS=60`` runs
 the full minute."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.interop.raknet_support import ID, RakNetPeer
 from tests.interop.test_raknet import EchoDriver
 
 #: Seconds of traffic (see the module docstring).
-LOSS_SECONDS = float(os.environ.get("CROSSROADS_RAKNET_LOSS_SECONDS", "15"))
+LOSS_SECONDS = float(os.environ.get("CROSSROADS_TEST_RAKNET_LOSS_SECONDS", "15"))
 #: One message every this many seconds: a stream, not a burst.
 SEND_INTERVAL = 0.02
 
