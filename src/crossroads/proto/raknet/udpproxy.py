@@ -29,11 +29,12 @@ address: the relayed bytes are an ordinary RakNet connection between the two
 games. The request is remembered for ``timeoutOnNoDataMS`` after success, so
 a late duplicate from the other side is IN_PROGRESS, not a second forwarder.
 
-Choosing a server (UDPProxyCoordinator.cpp OnForwardingRequestFromClient-
-ToCoordinator, OnPingServersReplyFromClientToCoordinator,
+Choosing a server (UDPProxyCoordinator.cpp
+OnForwardingRequestFromClientToCoordinator,
+OnPingServersReplyFromClientToCoordinator,
 ForwardingRequest::OrderRemainingServersToTry; UDPProxyClient.cpp
-SendPingedServersToCoordinator): with one
-logged-in server it is asked at once. With several, the coordinator sends both
+SendPingedServersToCoordinator): with one logged-in server it is asked at
+once. With several, the coordinator sends both
 clients PING_SERVERS_FROM_COORDINATOR_TO_CLIENT (``5c 07``: source, target,
 target GUID, u16 count, count x SystemAddress); each client pings them
 (unconnected ping) and answers PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR
