@@ -4,7 +4,13 @@ UDP datagrams it sends (an nftables ``numgen random`` rule: this kernel has no
 ``sch_netem``, so there is no delay or reordering here; the in-memory property
 test of the reliability layer covers reordering and duplication). The
 connection must stay up and carry every reliable ordered message, small and
-split, exactly once and in order, both ways."""
+split, exactly once and in order, both ways.
+
+The issue asks for a connection that stays up for a minute. ``make test`` runs
+``LOSS_SECONDS`` (15 s: longer than RakNet's 10 s dead-connection timeout, so
+a connection that only survives on luck between keepalives would be caught,
+while each test stays at seconds); ``CROSSROADS_TEST_RAKNET_LOSS_SECONDS=60`` runs
+the full minute."""
 
 from __future__ import annotations
 
@@ -21,7 +27,12 @@ from tests.conftest import eventually
 from tests.interop.raknet_support import ID, RakNetPeer
 from tests.interop.test_raknet import EchoDriver
 
-pytestmark = [pytest.mark.lab, pytest.mark.timeout(90)]
+#: Seconds of traffic (see the module docstring).
+LOSS_SECONDS = float(os.environ.get("CROSSROADS_TEST_RAKNET_LOSS_SECONDS", "15"))
+#: One message every this many seconds: a stream, not a burst.
+SEND_INTERVAL = 0.02
+
+pytestmark = [pytest.mark.lab, pytest.mark.timeout(LOSS_SECONDS + 90)]
 
 SERVER_IP = "198.51.100.1"
 CLIENT_IP = "198.51.100.2"
@@ -101,12 +112,16 @@ async def test_reliable_ordered_traffic_survives_loss_and_reordering(
     try:
         await client.connect(SERVER_IP, 61111)
         sent: list[bytes] = []
-        for i in range(150):
+        loop = asyncio.get_running_loop()
+        stop = loop.time() + LOSS_SECONDS
+        i = 0
+        while loop.time() < stop:
             size = 4000 if i % 10 == 0 else 20  # every tenth one is split
-            payload = b"\x86" + i.to_bytes(2, "big") + bytes(size)
+            payload = b"\x86" + i.to_bytes(4, "big") + bytes(size)
             client.send(payload)
             sent.append(payload)
-            await asyncio.sleep(0.02)  # ~3 s of traffic: a stream, not a burst
+            i += 1
+            await asyncio.sleep(SEND_INTERVAL)
         echoed = [
             await client.expect(lambda d: d.startswith(b"\x86echo"), timeout=30)
             for _ in sent

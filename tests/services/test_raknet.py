@@ -253,3 +253,108 @@ async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
     a.send(b"\x86through the proxy")
     assert await b.expect(0x86) == b"\x86through the proxy"
     assert service.forwarders is not None and service.forwarders.packets() > 0
+
+
+def proxy_message(sub: int, body: BitWriter) -> bytes:
+    writer = BitWriter()
+    writer.write_u8(m.MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(sub)
+    return writer.data() + body.data()
+
+
+async def test_udp_proxy_server_chosen_by_the_clients_pings_then_fallback(
+    peers: tuple[RakNetPeer, RakNetPeer],
+) -> None:
+    """Two external UDPProxyServers (real peers scripting UDPProxyServer's
+    login and replies): both clients get the list to ping (``5c 07``), really
+    ping every listed server, and report (``5c 08``); the one with the lowest
+    summed ping is asked first, the next after it fails, and the built-in
+    forwarder carries the game when both are out of sockets."""
+    runtime = await start(
+        default_config(
+            loopback_config(core__only="raknet", raknet__proxy_password="pw")
+        )
+    )
+    far, near = RakNetPeer(), RakNetPeer()
+    try:
+        service = service_of(runtime)
+        port = service.addresses[0][1]
+        a, b = peers
+        b.peer.max_incoming_connections = 4  # b hosts the game
+        for peer in (a, b, far, near):
+            await peer.connect("127.0.0.1", port)
+        for server in (far, near):
+            login = BitWriter()
+            login.write_rakstring(b"pw")
+            server.send(proxy_message(11, login))
+            assert (await server.expect(m.MessageId.UDP_PROXY_GENERAL))[1] == 12
+        b_guid = await guid_of(service, b)
+        request = BitWriter()
+        request.write_address(("0.0.0.0", 0))
+        request.write_bool(False)
+        request.write_u64(b_guid)
+        request.write_u32(5000)
+        request.write_bool(False)
+        a.send(proxy_message(6, request))
+        server_ports = {far.port, near.port}
+        for client in (a, b):
+            listing = await client.expect(m.MessageId.UDP_PROXY_GENERAL)
+            assert listing[1] == 7  # PING_SERVERS_FROM_COORDINATOR_TO_CLIENT
+            reader = BitReader(listing, start_bits=16)
+            pair = (reader.read_address(), reader.read_address())
+            assert reader.read_u64() == b_guid
+            listed = [reader.read_address() for _ in range(reader.read_u16())]
+            assert {p for _, p in listed} == server_ports
+            # what UDPProxyClient does: an unconnected ping to every server
+            for host, server_port in listed:
+                assert client.peer.ping(host, server_port)
+                await client.expect(m.MessageId.UNCONNECTED_PONG)
+            # loopback pings are all ~0 ms: report "far" as 300 ms away
+            reply = BitWriter()
+            reply.write_address(pair[0])
+            reply.write_address(pair[1])
+            reply.write_u16(len(listed))
+            for host, server_port in listed:
+                reply.write_address((host, server_port))
+                reply.write_u16(300 if server_port == far.port else 20)
+            client.send(proxy_message(8, reply))
+        for server in (near, far):  # best first, each out of sockets
+            asked = await server.expect(m.MessageId.UDP_PROXY_GENERAL)
+            assert asked[1] == 9  # FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER
+            reader = BitReader(asked, start_bits=16)
+            source, target = reader.read_address(), reader.read_address()
+            assert reader.read_u32() == 5000
+            failed = BitWriter()
+            failed.write_address(source)
+            failed.write_address(target)
+            failed.write_rakstring(b"")
+            failed.write_u8(1)  # UDPFORWARDER_NO_SOCKETS
+            failed.write_u16(0)
+            server.send(proxy_message(10, failed))
+        succeeded = await a.expect(m.MessageId.UDP_PROXY_GENERAL)
+        assert succeeded[1] == 0
+        reader = BitReader(succeeded, start_bits=16 + 7 * 8 * 2 + 64)
+        proxy = (reader.read_rakstring().decode(), reader.read_u16())
+        assert proxy[1] not in server_ports  # the built-in forwarder's port
+        assert (await b.expect(m.MessageId.UDP_PROXY_GENERAL))[1] == 1
+        a.server = None
+        await a.connect(*proxy)
+        await b.expect(m.MessageId.NEW_INCOMING_CONNECTION)
+        a.send(b"\x86through the fallback")
+        assert await b.expect(0x86) == b"\x86through the fallback"
+        assert service.node.proxy.stats.dropped == {}
+        # a late report (the round is over) is dropped and counted
+        client.send(proxy_message(8, reply))
+        host, http_port = runtime.http_address
+        metric = 'crossroads_raknet_dropped_total{reason="proxy-unexpected-ping-reply"}'
+
+        async def counted() -> bool:
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(f"http://{host}:{http_port}/metrics")).text
+            return f"{metric} 1.0" in text
+
+        await eventually(counted, "the late ping report is counted")
+    finally:
+        far.close()
+        near.close()
+        await runtime.close()

@@ -135,6 +135,8 @@ class _Collector(Collector):
             dropped.add_metric([reason], count)
         for reason, count in sorted(node.punch.stats.dropped.items()):
             dropped.add_metric([f"punch-{reason}"], count)
+        for reason, count in sorted(node.proxy.stats.dropped.items()):
+            dropped.add_metric([f"proxy-{reason}"], count)
         dropped.add_metric(["second-socket"], node.second_dropped)
         yield dropped
         unhandled = CounterMetricFamily(

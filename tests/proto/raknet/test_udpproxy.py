@@ -5,6 +5,9 @@ with sockets, is exercised in tests/services/test_raknet.py)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.node import RakNetNode
@@ -205,3 +208,149 @@ def test_a_busy_or_silent_proxy_server_falls_back_to_the_built_in_one() -> None:
         now += 0.25
         node.handle_timer(now)
     assert 6.1 <= now <= 6.6
+
+
+# ------------------------------------------------ server selection by ping
+
+Q_ADDR, R_ADDR = ("203.0.113.51", 60001), ("203.0.113.52", 60002)
+
+
+def three_servers(
+    forwarders: RecordingForwarders | None,
+) -> tuple[RakNetNode, Client, Client, list[Client]]:
+    node, a, b, p = setup(forwarders, password="pw")
+    servers = [p]
+    for addr, guid in ((Q_ADDR, 0xC4), (R_ADDR, 0xC5)):
+        server = Client(a.net, addr, guid)
+        server.connect(1.0)
+        servers.append(server)
+    for server in servers:
+        assert login(server, b"pw", 1.5) == Sub.LOGIN_SUCCESS_FROM_COORDINATOR_TO_SERVER
+    return node, a, b, servers
+
+
+def ping_list(client: Client) -> tuple[Address, Address, int, list[Address]]:
+    (message,) = client.take(MessageId.UDP_PROXY_GENERAL)
+    assert message[1] == Sub.PING_SERVERS_FROM_COORDINATOR_TO_CLIENT
+    reader = BitReader(message, start_bits=16)
+    source, target, guid = (
+        reader.read_address(),
+        reader.read_address(),
+        reader.read_u64(),
+    )
+    servers = [reader.read_address() for _ in range(reader.read_u16())]
+    assert reader.remaining_bits < 8
+    return source, target, guid, servers
+
+
+def ping_reply(pings: list[tuple[Address, int]], count: int | None = None) -> bytes:
+    writer = BitWriter()
+    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
+    writer.write_u8(Sub.PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR)
+    writer.write_address(A_ADDR)
+    writer.write_address(B_ADDR)
+    writer.write_u16(len(pings) if count is None else count)
+    for server, ping in pings:
+        writer.write_address(server)
+        writer.write_u16(ping)
+    return writer.data()
+
+
+def asked(server: Client) -> bool:
+    """Whether ``server`` was sent a forwarding request (and take it)."""
+    messages = server.take(MessageId.UDP_PROXY_GENERAL)
+    assert all(
+        m[1] == Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER for m in messages
+    )
+    return bool(messages)
+
+
+def test_several_servers_the_lowest_summed_ping_is_asked_first() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b, (p, q, r) = three_servers(forwarders)
+    a.send(request(B_GUID), 2.0)
+    # both ends get the same list, byte for byte, in login order
+    expected = (A_ADDR, B_ADDR, B_GUID, [P_ADDR, Q_ADDR, R_ADDR])
+    assert ping_list(a) == expected and ping_list(b) == expected
+    assert not any(asked(s) for s in (p, q, r))
+    # P is nearest to A but far from B; Q is best summed (40 + 40 < 10 + 200)
+    a.send(ping_reply([(P_ADDR, 10), (Q_ADDR, 40), (R_ADDR, 90)]), 2.1)
+    assert not any(asked(s) for s in (p, q, r))  # waits for the other end
+    b.send(ping_reply([(P_ADDR, 200), (Q_ADDR, 40), (R_ADDR, 60)]), 2.2)
+    assert [asked(s) for s in (p, q, r)] == [False, True, False]
+    # Q is out of sockets: next best is R (150) before P (210)
+    q.send(server_reply(ForwarderResult.NO_SOCKETS, 0), 2.3)
+    assert [asked(s) for s in (p, q, r)] == [False, False, True]
+    # R goes away: P is last
+    r.send(bytes([MessageId.DISCONNECTION_NOTIFICATION]), 2.4)
+    assert node.proxy.servers == [P_ADDR, Q_ADDR]
+    assert [asked(s) for s in (p, q, r)] == [True, False, False]
+    # P is silent: after 3 s the built-in forwarder takes over
+    now = 2.4
+    while not forwarders.started and now < 10:
+        now += 0.25
+        node.handle_timer(now)
+    assert 5.4 <= now <= 5.9
+    a.net.flush(now)
+    assert answer(a)[0] == Sub.FORWARDING_SUCCEEDED
+    assert answer(b)[0] == Sub.FORWARDING_NOTIFICATION
+    assert node.proxy.stats.dropped == {}
+
+
+def test_an_end_that_never_reports_pings_counts_as_unresponsive() -> None:
+    node, a, b, (p, q, r) = three_servers(None)
+    a.send(request(B_GUID), 2.0)
+    ping_list(a), ping_list(b)
+    # only A reports, and does not name R: R counts 2000 + 2000, Q 30 + 2000
+    a.send(ping_reply([(P_ADDR, 500), (Q_ADDR, 30)]), 2.1)
+    now = 2.1
+    while not any(asked(s) for s in (p, q, r)) and now < 10:
+        now += 0.25
+        node.handle_timer(now)
+        a.net.flush(now)
+    assert 5.0 <= now <= 5.6
+    q.send(server_reply(ForwarderResult.BIND_FAILED, 0), now)
+    assert [asked(s) for s in (p, q, r)] == [True, False, False]
+    p.send(server_reply(ForwarderResult.NO_SOCKETS, 0), now)
+    assert [asked(s) for s in (p, q, r)] == [False, False, True]
+    # no built-in forwarder here: the last failure is ALL_SERVERS_BUSY
+    r.send(server_reply(ForwarderResult.NO_SOCKETS, 0), now)
+    assert answer(a)[0] == Sub.ALL_SERVERS_BUSY
+    assert not node.proxy.requests
+
+
+def test_ping_reports_cannot_be_forged_or_inflated() -> None:
+    node, a, b, (p, q, r) = three_servers(RecordingForwarders())
+    a.send(request(B_GUID), 2.0)
+    ping_list(a), ping_list(b)
+    # a third party (a proxy server here) reporting for the pair: ignored
+    p.send(ping_reply([(P_ADDR, 0), (Q_ADDR, 9000), (R_ADDR, 9000)]), 2.1)
+    # more entries than servers: dropped before anything is read
+    a.send(ping_reply([(P_ADDR, 1)] * 4), 2.1)
+    a.send(ping_reply([], count=60000), 2.1)
+    # servers it was not asked about do not count; a second report is ignored
+    a.send(ping_reply([(("192.0.2.1", 1), 0), (R_ADDR, 5)]), 2.2)
+    a.send(ping_reply([(P_ADDR, 0)]), 2.2)
+    b.send(ping_reply([(R_ADDR, 5)]), 2.3)
+    assert [asked(s) for s in (p, q, r)] == [False, False, True]
+    assert node.proxy.stats.dropped == {
+        "ping-reply-not-from-an-end": 2,
+        "too-many-pings": 2,
+    }
+    # a reply for no pending ping round
+    a.send(ping_reply([(R_ADDR, 5)]), 2.4)
+    assert node.proxy.stats.dropped["unexpected-ping-reply"] == 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=80))
+def test_ping_reply_decoder_takes_random_payloads(rest: bytes) -> None:
+    node, a, b, servers = three_servers(RecordingForwarders())
+    a.send(request(B_GUID), 2.0)
+    prefix = ping_reply([])[:-2]  # 5c 08 source target, then random
+    a.send(prefix + rest, 2.1)
+    b.send(bytes([MessageId.UDP_PROXY_GENERAL, 8]) + rest, 2.1)
+    node.handle_timer(6.0)  # the round ends either way
+    assert node.peer.connected_count == 5
+    assert not node.proxy.requests or node.proxy.requests[(A_ADDR, B_ADDR)].server
+    assert sum(node.proxy.stats.dropped.values()) <= 2

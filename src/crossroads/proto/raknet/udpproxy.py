@@ -29,12 +29,30 @@ address: the relayed bytes are an ordinary RakNet connection between the two
 games. The request is remembered for ``timeoutOnNoDataMS`` after success, so
 a late duplicate from the other side is IN_PROGRESS, not a second forwarder.
 
-Not implemented: choosing among several proxy servers by the clients' pings
-(``5c 07``/``5c 08``); the first logged-in server is used, else the built-in
-forwarder.
+Choosing a server (UDPProxyCoordinator.cpp
+OnForwardingRequestFromClientToCoordinator,
+OnPingServersReplyFromClientToCoordinator,
+ForwardingRequest::OrderRemainingServersToTry; UDPProxyClient.cpp
+SendPingedServersToCoordinator): with one logged-in server it is asked at
+once. With several, the coordinator sends both
+clients PING_SERVERS_FROM_COORDINATOR_TO_CLIENT (``5c 07``: source, target,
+target GUID, u16 count, count x SystemAddress); each client pings them
+(unconnected ping) and answers PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR
+(``5c 08``: source, target, u16 count, count x (SystemAddress, u16 ping ms)).
+Once both have answered, or after ``SERVER_REPLY_TIMEOUT_MS``, the servers are
+ordered by the sum of both ends' pings (a side that did not report a server
+counts ``UNRESPONSIVE_PING_MS`` for it) and tried in that order: a server that
+answers NO_SOCKETS/BIND_FAILED, stays silent for ``SERVER_REPLY_TIMEOUT_MS``
+or disconnects is followed by the next one. When no external server is left
+the built-in forwarder (if enabled) does the work, else ALL_SERVERS_BUSY.
+Differences from stock RakNet, on purpose: stock files the target's pings
+under the source's list (so it always waits for the timeout), trusts a
+reply from anyone, and ends with ALL_SERVERS_BUSY where this one falls back
+to its own forwarder; here only the request's two ends may report pings, only
+for servers they were asked about, each end once.
 
-Bounds: requests in progress, the logged-in servers, and (in the forwarder)
-the forwarding ports.
+Bounds: requests in progress, the logged-in servers (so the servers to ping
+and the pings kept per request), and (in the forwarder) the forwarding ports.
 """
 
 from __future__ import annotations
@@ -54,6 +72,9 @@ from crossroads.types import Address
 #: skipped (``DEFAULT_UNRESPONSIVE_PING_TIME_COORDINATOR`` = 2000 + 1000 ms,
 #: UDPProxyCoordinator.cpp:24-25).
 SERVER_REPLY_TIMEOUT_MS = 3000
+#: The ping a client is assumed to have to a server it did not report
+#: (``DEFAULT_CLIENT_UNRESPONSIVE_PING_TIME``, UDPProxyCoordinator.cpp:24).
+UNRESPONSIVE_PING_MS = 2000
 #: Requests being set up or remembered at once, and proxy servers logged in.
 MAX_REQUESTS = 10_000
 MAX_SERVERS = 64
@@ -114,6 +135,13 @@ class Request:
     server: Address | None = None
     asked_ms: int = 0
     forget_ms: int | None = None
+    #: External servers still to try, best first.
+    remaining: list[Address] = field(default_factory=list)
+    #: While the clients ping the servers: when they were asked (else None),
+    #: and each end's report (server -> ping ms), None until it arrives.
+    pings_asked_ms: int | None = None
+    source_pings: dict[Address, int] | None = None
+    target_pings: dict[Address, int] | None = None
 
 
 @dataclass
@@ -158,6 +186,8 @@ class UDPProxyCoordinator:
                     self._on_login(address, payload, now)
                 case Sub.FORWARDING_REPLY_FROM_SERVER_TO_COORDINATOR:
                     self._on_server_reply(address, payload, now)
+                case Sub.PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR:
+                    self._on_ping_reply(address, payload, now)
                 case _:
                     self.stats.dropped["unknown-sub-id"] += 1
         except DecodeError as exc:
@@ -172,7 +202,7 @@ class UDPProxyCoordinator:
             self.servers.remove(address)
             for request in list(self.requests.values()):
                 if request.server == address and request.forget_ms is None:
-                    self._start(request, now, skip=address)
+                    self._try_next(request, now)
 
     def get_timer(self) -> float | None:
         return self._next_sweep if self.requests else None
@@ -186,11 +216,15 @@ class UDPProxyCoordinator:
             if request.forget_ms is not None:
                 if now_ms > request.forget_ms:
                     del self.requests[key]
+            elif request.pings_asked_ms is not None:
+                if now_ms > request.pings_asked_ms + SERVER_REPLY_TIMEOUT_MS:
+                    self._order_by_ping(request)
+                    self._try_next(request, now)
             elif (
                 request.server is not None
                 and now_ms > request.asked_ms + SERVER_REPLY_TIMEOUT_MS
             ):
-                self._start(request, now, skip=request.server)
+                self._try_next(request, now)
 
     # ---------------------------------------------------------- internals
 
@@ -268,21 +302,51 @@ class UDPProxyCoordinator:
             self._next_sweep = now + SWEEP_INTERVAL
         self._start(request, now)
 
-    def _start(self, request: Request, now: float, skip: Address | None = None) -> None:
-        """Ask the first logged-in server (but ``skip``), else the built-in one."""
-        servers = [s for s in self.servers if s != skip]
-        if servers:
-            request.server = servers[0]
+    def _start(self, request: Request, now: float) -> None:
+        """One external server: ask it; several: have both ends ping them."""
+        request.remaining = list(self.servers)
+        if len(request.remaining) > 1:
+            writer = BitWriter()
+            writer.write_address(request.source)
+            writer.write_address(request.target)
+            writer.write_u64(request.target_guid)
+            writer.write_u16(len(request.remaining))
+            for server in request.remaining:
+                writer.write_address(server)
+            for end in (request.source, request.target):
+                self._send(
+                    end, Sub.PING_SERVERS_FROM_COORDINATOR_TO_CLIENT, writer, now
+                )
+            request.pings_asked_ms = int(now * 1000)
+            return
+        self._try_next(request, now)
+
+    def _order_by_ping(self, request: Request) -> None:
+        """Best first by the two ends' summed pings; ties keep login order."""
+        request.pings_asked_ms = None
+        source = request.source_pings or {}
+        target = request.target_pings or {}
+        request.remaining.sort(
+            key=lambda server: (
+                source.get(server, UNRESPONSIVE_PING_MS)
+                + target.get(server, UNRESPONSIVE_PING_MS)
+            )
+        )
+
+    def _try_next(self, request: Request, now: float) -> None:
+        """Ask the next external server still logged in, else the built-in one."""
+        while request.remaining:
+            server = request.remaining.pop(0)
+            if server not in self.servers:
+                continue
+            request.server = server
             request.asked_ms = int(now * 1000)
             writer = BitWriter()
             writer.write_address(request.source)
             writer.write_address(request.target)
             writer.write_u32(request.timeout_ms)
             self._send(
-                request.server,
-                Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER,
-                writer,
-                now,
+                server, Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER, writer, now
             )
             return
         request.server = None
@@ -293,6 +357,36 @@ class UDPProxyCoordinator:
             request.source, request.target, request.timeout_ms
         )
         self._forwarded(request, result, self._public_ip(request), port, now)
+
+    def _on_ping_reply(self, address: Address, payload: bytes, now: float) -> None:
+        reader = BitReader(payload, start_bits=16)
+        key = (reader.read_address(), reader.read_address())
+        count = reader.read_u16()
+        request = self.requests.get(key)
+        if request is None or request.pings_asked_ms is None:
+            self.stats.dropped["unexpected-ping-reply"] += 1
+            return
+        if count > len(request.remaining):
+            # Each end pings exactly the servers it was sent: no more.
+            raise DecodeError("more pings than servers", "too-many-pings")
+        pings: dict[Address, int] = {}
+        for _ in range(count):
+            server = reader.read_address()
+            ping = reader.read_u16()
+            if server in request.remaining:
+                pings[server] = ping
+        if address == request.source and request.source_pings is None:
+            request.source_pings = pings
+        elif address == request.target and request.target_pings is None:
+            request.target_pings = pings
+        else:
+            # Stock RakNet takes a report from anyone as the target's; here
+            # a stranger or a second report cannot steer the choice.
+            self.stats.dropped["ping-reply-not-from-an-end"] += 1
+            return
+        if request.source_pings is not None and request.target_pings is not None:
+            self._order_by_ping(request)
+            self._try_next(request, now)
 
     def _public_ip(self, request: Request) -> str:
         """The configured public IP, else the address the requester dialled."""
@@ -382,6 +476,6 @@ class UDPProxyCoordinator:
         except ValueError:
             raise DecodeError("unknown UDPForwarderResult", "bad-result") from None
         if outcome in (ForwarderResult.NO_SOCKETS, ForwarderResult.BIND_FAILED):
-            self._start(request, now, skip=address)
+            self._try_next(request, now)
             return
         self._forwarded(request, outcome, ip or address[0], port, now)
