@@ -42,7 +42,6 @@ Metrics (one collector per runtime): ``crossroads_tcp_connections{listener}``,
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import resource
 from collections.abc import Iterator
@@ -50,6 +49,8 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from crossroads.proto.budget import source_key
 
 log = logging.getLogger("crossroads")
 
@@ -96,20 +97,6 @@ def current_fd_limit() -> int:
     """The soft ``RLIMIT_NOFILE`` now."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
-
-
-def source_key(host: str) -> str:
-    """What the per-source cap counts: the IPv4 address (also when written as an
-    IPv4-mapped IPv6 address), or the IPv6 /64."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
-    return str(ip)
 
 
 class Admission:
