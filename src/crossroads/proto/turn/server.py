@@ -1051,12 +1051,7 @@ class TurnServer:
             address = _canonical(relay.address)
             if self.relayed.get(address) is allocation:
                 del self.relayed[address]
-                host = address[0]
-                left = self._relayed_hosts.get(host, 0) - 1
-                if left > 0:
-                    self._relayed_hosts[host] = left
-                else:
-                    self._relayed_hosts.pop(host, None)
+                _decrement(self._relayed_hosts, address[0])
             self.ports.release(relay.address[1])
             relay.close()
 
