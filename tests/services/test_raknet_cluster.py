@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import pytest
 
 from crossroads.config import default_config
@@ -18,7 +19,7 @@ from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
-from crossroads.services.raknet_nodes import NODE_PREFIX
+from crossroads.services.raknet_nodes import NODE_PREFIX, node_key
 from tests.conftest import eventually, loopback_config
 from tests.interop.raknet_support import RakNetPeer
 from tests.services.test_raknet import guid_of, proxy_message, service_of
@@ -100,7 +101,8 @@ async def test_a_request_at_one_instance_is_forwarded_by_another(
     runtimes: Starter, peers: tuple[RakNetPeer, RakNetPeer]
 ) -> None:
     """A has no forwarder of its own: B's, found in the Store, does the work."""
-    coordinator = service_of(await runtimes(raknet__proxy=False))
+    coordinator_runtime = await runtimes(raknet__proxy=False)
+    coordinator = service_of(coordinator_runtime)
     node = service_of(await runtimes())
     assert coordinator.forwarders is None and node.forwarders is not None
     await knows_nodes(coordinator, 1)
@@ -113,6 +115,21 @@ async def test_a_request_at_one_instance_is_forwarded_by_another(
     assert node.forwarders.packets() > 0
     assert coordinator.relay_nodes is not None and node.relay_nodes is not None
     assert coordinator.relay_nodes.dropped == {} and node.relay_nodes.dropped == {}
+    # Garbage on an instance's channel is dropped and counted; it goes on.
+    await coordinator.relay_nodes.store.publish(
+        node_key(coordinator.relay_nodes.node_id), b'{"t": "forward"'
+    )
+    host, http_port = coordinator_runtime.http_address
+
+    async def counted() -> bool:
+        async with httpx.AsyncClient() as http:
+            text = (await http.get(f"http://{host}:{http_port}/metrics")).text
+        return (
+            'crossroads_raknet_dropped_total{reason="relay-node-bad-json"} 1.0' in text
+            and "crossroads_raknet_proxy_relay_nodes 1.0" in text
+        )
+
+    await eventually(counted, "the bad command is counted")
 
 
 async def _record(service: RakNetService) -> dict[str, Any]:

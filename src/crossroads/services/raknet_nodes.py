@@ -127,7 +127,11 @@ class RelayNodes:
 
     async def start(self) -> None:
         self._subscription = await self.store.subscribe(node_key(self.node_id))
-        await self._heartbeat_once()
+        try:
+            await self._heartbeat_once()
+        except StoreError as exc:  # the heartbeat retries; the proxy works alone
+            log.debug("raknet relay nodes: %r", exc)
+            self.dropped["store-error"] += 1
         self._tasks = [
             asyncio.create_task(self._receive(self._subscription)),
             asyncio.create_task(self._heartbeat_forever()),
