@@ -33,14 +33,6 @@ async def rt() -> AsyncIterator[Runtime]:
         await runtime.close()
 
 
-@pytest.fixture
-def peers() -> AsyncIterator[tuple[RakNetPeer, RakNetPeer]]:
-    a, b = RakNetPeer(), RakNetPeer()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def service_of(rt: Runtime) -> RakNetService:
     service = rt.services["raknet"]
     assert isinstance(service, RakNetService)

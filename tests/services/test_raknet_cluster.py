@@ -51,14 +51,6 @@ async def runtimes(redis_url: str) -> AsyncIterator[Starter]:
             await runtime.close()
 
 
-@pytest.fixture
-def peers() -> AsyncIterator[tuple[RakNetPeer, RakNetPeer]]:
-    a, b = RakNetPeer(), RakNetPeer()
-    yield a, b
-    a.close()
-    b.close()
-
-
 async def knows_nodes(service: RakNetService, count: int) -> None:
     async def listed() -> bool:
         return len(service.node.proxy.relay_nodes) == count
