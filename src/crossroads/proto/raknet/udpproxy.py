@@ -429,7 +429,10 @@ class UDPProxyCoordinator:
                     writer,
                     now,
                 )
-            elif server in self.relay_nodes and len(self._remote) < MAX_REMOTE_OUTBOX:
+            elif server in self.relay_nodes:
+                if len(self._remote) >= MAX_REMOTE_OUTBOX:
+                    self.stats.dropped["relay-node-outbox-full"] += 1
+                    continue
                 self._remote.append(
                     RemoteForwardingRequest(
                         server, request.source, request.target, request.timeout_ms
