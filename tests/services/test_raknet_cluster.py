@@ -22,7 +22,12 @@ from crossroads.services.raknet import RakNetService
 from crossroads.services.raknet_nodes import NODE_PREFIX, node_key
 from tests.conftest import eventually, loopback_config
 from tests.interop.raknet_support import RakNetPeer
-from tests.services.test_raknet import guid_of, proxy_message, service_of
+from tests.services.test_raknet import (
+    answer_ping_round,
+    guid_of,
+    proxy_message,
+    service_of,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -146,27 +151,11 @@ async def test_the_clients_pings_choose_between_two_instances_forwarders(
     a, b = peers
     await ask_forwarding(first, a, b)
     nodes = {first.addresses[0], second.addresses[0]}
-    for client in (a, b):
-        listing = await client.expect(m.MessageId.UDP_PROXY_GENERAL)
-        assert listing[1] == Sub.PING_SERVERS_FROM_COORDINATOR_TO_CLIENT
-        reader = BitReader(listing, start_bits=16)
-        pair = (reader.read_address(), reader.read_address())
-        reader.read_u64()
-        listed = [reader.read_address() for _ in range(reader.read_u16())]
-        assert set(listed) == nodes
-        for host, port in listed:  # what UDPProxyClient does
-            assert client.peer.ping(host, port)
-            await client.expect(m.MessageId.UNCONNECTED_PONG)
-        reply = BitWriter()
-        reply.write_address(pair[0])
-        reply.write_address(pair[1])
-        reply.write_u16(len(listed))
-        for server in listed:  # loopback pings are ~0 ms: say B is nearer
-            reply.write_address(server)
-            reply.write_u16(5 if server == second.addresses[0] else 200)
-        client.send(
-            proxy_message(Sub.PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR, reply)
+    for client in (a, b):  # loopback pings are ~0 ms: say B is nearer
+        _, listed, _ = await answer_ping_round(
+            client, lambda server: 5 if server == second.addresses[0] else 200
         )
+        assert set(listed) == nodes
     await play_through(a, b)
     assert second.forwarders is not None and second.forwarders.packets() > 0
     assert first.forwarders is not None and not first.forwarders.entries

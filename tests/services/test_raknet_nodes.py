@@ -17,20 +17,9 @@ from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.store.memory import MemoryStore
-from crossroads.types import Address
+from tests.proto.raknet.support import RecordingForwarders
 
 SOURCE, TARGET = ["198.51.100.10", 40000], ["192.0.2.20", 50000]
-
-
-class RecordingForwarders:
-    def __init__(self) -> None:
-        self.started: list[tuple[Address, Address, int]] = []
-
-    def start(
-        self, source: Address, target: Address, timeout_ms: int
-    ) -> tuple[ForwarderResult, int]:
-        self.started.append((source, target, timeout_ms))
-        return ForwarderResult.SUCCESS, 45000
 
 
 def nodes(forwarders: RecordingForwarders | None = None) -> RelayNodes:

@@ -17,24 +17,12 @@ from crossroads.proto.raknet.udpproxy import (
     Sub,
 )
 from crossroads.types import Address
-from tests.proto.raknet.support import Client, Network
+from tests.proto.raknet.support import Client, Network, RecordingForwarders
 
 A_ADDR = ("198.51.100.10", 40000)
 B_ADDR = ("192.0.2.20", 50000)
 P_ADDR = ("203.0.113.50", 60000)  # an external proxy server
 A_GUID, B_GUID, P_GUID = 0xA1, 0xB2, 0xC3
-
-
-class RecordingForwarders:
-    def __init__(self, result: ForwarderResult = ForwarderResult.SUCCESS) -> None:
-        self.result = result
-        self.started: list[tuple[Address, Address, int]] = []
-
-    def start(
-        self, source: Address, target: Address, timeout_ms: int
-    ) -> tuple[ForwarderResult, int]:
-        self.started.append((source, target, timeout_ms))
-        return self.result, 45000
 
 
 def setup(
