@@ -37,6 +37,7 @@ import os
 import socket
 import time
 
+from crossroads.errors import DecodeError
 from crossroads.lab import netns
 from crossroads.lab.kinds import NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
@@ -331,24 +332,29 @@ class LabProxyServer:
         client = self.client
         while True:
             await client.pump(0.02)
-            for data, addr in list(client.others):
-                if data[:1] == bytes([MessageId.UNCONNECTED_PING]):
-                    client.others.remove((data, addr))
+            heard, client.others = client.others, []
+            for data, addr in heard:  # only pings are expected here
+                if data[:1] != bytes([MessageId.UNCONNECTED_PING]):
+                    continue
+                try:
                     ping = m.UnconnectedPing.decode(data)
-                    send(
-                        client.sock,
-                        m.unconnected_pong(ping.time, client.guid, b""),
-                        addr,
-                    )
-            for payload in list(client.inbox):
-                client.inbox.remove(payload)
-                if payload[:2] == bytes(
+                except DecodeError:
+                    continue
+                pong = m.unconnected_pong(ping.time, client.guid, b"")
+                send(client.sock, pong, addr)
+            asked, client.inbox = client.inbox, []
+            for payload in asked:
+                if payload[:2] != bytes(
                     [
                         MessageId.UDP_PROXY_GENERAL,
                         Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER,
                     ]
                 ):
+                    continue
+                try:
                     self._forward(payload)
+                except DecodeError:
+                    continue
 
     def _forward(self, payload: bytes) -> None:
         reader = BitReader(payload, start_bits=16)
