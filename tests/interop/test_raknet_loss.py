@@ -1,16 +1,22 @@
 """The real RakNet 4.081 peer against crossroads' RakNet core across a lossy
-link: two network namespaces joined by a veth pair, each dropping 10 % of the
-UDP datagrams it sends (an nftables ``numgen random`` rule: this kernel has no
-``sch_netem``, so there is no delay or reordering here; the in-memory property
-test of the reliability layer covers reordering and duplication). The
-connection must stay up and carry every reliable ordered message, small and
-split, exactly once and in order, both ways.
+link, for a minute: two network namespaces joined by a veth pair, each
+dropping 10 % of the UDP datagrams it receives. The connection must stay up
+and carry every reliable ordered message, small and split, exactly once and in
+order, both ways (the server echoes each one back).
 
-The issue asks for a connection that stays up for a minute. ``make test`` runs
-``LOSS_SECONDS`` (15 s: longer than RakNet's 10 s dead-connection timeout, so
-a connection that only survives on luck between keepalives would be caught,
-while each test stays at seconds); ``CROSSROADS_TEST_RAKNET_LOSS_SECONDS=60`` runs
-the full minute."""
+Why nftables and not ``tc netem``: the issue asks for loss injected with
+netem inside a namespace, but this kernel has no ``sch_netem`` (``tc qdisc add
+dev X root netem loss 10%`` answers "Specified qdisc kind is unknown"), and
+loading modules is not something a test may do. An nftables ``numgen random
+mod 10 == 0 drop`` rule in each namespace's input hook drops the same share of
+datagrams at random, as netem's ``loss 10%`` would; what it cannot add is
+delay or reordering, which the in-memory property test of the reliability
+layer (tests/proto/raknet/test_reliability.py) covers with duplication.
+
+The minute (``LOSS_SECONDS``, 60 s by default, the issue's figure; six times
+RakNet's 10 s dead-connection timeout, so a connection that only survives on
+luck between keepalives is caught) is the one long test of the RakNet suite;
+``CROSSROADS_TEST_RAKNET_LOSS_SECONDS`` shortens it for a quick local run."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from tests.interop.raknet_support import ID, RakNetPeer
 from tests.interop.test_raknet import EchoDriver
 
 #: Seconds of traffic (see the module docstring).
-LOSS_SECONDS = float(os.environ.get("CROSSROADS_TEST_RAKNET_LOSS_SECONDS", "15"))
+LOSS_SECONDS = float(os.environ.get("CROSSROADS_TEST_RAKNET_LOSS_SECONDS", "60"))
 #: One message every this many seconds: a stream, not a burst.
 SEND_INTERVAL = 0.02
 
@@ -46,7 +52,7 @@ def ip(*args: str) -> None:
 def link() -> Iterator[tuple[str, str]]:
     """(server namespace, client namespace), joined by a lossy veth pair."""
     if os.geteuid() != 0:
-        pytest.fail("the netem loss test needs root (network namespaces)")
+        pytest.fail("the loss test needs root (network namespaces, nftables)")
     tag = f"rkl{os.getpid() % 100000}"
     server_ns, client_ns = f"{tag}s", f"{tag}c"
     try:
@@ -101,7 +107,7 @@ async def server(
         transport.close()
 
 
-async def test_reliable_ordered_traffic_survives_loss_and_reordering(
+async def test_reliable_ordered_traffic_both_ways_survives_a_minute_of_loss(
     link: tuple[str, str], server: tuple[RakNetServer, EchoDriver]
 ) -> None:
     core, driver = server

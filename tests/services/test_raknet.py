@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
@@ -16,8 +16,10 @@ from crossroads.config import default_config
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.nattype import Socket
+from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
+from crossroads.types import Address
 from tests.conftest import eventually, loopback_config
 from tests.interop.raknet_support import ID, RakNetPeer
 
@@ -31,14 +33,6 @@ async def rt() -> AsyncIterator[Runtime]:
         yield runtime
     finally:
         await runtime.close()
-
-
-@pytest.fixture
-def peers() -> AsyncIterator[tuple[RakNetPeer, RakNetPeer]]:
-    a, b = RakNetPeer(), RakNetPeer()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def service_of(rt: Runtime) -> RakNetService:
@@ -262,6 +256,34 @@ def proxy_message(sub: int, body: BitWriter) -> bytes:
     return writer.data() + body.data()
 
 
+async def answer_ping_round(
+    client: RakNetPeer, ping_ms: Callable[[Address], int]
+) -> tuple[int, list[Address], bytes]:
+    """UDPProxyClient's side of the ping round: read ``5c 07``, really ping
+    every listed server (an unconnected ping each, as UDPProxyClient does),
+    and report ``ping_ms(server)`` for each in ``5c 08``. Returns (target GUID,
+    the servers listed, the report sent)."""
+    listing = await client.expect(m.MessageId.UDP_PROXY_GENERAL)
+    assert listing[1] == Sub.PING_SERVERS_FROM_COORDINATOR_TO_CLIENT
+    reader = BitReader(listing, start_bits=16)
+    pair = (reader.read_address(), reader.read_address())
+    guid = reader.read_u64()
+    listed = [reader.read_address() for _ in range(reader.read_u16())]
+    for host, port in listed:
+        assert client.peer.ping(host, port)
+        await client.expect(m.MessageId.UNCONNECTED_PONG)
+    reply = BitWriter()
+    reply.write_address(pair[0])
+    reply.write_address(pair[1])
+    reply.write_u16(len(listed))
+    for server in listed:
+        reply.write_address(server)
+        reply.write_u16(ping_ms(server))
+    report = proxy_message(Sub.PING_SERVERS_REPLY_FROM_CLIENT_TO_COORDINATOR, reply)
+    client.send(report)
+    return guid, listed, report
+
+
 async def test_udp_proxy_server_chosen_by_the_clients_pings_then_fallback(
     peers: tuple[RakNetPeer, RakNetPeer],
 ) -> None:
@@ -297,27 +319,13 @@ async def test_udp_proxy_server_chosen_by_the_clients_pings_then_fallback(
         request.write_bool(False)
         a.send(proxy_message(6, request))
         server_ports = {far.port, near.port}
+        far_address = ("127.0.0.1", far.port)
         for client in (a, b):
-            listing = await client.expect(m.MessageId.UDP_PROXY_GENERAL)
-            assert listing[1] == 7  # PING_SERVERS_FROM_COORDINATOR_TO_CLIENT
-            reader = BitReader(listing, start_bits=16)
-            pair = (reader.read_address(), reader.read_address())
-            assert reader.read_u64() == b_guid
-            listed = [reader.read_address() for _ in range(reader.read_u16())]
-            assert {p for _, p in listed} == server_ports
-            # what UDPProxyClient does: an unconnected ping to every server
-            for host, server_port in listed:
-                assert client.peer.ping(host, server_port)
-                await client.expect(m.MessageId.UNCONNECTED_PONG)
             # loopback pings are all ~0 ms: report "far" as 300 ms away
-            reply = BitWriter()
-            reply.write_address(pair[0])
-            reply.write_address(pair[1])
-            reply.write_u16(len(listed))
-            for host, server_port in listed:
-                reply.write_address((host, server_port))
-                reply.write_u16(300 if server_port == far.port else 20)
-            client.send(proxy_message(8, reply))
+            guid, listed, report = await answer_ping_round(
+                client, lambda server: 300 if server == far_address else 20
+            )
+            assert guid == b_guid and {p for _, p in listed} == server_ports
         for server in (near, far):  # best first, each out of sockets
             asked = await server.expect(m.MessageId.UDP_PROXY_GENERAL)
             assert asked[1] == 9  # FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER
@@ -344,7 +352,7 @@ async def test_udp_proxy_server_chosen_by_the_clients_pings_then_fallback(
         assert await b.expect(0x86) == b"\x86through the fallback"
         assert service.node.proxy.stats.dropped == {}
         # a late report (the round is over) is dropped and counted
-        client.send(proxy_message(8, reply))
+        client.send(report)
         host, http_port = runtime.http_address
         metric = 'crossroads_raknet_dropped_total{reason="proxy-unexpected-ping-reply"}'
 

@@ -82,6 +82,10 @@ SERVER_HTTP_PORT = 8080
 #: has landed; each is passed when the running code has it.
 #: ``name:password`` of the lab TURN server's user (lab/methods/turn_udp.py).
 LAB_TURN_USER = "lab:crossroads-lab-turn"
+#: The password the ``raknet`` method's second UDPProxyServer logs in with
+#: (lab/methods/raknet.py), so the coordinator has two forwarders to choose
+#: from by the clients' pings: that one and its own (a relay node).
+LAB_RAKNET_PROXY_PASSWORD = "crossroads-lab-raknet"
 
 SERVER_SETTINGS: dict[str, str] = {
     "stun.alt_host": SERVER_IPS[1],
@@ -98,6 +102,10 @@ SERVER_SETTINGS: dict[str, str] = {
     "turn.user": LAB_TURN_USER,
     # Invite codes survive a coordinator restart (lab/methods/openttd.py).
     "openttd.secret": "crossroads-lab-openttd",
+    # raknet: external UDPProxyServers may log in, and the server's own
+    # forwarder joins the ping round as a relay node (in-memory store: itself).
+    "raknet.proxy_password": LAB_RAKNET_PROXY_PASSWORD,
+    "raknet.proxy_relay_nodes": "true",
 }
 
 #: Conntrack entries a namespace may hold. The ceiling, nf_conntrack_max, is one
@@ -112,8 +120,9 @@ PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
 #: Bumped whenever the built network changes (2: IPv6 on the symmetric-random
 #: sites; 3: the port-restricted-remap sites, sites routed to each other through
-#: the internet router), so that ``up`` rebuilds a lab that older code left running.
-TOPOLOGY_VERSION = 3
+#: the internet router; 4: the server's raknet proxy takes a second forwarder),
+#: so that ``up`` rebuilds a lab that older code left running.
+TOPOLOGY_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,9 +611,14 @@ class Lab:
         args += ["--http-port", str(SERVER_HTTP_PORT), "--log-level", "info"]
         # Its admin token stays with the lab, not in root's home directory.
         args += ["--state-dir", str(self.state_dir / "server-state")]
-        for section, f, _info in iter_settings():
+        for section, f, info in iter_settings():
             value = SERVER_SETTINGS.get(f"{section}.{f.name}")
-            if value is not None:
+            if value is None:
+                continue
+            if info.kind == "bool":  # a switch: --flag / --no-flag, no value
+                flag = flag_name(section, f)
+                args.append(flag if value == "true" else f"--no-{flag[2:]}")
+            else:
                 args += [flag_name(section, f), value]
         return args
 

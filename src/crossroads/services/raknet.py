@@ -8,7 +8,9 @@ answers the port-stride NAT_PING that a RakNet client sends on its first
 ``OpenNAT`` (without it every client's first punch waits 5 s).
 
 The driver is :class:`~crossroads.transport.udp.CoreDatagramProtocol`; this
-module adds the second socket, the config section and the metrics.
+module adds the second socket, the config section and the metrics. With
+``--raknet-proxy-relay-nodes`` the UDP proxy also uses the forwarders of the
+other instances sharing the Store (:mod:`crossroads.services.raknet_nodes`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import ServerConfig
 from crossroads.services.base import ServiceContext
+from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.transport.raknet_forwarder import ForwarderPool
 from crossroads.transport.udp import (
     CoreDatagramProtocol,
@@ -102,6 +105,13 @@ class Config:
         kind="str",
         help="Password external RakNet UDPProxyServers log in with ('' = none accepted).",
     )
+    proxy_relay_nodes: bool = setting(
+        False,
+        kind="bool",
+        help="UDP proxy: also use the forwarders of the other crossroads "
+        "instances sharing the Store, and offer this one's to them (a relay "
+        "node; needs a reachable --raknet-advertise-host / --public-host).",
+    )
     split_memory: int = setting(
         64 * 1024 * 1024,
         kind="int",
@@ -138,6 +148,10 @@ class _Collector(Collector):
         for reason, count in sorted(node.proxy.stats.dropped.items()):
             dropped.add_metric([f"proxy-{reason}"], count)
         dropped.add_metric(["second-socket"], node.second_dropped)
+        relay_nodes = self.service.relay_nodes
+        if relay_nodes is not None:
+            for reason, count in sorted(relay_nodes.dropped.items()):
+                dropped.add_metric([f"relay-node-{reason}"], count)
         yield dropped
         unhandled = CounterMetricFamily(
             "crossroads_raknet_unhandled_messages",
@@ -180,6 +194,12 @@ class _Collector(Collector):
                 "Datagrams forwarded by the built-in UDP proxy.",
                 value=pool.packets(),
             )
+        if relay_nodes is not None:
+            yield GaugeMetricFamily(
+                "crossroads_raknet_proxy_relay_nodes",
+                "crossroads relay nodes the UDP proxy can use (this one included).",
+                value=len(relay_nodes.nodes),
+            )
         if node.detection is not None:
             results = CounterMetricFamily(
                 "crossroads_raknet_nat_type_results",
@@ -200,6 +220,9 @@ class _Driver(CoreDatagramProtocol):
 
     def transmit(self, now: float | None = None) -> None:
         super().transmit(now)
+        relay_nodes = self.service.relay_nodes
+        if relay_nodes is not None:
+            relay_nodes.carry(self.service.node.proxy.pop_remote_requests())
         for role, data, addr in self.service.node.side_datagrams():
             transport = self.service.side.get(role)
             if transport is not None:
@@ -253,6 +276,8 @@ class RakNetService:
         self.side_addresses: dict[Socket, Address] = {}
         self._transports: list[asyncio.BaseTransport] = []
         self.forwarders: ForwarderPool | None = None
+        #: The relay-node cluster (``--raknet-proxy-relay-nodes``), else None.
+        self.relay_nodes: RelayNodes | None = None
         self._collector: _Collector | None = None
         self._registry: Any = None
 
@@ -266,6 +291,9 @@ class RakNetService:
         ]
 
     async def close(self) -> None:
+        if self.relay_nodes is not None:
+            await self.relay_nodes.close()
+            self.relay_nodes = None
         for transport in self._transports:
             transport.close()
         self._transports.clear()
@@ -365,6 +393,23 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         for sock in [*sockets, *side_sockets.values()]:
             sock.close()
         raise
+    if cfg.proxy_relay_nodes:
+        own = advertised[0] if forwarders is not None else None
+        if own is not None and ipaddress.ip_address(own[0]).is_unspecified:
+            ctx.log.warning(
+                "raknet: --raknet-proxy-relay-nodes needs --raknet-advertise-host "
+                "or --public-host to offer this forwarder to other instances"
+            )
+            own = None
+        relay_nodes = RelayNodes(
+            ctx.store, node.proxy, forwarders, own, public, driver.transmit
+        )
+        service.relay_nodes = relay_nodes
+        try:
+            await relay_nodes.start()
+        except BaseException:
+            await service.close()
+            raise
     service._registry = ctx.metrics
     service._collector = _Collector(service)
     ctx.metrics.register(service._collector)

@@ -15,6 +15,7 @@ from crossroads.proto.raknet.reliability import (
     ReliabilityLayer,
     SplitBudget,
 )
+from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.types import Address
 
 SERVER: Address = ("203.0.113.1", 61111)
@@ -120,3 +121,17 @@ class Client:
         writer.write_u64(1)
         writer.write_u64(2)
         self.send(writer.data(), now)
+
+
+class RecordingForwarders:
+    """A built-in forwarder that records what it is asked and answers ``result``."""
+
+    def __init__(self, result: ForwarderResult = ForwarderResult.SUCCESS) -> None:
+        self.result = result
+        self.started: list[tuple[Address, Address, int]] = []
+
+    def start(
+        self, source: Address, target: Address, timeout_ms: int
+    ) -> tuple[ForwarderResult, int]:
+        self.started.append((source, target, timeout_ms))
+        return self.result, 45000

@@ -11,26 +11,18 @@ from hypothesis import strategies as st
 from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.node import RakNetNode
-from crossroads.proto.raknet.udpproxy import ForwarderResult, Sub
+from crossroads.proto.raknet.udpproxy import (
+    ForwarderResult,
+    RemoteForwardingRequest,
+    Sub,
+)
 from crossroads.types import Address
-from tests.proto.raknet.support import Client, Network
+from tests.proto.raknet.support import Client, Network, RecordingForwarders
 
 A_ADDR = ("198.51.100.10", 40000)
 B_ADDR = ("192.0.2.20", 50000)
 P_ADDR = ("203.0.113.50", 60000)  # an external proxy server
 A_GUID, B_GUID, P_GUID = 0xA1, 0xB2, 0xC3
-
-
-class RecordingForwarders:
-    def __init__(self, result: ForwarderResult = ForwarderResult.SUCCESS) -> None:
-        self.result = result
-        self.started: list[tuple[Address, Address, int]] = []
-
-    def start(
-        self, source: Address, target: Address, timeout_ms: int
-    ) -> tuple[ForwarderResult, int]:
-        self.started.append((source, target, timeout_ms))
-        return self.result, 45000
 
 
 def setup(
@@ -354,3 +346,112 @@ def test_ping_reply_decoder_takes_random_payloads(rest: bytes) -> None:
     assert node.peer.connected_count == 5
     assert not node.proxy.requests or node.proxy.requests[(A_ADDR, B_ADDR)].server
     assert sum(node.proxy.stats.dropped.values()) <= 2
+
+
+# ------------------------------------------------ crossroads relay nodes
+
+OWN_ADDR, NODE_ADDR = ("203.0.113.1", 61111), ("203.0.113.2", 61111)
+
+
+def relay_setup(
+    forwarders: RecordingForwarders | None,
+) -> tuple[RakNetNode, Client, Client]:
+    node, a, b, _ = setup(forwarders)
+    own = OWN_ADDR if forwarders is not None else None
+    node.proxy.set_relay_nodes([*([own] if own else []), NODE_ADDR], own)
+    return node, a, b
+
+
+def test_relay_nodes_join_the_ping_round_and_a_remote_node_forwards() -> None:
+    """This instance and another relay node are both listed for the clients
+    to ping; the remote one, nearer, gets a RemoteForwardingRequest and its
+    answer (through the Store, here handed over directly) reaches the ends."""
+    forwarders = RecordingForwarders()
+    node, a, b = relay_setup(forwarders)
+    a.send(request(B_GUID, 5000), 2.0)
+    expected = (A_ADDR, B_ADDR, B_GUID, [OWN_ADDR, NODE_ADDR])
+    assert ping_list(a) == expected and ping_list(b) == expected
+    a.send(ping_reply([(OWN_ADDR, 90), (NODE_ADDR, 10)]), 2.1)
+    b.send(ping_reply([(OWN_ADDR, 90), (NODE_ADDR, 10)]), 2.2)
+    assert node.proxy.pop_remote_requests() == [
+        RemoteForwardingRequest(NODE_ADDR, A_ADDR, B_ADDR, 5000)
+    ]
+    assert node.proxy.pop_remote_requests() == []
+    # an answer from a node that was not asked (or for another pair): dropped
+    node.proxy.on_remote_reply(OWN_ADDR, A_ADDR, B_ADDR, "", 5, 47000, 2.25)
+    node.proxy.on_remote_reply(NODE_ADDR, B_ADDR, A_ADDR, "", 5, 47000, 2.25)
+    assert node.proxy.stats.dropped["unexpected-server-reply"] == 2
+    node.proxy.on_remote_reply(NODE_ADDR, A_ADDR, B_ADDR, "", 5, 47000, 2.3)
+    a.net.flush(2.3)
+    assert answer(a) == (
+        Sub.FORWARDING_SUCCEEDED,
+        A_ADDR,
+        B_ADDR,
+        B_GUID,
+        NODE_ADDR[0].encode(),  # no IP in the answer: the node's address
+        47000,
+    )
+    assert answer(b)[0] == Sub.FORWARDING_NOTIFICATION
+    assert forwarders.started == []
+
+
+def test_a_silent_or_full_relay_node_falls_back_to_this_instance() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b = relay_setup(forwarders)
+    a.send(request(B_GUID), 2.0)
+    ping_list(a), ping_list(b)
+    a.send(ping_reply([(OWN_ADDR, 90), (NODE_ADDR, 10)]), 2.1)
+    b.send(ping_reply([(OWN_ADDR, 90), (NODE_ADDR, 10)]), 2.2)
+    assert len(node.proxy.pop_remote_requests()) == 1
+    now = 2.2
+    while not forwarders.started and now < 10:
+        now += 0.25
+        node.handle_timer(now)
+    assert 5.2 <= now <= 5.7  # SERVER_REPLY_TIMEOUT_MS
+    a.net.flush(now)
+    assert answer(a)[4:] == (b"203.0.113.1", 45000)
+    # this instance best, but out of sockets: the remote node is next
+    full = RecordingForwarders(ForwarderResult.NO_SOCKETS)
+    node, a, b = relay_setup(full)
+    a.send(request(B_GUID), 2.0)
+    ping_list(a), ping_list(b)
+    a.send(ping_reply([(OWN_ADDR, 5), (NODE_ADDR, 50)]), 2.1)
+    b.send(ping_reply([(OWN_ADDR, 5), (NODE_ADDR, 50)]), 2.2)
+    assert len(full.started) == 1
+    assert node.proxy.pop_remote_requests() == [
+        RemoteForwardingRequest(NODE_ADDR, A_ADDR, B_ADDR, 7000)
+    ]
+    node.proxy.on_remote_reply(NODE_ADDR, A_ADDR, B_ADDR, "", 1, 0, 2.3)  # full too
+    a.net.flush(2.3)
+    assert answer(a)[0] == Sub.ALL_SERVERS_BUSY
+    assert len(full.started) == 1  # not asked twice
+
+
+def test_without_a_forwarder_here_only_the_relay_nodes_serve() -> None:
+    node, a, b = relay_setup(None)
+    a.send(request(B_GUID), 2.0)
+    # one candidate: asked at once, no ping round
+    assert b.take(MessageId.UDP_PROXY_GENERAL) == []
+    assert node.proxy.pop_remote_requests() == [
+        RemoteForwardingRequest(NODE_ADDR, A_ADDR, B_ADDR, 7000)
+    ]
+    # the relay node disappears (its registration expired): busy after 3 s
+    node.proxy.set_relay_nodes([], None)
+    now = 2.0
+    while node.proxy.requests and now < 10:
+        now += 0.25
+        node.handle_timer(now)
+    a.net.flush(now)
+    assert answer(a)[0] == Sub.ALL_SERVERS_BUSY
+    # ... and with no node left at all: no servers online
+    a.send(request(B_GUID), now)
+    assert answer(a)[0] == Sub.NO_SERVERS_ONLINE
+
+
+def test_only_this_instance_listed_is_the_plain_built_in_forwarder() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b, _ = setup(forwarders)
+    node.proxy.set_relay_nodes([OWN_ADDR], OWN_ADDR)
+    a.send(request(B_GUID), 2.0)
+    assert forwarders.started == [(A_ADDR, B_ADDR, 7000)]
+    assert answer(a)[0] == Sub.FORWARDING_SUCCEEDED

@@ -51,8 +51,21 @@ reply from anyone, and ends with ALL_SERVERS_BUSY where this one falls back
 to its own forwarder; here only the request's two ends may report pings, only
 for servers they were asked about, each end once.
 
-Bounds: requests in progress, the logged-in servers (so the servers to ping
-and the pings kept per request), and (in the forwarder) the forwarding ports.
+Relay nodes (crossroads' own, ``--raknet-proxy-relay-nodes``): other
+crossroads instances sharing the Store run the same built-in forwarder. The
+service tells the coordinator their RakNet addresses (where they answer
+unconnected pings) with :meth:`UDPProxyCoordinator.set_relay_nodes`, this
+instance's own address among them. They are servers like the logged-in ones:
+listed in the ping round and tried best first; this instance's own address
+means its built-in forwarder, another node's means a
+:class:`RemoteForwardingRequest` that the service carries to that instance
+through the Store and whose answer comes back with
+:meth:`UDPProxyCoordinator.on_remote_reply` -- the same answer and the same
+``SERVER_REPLY_TIMEOUT_MS`` as an external server's ``5c 0a``.
+
+Bounds: requests in progress, the logged-in servers and relay nodes (so the
+servers to ping and the pings kept per request), the remote requests waiting
+for the service, and (in the forwarder) the forwarding ports.
 """
 
 from __future__ import annotations
@@ -78,6 +91,10 @@ UNRESPONSIVE_PING_MS = 2000
 #: Requests being set up or remembered at once, and proxy servers logged in.
 MAX_REQUESTS = 10_000
 MAX_SERVERS = 64
+#: Relay nodes considered for one request (the ping list stays one datagram).
+MAX_RELAY_NODES = 64
+#: Remote forwarding requests waiting for the service to carry them.
+MAX_REMOTE_OUTBOX = 1024
 #: How often remembered requests are forgotten.
 SWEEP_INTERVAL = 0.25
 
@@ -124,6 +141,18 @@ class Forwarders(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteForwardingRequest:
+    """Ask the relay node at ``node`` (another crossroads instance, known by
+    its RakNet address) to forward between ``source`` and ``target``: the
+    Store-borne equivalent of ``5c 09``."""
+
+    node: Address
+    source: Address
+    target: Address
+    timeout_ms: int
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     source: Address
@@ -142,6 +171,8 @@ class Request:
     pings_asked_ms: int | None = None
     source_pings: dict[Address, int] | None = None
     target_pings: dict[Address, int] | None = None
+    #: Whether this instance's built-in forwarder was already asked.
+    built_in_tried: bool = False
 
 
 @dataclass
@@ -167,11 +198,42 @@ class UDPProxyCoordinator:
         self.public_ip = public_ip
         self.password = password
         self.servers: list[Address] = []
+        #: crossroads relay nodes (RakNet addresses), and which one is this
+        #: instance (its built-in forwarder); see the module docstring.
+        self.relay_nodes: list[Address] = []
+        self.own_address: Address | None = None
+        self._remote: list[RemoteForwardingRequest] = []
         self.requests: dict[tuple[Address, Address], Request] = {}
         self.stats = ProxyStats()
         self._next_sweep: float | None = None
 
     # ------------------------------------------------------------- hooks
+
+    def set_relay_nodes(self, nodes: list[Address], own: Address | None) -> None:
+        """The live crossroads relay nodes (``own`` is this instance's)."""
+        self.relay_nodes = nodes[:MAX_RELAY_NODES]
+        self.own_address = own
+
+    def pop_remote_requests(self) -> list[RemoteForwardingRequest]:
+        """Forwarding requests for other relay nodes, for the service to carry."""
+        remote, self._remote = self._remote, []
+        return remote
+
+    def on_remote_reply(
+        self,
+        node: Address,
+        source: Address,
+        target: Address,
+        ip: str,
+        result: int,
+        port: int,
+        now: float,
+    ) -> None:
+        """A relay node's answer to a :class:`RemoteForwardingRequest`."""
+        try:
+            self._server_answered(node, source, target, ip, result, port, now)
+        except DecodeError as exc:
+            self.stats.dropped[f"relay-node-{exc.reason}"] += 1
 
     def on_message(
         self, guid: int, address: Address, payload: bytes, now: float
@@ -274,7 +336,7 @@ class UDPProxyCoordinator:
         if (source, target) in self.requests or (target, source) in self.requests:
             self._result(request, Sub.IN_PROGRESS, target_guid, "", 0, now)
             return
-        if self.forwarders is None and not self.servers:
+        if self.forwarders is None and not self.servers and not self.relay_nodes:
             self._result(request, Sub.NO_SERVERS_ONLINE, target_guid, None, None, now)
             return
         if self.peer.connection(source) is None:
@@ -302,9 +364,23 @@ class UDPProxyCoordinator:
             self._next_sweep = now + SWEEP_INTERVAL
         self._start(request, now)
 
+    def _candidates(self) -> list[Address]:
+        """Logged-in servers, then relay nodes (this one's own only when it
+        has a forwarder)."""
+        candidates = list(self.servers)
+        for node in self.relay_nodes:
+            if node in candidates:
+                continue
+            if node == self.own_address and self.forwarders is None:
+                continue
+            candidates.append(node)
+        if candidates == [self.own_address]:
+            return []  # only ourselves: the built-in fallback, no ping round
+        return candidates
+
     def _start(self, request: Request, now: float) -> None:
-        """One external server: ask it; several: have both ends ping them."""
-        request.remaining = list(self.servers)
+        """One server: ask it; several: have both ends ping them."""
+        request.remaining = self._candidates()
         if len(request.remaining) > 1:
             writer = BitWriter()
             writer.write_address(request.source)
@@ -334,29 +410,57 @@ class UDPProxyCoordinator:
         )
 
     def _try_next(self, request: Request, now: float) -> None:
-        """Ask the next external server still logged in, else the built-in one."""
+        """Ask the next server still there (logged in, or a live relay node),
+        else the built-in forwarder."""
         while request.remaining:
             server = request.remaining.pop(0)
-            if server not in self.servers:
+            if server == self.own_address and server not in self.servers:
+                if self._try_built_in(request, now):
+                    return
+                continue
+            if server in self.servers:
+                writer = BitWriter()
+                writer.write_address(request.source)
+                writer.write_address(request.target)
+                writer.write_u32(request.timeout_ms)
+                self._send(
+                    server,
+                    Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER,
+                    writer,
+                    now,
+                )
+            elif server in self.relay_nodes:
+                if len(self._remote) >= MAX_REMOTE_OUTBOX:
+                    self.stats.dropped["relay-node-outbox-full"] += 1
+                    continue
+                self._remote.append(
+                    RemoteForwardingRequest(
+                        server, request.source, request.target, request.timeout_ms
+                    )
+                )
+            else:
                 continue
             request.server = server
             request.asked_ms = int(now * 1000)
-            writer = BitWriter()
-            writer.write_address(request.source)
-            writer.write_address(request.target)
-            writer.write_u32(request.timeout_ms)
-            self._send(
-                server, Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER, writer, now
-            )
             return
         request.server = None
-        if self.forwarders is None:
+        if not self._try_built_in(request, now):
             self._busy(request, now)
-            return
+
+    def _try_built_in(self, request: Request, now: float) -> bool:
+        """Ask this instance's forwarder (once); False when it cannot help."""
+        if self.forwarders is None or request.built_in_tried:
+            return False
+        request.built_in_tried = True
+        request.server = None
         result, port = self.forwarders.start(
             request.source, request.target, request.timeout_ms
         )
+        if result in (ForwarderResult.NO_SOCKETS, ForwarderResult.BIND_FAILED):
+            self.stats.results[result.name.lower()] += 1
+            return False
         self._forwarded(request, result, self._public_ip(request), port, now)
+        return True
 
     def _on_ping_reply(self, address: Address, payload: bytes, now: float) -> None:
         reader = BitReader(payload, start_bits=16)
@@ -463,6 +567,19 @@ class UDPProxyCoordinator:
         ip = reader.read_rakstring().decode("latin-1")
         result = reader.read_u8()
         port = reader.read_u16()
+        self._server_answered(address, source, target, ip, result, port, now)
+
+    def _server_answered(
+        self,
+        address: Address,
+        source: Address,
+        target: Address,
+        ip: str,
+        result: int,
+        port: int,
+        now: float,
+    ) -> None:
+        """A server's (or relay node's) answer to a forwarding request."""
         request = self.requests.get((source, target))
         if (
             request is None

@@ -1,0 +1,311 @@
+"""crossroads relay nodes for RakNet's UDP proxy, across instances sharing a
+Store (``--raknet-proxy-relay-nodes``).
+
+Every ``raknet`` instance with the flag and a built-in forwarder registers
+itself as a relay node: ``raknet:node:<id>`` holds its RakNet address (where
+clients ping it and where its forwarding ports live), refreshed every
+:data:`HEARTBEAT` s with a TTL of :data:`HEARTBEATS_PER_TTL` heartbeats, as
+the Unity relay's nodes are (services/relay.py). Every instance with the
+flag reads the live nodes at the same pace and hands their addresses to its
+UDPProxyCoordinator (:meth:`~crossroads.proto.raknet.udpproxy.UDPProxyCoordinator.set_relay_nodes`),
+which lists them in RakNet's ping round and tries them best first.
+
+A forwarding request that the coordinator of instance A gives to node B
+(:class:`~crossroads.proto.raknet.udpproxy.RemoteForwardingRequest`) goes over
+Store pub/sub to B's channel ``raknet:node:<B>``::
+
+    {"t": "forward", "from": A, "source": [ip, port], "target": [ip, port],
+     "timeout_ms": n}
+
+B starts a forwarder in its pool and answers on A's channel::
+
+    {"t": "forwarded", "from": B, "source": [...], "target": [...],
+     "ip": public IP or "", "result": UDPForwarderResult, "port": n}
+
+A hands the answer to its coordinator as node B's (looked up by B's id in its
+own listing, never taken from the message). A lost message is an unanswered
+server: the coordinator moves on after ``SERVER_REPLY_TIMEOUT_MS``.
+
+The Store is trusted (it holds every secret of the deployment), but what comes
+out of it is still checked: sizes, types, addresses; bad messages are dropped
+and counted (``crossroads_raknet_dropped{reason="relay-node-..."}``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import uuid
+from collections import Counter, deque
+from typing import Any
+
+from crossroads.errors import DecodeError, StoreError
+from crossroads.proto import jsontext
+from crossroads.proto.raknet.udpproxy import (
+    MAX_RELAY_NODES,
+    Forwarders,
+    RemoteForwardingRequest,
+    UDPProxyCoordinator,
+)
+from crossroads.store.base import Store, Subscription
+from crossroads.types import Address
+
+log = logging.getLogger("crossroads.raknet")
+
+#: Store key prefix of node registrations; also each node's command channel.
+NODE_PREFIX = "raknet:node:"
+#: Seconds between registrations and listings: a new node is used, and a dead
+#: one dropped, within a few seconds (the RakNet proxy timeouts are seconds).
+HEARTBEAT = 2.0
+#: A registration lives this many heartbeats: one lost heartbeat is forgiven
+#: (the Unity relay's nodes use the same rule, services/relay.py).
+HEARTBEATS_PER_TTL = 3
+#: Largest registration or command accepted (both are ~200 bytes).
+MAX_MESSAGE = 4096
+#: Commands waiting to be published; beyond this they are dropped (the Store
+#: lags, the coordinator must not grow without bound; the request times out).
+MAX_OUTBOX = 1024
+#: Largest ``timeoutOnNoDataMS`` a node accepts from another (a u32 on the
+#: wire, UDPProxyCoordinator.cpp:170-200).
+MAX_TIMEOUT_MS = 2**32 - 1
+
+
+def node_key(node_id: str) -> str:
+    return NODE_PREFIX + node_id
+
+
+def _address(value: Any) -> Address:
+    """``[ip, port]`` from a message, checked."""
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], str)
+        or not isinstance(value[1], int)
+        or not 0 < value[1] < 65536
+    ):
+        raise DecodeError("not an [ip, port] pair", "bad-address")
+    try:
+        ip = str(ipaddress.ip_address(value[0]))
+    except ValueError:
+        raise DecodeError("not an IP address", "bad-address") from None
+    return (ip, value[1])
+
+
+class RelayNodes:
+    """This instance's side of the relay-node cluster (module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        coordinator: UDPProxyCoordinator,
+        forwarders: Forwarders | None,
+        own_address: Address | None,
+        public_ip: str,
+        wake: Any,
+    ) -> None:
+        self.store = store
+        self.coordinator = coordinator
+        self.forwarders = forwarders
+        #: Where this node registers; None: it only uses the others.
+        self.own_address = own_address
+        self.public_ip = public_ip
+        #: Called (with the loop time) after a reply reached the coordinator,
+        #: so the driver sends what it produced.
+        self.wake = wake
+        self.node_id = uuid.uuid4().hex
+        #: Live nodes by id (this one included when it registers).
+        self.nodes: dict[str, Address] = {}
+        self.dropped: Counter[str] = Counter()
+        self.published = 0
+        self._outbox: deque[tuple[str, bytes]] = deque()
+        self._outbox_ready = asyncio.Event()
+        self._subscription: Subscription | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._subscription = await self.store.subscribe(node_key(self.node_id))
+        try:
+            await self._heartbeat_once()
+        except StoreError as exc:  # the heartbeat retries; the proxy works alone
+            log.debug("raknet relay nodes: %r", exc)
+            self.dropped["store-error"] += 1
+        self._tasks = [
+            asyncio.create_task(self._receive(self._subscription)),
+            asyncio.create_task(self._heartbeat_forever()),
+            asyncio.create_task(self._publish_forever()),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.close()
+            self._subscription = None
+        if self.own_address is not None:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(node_key(self.node_id))
+
+    # ------------------------------------------------------------ heartbeat
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT)
+            try:
+                await self._heartbeat_once()
+            except StoreError as exc:  # logged once per outage by the store
+                log.debug("raknet relay nodes: %r", exc)
+                self.dropped["store-error"] += 1
+
+    async def _heartbeat_once(self) -> None:
+        if self.own_address is not None:
+            record = {"id": self.node_id, "raknet": list(self.own_address)}
+            await self.store.set(
+                node_key(self.node_id),
+                json.dumps(record).encode(),
+                ttl=HEARTBEAT * HEARTBEATS_PER_TTL,
+            )
+        nodes: dict[str, Address] = {}
+        for key in (await self.store.keys(NODE_PREFIX))[: MAX_RELAY_NODES * 2]:
+            raw = await self.store.get(key)
+            if raw is None:
+                continue  # expired between the scan and the read
+            try:
+                node_id, address = self._parse_record(key, raw)
+            except DecodeError as exc:
+                self.dropped[exc.reason] += 1
+                continue
+            if len(nodes) < MAX_RELAY_NODES:
+                nodes[node_id] = address
+        self.nodes = nodes
+        own = self.own_address if self.node_id in nodes else None
+        self.coordinator.set_relay_nodes(list(nodes.values()), own)
+
+    @staticmethod
+    def _parse_record(key: str, raw: bytes) -> tuple[str, Address]:
+        if len(raw) > MAX_MESSAGE:
+            raise DecodeError("registration too large", "too-large")
+        record = jsontext.loads(raw)
+        if not isinstance(record, dict) or record.get("id") != key[len(NODE_PREFIX) :]:
+            raise DecodeError("malformed registration", "bad-registration")
+        return str(record["id"]), _address(record.get("raknet"))
+
+    # ------------------------------------------------------------- commands
+
+    def carry(self, requests: list[RemoteForwardingRequest]) -> None:
+        """Publish the coordinator's requests to the nodes they name."""
+        by_address = {address: node_id for node_id, address in self.nodes.items()}
+        for request in requests:
+            node_id = by_address.get(request.node)
+            if node_id is None:
+                self.dropped["unknown-node"] += 1  # gone: the request times out
+                continue
+            self._queue(
+                node_id,
+                {
+                    "t": "forward",
+                    "from": self.node_id,
+                    "source": list(request.source),
+                    "target": list(request.target),
+                    "timeout_ms": request.timeout_ms,
+                },
+            )
+
+    def _queue(self, node_id: str, message: dict[str, Any]) -> None:
+        if len(self._outbox) >= MAX_OUTBOX:
+            self.dropped["outbox-full"] += 1
+            return
+        self._outbox.append((node_id, json.dumps(message).encode()))
+        self._outbox_ready.set()
+
+    async def _publish_forever(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            while self._outbox:
+                node_id, data = self._outbox.popleft()
+                try:
+                    await self.store.publish(node_key(node_id), data)
+                    self.published += 1
+                except StoreError:
+                    self.dropped["store-error"] += 1
+
+    async def _receive(self, subscription: Subscription) -> None:
+        while True:
+            try:
+                raw = await subscription.get(timeout=5.0)
+            except StoreError as exc:  # logged once per outage by the store
+                log.debug("raknet relay nodes: %r; retrying", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if raw is None:
+                continue
+            try:
+                self.handle(raw)
+            except DecodeError as exc:
+                self.dropped[exc.reason] += 1
+
+    def handle(self, raw: bytes) -> None:
+        """One command from another node (raises DecodeError when malformed)."""
+        if len(raw) > MAX_MESSAGE:
+            raise DecodeError("command too large", "too-large")
+        message = jsontext.loads(raw)
+        if not isinstance(message, dict) or not isinstance(message.get("from"), str):
+            raise DecodeError("malformed command", "bad-command")
+        sender = message["from"]
+        source = _address(message.get("source"))
+        target = _address(message.get("target"))
+        match message.get("t"):
+            case "forward":
+                self._on_forward(sender, source, target, message.get("timeout_ms"))
+            case "forwarded":
+                self._on_forwarded(sender, source, target, message)
+            case _:
+                raise DecodeError("unknown command", "unknown-command")
+
+    def _on_forward(
+        self, sender: str, source: Address, target: Address, timeout_ms: Any
+    ) -> None:
+        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= MAX_TIMEOUT_MS:
+            raise DecodeError("bad timeout", "bad-timeout")
+        if self.forwarders is None:
+            raise DecodeError("no forwarder here", "not-a-node")
+        result, port = self.forwarders.start(source, target, timeout_ms)
+        self._queue(
+            sender,
+            {
+                "t": "forwarded",
+                "from": self.node_id,
+                "source": list(source),
+                "target": list(target),
+                "ip": self.public_ip,
+                "result": int(result),
+                "port": port,
+            },
+        )
+
+    def _on_forwarded(
+        self, sender: str, source: Address, target: Address, message: dict[str, Any]
+    ) -> None:
+        node = self.nodes.get(sender)
+        if node is None:
+            raise DecodeError("answer from an unknown node", "unknown-node")
+        ip, result, port = message.get("ip"), message.get("result"), message.get("port")
+        if (
+            not isinstance(ip, str)
+            or len(ip) > 255
+            or not isinstance(result, int)
+            or not isinstance(port, int)
+            or not 0 <= result < 256
+            or not 0 <= port < 65536
+        ):
+            raise DecodeError("malformed answer", "bad-answer")
+        now = asyncio.get_running_loop().time()
+        self.coordinator.on_remote_reply(node, source, target, ip, result, port, now)
+        self.wake(now)
