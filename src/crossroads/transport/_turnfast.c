@@ -918,6 +918,381 @@ static PyTypeObject ChannelRouterType = {
     .tp_dictoffset = offsetof(ChannelRouter, dict),
 };
 
+/* ------------------------------------------------------------ Route / RouteTap */
+
+/* The generic half of the data plane: a socket whose datagrams are forwarded
+ * by a route table the control plane writes (see dataplane.py for the design
+ * and the pure-Python twin). The key is the source (host, port), or
+ * ((host, port), first `prefix` bytes) when a protocol names its route in a
+ * header (the Unity relay's RELAY frame: header + from/to allocation ids).
+ * The value is a Route: an out socket, a destination and the route's
+ * counters. Datagrams are forwarded unchanged; what has no route goes to
+ * `fallback(data, addr)`. */
+
+typedef struct {
+    PyObject_HEAD
+    int out_fd;
+    struct sockaddr_storage dest_sa;
+    socklen_t dest_salen;
+    PyObject *sock; /* the out socket: kept alive while the route exists */
+    PyObject *dest; /* (host, port) */
+    unsigned long long packets;
+    unsigned long long octets;
+} Route;
+
+static PyTypeObject RouteType;
+
+static int
+Route_init(Route *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"sock", "dest", NULL};
+    PyObject *sock, *dest;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", names, &sock, &dest))
+        return -1;
+    PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
+    if (fileno == NULL)
+        return -1;
+    long fd = PyLong_AsLong(fileno);
+    Py_DECREF(fileno);
+    if (fd < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "the out socket is closed");
+        return -1;
+    }
+    if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
+        PyErr_SetString(PyExc_ValueError, "dest must be (ip, port)");
+        return -1;
+    }
+    self->out_fd = (int)fd;
+    Py_XSETREF(self->sock, Py_NewRef(sock));
+    PyObject *key = PyTuple_GetSlice(dest, 0, 2);
+    if (key == NULL)
+        return -1;
+    Py_XSETREF(self->dest, key);
+    return 0;
+}
+
+static int
+Route_traverse(Route *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sock);
+    Py_VISIT(self->dest);
+    return 0;
+}
+
+static int
+Route_clear(Route *self)
+{
+    Py_CLEAR(self->sock);
+    Py_CLEAR(self->dest);
+    return 0;
+}
+
+static void
+Route_dealloc(Route *self)
+{
+    PyObject_GC_UnTrack(self);
+    Route_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef Route_members[] = {
+    {"sock", T_OBJECT_EX, offsetof(Route, sock), READONLY, "The socket it leaves from."},
+    {"dest", T_OBJECT_EX, offsetof(Route, dest), READONLY, "(host, port) it goes to."},
+    {"packets", T_ULONGLONG, offsetof(Route, packets), READONLY,
+     "Datagrams that took this route (sent or not)."},
+    {"octets", T_ULONGLONG, offsetof(Route, octets), READONLY,
+     "Bytes of those datagrams."},
+    {NULL},
+};
+
+static PyTypeObject RouteType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.Route",
+    .tp_basicsize = sizeof(Route),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Route(sock, dest): forward unchanged from `sock` to `dest`.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Route_init,
+    .tp_dealloc = (destructor)Route_dealloc,
+    .tp_traverse = (traverseproc)Route_traverse,
+    .tp_clear = (inquiry)Route_clear,
+    .tp_members = Route_members,
+};
+
+/* Longest key prefix (the Unity relay's is 36 bytes). */
+#define MAX_PREFIX 64
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    int prefix;      /* bytes of the datagram in the key; 0: the address alone */
+    int length_at;   /* -1, or offset of a u16 BE that must equal the rest's size */
+    int max_size;    /* larger datagrams are dropped as malformed */
+    PyObject *sock;
+    PyObject *routes;   /* dict key -> Route */
+    PyObject *fallback; /* callable(data, (host, port)) */
+    PyObject *dict;
+    Counters c;
+    int queued;
+    int queued_fd;
+    PyObject *held[RECV_BATCH]; /* the queued routes (their sockaddrs are in use) */
+} RouteTap;
+
+static PyTypeObject RouteTapType;
+
+static void
+route_flush(RouteTap *self)
+{
+    int start = 0;
+    while (start < self->queued) {
+        int sent = sendmmsg(self->queued_fd, &smsg[start], self->queued - start,
+                            MSG_DONTWAIT);
+        if (sent < 0 && errno == EINTR)
+            continue;
+        if (sent <= 0) {
+            /* One failed datagram (a full buffer, an ICMP error pending on
+             * the socket) must not take the rest of the batch with it. */
+            self->c.send_errors += 1;
+            start += 1;
+            continue;
+        }
+        for (int i = start; i < start + sent; i++) {
+            self->c.forwarded += 1;
+            self->c.forwarded_bytes += siov[i][0].iov_len;
+        }
+        start += sent;
+    }
+    for (int i = 0; i < self->queued; i++)
+        Py_DECREF(self->held[i]);
+    self->queued = 0;
+}
+
+static void
+route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t size)
+{
+    if (self->queued && (self->queued_fd != route->out_fd || self->queued == RECV_BATCH))
+        route_flush(self);
+    int i = self->queued;
+    siov[i][0].iov_base = (void *)payload;
+    siov[i][0].iov_len = size;
+    memset(&smsg[i], 0, sizeof(smsg[i]));
+    smsg[i].msg_hdr.msg_name = &route->dest_sa;
+    smsg[i].msg_hdr.msg_namelen = route->dest_salen;
+    smsg[i].msg_hdr.msg_iov = siov[i];
+    smsg[i].msg_hdr.msg_iovlen = 1;
+    Py_INCREF(route);
+    self->held[i] = (PyObject *)route;
+    self->queued_fd = route->out_fd;
+    self->queued = i + 1;
+}
+
+/* Whether the datagram's own length field agrees with its size. */
+static int
+length_ok(RouteTap *self, const unsigned char *buf, size_t size)
+{
+    if (self->length_at < 0)
+        return 1;
+    size_t at = (size_t)self->length_at;
+    return size >= at + 2 && size - at - 2 == (((size_t)buf[at] << 8) | buf[at + 1]);
+}
+
+/* One datagram. Returns 0, or -1 with an exception set. */
+static int
+route_one(RouteTap *self, const unsigned char *buf, size_t size, PyObject *addr)
+{
+    if (size > (size_t)self->max_size) {
+        self->c.malformed += 1;
+        return 0;
+    }
+    PyObject *route = NULL;
+    if (self->prefix == 0) {
+        route = PyDict_GetItemWithError(self->routes, addr);
+    } else if (size >= (size_t)self->prefix) {
+        PyObject *key = Py_BuildValue("(Oy#)", addr, (const char *)buf,
+                                      (Py_ssize_t)self->prefix);
+        if (key == NULL)
+            return -1;
+        route = PyDict_GetItemWithError(self->routes, key);
+        Py_DECREF(key);
+    }
+    if (route == NULL && PyErr_Occurred())
+        return -1;
+    if (route != NULL && PyObject_TypeCheck(route, &RouteType) &&
+        length_ok(self, buf, size)) {
+        Route *r = (Route *)route;
+        r->packets += 1;
+        r->octets += size;
+        route_queue(self, r, buf, size);
+        return 0;
+    }
+    /* Not ours to forward: keep order, flush first, then Python decides. */
+    if (self->queued)
+        route_flush(self);
+    return call_fallback(self->fallback, buf, size, NULL, addr, NULL);
+}
+
+static PyObject *
+route_drain(RouteTap *self)
+{
+    if (self->fd < 0 || draining)
+        Py_RETURN_NONE;
+    draining = 1;
+    for (int round = 0; round < MAX_ROUNDS; round++) {
+        int n = receive_batch(self->fd);
+        if (n <= 0)
+            break;
+        self->c.batches += 1;
+        self->c.drained += (unsigned long long)n;
+        for (int i = 0; i < n; i++) {
+            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
+                self->c.malformed += 1;
+                continue;
+            }
+            PyObject *addr = tuple_from_sockaddr(&raddr[i]);
+            if (addr == NULL) {
+                PyErr_Clear();
+                self->c.malformed += 1;
+                continue;
+            }
+            int rc = route_one(self, rbuf[i], rmsg[i].msg_len, addr);
+            Py_DECREF(addr);
+            if (rc < 0) {
+                if (self->queued)
+                    route_flush(self);
+                draining = 0;
+                return NULL;
+            }
+            /* The fallback closed this tap (a released pair): the rest of
+             * the batch belongs to nobody. */
+            if (self->fd < 0)
+                break;
+        }
+        if (self->queued)
+            route_flush(self);
+        /* The fallback may have closed this tap (a released pair). */
+        if (n < RECV_BATCH || self->fd < 0)
+            break;
+    }
+    draining = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+RouteTap_readable(RouteTap *self, PyObject *unused)
+{
+    return route_drain(self);
+}
+
+static PyObject *
+RouteTap_close(RouteTap *self, PyObject *unused)
+{
+    self->fd = -1;
+    Py_RETURN_NONE;
+}
+
+static int
+RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"sock", "routes", "fallback", "prefix", "length_at",
+                            "max_size", NULL};
+    PyObject *sock, *routes, *fallback;
+    int prefix = 0, length_at = -1, max_size = 65535;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O|$iii", names, &sock,
+                                     &PyDict_Type, &routes, &fallback, &prefix,
+                                     &length_at, &max_size))
+        return -1;
+    if (prefix < 0 || prefix > MAX_PREFIX || length_at < -1 || length_at > 65533 ||
+        max_size < 0 || max_size > 65535) {
+        PyErr_SetString(PyExc_ValueError, "prefix, length_at or max_size out of range");
+        return -1;
+    }
+    PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
+    if (fileno == NULL)
+        return -1;
+    long fd = PyLong_AsLong(fileno);
+    Py_DECREF(fileno);
+    if (fd < 0 && PyErr_Occurred())
+        return -1;
+    self->fd = (int)fd;
+    self->prefix = prefix;
+    self->length_at = length_at;
+    self->max_size = max_size;
+    Py_XSETREF(self->sock, Py_NewRef(sock));
+    Py_XSETREF(self->routes, Py_NewRef(routes));
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    return 0;
+}
+
+static int
+RouteTap_traverse(RouteTap *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sock);
+    Py_VISIT(self->routes);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+RouteTap_clear(RouteTap *self)
+{
+    Py_CLEAR(self->sock);
+    Py_CLEAR(self->routes);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+RouteTap_dealloc(RouteTap *self)
+{
+    PyObject_GC_UnTrack(self);
+    RouteTap_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef RouteTap_methods[] = {
+    {"readable", (PyCFunction)RouteTap_readable, METH_NOARGS,
+     "Drain the socket (for loop.add_reader)."},
+    {"close", (PyCFunction)RouteTap_close, METH_NOARGS,
+     "Stop reading (the owner closes the socket)."},
+    {NULL},
+};
+
+static PyMemberDef RouteTap_members[] = {
+    {"fd", T_INT, offsetof(RouteTap, fd), READONLY, "Socket fd (-1: closed)."},
+    {"prefix", T_INT, offsetof(RouteTap, prefix), READONLY,
+     "Datagram bytes in the route key (0: the source address alone)."},
+    {"length_at", T_INT, offsetof(RouteTap, length_at), READONLY,
+     "Offset of the u16 length a routed datagram must agree with (-1: none)."},
+    {"max_size", T_INT, offsetof(RouteTap, max_size), READONLY,
+     "Larger datagrams are dropped and counted as malformed."},
+    {"sock", T_OBJECT_EX, offsetof(RouteTap, sock), READONLY, "The socket read."},
+    {"routes", T_OBJECT_EX, offsetof(RouteTap, routes), READONLY,
+     "The route table: key -> Route."},
+    {"fallback", T_OBJECT_EX, offsetof(RouteTap, fallback), READONLY,
+     "callable(data, (host, port)) for datagrams without a route."},
+    COUNTER_MEMBERS(RouteTap),
+    {NULL},
+};
+
+static PyTypeObject RouteTapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.RouteTap",
+    .tp_basicsize = sizeof(RouteTap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A socket forwarded by a route table (see dataplane.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)RouteTap_init,
+    .tp_dealloc = (destructor)RouteTap_dealloc,
+    .tp_traverse = (traverseproc)RouteTap_traverse,
+    .tp_clear = (inquiry)RouteTap_clear,
+    .tp_methods = RouteTap_methods,
+    .tp_members = RouteTap_members,
+    .tp_dictoffset = offsetof(RouteTap, dict),
+};
+
 /* ------------------------------------------------------------ Poller */
 
 /* One epoll set holding every relay socket (and the listening sockets the
@@ -1152,7 +1527,8 @@ PyMODINIT_FUNC
 PyInit__turnfast(void)
 {
     if (PyType_Ready(&RelayTapType) < 0 || PyType_Ready(&ListenerTapType) < 0 ||
-        PyType_Ready(&ChannelRouterType) < 0 || PyType_Ready(&PollerType) < 0)
+        PyType_Ready(&ChannelRouterType) < 0 || PyType_Ready(&PollerType) < 0 ||
+        PyType_Ready(&RouteType) < 0 || PyType_Ready(&RouteTapType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -1178,6 +1554,11 @@ PyInit__turnfast(void)
     Py_INCREF(&PollerType);
     if (PyModule_AddObject(m, "Poller", (PyObject *)&PollerType) < 0) {
         Py_DECREF(&PollerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Route", (PyObject *)&RouteType) < 0 ||
+        PyModule_AddObjectRef(m, "RouteTap", (PyObject *)&RouteTapType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -46,3 +46,31 @@ class Poller:
     def poll(self) -> None: ...
     def fileno(self) -> int: ...
     def close(self) -> None: ...
+
+class Route:
+    sock: Any
+    dest: tuple[str, int]
+    packets: int
+    octets: int
+    def __init__(self, sock: Any, dest: tuple[str, int]) -> None: ...
+
+class RouteTap(_Counters):
+    fd: int
+    prefix: int
+    length_at: int
+    max_size: int
+    sock: Any
+    routes: dict[Any, Any]
+    fallback: Callable[[bytes, tuple[str, int]], None]
+    def __init__(
+        self,
+        sock: Any,
+        routes: dict[Any, Any],
+        fallback: Callable[[bytes, tuple[str, int]], None],
+        *,
+        prefix: int = ...,
+        length_at: int = ...,
+        max_size: int = ...,
+    ) -> None: ...
+    def readable(self) -> None: ...
+    def close(self) -> None: ...
