@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crossroads.transport import dataplane
+from crossroads.transport.pktinfo import enable_pktinfo, reply_control
 
 IMPLEMENTATIONS: list[Any] = [
     pytest.param((dataplane.PyRouteTap, dataplane.PyRoute), id="python")
@@ -212,6 +213,10 @@ def test_bad_options_are_refused(impl: tuple[Any, Any]) -> None:
                 tap_type(sock, {}, print, **options)
         with pytest.raises(ValueError):
             route_type(sock, ("not an address", 1))
+        with pytest.raises(ValueError):
+            route_type(sock, ("127.0.0.1", 1), (0, 8, b""))
+        with pytest.raises(ValueError):
+            route_type(sock, ("127.0.0.1", 1), (0, 8, bytes(21)))
     finally:
         sock.close()
 
@@ -250,3 +255,39 @@ def test_c_and_python_make_the_same_decisions(frames: list[tuple[bool, bytes]]) 
         finally:
             rig.close()
     assert outcomes[0] == outcomes[1]
+
+
+def test_ancillary_data_reaches_the_fallback_and_routes_send_from_a_chosen_source(
+    impl: tuple[Any, Any],
+) -> None:
+    # A wildcard bind (pktinfo.py): the fallback learns where a datagram was
+    # sent to; a route carrying that as its control message leaves from there.
+    tap_type, route_type = impl
+    relay = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    relay.bind(("0.0.0.0", 0))
+    relay.setblocking(False)
+    enable_pktinfo(relay)
+    client, dest = udp(), udp()
+    routes: dict[Any, Any] = {}
+    seen: list[Any] = []
+
+    def learn(data: bytes, addr: Any, ancdata: Any) -> None:
+        control = reply_control(ancdata)
+        seen.append((data, addr, control))
+        routes[addr] = route_type(relay, dest.getsockname(), control)
+
+    tap = tap_type(relay, routes, learn, ancillary=True)
+    try:
+        port = relay.getsockname()[1]
+        client.sendto(b"learn me", ("127.0.0.3", port))
+        client.sendto(b"routed", ("127.0.0.3", port))
+        tap.readable()
+        assert len(seen) == 1
+        data, addr, control = seen[0]
+        assert (data, addr) == (b"learn me", client.getsockname())
+        assert control is not None and control[2][4:8] == socket.inet_aton("127.0.0.3")
+        assert recv(dest) == (b"routed", ("127.0.0.3", port))
+        assert routes[addr].control == control
+    finally:
+        for sock in (relay, client, dest):
+            sock.close()

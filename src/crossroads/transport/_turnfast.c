@@ -929,6 +929,17 @@ static PyTypeObject ChannelRouterType = {
  * counters. Datagrams are forwarded unchanged; what has no route goes to
  * `fallback(data, addr)`. */
 
+/* Largest control message a route sends with: in6_pktinfo is 20 bytes
+ * (ipv6(7)), in_pktinfo 12 (ip(7)) -- the source address of a reply on a
+ * wildcard bind (pktinfo.py). */
+#define ROUTE_CONTROL 20
+/* Room for the control messages a tap receives (both pktinfo options may be
+ * on for a dual-stack socket; pktinfo.ANCILLARY_BYTES). */
+#define TAP_CONTROL 128
+
+static unsigned char rctl[RECV_BATCH][TAP_CONTROL];
+static unsigned char sctl[RECV_BATCH + 1][CMSG_SPACE(ROUTE_CONTROL)];
+
 typedef struct {
     PyObject_HEAD
     int out_fd;
@@ -936,6 +947,10 @@ typedef struct {
     socklen_t dest_salen;
     PyObject *sock; /* the out socket: kept alive while the route exists */
     PyObject *dest; /* (host, port) */
+    PyObject *control; /* None, or (level, type, data): sendmsg ancillary data */
+    int clevel, ctype;
+    unsigned char cdata[ROUTE_CONTROL];
+    size_t clen;
     unsigned long long packets;
     unsigned long long octets;
 } Route;
@@ -945,10 +960,29 @@ static PyTypeObject RouteType;
 static int
 Route_init(Route *self, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"sock", "dest", NULL};
-    PyObject *sock, *dest;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO", names, &sock, &dest))
+    static char *names[] = {"sock", "dest", "control", NULL};
+    PyObject *sock, *dest, *control = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O", names, &sock, &dest,
+                                     &control))
         return -1;
+    self->clen = 0;
+    if (control != Py_None) {
+        int level, type;
+        const char *cdata;
+        Py_ssize_t clen;
+        if (!PyArg_ParseTuple(control, "iiy#;control must be (level, type, bytes)",
+                              &level, &type, &cdata, &clen))
+            return -1;
+        if (clen <= 0 || clen > ROUTE_CONTROL) {
+            PyErr_SetString(PyExc_ValueError, "control data must be 1-20 bytes");
+            return -1;
+        }
+        self->clevel = level;
+        self->ctype = type;
+        memcpy(self->cdata, cdata, (size_t)clen);
+        self->clen = (size_t)clen;
+    }
+    Py_XSETREF(self->control, Py_NewRef(control));
     PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
     if (fileno == NULL)
         return -1;
@@ -977,6 +1011,7 @@ Route_traverse(Route *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->sock);
     Py_VISIT(self->dest);
+    Py_VISIT(self->control);
     return 0;
 }
 
@@ -985,6 +1020,7 @@ Route_clear(Route *self)
 {
     Py_CLEAR(self->sock);
     Py_CLEAR(self->dest);
+    Py_CLEAR(self->control);
     return 0;
 }
 
@@ -999,9 +1035,11 @@ Route_dealloc(Route *self)
 static PyMemberDef Route_members[] = {
     {"sock", T_OBJECT_EX, offsetof(Route, sock), READONLY, "The socket it leaves from."},
     {"dest", T_OBJECT_EX, offsetof(Route, dest), READONLY, "(host, port) it goes to."},
-    {"packets", T_ULONGLONG, offsetof(Route, packets), READONLY,
+    {"control", T_OBJECT_EX, offsetof(Route, control), READONLY,
+     "None, or the (level, type, data) control message sent with each datagram."},
+    {"packets", T_ULONGLONG, offsetof(Route, packets), 0,
      "Datagrams that took this route (sent or not)."},
-    {"octets", T_ULONGLONG, offsetof(Route, octets), READONLY,
+    {"octets", T_ULONGLONG, offsetof(Route, octets), 0,
      "Bytes of those datagrams."},
     {NULL},
 };
@@ -1011,7 +1049,7 @@ static PyTypeObject RouteType = {
     .tp_name = "crossroads.transport._turnfast.Route",
     .tp_basicsize = sizeof(Route),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Route(sock, dest): forward unchanged from `sock` to `dest`.",
+    .tp_doc = "Route(sock, dest[, control]): forward unchanged from `sock` to `dest`.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Route_init,
     .tp_dealloc = (destructor)Route_dealloc,
@@ -1029,6 +1067,7 @@ typedef struct {
     int prefix;      /* bytes of the datagram in the key; 0: the address alone */
     int length_at;   /* -1, or offset of a u16 BE that must equal the rest's size */
     int max_size;    /* larger datagrams are dropped as malformed */
+    char ancillary;  /* receive control messages, hand them to the fallback */
     PyObject *sock;
     PyObject *routes;   /* dict key -> Route */
     PyObject *fallback; /* callable(data, (host, port)) */
@@ -1081,6 +1120,16 @@ route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t s
     smsg[i].msg_hdr.msg_namelen = route->dest_salen;
     smsg[i].msg_hdr.msg_iov = siov[i];
     smsg[i].msg_hdr.msg_iovlen = 1;
+    if (route->clen) {
+        memset(sctl[i], 0, sizeof(sctl[i]));
+        smsg[i].msg_hdr.msg_control = sctl[i];
+        smsg[i].msg_hdr.msg_controllen = CMSG_SPACE(route->clen);
+        struct cmsghdr *cmsg = CMSG_FIRSTHDR(&smsg[i].msg_hdr);
+        cmsg->cmsg_level = route->clevel;
+        cmsg->cmsg_type = route->ctype;
+        cmsg->cmsg_len = CMSG_LEN(route->clen);
+        memcpy(CMSG_DATA(cmsg), route->cdata, route->clen);
+    }
     Py_INCREF(route);
     self->held[i] = (PyObject *)route;
     self->queued_fd = route->out_fd;
@@ -1097,9 +1146,33 @@ length_ok(RouteTap *self, const unsigned char *buf, size_t size)
     return size >= at + 2 && size - at - 2 == (((size_t)buf[at] << 8) | buf[at + 1]);
 }
 
-/* One datagram. Returns 0, or -1 with an exception set. */
+/* The control messages of received datagram `i` as recvmsg's ancdata list:
+ * [(level, type, data), ...]. */
+static PyObject *
+ancdata_list(int i)
+{
+    PyObject *list = PyList_New(0);
+    if (list == NULL)
+        return NULL;
+    struct msghdr *hdr = &rmsg[i].msg_hdr;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(hdr); c != NULL; c = CMSG_NXTHDR(hdr, c)) {
+        size_t len = c->cmsg_len - CMSG_LEN(0);
+        PyObject *item = Py_BuildValue("(iiy#)", c->cmsg_level, c->cmsg_type,
+                                       (const char *)CMSG_DATA(c), (Py_ssize_t)len);
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return list;
+}
+
+/* One datagram (number `i` of the batch). Returns 0, or -1 with an
+ * exception set. */
 static int
-route_one(RouteTap *self, const unsigned char *buf, size_t size, PyObject *addr)
+route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject *addr)
 {
     if (size > (size_t)self->max_size) {
         self->c.malformed += 1;
@@ -1129,7 +1202,14 @@ route_one(RouteTap *self, const unsigned char *buf, size_t size, PyObject *addr)
     /* Not ours to forward: keep order, flush first, then Python decides. */
     if (self->queued)
         route_flush(self);
-    return call_fallback(self->fallback, buf, size, NULL, addr, NULL);
+    if (!self->ancillary)
+        return call_fallback(self->fallback, buf, size, NULL, addr, NULL);
+    PyObject *ancdata = ancdata_list(i);
+    if (ancdata == NULL)
+        return -1;
+    int rc = call_fallback(self->fallback, buf, size, NULL, addr, ancdata);
+    Py_DECREF(ancdata);
+    return rc;
 }
 
 static PyObject *
@@ -1139,7 +1219,17 @@ route_drain(RouteTap *self)
         Py_RETURN_NONE;
     draining = 1;
     for (int round = 0; round < MAX_ROUNDS; round++) {
-        int n = receive_batch(self->fd);
+        prepare_recv();
+        if (self->ancillary) {
+            for (int i = 0; i < RECV_BATCH; i++) {
+                rmsg[i].msg_hdr.msg_control = rctl[i];
+                rmsg[i].msg_hdr.msg_controllen = TAP_CONTROL;
+            }
+        }
+        int n;
+        do {
+            n = recvmmsg(self->fd, rmsg, RECV_BATCH, MSG_DONTWAIT, NULL);
+        } while (n < 0 && errno == EINTR);
         if (n <= 0)
             break;
         self->c.batches += 1;
@@ -1155,7 +1245,7 @@ route_drain(RouteTap *self)
                 self->c.malformed += 1;
                 continue;
             }
-            int rc = route_one(self, rbuf[i], rmsg[i].msg_len, addr);
+            int rc = route_one(self, i, rbuf[i], rmsg[i].msg_len, addr);
             Py_DECREF(addr);
             if (rc < 0) {
                 if (self->queued)
@@ -1195,12 +1285,12 @@ static int
 RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"sock", "routes", "fallback", "prefix", "length_at",
-                            "max_size", NULL};
+                            "max_size", "ancillary", NULL};
     PyObject *sock, *routes, *fallback;
-    int prefix = 0, length_at = -1, max_size = 65535;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O|$iii", names, &sock,
+    int prefix = 0, length_at = -1, max_size = 65535, ancillary = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O|$iiip", names, &sock,
                                      &PyDict_Type, &routes, &fallback, &prefix,
-                                     &length_at, &max_size))
+                                     &length_at, &max_size, &ancillary))
         return -1;
     if (prefix < 0 || prefix > MAX_PREFIX || length_at < -1 || length_at > 65533 ||
         max_size < 0 || max_size > 65535) {
@@ -1218,6 +1308,7 @@ RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
     self->prefix = prefix;
     self->length_at = length_at;
     self->max_size = max_size;
+    self->ancillary = (char)ancillary;
     Py_XSETREF(self->sock, Py_NewRef(sock));
     Py_XSETREF(self->routes, Py_NewRef(routes));
     Py_XSETREF(self->fallback, Py_NewRef(fallback));
@@ -1268,11 +1359,13 @@ static PyMemberDef RouteTap_members[] = {
      "Offset of the u16 length a routed datagram must agree with (-1: none)."},
     {"max_size", T_INT, offsetof(RouteTap, max_size), READONLY,
      "Larger datagrams are dropped and counted as malformed."},
+    {"ancillary", T_BOOL, offsetof(RouteTap, ancillary), READONLY,
+     "Whether the fallback gets the datagram's control messages (ancdata)."},
     {"sock", T_OBJECT_EX, offsetof(RouteTap, sock), READONLY, "The socket read."},
     {"routes", T_OBJECT_EX, offsetof(RouteTap, routes), READONLY,
      "The route table: key -> Route."},
     {"fallback", T_OBJECT_EX, offsetof(RouteTap, fallback), READONLY,
-     "callable(data, (host, port)) for datagrams without a route."},
+     "callable(data, (host, port)[, ancdata]) for datagrams without a route."},
     COUNTER_MEMBERS(RouteTap),
     {NULL},
 };

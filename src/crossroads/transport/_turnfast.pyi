@@ -50,27 +50,35 @@ class Poller:
 class Route:
     sock: Any
     dest: tuple[str, int]
+    control: tuple[int, int, bytes] | None
     packets: int
     octets: int
-    def __init__(self, sock: Any, dest: tuple[str, int]) -> None: ...
+    def __init__(
+        self,
+        sock: Any,
+        dest: tuple[str, int],
+        control: tuple[int, int, bytes] | None = ...,
+    ) -> None: ...
 
 class RouteTap(_Counters):
     fd: int
     prefix: int
     length_at: int
     max_size: int
+    ancillary: bool
     sock: Any
     routes: dict[Any, Any]
-    fallback: Callable[[bytes, tuple[str, int]], None]
+    fallback: Callable[..., None]
     def __init__(
         self,
         sock: Any,
         routes: dict[Any, Any],
-        fallback: Callable[[bytes, tuple[str, int]], None],
+        fallback: Callable[..., None],
         *,
         prefix: int = ...,
         length_at: int = ...,
         max_size: int = ...,
+        ancillary: bool = ...,
     ) -> None: ...
     def readable(self) -> None: ...
     def close(self) -> None: ...

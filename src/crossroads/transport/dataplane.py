@@ -55,6 +55,14 @@ from crossroads.types import Address
 PY_BATCH = 64
 #: Largest UDP payload (a datagram is read whole, then judged by ``max_size``).
 MAX_DATAGRAM = 65535
+#: Largest control message a route sends with: in6_pktinfo is 20 bytes (ipv6(7)),
+#: in_pktinfo 12 (ip(7)) -- a reply's source address on a wildcard bind.
+ROUTE_CONTROL = 20
+#: Room for the control messages a tap receives (:data:`pktinfo.ANCILLARY_BYTES`).
+TAP_CONTROL = 128
+
+#: A control message, as ``socket.recvmsg`` returns and ``sendmsg`` takes it.
+Control = tuple[int, int, bytes]
 
 
 class RouteLike(Protocol):
@@ -68,6 +76,8 @@ class RouteLike(Protocol):
     def packets(self) -> int: ...
     @property
     def octets(self) -> int: ...
+    @property
+    def control(self) -> Control | None: ...
 
 
 class RouteTapLike(Protocol):
@@ -92,17 +102,29 @@ class RouteTapLike(Protocol):
 class PyRoute:
     """Pure-Python ``Route``: forward unchanged from ``sock`` to ``dest``."""
 
-    __slots__ = ("sock", "dest", "packets", "octets")
+    __slots__ = ("sock", "dest", "control", "packets", "octets")
 
-    def __init__(self, sock: socket.socket, dest: Address) -> None:
+    def __init__(
+        self, sock: socket.socket, dest: Address, control: Control | None = None
+    ) -> None:
         if sock.fileno() < 0:
             raise ValueError("the out socket is closed")
         if not _is_ip(dest[0]) or not 0 <= dest[1] <= 65535:
             raise ValueError("dest must be (ip, port)")
+        if control is not None and not 0 < len(control[2]) <= ROUTE_CONTROL:
+            raise ValueError("control data must be 1-20 bytes")
         self.sock = sock
         self.dest: Address = (dest[0], dest[1])
+        self.control = control
         self.packets = 0
         self.octets = 0
+
+    def send(self, data: bytes) -> None:
+        """Send ``data`` along the route (raises ``OSError`` as ``sendto``)."""
+        if self.control is None:
+            self.sock.sendto(data, self.dest)
+        else:
+            self.sock.sendmsg([data], [self.control], 0, self.dest)
 
 
 def _is_ip(host: object) -> bool:
@@ -125,11 +147,12 @@ class PyRouteTap:
         self,
         sock: socket.socket,
         routes: dict[Any, Any],
-        fallback: Callable[[bytes, Address], None],
+        fallback: Callable[..., None],
         *,
         prefix: int = 0,
         length_at: int = -1,
         max_size: int = MAX_DATAGRAM,
+        ancillary: bool = False,
     ) -> None:
         if not 0 <= prefix <= 64 or not -1 <= length_at <= 65533:
             raise ValueError("prefix, length_at or max_size out of range")
@@ -142,6 +165,7 @@ class PyRouteTap:
         self.prefix = prefix
         self.length_at = length_at
         self.max_size = max_size
+        self.ancillary = ancillary
         self.forwarded = 0
         self.forwarded_bytes = 0
         self.send_errors = 0
@@ -156,7 +180,8 @@ class PyRouteTap:
 
     def readable(self) -> None:
         """Drain up to :data:`PY_BATCH` datagrams (for ``loop.add_reader``)."""
-        recvfrom = self.sock.recvfrom
+        sock = self.sock
+        ancillary = self.ancillary
         routes = self.routes
         prefix = self.prefix
         length_at = self.length_at
@@ -164,7 +189,10 @@ class PyRouteTap:
             if self.fd < 0:
                 return
             try:
-                data, raw = recvfrom(MAX_DATAGRAM)
+                if ancillary:
+                    data, ancdata, _flags, raw = sock.recvmsg(MAX_DATAGRAM, TAP_CONTROL)
+                else:
+                    data, raw = sock.recvfrom(MAX_DATAGRAM)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
@@ -193,17 +221,20 @@ class PyRouteTap:
                 route.packets += 1
                 route.octets += size
                 try:
-                    route.sock.sendto(data, route.dest)
+                    route.send(data)
                 except OSError:
                     self.send_errors += 1
                 else:
                     self.forwarded += 1
                     self.forwarded_bytes += size
                 continue
-            self.fallback(data, addr)
+            if ancillary:
+                self.fallback(data, addr, ancdata)
+            else:
+                self.fallback(data, addr)
 
 
-RouteType: Callable[[socket.socket, Address], Any] = PyRoute
+RouteType: Callable[[socket.socket, Address, Control | None], Any] = PyRoute
 RouteTapType: Callable[..., Any] = PyRouteTap
 #: Whether the C implementation is in use.
 ACCELERATED = False
@@ -219,23 +250,35 @@ if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes")
         ACCELERATED = True
 
 
-def make_route(sock: socket.socket, dest: Address) -> RouteLike:
-    """A route from ``sock`` to ``dest`` (C when built, else Python)."""
-    route: RouteLike = RouteType(sock, dest)
+def make_route(
+    sock: socket.socket, dest: Address, control: Control | None = None
+) -> RouteLike:
+    """A route from ``sock`` to ``dest`` (C when built, else Python); each
+    datagram goes with ``control`` (a source address on a wildcard bind)."""
+    route: RouteLike = RouteType(sock, dest, control)
     return route
 
 
 def make_tap(
     sock: socket.socket,
     routes: dict[Any, Any],
-    fallback: Callable[[bytes, Address], None],
+    fallback: Callable[..., None],
     *,
     prefix: int = 0,
     length_at: int = -1,
     max_size: int = MAX_DATAGRAM,
+    ancillary: bool = False,
 ) -> RouteTapLike:
-    """A tap reading ``sock`` through ``routes`` (C when built, else Python)."""
+    """A tap reading ``sock`` through ``routes`` (C when built, else Python).
+    ``fallback(data, addr)``, or ``fallback(data, addr, ancdata)`` with
+    ``ancillary`` (the socket's control messages, as ``recvmsg`` gives them)."""
     tap: RouteTapLike = RouteTapType(
-        sock, routes, fallback, prefix=prefix, length_at=length_at, max_size=max_size
+        sock,
+        routes,
+        fallback,
+        prefix=prefix,
+        length_at=length_at,
+        max_size=max_size,
+        ancillary=ancillary,
     )
     return tap
