@@ -73,11 +73,12 @@ class RouteLike(Protocol):
     @property
     def dest(self) -> Address: ...
     @property
-    def packets(self) -> int: ...
-    @property
-    def octets(self) -> int: ...
-    @property
     def control(self) -> Control | None: ...
+
+    #: Datagrams and bytes that took the route (writable: a control plane that
+    #: forwards a datagram itself may count it here).
+    packets: int
+    octets: int
 
 
 class RouteTapLike(Protocol):
