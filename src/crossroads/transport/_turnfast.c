@@ -35,6 +35,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -957,6 +958,23 @@ typedef struct {
 
 static PyTypeObject RouteType;
 
+/* sock.fileno(), or -1 with an exception set (a closed socket's -1 is refused). */
+static int
+fd_of(PyObject *sock)
+{
+    PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
+    if (fileno == NULL)
+        return -1;
+    long fd = PyLong_AsLong(fileno);
+    Py_DECREF(fileno);
+    if (fd < 0 || fd > INT_MAX) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "the socket is closed");
+        return -1;
+    }
+    return (int)fd;
+}
+
 static int
 Route_init(Route *self, PyObject *args, PyObject *kwds)
 {
@@ -983,21 +1001,14 @@ Route_init(Route *self, PyObject *args, PyObject *kwds)
         self->clen = (size_t)clen;
     }
     Py_XSETREF(self->control, Py_NewRef(control));
-    PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
-    if (fileno == NULL)
+    int fd = fd_of(sock);
+    if (fd < 0)
         return -1;
-    long fd = PyLong_AsLong(fileno);
-    Py_DECREF(fileno);
-    if (fd < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "the out socket is closed");
-        return -1;
-    }
     if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
         PyErr_SetString(PyExc_ValueError, "dest must be (ip, port)");
         return -1;
     }
-    self->out_fd = (int)fd;
+    self->out_fd = fd;
     Py_XSETREF(self->sock, Py_NewRef(sock));
     PyObject *key = PyTuple_GetSlice(dest, 0, 2);
     if (key == NULL)
@@ -1297,14 +1308,10 @@ RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "prefix, length_at or max_size out of range");
         return -1;
     }
-    PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
-    if (fileno == NULL)
+    int fd = fd_of(sock);
+    if (fd < 0)
         return -1;
-    long fd = PyLong_AsLong(fileno);
-    Py_DECREF(fileno);
-    if (fd < 0 && PyErr_Occurred())
-        return -1;
-    self->fd = (int)fd;
+    self->fd = fd;
     self->prefix = prefix;
     self->length_at = length_at;
     self->max_size = max_size;

@@ -141,7 +141,20 @@ def _is_ip(host: object) -> bool:
     return False
 
 
-class PyRouteTap:
+class PyCounters:
+    """The counters every data-plane tap exports (C: ``COUNTER_MEMBERS``)."""
+
+    def __init__(self) -> None:
+        self.forwarded = 0
+        self.forwarded_bytes = 0
+        self.send_errors = 0
+        self.malformed = 0
+        self.batches = 0
+        self.drained = 0
+        self.throttled = 0
+
+
+class PyRouteTap(PyCounters):
     """Pure-Python ``RouteTap`` (see the module docstring)."""
 
     def __init__(
@@ -167,13 +180,7 @@ class PyRouteTap:
         self.length_at = length_at
         self.max_size = max_size
         self.ancillary = ancillary
-        self.forwarded = 0
-        self.forwarded_bytes = 0
-        self.send_errors = 0
-        self.malformed = 0
-        self.batches = 0
-        self.drained = 0
-        self.throttled = 0
+        super().__init__()
 
     def close(self) -> None:
         """Stop reading (the owner closes the socket)."""
