@@ -8,6 +8,7 @@ and the size cap, and stop reading once closed.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -290,4 +291,40 @@ def test_ancillary_data_reaches_the_fallback_and_routes_send_from_a_chosen_sourc
         assert routes[addr].control == control
     finally:
         for sock in (relay, client, dest):
+            sock.close()
+
+
+async def test_tap_readers_drain_every_registered_tap_until_removed() -> None:
+    # One epoll set for all taps with the accelerator, one reader each without.
+    readers = dataplane.TapReaders()
+    socks = [udp() for _ in range(5)]
+    first, second, out, dest, client = socks
+    tables: list[dict[Any, Any]] = [{}, {}]
+    fallen: list[bytes] = []
+    taps = [
+        dataplane.make_tap(sock, table, lambda data, addr: fallen.append(data))
+        for sock, table in zip((first, second), tables, strict=True)
+    ]
+    try:
+        for tap, table in zip(taps, tables, strict=True):
+            table[client.getsockname()] = dataplane.make_route(out, dest.getsockname())
+            readers.add(tap)
+        client.sendto(b"one", first.getsockname())
+        client.sendto(b"two", second.getsockname())
+        loop = asyncio.get_running_loop()
+
+        async def relayed() -> bytes:
+            data, _ = await asyncio.wait_for(loop.sock_recvfrom(dest, 100), 5)
+            return data
+
+        assert {await relayed(), await relayed()} == {b"one", b"two"}
+        readers.remove(taps[0])
+        taps[0].close()
+        client.sendto(b"unread", first.getsockname())
+        client.sendto(b"three", second.getsockname())
+        assert await relayed() == b"three"
+        assert fallen == [] and taps[0].forwarded == 1
+    finally:
+        readers.close()
+        for sock in socks:
             sock.close()

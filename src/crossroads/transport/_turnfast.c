@@ -1438,8 +1438,10 @@ Poller_register(Poller *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iO", &fd, &tap))
         return NULL;
     if (!PyObject_TypeCheck(tap, &RelayTapType) &&
-        !PyObject_TypeCheck(tap, &ListenerTapType)) {
-        PyErr_SetString(PyExc_TypeError, "tap must be a RelayTap or ListenerTap");
+        !PyObject_TypeCheck(tap, &ListenerTapType) &&
+        !PyObject_TypeCheck(tap, &RouteTapType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "tap must be a RelayTap, ListenerTap or RouteTap");
         return NULL;
     }
     if (self->epfd < 0) {
@@ -1510,6 +1512,11 @@ Poller_poll(Poller *self, PyObject *unused)
                 continue;
             relay->skip = 0;
             result = relay_drain(relay);
+        } else if (PyObject_TypeCheck(tap, &RouteTapType)) {
+            RouteTap *routed = (RouteTap *)tap;
+            if (routed->fd < 0)
+                continue;
+            result = route_drain(routed);
         } else {
             ListenerTap *listener = (ListenerTap *)tap;
             if (listener->fd < 0 || listener->clients == NULL || listener->fallback == NULL)
@@ -1582,7 +1589,7 @@ Poller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
 static PyMethodDef Poller_methods[] = {
     {"register", (PyCFunction)Poller_register, METH_VARARGS,
-     "register(fd, tap): drain `fd` with `tap` when it is readable."},
+     "register(fd, tap): drain `fd` with `tap` (RelayTap, ListenerTap, RouteTap)."},
     {"unregister", (PyCFunction)Poller_unregister, METH_O, "unregister(fd)."},
     {"poll", (PyCFunction)Poller_poll, METH_NOARGS,
      "Drain every ready socket (for loop.add_reader(poller.fileno(), poller.poll))."},
@@ -1604,7 +1611,7 @@ static PyTypeObject PollerType = {
     .tp_name = "crossroads.transport._turnfast.Poller",
     .tp_basicsize = sizeof(Poller),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "An epoll set of TURN sockets, drained in C.",
+    .tp_doc = "An epoll set of data-plane sockets (TURN and route taps), drained in C.",
     .tp_new = Poller_new,
     .tp_init = (initproc)Poller_init,
     .tp_dealloc = (destructor)Poller_dealloc,

@@ -43,6 +43,7 @@ The owner registers ``tap.readable`` with ``loop.add_reader(tap.fd, ...)``, call
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from collections.abc import Callable
@@ -244,10 +245,12 @@ class PyRouteTap(PyCounters):
 
 RouteType: Callable[[socket.socket, Address, Control | None], Any] = PyRoute
 RouteTapType: Callable[..., Any] = PyRouteTap
+PollerType: Callable[[], Any] | None = None
 #: Whether the C implementation is in use.
 ACCELERATED = False
 if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes"):
     try:
+        from crossroads.transport._turnfast import Poller as _CPoller
         from crossroads.transport._turnfast import Route as _CRoute
         from crossroads.transport._turnfast import RouteTap as _CRouteTap
     except ImportError:  # not built (no C compiler at install time)
@@ -255,7 +258,44 @@ if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes")
     else:
         RouteType = _CRoute
         RouteTapType = _CRouteTap
+        PollerType = _CPoller
         ACCELERATED = True
+
+
+class TapReaders:
+    """Reads a changing set of taps on the running event loop.
+
+    With the C accelerator every tap goes into one epoll set (``Poller``) and the
+    event loop watches its one fd: one wakeup drains every ready socket in C,
+    instead of one Python callback per socket. Without it, each tap gets its own
+    ``loop.add_reader``. Remove a tap before closing its socket.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._poller = PollerType() if PollerType is not None else None
+        if self._poller is not None:
+            self._loop.add_reader(self._poller.fileno(), self._poller.poll)
+
+    def add(self, tap: RouteTapLike) -> None:
+        if self._poller is not None:
+            self._poller.register(tap.fd, tap)
+        else:
+            self._loop.add_reader(tap.fd, tap.readable)
+
+    def remove(self, tap: RouteTapLike) -> None:
+        if tap.fd < 0:
+            return
+        if self._poller is not None:
+            self._poller.unregister(tap.fd)
+        else:
+            self._loop.remove_reader(tap.fd)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._loop.remove_reader(self._poller.fileno())
+            self._poller.close()
+            self._poller = None
 
 
 def make_route(
