@@ -36,7 +36,12 @@ from dataclasses import dataclass, field
 from crossroads.proto.natneg.packets import MAGIC, PacketType
 from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy, Verdict
-from crossroads.transport.dataplane import RouteLike, make_route, make_tap
+from crossroads.transport.dataplane import (
+    RouteLike,
+    TapReaders,
+    make_route,
+    make_tap,
+)
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES
 from crossroads.types import Address
@@ -157,6 +162,8 @@ class RelayPool:
         self.stats = RelayStats()
         self._pairs: dict[SessionId, _Pair] = {}
         self._loop = asyncio.get_running_loop()
+        #: Every side's tap: one epoll set drained in C (one wakeup for all pairs).
+        self._readers = TapReaders()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -214,7 +221,7 @@ class RelayPool:
         now = self._loop.time()
         self._pairs[session] = _Pair(session, (side0, side1), now, now)
         for side in (side0, side1):
-            self._loop.add_reader(side.tap.fd, side.tap.readable)
+            self._readers.add(side.tap)
         self.stats.allocated += 1
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -258,7 +265,7 @@ class RelayPool:
             return
         for side in pair.sides:
             self.stats.released_packets += side.packets
-            self._loop.remove_reader(side.tap.fd)
+            self._readers.remove(side.tap)
             side.tap.close()
             side.sock.close()
         self.stats.released += 1
@@ -284,6 +291,7 @@ class RelayPool:
         self._closed = True
         for session in list(self._pairs):
             self.release(session)
+        self._readers.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

@@ -27,7 +27,12 @@ import asyncio
 import socket
 
 from crossroads.proto.raknet.udpproxy import ForwarderResult
-from crossroads.transport.dataplane import RouteLike, make_route, make_tap
+from crossroads.transport.dataplane import (
+    RouteLike,
+    TapReaders,
+    make_route,
+    make_tap,
+)
 from crossroads.transport.udp import make_udp_socket
 from crossroads.types import Address
 
@@ -125,6 +130,9 @@ class ForwarderPool:
         self.started = 0
         self.released_packets = 0
         self._loop = asyncio.get_running_loop()
+        #: Every entry's tap: one epoll set drained in C (one wakeup for all).
+        self._readers = TapReaders()
+        self._closed = False
         self._sweeper: asyncio.Task[None] | None = None
 
     def start(
@@ -135,7 +143,7 @@ class ForwarderPool:
         )
         if existing is not None:
             return ForwarderResult.FORWARDING_ALREADY_EXISTS, existing.port
-        if len(self.entries) >= self.max_entries:
+        if len(self.entries) >= self.max_entries or self._closed:
             return ForwarderResult.NO_SOCKETS, 0
         try:
             sock = make_udp_socket(self.host, 0)
@@ -143,7 +151,7 @@ class ForwarderPool:
             return ForwarderResult.BIND_FAILED, 0
         entry = _Entry(sock, source, target, timeout_ms / 1000, self._loop.time())
         self.entries[(source, target)] = entry
-        self._loop.add_reader(entry.tap.fd, entry.tap.readable)
+        self._readers.add(entry.tap)
         self.started += 1
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -164,7 +172,7 @@ class ForwarderPool:
     def _release(self, key: tuple[Address, Address]) -> None:
         entry = self.entries.pop(key)
         self.released_packets += entry.packets
-        self._loop.remove_reader(entry.tap.fd)
+        self._readers.remove(entry.tap)
         entry.tap.close()
         entry.sock.close()
 
@@ -174,8 +182,10 @@ class ForwarderPool:
             self.sweep(self._loop.time())
 
     async def close(self) -> None:
+        self._closed = True
         for key in list(self.entries):
             self._release(key)
+        self._readers.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:
