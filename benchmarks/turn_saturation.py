@@ -606,8 +606,11 @@ def measure_round(
             target = starter()
             stack.callback(stop, target.process)
             flows = target.flows(stack, args.allocations, args.payload)
-            best = search(load, target, flows, start, args, epochs)
+            # The same-rate step first: after the search's overloaded steps a
+            # slow target is still draining full socket buffers of datagrams
+            # from earlier steps (megabytes each), which would count as loss.
             same = run_step(load, target, flows, args.same_rate, args, next(epochs))
+            best = search(load, target, flows, start, args, epochs)
         results.same_load.setdefault(label, []).append(same)
         same_text = (
             f"  at {args.same_rate:.0f}/s: {same.us_per_packet:5.2f} us/packet"
