@@ -17,6 +17,10 @@ to the generator (inherited file descriptors):
   half the datagrams enter on the listening port and half on relay ports.
 - **Unity relay**: ``--allocations / 2`` host/joiner pairs allocated through the
   REST API, BIND and CONNECT done; RELAY frames both ways.
+- **natneg relay**: ``--allocations / 2`` negotiations through a server in
+  ``--natneg-relay-mode always`` (the INITs of two clients on 127.0.0.1 and
+  127.0.0.5, then each client's CONNECT_PING teaches its relay side the port);
+  datagrams both ways through the pair.
 - **STUN**: Binding requests/s with ``benchmarks/stun_load.c`` (closed loop,
   256 in flight; see benchmarks/stun.py), crossroads against coturn.
 
@@ -44,6 +48,11 @@ the machine's other load weighs on all of them alike):
   threads, same credentials, same relay port range size;
 - ``bare``: ``benchmarks/bare_forwarder.c``, epoll + recvmmsg/sendmmsg and a
   hash lookup, no TURN at all: the physical limit of this machine for the shape.
+- for the relays (Unity, natneg), ``crossroads ... (Python twin)``: the same
+  server with ``CROSSROADS_TURN_PURE_PYTHON=1`` (the data plane's pure-Python
+  twin), and with ``--before DIR`` one more target, ``crossroads ... (before)``,
+  that runs the crossroads source tree in ``DIR/src`` (e.g. a ``git archive`` of
+  the commit before the data plane) on the same load: before/after in one run.
 
 Pinning (``taskset``): servers on CPU 0, the load generator on CPU 1; coturn
 ``-m 2`` gets CPUs 0 and 1 (this machine has two cores), so it shares the
@@ -53,6 +62,7 @@ generator's core. Loopback only; every process is stopped at the end.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import signal
@@ -72,6 +82,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import natneg  # noqa: E402
 import relay  # noqa: E402
 import stun  # noqa: E402
 import turn  # noqa: E402
@@ -246,7 +257,19 @@ def crossroads_label(workers: int | None) -> str:
     )
 
 
-def spawn_crossroads(workers: int | None, flags: list[str]) -> subprocess.Popen[bytes]:
+@dataclass(frozen=True)
+class Variant:
+    """Which crossroads runs: the installed one, its pure-Python data plane, or
+    another source tree (``--before``)."""
+
+    suffix: str = ""
+    pure_python: bool = False
+    source: Path | None = None
+
+
+def spawn_crossroads(
+    workers: int | None, flags: list[str], variant: Variant = Variant()
+) -> subprocess.Popen[bytes]:
     """``crossroads serve`` with ``flags``: one process on CPU 0, or
     ``--workers N`` on CPUs 0 and 1 for N > 1 (as coturn -m 2)."""
     cpus = SERVER_CPU if workers is None or workers == 1 else "0,1"
@@ -256,6 +279,11 @@ def spawn_crossroads(workers: int | None, flags: list[str]) -> subprocess.Popen[
         "--log-level", "warning", *extra, *flags,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
+    if variant.pure_python:
+        env["CROSSROADS_TURN_PURE_PYTHON"] = "1"
+    if variant.source is not None:
+        # Ahead of the editable install's path entry.
+        env["PYTHONPATH"] = str(variant.source / "src")
     return subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
     )
@@ -352,7 +380,7 @@ def bare_pair_flows(
     return pair_flows(pairs, payload)
 
 
-def start_crossroads_relay(workers: int | None) -> Target:
+def start_crossroads_relay(workers: int | None, variant: Variant = Variant()) -> Target:
     http_port, relay_port = relay.free_port(socket.SOCK_STREAM), relay.free_port()
     process = spawn_crossroads(
         workers,
@@ -361,6 +389,7 @@ def start_crossroads_relay(workers: int | None) -> Target:
             "--relay-port", str(relay_port), "--api-key", relay.API_KEY,
             "--relay-allow-private-peers", "--relay-api-rate", "0",
         ],
+        variant,
     )  # fmt: skip
     base = f"http://{HOST}:{http_port}"
     try:
@@ -378,7 +407,70 @@ def start_crossroads_relay(workers: int | None) -> Target:
         return pair_flows(pairs, payload)
 
     return Target(
-        crossroads_label(workers).replace("crossroads", "crossroads relay"),
+        crossroads_label(workers).replace("crossroads", "crossroads relay")
+        + variant.suffix,
+        process,
+        flows,
+    )
+
+
+# ------------------------------------------------------------ natneg relay flows
+
+#: The second client's address: natneg relays between two public IPs.
+NATNEG_SECOND_HOST = natneg.HOST_B
+
+
+def natneg_client_socket(stack: ExitStack, host: str) -> socket.socket:
+    sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, 4 * 1024 * 1024)
+    sock.bind((host, 0))
+    return sock
+
+
+def start_crossroads_natneg(
+    workers: int | None, variant: Variant = Variant()
+) -> Target:
+    port, http_port = turn.free_port(), relay.free_port(socket.SOCK_STREAM)
+    process = spawn_crossroads(
+        workers,
+        [
+            "--only", "natneg", "--http-port", str(http_port),
+            "--natneg-port", str(port), "--natneg-probe-port", "0",
+            "--natneg-rate-limit", "0", "--no-reflection-budget",
+            "--natneg-relay-mode", "always", "--natneg-relay-allow", "127.0.0.0/8",
+            "--natneg-relay-host", HOST,
+        ],
+        variant,
+    )  # fmt: skip
+    base = f"http://{HOST}:{http_port}"
+    try:
+        relay.wait_until(lambda: bool(relay.http_json(f"{base}/healthz")), "natneg")
+    except BaseException:
+        stop(process)
+        raise
+    cookies = iter(range(0x5A7000, 0x5A7000 + (1 << 20)))
+
+    def flows(stack: ExitStack, allocations: int, payload: int) -> list[Flow]:
+        made: list[Flow] = []
+        for _ in range(max(1, allocations // 2)):
+            cookie = next(cookies)
+            side0, side1 = asyncio.run(natneg.relay_pair((HOST, port), cookie))
+            a = natneg_client_socket(stack, HOST)
+            b = natneg_client_socket(stack, NATNEG_SECOND_HOST)
+            for sock, side in ((a, side0), (b, side1)):
+                sock.sendto(natneg.ConnectPing(3, cookie, *side, 0, 0).encode(), side)
+            time.sleep(0.05)
+            relay.drain(a, b)
+            a.setblocking(True)
+            b.setblocking(True)
+            made.append((a, side0, b"", b))
+            made.append((b, side1, b"", a))
+        return made
+
+    return Target(
+        crossroads_label(workers).replace("crossroads", "crossroads natneg relay")
+        + variant.suffix,
         process,
         flows,
     )
@@ -514,8 +606,11 @@ def measure_round(
             target = starter()
             stack.callback(stop, target.process)
             flows = target.flows(stack, args.allocations, args.payload)
-            best = search(load, target, flows, start, args, epochs)
+            # The same-rate step first: after the search's overloaded steps a
+            # slow target is still draining full socket buffers of datagrams
+            # from earlier steps (megabytes each), which would count as loss.
             same = run_step(load, target, flows, args.same_rate, args, next(epochs))
+            best = search(load, target, flows, start, args, epochs)
         results.same_load.setdefault(label, []).append(same)
         same_text = (
             f"  at {args.same_rate:.0f}/s: {same.us_per_packet:5.2f} us/packet"
@@ -538,7 +633,7 @@ def summary(
 ) -> None:
     print(f"\n{title}: medians over rounds")
     print(
-        f"  {'target':<28} {'relayed/s <0.5% loss':>21} {'server CPU':>11}"
+        f"  {'target':<44} {'relayed/s <0.5% loss':>21} {'server CPU':>11}"
         f" {'core busy':>10} {'us CPU/packet':>14} {f'us/pkt @{args.same_rate:.0f}/s':>16}"
     )
     medians: dict[str, tuple[float, float]] = {}
@@ -547,7 +642,7 @@ def summary(
         at_same = statistics.median(s.us_per_packet for s in same)
         if not steps:
             print(
-                f"  {label:<28} {'n/a':>21} {'':>11} {'':>10} {'':>14} {at_same:>16.2f}"
+                f"  {label:<44} {'n/a':>21} {'':>11} {'':>10} {'':>14} {at_same:>16.2f}"
             )
             continue
         rate = statistics.median(s.delivered for s in steps)
@@ -556,7 +651,7 @@ def summary(
         busy = statistics.median(s.core_busy for s in steps)
         medians[label] = (rate, at_same)
         print(
-            f"  {label:<28} {rate:>21.0f} {cpu * 100:>10.1f}% {busy * 100:>9.1f}%"
+            f"  {label:<44} {rate:>21.0f} {cpu * 100:>10.1f}% {busy * 100:>9.1f}%"
             f" {per_packet:>14.2f} {at_same:>16.2f}"
         )
     ours = medians.get(reference)
@@ -564,9 +659,11 @@ def summary(
         return
     for label, (rate, at_same) in medians.items():
         if label != reference:
+            # A target that delivered nothing at --same-rate has no CPU per packet.
+            cpu_ratio = f"{ours[1] / at_same:.2f}" if at_same else "n/a"
             print(
                 f"  {reference} / {label}: relayed/s {ours[0] / rate:.2f}; "
-                f"CPU per packet at {args.same_rate:.0f}/s {ours[1] / at_same:.2f}"
+                f"CPU per packet at {args.same_rate:.0f}/s {cpu_ratio}"
                 f" (>1: crossroads spends more)"
             )
 
@@ -627,7 +724,19 @@ def main() -> None:
         "--retries", type=int, default=1, help="tries again of a failed step"
     )
     parser.add_argument(
-        "--only", default="turn,relay,stun", help="parts to run (comma separated)"
+        "--only",
+        default="turn,relay,natneg,stun",
+        help="parts to run (comma separated)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="a crossroads source tree (DIR/src) to run as '(before)' for the relays",
+    )
+    parser.add_argument(
+        "--no-twin",
+        action="store_true",
+        help="skip the relays' pure-Python data plane targets",
     )
     parser.add_argument("--verbose", action="store_true", help="print every step")
     args = parser.parse_args()
@@ -689,13 +798,30 @@ def main() -> None:
                 crossroads_label(worker_counts[0]),
                 args,
             )
-        if "relay" in parts:
+        variants = [Variant()]
+        if not args.no_twin:
+            variants.append(Variant(" (Python twin)", pure_python=True))
+        if args.before is not None:
+            variants.append(Variant(" (before)", source=args.before.resolve()))
+        relays: list[tuple[str, str, str, Callable[[int | None, Variant], Target]]] = [
+            ("relay", "Unity relay", "crossroads relay", start_crossroads_relay),
+            (
+                "natneg",
+                "natneg relay",
+                "crossroads natneg relay",
+                start_crossroads_natneg,
+            ),
+        ]
+        for part, title, name, start in relays:
+            if part not in parts:
+                continue
             relay_starters: list[tuple[str, Callable[[], Target]]] = [
                 *(
                     (
-                        crossroads_label(n).replace("crossroads", "crossroads relay"),
-                        lambda n=n: start_crossroads_relay(n),
+                        crossroads_label(n).replace("crossroads", name) + v.suffix,
+                        lambda n=n, v=v, start=start: start(n, v),
                     )
+                    for v in variants
                     for n in worker_counts
                 ),
                 (
@@ -705,16 +831,14 @@ def main() -> None:
             ]
             relay_results = Results()
             for round_no in range(args.rounds):
-                print(f"Unity relay round {round_no + 1}", flush=True)
+                print(f"{title} round {round_no + 1}", flush=True)
                 measure_round(
                     binaries["turn_load"], relay_starters, relay_results, args, epochs
                 )
             summary(
-                "Unity relay (RELAY both ways)",
+                f"{title} (both ways)",
                 relay_results,
-                crossroads_label(worker_counts[0]).replace(
-                    "crossroads", "crossroads relay"
-                ),
+                crossroads_label(worker_counts[0]).replace("crossroads", name),
                 args,
             )
         if "stun" in parts:

@@ -63,3 +63,22 @@ async def test_forwarding_both_ways_strangers_caps_and_idle_timeout() -> None:
         await pool.close()
         for sock in (side1, side2, stranger):
             sock.close()
+
+
+async def test_oversized_datagrams_are_dropped_not_truncated() -> None:
+    # RakNet never sends more than MAXIMUM_MTU_SIZE (1500) bytes; a larger
+    # datagram is not RakNet and is dropped whole (counted by the data plane).
+    pool = ForwarderPool("127.0.0.1", max_entries=1)
+    side1, side2 = udp(), udp()
+    try:
+        result, port = pool.start(side1.getsockname(), side2.getsockname(), 5000)
+        assert result == ForwarderResult.SUCCESS
+        proxy = ("127.0.0.1", port)
+        side1.sendto(b"x" * 1501, proxy)
+        side1.sendto(b"y" * 1500, proxy)
+        assert await recv(side2) == (b"y" * 1500, proxy)
+        assert pool.packets() == 1
+    finally:
+        await pool.close()
+        side1.close()
+        side2.close()

@@ -63,7 +63,9 @@ class Peer:
 
     async def recv(self) -> bytes:
         loop = asyncio.get_running_loop()
-        reply, _ = await asyncio.wait_for(loop.sock_recvfrom(self.sock, 70000), 2)
+        reply, source = await asyncio.wait_for(loop.sock_recvfrom(self.sock, 70000), 2)
+        # Relayed frames leave from the address the client sends to.
+        assert source[:2] == self.server
         return reply
 
 
@@ -120,6 +122,11 @@ async def test_ipv6_socket() -> None:
 
 async def test_dual_stack_socket_serves_ipv4_clients() -> None:
     await run_session("::", socket.AF_INET, "127.0.0.1", "127.0.0.1")
+
+
+async def test_wildcard_socket_relays_from_the_address_each_client_sent_to() -> None:
+    # 127.0.0.3 is not the address the kernel would pick to reach 127.0.0.1.
+    await run_session("0.0.0.0", socket.AF_INET, "127.0.0.1", "127.0.0.3")
 
 
 async def test_timers_fire_without_traffic() -> None:

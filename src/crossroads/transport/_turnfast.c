@@ -35,6 +35,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -918,6 +919,480 @@ static PyTypeObject ChannelRouterType = {
     .tp_dictoffset = offsetof(ChannelRouter, dict),
 };
 
+/* ------------------------------------------------------------ Route / RouteTap */
+
+/* The generic half of the data plane: a socket whose datagrams are forwarded
+ * by a route table the control plane writes (see dataplane.py for the design
+ * and the pure-Python twin). The key is the source (host, port), or
+ * ((host, port), first `prefix` bytes) when a protocol names its route in a
+ * header (the Unity relay's RELAY frame: header + from/to allocation ids).
+ * The value is a Route: an out socket, a destination and the route's
+ * counters. Datagrams are forwarded unchanged; what has no route goes to
+ * `fallback(data, addr)`. */
+
+/* Largest control message a route sends with: in6_pktinfo is 20 bytes
+ * (ipv6(7)), in_pktinfo 12 (ip(7)) -- the source address of a reply on a
+ * wildcard bind (pktinfo.py). */
+#define ROUTE_CONTROL 20
+/* Room for the control messages a tap receives (both pktinfo options may be
+ * on for a dual-stack socket; pktinfo.ANCILLARY_BYTES). */
+#define TAP_CONTROL 128
+
+static unsigned char rctl[RECV_BATCH][TAP_CONTROL];
+static unsigned char sctl[RECV_BATCH + 1][CMSG_SPACE(ROUTE_CONTROL)];
+
+typedef struct {
+    PyObject_HEAD
+    int out_fd;
+    struct sockaddr_storage dest_sa;
+    socklen_t dest_salen;
+    PyObject *sock; /* the out socket: kept alive while the route exists */
+    PyObject *dest; /* (host, port) */
+    PyObject *control; /* None, or (level, type, data): sendmsg ancillary data */
+    int clevel, ctype;
+    unsigned char cdata[ROUTE_CONTROL];
+    size_t clen;
+    unsigned long long packets;
+    unsigned long long octets;
+} Route;
+
+static PyTypeObject RouteType;
+
+/* sock.fileno(), or -1 with an exception set (a closed socket's -1 is refused). */
+static int
+fd_of(PyObject *sock)
+{
+    PyObject *fileno = PyObject_CallMethod(sock, "fileno", NULL);
+    if (fileno == NULL)
+        return -1;
+    long fd = PyLong_AsLong(fileno);
+    Py_DECREF(fileno);
+    if (fd < 0 || fd > INT_MAX) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "the socket is closed");
+        return -1;
+    }
+    return (int)fd;
+}
+
+static int
+Route_init(Route *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"sock", "dest", "control", NULL};
+    PyObject *sock, *dest, *control = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O", names, &sock, &dest,
+                                     &control))
+        return -1;
+    self->clen = 0;
+    if (control != Py_None) {
+        int level, type;
+        const char *cdata;
+        Py_ssize_t clen;
+        if (!PyArg_ParseTuple(control, "iiy#;control must be (level, type, bytes)",
+                              &level, &type, &cdata, &clen))
+            return -1;
+        if (clen <= 0 || clen > ROUTE_CONTROL) {
+            PyErr_SetString(PyExc_ValueError, "control data must be 1-20 bytes");
+            return -1;
+        }
+        self->clevel = level;
+        self->ctype = type;
+        memcpy(self->cdata, cdata, (size_t)clen);
+        self->clen = (size_t)clen;
+    }
+    Py_XSETREF(self->control, Py_NewRef(control));
+    int fd = fd_of(sock);
+    if (fd < 0)
+        return -1;
+    if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
+        PyErr_SetString(PyExc_ValueError, "dest must be (ip, port)");
+        return -1;
+    }
+    self->out_fd = fd;
+    Py_XSETREF(self->sock, Py_NewRef(sock));
+    PyObject *key = PyTuple_GetSlice(dest, 0, 2);
+    if (key == NULL)
+        return -1;
+    Py_XSETREF(self->dest, key);
+    return 0;
+}
+
+static int
+Route_traverse(Route *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sock);
+    Py_VISIT(self->dest);
+    Py_VISIT(self->control);
+    return 0;
+}
+
+static int
+Route_clear(Route *self)
+{
+    Py_CLEAR(self->sock);
+    Py_CLEAR(self->dest);
+    Py_CLEAR(self->control);
+    return 0;
+}
+
+static void
+Route_dealloc(Route *self)
+{
+    PyObject_GC_UnTrack(self);
+    Route_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef Route_members[] = {
+    {"sock", T_OBJECT_EX, offsetof(Route, sock), READONLY, "The socket it leaves from."},
+    {"dest", T_OBJECT_EX, offsetof(Route, dest), READONLY, "(host, port) it goes to."},
+    {"control", T_OBJECT_EX, offsetof(Route, control), READONLY,
+     "None, or the (level, type, data) control message sent with each datagram."},
+    {"packets", T_ULONGLONG, offsetof(Route, packets), 0,
+     "Datagrams that took this route (sent or not)."},
+    {"octets", T_ULONGLONG, offsetof(Route, octets), 0,
+     "Bytes of those datagrams."},
+    {NULL},
+};
+
+static PyTypeObject RouteType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.Route",
+    .tp_basicsize = sizeof(Route),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Route(sock, dest[, control]): forward unchanged from `sock` to `dest`.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Route_init,
+    .tp_dealloc = (destructor)Route_dealloc,
+    .tp_traverse = (traverseproc)Route_traverse,
+    .tp_clear = (inquiry)Route_clear,
+    .tp_members = Route_members,
+};
+
+/* Longest key prefix (the Unity relay's is 36 bytes). */
+#define MAX_PREFIX 64
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    int prefix;      /* bytes of the datagram in the key; 0: the address alone */
+    int length_at;   /* -1, or offset of a u16 BE that must equal the rest's size */
+    int max_size;    /* larger datagrams are dropped as malformed */
+    char ancillary;  /* receive control messages, hand them to the fallback */
+    PyObject *sock;
+    PyObject *routes;   /* dict key -> Route */
+    PyObject *fallback; /* callable(data, (host, port)) */
+    PyObject *dict;
+    Counters c;
+    int queued;
+    int queued_fd;
+    PyObject *held[RECV_BATCH]; /* the queued routes (their sockaddrs are in use) */
+} RouteTap;
+
+static PyTypeObject RouteTapType;
+
+static void
+route_flush(RouteTap *self)
+{
+    int start = 0;
+    while (start < self->queued) {
+        int sent = sendmmsg(self->queued_fd, &smsg[start], self->queued - start,
+                            MSG_DONTWAIT);
+        if (sent < 0 && errno == EINTR)
+            continue;
+        if (sent <= 0) {
+            /* One failed datagram (a full buffer, an ICMP error pending on
+             * the socket) must not take the rest of the batch with it. */
+            self->c.send_errors += 1;
+            start += 1;
+            continue;
+        }
+        for (int i = start; i < start + sent; i++) {
+            self->c.forwarded += 1;
+            self->c.forwarded_bytes += siov[i][0].iov_len;
+        }
+        start += sent;
+    }
+    for (int i = 0; i < self->queued; i++)
+        Py_DECREF(self->held[i]);
+    self->queued = 0;
+}
+
+static void
+route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t size)
+{
+    if (self->queued && (self->queued_fd != route->out_fd || self->queued == RECV_BATCH))
+        route_flush(self);
+    int i = self->queued;
+    siov[i][0].iov_base = (void *)payload;
+    siov[i][0].iov_len = size;
+    memset(&smsg[i], 0, sizeof(smsg[i]));
+    smsg[i].msg_hdr.msg_name = &route->dest_sa;
+    smsg[i].msg_hdr.msg_namelen = route->dest_salen;
+    smsg[i].msg_hdr.msg_iov = siov[i];
+    smsg[i].msg_hdr.msg_iovlen = 1;
+    if (route->clen) {
+        memset(sctl[i], 0, sizeof(sctl[i]));
+        smsg[i].msg_hdr.msg_control = sctl[i];
+        smsg[i].msg_hdr.msg_controllen = CMSG_SPACE(route->clen);
+        struct cmsghdr *cmsg = CMSG_FIRSTHDR(&smsg[i].msg_hdr);
+        cmsg->cmsg_level = route->clevel;
+        cmsg->cmsg_type = route->ctype;
+        cmsg->cmsg_len = CMSG_LEN(route->clen);
+        memcpy(CMSG_DATA(cmsg), route->cdata, route->clen);
+    }
+    Py_INCREF(route);
+    self->held[i] = (PyObject *)route;
+    self->queued_fd = route->out_fd;
+    self->queued = i + 1;
+}
+
+/* Whether the datagram's own length field agrees with its size. */
+static int
+length_ok(RouteTap *self, const unsigned char *buf, size_t size)
+{
+    if (self->length_at < 0)
+        return 1;
+    size_t at = (size_t)self->length_at;
+    return size >= at + 2 && size - at - 2 == (((size_t)buf[at] << 8) | buf[at + 1]);
+}
+
+/* The control messages of received datagram `i` as recvmsg's ancdata list:
+ * [(level, type, data), ...]. */
+static PyObject *
+ancdata_list(int i)
+{
+    PyObject *list = PyList_New(0);
+    if (list == NULL)
+        return NULL;
+    struct msghdr *hdr = &rmsg[i].msg_hdr;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(hdr); c != NULL; c = CMSG_NXTHDR(hdr, c)) {
+        size_t len = c->cmsg_len - CMSG_LEN(0);
+        PyObject *item = Py_BuildValue("(iiy#)", c->cmsg_level, c->cmsg_type,
+                                       (const char *)CMSG_DATA(c), (Py_ssize_t)len);
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return list;
+}
+
+/* One datagram (number `i` of the batch). Returns 0, or -1 with an
+ * exception set. */
+static int
+route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject *addr)
+{
+    if (size > (size_t)self->max_size) {
+        self->c.malformed += 1;
+        return 0;
+    }
+    PyObject *route = NULL;
+    if (self->prefix == 0) {
+        route = PyDict_GetItemWithError(self->routes, addr);
+    } else if (size >= (size_t)self->prefix) {
+        PyObject *key = Py_BuildValue("(Oy#)", addr, (const char *)buf,
+                                      (Py_ssize_t)self->prefix);
+        if (key == NULL)
+            return -1;
+        route = PyDict_GetItemWithError(self->routes, key);
+        Py_DECREF(key);
+    }
+    if (route == NULL && PyErr_Occurred())
+        return -1;
+    if (route != NULL && PyObject_TypeCheck(route, &RouteType) &&
+        length_ok(self, buf, size)) {
+        Route *r = (Route *)route;
+        r->packets += 1;
+        r->octets += size;
+        route_queue(self, r, buf, size);
+        return 0;
+    }
+    /* Not ours to forward: keep order, flush first, then Python decides. */
+    if (self->queued)
+        route_flush(self);
+    if (!self->ancillary)
+        return call_fallback(self->fallback, buf, size, NULL, addr, NULL);
+    PyObject *ancdata = ancdata_list(i);
+    if (ancdata == NULL)
+        return -1;
+    int rc = call_fallback(self->fallback, buf, size, NULL, addr, ancdata);
+    Py_DECREF(ancdata);
+    return rc;
+}
+
+static PyObject *
+route_drain(RouteTap *self)
+{
+    if (self->fd < 0 || draining)
+        Py_RETURN_NONE;
+    draining = 1;
+    for (int round = 0; round < MAX_ROUNDS; round++) {
+        prepare_recv();
+        if (self->ancillary) {
+            for (int i = 0; i < RECV_BATCH; i++) {
+                rmsg[i].msg_hdr.msg_control = rctl[i];
+                rmsg[i].msg_hdr.msg_controllen = TAP_CONTROL;
+            }
+        }
+        int n;
+        do {
+            n = recvmmsg(self->fd, rmsg, RECV_BATCH, MSG_DONTWAIT, NULL);
+        } while (n < 0 && errno == EINTR);
+        if (n <= 0)
+            break;
+        self->c.batches += 1;
+        self->c.drained += (unsigned long long)n;
+        for (int i = 0; i < n; i++) {
+            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
+                self->c.malformed += 1;
+                continue;
+            }
+            PyObject *addr = tuple_from_sockaddr(&raddr[i]);
+            if (addr == NULL) {
+                PyErr_Clear();
+                self->c.malformed += 1;
+                continue;
+            }
+            int rc = route_one(self, i, rbuf[i], rmsg[i].msg_len, addr);
+            Py_DECREF(addr);
+            if (rc < 0) {
+                if (self->queued)
+                    route_flush(self);
+                draining = 0;
+                return NULL;
+            }
+            /* The fallback closed this tap (a released pair): the rest of
+             * the batch belongs to nobody. */
+            if (self->fd < 0)
+                break;
+        }
+        if (self->queued)
+            route_flush(self);
+        /* The fallback may have closed this tap (a released pair). */
+        if (n < RECV_BATCH || self->fd < 0)
+            break;
+    }
+    draining = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+RouteTap_readable(RouteTap *self, PyObject *unused)
+{
+    return route_drain(self);
+}
+
+static PyObject *
+RouteTap_close(RouteTap *self, PyObject *unused)
+{
+    self->fd = -1;
+    Py_RETURN_NONE;
+}
+
+static int
+RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
+{
+    static char *names[] = {"sock", "routes", "fallback", "prefix", "length_at",
+                            "max_size", "ancillary", NULL};
+    PyObject *sock, *routes, *fallback;
+    int prefix = 0, length_at = -1, max_size = 65535, ancillary = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O|$iiip", names, &sock,
+                                     &PyDict_Type, &routes, &fallback, &prefix,
+                                     &length_at, &max_size, &ancillary))
+        return -1;
+    if (prefix < 0 || prefix > MAX_PREFIX || length_at < -1 || length_at > 65533 ||
+        max_size < 0 || max_size > 65535) {
+        PyErr_SetString(PyExc_ValueError, "prefix, length_at or max_size out of range");
+        return -1;
+    }
+    int fd = fd_of(sock);
+    if (fd < 0)
+        return -1;
+    self->fd = fd;
+    self->prefix = prefix;
+    self->length_at = length_at;
+    self->max_size = max_size;
+    self->ancillary = (char)ancillary;
+    Py_XSETREF(self->sock, Py_NewRef(sock));
+    Py_XSETREF(self->routes, Py_NewRef(routes));
+    Py_XSETREF(self->fallback, Py_NewRef(fallback));
+    return 0;
+}
+
+static int
+RouteTap_traverse(RouteTap *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->sock);
+    Py_VISIT(self->routes);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+RouteTap_clear(RouteTap *self)
+{
+    Py_CLEAR(self->sock);
+    Py_CLEAR(self->routes);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+RouteTap_dealloc(RouteTap *self)
+{
+    PyObject_GC_UnTrack(self);
+    RouteTap_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef RouteTap_methods[] = {
+    {"readable", (PyCFunction)RouteTap_readable, METH_NOARGS,
+     "Drain the socket (for loop.add_reader)."},
+    {"close", (PyCFunction)RouteTap_close, METH_NOARGS,
+     "Stop reading (the owner closes the socket)."},
+    {NULL},
+};
+
+static PyMemberDef RouteTap_members[] = {
+    {"fd", T_INT, offsetof(RouteTap, fd), READONLY, "Socket fd (-1: closed)."},
+    {"prefix", T_INT, offsetof(RouteTap, prefix), READONLY,
+     "Datagram bytes in the route key (0: the source address alone)."},
+    {"length_at", T_INT, offsetof(RouteTap, length_at), READONLY,
+     "Offset of the u16 length a routed datagram must agree with (-1: none)."},
+    {"max_size", T_INT, offsetof(RouteTap, max_size), READONLY,
+     "Larger datagrams are dropped and counted as malformed."},
+    {"ancillary", T_BOOL, offsetof(RouteTap, ancillary), READONLY,
+     "Whether the fallback gets the datagram's control messages (ancdata)."},
+    {"sock", T_OBJECT_EX, offsetof(RouteTap, sock), READONLY, "The socket read."},
+    {"routes", T_OBJECT_EX, offsetof(RouteTap, routes), READONLY,
+     "The route table: key -> Route."},
+    {"fallback", T_OBJECT_EX, offsetof(RouteTap, fallback), READONLY,
+     "callable(data, (host, port)[, ancdata]) for datagrams without a route."},
+    COUNTER_MEMBERS(RouteTap),
+    {NULL},
+};
+
+static PyTypeObject RouteTapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.RouteTap",
+    .tp_basicsize = sizeof(RouteTap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A socket forwarded by a route table (see dataplane.py).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)RouteTap_init,
+    .tp_dealloc = (destructor)RouteTap_dealloc,
+    .tp_traverse = (traverseproc)RouteTap_traverse,
+    .tp_clear = (inquiry)RouteTap_clear,
+    .tp_methods = RouteTap_methods,
+    .tp_members = RouteTap_members,
+    .tp_dictoffset = offsetof(RouteTap, dict),
+};
+
 /* ------------------------------------------------------------ Poller */
 
 /* One epoll set holding every relay socket (and the listening sockets the
@@ -963,8 +1438,10 @@ Poller_register(Poller *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "iO", &fd, &tap))
         return NULL;
     if (!PyObject_TypeCheck(tap, &RelayTapType) &&
-        !PyObject_TypeCheck(tap, &ListenerTapType)) {
-        PyErr_SetString(PyExc_TypeError, "tap must be a RelayTap or ListenerTap");
+        !PyObject_TypeCheck(tap, &ListenerTapType) &&
+        !PyObject_TypeCheck(tap, &RouteTapType)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "tap must be a RelayTap, ListenerTap or RouteTap");
         return NULL;
     }
     if (self->epfd < 0) {
@@ -1035,6 +1512,11 @@ Poller_poll(Poller *self, PyObject *unused)
                 continue;
             relay->skip = 0;
             result = relay_drain(relay);
+        } else if (PyObject_TypeCheck(tap, &RouteTapType)) {
+            RouteTap *routed = (RouteTap *)tap;
+            if (routed->fd < 0)
+                continue;
+            result = route_drain(routed);
         } else {
             ListenerTap *listener = (ListenerTap *)tap;
             if (listener->fd < 0 || listener->clients == NULL || listener->fallback == NULL)
@@ -1107,7 +1589,7 @@ Poller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
 static PyMethodDef Poller_methods[] = {
     {"register", (PyCFunction)Poller_register, METH_VARARGS,
-     "register(fd, tap): drain `fd` with `tap` when it is readable."},
+     "register(fd, tap): drain `fd` with `tap` (RelayTap, ListenerTap, RouteTap)."},
     {"unregister", (PyCFunction)Poller_unregister, METH_O, "unregister(fd)."},
     {"poll", (PyCFunction)Poller_poll, METH_NOARGS,
      "Drain every ready socket (for loop.add_reader(poller.fileno(), poller.poll))."},
@@ -1129,7 +1611,7 @@ static PyTypeObject PollerType = {
     .tp_name = "crossroads.transport._turnfast.Poller",
     .tp_basicsize = sizeof(Poller),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "An epoll set of TURN sockets, drained in C.",
+    .tp_doc = "An epoll set of data-plane sockets (TURN and route taps), drained in C.",
     .tp_new = Poller_new,
     .tp_init = (initproc)Poller_init,
     .tp_dealloc = (destructor)Poller_dealloc,
@@ -1152,7 +1634,8 @@ PyMODINIT_FUNC
 PyInit__turnfast(void)
 {
     if (PyType_Ready(&RelayTapType) < 0 || PyType_Ready(&ListenerTapType) < 0 ||
-        PyType_Ready(&ChannelRouterType) < 0 || PyType_Ready(&PollerType) < 0)
+        PyType_Ready(&ChannelRouterType) < 0 || PyType_Ready(&PollerType) < 0 ||
+        PyType_Ready(&RouteType) < 0 || PyType_Ready(&RouteTapType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -1178,6 +1661,11 @@ PyInit__turnfast(void)
     Py_INCREF(&PollerType);
     if (PyModule_AddObject(m, "Poller", (PyObject *)&PollerType) < 0) {
         Py_DECREF(&PollerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Route", (PyObject *)&RouteType) < 0 ||
+        PyModule_AddObjectRef(m, "RouteTap", (PyObject *)&RouteTapType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

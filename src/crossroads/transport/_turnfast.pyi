@@ -41,8 +41,44 @@ class ChannelRouter(_Counters):
 class Poller:
     wakeups: int
     events: int
-    def register(self, fd: int, tap: RelayTap | ListenerTap) -> None: ...
+    def register(self, fd: int, tap: RelayTap | ListenerTap | RouteTap) -> None: ...
     def unregister(self, fd: int) -> None: ...
     def poll(self) -> None: ...
     def fileno(self) -> int: ...
+    def close(self) -> None: ...
+
+class Route:
+    sock: Any
+    dest: tuple[str, int]
+    control: tuple[int, int, bytes] | None
+    packets: int
+    octets: int
+    def __init__(
+        self,
+        sock: Any,
+        dest: tuple[str, int],
+        control: tuple[int, int, bytes] | None = ...,
+    ) -> None: ...
+
+class RouteTap(_Counters):
+    fd: int
+    prefix: int
+    length_at: int
+    max_size: int
+    ancillary: bool
+    sock: Any
+    routes: dict[Any, Any]
+    fallback: Callable[..., None]
+    def __init__(
+        self,
+        sock: Any,
+        routes: dict[Any, Any],
+        fallback: Callable[..., None],
+        *,
+        prefix: int = ...,
+        length_at: int = ...,
+        max_size: int = ...,
+        ancillary: bool = ...,
+    ) -> None: ...
+    def readable(self) -> None: ...
     def close(self) -> None: ...

@@ -13,10 +13,12 @@ comes from the client's public IP (seen in its INITs) and is a CONNECT_PING carr
 the session's cookie -- the first thing the SDK sends to a CONNECT address. After
 that, a side accepts datagrams from exactly that (ip, port).
 
-Data plane: each socket is read with ``loop.add_reader`` in batches; a datagram from
-the learned source is sent from the partner socket to the partner's learned source.
-One tuple comparison and one ``sendto`` per packet; no parsing, no allocation beyond
-the datagram itself, no store. A pair belongs to one negotiation
+Data plane: each socket is a :class:`~crossroads.transport.dataplane.RouteTap`. Once
+both sides have learned their clients, each side's route table holds one route:
+its client's (ip, port) -> (the partner socket, the partner's client). The tap
+forwards those datagrams itself (in C with recvmmsg/sendmmsg when built): no
+parsing, no Python per datagram, no store. Everything else reaches
+:meth:`_Side.unrouted`, which learns the client and drops the rest. A pair belongs to one negotiation
 (:class:`~crossroads.proto.natneg.server.SessionId`), not to its cookie: games reuse
 cookies, and a new negotiation on the same cookie gets its own pair while the old
 one is released (:meth:`RelayPool.release`, when the core replaces the session). A
@@ -34,18 +36,18 @@ from dataclasses import dataclass, field
 from crossroads.proto.natneg.packets import MAGIC, PacketType
 from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy, Verdict
+from crossroads.transport.dataplane import (
+    RouteLike,
+    TapReaders,
+    make_route,
+    make_tap,
+)
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.natneg.relay")
 
-#: Datagrams read per readiness callback: enough to amortise the callback, small
-#: enough that one busy pair cannot starve the event loop.
-_BATCH = 64
-#: Largest datagram relayed; game datagrams over UDP stay well below the usual MTU,
-#: but fragments reassembled by the kernel can be larger.
-_MAX_DATAGRAM = 65535
 #: Random ports tried in ``port_range`` before giving up on an allocation.
 _BIND_ATTEMPTS = 32
 
@@ -55,17 +57,17 @@ class _Side:
 
     __slots__ = (
         "sock",
-        "fd",
         "expected_ip",
         "ping_prefix",
         "src",
         "partner",
-        "packets",
+        "routes",
+        "tap",
+        "forwarded_by_hand",
     )
 
     def __init__(self, sock: socket.socket, expected_ip: str, cookie: int) -> None:
         self.sock = sock
-        self.fd = sock.fileno()
         self.expected_ip = expected_ip
         # Bytes 0-11 of a CONNECT_PING minus the version byte, which we do not check.
         self.ping_prefix = (
@@ -74,41 +76,36 @@ class _Side:
         )
         self.src: Address | None = None
         self.partner: _Side = self
-        self.packets = 0
+        #: At most one route: the learned client -> the partner's learned client.
+        self.routes: dict[Address, RouteLike] = {}
+        self.tap = make_tap(sock, self.routes, self.unrouted)
+        #: The learning datagrams this side forwarded itself.
+        self.forwarded_by_hand = 0
 
-    def on_readable(self) -> None:
-        sock = self.sock
-        for _ in range(_BATCH):
-            try:
-                data, addr = sock.recvfrom(_MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                # ICMP errors from earlier sends surface here on Linux; keep reading.
-                continue
-            if addr == self.src:
-                dst = self.partner.src
-                if dst is not None:
-                    try:
-                        self.partner.sock.sendto(data, dst)
-                    except OSError:
-                        pass
-                    self.packets += 1
-            elif self.src is None:
-                self._learn(data, addr)
+    @property
+    def packets(self) -> int:
+        """Datagrams relayed from this side's client to the partner's."""
+        return self.forwarded_by_hand + sum(r.packets for r in self.routes.values())
 
-    def _learn(self, data: bytes, addr: Address) -> None:
+    def unrouted(self, data: bytes, addr: Address) -> None:
+        """A datagram without a route: learn the client from it, or drop it
+        (a stranger, or the client talking before its partner is known)."""
+        if self.src is not None:
+            return
         magic, rest = self.ping_prefix
         if addr[0] != self.expected_ip or data[:6] != magic or data[7:12] != rest:
             return
         self.src = addr
-        dst = self.partner.src
-        if dst is not None:
-            try:
-                self.partner.sock.sendto(data, dst)
-            except OSError:
-                pass
-            self.packets += 1
+        partner = self.partner
+        if partner.src is None:
+            return
+        self.forwarded_by_hand += 1
+        try:
+            partner.sock.sendto(data, partner.src)
+        except OSError:
+            pass
+        self.routes[addr] = make_route(partner.sock, partner.src)
+        partner.routes[partner.src] = make_route(self.sock, addr)
 
 
 @dataclass(slots=True)
@@ -165,6 +162,8 @@ class RelayPool:
         self.stats = RelayStats()
         self._pairs: dict[SessionId, _Pair] = {}
         self._loop = asyncio.get_running_loop()
+        #: Every side's tap: one epoll set drained in C (one wakeup for all pairs).
+        self._readers = TapReaders()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -222,7 +221,7 @@ class RelayPool:
         now = self._loop.time()
         self._pairs[session] = _Pair(session, (side0, side1), now, now)
         for side in (side0, side1):
-            self._loop.add_reader(side.fd, side.on_readable)
+            self._readers.add(side.tap)
         self.stats.allocated += 1
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -266,7 +265,8 @@ class RelayPool:
             return
         for side in pair.sides:
             self.stats.released_packets += side.packets
-            self._loop.remove_reader(side.fd)
+            self._readers.remove(side.tap)
+            side.tap.close()
             side.sock.close()
         self.stats.released += 1
 
@@ -291,6 +291,7 @@ class RelayPool:
         self._closed = True
         for session in list(self._pairs):
             self.release(session)
+        self._readers.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

@@ -121,6 +121,11 @@ class ReplySource:
             # the normalised a.b.c.d form.
             known[short] = control
 
+    def control_for(self, addr: Any) -> Control | None:
+        """The control message a datagram to ``addr`` leaves with (None: the
+        kernel picks the source)."""
+        return self._known.get((addr[0], addr[1]))
+
     def recvfrom(self, bufsize: int) -> tuple[bytes, Any]:
         """Like ``socket.recvfrom``, learning where the datagram was sent to."""
         data, ancdata, _flags, addr = self.sock.recvmsg(bufsize, ANCILLARY_BYTES)

@@ -9,10 +9,16 @@ socket anew toward the proxy) confirms that side's address; anything else is
 dropped (UDPForwarder.cpp:181-330). Until a side is confirmed, datagrams to it
 go to the address the coordinator knows.
 
-Data plane: the socket is read with ``loop.add_reader`` in batches; per
-datagram one or two tuple comparisons and one ``sendto``: no parse, no
-allocation beyond the datagram, no store. An entry that forwarded nothing for
-its ``timeoutOnNoDataMS`` is closed (UDPForwarder.cpp:440-510).
+Data plane: the socket is a :class:`~crossroads.transport.dataplane.RouteTap`
+whose route table holds a route per *confirmed* side (its address -> the other
+side's confirmed address, else the one the coordinator knows). The tap forwards
+those datagrams itself (in C with recvmmsg/sendmmsg when built): no parse, no
+Python per datagram, no store. A datagram without a route reaches
+:meth:`_Entry.unrouted`, which confirms a side (and rewrites both routes) or
+drops it. An entry that forwarded nothing for its ``timeoutOnNoDataMS`` is
+closed (UDPForwarder.cpp:440-510); the sweep sees forwarding as a change in the
+routes' packet counts, so an entry closes at most one sweep period late, never
+early.
 """
 
 from __future__ import annotations
@@ -21,12 +27,17 @@ import asyncio
 import socket
 
 from crossroads.proto.raknet.udpproxy import ForwarderResult
+from crossroads.transport.dataplane import (
+    RouteLike,
+    TapReaders,
+    make_route,
+    make_tap,
+)
 from crossroads.transport.udp import make_udp_socket
 from crossroads.types import Address
 
-#: Datagrams read per readiness callback (as the natneg relay).
-BATCH = 64
-#: RakNet's MAXIMUM_MTU_SIZE: nothing larger is a RakNet datagram.
+#: RakNet's MAXIMUM_MTU_SIZE: nothing larger is a RakNet datagram (dropped and
+#: counted as malformed by the tap).
 MAX_DATAGRAM = 1500
 #: Idle sweep period: timeouts are seconds long.
 SWEEP_INTERVAL = 0.5
@@ -35,7 +46,6 @@ SWEEP_INTERVAL = 0.5
 class _Entry:
     __slots__ = (
         "sock",
-        "fd",
         "port",
         "side1",
         "side2",
@@ -43,7 +53,10 @@ class _Entry:
         "confirmed2",
         "timeout",
         "last",
-        "packets",
+        "routes",
+        "tap",
+        "forwarded_elsewhere",
+        "seen_packets",
     )
 
     def __init__(
@@ -55,7 +68,6 @@ class _Entry:
         now: float,
     ) -> None:
         self.sock = sock
-        self.fd = sock.fileno()
         self.port: int = sock.getsockname()[1]
         self.side1 = side1
         self.side2 = side2
@@ -63,38 +75,49 @@ class _Entry:
         self.confirmed2: Address | None = None
         self.timeout = timeout
         self.last = now
-        self.packets = 0
+        #: A route per confirmed side: its address -> where its datagrams go.
+        self.routes: dict[Address, RouteLike] = {}
+        self.tap = make_tap(sock, self.routes, self.unrouted, max_size=MAX_DATAGRAM)
+        #: Datagrams forwarded by hand or by routes since replaced.
+        self.forwarded_elsewhere = 0
+        #: ``packets`` at the last sweep (a change means the entry is alive).
+        self.seen_packets = 0
 
-    def on_readable(self) -> None:
-        recvfrom = self.sock.recvfrom
-        sendto = self.sock.sendto
-        forwarded = 0
-        for _ in range(BATCH):
-            try:
-                data, addr = recvfrom(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                continue
-            c1, c2 = self.confirmed1, self.confirmed2
-            if addr == c1 or (c1 is None and addr != c2 and addr[0] == self.side1[0]):
-                if c1 is None:
-                    self.confirmed1 = addr
-                dest = c2 or self.side2
-            elif addr == c2 or (c2 is None and addr[0] == self.side2[0]):
-                if c2 is None:
-                    self.confirmed2 = addr
-                dest = self.confirmed1 or self.side1
-            else:
-                continue
-            try:
-                sendto(data, dest)
-                forwarded += 1
-            except OSError:
-                pass
-        if forwarded:
-            self.packets += forwarded
-            self.last = asyncio.get_running_loop().time()
+    @property
+    def packets(self) -> int:
+        return self.forwarded_elsewhere + sum(r.packets for r in self.routes.values())
+
+    def unrouted(self, data: bytes, addr: Address) -> None:
+        """A datagram from an unconfirmed address: confirm a side by its IP
+        (UDPForwarder.cpp:181-330), forward it and route that side from now on;
+        anything else is dropped."""
+        c1, c2 = self.confirmed1, self.confirmed2
+        if c1 is None and addr != c2 and addr[0] == self.side1[0]:
+            self.confirmed1 = addr
+            dest = c2 or self.side2
+        elif c2 is None and addr[0] == self.side2[0]:
+            self.confirmed2 = addr
+            dest = self.confirmed1 or self.side1
+        else:
+            return
+        self._route()
+        try:
+            self.sock.sendto(data, dest)
+        except OSError:
+            return
+        self.forwarded_elsewhere += 1
+        self.last = asyncio.get_running_loop().time()
+
+    def _route(self) -> None:
+        """Rewrite the routes for the confirmed sides."""
+        for route in self.routes.values():
+            self.forwarded_elsewhere += route.packets
+        self.routes.clear()
+        c1, c2 = self.confirmed1, self.confirmed2
+        if c1 is not None:
+            self.routes[c1] = make_route(self.sock, c2 or self.side2)
+        if c2 is not None:
+            self.routes[c2] = make_route(self.sock, c1 or self.side1)
 
 
 class ForwarderPool:
@@ -107,6 +130,9 @@ class ForwarderPool:
         self.started = 0
         self.released_packets = 0
         self._loop = asyncio.get_running_loop()
+        #: Every entry's tap: one epoll set drained in C (one wakeup for all).
+        self._readers = TapReaders()
+        self._closed = False
         self._sweeper: asyncio.Task[None] | None = None
 
     def start(
@@ -117,7 +143,7 @@ class ForwarderPool:
         )
         if existing is not None:
             return ForwarderResult.FORWARDING_ALREADY_EXISTS, existing.port
-        if len(self.entries) >= self.max_entries:
+        if len(self.entries) >= self.max_entries or self._closed:
             return ForwarderResult.NO_SOCKETS, 0
         try:
             sock = make_udp_socket(self.host, 0)
@@ -125,7 +151,7 @@ class ForwarderPool:
             return ForwarderResult.BIND_FAILED, 0
         entry = _Entry(sock, source, target, timeout_ms / 1000, self._loop.time())
         self.entries[(source, target)] = entry
-        self._loop.add_reader(entry.fd, entry.on_readable)
+        self._readers.add(entry.tap)
         self.started += 1
         if self._sweeper is None:
             self._sweeper = asyncio.ensure_future(self._sweep_forever())
@@ -136,13 +162,18 @@ class ForwarderPool:
 
     def sweep(self, now: float) -> None:
         for key, entry in list(self.entries.items()):
-            if now - entry.last > entry.timeout:
+            packets = entry.packets
+            if packets != entry.seen_packets:
+                entry.seen_packets = packets
+                entry.last = max(entry.last, now)
+            elif now - entry.last > entry.timeout:
                 self._release(key)
 
     def _release(self, key: tuple[Address, Address]) -> None:
         entry = self.entries.pop(key)
         self.released_packets += entry.packets
-        self._loop.remove_reader(entry.fd)
+        self._readers.remove(entry.tap)
+        entry.tap.close()
         entry.sock.close()
 
     async def _sweep_forever(self) -> None:
@@ -151,8 +182,10 @@ class ForwarderPool:
             self.sweep(self._loop.time())
 
     async def close(self) -> None:
+        self._closed = True
         for key in list(self.entries):
             self._release(key)
+        self._readers.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             try:

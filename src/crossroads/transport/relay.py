@@ -1,15 +1,21 @@
 """The relay node's UDP endpoint: the data-plane fast path around a sans-I/O core.
 
-A RELAY frame between two connected allocations costs one ``recvfrom``, one dict
-lookup keyed by (source address, first 36 bytes), one length check, two integer
-adds on the route and one ``sendto``: no parse, no object per packet, no store.
-Everything else goes to :meth:`RelayServer.receive_slow` (the control plane).
+The socket is a :class:`~crossroads.transport.dataplane.RouteTap` over the core's
+forwarding table (:attr:`RelayServer.routes`, keyed by source address and the
+frame's first 36 bytes: header, from and to allocation IDs), with the RELAY
+length check (``DataLength`` at offset 36 must be the rest of the frame). A frame
+between two connected allocations is forwarded unchanged by the tap -- in C with
+``recvmmsg``/``sendmmsg`` when built -- and counted on its route: no parse, no
+Python per frame, no store. Everything else reaches :meth:`RelayServer.receive_slow`
+(the control plane), whose replies are sent once per readiness callback.
 
-The socket is read directly with ``loop.add_reader`` in batches of up to
-:data:`BATCH` datagrams per wake-up, instead of through an asyncio
-``DatagramProtocol``, which would add a callback and address normalisation per
-packet. Sends are non-blocking ``sendto`` calls; when the kernel buffer is full
-the datagram is dropped and counted, which is what a UDP relay should do.
+The core makes its forwarding entries through :meth:`RelayEndpoint.make_forward`:
+data-plane routes from this socket. On a wildcard bind each route carries the
+``IP_PKTINFO`` source its destination client last sent to
+(:mod:`crossroads.transport.pktinfo`), learned from that client's slow-path
+frames (BIND, CONNECT_REQUEST, a rebind) before any route to it exists. When the
+kernel buffer is full a datagram is dropped and counted, which is what a UDP
+relay should do.
 """
 
 from __future__ import annotations
@@ -17,17 +23,13 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from typing import Any
 
-from crossroads.proto.relay.server import Event, RelayServer
-from crossroads.transport.pktinfo import ReplySource, is_wildcard
+from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
+from crossroads.proto.relay.server import Event, ForwardEntry, RelayServer
+from crossroads.transport.dataplane import RouteLike, make_route, make_tap
+from crossroads.transport.pktinfo import ReplySource, is_wildcard, reply_control
 from crossroads.types import Address
-
-#: Datagrams read per readiness callback: enough to amortise the event-loop
-#: round trip, small enough that timers and the HTTP server keep running.
-BATCH = 256
-#: Largest UDP payload; a RELAY frame is at most 38 + 65535 bytes, which no
-#: IPv4 datagram can carry, so this reads any datagram whole.
-MAX_DATAGRAM = 65535
 
 
 class RelayEndpoint:
@@ -42,17 +44,31 @@ class RelayEndpoint:
         self.core = core
         self.sock = sock
         self.on_events = on_events
-        self.send_failures = 0
+        self._flush_failures = 0
         self._loop = asyncio.get_running_loop()
-        self._v4 = sock.family == socket.AF_INET
         #: On a wildcard bind, replies and relayed frames leave from the address
         #: each client sent to (:mod:`crossroads.transport.pktinfo`).
         self._replies = (
             ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
         )
+        core.set_forwarding(self.make_forward)
+        self.tap = make_tap(
+            sock,
+            core.routes,
+            self._slow,
+            prefix=RELAY_ROUTE_SIZE,
+            length_at=RELAY_ROUTE_SIZE,
+            ancillary=self._replies is not None,
+        )
+        self._slow_now: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._closed = False
+
+    @property
+    def send_failures(self) -> int:
+        """Datagrams the kernel refused (relayed frames and replies)."""
+        return self.tap.send_errors + self._flush_failures
 
     def start(self) -> None:
         self._loop.add_reader(self.sock.fileno(), self._readable)
@@ -62,50 +78,36 @@ class RelayEndpoint:
             return
         self._closed = True
         self._loop.remove_reader(self.sock.fileno())
+        self.tap.close()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self.sock.close()
 
+    def make_forward(self, dest: Address) -> ForwardEntry:
+        """A data-plane route from this socket to ``dest`` (the core's factory)."""
+        control = None if self._replies is None else self._replies.control_for(dest)
+        route: RouteLike = make_route(self.sock, dest, control)
+        return route
+
     # ------------------------------------------------------------- fast path
 
     def _readable(self) -> None:
-        routes = self.core.routes
-        replies = self._replies
-        recvfrom = self.sock.recvfrom if replies is None else replies.recvfrom
-        sendto = self.sock.sendto if replies is None else replies.sendto
-        v4 = self._v4
-        slow = False
-        now = 0.0
-        for _ in range(BATCH):
-            try:
-                data, raw = recvfrom(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                # Asynchronous errors (ICMP) surface here on some systems.
-                continue
-            addr: Address = raw if v4 else (raw[0], raw[1])
-            route = routes.get((addr, data[:36]))
-            size = len(data)
-            if (
-                route is not None
-                and size >= 38
-                and size - 38 == (data[36] << 8 | data[37])
-            ):
-                route.packets += 1
-                route.octets += size
-                try:
-                    sendto(data, route.dest)
-                except OSError:
-                    self.send_failures += 1
-                continue
-            if not slow:
-                slow = True
-                now = self._loop.time()
-            self.core.receive_slow(data, addr, now)
-        if slow:
+        self.tap.readable()
+        now = self._slow_now
+        if now is not None:
+            self._slow_now = None
             self._flush(now)
+
+    def _slow(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
+        if self._replies is not None and ancdata:
+            control = reply_control(ancdata)
+            if control is not None:
+                self._replies.remember(addr, control)
+        now = self._slow_now
+        if now is None:
+            now = self._slow_now = self._loop.time()
+        self.core.receive_slow(data, addr, now)
 
     # ----------------------------------------------------------- control plane
 
@@ -122,7 +124,7 @@ class RelayEndpoint:
             try:
                 sendto(data, addr)
             except OSError:
-                self.send_failures += 1
+                self._flush_failures += 1
         events = self.core.events()
         if events:
             self.on_events(events)

@@ -54,6 +54,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from crossroads.transport.dataplane import PyCounters
+
 Address = tuple[str, int]
 Route = tuple[Any, Address]
 
@@ -61,20 +63,14 @@ Route = tuple[Any, Address]
 PAD = (b"", b"\x00\x00\x00", b"\x00\x00", b"\x00")
 
 
-class PyListenerTap:
+class PyListenerTap(PyCounters):
     """Pure-Python :class:`ListenerTap`."""
 
     def __init__(self) -> None:
         self.fd = -1
         self.clients: dict[Address, dict[int, Route]] = {}
         self.fallback: Callable[[bytes, Any], None] = _unset
-        self.forwarded = 0
-        self.forwarded_bytes = 0
-        self.send_errors = 0
-        self.malformed = 0
-        self.batches = 0
-        self.drained = 0
-        self.throttled = 0
+        super().__init__()
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         size = len(data)
@@ -100,7 +96,7 @@ class PyListenerTap:
         self.fallback(data, addr)
 
 
-class PyRelayTap:
+class PyRelayTap(PyCounters):
     """Pure-Python :class:`RelayTap` (UDP clients; TCP clients override
     ``datagram_received``)."""
 
@@ -108,13 +104,7 @@ class PyRelayTap:
         self.fd = -1
         self.peer_channels: dict[Address, int] = {}
         self.fallback: Callable[[bytes, Any], None] = _unset
-        self.forwarded = 0
-        self.forwarded_bytes = 0
-        self.send_errors = 0
-        self.malformed = 0
-        self.batches = 0
-        self.drained = 0
-        self.throttled = 0
+        super().__init__()
         self._client: Address = ("", 0)
         self._client_sendto: Callable[[bytes, Address], None] = _unset
         #: Bandwidth limit, bytes/s both directions (0: none), token bucket.
@@ -160,19 +150,13 @@ class PyRelayTap:
         self.forwarded_bytes += size
 
 
-class PyChannelRouter:
+class PyChannelRouter(PyCounters):
     """Pure-Python :class:`ChannelRouter`."""
 
     def __init__(self) -> None:
         self.endpoints: dict[Any, dict[Address, dict[int, Route]]] = {}
         self.fallback: Callable[[bytes, Address, Any], None] = _unset
-        self.forwarded = 0
-        self.forwarded_bytes = 0
-        self.send_errors = 0
-        self.malformed = 0
-        self.batches = 0
-        self.drained = 0
-        self.throttled = 0
+        super().__init__()
 
     def handle_channel_data(self, data: bytes, client: Address, endpoint: Any) -> None:
         clients = self.endpoints.get(endpoint)

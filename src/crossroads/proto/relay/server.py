@@ -23,9 +23,13 @@ BIND, so the API never has to reach the node before the player does.
 3. **RELAY** frames are the data plane. A route is keyed by (source IP:port, the
    first 36 bytes of the frame: header + from ID + to ID) and holds the
    destination IP:port. Forwarding is one dict lookup, one length check and one
-   send: no parse, no allocation per packet. Transports do the lookup themselves
-   on :attr:`RelayServer.routes` and only hand the core what misses. Each
-   :class:`Route` counts packets; the periodic *sweep* turns counter changes into
+   send: no parse, no allocation per packet. :attr:`RelayServer.routes` is the
+   forwarding table of the relay data plane (:mod:`crossroads.transport.dataplane`):
+   its values are *forwarding entries* made by a factory the transport installs
+   (:meth:`RelayServer.set_forwarding`; in memory, :class:`Forward`), which the
+   data plane counts packets on. The transport forwards what the table routes
+   and hands the core only what misses. Each :class:`Route` links an entry to
+   its two allocations; the periodic *sweep* turns counter changes into
    activity (for the idle timers) and metrics.
 4. Anything that misses the route table takes the *slow path*: full decode, a
    per-source token bucket, and the protocol's ERROR or a counted drop. An
@@ -52,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from crossroads.errors import DecodeError
 from crossroads.proto.policy import AddressPolicy, Verdict
@@ -67,31 +71,54 @@ RouteKey = tuple[Address, bytes]
 _BIND_RECEIVED: Final = m.BindReceived().encode()
 
 
-class Route:
-    """One direction of a connected pair: where frames from ``source`` go.
+class ForwardEntry(Protocol):
+    """A forwarding entry: where frames go, and what took the way (the data
+    plane bumps the counters per forwarded frame; the sweep reads them)."""
 
-    Mutable on purpose: transports bump :attr:`packets` / :attr:`octets` per
-    forwarded frame (two integer adds), the sweep reads them.
-    """
+    @property
+    def dest(self) -> Address: ...
 
-    __slots__ = (
-        "dest",
-        "packets",
-        "octets",
-        "seen_packets",
-        "seen_octets",
-        "source",
-        "target",
-    )
+    packets: int
+    octets: int
 
-    def __init__(self, dest: Address, source: Allocation, target: Allocation) -> None:
+
+class Forward:
+    """The in-memory :class:`ForwardEntry` (no transport: tests, simulations)."""
+
+    __slots__ = ("dest", "packets", "octets")
+
+    def __init__(self, dest: Address) -> None:
         self.dest = dest
         self.packets = 0
         self.octets = 0
+
+
+class Route:
+    """One direction of a connected pair: its forwarding entry, and the two
+    allocations whose activity that entry's traffic proves."""
+
+    __slots__ = ("forward", "seen_packets", "seen_octets", "source", "target")
+
+    def __init__(
+        self, forward: ForwardEntry, source: Allocation, target: Allocation
+    ) -> None:
+        self.forward = forward
         self.seen_packets = 0
         self.seen_octets = 0
         self.source = source
         self.target = target
+
+    @property
+    def dest(self) -> Address:
+        return self.forward.dest
+
+    @property
+    def packets(self) -> int:
+        return self.forward.packets
+
+    @property
+    def octets(self) -> int:
+        return self.forward.octets
 
 
 @dataclass(slots=True, eq=False)
@@ -267,7 +294,10 @@ class RelayServer:
         self.wall_offset = wall_offset
         self.allocations: dict[bytes, Allocation] = {}
         #: The data plane's forwarding table; transports read it directly.
-        self.routes: dict[RouteKey, Route] = {}
+        self.routes: dict[RouteKey, ForwardEntry] = {}
+        #: The allocations behind each entry of :attr:`routes` (same keys).
+        self._links: dict[RouteKey, Route] = {}
+        self._make_forward: Callable[[Address], ForwardEntry] = Forward
         #: Seats reserved by bound hosts (sum of :attr:`Allocation.weight`).
         self.load = 0
         self.connections = 0
@@ -297,6 +327,11 @@ class RelayServer:
         }
 
     # ------------------------------------------------------------- public API
+
+    def set_forwarding(self, make_forward: Callable[[Address], ForwardEntry]) -> None:
+        """Let the transport make the forwarding entries (its data plane's route
+        objects, bound to its socket). Call before the first datagram."""
+        self._make_forward = make_forward
 
     def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
         """Handle one datagram from ``addr``. Never raises on bad input."""
@@ -366,7 +401,7 @@ class RelayServer:
         """Fold route counters into activity and metrics, then expire timers."""
         limit = self.config.max_route_pps * self._tick
         too_busy: list[RouteKey] = []
-        for key, route in self.routes.items():
+        for key, route in self._links.items():
             delta = route.packets - route.seen_packets
             if not delta:
                 continue
@@ -379,8 +414,9 @@ class RelayServer:
             if limit and delta > limit:
                 too_busy.append(key)
         for key in too_busy:
+            del self.routes[key]
             self._suspended[key] = (
-                self.routes.pop(key),
+                self._links.pop(key),
                 now + self.config.rate_penalty,
             )
             self._drop("route-suspended")
@@ -393,7 +429,8 @@ class RelayServer:
                     and key[0] == route.source.address
                     and key not in self.routes
                 ):
-                    self.routes[key] = route
+                    self.routes[key] = route.forward
+                    self._links[key] = route
         cfg = self.config
         for alloc in list(self.allocations.values()):
             alone = alloc.is_host and not alloc.peers
@@ -417,7 +454,7 @@ class RelayServer:
     def relayed(self) -> tuple[int, int]:
         """Frames and bytes forwarded so far, including those not yet swept."""
         packets, octets = self.relayed_packets, self.relayed_octets
-        for route in self.routes.values():
+        for route in self._links.values():
             packets += route.packets - route.seen_packets
             octets += route.octets - route.seen_octets
         return packets, octets
@@ -677,12 +714,16 @@ class RelayServer:
         )
 
     def _install_routes(self, a: Allocation, b: Allocation) -> None:
-        self.routes[self._route_key(a, b)] = Route(b.address, a, b)
-        self.routes[self._route_key(b, a)] = Route(a.address, b, a)
+        for source, target in ((a, b), (b, a)):
+            key = self._route_key(source, target)
+            forward = self._make_forward(target.address)
+            self.routes[key] = forward
+            self._links[key] = Route(forward, source, target)
 
     def _remove_routes(self, a: Allocation, b: Allocation) -> None:
         for key in (self._route_key(a, b), self._route_key(b, a)):
-            route = self.routes.pop(key, None)
+            self.routes.pop(key, None)
+            route = self._links.pop(key, None)
             if route is None:
                 suspended = self._suspended.pop(key, None)
                 route = suspended[0] if suspended else None

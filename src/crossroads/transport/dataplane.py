@@ -1,0 +1,332 @@
+"""The relay data plane: sockets forwarded by a route table the control plane writes.
+
+Theory of operation
+-------------------
+Every relay in crossroads splits into a control plane (a sans-I/O core or a pool
+that decides *who may talk to whom*) and a data plane that moves the datagrams.
+The data plane is a set of :class:`RouteTap` objects, one per socket, each with a
+*route table*, a plain dict the control plane owns and writes:
+
+``key -> Route(out_sock, dest)``
+    ``key`` is the datagram's source ``(host, port)``; when the protocol names
+    its route in a header, it is ``((host, port), data[:prefix])`` (the Unity
+    relay's RELAY frame: signature, version, type, from and to allocation ids).
+    A datagram whose key is in the table — and, with ``length_at``, whose own
+    u16 length field agrees with its size — is sent *unchanged* from
+    ``out_sock`` to ``dest``, and the route counts it (``packets``,
+    ``octets``: what idle timeouts and quotas read). Anything else goes to
+    ``fallback(data, (host, port))``, in arrival order: that is where the
+    control plane learns addresses, answers, counts and drops. The fallback
+    may install or remove routes; the next datagram sees the change.
+
+Nothing per datagram is parsed, allocated (beyond the address key) or stored.
+Routes are installed only for traffic already proven legitimate (a learned
+client, a confirmed side), so the table never grows with hostile traffic: its
+size is bounded by the control plane's own caps.
+
+Two implementations with identical decisions:
+
+- the C accelerator in :mod:`crossroads.transport._turnfast` (``RouteTap`` and
+  ``Route``), which drains the socket with ``recvmmsg`` (up to 8 batches of 32
+  per readiness callback, the TURN taps' limits) and sends what it routes with
+  ``sendmmsg``, the iovecs pointing into the receive buffers: no payload copy, no
+  Python object per datagram but its (cached) address tuple;
+- :class:`PyRouteTap` / :class:`PyRoute` below: ``recvfrom``, a dict lookup and a
+  ``sendto`` per datagram, used when the accelerator is not built or
+  ``CROSSROADS_TURN_PURE_PYTHON=1`` is set (the same switch as the TURN taps in
+  :mod:`crossroads.transport.turnplane`, whose ChannelData/Send taps are the
+  header-rewriting half of this plane).
+
+The owner registers ``tap.readable`` with ``loop.add_reader(tap.fd, ...)``, calls
+``tap.close()`` before closing the socket, and reads the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from crossroads.types import Address
+
+#: Datagrams the Python twin reads per readiness callback: enough to amortise the
+#: callback, small enough that one busy socket cannot starve the event loop.
+PY_BATCH = 64
+#: Largest UDP payload (a datagram is read whole, then judged by ``max_size``).
+MAX_DATAGRAM = 65535
+#: Largest control message a route sends with: in6_pktinfo is 20 bytes (ipv6(7)),
+#: in_pktinfo 12 (ip(7)) -- a reply's source address on a wildcard bind.
+ROUTE_CONTROL = 20
+#: Room for the control messages a tap receives (:data:`pktinfo.ANCILLARY_BYTES`).
+TAP_CONTROL = 128
+
+#: A control message, as ``socket.recvmsg`` returns and ``sendmsg`` takes it.
+Control = tuple[int, int, bytes]
+
+
+class RouteLike(Protocol):
+    """What the control planes read from a route, whichever implementation."""
+
+    @property
+    def sock(self) -> socket.socket: ...
+    @property
+    def dest(self) -> Address: ...
+    @property
+    def control(self) -> Control | None: ...
+
+    #: Datagrams and bytes that took the route (writable: a control plane that
+    #: forwards a datagram itself may count it here).
+    packets: int
+    octets: int
+
+
+class RouteTapLike(Protocol):
+    """What the control planes use of a tap, whichever implementation."""
+
+    @property
+    def fd(self) -> int: ...
+    @property
+    def routes(self) -> dict[Any, Any]: ...
+    @property
+    def forwarded(self) -> int: ...
+    @property
+    def forwarded_bytes(self) -> int: ...
+    @property
+    def send_errors(self) -> int: ...
+    @property
+    def malformed(self) -> int: ...
+    def readable(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class PyRoute:
+    """Pure-Python ``Route``: forward unchanged from ``sock`` to ``dest``."""
+
+    __slots__ = ("sock", "dest", "control", "packets", "octets")
+
+    def __init__(
+        self, sock: socket.socket, dest: Address, control: Control | None = None
+    ) -> None:
+        if sock.fileno() < 0:
+            raise ValueError("the out socket is closed")
+        if not _is_ip(dest[0]) or not 0 <= dest[1] <= 65535:
+            raise ValueError("dest must be (ip, port)")
+        if control is not None and not 0 < len(control[2]) <= ROUTE_CONTROL:
+            raise ValueError("control data must be 1-20 bytes")
+        self.sock = sock
+        self.dest: Address = (dest[0], dest[1])
+        self.control = control
+        self.packets = 0
+        self.octets = 0
+
+    def send(self, data: bytes) -> None:
+        """Send ``data`` along the route (raises ``OSError`` as ``sendto``)."""
+        if self.control is None:
+            self.sock.sendto(data, self.dest)
+        else:
+            self.sock.sendmsg([data], [self.control], 0, self.dest)
+
+
+def _is_ip(host: object) -> bool:
+    """The C twin's rule for a destination: a literal IPv4 or IPv6 address."""
+    if not isinstance(host, str):
+        return False
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except (OSError, ValueError):
+            continue
+        return True
+    return False
+
+
+class PyCounters:
+    """The counters every data-plane tap exports (C: ``COUNTER_MEMBERS``)."""
+
+    def __init__(self) -> None:
+        self.forwarded = 0
+        self.forwarded_bytes = 0
+        self.send_errors = 0
+        self.malformed = 0
+        self.batches = 0
+        self.drained = 0
+        self.throttled = 0
+
+
+class PyRouteTap(PyCounters):
+    """Pure-Python ``RouteTap`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        routes: dict[Any, Any],
+        fallback: Callable[..., None],
+        *,
+        prefix: int = 0,
+        length_at: int = -1,
+        max_size: int = MAX_DATAGRAM,
+        ancillary: bool = False,
+    ) -> None:
+        if not 0 <= prefix <= 64 or not -1 <= length_at <= 65533:
+            raise ValueError("prefix, length_at or max_size out of range")
+        if not 0 <= max_size <= MAX_DATAGRAM:
+            raise ValueError("prefix, length_at or max_size out of range")
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.routes = routes
+        self.fallback = fallback
+        self.prefix = prefix
+        self.length_at = length_at
+        self.max_size = max_size
+        self.ancillary = ancillary
+        super().__init__()
+
+    def close(self) -> None:
+        """Stop reading (the owner closes the socket)."""
+        self.fd = -1
+
+    def readable(self) -> None:
+        """Drain up to :data:`PY_BATCH` datagrams (for ``loop.add_reader``)."""
+        sock = self.sock
+        ancillary = self.ancillary
+        routes = self.routes
+        prefix = self.prefix
+        length_at = self.length_at
+        for _ in range(PY_BATCH):
+            if self.fd < 0:
+                return
+            try:
+                if ancillary:
+                    data, ancdata, _flags, raw = sock.recvmsg(MAX_DATAGRAM, TAP_CONTROL)
+                else:
+                    data, raw = sock.recvfrom(MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                # ICMP errors from earlier sends surface here on Linux; keep reading.
+                continue
+            self.drained += 1
+            size = len(data)
+            if size > self.max_size:
+                self.malformed += 1
+                continue
+            addr: Address = raw if len(raw) == 2 else (raw[0], raw[1])
+            if prefix == 0:
+                route = routes.get(addr)
+            elif size >= prefix:
+                route = routes.get((addr, data[:prefix]))
+            else:
+                route = None
+            if route is not None and (
+                length_at < 0
+                or (
+                    size >= length_at + 2
+                    and size - length_at - 2
+                    == (data[length_at] << 8 | data[length_at + 1])
+                )
+            ):
+                route.packets += 1
+                route.octets += size
+                try:
+                    route.send(data)
+                except OSError:
+                    self.send_errors += 1
+                else:
+                    self.forwarded += 1
+                    self.forwarded_bytes += size
+                continue
+            if ancillary:
+                self.fallback(data, addr, ancdata)
+            else:
+                self.fallback(data, addr)
+
+
+RouteType: Callable[[socket.socket, Address, Control | None], Any] = PyRoute
+RouteTapType: Callable[..., Any] = PyRouteTap
+PollerType: Callable[[], Any] | None = None
+#: Whether the C implementation is in use.
+ACCELERATED = False
+if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes"):
+    try:
+        from crossroads.transport._turnfast import Poller as _CPoller
+        from crossroads.transport._turnfast import Route as _CRoute
+        from crossroads.transport._turnfast import RouteTap as _CRouteTap
+    except ImportError:  # not built (no C compiler at install time)
+        pass
+    else:
+        RouteType = _CRoute
+        RouteTapType = _CRouteTap
+        PollerType = _CPoller
+        ACCELERATED = True
+
+
+class TapReaders:
+    """Reads a changing set of taps on the running event loop.
+
+    With the C accelerator every tap goes into one epoll set (``Poller``) and the
+    event loop watches its one fd: one wakeup drains every ready socket in C,
+    instead of one Python callback per socket. Without it, each tap gets its own
+    ``loop.add_reader``. Remove a tap before closing its socket.
+    """
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._poller = PollerType() if PollerType is not None else None
+        if self._poller is not None:
+            self._loop.add_reader(self._poller.fileno(), self._poller.poll)
+
+    def add(self, tap: RouteTapLike) -> None:
+        if self._poller is not None:
+            self._poller.register(tap.fd, tap)
+        else:
+            self._loop.add_reader(tap.fd, tap.readable)
+
+    def remove(self, tap: RouteTapLike) -> None:
+        if tap.fd < 0:
+            return
+        if self._poller is not None:
+            self._poller.unregister(tap.fd)
+        else:
+            self._loop.remove_reader(tap.fd)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._loop.remove_reader(self._poller.fileno())
+            self._poller.close()
+            self._poller = None
+
+
+def make_route(
+    sock: socket.socket, dest: Address, control: Control | None = None
+) -> RouteLike:
+    """A route from ``sock`` to ``dest`` (C when built, else Python); each
+    datagram goes with ``control`` (a source address on a wildcard bind)."""
+    route: RouteLike = RouteType(sock, dest, control)
+    return route
+
+
+def make_tap(
+    sock: socket.socket,
+    routes: dict[Any, Any],
+    fallback: Callable[..., None],
+    *,
+    prefix: int = 0,
+    length_at: int = -1,
+    max_size: int = MAX_DATAGRAM,
+    ancillary: bool = False,
+) -> RouteTapLike:
+    """A tap reading ``sock`` through ``routes`` (C when built, else Python).
+    ``fallback(data, addr)``, or ``fallback(data, addr, ancdata)`` with
+    ``ancillary`` (the socket's control messages, as ``recvmsg`` gives them)."""
+    tap: RouteTapLike = RouteTapType(
+        sock,
+        routes,
+        fallback,
+        prefix=prefix,
+        length_at=length_at,
+        max_size=max_size,
+        ancillary=ancillary,
+    )
+    return tap
