@@ -1,7 +1,8 @@
 """TURN over DTLS (RFC 8656 §3, RFC 7350: UDP 5349) with coturn's
 ``turnutils_uclient -S`` (no ``-t``: DTLS over UDP) against crossroads: 0 lost
 packets with channels, Send indications and client to client. The certificate
-is a development certificate made by the test."""
+is a development certificate made by the test. And crossroads' own TURN
+client over DTLS, against crossroads and against coturn's ``turnserver``."""
 
 from __future__ import annotations
 
@@ -10,17 +11,27 @@ from pathlib import Path
 
 import pytest
 
+from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.runtime import Runtime
+from crossroads.transport.dtls import DtlsHandshakeError, client_context
 from crossroads.transport.tls import development_certificate
+from tests.conftest import eventually
+from tests.interop.stun_support import (  # noqa: F401 (fixtures)
+    Coturn,
+    coturn_fixture,
+)
 from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     PASSWORD,
     USER,
     TurnRuntime,
     assert_no_loss,
+    coturn_with_user,
     echo_peer,
+    exercise,
     turn_runtime,
     turn_service,
     uclient,
+    udp_echo,
 )
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(90)]
@@ -83,3 +94,83 @@ async def test_uclient_over_dtls_client_to_client(
     assert_no_loss(output)
     (listener,) = turn_service(runtime).dtls_listeners
     assert listener.handshakes >= 2
+
+
+async def test_crossroads_client_over_dtls_sees_its_own_address(
+    turn_runtime: TurnRuntime,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """crossroads' own client over DTLS: the relay works both ways, the
+    allocation's five-tuple holds the real client address, a wrong password
+    gets 401 over DTLS too, and a client that does not trust the certificate
+    fails the handshake."""
+    runtime, port = await dtls_runtime(turn_runtime, tmp_path)
+    trust = client_context(str(tmp_path / "dev-cert.pem"))
+    sock, task = await udp_echo()
+    try:
+        async with await TurnClient.connect(
+            ("127.0.0.1", port), USER, PASSWORD, dtls=trust
+        ) as client:
+            await exercise(client, sock.getsockname())
+            assert client.mapped == client.local_address
+        async with await TurnClient.connect(
+            ("127.0.0.1", port), USER, "wrong", dtls=trust
+        ) as client:
+            with pytest.raises(TurnClientError) as excinfo:
+                await client.allocate()
+            assert excinfo.value.code == 401
+        with pytest.raises(DtlsHandshakeError):
+            await TurnClient.connect(
+                ("127.0.0.1", port), USER, PASSWORD, dtls=client_context(), timeout=5
+            )
+        with pytest.raises(DtlsHandshakeError, match="does not name"):
+            await TurnClient.connect(
+                ("127.0.0.1", port),
+                USER,
+                PASSWORD,
+                dtls=trust,
+                server_hostname="turn.example.org",
+            )
+    finally:
+        task.cancel()
+        sock.close()
+    drops = turn_service(runtime).stun.stats.drops
+
+    async def counted() -> bool:
+        return drops.get("dtls-handshake-failed", 0) >= 1
+
+    await eventually(counted, "the refused handshake counted")
+
+
+async def test_crossroads_client_over_dtls_against_coturn(
+    coturn: Callable[..., Coturn], tmp_path: Path
+) -> None:
+    cert, key = development_certificate(tmp_path)
+    server = await coturn_with_user(coturn, tls=(cert, key), dtls=True)
+    clients: list[TurnClient] = []
+
+    async def connected() -> bool:
+        try:
+            clients.append(
+                await TurnClient.connect(
+                    ("127.0.0.1", server.tls_port),
+                    USER,
+                    PASSWORD,
+                    dtls=client_context(str(cert)),
+                    server_hostname="localhost",
+                    timeout=2,
+                )
+            )
+        except DtlsHandshakeError:
+            return False
+        return True
+
+    await eventually(connected, "coturn's DTLS listener answers")
+    sock, task = await udp_echo()
+    try:
+        async with clients[0] as client:
+            await exercise(client, sock.getsockname())
+            assert client.mapped == client.local_address
+    finally:
+        task.cancel()
+        sock.close()

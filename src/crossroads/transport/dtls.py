@@ -61,12 +61,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, cast
 
+from cryptography import x509
 from OpenSSL import SSL
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -575,3 +577,232 @@ class DtlsCollector(Collector):
         )
         verify.add_metric([], sum(x.hello_verify_requests for x in listeners))
         yield verify
+
+
+# ------------------------------------------------------------------ client side
+
+
+class DtlsHandshakeError(ConnectionError):
+    """The DTLS handshake failed (refused, certificate not trusted, timed out)."""
+
+
+def client_context(cafile: str | None = None, *, verify: bool = True) -> SSL.Context:
+    """A DTLS 1.2 client context trusting ``cafile`` (else the system store);
+    ``verify=False`` accepts any certificate (like coturn's uclient)."""
+    context = SSL.Context(SSL.DTLS_CLIENT_METHOD)
+    context.set_min_proto_version(DTLS_1_2)
+    context.set_options(SSL.OP_NO_QUERY_MTU)
+    if verify:
+        if cafile:
+            context.load_verify_locations(cafile)
+        else:
+            context.set_default_verify_paths()
+        context.set_verify(SSL.VERIFY_PEER, lambda *args: bool(args[-1]))
+    return context
+
+
+def certificate_names_match(certificate: x509.Certificate, name: str) -> bool:
+    """RFC 6125: ``name`` (a DNS name or an IP address) is in the certificate's
+    subjectAltName (a left-most ``*`` label matches one label)."""
+    try:
+        names = certificate.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        ).value
+    except x509.ExtensionNotFound:
+        return False
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        return ip in names.get_values_for_type(x509.IPAddress)
+    wanted = name.lower().rstrip(".")
+    for dns in names.get_values_for_type(x509.DNSName):
+        pattern = dns.lower().rstrip(".")
+        if pattern == wanted:
+            return True
+        if pattern.startswith("*.") and "." in wanted:
+            if wanted.split(".", 1)[1] == pattern[2:]:
+                return True
+    return False
+
+
+class DtlsClient(asyncio.DatagramProtocol):
+    """The client end of one DTLS association on a connected UDP socket.
+
+    ``deliver(data)`` gets each decrypted datagram; ``lost()`` is called when
+    the association ends. Await :attr:`handshake` before :meth:`send`.
+    """
+
+    def __init__(
+        self,
+        context: SSL.Context,
+        deliver: Callable[[bytes], None],
+        lost: Callable[[], None],
+        server_hostname: str | None = None,
+        *,
+        check_hostname: bool = True,
+    ) -> None:
+        self.connection = SSL.Connection(context)
+        self.connection.set_ciphertext_mtu(HANDSHAKE_MTU)
+        self.connection.set_connect_state()
+        if server_hostname and not _is_ip(server_hostname):
+            self.connection.set_tlsext_host_name(server_hostname.encode("idna"))
+        self.server_hostname = server_hostname if check_hostname else None
+        self.deliver = deliver
+        self.lost = lost
+        self.udp: asyncio.DatagramTransport | None = None
+        self._loop = asyncio.get_running_loop()
+        self.handshake: asyncio.Future[None] = self._loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.udp = cast(asyncio.DatagramTransport, transport)
+        self._drive()
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.connection.bio_write(data)
+        self._drive()
+
+    def error_received(self, exc: Exception) -> None:
+        if not self.handshake.done():
+            self.handshake.set_exception(DtlsHandshakeError(str(exc)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.handshake.done():
+            self.handshake.set_exception(DtlsHandshakeError("socket closed"))
+        self.lost()
+
+    def _drive(self) -> None:
+        connection = self.connection
+        try:
+            if not self.handshake.done():
+                try:
+                    connection.do_handshake()
+                except SSL.WantReadError:
+                    self._flush()
+                    self._arm()
+                    return
+                self._check_name()
+                self.handshake.set_result(None)
+            while True:
+                try:
+                    data = connection.recv(_READ_SIZE)
+                except SSL.WantReadError:
+                    break
+                if data:
+                    self.deliver(data)
+        except SSL.ZeroReturnError:
+            self._flush()
+            self.close()
+            return
+        except (SSL.Error, DtlsHandshakeError) as exc:
+            self._flush()
+            if not self.handshake.done():
+                error = exc if isinstance(exc, DtlsHandshakeError) else None
+                self.handshake.set_exception(error or DtlsHandshakeError(repr(exc)))
+            self.close()
+            return
+        self._flush()
+
+    def _check_name(self) -> None:
+        if self.server_hostname is None:
+            return
+        peer = self.connection.get_peer_certificate()
+        if peer is None or not certificate_names_match(
+            peer.to_cryptography(), self.server_hostname
+        ):
+            raise DtlsHandshakeError(
+                f"certificate does not name {self.server_hostname}"
+            )
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        left = self.connection.DTLSv1_get_timeout()
+        if left is not None:
+            self._timer = self._loop.call_later(left, self._retransmit)
+
+    def _retransmit(self) -> None:
+        self._timer = None
+        if self.handshake.done():
+            return
+        try:
+            self.connection.DTLSv1_handle_timeout()
+        except SSL.Error:
+            pass
+        self._flush()
+        self._arm()
+
+    def _flush(self) -> None:
+        try:
+            data = self.connection.bio_read(_READ_SIZE)
+        except SSL.WantReadError:
+            return
+        if self.udp is None:
+            return
+        for datagram in pack_datagrams(split_records(data)):
+            self.udp.sendto(datagram)
+
+    def send(self, data: bytes) -> None:
+        """Encrypt and send one datagram (after the handshake)."""
+        if self.udp is None or not self.handshake.done():
+            return
+        self.connection.send(data)
+        self._flush()
+
+    def close(self) -> None:
+        """Send close_notify (if up) and close the socket."""
+        if self.handshake.done() and not self.handshake.exception():
+            with contextlib.suppress(SSL.Error):
+                self.connection.shutdown()
+            self._flush()
+        if self.udp is not None:
+            self.udp.close()
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+async def dtls_connect(
+    server: Address,
+    context: SSL.Context,
+    deliver: Callable[[bytes], None],
+    lost: Callable[[], None],
+    *,
+    server_hostname: str | None = None,
+    local: Address | None = None,
+    timeout: float = 10.0,
+    check_hostname: bool = True,
+) -> DtlsClient:
+    """Open a UDP socket to ``server`` and complete a DTLS handshake on it
+    (``server_hostname``, default the server's address, is checked against the
+    certificate unless ``check_hostname`` is False)."""
+    loop = asyncio.get_running_loop()
+    _, protocol = await loop.create_datagram_endpoint(
+        lambda: DtlsClient(
+            context,
+            deliver,
+            lost,
+            server_hostname or server[0],
+            check_hostname=check_hostname,
+        ),
+        local_addr=local,
+        remote_addr=server,
+    )
+    try:
+        await asyncio.wait_for(asyncio.shield(protocol.handshake), timeout)
+    except TimeoutError:
+        protocol.close()
+        raise DtlsHandshakeError("DTLS handshake timed out") from None
+    except BaseException:
+        protocol.close()
+        raise
+    return protocol
