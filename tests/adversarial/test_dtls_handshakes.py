@@ -32,7 +32,7 @@ from tests.dtls_support import (  # noqa: F401 (fixture)
     memory_client,
     raw_socket,
 )
-from tests.tls_support import serial
+from tests.tls_support import s_client, serial
 
 
 async def recv(sock: object, size: int = 65536) -> bytes:
@@ -134,25 +134,6 @@ async def test_truncated_and_stray_records_are_dropped_and_counted(
     finally:
         sock.close()
     assert server.listener.handshakes == 1
-
-
-async def s_client(port: int, *args: str, stdin: bytes = b"") -> tuple[int, str]:
-    """openssl s_client over DTLS with ``args``, ``stdin`` as its commands
-    (``R``: renegotiate); its exit code and output."""
-    process = await asyncio.create_subprocess_exec(
-        "openssl", "s_client", *args, "-connect", f"127.0.0.1:{port}",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(process.communicate(stdin), 20)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    assert process.returncode is not None
-    return process.returncode, out.decode(errors="replace")
 
 
 async def test_renegotiation_is_refused(make_dtls_server: MakeServer) -> None:

@@ -18,7 +18,6 @@ everything)."""
 from __future__ import annotations
 
 import base64
-import datetime
 import hashlib
 import json
 import os
@@ -29,13 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.hazmat.primitives import serialization
 
 from crossroads.lab import netns
 from tests.conftest import eventually
+from tests.tls_support import write_certificates
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(240)]
 
@@ -50,59 +47,16 @@ MESSAGES = 1000
 class Pki:
     cert: Path
     key: Path
-    spki_sha256: str
 
-
-def make_pki(directory: Path) -> Pki:
-    """A CA and a server certificate for NAME (P-256, valid for a day)."""
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "crossroads test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    leaf = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, NAME)]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(NAME)]), critical=False
+    @property
+    def spki_sha256(self) -> str:
+        """Base64 SHA-256 of the server key's SubjectPublicKeyInfo."""
+        key = serialization.load_pem_private_key(self.key.read_bytes(), None)
+        spki = key.public_key().public_bytes(
+            serialization.Encoding.DER,
+            serialization.PublicFormat.SubjectPublicKeyInfo,
         )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    cert, key_path = directory / "chain.pem", directory / "key.pem"
-    cert.write_bytes(
-        leaf.public_bytes(serialization.Encoding.PEM)
-        + ca.public_bytes(serialization.Encoding.PEM)
-    )
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    spki = key.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return Pki(cert, key_path, base64.b64encode(hashlib.sha256(spki).digest()).decode())
+        return base64.b64encode(hashlib.sha256(spki).digest()).decode()
 
 
 @dataclass
@@ -127,7 +81,8 @@ async def lab(tmp_path: Path) -> AsyncIterator[Lab]:
     for name in (server_ns, client_ns):
         if netns.exists(name):
             await netns.run(["ip", "netns", "del", name], check=False)
-    pki = make_pki(tmp_path)
+    _, cert, key = write_certificates(tmp_path, NAME)
+    pki = Pki(cert, key)
     log = tmp_path / "serve.log"
     pid = 0
     try:
