@@ -76,6 +76,7 @@ from prometheus_client.registry import Collector
 from crossroads.errors import DecodeError
 from crossroads.proto.dtls_cookie import (
     CONTENT_ALERT,
+    CONTENT_APPLICATION_DATA,
     RECORD_HEADER_SIZE,
     CookieJar,
     hello_verify_request,
@@ -339,6 +340,14 @@ class DtlsListener(asyncio.DatagramProtocol):
             self.drop("internal-error")
 
     def _receive(self, data: bytes, client: Address) -> None:
+        if data and data[0] == CONTENT_APPLICATION_DATA:
+            # The common case (relayed data): straight to the session.
+            session = self.sessions.get(client)
+            if session is None:
+                self.drop("dtls-no-session")
+            else:
+                self._feed(session, data, self._loop.time())
+            return
         if not data or not is_dtls(data[0]):
             self.drop("dtls-not-dtls")
             return
