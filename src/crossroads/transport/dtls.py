@@ -299,7 +299,7 @@ class DtlsListener(asyncio.DatagramProtocol):
         pass
 
     def close(self) -> None:
-        """Stop the timer, forget every session (the socket is the caller's)."""
+        """Stop the timer, forget every session and close the socket."""
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
@@ -411,6 +411,7 @@ class DtlsListener(asyncio.DatagramProtocol):
         self.sessions[client] = session
         self.sessions_by_ip[ip] = self.sessions_by_ip.get(ip, 0) + 1
         self._handshaking.add(session)
+        self._hurry()
         try:
             out = session.start(hello)
         except SSL.Error as exc:
@@ -503,11 +504,20 @@ class DtlsListener(asyncio.DatagramProtocol):
 
     def _on_tick(self) -> None:
         now = self._loop.time()
-        self._tick = self._loop.call_later(TICK, self._on_tick)
         try:
             self.tick(now)
         except Exception:
             log.exception("DTLS timer failed")
+        # Fast while handshakes run (retransmissions), slow otherwise (idle sweep).
+        delay = TICK if self._handshaking else IDLE_SWEEP_INTERVAL
+        self._tick = self._loop.call_later(delay, self._on_tick)
+
+    def _hurry(self) -> None:
+        """A handshake started: make sure the next tick is a fast one."""
+        tick = self._tick
+        if tick is not None and tick.when() - self._loop.time() > TICK:
+            tick.cancel()
+            self._tick = self._loop.call_later(TICK, self._on_tick)
 
     def tick(self, now: float) -> None:
         """Retransmit handshake flights whose timer ran out, cut handshakes past
