@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from crossroads.transport.tls import development_certificate  # noqa: E402
 from turn import (  # noqa: E402
+    EXTRA_ARGS,
     Server,
     argument_parser,
     interleaved,
@@ -78,6 +79,11 @@ def main() -> None:
         help="tls: uclient -t -S (TCP); dtls: uclient -S (UDP)",
     )
     args = parser.parse_args()
+    if args.transport == "dtls":
+        # Every uclient session comes from 127.0.0.1 and leaves its allocation
+        # (and DTLS session) to expire: over a run of steps that is more than
+        # the per-IP session cap. coturn has no such cap.
+        EXTRA_ARGS.extend(["--stun-tcp-max-connections-per-ip", "100000"])
     name = args.transport.upper()
     flags = ("-t", "-S") if args.transport == "tls" else ("-S",)
     steps, server_cpus, load_cpus = prepare(

@@ -28,6 +28,7 @@ from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     coturn_with_user,
     echo_peer,
     exercise,
+    expire_everything,
     turn_runtime,
     turn_service,
     uclient,
@@ -81,6 +82,22 @@ async def test_uclient_over_dtls_to_peer(
     assert listener.handshakes >= 2
     assert listener.hello_verify_requests >= listener.handshakes
     assert service.stun.udp_endpoints[0].requests == 0
+    # uclient leaves its allocations (and DTLS sessions, no close_notify)
+    # behind: when the allocations expire, the sessions end with them.
+    assert listener.sessions
+    expire_everything(service)
+    await sessions_ended(runtime)
+
+
+async def sessions_ended(runtime: Runtime) -> None:
+    service = turn_service(runtime)
+    (listener,) = service.dtls_listeners
+
+    async def ended() -> bool:
+        return not service.core.allocations and not listener.sessions
+
+    await eventually(ended, "allocations and DTLS sessions ended")
+    assert listener.sessions_by_ip == {} and listener.limits.pending == 0
 
 
 async def test_uclient_over_dtls_client_to_client(
@@ -113,6 +130,10 @@ async def test_crossroads_client_over_dtls_sees_its_own_address(
         ) as client:
             await exercise(client, sock.getsockname())
             assert client.mapped == client.local_address
+        # Refresh(0) was answered, then the session ended with the allocation.
+        await sessions_ended(runtime)
+        drops = turn_service(runtime).stun.stats.drops
+        assert drops.get("dtls-send-no-session", 0) == 0, drops
         async with await TurnClient.connect(
             ("127.0.0.1", port), USER, "wrong", dtls=trust
         ) as client:

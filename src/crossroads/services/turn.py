@@ -1177,6 +1177,7 @@ class TurnService:
                         self.ctx.tls_limits,
                         self.stun.stats.drop,
                         self.ctx.reflection_budget(),
+                        max_sessions_per_ip=self.stun.config.tcp_max_connections_per_ip,
                     ),
                 )
             except OSError as exc:
@@ -1438,6 +1439,9 @@ class TurnService:
                             if not clients and link.endpoint not in self.taps:
                                 # TCP connections come and go: no empty tables.
                                 del self.router.endpoints[link.endpoint]
+                        if isinstance(link.endpoint, DtlsListener):
+                            # Its DTLS session ends with it (as coturn's does).
+                            link.endpoint.end_session(link.client)
                 case SendToClient(five_tuple=five, data=data):
                     self._send_to_client(five, data)
                 case ConnectPeer(connection_id=cid, relay=relay, peer=peer):

@@ -38,7 +38,10 @@ Theory of operation
    fatal error, a close_notify, or ``idle_timeout`` without a datagram ends the
    session. The TURN allocation made over it is not ended with it: like a UDP
    one, it lives until its lifetime runs out (or the client's new session, from
-   the same address, refreshes it).
+   the same address, refreshes it). The other way round, the TURN service ends
+   the session (close_notify) when the allocation made over it ends
+   (:meth:`DtlsListener.end_session`), so clients that leave without a
+   close_notify do not hold sessions until the idle timeout.
 
 Every refusal is counted through ``drop(reason)``: ``dtls-not-dtls``,
 ``dtls-no-session``, ``dtls-bad-client-hello``, ``dtls-cookie-invalid`` (then
@@ -74,6 +77,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.errors import DecodeError
+from crossroads.proto.budget import source_key
 from crossroads.proto.dtls_cookie import (
     CONTENT_ALERT,
     CONTENT_APPLICATION_DATA,
@@ -102,9 +106,10 @@ HANDSHAKE_MTU = 1200
 #: Live sessions at once, process-wide. One OpenSSL DTLS connection holds
 #: ~40 KB of buffers: 4096 sessions cost ~160 MB at most.
 MAX_SESSIONS = 4096
-#: Live sessions from one IP: a WebRTC client opens one per ICE server and
-#: candidate pair family; many clients may share one NAT address.
-MAX_SESSIONS_PER_IP = 64
+#: Live sessions from one IPv4 address or IPv6 /64: the TURN service passes
+#: its TCP listener's per-IP cap (``--stun-tcp-max-connections-per-ip``, 128),
+#: as a DTLS session is what a TCP connection is to TURN over TLS.
+MAX_SESSIONS_PER_IP = 128
 #: A session that receives nothing for this long ends. A TURN client must
 #: refresh its permissions every 300 s (RFC 8656 §9) or its relay stops, so
 #: 600 s of silence means the client is gone.
@@ -271,6 +276,7 @@ class DtlsListener(asyncio.DatagramProtocol):
         self.transport: Literal["udp"] = "udp"
         self.local: Address = ("", 0)
         self.sessions: dict[Address, DtlsSession] = {}
+        #: Live sessions per source (IPv4 address or IPv6 /64).
         self.sessions_by_ip: dict[str, int] = {}
         #: Handshakes that completed; HelloVerifyRequests sent.
         self.handshakes = 0
@@ -393,11 +399,12 @@ class DtlsListener(asyncio.DatagramProtocol):
         replacing: DtlsSession | None,
     ) -> None:
         ip = client[0]
+        source = source_key(ip)
         if replacing is None:
             if len(self.sessions) >= self.max_sessions:
                 self.drop("dtls-session-limit")
                 return
-            if self.sessions_by_ip.get(ip, 0) >= self.max_sessions_per_ip:
+            if self.sessions_by_ip.get(source, 0) >= self.max_sessions_per_ip:
                 self.drop("dtls-session-ip-limit")
                 return
         refused = self.limits.admit(ip)
@@ -409,7 +416,7 @@ class DtlsListener(asyncio.DatagramProtocol):
         self._refresh_context()
         session = DtlsSession(self._context, client, cookie, now)
         self.sessions[client] = session
-        self.sessions_by_ip[ip] = self.sessions_by_ip.get(ip, 0) + 1
+        self.sessions_by_ip[source] = self.sessions_by_ip.get(source, 0) + 1
         self._handshaking.add(session)
         self._hurry()
         try:
@@ -480,14 +487,28 @@ class DtlsListener(asyncio.DatagramProtocol):
             return
         del self.sessions[client]
         ip = client[0]
-        count = self.sessions_by_ip[ip] - 1
+        source = source_key(ip)
+        count = self.sessions_by_ip[source] - 1
         if count:
-            self.sessions_by_ip[ip] = count
+            self.sessions_by_ip[source] = count
         else:
-            del self.sessions_by_ip[ip]
+            del self.sessions_by_ip[source]
         if session in self._handshaking:
             self._handshaking.discard(session)
             self.limits.release(ip)
+
+    def end_session(self, client: Address) -> None:
+        """Close ``client``'s session with a close_notify (its TURN allocation
+        ended: the association is not kept for nothing, as coturn does)."""
+        session = self.sessions.get(client)
+        if session is None:
+            return
+        if session.established:
+            with contextlib.suppress(SSL.Error):
+                session.connection.shutdown()
+            for datagram in session.pending():
+                self._sendto(datagram, client)
+        self._end(session)
 
     def _refresh_context(self) -> None:
         """A new OpenSSL context after a certificate reload (see module doc)."""
