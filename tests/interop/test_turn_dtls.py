@@ -6,6 +6,10 @@ client over DTLS, against crossroads and against coturn's ``turnserver``."""
 
 from __future__ import annotations
 
+import asyncio
+import re
+import shutil
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -13,12 +17,15 @@ import pytest
 
 from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.runtime import Runtime
-from crossroads.transport.dtls import DtlsHandshakeError, client_context
+from crossroads.transport.dtls import DtlsHandshakeError, client_context, dtls_connect
 from crossroads.transport.tls import development_certificate
 from tests.conftest import eventually
+from tests.dtls_support import Inbox
 from tests.interop.stun_support import (  # noqa: F401 (fixtures)
     Coturn,
+    CrossroadsProcess,
     coturn_fixture,
+    crossroads_serve_fixture,
 )
 from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     PASSWORD,
@@ -34,6 +41,7 @@ from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     uclient,
     udp_echo,
 )
+from tests.tls_support import serial
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(90)]
 
@@ -195,3 +203,70 @@ async def test_crossroads_client_over_dtls_against_coturn(
     finally:
         task.cancel()
         sock.close()
+
+
+async def served_serial(port: int, cafile: Path) -> int:
+    """The serial number of the certificate a new DTLS handshake gets."""
+    inbox = Inbox()
+    client = await dtls_connect(
+        ("127.0.0.1", port), client_context(str(cafile)), inbox.deliver, inbox.lost
+    )
+    try:
+        peer = client.connection.get_peer_certificate()
+        assert peer is not None
+        return int(peer.get_serial_number())
+    finally:
+        client.close()
+
+
+async def test_sighup_reloads_the_dtls_certificate_and_keeps_sessions(
+    crossroads_serve: Callable[..., CrossroadsProcess], tmp_path: Path
+) -> None:
+    """`crossroads serve` describes its DTLS listener on the TLS port number;
+    after the files change and SIGHUP, new DTLS handshakes get the new
+    certificate while an allocation made over DTLS before it still relays."""
+    first = development_certificate(tmp_path / "first")
+    second = development_certificate(tmp_path / "second")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    shutil.copy(first[0], cert)
+    shutil.copy(first[1], key)
+    server = await asyncio.to_thread(
+        crossroads_serve,
+        "--only", "stun,turn", "--turn-tls-port", "0",
+        "--tls-cert", str(cert), "--tls-key", str(key),
+        "--turn-user", f"{USER}:{PASSWORD}", "--allow-loopback-peers",
+    )  # fmt: skip
+    described: list[int] = []
+
+    async def dtls_described() -> bool:
+        found = re.search(r"udp 127\.0\.0\.1:(\d+) \(dtls\)", server.log.read_text())
+        if found:
+            described.append(int(found.group(1)))
+        return bool(found)
+
+    await eventually(dtls_described, "the DTLS listener in the startup lines")
+    port = described[0]
+    assert server.endpoint("tls")[1] == port
+    assert await served_serial(port, first[0]) == serial(first[0])
+    sock, task = await udp_echo()
+    peer = sock.getsockname()
+    try:
+        async with await TurnClient.connect(
+            ("127.0.0.1", port), USER, PASSWORD, dtls=client_context(str(first[0]))
+        ) as client:
+            await exercise(client, peer)
+            shutil.copy(second[0], cert)
+            shutil.copy(second[1], key)
+            server.process.send_signal(signal.SIGHUP)
+
+            async def reloaded() -> bool:
+                return await served_serial(port, second[0]) == serial(second[0])
+
+            await eventually(reloaded, "new DTLS handshakes get the new certificate")
+            await client.send(b"after reload", peer)
+            assert await client.receive(timeout=5) == (b"after reload", peer)
+            assert await client.refresh() > 0
+    finally:
+        task.cancel()
+        sock.close()
+    assert server.process.poll() is None

@@ -1091,7 +1091,8 @@ class TurnService:
         low, high = self.config.relay_ports
         lines = list(self.stun.describe()) if self.owns_stun else []
         lines += [
-            f"dtls {show_address(listener.local)}" for listener in self.dtls_listeners
+            f"udp {show_address(listener.local)} (dtls)"
+            for listener in self.dtls_listeners
         ]
         where = self.stun.describe()[:1]
         lines.append(
