@@ -154,3 +154,15 @@ def flight(connection: SSL.Connection) -> bytes:
         return connection.bio_read(65536)
     except SSL.WantReadError:
         return b""
+
+
+async def served_serial(port: int, cafile: Path) -> int:
+    """The serial number of the certificate a new DTLS handshake on
+    127.0.0.1:``port`` gets (the client trusts ``cafile``)."""
+    client, _ = await connect(port, cafile)
+    try:
+        peer = client.connection.get_peer_certificate()
+        assert peer is not None
+        return int(peer.get_serial_number())
+    finally:
+        client.close()

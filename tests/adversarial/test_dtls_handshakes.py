@@ -31,6 +31,7 @@ from tests.dtls_support import (  # noqa: F401 (fixture)
     make_dtls_server_fixture,
     memory_client,
     raw_socket,
+    served_serial,
 )
 from tests.tls_support import s_client, serial
 
@@ -259,25 +260,16 @@ async def test_an_expired_certificate_is_never_served(
     certificates = Certificates(cert, key)
     server = await make_dtls_server(certificates=certificates)
 
-    async def served(cafile: Path) -> int:
-        client, _ = await connect(server.port, cafile)
-        try:
-            peer = client.connection.get_peer_certificate()
-            assert peer is not None
-            return int(peer.get_serial_number())
-        finally:
-            client.close()
-
     live, inbox = await connect(server.port, first[0])
     try:
         shutil.copy(expired[0], cert)
         shutil.copy(expired[1], key)
         assert not certificates.reload()
-        assert await served(first[0]) == serial(first[0])
+        assert await served_serial(server.port, first[0]) == serial(first[0])
         shutil.copy(second[0], cert)
         shutil.copy(second[1], key)
         assert certificates.reload()
-        assert await served(second[0]) == serial(second[0])
+        assert await served_serial(server.port, second[0]) == serial(second[0])
         await echo(live, inbox, b"live session kept")
     finally:
         live.close()

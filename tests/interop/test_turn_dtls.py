@@ -17,10 +17,10 @@ import pytest
 
 from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.runtime import Runtime
-from crossroads.transport.dtls import DtlsHandshakeError, client_context, dtls_connect
+from crossroads.transport.dtls import DtlsHandshakeError, client_context
 from crossroads.transport.tls import development_certificate
 from tests.conftest import eventually
-from tests.dtls_support import Inbox
+from tests.dtls_support import served_serial
 from tests.interop.stun_support import (  # noqa: F401 (fixtures)
     Coturn,
     CrossroadsProcess,
@@ -203,20 +203,6 @@ async def test_crossroads_client_over_dtls_against_coturn(
     finally:
         task.cancel()
         sock.close()
-
-
-async def served_serial(port: int, cafile: Path) -> int:
-    """The serial number of the certificate a new DTLS handshake gets."""
-    inbox = Inbox()
-    client = await dtls_connect(
-        ("127.0.0.1", port), client_context(str(cafile)), inbox.deliver, inbox.lost
-    )
-    try:
-        peer = client.connection.get_peer_certificate()
-        assert peer is not None
-        return int(peer.get_serial_number())
-    finally:
-        client.close()
 
 
 async def test_sighup_reloads_the_dtls_certificate_and_keeps_sessions(
