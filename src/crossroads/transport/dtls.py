@@ -226,6 +226,16 @@ class DtlsSession:
                 break
         return self.pending()
 
+    def decrypt(self, record: bytes) -> bytes:
+        """The plaintext of one application-data record of an established
+        session; b"" if OpenSSL discarded it (a bad MAC, a replay: RFC 6347
+        §4.1.2.7). Raises :class:`SSL.Error` on a fatal error."""
+        self.connection.bio_write(record)
+        try:
+            return self.connection.recv(_READ_SIZE)
+        except SSL.WantReadError:
+            return b""
+
     def pending(self) -> list[bytes]:
         """Datagrams OpenSSL has written (handshake flights, alerts)."""
         try:
@@ -352,6 +362,19 @@ class DtlsListener(asyncio.DatagramProtocol):
             session = self.sessions.get(client)
             if session is None:
                 self.drop("dtls-no-session")
+            elif session.established and len(data) == RECORD_HEADER_SIZE + (
+                (data[11] << 8) | data[12]
+            ):
+                # One application-data record: one decryption, and nothing
+                # for OpenSSL to answer (no flight, no alert to flush).
+                session.seen = self._loop.time()
+                try:
+                    message = session.decrypt(data)
+                except SSL.Error as exc:
+                    self._session_error(session, exc)
+                    return
+                if message:
+                    self.deliver(message, client, self)
             else:
                 self._feed(session, data, self._loop.time())
             return
@@ -435,23 +458,8 @@ class DtlsListener(asyncio.DatagramProtocol):
         session.seen = now
         try:
             received, out = session.receive(data)
-        except SSL.ZeroReturnError:
-            # close_notify: answer it (RFC 5246 §7.2.1) and forget the session.
-            with contextlib.suppress(SSL.Error):
-                session.connection.shutdown()
-            for datagram in session.pending():
-                self._sendto(datagram, session.client)
-            self._end(session)
-            return
         except SSL.Error as exc:
-            log.debug("DTLS session %s failed: %r", session.client, exc)
-            self._send_alerts(session)
-            self._fail(
-                session,
-                "dtls-session-error"
-                if session.established
-                else "dtls-handshake-failed",
-            )
+            self._session_error(session, exc)
             return
         client = session.client
         for datagram in out:
@@ -461,6 +469,18 @@ class DtlsListener(asyncio.DatagramProtocol):
         for message in received:
             if message:
                 deliver(message, client, self)
+
+    def _session_error(self, session: DtlsSession, exc: SSL.Error) -> None:
+        if isinstance(exc, SSL.ZeroReturnError):
+            # close_notify: answer it (RFC 5246 §7.2.1) and forget the session.
+            self.end_session(session.client)
+            return
+        log.debug("DTLS session %s failed: %r", session.client, exc)
+        self._send_alerts(session)
+        self._fail(
+            session,
+            "dtls-session-error" if session.established else "dtls-handshake-failed",
+        )
 
     def _send_alerts(self, session: DtlsSession) -> None:
         """Send the alert OpenSSL wrote on a fatal error (a client told
