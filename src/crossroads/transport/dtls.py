@@ -507,6 +507,9 @@ class DtlsListener(asyncio.DatagramProtocol):
         if self.sessions.get(client) is not session:
             return
         del self.sessions[client]
+        # Break the session <-> connection cycle: the ~80 KB go now, not at
+        # the next garbage collection.
+        session.connection.set_app_data(None)
         ip = client[0]
         source = source_key(ip)
         count = self.sessions_by_ip[source] - 1
