@@ -82,8 +82,14 @@ def main() -> None:
     if args.transport == "dtls":
         # Every uclient session comes from 127.0.0.1 and leaves its allocation
         # (and DTLS session) to expire: over a run of steps that is more than
-        # the per-IP session cap. coturn has no such cap.
-        EXTRA_ARGS.extend(["--stun-tcp-max-connections-per-ip", "100000"])
+        # the per-IP session cap and allocation quotas. coturn has neither by
+        # default (over TLS, closing the connection ends the allocation).
+        EXTRA_ARGS.extend(
+            [
+                "--stun-tcp-max-connections-per-ip", "100000",
+                "--turn-user-quota", "0", "--turn-ip-quota", "0",
+            ]
+        )  # fmt: skip
     name = args.transport.upper()
     flags = ("-t", "-S") if args.transport == "tls" else ("-S",)
     steps, server_cpus, load_cpus = prepare(
