@@ -143,7 +143,8 @@ def pin(cpus: str | None) -> list[str]:
 def start_coturn(
     threads: int, cpus: str | None, tls: tuple[Path, Path] | None = None
 ) -> Server:
-    """``tls``: (certificate, key) to also serve TURN over TLS (client_port)."""
+    """``tls``: (certificate, key) to also serve TURN over TLS and DTLS
+    (client_port)."""
     directory = tempfile.mkdtemp(prefix="bench-coturn-")
     port = free_port()
     tls_port = free_port() if tls else 0
@@ -169,7 +170,8 @@ def start_coturn(
         str(port),
         "--allow-loopback-peers",
         *tls_args,
-        "--no-dtls",
+        # With a certificate, DTLS on the TLS port number too (UDP).
+        *([] if tls else ["--no-dtls"]),
         "--no-cli",
         "-a",
         "-f",
@@ -198,7 +200,8 @@ def start_coturn(
 def start_crossroads(
     _count: int, cpus: str | None, tls: tuple[Path, Path] | None = None
 ) -> Server:
-    """``tls``: (certificate, key) to also serve TURN over TLS (client_port)."""
+    """``tls``: (certificate, key) to also serve TURN over TLS and DTLS
+    (client_port)."""
     directory = tempfile.mkdtemp(prefix="bench-crossroads-")
     port = free_port()
     tls_port = free_port() if tls else 0

@@ -1,10 +1,12 @@
-"""TURN over TLS throughput: crossroads against coturn, same certificate, same load.
+"""TURN over TLS and DTLS throughput: crossroads against coturn, same
+certificate, same load.
 
 The load of ``benchmarks/turn.py`` (coturn's ``turnutils_uclient -c -z I -m M``
 with ``turnutils_peer`` as the echo peer: M sessions, each a 120-byte message
 every I ms (``--interval``, default 1) through a channel to the peer and back,
 M x 2000 / I relayed datagrams/s offered) but with ``-t -S``: each client talks TURN over TLS (TCP)
-to the server's TLS port; the peer side stays UDP. Both servers get the same
+to the server's TLS port; the peer side stays UDP. ``--transport dtls`` runs
+``-S`` instead: TURN over DTLS (UDP) to the same port number. Both servers get the same
 self-signed certificate (made by crossroads' development-certificate helper),
 one process / one relay thread each, pinned to CPU 0, the load to CPU 1.
 
@@ -17,8 +19,12 @@ Usage::
     .venv/bin/python benchmarks/turn_tls.py                    # default steps
     .venv/bin/python benchmarks/turn_tls.py --steps 5,10 --rounds 1
 
+    .venv/bin/python benchmarks/turn_tls.py --transport dtls --interval 5
+
 Everything runs on 127.0.0.1 with ephemeral ports and is bounded in time.
-DTLS is not measured: crossroads does not serve TURN over DTLS yet.
+uclient picks DTLS 1.0 or 1.2 at random per connection; both servers refuse
+1.0 on this machine's OpenSSL and uclient retries with 1.2, so the DTLS runs
+measure DTLS 1.2 on both.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from crossroads.transport.tls import development_certificate  # noqa: E402
 from turn import (  # noqa: E402
+    EXTRA_ARGS,
     Server,
     argument_parser,
     interleaved,
@@ -65,11 +72,30 @@ def main() -> None:
         default=1,
         help="ms between two messages of a session (uclient -z)",
     )
-    args = parser.parse_args()
-    steps, server_cpus, load_cpus = prepare(
-        args, "TURN over TLS", f"-t -S -c -z {args.interval}"
+    parser.add_argument(
+        "--transport",
+        choices=("tls", "dtls"),
+        default="tls",
+        help="tls: uclient -t -S (TCP); dtls: uclient -S (UDP)",
     )
-    label_c, label_x = "coturn TLS (1 thread)", "crossroads TLS (1 proc)"
+    args = parser.parse_args()
+    if args.transport == "dtls":
+        # Every uclient session comes from 127.0.0.1 and leaves its allocation
+        # (and DTLS session) to expire: over a run of steps that is more than
+        # the per-IP session cap and allocation quotas. coturn has neither by
+        # default (over TLS, closing the connection ends the allocation).
+        EXTRA_ARGS.extend(
+            [
+                "--stun-tcp-max-connections-per-ip", "100000",
+                "--turn-user-quota", "0", "--turn-ip-quota", "0",
+            ]
+        )  # fmt: skip
+    name = args.transport.upper()
+    flags = ("-t", "-S") if args.transport == "tls" else ("-S",)
+    steps, server_cpus, load_cpus = prepare(
+        args, f"TURN over {name}", f"{' '.join(flags)} -c -z {args.interval}"
+    )
+    label_c, label_x = f"coturn {name} (1 thread)", f"crossroads {name} (1 proc)"
     certificate_dir = Path(tempfile.mkdtemp(prefix="bench-tls-"))
     tls = development_certificate(certificate_dir)
     servers: list[tuple[str, Server]] = []
@@ -85,7 +111,7 @@ def main() -> None:
             args.messages,
             load_cpus,
             args.rounds,
-            ("-t", "-S"),
+            flags,
             args.interval,
         )
     finally:

@@ -5,6 +5,8 @@ tests/interop/test_turn_tls.py)."""
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import ssl
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,6 +14,9 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from crossroads.transport.tls import (
     Certificates,
@@ -105,3 +110,79 @@ async def echo_once(
     sslobj = writer.get_extra_info("ssl_object")
     der = sslobj.getpeercert(binary_form=True)
     return reader, writer, x509.load_der_x509_certificate(der).serial_number
+
+
+def _general_name(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def write_certificates(
+    directory: Path, name: str = "127.0.0.1"
+) -> tuple[Path, Path, Path]:
+    """A CA, and a server certificate for ``name`` (an IP address or a DNS
+    name) signed by it: the paths of the CA, the certificate and its key."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "crossroads test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([_general_name(name)]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_path, cert_path, key_path = (
+        directory / n for n in ("ca.pem", "cert.pem", "key.pem")
+    )
+    ca_path.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return ca_path, cert_path, key_path
+
+
+async def s_client(port: int, *args: str, stdin: bytes = b"") -> tuple[int, str]:
+    """openssl s_client with ``args`` (``-tls1_2``, ``-dtls1_2``, ...) to
+    127.0.0.1:``port``, ``stdin`` as its commands (``R``: renegotiate); its
+    exit code and output."""
+    process = await asyncio.create_subprocess_exec(
+        "openssl", "s_client", *args, "-connect", f"127.0.0.1:{port}",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        out, _ = await asyncio.wait_for(process.communicate(stdin), 20)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+        raise
+    assert process.returncode is not None
+    return process.returncode, out.decode(errors="replace")

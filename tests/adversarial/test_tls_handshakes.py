@@ -15,6 +15,7 @@ from tests.tls_support import (  # noqa: F401 (fixture)
     MakeServer,
     echo_once,
     make_server_fixture,
+    s_client,
 )
 
 
@@ -89,28 +90,9 @@ async def test_handshake_floods_are_capped(
     good.close()
 
 
-async def s_client(port: int, version: str, stdin: bytes) -> tuple[int, str]:
-    """openssl s_client with ``version`` (``-tls1_2``), ``stdin`` as its
-    commands (``R``: renegotiate); its exit code and output."""
-    process = await asyncio.create_subprocess_exec(
-        "openssl", "s_client", version, "-connect", f"127.0.0.1:{port}",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        out, _ = await asyncio.wait_for(process.communicate(stdin), 20)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    assert process.returncode is not None
-    return process.returncode, out.decode(errors="replace")
-
-
 async def test_tls_below_1_2_is_refused(make_server: MakeServer) -> None:
     server = await make_server()
-    code, _ = await s_client(server.port, "-tls1_1", b"")
+    code, _ = await s_client(server.port, "-tls1_1")
     assert code != 0
     await server.counted("tls-handshake-failed")
 
@@ -120,6 +102,6 @@ async def test_renegotiation_is_refused(make_server: MakeServer) -> None:
     no second handshake: the server answers no_renegotiation (OP_NO_RENEGOTIATION;
     OpenSSL 3 also refuses client-initiated renegotiation by default)."""
     server = await make_server()
-    _, text = await s_client(server.port, "-tls1_2", b"R\n")
+    _, text = await s_client(server.port, "-tls1_2", stdin=b"R\n")
     assert "RENEGOTIATING" in text, text
     assert "no renegotiation" in text, text

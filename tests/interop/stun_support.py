@@ -144,8 +144,10 @@ def coturn_fixture() -> Iterator[Callable[..., Coturn]]:
         *extra: str,
         hosts: tuple[str, ...] = ("127.0.0.1", "127.0.0.2"),
         tls: tuple[Path, Path] | None = None,
+        dtls: bool = False,
     ) -> Coturn:
-        """``tls``: (certificate, key) to serve TURN over TLS with (no DTLS)."""
+        """``tls``: (certificate, key) to serve TURN over TLS with; ``dtls``:
+        over DTLS too (same port number, UDP)."""
         port, alt_port = _free_pair(list(hosts))
         tls_port = 0
         tls_args = ["--no-tls"]
@@ -161,7 +163,7 @@ def coturn_fixture() -> Iterator[Callable[..., Coturn]]:
             binary, "-n", "--log-file", str(log), "--simple-log",
             *[arg for host in hosts for arg in ("-L", host)],
             "-p", str(port), "--alt-listening-port", str(alt_port),
-            *tls_args, "--no-dtls", "--no-cli", "-r", "crossroads.test",
+            *tls_args, *([] if dtls else ["--no-dtls"]), "--no-cli", "-r", "crossroads.test",
             "--pidfile", str(directory / f"turnserver-{len(started)}.pid"),
             "--db", str(directory / f"turndb-{len(started)}"),
             *extra,

@@ -1,4 +1,4 @@
-"""An asyncio TURN client (RFC 8656) over UDP or TCP.
+"""An asyncio TURN client (RFC 8656) over UDP, TCP, TLS or DTLS.
 
 Used by the NAT lab, the SDK's relay fallback and the tests; it talks to any
 standard TURN server (crossroads, coturn, ...)::
@@ -28,7 +28,11 @@ What it does for you:
 Time-limited (coturn "REST API") credentials are just a username and password:
 build them with :func:`rest_credentials`.
 
-Not supported: RFC 6062 TCP relays (Connect / ConnectionBind) and TLS/DTLS.
+TURN over TLS: ``transport="tcp", tls=ssl_context``; TURN over DTLS:
+``transport="udp", dtls=crossroads.transport.dtls.client_context(cafile)``
+(RFC 8656 §3, both on port 5349).
+
+Not supported: RFC 6062 TCP relays (Connect / ConnectionBind).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import time
 from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal, Self
+
+from OpenSSL import SSL
 
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.stun import (
@@ -72,6 +78,7 @@ from crossroads.proto.turn.channeldata import (
     parse_channel_data,
 )
 from crossroads.proto.turn.credentials import LongTermSession
+from crossroads.transport.dtls import DtlsClient, dtls_connect
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.client.turn")
@@ -178,6 +185,7 @@ class TurnClient:
         self._queue: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(RECEIVE_QUEUE)
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Transport | None = None
+        self._dtls: DtlsClient | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._allocation_deadline = 0.0
         self._closed = False
@@ -210,18 +218,30 @@ class TurnClient:
         timeout: float = 10.0,
         prefer_sha256: bool = True,
         tls: ssl.SSLContext | None = None,
+        dtls: SSL.Context | None = None,
         server_hostname: str | None = None,
     ) -> TurnClient:
         """Open the client-server connection (no allocation yet).
 
         With ``tls`` (and ``transport="tcp"``) the connection is TURN over TLS
-        (RFC 8656 §3, port 5349); ``server_hostname`` is the name the server
-        certificate is checked against (default: the server's address).
+        (RFC 8656 §3, port 5349), with ``dtls`` (and ``transport="udp"``) TURN
+        over DTLS; ``server_hostname`` is the name the server certificate is
+        checked against (default: the server's address).
         """
         loop = asyncio.get_running_loop()
         session = LongTermSession(username, password, prefer_sha256=prefer_sha256)
         client = cls(server, session, transport, timeout)
-        if transport == "udp":
+        if transport == "udp" and dtls is not None:
+            client._dtls = await dtls_connect(
+                server,
+                dtls,
+                client._received,
+                client._lost,
+                server_hostname=server_hostname,
+                local=local,
+                timeout=timeout,
+            )
+        elif transport == "udp":
             udp, _ = await loop.create_datagram_endpoint(
                 lambda: _Udp(client), local_addr=local, remote_addr=server
             )
@@ -255,7 +275,9 @@ class TurnClient:
     @property
     def local_address(self) -> Address:
         """Our end of the client-server connection."""
-        transport = self._udp or self._tcp
+        transport: asyncio.BaseTransport | None = self._udp or self._tcp
+        if self._dtls is not None:
+            transport = self._dtls.udp
         assert transport is not None
         sockname = transport.get_extra_info("sockname")
         return sockname[0], sockname[1]
@@ -265,6 +287,8 @@ class TurnClient:
     def _write(self, data: bytes) -> None:
         if self._udp is not None:
             self._udp.sendto(data)
+        elif self._dtls is not None:
+            self._dtls.send(data)
         elif self._tcp is not None:
             self._tcp.write(data)
 
@@ -316,7 +340,7 @@ class TurnClient:
             while True:
                 self._write(wire)
                 wait = deadline - loop.time()
-                if self._udp is not None:
+                if self._tcp is None:
                     wait = min(wait, rto)  # RFC 8489 §6.2.1: retransmit over UDP
                 if wait <= 0:
                     raise TurnTimeout("request")
@@ -490,6 +514,8 @@ class TurnClient:
         for transport in (self._udp, self._tcp):
             if transport is not None:
                 transport.close()
+        if self._dtls is not None:
+            self._dtls.close()
 
     # ------------------------------------------------------------ refreshing
 

@@ -72,6 +72,7 @@ from crossroads.config import setting
 from crossroads.errors import ConfigError, DecodeError
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.stun import Class, Method, decode
+from crossroads.proto.stun.server import BindingCore
 from crossroads.proto.turn.allocation import Allocation, FiveTuple
 from crossroads.proto.turn.auth import (
     Credentials,
@@ -116,8 +117,10 @@ from crossroads.services.stun import (
     TcpConnection,
     UdpEndpoint,
 )
+from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
+from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
@@ -360,8 +363,8 @@ class Config:
     tls_port: int = setting(
         5349,
         kind="port",
-        help="TURN over TLS (TCP) port (RFC 8656 §3: 5349), served when a "
-        "certificate is configured (--tls-cert).",
+        help="TURN over TLS (TCP) and DTLS (UDP) port (RFC 8656 §3: 5349), "
+        "served when a certificate is configured (--tls-cert).",
     )
     unauthenticated_rate: float = setting(
         100.0,
@@ -902,6 +905,10 @@ class TurnService:
         self._timer_at: float | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector = _Collector(self)
+        #: TURN over DTLS listeners (see :meth:`listen_dtls`).
+        self.dtls_listeners: list[DtlsListener] = []
+        self._dtls_collector = DtlsCollector(self.dtls_listeners)
+        self._dtls_binding: BindingCore | None = None
         self._closed = False
         self.refusals = RefusalLog(
             log,
@@ -1083,6 +1090,10 @@ class TurnService:
     def describe(self) -> list[str]:
         low, high = self.config.relay_ports
         lines = list(self.stun.describe()) if self.owns_stun else []
+        lines += [
+            f"udp {show_address(listener.local)} (dtls)"
+            for listener in self.dtls_listeners
+        ]
         where = self.stun.describe()[:1]
         lines.append(
             f"on the STUN sockets ({', '.join(where) or 'none'}), "
@@ -1109,6 +1120,10 @@ class TurnService:
         if self.stun.turn is self:
             self.stun.detach_turn()
         self._restore_taps()
+        for listener in self.dtls_listeners:
+            listener.close()
+        with contextlib.suppress(KeyError):
+            self.ctx.metrics.unregister(self._dtls_collector)
         self.core.close()
         self._process_events()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
@@ -1133,6 +1148,67 @@ class TurnService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # ------------------------------------------------------------ DTLS
+
+    async def listen_dtls(self, port: int, certificates: Certificates) -> None:
+        """Serve TURN over DTLS (RFC 8656 §3, RFC 7350) on UDP ``port`` of
+        ``--host`` (and ``::`` beside a ``0.0.0.0`` bind), the port number of
+        TURN over TLS, as coturn does.
+
+        Decrypted datagrams take the path of plain UDP ones (:meth:`handle_dtls`);
+        the :class:`~crossroads.transport.dtls.DtlsListener` is the allocation's
+        endpoint, so replies and relayed data are encrypted for the client's
+        session. Handshakes share the TLS handshake caps.
+        """
+        host = self.ctx.host
+        binds = [(host, False)] + ([("::", True)] if host == "0.0.0.0" else [])
+        self._dtls_binding = BindingCore(
+            [None], software=self.stun.config.software, rate_limit=0
+        )
+        for bind_host, v6only in binds:
+            try:
+                listener = await open_dtls_listener(
+                    bind_host,
+                    port,
+                    v6only,
+                    DtlsListener(
+                        certificates,
+                        self.handle_dtls,
+                        self.ctx.tls_limits,
+                        self.stun.stats.drop,
+                        self.ctx.reflection_budget(),
+                        max_sessions_per_ip=self.stun.config.tcp_max_connections_per_ip,
+                    ),
+                )
+            except OSError as exc:
+                if bind_host == host:
+                    raise
+                log.warning("TURN: no IPv6 DTLS listener on [::]: %s", exc)
+                continue
+            self.dtls_listeners.append(listener)
+        self.ctx.metrics.register(self._dtls_collector)
+
+    def handle_dtls(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
+        """One decrypted DTLS datagram: dispatched as a plain UDP one would be."""
+        first = data[0]
+        if first < 0x40:
+            if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+                # Binding: the DTLS handshake proved the address (no budget).
+                assert self._dtls_binding is not None
+                reply = self._dtls_binding.handle(
+                    data, client, 0, self.loop.time(), tcp=True
+                )
+                if isinstance(reply, str):
+                    self.stun.stats.drop(reply)
+                else:
+                    endpoint.send(reply[0], client)
+                return
+            self.handle_stun(data, client, endpoint)
+        elif first < 0x80:
+            self.handle_channel_data(data, client, endpoint)
+        else:
+            self.stun.stats.drop("dtls-not-stun")
 
     # ------------------------------------------------------------ StunExtension
 
@@ -1279,11 +1355,13 @@ class TurnService:
         kind: type[UdpRelay] = UdpRelay
         if link.tcp:
             kind = TcpClientRelay
-        elif (
+        elif link.fd < 0 or (
             isinstance(link.endpoint, UdpEndpoint | BatchUdpEndpoint)
             and link.endpoint.replies_from_destination
         ):
-            kind = PythonClientRelay  # replies from the client's destination
+            # Replies from the client's destination address, or through the
+            # endpoint's own send (DTLS encrypts): not the C tap's sendto.
+            kind = PythonClientRelay
         relay = kind(self, allocation, family, sock, (advertised, port))
         self.relays.add(relay)
         if self.poller is not None and kind is UdpRelay:
@@ -1362,6 +1440,9 @@ class TurnService:
                             if not clients and link.endpoint not in self.taps:
                                 # TCP connections come and go: no empty tables.
                                 del self.router.endpoints[link.endpoint]
+                        if isinstance(link.endpoint, DtlsListener):
+                            # Its DTLS session ends with it (as coturn's does).
+                            link.endpoint.end_session(link.client)
                 case SendToClient(five_tuple=five, data=data):
                     self._send_to_client(five, data)
                 case ConnectPeer(connection_id=cid, relay=relay, peer=peer):
@@ -1580,9 +1661,10 @@ async def serve(ctx: ServiceContext) -> TurnService:
     service.start()
     if ctx.certificates is not None:
         try:
-            await stun.listen_tls(
+            port = await stun.listen_tls(
                 config.tls_port, ctx.certificates.context, ctx.tls_limits
             )
+            await service.listen_dtls(port, ctx.certificates)
         except BaseException:
             await service.close()
             raise

@@ -114,6 +114,9 @@ class Certificates:
         self.not_after = _leaf_not_after(cert)
         #: Reloads that were refused (the old certificate stayed).
         self.failed_reloads = 0
+        #: Counts the loads that took effect: listeners that build their own
+        #: contexts from the files (DTLS) rebuild them when it changes.
+        self.generation = 0
 
     def reload(self) -> bool:
         """Load the files again into the same context; True if they loaded.
@@ -128,6 +131,7 @@ class Certificates:
             log.error("TLS certificate not reloaded, keeping the old one: %s", exc)
             return False
         self.not_after = _leaf_not_after(self.cert)
+        self.generation += 1
         log.info(
             "TLS certificate reloaded from %s (valid until %s UTC)",
             self.cert,

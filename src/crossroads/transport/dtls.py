@@ -1,0 +1,872 @@
+"""DTLS server sessions on one UDP socket: TURN over DTLS (RFC 8656 §3, RFC 7350).
+
+What it is
+----------
+:class:`DtlsListener` is the asyncio protocol of one UDP socket that speaks
+DTLS 1.2 (RFC 6347) with the process's certificate. Each client address that
+completes a handshake gets a :class:`DtlsSession`: an OpenSSL connection on
+memory BIOs (pyOpenSSL), so OpenSSL never touches the socket. Decrypted
+datagrams go to ``deliver(data, client, listener)`` exactly as plain UDP
+datagrams from that client would; the listener is also the reply path
+(``listener.send(data, client)`` encrypts through the client's session), so a
+TURN allocation made over DTLS is keyed and relayed like a UDP one whose
+"socket" is this listener.
+
+Theory of operation
+-------------------
+1. A datagram from an address without a session must start with an epoch-0
+   ClientHello. Without a valid cookie it is answered with a HelloVerifyRequest
+   (:mod:`crossroads.proto.dtls_cookie`: HMAC over the client address, port and
+   ClientHello random; a 48-byte reply to a ClientHello of 60+ bytes, also
+   charged to the reflection budget) and **nothing is kept**: a ClientHello
+   flood, spoofed or not, creates no state.
+2. A ClientHello with a valid cookie proves the client receives at its
+   address. Only then, within the caps (handshakes in progress: the TLS
+   :class:`~crossroads.transport.tls.HandshakeLimits`, shared with TLS; live
+   sessions: ``max_sessions`` and ``max_sessions_per_ip``), a session is made:
+   OpenSSL's ``DTLSv1_listen`` re-checks the same cookie (our verify callback)
+   and sets the handshake sequence numbers past the cookie exchange, then the
+   handshake runs datagram by datagram. OpenSSL's retransmission timer
+   (``DTLSv1_get_timeout``) is served by one periodic tick, and a handshake not
+   done within ``handshake_timeout`` is cut.
+3. A fresh ClientHello with a valid cookie from an address that has a session
+   replaces it (RFC 6347 §4.2.8: a client that restarted; the old association
+   goes only after the cookie round trip proved the new one). Renegotiation
+   inside a session is refused (``OP_NO_RENEGOTIATION``: OpenSSL answers with
+   a no_renegotiation warning alert and the session goes on).
+4. Records that do not decrypt are discarded by OpenSSL (RFC 6347 §4.1.2.7); a
+   fatal error, a close_notify, or ``idle_timeout`` without a datagram ends the
+   session. The TURN allocation made over it is not ended with it: like a UDP
+   one, it lives until its lifetime runs out (or the client's new session, from
+   the same address, refreshes it). The other way round, the TURN service ends
+   the session (close_notify) when the allocation made over it ends
+   (:meth:`DtlsListener.end_session`), so clients that leave without a
+   close_notify do not hold sessions until the idle timeout.
+
+Every refusal is counted through ``drop(reason)``: ``dtls-not-dtls``,
+``dtls-no-session``, ``dtls-bad-client-hello``, ``dtls-cookie-invalid`` (then
+answered with a new HelloVerifyRequest), ``dtls-reflection-budget``,
+``dtls-handshake-limit``, ``dtls-handshake-ip-limit``, ``dtls-session-limit``,
+``dtls-session-ip-limit``, ``dtls-handshake-timeout``,
+``dtls-handshake-failed``, ``dtls-session-error``, ``dtls-idle-timeout``,
+``dtls-send-no-session``, ``dtls-send-failed``.
+
+Certificates are those of :class:`~crossroads.transport.tls.Certificates`; when
+its ``generation`` changes (a SIGHUP reload that loaded), the next handshake
+uses a new OpenSSL context with the new chain; live sessions keep theirs.
+
+Speed: DTLS records are encrypted and decrypted in Python-called OpenSSL, one
+call per datagram; TURN's C data plane handles plaintext UDP only, so DTLS
+clients' relayed data goes through Python (docs/benchmarks.md has figures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, cast
+
+from cryptography import x509
+from OpenSSL import SSL
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from crossroads.errors import DecodeError
+from crossroads.proto.budget import source_key
+from crossroads.proto.dtls_cookie import (
+    CONTENT_ALERT,
+    CONTENT_APPLICATION_DATA,
+    RECORD_HEADER_SIZE,
+    CookieJar,
+    hello_verify_request,
+    is_dtls,
+    parse_client_hello,
+)
+from crossroads.proto.reflection import ReflectionBudget
+from crossroads.transport.tls import Certificates, HandshakeLimits
+from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
+
+log = logging.getLogger("crossroads.dtls")
+
+Address = tuple[str, int]
+Deliver = Callable[[bytes, Address, "DtlsListener"], None]
+
+#: RFC 6347 §4.1 version number of DTLS 1.2 (OpenSSL's DTLS1_2_VERSION): DTLS
+#: 1.0 is deprecated by RFC 8996, and every WebRTC stack and coturn speak 1.2.
+DTLS_1_2 = 0xFEFD
+#: Ciphertext MTU for the handshake flights: OpenSSL fragments the certificate
+#: to fit. 1200 bytes fits IPv6's minimum MTU (1280) less the IP/UDP headers
+#: with room for tunnels (the same choice as QUIC, RFC 9000 §14).
+HANDSHAKE_MTU = 1200
+#: Live sessions at once, process-wide. One established session costs ~80 KB
+#: of resident memory (OpenSSL connection and buffers, measured with pyOpenSSL
+#: 26 / OpenSSL 3.0): 4096 sessions cost ~320 MB at most.
+MAX_SESSIONS = 4096
+#: Live sessions from one IPv4 address or IPv6 /64: the TURN service passes
+#: its TCP listener's per-IP cap (``--stun-tcp-max-connections-per-ip``, 128),
+#: as a DTLS session is what a TCP connection is to TURN over TLS.
+MAX_SESSIONS_PER_IP = 128
+#: A session that receives nothing for this long ends. A TURN client must
+#: refresh its permissions every 300 s (RFC 8656 §9) or its relay stops, so
+#: 600 s of silence means the client is gone.
+IDLE_TIMEOUT = 600.0
+#: How often the listener serves OpenSSL's retransmission timers (RFC 6347
+#: §4.2.4.1: 1 s initial timeout, doubling) and checks deadlines.
+TICK = 0.25
+#: Largest plaintext sent in one record (OpenSSL refuses more: "dtls message
+#: too big"); TURN messages over DTLS are one per record (RFC 8656 §3.1).
+MAX_PLAINTEXT = 16384
+_READ_SIZE = 65536
+
+
+def server_context(certificates: Certificates) -> SSL.Context:
+    """A DTLS 1.2 server context holding the certificate chain and key."""
+    context = SSL.Context(SSL.DTLS_SERVER_METHOD)
+    context.set_min_proto_version(DTLS_1_2)
+    # OP_NO_QUERY_MTU: memory BIOs have no MTU to query, we set it per
+    # connection. OP_NO_RENEGOTIATION: a renegotiation repeats the expensive
+    # part of a handshake on demand (CVE-2011-1473 class).
+    context.set_options(SSL.OP_NO_QUERY_MTU | SSL.OP_NO_RENEGOTIATION)
+    context.use_certificate_chain_file(str(certificates.cert))
+    context.use_privatekey_file(str(certificates.key))
+    context.check_privatekey()
+
+    def generate(connection: SSL.Connection) -> bytes:
+        return cast(DtlsSession, connection.get_app_data()).cookie
+
+    def verify(connection: SSL.Connection, cookie: bytes) -> bool:
+        return cookie == cast(DtlsSession, connection.get_app_data()).cookie
+
+    context.set_cookie_generate_callback(generate)
+    context.set_cookie_verify_callback(verify)
+    return context
+
+
+def split_records(data: bytes) -> list[bytes]:
+    """``data`` (what OpenSSL wrote to its memory BIO: whole records back to
+    back) cut into records."""
+    records = []
+    at = 0
+    while at + RECORD_HEADER_SIZE <= len(data):
+        end = at + RECORD_HEADER_SIZE + int.from_bytes(data[at + 11 : at + 13], "big")
+        records.append(data[at:end])
+        at = end
+    return records
+
+
+def pack_datagrams(records: list[bytes], mtu: int = HANDSHAKE_MTU) -> list[bytes]:
+    """Records packed into datagrams of at most ``mtu`` bytes (RFC 6347 §4.1.1:
+    several records may share a datagram; a record is never split)."""
+    datagrams: list[bytes] = []
+    current = b""
+    for record in records:
+        if current and len(current) + len(record) > mtu:
+            datagrams.append(current)
+            current = b""
+        current += record
+    if current:
+        datagrams.append(current)
+    return datagrams
+
+
+class DtlsSession:
+    """One client's DTLS association: an OpenSSL connection on memory BIOs."""
+
+    __slots__ = ("client", "cookie", "connection", "established", "started", "seen")
+
+    def __init__(
+        self, context: SSL.Context, client: Address, cookie: bytes, now: float
+    ) -> None:
+        self.client = client
+        #: The cookie the client proved (OpenSSL's verify callback checks it).
+        self.cookie = cookie
+        self.connection = SSL.Connection(context)
+        self.connection.set_app_data(self)
+        self.connection.set_ciphertext_mtu(HANDSHAKE_MTU)
+        self.connection.set_accept_state()
+        self.established = False
+        self.started = now
+        self.seen = now
+
+    def start(self, hello: bytes) -> list[bytes]:
+        """Feed the cookie-carrying ClientHello; the datagrams to send."""
+        self.connection.bio_write(hello)
+        try:
+            self.connection.DTLSv1_listen()
+        except SSL.WantReadError:
+            # OpenSSL did not accept the ClientHello the cookie check passed.
+            raise SSL.Error("DTLSv1_listen wants another ClientHello") from None
+        return self._advance([])
+
+    def receive(self, datagram: bytes) -> tuple[list[bytes], list[bytes]]:
+        """Feed one datagram; the decrypted application datagrams and the
+        datagrams to send. Raises :class:`SSL.Error` (fatal) or
+        :class:`SSL.ZeroReturnError` (close_notify)."""
+        self.connection.bio_write(datagram)
+        received: list[bytes] = []
+        return received, self._advance(received)
+
+    def _advance(self, received: list[bytes]) -> list[bytes]:
+        connection = self.connection
+        if not self.established:
+            try:
+                connection.do_handshake()
+                self.established = True
+            except SSL.WantReadError:
+                return self.pending()
+        while True:
+            try:
+                received.append(connection.recv(_READ_SIZE))
+            except SSL.WantReadError:
+                break
+        return self.pending()
+
+    def decrypt(self, record: bytes) -> bytes:
+        """The plaintext of one application-data record of an established
+        session; b"" if OpenSSL discarded it (a bad MAC, a replay: RFC 6347
+        §4.1.2.7). Raises :class:`SSL.Error` on a fatal error."""
+        self.connection.bio_write(record)
+        try:
+            return self.connection.recv(_READ_SIZE)
+        except SSL.WantReadError:
+            return b""
+
+    def pending(self) -> list[bytes]:
+        """Datagrams OpenSSL has written (handshake flights, alerts)."""
+        try:
+            data = self.connection.bio_read(_READ_SIZE)
+        except SSL.WantReadError:
+            return []
+        return pack_datagrams(split_records(data))
+
+    def encrypt(self, data: bytes) -> bytes:
+        """One record carrying ``data`` (raises :class:`SSL.Error`)."""
+        self.connection.send(data)
+        return self.connection.bio_read(_READ_SIZE)
+
+    def timeout(self) -> list[bytes]:
+        """Serve OpenSSL's handshake retransmission timer; the datagrams to send."""
+        left = self.connection.DTLSv1_get_timeout()
+        if left is None or left > 0:
+            return []
+        self.connection.DTLSv1_handle_timeout()
+        return self.pending()
+
+
+class DtlsListener(asyncio.DatagramProtocol):
+    """A UDP socket serving DTLS sessions (an ``Endpoint`` of the STUN/TURN
+    service: ``transport`` is ``"udp"``; see the module docstring)."""
+
+    def __init__(
+        self,
+        certificates: Certificates,
+        deliver: Deliver,
+        limits: HandshakeLimits,
+        drop: Callable[[str], None],
+        reflection: ReflectionBudget,
+        *,
+        max_sessions: int = MAX_SESSIONS,
+        max_sessions_per_ip: int = MAX_SESSIONS_PER_IP,
+        idle_timeout: float = IDLE_TIMEOUT,
+        cookie_secret: bytes | None = None,
+    ) -> None:
+        self.certificates = certificates
+        self.deliver = deliver
+        self.limits = limits
+        self.drop = drop
+        self.reflection = reflection
+        self.max_sessions = max_sessions
+        self.max_sessions_per_ip = max_sessions_per_ip
+        self.idle_timeout = idle_timeout
+        self.cookies = CookieJar(cookie_secret or os.urandom(32))
+        self.transport: Literal["udp"] = "udp"
+        self.local: Address = ("", 0)
+        self.sessions: dict[Address, DtlsSession] = {}
+        #: Live sessions per source (IPv4 address or IPv6 /64).
+        self.sessions_by_ip: dict[str, int] = {}
+        #: Handshakes that completed; HelloVerifyRequests sent.
+        self.handshakes = 0
+        self.hello_verify_requests = 0
+        self._handshaking: set[DtlsSession] = set()
+        self._context = server_context(certificates)
+        self._generation = certificates.generation
+        self._udp: asyncio.DatagramTransport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._tick: asyncio.TimerHandle | None = None
+        self._last_sweep = self._loop.time()
+
+    # -- asyncio ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._udp = cast(asyncio.DatagramTransport, transport)
+        sockname = transport.get_extra_info("sockname")
+        self.local = (sockname[0], sockname[1])
+        self._tick = self._loop.call_later(TICK, self._on_tick)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.close()
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors for earlier sends: the session's own timers deal with it.
+        pass
+
+    def close(self) -> None:
+        """Stop the timer, forget every session and close the socket."""
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
+        for session in list(self.sessions.values()):
+            self._end(session)
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+
+    def _sendto(self, data: bytes, client: Address) -> None:
+        if self._udp is not None:
+            self._udp.sendto(data, client)
+
+    # -- the Endpoint interface --------------------------------------------------
+
+    def send(self, data: bytes, addr: Address) -> None:
+        """Encrypt ``data`` for the session of ``addr`` and send it (dropped and
+        counted if there is none)."""
+        session = self.sessions.get(addr)
+        if session is None or not session.established:
+            self.drop("dtls-send-no-session")
+            return
+        try:
+            record = session.encrypt(data)
+        except SSL.Error:
+            self.drop("dtls-send-failed")
+            return
+        self._sendto(record, addr)
+
+    # -- receiving -----------------------------------------------------------------
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        client: Address = addr if len(addr) == 2 else (addr[0], addr[1])
+        try:
+            self._receive(data, client)
+        except Exception:  # never let one datagram kill the socket
+            log.exception("DTLS datagram handler failed")
+            self.drop("internal-error")
+
+    def _receive(self, data: bytes, client: Address) -> None:
+        if data and data[0] == CONTENT_APPLICATION_DATA:
+            # The common case (relayed data): straight to the session.
+            session = self.sessions.get(client)
+            if session is None:
+                self.drop("dtls-no-session")
+            elif session.established and len(data) == RECORD_HEADER_SIZE + (
+                (data[11] << 8) | data[12]
+            ):
+                # One application-data record: one decryption, and nothing
+                # for OpenSSL to answer (no flight, no alert to flush).
+                session.seen = self._loop.time()
+                try:
+                    message = session.decrypt(data)
+                except SSL.Error as exc:
+                    self._session_error(session, exc)
+                    return
+                if message:
+                    self.deliver(message, client, self)
+            else:
+                self._feed(session, data, self._loop.time())
+            return
+        if not data or not is_dtls(data[0]):
+            self.drop("dtls-not-dtls")
+            return
+        try:
+            hello = parse_client_hello(data)
+        except DecodeError:
+            self.drop("dtls-bad-client-hello")
+            return
+        now = self._loop.time()
+        session = self.sessions.get(client)
+        if hello is None:
+            if session is None:
+                self.drop("dtls-no-session")
+                return
+            self._feed(session, data, now)
+            return
+        if session is not None and not session.established:
+            # A retransmitted ClientHello of the handshake in progress.
+            self._feed(session, data, now)
+            return
+        if not hello.cookie or not self.cookies.verify(
+            hello.cookie, client, hello.random, now
+        ):
+            if hello.cookie:
+                self.drop("dtls-cookie-invalid")
+            reply = hello_verify_request(
+                hello, self.cookies.cookie(client, hello.random, now)
+            )
+            if not self.reflection.answer(client[0], len(data), len(reply), now):
+                self.drop("dtls-reflection-budget")
+                return
+            self.hello_verify_requests += 1
+            self._sendto(reply, client)
+            return
+        self._open(client, data, hello.cookie, now, replacing=session)
+
+    def _open(
+        self,
+        client: Address,
+        hello: bytes,
+        cookie: bytes,
+        now: float,
+        replacing: DtlsSession | None,
+    ) -> None:
+        ip = client[0]
+        source = source_key(ip)
+        if replacing is None:
+            if len(self.sessions) >= self.max_sessions:
+                self.drop("dtls-session-limit")
+                return
+            if self.sessions_by_ip.get(source, 0) >= self.max_sessions_per_ip:
+                self.drop("dtls-session-ip-limit")
+                return
+        refused = self.limits.admit(ip)
+        if refused is not None:
+            self.drop("d" + refused)  # tls-handshake-limit -> dtls-...
+            return
+        if replacing is not None:
+            self._end(replacing)
+        self._refresh_context()
+        session = DtlsSession(self._context, client, cookie, now)
+        self.sessions[client] = session
+        self.sessions_by_ip[source] = self.sessions_by_ip.get(source, 0) + 1
+        self._handshaking.add(session)
+        self._hurry()
+        try:
+            out = session.start(hello)
+        except SSL.Error as exc:
+            log.debug("DTLS handshake from %s failed: %r", client, exc)
+            self._send_alerts(session)
+            self._fail(session, "dtls-handshake-failed")
+            return
+        for datagram in out:
+            self._sendto(datagram, client)
+        self._check_established(session)
+
+    def _feed(self, session: DtlsSession, data: bytes, now: float) -> None:
+        session.seen = now
+        try:
+            received, out = session.receive(data)
+        except SSL.Error as exc:
+            self._session_error(session, exc)
+            return
+        client = session.client
+        for datagram in out:
+            self._sendto(datagram, client)
+        self._check_established(session)
+        deliver = self.deliver
+        for message in received:
+            if message:
+                deliver(message, client, self)
+
+    def _session_error(self, session: DtlsSession, exc: SSL.Error) -> None:
+        if isinstance(exc, SSL.ZeroReturnError):
+            # close_notify: answer it (RFC 5246 §7.2.1) and forget the session.
+            self.end_session(session.client)
+            return
+        log.debug("DTLS session %s failed: %r", session.client, exc)
+        self._send_alerts(session)
+        self._fail(
+            session,
+            "dtls-session-error" if session.established else "dtls-handshake-failed",
+        )
+
+    def _send_alerts(self, session: DtlsSession) -> None:
+        """Send the alert OpenSSL wrote on a fatal error (a client told
+        protocol_version tries again: coturn's uclient then picks DTLS 1.2)."""
+        for datagram in session.pending():
+            if datagram[0] == CONTENT_ALERT:
+                self._sendto(datagram, session.client)
+
+    def _check_established(self, session: DtlsSession) -> None:
+        if session.established and session in self._handshaking:
+            self._handshaking.discard(session)
+            self.limits.release(session.client[0])
+            self.limits.completed += 1
+            self.handshakes += 1
+
+    # -- ending ------------------------------------------------------------------
+
+    def _fail(self, session: DtlsSession, reason: str) -> None:
+        self.drop(reason)
+        self._end(session)
+
+    def _end(self, session: DtlsSession) -> None:
+        client = session.client
+        if self.sessions.get(client) is not session:
+            return
+        del self.sessions[client]
+        # Break the session <-> connection cycle: the ~80 KB go now, not at
+        # the next garbage collection.
+        session.connection.set_app_data(None)
+        ip = client[0]
+        source = source_key(ip)
+        count = self.sessions_by_ip[source] - 1
+        if count:
+            self.sessions_by_ip[source] = count
+        else:
+            del self.sessions_by_ip[source]
+        if session in self._handshaking:
+            self._handshaking.discard(session)
+            self.limits.release(ip)
+
+    def end_session(self, client: Address) -> None:
+        """Close ``client``'s session with a close_notify (its TURN allocation
+        ended: the association is not kept for nothing, as coturn does)."""
+        session = self.sessions.get(client)
+        if session is None:
+            return
+        if session.established:
+            with contextlib.suppress(SSL.Error):
+                session.connection.shutdown()
+            for datagram in session.pending():
+                self._sendto(datagram, client)
+        self._end(session)
+
+    def _refresh_context(self) -> None:
+        """A new OpenSSL context after a certificate reload (see module doc)."""
+        generation = self.certificates.generation
+        if generation == self._generation:
+            return
+        self._generation = generation
+        try:
+            self._context = server_context(self.certificates)
+        except (SSL.Error, OSError) as exc:
+            log.error("DTLS certificate not reloaded, keeping the old one: %s", exc)
+
+    # -- timers ----------------------------------------------------------------
+
+    def _on_tick(self) -> None:
+        now = self._loop.time()
+        try:
+            self.tick(now)
+        except Exception:
+            log.exception("DTLS timer failed")
+        # Fast while handshakes run (retransmissions), slow otherwise (idle sweep).
+        delay = TICK if self._handshaking else IDLE_SWEEP_INTERVAL
+        self._tick = self._loop.call_later(delay, self._on_tick)
+
+    def _hurry(self) -> None:
+        """A handshake started: make sure the next tick is a fast one."""
+        tick = self._tick
+        if tick is not None and tick.when() - self._loop.time() > TICK:
+            tick.cancel()
+            self._tick = self._loop.call_later(TICK, self._on_tick)
+
+    def tick(self, now: float) -> None:
+        """Retransmit handshake flights whose timer ran out, cut handshakes past
+        ``limits.handshake_timeout``, and (every few seconds) idle sessions."""
+        deadline = now - self.limits.handshake_timeout
+        for session in list(self._handshaking):
+            if session.started < deadline:
+                self._fail(session, "dtls-handshake-timeout")
+                continue
+            try:
+                out = session.timeout()
+            except SSL.Error:
+                self._fail(session, "dtls-handshake-failed")
+                continue
+            for datagram in out:
+                self._sendto(datagram, session.client)
+        if now - self._last_sweep < IDLE_SWEEP_INTERVAL:
+            return
+        self._last_sweep = now
+        idle = now - self.idle_timeout
+        for session in list(self.sessions.values()):
+            if session.established and session.seen < idle:
+                self._fail(session, "dtls-idle-timeout")
+
+
+#: Seconds between idle sweeps (the idle timeout is minutes: precision enough).
+IDLE_SWEEP_INTERVAL = 5.0
+
+
+async def open_dtls_listener(
+    host: str, port: int, v6only: bool, listener: DtlsListener
+) -> DtlsListener:
+    """Bind UDP ``host``:``port`` and serve ``listener`` on it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_DGRAM)
+    try:
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
+        sock.bind((host, port))
+        sock.setblocking(False)
+        await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: listener, sock=sock
+        )
+    except BaseException:
+        sock.close()
+        raise
+    register_listener(sock)
+    return listener
+
+
+class DtlsCollector(Collector):
+    """Prometheus view of the DTLS listeners (counted in plain ints)."""
+
+    def __init__(self, listeners: list[DtlsListener]) -> None:
+        self.listeners = listeners
+
+    def collect(self) -> Iterator[Any]:
+        listeners = self.listeners
+        sessions = GaugeMetricFamily(
+            "crossroads_turn_dtls_sessions", "Live TURN-over-DTLS sessions."
+        )
+        sessions.add_metric([], sum(len(x.sessions) for x in listeners))
+        yield sessions
+        handshakes = CounterMetricFamily(
+            "crossroads_turn_dtls_handshakes",
+            "TURN-over-DTLS handshakes completed.",
+        )
+        handshakes.add_metric([], sum(x.handshakes for x in listeners))
+        yield handshakes
+        verify = CounterMetricFamily(
+            "crossroads_turn_dtls_hello_verify_requests",
+            "HelloVerifyRequests sent (ClientHellos without a valid cookie).",
+        )
+        verify.add_metric([], sum(x.hello_verify_requests for x in listeners))
+        yield verify
+
+
+# ------------------------------------------------------------------ client side
+
+
+class DtlsHandshakeError(ConnectionError):
+    """The DTLS handshake failed (refused, certificate not trusted, timed out)."""
+
+
+def client_context(cafile: str | None = None, *, verify: bool = True) -> SSL.Context:
+    """A DTLS 1.2 client context trusting ``cafile`` (else the system store);
+    ``verify=False`` accepts any certificate (like coturn's uclient)."""
+    context = SSL.Context(SSL.DTLS_CLIENT_METHOD)
+    context.set_min_proto_version(DTLS_1_2)
+    context.set_options(SSL.OP_NO_QUERY_MTU)
+    if verify:
+        if cafile:
+            context.load_verify_locations(cafile)
+        else:
+            context.set_default_verify_paths()
+        context.set_verify(SSL.VERIFY_PEER, lambda *args: bool(args[-1]))
+    return context
+
+
+def certificate_names_match(certificate: x509.Certificate, name: str) -> bool:
+    """RFC 6125: ``name`` (a DNS name or an IP address) is in the certificate's
+    subjectAltName (a left-most ``*`` label matches one label)."""
+    try:
+        names = certificate.extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        ).value
+    except x509.ExtensionNotFound:
+        return False
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        ip = None
+    if ip is not None:
+        return ip in names.get_values_for_type(x509.IPAddress)
+    wanted = name.lower().rstrip(".")
+    for dns in names.get_values_for_type(x509.DNSName):
+        pattern = dns.lower().rstrip(".")
+        if pattern == wanted:
+            return True
+        if pattern.startswith("*.") and "." in wanted:
+            if wanted.split(".", 1)[1] == pattern[2:]:
+                return True
+    return False
+
+
+class DtlsClient(asyncio.DatagramProtocol):
+    """The client end of one DTLS association on a connected UDP socket.
+
+    ``deliver(data)`` gets each decrypted datagram; ``lost()`` is called when
+    the association ends. Await :attr:`handshake` before :meth:`send`.
+    """
+
+    def __init__(
+        self,
+        context: SSL.Context,
+        deliver: Callable[[bytes], None],
+        lost: Callable[[], None],
+        server_hostname: str | None = None,
+        *,
+        check_hostname: bool = True,
+    ) -> None:
+        self.connection = SSL.Connection(context)
+        self.connection.set_ciphertext_mtu(HANDSHAKE_MTU)
+        self.connection.set_connect_state()
+        if server_hostname and not _is_ip(server_hostname):
+            self.connection.set_tlsext_host_name(server_hostname.encode("idna"))
+        self.server_hostname = server_hostname if check_hostname else None
+        self.deliver = deliver
+        self.lost = lost
+        self.udp: asyncio.DatagramTransport | None = None
+        self._loop = asyncio.get_running_loop()
+        self.handshake: asyncio.Future[None] = self._loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.udp = cast(asyncio.DatagramTransport, transport)
+        self._drive()
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.connection.bio_write(data)
+        self._drive()
+
+    def error_received(self, exc: Exception) -> None:
+        if not self.handshake.done():
+            self.handshake.set_exception(DtlsHandshakeError(str(exc)))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self.handshake.done():
+            self.handshake.set_exception(DtlsHandshakeError("socket closed"))
+        self.lost()
+
+    def _drive(self) -> None:
+        connection = self.connection
+        try:
+            if not self.handshake.done():
+                try:
+                    connection.do_handshake()
+                except SSL.WantReadError:
+                    self._flush()
+                    self._arm()
+                    return
+                self._check_name()
+                self.handshake.set_result(None)
+            while True:
+                try:
+                    data = connection.recv(_READ_SIZE)
+                except SSL.WantReadError:
+                    break
+                if data:
+                    self.deliver(data)
+        except SSL.ZeroReturnError:
+            self._flush()
+            self.close()
+            return
+        except (SSL.Error, DtlsHandshakeError) as exc:
+            self._flush()
+            if not self.handshake.done():
+                error = exc if isinstance(exc, DtlsHandshakeError) else None
+                self.handshake.set_exception(error or DtlsHandshakeError(repr(exc)))
+            self.close()
+            return
+        self._flush()
+
+    def _check_name(self) -> None:
+        if self.server_hostname is None:
+            return
+        peer = self.connection.get_peer_certificate()
+        if peer is None or not certificate_names_match(
+            peer.to_cryptography(), self.server_hostname
+        ):
+            raise DtlsHandshakeError(
+                f"certificate does not name {self.server_hostname}"
+            )
+
+    def _arm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        left = self.connection.DTLSv1_get_timeout()
+        if left is not None:
+            self._timer = self._loop.call_later(left, self._retransmit)
+
+    def _retransmit(self) -> None:
+        self._timer = None
+        if self.handshake.done():
+            return
+        try:
+            self.connection.DTLSv1_handle_timeout()
+        except SSL.Error:
+            pass
+        self._flush()
+        self._arm()
+
+    def _flush(self) -> None:
+        try:
+            data = self.connection.bio_read(_READ_SIZE)
+        except SSL.WantReadError:
+            return
+        if self.udp is None:
+            return
+        for datagram in pack_datagrams(split_records(data)):
+            self.udp.sendto(datagram)
+
+    def send(self, data: bytes) -> None:
+        """Encrypt and send one datagram (after the handshake)."""
+        if self.udp is None or not self.handshake.done():
+            return
+        self.connection.send(data)
+        self._flush()
+
+    def close(self) -> None:
+        """Send close_notify (if up) and close the socket."""
+        if self.handshake.done() and not self.handshake.exception():
+            with contextlib.suppress(SSL.Error):
+                self.connection.shutdown()
+            self._flush()
+        if self.udp is not None:
+            self.udp.close()
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+async def dtls_connect(
+    server: Address,
+    context: SSL.Context,
+    deliver: Callable[[bytes], None],
+    lost: Callable[[], None],
+    *,
+    server_hostname: str | None = None,
+    local: Address | None = None,
+    timeout: float = 10.0,
+    check_hostname: bool = True,
+) -> DtlsClient:
+    """Open a UDP socket to ``server`` and complete a DTLS handshake on it
+    (``server_hostname``, default the server's address, is checked against the
+    certificate unless ``check_hostname`` is False)."""
+    loop = asyncio.get_running_loop()
+    _, protocol = await loop.create_datagram_endpoint(
+        lambda: DtlsClient(
+            context,
+            deliver,
+            lost,
+            server_hostname or server[0],
+            check_hostname=check_hostname,
+        ),
+        local_addr=local,
+        remote_addr=server,
+    )
+    try:
+        await asyncio.wait_for(asyncio.shield(protocol.handshake), timeout)
+    except TimeoutError:
+        protocol.close()
+        raise DtlsHandshakeError("DTLS handshake timed out") from None
+    except BaseException:
+        protocol.close()
+        raise
+    return protocol
