@@ -64,10 +64,11 @@ from crossroads.proto.natneg.server import (
 )
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext, SessionInfo
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.pktinfo import open_datagram_endpoint
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.sockets import make_udp_socket
 from crossroads.types import Address
 
 NAME = "natneg"
@@ -458,8 +459,7 @@ class NatNegService:
         self._transports: dict[Endpoint, asyncio.DatagramTransport] = {}
         self._send_via: dict[Endpoint, asyncio.DatagramTransport] = {}
         self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
         self._collector: _Collector | None = None
         self._registry: Any = None
         self._closed = False
@@ -494,7 +494,7 @@ class NatNegService:
             transport = send_via.get(endpoint)
             if transport is not None:
                 transport.sendto(data, addr)
-        self._rearm()
+        self._timer.rearm()
 
     def _handle_events(self, now: float) -> None:
         for event in self.core.pop_events():
@@ -540,21 +540,7 @@ class NatNegService:
                 case ReportReceived(success=success):
                     self.reports.labels("success" if success else "failure").inc()
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at or self._closed:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
+    def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
         self._flush(now)
 
@@ -615,9 +601,7 @@ class NatNegService:
         if self._closed:
             return
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.close()
         for transport in self._transports.values():
             transport.close()
         self._transports.clear()

@@ -77,8 +77,8 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
+from crossroads.transport.sockets import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
-from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
 
 NAME = "stun"

@@ -116,8 +116,10 @@ from crossroads.services.stun import (
     TcpConnection,
     UdpEndpoint,
 )
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
+from crossroads.transport.sockets import listening_ports
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
@@ -126,7 +128,6 @@ from crossroads.transport.turnplane import (
     PollerType,
     RelayTapBase,
 )
-from crossroads.transport.udp import listening_ports
 from crossroads.types import Address
 
 NAME = "turn"
@@ -898,8 +899,7 @@ class TurnService:
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self.loop, self.core.get_timer, self._on_timer)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector = _Collector(self)
         self._closed = False
@@ -1062,7 +1062,7 @@ class TurnService:
             if self._session_id(five) == session_id:
                 self.core.delete_allocation(allocation, "revoked")
                 self._process_events()
-                self._rearm()
+                self._timer.rearm()
                 return True
         return False
 
@@ -1077,7 +1077,7 @@ class TurnService:
         for allocation in doomed:
             self.core.delete_allocation(allocation, "revoked")
         self._process_events()
-        self._rearm()
+        self._timer.rearm()
         return len(doomed)
 
     def describe(self) -> list[str]:
@@ -1113,8 +1113,7 @@ class TurnService:
         self._process_events()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
             pipe.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.close()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -1181,7 +1180,7 @@ class TurnService:
             endpoint.send(answer, client)
         self._process_events()
         self._pending_endpoints.pop(five, None)
-        self._rearm()
+        self._timer.rearm()
 
     def _fast_send(self, data: bytes, client: Address, endpoint: Endpoint) -> bool:
         """Send indication without a message object; False: use the slow path."""
@@ -1213,7 +1212,7 @@ class TurnService:
         """A TCP control connection closed: its allocation goes (RFC 8656 §3.1)."""
         self.core.client_disconnected((Transport.TCP, client, endpoint.local))
         self._process_events()
-        self._rearm()
+        self._timer.rearm()
 
     # ------------------------------------------------------------ RelayBinder
 
@@ -1397,24 +1396,10 @@ class TurnService:
         if endpoint is not None:
             endpoint.send(data, five[1])
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None and not self._closed:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self.core.clock_offset = time.time() - self.loop.time()
-        self.core.handle_timer(self.loop.time())
+    def _on_timer(self, now: float) -> None:
+        self.core.clock_offset = time.time() - now
+        self.core.handle_timer(now)
         self._process_events()
-        self._rearm()
 
     # ------------------------------------------------------------ RFC 6062
 
@@ -1436,7 +1421,7 @@ class TurnService:
             if not isinstance(exc, asyncio.CancelledError):
                 self.core.peer_connect_failed(cid)
                 self._process_events()
-                self._rearm()
+                self._timer.rearm()
             return
         if cid not in self.core.connections:
             pipe.close()
@@ -1444,7 +1429,7 @@ class TurnService:
         self.peer_pipes[cid] = pipe
         self.core.peer_connected(cid, self.loop.time())
         self._process_events()
-        self._rearm()
+        self._timer.rearm()
 
     def peer_accepted(
         self, allocation: Allocation, peer: Address, pipe: Pipe
@@ -1453,7 +1438,7 @@ class TurnService:
         if cid is not None:
             self.peer_pipes[cid] = pipe
         self._process_events()
-        self._rearm()
+        self._timer.rearm()
         return cid
 
     def _bind_connection(self, cid: int, five: FiveTuple) -> None:
@@ -1492,7 +1477,7 @@ class TurnService:
         self.client_pipes.pop(cid, None)
         self.core.connection_closed(cid)
         self._process_events()
-        self._rearm()
+        self._timer.rearm()
 
 
 def _route_source(family: Family, client_host: str) -> str:

@@ -35,7 +35,7 @@ from crossroads.proto.natneg.packets import MAGIC, PacketType
 from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.transport.refusals import RefusalLog
-from crossroads.transport.udp import SOCKET_BUFFER_BYTES
+from crossroads.transport.sockets import SOCKET_BUFFER_BYTES
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.natneg.relay")

@@ -21,7 +21,7 @@ import asyncio
 import socket
 
 from crossroads.proto.raknet.udpproxy import ForwarderResult
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.sockets import make_udp_socket
 from crossroads.types import Address
 
 #: Datagrams read per readiness callback (as the natneg relay).

@@ -19,6 +19,7 @@ import socket
 from collections.abc import Callable
 
 from crossroads.proto.relay.server import Event, RelayServer
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import ReplySource, is_wildcard
 from crossroads.types import Address
 
@@ -50,8 +51,7 @@ class RelayEndpoint:
         self._replies = (
             ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
         )
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
         self._closed = False
 
     def start(self) -> None:
@@ -62,9 +62,7 @@ class RelayEndpoint:
             return
         self._closed = True
         self._loop.remove_reader(self.sock.fileno())
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.close()
         self.sock.close()
 
     # ------------------------------------------------------------- fast path
@@ -126,22 +124,8 @@ class RelayEndpoint:
         events = self.core.events()
         if events:
             self.on_events(events)
-        self._rearm()
+        self._timer.rearm()
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at or self._closed:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
+    def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
         self._flush(now)

@@ -1,35 +1,24 @@
-"""UDP plumbing shared by the services.
+"""Listening sockets: the one place services create and register them.
 
-:class:`CoreDatagramProtocol` drives any sans-I/O datagram core the aioquic way:
-feed ``loop.time()`` and the datagram in, send what the core wants to send, and
-keep exactly one ``call_at`` timer armed at the core's next deadline.
+Every UDP socket and TCP listener of a service comes from
+:func:`make_udp_socket` / :func:`make_tcp_listener` (or is registered with
+:func:`register_listener`), so socket options — dual-stack, buffer sizes,
+``SO_REUSEPORT`` — are set in one place and TURN knows every port it must never
+relay into (:func:`listening_ports`). The driver that runs a core on such a
+socket is :mod:`crossroads.transport.driver`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import socket
 import weakref
-from typing import Protocol, cast
 
 from crossroads.types import Address, normalize_address
 
 #: Kernel socket buffers for busy UDP services; the default (~200 KiB) drops
 #: bursts long before Python is the bottleneck.
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
-
-
-class DatagramCore(Protocol):
-    """The sans-I/O datagram interface (see DESIGN.md, "A protocol is a pure core")."""
-
-    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None: ...
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]: ...
-
-    def get_timer(self) -> float | None: ...
-
-    def handle_timer(self, now: float) -> None: ...
 
 
 #: Every listening socket of a service in this process (UDP sockets from
@@ -116,61 +105,3 @@ def make_tcp_listener(
 
 def bound_address(sock: socket.socket) -> Address:
     return normalize_address(sock.getsockname())
-
-
-class CoreDatagramProtocol(asyncio.DatagramProtocol):
-    """Runs one :class:`DatagramCore` on one UDP socket."""
-
-    def __init__(self, core: DatagramCore) -> None:
-        self.core = core
-        self.transport: asyncio.DatagramTransport | None = None
-        self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's UDPTransport is not a subclass of asyncio.DatagramTransport,
-        # so no isinstance check here (it failed under `crossroads serve`).
-        self.transport = cast(asyncio.DatagramTransport, transport)
-        self._rearm()
-
-    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
-        now = self._loop.time()
-        self.core.receive_datagram(data, normalize_address(addr), now)
-        self.transmit(now)
-
-    def error_received(self, exc: Exception) -> None:
-        # ICMP errors for earlier sends (port unreachable, ...): nothing to do for
-        # a connectionless server.
-        pass
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def transmit(self, now: float | None = None) -> None:
-        if self.transport is None:
-            return
-        now = self._loop.time() if now is None else now
-        for data, addr in self.core.datagrams_to_send(now):
-            self.transport.sendto(data, addr)
-        self._rearm()
-
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
-        self.core.handle_timer(now)
-        self.transmit(now)
