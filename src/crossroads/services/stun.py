@@ -50,7 +50,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import ipaddress
 import logging
 import socket
 import ssl
@@ -77,7 +76,7 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
-from crossroads.transport.sockets import SOCKET_BUFFER_BYTES, register_listener
+from crossroads.transport.sockets import bind_socket, family_of
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.types import Address
 
@@ -819,34 +818,6 @@ class _Group:
     tcp_servers: list[asyncio.Server]
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return (
-        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    )
-
-
-def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket.socket:
-    sock = socket.socket(_family(host), kind)
-    try:
-        if kind == socket.SOCK_STREAM:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        else:
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        if sock.family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
-        sock.bind((host, port))
-        if kind == socket.SOCK_STREAM:
-            sock.listen(1024)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    register_listener(sock)
-    return sock
-
-
 def _bind_set(
     hosts: list[str], ports: list[int], tcp: bool, v6only: bool
 ) -> list[tuple[socket.socket, socket.socket | None]]:
@@ -859,12 +830,14 @@ def _bind_set(
         try:
             for host in hosts:
                 for i, port in enumerate(chosen):
-                    udp = _bind(host, port, socket.SOCK_DGRAM, v6only)
+                    udp = bind_socket(host, port, socket.SOCK_DGRAM, v6only=v6only)
                     socks.append((udp, None))
                     if port == 0:
                         chosen[i] = udp.getsockname()[1]
                     if tcp:
-                        stream = _bind(host, chosen[i], socket.SOCK_STREAM, v6only)
+                        stream = bind_socket(
+                            host, chosen[i], socket.SOCK_STREAM, v6only=v6only
+                        )
                         socks[-1] = (udp, stream)
             # Order endpoints ip-major: (A1,P1), (A1,P2), (A2,P1), (A2,P2).
             return socks
@@ -966,7 +939,7 @@ class StunService:
                     "stun.alt_host: RFC 5780 with a second IP needs --host set to "
                     "this host's first IP, not a wildcard"
                 )
-            if _family(host) != _family(cfg.alt_host) or cfg.alt_host == host:
+            if family_of(host) != family_of(cfg.alt_host) or cfg.alt_host == host:
                 raise ConfigError(
                     "stun.alt_host: must be another address of --host's family"
                 )
@@ -998,7 +971,7 @@ class StunService:
         ]
         advertised: list[Address | None] = []
         for i, (h, p) in enumerate(locals_):
-            if i < 2 and public and _family(public) == _family(h):
+            if i < 2 and public and family_of(public) == family_of(h):
                 advertised.append((public, p))
             elif is_wildcard(h):
                 advertised.append(None)
@@ -1053,14 +1026,14 @@ class StunService:
                 (
                     g
                     for g in self.groups
-                    if _family(g.udp[0].local[0]) == _family(bind_host)
+                    if family_of(g.udp[0].local[0]) == family_of(bind_host)
                 ),
                 None,
             )
             if group is None:
                 continue
             try:
-                sock = _bind(bind_host, port, socket.SOCK_STREAM, v6only)
+                sock = bind_socket(bind_host, port, socket.SOCK_STREAM, v6only=v6only)
             except OSError as exc:
                 if bind_host == host:
                     raise

@@ -10,6 +10,7 @@ socket is :mod:`crossroads.transport.driver`.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
 import weakref
@@ -47,60 +48,65 @@ def listening_ports() -> frozenset[int]:
     return frozenset(ports)
 
 
-def make_udp_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
-    """A bound, non-blocking UDP socket with large buffers.
-
-    ``::`` is bound dual-stack where the OS allows it, so one socket serves IPv4
-    (as mapped addresses) and IPv6.
-    """
-    family = (
+def family_of(host: str) -> socket.AddressFamily:
+    """``AF_INET6`` for an IPv6 literal, ``AF_INET`` for an IPv4 one."""
+    return (
         socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     )
-    sock = socket.socket(family, socket.SOCK_DGRAM)
+
+
+def bind_socket(
+    host: str,
+    port: int,
+    kind: socket.SocketKind,
+    *,
+    v6only: bool | None = None,
+    reuse_port: bool = False,
+) -> socket.socket:
+    """A bound, non-blocking, registered listening socket: UDP with large
+    buffers, or a TCP listener (``SO_REUSEADDR``, backlog 1024).
+
+    ``v6only`` None binds ``::`` dual-stack where the OS allows it, so one
+    socket serves IPv4 (as mapped addresses) and IPv6, and any other IPv6
+    address IPv6 only; True or False sets ``IPV6_V6ONLY`` as asked.
+    """
+    family = family_of(host)
+    sock = socket.socket(family, kind)
     try:
+        if kind == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        else:
+            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         if family == socket.AF_INET6:
-            sock.setsockopt(
-                socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if host == "::" else 1
-            )
+            only = host != "::" if v6only is None else v6only
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if only else 0)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-            except OSError:
-                pass
         sock.bind((host, port))
+        if kind == socket.SOCK_STREAM:
+            # The kernel caps it at net.core.somaxconn; accepts are bounded by
+            # each listener's admission (transport/admission.py), not here.
+            sock.listen(1024)
         sock.setblocking(False)
     except BaseException:
         sock.close()
         raise
     register_listener(sock)
     return sock
+
+
+def make_udp_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A bound, non-blocking UDP socket with large buffers (``::``: dual-stack)."""
+    return bind_socket(host, port, socket.SOCK_DGRAM, reuse_port=reuse_port)
 
 
 def make_tcp_listener(
     host: str, port: int, *, reuse_port: bool = False
 ) -> socket.socket:
-    family = (
-        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    )
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(
-                socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if host == "::" else 1
-            )
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    register_listener(sock)
-    return sock
+    """A bound, listening, non-blocking TCP socket (``::``: dual-stack)."""
+    return bind_socket(host, port, socket.SOCK_STREAM, reuse_port=reuse_port)
 
 
 def bound_address(sock: socket.socket) -> Address:
