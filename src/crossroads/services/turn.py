@@ -4,8 +4,8 @@ How it is wired
 ---------------
 TURN shares port 3478 (UDP and TCP, IPv4 and IPv6) with STUN. The ``stun``
 service owns those sockets and hands this service every non-Binding STUN message
-and every ChannelData message through its extension hook
-(:meth:`crossroads.services.stun.StunService.attach_turn`). With ``--only turn``
+and every ChannelData message through typed hooks (:class:`~crossroads.services.stun.TurnHooks`,
+:meth:`crossroads.services.stun.StunService.attach_turn`). With ``--only turn``
 (no ``stun`` service), this service starts the STUN listener itself, so Binding
 still works — TURN clients use it too.
 
@@ -19,7 +19,7 @@ Per-packet work never touches the core, a message object or the store:
 
 - client -> peer, ChannelData: one dict lookup for the allocation (by client
   address and listening endpoint), one for the channel, a slice and a ``sendto``
-  on the relay socket (:meth:`TurnService.handle_channel_data`);
+  on the relay socket (the ChannelData hook, :attr:`TurnService.router`);
 - client -> peer, Send indication: the attribute walk of
   :func:`~crossroads.proto.turn.fastpath.parse_send_indication`, a permission
   lookup and a ``sendto``;
@@ -114,6 +114,7 @@ from crossroads.services.stun import (
     Endpoint,
     StunService,
     TcpConnection,
+    TurnHooks,
     UdpEndpoint,
 )
 from crossroads.transport.driver import CoreTimer
@@ -833,7 +834,8 @@ class PeerSide(Pipe):
 
 
 class TurnService:
-    """The running TURN service (a ``StunExtension`` and a ``RelayBinder``)."""
+    """The running TURN service (the STUN/TURN port's :class:`TurnHooks` and
+    the core's ``RelayBinder``)."""
 
     name = NAME
 
@@ -881,17 +883,21 @@ class TurnService:
         #: Peer data connections by RFC 6062 connection id.
         self.peer_pipes: dict[int, Pipe] = {}
         self.client_pipes: dict[int, Pipe] = {}
-        self._pending_link: ClientLink | None = None
         #: Live UDP relays, and the listener taps in front of the STUN sockets.
         self.relays: set[UdpRelay] = set()
         self.taps: dict[Any, ListenerTap] = {}
         #: Client -> peer ChannelData for hook callers (batched STUN endpoints,
         #: TCP connections); its per-endpoint client tables are shared with
-        #: the taps. Replaces the handle_channel_data method on this instance.
+        #: the taps. It is the port's ChannelData hook (see :meth:`start`).
         self.router = ChannelRouterType()
         self.router.endpoints = {}
         self.router.fallback = self._channel_data_slow
-        self.handle_channel_data = self.router.handle_channel_data
+        #: What the STUN/TURN port hands this service.
+        self.hooks = TurnHooks(
+            stun=self.handle_stun,
+            channel_data=self.router.handle_channel_data,
+            connection_lost=self.connection_lost,
+        )
         #: C data plane: one epoll set for every socket the taps read.
         self.poller = PollerType() if PollerType is not None else None
         if self.poller is not None:
@@ -937,7 +943,7 @@ class TurnService:
         return hosts
 
     def start(self) -> None:
-        self.stun.attach_turn(self)
+        self.stun.attach_turn(self.hooks)
         for endpoint in self.stun.udp_endpoints:
             self._install_tap(endpoint)
         self.ctx.metrics.register(self._collector)
@@ -950,7 +956,7 @@ class TurnService:
         reading only with the C data plane: the tap reads the socket and hands
         what is not ChannelData back to the endpoint's :meth:`dispatch` one
         datagram at a time. Without C, the batched endpoint keeps reading and
-        calls ``handle_channel_data`` (the router).
+        calls the ChannelData hook (the router).
         """
         if isinstance(endpoint, UdpEndpoint):
             fd = endpoint.fileno()
@@ -1106,7 +1112,7 @@ class TurnService:
         if self._closed:
             return
         self._closed = True
-        if self.stun.turn is self:
+        if self.stun.turn is self.hooks:
             self.stun.detach_turn()
         self._restore_taps()
         self.core.close()
@@ -1133,7 +1139,7 @@ class TurnService:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # ------------------------------------------------------------ StunExtension
+    # ------------------------------------------------------------ port hooks
 
     def _channel_data_slow(
         self, data: bytes, client: Address, endpoint: Endpoint
@@ -1170,12 +1176,15 @@ class TurnService:
                 self.stats.to_peer_bytes += len(payload)
             return
         now = self.loop.time()
-        self._pending_link = ClientLink(endpoint, client)
+        # The endpoint a request came in on, for open_relay, SendToClient and
+        # ConnectionBind while the core handles it (the core knows five-tuples,
+        # not sockets).
         self._pending_endpoints[five] = endpoint
         try:
             answer = self.core.handle_message(message, data, five, now)
-        finally:
-            self._pending_link = None
+        except BaseException:
+            self._pending_endpoints.pop(five, None)
+            raise
         if answer is not None:
             endpoint.send(answer, client)
         self._process_events()
@@ -1232,9 +1241,11 @@ class TurnService:
             advertised = _route_source(family, allocation.five_tuple[1][0])
             if not advertised:
                 return None
-        link = self._pending_link
-        assert link is not None
-        allocation.transport_data = link
+        five = allocation.five_tuple
+        endpoint = self._pending_endpoints.get(five)
+        if endpoint is None:  # only an Allocate request being handled opens relays
+            return None
+        allocation.transport_data = ClientLink(endpoint, five[1])
         af = socket.AF_INET6 if family == Family.IPV6 else socket.AF_INET
         if transport == Transport.UDP:
             return self._open_udp(
