@@ -445,7 +445,7 @@ class P2PService:
                 self._force_close(conn, 1008, "not reading")
         for conn, code, reason in self.core.connections_to_close():
             self._force_close(conn, code, reason)
-        for event in self.core.events():
+        for event in self.core.pop_events():
             match event:
                 case FrameRejected(reason=reason):
                     self.rejected.labels(reason).inc()

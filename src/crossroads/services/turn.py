@@ -1067,8 +1067,7 @@ class TurnService:
         for five, allocation in list(self.core.allocations.items()):
             if self._session_id(five) == session_id:
                 self.core.delete_allocation(allocation, "revoked")
-                self._process_events()
-                self._timer.rearm()
+                self._after_input()
                 return True
         return False
 
@@ -1082,8 +1081,7 @@ class TurnService:
         ]
         for allocation in doomed:
             self.core.delete_allocation(allocation, "revoked")
-        self._process_events()
-        self._timer.rearm()
+        self._after_input()
         return len(doomed)
 
     def describe(self) -> list[str]:
@@ -1187,9 +1185,8 @@ class TurnService:
             raise
         if answer is not None:
             endpoint.send(answer, client)
-        self._process_events()
+        self._after_input()
         self._pending_endpoints.pop(five, None)
-        self._timer.rearm()
 
     def _fast_send(self, data: bytes, client: Address, endpoint: Endpoint) -> bool:
         """Send indication without a message object; False: use the slow path."""
@@ -1220,8 +1217,7 @@ class TurnService:
     def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
         """A TCP control connection closed: its allocation goes (RFC 8656 §3.1)."""
         self.core.client_disconnected((Transport.TCP, client, endpoint.local))
-        self._process_events()
-        self._timer.rearm()
+        self._after_input()
 
     # ------------------------------------------------------------ RelayBinder
 
@@ -1397,6 +1393,12 @@ class TurnService:
                         username[:64],
                     )
 
+    def _after_input(self) -> None:
+        """What follows every call into the core: act on its events, re-arm
+        its timer (the driver's steps 2-3, :mod:`crossroads.transport.driver`)."""
+        self._process_events()
+        self._timer.rearm()
+
     def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
         allocation = self.core.allocations.get(five)
         link = allocation.transport_data if allocation is not None else None
@@ -1431,16 +1433,14 @@ class TurnService:
             sock.close()
             if not isinstance(exc, asyncio.CancelledError):
                 self.core.peer_connect_failed(cid)
-                self._process_events()
-                self._timer.rearm()
+                self._after_input()
             return
         if cid not in self.core.connections:
             pipe.close()
             return
         self.peer_pipes[cid] = pipe
         self.core.peer_connected(cid, self.loop.time())
-        self._process_events()
-        self._timer.rearm()
+        self._after_input()
 
     def peer_accepted(
         self, allocation: Allocation, peer: Address, pipe: Pipe
@@ -1448,8 +1448,7 @@ class TurnService:
         cid = self.core.peer_accepted(allocation, peer, self.loop.time())
         if cid is not None:
             self.peer_pipes[cid] = pipe
-        self._process_events()
-        self._timer.rearm()
+        self._after_input()
         return cid
 
     def _bind_connection(self, cid: int, five: FiveTuple) -> None:
@@ -1487,8 +1486,7 @@ class TurnService:
         self.peer_pipes.pop(cid, None)
         self.client_pipes.pop(cid, None)
         self.core.connection_closed(cid)
-        self._process_events()
-        self._timer.rearm()
+        self._after_input()
 
 
 def _route_source(family: Family, client_host: str) -> str:
