@@ -205,12 +205,7 @@ class RelayConnection:
         self._transport: asyncio.DatagramTransport | None = None
         self._frames: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
         self._changed = asyncio.Event()
-        #: No timer without a socket: nothing could be sent when it fires.
-        self._timer = CoreTimer(
-            self._loop,
-            lambda: self.core.get_timer() if self._transport is not None else None,
-            self._on_timer,
-        )
+        self._timer = CoreTimer(self._loop, self._deadline, self._on_timer)
         self.frames_dropped = 0
         #: Every non-data event, in order (for callers that want the details).
         self.history: list[core.ClientEvent] = []
@@ -378,6 +373,10 @@ class RelayConnection:
         if changed:
             self._changed.set()
         self._timer.rearm()
+
+    def _deadline(self) -> float | None:
+        # No timer without a socket: nothing could be sent when it fires.
+        return self.core.get_timer() if self._transport is not None else None
 
     def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
