@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from crossroads.transport.driver import CoreTimer, DatagramDriver
+from crossroads.transport.driver import CoreTimer, DatagramDriver, SocketSetDriver
 from crossroads.transport.sockets import bound_address, make_udp_socket
 from crossroads.types import Address
 
@@ -131,3 +131,62 @@ async def test_a_closed_timer_never_fires_nor_rearms() -> None:
     for _ in range(3):
         await asyncio.sleep(0)
     assert fired == []
+
+
+class CrossCore:
+    """A two-socket core: what arrives on socket "a" is answered from socket
+    "b" and from "alias" (which has no socket of its own), with an event."""
+
+    def __init__(self) -> None:
+        self.outbox: list[tuple[bytes, Address, str]] = []
+        self.events: list[str] = []
+
+    def receive_datagram(
+        self, data: bytes, addr: Address, now: float, socket: str
+    ) -> None:
+        self.events.append(socket)
+        self.outbox.append((b"from-b:" + data, addr, "b"))
+        self.outbox.append((b"from-alias:" + data, addr, "alias"))
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, str]]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    def pop_events(self) -> list[str]:
+        out, self.events = self.events, []
+        return out
+
+    def get_timer(self) -> float | None:
+        return None
+
+    def handle_timer(self, now: float) -> None:
+        pass
+
+
+async def test_the_socket_set_driver_sends_from_the_socket_the_core_names() -> None:
+    core = CrossCore()
+    seen: list[list[str]] = []
+    driver = SocketSetDriver(core, lambda events, now: seen.append(events))
+    a, b = make_udp_socket("127.0.0.1", 0), make_udp_socket("127.0.0.1", 0)
+    await driver.open("a", a)
+    await driver.open("b", b)
+    driver.share("alias", "a")
+    driver.share("b", "a")  # "b" has its own socket: sharing changes nothing
+    client = make_udp_socket("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    try:
+        client.sendto(b"hi", bound_address(a))
+        replies = set()
+        for _ in range(2):
+            data, source = await asyncio.wait_for(loop.sock_recvfrom(client, 100), 5)
+            replies.add((data, source[1]))
+        assert replies == {
+            (b"from-b:hi", bound_address(b)[1]),
+            (b"from-alias:hi", bound_address(a)[1]),
+        }
+        assert seen == [["a"]]
+        assert sorted(driver.sockets) == ["a", "b"]
+    finally:
+        driver.close()
+        client.close()
+    assert driver.sockets == []

@@ -17,17 +17,22 @@ A core never reads a clock, opens a socket or awaits: time comes in as
 on several sockets, or on no socket at all, keep its single timer with
 :class:`crossroads.transport.driver.CoreTimer`.
 
+A core on several sockets (:class:`MultiSocketCore`) tags each datagram with
+its socket and runs on :class:`crossroads.transport.driver.SocketSetDriver`.
+
 These are :class:`typing.Protocol` classes: a core satisfies them by shape,
 without inheriting from anything here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Protocol, TypeVar
 
 from crossroads.types import Address
 
 EventT = TypeVar("EventT")
+SocketT = TypeVar("SocketT", bound=Hashable)
 
 
 class TimedCore(Protocol):
@@ -51,6 +56,22 @@ class DatagramCore(TimedCore, Protocol):
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         """What to send now, as ``(data, destination)``; the queue is emptied."""
+        ...
+
+
+class MultiSocketCore(TimedCore, Protocol[SocketT]):
+    """A datagram core on several sockets that tells them apart (natneg's
+    primary, secondary and probe sockets): the same API, each datagram tagged
+    with the core's own name for the socket it came in on or leaves from."""
+
+    def receive_datagram(
+        self, data: bytes, addr: Address, now: float, socket: SocketT
+    ) -> None:
+        """One datagram from ``addr`` on ``socket``."""
+        ...
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, SocketT]]:
+        """What to send now, as ``(data, destination, socket)``."""
         ...
 
 

@@ -17,7 +17,8 @@ code-style-anchors.md §2):
    input costs one comparison on the hot path. When it fires,
    ``core.handle_timer(now)`` runs, then step 2.
 
-:class:`DatagramDriver` does all of this for a core on one UDP socket.
+:class:`DatagramDriver` does all of this for a core on one UDP socket,
+:class:`SocketSetDriver` for a core on several (natneg's).
 :class:`CoreTimer` is step 3 alone, for owners whose core spans several
 sockets (natneg, p2p rendezvous), a WebSocket (p2p signalling, the Unity relay
 client) or the STUN/TURN port (the TURN control core), and that do steps 1-2
@@ -29,10 +30,16 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Generic, cast
 
-from crossroads.proto.core import DatagramCore, EventSource
-from crossroads.types import normalize_address
+from crossroads.proto.core import (
+    DatagramCore,
+    EventSource,
+    MultiSocketCore,
+    SocketT,
+)
+from crossroads.transport.pktinfo import open_datagram_endpoint
+from crossroads.types import Address, normalize_address
 
 
 class CoreTimer:
@@ -160,3 +167,93 @@ class DatagramDriver(asyncio.DatagramProtocol):
     def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
         self.transmit(now)
+
+
+class SocketSetDriver(Generic[SocketT]):
+    """Runs one :class:`~crossroads.proto.core.MultiSocketCore` on several UDP
+    sockets, each known by the core's own name for it (steps 1-3 above, per
+    socket). ``on_events(events, now)``, when given, receives the core's
+    ``pop_events()`` after each input, before its datagrams are sent (what the
+    owner does with them may queue more).
+    """
+
+    def __init__(
+        self,
+        core: MultiSocketCore[SocketT],
+        on_events: Callable[[list[Any], float], None] | None = None,
+    ) -> None:
+        self.core = core
+        self._loop = asyncio.get_running_loop()
+        self._on_events = on_events
+        self._pop_events: Callable[[], list[Any]] | None = (
+            cast(EventSource[Any], core).pop_events if on_events is not None else None
+        )
+        self._transports: dict[SocketT, asyncio.DatagramTransport] = {}
+        self._send_via: dict[SocketT, asyncio.DatagramTransport] = {}
+        self.timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
+
+    @property
+    def sockets(self) -> list[SocketT]:
+        """The names of the open sockets."""
+        return list(self._transports)
+
+    async def open(self, name: SocketT, sock: socket.socket) -> None:
+        """Run the core on ``sock`` (bound, non-blocking) as ``name``. On a
+        wildcard bind, replies leave from the address each client sent to
+        (:func:`~crossroads.transport.pktinfo.open_datagram_endpoint`)."""
+        transport = await open_datagram_endpoint(_NamedSocket(self, name), sock)
+        self._transports[name] = transport
+        self._send_via[name] = transport
+
+    def share(self, name: SocketT, owner: SocketT) -> None:
+        """What the core sends from ``name``, which has no socket of its own,
+        leaves from ``owner``'s (one socket playing two roles)."""
+        if name not in self._transports:
+            self._send_via[name] = self._transports[owner]
+
+    def receive(self, data: bytes, addr: Address, name: SocketT) -> None:
+        """One datagram from ``addr`` on socket ``name``."""
+        now = self._loop.time()
+        self.core.receive_datagram(data, addr, now, name)
+        self.transmit(now)
+
+    def transmit(self, now: float | None = None) -> None:
+        """Dispatch the core's events, send its datagrams, re-arm its timer."""
+        now = self._loop.time() if now is None else now
+        if self._pop_events is not None and self._on_events is not None:
+            events = self._pop_events()
+            if events:
+                self._on_events(events, now)
+        send_via = self._send_via
+        for data, addr, name in self.core.datagrams_to_send(now):
+            transport = send_via.get(name)
+            if transport is not None:
+                transport.sendto(data, addr)
+        self.timer.rearm()
+
+    def close(self) -> None:
+        """Stop the timer and close every socket."""
+        self.timer.close()
+        for transport in self._transports.values():
+            transport.close()
+        self._transports.clear()
+        self._send_via.clear()
+
+    def _on_timer(self, now: float) -> None:
+        self.core.handle_timer(now)
+        self.transmit(now)
+
+
+class _NamedSocket(asyncio.DatagramProtocol, Generic[SocketT]):
+    """One socket of a :class:`SocketSetDriver`."""
+
+    def __init__(self, driver: SocketSetDriver[SocketT], name: SocketT) -> None:
+        self.driver = driver
+        self.name = name
+
+    def datagram_received(self, data: bytes, addr: tuple[str | object, ...]) -> None:
+        self.driver.receive(data, normalize_address(addr), self.name)
+
+    def error_received(self, exc: Exception) -> None:
+        # ICMP errors for earlier sends (port unreachable): nothing to do.
+        pass
