@@ -231,7 +231,9 @@ class TurnHooks:
     loop, once per datagram; ``endpoint.send`` is then a non-blocking
     ``sendto`` that drops (and counts ``send-failed``) if the socket buffer is
     full. ``data`` is a private copy: keep it if you like. On a wildcard-bound
-    socket replies leave from the address the client sent to (IP_PKTINFO).
+    socket the STUN Binding replies leave from the client's destination address
+    (IP_PKTINFO), but ``endpoint.send`` leaves from the kernel's routed choice:
+    on a multi-homed host, run with a specific ``--host``.
     ``client`` is ``(host, port)`` as the socket reports it (on a dual-stack
     ``::`` socket an IPv4 client appears as ``::ffff:a.b.c.d``); answer with
     ``endpoint.send(data, client)``.
@@ -240,8 +242,8 @@ class TurnHooks:
     #: A STUN message whose method is not Binding (first bits 00), whole and
     #: unparsed: the hook decodes it.
     stun: MessageHook
-    #: A ChannelData message (first bits 01), unparsed; over TCP without its
-    #: padding.
+    #: A ChannelData message (first bits 01), unparsed; over TCP the frame
+    #: includes its padding.
     channel_data: MessageHook
     #: A TCP connection closed (RFC 8656 §3.1: allocations made over it end).
     connection_lost: Callable[[Address, Endpoint], None]
