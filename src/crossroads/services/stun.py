@@ -549,7 +549,12 @@ class BatchUdpEndpoint(_UdpDispatch):
                 replies.remember(addr, control)
 
     def _readable(self) -> None:
-        self.mm.drain(self.dispatch, self.service.stats.drop, DRAIN_BATCHES)
+        self.mm.drain(self.dispatch, self._drop, DRAIN_BATCHES)
+
+    def _drop(self, reason: str, count: int) -> None:
+        if reason == "recv-failed":
+            log.warning("STUN recvmmsg failed on %s", _join(*self.local))
+        self.service.stats.drop(reason, count)
 
 
 def _client(addr: Any) -> Address:
