@@ -29,8 +29,8 @@ from crossroads.transport.admission import (
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.sockets import bound_address, make_tcp_listener
 from crossroads.transport.tls import Certificates, certificates_for
-from crossroads.transport.udp import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
 from crossroads.web.console import Console

@@ -26,14 +26,15 @@ from crossroads.proto.raknet.peer import (
     ServerConfig,
 )
 from crossroads.proto.raknet.reliability import decode_frames
-from crossroads.transport.udp import CoreDatagramProtocol, make_udp_socket
+from crossroads.transport.driver import DatagramDriver
+from crossroads.transport.sockets import make_udp_socket
 from tests.conftest import eventually
 from tests.interop.raknet_support import ID, RakNetPeer
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class EchoDriver(CoreDatagramProtocol):
+class EchoDriver(DatagramDriver):
     """The project's UDP driver plus a test application: echo every message."""
 
     def __init__(self, core: RakNetServer) -> None:

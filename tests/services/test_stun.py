@@ -23,7 +23,7 @@ from crossroads.proto.stun import (
     request,
 )
 from crossroads.runtime import Runtime, start
-from crossroads.services.stun import Endpoint, StunService
+from crossroads.services.stun import Endpoint, StunService, TurnHooks
 from crossroads.types import Address
 from tests.conftest import loopback_config
 
@@ -238,7 +238,9 @@ class RecordingTurn:
 async def test_turn_extension_hook(runtime: Runtime) -> None:
     stun = _stun(runtime)
     turn = RecordingTurn()
-    stun.attach_turn(turn)
+    stun.attach_turn(
+        TurnHooks(turn.handle_stun, turn.handle_channel_data, turn.connection_lost)
+    )
     allocate = encode(request(Method.ALLOCATE, TXID))
     channel = b"\x40\x00\x00\x04ping"
     for data in (allocate, channel):
@@ -288,7 +290,9 @@ async def test_asyncio_datagram_path_without_batching() -> None:
             is None
         )
         turn = RecordingTurn()
-        stun.attach_turn(turn)
+        stun.attach_turn(
+            TurnHooks(turn.handle_stun, turn.handle_channel_data, turn.connection_lost)
+        )
         channel = b"\x40\x00\x00\x04ping"
         result = await asyncio.to_thread(_udp_exchange, channel, stun.primary)
         assert result is not None and result[0] == channel

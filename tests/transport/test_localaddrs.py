@@ -21,7 +21,7 @@ from crossroads.transport.localaddrs import (
     own_addresses,
     parse_addr_dump,
 )
-from crossroads.transport.udp import listening_ports, make_udp_socket
+from crossroads.transport.sockets import listening_ports, make_udp_socket
 
 
 @given(st.binary(max_size=200))

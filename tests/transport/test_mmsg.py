@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -70,6 +71,61 @@ def test_truncation_and_full_batch() -> None:
         assert not batch.queue_reply(0, b"d")  # batch full
         assert batch.flush() == 0
         assert client.recvfrom(100)[0] == b"a"
+    finally:
+        server.close()
+        client.close()
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_drain_hands_over_each_datagram_with_its_sender_and_sends_the_replies(
+    family: int,
+) -> None:
+    server, client = _pair(family)
+    try:
+        # Six datagrams, four slots a batch: drain must go round twice.
+        batch = mmsg.MmsgSocket(server, batch=4, slot=64)
+        for n in range(6):
+            client.sendto(b"n%d" % n, server.getsockname())
+        seen: list[tuple[bytes, tuple[str, int]]] = []
+        drops: list[tuple[str, int]] = []
+
+        def handle(data: bytes, sender: tuple[str, int], slot: int) -> None:
+            seen.append((data, sender))
+            assert batch.queue_reply(slot, b"re:" + data)
+
+        for _ in range(200):
+            batch.drain(handle, lambda reason, n: drops.append((reason, n)), 8)
+            if len(seen) == 6:
+                break
+            time.sleep(0.01)
+        client_addr = client.getsockname()[:2]
+        assert seen == [(b"n%d" % n, client_addr) for n in range(6)]
+        assert drops == []
+        replies = [client.recvfrom(100)[0] for _ in range(6)]
+        assert replies == [b"re:n%d" % n for n in range(6)]
+    finally:
+        server.close()
+        client.close()
+
+
+def test_drain_counts_a_truncated_datagram_and_hands_over_the_rest() -> None:
+    server, client = _pair()
+    try:
+        batch = mmsg.MmsgSocket(server, batch=4, slot=16)
+        client.sendto(b"x" * 40, server.getsockname())
+        client.sendto(b"fits", server.getsockname())
+        seen: list[bytes] = []
+        drops: list[tuple[str, int]] = []
+        for _ in range(200):
+            batch.drain(
+                lambda data, sender, slot: seen.append(data),
+                lambda reason, n: drops.append((reason, n)),
+                1,
+            )
+            if seen:
+                break
+            time.sleep(0.01)
+        assert seen == [b"fits"] and drops == [("too-big", 1)]
     finally:
         server.close()
         client.close()

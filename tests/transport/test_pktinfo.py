@@ -16,7 +16,7 @@ from crossroads.transport.pktinfo import (
     parse_control,
     reply_control,
 )
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.sockets import make_udp_socket
 
 
 @given(st.binary(max_size=80))

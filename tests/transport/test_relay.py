@@ -19,7 +19,7 @@ from crossroads.proto.relay.server import (
 )
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer, bind_hmac
 from crossroads.transport.relay import RelayEndpoint
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.sockets import make_udp_socket
 
 pytestmark = pytest.mark.timeout(30)
 

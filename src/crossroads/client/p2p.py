@@ -898,11 +898,11 @@ class P2PClient:
 
     async def _relay_write(self) -> None:
         """One writer drains the relay queue in order (no task per datagram)."""
-        ws = self.signalling._ws
-        while not self._relay_queue.empty() and ws is not None:
+        signalling = self.signalling
+        while not self._relay_queue.empty() and signalling.connected:
             frame = self._relay_queue.get_nowait()
             try:
-                await ws.send(frame)
+                await signalling.send_frame(frame)
             except Exception:  # noqa: BLE001 - the signalling connection is gone
                 return
 

@@ -42,7 +42,8 @@ import httpx
 
 from crossroads.errors import CrossroadsError
 from crossroads.proto.relay import client as core
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.driver import CoreTimer
+from crossroads.transport.sockets import make_udp_socket
 from crossroads.types import Address
 
 #: Received frames waiting for :meth:`RelayConnection.recv`; beyond this the oldest
@@ -204,8 +205,7 @@ class RelayConnection:
         self._transport: asyncio.DatagramTransport | None = None
         self._frames: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
         self._changed = asyncio.Event()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self._loop, self._deadline, self._on_timer)
         self.frames_dropped = 0
         #: Every non-data event, in order (for callers that want the details).
         self.history: list[core.ClientEvent] = []
@@ -333,7 +333,7 @@ class RelayConnection:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
-        self._rearm()
+        self._timer.rearm()
         self._changed.set()
 
     # ------------------------------------------------------------- plumbing
@@ -372,21 +372,12 @@ class RelayConnection:
                 changed = True
         if changed:
             self._changed.set()
-        self._rearm()
+        self._timer.rearm()
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer() if self._transport is not None else None
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+    def _deadline(self) -> float | None:
+        # No timer without a socket: nothing could be sent when it fires.
+        return self.core.get_timer() if self._transport is not None else None
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self.core.handle_timer(self._loop.time())
+    def _on_timer(self, now: float) -> None:
+        self.core.handle_timer(now)
         self._flush()

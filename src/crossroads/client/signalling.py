@@ -94,6 +94,17 @@ class SignallingClient:
         self.welcome = welcome
         return welcome
 
+    @property
+    def connected(self) -> bool:
+        """Whether the WebSocket is open (it may still close at any moment)."""
+        return self._ws is not None
+
+    async def send_frame(self, frame: bytes) -> None:
+        """Send one binary frame (a relayed datagram) as it is."""
+        if self._ws is None:
+            raise SignallingError("not_connected", "signalling is not connected")
+        await self._ws.send(frame)
+
     async def send(self, message: sig.Message) -> None:
         if self._ws is None:
             raise SignallingError("not_connected", "signalling is not connected")

@@ -40,7 +40,7 @@ import socket
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, Literal, Self, cast
+from typing import Any, Literal, Self
 
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.stun.attributes import (
@@ -61,6 +61,7 @@ from crossroads.proto.stun.client import (
 )
 from crossroads.proto.stun.constants import Class, Method
 from crossroads.proto.stun.message import Message, decode, encode, request
+from crossroads.transport.driver import DatagramDriver
 from crossroads.types import Address, normalize_address
 
 #: Shorter timers for discovery, where silence is an expected answer: sends at
@@ -182,72 +183,35 @@ class NatBehavior:
 # ------------------------------------------------------------------ transport
 
 
-class _Protocol(asyncio.DatagramProtocol):
-    """Runs a :class:`StunClientCore` on one UDP socket with one timer."""
+class _Protocol(DatagramDriver):
+    """Runs a :class:`StunClientCore` on one UDP socket (the project's driver)
+    and hands its events to the waiting transactions."""
+
+    core: StunClientCore
 
     def __init__(self, core: StunClientCore) -> None:
-        self.core = core
-        self.transport: asyncio.DatagramTransport | None = None
+        super().__init__(core, self._dispatch)
         self.waiters: dict[bytes, asyncio.Future[TransactionResult]] = {}
         self.requests: asyncio.Queue[RequestReceived] = asyncio.Queue(maxsize=64)
-        self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's UDP transport is not an asyncio.DatagramTransport subclass.
-        self.transport = cast(asyncio.DatagramTransport, transport)
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        now = self._loop.time()
-        self.core.receive_datagram(data, normalize_address(addr), now)
-        self.flush(now)
 
     def error_received(self, exc: Exception) -> None:
         # ICMP port unreachable and the like: the transaction will time out.
         pass
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        super().connection_lost(exc)
         for future in self.waiters.values():
             if not future.done():
                 future.cancel()
 
-    def flush(self, now: float) -> None:
-        if self.transport is not None:
-            for data, addr in self.core.datagrams_to_send(now):
-                self.transport.sendto(data, _sendable(addr, self.transport))
-        for event in self.core.events():
+    def _dispatch(self, events: list[Any]) -> None:
+        for event in events:
             if isinstance(event, TransactionResult):
                 future = self.waiters.pop(event.transaction_id, None)
                 if future is not None and not future.done():
                     future.set_result(event)
             elif not self.requests.full():
                 self.requests.put_nowait(event)
-        deadline = self.core.get_timer()
-        if deadline != self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            self._timer_at = deadline
-            if deadline is not None:
-                self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
-        self.core.handle_timer(now)
-        self.flush(now)
-
-
-def _sendable(addr: Address, transport: asyncio.DatagramTransport) -> Address:
-    """An IPv4 destination on an IPv6 (dual-stack) socket needs the mapped form."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family == socket.AF_INET6 and "." in addr[0]:
-        return (f"::ffff:{addr[0]}", addr[1])
-    return addr
 
 
 def _address(attr: Any) -> Address | None:
@@ -354,7 +318,7 @@ class StunClient:
         )
         future: asyncio.Future[TransactionResult] = loop.create_future()
         self._protocol.waiters[txid] = future
-        self._protocol.flush(now)
+        self._protocol.transmit(now)
         try:
             return await future
         finally:
@@ -389,7 +353,7 @@ class StunClient:
         txid = self._protocol.core.start_request(
             mapped, loop.time(), timers=TransactionTimers(rto=timeout / 4, rc=2, rm=2)
         )
-        self._protocol.flush(loop.time())
+        self._protocol.transmit(loop.time())
         deadline = loop.time() + timeout
         try:
             while (remaining := deadline - loop.time()) > 0:

@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import ssl
 import time
 from collections.abc import Iterable
@@ -259,6 +260,32 @@ class TurnClient:
                 timeout,
             )
             client._tcp = tcp
+        return client
+
+    @classmethod
+    async def on_socket(
+        cls,
+        sock: socket.socket,
+        server: Address,
+        username: str,
+        password: str,
+        *,
+        transport: Literal["udp", "tcp"] = "udp",
+        timeout: float = 10.0,
+    ) -> TurnClient:
+        """Like :meth:`connect`, on a socket the caller made (e.g. inside a
+        network namespace): a UDP socket connected to ``server``, or a TCP
+        socket already connected to it. The client owns it from then on."""
+        loop = asyncio.get_running_loop()
+        client = cls(server, LongTermSession(username, password), transport, timeout)
+        if transport == "udp":
+            client._udp, _ = await loop.create_datagram_endpoint(
+                lambda: _Udp(client), sock=sock
+            )
+        else:
+            client._tcp, _ = await loop.create_connection(
+                lambda: _Tcp(client), sock=sock
+            )
         return client
 
     async def __aenter__(self) -> Self:

@@ -40,7 +40,7 @@ import ipaddress
 import json
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from crossroads.errors import ConfigError
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
     Endpoint,
+    Event,
     NatNegServer,
     NegotiationFinished,
     RelayMode,
@@ -64,10 +65,10 @@ from crossroads.proto.natneg.server import (
 )
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext, SessionInfo
+from crossroads.transport.driver import SocketSetDriver
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.natneg_relay import RelayPool
-from crossroads.transport.pktinfo import open_datagram_endpoint
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.sockets import make_udp_socket
 from crossroads.types import Address
 
 NAME = "natneg"
@@ -433,19 +434,6 @@ class _Collector(Collector):
 # ---------------------------------------------------------------- service
 
 
-class _EndpointProtocol(asyncio.DatagramProtocol):
-    def __init__(self, service: NatNegService, endpoint: Endpoint) -> None:
-        self.service = service
-        self.endpoint = endpoint
-
-    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
-        self.service.receive(data, (addr[0], addr[1]), self.endpoint)
-
-    def error_received(self, exc: Exception) -> None:
-        # ICMP errors for earlier sends (port unreachable): nothing to do.
-        pass
-
-
 class NatNegService:
     """The running natneg service: sockets, core, timer, relay pool."""
 
@@ -455,11 +443,9 @@ class NatNegService:
         self.core = core
         self.relay = relay
         self.addresses: dict[Endpoint, Address] = {}
-        self._transports: dict[Endpoint, asyncio.DatagramTransport] = {}
-        self._send_via: dict[Endpoint, asyncio.DatagramTransport] = {}
         self._loop = asyncio.get_running_loop()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        #: The core on its sockets (opened by :func:`serve`).
+        self.driver = SocketSetDriver(core, self._handle_events)
         self._collector: _Collector | None = None
         self._registry: Any = None
         self._closed = False
@@ -477,27 +463,10 @@ class NatNegService:
             registry=None,
         )
 
-    # The transport side ---------------------------------------------------
+    # The core's events ------------------------------------------------------
 
-    def receive(self, data: bytes, addr: Address, endpoint: Endpoint) -> None:
-        now = self._loop.time()
-        core = self.core
-        core.receive_datagram(data, addr, now, endpoint)
-        self._flush(now)
-
-    def _flush(self, now: float) -> None:
-        core = self.core
-        if core.has_events:
-            self._handle_events(now)
-        send_via = self._send_via
-        for data, addr, endpoint in core.datagrams_to_send(now):
-            transport = send_via.get(endpoint)
-            if transport is not None:
-                transport.sendto(data, addr)
-        self._rearm()
-
-    def _handle_events(self, now: float) -> None:
-        for event in self.core.pop_events():
+    def _handle_events(self, events: list[Event], now: float) -> None:
+        for event in events:
             match event:
                 case RelayNeeded(session=session, client_ips=ips, reason=reason):
                     pair = self.relay.allocate(session, ips) if self.relay else None
@@ -540,24 +509,6 @@ class NatNegService:
                 case ReportReceived(success=success):
                     self.reports.labels("success" if success else "failure").inc()
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at or self._closed:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
-        self.core.handle_timer(now)
-        self._flush(now)
-
     # The Service protocol ---------------------------------------------------
 
     def sessions(self) -> list[SessionInfo]:
@@ -596,7 +547,7 @@ class NatNegService:
         return False
 
     def describe(self) -> list[str]:
-        if not self._transports and not self._notes:
+        if not self.driver.sockets and not self._notes:
             return ["disabled"]
         roles = {
             Endpoint.PRIMARY: "natneg1",
@@ -615,13 +566,7 @@ class NatNegService:
         if self._closed:
             return
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        for transport in self._transports.values():
-            transport.close()
-        self._transports.clear()
-        self._send_via.clear()
+        self.driver.close()
         if self.relay is not None:
             await self.relay.close()
         if self._collector is not None and self._registry is not None:
@@ -634,12 +579,6 @@ class NatNegService:
                     self._registry.unregister(metric)
                 except KeyError:
                     pass
-
-
-def _protocol_factory(
-    service: NatNegService, endpoint: Endpoint
-) -> Callable[[], _EndpointProtocol]:
-    return lambda: _EndpointProtocol(service, endpoint)
 
 
 def core_config(cfg: Config, layout: Layout) -> ServerConfig:
@@ -717,15 +656,10 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                     f"natneg {endpoint.name.lower()} {host}:{port}: {exc.strerror}",
                 ) from None
             sockets.append(sock)
-            # Replies from the address the client sent to, on a wildcard bind.
-            transport = await open_datagram_endpoint(
-                _protocol_factory(service, endpoint)(), sock
-            )
-            service._transports[endpoint] = transport
+            await service.driver.open(endpoint, sock)
             service.addresses[endpoint] = sock.getsockname()[:2]
         for endpoint, owner in layout.shared.items():
-            service._send_via[endpoint] = service._transports[owner]
-        service._send_via.update(service._transports)
+            service.driver.share(endpoint, owner)
     except BaseException:
         for sock in sockets:
             sock.close()

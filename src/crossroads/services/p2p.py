@@ -55,8 +55,9 @@ from crossroads.proto.punch.coordinator import (
 )
 from crossroads.services.base import Service, ServiceContext, SessionInfo
 from crossroads.services.p2p_master import MasterServer, make_master_router
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import open_datagram_endpoint
-from crossroads.transport.udp import bound_address, make_udp_socket
+from crossroads.transport.sockets import bound_address, make_udp_socket
 from crossroads.types import Address, normalize_address
 
 NAME = "p2p"
@@ -228,8 +229,7 @@ class P2PService:
         self._queues: dict[int, asyncio.Queue[tuple[str, int, str | bytes]]] = {}
         self._transports: list[asyncio.DatagramTransport] = []
         self._udp: list[Address] = []
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self.loop, self.core.get_timer, self._on_timer)
         self._closed = False
         registry = ctx.metrics
         self.rejected = Counter(
@@ -299,8 +299,7 @@ class P2PService:
         if self._closed:
             return
         self._closed = True
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.close()
         for transport in self._transports:
             transport.close()
         for queue in self._queues.values():
@@ -446,7 +445,7 @@ class P2PService:
                 self._force_close(conn, 1008, "not reading")
         for conn, code, reason in self.core.connections_to_close():
             self._force_close(conn, code, reason)
-        for event in self.core.events():
+        for event in self.core.pop_events():
             match event:
                 case FrameRejected(reason=reason):
                     self.rejected.labels(reason).inc()
@@ -460,7 +459,7 @@ class P2PService:
                     task = asyncio.create_task(self._lookup(event))
                     self._lookups.add(task)
                     task.add_done_callback(self._lookups.discard)
-        self._rearm()
+        self._timer.rearm()
 
     def _force_close(self, conn: int, code: int, reason: str) -> None:
         queue = self._queues.get(conn)
@@ -472,21 +471,8 @@ class P2PService:
             queue.get_nowait()
         queue.put_nowait(("close", code, reason))
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at or self._closed:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = deadline
-        self._timer = (
-            None if deadline is None else self.loop.call_at(deadline, self._on_timer)
-        )
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self.core.handle_timer(self.loop.time())
+    def _on_timer(self, now: float) -> None:
+        self.core.handle_timer(now)
         self.flush()
 
     async def handle_websocket(self, ws: WebSocket) -> None:

@@ -7,7 +7,7 @@ A second socket (``--raknet-second-port``, optionally on ``--raknet-second-host`
 answers the port-stride NAT_PING that a RakNet client sends on its first
 ``OpenNAT`` (without it every client's first punch waits 5 s).
 
-The driver is :class:`~crossroads.transport.udp.CoreDatagramProtocol`; this
+The driver is :class:`~crossroads.transport.driver.DatagramDriver`; this
 module adds the second socket, the config section and the metrics. With
 ``--raknet-proxy-relay-nodes`` the UDP proxy also uses the forwarders of the
 other instances sharing the Store (:mod:`crossroads.services.raknet_nodes`).
@@ -31,12 +31,9 @@ from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import ServerConfig
 from crossroads.services.base import ServiceContext
 from crossroads.services.raknet_nodes import RelayNodes
+from crossroads.transport.driver import DatagramDriver
 from crossroads.transport.raknet_forwarder import ForwarderPool
-from crossroads.transport.udp import (
-    CoreDatagramProtocol,
-    bound_address,
-    make_udp_socket,
-)
+from crossroads.transport.sockets import bound_address, make_udp_socket
 from crossroads.types import Address, normalize_address
 
 NAME = "raknet"
@@ -211,7 +208,7 @@ class _Collector(Collector):
             yield results
 
 
-class _Driver(CoreDatagramProtocol):
+class _Driver(DatagramDriver):
     """The project's driver, plus the datagrams of the detection sockets."""
 
     def __init__(self, service: RakNetService) -> None:
@@ -269,7 +266,7 @@ class RakNetService:
 
     def __init__(self, node: RakNetNode) -> None:
         self.node = node
-        self.driver: CoreDatagramProtocol | None = None
+        self.driver: DatagramDriver | None = None
         self.addresses: list[Address] = []
         #: NAT type detection's sockets (transports), by role.
         self.side: dict[Socket, asyncio.DatagramTransport] = {}

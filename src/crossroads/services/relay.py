@@ -78,7 +78,7 @@ from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
-from crossroads.transport.udp import bound_address, make_udp_socket
+from crossroads.transport.sockets import bound_address, make_udp_socket
 
 if TYPE_CHECKING:
     from crossroads.web.relay import ApiKeys

@@ -35,7 +35,7 @@ to send the first message and to finish any started one, and unsent bytes.
 Extension point for TURN
 ------------------------
 TURN (RFC 8656) runs on these same sockets. Another service attaches itself
-with :meth:`StunService.attach_turn`; see :class:`StunExtension` for what it
+with :meth:`StunService.attach_turn`; see :class:`TurnHooks` for what it
 receives and :class:`Endpoint` for how it answers from the same socket.
 
 Metrics (in the runtime registry, counted in plain ints on the hot path and
@@ -50,11 +50,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import ipaddress
 import logging
 import socket
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, cast
 
@@ -64,21 +63,24 @@ from prometheus_client.registry import Collector
 import crossroads
 from crossroads.config import setting
 from crossroads.errors import ConfigError, DecodeError
-from crossroads.proto.stun.message import stream_frame_length
+from crossroads.proto.stun.message import (
+    PortTraffic,
+    sort_traffic,
+    stream_frame_length,
+)
 from crossroads.proto.stun.server import DROP_NOT_STUN, BindingCore
 from crossroads.services.base import ServiceContext
 from crossroads.transport import mmsg
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
-from crossroads.transport.mmsg import MSG_TRUNC, MmsgSocket
-from crossroads.transport.mmsg import NAME as NAME_SLOT
+from crossroads.transport.mmsg import MmsgSocket
 from crossroads.transport.pktinfo import (
     DatagramEndpoint,
     ReplySource,
     is_wildcard,
     open_datagram_endpoint,
 )
+from crossroads.transport.sockets import bind_socket, family_of
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
-from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
 
 NAME = "stun"
@@ -94,21 +96,11 @@ TCP_MAX_UNSENT = 64 * 1024
 #: Batches of 64 datagrams read per readiness callback before yielding to the
 #: event loop (fairness with TCP, HTTP and timers).
 DRAIN_BATCHES = 8
-#: Bound on the raw sockaddr -> (host, port) cache of a batched endpoint; it is
-#: cleared when full (~150 bytes an entry, so ~10 MB at most).
-ADDRESS_CACHE_SIZE = 65_536
 #: Drop reason of a TCP connection refused by the admission, by its reason.
 _TCP_REFUSALS = {
     REFUSED_OVER_LIMIT: "tcp-connection-limit",
     REFUSED_OVER_IP_LIMIT: "tcp-ip-connection-limit",
 }
-#: 64-bit words per receive-side address slot (transport.mmsg.NAME bytes).
-NAME_U64 = NAME_SLOT // 8
-
-
-def mm_names_u64(mm: MmsgSocket) -> memoryview[int]:
-    """The receive-side address slots of ``mm`` as native 64-bit words."""
-    return mm._rnames_view.cast("Q")
 
 
 #: Retries when binding "any free port" (port 0) must find the same free port on
@@ -224,8 +216,14 @@ class Endpoint(Protocol):
     def send(self, data: bytes, addr: Address) -> None: ...
 
 
-class StunExtension(Protocol):
-    """What a service (TURN) implements to share the STUN sockets.
+#: ``(data, client, endpoint)``: a message for TURN, unparsed.
+MessageHook = Callable[[bytes, Address, Endpoint], None]
+
+
+@dataclass(frozen=True, slots=True)
+class TurnHooks:
+    """Where the STUN/TURN port sends what is TURN's (see
+    :meth:`StunService.attach_turn`).
 
     All three are called synchronously from the transport's receive callback:
     keep them quick (no awaits; schedule tasks for slow work) and never raise.
@@ -241,18 +239,14 @@ class StunExtension(Protocol):
     ``endpoint.send(data, client)``.
     """
 
-    def handle_stun(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
-        """A STUN message whose method is not Binding (first bits 00), whole and
-        unparsed: the handler decodes it."""
-
-    def handle_channel_data(
-        self, data: bytes, client: Address, endpoint: Endpoint
-    ) -> None:
-        """A ChannelData message (first byte 0x40-0x7F), unparsed; over TCP the
-        frame includes its padding."""
-
-    def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
-        """A TCP connection closed (RFC 8656 §3.1: allocations made over it end)."""
+    #: A STUN message whose method is not Binding (first bits 00), whole and
+    #: unparsed: the hook decodes it.
+    stun: MessageHook
+    #: A ChannelData message (first bits 01), unparsed; over TCP the frame
+    #: includes its padding.
+    channel_data: MessageHook
+    #: A TCP connection closed (RFC 8656 §3.1: allocations made over it end).
+    connection_lost: Callable[[Address, Endpoint], None]
 
 
 # ------------------------------------------------------------------ stats
@@ -268,8 +262,8 @@ class _Stats:
         self.tcp_error = 0
         self.tcp_connections = 0
 
-    def drop(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + count
 
 
 class _Collector(Collector):
@@ -317,10 +311,10 @@ class _Collector(Collector):
 
 
 class _UdpDispatch:
-    """Per-datagram STUN dispatch of one UDP socket, shared by both endpoint
-    kinds: the asyncio endpoint for every datagram, the recvmmsg endpoint for
-    those a reader that took its socket over (the TURN data plane) hands back.
-    (The recvmmsg loop itself inlines the same decisions to batch its replies.)
+    """Per-datagram dispatch of one UDP socket of the STUN/TURN port, shared by
+    both endpoint kinds: the asyncio endpoint for every datagram, the recvmmsg
+    endpoint for each datagram of its drain loop and for those a reader that
+    took its socket over (the TURN data plane) hands back.
     """
 
     service: StunService
@@ -337,40 +331,50 @@ class _UdpDispatch:
     def send(self, data: bytes, addr: Address) -> None:
         raise NotImplementedError
 
-    def dispatch(self, data: bytes, addr: Any) -> None:
+    def _reply(self, data: bytes, addr: Any, slot: int) -> None:
+        """A Binding reply to the sender of ``addr`` (received in batch slot
+        ``slot``, or -1 outside a batch)."""
+        self.send(data, addr)
+
+    def _before_turn(self, addr: Address, slot: int) -> None:
+        """Called before a message goes to TURN (see BatchUdpEndpoint)."""
+
+    def dispatch(self, data: bytes, addr: Any, slot: int = -1) -> None:
         """One datagram from ``addr`` (as the socket reports it: a 4-tuple on
-        IPv6, kept for the reply; TURN gets ``(host, port)``)."""
-        # Hot path: dispatch on the first two bytes, nothing parsed before.
+        IPv6, kept for the reply; TURN gets ``(host, port)``); ``slot``: its
+        recvmmsg batch slot, or -1."""
         stats = self.service.stats
         try:
-            first = data[0]
-            if first < 0x40:
-                # Binding method (any class): 0x0001/0x0011/0x0101/0x0111.
-                if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                    self.requests += 1
-                    reply = self.core.handle(data, addr, self.index, self._loop.time())
-                    if type(reply) is tuple:
-                        response, dest, send_from = reply
-                        if send_from == self.index:
-                            self.send(response, dest)
-                        else:
-                            self.group.udp[send_from].send(response, dest)
-                        if response[1] == 0x01:
-                            self.success += 1
-                        else:
-                            self.errors += 1
+            kind = sort_traffic(data)
+            if kind is PortTraffic.BINDING:
+                self.requests += 1
+                reply = self.core.handle(data, addr, self.index, self._loop.time())
+                if type(reply) is tuple:
+                    response, dest, send_from = reply
+                    if send_from != self.index:
+                        self.group.udp[send_from].send(response, dest)
+                    elif dest is addr:
+                        self._reply(response, dest, slot)
                     else:
-                        stats.drop(reply)  # type: ignore[arg-type]
-                    return
-                turn = self.service.turn
+                        self.send(response, dest)
+                    if response[1] == 0x01:
+                        self.success += 1
+                    else:
+                        self.errors += 1
+                else:
+                    stats.drop(reply)  # type: ignore[arg-type]
+                return
+            turn = self.service.turn
+            if kind is PortTraffic.STUN:
                 if turn is not None:
-                    turn.handle_stun(data, _client(addr), self)
-                    return
-                stats.drop(self.core.unsupported(data))
-            elif first < 0x80:
-                turn = self.service.turn
+                    client = _client(addr)
+                    self._before_turn(client, slot)
+                    turn.stun(data, client, self)
+                else:
+                    stats.drop(self.core.unsupported(data))
+            elif kind is PortTraffic.CHANNEL_DATA:
                 if turn is not None:
-                    turn.handle_channel_data(data, _client(addr), self)
+                    turn.channel_data(data, _client(addr), self)
                 else:
                     stats.drop("channel-data-no-turn")
             else:
@@ -409,7 +413,8 @@ class UdpEndpoint(_UdpDispatch, asyncio.DatagramProtocol):
         if self.udp is not None:
             self.udp.sendto(data, addr)
 
-    datagram_received = _UdpDispatch.dispatch
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.dispatch(data, addr)
 
     def error_received(self, exc: Exception) -> None:
         # ICMP errors for earlier sends (port unreachable...): nothing to do.
@@ -475,14 +480,6 @@ class BatchUdpEndpoint(_UdpDispatch):
         self.requests = 0
         self.success = 0
         self.errors = 0
-        #: Raw sockaddr (family+port+IPv4 as one u64, or IPv6 port..address
-        #: bytes) -> (host, port), so a known client costs one dict lookup.
-        self._addresses: dict[int | bytes, tuple[str, int]] = {}
-        self._names_u64 = mm_names_u64(self.mm)
-        self._name_ptrs = [
-            self.mm._rnames_addr + i * NAME_SLOT for i in range(self.mm.batch)
-        ]
-        self._family = sock.family
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
         self._closed = False
@@ -535,146 +532,29 @@ class BatchUdpEndpoint(_UdpDispatch):
             self._loop.add_reader(self.sock.fileno(), self._readable)
         self._diverted = False
 
-    def _learn_destination(self, i: int, addr: Address) -> None:
-        """Remember where slot ``i``'s sender sent to (TURN messages only:
-        Binding replies take the control message straight from the slot)."""
-        replies = self.replies
-        control = self.mm.destination_control(i)
-        if replies is not None and control is not None:
-            replies.remember(addr, control)
+    def _reply(self, data: bytes, addr: Any, slot: int) -> None:
+        # In the batch's sendmmsg when it fits, from the request's own
+        # destination address on a wildcard bind (IP_PKTINFO).
+        if slot < 0 or not self.mm.queue_reply(slot, data):
+            self.send(data, addr)
 
-    def _address(self, i: int, key: int | bytes) -> tuple[str, int]:
-        """Decode slot ``i``'s sender address and cache it under ``key``."""
-        base = i * NAME_SLOT
-        view = self.mm._rnames_view
-        if self.mm.ipv6:
-            raw = view[base + 8 : base + 24].tobytes()
-        else:
-            raw = view[base + 4 : base + 8].tobytes()
-        address = (
-            socket.inet_ntop(self._family, raw),
-            (view[base + 2] << 8) | view[base + 3],
-        )
-        addresses = self._addresses
-        if len(addresses) >= ADDRESS_CACHE_SIZE:
-            addresses.clear()
-        addresses[key] = address
-        return address
+    def _before_turn(self, addr: Address, slot: int) -> None:
+        """Remember where slot ``slot``'s sender sent to, so what TURN sends it
+        later leaves from that address (Binding replies take the control
+        message straight from the slot)."""
+        replies = self.replies
+        if replies is not None and slot >= 0:
+            control = self.mm.destination_control(slot)
+            if control is not None:
+                replies.remember(addr, control)
 
     def _readable(self) -> None:
-        # Hot loop. The MmsgSocket accessors are inlined here (memoryview reads
-        # and writes on its arrays) because a method call per field per
-        # datagram costs as much as the STUN work itself.
-        mm = self.mm
-        core = self.core
-        index = self.index
-        addresses = self._addresses
-        stats = self.service.stats
-        ipv6 = mm.ipv6
-        words = mm._rwords
-        stride = mm._stride4
-        len_at = mm._len_at
-        flags_at = mm._flags_at
-        rview = mm._rview
-        slot = mm.slot
-        names = mm._rnames_view
-        names_u64 = self._names_u64
-        name_ptrs = self._name_ptrs
-        sview = mm._sview
-        siov = mm._siov_words
-        smsgs = mm._smsgs_u64
-        stride8 = mm._stride8
-        batch = mm.batch
-        pktinfo = mm.pktinfo
-        udp = self.group.udp
-        now = self._loop.time()
-        requests = success = errors = 0
-        for _ in range(DRAIN_BATCHES):
-            try:
-                count = mm.recv()
-            except OSError as exc:
-                log.warning("STUN recvmmsg failed: %s", exc)
-                stats.drop("recv-failed")
-                break
-            for i in range(count):
-                try:
-                    w = i * stride
-                    if words[w + flags_at] & MSG_TRUNC:
-                        stats.drop("too-big")
-                        continue
-                    start = i * slot
-                    data = rview[start : start + words[w + len_at]].tobytes()
-                    # sockaddr_in: family, port and address in its first 8 bytes.
-                    key: int | bytes = (
-                        names[i * NAME_SLOT + 2 : i * NAME_SLOT + 24].tobytes()
-                        if ipv6
-                        else names_u64[i * NAME_U64]
-                    )
-                    addr = addresses.get(key)
-                    if addr is None:
-                        addr = self._address(i, key)
-                    first = data[0]
-                    if first < 0x40:
-                        if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                            requests += 1
-                            reply = core.handle(data, addr, index, now)
-                            if type(reply) is tuple:
-                                response, dest, send_from = reply
-                                size = len(response)
-                                j = mm.pending
-                                if (
-                                    dest is addr
-                                    and send_from == index
-                                    and j < batch
-                                    and size <= slot
-                                ):
-                                    out = j * slot
-                                    sview[out : out + size] = response
-                                    siov[j * 2 + 1] = size
-                                    smsgs[j * stride8] = name_ptrs[i]
-                                    if pktinfo:
-                                        mm.reply_from_destination(i, j)
-                                    mm.pending = j + 1
-                                else:
-                                    udp[send_from].send(response, dest)
-                                if response[1] == 0x01:
-                                    success += 1
-                                else:
-                                    errors += 1
-                            else:
-                                stats.drop(reply)  # type: ignore[arg-type]
-                            continue
-                        turn = self.service.turn
-                        if turn is not None:
-                            if pktinfo:
-                                self._learn_destination(i, addr)
-                            turn.handle_stun(data, addr, self)
-                            continue
-                        stats.drop(core.unsupported(data))
-                    elif first < 0x80:
-                        turn = self.service.turn
-                        if turn is not None:
-                            turn.handle_channel_data(data, addr, self)
-                        else:
-                            stats.drop("channel-data-no-turn")
-                    else:
-                        stats.drop(DROP_NOT_STUN)
-                except IndexError:
-                    stats.drop("empty")
-                except Exception:  # never let one datagram kill the endpoint
-                    log.exception("STUN datagram handler failed")
-                    stats.drop("internal-error")
-            if mm.pending:
-                failed = mm.flush()
-                if failed:
-                    stats.drops["send-failed"] = (
-                        stats.drops.get("send-failed", 0) + failed
-                    )
-            if count < batch:
-                break
-        self.requests += requests
-        self.success += success
-        self.errors += errors
+        self.mm.drain(self.dispatch, self._drop, DRAIN_BATCHES)
+
+    def _drop(self, reason: str, count: int) -> None:
+        if reason == "recv-failed":
+            log.warning("STUN recvmmsg failed on %s", _join(*self.local))
+        self.service.stats.drop(reason, count)
 
 
 def _client(addr: Any) -> Address:
@@ -775,33 +655,31 @@ class TcpConnection(asyncio.Protocol):
     def _frame(self, frame: bytes) -> None:
         stats = self.service.stats
         try:
-            first = frame[0]
-            if first < 0x40:
-                if (first & 0x3E) == 0 and (frame[1] & 0xEF) == 0x01:
-                    stats.tcp_requests += 1
-                    reply = self.core.handle(
-                        frame, self.peer, self.index, self._loop.time(), tcp=True
-                    )
-                    if isinstance(reply, str):
-                        stats.drop(reply)
-                        return
-                    self.send(reply[0])
-                    if reply[0][1] == 0x01:
-                        stats.tcp_success += 1
-                    else:
-                        stats.tcp_error += 1
+            kind = sort_traffic(frame)
+            if kind is PortTraffic.BINDING:
+                stats.tcp_requests += 1
+                reply = self.core.handle(
+                    frame, self.peer, self.index, self._loop.time(), tcp=True
+                )
+                if isinstance(reply, str):
+                    stats.drop(reply)
                     return
-                turn = self.service.turn
-                if turn is not None:
-                    turn.handle_stun(frame, self.peer, self)
-                    return
-                stats.drop(self.core.unsupported(frame))
-            else:
-                turn = self.service.turn
-                if turn is not None:
-                    turn.handle_channel_data(frame, self.peer, self)
+                self.send(reply[0])
+                if reply[0][1] == 0x01:
+                    stats.tcp_success += 1
                 else:
-                    stats.drop("channel-data-no-turn")
+                    stats.tcp_error += 1
+                return
+            turn = self.service.turn
+            if kind is PortTraffic.STUN:
+                if turn is not None:
+                    turn.stun(frame, self.peer, self)
+                else:
+                    stats.drop(self.core.unsupported(frame))
+            elif turn is not None:
+                turn.channel_data(frame, self.peer, self)
+            else:
+                stats.drop("channel-data-no-turn")
         except Exception:
             log.exception("STUN TCP frame handler failed")
             stats.drop("internal-error")
@@ -819,34 +697,6 @@ class _Group:
     tcp_servers: list[asyncio.Server]
 
 
-def _family(host: str) -> socket.AddressFamily:
-    return (
-        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    )
-
-
-def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket.socket:
-    sock = socket.socket(_family(host), kind)
-    try:
-        if kind == socket.SOCK_STREAM:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        else:
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        if sock.family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
-        sock.bind((host, port))
-        if kind == socket.SOCK_STREAM:
-            sock.listen(1024)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    register_listener(sock)
-    return sock
-
-
 def _bind_set(
     hosts: list[str], ports: list[int], tcp: bool, v6only: bool
 ) -> list[tuple[socket.socket, socket.socket | None]]:
@@ -859,12 +709,14 @@ def _bind_set(
         try:
             for host in hosts:
                 for i, port in enumerate(chosen):
-                    udp = _bind(host, port, socket.SOCK_DGRAM, v6only)
+                    udp = bind_socket(host, port, socket.SOCK_DGRAM, v6only=v6only)
                     socks.append((udp, None))
                     if port == 0:
                         chosen[i] = udp.getsockname()[1]
                     if tcp:
-                        stream = _bind(host, chosen[i], socket.SOCK_STREAM, v6only)
+                        stream = bind_socket(
+                            host, chosen[i], socket.SOCK_STREAM, v6only=v6only
+                        )
                         socks[-1] = (udp, stream)
             # Order endpoints ip-major: (A1,P1), (A1,P2), (A2,P1), (A2,P2).
             return socks
@@ -905,23 +757,23 @@ class StunService:
         )
         #: Where STUN/TURN over TLS listens (see :meth:`listen_tls`).
         self.tls_addresses: list[Address] = []
-        #: The attached TURN handler, if any (see :meth:`attach_turn`).
-        self.turn: StunExtension | None = None
+        #: The attached TURN hooks, if any (see :meth:`attach_turn`).
+        self.turn: TurnHooks | None = None
         self._descriptions: list[str] = []
         self._collector = _Collector(self)
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 
-    def attach_turn(self, handler: StunExtension) -> None:
+    def attach_turn(self, hooks: TurnHooks) -> None:
         """Route non-Binding STUN messages and ChannelData, on every UDP socket
-        and TCP connection of this service, to ``handler``.
+        and TCP connection of this service, to TURN's ``hooks``.
 
-        Binding stays with the STUN server. ``handler`` answers through the
+        Binding stays with the STUN server. TURN answers through the
         :class:`Endpoint` it is given, from the same socket the client used.
         Call it once, from the TURN service's ``serve()``; ``detach_turn``
         undoes it.
         """
-        self.turn = handler
+        self.turn = hooks
 
     def detach_turn(self) -> None:
         """Forget the TURN handler (non-Binding messages are dropped again)."""
@@ -966,7 +818,7 @@ class StunService:
                     "stun.alt_host: RFC 5780 with a second IP needs --host set to "
                     "this host's first IP, not a wildcard"
                 )
-            if _family(host) != _family(cfg.alt_host) or cfg.alt_host == host:
+            if family_of(host) != family_of(cfg.alt_host) or cfg.alt_host == host:
                 raise ConfigError(
                     "stun.alt_host: must be another address of --host's family"
                 )
@@ -998,7 +850,7 @@ class StunService:
         ]
         advertised: list[Address | None] = []
         for i, (h, p) in enumerate(locals_):
-            if i < 2 and public and _family(public) == _family(h):
+            if i < 2 and public and family_of(public) == family_of(h):
                 advertised.append((public, p))
             elif is_wildcard(h):
                 advertised.append(None)
@@ -1053,14 +905,14 @@ class StunService:
                 (
                     g
                     for g in self.groups
-                    if _family(g.udp[0].local[0]) == _family(bind_host)
+                    if family_of(g.udp[0].local[0]) == family_of(bind_host)
                 ),
                 None,
             )
             if group is None:
                 continue
             try:
-                sock = _bind(bind_host, port, socket.SOCK_STREAM, v6only)
+                sock = bind_socket(bind_host, port, socket.SOCK_STREAM, v6only=v6only)
             except OSError as exc:
                 if bind_host == host:
                     raise

@@ -4,8 +4,8 @@ How it is wired
 ---------------
 TURN shares port 3478 (UDP and TCP, IPv4 and IPv6) with STUN. The ``stun``
 service owns those sockets and hands this service every non-Binding STUN message
-and every ChannelData message through its extension hook
-(:meth:`crossroads.services.stun.StunService.attach_turn`). With ``--only turn``
+and every ChannelData message through typed hooks (:class:`~crossroads.services.stun.TurnHooks`,
+:meth:`crossroads.services.stun.StunService.attach_turn`). With ``--only turn``
 (no ``stun`` service), this service starts the STUN listener itself, so Binding
 still works — TURN clients use it too.
 
@@ -19,7 +19,7 @@ Per-packet work never touches the core, a message object or the store:
 
 - client -> peer, ChannelData: one dict lookup for the allocation (by client
   address and listening endpoint), one for the channel, a slice and a ``sendto``
-  on the relay socket (:meth:`TurnService.handle_channel_data`);
+  on the relay socket (the ChannelData hook, :attr:`TurnService.router`);
 - client -> peer, Send indication: the attribute walk of
   :func:`~crossroads.proto.turn.fastpath.parse_send_indication`, a permission
   lookup and a ``sendto``;
@@ -72,6 +72,7 @@ from crossroads.config import setting
 from crossroads.errors import ConfigError, DecodeError
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.stun import Class, Method, decode
+from crossroads.proto.stun.message import PortTraffic, sort_traffic
 from crossroads.proto.stun.server import BindingCore
 from crossroads.proto.turn.allocation import Allocation, FiveTuple
 from crossroads.proto.turn.auth import (
@@ -115,11 +116,14 @@ from crossroads.services.stun import (
     Endpoint,
     StunService,
     TcpConnection,
+    TurnHooks,
     UdpEndpoint,
 )
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
+from crossroads.transport.sockets import listening_ports
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
     ACCELERATED,
@@ -129,7 +133,6 @@ from crossroads.transport.turnplane import (
     PollerType,
     RelayTapBase,
 )
-from crossroads.transport.udp import listening_ports
 from crossroads.types import Address
 
 NAME = "turn"
@@ -835,7 +838,8 @@ class PeerSide(Pipe):
 
 
 class TurnService:
-    """The running TURN service (a ``StunExtension`` and a ``RelayBinder``)."""
+    """The running TURN service (the STUN/TURN port's :class:`TurnHooks` and
+    the core's ``RelayBinder``)."""
 
     name = NAME
 
@@ -883,17 +887,21 @@ class TurnService:
         #: Peer data connections by RFC 6062 connection id.
         self.peer_pipes: dict[int, Pipe] = {}
         self.client_pipes: dict[int, Pipe] = {}
-        self._pending_link: ClientLink | None = None
         #: Live UDP relays, and the listener taps in front of the STUN sockets.
         self.relays: set[UdpRelay] = set()
         self.taps: dict[Any, ListenerTap] = {}
         #: Client -> peer ChannelData for hook callers (batched STUN endpoints,
         #: TCP connections); its per-endpoint client tables are shared with
-        #: the taps. Replaces the handle_channel_data method on this instance.
+        #: the taps. It is the port's ChannelData hook (see :meth:`start`).
         self.router = ChannelRouterType()
         self.router.endpoints = {}
         self.router.fallback = self._channel_data_slow
-        self.handle_channel_data = self.router.handle_channel_data
+        #: What the STUN/TURN port hands this service.
+        self.hooks = TurnHooks(
+            stun=self.handle_stun,
+            channel_data=self.router.handle_channel_data,
+            connection_lost=self.connection_lost,
+        )
         #: C data plane: one epoll set for every socket the taps read.
         self.poller = PollerType() if PollerType is not None else None
         if self.poller is not None:
@@ -901,8 +909,7 @@ class TurnService:
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self.loop, self.core.get_timer, self._on_timer)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._collector = _Collector(self)
         #: TURN over DTLS listeners (see :meth:`listen_dtls`).
@@ -944,7 +951,7 @@ class TurnService:
         return hosts
 
     def start(self) -> None:
-        self.stun.attach_turn(self)
+        self.stun.attach_turn(self.hooks)
         for endpoint in self.stun.udp_endpoints:
             self._install_tap(endpoint)
         self.ctx.metrics.register(self._collector)
@@ -957,7 +964,7 @@ class TurnService:
         reading only with the C data plane: the tap reads the socket and hands
         what is not ChannelData back to the endpoint's :meth:`dispatch` one
         datagram at a time. Without C, the batched endpoint keeps reading and
-        calls ``handle_channel_data`` (the router).
+        calls the ChannelData hook (the router).
         """
         if isinstance(endpoint, UdpEndpoint):
             fd = endpoint.fileno()
@@ -1068,8 +1075,7 @@ class TurnService:
         for five, allocation in list(self.core.allocations.items()):
             if self._session_id(five) == session_id:
                 self.core.delete_allocation(allocation, "revoked")
-                self._process_events()
-                self._rearm()
+                self._after_input()
                 return True
         return False
 
@@ -1083,8 +1089,7 @@ class TurnService:
         ]
         for allocation in doomed:
             self.core.delete_allocation(allocation, "revoked")
-        self._process_events()
-        self._rearm()
+        self._after_input()
         return len(doomed)
 
     def describe(self) -> list[str]:
@@ -1117,7 +1122,7 @@ class TurnService:
         if self._closed:
             return
         self._closed = True
-        if self.stun.turn is self:
+        if self.stun.turn is self.hooks:
             self.stun.detach_turn()
         self._restore_taps()
         for listener in self.dtls_listeners:
@@ -1128,8 +1133,7 @@ class TurnService:
         self._process_events()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
             pipe.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.close()
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):
@@ -1191,26 +1195,28 @@ class TurnService:
 
     def handle_dtls(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
         """One decrypted DTLS datagram: dispatched as a plain UDP one would be."""
-        first = data[0]
-        if first < 0x40:
-            if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
-                # Binding: the DTLS handshake proved the address (no budget).
-                assert self._dtls_binding is not None
-                reply = self._dtls_binding.handle(
-                    data, client, 0, self.loop.time(), tcp=True
-                )
-                if isinstance(reply, str):
-                    self.stun.stats.drop(reply)
-                else:
-                    endpoint.send(reply[0], client)
-                return
+        if len(data) < 2:
+            self.stun.stats.drop("empty")
+            return
+        kind = sort_traffic(data)
+        if kind is PortTraffic.BINDING:
+            # Binding: the DTLS handshake proved the address (no budget).
+            assert self._dtls_binding is not None
+            reply = self._dtls_binding.handle(
+                data, client, 0, self.loop.time(), tcp=True
+            )
+            if isinstance(reply, str):
+                self.stun.stats.drop(reply)
+            else:
+                endpoint.send(reply[0], client)
+        elif kind is PortTraffic.STUN:
             self.handle_stun(data, client, endpoint)
-        elif first < 0x80:
-            self.handle_channel_data(data, client, endpoint)
+        elif kind is PortTraffic.CHANNEL_DATA:
+            self.router.handle_channel_data(data, client, endpoint)
         else:
             self.stun.stats.drop("dtls-not-stun")
 
-    # ------------------------------------------------------------ StunExtension
+    # ------------------------------------------------------------ port hooks
 
     def _channel_data_slow(
         self, data: bytes, client: Address, endpoint: Endpoint
@@ -1247,17 +1253,19 @@ class TurnService:
                 self.stats.to_peer_bytes += len(payload)
             return
         now = self.loop.time()
-        self._pending_link = ClientLink(endpoint, client)
+        # The endpoint a request came in on, for open_relay, SendToClient and
+        # ConnectionBind while the core handles it (the core knows five-tuples,
+        # not sockets).
         self._pending_endpoints[five] = endpoint
         try:
             answer = self.core.handle_message(message, data, five, now)
-        finally:
-            self._pending_link = None
+        except BaseException:
+            self._pending_endpoints.pop(five, None)
+            raise
         if answer is not None:
             endpoint.send(answer, client)
-        self._process_events()
+        self._after_input()
         self._pending_endpoints.pop(five, None)
-        self._rearm()
 
     def _fast_send(self, data: bytes, client: Address, endpoint: Endpoint) -> bool:
         """Send indication without a message object; False: use the slow path."""
@@ -1288,8 +1296,7 @@ class TurnService:
     def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
         """A TCP control connection closed: its allocation goes (RFC 8656 §3.1)."""
         self.core.client_disconnected((Transport.TCP, client, endpoint.local))
-        self._process_events()
-        self._rearm()
+        self._after_input()
 
     # ------------------------------------------------------------ RelayBinder
 
@@ -1309,9 +1316,11 @@ class TurnService:
             advertised = _route_source(family, allocation.five_tuple[1][0])
             if not advertised:
                 return None
-        link = self._pending_link
-        assert link is not None
-        allocation.transport_data = link
+        five = allocation.five_tuple
+        endpoint = self._pending_endpoints.get(five)
+        if endpoint is None:  # only an Allocate request being handled opens relays
+            return None
+        allocation.transport_data = ClientLink(endpoint, five[1])
         af = socket.AF_INET6 if family == Family.IPV6 else socket.AF_INET
         if transport == Transport.UDP:
             return self._open_udp(
@@ -1468,6 +1477,12 @@ class TurnService:
                         username[:64],
                     )
 
+    def _after_input(self) -> None:
+        """What follows every call into the core: act on its events, re-arm
+        its timer (the driver's steps 2-3, :mod:`crossroads.transport.driver`)."""
+        self._process_events()
+        self._timer.rearm()
+
     def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
         allocation = self.core.allocations.get(five)
         link = allocation.transport_data if allocation is not None else None
@@ -1478,24 +1493,10 @@ class TurnService:
         if endpoint is not None:
             endpoint.send(data, five[1])
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None and not self._closed:
-            self._timer = self.loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        self.core.clock_offset = time.time() - self.loop.time()
-        self.core.handle_timer(self.loop.time())
+    def _on_timer(self, now: float) -> None:
+        self.core.clock_offset = time.time() - now
+        self.core.handle_timer(now)
         self._process_events()
-        self._rearm()
 
     # ------------------------------------------------------------ RFC 6062
 
@@ -1516,16 +1517,14 @@ class TurnService:
             sock.close()
             if not isinstance(exc, asyncio.CancelledError):
                 self.core.peer_connect_failed(cid)
-                self._process_events()
-                self._rearm()
+                self._after_input()
             return
         if cid not in self.core.connections:
             pipe.close()
             return
         self.peer_pipes[cid] = pipe
         self.core.peer_connected(cid, self.loop.time())
-        self._process_events()
-        self._rearm()
+        self._after_input()
 
     def peer_accepted(
         self, allocation: Allocation, peer: Address, pipe: Pipe
@@ -1533,8 +1532,7 @@ class TurnService:
         cid = self.core.peer_accepted(allocation, peer, self.loop.time())
         if cid is not None:
             self.peer_pipes[cid] = pipe
-        self._process_events()
-        self._rearm()
+        self._after_input()
         return cid
 
     def _bind_connection(self, cid: int, five: FiveTuple) -> None:
@@ -1572,8 +1570,7 @@ class TurnService:
         self.peer_pipes.pop(cid, None)
         self.client_pipes.pop(cid, None)
         self.core.connection_closed(cid)
-        self._process_events()
-        self._rearm()
+        self._after_input()
 
 
 def _route_source(family: Family, client_host: str) -> str:

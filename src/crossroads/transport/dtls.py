@@ -88,8 +88,8 @@ from crossroads.proto.dtls_cookie import (
     parse_client_hello,
 )
 from crossroads.proto.reflection import ReflectionBudget
+from crossroads.transport.sockets import bind_socket
 from crossroads.transport.tls import Certificates, HandshakeLimits
-from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 
 log = logging.getLogger("crossroads.dtls")
 
@@ -596,23 +596,14 @@ async def open_dtls_listener(
     host: str, port: int, v6only: bool, listener: DtlsListener
 ) -> DtlsListener:
     """Bind UDP ``host``:``port`` and serve ``listener`` on it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
+    sock = bind_socket(host, port, socket.SOCK_DGRAM, v6only=v6only)
     try:
-        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
-        sock.bind((host, port))
-        sock.setblocking(False)
         await asyncio.get_running_loop().create_datagram_endpoint(
             lambda: listener, sock=sock
         )
     except BaseException:
         sock.close()
         raise
-    register_listener(sock)
     return listener
 
 

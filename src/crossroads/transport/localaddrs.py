@@ -12,7 +12,7 @@ addresses as data; this module finds them:
   ``--turn-external-ip``, ``--relay-public-host``, ...).
 - :func:`own_addresses`: both, computed once per runtime.
 
-The ports the services listen on are in :func:`crossroads.transport.udp.listening_ports`.
+The ports the services listen on are in :func:`crossroads.transport.sockets.listening_ports`.
 """
 
 from __future__ import annotations

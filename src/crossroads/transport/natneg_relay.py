@@ -43,7 +43,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.refusals import RefusalLog
-from crossroads.transport.udp import SOCKET_BUFFER_BYTES
+from crossroads.transport.sockets import SOCKET_BUFFER_BYTES
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.natneg.relay")

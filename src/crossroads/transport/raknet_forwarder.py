@@ -33,7 +33,7 @@ from crossroads.transport.dataplane import (
     make_route,
     make_tap,
 )
-from crossroads.transport.udp import make_udp_socket
+from crossroads.transport.sockets import make_udp_socket
 from crossroads.types import Address
 
 #: RakNet's MAXIMUM_MTU_SIZE: nothing larger is a RakNet datagram (dropped and

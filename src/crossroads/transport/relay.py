@@ -28,6 +28,7 @@ from typing import Any
 from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
 from crossroads.proto.relay.server import Event, ForwardEntry, RelayServer
 from crossroads.transport.dataplane import RouteLike, make_route, make_tap
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import ReplySource, is_wildcard, reply_control
 from crossroads.types import Address
 
@@ -61,8 +62,7 @@ class RelayEndpoint:
             ancillary=self._replies is not None,
         )
         self._slow_now: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
         self._closed = False
 
     @property
@@ -79,9 +79,7 @@ class RelayEndpoint:
         self._closed = True
         self._loop.remove_reader(self.sock.fileno())
         self.tap.close()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.close()
         self.sock.close()
 
     def make_forward(self, dest: Address) -> ForwardEntry:
@@ -128,22 +126,8 @@ class RelayEndpoint:
         events = self.core.events()
         if events:
             self.on_events(events)
-        self._rearm()
+        self._timer.rearm()
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at or self._closed:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
+    def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
         self._flush(now)

@@ -287,7 +287,7 @@ def test_rendezvous_ignores_unknown_tokens_and_garbage() -> None:
         )
         is None
     )
-    reasons = {e.reason for e in h.core.events() if hasattr(e, "reason")}
+    reasons = {e.reason for e in h.core.pop_events() if hasattr(e, "reason")}
     assert reasons == {"size", "unknown-token"}
 
 
@@ -323,7 +323,7 @@ def test_flood_is_rate_limited_with_one_error_per_second() -> None:
     frames = h.take(conn)
     assert sum(f["type"] == "pong" for f in frames) <= FRAME_BURST + 1
     assert sum(f.get("code") == "rate_limited" for f in frames) == 1
-    assert FrameRejected("rate-limited") in h.core.events()
+    assert FrameRejected("rate-limited") in h.core.pop_events()
 
 
 def test_connection_limits() -> None:
@@ -488,7 +488,7 @@ def test_mapped_candidate_must_be_on_the_public_address() -> None:
 def directory_events(h: Harness) -> list[object]:
     return [
         e
-        for e in h.core.events()
+        for e in h.core.pop_events()
         if isinstance(e, CodeClaim | CodeLookup | CodeReleased)
     ]
 

@@ -80,7 +80,7 @@ def test_random_conversations(
     def pump() -> None:
         # Until quiet: answering the directory's events queues more frames.
         while True:
-            frames, events = core.frames_to_send(), core.events()
+            frames, events = core.frames_to_send(), core.pop_events()
             if not frames and not events:
                 break
             for conn, text in frames:

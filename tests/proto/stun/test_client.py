@@ -40,7 +40,7 @@ def test_rfc8489_retransmission_schedule() -> None:
         core.handle_timer(deadline)
         if core.datagrams_to_send(deadline):
             sends.append(deadline)
-        events = core.events()
+        events = core.pop_events()
         if events:
             (result,) = events
             assert isinstance(result, TransactionResult) and result.response is None
@@ -63,7 +63,7 @@ def test_response_matched_by_transaction_id_from_any_source() -> None:
     core.receive_datagram(b"garbage", SERVER, 1.1)
     answer = success_response(req, [XorMappedAddress("203.0.113.9", 4000)])
     core.receive_datagram(encode(answer), ("192.0.2.2", 3479), 1.2)
-    (result,) = core.events()
+    (result,) = core.pop_events()
     assert isinstance(result, TransactionResult)
     assert result.transaction_id == txid and result.source == ("192.0.2.2", 3479)
     assert result.response is not None and result.transmissions == 2
@@ -71,13 +71,13 @@ def test_response_matched_by_transaction_id_from_any_source() -> None:
     assert core.ignored == {"unknown-transaction": 1, "not-stun": 1}
     # A late duplicate is ignored.
     core.receive_datagram(encode(answer), SERVER, 1.3)
-    assert core.events() == []
+    assert core.pop_events() == []
 
 
 def test_incoming_request_is_reported() -> None:
     core = _core()
     core.receive_datagram(encode(request(Method.BINDING, b"h" * 12)), SERVER, 0.0)
-    (event,) = core.events()
+    (event,) = core.pop_events()
     assert isinstance(event, RequestReceived) and event.source == SERVER
 
 
@@ -94,5 +94,5 @@ def test_random_datagrams_never_raise(data: bytes) -> None:
     core.start_request(SERVER, 0.0)
     core.receive_datagram(data, SERVER, 0.1)
     core.receive_datagram(b"\x01\x01" + data, SERVER, 0.1)
-    for event in core.events():
+    for event in core.pop_events():
         assert isinstance(event, TransactionResult | RequestReceived)

@@ -40,6 +40,7 @@ from crossroads.proto.stun import (
     success_response,
     unknown_attributes_response,
 )
+from crossroads.proto.stun.message import PortTraffic, sort_traffic
 from tests.proto.stun.strategies import attributes, messages
 
 TXID = bytes(range(12))
@@ -237,3 +238,31 @@ def test_encode_replaces_stale_integrity_and_fingerprint() -> None:
     assert check_message_integrity(wire, b"key") and check_fingerprint(wire)
     types = [a.get_type() for a in decode(wire).attributes]
     assert types == [AttrType.MESSAGE_INTEGRITY, AttrType.FINGERPRINT]
+
+
+@pytest.mark.parametrize("msg_class", list(Class))
+def test_sort_traffic_sends_every_binding_class_to_the_stun_server(
+    msg_class: Class,
+) -> None:
+    wire = encode(Message(msg_class, Method.BINDING, TXID, ()))
+    assert sort_traffic(wire) is PortTraffic.BINDING
+    other = encode(Message(msg_class, Method.ALLOCATE, TXID, ()))
+    assert sort_traffic(other) is PortTraffic.STUN
+
+
+@given(st.binary(min_size=2, max_size=40))
+def test_sort_traffic_agrees_with_the_demux_helpers(data: bytes) -> None:
+    kind = sort_traffic(data)
+    first_bits = data[0] >> 6
+    assert (kind in (PortTraffic.BINDING, PortTraffic.STUN)) == (first_bits == 0)
+    assert (kind is PortTraffic.CHANNEL_DATA) == (first_bits == 1)
+    assert (kind is PortTraffic.OTHER) == (first_bits >= 2)
+    method, _ = split_message_type(int.from_bytes(data[:2], "big") & 0x3FFF)
+    assert (kind is PortTraffic.BINDING) == (
+        first_bits == 0 and method == Method.BINDING
+    )
+
+
+def test_sort_traffic_of_an_empty_datagram_raises_index_error() -> None:
+    with pytest.raises(IndexError):
+        sort_traffic(b"")

@@ -18,13 +18,11 @@ import socket
 import time
 from typing import Literal
 
-from crossroads.client import turn as turn_client
 from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.lab import netns
 from crossroads.lab.kinds import NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.topology import LAB_TURN_USER, SERVER_IPS, Lab, Site
-from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.types import Address
 
 #: crossroads' STUN/TURN port on the lab server (DESIGN.md default ports).
@@ -46,32 +44,23 @@ async def open_client(lab: Lab, site: Site, transport: Transport) -> TurnClient:
     loop = asyncio.get_running_loop()
     server: Address = (SERVER_IPS[0], TURN_PORT)
     user, password = LAB_TURN_USER.split(":", 1)
-    client = TurnClient(server, LongTermSession(user, password), transport, REQUEST_S)
     if transport == "udp":
         sock = lab.udp_socket(site)
-        try:
-            sock.connect(server)
-            udp, _ = await loop.create_datagram_endpoint(
-                lambda: turn_client._Udp(client), sock=sock
-            )
-        except BaseException:
-            sock.close()
-            raise
-        client._udp = udp
     else:
         sock = netns.socket_in(
             lab.host_ns(site), socket.SOCK_STREAM, bind=(site.host_ip, 0)
         )
-        try:
+    try:
+        if transport == "udp":
+            sock.connect(server)
+        else:
             await asyncio.wait_for(loop.sock_connect(sock, server), REQUEST_S)
-            tcp, _ = await loop.create_connection(
-                lambda: turn_client._Tcp(client), sock=sock
-            )
-        except BaseException:
-            sock.close()
-            raise
-        client._tcp = tcp
-    return client
+        return await TurnClient.on_socket(
+            sock, server, user, password, transport=transport, timeout=REQUEST_S
+        )
+    except BaseException:
+        sock.close()
+        raise
 
 
 async def _carry(src: TurnClient, dst: TurnClient, payload: bytes) -> bool:

@@ -393,7 +393,8 @@ class Coordinator:
         out, self._close = self._close, []
         return out
 
-    def events(self) -> list[Event]:
+    def pop_events(self) -> list[Event]:
+        """The events since the last call, oldest first (the core API)."""
         out, self._events = self._events, []
         return out
 

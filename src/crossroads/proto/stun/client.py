@@ -233,7 +233,7 @@ class StunClientCore:
         """Retransmit what is due and fail what has run out of time."""
         self._send_due(now)
 
-    def events(self) -> list[Event]:
+    def pop_events(self) -> list[Event]:
         """Drain the events produced so far."""
         out, self._events = self._events, []
         return out

@@ -26,8 +26,8 @@ MESSAGE-INTEGRITY other than MESSAGE-INTEGRITY-SHA256 and FINGERPRINT (RFC 8489
 §14.5). Message integrity is checked on the raw bytes with
 :mod:`crossroads.proto.stun.integrity`.
 
-Demultiplexing helpers (:func:`is_stun`, :func:`is_channel_data`,
-:func:`peek_header`, :func:`stream_frame_length`) read at most the first 20
+Demultiplexing helpers (:func:`sort_traffic`, :func:`is_stun`,
+:func:`is_channel_data`, :func:`peek_header`, :func:`stream_frame_length`) read at most the first 20
 bytes and allocate nothing they do not return: they are for per-packet paths.
 """
 
@@ -38,6 +38,7 @@ import hmac
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple, TypeVar
 
 from crossroads.errors import DecodeError, LocalProtocolError
@@ -167,6 +168,38 @@ def is_channel_data(data: bytes) -> bool:
     return len(data) >= 4 and 0x40 <= data[0] < 0x80
 
 
+class PortTraffic(IntEnum):
+    """What a datagram (or TCP frame) on the STUN/TURN port is, by its first
+    two bytes (RFC 7983 §7 demultiplexing; RFC 8656 §12)."""
+
+    #: A Binding message of any class: the STUN server's (RFC 8489 §18.1).
+    BINDING = 0
+    #: Another STUN method (first bits 00): TURN's, or dropped without TURN.
+    STUN = 1
+    #: First bits 01: TURN ChannelData (RFC 8656 §12.4).
+    CHANNEL_DATA = 2
+    #: First bits 10 or 11: not STUN (DTLS, RTP, garbage).
+    OTHER = 3
+
+
+def sort_traffic(data: bytes) -> PortTraffic:
+    """Sort one datagram or frame of the STUN/TURN port; the one place its
+    first bytes are read. ``IndexError`` on an empty datagram (and on a
+    one-byte one starting 00), which callers count as ``empty``.
+
+    Binding is method 0x001 in any class: message types 0x0001, 0x0011,
+    0x0101 and 0x0111 (RFC 8489 §5: the class bits are 0x0110 of the type).
+    """
+    first = data[0]
+    if first < 0x40:
+        if (first & 0x3E) == 0 and (data[1] & 0xEF) == 0x01:
+            return PortTraffic.BINDING
+        return PortTraffic.STUN
+    if first < 0x80:
+        return PortTraffic.CHANNEL_DATA
+    return PortTraffic.OTHER
+
+
 def peek_header(data: bytes) -> StunHeader | None:
     """Class, method, length and transaction id without parsing attributes.
 
@@ -182,27 +215,33 @@ def peek_header(data: bytes) -> StunHeader | None:
     return StunHeader(msg_class, method, length, cookie == MAGIC_COOKIE, txid)
 
 
-def stream_frame_length(buffer: bytes | bytearray | memoryview) -> int | None:
-    """Length of the first complete frame in a TCP byte stream, or None if the
-    buffer does not hold its header yet.
+def stream_frame_length(
+    buffer: bytes | bytearray | memoryview, start: int = 0
+) -> int | None:
+    """Length of the frame at ``start`` of a TCP byte stream (padding
+    included), or None if the buffer does not hold its header yet. The one
+    framing rule of STUN/TURN over TCP, for the server's connections and the
+    client's :class:`~crossroads.proto.turn.channeldata.StreamFramer`.
 
     A STUN message is 20 + length bytes (RFC 8489 §6.2.2); a ChannelData message
     is 4 + length rounded up to 4, because over TCP it is padded (RFC 8656 §12.5).
 
     Raises:
-        DecodeError: the stream does not start with STUN or ChannelData.
+        DecodeError: the stream does not start with STUN or ChannelData (reason
+            ``framing``: a stream cannot be resynchronised) or a STUN length is
+            not a multiple of 4 (``bad-length``).
     """
-    if len(buffer) < 4:
+    if len(buffer) - start < 4:
         return None
-    first = buffer[0]
-    length = (buffer[2] << 8) | buffer[3]
+    first = buffer[start]
+    length = (buffer[start + 2] << 8) | buffer[start + 3]
     if first < 0x40:
         if length & 3:
             raise DecodeError("STUN length not a multiple of 4", reason="bad-length")
         return HEADER_LENGTH + length
     if first < 0x80:
         return 4 + ((length + 3) & ~3)
-    raise DecodeError("neither STUN nor ChannelData", reason="not-stun")
+    raise DecodeError("neither STUN nor ChannelData on a stream", reason="framing")
 
 
 # ---------------------------------------------------------------- decoding

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crossroads.errors import DecodeError
+from crossroads.proto.stun.message import stream_frame_length
 from crossroads.proto.turn.constants import (
     CHANNEL_MAX_RFC5766,
     CHANNEL_MIN,
@@ -28,8 +29,6 @@ from crossroads.proto.turn.constants import (
 
 #: Channel number and length, 2 bytes each (RFC 8656 §12.4).
 HEADER_SIZE = 4
-#: STUN header: type, length, magic cookie, transaction id (RFC 8489 §5).
-STUN_HEADER_SIZE = 20
 #: The length field is 16 bits, so no ChannelData payload is larger.
 MAX_PAYLOAD = 0xFFFF
 
@@ -128,25 +127,18 @@ class StreamFramer:
         out: list[tuple[bool, bytes]] = []
         start = 0
         size = len(buffer)
-        while size - start >= 4:
-            first = buffer[start]
-            length = (buffer[start + 2] << 8) | buffer[start + 3]
-            if first < 0x40:
-                if length & 3:
-                    raise DecodeError("STUN length not a multiple of 4", "bad-length")
-                total = STUN_HEADER_SIZE + length
-                keep = total
-                is_channel = False
-            elif first < 0x80:
-                keep = HEADER_SIZE + length
-                total = padded_length(keep)
-                is_channel = True
-            else:
-                raise DecodeError("neither STUN nor ChannelData on stream", "framing")
+        while (total := stream_frame_length(buffer, start)) is not None:
             if total > self.max_message:
                 raise DecodeError("message larger than allowed", "too-large")
             if size - start < total:
                 break
+            is_channel = buffer[start] >= 0x40
+            # ChannelData is returned without its TCP padding.
+            keep = (
+                HEADER_SIZE + ((buffer[start + 2] << 8) | buffer[start + 3])
+                if is_channel
+                else total
+            )
             out.append((is_channel, bytes(buffer[start : start + keep])))
             start += total
         if start:

@@ -36,7 +36,7 @@ from prometheus_client import Counter, Gauge
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, ConnectionBudget
-from crossroads.transport.udp import make_tcp_listener
+from crossroads.transport.sockets import make_tcp_listener
 from crossroads.types import Address, normalize_address
 
 #: Linux ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_rtt``, the smoothed

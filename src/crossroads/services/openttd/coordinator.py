@@ -98,6 +98,7 @@ from crossroads.services.openttd.registry import (
     Registry,
     ServerRecord,
 )
+from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -151,7 +152,7 @@ class _Runner:
         self.loop = coordinator.loop
         self.queue: deque[Any] = deque()
         self.task: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer = CoreTimer(self.loop, self.deadline, self._on_timer)
         self.finished = False
 
     def feed(self, commands: list[Any]) -> None:
@@ -159,7 +160,7 @@ class _Runner:
             self.queue.extend(commands)
             if self.task is None:
                 self.task = asyncio.create_task(self._drain())
-        self._rearm()
+        self.timer.rearm()
 
     async def _drain(self) -> None:
         try:
@@ -170,23 +171,12 @@ class _Runner:
         finally:
             self.task = None
 
-    def _rearm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        deadline = self.deadline()
-        if deadline is not None and not self.finished:
-            self.timer = self.loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self.timer = None
-        self.feed(self.on_timer(self.loop.time()))
+    def _on_timer(self, now: float) -> None:
+        self.feed(self.on_timer(now))
 
     def cancel(self) -> None:
         self.finished = True
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.timer.close()
 
     def deadline(self) -> float | None:
         raise NotImplementedError

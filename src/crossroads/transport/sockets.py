@@ -1,0 +1,113 @@
+"""Listening sockets: the one place services create and register them.
+
+Every UDP socket and TCP listener of a service comes from
+:func:`make_udp_socket` / :func:`make_tcp_listener` (or is registered with
+:func:`register_listener`), so socket options — dual-stack, buffer sizes,
+``SO_REUSEPORT`` — are set in one place and TURN knows every port it must never
+relay into (:func:`listening_ports`). The driver that runs a core on such a
+socket is :mod:`crossroads.transport.driver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import weakref
+
+from crossroads.types import Address, normalize_address
+
+#: Kernel socket buffers for busy UDP services; the default (~200 KiB) drops
+#: bursts long before Python is the bottleneck.
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
+
+
+#: Every listening socket of a service in this process (UDP sockets from
+#: :func:`make_udp_socket`, TCP listeners from :func:`make_tcp_listener`, and
+#: the ones services register themselves). TURN reads their ports so a client
+#: can never relay into them (:mod:`crossroads.proto.policy`). Weak: a closed
+#: and dropped socket leaves by itself.
+_LISTENERS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def register_listener(sock: socket.socket) -> None:
+    """Count ``sock`` among the service listeners (see :func:`listening_ports`)."""
+    _LISTENERS.add(sock)
+
+
+def listening_ports() -> frozenset[int]:
+    """Local ports of the live service listeners of this process."""
+    ports: set[int] = set()
+    for sock in list(_LISTENERS):
+        if sock.fileno() < 0:
+            continue
+        try:
+            ports.add(sock.getsockname()[1])
+        except OSError:
+            continue
+    return frozenset(ports)
+
+
+def family_of(host: str) -> socket.AddressFamily:
+    """``AF_INET6`` for an IPv6 literal, ``AF_INET`` for an IPv4 one."""
+    return (
+        socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    )
+
+
+def bind_socket(
+    host: str,
+    port: int,
+    kind: socket.SocketKind,
+    *,
+    v6only: bool | None = None,
+    reuse_port: bool = False,
+) -> socket.socket:
+    """A bound, non-blocking, registered listening socket: UDP with large
+    buffers, or a TCP listener (``SO_REUSEADDR``, backlog 1024).
+
+    ``v6only`` None binds ``::`` dual-stack where the OS allows it, so one
+    socket serves IPv4 (as mapped addresses) and IPv6, and any other IPv6
+    address IPv6 only; True or False sets ``IPV6_V6ONLY`` as asked.
+    """
+    family = family_of(host)
+    sock = socket.socket(family, kind)
+    try:
+        if kind == socket.SOCK_STREAM:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        else:
+            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        if family == socket.AF_INET6:
+            only = host != "::" if v6only is None else v6only
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if only else 0)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        if kind == socket.SOCK_STREAM:
+            # The kernel caps it at net.core.somaxconn; accepts are bounded by
+            # each listener's admission (transport/admission.py), not here.
+            sock.listen(1024)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    register_listener(sock)
+    return sock
+
+
+def make_udp_socket(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """A bound, non-blocking UDP socket with large buffers (``::``: dual-stack)."""
+    return bind_socket(host, port, socket.SOCK_DGRAM, reuse_port=reuse_port)
+
+
+def make_tcp_listener(
+    host: str, port: int, *, reuse_port: bool = False
+) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket (``::``: dual-stack)."""
+    return bind_socket(host, port, socket.SOCK_STREAM, reuse_port=reuse_port)
+
+
+def bound_address(sock: socket.socket) -> Address:
+    return normalize_address(sock.getsockname())
