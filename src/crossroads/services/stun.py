@@ -77,6 +77,7 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
+from crossroads.transport.reuseport import allow_port_sharing
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
@@ -834,6 +835,8 @@ def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket
             for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            # Every worker of `--workers N` serves the STUN/TURN UDP ports.
+            allow_port_sharing(sock, port)
         if sock.family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
         sock.bind((host, port))

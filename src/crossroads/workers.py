@@ -1,0 +1,343 @@
+"""``crossroads serve --workers N``: one supervisor, N worker processes.
+
+Theory of operation. The supervisor (the process the operator started) binds
+nothing and opens no store: it starts N copies of ``crossroads serve`` with the
+same arguments and ``CROSSROADS_WORKER_INDEX`` = 0..N-1 in their environment,
+restarts one that dies (after 0.5 s, doubling to 30 s while it keeps dying
+young), forwards SIGHUP to all of them (each re-reads flags, environment and
+TOML as a single process does) and stops them all on SIGINT/SIGTERM.
+
+Worker 0 is a whole crossroads: every enabled service, the HTTP port, every TCP
+listener, the banner and ``server.json`` (with the supervisor's pid, so
+``crossroads reload`` signals the supervisor). Workers 1..N-1 run only what
+scales without moving per-client state between processes
+(:func:`plan_workers`):
+
+- STUN and TURN over UDP on the *same* ports, shared with SO_REUSEPORT
+  (:mod:`crossroads.transport.reuseport`). The kernel hashes each datagram's
+  4-tuple to one socket of the group, so a client keeps talking to one worker,
+  which holds its allocation and owns its relayed sockets; a relayed socket is
+  an ordinary ephemeral port of that worker, reached by peers directly.
+- With a shared store (Redis), a Unity relay node each, on its own port
+  (``--relay-port`` + index) and registered in the store like the nodes of any
+  other instance: the allocations API (worker 0) places a host on the least
+  loaded node, and the host and its joiners all talk to the address in their
+  allocation, so they meet on that node's worker whatever the kernel's hash.
+  This is exactly the multi-instance Redis mode of tests/e2e/test_relay_cluster.py.
+
+What stays in worker 0 and why: STUN/TURN over TCP and TLS (an RFC 6062 data
+connection must reach the worker of its control connection, and a new TCP
+connection's hash says nothing about that), natneg (a negotiation's two clients
+pair up by cookie in one process's memory), the OpenTTD coordinator's TCP TURN
+pairing, RakNet punchthrough, p2p (its sessions live on one instance and its
+redirects name an HTTP URL) and the HTTP port (the console's admin pages list
+the sessions of the process that answers). Each extra worker serves its own
+HTTP app (``/metrics``, ``/healthz``) on ``--http-port`` + index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from crossroads.config import Config
+from crossroads.errors import ConfigError
+from crossroads.services.relay import Config as RelayConfig
+from crossroads.services.stun import Config as StunConfig
+
+log = logging.getLogger("crossroads.workers")
+
+#: Set by the supervisor in each worker's environment.
+WORKER_INDEX_ENV = "CROSSROADS_WORKER_INDEX"
+WORKER_COUNT_ENV = "CROSSROADS_WORKER_COUNT"
+SUPERVISOR_PID_ENV = "CROSSROADS_SUPERVISOR_PID"
+
+#: First restart delay of a dead worker, doubled while it keeps dying within
+#: STABLE_AFTER of its start, up to RESTART_MAX: a worker that cannot start
+#: (a port taken, Redis refusing) must not spin a core.
+RESTART_MIN = 0.5
+RESTART_MAX = 30.0
+STABLE_AFTER = 30.0
+#: How long stopping workers get to close cleanly before SIGKILL (each closes
+#: its HTTP server within 5 s, crossroads.runtime.Runtime.close).
+STOP_GRACE = 15.0
+#: `crossroads serve` exits with 2 on a configuration or start-up error
+#: (cli.fail); a worker doing so at its first start stops the whole server.
+EXIT_CONFIG = 2
+
+#: Services workers 1..N-1 may run (module docstring).
+_SCALING_SERVICES = ("stun", "turn", "relay")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """Which worker this process is, from the supervisor's environment."""
+
+    index: int
+    count: int
+    supervisor_pid: int
+
+
+def current_worker(env: Mapping[str, str] | None = None) -> WorkerSlot | None:
+    """This process's slot, or None when it is not a supervised worker."""
+    env = os.environ if env is None else env
+    raw = env.get(WORKER_INDEX_ENV)
+    if raw is None:
+        return None
+    try:
+        return WorkerSlot(
+            int(raw), int(env[WORKER_COUNT_ENV]), int(env[SUPERVISOR_PID_ENV])
+        )
+    except (KeyError, ValueError):
+        raise ConfigError(
+            f"{WORKER_INDEX_ENV} is set but {WORKER_COUNT_ENV} or "
+            f"{SUPERVISOR_PID_ENV} is missing or not a number"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    """How many workers, and what workers 1..count-1 run."""
+
+    count: int
+    extra_services: tuple[str, ...]
+    #: One log line saying why (empty for an explicit ``--workers 1``).
+    reason: str
+
+
+def _extra_services(config: Config) -> tuple[str, ...]:
+    extra: list[str] = []
+    if config.enabled("stun") and "stun" in config.sections:
+        if config.section("stun", StunConfig).port != 0:
+            # TURN runs on the STUN sockets: it goes where they go.
+            extra += [s for s in ("stun", "turn") if config.enabled(s)]
+    if (
+        config.core.store != "memory"
+        and config.enabled("relay")
+        and "relay" in config.sections
+    ):
+        relay = config.section("relay", RelayConfig)
+        if relay.port != 0 and not relay.api_only:
+            extra.append("relay")
+    return tuple(extra)
+
+
+def plan_workers(config: Config, cpu_count: int | None = None) -> WorkerPlan:
+    """Decide the worker count from ``--workers`` (0 = auto) and the config.
+
+    Auto is one worker per core when the store is shared (Redis) and something
+    can run in several workers; else 1, with the reason. An explicit count above
+    1 with nothing to spread is a configuration error.
+    """
+    requested = config.core.workers
+    extra = _extra_services(config)
+    if requested == 1:
+        return WorkerPlan(1, (), "")
+    if requested == 0:
+        if config.core.store == "memory":
+            return WorkerPlan(
+                1,
+                (),
+                "1 worker: the in-memory store is not shared between processes "
+                "(--store redis://... runs one worker per core; --workers N "
+                "spreads STUN/TURN over UDP even without it)",
+            )
+        cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+        if not extra or cores == 1:
+            return WorkerPlan(
+                1,
+                (),
+                "1 worker: "
+                + (
+                    "one core"
+                    if extra
+                    else "no service that runs in several workers (STUN/TURN "
+                    "on a fixed --stun-port, a relay node on a fixed --relay-port)"
+                ),
+            )
+        requested = cores
+    if not extra:
+        raise ConfigError(
+            f"workers: {requested} workers need STUN/TURN on a fixed --stun-port "
+            "(or, with a Redis --store, a relay node on a fixed --relay-port); "
+            "nothing else runs in more than one process"
+        )
+    kept = [
+        name
+        for name in _SCALING_SERVICES
+        if config.enabled(name) and name in config.sections and name not in extra
+    ]
+    why_kept = ""
+    if "relay" in kept and config.core.store == "memory":
+        why_kept = " (relay too: the in-memory store is not shared; use Redis)"
+    return WorkerPlan(
+        requested,
+        extra,
+        f"{requested} workers: every worker serves {', '.join(extra)} "
+        f"(UDP, SO_REUSEPORT); worker 0 also runs the rest{why_kept}",
+    )
+
+
+def _offset_port(name: str, port: int, index: int) -> int:
+    if port == 0:
+        return 0
+    if port + index > 65535:
+        raise ConfigError(f"{name}: {port} + worker index {index} is above 65535")
+    return port + index
+
+
+def worker_config(config: Config, index: int, plan: WorkerPlan) -> Config:
+    """The configuration worker ``index`` runs (module docstring)."""
+    if index == 0:
+        return config
+    core = dataclasses.replace(
+        config.core,
+        only=plan.extra_services,
+        http_port=_offset_port("http_port", config.core.http_port, index),
+        # TLS listeners (TURN over TLS) stay with worker 0, as TCP does.
+        tls_cert="",
+        tls_key="",
+        tls_dev_cert_dir="",
+    )
+    sections = dict(config.sections)
+    if "stun" in sections:
+        sections["stun"] = dataclasses.replace(
+            config.section("stun", StunConfig), tcp=False
+        )
+    if "relay" in plan.extra_services:
+        relay = config.section("relay", RelayConfig)
+        sections["relay"] = dataclasses.replace(
+            relay,
+            port=_offset_port("relay.port", relay.port, index),
+            public_port=_offset_port("relay.public_port", relay.public_port, index),
+            node_only=True,
+            node_id=f"{relay.node_id}-w{index}" if relay.node_id else "",
+        )
+    return Config(core=core, sections=sections)
+
+
+def worker_command() -> list[str]:
+    """The command line of a worker: this one's, run again."""
+    return [sys.executable, "-m", "crossroads", *sys.argv[1:]]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    # PR_SET_PDEATHSIG (prctl(2)): a supervisor killed with SIGKILL takes its
+    # workers with it instead of leaving them holding the ports.
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class Supervisor:
+    """Starts, restarts, signals and stops the workers (module docstring)."""
+
+    def __init__(
+        self, plan: WorkerPlan, command: Sequence[str], env: Mapping[str, str]
+    ) -> None:
+        self.plan = plan
+        self.command = list(command)
+        self.env = dict(env)
+        self.processes: dict[int, asyncio.subprocess.Process] = {}
+        self.exit_code = 0
+        self._stopping = asyncio.Event()
+
+    def _signal_all(self, signum: int) -> None:
+        for process in self.processes.values():
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signum)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def reload(self) -> None:
+        log.info("reload: signalling %d worker(s)", len(self.processes))
+        self._signal_all(signal.SIGHUP)
+
+    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+        env = {
+            **self.env,
+            WORKER_INDEX_ENV: str(index),
+            WORKER_COUNT_ENV: str(self.plan.count),
+            SUPERVISOR_PID_ENV: str(os.getpid()),
+        }
+        return await asyncio.create_subprocess_exec(
+            *self.command, env=env, preexec_fn=_die_with_parent
+        )
+
+    async def _keep(self, index: int) -> None:
+        loop = asyncio.get_running_loop()
+        delay = RESTART_MIN
+        first = True
+        while not self._stopping.is_set():
+            process = await self._spawn(index)
+            self.processes[index] = process
+            if self._stopping.is_set():  # stopped while it was being spawned
+                process.terminate()
+            log.info(
+                "worker %d/%d started (pid %d)", index, self.plan.count, process.pid
+            )
+            started = loop.time()
+            code = await process.wait()
+            if self._stopping.is_set():
+                return
+            if first and code == EXIT_CONFIG:
+                log.error("worker %d could not start (exit %d): stopping", index, code)
+                self.exit_code = EXIT_CONFIG
+                self.stop()
+                return
+            if loop.time() - started >= STABLE_AFTER:
+                delay = RESTART_MIN
+            log.warning(
+                "worker %d (pid %d) exited with %s; restarting in %.1f s",
+                index,
+                process.pid,
+                code,
+                delay,
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            delay = min(delay * 2, RESTART_MAX)
+            first = False
+
+    async def _stop_all(self) -> None:
+        self._signal_all(signal.SIGTERM)
+        for index, process in list(self.processes.items()):
+            try:
+                await asyncio.wait_for(process.wait(), STOP_GRACE)
+            except TimeoutError:
+                log.warning("worker %d did not stop: killing it", index)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+
+    async def run(self) -> int:
+        """Run until SIGINT/SIGTERM (or a worker that cannot start); the exit code."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, self.stop)
+        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        keepers = [
+            asyncio.create_task(self._keep(index)) for index in range(self.plan.count)
+        ]
+        try:
+            await self._stopping.wait()
+            log.info("shutting down %d worker(s)", self.plan.count)
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                loop.remove_signal_handler(signum)
+            await self._stop_all()
+            for keeper in keepers:
+                keeper.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
+        log.info("stopped")
+        return self.exit_code
