@@ -352,14 +352,81 @@ def bare_pair_flows(
     return pair_flows(pairs, payload)
 
 
+class BenchRedis:
+    """A private redis-server, started on first use: ``--workers 2`` of the
+    Unity relay needs a shared store (each worker is a relay node of its own,
+    registered there; crossroads.workers)."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.directory = ""
+
+    def url(self) -> str:
+        if self.process is None:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise SystemExit("redis-server not found (make install)")
+            self.port = relay.free_port(socket.SOCK_STREAM)
+            self.directory = tempfile.mkdtemp(prefix="crossroads-bench-redis-")
+            self.process = subprocess.Popen(
+                [
+                    binary, "--port", str(self.port), "--bind", HOST,
+                    "--save", "", "--appendonly", "no", "--dir", self.directory,
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            relay.wait_until(lambda: _redis_answers(self.port), "redis")
+        return f"redis://{HOST}:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _redis_answers(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.2) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+REDIS = BenchRedis()
+
+
+def free_udp_ports(count: int) -> int:
+    """A UDP port P with P..P+count-1 free (worker i's relay node is on P+i)."""
+    for _ in range(100):
+        base = relay.free_port()
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                held.append(sock)
+                sock.bind((HOST, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError("no run of free UDP ports")
+
+
 def start_crossroads_relay(workers: int | None) -> Target:
-    http_port, relay_port = relay.free_port(socket.SOCK_STREAM), relay.free_port()
+    http_port = relay.free_port(socket.SOCK_STREAM)
+    relay_port = free_udp_ports(workers or 1)
+    store = ["--store", REDIS.url()] if workers is not None and workers > 1 else []
     process = spawn_crossroads(
         workers,
         [
             "--http-port", str(http_port), "--only", "relay",
             "--relay-port", str(relay_port), "--api-key", relay.API_KEY,
-            "--relay-allow-private-peers", "--relay-api-rate", "0",
+            "--relay-allow-private-peers", "--relay-api-rate", "0", *store,
         ],
     )  # fmt: skip
     base = f"http://{HOST}:{http_port}"
@@ -571,17 +638,24 @@ def summary(
             )
 
 
-def stun_rounds(binaries: dict[str, Path], args: argparse.Namespace) -> None:
-    """Binding requests/s, crossroads vs coturn -m 1 (benchmarks/stun.py's
-    servers and closed-loop generator, 16 sockets x 16 in flight)."""
+def stun_rounds(
+    binaries: dict[str, Path], args: argparse.Namespace, worker_counts: list[int | None]
+) -> None:
+    """Binding requests/s, crossroads at each worker count vs coturn -m 1 and
+    -m 2 (benchmarks/stun.py's servers and closed-loop generator, 16 sockets x
+    16 in flight: 16 source ports, which SO_REUSEPORT spreads over workers)."""
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-sat-stun-"))
     servers: list[stun.Server] = []
     stun_args = argparse.Namespace(
         duration=args.seconds * 2, warmup=args.warmup, sockets=16, window=16
     )
     try:
-        servers.append(stun.start_crossroads(workdir))
-        servers.append(stun.start_coturn(workdir))
+        for count in worker_counts:
+            servers.append(
+                stun.start_crossroads(workdir, crossroads_label(count), workers=count)
+            )
+        servers.append(stun.start_coturn(workdir, 1, "coturn -m 1"))
+        servers.append(stun.start_coturn(workdir, 2, "coturn -m 2"))
         rows: dict[str, list[tuple[float, float]]] = {s.name: [] for s in servers}
         for round_no in range(args.rounds):
             order = servers if round_no % 2 == 0 else servers[::-1]
@@ -600,11 +674,14 @@ def stun_rounds(binaries: dict[str, Path], args: argparse.Namespace) -> None:
         per_cpu = statistics.median(r / c for r, c in values if c > 0)
         medians[name] = (rate, per_cpu)
         print(f"  {name:<28} {rate:>10.0f} req/s  {per_cpu:>10.0f} req per CPU-second")
-    ours, theirs = medians["crossroads"], medians["coturn"]
-    print(
-        f"  crossroads / coturn -m 1: req/s {ours[0] / theirs[0]:.2f}, "
-        f"per CPU-second {ours[1] / theirs[1]:.2f}"
-    )
+    for count in worker_counts:
+        ours = medians[crossroads_label(count)]
+        peer = "coturn -m 2" if count is not None and count > 1 else "coturn -m 1"
+        theirs = medians[peer]
+        print(
+            f"  {crossroads_label(count)} / {peer}: req/s {ours[0] / theirs[0]:.2f}, "
+            f"per CPU-second {ours[1] / theirs[1]:.2f}"
+        )
 
 
 def main() -> None:
@@ -718,10 +795,11 @@ def main() -> None:
                 args,
             )
         if "stun" in parts:
-            stun_rounds(binaries, args)
+            stun_rounds(binaries, args, worker_counts)
     except urllib.error.URLError as exc:
         sys.exit(f"REST call failed: {exc}")
     finally:
+        REDIS.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
