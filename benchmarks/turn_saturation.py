@@ -64,6 +64,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -398,14 +399,23 @@ def _redis_answers(port: int) -> bool:
 REDIS = BenchRedis()
 
 
-def free_udp_ports(count: int) -> int:
-    """A UDP port P with P..P+count-1 free (worker i's relay node is on P+i)."""
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/healthz", timeout=1):
+            return True
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def free_ports(count: int, kind: int = socket.SOCK_DGRAM) -> int:
+    """A port P with P..P+count-1 free (worker i's relay node is on P+i, its
+    HTTP port on the HTTP port + i)."""
     for _ in range(100):
-        base = relay.free_port()
+        base = relay.free_port(kind)
         held: list[socket.socket] = []
         try:
             for port in range(base, base + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                sock = socket.socket(socket.AF_INET, kind)
                 held.append(sock)
                 sock.bind((HOST, port))
             return base
@@ -418,8 +428,8 @@ def free_udp_ports(count: int) -> int:
 
 
 def start_crossroads_relay(workers: int | None) -> Target:
-    http_port = relay.free_port(socket.SOCK_STREAM)
-    relay_port = free_udp_ports(workers or 1)
+    http_port = free_ports(workers or 1, socket.SOCK_STREAM)
+    relay_port = free_ports(workers or 1)
     store = ["--store", REDIS.url()] if workers is not None and workers > 1 else []
     process = spawn_crossroads(
         workers,
@@ -432,6 +442,12 @@ def start_crossroads_relay(workers: int | None) -> Target:
     base = f"http://{HOST}:{http_port}"
     try:
         relay.wait_until(lambda: bool(relay.http_json(f"{base}/v1/regions")), "relay")
+        # Every worker's node up (its /healthz on the HTTP port + its index)
+        # before allocating: the load must reach all of them.
+        for index in range(1, workers or 1):
+            relay.wait_until(
+                lambda index=index: _healthy(http_port + index), f"worker {index}"
+            )
     except BaseException:
         stop(process)
         raise

@@ -41,9 +41,11 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ from crossroads.config import Config
 from crossroads.errors import ConfigError
 from crossroads.services.relay import Config as RelayConfig
 from crossroads.services.stun import Config as StunConfig
+from crossroads.transport import reuseport
 
 log = logging.getLogger("crossroads.workers")
 
@@ -249,6 +252,9 @@ class Supervisor:
         self.processes: dict[int, asyncio.subprocess.Process] = {}
         self.exit_code = 0
         self._stopping = asyncio.Event()
+        #: Per worker, the shared sockets it bound (transport/reuseport.py):
+        #: kept across its restarts so the SO_REUSEPORT groups never change.
+        self.held: dict[int, dict[str, socket.socket]] = {}
 
     def _signal_all(self, signum: int) -> None:
         for process in self.processes.values():
@@ -263,23 +269,65 @@ class Supervisor:
         log.info("reload: signalling %d worker(s)", len(self.processes))
         self._signal_all(signal.SIGHUP)
 
-    async def _spawn(self, index: int) -> asyncio.subprocess.Process:
+    def _receive_sockets(self, index: int, channel: socket.socket) -> None:
+        """Keep the shared sockets worker ``index`` hands over (SCM_RIGHTS)."""
+        held = self.held.setdefault(index, {})
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(channel, 256, 8)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if not fds:
+                return
+            key = message.decode("utf-8", "replace")
+            for fd in fds[1:]:  # one socket per message; close any extra
+                os.close(fd)
+            previous = held.pop(key, None)
+            if previous is not None:
+                previous.close()
+            held[key] = socket.socket(fileno=fds[0])
+
+    async def _spawn(
+        self, index: int
+    ) -> tuple[asyncio.subprocess.Process, socket.socket]:
+        held = self.held.get(index, {})
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        ours.setblocking(False)
         env = {
             **self.env,
             WORKER_INDEX_ENV: str(index),
             WORKER_COUNT_ENV: str(self.plan.count),
             SUPERVISOR_PID_ENV: str(os.getpid()),
+            reuseport.CHANNEL_ENV: str(theirs.fileno()),
+            reuseport.INHERITED_ENV: json.dumps(
+                {key: sock.fileno() for key, sock in held.items()}
+            ),
         }
-        return await asyncio.create_subprocess_exec(
-            *self.command, env=env, preexec_fn=_die_with_parent
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.command,
+                env=env,
+                preexec_fn=_die_with_parent,
+                pass_fds=[theirs.fileno(), *(s.fileno() for s in held.values())],
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        asyncio.get_running_loop().add_reader(
+            ours.fileno(), self._receive_sockets, index, ours
         )
+        return process, ours
 
     async def _keep(self, index: int) -> None:
         loop = asyncio.get_running_loop()
         delay = RESTART_MIN
         first = True
         while not self._stopping.is_set():
-            process = await self._spawn(index)
+            process, channel = await self._spawn(index)
             self.processes[index] = process
             if self._stopping.is_set():  # stopped while it was being spawned
                 process.terminate()
@@ -287,7 +335,13 @@ class Supervisor:
                 "worker %d/%d started (pid %d)", index, self.plan.count, process.pid
             )
             started = loop.time()
-            code = await process.wait()
+            try:
+                code = await process.wait()
+            finally:
+                # What it handed over before dying is already queued: keep it.
+                self._receive_sockets(index, channel)
+                loop.remove_reader(channel.fileno())
+                channel.close()
             if self._stopping.is_set():
                 return
             if first and code == EXIT_CONFIG:
@@ -339,5 +393,9 @@ class Supervisor:
             for keeper in keepers:
                 keeper.cancel()
             await asyncio.gather(*keepers, return_exceptions=True)
+            for held in self.held.values():
+                for sock in held.values():
+                    sock.close()
+            self.held.clear()
         log.info("stopped")
         return self.exit_code

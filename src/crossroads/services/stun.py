@@ -77,7 +77,11 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
-from crossroads.transport.reuseport import allow_port_sharing
+from crossroads.transport.reuseport import (
+    adopt_shared_socket,
+    allow_port_sharing,
+    publish_shared_socket,
+)
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
@@ -827,6 +831,14 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket.socket:
+    if kind == socket.SOCK_DGRAM:
+        # A restarted worker of `--workers N` takes its predecessor's socket
+        # back (transport/reuseport.py says why).
+        adopted = adopt_shared_socket(kind, host, port)
+        if adopted is not None:
+            adopted.setblocking(False)
+            register_listener(adopted)
+            return adopted
     sock = socket.socket(_family(host), kind)
     try:
         if kind == socket.SOCK_STREAM:
@@ -842,6 +854,8 @@ def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket
         sock.bind((host, port))
         if kind == socket.SOCK_STREAM:
             sock.listen(1024)
+        else:
+            publish_shared_socket(sock, kind, host, port)
         sock.setblocking(False)
     except BaseException:
         sock.close()

@@ -6,27 +6,62 @@ SO_REUSEPORT and the kernel spreads datagrams over the group by a hash of the
 4-tuple (socket(7)), so one client's datagrams keep reaching the same worker:
 the one that holds its TURN allocation.
 
-Whoever creates a shareable listening socket calls :func:`allow_port_sharing`
-before ``bind``; it does nothing outside a worker, so a single process keeps
-refusing a port another program already holds (EADDRINUSE, a clear error)
-instead of silently splitting its traffic with it.
+The hash picks a socket by its *position* in the group, and a socket that
+closes is replaced by the group's last one (Linux ``reuseport_detach_sock``):
+were a dying worker's socket to close, the clients of the *other* workers would
+be dealt out again, and land on workers that do not hold their allocations. So
+each worker hands a duplicate of every shared socket it binds to the supervisor
+(:func:`publish_shared_socket`, SCM_RIGHTS over a Unix socket pair); the socket
+stays in the group while its worker is dead, and the restarted worker adopts the
+very same socket (:func:`adopt_shared_socket`, an inherited descriptor), so the
+group, and every client's worker, never changes.
+
+Whoever creates a shareable listening socket calls :func:`adopt_shared_socket`
+first, :func:`allow_port_sharing` before ``bind`` and
+:func:`publish_shared_socket` after it; all three do nothing outside a worker,
+so a single process keeps refusing a port another program already holds
+(EADDRINUSE, a clear error) instead of silently splitting its traffic with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import socket
+from collections.abc import Mapping
+
+#: Set by the supervisor in a worker's environment: the descriptor of the
+#: worker's end of the hand-over socket pair, and {key: descriptor} of the
+#: shared sockets a previous run of this worker bound.
+CHANNEL_ENV = "CROSSROADS_WORKER_CHANNEL"
+INHERITED_ENV = "CROSSROADS_WORKER_SOCKETS"
 
 _sharing = False
+_channel: socket.socket | None = None
+_inherited: dict[str, int] = {}
 
 
-def share_listening_ports(enabled: bool) -> None:
-    """Make :func:`allow_port_sharing` set SO_REUSEPORT (in a worker process)."""
-    global _sharing
+def share_listening_ports(enabled: bool, env: Mapping[str, str] | None = None) -> None:
+    """Turn sharing on in a worker process, with the supervisor's hand-over
+    channel and inherited sockets from ``env`` (default: the environment)."""
+    global _sharing, _channel
     _sharing = enabled
+    _inherited.clear()
+    _channel = None
+    if not enabled:
+        return
+    env = os.environ if env is None else env
+    if CHANNEL_ENV in env:
+        _channel = socket.socket(fileno=int(env[CHANNEL_ENV]))
+    _inherited.update(
+        {str(k): int(v) for k, v in json.loads(env.get(INHERITED_ENV, "{}")).items()}
+    )
 
 
-def sharing_listening_ports() -> bool:
-    return _sharing
+def socket_key(kind: socket.SocketKind, host: str, port: int) -> str:
+    """How the supervisor names a shared socket: ``udp 0.0.0.0 3478``."""
+    return f"{'udp' if kind == socket.SOCK_DGRAM else 'tcp'} {host} {port}"
 
 
 def allow_port_sharing(sock: socket.socket, port: int) -> None:
@@ -36,3 +71,25 @@ def allow_port_sharing(sock: socket.socket, port: int) -> None:
     same user already holds, and the two would split its traffic."""
     if _sharing and port != 0:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+
+
+def adopt_shared_socket(
+    kind: socket.SocketKind, host: str, port: int
+) -> socket.socket | None:
+    """The socket an earlier run of this worker bound on (host, port), kept by
+    the supervisor; None when there is none (first start, or no workers)."""
+    if not _sharing or port == 0:
+        return None
+    fd = _inherited.pop(socket_key(kind, host, port), None)
+    return None if fd is None else socket.socket(fileno=fd)
+
+
+def publish_shared_socket(
+    sock: socket.socket, kind: socket.SocketKind, host: str, port: int
+) -> None:
+    """Hand a duplicate of the bound, shared ``sock`` to the supervisor."""
+    if not _sharing or port == 0 or _channel is None:
+        return
+    key = socket_key(kind, host, port).encode()
+    with contextlib.suppress(OSError):  # a gone supervisor: nothing to keep it
+        socket.send_fds(_channel, [key], [sock.fileno()])
