@@ -38,9 +38,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from turn import TICK, tree_ticks
+
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 ECHO_SERVER = """
 import asyncio, sys, uvloop
@@ -84,19 +85,9 @@ def pinned(cpu: int | str, command: list[str]) -> list[str]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU time of ``pid`` and of its live children (the workers of
+    """CPU time of ``pid`` and of its children (the workers of
     ``crossroads serve --workers N``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # Fields 14 and 15 (utime, stime) are at index 11 and 12 after the name.
-    total = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    if children.exists():
-        for child in children.read_text().split():
-            try:
-                total += cpu_seconds(int(child))
-            except (FileNotFoundError, ProcessLookupError):
-                pass
-    return total
+    return tree_ticks(pid) / TICK
 
 
 def wait_ready(port: int, echo: bool = False) -> None:

@@ -77,6 +77,9 @@ import relay  # noqa: E402
 import stun  # noqa: E402
 import turn  # noqa: E402
 
+sys.path.insert(0, str(HERE.parent))
+from tests.conftest import RedisServer, consecutive_free_ports  # noqa: E402
+
 HOST = "127.0.0.1"
 LOSS_LIMIT = 0.5  # percent, the issue's threshold
 SERVER_CPU, LOAD_CPU = "0", "1"
@@ -354,46 +357,21 @@ def bare_pair_flows(
 
 
 class BenchRedis:
-    """A private redis-server, started on first use: ``--workers 2`` of the
-    Unity relay needs a shared store (each worker is a relay node of its own,
-    registered there; crossroads.workers)."""
+    """A private redis-server (tests/conftest.py's), started on first use:
+    ``--workers 2`` of the Unity relay needs a shared store (each worker is a
+    relay node of its own, registered there; crossroads.workers)."""
 
     def __init__(self) -> None:
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.directory = ""
+        self.server: RedisServer | None = None
 
     def url(self) -> str:
-        if self.process is None:
-            binary = shutil.which("redis-server")
-            if binary is None:
-                raise SystemExit("redis-server not found (make install)")
-            self.port = relay.free_port(socket.SOCK_STREAM)
-            self.directory = tempfile.mkdtemp(prefix="crossroads-bench-redis-")
-            self.process = subprocess.Popen(
-                [
-                    binary, "--port", str(self.port), "--bind", HOST,
-                    "--save", "", "--appendonly", "no", "--dir", self.directory,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )  # fmt: skip
-            relay.wait_until(lambda: _redis_answers(self.port), "redis")
-        return f"redis://{HOST}:{self.port}/0"
+        if self.server is None:
+            self.server = RedisServer()
+        return self.server.url
 
     def stop(self) -> None:
-        if self.process is not None:
-            stop(self.process)
-            shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def _redis_answers(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.2) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
+        if self.server is not None:
+            self.server.stop()
 
 
 REDIS = BenchRedis()
@@ -407,29 +385,9 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def free_ports(count: int, kind: int = socket.SOCK_DGRAM) -> int:
-    """A port P with P..P+count-1 free (worker i's relay node is on P+i, its
-    HTTP port on the HTTP port + i)."""
-    for _ in range(100):
-        base = relay.free_port(kind)
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket(socket.AF_INET, kind)
-                held.append(sock)
-                sock.bind((HOST, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError("no run of free UDP ports")
-
-
 def start_crossroads_relay(workers: int | None) -> Target:
-    http_port = free_ports(workers or 1, socket.SOCK_STREAM)
-    relay_port = free_ports(workers or 1)
+    http_port = consecutive_free_ports(workers or 1)
+    relay_port = consecutive_free_ports(workers or 1, socket.SOCK_DGRAM)
     store = ["--store", REDIS.url()] if workers is not None and workers > 1 else []
     process = spawn_crossroads(
         workers,

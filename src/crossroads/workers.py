@@ -33,6 +33,12 @@ pairing, RakNet punchthrough, p2p (its sessions live on one instance and its
 redirects name an HTTP URL) and the HTTP port (the console's admin pages list
 the sessions of the process that answers). Each extra worker serves its own
 HTTP app (``/metrics``, ``/healthz``) on ``--http-port`` + index.
+
+The supervisor also keeps a duplicate of every shared UDP socket a worker binds
+(handed over with SCM_RIGHTS) and gives it back to the worker's next run, so a
+worker's death never changes the SO_REUSEPORT groups and never moves the other
+workers' clients (:mod:`crossroads.transport.reuseport` explains the kernel's
+side). docs/architecture.md, "Workers", says why things are split this way.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -28,36 +29,21 @@ import httpx
 import pytest
 
 from crossroads.client.relay import Allocation, RelayApi, RelayConnection
-from tests.conftest import eventually, free_port, free_udp_tcp_port
+from tests.conftest import (
+    RedisServer,
+    consecutive_free_ports,
+    eventually,
+    free_port,
+    free_udp_tcp_port,
+)
 from tests.interop.test_turn import assert_no_loss, uclient
-from tests.services.natneg_sdk import SdkNegotiator
+from tests.services.natneg_sdk import negotiate_on_loopback
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
 
 API_KEY = "workers-test-key-0123456789"
 USER, PASSWORD = "alice", "secret123"
 STARTED = re.compile(r"worker (\d+)/2 started \(pid (\d+)\)")
-
-
-def consecutive_free_ports(kind: int, count: int = 2) -> int:
-    """A port P with P..P+count-1 all free (worker i uses base + i)."""
-    for _ in range(100):
-        base = free_port(kind)
-        if base + count > 65535:
-            continue
-        held = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket(socket.AF_INET, kind)
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError("no consecutive free ports")
 
 
 @dataclass
@@ -106,8 +92,8 @@ def healthy(workers: Workers, index: int) -> bool:
 
 def start_workers(tmp: Path, redis_url: str) -> Workers:
     """``crossroads serve --workers 2``, ready: both workers answer /healthz."""
-    http_port = consecutive_free_ports(socket.SOCK_STREAM)
-    relay_port = consecutive_free_ports(socket.SOCK_DGRAM)
+    http_port = consecutive_free_ports(2)
+    relay_port = consecutive_free_ports(2, socket.SOCK_DGRAM)
     stun_port, alt_port = free_udp_tcp_port(), free_udp_tcp_port()
     natneg_port = free_port(socket.SOCK_DGRAM)
     log = tmp / "serve.log"
@@ -144,8 +130,6 @@ def start_workers(tmp: Path, redis_url: str) -> Workers:
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
-    from tests.conftest import RedisServer
-
     redis = RedisServer()
     try:
         for attempt in range(3):
@@ -257,29 +241,18 @@ async def test_relay_session_on_worker_1_allocated_by_worker_0(
 
 
 async def test_natneg_negotiation(workers: Workers) -> None:
-    servers = [("127.0.0.1", workers.natneg_port)] * 3
-    host = SdkNegotiator(
-        version=3, cookie=0xBEEF, client_index=1, servers=servers, finished_idle=0.2
-    )
-    guest = SdkNegotiator(
-        version=3,
-        cookie=0xBEEF,
-        client_index=0,
-        servers=servers,
-        bind_ip="127.0.0.5",
-        finished_idle=0.2,
-    )
-    try:
-        await asyncio.gather(host.run(), guest.run())
-        assert host.outcome and guest.outcome
-        assert host.outcome.remote == guest.negotiate_sock.getsockname()
-    finally:
-        SdkNegotiator.close_all()
+    await negotiate_on_loopback(workers.natneg_port, 0xBEEF)
 
 
 async def test_sighup_reloads_every_worker(workers: Workers) -> None:
+    # `crossroads reload` signals the pid in server.json: the supervisor's.
+    server = json.loads(
+        (workers.log.parent / "state/crossroads/server.json").read_text()
+    )
+    assert server["pid"] == workers.process.pid
+    assert server["url"] == workers.url(0)
     done = workers.output().count("reload done")
-    workers.process.send_signal(signal.SIGHUP)
+    os.kill(server["pid"], signal.SIGHUP)
 
     async def both_reloaded() -> bool:
         return workers.output().count("reload done") >= done + 2
@@ -367,3 +340,47 @@ async def test_a_killed_worker_is_restarted_and_the_other_keeps_serving(
         return sample(metrics(workers, 1), "crossroads_stun_requests_total") > 0
 
     await eventually(new_worker_answers, "the new worker 1 answers STUN", 20)
+
+
+def test_a_worker_that_cannot_start_stops_the_server_with_code_2(
+    tmp_path: Path,
+) -> None:
+    """Worker 1's HTTP port (--http-port + 1) is taken: it exits 2 at its first
+    start, and the supervisor stops worker 0 and exits 2 too, instead of
+    restarting it forever. Without Redis, --workers 2 spreads STUN/TURN only."""
+    http_port = consecutive_free_ports(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", http_port + 1))
+        squatter.listen()
+        result = subprocess.run(
+            [
+                sys.executable, "-m", "crossroads", "serve", "--workers", "2",
+                "--host", "127.0.0.1", "--only", "stun,turn",
+                "--http-port", str(http_port), "--turn-user", f"{USER}:{PASSWORD}",
+                "--stun-port", str(free_udp_tcp_port()), "--stun-alt-port", "0",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "spreads STUN/TURN" not in result.stderr  # the auto line is not shown
+    assert "every worker serves stun, turn" in result.stderr
+    assert "worker 1 could not start (exit 2): stopping" in result.stderr
+
+
+def test_workers_with_nothing_to_spread_is_a_config_error() -> None:
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "crossroads", "serve", "--workers", "2",
+            "--only", "natneg", "--host", "127.0.0.1", "--http-port", "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "config error: workers: 2 workers need STUN/TURN" in result.stderr
