@@ -22,6 +22,7 @@ from crossroads.workers import (
     WorkerSlot,
     current_worker,
     plan_workers,
+    sibling_ports,
     worker_config,
 )
 
@@ -107,3 +108,20 @@ def test_current_worker_from_the_environment() -> None:
     assert current_worker(env) == WorkerSlot(1, 2, 42)
     with pytest.raises(ConfigError):
         current_worker({WORKER_INDEX_ENV: "1"})
+
+
+def test_sibling_ports_are_the_other_workers_fixed_ports() -> None:
+    base = config(
+        core__store=REDIS,
+        core__workers=2,
+        core__http_port=8080,
+        relay__port=7780,
+        natneg__port=27901,
+    )
+    plan = plan_workers(base)
+    of_worker_1 = sibling_ports(base, 1, plan)
+    # Worker 0 runs everything: its HTTP port, relay node, natneg, OpenTTD.
+    assert {8080, 7780, 27901, 3976} <= of_worker_1
+    of_worker_0 = sibling_ports(base, 0, plan)
+    assert {8081, 7781} <= of_worker_0
+    assert not {8080, 7780, 27901, 3976} & of_worker_0

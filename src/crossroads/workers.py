@@ -56,7 +56,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from crossroads.config import Config
+from crossroads.config import Config, iter_settings
 from crossroads.errors import ConfigError
 from crossroads.services.relay import Config as RelayConfig
 from crossroads.services.stun import Config as StunConfig
@@ -231,6 +231,25 @@ def worker_config(config: Config, index: int, plan: WorkerPlan) -> Config:
             node_id=f"{relay.node_id}-w{index}" if relay.node_id else "",
         )
     return Config(core=core, sections=sections)
+
+
+def sibling_ports(config: Config, index: int, plan: WorkerPlan) -> frozenset[int]:
+    """Every fixed port the workers other than ``index`` listen on, from their
+    configurations: a TURN client of this worker must not reach them."""
+    ports: set[int] = set()
+    for other in range(plan.count):
+        if other == index:
+            continue
+        theirs = worker_config(config, other, plan)
+        ports.add(theirs.core.http_port)
+        for section, f, info in iter_settings():
+            if info.kind != "port" or section == "core":
+                continue
+            if not theirs.enabled(section) or section not in theirs.sections:
+                continue
+            ports.add(getattr(theirs.sections[section], f.name))
+    ports.discard(0)
+    return frozenset(ports)
 
 
 def worker_command() -> list[str]:

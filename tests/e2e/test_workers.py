@@ -29,6 +29,7 @@ import httpx
 import pytest
 
 from crossroads.client.relay import Allocation, RelayApi, RelayConnection
+from crossroads.client.turn import TurnClient, TurnClientError
 from tests.conftest import (
     RedisServer,
     consecutive_free_ports,
@@ -215,6 +216,21 @@ async def test_turn_uclient_50_sessions_without_loss(workers: Workers) -> None:
     ]
     # At least one allocation per session, spread by the kernel over both.
     assert sum(created) >= 50 and min(created) > 0, created
+
+
+async def test_turn_refuses_every_workers_service_ports(workers: Workers) -> None:
+    """A TURN client (on whichever worker the kernel chose) cannot relay into
+    this server's ports, the other worker's included: both HTTP ports here
+    (loopback peers are allowed in this server, its own ports are not)."""
+    client = await TurnClient.connect(
+        ("127.0.0.1", workers.stun_port), USER, PASSWORD, timeout=10
+    )
+    async with client:
+        await client.allocate()
+        for port in (workers.http_port, workers.http_port + 1):
+            with pytest.raises(TurnClientError) as refused:
+                await client.bind_channel(("127.0.0.1", port))
+            assert refused.value.code == 403, port
 
 
 async def test_relay_session_on_worker_1_allocated_by_worker_0(

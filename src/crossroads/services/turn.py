@@ -118,6 +118,7 @@ from crossroads.services.stun import (
 )
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
+from crossroads.transport.reuseport import sibling_ports
 from crossroads.transport.turnplane import (
     ACCELERATED,
     PAD,
@@ -871,7 +872,8 @@ class TurnService:
             policy,
             PortAllocator(low, high, cast(Any, secrets)),
             self,
-            own_ports=listening_ports,
+            # Other workers' ports are this server's too (--workers N).
+            own_ports=lambda: listening_ports() | sibling_ports(),
             reflection=ctx.reflection_budget(),
         )
         self.core.clock_offset = time.time() - self.loop.time()

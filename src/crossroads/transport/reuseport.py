@@ -40,6 +40,7 @@ INHERITED_ENV = "CROSSROADS_WORKER_SOCKETS"
 _sharing = False
 _channel: socket.socket | None = None
 _inherited: dict[str, int] = {}
+_sibling_ports: frozenset[int] = frozenset()
 
 
 def share_listening_ports(enabled: bool, env: Mapping[str, str] | None = None) -> None:
@@ -93,3 +94,17 @@ def publish_shared_socket(
     key = socket_key(kind, host, port).encode()
     with contextlib.suppress(OSError):  # a gone supervisor: nothing to keep it
         socket.send_fds(_channel, [key], [sock.fileno()])
+
+
+def set_sibling_ports(ports: frozenset[int]) -> None:
+    """The fixed ports the *other* workers of this server listen on (their
+    HTTP ports, relay nodes; worker 0's natneg, OpenTTD, ... ports)."""
+    global _sibling_ports
+    _sibling_ports = ports
+
+
+def sibling_ports() -> frozenset[int]:
+    """Ports of this server held by other workers: TURN keeps its clients off
+    them as off its own (crossroads.proto.policy; DESIGN: no relaying into the
+    server's own services)."""
+    return _sibling_ports
