@@ -6,6 +6,10 @@ tests/e2e/test_workers.py.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import sys
 from typing import Any
 
 import pytest
@@ -19,12 +23,15 @@ from crossroads.workers import (
     SUPERVISOR_PID_ENV,
     WORKER_COUNT_ENV,
     WORKER_INDEX_ENV,
+    Supervisor,
+    WorkerPlan,
     WorkerSlot,
     current_worker,
     plan_workers,
     sibling_ports,
     worker_config,
 )
+from tests.conftest import eventually
 
 load_service_modules()
 
@@ -125,3 +132,36 @@ def test_sibling_ports_are_the_other_workers_fixed_ports() -> None:
     of_worker_0 = sibling_ports(base, 0, plan)
     assert {8081, 7781} <= of_worker_0
     assert not {8080, 7780, 27901, 3976} & of_worker_0
+
+
+async def test_a_dying_worker_is_restarted_with_a_growing_delay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A real child that exits at once (code 1): restarted after 0.5 s, then
+    1 s, ... (crossroads.workers.RESTART_MIN), until the supervisor stops."""
+    plan = WorkerPlan(1, (), "")
+    supervisor = Supervisor(plan, [sys.executable, "-c", "raise SystemExit(1)"], {})
+    caplog.set_level(logging.INFO, logger="crossroads.workers")
+    running = asyncio.create_task(supervisor.run())
+
+    async def restarted_twice() -> bool:
+        return "restarting in 1.0 s" in caplog.text
+
+    await eventually(restarted_twice, "a second restart, after a longer delay", 20)
+    assert "exited with 1; restarting in 0.5 s" in caplog.text
+    supervisor.stop()
+    assert await asyncio.wait_for(running, 20) == 0
+
+
+async def test_a_worker_failing_its_first_start_with_code_2_stops_everything() -> None:
+    plan = WorkerPlan(2, ("stun",), "")
+    command = [
+        sys.executable,
+        "-c",
+        # Worker 1 fails like a bad configuration; worker 0 would run forever.
+        "import os, sys, time\n"
+        f"sys.exit(2) if os.environ['{WORKER_INDEX_ENV}'] == '1' else time.sleep(60)",
+    ]
+    supervisor = Supervisor(plan, command, dict(os.environ))
+    assert await asyncio.wait_for(supervisor.run(), 30) == 2
+    assert all(p.returncode is not None for p in supervisor.processes.values())
