@@ -104,12 +104,16 @@ def serve(config_file: Path | None, **params: Any) -> None:
     except ConfigError as exc:
         fail(f"config error: {exc}")
         return
-    configure_logging(config.core.log_level, config.core.log_format)
     from crossroads import workers
     from crossroads.runtime import serve_forever
 
     try:
         slot = workers.current_worker()
+        configure_logging(
+            config.core.log_level,
+            config.core.log_format,
+            None if slot is None else slot.index,
+        )
         plan = workers.plan_workers(config)
         if slot is None:
             if plan.reason:

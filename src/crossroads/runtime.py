@@ -242,9 +242,8 @@ async def serve_forever(
         )
     if worker is not None:
         register_worker_metric(runtime.metrics, worker)
-    prefix = f"worker {worker.index}: " if worker is not None else ""
     for line in runtime.describe():
-        log.info("%s%s", prefix, line)
+        log.info("%s", line)
     stun = runtime.services.get("stun")
     lines = (
         banner(

@@ -202,6 +202,10 @@ async def test_stun_is_answered_by_both_workers(workers: Workers) -> None:
     for index in (0, 1):
         text = metrics(workers, index)
         assert sample(text, "crossroads_worker_info", worker=str(index), workers="2")
+        # Every log line of a worker names it.
+        assert f"crossroads[w{index}]: stun: udp 127.0.0.1:{workers.stun_port}" in (
+            workers.output()
+        )
 
 
 async def test_turn_uclient_50_sessions_without_loss(workers: Workers) -> None:
