@@ -19,6 +19,7 @@ from crossroads.errors import ConfigError
 from crossroads.services import load_service_modules
 from crossroads.services.relay import Config as RelayConfig
 from crossroads.services.stun import Config as StunConfig
+from crossroads.transport.reuseport import CHANNEL_ENV, READY
 from crossroads.workers import (
     SUPERVISOR_PID_ENV,
     WORKER_COUNT_ENV,
@@ -153,15 +154,24 @@ async def test_a_dying_worker_is_restarted_with_a_growing_delay(
     assert await asyncio.wait_for(running, 20) == 0
 
 
-async def test_a_worker_failing_its_first_start_with_code_2_stops_everything() -> None:
+async def test_workers_start_after_worker_0_and_a_first_start_exit_2_stops_all() -> (
+    None
+):
+    """Worker 0 (a real child) says it is ready over the hand-over channel;
+    only then is worker 1 started, which fails like a bad configuration (exit
+    2): the supervisor stops worker 0 and returns 2."""
     plan = WorkerPlan(2, ("stun",), "")
     command = [
         sys.executable,
         "-c",
-        # Worker 1 fails like a bad configuration; worker 0 would run forever.
-        "import os, sys, time\n"
-        f"sys.exit(2) if os.environ['{WORKER_INDEX_ENV}'] == '1' else time.sleep(60)",
+        "import os, socket, sys, time\n"
+        f"if os.environ['{WORKER_INDEX_ENV}'] == '1':\n"
+        "    sys.exit(2)\n"
+        f"channel = socket.socket(fileno=int(os.environ['{CHANNEL_ENV}']))\n"
+        f"channel.send({READY!r})\n"
+        "time.sleep(60)\n",
     ]
     supervisor = Supervisor(plan, command, dict(os.environ))
     assert await asyncio.wait_for(supervisor.run(), 30) == 2
+    assert set(supervisor.processes) == {0, 1}
     assert all(p.returncode is not None for p in supervisor.processes.values())

@@ -129,7 +129,7 @@ def serve(config_file: Path | None, **params: Any) -> None:
                 )
                 sys.exit(run_async(supervisor.run()))
         else:
-            transport_sharing.share_listening_ports(True)
+            transport_sharing.share_listening_ports(True, slot.index, slot.count)
             transport_sharing.set_sibling_ports(
                 workers.sibling_ports(config, slot.index, plan)
             )

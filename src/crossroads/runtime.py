@@ -23,6 +23,7 @@ from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
+from crossroads.transport import reuseport
 from crossroads.transport.admission import (
     BudgetCollector,
     ConnectionBudget,
@@ -242,6 +243,7 @@ async def serve_forever(
         )
     if worker is not None:
         register_worker_metric(runtime.metrics, worker)
+        reuseport.announce_ready()
     for line in runtime.describe():
         log.info("%s", line)
     stun = runtime.services.get("stun")

@@ -280,6 +280,7 @@ class Supervisor:
         #: Per worker, the shared sockets it bound (transport/reuseport.py):
         #: kept across its restarts so the SO_REUSEPORT groups never change.
         self.held: dict[int, dict[str, socket.socket]] = {}
+        self._ready: dict[int, asyncio.Event] = {}
 
     def _signal_all(self, signum: int) -> None:
         for process in self.processes.values():
@@ -295,20 +296,28 @@ class Supervisor:
         self._signal_all(signal.SIGHUP)
 
     def _receive_sockets(self, index: int, channel: socket.socket) -> None:
-        """Keep the shared sockets worker ``index`` hands over (SCM_RIGHTS)."""
-        held = self.held.setdefault(index, {})
+        """Keep the shared sockets worker ``index`` hands over (SCM_RIGHTS:
+        "<worker> <key>", worker 0 handing over every worker's), and note its
+        readiness."""
         while True:
             try:
                 message, fds, _, _ = socket.recv_fds(channel, 256, 8)
-            except (BlockingIOError, InterruptedError):
+            except OSError:  # BlockingIOError included: all read
                 return
-            except OSError:
+            if not message:
                 return
-            if not fds:
-                return
-            key = message.decode("utf-8", "replace")
+            if message == reuseport.READY:
+                self._ready.setdefault(index, asyncio.Event()).set()
             for fd in fds[1:]:  # one socket per message; close any extra
                 os.close(fd)
+            if not fds:
+                continue
+            owner, _, key = message.decode("utf-8", "replace").partition(" ")
+            try:
+                held = self.held.setdefault(int(owner), {})
+            except ValueError:
+                os.close(fds[0])
+                continue
             previous = held.pop(key, None)
             if previous is not None:
                 previous.close()
@@ -405,10 +414,24 @@ class Supervisor:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self.stop)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
-        keepers = [
-            asyncio.create_task(self._keep(index)) for index in range(self.plan.count)
-        ]
+        # Worker 0 first: it makes every worker's shared sockets, so the
+        # SO_REUSEPORT groups are whole before anyone serves a client
+        # (transport/reuseport.py); the others start once it is ready.
+        keepers = [asyncio.create_task(self._keep(0))]
         try:
+            ready = self._ready.setdefault(0, asyncio.Event())
+            waiters = [
+                asyncio.create_task(ready.wait()),
+                asyncio.create_task(self._stopping.wait()),
+            ]
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for waiter in waiters:
+                waiter.cancel()
+            if not self._stopping.is_set():
+                keepers += [
+                    asyncio.create_task(self._keep(index))
+                    for index in range(1, self.plan.count)
+                ]
             await self._stopping.wait()
             log.info("shutting down %d worker(s)", self.plan.count)
         finally:

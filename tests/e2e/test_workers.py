@@ -404,3 +404,61 @@ def test_workers_with_nothing_to_spread_is_a_config_error() -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "config error: workers: 2 workers need STUN/TURN" in result.stderr
+
+
+async def test_clients_served_first_stay_on_their_worker_as_the_others_start(
+    tmp_path: Path,
+) -> None:
+    """The SO_REUSEPORT group is whole before the first client is answered
+    (worker 0 binds every worker's socket; the others start after it): TURN
+    clients allocated at the very first answer keep reaching their worker once
+    worker 1 runs. Before, worker 1 joined the group late and took over about
+    half of them (their Refresh got 437, their ChannelData was dropped)."""
+    http_port = consecutive_free_ports(2)
+    stun_port = free_udp_tcp_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [
+                sys.executable, "-m", "crossroads", "serve", "--workers", "2",
+                "--host", "127.0.0.1", "--only", "stun,turn",
+                "--http-port", str(http_port), "--turn-user", f"{USER}:{PASSWORD}",
+                "--stun-port", str(stun_port), "--stun-alt-port", "0",
+            ],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    server = Workers(process, log, http_port, stun_port, 0, 0)
+    clients: list[TurnClient] = []
+    try:
+
+        async def answers() -> bool:
+            assert process.poll() is None, server.output()
+            try:
+                return await stun_from_many_ports(stun_port, 1) == 1
+            except ConnectionRefusedError:  # nothing bound yet: ICMP unreachable
+                return False
+
+        await eventually(answers, "the first STUN answer", 45)
+        for _ in range(16):
+            client = await TurnClient.connect(
+                ("127.0.0.1", stun_port), USER, PASSWORD, timeout=10
+            )
+            clients.append(client)
+            await client.allocate()
+
+        async def both_up() -> bool:
+            return healthy(server, 0) and healthy(server, 1)
+
+        await eventually(both_up, "both workers up", 45)
+        for client in clients:  # a client dealt to another worker gets 437
+            assert await client.refresh() > 0
+    finally:
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await client.close()
+        process.terminate()
+        process.wait(30)

@@ -832,13 +832,33 @@ def _family(host: str) -> socket.AddressFamily:
 
 def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket.socket:
     if kind == socket.SOCK_DGRAM:
-        # A restarted worker of `--workers N` takes its predecessor's socket
-        # back (transport/reuseport.py says why).
+        # A worker of `--workers N` takes the socket made for it by worker 0,
+        # or its predecessor's (transport/reuseport.py says why).
         adopted = adopt_shared_socket(kind, host, port)
         if adopted is not None:
             adopted.setblocking(False)
             register_listener(adopted)
             return adopted
+    sock = _new_socket(host, port, kind, v6only)
+    if kind == socket.SOCK_DGRAM:
+        try:
+            publish_shared_socket(
+                sock,
+                kind,
+                host,
+                port,
+                lambda: _new_socket(host, port, socket.SOCK_DGRAM, v6only),
+            )
+        except BaseException:
+            sock.close()
+            raise
+    register_listener(sock)
+    return sock
+
+
+def _new_socket(
+    host: str, port: int, kind: socket.SocketKind, v6only: bool
+) -> socket.socket:
     sock = socket.socket(_family(host), kind)
     try:
         if kind == socket.SOCK_STREAM:
@@ -854,13 +874,10 @@ def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket
         sock.bind((host, port))
         if kind == socket.SOCK_STREAM:
             sock.listen(1024)
-        else:
-            publish_shared_socket(sock, kind, host, port)
         sock.setblocking(False)
     except BaseException:
         sock.close()
         raise
-    register_listener(sock)
     return sock
 
 

@@ -16,6 +16,13 @@ stays in the group while its worker is dead, and the restarted worker adopts the
 very same socket (:func:`adopt_shared_socket`, an inherited descriptor), so the
 group, and every client's worker, never changes.
 
+The group must also be complete before the first client arrives: a worker
+joining it later would take over part of the clients already served by the
+others. So worker 0 (started alone) binds *every* worker's socket for each
+shared port at once, hands them all to the supervisor and says it is ready
+(:func:`announce_ready`); only then does the supervisor start workers 1..N-1,
+which adopt the sockets made for them.
+
 Whoever creates a shareable listening socket calls :func:`adopt_shared_socket`
 first, :func:`allow_port_sharing` before ``bind`` and
 :func:`publish_shared_socket` after it; all three do nothing outside a worker,
@@ -29,7 +36,7 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 #: Set by the supervisor in a worker's environment: the descriptor of the
 #: worker's end of the hand-over socket pair, and {key: descriptor} of the
@@ -37,17 +44,28 @@ from collections.abc import Mapping
 CHANNEL_ENV = "CROSSROADS_WORKER_CHANNEL"
 INHERITED_ENV = "CROSSROADS_WORKER_SOCKETS"
 
+#: The message a worker sends once it serves (after its shared sockets).
+READY = b"ready"
+
 _sharing = False
+_index = 0
+_count = 1
 _channel: socket.socket | None = None
 _inherited: dict[str, int] = {}
 _sibling_ports: frozenset[int] = frozenset()
 
 
-def share_listening_ports(enabled: bool, env: Mapping[str, str] | None = None) -> None:
-    """Turn sharing on in a worker process, with the supervisor's hand-over
-    channel and inherited sockets from ``env`` (default: the environment)."""
-    global _sharing, _channel
-    _sharing = enabled
+def share_listening_ports(
+    enabled: bool,
+    index: int = 0,
+    count: int = 1,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Turn sharing on in worker ``index`` of ``count``, with the supervisor's
+    hand-over channel and inherited sockets from ``env`` (default: the
+    environment)."""
+    global _sharing, _channel, _index, _count
+    _sharing, _index, _count = enabled, index, count
     _inherited.clear()
     _channel = None
     if not enabled:
@@ -86,14 +104,40 @@ def adopt_shared_socket(
 
 
 def publish_shared_socket(
-    sock: socket.socket, kind: socket.SocketKind, host: str, port: int
+    sock: socket.socket,
+    kind: socket.SocketKind,
+    host: str,
+    port: int,
+    make_sibling: Callable[[], socket.socket] | None = None,
 ) -> None:
-    """Hand a duplicate of the bound, shared ``sock`` to the supervisor."""
+    """Hand a duplicate of the bound, shared ``sock`` to the supervisor; in
+    worker 0, also the sockets of workers 1..N-1 for the same port, made now by
+    ``make_sibling`` (module docstring: the group is complete from the start)."""
     if not _sharing or port == 0 or _channel is None:
         return
-    key = socket_key(kind, host, port).encode()
+    key = socket_key(kind, host, port)
+    _hand_over(_index, key, sock)
+    if _index != 0 or make_sibling is None:
+        return
+    for other in range(1, _count):
+        sibling = make_sibling()
+        try:
+            _hand_over(other, key, sibling)
+        finally:
+            sibling.close()  # the supervisor holds it for worker `other`
+
+
+def _hand_over(worker: int, key: str, sock: socket.socket) -> None:
+    assert _channel is not None
     with contextlib.suppress(OSError):  # a gone supervisor: nothing to keep it
-        socket.send_fds(_channel, [key], [sock.fileno()])
+        socket.send_fds(_channel, [f"{worker} {key}".encode()], [sock.fileno()])
+
+
+def announce_ready() -> None:
+    """Tell the supervisor this worker serves (worker 0: the others may start)."""
+    if _sharing and _channel is not None:
+        with contextlib.suppress(OSError):
+            _channel.send(READY)
 
 
 def set_sibling_ports(ports: frozenset[int]) -> None:
