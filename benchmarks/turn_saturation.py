@@ -268,10 +268,11 @@ def spawn_crossroads(workers: int | None, flags: list[str]) -> subprocess.Popen[
 def start_crossroads_turn(workers: int | None) -> Target:
     port = turn.free_port()
     low = 20000 + ((port + 11) % 20) * 1000
+    http_port = consecutive_free_ports(workers or 1)
     process = spawn_crossroads(
         workers,
         [
-            "--only", "stun,turn", "--http-port", "0",
+            "--only", "stun,turn", "--http-port", str(http_port),
             "--stun-port", str(port), "--stun-alt-port", "0",
             "--turn-user", f"{turn.USER}:{turn.PASSWORD}", "--turn-realm", turn.REALM,
             "--allow-loopback-peers", "--relay-ports", f"{low}-{low + 999}",
@@ -279,6 +280,10 @@ def start_crossroads_turn(workers: int | None) -> Target:
     )  # fmt: skip
     try:
         turn.wait_udp_ready(port)
+        # Every worker serving before the allocations: the requests of a
+        # client hashed to a worker still starting wait in its socket, and this
+        # script's simple TURN client would read their late answers as its own.
+        wait_workers(http_port, workers)
     except BaseException:
         stop(process)
         raise
@@ -377,6 +382,15 @@ class BenchRedis:
 REDIS = BenchRedis()
 
 
+def wait_workers(http_port: int, workers: int | None) -> None:
+    """Until every worker of ``--workers N`` answers its /healthz (worker i on
+    the HTTP port + i)."""
+    for index in range(1, workers or 1):
+        relay.wait_until(
+            lambda index=index: _healthy(http_port + index), f"worker {index}"
+        )
+
+
 def _healthy(port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://{HOST}:{port}/healthz", timeout=1):
@@ -400,12 +414,8 @@ def start_crossroads_relay(workers: int | None) -> Target:
     base = f"http://{HOST}:{http_port}"
     try:
         relay.wait_until(lambda: bool(relay.http_json(f"{base}/v1/regions")), "relay")
-        # Every worker's node up (its /healthz on the HTTP port + its index)
-        # before allocating: the load must reach all of them.
-        for index in range(1, workers or 1):
-            relay.wait_until(
-                lambda index=index: _healthy(http_port + index), f"worker {index}"
-            )
+        # Every worker's node up before allocating: the load must reach all.
+        wait_workers(http_port, workers)
     except BaseException:
         stop(process)
         raise

@@ -2,7 +2,8 @@
 
 Theory of operation. The supervisor (the process the operator started) binds
 nothing and opens no store: it starts N copies of ``crossroads serve`` with the
-same arguments and ``CROSSROADS_WORKER_INDEX`` = 0..N-1 in their environment,
+same arguments and ``CROSSROADS_WORKER_INDEX`` = 0..N-1 in their environment
+(worker 0 first, the others once it says it is ready),
 restarts one that dies (after 0.5 s, doubling to 30 s while it keeps dying
 young), forwards SIGHUP to all of them (each re-reads flags, environment and
 TOML as a single process does) and stops them all on SIGINT/SIGTERM.
@@ -34,10 +35,11 @@ redirects name an HTTP URL) and the HTTP port (the console's admin pages list
 the sessions of the process that answers). Each extra worker serves its own
 HTTP app (``/metrics``, ``/healthz``) on ``--http-port`` + index.
 
-The supervisor also keeps a duplicate of every shared UDP socket a worker binds
-(handed over with SCM_RIGHTS) and gives it back to the worker's next run, so a
-worker's death never changes the SO_REUSEPORT groups and never moves the other
-workers' clients (:mod:`crossroads.transport.reuseport` explains the kernel's
+Worker 0 binds the shared UDP sockets of every worker at once, so each
+SO_REUSEPORT group is whole before a client is served. The supervisor keeps a
+duplicate of each (handed over with SCM_RIGHTS), gives a worker the ones made
+for it, and gives them back to a restarted worker, so a worker's death never
+changes the groups and never moves the other workers' clients (:mod:`crossroads.transport.reuseport` explains the kernel's
 side). docs/architecture.md, "Workers", says why things are split this way.
 """
 
