@@ -38,9 +38,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from turn import TICK, tree_ticks
+
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 ECHO_SERVER = """
 import asyncio, sys, uvloop
@@ -79,14 +80,14 @@ def free_port() -> int:
     raise RuntimeError("no free port")
 
 
-def pinned(cpu: int, command: list[str]) -> list[str]:
+def pinned(cpu: int | str, command: list[str]) -> list[str]:
     return ["taskset", "-c", str(cpu), *command] if shutil.which("taskset") else command
 
 
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    # Fields 14 and 15 (utime, stime) are at index 11 and 12 after the name.
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    """CPU time of ``pid`` and of its children (the workers of
+    ``crossroads serve --workers N``)."""
+    return tree_ticks(pid) / TICK
 
 
 def wait_ready(port: int, echo: bool = False) -> None:
@@ -113,8 +114,13 @@ def binding_response_size(port: int) -> int:
 
 
 def start_crossroads(
-    workdir: Path, name: str = "crossroads", rate_limit: int = 0, batch_io: bool = True
+    workdir: Path,
+    name: str = "crossroads",
+    rate_limit: int = 0,
+    batch_io: bool = True,
+    workers: int | None = None,
 ) -> Server:
+    """``workers``: pass ``--workers N`` (N > 1 runs on CPUs 0 and 1)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
     command = [
@@ -124,14 +130,18 @@ def start_crossroads(
         "--log-level", "warning", "--no-reflection-budget",
         "--stun-batch-io" if batch_io else "--no-stun-batch-io",
     ]  # fmt: skip
+    if workers is not None:
+        command += ["--workers", str(workers)]
+    cpus = "0,1" if workers is not None and workers > 1 else 0
     log = (workdir / f"{name.replace(' ', '_')}.log").open("wb")
-    process = subprocess.Popen(pinned(0, command), stdout=log, stderr=log, env=env)
+    process = subprocess.Popen(pinned(cpus, command), stdout=log, stderr=log, env=env)
     server = Server(name, process, port)
     wait_ready(port)
     return server
 
 
-def start_coturn(workdir: Path) -> Server:
+def start_coturn(workdir: Path, threads: int = 1, name: str = "coturn") -> Server:
+    """``turnserver -m threads`` (more than 1: on CPUs 0 and 1)."""
     binary = shutil.which("turnserver")
     if binary is None:
         raise SystemExit("coturn's turnserver is not installed (make install)")
@@ -139,13 +149,16 @@ def start_coturn(workdir: Path) -> Server:
     command = [
         binary, "-n", "--log-file", str(workdir / "turnserver.log"), "--simple-log",
         "-L", HOST, "-p", str(port), "--alt-listening-port", "0",
-        "--no-tls", "--no-dtls", "--no-cli", "-m", "1", "-r", "bench.local",
-        "--pidfile", str(workdir / "turnserver.pid"), "--db", str(workdir / "turndb"),
+        "--no-tls", "--no-dtls", "--no-cli", "-m", str(threads), "-r", "bench.local",
+        "--pidfile", str(workdir / f"turnserver-{port}.pid"),
+        "--db", str(workdir / f"turndb-{port}"),
     ]  # fmt: skip
     process = subprocess.Popen(
-        pinned(0, command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        pinned("0,1" if threads > 1 else 0, command),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
-    server = Server("coturn", process, port)
+    server = Server(name, process, port)
     wait_ready(port)
     return server
 

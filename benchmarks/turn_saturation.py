@@ -74,6 +74,7 @@ import sys
 import tempfile
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ import natneg  # noqa: E402
 import relay  # noqa: E402
 import stun  # noqa: E402
 import turn  # noqa: E402
+
+sys.path.insert(0, str(HERE.parent))
+from tests.conftest import RedisServer, consecutive_free_ports  # noqa: E402
 
 HOST = "127.0.0.1"
 LOSS_LIMIT = 0.5  # percent, the issue's threshold
@@ -292,10 +296,11 @@ def spawn_crossroads(
 def start_crossroads_turn(workers: int | None) -> Target:
     port = turn.free_port()
     low = 20000 + ((port + 11) % 20) * 1000
+    http_port = consecutive_free_ports(workers or 1)
     process = spawn_crossroads(
         workers,
         [
-            "--only", "stun,turn", "--http-port", "0",
+            "--only", "stun,turn", "--http-port", str(http_port),
             "--stun-port", str(port), "--stun-alt-port", "0",
             "--turn-user", f"{turn.USER}:{turn.PASSWORD}", "--turn-realm", turn.REALM,
             "--allow-loopback-peers", "--relay-ports", f"{low}-{low + 999}",
@@ -303,6 +308,10 @@ def start_crossroads_turn(workers: int | None) -> Target:
     )  # fmt: skip
     try:
         turn.wait_udp_ready(port)
+        # Every worker serving before the allocations: the requests of a
+        # client hashed to a worker still starting wait in its socket, and this
+        # script's simple TURN client would read their late answers as its own.
+        wait_workers(http_port, workers)
     except BaseException:
         stop(process)
         raise
@@ -380,20 +389,62 @@ def bare_pair_flows(
     return pair_flows(pairs, payload)
 
 
+class BenchRedis:
+    """A private redis-server (tests/conftest.py's), started on first use:
+    ``--workers 2`` of the Unity relay needs a shared store (each worker is a
+    relay node of its own, registered there; crossroads.workers)."""
+
+    def __init__(self) -> None:
+        self.server: RedisServer | None = None
+
+    def url(self) -> str:
+        if self.server is None:
+            self.server = RedisServer()
+        return self.server.url
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+REDIS = BenchRedis()
+
+
+def wait_workers(http_port: int, workers: int | None) -> None:
+    """Until every worker of ``--workers N`` answers its /healthz (worker i on
+    the HTTP port + i)."""
+    for index in range(1, workers or 1):
+        relay.wait_until(
+            lambda index=index: _healthy(http_port + index), f"worker {index}"
+        )
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/healthz", timeout=1):
+            return True
+    except (OSError, urllib.error.URLError):
+        return False
+
+
 def start_crossroads_relay(workers: int | None, variant: Variant = Variant()) -> Target:
-    http_port, relay_port = relay.free_port(socket.SOCK_STREAM), relay.free_port()
+    http_port = consecutive_free_ports(workers or 1)
+    relay_port = consecutive_free_ports(workers or 1, socket.SOCK_DGRAM)
+    store = ["--store", REDIS.url()] if workers is not None and workers > 1 else []
     process = spawn_crossroads(
         workers,
         [
             "--http-port", str(http_port), "--only", "relay",
             "--relay-port", str(relay_port), "--api-key", relay.API_KEY,
-            "--relay-allow-private-peers", "--relay-api-rate", "0",
+            "--relay-allow-private-peers", "--relay-api-rate", "0", *store,
         ],
         variant,
     )  # fmt: skip
     base = f"http://{HOST}:{http_port}"
     try:
         relay.wait_until(lambda: bool(relay.http_json(f"{base}/v1/regions")), "relay")
+        # Every worker's node up before allocating: the load must reach all.
+        wait_workers(http_port, workers)
     except BaseException:
         stop(process)
         raise
@@ -668,17 +719,24 @@ def summary(
             )
 
 
-def stun_rounds(binaries: dict[str, Path], args: argparse.Namespace) -> None:
-    """Binding requests/s, crossroads vs coturn -m 1 (benchmarks/stun.py's
-    servers and closed-loop generator, 16 sockets x 16 in flight)."""
+def stun_rounds(
+    binaries: dict[str, Path], args: argparse.Namespace, worker_counts: list[int | None]
+) -> None:
+    """Binding requests/s, crossroads at each worker count vs coturn -m 1 and
+    -m 2 (benchmarks/stun.py's servers and closed-loop generator, 16 sockets x
+    16 in flight: 16 source ports, which SO_REUSEPORT spreads over workers)."""
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-sat-stun-"))
     servers: list[stun.Server] = []
     stun_args = argparse.Namespace(
         duration=args.seconds * 2, warmup=args.warmup, sockets=16, window=16
     )
     try:
-        servers.append(stun.start_crossroads(workdir))
-        servers.append(stun.start_coturn(workdir))
+        for count in worker_counts:
+            servers.append(
+                stun.start_crossroads(workdir, crossroads_label(count), workers=count)
+            )
+        servers.append(stun.start_coturn(workdir, 1, "coturn -m 1"))
+        servers.append(stun.start_coturn(workdir, 2, "coturn -m 2"))
         rows: dict[str, list[tuple[float, float]]] = {s.name: [] for s in servers}
         for round_no in range(args.rounds):
             order = servers if round_no % 2 == 0 else servers[::-1]
@@ -697,11 +755,14 @@ def stun_rounds(binaries: dict[str, Path], args: argparse.Namespace) -> None:
         per_cpu = statistics.median(r / c for r, c in values if c > 0)
         medians[name] = (rate, per_cpu)
         print(f"  {name:<28} {rate:>10.0f} req/s  {per_cpu:>10.0f} req per CPU-second")
-    ours, theirs = medians["crossroads"], medians["coturn"]
-    print(
-        f"  crossroads / coturn -m 1: req/s {ours[0] / theirs[0]:.2f}, "
-        f"per CPU-second {ours[1] / theirs[1]:.2f}"
-    )
+    for count in worker_counts:
+        ours = medians[crossroads_label(count)]
+        peer = "coturn -m 2" if count is not None and count > 1 else "coturn -m 1"
+        theirs = medians[peer]
+        print(
+            f"  {crossroads_label(count)} / {peer}: req/s {ours[0] / theirs[0]:.2f}, "
+            f"per CPU-second {ours[1] / theirs[1]:.2f}"
+        )
 
 
 def main() -> None:
@@ -842,10 +903,11 @@ def main() -> None:
                 args,
             )
         if "stun" in parts:
-            stun_rounds(binaries, args)
+            stun_rounds(binaries, args, worker_counts)
     except urllib.error.URLError as exc:
         sys.exit(f"REST call failed: {exc}")
     finally:
+        REDIS.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

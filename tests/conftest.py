@@ -40,6 +40,26 @@ def free_udp_tcp_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no port free for both UDP and TCP")
 
 
+def consecutive_free_ports(count: int, kind: int = socket.SOCK_STREAM) -> int:
+    """A port P with P..P+count-1 all free a moment ago (``--workers N`` puts
+    worker i's HTTP port and relay node on the base port + i)."""
+    for _ in range(100):
+        base = free_port(kind)
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, kind)
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 class RedisServer:
     """A real redis-server on a private port and directory, for one test session."""
 

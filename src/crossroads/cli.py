@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -15,6 +16,7 @@ from crossroads.config import Config, build_config, flag_name, iter_settings, re
 from crossroads.errors import ConfigError
 from crossroads.logs import configure_logging
 from crossroads.services import load_service_modules
+from crossroads.transport import reuseport as transport_sharing
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,13 +104,44 @@ def serve(config_file: Path | None, **params: Any) -> None:
     except ConfigError as exc:
         fail(f"config error: {exc}")
         return
-    configure_logging(config.core.log_level, config.core.log_format)
+    from crossroads import workers
     from crossroads.runtime import serve_forever
 
     try:
-        run_async(
-            serve_forever(config, reread=lambda: config_from_cli(config_file, params))
+        slot = workers.current_worker()
+        configure_logging(
+            config.core.log_level,
+            config.core.log_format,
+            None if slot is None else slot.index,
         )
+        plan = workers.plan_workers(config)
+        if slot is None:
+            if plan.reason:
+                workers.log.info("%s", plan.reason)
+            if plan.count > 1:
+                from crossroads.firstrun import prepare
+
+                # Development credentials are created once, here, before the
+                # workers read them (no race between N first runs).
+                prepare(config)
+                supervisor = workers.Supervisor(
+                    plan, workers.worker_command(), os.environ
+                )
+                sys.exit(run_async(supervisor.run()))
+        else:
+            transport_sharing.share_listening_ports(True, slot.index, slot.count)
+            transport_sharing.set_sibling_ports(
+                workers.sibling_ports(config, slot.index, plan)
+            )
+            config = workers.worker_config(config, slot.index, plan)
+
+        def reread() -> Config:
+            fresh = config_from_cli(config_file, params)
+            if slot is None:
+                return fresh
+            return workers.worker_config(fresh, slot.index, plan)
+
+        run_async(serve_forever(config, reread=reread, worker=slot))
     except OSError as exc:
         fail(f"cannot start: {exc}")
     except ConfigError as exc:

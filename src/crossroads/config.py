@@ -343,6 +343,17 @@ class CoreConfig:
         "development certificate in this directory and serve TLS with it.",
     )
 
+    # crossroads.workers and docs/architecture.md "Workers": extra processes on
+    # SO_REUSEPORT STUN/TURN UDP ports (and their own relay nodes with Redis).
+    workers: int = setting(
+        0,
+        kind="int",
+        check=_check_non_negative,
+        help="Worker processes (0 = auto: one per core with a Redis --store and "
+        "a fixed --stun-port, else 1). Extra workers serve STUN/TURN over UDP, "
+        "and a relay node each with Redis; the rest stays in worker 0.",
+    )
+
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert: --tls-cert and --tls-key go together")

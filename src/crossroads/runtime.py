@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from crossroads.config import Config
 from crossroads.errors import ConfigError
@@ -23,6 +23,7 @@ from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
+from crossroads.transport import reuseport
 from crossroads.transport.admission import (
     BudgetCollector,
     ConnectionBudget,
@@ -35,6 +36,7 @@ from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
 from crossroads.web.console import Console
 from crossroads.web.guard import HttpGuard
+from crossroads.workers import WorkerSlot
 
 log = logging.getLogger("crossroads")
 
@@ -199,7 +201,9 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
 
 
 async def serve_forever(
-    config: Config, reread: Callable[[], Config] | None = None
+    config: Config,
+    reread: Callable[[], Config] | None = None,
+    worker: WorkerSlot | None = None,
 ) -> None:
     """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM.
 
@@ -209,7 +213,9 @@ async def serve_forever(
     state directory also gets ``server.json`` (pid and URL) for the admin CLI.
     SIGHUP calls ``reread`` (flags, environment and the TOML file again) and
     applies the result to the services that can reload live; a bad new
-    configuration is logged and the running one kept.
+    configuration is logged and the running one kept. ``worker``: this process
+    is one of ``--workers N`` (:mod:`crossroads.workers`); only worker 0 prints
+    the banner and writes ``server.json``, naming the supervisor's pid.
     """
     from crossroads.firstrun import banner, prepare
 
@@ -227,14 +233,28 @@ async def serve_forever(
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         raise
-    server_file = write_server_file(first_run.state_dir, runtime)
+    primary = worker is None or worker.index == 0
+    server_file: Path | None = None
+    if primary:
+        server_file = write_server_file(
+            first_run.state_dir,
+            runtime,
+            pid=worker.supervisor_pid if worker is not None else None,
+        )
+    if worker is not None:
+        register_worker_metric(runtime.metrics, worker)
+        reuseport.announce_ready()
     for line in runtime.describe():
         log.info("%s", line)
     stun = runtime.services.get("stun")
-    lines = banner(
-        first_run,
-        stun=stun.primary if isinstance(stun, StunService) else None,
-        http=runtime.http_address,
+    lines = (
+        banner(
+            first_run,
+            stun=stun.primary if isinstance(stun, StunService) else None,
+            http=runtime.http_address,
+        )
+        if primary
+        else []
     )
     if lines:
         sys.stdout.write("\n".join(lines) + "\n")
@@ -262,34 +282,53 @@ async def serve_forever(
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
-        remove_server_file(server_file)
+        if server_file is not None:
+            remove_server_file(
+                server_file, worker.supervisor_pid if worker is not None else None
+            )
         await runtime.close()
     log.info("stopped")
+
+
+def register_worker_metric(metrics: CollectorRegistry, worker: WorkerSlot) -> None:
+    """``crossroads_worker_info{worker, workers}``: which worker of how many
+    answers this ``/metrics`` (each worker serves its own, crossroads.workers)."""
+    gauge = Gauge(
+        "crossroads_worker_info",
+        "This process's worker index and the worker count (--workers).",
+        ["worker", "workers"],
+        registry=metrics,
+    )
+    gauge.labels(str(worker.index), str(worker.count)).set(1)
 
 
 #: What ``crossroads serve`` leaves in the state directory while it runs.
 SERVER_FILE = "server.json"
 
 
-def remove_server_file(path: Path) -> None:
+def remove_server_file(path: Path, pid: int | None = None) -> None:
     """Remove ``server.json`` if it is still ours (another server started on
-    the same state directory since then owns it now)."""
+    the same state directory since then owns it now); ``pid`` as in
+    :func:`write_server_file`."""
     try:
-        if json.loads(path.read_text()).get("pid") == os.getpid():
+        if json.loads(path.read_text()).get("pid") == (pid or os.getpid()):
             path.unlink()
     except (OSError, ValueError, AttributeError):
         pass
 
 
-def write_server_file(state_dir: Path, runtime: Runtime) -> Path:
-    """Record pid and HTTP URL so the admin CLI finds this server."""
+def write_server_file(
+    state_dir: Path, runtime: Runtime, pid: int | None = None
+) -> Path:
+    """Record pid and HTTP URL so the admin CLI finds this server; ``pid``:
+    the process to signal (the supervisor of ``--workers N``), default this one."""
     host, port = runtime.http_address
     if host in ("0.0.0.0", ""):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
     path = state_dir / SERVER_FILE
-    body = {"pid": os.getpid(), "url": f"http://{_join(host, port)}"}
+    body = {"pid": pid or os.getpid(), "url": f"http://{_join(host, port)}"}
     try:
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.write_text(json.dumps(body) + "\n")

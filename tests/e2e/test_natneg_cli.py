@@ -3,7 +3,6 @@ negotiating two SDK-like clients (single IP: natneg1/2/3 on one socket)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -14,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from crossroads.proto.natneg.packets import NegotiateResult
 from tests.conftest import free_port
-from tests.services.natneg_sdk import SdkNegotiator
+from tests.services.natneg_sdk import negotiate_on_loopback
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,25 +89,7 @@ async def test_negotiation_against_the_real_process(
     serve: tuple[int, subprocess.Popen[str]],
 ) -> None:
     port, _ = serve
-    servers = [("127.0.0.1", port)] * 3
-    host = SdkNegotiator(
-        version=3, cookie=0xC0FFEE, client_index=1, servers=servers, finished_idle=0.2
-    )
-    guest = SdkNegotiator(
-        version=3,
-        cookie=0xC0FFEE,
-        client_index=0,
-        servers=servers,
-        bind_ip="127.0.0.5",
-        finished_idle=0.2,
-    )
-    try:
-        await asyncio.gather(host.run(), guest.run())
-        assert host.outcome and guest.outcome
-        assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
-        assert host.outcome.remote == guest.negotiate_sock.getsockname()
-    finally:
-        SdkNegotiator.close_all()
+    await negotiate_on_loopback(port, 0xC0FFEE)
 
 
 def test_bad_config_json_exits_with_code_2(tmp_path: Path) -> None:

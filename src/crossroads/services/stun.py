@@ -709,7 +709,9 @@ def _bind_set(
         try:
             for host in hosts:
                 for i, port in enumerate(chosen):
-                    udp = bind_socket(host, port, socket.SOCK_DGRAM, v6only=v6only)
+                    udp = bind_socket(
+                        host, port, socket.SOCK_DGRAM, v6only=v6only, shared=True
+                    )
                     socks.append((udp, None))
                     if port == 0:
                         chosen[i] = udp.getsockname()[1]

@@ -123,6 +123,7 @@ from crossroads.transport.driver import CoreTimer
 from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
+from crossroads.transport.reuseport import sibling_ports
 from crossroads.transport.sockets import listening_ports
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
@@ -878,7 +879,8 @@ class TurnService:
             policy,
             PortAllocator(low, high, cast(Any, secrets)),
             self,
-            own_ports=listening_ports,
+            # Other workers' ports are this server's too (--workers N).
+            own_ports=lambda: listening_ports() | sibling_ports(),
             reflection=ctx.reflection_budget(),
         )
         self.core.clock_offset = time.time() - self.loop.time()

@@ -15,6 +15,11 @@ import ipaddress
 import socket
 import weakref
 
+from crossroads.transport.reuseport import (
+    adopt_shared_socket,
+    allow_port_sharing,
+    publish_shared_socket,
+)
 from crossroads.types import Address, normalize_address
 
 #: Kernel socket buffers for busy UDP services; the default (~200 KiB) drops
@@ -62,6 +67,7 @@ def bind_socket(
     *,
     v6only: bool | None = None,
     reuse_port: bool = False,
+    shared: bool = False,
 ) -> socket.socket:
     """A bound, non-blocking, registered listening socket: UDP with large
     buffers, or a TCP listener (``SO_REUSEADDR``, backlog 1024).
@@ -69,7 +75,42 @@ def bind_socket(
     ``v6only`` None binds ``::`` dual-stack where the OS allows it, so one
     socket serves IPv4 (as mapped addresses) and IPv6, and any other IPv6
     address IPv6 only; True or False sets ``IPV6_V6ONLY`` as asked.
+    ``shared``: a port every worker of ``--workers N`` serves (the STUN/TURN
+    UDP ports): the socket joins the port's SO_REUSEPORT group and is kept by
+    the supervisor across restarts (:mod:`crossroads.transport.reuseport`
+    says why); outside a worker it is an ordinary socket.
     """
+    if shared:
+        adopted = adopt_shared_socket(kind, host, port)
+        if adopted is not None:
+            adopted.setblocking(False)
+            register_listener(adopted)
+            return adopted
+    sock = _new_socket(host, port, kind, v6only, reuse_port, shared)
+    if shared:
+        try:
+            publish_shared_socket(
+                sock,
+                kind,
+                host,
+                port,
+                lambda: _new_socket(host, port, kind, v6only, reuse_port, shared),
+            )
+        except BaseException:
+            sock.close()
+            raise
+    register_listener(sock)
+    return sock
+
+
+def _new_socket(
+    host: str,
+    port: int,
+    kind: socket.SocketKind,
+    v6only: bool | None,
+    reuse_port: bool,
+    shared: bool,
+) -> socket.socket:
     family = family_of(host)
     sock = socket.socket(family, kind)
     try:
@@ -84,6 +125,8 @@ def bind_socket(
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if only else 0)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        elif shared:
+            allow_port_sharing(sock, port)
         sock.bind((host, port))
         if kind == socket.SOCK_STREAM:
             # The kernel caps it at net.core.somaxconn; accepts are bounded by
@@ -93,7 +136,6 @@ def bind_socket(
     except BaseException:
         sock.close()
         raise
-    register_listener(sock)
     return sock
 
 
