@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
-from crossroads.proto.relay.server import Event, RelayServer
+from crossroads.proto.relay.server import Event, RelayServer, Route
 from crossroads.transport.pktinfo import ReplySource, is_wildcard
 from crossroads.types import Address
 
@@ -28,6 +29,16 @@ BATCH = 256
 #: Largest UDP payload; a RELAY frame is at most 38 + 65535 bytes, which no
 #: IPv4 datagram can carry, so this reads any datagram whole.
 MAX_DATAGRAM = 65535
+
+
+class SecureSide(Protocol):
+    """A transport whose clients the relay reaches through it (DTLS): the
+    addresses it has sessions for, and how to send one relay message to one."""
+
+    @property
+    def sessions(self) -> Mapping[Address, object]: ...
+
+    def send_to(self, addr: Address, data: bytes) -> None: ...
 
 
 class RelayEndpoint:
@@ -43,6 +54,10 @@ class RelayEndpoint:
         self.sock = sock
         self.on_events = on_events
         self.send_failures = 0
+        #: Plaintext datagrams from an address that has a DTLS session (a
+        #: spoofed source must not speak for an encrypted client).
+        self.plaintext_refused = 0
+        self._secure: SecureSide | None = None
         self._loop = asyncio.get_running_loop()
         self._v4 = sock.family == socket.AF_INET
         #: On a wildcard bind, replies and relayed frames leave from the address
@@ -56,6 +71,18 @@ class RelayEndpoint:
 
     def start(self) -> None:
         self._loop.add_reader(self.sock.fileno(), self._readable)
+
+    def attach_secure(self, side: SecureSide) -> None:
+        """Reach ``side``'s session addresses through it, and refuse their
+        plaintext datagrams here. While ``side`` has no session the fast path
+        pays one truth test per packet."""
+        self._secure = side
+
+    def receive(self, data: bytes, addr: Address) -> None:
+        """One relay message that arrived (decrypted) through the secure side."""
+        now = self._loop.time()
+        self.core.receive_datagram(data, addr, now)
+        self._flush(now)
 
     def close(self) -> None:
         if self._closed:
@@ -75,6 +102,7 @@ class RelayEndpoint:
         recvfrom = self.sock.recvfrom if replies is None else replies.recvfrom
         sendto = self.sock.sendto if replies is None else replies.sendto
         v4 = self._v4
+        secured = self._secure.sessions if self._secure is not None else None
         slow = False
         now = 0.0
         for _ in range(BATCH):
@@ -93,12 +121,18 @@ class RelayEndpoint:
                 and size >= 38
                 and size - 38 == (data[36] << 8 | data[37])
             ):
+                if secured and (addr in secured or route.dest in secured):
+                    self._forward_secure(data, addr, route.dest, route)
+                    continue
                 route.packets += 1
                 route.octets += size
                 try:
                     sendto(data, route.dest)
                 except OSError:
                     self.send_failures += 1
+                continue
+            if secured and addr in secured:
+                self.plaintext_refused += 1
                 continue
             if not slow:
                 slow = True
@@ -116,9 +150,24 @@ class RelayEndpoint:
         self._flush(now)
         return kicked
 
+    def _forward_secure(
+        self, data: bytes, addr: Address, dest: Address, route: Route
+    ) -> None:
+        if self._secure is None or addr in self._secure.sessions:
+            self.plaintext_refused += 1
+            return
+        route.packets += 1
+        route.octets += len(data)
+        self._secure.send_to(dest, data)
+
     def _flush(self, now: float) -> None:
         sendto = self.sock.sendto if self._replies is None else self._replies.sendto
+        secure = self._secure
+        secured = secure.sessions if secure is not None else None
         for data, addr in self.core.datagrams_to_send(now):
+            if secured and addr in secured and secure is not None:
+                secure.send_to(addr, data)
+                continue
             try:
                 sendto(data, addr)
             except OSError:
