@@ -149,6 +149,9 @@ class _Session:
     write_seq: int = 1
     plain_seq: int = 0
     resends: int = 0
+    #: The datagram (by :attr:`DtlsServer._datagrams` count) that last made us
+    #: resend: a repeated flight of two records gets one answer, not two.
+    resent_for: int = -1
     token: int = 0
     window: ReplayWindow = field(default_factory=ReplayWindow)
 
@@ -185,6 +188,7 @@ class DtlsServer:
         self._events: list[Event] = []
         self._timers: list[tuple[float, int, Address]] = []
         self._next_token = 0
+        self._datagrams = 0
         self._secret = random_bytes(32)
         self._previous_secret = self._secret
         self._rotate_at: float | None = None
@@ -193,6 +197,7 @@ class DtlsServer:
 
     def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
         """Handle one datagram from ``addr``. Never raises on bad input."""
+        self._datagrams += 1
         records, bad = w.split_records(data)
         if bad is not None:
             self._drop(bad)
@@ -710,6 +715,9 @@ class DtlsServer:
         ):
             self._drop("repeated-flight")
             return
+        if session.resent_for == self._datagrams:
+            return
+        session.resent_for = self._datagrams
         session.resends += 1
         self._outbox.append((session.final_flight, session.address))
 
