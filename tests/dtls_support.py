@@ -46,6 +46,10 @@ class DtlsPeer:
     def close(self) -> None:
         self.sock.close()
 
+    def flush(self) -> None:
+        """Send what the client core queued."""
+        self._flush()
+
     def _flush(self) -> None:
         loop = asyncio.get_running_loop()
         for data, addr in self.core.datagrams_to_send(loop.time()):
@@ -104,6 +108,16 @@ class DtlsPeer:
                 raise TimeoutError("no DTLS application data")
             await self.pump(deadline - loop.time())
         return self.received.pop(0)
+
+    async def sock_silent(self, timeout: float = 0.3) -> bool:
+        """True when no datagram at all arrives within ``timeout``."""
+        loop = asyncio.get_running_loop()
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(self.sock, 65535), timeout)
+        except TimeoutError:
+            return True
+        self.datagrams.append(data)
+        return False
 
     async def closed(self, timeout: float = 5.0) -> bool:
         loop = asyncio.get_running_loop()

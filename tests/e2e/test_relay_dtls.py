@@ -8,6 +8,7 @@ relay codec. Interop with OpenSSL and GnuTLS is in tests/interop/test_relay_dtls
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import uuid
 from typing import Any
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
+from tests.conftest import eventually
 from tests.dtls_support import DtlsPeer
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
@@ -222,3 +224,88 @@ async def test_uuid_text_identity_must_be_canonical() -> None:
             assert isinstance(await peer.handshake(), Established)
         finally:
             peer.close()
+
+
+async def test_a_closed_dtls_session_ends_its_allocation_without_clear_text() -> None:
+    async with relay_runtime() as rt, api(rt) as http:
+        host_alloc, join_alloc = await allocate_pair(http)
+        hid, host_key = ids(host_alloc)
+        jid, _ = ids(join_alloc)
+        host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
+        joiner = RawPeer(endpoint(join_alloc, "udp"))
+        try:
+            assert isinstance(await host.handshake(), Established)
+            assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
+            assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
+            host_data = base64.b64decode(join_alloc["hostConnectionData"])
+            assert await joiner.request(raw_connect(jid, host_data)) == (
+                b"\xda\x72\x00\x06" + hid + jid
+            )
+            service = rt.services["relay"]
+            assert len(service.sessions()) == 2  # type: ignore[attr-defined]
+            host.core.close(0.0)
+            host.flush()
+
+            async def host_gone() -> bool:
+                return len(service.sessions()) == 0  # type: ignore[attr-defined]
+
+            await eventually(host_gone, "the host's allocation ended with its session")
+            # The joiner hears DISCONNECT; the host's socket gets nothing in clear.
+            assert await joiner.recv() == b"\xda\x72\x00\x09" + hid + jid
+            joiner.send(raw_relay(jid, hid, b"after the end"))
+            assert await host.sock_silent()
+            assert all(not d.startswith(b"\xda\x72") for d in host.datagrams)
+        finally:
+            host.close()
+            joiner.close()
+
+
+async def test_a_frame_too_big_for_a_dtls_datagram_is_dropped_and_counted() -> None:
+    async with relay_runtime() as rt, api(rt) as http:
+        host_alloc, join_alloc = await allocate_pair(http)
+        hid, host_key = ids(host_alloc)
+        jid, _ = ids(join_alloc)
+        host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
+        joiner = RawPeer(endpoint(join_alloc, "udp"))
+        try:
+            assert isinstance(await host.handshake(), Established)
+            assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
+            assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
+            host_data = base64.b64decode(join_alloc["hostConnectionData"])
+            assert await joiner.request(raw_connect(jid, host_data)) == (
+                b"\xda\x72\x00\x06" + hid + jid
+            )
+            # 1400 - 37 bytes of AES-GCM record overhead = 1363 per relay message.
+            joiner.send(raw_relay(jid, hid, bytes(1363 - 38 + 1)))
+            joiner.send(raw_relay(jid, hid, bytes(1363 - 38)))
+            assert await host.recv() == raw_relay(jid, hid, bytes(1363 - 38))
+            async with httpx.AsyncClient(base_url=base_url(rt)) as plain:
+                page = (await plain.get("/metrics")).text
+            assert (
+                metric(
+                    page,
+                    "crossroads_relay_dtls_dropped_records_total",
+                    reason="oversize",
+                )
+                == 1
+            )
+        finally:
+            host.close()
+            joiner.close()
+
+
+async def test_the_offered_suites_are_logged(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="crossroads.relay")
+    async with relay_runtime() as rt, api(rt) as http:
+        host_alloc, _ = await allocate_pair(http)
+        hid, key = ids(host_alloc)
+        peer = DtlsPeer(endpoint(host_alloc, "dtls"), hid, key, cipher_suites=(0xC0A4,))
+        try:
+            assert isinstance(await peer.handshake(), Established)
+        finally:
+            peer.close()
+    assert any(
+        "offers suites [PSK-AES128-CCM, 0x00FF]" in r.getMessage()
+        and "chosen PSK-AES128-CCM" in r.getMessage()
+        for r in caplog.records
+    )
