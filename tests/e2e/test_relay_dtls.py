@@ -11,6 +11,9 @@ import base64
 import logging
 import os
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -74,6 +77,37 @@ def ids(allocation: dict[str, Any]) -> tuple[bytes, bytes]:
     )
 
 
+@dataclass
+class Session:
+    """A DTLS host and a plain UDP joiner, bound and connected."""
+
+    host: DtlsPeer
+    joiner: RawPeer
+    hid: bytes
+    jid: bytes
+
+
+@asynccontextmanager
+async def dtls_host_udp_joiner(http: httpx.AsyncClient) -> AsyncIterator[Session]:
+    host_alloc, join_alloc = await allocate_pair(http)
+    hid, host_key = ids(host_alloc)
+    jid, _ = ids(join_alloc)
+    host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
+    joiner = RawPeer(endpoint(join_alloc, "udp"))
+    try:
+        assert isinstance(await host.handshake(), Established)
+        assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
+        assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
+        host_data = base64.b64decode(join_alloc["hostConnectionData"])
+        assert await joiner.request(raw_connect(jid, host_data)) == (
+            b"\xda\x72\x00\x06" + hid + jid
+        )
+        yield Session(host, joiner, hid, jid)
+    finally:
+        host.close()
+        joiner.close()
+
+
 async def test_allocations_list_a_secure_dtls_endpoint() -> None:
     async with relay_runtime() as rt, api(rt) as http:
         body = (await http.post("/v1/allocate", json={"maxConnections": 1})).json()
@@ -131,26 +165,12 @@ async def test_host_and_joiner_relay_both_ways_through_dtls() -> None:
 
 async def test_dtls_host_and_plain_udp_joiner_share_a_session() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        host_alloc, join_alloc = await allocate_pair(http)
-        hid, host_key = ids(host_alloc)
-        jid, _ = ids(join_alloc)
-        host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
-        joiner = RawPeer(endpoint(join_alloc, "udp"))
-        try:
-            assert isinstance(await host.handshake(), Established)
-            assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
-            assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
-            host_data = base64.b64decode(join_alloc["hostConnectionData"])
-            assert await joiner.request(raw_connect(jid, host_data)) == (
-                b"\xda\x72\x00\x06" + hid + jid
-            )
+        async with dtls_host_udp_joiner(http) as pair:
+            host, joiner, hid, jid = pair.host, pair.joiner, pair.hid, pair.jid
             joiner.send(raw_relay(jid, hid, b"to the dtls host"))
             assert await host.recv() == raw_relay(jid, hid, b"to the dtls host")
             host.send(raw_relay(hid, jid, b"to the udp joiner"))
             assert await joiner.recv() == raw_relay(hid, jid, b"to the udp joiner")
-        finally:
-            host.close()
-            joiner.close()
 
 
 async def test_plaintext_from_a_dtls_clients_address_is_refused() -> None:
@@ -228,19 +248,8 @@ async def test_uuid_text_identity_must_be_canonical() -> None:
 
 async def test_a_closed_dtls_session_ends_its_allocation_without_clear_text() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        host_alloc, join_alloc = await allocate_pair(http)
-        hid, host_key = ids(host_alloc)
-        jid, _ = ids(join_alloc)
-        host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
-        joiner = RawPeer(endpoint(join_alloc, "udp"))
-        try:
-            assert isinstance(await host.handshake(), Established)
-            assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
-            assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
-            host_data = base64.b64decode(join_alloc["hostConnectionData"])
-            assert await joiner.request(raw_connect(jid, host_data)) == (
-                b"\xda\x72\x00\x06" + hid + jid
-            )
+        async with dtls_host_udp_joiner(http) as pair:
+            host, joiner, hid, jid = pair.host, pair.joiner, pair.hid, pair.jid
             service = rt.services["relay"]
             assert len(service.sessions()) == 2  # type: ignore[attr-defined]
             host.core.close(0.0)
@@ -255,26 +264,12 @@ async def test_a_closed_dtls_session_ends_its_allocation_without_clear_text() ->
             joiner.send(raw_relay(jid, hid, b"after the end"))
             assert await host.sock_silent()
             assert all(not d.startswith(b"\xda\x72") for d in host.datagrams)
-        finally:
-            host.close()
-            joiner.close()
 
 
 async def test_a_frame_too_big_for_a_dtls_datagram_is_dropped_and_counted() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        host_alloc, join_alloc = await allocate_pair(http)
-        hid, host_key = ids(host_alloc)
-        jid, _ = ids(join_alloc)
-        host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
-        joiner = RawPeer(endpoint(join_alloc, "udp"))
-        try:
-            assert isinstance(await host.handshake(), Established)
-            assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
-            assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
-            host_data = base64.b64decode(join_alloc["hostConnectionData"])
-            assert await joiner.request(raw_connect(jid, host_data)) == (
-                b"\xda\x72\x00\x06" + hid + jid
-            )
+        async with dtls_host_udp_joiner(http) as pair:
+            host, joiner, hid, jid = pair.host, pair.joiner, pair.hid, pair.jid
             # 1400 - 37 bytes of AES-GCM record overhead = 1363 per relay message.
             joiner.send(raw_relay(jid, hid, bytes(1363 - 38 + 1)))
             joiner.send(raw_relay(jid, hid, bytes(1363 - 38)))
@@ -289,9 +284,6 @@ async def test_a_frame_too_big_for_a_dtls_datagram_is_dropped_and_counted() -> N
                 )
                 == 1
             )
-        finally:
-            host.close()
-            joiner.close()
 
 
 async def test_the_offered_suites_are_logged(caplog: pytest.LogCaptureFixture) -> None:

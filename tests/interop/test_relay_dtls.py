@@ -109,6 +109,12 @@ async def bind_through(command: list[str], bind: bytes, timeout: float = 15.0) -
     return output
 
 
+async def allocate(http: httpx.AsyncClient) -> dict[str, Any]:
+    body = (await http.post("/v1/allocate", json={"maxConnections": 1})).json()
+    allocation: dict[str, Any] = body["data"]["allocation"]
+    return allocation
+
+
 async def completed_handshakes(rt: Any) -> float:
     async with httpx.AsyncClient(base_url=base_url(rt)) as http:
         page = (await http.get("/metrics")).text
@@ -118,9 +124,7 @@ async def completed_handshakes(rt: Any) -> float:
 @pytest.mark.skipif(OPENSSL is None, reason="openssl not installed")
 async def test_openssl_s_client_binds_through_dtls() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocation = (
-            await http.post("/v1/allocate", json={"maxConnections": 1})
-        ).json()["data"]["allocation"]
+        allocation = await allocate(http)
         key = base64.b64decode(allocation["key"])
         output = await bind_through(
             openssl_command(dtls_endpoint(allocation), allocation["allocationId"], key),
@@ -133,9 +137,7 @@ async def test_openssl_s_client_binds_through_dtls() -> None:
 @pytest.mark.skipif(GNUTLS is None, reason="gnutls-cli not installed (gnutls-bin)")
 async def test_gnutls_cli_binds_through_dtls() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocation = (
-            await http.post("/v1/allocate", json={"maxConnections": 1})
-        ).json()["data"]["allocation"]
+        allocation = await allocate(http)
         key = base64.b64decode(allocation["key"])
         output = await bind_through(
             gnutls_command(dtls_endpoint(allocation), allocation["allocationId"], key),
@@ -148,9 +150,7 @@ async def test_gnutls_cli_binds_through_dtls() -> None:
 @pytest.mark.skipif(OPENSSL is None, reason="openssl not installed")
 async def test_openssl_with_a_wrong_key_fails() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocation = (
-            await http.post("/v1/allocate", json={"maxConnections": 1})
-        ).json()["data"]["allocation"]
+        allocation = await allocate(http)
         wrong = bytes(64)
         proc = await asyncio.create_subprocess_exec(
             *openssl_command(

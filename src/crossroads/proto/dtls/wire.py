@@ -291,10 +291,17 @@ class ClientHello:
         )
 
     def extension(self, kind: int) -> bytes | None:
-        for ext_type, data in self.extensions:
-            if ext_type == kind:
-                return data
-        return None
+        return find_extension(self.extensions, kind)
+
+
+def find_extension(
+    extensions: tuple[tuple[int, bytes], ...], kind: int
+) -> bytes | None:
+    """The data of extension ``kind``, None when absent."""
+    for ext_type, data in extensions:
+        if ext_type == kind:
+            return data
+    return None
 
 
 def _decode_extensions(reader: Reader) -> tuple[tuple[int, bytes], ...]:
@@ -354,10 +361,7 @@ class ServerHello:
         )
 
     def extension(self, kind: int) -> bytes | None:
-        for ext_type, data in self.extensions:
-            if ext_type == kind:
-                return data
-        return None
+        return find_extension(self.extensions, kind)
 
 
 @dataclass(frozen=True, slots=True)
