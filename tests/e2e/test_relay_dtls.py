@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
+from crossroads.proto.relay.token import TokenSealer
 from tests.conftest import eventually
 from tests.dtls_support import DtlsPeer
 from tests.e2e.relay_support import (
@@ -301,3 +302,21 @@ async def test_the_offered_suites_are_logged(caplog: pytest.LogCaptureFixture) -
         and "chosen PSK-AES128-CCM" in r.getMessage()
         for r in caplog.records
     )
+
+
+async def test_allocations_keyed_under_a_previous_secret_still_connect() -> None:
+    old_secret = b"an-old-secret-0123456789"
+    async with relay_runtime(relay__secret=old_secret.decode()) as rt, api(rt) as http:
+        host_alloc, _ = await allocate_pair(http)
+        hid, key = ids(host_alloc)
+        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        # What RelayService does when it adopts another process's secret.
+        node.core.sealer = TokenSealer(
+            b"the-adopted-secret-98765", os.urandom, [old_secret]
+        )
+        peer = DtlsPeer(endpoint(host_alloc, "dtls"), hid, key)
+        try:
+            assert isinstance(await peer.handshake(), Established)
+            assert await request(peer, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
+        finally:
+            peer.close()

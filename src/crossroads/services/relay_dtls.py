@@ -65,15 +65,17 @@ def allocation_id_of(identity: bytes) -> bytes | None:
     return None
 
 
-def psk_lookup(core: RelayServer) -> Callable[[bytes], bytes | None]:
-    """The PSK of an identity: the allocation's key under the node's current
-    sealer (read at each handshake, so a rotated secret is picked up)."""
+def psk_lookup(core: RelayServer) -> Callable[[bytes], tuple[bytes, ...]]:
+    """The PSKs an identity may use: the allocation's key under the node's
+    current secret and the previous ones (the sealer is read at each handshake,
+    so an adopted secret is picked up, and allocations handed out before it
+    still connect, as their BINDs do)."""
 
-    def psk_for(identity: bytes) -> bytes | None:
+    def psk_for(identity: bytes) -> tuple[bytes, ...]:
         allocation_id = allocation_id_of(identity)
         if allocation_id is None:
-            return None
-        return core.sealer.key_for(allocation_id)
+            return ()
+        return core.sealer.keys_for(allocation_id)
 
     return psk_for
 

@@ -18,8 +18,12 @@ PSK = bytes(range(100, 164))
 Filter = Callable[[bytes], bool]
 
 
-def keys(table: dict[bytes, bytes]) -> Callable[[bytes], bytes | None]:
-    return table.get
+def keys(table: dict[bytes, bytes]) -> Callable[[bytes], tuple[bytes, ...]]:
+    def lookup(identity: bytes) -> tuple[bytes, ...]:
+        psk = table.get(identity)
+        return () if psk is None else (psk,)
+
+    return lookup
 
 
 def make_server(**config: object) -> DtlsServer:

@@ -17,6 +17,7 @@ from crossroads.proto.dtls.handshake import (
 from tests.proto.dtls.support import (
     CLIENT,
     IDENTITY,
+    PSK,
     SERVER,
     Wire,
     make_client,
@@ -57,7 +58,12 @@ def test_binary_identity_reaches_the_psk_lookup_whole() -> None:
     asked: list[bytes] = []
     wire = Wire(make_client(), make_server())
     lookup = wire.server.psk_for
-    wire.server.psk_for = lambda identity: asked.append(identity) or lookup(identity)
+
+    def recording(identity: bytes) -> tuple[bytes, ...]:
+        asked.append(identity)
+        return tuple(lookup(identity))
+
+    wire.server.psk_for = recording
     wire.handshake()
     assert asked == [IDENTITY]
     assert IDENTITY[0] == 0  # a C-string stack would have seen an empty identity
@@ -297,3 +303,15 @@ def test_send_without_a_session_is_refused() -> None:
     server = make_server()
     assert not server.send(CLIENT, b"x", 0.0)
     assert server.datagrams_to_send(0.0) == []
+
+
+def test_the_client_finished_picks_the_psk_among_candidates() -> None:
+    server = make_server()
+    older = bytes(range(64))
+    server.psk_for = lambda identity: (PSK, older)  # a secret adopted since
+    wire = Wire(make_client(psk=older), server)
+    wire.handshake()
+    assert wire.client.state == ClientState.ESTABLISHED
+    assert wire.client.send(b"old key", wire.now)
+    wire.settle()
+    assert ApplicationData(CLIENT, b"old key") in server.pop_events()

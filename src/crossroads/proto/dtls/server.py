@@ -17,7 +17,8 @@ state at all, a *handshake* in progress, and an established *session*.
    ServerKeyExchange since we send no identity hint): ServerHello +
    ServerHelloDone in one datagram; then ClientKeyExchange (the PSK identity,
    binary-safe: a zero byte is part of it), ChangeCipherSpec and Finished
-   (epoch 1). The PSK comes from the injected ``psk_for(identity)``; the
+   (epoch 1). The PSK comes from the injected ``psk_for(identity)`` (candidates:
+   the client's Finished picks the one that authenticates); the
    premaster is RFC 4279's, the master secret the extended one (RFC 7627) when
    the client offered it. A wrong key shows as a Finished that does not
    authenticate: the client gets a fatal ``bad_record_mac`` alert. Our
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import heapq
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -76,8 +77,12 @@ from crossroads.proto.dtls.handshake import (
 )
 from crossroads.types import Address
 
-#: Returns the PSK for an identity, or None when the identity is unknown.
-PskLookup = Callable[[bytes], bytes | None]
+#: The PSKs an identity may use, most likely first (a relay node that adopted a
+#: new secret still knows allocations keyed under the previous ones); empty
+#: when the identity is unknown. The client's Finished tells which one it used.
+PskLookup = Callable[[bytes], Sequence[bytes]]
+#: Candidate keys tried per handshake, at most (each costs a key derivation).
+MAX_PSK_CANDIDATES: Final = 8
 
 #: HelloVerifyRequest cookie bytes (a truncated HMAC-SHA256). 16 bytes make a
 #: forged cookie a 2^-128 guess and keep the HVR smaller than any ClientHello.
@@ -135,6 +140,11 @@ class _Handshake:
     identity: bytes = b""
     read: RecordProtection | None = None
     write: RecordProtection | None = None
+    #: (master, read, write) per candidate PSK until the client's Finished
+    #: shows which one it holds.
+    candidates: list[tuple[bytes, RecordProtection, RecordProtection]] = field(
+        default_factory=list
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -161,7 +171,7 @@ class DtlsServer:
 
     Args:
         config: limits and timers.
-        psk_for: the PSK of an identity, None when unknown.
+        psk_for: the candidate PSKs of an identity, none when unknown.
         random_bytes: the randomness source (server randoms, cookie secrets).
     """
 
@@ -282,9 +292,8 @@ class DtlsServer:
             and handshake.read is not None
             and record.epoch == handshake.read.epoch
         ):
-            try:
-                plain = handshake.read.open(record)
-            except DecodeError:
+            plain = self._open_handshake_record(handshake, record)
+            if plain is None:
                 if session is None:
                     # The client derived other keys: a wrong PSK (RFC 4279 §2
                     # lets the Finished check reveal it).
@@ -582,8 +591,8 @@ class DtlsServer:
         except DecodeError:
             self._fail(handshake, w.AlertDescription.DECODE_ERROR, "bad-key-exchange")
             return False
-        psk = self.psk_for(identity)
-        if psk is None:
+        psks = list(self.psk_for(identity))[:MAX_PSK_CANDIDATES]
+        if not psks:
             self._fail(
                 handshake, w.AlertDescription.UNKNOWN_PSK_IDENTITY, "unknown-identity"
             )
@@ -593,21 +602,41 @@ class DtlsServer:
         session_hash = (
             transcript_hash(suite, handshake.transcript) if handshake.ems else None
         )
-        master = master_secret(
-            suite,
-            psk_premaster(psk),
-            handshake.client_random,
-            handshake.server_random,
-            session_hash,
-        )
-        keys = key_block(
-            suite, master, handshake.client_random, handshake.server_random
-        )
-        handshake.master = master
+        for psk in psks:
+            master = master_secret(
+                suite,
+                psk_premaster(psk),
+                handshake.client_random,
+                handshake.server_random,
+                session_hash,
+            )
+            keys = key_block(
+                suite, master, handshake.client_random, handshake.server_random
+            )
+            handshake.candidates.append(
+                (
+                    master,
+                    RecordProtection(suite, keys.client_key, keys.client_iv, 1),
+                    RecordProtection(suite, keys.server_key, keys.server_iv, 1),
+                )
+            )
+        handshake.master, handshake.read, handshake.write = handshake.candidates[0]
         handshake.identity = identity
-        handshake.read = RecordProtection(suite, keys.client_key, keys.client_iv, 1)
-        handshake.write = RecordProtection(suite, keys.server_key, keys.server_iv, 1)
         return True
+
+    @staticmethod
+    def _open_handshake_record(handshake: _Handshake, record: w.Record) -> bytes | None:
+        """The plaintext of an epoch-1 handshake record under the candidate key
+        that authenticates it (which then becomes the only one), else None."""
+        for candidate in handshake.candidates:
+            try:
+                plain = candidate[1].open(record)
+            except DecodeError:
+                continue
+            handshake.master, handshake.read, handshake.write = candidate
+            handshake.candidates = [candidate]
+            return plain
+        return None
 
     def _on_finished(self, handshake: _Handshake, message: Message, now: float) -> None:
         suite = handshake.suite
