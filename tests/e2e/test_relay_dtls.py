@@ -8,6 +8,7 @@ relay codec. Interop with OpenSSL and GnuTLS is in tests/interop/test_relay_dtls
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import uuid
@@ -19,11 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
+from crossroads.client.relay import RelayApi, RelayConnection, RelayConnectionError
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from crossroads.proto.relay.token import TokenSealer
 from tests.conftest import eventually
 from tests.dtls_support import DtlsPeer
 from tests.e2e.relay_support import (
+    API_KEY,
     BIND_RECEIVED,
     RawPeer,
     api,
@@ -320,3 +323,50 @@ async def test_allocations_keyed_under_a_previous_secret_still_connect() -> None
             assert await request(peer, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
         finally:
             peer.close()
+
+
+async def test_crossroads_relay_client_over_dtls() -> None:
+    async with relay_runtime() as rt, RelayApi(base_url(rt), API_KEY) as relay_api:
+        allocation = await relay_api.allocate(max_connections=2)
+        assert allocation.dtls_server is not None
+        code = await relay_api.join_code(allocation.allocation_id)
+        host = await RelayConnection.open(allocation, secure=True)
+        await host.bind()
+        joined = await relay_api.join(code)
+        player = await RelayConnection.open(joined, secure=True)
+        await player.bind()
+        assert await player.connect() == allocation.allocation_id_bytes
+        player.send(host.allocation_id, b"over dtls")
+        assert await host.recv(timeout=5) == (player.allocation_id, b"over dtls")
+        host.send(player.allocation_id, b"and back")
+        assert await player.recv(timeout=5) == (host.allocation_id, b"and back")
+        # A NAT rebinding: a new socket needs a new DTLS session, then a re-BIND.
+        await player.migrate("127.0.0.1")
+        player.rebind()
+        player.send(host.allocation_id, b"from the new address")
+
+        async def arrived() -> bool:
+            try:
+                got = await host.recv(timeout=0.2)
+            except TimeoutError:
+                player.send(host.allocation_id, b"from the new address")
+                return False
+            return got == (player.allocation_id, b"from the new address")
+
+        await eventually(arrived, "a frame from the migrated DTLS player")
+        service = rt.services["relay"]
+        assert len(service.node.dtls.endpoint.core.sessions) == 3  # type: ignore[attr-defined]
+        for connection in (player, host):
+            await connection.close()
+
+
+async def test_crossroads_relay_client_with_a_wrong_key_fails() -> None:
+    async with relay_runtime() as rt, RelayApi(base_url(rt), API_KEY) as relay_api:
+        allocation = await relay_api.allocate(max_connections=1)
+        forged = dataclasses.replace(allocation, key=bytes(64))
+        host = await RelayConnection.open(forged, secure=True)
+        try:
+            with pytest.raises(RelayConnectionError, match="alert-20"):
+                await host.bind(timeout=10)
+        finally:
+            await host.close()
