@@ -315,3 +315,62 @@ def test_the_client_finished_picks_the_psk_among_candidates() -> None:
     assert wire.client.send(b"old key", wire.now)
     wire.settle()
     assert ApplicationData(CLIENT, b"old key") in server.pop_events()
+
+
+def fragment_handshakes(datagram: bytes, piece: int) -> bytes:
+    """Re-send every epoch-0 handshake message of ``datagram`` as fragments of
+    ``piece`` bytes, each in its own record, last fragment first."""
+    records, _ = w.split_records(datagram)
+    out = b""
+    sequence = 1000
+    for record in records:
+        if (record.content_type, record.epoch) != (w.ContentType.HANDSHAKE, 0):
+            out += record.encode()
+            continue
+        for fragment in w.decode_fragments(record.fragment):
+            pieces = [
+                w.HandshakeFragment(
+                    fragment.msg_type,
+                    fragment.length,
+                    fragment.message_seq,
+                    offset,
+                    fragment.body[offset : offset + piece],
+                )
+                for offset in range(0, fragment.length, piece)
+            ]
+            for part in reversed(pieces):
+                sequence += 1
+                out += w.Record(
+                    w.ContentType.HANDSHAKE, record.version, 0, sequence, part.encode()
+                ).encode()
+    return out
+
+
+def test_a_fragmented_key_exchange_is_reassembled() -> None:
+    client, server = make_client(identity=bytes(40)), make_server()
+    server.psk_for = lambda identity: (PSK,)
+    wire = Wire(client, server)
+    hellos = {"count": 0}
+
+    def fragmenting(data: bytes) -> bool:
+        records, _ = w.split_records(data)
+        if records[0].fragment[:1] == b"\x10":  # ClientKeyExchange flight
+            server.receive_datagram(fragment_handshakes(data, 7), CLIENT, wire.now)
+            return False
+        hellos["count"] += 1
+        return True
+
+    wire.to_server = fragmenting
+    wire.handshake()
+    assert client.state == ClientState.ESTABLISHED
+    assert hellos["count"] == 2
+
+
+def test_a_fragmented_client_hello_is_dropped_without_state() -> None:
+    client, server = make_client(), make_server()
+    client.start(0.0)
+    ((hello, _),) = client.datagrams_to_send(0.0)
+    server.receive_datagram(fragment_handshakes(hello, 20), CLIENT, 0.0)
+    assert server.datagrams_to_send(0.0) == []
+    assert server.drops["fragmented-hello"] >= 1
+    assert not server.handshakes
