@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -27,7 +28,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESCCM, AESGCM
 
 from crossroads.errors import DecodeError
-from crossroads.proto.dtls.wire import DTLS1_2, VERIFY_DATA_SIZE, Record
+from crossroads.proto.dtls.wire import DTLS1_2, RECORD_HEADER, VERIFY_DATA_SIZE, Record
 
 #: RFC 5288 §3 / RFC 6655 §3: 8 explicit nonce bytes in every record.
 EXPLICIT_NONCE_SIZE: Final = 8
@@ -39,6 +40,9 @@ MASTER_SECRET_SIZE: Final = 48
 REPLAY_WINDOW: Final = 64
 
 Aead = AESGCM | AESCCM
+#: RFC 5246 §6.2.3.3 additional data: epoch, 48-bit sequence (16 + 32 bits),
+#: type, version, plaintext length.
+_AAD: Final = struct.Struct("!HHIBHH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,16 +179,18 @@ class RecordProtection:
 
     def seal(self, content_type: int, sequence: int, plaintext: bytes) -> bytes:
         """The whole protected record."""
-        explicit = self.epoch.to_bytes(2, "big") + sequence.to_bytes(6, "big")
-        header = (
-            bytes((content_type,))
-            + DTLS1_2.to_bytes(2, "big")
-            + explicit
-            + (len(plaintext) + EXPLICIT_NONCE_SIZE + self.suite.tag_size).to_bytes(
-                2, "big"
-            )
+        high, low = sequence >> 32, sequence & 0xFFFFFFFF
+        size = len(plaintext)
+        header = RECORD_HEADER.pack(
+            content_type,
+            DTLS1_2,
+            self.epoch,
+            high,
+            low,
+            size + EXPLICIT_NONCE_SIZE + self.suite.tag_size,
         )
-        aad = explicit + header[:3] + len(plaintext).to_bytes(2, "big")
+        explicit = header[3:11]
+        aad = _AAD.pack(self.epoch, high, low, content_type, DTLS1_2, size)
         sealed = self._aead.encrypt(self._salt + explicit, plaintext, aad)
         return header + explicit + sealed
 
@@ -194,12 +200,14 @@ class RecordProtection:
         plain_size = len(fragment) - EXPLICIT_NONCE_SIZE - self.suite.tag_size
         if plain_size < 0:
             raise DecodeError("record shorter than its AEAD overhead", "truncated")
-        aad = (
-            record.epoch.to_bytes(2, "big")
-            + record.sequence.to_bytes(6, "big")
-            + bytes((record.content_type,))
-            + record.version.to_bytes(2, "big")
-            + plain_size.to_bytes(2, "big")
+        sequence = record.sequence
+        aad = _AAD.pack(
+            record.epoch,
+            sequence >> 32,
+            sequence & 0xFFFFFFFF,
+            record.content_type,
+            record.version,
+            plain_size,
         )
         nonce = self._salt + fragment[:EXPLICIT_NONCE_SIZE]
         try:

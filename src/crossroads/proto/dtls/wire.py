@@ -8,6 +8,7 @@ every encoder is its exact inverse. Nothing here keeps state or knows keys.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
@@ -18,7 +19,9 @@ from crossroads.errors import DecodeError
 #: *down*, so "at least DTLS 1.2" is ``version <= DTLS1_2``.
 DTLS1_0: Final = 0xFEFF
 DTLS1_2: Final = 0xFEFD
-#: RFC 6347 §4.1: type(1) version(2) epoch(2) sequence_number(6) length(2).
+#: RFC 6347 §4.1: type(1) version(2) epoch(2) sequence_number(6) length(2);
+#: the 48-bit sequence number as a 16-bit high and a 32-bit low part.
+RECORD_HEADER: Final = struct.Struct("!BHHHIH")
 RECORD_HEADER_SIZE: Final = 13
 #: RFC 6347 §4.2.2: msg_type(1) length(3) message_seq(2) fragment_offset(3)
 #: fragment_length(3).
@@ -165,16 +168,15 @@ def split_records(data: bytes) -> tuple[list[Record], str | None]:
     records: list[Record] = []
     pos = 0
     size = len(data)
+    unpack = RECORD_HEADER.unpack_from
     while pos < size:
         if size - pos < RECORD_HEADER_SIZE:
             return records, "truncated"
-        content_type = data[pos]
+        content_type, version, epoch, high, low, length = unpack(data, pos)
         if content_type not in VALID_CONTENT_TYPES:
             return records, "bad-content-type"
-        version = int.from_bytes(data[pos + 1 : pos + 3], "big")
-        if data[pos + 1] != 0xFE:
+        if version >> 8 != 0xFE:
             return records, "bad-version"
-        length = int.from_bytes(data[pos + 11 : pos + 13], "big")
         if length > MAX_RECORD_LENGTH:
             return records, "too-long"
         end = pos + RECORD_HEADER_SIZE + length
@@ -182,11 +184,11 @@ def split_records(data: bytes) -> tuple[list[Record], str | None]:
             return records, "truncated"
         records.append(
             Record(
-                content_type=content_type,
-                version=version,
-                epoch=int.from_bytes(data[pos + 3 : pos + 5], "big"),
-                sequence=int.from_bytes(data[pos + 5 : pos + 11], "big"),
-                fragment=data[pos + RECORD_HEADER_SIZE : end],
+                content_type,
+                version,
+                epoch,
+                high << 32 | low,
+                data[pos + RECORD_HEADER_SIZE : end],
             )
         )
         pos = end
