@@ -113,30 +113,32 @@ def test_a_cookie_is_bound_to_the_address() -> None:
     assert ("198.51.100.98", 2) not in wire.server.handshakes
 
 
-def test_cookie_secret_rotation_keeps_one_previous_secret() -> None:
+def hello_with_cookie(
+    server_at: float, answer_at: float, rotations: list[float]
+) -> bool:
+    """Whether a cookie issued at ``server_at`` is still accepted at
+    ``answer_at`` after the server saw hellos (rotating) at ``rotations``."""
     server = make_server(cookie_rotation=30.0)
     client = make_client()
-    client.start(0.0)
-    ((hello, _),) = client.datagrams_to_send(0.0)
-    server.receive_datagram(hello, CLIENT, 0.0)
-    ((verify, _),) = server.datagrams_to_send(0.0)
-    client.receive_datagram(verify, SERVER, 0.0)
-    ((second_hello, _),) = client.datagrams_to_send(0.0)
-    server.receive_datagram(second_hello, CLIENT, 35.0)  # one rotation later
-    assert CLIENT in server.handshakes
-    fresh = make_server(cookie_rotation=30.0)
-    fresh.receive_datagram(hello, CLIENT, 0.0)
-    ((verify, _),) = fresh.datagrams_to_send(0.0)
-    other = make_client()
-    other.start(0.0)
-    other.datagrams_to_send(0.0)
-    other.receive_datagram(verify, SERVER, 0.0)
-    fresh.receive_datagram(hello, CLIENT, 35.0)  # rotates once
-    fresh.receive_datagram(hello, CLIENT, 70.0)  # rotates twice
-    fresh.datagrams_to_send(70.0)
-    ((late_hello, _),) = other.datagrams_to_send(0.0)
-    fresh.receive_datagram(late_hello, CLIENT, 70.0)
-    assert CLIENT not in fresh.handshakes
+    client.start(server_at)
+    ((hello, _),) = client.datagrams_to_send(server_at)
+    server.receive_datagram(hello, CLIENT, server_at)
+    ((verify, _),) = server.datagrams_to_send(server_at)
+    client.receive_datagram(verify, SERVER, server_at)
+    ((second_hello, _),) = client.datagrams_to_send(server_at)
+    for at in rotations:
+        stranger = make_client()
+        stranger.start(at)
+        ((other, _),) = stranger.datagrams_to_send(at)
+        server.receive_datagram(other, ("203.0.113.1", 1), at)
+    server.receive_datagram(second_hello, CLIENT, answer_at)
+    return CLIENT in server.handshakes
+
+
+def test_cookie_secret_rotation_keeps_one_previous_secret() -> None:
+    assert hello_with_cookie(0.0, 1.0, [])
+    assert hello_with_cookie(0.0, 35.0, [])  # one rotation: the previous secret
+    assert not hello_with_cookie(0.0, 70.0, [35.0])  # two rotations: forgotten
 
 
 def test_wrong_psk_fails_with_bad_record_mac() -> None:
