@@ -14,6 +14,7 @@ from crossroads.proto.dtls.handshake import (
     HandshakeFailed,
     HelloReceived,
 )
+from crossroads.proto.dtls.server import DtlsServerConfig
 from tests.proto.dtls.support import (
     CLIENT,
     IDENTITY,
@@ -376,3 +377,14 @@ def test_a_fragmented_client_hello_is_dropped_without_state() -> None:
     assert server.datagrams_to_send(0.0) == []
     assert server.drops["fragmented-hello"] >= 1
     assert not server.handshakes
+
+
+def test_defaults_are_the_ones_the_readme_states() -> None:
+    config = DtlsServerConfig()
+    assert config.cipher_suites == (0x00A8, 0x00A9, 0xC0A4, 0xC0A8)
+    assert (config.max_handshakes_per_ip, config.max_handshakes) == (8, 1024)
+    assert config.handshake_timeout == 15.0
+    assert config.max_sessions_per_ip == 256
+    assert config.idle_timeout == 30.0
+    assert config.cookie_rotation == 30.0
+    assert config.max_datagram == 1400

@@ -157,7 +157,6 @@ class _Session:
     last_rx: float
     final_flight: bytes | None
     write_seq: int = 1
-    plain_seq: int = 0
     resends: int = 0
     #: The datagram (by :attr:`DtlsServer._datagrams` count) that last made us
     #: resend: a repeated flight of two records gets one answer, not two.
@@ -676,7 +675,6 @@ class DtlsServer:
             write=handshake.write,
             last_rx=now,
             final_flight=final,
-            plain_seq=handshake.write_seq + 1,
         )
         self.sessions[addr] = session
         self._per_ip_sessions[addr[0]] = self._per_ip_sessions.get(addr[0], 0) + 1
