@@ -234,3 +234,16 @@ def test_global_handshake_cap() -> None:
         wire.handshake()
     assert len(server.handshakes) == 3
     assert server.drops["handshake-cap"] == 2
+
+
+def test_client_hellos_from_one_source_are_rate_limited() -> None:
+    server = make_server(hello_rate=50.0, hello_burst=200.0)
+    hello = first_hello()
+    for port in range(300):
+        server.receive_datagram(hello, ("198.51.100.7", 2000 + port), 0.0)
+    assert len(server.datagrams_to_send(0.0)) == 200
+    assert server.drops["hello-rate"] == 100
+    # Another source is not affected; the bucket refills with time.
+    server.receive_datagram(hello, ("198.51.100.8", 2000), 0.0)
+    server.receive_datagram(hello, ("198.51.100.7", 2000), 1.0)
+    assert len(server.datagrams_to_send(1.0)) == 2

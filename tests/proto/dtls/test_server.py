@@ -388,3 +388,4 @@ def test_defaults_are_the_ones_the_readme_states() -> None:
     assert config.idle_timeout == 30.0
     assert config.cookie_rotation == 30.0
     assert config.max_datagram == 1400
+    assert (config.hello_rate, config.hello_burst) == (50.0, 200.0)

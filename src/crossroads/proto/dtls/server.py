@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from crossroads.errors import DecodeError
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.crypto import (
     SUITES,
@@ -118,6 +119,13 @@ class DtlsServerConfig:
     max_datagram: int = 1400
     #: Re-sends of the final flight when the client repeats its last flight.
     max_final_resends: int = 8
+    #: ClientHellos per second per source (IPv4 address or IPv6 /64,
+    #: proto/budget.py) and the burst: a client sends one per retransmission
+    #: (1 s, doubling), so even a NAT with hundreds of players starting at once
+    #: stays under it; a flood from one source costs one HMAC per hello only
+    #: up to it. 0 turns it off.
+    hello_rate: float = 50.0
+    hello_burst: float = 200.0
 
 
 @dataclass(slots=True, eq=False)
@@ -198,6 +206,14 @@ class DtlsServer:
         self._timers: list[tuple[float, int, Address]] = []
         self._next_token = 0
         self._datagrams = 0
+        self._hello_budget = FailureBudget(
+            BudgetConfig(
+                per_source_rate=config.hello_rate,
+                per_source_burst=config.hello_burst,
+                global_rate=0.0,
+                global_burst=0.0,
+            )
+        )
         self._secret = random_bytes(32)
         self._previous_secret = self._secret
         self._rotate_at: float | None = None
@@ -387,6 +403,9 @@ class DtlsServer:
         if not fragment.whole:
             # Reassembling would mean state before the cookie round trip.
             self._drop("fragmented-hello")
+            return
+        if not self._hello_budget.try_spend(addr[0], now):
+            self._drop("hello-rate")
             return
         try:
             hello = w.ClientHello.decode(fragment.body)
