@@ -22,7 +22,7 @@ from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.client import DtlsClient
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from tests.conftest import eventually
-from tests.dtls_support import DtlsPeer
+from tests.dtls_psk_support import DtlsPeer
 from tests.e2e.relay_support import api, base_url, metric, relay_runtime
 from tests.proto.dtls.support import CLIENT, Wire, make_client, make_server
 

@@ -24,7 +24,7 @@ from crossroads.client.relay import RelayApi, RelayConnection, RelayConnectionEr
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from crossroads.proto.relay.token import TokenSealer
 from tests.conftest import eventually
-from tests.dtls_support import DtlsPeer
+from tests.dtls_psk_support import DtlsPeer
 from tests.e2e.relay_support import (
     API_KEY,
     BIND_RECEIVED,

@@ -35,7 +35,7 @@ from crossroads.proto.dtls.handshake import (
 from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig
 from crossroads.proto.relay.server import RelayServer
 from crossroads.ratelog import RateLimitedLog
-from crossroads.transport.dtls import DtlsEndpoint
+from crossroads.transport.dtls_endpoint import DtlsEndpoint
 from crossroads.transport.relay import RelayEndpoint
 
 log = logging.getLogger("crossroads.relay")

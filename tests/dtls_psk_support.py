@@ -1,4 +1,4 @@
-"""A DTLS client on a real UDP socket for tests: crossroads' sans-I/O
+"""A DTLS-PSK client (the relay's DTLS) on a real UDP socket for tests: crossroads' sans-I/O
 :class:`DtlsClient` driven by a small asyncio pump (no background task)."""
 
 from __future__ import annotations
