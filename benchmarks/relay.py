@@ -10,6 +10,10 @@ Every target relays the same load between two UDP sockets on 127.0.0.1:
 - ``crossroads relay``: ``crossroads serve --only relay`` in its own process; a host
   and a joiner allocated through the REST API, bound and connected; RELAY frames
   joiner → relay → host (and back for latency).
+- ``crossroads relay DTLS``: the same, with host and joiner on the node's DTLS
+  port (DTLS 1.2, PSK-AES128-GCM-SHA256, crossroads' own DTLS client with the raw
+  allocation ID as identity): the node opens each record and seals it again.
+  The load generator seals a fresh record per frame, which costs it time too.
 - ``crossroads TURN``: crossroads' TURN service with the same load as coturn, when
   the TURN service is present in this checkout.
 - ``coturn``: ``turnserver`` (long-term credentials); the client allocates, binds
@@ -21,6 +25,8 @@ Figures per target, each the median over ``--rounds`` rounds:
   frames delivered per second for ``--seconds``. The same single-threaded Python
   load generator drives every target; the ``direct`` row shows its ceiling, so a
   relay that reaches it is limited by the generator, not by itself.
+- **server CPU µs/pkt** (crossroads rows): the relay process's CPU time
+  (/proc/<pid>/stat) during the throughput runs over the frames delivered.
 - **added latency**: ping-pong of one frame at a time through the relay, median
   round trip minus the direct round trip, divided by two (one relay traversal).
 
@@ -50,10 +56,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from crossroads.proto.dtls.client import ClientState, DtlsClient  # noqa: E402
+from crossroads.proto.dtls.handshake import ApplicationData  # noqa: E402
 from crossroads.proto.relay import messages as m  # noqa: E402
 
 Address = tuple[str, int]
@@ -92,6 +101,12 @@ class Path_:
     forward_to: Address
     back: bytes
     back_to: Address
+    #: DTLS: every record must be fresh (a replayed one is dropped), so a
+    #: callable makes each frame; None sends ``forward`` / ``back`` as they are.
+    fresh_forward: Callable[[], bytes] | None = None
+    fresh_back: Callable[[], bytes] | None = None
+    #: The relay server's process, for its CPU time per frame.
+    server_pid: int | None = None
 
 
 # ----------------------------------------------------------------- measurement
@@ -107,10 +122,20 @@ def drain(*socks: socket.socket) -> None:
                 break
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process (proc(5), fields 14 and 15)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def throughput(path: Path_, seconds: float, window: int) -> tuple[float, int]:
     """Delivered frames per second A→B with ``window`` frames in flight."""
     drain(path.a, path.b)
     sendto, frame, dest = path.a.sendto, path.forward, path.forward_to
+    fresh = path.fresh_forward
     recv_into = path.b.recv_into
     buffer = bytearray(65535)
     inflight = received = stalls = 0
@@ -120,7 +145,7 @@ def throughput(path: Path_, seconds: float, window: int) -> tuple[float, int]:
     while now < end:
         while inflight < window:
             try:
-                sendto(frame, dest)
+                sendto(frame if fresh is None else fresh(), dest)
             except BlockingIOError:
                 break
             inflight += 1
@@ -153,9 +178,13 @@ def round_trips(path: Path_, count: int) -> list[float]:
     for _ in range(count):
         start = time.perf_counter_ns()
         try:
-            path.a.sendto(path.forward, path.forward_to)
+            forward = (
+                path.forward if path.fresh_forward is None else path.fresh_forward()
+            )
+            back = path.back if path.fresh_back is None else path.fresh_back()
+            path.a.sendto(forward, path.forward_to)
             path.b.recv(65535)
-            path.b.sendto(path.back, path.back_to)
+            path.b.sendto(back, path.back_to)
             path.a.recv(65535)
         except TimeoutError:
             continue
@@ -170,13 +199,19 @@ class Result:
     rtt_us: float
     p99_us: float
     stalls: int
+    #: Server CPU µs per delivered frame during the throughput runs (0: unknown).
+    cpu_us: float = 0.0
 
 
 def measure(name: str, path: Path_, args: argparse.Namespace) -> Result:
-    rates, medians, p99s, stalls = [], [], [], 0
+    rates, medians, p99s, stalls, cpus = [], [], [], 0, []
     throughput(path, 0.3, args.window)  # warm-up
     for _ in range(args.rounds):
+        cpu_before = cpu_seconds(path.server_pid)
         rate, stalled = throughput(path, args.seconds, args.window)
+        if path.server_pid is not None and rate:
+            used = cpu_seconds(path.server_pid) - cpu_before
+            cpus.append(used * 1e6 / (rate * args.seconds))
         rates.append(rate)
         stalls += stalled
         samples = sorted(round_trips(path, args.pings))
@@ -188,6 +223,7 @@ def measure(name: str, path: Path_, args: argparse.Namespace) -> Result:
         statistics.median(medians),
         statistics.median(p99s),
         stalls,
+        statistics.median(cpus) if cpus else 0.0,
     )
 
 
@@ -275,8 +311,14 @@ def connect_pair(
 
 
 @contextmanager
-def crossroads_relay_path(payload: bytes) -> Iterator[Path_]:
-    http_port, relay_port = free_port(socket.SOCK_STREAM), free_port()
+def crossroads_relay_process() -> Iterator[tuple[str, int]]:
+    """``crossroads serve --only relay`` pinned to the server CPU: (API base
+    URL, process id). The node serves plain UDP and DTLS."""
+    http_port, relay_port, dtls_port = (
+        free_port(socket.SOCK_STREAM),
+        free_port(),
+        free_port(),
+    )
     process = subprocess.Popen(
         [
             sys.executable,
@@ -291,6 +333,8 @@ def crossroads_relay_path(payload: bytes) -> Iterator[Path_]:
             "relay",
             "--relay-port",
             str(relay_port),
+            "--relay-dtls-port",
+            str(dtls_port),
             "--api-key",
             API_KEY,
             "--relay-allow-private-peers",
@@ -302,27 +346,144 @@ def crossroads_relay_path(payload: bytes) -> Iterator[Path_]:
         stderr=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{http_port}"
-    host_sock, join_sock = udp_socket(), udp_socket()
     try:
         wait_until(lambda: bool(http_json(f"{base}/v1/regions")), "crossroads")
-        hid, jid, server = connect_pair(base, host_sock, join_sock)
-        yield Path_(
-            join_sock,
-            host_sock,
-            m.Relay(jid, hid, payload).encode(),
-            server,
-            m.Relay(hid, jid, payload).encode(),
-            server,
-        )
+        yield base, process.pid
     finally:
-        host_sock.close()
-        join_sock.close()
         process.terminate()
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@contextmanager
+def crossroads_relay_path(payload: bytes) -> Iterator[Path_]:
+    host_sock, join_sock = udp_socket(), udp_socket()
+    try:
+        with crossroads_relay_process() as (base, pid):
+            hid, jid, server = connect_pair(base, host_sock, join_sock)
+            yield Path_(
+                join_sock,
+                host_sock,
+                m.Relay(jid, hid, payload).encode(),
+                server,
+                m.Relay(hid, jid, payload).encode(),
+                server,
+                server_pid=pid,
+            )
+    finally:
+        host_sock.close()
+        join_sock.close()
+
+
+class DtlsSide:
+    """One relay client over DTLS on a blocking socket (crossroads' sans-I/O
+    DTLS client; the 16 raw allocation ID bytes as identity, as Unity sends)."""
+
+    def __init__(self, sock: socket.socket, server: Address, alloc: dict[str, Any]):
+        self.sock, self.server = sock, server
+        self.core = DtlsClient(
+            server,
+            base64.b64decode(alloc["allocationIdBytes"]),
+            base64.b64decode(alloc["key"]),
+            os.urandom,
+        )
+        sock.settimeout(0.2)
+        self.core.start(time.monotonic())
+        deadline = time.monotonic() + 10
+        while self.core.state != ClientState.ESTABLISHED:
+            if time.monotonic() > deadline:
+                raise RuntimeError("DTLS handshake with the relay failed")
+            self._flush()
+            try:
+                data = sock.recv(65535)
+            except TimeoutError:
+                self.core.handle_timer(time.monotonic())
+                continue
+            self.core.receive_datagram(data, server, time.monotonic())
+        self.core.pop_events()
+
+    def _flush(self) -> None:
+        for data, addr in self.core.datagrams_to_send(0.0):
+            self.sock.sendto(data, addr)
+
+    def record(self, message: bytes) -> bytes:
+        """``message`` as the next DTLS record (not sent)."""
+        self.core.send(message, 0.0)
+        ((data, _),) = self.core.datagrams_to_send(0.0)
+        return data
+
+    def request(self, message: bytes) -> bytes:
+        for _ in range(10):
+            self.sock.sendto(self.record(message), self.server)
+            try:
+                data = self.sock.recv(65535)
+            except TimeoutError:
+                continue
+            self.core.receive_datagram(data, self.server, time.monotonic())
+            for event in self.core.pop_events():
+                if isinstance(event, ApplicationData):
+                    return event.data
+        raise RuntimeError("no answer from the relay over DTLS")
+
+
+def bind_message(alloc: dict[str, Any]) -> bytes:
+    key = base64.b64decode(alloc["key"])
+    data = m.pad_connection_data(base64.b64decode(alloc["connectionData"]))
+    signed = m.Bind(nonce=0, connection_data=data, hmac=bytes(32)).signed_bytes()
+    return signed + hmac.new(key, signed, hashlib.sha256).digest()
+
+
+@contextmanager
+def crossroads_dtls_path(payload: bytes) -> Iterator[Path_]:
+    """The crossroads relay with host and joiner both on DTLS: the node opens
+    every record and seals it again for the other side."""
+    host_sock, join_sock = udp_socket(), udp_socket()
+    try:
+        with crossroads_relay_process() as (base, pid):
+            host_alloc = http_json(f"{base}/v1/allocate", {"maxConnections": 1})
+            host = host_alloc["data"]["allocation"]  # type: ignore[index]
+            code = http_json(
+                f"{base}/v1/joincode", {"allocationId": host["allocationId"]}
+            )
+            joined = http_json(
+                f"{base}/v1/join",
+                {"joinCode": code["data"]["joinCode"]},  # type: ignore[index]
+            )
+            joiner = joined["data"]["allocation"]  # type: ignore[index]
+            (dtls,) = [
+                e for e in host["serverEndpoints"] if e["connectionType"] == "dtls"
+            ]
+            server = (dtls["host"], dtls["port"])
+            host_side = DtlsSide(host_sock, server, host)
+            join_side = DtlsSide(join_sock, server, joiner)
+            for side, alloc in ((host_side, host), (join_side, joiner)):
+                assert side.request(bind_message(alloc)) == m.BindReceived().encode()
+            hid = base64.b64decode(host["allocationIdBytes"])
+            jid = base64.b64decode(joiner["allocationIdBytes"])
+            host_data = base64.b64decode(joiner["hostConnectionData"])
+            accepted = join_side.request(m.ConnectRequest(jid, host_data).encode())
+            assert accepted == m.Accepted(hid, jid).encode()
+            forward = m.Relay(jid, hid, payload).encode()
+            back = m.Relay(hid, jid, payload).encode()
+            host_sock.settimeout(None)
+            join_sock.settimeout(None)
+            yield Path_(
+                join_sock,
+                host_sock,
+                b"",
+                server,
+                b"",
+                server,
+                fresh_forward=lambda: join_side.record(forward),
+                fresh_back=lambda: host_side.record(back),
+                server_pid=pid,
+            )
+    finally:
+        host_sock.close()
+        join_sock.close()
 
 
 # A TURN client just big enough for the benchmark (RFC 8489 / RFC 8656):
@@ -564,6 +725,7 @@ def main() -> None:
     targets: list[tuple[str, Callable[[bytes], object]]] = [
         ("direct (no relay)", direct_path),
         ("crossroads relay", crossroads_relay_path),
+        ("crossroads relay DTLS", crossroads_dtls_path),
         ("coturn", coturn_path),
     ]
     turn_missing = crossroads_turn_available()
@@ -579,12 +741,15 @@ def main() -> None:
         f"{args.seconds}s, {args.pings} pings/round; median of rounds"
     )
     print(
-        f"{'target':<22}{'packets/s':>12}{'RTT µs':>10}{'added µs/hop':>14}{'p99 RTT µs':>12}"
+        f"{'target':<24}{'packets/s':>12}{'RTT µs':>10}{'added µs/hop':>14}"
+        f"{'p99 RTT µs':>12}{'server CPU µs/pkt':>19}"
     )
     for r in results:
         added = (r.rtt_us - direct.rtt_us) / 2 if r is not direct else 0.0
+        cpu = f"{r.cpu_us:>19.1f}" if r.cpu_us else f"{'':>19}"
         print(
-            f"{r.name:<22}{r.pps:>12,.0f}{r.rtt_us:>10.1f}{added:>14.1f}{r.p99_us:>12.1f}"
+            f"{r.name:<24}{r.pps:>12,.0f}{r.rtt_us:>10.1f}{added:>14.1f}"
+            f"{r.p99_us:>12.1f}{cpu}"
         )
     if turn_missing:
         print(f"{'crossroads TURN':<22}{'n/a':>12}  ({turn_missing})")
@@ -600,6 +765,12 @@ def main() -> None:
                 f"ratio {name} / coturn: packets/s {ours.pps / coturn.pps:.2f}, "
                 f"added latency {added:.2f}"
             )
+    plain, dtls = by_name.get("crossroads relay"), by_name.get("crossroads relay DTLS")
+    if plain is not None and dtls is not None:
+        print(
+            f"ratio crossroads relay DTLS / plain: packets/s {dtls.pps / plain.pps:.2f}, "
+            f"server CPU per packet {dtls.cpu_us / max(1e-9, plain.cpu_us):.2f}"
+        )
     stalls = {r.name: r.stalls for r in results if r.stalls}
     if stalls:
         print(f"windows lost to drops (restarted): {stalls}")

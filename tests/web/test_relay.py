@@ -96,16 +96,24 @@ async def test_allocate_response_has_unitys_shape() -> None:
             node = rt.services["relay"].node  # type: ignore[attr-defined]
             port = node.endpoint.sock.getsockname()[1]
             assert allocation["relayServer"] == {"ipV4": "127.0.0.1", "port": port}
-            assert allocation["serverEndpoints"] == [
-                {
-                    "connectionType": "udp",
-                    "network": "udp",
-                    "reliable": False,
-                    "secure": False,
-                    "host": "127.0.0.1",
-                    "port": port,
-                }
-            ]
+            endpoints = {e["connectionType"]: e for e in allocation["serverEndpoints"]}
+            assert endpoints["udp"] == {
+                "connectionType": "udp",
+                "network": "udp",
+                "reliable": False,
+                "secure": False,
+                "host": "127.0.0.1",
+                "port": port,
+            }
+            dtls_port = node.dtls.endpoint.sock.getsockname()[1]
+            assert endpoints["dtls"] == {
+                "connectionType": "dtls",
+                "network": "udp",
+                "reliable": False,
+                "secure": True,
+                "host": "127.0.0.1",
+                "port": dtls_port,
+            }
             regions = (await http.get("/v1/regions")).json()
             assert regions == {
                 "data": {"regions": [{"id": "eu-west", "description": "Europe"}]}

@@ -26,12 +26,19 @@ A joining player::
         await player.bind()
         host_id = await player.connect()
         player.send(host_id, b"hello")
+
+``RelayConnection.open(allocation, secure=True)`` speaks the same protocol
+inside DTLS 1.2 (PSK) to the allocation's ``dtls`` endpoint, as Unity Transport
+does with ``RelayServerData(allocation, "dtls")``: the handshake (identity = the
+16 raw allocation ID bytes, PSK = the key) runs before the BIND, then each relay
+message is one DTLS record (:class:`crossroads.proto.dtls.client.DtlsClient`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import socket
 import uuid
 from dataclasses import dataclass
@@ -41,6 +48,10 @@ from typing import Any
 import httpx
 
 from crossroads.errors import CrossroadsError
+from crossroads.proto.dtls.client import ClientState as DtlsState
+from crossroads.proto.dtls.client import DtlsClient
+from crossroads.proto.dtls.handshake import ApplicationData, HandshakeFailed
+from crossroads.proto.dtls.handshake import Event as DtlsEvent
 from crossroads.proto.relay import client as core
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.sockets import make_udp_socket
@@ -82,6 +93,8 @@ class Allocation:
     region: str
     #: Only for joiners: the host's connection data, for CONNECT_REQUEST.
     host_connection_data: bytes | None = None
+    #: The ``dtls`` endpoint, when the relay lists one.
+    dtls_server: Address | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Allocation:
@@ -90,6 +103,11 @@ class Allocation:
             e
             for e in data.get("serverEndpoints", [])
             if e.get("connectionType") == "udp"
+        ]
+        dtls = [
+            (str(e["host"]), int(e["port"]))
+            for e in data.get("serverEndpoints", [])
+            if e.get("connectionType") == "dtls"
         ]
         if endpoints:
             server = (str(endpoints[0]["host"]), int(endpoints[0]["port"]))
@@ -107,6 +125,7 @@ class Allocation:
             server=server,
             region=str(data.get("region", "")),
             host_connection_data=base64.b64decode(host_data) if host_data else None,
+            dtls_server=dtls[0] if dtls else None,
         )
 
 
@@ -190,17 +209,31 @@ class RelayConnection:
     """One allocation's UDP session with a relay server."""
 
     def __init__(
-        self, allocation: Allocation, config: core.RelayClientConfig | None
+        self,
+        allocation: Allocation,
+        config: core.RelayClientConfig | None,
+        secure: bool = False,
     ) -> None:
         self.allocation = allocation
+        server = allocation.server
+        if secure:
+            if allocation.dtls_server is None:
+                raise RelayConnectionError("the allocation lists no dtls endpoint")
+            server = allocation.dtls_server
+        self.server = server
+        self.secure = secure
         self.core = core.RelayClient(
             allocation.allocation_id_bytes,
             allocation.key,
             allocation.connection_data,
-            allocation.server,
+            server,
             host_connection_data=allocation.host_connection_data,
             config=config,
         )
+        #: The DTLS session (``secure``); a new one per local socket.
+        self.dtls: DtlsClient | None = None
+        #: DTLS events other than data (established, failed, closed), in order.
+        self.dtls_history: list[DtlsEvent] = []
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.DatagramTransport | None = None
         self._frames: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
@@ -218,14 +251,15 @@ class RelayConnection:
         local_host: str | None = None,
         config: core.RelayClientConfig | None = None,
         sock: socket.socket | None = None,
+        secure: bool = False,
     ) -> RelayConnection:
         """Open a UDP socket for ``allocation`` (nothing is sent until :meth:`bind`).
 
         ``sock`` uses a socket the caller already has (bound, non-blocking; e.g. the
         game's own, or one made in another network namespace); it is closed with
-        the connection.
+        the connection. ``secure``: DTLS to the allocation's ``dtls`` endpoint.
         """
-        connection = cls(allocation, config)
+        connection = cls(allocation, config, secure)
         await connection._open_socket(local_host, sock)
         return connection
 
@@ -233,7 +267,7 @@ class RelayConnection:
         self, local_host: str | None, sock: socket.socket | None = None
     ) -> None:
         if sock is None:
-            server_host = self.allocation.server[0]
+            server_host = self.server[0]
             if local_host is None:
                 local_host = "::" if ":" in server_host else "0.0.0.0"
             sock = make_udp_socket(local_host, 0)
@@ -264,7 +298,10 @@ class RelayConnection:
     # ------------------------------------------------------------- commands
 
     async def bind(self, timeout: float = 10.0) -> None:
-        """BIND (retried every second) until BIND_RECEIVED."""
+        """BIND (retried every second) until BIND_RECEIVED (after the DTLS
+        handshake when ``secure``)."""
+        if self.secure and self.dtls is None:
+            await self._handshake(timeout)
         if self.core.state is core.ClientState.BINDING:
             self.core.start(self._loop.time())
             self._flush()
@@ -320,6 +357,9 @@ class RelayConnection:
         await self._open_socket(local_host)
         if old is not None:
             old.close()
+        if self.secure:
+            # A DTLS session belongs to one address: a new one from the new socket.
+            await self._handshake(10.0)
 
     def rebind(self) -> None:
         """BIND again now with the next nonce."""
@@ -330,6 +370,10 @@ class RelayConnection:
         """CLOSE the allocation on the relay and release the socket."""
         self.core.close(self._loop.time())
         self._flush()
+        if self.dtls is not None and self._transport is not None:
+            self.dtls.close(self._loop.time())
+            for data, addr in self.dtls.datagrams_to_send(self._loop.time()):
+                self._transport.sendto(data, addr)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -337,6 +381,33 @@ class RelayConnection:
         self._changed.set()
 
     # ------------------------------------------------------------- plumbing
+
+    async def _handshake(self, timeout: float) -> None:
+        self.dtls = DtlsClient(
+            self.server,
+            self.allocation.allocation_id_bytes,
+            self.allocation.key,
+            os.urandom,
+        )
+        self.dtls.start(self._loop.time())
+        self._flush()
+        dtls = self.dtls
+        async with asyncio.timeout(timeout):
+            while dtls.state not in (
+                DtlsState.ESTABLISHED,
+                DtlsState.FAILED,
+                DtlsState.CLOSED,
+            ):
+                self._changed.clear()
+                await self._changed.wait()
+        self.dtls_history.extend(dtls.pop_events())
+        if dtls.state is not DtlsState.ESTABLISHED:
+            reasons = [
+                e.reason for e in self.dtls_history if isinstance(e, HandshakeFailed)
+            ]
+            raise RelayConnectionError(
+                f"DTLS handshake failed: {', '.join(reasons) or 'closed'}"
+            )
 
     async def _wait(self, done: Any, timeout: float, what: str) -> None:
         async with asyncio.timeout(timeout):
@@ -352,14 +423,33 @@ class RelayConnection:
             )
 
     def _received(self, data: bytes, addr: Address) -> None:
-        self.core.receive_datagram(data, addr, self._loop.time())
+        now = self._loop.time()
+        if self.dtls is None:
+            self.core.receive_datagram(data, addr, now)
+        else:
+            state = self.dtls.state
+            self.dtls.receive_datagram(data, addr, now)
+            for event in self.dtls.pop_events():
+                if isinstance(event, ApplicationData):
+                    self.core.receive_datagram(event.data, addr, now)
+                else:
+                    self.dtls_history.append(event)
+            if self.dtls.state is not state:
+                self._changed.set()
         self._flush()
 
     def _flush(self) -> None:
         now = self._loop.time()
         if self._transport is not None:
+            dtls = self.dtls
             for data, addr in self.core.datagrams_to_send(now):
-                self._transport.sendto(data, addr)
+                if dtls is None:
+                    self._transport.sendto(data, addr)
+                elif not dtls.send(data, now):
+                    self.frames_dropped += 1  # no session yet: lost, as on UDP
+            if dtls is not None:
+                for data, addr in dtls.datagrams_to_send(now):
+                    self._transport.sendto(data, addr)
         changed = False
         for event in self.core.events():
             if isinstance(event, core.Data):
@@ -376,8 +466,20 @@ class RelayConnection:
 
     def _deadline(self) -> float | None:
         # No timer without a socket: nothing could be sent when it fires.
-        return self.core.get_timer() if self._transport is not None else None
+        if self._transport is None:
+            return None
+        deadline = self.core.get_timer()
+        if self.dtls is not None:
+            handshake = self.dtls.get_timer()
+            if handshake is not None:
+                deadline = handshake if deadline is None else min(deadline, handshake)
+        return deadline
 
     def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
+        if self.dtls is not None:
+            state = self.dtls.state
+            self.dtls.handle_timer(now)
+            if self.dtls.state is not state:
+                self._changed.set()
         self._flush()

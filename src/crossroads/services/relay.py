@@ -73,6 +73,7 @@ from crossroads.services.base import (
     show_address,
     stop_task,
 )
+from crossroads.services.relay_dtls import RelayDtls
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.localaddrs import own_addresses
@@ -130,6 +131,15 @@ class Config:
     )
     public_port: int = setting(
         0, kind="port", help="UDP port clients use, when a NAT or proxy changes it."
+    )
+    dtls: bool = setting(
+        True,
+        kind="bool",
+        help='Also serve the relay over DTLS 1.2 with PSK (Unity\'s "dtls" '
+        "endpoint) on --relay-dtls-port.",
+    )
+    dtls_port: int = setting(
+        7781, kind="port", help="UDP port of the relay node's DTLS endpoint."
     )
     region: str = setting("local", help="Region of this relay node.")
     region_description: str = setting("", help="Human-readable name of the region.")
@@ -234,6 +244,8 @@ class NodeInfo:
     port: int
     capacity: int
     load: int
+    #: UDP port of the node's DTLS endpoint (0: none).
+    dtls_port: int = 0
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -245,6 +257,7 @@ class NodeInfo:
                 "port": self.port,
                 "capacity": self.capacity,
                 "load": self.load,
+                "dtlsPort": self.dtls_port,
             }
         ).encode()
 
@@ -259,6 +272,7 @@ class NodeInfo:
             port=int(data["port"]),
             capacity=int(data["capacity"]),
             load=int(data["load"]),
+            dtls_port=int(data.get("dtlsPort", 0)),
         )
 
 
@@ -561,6 +575,8 @@ class RelayNode:
         self.core = core
         self.endpoint = endpoint
         self.info = info
+        #: The DTLS endpoint (``--relay-dtls``), None when off.
+        self.dtls: RelayDtls | None = None
         self.events_dropped = 0
         self.refusals = RefusalLog(
             log,
@@ -586,12 +602,16 @@ class RelayNode:
     def start(self) -> None:
         self.endpoint.on_events = self._enqueue
         self.endpoint.start()
+        if self.dtls is not None:
+            self.dtls.start()
         self._tasks = [
             asyncio.create_task(self._heartbeat(), name="relay-heartbeat"),
             asyncio.create_task(self._apply_events(), name="relay-events"),
         ]
 
     async def close(self) -> None:
+        if self.dtls is not None:
+            self.dtls.close()
         self.endpoint.close()
         for task in self._tasks:
             await stop_task(task)
@@ -633,6 +653,7 @@ class RelayNode:
             port=self.info.port,
             capacity=self.info.capacity,
             load=self.core.load,
+            dtls_port=self.info.dtls_port,
         )
 
     async def register(self) -> None:
@@ -827,6 +848,8 @@ class RelayCollector(Collector):
             "Seats reserved by bound hosts.",
             value=core.load,
         )
+        if self.node.dtls is not None:
+            yield from self.node.dtls.metrics()
 
 
 # ------------------------------------------------------------------------ service
@@ -899,6 +922,12 @@ class RelayService:
                 f"udp {shown} (node {info.node_id}, region {info.region}, "
                 f"public {info.host}:{info.port})"
             )
+            if self.node.dtls is not None:
+                dtls_host, dtls_port = bound_address(self.node.dtls.endpoint.sock)
+                lines.append(
+                    f"dtls {show_address((dtls_host, dtls_port))} "
+                    f"(public {info.host}:{info.dtls_port})"
+                )
         if self.api:
             lines.append("http /v1/allocate /v1/joincode /v1/join /v1/regions")
         return lines
@@ -1002,6 +1031,7 @@ async def serve(ctx: ServiceContext) -> Service:
                 reflection=ctx.reflection_budget(),
             )
             endpoint = RelayEndpoint(core, sock)
+            dtls_sock = make_udp_socket(ctx.host, cfg.dtls_port) if cfg.dtls else None
         except BaseException:
             sock.close()
             raise
@@ -1013,8 +1043,11 @@ async def serve(ctx: ServiceContext) -> Service:
             port=cfg.public_port or bound[1],
             capacity=cfg.capacity,
             load=0,
+            dtls_port=bound_address(dtls_sock)[1] if dtls_sock is not None else 0,
         )
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
+        if dtls_sock is not None:
+            node.dtls = RelayDtls(endpoint, dtls_sock)
         node.start()
         try:
             await node.register()
@@ -1080,10 +1113,29 @@ def encode_grant(grant: Grant) -> dict[str, Any]:
                 "host": node.host,
                 "port": node.port,
             }
-        ],
+        ]
+        + dtls_endpoints(node),
         "relayServer": {"ipV4": node.host, "port": node.port},
         "region": node.region,
     }
     if grant.host_connection_data is not None:
         body["hostConnectionData"] = b64(grant.host_connection_data)
     return body
+
+
+def dtls_endpoints(node: NodeInfo) -> list[dict[str, Any]]:
+    """The ``dtls`` endpoint of a node that serves DTLS (reference
+    unity-secure-transports.md §3: ``secure`` true makes Unity Transport add
+    its DTLS layer; ``network`` must be "udp" or "tcp")."""
+    if not node.dtls_port:
+        return []
+    return [
+        {
+            "connectionType": "dtls",
+            "network": "udp",
+            "reliable": False,
+            "secure": True,
+            "host": node.host,
+            "port": node.dtls_port,
+        }
+    ]

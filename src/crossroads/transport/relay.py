@@ -16,14 +16,23 @@ data-plane routes from this socket. On a wildcard bind each route carries the
 frames (BIND, CONNECT_REQUEST, a rebind) before any route to it exists. When the
 kernel buffer is full a datagram is dropped and counted, which is what a UDP
 relay should do.
+
+Clients on the DTLS port (:mod:`crossroads.services.relay_dtls`) share the
+core: their decrypted frames arrive through :meth:`RelayEndpoint.receive`, and
+what goes to them is encrypted by the secure side, never sent here in clear. A
+pair with a DTLS end therefore gets a :class:`SecureForward` instead of a C
+route: the C tap does not forward it (its slow path hands the frame to the
+core, whose outbox :meth:`_flush` sends through the secure side), and a
+plaintext frame on this port from an address that holds a DTLS session is
+refused (a spoofed source must not speak for an encrypted client).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
 from crossroads.proto.relay.server import Event, ForwardEntry, RelayServer
@@ -31,6 +40,34 @@ from crossroads.transport.dataplane import RouteLike, make_route, make_tap
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import ReplySource, is_wildcard, reply_control
 from crossroads.types import Address
+
+
+class SecureSide(Protocol):
+    """A transport whose clients the relay reaches through it (DTLS): the
+    addresses it has sessions for, and how to send one relay message to one."""
+
+    @property
+    def sessions(self) -> Mapping[Address, object]: ...
+
+    def send_to(self, addr: Address, data: bytes) -> None: ...
+
+
+class SecureForward:
+    """The forwarding entry of a pair with a DTLS end: not a data-plane route,
+    so the C tap leaves its frames to the slow path; the pure-Python tap calls
+    :meth:`send`, which decides as the slow path would."""
+
+    __slots__ = ("endpoint", "dest", "source", "packets", "octets")
+
+    def __init__(self, endpoint: RelayEndpoint, dest: Address, source: Address) -> None:
+        self.endpoint = endpoint
+        self.dest = dest
+        self.source = source
+        self.packets = 0
+        self.octets = 0
+
+    def send(self, data: bytes) -> None:
+        self.endpoint.forward_plaintext(data, self.source, self.dest)
 
 
 class RelayEndpoint:
@@ -46,6 +83,9 @@ class RelayEndpoint:
         self.sock = sock
         self.on_events = on_events
         self._flush_failures = 0
+        #: Plaintext datagrams from an address that has a DTLS session.
+        self.plaintext_refused = 0
+        self._secure: SecureSide | None = None
         self._loop = asyncio.get_running_loop()
         #: On a wildcard bind, replies and relayed frames leave from the address
         #: each client sent to (:mod:`crossroads.transport.pktinfo`).
@@ -73,6 +113,17 @@ class RelayEndpoint:
     def start(self) -> None:
         self._loop.add_reader(self.sock.fileno(), self._readable)
 
+    def attach_secure(self, side: SecureSide) -> None:
+        """Reach ``side``'s session addresses through it, and refuse their
+        plaintext datagrams here."""
+        self._secure = side
+
+    def receive(self, data: bytes, addr: Address) -> None:
+        """One relay message that arrived (decrypted) through the secure side."""
+        now = self._loop.time()
+        self.core.receive_datagram(data, addr, now)
+        self._flush(now)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -82,8 +133,14 @@ class RelayEndpoint:
         self._timer.close()
         self.sock.close()
 
-    def make_forward(self, dest: Address) -> ForwardEntry:
-        """A data-plane route from this socket to ``dest`` (the core's factory)."""
+    def make_forward(self, dest: Address, source: Address) -> ForwardEntry:
+        """A data-plane route from this socket to ``dest`` (the core's factory),
+        or a :class:`SecureForward` when either end is a DTLS client."""
+        secure = self._secure
+        if secure is not None and (
+            dest in secure.sessions or source in secure.sessions
+        ):
+            return SecureForward(self, dest, source)
         control = None if self._replies is None else self._replies.control_for(dest)
         route: RouteLike = make_route(self.sock, dest, control)
         return route
@@ -97,7 +154,27 @@ class RelayEndpoint:
             self._slow_now = None
             self._flush(now)
 
+    def forward_plaintext(self, data: bytes, source: Address, dest: Address) -> None:
+        """A plaintext frame on this port routed to or from a DTLS client."""
+        secure = self._secure
+        if secure is None:
+            return
+        if source in secure.sessions:
+            self.plaintext_refused += 1
+        elif dest in secure.sessions:
+            secure.send_to(dest, data)
+        else:
+            # Both ends left DTLS since the entry was made: plain again.
+            try:
+                self.sock.sendto(data, dest)
+            except OSError:
+                self._flush_failures += 1
+
     def _slow(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
+        secure = self._secure
+        if secure is not None and addr in secure.sessions:
+            self.plaintext_refused += 1
+            return
         if self._replies is not None and ancdata:
             control = reply_control(ancdata)
             if control is not None:
@@ -105,7 +182,9 @@ class RelayEndpoint:
         now = self._slow_now
         if now is None:
             now = self._slow_now = self._loop.time()
-        self.core.receive_slow(data, addr, now)
+        # receive_datagram, not receive_slow: a routed frame of a pair with a
+        # DTLS end reaches here (the C tap forwards only its own routes).
+        self.core.receive_datagram(data, addr, now)
 
     # ----------------------------------------------------------- control plane
 
@@ -118,7 +197,13 @@ class RelayEndpoint:
 
     def _flush(self, now: float) -> None:
         sendto = self.sock.sendto if self._replies is None else self._replies.sendto
+        secure = self._secure
+        secured = secure.sessions if secure is not None else None
         for data, addr in self.core.datagrams_to_send(now):
+            if secured and addr in secured:
+                assert secure is not None
+                secure.send_to(addr, data)
+                continue
             try:
                 sendto(data, addr)
             except OSError:

@@ -87,7 +87,7 @@ class Forward:
 
     __slots__ = ("dest", "packets", "octets")
 
-    def __init__(self, dest: Address) -> None:
+    def __init__(self, dest: Address, source: Address | None = None) -> None:
         self.dest = dest
         self.packets = 0
         self.octets = 0
@@ -297,7 +297,7 @@ class RelayServer:
         self.routes: dict[RouteKey, ForwardEntry] = {}
         #: The allocations behind each entry of :attr:`routes` (same keys).
         self._links: dict[RouteKey, Route] = {}
-        self._make_forward: Callable[[Address], ForwardEntry] = Forward
+        self._make_forward: Callable[[Address, Address], ForwardEntry] = Forward
         #: Seats reserved by bound hosts (sum of :attr:`Allocation.weight`).
         self.load = 0
         self.connections = 0
@@ -328,9 +328,14 @@ class RelayServer:
 
     # ------------------------------------------------------------- public API
 
-    def set_forwarding(self, make_forward: Callable[[Address], ForwardEntry]) -> None:
+    def set_forwarding(
+        self, make_forward: Callable[[Address, Address], ForwardEntry]
+    ) -> None:
         """Let the transport make the forwarding entries (its data plane's route
-        objects, bound to its socket). Call before the first datagram."""
+        objects, bound to its socket): ``make_forward(dest, source)`` for the
+        frames ``source`` sends to ``dest`` (a transport that reaches some
+        clients another way, DTLS, needs both ends). Call before the first
+        datagram."""
         self._make_forward = make_forward
 
     def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
@@ -716,7 +721,7 @@ class RelayServer:
     def _install_routes(self, a: Allocation, b: Allocation) -> None:
         for source, target in ((a, b), (b, a)):
             key = self._route_key(source, target)
-            forward = self._make_forward(target.address)
+            forward = self._make_forward(target.address, source.address)
             self.routes[key] = forward
             self._links[key] = Route(forward, source, target)
 

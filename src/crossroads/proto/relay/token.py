@@ -109,6 +109,11 @@ class TokenSealer:
         """The 64-byte HMAC key of an allocation (the API's base64 ``key``)."""
         return _allocation_key(self._secret, allocation_id)
 
+    def keys_for(self, allocation_id: bytes) -> tuple[bytes, ...]:
+        """The allocation's key under the current secret, then under each
+        previous one (tokens sealed before an adoption still open)."""
+        return tuple(_allocation_key(s, allocation_id) for s in self._secrets)
+
     def open_with_key(
         self, data: bytes, node_id: str
     ) -> tuple[AllocationClaims, bytes]:

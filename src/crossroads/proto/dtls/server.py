@@ -1,0 +1,832 @@
+"""A sans-I/O DTLS 1.2 PSK server: many clients, one UDP port.
+
+Theory of operation
+-------------------
+Each client is known by its IP:port. Three things may exist for an address: no
+state at all, a *handshake* in progress, and an established *session*.
+
+1. **Cookie first, no state before it** (RFC 6347 §4.2.1). A ClientHello
+   (epoch 0) without a valid cookie is answered with a HelloVerifyRequest whose
+   cookie is an HMAC of the client's address and hello parameters under a
+   secret that rotates every ``cookie_rotation`` seconds (the current and the
+   previous secret are accepted). Nothing is stored, and the answer (44 bytes)
+   is smaller than any well-formed ClientHello, so spoofed hellos neither fill
+   memory nor amplify. Only a hello that echoes a valid cookie (its sender
+   received our answer) creates a handshake, within per-IP and global caps.
+2. **Handshake** (RFC 5246 §7.3, RFC 4279 §2; PSK only, no certificate, no
+   ServerKeyExchange since we send no identity hint): ServerHello +
+   ServerHelloDone in one datagram; then ClientKeyExchange (the PSK identity,
+   binary-safe: a zero byte is part of it), ChangeCipherSpec and Finished
+   (epoch 1). The PSK comes from the injected ``psk_for(identity)`` (candidates:
+   the client's Finished picks the one that authenticates); the
+   premaster is RFC 4279's, the master secret the extended one (RFC 7627) when
+   the client offered it. A wrong key shows as a Finished that does not
+   authenticate: the client gets a fatal ``bad_record_mac`` alert. Our
+   ChangeCipherSpec + Finished complete it, and the session replaces any
+   previous one of that address (Unity's reconnection probe, reference
+   unity-secure-transports.md §1.5, is a fresh epoch-0 ClientHello on a live
+   address: it gets a HelloVerifyRequest like anyone, never an alert).
+3. **Retransmission** (RFC 6347 §4.2.4): a handshake's last flight is re-sent
+   when its timer (1 s, doubling) fires or the client repeats its own flight;
+   a handshake not done within ``handshake_timeout`` is dropped. After the
+   handshake, a repeated client Finished / ClientKeyExchange gets our final
+   flight again (at most ``max_final_resends`` times).
+4. **Session**: application data records are opened, checked against a 64-record
+   replay window and reported as :class:`ApplicationData` events; :meth:`send`
+   protects one datagram-sized record per call (one relay message per record
+   per datagram). A ClientHello inside the session (renegotiation, RFC 5746)
+   gets a ``no_renegotiation`` warning; a close_notify or fatal alert ends the
+   session; so does ``idle_timeout`` without a valid record. Plaintext alerts
+   never end a session (anyone can forge one).
+
+Everything malformed is dropped and counted in :attr:`DtlsServer.drops` (one
+key per reason); the core does no I/O and reads time only from ``now``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import hmac
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+from crossroads.errors import DecodeError
+from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.dtls import wire as w
+from crossroads.proto.dtls.crypto import (
+    SUITES,
+    CipherSuite,
+    RecordProtection,
+    ReplayWindow,
+    key_block,
+    master_secret,
+    psk_premaster,
+    transcript_hash,
+    verify_data,
+)
+from crossroads.proto.dtls.handshake import (
+    ApplicationData,
+    Closed,
+    Established,
+    Event,
+    HandshakeFailed,
+    HelloReceived,
+    Message,
+    Reassembler,
+    Retransmitter,
+)
+from crossroads.types import Address
+
+#: The PSKs an identity may use, most likely first (a relay node that adopted a
+#: new secret still knows allocations keyed under the previous ones); empty
+#: when the identity is unknown. The client's Finished tells which one it used.
+PskLookup = Callable[[bytes], Sequence[bytes]]
+#: Candidate keys tried per handshake, at most (each costs a key derivation).
+MAX_PSK_CANDIDATES: Final = 8
+
+#: HelloVerifyRequest cookie bytes (a truncated HMAC-SHA256). 16 bytes make a
+#: forged cookie a 2^-128 guess and keep the HVR smaller than any ClientHello.
+COOKIE_SIZE: Final = 16
+#: RFC 6347 §4.1: sequence numbers are 48 bits; a session that would wrap ends.
+MAX_SEQUENCE: Final = 2**48 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class DtlsServerConfig:
+    """Limits and timers of a DTLS server."""
+
+    #: Offered suites, in server preference order (all AEAD; crypto.SUITES).
+    cipher_suites: tuple[int, ...] = tuple(SUITES)
+    #: A legitimate handshake takes one round trip after the cookie; 15 s covers
+    #: four retransmissions of the RFC 6347 §4.2.4.1 timer (1 + 2 + 4 + 8 s).
+    handshake_timeout: float = 15.0
+    #: Seconds without a valid record before a session ends. The relay drops an
+    #: allocation after 10 s of silence (reference §1.2) and Unity clients
+    #: ping every 3 s at most; 30 s only frees sessions nobody uses.
+    idle_timeout: float = 30.0
+    #: Handshakes past the cookie, in all and per source IP (a slow-handshake
+    #: flood needs real addresses, and each one holds at most this many).
+    max_handshakes: int = 1024
+    max_handshakes_per_ip: int = 8
+    #: Established sessions, in all and per source IP (players behind one NAT).
+    max_sessions: int = 20_000
+    max_sessions_per_ip: int = 256
+    #: Seconds a cookie secret is current; a cookie stays valid for up to two.
+    cookie_rotation: float = 30.0
+    #: Unity Transport's DTLS MTU is 1400 bytes (reference §1.4): no datagram
+    #: we send may be larger.
+    max_datagram: int = 1400
+    #: Re-sends of the final flight when the client repeats its last flight.
+    max_final_resends: int = 8
+    #: ClientHellos per second per source (IPv4 address or IPv6 /64,
+    #: proto/budget.py) and the burst: a client sends one per retransmission
+    #: (1 s, doubling), so even a NAT with hundreds of players starting at once
+    #: stays under it; a flood from one source costs one HMAC per hello only
+    #: up to it. 0 turns it off.
+    hello_rate: float = 50.0
+    hello_burst: float = 200.0
+
+
+@dataclass(slots=True, eq=False)
+class _Handshake:
+    address: Address
+    hello_seq: int
+    client_random: bytes
+    server_random: bytes
+    suite: CipherSuite
+    ems: bool
+    transcript: list[bytes]
+    reassembler: Reassembler
+    next_server_seq: int
+    write_seq: int
+    flight: bytes
+    timer: Retransmitter
+    expires: float
+    token: int = 0
+    master: bytes = b""
+    identity: bytes = b""
+    read: RecordProtection | None = None
+    write: RecordProtection | None = None
+    #: (master, read, write) per candidate PSK until the client's Finished
+    #: shows which one it holds.
+    candidates: list[tuple[bytes, RecordProtection, RecordProtection]] = field(
+        default_factory=list
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _Session:
+    address: Address
+    identity: bytes
+    suite: CipherSuite
+    read: RecordProtection
+    write: RecordProtection
+    last_rx: float
+    final_flight: bytes | None
+    write_seq: int = 1
+    resends: int = 0
+    #: The datagram (by :attr:`DtlsServer._datagrams` count) that last made us
+    #: resend: a repeated flight of two records gets one answer, not two.
+    resent_for: int = -1
+    token: int = 0
+    window: ReplayWindow = field(default_factory=ReplayWindow)
+
+
+class DtlsServer:
+    """The DTLS 1.2 PSK server core (see the module docstring).
+
+    Args:
+        config: limits and timers.
+        psk_for: the candidate PSKs of an identity, none when unknown.
+        random_bytes: the randomness source (server randoms, cookie secrets).
+    """
+
+    def __init__(
+        self,
+        config: DtlsServerConfig,
+        psk_for: PskLookup,
+        random_bytes: Callable[[int], bytes],
+    ) -> None:
+        self.config = config
+        self.psk_for = psk_for
+        self.random_bytes = random_bytes
+        self.handshakes: dict[Address, _Handshake] = {}
+        self.sessions: dict[Address, _Session] = {}
+        #: Drops by reason (metrics).
+        self.drops: dict[str, int] = {}
+        #: Handshake failures by reason, and counters for metrics and tests.
+        self.failures: dict[str, int] = {}
+        self.hello_verify_sent = 0
+        self.established_total = 0
+        self._per_ip_handshakes: dict[str, int] = {}
+        self._per_ip_sessions: dict[str, int] = {}
+        self._outbox: list[tuple[bytes, Address]] = []
+        self._events: list[Event] = []
+        self._timers: list[tuple[float, int, Address]] = []
+        self._next_token = 0
+        self._datagrams = 0
+        self._hello_budget = FailureBudget(
+            BudgetConfig(
+                per_source_rate=config.hello_rate,
+                per_source_burst=config.hello_burst,
+                global_rate=0.0,
+                global_burst=0.0,
+            )
+        )
+        self._secret = random_bytes(32)
+        self._previous_secret = self._secret
+        self._rotate_at: float | None = None
+
+    # ------------------------------------------------------------- public API
+
+    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
+        """Handle one datagram from ``addr``. Never raises on bad input."""
+        self._datagrams += 1
+        records, bad = w.split_records(data)
+        if bad is not None:
+            self._drop(bad)
+        for record in records:
+            self._on_record(record, addr, now)
+
+    def send(self, addr: Address, data: bytes, now: float) -> bool:
+        """Protect ``data`` as one record in one datagram to ``addr``'s session.
+        False (and counted) when there is no session or it would not fit."""
+        session = self.sessions.get(addr)
+        if session is None:
+            self._drop("send-no-session")
+            return False
+        record = session.write.seal(
+            w.ContentType.APPLICATION_DATA, session.write_seq, data
+        )
+        if len(record) > self.config.max_datagram:
+            self._drop("oversize")
+            return False
+        session.write_seq += 1
+        if session.write_seq > MAX_SEQUENCE:
+            self._end_session(session, "sequence-exhausted")
+        self._outbox.append((record, addr))
+        return True
+
+    def close(self, addr: Address, now: float) -> None:
+        """End ``addr``'s session with a close_notify alert."""
+        session = self.sessions.get(addr)
+        if session is None:
+            return
+        alert = w.Alert(w.AlertLevel.WARNING, w.AlertDescription.CLOSE_NOTIFY)
+        self._outbox.append(
+            (
+                session.write.seal(
+                    w.ContentType.ALERT, session.write_seq, alert.encode()
+                ),
+                addr,
+            )
+        )
+        self._end_session(session, "closed")
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def pop_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def get_timer(self) -> float | None:
+        return self._timers[0][0] if self._timers else None
+
+    def handle_timer(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _, token, addr = heapq.heappop(self._timers)
+            handshake = self.handshakes.get(addr)
+            if handshake is not None and handshake.token == token:
+                if now >= handshake.expires:
+                    self._fail(handshake, None, "handshake-timeout")
+                    continue
+                self._outbox.append((handshake.flight, addr))
+                handshake.timer.back_off(now)
+                self._schedule_handshake(handshake)
+                continue
+            session = self.sessions.get(addr)
+            if session is not None and session.token == token:
+                if now - session.last_rx >= self.config.idle_timeout:
+                    self._end_session(session, "idle")
+                else:
+                    self._schedule_session(session)
+
+    # ---------------------------------------------------------------- records
+
+    def _on_record(self, record: w.Record, addr: Address, now: float) -> None:
+        if record.epoch == 0:
+            self._on_plaintext(record, addr, now)
+            return
+        handshake = self.handshakes.get(addr)
+        session = self.sessions.get(addr)
+        if (
+            handshake is not None
+            and handshake.read is not None
+            and record.epoch == handshake.read.epoch
+        ):
+            plain = self._open_handshake_record(handshake, record)
+            if plain is None:
+                if session is None:
+                    # The client derived other keys: a wrong PSK (RFC 4279 §2
+                    # lets the Finished check reveal it).
+                    self._fail(handshake, w.AlertDescription.BAD_RECORD_MAC, "bad-psk")
+                    return
+            else:
+                self._on_handshake_record(handshake, record.content_type, plain, now)
+                return
+        if session is not None and record.epoch == session.read.epoch:
+            if not session.window.fresh(record.sequence):
+                self._drop("replayed")
+                return
+            try:
+                plain = session.read.open(record)
+            except DecodeError:
+                self._drop("bad-mac")
+                return
+            session.window.accept(record.sequence)
+            session.last_rx = now
+            self._on_session_record(session, record.content_type, plain, now)
+            return
+        self._drop("no-session")
+
+    def _on_plaintext(self, record: w.Record, addr: Address, now: float) -> None:
+        handshake = self.handshakes.get(addr)
+        match record.content_type:
+            case w.ContentType.HANDSHAKE:
+                try:
+                    fragments = w.decode_fragments(record.fragment)
+                except DecodeError as exc:
+                    self._drop(f"handshake-{exc.reason}")
+                    return
+                if fragments[0].msg_type == w.HandshakeType.CLIENT_HELLO:
+                    self._on_client_hello(record, fragments[0], addr, now)
+                elif handshake is not None:
+                    self._on_fragments(handshake, fragments, False, now)
+                elif (session := self.sessions.get(addr)) is not None:
+                    # The client repeats its last flight: ours was lost.
+                    self._resend_final(session)
+                else:
+                    self._drop("no-handshake")
+            case w.ContentType.CHANGE_CIPHER_SPEC:
+                if handshake is None and addr not in self.sessions:
+                    self._drop("no-handshake")
+            case w.ContentType.ALERT:
+                if handshake is not None and handshake.read is None:
+                    try:
+                        alert = w.Alert.decode(record.fragment)
+                    except DecodeError:
+                        self._drop("bad-alert")
+                        return
+                    if alert.level == w.AlertLevel.FATAL:
+                        self._fail(handshake, None, f"client-alert-{alert.description}")
+                else:
+                    self._drop("plaintext-alert")
+            case _:
+                self._drop("plaintext-data")
+
+    # ------------------------------------------------------------ ClientHello
+
+    def _cookie(self, secret: bytes, addr: Address, hello: w.ClientHello) -> bytes:
+        mac = hmac.new(secret, digestmod="sha256")
+        mac.update(f"{addr[0]}|{addr[1]}|".encode())
+        mac.update(hello.version.to_bytes(2, "big") + hello.random)
+        mac.update(bytes((len(hello.session_id),)) + hello.session_id)
+        mac.update(b"".join(s.to_bytes(2, "big") for s in hello.cipher_suites))
+        mac.update(hello.compression_methods)
+        return mac.digest()[:COOKIE_SIZE]
+
+    def _cookie_valid(self, addr: Address, hello: w.ClientHello, now: float) -> bool:
+        if self._rotate_at is None:
+            self._rotate_at = now + self.config.cookie_rotation
+        elif now >= self._rotate_at:
+            self._previous_secret = self._secret
+            self._secret = self.random_bytes(32)
+            self._rotate_at = now + self.config.cookie_rotation
+        if len(hello.cookie) != COOKIE_SIZE:
+            return False
+        return hmac.compare_digest(
+            hello.cookie, self._cookie(self._secret, addr, hello)
+        ) or hmac.compare_digest(
+            hello.cookie, self._cookie(self._previous_secret, addr, hello)
+        )
+
+    def _on_client_hello(
+        self,
+        record: w.Record,
+        fragment: w.HandshakeFragment,
+        addr: Address,
+        now: float,
+    ) -> None:
+        if not fragment.whole:
+            # Reassembling would mean state before the cookie round trip.
+            self._drop("fragmented-hello")
+            return
+        if not self._hello_budget.try_spend(addr[0], now):
+            self._drop("hello-rate")
+            return
+        try:
+            hello = w.ClientHello.decode(fragment.body)
+        except DecodeError as exc:
+            self._drop(f"hello-{exc.reason}")
+            return
+        if not self._cookie_valid(addr, hello, now):
+            verify = w.HelloVerifyRequest(
+                # RFC 6347 §4.2.1: DTLS 1.2 servers SHOULD put DTLS 1.0 here.
+                w.DTLS1_0,
+                self._cookie(self._secret, addr, hello),
+            )
+            message = w.handshake_message(
+                w.HandshakeType.HELLO_VERIFY_REQUEST,
+                fragment.message_seq,
+                verify.encode(),
+            )
+            # RFC 6347 §4.2.1: the HVR reuses the ClientHello's record sequence.
+            self._plain(addr, w.ContentType.HANDSHAKE, record.sequence, message)
+            self.hello_verify_sent += 1
+            return
+        current = self.handshakes.get(addr)
+        if current is not None:
+            if current.hello_seq == fragment.message_seq and (
+                current.client_random == hello.random
+            ):
+                # A repeated ClientHello: our ServerHello flight was lost.
+                self._outbox.append((current.flight, addr))
+                return
+            self._forget_handshake(current)
+        if not self._admit(addr):
+            return
+        self._start_handshake(record, fragment, hello, addr, now)
+
+    def _admit(self, addr: Address) -> bool:
+        ip = addr[0]
+        cfg = self.config
+        if (
+            len(self.handshakes) >= cfg.max_handshakes
+            or self._per_ip_handshakes.get(ip, 0) >= cfg.max_handshakes_per_ip
+        ):
+            self._drop("handshake-cap")
+            return False
+        if addr not in self.sessions and (
+            len(self.sessions) >= cfg.max_sessions
+            or self._per_ip_sessions.get(ip, 0) >= cfg.max_sessions_per_ip
+        ):
+            self._drop("session-cap")
+            return False
+        return True
+
+    def _start_handshake(
+        self,
+        record: w.Record,
+        fragment: w.HandshakeFragment,
+        hello: w.ClientHello,
+        addr: Address,
+        now: float,
+    ) -> None:
+        offered = set(hello.cipher_suites)
+        chosen = next((s for s in self.config.cipher_suites if s in offered), None)
+        self._events.append(
+            HelloReceived(
+                address=addr,
+                version=hello.version,
+                cipher_suites=hello.cipher_suites,
+                extensions=tuple(t for t, _ in hello.extensions),
+                chosen=chosen,
+            )
+        )
+        failure: tuple[w.AlertDescription, str] | None = None
+        renegotiation = hello.extension(w.ExtensionType.RENEGOTIATION_INFO)
+        if hello.version > w.DTLS1_2:  # versions count down: this is older
+            failure = (w.AlertDescription.PROTOCOL_VERSION, "old-version")
+        elif chosen is None:
+            failure = (w.AlertDescription.HANDSHAKE_FAILURE, "no-shared-suite")
+        elif 0 not in hello.compression_methods:
+            failure = (w.AlertDescription.ILLEGAL_PARAMETER, "no-null-compression")
+        elif renegotiation not in (None, b"\x00"):
+            # RFC 5746 §3.6: an initial handshake carries an empty
+            # renegotiated_connection.
+            failure = (w.AlertDescription.HANDSHAKE_FAILURE, "bad-renegotiation-info")
+        if failure is not None or chosen is None:
+            description, reason = failure or (w.AlertDescription.INTERNAL_ERROR, "")
+            alert = w.Alert(w.AlertLevel.FATAL, description).encode()
+            self._plain(addr, w.ContentType.ALERT, record.sequence, alert)
+            self.failures[reason] = self.failures.get(reason, 0) + 1
+            self._events.append(HandshakeFailed(addr, reason))
+            return
+        suite = SUITES[chosen]
+        ems = hello.extension(w.ExtensionType.EXTENDED_MASTER_SECRET) is not None
+        extensions: list[tuple[int, bytes]] = []
+        if ems:
+            extensions.append((w.ExtensionType.EXTENDED_MASTER_SECRET, b""))
+        if (
+            renegotiation is not None
+            or w.TLS_EMPTY_RENEGOTIATION_INFO_SCSV in hello.cipher_suites
+        ):
+            # RFC 5746 §3.6: answer with an empty renegotiation_info.
+            extensions.append((w.ExtensionType.RENEGOTIATION_INFO, b"\x00"))
+        server_random = self.random_bytes(w.RANDOM_SIZE)
+        server_hello = w.ServerHello(
+            version=w.DTLS1_2,
+            random=server_random,
+            session_id=b"",
+            cipher_suite=chosen,
+            compression_method=0,
+            extensions=tuple(extensions),
+        )
+        # RFC 6347 §4.2.2 / what OpenSSL's DTLSv1_listen does: after a
+        # stateless cookie exchange our message_seq continues from the
+        # client's, and so does our epoch-0 record sequence.
+        seq = fragment.message_seq
+        hello_message = w.handshake_message(
+            w.HandshakeType.CLIENT_HELLO, seq, fragment.body
+        )
+        sh = w.handshake_message(
+            w.HandshakeType.SERVER_HELLO, seq, server_hello.encode()
+        )
+        done = w.handshake_message(w.HandshakeType.SERVER_HELLO_DONE, seq + 1, b"")
+        write_seq = record.sequence
+        flight = self._plain_record(w.ContentType.HANDSHAKE, write_seq, sh)
+        flight += self._plain_record(w.ContentType.HANDSHAKE, write_seq + 1, done)
+        handshake = _Handshake(
+            address=addr,
+            hello_seq=seq,
+            client_random=hello.random,
+            server_random=server_random,
+            suite=suite,
+            ems=ems,
+            transcript=[hello_message, sh, done],
+            reassembler=Reassembler(seq + 1),
+            next_server_seq=seq + 2,
+            write_seq=write_seq + 2,
+            flight=flight,
+            timer=Retransmitter(now),
+            expires=now + self.config.handshake_timeout,
+        )
+        self.handshakes[addr] = handshake
+        self._per_ip_handshakes[addr[0]] = self._per_ip_handshakes.get(addr[0], 0) + 1
+        self._outbox.append((flight, addr))
+        self._schedule_handshake(handshake)
+
+    # ------------------------------------------------------------- handshake
+
+    def _on_handshake_record(
+        self, handshake: _Handshake, content_type: int, plain: bytes, now: float
+    ) -> None:
+        if content_type == w.ContentType.HANDSHAKE:
+            try:
+                fragments = w.decode_fragments(plain)
+            except DecodeError as exc:
+                self._drop(f"handshake-{exc.reason}")
+                return
+            self._on_fragments(handshake, fragments, True, now)
+        elif content_type == w.ContentType.ALERT:
+            self._fail(handshake, None, "client-alert")
+        else:
+            self._drop("early-data")
+
+    def _on_fragments(
+        self,
+        handshake: _Handshake,
+        fragments: list[w.HandshakeFragment],
+        encrypted: bool,
+        now: float,
+    ) -> None:
+        for fragment in fragments:
+            try:
+                messages, repeated = handshake.reassembler.add(fragment)
+            except DecodeError as exc:
+                self._drop(f"handshake-{exc.reason}")
+                return
+            if repeated:
+                self._outbox.append((handshake.flight, handshake.address))
+                return
+            for message in messages:
+                if not self._on_message(handshake, message, encrypted, now):
+                    return
+
+    def _on_message(
+        self, handshake: _Handshake, message: Message, encrypted: bool, now: float
+    ) -> bool:
+        """Handle one client handshake message; False when the handshake ended."""
+        if (
+            message.msg_type == w.HandshakeType.CLIENT_KEY_EXCHANGE
+            and not handshake.master
+        ):
+            return self._on_key_exchange(handshake, message)
+        if message.msg_type == w.HandshakeType.FINISHED and encrypted:
+            self._on_finished(handshake, message, now)
+            return False
+        self._fail(
+            handshake, w.AlertDescription.UNEXPECTED_MESSAGE, "unexpected-message"
+        )
+        return False
+
+    def _on_key_exchange(self, handshake: _Handshake, message: Message) -> bool:
+        try:
+            identity = w.decode_psk_identity(message.body)
+        except DecodeError:
+            self._fail(handshake, w.AlertDescription.DECODE_ERROR, "bad-key-exchange")
+            return False
+        psks = list(self.psk_for(identity))[:MAX_PSK_CANDIDATES]
+        if not psks:
+            self._fail(
+                handshake, w.AlertDescription.UNKNOWN_PSK_IDENTITY, "unknown-identity"
+            )
+            return False
+        suite = handshake.suite
+        handshake.transcript.append(message.encode())
+        session_hash = (
+            transcript_hash(suite, handshake.transcript) if handshake.ems else None
+        )
+        for psk in psks:
+            master = master_secret(
+                suite,
+                psk_premaster(psk),
+                handshake.client_random,
+                handshake.server_random,
+                session_hash,
+            )
+            keys = key_block(
+                suite, master, handshake.client_random, handshake.server_random
+            )
+            handshake.candidates.append(
+                (
+                    master,
+                    RecordProtection(suite, keys.client_key, keys.client_iv, 1),
+                    RecordProtection(suite, keys.server_key, keys.server_iv, 1),
+                )
+            )
+        handshake.master, handshake.read, handshake.write = handshake.candidates[0]
+        handshake.identity = identity
+        return True
+
+    @staticmethod
+    def _open_handshake_record(handshake: _Handshake, record: w.Record) -> bytes | None:
+        """The plaintext of an epoch-1 handshake record under the candidate key
+        that authenticates it (which then becomes the only one), else None."""
+        for candidate in handshake.candidates:
+            try:
+                plain = candidate[1].open(record)
+            except DecodeError:
+                continue
+            handshake.master, handshake.read, handshake.write = candidate
+            handshake.candidates = [candidate]
+            return plain
+        return None
+
+    def _on_finished(self, handshake: _Handshake, message: Message, now: float) -> None:
+        suite = handshake.suite
+        expected = verify_data(
+            suite, handshake.master, True, transcript_hash(suite, handshake.transcript)
+        )
+        if handshake.write is None or handshake.read is None:
+            self._fail(
+                handshake, w.AlertDescription.UNEXPECTED_MESSAGE, "early-finished"
+            )
+            return
+        if not hmac.compare_digest(message.body, expected):
+            self._fail(handshake, w.AlertDescription.DECRYPT_ERROR, "bad-finished")
+            return
+        handshake.transcript.append(message.encode())
+        ours = verify_data(
+            suite, handshake.master, False, transcript_hash(suite, handshake.transcript)
+        )
+        finished = w.handshake_message(
+            w.HandshakeType.FINISHED, handshake.next_server_seq, ours
+        )
+        final = self._plain_record(
+            w.ContentType.CHANGE_CIPHER_SPEC,
+            handshake.write_seq,
+            w.CHANGE_CIPHER_SPEC_BODY,
+        ) + handshake.write.seal(w.ContentType.HANDSHAKE, 0, finished)
+        addr = handshake.address
+        self._forget_handshake(handshake)
+        previous = self.sessions.get(addr)
+        if previous is not None:
+            self._end_session(previous, "replaced")
+        session = _Session(
+            address=addr,
+            identity=handshake.identity,
+            suite=suite,
+            read=handshake.read,
+            write=handshake.write,
+            last_rx=now,
+            final_flight=final,
+        )
+        self.sessions[addr] = session
+        self._per_ip_sessions[addr[0]] = self._per_ip_sessions.get(addr[0], 0) + 1
+        self.established_total += 1
+        self._outbox.append((final, addr))
+        self._events.append(
+            Established(addr, handshake.identity, suite.code, handshake.ems)
+        )
+        self._schedule_session(session)
+
+    # --------------------------------------------------------------- session
+
+    def _on_session_record(
+        self, session: _Session, content_type: int, plain: bytes, now: float
+    ) -> None:
+        match content_type:
+            case w.ContentType.APPLICATION_DATA:
+                session.final_flight = None  # the client has our Finished
+                self._events.append(ApplicationData(session.address, plain))
+            case w.ContentType.HANDSHAKE:
+                try:
+                    fragments = w.decode_fragments(plain)
+                except DecodeError:
+                    self._drop("handshake-malformed")
+                    return
+                kind = fragments[0].msg_type
+                if kind == w.HandshakeType.FINISHED:
+                    self._resend_final(session)
+                elif kind == w.HandshakeType.CLIENT_HELLO:
+                    # RFC 5746 §4.4 / RFC 5246 §7.2.2: refuse renegotiation
+                    # with a warning; the session goes on.
+                    self._drop("renegotiation")
+                    alert = w.Alert(
+                        w.AlertLevel.WARNING, w.AlertDescription.NO_RENEGOTIATION
+                    )
+                    self._outbox.append(
+                        (
+                            session.write.seal(
+                                w.ContentType.ALERT, session.write_seq, alert.encode()
+                            ),
+                            session.address,
+                        )
+                    )
+                    session.write_seq += 1
+                else:
+                    self._drop("unexpected-handshake")
+            case w.ContentType.ALERT:
+                try:
+                    alert = w.Alert.decode(plain)
+                except DecodeError:
+                    self._drop("bad-alert")
+                    return
+                if (
+                    alert.level == w.AlertLevel.FATAL
+                    or alert.description == w.AlertDescription.CLOSE_NOTIFY
+                ):
+                    self._end_session(session, f"alert-{alert.description}")
+            case _:
+                self._drop("unexpected-record")
+
+    def _resend_final(self, session: _Session) -> None:
+        if (
+            session.final_flight is None
+            or session.resends >= self.config.max_final_resends
+        ):
+            self._drop("repeated-flight")
+            return
+        if session.resent_for == self._datagrams:
+            return
+        session.resent_for = self._datagrams
+        session.resends += 1
+        self._outbox.append((session.final_flight, session.address))
+
+    def _end_session(self, session: _Session, reason: str) -> None:
+        if self.sessions.get(session.address) is not session:
+            return
+        del self.sessions[session.address]
+        _decrement(self._per_ip_sessions, session.address[0])
+        self._events.append(Closed(session.address, reason))
+
+    # ----------------------------------------------------------------- helpers
+
+    def _fail(
+        self,
+        handshake: _Handshake,
+        description: w.AlertDescription | None,
+        reason: str,
+    ) -> None:
+        if description is not None:
+            alert = w.Alert(w.AlertLevel.FATAL, description).encode()
+            self._plain(
+                handshake.address, w.ContentType.ALERT, handshake.write_seq, alert
+            )
+        self._forget_handshake(handshake)
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        self._events.append(HandshakeFailed(handshake.address, reason))
+
+    def _forget_handshake(self, handshake: _Handshake) -> None:
+        if self.handshakes.get(handshake.address) is handshake:
+            del self.handshakes[handshake.address]
+            _decrement(self._per_ip_handshakes, handshake.address[0])
+
+    def _schedule_handshake(self, handshake: _Handshake) -> None:
+        deadline = handshake.timer.deadline
+        at = handshake.expires if deadline is None else min(deadline, handshake.expires)
+        handshake.token = self._push(at, handshake.address)
+
+    def _schedule_session(self, session: _Session) -> None:
+        session.token = self._push(
+            session.last_rx + self.config.idle_timeout, session.address
+        )
+
+    def _push(self, at: float, addr: Address) -> int:
+        self._next_token += 1
+        heapq.heappush(self._timers, (at, self._next_token, addr))
+        return self._next_token
+
+    @staticmethod
+    def _plain_record(content_type: int, sequence: int, body: bytes) -> bytes:
+        return w.Record(content_type, w.DTLS1_2, 0, sequence, body).encode()
+
+    def _plain(
+        self, addr: Address, content_type: int, sequence: int, body: bytes
+    ) -> None:
+        self._outbox.append((self._plain_record(content_type, sequence, body), addr))
+
+    def _drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
+
+def _decrement(counts: dict[str, int], key: str) -> None:
+    left = counts.get(key, 0) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -1,0 +1,178 @@
+"""Unity Relay over DTLS 1.2 (PSK): the relay node's second UDP port.
+
+What Unity Transport does (reference unity-secure-transports.md §1): DTLS 1.2
+with a pre-shared key, PSK = the allocation's 64-byte ``key``, PSK identity =
+the 16 raw ``allocationIdBytes`` (Unity's docs say the UUID text: both are
+accepted here); after the handshake every relay message is one DTLS record in
+one datagram. So the DTLS listener decrypts each record and hands it to the
+same relay core as the plain UDP port
+(:meth:`crossroads.transport.relay.RelayEndpoint.receive`); what the core sends
+to a DTLS client's address goes back through its session, encrypted.
+
+A DTLS session that ends (idle, alert) ends the allocations bound at its
+address: nothing is ever relayed to a DTLS client in clear.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Final
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from crossroads.proto.dtls.crypto import SUITES
+from crossroads.proto.dtls.handshake import (
+    ApplicationData,
+    Closed,
+    Event,
+    HandshakeFailed,
+    HelloReceived,
+)
+from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig
+from crossroads.proto.relay.server import RelayServer
+from crossroads.ratelog import RateLimitedLog
+from crossroads.transport.dtls_endpoint import DtlsEndpoint
+from crossroads.transport.relay import RelayEndpoint
+
+log = logging.getLogger("crossroads.relay")
+
+#: Reference §1.3: the raw allocationIdBytes, or the 36-character UUID text.
+RAW_ID_SIZE: Final = 16
+UUID_TEXT_SIZE: Final = 36
+#: Distinct ClientHello offers logged at INFO (then DEBUG): enough to see every
+#: client family once, bounded against a flood of made-up offers.
+MAX_OFFERS_LOGGED: Final = 32
+
+
+def allocation_id_of(identity: bytes) -> bytes | None:
+    """The 16-byte allocation ID a PSK identity names, or None."""
+    if len(identity) == RAW_ID_SIZE:
+        return identity
+    if len(identity) == UUID_TEXT_SIZE:
+        try:
+            parsed = uuid.UUID(identity.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        # uuid.UUID accepts other spellings of 36 characters (braces, urn:):
+        # only the canonical text (any case) names an allocation.
+        if str(parsed) != identity.decode("ascii").lower():
+            return None
+        return parsed.bytes
+    return None
+
+
+def psk_lookup(core: RelayServer) -> Callable[[bytes], tuple[bytes, ...]]:
+    """The PSKs an identity may use: the allocation's key under the node's
+    current secret and the previous ones (the sealer is read at each handshake,
+    so an adopted secret is picked up, and allocations handed out before it
+    still connect, as their BINDs do)."""
+
+    def psk_for(identity: bytes) -> tuple[bytes, ...]:
+        allocation_id = allocation_id_of(identity)
+        if allocation_id is None:
+            return ()
+        return core.sealer.keys_for(allocation_id)
+
+    return psk_for
+
+
+class RelayDtls:
+    """The DTLS side of a relay node: endpoint, event handling, metrics."""
+
+    def __init__(self, relay: RelayEndpoint, sock: socket.socket) -> None:
+        self.relay = relay
+        core = DtlsServer(DtlsServerConfig(), psk_lookup(relay.core), os.urandom)
+        self.endpoint = DtlsEndpoint(core, sock, self._on_events)
+        self.auth_log = RateLimitedLog(log)
+        self._offers_logged: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+
+    def start(self) -> None:
+        self.relay.attach_secure(self.endpoint)
+        self.endpoint.start()
+
+    def close(self) -> None:
+        self.endpoint.close()
+
+    def _on_events(self, events: list[Event]) -> None:
+        for event in events:
+            match event:
+                case ApplicationData(address=address, data=data):
+                    self.relay.receive(data, address)
+                case HelloReceived():
+                    self._log_offer(event)
+                case HandshakeFailed(address=address, reason=reason):
+                    self.auth_log.log(
+                        reason,
+                        "relay DTLS handshake failed (%s) from %s",
+                        reason,
+                        address[0],
+                    )
+                case Closed(address=address, reason=reason) if reason != "replaced":
+                    # Its allocations cannot be reached in clear: end them.
+                    for allocation in list(self.relay.core.allocations.values()):
+                        if allocation.address == address:
+                            self.relay.kick(allocation.allocation_id)
+                case _:
+                    pass
+
+    def _log_offer(self, event: HelloReceived) -> None:
+        offer = (event.cipher_suites, event.extensions)
+        first = offer not in self._offers_logged
+        if first and len(self._offers_logged) < MAX_OFFERS_LOGGED:
+            self._offers_logged.add(offer)
+        level = logging.INFO if first else logging.DEBUG
+        log.log(
+            level,
+            "relay DTLS client %s offers suites [%s], extensions [%s]; chosen %s",
+            event.address[0],
+            ", ".join(
+                SUITES[s].name if s in SUITES else f"0x{s:04X}"
+                for s in event.cipher_suites
+            ),
+            ", ".join(f"0x{e:04X}" for e in event.extensions),
+            SUITES[event.chosen].name if event.chosen is not None else "none",
+        )
+
+    def metrics(self) -> Iterable[Metric]:
+        core = self.endpoint.core
+        dropped = CounterMetricFamily(
+            "crossroads_relay_dtls_dropped_records",
+            "DTLS datagrams or records the relay dropped, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(core.drops.items()):
+            dropped.add_metric([reason], count)
+        dropped.add_metric(["plaintext-from-dtls-client"], self.relay.plaintext_refused)
+        yield dropped
+        failed = CounterMetricFamily(
+            "crossroads_relay_dtls_handshake_failures",
+            "DTLS handshakes that failed, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(core.failures.items()):
+            failed.add_metric([reason], count)
+        yield failed
+        yield CounterMetricFamily(
+            "crossroads_relay_dtls_hello_verify_requests",
+            "HelloVerifyRequests sent (stateless cookie challenges).",
+            value=core.hello_verify_sent,
+        )
+        yield CounterMetricFamily(
+            "crossroads_relay_dtls_handshakes_completed",
+            "DTLS handshakes completed.",
+            value=core.established_total,
+        )
+        yield GaugeMetricFamily(
+            "crossroads_relay_dtls_handshakes",
+            "DTLS handshakes in progress.",
+            value=len(core.handshakes),
+        )
+        yield GaugeMetricFamily(
+            "crossroads_relay_dtls_sessions",
+            "Established DTLS sessions.",
+            value=len(core.sessions),
+        )

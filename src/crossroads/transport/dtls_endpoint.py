@@ -1,0 +1,138 @@
+"""Runs a :class:`~crossroads.proto.dtls.server.DtlsServer` on one UDP socket.
+
+The same shape as :class:`crossroads.transport.relay.RelayEndpoint`: the socket
+is read with ``loop.add_reader`` in batches, the core's one timer is re-armed
+after every batch, and what the core emits is sent with non-blocking
+``sendto`` (a full kernel buffer drops and counts the datagram, as a UDP server
+should). Decrypted records and session changes go to ``on_events``; whoever
+owns the endpoint answers through :meth:`DtlsEndpoint.send_to`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Mapping
+
+from crossroads.proto.dtls.handshake import Closed, Established, Event
+from crossroads.proto.dtls.server import DtlsServer
+from crossroads.transport.pktinfo import ReplySource, is_wildcard
+from crossroads.types import Address
+
+#: Datagrams read per readiness callback (as transport/relay.py: enough to
+#: amortise the wake-up, few enough to keep timers and HTTP responsive).
+BATCH = 64
+#: Largest UDP payload: read any datagram whole (the core rejects the oversize).
+MAX_DATAGRAM = 65535
+
+
+class DtlsEndpoint:
+    """One DTLS server core on one bound, non-blocking UDP socket."""
+
+    def __init__(
+        self,
+        core: DtlsServer,
+        sock: socket.socket,
+        on_events: Callable[[list[Event]], None] = lambda events: None,
+    ) -> None:
+        self.core = core
+        self.sock = sock
+        self.on_events = on_events
+        self.send_failures = 0
+        self._loop = asyncio.get_running_loop()
+        self._v4 = sock.family == socket.AF_INET
+        self._replies = (
+            ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
+        )
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._closed = False
+        #: Addresses that have a session, and those whose session just ended
+        #: while ``on_events`` runs: what the owner sends them in that callback
+        #: (an ERROR to an ended allocation) is dropped, never sent in clear.
+        self._secure: dict[Address, None] = {}
+
+    @property
+    def sessions(self) -> Mapping[Address, object]:
+        """Addresses only reachable through DTLS (read per packet by the relay)."""
+        return self._secure
+
+    def start(self) -> None:
+        self._loop.add_reader(self.sock.fileno(), self._readable)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self.sock.fileno())
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.sock.close()
+
+    def send_to(self, addr: Address, data: bytes) -> None:
+        """Protect ``data`` as one record for ``addr``'s session and send it."""
+        if self._closed:
+            return
+        now = self._loop.time()
+        if self.core.send(addr, data, now):
+            self._transmit(now)
+
+    def _readable(self) -> None:
+        replies = self._replies
+        recvfrom = self.sock.recvfrom if replies is None else replies.recvfrom
+        now = self._loop.time()
+        v4 = self._v4
+        for _ in range(BATCH):
+            try:
+                data, raw = recvfrom(MAX_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                continue  # asynchronous errors (ICMP) surface here
+            addr: Address = raw if v4 else (raw[0], raw[1])
+            self.core.receive_datagram(data, addr, now)
+        self._flush(now)
+
+    def _transmit(self, now: float) -> None:
+        sendto = self.sock.sendto if self._replies is None else self._replies.sendto
+        for data, addr in self.core.datagrams_to_send(now):
+            try:
+                sendto(data, addr)
+            except OSError:
+                self.send_failures += 1
+
+    def _flush(self, now: float) -> None:
+        self._transmit(now)
+        events = self.core.pop_events()
+        if events:
+            for event in events:
+                if isinstance(event, Established):
+                    self._secure[event.address] = None
+            self.on_events(events)
+            for event in events:
+                if (
+                    isinstance(event, Closed)
+                    and event.address not in self.core.sessions
+                ):
+                    self._secure.pop(event.address, None)
+            self._transmit(now)
+        self._rearm()
+
+    def _rearm(self) -> None:
+        deadline = self.core.get_timer()
+        if deadline == self._timer_at or self._closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = deadline
+        if deadline is not None:
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        now = self._loop.time()
+        self.core.handle_timer(now)
+        self._flush(now)
