@@ -156,6 +156,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             "http", core.http_max_connections, core.http_max_connections_per_ip
         ),
         core.http_request_timeout,
+        core.trusted_proxies,
     )
     sock: socket.socket | None = None
     try:
@@ -181,7 +182,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             routers=[*ctx.routers, runtime.console.router()],
             services=lambda: list(runtime.services),
         )
-        runtime._http = make_http_server(app, guard)
+        runtime._http = make_http_server(app, guard, core.trusted_proxies)
         runtime._http_guard = guard
         guard.start()
         runtime._http_task = asyncio.create_task(runtime._http.serve(sockets=[sock]))

@@ -161,7 +161,11 @@ class EmbeddedServer(uvicorn.Server):
         yield
 
 
-def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedServer:
+def make_http_server(
+    app: FastAPI,
+    guard: HttpGuard | None = None,
+    trusted_proxies: Sequence[str] = (),
+) -> EmbeddedServer:
     """An uvicorn server for ``app``; start it with ``serve(sockets=[sock])``.
 
     With ``guard``, connections go through its admission and request deadline
@@ -169,7 +173,13 @@ def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedSe
     it counts the same connections (one request task each at most, h11 reads
     no further request while one runs) but answers 503 to a request on an
     admitted connection once the count reaches it, where the guard refuses the
-    connection that would exceed the cap."""
+    connection that would exceed the cap.
+
+    ``X-Forwarded-For`` is believed only from ``trusted_proxies`` (addresses or
+    CIDRs): uvicorn's proxy-headers middleware then puts the rightmost address
+    that is not a trusted proxy in the request's ``client``, which every per-IP
+    limit and log line reads. Without them the header is ignored (uvicorn's own
+    default would trust 127.0.0.1, so a local client could pick its address)."""
     kwargs: dict[str, Any] = {}
     if guard is not None:
         http, ws = guard.protocols()
@@ -181,6 +191,8 @@ def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedSe
         access_log=False,
         server_header=False,
         ws_max_size=WS_MAX_MESSAGE_BYTES,
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=list(trusted_proxies) or None,
         **kwargs,
     )
     return EmbeddedServer(config)
