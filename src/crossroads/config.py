@@ -219,6 +219,11 @@ def _check_non_negative(value: float) -> None:
         raise ValueError("must be >= 0")
 
 
+def _check_port_or_off(value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port (1-65535), or 0 for none")
+
+
 def _check_networks(values: tuple[str, ...]) -> None:
     for value in values:
         try:
@@ -338,6 +343,14 @@ class CoreConfig:
         check=_check_non_negative,
         help="Failed code lookups or API keys per second for this whole instance, "
         "ten seconds' worth in a row (0 = no limit).",
+    )
+    https_port: int = setting(
+        0,
+        kind="int",
+        check=_check_port_or_off,
+        help="HTTPS port of the HTTP app (REST APIs, pages, p2p WebSocket), "
+        "served with --tls-cert; 0 = none. Equal to --turn-tls-port: one TLS "
+        "port for both, each connection sorted by ALPN or its first bytes.",
     )
     trusted_proxies: tuple[str, ...] = setting(
         (),

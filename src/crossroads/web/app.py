@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -159,6 +160,22 @@ class EmbeddedServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
+        """A new HTTP connection protocol of this server, as uvicorn makes for
+        its own sockets (call once it has started): for a listener uvicorn does
+        not own, such as HTTPS behind a TLS acceptor or a port shared with
+        TURN over TLS. Its connections are the server's (shut down with it)."""
+        config = self.config
+
+        def create() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+            )
+
+        return create
 
 
 def make_http_server(
