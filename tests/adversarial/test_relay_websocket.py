@@ -18,9 +18,18 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from crossroads.proto.policy import AddressPolicy, Scope
+from crossroads.proto.relay.server import RelayServer, RelayServerConfig
+from crossroads.proto.relay.token import TokenSealer
 from crossroads.runtime import Runtime
 from crossroads.services.relay import RelayNode
+from crossroads.transport.admission import ConnectionBudget
+from crossroads.transport.relay import RelayEndpoint
+from crossroads.transport.relay_ws import WebSocketListener
+from crossroads.transport.udp import make_udp_socket
 from tests.conftest import eventually
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
@@ -343,3 +352,91 @@ async def test_udp_frame_too_large_for_a_websocket_is_dropped_not_fatal() -> Non
                 assert listener_of(rt).drops == {"outgoing-too-large": 1}
         finally:
             host.close()
+
+
+# ------------------------------------------------------------------ fuzzing
+
+
+class RecordingTransport(asyncio.Transport):
+    """The bytes a connection writes, in memory (the fuzz drives
+    :class:`RelayWebSocket` directly, thousands of inputs per second)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("192.0.2.7", 40000) if name == "peername" else default
+
+
+HANDSHAKE = unity_request("192.0.2.1", 7781, bytes(16))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    upgrade=st.booleans(),
+    chunks=st.lists(
+        st.one_of(
+            st.binary(max_size=200),
+            st.builds(
+                frame,
+                st.sampled_from([0, 1, 2, 8, 9, 10, 3, 15]),
+                st.binary(max_size=1500),
+                fin=st.booleans(),
+                mask=st.booleans(),
+            ),
+        ),
+        max_size=8,
+    ),
+)
+def test_random_input_never_escapes_and_frees_everything(
+    upgrade: bool, chunks: list[bytes]
+) -> None:
+    """Any bytes, before or after a valid upgrade: no exception, a bounded
+    answer (never more than the input plus the handshake and a close), and
+    after the connection ends its admission and client address are gone."""
+
+    async def run() -> None:
+        core = RelayServer(
+            RelayServerConfig(
+                node_id="fuzz", policy=AddressPolicy(admitted=frozenset(Scope))
+            ),
+            TokenSealer(b"f" * 32, os.urandom),
+        )
+        endpoint = RelayEndpoint(core, make_udp_socket("127.0.0.1", 0))
+        budget = ConnectionBudget(fd_limit=4096)
+        listener = WebSocketListener(endpoint, budget.listener("ws", 10, 10), 10.0)
+        connection = listener.connection()
+        transport = RecordingTransport()
+        try:
+            connection.connection_made(transport)
+            sent = 0
+            for chunk in ([HANDSHAKE] if upgrade else []) + chunks:
+                if transport.closed:
+                    break
+                connection.data_received(chunk)
+                sent += len(chunk)
+            assert len(transport.written) <= sent + 512
+            connection.connection_lost(None)
+            assert listener.admission.live == 0
+            assert connection.address is None
+        finally:
+            endpoint.close()
+
+    asyncio.run(run())
