@@ -99,3 +99,26 @@ async def test_a_trusted_proxy_is_not_held_to_the_per_ip_connection_cap(
         finally:
             for writer in held:
                 writer.close()
+
+
+@pytest.mark.parametrize(
+    ("trusted", "listed"), [((), "127.0.0.1"), (("127.0.0.1",), "198.51.100.20")]
+)
+async def test_the_game_listing_records_the_address_a_trusted_proxy_names(
+    trusted: tuple[str, ...], listed: str
+) -> None:
+    """The address the HTTP app hands back to others (a RakNet game's
+    ``__addr`` in the listing) is the client's behind a trusted proxy, and
+    the connection's own otherwise."""
+    extra = {"core__trusted_proxies": list(trusted)} if trusted else {}
+    async with relay_runtime(core__only="p2p", **extra) as rt:
+        host, port = rt.http_address
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as http:
+            posted = await http.post(
+                "/testServer",
+                content=b"{'__gameId': 'mygame', '__timeoutSec': '30'}",
+                headers={"X-Forwarded-For": "198.51.100.20"},
+            )
+            assert posted.status_code == 200
+            rows = (await http.get("/testServer?__gameId=mygame")).json()["GET"]
+        assert [row["__addr"] for row in rows] == [listed]
