@@ -350,6 +350,20 @@ async def test_udp_frame_too_large_for_a_websocket_is_dropped_not_fatal() -> Non
                 host.send(raw_relay(hid, jid, b"small"))
                 assert await joiner.recv_frame() == (2, raw_relay(hid, jid, b"small"))
                 assert listener_of(rt).drops == {"outgoing-too-large": 1}
+            # The joiner's connection is gone: frames to it are counted, not sent.
+            node = rt.services["relay"].node  # type: ignore[attr-defined]
+
+            async def detached() -> bool:
+                return not node.endpoint.has_stream_from("127.0.0.1")
+
+            await eventually(detached, "the closed connection detached")
+            host.send(raw_relay(hid, jid, b"anyone?"))
+
+            async def counted() -> bool:
+                page = await metrics(rt)
+                return metric(page, "crossroads_relay_websocket_gone_total") == 1
+
+            await eventually(counted, "the frame for a closed connection counted")
         finally:
             host.close()
 

@@ -878,6 +878,12 @@ class RelayCollector(Collector):
             for reason, count in sorted(listener.drops.items()):
                 ws_dropped.add_metric([name, reason], count)
         yield ws_dropped
+        yield CounterMetricFamily(
+            "crossroads_relay_websocket_gone",
+            "Relay messages for a WebSocket connection that had closed "
+            "(dropped; its allocation ends by the idle timeout or a new BIND).",
+            value=self.node.endpoint.stream_gone,
+        )
         yield GaugeMetricFamily(
             "crossroads_relay_load_seats",
             "Seats reserved by bound hosts.",

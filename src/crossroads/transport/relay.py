@@ -143,6 +143,10 @@ class RelayEndpoint:
         (its allocation ends by the core's idle timer or the client's CLOSE)."""
         self._streams.pop(addr, None)
 
+    def has_stream_from(self, host: str) -> bool:
+        """True while a stream connection from ``host`` is attached."""
+        return any(addr[0] == host for addr in self._streams)
+
     def receive_stream(self, data: bytes, addr: Address) -> None:
         """One relay message from the stream connection at ``addr``: the same
         route lookup as a datagram, else the core's slow path."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import cast
 
 from websockets.exceptions import InvalidState
 from websockets.frames import Frame, Opcode
@@ -136,11 +137,11 @@ class RelayWebSocket(asyncio.Protocol):
     # ---------------------------------------------------------------- asyncio
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = stream = transport  # type: ignore[assignment]
+        self.transport = stream = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
         self.host = str(peer[0]) if peer else ""
         if self.listener.admission.admit(self.host) is not None:
-            stream.abort()  # type: ignore[attr-defined]
+            stream.abort()
             return
         self._admitted = True
         self._timer = self._loop.call_later(
