@@ -11,6 +11,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import socket
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -325,6 +326,50 @@ async def test_per_ip_cap() -> None:
             # The two admitted ones still work.
             first.send(frame(9, b""))
             assert await first.recv_frame() == (10, b"")
+
+
+async def test_a_client_that_does_not_read_loses_frames_not_server_memory() -> None:
+    """A WebSocket joiner that stops reading while a UDP host keeps sending:
+    beyond MAX_BUFFERED bytes waiting, frames are dropped and counted."""
+    async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
+        host_alloc, join_alloc = await pair(http)
+        udp = endpoint(host_alloc, "udp")
+        hid = base64.b64decode(host_alloc["allocationIdBytes"])
+        jid = base64.b64decode(join_alloc["allocationIdBytes"])
+        host = RawPeer((udp["host"], udp["port"]))
+        address = ws_address(rt)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, address)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        joiner = RawWebSocket(reader, writer)
+        listener = listener_of(rt)
+        try:
+            assert await host.request(raw_bind(host_alloc, 0)) == BIND_RECEIVED
+            await joiner.handshake(*address)
+            joiner.send(frame(2, raw_bind(join_alloc, 0)))
+            assert await joiner.recv_frame() == (2, BIND_RECEIVED)
+            host_data = base64.b64decode(join_alloc["hostConnectionData"])
+            joiner.send(frame(2, raw_connect(jid, host_data)))
+            assert await joiner.recv_frame() == (2, b"\xda\x72\x00\x06" + hid + jid)
+            # The joiner reads nothing more; the host sends until frames drop.
+            # The kernel's send buffer takes up to 4 MB first (tcp_wmem), then
+            # the transport's MAX_BUFFERED: bounded at 10,000 x 1.3 KB.
+            frame_bytes = raw_relay(hid, jid, bytes(1300))
+            for _burst in range(200):
+                for _ in range(50):
+                    host.send(frame_bytes)
+                await asyncio.sleep(0)  # let the relay (same loop) forward them
+                if listener.drops.get("slow-reader"):
+                    break
+            await eventually(
+                lambda: _true(listener.drops.get("slow-reader", 0) > 0),
+                "frames dropped for the slow reader",
+            )
+        finally:
+            host.close()
+            joiner.close()
 
 
 async def test_udp_frame_too_large_for_a_websocket_is_dropped_not_fatal() -> None:
