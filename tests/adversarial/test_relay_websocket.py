@@ -256,6 +256,28 @@ async def test_fragmented_binary_message_is_one_relay_message() -> None:
             assert await ws.recv_frame() == (2, BIND_RECEIVED)
 
 
+async def test_frames_in_the_same_write_as_the_request() -> None:
+    """A client may send its first frames right behind the upgrade request;
+    they count, and nothing after a text frame does."""
+    async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
+        allocation, _ = await pair(http)
+        host, port = ws_address(rt)
+        async with raw_ws((host, port)) as ws:
+            ws.send(
+                unity_request(host, port, os.urandom(16))
+                + frame(2, raw_bind(allocation, 0))
+                + frame(1, b"text")
+                + frame(2, raw_bind(allocation, 1))
+            )
+            await asyncio.wait_for(ws.reader.readuntil(b"\r\n\r\n"), 5)
+            assert await ws.recv_frame() == (2, BIND_RECEIVED)
+            assert await ws.close_code() == 1003
+            assert await ws.closed_by_server()
+        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        bound = node.core.allocations[base64.b64decode(allocation["allocationIdBytes"])]
+        assert bound.last_nonce == 0  # the BIND after the text frame was not taken
+
+
 async def test_a_slow_handshake_is_cut_and_counted() -> None:
     async with relay_runtime(relay__websocket=True) as rt:
         listener = listener_of(rt)

@@ -163,8 +163,10 @@ class RelayWebSocket(asyncio.Protocol):
         self._write()
 
     def eof_received(self) -> bool | None:
-        self.ws.receive_eof()
-        self._write()
+        if self.transport is not None and self._admitted:
+            with contextlib.suppress(EOFError):
+                self.ws.receive_eof()
+            self._write()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -244,7 +246,9 @@ class RelayWebSocket(asyncio.Protocol):
         # nothing.
 
     def _deliver(self, data: bytes) -> None:
-        if self.address is not None:
+        # Not after a close this connection decided on, even for frames that
+        # came in the same read.
+        if self.address is not None and self.ws.state is State.OPEN:
             self.listener.endpoint.receive_stream(data, self.address)
 
     def _close(self, code: int) -> None:
