@@ -350,74 +350,80 @@ async def test_per_ip_cap() -> None:
             assert await first.recv_frame() == (10, b"")
 
 
+@asynccontextmanager
+async def udp_host_and_ws_joiner(
+    rt: Runtime, http: httpx.AsyncClient, receive_buffer: int = 0
+) -> AsyncIterator[tuple[RawPeer, RawWebSocket, bytes, bytes]]:
+    """A host on UDP and a joiner over ws, bound and connected: (host, joiner,
+    host id, joiner id). ``receive_buffer`` shrinks the joiner's SO_RCVBUF."""
+    host_alloc, join_alloc = await pair(http)
+    udp = endpoint(host_alloc, "udp")
+    hid = base64.b64decode(host_alloc["allocationIdBytes"])
+    jid = base64.b64decode(join_alloc["allocationIdBytes"])
+    host = RawPeer((udp["host"], udp["port"]))
+    address = ws_address(rt)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, address)
+        reader, writer = await asyncio.open_connection(sock=sock)
+    except BaseException:
+        sock.close()
+        host.close()
+        raise
+    joiner = RawWebSocket(reader, writer)
+    try:
+        assert await host.request(raw_bind(host_alloc, 0)) == BIND_RECEIVED
+        await joiner.handshake(*address)
+        joiner.send(frame(2, raw_bind(join_alloc, 0)))
+        assert await joiner.recv_frame() == (2, BIND_RECEIVED)
+        host_data = base64.b64decode(join_alloc["hostConnectionData"])
+        joiner.send(frame(2, raw_connect(jid, host_data)))
+        assert await joiner.recv_frame() == (2, b"\xda\x72\x00\x06" + hid + jid)
+        yield host, joiner, hid, jid
+    finally:
+        host.close()
+        joiner.close()
+
+
 async def test_a_client_that_does_not_read_loses_frames_not_server_memory() -> None:
     """A WebSocket joiner that stops reading while a UDP host keeps sending:
     beyond MAX_BUFFERED bytes waiting, frames are dropped and counted."""
-    async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        host_alloc, join_alloc = await pair(http)
-        udp = endpoint(host_alloc, "udp")
-        hid = base64.b64decode(host_alloc["allocationIdBytes"])
-        jid = base64.b64decode(join_alloc["allocationIdBytes"])
-        host = RawPeer((udp["host"], udp["port"]))
-        address = ws_address(rt)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, address)
-        reader, writer = await asyncio.open_connection(sock=sock)
-        joiner = RawWebSocket(reader, writer)
+    async with (
+        relay_runtime(relay__websocket=True) as rt,
+        api(rt) as http,
+        udp_host_and_ws_joiner(rt, http, receive_buffer=4096) as (host, _, hid, jid),
+    ):
         listener = listener_of(rt)
-        try:
-            assert await host.request(raw_bind(host_alloc, 0)) == BIND_RECEIVED
-            await joiner.handshake(*address)
-            joiner.send(frame(2, raw_bind(join_alloc, 0)))
-            assert await joiner.recv_frame() == (2, BIND_RECEIVED)
-            host_data = base64.b64decode(join_alloc["hostConnectionData"])
-            joiner.send(frame(2, raw_connect(jid, host_data)))
-            assert await joiner.recv_frame() == (2, b"\xda\x72\x00\x06" + hid + jid)
-            # The joiner reads nothing more; the host sends until frames drop.
-            # The kernel's send buffer takes up to 4 MB first (tcp_wmem), then
-            # the transport's MAX_BUFFERED: bounded at 10,000 x 1.3 KB.
-            frame_bytes = raw_relay(hid, jid, bytes(1300))
-            for _burst in range(200):
-                for _ in range(50):
-                    host.send(frame_bytes)
-                await asyncio.sleep(0)  # let the relay (same loop) forward them
-                if listener.drops.get("slow-reader"):
-                    break
-            await eventually(
-                lambda: _true(listener.drops.get("slow-reader", 0) > 0),
-                "frames dropped for the slow reader",
-            )
-        finally:
-            host.close()
-            joiner.close()
+        # The joiner reads nothing more; the host sends until frames drop.
+        # The kernel's send buffer takes up to 4 MB first (tcp_wmem), then
+        # the transport's MAX_BUFFERED: bounded at 10,000 x 1.3 KB.
+        frame_bytes = raw_relay(hid, jid, bytes(1300))
+        for _burst in range(200):
+            for _ in range(50):
+                host.send(frame_bytes)
+            await asyncio.sleep(0)  # let the relay (same loop) forward them
+            if listener.drops.get("slow-reader"):
+                break
+        await eventually(
+            lambda: _true(listener.drops.get("slow-reader", 0) > 0),
+            "frames dropped for the slow reader",
+        )
 
 
 async def test_udp_frame_too_large_for_a_websocket_is_dropped_not_fatal() -> None:
     """A UDP host may send a RELAY a WebSocket joiner could not take (Unity
-    aborts above 1386 bytes): it is dropped and counted, the session lives."""
+    aborts above 1386 bytes): it is dropped and counted, the session lives.
+    Once the joiner is gone, frames to it are counted, not sent."""
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        host_alloc, join_alloc = await pair(http)
-        udp = endpoint(host_alloc, "udp")
-        hid = base64.b64decode(host_alloc["allocationIdBytes"])
-        jid = base64.b64decode(join_alloc["allocationIdBytes"])
-        host = RawPeer((udp["host"], udp["port"]))
-        address = ws_address(rt)
-        try:
-            assert await host.request(raw_bind(host_alloc, 0)) == BIND_RECEIVED
-            async with raw_ws(address) as joiner:
-                await joiner.handshake(*address)
-                joiner.send(frame(2, raw_bind(join_alloc, 0)))
-                assert await joiner.recv_frame() == (2, BIND_RECEIVED)
-                host_data = base64.b64decode(join_alloc["hostConnectionData"])
-                joiner.send(frame(2, raw_connect(jid, host_data)))
-                assert await joiner.recv_frame() == (2, b"\xda\x72\x00\x06" + hid + jid)
-                host.send(raw_relay(hid, jid, bytes(1400)))
-                host.send(raw_relay(hid, jid, b"small"))
-                assert await joiner.recv_frame() == (2, raw_relay(hid, jid, b"small"))
-                assert listener_of(rt).drops == {"outgoing-too-large": 1}
-            # The joiner's connection is gone: frames to it are counted, not sent.
+        async with udp_host_and_ws_joiner(rt, http) as (host, joiner, hid, jid):
+            host.send(raw_relay(hid, jid, bytes(1400)))
+            host.send(raw_relay(hid, jid, b"small"))
+            assert await joiner.recv_frame() == (2, raw_relay(hid, jid, b"small"))
+            assert listener_of(rt).drops == {"outgoing-too-large": 1}
+            joiner.close()
             node = rt.services["relay"].node  # type: ignore[attr-defined]
 
             async def detached() -> bool:
@@ -431,8 +437,6 @@ async def test_udp_frame_too_large_for_a_websocket_is_dropped_not_fatal() -> Non
                 return metric(page, "crossroads_relay_websocket_gone_total") == 1
 
             await eventually(counted, "the frame for a closed connection counted")
-        finally:
-            host.close()
 
 
 # ------------------------------------------------------------------ fuzzing

@@ -13,15 +13,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service as ChromeService
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from crossroads.transport.tls import development_certificate
@@ -36,29 +32,18 @@ from tests.e2e.relay_support import (
     relay_runtime,
 )
 from tests.e2e.test_relay_websocket import endpoint, pair
-from tests.web.test_console_browser import CHROMIUM_FLAGS, off_loop
+from tests.web.test_console_browser import chromium, off_loop
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
 
 
 @pytest.fixture
 def browser(tmp_path: Path) -> Iterator[WebDriver]:
-    binary, driver_binary = shutil.which("chromium"), shutil.which("chromedriver")
-    if binary is None or driver_binary is None:
-        pytest.fail(
-            "chromium/chromedriver missing: make install (Debian chromium, chromium-driver)"
-        )
-    options = Options()
-    options.binary_location = binary
-    for flag in (*CHROMIUM_FLAGS, "--ignore-certificate-errors"):
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
-    driver = webdriver.Chrome(service=ChromeService(driver_binary), options=options)
-    driver.set_script_timeout(30)
-    try:
+    with chromium(
+        tmp_path / "chromium-profile", "--ignore-certificate-errors"
+    ) as driver:
+        driver.set_script_timeout(30)
         yield driver
-    finally:
-        driver.quit()
 
 
 #: The joiner, in the page: open the socket, send each message of ``steps``
