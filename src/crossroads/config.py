@@ -219,6 +219,19 @@ def _check_non_negative(value: float) -> None:
         raise ValueError("must be >= 0")
 
 
+def _check_port_or_off(value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a port (1-65535), or 0 for none")
+
+
+def _check_networks(values: tuple[str, ...]) -> None:
+    for value in values:
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an address or CIDR") from None
+
+
 def _check_log_level(level: str) -> None:
     if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ValueError(f"{level!r} is not one of debug, info, warning, error")
@@ -330,6 +343,25 @@ class CoreConfig:
         check=_check_non_negative,
         help="Failed code lookups or API keys per second for this whole instance, "
         "ten seconds' worth in a row (0 = no limit).",
+    )
+    https_port: int = setting(
+        0,
+        kind="int",
+        check=_check_port_or_off,
+        help="HTTPS port of the HTTP app (REST APIs, pages, p2p WebSocket), "
+        "served with --tls-cert; 0 = none. Equal to --turn-tls-port: one TLS "
+        "port for both, each connection sorted by ALPN or its first bytes.",
+    )
+    trusted_proxies: tuple[str, ...] = setting(
+        (),
+        kind="list",
+        flag="--trusted-proxy",
+        env="CROSSROADS_TRUSTED_PROXIES",
+        check=_check_networks,
+        help="Address or CIDR of a reverse proxy in front of the HTTP port "
+        "(repeatable). Only from these is X-Forwarded-For believed: the client "
+        "is its rightmost address that is not a trusted proxy (per-IP limits, "
+        "logs). Their connections skip the per-IP connection cap.",
     )
     tls_cert: str = setting(
         "",

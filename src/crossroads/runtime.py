@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from crossroads.errors import ConfigError
 from crossroads.services import load_service_modules
 from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
+from crossroads.services.turn import TLS_SHARED_WITH_HTTPS
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store.base import Store, open_store
 from crossroads.transport import reuseport
@@ -31,7 +33,8 @@ from crossroads.transport.admission import (
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.sockets import bound_address, make_tcp_listener
-from crossroads.transport.tls import Certificates, certificates_for
+from crossroads.transport.tls import Certificates, TlsAcceptor, certificates_for
+from crossroads.transport.tls_sort import ALPN, Application, TlsSorter
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
 from crossroads.web.console import Console
@@ -56,6 +59,9 @@ class Runtime:
     _http: EmbeddedServer | None = None
     _http_task: asyncio.Task[None] | None = None
     _http_guard: HttpGuard | None = None
+    #: The HTTPS listener (--https-port with a certificate), and its address.
+    _https: asyncio.Server | None = None
+    https_address: Address | None = None
     #: The descriptor budget and per-listener admissions (caps, counts).
     connections: ConnectionBudget = field(default_factory=ConnectionBudget)
     _closed: bool = False
@@ -80,6 +86,10 @@ class Runtime:
         lines.append(
             f"http: tcp {_join(host, port)} (console /, /admin, /healthz, /metrics)"
         )
+        if self.https_address is not None:
+            lines.append(
+                f"https: tcp {_join(*self.https_address)} (the same, over TLS)"
+            )
         return lines
 
     def reload(self, config: Config) -> list[str]:
@@ -100,6 +110,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self._https is not None:
+            self._https.close()
         if self._http is not None:
             self._http.should_exit = True
         if self._http_task is not None:
@@ -125,6 +137,44 @@ _UDP_ADDRESS = re.compile(r"\budp (?:\[[0-9a-fA-F:.]*\]|[0-9.]+):(\d+)")
 
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _listen_https(
+    runtime: Runtime, ctx: ServiceContext, certificates: Certificates, guard: HttpGuard
+) -> asyncio.Server:
+    """The HTTP app over TLS on ``--https-port``, behind the same admission
+    and deadlines as the HTTP port, with the certificate reloaded on SIGHUP.
+
+    When TURN over TLS asked for the same port, connections are sorted by ALPN
+    or first bytes (:mod:`crossroads.transport.tls_sort`)."""
+    assert runtime._http is not None
+    core = ctx.config.core
+    sock = make_tcp_listener(core.host, core.https_port)
+    address = bound_address(sock)
+    http_protocol = runtime._http.protocol_factory()
+    # Handshake and sorting failures, with the HTTP port's other closes.
+    drop = guard.admission.closed
+    turn = ctx.shared.get(TLS_SHARED_WITH_HTTPS)
+    context = certificates.context
+    protocol: Callable[[], asyncio.Protocol] = http_protocol
+    if isinstance(turn, StunService):
+        context = certificates.context_with_alpn(list(ALPN))
+        factories = {
+            Application.TURN: turn.tls_protocol_factory(),
+            Application.HTTP: http_protocol,
+        }
+        protocol = functools.partial(TlsSorter, factories, drop)
+        turn.add_tls_address(address)
+    try:
+        server = await asyncio.get_running_loop().create_server(
+            functools.partial(TlsAcceptor, context, protocol, ctx.tls_limits, drop),
+            sock=sock,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    runtime.https_address = address
+    return server
 
 
 async def start(config: Config, *, store: Store | None = None) -> Runtime:
@@ -158,6 +208,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             "http", core.http_max_connections, core.http_max_connections_per_ip
         ),
         core.http_request_timeout,
+        core.trusted_proxies,
     )
     sock: socket.socket | None = None
     try:
@@ -183,7 +234,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             routers=[*ctx.routers, runtime.console.router()],
             services=lambda: list(runtime.services),
         )
-        runtime._http = make_http_server(app, guard)
+        runtime._http = make_http_server(app, guard, core.trusted_proxies)
         runtime._http_guard = guard
         guard.start()
         runtime._http_task = asyncio.create_task(runtime._http.serve(sockets=[sock]))
@@ -192,6 +243,10 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
                 runtime._http_task.result()
                 raise RuntimeError("HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
+        if core.https_port and certificates is not None:
+            runtime._https = await _listen_https(runtime, ctx, certificates, guard)
+        elif core.https_port:
+            log.warning("no certificate (--tls-cert): no HTTPS on %d", core.https_port)
     except BaseException:
         if runtime._http is None and sock is not None:
             sock.close()  # bound, but no server took it over

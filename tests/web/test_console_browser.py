@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -74,8 +75,9 @@ def artifacts_dir() -> Path:
     return directory
 
 
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[WebDriver]:
+@contextmanager
+def chromium(profile: Path, *extra_flags: str) -> Iterator[WebDriver]:
+    """Headless Chromium driven by selenium, with ``extra_flags``."""
     binary, driver_binary = shutil.which("chromium"), shutil.which("chromedriver")
     if binary is None or driver_binary is None:
         pytest.fail(
@@ -83,9 +85,9 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
         )
     options = Options()
     options.binary_location = binary
-    for flag in CHROMIUM_FLAGS:
+    for flag in (*CHROMIUM_FLAGS, *extra_flags):
         options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path / 'chromium-profile'}")
+    options.add_argument(f"--user-data-dir={profile}")
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=ChromeService(driver_binary), options=options)
     driver.set_page_load_timeout(30)
@@ -93,6 +95,12 @@ def browser(tmp_path: Path) -> Iterator[WebDriver]:
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
+    with chromium(tmp_path / "chromium-profile") as driver:
+        yield driver
 
 
 async def off_loop(call: Callable[..., T], *args: Any) -> T:

@@ -34,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import os
@@ -79,7 +81,13 @@ from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
-from crossroads.transport.sockets import bound_address, make_udp_socket
+from crossroads.transport.relay_ws import WebSocketListener
+from crossroads.transport.sockets import (
+    bound_address,
+    make_tcp_listener,
+    make_udp_socket,
+)
+from crossroads.transport.tls import TlsAcceptor
 
 if TYPE_CHECKING:
     from crossroads.web.relay import ApiKeys
@@ -222,6 +230,40 @@ class Config:
         kind="float",
         help="RELAY frames per second per direction before it is paused (0 = no limit).",
     )
+    websocket: bool = setting(
+        False,
+        kind="bool",
+        help="Serve the relay over WebSockets too: ws on --relay-ws-port, and "
+        "wss on --relay-wss-port when a certificate is configured (--tls-cert).",
+    )
+    ws_port: int = setting(
+        7781,
+        kind="port",
+        help="TCP port of the relay's ws endpoint (--relay-websocket).",
+    )
+    wss_port: int = setting(
+        7782,
+        kind="port",
+        help="TCP port of the relay's wss endpoint (--relay-websocket, --tls-cert).",
+    )
+    wss_host: str = setting(
+        "",
+        help="Host name advertised for wss: the DNS name of the certificate, "
+        "which Unity checks (default: the node's public host).",
+    )
+    ws_max_connections: int = setting(
+        10_000,
+        kind="int",
+        check=_check_positive,
+        help="WebSocket connections at once on each of ws and wss.",
+    )
+    ws_max_connections_per_ip: int = setting(
+        64,
+        kind="int",
+        check=_check_positive,
+        help="WebSocket connections at once from one IP (or IPv6 /64) on each "
+        "of ws and wss.",
+    )
 
     def __post_init__(self) -> None:
         if self.node_only and self.api_only:
@@ -246,6 +288,11 @@ class NodeInfo:
     load: int
     #: UDP port of the node's DTLS endpoint (0: none).
     dtls_port: int = 0
+    #: TCP ports of the ws and wss endpoints (0: not served), and the host
+    #: name the wss certificate is for.
+    ws_port: int = 0
+    wss_port: int = 0
+    wss_host: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -258,6 +305,9 @@ class NodeInfo:
                 "capacity": self.capacity,
                 "load": self.load,
                 "dtlsPort": self.dtls_port,
+                "wsPort": self.ws_port,
+                "wssPort": self.wss_port,
+                "wssHost": self.wss_host,
             }
         ).encode()
 
@@ -273,6 +323,9 @@ class NodeInfo:
             capacity=int(data["capacity"]),
             load=int(data["load"]),
             dtls_port=int(data.get("dtlsPort", 0)),
+            ws_port=int(data.get("wsPort", 0)),
+            wss_port=int(data.get("wssPort", 0)),
+            wss_host=str(data.get("wssHost", "")),
         )
 
 
@@ -598,6 +651,9 @@ class RelayNode:
         #: Host records (and join codes) re-created after the store lost them.
         self.records_restored = 0
         self._tasks: list[asyncio.Task[None]] = []
+        #: The ws/wss listeners by name ("ws", "wss") and their servers.
+        self.websockets: dict[str, WebSocketListener] = {}
+        self.ws_servers: list[asyncio.Server] = []
 
     def start(self) -> None:
         self.endpoint.on_events = self._enqueue
@@ -612,6 +668,8 @@ class RelayNode:
     async def close(self) -> None:
         if self.dtls is not None:
             self.dtls.close()
+        for server in self.ws_servers:
+            server.close()
         self.endpoint.close()
         for task in self._tasks:
             await stop_task(task)
@@ -645,16 +703,7 @@ class RelayNode:
         return code
 
     def registration(self) -> NodeInfo:
-        return NodeInfo(
-            node_id=self.info.node_id,
-            region=self.info.region,
-            description=self.info.description,
-            host=self.info.host,
-            port=self.info.port,
-            capacity=self.info.capacity,
-            load=self.core.load,
-            dtls_port=self.info.dtls_port,
-        )
+        return dataclasses.replace(self.info, load=self.core.load)
 
     async def register(self) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
@@ -843,6 +892,22 @@ class RelayCollector(Collector):
             "Connected joiner-host pairs.",
             value=core.connections,
         )
+        ws_dropped = CounterMetricFamily(
+            "crossroads_relay_websocket_dropped",
+            "WebSocket connections closed or relay messages dropped, by "
+            "listener (ws, wss) and reason.",
+            labels=["listener", "reason"],
+        )
+        for name, listener in self.node.websockets.items():
+            for reason, count in sorted(listener.drops.items()):
+                ws_dropped.add_metric([name, reason], count)
+        yield ws_dropped
+        yield CounterMetricFamily(
+            "crossroads_relay_websocket_gone",
+            "Relay messages for a WebSocket connection that had closed "
+            "(dropped; its allocation ends by the idle timeout or a new BIND).",
+            value=self.node.endpoint.stream_gone,
+        )
         yield GaugeMetricFamily(
             "crossroads_relay_load_seats",
             "Seats reserved by bound hosts.",
@@ -928,6 +993,15 @@ class RelayService:
                     f"dtls {show_address((dtls_host, dtls_port))} "
                     f"(public {info.host}:{info.dtls_port})"
                 )
+        if self.node is not None:
+            for name, port in (
+                ("ws", self.node.info.ws_port),
+                ("wss", self.node.info.wss_port),
+            ):
+                if port:
+                    lines.append(
+                        f"{name} tcp port {port} (Unity relay over WebSockets)"
+                    )
         if self.api:
             lines.append("http /v1/allocate /v1/joincode /v1/join /v1/regions")
         return lines
@@ -986,6 +1060,60 @@ def client_policy(cfg: Config, ctx: ServiceContext, public_host: str) -> Address
     )
 
 
+async def listen_websockets(
+    cfg: Config, ctx: ServiceContext, endpoint: RelayEndpoint
+) -> tuple[dict[str, WebSocketListener], list[asyncio.Server], dict[str, int]]:
+    """The ws listener, and the wss one when a certificate is configured
+    (transport/relay_ws.py); their bound ports by name.
+
+    Their own ports, not the HTTP app's: a WebSocket connection is a relay
+    client of this node (the HTTP app may run in another process, with
+    ``--relay-api-only``), Unity asks for ``GET /``, which is the web console
+    there, and a relay message must not pay for ASGI routing."""
+    loop = asyncio.get_running_loop()
+    listeners: dict[str, WebSocketListener] = {}
+    servers: list[asyncio.Server] = []
+    ports: dict[str, int] = {}
+    certificates = ctx.certificates
+    wanted = [("ws", cfg.ws_port)]
+    if certificates is not None:
+        wanted.append(("wss", cfg.wss_port))
+    else:
+        log.warning("relay: no certificate (--tls-cert), so no wss endpoint")
+    try:
+        for name, port in wanted:
+            listener = WebSocketListener(
+                endpoint,
+                ctx.connections.listener(
+                    f"relay-{name}",
+                    cfg.ws_max_connections,
+                    cfg.ws_max_connections_per_ip,
+                ),
+                cfg.idle_timeout,
+            )
+            sock = make_tcp_listener(ctx.host, port)
+            factory: Callable[[], asyncio.BaseProtocol] = listener.connection
+            if name == "wss" and certificates is not None:
+                factory = functools.partial(
+                    TlsAcceptor,
+                    certificates.context,
+                    listener.connection,
+                    ctx.tls_limits,
+                    listener.drop,
+                )
+            server = await loop.create_server(factory, sock=sock)
+            servers.append(server)
+            listeners[name] = listener
+            ports[name] = bound_address(sock)[1]
+    except BaseException:
+        for server in servers:
+            server.close()
+        for name in listeners:
+            ctx.connections.forget(f"relay-{name}")
+        raise
+    return listeners, servers, ports
+
+
 def _public_host(cfg: Config, ctx: ServiceContext, bound_host: str) -> str:
     if cfg.public_host:
         return cfg.public_host
@@ -1032,6 +1160,11 @@ async def serve(ctx: ServiceContext) -> Service:
             )
             endpoint = RelayEndpoint(core, sock)
             dtls_sock = make_udp_socket(ctx.host, cfg.dtls_port) if cfg.dtls else None
+            ws: tuple[
+                dict[str, WebSocketListener], list[asyncio.Server], dict[str, int]
+            ] = ({}, [], {})
+            if cfg.websocket:
+                ws = await listen_websockets(cfg, ctx, endpoint)
         except BaseException:
             sock.close()
             raise
@@ -1044,8 +1177,12 @@ async def serve(ctx: ServiceContext) -> Service:
             capacity=cfg.capacity,
             load=0,
             dtls_port=bound_address(dtls_sock)[1] if dtls_sock is not None else 0,
+            ws_port=ws[2].get("ws", 0),
+            wss_port=ws[2].get("wss", 0),
+            wss_host=cfg.wss_host,
         )
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
+        node.websockets, node.ws_servers = ws[0], ws[1]
         if dtls_sock is not None:
             node.dtls = RelayDtls(endpoint, dtls_sock)
         node.start()
@@ -1096,6 +1233,37 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def _endpoint(
+    connection_type: str, network: str, secure: bool, host: str, port: int
+) -> dict[str, Any]:
+    return {
+        "connectionType": connection_type,
+        "network": network,
+        "reliable": network == "tcp",
+        "secure": secure,
+        "host": host,
+        "port": port,
+    }
+
+
+def server_endpoints(node: NodeInfo) -> list[dict[str, Any]]:
+    """Unity's ``serverEndpoints`` of ``node``: one per transport it serves.
+
+    ``RelayServerData(allocation, type)`` takes the endpoint whose
+    ``connectionType`` is exactly ``type``, and reads ``secure`` to add TLS;
+    ``network`` must be "udp" or "tcp", the enum the SDK decodes
+    (unity-secure-transports.md §3)."""
+    endpoints = [_endpoint("udp", "udp", False, node.host, node.port)]
+    if node.dtls_port:
+        endpoints.append(_endpoint("dtls", "udp", True, node.host, node.dtls_port))
+    if node.ws_port:
+        endpoints.append(_endpoint("ws", "tcp", False, node.host, node.ws_port))
+    if node.wss_port:
+        host = node.wss_host or node.host
+        endpoints.append(_endpoint("wss", "tcp", True, host, node.wss_port))
+    return endpoints
+
+
 def encode_grant(grant: Grant) -> dict[str, Any]:
     """A grant as Unity's Allocation / JoinAllocation JSON object."""
     node = grant.node
@@ -1104,38 +1272,10 @@ def encode_grant(grant: Grant) -> dict[str, Any]:
         "allocationIdBytes": b64(grant.allocation_id.bytes),
         "key": b64(grant.key),
         "connectionData": b64(grant.connection_data),
-        "serverEndpoints": [
-            {
-                "connectionType": "udp",
-                "network": "udp",
-                "reliable": False,
-                "secure": False,
-                "host": node.host,
-                "port": node.port,
-            }
-        ]
-        + dtls_endpoints(node),
+        "serverEndpoints": server_endpoints(node),
         "relayServer": {"ipV4": node.host, "port": node.port},
         "region": node.region,
     }
     if grant.host_connection_data is not None:
         body["hostConnectionData"] = b64(grant.host_connection_data)
     return body
-
-
-def dtls_endpoints(node: NodeInfo) -> list[dict[str, Any]]:
-    """The ``dtls`` endpoint of a node that serves DTLS (reference
-    unity-secure-transports.md §3: ``secure`` true makes Unity Transport add
-    its DTLS layer; ``network`` must be "udp" or "tcp")."""
-    if not node.dtls_port:
-        return []
-    return [
-        {
-            "connectionType": "dtls",
-            "network": "udp",
-            "reliable": False,
-            "secure": True,
-            "host": node.host,
-            "port": node.dtls_port,
-        }
-    ]

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import socket
 import ssl
@@ -888,6 +889,32 @@ class StunService:
                 group.tcp_servers.append(server)
                 self._descriptions.append(f"tcp {_join(*local)}{labels[index]}")
 
+    def tls_protocol_factory(self) -> Callable[[], asyncio.Protocol]:
+        """The protocol of one STUN/TURN-over-TLS connection, given the TLS
+        transport once the handshake is done: this service's TLS listeners
+        use it, and so does a TLS port shared with HTTPS (the runtime's)."""
+        # Binding over TLS answers from its own core with one endpoint and
+        # no RFC 5780 attributes: RESPONSE-ORIGIN would otherwise name the
+        # plain STUN port, and behaviour discovery does not run over TLS.
+        tls_group = _Group(
+            core=BindingCore(
+                [None],
+                software=self.config.software,
+                rate_limit=self.config.rate_limit,
+                max_sources=self.config.rate_limit_sources,
+            ),
+            udp=[],
+            tcp_servers=[],
+        )
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep_idle())
+        return lambda: TcpConnection(self, tls_group, 0)
+
+    def add_tls_address(self, address: Address) -> None:
+        """A TLS listener the service does not own serves it at ``address``."""
+        self.tls_addresses.append(address)
+        self._descriptions.append(f"tls {_join(*address)}")
+
     async def listen_tls(
         self, port: int, context: ssl.SSLContext, limits: HandshakeLimits
     ) -> int:
@@ -921,33 +948,15 @@ class StunService:
                 log.warning("STUN: no IPv6 TLS listener on [::]: %s", exc)
                 continue
             port = sock.getsockname()[1]
-            # Binding over TLS answers from its own core with one endpoint and
-            # no RFC 5780 attributes: RESPONSE-ORIGIN would otherwise name the
-            # plain STUN port, and behaviour discovery does not run over TLS.
-            tls_group = _Group(
-                core=BindingCore(
-                    [None],
-                    software=self.config.software,
-                    rate_limit=self.config.rate_limit,
-                    max_sources=self.config.rate_limit_sources,
-                ),
-                udp=[],
-                tcp_servers=[],
-            )
+            connection = self.tls_protocol_factory()
             server = await loop.create_server(
-                lambda g=tls_group: TlsAcceptor(  # type: ignore[misc]
-                    context,
-                    lambda: TcpConnection(self, g, 0),
-                    limits,
-                    self.stats.drop,
+                functools.partial(
+                    TlsAcceptor, context, connection, limits, self.stats.drop
                 ),
                 sock=sock,
             )
             group.tcp_servers.append(server)
-            self.tls_addresses.append((bind_host, port))
-            self._descriptions.append(f"tls {_join(bind_host, port)}")
-        if self._sweeper is None:
-            self._sweeper = asyncio.create_task(self._sweep_idle())
+            self.add_tls_address((bind_host, port))
         return port
 
     async def _sweep_idle(self) -> None:

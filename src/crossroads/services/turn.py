@@ -137,6 +137,9 @@ from crossroads.transport.turnplane import (
 from crossroads.types import Address
 
 NAME = "turn"
+#: ``ctx.shared`` key: the STUN service whose TURN over TLS rides on the
+#: runtime's HTTPS port (``--turn-tls-port`` equal to ``--https-port``).
+TLS_SHARED_WITH_HTTPS = "turn.tls-shared-with-https"
 log = logging.getLogger("crossroads.turn")
 
 #: ChannelData header: channel number, length (RFC 8656 §12.4).
@@ -1658,7 +1661,18 @@ async def serve(ctx: ServiceContext) -> TurnService:
             await stun.close()
         raise
     service.start()
-    if ctx.certificates is not None:
+    https_port = ctx.config.core.https_port
+    if ctx.certificates is not None and https_port and config.tls_port == https_port:
+        # One TLS port with HTTPS (443): the runtime's listener sorts each
+        # connection and hands TURN ones to the STUN service's protocol; DTLS
+        # (UDP) takes the same port number, which HTTPS (TCP) does not use.
+        ctx.shared[TLS_SHARED_WITH_HTTPS] = stun
+        try:
+            await service.listen_dtls(config.tls_port, ctx.certificates)
+        except BaseException:
+            await service.close()
+            raise
+    elif ctx.certificates is not None:
         try:
             port = await stun.listen_tls(
                 config.tls_port, ctx.certificates.context, ctx.tls_limits

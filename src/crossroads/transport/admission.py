@@ -123,15 +123,17 @@ class Admission:
         """The global cap in force: configured maximum or descriptor share."""
         return min(self.configured_max, self.budget.share())
 
-    def admit(self, host: str) -> str | None:
+    def admit(self, host: str, *, per_ip_cap: bool = True) -> str | None:
         """Count a new connection from ``host``; None if admitted, else the
-        reason it is refused (counted; the caller closes the connection)."""
+        reason it is refused (counted; the caller closes the connection).
+        ``per_ip_cap=False`` for a source that speaks for many clients (a
+        trusted reverse proxy): only the global cap applies to it."""
         if self.live >= self.max_connections:
             reason = REFUSED_OVER_LIMIT
         else:
             key = source_key(host)
             count = self.per_source.get(key, 0)
-            if count < self.max_per_ip:
+            if count < self.max_per_ip or not per_ip_cap:
                 self.per_source[key] = count + 1
                 self.live += 1
                 return None

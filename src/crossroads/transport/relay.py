@@ -6,8 +6,8 @@ frame's first 36 bytes: header, from and to allocation IDs), with the RELAY
 length check (``DataLength`` at offset 36 must be the rest of the frame). A frame
 between two connected allocations is forwarded unchanged by the tap -- in C with
 ``recvmmsg``/``sendmmsg`` when built -- and counted on its route: no parse, no
-Python per frame, no store. Everything else reaches :meth:`RelayServer.receive_slow`
-(the control plane), whose replies are sent once per readiness callback.
+Python per frame, no store. Everything else reaches the core (the control
+plane), whose replies are sent once per readiness callback.
 
 The core makes its forwarding entries through :meth:`RelayEndpoint.make_forward`:
 data-plane routes from this socket. On a wildcard bind each route carries the
@@ -17,14 +17,25 @@ frames (BIND, CONNECT_REQUEST, a rebind) before any route to it exists. When the
 kernel buffer is full a datagram is dropped and counted, which is what a UDP
 relay should do.
 
-Clients on the DTLS port (:mod:`crossroads.services.relay_dtls`) share the
-core: their decrypted frames arrive through :meth:`RelayEndpoint.receive`, and
-what goes to them is encrypted by the secure side, never sent here in clear. A
-pair with a DTLS end therefore gets a :class:`SecureForward` instead of a C
-route: the C tap does not forward it (its slow path hands the frame to the
-core, whose outbox :meth:`_flush` sends through the secure side), and a
-plaintext frame on this port from an address that holds a DTLS session is
-refused (a spoofed source must not speak for an encrypted client).
+Two kinds of clients share the core without being on this socket:
+
+- DTLS clients (:mod:`crossroads.services.relay_dtls`): their decrypted frames
+  arrive through :meth:`RelayEndpoint.receive`, and what goes to them is
+  encrypted by the secure side, never sent here in clear. A plaintext frame on
+  this port from an address that holds a DTLS session is refused (a spoofed
+  source must not speak for an encrypted client).
+- Stream clients (the Unity relay over WebSockets,
+  :mod:`crossroads.transport.relay_ws`): each connection gets a client address
+  of its own, ``(its IP, STREAM_PORT_BASE + n)``, a port no datagram can carry,
+  so it never collides with a UDP client; its frames arrive through
+  :meth:`RelayEndpoint.receive` too.
+
+A pair with such an end gets an :class:`OffPlaneForward` instead of a C route:
+the C tap does not forward it (not its route type) and hands the frame to the
+fallback, which gives it to the core; the core's outbox is sent by
+:meth:`_send`, which knows each kind of client. The pure-Python tap calls the
+entry's ``send``, which makes the same decisions. Frames between UDP clients
+take the data plane exactly as before.
 """
 
 from __future__ import annotations
@@ -41,6 +52,10 @@ from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import ReplySource, is_wildcard, reply_control
 from crossroads.types import Address
 
+#: First port of the client addresses given to stream connections: one above
+#: the largest UDP port (see the module doc).
+STREAM_PORT_BASE = 0x10000
+
 
 class SecureSide(Protocol):
     """A transport whose clients the relay reaches through it (DTLS): the
@@ -52,10 +67,10 @@ class SecureSide(Protocol):
     def send_to(self, addr: Address, data: bytes) -> None: ...
 
 
-class SecureForward:
-    """The forwarding entry of a pair with a DTLS end: not a data-plane route,
-    so the C tap leaves its frames to the slow path; the pure-Python tap calls
-    :meth:`send`, which decides as the slow path would."""
+class OffPlaneForward:
+    """The forwarding entry of a pair with a DTLS or stream end: not a
+    data-plane route, so the C tap leaves its frames to the slow path; the
+    pure-Python tap calls :meth:`send`, which decides as the slow path would."""
 
     __slots__ = ("endpoint", "dest", "source", "packets", "octets")
 
@@ -67,6 +82,7 @@ class SecureForward:
         self.octets = 0
 
     def send(self, data: bytes) -> None:
+        """One plaintext datagram of this socket routed along this entry."""
         self.endpoint.forward_plaintext(data, self.source, self.dest)
 
 
@@ -104,6 +120,11 @@ class RelayEndpoint:
         self._slow_now: float | None = None
         self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
         self._closed = False
+        #: Stream connections by their client address: where frames to them go.
+        self._streams: dict[Address, Callable[[bytes], None]] = {}
+        self._next_stream = 0
+        #: Frames for a stream connection that had gone (counted, dropped).
+        self.stream_gone = 0
 
     @property
     def send_failures(self) -> int:
@@ -118,12 +139,6 @@ class RelayEndpoint:
         plaintext datagrams here."""
         self._secure = side
 
-    def receive(self, data: bytes, addr: Address) -> None:
-        """One relay message that arrived (decrypted) through the secure side."""
-        now = self._loop.time()
-        self.core.receive_datagram(data, addr, now)
-        self._flush(now)
-
     def close(self) -> None:
         if self._closed:
             return
@@ -135,12 +150,14 @@ class RelayEndpoint:
 
     def make_forward(self, dest: Address, source: Address) -> ForwardEntry:
         """A data-plane route from this socket to ``dest`` (the core's factory),
-        or a :class:`SecureForward` when either end is a DTLS client."""
+        or an :class:`OffPlaneForward` when either end is not a UDP client of
+        this socket."""
         secure = self._secure
-        if secure is not None and (
-            dest in secure.sessions or source in secure.sessions
+        if dest[1] >= STREAM_PORT_BASE or (
+            secure is not None
+            and (dest in secure.sessions or source in secure.sessions)
         ):
-            return SecureForward(self, dest, source)
+            return OffPlaneForward(self, dest, source)
         control = None if self._replies is None else self._replies.control_for(dest)
         route: RouteLike = make_route(self.sock, dest, control)
         return route
@@ -155,20 +172,13 @@ class RelayEndpoint:
             self._flush(now)
 
     def forward_plaintext(self, data: bytes, source: Address, dest: Address) -> None:
-        """A plaintext frame on this port routed to or from a DTLS client."""
+        """A plaintext frame of this socket routed to or from a client that is
+        not on it (the pure-Python tap's path; the C tap's is :meth:`_slow`)."""
         secure = self._secure
-        if secure is None:
-            return
-        if source in secure.sessions:
+        if secure is not None and source in secure.sessions:
             self.plaintext_refused += 1
-        elif dest in secure.sessions:
-            secure.send_to(dest, data)
         else:
-            # Both ends left DTLS since the entry was made: plain again.
-            try:
-                self.sock.sendto(data, dest)
-            except OSError:
-                self._flush_failures += 1
+            self._send(data, dest)
 
     def _slow(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
         secure = self._secure
@@ -182,9 +192,66 @@ class RelayEndpoint:
         now = self._slow_now
         if now is None:
             now = self._slow_now = self._loop.time()
-        # receive_datagram, not receive_slow: a routed frame of a pair with a
-        # DTLS end reaches here (the C tap forwards only its own routes).
+        # receive_datagram, not receive_slow: a routed frame of a pair with an
+        # off-plane end reaches here (the C tap forwards only its own routes).
         self.core.receive_datagram(data, addr, now)
+
+    # ------------------------------------------------- DTLS and stream clients
+
+    def receive(self, data: bytes, addr: Address) -> None:
+        """One relay message from a client that is not on this socket (a DTLS
+        session, decrypted, or a stream connection)."""
+        now = self._loop.time()
+        self.core.receive_datagram(data, addr, now)
+        self._flush(now)
+
+    receive_stream = receive
+
+    def attach_stream(self, host: str, send: Callable[[bytes], None]) -> Address:
+        """A client address for a new stream connection from ``host``; frames
+        the core sends to it are given to ``send``. Call :meth:`detach_stream`
+        when the connection ends."""
+        self._next_stream = (self._next_stream + 1) % STREAM_PORT_BASE
+        addr: Address = (host, STREAM_PORT_BASE + self._next_stream)
+        while addr in self._streams:
+            self._next_stream = (self._next_stream + 1) % STREAM_PORT_BASE
+            addr = (host, STREAM_PORT_BASE + self._next_stream)
+        self._streams[addr] = send
+        return addr
+
+    def detach_stream(self, addr: Address) -> None:
+        """The stream connection at ``addr`` ended; frames to it are dropped
+        (its allocation ends by the core's idle timer or the client's CLOSE)."""
+        self._streams.pop(addr, None)
+
+    def has_stream_from(self, host: str) -> bool:
+        """True while a stream connection from ``host`` is attached."""
+        return any(addr[0] == host for addr in self._streams)
+
+    def to_stream(self, data: bytes, addr: Address) -> None:
+        """Give ``data`` to the stream connection at ``addr`` (dropped and
+        counted when it has gone)."""
+        send = self._streams.get(addr)
+        if send is None:
+            self.stream_gone += 1
+        else:
+            send(data)
+
+    def _send(self, data: bytes, addr: Address) -> None:
+        if addr[1] >= STREAM_PORT_BASE:
+            self.to_stream(data, addr)
+            return
+        secure = self._secure
+        if secure is not None and addr in secure.sessions:
+            secure.send_to(addr, data)
+            return
+        try:
+            if self._replies is None:
+                self.sock.sendto(data, addr)
+            else:
+                self._replies.sendto(data, addr)
+        except OSError:
+            self._flush_failures += 1
 
     # ----------------------------------------------------------- control plane
 
@@ -196,18 +263,8 @@ class RelayEndpoint:
         return kicked
 
     def _flush(self, now: float) -> None:
-        sendto = self.sock.sendto if self._replies is None else self._replies.sendto
-        secure = self._secure
-        secured = secure.sessions if secure is not None else None
         for data, addr in self.core.datagrams_to_send(now):
-            if secured and addr in secured:
-                assert secure is not None
-                secure.send_to(addr, data)
-                continue
-            try:
-                sendto(data, addr)
-            except OSError:
-                self._flush_failures += 1
+            self._send(data, addr)
         events = self.core.events()
         if events:
             self.on_events(events)

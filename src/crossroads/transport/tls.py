@@ -117,6 +117,17 @@ class Certificates:
         #: Counts the loads that took effect: listeners that build their own
         #: contexts from the files (DTLS) rebuild them when it changes.
         self.generation = 0
+        #: Contexts with other settings (ALPN) holding the same certificate.
+        self._others: list[ssl.SSLContext] = []
+
+    def context_with_alpn(self, protocols: list[str]) -> ssl.SSLContext:
+        """A second server context with the same certificate (reloaded with
+        it) that selects one of ``protocols`` by ALPN (RFC 7301), in this
+        order of preference, when the client offers it."""
+        context = server_context(self.cert, self.key)
+        context.set_alpn_protocols(protocols)
+        self._others.append(context)
+        return context
 
     def reload(self) -> bool:
         """Load the files again into the same context; True if they loaded.
@@ -125,7 +136,8 @@ class Certificates:
         failure the previous certificate stays and the reason is logged.
         """
         try:
-            _load(self.context, self.cert, self.key)
+            for context in (self.context, *self._others):
+                _load(context, self.cert, self.key)
         except ConfigError as exc:
             self.failed_reloads += 1
             log.error("TLS certificate not reloaded, keeping the old one: %s", exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -160,8 +161,28 @@ class EmbeddedServer(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def protocol_factory(self) -> Callable[[], asyncio.Protocol]:
+        """A new HTTP connection protocol of this server, as uvicorn makes for
+        its own sockets (call once it has started): for a listener uvicorn does
+        not own, such as HTTPS behind a TLS acceptor or a port shared with
+        TURN over TLS. Its connections are the server's (shut down with it)."""
+        config = self.config
 
-def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedServer:
+        def create() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config,
+                server_state=self.server_state,
+                app_state=self.lifespan.state,
+            )
+
+        return create
+
+
+def make_http_server(
+    app: FastAPI,
+    guard: HttpGuard | None = None,
+    trusted_proxies: Sequence[str] = (),
+) -> EmbeddedServer:
     """An uvicorn server for ``app``; start it with ``serve(sockets=[sock])``.
 
     With ``guard``, connections go through its admission and request deadline
@@ -169,7 +190,13 @@ def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedSe
     it counts the same connections (one request task each at most, h11 reads
     no further request while one runs) but answers 503 to a request on an
     admitted connection once the count reaches it, where the guard refuses the
-    connection that would exceed the cap."""
+    connection that would exceed the cap.
+
+    ``X-Forwarded-For`` is believed only from ``trusted_proxies`` (addresses or
+    CIDRs): uvicorn's proxy-headers middleware then puts the rightmost address
+    that is not a trusted proxy in the request's ``client``, which every per-IP
+    limit and log line reads. Without them the header is ignored (uvicorn's own
+    default would trust 127.0.0.1, so a local client could pick its address)."""
     kwargs: dict[str, Any] = {}
     if guard is not None:
         http, ws = guard.protocols()
@@ -181,6 +208,8 @@ def make_http_server(app: FastAPI, guard: HttpGuard | None = None) -> EmbeddedSe
         access_log=False,
         server_header=False,
         ws_max_size=WS_MAX_MESSAGE_BYTES,
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=list(trusted_proxies) or None,
         **kwargs,
     )
     return EmbeddedServer(config)

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+from collections.abc import Sequence
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -70,11 +72,31 @@ def _peer_host(transport: asyncio.Transport) -> str:
 class HttpGuard:
     """The admission and deadlines of one HTTP port (see module docstring)."""
 
-    def __init__(self, admission: Admission, request_timeout: float) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        request_timeout: float,
+        trusted_proxies: Sequence[str] = (),
+    ) -> None:
         self.admission = admission
         self.request_timeout = request_timeout
+        #: Reverse proxies (``--trusted-proxy``): one address, many clients,
+        #: so the per-IP connection cap does not apply to them.
+        self.trusted_proxies = [
+            ipaddress.ip_network(net, strict=False) for net in trusted_proxies
+        ]
         self.watched: set[GuardedHttp] = set()
         self._task: asyncio.Task[None] | None = None
+
+    def is_trusted_proxy(self, host: str) -> bool:
+        """True when ``host`` is in one of the ``--trusted-proxy`` networks."""
+        if not self.trusted_proxies:
+            return False
+        try:
+            address = ipaddress.ip_address(host.split("%", 1)[0])
+        except ValueError:
+            return False
+        return any(address in net for net in self.trusted_proxies)
 
     def protocols(self) -> tuple[type[GuardedHttp], type[GuardedWebSocket]]:
         """uvicorn ``http`` and ``ws`` protocol classes bound to this guard."""
@@ -133,7 +155,9 @@ class GuardedHttp(H11Protocol):
         self.responses = 0
         self.deadline_key: tuple[object, int] | None = None
         self.waiting_since = 0.0
-        refused = self.guard.admission.admit(self.peer_host)
+        refused = self.guard.admission.admit(
+            self.peer_host, per_ip_cap=not self.guard.is_trusted_proxy(self.peer_host)
+        )
         self.admitted = refused is None
         if refused is not None:
             transport.write(_refusal(refused))
