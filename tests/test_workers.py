@@ -104,6 +104,18 @@ def test_extra_workers_run_udp_stun_turn_and_their_own_relay_node() -> None:
     assert not second.enabled("natneg") and not second.enabled("openttd")
 
 
+def test_worker_relay_dtls_and_websocket_ports_never_collide() -> None:
+    base = config(core__store=REDIS, core__workers=3, relay__websocket=True)
+    plan = plan_workers(base)
+    udp: list[int] = []
+    for index in range(3):
+        relay = worker_config(base, index, plan).section("relay", RelayConfig)
+        udp += [relay.port, relay.dtls_port] if relay.dtls else [relay.port]
+        # ws/wss are TCP listeners: worker 0 only, as every TCP listener.
+        assert relay.websocket is (index == 0)
+    assert len(udp) == len(set(udp)) == 6
+
+
 def test_ports_past_65535_are_a_config_error() -> None:
     base = config(core__store=REDIS, core__workers=3, core__http_port=65535)
     with pytest.raises(ConfigError, match="http_port"):

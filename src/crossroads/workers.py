@@ -228,6 +228,11 @@ def worker_config(config: Config, index: int, plan: WorkerPlan) -> Config:
         sections["relay"] = dataclasses.replace(
             relay,
             port=_offset_port("relay.port", relay.port, index),
+            # DTLS (PSK, no certificate) is UDP like the node; 7790 + index
+            # keeps clear of the nodes' 7780 + index. WebSockets are TCP,
+            # which stays with worker 0.
+            dtls_port=_offset_port("relay.dtls_port", relay.dtls_port, index),
+            websocket=False,
             public_port=_offset_port("relay.public_port", relay.public_port, index),
             node_only=True,
             node_id=f"{relay.node_id}-w{index}" if relay.node_id else "",

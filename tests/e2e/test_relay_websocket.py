@@ -122,12 +122,13 @@ def over_udp(peer: RawPeer) -> tuple[Any, Any]:
 async def test_endpoints_list_ws_only_when_enabled() -> None:
     async with relay_runtime() as rt, api(rt) as http:
         host, _ = await pair(http)
-        assert [e["connectionType"] for e in host["serverEndpoints"]] == ["udp"]
+        assert [e["connectionType"] for e in host["serverEndpoints"]] == ["udp", "dtls"]
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
         host, _ = await pair(http)
         # No certificate: ws only, and Unity's values for it.
         assert [e["connectionType"] for e in host["serverEndpoints"]] == [
             "udp",
+            "dtls",
             "ws",
         ]
         ws = endpoint(host, "ws")

@@ -147,7 +147,10 @@ class Config:
         "endpoint) on --relay-dtls-port.",
     )
     dtls_port: int = setting(
-        7781, kind="port", help="UDP port of the relay node's DTLS endpoint."
+        7790,
+        kind="port",
+        help="UDP port of the relay node's DTLS endpoint (with --workers N, "
+        "worker i serves it on this port + i).",
     )
     region: str = setting("local", help="Region of this relay node.")
     region_description: str = setting("", help="Human-readable name of the region.")
