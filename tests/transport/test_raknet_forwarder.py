@@ -78,6 +78,7 @@ async def test_oversized_datagrams_are_dropped_not_truncated() -> None:
         side1.sendto(b"y" * 1500, proxy)
         assert await recv(side2) == (b"y" * 1500, proxy)
         assert pool.packets() == 1
+        assert pool.oversized() == 1
     finally:
         await pool.close()
         side1.close()

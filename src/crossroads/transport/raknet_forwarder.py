@@ -129,6 +129,8 @@ class ForwarderPool:
         self.entries: dict[tuple[Address, Address], _Entry] = {}
         self.started = 0
         self.released_packets = 0
+        #: Oversized datagrams dropped by entries already released.
+        self.released_oversized = 0
         self._loop = asyncio.get_running_loop()
         #: Every entry's tap: one epoll set drained in C (one wakeup for all).
         self._readers = TapReaders()
@@ -160,6 +162,11 @@ class ForwarderPool:
     def packets(self) -> int:
         return self.released_packets + sum(e.packets for e in self.entries.values())
 
+    def oversized(self) -> int:
+        """Datagrams over RakNet's MTU dropped so far (counted by the data plane)."""
+        live = sum(e.tap.malformed for e in self.entries.values())
+        return self.released_oversized + live
+
     def sweep(self, now: float) -> None:
         for key, entry in list(self.entries.items()):
             packets = entry.packets
@@ -172,6 +179,7 @@ class ForwarderPool:
     def _release(self, key: tuple[Address, Address]) -> None:
         entry = self.entries.pop(key)
         self.released_packets += entry.packets
+        self.released_oversized += entry.tap.malformed
         self._readers.remove(entry.tap)
         entry.tap.close()
         entry.sock.close()
