@@ -162,6 +162,8 @@ async def test_garbage_does_not_disturb_a_connected_peer(
         metrics = (await http.get(f"http://{host}:{port}/metrics")).text
     assert 'crossroads_raknet_dropped_total{reason="second-socket"}' in metrics
     assert "crossroads_raknet_connections 1.0" in metrics
+    # The UDP proxy's forwarders drop datagrams over RakNet's MTU (counted).
+    assert 'crossroads_raknet_dropped_total{reason="forwarder-oversized"}' in metrics
 
 
 @pytest.fixture

@@ -145,6 +145,11 @@ class _Collector(Collector):
         for reason, count in sorted(node.proxy.stats.dropped.items()):
             dropped.add_metric([f"proxy-{reason}"], count)
         dropped.add_metric(["second-socket"], node.second_dropped)
+        if self.service.forwarders is not None:
+            # Over RakNet's 1500-byte MTU: dropped whole by the data plane.
+            dropped.add_metric(
+                ["forwarder-oversized"], self.service.forwarders.oversized()
+            )
         relay_nodes = self.service.relay_nodes
         if relay_nodes is not None:
             for reason, count in sorted(relay_nodes.dropped.items()):
