@@ -77,11 +77,7 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
-from crossroads.transport.reuseport import (
-    adopt_shared_socket,
-    allow_port_sharing,
-    publish_shared_socket,
-)
+from crossroads.transport.reuseport import shared_udp_socket
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.transport.udp import SOCKET_BUFFER_BYTES, register_listener
 from crossroads.types import Address
@@ -832,32 +828,19 @@ def _family(host: str) -> socket.AddressFamily:
 
 def _bind(host: str, port: int, kind: socket.SocketKind, v6only: bool) -> socket.socket:
     if kind == socket.SOCK_DGRAM:
-        # A worker of `--workers N` takes the socket made for it by worker 0,
-        # or its predecessor's (transport/reuseport.py says why).
-        adopted = adopt_shared_socket(kind, host, port)
-        if adopted is not None:
-            adopted.setblocking(False)
-            register_listener(adopted)
-            return adopted
-    sock = _new_socket(host, port, kind, v6only)
-    if kind == socket.SOCK_DGRAM:
-        try:
-            publish_shared_socket(
-                sock,
-                kind,
-                host,
-                port,
-                lambda: _new_socket(host, port, socket.SOCK_DGRAM, v6only),
-            )
-        except BaseException:
-            sock.close()
-            raise
+        # Every worker of `--workers N` serves the STUN/TURN UDP ports
+        # (transport/reuseport.py: who binds them, and why).
+        sock = shared_udp_socket(
+            host, port, lambda reuse: _new_socket(host, port, kind, v6only, reuse)
+        )
+    else:
+        sock = _new_socket(host, port, kind, v6only, False)
     register_listener(sock)
     return sock
 
 
 def _new_socket(
-    host: str, port: int, kind: socket.SocketKind, v6only: bool
+    host: str, port: int, kind: socket.SocketKind, v6only: bool, reuse_port: bool
 ) -> socket.socket:
     sock = socket.socket(_family(host), kind)
     try:
@@ -867,10 +850,10 @@ def _new_socket(
             for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-            # Every worker of `--workers N` serves the STUN/TURN UDP ports.
-            allow_port_sharing(sock, port)
         if sock.family == socket.AF_INET6:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         if kind == socket.SOCK_STREAM:
             sock.listen(1024)
