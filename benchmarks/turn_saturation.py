@@ -654,7 +654,13 @@ def measure_round(
         previous = results.best.setdefault(label, [])
         start = 0.7 * previous[-1].delivered if previous else args.start_rate
         with ExitStack() as stack:
-            target = starter()
+            try:
+                target = starter()
+            except RuntimeError as exc:
+                # A port found free was taken in between (the machine is
+                # shared): one more try with new ports.
+                print(f"  {label}: {exc}; starting it again", flush=True)
+                target = starter()
             stack.callback(stop, target.process)
             flows = target.flows(stack, args.allocations, args.payload)
             # The same-rate step first: after the search's overloaded steps a

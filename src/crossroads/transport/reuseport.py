@@ -23,11 +23,11 @@ shared port at once, hands them all to the supervisor and says it is ready
 (:func:`announce_ready`); only then does the supervisor start workers 1..N-1,
 which adopt the sockets made for them.
 
-Whoever creates a shareable listening socket calls :func:`adopt_shared_socket`
-first, :func:`allow_port_sharing` before ``bind`` and
-:func:`publish_shared_socket` after it; all three do nothing outside a worker,
-so a single process keeps refusing a port another program already holds
-(EADDRINUSE, a clear error) instead of silently splitting its traffic with it.
+Whoever binds a UDP port that every worker serves gets the socket from
+:func:`shared_udp_socket`; outside a worker it just binds one without
+SO_REUSEPORT, so a single process keeps refusing a port another program
+already holds (EADDRINUSE, a clear error) instead of silently splitting its
+traffic with it.
 """
 
 from __future__ import annotations
@@ -83,13 +83,28 @@ def socket_key(kind: socket.SocketKind, host: str, port: int) -> str:
     return f"{'udp' if kind == socket.SOCK_DGRAM else 'tcp'} {host} {port}"
 
 
-def allow_port_sharing(sock: socket.socket, port: int) -> None:
-    """Set SO_REUSEPORT on ``sock`` (not yet bound) when this process is one of
-    several workers and ``port`` is a fixed port. Port 0 never shares: with
-    SO_REUSEPORT an ephemeral bind may land on a port another socket of the
-    same user already holds, and the two would split its traffic."""
-    if _sharing and port != 0:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+def shared_udp_socket(
+    host: str, port: int, make: Callable[[bool], socket.socket]
+) -> socket.socket:
+    """The UDP socket this process serves (host, port) with. ``make(reuse_port)``
+    binds a new one (SO_REUSEPORT when asked). In a worker: the socket made for
+    it by worker 0 or kept from its previous run, else a new one handed to the
+    supervisor (with, in worker 0, those of the other workers). Port 0 never
+    shares: with SO_REUSEPORT an ephemeral bind may land on a port another
+    socket of the same user already holds, and the two would split its traffic.
+    """
+    adopted = adopt_shared_socket(socket.SOCK_DGRAM, host, port)
+    if adopted is not None:
+        adopted.setblocking(False)
+        return adopted
+    share = _sharing and port != 0
+    sock = make(share)
+    try:
+        publish_shared_socket(sock, socket.SOCK_DGRAM, host, port, lambda: make(share))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def adopt_shared_socket(

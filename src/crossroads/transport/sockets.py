@@ -15,11 +15,7 @@ import ipaddress
 import socket
 import weakref
 
-from crossroads.transport.reuseport import (
-    adopt_shared_socket,
-    allow_port_sharing,
-    publish_shared_socket,
-)
+from crossroads.transport.reuseport import shared_udp_socket
 from crossroads.types import Address, normalize_address
 
 #: Kernel socket buffers for busy UDP services; the default (~200 KiB) drops
@@ -80,25 +76,14 @@ def bind_socket(
     the supervisor across restarts (:mod:`crossroads.transport.reuseport`
     says why); outside a worker it is an ordinary socket.
     """
-    if shared:
-        adopted = adopt_shared_socket(kind, host, port)
-        if adopted is not None:
-            adopted.setblocking(False)
-            register_listener(adopted)
-            return adopted
-    sock = _new_socket(host, port, kind, v6only, reuse_port, shared)
-    if shared:
-        try:
-            publish_shared_socket(
-                sock,
-                kind,
-                host,
-                port,
-                lambda: _new_socket(host, port, kind, v6only, reuse_port, shared),
-            )
-        except BaseException:
-            sock.close()
-            raise
+    if shared and kind == socket.SOCK_DGRAM:
+        sock = shared_udp_socket(
+            host,
+            port,
+            lambda reuse: _new_socket(host, port, kind, v6only, reuse_port or reuse),
+        )
+    else:
+        sock = _new_socket(host, port, kind, v6only, reuse_port)
     register_listener(sock)
     return sock
 
@@ -109,7 +94,6 @@ def _new_socket(
     kind: socket.SocketKind,
     v6only: bool | None,
     reuse_port: bool,
-    shared: bool,
 ) -> socket.socket:
     family = family_of(host)
     sock = socket.socket(family, kind)
@@ -125,8 +109,6 @@ def _new_socket(
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if only else 0)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        elif shared:
-            allow_port_sharing(sock, port)
         sock.bind((host, port))
         if kind == socket.SOCK_STREAM:
             # The kernel caps it at net.core.somaxconn; accepts are bounded by
