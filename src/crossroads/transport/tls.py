@@ -114,9 +114,12 @@ class Certificates:
         self.not_after = _leaf_not_after(cert)
         #: Reloads that were refused (the old certificate stayed).
         self.failed_reloads = 0
-        #: Counts the loads that took effect: listeners that build their own
-        #: contexts from the files (DTLS) rebuild them when it changes.
+        #: Counts the loads that took effect.
         self.generation = 0
+        #: Called after each reload that loaded: listeners that build their own
+        #: contexts from the files (DTLS) rebuild them then, from the files
+        #: this reload checked.
+        self.on_reload: list[Callable[[], None]] = []
 
     def reload(self) -> bool:
         """Load the files again into the same context; True if they loaded.
@@ -132,6 +135,8 @@ class Certificates:
             return False
         self.not_after = _leaf_not_after(self.cert)
         self.generation += 1
+        for callback in list(self.on_reload):
+            callback()
         log.info(
             "TLS certificate reloaded from %s (valid until %s UTC)",
             self.cert,
