@@ -269,6 +269,10 @@ async def test_an_expired_certificate_is_never_served(
         shutil.copy(second[0], cert)
         shutil.copy(second[1], key)
         assert certificates.reload()
+        # The DTLS context was built at the reload, from the files it checked:
+        # files replaced afterwards (without a SIGHUP) are not read.
+        shutil.copy(expired[0], cert)
+        shutil.copy(expired[1], key)
         assert await served_serial(server.port, second[0]) == serial(second[0])
         await echo(live, inbox, b"live session kept")
     finally:

@@ -51,9 +51,10 @@ answered with a new HelloVerifyRequest), ``dtls-reflection-budget``,
 ``dtls-handshake-failed``, ``dtls-session-error``, ``dtls-idle-timeout``,
 ``dtls-send-no-session``, ``dtls-send-failed``.
 
-Certificates are those of :class:`~crossroads.transport.tls.Certificates`; when
-its ``generation`` changes (a SIGHUP reload that loaded), the next handshake
-uses a new OpenSSL context with the new chain; live sessions keep theirs.
+Certificates are those of :class:`~crossroads.transport.tls.Certificates`: a
+SIGHUP reload that loaded (and checked) the files calls back
+(``Certificates.on_reload``) and the listener builds a new OpenSSL context
+from them at once; new handshakes use it, live sessions keep theirs.
 
 Speed: DTLS records are encrypted and decrypted in Python-called OpenSSL, one
 call per datagram; TURN's C data plane handles plaintext UDP only, so DTLS
@@ -294,7 +295,7 @@ class DtlsListener(asyncio.DatagramProtocol):
         self.hello_verify_requests = 0
         self._handshaking: set[DtlsSession] = set()
         self._context = server_context(certificates)
-        self._generation = certificates.generation
+        certificates.on_reload.append(self._reload)
         self._udp: asyncio.DatagramTransport | None = None
         self._loop = asyncio.get_running_loop()
         self._tick: asyncio.TimerHandle | None = None
@@ -317,6 +318,8 @@ class DtlsListener(asyncio.DatagramProtocol):
 
     def close(self) -> None:
         """Stop the timer, forget every session and close the socket."""
+        with contextlib.suppress(ValueError):
+            self.certificates.on_reload.remove(self._reload)
         if self._tick is not None:
             self._tick.cancel()
             self._tick = None
@@ -437,7 +440,6 @@ class DtlsListener(asyncio.DatagramProtocol):
             return
         if replacing is not None:
             self._end(replacing)
-        self._refresh_context()
         session = DtlsSession(self._context, client, cookie, now)
         self.sessions[client] = session
         self.sessions_by_ip[source] = self.sessions_by_ip.get(source, 0) + 1
@@ -534,12 +536,9 @@ class DtlsListener(asyncio.DatagramProtocol):
                 self._sendto(datagram, client)
         self._end(session)
 
-    def _refresh_context(self) -> None:
-        """A new OpenSSL context after a certificate reload (see module doc)."""
-        generation = self.certificates.generation
-        if generation == self._generation:
-            return
-        self._generation = generation
+    def _reload(self) -> None:
+        """A new OpenSSL context for new handshakes, at the moment the
+        certificate files were reloaded and checked (see module doc)."""
         try:
             self._context = server_context(self.certificates)
         except (SSL.Error, OSError) as exc:

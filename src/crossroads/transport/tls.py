@@ -114,11 +114,14 @@ class Certificates:
         self.not_after = _leaf_not_after(cert)
         #: Reloads that were refused (the old certificate stayed).
         self.failed_reloads = 0
-        #: Counts the loads that took effect: listeners that build their own
-        #: contexts from the files (DTLS) rebuild them when it changes.
+        #: Counts the loads that took effect.
         self.generation = 0
         #: Contexts with other settings (ALPN) holding the same certificate.
         self._others: list[ssl.SSLContext] = []
+        #: Called after each reload that loaded: listeners that build their own
+        #: contexts from the files (DTLS) rebuild them then, from the files
+        #: this reload checked.
+        self.on_reload: list[Callable[[], None]] = []
 
     def context_with_alpn(self, protocols: list[str]) -> ssl.SSLContext:
         """A second server context with the same certificate (reloaded with
@@ -144,6 +147,8 @@ class Certificates:
             return False
         self.not_after = _leaf_not_after(self.cert)
         self.generation += 1
+        for callback in list(self.on_reload):
+            callback()
         log.info(
             "TLS certificate reloaded from %s (valid until %s UTC)",
             self.cert,
