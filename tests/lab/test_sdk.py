@@ -16,7 +16,7 @@ import pytest
 from crossroads.client.p2p import HostChanged, P2PClient
 from crossroads.lab import netns, udp
 from crossroads.lab.kinds import KINDS, KINDS_BY_NAME
-from crossroads.lab.matrix import Attempt, load_methods, run_attempt
+from crossroads.lab.matrix import Attempt, Delays, load_methods, run_attempt
 from crossroads.lab.methods.sdk import _client, needs_relay
 from crossroads.lab.topology import SERVER_IPS, Lab
 
@@ -29,8 +29,8 @@ CASES = [
     ("symmetric-sequential", "symmetric-sequential", {"punch"}),  # prediction, both
     ("port-restricted-cone", "symmetric-sequential", {"punch"}),  # prediction
     ("port-restricted-cone", "port-restricted-cone", {"punch"}),
-    ("full-cone", "symmetric-random", {"direct"}),
-    ("restricted-cone", "port-restricted-cone", {"direct", "mapping"}),  # miniupnpd
+    ("full-cone", "symmetric-random", {"punch"}),  # first punch slot
+    ("restricted-cone", "port-restricted-cone", {"mapping"}),  # miniupnpd
     ("symmetric-random", "symmetric-random", {"relay"}),
     ("open", "udp-blocked", {"relay"}),
     ("symmetric-sequential", "symmetric-random", {"punch"}),  # prediction spray
@@ -80,6 +80,24 @@ def test_sdk_step_per_technique(lab: Lab, a: str, b: str, steps: set[str]) -> No
         # TURN (UDP relayed, over TCP for a UDP-blocked site) wins over the
         # WebSocket relay
         assert "over TURN" in result.detail, result  # type: ignore[attr-defined]
+
+
+def test_remapping_routers_punch_on_the_first_ladder(lab: Lab) -> None:
+    """Issue 15 for the SDK: both hosts behind routers that remap on a knock,
+    the server 100 ms from one of them and 20 ms from the other, the hosts 40 ms
+    apart. No probe reaches a router before its own host has sent towards the
+    other (no one-sided direct step to a NATed host, both punch from the server's
+    common start time), so the first ladder punches; it used to relay."""
+    method = load_methods()["sdk"]
+    a, b = "port-restricted-remap", "port-restricted-remap"
+
+    async def main() -> object:
+        attempt = Attempt(lab, lab.site(f"{a}-a"), lab.site(f"{b}-b"), {"cleanups": []})
+        return await run_attempt(method, attempt, Delays(0.1, 0.02, 0.04), slot=5)
+
+    result = asyncio.run(main())
+    assert result.connected, result  # type: ignore[attr-defined]
+    assert result.via == "punch", result  # type: ignore[attr-defined]
 
 
 def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:

@@ -17,8 +17,16 @@ Steps, in order (names as the NAT lab reports them):
              case: IPv6 has no NAT to traverse, only stateful firewalls, which
              simultaneous sends open (ICE's preference for IPv6 host pairs).
 ``direct``   only the initiator sends, to the responder's server-observed public
-             endpoint: succeeds when the responder has no NAT or a NAT that filters
-             nothing (endpoint-independent filtering).
+             endpoint: succeeds when the responder has no NAT. Skipped when the
+             responder is known to be behind a NAT (none of its host candidates
+             carries its public address): a one-sided send then reaches the
+             responder's router before the responder has sent anything towards
+             the initiator, and a router that accepts unsolicited input keeps a
+             conntrack entry for it that makes it *remap* the responder's port
+             when the responder punches later -- the knock that fails first
+             attempts (issue 15, docs/natneg.md "CONNECT timing"). A NAT that
+             filters nothing is opened by the ``punch`` step's first slot at the
+             same moment, with both sides sending.
 ``mapping``  each side sends to the other's port-mapped (UPnP / NAT-PMP / PCP)
              endpoint, if it holds one: an open port needs no punching.
 ``punch``    simultaneous open: both send to the other's public endpoint at the
@@ -251,6 +259,17 @@ def _is_ipv6(host: str) -> bool:
     return ":" in host
 
 
+def _behind_nat(peer: PeerInfo) -> bool:
+    """Known to be behind a NAT: it named host candidates, and none of them is
+    the public address the server saw (no candidates: not known)."""
+    local = peer.candidates.local
+    return (
+        peer.public is not None
+        and bool(local)
+        and all(c.host != peer.public.host for c in local)
+    )
+
+
 def plan(
     initiator: PeerInfo,
     responder: PeerInfo,
@@ -313,8 +332,9 @@ def plan(
             result.steps.append(Step("lan", t, t + LAN_DURATION))
             t += LAN_DURATION
 
-    # -- direct: initiator -> responder's public endpoint
-    if responder.public is not None:
+    # -- direct: initiator -> responder's public endpoint, unless that would
+    # knock on the responder's NAT before the responder sent (see above)
+    if responder.public is not None and not _behind_nat(responder):
         burst("initiator", "direct", responder.public.address(), t)
         result.steps.append(Step("direct", t, t + DIRECT_DURATION))
         t += DIRECT_DURATION
