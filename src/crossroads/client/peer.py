@@ -107,6 +107,20 @@ class _UdpTransport(Transport, asyncio.DatagramProtocol):
             self.transport.close()
 
 
+def _send_with_ttl(sock: socket.socket, data: bytes, dest: Address, ttl: int) -> None:
+    """One IPv4 datagram with IP TTL ``ttl``; the socket's own TTL is restored
+    at once, so answers from it travel normally."""
+    if sock.family != socket.AF_INET:
+        sock.sendto(data, dest)
+        return
+    default = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+    try:
+        sock.sendto(data, dest)
+    finally:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, default)
+
+
 def _constant(protocol: _UdpTransport) -> Callable[[], _UdpTransport]:
     return lambda: protocol
 
@@ -381,7 +395,12 @@ class LadderRun:
         self._start = time.monotonic() + max(0.0, t_go - loop.time())
         for send in self.plan.sends(self.role):
             handle = loop.call_at(
-                t_go + send.at, self._send, send.step, send.dest, send.socket
+                t_go + send.at,
+                self._send,
+                send.step,
+                send.dest,
+                send.socket,
+                send.ttl,
             )
             self._handles.append(handle)
         for spray in self.plan.sprays(self.role):
@@ -401,11 +420,15 @@ class LadderRun:
             end += RELAY_DURATION
         self._handles.append(loop.call_at(end + extra_delay, self._timeout))
 
-    def _send(self, step: str, dest: Address, index: int) -> None:
+    def _send(self, step: str, dest: Address, index: int, ttl: int = 0) -> None:
         if self.result.done():
             return
+        transport = self._transport(index, dest)
         with contextlib.suppress(OSError):
-            self._transport(index, dest).send(self._probe(step), dest)
+            if ttl and isinstance(transport, _UdpTransport) and transport.sock:
+                _send_with_ttl(transport.sock, self._probe(step), dest, ttl)
+            else:
+                transport.send(self._probe(step), dest)
 
     def _probe(self, step: str) -> bytes:
         self._seq = (self._seq + 1) & 0xFFFF

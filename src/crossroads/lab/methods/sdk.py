@@ -163,17 +163,17 @@ def expected_via(x: NatKind, y: NatKind) -> str:
     The joiner is the initiator. ``direct`` (the joiner alone sends) runs only
     to a host without NAT: to a NATed host it would knock on the host's router
     before the host sent, and ``port-restricted-remap`` then remaps the host's
-    port (issue 15). A host with a port mapping from its router's miniupnpd (not
-    behind a carrier-grade NAT, where the mapping is useless and the server drops
-    it) is reached by ``mapping``. Everything else that can be opened is opened
-    by the punch step (an endpoint-independent filter at its first slot,
-    prediction and birthday included); the rest relays.
+    port (issue 15). When either side holds a port mapping from its router's
+    miniupnpd (not behind a carrier-grade NAT, where the mapping is useless and
+    the server drops it), ``mapping`` comes next and wins. Everything else that
+    can be opened is opened by the punch step (an endpoint-independent filter at
+    its first slot, prediction and birthday included); the rest relays.
     """
     if needs_relay(x, y):
         return "relay"
     if x.mapping is Mapping.NONE:
         return "direct"
-    if x.upnp and not x.double:
+    if any(k.upnp and not k.double for k in (x, y)):
         return "mapping"
     return "punch"
 

@@ -42,7 +42,10 @@ Steps, in order (names as the NAT lab reports them):
              A *random* mapping against an endpoint-independent one adds the
              birthday technique (reference §3.4): the hard side opens 256 sockets
              that each send to the easy side; the easy side probes random ports
-             of the hard side's IP. With 256 holes among 65 535 ports, k probes
+             of the hard side's IP (the hard side's sends leave with a TTL of
+             2: they open its own NAT and die before the easy side's router,
+             which must see the easy side's probe first). With 256 holes among
+             65 535 ports, k probes
              succeed with P = 1 - (1 - 256/65535)^k: 98 % at 1024, 99.97 % at
              2048. We probe 2048 at 500/s (about 4 s; Tailscale's figure is 100/s).
 
@@ -102,6 +105,14 @@ BIRTHDAY_RATE = 500.0
 #: Hard-side sockets re-send every second so their mappings stay alive and each
 #: new probe from the easy side finds the hole open.
 BIRTHDAY_RESEND = 1.0
+#: IP TTL of the hard side's hole-opening sends: enough to leave its own NAT (one
+#: router), too little to reach the easy side's router, as RakNet's
+#: NatPunchthroughClient sends a TTL-2 datagram before punching
+#: (shared/reference/raknet-wire.md §3). The easy side's probes are what must
+#: arrive; a hard-side datagram that reached the easy router first would be a
+#: knock, and a router that accepts unsolicited input would remap the easy
+#: side's port for exactly that hard port -- the one a hit needs (issue 15).
+BIRTHDAY_TTL = 2
 #: Ports a random NAT allocates from (Linux' default NAT range is 1024-65535).
 BIRTHDAY_LOW_PORT = 1024
 NAT_PORT_SPAN = 65536 - BIRTHDAY_LOW_PORT
@@ -131,6 +142,8 @@ class Send:
     step: str
     dest: Address
     socket: int = 0
+    #: IP TTL of this datagram; 0: the socket's default.
+    ttl: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,7 +412,9 @@ def plan(
             for s in range(1, birthday_sockets + 1):
                 # Spread each round over 100 ms so 256 sends are not one burst.
                 at = t + r * BIRTHDAY_RESEND + (s / birthday_sockets) * 0.1
-                sends[hard].append(Send(at, "punch", easy_endpoint, s))
+                sends[hard].append(
+                    Send(at, "punch", easy_endpoint, s, ttl=BIRTHDAY_TTL)
+                )
         if own_role == easy:
             hard_ip = nat[hard].ip or ""
             chosen = _random_ports(min(birthday_probes, NAT_PORT_SPAN), randbelow)
