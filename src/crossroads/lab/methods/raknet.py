@@ -202,10 +202,40 @@ def connect_at_time(payload: bytes) -> tuple[int, Address]:
     return reader.read_u16(), reader.read_address()
 
 
+async def request_punch(a: LabClient, b: LabClient) -> bytes:
+    """a asks for b and gets the server's NAT_GET_MOST_RECENT_PORT. When b is
+    farther from the server than a (delay lines), b's NEW_INCOMING_CONNECTION
+    can still be on its way: the server answers NAT_TARGET_NOT_CONNECTED, and a
+    asks again, as a game polling its lobby would."""
+    request = bytes([MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b.guid.to_bytes(8, "big")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STEP_S
+    while True:
+        a.send(request)
+        answer = await asyncio.wait_for(
+            _first_of(
+                a,
+                MessageId.NAT_GET_MOST_RECENT_PORT,
+                MessageId.NAT_TARGET_NOT_CONNECTED,
+            ),
+            max(0.0, deadline - loop.time()),
+        )
+        if answer[0] == MessageId.NAT_GET_MOST_RECENT_PORT:
+            return answer
+        await asyncio.sleep(PUNCH_INTERVAL_S)
+
+
+async def _first_of(client: LabClient, *kinds: int) -> bytes:
+    while True:
+        for i, payload in enumerate(client.inbox):
+            if payload[0] in kinds:
+                return client.inbox.pop(i)
+        await client.pump(0.05)
+
+
 async def punchthrough(a: LabClient, b: LabClient) -> bool:
-    a.send(bytes([MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b.guid.to_bytes(8, "big"))
     asks = await asyncio.gather(
-        a.expect(MessageId.NAT_GET_MOST_RECENT_PORT),
+        request_punch(a, b),
         b.expect(MessageId.NAT_GET_MOST_RECENT_PORT),
     )
     for client, ask in zip((a, b), asks, strict=True):
