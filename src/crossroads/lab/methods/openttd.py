@@ -49,12 +49,15 @@ REGISTER_S = 40.0
 #: The coordinator's own join limit is 20 s (``openttd.connect_timeout``), plus
 #: the map download and the client's start-up.
 JOIN_S = 45.0
-#: The default matrix's pairs (one per path, plus the TCP-only firewall).
+#: The default matrix's pairs (one per path, the TCP-only firewall, the remap
+#: routers).
 CI_PAIRS = (
     ("open", "open"),
     ("full-cone", "port-restricted-cone"),
     ("symmetric-random", "symmetric-random"),
     ("open", "udp-blocked"),
+    # TCP simultaneous open behind routers that answer a knocking SYN (issue 15)
+    ("port-restricted-remap", "port-restricted-remap"),
 )
 
 _INVITE = re.compile(
