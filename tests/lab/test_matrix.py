@@ -75,7 +75,7 @@ def test_full_matrix(lab: Lab, tmp_path: Path) -> None:
         if first is not None and first(x, y) not in (None, row["first_attempt"]):
             wrong.append(row)
         via = methods[row["method"]].expected_via
-        if row["connected"] and via is not None and via(x, y) != row["via"]:
+        if row["connected"] and via is not None and via(x, y) not in (None, row["via"]):
             wrong.append(row)
     assert not wrong, "\n".join(map(str, wrong)) + "\n" + proc.stdout[-3000:]
     # The ladder (with its TURN relay step) connects every pair; TURN over TCP
