@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 from crossroads.lab.natneg_sdk import (
+    GAME_DATA,
     NatDetection,
     SdkNegotiator,
     detect_nat,
@@ -52,8 +53,6 @@ from crossroads.lab.natneg_sdk import (
 from crossroads.proto.natneg.packets import MappingScheme, NatType, NegotiateResult
 from crossroads.types import Address
 
-#: What the SDK test program sends after success.
-GAME_DATA = b"woohoo!!"
 #: Game data after success: one datagram every 100 ms for at most 2 s, and three
 #: more after the partner's arrived (it may have started later).
 DATA_INTERVAL_S = 0.1

@@ -38,7 +38,7 @@ from typing import Any
 
 from crossroads.lab.kinds import Filtering, Mapping, NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
-from crossroads.lab.natneg_sdk import SdkNegotiator, read_game_data
+from crossroads.lab.natneg_sdk import GAME_DATA, SdkNegotiator, read_game_data
 from crossroads.lab.topology import SERVER_IPS, Lab, Site
 from crossroads.proto.natneg.packets import NegotiateResult
 from crossroads.types import Address
@@ -72,7 +72,6 @@ def servers_at(port: int) -> list[Address]:
 #: (7 x 700 ms, ref §6) before the client gives up itself; the INIT phase gives up
 #: after ~6 s (12 x 500 ms).
 NEGOTIATION_S = 9.0
-GAME_DATA = b"woohoo!!"  # what the SDK test program sends after success
 
 
 async def negotiate(
