@@ -181,20 +181,25 @@ async def punch_side(client: LabClient, peer: Address, session: int) -> Address 
 async def game_data_crosses(
     a: LabClient, to_b: Address, b: LabClient, to_a: Address
 ) -> bool:
-    async def receive(client: LabClient) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2.0
-        while loop.time() < deadline:
-            if any(data == GAME_DATA for data, _ in client.others):
-                return True
-            await client.pump(0.05)
-        return False
-
-    for _ in range(3):
+    """Each side sends game data every 100 ms (as a game keeps sending) until
+    both have received the other's, for 2 s at most. A single burst is not
+    enough through the UDP proxy: the forwarder learns a symmetric NAT's
+    source port from that side's first datagram, and with delay lines the
+    other side's burst can arrive before it and be dropped."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    got = {a: False, b: False}
+    while loop.time() < deadline and not all(got.values()):
         send(a.sock, GAME_DATA, to_b)
         send(b.sock, GAME_DATA, to_a)
-    got = await asyncio.gather(receive(a), receive(b))
-    return all(got)
+        end = loop.time() + 0.1
+        while loop.time() < end and not all(got.values()):
+            await asyncio.gather(a.pump(0.02), b.pump(0.02))
+            for client in (a, b):
+                got[client] = got[client] or any(
+                    data == GAME_DATA for data, _ in client.others
+                )
+    return all(got.values())
 
 
 def connect_at_time(payload: bytes) -> tuple[int, Address]:
