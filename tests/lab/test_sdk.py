@@ -110,6 +110,29 @@ def test_remapping_routers_punch_on_the_first_ladder(
     assert result.via == "punch", result  # type: ignore[attr-defined]
 
 
+def test_host_far_from_the_server_still_punches(lab: Lab) -> None:
+    """A random-mapping host 150 ms (one way) from the server: its rendezvous
+    probes are answered after 300 ms, later than the 200 ms between tries. An
+    answer to an earlier try still counts, so it goes on to probe the other two
+    rendezvous ports, the server classifies its mapping as random, and the
+    birthday technique punches. It used to take the primary port for silent
+    ("UDP blocked"), skip the others, leave its mapping unknown and relay."""
+    method = load_methods()["sdk"]
+
+    async def main() -> object:
+        attempt = Attempt(
+            lab,
+            lab.site("symmetric-random-a"),
+            lab.site("port-restricted-cone-b"),
+            {"cleanups": []},
+        )
+        return await run_attempt(method, attempt, Delays(0.15, 0.02, 0.04), slot=5)
+
+    result = asyncio.run(main())
+    assert result.connected, result  # type: ignore[attr-defined]
+    assert result.via == "punch", result  # type: ignore[attr-defined]
+
+
 def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:
     sites = [
         "port-restricted-cone-a",

@@ -29,7 +29,8 @@ from crossroads.types import Address, normalize_address
 log = logging.getLogger("crossroads.client.p2p")
 
 #: Rendezvous probes: 3 tries per port, 200 ms apart (a lost datagram costs 200 ms,
-#: three lost ones mean UDP does not get through).
+#: three lost ones mean UDP does not get through). An answer to any earlier try
+#: of the port counts, so a server up to 600 ms away (round trip) is measured.
 RENDEZVOUS_TRIES = 3
 RENDEZVOUS_INTERVAL = 0.2
 #: A link sends a keepalive when it sent nothing for this long, which also keeps
@@ -260,18 +261,27 @@ class PeerSocket:
         # its mappings in port order and the stride is measurable.
         for index, server in enumerate(servers):
             found = None
+            keys: list[tuple[int, int]] = []
+            waiting: list[asyncio.Future[rv.Observed]] = []
             for seq in range(RENDEZVOUS_TRIES):
                 key = (index, attempt * 16 + seq)
                 future: asyncio.Future[rv.Observed] = loop.create_future()
                 self._observed[key] = future
+                keys.append(key)
+                waiting.append(future)
                 self.main.send(
                     rv.Probe(token, attempt, key[1] & 0xFFFF).encode(), server
                 )
-                try:
-                    found = await asyncio.wait_for(future, RENDEZVOUS_INTERVAL)
+                # Any try's answer will do: with a round trip above 200 ms the
+                # first try's answer arrives while the second is out.
+                done, _ = await asyncio.wait(waiting, timeout=RENDEZVOUS_INTERVAL)
+                if done:
+                    found = next(iter(done)).result()
                     break
-                except TimeoutError:
-                    self._observed.pop(key, None)
+            for key in keys:
+                stale = self._observed.pop(key, None)
+                if stale is not None:
+                    stale.cancel()
             results.append(found)
             if found is None and index == 0:
                 # Nothing came back from the primary port: UDP to the server is
