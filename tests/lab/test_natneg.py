@@ -80,6 +80,22 @@ async def test_failed_negotiation_is_relayed_on_retry(lab: Lab) -> None:
     assert outcome.connected and outcome.via == "relay"
 
 
+async def test_players_in_two_processes_connect_on_the_first_attempt(
+    lab: Lab,
+) -> None:
+    """The matrix's natneg attempt: each player a process in its own host's
+    namespace (game socket lent by the host, NAT detection alongside), the lobby
+    starting both; a port-restricted cone and a full cone punch at once and
+    their game data crosses."""
+    await reset(lab, "port-restricted-cone-a", "full-cone-b")
+    a, b = lab.site("port-restricted-cone-a"), lab.site("full-cone-b")
+    outcome = await run(Attempt(lab, a, b))
+    assert outcome.connected and outcome.first_attempt, outcome
+    assert outcome.via == "punch"
+    # Each REPORT carried what that player's own detection had found by then.
+    assert outcome.detail.startswith("detected A "), outcome
+
+
 async def test_cookie_666_back_to_back_through_the_relay(lab: Lab) -> None:
     """Issue 15's two cookie-reuse bugs, as the SDK test program meets them: cookie
     666 every time, the host's game socket lent each time, the second negotiation

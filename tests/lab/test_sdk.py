@@ -16,7 +16,7 @@ import pytest
 from crossroads.client.p2p import HostChanged, P2PClient
 from crossroads.lab import netns, udp
 from crossroads.lab.kinds import KINDS, KINDS_BY_NAME
-from crossroads.lab.matrix import Attempt, load_methods, run_attempt
+from crossroads.lab.matrix import Attempt, Delays, load_methods, run_attempt
 from crossroads.lab.methods.sdk import _client, needs_relay
 from crossroads.lab.topology import SERVER_IPS, Lab
 
@@ -29,8 +29,8 @@ CASES = [
     ("symmetric-sequential", "symmetric-sequential", {"punch"}),  # prediction, both
     ("port-restricted-cone", "symmetric-sequential", {"punch"}),  # prediction
     ("port-restricted-cone", "port-restricted-cone", {"punch"}),
-    ("full-cone", "symmetric-random", {"direct"}),
-    ("restricted-cone", "port-restricted-cone", {"direct", "mapping"}),  # miniupnpd
+    ("full-cone", "symmetric-random", {"punch"}),  # first punch slot
+    ("restricted-cone", "port-restricted-cone", {"mapping"}),  # miniupnpd
     ("symmetric-random", "symmetric-random", {"relay"}),
     ("open", "udp-blocked", {"relay"}),
     ("symmetric-sequential", "symmetric-random", {"punch"}),  # prediction spray
@@ -80,6 +80,57 @@ def test_sdk_step_per_technique(lab: Lab, a: str, b: str, steps: set[str]) -> No
         # TURN (UDP relayed, over TCP for a UDP-blocked site) wins over the
         # WebSocket relay
         assert "over TURN" in result.detail, result  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("a", "server_a"),
+    [("port-restricted-remap", 0.1), ("symmetric-random", 0.03)],
+    ids=["remap", "birthday"],
+)
+def test_remapping_routers_punch_on_the_first_ladder(
+    lab: Lab, a: str, server_a: float
+) -> None:
+    """Issue 15 for the SDK: the joiner behind a router that remaps on a knock,
+    the server ``server_a`` from the host and 20 ms from the joiner, the two
+    40 ms apart. No probe reaches a router before its own host has sent towards the
+    other, so the first ladder punches; both used to relay. With a remapping
+    host: no one-sided direct step to a NATed host, both punch from the server's
+    common start time. With a random-mapping host (the birthday technique): its
+    256 hole-opening sends leave with TTL 2 and never knock on the joiner's
+    router, which would otherwise remap the joiner's port for exactly the hit."""
+    method = load_methods()["sdk"]
+    b = "port-restricted-remap"
+
+    async def main() -> object:
+        attempt = Attempt(lab, lab.site(f"{a}-a"), lab.site(f"{b}-b"), {"cleanups": []})
+        return await run_attempt(method, attempt, Delays(server_a, 0.02, 0.04), slot=5)
+
+    result = asyncio.run(main())
+    assert result.connected, result  # type: ignore[attr-defined]
+    assert result.via == "punch", result  # type: ignore[attr-defined]
+
+
+def test_host_far_from_the_server_still_punches(lab: Lab) -> None:
+    """A random-mapping host 150 ms (one way) from the server: its rendezvous
+    probes are answered after 300 ms, later than the 200 ms between tries. An
+    answer to an earlier try still counts, so it goes on to probe the other two
+    rendezvous ports, the server classifies its mapping as random, and the
+    birthday technique punches. It used to take the primary port for silent
+    ("UDP blocked"), skip the others, leave its mapping unknown and relay."""
+    method = load_methods()["sdk"]
+
+    async def main() -> object:
+        attempt = Attempt(
+            lab,
+            lab.site("symmetric-random-a"),
+            lab.site("port-restricted-cone-b"),
+            {"cleanups": []},
+        )
+        return await run_attempt(method, attempt, Delays(0.15, 0.02, 0.04), slot=5)
+
+    result = asyncio.run(main())
+    assert result.connected, result  # type: ignore[attr-defined]
+    assert result.via == "punch", result  # type: ignore[attr-defined]
 
 
 def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:

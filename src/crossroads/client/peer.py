@@ -29,7 +29,8 @@ from crossroads.types import Address, normalize_address
 log = logging.getLogger("crossroads.client.p2p")
 
 #: Rendezvous probes: 3 tries per port, 200 ms apart (a lost datagram costs 200 ms,
-#: three lost ones mean UDP does not get through).
+#: three lost ones mean UDP does not get through). An answer to any earlier try
+#: of the port counts, so a server up to 600 ms away (round trip) is measured.
 RENDEZVOUS_TRIES = 3
 RENDEZVOUS_INTERVAL = 0.2
 #: A link sends a keepalive when it sent nothing for this long, which also keeps
@@ -105,6 +106,20 @@ class _UdpTransport(Transport, asyncio.DatagramProtocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _send_with_ttl(sock: socket.socket, data: bytes, dest: Address, ttl: int) -> None:
+    """One IPv4 datagram with IP TTL ``ttl``; the socket's own TTL is restored
+    at once, so answers from it travel normally."""
+    if sock.family != socket.AF_INET:
+        sock.sendto(data, dest)
+        return
+    default = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+    try:
+        sock.sendto(data, dest)
+    finally:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, default)
 
 
 def _constant(protocol: _UdpTransport) -> Callable[[], _UdpTransport]:
@@ -246,18 +261,27 @@ class PeerSocket:
         # its mappings in port order and the stride is measurable.
         for index, server in enumerate(servers):
             found = None
+            keys: list[tuple[int, int]] = []
+            waiting: list[asyncio.Future[rv.Observed]] = []
             for seq in range(RENDEZVOUS_TRIES):
                 key = (index, attempt * 16 + seq)
                 future: asyncio.Future[rv.Observed] = loop.create_future()
                 self._observed[key] = future
+                keys.append(key)
+                waiting.append(future)
                 self.main.send(
                     rv.Probe(token, attempt, key[1] & 0xFFFF).encode(), server
                 )
-                try:
-                    found = await asyncio.wait_for(future, RENDEZVOUS_INTERVAL)
+                # Any try's answer will do: with a round trip above 200 ms the
+                # first try's answer arrives while the second is out.
+                done, _ = await asyncio.wait(waiting, timeout=RENDEZVOUS_INTERVAL)
+                if done:
+                    found = next(iter(done)).result()
                     break
-                except TimeoutError:
-                    self._observed.pop(key, None)
+            for key in keys:
+                stale = self._observed.pop(key, None)
+                if stale is not None:
+                    stale.cancel()
             results.append(found)
             if found is None and index == 0:
                 # Nothing came back from the primary port: UDP to the server is
@@ -381,7 +405,12 @@ class LadderRun:
         self._start = time.monotonic() + max(0.0, t_go - loop.time())
         for send in self.plan.sends(self.role):
             handle = loop.call_at(
-                t_go + send.at, self._send, send.step, send.dest, send.socket
+                t_go + send.at,
+                self._send,
+                send.step,
+                send.dest,
+                send.socket,
+                send.ttl,
             )
             self._handles.append(handle)
         for spray in self.plan.sprays(self.role):
@@ -401,11 +430,15 @@ class LadderRun:
             end += RELAY_DURATION
         self._handles.append(loop.call_at(end + extra_delay, self._timeout))
 
-    def _send(self, step: str, dest: Address, index: int) -> None:
+    def _send(self, step: str, dest: Address, index: int, ttl: int = 0) -> None:
         if self.result.done():
             return
+        transport = self._transport(index, dest)
         with contextlib.suppress(OSError):
-            self._transport(index, dest).send(self._probe(step), dest)
+            if ttl and isinstance(transport, _UdpTransport) and transport.sock:
+                _send_with_ttl(transport.sock, self._probe(step), dest, ttl)
+            else:
+                transport.send(self._probe(step), dest)
 
     def _probe(self, step: str) -> bytes:
         self._seq = (self._seq + 1) & 0xFFFF

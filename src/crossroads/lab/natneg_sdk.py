@@ -124,6 +124,9 @@ class Outcome:
 
 SocketFactory = Callable[[], socket.socket]
 
+#: What the SDK test program sends on the handed-back socket after success.
+GAME_DATA = b"woohoo!!"
+
 
 def _udp(bind: Address | None = None) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)

@@ -45,15 +45,20 @@ def attempt(
 
 
 def stun_both(
-    a: ConnectAttempt, client_family: int = 10, server_family: int = 10
+    a: ConnectAttempt,
+    client_family: int = 10,
+    server_family: int = 10,
+    client_at: float = 1.0,
+    server_at: float = 1.0,
 ) -> list[Command]:
-    """Both sides report IPv4 ok (family 2) and IPv6 with their own byte."""
+    """Both sides report IPv4 ok (family 2), at ``client_at`` / ``server_at``,
+    and IPv6 with their own byte."""
     out: list[Command] = []
-    out += a.stun_observed(Side.CLIENT, 2, "198.51.100.7", 40000, 1.0)
-    out += a.stun_result(Side.CLIENT, client_family, False, 1.0)
-    out += a.stun_result(Side.CLIENT, 2, True, 1.0)
-    out += a.stun_result(Side.SERVER, server_family, False, 1.0)
-    out += a.stun_result(Side.SERVER, 2, True, 1.0)
+    out += a.stun_observed(Side.CLIENT, 2, "198.51.100.7", 40000, client_at)
+    out += a.stun_result(Side.CLIENT, client_family, False, client_at)
+    out += a.stun_result(Side.CLIENT, 2, True, client_at)
+    out += a.stun_result(Side.SERVER, server_family, False, server_at)
+    out += a.stun_result(Side.SERVER, 2, True, server_at)
     assert out == []  # the server's IPv4 observation is still missing
     return a.stun_observed(Side.SERVER, 2, "203.0.113.5", 50000, 1.1)
 
@@ -107,7 +112,11 @@ def test_stun_connect_to_the_nearer_side_is_held_so_both_syns_cross() -> None:
     a, _ = attempt(direct=[])
     a.round_trip(Side.CLIENT, 0.180)
     a.round_trip(Side.SERVER, 0.020)
-    client, server = stun_both(a, client_family=10, server_family=23)
+    # STUN answered after two round trips each (GC_STUN_REQUEST at 0): no
+    # reaction time on either side.
+    client, server = stun_both(
+        a, client_family=10, server_family=23, client_at=0.360, server_at=0.040
+    )
     assert client == SendToClient(GcStunConnect(C, 1, 2, "203.0.113.5", 50000), 0.0)
     assert isinstance(server, SendToServer) and abs(server.delay - 0.080) < 1e-9
     # Arrival: client at 0 + 0.090, server at 0.080 + 0.010.
@@ -126,6 +135,32 @@ def test_stun_connect_to_the_nearer_side_is_held_so_both_syns_cross() -> None:
     a, _ = attempt(direct=[])
     a.round_trip(Side.CLIENT, 0.2)
     assert [c.delay for c in stun_both(a)] == [0.0, 0.0]  # type: ignore[union-attr]
+
+
+def test_stun_connect_allows_for_a_slow_reacting_side() -> None:
+    """Equal round trips, but the server (a dedicated server reading its socket
+    on 30 ms game ticks) answered GC_STUN_REQUEST 60 ms later than two round
+    trips, the client at once: the server reacts ~30 ms late each time, so the
+    client's GC_STUN_CONNECT is held 30 ms and both SYNs still leave together.
+    On round trips alone both would go at once and the client's SYN would lead
+    by the server's reaction time (what the NAT lab showed: 27-29 ms)."""
+    a, _ = attempt(direct=[])
+    a.round_trip(Side.CLIENT, 0.040)
+    a.round_trip(Side.SERVER, 0.040)
+    client, server = stun_both(a, client_at=0.080, server_at=0.140)
+    assert isinstance(client, SendToClient) and abs(client.delay - 0.030) < 1e-9
+    assert isinstance(server, SendToServer) and server.delay == 0.0
+    # SYNs: client at 0.030 + 0.020, server at 0 + 0.020 + 0.030 (reaction).
+    assert abs((client.delay + 0.020) - (server.delay + 0.020 + 0.030)) < 1e-9
+    # An answer faster than two round trips cannot lower a side below its
+    # round trip: a client cannot buy its partner a hold by answering early.
+    a, _ = attempt(direct=[])
+    a.round_trip(Side.CLIENT, 0.040)
+    a.round_trip(Side.SERVER, 0.040)
+    assert [c.delay for c in stun_both(a, client_at=0.0, server_at=0.080)] == [
+        0.0,
+        0.0,
+    ]  # type: ignore[union-attr]
 
 
 def test_stun_pairs_every_shared_family_ipv4_first() -> None:

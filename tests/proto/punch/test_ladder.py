@@ -51,14 +51,44 @@ CONE_B = info(
 
 def test_cone_pair_steps_and_targets() -> None:
     p = plan(CONE_A, CONE_B)
-    assert [s.name for s in p.steps] == ["direct", "punch"]
-    assert dests(p.initiator, "direct") == [("203.0.113.1", 5000)]
-    assert dests(p.responder, "direct") == []  # direct is one-sided
+    # B is behind a NAT (its host candidate is private): no one-sided direct
+    # step, whose probes would knock on B's router before B sent (issue 15).
+    assert [s.name for s in p.steps] == ["punch"]
+    assert p.steps[0].start == 0.0
     assert dests(p.initiator, "punch") == [("203.0.113.1", 5000)]
     assert dests(p.responder, "punch") == [("198.51.100.1", 4000)]
     # RakNet: 8 sends per port, 50 ms apart, three port offsets
     assert sum(s.step == "punch" for s in p.initiator) == 8 * 3
     assert p.sockets("initiator") == p.sockets("responder") == 0
+
+
+def test_direct_step_only_to_a_responder_without_nat() -> None:
+    open_b = info(
+        "203.0.113.1",
+        (5000, 5000, 5000),
+        "independent",
+        local=(Endpoint("203.0.113.1", 5000),),
+    )
+    p = plan(CONE_A, open_b)
+    assert [s.name for s in p.steps] == ["direct", "punch"]
+    assert dests(p.initiator, "direct") == [("203.0.113.1", 5000)]
+    assert dests(p.responder, "direct") == []  # direct is one-sided
+    # Without host candidates nothing is known: direct is tried.
+    unknown_b = info("203.0.113.1", (5000, 5000, 5000), "independent")
+    assert [s.name for s in plan(CONE_A, unknown_b).steps] == ["direct", "punch"]
+
+
+def test_no_probe_reaches_a_nated_responder_before_it_sends() -> None:
+    """The knock of issue 15: every probe the initiator sends to the responder's
+    public address leaves no earlier than the responder's first send towards the
+    initiator, so a router that accepts unsolicited input never sees one first."""
+    for a, b in ((CONE_A, CONE_B), (CONE_B, CONE_A)):
+        p = plan(a, b)
+        assert b.public is not None and a.public is not None
+        to_responder = [s.at for s in p.initiator if s.dest[0] == b.public.host]
+        to_initiator = [s.at for s in p.responder if s.dest[0] == a.public.host]
+        assert to_responder and to_initiator
+        assert min(to_responder) >= min(to_initiator)
 
 
 def test_lan_only_behind_the_same_public_address() -> None:
@@ -82,13 +112,13 @@ def test_mapping_step_uses_port_mappings() -> None:
         mapped=Endpoint("203.0.113.1", 6000),
     )
     p = plan(CONE_A, mapped_b)
-    assert [s.name for s in p.steps][:2] == ["direct", "mapping"]
+    assert [s.name for s in p.steps][:2] == ["direct", "mapping"]  # no candidates
     assert dests(p.initiator, "mapping") == [("203.0.113.1", 6000)]
     assert dests(p.responder, "mapping") == []
 
 
 def test_sequential_against_cone_is_predicted() -> None:
-    # The server saw 7000, 7001, 7002; the initiator's direct send to B is its
+    # The server saw 7000, 7001, 7002; the initiator's first send to B (punch) is its
     # next new destination and gets 7003; B aims at 7003, 7004, 7005.
     seq = info("198.51.100.1", (7000, 7001, 7002), "sequential", 1)
     p = plan(seq, CONE_B)
@@ -144,6 +174,10 @@ def test_birthday_for_random_against_cone() -> None:
     hard_sends = [s for s in p.responder if s.socket > 0]
     assert {s.socket for s in hard_sends} == set(range(1, 257))
     assert {s.dest for s in hard_sends} == {("198.51.100.1", 4000)}
+    # the hard side only opens its own NAT: TTL 2 (RakNet's), so its datagrams
+    # never knock on the easy side's router before the easy side's probe
+    assert {s.ttl for s in hard_sends} == {2}
+    assert all(s.ttl == 0 for s in p.initiator)
     # the birthday probes are paced, not sent at once
     probes = [s.at for s in p.initiator if s.step == "punch"]
     assert max(probes) - min(probes) >= 1024 / ladder.BIRTHDAY_RATE
@@ -248,7 +282,7 @@ def test_ipv6_host_candidates_are_tried_across_different_nats() -> None:
     # only the IPv6 addresses: the private IPv4 ones are behind other NATs
     assert dests(p.initiator, "lan") == [v6_b.address()]
     assert dests(p.responder, "lan") == [v6_a.address()]
-    assert [s.name for s in p.steps[1:3]] == ["direct", "punch"]
+    assert [s.name for s in p.steps[1:3]] == ["punch"]  # both behind NATs
 
 
 def test_no_ipv6_step_unless_both_sides_have_ipv6() -> None:

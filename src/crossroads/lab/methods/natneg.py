@@ -7,12 +7,17 @@ layout: symmetric NATs show in the NN1/NN3 mappings, the NATify "unsolicited IP"
 probe comes from natneg3). Connected when both clients succeed and a game datagram
 then crosses both ways on the sockets they got back.
 
-The host lends its game socket (as a QR2 host does: GP INIT, pings and game data
-from it, ref §3.7). As a game does, a failed negotiation is retried once, with the
-same cookie and the same game socket (the SDK test program always uses cookie 666;
-games reuse theirs): the failed REPORT makes the server relay the retry, and the
-server must tell the new negotiation from the old one (docs/natneg.md, "Cookie
-reuse").
+Each player is its own process in its host's namespace
+(:mod:`crossroads.lab.natneg_game`), as two games on two machines: it runs the
+SDK's NAT detection alongside the negotiation (its REPORT carries what the
+detection found by then), and the host lends its game socket (as a QR2 host does:
+GP INIT, pings and game data from it, ref §3.7). This coroutine is the lobby: it
+starts both together and, as a game does, has both retry a failed negotiation
+once, with the same cookie and the same game socket (the SDK test program always
+uses cookie 666; games reuse theirs): the failed REPORT makes the server relay
+the retry, and the server must tell the new negotiation from the old one
+(docs/natneg.md, "Cookie reuse"). :func:`negotiate` runs both sides in this
+process instead, for tests that look at the negotiators themselves.
 So two symmetric NATs connect through the relay at once, a symmetric NAT against an
 address-and-port-dependent filter on the second try, everything else directly. A
 negotiation whose INITs never reached the server (UDP blocked) is not retried: the
@@ -22,13 +27,18 @@ clients sent no REPORT, so the retry would fail the same way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import signal
 import socket
+import sys
 import time
+from typing import Any
 
 from crossroads.lab.kinds import Filtering, Mapping, NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
-from crossroads.lab.natneg_sdk import SdkNegotiator, read_game_data
+from crossroads.lab.natneg_sdk import GAME_DATA, SdkNegotiator, read_game_data
 from crossroads.lab.topology import SERVER_IPS, Lab, Site
 from crossroads.proto.natneg.packets import NegotiateResult
 from crossroads.types import Address
@@ -62,7 +72,6 @@ def servers_at(port: int) -> list[Address]:
 #: (7 x 700 ms, ref §6) before the client gives up itself; the INIT phase gives up
 #: after ~6 s (12 x 500 ms).
 NEGOTIATION_S = 9.0
-GAME_DATA = b"woohoo!!"  # what the SDK test program sends after success
 
 
 async def negotiate(
@@ -147,26 +156,99 @@ def succeeded(host: SdkNegotiator, guest: SdkNegotiator) -> bool:
     )
 
 
-async def run(attempt: Attempt) -> Outcome:
-    game_sock = attempt.lab.udp_socket(attempt.a)
-    try:
-        return await _run(attempt, game_sock)
-    finally:
-        game_sock.close()
+class _Game:
+    """One player's process (:mod:`crossroads.lab.natneg_game`) in its host's
+    namespace, and the lobby's side of its stdin/stdout lines."""
 
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
 
-async def _run(attempt: Attempt, game_sock: socket.socket) -> Outcome:
-    started = time.monotonic()
-    details: list[str] = []
-    cookie = int.from_bytes(os.urandom(4), "big")  # one per game: kept for the retry
-    for tries in range(2):
-        host, guest = await negotiate(
-            attempt.lab, attempt.a, attempt.b, cookie, game_sock=game_sock
+    @classmethod
+    async def start(
+        cls, lab: Lab, site: Site, role: str, cookie: int, servers: list[Address]
+    ) -> _Game:
+        argv = ["ip", "netns", "exec", lab.host_ns(site), sys.executable]
+        argv += ["-m", "crossroads.lab.natneg_game", "--role", role]
+        argv += ["--cookie", str(cookie), "--local-ip", site.host_ip]
+        argv += ["--servers", ",".join(f"{h}:{p}" for h, p in servers)]
+        argv += ["--deadline", str(NEGOTIATION_S)]
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            start_new_session=True,
         )
+        return cls(process)
+
+    async def read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = await self.process.stdout.readline()
+        if not line:
+            raise EOFError(f"player exited ({self.process.returncode})")
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def tell(self, command: str) -> None:
+        assert self.process.stdin is not None
+        if not self.process.stdin.is_closing():
+            self.process.stdin.write(command.encode() + b"\n")
+
+    async def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError, OSError):
+            self.tell("quit")
         try:
-            if succeeded(host, guest) and await game_data_crosses(host, guest):
-                assert host.outcome is not None and host.outcome.remote is not None
-                via = "relay" if host.outcome.remote[0] in SERVER_IPS else "punch"
+            await asyncio.wait_for(self.process.wait(), 3.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            await self.process.wait()
+
+
+async def _round(host: _Game, guest: _Game) -> list[dict[str, Any]]:
+    """Both players' results of one negotiation. When one side gives up at the
+    INIT stage (it never reached the server), the lobby cancels the other, which
+    would only wait for its deadbeat CONNECT."""
+    pending = {asyncio.ensure_future(g.read()): g for g in (host, guest)}
+    results: dict[_Game, dict[str, Any]] = {}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                game = pending.pop(task)
+                results[game] = task.result()
+                if results[game]["result"] == NegotiateResult.INIT_TIMEOUT.name:
+                    for other in pending.values():
+                        other.tell("cancel")
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return [results[host], results[guest]]
+
+
+async def run(attempt: Attempt) -> Outcome:
+    """Two game processes; the lobby (this coroutine) starts them together and,
+    after a failure, has both retry once with the same cookie."""
+    cookie = int.from_bytes(os.urandom(4), "big")  # one per game: kept for the retry
+    games: list[_Game] = []
+    try:
+        for site, role in ((attempt.a, "host"), (attempt.b, "guest")):
+            games.append(await _Game.start(attempt.lab, site, role, cookie, SERVERS))
+        host, guest = games
+        for game in games:
+            if (await game.read())["event"] != "ready":
+                return Outcome(False, detail="a player did not start")
+        started = time.monotonic()
+        details: list[str] = []
+        command = "go"
+        for tries in range(2):
+            for game in games:
+                game.tell(command)
+            results = await _round(host, guest)
+            if all(r["result"] == "SUCCESS" and r["data"] for r in results):
+                remote = results[0]["remote"]
+                via = "relay" if remote and remote[0] in SERVER_IPS else "punch"
+                details.append(_detections(results))
                 return Outcome(
                     True,
                     via,
@@ -174,18 +256,18 @@ async def _run(attempt: Attempt, game_sock: socket.socket) -> Outcome:
                     "; ".join(details),
                     first_attempt=tries == 0,
                 )
-            results = [
-                n.outcome.result.name if n.outcome else n.state.name
-                for n in (host, guest)
-            ]
-            details.append("/".join(results).lower())
-            if init_failed(host, guest):
+            details.append("/".join(r["result"].lower() for r in results))
+            if any(r["result"] == NegotiateResult.INIT_TIMEOUT.name for r in results):
                 break  # no REPORT was sent: a retry would fail the same way
-        finally:
-            # Only this attempt's sockets: other attempts run at the same time.
-            host.release()
-            guest.release()
-    return Outcome(False, detail="; ".join(details))
+            command = "retry"
+        return Outcome(False, detail="; ".join(details))
+    finally:
+        await asyncio.gather(*(g.stop() for g in games))
+
+
+def _detections(results: list[dict[str, Any]]) -> str:
+    """What each side's own NAT detection had found when its REPORT left."""
+    return "detected A {}, B {}".format(*(r["nat_type"].lower() for r in results))
 
 
 def expected(x: NatKind, y: NatKind) -> bool:
@@ -206,20 +288,18 @@ def direct_expected(x: NatKind, y: NatKind) -> bool:
     return x.udp and y.udp
 
 
-def first_expected(x: NatKind, y: NatKind) -> bool | None:
+def first_expected(x: NatKind, y: NatKind) -> bool:
     """The first attempt connects wherever a direct path works, and between two
     endpoint-dependent mappings, which the server relays at once. A symmetric NAT
     against address-and-port-dependent filtering needs the retry: only the failed
     REPORT tells the server to relay.
 
-    Not predicted (None) with a router that remaps on a knock
-    (``accepts_unsolicited``): timed CONNECTs make the first pings cross within
-    the peer-to-peer delay, and between the lab's sites that delay is a few
-    microseconds, less than the clients' own 10 ms polling -- a race no server
-    can settle. With real distances it holds (tests/lab/test_natneg.py and
-    benchmarks/natneg_first_attempt.py use delay lines)."""
-    if x.accepts_unsolicited or y.accepts_unsolicited:
-        return None
+    A router that remaps on a knock (``accepts_unsolicited``) is predicted like
+    its port-restricted cone: timed CONNECTs make the first pings cross within
+    the peer-to-peer delay, and the matrix runs such pairs with delay lines
+    (:data:`crossroads.lab.matrix.REMAP_DELAY`). Without distance (a few
+    microseconds between the lab's sites, less than the clients' own 10 ms
+    polling) it would be a race no server can settle."""
     both_symmetric = all(
         k.mapping is Mapping.ADDRESS_AND_PORT_DEPENDENT for k in (x, y)
     )

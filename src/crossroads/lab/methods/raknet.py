@@ -254,20 +254,25 @@ async def punch_side(client: LabClient, peer: Address, session: int) -> Address 
 async def game_data_crosses(
     a: LabClient, to_b: Address, b: LabClient, to_a: Address
 ) -> bool:
-    async def receive(client: LabClient) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 2.0
-        while loop.time() < deadline:
-            if any(data == GAME_DATA for data, _ in client.others):
-                return True
-            await client.pump(0.05)
-        return False
-
-    for _ in range(3):
+    """Each side sends game data every 100 ms (as a game keeps sending) until
+    both have received the other's, for 2 s at most. A single burst is not
+    enough through the UDP proxy: the forwarder learns a symmetric NAT's
+    source port from that side's first datagram, and with delay lines the
+    other side's burst can arrive before it and be dropped."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    got = {a: False, b: False}
+    while loop.time() < deadline and not all(got.values()):
         send(a.sock, GAME_DATA, to_b)
         send(b.sock, GAME_DATA, to_a)
-    got = await asyncio.gather(receive(a), receive(b))
-    return all(got)
+        end = loop.time() + 0.1
+        while loop.time() < end and not all(got.values()):
+            await asyncio.gather(a.pump(0.02), b.pump(0.02))
+            for client in (a, b):
+                got[client] = got[client] or any(
+                    data == GAME_DATA for data, _ in client.others
+                )
+    return all(got.values())
 
 
 def connect_at_time(payload: bytes) -> tuple[int, Address]:
@@ -275,10 +280,40 @@ def connect_at_time(payload: bytes) -> tuple[int, Address]:
     return reader.read_u16(), reader.read_address()
 
 
+async def request_punch(a: LabClient, b: LabClient) -> bytes:
+    """a asks for b and gets the server's NAT_GET_MOST_RECENT_PORT. When b is
+    farther from the server than a (delay lines), b's NEW_INCOMING_CONNECTION
+    can still be on its way: the server answers NAT_TARGET_NOT_CONNECTED, and a
+    asks again, as a game polling its lobby would."""
+    request = bytes([MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b.guid.to_bytes(8, "big")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STEP_S
+    while True:
+        a.send(request)
+        answer = await asyncio.wait_for(
+            _first_of(
+                a,
+                MessageId.NAT_GET_MOST_RECENT_PORT,
+                MessageId.NAT_TARGET_NOT_CONNECTED,
+            ),
+            max(0.0, deadline - loop.time()),
+        )
+        if answer[0] == MessageId.NAT_GET_MOST_RECENT_PORT:
+            return answer
+        await asyncio.sleep(PUNCH_INTERVAL_S)
+
+
+async def _first_of(client: LabClient, *kinds: int) -> bytes:
+    while True:
+        for i, payload in enumerate(client.inbox):
+            if payload[0] in kinds:
+                return client.inbox.pop(i)
+        await client.pump(0.05)
+
+
 async def punchthrough(a: LabClient, b: LabClient) -> bool:
-    a.send(bytes([MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b.guid.to_bytes(8, "big"))
     asks = await asyncio.gather(
-        a.expect(MessageId.NAT_GET_MOST_RECENT_PORT),
+        request_punch(a, b),
         b.expect(MessageId.NAT_GET_MOST_RECENT_PORT),
     )
     for client, ask in zip((a, b), asks, strict=True):

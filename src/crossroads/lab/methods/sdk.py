@@ -28,7 +28,7 @@ from crossroads.client.portmap import PortMapper
 from crossroads.client.turn import TurnClientError
 from crossroads.client.turnrelay import TurnClientRelay
 from crossroads.lab import netns
-from crossroads.lab.kinds import Allocation, Filtering, Mapping, NatKind
+from crossroads.lab.kinds import Allocation, Mapping, NatKind
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.methods.turn_udp import open_client
 from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab, Site
@@ -160,20 +160,21 @@ def needs_relay(x: NatKind, y: NatKind) -> bool:
 def expected_via(x: NatKind, y: NatKind) -> str:
     """The step that wins for host ``x`` (site a) and joiner ``y`` (site b).
 
-    The joiner is the initiator, so ``direct`` reaches the host when the host has
-    no NAT, an endpoint-independent filter, or a port mapping from its router's
+    The joiner is the initiator. ``direct`` (the joiner alone sends) runs only
+    to a host without NAT: to a NATed host it would knock on the host's router
+    before the host sent, and ``port-restricted-remap`` then remaps the host's
+    port (issue 15). When either side holds a port mapping from its router's
     miniupnpd (not behind a carrier-grade NAT, where the mapping is useless and
-    the server drops it). Everything else that can be opened is opened by the
-    punch step (prediction and birthday included); the rest relays.
+    the server drops it), ``mapping`` comes next and wins. Everything else that
+    can be opened is opened by the punch step (an endpoint-independent filter at
+    its first slot, prediction and birthday included); the rest relays.
     """
     if needs_relay(x, y):
         return "relay"
-    if (
-        x.mapping is Mapping.NONE
-        or x.filtering is Filtering.ENDPOINT_INDEPENDENT
-        or (x.upnp and not x.double)
-    ):
+    if x.mapping is Mapping.NONE:
         return "direct"
+    if any(k.upnp and not k.double for k in (x, y)):
+        return "mapping"
     return "punch"
 
 

@@ -17,8 +17,16 @@ Steps, in order (names as the NAT lab reports them):
              case: IPv6 has no NAT to traverse, only stateful firewalls, which
              simultaneous sends open (ICE's preference for IPv6 host pairs).
 ``direct``   only the initiator sends, to the responder's server-observed public
-             endpoint: succeeds when the responder has no NAT or a NAT that filters
-             nothing (endpoint-independent filtering).
+             endpoint: succeeds when the responder has no NAT. Skipped when the
+             responder is known to be behind a NAT (none of its host candidates
+             carries its public address): a one-sided send then reaches the
+             responder's router before the responder has sent anything towards
+             the initiator, and a router that accepts unsolicited input keeps a
+             conntrack entry for it that makes it *remap* the responder's port
+             when the responder punches later -- the knock that fails first
+             attempts (issue 15, docs/natneg.md "CONNECT timing"). A NAT that
+             filters nothing is opened by the ``punch`` step's first slot at the
+             same moment, with both sides sending.
 ``mapping``  each side sends to the other's port-mapped (UPnP / NAT-PMP / PCP)
              endpoint, if it holds one: an open port needs no punching.
 ``punch``    simultaneous open: both send to the other's public endpoint at the
@@ -34,7 +42,10 @@ Steps, in order (names as the NAT lab reports them):
              A *random* mapping against an endpoint-independent one adds the
              birthday technique (reference §3.4): the hard side opens 256 sockets
              that each send to the easy side; the easy side probes random ports
-             of the hard side's IP. With 256 holes among 65 535 ports, k probes
+             of the hard side's IP (the hard side's sends leave with a TTL of
+             2: they open its own NAT and die before the easy side's router,
+             which must see the easy side's probe first). With 256 holes among
+             65 535 ports, k probes
              succeed with P = 1 - (1 - 256/65535)^k: 98 % at 1024, 99.97 % at
              2048. We probe 2048 at 500/s (about 4 s; Tailscale's figure is 100/s).
 
@@ -94,6 +105,14 @@ BIRTHDAY_RATE = 500.0
 #: Hard-side sockets re-send every second so their mappings stay alive and each
 #: new probe from the easy side finds the hole open.
 BIRTHDAY_RESEND = 1.0
+#: IP TTL of the hard side's hole-opening sends: enough to leave its own NAT (one
+#: router), too little to reach the easy side's router, as RakNet's
+#: NatPunchthroughClient sends a TTL-2 datagram before punching
+#: (shared/reference/raknet-wire.md §3). The easy side's probes are what must
+#: arrive; a hard-side datagram that reached the easy router first would be a
+#: knock, and a router that accepts unsolicited input would remap the easy
+#: side's port for exactly that hard port -- the one a hit needs (issue 15).
+BIRTHDAY_TTL = 2
 #: Ports a random NAT allocates from (Linux' default NAT range is 1024-65535).
 BIRTHDAY_LOW_PORT = 1024
 NAT_PORT_SPAN = 65536 - BIRTHDAY_LOW_PORT
@@ -123,6 +142,8 @@ class Send:
     step: str
     dest: Address
     socket: int = 0
+    #: IP TTL of this datagram; 0: the socket's default.
+    ttl: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +272,17 @@ def _is_ipv6(host: str) -> bool:
     return ":" in host
 
 
+def _behind_nat(peer: PeerInfo) -> bool:
+    """Known to be behind a NAT: it named host candidates, and none of them is
+    the public address the server saw (no candidates: not known)."""
+    local = peer.candidates.local
+    return (
+        peer.public is not None
+        and bool(local)
+        and all(c.host != peer.public.host for c in local)
+    )
+
+
 def plan(
     initiator: PeerInfo,
     responder: PeerInfo,
@@ -313,8 +345,9 @@ def plan(
             result.steps.append(Step("lan", t, t + LAN_DURATION))
             t += LAN_DURATION
 
-    # -- direct: initiator -> responder's public endpoint
-    if responder.public is not None:
+    # -- direct: initiator -> responder's public endpoint, unless that would
+    # knock on the responder's NAT before the responder sent (see above)
+    if responder.public is not None and not _behind_nat(responder):
         burst("initiator", "direct", responder.public.address(), t)
         result.steps.append(Step("direct", t, t + DIRECT_DURATION))
         t += DIRECT_DURATION
@@ -379,7 +412,9 @@ def plan(
             for s in range(1, birthday_sockets + 1):
                 # Spread each round over 100 ms so 256 sends are not one burst.
                 at = t + r * BIRTHDAY_RESEND + (s / birthday_sockets) * 0.1
-                sends[hard].append(Send(at, "punch", easy_endpoint, s))
+                sends[hard].append(
+                    Send(at, "punch", easy_endpoint, s, ttl=BIRTHDAY_TTL)
+                )
         if own_role == easy:
             hard_ip = nat[hard].ip or ""
             chosen = _random_ports(min(birthday_probes, NAT_PORT_SPAN), randbelow)
