@@ -20,7 +20,6 @@ server, for peers at protocol 6).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import logging
@@ -35,6 +34,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
+from crossroads.proto.openttd.bus import (
+    BusMessage,
+    ConnectedReport,
+    ConnectFailedReport,
+    DropSession,
+    ForwardToServer,
+    PeerReport,
+    Report,
+    StunReport,
+    StunSeen,
+)
 from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
@@ -87,7 +97,6 @@ from crossroads.proto.openttd.verify import (
     RegistrationCheck,
     VerifyCommand,
 )
-from crossroads.proto.openttd.wire import TCP_MTU
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
@@ -613,10 +622,7 @@ class Coordinator:
         if conn is not None:
             conn.send(data)
             return
-        await self.bus.send(
-            record.owner,
-            {"t": "send", "code": record.code, "data": base64.b64encode(data).decode()},
-        )
+        await self.bus.send(record.owner, ForwardToServer(record.code, data))
 
     # ------------------------------------------------------ PacketHandler API
 
@@ -653,16 +659,16 @@ class Coordinator:
                     conn,
                     state,
                     message.token,
-                    {"ev": "failed", "n": message.tracking_number},
+                    ConnectFailedReport(message.tracking_number),
                 )
             case ClientConnected():
-                await self.on_report(conn, state, message.token, {"ev": "connected"})
+                await self.on_report(conn, state, message.token, ConnectedReport())
             case StunResult():
                 await self.on_report(
                     conn,
                     state,
                     message.token,
-                    {"ev": "stun", "family": message.family, "ok": message.result},
+                    StunReport(message.family, message.result),
                 )
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:
@@ -834,7 +840,7 @@ class Coordinator:
         if owner == self.instance:
             self.drop_local(code, session)
         else:
-            await self.bus.send(owner, {"t": "drop", "code": code, "session": session})
+            await self.bus.send(owner, DropSession(code, session))
 
     def drop_local(self, code: str, session: str) -> None:
         conn = self.local_servers.get(code)
@@ -1066,48 +1072,40 @@ class Coordinator:
         conn: PacketConnection,
         state: PeerState,
         token: str,
-        event: dict[str, Any],
+        report: Report,
     ) -> None:
         parsed = parse_token(token)
         if parsed is None:
             self.metrics.ignored.labels("unknown-token").inc()
             return
         if parsed.instance == self.instance:
-            self.local_report(parsed, event, conn, state.code)
+            self.local_report(parsed, report, conn, state.code)
             return
         if parsed.side is TokenSide.SERVER and state.code is not None:
-            await self.bus.send(
-                parsed.instance,
-                {"t": "event", "token": token, "code": state.code, **event},
-            )
+            await self.bus.send(parsed.instance, PeerReport(token, state.code, report))
             return
         self.metrics.ignored.labels("foreign-token").inc()
 
     def local_report(
         self,
         parsed: ParsedToken,
-        event: dict[str, Any],
+        report: Report,
         conn: PacketConnection | None,
         server_code: str | None,
     ) -> None:
         """A report on one of our attempts or checks; check who sent it."""
         now = self.loop.time()
         log.debug(
-            "openttd: report %s on %s%s", event, parsed.side.value, parsed.attempt_key
+            "openttd: report %s on %s%s", report, parsed.side.value, parsed.attempt_key
         )
-        kind = event.get("ev")
         key = parsed.attempt_key
         if parsed.side is TokenSide.VERIFY:
             check = self.checks.get(key)
             if check is None or conn is not check.conn:
                 self.metrics.ignored.labels("stale-token").inc()
                 return
-            if kind == "stun":
-                check.feed(
-                    check.check.stun_result(
-                        int(event["family"]), bool(event["ok"]), now
-                    )
-                )
+            if isinstance(report, StunReport):
+                check.feed(check.check.stun_result(report.family, report.ok, now))
             # Other reports on a V token carry nothing we need.
             return
         runner = self.attempts.get(key)
@@ -1125,18 +1123,14 @@ class Coordinator:
                 return
             side = Side.SERVER
         attempt = runner.attempt
-        match kind:
-            case "failed":
-                runner.feed(attempt.connect_failed(side, int(event["n"]), now))
-            case "connected" if side is Side.CLIENT:
+        match report:
+            case ConnectFailedReport(tracking_number):
+                runner.feed(attempt.connect_failed(side, tracking_number, now))
+            case ConnectedReport() if side is Side.CLIENT:
                 runner.feed(attempt.connected(now))
-            case "stun":
+            case StunReport(family, ok):
                 runner.measure_round_trips()
-                runner.feed(
-                    attempt.stun_result(
-                        side, int(event["family"]), bool(event["ok"]), now
-                    )
-                )
+                runner.feed(attempt.stun_result(side, family, ok, now))
             case _:
                 self.metrics.ignored.labels("bad-report").inc()
 
@@ -1163,19 +1157,17 @@ class Coordinator:
         runner.measure_round_trips()
         runner.feed(runner.attempt.stun_observed(side, family, host, port, now))
 
-    def on_bus(self, message: dict[str, Any]) -> None:
+    def on_bus(self, message: BusMessage) -> None:
         """A command from another instance (or from our own STUN listener)."""
-        match message.get("t"):
-            case "send":
-                conn = self.local_servers.get(str(message.get("code")))
+        match message:
+            case ForwardToServer(code, data):
+                conn = self.local_servers.get(code)
                 if conn is None:
                     self.metrics.ignored.labels("send-to-unknown-server").inc()
                     return
-                data = base64.b64decode(str(message["data"]), validate=True)
-                if len(data) <= TCP_MTU:
-                    conn.send(data)
-            case "event":
-                parsed = parse_token(str(message.get("token", "")))
+                conn.send(data)
+            case PeerReport(token, code, report):
+                parsed = parse_token(token)
                 if (
                     parsed is None
                     or parsed.instance != self.instance
@@ -1183,18 +1175,11 @@ class Coordinator:
                 ):
                     self.metrics.ignored.labels("bad-bus-event").inc()
                     return
-                self.local_report(parsed, message, None, str(message.get("code")))
-            case "seen":
-                self.stun_seen(
-                    str(message["token"]),
-                    int(message["family"]),
-                    str(message["host"]),
-                    int(message["port"]),
-                )
-            case "drop":
-                self.drop_local(str(message.get("code")), str(message.get("session")))
-            case _:
-                self.metrics.ignored.labels("bad-bus-message").inc()
+                self.local_report(parsed, report, None, code)
+            case StunSeen(token, family, host, port):
+                self.stun_seen(token, family, host, port)
+            case DropSession(code, session):
+                self.drop_local(code, session)
 
     # ------------------------------------------------------------ lifecycle
 
