@@ -30,10 +30,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
+from crossroads.proto.openttd.admission import (
+    Refusal,
+    refuse_join,
+    refuse_registration,
+    registered_record,
+)
 from crossroads.proto.openttd.bus import (
     BusMessage,
     ConnectedReport,
@@ -53,7 +59,6 @@ from crossroads.proto.openttd.codes import (
     looks_like_invite_code,
     make_attempt_id,
     make_ticket,
-    parse_token,
     split_ticket,
 )
 from crossroads.proto.openttd.coordinator import (
@@ -67,7 +72,6 @@ from crossroads.proto.openttd.coordinator import (
     GcError,
     GcMessage,
     GcRegisterAck,
-    ListingEntry,
     PeerMessage,
     ServerGameType,
     ServerRegister,
@@ -75,13 +79,10 @@ from crossroads.proto.openttd.coordinator import (
     StunResult,
     decode_peer_packet,
     encode_gc_packet,
-    encode_listing_entry,
     error_for_version,
     listing_shape,
     newgrf_lookup_packets,
-    pack_listing,
 )
-from crossroads.proto.openttd.gameinfo import NewGRFSerialization
 from crossroads.proto.openttd.ladder import (
     Command,
     ConnectAttempt,
@@ -90,6 +91,18 @@ from crossroads.proto.openttd.ladder import (
     SendToClient,
     SendToServer,
     Side,
+)
+from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.routing import (
+    Forward,
+    Ignore,
+    Local,
+    attempt_commands,
+    check_commands,
+    report_side,
+    route_forwarded_report,
+    route_peer_report,
+    route_stun_seen,
 )
 from crossroads.proto.openttd.verify import (
     Concluded,
@@ -100,20 +113,16 @@ from crossroads.proto.openttd.verify import (
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
+from crossroads.services.openttd.listing import ListingCache
+from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import (
-    NEWGRF_COUNTER_KEY,
-    SERVERS_KEY,
     Registry,
-    ServerRecord,
 )
 from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
-#: Joins one client connection may have under way at once (OpenTTD runs one at
-#: a time; a few allow for refresh-hammering, more is abuse).
-MAX_ATTEMPTS_PER_CONNECTION = 8
 #: New NewGRFs one server session may add to the shared lookup table (a server
 #: has at most 255; twice that covers a change of NewGRFs without letting a
 #: bogus server fill the table).
@@ -316,224 +325,6 @@ class CheckRunner(_Runner):
             task.cancel()
 
 
-class CoordinatorMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registrations = Counter(
-            "crossroads_openttd_registrations",
-            "Server registrations, by result and connection type.",
-            ["result", "connection_type"],
-            registry=registry,
-        )
-        self.servers = Gauge(
-            "crossroads_openttd_servers",
-            "Servers registered on this instance.",
-            registry=registry,
-        )
-        self.updates = Counter(
-            "crossroads_openttd_server_updates",
-            "SERVER_UPDATE packets accepted.",
-            registry=registry,
-        )
-        self.listings = Counter(
-            "crossroads_openttd_listings",
-            "CLIENT_LISTING requests answered.",
-            registry=registry,
-        )
-        self.connects = Counter(
-            "crossroads_openttd_connects",
-            "Joins by invite code, by result and by the method that worked or was last tried.",
-            ["result", "method"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "crossroads_openttd_gc_errors",
-            "GC_ERROR packets sent, by error type.",
-            ["error"],
-            registry=registry,
-        )
-        self.probes = Counter(
-            "crossroads_openttd_probes",
-            "Direct probes (game-protocol exchanges), by result.",
-            ["result"],
-            registry=registry,
-        )
-        self.ignored = Counter(
-            "crossroads_openttd_ignored",
-            "Well-formed reports that were ignored, by reason.",
-            ["reason"],
-            registry=registry,
-        )
-        self.store_errors = Counter(
-            "crossroads_openttd_store_errors",
-            "Store operations that failed.",
-            registry=registry,
-        )
-
-
-class ListingCache:
-    """The server list, re-read from the store at most every ``ttl`` s.
-
-    Clients refresh their server list by hand and all at once after an outage;
-    one HGETALL every couple of seconds serves them all. Only records whose
-    stored bytes changed are parsed again; each listing shape (game-info
-    version, NewGRF serialization, invite codes or not, client revision first)
-    is packed into packets once per refresh and then sent as is.
-
-    :meth:`invalidate` asks for an earlier refresh when a server becomes
-    listable or leaves, but refreshes stay at least :data:`MIN_REFRESH` apart so
-    a registration storm cannot turn every listing into an HGETALL. While one
-    refresh runs, other readers get the previous list.
-    """
-
-    #: Shortest time between two refreshes, even when invalidated.
-    MIN_REFRESH = 0.25
-
-    def __init__(self, registry: Registry, ttl: float) -> None:
-        self.registry = registry
-        self.ttl = ttl
-        self.records: list[ServerRecord] = []
-        self.public: list[ServerRecord] = []
-        self.loaded_at = -1e9
-        self._dirty = True
-        self._lock = asyncio.Lock()
-        self._raw: dict[str, tuple[bytes, ServerRecord]] = {}
-        self._entries: dict[tuple[str, float, int, int], bytes] = {}
-        self._packed: dict[tuple[int, int, bool, str], list[bytes]] = {}
-        self._newgrf_max = 0
-
-    def _fresh(self, now: float) -> bool:
-        age = now - self.loaded_at
-        return age < self.ttl and not (self._dirty and age >= self.MIN_REFRESH)
-
-    async def all(self, now: float) -> list[ServerRecord]:
-        if self._fresh(now):
-            return self.records
-        if self._lock.locked() and self.loaded_at > -1e9:
-            # A refresh is under way (an HGETALL of every record): serve the
-            # list it replaces rather than make every client wait for it.
-            return self.records
-        async with self._lock:
-            if self._fresh(now):
-                return self.records
-            self._dirty = False
-            raw = await self.registry.store.hgetall(SERVERS_KEY)
-            wall = self.registry.wall_clock()
-            parsed: dict[str, tuple[bytes, ServerRecord]] = {}
-            dead: list[str] = []
-            for code, value in raw.items():
-                previous = self._raw.get(code)
-                if previous is not None and previous[0] == value:
-                    record = previous[1]
-                else:
-                    try:
-                        record = ServerRecord.from_json(value)
-                    except (ValueError, KeyError, TypeError):
-                        dead.append(code)
-                        continue
-                if record.expires < wall:
-                    dead.append(code)
-                    continue
-                parsed[code] = (value, record)
-            # A record whose instance stopped heartbeating (killed, crashed)
-            # names a server nobody holds a connection to: not listed, swept.
-            gone = await self.registry.dead_instances(
-                {r.owner for _, r in parsed.values()}
-            )
-            for code, (_, record) in list(parsed.items()):
-                if record.owner in gone:
-                    dead.append(code)
-                    del parsed[code]
-            self._raw = parsed
-            if dead:
-                await self.registry.sweep(dead)
-            live = sorted((r for _, r in parsed.values()), key=lambda r: r.registered)
-            self.records = live
-            self.public = [r for r in live if r.public]
-            self.loaded_at = now
-            counter = await self.registry.store.get(NEWGRF_COUNTER_KEY)
-            if counter is not None and int(counter) > self._newgrf_max:
-                await self.registry.load_newgrfs()
-                self._newgrf_max = int(counter)
-            keep = {(r.code, r.updated) for r in self.public}
-            self._entries = {k: v for k, v in self._entries.items() if k[:2] in keep}
-            self._packed = {}
-            return live
-
-    def invalidate(self) -> None:
-        self._dirty = True
-
-    def packets(
-        self,
-        version: int,
-        nst: NewGRFSerialization,
-        invite_codes: bool,
-        revision: str,
-    ) -> list[bytes]:
-        """The GC_LISTING packets for one listing shape (cached until refresh).
-
-        Servers of the client's own revision come first, as with the reference
-        coordinator, so a client sees the servers it can join at the top.
-        """
-        key = (version, int(nst), invite_codes, revision)
-        packed = self._packed.get(key)
-        if packed is not None:
-            return packed
-        same: list[bytes] = []
-        other: list[bytes] = []
-        for record in self.public:
-            entry = self.entry(record, version, nst, invite_codes)
-            if entry is None:
-                continue
-            assert record.info is not None
-            (same if record.info.server_revision == revision else other).append(entry)
-        packed = pack_listing(same + other)
-        if len(self._packed) >= 64:
-            # Bounded: revisions are client input.
-            self._packed.clear()
-        self._packed[key] = packed
-        return packed
-
-    def entry(
-        self,
-        record: ServerRecord,
-        version: int,
-        nst: NewGRFSerialization,
-        invite_codes: bool = True,
-    ) -> bytes | None:
-        """One server's listing bytes; None when it cannot be listed this way.
-
-        A client below protocol 2 knows no invite codes: it gets the server's
-        first direct address as ``ip:port``, or nothing.
-        """
-        key = (
-            record.code,
-            record.updated,
-            version,
-            int(nst) + (0 if invite_codes else 16),
-        )
-        cached = self._entries.get(key)
-        if cached is not None:
-            return cached
-        assert record.info is not None
-        connection_string = record.connection_string
-        if not invite_codes:
-            if not record.direct:
-                return None
-            host, port = record.direct[0]
-            connection_string = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            data = encode_listing_entry(
-                ListingEntry(connection_string, record.info),
-                version,
-                nst,
-                self.registry.newgrf_index,
-            )
-        except Exception:
-            return None  # e.g. a NewGRF without a lookup index: leave it out
-        self._entries[key] = data
-        return data
-
-
 class Coordinator:
     """Game Coordinator logic for one instance (see the module docstring)."""
 
@@ -600,6 +391,11 @@ class Coordinator:
         self.send(conn, GcError(error, detail[:99]))
         if close:
             conn.close(f"gc-error-{error.name.lower()}")
+
+    def refuse(self, conn: PacketConnection, refusal: Refusal, kind: str) -> None:
+        """A refused registration: counted, answered, closed."""
+        self.metrics.registrations.labels(refusal.result, kind).inc()
+        self.fail(conn, refusal.error, refusal.detail, refusal.close)
 
     def local_server_list(self) -> list[tuple[str, PacketConnection, PeerState]]:
         """(invite code, connection, state) of every server registered here."""
@@ -726,39 +522,15 @@ class Coordinator:
         if state.check is not None:
             self.metrics.ignored.labels("register-during-check").inc()
             return
-        if not self.register_limiter.allow(conn.host, now):
-            self.metrics.registrations.labels("rate-limited", "none").inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "too many registrations from your address",
-                close=True,
-            )
-            return
-        if (
-            msg.game_type not in (ServerGameType.PUBLIC, ServerGameType.INVITE_ONLY)
-            or msg.server_port == 0
-        ):
-            self.metrics.registrations.labels("refused", "none").inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "invalid game type or port",
-                close=True,
-            )
-            return
-        if (
-            state.code is None
-            and self.servers_per_address.get(source_key(conn.host), 0)
-            >= self.settings.max_servers_per_address
-        ):
-            self.metrics.registrations.labels("over-address-limit", "none").inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "too many servers from your address",
-                close=True,
-            )
+        refusal = refuse_registration(
+            msg,
+            self.register_limiter.allow(conn.host, now),
+            state.code is not None,
+            self.servers_per_address.get(source_key(conn.host), 0),
+            self.settings.max_servers_per_address,
+        )
+        if refusal is not None:
+            self.refuse(conn, refusal, "none")
             return
         code = await self._choose_code(conn, state, msg)
         if code is None:
@@ -866,25 +638,18 @@ class Coordinator:
             return
         code = runner.code
         msg = runner.register
-        wall = self.wall_clock()
-        previous = state.record if state.code == code else None
-        session = state.session if previous is not None else runner.check.check_key
-        record = ServerRecord(
+        record = registered_record(
             code=code,
-            owner=self.instance,
-            session=session,
-            protocol=msg.protocol,
-            game_type=msg.game_type,
-            connection_type=int(result.connection_type),
+            instance=self.instance,
+            msg=msg,
+            result=result,
             source=conn.host,
-            port=msg.server_port,
-            direct=list(result.direct),
-            registered=previous.registered if previous else wall,
-            expires=wall + self.settings.server_ttl,
-            game_info_version=previous.game_info_version if previous else 0,
-            info=previous.info if previous else None,
-            updated=previous.updated if previous else 0.0,
+            new_session=runner.check.check_key,
+            previous=state.record if state.code == code else None,
+            wall=self.wall_clock(),
+            ttl=self.settings.server_ttl,
         )
+        session = record.session
         try:
             await self.registry.put_server(record)
         except StoreError:
@@ -982,7 +747,7 @@ class Coordinator:
             fresh = sorted((i, g) for i, g in table.items() if i > cursor)
             for data in newgrf_lookup_packets(fresh, top):
                 conn.send(data)
-        packets = self.listing.packets(
+        packets = self.listing.packer.packets(
             version, nst, msg.protocol >= VERSION_INVITE_CODES, msg.revision
         )
         for data in packets:
@@ -1014,15 +779,14 @@ class Coordinator:
                 except StoreError:
                     self.metrics.store_errors.inc()
                     self.guesses.refund(conn.host)  # not a wrong guess
-        if record is None:
-            self.metrics.connects.labels("invalid-code", "none").inc()
-            self.fail(conn, ErrorType.INVALID_INVITE_CODE, code[:63], close=False)
+        if record is not None:
+            self.guesses.refund(conn.host)
+        refusal = refuse_join(code, record is not None, len(state.attempts))
+        if refusal is not None:
+            self.metrics.connects.labels(refusal.result, "none").inc()
+            self.fail(conn, refusal.error, refusal.detail, refusal.close)
             return
-        self.guesses.refund(conn.host)
-        if len(state.attempts) >= MAX_ATTEMPTS_PER_CONNECTION:
-            self.metrics.connects.labels("too-many", "none").inc()
-            self.fail(conn, ErrorType.UNKNOWN, "too many joins at once", close=True)
-            return
+        assert record is not None
         now = self.loop.time()
         key = make_attempt_id(self.instance, self.random_bytes(12))
         turn = self.turn_address(conn)
@@ -1074,17 +838,13 @@ class Coordinator:
         token: str,
         report: Report,
     ) -> None:
-        parsed = parse_token(token)
-        if parsed is None:
-            self.metrics.ignored.labels("unknown-token").inc()
-            return
-        if parsed.instance == self.instance:
-            self.local_report(parsed, report, conn, state.code)
-            return
-        if parsed.side is TokenSide.SERVER and state.code is not None:
-            await self.bus.send(parsed.instance, PeerReport(token, state.code, report))
-            return
-        self.metrics.ignored.labels("foreign-token").inc()
+        match route_peer_report(token, report, self.instance, state.code):
+            case Local(parsed):
+                self.local_report(parsed, report, conn, state.code)
+            case Forward(instance, message):
+                await self.bus.send(instance, message)
+            case Ignore(reason):
+                self.metrics.ignored.labels(reason).inc()
 
     def local_report(
         self,
@@ -1093,7 +853,7 @@ class Coordinator:
         conn: PacketConnection | None,
         server_code: str | None,
     ) -> None:
-        """A report on one of our attempts or checks; check who sent it."""
+        """A report on one of our attempts or checks (proto/openttd/routing.py)."""
         now = self.loop.time()
         log.debug(
             "openttd: report %s on %s%s", report, parsed.side.value, parsed.attempt_key
@@ -1104,42 +864,33 @@ class Coordinator:
             if check is None or conn is not check.conn:
                 self.metrics.ignored.labels("stale-token").inc()
                 return
-            if isinstance(report, StunReport):
-                check.feed(check.check.stun_result(report.family, report.ok, now))
-            # Other reports on a V token carry nothing we need.
+            check.feed(check_commands(check.check, report, now))
             return
         runner = self.attempts.get(key)
         if runner is None:
             self.metrics.ignored.labels("stale-token").inc()
             return
-        if parsed.side is TokenSide.CLIENT:
-            if conn is not runner.client:
-                self.metrics.ignored.labels("wrong-sender").inc()
-                return
-            side = Side.CLIENT
-        else:
-            if server_code != runner.record.code:
-                self.metrics.ignored.labels("wrong-sender").inc()
-                return
-            side = Side.SERVER
-        attempt = runner.attempt
-        match report:
-            case ConnectFailedReport(tracking_number):
-                runner.feed(attempt.connect_failed(side, tracking_number, now))
-            case ConnectedReport() if side is Side.CLIENT:
-                runner.feed(attempt.connected(now))
-            case StunReport(family, ok):
-                runner.measure_round_trips()
-                runner.feed(attempt.stun_result(side, family, ok, now))
-            case _:
-                self.metrics.ignored.labels("bad-report").inc()
+        side = report_side(
+            parsed, conn is runner.client, server_code, runner.record.code
+        )
+        if isinstance(side, Ignore):
+            self.metrics.ignored.labels(side.reason).inc()
+            return
+        if isinstance(report, StunReport):
+            runner.measure_round_trips()
+        commands = attempt_commands(runner.attempt, side, report, now)
+        if isinstance(commands, Ignore):
+            self.metrics.ignored.labels(commands.reason).inc()
+            return
+        runner.feed(commands)
 
     def stun_seen(self, token: str, family: int, host: str, port: int) -> None:
         """The STUN service saw ``token`` (ours) arrive from host:port."""
-        parsed = parse_token(token)
-        if parsed is None or parsed.instance != self.instance:
-            self.metrics.ignored.labels("unknown-token").inc()
+        route = route_stun_seen(token, self.instance)
+        if isinstance(route, Ignore):
+            self.metrics.ignored.labels(route.reason).inc()
             return
+        parsed = route.parsed
         log.debug(
             "openttd: STUN saw %s family %d from %s:%d", token, family, host, port
         )
@@ -1166,16 +917,12 @@ class Coordinator:
                     self.metrics.ignored.labels("send-to-unknown-server").inc()
                     return
                 conn.send(data)
-            case PeerReport(token, code, report):
-                parsed = parse_token(token)
-                if (
-                    parsed is None
-                    or parsed.instance != self.instance
-                    or parsed.side is not TokenSide.SERVER
-                ):
-                    self.metrics.ignored.labels("bad-bus-event").inc()
-                    return
-                self.local_report(parsed, report, None, code)
+            case PeerReport(_, code, report):
+                match route_forwarded_report(message, self.instance):
+                    case Local(parsed):
+                        self.local_report(parsed, report, None, code)
+                    case Ignore(reason):
+                        self.metrics.ignored.labels(reason).inc()
             case StunSeen(token, family, host, port):
                 self.stun_seen(token, family, host, port)
             case DropSession(code, session):
