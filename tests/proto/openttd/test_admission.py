@@ -10,6 +10,8 @@ import pytest
 from crossroads.proto.openttd.admission import (
     MAX_ATTEMPTS_PER_CONNECTION,
     Refusal,
+    TakeOver,
+    may_take_over,
     refuse_join,
     refuse_registration,
     registered_record,
@@ -96,3 +98,24 @@ def test_a_first_registration_starts_a_session_and_a_second_keeps_it() -> None:
     assert again.info == updated.info and again.updated == 120.0
     assert again.connection_type == ConnectionType.TURN and again.direct == []
     assert again.game_type == ServerGameType.INVITE_ONLY
+
+
+def test_only_the_same_server_takes_a_live_code_over() -> None:
+    existing = registered_record(
+        code="+abc",
+        instance="0a1b2c3d",
+        msg=PUBLIC,
+        result=Concluded(ConnectionType.DIRECT),
+        source="192.0.2.1",
+        new_session="s",
+        previous=None,
+        wall=0.0,
+        ttl=60.0,
+    )
+    # The same address and game port: the server came back; drop the old session.
+    assert may_take_over(existing, "192.0.2.1", 3979, True) == TakeOver(True)
+    # Another address or port with the secret while the owner lives: refused.
+    assert may_take_over(existing, "192.0.2.2", 3979, True) is None
+    assert may_take_over(existing, "192.0.2.1", 3980, True) is None
+    # The owner is gone: anyone with the secret takes the stale code.
+    assert may_take_over(existing, "198.51.100.7", 1, False) == TakeOver(False)

@@ -12,6 +12,10 @@ needs a known invite code (else INVALID_INVITE_CODE, and the connection
 stays for the next try) and fewer than :data:`MAX_ATTEMPTS_PER_CONNECTION`
 joins under way on the connection.
 
+A registration that names an invite code with a valid secret takes the code
+over from a live record only when it is the same server coming back
+(:func:`may_take_over`).
+
 When a registration check concludes, :func:`registered_record` builds the
 server's record: a first registration starts a session named by the check,
 a re-registration of the same code on the same connection keeps its session,
@@ -107,3 +111,27 @@ def registered_record(
         info=previous.info if previous else None,
         updated=previous.updated if previous else 0.0,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class TakeOver:
+    """The code may be taken; ``drop_session`` closes the old connection."""
+
+    drop_session: bool
+
+
+def may_take_over(
+    existing: ServerRecord, host: str, server_port: int, owner_alive: bool
+) -> TakeOver | None:
+    """A live record of the wanted code exists: is this the same server?
+
+    The same source address and game port can only be the same server (two
+    servers cannot listen on one address and port), typically reconnecting
+    before we noticed its old connection died; its old session is dropped. A
+    record whose instance is gone is stale. Anything else (None) is a second
+    server with a copied secret, and gets REUSE_OF_INVITE_CODE.
+    """
+    same = existing.source == host and existing.port == server_port
+    if owner_alive and not same:
+        return None
+    return TakeOver(drop_session=owner_alive)

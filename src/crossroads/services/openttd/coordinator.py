@@ -4,10 +4,13 @@ This module is I/O glue around the sans-I/O cores in
 :mod:`crossroads.proto.openttd`: it decodes packets, keeps per-connection state,
 runs one :class:`~crossroads.proto.openttd.verify.RegistrationCheck` per
 registering server and one :class:`~crossroads.proto.openttd.ladder.ConnectAttempt`
-per join, executes their commands in order, and keeps the shared records in the
-store (:mod:`.registry`). A command for a server held by another instance, or a
-report for an attempt owned by another instance, travels over the bus
-(:mod:`.bus`).
+per join (:mod:`.runners` executes their commands in order), and keeps the
+shared records in the store (:mod:`.registry`). The decisions are sans-I/O:
+who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
+report goes (:mod:`crossroads.proto.openttd.routing`), what is listed
+(:mod:`crossroads.proto.openttd.listing`). A command for a server held by
+another instance, or a report for an attempt owned by another instance,
+travels over the bus as a typed message (:mod:`crossroads.proto.openttd.bus`).
 
 Rules for answering bad input (reference section 3, "How OpenTTD 13 reacts"):
 an undecodable packet or a wrong protocol version gets GC_ERROR(UNKNOWN), which
@@ -21,14 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -36,6 +36,7 @@ from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
 from crossroads.proto.openttd.admission import (
     Refusal,
+    may_take_over,
     refuse_join,
     refuse_registration,
     registered_record,
@@ -59,7 +60,6 @@ from crossroads.proto.openttd.codes import (
     looks_like_invite_code,
     make_attempt_id,
     make_ticket,
-    split_ticket,
 )
 from crossroads.proto.openttd.coordinator import (
     VERSION_INVITE_CODES,
@@ -84,12 +84,8 @@ from crossroads.proto.openttd.coordinator import (
     newgrf_lookup_packets,
 )
 from crossroads.proto.openttd.ladder import (
-    Command,
     ConnectAttempt,
     Finished,
-    IssueTicket,
-    SendToClient,
-    SendToServer,
     Side,
 )
 from crossroads.proto.openttd.record import ServerRecord
@@ -106,20 +102,15 @@ from crossroads.proto.openttd.routing import (
 )
 from crossroads.proto.openttd.verify import (
     Concluded,
-    Probe,
     RegistrationCheck,
-    VerifyCommand,
 )
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
 from crossroads.services.openttd.listing import ListingCache
 from crossroads.services.openttd.metrics import CoordinatorMetrics
-from crossroads.services.openttd.probe import probe_game_server
-from crossroads.services.openttd.registry import (
-    Registry,
-)
-from crossroads.transport.driver import CoreTimer
+from crossroads.services.openttd.registry import Registry
+from crossroads.services.openttd.runners import AttemptRunner, CheckRunner
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -160,169 +151,6 @@ class PeerState:
     newgrf_budget: int = NEWGRF_BUDGET_PER_SESSION
     attempts: set[str] = field(default_factory=set)
     superseded: bool = False
-
-
-class _Runner:
-    """Executes a core's commands in order, one at a time, and keeps its timer."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.loop = coordinator.loop
-        self.queue: deque[Any] = deque()
-        self.task: asyncio.Task[None] | None = None
-        self.timer = CoreTimer(self.loop, self.deadline, self._on_timer)
-        self.finished = False
-
-    def feed(self, commands: list[Any]) -> None:
-        if commands:
-            self.queue.extend(commands)
-            if self.task is None:
-                self.task = asyncio.create_task(self._drain())
-        self.timer.rearm()
-
-    async def _drain(self) -> None:
-        try:
-            while self.queue:
-                await self.execute(self.queue.popleft())
-        except Exception:
-            log.exception("openttd: command failed")
-        finally:
-            self.task = None
-
-    def _on_timer(self, now: float) -> None:
-        self.feed(self.on_timer(now))
-
-    def cancel(self) -> None:
-        self.finished = True
-        self.timer.close()
-
-    def deadline(self) -> float | None:
-        raise NotImplementedError
-
-    def on_timer(self, now: float) -> list[Any]:
-        raise NotImplementedError
-
-    async def execute(self, command: Any) -> None:
-        raise NotImplementedError
-
-
-class AttemptRunner(_Runner):
-    """Drives one :class:`ConnectAttempt` against real sockets."""
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        attempt: ConnectAttempt,
-        client: PacketConnection,
-        record: ServerRecord,
-    ) -> None:
-        super().__init__(coordinator)
-        self.attempt = attempt
-        self.client = client
-        self.record = record
-        #: Messages held back to time a STUN pairing (cancelled with the runner).
-        self.held: set[asyncio.TimerHandle] = set()
-
-    def deadline(self) -> float | None:
-        return self.attempt.get_timer()
-
-    def on_timer(self, now: float) -> list[Command]:
-        self.measure_round_trips()
-        return self.attempt.handle_timer(now)
-
-    def measure_round_trips(self) -> None:
-        """Tell the attempt both coordinator connections' round trips (the
-        server's only when its connection is on this instance)."""
-        attempt = self.attempt
-        attempt.round_trip(Side.CLIENT, self.client.round_trip())
-        server = self.coordinator.local_servers.get(self.record.code)
-        attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
-
-    def _hold(self, delay: float, command: Command) -> None:
-        def release() -> None:
-            self.held.discard(handle)
-            if not self.finished:
-                self.feed([command])
-
-        handle = self.loop.call_later(delay, release)
-        self.held.add(handle)
-
-    def cancel(self) -> None:
-        super().cancel()
-        for handle in self.held:
-            handle.cancel()
-        self.held.clear()
-
-    async def execute(self, command: Command) -> None:
-        coordinator = self.coordinator
-        log.debug("openttd: join %s -> %s", self.record.code, command)
-        match command:
-            case SendToClient(message, delay) | SendToServer(message, delay) if (
-                delay > 0
-            ):
-                self._hold(delay, dataclasses.replace(command, delay=0.0))
-            case SendToClient(message):
-                coordinator.send(self.client, message)
-            case SendToServer(message):
-                await coordinator.send_to_server(self.record, message)
-            case IssueTicket(ticket):
-                parts = split_ticket(ticket)
-                if parts is not None:
-                    try:
-                        await coordinator.registry.put_ticket(*parts)
-                    except StoreError:
-                        coordinator.metrics.store_errors.inc()
-            case Finished():
-                coordinator.attempt_finished(self, command)
-
-
-class CheckRunner(_Runner):
-    """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        check: RegistrationCheck,
-        conn: PacketConnection,
-        register: ServerRegister,
-        code: str,
-    ) -> None:
-        super().__init__(coordinator)
-        self.check = check
-        self.conn = conn
-        self.register = register
-        self.code = code
-        self.probes: set[asyncio.Task[None]] = set()
-
-    def deadline(self) -> float | None:
-        return self.check.get_timer()
-
-    def on_timer(self, now: float) -> list[VerifyCommand]:
-        return self.check.handle_timer(now)
-
-    async def execute(self, command: VerifyCommand) -> None:
-        match command:
-            case SendToServer(message):
-                self.coordinator.send(self.conn, message)
-            case Probe(host, port):
-                task = asyncio.create_task(self._probe(host, port))
-                self.probes.add(task)
-                task.add_done_callback(self.probes.discard)
-            case Concluded():
-                await self.coordinator.registration_concluded(self, command)
-
-    async def _probe(self, host: str, port: int) -> None:
-        coordinator = self.coordinator
-        async with coordinator.probe_slots:
-            ok = await probe_game_server(host, port, coordinator.settings.probe_timeout)
-        coordinator.metrics.probes.labels("ok" if ok else "failed").inc()
-        if not self.finished:
-            self.feed(self.check.probe_result(host, ok, self.loop.time()))
-
-    def cancel(self) -> None:
-        super().cancel()
-        for task in list(self.probes):
-            task.cancel()
 
 
 class Coordinator:
@@ -590,21 +418,15 @@ class Coordinator:
     async def _can_take_over(
         self, conn: PacketConnection, msg: ServerRegister, existing: ServerRecord
     ) -> bool:
-        """A live record of the code exists: is this the same server coming back?
-
-        The same source address and game port can only be the same server (two
-        servers cannot listen on one address and port), typically reconnecting
-        before we noticed its old connection died; the old session is dropped.
-        A record whose instance is gone is stale. Anything else is a second
-        server with a copied secret, and gets REUSE_OF_INVITE_CODE.
-        """
-        same = existing.source == conn.host and existing.port == msg.server_port
+        """Whether this registration may take ``existing``'s code
+        (:func:`~crossroads.proto.openttd.admission.may_take_over`)."""
         alive = existing.owner == self.instance or await self.registry.instance_alive(
             existing.owner
         )
-        if alive and not same:
+        verdict = may_take_over(existing, conn.host, msg.server_port, alive)
+        if verdict is None:
             return False
-        if alive:
+        if verdict.drop_session:
             await self._drop_session(existing.owner, existing.code, existing.session)
         return True
 
