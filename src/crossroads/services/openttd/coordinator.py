@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -41,6 +41,7 @@ from crossroads.proto.openttd.admission import (
     refuse_registration,
     registered_record,
 )
+from crossroads.proto.openttd.attempts import AttemptBook
 from crossroads.proto.openttd.bus import (
     BusMessage,
     ConnectedReport,
@@ -149,7 +150,6 @@ class PeerState:
     check: CheckRunner | None = None
     record: ServerRecord | None = None
     newgrf_budget: int = NEWGRF_BUDGET_PER_SESSION
-    attempts: set[str] = field(default_factory=set)
     superseded: bool = False
 
 
@@ -190,8 +190,7 @@ class Coordinator:
         self.metrics = CoordinatorMetrics(metrics)
         self.local_servers: dict[str, PacketConnection] = {}
         self.servers_per_address: dict[str, int] = {}
-        self.attempts: dict[str, AttemptRunner] = {}
-        self.attempts_by_server: dict[str, set[str]] = {}
+        self.attempts: AttemptBook[AttemptRunner, PacketConnection] = AttemptBook()
         self.checks: dict[str, CheckRunner] = {}
         self.listing = ListingCache(registry, settings.listing_cache)
         self.register_limiter = AddressRateLimiter(settings.registrations_per_minute)
@@ -308,18 +307,14 @@ class Coordinator:
             self.checks.pop(state.check.check.check_key, None)
             state.check.cancel()
             state.check = None
-        for key in list(state.attempts):
-            runner = self.attempts.get(key)
-            if runner is not None:
-                runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
+        for runner in self.attempts.of_client(conn):
+            runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
         code = state.code
         if code is not None and self.local_servers.get(code) is conn:
             del self.local_servers[code]
             self._count_server(conn.host, -1)
-            for key in list(self.attempts_by_server.get(code, ())):
-                runner = self.attempts.get(key)
-                if runner is not None:
-                    runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
+            for runner in self.attempts.of_code(code):
+                runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
             if not state.superseded:
                 task = asyncio.create_task(self._forget_server(code, state.session))
                 task.add_done_callback(_log_task_error)
@@ -603,7 +598,9 @@ class Coordinator:
                     self.guesses.refund(conn.host)  # not a wrong guess
         if record is not None:
             self.guesses.refund(conn.host)
-        refusal = refuse_join(code, record is not None, len(state.attempts))
+        refusal = refuse_join(
+            code, record is not None, self.attempts.count_of_client(conn)
+        )
         if refusal is not None:
             self.metrics.connects.labels(refusal.result, "none").inc()
             self.fail(conn, refusal.error, refusal.detail, refusal.close)
@@ -626,21 +623,13 @@ class Coordinator:
         )
         runner = AttemptRunner(self, attempt, conn, record)
         runner.measure_round_trips()
-        self.attempts[key] = runner
-        self.attempts_by_server.setdefault(code, set()).add(key)
-        state.attempts.add(key)
+        self.attempts.add(key, code, conn, runner)
         runner.feed(attempt.start(now))
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
         runner.cancel()
         key = runner.attempt.attempt_key
-        self.attempts.pop(key, None)
-        keys = self.attempts_by_server.get(runner.record.code)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self.attempts_by_server[runner.record.code]
-        self.state(runner.client).attempts.discard(key)
+        self.attempts.remove(key)
         outcome = "ok" if result.success else "failed"
         self.metrics.connects.labels(outcome, result.method).inc()
         log.info(
@@ -753,7 +742,7 @@ class Coordinator:
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
-        for runner in list(self.attempts.values()):
+        for runner in self.attempts.drivers():
             runner.cancel()
             if runner.task is not None:
                 runner.task.cancel()
