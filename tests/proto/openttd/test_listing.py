@@ -11,13 +11,15 @@ from hypothesis import strategies as st
 from crossroads.proto.openttd.coordinator import (
     ConnectionType,
     GcListing,
+    GcNewgrfLookup,
     ServerGameType,
     decode_gc_packet,
 )
-from crossroads.proto.openttd.gameinfo import GameInfo, NewGRFSerialization
+from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF, NewGRFSerialization
 from crossroads.proto.openttd.listing import (
     MAX_SHAPES,
     ListingPacker,
+    lookup_packets,
     sort_records,
     without_owners,
 )
@@ -160,3 +162,24 @@ def test_numbers_out_of_range_make_a_record_corrupt() -> None:
         fields[key] = 0
         raw = json.dumps(fields).replace(f'"{key}": 0', f'"{key}": {value}')
         assert sort_records({"+a": raw.encode()}, {}, wall=0.0) == ({}, ["+a"])
+
+
+def test_a_client_gets_the_newgrf_entries_after_its_cursor() -> None:
+    table = {i: NewGRF(i, bytes(16), f"grf {i}") for i in (1, 2, 3)}
+
+    def indexes(packets: list[bytes]) -> tuple[list[int], set[int]]:
+        seen: list[int] = []
+        cursors: set[int] = set()
+        for packet_type, payload in PacketSplitter().feed(b"".join(packets)):
+            message = decode_gc_packet(packet_type, payload, 6)
+            assert isinstance(message, GcNewgrfLookup)
+            seen += [index for index, _ in message.entries]
+            cursors.add(message.cursor)
+        return seen, cursors
+
+    assert indexes(lookup_packets(table, 0)) == ([1, 2, 3], {3})
+    assert indexes(lookup_packets(table, 2)) == ([3], {3})
+    assert lookup_packets(table, 3) == []
+    # A cursor beyond our table (another deployment's): everything again.
+    assert indexes(lookup_packets(table, 9)) == ([1, 2, 3], {3})
+    assert lookup_packets({}, 0) == []

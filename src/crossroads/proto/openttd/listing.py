@@ -7,7 +7,9 @@ refresh parsed: only values whose bytes changed are parsed again, and records
 that are corrupt or past their ``expires`` (wall clock) are named for sweeping.
 :func:`without_owners` then drops the records of instances that stopped
 heartbeating (the service asks the Store which ones). The survivors, oldest
-registration first, go to :meth:`ListingPacker.refresh`.
+registration first, go to :meth:`ListingPacker.refresh`. A client at
+protocol 4 or later first gets the NewGRF lookup entries it lacks
+(:func:`lookup_packets`).
 
 :class:`ListingPacker` turns the public records into the GC_LISTING packets of
 one listing shape (game-info version, NewGRF serialization, invite codes or
@@ -24,9 +26,10 @@ from collections.abc import Collection, Mapping
 from crossroads.proto.openttd.coordinator import (
     ListingEntry,
     encode_listing_entry,
+    newgrf_lookup_packets,
     pack_listing,
 )
-from crossroads.proto.openttd.gameinfo import NewGRFSerialization
+from crossroads.proto.openttd.gameinfo import NewGRF, NewGRFSerialization
 from crossroads.proto.openttd.record import ServerRecord
 
 #: Listing shapes kept packed at once: revisions are client input, so the
@@ -71,6 +74,19 @@ def without_owners(parsed: Parsed, gone: Collection[str]) -> list[str]:
     for code in dead:
         del parsed[code]
     return dead
+
+
+def lookup_packets(table: Mapping[int, NewGRF], cursor: int) -> list[bytes]:
+    """The GC_NEWGRF_LOOKUP packets a client whose table ends at ``cursor``
+    needs before a listing: the entries after its cursor, or all of them when
+    the cursor is beyond ours (another deployment's table, or ours was reset).
+    Reference sections 4-5: the packets carry our highest index as the
+    client's next cursor."""
+    top = max(table, default=0)
+    if cursor > top:
+        cursor = 0
+    fresh = sorted((index, grf) for index, grf in table.items() if index > cursor)
+    return newgrf_lookup_packets(fresh, top)
 
 
 class ListingPacker:

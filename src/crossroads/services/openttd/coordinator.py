@@ -82,13 +82,13 @@ from crossroads.proto.openttd.coordinator import (
     encode_gc_packet,
     error_for_version,
     listing_shape,
-    newgrf_lookup_packets,
 )
 from crossroads.proto.openttd.ladder import (
     ConnectAttempt,
     Finished,
     Side,
 )
+from crossroads.proto.openttd.listing import lookup_packets
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.routing import (
     Forward,
@@ -558,11 +558,9 @@ class Coordinator:
         await self.listing.all(self.loop.time())
         version, nst = listing_shape(msg.protocol, msg.game_info_version)
         if msg.protocol >= VERSION_NEWGRF_LOOKUP:
-            table = self.registry.newgrf_by_index
-            top = max(table, default=0)
-            cursor = msg.newgrf_cursor if msg.newgrf_cursor <= top else 0
-            fresh = sorted((i, g) for i, g in table.items() if i > cursor)
-            for data in newgrf_lookup_packets(fresh, top):
+            for data in lookup_packets(
+                self.registry.newgrf_by_index, msg.newgrf_cursor
+            ):
                 conn.send(data)
         packets = self.listing.packer.packets(
             version, nst, msg.protocol >= VERSION_INVITE_CODES, msg.revision
