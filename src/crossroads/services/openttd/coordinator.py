@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
-from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.openttd.admission import (
     Refusal,
     may_take_over,
@@ -101,6 +101,7 @@ from crossroads.proto.openttd.routing import (
     route_peer_report,
     route_stun_seen,
 )
+from crossroads.proto.openttd.seats import Seats
 from crossroads.proto.openttd.verify import (
     Concluded,
     RegistrationCheck,
@@ -188,8 +189,9 @@ class Coordinator:
         self.wall_clock = wall_clock
         self.loop = asyncio.get_running_loop()
         self.metrics = CoordinatorMetrics(metrics)
-        self.local_servers: dict[str, PacketConnection] = {}
-        self.servers_per_address: dict[str, int] = {}
+        self.seats: Seats[PacketConnection] = Seats()
+        #: The servers registered here, by invite code (the seats' own dict).
+        self.local_servers = self.seats.by_code
         self.attempts: AttemptBook[AttemptRunner, PacketConnection] = AttemptBook()
         self.checks: dict[str, CheckRunner] = {}
         self.listing = ListingCache(registry, settings.listing_cache)
@@ -310,9 +312,8 @@ class Coordinator:
         for runner in self.attempts.of_client(conn):
             runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
         code = state.code
-        if code is not None and self.local_servers.get(code) is conn:
-            del self.local_servers[code]
-            self._count_server(conn.host, -1)
+        if code is not None and self.seats.release(code, conn):
+            self.metrics.servers.set(len(self.seats))
             for runner in self.attempts.of_code(code):
                 runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
             if not state.superseded:
@@ -325,16 +326,6 @@ class Coordinator:
         except StoreError:
             self.metrics.store_errors.inc()
         self.listing.invalidate()
-
-    def _count_server(self, host: str, delta: int) -> None:
-        # Per source as the admission counts them (an IPv6 /64, not an address).
-        address = source_key(host)
-        count = self.servers_per_address.get(address, 0) + delta
-        if count <= 0:
-            self.servers_per_address.pop(address, None)
-        else:
-            self.servers_per_address[address] = count
-        self.metrics.servers.set(len(self.local_servers))
 
     # --------------------------------------------------------- registration
 
@@ -349,7 +340,7 @@ class Coordinator:
             msg,
             self.register_limiter.allow(conn.host, now),
             state.code is not None,
-            self.servers_per_address.get(source_key(conn.host), 0),
+            self.seats.count_from(conn.host),
             self.settings.max_servers_per_address,
         )
         if refusal is not None:
@@ -478,20 +469,11 @@ class Coordinator:
                 close=True,
             )
             return
-        if (
-            state.code is not None
-            and state.code != code
-            and self.local_servers.get(state.code) is conn
-        ):
-            del self.local_servers[state.code]
-            self._count_server(conn.host, -1)
-        if self.local_servers.get(code) is not conn:
-            old = self.local_servers.get(code)
-            if old is not None:
-                self.state(old).superseded = True
-                old.close("superseded")
-            self.local_servers[code] = conn
-            self._count_server(conn.host, +1)
+        displaced = self.seats.take(code, conn, conn.host, state.code)
+        if displaced is not None:
+            self.state(displaced).superseded = True
+            displaced.close("superseded")
+        self.metrics.servers.set(len(self.seats))
         state.code = code
         state.session = session
         state.record = record
