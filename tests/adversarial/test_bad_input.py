@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from crossroads.proto.openttd.bus import BusMessage, DropSession
 from crossroads.runtime import Runtime
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.registry import channel
@@ -162,16 +163,21 @@ async def test_malicious_websocket_frames_get_the_protocols_error(
 
 async def test_a_deeply_nested_bus_message_is_dropped_and_the_bus_goes_on() -> None:
     store = MemoryStore()
-    received: list[dict[str, Any]] = []
-    bus = Bus(store, "abcd1234", CollectorRegistry())
+    received: list[BusMessage] = []
+    metrics = CollectorRegistry()
+    bus = Bus(store, "abcd1234", metrics)
     await bus.start(received.append)
     try:
         await store.publish(channel("abcd1234"), b"[" * 5000 + b"]" * 5000)
         await store.publish(channel("abcd1234"), b'{"t": "after"}')
+        await store.publish(channel("abcd1234"), DropSession("+abc", "s").encode())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
         while not received and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        assert received == [{"t": "after"}]
+        assert received == [DropSession("+abc", "s")]
+        dropped = "crossroads_openttd_bus_dropped_total"
+        for reason in ("too-deep", "unknown-message"):
+            assert metrics.get_sample_value(dropped, {"reason": reason}) == 1
     finally:
         await bus.close()

@@ -12,15 +12,10 @@ which lists them in RakNet's ping round and tries them best first.
 
 A forwarding request that the coordinator of instance A gives to node B
 (:class:`~crossroads.proto.raknet.udpproxy.RemoteForwardingRequest`) goes over
-Store pub/sub to B's channel ``raknet:node:<B>``::
-
-    {"t": "forward", "from": A, "source": [ip, port], "target": [ip, port],
-     "timeout_ms": n}
-
-B starts a forwarder in its pool and answers on A's channel::
-
-    {"t": "forwarded", "from": B, "source": [...], "target": [...],
-     "ip": public IP or "", "result": UDPForwarderResult, "port": n}
+Store pub/sub to B's channel ``raknet:node:<B>`` as a
+:class:`~crossroads.proto.raknet.nodebus.Forward`; B starts a forwarder in its
+pool and answers on A's channel with a
+:class:`~crossroads.proto.raknet.nodebus.Forwarded`.
 
 A hands the answer to its coordinator as node B's (looked up by B's id in its
 own listing, never taken from the message). A lost message is an unanswered
@@ -35,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import uuid
@@ -44,6 +38,14 @@ from typing import Any
 
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto import jsontext
+from crossroads.proto.raknet.nodebus import (
+    MAX_MESSAGE,
+    Forward,
+    Forwarded,
+    NodeMessage,
+    decode_address,
+    decode_node_message,
+)
 from crossroads.proto.raknet.udpproxy import (
     MAX_RELAY_NODES,
     Forwarders,
@@ -63,35 +65,13 @@ HEARTBEAT = 2.0
 #: A registration lives this many heartbeats: one lost heartbeat is forgiven
 #: (the Unity relay's nodes use the same rule, services/relay.py).
 HEARTBEATS_PER_TTL = 3
-#: Largest registration or command accepted (both are ~200 bytes).
-MAX_MESSAGE = 4096
 #: Commands waiting to be published; beyond this they are dropped (the Store
 #: lags, the coordinator must not grow without bound; the request times out).
 MAX_OUTBOX = 1024
-#: Largest ``timeoutOnNoDataMS`` a node accepts from another (a u32 on the
-#: wire, UDPProxyCoordinator.cpp:170-200).
-MAX_TIMEOUT_MS = 2**32 - 1
 
 
 def node_key(node_id: str) -> str:
     return NODE_PREFIX + node_id
-
-
-def _address(value: Any) -> Address:
-    """``[ip, port]`` from a message, checked."""
-    if (
-        not isinstance(value, list)
-        or len(value) != 2
-        or not isinstance(value[0], str)
-        or not isinstance(value[1], int)
-        or not 0 < value[1] < 65536
-    ):
-        raise DecodeError("not an [ip, port] pair", "bad-address")
-    try:
-        ip = str(ipaddress.ip_address(value[0]))
-    except ValueError:
-        raise DecodeError("not an IP address", "bad-address") from None
-    return (ip, value[1])
 
 
 class RelayNodes:
@@ -194,7 +174,7 @@ class RelayNodes:
         record = jsontext.loads(raw)
         if not isinstance(record, dict) or record.get("id") != key[len(NODE_PREFIX) :]:
             raise DecodeError("malformed registration", "bad-registration")
-        return str(record["id"]), _address(record.get("raknet"))
+        return str(record["id"]), decode_address(record.get("raknet"))
 
     # ------------------------------------------------------------- commands
 
@@ -208,20 +188,16 @@ class RelayNodes:
                 continue
             self._queue(
                 node_id,
-                {
-                    "t": "forward",
-                    "from": self.node_id,
-                    "source": list(request.source),
-                    "target": list(request.target),
-                    "timeout_ms": request.timeout_ms,
-                },
+                Forward(
+                    self.node_id, request.source, request.target, request.timeout_ms
+                ),
             )
 
-    def _queue(self, node_id: str, message: dict[str, Any]) -> None:
+    def _queue(self, node_id: str, message: NodeMessage) -> None:
         if len(self._outbox) >= MAX_OUTBOX:
             self.dropped["outbox-full"] += 1
             return
-        self._outbox.append((node_id, json.dumps(message).encode()))
+        self._outbox.append((node_id, message.encode()))
         self._outbox_ready.set()
 
     async def _publish_forever(self) -> None:
@@ -253,59 +229,42 @@ class RelayNodes:
 
     def handle(self, raw: bytes) -> None:
         """One command from another node (raises DecodeError when malformed)."""
-        if len(raw) > MAX_MESSAGE:
-            raise DecodeError("command too large", "too-large")
-        message = jsontext.loads(raw)
-        if not isinstance(message, dict) or not isinstance(message.get("from"), str):
-            raise DecodeError("malformed command", "bad-command")
-        sender = message["from"]
-        source = _address(message.get("source"))
-        target = _address(message.get("target"))
-        match message.get("t"):
-            case "forward":
-                self._on_forward(sender, source, target, message.get("timeout_ms"))
-            case "forwarded":
-                self._on_forwarded(sender, source, target, message)
-            case _:
-                raise DecodeError("unknown command", "unknown-command")
+        match decode_node_message(raw):
+            case Forward() as forward:
+                self._on_forward(forward)
+            case Forwarded() as answer:
+                self._on_forwarded(answer)
 
-    def _on_forward(
-        self, sender: str, source: Address, target: Address, timeout_ms: Any
-    ) -> None:
-        if not isinstance(timeout_ms, int) or not 0 <= timeout_ms <= MAX_TIMEOUT_MS:
-            raise DecodeError("bad timeout", "bad-timeout")
+    def _on_forward(self, request: Forward) -> None:
         if self.forwarders is None:
             raise DecodeError("no forwarder here", "not-a-node")
-        result, port = self.forwarders.start(source, target, timeout_ms)
+        result, port = self.forwarders.start(
+            request.source, request.target, request.timeout_ms
+        )
         self._queue(
-            sender,
-            {
-                "t": "forwarded",
-                "from": self.node_id,
-                "source": list(source),
-                "target": list(target),
-                "ip": self.public_ip,
-                "result": int(result),
-                "port": port,
-            },
+            request.sender,
+            Forwarded(
+                self.node_id,
+                request.source,
+                request.target,
+                self.public_ip,
+                int(result),
+                port,
+            ),
         )
 
-    def _on_forwarded(
-        self, sender: str, source: Address, target: Address, message: dict[str, Any]
-    ) -> None:
-        node = self.nodes.get(sender)
+    def _on_forwarded(self, answer: Forwarded) -> None:
+        node = self.nodes.get(answer.sender)
         if node is None:
             raise DecodeError("answer from an unknown node", "unknown-node")
-        ip, result, port = message.get("ip"), message.get("result"), message.get("port")
-        if (
-            not isinstance(ip, str)
-            or len(ip) > 255
-            or not isinstance(result, int)
-            or not isinstance(port, int)
-            or not 0 <= result < 256
-            or not 0 <= port < 65536
-        ):
-            raise DecodeError("malformed answer", "bad-answer")
         now = asyncio.get_running_loop().time()
-        self.coordinator.on_remote_reply(node, source, target, ip, result, port, now)
+        self.coordinator.on_remote_reply(
+            node,
+            answer.source,
+            answer.target,
+            answer.ip,
+            answer.result,
+            answer.port,
+            now,
+        )
         self.wake(now)

@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from crossroads.config import setting
 from crossroads.errors import StoreError
+from crossroads.proto.openttd.record import ServerRecord
 from crossroads.services.base import (
     ServiceContext,
     SessionInfo,
@@ -34,15 +35,14 @@ from crossroads.services.openttd.conn import Limits, Listener, PacketConnection
 from crossroads.services.openttd.coordinator import (
     Coordinator,
     CoordinatorSettings,
-    ListingCache,
 )
+from crossroads.services.openttd.listing import ListingCache
 from crossroads.services.openttd.registry import (
     INSTANCE_EVERY,
     NEWGRF_COUNTER_KEY,
     SECRET_KEY,
     TURN_ANNOUNCE_EVERY,
     Registry,
-    ServerRecord,
 )
 from crossroads.services.openttd.stun import StunService
 from crossroads.services.openttd.turn import TurnService

@@ -4,10 +4,13 @@ This module is I/O glue around the sans-I/O cores in
 :mod:`crossroads.proto.openttd`: it decodes packets, keeps per-connection state,
 runs one :class:`~crossroads.proto.openttd.verify.RegistrationCheck` per
 registering server and one :class:`~crossroads.proto.openttd.ladder.ConnectAttempt`
-per join, executes their commands in order, and keeps the shared records in the
-store (:mod:`.registry`). A command for a server held by another instance, or a
-report for an attempt owned by another instance, travels over the bus
-(:mod:`.bus`).
+per join (:mod:`.runners` executes their commands in order), and keeps the
+shared records in the store (:mod:`.registry`). The decisions are sans-I/O:
+who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
+report goes (:mod:`crossroads.proto.openttd.routing`), what is listed
+(:mod:`crossroads.proto.openttd.listing`). A command for a server held by
+another instance, or a report for an attempt owned by another instance,
+travels over the bus as a typed message (:mod:`crossroads.proto.openttd.bus`).
 
 Rules for answering bad input (reference section 3, "How OpenTTD 13 reacts"):
 an undecodable packet or a wrong protocol version gets GC_ERROR(UNKNOWN), which
@@ -20,21 +23,36 @@ server, for peers at protocol 6).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import dataclasses
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
-from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
+from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.openttd.admission import (
+    Refusal,
+    may_take_over,
+    refuse_join,
+    refuse_registration,
+    registered_record,
+)
+from crossroads.proto.openttd.attempts import AttemptBook
+from crossroads.proto.openttd.bus import (
+    BusMessage,
+    ConnectedReport,
+    ConnectFailedReport,
+    DropSession,
+    ForwardToServer,
+    PeerReport,
+    Report,
+    StunReport,
+    StunSeen,
+)
 from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
@@ -43,8 +61,6 @@ from crossroads.proto.openttd.codes import (
     looks_like_invite_code,
     make_attempt_id,
     make_ticket,
-    parse_token,
-    split_ticket,
 )
 from crossroads.proto.openttd.coordinator import (
     VERSION_INVITE_CODES,
@@ -57,7 +73,6 @@ from crossroads.proto.openttd.coordinator import (
     GcError,
     GcMessage,
     GcRegisterAck,
-    ListingEntry,
     PeerMessage,
     ServerGameType,
     ServerRegister,
@@ -65,46 +80,42 @@ from crossroads.proto.openttd.coordinator import (
     StunResult,
     decode_peer_packet,
     encode_gc_packet,
-    encode_listing_entry,
     error_for_version,
     listing_shape,
-    newgrf_lookup_packets,
-    pack_listing,
 )
-from crossroads.proto.openttd.gameinfo import NewGRFSerialization
 from crossroads.proto.openttd.ladder import (
-    Command,
     ConnectAttempt,
     Finished,
-    IssueTicket,
-    SendToClient,
-    SendToServer,
     Side,
 )
+from crossroads.proto.openttd.listing import lookup_packets
+from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.routing import (
+    Forward,
+    Ignore,
+    Local,
+    attempt_commands,
+    check_commands,
+    report_side,
+    route_forwarded_report,
+    route_peer_report,
+    route_stun_seen,
+)
+from crossroads.proto.openttd.seats import Seats
 from crossroads.proto.openttd.verify import (
     Concluded,
-    Probe,
     RegistrationCheck,
-    VerifyCommand,
 )
-from crossroads.proto.openttd.wire import TCP_MTU
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
-from crossroads.services.openttd.probe import probe_game_server
-from crossroads.services.openttd.registry import (
-    NEWGRF_COUNTER_KEY,
-    SERVERS_KEY,
-    Registry,
-    ServerRecord,
-)
-from crossroads.transport.driver import CoreTimer
+from crossroads.services.openttd.listing import ListingCache
+from crossroads.services.openttd.metrics import CoordinatorMetrics
+from crossroads.services.openttd.registry import Registry
+from crossroads.services.openttd.runners import AttemptRunner, CheckRunner
 
 log = logging.getLogger("crossroads.openttd")
 
-#: Joins one client connection may have under way at once (OpenTTD runs one at
-#: a time; a few allow for refresh-hammering, more is abuse).
-MAX_ATTEMPTS_PER_CONNECTION = 8
 #: New NewGRFs one server session may add to the shared lookup table (a server
 #: has at most 255; twice that covers a change of NewGRFs without letting a
 #: bogus server fill the table).
@@ -140,389 +151,7 @@ class PeerState:
     check: CheckRunner | None = None
     record: ServerRecord | None = None
     newgrf_budget: int = NEWGRF_BUDGET_PER_SESSION
-    attempts: set[str] = field(default_factory=set)
     superseded: bool = False
-
-
-class _Runner:
-    """Executes a core's commands in order, one at a time, and keeps its timer."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.loop = coordinator.loop
-        self.queue: deque[Any] = deque()
-        self.task: asyncio.Task[None] | None = None
-        self.timer = CoreTimer(self.loop, self.deadline, self._on_timer)
-        self.finished = False
-
-    def feed(self, commands: list[Any]) -> None:
-        if commands:
-            self.queue.extend(commands)
-            if self.task is None:
-                self.task = asyncio.create_task(self._drain())
-        self.timer.rearm()
-
-    async def _drain(self) -> None:
-        try:
-            while self.queue:
-                await self.execute(self.queue.popleft())
-        except Exception:
-            log.exception("openttd: command failed")
-        finally:
-            self.task = None
-
-    def _on_timer(self, now: float) -> None:
-        self.feed(self.on_timer(now))
-
-    def cancel(self) -> None:
-        self.finished = True
-        self.timer.close()
-
-    def deadline(self) -> float | None:
-        raise NotImplementedError
-
-    def on_timer(self, now: float) -> list[Any]:
-        raise NotImplementedError
-
-    async def execute(self, command: Any) -> None:
-        raise NotImplementedError
-
-
-class AttemptRunner(_Runner):
-    """Drives one :class:`ConnectAttempt` against real sockets."""
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        attempt: ConnectAttempt,
-        client: PacketConnection,
-        record: ServerRecord,
-    ) -> None:
-        super().__init__(coordinator)
-        self.attempt = attempt
-        self.client = client
-        self.record = record
-        #: Messages held back to time a STUN pairing (cancelled with the runner).
-        self.held: set[asyncio.TimerHandle] = set()
-
-    def deadline(self) -> float | None:
-        return self.attempt.get_timer()
-
-    def on_timer(self, now: float) -> list[Command]:
-        self.measure_round_trips()
-        return self.attempt.handle_timer(now)
-
-    def measure_round_trips(self) -> None:
-        """Tell the attempt both coordinator connections' round trips (the
-        server's only when its connection is on this instance)."""
-        attempt = self.attempt
-        attempt.round_trip(Side.CLIENT, self.client.round_trip())
-        server = self.coordinator.local_servers.get(self.record.code)
-        attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
-
-    def _hold(self, delay: float, command: Command) -> None:
-        def release() -> None:
-            self.held.discard(handle)
-            if not self.finished:
-                self.feed([command])
-
-        handle = self.loop.call_later(delay, release)
-        self.held.add(handle)
-
-    def cancel(self) -> None:
-        super().cancel()
-        for handle in self.held:
-            handle.cancel()
-        self.held.clear()
-
-    async def execute(self, command: Command) -> None:
-        coordinator = self.coordinator
-        log.debug("openttd: join %s -> %s", self.record.code, command)
-        match command:
-            case SendToClient(message, delay) | SendToServer(message, delay) if (
-                delay > 0
-            ):
-                self._hold(delay, dataclasses.replace(command, delay=0.0))
-            case SendToClient(message):
-                coordinator.send(self.client, message)
-            case SendToServer(message):
-                await coordinator.send_to_server(self.record, message)
-            case IssueTicket(ticket):
-                parts = split_ticket(ticket)
-                if parts is not None:
-                    try:
-                        await coordinator.registry.put_ticket(*parts)
-                    except StoreError:
-                        coordinator.metrics.store_errors.inc()
-            case Finished():
-                coordinator.attempt_finished(self, command)
-
-
-class CheckRunner(_Runner):
-    """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
-
-    def __init__(
-        self,
-        coordinator: Coordinator,
-        check: RegistrationCheck,
-        conn: PacketConnection,
-        register: ServerRegister,
-        code: str,
-    ) -> None:
-        super().__init__(coordinator)
-        self.check = check
-        self.conn = conn
-        self.register = register
-        self.code = code
-        self.probes: set[asyncio.Task[None]] = set()
-
-    def deadline(self) -> float | None:
-        return self.check.get_timer()
-
-    def on_timer(self, now: float) -> list[VerifyCommand]:
-        return self.check.handle_timer(now)
-
-    async def execute(self, command: VerifyCommand) -> None:
-        match command:
-            case SendToServer(message):
-                self.coordinator.send(self.conn, message)
-            case Probe(host, port):
-                task = asyncio.create_task(self._probe(host, port))
-                self.probes.add(task)
-                task.add_done_callback(self.probes.discard)
-            case Concluded():
-                await self.coordinator.registration_concluded(self, command)
-
-    async def _probe(self, host: str, port: int) -> None:
-        coordinator = self.coordinator
-        async with coordinator.probe_slots:
-            ok = await probe_game_server(host, port, coordinator.settings.probe_timeout)
-        coordinator.metrics.probes.labels("ok" if ok else "failed").inc()
-        if not self.finished:
-            self.feed(self.check.probe_result(host, ok, self.loop.time()))
-
-    def cancel(self) -> None:
-        super().cancel()
-        for task in list(self.probes):
-            task.cancel()
-
-
-class CoordinatorMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.registrations = Counter(
-            "crossroads_openttd_registrations",
-            "Server registrations, by result and connection type.",
-            ["result", "connection_type"],
-            registry=registry,
-        )
-        self.servers = Gauge(
-            "crossroads_openttd_servers",
-            "Servers registered on this instance.",
-            registry=registry,
-        )
-        self.updates = Counter(
-            "crossroads_openttd_server_updates",
-            "SERVER_UPDATE packets accepted.",
-            registry=registry,
-        )
-        self.listings = Counter(
-            "crossroads_openttd_listings",
-            "CLIENT_LISTING requests answered.",
-            registry=registry,
-        )
-        self.connects = Counter(
-            "crossroads_openttd_connects",
-            "Joins by invite code, by result and by the method that worked or was last tried.",
-            ["result", "method"],
-            registry=registry,
-        )
-        self.errors = Counter(
-            "crossroads_openttd_gc_errors",
-            "GC_ERROR packets sent, by error type.",
-            ["error"],
-            registry=registry,
-        )
-        self.probes = Counter(
-            "crossroads_openttd_probes",
-            "Direct probes (game-protocol exchanges), by result.",
-            ["result"],
-            registry=registry,
-        )
-        self.ignored = Counter(
-            "crossroads_openttd_ignored",
-            "Well-formed reports that were ignored, by reason.",
-            ["reason"],
-            registry=registry,
-        )
-        self.store_errors = Counter(
-            "crossroads_openttd_store_errors",
-            "Store operations that failed.",
-            registry=registry,
-        )
-
-
-class ListingCache:
-    """The server list, re-read from the store at most every ``ttl`` s.
-
-    Clients refresh their server list by hand and all at once after an outage;
-    one HGETALL every couple of seconds serves them all. Only records whose
-    stored bytes changed are parsed again; each listing shape (game-info
-    version, NewGRF serialization, invite codes or not, client revision first)
-    is packed into packets once per refresh and then sent as is.
-
-    :meth:`invalidate` asks for an earlier refresh when a server becomes
-    listable or leaves, but refreshes stay at least :data:`MIN_REFRESH` apart so
-    a registration storm cannot turn every listing into an HGETALL. While one
-    refresh runs, other readers get the previous list.
-    """
-
-    #: Shortest time between two refreshes, even when invalidated.
-    MIN_REFRESH = 0.25
-
-    def __init__(self, registry: Registry, ttl: float) -> None:
-        self.registry = registry
-        self.ttl = ttl
-        self.records: list[ServerRecord] = []
-        self.public: list[ServerRecord] = []
-        self.loaded_at = -1e9
-        self._dirty = True
-        self._lock = asyncio.Lock()
-        self._raw: dict[str, tuple[bytes, ServerRecord]] = {}
-        self._entries: dict[tuple[str, float, int, int], bytes] = {}
-        self._packed: dict[tuple[int, int, bool, str], list[bytes]] = {}
-        self._newgrf_max = 0
-
-    def _fresh(self, now: float) -> bool:
-        age = now - self.loaded_at
-        return age < self.ttl and not (self._dirty and age >= self.MIN_REFRESH)
-
-    async def all(self, now: float) -> list[ServerRecord]:
-        if self._fresh(now):
-            return self.records
-        if self._lock.locked() and self.loaded_at > -1e9:
-            # A refresh is under way (an HGETALL of every record): serve the
-            # list it replaces rather than make every client wait for it.
-            return self.records
-        async with self._lock:
-            if self._fresh(now):
-                return self.records
-            self._dirty = False
-            raw = await self.registry.store.hgetall(SERVERS_KEY)
-            wall = self.registry.wall_clock()
-            parsed: dict[str, tuple[bytes, ServerRecord]] = {}
-            dead: list[str] = []
-            for code, value in raw.items():
-                previous = self._raw.get(code)
-                if previous is not None and previous[0] == value:
-                    record = previous[1]
-                else:
-                    try:
-                        record = ServerRecord.from_json(value)
-                    except (ValueError, KeyError, TypeError):
-                        dead.append(code)
-                        continue
-                if record.expires < wall:
-                    dead.append(code)
-                    continue
-                parsed[code] = (value, record)
-            # A record whose instance stopped heartbeating (killed, crashed)
-            # names a server nobody holds a connection to: not listed, swept.
-            gone = await self.registry.dead_instances(
-                {r.owner for _, r in parsed.values()}
-            )
-            for code, (_, record) in list(parsed.items()):
-                if record.owner in gone:
-                    dead.append(code)
-                    del parsed[code]
-            self._raw = parsed
-            if dead:
-                await self.registry.sweep(dead)
-            live = sorted((r for _, r in parsed.values()), key=lambda r: r.registered)
-            self.records = live
-            self.public = [r for r in live if r.public]
-            self.loaded_at = now
-            counter = await self.registry.store.get(NEWGRF_COUNTER_KEY)
-            if counter is not None and int(counter) > self._newgrf_max:
-                await self.registry.load_newgrfs()
-                self._newgrf_max = int(counter)
-            keep = {(r.code, r.updated) for r in self.public}
-            self._entries = {k: v for k, v in self._entries.items() if k[:2] in keep}
-            self._packed = {}
-            return live
-
-    def invalidate(self) -> None:
-        self._dirty = True
-
-    def packets(
-        self,
-        version: int,
-        nst: NewGRFSerialization,
-        invite_codes: bool,
-        revision: str,
-    ) -> list[bytes]:
-        """The GC_LISTING packets for one listing shape (cached until refresh).
-
-        Servers of the client's own revision come first, as with the reference
-        coordinator, so a client sees the servers it can join at the top.
-        """
-        key = (version, int(nst), invite_codes, revision)
-        packed = self._packed.get(key)
-        if packed is not None:
-            return packed
-        same: list[bytes] = []
-        other: list[bytes] = []
-        for record in self.public:
-            entry = self.entry(record, version, nst, invite_codes)
-            if entry is None:
-                continue
-            assert record.info is not None
-            (same if record.info.server_revision == revision else other).append(entry)
-        packed = pack_listing(same + other)
-        if len(self._packed) >= 64:
-            # Bounded: revisions are client input.
-            self._packed.clear()
-        self._packed[key] = packed
-        return packed
-
-    def entry(
-        self,
-        record: ServerRecord,
-        version: int,
-        nst: NewGRFSerialization,
-        invite_codes: bool = True,
-    ) -> bytes | None:
-        """One server's listing bytes; None when it cannot be listed this way.
-
-        A client below protocol 2 knows no invite codes: it gets the server's
-        first direct address as ``ip:port``, or nothing.
-        """
-        key = (
-            record.code,
-            record.updated,
-            version,
-            int(nst) + (0 if invite_codes else 16),
-        )
-        cached = self._entries.get(key)
-        if cached is not None:
-            return cached
-        assert record.info is not None
-        connection_string = record.connection_string
-        if not invite_codes:
-            if not record.direct:
-                return None
-            host, port = record.direct[0]
-            connection_string = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            data = encode_listing_entry(
-                ListingEntry(connection_string, record.info),
-                version,
-                nst,
-                self.registry.newgrf_index,
-            )
-        except Exception:
-            return None  # e.g. a NewGRF without a lookup index: leave it out
-        self._entries[key] = data
-        return data
 
 
 class Coordinator:
@@ -560,10 +189,10 @@ class Coordinator:
         self.wall_clock = wall_clock
         self.loop = asyncio.get_running_loop()
         self.metrics = CoordinatorMetrics(metrics)
-        self.local_servers: dict[str, PacketConnection] = {}
-        self.servers_per_address: dict[str, int] = {}
-        self.attempts: dict[str, AttemptRunner] = {}
-        self.attempts_by_server: dict[str, set[str]] = {}
+        self.seats: Seats[PacketConnection] = Seats()
+        #: The servers registered here, by invite code (the seats' own dict).
+        self.local_servers = self.seats.by_code
+        self.attempts: AttemptBook[AttemptRunner, PacketConnection] = AttemptBook()
         self.checks: dict[str, CheckRunner] = {}
         self.listing = ListingCache(registry, settings.listing_cache)
         self.register_limiter = AddressRateLimiter(settings.registrations_per_minute)
@@ -592,6 +221,11 @@ class Coordinator:
         if close:
             conn.close(f"gc-error-{error.name.lower()}")
 
+    def refuse(self, conn: PacketConnection, refusal: Refusal, kind: str) -> None:
+        """A refused registration: counted, answered, closed."""
+        self.metrics.registrations.labels(refusal.result, kind).inc()
+        self.fail(conn, refusal.error, refusal.detail, refusal.close)
+
     def local_server_list(self) -> list[tuple[str, PacketConnection, PeerState]]:
         """(invite code, connection, state) of every server registered here."""
         return [
@@ -613,10 +247,7 @@ class Coordinator:
         if conn is not None:
             conn.send(data)
             return
-        await self.bus.send(
-            record.owner,
-            {"t": "send", "code": record.code, "data": base64.b64encode(data).decode()},
-        )
+        await self.bus.send(record.owner, ForwardToServer(record.code, data))
 
     # ------------------------------------------------------ PacketHandler API
 
@@ -653,16 +284,16 @@ class Coordinator:
                     conn,
                     state,
                     message.token,
-                    {"ev": "failed", "n": message.tracking_number},
+                    ConnectFailedReport(message.tracking_number),
                 )
             case ClientConnected():
-                await self.on_report(conn, state, message.token, {"ev": "connected"})
+                await self.on_report(conn, state, message.token, ConnectedReport())
             case StunResult():
                 await self.on_report(
                     conn,
                     state,
                     message.token,
-                    {"ev": "stun", "family": message.family, "ok": message.result},
+                    StunReport(message.family, message.result),
                 )
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:
@@ -678,18 +309,13 @@ class Coordinator:
             self.checks.pop(state.check.check.check_key, None)
             state.check.cancel()
             state.check = None
-        for key in list(state.attempts):
-            runner = self.attempts.get(key)
-            if runner is not None:
-                runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
+        for runner in self.attempts.of_client(conn):
+            runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
         code = state.code
-        if code is not None and self.local_servers.get(code) is conn:
-            del self.local_servers[code]
-            self._count_server(conn.host, -1)
-            for key in list(self.attempts_by_server.get(code, ())):
-                runner = self.attempts.get(key)
-                if runner is not None:
-                    runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
+        if code is not None and self.seats.release(code, conn):
+            self.metrics.servers.set(len(self.seats))
+            for runner in self.attempts.of_code(code):
+                runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
             if not state.superseded:
                 task = asyncio.create_task(self._forget_server(code, state.session))
                 task.add_done_callback(_log_task_error)
@@ -701,16 +327,6 @@ class Coordinator:
             self.metrics.store_errors.inc()
         self.listing.invalidate()
 
-    def _count_server(self, host: str, delta: int) -> None:
-        # Per source as the admission counts them (an IPv6 /64, not an address).
-        address = source_key(host)
-        count = self.servers_per_address.get(address, 0) + delta
-        if count <= 0:
-            self.servers_per_address.pop(address, None)
-        else:
-            self.servers_per_address[address] = count
-        self.metrics.servers.set(len(self.local_servers))
-
     # --------------------------------------------------------- registration
 
     async def on_register(
@@ -720,39 +336,15 @@ class Coordinator:
         if state.check is not None:
             self.metrics.ignored.labels("register-during-check").inc()
             return
-        if not self.register_limiter.allow(conn.host, now):
-            self.metrics.registrations.labels("rate-limited", "none").inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "too many registrations from your address",
-                close=True,
-            )
-            return
-        if (
-            msg.game_type not in (ServerGameType.PUBLIC, ServerGameType.INVITE_ONLY)
-            or msg.server_port == 0
-        ):
-            self.metrics.registrations.labels("refused", "none").inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "invalid game type or port",
-                close=True,
-            )
-            return
-        if (
-            state.code is None
-            and self.servers_per_address.get(source_key(conn.host), 0)
-            >= self.settings.max_servers_per_address
-        ):
-            self.metrics.registrations.labels("over-address-limit", "none").inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "too many servers from your address",
-                close=True,
-            )
+        refusal = refuse_registration(
+            msg,
+            self.register_limiter.allow(conn.host, now),
+            state.code is not None,
+            self.seats.count_from(conn.host),
+            self.settings.max_servers_per_address,
+        )
+        if refusal is not None:
+            self.refuse(conn, refusal, "none")
             return
         code = await self._choose_code(conn, state, msg)
         if code is None:
@@ -812,21 +404,15 @@ class Coordinator:
     async def _can_take_over(
         self, conn: PacketConnection, msg: ServerRegister, existing: ServerRecord
     ) -> bool:
-        """A live record of the code exists: is this the same server coming back?
-
-        The same source address and game port can only be the same server (two
-        servers cannot listen on one address and port), typically reconnecting
-        before we noticed its old connection died; the old session is dropped.
-        A record whose instance is gone is stale. Anything else is a second
-        server with a copied secret, and gets REUSE_OF_INVITE_CODE.
-        """
-        same = existing.source == conn.host and existing.port == msg.server_port
+        """Whether this registration may take ``existing``'s code
+        (:func:`~crossroads.proto.openttd.admission.may_take_over`)."""
         alive = existing.owner == self.instance or await self.registry.instance_alive(
             existing.owner
         )
-        if alive and not same:
+        verdict = may_take_over(existing, conn.host, msg.server_port, alive)
+        if verdict is None:
             return False
-        if alive:
+        if verdict.drop_session:
             await self._drop_session(existing.owner, existing.code, existing.session)
         return True
 
@@ -834,7 +420,7 @@ class Coordinator:
         if owner == self.instance:
             self.drop_local(code, session)
         else:
-            await self.bus.send(owner, {"t": "drop", "code": code, "session": session})
+            await self.bus.send(owner, DropSession(code, session))
 
     def drop_local(self, code: str, session: str) -> None:
         conn = self.local_servers.get(code)
@@ -860,25 +446,18 @@ class Coordinator:
             return
         code = runner.code
         msg = runner.register
-        wall = self.wall_clock()
-        previous = state.record if state.code == code else None
-        session = state.session if previous is not None else runner.check.check_key
-        record = ServerRecord(
+        record = registered_record(
             code=code,
-            owner=self.instance,
-            session=session,
-            protocol=msg.protocol,
-            game_type=msg.game_type,
-            connection_type=int(result.connection_type),
+            instance=self.instance,
+            msg=msg,
+            result=result,
             source=conn.host,
-            port=msg.server_port,
-            direct=list(result.direct),
-            registered=previous.registered if previous else wall,
-            expires=wall + self.settings.server_ttl,
-            game_info_version=previous.game_info_version if previous else 0,
-            info=previous.info if previous else None,
-            updated=previous.updated if previous else 0.0,
+            new_session=runner.check.check_key,
+            previous=state.record if state.code == code else None,
+            wall=self.wall_clock(),
+            ttl=self.settings.server_ttl,
         )
+        session = record.session
         try:
             await self.registry.put_server(record)
         except StoreError:
@@ -890,20 +469,11 @@ class Coordinator:
                 close=True,
             )
             return
-        if (
-            state.code is not None
-            and state.code != code
-            and self.local_servers.get(state.code) is conn
-        ):
-            del self.local_servers[state.code]
-            self._count_server(conn.host, -1)
-        if self.local_servers.get(code) is not conn:
-            old = self.local_servers.get(code)
-            if old is not None:
-                self.state(old).superseded = True
-                old.close("superseded")
-            self.local_servers[code] = conn
-            self._count_server(conn.host, +1)
+        displaced = self.seats.take(code, conn, conn.host, state.code)
+        if displaced is not None:
+            self.state(displaced).superseded = True
+            displaced.close("superseded")
+        self.metrics.servers.set(len(self.seats))
         state.code = code
         state.session = session
         state.record = record
@@ -970,13 +540,11 @@ class Coordinator:
         await self.listing.all(self.loop.time())
         version, nst = listing_shape(msg.protocol, msg.game_info_version)
         if msg.protocol >= VERSION_NEWGRF_LOOKUP:
-            table = self.registry.newgrf_by_index
-            top = max(table, default=0)
-            cursor = msg.newgrf_cursor if msg.newgrf_cursor <= top else 0
-            fresh = sorted((i, g) for i, g in table.items() if i > cursor)
-            for data in newgrf_lookup_packets(fresh, top):
+            for data in lookup_packets(
+                self.registry.newgrf_by_index, msg.newgrf_cursor
+            ):
                 conn.send(data)
-        packets = self.listing.packets(
+        packets = self.listing.packer.packets(
             version, nst, msg.protocol >= VERSION_INVITE_CODES, msg.revision
         )
         for data in packets:
@@ -1008,15 +576,16 @@ class Coordinator:
                 except StoreError:
                     self.metrics.store_errors.inc()
                     self.guesses.refund(conn.host)  # not a wrong guess
-        if record is None:
-            self.metrics.connects.labels("invalid-code", "none").inc()
-            self.fail(conn, ErrorType.INVALID_INVITE_CODE, code[:63], close=False)
+        if record is not None:
+            self.guesses.refund(conn.host)
+        refusal = refuse_join(
+            code, record is not None, self.attempts.count_of_client(conn)
+        )
+        if refusal is not None:
+            self.metrics.connects.labels(refusal.result, "none").inc()
+            self.fail(conn, refusal.error, refusal.detail, refusal.close)
             return
-        self.guesses.refund(conn.host)
-        if len(state.attempts) >= MAX_ATTEMPTS_PER_CONNECTION:
-            self.metrics.connects.labels("too-many", "none").inc()
-            self.fail(conn, ErrorType.UNKNOWN, "too many joins at once", close=True)
-            return
+        assert record is not None
         now = self.loop.time()
         key = make_attempt_id(self.instance, self.random_bytes(12))
         turn = self.turn_address(conn)
@@ -1034,21 +603,13 @@ class Coordinator:
         )
         runner = AttemptRunner(self, attempt, conn, record)
         runner.measure_round_trips()
-        self.attempts[key] = runner
-        self.attempts_by_server.setdefault(code, set()).add(key)
-        state.attempts.add(key)
+        self.attempts.add(key, code, conn, runner)
         runner.feed(attempt.start(now))
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
         runner.cancel()
         key = runner.attempt.attempt_key
-        self.attempts.pop(key, None)
-        keys = self.attempts_by_server.get(runner.record.code)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self.attempts_by_server[runner.record.code]
-        self.state(runner.client).attempts.discard(key)
+        self.attempts.remove(key)
         outcome = "ok" if result.success else "failed"
         self.metrics.connects.labels(outcome, result.method).inc()
         log.info(
@@ -1066,86 +627,61 @@ class Coordinator:
         conn: PacketConnection,
         state: PeerState,
         token: str,
-        event: dict[str, Any],
+        report: Report,
     ) -> None:
-        parsed = parse_token(token)
-        if parsed is None:
-            self.metrics.ignored.labels("unknown-token").inc()
-            return
-        if parsed.instance == self.instance:
-            self.local_report(parsed, event, conn, state.code)
-            return
-        if parsed.side is TokenSide.SERVER and state.code is not None:
-            await self.bus.send(
-                parsed.instance,
-                {"t": "event", "token": token, "code": state.code, **event},
-            )
-            return
-        self.metrics.ignored.labels("foreign-token").inc()
+        match route_peer_report(token, report, self.instance, state.code):
+            case Local(parsed):
+                self.local_report(parsed, report, conn, state.code)
+            case Forward(instance, message):
+                await self.bus.send(instance, message)
+            case Ignore(reason):
+                self.metrics.ignored.labels(reason).inc()
 
     def local_report(
         self,
         parsed: ParsedToken,
-        event: dict[str, Any],
+        report: Report,
         conn: PacketConnection | None,
         server_code: str | None,
     ) -> None:
-        """A report on one of our attempts or checks; check who sent it."""
+        """A report on one of our attempts or checks (proto/openttd/routing.py)."""
         now = self.loop.time()
         log.debug(
-            "openttd: report %s on %s%s", event, parsed.side.value, parsed.attempt_key
+            "openttd: report %s on %s%s", report, parsed.side.value, parsed.attempt_key
         )
-        kind = event.get("ev")
         key = parsed.attempt_key
         if parsed.side is TokenSide.VERIFY:
             check = self.checks.get(key)
             if check is None or conn is not check.conn:
                 self.metrics.ignored.labels("stale-token").inc()
                 return
-            if kind == "stun":
-                check.feed(
-                    check.check.stun_result(
-                        int(event["family"]), bool(event["ok"]), now
-                    )
-                )
-            # Other reports on a V token carry nothing we need.
+            check.feed(check_commands(check.check, report, now))
             return
         runner = self.attempts.get(key)
         if runner is None:
             self.metrics.ignored.labels("stale-token").inc()
             return
-        if parsed.side is TokenSide.CLIENT:
-            if conn is not runner.client:
-                self.metrics.ignored.labels("wrong-sender").inc()
-                return
-            side = Side.CLIENT
-        else:
-            if server_code != runner.record.code:
-                self.metrics.ignored.labels("wrong-sender").inc()
-                return
-            side = Side.SERVER
-        attempt = runner.attempt
-        match kind:
-            case "failed":
-                runner.feed(attempt.connect_failed(side, int(event["n"]), now))
-            case "connected" if side is Side.CLIENT:
-                runner.feed(attempt.connected(now))
-            case "stun":
-                runner.measure_round_trips()
-                runner.feed(
-                    attempt.stun_result(
-                        side, int(event["family"]), bool(event["ok"]), now
-                    )
-                )
-            case _:
-                self.metrics.ignored.labels("bad-report").inc()
+        side = report_side(
+            parsed, conn is runner.client, server_code, runner.record.code
+        )
+        if isinstance(side, Ignore):
+            self.metrics.ignored.labels(side.reason).inc()
+            return
+        if isinstance(report, StunReport):
+            runner.measure_round_trips()
+        commands = attempt_commands(runner.attempt, side, report, now)
+        if isinstance(commands, Ignore):
+            self.metrics.ignored.labels(commands.reason).inc()
+            return
+        runner.feed(commands)
 
     def stun_seen(self, token: str, family: int, host: str, port: int) -> None:
         """The STUN service saw ``token`` (ours) arrive from host:port."""
-        parsed = parse_token(token)
-        if parsed is None or parsed.instance != self.instance:
-            self.metrics.ignored.labels("unknown-token").inc()
+        route = route_stun_seen(token, self.instance)
+        if isinstance(route, Ignore):
+            self.metrics.ignored.labels(route.reason).inc()
             return
+        parsed = route.parsed
         log.debug(
             "openttd: STUN saw %s family %d from %s:%d", token, family, host, port
         )
@@ -1163,43 +699,30 @@ class Coordinator:
         runner.measure_round_trips()
         runner.feed(runner.attempt.stun_observed(side, family, host, port, now))
 
-    def on_bus(self, message: dict[str, Any]) -> None:
+    def on_bus(self, message: BusMessage) -> None:
         """A command from another instance (or from our own STUN listener)."""
-        match message.get("t"):
-            case "send":
-                conn = self.local_servers.get(str(message.get("code")))
+        match message:
+            case ForwardToServer(code, data):
+                conn = self.local_servers.get(code)
                 if conn is None:
                     self.metrics.ignored.labels("send-to-unknown-server").inc()
                     return
-                data = base64.b64decode(str(message["data"]), validate=True)
-                if len(data) <= TCP_MTU:
-                    conn.send(data)
-            case "event":
-                parsed = parse_token(str(message.get("token", "")))
-                if (
-                    parsed is None
-                    or parsed.instance != self.instance
-                    or parsed.side is not TokenSide.SERVER
-                ):
-                    self.metrics.ignored.labels("bad-bus-event").inc()
-                    return
-                self.local_report(parsed, message, None, str(message.get("code")))
-            case "seen":
-                self.stun_seen(
-                    str(message["token"]),
-                    int(message["family"]),
-                    str(message["host"]),
-                    int(message["port"]),
-                )
-            case "drop":
-                self.drop_local(str(message.get("code")), str(message.get("session")))
-            case _:
-                self.metrics.ignored.labels("bad-bus-message").inc()
+                conn.send(data)
+            case PeerReport(_, code, report):
+                match route_forwarded_report(message, self.instance):
+                    case Local(parsed):
+                        self.local_report(parsed, report, None, code)
+                    case Ignore(reason):
+                        self.metrics.ignored.labels(reason).inc()
+            case StunSeen(token, family, host, port):
+                self.stun_seen(token, family, host, port)
+            case DropSession(code, session):
+                self.drop_local(code, session)
 
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
-        for runner in list(self.attempts.values()):
+        for runner in self.attempts.drivers():
             runner.cancel()
             if runner.task is not None:
                 runner.task.cancel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
+from crossroads.proto.openttd.bus import StunSeen
 from crossroads.proto.openttd.codes import parse_token
 from crossroads.proto.openttd.stun import decode_stun_packet
 from crossroads.services.openttd.bus import Bus
@@ -47,14 +48,7 @@ class StunService:
             return
         host, port = conn.peer
         await self.bus.send(
-            parsed.instance,
-            {
-                "t": "seen",
-                "token": request.token,
-                "family": request.family,
-                "host": host,
-                "port": port,
-            },
+            parsed.instance, StunSeen(request.token, request.family, host, port)
         )
         self.requests.labels("ok").inc()
 

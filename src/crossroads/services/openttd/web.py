@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from crossroads.services.openttd.registry import ServerRecord
+from crossroads.proto.openttd.record import ServerRecord
 from crossroads.web.app import ApiError
 
 LANDSCAPES = ("temperate", "arctic", "tropic", "toyland")

@@ -1,0 +1,178 @@
+"""The server list: which stored records are live, and their GC_LISTING packets.
+
+Theory of operation. The service (``ListingCache`` in
+services/openttd/listing.py) re-reads the ``openttd:servers`` hash at most
+every few seconds and hands the raw values to :func:`sort_records` with what the previous
+refresh parsed: only values whose bytes changed are parsed again, and records
+that are corrupt or past their ``expires`` (wall clock) are named for sweeping.
+:func:`without_owners` then drops the records of instances that stopped
+heartbeating (the service asks the Store which ones). The survivors, oldest
+registration first, go to :meth:`ListingPacker.refresh`. A client at
+protocol 4 or later first gets the NewGRF lookup entries it lacks
+(:func:`lookup_packets`).
+
+:class:`ListingPacker` turns the public records into the GC_LISTING packets of
+one listing shape (game-info version, NewGRF serialization, invite codes or
+not, client revision first): each shape is packed once per refresh and then
+sent as is; each server's entry bytes are kept across refreshes while the
+record's ``updated`` stamp is unchanged. Everything here is pure: no Store, no
+clock, no sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+from crossroads.proto.openttd.coordinator import (
+    ListingEntry,
+    encode_listing_entry,
+    newgrf_lookup_packets,
+    pack_listing,
+)
+from crossroads.proto.openttd.gameinfo import NewGRF, NewGRFSerialization
+from crossroads.proto.openttd.record import ServerRecord
+
+#: Listing shapes kept packed at once: revisions are client input, so the
+#: cache of shapes is bounded and starts over when full.
+MAX_SHAPES = 64
+#: Added to the NewGRF serialization in an entry's cache key for the
+#: no-invite-code form (serializations are 0..3, protocol 6 and earlier).
+NO_INVITE_CODES = 16
+
+Parsed = dict[str, tuple[bytes, ServerRecord]]
+
+
+def sort_records(
+    raw: Mapping[str, bytes], previous: Parsed, wall: float
+) -> tuple[Parsed, list[str]]:
+    """The live records among ``raw`` (by code, with their bytes) and the codes
+    to sweep (corrupt or expired at wall-clock time ``wall``)."""
+    parsed: Parsed = {}
+    dead: list[str] = []
+    for code, value in raw.items():
+        known = previous.get(code)
+        if known is not None and known[0] == value:
+            record = known[1]
+        else:
+            try:
+                record = ServerRecord.from_json(value)
+            except (ValueError, KeyError, TypeError):
+                dead.append(code)
+                continue
+        if record.expires < wall:
+            dead.append(code)
+            continue
+        parsed[code] = (value, record)
+    return parsed, dead
+
+
+def without_owners(parsed: Parsed, gone: Collection[str]) -> list[str]:
+    """Remove from ``parsed`` the records owned by a ``gone`` instance (a
+    record whose instance stopped heartbeating names a server nobody holds a
+    connection to); returns their codes, to sweep."""
+    dead = [code for code, (_, record) in parsed.items() if record.owner in gone]
+    for code in dead:
+        del parsed[code]
+    return dead
+
+
+def lookup_packets(table: Mapping[int, NewGRF], cursor: int) -> list[bytes]:
+    """The GC_NEWGRF_LOOKUP packets a client whose table ends at ``cursor``
+    needs before a listing: the entries after its cursor, or all of them when
+    the cursor is beyond ours (another deployment's table, or ours was reset).
+    Reference sections 4-5: the packets carry our highest index as the
+    client's next cursor."""
+    top = max(table, default=0)
+    if cursor > top:
+        cursor = 0
+    fresh = sorted((index, grf) for index, grf in table.items() if index > cursor)
+    return newgrf_lookup_packets(fresh, top)
+
+
+class ListingPacker:
+    """GC_LISTING packets of the public servers (module docstring)."""
+
+    def __init__(self, newgrf_index: Mapping[tuple[int, bytes], int]) -> None:
+        #: The shared NewGRF lookup table (filled in place by the registry).
+        self.newgrf_index = newgrf_index
+        self.public: list[ServerRecord] = []
+        self._entries: dict[tuple[str, float, int, int], bytes] = {}
+        self._packed: dict[tuple[int, int, bool, str], list[bytes]] = {}
+
+    def refresh(self, public: list[ServerRecord]) -> None:
+        """A new list of public servers: repack every shape on demand, keep
+        the entries of servers whose record did not change."""
+        self.public = public
+        keep = {(r.code, r.updated) for r in public}
+        self._entries = {k: v for k, v in self._entries.items() if k[:2] in keep}
+        self._packed = {}
+
+    def packets(
+        self,
+        version: int,
+        nst: NewGRFSerialization,
+        invite_codes: bool,
+        revision: str,
+    ) -> list[bytes]:
+        """The GC_LISTING packets for one listing shape (cached until refresh).
+
+        Servers of the client's own revision come first, as with the reference
+        coordinator, so a client sees the servers it can join at the top.
+        """
+        key = (version, int(nst), invite_codes, revision)
+        packed = self._packed.get(key)
+        if packed is not None:
+            return packed
+        same: list[bytes] = []
+        other: list[bytes] = []
+        for record in self.public:
+            entry = self.entry(record, version, nst, invite_codes)
+            if entry is None:
+                continue
+            assert record.info is not None
+            (same if record.info.server_revision == revision else other).append(entry)
+        packed = pack_listing(same + other)
+        if len(self._packed) >= MAX_SHAPES:
+            self._packed.clear()
+        self._packed[key] = packed
+        return packed
+
+    def entry(
+        self,
+        record: ServerRecord,
+        version: int,
+        nst: NewGRFSerialization,
+        invite_codes: bool = True,
+    ) -> bytes | None:
+        """One server's listing bytes; None when it cannot be listed this way.
+
+        A client below protocol 2 knows no invite codes: it gets the server's
+        first direct address as ``ip:port``, or nothing.
+        """
+        key = (
+            record.code,
+            record.updated,
+            version,
+            int(nst) + (0 if invite_codes else NO_INVITE_CODES),
+        )
+        cached = self._entries.get(key)
+        if cached is not None:
+            return cached
+        assert record.info is not None
+        connection_string = record.connection_string
+        if not invite_codes:
+            if not record.direct:
+                return None
+            host, port = record.direct[0]
+            connection_string = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            data = encode_listing_entry(
+                ListingEntry(connection_string, record.info),
+                version,
+                nst,
+                self.newgrf_index,
+            )
+        except Exception:
+            return None  # e.g. a NewGRF without a lookup index: leave it out
+        self._entries[key] = data
+        return data

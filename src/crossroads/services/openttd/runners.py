@@ -1,0 +1,243 @@
+"""Runners: each drives one sans-I/O OpenTTD core against real sockets.
+
+An :class:`AttemptRunner` runs a join's
+:class:`~crossroads.proto.openttd.ladder.ConnectAttempt`, a
+:class:`CheckRunner` a registration's
+:class:`~crossroads.proto.openttd.verify.RegistrationCheck`. Each executes its
+core's commands in order, one at a time (a command may await the Store or the
+bus), and keeps the core's single timer with a
+:class:`~crossroads.transport.driver.CoreTimer`. What a command needs from the
+coordinator service is the small :class:`RunnerOwner` interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import deque
+from typing import Any, Protocol
+
+from crossroads.errors import StoreError
+from crossroads.proto.openttd.codes import split_ticket
+from crossroads.proto.openttd.coordinator import GcMessage, ServerRegister
+from crossroads.proto.openttd.ladder import (
+    Command,
+    ConnectAttempt,
+    Finished,
+    IssueTicket,
+    SendToClient,
+    SendToServer,
+    Side,
+)
+from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.verify import (
+    Concluded,
+    Probe,
+    RegistrationCheck,
+    VerifyCommand,
+)
+from crossroads.services.openttd.conn import PacketConnection
+from crossroads.services.openttd.metrics import CoordinatorMetrics
+from crossroads.services.openttd.probe import probe_game_server
+from crossroads.services.openttd.registry import Registry
+from crossroads.transport.driver import CoreTimer
+
+log = logging.getLogger("crossroads.openttd")
+
+
+class ProbeSettings(Protocol):
+    @property
+    def probe_timeout(self) -> float: ...
+
+
+class RunnerOwner(Protocol):
+    """What the runners use of the coordinator service."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+    @property
+    def registry(self) -> Registry: ...
+    @property
+    def metrics(self) -> CoordinatorMetrics: ...
+    @property
+    def settings(self) -> ProbeSettings: ...
+    @property
+    def probe_slots(self) -> asyncio.Semaphore: ...
+    @property
+    def local_servers(self) -> dict[str, PacketConnection]: ...
+
+    def send(self, conn: PacketConnection, message: GcMessage) -> None: ...
+
+    async def send_to_server(
+        self, record: ServerRecord, message: GcMessage
+    ) -> None: ...
+
+    def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None: ...
+
+    async def registration_concluded(
+        self, runner: CheckRunner, result: Concluded
+    ) -> None: ...
+
+
+class _Runner:
+    """Executes a core's commands in order, one at a time, and keeps its timer."""
+
+    def __init__(self, coordinator: RunnerOwner) -> None:
+        self.coordinator = coordinator
+        self.loop = coordinator.loop
+        self.queue: deque[Any] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.timer = CoreTimer(self.loop, self.deadline, self._on_timer)
+        self.finished = False
+
+    def feed(self, commands: list[Any]) -> None:
+        if commands:
+            self.queue.extend(commands)
+            if self.task is None:
+                self.task = asyncio.create_task(self._drain())
+        self.timer.rearm()
+
+    async def _drain(self) -> None:
+        try:
+            while self.queue:
+                await self.execute(self.queue.popleft())
+        except Exception:
+            log.exception("openttd: command failed")
+        finally:
+            self.task = None
+
+    def _on_timer(self, now: float) -> None:
+        self.feed(self.on_timer(now))
+
+    def cancel(self) -> None:
+        self.finished = True
+        self.timer.close()
+
+    def deadline(self) -> float | None:
+        raise NotImplementedError
+
+    def on_timer(self, now: float) -> list[Any]:
+        raise NotImplementedError
+
+    async def execute(self, command: Any) -> None:
+        raise NotImplementedError
+
+
+class AttemptRunner(_Runner):
+    """Drives one :class:`ConnectAttempt` against real sockets."""
+
+    def __init__(
+        self,
+        coordinator: RunnerOwner,
+        attempt: ConnectAttempt,
+        client: PacketConnection,
+        record: ServerRecord,
+    ) -> None:
+        super().__init__(coordinator)
+        self.attempt = attempt
+        self.client = client
+        self.record = record
+        #: Messages held back to time a STUN pairing (cancelled with the runner).
+        self.held: set[asyncio.TimerHandle] = set()
+
+    def deadline(self) -> float | None:
+        return self.attempt.get_timer()
+
+    def on_timer(self, now: float) -> list[Command]:
+        self.measure_round_trips()
+        return self.attempt.handle_timer(now)
+
+    def measure_round_trips(self) -> None:
+        """Tell the attempt both coordinator connections' round trips (the
+        server's only when its connection is on this instance)."""
+        attempt = self.attempt
+        attempt.round_trip(Side.CLIENT, self.client.round_trip())
+        server = self.coordinator.local_servers.get(self.record.code)
+        attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
+
+    def _hold(self, delay: float, command: Command) -> None:
+        def release() -> None:
+            self.held.discard(handle)
+            if not self.finished:
+                self.feed([command])
+
+        handle = self.loop.call_later(delay, release)
+        self.held.add(handle)
+
+    def cancel(self) -> None:
+        super().cancel()
+        for handle in self.held:
+            handle.cancel()
+        self.held.clear()
+
+    async def execute(self, command: Command) -> None:
+        coordinator = self.coordinator
+        log.debug("openttd: join %s -> %s", self.record.code, command)
+        match command:
+            case SendToClient(message, delay) | SendToServer(message, delay) if (
+                delay > 0
+            ):
+                self._hold(delay, dataclasses.replace(command, delay=0.0))
+            case SendToClient(message):
+                coordinator.send(self.client, message)
+            case SendToServer(message):
+                await coordinator.send_to_server(self.record, message)
+            case IssueTicket(ticket):
+                parts = split_ticket(ticket)
+                if parts is not None:
+                    try:
+                        await coordinator.registry.put_ticket(*parts)
+                    except StoreError:
+                        coordinator.metrics.store_errors.inc()
+            case Finished():
+                coordinator.attempt_finished(self, command)
+
+
+class CheckRunner(_Runner):
+    """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
+
+    def __init__(
+        self,
+        coordinator: RunnerOwner,
+        check: RegistrationCheck,
+        conn: PacketConnection,
+        register: ServerRegister,
+        code: str,
+    ) -> None:
+        super().__init__(coordinator)
+        self.check = check
+        self.conn = conn
+        self.register = register
+        self.code = code
+        self.probes: set[asyncio.Task[None]] = set()
+
+    def deadline(self) -> float | None:
+        return self.check.get_timer()
+
+    def on_timer(self, now: float) -> list[VerifyCommand]:
+        return self.check.handle_timer(now)
+
+    async def execute(self, command: VerifyCommand) -> None:
+        match command:
+            case SendToServer(message):
+                self.coordinator.send(self.conn, message)
+            case Probe(host, port):
+                task = asyncio.create_task(self._probe(host, port))
+                self.probes.add(task)
+                task.add_done_callback(self.probes.discard)
+            case Concluded():
+                await self.coordinator.registration_concluded(self, command)
+
+    async def _probe(self, host: str, port: int) -> None:
+        coordinator = self.coordinator
+        async with coordinator.probe_slots:
+            ok = await probe_game_server(host, port, coordinator.settings.probe_timeout)
+        coordinator.metrics.probes.labels("ok" if ok else "failed").inc()
+        if not self.finished:
+            self.feed(self.check.probe_result(host, ok, self.loop.time()))
+
+    def cancel(self) -> None:
+        super().cancel()
+        for task in list(self.probes):
+            task.cancel()
