@@ -78,7 +78,6 @@ from crossroads.services.base import (
 from crossroads.services.relay_dtls import RelayDtls
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
-from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.relay_ws import WebSocketListener
@@ -1058,9 +1057,7 @@ def client_policy(cfg: Config, ctx: ServiceContext, public_host: str) -> Address
     admitted = scopes_for([public_host])
     if cfg.allow_private_peers:
         admitted |= {Scope.LOOPBACK, Scope.PRIVATE, Scope.LINK_LOCAL}
-    return AddressPolicy(
-        self_addresses=own_addresses(ctx.config, ctx.shared), admitted=admitted
-    )
+    return AddressPolicy(self_addresses=ctx.own_addresses(), admitted=admitted)
 
 
 async def listen_websockets(
@@ -1195,7 +1192,6 @@ async def serve(ctx: ServiceContext) -> Service:
             await node.close()
             raise
         ctx.metrics.register(RelayCollector(node))
-        ctx.shared["relay.node"] = node
     api = not cfg.node_only
     api_keys: ApiKeys | None = None
     service = RelayService(node, api, bound)
@@ -1220,7 +1216,6 @@ async def serve(ctx: ServiceContext) -> Service:
             join_budget=ctx.guess_budget(),
         )
         ctx.add_router(router)
-        ctx.shared["relay.allocator"] = allocator
         service.allocator = allocator
         if not cfg.api_keys:
             log.warning(
