@@ -23,7 +23,8 @@ from crossroads.services import load_service_modules
 from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
-from crossroads.store.base import Store, open_store
+from crossroads.store import open_store
+from crossroads.store.base import Store
 from crossroads.transport import reuseport
 from crossroads.transport.admission import (
     BudgetCollector,
