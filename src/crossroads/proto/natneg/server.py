@@ -614,11 +614,6 @@ class NatNegServer:
         self.stats.sent += len(out)
         return out
 
-    @property
-    def has_events(self) -> bool:
-        """Whether :meth:`pop_events` has something (cheap check per datagram)."""
-        return bool(self._events)
-
     def pop_events(self) -> list[Event]:
         """Events since the last call (the transport acts on :class:`RelayNeeded`)."""
         events, self._events = self._events, []

@@ -25,7 +25,6 @@ from typing import ClassVar, Self
 
 from crossroads.errors import DecodeError
 from crossroads.proto.stun.constants import (
-    COMPREHENSION_OPTIONAL_MIN,
     MAGIC_COOKIE_BYTES,
     AttrType,
 )
@@ -780,11 +779,6 @@ class UnknownAttribute(Attribute):
 
     def get_type(self) -> int:
         return self.type_code
-
-    @property
-    def comprehension_required(self) -> bool:
-        """RFC 8489 §14: types below 0x8000 must be understood by the receiver."""
-        return self.type_code < COMPREHENSION_OPTIONAL_MIN
 
     def encode_value(self, key: bytes) -> bytes:
         return bytes(self.value)
