@@ -127,6 +127,19 @@ def test_a_cycle_is_found() -> None:
     assert cycles(graph) == [["a", "b", "c"]]
 
 
+def test_the_sdk_has_no_command_line() -> None:
+    """client/ is a library; the click commands live in cli/."""
+    for path in sorted((PACKAGE_ROOT / "client").rglob("*.py")):
+        for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            assert not any(name.split(".")[0] == "click" for name in names), path
+
+
 def test_no_import_cycles() -> None:
     graph = import_graph()
     described = [
