@@ -182,10 +182,6 @@ CONVERTERS: dict[Kind, Callable[[object], Any]] = {
 }
 
 
-def parse_service_list(value: object) -> tuple[str, ...]:
-    return _to_list(value)
-
-
 # ------------------------------------------------------------------ core section
 
 

@@ -22,9 +22,9 @@ from crossroads.errors import ConfigError
 from crossroads.services import load_service_modules
 from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
-from crossroads.services.turn import TLS_SHARED_WITH_HTTPS
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
-from crossroads.store.base import Store, open_store
+from crossroads.store import open_store
+from crossroads.store.base import Store
 from crossroads.transport import reuseport
 from crossroads.transport.admission import (
     BudgetCollector,
@@ -154,10 +154,10 @@ async def _listen_https(
     http_protocol = runtime._http.protocol_factory()
     # Handshake and sorting failures, with the HTTP port's other closes.
     drop = guard.admission.closed
-    turn = ctx.shared.get(TLS_SHARED_WITH_HTTPS)
+    turn = ctx.https_port_guest
     context = certificates.context
     protocol: Callable[[], asyncio.Protocol] = http_protocol
-    if isinstance(turn, StunService):
+    if turn is not None:
         context = certificates.context_with_alpn(list(ALPN))
         factories = {
             Application.TURN: turn.tls_protocol_factory(),

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from crossroads.client.relay import Allocation, RelayApi, RelayApiError, RelayConnection
-from crossroads.services.relay import node_key
+from crossroads.services.relay_allocations import node_key
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]

@@ -16,13 +16,12 @@ from crossroads.config import build_config
 from crossroads.errors import ConfigError
 from crossroads.proto.relay.token import TokenSealer
 from crossroads.services import load_service_modules
-from crossroads.services.relay import (
+from crossroads.services.relay import Config, resolve_secret
+from crossroads.services.relay_allocations import (
     AllocationError,
     Allocator,
-    Config,
     NodeInfo,
     node_key,
-    resolve_secret,
 )
 from crossroads.store.memory import MemoryStore
 from tests.e2e.relay_support import api, base_url, relay_runtime

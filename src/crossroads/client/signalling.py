@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlparse
@@ -33,8 +32,7 @@ class SignallingError(RemoteProtocolError):
 class SignallingClient:
     """One WebSocket to the p2p service; dispatches server frames to a handler.
 
-    The client answers ``ping`` by itself and measures its own RTT to the server
-    with ``ping`` when asked (:meth:`measure_rtt`).
+    The client answers the server's ``ping`` by itself.
     """
 
     def __init__(
@@ -51,7 +49,6 @@ class SignallingClient:
         self._waiters: list[
             tuple[Callable[[sig.Message], bool], asyncio.Future[sig.Message]]
         ] = []
-        self._ping_id = 0
         self._pings: dict[int, float] = {}
         self.closed = asyncio.Event()
         self.welcome: sig.Welcome | None = None
@@ -145,17 +142,6 @@ class SignallingClient:
         if isinstance(answer, sig.Error) and not match(answer):
             raise SignallingError(answer.code, answer.message)
         return answer
-
-    async def measure_rtt(self, timeout: float = 5.0) -> float:
-        self._ping_id += 1
-        ping_id = self._ping_id
-        start = time.monotonic()
-        await self.request(
-            sig.Ping(ping_id),
-            lambda m: isinstance(m, sig.Pong) and m.id == ping_id,
-            timeout=timeout,
-        )
-        return time.monotonic() - start
 
     async def _read(self) -> None:
         assert self._ws is not None

@@ -45,7 +45,6 @@ import socket
 import ssl
 import time
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Any, Literal, Self
 
 from OpenSSL import SSL
@@ -291,12 +290,7 @@ class TurnClient:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
     @property

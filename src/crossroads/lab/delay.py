@@ -23,7 +23,6 @@ import os
 import random
 import struct
 from collections.abc import Sequence
-from types import TracebackType
 
 from crossroads.lab import netns
 
@@ -97,12 +96,7 @@ class DelayLine:
             raise
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self._close()
 
     def _on_readable(self) -> None:

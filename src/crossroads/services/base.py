@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -26,8 +27,9 @@ from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
 from crossroads.transport.admission import ConnectionBudget
+from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tls import Certificates, HandshakeLimits
-from crossroads.types import Address
+from crossroads.types import Address, IPAddress
 
 T = TypeVar("T")
 
@@ -100,6 +102,15 @@ def show_address(address: Address) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class HttpsPortGuest(Protocol):
+    """A service whose TLS connections arrive on the runtime's HTTPS listener,
+    sorted from HTTP ones by ALPN or first bytes (:mod:`crossroads.transport.tls_sort`)."""
+
+    def tls_protocol_factory(self) -> Callable[[], asyncio.Protocol]: ...
+
+    def add_tls_address(self, address: Address) -> None: ...
+
+
 @dataclass
 class ServiceContext:
     """Everything a service gets from the runtime."""
@@ -114,8 +125,9 @@ class ServiceContext:
     #: Services started so far in this runtime, by name (for services that build
     #: on another, e.g. TURN on the STUN sockets).
     running: dict[str, Service] = field(default_factory=dict)
-    #: Free-form shared objects between services of one runtime.
-    shared: dict[str, Any] = field(default_factory=dict)
+    #: The TLS service that shares the runtime's HTTPS port (TURN over TLS
+    #: with ``--turn-tls-port`` equal to ``--https-port``), None when none does.
+    https_port_guest: HttpsPortGuest | None = None
     #: Where the HTTP API listens (bound before any service starts).
     http_address: Address = ("", 0)
     #: The descriptor budget every TCP listener registers with (per-IP and
@@ -126,6 +138,9 @@ class ServiceContext:
     certificates: Certificates | None = None
     #: Bounds on TLS handshakes in progress, shared by every TLS listener.
     tls_limits: HandshakeLimits = field(default_factory=HandshakeLimits)
+    _own_addresses: frozenset[IPAddress] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def section(self, name: str, cls: type[T]) -> T:
         return self.config.section(name, cls)
@@ -146,6 +161,13 @@ class ServiceContext:
                 max_sources=core.reflection_max_sources,
             )
         )
+
+    def own_addresses(self) -> frozenset[IPAddress]:
+        """This host's interface and configured addresses, enumerated once per
+        runtime (every relay policy refuses them as peers)."""
+        if self._own_addresses is None:
+            self._own_addresses = own_addresses(self.config)
+        return self._own_addresses
 
     def add_router(self, router: APIRouter) -> None:
         self.routers.append(router)

@@ -66,7 +66,6 @@ from crossroads.proto.natneg.server import (
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext, SessionInfo
 from crossroads.transport.driver import SocketSetDriver
-from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.sockets import make_udp_socket
 from crossroads.types import Address
@@ -635,7 +634,7 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 max_pairs=cfg.max_relays,
                 policy=AddressPolicy(
                     allow=parse_networks(cfg.relay_allow),
-                    self_addresses=own_addresses(ctx.config, ctx.shared),
+                    self_addresses=ctx.own_addresses(),
                     admitted=scopes_for([advertise]),
                 ),
             )
@@ -671,5 +670,4 @@ async def serve(ctx: ServiceContext) -> NatNegService:
     registry.register(service._collector)
     registry.register(service.negotiations)
     registry.register(service.reports)
-    ctx.shared["natneg"] = service
     return service

@@ -635,5 +635,4 @@ async def serve(ctx: ServiceContext) -> Service:
 
     ctx.add_router(router)
     ctx.add_router(make_master_router(service.master, config.master_path))
-    ctx.shared["p2p"] = service
     return service

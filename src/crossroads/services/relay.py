@@ -32,19 +32,15 @@ Store keys (all under ``relay:``)::
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
-import random
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -52,7 +48,7 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
-from crossroads.errors import CrossroadsError, DecodeError, StoreError
+from crossroads.errors import StoreError
 from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
@@ -66,7 +62,7 @@ from crossroads.proto.relay.server import (
     RelayServer,
     RelayServerConfig,
 )
-from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
+from crossroads.proto.relay.token import TokenSealer
 from crossroads.ratelog import RateLimitedLog
 from crossroads.services.base import (
     Service,
@@ -75,10 +71,19 @@ from crossroads.services.base import (
     show_address,
     stop_task,
 )
+from crossroads.services.relay_allocations import (
+    HEARTBEATS_PER_TTL,
+    RECORD_FIELDS,
+    Allocator,
+    NodeInfo,
+    alloc_key,
+    code_key,
+    node_key,
+    pending_key,
+)
 from crossroads.services.relay_dtls import RelayDtls
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
-from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.relay_ws import WebSocketListener
@@ -88,9 +93,7 @@ from crossroads.transport.sockets import (
     make_udp_socket,
 )
 from crossroads.transport.tls import TlsAcceptor
-
-if TYPE_CHECKING:
-    from crossroads.web.relay import ApiKeys
+from crossroads.web.relay import ApiKeys, make_router
 
 NAME = "relay"
 log = logging.getLogger("crossroads.relay")
@@ -98,15 +101,9 @@ log = logging.getLogger("crossroads.relay")
 #: Unity's documented session limit: "A maximum of 150 players can join the host
 #: in the same session" (reference §1.3, Limits).
 UNITY_MAX_CONNECTIONS = 150
-#: Registrations live for this many heartbeats: one lost heartbeat is forgiven,
-#: three mean the node is gone (the OpenTTD coordinator uses 10 s / 15 s alike).
-HEARTBEATS_PER_TTL = 3
 #: Events waiting for the store; beyond this they are dropped and counted (the
 #: store lags, the relay must not grow without bound).
 MAX_PENDING_EVENTS = 10_000
-#: Attempts at a fresh join code before giving up (20**6 codes: a collision is
-#: already rare, ten in a row means the store is broken).
-JOIN_CODE_ATTEMPTS = 10
 
 
 def _check_join_code_length(value: int) -> None:
@@ -275,83 +272,6 @@ class Config:
             raise ValueError("secret: must be at least 16 characters")
 
 
-# ------------------------------------------------------------------ store records
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    """A live relay node as registered in the store."""
-
-    node_id: str
-    region: str
-    description: str
-    host: str
-    port: int
-    capacity: int
-    load: int
-    #: UDP port of the node's DTLS endpoint (0: none).
-    dtls_port: int = 0
-    #: TCP ports of the ws and wss endpoints (0: not served), and the host
-    #: name the wss certificate is for.
-    ws_port: int = 0
-    wss_port: int = 0
-    wss_host: str = ""
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "id": self.node_id,
-                "region": self.region,
-                "description": self.description,
-                "host": self.host,
-                "port": self.port,
-                "capacity": self.capacity,
-                "load": self.load,
-                "dtlsPort": self.dtls_port,
-                "wsPort": self.ws_port,
-                "wssPort": self.wss_port,
-                "wssHost": self.wss_host,
-            }
-        ).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> NodeInfo:
-        data = json.loads(raw)
-        return cls(
-            node_id=str(data["id"]),
-            region=str(data["region"]),
-            description=str(data.get("description", "")),
-            host=str(data["host"]),
-            port=int(data["port"]),
-            capacity=int(data["capacity"]),
-            load=int(data["load"]),
-            dtls_port=int(data.get("dtlsPort", 0)),
-            ws_port=int(data.get("wsPort", 0)),
-            wss_port=int(data.get("wssPort", 0)),
-            wss_host=str(data.get("wssHost", "")),
-        )
-
-
-#: Fields the API writes in ``relay:alloc:<uuid>``; a hash without them is a remnant.
-RECORD_FIELDS = frozenset({"node", "region", "maxConnections", "connectionData"})
-
-
-def node_key(node_id: str) -> str:
-    return f"relay:node:{node_id}"
-
-
-def pending_key(node_id: str) -> str:
-    return f"relay:pending:{node_id}"
-
-
-def alloc_key(allocation_id: uuid.UUID) -> str:
-    return f"relay:alloc:{allocation_id}"
-
-
-def code_key(code: str) -> str:
-    return f"relay:joincode:{code}"
-
-
 SECRET_KEY = "relay:secret"
 
 
@@ -360,256 +280,6 @@ async def resolve_secret(cfg: Config, store: Store) -> bytes:
     if cfg.secret:
         return cfg.secret.encode()
     return await SharedSecret(store, SECRET_KEY, "relay").resolve()
-
-
-# ---------------------------------------------------------------- allocation API
-
-
-class AllocationError(CrossroadsError):
-    """An allocations API failure, in Unity's error vocabulary.
-
-    ``code`` is the Relay error code (reference §1.3: 15001 InvalidRequest,
-    15007 RegionNotFound, 15008 AllocationNotFound, 15009 JoinCodeNotFound,
-    15010 NoSuitableRelay; 154xx mirror HTTP statuses).
-    """
-
-    def __init__(self, status: int, code: int, title: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.code = code
-        self.title = title
-        self.detail = detail
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """An allocation handed to a player."""
-
-    allocation_id: uuid.UUID
-    key: bytes
-    connection_data: bytes
-    node: NodeInfo
-    host_connection_data: bytes | None = None
-
-
-class Allocator:
-    """Chooses relay nodes and creates allocations and join codes in the store."""
-
-    def __init__(
-        self,
-        store: Store,
-        sealer: TokenSealer,
-        cfg: Config,
-        *,
-        clock: Callable[[], float] = time.time,
-        random_bytes: Callable[[int], bytes] = os.urandom,
-    ) -> None:
-        self.store = store
-        self.sealer = sealer
-        self.cfg = cfg
-        self.clock = clock
-        self.random_bytes = random_bytes
-
-    def record_ttl(self) -> float:
-        """How long an allocation's records live unless the node refreshes them."""
-        return self.cfg.bind_timeout + self.cfg.heartbeat * HEARTBEATS_PER_TTL
-
-    async def live_nodes(self) -> list[NodeInfo]:
-        nodes = []
-        for key in await self.store.keys("relay:node:"):
-            raw = await self.store.get(key)
-            if raw is None:
-                continue
-            try:
-                nodes.append(NodeInfo.from_json(raw))
-            except (ValueError, KeyError, TypeError):
-                log.warning("ignoring malformed relay node record %s", key)
-        return nodes
-
-    async def regions(self) -> list[tuple[str, str]]:
-        """(id, description) of every region with a live node."""
-        found: dict[str, str] = {}
-        for node in await self.live_nodes():
-            if node.description or node.region not in found:
-                found[node.region] = node.description or node.region
-        return sorted(found.items())
-
-    async def _pending_seats(self, node_id: str, now: float) -> int:
-        seats = 0
-        stale = []
-        for field_name, raw in (await self.store.hgetall(pending_key(node_id))).items():
-            try:
-                weight_text, deadline_text = raw.decode().split(":")
-                weight, deadline = int(weight_text), float(deadline_text)
-            except ValueError:
-                stale.append(field_name)
-                continue
-            if deadline < now:
-                stale.append(field_name)
-            else:
-                seats += weight
-        if stale:
-            await self.store.hdel(pending_key(node_id), *stale)
-        return seats
-
-    async def choose_node(self, region: str | None, seats: int) -> NodeInfo:
-        nodes = await self.live_nodes()
-        wanted = region or self.cfg.default_region or None
-        if wanted is not None:
-            nodes = [n for n in nodes if n.region == wanted]
-            if not nodes:
-                raise AllocationError(
-                    400, 15007, "RegionNotFound", f"region {wanted!r} has no live relay"
-                )
-        now = self.clock()
-        best: tuple[float, float, NodeInfo] | None = None
-        for node in nodes:
-            used = node.load + await self._pending_seats(node.node_id, now)
-            if used + seats > node.capacity:
-                continue
-            # Least loaded by share of capacity; ties broken at random so that
-            # equal nodes share a burst.
-            candidate = (used / node.capacity, random.random(), node)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        if best is None:
-            raise AllocationError(
-                503, 15010, "NoSuitableRelay", "no relay node has room; retry later"
-            )
-        return best[2]
-
-    def _grant(
-        self,
-        node: NodeInfo,
-        role: Role,
-        max_connections: int,
-        host_id: bytes | None,
-        now: float,
-    ) -> Grant:
-        allocation_id = uuid.UUID(bytes=self.random_bytes(16), version=4)
-        claims = AllocationClaims(
-            allocation_id=allocation_id.bytes,
-            host_allocation_id=host_id or allocation_id.bytes,
-            role=role,
-            max_connections=max_connections,
-            bind_deadline=now + self.cfg.bind_timeout,
-        )
-        return Grant(
-            allocation_id=allocation_id,
-            key=self.sealer.key_for(allocation_id.bytes),
-            connection_data=self.sealer.seal(claims, node.node_id),
-            node=node,
-        )
-
-    async def allocate(self, max_connections: int, region: str | None) -> Grant:
-        if not 1 <= max_connections <= self.cfg.max_connections:
-            raise AllocationError(
-                400,
-                15001,
-                "InvalidRequest",
-                f"maxConnections must be between 1 and {self.cfg.max_connections}",
-            )
-        seats = 1 + max_connections
-        node = await self.choose_node(region, seats)
-        now = self.clock()
-        grant = self._grant(node, Role.HOST, max_connections, None, now)
-        ttl = self.record_ttl()
-        pkey = pending_key(node.node_id)
-        await self.store.hset(
-            pkey,
-            {
-                grant.allocation_id.hex: f"{seats}:{now + self.cfg.bind_timeout}".encode()
-            },
-        )
-        await self.store.expire(pkey, ttl)
-        await self.store.hset(
-            alloc_key(grant.allocation_id),
-            {
-                "node": node.node_id.encode(),
-                "region": node.region.encode(),
-                "maxConnections": str(max_connections).encode(),
-                "connectionData": grant.connection_data,
-                "connections": b"0",
-            },
-        )
-        await self.store.expire(alloc_key(grant.allocation_id), ttl)
-        return grant
-
-    async def join_code(self, allocation_id: uuid.UUID) -> str:
-        record = await self.store.hgetall(alloc_key(allocation_id))
-        if not RECORD_FIELDS <= set(record):
-            raise AllocationError(
-                404,
-                15008,
-                "AllocationNotFound",
-                "no such host allocation (it may have timed out; keep it alive with PING)",
-            )
-        ttl = await self.store.ttl(alloc_key(allocation_id)) or self.record_ttl()
-        existing = record.get("joinCode")
-        if existing:
-            code = existing.decode()
-            await self.store.set(code_key(code), str(allocation_id).encode(), ttl=ttl)
-            return code
-        for _ in range(JOIN_CODE_ATTEMPTS):
-            code = joincode.generate(self.cfg.join_code_length, self.random_bytes)
-            claimed = await self.store.set(
-                code_key(code),
-                str(allocation_id).encode(),
-                ttl=ttl,
-                only_if_absent=True,
-            )
-            if claimed:
-                await self.store.hset(
-                    alloc_key(allocation_id), {"joinCode": code.encode()}
-                )
-                return code
-        raise AllocationError(
-            503, 15503, "ServiceUnavailable", "could not find a free join code"
-        )
-
-    async def join(self, code_text: str) -> Grant:
-        try:
-            code = joincode.normalize(code_text)
-        except DecodeError as exc:
-            raise AllocationError(
-                400, 15001, "InvalidRequest", f"joinCode: {exc}"
-            ) from None
-        not_found = AllocationError(
-            404, 15009, "JoinCodeNotFound", f"join code {code} is unknown or expired"
-        )
-        raw_id = await self.store.get(code_key(code))
-        if raw_id is None:
-            raise not_found
-        host_id = uuid.UUID(raw_id.decode())
-        record = await self.store.hgetall(alloc_key(host_id))
-        if not RECORD_FIELDS <= set(record):
-            raise not_found  # gone, or a remnant without the API's fields
-        raw_node = await self.store.get(node_key(record["node"].decode()))
-        if raw_node is None:
-            raise not_found
-        try:
-            node = NodeInfo.from_json(raw_node)
-            max_connections = int(record["maxConnections"])
-            connections = int(record.get("connections", b"0"))
-        except (ValueError, KeyError, TypeError):
-            raise not_found from None
-        if connections >= max_connections:
-            raise AllocationError(
-                409,
-                15409,
-                "SessionFull",
-                f"the session already has its {max_connections} connections",
-            )
-        grant = self._grant(
-            node, Role.JOINER, max_connections, host_id.bytes, self.clock()
-        )
-        return Grant(
-            allocation_id=grant.allocation_id,
-            key=grant.key,
-            connection_data=grant.connection_data,
-            node=node,
-            host_connection_data=record["connectionData"],
-        )
 
 
 # --------------------------------------------------------------------- relay node
@@ -1058,9 +728,7 @@ def client_policy(cfg: Config, ctx: ServiceContext, public_host: str) -> Address
     admitted = scopes_for([public_host])
     if cfg.allow_private_peers:
         admitted |= {Scope.LOOPBACK, Scope.PRIVATE, Scope.LINK_LOCAL}
-    return AddressPolicy(
-        self_addresses=own_addresses(ctx.config, ctx.shared), admitted=admitted
-    )
+    return AddressPolicy(self_addresses=ctx.own_addresses(), admitted=admitted)
 
 
 async def listen_websockets(
@@ -1195,13 +863,10 @@ async def serve(ctx: ServiceContext) -> Service:
             await node.close()
             raise
         ctx.metrics.register(RelayCollector(node))
-        ctx.shared["relay.node"] = node
     api = not cfg.node_only
     api_keys: ApiKeys | None = None
     service = RelayService(node, api, bound)
     if api:
-        from crossroads.web.relay import ApiKeys, make_router
-
         allocator = Allocator(ctx.store, sealer, cfg)
         requests = Counter(
             "crossroads_relay_api_requests",
@@ -1220,7 +885,6 @@ async def serve(ctx: ServiceContext) -> Service:
             join_budget=ctx.guess_budget(),
         )
         ctx.add_router(router)
-        ctx.shared["relay.allocator"] = allocator
         service.allocator = allocator
         if not cfg.api_keys:
             log.warning(
@@ -1230,55 +894,3 @@ async def serve(ctx: ServiceContext) -> Service:
     if shared is not None:
         service.keep_secret(shared, cfg.heartbeat)
     return service
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _endpoint(
-    connection_type: str, network: str, secure: bool, host: str, port: int
-) -> dict[str, Any]:
-    return {
-        "connectionType": connection_type,
-        "network": network,
-        "reliable": network == "tcp",
-        "secure": secure,
-        "host": host,
-        "port": port,
-    }
-
-
-def server_endpoints(node: NodeInfo) -> list[dict[str, Any]]:
-    """Unity's ``serverEndpoints`` of ``node``: one per transport it serves.
-
-    ``RelayServerData(allocation, type)`` takes the endpoint whose
-    ``connectionType`` is exactly ``type``, and reads ``secure`` to add TLS;
-    ``network`` must be "udp" or "tcp", the enum the SDK decodes
-    (unity-secure-transports.md §3)."""
-    endpoints = [_endpoint("udp", "udp", False, node.host, node.port)]
-    if node.dtls_port:
-        endpoints.append(_endpoint("dtls", "udp", True, node.host, node.dtls_port))
-    if node.ws_port:
-        endpoints.append(_endpoint("ws", "tcp", False, node.host, node.ws_port))
-    if node.wss_port:
-        host = node.wss_host or node.host
-        endpoints.append(_endpoint("wss", "tcp", True, host, node.wss_port))
-    return endpoints
-
-
-def encode_grant(grant: Grant) -> dict[str, Any]:
-    """A grant as Unity's Allocation / JoinAllocation JSON object."""
-    node = grant.node
-    body: dict[str, Any] = {
-        "allocationId": str(grant.allocation_id),
-        "allocationIdBytes": b64(grant.allocation_id.bytes),
-        "key": b64(grant.key),
-        "connectionData": b64(grant.connection_data),
-        "serverEndpoints": server_endpoints(node),
-        "relayServer": {"ipV4": node.host, "port": node.port},
-        "region": node.region,
-    }
-    if grant.host_connection_data is not None:
-        body["hostConnectionData"] = b64(grant.host_connection_data)
-    return body

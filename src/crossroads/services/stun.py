@@ -739,7 +739,7 @@ def _bind_set(
 
 class StunService:
     """The running STUN service. Other services find it in
-    ``ctx.running["stun"]`` or ``ctx.shared["stun"]``."""
+    ``ctx.running["stun"]``."""
 
     name = NAME
 
@@ -1029,5 +1029,4 @@ async def serve(ctx: ServiceContext) -> StunService:
     except BaseException:
         await service.close()
         raise
-    ctx.shared[NAME] = service
     return service

@@ -121,7 +121,6 @@ from crossroads.services.stun import (
 )
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
-from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.reuseport import sibling_ports
 from crossroads.transport.sockets import listening_ports
@@ -137,9 +136,6 @@ from crossroads.transport.turnplane import (
 from crossroads.types import Address
 
 NAME = "turn"
-#: ``ctx.shared`` key: the STUN service whose TURN over TLS rides on the
-#: runtime's HTTPS port (``--turn-tls-port`` equal to ``--https-port``).
-TLS_SHARED_WITH_HTTPS = "turn.tls-shared-with-https"
 log = logging.getLogger("crossroads.turn")
 
 #: ChannelData header: channel number, length (RFC 8656 §12.4).
@@ -865,7 +861,7 @@ class TurnService:
         policy = AddressPolicy(
             allow=parse_networks(config.allowed_peers),
             deny=parse_networks(config.denied_peers),
-            self_addresses=own_addresses(ctx.config, ctx.shared),
+            self_addresses=ctx.own_addresses(),
             admitted=(
                 frozenset({Scope.LOOPBACK})
                 if config.allow_loopback_peers
@@ -1666,7 +1662,7 @@ async def serve(ctx: ServiceContext) -> TurnService:
         # One TLS port with HTTPS (443): the runtime's listener sorts each
         # connection and hands TURN ones to the STUN service's protocol; DTLS
         # (UDP) takes the same port number, which HTTPS (TCP) does not use.
-        ctx.shared[TLS_SHARED_WITH_HTTPS] = stun
+        ctx.https_port_guest = stun
         try:
             await service.listen_dtls(config.tls_port, ctx.certificates)
         except BaseException:
@@ -1681,5 +1677,4 @@ async def serve(ctx: ServiceContext) -> TurnService:
         except BaseException:
             await service.close()
             raise
-    ctx.shared[NAME] = service
     return service

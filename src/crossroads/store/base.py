@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
-from crossroads.errors import ConfigError
-
 #: URL schemes of the Redis store (see crossroads.store.redis_url).
 REDIS_SCHEMES = (
     "redis://",
@@ -101,18 +99,3 @@ class Store(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def open_store(url: str) -> Store:
-    """Open the store named by ``url``: ``memory`` or a Redis URL
-    (:mod:`crossroads.store.redis_url`: redis://, rediss://, unix://,
-    redis+sentinel://)."""
-    if url == "memory":
-        from crossroads.store.memory import MemoryStore
-
-        return MemoryStore()
-    if url.startswith(REDIS_SCHEMES):
-        from crossroads.store.redis import RedisStore
-
-        return RedisStore(url)
-    raise ConfigError(f"store: {url!r} is neither 'memory' nor a redis:// URL")

@@ -1,10 +1,10 @@
 """Runs a :class:`~crossroads.proto.dtls.server.DtlsServer` on one UDP socket.
 
 The same shape as :class:`crossroads.transport.relay.RelayEndpoint`: the socket
-is read with ``loop.add_reader`` in batches, the core's one timer is re-armed
-after every batch, and what the core emits is sent with non-blocking
-``sendto`` (a full kernel buffer drops and counts the datagram, as a UDP server
-should). Decrypted records and session changes go to ``on_events``; whoever
+is read with ``loop.add_reader`` in batches, the core's one timer (the
+driver's :class:`~crossroads.transport.driver.CoreTimer`) is re-armed after
+every batch, and what the core emits is sent with non-blocking ``sendto`` (a
+full kernel buffer drops and counts the datagram, as a UDP server should). Decrypted records and session changes go to ``on_events``; whoever
 owns the endpoint answers through :meth:`DtlsEndpoint.send_to`.
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 
 from crossroads.proto.dtls.handshake import Closed, Established, Event
 from crossroads.proto.dtls.server import DtlsServer
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import ReplySource, is_wildcard
 from crossroads.types import Address
 
@@ -44,8 +45,7 @@ class DtlsEndpoint:
         self._replies = (
             ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
         )
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
+        self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
         self._closed = False
         #: Addresses that have a session, and those whose session just ended
         #: while ``on_events`` runs: what the owner sends them in that callback
@@ -65,9 +65,7 @@ class DtlsEndpoint:
             return
         self._closed = True
         self._loop.remove_reader(self.sock.fileno())
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.close()
         self.sock.close()
 
     def send_to(self, addr: Address, data: bytes) -> None:
@@ -117,22 +115,8 @@ class DtlsEndpoint:
                 ):
                     self._secure.pop(event.address, None)
             self._transmit(now)
-        self._rearm()
+        self._timer.rearm()
 
-    def _rearm(self) -> None:
-        deadline = self.core.get_timer()
-        if deadline == self._timer_at or self._closed:
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._timer_at = deadline
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self._timer_at = None
-        now = self._loop.time()
+    def _on_timer(self, now: float) -> None:
         self.core.handle_timer(now)
         self._flush(now)

@@ -10,7 +10,7 @@ addresses as data; this module finds them:
 - :func:`configured_hosts`: every address the configuration names (bind and
   advertised addresses of every section: ``--public-host``,
   ``--turn-external-ip``, ``--relay-public-host``, ...).
-- :func:`own_addresses`: both, computed once per runtime.
+- :func:`own_addresses`: both.
 
 The ports the services listen on are in :func:`crossroads.transport.sockets.listening_ports`.
 """
@@ -128,12 +128,7 @@ def configured_hosts(config: Config) -> frozenset[IPAddress]:
     return frozenset(hosts)
 
 
-def own_addresses(config: Config, shared: dict[str, Any]) -> frozenset[IPAddress]:
-    """Interface and configured addresses, enumerated once per runtime (cached
-    in the service context's ``shared`` dict)."""
-    cached = shared.get("own_addresses")
-    if isinstance(cached, frozenset):
-        return cached
-    addresses = interface_addresses() | configured_hosts(config)
-    shared["own_addresses"] = addresses
-    return addresses
+def own_addresses(config: Config) -> frozenset[IPAddress]:
+    """Interface and configured addresses (the service context enumerates them
+    once per runtime: :meth:`crossroads.services.base.ServiceContext.own_addresses`)."""
+    return interface_addresses() | configured_hosts(config)

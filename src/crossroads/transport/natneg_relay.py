@@ -44,6 +44,7 @@ from crossroads.transport.dataplane import (
 )
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.sockets import SOCKET_BUFFER_BYTES
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.natneg.relay")
@@ -293,9 +294,5 @@ class RelayPool:
             self.release(session)
         self._readers.close()
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._sweeper)
             self._sweeper = None

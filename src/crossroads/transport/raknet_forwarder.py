@@ -34,6 +34,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.sockets import make_udp_socket
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 #: RakNet's MAXIMUM_MTU_SIZE: nothing larger is a RakNet datagram (dropped and
@@ -195,9 +196,5 @@ class ForwarderPool:
             self._release(key)
         self._readers.close()
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._sweeper)
             self._sweeper = None

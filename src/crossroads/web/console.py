@@ -41,6 +41,7 @@ import crossroads
 from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.services.base import Service, SessionAdmin, show_address
+from crossroads.transport.tasks import cancel_and_wait
 
 #: Seconds between two readings of the counters: fine enough for "packets per
 #: second right now", coarse enough to cost nothing (one registry walk).
@@ -303,11 +304,7 @@ class Console:
     async def close(self) -> None:
         logging.getLogger("crossroads").removeHandler(self.errors)
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
             self._task = None
 
     # ------------------------------------------------------------ data

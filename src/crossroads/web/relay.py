@@ -32,7 +32,11 @@ from crossroads.errors import DecodeError, StoreError
 from crossroads.proto import jsontext
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.ratelog import RateLimitedLog
-from crossroads.services.relay import AllocationError, Allocator, encode_grant
+from crossroads.services.relay_allocations import (
+    AllocationError,
+    Allocator,
+    encode_grant,
+)
 from crossroads.web.app import log_client_error
 
 log = logging.getLogger("crossroads.relay")

@@ -53,6 +53,7 @@ from typing import Final
 
 from crossroads.errors import DecodeError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.counting import decrement
 from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.crypto import (
     SUITES,
@@ -771,7 +772,7 @@ class DtlsServer:
         if self.sessions.get(session.address) is not session:
             return
         del self.sessions[session.address]
-        _decrement(self._per_ip_sessions, session.address[0])
+        decrement(self._per_ip_sessions, session.address[0])
         self._events.append(Closed(session.address, reason))
 
     # ----------------------------------------------------------------- helpers
@@ -794,7 +795,7 @@ class DtlsServer:
     def _forget_handshake(self, handshake: _Handshake) -> None:
         if self.handshakes.get(handshake.address) is handshake:
             del self.handshakes[handshake.address]
-            _decrement(self._per_ip_handshakes, handshake.address[0])
+            decrement(self._per_ip_handshakes, handshake.address[0])
 
     def _schedule_handshake(self, handshake: _Handshake) -> None:
         deadline = handshake.timer.deadline
@@ -822,11 +823,3 @@ class DtlsServer:
 
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
-
-
-def _decrement(counts: dict[str, int], key: str) -> None:
-    left = counts.get(key, 0) - 1
-    if left > 0:
-        counts[key] = left
-    else:
-        counts.pop(key, None)

@@ -95,6 +95,7 @@ from enum import Enum, IntEnum
 from typing import TypeVar
 
 from crossroads.errors import DecodeError
+from crossroads.proto.counting import spend_token
 from crossroads.proto.natneg.packets import (
     NATIFY_COOKIE,
     AddressCheck,
@@ -614,11 +615,6 @@ class NatNegServer:
         self.stats.sent += len(out)
         return out
 
-    @property
-    def has_events(self) -> bool:
-        """Whether :meth:`pop_events` has something (cheap check per datagram)."""
-        return bool(self._events)
-
     def pop_events(self) -> list[Event]:
         """Events since the last call (the transport acts on :class:`RelayNeeded`)."""
         events, self._events = self._events, []
@@ -708,13 +704,7 @@ class NatNegServer:
                 self._prune_buckets(now)
             self._buckets[ip] = [self.config.rate_burst - 1.0, now]
             return True
-        tokens = min(self.config.rate_burst, bucket[0] + (now - bucket[1]) * rate)
-        bucket[1] = now
-        if tokens < 1.0:
-            bucket[0] = tokens
-            return False
-        bucket[0] = tokens - 1.0
-        return True
+        return spend_token(bucket, now, rate, self.config.rate_burst)
 
     def _prune_buckets(self, now: float) -> None:
         rate, burst = self.config.rate_limit, self.config.rate_burst

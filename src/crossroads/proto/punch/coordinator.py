@@ -42,7 +42,6 @@ datagrams and the clock, and collects frames to send and connections to close.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -1113,8 +1112,3 @@ class Coordinator:
             peer.queued = max(0, peer.queued - 1)
             if peer.attempt == attempt.id:
                 peer.attempt = None
-
-
-def key_fingerprint(key: bytes) -> str:
-    """Short printable fingerprint of a public key (for logs and the CLI demo)."""
-    return hashlib.sha256(key).hexdigest()[:16]

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.counting import spend_token
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.relay import messages as m
@@ -846,10 +847,4 @@ class RelayServer:
             if len(buckets) >= self.config.max_tracked_sources:
                 del buckets[next(iter(buckets))]
             bucket = buckets[source] = [burst, now]
-        tokens = min(burst, bucket[0] + (now - bucket[1]) * rate)
-        bucket[1] = now
-        if tokens < 1.0:
-            bucket[0] = tokens
-            return False
-        bucket[0] = tokens - 1.0
-        return True
+        return spend_token(bucket, now, rate, burst)

@@ -25,60 +25,9 @@ from typing import ClassVar, Self
 
 from crossroads.errors import DecodeError
 from crossroads.proto.stun.constants import (
-    COMPREHENSION_OPTIONAL_MIN,
     MAGIC_COOKIE_BYTES,
     AttrType,
 )
-
-__all__ = [
-    "ATTRIBUTE_CLASSES",
-    "Attribute",
-    "AdditionalAddressFamily",
-    "AddressErrorCode",
-    "AlternateDomain",
-    "AlternateServer",
-    "CacheTimeout",
-    "ChangeRequest",
-    "ChangedAddress",
-    "ChannelNumber",
-    "ConnectionId",
-    "Data",
-    "DontFragment",
-    "ErrorCodeAttribute",
-    "EvenPort",
-    "Fingerprint",
-    "IceControlled",
-    "IceControlling",
-    "Icmp",
-    "Lifetime",
-    "MappedAddress",
-    "MessageIntegrity",
-    "MessageIntegritySha256",
-    "Nonce",
-    "OtherAddress",
-    "Padding",
-    "PasswordAlgorithm",
-    "PasswordAlgorithms",
-    "Priority",
-    "Realm",
-    "RequestedAddressFamily",
-    "RequestedTransport",
-    "ReservationToken",
-    "ResponseAddress",
-    "ResponseOrigin",
-    "ResponsePort",
-    "Software",
-    "SourceAddress",
-    "UnknownAttribute",
-    "UnknownAttributes",
-    "UseCandidate",
-    "Userhash",
-    "Username",
-    "XorMappedAddress",
-    "XorPeerAddress",
-    "XorRelayedAddress",
-    "pack_address",
-]
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
@@ -780,11 +729,6 @@ class UnknownAttribute(Attribute):
 
     def get_type(self) -> int:
         return self.type_code
-
-    @property
-    def comprehension_required(self) -> bool:
-        """RFC 8489 §14: types below 0x8000 must be understood by the receiver."""
-        return self.type_code < COMPREHENSION_OPTIONAL_MIN
 
     def encode_value(self, key: bytes) -> bytes:
         return bytes(self.value)

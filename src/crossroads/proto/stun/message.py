@@ -126,10 +126,6 @@ class Message:
         """Every attribute of class ``cls``, in order."""
         return [a for a in self.attributes if type(a) is cls]
 
-    def has(self, attr_type: int) -> bool:
-        """Whether an attribute with this type number is present."""
-        return any(a.get_type() == attr_type for a in self.attributes)
-
     def unknown_comprehension_required(self) -> tuple[int, ...]:
         """Types of unknown comprehension-required attributes, for a 420 answer
         with UNKNOWN-ATTRIBUTES (RFC 8489 §6.3.1). Empty when all are known."""

@@ -163,9 +163,6 @@ class Allocation:
 
     # ------------------------------------------------------------ permissions
 
-    def permission_live(self, ip: str) -> bool:
-        return ip in self.permissions
-
     def install_permission(self, ip: str, now: float, schedule: Schedule) -> None:
         """Install or refresh the permission for ``ip`` (RFC 8656 §9)."""
         permission = self.permissions.get(ip)

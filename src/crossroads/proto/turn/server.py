@@ -61,6 +61,7 @@ from enum import IntEnum
 from typing import Protocol, cast
 
 from crossroads.errors import LocalProtocolError
+from crossroads.proto.counting import decrement
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.stun import (
@@ -1051,7 +1052,7 @@ class TurnServer:
             address = _canonical(relay.address)
             if self.relayed.get(address) is allocation:
                 del self.relayed[address]
-                _decrement(self._relayed_hosts, address[0])
+                decrement(self._relayed_hosts, address[0])
             self.ports.release(relay.address[1])
             relay.close()
 
@@ -1074,8 +1075,8 @@ class TurnServer:
         five = allocation.five_tuple
         if self.allocations.get(five) is allocation:
             del self.allocations[five]
-        _decrement(self.user_allocations, allocation.quota_user)
-        _decrement(self.ip_allocations, five[1][0])
+        decrement(self.user_allocations, allocation.quota_user)
+        decrement(self.ip_allocations, five[1][0])
         if now is not None and allocation.transaction_id:
             self._remember_freed(five, allocation.transaction_id, now)
         for connection_id in list(allocation.connections):
@@ -1439,14 +1440,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _decrement(counts: dict[str, int], key: str) -> None:
-    left = counts.get(key, 0) - 1
-    if left > 0:
-        counts[key] = left
-    else:
-        counts.pop(key, None)
 
 
 def _is_release(msg: Message) -> bool:

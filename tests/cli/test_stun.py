@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from crossroads.client.stun_cli import parse_server
+from crossroads.cli.stun import parse_server
 from tests.interop.stun_support import (  # noqa: F401 (fixture)
     CrossroadsProcess,
     crossroads_serve_fixture,

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from crossroads.cli.loop import run_async
 from crossroads.client.p2p import (
     HostChanged,
     LinkDown,
@@ -209,8 +210,6 @@ def host(
     bind: str,
 ) -> None:
     """Create a p2p session, print its invite code, chat with whoever joins."""
-    from crossroads.cli import run_async
-
     run_async(_host(server, relay, portmap, max_members, _address(stun), bind))
 
 
@@ -221,8 +220,6 @@ def join(
     code: str, server: str, relay: str, stun: str | None, portmap: bool, bind: str
 ) -> None:
     """Join the p2p session behind CODE and chat with its members."""
-    from crossroads.cli import run_async
-
     try:
         run_async(_join(server, code, relay, portmap, _address(stun), bind))
     except Exception as exc:  # noqa: BLE001 - one line for the user, exit 1

@@ -2,34 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 
 import crossroads
+from crossroads.cli.loop import run_async
 from crossroads.config import Config, build_config, flag_name, iter_settings, read_toml
 from crossroads.errors import ConfigError
 from crossroads.logs import configure_logging
 from crossroads.services import load_service_modules
 from crossroads.transport import reuseport as transport_sharing
 
-T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def run_async(main: Coroutine[Any, Any, T]) -> T:
-    """Run ``main`` on uvloop when it is installed, else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
 
 
 def _param_name(section: str, field_name: str) -> str:
@@ -152,12 +141,12 @@ from crossroads.lab.cli import lab as _lab_group  # noqa: E402
 
 main.add_command(_lab_group)
 
-from crossroads.client.stun_cli import stun as _stun_group  # noqa: E402
+from crossroads.cli.stun import stun as _stun_group  # noqa: E402
 
 main.add_command(_stun_group)
 
-from crossroads.client.demo import host as _p2p_host  # noqa: E402
-from crossroads.client.demo import join as _p2p_join  # noqa: E402
+from crossroads.cli.p2p_chat import host as _p2p_host  # noqa: E402
+from crossroads.cli.p2p_chat import join as _p2p_join  # noqa: E402
 
 main.add_command(_p2p_host)
 main.add_command(_p2p_join)
