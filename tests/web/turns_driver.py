@@ -38,7 +38,7 @@ def main() -> None:
     service = ChromeService(shutil.which("chromedriver") or "chromedriver")
     driver = webdriver.Chrome(service=service, options=options)
     try:
-        driver.set_script_timeout(90)
+        driver.set_script_timeout(120)  # page: 20 s to open + 60 s of messages
         driver.get(PAGE.as_uri())
         result = driver.execute_async_script(
             "const done = arguments[arguments.length - 1];"
