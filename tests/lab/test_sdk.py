@@ -10,6 +10,8 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
@@ -82,6 +84,25 @@ def test_sdk_step_per_technique(lab: Lab, a: str, b: str, steps: set[str]) -> No
         assert "over TURN" in result.detail, result  # type: ignore[attr-defined]
 
 
+#: Fresh ladders a birthday-technique test may take; the technique is
+#: probabilistic (hole-opening sends against random ports), so one miss in a
+#: run of the whole suite is expected now and then.
+BIRTHDAY_TRIES = 3
+
+
+def until_punched(
+    attempt: Callable[[], Coroutine[Any, Any, Any]], tries: int
+) -> list[Any]:
+    """Run ``attempt`` (a fresh ladder each time) until one punches, at most
+    ``tries`` times; every result, in order."""
+    results = []
+    for _ in range(tries):
+        results.append(asyncio.run(attempt()))
+        if results[-1].via == "punch":
+            break
+    return results
+
+
 @pytest.mark.parametrize(
     ("a", "server_a"),
     [("port-restricted-remap", 0.1), ("symmetric-random", 0.03)],
@@ -105,9 +126,12 @@ def test_remapping_routers_punch_on_the_first_ladder(
         attempt = Attempt(lab, lab.site(f"{a}-a"), lab.site(f"{b}-b"), {"cleanups": []})
         return await run_attempt(method, attempt, Delays(server_a, 0.02, 0.04), slot=5)
 
-    result = asyncio.run(main())
-    assert result.connected, result  # type: ignore[attr-defined]
-    assert result.via == "punch", result  # type: ignore[attr-defined]
+    # The birthday technique finds a hit with high probability, not always (a
+    # rare miss relays): a few fresh ladders, one of which must punch. Before
+    # the TTL-2 fix every ladder relayed (the knock remapped the hit).
+    results = until_punched(main, BIRTHDAY_TRIES if a == "symmetric-random" else 1)
+    assert all(r.connected for r in results), results  # type: ignore[attr-defined]
+    assert results[-1].via == "punch", results  # type: ignore[attr-defined]
 
 
 def test_host_far_from_the_server_still_punches(lab: Lab) -> None:
@@ -128,9 +152,10 @@ def test_host_far_from_the_server_still_punches(lab: Lab) -> None:
         )
         return await run_attempt(method, attempt, Delays(0.15, 0.02, 0.04), slot=5)
 
-    result = asyncio.run(main())
-    assert result.connected, result  # type: ignore[attr-defined]
-    assert result.via == "punch", result  # type: ignore[attr-defined]
+    # Birthday technique: a few fresh ladders, one must punch (see above).
+    results = until_punched(main, BIRTHDAY_TRIES)
+    assert all(r.connected for r in results), results  # type: ignore[attr-defined]
+    assert results[-1].via == "punch", results  # type: ignore[attr-defined]
 
 
 def test_four_peer_mesh_host_leaves_nobody_drops(lab: Lab) -> None:
