@@ -32,9 +32,7 @@ from crossroads.proto.dtls.crypto import (
     CipherSuite,
     RecordProtection,
     ReplayWindow,
-    key_block,
-    master_secret,
-    psk_premaster,
+    psk_session_keys,
     transcript_hash,
     verify_data,
 )
@@ -318,16 +316,12 @@ class DtlsClient:
         )
         self._transcript.append(key_exchange)
         session_hash = transcript_hash(suite, self._transcript) if self._ems else None
-        self._master = master_secret(
-            suite,
-            psk_premaster(self.psk),
-            self._random,
-            self._server_random,
-            session_hash,
+        keys = psk_session_keys(
+            suite, self.psk, self._random, self._server_random, session_hash
         )
-        keys = key_block(suite, self._master, self._random, self._server_random)
-        self._write = RecordProtection(suite, keys.client_key, keys.client_iv, 1)
-        self._read = RecordProtection(suite, keys.server_key, keys.server_iv, 1)
+        self._master = keys.master
+        self._write = keys.client_write
+        self._read = keys.server_write
         finished = self._message(
             w.HandshakeType.FINISHED,
             verify_data(

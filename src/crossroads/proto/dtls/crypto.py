@@ -216,6 +216,39 @@ class RecordProtection:
             raise DecodeError("record does not authenticate", "bad-mac") from None
 
 
+@dataclass(frozen=True, slots=True)
+class SessionKeys:
+    """What a PSK key exchange yields: the master secret and the epoch-1
+    protection of each direction (the client writes with ``client_write``, the
+    server reads with it, and the other way round)."""
+
+    master: bytes
+    client_write: RecordProtection
+    server_write: RecordProtection
+
+
+def psk_session_keys(
+    suite: CipherSuite,
+    psk: bytes,
+    client_random: bytes,
+    server_random: bytes,
+    session_hash: bytes | None,
+) -> SessionKeys:
+    """The key schedule of a plain PSK handshake, the same on both ends:
+    RFC 4279 §2 premaster, RFC 5246 §8.1 (or RFC 7627 §4 with
+    ``session_hash``) master secret, RFC 5246 §6.3 key block; epoch 1 is the
+    first protected epoch (RFC 6347 §4.1)."""
+    master = master_secret(
+        suite, psk_premaster(psk), client_random, server_random, session_hash
+    )
+    keys = key_block(suite, master, client_random, server_random)
+    return SessionKeys(
+        master,
+        RecordProtection(suite, keys.client_key, keys.client_iv, 1),
+        RecordProtection(suite, keys.server_key, keys.server_iv, 1),
+    )
+
+
 class ReplayWindow:
     """RFC 6347 §4.1.2.6 sliding window over received sequence numbers."""
 
