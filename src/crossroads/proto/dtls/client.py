@@ -39,8 +39,8 @@ from crossroads.proto.dtls.crypto import (
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
+    Endpoint,
     Established,
-    Event,
     HandshakeFailed,
     Message,
     Reassembler,
@@ -61,7 +61,7 @@ class ClientState(IntEnum):
     CLOSED = 5
 
 
-class DtlsClient:
+class DtlsClient(Endpoint):
     """The DTLS 1.2 PSK client core (see the module docstring)."""
 
     def __init__(
@@ -75,6 +75,7 @@ class DtlsClient:
         offer_extended_master_secret: bool = True,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
+        super().__init__()
         self.server = server
         self.identity = identity
         self.psk = psk
@@ -84,7 +85,6 @@ class DtlsClient:
         self.handshake_timeout = handshake_timeout
         self.state = ClientState.IDLE
         self.suite: CipherSuite | None = None
-        self.drops: dict[str, int] = {}
         self._random = random_bytes(w.RANDOM_SIZE)
         self._reassembler = Reassembler(0)
         self._transcript: list[bytes] = []
@@ -100,8 +100,6 @@ class DtlsClient:
         self._flight = b""
         self._timer: Retransmitter | None = None
         self._expires = 0.0
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[Event] = []
 
     # ------------------------------------------------------------- public API
 
@@ -157,14 +155,6 @@ class DtlsClient:
         self.state = ClientState.CLOSED
         self._timer = None
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
-
     def get_timer(self) -> float | None:
         if self._timer is None or self._timer.deadline is None:
             return None
@@ -185,12 +175,9 @@ class DtlsClient:
     def _on_record(self, record: w.Record, now: float) -> None:
         if record.epoch == 0:
             if record.content_type == w.ContentType.HANDSHAKE:
-                try:
-                    fragments = w.decode_fragments(record.fragment)
-                except DecodeError as exc:
-                    self._drop(f"handshake-{exc.reason}")
-                    return
-                self._on_fragments(fragments, False, now)
+                fragments = self._fragments(record.fragment)
+                if fragments is not None:
+                    self._on_fragments(fragments, False, now)
             elif record.content_type == w.ContentType.ALERT and (
                 self.state != ClientState.ESTABLISHED
             ):
@@ -212,12 +199,9 @@ class DtlsClient:
         self._window.accept(record.sequence)
         match record.content_type:
             case w.ContentType.HANDSHAKE:
-                try:
-                    fragments = w.decode_fragments(plain)
-                except DecodeError as exc:
-                    self._drop(f"handshake-{exc.reason}")
-                    return
-                self._on_fragments(fragments, True, now)
+                fragments = self._fragments(plain)
+                if fragments is not None:
+                    self._on_fragments(fragments, True, now)
             case w.ContentType.APPLICATION_DATA if (
                 self.state == ClientState.ESTABLISHED
             ):
@@ -398,6 +382,3 @@ class DtlsClient:
             self._events.append(HandshakeFailed(self.server, reason))
         self.state = ClientState.FAILED
         self._timer = None
-
-    def _drop(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1

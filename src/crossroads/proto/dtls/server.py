@@ -69,8 +69,8 @@ from crossroads.proto.dtls.crypto import (
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
+    Endpoint,
     Established,
-    Event,
     HandshakeFailed,
     HelloReceived,
     Message,
@@ -181,7 +181,7 @@ class _Session:
     window: ReplayWindow = field(default_factory=ReplayWindow)
 
 
-class DtlsServer:
+class DtlsServer(Endpoint):
     """The DTLS 1.2 PSK server core (see the module docstring).
 
     Args:
@@ -196,21 +196,18 @@ class DtlsServer:
         psk_for: PskLookup,
         random_bytes: Callable[[int], bytes],
     ) -> None:
+        super().__init__()
         self.config = config
         self.psk_for = psk_for
         self.random_bytes = random_bytes
         self.handshakes: dict[Address, _Handshake] = {}
         self.sessions: dict[Address, _Session] = {}
-        #: Drops by reason (metrics).
-        self.drops: dict[str, int] = {}
         #: Handshake failures by reason, and counters for metrics and tests.
         self.failures: dict[str, int] = {}
         self.hello_verify_sent = 0
         self.established_total = 0
         self._per_ip_handshakes: dict[str, int] = {}
         self._per_ip_sessions: dict[str, int] = {}
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[Event] = []
         self._timers: list[tuple[float, int, Address]] = []
         self._next_token = 0
         self._datagrams = 0
@@ -271,14 +268,6 @@ class DtlsServer:
             )
         )
         self._end_session(session, "closed")
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
 
     def get_timer(self) -> float | None:
         return self._timers[0][0] if self._timers else None
@@ -344,10 +333,8 @@ class DtlsServer:
         handshake = self.handshakes.get(addr)
         match record.content_type:
             case w.ContentType.HANDSHAKE:
-                try:
-                    fragments = w.decode_fragments(record.fragment)
-                except DecodeError as exc:
-                    self._drop(f"handshake-{exc.reason}")
+                fragments = self._fragments(record.fragment)
+                if fragments is None:
                     return
                 if fragments[0].msg_type == w.HandshakeType.CLIENT_HELLO:
                     self._on_client_hello(record, fragments[0], addr, now)
@@ -532,12 +519,9 @@ class DtlsServer:
         self, handshake: _Handshake, content_type: int, plain: bytes, now: float
     ) -> None:
         if content_type == w.ContentType.HANDSHAKE:
-            try:
-                fragments = w.decode_fragments(plain)
-            except DecodeError as exc:
-                self._drop(f"handshake-{exc.reason}")
-                return
-            self._on_fragments(handshake, fragments, True, now)
+            fragments = self._fragments(plain)
+            if fragments is not None:
+                self._on_fragments(handshake, fragments, True, now)
         elif content_type == w.ContentType.ALERT:
             self._fail(handshake, None, "client-alert")
         else:
@@ -788,6 +772,3 @@ class DtlsServer:
         self, addr: Address, content_type: int, sequence: int, body: bytes
     ) -> None:
         self._outbox.append((self._plain_record(content_type, sequence, body), addr))
-
-    def _drop(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1
