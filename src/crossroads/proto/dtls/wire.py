@@ -248,6 +248,18 @@ def handshake_message(msg_type: int, message_seq: int, body: bytes) -> bytes:
     return HandshakeFragment(msg_type, len(body), message_seq, 0, body).encode()
 
 
+def _decode_hello_head(reader: Reader) -> tuple[int, bytes, bytes]:
+    """``(version, random, session_id)``: how both hellos start (RFC 5246
+    §7.4.1.2-3)."""
+    version = reader.uint(2)
+    random = reader.take(RANDOM_SIZE)
+    return version, random, reader.vector(1, MAX_SESSION_ID)
+
+
+def _encode_hello_head(version: int, random: bytes, session_id: bytes) -> bytes:
+    return version.to_bytes(2, "big") + random + _vector(1, session_id)
+
+
 @dataclass(frozen=True, slots=True)
 class ClientHello:
     """RFC 6347 §4.2.1 / RFC 5246 §7.4.1.2."""
@@ -263,9 +275,7 @@ class ClientHello:
     @classmethod
     def decode(cls, body: bytes) -> ClientHello:
         reader = Reader(body)
-        version = reader.uint(2)
-        random = reader.take(RANDOM_SIZE)
-        session_id = reader.vector(1, MAX_SESSION_ID)
+        version, random, session_id = _decode_hello_head(reader)
         cookie = reader.vector(1, MAX_COOKIE)
         suites_raw = reader.vector(2)
         if not suites_raw or len(suites_raw) % 2:
@@ -283,9 +293,7 @@ class ClientHello:
 
     def encode(self) -> bytes:
         return (
-            self.version.to_bytes(2, "big")
-            + self.random
-            + _vector(1, self.session_id)
+            _encode_hello_head(self.version, self.random, self.session_id)
             + _vector(1, self.cookie)
             + _vector(2, b"".join(s.to_bytes(2, "big") for s in self.cipher_suites))
             + _vector(1, self.compression_methods)
@@ -343,9 +351,7 @@ class ServerHello:
     @classmethod
     def decode(cls, body: bytes) -> ServerHello:
         reader = Reader(body)
-        version = reader.uint(2)
-        random = reader.take(RANDOM_SIZE)
-        session_id = reader.vector(1, MAX_SESSION_ID)
+        version, random, session_id = _decode_hello_head(reader)
         suite = reader.uint(2)
         compression = reader.uint(1)
         extensions = _decode_extensions(reader) if not reader.done() else ()
@@ -354,9 +360,7 @@ class ServerHello:
 
     def encode(self) -> bytes:
         return (
-            self.version.to_bytes(2, "big")
-            + self.random
-            + _vector(1, self.session_id)
+            _encode_hello_head(self.version, self.random, self.session_id)
             + self.cipher_suite.to_bytes(2, "big")
             + bytes((self.compression_method,))
             + _encode_extensions(self.extensions)
