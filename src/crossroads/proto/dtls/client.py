@@ -26,16 +26,8 @@ from enum import IntEnum
 from typing import Final
 
 from crossroads.errors import DecodeError
+from crossroads.proto.dtls import crypto
 from crossroads.proto.dtls import wire as w
-from crossroads.proto.dtls.crypto import (
-    SUITES,
-    CipherSuite,
-    RecordProtection,
-    ReplayWindow,
-    psk_session_keys,
-    transcript_hash,
-    verify_data,
-)
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
@@ -71,7 +63,7 @@ class DtlsClient(Endpoint):
         psk: bytes,
         random_bytes: Callable[[int], bytes],
         *,
-        cipher_suites: tuple[int, ...] = tuple(SUITES),
+        cipher_suites: tuple[int, ...] = tuple(crypto.SUITES),
         offer_extended_master_secret: bool = True,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
@@ -84,7 +76,7 @@ class DtlsClient(Endpoint):
         self.offer_ems = offer_extended_master_secret
         self.handshake_timeout = handshake_timeout
         self.state = ClientState.IDLE
-        self.suite: CipherSuite | None = None
+        self.suite: crypto.CipherSuite | None = None
         self._random = random_bytes(w.RANDOM_SIZE)
         self._reassembler = Reassembler(0)
         self._transcript: list[bytes] = []
@@ -93,10 +85,10 @@ class DtlsClient(Endpoint):
         self._server_random = b""
         self._ems = False
         self._master = b""
-        self._read: RecordProtection | None = None
-        self._write: RecordProtection | None = None
+        self._read: crypto.RecordProtection | None = None
+        self._write: crypto.RecordProtection | None = None
         self._app_seq = 0
-        self._window = ReplayWindow()
+        self._window = crypto.ReplayWindow()
         self._flight = b""
         self._timer: Retransmitter | None = None
         self._expires = 0.0
@@ -284,7 +276,7 @@ class DtlsClient(Endpoint):
         if hello.version != w.DTLS1_2 or hello.cipher_suite not in self.cipher_suites:
             self._failed("bad-server-hello")
             return
-        self.suite = SUITES[hello.cipher_suite]
+        self.suite = crypto.SUITES[hello.cipher_suite]
         self._server_random = hello.random
         self._ems = (
             self.offer_ems
@@ -299,8 +291,10 @@ class DtlsClient(Endpoint):
             w.HandshakeType.CLIENT_KEY_EXCHANGE, w.encode_psk_identity(self.identity)
         )
         self._transcript.append(key_exchange)
-        session_hash = transcript_hash(suite, self._transcript) if self._ems else None
-        keys = psk_session_keys(
+        session_hash = (
+            crypto.transcript_hash(suite, self._transcript) if self._ems else None
+        )
+        keys = crypto.psk_session_keys(
             suite, self.psk, self._random, self._server_random, session_hash
         )
         self._master = keys.master
@@ -308,9 +302,7 @@ class DtlsClient(Endpoint):
         self._read = keys.server_write
         finished = self._message(
             w.HandshakeType.FINISHED,
-            verify_data(
-                suite, self._master, True, transcript_hash(suite, self._transcript)
-            ),
+            crypto.verify_data(suite, self._master, True, self._transcript),
         )
         self._transcript.append(finished)
         flight = self._plain_record(w.ContentType.HANDSHAKE, key_exchange)
@@ -328,9 +320,7 @@ class DtlsClient(Endpoint):
     def _on_finished(self, message: Message) -> None:
         suite = self.suite
         assert suite is not None
-        expected = verify_data(
-            suite, self._master, False, transcript_hash(suite, self._transcript)
-        )
+        expected = crypto.verify_data(suite, self._master, False, self._transcript)
         if not hmac.compare_digest(message.body, expected):
             self._failed("bad-finished")
             return

@@ -130,15 +130,19 @@ def master_secret(
 
 
 def transcript_hash(suite: CipherSuite, messages: list[bytes]) -> bytes:
+    """The hash of the handshake messages so far (RFC 5246 §7.4.9, and the
+    session hash of RFC 7627 §3)."""
     return hashlib.new(suite.hash_name, b"".join(messages)).digest()
 
 
 def verify_data(
-    suite: CipherSuite, master: bytes, from_client: bool, handshake_hash: bytes
+    suite: CipherSuite, master: bytes, from_client: bool, transcript: list[bytes]
 ) -> bytes:
-    """RFC 5246 §7.4.9: the Finished message body."""
+    """RFC 5246 §7.4.9: the Finished message body after the handshake
+    messages ``transcript``."""
     label = b"client finished" if from_client else b"server finished"
-    return prf(suite.hash_name, master, label, handshake_hash, VERIFY_DATA_SIZE)
+    digest = transcript_hash(suite, transcript)
+    return prf(suite.hash_name, master, label, digest, VERIFY_DATA_SIZE)
 
 
 @dataclass(frozen=True, slots=True)

@@ -611,9 +611,7 @@ class DtlsServer(Endpoint):
 
     def _on_finished(self, handshake: _Handshake, message: Message, now: float) -> None:
         suite = handshake.suite
-        expected = verify_data(
-            suite, handshake.master, True, transcript_hash(suite, handshake.transcript)
-        )
+        expected = verify_data(suite, handshake.master, True, handshake.transcript)
         if handshake.write is None or handshake.read is None:
             self._fail(
                 handshake, w.AlertDescription.UNEXPECTED_MESSAGE, "early-finished"
@@ -623,9 +621,7 @@ class DtlsServer(Endpoint):
             self._fail(handshake, w.AlertDescription.DECRYPT_ERROR, "bad-finished")
             return
         handshake.transcript.append(message.encode())
-        ours = verify_data(
-            suite, handshake.master, False, transcript_hash(suite, handshake.transcript)
-        )
+        ours = verify_data(suite, handshake.master, False, handshake.transcript)
         finished = w.handshake_message(
             w.HandshakeType.FINISHED, handshake.next_server_seq, ours
         )
