@@ -212,6 +212,8 @@ def _ip(ip: str) -> bytes:
 
 # ---------------------------------------------------------------------- packets
 
+_B = TypeVar("_B", bound="_InitBody")
+
 
 def _init_head(packet: Init | _InitBody) -> bytes:
     """Header, porttype, clientindex and usegameport: how INIT and every
@@ -282,6 +284,20 @@ class _InitBody:
 
     def encode(self) -> bytes:
         return _init_head(self) + _ip(self.ip) + _port_bytes(self.port) + self.extra
+
+    def echo_as(self, cls: type[_B]) -> _B:
+        """These fields as a packet of another INIT-body type: the echoes
+        (ERT_TEST from NATIFY_REQUEST, BACKUP_ACK from BACKUP_TEST)."""
+        return cls(
+            self.version,
+            self.cookie,
+            self.port_type,
+            self.client_index,
+            self.use_game_port,
+            self.ip,
+            self.port,
+            self.extra,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -607,7 +623,6 @@ def _decode_init(data: bytes, version: int, cookie: int) -> Init:
     return Init(version, cookie, *_init_fields(data), name)
 
 
-_B = TypeVar("_B", bound=_InitBody)
 _C = TypeVar("_C", bound=_ConnectBody)
 _P = TypeVar("_P", bound=_PreinitBody)
 
