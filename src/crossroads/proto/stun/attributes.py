@@ -111,7 +111,9 @@ def _encode_xor_address(host: str, port: int, key: bytes) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class _PlainAddress(Attribute):
+class _Address(Attribute):
+    """An address attribute: a host and a port."""
+
     host: str
     port: int
 
@@ -119,6 +121,11 @@ class _PlainAddress(Attribute):
     def address(self) -> tuple[str, int]:
         """``(host, port)``."""
         return self.host, self.port
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainAddress(_Address):
+    """MAPPED-ADDRESS layout (RFC 8489 §14.1)."""
 
     def encode_value(self, key: bytes) -> bytes:
         return _encode_plain_address(self.host, self.port)
@@ -129,14 +136,8 @@ class _PlainAddress(Attribute):
 
 
 @dataclass(frozen=True, slots=True)
-class _XorAddress(Attribute):
-    host: str
-    port: int
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """``(host, port)``."""
-        return self.host, self.port
+class _XorAddress(_Address):
+    """XOR-MAPPED-ADDRESS layout (RFC 8489 §14.2)."""
 
     def encode_value(self, key: bytes) -> bytes:
         return _encode_xor_address(self.host, self.port, key)
