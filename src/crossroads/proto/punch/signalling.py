@@ -151,190 +151,7 @@ def _ids(obj: Mapping[str, Any], key: str, max_items: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    """A transport address; JSON ``["203.0.113.7", 40000]`` (IPv6 without brackets)."""
-
-    host: str
-    port: int
-
-    def to_json(self) -> list[Any]:
-        return [self.host, self.port]
-
-    @classmethod
-    def from_json(cls, value: Any, what: str) -> Endpoint:
-        if not (isinstance(value, list) and len(value) == 2):
-            raise DecodeError(f"{what} must be [host, port]", "bad-endpoint")
-        host, port = value
-        if not isinstance(host, str) or len(host) > 45:
-            raise DecodeError(f"{what} host must be an IP address", "bad-endpoint")
-        try:
-            host = str(ipaddress.ip_address(host))
-        except ValueError:
-            raise DecodeError(
-                f"{what} host must be an IP address", "bad-endpoint"
-            ) from None
-        if (
-            isinstance(port, bool)
-            or not isinstance(port, int)
-            or not 1 <= port <= 65535
-        ):
-            raise DecodeError(f"{what} port must be in 1..65535", "bad-endpoint")
-        return cls(host, port)
-
-    def address(self) -> tuple[str, int]:
-        return (self.host, self.port)
-
-
-def _endpoint(obj: Mapping[str, Any], key: str) -> Endpoint | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    return Endpoint.from_json(value, key)
-
-
-def _endpoints(
-    obj: Mapping[str, Any], key: str, max_items: int
-) -> tuple[Endpoint, ...]:
-    value = obj.get(key, [])
-    if not isinstance(value, list):
-        raise DecodeError(f"{key} must be a list", "bad-type")
-    if len(value) > max_items:
-        raise DecodeError(f"{key} has more than {max_items} items", "too-many")
-    return tuple(Endpoint.from_json(v, key) for v in value)
-
-
-def _opt(value: Endpoint | TurnInfo | None) -> Any:
-    """JSON of an optional endpoint or object: null when there is none."""
-    return None if value is None else value.to_json()
-
-
-@dataclass(frozen=True, slots=True)
-class Candidates:
-    """What a client knows about its own reachability (sent in ``punch_ready``).
-
-    The public (server-reflexive) address is *not* here: the server observes it on
-    its rendezvous ports, so a client cannot lie about where it is.
-    """
-
-    local: tuple[Endpoint, ...] = ()
-    #: External address of a UPnP / NAT-PMP / PCP port mapping, if one is held.
-    mapped: Endpoint | None = None
-    #: A relayed address (TURN) the peer may send to, if the client holds one.
-    relay: Endpoint | None = None
-    #: The client's own NAT classification (informational, e.g. "port-restricted").
-    nat: str = ""
-    #: New destinations the peer socket sent to since its first rendezvous probes
-    #: (RakNet's "most recent port" in another form): a sequential NAT has
-    #: allocated that many ports since, so the next one is further on.
-    flows: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "local": [e.to_json() for e in self.local],
-            "mapped": _opt(self.mapped),
-            "relay": _opt(self.relay),
-            "nat": self.nat,
-            "flows": self.flows,
-        }
-
-    @classmethod
-    def from_json(cls, value: Any) -> Candidates:
-        if not isinstance(value, dict):
-            raise DecodeError("candidates must be an object", "bad-type")
-        return cls(
-            local=_endpoints(value, "local", MAX_LOCAL_CANDIDATES),
-            mapped=_endpoint(value, "mapped"),
-            relay=_endpoint(value, "relay"),
-            nat=_str(value, "nat", max_chars=40, default="", allow_empty=True),
-            flows=_int(value, "flows", 0, 1_000_000, 0),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PeerInfo:
-    """Everything one side of a punch needs about the other (``punch_start``)."""
-
-    #: The address the server saw on its primary rendezvous port.
-    public: Endpoint | None
-    #: Ports the server saw on its primary, first and second alternate rendezvous
-    #: ports, in the order the client probed them (empty when UDP never arrived).
-    ports: tuple[int, ...]
-    #: "independent", "sequential", "random" or "unknown" (see coordinator).
-    mapping: str
-    #: Port increment per new destination for a sequential mapping, else 0.
-    stride: int
-    candidates: Candidates
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "public": _opt(self.public),
-            "ports": list(self.ports),
-            "mapping": self.mapping,
-            "stride": self.stride,
-            "candidates": self.candidates.to_json(),
-        }
-
-    @classmethod
-    def from_json(cls, value: Any) -> PeerInfo:
-        if not isinstance(value, dict):
-            raise DecodeError("peer info must be an object", "bad-type")
-        ports = _need(value, "ports")
-        if not isinstance(ports, list) or len(ports) > 3:
-            raise DecodeError("ports must be a list of up to 3 ports", "bad-type")
-        for p in ports:
-            if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
-                raise DecodeError("ports must hold port numbers", "bad-type")
-        return cls(
-            public=_endpoint(value, "public"),
-            ports=tuple(ports),
-            mapping=_choice(value, "mapping", MAPPINGS),
-            stride=_int(value, "stride", -65535, 65535),
-            candidates=Candidates.from_json(_need(value, "candidates")),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One participant of a mesh session."""
-
-    peer: str
-    key: bytes
-    #: Join order: 0 for the creator, then 1, 2, ... The lowest present member is
-    #: the host (FullyConnectedMesh2's rule, reference §2.6).
-    seniority: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"peer": self.peer, "key": _b64(self.key), "seniority": self.seniority}
-
-    @classmethod
-    def from_json(cls, value: Any) -> Member:
-        if not isinstance(value, dict):
-            raise DecodeError("member must be an object", "bad-type")
-        return cls(
-            peer=_str(value, "peer"),
-            key=_key(value, "key"),
-            seniority=_int(value, "seniority", 0, 2**31),
-        )
-
-
-def _members(obj: Mapping[str, Any], key: str) -> tuple[Member, ...]:
-    value = _need(obj, key)
-    if not isinstance(value, list) or len(value) > MAX_MEMBERS:
-        raise DecodeError(f"{key} must be a list of members", "bad-type")
-    return tuple(Member.from_json(v) for v in value)
-
-
-def _json_value(value: Any) -> Any:
-    encoded = json.dumps(value, separators=(",", ":"))
-    if len(encoded.encode()) > MAX_SIGNAL_BYTES:
-        raise DecodeError(
-            f"signal data is larger than {MAX_SIGNAL_BYTES} bytes", "too-large"
-        )
-    return value
-
-
-# ------------------------------------------------------------------------ messages
+# -------------------------------------------------------------- declared members
 
 #: How a message field's JSON member is read: ``read(frame, member name)``
 #: returns the value or raises :class:`DecodeError` (the helpers above).
@@ -396,15 +213,14 @@ def _schema(cls: type) -> _Schema:
     return schema
 
 
-class Message:
-    """Base of every signalling message: its body is its fields, each one JSON
-    member read and written as its :func:`_json` declaration says."""
+class _Members:
+    """A JSON object whose members are its fields, each read and written as
+    its :func:`_json` declaration says; written in field order."""
 
     __slots__ = ()
-    TYPE: ClassVar[str]
 
     def body(self) -> dict[str, Any]:
-        """The message's JSON members (all but ``type``)."""
+        """The JSON members."""
         return {
             member: write(getattr(self, name))
             for name, member, _, write in _schema(type(self))
@@ -412,9 +228,196 @@ class Message:
 
     @classmethod
     def parse(cls, o: Mapping[str, Any]) -> Self:
-        """The message in a decoded frame of its type; raises :class:`DecodeError`."""
+        """Read the members of a decoded JSON object; raises :class:`DecodeError`."""
         values = {name: read(o, member) for name, member, read, _ in _schema(cls)}
         return cast(Callable[..., Self], cls)(**values)
+
+
+class _JsonObject(_Members):
+    """A :class:`_Members` object nested in a message."""
+
+    __slots__ = ()
+    #: What a value that is not an object is called in the error ("turn").
+    WHAT: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.body()
+
+    @classmethod
+    def from_json(cls, value: Any) -> Self:
+        if not isinstance(value, dict):
+            raise DecodeError(f"{cls.WHAT} must be an object", "bad-type")
+        return cls.parse(value)
+
+
+def _required(from_json: Callable[[Any], _JsonObject]) -> FieldReader:
+    """A nested object that must be present (``missing-member`` otherwise)."""
+    return lambda o, member: from_json(_need(o, member))
+
+
+def _object(from_json: Callable[[Any], _JsonObject]) -> FieldReader:
+    """A nested object; absent or null is ``bad-type`` (not an object)."""
+    return lambda o, member: from_json(o.get(member))
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A transport address; JSON ``["203.0.113.7", 40000]`` (IPv6 without brackets)."""
+
+    host: str
+    port: int
+
+    def to_json(self) -> list[Any]:
+        return [self.host, self.port]
+
+    @classmethod
+    def from_json(cls, value: Any, what: str) -> Endpoint:
+        if not (isinstance(value, list) and len(value) == 2):
+            raise DecodeError(f"{what} must be [host, port]", "bad-endpoint")
+        host, port = value
+        if not isinstance(host, str) or len(host) > 45:
+            raise DecodeError(f"{what} host must be an IP address", "bad-endpoint")
+        try:
+            host = str(ipaddress.ip_address(host))
+        except ValueError:
+            raise DecodeError(
+                f"{what} host must be an IP address", "bad-endpoint"
+            ) from None
+        if (
+            isinstance(port, bool)
+            or not isinstance(port, int)
+            or not 1 <= port <= 65535
+        ):
+            raise DecodeError(f"{what} port must be in 1..65535", "bad-endpoint")
+        return cls(host, port)
+
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+def _endpoint(obj: Mapping[str, Any], key: str) -> Endpoint | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    return Endpoint.from_json(value, key)
+
+
+def _endpoints(
+    obj: Mapping[str, Any], key: str, max_items: int
+) -> tuple[Endpoint, ...]:
+    value = obj.get(key, [])
+    if not isinstance(value, list):
+        raise DecodeError(f"{key} must be a list", "bad-type")
+    if len(value) > max_items:
+        raise DecodeError(f"{key} has more than {max_items} items", "too-many")
+    return tuple(Endpoint.from_json(v, key) for v in value)
+
+
+def _opt(value: Endpoint | TurnInfo | None) -> Any:
+    """JSON of an optional endpoint or object: null when there is none."""
+    return None if value is None else value.to_json()
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates(_JsonObject):
+    """What a client knows about its own reachability (sent in ``punch_ready``).
+
+    The public (server-reflexive) address is *not* here: the server observes it on
+    its rendezvous ports, so a client cannot lie about where it is.
+    """
+
+    WHAT: ClassVar[str] = "candidates"
+    local: tuple[Endpoint, ...] = _json(
+        partial(_endpoints, max_items=MAX_LOCAL_CANDIDATES), _json_list, default=()
+    )
+    #: External address of a UPnP / NAT-PMP / PCP port mapping, if one is held.
+    mapped: Endpoint | None = _json(_endpoint, _opt, default=None)
+    #: A relayed address (TURN) the peer may send to, if the client holds one.
+    relay: Endpoint | None = _json(_endpoint, _opt, default=None)
+    #: The client's own NAT classification (informational, e.g. "port-restricted").
+    nat: str = _json(
+        partial(_str, max_chars=40, default="", allow_empty=True), default=""
+    )
+    #: New destinations the peer socket sent to since its first rendezvous probes
+    #: (RakNet's "most recent port" in another form): a sequential NAT has
+    #: allocated that many ports since, so the next one is further on.
+    flows: int = _json(partial(_int, low=0, high=1_000_000, default=0), default=0)
+
+
+def _ports(o: Mapping[str, Any], member: str) -> tuple[int, ...]:
+    ports = _need(o, member)
+    if not isinstance(ports, list) or len(ports) > 3:
+        raise DecodeError("ports must be a list of up to 3 ports", "bad-type")
+    for p in ports:
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
+            raise DecodeError("ports must hold port numbers", "bad-type")
+    return tuple(ports)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo(_JsonObject):
+    """Everything one side of a punch needs about the other (``punch_start``)."""
+
+    WHAT: ClassVar[str] = "peer info"
+    #: The address the server saw on its primary rendezvous port.
+    public: Endpoint | None = _json(_endpoint, _opt)
+    #: Ports the server saw on its primary, first and second alternate rendezvous
+    #: ports, in the order the client probed them (empty when UDP never arrived).
+    ports: tuple[int, ...] = _json(_ports, _as_list)
+    #: "independent", "sequential", "random" or "unknown" (see coordinator).
+    mapping: str = _json(partial(_choice, choices=MAPPINGS))
+    #: Port increment per new destination for a sequential mapping, else 0.
+    stride: int = _json(partial(_int, low=-65535, high=65535))
+    candidates: Candidates = _json(_required(Candidates.from_json), _to_json)
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Self:
+        ports = _ports(o, "ports")  # checked first: its errors name the frame
+        return cls(
+            public=_endpoint(o, "public"),
+            ports=ports,
+            mapping=_choice(o, "mapping", MAPPINGS),
+            stride=_int(o, "stride", -65535, 65535),
+            candidates=Candidates.from_json(_need(o, "candidates")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Member(_JsonObject):
+    """One participant of a mesh session."""
+
+    WHAT: ClassVar[str] = "member"
+    peer: str = _json(_str)
+    key: bytes = _json(_key, _b64)
+    #: Join order: 0 for the creator, then 1, 2, ... The lowest present member is
+    #: the host (FullyConnectedMesh2's rule, reference §2.6).
+    seniority: int = _json(partial(_int, low=0, high=2**31))
+
+
+def _members(obj: Mapping[str, Any], key: str) -> tuple[Member, ...]:
+    value = _need(obj, key)
+    if not isinstance(value, list) or len(value) > MAX_MEMBERS:
+        raise DecodeError(f"{key} must be a list of members", "bad-type")
+    return tuple(Member.from_json(v) for v in value)
+
+
+def _json_value(value: Any) -> Any:
+    encoded = json.dumps(value, separators=(",", ":"))
+    if len(encoded.encode()) > MAX_SIGNAL_BYTES:
+        raise DecodeError(
+            f"signal data is larger than {MAX_SIGNAL_BYTES} bytes", "too-large"
+        )
+    return value
+
+
+# ------------------------------------------------------------------------ messages
+
+
+class Message(_Members):
+    """Base of every signalling message: its members are its fields."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
 
 
 M = TypeVar("M", bound=Message)
@@ -443,18 +446,6 @@ _REASON = partial(_str, max_chars=MAX_TEXT_CHARS, default="", allow_empty=True)
 _PEERS = partial(_ids, max_items=MAX_MEMBERS)
 
 
-def _required(
-    from_json: Callable[[Any], Candidates | PeerInfo],
-) -> FieldReader:
-    """A nested object that must be present (``missing-member`` otherwise)."""
-    return lambda o, member: from_json(_need(o, member))
-
-
-def _object(from_json: Callable[[Any], Member | TurnInfo]) -> FieldReader:
-    """A nested object; absent or null is ``bad-type`` (not an object)."""
-    return lambda o, member: from_json(o.get(member))
-
-
 def _optional_turn(o: Mapping[str, Any], member: str) -> TurnInfo | None:
     """``turn``: TURN credentials, null or absent when there are none."""
     value = o.get(member)
@@ -475,34 +466,16 @@ class Hello(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class TurnInfo:
+class TurnInfo(_JsonObject):
     """TURN servers and time-limited credentials for this peer (the coturn
     "REST API" scheme: username ``<expiry unix time>:<peer id>``, password
     ``base64(HMAC-SHA1(shared secret, username))``)."""
 
-    servers: tuple[Endpoint, ...]
-    username: str
-    password: str
-    expires: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "servers": [e.to_json() for e in self.servers],
-            "username": self.username,
-            "password": self.password,
-            "expires": self.expires,
-        }
-
-    @classmethod
-    def from_json(cls, value: Any) -> TurnInfo:
-        if not isinstance(value, dict):
-            raise DecodeError("turn must be an object", "bad-type")
-        return cls(
-            servers=_endpoints(value, "servers", 4),
-            username=_str(value, "username", max_chars=128),
-            password=_str(value, "password", max_chars=128),
-            expires=_int(value, "expires", 0, 2**40),
-        )
+    WHAT: ClassVar[str] = "turn"
+    servers: tuple[Endpoint, ...] = _json(partial(_endpoints, max_items=4), _json_list)
+    username: str = _json(partial(_str, max_chars=128))
+    password: str = _json(partial(_str, max_chars=128))
+    expires: int = _json(partial(_int, low=0, high=2**40))
 
 
 @_server
