@@ -19,12 +19,12 @@ to 4 bytes); we send none and skip any we receive. Lifetime 0 deletes a mapping
 
 from __future__ import annotations
 
-import ipaddress
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
+from crossroads.proto.binary import pack_ip16, unpack_ip16
 
 PORT = 5351
 VERSION = 2
@@ -62,19 +62,6 @@ _MAP = struct.Struct("!12sB3xHH16s")
 _OPTION = struct.Struct("!BBH")
 
 
-def _pack_ip(address: str) -> bytes:
-    ip = ipaddress.ip_address(address)
-    if ip.version == 4:
-        return ipaddress.IPv6Address(f"::ffff:{ip}").packed
-    return ip.packed
-
-
-def _unpack_ip(packed: bytes) -> str:
-    ip = ipaddress.IPv6Address(packed)
-    mapped = ip.ipv4_mapped
-    return str(mapped) if mapped is not None else str(ip)
-
-
 def _encode_map(fields: MapRequest | MapResponse) -> bytes:
     """The MAP opcode data (RFC 6887 §11.1), the same in a request and its
     response."""
@@ -83,7 +70,7 @@ def _encode_map(fields: MapRequest | MapResponse) -> bytes:
         fields.protocol,
         fields.internal_port,
         fields.external_port,
-        _pack_ip(fields.external_ip),
+        pack_ip16(fields.external_ip),
     )
 
 
@@ -91,7 +78,7 @@ def _decode_map(data: bytes, offset: int) -> tuple[bytes, int, int, int, str]:
     """``(nonce, protocol, internal port, external port, external IP)`` of the
     MAP opcode data at ``offset`` (the caller checked the size)."""
     nonce, protocol, internal, external, ext_ip = _MAP.unpack_from(data, offset)
-    return nonce, protocol, internal, external, _unpack_ip(ext_ip)
+    return nonce, protocol, internal, external, unpack_ip16(ext_ip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +93,7 @@ class MapRequest:
 
     def encode(self) -> bytes:
         header = _REQUEST_HEADER.pack(
-            VERSION, OPCODE_MAP, 0, self.lifetime, _pack_ip(self.client_ip)
+            VERSION, OPCODE_MAP, 0, self.lifetime, pack_ip16(self.client_ip)
         )
         return header + _encode_map(self)
 
@@ -119,7 +106,7 @@ class MapRequest:
         if version != VERSION or opcode != OPCODE_MAP:
             raise DecodeError("not a PCP MAP request", "bad-header")
         return cls(
-            *_decode_map(data, _REQUEST_HEADER.size), lifetime, _unpack_ip(client)
+            *_decode_map(data, _REQUEST_HEADER.size), lifetime, unpack_ip16(client)
         )
 
 
