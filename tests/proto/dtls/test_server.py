@@ -268,6 +268,24 @@ def test_replayed_records_are_dropped() -> None:
     assert wire.server.drops["replayed"] == 1
 
 
+def test_forged_and_short_records_are_bad_mac_and_leave_the_window_alone() -> None:
+    wire = established_pair()
+    wire.server.pop_events()
+    wire.client.send(b"real", wire.now)
+    ((record, _),) = wire.client.datagrams_to_send(wire.now)
+    forged = record[:-1] + bytes([record[-1] ^ 1])
+    short = record[: w.RECORD_HEADER_SIZE] + b"\0"
+    short = short[:11] + (1).to_bytes(2, "big") + short[13:]
+    for bad in (forged, short):
+        wire.server.receive_datagram(bad, CLIENT, wire.now)
+        wire.client.receive_datagram(bad, SERVER, wire.now)
+    assert wire.server.drops["bad-mac"] == 2
+    assert wire.client.drops["bad-mac"] == 2
+    # A forged copy did not mark the sequence number seen: the real one passes.
+    wire.server.receive_datagram(record, CLIENT, wire.now)
+    assert wire.server.pop_events() == [ApplicationData(CLIENT, b"real")]
+
+
 def test_idle_sessions_end() -> None:
     wire = Wire(make_client(), make_server(idle_timeout=30.0))
     wire.handshake()

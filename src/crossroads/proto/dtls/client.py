@@ -180,15 +180,11 @@ class DtlsClient(Endpoint):
         if self._read is None or record.epoch != self._read.epoch:
             self._drop("bad-epoch")
             return
-        if not self._window.fresh(record.sequence):
-            self._drop("replayed")
-            return
         try:
-            plain = self._read.open(record)
-        except DecodeError:
-            self._drop("bad-mac")
+            plain = crypto.open_fresh(self._read, self._window, record)
+        except DecodeError as exc:
+            self._drop(exc.reason)
             return
-        self._window.accept(record.sequence)
         match record.content_type:
             case w.ContentType.HANDSHAKE:
                 fragments = self._fragments(plain)

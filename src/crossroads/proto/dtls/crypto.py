@@ -277,3 +277,21 @@ class ReplayWindow:
             self.highest = sequence
         else:
             self.bits |= 1 << (self.highest - sequence)
+
+
+def open_fresh(read: RecordProtection, window: ReplayWindow, record: Record) -> bytes:
+    """The plaintext of a record not seen before: RFC 6347 §4.1.2.6 checks the
+    replay window first and marks the record seen only once it authenticated.
+
+    Raises:
+        DecodeError: ``replayed``, or ``bad-mac`` when it does not authenticate
+            (a record too short for its AEAD overhead included).
+    """
+    if not window.fresh(record.sequence):
+        raise DecodeError("record already received or too old", "replayed")
+    try:
+        plain = read.open(record)
+    except DecodeError as exc:
+        raise DecodeError(str(exc), "bad-mac") from None
+    window.accept(record.sequence)
+    return plain

@@ -62,6 +62,7 @@ from crossroads.proto.dtls.crypto import (
     RecordProtection,
     ReplayWindow,
     SessionKeys,
+    open_fresh,
     psk_session_keys,
     transcript_hash,
     verify_data,
@@ -315,15 +316,11 @@ class DtlsServer(Endpoint):
                 self._on_handshake_record(handshake, record.content_type, plain, now)
                 return
         if session is not None and record.epoch == session.read.epoch:
-            if not session.window.fresh(record.sequence):
-                self._drop("replayed")
-                return
             try:
-                plain = session.read.open(record)
-            except DecodeError:
-                self._drop("bad-mac")
+                plain = open_fresh(session.read, session.window, record)
+            except DecodeError as exc:
+                self._drop(exc.reason)
                 return
-            session.window.accept(record.sequence)
             session.last_rx = now
             self._on_session_record(session, record.content_type, plain, now)
             return
