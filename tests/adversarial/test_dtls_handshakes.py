@@ -11,11 +11,8 @@ import datetime
 import shutil
 from pathlib import Path
 
-from crossroads.proto.dtls_cookie import (
-    HANDSHAKE_HELLO_VERIFY_REQUEST,
-    RECORD_HEADER_SIZE,
-    parse_client_hello,
-)
+from crossroads.proto.dtls.wire import HandshakeType
+from crossroads.proto.dtls_cookie import RECORD_HEADER_SIZE, parse_client_hello
 from crossroads.transport.tls import (
     DEV_CERT_LIFETIME,
     Certificates,
@@ -58,7 +55,7 @@ async def test_a_client_hello_flood_gets_only_small_hello_verify_requests(
                 reply = await recv(sock)
                 assert len(reply) <= len(hello)
                 assert reply[0] == 22 and reply[RECORD_HEADER_SIZE] == (
-                    HANDSHAKE_HELLO_VERIFY_REQUEST
+                    HandshakeType.HELLO_VERIFY_REQUEST
                 )
     finally:
         for sock in sockets:
@@ -88,13 +85,13 @@ async def test_forged_cookies_are_counted_and_challenged_again(
         forged = second[:at] + bytes([second[at] ^ 1]) + second[at + 1 :]
         sock.sendto(forged, ("127.0.0.1", server.port))
         again = await recv(sock)
-        assert again[RECORD_HEADER_SIZE] == HANDSHAKE_HELLO_VERIFY_REQUEST
+        assert again[RECORD_HEADER_SIZE] == HandshakeType.HELLO_VERIFY_REQUEST
         # A cookie made for another source port is refused too.
         other = raw_socket()
         try:
             other.sendto(second, ("127.0.0.1", server.port))
             assert (await recv(other))[RECORD_HEADER_SIZE] == (
-                HANDSHAKE_HELLO_VERIFY_REQUEST
+                HandshakeType.HELLO_VERIFY_REQUEST
             )
         finally:
             other.close()

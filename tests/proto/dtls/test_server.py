@@ -86,7 +86,8 @@ def test_first_hello_is_answered_statelessly_with_a_smaller_verify_request() -> 
     server.receive_datagram(hello, CLIENT, 0.0)
     ((answer, addr),) = server.datagrams_to_send(0.0)
     assert addr == CLIENT
-    assert len(answer) < len(hello)
+    assert len(answer) == 48 < len(hello)
+    assert answer[1:3] == b"\xfe\xff"  # RFC 6347 §4.2.1: a DTLS 1.0 record
     (record,), _ = w.split_records(answer)
     (fragment,) = w.decode_fragments(record.fragment)
     assert fragment.msg_type == w.HandshakeType.HELLO_VERIFY_REQUEST
@@ -265,6 +266,24 @@ def test_replayed_records_are_dropped() -> None:
     wire.server.receive_datagram(record, CLIENT, wire.now)
     assert wire.server.pop_events() == [ApplicationData(CLIENT, b"once")]
     assert wire.server.drops["replayed"] == 1
+
+
+def test_forged_and_short_records_are_bad_mac_and_leave_the_window_alone() -> None:
+    wire = established_pair()
+    wire.server.pop_events()
+    wire.client.send(b"real", wire.now)
+    ((record, _),) = wire.client.datagrams_to_send(wire.now)
+    forged = record[:-1] + bytes([record[-1] ^ 1])
+    short = record[: w.RECORD_HEADER_SIZE] + b"\0"
+    short = short[:11] + (1).to_bytes(2, "big") + short[13:]
+    for bad in (forged, short):
+        wire.server.receive_datagram(bad, CLIENT, wire.now)
+        wire.client.receive_datagram(bad, SERVER, wire.now)
+    assert wire.server.drops["bad-mac"] == 2
+    assert wire.client.drops["bad-mac"] == 2
+    # A forged copy did not mark the sequence number seen: the real one passes.
+    wire.server.receive_datagram(record, CLIENT, wire.now)
+    assert wire.server.pop_events() == [ApplicationData(CLIENT, b"real")]
 
 
 def test_idle_sessions_end() -> None:

@@ -266,3 +266,23 @@ def test_hello_example_from_the_protocol_document() -> None:
 def test_bad_redirects_are_refused(body: dict[str, object]) -> None:
     with pytest.raises(DecodeError):
         sig.decode_server(json.dumps({"type": "redirect", **body}))
+
+
+def test_frames_are_byte_exact() -> None:
+    """Members in the documented order (docs/p2p-protocol.md), renamed members
+    (``from``) and nested objects as the other implementations expect them."""
+    assert sig.encode(sig.SignalFrom("p1", {"a": [1]})) == (
+        '{"type":"signal","from":"p1","data":{"a":[1]}}'
+    )
+    assert sig.encode(sig.JoinResult("s", ("a",))) == (
+        '{"type":"join_result","session":"s","connected":["a"],"failed":[]}'
+    )
+    assert sig.encode(sig.Hosted("s", "CODE", 0)) == (
+        '{"type":"hosted","session":"s","code":"CODE","seniority":0,"turn":null}'
+    )
+    member = sig.Member("p", KEY, 1)
+    assert sig.encode(sig.MemberJoined("s", member)) == (
+        '{"type":"member_joined","session":"s","member":'
+        '{"peer":"p","key":"AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=","seniority":1}}'
+    )
+    assert sig.encode(sig.TurnRefresh()) == '{"type":"turn_refresh"}'

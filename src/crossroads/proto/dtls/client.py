@@ -26,23 +26,13 @@ from enum import IntEnum
 from typing import Final
 
 from crossroads.errors import DecodeError
+from crossroads.proto.dtls import crypto
 from crossroads.proto.dtls import wire as w
-from crossroads.proto.dtls.crypto import (
-    SUITES,
-    CipherSuite,
-    RecordProtection,
-    ReplayWindow,
-    key_block,
-    master_secret,
-    psk_premaster,
-    transcript_hash,
-    verify_data,
-)
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
+    Endpoint,
     Established,
-    Event,
     HandshakeFailed,
     Message,
     Reassembler,
@@ -63,7 +53,7 @@ class ClientState(IntEnum):
     CLOSED = 5
 
 
-class DtlsClient:
+class DtlsClient(Endpoint):
     """The DTLS 1.2 PSK client core (see the module docstring)."""
 
     def __init__(
@@ -73,10 +63,11 @@ class DtlsClient:
         psk: bytes,
         random_bytes: Callable[[int], bytes],
         *,
-        cipher_suites: tuple[int, ...] = tuple(SUITES),
+        cipher_suites: tuple[int, ...] = tuple(crypto.SUITES),
         offer_extended_master_secret: bool = True,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
     ) -> None:
+        super().__init__()
         self.server = server
         self.identity = identity
         self.psk = psk
@@ -85,8 +76,7 @@ class DtlsClient:
         self.offer_ems = offer_extended_master_secret
         self.handshake_timeout = handshake_timeout
         self.state = ClientState.IDLE
-        self.suite: CipherSuite | None = None
-        self.drops: dict[str, int] = {}
+        self.suite: crypto.CipherSuite | None = None
         self._random = random_bytes(w.RANDOM_SIZE)
         self._reassembler = Reassembler(0)
         self._transcript: list[bytes] = []
@@ -95,15 +85,13 @@ class DtlsClient:
         self._server_random = b""
         self._ems = False
         self._master = b""
-        self._read: RecordProtection | None = None
-        self._write: RecordProtection | None = None
+        self._read: crypto.RecordProtection | None = None
+        self._write: crypto.RecordProtection | None = None
         self._app_seq = 0
-        self._window = ReplayWindow()
+        self._window = crypto.ReplayWindow()
         self._flight = b""
         self._timer: Retransmitter | None = None
         self._expires = 0.0
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[Event] = []
 
     # ------------------------------------------------------------- public API
 
@@ -159,14 +147,6 @@ class DtlsClient:
         self.state = ClientState.CLOSED
         self._timer = None
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
-
     def get_timer(self) -> float | None:
         if self._timer is None or self._timer.deadline is None:
             return None
@@ -187,12 +167,9 @@ class DtlsClient:
     def _on_record(self, record: w.Record, now: float) -> None:
         if record.epoch == 0:
             if record.content_type == w.ContentType.HANDSHAKE:
-                try:
-                    fragments = w.decode_fragments(record.fragment)
-                except DecodeError as exc:
-                    self._drop(f"handshake-{exc.reason}")
-                    return
-                self._on_fragments(fragments, False, now)
+                fragments = self._fragments(record.fragment)
+                if fragments is not None:
+                    self._on_fragments(fragments, False, now)
             elif record.content_type == w.ContentType.ALERT and (
                 self.state != ClientState.ESTABLISHED
             ):
@@ -203,23 +180,16 @@ class DtlsClient:
         if self._read is None or record.epoch != self._read.epoch:
             self._drop("bad-epoch")
             return
-        if not self._window.fresh(record.sequence):
-            self._drop("replayed")
-            return
         try:
-            plain = self._read.open(record)
-        except DecodeError:
-            self._drop("bad-mac")
+            plain = crypto.open_fresh(self._read, self._window, record)
+        except DecodeError as exc:
+            self._drop(exc.reason)
             return
-        self._window.accept(record.sequence)
         match record.content_type:
             case w.ContentType.HANDSHAKE:
-                try:
-                    fragments = w.decode_fragments(plain)
-                except DecodeError as exc:
-                    self._drop(f"handshake-{exc.reason}")
-                    return
-                self._on_fragments(fragments, True, now)
+                fragments = self._fragments(plain)
+                if fragments is not None:
+                    self._on_fragments(fragments, True, now)
             case w.ContentType.APPLICATION_DATA if (
                 self.state == ClientState.ESTABLISHED
             ):
@@ -302,7 +272,7 @@ class DtlsClient:
         if hello.version != w.DTLS1_2 or hello.cipher_suite not in self.cipher_suites:
             self._failed("bad-server-hello")
             return
-        self.suite = SUITES[hello.cipher_suite]
+        self.suite = crypto.SUITES[hello.cipher_suite]
         self._server_random = hello.random
         self._ems = (
             self.offer_ems
@@ -317,22 +287,18 @@ class DtlsClient:
             w.HandshakeType.CLIENT_KEY_EXCHANGE, w.encode_psk_identity(self.identity)
         )
         self._transcript.append(key_exchange)
-        session_hash = transcript_hash(suite, self._transcript) if self._ems else None
-        self._master = master_secret(
-            suite,
-            psk_premaster(self.psk),
-            self._random,
-            self._server_random,
-            session_hash,
+        session_hash = (
+            crypto.transcript_hash(suite, self._transcript) if self._ems else None
         )
-        keys = key_block(suite, self._master, self._random, self._server_random)
-        self._write = RecordProtection(suite, keys.client_key, keys.client_iv, 1)
-        self._read = RecordProtection(suite, keys.server_key, keys.server_iv, 1)
+        keys = crypto.psk_session_keys(
+            suite, self.psk, self._random, self._server_random, session_hash
+        )
+        self._master = keys.master
+        self._write = keys.client_write
+        self._read = keys.server_write
         finished = self._message(
             w.HandshakeType.FINISHED,
-            verify_data(
-                suite, self._master, True, transcript_hash(suite, self._transcript)
-            ),
+            crypto.verify_data(suite, self._master, True, self._transcript),
         )
         self._transcript.append(finished)
         flight = self._plain_record(w.ContentType.HANDSHAKE, key_exchange)
@@ -350,9 +316,7 @@ class DtlsClient:
     def _on_finished(self, message: Message) -> None:
         suite = self.suite
         assert suite is not None
-        expected = verify_data(
-            suite, self._master, False, transcript_hash(suite, self._transcript)
-        )
+        expected = crypto.verify_data(suite, self._master, False, self._transcript)
         if not hmac.compare_digest(message.body, expected):
             self._failed("bad-finished")
             return
@@ -404,6 +368,3 @@ class DtlsClient:
             self._events.append(HandshakeFailed(self.server, reason))
         self.state = ClientState.FAILED
         self._timer = None
-
-    def _drop(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1

@@ -130,15 +130,19 @@ def master_secret(
 
 
 def transcript_hash(suite: CipherSuite, messages: list[bytes]) -> bytes:
+    """The hash of the handshake messages so far (RFC 5246 §7.4.9, and the
+    session hash of RFC 7627 §3)."""
     return hashlib.new(suite.hash_name, b"".join(messages)).digest()
 
 
 def verify_data(
-    suite: CipherSuite, master: bytes, from_client: bool, handshake_hash: bytes
+    suite: CipherSuite, master: bytes, from_client: bool, transcript: list[bytes]
 ) -> bytes:
-    """RFC 5246 §7.4.9: the Finished message body."""
+    """RFC 5246 §7.4.9: the Finished message body after the handshake
+    messages ``transcript``."""
     label = b"client finished" if from_client else b"server finished"
-    return prf(suite.hash_name, master, label, handshake_hash, VERIFY_DATA_SIZE)
+    digest = transcript_hash(suite, transcript)
+    return prf(suite.hash_name, master, label, digest, VERIFY_DATA_SIZE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +220,39 @@ class RecordProtection:
             raise DecodeError("record does not authenticate", "bad-mac") from None
 
 
+@dataclass(frozen=True, slots=True)
+class SessionKeys:
+    """What a PSK key exchange yields: the master secret and the epoch-1
+    protection of each direction (the client writes with ``client_write``, the
+    server reads with it, and the other way round)."""
+
+    master: bytes
+    client_write: RecordProtection
+    server_write: RecordProtection
+
+
+def psk_session_keys(
+    suite: CipherSuite,
+    psk: bytes,
+    client_random: bytes,
+    server_random: bytes,
+    session_hash: bytes | None,
+) -> SessionKeys:
+    """The key schedule of a plain PSK handshake, the same on both ends:
+    RFC 4279 §2 premaster, RFC 5246 §8.1 (or RFC 7627 §4 with
+    ``session_hash``) master secret, RFC 5246 §6.3 key block; epoch 1 is the
+    first protected epoch (RFC 6347 §4.1)."""
+    master = master_secret(
+        suite, psk_premaster(psk), client_random, server_random, session_hash
+    )
+    keys = key_block(suite, master, client_random, server_random)
+    return SessionKeys(
+        master,
+        RecordProtection(suite, keys.client_key, keys.client_iv, 1),
+        RecordProtection(suite, keys.server_key, keys.server_iv, 1),
+    )
+
+
 class ReplayWindow:
     """RFC 6347 §4.1.2.6 sliding window over received sequence numbers."""
 
@@ -240,3 +277,21 @@ class ReplayWindow:
             self.highest = sequence
         else:
             self.bits |= 1 << (self.highest - sequence)
+
+
+def open_fresh(read: RecordProtection, window: ReplayWindow, record: Record) -> bytes:
+    """The plaintext of a record not seen before: RFC 6347 §4.1.2.6 checks the
+    replay window first and marks the record seen only once it authenticated.
+
+    Raises:
+        DecodeError: ``replayed``, or ``bad-mac`` when it does not authenticate
+            (a record too short for its AEAD overhead included).
+    """
+    if not window.fresh(record.sequence):
+        raise DecodeError("record already received or too old", "replayed")
+    try:
+        plain = read.open(record)
+    except DecodeError as exc:
+        raise DecodeError(str(exc), "bad-mac") from None
+    window.accept(record.sequence)
+    return plain

@@ -1,5 +1,6 @@
 """Pieces both DTLS endpoints share: handshake reassembly, the retransmission
-timer, and the events a connection reports.
+timer, the events a connection reports and the output side of a core
+(:class:`Endpoint`).
 
 Reassembly (RFC 6347 §4.2.3): a handshake message may arrive in fragments, out
 of order and duplicated. :class:`Reassembler` buffers fragments of the next few
@@ -17,7 +18,11 @@ from dataclasses import dataclass
 from typing import Final
 
 from crossroads.errors import DecodeError
-from crossroads.proto.dtls.wire import HandshakeFragment, handshake_message
+from crossroads.proto.dtls.wire import (
+    HandshakeFragment,
+    decode_fragments,
+    handshake_message,
+)
 from crossroads.types import Address
 
 #: RFC 6347 §4.2.4.1: "initial timer value of 1 second".
@@ -164,3 +169,35 @@ class Closed:
 
 
 Event = HelloReceived | Established | ApplicationData | HandshakeFailed | Closed
+
+
+class Endpoint:
+    """The output side both DTLS cores share (the core API of
+    :mod:`crossroads.proto.core`): datagrams to send, events, and drops counted
+    by reason (a metric label each)."""
+
+    def __init__(self) -> None:
+        #: Drops by reason (metrics).
+        self.drops: dict[str, int] = {}
+        self._outbox: list[tuple[bytes, Address]] = []
+        self._events: list[Event] = []
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    def pop_events(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
+
+    def _drop(self, reason: str) -> None:
+        self.drops[reason] = self.drops.get(reason, 0) + 1
+
+    def _fragments(self, plain: bytes) -> list[HandshakeFragment] | None:
+        """The handshake fragments of a record, or None (dropped, counted as
+        ``handshake-<reason>``) when they do not decode."""
+        try:
+            return decode_fragments(plain)
+        except DecodeError as exc:
+            self._drop(f"handshake-{exc.reason}")
+            return None

@@ -7,9 +7,10 @@ state at all, a *handshake* in progress, and an established *session*.
 
 1. **Cookie first, no state before it** (RFC 6347 §4.2.1). A ClientHello
    (epoch 0) without a valid cookie is answered with a HelloVerifyRequest whose
-   cookie is an HMAC of the client's address and hello parameters under a
-   secret that rotates every ``cookie_rotation`` seconds (the current and the
-   previous secret are accepted). Nothing is stored, and the answer (44 bytes)
+   cookie is an HMAC of the client's address, port and hello random and of the
+   ``cookie_rotation``-second period (the current and the previous period are
+   accepted; :mod:`crossroads.proto.dtls_cookie`, shared with TURN over DTLS).
+   Nothing is stored, and the answer (48 bytes)
    is smaller than any well-formed ClientHello, so spoofed hellos neither fill
    memory nor amplify. Only a hello that echoes a valid cookie (its sender
    received our answer) creates a handshake, within per-IP and global caps.
@@ -60,23 +61,25 @@ from crossroads.proto.dtls.crypto import (
     CipherSuite,
     RecordProtection,
     ReplayWindow,
-    key_block,
-    master_secret,
-    psk_premaster,
+    SessionKeys,
+    open_fresh,
+    psk_session_keys,
     transcript_hash,
     verify_data,
 )
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
+    Endpoint,
     Established,
-    Event,
     HandshakeFailed,
     HelloReceived,
     Message,
     Reassembler,
     Retransmitter,
 )
+from crossroads.proto.dtls_cookie import ClientHello as CookieHello
+from crossroads.proto.dtls_cookie import CookieJar, hello_verify_request
 from crossroads.types import Address
 
 #: The PSKs an identity may use, most likely first (a relay node that adopted a
@@ -86,9 +89,9 @@ PskLookup = Callable[[bytes], Sequence[bytes]]
 #: Candidate keys tried per handshake, at most (each costs a key derivation).
 MAX_PSK_CANDIDATES: Final = 8
 
-#: HelloVerifyRequest cookie bytes (a truncated HMAC-SHA256). 16 bytes make a
-#: forged cookie a 2^-128 guess and keep the HVR smaller than any ClientHello.
-COOKIE_SIZE: Final = 16
+#: Bytes of the cookie secret drawn at start: a full HMAC-SHA256 key (RFC 2104
+#: §3: the hash output size).
+COOKIE_SECRET_SIZE: Final = 32
 #: RFC 6347 §4.1: sequence numbers are 48 bits; a session that would wrap ends.
 MAX_SEQUENCE: Final = 2**48 - 1
 
@@ -113,7 +116,8 @@ class DtlsServerConfig:
     #: Established sessions, in all and per source IP (players behind one NAT).
     max_sessions: int = 20_000
     max_sessions_per_ip: int = 256
-    #: Seconds a cookie secret is current; a cookie stays valid for up to two.
+    #: Seconds of one cookie period (proto/dtls_cookie.py); a cookie stays
+    #: valid in its period and the next.
     cookie_rotation: float = 30.0
     #: Unity Transport's DTLS MTU is 1400 bytes (reference §1.4): no datagram
     #: we send may be larger.
@@ -149,11 +153,15 @@ class _Handshake:
     identity: bytes = b""
     read: RecordProtection | None = None
     write: RecordProtection | None = None
-    #: (master, read, write) per candidate PSK until the client's Finished
-    #: shows which one it holds.
-    candidates: list[tuple[bytes, RecordProtection, RecordProtection]] = field(
-        default_factory=list
-    )
+    #: The keys of each candidate PSK until the client's Finished shows which
+    #: one it holds.
+    candidates: list[SessionKeys] = field(default_factory=list)
+
+    def choose(self, keys: SessionKeys) -> None:
+        """Go on with ``keys`` (we read what the client writes)."""
+        self.master = keys.master
+        self.read = keys.client_write
+        self.write = keys.server_write
 
 
 @dataclass(slots=True, eq=False)
@@ -174,7 +182,7 @@ class _Session:
     window: ReplayWindow = field(default_factory=ReplayWindow)
 
 
-class DtlsServer:
+class DtlsServer(Endpoint):
     """The DTLS 1.2 PSK server core (see the module docstring).
 
     Args:
@@ -189,21 +197,18 @@ class DtlsServer:
         psk_for: PskLookup,
         random_bytes: Callable[[int], bytes],
     ) -> None:
+        super().__init__()
         self.config = config
         self.psk_for = psk_for
         self.random_bytes = random_bytes
         self.handshakes: dict[Address, _Handshake] = {}
         self.sessions: dict[Address, _Session] = {}
-        #: Drops by reason (metrics).
-        self.drops: dict[str, int] = {}
         #: Handshake failures by reason, and counters for metrics and tests.
         self.failures: dict[str, int] = {}
         self.hello_verify_sent = 0
         self.established_total = 0
         self._per_ip_handshakes: dict[str, int] = {}
         self._per_ip_sessions: dict[str, int] = {}
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[Event] = []
         self._timers: list[tuple[float, int, Address]] = []
         self._next_token = 0
         self._datagrams = 0
@@ -215,9 +220,9 @@ class DtlsServer:
                 global_burst=0.0,
             )
         )
-        self._secret = random_bytes(32)
-        self._previous_secret = self._secret
-        self._rotate_at: float | None = None
+        self._cookies = CookieJar(
+            random_bytes(COOKIE_SECRET_SIZE), config.cookie_rotation
+        )
 
     # ------------------------------------------------------------- public API
 
@@ -265,14 +270,6 @@ class DtlsServer:
         )
         self._end_session(session, "closed")
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
-
     def get_timer(self) -> float | None:
         return self._timers[0][0] if self._timers else None
 
@@ -319,15 +316,11 @@ class DtlsServer:
                 self._on_handshake_record(handshake, record.content_type, plain, now)
                 return
         if session is not None and record.epoch == session.read.epoch:
-            if not session.window.fresh(record.sequence):
-                self._drop("replayed")
-                return
             try:
-                plain = session.read.open(record)
-            except DecodeError:
-                self._drop("bad-mac")
+                plain = open_fresh(session.read, session.window, record)
+            except DecodeError as exc:
+                self._drop(exc.reason)
                 return
-            session.window.accept(record.sequence)
             session.last_rx = now
             self._on_session_record(session, record.content_type, plain, now)
             return
@@ -337,10 +330,8 @@ class DtlsServer:
         handshake = self.handshakes.get(addr)
         match record.content_type:
             case w.ContentType.HANDSHAKE:
-                try:
-                    fragments = w.decode_fragments(record.fragment)
-                except DecodeError as exc:
-                    self._drop(f"handshake-{exc.reason}")
+                fragments = self._fragments(record.fragment)
+                if fragments is None:
                     return
                 if fragments[0].msg_type == w.HandshakeType.CLIENT_HELLO:
                     self._on_client_hello(record, fragments[0], addr, now)
@@ -370,30 +361,6 @@ class DtlsServer:
 
     # ------------------------------------------------------------ ClientHello
 
-    def _cookie(self, secret: bytes, addr: Address, hello: w.ClientHello) -> bytes:
-        mac = hmac.new(secret, digestmod="sha256")
-        mac.update(f"{addr[0]}|{addr[1]}|".encode())
-        mac.update(hello.version.to_bytes(2, "big") + hello.random)
-        mac.update(bytes((len(hello.session_id),)) + hello.session_id)
-        mac.update(b"".join(s.to_bytes(2, "big") for s in hello.cipher_suites))
-        mac.update(hello.compression_methods)
-        return mac.digest()[:COOKIE_SIZE]
-
-    def _cookie_valid(self, addr: Address, hello: w.ClientHello, now: float) -> bool:
-        if self._rotate_at is None:
-            self._rotate_at = now + self.config.cookie_rotation
-        elif now >= self._rotate_at:
-            self._previous_secret = self._secret
-            self._secret = self.random_bytes(32)
-            self._rotate_at = now + self.config.cookie_rotation
-        if len(hello.cookie) != COOKIE_SIZE:
-            return False
-        return hmac.compare_digest(
-            hello.cookie, self._cookie(self._secret, addr, hello)
-        ) or hmac.compare_digest(
-            hello.cookie, self._cookie(self._previous_secret, addr, hello)
-        )
-
     def _on_client_hello(
         self,
         record: w.Record,
@@ -413,19 +380,12 @@ class DtlsServer:
         except DecodeError as exc:
             self._drop(f"hello-{exc.reason}")
             return
-        if not self._cookie_valid(addr, hello, now):
-            verify = w.HelloVerifyRequest(
-                # RFC 6347 §4.2.1: DTLS 1.2 servers SHOULD put DTLS 1.0 here.
-                w.DTLS1_0,
-                self._cookie(self._secret, addr, hello),
+        if not self._cookies.verify(hello.cookie, addr, hello.random, now):
+            challenge = CookieHello(
+                record.sequence, fragment.message_seq, hello.random, hello.cookie
             )
-            message = w.handshake_message(
-                w.HandshakeType.HELLO_VERIFY_REQUEST,
-                fragment.message_seq,
-                verify.encode(),
-            )
-            # RFC 6347 §4.2.1: the HVR reuses the ClientHello's record sequence.
-            self._plain(addr, w.ContentType.HANDSHAKE, record.sequence, message)
+            cookie = self._cookies.cookie(addr, hello.random, now)
+            self._outbox.append((hello_verify_request(challenge, cookie), addr))
             self.hello_verify_sent += 1
             return
         current = self.handshakes.get(addr)
@@ -556,12 +516,9 @@ class DtlsServer:
         self, handshake: _Handshake, content_type: int, plain: bytes, now: float
     ) -> None:
         if content_type == w.ContentType.HANDSHAKE:
-            try:
-                fragments = w.decode_fragments(plain)
-            except DecodeError as exc:
-                self._drop(f"handshake-{exc.reason}")
-                return
-            self._on_fragments(handshake, fragments, True, now)
+            fragments = self._fragments(plain)
+            if fragments is not None:
+                self._on_fragments(handshake, fragments, True, now)
         elif content_type == w.ContentType.ALERT:
             self._fail(handshake, None, "client-alert")
         else:
@@ -621,25 +578,17 @@ class DtlsServer:
         session_hash = (
             transcript_hash(suite, handshake.transcript) if handshake.ems else None
         )
-        for psk in psks:
-            master = master_secret(
+        handshake.candidates = [
+            psk_session_keys(
                 suite,
-                psk_premaster(psk),
+                psk,
                 handshake.client_random,
                 handshake.server_random,
                 session_hash,
             )
-            keys = key_block(
-                suite, master, handshake.client_random, handshake.server_random
-            )
-            handshake.candidates.append(
-                (
-                    master,
-                    RecordProtection(suite, keys.client_key, keys.client_iv, 1),
-                    RecordProtection(suite, keys.server_key, keys.server_iv, 1),
-                )
-            )
-        handshake.master, handshake.read, handshake.write = handshake.candidates[0]
+            for psk in psks
+        ]
+        handshake.choose(handshake.candidates[0])
         handshake.identity = identity
         return True
 
@@ -649,19 +598,17 @@ class DtlsServer:
         that authenticates it (which then becomes the only one), else None."""
         for candidate in handshake.candidates:
             try:
-                plain = candidate[1].open(record)
+                plain = candidate.client_write.open(record)
             except DecodeError:
                 continue
-            handshake.master, handshake.read, handshake.write = candidate
+            handshake.choose(candidate)
             handshake.candidates = [candidate]
             return plain
         return None
 
     def _on_finished(self, handshake: _Handshake, message: Message, now: float) -> None:
         suite = handshake.suite
-        expected = verify_data(
-            suite, handshake.master, True, transcript_hash(suite, handshake.transcript)
-        )
+        expected = verify_data(suite, handshake.master, True, handshake.transcript)
         if handshake.write is None or handshake.read is None:
             self._fail(
                 handshake, w.AlertDescription.UNEXPECTED_MESSAGE, "early-finished"
@@ -671,9 +618,7 @@ class DtlsServer:
             self._fail(handshake, w.AlertDescription.DECRYPT_ERROR, "bad-finished")
             return
         handshake.transcript.append(message.encode())
-        ours = verify_data(
-            suite, handshake.master, False, transcript_hash(suite, handshake.transcript)
-        )
+        ours = verify_data(suite, handshake.master, False, handshake.transcript)
         finished = w.handshake_message(
             w.HandshakeType.FINISHED, handshake.next_server_seq, ours
         )
@@ -820,6 +765,3 @@ class DtlsServer:
         self, addr: Address, content_type: int, sequence: int, body: bytes
     ) -> None:
         self._outbox.append((self._plain_record(content_type, sequence, body), addr))
-
-    def _drop(self, reason: str) -> None:
-        self.drops[reason] = self.drops.get(reason, 0) + 1

@@ -11,9 +11,10 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Final
+from typing import ClassVar, Final
 
 from crossroads.errors import DecodeError
+from crossroads.proto.binary import ByteReader, length_prefixed
 
 #: RFC 6347 §4.1: DTLS 1.2 is {254, 253}; DTLS 1.0 is {254, 255}. Versions count
 #: *down*, so "at least DTLS 1.2" is ``version <= DTLS1_2``.
@@ -92,42 +93,12 @@ VALID_CONTENT_TYPES: Final = frozenset(int(t) for t in ContentType)
 # ------------------------------------------------------------------ reading
 
 
-class Reader:
-    """A cursor over bytes that raises DecodeError instead of over-reading."""
+class Reader(ByteReader):
+    """A DTLS message cursor (:class:`crossroads.proto.binary.ByteReader`;
+    vectors as RFC 5246 §4.3 defines them)."""
 
-    __slots__ = ("data", "pos")
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.pos = 0
-
-    def take(self, size: int) -> bytes:
-        end = self.pos + size
-        if end > len(self.data):
-            raise DecodeError("truncated DTLS field", "truncated")
-        chunk = self.data[self.pos : end]
-        self.pos = end
-        return chunk
-
-    def uint(self, size: int) -> int:
-        return int.from_bytes(self.take(size), "big")
-
-    def vector(self, length_size: int, maximum: int | None = None) -> bytes:
-        length = self.uint(length_size)
-        if maximum is not None and length > maximum:
-            raise DecodeError("DTLS vector too long", "too-long")
-        return self.take(length)
-
-    def done(self) -> bool:
-        return self.pos == len(self.data)
-
-    def finish(self) -> None:
-        if not self.done():
-            raise DecodeError("trailing bytes in a DTLS message", "trailing")
-
-
-def _vector(length_size: int, data: bytes) -> bytes:
-    return len(data).to_bytes(length_size, "big") + data
+    __slots__ = ()
+    PROTOCOL: ClassVar[str] = "DTLS"
 
 
 # ------------------------------------------------------------------ records
@@ -248,6 +219,18 @@ def handshake_message(msg_type: int, message_seq: int, body: bytes) -> bytes:
     return HandshakeFragment(msg_type, len(body), message_seq, 0, body).encode()
 
 
+def _decode_hello_head(reader: Reader) -> tuple[int, bytes, bytes]:
+    """``(version, random, session_id)``: how both hellos start (RFC 5246
+    §7.4.1.2-3)."""
+    version = reader.uint(2)
+    random = reader.take(RANDOM_SIZE)
+    return version, random, reader.vector(1, MAX_SESSION_ID)
+
+
+def _encode_hello_head(version: int, random: bytes, session_id: bytes) -> bytes:
+    return version.to_bytes(2, "big") + random + length_prefixed(1, session_id)
+
+
 @dataclass(frozen=True, slots=True)
 class ClientHello:
     """RFC 6347 §4.2.1 / RFC 5246 §7.4.1.2."""
@@ -263,9 +246,7 @@ class ClientHello:
     @classmethod
     def decode(cls, body: bytes) -> ClientHello:
         reader = Reader(body)
-        version = reader.uint(2)
-        random = reader.take(RANDOM_SIZE)
-        session_id = reader.vector(1, MAX_SESSION_ID)
+        version, random, session_id = _decode_hello_head(reader)
         cookie = reader.vector(1, MAX_COOKIE)
         suites_raw = reader.vector(2)
         if not suites_raw or len(suites_raw) % 2:
@@ -283,12 +264,12 @@ class ClientHello:
 
     def encode(self) -> bytes:
         return (
-            self.version.to_bytes(2, "big")
-            + self.random
-            + _vector(1, self.session_id)
-            + _vector(1, self.cookie)
-            + _vector(2, b"".join(s.to_bytes(2, "big") for s in self.cipher_suites))
-            + _vector(1, self.compression_methods)
+            _encode_hello_head(self.version, self.random, self.session_id)
+            + length_prefixed(1, self.cookie)
+            + length_prefixed(
+                2, b"".join(s.to_bytes(2, "big") for s in self.cipher_suites)
+            )
+            + length_prefixed(1, self.compression_methods)
             + _encode_extensions(self.extensions)
         )
 
@@ -324,8 +305,8 @@ def _decode_extensions(reader: Reader) -> tuple[tuple[int, bytes], ...]:
 def _encode_extensions(extensions: tuple[tuple[int, bytes], ...]) -> bytes:
     if not extensions:
         return b""
-    return _vector(
-        2, b"".join(t.to_bytes(2, "big") + _vector(2, d) for t, d in extensions)
+    return length_prefixed(
+        2, b"".join(t.to_bytes(2, "big") + length_prefixed(2, d) for t, d in extensions)
     )
 
 
@@ -343,9 +324,7 @@ class ServerHello:
     @classmethod
     def decode(cls, body: bytes) -> ServerHello:
         reader = Reader(body)
-        version = reader.uint(2)
-        random = reader.take(RANDOM_SIZE)
-        session_id = reader.vector(1, MAX_SESSION_ID)
+        version, random, session_id = _decode_hello_head(reader)
         suite = reader.uint(2)
         compression = reader.uint(1)
         extensions = _decode_extensions(reader) if not reader.done() else ()
@@ -354,9 +333,7 @@ class ServerHello:
 
     def encode(self) -> bytes:
         return (
-            self.version.to_bytes(2, "big")
-            + self.random
-            + _vector(1, self.session_id)
+            _encode_hello_head(self.version, self.random, self.session_id)
             + self.cipher_suite.to_bytes(2, "big")
             + bytes((self.compression_method,))
             + _encode_extensions(self.extensions)
@@ -382,7 +359,7 @@ class HelloVerifyRequest:
         return cls(version, cookie)
 
     def encode(self) -> bytes:
-        return self.server_version.to_bytes(2, "big") + _vector(1, self.cookie)
+        return self.server_version.to_bytes(2, "big") + length_prefixed(1, self.cookie)
 
 
 def decode_psk_identity(body: bytes) -> bytes:
@@ -396,7 +373,7 @@ def decode_psk_identity(body: bytes) -> bytes:
 
 
 def encode_psk_identity(identity: bytes) -> bytes:
-    return _vector(2, identity)
+    return length_prefixed(2, identity)
 
 
 @dataclass(frozen=True, slots=True)

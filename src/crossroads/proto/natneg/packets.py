@@ -212,6 +212,20 @@ def _ip(ip: str) -> bytes:
 
 # ---------------------------------------------------------------------- packets
 
+_B = TypeVar("_B", bound="_InitBody")
+
+
+def _init_head(packet: Init | _InitBody) -> bytes:
+    """Header, porttype, clientindex and usegameport: how INIT and every
+    INIT-body packet start (ref §3.1-3.2)."""
+    return _header(packet.version, packet.TYPE, packet.cookie) + bytes(
+        (
+            _u8(packet.port_type, "porttype"),
+            _u8(packet.client_index, "clientindex"),
+            _u8(packet.use_game_port, "usegameport"),
+        )
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class Init:
@@ -235,13 +249,7 @@ class Init:
     game_name: str | None = None
 
     def encode(self) -> bytes:
-        head = _header(self.version, self.TYPE, self.cookie) + bytes(
-            (
-                _u8(self.port_type, "porttype"),
-                _u8(self.client_index, "clientindex"),
-                _u8(self.use_game_port, "usegameport"),
-            )
-        )
+        head = _init_head(self)
         if self.version == 1:
             if self.local_ip != "0.0.0.0" or self.local_port or self.game_name:
                 raise LocalProtocolError("a version 1 INIT has no address or name")
@@ -275,18 +283,20 @@ class _InitBody:
     extra: bytes = b""
 
     def encode(self) -> bytes:
-        return (
-            _header(self.version, self.TYPE, self.cookie)
-            + bytes(
-                (
-                    _u8(self.port_type, "porttype"),
-                    _u8(self.client_index, "clientindex"),
-                    _u8(self.use_game_port, "usegameport"),
-                )
-            )
-            + _ip(self.ip)
-            + _port_bytes(self.port)
-            + self.extra
+        return _init_head(self) + _ip(self.ip) + _port_bytes(self.port) + self.extra
+
+    def echo_as(self, cls: type[_B]) -> _B:
+        """These fields as a packet of another INIT-body type: the echoes
+        (ERT_TEST from NATIFY_REQUEST, BACKUP_ACK from BACKUP_TEST)."""
+        return cls(
+            self.version,
+            self.cookie,
+            self.port_type,
+            self.client_index,
+            self.use_game_port,
+            self.ip,
+            self.port,
+            self.extra,
         )
 
 
@@ -590,6 +600,13 @@ def _short(data: bytes, need: int, name: str) -> DecodeError:
     return DecodeError(f"{name} needs {need} bytes, got {len(data)}", "short")
 
 
+def _init_fields(data: bytes) -> tuple[int, int, int, str, int]:
+    """porttype, clientindex, usegameport, IPv4 and port of an INIT body at
+    offset 12 (ref §3.1-3.2; the caller checked the size)."""
+    port = int.from_bytes(data[19:21], "big")
+    return data[12], data[13], data[14], bytes_to_ip(data, 15), port
+
+
 def _decode_init(data: bytes, version: int, cookie: int) -> Init:
     if version == 1:
         if len(data) < INIT_V1_SIZE:
@@ -603,19 +620,9 @@ def _decode_init(data: bytes, version: int, cookie: int) -> Init:
         if len(raw) > GAMENAME_MAX:
             raise DecodeError("INIT game name longer than 63 bytes", "bad-gamename")
         name = raw.decode("latin-1")
-    return Init(
-        version,
-        cookie,
-        data[12],
-        data[13],
-        data[14],
-        bytes_to_ip(data, 15),
-        int.from_bytes(data[19:21], "big"),
-        name,
-    )
+    return Init(version, cookie, *_init_fields(data), name)
 
 
-_B = TypeVar("_B", bound=_InitBody)
 _C = TypeVar("_C", bound=_ConnectBody)
 _P = TypeVar("_P", bound=_PreinitBody)
 
@@ -624,16 +631,7 @@ def _init_body_decoder(cls: type[_B]) -> Callable[[bytes, int, int], _B]:
     def decode_body(data: bytes, version: int, cookie: int) -> _B:
         if len(data) < INIT_SIZE:
             raise _short(data, INIT_SIZE, cls.TYPE.name)
-        return cls(
-            version,
-            cookie,
-            data[12],
-            data[13],
-            data[14],
-            bytes_to_ip(data, 15),
-            int.from_bytes(data[19:21], "big"),
-            data[INIT_SIZE:],
-        )
+        return cls(version, cookie, *_init_fields(data), data[INIT_SIZE:])
 
     return decode_body
 

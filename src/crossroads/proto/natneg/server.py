@@ -1273,31 +1273,13 @@ class NatNegServer:
         if source is None:
             self._drop("no-probe-endpoint")
             return
-        ert = ErtTest(
-            p.version,
-            p.cookie,
-            p.port_type,
-            p.client_index,
-            p.use_game_port,
-            p.ip,
-            p.port,
-            p.extra,
-        )
+        ert = p.echo_as(ErtTest)
         self._send(ert, addr, source)
 
     def _on_backup_test(self, p: BackupTest, addr: Address, endpoint: Endpoint) -> None:
         # No client sends BACKUP_TEST; answer with the echo the DWC emulator uses
         # (same size as the request, so no amplification).
-        ack = BackupAck(
-            p.version,
-            p.cookie,
-            p.port_type,
-            p.client_index,
-            p.use_game_port,
-            p.ip,
-            p.port,
-            p.extra,
-        )
+        ack = p.echo_as(BackupAck)
         self._send(ack, addr, endpoint)
 
     def _on_preinit(

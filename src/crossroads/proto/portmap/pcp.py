@@ -19,12 +19,12 @@ to 4 bytes); we send none and skip any we receive. Lifetime 0 deletes a mapping
 
 from __future__ import annotations
 
-import ipaddress
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
+from crossroads.proto.binary import pack_ip16, unpack_ip16
 
 PORT = 5351
 VERSION = 2
@@ -62,17 +62,23 @@ _MAP = struct.Struct("!12sB3xHH16s")
 _OPTION = struct.Struct("!BBH")
 
 
-def _pack_ip(address: str) -> bytes:
-    ip = ipaddress.ip_address(address)
-    if ip.version == 4:
-        return ipaddress.IPv6Address(f"::ffff:{ip}").packed
-    return ip.packed
+def _encode_map(fields: MapRequest | MapResponse) -> bytes:
+    """The MAP opcode data (RFC 6887 §11.1), the same in a request and its
+    response."""
+    return _MAP.pack(
+        fields.nonce,
+        fields.protocol,
+        fields.internal_port,
+        fields.external_port,
+        pack_ip16(fields.external_ip),
+    )
 
 
-def _unpack_ip(packed: bytes) -> str:
-    ip = ipaddress.IPv6Address(packed)
-    mapped = ip.ipv4_mapped
-    return str(mapped) if mapped is not None else str(ip)
+def _decode_map(data: bytes, offset: int) -> tuple[bytes, int, int, int, str]:
+    """``(nonce, protocol, internal port, external port, external IP)`` of the
+    MAP opcode data at ``offset`` (the caller checked the size)."""
+    nonce, protocol, internal, external, ext_ip = _MAP.unpack_from(data, offset)
+    return nonce, protocol, internal, external, unpack_ip16(ext_ip)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,16 +93,9 @@ class MapRequest:
 
     def encode(self) -> bytes:
         header = _REQUEST_HEADER.pack(
-            VERSION, OPCODE_MAP, 0, self.lifetime, _pack_ip(self.client_ip)
+            VERSION, OPCODE_MAP, 0, self.lifetime, pack_ip16(self.client_ip)
         )
-        body = _MAP.pack(
-            self.nonce,
-            self.protocol,
-            self.internal_port,
-            self.external_port,
-            _pack_ip(self.external_ip),
-        )
-        return header + body
+        return header + _encode_map(self)
 
     @classmethod
     def decode(cls, data: bytes) -> MapRequest:
@@ -106,17 +105,8 @@ class MapRequest:
         version, opcode, _, lifetime, client = _REQUEST_HEADER.unpack_from(data)
         if version != VERSION or opcode != OPCODE_MAP:
             raise DecodeError("not a PCP MAP request", "bad-header")
-        nonce, protocol, internal, external, ext_ip = _MAP.unpack_from(
-            data, _REQUEST_HEADER.size
-        )
         return cls(
-            nonce,
-            protocol,
-            internal,
-            external,
-            _unpack_ip(ext_ip),
-            lifetime,
-            _unpack_ip(client),
+            *_decode_map(data, _REQUEST_HEADER.size), lifetime, unpack_ip16(client)
         )
 
 
@@ -135,14 +125,7 @@ class MapResponse:
         header = _RESPONSE_HEADER.pack(
             VERSION, 0x80 | OPCODE_MAP, 0, self.result, self.lifetime, self.epoch
         )
-        body = _MAP.pack(
-            self.nonce,
-            self.protocol,
-            self.internal_port,
-            self.external_port,
-            _pack_ip(self.external_ip),
-        )
-        return header + body
+        return header + _encode_map(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +156,7 @@ def decode_response(data: bytes) -> MapResponse | ErrorResponse:
         if result != Result.SUCCESS:
             return ErrorResponse(version, opcode, result)
         raise DecodeError("PCP response without a MAP payload", "bad-opcode")
-    nonce, protocol, internal, external, ext_ip = _MAP.unpack_from(
-        data, _RESPONSE_HEADER.size
-    )
+    mapping = _decode_map(data, _RESPONSE_HEADER.size)
     offset = _RESPONSE_HEADER.size + _MAP.size
     while offset < len(data):
         if len(data) - offset < _OPTION.size:
@@ -184,6 +165,4 @@ def decode_response(data: bytes) -> MapResponse | ErrorResponse:
         offset += _OPTION.size + ((length + 3) & ~3)
         if offset > len(data):
             raise DecodeError("truncated PCP option", "bad-option")
-    return MapResponse(
-        result, lifetime, epoch, nonce, protocol, internal, external, _unpack_ip(ext_ip)
-    )
+    return MapResponse(result, lifetime, epoch, *mapping)

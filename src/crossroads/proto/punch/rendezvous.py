@@ -29,6 +29,7 @@ import struct
 from dataclasses import dataclass
 
 from crossroads.errors import DecodeError
+from crossroads.proto.binary import pack_ip16
 
 PROBE_MAGIC = b"XRq1"
 OBSERVED_MAGIC = b"XRr1"
@@ -73,17 +74,13 @@ class Observed:
     port: int
 
     def encode(self) -> bytes:
-        ip = ipaddress.ip_address(self.host)
-        if ip.version == 4:
-            packed = ipaddress.IPv6Address(f"::ffff:{ip}").packed
-        else:
-            packed = ip.packed
+        packed = pack_ip16(self.host)
         return _OBSERVED.pack(
             OBSERVED_MAGIC,
             self.attempt,
             self.seq,
             self.index,
-            ip.version,
+            ipaddress.ip_address(self.host).version,
             self.port,
             packed,
         )

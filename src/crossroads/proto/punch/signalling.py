@@ -19,8 +19,9 @@ import binascii
 import ipaddress
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from dataclasses import MISSING, dataclass, field, fields
+from functools import partial
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 from crossroads.errors import DecodeError
 from crossroads.proto import jsontext
@@ -150,6 +151,115 @@ def _ids(obj: Mapping[str, Any], key: str, max_items: int) -> tuple[str, ...]:
     return tuple(out)
 
 
+# -------------------------------------------------------------- declared members
+
+#: How a message field's JSON member is read: ``read(frame, member name)``
+#: returns the value or raises :class:`DecodeError` (the helpers above).
+FieldReader = Callable[[Mapping[str, Any], str], Any]
+#: How a field's value is written as JSON.
+FieldWriter = Callable[[Any], Any]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _as_list(values: tuple[Any, ...]) -> list[Any]:
+    return list(values)
+
+
+def _json_list(values: tuple[Endpoint | Member, ...]) -> list[Any]:
+    return [v.to_json() for v in values]
+
+
+def _to_json(value: Candidates | PeerInfo | Member | TurnInfo) -> Any:
+    return value.to_json()
+
+
+def _json(
+    read: FieldReader,
+    write: FieldWriter = _same,
+    *,
+    name: str = "",
+    default: Any = MISSING,
+) -> Any:
+    """A message field carried as one JSON member: ``read`` decodes it from a
+    frame, ``write`` encodes it, ``name`` is the member's name when it is not
+    the field's. A message's members are written in field order."""
+    metadata = {"read": read, "write": write, "name": name}
+    if default is MISSING:
+        return field(metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+_Schema = tuple[tuple[str, str, FieldReader, FieldWriter], ...]
+_SCHEMAS: dict[type, _Schema] = {}
+
+
+def _schema(cls: type) -> _Schema:
+    """``(field, member name, read, write)`` for each field of a message class
+    (worked out once per class)."""
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        schema = _SCHEMAS[cls] = tuple(
+            (
+                f.name,
+                f.metadata["name"] or f.name,
+                f.metadata["read"],
+                f.metadata["write"],
+            )
+            for f in fields(cls)
+        )
+    return schema
+
+
+class _Members:
+    """A JSON object whose members are its fields, each read and written as
+    its :func:`_json` declaration says; written in field order."""
+
+    __slots__ = ()
+
+    def body(self) -> dict[str, Any]:
+        """The JSON members."""
+        return {
+            member: write(getattr(self, name))
+            for name, member, _, write in _schema(type(self))
+        }
+
+    @classmethod
+    def parse(cls, o: Mapping[str, Any]) -> Self:
+        """Read the members of a decoded JSON object; raises :class:`DecodeError`."""
+        values = {name: read(o, member) for name, member, read, _ in _schema(cls)}
+        return cast(Callable[..., Self], cls)(**values)
+
+
+class _JsonObject(_Members):
+    """A :class:`_Members` object nested in a message."""
+
+    __slots__ = ()
+    #: What a value that is not an object is called in the error ("turn").
+    WHAT: ClassVar[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return self.body()
+
+    @classmethod
+    def from_json(cls, value: Any) -> Self:
+        if not isinstance(value, dict):
+            raise DecodeError(f"{cls.WHAT} must be an object", "bad-type")
+        return cls.parse(value)
+
+
+def _required(from_json: Callable[[Any], _JsonObject]) -> FieldReader:
+    """A nested object that must be present (``missing-member`` otherwise)."""
+    return lambda o, member: from_json(_need(o, member))
+
+
+def _object(from_json: Callable[[Any], _JsonObject]) -> FieldReader:
+    """A nested object; absent or null is ``bad-type`` (not an object)."""
+    return lambda o, member: from_json(o.get(member))
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """A transport address; JSON ``["203.0.113.7", 40000]`` (IPv6 without brackets)."""
@@ -203,117 +313,85 @@ def _endpoints(
     return tuple(Endpoint.from_json(v, key) for v in value)
 
 
-def _opt(value: Endpoint | None) -> list[Any] | None:
+def _opt(value: Endpoint | TurnInfo | None) -> Any:
+    """JSON of an optional endpoint or object: null when there is none."""
     return None if value is None else value.to_json()
 
 
 @dataclass(frozen=True, slots=True)
-class Candidates:
+class Candidates(_JsonObject):
     """What a client knows about its own reachability (sent in ``punch_ready``).
 
     The public (server-reflexive) address is *not* here: the server observes it on
     its rendezvous ports, so a client cannot lie about where it is.
     """
 
-    local: tuple[Endpoint, ...] = ()
+    WHAT: ClassVar[str] = "candidates"
+    local: tuple[Endpoint, ...] = _json(
+        partial(_endpoints, max_items=MAX_LOCAL_CANDIDATES), _json_list, default=()
+    )
     #: External address of a UPnP / NAT-PMP / PCP port mapping, if one is held.
-    mapped: Endpoint | None = None
+    mapped: Endpoint | None = _json(_endpoint, _opt, default=None)
     #: A relayed address (TURN) the peer may send to, if the client holds one.
-    relay: Endpoint | None = None
+    relay: Endpoint | None = _json(_endpoint, _opt, default=None)
     #: The client's own NAT classification (informational, e.g. "port-restricted").
-    nat: str = ""
+    nat: str = _json(
+        partial(_str, max_chars=40, default="", allow_empty=True), default=""
+    )
     #: New destinations the peer socket sent to since its first rendezvous probes
     #: (RakNet's "most recent port" in another form): a sequential NAT has
     #: allocated that many ports since, so the next one is further on.
-    flows: int = 0
+    flows: int = _json(partial(_int, low=0, high=1_000_000, default=0), default=0)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "local": [e.to_json() for e in self.local],
-            "mapped": _opt(self.mapped),
-            "relay": _opt(self.relay),
-            "nat": self.nat,
-            "flows": self.flows,
-        }
 
-    @classmethod
-    def from_json(cls, value: Any) -> Candidates:
-        if not isinstance(value, dict):
-            raise DecodeError("candidates must be an object", "bad-type")
-        return cls(
-            local=_endpoints(value, "local", MAX_LOCAL_CANDIDATES),
-            mapped=_endpoint(value, "mapped"),
-            relay=_endpoint(value, "relay"),
-            nat=_str(value, "nat", max_chars=40, default="", allow_empty=True),
-            flows=_int(value, "flows", 0, 1_000_000, 0),
-        )
+def _ports(o: Mapping[str, Any], member: str) -> tuple[int, ...]:
+    ports = _need(o, member)
+    if not isinstance(ports, list) or len(ports) > 3:
+        raise DecodeError("ports must be a list of up to 3 ports", "bad-type")
+    for p in ports:
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
+            raise DecodeError("ports must hold port numbers", "bad-type")
+    return tuple(ports)
 
 
 @dataclass(frozen=True, slots=True)
-class PeerInfo:
+class PeerInfo(_JsonObject):
     """Everything one side of a punch needs about the other (``punch_start``)."""
 
+    WHAT: ClassVar[str] = "peer info"
     #: The address the server saw on its primary rendezvous port.
-    public: Endpoint | None
+    public: Endpoint | None = _json(_endpoint, _opt)
     #: Ports the server saw on its primary, first and second alternate rendezvous
     #: ports, in the order the client probed them (empty when UDP never arrived).
-    ports: tuple[int, ...]
+    ports: tuple[int, ...] = _json(_ports, _as_list)
     #: "independent", "sequential", "random" or "unknown" (see coordinator).
-    mapping: str
+    mapping: str = _json(partial(_choice, choices=MAPPINGS))
     #: Port increment per new destination for a sequential mapping, else 0.
-    stride: int
-    candidates: Candidates
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "public": _opt(self.public),
-            "ports": list(self.ports),
-            "mapping": self.mapping,
-            "stride": self.stride,
-            "candidates": self.candidates.to_json(),
-        }
+    stride: int = _json(partial(_int, low=-65535, high=65535))
+    candidates: Candidates = _json(_required(Candidates.from_json), _to_json)
 
     @classmethod
-    def from_json(cls, value: Any) -> PeerInfo:
-        if not isinstance(value, dict):
-            raise DecodeError("peer info must be an object", "bad-type")
-        ports = _need(value, "ports")
-        if not isinstance(ports, list) or len(ports) > 3:
-            raise DecodeError("ports must be a list of up to 3 ports", "bad-type")
-        for p in ports:
-            if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
-                raise DecodeError("ports must hold port numbers", "bad-type")
+    def parse(cls, o: Mapping[str, Any]) -> Self:
+        ports = _ports(o, "ports")  # checked first: its errors name the frame
         return cls(
-            public=_endpoint(value, "public"),
-            ports=tuple(ports),
-            mapping=_choice(value, "mapping", MAPPINGS),
-            stride=_int(value, "stride", -65535, 65535),
-            candidates=Candidates.from_json(_need(value, "candidates")),
+            public=_endpoint(o, "public"),
+            ports=ports,
+            mapping=_choice(o, "mapping", MAPPINGS),
+            stride=_int(o, "stride", -65535, 65535),
+            candidates=Candidates.from_json(_need(o, "candidates")),
         )
 
 
 @dataclass(frozen=True, slots=True)
-class Member:
+class Member(_JsonObject):
     """One participant of a mesh session."""
 
-    peer: str
-    key: bytes
+    WHAT: ClassVar[str] = "member"
+    peer: str = _json(_str)
+    key: bytes = _json(_key, _b64)
     #: Join order: 0 for the creator, then 1, 2, ... The lowest present member is
     #: the host (FullyConnectedMesh2's rule, reference §2.6).
-    seniority: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"peer": self.peer, "key": _b64(self.key), "seniority": self.seniority}
-
-    @classmethod
-    def from_json(cls, value: Any) -> Member:
-        if not isinstance(value, dict):
-            raise DecodeError("member must be an object", "bad-type")
-        return cls(
-            peer=_str(value, "peer"),
-            key=_key(value, "key"),
-            seniority=_int(value, "seniority", 0, 2**31),
-        )
+    seniority: int = _json(partial(_int, low=0, high=2**31))
 
 
 def _members(obj: Mapping[str, Any], key: str) -> tuple[Member, ...]:
@@ -335,14 +413,11 @@ def _json_value(value: Any) -> Any:
 # ------------------------------------------------------------------------ messages
 
 
-class Message:
-    """Base of every signalling message."""
+class Message(_Members):
+    """Base of every signalling message: its members are its fields."""
 
     __slots__ = ()
     TYPE: ClassVar[str]
-
-    def body(self) -> dict[str, Any]:  # pragma: no cover - overridden
-        raise NotImplementedError
 
 
 M = TypeVar("M", bound=Message)
@@ -352,13 +427,29 @@ _SERVER: dict[str, Callable[[Mapping[str, Any]], Message]] = {}
 
 
 def _client(cls: type[M]) -> type[M]:
-    _CLIENT[cls.TYPE] = cls.parse  # type: ignore[attr-defined]
+    _CLIENT[cls.TYPE] = cls.parse
     return cls
 
 
 def _server(cls: type[M]) -> type[M]:
-    _SERVER[cls.TYPE] = cls.parse  # type: ignore[attr-defined]
+    _SERVER[cls.TYPE] = cls.parse
     return cls
+
+
+# Readers shared by several messages (bounds as docs/p2p-protocol.md gives them).
+_VERSION = partial(_int, low=0, high=1_000_000)
+_PING_ID = partial(_int, low=0, high=2**53)
+_SENIORITY = partial(_int, low=0, high=2**31)
+_ATTEMPT = partial(_int, low=1, high=2**31)
+_CODE = partial(_str, max_chars=32)
+_REASON = partial(_str, max_chars=MAX_TEXT_CHARS, default="", allow_empty=True)
+_PEERS = partial(_ids, max_items=MAX_MEMBERS)
+
+
+def _optional_turn(o: Mapping[str, Any], member: str) -> TurnInfo | None:
+    """``turn``: TURN credentials, null or absent when there are none."""
+    value = o.get(member)
+    return None if value is None else TurnInfo.from_json(value)
 
 
 @_client
@@ -367,60 +458,24 @@ class Hello(Message):
     """First client frame: protocol version and the peer-channel public key."""
 
     TYPE: ClassVar[str] = "hello"
-    v: int
-    key: bytes
-    name: str = ""
-
-    def body(self) -> dict[str, Any]:
-        return {"v": self.v, "key": _b64(self.key), "name": self.name}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Hello:
-        return cls(
-            v=_int(o, "v", 0, 1_000_000),
-            key=_key(o, "key"),
-            name=_str(o, "name", max_chars=MAX_ID_CHARS, default="", allow_empty=True),
-        )
+    v: int = _json(_VERSION)
+    key: bytes = _json(_key, _b64)
+    name: str = _json(
+        partial(_str, max_chars=MAX_ID_CHARS, default="", allow_empty=True), default=""
+    )
 
 
 @dataclass(frozen=True, slots=True)
-class TurnInfo:
+class TurnInfo(_JsonObject):
     """TURN servers and time-limited credentials for this peer (the coturn
     "REST API" scheme: username ``<expiry unix time>:<peer id>``, password
     ``base64(HMAC-SHA1(shared secret, username))``)."""
 
-    servers: tuple[Endpoint, ...]
-    username: str
-    password: str
-    expires: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "servers": [e.to_json() for e in self.servers],
-            "username": self.username,
-            "password": self.password,
-            "expires": self.expires,
-        }
-
-    @classmethod
-    def from_json(cls, value: Any) -> TurnInfo:
-        if not isinstance(value, dict):
-            raise DecodeError("turn must be an object", "bad-type")
-        return cls(
-            servers=_endpoints(value, "servers", 4),
-            username=_str(value, "username", max_chars=128),
-            password=_str(value, "password", max_chars=128),
-            expires=_int(value, "expires", 0, 2**40),
-        )
-
-
-def _turn(o: Mapping[str, Any]) -> TurnInfo | None:
-    """An optional ``turn`` member (null or absent: none)."""
-    return None if o.get("turn") is None else TurnInfo.from_json(o["turn"])
-
-
-def _turn_json(turn: TurnInfo | None) -> dict[str, Any] | None:
-    return None if turn is None else turn.to_json()
+    WHAT: ClassVar[str] = "turn"
+    servers: tuple[Endpoint, ...] = _json(partial(_endpoints, max_items=4), _json_list)
+    username: str = _json(partial(_str, max_chars=128))
+    password: str = _json(partial(_str, max_chars=128))
+    expires: int = _json(partial(_int, low=0, high=2**40))
 
 
 @_server
@@ -429,39 +484,18 @@ class Welcome(Message):
     """Answer to ``hello``: the peer id, the UDP rendezvous token and addresses."""
 
     TYPE: ClassVar[str] = "welcome"
-    v: int
-    peer: str
+    v: int = _json(_VERSION)
+    peer: str = _json(_str)
     #: Hex token the client puts in its rendezvous datagrams.
-    token: str
+    token: str = _json(_str)
     #: The client's IP as the server saw the WebSocket connection.
-    ip: str
+    ip: str = _json(_str)
     #: Primary, first and second alternate rendezvous UDP ports, in probe order.
-    udp: tuple[Endpoint, ...]
+    udp: tuple[Endpoint, ...] = _json(partial(_endpoints, max_items=3), _json_list)
     #: Always null from crossroads since issue 12: TURN credentials go only to
     #: peers in a session (``hosted``, ``join_start``, ``turn``). Still decoded,
     #: for servers that send them here.
-    turn: TurnInfo | None = None
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "v": self.v,
-            "peer": self.peer,
-            "token": self.token,
-            "ip": self.ip,
-            "udp": [e.to_json() for e in self.udp],
-            "turn": None if self.turn is None else self.turn.to_json(),
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Welcome:
-        return cls(
-            v=_int(o, "v", 0, 1_000_000),
-            peer=_str(o, "peer"),
-            token=_str(o, "token"),
-            ip=_str(o, "ip"),
-            udp=_endpoints(o, "udp", 3),
-            turn=_turn(o),
-        )
+    turn: TurnInfo | None = _json(_optional_turn, _opt, default=None)
 
 
 @_client
@@ -471,14 +505,7 @@ class Ping(Message):
     """Round-trip probe, either direction; the receiver answers ``pong`` at once."""
 
     TYPE: ClassVar[str] = "ping"
-    id: int
-
-    def body(self) -> dict[str, Any]:
-        return {"id": self.id}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Ping:
-        return cls(id=_int(o, "id", 0, 2**53))
+    id: int = _json(_PING_ID)
 
 
 @_client
@@ -486,14 +513,7 @@ class Ping(Message):
 @dataclass(frozen=True, slots=True)
 class Pong(Message):
     TYPE: ClassVar[str] = "pong"
-    id: int
-
-    def body(self) -> dict[str, Any]:
-        return {"id": self.id}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Pong:
-        return cls(id=_int(o, "id", 0, 2**53))
+    id: int = _json(_PING_ID)
 
 
 @_client
@@ -502,42 +522,21 @@ class Host(Message):
     """Create a mesh session; answered by ``hosted`` with its invite code."""
 
     TYPE: ClassVar[str] = "host"
-    max_members: int = MAX_MEMBERS
-
-    def body(self) -> dict[str, Any]:
-        return {"max_members": self.max_members}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Host:
-        return cls(max_members=_int(o, "max_members", 2, MAX_MEMBERS, MAX_MEMBERS))
+    max_members: int = _json(
+        partial(_int, low=2, high=MAX_MEMBERS, default=MAX_MEMBERS),
+        default=MAX_MEMBERS,
+    )
 
 
 @_server
 @dataclass(frozen=True, slots=True)
 class Hosted(Message):
     TYPE: ClassVar[str] = "hosted"
-    session: str
-    code: str
-    seniority: int
+    session: str = _json(_str)
+    code: str = _json(_str)
+    seniority: int = _json(_SENIORITY)
     #: TURN for the relay step, when the server hands out credentials.
-    turn: TurnInfo | None = None
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "code": self.code,
-            "seniority": self.seniority,
-            "turn": _turn_json(self.turn),
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Hosted:
-        return cls(
-            session=_str(o, "session"),
-            code=_str(o, "code"),
-            seniority=_int(o, "seniority", 0, 2**31),
-            turn=_turn(o),
-        )
+    turn: TurnInfo | None = _json(_optional_turn, _opt, default=None)
 
 
 @_client
@@ -546,14 +545,7 @@ class Join(Message):
     """Ask to join the session behind an invite code (starts a verified join)."""
 
     TYPE: ClassVar[str] = "join"
-    code: str
-
-    def body(self) -> dict[str, Any]:
-        return {"code": self.code}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Join:
-        return cls(code=_str(o, "code", max_chars=32))
+    code: str = _json(_CODE)
 
 
 @_server
@@ -563,18 +555,16 @@ class Redirect(Message):
     to ``url`` (a fresh ``hello`` there) and send the ``join`` again."""
 
     TYPE: ClassVar[str] = "redirect"
-    code: str
-    url: str
-
-    def body(self) -> dict[str, Any]:
-        return {"code": self.code, "url": self.url}
+    code: str = _json(_CODE)
+    url: str = _json(partial(_str, max_chars=MAX_URL_CHARS))
 
     @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Redirect:
+    def parse(cls, o: Mapping[str, Any]) -> Self:
+        # The URL first: a bad one is the reason a frame is refused.
         url = _str(o, "url", max_chars=MAX_URL_CHARS)
         if not url.startswith(("ws://", "wss://")):
             raise DecodeError("redirect: url must be ws:// or wss://")
-        return cls(code=_str(o, "code", max_chars=32), url=url)
+        return cls(code=_CODE(o, "code"), url=url)
 
 
 @_server
@@ -583,28 +573,11 @@ class JoinStart(Message):
     """The members a joiner must connect to before it may join (FCM2 step 1)."""
 
     TYPE: ClassVar[str] = "join_start"
-    session: str
-    host: str
-    members: tuple[Member, ...]
+    session: str = _json(_str)
+    host: str = _json(_str)
+    members: tuple[Member, ...] = _json(_members, _json_list)
     #: TURN for the relay step, when the server hands out credentials.
-    turn: TurnInfo | None = None
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "host": self.host,
-            "members": [m.to_json() for m in self.members],
-            "turn": _turn_json(self.turn),
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> JoinStart:
-        return cls(
-            session=_str(o, "session"),
-            host=_str(o, "host"),
-            members=_members(o, "members"),
-            turn=_turn(o),
-        )
+    turn: TurnInfo | None = _json(_optional_turn, _opt, default=None)
 
 
 @_client
@@ -614,13 +587,6 @@ class TurnRefresh(Message):
 
     TYPE: ClassVar[str] = "turn_refresh"
 
-    def body(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> TurnRefresh:
-        return cls()
-
 
 @_server
 @dataclass(frozen=True, slots=True)
@@ -628,14 +594,7 @@ class Turn(Message):
     """Fresh TURN credentials, the answer to ``turn_refresh``."""
 
     TYPE: ClassVar[str] = "turn"
-    turn: TurnInfo
-
-    def body(self) -> dict[str, Any]:
-        return {"turn": self.turn.to_json()}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Turn:
-        return cls(turn=TurnInfo.from_json(o.get("turn")))
+    turn: TurnInfo = _json(_object(TurnInfo.from_json), _to_json)
 
 
 @_client
@@ -644,24 +603,11 @@ class JoinResult(Message):
     """The joiner's outcome: which members it reached over the peer channel."""
 
     TYPE: ClassVar[str] = "join_result"
-    session: str
-    connected: tuple[str, ...]
-    failed: tuple[str, ...] = ()
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "connected": list(self.connected),
-            "failed": list(self.failed),
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> JoinResult:
-        return cls(
-            session=_str(o, "session"),
-            connected=_ids(o, "connected", MAX_MEMBERS),
-            failed=_ids(o, "failed", MAX_MEMBERS) if "failed" in o else (),
-        )
+    session: str = _json(_str)
+    connected: tuple[str, ...] = _json(_PEERS, _as_list)
+    failed: tuple[str, ...] = _json(
+        lambda o, member: _PEERS(o, member) if member in o else (), _as_list, default=()
+    )
 
 
 @_server
@@ -670,16 +616,9 @@ class JoinCapable(Message):
     """To the host: this joiner reached every member; accept or reject it."""
 
     TYPE: ClassVar[str] = "join_capable"
-    session: str
-    peer: str
-    key: bytes
-
-    def body(self) -> dict[str, Any]:
-        return {"session": self.session, "peer": self.peer, "key": _b64(self.key)}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> JoinCapable:
-        return cls(session=_str(o, "session"), peer=_str(o, "peer"), key=_key(o, "key"))
+    session: str = _json(_str)
+    peer: str = _json(_str)
+    key: bytes = _json(_key, _b64)
 
 
 @_client
@@ -688,89 +627,36 @@ class JoinAnswer(Message):
     """The host's decision on a ``join_capable`` joiner."""
 
     TYPE: ClassVar[str] = "join_answer"
-    session: str
-    peer: str
-    accept: bool
-    reason: str = ""
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "peer": self.peer,
-            "accept": self.accept,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> JoinAnswer:
-        return cls(
-            session=_str(o, "session"),
-            peer=_str(o, "peer"),
-            accept=_bool(o, "accept"),
-            reason=_str(
-                o, "reason", max_chars=MAX_TEXT_CHARS, default="", allow_empty=True
-            ),
-        )
+    session: str = _json(_str)
+    peer: str = _json(_str)
+    accept: bool = _json(_bool)
+    reason: str = _json(_REASON, default="")
 
 
 @_server
 @dataclass(frozen=True, slots=True)
 class JoinAccepted(Message):
     TYPE: ClassVar[str] = "join_accepted"
-    session: str
-    seniority: int
-    host: str
-    members: tuple[Member, ...]
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "session": self.session,
-            "seniority": self.seniority,
-            "host": self.host,
-            "members": [m.to_json() for m in self.members],
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> JoinAccepted:
-        return cls(
-            session=_str(o, "session"),
-            seniority=_int(o, "seniority", 0, 2**31),
-            host=_str(o, "host"),
-            members=_members(o, "members"),
-        )
+    session: str = _json(_str)
+    seniority: int = _json(_SENIORITY)
+    host: str = _json(_str)
+    members: tuple[Member, ...] = _json(_members, _json_list)
 
 
 @_server
 @dataclass(frozen=True, slots=True)
 class JoinRejected(Message):
     TYPE: ClassVar[str] = "join_rejected"
-    session: str
-    reason: str
-
-    def body(self) -> dict[str, Any]:
-        return {"session": self.session, "reason": self.reason}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> JoinRejected:
-        return cls(
-            session=_str(o, "session"),
-            reason=_str(o, "reason", max_chars=MAX_TEXT_CHARS, allow_empty=True),
-        )
+    session: str = _json(_str)
+    reason: str = _json(partial(_str, max_chars=MAX_TEXT_CHARS, allow_empty=True))
 
 
 @_server
 @dataclass(frozen=True, slots=True)
 class MemberJoined(Message):
     TYPE: ClassVar[str] = "member_joined"
-    session: str
-    member: Member
-
-    def body(self) -> dict[str, Any]:
-        return {"session": self.session, "member": self.member.to_json()}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> MemberJoined:
-        return cls(session=_str(o, "session"), member=Member.from_json(o.get("member")))
+    session: str = _json(_str)
+    member: Member = _json(_object(Member.from_json), _to_json)
 
 
 @_server
@@ -780,34 +666,16 @@ class MemberLeft(Message):
     host after the departure, by seniority."""
 
     TYPE: ClassVar[str] = "member_left"
-    session: str
-    peer: str
-    host: str
-
-    def body(self) -> dict[str, Any]:
-        return {"session": self.session, "peer": self.peer, "host": self.host}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> MemberLeft:
-        return cls(
-            session=_str(o, "session"),
-            peer=_str(o, "peer"),
-            host=_str(o, "host", allow_empty=True),
-        )
+    session: str = _json(_str)
+    peer: str = _json(_str)
+    host: str = _json(partial(_str, allow_empty=True))
 
 
 @_client
 @dataclass(frozen=True, slots=True)
 class Leave(Message):
     TYPE: ClassVar[str] = "leave"
-    session: str
-
-    def body(self) -> dict[str, Any]:
-        return {"session": self.session}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Leave:
-        return cls(session=_str(o, "session"))
+    session: str = _json(_str)
 
 
 @_client
@@ -816,14 +684,7 @@ class Connect(Message):
     """Ask the coordinator for a punch-through to ``peer``."""
 
     TYPE: ClassVar[str] = "connect"
-    peer: str
-
-    def body(self) -> dict[str, Any]:
-        return {"peer": self.peer}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Connect:
-        return cls(peer=_str(o, "peer"))
+    peer: str = _json(_str)
 
 
 @_server
@@ -833,33 +694,16 @@ class PunchPrepare(Message):
     ``punch_ready`` — RakNet's GET_MOST_RECENT_PORT (reference §2.1 step 2)."""
 
     TYPE: ClassVar[str] = "punch_prepare"
-    attempt: int
-    peer: str
-
-    def body(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "peer": self.peer}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> PunchPrepare:
-        return cls(attempt=_int(o, "attempt", 1, 2**31), peer=_str(o, "peer"))
+    attempt: int = _json(_ATTEMPT)
+    peer: str = _json(_str)
 
 
 @_client
 @dataclass(frozen=True, slots=True)
 class PunchReady(Message):
     TYPE: ClassVar[str] = "punch_ready"
-    attempt: int
-    candidates: Candidates
-
-    def body(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "candidates": self.candidates.to_json()}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> PunchReady:
-        return cls(
-            attempt=_int(o, "attempt", 1, 2**31),
-            candidates=Candidates.from_json(_need(o, "candidates")),
-        )
+    attempt: int = _json(_ATTEMPT)
+    candidates: Candidates = _json(_required(Candidates.from_json), _to_json)
 
 
 @_server
@@ -872,36 +716,13 @@ class PunchStart(Message):
     """
 
     TYPE: ClassVar[str] = "punch_start"
-    attempt: int
-    peer: str
-    key: bytes
-    role: str
-    delay_ms: int
-    you: PeerInfo
-    them: PeerInfo
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "attempt": self.attempt,
-            "peer": self.peer,
-            "key": _b64(self.key),
-            "role": self.role,
-            "delay_ms": self.delay_ms,
-            "you": self.you.to_json(),
-            "them": self.them.to_json(),
-        }
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> PunchStart:
-        return cls(
-            attempt=_int(o, "attempt", 1, 2**31),
-            peer=_str(o, "peer"),
-            key=_key(o, "key"),
-            role=_choice(o, "role", ROLES),
-            delay_ms=_int(o, "delay_ms", 0, 60_000),
-            you=PeerInfo.from_json(_need(o, "you")),
-            them=PeerInfo.from_json(_need(o, "them")),
-        )
+    attempt: int = _json(_ATTEMPT)
+    peer: str = _json(_str)
+    key: bytes = _json(_key, _b64)
+    role: str = _json(partial(_choice, choices=ROLES))
+    delay_ms: int = _json(partial(_int, low=0, high=60_000))
+    you: PeerInfo = _json(_required(PeerInfo.from_json), _to_json)
+    them: PeerInfo = _json(_required(PeerInfo.from_json), _to_json)
 
 
 @_server
@@ -911,20 +732,16 @@ class PunchFailed(Message):
     ``already_in_progress``, ``target_unresponsive`` or ``connection_lost``."""
 
     TYPE: ClassVar[str] = "punch_failed"
-    attempt: int
-    peer: str
-    reason: str
+    attempt: int = _json(partial(_int, low=0, high=2**31))
+    peer: str = _json(_str)
+    reason: str = _json(_str)
 
-    def body(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "peer": self.peer, "reason": self.reason}
 
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> PunchFailed:
-        return cls(
-            attempt=_int(o, "attempt", 0, 2**31),
-            peer=_str(o, "peer"),
-            reason=_str(o, "reason"),
-        )
+def _step(o: Mapping[str, Any], member: str) -> str:
+    step = _str(o, member, max_chars=16, default="", allow_empty=True)
+    if step and step not in STEPS:
+        raise DecodeError(f"step must be one of {', '.join(STEPS)}", "bad-value")
+    return step
 
 
 @_client
@@ -933,31 +750,27 @@ class PunchResult(Message):
     """How the ladder ended on this side (RakNet's CLIENT_READY plus the outcome)."""
 
     TYPE: ClassVar[str] = "punch_result"
-    attempt: int
-    ok: bool
-    step: str = ""
-    ms: int = 0
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "attempt": self.attempt,
-            "ok": self.ok,
-            "step": self.step,
-            "ms": self.ms,
-        }
+    attempt: int = _json(_ATTEMPT)
+    ok: bool = _json(_bool)
+    step: str = _json(_step, default="")
+    ms: int = _json(partial(_int, low=0, high=600_000, default=0), default=0)
 
     @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> PunchResult:
+    def parse(cls, o: Mapping[str, Any]) -> Self:
+        # The outcome first: a bad ``ok`` or ``step`` is the reason a frame is
+        # refused even when the attempt is bad too.
         ok = _bool(o, "ok")
-        step = _str(o, "step", max_chars=16, default="", allow_empty=True)
-        if step and step not in STEPS:
-            raise DecodeError(f"step must be one of {', '.join(STEPS)}", "bad-value")
+        step = _step(o, "step")
         return cls(
-            attempt=_int(o, "attempt", 1, 2**31),
+            attempt=_ATTEMPT(o, "attempt"),
             ok=ok,
             step=step,
             ms=_int(o, "ms", 0, 600_000, 0),
         )
+
+
+def _signal_data(o: Mapping[str, Any], member: str) -> Any:
+    return _json_value(o.get(member))
 
 
 @_client
@@ -966,15 +779,8 @@ class Signal(Message):
     """Application data to another member of a shared session (client -> server)."""
 
     TYPE: ClassVar[str] = "signal"
-    to: str
-    data: Any
-
-    def body(self) -> dict[str, Any]:
-        return {"to": self.to, "data": self.data}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Signal:
-        return cls(to=_str(o, "to"), data=_json_value(o.get("data")))
+    to: str = _json(_str)
+    data: Any = _json(_signal_data)
 
 
 @_server
@@ -983,15 +789,8 @@ class SignalFrom(Message):
     """Application data from another member (server -> client)."""
 
     TYPE: ClassVar[str] = "signal"
-    sender: str
-    data: Any
-
-    def body(self) -> dict[str, Any]:
-        return {"from": self.sender, "data": self.data}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> SignalFrom:
-        return cls(sender=_str(o, "from"), data=_json_value(o.get("data")))
+    sender: str = _json(_str, name="from")
+    data: Any = _json(_signal_data)
 
 
 @_server
@@ -1000,20 +799,9 @@ class Error(Message):
     """A request could not be served. ``ref`` names the request type it answers."""
 
     TYPE: ClassVar[str] = "error"
-    code: str
-    message: str
-    ref: str = ""
-
-    def body(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "ref": self.ref}
-
-    @classmethod
-    def parse(cls, o: Mapping[str, Any]) -> Error:
-        return cls(
-            code=_str(o, "code"),
-            message=_str(o, "message", max_chars=MAX_TEXT_CHARS * 2, allow_empty=True),
-            ref=_str(o, "ref", default="", allow_empty=True),
-        )
+    code: str = _json(_str)
+    message: str = _json(partial(_str, max_chars=MAX_TEXT_CHARS * 2, allow_empty=True))
+    ref: str = _json(partial(_str, default="", allow_empty=True), default="")
 
 
 # ---------------------------------------------------------------------- codec

@@ -85,14 +85,25 @@ def is_offline(data: bytes) -> bool:
     first = data[0]
     if first in _MAGIC_AT_1:
         if first == MessageId.OUT_OF_BAND_INTERNAL:
-            return data[9:25] == MAGIC
-        return data[1:17] == MAGIC
+            return _has_magic(data, 9)
+        return _has_magic(data, 1)
     if first in (
         MessageId.UNCONNECTED_PING,
         MessageId.UNCONNECTED_PING_OPEN_CONNECTIONS,
     ):
-        return data[9:25] == MAGIC
+        return _has_magic(data, 9)
     return False
+
+
+def _has_magic(data: bytes, offset: int) -> bool:
+    return data[offset : offset + len(MAGIC)] == MAGIC
+
+
+def _expect_magic(data: bytes, offset: int, name: str, size: int = 0) -> None:
+    """Raise unless ``data`` has the offline magic at ``offset`` and at least
+    ``size`` bytes (what RakPeer checks before it reads an offline message)."""
+    if len(data) < size or not _has_magic(data, offset):
+        raise DecodeError(f"bad {name}", "bad-magic")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +115,7 @@ class OpenConnectionRequest1:
 
     @classmethod
     def decode(cls, data: bytes) -> OpenConnectionRequest1:
-        if len(data) < 18 or data[1:17] != MAGIC:
-            raise DecodeError("bad OPEN_CONNECTION_REQUEST_1", "bad-magic")
+        _expect_magic(data, 1, "OPEN_CONNECTION_REQUEST_1", size=18)
         return cls(protocol=data[17], mtu=len(data) + UDP_HEADER_SIZE)
 
     def encode(self) -> bytes:
@@ -124,8 +134,7 @@ class OpenConnectionRequest2:
 
     @classmethod
     def decode(cls, data: bytes) -> OpenConnectionRequest2:
-        if data[1:17] != MAGIC:
-            raise DecodeError("bad OPEN_CONNECTION_REQUEST_2", "bad-magic")
+        _expect_magic(data, 1, "OPEN_CONNECTION_REQUEST_2")
         reader = BitReader(data, start_bits=17 * 8)
         return cls(reader.read_address(), reader.read_u16(), reader.read_u64())
 
@@ -186,8 +195,7 @@ class UnconnectedPing:
 
     @classmethod
     def decode(cls, data: bytes) -> UnconnectedPing:
-        if len(data) < 25 or data[9:25] != MAGIC:
-            raise DecodeError("bad UNCONNECTED_PING", "bad-magic")
+        _expect_magic(data, 9, "UNCONNECTED_PING")
         return cls(
             int.from_bytes(data[1:9], "big"),
             data[0] == MessageId.UNCONNECTED_PING_OPEN_CONNECTIONS,
@@ -228,8 +236,7 @@ class UnconnectedPong:
     def decode(cls, data: bytes) -> UnconnectedPong:
         if len(data) < 33 or data[0] != MessageId.UNCONNECTED_PONG:
             raise DecodeError("not an UNCONNECTED_PONG", "bad-id")
-        if data[17:33] != MAGIC:
-            raise DecodeError("bad UNCONNECTED_PONG", "bad-magic")
+        _expect_magic(data, 17, "UNCONNECTED_PONG")
         return cls(
             int.from_bytes(data[1:9], "big"),
             int.from_bytes(data[9:17], "big"),
@@ -246,8 +253,7 @@ class OutOfBand:
 
     @classmethod
     def decode(cls, data: bytes) -> OutOfBand:
-        if len(data) < 25 or data[9:25] != MAGIC:
-            raise DecodeError("bad OUT_OF_BAND_INTERNAL", "bad-magic")
+        _expect_magic(data, 9, "OUT_OF_BAND_INTERNAL")
         return cls(int.from_bytes(data[1:9], "big"), data[25:])
 
     def encode(self) -> bytes:

@@ -52,6 +52,12 @@ def decode_address(value: Any) -> Address:
     return (ip, value[1])
 
 
+def _header(kind: str, sender: str, source: Address, target: Address) -> dict[str, Any]:
+    """The fields every node message starts with (the module docstring's layout;
+    :func:`decode_node_message` reads them before the kind)."""
+    return {"t": kind, "from": sender, "source": list(source), "target": list(target)}
+
+
 @dataclass(frozen=True, slots=True)
 class Forward:
     """Node ``sender`` asks for a forwarder between ``source`` and ``target``."""
@@ -63,13 +69,8 @@ class Forward:
 
     def encode(self) -> bytes:
         return busjson.dump_object(
-            {
-                "t": "forward",
-                "from": self.sender,
-                "source": list(self.source),
-                "target": list(self.target),
-                "timeout_ms": self.timeout_ms,
-            }
+            _header("forward", self.sender, self.source, self.target)
+            | {"timeout_ms": self.timeout_ms}
         )
 
 
@@ -86,15 +87,8 @@ class Forwarded:
 
     def encode(self) -> bytes:
         return busjson.dump_object(
-            {
-                "t": "forwarded",
-                "from": self.sender,
-                "source": list(self.source),
-                "target": list(self.target),
-                "ip": self.ip,
-                "result": self.result,
-                "port": self.port,
-            }
+            _header("forwarded", self.sender, self.source, self.target)
+            | {"ip": self.ip, "result": self.result, "port": self.port}
         )
 
 

@@ -316,29 +316,24 @@ class NatPunchthroughServer:
 
     def _unresponsive(self, user: User, attempt: Attempt, now: float) -> None:
         recipient = self.users.get(attempt.recipient)
-        self._send(
-            user.address,
-            _guid_session(
-                MessageId.NAT_TARGET_UNRESPONSIVE, attempt.recipient, attempt.session_id
-            ),
-            now,
-        )
-        user.ready = True
-        user.attempts.remove(attempt)
         self._attempts -= 1
         self.stats.unresponsive += 1
+        self._give_up(user, attempt.recipient, attempt, now)
         if recipient is not None:
-            self._send(
-                recipient.address,
-                _guid_session(
-                    MessageId.NAT_TARGET_UNRESPONSIVE, user.guid, attempt.session_id
-                ),
-                now,
-            )
-            recipient.ready = True
-            recipient.attempts.remove(attempt)
+            self._give_up(recipient, user.guid, attempt, now)
             self._start(recipient, now)
         self._start(user, now)
+
+    def _give_up(self, side: User, other: int, attempt: Attempt, now: float) -> None:
+        """Tell ``side`` that ``other`` did not answer and free it for its next
+        attempt (NatPunchthroughServer's ID_NAT_TARGET_UNRESPONSIVE to each)."""
+        self._send(
+            side.address,
+            _guid_session(MessageId.NAT_TARGET_UNRESPONSIVE, other, attempt.session_id),
+            now,
+        )
+        side.ready = True
+        side.attempts.remove(attempt)
 
 
 def _guid(kind: MessageId, guid: int) -> bytes:

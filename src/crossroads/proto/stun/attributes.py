@@ -32,6 +32,10 @@ from crossroads.proto.stun.constants import (
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
 _U64 = struct.Struct("!Q")
+#: CHANNEL-NUMBER, RESPONSE-PORT: a 16-bit number, then RFFU (RFC 8656 §18.1).
+_U16_RESERVED = struct.Struct("!H2x")
+#: REQUESTED-TRANSPORT and the address families: one byte, then RFFU (§18.7).
+_BYTE_RESERVED = struct.Struct("!B3x")
 _FAMILY_PORT = struct.Struct("!xBH")
 _CODE = struct.Struct("!HBB")
 
@@ -107,7 +111,9 @@ def _encode_xor_address(host: str, port: int, key: bytes) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class _PlainAddress(Attribute):
+class _Address(Attribute):
+    """An address attribute: a host and a port."""
+
     host: str
     port: int
 
@@ -115,6 +121,11 @@ class _PlainAddress(Attribute):
     def address(self) -> tuple[str, int]:
         """``(host, port)``."""
         return self.host, self.port
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainAddress(_Address):
+    """MAPPED-ADDRESS layout (RFC 8489 §14.1)."""
 
     def encode_value(self, key: bytes) -> bytes:
         return _encode_plain_address(self.host, self.port)
@@ -125,14 +136,8 @@ class _PlainAddress(Attribute):
 
 
 @dataclass(frozen=True, slots=True)
-class _XorAddress(Attribute):
-    host: str
-    port: int
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """``(host, port)``."""
-        return self.host, self.port
+class _XorAddress(_Address):
+    """XOR-MAPPED-ADDRESS layout (RFC 8489 §14.2)."""
 
     def encode_value(self, key: bytes) -> bytes:
         return _encode_xor_address(self.host, self.port, key)
@@ -338,49 +343,54 @@ class Padding(_Bytes):
 
 
 @dataclass(frozen=True, slots=True)
-class _U32Attr(Attribute):
+class _Number(Attribute):
+    """One unsigned number in a fixed layout: ``LAYOUT`` is its struct, whose
+    pad bytes are the attribute's reserved bits (zero on encode, ignored on
+    decode, RFC 8489 §14: "MUST be ignored by the receiver")."""
+
     value: int
+    LAYOUT: ClassVar[struct.Struct] = _U32
 
     def encode_value(self, key: bytes) -> bytes:
-        return _U32.pack(self.value)
+        return self.LAYOUT.pack(self.value)
 
     @classmethod
     def decode_value(cls, value: bytes, key: bytes) -> Self:
-        if len(value) != 4:
+        if len(value) != cls.LAYOUT.size:
             raise _bad(cls.__name__, f"length {len(value)}")
-        return cls(_U32.unpack(value)[0])
+        return cls(cls.LAYOUT.unpack(value)[0])
 
 
 @dataclass(frozen=True, slots=True)
-class Lifetime(_U32Attr):
+class Lifetime(_Number):
     """LIFETIME (RFC 8656 §18.2): seconds."""
 
     TYPE: ClassVar[int] = AttrType.LIFETIME
 
 
 @dataclass(frozen=True, slots=True)
-class Priority(_U32Attr):
+class Priority(_Number):
     """PRIORITY (RFC 8445 §16.1, ICE)."""
 
     TYPE: ClassVar[int] = AttrType.PRIORITY
 
 
 @dataclass(frozen=True, slots=True)
-class ConnectionId(_U32Attr):
+class ConnectionId(_Number):
     """CONNECTION-ID (RFC 6062 §6.2.1)."""
 
     TYPE: ClassVar[int] = AttrType.CONNECTION_ID
 
 
 @dataclass(frozen=True, slots=True)
-class CacheTimeout(_U32Attr):
+class CacheTimeout(_Number):
     """CACHE-TIMEOUT (RFC 5780 §9.1, registered; seconds)."""
 
     TYPE: ClassVar[int] = AttrType.CACHE_TIMEOUT
 
 
 @dataclass(frozen=True, slots=True)
-class Fingerprint(_U32Attr):
+class Fingerprint(_Number):
     """FINGERPRINT (RFC 8489 §14.7): CRC-32 XOR 0x5354554e. Must be last.
 
     Build with ``encode(..., fingerprint=True)``; the decoder checks it.
@@ -390,98 +400,59 @@ class Fingerprint(_U32Attr):
 
 
 @dataclass(frozen=True, slots=True)
-class _U64Attr(Attribute):
-    value: int
-
-    def encode_value(self, key: bytes) -> bytes:
-        return _U64.pack(self.value)
-
-    @classmethod
-    def decode_value(cls, value: bytes, key: bytes) -> Self:
-        if len(value) != 8:
-            raise _bad(cls.__name__, f"length {len(value)}")
-        return cls(_U64.unpack(value)[0])
-
-
-@dataclass(frozen=True, slots=True)
-class IceControlled(_U64Attr):
+class IceControlled(_Number):
     """ICE-CONTROLLED (RFC 8445 §16.1): tie-breaker."""
 
     TYPE: ClassVar[int] = AttrType.ICE_CONTROLLED
+    LAYOUT: ClassVar[struct.Struct] = _U64
 
 
 @dataclass(frozen=True, slots=True)
-class IceControlling(_U64Attr):
+class IceControlling(_Number):
     """ICE-CONTROLLING (RFC 8445 §16.1): tie-breaker."""
 
     TYPE: ClassVar[int] = AttrType.ICE_CONTROLLING
+    LAYOUT: ClassVar[struct.Struct] = _U64
 
 
 @dataclass(frozen=True, slots=True)
-class _U16Reserved(Attribute):
-    """A 16-bit number followed by 16 reserved bits (ignored on decode)."""
-
-    value: int
-
-    def encode_value(self, key: bytes) -> bytes:
-        return _U16.pack(self.value) + b"\0\0"
-
-    @classmethod
-    def decode_value(cls, value: bytes, key: bytes) -> Self:
-        if len(value) != 4:
-            raise _bad(cls.__name__, f"length {len(value)}")
-        return cls(_U16.unpack_from(value)[0])
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelNumber(_U16Reserved):
+class ChannelNumber(_Number):
     """CHANNEL-NUMBER (RFC 8656 §18.1): 0x4000-0x4FFF in RFC 8656."""
 
     TYPE: ClassVar[int] = AttrType.CHANNEL_NUMBER
+    LAYOUT: ClassVar[struct.Struct] = _U16_RESERVED
 
 
 @dataclass(frozen=True, slots=True)
-class ResponsePort(_U16Reserved):
+class ResponsePort(_Number):
     """RESPONSE-PORT (RFC 5780 §7.5): send the response to this port."""
 
     TYPE: ClassVar[int] = AttrType.RESPONSE_PORT
+    LAYOUT: ClassVar[struct.Struct] = _U16_RESERVED
 
 
 @dataclass(frozen=True, slots=True)
-class _ByteReserved(Attribute):
-    """One byte followed by three reserved bytes."""
-
-    value: int
-
-    def encode_value(self, key: bytes) -> bytes:
-        return bytes((self.value,)) + b"\0\0\0"
-
-    @classmethod
-    def decode_value(cls, value: bytes, key: bytes) -> Self:
-        if len(value) != 4:
-            raise _bad(cls.__name__, f"length {len(value)}")
-        return cls(value[0])
-
-
-@dataclass(frozen=True, slots=True)
-class RequestedTransport(_ByteReserved):
+class RequestedTransport(_Number):
     """REQUESTED-TRANSPORT (RFC 8656 §18.7): IANA protocol number (17 UDP, 6 TCP)."""
 
     TYPE: ClassVar[int] = AttrType.REQUESTED_TRANSPORT
+    LAYOUT: ClassVar[struct.Struct] = _BYTE_RESERVED
 
 
 @dataclass(frozen=True, slots=True)
-class RequestedAddressFamily(_ByteReserved):
+class RequestedAddressFamily(_Number):
     """REQUESTED-ADDRESS-FAMILY (RFC 8656 §18.8): 1 IPv4, 2 IPv6."""
 
     TYPE: ClassVar[int] = AttrType.REQUESTED_ADDRESS_FAMILY
+    LAYOUT: ClassVar[struct.Struct] = _BYTE_RESERVED
 
 
 @dataclass(frozen=True, slots=True)
-class AdditionalAddressFamily(_ByteReserved):
+class AdditionalAddressFamily(_Number):
     """ADDITIONAL-ADDRESS-FAMILY (RFC 8656 §18.11): only 2 (IPv6) is valid."""
 
     TYPE: ClassVar[int] = AttrType.ADDITIONAL_ADDRESS_FAMILY
+    LAYOUT: ClassVar[struct.Struct] = _BYTE_RESERVED
 
 
 # ---------------------------------------------------------------- flags

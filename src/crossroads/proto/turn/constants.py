@@ -9,13 +9,17 @@ from __future__ import annotations
 from enum import IntEnum
 
 from crossroads.proto.stun.constants import REASONS as STUN_REASONS
-from crossroads.proto.stun.constants import ErrorCode, Method
+from crossroads.proto.stun.constants import AddressFamily, ErrorCode, Method
 
-# TURN's methods, error codes and reason phrases are the STUN codec's own
-# tables (they cover RFC 8656 and RFC 6062); the TURN names stay as aliases.
+# TURN's methods, error codes, reason phrases and address family codes are the
+# STUN codec's own tables (they cover RFC 8656 and RFC 6062); the TURN names
+# stay as aliases.
 TurnMethod = Method
 TurnError = ErrorCode
 REASONS = STUN_REASONS
+#: Address family codes of REQUESTED-/ADDITIONAL-ADDRESS-FAMILY (RFC 8656
+#: §18.8), the same bytes as the address attributes' family (RFC 8489 §14.1).
+Family = AddressFamily
 
 
 class Transport(IntEnum):
@@ -23,13 +27,6 @@ class Transport(IntEnum):
 
     TCP = 6
     UDP = 17
-
-
-class Family(IntEnum):
-    """Address family codes of REQUESTED-/ADDITIONAL-ADDRESS-FAMILY (RFC 8656 §18.8)."""
-
-    IPV4 = 0x01
-    IPV6 = 0x02
 
 
 # ------------------------------------------------------------------ lifetimes
