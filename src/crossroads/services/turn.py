@@ -1168,9 +1168,7 @@ class TurnService:
         """
         host = self.ctx.host
         binds = [(host, False)] + ([("::", True)] if host == "0.0.0.0" else [])
-        self._dtls_binding = BindingCore(
-            [None], software=self.stun.config.software, rate_limit=0
-        )
+        self._dtls_binding = self.stun.connection_binding_core(rate_limit=0)
         for bind_host, v6only in binds:
             try:
                 listener = await open_dtls_listener(
@@ -1202,14 +1200,12 @@ class TurnService:
         kind = sort_traffic(data)
         if kind is PortTraffic.BINDING:
             # Binding: the DTLS handshake proved the address (no budget).
-            assert self._dtls_binding is not None
-            reply = self._dtls_binding.handle(
-                data, client, 0, self.loop.time(), tcp=True
-            )
-            if isinstance(reply, str):
-                self.stun.stats.drop(reply)
-            else:
-                endpoint.send(reply[0], client)
+            binding = self._dtls_binding
+            assert binding is not None
+            now = self.loop.time()
+            binding.receive_datagram(data, client, now, 0)
+            for reply, dest, _send_from in binding.datagrams_to_send(now):
+                endpoint.send(reply, dest)
         elif kind is PortTraffic.STUN:
             self.handle_stun(data, client, endpoint)
         elif kind is PortTraffic.CHANNEL_DATA:
