@@ -4,10 +4,12 @@ API (:mod:`crossroads.proto.core`) it has.
 The tuples below are the table. mypy --strict checks each entry: a class given
 where ``type[P]`` of a :class:`typing.Protocol` ``P`` is expected must have
 ``P``'s methods with compatible signatures. ``tests/proto/test_core_api.py``
-checks at run time that the table names every class of ``proto/`` that has a
-core API method, and that each entry's parameter names are the API's, so a new
-core, or one drifting from the API, fails there. A core that does not fit yet
-is listed in :data:`DEVIATIONS` with the reason.
+checks at run time that the table names every class of ``proto/`` with an
+input or output of the API (a base class its listed cores inherit it from
+aside), that each entry's parameter names are the API's, and that every
+``get_timer()`` / ``handle_timer(now)`` in ``proto/`` has the API's parameters,
+listed or not; so a new core, or one drifting from the API, fails there. A
+core that does not fit yet is listed in :data:`DEVIATIONS` with the reason.
 """
 
 from __future__ import annotations
