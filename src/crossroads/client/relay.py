@@ -451,7 +451,7 @@ class RelayConnection:
                 for data, addr in dtls.datagrams_to_send(now):
                     self._transport.sendto(data, addr)
         changed = False
-        for event in self.core.events():
+        for event in self.core.pop_events():
             if isinstance(event, core.Data):
                 if self._frames.qsize() >= MAX_QUEUED_FRAMES:
                     self._frames.get_nowait()

@@ -20,6 +20,11 @@ on several sockets, or on no socket at all, keep its single timer with
 A core on several sockets (:class:`MultiSocketCore`) tags each datagram with
 its socket and runs on :class:`crossroads.transport.driver.SocketSetDriver`.
 
+A core that serves many connections (TCP, WebSocket: :class:`StreamCore`) has
+the same shape with the connection in place of the address, as h11 and
+websockets name it: ``receive_data(conn, data, now)`` in,
+``data_to_send()`` out, each item tagged with its connection.
+
 These are :class:`typing.Protocol` classes: a core satisfies them by shape,
 without inheriting from anything here.
 """
@@ -33,6 +38,9 @@ from crossroads.types import Address
 
 EventT = TypeVar("EventT")
 SocketT = TypeVar("SocketT", bound=Hashable)
+ConnT = TypeVar("ConnT", bound=Hashable)
+ReceivedT = TypeVar("ReceivedT", contravariant=True)
+SentT = TypeVar("SentT")
 
 
 class TimedCore(Protocol):
@@ -72,6 +80,22 @@ class MultiSocketCore(TimedCore, Protocol[SocketT]):
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, SocketT]]:
         """What to send now, as ``(data, destination, socket)``."""
+        ...
+
+
+class StreamCore(TimedCore, Protocol[ConnT, ReceivedT, SentT]):
+    """A core serving many connections (the p2p signalling server's
+    WebSockets): the datagram API with the owner's name for a connection in
+    place of an address. ``ReceivedT`` / ``SentT`` are what one read gives and
+    one write takes (bytes of a TCP stream, or whole WebSocket messages)."""
+
+    def receive_data(self, conn: ConnT, data: ReceivedT, now: float) -> None:
+        """What connection ``conn`` received."""
+        ...
+
+    def data_to_send(self) -> list[tuple[ConnT, SentT]]:
+        """What to write now, as ``(connection, data)`` in order; the queue is
+        emptied."""
         ...
 
 

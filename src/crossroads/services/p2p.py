@@ -434,7 +434,7 @@ class P2PService:
 
     def flush(self) -> None:
         """Move the core's output to the connections, count its events, re-arm."""
-        for conn, text in self.core.frames_to_send():
+        for conn, text in self.core.data_to_send():
             queue = self._queues.get(conn)
             if queue is None:
                 continue
@@ -509,7 +509,7 @@ class P2PService:
                         text = data.decode("utf-8")
                     except UnicodeDecodeError:
                         text = "\x00"
-                self.core.receive_text(conn, text, self.loop.time())
+                self.core.receive_data(conn, text, self.loop.time())
                 self.flush()
         except Exception:  # noqa: BLE001 - a broken socket ends one connection only
             pass

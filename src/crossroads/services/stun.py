@@ -349,8 +349,9 @@ class _UdpDispatch:
             kind = sort_traffic(data)
             if kind is PortTraffic.BINDING:
                 self.requests += 1
-                reply = self.core.handle(data, addr, self.index, self._loop.time())
-                if type(reply) is tuple:
+                # The core's queue-free fast path (BindingCore.answer says why).
+                reply = self.core.answer(data, addr, self.index, self._loop.time())
+                if reply is not None:
                     response, dest, send_from = reply
                     if send_from != self.index:
                         self.group.udp[send_from].send(response, dest)
@@ -362,8 +363,6 @@ class _UdpDispatch:
                         self.success += 1
                     else:
                         self.errors += 1
-                else:
-                    stats.drop(reply)  # type: ignore[arg-type]
                 return
             turn = self.service.turn
             if kind is PortTraffic.STUN:
@@ -372,7 +371,11 @@ class _UdpDispatch:
                     self._before_turn(client, slot)
                     turn.stun(data, client, self)
                 else:
-                    stats.drop(self.core.unsupported(data))
+                    # Not Binding, no TURN: the core counts it and discards it
+                    # silently (RFC 8489 §6.3).
+                    self.core.receive_datagram(
+                        data, addr, self._loop.time(), self.index
+                    )
             elif kind is PortTraffic.CHANNEL_DATA:
                 if turn is not None:
                     turn.channel_data(data, _client(addr), self)
@@ -570,7 +573,7 @@ class TcpConnection(asyncio.Protocol):
 
     def __init__(self, service: StunService, group: _Group, index: int) -> None:
         self.service = service
-        self.core = group.core
+        self.core = group.stream_core
         self.index = index
         self.transport: Literal["tcp"] = "tcp"
         self.local: Address = ("", 0)
@@ -659,24 +662,25 @@ class TcpConnection(asyncio.Protocol):
             kind = sort_traffic(frame)
             if kind is PortTraffic.BINDING:
                 stats.tcp_requests += 1
-                reply = self.core.handle(
-                    frame, self.peer, self.index, self._loop.time(), tcp=True
-                )
-                if isinstance(reply, str):
-                    stats.drop(reply)
-                    return
-                self.send(reply[0])
-                if reply[0][1] == 0x01:
-                    stats.tcp_success += 1
-                else:
-                    stats.tcp_error += 1
+                core = self.core
+                now = self._loop.time()
+                core.receive_datagram(frame, self.peer, now, self.index)
+                for response, _dest, _send_from in core.datagrams_to_send(now):
+                    self.send(response)
+                    if response[1] == 0x01:
+                        stats.tcp_success += 1
+                    else:
+                        stats.tcp_error += 1
                 return
             turn = self.service.turn
             if kind is PortTraffic.STUN:
                 if turn is not None:
                     turn.stun(frame, self.peer, self)
                 else:
-                    stats.drop(self.core.unsupported(frame))
+                    # Not Binding, no TURN: counted, silently discarded.
+                    self.core.receive_datagram(
+                        frame, self.peer, self._loop.time(), self.index
+                    )
             elif turn is not None:
                 turn.channel_data(frame, self.peer, self)
             else:
@@ -691,9 +695,12 @@ class TcpConnection(asyncio.Protocol):
 
 @dataclass
 class _Group:
-    """The sockets of one address family: 1, 2 or 4 endpoints (see server.py)."""
+    """The sockets of one address family: 1, 2 or 4 endpoints (see server.py).
+    ``core`` answers their UDP datagrams, ``stream_core`` their TCP (or TLS)
+    connections; the two share one rate limiter."""
 
     core: BindingCore
+    stream_core: BindingCore
     udp: list[UdpEndpoint | BatchUdpEndpoint]
     tcp_servers: list[asyncio.Server]
 
@@ -865,8 +872,16 @@ class StunService:
             rate_limit=self.config.rate_limit,
             max_sources=self.config.rate_limit_sources,
             reflection=self.reflection,
+            drops=self.stats.drops,
         )
-        group = _Group(core=core, udp=[], tcp_servers=[])
+        stream_core = BindingCore(
+            advertised,
+            software=self.config.software,
+            stream=True,
+            limiter=core.limiter,
+            drops=self.stats.drops,
+        )
+        group = _Group(core=core, stream_core=stream_core, udp=[], tcp_servers=[])
         self.groups.append(group)
         labels = ["", " (alt port)", " (alt host)", " (alt host, alt port)"]
         for index, (udp_sock, tcp_sock) in enumerate(socks):
@@ -893,22 +908,26 @@ class StunService:
         """The protocol of one STUN/TURN-over-TLS connection, given the TLS
         transport once the handshake is done: this service's TLS listeners
         use it, and so does a TLS port shared with HTTPS (the runtime's)."""
-        # Binding over TLS answers from its own core with one endpoint and
-        # no RFC 5780 attributes: RESPONSE-ORIGIN would otherwise name the
-        # plain STUN port, and behaviour discovery does not run over TLS.
-        tls_group = _Group(
-            core=BindingCore(
-                [None],
-                software=self.config.software,
-                rate_limit=self.config.rate_limit,
-                max_sources=self.config.rate_limit_sources,
-            ),
-            udp=[],
-            tcp_servers=[],
-        )
+        tls_core = self.connection_binding_core(self.config.rate_limit)
+        tls_group = _Group(core=tls_core, stream_core=tls_core, udp=[], tcp_servers=[])
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep_idle())
         return lambda: TcpConnection(self, tls_group, 0)
+
+    def connection_binding_core(self, rate_limit: int) -> BindingCore:
+        """A Binding core for connections the port's own sockets do not carry
+        (TLS, DTLS): one endpoint, no RFC 5780 attributes (RESPONSE-ORIGIN
+        would name the plain STUN port, and behaviour discovery does not run
+        over them), ``rate_limit`` requests per second per source (0: none),
+        drops counted with the service's."""
+        return BindingCore(
+            [None],
+            software=self.config.software,
+            rate_limit=rate_limit,
+            max_sources=self.config.rate_limit_sources,
+            stream=True,
+            drops=self.stats.drops,
+        )
 
     def add_tls_address(self, address: Address) -> None:
         """A TLS listener the service does not own serves it at ``address``."""

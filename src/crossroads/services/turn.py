@@ -69,12 +69,11 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
-from crossroads.errors import ConfigError, DecodeError
+from crossroads.errors import ConfigError
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
-from crossroads.proto.stun import Class, Method, decode
 from crossroads.proto.stun.message import PortTraffic, sort_traffic
 from crossroads.proto.stun.server import BindingCore
-from crossroads.proto.turn.allocation import Allocation, FiveTuple
+from crossroads.proto.turn.allocation import Allocation, FiveTuple, Listener
 from crossroads.proto.turn.auth import (
     Credentials,
     NonceMinter,
@@ -105,7 +104,6 @@ from crossroads.proto.turn.server import (
     CloseConnection,
     ConnectPeer,
     PeerRefused,
-    SendToClient,
     TurnServer,
     TurnSettings,
 )
@@ -1131,7 +1129,7 @@ class TurnService:
         with contextlib.suppress(KeyError):
             self.ctx.metrics.unregister(self._dtls_collector)
         self.core.close()
-        self._process_events()
+        self._transmit()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
             pipe.close()
         self._timer.close()
@@ -1168,9 +1166,7 @@ class TurnService:
         """
         host = self.ctx.host
         binds = [(host, False)] + ([("::", True)] if host == "0.0.0.0" else [])
-        self._dtls_binding = BindingCore(
-            [None], software=self.stun.config.software, rate_limit=0
-        )
+        self._dtls_binding = self.stun.connection_binding_core(rate_limit=0)
         for bind_host, v6only in binds:
             try:
                 listener = await open_dtls_listener(
@@ -1202,14 +1198,12 @@ class TurnService:
         kind = sort_traffic(data)
         if kind is PortTraffic.BINDING:
             # Binding: the DTLS handshake proved the address (no budget).
-            assert self._dtls_binding is not None
-            reply = self._dtls_binding.handle(
-                data, client, 0, self.loop.time(), tcp=True
-            )
-            if isinstance(reply, str):
-                self.stun.stats.drop(reply)
-            else:
-                endpoint.send(reply[0], client)
+            binding = self._dtls_binding
+            assert binding is not None
+            now = self.loop.time()
+            binding.receive_datagram(data, client, now, 0)
+            for reply, dest, _send_from in binding.datagrams_to_send(now):
+                endpoint.send(reply, dest)
         elif kind is PortTraffic.STUN:
             self.handle_stun(data, client, endpoint)
         elif kind is PortTraffic.CHANNEL_DATA:
@@ -1233,17 +1227,13 @@ class TurnService:
 
     def handle_stun(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
         """Every non-Binding STUN message from a client."""
-        if data[1] == 0x16 and data[0] == 0 and self._fast_send(data, client, endpoint):
-            return
-        try:
-            message = decode(data)
-        except DecodeError as exc:
-            self.stats.drop(f"decode-{exc.reason}")
+        send = data[1] == 0x16 and data[0] == 0  # a Send indication (RFC 8656 §11.2)
+        if send and self._fast_send(data, client, endpoint):
             return
         transport = Transport.TCP if endpoint.transport == "tcp" else Transport.UDP
-        five: FiveTuple = (transport, client, endpoint.local)
-        if message.msg_class == Class.INDICATION and message.method == Method.SEND:
-            route = self.core.send_indication(message, five)
+        listener: Listener = (transport, endpoint.local)
+        if send:
+            route = self.core.send_route(data, client, listener)
             if route is not None:
                 relay, peer, payload = route
                 allow = getattr(relay, "allow", None)
@@ -1253,20 +1243,16 @@ class TurnService:
                 self.stats.to_peer_packets += 1
                 self.stats.to_peer_bytes += len(payload)
             return
-        now = self.loop.time()
-        # The endpoint a request came in on, for open_relay, SendToClient and
+        # The endpoint a request came in on, for open_relay, the answer and
         # ConnectionBind while the core handles it (the core knows five-tuples,
         # not sockets).
+        five: FiveTuple = (transport, client, endpoint.local)
         self._pending_endpoints[five] = endpoint
         try:
-            answer = self.core.handle_message(message, data, five, now)
-        except BaseException:
+            self.core.receive_datagram(data, client, self.loop.time(), listener)
+            self._after_input()
+        finally:
             self._pending_endpoints.pop(five, None)
-            raise
-        if answer is not None:
-            endpoint.send(answer, client)
-        self._after_input()
-        self._pending_endpoints.pop(five, None)
 
     def _fast_send(self, data: bytes, client: Address, endpoint: Endpoint) -> bool:
         """Send indication without a message object; False: use the slow path."""
@@ -1453,8 +1439,6 @@ class TurnService:
                         if isinstance(link.endpoint, DtlsListener):
                             # Its DTLS session ends with it (as coturn's does).
                             link.endpoint.end_session(link.client)
-                case SendToClient(five_tuple=five, data=data):
-                    self._send_to_client(five, data)
                 case ConnectPeer(connection_id=cid, relay=relay, peer=peer):
                     assert isinstance(relay, TcpRelay)
                     self._spawn(self._connect_peer(cid, relay, peer))
@@ -1479,25 +1463,35 @@ class TurnService:
                     )
 
     def _after_input(self) -> None:
-        """What follows every call into the core: act on its events, re-arm
-        its timer (the driver's steps 2-3, :mod:`crossroads.transport.driver`)."""
-        self._process_events()
+        """What follows every call into the core: send what it queued for
+        clients, act on its events, re-arm its timer (the driver's steps 2-3,
+        :mod:`crossroads.transport.driver`)."""
+        self._transmit()
         self._timer.rearm()
 
+    def _transmit(self) -> None:
+        # Datagrams first: an event may act on a connection an answer still has
+        # to go down (BindConnection pipes it after the ConnectionBind answer).
+        now = self.loop.time()
+        for data, client, (transport, local) in self.core.datagrams_to_send(now):
+            self._send_to_client((transport, client, local), data)
+        self._process_events()
+
     def _send_to_client(self, five: FiveTuple, data: bytes) -> None:
+        # The endpoint of the request being handled, else the allocation's.
+        endpoint = self._pending_endpoints.get(five)
+        if endpoint is not None:
+            endpoint.send(data, five[1])
+            return
         allocation = self.core.allocations.get(five)
         link = allocation.transport_data if allocation is not None else None
         if isinstance(link, ClientLink):
             link.send(data)
-            return
-        endpoint = self._pending_endpoints.get(five)
-        if endpoint is not None:
-            endpoint.send(data, five[1])
 
     def _on_timer(self, now: float) -> None:
         self.core.clock_offset = time.time() - now
         self.core.handle_timer(now)
-        self._process_events()
+        self._transmit()
 
     # ------------------------------------------------------------ RFC 6062
 

@@ -265,7 +265,7 @@ class RelayEndpoint:
     def _flush(self, now: float) -> None:
         for data, addr in self.core.datagrams_to_send(now):
             self._send(data, addr)
-        events = self.core.events()
+        events = self.core.pop_events()
         if events:
             self.on_events(events)
         self._timer.rearm()

@@ -48,10 +48,10 @@ class Harness:
         self.auto_pong = False
 
     def pump(self) -> None:
-        for conn, text in self.core.frames_to_send():
+        for conn, text in self.core.data_to_send():
             frame = json.loads(text)
             if self.auto_pong and frame["type"] == "ping":
-                self.core.receive_text(
+                self.core.receive_data(
                     conn, sig.encode(sig.Pong(frame["id"])), self.now
                 )
                 continue
@@ -67,7 +67,7 @@ class Harness:
 
     def send(self, conn: int, message: sig.Message | str) -> None:
         text = message if isinstance(message, str) else sig.encode(message)
-        self.core.receive_text(conn, text, self.now)
+        self.core.receive_data(conn, text, self.now)
         self.pump()
 
     def take(self, conn: int, kind: str | None = None) -> list[dict[str, Any]]:

@@ -80,7 +80,7 @@ def test_random_conversations(
     def pump() -> None:
         # Until quiet: answering the directory's events queues more frames.
         while True:
-            frames, events = core.frames_to_send(), core.pop_events()
+            frames, events = core.data_to_send(), core.pop_events()
             if not frames and not events:
                 break
             for conn, text in frames:
@@ -174,7 +174,7 @@ def test_random_conversations(
                 )
         if message is not None:
             text = message if isinstance(message, str) else sig.encode(message)
-            core.receive_text(conn, text, now)
+            core.receive_data(conn, text, now)
         pump()
     for conn in list(conns.values()):
         core.connection_lost(conn, now)

@@ -24,7 +24,7 @@ def test_unity_relay_sessions_leave_object_counts_where_they_started() -> None:
         assert harness.send(connect(joiner, host), J1_ADDR)
         harness.send(Close(joiner.allocation_id).encode(), J1_ADDR)
         harness.send(Close(host.allocation_id).encode(), HOST_ADDR)
-        harness.server.events()
+        harness.server.pop_events()
         harness.advance(1)
 
     for _ in range(100):

@@ -99,17 +99,17 @@ def test_host_and_joiners_exchange_data() -> None:
         j1.state is c.ClientState.CONNECTED
         and j1.host_allocation_id == host.allocation_id
     )
-    assert c.Connected(host.allocation_id) in j2.events()
+    assert c.Connected(host.allocation_id) in j2.pop_events()
     j1.send(host.allocation_id, b"from j1", net.now)
     j2.send(host.allocation_id, b"from j2", net.now)
     net.pump()
-    events = host.events()
+    events = host.pop_events()
     assert c.PeerJoined(j1.allocation_id) in events
     assert c.Data(j1.allocation_id, b"from j1") in events
     assert c.Data(j2.allocation_id, b"from j2") in events
     host.send(j2.allocation_id, b"to j2", net.now)
     net.pump()
-    assert c.Data(host.allocation_id, b"to j2") in j2.events()
+    assert c.Data(host.allocation_id, b"to j2") in j2.pop_events()
 
 
 def test_bind_is_retried_with_a_new_nonce_until_answered() -> None:
@@ -129,7 +129,7 @@ def test_rejected_when_full() -> None:
     net = Net()
     host, j1, j2 = host_and_joiners(net, 2, max_connections=1)
     assert j1.state is c.ClientState.CONNECTED
-    assert c.Rejected() in j2.events() and j2.state is c.ClientState.BOUND
+    assert c.Rejected() in j2.pop_events() and j2.state is c.ClientState.BOUND
 
 
 def test_keepalive_keeps_an_idle_session_alive() -> None:
@@ -148,10 +148,10 @@ def test_address_change_rebinds_on_error_3() -> None:
     j1.send(host.allocation_id, b"lost: relay answers ERROR 3", net.now)
     net.pump()
     assert j1.nonce == nonce + 1
-    assert c.RelayError(m.ErrorCode.ALLOCATION_ID_CLIENT_MISMATCH) in j1.events()
+    assert c.RelayError(m.ErrorCode.ALLOCATION_ID_CLIENT_MISMATCH) in j1.pop_events()
     j1.send(host.allocation_id, b"after rebind", net.now)
     net.pump()
-    assert c.Data(j1.allocation_id, b"after rebind") in host.events()
+    assert c.Data(j1.allocation_id, b"after rebind") in host.pop_events()
 
 
 def test_silence_makes_the_client_rebind() -> None:
@@ -171,9 +171,9 @@ def test_timeout_invalidates_the_client() -> None:
     net.lost.add(("198.51.100.2", 2000))
     net.advance(12.0)
     assert j1.allocation_id not in net.server.allocations
-    assert c.PeerLeft(j1.allocation_id) in host.events()
+    assert c.PeerLeft(j1.allocation_id) in host.pop_events()
     # Only the joiner's outgoing packets were lost: it hears ERROR 1 and stops.
-    assert c.Invalid("timed-out") in j1.events()
+    assert c.Invalid("timed-out") in j1.pop_events()
     assert j1.state is c.ClientState.INVALID and j1.get_timer() is None
 
 
@@ -182,7 +182,7 @@ def test_host_close_disconnects_joiners() -> None:
     host, j1 = host_and_joiners(net, 1)
     host.close(net.now)
     net.pump()
-    assert c.PeerLeft(host.allocation_id) in j1.events()
+    assert c.PeerLeft(host.allocation_id) in j1.pop_events()
     assert j1.state is c.ClientState.BOUND
     assert not net.server.allocations
 
@@ -190,7 +190,7 @@ def test_host_close_disconnects_joiners() -> None:
 def test_datagrams_from_elsewhere_are_ignored() -> None:
     net = Net()
     host, j1 = host_and_joiners(net, 1)
-    j1.events()
+    j1.pop_events()
     frame = m.Relay(os.urandom(16), j1.allocation_id, b"spoof").encode()
     j1.receive_datagram(frame, ("203.0.113.99", 7780), net.now)
-    assert j1.events() == []
+    assert j1.pop_events() == []

@@ -136,7 +136,7 @@ def test_bind_then_duplicate_then_replay() -> None:
     host = player(Role.HOST)
     first = host.bind()
     assert h.send(first, HOST_ADDR) == [(m.BindReceived().encode(), HOST_ADDR)]
-    events = h.server.events()
+    events = h.server.pop_events()
     assert isinstance(events[0], AllocationBound) and events[0].is_host
     # The identical BIND again from the bound address: the reply was lost.
     assert h.send(first, HOST_ADDR) == [(m.BindReceived().encode(), HOST_ADDR)]
@@ -200,7 +200,7 @@ def test_private_addresses_refused_by_default() -> None:
     assert h.send(host.bind(), ("10.1.2.3", 4000)) == []
     assert h.send(host.bind(), ("::ffff:192.168.1.1", 4000)) == []
     assert h.server.drops == {"client-loopback": 1, "client-private": 2}
-    refused = [e for e in h.server.events() if isinstance(e, ClientRefused)]
+    refused = [e for e in h.server.pop_events() if isinstance(e, ClientRefused)]
     assert [e.verdict for e in refused] == [
         Verdict.LOOPBACK,
         Verdict.PRIVATE,
@@ -223,7 +223,7 @@ def test_connect_relay_both_ways() -> None:
         (relay(host, j2, b"hi"), J2_ADDR)
     ]
     assert len(h.server.routes) == 4
-    events = h.server.events()
+    events = h.server.pop_events()
     connected = [e for e in events if isinstance(e, PeerConnected)]
     assert [e.connections for e in connected] == [1, 2]
 
@@ -259,7 +259,7 @@ def test_max_connections_rejects() -> None:
     assert h.send(j2.bind(), J2_ADDR)
     out = h.send(connect(j2, host), J2_ADDR)
     assert out == [(m.Rejected(host.allocation_id, j2.allocation_id).encode(), J2_ADDR)]
-    assert any(isinstance(e, ConnectRejected) for e in h.server.events())
+    assert any(isinstance(e, ConnectRejected) for e in h.server.pop_events())
 
 
 def test_connect_is_idempotent() -> None:
@@ -353,7 +353,7 @@ def test_address_change_rebind_moves_routes() -> None:
     ]
     # ... it bumps its nonce and re-BINDs from the new address ...
     assert h.send(j1.bind(), moved) == [(m.BindReceived().encode(), moved)]
-    bound = [e for e in h.server.events() if isinstance(e, AllocationBound)]
+    bound = [e for e in h.server.pop_events() if isinstance(e, AllocationBound)]
     assert bound[-1].rebind
     # ... and traffic flows both ways on the new address; the old one is dead.
     assert h.send(relay(j1, host, b"b"), moved) == [(relay(j1, host, b"b"), HOST_ADDR)]
@@ -448,7 +448,7 @@ def test_disconnect_is_forwarded_and_frees_the_slot() -> None:
         (m.Disconnect(j1.allocation_id, host.allocation_id).encode(), HOST_ADDR)
     ]
     assert h.server.connections == 0 and not h.server.routes
-    assert [e for e in h.server.events() if isinstance(e, PeerDisconnected)]
+    assert [e for e in h.server.pop_events() if isinstance(e, PeerDisconnected)]
     j2 = player(Role.JOINER, host)
     assert h.send(j2.bind(), J2_ADDR)
     out = h.send(connect(j2, host), J2_ADDR)
@@ -463,7 +463,7 @@ def test_idle_joiner_times_out_and_frees_the_slot() -> None:
         assert h.send(m.Ping(host.allocation_id).encode(), HOST_ADDR)
     out = h.advance(0.0)
     assert j1.allocation_id not in h.server.allocations
-    ended = [e for e in h.server.events() if isinstance(e, AllocationEnded)]
+    ended = [e for e in h.server.pop_events() if isinstance(e, AllocationEnded)]
     assert [(e.allocation_id, e.reason) for e in ended] == [(j1.allocation_id, "idle")]
     assert h.server.connections == 0
     later = h.send(relay(j1, host, b"late"), J1_ADDR)
@@ -506,7 +506,7 @@ def test_host_alone_gets_the_longer_timeout() -> None:
     assert host.allocation_id in h.server.allocations
     h.advance(2.0)
     assert host.allocation_id not in h.server.allocations
-    ended = [e for e in h.server.events() if isinstance(e, AllocationEnded)]
+    ended = [e for e in h.server.pop_events() if isinstance(e, AllocationEnded)]
     assert ended[0].reason == "host-alone"
 
 

@@ -8,6 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crossroads.proto.reflection import (
+    DROP_REFLECTION,
+    ReflectionBudget,
+    ReflectionSettings,
+)
 from crossroads.proto.stun import (
     ChangedAddress,
     ChangeRequest,
@@ -39,7 +44,9 @@ from crossroads.proto.stun.server import (
     DROP_RESPONSE,
     DROP_UNSUPPORTED,
     BindingCore,
+    Reply,
 )
+from crossroads.types import Address
 
 TXID = bytes(range(1, 13))
 CLIENT = ("192.0.2.10", 40000)
@@ -52,10 +59,38 @@ def _binding(*attrs: object, fingerprint: bool = False) -> bytes:
     return encode(request(Method.BINDING, TXID, attrs), fingerprint=fingerprint)  # type: ignore[arg-type]
 
 
+def _handle(
+    core: BindingCore,
+    data: bytes,
+    addr: Address = CLIENT,
+    local: int = 0,
+    now: float = 0.0,
+) -> Reply | str:
+    """One datagram through the core API: its one reply, or the drop reason
+    it was counted under."""
+    before = dict(core.drops)
+    core.receive_datagram(data, addr, now, local)
+    replies = core.datagrams_to_send(now)
+    if replies:
+        assert len(replies) == 1 and core.drops == before
+        return replies[0]
+    (reason,) = [r for r, n in core.drops.items() if n != before.get(r, 0)]
+    return reason
+
+
+def _stream(core: BindingCore) -> BindingCore:
+    """The core's twin for TCP connections (same endpoints, shared limiter)."""
+    return BindingCore(core.advertised, stream=True, limiter=core.limiter)
+
+
 def _answer(
-    core: BindingCore, data: bytes, **kw: object
-) -> tuple[Message, tuple[str, int], int]:
-    reply = core.handle(data, kw.pop("addr", CLIENT), kw.pop("local", 0), 0.0, **kw)  # type: ignore[arg-type]
+    core: BindingCore,
+    data: bytes,
+    addr: Address = CLIENT,
+    local: int = 0,
+    tcp: bool = False,
+) -> tuple[Message, Address, int]:
+    reply = _handle(_stream(core) if tcp else core, data, addr, local)
     assert isinstance(reply, tuple), reply
     wire, dest, send_from = reply
     return decode(wire), dest, send_from
@@ -163,7 +198,7 @@ def test_fingerprint_is_echoed_and_checked() -> None:
     assert isinstance(msg.attributes[-1], Fingerprint)  # decode() verified it
     bad = bytearray(_binding(fingerprint=True))
     bad[-1] ^= 0xFF
-    assert core.handle(bytes(bad), CLIENT, 0, 0.0) == DROP_BAD_FINGERPRINT
+    assert _handle(core, bytes(bad)) == DROP_BAD_FINGERPRINT
     err, _, _ = _answer(
         core, _binding(ChangeRequest(), UnknownAttribute(0x7000, b""), fingerprint=True)
     )
@@ -191,7 +226,9 @@ def test_rfc3489_client_gets_mapped_address_and_its_cookie() -> None:
     core = BindingCore(FULL)
     data = struct.pack("!HHI", 0x0001, 8, 0x01020304) + TXID
     data += encode(request(Method.BINDING, TXID, [ChangeRequest(True, False)]))[20:]
-    wire, dest, send_from = core.handle(data, CLIENT, 0, 0.0)  # type: ignore[misc]
+    reply = _handle(core, data)
+    assert isinstance(reply, tuple)
+    wire, dest, send_from = reply
     msg = decode(wire)
     assert msg.cookie == 0x01020304 and msg.is_rfc3489
     assert msg.get(XorMappedAddress) is None
@@ -203,30 +240,64 @@ def test_rfc3489_client_gets_mapped_address_and_its_cookie() -> None:
 def test_drops() -> None:
     core = BindingCore([A1P1], rate_limit=2)
     good = _binding()
-    assert core.handle(good[:19], CLIENT, 0, 0.0) == DROP_MALFORMED
-    assert core.handle(good + b"\0\0\0\0", CLIENT, 0, 0.0) == DROP_MALFORMED
+    assert _handle(core, good[:19]) == DROP_MALFORMED
+    assert _handle(core, good + b"\0\0\0\0") == DROP_MALFORMED
     indication = b"\x00\x11" + good[2:]
-    assert core.handle(indication, CLIENT, 0, 0.0) == DROP_INDICATION
+    assert _handle(core, indication) == DROP_INDICATION
     response = b"\x01\x01" + good[2:]
-    assert core.handle(response, CLIENT, 0, 0.0) == DROP_RESPONSE
-    assert isinstance(core.handle(good, CLIENT, 0, 0.0), tuple)
-    assert isinstance(core.handle(good, CLIENT, 0, 0.0), tuple)
-    assert core.handle(good, CLIENT, 0, 0.5) == DROP_RATE_LIMITED
-    assert isinstance(core.handle(good, ("192.0.2.11", 1), 0, 0.5), tuple)
-    assert isinstance(core.handle(good, CLIENT, 0, 1.0), tuple)
+    assert _handle(core, response) == DROP_RESPONSE
+    assert isinstance(_handle(core, good), tuple)
+    assert isinstance(_handle(core, good), tuple)
+    assert _handle(core, good, now=0.5) == DROP_RATE_LIMITED
+    assert isinstance(_handle(core, good, ("192.0.2.11", 1), now=0.5), tuple)
+    assert isinstance(_handle(core, good, now=1.0), tuple)
     truncated = struct.pack("!HHI", 1, 4, 0x2112A442) + TXID + b"\x80\x22\x00\x08"
-    assert core.handle(truncated, ("192.0.2.12", 1), 0, 2.0) == DROP_MALFORMED
+    assert _handle(core, truncated, ("192.0.2.12", 1), now=2.0) == DROP_MALFORMED
+
+
+def test_stream_twin_shares_the_rate_limit_and_skips_the_budget() -> None:
+    # One client's requests over UDP and TCP count against one limit.
+    budget = ReflectionBudget(ReflectionSettings(allowance=0, global_allowance=0))
+    udp = BindingCore([A1P1], rate_limit=2, reflection=budget)
+    tcp = BindingCore([A1P1], stream=True, limiter=udp.limiter, drops=udp.drops)
+    good = _binding()
+    # UDP: the answer is larger than the question and there is no allowance.
+    assert _handle(udp, good) == DROP_REFLECTION
+    # A stream client proved its address: no budget.
+    assert isinstance(_handle(tcp, good), tuple)
+    assert _handle(tcp, good) == DROP_RATE_LIMITED
+    assert udp.drops == {DROP_REFLECTION: 1, DROP_RATE_LIMITED: 1}
+
+
+def test_replies_queue_until_taken() -> None:
+    core = BindingCore([A1P1, A1P2])
+    assert core.get_timer() is None
+    core.handle_timer(5.0)  # nothing is ever due
+    for local in (0, 1):
+        core.receive_datagram(_binding(), CLIENT, 0.0, local)
+    replies = core.datagrams_to_send(0.0)
+    assert [(dest, send_from) for _, dest, send_from in replies] == [
+        (CLIENT, 0),
+        (CLIENT, 1),
+    ]
+    # The reply goes back to the very address object it came from (the owner
+    # answers it in the batch's sendmmsg slot).
+    assert all(dest is CLIENT for _, dest, _ in replies)
+    assert core.datagrams_to_send(0.0) == []
 
 
 def test_unsupported_method_is_discarded() -> None:
     # RFC 8489 §6.3: unsupported methods are silently discarded.
     core = BindingCore([A1P1], software="sw")
     allocate = encode(request(Method.ALLOCATE, TXID), fingerprint=True)
-    assert core.unsupported(allocate) == DROP_UNSUPPORTED
+    assert _handle(core, allocate) == DROP_UNSUPPORTED
     send = encode(Message(Class.INDICATION, Method.SEND, TXID))
-    assert core.unsupported(send) == DROP_UNSUPPORTED
-    assert core.unsupported(b"\x00\x03\x00") == DROP_MALFORMED
-    assert core.unsupported(allocate + b"\0\0\0\0") == DROP_MALFORMED
+    assert _handle(core, send) == DROP_UNSUPPORTED
+    # A response of another method is one we do not support either.
+    allocate_success = encode(Message(Class.SUCCESS, Method.ALLOCATE, TXID))
+    assert _handle(core, allocate_success) == DROP_UNSUPPORTED
+    assert _handle(core, b"\x00\x03\x00") == DROP_MALFORMED
+    assert _handle(core, allocate + b"\0\0\0\0") == DROP_MALFORMED
 
 
 @settings(max_examples=400, deadline=None)
@@ -234,7 +305,7 @@ def test_unsupported_method_is_discarded() -> None:
 def test_random_input_never_raises(body: bytes, local: int, tcp: bool) -> None:
     core = BindingCore(FULL, software="x")
     data = b"\x00\x01" + body
-    reply = core.handle(data, CLIENT, local, 0.0, tcp=tcp)
+    reply = _handle(_stream(core) if tcp else core, data, local=local)
     if isinstance(reply, tuple):
         decode(reply[0])  # whatever we send is valid STUN
 
@@ -245,6 +316,6 @@ def test_random_attributes_behind_valid_header(body: bytes, magic: bool) -> None
     core = BindingCore(FULL)
     cookie = 0x2112A442 if magic else 0x01020304
     data = struct.pack("!HHI", 1, len(body), cookie) + TXID + body
-    reply = core.handle(data, CLIENT, 0, 0.0)
+    reply = _handle(core, data)
     if isinstance(reply, tuple):
         assert decode(reply[0]).transaction_id == TXID

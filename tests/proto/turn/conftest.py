@@ -125,9 +125,28 @@ class Harness:
             self.server.handle_timer(self.now)
             deadline = self.server.get_timer()
 
+    def send(self, data: bytes, five: FiveTuple) -> bytes | None:
+        """One datagram through the core API: its answer to ``five``'s client
+        (None: none), which must be all the core has to send."""
+        self.server.receive_datagram(data, five[1], self.now, (five[0], five[2]))
+        out = self.server.datagrams_to_send(self.now)
+        if not out:
+            return None
+        ((answer, client, listener),) = out
+        assert (client, listener) == (five[1], (five[0], five[2]))
+        return answer
+
     def raw(self, data: bytes, five: FiveTuple) -> Message | None:
-        answer = self.server.handle_message(decode(data), data, five, self.now)
+        answer = self.send(data, five)
         return None if answer is None else decode(answer)
+
+    def sent(self) -> list[tuple[bytes, FiveTuple]]:
+        """What the core queued for clients outside an answer (late responses,
+        indications), with the 5-tuple of each."""
+        return [
+            (data, (listener[0], client, listener[1]))
+            for data, client, listener in self.server.datagrams_to_send(self.now)
+        ]
 
     def request(
         self,

@@ -42,8 +42,9 @@ from crossroads.proto.stun import (
     decode,
     encode,
 )
+from crossroads.proto.turn.allocation import FiveTuple
 from crossroads.proto.turn.auth import rest_password
-from crossroads.proto.turn.constants import Family
+from crossroads.proto.turn.constants import Family, Transport
 from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import (
     AllocationCreated,
@@ -51,10 +52,11 @@ from crossroads.proto.turn.server import (
     BindConnection,
     CloseConnection,
     ConnectPeer,
-    SendToClient,
+    TurnServer,
     error_code_of,
 )
-from tests.proto.turn.conftest import EPOCH, Harness, tcp, udp
+from crossroads.types import Address
+from tests.proto.turn.conftest import EPOCH, SERVER, Harness, tcp, udp
 
 PEER = ("198.51.100.20", 5000)
 
@@ -75,9 +77,7 @@ def test_unauthenticated_allocate_gets_small_401(harness: Harness) -> None:
     request = encode(
         Message(Class.REQUEST, Method.ALLOCATE, os.urandom(12), ()), fingerprint=True
     )
-    answer_bytes = harness.server.handle_message(
-        decode(request), request, udp(), harness.now
-    )
+    answer_bytes = harness.send(request, udp())
     assert answer_bytes is not None
     answer = decode(answer_bytes)
     assert error_code_of(answer) == 401
@@ -521,11 +521,9 @@ def test_own_relayed_addresses_are_peers_other_own_ports_are_not() -> None:
     assert code(bind(harness, first, 0x4001, (their[0], 8080))) == 403
     assert server.counters.drops["peer-self"] == 1
     # Send indications to the relayed host are checked port by port.
-    route = server.send_indication(send_indication(their, b"x"), udp())
+    route = slow_send(server, send_indication(their, b"x"), udp())
     assert route is not None and route[1] == their
-    assert (
-        server.send_indication(send_indication((their[0], 3478), b"x"), udp()) is None
-    )
+    assert slow_send(server, send_indication((their[0], 3478), b"x"), udp()) is None
     assert server.counters.drops["peer-self"] == 2
     assert server.self_peer_refused((their[0], 3478))
     assert not server.self_peer_refused(their)
@@ -543,11 +541,8 @@ def test_own_listening_ports_refused_even_when_loopback_is_allowed() -> None:
     assert harness.server.counters.drops["peer-service-port"] == 1
     assert bind(harness, session, 0x4001, ("127.0.0.1", 5000)) is not None
     server = harness.server
-    assert (
-        server.send_indication(send_indication(("127.0.0.1", 3478), b"x"), udp())
-        is None
-    )
-    assert server.send_indication(send_indication(("127.0.0.1", 5000), b"x"), udp())
+    assert slow_send(server, send_indication(("127.0.0.1", 3478), b"x"), udp()) is None
+    assert slow_send(server, send_indication(("127.0.0.1", 5000), b"x"), udp())
     assert harness.server.counters.drops["peer-service-port"] == 2
 
 
@@ -638,6 +633,17 @@ def test_channel_bind_missing_attributes(harness: Harness) -> None:
 # ------------------------------------------------------------------ Send slow path
 
 
+#: The server side of udp()'s 5-tuples.
+LISTENER = (Transport.UDP, SERVER)
+
+
+def slow_send(
+    server: TurnServer, message: Message, five: FiveTuple
+) -> tuple[object, Address, bytes] | None:
+    """The Send slow path (send_route) for ``message`` from ``five``'s client."""
+    return server.send_route(encode(message), five[1], (five[0], five[2]))
+
+
 def send_indication(peer: tuple[str, int], payload: bytes, df: bool = False) -> Message:
     attributes = [XorPeerAddress(*peer), Data(payload)]
     if df:
@@ -648,19 +654,24 @@ def send_indication(peer: tuple[str, int], payload: bytes, df: bool = False) -> 
 def test_send_indication_slow_path(harness: Harness) -> None:
     session = allocated(harness)
     server = harness.server
-    assert server.send_indication(send_indication(PEER, b"x"), udp()) is None
+    assert slow_send(server, send_indication(PEER, b"x"), udp()) is None
     assert server.counters.drops["send-no-permission"] == 1
     harness.request(Method.CREATE_PERMISSION, [XorPeerAddress(*PEER)], udp(), session)
-    route = server.send_indication(send_indication(PEER, b"x", df=True), udp())
+    route = slow_send(server, send_indication(PEER, b"x", df=True), udp())
     assert route is not None and route[1:] == (PEER, b"x")
-    assert server.send_indication(send_indication(PEER, b"x"), udp(5)) is None
+    assert slow_send(server, send_indication(PEER, b"x"), udp(5)) is None
     assert server.counters.drops["send-no-allocation"] == 1
-    assert (
-        server.send_indication(send_indication(("2001:db8::1", 1), b"x"), udp()) is None
-    )
-    # Indications are never answered.
-    wire = encode(send_indication(PEER, b"x"))
-    assert server.handle_message(decode(wire), wire, udp(), 0.0) is None
+    assert slow_send(server, send_indication(("2001:db8::1", 1), b"x"), udp()) is None
+    # Indications are never answered, and the core API drops a Send one (the
+    # transport routes it with send_route).
+    assert harness.send(encode(send_indication(PEER, b"x")), udp()) is None
+    assert server.counters.drops["send-slow-path-unused"] == 1
+    # send_route takes Send indications only, and counts what does not decode.
+    refresh = encode(Message(Class.REQUEST, Method.REFRESH, os.urandom(12)))
+    assert server.send_route(refresh, udp()[1], LISTENER) is None
+    assert server.counters.drops["send-not-a-send-indication"] == 1
+    assert server.send_route(b"\x00\x16\x00\x01", udp()[1], LISTENER) is None
+    assert sum(n for r, n in server.counters.drops.items() if r.startswith("decode-"))
 
 
 # ------------------------------------------------------------------ RFC 6062
@@ -686,12 +697,13 @@ def test_connect_connectionbind_flow(harness: Harness) -> None:
     again = harness.request(Method.CONNECT, [XorPeerAddress(*PEER)], tcp(), session)
     assert code(again) == 446
     server.peer_connected(event.connection_id, harness.now)
-    (sent,) = server.pop_events()
-    assert isinstance(sent, SendToClient) and sent.five_tuple == tcp()
-    response = decode(sent.data)
+    assert server.pop_events() == []
+    ((sent, five),) = harness.sent()
+    assert five == tcp()
+    response = decode(sent)
     assert response.msg_class == Class.SUCCESS
     assert response.get(ConnectionId) == ConnectionId(event.connection_id)
-    assert session.verify(sent.data, response)
+    assert session.verify(sent, response)
 
     data_five = tcp(40001)
     bound = harness.request(
@@ -726,14 +738,14 @@ def test_connect_failure_and_timeout_447(harness: Harness) -> None:
     (event,) = server.pop_events()
     assert isinstance(event, ConnectPeer)
     server.peer_connect_failed(event.connection_id)
-    events = server.pop_events()
-    sent = [e for e in events if isinstance(e, SendToClient)]
-    assert code(decode(sent[0].data)) == 447
+    assert CloseConnection(event.connection_id) in server.pop_events()
+    ((sent, five),) = harness.sent()
+    assert code(decode(sent)) == 447 and five == tcp()
     harness.request(Method.CONNECT, [XorPeerAddress(*PEER)], tcp(), session)
     server.pop_events()
     harness.advance(31)
-    sent = [e for e in server.pop_events() if isinstance(e, SendToClient)]
-    assert code(decode(sent[0].data)) == 447
+    ((sent, five),) = harness.sent()
+    assert code(decode(sent)) == 447 and five == tcp()
     assert server.connections == {}
 
 
@@ -787,9 +799,10 @@ def test_incoming_peer_connection(harness: Harness) -> None:
     harness.request(Method.CREATE_PERMISSION, [XorPeerAddress(*PEER)], tcp(), session)
     connection_id = server.peer_accepted(allocation, PEER, harness.now)
     assert connection_id is not None
-    (sent,) = server.pop_events()
-    assert isinstance(sent, SendToClient)
-    attempt = decode(sent.data)
+    assert server.pop_events() == []
+    ((sent, five),) = harness.sent()
+    assert five == tcp()
+    attempt = decode(sent)
     assert (attempt.msg_class, attempt.method) == (
         Class.INDICATION,
         Method.CONNECTION_ATTEMPT,
@@ -825,9 +838,6 @@ def test_same_host_loopback_peers_only_for_loopback_clients() -> None:
     refused = harness.request(Method.CREATE_PERMISSION, peer, remote, session)
     assert code(refused) == 403
     server = harness.server
-    assert server.send_indication(send_indication(("127.0.0.1", 6379), b"x"), local)
-    assert (
-        server.send_indication(send_indication(("127.0.0.1", 8080), b"x"), local)
-        is None
-    )
+    assert slow_send(server, send_indication(("127.0.0.1", 6379), b"x"), local)
+    assert slow_send(server, send_indication(("127.0.0.1", 8080), b"x"), local) is None
     assert server.counters.drops["peer-service-port"] == 1

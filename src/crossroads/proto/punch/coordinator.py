@@ -35,8 +35,10 @@ present member with the lowest seniority, so when the host leaves the next-oldes
 member is host without any vote, and every client computes the same answer from
 the membership it already has.
 
-The core does no I/O: the transport feeds frames, connection events, rendezvous
-datagrams and the clock, and collects frames to send and connections to close.
+The core does no I/O and has the core API's stream shape
+(:class:`~crossroads.proto.core.StreamCore`): the transport feeds frames
+(``receive_data``), connection events, rendezvous datagrams and the clock, and
+collects frames to send (``data_to_send``) and connections to close.
 """
 
 from __future__ import annotations
@@ -382,8 +384,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------- outputs
 
-    def frames_to_send(self) -> list[tuple[int, str]]:
-        """(connection id, text frame) pairs, in order."""
+    def data_to_send(self) -> list[tuple[int, str]]:
+        """(connection id, text frame) pairs, in order (the core API's
+        :class:`~crossroads.proto.core.StreamCore` output)."""
         out, self._out = self._out, []
         return out
 
@@ -440,8 +443,9 @@ class Coordinator:
         if c.peer is not None:
             self._remove_peer(c.peer, now)
 
-    def receive_text(self, conn: int, text: str | bytes, now: float) -> None:
-        """One WebSocket frame from a client."""
+    def receive_data(self, conn: int, data: str | bytes, now: float) -> None:
+        """One WebSocket message from a client (text, or binary holding UTF-8
+        JSON): the core API's :class:`~crossroads.proto.core.StreamCore` input."""
         c = self._conns.get(conn)
         if c is None:
             return
@@ -455,7 +459,7 @@ class Coordinator:
             self._strike(c)
             return
         try:
-            message = sig.decode_client(text)
+            message = sig.decode_client(data)
         except DecodeError as exc:
             self._events.append(FrameRejected(exc.reason))
             code = {
@@ -464,7 +468,7 @@ class Coordinator:
                 "unknown-type": "unknown_type",
                 "too-large": "too_large",
             }.get(exc.reason, "bad_message")
-            self._error(conn, code, str(exc), sig.message_type(text))
+            self._error(conn, code, str(exc), sig.message_type(data))
             self._strike(c)
             return
         if c.peer is None:

@@ -271,7 +271,8 @@ class RelayClient:
         out, self._outbox = self._outbox, []
         return out
 
-    def events(self) -> list[ClientEvent]:
+    def pop_events(self) -> list[ClientEvent]:
+        """Events produced since the last call, oldest first."""
         out, self._events = self._events, []
         return out
 

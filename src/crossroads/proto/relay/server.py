@@ -49,7 +49,7 @@ BIND, so the API never has to reach the node before the player does.
    CLOSE ends an allocation at once.
 
 Everything the service must know (metrics, the store's session records) comes
-out as events from :meth:`RelayServer.events`; the core does no I/O.
+out as events from :meth:`RelayServer.pop_events`; the core does no I/O.
 """
 
 from __future__ import annotations
@@ -388,8 +388,8 @@ class RelayServer:
         out, self._outbox = self._outbox, []
         return out
 
-    def events(self) -> list[Event]:
-        """Events produced since the last call."""
+    def pop_events(self) -> list[Event]:
+        """Events produced since the last call, oldest first."""
         out, self._events = self._events, []
         return out
 

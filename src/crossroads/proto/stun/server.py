@@ -13,14 +13,28 @@ The server listens on up to four local endpoints, indexed ``ip * 2 + port``:
  3     A2:P2           idem
 ====  ==============  ==========================================
 
-:meth:`BindingCore.handle` takes one request received on endpoint ``local`` and
-returns either a reply ``(bytes, destination, send_from)`` — ``send_from`` is the
-endpoint index the transport must send from — or a short drop reason (a metric
-label). It never raises on network input. There are no timers: the only state is
-the per-source rate limiter, the reflection budget (a UDP answer is sent only
-while its address has been sent no more than it sent plus an allowance,
-:mod:`crossroads.proto.reflection`) and a bounded cache of encoded client
-addresses.
+The core has the core API of a core on several sockets
+(:class:`~crossroads.proto.core.MultiSocketCore`, the endpoint index as the
+socket's name): :meth:`BindingCore.receive_datagram` takes one STUN message
+received on endpoint ``socket``, and :meth:`BindingCore.datagrams_to_send`
+gives the replies as ``(bytes, destination, send_from)`` — ``send_from`` is the
+endpoint index the transport must send from. A reply to the request's own
+source carries the very ``addr`` object it was given (``dest is addr``), so an
+owner that reads in batches can answer in the same batch's ``sendmmsg`` slot
+(with the slot's IP_PKTINFO on a wildcard bind). Input that gets no answer is
+counted in :attr:`BindingCore.drops` by reason (a metric label). It never
+raises on network input. There are no timers (``get_timer`` is always None):
+the only state is the per-source rate limiter, the reflection budget (a UDP
+answer is sent only while its address has been sent no more than it sent plus
+an allowance, :mod:`crossroads.proto.reflection`) and a bounded cache of
+encoded client addresses.
+
+A core made with ``stream=True`` answers over connections (TCP, TLS, DTLS):
+the handshake proved the client's address, so there is no reflection budget,
+and what needs another socket or port (CHANGE-REQUEST with a flag set,
+RESPONSE-PORT) is answered 400. It shares the rate limiter of the datagram
+core of the same sockets (``limiter=``), as one client's requests over both
+count once.
 
 The Binding success response carries, in this order: XOR-MAPPED-ADDRESS (or
 MAPPED-ADDRESS alone for an RFC 3489 request, RFC 8489 §12), MAPPED-ADDRESS when
@@ -78,8 +92,9 @@ from crossroads.proto.stun.constants import (
     Method,
     reason_phrase,
 )
-from crossroads.proto.stun.message import Message, encode, peek_header
+from crossroads.proto.stun.message import Message, encode
 from crossroads.proto.stun.ratelimit import SourceRateLimiter
+from crossroads.types import Address
 
 #: A reply: (datagram, destination address, endpoint index to send from).
 Reply = tuple[bytes, tuple[str, int], int]
@@ -106,6 +121,9 @@ _RPORT = AttrType.RESPONSE_PORT
 _PADDING = AttrType.PADDING
 _RFC5780_REQUEST_ATTRS = (_CHANGE, _RPORT, _PADDING)
 _COOKIE_XOR = MAGIC_COOKIE.to_bytes(4, "big")
+# The method bits of a message type (RFC 8489 §5: the class is bits 0x0110).
+_METHOD_BITS = 0x3EEF
+_BINDING_METHOD = int(Method.BINDING)
 _PORT_XOR = MAGIC_COOKIE >> 16
 
 #: Bound on the encoded-address cache; cleared when full (one dict per server, a
@@ -150,6 +168,11 @@ class BindingCore:
         reflection: the service's reflection budget: a UDP reply is sent only
             while the client's address has been sent no more than it sent plus
             the allowance (None: no budget).
+        stream: answer over connections (see the module docstring).
+        limiter: share this rate limiter (another core's ``limiter``) instead
+            of making one from ``rate_limit`` and ``max_sources``.
+        drops: count drops in this dict (the service's own counters, so its
+            metrics see them live) instead of a new one.
     """
 
     def __init__(
@@ -160,6 +183,9 @@ class BindingCore:
         rate_limit: int = 0,
         max_sources: int = 100_000,
         reflection: ReflectionBudget | None = None,
+        stream: bool = False,
+        limiter: SourceRateLimiter | None = None,
+        drops: dict[str, int] | None = None,
     ) -> None:
         if len(advertised) not in (1, 2, 4):
             raise ValueError("advertised must have 1, 2 or 4 endpoints")
@@ -167,8 +193,17 @@ class BindingCore:
         self.rfc5780 = len(advertised) > 1
         self.change_supported = len(advertised) == 4
         self.software = software
-        self.limiter = SourceRateLimiter(rate_limit, max_sources)
+        self.stream = stream
+        self.limiter = (
+            limiter
+            if limiter is not None
+            else SourceRateLimiter(rate_limit, max_sources)
+        )
         self.reflection = ReflectionBudget.or_unlimited(reflection)
+        #: Input that got no answer, by reason (metric labels): plain ints, the
+        #: service exports them at scrape time.
+        self.drops: dict[str, int] = {} if drops is None else drops
+        self._outbox: list[Reply] = []
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""
         # Pre-encoded tails per (receiving, sending) endpoint pair, for RFC 5389+
@@ -238,45 +273,74 @@ class BindingCore:
 
     # ------------------------------------------------------------ requests
 
-    def handle(
-        self,
-        data: bytes,
-        addr: tuple[str, int],
-        local: int,
-        now: float,
-        tcp: bool = False,
-    ) -> Reply | str:
-        """Handle one datagram (or TCP frame) that starts with bytes 0x00 0x01.
+    def receive_datagram(
+        self, data: bytes, addr: Address, now: float, socket: int
+    ) -> None:
+        """One STUN message (first bits 00) from ``addr``, received on endpoint
+        index ``socket``: a Binding request is answered (see
+        :meth:`datagrams_to_send`); anything else is counted in :attr:`drops`
+        (RFC 8489 §6.3: other methods are silently discarded). The same as
+        :meth:`answer`, with the reply queued."""
+        reply = self.answer(data, addr, socket, now)
+        if reply is not None:
+            self._outbox.append(reply)
 
-        Returns a :data:`Reply` or a drop reason. ``addr`` is the client address
-        as the transport reports it; replies go back to it (or to RESPONSE-PORT).
-        A UDP reply the reflection budget refuses is the drop reason
-        ``reflection-budget`` (a TCP client proved its address by the handshake).
+    def answer(
+        self, data: bytes, addr: Address, socket: int, now: float
+    ) -> Reply | None:
+        """:meth:`receive_datagram` without the queue: the reply itself, or
+        None (the drop is counted). The hot path of the STUN/TURN port calls
+        this: a Binding request is a few hundred nanoseconds of work in all,
+        and queueing the reply to take it out again with
+        :meth:`datagrams_to_send` adds a third to that (two calls, one list).
+
+        ``addr`` is the client address as the transport reports it; the reply
+        goes back to it (the same object) or to RESPONSE-PORT. A UDP reply the
+        reflection budget refuses is the drop ``reflection-budget`` (a stream
+        client proved its address by the handshake).
         """
-        reply = self._reply(data, addr, local, now, tcp)
-        if (
-            tcp
-            or type(reply) is str
-            or self.reflection.answer(addr[0], len(data), len(reply[0]), now)
+        reply = self._reply(data, addr, socket, now)
+        if type(reply) is str:
+            drops = self.drops
+            drops[reply] = drops.get(reply, 0) + 1
+            return None
+        if self.stream or self.reflection.answer(
+            addr[0],
+            len(data),
+            len(reply[0]),
+            now,
         ):
-            return reply
-        return DROP_REFLECTION
+            return reply  # type: ignore[return-value]
+        drops = self.drops
+        drops[DROP_REFLECTION] = drops.get(DROP_REFLECTION, 0) + 1
+        return None
 
-    def _reply(
-        self,
-        data: bytes,
-        addr: tuple[str, int],
-        local: int,
-        now: float,
-        tcp: bool,
-    ) -> Reply | str:
+    def datagrams_to_send(self, now: float) -> list[Reply]:
+        """The replies since the last call, as ``(data, destination,
+        send_from)``; the queue is emptied."""
+        out = self._outbox
+        self._outbox = []
+        return out
+
+    def get_timer(self) -> float | None:
+        """Always None: the Binding core keeps no deadlines (the limiter and
+        the reflection budget age by the ``now`` of each request)."""
+        return None
+
+    def handle_timer(self, now: float) -> None:
+        """Nothing is ever due (see :meth:`get_timer`)."""
+
+    def _reply(self, data: bytes, addr: Address, local: int, now: float) -> Reply | str:
         size = len(data)
+        tcp = self.stream
         if size < 20:
             return DROP_MALFORMED
         mtype, length, cookie = _HEADER.unpack_from(data)
         if length & 3 or length + 20 != size:
             return DROP_MALFORMED
         if mtype != BINDING_REQUEST:
+            if mtype & _METHOD_BITS != _BINDING_METHOD:
+                return DROP_UNSUPPORTED  # RFC 8489 §6.3: silently discarded
             if mtype == BINDING_INDICATION:
                 return DROP_INDICATION  # RFC 8489 §6.3.2: keepalive, no answer
             return DROP_RESPONSE if mtype & 0x0100 else DROP_UNSUPPORTED
@@ -458,16 +522,6 @@ class BindingCore:
             attrs.append(Software(self.software))
         msg = Message(Class.ERROR, Method.BINDING, data[8:20], tuple(attrs), cookie)
         return encode(msg, fingerprint=fingerprint), addr, local
-
-    def unsupported(self, data: bytes) -> str:
-        """Drop reason for a STUN message whose method this server does not
-        handle (no TURN attached). RFC 8489 §6.3: a message whose method is not
-        supported is silently discarded — no 400, nothing a spoofed source can
-        bounce off us."""
-        header = peek_header(data)
-        if header is None or header.length + 20 != len(data):
-            return DROP_MALFORMED
-        return DROP_UNSUPPORTED
 
 
 def _with_length(response: bytes, extra: int = 0) -> bytes:

@@ -51,6 +51,9 @@ from crossroads.types import Address
 
 #: (transport protocol, client address, server address) — RFC 8656 §2 5-tuple.
 FiveTuple = tuple[Transport, Address, Address]
+#: The server's side of a 5-tuple: (transport protocol, server address). The
+#: TURN core's name for a socket (:class:`~crossroads.proto.core.MultiSocketCore`).
+Listener = tuple[Transport, Address]
 
 #: A heap entry ``[deadline, seq, kind, subject]``, returned by
 #: :meth:`Deadlines.schedule` so that the owner can :meth:`Deadlines.cancel` it.

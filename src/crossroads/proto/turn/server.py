@@ -2,14 +2,19 @@
 
 Theory of operation
 -------------------
-The transport decodes a STUN message from a client (codec:
-:mod:`crossroads.proto.stun`) and calls :meth:`TurnServer.handle_message` with the
-message, its raw bytes (integrity is checked on those), the 5-tuple and ``now``.
-The core answers with the encoded response, or None (indications, silently dropped
-requests). Side effects the transport must carry out are queued as *events*
-(:meth:`TurnServer.pop_events`): an allocation appeared or went away (update the
-data-plane routes), connect to a peer, pipe or close a TCP connection, send an
-indication or a late response to a client.
+The core has the core API of a core on several sockets
+(:class:`~crossroads.proto.core.MultiSocketCore`), a socket being named by the
+server's side of the 5-tuple, a :data:`~crossroads.proto.turn.allocation.Listener`
+``(transport, server address)``. The transport hands each non-Binding STUN
+message from a client, raw, to :meth:`TurnServer.receive_datagram` with the
+client's address, ``now`` and that listener; the core decodes it (codec:
+:mod:`crossroads.proto.stun`; integrity is checked on the raw bytes) and queues
+its answer, if any, for :meth:`TurnServer.datagrams_to_send` as
+``(bytes, client, listener)``, with whatever else goes to a client (a
+ConnectionAttempt indication, a late Connect response). Side effects the
+transport must carry out are queued as *events* (:meth:`TurnServer.pop_events`):
+an allocation appeared or went away (update the data-plane routes), connect to
+a peer, pipe or close a TCP connection.
 
 Relay sockets are opened through the injected :class:`RelayBinder` — the one
 synchronous call into the I/O layer, because whether a port can be bound is only
@@ -37,7 +42,8 @@ port (RFC 8656 §9), Send indications to such an IP are checked per datagram
 Per-packet forwarding (ChannelData, Send and Data indications) does not come
 here: the transport reads the forwarding tables kept in :mod:`.allocation`.
 Only Send indications the fast parser cannot take go through
-:meth:`TurnServer.send_indication` (the slow path, which counts each drop).
+:meth:`TurnServer.send_route` (the slow path, which counts each drop); one
+given to :meth:`TurnServer.receive_datagram` is counted and dropped.
 
 Request processing order (RFC 8656 §6-§12, RFC 8489 §9.2.4): class and method;
 authentication (401 / 400 / 438 / 401, each unauthenticated answer rate-limited
@@ -60,7 +66,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Protocol, cast
 
-from crossroads.errors import LocalProtocolError
+from crossroads.errors import DecodeError, LocalProtocolError
 from crossroads.proto.counting import decrement
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
@@ -99,6 +105,7 @@ from crossroads.proto.stun import (
     XorRelayedAddress,
     check_message_integrity,
     check_message_integrity_sha256,
+    decode,
     encode,
     error_response,
     indication,
@@ -111,6 +118,7 @@ from crossroads.proto.turn.allocation import (
     Deadlines,
     FiveTuple,
     Kind,
+    Listener,
     Permission,
     RelayPort,
     TimerHandle,
@@ -260,14 +268,6 @@ class CloseConnection:
 
 
 @dataclass(frozen=True, slots=True)
-class SendToClient:
-    """Send bytes to a client (an indication, or a late response)."""
-
-    five_tuple: FiveTuple
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
 class PeerRefused:
     """A request named a peer the policy refuses (answered 403): for the log.
     Only requests emit it, never the data path, so a flood of Send indications
@@ -296,7 +296,6 @@ TurnEvent = (
     | ConnectPeer
     | BindConnection
     | CloseConnection
-    | SendToClient
     | PeerRefused
     | AuthFailed
 )
@@ -449,6 +448,7 @@ class TurnServer:
         self.clock_offset = 0.0
         self._deadlines = Deadlines()
         self._events: list[TurnEvent] = []
+        self._outbox: list[tuple[bytes, Address, Listener]] = []
         self._limiter = TokenBuckets(
             settings.unauthenticated_rate, settings.unauthenticated_burst
         )
@@ -486,6 +486,16 @@ class TurnServer:
         """Events queued since the last call, oldest first."""
         events, self._events = self._events, []
         return events
+
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, Listener]]:
+        """What goes to clients, as ``(data, client, listener)``, oldest first:
+        answers, ConnectionAttempt indications, late Connect responses. The
+        queue is emptied."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def _to_client(self, five: FiveTuple, data: bytes) -> None:
+        self._outbox.append((data, five[1], (five[0], five[2])))
 
     def get_timer(self) -> float | None:
         """The next deadline, or None."""
@@ -553,34 +563,39 @@ class TurnServer:
 
     # ------------------------------------------------------------ messages
 
-    def handle_message(
-        self, msg: Message, raw: bytes, five: FiveTuple, now: float
-    ) -> bytes | None:
-        """Process one decoded STUN message from a client.
+    def receive_datagram(
+        self, data: bytes, addr: Address, now: float, socket: Listener
+    ) -> None:
+        """One STUN message (not Binding) from client ``addr`` on ``socket``.
 
-        Returns the encoded answer, or None when nothing is to be sent now.
-        Never raises on bad input. An answer that is not signed (400, 401, 438,
-        or any answer with ``allow_unauthenticated``) goes to a source that has
-        proved nothing: over UDP it is sent only within the reflection budget.
+        The answer, if any, is queued for :meth:`datagrams_to_send`. Never
+        raises on bad input (what does not decode is counted, ``decode-*``).
+        An answer that is not signed (400, 401, 438, or any answer with
+        ``allow_unauthenticated``) goes to a source that has proved nothing:
+        over UDP it is sent only within the reflection budget.
         """
+        try:
+            msg = decode(data)
+        except DecodeError as exc:
+            self.counters.drop(f"decode-{exc.reason}")
+            return
+        five: FiveTuple = (socket[0], addr, socket[1])
         udp = five[0] == Transport.UDP
         if udp:
-            self.reflection.received(five[1][0], len(raw), now)
-        answer, signed = self._handle(msg, raw, five, now)
-        if (
-            answer is None
-            or signed
-            or not udp
-            or self.reflection.allow(five[1][0], len(answer), now)
-        ):
-            return answer
-        self.counters.drop(DROP_REFLECTION)
-        return None
+            self.reflection.received(addr[0], len(data), now)
+        answer, signed = self._handle(msg, data, five, now)
+        if answer is None:
+            return
+        if signed or not udp or self.reflection.allow(addr[0], len(answer), now):
+            self._outbox.append((answer, addr, socket))
+        else:
+            self.counters.drop(DROP_REFLECTION)
 
     def _handle(
         self, msg: Message, raw: bytes, five: FiveTuple, now: float
     ) -> tuple[bytes | None, bool]:
-        """:meth:`handle_message` before the reflection budget: (answer, signed)."""
+        """:meth:`receive_datagram` before the reflection budget: (answer,
+        signed)."""
         if msg.msg_class == Class.INDICATION:
             if msg.method == Method.SEND:
                 self.counters.drop("send-slow-path-unused")
@@ -628,14 +643,23 @@ class TurnServer:
             self.counters.response(name, 0)
         return answer, signed
 
-    def send_indication(
-        self, msg: Message, five: FiveTuple
+    def send_route(
+        self, data: bytes, addr: Address, socket: Listener
     ) -> tuple[RelayPort, Address, bytes] | None:
-        """Slow path of a Send indication (RFC 8656 §11.2): where to send what.
+        """Slow path of a Send indication (RFC 8656 §11.2) from client ``addr``
+        on ``socket``, raw: where to send what.
 
         None when it must be dropped (counted by reason).
         """
-        allocation = self.allocations.get(five)
+        try:
+            msg = decode(data)
+        except DecodeError as exc:
+            self.counters.drop(f"decode-{exc.reason}")
+            return None
+        if msg.msg_class != Class.INDICATION or msg.method != Method.SEND:
+            self.counters.drop("send-not-a-send-indication")
+            return None
+        allocation = self.allocations.get((socket[0], addr, socket[1]))
         if allocation is None:
             self.counters.drop("send-no-allocation")
             return None
@@ -643,8 +667,8 @@ class TurnServer:
             self.counters.drop("send-unknown-attribute")
             return None
         peer = msg.get(XorPeerAddress)
-        data = msg.get(Data)
-        if peer is None or data is None:
+        payload = msg.get(Data)
+        if peer is None or payload is None:
             self.counters.drop("send-malformed")
             return None
         relay = allocation.relay_for(6 if ":" in peer.host else 4)
@@ -654,9 +678,9 @@ class TurnServer:
         if peer.host not in allocation.permissions:
             self.counters.drop("send-no-permission")
             return None
-        if self.self_peer_refused((peer.host, peer.port), five[1][0]):
+        if self.self_peer_refused((peer.host, peer.port), addr[0]):
             return None
-        return relay, (peer.host, peer.port), data.value
+        return relay, (peer.host, peer.port), payload.value
 
     # ------------------------------------------------------------ answers
 
@@ -1334,7 +1358,7 @@ class TurnServer:
             request, auth, success_response(request, [ConnectionId(connection_id)])
         )
         self.counters.response("connect", 0)
-        self._events.append(SendToClient(connection.allocation.five_tuple, answer))
+        self._to_client(connection.allocation.five_tuple, answer)
 
     def peer_connect_failed(self, connection_id: int) -> None:
         """Connect could not reach the peer: 447."""
@@ -1353,7 +1377,7 @@ class TurnServer:
             request, auth, self._error(request, TurnError.CONNECTION_TIMEOUT_OR_FAILURE)
         )
         if not connection.allocation.dead:
-            self._events.append(SendToClient(connection.allocation.five_tuple, answer))
+            self._to_client(connection.allocation.five_tuple, answer)
 
     def peer_accepted(
         self, allocation: Allocation, peer: Address, now: float
@@ -1384,7 +1408,7 @@ class TurnServer:
             self.ports.entropy.token_bytes(12),
             [XorPeerAddress(*peer), ConnectionId(connection.id)],
         )
-        self._events.append(SendToClient(allocation.five_tuple, encode(attempt)))
+        self._to_client(allocation.five_tuple, encode(attempt))
         return connection.id
 
     def connection_closed(self, connection_id: int) -> None:

@@ -1,0 +1,107 @@
+"""Every sans-I/O core in :mod:`crossroads.proto` and the shape of the one core
+API (:mod:`crossroads.proto.core`) it has.
+
+The tuples below are the table. mypy --strict checks each entry: a class given
+where ``type[P]`` of a :class:`typing.Protocol` ``P`` is expected must have
+``P``'s methods with compatible signatures. ``tests/proto/test_core_api.py``
+checks at run time that the table names every class of ``proto/`` with an
+input or output of the API (a base class its listed cores inherit it from
+aside), that each entry's parameter names are the API's, and that every
+``get_timer()`` / ``handle_timer(now)`` in ``proto/`` has the API's parameters,
+listed or not; so a new core, or one drifting from the API, fails there. A
+core that does not fit yet is listed in :data:`DEVIATIONS` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from crossroads.proto.core import (
+    DatagramCore,
+    EventSource,
+    MultiSocketCore,
+    StreamCore,
+    TimedCore,
+)
+from crossroads.proto.dtls.client import DtlsClient
+from crossroads.proto.dtls.server import DtlsServer
+from crossroads.proto.natneg.server import Endpoint as NatNegSocket
+from crossroads.proto.natneg.server import NatNegServer
+from crossroads.proto.openttd.ladder import ConnectAttempt
+from crossroads.proto.openttd.verify import RegistrationCheck
+from crossroads.proto.punch.coordinator import Coordinator
+from crossroads.proto.raknet.nattype import NatTypeDetectionServer
+from crossroads.proto.raknet.node import RakNetNode
+from crossroads.proto.raknet.peer import RakNetServer
+from crossroads.proto.raknet.punchthrough import NatPunchthroughServer
+from crossroads.proto.raknet.udpproxy import UDPProxyCoordinator
+from crossroads.proto.relay.client import RelayClient
+from crossroads.proto.relay.server import RelayServer
+from crossroads.proto.stun.client import StunClientCore
+from crossroads.proto.stun.server import BindingCore
+from crossroads.proto.turn.allocation import Listener
+from crossroads.proto.turn.server import TurnServer
+
+#: Cores on one socket (driven by :class:`~crossroads.transport.driver.DatagramDriver`
+#: or an owner that feeds them the same way). RakNetNode also reads datagrams
+#: of its second and NAT-type-detection sockets (``receive_second``,
+#: ``receive_s3p4``, ``side_datagrams``), beside the API.
+DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
+    DtlsClient,
+    DtlsServer,
+    RakNetNode,
+    RakNetServer,
+    RelayClient,
+    RelayServer,
+    StunClientCore,
+)
+
+#: Cores on several sockets, each with the core's own name for its sockets:
+#: natneg's endpoints, the Binding core's endpoint index (RFC 5780's four),
+#: TURN's (transport, server address). The STUN/TURN port's owner
+#: (services/stun.py) feeds the last two.
+_NATNEG: type[MultiSocketCore[NatNegSocket]] = NatNegServer
+_BINDING: type[MultiSocketCore[int]] = BindingCore
+_TURN: type[MultiSocketCore[Listener]] = TurnServer
+MULTI_SOCKET_CORES: tuple[type[MultiSocketCore[Any]], ...] = (
+    _NATNEG,
+    _BINDING,
+    _TURN,
+)
+
+#: Cores serving many connections: the p2p signalling server's WebSockets.
+_SIGNALLING: type[StreamCore[int, str | bytes, str]] = Coordinator
+STREAM_CORES: tuple[type[StreamCore[Any, Any, Any]], ...] = (_SIGNALLING,)
+
+#: Cores that take messages from another core rather than datagrams (the
+#: RakNet server plugins, fed by :class:`RakNetNode` from its peer's events):
+#: the timer half of the API only.
+TIMED_CORES: tuple[type[TimedCore], ...] = (
+    NatPunchthroughServer,
+    NatTypeDetectionServer,
+    UDPProxyCoordinator,
+)
+
+#: Cores that report what happened as typed events (``pop_events``). The
+#: Binding core has none: its drops are plain counters, its replies are all
+#: it gives.
+EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
+    Coordinator,
+    DtlsClient,
+    DtlsServer,
+    NatNegServer,
+    RakNetNode,
+    RakNetServer,
+    RelayClient,
+    RelayServer,
+    StunClientCore,
+    TurnServer,
+)
+
+#: Cores with a timer that do not have the API's shape yet, and why.
+DEVIATIONS: dict[type, str] = {
+    ConnectAttempt: "handle_timer(now) returns the commands to carry out "
+    "instead of queueing them (the OpenTTD coordinator's flows, proto/openttd/)",
+    RegistrationCheck: "handle_timer(now) returns the commands to carry out "
+    "instead of queueing them (the OpenTTD coordinator's flows, proto/openttd/)",
+}
