@@ -45,7 +45,7 @@ from crossroads.services.openttd.registry import (
     Registry,
 )
 from crossroads.services.openttd.stun import StunService
-from crossroads.services.openttd.turn import TurnService
+from crossroads.services.openttd.turn import TurnService, relay_cap
 from crossroads.services.openttd.web import make_router
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.types import Address
@@ -349,7 +349,13 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
 
     try:
         if "turn" in cfg.roles:
-            turn = TurnService(registry, ctx.metrics, cfg.turn_wait)
+            turn = TurnService(
+                registry,
+                ctx.metrics,
+                cfg.turn_wait,
+                relay_idle_timeout=cfg.relay_idle_timeout,
+                max_relays=relay_cap(cfg.max_connections),
+            )
             service.turn = turn
             listener = Listener(
                 "turn",
@@ -359,7 +365,6 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                     max_per_address=cfg.max_connections_per_address,
                     packet_timeout=cfg.packet_timeout,
                     idle_timeout=cfg.turn_wait + cfg.packet_timeout,
-                    relay_idle_timeout=cfg.relay_idle_timeout,
                 ),
                 dropped,
                 connections,
