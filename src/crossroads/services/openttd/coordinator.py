@@ -83,6 +83,7 @@ from crossroads.proto.openttd.coordinator import (
     error_for_version,
     listing_shape,
 )
+from crossroads.proto.openttd.deadlines import DeadlineBook
 from crossroads.proto.openttd.ladder import (
     ConnectAttempt,
     Finished,
@@ -112,7 +113,8 @@ from crossroads.services.openttd.limits import AddressRateLimiter
 from crossroads.services.openttd.listing import ListingCache
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.registry import Registry
-from crossroads.services.openttd.runners import AttemptRunner, CheckRunner
+from crossroads.services.openttd.runners import AttemptRunner, CheckRunner, Runner
+from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -197,6 +199,25 @@ class Coordinator:
         self.listing = ListingCache(registry, settings.listing_cache)
         self.register_limiter = AddressRateLimiter(settings.registrations_per_minute)
         self.probe_slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+        #: Every runner's deadline, under one timer (proto/openttd/deadlines.py).
+        self.deadlines: DeadlineBook[Runner] = DeadlineBook()
+        self.timer = CoreTimer(self.loop, self.get_timer, self.handle_timer)
+
+    # ---------------------------------------------------------------- timer
+
+    def get_timer(self) -> float | None:
+        """The earliest deadline of any join or registration check."""
+        return self.deadlines.get_timer()
+
+    def handle_timer(self, now: float) -> None:
+        """Run the timers of the runners whose deadline has come."""
+        for runner in self.deadlines.due(now):
+            runner.fire(now)
+
+    def schedule(self, runner: Runner) -> None:
+        """Record ``runner``'s current deadline and re-arm the one timer."""
+        self.deadlines.update(runner, None if runner.finished else runner.deadline())
+        self.timer.rearm()
 
     # ------------------------------------------------------------- plumbing
 
@@ -722,6 +743,7 @@ class Coordinator:
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
+        self.timer.close()
         for runner in self.attempts.drivers():
             runner.cancel()
             if runner.task is not None:

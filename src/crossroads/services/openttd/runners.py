@@ -5,9 +5,11 @@ An :class:`AttemptRunner` runs a join's
 :class:`CheckRunner` a registration's
 :class:`~crossroads.proto.openttd.verify.RegistrationCheck`. Each executes its
 core's commands in order, one at a time (a command may await the Store or the
-bus), and keeps the core's single timer with a
-:class:`~crossroads.transport.driver.CoreTimer`. What a command needs from the
-coordinator service is the small :class:`RunnerOwner` interface.
+bus). No runner has a timer of its own: after every input a runner reports its
+core's deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
+``get_timer`` / ``handle_timer`` covers them all
+(:class:`~crossroads.proto.openttd.deadlines.DeadlineBook`). What a command needs
+from the coordinator service is the small :class:`RunnerOwner` interface.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import Registry
-from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -75,20 +76,24 @@ class RunnerOwner(Protocol):
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None: ...
 
+    def schedule(self, runner: Runner) -> None:
+        """``runner``'s deadline may have changed (after every input)."""
+        ...
+
     async def registration_concluded(
         self, runner: CheckRunner, result: Concluded
     ) -> None: ...
 
 
-class _Runner:
-    """Executes a core's commands in order, one at a time, and keeps its timer."""
+class Runner:
+    """Executes a core's commands in order, one at a time; its deadline is kept
+    by the coordinator's one timer."""
 
     def __init__(self, coordinator: RunnerOwner) -> None:
         self.coordinator = coordinator
         self.loop = coordinator.loop
         self.queue: deque[Any] = deque()
         self.task: asyncio.Task[None] | None = None
-        self.timer = CoreTimer(self.loop, self.deadline, self._on_timer)
         self.finished = False
 
     def feed(self, commands: list[Any]) -> None:
@@ -96,7 +101,7 @@ class _Runner:
             self.queue.extend(commands)
             if self.task is None:
                 self.task = asyncio.create_task(self._drain())
-        self.timer.rearm()
+        self.coordinator.schedule(self)
 
     async def _drain(self) -> None:
         try:
@@ -107,12 +112,14 @@ class _Runner:
         finally:
             self.task = None
 
-    def _on_timer(self, now: float) -> None:
-        self.feed(self.on_timer(now))
+    def fire(self, now: float) -> None:
+        """The coordinator's timer found this runner's deadline due."""
+        if not self.finished:
+            self.feed(self.on_timer(now))
 
     def cancel(self) -> None:
         self.finished = True
-        self.timer.close()
+        self.coordinator.schedule(self)
 
     def deadline(self) -> float | None:
         raise NotImplementedError
@@ -124,7 +131,7 @@ class _Runner:
         raise NotImplementedError
 
 
-class AttemptRunner(_Runner):
+class AttemptRunner(Runner):
     """Drives one :class:`ConnectAttempt` against real sockets."""
 
     def __init__(
@@ -138,15 +145,22 @@ class AttemptRunner(_Runner):
         self.attempt = attempt
         self.client = client
         self.record = record
-        #: Messages held back to time a STUN pairing (cancelled with the runner).
-        self.held: set[asyncio.TimerHandle] = set()
+        #: Messages held back to time a STUN pairing, with when each goes
+        #: (their deadlines are this runner's too; dropped with the runner).
+        self.held: list[tuple[float, Command]] = []
 
     def deadline(self) -> float | None:
-        return self.attempt.get_timer()
+        deadline = self.attempt.get_timer()
+        for release, _ in self.held:
+            if deadline is None or release < deadline:
+                deadline = release
+        return deadline
 
     def on_timer(self, now: float) -> list[Command]:
+        released = [command for release, command in self.held if release <= now]
+        self.held = [(release, c) for release, c in self.held if release > now]
         self.measure_round_trips()
-        return self.attempt.handle_timer(now)
+        return released + self.attempt.handle_timer(now)
 
     def measure_round_trips(self) -> None:
         """Tell the attempt both coordinator connections' round trips (the
@@ -157,19 +171,12 @@ class AttemptRunner(_Runner):
         attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
 
     def _hold(self, delay: float, command: Command) -> None:
-        def release() -> None:
-            self.held.discard(handle)
-            if not self.finished:
-                self.feed([command])
-
-        handle = self.loop.call_later(delay, release)
-        self.held.add(handle)
+        self.held.append((self.loop.time() + delay, command))
+        self.coordinator.schedule(self)
 
     def cancel(self) -> None:
-        super().cancel()
-        for handle in self.held:
-            handle.cancel()
         self.held.clear()
+        super().cancel()
 
     async def execute(self, command: Command) -> None:
         coordinator = self.coordinator
@@ -194,7 +201,7 @@ class AttemptRunner(_Runner):
                 coordinator.attempt_finished(self, command)
 
 
-class CheckRunner(_Runner):
+class CheckRunner(Runner):
     """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
 
     def __init__(
