@@ -59,7 +59,9 @@ ops = st.lists(
 
 
 @given(ops)
-def test_it_agrees_with_a_plain_dict(script: list[tuple[str, int, float | None]]) -> None:
+def test_it_agrees_with_a_plain_dict(
+    script: list[tuple[str, int, float | None]],
+) -> None:
     book: DeadlineBook[int] = DeadlineBook()
     model: dict[int, float] = {}
     for op, key, value in script:
