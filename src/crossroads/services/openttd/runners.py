@@ -2,10 +2,10 @@
 
 An :class:`AttemptRunner` runs a join's
 :class:`~crossroads.proto.openttd.ladder.ConnectAttempt`, a
-:class:`CheckRunner` a registration's
-:class:`~crossroads.proto.openttd.verify.RegistrationCheck`. Each executes its
-core's commands in order, one at a time (a command may await the Store or the
-bus). No runner has a timer of its own: after every input a runner reports its
+:class:`RegistrationRunner` a registration's
+:class:`~crossroads.proto.openttd.registration.ServerRegistration`. Each executes
+its core's commands in order, one at a time (a command may await the Store or
+the bus); a Store request's answer goes back into the core as an input. No runner has a timer of its own: after every input a runner reports its
 core's deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
 ``get_timer`` / ``handle_timer`` covers them all
 (:class:`~crossroads.proto.openttd.deadlines.DeadlineBook`). What a command needs
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
-from crossroads.proto.openttd.coordinator import GcMessage, ServerRegister
+from crossroads.proto.openttd.coordinator import GcMessage
 from crossroads.proto.openttd.ladder import (
     Command,
     ConnectAttempt,
@@ -33,12 +33,24 @@ from crossroads.proto.openttd.ladder import (
     Side,
 )
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.verify import (
-    Concluded,
-    Probe,
-    RegistrationCheck,
-    VerifyCommand,
+from crossroads.proto.openttd.registration import (
+    EndSession,
+    GetServer,
+    InstanceAlive,
+    KeepCode,
+    NewCode,
+    PutServer,
+    Refused,
+    Registered,
+    RegistrationCommand,
+    ServerRegistration,
+    StoreFailed,
+    StoreQuery,
+    StoreRead,
+    StoreUpdate,
+    StoreWrite,
 )
+from crossroads.proto.openttd.verify import Probe
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
@@ -76,13 +88,23 @@ class RunnerOwner(Protocol):
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None: ...
 
+    def registration_refused(
+        self, runner: RegistrationRunner, refused: Refused
+    ) -> None: ...
+
+    def registration_store_failed(
+        self, runner: RegistrationRunner, failed: StoreFailed
+    ) -> None: ...
+
+    def registration_concluded(
+        self, runner: RegistrationRunner, registered: Registered
+    ) -> None: ...
+
+    async def end_session(self, owner: str, code: str, session: str) -> None: ...
+
     def schedule(self, runner: Runner) -> None:
         """``runner``'s deadline may have changed (after every input)."""
         ...
-
-    async def registration_concluded(
-        self, runner: CheckRunner, result: Concluded
-    ) -> None: ...
 
 
 class Runner:
@@ -201,40 +223,89 @@ class AttemptRunner(Runner):
                 coordinator.attempt_finished(self, command)
 
 
-class CheckRunner(Runner):
-    """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
+class RegistrationRunner(Runner):
+    """Drives one :class:`ServerRegistration`: Store requests (answers fed
+    back), probes, STUN, then the seat and the ACK."""
 
     def __init__(
         self,
         coordinator: RunnerOwner,
-        check: RegistrationCheck,
+        flow: ServerRegistration,
         conn: PacketConnection,
-        register: ServerRegister,
-        code: str,
     ) -> None:
         super().__init__(coordinator)
-        self.check = check
+        self.flow = flow
         self.conn = conn
-        self.register = register
-        self.code = code
         self.probes: set[asyncio.Task[None]] = set()
 
     def deadline(self) -> float | None:
-        return self.check.get_timer()
+        return self.flow.get_timer()
 
-    def on_timer(self, now: float) -> list[VerifyCommand]:
-        return self.check.handle_timer(now)
+    def on_timer(self, now: float) -> list[RegistrationCommand]:
+        return self.flow.handle_timer(now)
 
-    async def execute(self, command: VerifyCommand) -> None:
+    async def execute(self, command: RegistrationCommand) -> None:
+        if self.finished:
+            return  # the connection went away: nothing more to do or store
+        coordinator = self.coordinator
         match command:
+            case StoreRead(request, query):
+                try:
+                    answer = await self._query(query)
+                except StoreError:
+                    self._feed_failure(request)
+                else:
+                    self._feed_answer(request, answer)
+            case StoreWrite(request, update):
+                try:
+                    await self._update(update)
+                except StoreError:
+                    self._feed_failure(request)
+                else:
+                    self._feed_answer(request, None)
             case SendToServer(message):
-                self.coordinator.send(self.conn, message)
+                coordinator.send(self.conn, message)
             case Probe(host, port):
                 task = asyncio.create_task(self._probe(host, port))
                 self.probes.add(task)
                 task.add_done_callback(self.probes.discard)
-            case Concluded():
-                await self.coordinator.registration_concluded(self, command)
+            case EndSession(owner, code, session):
+                try:
+                    await coordinator.end_session(owner, code, session)
+                except StoreError:
+                    coordinator.metrics.store_errors.inc()
+            case Refused():
+                coordinator.registration_refused(self, command)
+            case StoreFailed():
+                coordinator.registration_store_failed(self, command)
+            case Registered():
+                coordinator.registration_concluded(self, command)
+
+    async def _query(self, query: StoreQuery) -> object:
+        registry = self.coordinator.registry
+        match query:
+            case GetServer(code):
+                return await registry.get_server(code)
+            case InstanceAlive(instance):
+                return await registry.instance_alive(instance)
+            case NewCode():
+                return await registry.new_code()
+
+    async def _update(self, update: StoreUpdate) -> None:
+        registry = self.coordinator.registry
+        match update:
+            case KeepCode(code):
+                await registry.keep_code(code)
+            case PutServer(record):
+                await registry.put_server(record)
+
+    def _feed_answer(self, request: int, answer: object) -> None:
+        if not self.finished:
+            self.feed(self.flow.store_result(request, answer, self.loop.time()))
+
+    def _feed_failure(self, request: int) -> None:
+        if not self.finished:
+            self.feed(self.flow.store_failed(request, self.loop.time()))
 
     async def _probe(self, host: str, port: int) -> None:
         coordinator = self.coordinator
@@ -242,7 +313,7 @@ class CheckRunner(Runner):
             ok = await probe_game_server(host, port, coordinator.settings.probe_timeout)
         coordinator.metrics.probes.labels("ok" if ok else "failed").inc()
         if not self.finished:
-            self.feed(self.check.probe_result(host, ok, self.loop.time()))
+            self.feed(self.flow.probe_result(host, ok, self.loop.time()))
 
     def cancel(self) -> None:
         super().cancel()
