@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from crossroads.transport.streamplane import CLOSED, RESET, StreamPlane, StreamRoute
+from tests.transport.stream_support import tcp_pair
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -84,17 +85,6 @@ class Side:
             return  # reset, or our own socket closed
         finally:
             self.ended.set()
-
-
-async def tcp_pair() -> tuple[socket.socket, socket.socket]:
-    loop = asyncio.get_running_loop()
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server.setblocking(False)
-        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        client.setblocking(False)
-        await loop.sock_connect(client, server.getsockname())
-        accepted, _ = await loop.sock_accept(server)
-    return client, accepted
 
 
 async def play(script: list[Action]) -> None:

@@ -21,6 +21,7 @@ from crossroads.transport.streamplane import (
     StreamRoute,
 )
 from tests.conftest import eventually
+from tests.transport.stream_support import tcp_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,19 +40,6 @@ class Pair:
     def close(self) -> None:
         for sock in (self.left, self.right, self.relay_left, self.relay_right):
             sock.close()
-
-
-async def tcp_pair() -> tuple[socket.socket, socket.socket]:
-    """(client, accepted) over loopback TCP, both non-blocking."""
-    loop = asyncio.get_running_loop()
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server.setblocking(False)
-        client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        client.setblocking(False)
-        await loop.sock_connect(client, server.getsockname())
-        accepted, _ = await loop.sock_accept(server)
-    accepted.setblocking(False)
-    return client, accepted
 
 
 @pytest.fixture

@@ -239,15 +239,18 @@ class ServerRegistration:
 
     # ----------------------------------------------------------- core API
 
+    @property
+    def _checking(self) -> RegistrationCheck | None:
+        """The check, while its inputs count (stage 2)."""
+        return self.check if self.stage is Stage.CHECKING else None
+
     def get_timer(self) -> float | None:
-        if self.stage is Stage.CHECKING and self.check is not None:
-            return self.check.get_timer()
-        return None
+        check = self._checking
+        return None if check is None else check.get_timer()
 
     def handle_timer(self, now: float) -> list[RegistrationCommand]:
-        if self.stage is not Stage.CHECKING or self.check is None:
-            return []
-        return self._from_check(self.check.handle_timer(now), now)
+        check = self._checking
+        return [] if check is None else self._from_check(check.handle_timer(now), now)
 
     @property
     def done(self) -> bool:
@@ -311,25 +314,34 @@ class ServerRegistration:
         self, family: int, ok: bool, now: float
     ) -> list[RegistrationCommand]:
         """The server's GC_STUN_RESULT for our V token."""
-        if self.stage is not Stage.CHECKING or self.check is None:
-            return []
-        return self._from_check(self.check.stun_result(family, ok, now), now)
+        check = self._checking
+        return (
+            []
+            if check is None
+            else self._from_check(check.stun_result(family, ok, now), now)
+        )
 
     def stun_observed(
         self, family: int, host: str, now: float
     ) -> list[RegistrationCommand]:
         """The STUN service saw the server's V token from ``host``."""
-        if self.stage is not Stage.CHECKING or self.check is None:
-            return []
-        return self._from_check(self.check.stun_observed(family, host, now), now)
+        check = self._checking
+        return (
+            []
+            if check is None
+            else self._from_check(check.stun_observed(family, host, now), now)
+        )
 
     def probe_result(
         self, host: str, ok: bool, now: float
     ) -> list[RegistrationCommand]:
         """A :class:`Probe` finished."""
-        if self.stage is not Stage.CHECKING or self.check is None:
-            return []
-        return self._from_check(self.check.probe_result(host, ok, now), now)
+        check = self._checking
+        return (
+            []
+            if check is None
+            else self._from_check(check.probe_result(host, ok, now), now)
+        )
 
     # -------------------------------------------------------------- stages
 
