@@ -89,6 +89,9 @@ async def test_a_half_close_keeps_the_other_way_open(ottd: Runtime) -> None:
         await until_metric(
             ottd, "crossroads_openttd_turn_bytes_total", len(payload) + 10
         )
+        await until_metric(
+            ottd, "crossroads_openttd_turn_relays_ended_total", 1, reason="closed"
+        )
     finally:
         await a.close()
         await b.close()
@@ -201,6 +204,16 @@ async def test_idle_relays_are_closed() -> None:
             await turn_connected(b)
             assert await a.at_eof(10)
             assert await b.at_eof(10)
+            await until_metric(
+                rt, "crossroads_openttd_turn_relays_ended_total", 1, reason="idle"
+            )
+            await until_metric(
+                rt,
+                "crossroads_openttd_dropped_total",
+                2,
+                listener="turn",
+                reason="relay-idle",
+            )
         finally:
             await a.close()
             await b.close()

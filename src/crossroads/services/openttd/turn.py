@@ -106,6 +106,13 @@ class TurnService:
             "Relayed pairs in progress.",
             registry=metrics,
         )
+        self.relays_ended = Counter(
+            "crossroads_openttd_turn_relays_ended",
+            "Relays ended, by reason (closed: both sides finished; reset; idle; "
+            "shutdown).",
+            ["reason"],
+            registry=metrics,
+        )
         self.relayed_bytes = Counter(
             "crossroads_openttd_turn_bytes",
             "Bytes relayed (counted when a relay ends).",
@@ -217,6 +224,7 @@ class TurnService:
     def _relay_ended(self, route: StreamRoute) -> None:
         """The data plane ended ``route``: count it, close both connections."""
         self.relayed_bytes.inc(route.octets)
+        self.relays_ended.labels(route.reason).inc()
         pair = self.pairs.pop(route, None)
         if pair is None:
             return
