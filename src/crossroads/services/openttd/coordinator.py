@@ -58,7 +58,6 @@ from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
     invite_code_secret,
-    looks_like_invite_code,
     make_attempt_id,
     make_ticket,
 )
@@ -90,6 +89,7 @@ from crossroads.proto.openttd.ladder import (
     Side,
 )
 from crossroads.proto.openttd.listing import lookup_packets
+from crossroads.proto.openttd.lookup import CodeLookup, Resolved
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
     Refused,
@@ -121,6 +121,7 @@ from crossroads.services.openttd.runners import (
     AttemptRunner,
     RegistrationRunner,
     Runner,
+    query_store,
 )
 from crossroads.transport.driver import CoreTimer
 
@@ -540,26 +541,21 @@ class Coordinator:
         self, conn: PacketConnection, state: PeerState, msg: ClientConnect
     ) -> None:
         code = msg.invite_code
-        record = None
         if not self.guesses.try_spend(conn.host, self.loop.time()):
             # OpenTTD has no "slow down" error: UNKNOWN with a text, and the
             # connection closed so a guesser pays a reconnect per try.
             self.metrics.connects.labels("guess-budget", "none").inc()
             self.fail(conn, ErrorType.UNKNOWN, "too many unknown invite codes", True)
             return
-        if looks_like_invite_code(code):
-            local = self.local_servers.get(code)
-            local_state = self.state(local) if local is not None else None
-            if local_state is not None and local_state.record is not None:
-                record = local_state.record
-            else:
-                try:
-                    record = await self.registry.get_server(code)
-                except StoreError:
-                    self.metrics.store_errors.inc()
-                    self.guesses.refund(conn.host)  # not a wrong guess
-        if record is not None:
-            self.guesses.refund(conn.host)
+        local = self.local_servers.get(code)
+        resolved = await self._resolve(
+            CodeLookup(code, self.state(local).record if local is not None else None)
+        )
+        record = resolved.record
+        if resolved.store_failed:
+            self.metrics.store_errors.inc()
+        if record is not None or resolved.store_failed:
+            self.guesses.refund(conn.host)  # not a wrong guess
         refusal = refuse_join(
             code, record is not None, self.attempts.count_of_client(conn)
         )
@@ -587,6 +583,20 @@ class Coordinator:
         runner.measure_round_trips()
         self.attempts.add(key, code, conn, runner)
         runner.feed(attempt.start(now))
+
+    async def _resolve(self, lookup: CodeLookup) -> Resolved:
+        """Run ``lookup`` to its end, executing its Store reads."""
+        commands = lookup.start()
+        while True:
+            command = commands[0]
+            if isinstance(command, Resolved):
+                return command
+            try:
+                answer = await query_store(self.registry, command.query)
+            except StoreError:
+                commands = lookup.store_failed(command.request)
+            else:
+                commands = lookup.store_result(command.request, answer)
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
         runner.cancel()

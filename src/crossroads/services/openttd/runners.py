@@ -59,6 +59,26 @@ from crossroads.services.openttd.registry import Registry
 log = logging.getLogger("crossroads.openttd")
 
 
+async def query_store(registry: Registry, query: StoreQuery) -> object:
+    """Run a core's Store read (raises StoreError)."""
+    match query:
+        case GetServer(code):
+            return await registry.get_server(code)
+        case InstanceAlive(instance):
+            return await registry.instance_alive(instance)
+        case NewCode():
+            return await registry.new_code()
+
+
+async def update_store(registry: Registry, update: StoreUpdate) -> None:
+    """Run a core's Store write (raises StoreError)."""
+    match update:
+        case KeepCode(code):
+            await registry.keep_code(code)
+        case PutServer(record):
+            await registry.put_server(record)
+
+
 class ProbeSettings(Protocol):
     @property
     def probe_timeout(self) -> float: ...
@@ -251,14 +271,14 @@ class RegistrationRunner(Runner):
         match command:
             case StoreRead(request, query):
                 try:
-                    answer = await self._query(query)
+                    answer = await query_store(coordinator.registry, query)
                 except StoreError:
                     self._feed_failure(request)
                 else:
                     self._feed_answer(request, answer)
             case StoreWrite(request, update):
                 try:
-                    await self._update(update)
+                    await update_store(coordinator.registry, update)
                 except StoreError:
                     self._feed_failure(request)
                 else:
@@ -280,24 +300,6 @@ class RegistrationRunner(Runner):
                 coordinator.registration_store_failed(self, command)
             case Registered():
                 coordinator.registration_concluded(self, command)
-
-    async def _query(self, query: StoreQuery) -> object:
-        registry = self.coordinator.registry
-        match query:
-            case GetServer(code):
-                return await registry.get_server(code)
-            case InstanceAlive(instance):
-                return await registry.instance_alive(instance)
-            case NewCode():
-                return await registry.new_code()
-
-    async def _update(self, update: StoreUpdate) -> None:
-        registry = self.coordinator.registry
-        match update:
-            case KeepCode(code):
-                await registry.keep_code(code)
-            case PutServer(record):
-                await registry.put_server(record)
 
     def _feed_answer(self, request: int, answer: object) -> None:
         if not self.finished:
