@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-from crossroads.proto.openttd.coordinator import ConnectionType, ServerGameType
 from crossroads.proto.openttd.lookup import CodeLookup, Resolved
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import GetServer, StoreRead
+from tests.proto.openttd.test_listing import record as listed_record
 
 CODE = "+abcdefg"
 
 
 def record() -> ServerRecord:
-    return ServerRecord(
-        code=CODE,
-        owner="other",
-        session="s",
-        protocol=6,
-        game_type=ServerGameType.PUBLIC,
-        connection_type=ConnectionType.DIRECT,
-        source="198.51.100.7",
-        port=3979,
-        direct=[("198.51.100.7", 3979)],
-        registered=0.0,
-        expires=90.0,
-    )
+    return listed_record(CODE, owner="other")
 
 
 def test_junk_is_unknown_without_a_store_read() -> None:
