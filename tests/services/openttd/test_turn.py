@@ -11,6 +11,7 @@ from crossroads.client.openttd import PacketStream
 from crossroads.proto.openttd.codes import make_ticket, split_ticket
 from crossroads.proto.openttd.turn import TurnConnect, encode_turn_packet
 from crossroads.runtime import Runtime
+from crossroads.services.openttd.turn import relay_cap
 from tests.services.openttd.helpers import (
     metric_value,
     metrics,
@@ -217,3 +218,11 @@ async def test_idle_relays_are_closed() -> None:
         finally:
             await a.close()
             await b.close()
+
+
+def test_relays_are_capped_by_connections_and_descriptors() -> None:
+    # Six descriptors a route beyond the two accepted sockets, a quarter of
+    # the limit for them (docs/security.md, "Descriptors").
+    assert relay_cap(50000, fd_limit=1024) == 42
+    assert relay_cap(50000, fd_limit=1 << 20) == 25000
+    assert relay_cap(1, fd_limit=1 << 20) == 1
