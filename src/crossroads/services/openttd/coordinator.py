@@ -8,8 +8,8 @@ registering server (invite code, reachability check, record) and one
 (:mod:`.runners` executes their commands in order, Store requests included, and
 feeds the answers back), and keeps the shared records in the store
 (:mod:`.registry`). Every deadline of every flow is under one timer
-(:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`). The decisions are sans-I/O:
-who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
+(:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`). The
+decisions are sans-I/O: who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
 report goes (:mod:`crossroads.proto.openttd.routing`), what is listed
 (:mod:`crossroads.proto.openttd.listing`). A command for a server held by
 another instance, or a report for an attempt owned by another instance,

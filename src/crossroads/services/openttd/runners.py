@@ -5,8 +5,9 @@ An :class:`AttemptRunner` runs a join's
 :class:`RegistrationRunner` a registration's
 :class:`~crossroads.proto.openttd.registration.ServerRegistration`. Each executes
 its core's commands in order, one at a time (a command may await the Store or
-the bus); a Store request's answer goes back into the core as an input. No runner has a timer of its own: after every input a runner reports its
-core's deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
+the bus); a Store request's answer goes back into the core as an input. No
+runner has a timer of its own: after every input a runner reports its core's
+deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
 ``get_timer`` / ``handle_timer`` covers them all
 (:class:`~crossroads.proto.openttd.deadlines.DeadlineBook`). What a command needs
 from the coordinator service is the small :class:`RunnerOwner` interface.
