@@ -219,3 +219,30 @@ def test_the_plane_needs_positive_bounds() -> None:
     for idle, routes in ((0.0, 1), (1.0, 0)):
         with pytest.raises(ValueError):
             asyncio.run(make(idle, routes))
+
+
+async def test_a_side_reset_before_the_join_ends_the_route_at_once(pair: Pair) -> None:
+    """The head cannot go out: the route ends inside ``join`` and says so."""
+    plane = StreamPlane(idle_timeout=60, max_routes=4)
+    loop = asyncio.get_running_loop()
+    pair.left.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    pair.left.close()
+
+    async def reset_arrived() -> bool:
+        # The relay side learns of the RST when it next reads or writes.
+        try:
+            return pair.relay_left.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            return True
+
+    await eventually(reset_arrived, "the RST reached the relay side")
+    route = join(plane, pair, to_a=b"TURN_CONNECTED", to_b=b"TURN_CONNECTED")
+    assert route.closed and pair.ended == [route]
+    assert route.reason == RESET
+    assert plane.routes == set()
+    # The other side is closed too (after its own head, which went first).
+    with contextlib.suppress(ConnectionResetError):
+        while await asyncio.wait_for(loop.sock_recv(pair.right, 100), 10):
+            pass

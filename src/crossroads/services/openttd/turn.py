@@ -214,7 +214,12 @@ class TurnService:
             second.close("over-limit")
             return
         self.sessions.labels("paired").inc()
-        if not route.closed:
+        if route.closed:
+            # Ended while sending TURN_CONNECTED (a side reset meanwhile):
+            # its connections are not in ``pairs`` yet, so close them here.
+            first.close(f"relay-{route.reason}")
+            second.close(f"relay-{route.reason}")
+        else:
             self.pairs[route] = (first, second)
             self.route_of[first] = self.route_of[second] = route
             self.relays.inc()
