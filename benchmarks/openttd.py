@@ -310,8 +310,11 @@ def join_step(codes: list[str]) -> Callable[[GcClient], Awaitable[None]]:
     return step
 
 
-async def relay_throughput(server: Server, seconds: float) -> tuple[float, float]:
-    """MB/s through a TURN pair set up by a real join, and over direct loopback."""
+async def relay_throughput(
+    server: Server, seconds: float
+) -> tuple[float, float, float]:
+    """MB/s through a TURN pair set up by a real join, and over direct loopback;
+    and the relay's CPU cost: server CPU milliseconds per relayed MB."""
     # An unreachable server (probe fails, STUN fails): the join goes to TURN.
     srv = await GcClient.connect(HOST, server.gc)
     await srv.send_message(ServerRegister(6, 2, 1, "", ""))
@@ -345,7 +348,10 @@ async def relay_throughput(server: Server, seconds: float) -> tuple[float, float
     await a.recv_packet(10)
     await b.recv_packet(10)
     await cli.send_message(ClientConnected(6, tickets["client"].token))
+    cpu_before, start = cpu_seconds(server.pid), time.perf_counter()
     relayed = await pump(a, b, seconds)
+    megabytes = relayed * (time.perf_counter() - start)
+    cpu_ms_per_mb = (cpu_seconds(server.pid) - cpu_before) * 1000 / megabytes
     for stream in (a, b, srv, cli):
         await stream.close()
 
@@ -365,7 +371,7 @@ async def relay_throughput(server: Server, seconds: float) -> tuple[float, float
     for stream in (c, d):
         await stream.close()
     listener.close()
-    return relayed, direct
+    return relayed, direct, cpu_ms_per_mb
 
 
 async def pump(sender: PacketStream, receiver: PacketStream, seconds: float) -> float:
@@ -464,13 +470,15 @@ async def run(store: str, args: argparse.Namespace, workdir: Path) -> dict[str, 
         results["server CPU while joining"] = (cpu_seconds(server.pid) - cpu_before) / (
             time.perf_counter() - start
         )
-        relayed, direct = [], []
+        relayed, direct, cost = [], [], []
         for _ in range(rounds):
-            r, d = await relay_throughput(server, min(2.0, args.seconds))
+            r, d, c = await relay_throughput(server, min(2.0, args.seconds))
             relayed.append(r)
             direct.append(d)
+            cost.append(c)
         results["TURN relay MB/s"] = statistics.median(relayed)
         results["direct loopback MB/s"] = statistics.median(direct)
+        results["TURN relay server CPU ms per MB"] = statistics.median(cost)
     finally:
         updater.cancel()
         for client in servers:

@@ -39,6 +39,11 @@ Two implementations with identical decisions:
 
 The owner registers ``tap.readable`` with ``loop.add_reader(tap.fd, ...)``, calls
 ``tap.close()`` before closing the socket, and reads the counters.
+
+Byte streams have the plane's third kind of route, the *stream route*: two
+connected TCP sockets joined whole, forwarded by splice(2) with backpressure,
+half-close and an idle timeout (:mod:`crossroads.transport.streamplane`;
+OpenTTD's TURN relay).
 """
 
 from __future__ import annotations

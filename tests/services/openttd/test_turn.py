@@ -11,6 +11,7 @@ from crossroads.client.openttd import PacketStream
 from crossroads.proto.openttd.codes import make_ticket, split_ticket
 from crossroads.proto.openttd.turn import TurnConnect, encode_turn_packet
 from crossroads.runtime import Runtime
+from crossroads.services.openttd.turn import relay_cap
 from tests.services.openttd.helpers import (
     metric_value,
     metrics,
@@ -50,15 +51,47 @@ async def test_pairs_and_relays_both_ways(ottd: Runtime) -> None:
         assert received == payload
         b.writer.write(b"pong")
         assert await a.reader.readexactly(4) == b"pong"
-        # Closing one side closes the other.
+        # One side's end of stream reaches the other (a half-close: the other
+        # way stays open until that side closes too, which ends the relay).
         await a.close()
         assert await b.at_eof(5)
+        await b.close()
         await until_metric(ottd, "crossroads_openttd_turn_relays", 0)
         await until_metric(
             ottd, "crossroads_openttd_turn_bytes_total", len(payload) + 4
         )
         await until_metric(
             ottd, "crossroads_openttd_turn_sessions_total", 1, result="paired"
+        )
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_half_close_keeps_the_other_way_open(ottd: Runtime) -> None:
+    """A side that shuts down its sending half still receives (splice plane:
+    the FIN becomes shutdown(SHUT_WR) of the other side, nothing more)."""
+    ticket = await issue(ottd)
+    a, _ = await turn_connect(ottd, ticket)
+    b, _ = await turn_connect(ottd, ticket)
+    try:
+        await turn_connected(a)
+        await turn_connected(b)
+        a.writer.write(b"last words")
+        a.writer.write_eof()
+        assert await b.reader.readexactly(10) == b"last words"
+        assert await b.at_eof(5)
+        payload = os.urandom(300_000)
+        b.writer.write(payload)
+        assert await a.reader.readexactly(len(payload)) == payload
+        b.writer.write_eof()
+        assert await a.at_eof(5)
+        await until_metric(ottd, "crossroads_openttd_turn_relays", 0)
+        await until_metric(
+            ottd, "crossroads_openttd_turn_bytes_total", len(payload) + 10
+        )
+        await until_metric(
+            ottd, "crossroads_openttd_turn_relays_ended_total", 1, reason="closed"
         )
     finally:
         await a.close()
@@ -172,6 +205,24 @@ async def test_idle_relays_are_closed() -> None:
             await turn_connected(b)
             assert await a.at_eof(10)
             assert await b.at_eof(10)
+            await until_metric(
+                rt, "crossroads_openttd_turn_relays_ended_total", 1, reason="idle"
+            )
+            await until_metric(
+                rt,
+                "crossroads_openttd_dropped_total",
+                2,
+                listener="turn",
+                reason="relay-idle",
+            )
         finally:
             await a.close()
             await b.close()
+
+
+def test_relays_are_capped_by_connections_and_descriptors() -> None:
+    # Six descriptors a route beyond the two accepted sockets, a quarter of
+    # the limit for them (docs/security.md, "Descriptors").
+    assert relay_cap(50000, fd_limit=1024) == 42
+    assert relay_cap(50000, fd_limit=1 << 20) == 25000
+    assert relay_cap(1, fd_limit=1 << 20) == 1

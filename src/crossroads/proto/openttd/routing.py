@@ -22,6 +22,7 @@ appear only as "is it the attempt's client" booleans, time comes in as ``now``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from crossroads.proto.openttd.bus import (
     ConnectedReport,
@@ -32,7 +33,14 @@ from crossroads.proto.openttd.bus import (
 )
 from crossroads.proto.openttd.codes import ParsedToken, TokenSide, parse_token
 from crossroads.proto.openttd.ladder import Command, ConnectAttempt, Side
-from crossroads.proto.openttd.verify import RegistrationCheck, VerifyCommand
+
+CommandT = TypeVar("CommandT")
+
+
+class TakesStunResults(Protocol[CommandT]):
+    """A registration check, or the registration flow around one."""
+
+    def stun_result(self, family: int, ok: bool, now: float) -> list[CommandT]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +129,8 @@ def attempt_commands(
 
 
 def check_commands(
-    check: RegistrationCheck, report: Report, now: float
-) -> list[VerifyCommand]:
+    check: TakesStunResults[CommandT], report: Report, now: float
+) -> list[CommandT]:
     """What a report on a V token does to a registration check: only the STUN
     result carries something the check needs."""
     if isinstance(report, StunReport):

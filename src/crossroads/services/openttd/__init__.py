@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 
 from crossroads.config import setting
 from crossroads.errors import StoreError
+from crossroads.proto.openttd.duties import Duties, Duty
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.services.base import (
     ServiceContext,
@@ -45,9 +46,10 @@ from crossroads.services.openttd.registry import (
     Registry,
 )
 from crossroads.services.openttd.stun import StunService
-from crossroads.services.openttd.turn import TurnService
+from crossroads.services.openttd.turn import TurnService, relay_cap
 from crossroads.services.openttd.web import make_router
 from crossroads.store.shared_secret import SharedSecret
+from crossroads.transport.driver import CoreTimer
 from crossroads.types import Address
 
 NAME = "openttd"
@@ -220,7 +222,7 @@ class OpenTTDService:
         self.bus: Bus | None = None
         self.registry: Registry | None = None
         self.instance = ""
-        self.tasks: list[asyncio.Task[None]] = []
+        self.duties: DutyRunner | None = None
         self.turn_public: str | None = None
         self._closed = False
 
@@ -259,8 +261,8 @@ class OpenTTDService:
         if self._closed:
             return
         self._closed = True
-        for task in self.tasks:
-            await stop_task(task)
+        if self.duties is not None:
+            await self.duties.close()
         if self.registry is not None:
             with contextlib.suppress(StoreError):
                 if self.turn_public:
@@ -277,17 +279,48 @@ class OpenTTDService:
             await self.bus.close()
 
 
-async def _every(
-    period: float, action: Callable[[], Awaitable[None]], what: str
-) -> None:
-    while True:
+class DutyRunner:
+    """Runs the service's periodic duties (proto/openttd/duties.py) on one
+    timer, each duty as a task that never overlaps itself."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.duties = Duties()
+        self.actions: dict[Duty, Callable[[], Awaitable[None]]] = {}
+        self.running: set[asyncio.Task[None]] = set()
+        self.timer = CoreTimer(self.loop, self.duties.get_timer, self.handle_timer)
+
+    def add(
+        self, duty: Duty, period: float, action: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run ``action`` now and every ``period`` seconds after it finished."""
+        self.actions[duty] = action
+        self.duties.add(duty, period, self.loop.time())
+        self.timer.rearm()
+
+    def handle_timer(self, now: float) -> None:
+        for duty in self.duties.handle_timer(now):
+            task = asyncio.create_task(self._run(duty))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
+
+    async def _run(self, duty: Duty) -> None:
         try:
-            await action()
+            await self.actions[duty]()
         except StoreError as exc:
-            # The store logs the outage once (store/redis.py); a line per task
+            # The store logs the outage once (store/redis.py); a line per duty
             # and period would bury it.
-            log.debug("openttd: %s failed: %s", what, exc)
-        await asyncio.sleep(period)
+            log.debug("openttd: %s failed: %s", duty.value, exc)
+        except Exception:
+            log.exception("openttd: %s failed", duty.value)
+        finally:
+            self.duties.finished(duty, self.loop.time())
+            self.timer.rearm()
+
+    async def close(self) -> None:
+        self.timer.close()
+        for task in list(self.running):
+            await stop_task(task)
 
 
 async def _heartbeat(
@@ -322,6 +355,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
     cfg = ctx.section(NAME, Config)
     service = OpenTTDService()
     service.instance = os.urandom(4).hex()
+    service.duties = duties = DutyRunner()
     store = BoundedStore(ctx.store)
     registry = Registry(
         store,
@@ -349,7 +383,13 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
 
     try:
         if "turn" in cfg.roles:
-            turn = TurnService(registry, ctx.metrics, cfg.turn_wait)
+            turn = TurnService(
+                registry,
+                ctx.metrics,
+                cfg.turn_wait,
+                relay_idle_timeout=cfg.relay_idle_timeout,
+                max_relays=relay_cap(cfg.max_connections),
+            )
             service.turn = turn
             listener = Listener(
                 "turn",
@@ -359,7 +399,6 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                     max_per_address=cfg.max_connections_per_address,
                     packet_timeout=cfg.packet_timeout,
                     idle_timeout=cfg.turn_wait + cfg.packet_timeout,
-                    relay_idle_timeout=cfg.relay_idle_timeout,
                 ),
                 dropped,
                 connections,
@@ -374,14 +413,10 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 service.turn_public = _join(announce_host, address[1])
             if service.turn_public:
                 announced = service.turn_public
-                service.tasks.append(
-                    asyncio.create_task(
-                        _every(
-                            TURN_ANNOUNCE_EVERY,
-                            lambda: registry.announce_turn(announced),
-                            "TURN announcement",
-                        )
-                    )
+                duties.add(
+                    Duty.ANNOUNCE_TURN,
+                    TURN_ANNOUNCE_EVERY,
+                    lambda: registry.announce_turn(announced),
                 )
 
         if "stun" in cfg.roles:
@@ -462,11 +497,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
             async def heartbeat() -> None:
                 await _heartbeat(registry, coordinator, service.instance, shared_secret)
 
-            service.tasks.append(
-                asyncio.create_task(
-                    _every(cfg.instance_heartbeat, heartbeat, "instance heartbeat")
-                )
-            )
+            duties.add(Duty.HEARTBEAT, cfg.instance_heartbeat, heartbeat)
             loop = asyncio.get_running_loop()
 
             async def sweep() -> None:
@@ -475,15 +506,9 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 listing.invalidate()
                 await listing.all(loop.time())
 
-            service.tasks.append(
-                asyncio.create_task(_every(SWEEP_EVERY, sweep, "record sweep"))
-            )
+            duties.add(Duty.SWEEP, SWEEP_EVERY, sweep)
             if service.turn is None and not cfg.turn_address:
-                service.tasks.append(
-                    asyncio.create_task(
-                        _every(TURN_ANNOUNCE_EVERY, refresh_relays, "relay discovery")
-                    )
-                )
+                duties.add(Duty.DISCOVER_RELAYS, TURN_ANNOUNCE_EVERY, refresh_relays)
             listener = Listener(
                 "coordinator",
                 coordinator,

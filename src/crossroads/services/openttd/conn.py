@@ -14,11 +14,12 @@ handler may await the store). It enforces the bounds every listener needs:
   up, so a flood costs the flooder its own TCP window, not our memory;
 - a cap on bytes queued for a peer that does not read.
 
-Once :meth:`PacketConnection.relay_to` pairs two connections (TURN), each one's
-``data_received`` becomes a single ``write`` to the other: no framing, no
-parsing, no allocation beyond what asyncio does. Flow control pauses the reader
-when the other side's send buffer is full. Idle relays are detected from byte
-counters by the sweeper, not by stamping the clock per packet.
+Once the TURN service pairs two connections, :meth:`PacketConnection.hand_over`
+gives a duplicate of the socket to the relay data plane's stream routes
+(:mod:`crossroads.transport.streamplane`: splice(2), backpressure, half-close,
+idle timeout): asyncio stops reading it, and the connection stays admitted (it
+still counts against the listener's caps) until the route ends and the owner
+closes it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import struct
 from dataclasses import dataclass
@@ -73,8 +75,6 @@ class Limits:
     packet_timeout: float
     #: Seconds without a complete packet before the connection is dropped.
     idle_timeout: float
-    #: Seconds a relayed pair may stay silent in both directions.
-    relay_idle_timeout: float = 300.0
 
 
 class PacketHandler(Protocol):
@@ -112,13 +112,9 @@ class PacketConnection(asyncio.Protocol):
         self.paused = False
         self._can_write = asyncio.Event()
         self._can_write.set()
-        # Relay mode (TURN): the other side's transport, and byte counters.
-        self.relay_peer: asyncio.Transport | None = None
-        self.relay_partner: PacketConnection | None = None
-        self.relay_bytes = 0
-        self.relay_seen = 0
-        self.relay_quiet_since = 0.0
-        self.relay_done = False
+        #: Handed over to the data plane (:meth:`hand_over`): no more reads,
+        #: packets or deadlines here.
+        self.handed_over = False
         #: Free slot for the owning service (its per-connection state).
         self.state: object = None
 
@@ -141,13 +137,7 @@ class PacketConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def data_received(self, data: bytes) -> None:
-        peer = self.relay_peer
-        if peer is not None:
-            # Data plane: one write, one integer add.
-            peer.write(data)
-            self.relay_bytes += len(data)
-            return
-        if self.closed:
+        if self.closed or self.handed_over:
             return
         splitter = self.splitter
         splitter.push(data)
@@ -162,9 +152,6 @@ class PacketConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._can_write.set()
-        partner = self.relay_partner
-        if partner is not None and not partner.closed:
-            partner.close("peer closed")
         if not self.closed:
             self.closed = True
             self.close_reason = self.close_reason or "peer closed"
@@ -172,15 +159,9 @@ class PacketConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._can_write.clear()
-        partner = self.relay_partner
-        if partner is not None and partner.transport is not None:
-            partner.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._can_write.set()
-        partner = self.relay_partner
-        if partner is not None and partner.transport is not None and not partner.closed:
-            partner.transport.resume_reading()
 
     # -------------------------------------------------------------- our API
 
@@ -229,25 +210,38 @@ class PacketConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    def relay_to(self, other: PacketConnection) -> bytes:
-        """Switch to byte relaying with ``other``; returns bytes already buffered."""
-        assert other.transport is not None
-        self.relay_partner = other
-        self.relay_peer = other.transport
-        self.relay_quiet_since = self.listener.loop.time()
+    def hand_over(self) -> tuple[socket.socket, bytes] | None:
+        """Stop reading and give the data plane this connection's socket: a
+        duplicate descriptor (the transport keeps its own, open and idle,
+        until :meth:`close`), and the bytes received but not handled yet, which
+        belong to the stream. None when the connection cannot be handed over
+        (closing, or asyncio still holds bytes to write to it)."""
+        transport = self.transport
+        if (
+            transport is None
+            or self.closed
+            or transport.is_closing()
+            or transport.get_write_buffer_size()
+        ):
+            return None
+        raw = transport.get_extra_info("socket")
+        if raw is None:
+            return None
+        try:
+            sock = socket.socket(fileno=os.dup(raw.fileno()))
+        except OSError:
+            return None
+        transport.pause_reading()
+        self.handed_over = True
         self.partial_since = None
-        if self.paused and self.transport is not None:
-            self.paused = False
-            self.transport.resume_reading()
-        # Bytes received but not handled yet go out as they came in.
-        return self.splitter.take_remaining()
+        return sock, self.splitter.take_remaining()
 
     async def _work(self) -> None:
         handler = self.listener.handler
         splitter = self.splitter
         loop = self.listener.loop
         try:
-            while not self.closed and self.relay_peer is None:
+            while not self.closed and not self.handed_over:
                 try:
                     item = splitter.next()
                     if item is None:
@@ -377,17 +371,8 @@ class Listener:
         for conn in list(self.connections):
             if conn.closed:
                 continue
-            if conn.relay_peer is not None:
-                if conn.relay_bytes != conn.relay_seen:
-                    conn.relay_seen = conn.relay_bytes
-                    conn.relay_quiet_since = now
-                partner = conn.relay_partner
-                quiet = now - conn.relay_quiet_since
-                if partner is not None:
-                    quiet = min(quiet, now - partner.relay_quiet_since)
-                if quiet > limits.relay_idle_timeout:
-                    self.drop(conn, "relay-idle")
-                continue
+            if conn.handed_over:
+                continue  # the data plane times its routes out
             if (
                 conn.partial_since is not None
                 and now - conn.partial_since > limits.packet_timeout

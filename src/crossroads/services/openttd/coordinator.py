@@ -2,11 +2,14 @@
 
 This module is I/O glue around the sans-I/O cores in
 :mod:`crossroads.proto.openttd`: it decodes packets, keeps per-connection state,
-runs one :class:`~crossroads.proto.openttd.verify.RegistrationCheck` per
-registering server and one :class:`~crossroads.proto.openttd.ladder.ConnectAttempt`
-per join (:mod:`.runners` executes their commands in order), and keeps the
-shared records in the store (:mod:`.registry`). The decisions are sans-I/O:
-who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
+runs one :class:`~crossroads.proto.openttd.registration.ServerRegistration` per
+registering server (invite code, reachability check, record) and one
+:class:`~crossroads.proto.openttd.ladder.ConnectAttempt` per join
+(:mod:`.runners` executes their commands in order, Store requests included, and
+feeds the answers back), and keeps the shared records in the store
+(:mod:`.registry`). Every deadline of every flow is under one timer
+(:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`). The
+decisions are sans-I/O: who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
 report goes (:mod:`crossroads.proto.openttd.routing`), what is listed
 (:mod:`crossroads.proto.openttd.listing`). A command for a server held by
 another instance, or a report for an attempt owned by another instance,
@@ -36,10 +39,8 @@ from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.openttd.admission import (
     Refusal,
-    may_take_over,
     refuse_join,
     refuse_registration,
-    registered_record,
 )
 from crossroads.proto.openttd.attempts import AttemptBook
 from crossroads.proto.openttd.bus import (
@@ -56,9 +57,7 @@ from crossroads.proto.openttd.bus import (
 from crossroads.proto.openttd.codes import (
     ParsedToken,
     TokenSide,
-    check_invite_code_secret,
     invite_code_secret,
-    looks_like_invite_code,
     make_attempt_id,
     make_ticket,
 )
@@ -83,13 +82,23 @@ from crossroads.proto.openttd.coordinator import (
     error_for_version,
     listing_shape,
 )
+from crossroads.proto.openttd.deadlines import DeadlineBook
 from crossroads.proto.openttd.ladder import (
     ConnectAttempt,
     Finished,
     Side,
 )
 from crossroads.proto.openttd.listing import lookup_packets
+from crossroads.proto.openttd.lookup import CodeLookup, Resolved
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.registration import (
+    Refused,
+    Registered,
+    Registrant,
+    RegistrationSettings,
+    ServerRegistration,
+    StoreFailed,
+)
 from crossroads.proto.openttd.routing import (
     Forward,
     Ignore,
@@ -102,17 +111,19 @@ from crossroads.proto.openttd.routing import (
     route_stun_seen,
 )
 from crossroads.proto.openttd.seats import Seats
-from crossroads.proto.openttd.verify import (
-    Concluded,
-    RegistrationCheck,
-)
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
 from crossroads.services.openttd.listing import ListingCache
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.registry import Registry
-from crossroads.services.openttd.runners import AttemptRunner, CheckRunner
+from crossroads.services.openttd.runners import (
+    AttemptRunner,
+    RegistrationRunner,
+    Runner,
+    query_store,
+)
+from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -148,7 +159,7 @@ class PeerState:
     session: str = ""
     server_port: int = 0
     game_type: int = 0
-    check: CheckRunner | None = None
+    check: RegistrationRunner | None = None
     record: ServerRecord | None = None
     newgrf_budget: int = NEWGRF_BUDGET_PER_SESSION
     superseded: bool = False
@@ -193,10 +204,29 @@ class Coordinator:
         #: The servers registered here, by invite code (the seats' own dict).
         self.local_servers = self.seats.by_code
         self.attempts: AttemptBook[AttemptRunner, PacketConnection] = AttemptBook()
-        self.checks: dict[str, CheckRunner] = {}
+        self.checks: dict[str, RegistrationRunner] = {}
         self.listing = ListingCache(registry, settings.listing_cache)
         self.register_limiter = AddressRateLimiter(settings.registrations_per_minute)
         self.probe_slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+        #: Every runner's deadline, under one timer (proto/openttd/deadlines.py).
+        self.deadlines: DeadlineBook[Runner] = DeadlineBook()
+        self.timer = CoreTimer(self.loop, self.get_timer, self.handle_timer)
+
+    # ---------------------------------------------------------------- timer
+
+    def get_timer(self) -> float | None:
+        """The earliest deadline of any join or registration check."""
+        return self.deadlines.get_timer()
+
+    def handle_timer(self, now: float) -> None:
+        """Run the timers of the runners whose deadline has come."""
+        for runner in self.deadlines.due(now):
+            runner.fire(now)
+
+    def schedule(self, runner: Runner) -> None:
+        """Record ``runner``'s current deadline and re-arm the one timer."""
+        self.deadlines.update(runner, None if runner.finished else runner.deadline())
+        self.timer.rearm()
 
     # ------------------------------------------------------------- plumbing
 
@@ -306,7 +336,7 @@ class Coordinator:
             return
         now = self.loop.time()
         if state.check is not None:
-            self.checks.pop(state.check.check.check_key, None)
+            self.checks.pop(state.check.flow.key, None)
             state.check.cancel()
             state.check = None
         for runner in self.attempts.of_client(conn):
@@ -346,77 +376,29 @@ class Coordinator:
         if refusal is not None:
             self.refuse(conn, refusal, "none")
             return
-        code = await self._choose_code(conn, state, msg)
-        if code is None:
-            return
-        state.server_port = msg.server_port
-        state.game_type = msg.game_type
-        attempt_key = make_attempt_id(self.instance, self.random_bytes(12))
-        turn = self.turn_address(conn)
-        check = RegistrationCheck(
-            check_key=attempt_key,
-            server_version=msg.protocol,
-            source_host=conn.host,
-            server_port=msg.server_port,
-            turn_available=turn is not None,
+        key = make_attempt_id(self.instance, self.random_bytes(12))
+        flow = ServerRegistration(
+            key=key,
+            message=msg,
+            registrant=Registrant(conn.host, state.code, state.record),
+            settings=RegistrationSettings(
+                instance=self.instance,
+                secret_keys=(self.secret_key, *self.previous_secret_keys),
+                turn_available=self.turn_address(conn) is not None,
+                verify_timeout=self.settings.verify_timeout,
+                server_ttl=self.settings.server_ttl,
+            ),
             now=now,
-            timeout=self.settings.verify_timeout,
+            wall=self.wall_clock(),
         )
-        runner = CheckRunner(self, check, conn, msg, code)
+        runner = RegistrationRunner(self, flow, conn)
         state.check = runner
-        self.checks[attempt_key] = runner
-        runner.feed(check.start(now))
+        self.checks[key] = runner
+        runner.feed(flow.start(now))
 
-    async def _choose_code(
-        self, conn: PacketConnection, state: PeerState, msg: ServerRegister
-    ) -> str | None:
-        """The code this registration gets; None when it was refused."""
-        wanted, secret = msg.invite_code, msg.invite_code_secret
-        if (
-            wanted
-            and secret
-            and looks_like_invite_code(wanted)
-            and any(
-                check_invite_code_secret(key, wanted, secret)
-                for key in (self.secret_key, *self.previous_secret_keys)
-            )
-        ):
-            if state.code == wanted:
-                return wanted  # the same connection registers again (settings change)
-            existing = await self.registry.get_server(wanted)
-            if existing is not None and not await self._can_take_over(
-                conn, msg, existing
-            ):
-                self.metrics.registrations.labels("code-in-use", "none").inc()
-                self.fail(
-                    conn,
-                    ErrorType.REUSE_OF_INVITE_CODE,
-                    "invite code is in use by another server",
-                    close=True,
-                )
-                return None
-            await self.registry.keep_code(wanted)
-            return wanted
-        if state.code is not None:
-            return state.code
-        return await self.registry.new_code()
-
-    async def _can_take_over(
-        self, conn: PacketConnection, msg: ServerRegister, existing: ServerRecord
-    ) -> bool:
-        """Whether this registration may take ``existing``'s code
-        (:func:`~crossroads.proto.openttd.admission.may_take_over`)."""
-        alive = existing.owner == self.instance or await self.registry.instance_alive(
-            existing.owner
-        )
-        verdict = may_take_over(existing, conn.host, msg.server_port, alive)
-        if verdict is None:
-            return False
-        if verdict.drop_session:
-            await self._drop_session(existing.owner, existing.code, existing.session)
-        return True
-
-    async def _drop_session(self, owner: str, code: str, session: str) -> None:
+    async def end_session(self, owner: str, code: str, session: str) -> None:
+        """Close the seated session ``session`` of ``code``, here or at
+        ``owner`` (a server re-registered while its old connection lived)."""
         if owner == self.instance:
             self.drop_local(code, session)
         else:
@@ -433,63 +415,64 @@ class Coordinator:
         self.metrics.ignored.labels("superseded-session").inc()
         conn.close("superseded")
 
-    async def registration_concluded(
-        self, runner: CheckRunner, result: Concluded
-    ) -> None:
-        conn = runner.conn
-        state = self.state(conn)
-        self.checks.pop(runner.check.check_key, None)
+    def _registration_ended(self, runner: RegistrationRunner) -> PeerState:
+        state = self.state(runner.conn)
+        self.checks.pop(runner.flow.key, None)
         runner.cancel()
         if state.check is runner:
             state.check = None
+        return state
+
+    def registration_refused(
+        self, runner: RegistrationRunner, refused: Refused
+    ) -> None:
+        self._registration_ended(runner)
+        self.metrics.registrations.labels(refused.result, "none").inc()
+        self.fail(runner.conn, refused.error, refused.detail, close=True)
+
+    def registration_store_failed(
+        self, runner: RegistrationRunner, failed: StoreFailed
+    ) -> None:
+        self._registration_ended(runner)
+        self.metrics.store_errors.inc()
+        if failed.answer is None:
+            # Close without GC_ERROR: OpenTTD then retries with back-off.
+            runner.conn.close("store-error")
+        else:
+            self.fail(runner.conn, failed.answer.error, failed.answer.detail, True)
+
+    def registration_concluded(
+        self, runner: RegistrationRunner, registered: Registered
+    ) -> None:
+        conn = runner.conn
+        state = self._registration_ended(runner)
         if conn.closed:
             return
-        code = runner.code
-        msg = runner.register
-        record = registered_record(
-            code=code,
-            instance=self.instance,
-            msg=msg,
-            result=result,
-            source=conn.host,
-            new_session=runner.check.check_key,
-            previous=state.record if state.code == code else None,
-            wall=self.wall_clock(),
-            ttl=self.settings.server_ttl,
-        )
-        session = record.session
-        try:
-            await self.registry.put_server(record)
-        except StoreError:
-            self.metrics.store_errors.inc()
-            self.fail(
-                conn,
-                ErrorType.REGISTRATION_FAILED,
-                "coordinator storage unavailable",
-                close=True,
-            )
-            return
+        record = registered.record
+        code = record.code
+        msg = runner.flow.message
         displaced = self.seats.take(code, conn, conn.host, state.code)
         if displaced is not None:
             self.state(displaced).superseded = True
             displaced.close("superseded")
         self.metrics.servers.set(len(self.seats))
         state.code = code
-        state.session = session
+        state.session = record.session
         state.record = record
+        state.server_port = msg.server_port
+        state.game_type = msg.game_type
         self.listing.invalidate()
+        kind = registered.concluded.connection_type
         secret = invite_code_secret(self.secret_key, code)
-        self.send(conn, GcRegisterAck(result.connection_type, code, secret))
-        self.metrics.registrations.labels(
-            "ok", result.connection_type.name.lower()
-        ).inc()
+        self.send(conn, GcRegisterAck(kind, code, secret))
+        self.metrics.registrations.labels("ok", kind.name.lower()).inc()
         log.info(
             "openttd: server %s registered from %s:%d as %s (%s)",
             code,
             conn.host,
             msg.server_port,
             ServerGameType(msg.game_type).name.lower().replace("_", "-"),
-            result.connection_type.name.lower(),
+            kind.name.lower(),
         )
 
     async def on_update(
@@ -558,26 +541,21 @@ class Coordinator:
         self, conn: PacketConnection, state: PeerState, msg: ClientConnect
     ) -> None:
         code = msg.invite_code
-        record = None
         if not self.guesses.try_spend(conn.host, self.loop.time()):
             # OpenTTD has no "slow down" error: UNKNOWN with a text, and the
             # connection closed so a guesser pays a reconnect per try.
             self.metrics.connects.labels("guess-budget", "none").inc()
             self.fail(conn, ErrorType.UNKNOWN, "too many unknown invite codes", True)
             return
-        if looks_like_invite_code(code):
-            local = self.local_servers.get(code)
-            local_state = self.state(local) if local is not None else None
-            if local_state is not None and local_state.record is not None:
-                record = local_state.record
-            else:
-                try:
-                    record = await self.registry.get_server(code)
-                except StoreError:
-                    self.metrics.store_errors.inc()
-                    self.guesses.refund(conn.host)  # not a wrong guess
-        if record is not None:
-            self.guesses.refund(conn.host)
+        local = self.local_servers.get(code)
+        resolved = await self._resolve(
+            CodeLookup(code, self.state(local).record if local is not None else None)
+        )
+        record = resolved.record
+        if resolved.store_failed:
+            self.metrics.store_errors.inc()
+        if record is not None or resolved.store_failed:
+            self.guesses.refund(conn.host)  # not a wrong guess
         refusal = refuse_join(
             code, record is not None, self.attempts.count_of_client(conn)
         )
@@ -605,6 +583,20 @@ class Coordinator:
         runner.measure_round_trips()
         self.attempts.add(key, code, conn, runner)
         runner.feed(attempt.start(now))
+
+    async def _resolve(self, lookup: CodeLookup) -> Resolved:
+        """Run ``lookup`` to its end, executing its Store reads."""
+        commands = lookup.start()
+        while True:
+            command = commands[0]
+            if isinstance(command, Resolved):
+                return command
+            try:
+                answer = await query_store(self.registry, command.query)
+            except StoreError:
+                commands = lookup.store_failed(command.request)
+            else:
+                commands = lookup.store_result(command.request, answer)
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
         runner.cancel()
@@ -655,7 +647,7 @@ class Coordinator:
             if check is None or conn is not check.conn:
                 self.metrics.ignored.labels("stale-token").inc()
                 return
-            check.feed(check_commands(check.check, report, now))
+            check.feed(check_commands(check.flow, report, now))
             return
         runner = self.attempts.get(key)
         if runner is None:
@@ -689,7 +681,7 @@ class Coordinator:
         if parsed.side is TokenSide.VERIFY:
             check = self.checks.get(parsed.attempt_key)
             if check is not None:
-                check.feed(check.check.stun_observed(family, host, now))
+                check.feed(check.flow.stun_observed(family, host, now))
             return
         runner = self.attempts.get(parsed.attempt_key)
         if runner is None:
@@ -722,6 +714,7 @@ class Coordinator:
     # ------------------------------------------------------------ lifecycle
 
     async def close(self) -> None:
+        self.timer.close()
         for runner in self.attempts.drivers():
             runner.cancel()
             if runner.task is not None:

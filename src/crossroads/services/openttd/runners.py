@@ -2,12 +2,15 @@
 
 An :class:`AttemptRunner` runs a join's
 :class:`~crossroads.proto.openttd.ladder.ConnectAttempt`, a
-:class:`CheckRunner` a registration's
-:class:`~crossroads.proto.openttd.verify.RegistrationCheck`. Each executes its
-core's commands in order, one at a time (a command may await the Store or the
-bus), and keeps the core's single timer with a
-:class:`~crossroads.transport.driver.CoreTimer`. What a command needs from the
-coordinator service is the small :class:`RunnerOwner` interface.
+:class:`RegistrationRunner` a registration's
+:class:`~crossroads.proto.openttd.registration.ServerRegistration`. Each executes
+its core's commands in order, one at a time (a command may await the Store or
+the bus); a Store request's answer goes back into the core as an input. No
+runner has a timer of its own: after every input a runner reports its core's
+deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
+``get_timer`` / ``handle_timer`` covers them all
+(:class:`~crossroads.proto.openttd.deadlines.DeadlineBook`). What a command needs
+from the coordinator service is the small :class:`RunnerOwner` interface.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Protocol
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
-from crossroads.proto.openttd.coordinator import GcMessage, ServerRegister
+from crossroads.proto.openttd.coordinator import GcMessage
 from crossroads.proto.openttd.ladder import (
     Command,
     ConnectAttempt,
@@ -31,19 +34,50 @@ from crossroads.proto.openttd.ladder import (
     Side,
 )
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.verify import (
-    Concluded,
-    Probe,
-    RegistrationCheck,
-    VerifyCommand,
+from crossroads.proto.openttd.registration import (
+    EndSession,
+    GetServer,
+    InstanceAlive,
+    KeepCode,
+    NewCode,
+    PutServer,
+    Refused,
+    Registered,
+    RegistrationCommand,
+    ServerRegistration,
+    StoreFailed,
+    StoreQuery,
+    StoreRead,
+    StoreUpdate,
+    StoreWrite,
 )
+from crossroads.proto.openttd.verify import Probe
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import Registry
-from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
+
+
+async def query_store(registry: Registry, query: StoreQuery) -> object:
+    """Run a core's Store read (raises StoreError)."""
+    match query:
+        case GetServer(code):
+            return await registry.get_server(code)
+        case InstanceAlive(instance):
+            return await registry.instance_alive(instance)
+        case NewCode():
+            return await registry.new_code()
+
+
+async def update_store(registry: Registry, update: StoreUpdate) -> None:
+    """Run a core's Store write (raises StoreError)."""
+    match update:
+        case KeepCode(code):
+            await registry.keep_code(code)
+        case PutServer(record):
+            await registry.put_server(record)
 
 
 class ProbeSettings(Protocol):
@@ -75,20 +109,34 @@ class RunnerOwner(Protocol):
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None: ...
 
-    async def registration_concluded(
-        self, runner: CheckRunner, result: Concluded
+    def registration_refused(
+        self, runner: RegistrationRunner, refused: Refused
     ) -> None: ...
 
+    def registration_store_failed(
+        self, runner: RegistrationRunner, failed: StoreFailed
+    ) -> None: ...
 
-class _Runner:
-    """Executes a core's commands in order, one at a time, and keeps its timer."""
+    def registration_concluded(
+        self, runner: RegistrationRunner, registered: Registered
+    ) -> None: ...
+
+    async def end_session(self, owner: str, code: str, session: str) -> None: ...
+
+    def schedule(self, runner: Runner) -> None:
+        """``runner``'s deadline may have changed (after every input)."""
+        ...
+
+
+class Runner:
+    """Executes a core's commands in order, one at a time; its deadline is kept
+    by the coordinator's one timer."""
 
     def __init__(self, coordinator: RunnerOwner) -> None:
         self.coordinator = coordinator
         self.loop = coordinator.loop
         self.queue: deque[Any] = deque()
         self.task: asyncio.Task[None] | None = None
-        self.timer = CoreTimer(self.loop, self.deadline, self._on_timer)
         self.finished = False
 
     def feed(self, commands: list[Any]) -> None:
@@ -96,7 +144,7 @@ class _Runner:
             self.queue.extend(commands)
             if self.task is None:
                 self.task = asyncio.create_task(self._drain())
-        self.timer.rearm()
+        self.coordinator.schedule(self)
 
     async def _drain(self) -> None:
         try:
@@ -107,12 +155,14 @@ class _Runner:
         finally:
             self.task = None
 
-    def _on_timer(self, now: float) -> None:
-        self.feed(self.on_timer(now))
+    def fire(self, now: float) -> None:
+        """The coordinator's timer found this runner's deadline due."""
+        if not self.finished:
+            self.feed(self.on_timer(now))
 
     def cancel(self) -> None:
         self.finished = True
-        self.timer.close()
+        self.coordinator.schedule(self)
 
     def deadline(self) -> float | None:
         raise NotImplementedError
@@ -124,7 +174,7 @@ class _Runner:
         raise NotImplementedError
 
 
-class AttemptRunner(_Runner):
+class AttemptRunner(Runner):
     """Drives one :class:`ConnectAttempt` against real sockets."""
 
     def __init__(
@@ -138,15 +188,22 @@ class AttemptRunner(_Runner):
         self.attempt = attempt
         self.client = client
         self.record = record
-        #: Messages held back to time a STUN pairing (cancelled with the runner).
-        self.held: set[asyncio.TimerHandle] = set()
+        #: Messages held back to time a STUN pairing, with when each goes
+        #: (their deadlines are this runner's too; dropped with the runner).
+        self.held: list[tuple[float, Command]] = []
 
     def deadline(self) -> float | None:
-        return self.attempt.get_timer()
+        deadline = self.attempt.get_timer()
+        for release, _ in self.held:
+            if deadline is None or release < deadline:
+                deadline = release
+        return deadline
 
     def on_timer(self, now: float) -> list[Command]:
+        released = [command for release, command in self.held if release <= now]
+        self.held = [(release, c) for release, c in self.held if release > now]
         self.measure_round_trips()
-        return self.attempt.handle_timer(now)
+        return released + self.attempt.handle_timer(now)
 
     def measure_round_trips(self) -> None:
         """Tell the attempt both coordinator connections' round trips (the
@@ -157,19 +214,12 @@ class AttemptRunner(_Runner):
         attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
 
     def _hold(self, delay: float, command: Command) -> None:
-        def release() -> None:
-            self.held.discard(handle)
-            if not self.finished:
-                self.feed([command])
-
-        handle = self.loop.call_later(delay, release)
-        self.held.add(handle)
+        self.held.append((self.loop.time() + delay, command))
+        self.coordinator.schedule(self)
 
     def cancel(self) -> None:
-        super().cancel()
-        for handle in self.held:
-            handle.cancel()
         self.held.clear()
+        super().cancel()
 
     async def execute(self, command: Command) -> None:
         coordinator = self.coordinator
@@ -194,40 +244,71 @@ class AttemptRunner(_Runner):
                 coordinator.attempt_finished(self, command)
 
 
-class CheckRunner(_Runner):
-    """Drives one :class:`RegistrationCheck`: probes, STUN, then the ACK."""
+class RegistrationRunner(Runner):
+    """Drives one :class:`ServerRegistration`: Store requests (answers fed
+    back), probes, STUN, then the seat and the ACK."""
 
     def __init__(
         self,
         coordinator: RunnerOwner,
-        check: RegistrationCheck,
+        flow: ServerRegistration,
         conn: PacketConnection,
-        register: ServerRegister,
-        code: str,
     ) -> None:
         super().__init__(coordinator)
-        self.check = check
+        self.flow = flow
         self.conn = conn
-        self.register = register
-        self.code = code
         self.probes: set[asyncio.Task[None]] = set()
 
     def deadline(self) -> float | None:
-        return self.check.get_timer()
+        return self.flow.get_timer()
 
-    def on_timer(self, now: float) -> list[VerifyCommand]:
-        return self.check.handle_timer(now)
+    def on_timer(self, now: float) -> list[RegistrationCommand]:
+        return self.flow.handle_timer(now)
 
-    async def execute(self, command: VerifyCommand) -> None:
+    async def execute(self, command: RegistrationCommand) -> None:
+        if self.finished:
+            return  # the connection went away: nothing more to do or store
+        coordinator = self.coordinator
         match command:
+            case StoreRead(request, query):
+                try:
+                    answer = await query_store(coordinator.registry, query)
+                except StoreError:
+                    self._feed_failure(request)
+                else:
+                    self._feed_answer(request, answer)
+            case StoreWrite(request, update):
+                try:
+                    await update_store(coordinator.registry, update)
+                except StoreError:
+                    self._feed_failure(request)
+                else:
+                    self._feed_answer(request, None)
             case SendToServer(message):
-                self.coordinator.send(self.conn, message)
+                coordinator.send(self.conn, message)
             case Probe(host, port):
                 task = asyncio.create_task(self._probe(host, port))
                 self.probes.add(task)
                 task.add_done_callback(self.probes.discard)
-            case Concluded():
-                await self.coordinator.registration_concluded(self, command)
+            case EndSession(owner, code, session):
+                try:
+                    await coordinator.end_session(owner, code, session)
+                except StoreError:
+                    coordinator.metrics.store_errors.inc()
+            case Refused():
+                coordinator.registration_refused(self, command)
+            case StoreFailed():
+                coordinator.registration_store_failed(self, command)
+            case Registered():
+                coordinator.registration_concluded(self, command)
+
+    def _feed_answer(self, request: int, answer: object) -> None:
+        if not self.finished:
+            self.feed(self.flow.store_result(request, answer, self.loop.time()))
+
+    def _feed_failure(self, request: int) -> None:
+        if not self.finished:
+            self.feed(self.flow.store_failed(request, self.loop.time()))
 
     async def _probe(self, host: str, port: int) -> None:
         coordinator = self.coordinator
@@ -235,7 +316,7 @@ class CheckRunner(_Runner):
             ok = await probe_game_server(host, port, coordinator.settings.probe_timeout)
         coordinator.metrics.probes.labels("ok" if ok else "failed").inc()
         if not self.finished:
-            self.feed(self.check.probe_result(host, ok, self.loop.time()))
+            self.feed(self.flow.probe_result(host, ok, self.loop.time()))
 
     def cancel(self) -> None:
         super().cancel()

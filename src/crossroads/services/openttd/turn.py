@@ -8,8 +8,15 @@ with a 30 s TTL. The first side is checked against the store and waits (at most
 (constant-time compare). Both then get TURN_CONNECTED with the other's IP, the
 ticket is deleted (single use), and the pair switches to relaying.
 
-Data plane: :meth:`PacketConnection.relay_to` -- from then on a chunk read on
-one socket is written to the other as is. No framing, no parsing, no store.
+Data plane: both sockets are handed over (:meth:`PacketConnection.hand_over`)
+to a stream route of the relay data plane
+(:mod:`crossroads.transport.streamplane`): TURN_CONNECTED and any game bytes
+that came with SERCLI_CONNECT go first, then the kernel splices each side's
+bytes to the other. No framing, no parsing, no store, no copy to user space;
+backpressure, half-close and the idle timeout are the plane's. The two
+connections stay admitted by the listener (per-IP and global caps as before)
+until the route ends.
+
 An invalid ticket is closed at once, without TURN_ERROR (as the reference
 service does: it gives a prober nothing to learn).
 """
@@ -31,11 +38,32 @@ from crossroads.proto.openttd.turn import (
 )
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.registry import Registry
+from crossroads.transport.admission import current_fd_limit
+from crossroads.transport.streamplane import IDLE, StreamPlane, StreamRoute
 
 #: A lone side waits this long for its peer (reference section 6: 20 s).
 WAIT_TIMEOUT = 20.0
 #: Sides waiting for a peer, process wide (each is one open socket).
 MAX_WAITING = 10000
+#: Seconds a relayed pair may stay silent both ways (the service's default
+#: ``relay_idle_timeout``).
+RELAY_IDLE_TIMEOUT = 300.0
+#: Descriptors a relayed pair holds: the two accepted sockets (counted by the
+#: listener's admission), their duplicates and two pipes (the stream route).
+FDS_PER_RELAY = 8
+#: Share of the descriptor limit the relays' own descriptors (six a pair, not
+#: counted by the listener) may take: the admission keeps half the limit
+#: outside the listeners (transport/admission.py), and relays of other services
+#: (TURN allocations) need most of it.
+RELAY_FD_FRACTION = 0.25
+
+
+def relay_cap(max_connections: int, fd_limit: int | None = None) -> int:
+    """Relayed pairs one process may hold: half the listener's connections,
+    and no more than :data:`RELAY_FD_FRACTION` of the descriptor limit."""
+    limit = current_fd_limit() if fd_limit is None else fd_limit
+    by_fds = int(limit * RELAY_FD_FRACTION) // (FDS_PER_RELAY - 2)
+    return max(1, min(max_connections // 2, by_fds))
 
 
 @dataclass(slots=True)
@@ -53,11 +81,20 @@ class TurnService:
         registry: Registry,
         metrics: CollectorRegistry,
         wait_timeout: float = WAIT_TIMEOUT,
+        relay_idle_timeout: float = RELAY_IDLE_TIMEOUT,
+        max_relays: int | None = None,
     ) -> None:
         self.registry = registry
         self.loop = asyncio.get_running_loop()
         self.wait_timeout = wait_timeout
         self.waiting: dict[str, _Waiting] = {}
+        self.plane = StreamPlane(
+            idle_timeout=relay_idle_timeout,
+            max_routes=max_relays if max_relays is not None else relay_cap(50000),
+        )
+        #: The two connections of each live route, and each one's route.
+        self.pairs: dict[StreamRoute, tuple[PacketConnection, PacketConnection]] = {}
+        self.route_of: dict[PacketConnection, StreamRoute] = {}
         self.sessions = Counter(
             "crossroads_openttd_turn_sessions",
             "TURN connections, by outcome.",
@@ -69,9 +106,16 @@ class TurnService:
             "Relayed pairs in progress.",
             registry=metrics,
         )
+        self.relays_ended = Counter(
+            "crossroads_openttd_turn_relays_ended",
+            "Relays ended, by reason (closed: both sides finished; reset; idle; "
+            "shutdown).",
+            ["reason"],
+            registry=metrics,
+        )
         self.relayed_bytes = Counter(
             "crossroads_openttd_turn_bytes",
-            "Bytes relayed (counted when a relayed connection closes).",
+            "Bytes relayed (counted when a relay ends).",
             registry=metrics,
         )
 
@@ -145,19 +189,57 @@ class TurnService:
     def _pair(
         self, first: PacketConnection, second: PacketConnection, ticket_id: str
     ) -> None:
-        assert first.transport is not None and second.transport is not None
-        first.send(encode_turn_packet(TurnConnected(second.host)))
-        second.send(encode_turn_packet(TurnConnected(first.host)))
-        early_first = first.relay_to(second)
-        early_second = second.relay_to(first)
-        if early_first:
-            second.transport.write(early_first)
-        if early_second:
-            first.transport.write(early_second)
+        first_side = first.hand_over()
+        second_side = second.hand_over() if first_side is not None else None
+        if first_side is None or second_side is None:
+            # One side is closing (or asyncio still has bytes for it, which
+            # nothing sends before TURN_CONNECTED): nothing to relay.
+            if first_side is not None:
+                first_side[0].close()
+            self.sessions.labels("peer-gone").inc()
+            first.close("peer-gone")
+            second.close("peer-gone")
+            return
+        (first_sock, first_early), (second_sock, second_early) = first_side, second_side
+        route = self.plane.join(
+            first_sock,
+            second_sock,
+            to_a=encode_turn_packet(TurnConnected(second.host)) + second_early,
+            to_b=encode_turn_packet(TurnConnected(first.host)) + first_early,
+            on_closed=self._relay_ended,
+        )
+        if route is None:
+            self.sessions.labels("over-limit").inc()
+            first.close("over-limit")
+            second.close("over-limit")
+            return
         self.sessions.labels("paired").inc()
-        self.relays.inc()
+        if route.closed:
+            # Ended while sending TURN_CONNECTED (a side reset meanwhile):
+            # its connections are not in ``pairs`` yet, so close them here.
+            first.close(f"relay-{route.reason}")
+            second.close(f"relay-{route.reason}")
+        else:
+            self.pairs[route] = (first, second)
+            self.route_of[first] = self.route_of[second] = route
+            self.relays.inc()
         task = asyncio.create_task(self._drop_ticket(ticket_id))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    def _relay_ended(self, route: StreamRoute) -> None:
+        """The data plane ended ``route``: count it, close both connections."""
+        self.relayed_bytes.inc(route.octets)
+        self.relays_ended.labels(route.reason).inc()
+        pair = self.pairs.pop(route, None)
+        if pair is None:
+            return
+        self.relays.dec()
+        for conn in pair:
+            self.route_of.pop(conn, None)
+            if route.reason == IDLE:
+                conn.listener.drop(conn, "relay-idle")
+            else:
+                conn.close(f"relay-{route.reason}")
 
     async def _drop_ticket(self, ticket_id: str) -> None:
         try:
@@ -174,15 +256,14 @@ class TurnService:
             waiting = self.waiting.get(ticket_id)
             if waiting is not None and waiting.conn is conn:
                 self._forget(ticket_id, waiting)
-        if conn.relay_peer is not None:
-            self.relayed_bytes.inc(conn.relay_bytes)
-            partner = conn.relay_partner
-            # Count the pair once: when its first side is forgotten.
-            if partner is not None and not partner.relay_done:
-                self.relays.dec()
-            conn.relay_done = True
+        route = self.route_of.get(conn)
+        if route is not None:
+            # Closed from outside the plane (shutdown, an operator): the
+            # route's own descriptors would keep the socket open.
+            route.close()
 
     def cancel_all(self) -> None:
         for waiting in list(self.waiting.values()):
             waiting.timer.cancel()
         self.waiting.clear()
+        self.plane.close()

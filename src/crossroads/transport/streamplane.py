@@ -1,0 +1,329 @@
+"""Stream routes of the relay data plane: two TCP sockets joined by splice(2).
+
+Theory of operation
+-------------------
+The datagram half of the data plane (:mod:`crossroads.transport.dataplane`)
+forwards by looking a datagram's source up in a route table. A byte stream has
+no per-packet source to look up: once a control plane has paired two connected
+TCP sockets (OpenTTD's TURN relay, reference ``openttd-coordinator.md``
+section 6), *every* byte read on one goes to the other, so the route *is* the
+pair. :meth:`StreamPlane.join` installs one; from then on no Python code sees a
+payload byte:
+
+- each direction owns a pipe; a readable source is ``splice``\\ d into the pipe
+  and the pipe ``splice``\\ d into the destination socket (splice(2): the
+  kernel moves page references, the bytes are never copied to user space);
+- readiness drives it (``loop.add_reader`` / ``loop.add_writer`` on the two
+  sockets). A direction reads only while its pipe is empty: when the
+  destination cannot take what the pipe holds, the direction stops reading
+  its source and waits for the destination to be writable (backpressure: a
+  peer that stops reading stalls its sender's TCP window, and the relay holds
+  at most one pipe, :data:`fcntl.F_GETPIPE_SZ` bytes, per direction);
+- end of stream is propagated as a half-close: a source's FIN becomes
+  ``shutdown(SHUT_WR)`` of the destination once the pipe is flushed, and the
+  other direction keeps flowing. The route ends when both directions have
+  ended, or at once when either socket fails (reset, broken pipe);
+- per-route byte counters (``octets`` per direction) are what the idle sweep
+  reads: one coarse timer per plane (:data:`SWEEP_EVERY`), not a clock read per
+  chunk, closes a route whose counters have not moved for ``idle_timeout``;
+- bounded: at most ``max_routes`` routes (each holds two sockets and two pipes,
+  six descriptors); :meth:`StreamPlane.join` refuses beyond.
+
+Bytes the control plane must send before forwarding starts (a handshake reply,
+and bytes it read past the handshake) go as each direction's *head*, written
+before the first spliced byte.
+
+The plane takes ownership of the sockets it is given (usually duplicates of an
+asyncio transport's socket, see
+:meth:`crossroads.services.openttd.conn.PacketConnection.hand_over`) and
+closes them when the route ends; ``on_closed(route)`` then tells the owner why
+(:attr:`StreamRoute.reason`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+from collections.abc import Callable
+
+#: splice(2) flags: move pages instead of copying, and never block on the pipe.
+SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+#: Chunks one direction moves per readiness callback: with a 64 KiB pipe, up to
+#: 1 MiB before the event loop serves the next socket (fairness).
+SPLICES_PER_WAKEUP = 16
+#: Seconds between idle sweeps. Idle timeouts are minutes (OpenTTD TURN: 300 s
+#: by default), so a second of slack costs nothing and one timer serves every
+#: route.
+SWEEP_EVERY = 1.0
+#: Why a route ended (:attr:`StreamRoute.reason`).
+CLOSED = "closed"  # both sides finished their streams
+RESET = "reset"  # a socket failed (RST, broken pipe)
+IDLE = "idle"  # no byte either way for idle_timeout
+SHUTDOWN = "shutdown"  # the plane (or its owner) closed it
+
+
+class _Direction:
+    """One way of a route: ``src`` -> pipe -> ``dst``."""
+
+    __slots__ = (
+        "src",
+        "dst",
+        "pipe_r",
+        "pipe_w",
+        "capacity",
+        "head",
+        "pending",
+        "octets",
+        "reading",
+        "writing",
+        "eof",
+        "done",
+    )
+
+    def __init__(self, src: socket.socket, dst: socket.socket, head: bytes) -> None:
+        self.src = src
+        self.dst = dst
+        self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.capacity: int = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
+        self.head = head
+        #: Bytes in the pipe, not yet written to ``dst``.
+        self.pending = 0
+        #: Bytes read from ``src`` (the head is not counted).
+        self.octets = 0
+        self.reading = False
+        self.writing = False
+        self.eof = False
+        self.done = False
+
+    def flush(self) -> bool:
+        """Write the head, then the pipe, to ``dst``; True when all is out.
+        Raises OSError when ``dst`` failed."""
+        try:
+            while self.head:
+                sent = self.dst.send(self.head)
+                self.head = self.head[sent:]
+            while self.pending:
+                self.pending -= os.splice(
+                    self.pipe_r, self.dst.fileno(), self.pending, flags=SPLICE_FLAGS
+                )
+        except BlockingIOError:
+            return False
+        return True
+
+    def close_pipe(self) -> None:
+        for fd in (self.pipe_r, self.pipe_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class StreamRoute:
+    """Two connected TCP sockets, each one's bytes forwarded to the other."""
+
+    def __init__(
+        self,
+        plane: StreamPlane,
+        a: socket.socket,
+        b: socket.socket,
+        to_a: bytes,
+        to_b: bytes,
+        on_closed: Callable[[StreamRoute], None],
+    ) -> None:
+        self.plane = plane
+        self.a = a
+        self.b = b
+        self.a_to_b = _Direction(a, b, to_b)
+        self.b_to_a = _Direction(b, a, to_a)
+        self.on_closed = on_closed
+        self.closed = False
+        #: Why the route ended (one of :data:`CLOSED`, :data:`RESET`,
+        #: :data:`IDLE`, :data:`SHUTDOWN`); empty while it lives.
+        self.reason = ""
+        #: What the idle sweep saw last, and since when.
+        self.seen = -1
+        self.quiet_since = 0.0
+
+    @property
+    def octets(self) -> int:
+        """Bytes forwarded both ways (heads not counted)."""
+        return self.a_to_b.octets + self.b_to_a.octets
+
+    def start(self) -> None:
+        for way in (self.a_to_b, self.b_to_a):
+            self._flushed(way)
+            if self.closed:
+                return
+
+    def close(self, reason: str = SHUTDOWN) -> None:
+        """End the route: stop watching, close both sockets and pipes, tell
+        the owner (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.reason = reason
+        loop = self.plane.loop
+        for way in (self.a_to_b, self.b_to_a):
+            if way.reading:
+                loop.remove_reader(way.src.fileno())
+                way.reading = False
+            if way.writing:
+                loop.remove_writer(way.dst.fileno())
+                way.writing = False
+            way.close_pipe()
+        self.a.close()
+        self.b.close()
+        self.plane.forget(self)
+        self.on_closed(self)
+
+    # ------------------------------------------------------------ readiness
+
+    def _readable(self, way: _Direction) -> None:
+        if self.closed:
+            return
+        src = way.src.fileno()
+        for _ in range(SPLICES_PER_WAKEUP):
+            try:
+                moved = os.splice(src, way.pipe_w, way.capacity, flags=SPLICE_FLAGS)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.close(RESET)
+                return
+            if moved == 0:
+                way.eof = True
+                self._stop_reading(way)
+                self._finish(way)
+                return
+            way.pending += moved
+            way.octets += moved
+            if not self._flush_or_fail(way):
+                return  # failed, or waiting for the destination
+        # More may be waiting; the loop calls again (level-triggered).
+
+    def _writable(self, way: _Direction) -> None:
+        if not self.closed and self._flush_or_fail(way):
+            self._flushed(way)
+
+    def _flush_or_fail(self, way: _Direction) -> bool:
+        """Flush ``way``; on a full destination switch it to waiting for
+        writability. False when the route failed or the flush is incomplete."""
+        try:
+            if way.flush():
+                return True
+        except OSError:
+            self.close(RESET)
+            return False
+        self._stop_reading(way)
+        if not way.writing:
+            way.writing = True
+            self.plane.loop.add_writer(way.dst.fileno(), self._writable, way)
+        return False
+
+    def _flushed(self, way: _Direction) -> None:
+        """``way``'s destination took everything: read again, or finish."""
+        if way.head or way.pending:
+            if not self._flush_or_fail(way):
+                return
+        if way.writing:
+            self.plane.loop.remove_writer(way.dst.fileno())
+            way.writing = False
+        if way.eof:
+            self._finish(way)
+        elif not way.reading:
+            way.reading = True
+            self.plane.loop.add_reader(way.src.fileno(), self._readable, way)
+
+    def _stop_reading(self, way: _Direction) -> None:
+        if way.reading:
+            self.plane.loop.remove_reader(way.src.fileno())
+            way.reading = False
+
+    def _finish(self, way: _Direction) -> None:
+        """``way``'s source ended and its pipe is empty: half-close the
+        destination; the route ends when both ways have."""
+        if way.done:
+            return
+        way.done = True
+        try:
+            way.dst.shutdown(socket.SHUT_WR)
+        except OSError as exc:
+            if exc.errno != errno.ENOTCONN:
+                self.close(RESET)
+                return
+        if self.a_to_b.done and self.b_to_a.done:
+            self.close(CLOSED)
+
+
+class StreamPlane:
+    """The stream routes of one owner (see the module docstring)."""
+
+    def __init__(self, *, idle_timeout: float, max_routes: int) -> None:
+        if idle_timeout <= 0 or max_routes < 1:
+            raise ValueError("idle_timeout and max_routes must be positive")
+        self.loop = asyncio.get_running_loop()
+        self.idle_timeout = idle_timeout
+        self.max_routes = max_routes
+        self.routes: set[StreamRoute] = set()
+        #: Routes ended, by reason; bytes forwarded by ended routes.
+        self.ended: dict[str, int] = {}
+        self.forwarded_bytes = 0
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def join(
+        self,
+        a: socket.socket,
+        b: socket.socket,
+        *,
+        to_a: bytes = b"",
+        to_b: bytes = b"",
+        on_closed: Callable[[StreamRoute], None],
+    ) -> StreamRoute | None:
+        """Forward ``a`` <-> ``b`` (connected, non-blocking TCP sockets the
+        plane now owns), after sending ``to_a`` / ``to_b``. None, and both
+        sockets closed, when the plane is full."""
+        if len(self.routes) >= self.max_routes:
+            a.close()
+            b.close()
+            return None
+        a.setblocking(False)
+        b.setblocking(False)
+        route = StreamRoute(self, a, b, to_a, to_b, on_closed)
+        route.quiet_since = self.loop.time()
+        self.routes.add(route)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(SWEEP_EVERY, self._sweep)
+        route.start()
+        return route
+
+    def forget(self, route: StreamRoute) -> None:
+        """Called by a route as it ends."""
+        self.routes.discard(route)
+        self.ended[route.reason] = self.ended.get(route.reason, 0) + 1
+        self.forwarded_bytes += route.octets
+
+    def sweep(self, now: float) -> None:
+        """Close the routes whose counters have not moved for ``idle_timeout``."""
+        for route in list(self.routes):
+            octets = route.octets
+            if octets != route.seen:
+                route.seen = octets
+                route.quiet_since = now
+            elif now - route.quiet_since > self.idle_timeout:
+                route.close(IDLE)
+
+    def close(self) -> None:
+        """End every route (:data:`SHUTDOWN`) and stop the sweeper."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for route in list(self.routes):
+            route.close(SHUTDOWN)
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        self.sweep(self.loop.time())
+        if self.routes:
+            self._sweeper = self.loop.call_later(SWEEP_EVERY, self._sweep)
