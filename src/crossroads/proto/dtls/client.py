@@ -216,11 +216,10 @@ class DtlsClient(Endpoint):
         self, fragments: list[w.HandshakeFragment], encrypted: bool, now: float
     ) -> None:
         for fragment in fragments:
-            try:
-                messages, repeated = self._reassembler.add(fragment)
-            except DecodeError as exc:
-                self._drop(f"handshake-{exc.reason}")
+            added = self._reassemble(self._reassembler, fragment)
+            if added is None:
                 return
+            messages, repeated = added
             if repeated:
                 if self.state == ClientState.WAIT_SERVER_FINISHED:
                     # The server repeats its flight: ours was lost.

@@ -193,6 +193,17 @@ class Endpoint:
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
 
+    def _reassemble(
+        self, reassembler: Reassembler, fragment: HandshakeFragment
+    ) -> tuple[list[Message], bool] | None:
+        """:meth:`Reassembler.add`, or None (dropped, counted as
+        ``handshake-<reason>``) when the fragment is refused."""
+        try:
+            return reassembler.add(fragment)
+        except DecodeError as exc:
+            self._drop(f"handshake-{exc.reason}")
+            return None
+
     def _fragments(self, plain: bytes) -> list[HandshakeFragment] | None:
         """The handshake fragments of a record, or None (dropped, counted as
         ``handshake-<reason>``) when they do not decode."""

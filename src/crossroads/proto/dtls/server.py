@@ -532,11 +532,10 @@ class DtlsServer(Endpoint):
         now: float,
     ) -> None:
         for fragment in fragments:
-            try:
-                messages, repeated = handshake.reassembler.add(fragment)
-            except DecodeError as exc:
-                self._drop(f"handshake-{exc.reason}")
+            added = self._reassemble(handshake.reassembler, fragment)
+            if added is None:
                 return
+            messages, repeated = added
             if repeated:
                 self._outbox.append((handshake.flight, handshake.address))
                 return
