@@ -117,6 +117,12 @@ def _show_nat(client: P2PClient) -> None:
         )
 
 
+def _client(
+    server: str, relay: str, portmap: bool, stun: tuple[str, int] | None, bind: str
+) -> P2PClient:
+    return P2PClient(server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0))
+
+
 async def _host(
     server: str,
     relay: str,
@@ -125,9 +131,7 @@ async def _host(
     stun: tuple[str, int] | None,
     bind: str,
 ) -> None:
-    async with P2PClient(
-        server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0)
-    ) as client:
+    async with _client(server, relay, portmap, stun, bind) as client:
         _show_nat(client)
         code = await client.host(max_members)
         _out(f"invite code: {code}")
@@ -145,9 +149,7 @@ async def _join(
     stun: tuple[str, int] | None,
     bind: str,
 ) -> None:
-    async with P2PClient(
-        server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0)
-    ) as client:
+    async with _client(server, relay, portmap, stun, bind) as client:
         _show_nat(client)
         await client.join(code)
         for peer, link in client.links.items():

@@ -64,7 +64,7 @@ def _refusal(reason: str) -> bytes:
     )
 
 
-def _peer_host(transport: asyncio.Transport) -> str:
+def _peer_host(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
     return str(peer[0]) if peer else ""
 
@@ -141,17 +141,25 @@ class HttpGuard:
                 proto.transport.abort()
 
 
-class GuardedHttp(H11Protocol):
-    """uvicorn's h11 protocol with admission and a request deadline."""
+class _GuardedPeer(asyncio.Protocol):
+    """What both guarded protocols share: the guard, and the peer's host, read
+    once when the connection is made (admission is counted per host)."""
 
     guard: HttpGuard
     peer_host: str
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.peer_host = _peer_host(transport)
+
+
+class GuardedHttp(_GuardedPeer, H11Protocol):
+    """uvicorn's h11 protocol with admission and a request deadline."""
 
     def connection_made(  # type: ignore[override]
         self, transport: asyncio.Transport
     ) -> None:
         super().connection_made(transport)
-        self.peer_host = _peer_host(transport)
         self.responses = 0
         self.deadline_key: tuple[object, int] | None = None
         self.waiting_since = 0.0
@@ -188,17 +196,8 @@ class GuardedHttp(H11Protocol):
         super().handle_websocket_upgrade(event)
 
 
-class GuardedWebSocket(WebSocketsSansIOProtocol):
+class GuardedWebSocket(_GuardedPeer, WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol, giving the HTTP admission back at the end."""
-
-    guard: HttpGuard
-    peer_host: str
-
-    def connection_made(  # type: ignore[override]
-        self, transport: asyncio.Transport
-    ) -> None:
-        super().connection_made(transport)
-        self.peer_host = _peer_host(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

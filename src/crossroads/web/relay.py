@@ -21,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto import jsontext
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.counting import spend_token
 from crossroads.ratelog import RateLimitedLog
 from crossroads.services.relay_allocations import (
     AllocationError,
@@ -198,6 +199,9 @@ JOIN_CODE_NOT_FOUND = 15009
 #: Client IPs tracked by the rate limiter before the oldest is forgotten.
 MAX_TRACKED_CLIENTS = 65_536
 
+#: The request body model :func:`_parse` validates against.
+Model = TypeVar("Model", bound=BaseModel)
+
 
 async def _read_body(request: Request) -> bytes:
     chunks: list[bytes] = []
@@ -230,16 +234,10 @@ class RateLimiter:
             if len(self._buckets) >= MAX_TRACKED_CLIENTS:
                 del self._buckets[next(iter(self._buckets))]
             bucket = self._buckets[client] = [self.burst, now]
-        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        bucket[1] = now
-        if tokens < 1:
-            bucket[0] = tokens
-            return False
-        bucket[0] = tokens - 1
-        return True
+        return spend_token(bucket, now, self.rate, self.burst)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _parse(request: Request, model: type[Model]) -> Model:
     raw = await _read_body(request)
     try:
         data = jsontext.loads(raw) if raw else None
@@ -372,7 +370,6 @@ def make_router(
     async def allocate(request: Request) -> JSONResponse:
         async def run() -> JSONResponse:
             body = await _parse(request, AllocateRequest)
-            assert isinstance(body, AllocateRequest)
             grant = await allocator.allocate(body.maxConnections, body.region)
             return _envelope(201, {"allocation": encode_grant(grant)})
 
@@ -388,7 +385,6 @@ def make_router(
     async def create_join_code(request: Request) -> JSONResponse:
         async def run() -> JSONResponse:
             body = await _parse(request, JoinCodeRequest)
-            assert isinstance(body, JoinCodeRequest)
             code = await allocator.join_code(body.allocationId)
             return _envelope(200, {"joinCode": code})
 
@@ -404,7 +400,6 @@ def make_router(
     async def join(request: Request) -> JSONResponse:
         async def run() -> JSONResponse:
             body = await _parse(request, JoinRequest)
-            assert isinstance(body, JoinRequest)
             client = request.client.host if request.client else ""
             if not codes_tried.try_spend(client, clock()):
                 raise AllocationError(
