@@ -51,6 +51,7 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import CONVERTERS, Kind, setting
 from crossroads.errors import ConfigError
+from crossroads.metrics import add_counts, counter_by
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
     Endpoint,
@@ -387,14 +388,12 @@ class _Collector(Collector):
         for ptype in PacketType:
             received.add_metric([ptype.name.lower()], core.stats.received[ptype])
         yield received
-        dropped = CounterMetricFamily(
+        yield counter_by(
             "crossroads_natneg_dropped",
             "natneg datagrams dropped, by reason.",
-            labels=["reason"],
+            "reason",
+            core.stats.dropped,
         )
-        for reason, count in sorted(core.stats.dropped.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
         yield CounterMetricFamily(
             "crossroads_natneg_packets_sent",
             "natneg packets sent.",
@@ -424,8 +423,7 @@ class _Collector(Collector):
             )
             allocations.add_metric(["allocated"], relay.stats.allocated)
             # One result per refusal verdict (refused-loopback, refused-self, ...).
-            for reason, count in sorted(relay.stats.refused_by.items()):
-                allocations.add_metric([f"refused-{reason}"], count)
+            add_counts(allocations, relay.stats.refused_by, "refused-")
             allocations.add_metric(["failed"], relay.stats.failed)
             yield allocations
 

@@ -49,6 +49,7 @@ from prometheus_client.registry import Collector
 from crossroads.config import Config as RuntimeConfig
 from crossroads.config import setting
 from crossroads.errors import StoreError
+from crossroads.metrics import counter_by
 from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
@@ -514,14 +515,12 @@ class RelayCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         core = self.node.core
-        dropped = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_dropped_datagrams",
             "Datagrams the relay dropped, by reason.",
-            labels=["reason"],
+            "reason",
+            core.drops,
         )
-        for reason, count in sorted(core.drops.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
         errors = CounterMetricFamily(
             "crossroads_relay_errors_sent",
             "ERROR messages sent, by code.",
@@ -530,14 +529,12 @@ class RelayCollector(Collector):
         for code, count in sorted(core.errors_sent.items()):
             errors.add_metric([str(int(code))], count)
         yield errors
-        ended = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_allocations_ended",
             "Allocations that ended, by reason.",
-            labels=["reason"],
+            "reason",
+            core.ended_total,
         )
-        for reason, count in sorted(core.ended_total.items()):
-            ended.add_metric([reason], count)
-        yield ended
         packets, octets = core.relayed()
         yield CounterMetricFamily(
             "crossroads_relay_relayed_packets", "RELAY frames forwarded.", value=packets
