@@ -49,7 +49,7 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from crossroads.config import CONVERTERS, Kind, setting
+from crossroads.config import CONVERTERS, Kind, check_networks, setting
 from crossroads.errors import ConfigError
 from crossroads.metrics import add_counts, counter_by
 from crossroads.proto.natneg.packets import PacketType
@@ -86,14 +86,6 @@ def parse_port_range(value: str) -> tuple[int, int] | None:
         return None
     converted: tuple[int, int] = CONVERTERS["port_range"](value)
     return converted
-
-
-def _check_networks(value: tuple[str, ...]) -> None:
-    for network in value:
-        try:
-            ipaddress.ip_network(network, strict=False)
-        except ValueError:
-            raise ValueError(f"{network!r} is not a network like 10.0.0.0/8") from None
 
 
 def _check_optional_port(value: int) -> None:
@@ -199,7 +191,7 @@ class Config:
     relay_allow: tuple[str, ...] = setting(
         (),
         kind="list",
-        check=_check_networks,
+        check=check_networks,
         help="Networks (CIDR) whose clients may still be relayed: loopback, "
         "private, link-local and the server's own addresses are refused "
         "otherwise (except the scope of the advertised relay address).",

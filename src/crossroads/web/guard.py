@@ -43,6 +43,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import (
     WebSocketsSansIOProtocol,
 )
 
+from crossroads.proto.policy import parse_networks
 from crossroads.transport.admission import Admission
 
 #: How often deadlines are checked (seconds): one timer for the port, not one
@@ -82,9 +83,7 @@ class HttpGuard:
         self.request_timeout = request_timeout
         #: Reverse proxies (``--trusted-proxy``): one address, many clients,
         #: so the per-IP connection cap does not apply to them.
-        self.trusted_proxies = [
-            ipaddress.ip_network(net, strict=False) for net in trusted_proxies
-        ]
+        self.trusted_proxies = parse_networks(trusted_proxies)
         self.watched: set[GuardedHttp] = set()
         self._task: asyncio.Task[None] | None = None
 
