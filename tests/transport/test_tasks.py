@@ -1,4 +1,5 @@
-"""cancel_and_wait: a background task is over when close returns."""
+"""cancel_and_wait: a background task is over when close returns; Sweeper:
+a periodic sweep started once and stopped on close."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 
 import pytest
 
-from crossroads.transport.tasks import cancel_and_wait
+from crossroads.transport.tasks import Sweeper, cancel_and_wait
+from tests.conftest import eventually
 
 
 async def test_the_task_has_ended_and_its_cancellation_is_swallowed() -> None:
@@ -33,3 +35,29 @@ async def test_a_task_that_crashed_is_reported() -> None:
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="sweep failed"):
         await cancel_and_wait(task)
+
+
+async def test_the_sweeper_sweeps_with_loop_time_until_stopped() -> None:
+    seen: list[float] = []
+    sweeper = Sweeper(seen.append, 0.01)
+    await sweeper.stop()  # never started: nothing to stop
+    sweeper.start()
+    sweeper.start()  # idempotent: still one task
+
+    async def swept_twice() -> bool:
+        return len(seen) >= 2
+
+    await eventually(swept_twice, "two sweeps")
+    loop = asyncio.get_running_loop()
+    assert seen == sorted(seen) and seen[-1] <= loop.time()
+    await sweeper.stop()
+    after = len(seen)
+    await asyncio.sleep(0.05)  # would be several sweeps if it still ran
+    assert len(seen) == after
+    sweeper.start()  # a stopped sweeper can start again
+
+    async def swept_again() -> bool:
+        return len(seen) > after
+
+    await eventually(swept_again, "a sweep after the restart")
+    await sweeper.stop()

@@ -32,7 +32,6 @@ connections are closed sooner, by uvicorn's ``timeout_keep_alive``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import (
 
 from crossroads.proto.policy import parse_networks
 from crossroads.transport.admission import Admission
+from crossroads.transport.tasks import Sweeper
 
 #: How often deadlines are checked (seconds): one timer for the port, not one
 #: per connection; a deadline fires up to this late.
@@ -85,7 +85,7 @@ class HttpGuard:
         #: so the per-IP connection cap does not apply to them.
         self.trusted_proxies = parse_networks(trusted_proxies)
         self.watched: set[GuardedHttp] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._sweeper = Sweeper(self.sweep, SWEEP_EVERY)
 
     def is_trusted_proxy(self, host: str) -> bool:
         """True when ``host`` is in one of the ``--trusted-proxy`` networks."""
@@ -111,19 +111,10 @@ class HttpGuard:
         return Http, WebSocket
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._sweep_forever())
+        self._sweeper.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _sweep_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(SWEEP_EVERY)
-            self.sweep(loop.time())
+        await self._sweeper.stop()
 
     def sweep(self, now: float) -> None:
         """Close the connections that waited too long for their request."""
