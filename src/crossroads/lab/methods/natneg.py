@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from crossroads.lab.kinds import Filtering, Mapping, NatKind
+from crossroads.lab.kinds import Filtering, Mapping, NatKind, both_udp
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.natneg_sdk import GAME_DATA, SdkNegotiator, read_game_data
 from crossroads.lab.topology import SERVER_IPS, Lab, Site
@@ -270,11 +270,6 @@ def _detections(results: list[dict[str, Any]]) -> str:
     return "detected A {}, B {}".format(*(r["nat_type"].lower() for r in results))
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    """Everything with UDP connects: directly, or through the relay."""
-    return x.udp and y.udp
-
-
 def direct_expected(x: NatKind, y: NatKind) -> bool:
     """Whether the negotiated direct path (server-observed addresses, both sides
     pinging) works, without the relay: an endpoint-dependent mapping defeats it
@@ -285,7 +280,7 @@ def direct_expected(x: NatKind, y: NatKind) -> bool:
                 return False
             if t.filtering is Filtering.ADDRESS_AND_PORT_DEPENDENT:
                 return False
-    return x.udp and y.udp
+    return both_udp(x, y)
 
 
 def first_expected(x: NatKind, y: NatKind) -> bool:
@@ -303,7 +298,7 @@ def first_expected(x: NatKind, y: NatKind) -> bool:
     both_symmetric = all(
         k.mapping is Mapping.ADDRESS_AND_PORT_DEPENDENT for k in (x, y)
     )
-    return direct_expected(x, y) or (both_symmetric and x.udp and y.udp)
+    return direct_expected(x, y) or (both_symmetric and both_udp(x, y))
 
 
 METHOD = register(
@@ -311,7 +306,8 @@ METHOD = register(
         name="natneg",
         summary="GameSpy natneg (SDK client v4) via crossroads, one retry; relay when needed",
         run=run,
-        expected=expected,
+        # Everything with UDP connects: directly, or through the relay.
+        expected=both_udp,
         expected_first=first_expected,
         timeout=2 * NEGOTIATION_S + 6,
         needs=("natneg",),
