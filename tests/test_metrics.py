@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily
 
-from crossroads.metrics import add_counts, counter_by
+from crossroads.metrics import add_counts, counter_by, unregister
 
 
 def _samples(family: CounterMetricFamily) -> list[tuple[str, dict[str, str], float]]:
@@ -28,3 +29,14 @@ def test_add_counts_prefixes_the_label_so_tables_share_a_family() -> None:
         "punch-unknown",
     ]
     assert [s.value for s in family.samples] == [3, 5, 4]
+
+
+def test_unregister_takes_collectors_off_and_may_be_repeated() -> None:
+    registry = CollectorRegistry()
+    first = Counter("x_first", "First.", registry=registry)
+    second = Counter("x_second", "Second.", registry=registry)
+    unregister(registry, first)
+    assert registry.get_sample_value("x_first_total") is None
+    assert registry.get_sample_value("x_second_total") == 0
+    unregister(registry, first, second)  # first is gone already: skipped
+    assert registry.get_sample_value("x_second_total") is None

@@ -9,9 +9,12 @@ a scrape is stable from one to the next).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 
 def add_counts(
@@ -32,3 +35,11 @@ def counter_by(
     family = CounterMetricFamily(name, documentation, labels=[label])
     add_counts(family, counts)
     return family
+
+
+def unregister(registry: CollectorRegistry, *collectors: Collector) -> None:
+    """Take a closing service's collectors off the runtime's registry. One that
+    is not (or no longer) registered is skipped: close stays idempotent."""
+    for collector in collectors:
+        with contextlib.suppress(KeyError):
+            registry.unregister(collector)

@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 
 from crossroads.config import CONVERTERS, Kind, check_networks, setting
 from crossroads.errors import ConfigError
-from crossroads.metrics import add_counts, counter_by
+from crossroads.metrics import add_counts, counter_by, unregister
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
     Endpoint,
@@ -559,15 +559,7 @@ class NatNegService:
         if self.relay is not None:
             await self.relay.close()
         if self._collector is not None and self._registry is not None:
-            try:
-                self._registry.unregister(self._collector)
-            except KeyError:
-                pass
-            for metric in (self.negotiations, self.reports):
-                try:
-                    self._registry.unregister(metric)
-                except KeyError:
-                    pass
+            unregister(self._registry, self._collector, self.negotiations, self.reports)
 
 
 def core_config(cfg: Config, layout: Layout) -> ServerConfig:

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.config import setting
-from crossroads.metrics import add_counts, counter_by
+from crossroads.metrics import add_counts, counter_by, unregister
 from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import ServerConfig
@@ -299,10 +299,7 @@ class RakNetService:
             self.forwarders = None
         self.driver = None
         if self._collector is not None and self._registry is not None:
-            try:
-                self._registry.unregister(self._collector)
-            except KeyError:  # pragma: no cover - already unregistered
-                pass
+            unregister(self._registry, self._collector)
             self._collector = None
 
 
