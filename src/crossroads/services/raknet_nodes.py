@@ -52,6 +52,7 @@ from crossroads.proto.raknet.udpproxy import (
     RemoteForwardingRequest,
     UDPProxyCoordinator,
 )
+from crossroads.services.base import stop_task
 from crossroads.store.base import Store, Subscription
 from crossroads.types import Address
 
@@ -120,9 +121,9 @@ class RelayNodes:
 
     async def close(self) -> None:
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # stop_task, not a single cancel: these loops await the store,
+            # and redis-py can swallow a CancelledError (see stop_task).
+            await stop_task(task)
         self._tasks.clear()
         if self._subscription is not None:
             with contextlib.suppress(Exception):

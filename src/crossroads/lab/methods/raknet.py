@@ -54,6 +54,7 @@ from crossroads.proto.raknet.reliability import (
 )
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 #: RakNet's default port, where the lab server's ``raknet`` service listens.
@@ -409,11 +410,7 @@ class LabProxyServer:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
         await self.pool.close()
         # A logged-in server that vanished would be listed (and pinged) in
         # the next attempts until RakNet's 10 s timeout.
