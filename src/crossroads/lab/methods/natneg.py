@@ -84,23 +84,21 @@ async def negotiate(
 ) -> tuple[SdkNegotiator, SdkNegotiator]:
     """One negotiation between a (index 1, the host, lending ``game_sock`` if
     given) and b (index 0)."""
-    host = SdkNegotiator(
-        version=4,
-        cookie=cookie,
-        client_index=1,
-        servers=servers,
-        negotiate_sock=lab.udp_socket(a),
-        game_sock=game_sock,
-        local_ip=a.host_ip,
-    )
-    guest = SdkNegotiator(
-        version=4,
-        cookie=cookie,
-        client_index=0,
-        servers=servers,
-        negotiate_sock=lab.udp_socket(b),
-        local_ip=b.host_ip,
-    )
+
+    def negotiator(
+        site: Site, index: int, game: socket.socket | None = None
+    ) -> SdkNegotiator:
+        return SdkNegotiator(
+            version=4,
+            cookie=cookie,
+            client_index=index,
+            servers=servers,
+            negotiate_sock=lab.udp_socket(site),
+            game_sock=game,
+            local_ip=site.host_ip,
+        )
+
+    host, guest = negotiator(a, 1, game_sock), negotiator(b, 0)
     tasks = {asyncio.ensure_future(n.run(NEGOTIATION_S)) for n in (host, guest)}
     pending = tasks
     while pending:
