@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -172,6 +172,16 @@ def loopback_config(**overrides: Any) -> dict[str, Any]:
                 values[f"{section}.{f.name}"] = 0
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
     return values
+
+
+S = TypeVar("S")
+
+
+def running_service(rt: Runtime, name: str, cls: type[S]) -> S:
+    """The running service ``name`` of a runtime, checked to be a ``cls``."""
+    service = rt.services[name]
+    assert isinstance(service, cls), service
+    return service
 
 
 @pytest.fixture

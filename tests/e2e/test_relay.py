@@ -16,6 +16,8 @@ from crossroads.client.relay import (
     RelayRejected,
 )
 from crossroads.proto.relay.client import RelayClientConfig
+from crossroads.services.relay import RelayService
+from tests.conftest import running_service
 from tests.e2e.relay_support import (
     API_KEY,
     BIND_RECEIVED,
@@ -201,7 +203,7 @@ async def test_timeouts_free_the_slot() -> None:
         relay_runtime(relay__idle_timeout=0.6, relay__host_alone_timeout=1.5) as rt,
         RelayApi(base_url(rt), API_KEY) as relay_api,
     ):
-        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        node = running_service(rt, "relay", RelayService).node
         allocation = await relay_api.allocate(max_connections=1)
         code = await relay_api.join_code(allocation.allocation_id)
         host = await RelayConnection.open(allocation, config=FAST)

@@ -20,7 +20,9 @@ from typing import Any
 import pytest
 
 from crossroads.client.relay import Allocation, RelayApi, RelayApiError, RelayConnection
+from crossroads.services.relay import RelayService
 from crossroads.services.relay_allocations import node_key
+from tests.conftest import running_service
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
@@ -97,7 +99,7 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(
                     raw_b = await rt.store.get(node_key("node-b"))
                     await asyncio.sleep(0.05)
             port_b = json.loads(raw_b)["port"]
-            node_a = rt.services["relay"].node  # type: ignore[attr-defined]
+            node_a = running_service(rt, "relay", RelayService).node
             port_a = node_a.info.port
             names = {port_a: "node-a", port_b: "node-b"}
 
@@ -174,7 +176,7 @@ async def test_api_only_and_node_only_runtimes(redis_url: str) -> None:
             )
             await player.bind()
             await player.connect()
-            host_node = node_rt.services["relay"].node  # type: ignore[attr-defined]
+            host_node = running_service(node_rt, "relay", RelayService).node
             assert host_node.core.connections == 1
             await player.close()
             await host.close()

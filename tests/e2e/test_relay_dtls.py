@@ -23,7 +23,8 @@ import pytest
 from crossroads.client.relay import RelayApi, RelayConnection, RelayConnectionError
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from crossroads.proto.relay.token import TokenSealer
-from tests.conftest import eventually
+from crossroads.services.relay import RelayService
+from tests.conftest import eventually, running_service
 from tests.dtls_psk_support import DtlsPeer
 from tests.e2e.relay_support import (
     API_KEY,
@@ -238,8 +239,8 @@ async def test_a_closed_dtls_session_ends_its_allocation_without_clear_text() ->
     async with relay_runtime() as rt, api(rt) as http:
         async with dtls_host_udp_joiner(http) as pair:
             host, joiner, hid, jid = pair.host, pair.joiner, pair.hid, pair.jid
-            service = rt.services["relay"]
-            assert len(service.sessions()) == 2  # type: ignore[attr-defined]
+            service = running_service(rt, "relay", RelayService)
+            assert len(service.sessions()) == 2
             host.core.close(0.0)
             host.flush()
 
@@ -298,7 +299,7 @@ async def test_allocations_keyed_under_a_previous_secret_still_connect() -> None
     async with relay_runtime(relay__secret=old_secret.decode()) as rt, api(rt) as http:
         host_alloc, _ = await allocate_pair(http)
         hid, key = ids(host_alloc)
-        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        node = running_service(rt, "relay", RelayService).node
         # What RelayService does when it adopts another process's secret.
         node.core.sealer = TokenSealer(
             b"the-adopted-secret-98765", os.urandom, [old_secret]
@@ -340,8 +341,8 @@ async def test_crossroads_relay_client_over_dtls() -> None:
             return got == (player.allocation_id, b"from the new address")
 
         await eventually(arrived, "a frame from the migrated DTLS player")
-        service = rt.services["relay"]
-        assert len(service.node.dtls.endpoint.core.sessions) == 3  # type: ignore[attr-defined]
+        dtls = running_service(rt, "relay", RelayService).node.dtls
+        assert dtls is not None and len(dtls.endpoint.core.sessions) == 3
         for connection in (player, host):
             await connection.close()
 

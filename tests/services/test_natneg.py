@@ -34,7 +34,7 @@ from crossroads.services.natneg import (
     apply_seed_config,
     plan_layout,
 )
-from tests.conftest import eventually, loopback_config
+from tests.conftest import eventually, loopback_config, running_service
 from tests.services.natneg_sdk import (
     SdkNegotiator,
     State,
@@ -89,9 +89,7 @@ async def natneg() -> AsyncIterator[Starter]:
 
 
 def service_of(rt: Runtime) -> NatNegService:
-    service = rt.services["natneg"]
-    assert isinstance(service, NatNegService)
-    return service
+    return running_service(rt, "natneg", NatNegService)
 
 
 def servers(rt: Runtime) -> list[Address]:
