@@ -46,16 +46,9 @@ def _turn(lab: Lab, site: Site) -> Callable[[], Awaitable[TurnClientRelay]]:
 
     async def make() -> TurnClientRelay:
         try:
-            client = await open_client(lab, site, "udp")
-            try:
-                relayed = await client.allocate()
-            except BaseException:
-                await client.close()
-                raise
+            return await TurnClientRelay.allocate(await open_client(lab, site, "udp"))
         except (OSError, TimeoutError, TurnClientError):
-            client = await open_client(lab, site, "tcp")
-            relayed = await client.allocate()
-        return TurnClientRelay(client, (str(relayed[0]), int(relayed[1])))
+            return await TurnClientRelay.allocate(await open_client(lab, site, "tcp"))
 
     return make
 
