@@ -436,7 +436,15 @@ class Config:
         return not self.core.only or service in self.core.only
 
 
-def _convert(section: str, f: dataclasses.Field[Any], raw: object, source: str) -> Any:
+def convert_setting(
+    section: str, f: dataclasses.Field[Any], raw: object, source: str
+) -> Any:
+    """``raw`` (a flag's text, an environment variable, a TOML or JSON value)
+    converted and checked as the setting ``f`` of ``section`` declares.
+
+    Raises:
+        ConfigError: naming the key and ``source``.
+    """
     info = setting_info(f)
     key = f.name if section == "core" else f"{section}.{f.name}"
     try:
@@ -511,12 +519,16 @@ def build_config(
         for f in dataclasses.fields(cls):
             key = f"{name}.{f.name}"
             if key in flags:
-                kwargs[f.name] = _convert(name, f, flags[key], flag_name(name, f))
+                kwargs[f.name] = convert_setting(
+                    name, f, flags[key], flag_name(name, f)
+                )
             elif env_name(name, f) in env:
                 variable = env_name(name, f)
-                kwargs[f.name] = _convert(name, f, env[variable], variable)
+                kwargs[f.name] = convert_setting(name, f, env[variable], variable)
             elif f.name in file_section:
-                kwargs[f.name] = _convert(name, f, file_section[f.name], file_name)
+                kwargs[f.name] = convert_setting(
+                    name, f, file_section[f.name], file_name
+                )
         try:
             built[name] = cls(**kwargs)
         except ValueError as exc:

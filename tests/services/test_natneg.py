@@ -708,6 +708,20 @@ def test_seed_config_json(tmp_path: Path) -> None:
         apply_seed_config(Config(), path)
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"natneg__max_sessions": 0}, "--natneg-max-sessions): must be > 0"),
+        ({"natneg__linger": -1.0}, "--natneg-linger): must be > 0"),
+        ({"natneg__rate_limit": -1.0}, "--natneg-rate-limit): must be >= 0"),
+    ],
+)
+def test_bad_settings_name_their_flag(override: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        default_config(loopback_config(**override))
+    assert message in str(refused.value)
+
+
 async def test_disabled_by_seed_config(natneg: Starter, tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"natneg": {"enabled": False}}))
