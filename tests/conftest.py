@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -172,6 +173,18 @@ def loopback_config(**overrides: Any) -> dict[str, Any]:
                 values[f"{section}.{f.name}"] = 0
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
     return values
+
+
+def serve_command(
+    only: str, *args: str, host: str = "127.0.0.1", http_port: int = 0
+) -> list[str]:
+    """The command line of a ``crossroads serve`` process a test starts: the
+    ``only`` services on ``host``, HTTP on ``http_port`` (0: any free port),
+    then ``args``."""
+    return [
+        sys.executable, "-m", "crossroads", "serve", "--only", only,
+        "--host", host, "--http-port", str(http_port), *args,
+    ]  # fmt: skip
 
 
 S = TypeVar("S")

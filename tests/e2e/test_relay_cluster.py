@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 from crossroads.client.relay import Allocation, RelayApi, RelayApiError, RelayConnection
 from crossroads.services.relay import RelayService
 from crossroads.services.relay_allocations import node_key
-from tests.conftest import running_service
+from tests.conftest import running_service, serve_command
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
@@ -48,16 +47,7 @@ async def step(
 def start_node_b(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as output:  # the child keeps its own descriptor
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "crossroads",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--http-port",
-                "0",
-                "--only",
+            serve_command(
                 "relay",
                 "--store",
                 redis_url,
@@ -71,7 +61,7 @@ def start_node_b(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
                 "--relay-heartbeat",
                 str(HEARTBEAT),
                 "--relay-allow-private-peers",
-            ],
+            ),
             stdout=output,
             stderr=subprocess.STDOUT,
         )
