@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -117,21 +118,28 @@ def _show_nat(client: P2PClient) -> None:
         )
 
 
-def _client(
-    server: str, relay: str, portmap: bool, stun: tuple[str, int] | None, bind: str
-) -> P2PClient:
-    return P2PClient(server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0))
+@dataclass(frozen=True, slots=True)
+class _ClientSettings:
+    """The options ``host`` and ``join`` share: how this peer's client is made."""
+
+    server: str
+    relay: str
+    portmap: bool
+    stun: tuple[str, int] | None
+    bind: str
+
+    def client(self) -> P2PClient:
+        return P2PClient(
+            self.server,
+            relay=self.relay,
+            portmap=self.portmap,
+            stun=self.stun,
+            bind=(self.bind, 0),
+        )
 
 
-async def _host(
-    server: str,
-    relay: str,
-    portmap: bool,
-    max_members: int,
-    stun: tuple[str, int] | None,
-    bind: str,
-) -> None:
-    async with _client(server, relay, portmap, stun, bind) as client:
+async def _host(settings: _ClientSettings, max_members: int) -> None:
+    async with settings.client() as client:
         _show_nat(client)
         code = await client.host(max_members)
         _out(f"invite code: {code}")
@@ -141,15 +149,8 @@ async def _host(
         await _chat(client)
 
 
-async def _join(
-    server: str,
-    code: str,
-    relay: str,
-    portmap: bool,
-    stun: tuple[str, int] | None,
-    bind: str,
-) -> None:
-    async with _client(server, relay, portmap, stun, bind) as client:
+async def _join(settings: _ClientSettings, code: str) -> None:
+    async with settings.client() as client:
         _show_nat(client)
         await client.join(code)
         for peer, link in client.links.items():
@@ -212,7 +213,11 @@ def host(
     bind: str,
 ) -> None:
     """Create a p2p session, print its invite code, chat with whoever joins."""
-    run_async(_host(server, relay, portmap, max_members, _address(stun), bind))
+    run_async(
+        _host(
+            _ClientSettings(server, relay, portmap, _address(stun), bind), max_members
+        )
+    )
 
 
 @click.command("join")
@@ -223,7 +228,9 @@ def join(
 ) -> None:
     """Join the p2p session behind CODE and chat with its members."""
     try:
-        run_async(_join(server, code, relay, portmap, _address(stun), bind))
+        run_async(
+            _join(_ClientSettings(server, relay, portmap, _address(stun), bind), code)
+        )
     except Exception as exc:  # noqa: BLE001 - one line for the user, exit 1
         click.echo(f"crossroads join: {exc}", err=True)
         sys.exit(1)
