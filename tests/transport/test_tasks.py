@@ -1,5 +1,6 @@
-"""cancel_and_wait: a background task is over when close returns; Sweeper:
-a periodic sweep started once and stopped on close."""
+"""cancel_and_wait and stop_task: a background task is over when close returns,
+even one that swallowed a cancellation; Sweeper: a periodic sweep started once
+and stopped on close."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 
 import pytest
 
+from crossroads.services.base import stop_task
 from crossroads.transport.tasks import Sweeper, cancel_and_wait
 from tests.conftest import eventually
 
@@ -35,6 +37,49 @@ async def test_a_task_that_crashed_is_reported() -> None:
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="sweep failed"):
         await cancel_and_wait(task)
+
+
+async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:
+    """As redis-py can, cancelled in the middle of a command: the loop goes on
+    after the first CancelledError. Close must still end it, not wait forever."""
+    swallowed: list[int] = []
+
+    async def stubborn_heartbeat() -> None:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(1)
+                    continue  # the first one is lost
+                raise
+
+    for stop in (cancel_and_wait, stop_task):
+        swallowed.clear()
+        task = asyncio.create_task(stubborn_heartbeat())
+        await asyncio.sleep(0)
+        stopping = asyncio.create_task(stop(task))
+
+        async def stopped(stopping: asyncio.Task[None] = stopping) -> bool:
+            return stopping.done()
+
+        try:
+            await eventually(stopped, f"{stop.__name__} ended the task")
+        finally:
+            for leftover in (stopping, task):
+                leftover.cancel()
+        await stopping
+        assert task.cancelled() and swallowed == [1]
+
+
+async def test_stop_task_does_not_raise_what_the_task_failed_with() -> None:
+    async def broken() -> None:
+        raise RuntimeError("heartbeat failed")
+
+    task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    await stop_task(task)
+    assert isinstance(task.exception(), RuntimeError)
 
 
 async def test_the_sweeper_sweeps_with_loop_time_until_stopped() -> None:

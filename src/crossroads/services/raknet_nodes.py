@@ -52,8 +52,8 @@ from crossroads.proto.raknet.udpproxy import (
     RemoteForwardingRequest,
     UDPProxyCoordinator,
 )
-from crossroads.services.base import stop_task
 from crossroads.store.base import Store, Subscription
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.raknet")
@@ -121,9 +121,7 @@ class RelayNodes:
 
     async def close(self) -> None:
         for task in self._tasks:
-            # stop_task, not a single cancel: these loops await the store,
-            # and redis-py can swallow a CancelledError (see stop_task).
-            await stop_task(task)
+            await cancel_and_wait(task)
         self._tasks.clear()
         if self._subscription is not None:
             with contextlib.suppress(Exception):

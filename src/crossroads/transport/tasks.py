@@ -1,20 +1,33 @@
-"""Stopping a background task (a sweeper, a sampler) on close."""
+"""Stopping a background task (a sweeper, a sampler, a heartbeat) on close."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
+
+
+async def cancel_until_done(task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` until it has ended.
+
+    Once is not always enough: cancelled in the middle of a store command,
+    redis-py can swallow the CancelledError (seen right after a Redis restart),
+    and a heartbeat loop then went back to sleep while its close waited for it
+    forever. So cancel again until the task is done. (A cancellation of the
+    caller itself is not swallowed: it propagates out of the wait.)
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
     """Cancel ``task`` and wait until it has ended, so that nothing it does
     outlives the close that stopped it. Its cancellation is swallowed; any other
     exception it ended with propagates (a crashed sweeper is a bug to see)."""
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    await cancel_until_done(task)
+    if not task.cancelled():
+        task.result()
 
 
 class Sweeper:
