@@ -8,7 +8,6 @@ Lines go peer to peer, sealed end to end; the server only introduced the peers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ from crossroads.client.p2p import (
     P2PClient,
 )
 from crossroads.proto.punch import signalling as sig
+from crossroads.transport.tasks import cancel_and_wait
 
 DEFAULT_SERVER = "ws://127.0.0.1:8080/p2p/v1/ws"
 
@@ -92,11 +92,7 @@ async def _chat(client: P2PClient) -> None:
         # Give the last lines a moment to leave before the links close.
         await asyncio.sleep(0.5)
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
 
 
 def _address(text: str | None) -> tuple[str, int] | None:
