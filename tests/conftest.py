@@ -7,10 +7,11 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -172,6 +173,28 @@ def loopback_config(**overrides: Any) -> dict[str, Any]:
                 values[f"{section}.{f.name}"] = 0
     values.update({k.replace("__", "."): v for k, v in overrides.items()})
     return values
+
+
+def serve_command(
+    only: str, *args: str, host: str = "127.0.0.1", http_port: int = 0
+) -> list[str]:
+    """The command line of a ``crossroads serve`` process a test starts: the
+    ``only`` services on ``host``, HTTP on ``http_port`` (0: any free port),
+    then ``args``."""
+    return [
+        sys.executable, "-m", "crossroads", "serve", "--only", only,
+        "--host", host, "--http-port", str(http_port), *args,
+    ]  # fmt: skip
+
+
+S = TypeVar("S")
+
+
+def running_service(rt: Runtime, name: str, cls: type[S]) -> S:
+    """The running service ``name`` of a runtime, checked to be a ``cls``."""
+    service = rt.services[name]
+    assert isinstance(service, cls), service
+    return service
 
 
 @pytest.fixture

@@ -94,6 +94,23 @@ def test_lists_and_bools_from_env() -> None:
             {"flags": {"core.tls_cert": "cert.pem"}},
             "tls_cert: --tls-cert and --tls-key go together",
         ),
+        # The shared checks (config.check_*), which the services use too.
+        (
+            {"flags": {"core.http_max_connections": "0"}},
+            "http_max_connections (--http-max-connections): must be > 0",
+        ),
+        (
+            {"flags": {"core.http_request_timeout": "-1.5"}},
+            "http_request_timeout (--http-request-timeout): must be > 0",
+        ),
+        (
+            {"flags": {"core.reflection_allowance": "-1"}},
+            "reflection_allowance (--reflection-allowance): must be >= 0",
+        ),
+        (
+            {"flags": {"core.trusted_proxies": ["10.0.0.0/8", "proxy"]}},
+            "'proxy' is not an address or CIDR range",
+        ),
     ],
 )
 def test_errors_name_the_key(kwargs: dict[str, object], message: str) -> None:

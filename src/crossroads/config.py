@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from crossroads.errors import ConfigError
+from crossroads.proto.policy import parse_networks
 
 Kind = Literal["str", "int", "port", "float", "bool", "host", "list", "port_range"]
 
@@ -185,14 +186,25 @@ CONVERTERS: dict[Kind, Callable[[object], Any]] = {
 # ------------------------------------------------------------------ core section
 
 
-def _check_positive_int(value: int) -> None:
+# Checks shared by every section's ``setting(check=...)`` (the service modules
+# use them too): one wording for one rule.
+
+
+def check_positive(value: float) -> None:
+    """A count, size or duration that must be above zero."""
     if value <= 0:
         raise ValueError("must be > 0")
 
 
-def _check_positive_float(value: float) -> None:
-    if value <= 0:
-        raise ValueError("must be > 0")
+def check_non_negative(value: float) -> None:
+    """A limit or allowance where 0 is meaningful (usually: none)."""
+    if value < 0:
+        raise ValueError("must be >= 0")
+
+
+def check_networks(values: tuple[str, ...]) -> None:
+    """Addresses or CIDR networks, parsed as their consumers parse them."""
+    parse_networks(values)
 
 
 def _check_store(url: str) -> None:
@@ -210,22 +222,9 @@ def _check_log_format(value: str) -> None:
         raise ValueError(f"{value!r} is not 'text' or 'json'")
 
 
-def _check_non_negative(value: float) -> None:
-    if value < 0:
-        raise ValueError("must be >= 0")
-
-
 def _check_port_or_off(value: int) -> None:
     if not 0 <= value <= 65535:
         raise ValueError("must be a port (1-65535), or 0 for none")
-
-
-def _check_networks(values: tuple[str, ...]) -> None:
-    for value in values:
-        try:
-            ipaddress.ip_network(value, strict=False)
-        except ValueError:
-            raise ValueError(f"{value!r} is not an address or CIDR") from None
 
 
 def _check_log_level(level: str) -> None:
@@ -288,39 +287,39 @@ class CoreConfig:
     reflection_allowance: int = setting(
         4096,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Bytes per 10 s a source IP may be sent beyond what it sent (per service).",
     )
     reflection_global_allowance: int = setting(
         16 * 1024 * 1024,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Bytes per 10 s all sources together may be sent beyond what they sent "
         "(per service): the most a flood of spoofed sources can be amplified.",
     )
     reflection_max_sources: int = setting(
         65_536,
         kind="int",
-        check=_check_positive_int,
+        check=check_positive,
         help="Source IPs each service's reflection ledger tracks per 10 s.",
     )
     http_max_connections: int = setting(
         10_000,
         kind="int",
-        check=_check_positive_int,
+        check=check_positive,
         help="Concurrent HTTP connections, WebSockets included (also capped by "
         "the descriptor share of the port, see docs/security.md).",
     )
     http_max_connections_per_ip: int = setting(
         128,
         kind="int",
-        check=_check_positive_int,
+        check=check_positive,
         help="Concurrent HTTP connections from one IPv4 address or IPv6 /64.",
     )
     http_request_timeout: float = setting(
         20.0,
         kind="float",
-        check=_check_positive_float,
+        check=check_positive,
         help="Seconds a client has to send a whole request (headers and body) "
         "after connecting or after the previous response (slowloris).",
     )
@@ -329,14 +328,14 @@ class CoreConfig:
     guess_per_source: float = setting(
         30.0,
         kind="float",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Failed code lookups or API keys per minute per source IP (IPv6: per "
         "/64), a minute's worth in a row (0 = no limit).",
     )
     guess_global: float = setting(
         10.0,
         kind="float",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Failed code lookups or API keys per second for this whole instance, "
         "ten seconds' worth in a row (0 = no limit).",
     )
@@ -353,7 +352,7 @@ class CoreConfig:
         kind="list",
         flag="--trusted-proxy",
         env="CROSSROADS_TRUSTED_PROXIES",
-        check=_check_networks,
+        check=check_networks,
         help="Address or CIDR of a reverse proxy in front of the HTTP port "
         "(repeatable). Only from these is X-Forwarded-For believed: the client "
         "is its rightmost address that is not a trusted proxy (per-IP limits, "
@@ -376,7 +375,7 @@ class CoreConfig:
     workers: int = setting(
         0,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Worker processes (0 = auto: one per core with a Redis --store and "
         "a fixed --stun-port, else 1). Extra workers serve STUN/TURN over UDP, "
         "and a relay node each with Redis; the rest stays in worker 0.",
@@ -437,7 +436,15 @@ class Config:
         return not self.core.only or service in self.core.only
 
 
-def _convert(section: str, f: dataclasses.Field[Any], raw: object, source: str) -> Any:
+def convert_setting(
+    section: str, f: dataclasses.Field[Any], raw: object, source: str
+) -> Any:
+    """``raw`` (a flag's text, an environment variable, a TOML or JSON value)
+    converted and checked as the setting ``f`` of ``section`` declares.
+
+    Raises:
+        ConfigError: naming the key and ``source``.
+    """
     info = setting_info(f)
     key = f.name if section == "core" else f"{section}.{f.name}"
     try:
@@ -512,12 +519,16 @@ def build_config(
         for f in dataclasses.fields(cls):
             key = f"{name}.{f.name}"
             if key in flags:
-                kwargs[f.name] = _convert(name, f, flags[key], flag_name(name, f))
+                kwargs[f.name] = convert_setting(
+                    name, f, flags[key], flag_name(name, f)
+                )
             elif env_name(name, f) in env:
                 variable = env_name(name, f)
-                kwargs[f.name] = _convert(name, f, env[variable], variable)
+                kwargs[f.name] = convert_setting(name, f, env[variable], variable)
             elif f.name in file_section:
-                kwargs[f.name] = _convert(name, f, file_section[f.name], file_name)
+                kwargs[f.name] = convert_setting(
+                    name, f, file_section[f.name], file_name
+                )
         try:
             built[name] = cls(**kwargs)
         except ValueError as exc:

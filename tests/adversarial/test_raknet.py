@@ -25,7 +25,7 @@ from crossroads.proto.raknet.reliability import (
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
 from crossroads.types import Address
-from tests.conftest import eventually, loopback_config
+from tests.conftest import eventually, loopback_config, running_service
 from tests.interop.raknet_support import RakNetPeer
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,9 +49,7 @@ async def rt() -> AsyncIterator[Runtime]:
 
 
 def service_of(rt: Runtime) -> RakNetService:
-    service = rt.services["raknet"]
-    assert isinstance(service, RakNetService)
-    return service
+    return running_service(rt, "raknet", RakNetService)
 
 
 async def honest_peer_still_served(peer: RakNetPeer) -> None:

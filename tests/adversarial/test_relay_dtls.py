@@ -23,28 +23,22 @@ from crossroads.proto.dtls.client import DtlsClient
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from tests.conftest import eventually
 from tests.dtls_psk_support import DtlsPeer
-from tests.e2e.relay_support import api, base_url, metric, relay_runtime
+from tests.e2e.relay_support import (
+    allocate,
+    api,
+    base_url,
+    endpoint_address,
+    metric,
+    relay_runtime,
+)
 from tests.proto.dtls.support import CLIENT, Wire, make_client, make_server
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def dtls_endpoint(allocation: dict[str, Any]) -> tuple[str, int]:
-    (found,) = [
-        e for e in allocation["serverEndpoints"] if e["connectionType"] == "dtls"
-    ]
-    return found["host"], found["port"]
-
-
 async def metrics(rt: Any) -> str:
     async with httpx.AsyncClient(base_url=base_url(rt)) as http:
         return (await http.get("/metrics")).text
-
-
-async def allocation(http: httpx.AsyncClient) -> dict[str, Any]:
-    body = (await http.post("/v1/allocate", json={"maxConnections": 1})).json()
-    result: dict[str, Any] = body["data"]["allocation"]
-    return result
 
 
 def first_hello() -> bytes:
@@ -56,7 +50,7 @@ def first_hello() -> bytes:
 
 async def test_client_hello_flood_gets_only_small_verify_requests() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        server = dtls_endpoint(await allocation(http))
+        server = endpoint_address(await allocate(http, 1), "dtls")
         socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(50)]
         loop = asyncio.get_running_loop()
         try:
@@ -87,8 +81,8 @@ async def test_client_hello_flood_gets_only_small_verify_requests() -> None:
 
 async def test_garbage_and_truncated_records_are_counted_and_harmless() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        alloc = await allocation(http)
-        server = dtls_endpoint(alloc)
+        alloc = await allocate(http, 1)
+        server = endpoint_address(alloc, "dtls")
         hello = first_hello()
         junk = [
             b"",
@@ -124,8 +118,8 @@ async def test_garbage_and_truncated_records_are_counted_and_harmless() -> None:
 
 async def test_renegotiation_is_refused_and_the_session_survives() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        alloc = await allocation(http)
-        server = dtls_endpoint(alloc)
+        alloc = await allocate(http, 1)
+        server = endpoint_address(alloc, "dtls")
         peer = DtlsPeer(
             server,
             base64.b64decode(alloc["allocationIdBytes"]),
@@ -173,8 +167,8 @@ async def half_open(
 
 async def test_slow_handshakes_are_capped_per_ip() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        alloc = await allocation(http)
-        server = dtls_endpoint(alloc)
+        alloc = await allocate(http, 1)
+        server = endpoint_address(alloc, "dtls")
         socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(10)]
         try:
             for sock in socks[:8]:

@@ -35,14 +35,17 @@ from tests.conftest import eventually
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
     RawPeer,
+    allocate_pair,
+    allocation_id,
     api,
     metric,
+    raw_accepted,
     raw_bind,
     raw_connect,
     raw_relay,
     relay_runtime,
+    server_endpoint,
 )
-from tests.e2e.test_relay_websocket import endpoint, pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,7 +178,7 @@ async def test_unitys_request_gets_a_bare_101() -> None:
     answer, even an empty one: offered ones are declined, and the connection
     still carries relay messages."""
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        allocation, _ = await pair(http)
+        allocation, _ = await allocate_pair(http)
         host, port = ws_address(rt)
         for nonce, extra in enumerate(
             [
@@ -243,7 +246,7 @@ async def test_bad_frames_close_the_connection(
 
 async def test_fragmented_binary_message_is_one_relay_message() -> None:
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        allocation, _ = await pair(http)
+        allocation, _ = await allocate_pair(http)
         host, port = ws_address(rt)
         bind = raw_bind(allocation, nonce=0)
         async with raw_ws((host, port)) as ws:
@@ -260,7 +263,7 @@ async def test_frames_in_the_same_write_as_the_request() -> None:
     """A client may send its first frames right behind the upgrade request;
     they count, and nothing after a text frame does."""
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        allocation, _ = await pair(http)
+        allocation, _ = await allocate_pair(http)
         host, port = ws_address(rt)
         async with raw_ws((host, port)) as ws:
             ws.send(
@@ -274,7 +277,7 @@ async def test_frames_in_the_same_write_as_the_request() -> None:
             assert await ws.close_code() == 1003
             assert await ws.closed_by_server()
         node = rt.services["relay"].node  # type: ignore[attr-defined]
-        bound = node.core.allocations[base64.b64decode(allocation["allocationIdBytes"])]
+        bound = node.core.allocations[allocation_id(allocation)]
         assert bound.last_nonce == 0  # the BIND after the text frame was not taken
 
 
@@ -356,10 +359,10 @@ async def udp_host_and_ws_joiner(
 ) -> AsyncIterator[tuple[RawPeer, RawWebSocket, bytes, bytes]]:
     """A host on UDP and a joiner over ws, bound and connected: (host, joiner,
     host id, joiner id). ``receive_buffer`` shrinks the joiner's SO_RCVBUF."""
-    host_alloc, join_alloc = await pair(http)
-    udp = endpoint(host_alloc, "udp")
-    hid = base64.b64decode(host_alloc["allocationIdBytes"])
-    jid = base64.b64decode(join_alloc["allocationIdBytes"])
+    host_alloc, join_alloc = await allocate_pair(http)
+    udp = server_endpoint(host_alloc, "udp")
+    hid = allocation_id(host_alloc)
+    jid = allocation_id(join_alloc)
     host = RawPeer((udp["host"], udp["port"]))
     address = ws_address(rt)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -381,7 +384,7 @@ async def udp_host_and_ws_joiner(
         assert await joiner.recv_frame() == (2, BIND_RECEIVED)
         host_data = base64.b64decode(join_alloc["hostConnectionData"])
         joiner.send(frame(2, raw_connect(jid, host_data)))
-        assert await joiner.recv_frame() == (2, b"\xda\x72\x00\x06" + hid + jid)
+        assert await joiner.recv_frame() == (2, raw_accepted(hid, jid))
         yield host, joiner, hid, jid
     finally:
         host.close()

@@ -15,7 +15,6 @@ import base64
 import logging
 import signal
 import subprocess
-import sys
 import uuid
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -33,7 +32,7 @@ from tests.adversarial.h12_store_support import (
     redis_get,
     redis_set,
 )
-from tests.conftest import RedisServer, eventually, free_port
+from tests.conftest import RedisServer, eventually, free_port, serve_command
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
     RawPeer,
@@ -237,16 +236,7 @@ def start_coordinator(redis_url: str, port: int, log: Path) -> subprocess.Popen[
     """A second OpenTTD coordinator instance, as its own process (kill -9 able)."""
     with log.open("wb") as output:  # the child keeps its own descriptor
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "crossroads",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--http-port",
-                "0",
-                "--only",
+            serve_command(
                 "openttd",
                 "--store",
                 redis_url,
@@ -258,7 +248,7 @@ def start_coordinator(redis_url: str, port: int, log: Path) -> subprocess.Popen[
                 "0",
                 "--openttd-instance-heartbeat",
                 str(INSTANCE_HEARTBEAT),
-            ],
+            ),
             stdout=output,
             stderr=subprocess.STDOUT,
         )

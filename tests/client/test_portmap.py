@@ -24,6 +24,7 @@ from tests.client.gateway_lab import (
     available,
     inside,
 )
+from tests.conftest import serve_command
 
 pytestmark = [
     pytest.mark.interop,
@@ -97,22 +98,17 @@ def server(gateway: GatewayLab) -> Iterator[str]:
     port = 8700 + int(gateway.tag, 16) % 1000
     gateway.spawn(
         gateway.wan,
-        sys.executable,
-        "-m",
-        "crossroads",
-        "serve",
-        "--only",
-        "p2p",
-        "--host",
-        WAN_IP,
-        "--http-port",
-        str(port),
-        "--p2p-port",
-        "3490",
-        "--p2p-alt-port",
-        "3491",
-        "--p2p-alt-port2",
-        "3492",
+        *serve_command(
+            "p2p",
+            "--p2p-port",
+            "3490",
+            "--p2p-alt-port",
+            "3491",
+            "--p2p-alt-port2",
+            "3492",
+            host=WAN_IP,
+            http_port=port,
+        ),
         log="serve.log",
     )
     url = f"http://{WAN_IP}:{port}/healthz"

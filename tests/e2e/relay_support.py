@@ -55,6 +55,47 @@ def api(rt: Runtime) -> httpx.AsyncClient:
     )
 
 
+def server_endpoint(allocation: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The one ``serverEndpoints`` entry of ``kind`` (udp, dtls, ws, wss), as
+    Unity picks it."""
+    found = [e for e in allocation["serverEndpoints"] if e["connectionType"] == kind]
+    assert len(found) == 1, allocation["serverEndpoints"]
+    return found[0]
+
+
+def endpoint_address(allocation: dict[str, Any], kind: str) -> tuple[str, int]:
+    """(host, port) of the ``kind`` endpoint of an allocation."""
+    entry = server_endpoint(allocation, kind)
+    return entry["host"], entry["port"]
+
+
+async def allocate(http: httpx.AsyncClient, max_connections: int) -> dict[str, Any]:
+    """A host allocation (the ``allocation`` object of the response)."""
+    body = {"maxConnections": max_connections}
+    result: dict[str, Any] = (await http.post("/v1/allocate", json=body)).json()[
+        "data"
+    ]["allocation"]
+    return result
+
+
+async def allocate_pair(
+    http: httpx.AsyncClient, max_connections: int = 2
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A host allocation and a joiner's allocation of it, through its join code."""
+    host = await allocate(http, max_connections)
+    body = {"allocationId": host["allocationId"]}
+    code = (await http.post("/v1/joincode", json=body)).json()["data"]["joinCode"]
+    joiner = (await http.post("/v1/join", json={"joinCode": code})).json()["data"][
+        "allocation"
+    ]
+    return host, joiner
+
+
+def allocation_id(allocation: dict[str, Any]) -> bytes:
+    """The 16 raw bytes of ``allocationIdBytes``, as relay messages carry them."""
+    return base64.b64decode(allocation["allocationIdBytes"])
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The value of one sample in a Prometheus text page (0 when absent)."""
     wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
@@ -106,6 +147,11 @@ def raw_relay(from_id: bytes, to_id: bytes, payload: bytes) -> bytes:
         + struct.pack(">H", len(payload))
         + payload
     )
+
+
+def raw_accepted(host_id: bytes, joiner_id: bytes) -> bytes:
+    """ACCEPTED (type 6): the relay's answer to a joiner's CONNECT_REQUEST."""
+    return b"\xda\x72\x00\x06" + host_id + joiner_id
 
 
 def raw_error(allocation_id: bytes, code: int) -> bytes:

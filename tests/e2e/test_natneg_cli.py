@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, serve_command
 from tests.services.natneg_sdk import negotiate_on_loopback
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,22 +52,9 @@ def serve(tmp_path: Path) -> Iterator[tuple[int, subprocess.Popen[str]]]:
         )
     )
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "crossroads",
-            "serve",
-            "--only",
-            "natneg",
-            "--host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--natneg-probe-port",
-            "0",
-            "--natneg-config-json",
-            str(config),
-        ],
+        serve_command(
+            "natneg", "--natneg-probe-port", "0", "--natneg-config-json", str(config)
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -96,20 +82,7 @@ def test_bad_config_json_exits_with_code_2(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"natneg": {"port": "not a port"}}))
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "crossroads",
-            "serve",
-            "--only",
-            "natneg",
-            "--host",
-            "127.0.0.1",
-            "--http-port",
-            "0",
-            "--natneg-config-json",
-            str(config),
-        ],
+        serve_command("natneg", "--natneg-config-json", str(config)),
         capture_output=True,
         text=True,
         timeout=30,

@@ -16,13 +16,19 @@ from crossroads.client.relay import (
     RelayRejected,
 )
 from crossroads.proto.relay.client import RelayClientConfig
+from crossroads.services.relay import RelayService
+from tests.conftest import running_service
 from tests.e2e.relay_support import (
     API_KEY,
     BIND_RECEIVED,
     RawPeer,
+    allocate,
+    allocate_pair,
+    allocation_id,
     api,
     base_url,
     metric,
+    raw_accepted,
     raw_bind,
     raw_connect,
     raw_error,
@@ -81,14 +87,7 @@ async def test_host_and_several_clients_exchange_data() -> None:
 
 async def test_raw_unity_bytes_client_joins_a_python_host() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocated = (await http.post("/v1/allocate", json={"maxConnections": 2})).json()
-        host_alloc = allocated["data"]["allocation"]
-        code = await http.post(
-            "/v1/joincode", json={"allocationId": host_alloc["allocationId"]}
-        )
-        join_code = code.json()["data"]["joinCode"]
-        joined = (await http.post("/v1/join", json={"joinCode": join_code})).json()
-        raw_alloc = joined["data"]["allocation"]
+        host_alloc, raw_alloc = await allocate_pair(http)
         endpoint = raw_alloc["serverEndpoints"][0]
         assert endpoint["connectionType"] == "udp"
         server = (endpoint["host"], endpoint["port"])
@@ -103,12 +102,12 @@ async def test_raw_unity_bytes_client_joins_a_python_host() -> None:
         # ... the joiner is bytes written from the reference tables.
         peer = RawPeer(server)
         try:
-            my_id = base64.b64decode(raw_alloc["allocationIdBytes"])
-            host_id = base64.b64decode(host_alloc["allocationIdBytes"])
+            my_id = allocation_id(raw_alloc)
+            host_id = allocation_id(host_alloc)
             assert await peer.request(raw_bind(raw_alloc, nonce=0)) == BIND_RECEIVED
             host_data = base64.b64decode(raw_alloc["hostConnectionData"])
             accepted = await peer.request(raw_connect(my_id, host_data))
-            assert accepted == b"\xda\x72\x00\x06" + host_id + my_id
+            assert accepted == raw_accepted(host_id, my_id)
             peer.send(raw_relay(my_id, host_id, b"raw hello"))
             assert await host.recv(timeout=5) == (my_id, b"raw hello")
             host.send(my_id, b"python reply")
@@ -126,9 +125,7 @@ async def test_raw_unity_bytes_client_joins_a_python_host() -> None:
 
 async def test_raw_host_and_raw_joiner() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        host_alloc = (
-            await http.post("/v1/allocate", json={"maxConnections": 1})
-        ).json()["data"]["allocation"]
+        host_alloc = await allocate(http, 1)
         server = (host_alloc["relayServer"]["ipV4"], host_alloc["relayServer"]["port"])
         host, joiner = RawPeer(server), RawPeer(server)
         try:
@@ -141,12 +138,12 @@ async def test_raw_host_and_raw_joiner() -> None:
             join_alloc = (await http.post("/v1/join", json={"joinCode": code})).json()[
                 "data"
             ]["allocation"]
-            hid = base64.b64decode(host_alloc["allocationIdBytes"])
-            jid = base64.b64decode(join_alloc["allocationIdBytes"])
+            hid = allocation_id(host_alloc)
+            jid = allocation_id(join_alloc)
             assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
             host_data = base64.b64decode(join_alloc["hostConnectionData"])
             assert await joiner.request(raw_connect(jid, host_data)) == (
-                b"\xda\x72\x00\x06" + hid + jid
+                raw_accepted(hid, jid)
             )
             for size in (0, 1, 1200, 8000):
                 payload = os.urandom(size)
@@ -206,7 +203,7 @@ async def test_timeouts_free_the_slot() -> None:
         relay_runtime(relay__idle_timeout=0.6, relay__host_alone_timeout=1.5) as rt,
         RelayApi(base_url(rt), API_KEY) as relay_api,
     ):
-        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        node = running_service(rt, "relay", RelayService).node
         allocation = await relay_api.allocate(max_connections=1)
         code = await relay_api.join_code(allocation.allocation_id)
         host = await RelayConnection.open(allocation, config=FAST)
@@ -254,10 +251,10 @@ async def test_bind_deadline_and_host_alone_timeout() -> None:
         try:
             assert await b.request(raw_bind(lonely, nonce=0)) == BIND_RECEIVED
             await asyncio.sleep(0.4)  # let the bind deadline of `late` pass
-            late_id = base64.b64decode(late["allocationIdBytes"])
+            late_id = allocation_id(late)
             assert await a.request(raw_bind(late, nonce=0)) == raw_error(late_id, 4)
             # The lonely host says nothing more: the relay times it out with ERROR 1.
-            lonely_id = base64.b64decode(lonely["allocationIdBytes"])
+            lonely_id = allocation_id(lonely)
             assert await b.recv(timeout=5) == raw_error(lonely_id, 1)
             # Its join code is gone with it.
             response = await http.post(
@@ -307,28 +304,14 @@ async def test_client_address_change_rebinds() -> None:
 async def session(
     http: httpx.AsyncClient,
 ) -> tuple[RawPeer, RawPeer, bytes, bytes, dict[str, Any], dict[str, Any]]:
-    host_alloc = (await http.post("/v1/allocate", json={"maxConnections": 2})).json()[
-        "data"
-    ]["allocation"]
+    host_alloc, join_alloc = await allocate_pair(http)
     server = (host_alloc["relayServer"]["ipV4"], host_alloc["relayServer"]["port"])
-    code = (
-        await http.post(
-            "/v1/joincode", json={"allocationId": host_alloc["allocationId"]}
-        )
-    ).json()["data"]["joinCode"]
-    join_alloc = (await http.post("/v1/join", json={"joinCode": code})).json()["data"][
-        "allocation"
-    ]
     host, joiner = RawPeer(server), RawPeer(server)
-    hid = base64.b64decode(host_alloc["allocationIdBytes"])
-    jid = base64.b64decode(join_alloc["allocationIdBytes"])
+    hid, jid = allocation_id(host_alloc), allocation_id(join_alloc)
     assert await host.request(raw_bind(host_alloc, 0)) == BIND_RECEIVED
     assert await joiner.request(raw_bind(join_alloc, 0)) == BIND_RECEIVED
     host_data = base64.b64decode(join_alloc["hostConnectionData"])
-    assert (
-        await joiner.request(raw_connect(jid, host_data))
-        == b"\xda\x72\x00\x06" + hid + jid
-    )
+    assert await joiner.request(raw_connect(jid, host_data)) == raw_accepted(hid, jid)
     return host, joiner, hid, jid, host_alloc, join_alloc
 
 

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +19,9 @@ from typing import Any
 import pytest
 
 from crossroads.client.relay import Allocation, RelayApi, RelayApiError, RelayConnection
+from crossroads.services.relay import RelayService
 from crossroads.services.relay_allocations import node_key
+from tests.conftest import running_service, serve_command
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(90)]
@@ -46,16 +47,7 @@ async def step(
 def start_node_b(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as output:  # the child keeps its own descriptor
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "crossroads",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--http-port",
-                "0",
-                "--only",
+            serve_command(
                 "relay",
                 "--store",
                 redis_url,
@@ -69,7 +61,7 @@ def start_node_b(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
                 "--relay-heartbeat",
                 str(HEARTBEAT),
                 "--relay-allow-private-peers",
-            ],
+            ),
             stdout=output,
             stderr=subprocess.STDOUT,
         )
@@ -97,7 +89,7 @@ async def test_two_nodes_share_load_and_a_dead_node_is_avoided(
                     raw_b = await rt.store.get(node_key("node-b"))
                     await asyncio.sleep(0.05)
             port_b = json.loads(raw_b)["port"]
-            node_a = rt.services["relay"].node  # type: ignore[attr-defined]
+            node_a = running_service(rt, "relay", RelayService).node
             port_a = node_a.info.port
             names = {port_a: "node-a", port_b: "node-b"}
 
@@ -174,7 +166,7 @@ async def test_api_only_and_node_only_runtimes(redis_url: str) -> None:
             )
             await player.bind()
             await player.connect()
-            host_node = node_rt.services["relay"].node  # type: ignore[attr-defined]
+            host_node = running_service(node_rt, "relay", RelayService).node
             assert host_node.core.connections == 1
             await player.close()
             await host.close()

@@ -23,15 +23,20 @@ import pytest
 from crossroads.client.relay import RelayApi, RelayConnection, RelayConnectionError
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from crossroads.proto.relay.token import TokenSealer
-from tests.conftest import eventually
+from crossroads.services.relay import RelayService
+from tests.conftest import eventually, running_service
 from tests.dtls_psk_support import DtlsPeer
 from tests.e2e.relay_support import (
     API_KEY,
     BIND_RECEIVED,
     RawPeer,
+    allocate_pair,
+    allocation_id,
     api,
     base_url,
+    endpoint_address,
     metric,
+    raw_accepted,
     raw_bind,
     raw_connect,
     raw_relay,
@@ -39,11 +44,6 @@ from tests.e2e.relay_support import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def endpoint(allocation: dict[str, Any], kind: str) -> tuple[str, int]:
-    (found,) = [e for e in allocation["serverEndpoints"] if e["connectionType"] == kind]
-    return found["host"], found["port"]
 
 
 async def request(peer: DtlsPeer, data: bytes, attempts: int = 3) -> bytes:
@@ -58,25 +58,10 @@ async def request(peer: DtlsPeer, data: bytes, attempts: int = 3) -> bytes:
     raise AssertionError("unreachable")
 
 
-async def allocate_pair(
-    http: httpx.AsyncClient,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    host = (await http.post("/v1/allocate", json={"maxConnections": 2})).json()["data"][
-        "allocation"
-    ]
-    code = (
-        await http.post("/v1/joincode", json={"allocationId": host["allocationId"]})
-    ).json()["data"]["joinCode"]
-    joiner = (await http.post("/v1/join", json={"joinCode": code})).json()["data"][
-        "allocation"
-    ]
-    return host, joiner
-
-
 def ids(allocation: dict[str, Any]) -> tuple[bytes, bytes]:
     """(raw allocationIdBytes, 64-byte key)."""
     return (
-        base64.b64decode(allocation["allocationIdBytes"]),
+        allocation_id(allocation),
         base64.b64decode(allocation["key"]),
     )
 
@@ -96,15 +81,15 @@ async def dtls_host_udp_joiner(http: httpx.AsyncClient) -> AsyncIterator[Session
     host_alloc, join_alloc = await allocate_pair(http)
     hid, host_key = ids(host_alloc)
     jid, _ = ids(join_alloc)
-    host = DtlsPeer(endpoint(host_alloc, "dtls"), hid, host_key)
-    joiner = RawPeer(endpoint(join_alloc, "udp"))
+    host = DtlsPeer(endpoint_address(host_alloc, "dtls"), hid, host_key)
+    joiner = RawPeer(endpoint_address(join_alloc, "udp"))
     try:
         assert isinstance(await host.handshake(), Established)
         assert await request(host, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
         assert await joiner.request(raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
         host_data = base64.b64decode(join_alloc["hostConnectionData"])
         assert await joiner.request(raw_connect(jid, host_data)) == (
-            b"\xda\x72\x00\x06" + hid + jid
+            raw_accepted(hid, jid)
         )
         yield Session(host, joiner, hid, jid)
     finally:
@@ -139,7 +124,7 @@ async def test_host_and_joiner_relay_both_ways_through_dtls() -> None:
         host_alloc, join_alloc = await allocate_pair(http)
         hid, host_key = ids(host_alloc)
         jid, join_key = ids(join_alloc)
-        server = endpoint(host_alloc, "dtls")
+        server = endpoint_address(host_alloc, "dtls")
         # Unity Transport's identity: the 16 raw bytes; Unity's docs: the text.
         host = DtlsPeer(server, hid, host_key)
         joiner = DtlsPeer(server, join_alloc["allocationId"].encode(), join_key)
@@ -150,7 +135,7 @@ async def test_host_and_joiner_relay_both_ways_through_dtls() -> None:
             assert await request(joiner, raw_bind(join_alloc, nonce=0)) == BIND_RECEIVED
             host_data = base64.b64decode(join_alloc["hostConnectionData"])
             assert await request(joiner, raw_connect(jid, host_data)) == (
-                b"\xda\x72\x00\x06" + hid + jid
+                raw_accepted(hid, jid)
             )
             for size in (0, 1, 100, 1200):
                 payload = os.urandom(size)
@@ -182,7 +167,7 @@ async def test_plaintext_from_a_dtls_clients_address_is_refused() -> None:
         host_alloc, join_alloc = await allocate_pair(http)
         hid, host_key = ids(host_alloc)
         jid, join_key = ids(join_alloc)
-        server = endpoint(host_alloc, "dtls")
+        server = endpoint_address(host_alloc, "dtls")
         host = DtlsPeer(server, hid, host_key)
         joiner = DtlsPeer(server, jid, join_key)
         try:
@@ -191,12 +176,12 @@ async def test_plaintext_from_a_dtls_clients_address_is_refused() -> None:
                 assert await request(peer, raw_bind(alloc, nonce=0)) == BIND_RECEIVED
             host_data = base64.b64decode(join_alloc["hostConnectionData"])
             assert await request(joiner, raw_connect(jid, host_data)) == (
-                b"\xda\x72\x00\x06" + hid + jid
+                raw_accepted(hid, jid)
             )
             # The same source address, in clear, on the plain UDP port: a
             # spoofer must not speak for an encrypted client.
             joiner.sock.sendto(
-                raw_relay(jid, hid, b"forged"), endpoint(host_alloc, "udp")
+                raw_relay(jid, hid, b"forged"), endpoint_address(host_alloc, "udp")
             )
             joiner.send(raw_relay(jid, hid, b"genuine"))
             assert await host.recv() == raw_relay(jid, hid, b"genuine")
@@ -221,7 +206,7 @@ async def test_wrong_key_fails_the_handshake() -> None:
         host_alloc, _ = await allocate_pair(http)
         hid, key = ids(host_alloc)
         wrong = bytes(b ^ 1 for b in key)
-        peer = DtlsPeer(endpoint(host_alloc, "dtls"), hid, wrong)
+        peer = DtlsPeer(endpoint_address(host_alloc, "dtls"), hid, wrong)
         try:
             result = await peer.handshake()
             assert isinstance(result, HandshakeFailed)
@@ -229,7 +214,7 @@ async def test_wrong_key_fails_the_handshake() -> None:
         finally:
             peer.close()
         # And an identity that names no allocation: unknown_psk_identity.
-        stranger = DtlsPeer(endpoint(host_alloc, "dtls"), b"not-an-id", key)
+        stranger = DtlsPeer(endpoint_address(host_alloc, "dtls"), b"not-an-id", key)
         try:
             result = await stranger.handshake()
             assert isinstance(result, HandshakeFailed)
@@ -243,7 +228,7 @@ async def test_uuid_text_identity_must_be_canonical() -> None:
         host_alloc, _ = await allocate_pair(http)
         _, key = ids(host_alloc)
         text = str(uuid.UUID(host_alloc["allocationId"])).upper().encode()
-        peer = DtlsPeer(endpoint(host_alloc, "dtls"), text, key)
+        peer = DtlsPeer(endpoint_address(host_alloc, "dtls"), text, key)
         try:
             assert isinstance(await peer.handshake(), Established)
         finally:
@@ -254,8 +239,8 @@ async def test_a_closed_dtls_session_ends_its_allocation_without_clear_text() ->
     async with relay_runtime() as rt, api(rt) as http:
         async with dtls_host_udp_joiner(http) as pair:
             host, joiner, hid, jid = pair.host, pair.joiner, pair.hid, pair.jid
-            service = rt.services["relay"]
-            assert len(service.sessions()) == 2  # type: ignore[attr-defined]
+            service = running_service(rt, "relay", RelayService)
+            assert len(service.sessions()) == 2
             host.core.close(0.0)
             host.flush()
 
@@ -295,7 +280,9 @@ async def test_the_offered_suites_are_logged(caplog: pytest.LogCaptureFixture) -
     async with relay_runtime() as rt, api(rt) as http:
         host_alloc, _ = await allocate_pair(http)
         hid, key = ids(host_alloc)
-        peer = DtlsPeer(endpoint(host_alloc, "dtls"), hid, key, cipher_suites=(0xC0A4,))
+        peer = DtlsPeer(
+            endpoint_address(host_alloc, "dtls"), hid, key, cipher_suites=(0xC0A4,)
+        )
         try:
             assert isinstance(await peer.handshake(), Established)
         finally:
@@ -312,12 +299,12 @@ async def test_allocations_keyed_under_a_previous_secret_still_connect() -> None
     async with relay_runtime(relay__secret=old_secret.decode()) as rt, api(rt) as http:
         host_alloc, _ = await allocate_pair(http)
         hid, key = ids(host_alloc)
-        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        node = running_service(rt, "relay", RelayService).node
         # What RelayService does when it adopts another process's secret.
         node.core.sealer = TokenSealer(
             b"the-adopted-secret-98765", os.urandom, [old_secret]
         )
-        peer = DtlsPeer(endpoint(host_alloc, "dtls"), hid, key)
+        peer = DtlsPeer(endpoint_address(host_alloc, "dtls"), hid, key)
         try:
             assert isinstance(await peer.handshake(), Established)
             assert await request(peer, raw_bind(host_alloc, nonce=0)) == BIND_RECEIVED
@@ -354,8 +341,8 @@ async def test_crossroads_relay_client_over_dtls() -> None:
             return got == (player.allocation_id, b"from the new address")
 
         await eventually(arrived, "a frame from the migrated DTLS player")
-        service = rt.services["relay"]
-        assert len(service.node.dtls.endpoint.core.sessions) == 3  # type: ignore[attr-defined]
+        dtls = running_service(rt, "relay", RelayService).node.dtls
+        assert dtls is not None and len(dtls.endpoint.core.sessions) == 3
         for connection in (player, host):
             await connection.close()
 

@@ -12,7 +12,6 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -21,36 +20,19 @@ from crossroads.transport.tls import development_certificate
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
     RawPeer,
+    allocate_pair,
+    allocation_id,
     api,
+    raw_accepted,
     raw_bind,
     raw_connect,
     raw_ping,
     raw_relay,
     relay_runtime,
+    server_endpoint,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def endpoint(allocation: dict[str, Any], kind: str) -> dict[str, Any]:
-    """The one ``serverEndpoints`` entry of ``kind``, as Unity picks it."""
-    found = [e for e in allocation["serverEndpoints"] if e["connectionType"] == kind]
-    assert len(found) == 1, allocation["serverEndpoints"]
-    return found[0]
-
-
-async def pair(http: httpx.AsyncClient) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A host allocation and a joiner allocation of it."""
-    host = (await http.post("/v1/allocate", json={"maxConnections": 2})).json()["data"][
-        "allocation"
-    ]
-    code = (
-        await http.post("/v1/joincode", json={"allocationId": host["allocationId"]})
-    ).json()["data"]["joinCode"]
-    joiner = (await http.post("/v1/join", json={"joinCode": code})).json()["data"][
-        "allocation"
-    ]
-    return host, joiner
 
 
 @asynccontextmanager
@@ -59,7 +41,7 @@ async def ws_client(
 ) -> AsyncIterator[ClientConnection]:
     """A WebSocket to the relay as Unity opens it: ``GET /``, no subprotocol,
     no extension (``compression=None``), relay messages as binary frames."""
-    entry = endpoint(allocation, kind)
+    entry = server_endpoint(allocation, kind)
     scheme = "wss" if entry["secure"] else "ws"
     context = ssl.create_default_context(cafile=str(cafile)) if cafile else None
     async with connect(
@@ -82,8 +64,8 @@ async def run_flow(
 ) -> None:
     """BIND both, CONNECT_REQUEST, RELAY both ways, PING: Unity's session."""
     host_alloc, join_alloc = allocs
-    hid = base64.b64decode(host_alloc["allocationIdBytes"])
-    jid = base64.b64decode(join_alloc["allocationIdBytes"])
+    hid = allocation_id(host_alloc)
+    jid = allocation_id(join_alloc)
     await host_send(raw_bind(host_alloc, nonce=0))
     assert await host_recv() == BIND_RECEIVED
     await joiner_send(raw_bind(join_alloc, nonce=0))
@@ -91,7 +73,7 @@ async def run_flow(
     await joiner_send(
         raw_connect(jid, base64.b64decode(join_alloc["hostConnectionData"]))
     )
-    assert await joiner_recv() == b"\xda\x72\x00\x06" + hid + jid
+    assert await joiner_recv() == raw_accepted(hid, jid)
     for size in (0, 1, 700, 1386 - 38):
         payload = os.urandom(size)
         await joiner_send(raw_relay(jid, hid, payload))
@@ -121,23 +103,23 @@ def over_udp(peer: RawPeer) -> tuple[Any, Any]:
 
 async def test_endpoints_list_ws_only_when_enabled() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        host, _ = await pair(http)
+        host, _ = await allocate_pair(http)
         assert [e["connectionType"] for e in host["serverEndpoints"]] == ["udp", "dtls"]
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        host, _ = await pair(http)
+        host, _ = await allocate_pair(http)
         # No certificate: ws only, and Unity's values for it.
         assert [e["connectionType"] for e in host["serverEndpoints"]] == [
             "udp",
             "dtls",
             "ws",
         ]
-        ws = endpoint(host, "ws")
+        ws = server_endpoint(host, "ws")
         assert (ws["network"], ws["secure"], ws["reliable"]) == ("tcp", False, True)
 
 
 async def test_host_and_joiner_over_ws() -> None:
     async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
-        allocs = await pair(http)
+        allocs = await allocate_pair(http)
         async with (
             ws_client(allocs[0], "ws") as host,
             ws_client(allocs[1], "ws") as joiner,
@@ -159,8 +141,8 @@ async def tls_relay(tmp_path: Path) -> AsyncIterator[tuple[Runtime, Path]]:
 
 async def test_host_and_joiner_over_wss(tmp_path: Path) -> None:
     async with tls_relay(tmp_path) as (rt, cert), api(rt) as http:
-        allocs = await pair(http)
-        wss = endpoint(allocs[0], "wss")
+        allocs = await allocate_pair(http)
+        wss = server_endpoint(allocs[0], "wss")
         # RelayServerData(allocation, "wss") takes this entry: TLS (secure),
         # on TCP, for the certificate's name.
         assert (wss["network"], wss["secure"], wss["host"]) == (
@@ -177,8 +159,8 @@ async def test_host_and_joiner_over_wss(tmp_path: Path) -> None:
 
 async def test_udp_host_and_ws_joiner(tmp_path: Path) -> None:
     async with tls_relay(tmp_path) as (rt, cert), api(rt) as http:
-        allocs = await pair(http)
-        udp = endpoint(allocs[0], "udp")
+        allocs = await allocate_pair(http)
+        udp = server_endpoint(allocs[0], "udp")
         host = RawPeer((udp["host"], udp["port"]))
         try:
             async with ws_client(allocs[1], "wss", cert) as joiner:

@@ -24,14 +24,17 @@ from crossroads.transport.tls import development_certificate
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
     RawPeer,
+    allocate_pair,
+    allocation_id,
     api,
     base_url,
+    raw_accepted,
     raw_bind,
     raw_connect,
     raw_relay,
     relay_runtime,
+    server_endpoint,
 )
-from tests.e2e.test_relay_websocket import endpoint, pair
 from tests.web.test_console_browser import chromium, off_loop
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(120)]
@@ -81,14 +84,14 @@ async def test_browser_joiner_over_wss_and_udp_host(
         ) as rt,
         api(rt) as http,
     ):
-        host_alloc, join_alloc = await pair(http)
-        hid = base64.b64decode(host_alloc["allocationIdBytes"])
-        jid = base64.b64decode(join_alloc["allocationIdBytes"])
-        udp = endpoint(host_alloc, "udp")
+        host_alloc, join_alloc = await allocate_pair(http)
+        hid = allocation_id(host_alloc)
+        jid = allocation_id(join_alloc)
+        udp = server_endpoint(host_alloc, "udp")
         host = RawPeer((udp["host"], udp["port"]))
         try:
             assert await host.request(raw_bind(host_alloc, 0)) == BIND_RECEIVED
-            wss = endpoint(join_alloc, "wss")
+            wss = server_endpoint(join_alloc, "wss")
             url = f"wss://{wss['host']}:{wss['port']}/"
             payload = os.urandom(1000)
             host_data = base64.b64decode(join_alloc["hostConnectionData"])
@@ -111,7 +114,7 @@ async def test_browser_joiner_over_wss_and_udp_host(
             assert "error" not in result, result
             assert [bytes(a) for a in result["answers"]] == [
                 BIND_RECEIVED,
-                b"\xda\x72\x00\x06" + hid + jid,
+                raw_accepted(hid, jid),
                 raw_relay(hid, jid, payload[::-1]),
             ]
             # Chromium offered permessage-deflate; the relay took none.

@@ -20,8 +20,10 @@ import pytest
 
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
+    allocate,
     api,
     base_url,
+    endpoint_address,
     metric,
     raw_bind,
     relay_runtime,
@@ -31,13 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 OPENSSL = shutil.which("openssl")
 GNUTLS = shutil.which("gnutls-cli")
-
-
-def dtls_endpoint(allocation: dict[str, Any]) -> tuple[str, int]:
-    (found,) = [
-        e for e in allocation["serverEndpoints"] if e["connectionType"] == "dtls"
-    ]
-    return found["host"], found["port"]
 
 
 def openssl_command(
@@ -113,12 +108,6 @@ async def bind_through(
     return output
 
 
-async def allocate(http: httpx.AsyncClient) -> dict[str, Any]:
-    body = (await http.post("/v1/allocate", json={"maxConnections": 1})).json()
-    allocation: dict[str, Any] = body["data"]["allocation"]
-    return allocation
-
-
 async def completed_handshakes(rt: Any) -> float:
     async with httpx.AsyncClient(base_url=base_url(rt)) as http:
         page = (await http.get("/metrics")).text
@@ -128,10 +117,12 @@ async def completed_handshakes(rt: Any) -> float:
 @pytest.mark.skipif(OPENSSL is None, reason="openssl not installed")
 async def test_openssl_s_client_binds_through_dtls() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocation = await allocate(http)
+        allocation = await allocate(http, 1)
         key = base64.b64decode(allocation["key"])
         output = await bind_through(
-            openssl_command(dtls_endpoint(allocation), allocation["allocationId"], key),
+            openssl_command(
+                endpoint_address(allocation, "dtls"), allocation["allocationId"], key
+            ),
             raw_bind(allocation, nonce=0),
         )
         assert BIND_RECEIVED in output, output[-2000:]
@@ -146,14 +137,14 @@ async def test_openssl_with_the_raw_allocation_id_bytes_as_identity() -> None:
     are."""
     async with relay_runtime() as rt, api(rt) as http:
         for _ in range(20):
-            allocation = await allocate(http)
+            allocation = await allocate(http, 1)
             raw = base64.b64decode(allocation["allocationIdBytes"])
             if 0 not in raw:
                 break
         assert 0 not in raw and len(raw) == 16
         key = base64.b64decode(allocation["key"])
         output = await bind_through(
-            openssl_command(dtls_endpoint(allocation), raw, key),
+            openssl_command(endpoint_address(allocation, "dtls"), raw, key),
             raw_bind(allocation, nonce=0),
         )
         assert BIND_RECEIVED in output, output[-2000:]
@@ -162,10 +153,12 @@ async def test_openssl_with_the_raw_allocation_id_bytes_as_identity() -> None:
 @pytest.mark.skipif(GNUTLS is None, reason="gnutls-cli not installed (gnutls-bin)")
 async def test_gnutls_cli_binds_through_dtls() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocation = await allocate(http)
+        allocation = await allocate(http, 1)
         key = base64.b64decode(allocation["key"])
         output = await bind_through(
-            gnutls_command(dtls_endpoint(allocation), allocation["allocationId"], key),
+            gnutls_command(
+                endpoint_address(allocation, "dtls"), allocation["allocationId"], key
+            ),
             raw_bind(allocation, nonce=0),
         )
         assert b"(DTLS1.2-X.509)-(PSK)-(AES-128-GCM)" in output, output[-2000:]
@@ -175,11 +168,11 @@ async def test_gnutls_cli_binds_through_dtls() -> None:
 @pytest.mark.skipif(OPENSSL is None, reason="openssl not installed")
 async def test_openssl_with_a_wrong_key_fails() -> None:
     async with relay_runtime() as rt, api(rt) as http:
-        allocation = await allocate(http)
+        allocation = await allocate(http, 1)
         wrong = bytes(64)
         proc = await asyncio.create_subprocess_exec(
             *openssl_command(
-                dtls_endpoint(allocation), allocation["allocationId"], wrong
+                endpoint_address(allocation, "dtls"), allocation["allocationId"], wrong
             ),
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

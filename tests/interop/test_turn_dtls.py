@@ -6,10 +6,7 @@ client over DTLS, against crossroads and against coturn's ``turnserver``."""
 
 from __future__ import annotations
 
-import asyncio
 import re
-import shutil
-import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -21,6 +18,13 @@ from crossroads.transport.dtls import DtlsHandshakeError, client_context
 from crossroads.transport.tls import development_certificate
 from tests.conftest import eventually
 from tests.dtls_support import served_serial
+from tests.interop.secure_turn_support import (
+    echoing_peer,
+    exercise_once_up,
+    reload_keeps_relaying,
+    runtime_with_certificate,
+    secure_args,
+)
 from tests.interop.stun_support import (  # noqa: F401 (fixtures)
     Coturn,
     CrossroadsProcess,
@@ -39,27 +43,19 @@ from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     turn_runtime,
     turn_service,
     uclient,
-    udp_echo,
 )
-from tests.tls_support import serial
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(90)]
 
 
 async def dtls_runtime(make: TurnRuntime, directory: Path) -> tuple[Runtime, int]:
-    cert, key = development_certificate(directory)
-    runtime = await make(core__tls_cert=str(cert), core__tls_key=str(key))
+    runtime = await runtime_with_certificate(make, directory)
     service = turn_service(runtime)
     (listener,) = service.dtls_listeners
     tls_port = service.stun.tls_addresses[0][1]
     # The same port number as TURN over TLS (RFC 8656 §3), as coturn does.
     assert listener.local == ("127.0.0.1", tls_port)
     return runtime, tls_port
-
-
-def dtls_args(port: int) -> list[str]:
-    # -S without -t: DTLS; -m 2 clients, -n 10 messages each, 10 ms apart.
-    return ["-S", "-m", "2", "-n", "10", "-z", "10", "-l", "100", "-p", str(port)]
 
 
 @pytest.mark.parametrize(
@@ -76,7 +72,7 @@ async def test_uclient_over_dtls_to_peer(
     peer = await echo_peer("127.0.0.1")
     output = await uclient(
         *flags, "-e", "127.0.0.1", "-r", str(peer), "-u", USER, "-w", PASSWORD,
-        *dtls_args(port), "127.0.0.1",
+        *secure_args(port), "127.0.0.1",
     )  # fmt: skip
     # uclient picks DTLS 1.0 or 1.2 at random per connection; 1.0 is refused
     # (RFC 8996) with a protocol_version alert, and uclient retries until 1.2.
@@ -114,7 +110,7 @@ async def test_uclient_over_dtls_client_to_client(
 ) -> None:
     runtime, port = await dtls_runtime(turn_runtime, tmp_path)
     output = await uclient(
-        "-y", "-u", USER, "-w", PASSWORD, *dtls_args(port), "127.0.0.1"
+        "-y", "-u", USER, "-w", PASSWORD, *secure_args(port), "127.0.0.1"
     )
     assert_no_loss(output)
     (listener,) = turn_service(runtime).dtls_listeners
@@ -131,12 +127,11 @@ async def test_crossroads_client_over_dtls_sees_its_own_address(
     fails the handshake."""
     runtime, port = await dtls_runtime(turn_runtime, tmp_path)
     trust = client_context(str(tmp_path / "dev-cert.pem"))
-    sock, task = await udp_echo()
-    try:
+    async with echoing_peer() as peer:
         async with await TurnClient.connect(
             ("127.0.0.1", port), USER, PASSWORD, dtls=trust
         ) as client:
-            await exercise(client, sock.getsockname())
+            await exercise(client, peer)
             assert client.mapped == client.local_address
         # Refresh(0) was answered, then the session ended with the allocation.
         await sessions_ended(runtime)
@@ -160,9 +155,6 @@ async def test_crossroads_client_over_dtls_sees_its_own_address(
                 dtls=trust,
                 server_hostname="turn.example.org",
             )
-    finally:
-        task.cancel()
-        sock.close()
     drops = turn_service(runtime).stun.stats.drops
 
     async def counted() -> bool:
@@ -176,33 +168,18 @@ async def test_crossroads_client_over_dtls_against_coturn(
 ) -> None:
     cert, key = development_certificate(tmp_path)
     server = await coturn_with_user(coturn, tls=(cert, key), dtls=True)
-    clients: list[TurnClient] = []
-
-    async def connected() -> bool:
-        try:
-            clients.append(
-                await TurnClient.connect(
-                    ("127.0.0.1", server.tls_port),
-                    USER,
-                    PASSWORD,
-                    dtls=client_context(str(cert)),
-                    server_hostname="localhost",
-                    timeout=2,
-                )
-            )
-        except DtlsHandshakeError:
-            return False
-        return True
-
-    await eventually(connected, "coturn's DTLS listener answers")
-    sock, task = await udp_echo()
-    try:
-        async with clients[0] as client:
-            await exercise(client, sock.getsockname())
-            assert client.mapped == client.local_address
-    finally:
-        task.cancel()
-        sock.close()
+    await exercise_once_up(
+        lambda: TurnClient.connect(
+            ("127.0.0.1", server.tls_port),
+            USER,
+            PASSWORD,
+            dtls=client_context(str(cert)),
+            server_hostname="localhost",
+            timeout=2,
+        ),
+        DtlsHandshakeError,
+        "coturn's DTLS listener answers",
+    )
 
 
 async def test_sighup_reloads_the_dtls_certificate_and_keeps_sessions(
@@ -211,48 +188,30 @@ async def test_sighup_reloads_the_dtls_certificate_and_keeps_sessions(
     """`crossroads serve` describes its DTLS listener on the TLS port number;
     after the files change and SIGHUP, new DTLS handshakes get the new
     certificate while an allocation made over DTLS before it still relays."""
-    first = development_certificate(tmp_path / "first")
-    second = development_certificate(tmp_path / "second")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    shutil.copy(first[0], cert)
-    shutil.copy(first[1], key)
-    server = await asyncio.to_thread(
+
+    async def dtls_port(server: CrossroadsProcess) -> int:
+        described: list[int] = []
+
+        async def dtls_described() -> bool:
+            log = server.log.read_text()
+            found = re.search(r"udp 127\.0\.0\.1:(\d+) \(dtls\)", log)
+            if found:
+                described.append(int(found.group(1)))
+            return bool(found)
+
+        await eventually(dtls_described, "the DTLS listener in the startup lines")
+        assert server.endpoint("tls")[1] == described[0]
+        return described[0]
+
+    async def connect(port: int, cafile: Path) -> TurnClient:
+        return await TurnClient.connect(
+            ("127.0.0.1", port), USER, PASSWORD, dtls=client_context(str(cafile))
+        )
+
+    await reload_keeps_relaying(
         crossroads_serve,
-        "--only", "stun,turn", "--turn-tls-port", "0",
-        "--tls-cert", str(cert), "--tls-key", str(key),
-        "--turn-user", f"{USER}:{PASSWORD}", "--allow-loopback-peers",
-    )  # fmt: skip
-    described: list[int] = []
-
-    async def dtls_described() -> bool:
-        found = re.search(r"udp 127\.0\.0\.1:(\d+) \(dtls\)", server.log.read_text())
-        if found:
-            described.append(int(found.group(1)))
-        return bool(found)
-
-    await eventually(dtls_described, "the DTLS listener in the startup lines")
-    port = described[0]
-    assert server.endpoint("tls")[1] == port
-    assert await served_serial(port, first[0]) == serial(first[0])
-    sock, task = await udp_echo()
-    peer = sock.getsockname()
-    try:
-        async with await TurnClient.connect(
-            ("127.0.0.1", port), USER, PASSWORD, dtls=client_context(str(first[0]))
-        ) as client:
-            await exercise(client, peer)
-            shutil.copy(second[0], cert)
-            shutil.copy(second[1], key)
-            server.process.send_signal(signal.SIGHUP)
-
-            async def reloaded() -> bool:
-                return await served_serial(port, second[0]) == serial(second[0])
-
-            await eventually(reloaded, "new DTLS handshakes get the new certificate")
-            await client.send(b"after reload", peer)
-            assert await client.receive(timeout=5) == (b"after reload", peer)
-            assert await client.refresh() > 0
-    finally:
-        task.cancel()
-        sock.close()
-    assert server.process.poll() is None
+        tmp_path,
+        listener_port=dtls_port,
+        served_serial=served_serial,
+        connect=connect,
+    )

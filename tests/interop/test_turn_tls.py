@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-import shutil
-import signal
 import ssl
 import sys
 from collections.abc import Awaitable, Callable
@@ -26,6 +24,13 @@ from crossroads.proto.stun.message import decode, encode, request
 from crossroads.runtime import Runtime
 from crossroads.transport.tls import DEV_CERT_LIFETIME, development_certificate
 from tests.conftest import eventually
+from tests.interop.secure_turn_support import (
+    echoing_peer,
+    exercise_once_up,
+    reload_keeps_relaying,
+    runtime_with_certificate,
+    secure_args,
+)
 from tests.interop.stun_support import (  # noqa: F401 (fixtures)
     Coturn,
     CrossroadsProcess,
@@ -45,24 +50,16 @@ from tests.interop.test_turn import (  # noqa: F401 (fixtures)
     turn_runtime,
     turn_service,
     uclient,
-    udp_echo,
 )
-from tests.tls_support import serial
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(90)]
 
 
 async def tls_runtime(make: TurnRuntime, directory: Path) -> tuple[Runtime, int]:
-    cert, key = development_certificate(directory)
-    runtime = await make(core__tls_cert=str(cert), core__tls_key=str(key))
+    runtime = await runtime_with_certificate(make, directory)
     addresses = turn_service(runtime).stun.tls_addresses
     assert len(addresses) == 1 and addresses[0][0] == "127.0.0.1"
     return runtime, addresses[0][1]
-
-
-def tls_args(port: int) -> list[str]:
-    # -S: TLS; -m 2 clients, -n 10 messages each, 10 ms apart.
-    return ["-S", "-m", "2", "-n", "10", "-z", "10", "-l", "100", "-p", str(port)]
 
 
 @pytest.mark.parametrize(
@@ -79,7 +76,7 @@ async def test_uclient_over_tls_to_peer(
     peer = await echo_peer("127.0.0.1")
     output = await uclient(
         *flags, "-e", "127.0.0.1", "-r", str(peer), "-u", USER, "-w", PASSWORD,
-        *tls_args(port), "127.0.0.1",
+        *secure_args(port), "127.0.0.1",
     )  # fmt: skip
     assert "method=TLSv1." in output  # uclient really spoke TLS
     assert_no_loss(output)
@@ -94,7 +91,7 @@ async def test_uclient_over_tls_client_to_client(
 ) -> None:
     runtime, port = await tls_runtime(turn_runtime, tmp_path)
     output = await uclient(
-        "-y", "-t", "-u", USER, "-w", PASSWORD, *tls_args(port), "127.0.0.1"
+        "-y", "-t", "-u", USER, "-w", PASSWORD, *secure_args(port), "127.0.0.1"
     )
     assert_no_loss(output)
     assert_released(turn_service(runtime))
@@ -107,7 +104,7 @@ async def test_uclient_tcp_relay_rfc6062_over_tls(
     runtime, port = await tls_runtime(turn_runtime, tmp_path)
     service = turn_service(runtime)
     output = await uclient(
-        "-T", "-u", USER, "-w", PASSWORD, *tls_args(port), "127.0.0.1"
+        "-T", "-u", USER, "-w", PASSWORD, *secure_args(port), "127.0.0.1"
     )
     assert_no_loss(output)
     await settle(service)
@@ -124,12 +121,11 @@ async def test_crossroads_client_over_tls_sees_its_own_address(
     over TLS too, and an untrusting client fails the handshake."""
     runtime, port = await tls_runtime(turn_runtime, tmp_path)
     trust = ssl.create_default_context(cafile=str(tmp_path / "dev-cert.pem"))
-    sock, task = await udp_echo()
-    try:
+    async with echoing_peer() as peer:
         async with await TurnClient.connect(
             ("127.0.0.1", port), USER, PASSWORD, transport="tcp", tls=trust
         ) as client:
-            await exercise(client, sock.getsockname())
+            await exercise(client, peer)
             assert client.mapped == client.local_address
         async with await TurnClient.connect(
             ("127.0.0.1", port), USER, "wrong", transport="tcp", tls=trust
@@ -145,9 +141,6 @@ async def test_crossroads_client_over_tls_sees_its_own_address(
                 transport="tcp",
                 tls=ssl.create_default_context(),
             )
-    finally:
-        task.cancel()
-        sock.close()
     drops = turn_service(runtime).stun.stats.drops
 
     async def counted() -> bool:
@@ -162,37 +155,23 @@ async def test_crossroads_client_over_tls_against_coturn(
     cert, key = development_certificate(tmp_path)
     server = await coturn_with_user(coturn, tls=(cert, key))
     trust = ssl.create_default_context(cafile=str(cert))
-    clients: list[TurnClient] = []
-
-    async def connected() -> bool:
-        try:
-            clients.append(
-                await TurnClient.connect(
-                    ("127.0.0.1", server.tls_port),
-                    USER,
-                    PASSWORD,
-                    transport="tcp",
-                    tls=trust,
-                    server_hostname="localhost",
-                )
-            )
-        except ConnectionRefusedError:
-            return False
-        return True
-
-    await eventually(connected, "coturn's TLS listener accepts")
-    sock, task = await udp_echo()
-    try:
-        async with clients[0] as client:
-            await exercise(client, sock.getsockname())
-            assert client.mapped == client.local_address
-    finally:
-        task.cancel()
-        sock.close()
+    await exercise_once_up(
+        lambda: TurnClient.connect(
+            ("127.0.0.1", server.tls_port),
+            USER,
+            PASSWORD,
+            transport="tcp",
+            tls=trust,
+            server_hostname="localhost",
+        ),
+        ConnectionRefusedError,
+        "coturn's TLS listener accepts",
+    )
 
 
-async def served_serial(port: int) -> int:
-    """The serial number of the certificate a new handshake on ``port`` gets."""
+async def served_serial(port: int, cafile: Path | None = None) -> int:
+    """The serial number of the certificate a new handshake on ``port`` gets
+    (read without verifying it: ``cafile`` is not needed)."""
     insecure = ssl.create_default_context()
     insecure.check_hostname = False
     insecure.verify_mode = ssl.CERT_NONE
@@ -210,42 +189,23 @@ async def test_sighup_reloads_the_certificate_and_keeps_allocations(
     """`crossroads serve`: after the files change and SIGHUP, new handshakes
     get the new certificate while an allocation made over TLS before it still
     relays both ways."""
-    first = development_certificate(tmp_path / "first")
-    second = development_certificate(tmp_path / "second")
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    shutil.copy(first[0], cert)
-    shutil.copy(first[1], key)
-    server = await asyncio.to_thread(
-        crossroads_serve,
-        "--only", "stun,turn", "--turn-tls-port", "0",
-        "--tls-cert", str(cert), "--tls-key", str(key),
-        "--turn-user", f"{USER}:{PASSWORD}", "--allow-loopback-peers",
-    )  # fmt: skip
-    _, port = server.endpoint("tls")
-    assert await served_serial(port) == serial(first[0])
-    trust = ssl.create_default_context(cafile=str(first[0]))
-    sock, task = await udp_echo()
-    peer = sock.getsockname()
-    try:
-        async with await TurnClient.connect(
+
+    async def tls_port(server: CrossroadsProcess) -> int:
+        return server.endpoint("tls")[1]
+
+    async def connect(port: int, cafile: Path) -> TurnClient:
+        trust = ssl.create_default_context(cafile=str(cafile))
+        return await TurnClient.connect(
             ("127.0.0.1", port), USER, PASSWORD, transport="tcp", tls=trust
-        ) as client:
-            await exercise(client, peer)
-            shutil.copy(second[0], cert)
-            shutil.copy(second[1], key)
-            server.process.send_signal(signal.SIGHUP)
+        )
 
-            async def reloaded() -> bool:
-                return await served_serial(port) == serial(second[0])
-
-            await eventually(reloaded, "new handshakes get the new certificate")
-            await client.send(b"after reload", peer)
-            assert await client.receive(timeout=5) == (b"after reload", peer)
-            assert await client.refresh() > 0
-    finally:
-        task.cancel()
-        sock.close()
-    assert server.process.poll() is None
+    server = await reload_keeps_relaying(
+        crossroads_serve,
+        tmp_path,
+        listener_port=tls_port,
+        served_serial=served_serial,
+        connect=connect,
+    )
     assert "TLS certificate reloaded" in server.log.read_text()
 
 

@@ -34,7 +34,7 @@ from crossroads.services.natneg import (
     apply_seed_config,
     plan_layout,
 )
-from tests.conftest import eventually, loopback_config
+from tests.conftest import eventually, loopback_config, running_service
 from tests.services.natneg_sdk import (
     SdkNegotiator,
     State,
@@ -89,9 +89,7 @@ async def natneg() -> AsyncIterator[Starter]:
 
 
 def service_of(rt: Runtime) -> NatNegService:
-    service = rt.services["natneg"]
-    assert isinstance(service, NatNegService)
-    return service
+    return running_service(rt, "natneg", NatNegService)
 
 
 def servers(rt: Runtime) -> list[Address]:
@@ -120,6 +118,31 @@ def address_of(sock: socket.socket) -> Address:
     return (host, port)
 
 
+def negotiators(
+    srv: list[Address],
+    version: int,
+    cookie: int,
+    *,
+    host: dict[str, Any] | None = None,
+    guest: dict[str, Any] | None = None,
+    **common: Any,
+) -> tuple[SdkNegotiator, SdkNegotiator]:
+    """The two SDK clients of one negotiation: the host (client index 1) and the
+    guest (0). ``common`` goes to both, ``host`` and ``guest`` to one each."""
+
+    def one(index: int, extra: dict[str, Any] | None) -> SdkNegotiator:
+        return SdkNegotiator(
+            version=version,
+            cookie=cookie,
+            client_index=index,
+            servers=srv,
+            **common,
+            **(extra or {}),
+        )
+
+    return one(1, host), one(0, guest)
+
+
 async def both(a: SdkNegotiator, b: SdkNegotiator) -> None:
     try:
         await asyncio.gather(a.run(), b.run())
@@ -133,11 +156,12 @@ async def game_host_and_guest(
 ) -> tuple[SdkNegotiator, SdkNegotiator]:
     """A v4 negotiation: the host (index 1) lends ``host_game``, the guest (index
     0) negotiates from another "public" address; both must succeed."""
-    host = SdkNegotiator(
-        version=4, cookie=cookie, client_index=1, servers=srv, game_sock=host_game
-    )
-    guest = SdkNegotiator(
-        version=4, cookie=cookie, client_index=0, servers=srv, bind_ip="127.0.0.5"
+    host, guest = negotiators(
+        srv,
+        4,
+        cookie,
+        host={"game_sock": host_game},
+        guest={"bind_ip": "127.0.0.5"},
     )
     await both(host, guest)
     assert host.outcome and guest.outcome
@@ -172,22 +196,16 @@ async def test_full_negotiation_direct(natneg: Starter, version: int) -> None:
     try:
         # The host (index 1, as QR2 starts it) lends its game socket; the guest
         # negotiates on the SDK's own socket from another "public" address.
-        host = SdkNegotiator(
-            version=version,
-            cookie=666 + version,
-            client_index=1,
-            servers=srv,
-            game_sock=host_game,
-            finished_idle=0.3,
-            nat_type=NatType.FULL_CONE,
-            mapping_scheme=MappingScheme.PRIVATE_AS_PUBLIC,
-        )
-        guest = SdkNegotiator(
-            version=version,
-            cookie=666 + version,
-            client_index=0,
-            servers=srv,
-            bind_ip="127.0.0.5",
+        host, guest = negotiators(
+            srv,
+            version,
+            666 + version,
+            host={
+                "game_sock": host_game,
+                "nat_type": NatType.FULL_CONE,
+                "mapping_scheme": MappingScheme.PRIVATE_AS_PUBLIC,
+            },
+            guest={"bind_ip": "127.0.0.5"},
             finished_idle=0.3,
         )
         await both(host, guest)
@@ -247,22 +265,12 @@ async def test_same_public_ip_uses_private_addresses(natneg: Starter) -> None:
     a_game = game_socket("0.0.0.0")
     b_game = game_socket("0.0.0.0")
     try:
-        a = SdkNegotiator(
-            version=3,
-            cookie=42,
-            client_index=0,
-            servers=srv,
-            game_sock=a_game,
-            local_ip="127.0.0.7",
-            finished_idle=0.2,
-        )
-        b = SdkNegotiator(
-            version=3,
-            cookie=42,
-            client_index=1,
-            servers=srv,
-            game_sock=b_game,
-            local_ip="127.0.0.8",
+        b, a = negotiators(
+            srv,
+            3,
+            42,
+            host={"game_sock": b_game, "local_ip": "127.0.0.8"},
+            guest={"game_sock": a_game, "local_ip": "127.0.0.7"},
             finished_idle=0.2,
         )
         await both(a, b)
@@ -393,22 +401,13 @@ async def test_relay_forced_by_config(natneg: Starter) -> None:
 async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
     rt = await natneg()  # relay_mode auto
     srv = servers(rt)
-    host = SdkNegotiator(
-        version=3,
-        cookie=901,
-        client_index=1,
-        servers=srv,
+    host, guest = negotiators(
+        srv,
+        3,
+        901,
+        host={"bind_ip": "127.0.0.6"},
+        guest={"bind_ip": "127.0.0.5"},
         split_mappings=True,
-        bind_ip="127.0.0.6",
-        finished_idle=0.2,
-    )
-    guest = SdkNegotiator(
-        version=3,
-        cookie=901,
-        client_index=0,
-        servers=srv,
-        split_mappings=True,
-        bind_ip="127.0.0.5",
         finished_idle=0.2,
     )
     await both(host, guest)
@@ -426,21 +425,12 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
         == 1
     )
     # One symmetric side alone gets a direct path.
-    h2 = SdkNegotiator(
-        version=3,
-        cookie=902,
-        client_index=1,
-        servers=srv,
-        split_mappings=True,
-        bind_ip="127.0.0.6",
-        finished_idle=0.2,
-    )
-    g2 = SdkNegotiator(
-        version=3,
-        cookie=902,
-        client_index=0,
-        servers=srv,
-        bind_ip="127.0.0.5",
+    h2, g2 = negotiators(
+        srv,
+        3,
+        902,
+        host={"bind_ip": "127.0.0.6", "split_mappings": True},
+        guest={"bind_ip": "127.0.0.5"},
         finished_idle=0.2,
     )
     await both(h2, g2)
@@ -512,10 +502,7 @@ async def test_relay_serves_only_its_advertised_scope(
         natneg__relay_host=relay_host,
     )
     srv = servers(rt)
-    a = SdkNegotiator(version=4, cookie=903, client_index=1, servers=srv)
-    b = SdkNegotiator(
-        version=4, cookie=903, client_index=0, servers=srv, bind_ip="127.0.0.5"
-    )
+    a, b = negotiators(srv, 4, 903, guest={"bind_ip": "127.0.0.5"})
     await both(a, b)
     assert a.outcome and a.outcome.result == NegotiateResult.SUCCESS
     assert (a.outcome.remote != address_of(b.negotiate_sock)) is relayed
@@ -570,11 +557,12 @@ async def test_bad_input_is_dropped_and_sessions_survive(natneg: Starter) -> Non
     rt = await natneg(natneg__max_sessions_per_ip=5, natneg__rate_limit=0)
     srv = servers(rt)
     host_game = game_socket()
-    host = SdkNegotiator(
-        version=4, cookie=1000, client_index=1, servers=srv, game_sock=host_game
-    )
-    guest = SdkNegotiator(
-        version=4, cookie=1000, client_index=0, servers=srv, bind_ip="127.0.0.5"
+    host, guest = negotiators(
+        srv,
+        4,
+        1000,
+        host={"game_sock": host_game},
+        guest={"bind_ip": "127.0.0.5"},
     )
     try:
         host.send_inits(asyncio.get_running_loop().time())
@@ -631,20 +619,10 @@ async def test_bad_input_is_dropped_and_sessions_survive(natneg: Starter) -> Non
 async def test_many_concurrent_negotiations(natneg: Starter) -> None:
     rt = await natneg()
     srv = servers(rt)
-    pairs = []
-    for i in range(20):
-        pairs.append(
-            (
-                SdkNegotiator(version=4, cookie=20000 + i, client_index=1, servers=srv),
-                SdkNegotiator(
-                    version=4,
-                    cookie=20000 + i,
-                    client_index=0,
-                    servers=srv,
-                    bind_ip="127.0.0.5",
-                ),
-            )
-        )
+    pairs = [
+        negotiators(srv, 4, 20000 + i, guest={"bind_ip": "127.0.0.5"})
+        for i in range(20)
+    ]
     await asyncio.gather(*(both(a, b) for a, b in pairs))
     for a, b in pairs:
         assert a.outcome and b.outcome
@@ -728,6 +706,20 @@ def test_seed_config_json(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not JSON"):
         apply_seed_config(Config(), path)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"natneg__max_sessions": 0}, "--natneg-max-sessions): must be > 0"),
+        ({"natneg__linger": -1.0}, "--natneg-linger): must be > 0"),
+        ({"natneg__rate_limit": -1.0}, "--natneg-rate-limit): must be >= 0"),
+    ],
+)
+def test_bad_settings_name_their_flag(override: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        default_config(loopback_config(**override))
+    assert message in str(refused.value)
 
 
 async def test_disabled_by_seed_config(natneg: Starter, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from crossroads.config import default_config
 from crossroads.runtime import Runtime, start
 from crossroads.services import p2p as p2p_service
 from crossroads.services.p2p import CODE_KEY, P2PService
-from tests.conftest import RedisServer, eventually, loopback_config
+from tests.conftest import RedisServer, eventually, loopback_config, running_service
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,9 +26,7 @@ def ws_url(rt: Runtime) -> str:
 
 
 def service(rt: Runtime) -> P2PService:
-    svc = rt.services["p2p"]
-    assert isinstance(svc, P2PService)
-    return svc
+    return running_service(rt, "p2p", P2PService)
 
 
 @pytest.fixture

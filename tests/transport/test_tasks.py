@@ -1,4 +1,6 @@
-"""cancel_and_wait: a background task is over when close returns."""
+"""cancel_and_wait and stop_task: a background task is over when close returns,
+even one that swallowed a cancellation; Sweeper: a periodic sweep started once
+and stopped on close."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import asyncio
 
 import pytest
 
-from crossroads.transport.tasks import cancel_and_wait
+from crossroads.services.base import stop_task
+from crossroads.transport.tasks import Sweeper, cancel_and_wait
+from tests.conftest import eventually
 
 
 async def test_the_task_has_ended_and_its_cancellation_is_swallowed() -> None:
@@ -33,3 +37,72 @@ async def test_a_task_that_crashed_is_reported() -> None:
     await asyncio.sleep(0)
     with pytest.raises(RuntimeError, match="sweep failed"):
         await cancel_and_wait(task)
+
+
+async def test_a_task_that_swallows_its_cancellation_is_cancelled_again() -> None:
+    """As redis-py can, cancelled in the middle of a command: the loop goes on
+    after the first CancelledError. Close must still end it, not wait forever."""
+    swallowed: list[int] = []
+
+    async def stubborn_heartbeat() -> None:
+        while True:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if not swallowed:
+                    swallowed.append(1)
+                    continue  # the first one is lost
+                raise
+
+    for stop in (cancel_and_wait, stop_task):
+        swallowed.clear()
+        task = asyncio.create_task(stubborn_heartbeat())
+        await asyncio.sleep(0)
+        stopping = asyncio.create_task(stop(task))
+
+        async def stopped(stopping: asyncio.Task[None] = stopping) -> bool:
+            return stopping.done()
+
+        try:
+            await eventually(stopped, f"{stop.__name__} ended the task")
+        finally:
+            for leftover in (stopping, task):
+                leftover.cancel()
+        await stopping
+        assert task.cancelled() and swallowed == [1]
+
+
+async def test_stop_task_does_not_raise_what_the_task_failed_with() -> None:
+    async def broken() -> None:
+        raise RuntimeError("heartbeat failed")
+
+    task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    await stop_task(task)
+    assert isinstance(task.exception(), RuntimeError)
+
+
+async def test_the_sweeper_sweeps_with_loop_time_until_stopped() -> None:
+    seen: list[float] = []
+    sweeper = Sweeper(seen.append, 0.01)
+    await sweeper.stop()  # never started: nothing to stop
+    sweeper.start()
+    sweeper.start()  # idempotent: still one task
+
+    async def swept_twice() -> bool:
+        return len(seen) >= 2
+
+    await eventually(swept_twice, "two sweeps")
+    loop = asyncio.get_running_loop()
+    assert seen == sorted(seen) and seen[-1] <= loop.time()
+    await sweeper.stop()
+    after = len(seen)
+    await asyncio.sleep(0.05)  # would be several sweeps if it still ran
+    assert len(seen) == after
+    sweeper.start()  # a stopped sweeper can start again
+
+    async def swept_again() -> bool:
+        return len(seen) > after
+
+    await eventually(swept_again, "a sweep after the restart")
+    await sweeper.stop()

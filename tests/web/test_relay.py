@@ -11,6 +11,8 @@ import pytest
 
 from crossroads.proto.relay import joincode
 from crossroads.runtime import Runtime
+from crossroads.services.relay import RelayService
+from tests.conftest import running_service
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +95,7 @@ async def test_allocate_response_has_unitys_shape() -> None:
             assert len(base64.b64decode(allocation["key"])) == 64
             assert 0 < len(base64.b64decode(allocation["connectionData"])) <= 255
             assert allocation["region"] == "eu-west"
-            node = rt.services["relay"].node  # type: ignore[attr-defined]
+            node = running_service(rt, "relay", RelayService).node
             port = node.endpoint.sock.getsockname()[1]
             assert allocation["relayServer"] == {"ipV4": "127.0.0.1", "port": port}
             endpoints = {e["connectionType"]: e for e in allocation["serverEndpoints"]}

@@ -31,7 +31,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from crossroads.lab import netns
-from tests.conftest import eventually
+from tests.conftest import eventually, serve_command
 from tests.tls_support import write_certificates
 
 pytestmark = [pytest.mark.interop, pytest.mark.timeout(240)]
@@ -107,24 +107,16 @@ async def lab(tmp_path: Path) -> AsyncIterator[Lab]:
             )
         pid = netns.spawn(
             server_ns,
-            [
-                sys.executable,
-                "-m",
-                "crossroads",
-                "serve",
-                "--only",
+            serve_command(
                 "stun,turn",
-                "--host",
-                SERVER_IP,
-                "--http-port",
-                "0",
                 "--tls-cert",
                 str(pki.cert),
                 "--tls-key",
                 str(pki.key),
                 "--turn-user",
                 f"{USER}:{PASSWORD}",
-            ],  # fmt: skip
+                host=SERVER_IP,
+            ),
             log=log,
             env={
                 k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")

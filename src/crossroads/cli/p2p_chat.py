@@ -8,8 +8,8 @@ Lines go peer to peer, sealed end to end; the server only introduced the peers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -24,6 +24,7 @@ from crossroads.client.p2p import (
     P2PClient,
 )
 from crossroads.proto.punch import signalling as sig
+from crossroads.transport.tasks import cancel_and_wait
 
 DEFAULT_SERVER = "ws://127.0.0.1:8080/p2p/v1/ws"
 
@@ -91,11 +92,7 @@ async def _chat(client: P2PClient) -> None:
         # Give the last lines a moment to leave before the links close.
         await asyncio.sleep(0.5)
     finally:
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*(cancel_and_wait(task) for task in tasks))
 
 
 def _address(text: str | None) -> tuple[str, int] | None:
@@ -117,17 +114,28 @@ def _show_nat(client: P2PClient) -> None:
         )
 
 
-async def _host(
-    server: str,
-    relay: str,
-    portmap: bool,
-    max_members: int,
-    stun: tuple[str, int] | None,
-    bind: str,
-) -> None:
-    async with P2PClient(
-        server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0)
-    ) as client:
+@dataclass(frozen=True, slots=True)
+class _ClientSettings:
+    """The options ``host`` and ``join`` share: how this peer's client is made."""
+
+    server: str
+    relay: str
+    portmap: bool
+    stun: tuple[str, int] | None
+    bind: str
+
+    def client(self) -> P2PClient:
+        return P2PClient(
+            self.server,
+            relay=self.relay,
+            portmap=self.portmap,
+            stun=self.stun,
+            bind=(self.bind, 0),
+        )
+
+
+async def _host(settings: _ClientSettings, max_members: int) -> None:
+    async with settings.client() as client:
         _show_nat(client)
         code = await client.host(max_members)
         _out(f"invite code: {code}")
@@ -137,17 +145,8 @@ async def _host(
         await _chat(client)
 
 
-async def _join(
-    server: str,
-    code: str,
-    relay: str,
-    portmap: bool,
-    stun: tuple[str, int] | None,
-    bind: str,
-) -> None:
-    async with P2PClient(
-        server, relay=relay, portmap=portmap, stun=stun, bind=(bind, 0)
-    ) as client:
+async def _join(settings: _ClientSettings, code: str) -> None:
+    async with settings.client() as client:
         _show_nat(client)
         await client.join(code)
         for peer, link in client.links.items():
@@ -210,7 +209,11 @@ def host(
     bind: str,
 ) -> None:
     """Create a p2p session, print its invite code, chat with whoever joins."""
-    run_async(_host(server, relay, portmap, max_members, _address(stun), bind))
+    run_async(
+        _host(
+            _ClientSettings(server, relay, portmap, _address(stun), bind), max_members
+        )
+    )
 
 
 @click.command("join")
@@ -221,7 +224,9 @@ def join(
 ) -> None:
     """Join the p2p session behind CODE and chat with its members."""
     try:
-        run_async(_join(server, code, relay, portmap, _address(stun), bind))
+        run_async(
+            _join(_ClientSettings(server, relay, portmap, _address(stun), bind), code)
+        )
     except Exception as exc:  # noqa: BLE001 - one line for the user, exit 1
         click.echo(f"crossroads join: {exc}", err=True)
         sys.exit(1)

@@ -27,6 +27,7 @@ from typing import Any
 
 from crossroads.errors import DecodeError
 from crossroads.proto.portmap import natpmp, pcp
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.client.portmap")
@@ -359,9 +360,7 @@ class PortMapper:
     async def close(self) -> None:
         """Delete the mapping from the gateway."""
         if self._refresh is not None:
-            self._refresh.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh
+            await cancel_and_wait(self._refresh)
         mapping, self.mapping = self.mapping, None
         if mapping is None:
             return

@@ -42,7 +42,6 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import httpx
@@ -142,12 +141,7 @@ class RelayApi:
     async def __aenter__(self) -> RelayApi:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:

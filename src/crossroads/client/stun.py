@@ -39,7 +39,6 @@ import os
 import socket
 from dataclasses import dataclass
 from enum import StrEnum
-from types import TracebackType
 from typing import Any, Literal, Self
 
 from crossroads.errors import CrossroadsError, DecodeError
@@ -282,12 +281,7 @@ class StunClient:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.close()
 
     def close(self) -> None:

@@ -79,6 +79,7 @@ from crossroads.proto.turn.channeldata import (
 )
 from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.transport.dtls import DtlsClient, dtls_connect
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.client.turn")
@@ -524,9 +525,7 @@ class TurnClient:
             return
         self._closed = True
         if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+            await cancel_and_wait(self._refresher)
         if self.relayed is not None:
             saved, self.timeout = self.timeout, min(self.timeout, 2.0)
             with contextlib.suppress(TurnClientError, OSError):

@@ -61,6 +61,12 @@ class TurnClientRelay:
         client = await turn.TurnClient.connect(
             server, username, password, transport=transport, timeout=timeout
         )
+        return await cls.allocate(client)
+
+    @classmethod
+    async def allocate(cls, client: Any) -> TurnClientRelay:
+        """Allocate on a connected ``TurnClient`` and wrap the allocation; the
+        client is closed when the allocation fails (nothing is left open)."""
         try:
             relayed = await client.allocate()
         except BaseException:

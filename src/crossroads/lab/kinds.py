@@ -85,6 +85,19 @@ class NatKind:
         return self.mapping is not Mapping.NONE
 
 
+def both_udp(x: NatKind, y: NatKind) -> bool:
+    """Both sites can send UDP to the server (every kind but ``udp-blocked``):
+    the expectation of a method that connects every such pair, directly or
+    through a UDP relay."""
+    return x.udp and y.udp
+
+
+def every_pair(x: NatKind, y: NatKind) -> bool:
+    """Every pair of lab sites: the expectation of a method that needs only a
+    TCP connection to the server, which every lab NAT and firewall passes."""
+    return True
+
+
 KINDS: tuple[NatKind, ...] = (
     NatKind(
         "open",

@@ -51,6 +51,7 @@ from crossroads.lab.natneg_sdk import (
     read_game_data,
 )
 from crossroads.proto.natneg.packets import MappingScheme, NatType, NegotiateResult
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 #: Game data after success: one datagram every 100 ms for at most 2 s, and three
@@ -214,9 +215,7 @@ async def play(args: argparse.Namespace) -> None:
                     line = await reader.readline()
             command = line.decode().strip()
     finally:
-        detection.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await detection
+        await cancel_and_wait(detection)
         player.close()
 
 

@@ -28,6 +28,7 @@ from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
 from crossroads.transport.admission import ConnectionBudget
 from crossroads.transport.localaddrs import own_addresses
+from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates, HandshakeLimits
 from crossroads.types import Address, IPAddress
 
@@ -182,15 +183,9 @@ class ServiceContext:
 
 
 async def stop_task(task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait until it has ended.
-
-    Cancelled in the middle of a store command, redis-py can swallow the
-    CancelledError (seen right after a Redis restart); a heartbeat loop then went
-    back to sleep and ``close`` waited for it forever. So cancel again until the
-    task is done.
-    """
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
+    """Cancel ``task`` until it has ended (:func:`cancel_until_done`: a store
+    command may swallow the first cancellation), without raising what it
+    failed with."""
+    await cancel_until_done(task)
     if not task.cancelled():
         task.exception()  # retrieved: a failure at shutdown is not reported twice

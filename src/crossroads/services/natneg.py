@@ -49,8 +49,16 @@ from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from crossroads.config import CONVERTERS, Kind, setting
+from crossroads.config import (
+    CONVERTERS,
+    check_networks,
+    check_non_negative,
+    check_positive,
+    convert_setting,
+    setting,
+)
 from crossroads.errors import ConfigError
+from crossroads.metrics import add_counts, counter_by, unregister
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
     Endpoint,
@@ -85,14 +93,6 @@ def parse_port_range(value: str) -> tuple[int, int] | None:
         return None
     converted: tuple[int, int] = CONVERTERS["port_range"](value)
     return converted
-
-
-def _check_networks(value: tuple[str, ...]) -> None:
-    for network in value:
-        try:
-            ipaddress.ip_network(network, strict=False)
-        except ValueError:
-            raise ValueError(f"{network!r} is not a network like 10.0.0.0/8") from None
 
 
 def _check_optional_port(value: int) -> None:
@@ -153,6 +153,7 @@ class Config:
     session_timeout: float = setting(
         30.0,
         kind="float",
+        check=check_positive,
         help="Seconds to wait for both clients before CONNECT with an error.",
     )
     force_lan_mode: bool = setting(
@@ -167,13 +168,22 @@ class Config:
         "first pings leave at once (false: send both together, as GameSpy did).",
     )
     connect_interval: float = setting(
-        1.0, kind="float", help="CONNECT resend interval until CONNECT_ACK (s)."
+        1.0,
+        kind="float",
+        check=check_positive,
+        help="CONNECT resend interval until CONNECT_ACK (s).",
     )
     connect_attempts: int = setting(
-        10, kind="int", help="CONNECT sends per client before giving up."
+        10,
+        kind="int",
+        check=check_positive,
+        help="CONNECT sends per client before giving up.",
     )
     linger: float = setting(
-        20.0, kind="float", help="Seconds a finished session answers duplicates."
+        20.0,
+        kind="float",
+        check=check_positive,
+        help="Seconds a finished session answers duplicates.",
     )
     relay_mode: str = setting(
         "auto",
@@ -192,25 +202,39 @@ class Config:
         help="Relay UDP port range like 50000-59999 ('' = OS-chosen).",
     )
     relay_idle_timeout: float = setting(
-        60.0, kind="float", help="Release a relay pair after this many idle seconds."
+        60.0,
+        kind="float",
+        check=check_positive,
+        help="Release a relay pair after this many idle seconds.",
     )
-    max_relays: int = setting(1000, kind="int", help="Relay pairs at most.")
+    max_relays: int = setting(
+        1000, kind="int", check=check_positive, help="Relay pairs at most."
+    )
     relay_allow: tuple[str, ...] = setting(
         (),
         kind="list",
-        check=_check_networks,
+        check=check_networks,
         help="Networks (CIDR) whose clients may still be relayed: loopback, "
         "private, link-local and the server's own addresses are refused "
         "otherwise (except the scope of the advertised relay address).",
     )
     max_sessions: int = setting(
-        100_000, kind="int", help="Concurrent negotiation sessions at most."
+        100_000,
+        kind="int",
+        check=check_positive,
+        help="Concurrent negotiation sessions at most.",
     )
     max_sessions_per_ip: int = setting(
-        64, kind="int", help="Concurrent sessions one source IP may open."
+        64,
+        kind="int",
+        check=check_positive,
+        help="Concurrent sessions one source IP may open.",
     )
     rate_limit: float = setting(
-        200.0, kind="float", help="Packets per second per source IP (0 = no limit)."
+        200.0,
+        kind="float",
+        check=check_non_negative,
+        help="Packets per second per source IP (0 = no limit).",
     )
     config_json: str = setting(
         "",
@@ -219,37 +243,12 @@ class Config:
         "session_timeout, force_lan_mode) overrides these settings.",
     )
 
-    def __post_init__(self) -> None:
-        for name in (
-            "session_timeout",
-            "connect_interval",
-            "linger",
-            "relay_idle_timeout",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be positive")
-        for name in (
-            "connect_attempts",
-            "max_relays",
-            "max_sessions",
-            "max_sessions_per_ip",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be at least 1")
-        if self.rate_limit < 0:
-            raise ValueError("rate_limit: must not be negative")
-
 
 # ------------------------------------------------------------- seed config.json
 
-#: The seed's ``config.json`` keys (seeds/002, "Configuration") and their kinds.
-SEED_KEYS: dict[str, Kind] = {
-    "host": "host",
-    "port": "port",
-    "enabled": "bool",
-    "session_timeout": "float",
-    "force_lan_mode": "bool",
-}
+#: The seed's ``config.json`` keys (seeds/002, "Configuration"): settings of
+#: this section, converted and checked as their flags are.
+SEED_KEYS = ("host", "port", "enabled", "session_timeout", "force_lan_mode")
 #: The seed's defaults for keys a config.json leaves out where they differ from
 #: crossroads': ``force_lan_mode`` defaults to true there ("LAN mode (default)").
 SEED_DEFAULTS: dict[str, Any] = {"force_lan_mode": True}
@@ -275,20 +274,14 @@ def apply_seed_config(config: Config, path: Path) -> Config:
     section = document.get("natneg") if isinstance(document, dict) else None
     if not isinstance(section, dict):
         raise ConfigError(f'{where}: no "natneg" object')
+    fields = {f.name: f for f in dataclasses.fields(Config)}
     values = {**SEED_DEFAULTS}
     for key, raw in section.items():
-        kind = SEED_KEYS.get(key)
-        if kind is None:
+        if key not in SEED_KEYS:
             known = ", ".join(SEED_KEYS)
             raise ConfigError(f"{where}: unknown key natneg.{key} (known: {known})")
-        try:
-            values[key] = CONVERTERS[kind](raw)
-        except ValueError as exc:
-            raise ConfigError(f"{where}: natneg.{key}: {exc}") from None
-    try:
-        return dataclasses.replace(config, **values)
-    except ValueError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        values[key] = convert_setting(NAME, fields[key], raw, str(path))
+    return dataclasses.replace(config, **values)
 
 
 # ---------------------------------------------------------------- addresses
@@ -387,14 +380,12 @@ class _Collector(Collector):
         for ptype in PacketType:
             received.add_metric([ptype.name.lower()], core.stats.received[ptype])
         yield received
-        dropped = CounterMetricFamily(
+        yield counter_by(
             "crossroads_natneg_dropped",
             "natneg datagrams dropped, by reason.",
-            labels=["reason"],
+            "reason",
+            core.stats.dropped,
         )
-        for reason, count in sorted(core.stats.dropped.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
         yield CounterMetricFamily(
             "crossroads_natneg_packets_sent",
             "natneg packets sent.",
@@ -424,8 +415,7 @@ class _Collector(Collector):
             )
             allocations.add_metric(["allocated"], relay.stats.allocated)
             # One result per refusal verdict (refused-loopback, refused-self, ...).
-            for reason, count in sorted(relay.stats.refused_by.items()):
-                allocations.add_metric([f"refused-{reason}"], count)
+            add_counts(allocations, relay.stats.refused_by, "refused-")
             allocations.add_metric(["failed"], relay.stats.failed)
             yield allocations
 
@@ -569,15 +559,7 @@ class NatNegService:
         if self.relay is not None:
             await self.relay.close()
         if self._collector is not None and self._registry is not None:
-            try:
-                self._registry.unregister(self._collector)
-            except KeyError:
-                pass
-            for metric in (self.negotiations, self.reports):
-                try:
-                    self._registry.unregister(metric)
-                except KeyError:
-                    pass
+            unregister(self._registry, self._collector, self.negotiations, self.reports)
 
 
 def core_config(cfg: Config, layout: Layout) -> ServerConfig:

@@ -40,7 +40,7 @@ from fastapi import APIRouter, WebSocket
 from prometheus_client import Counter, Gauge
 from starlette.websockets import WebSocketState
 
-from crossroads.config import setting
+from crossroads.config import check_positive, setting
 from crossroads.errors import ConfigError, StoreError
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
@@ -78,11 +78,6 @@ STORE_RETRY = 0.5
 MAX_OUTBOUND_FRAMES = 256
 
 
-def _check_positive(value: int) -> None:
-    if value < 1:
-        raise ValueError("must be at least 1")
-
-
 def _check_timeout(value: int) -> None:
     if not 15 <= value <= 900:
         raise ValueError("must be in 15..900 (MasterServer2's private-server range)")
@@ -102,19 +97,19 @@ class Config:
     max_connections: int = setting(
         10_000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Signalling WebSocket connections, in total.",
     )
     max_connections_per_ip: int = setting(
         64,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Signalling WebSocket connections from one IP.",
     )
     relay_bytes_per_second: int = setting(
         256 * 1024,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="WebSocket relay budget per connection, bytes/s (the relay is the last resort).",
     )
     turn_secret: str = setting(
@@ -132,7 +127,7 @@ class Config:
     turn_ttl: int = setting(
         3600,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Lifetime of the TURN credentials handed out, seconds; a session "
         "member asks for fresh ones (turn_refresh) before they expire.",
     )
@@ -155,7 +150,7 @@ class Config:
     master_rows_per_ip: int = setting(
         10,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Listing rows one IP may hold at once (MasterServer2: 10).",
     )
 

@@ -26,6 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.config import setting
+from crossroads.metrics import add_counts, counter_by, unregister
 from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import ServerConfig
@@ -133,17 +134,14 @@ class _Collector(Collector):
             "RakNet connections opened (OPEN_CONNECTION_REQUEST_2 accepted).",
             value=peer.stats.handshakes,
         )
-        dropped = CounterMetricFamily(
+        dropped = counter_by(
             "crossroads_raknet_dropped",
             "RakNet datagrams or connections dropped, by reason.",
-            labels=["reason"],
+            "reason",
+            peer.stats.dropped,
         )
-        for reason, count in sorted(peer.stats.dropped.items()):
-            dropped.add_metric([reason], count)
-        for reason, count in sorted(node.punch.stats.dropped.items()):
-            dropped.add_metric([f"punch-{reason}"], count)
-        for reason, count in sorted(node.proxy.stats.dropped.items()):
-            dropped.add_metric([f"proxy-{reason}"], count)
+        add_counts(dropped, node.punch.stats.dropped, "punch-")
+        add_counts(dropped, node.proxy.stats.dropped, "proxy-")
         dropped.add_metric(["second-socket"], node.second_dropped)
         if self.service.forwarders is not None:
             # Over RakNet's 1500-byte MTU: dropped whole by the data plane.
@@ -152,8 +150,7 @@ class _Collector(Collector):
             )
         relay_nodes = self.service.relay_nodes
         if relay_nodes is not None:
-            for reason, count in sorted(relay_nodes.dropped.items()):
-                dropped.add_metric([f"relay-node-{reason}"], count)
+            add_counts(dropped, relay_nodes.dropped, "relay-node-")
         yield dropped
         unhandled = CounterMetricFamily(
             "crossroads_raknet_unhandled_messages",
@@ -181,8 +178,7 @@ class _Collector(Collector):
             labels=["answer"],
         )
         forwarding.add_metric(["succeeded"], proxy.succeeded)
-        for answer, count in sorted(proxy.results.items()):
-            forwarding.add_metric([answer], count)
+        add_counts(forwarding, proxy.results)
         yield forwarding
         pool = self.service.forwarders
         if pool is not None:
@@ -203,14 +199,12 @@ class _Collector(Collector):
                 value=len(relay_nodes.nodes),
             )
         if node.detection is not None:
-            results = CounterMetricFamily(
+            yield counter_by(
                 "crossroads_raknet_nat_type_results",
                 "NAT type detection results sent, by NATTypeDetectionResult.",
-                labels=["result"],
+                "result",
+                node.detection.stats.results,
             )
-            for result, count in sorted(node.detection.stats.results.items()):
-                results.add_metric([result], count)
-            yield results
 
 
 class _Driver(DatagramDriver):
@@ -305,10 +299,7 @@ class RakNetService:
             self.forwarders = None
         self.driver = None
         if self._collector is not None and self._registry is not None:
-            try:
-                self._registry.unregister(self._collector)
-            except KeyError:  # pragma: no cover - already unregistered
-                pass
+            unregister(self._registry, self._collector)
             self._collector = None
 
 

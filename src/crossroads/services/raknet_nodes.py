@@ -53,6 +53,7 @@ from crossroads.proto.raknet.udpproxy import (
     UDPProxyCoordinator,
 )
 from crossroads.store.base import Store, Subscription
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.raknet")
@@ -120,9 +121,7 @@ class RelayNodes:
 
     async def close(self) -> None:
         for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._tasks.clear()
         if self._subscription is not None:
             with contextlib.suppress(Exception):

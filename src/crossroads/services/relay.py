@@ -47,8 +47,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from crossroads.config import Config as RuntimeConfig
-from crossroads.config import setting
+from crossroads.config import check_positive, setting
 from crossroads.errors import StoreError
+from crossroads.metrics import counter_by
 from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
@@ -111,11 +112,6 @@ def _check_join_code_length(value: int) -> None:
         raise ValueError(f"must be {joincode.MIN_LENGTH}-{joincode.MAX_LENGTH}")
 
 
-def _check_positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError("must be greater than 0")
-
-
 def _check_max_connections(value: int) -> None:
     if not 1 <= value <= 0xFFFF:
         raise ValueError("must be between 1 and 65535")
@@ -157,7 +153,7 @@ class Config:
     capacity: int = setting(
         5000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Seats on this node; a host allocation reserves 1 + maxConnections.",
     )
     node_only: bool = setting(
@@ -191,25 +187,25 @@ class Config:
     bind_timeout: float = setting(
         10.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds a new allocation has to BIND (Unity: 10).",
     )
     idle_timeout: float = setting(
         10.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds without traffic before a client is dropped (Unity: 10).",
     )
     host_alone_timeout: float = setting(
         60.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Idle seconds allowed to a host with no joiner (Unity: 60).",
     )
     heartbeat: float = setting(
         5.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds between node registrations (the TTL is three of them).",
     )
     join_code_length: int = setting(
@@ -254,13 +250,13 @@ class Config:
     ws_max_connections: int = setting(
         10_000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="WebSocket connections at once on each of ws and wss.",
     )
     ws_max_connections_per_ip: int = setting(
         64,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="WebSocket connections at once from one IP (or IPv6 /64) on each "
         "of ws and wss.",
     )
@@ -514,14 +510,12 @@ class RelayCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         core = self.node.core
-        dropped = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_dropped_datagrams",
             "Datagrams the relay dropped, by reason.",
-            labels=["reason"],
+            "reason",
+            core.drops,
         )
-        for reason, count in sorted(core.drops.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
         errors = CounterMetricFamily(
             "crossroads_relay_errors_sent",
             "ERROR messages sent, by code.",
@@ -530,14 +524,12 @@ class RelayCollector(Collector):
         for code, count in sorted(core.errors_sent.items()):
             errors.add_metric([str(int(code))], count)
         yield errors
-        ended = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_allocations_ended",
             "Allocations that ended, by reason.",
-            labels=["reason"],
+            "reason",
+            core.ended_total,
         )
-        for reason, count in sorted(core.ended_total.items()):
-            ended.add_metric([reason], count)
-        yield ended
         packets, octets = core.relayed()
         yield CounterMetricFamily(
             "crossroads_relay_relayed_packets", "RELAY frames forwarded.", value=packets

@@ -24,6 +24,7 @@ from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from crossroads.metrics import counter_by
 from crossroads.proto.dtls.crypto import SUITES
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
@@ -139,23 +140,20 @@ class RelayDtls:
 
     def metrics(self) -> Iterable[Metric]:
         core = self.endpoint.core
-        dropped = CounterMetricFamily(
+        dropped = counter_by(
             "crossroads_relay_dtls_dropped_records",
             "DTLS datagrams or records the relay dropped, by reason.",
-            labels=["reason"],
+            "reason",
+            core.drops,
         )
-        for reason, count in sorted(core.drops.items()):
-            dropped.add_metric([reason], count)
         dropped.add_metric(["plaintext-from-dtls-client"], self.relay.plaintext_refused)
         yield dropped
-        failed = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_dtls_handshake_failures",
             "DTLS handshakes that failed, by reason.",
-            labels=["reason"],
+            "reason",
+            core.failures,
         )
-        for reason, count in sorted(core.failures.items()):
-            failed.add_metric([reason], count)
-        yield failed
         yield CounterMetricFamily(
             "crossroads_relay_dtls_hello_verify_requests",
             "HelloVerifyRequests sent (stateless cookie challenges).",

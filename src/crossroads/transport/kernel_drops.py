@@ -39,6 +39,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from crossroads.metrics import counter_by
+
 #: Label of UDP sockets bound to no service's listening port.
 RELAYED = "relayed"
 #: Column of the inode and of the drop count in /proc/net/udp{,6} rows
@@ -141,15 +143,13 @@ class KernelDropCollector(Collector):
         return totals
 
     def collect(self) -> Iterator[Any]:
-        udp = CounterMetricFamily(
+        yield counter_by(
             "crossroads_udp_kernel_drops",
             "Datagrams the kernel dropped on this process's UDP sockets (receive "
             "buffer full), by listening service or 'relayed' for the others.",
-            labels=["socket"],
+            "socket",
+            self.drops(),
         )
-        for label, count in sorted(self.drops().items()):
-            udp.add_metric([label], count)
-        yield udp
         listen = listen_counters(self.proc)
         overflows = CounterMetricFamily(
             "crossroads_tcp_listen_overflows",

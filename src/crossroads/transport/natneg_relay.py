@@ -44,7 +44,7 @@ from crossroads.transport.dataplane import (
 )
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.sockets import SOCKET_BUFFER_BYTES
-from crossroads.transport.tasks import cancel_and_wait
+from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.natneg.relay")
@@ -165,7 +165,8 @@ class RelayPool:
         self._loop = asyncio.get_running_loop()
         #: Every side's tap: one epoll set drained in C (one wakeup for all pairs).
         self._readers = TapReaders()
-        self._sweeper: asyncio.Task[None] | None = None
+        # Idle detection granularity: a quarter of the timeout, at most 5 s.
+        self._sweeper = Sweeper(self.sweep, min(self.idle_timeout / 4, 5.0))
         self._closed = False
 
     @property
@@ -224,8 +225,7 @@ class RelayPool:
         for side in (side0, side1):
             self._readers.add(side.tap)
         self.stats.allocated += 1
-        if self._sweeper is None:
-            self._sweeper = asyncio.ensure_future(self._sweep_forever())
+        self._sweeper.start()
         port0 = socks[0].getsockname()[1]
         port1 = socks[1].getsockname()[1]
         return (self.advertise_host, port0), (self.advertise_host, port1)
@@ -281,18 +281,9 @@ class RelayPool:
             elif now - pair.last_active >= self.idle_timeout:
                 self.release(session)
 
-    async def _sweep_forever(self) -> None:
-        # Idle detection granularity: a quarter of the timeout, at most 5 s.
-        interval = min(self.idle_timeout / 4, 5.0)
-        while not self._closed:
-            await asyncio.sleep(interval)
-            self.sweep(self._loop.time())
-
     async def close(self) -> None:
         self._closed = True
         for session in list(self._pairs):
             self.release(session)
         self._readers.close()
-        if self._sweeper is not None:
-            await cancel_and_wait(self._sweeper)
-            self._sweeper = None
+        await self._sweeper.stop()

@@ -34,7 +34,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.sockets import make_udp_socket
-from crossroads.transport.tasks import cancel_and_wait
+from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address
 
 #: RakNet's MAXIMUM_MTU_SIZE: nothing larger is a RakNet datagram (dropped and
@@ -136,7 +136,7 @@ class ForwarderPool:
         #: Every entry's tap: one epoll set drained in C (one wakeup for all).
         self._readers = TapReaders()
         self._closed = False
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeper = Sweeper(self.sweep, SWEEP_INTERVAL)
 
     def start(
         self, source: Address, target: Address, timeout_ms: int
@@ -156,8 +156,7 @@ class ForwarderPool:
         self.entries[(source, target)] = entry
         self._readers.add(entry.tap)
         self.started += 1
-        if self._sweeper is None:
-            self._sweeper = asyncio.ensure_future(self._sweep_forever())
+        self._sweeper.start()
         return ForwarderResult.SUCCESS, entry.port
 
     def packets(self) -> int:
@@ -185,16 +184,9 @@ class ForwarderPool:
         entry.tap.close()
         entry.sock.close()
 
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_INTERVAL)
-            self.sweep(self._loop.time())
-
     async def close(self) -> None:
         self._closed = True
         for key in list(self.entries):
             self._release(key)
         self._readers.close()
-        if self._sweeper is not None:
-            await cancel_and_wait(self._sweeper)
-            self._sweeper = None
+        await self._sweeper.stop()

@@ -32,7 +32,6 @@ connections are closed sooner, by uvicorn's ``timeout_keep_alive``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 from collections.abc import Sequence
@@ -43,7 +42,9 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import (
     WebSocketsSansIOProtocol,
 )
 
+from crossroads.proto.policy import parse_networks
 from crossroads.transport.admission import Admission
+from crossroads.transport.tasks import Sweeper
 
 #: How often deadlines are checked (seconds): one timer for the port, not one
 #: per connection; a deadline fires up to this late.
@@ -64,7 +65,7 @@ def _refusal(reason: str) -> bytes:
     )
 
 
-def _peer_host(transport: asyncio.Transport) -> str:
+def _peer_host(transport: asyncio.BaseTransport) -> str:
     peer = transport.get_extra_info("peername")
     return str(peer[0]) if peer else ""
 
@@ -82,11 +83,9 @@ class HttpGuard:
         self.request_timeout = request_timeout
         #: Reverse proxies (``--trusted-proxy``): one address, many clients,
         #: so the per-IP connection cap does not apply to them.
-        self.trusted_proxies = [
-            ipaddress.ip_network(net, strict=False) for net in trusted_proxies
-        ]
+        self.trusted_proxies = parse_networks(trusted_proxies)
         self.watched: set[GuardedHttp] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._sweeper = Sweeper(self.sweep, SWEEP_EVERY)
 
     def is_trusted_proxy(self, host: str) -> bool:
         """True when ``host`` is in one of the ``--trusted-proxy`` networks."""
@@ -112,19 +111,10 @@ class HttpGuard:
         return Http, WebSocket
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._sweep_forever())
+        self._sweeper.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _sweep_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(SWEEP_EVERY)
-            self.sweep(loop.time())
+        await self._sweeper.stop()
 
     def sweep(self, now: float) -> None:
         """Close the connections that waited too long for their request."""
@@ -141,17 +131,25 @@ class HttpGuard:
                 proto.transport.abort()
 
 
-class GuardedHttp(H11Protocol):
-    """uvicorn's h11 protocol with admission and a request deadline."""
+class _GuardedPeer(asyncio.Protocol):
+    """What both guarded protocols share: the guard, and the peer's host, read
+    once when the connection is made (admission is counted per host)."""
 
     guard: HttpGuard
     peer_host: str
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.peer_host = _peer_host(transport)
+
+
+class GuardedHttp(_GuardedPeer, H11Protocol):
+    """uvicorn's h11 protocol with admission and a request deadline."""
 
     def connection_made(  # type: ignore[override]
         self, transport: asyncio.Transport
     ) -> None:
         super().connection_made(transport)
-        self.peer_host = _peer_host(transport)
         self.responses = 0
         self.deadline_key: tuple[object, int] | None = None
         self.waiting_since = 0.0
@@ -188,17 +186,8 @@ class GuardedHttp(H11Protocol):
         super().handle_websocket_upgrade(event)
 
 
-class GuardedWebSocket(WebSocketsSansIOProtocol):
+class GuardedWebSocket(_GuardedPeer, WebSocketsSansIOProtocol):
     """uvicorn's WebSocket protocol, giving the HTTP admission back at the end."""
-
-    guard: HttpGuard
-    peer_host: str
-
-    def connection_made(  # type: ignore[override]
-        self, transport: asyncio.Transport
-    ) -> None:
-        super().connection_made(transport)
-        self.peer_host = _peer_host(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)

@@ -16,12 +16,13 @@ error body ``{"status", "title", "detail", "type", "code"}`` (plus crossroads'
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -31,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto import jsontext
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.counting import spend_token
 from crossroads.ratelog import RateLimitedLog
 from crossroads.services.relay_allocations import (
     AllocationError,
@@ -198,6 +200,11 @@ JOIN_CODE_NOT_FOUND = 15009
 #: Client IPs tracked by the rate limiter before the oldest is forgotten.
 MAX_TRACKED_CLIENTS = 65_536
 
+#: A route handler of the allocations API.
+Handler = Callable[[Request], Awaitable[JSONResponse]]
+#: The request body model :func:`_parse` validates against.
+Model = TypeVar("Model", bound=BaseModel)
+
 
 async def _read_body(request: Request) -> bytes:
     chunks: list[bytes] = []
@@ -230,16 +237,10 @@ class RateLimiter:
             if len(self._buckets) >= MAX_TRACKED_CLIENTS:
                 del self._buckets[next(iter(self._buckets))]
             bucket = self._buckets[client] = [self.burst, now]
-        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        bucket[1] = now
-        if tokens < 1:
-            bucket[0] = tokens
-            return False
-        bucket[0] = tokens - 1
-        return True
+        return spend_token(bucket, now, self.rate, self.burst)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _parse(request: Request, model: type[Model]) -> Model:
     raw = await _read_body(request)
     try:
         data = jsontext.loads(raw) if raw else None
@@ -332,9 +333,21 @@ def make_router(
         keys_tried.refund(client)  # the key was right: its try costs nothing
         return None
 
-    async def guarded(
-        endpoint: str, request: Request, handler: Callable[[], Awaitable[JSONResponse]]
-    ) -> JSONResponse:
+    def guarded(endpoint: str) -> Callable[[Handler], Handler]:
+        """Wrap a route handler: the API key and its guessing budget, the rate
+        limit of the calls that create allocations, errors as Unity's JSON
+        envelope, the request counter and the retry headers."""
+
+        def wrap(handler: Handler) -> Handler:
+            @functools.wraps(handler)
+            async def route(request: Request) -> JSONResponse:
+                return await answer(endpoint, request, handler)
+
+            return route
+
+        return wrap
+
+    async def answer(endpoint: str, request: Request, handler: Handler) -> JSONResponse:
         client = request.client.host if request.client else ""
         refused = refusal(request, client)
         if refused is not None:
@@ -345,7 +358,7 @@ def make_router(
             )
         else:
             try:
-                response = await handler()
+                response = await handler(request)
             except AllocationError as exc:
                 if exc.status in (400, 413):
                     log_client_error(request, exc.status, exc.detail)
@@ -369,14 +382,11 @@ def make_router(
         openapi_extra=_body_schema(AllocateRequest),
         summary="Allocate a seat for a host on the least-loaded relay of a region",
     )
+    @guarded("allocate")
     async def allocate(request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            body = await _parse(request, AllocateRequest)
-            assert isinstance(body, AllocateRequest)
-            grant = await allocator.allocate(body.maxConnections, body.region)
-            return _envelope(201, {"allocation": encode_grant(grant)})
-
-        return await guarded("allocate", request, run)
+        body = await _parse(request, AllocateRequest)
+        grant = await allocator.allocate(body.maxConnections, body.region)
+        return _envelope(201, {"allocation": encode_grant(grant)})
 
     @router.post(
         "/joincode",
@@ -385,14 +395,11 @@ def make_router(
         openapi_extra=_body_schema(JoinCodeRequest),
         summary="Get the join code of a host allocation (the same one each time)",
     )
+    @guarded("joincode")
     async def create_join_code(request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            body = await _parse(request, JoinCodeRequest)
-            assert isinstance(body, JoinCodeRequest)
-            code = await allocator.join_code(body.allocationId)
-            return _envelope(200, {"joinCode": code})
-
-        return await guarded("joincode", request, run)
+        body = await _parse(request, JoinCodeRequest)
+        code = await allocator.join_code(body.allocationId)
+        return _envelope(200, {"joinCode": code})
 
     @router.post(
         "/join",
@@ -401,31 +408,28 @@ def make_router(
         openapi_extra=_body_schema(JoinRequest),
         summary="Join a host's session with its join code",
     )
+    @guarded("join")
     async def join(request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            body = await _parse(request, JoinRequest)
-            assert isinstance(body, JoinRequest)
-            client = request.client.host if request.client else ""
-            if not codes_tried.try_spend(client, clock()):
-                raise AllocationError(
-                    429,
-                    15429,
-                    "RateLimited",
-                    "too many unknown join codes; retry later",
-                )
-            try:
-                grant = await allocator.join(body.joinCode)
-            except AllocationError as exc:
-                if exc.code != JOIN_CODE_NOT_FOUND:
-                    codes_tried.refund(client)
-                raise
-            except BaseException:
+        body = await _parse(request, JoinRequest)
+        client = request.client.host if request.client else ""
+        if not codes_tried.try_spend(client, clock()):
+            raise AllocationError(
+                429,
+                15429,
+                "RateLimited",
+                "too many unknown join codes; retry later",
+            )
+        try:
+            grant = await allocator.join(body.joinCode)
+        except AllocationError as exc:
+            if exc.code != JOIN_CODE_NOT_FOUND:
                 codes_tried.refund(client)
-                raise
+            raise
+        except BaseException:
             codes_tried.refund(client)
-            return _envelope(200, {"allocation": encode_grant(grant)})
-
-        return await guarded("join", request, run)
+            raise
+        codes_tried.refund(client)
+        return _envelope(200, {"allocation": encode_grant(grant)})
 
     @router.get(
         "/regions",
@@ -433,14 +437,10 @@ def make_router(
         responses=_ERRORS,
         summary="Regions with at least one live relay node",
     )
+    @guarded("regions")
     async def regions(request: Request) -> JSONResponse:
-        async def run() -> JSONResponse:
-            found = await allocator.regions()
-            body = {
-                "data": {"regions": [{"id": i, "description": d} for i, d in found]}
-            }
-            return JSONResponse(body)
-
-        return await guarded("regions", request, run)
+        found = await allocator.regions()
+        body = {"data": {"regions": [{"id": i, "description": d} for i, d in found]}}
+        return JSONResponse(body)
 
     return router

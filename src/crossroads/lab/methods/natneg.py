@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from crossroads.lab.kinds import Filtering, Mapping, NatKind
+from crossroads.lab.kinds import Filtering, Mapping, NatKind, both_udp
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.natneg_sdk import GAME_DATA, SdkNegotiator, read_game_data
 from crossroads.lab.topology import SERVER_IPS, Lab, Site
@@ -84,23 +84,21 @@ async def negotiate(
 ) -> tuple[SdkNegotiator, SdkNegotiator]:
     """One negotiation between a (index 1, the host, lending ``game_sock`` if
     given) and b (index 0)."""
-    host = SdkNegotiator(
-        version=4,
-        cookie=cookie,
-        client_index=1,
-        servers=servers,
-        negotiate_sock=lab.udp_socket(a),
-        game_sock=game_sock,
-        local_ip=a.host_ip,
-    )
-    guest = SdkNegotiator(
-        version=4,
-        cookie=cookie,
-        client_index=0,
-        servers=servers,
-        negotiate_sock=lab.udp_socket(b),
-        local_ip=b.host_ip,
-    )
+
+    def negotiator(
+        site: Site, index: int, game: socket.socket | None = None
+    ) -> SdkNegotiator:
+        return SdkNegotiator(
+            version=4,
+            cookie=cookie,
+            client_index=index,
+            servers=servers,
+            negotiate_sock=lab.udp_socket(site),
+            game_sock=game,
+            local_ip=site.host_ip,
+        )
+
+    host, guest = negotiator(a, 1, game_sock), negotiator(b, 0)
     tasks = {asyncio.ensure_future(n.run(NEGOTIATION_S)) for n in (host, guest)}
     pending = tasks
     while pending:
@@ -270,11 +268,6 @@ def _detections(results: list[dict[str, Any]]) -> str:
     return "detected A {}, B {}".format(*(r["nat_type"].lower() for r in results))
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    """Everything with UDP connects: directly, or through the relay."""
-    return x.udp and y.udp
-
-
 def direct_expected(x: NatKind, y: NatKind) -> bool:
     """Whether the negotiated direct path (server-observed addresses, both sides
     pinging) works, without the relay: an endpoint-dependent mapping defeats it
@@ -285,7 +278,7 @@ def direct_expected(x: NatKind, y: NatKind) -> bool:
                 return False
             if t.filtering is Filtering.ADDRESS_AND_PORT_DEPENDENT:
                 return False
-    return x.udp and y.udp
+    return both_udp(x, y)
 
 
 def first_expected(x: NatKind, y: NatKind) -> bool:
@@ -303,7 +296,7 @@ def first_expected(x: NatKind, y: NatKind) -> bool:
     both_symmetric = all(
         k.mapping is Mapping.ADDRESS_AND_PORT_DEPENDENT for k in (x, y)
     )
-    return direct_expected(x, y) or (both_symmetric and x.udp and y.udp)
+    return direct_expected(x, y) or (both_symmetric and both_udp(x, y))
 
 
 METHOD = register(
@@ -311,7 +304,8 @@ METHOD = register(
         name="natneg",
         summary="GameSpy natneg (SDK client v4) via crossroads, one retry; relay when needed",
         run=run,
-        expected=expected,
+        # Everything with UDP connects: directly, or through the relay.
+        expected=both_udp,
         expected_first=first_expected,
         timeout=2 * NEGOTIATION_S + 6,
         needs=("natneg",),

@@ -39,7 +39,7 @@ import time
 
 from crossroads.errors import DecodeError
 from crossroads.lab import netns
-from crossroads.lab.kinds import NatKind
+from crossroads.lab.kinds import NatKind, both_udp
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.methods.punch import expected as punch_expected
 from crossroads.lab.topology import LAB_RAKNET_PROXY_PASSWORD, SERVER_IPS, Lab
@@ -54,6 +54,7 @@ from crossroads.proto.raknet.reliability import (
 )
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 #: RakNet's default port, where the lab server's ``raknet`` service listens.
@@ -409,11 +410,7 @@ class LabProxyServer:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait(self._task)
         await self.pool.close()
         # A logged-in server that vanished would be listed (and pinged) in
         # the next attempts until RakNet's 10 s timeout.
@@ -499,15 +496,10 @@ async def run(attempt: Attempt) -> Outcome:
         await second.close()
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    """Everything with UDP connects: punched, or through the forwarder."""
-    return x.udp and y.udp
-
-
 def expected_via(x: NatKind, y: NatKind) -> str | None:
     """Punched when the reflexive addresses the server saw can be punched
     (as the ``punch`` column); otherwise the UDP proxy."""
-    if not expected(x, y):
+    if not both_udp(x, y):
         return None
     return "punch" if punch_expected(x, y) else "relay"
 
@@ -517,7 +509,8 @@ METHOD = register(
         name="raknet",
         summary="RakNet NatPunchthrough via crossroads' raknet service; UDP proxy fallback",
         run=run,
-        expected=expected,
+        # Everything with UDP connects: punched, or through the forwarder.
+        expected=both_udp,
         expected_via=expected_via,
         # connect, punch request, CONNECT_AT_TIME, punch, proxy request, ping
         # round, forwarder answer: a few lab round trips each.

@@ -20,7 +20,7 @@ from typing import Any
 
 from crossroads.client.relay import Allocation, RelayConnection, RelayConnectionError
 from crossroads.lab import netns
-from crossroads.lab.kinds import NatKind
+from crossroads.lab.kinds import both_udp
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab
 from crossroads.proto.relay.client import RelayClientConfig
@@ -112,16 +112,13 @@ async def run(attempt: Attempt) -> Outcome:
     return Outcome(True, "relay", time.monotonic() - started)
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    return x.udp and y.udp
-
-
 METHOD = register(
     Method(
         name="unity-relay",
         summary="crossroads' Unity-Relay-compatible relay: join code, BIND, CONNECT, RELAY",
         run=run,
-        expected=expected,
+        # The relay needs UDP from both sites to the node.
+        expected=both_udp,
         timeout=20.0,
         needs=("relay",),
     )

@@ -28,7 +28,7 @@ from crossroads.client.portmap import PortMapper
 from crossroads.client.turn import TurnClientError
 from crossroads.client.turnrelay import TurnClientRelay
 from crossroads.lab import netns
-from crossroads.lab.kinds import Allocation, Mapping, NatKind
+from crossroads.lab.kinds import Allocation, Mapping, NatKind, every_pair
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.methods.turn_udp import open_client
 from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab, Site
@@ -46,16 +46,9 @@ def _turn(lab: Lab, site: Site) -> Callable[[], Awaitable[TurnClientRelay]]:
 
     async def make() -> TurnClientRelay:
         try:
-            client = await open_client(lab, site, "udp")
-            try:
-                relayed = await client.allocate()
-            except BaseException:
-                await client.close()
-                raise
+            return await TurnClientRelay.allocate(await open_client(lab, site, "udp"))
         except (OSError, TimeoutError, TurnClientError):
-            client = await open_client(lab, site, "tcp")
-            relayed = await client.allocate()
-        return TurnClientRelay(client, (str(relayed[0]), int(relayed[1])))
+            return await TurnClientRelay.allocate(await open_client(lab, site, "tcp"))
 
     return make
 
@@ -141,11 +134,6 @@ async def run(attempt: Attempt) -> Outcome:
     return await connect(attempt.lab, attempt.a, attempt.b)
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    """The SDK connects every pair: the relay needs only TCP to the server."""
-    return True
-
-
 def needs_relay(x: NatKind, y: NatKind) -> bool:
     """Pairs no direct technique of the SDK can open (see docs/p2p.md): UDP
     blocked on either side, or random-port symmetric NAT on both sides (both
@@ -183,7 +171,8 @@ METHOD = register(
         name="sdk",
         summary="crossroads p2p SDK: LAN, direct, port mapping, punch (prediction, birthday, spray), relay",
         run=run,
-        expected=expected,
+        # The SDK connects every pair: the relay needs only TCP to the server.
+        expected=every_pair,
         expected_via=expected_via,
         timeout=60.0,
         max_parallel=4,

@@ -6,7 +6,7 @@ TCP passes every lab NAT and the ``udp-blocked`` firewall, so all pairs connect.
 
 from __future__ import annotations
 
-from crossroads.lab.kinds import NatKind
+from crossroads.lab.kinds import every_pair
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.methods.turn_udp import exchange
 
@@ -15,17 +15,13 @@ async def run(attempt: Attempt) -> Outcome:
     return await exchange(attempt.lab, attempt.a, attempt.b, "tcp")
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    """Every lab site can open a TCP connection to the server."""
-    return True
-
-
 METHOD = register(
     Method(
         name="turn-tcp",
         summary="crossroads' TURN relay, allocations over TCP (crossroads TURN client)",
         run=run,
-        expected=expected,
+        # Every lab site can open a TCP connection to the server.
+        expected=every_pair,
         timeout=15.0,
         needs=("turn",),
     )

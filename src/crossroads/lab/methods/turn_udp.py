@@ -20,7 +20,7 @@ from typing import Literal
 
 from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.lab import netns
-from crossroads.lab.kinds import NatKind
+from crossroads.lab.kinds import both_udp
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.topology import LAB_TURN_USER, SERVER_IPS, Lab, Site
 from crossroads.types import Address
@@ -106,17 +106,13 @@ async def run(attempt: Attempt) -> Outcome:
     return await exchange(attempt.lab, attempt.a, attempt.b, "udp")
 
 
-def expected(x: NatKind, y: NatKind) -> bool:
-    """Both sites must send UDP to the server: only ``udp-blocked`` cannot."""
-    return x.udp and y.udp
-
-
 METHOD = register(
     Method(
         name="turn-udp",
         summary="crossroads' TURN relay, allocations over UDP (crossroads TURN client)",
         run=run,
-        expected=expected,
+        # Both sites must send UDP to the server: only udp-blocked cannot.
+        expected=both_udp,
         timeout=15.0,
         needs=("turn",),
     )
