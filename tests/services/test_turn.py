@@ -561,7 +561,7 @@ async def test_bandwidth_limit_per_allocation(turn: Any) -> None:
                 received += 1
             # One second's worth (1000 bytes) passes: two or three datagrams.
             assert 1 <= received <= 3
-            assert sum(r.throttled for r in service.relays) >= 7
+            assert sum(r.budget.throttled for r in service.relays) >= 7
             text = await asyncio.to_thread(_metrics_text, service)
             assert 'crossroads_turn_dropped_total{reason="bandwidth-limit"}' in text
     finally:
