@@ -473,6 +473,49 @@ async def test_send_indication_slow_and_fast_paths_agree(turn: Any) -> None:
         peer.close()
 
 
+async def test_data_indications_move_to_the_data_plane_after_the_first(
+    turn: Any,
+) -> None:
+    """A permitted peer without a channel: the first datagram is answered by
+    the Python path, which installs a Data indication route; the next ones
+    leave by that route, identical indications on the wire."""
+    service: TurnService = await turn()
+    peer = Peer()
+    raw = RawClient(service.stun.primary)
+    try:
+        session, _ = await signed_allocate(raw)
+        permit = session.sign(
+            Message(
+                Class.REQUEST,
+                Method.CREATE_PERMISSION,
+                os.urandom(12),
+                (XorPeerAddress(*peer.address),),
+            )
+        )
+        assert (await raw.request(permit)) is not None
+        (relay,) = service.relays
+        loop = asyncio.get_running_loop()
+        got = []
+        for n in range(3):
+            peer.sock.sendto(b"data %d" % n, relay.sock.getsockname())
+            wire = await asyncio.wait_for(loop.sock_recv(raw.sock, 4096), 2)
+            message = decode(wire)
+            assert (message.msg_class, message.method) == (
+                Class.INDICATION,
+                Method.DATA,
+            )
+            got.append((message.get(XorPeerAddress), message.get(Data)))
+        assert [(p.host, p.port) for p, _ in got] == [peer.address] * 3
+        assert [d.value for _, d in got] == [b"data 0", b"data 1", b"data 2"]
+        assert peer.address in relay.peer_routes
+        assert relay.tap.forwarded == 2
+        to_peer, _, to_client, to_client_bytes, _ = service.counters()
+        assert (to_client, to_client_bytes) == (3, 18)
+    finally:
+        raw.close()
+        peer.close()
+
+
 # ------------------------------------------------------------------ configuration
 
 

@@ -18,8 +18,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from crossroads.proto.stun import Class, Message, Method, encode
+from crossroads.proto.stun.attributes import (
+    Data,
+    DontFragment,
+    Software,
+    XorPeerAddress,
+)
+from crossroads.proto.turn.fastpath import data_indication
 from crossroads.transport import dataplane, turnplane
 from crossroads.transport.dataplane import Rewrite
+
+TXID = bytes(range(8))
 
 IMPLEMENTATIONS: list[Any] = [
     pytest.param(
@@ -73,6 +83,10 @@ class Rig:
         self.to_peer: dict[Any, Any] = {}
         self.to_client: dict[Any, Any] = {}
         self.fallen: list[tuple[str, bytes, Any]] = []
+        #: The allocation's permissions (peer host -> anything) and the hosts
+        #: a Send route leaves to the control plane.
+        self.permissions: dict[str, Any] = {}
+        self.refuse: set[str] = set()
         self.listener = self.tap_type(
             self.listen,
             self.to_peer,
@@ -101,6 +115,31 @@ class Rig:
             channel=number,
             budget=self.budget,
         )
+
+    def allow_send(self) -> None:
+        """What an allocation's relay installs for Send indications."""
+        self.to_peer[(self.client.getsockname(), b"\x00\x16")] = self.route_type(
+            self.relay,
+            None,
+            rewrite=Rewrite.UNWRAP_SEND,
+            budget=self.budget,
+            permissions=self.permissions,
+            refuse=self.refuse,
+        )
+
+    def data_route(self, peer: Any, named: Any = None) -> Any:
+        """What a permitted peer's first datagram teaches the relay (the Data
+        indications name ``named``, by default ``peer``)."""
+        route = self.route_type(
+            self.listen,
+            self.client.getsockname(),
+            rewrite=Rewrite.DATA_INDICATION,
+            budget=self.budget,
+            peer=named or peer,
+            txid=TXID,
+        )
+        self.to_client[peer] = route
+        return route
 
     def from_client(self, *datagrams: bytes) -> None:
         for data in datagrams:
@@ -183,6 +222,108 @@ def test_removed_routes_stop_forwarding(rig: Rig) -> None:
     rig.to_peer.clear()  # the binding lapsed
     rig.from_client(b"\x40\x01\x00\x01x")
     assert rig.fallen[-1][:2] == ("listener", b"\x40\x01\x00\x01x")
+
+
+def send_indication(
+    peer: Any, payload: bytes, *extra: Any, fingerprint: bool = False
+) -> bytes:
+    message = Message(
+        Class.INDICATION,
+        Method.SEND,
+        bytes(range(12)),
+        (XorPeerAddress(*peer), Data(payload), *extra),
+    )
+    return encode(message, fingerprint=fingerprint)
+
+
+def test_send_indications_to_permitted_peers_leave_as_their_data(rig: Rig) -> None:
+    rig.allow_send()
+    peer = rig.peer.getsockname()
+    rig.permissions[peer[0]] = object()
+    good = [
+        send_indication(peer, b"one"),
+        send_indication(peer, b"two", DontFragment()),
+        send_indication(peer, b"three", fingerprint=True),
+    ]
+    rig.from_client(*good)
+    assert drain(rig.peer) == [b"one", b"two", b"three"]
+    route = rig.to_peer[(rig.client.getsockname(), b"\x00\x16")]
+    assert (route.packets, route.octets) == (3, 11)
+    assert rig.fallen == []
+
+
+def test_unusual_or_unpermitted_send_indications_fall_back(rig: Rig) -> None:
+    rig.allow_send()
+    peer = rig.peer.getsockname()
+    rig.permissions[peer[0]] = object()
+    bad_fingerprint = bytearray(send_indication(peer, b"x", fingerprint=True))
+    bad_fingerprint[-1] ^= 1
+    unusual = [
+        send_indication(peer, b"x", Software("me")),  # another attribute
+        bytes(bad_fingerprint),
+        send_indication(("2001:db8::5", 9), b"x"),  # not the relay's family
+        send_indication(peer, b"x")[:-4],  # lengths disagree
+    ]
+    rig.from_client(*unusual)
+    rig.refuse.add(peer[0])  # one of the service's own hosts
+    rig.from_client(send_indication(peer, b"mine"))
+    del rig.permissions[peer[0]]
+    rig.refuse.clear()
+    rig.from_client(send_indication(peer, b"no permission"))
+    client = rig.client.getsockname()
+    assert rig.fallen == [
+        ("listener", data, client)
+        for data in (
+            *unusual,
+            send_indication(peer, b"mine"),
+            send_indication(peer, b"no permission"),
+        )
+    ]
+    assert drain(rig.peer, 0.1) == []
+
+
+@pytest.mark.parametrize("peer", [("192.0.2.7", 4000), ("2001:db8::7", 4000)])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_data_indications_are_byte_exact(impl: Any, peer: Any) -> None:
+    rig = Rig(impl)
+    try:
+        # The route names its peer; the datagram may come from anywhere the
+        # control plane keyed it under.
+        route = rig.data_route(peer)
+        rig.to_client[rig.peer.getsockname()] = route
+        rig.from_peer(rig.peer, b"hello", b"", b"four")
+        txids = [TXID + n.to_bytes(4, "big") for n in (1, 2, 3)]
+        assert drain(rig.client) == [
+            data_indication(peer, payload, txid)
+            for payload, txid in zip((b"hello", b"", b"four"), txids, strict=True)
+        ]
+        assert (route.packets, route.octets) == (3, 9)
+        assert rig.relay_tap.forwarded_bytes == 9
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bad_turn_route_options_are_refused(impl: Any) -> None:
+    _, route_type, _ = impl
+    sock = udp()
+    try:
+        with pytest.raises(ValueError):
+            route_type(sock, ("127.0.0.1", 1), rewrite=Rewrite.DATA_INDICATION)
+        with pytest.raises(ValueError):
+            route_type(
+                sock,
+                ("127.0.0.1", 1),
+                rewrite=Rewrite.DATA_INDICATION,
+                peer=("192.0.2.1", 1),
+                txid=b"short",
+            )
+        with pytest.raises(TypeError):
+            route_type(sock, None, rewrite=Rewrite.UNWRAP_SEND, permissions=[])
+        with pytest.raises(ValueError):
+            route_type(sock, None)  # only a Send route has no destination
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -276,6 +417,8 @@ def test_bad_route_options_are_refused(impl: Any) -> None:
 @given(
     channels=st.lists(st.integers(0x4000, 0x4005), max_size=3, unique=True),
     routed_peer=st.booleans(),
+    data_peer=st.booleans(),
+    permitted=st.booleans(),
     frames=st.lists(
         st.tuples(
             st.sampled_from(["client", "peer", "other"]),
@@ -289,13 +432,22 @@ def test_bad_route_options_are_refused(impl: Any) -> None:
                     lambda t: t[0].to_bytes(2, "big") + t[1].to_bytes(2, "big") + t[2]
                 ),
                 st.binary(max_size=24),
+                # Send indications, well-formed or not.
+                st.tuples(
+                    st.binary(max_size=20),
+                    st.sampled_from(["plain", "fingerprint", "software", "cut"]),
+                ).map(lambda t: t),
             ),
         ),
         max_size=12,
     ),
 )
 def test_c_and_python_make_the_same_decisions(
-    channels: list[int], routed_peer: bool, frames: list[tuple[str, bytes]]
+    channels: list[int],
+    routed_peer: bool,
+    data_peer: bool,
+    permitted: bool,
+    frames: list[tuple[str, Any]],
 ) -> None:
     outcomes = []
     for impl in (
@@ -308,7 +460,31 @@ def test_c_and_python_make_the_same_decisions(
                 rig.bind(number, rig.peer)
             if not routed_peer:
                 rig.to_client.clear()
+            rig.allow_send()
+            if permitted:
+                rig.permissions[rig.peer.getsockname()[0]] = True
+            if data_peer:
+                rig.data_route(rig.other.getsockname(), ("192.0.2.9", 7))
+            sent: list[bytes] = []
             for source, data in frames:
+                if isinstance(data, tuple):
+                    payload, shape = data
+                    # To the rig's peer from the client (a port of its own:
+                    # only the forwarded data may be compared), else fixed.
+                    peer = (
+                        rig.peer.getsockname()
+                        if source == "client"
+                        else ("192.0.2.9", 7)
+                    )
+                    if shape == "software":
+                        data = send_indication(peer, payload, Software("x"))
+                    else:
+                        data = send_indication(
+                            peer, payload, fingerprint=shape == "fingerprint"
+                        )
+                        if shape == "cut":
+                            data = data[:-1]
+                sent.append(data)
                 if source == "client":
                     rig.client.sendto(data, rig.listen.getsockname())
                 else:
@@ -325,7 +501,12 @@ def test_c_and_python_make_the_same_decisions(
                 (
                     drain(rig.peer, 0.05),
                     drain(rig.client, 0.05),
-                    [(tap, data, names[addr]) for tap, data, addr in rig.fallen],
+                    # Which frame fell back (a Send indication's bytes hold
+                    # this rig's own peer port).
+                    [
+                        (tap, sent.index(data), names[addr])
+                        for tap, data, addr in rig.fallen
+                    ],
                     [
                         (t.forwarded, t.forwarded_bytes, t.malformed)
                         for t in (rig.listener, rig.relay_tap)

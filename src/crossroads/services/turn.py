@@ -133,10 +133,14 @@ from crossroads.transport.sockets import listening_ports
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
     ACCELERATED,
+    MAX_DATA_ROUTES,
     PAD,
+    SEND_INDICATION_KEY,
     channel_header,
     channel_key,
+    data_route,
     listener_tap,
+    send_route,
     to_client_route,
     to_peer_route,
 )
@@ -601,9 +605,23 @@ class UdpRelay:
         self.peer_routes: dict[Address, Any] = {}
         #: The channels this relay routes client -> peer.
         self.channels: set[int] = set()
+        #: Peers (by IP) with a learned Data indication route in peer_routes.
+        self.data_peers: dict[str, set[Address]] = {}
         self.tap: RouteTapLike = service.relay_tap(
             sock, self.peer_routes, self.from_peer
         )
+        self.send_key = (self.client, SEND_INDICATION_KEY)
+        if service.tapped(link.endpoint) and not link.tcp:
+            # Send indications of this client's, once parsed, checked for a
+            # permission and a peer the control plane need not judge per port,
+            # leave from this relay socket on the data plane (the first relay
+            # of a dual allocation takes them; the other family's go to the
+            # Python path, which handles both).
+            table = service.listener_routes(link.endpoint)
+            if self.send_key not in table:
+                table[self.send_key] = send_route(
+                    sock, self.permissions, service.core.self_peers, self.budget
+                )
         #: XOR-PEER-ADDRESS of IPv4 peers does not depend on the transaction
         #: id: cache it (bounded by the permission count in practice).
         self._peer_attributes: dict[Address, bytes] = {}
@@ -650,12 +668,25 @@ class UdpRelay:
     def unroute_peer(self, peer: Address) -> None:
         self.peer_channels.pop(peer, None)
         self.peer_routes.pop(peer, None)
+        learned = self.data_peers.get(peer[0])
+        if learned is not None:
+            learned.discard(peer)
+
+    def unroute_permission(self, ip: str) -> None:
+        for peer in self.data_peers.pop(ip, ()):
+            self.peer_routes.pop(peer, None)
 
     def unroute_all(self) -> None:
         for number in list(self.channels):
             self.unroute_channel(number)
         self.peer_channels.clear()
         self.peer_routes.clear()
+        self.data_peers.clear()
+        table = self.service.listener_routes_if_any(self.link.endpoint)
+        if table is not None:
+            route = table.get(self.send_key)
+            if route is not None and route.sock is self.sock:
+                self.service.unroute_listener(self.link.endpoint, self.send_key)
 
     # -- what the routes do not forward ----------------------------------------
 
@@ -682,6 +713,18 @@ class UdpRelay:
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += len(data)
+        if self.link.out is not None and self.learned < MAX_DATA_ROUTES:
+            # The next ones from this peer take the data plane, until its
+            # permission lapses (unroute_permission) or a channel is bound.
+            self.peer_routes[addr] = data_route(
+                self.link.out, self.client, addr, os.urandom(8), self.budget
+            )
+            self.data_peers.setdefault(addr[0], set()).add(addr)
+
+    @property
+    def learned(self) -> int:
+        """Data indication routes learned (at most MAX_DATA_ROUTES)."""
+        return sum(len(peers) for peers in self.data_peers.values())
 
     def _channel_data(self, channel: int, data: bytes) -> None:
         size = len(data)
@@ -838,6 +881,9 @@ class TcpRelay:
         pass
 
     def unroute_peer(self, peer: Address) -> None:
+        pass
+
+    def unroute_permission(self, ip: str) -> None:
         pass
 
     def unroute_all(self) -> None:
@@ -1048,6 +1094,16 @@ class TurnService:
         tap = make_tap(sock, routes, fallback)
         self.readers.add(tap)
         return tap
+
+    def tapped(self, endpoint: Endpoint) -> bool:
+        """Whether a tap sees this endpoint's datagrams before STUN does (so
+        a route for Send indications there is used)."""
+        return endpoint in self.taps
+
+    def listener_routes_if_any(self, endpoint: Endpoint) -> dict[Any, Any] | None:
+        """The endpoint's client -> peer route table, if it has one."""
+        tap = self.taps.get(endpoint) or self.hand_taps.get(endpoint)
+        return tap.routes if tap is not None else None
 
     def listener_routes(self, endpoint: Endpoint) -> dict[Any, Any]:
         """The client -> peer route table of a listening endpoint."""

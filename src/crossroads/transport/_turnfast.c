@@ -37,6 +37,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdint.h>
 #include <netinet/in.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -59,12 +60,18 @@ static struct mmsghdr rmsg[RECV_BATCH];
 static struct iovec riov[RECV_BATCH];
 static struct sockaddr_storage raddr[RECV_BATCH];
 
+/* Header written in front of the data (ChannelData: 4 bytes; a Data
+ * indication: 20-byte STUN header, XOR-PEER-ADDRESS of up to 24 bytes, the
+ * DATA attribute's 4-byte header), the data, and padding. */
+#define MAX_HEADER 48
 static struct mmsghdr smsg[RECV_BATCH + 1];
-static struct iovec siov[RECV_BATCH + 1][2];
-/* The ChannelData header a route prepends (RFC 8656 §12.4: channel number,
- * length), and the payload bytes each queued datagram counts for. */
-static unsigned char shdr[RECV_BATCH + 1][4];
+static struct iovec siov[RECV_BATCH + 1][3];
+static unsigned char shdr[RECV_BATCH + 1][MAX_HEADER];
+/* The payload bytes each queued datagram counts for. */
 static size_t spayload[RECV_BATCH + 1];
+/* Per-datagram destinations (a Send indication names its peer). */
+static struct sockaddr_storage sdest[RECV_BATCH + 1];
+static const unsigned char zeros[4];
 /* Set while a tap iterates over rbuf: a nested tap call (a fallback that
  * somehow re-enters) must not recvmmsg into the buffers being read. */
 static int draining;
@@ -421,7 +428,53 @@ enum {
     /* Data from a TURN peer: prepend the ChannelData header (channel number,
      * length; RFC 8656 §12.4). Over UDP no padding (§12.5). */
     REWRITE_WRAP_CHANNEL = 2,
+    /* Data from a TURN peer without a channel: a Data indication (RFC 8656
+     * §11.6: STUN header with a fresh transaction id, XOR-PEER-ADDRESS,
+     * DATA padded to 4 bytes), as proto/turn/fastpath.py writes it. */
+    REWRITE_DATA_INDICATION = 3,
+    /* A Send indication from a TURN client (RFC 8656 §11.4): its DATA goes
+     * to its XOR-PEER-ADDRESS when that IP has a permission (the route's
+     * `permissions` dict), is not one `refuse` names (the service's own
+     * hosts: the control plane judges those per port) and is of the out
+     * socket's family. Anything unusual -- another attribute, a repeated
+     * one, a bad FINGERPRINT, lengths that disagree -- is not forwarded
+     * but handed to the fallback (the full STUN codec), as
+     * fastpath.parse_send_indication does. */
+    REWRITE_UNWRAP_SEND = 4,
 };
+/* RFC 8489 §5 magic cookie, §14.7 FINGERPRINT XOR. */
+#define MAGIC_COOKIE 0x2112A442u
+#define FINGERPRINT_XOR 0x5354554Eu
+#define STUN_HEADER 20
+#define SEND_INDICATION 0x0016
+#define DATA_INDICATION 0x0017
+#define ATTR_XOR_PEER_ADDRESS 0x0012
+#define ATTR_DATA 0x0013
+#define ATTR_DONT_FRAGMENT 0x001A
+#define ATTR_FINGERPRINT 0x8028
+
+static uint32_t crc_table[256];
+
+static void
+crc_init(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
+}
+
+/* CRC-32 (ISO 3309, zlib's), for FINGERPRINT (RFC 8489 §14.7). */
+static uint32_t
+crc32_of(const unsigned char *buf, size_t size)
+{
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < size; i++)
+        c = crc_table[(c ^ buf[i]) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
 /* ChannelData header: channel number (2 bytes) and length (2 bytes). */
 #define CHANNEL_HEADER 4
 /* RFC 8656 §12.5: at most 3 bytes of padding after the application data. */
@@ -439,6 +492,17 @@ typedef struct {
     PyObject *dest; /* (host, port) */
     PyObject *control; /* None, or (level, type, data): sendmsg ancillary data */
     PyObject *budget;  /* None, or a Budget */
+    PyObject *peer;    /* DATA_INDICATION: the peer (host, port), else None */
+    PyObject *permissions; /* UNWRAP_SEND: dict peer host -> permission */
+    PyObject *refuse;      /* UNWRAP_SEND: None, or set of hosts for the fallback */
+    int out_family;
+    /* DATA_INDICATION: the peer's address and port (network order), the
+     * transaction id's random 8 bytes and a counter for the last 4. */
+    int peer_family;
+    unsigned char peer_addr[16];
+    unsigned char peer_port[2];
+    unsigned char txid[12];
+    uint32_t txid_counter;
     int clevel, ctype;
     unsigned char cdata[ROUTE_CONTROL];
     size_t clen;
@@ -471,16 +535,53 @@ static int
 Route_init(Route *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"sock", "dest", "control", "rewrite", "channel",
-                            "budget", NULL};
-    PyObject *sock, *dest, *control = Py_None, *budget = Py_None;
+                            "budget", "peer", "txid", "permissions", "refuse", NULL};
+    PyObject *sock, *dest, *control = Py_None, *budget = Py_None, *peer = Py_None;
+    PyObject *permissions = Py_None, *refuse = Py_None;
+    const char *txid = NULL;
+    Py_ssize_t txid_len = 0;
     int rewrite = REWRITE_NONE, channel = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$iiO", names, &sock, &dest,
-                                     &control, &rewrite, &channel, &budget))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$iiOOy#OO", names, &sock, &dest,
+                                     &control, &rewrite, &channel, &budget, &peer,
+                                     &txid, &txid_len, &permissions, &refuse))
         return -1;
-    if (rewrite < REWRITE_NONE || rewrite > REWRITE_WRAP_CHANNEL ||
+    if (rewrite < REWRITE_NONE || rewrite > REWRITE_UNWRAP_SEND ||
         channel < 0 || channel > 0xFFFF) {
         PyErr_SetString(PyExc_ValueError, "rewrite or channel out of range");
         return -1;
+    }
+    if (rewrite == REWRITE_DATA_INDICATION) {
+        struct sockaddr_storage ss;
+        socklen_t sslen;
+        if (txid_len != 8 || sockaddr_from_tuple(peer, &ss, &sslen) < 0) {
+            PyErr_SetString(PyExc_ValueError,
+                            "a Data indication route needs peer=(ip, port), txid=8 bytes");
+            return -1;
+        }
+        self->peer_family = ss.ss_family;
+        if (ss.ss_family == AF_INET) {
+            struct sockaddr_in *v4 = (struct sockaddr_in *)&ss;
+            memcpy(self->peer_addr, &v4->sin_addr, 4);
+            memcpy(self->peer_port, &v4->sin_port, 2);
+        } else {
+            struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)&ss;
+            memcpy(self->peer_addr, &v6->sin6_addr, 16);
+            memcpy(self->peer_port, &v6->sin6_port, 2);
+        }
+        memcpy(self->txid, txid, 8);
+        self->txid_counter = 0;
+        Py_XSETREF(self->peer, PyTuple_GetSlice(peer, 0, 2));
+        if (self->peer == NULL)
+            return -1;
+    }
+    if (rewrite == REWRITE_UNWRAP_SEND) {
+        if (!PyDict_Check(permissions) || (refuse != Py_None && !PyAnySet_Check(refuse))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "a Send route needs permissions=dict, refuse=set or None");
+            return -1;
+        }
+        Py_XSETREF(self->permissions, Py_NewRef(permissions));
+        Py_XSETREF(self->refuse, refuse == Py_None ? NULL : Py_NewRef(refuse));
     }
     if (budget != Py_None && !PyObject_TypeCheck(budget, &BudgetType)) {
         PyErr_SetString(PyExc_TypeError, "budget must be a Budget or None");
@@ -507,7 +608,18 @@ Route_init(Route *self, PyObject *args, PyObject *kwds)
     int fd = fd_of(sock);
     if (fd < 0)
         return -1;
-    if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
+    struct sockaddr_storage local;
+    socklen_t local_len = sizeof(local);
+    if (getsockname(fd, (struct sockaddr *)&local, &local_len) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->out_family = local.ss_family;
+    if (dest == Py_None && rewrite == REWRITE_UNWRAP_SEND) {
+        /* Each Send indication names its own destination. */
+        self->dest_salen = 0;
+        Py_XSETREF(self->dest, Py_NewRef(Py_None));
+    } else if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
         PyErr_SetString(PyExc_ValueError, "dest must be (ip, port)");
         return -1;
     }
@@ -516,10 +628,12 @@ Route_init(Route *self, PyObject *args, PyObject *kwds)
     self->channel = channel;
     Py_XSETREF(self->sock, Py_NewRef(sock));
     Py_XSETREF(self->budget, budget == Py_None ? NULL : Py_NewRef(budget));
-    PyObject *key = PyTuple_GetSlice(dest, 0, 2);
-    if (key == NULL)
-        return -1;
-    Py_XSETREF(self->dest, key);
+    if (dest != Py_None) {
+        PyObject *key = PyTuple_GetSlice(dest, 0, 2);
+        if (key == NULL)
+            return -1;
+        Py_XSETREF(self->dest, key);
+    }
     return 0;
 }
 
@@ -528,7 +642,8 @@ Route_release(Route *self)
 {
 }
 
-#define ROUTE_REFS(X) X(sock) X(dest) X(control) X(budget)
+#define ROUTE_REFS(X) \
+    X(sock) X(dest) X(control) X(budget) X(peer) X(permissions) X(refuse)
 GC_FUNCTIONS(Route, ROUTE_REFS)
 
 static PyMethodDef Route_methods[] = {
@@ -542,6 +657,12 @@ static PyMemberDef Route_members[] = {
      "None, or the (level, type, data) control message sent with each datagram."},
     {"budget", T_OBJECT, offsetof(Route, budget), READONLY,
      "None, or the Budget it spends."},
+    {"peer", T_OBJECT, offsetof(Route, peer), READONLY,
+     "The peer a Data indication names (None for other rewrites)."},
+    {"permissions", T_OBJECT, offsetof(Route, permissions), READONLY,
+     "A Send route's permission table (peer host -> permission)."},
+    {"refuse", T_OBJECT, offsetof(Route, refuse), READONLY,
+     "A Send route's hosts left to the fallback."},
     {"rewrite", T_INT, offsetof(Route, rewrite), READONLY,
      "What it does to a datagram (dataplane.Rewrite)."},
     {"channel", T_INT, offsetof(Route, channel), READONLY,
@@ -607,8 +728,51 @@ route_flush(RouteTap *self)
     self->queued = 0;
 }
 
+/* Write the Data indication header for `size` bytes of data into `hdr`;
+ * returns its length (RFC 8656 §11.6; the layout of fastpath.data_indication). */
+static size_t
+data_indication_header(Route *r, unsigned char *hdr, size_t size)
+{
+    size_t attr = r->peer_family == AF_INET ? 8 : 20;
+    size_t pad = (4 - (size & 3)) & 3;
+    size_t length = 4 + attr + 4 + size + pad;
+    r->txid_counter += 1;
+    r->txid[8] = (unsigned char)(r->txid_counter >> 24);
+    r->txid[9] = (unsigned char)(r->txid_counter >> 16);
+    r->txid[10] = (unsigned char)(r->txid_counter >> 8);
+    r->txid[11] = (unsigned char)r->txid_counter;
+    unsigned char cookie[4] = {0x21, 0x12, 0xA4, 0x42};
+    hdr[0] = DATA_INDICATION >> 8;
+    hdr[1] = DATA_INDICATION & 0xFF;
+    hdr[2] = (unsigned char)(length >> 8);
+    hdr[3] = (unsigned char)length;
+    memcpy(hdr + 4, cookie, 4);
+    memcpy(hdr + 8, r->txid, 12);
+    unsigned char *a = hdr + STUN_HEADER;
+    a[0] = 0;
+    a[1] = ATTR_XOR_PEER_ADDRESS;
+    a[2] = 0;
+    a[3] = (unsigned char)attr;
+    a[4] = 0;
+    a[5] = r->peer_family == AF_INET ? 1 : 2;
+    a[6] = r->peer_port[0] ^ 0x21;
+    a[7] = r->peer_port[1] ^ 0x12;
+    /* XOR with the cookie (IPv4), or the cookie and transaction id (IPv6). */
+    for (size_t k = 0; k < attr - 4; k++)
+        a[8 + k] = r->peer_addr[k] ^ (k < 4 ? cookie[k] : r->txid[k - 4]);
+    unsigned char *d = a + 4 + attr;
+    d[0] = 0;
+    d[1] = ATTR_DATA;
+    d[2] = (unsigned char)(size >> 8);
+    d[3] = (unsigned char)size;
+    return STUN_HEADER + 4 + attr + 4;
+}
+
+/* Queue `size` bytes at `payload` along `route` (to `dest`, or the route's
+ * own destination when NULL), with the route's header rewrite. */
 static void
-route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t size)
+route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t size,
+            const struct sockaddr_storage *dest, socklen_t dest_len)
 {
     if (self->queued && (self->queued_fd != route->out_fd || self->queued == RECV_BATCH))
         route_flush(self);
@@ -616,7 +780,6 @@ route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t s
     struct iovec *iov = siov[i];
     memset(&smsg[i], 0, sizeof(smsg[i]));
     smsg[i].msg_hdr.msg_iov = iov;
-    smsg[i].msg_hdr.msg_iovlen = 1;
     if (route->rewrite == REWRITE_WRAP_CHANNEL) {
         shdr[i][0] = (unsigned char)(route->channel >> 8);
         shdr[i][1] = (unsigned char)route->channel;
@@ -625,13 +788,29 @@ route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t s
         iov->iov_base = shdr[i];
         iov->iov_len = CHANNEL_HEADER;
         iov++;
-        smsg[i].msg_hdr.msg_iovlen = 2;
+    } else if (route->rewrite == REWRITE_DATA_INDICATION) {
+        iov->iov_base = shdr[i];
+        iov->iov_len = data_indication_header(route, shdr[i], size);
+        iov++;
     }
     iov->iov_base = (void *)payload;
     iov->iov_len = size;
+    iov++;
+    if (route->rewrite == REWRITE_DATA_INDICATION && (size & 3)) {
+        iov->iov_base = (void *)zeros;
+        iov->iov_len = 4 - (size & 3);
+        iov++;
+    }
+    smsg[i].msg_hdr.msg_iovlen = (size_t)(iov - siov[i]);
     spayload[i] = size;
-    smsg[i].msg_hdr.msg_name = &route->dest_sa;
-    smsg[i].msg_hdr.msg_namelen = route->dest_salen;
+    if (dest != NULL) {
+        memcpy(&sdest[i], dest, dest_len);
+        smsg[i].msg_hdr.msg_name = &sdest[i];
+        smsg[i].msg_hdr.msg_namelen = dest_len;
+    } else {
+        smsg[i].msg_hdr.msg_name = &route->dest_sa;
+        smsg[i].msg_hdr.msg_namelen = route->dest_salen;
+    }
     if (route->clen) {
         memset(sctl[i], 0, sizeof(sctl[i]));
         smsg[i].msg_hdr.msg_control = sctl[i];
@@ -681,13 +860,97 @@ ancdata_list(int i)
     return list;
 }
 
+/* A Send indication this plane forwards: its peer and DATA. Returns 1, or 0
+ * for anything fastpath.parse_send_indication would not accept either. */
+static int
+parse_send(const unsigned char *buf, size_t size, struct sockaddr_storage *peer,
+           socklen_t *peer_len, const unsigned char **data, size_t *data_len)
+{
+    static const unsigned char cookie[4] = {0x21, 0x12, 0xA4, 0x42};
+    if (size < STUN_HEADER || buf[0] != 0 || buf[1] != SEND_INDICATION)
+        return 0;
+    size_t length = ((size_t)buf[2] << 8) | buf[3];
+    if (length + STUN_HEADER != size || (length & 3) || memcmp(buf + 4, cookie, 4))
+        return 0;
+    int have_peer = 0, have_data = 0;
+    size_t offset = STUN_HEADER;
+    while (offset < size) {
+        if (size - offset < 4)
+            return 0;
+        unsigned kind = ((unsigned)buf[offset] << 8) | buf[offset + 1];
+        size_t alen = ((size_t)buf[offset + 2] << 8) | buf[offset + 3];
+        size_t start = offset + 4, end = start + alen;
+        if (end > size)
+            return 0;
+        const unsigned char *v = buf + start;
+        switch (kind) {
+        case ATTR_DATA:
+            if (have_data)
+                return 0;
+            have_data = 1;
+            *data = v;
+            *data_len = alen;
+            break;
+        case ATTR_XOR_PEER_ADDRESS: {
+            if (have_peer || alen < 2)
+                return 0;
+            have_peer = 1;
+            memset(peer, 0, sizeof(*peer));
+            unsigned short port = (unsigned short)((((unsigned)v[2] << 8) | v[3]) ^ 0x2112);
+            if (v[1] == 0x01 && alen == 8) {
+                struct sockaddr_in *v4 = (struct sockaddr_in *)peer;
+                v4->sin_family = AF_INET;
+                v4->sin_port = htons(port);
+                unsigned char *a = (unsigned char *)&v4->sin_addr;
+                for (int k = 0; k < 4; k++)
+                    a[k] = v[4 + k] ^ cookie[k];
+                *peer_len = sizeof(*v4);
+            } else if (v[1] == 0x02 && alen == 20) {
+                struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)peer;
+                v6->sin6_family = AF_INET6;
+                v6->sin6_port = htons(port);
+                unsigned char *a = (unsigned char *)&v6->sin6_addr;
+                for (int k = 0; k < 16; k++)
+                    a[k] = v[4 + k] ^ buf[4 + k]; /* cookie + transaction id */
+                *peer_len = sizeof(*v6);
+            } else {
+                return 0;
+            }
+            break;
+        }
+        case ATTR_DONT_FRAGMENT:
+            if (alen != 0)
+                return 0;
+            break;
+        case ATTR_FINGERPRINT: {
+            if (alen != 4 || end != size)
+                return 0;
+            uint32_t expected = crc32_of(buf, offset) ^ FINGERPRINT_XOR;
+            uint32_t got = ((uint32_t)v[0] << 24) | ((uint32_t)v[1] << 16) |
+                           ((uint32_t)v[2] << 8) | v[3];
+            if (got != expected)
+                return 0;
+            break;
+        }
+        default:
+            return 0;
+        }
+        offset = start + ((alen + 3) & ~(size_t)3);
+    }
+    return have_peer && have_data && offset == size;
+}
+
 /* Forward one routed datagram: apply the route's rewrite and budget, then
- * queue it. Returns 0 (forwarded or dropped and counted). */
+ * queue it. Returns 0 when done with it (forwarded, or dropped and
+ * counted), 1 when it is the fallback's after all (an unusual Send
+ * indication), -1 with an exception set. */
 static int
 route_forward(RouteTap *self, Route *r, const unsigned char *buf, size_t size)
 {
     const unsigned char *payload = buf;
     size_t length = size;
+    struct sockaddr_storage peer;
+    socklen_t peer_len = 0;
     if (r->rewrite == REWRITE_UNWRAP_CHANNEL) {
         if (size < CHANNEL_HEADER) {
             self->c.malformed += 1;
@@ -700,6 +963,26 @@ route_forward(RouteTap *self, Route *r, const unsigned char *buf, size_t size)
             return 0;
         }
         payload = buf + CHANNEL_HEADER;
+    } else if (r->rewrite == REWRITE_UNWRAP_SEND) {
+        if (!parse_send(buf, size, &peer, &peer_len, &payload, &length) ||
+            peer.ss_family != r->out_family)
+            return 1;
+        PyObject *where = tuple_from_sockaddr(&peer);
+        if (where == NULL)
+            return -1;
+        PyObject *host = PyTuple_GET_ITEM(where, 0);
+        int permitted = PyDict_Contains(r->permissions, host);
+        int refused = permitted == 1 && r->refuse != NULL ? PySet_Contains(r->refuse, host) : 0;
+        Py_DECREF(where);
+        if (permitted < 0 || refused < 0)
+            return -1;
+        if (!permitted || refused)
+            return 1;
+    } else if (r->rewrite == REWRITE_DATA_INDICATION &&
+               size > 0xFFFF - (MAX_HEADER - STUN_HEADER) - 3) {
+        /* Its length field could not hold it. */
+        self->c.malformed += 1;
+        return 0;
     }
     if (r->budget != NULL && !budget_ok((Budget *)r->budget, length)) {
         self->c.throttled += 1; /* and on the budget */
@@ -707,7 +990,10 @@ route_forward(RouteTap *self, Route *r, const unsigned char *buf, size_t size)
     }
     r->packets += 1;
     r->octets += length;
-    route_queue(self, r, payload, length);
+    if (peer_len)
+        route_queue(self, r, payload, length, &peer, peer_len);
+    else
+        route_queue(self, r, payload, length, NULL, 0);
     return 0;
 }
 
@@ -737,8 +1023,11 @@ route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject
     if (route == NULL && PyErr_Occurred())
         return -1;
     if (route != NULL && PyObject_TypeCheck(route, &RouteType) &&
-        length_ok(self, buf, size))
-        return route_forward(self, (Route *)route, buf, size);
+        length_ok(self, buf, size)) {
+        int rc = route_forward(self, (Route *)route, buf, size);
+        if (rc <= 0)
+            return rc;
+    }
     /* Not ours to forward: keep order, flush first, then Python decides. */
     if (self->queued)
         route_flush(self);
@@ -1117,6 +1406,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__turnfast(void)
 {
+    crc_init();
     PyTypeObject *types[] = {&BudgetType, &RouteType, &RouteTapType, &PollerType};
     const char *names[] = {"Budget", "Route", "RouteTap", "Poller"};
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
@@ -1135,7 +1425,9 @@ PyInit__turnfast(void)
     if (PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) < 0 ||
         PyModule_AddIntConstant(m, "REWRITE_NONE", REWRITE_NONE) < 0 ||
         PyModule_AddIntConstant(m, "REWRITE_UNWRAP_CHANNEL", REWRITE_UNWRAP_CHANNEL) < 0 ||
-        PyModule_AddIntConstant(m, "REWRITE_WRAP_CHANNEL", REWRITE_WRAP_CHANNEL) < 0) {
+        PyModule_AddIntConstant(m, "REWRITE_WRAP_CHANNEL", REWRITE_WRAP_CHANNEL) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_DATA_INDICATION", REWRITE_DATA_INDICATION) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_UNWRAP_SEND", REWRITE_UNWRAP_SEND) < 0) {
         Py_DECREF(m);
         return NULL;
     }

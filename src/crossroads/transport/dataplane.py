@@ -65,6 +65,7 @@ from collections.abc import Callable
 from enum import IntEnum
 from typing import Any, Protocol
 
+from crossroads.proto.turn.fastpath import data_indication, parse_send_indication
 from crossroads.types import Address
 
 #: Datagrams the Python twin reads per readiness callback: enough to amortise the
@@ -97,6 +98,21 @@ class Rewrite(IntEnum):
     UNWRAP_CHANNEL = 1
     #: TURN peer -> client: the data leaves as ChannelData on ``channel``.
     WRAP_CHANNEL = 2
+    #: TURN peer -> client without a channel: the data leaves in a Data
+    #: indication naming ``peer`` (RFC 8656 §11.6), transaction id ``txid``
+    #: (8 random bytes) + a 4-byte counter of the route's.
+    DATA_INDICATION = 3
+    #: TURN client -> peer: a Send indication (RFC 8656 §11.4) that
+    #: :func:`~crossroads.proto.turn.fastpath.parse_send_indication` accepts,
+    #: to a peer whose IP is in ``permissions``, not in ``refuse``, of the out
+    #: socket's family: its DATA leaves for its XOR-PEER-ADDRESS. Any other
+    #: goes to the fallback (the full codec, which counts what it drops).
+    UNWRAP_SEND = 4
+
+
+#: The largest data a Data indication route carries: its length field (u16)
+#: must hold the attributes (up to 28 bytes with an IPv6 peer) and padding.
+MAX_DATA_INDICATION = 0xFFFF - 28 - 3
 
 
 class BudgetLike(Protocol):
@@ -193,29 +209,60 @@ class PyRoute:
         "rewrite",
         "channel",
         "budget",
+        "peer",
+        "permissions",
+        "refuse",
         "packets",
         "octets",
+        "_txid",
+        "_counter",
     )
 
     def __init__(
         self,
         sock: socket.socket,
-        dest: Address,
+        dest: Address | None,
         control: Control | None = None,
         *,
         rewrite: int = Rewrite.NONE,
         channel: int = 0,
         budget: PyBudget | None = None,
+        peer: Address | None = None,
+        txid: bytes = b"",
+        permissions: dict[str, Any] | None = None,
+        refuse: set[str] | None = None,
     ) -> None:
-        if not Rewrite.NONE <= rewrite <= Rewrite.WRAP_CHANNEL:
+        if not Rewrite.NONE <= rewrite <= Rewrite.UNWRAP_SEND:
             raise ValueError("rewrite or channel out of range")
         if not 0 <= channel <= 0xFFFF:
             raise ValueError("rewrite or channel out of range")
         if budget is not None and not isinstance(budget, PyBudget):
             raise TypeError("budget must be a Budget or None")
+        self.peer: Address | None = None
+        if rewrite == Rewrite.DATA_INDICATION:
+            if peer is None or len(txid) != 8 or not _is_address(peer):
+                raise ValueError(
+                    "a Data indication route needs peer=(ip, port), txid=8 bytes"
+                )
+            self.peer = (peer[0], peer[1])
+        self.permissions: dict[str, Any] = {}
+        self.refuse: set[str] | frozenset[str] = frozenset()
+        if rewrite == Rewrite.UNWRAP_SEND:
+            if not isinstance(permissions, dict) or not isinstance(
+                refuse, set | frozenset | None
+            ):
+                raise TypeError(
+                    "a Send route needs permissions=dict, refuse=set or None"
+                )
+            self.permissions = permissions
+            self.refuse = refuse if refuse is not None else frozenset()
+        self._txid = bytes(txid)
+        self._counter = 0
         if sock.fileno() < 0:
             raise ValueError("the out socket is closed")
-        if not _is_ip(dest[0]) or not 0 <= dest[1] <= 65535:
+        if dest is None and rewrite == Rewrite.UNWRAP_SEND:
+            dest = ("0.0.0.0", 0)  # each Send indication names its own
+        if dest is None or not _is_address(dest):
             raise ValueError("dest must be (ip, port)")
         if control is not None and not 0 < len(control[2]) <= ROUTE_CONTROL:
             raise ValueError("control data must be 1-20 bytes")
@@ -228,12 +275,30 @@ class PyRoute:
         self.packets = 0
         self.octets = 0
 
-    def send(self, data: bytes) -> None:
-        """Send ``data`` along the route (raises ``OSError`` as ``sendto``)."""
+    def send(self, data: bytes, dest: Address | None = None) -> None:
+        """Send ``data`` along the route, or to ``dest`` (raises ``OSError``
+        as ``sendto``)."""
         if self.control is None:
-            self.sock.sendto(data, self.dest)
+            self.sock.sendto(data, dest or self.dest)
         else:
-            self.sock.sendmsg([data], [self.control], 0, self.dest)
+            self.sock.sendmsg([data], [self.control], 0, dest or self.dest)
+
+    def data_indication(self, payload: bytes) -> bytes:
+        """The next Data indication of this route carrying ``payload``."""
+        assert self.peer is not None
+        self._counter = (self._counter + 1) & 0xFFFFFFFF
+        txid = self._txid + self._counter.to_bytes(4, "big")
+        return data_indication(self.peer, payload, txid)
+
+
+def _is_address(addr: object) -> bool:
+    return (
+        isinstance(addr, tuple)
+        and len(addr) >= 2
+        and _is_ip(addr[0])
+        and isinstance(addr[1], int)
+        and 0 <= addr[1] <= 65535
+    )
 
 
 def _is_ip(host: object) -> bool:
@@ -343,50 +408,76 @@ class PyRouteTap(PyCounters):
         else:
             route = None
         length_at = self.length_at
-        if route is not None and (
-            length_at < 0
-            or (
-                size >= length_at + 2
-                and size - length_at - 2 == (data[length_at] << 8 | data[length_at + 1])
+        if (
+            route is not None
+            and (
+                length_at < 0
+                or (
+                    size >= length_at + 2
+                    and size - length_at - 2
+                    == (data[length_at] << 8 | data[length_at + 1])
+                )
             )
+            and self._forward(route, data)
         ):
-            self._forward(route, data)
-        elif self.ancillary:
+            return
+        if self.ancillary:
             self.fallback(data, addr, ancdata)
         else:
             self.fallback(data, addr)
 
-    def _forward(self, route: PyRoute, data: bytes) -> None:
+    def _forward(self, route: PyRoute, data: bytes) -> bool:
+        """Forward (or drop and count) a routed datagram; False: it is the
+        fallback's after all (a Send indication this plane does not take)."""
         rewrite = route.rewrite
         payload = data
+        dest: Address | None = None
         if rewrite == Rewrite.UNWRAP_CHANNEL:
             size = len(data)
             length = (data[2] << 8 | data[3]) if size >= CHANNEL_HEADER else size
             extra = size - CHANNEL_HEADER - length
             if extra < 0 or extra > CHANNEL_MAX_PADDING:
                 self.malformed += 1
-                return
+                return True
             payload = data[CHANNEL_HEADER : CHANNEL_HEADER + length]
+        elif rewrite == Rewrite.UNWRAP_SEND:
+            parsed = parse_send_indication(data)
+            if parsed is None:
+                return False
+            dest, payload, _dont_fragment = parsed
+            family = socket.AF_INET6 if ":" in dest[0] else socket.AF_INET
+            if (
+                family != route.sock.family
+                or dest[0] not in route.permissions
+                or dest[0] in route.refuse
+            ):
+                return False
+        elif rewrite == Rewrite.DATA_INDICATION and len(data) > MAX_DATA_INDICATION:
+            self.malformed += 1
+            return True
         length = len(payload)
         budget = route.budget
         if budget is not None and not budget.allow(length):
             self.throttled += 1
-            return
+            return True
         route.packets += 1
         route.octets += length
         if rewrite == Rewrite.WRAP_CHANNEL:
             channel = route.channel
             data = bytes((channel >> 8, channel & 0xFF, length >> 8, length & 0xFF))
             data += payload
+        elif rewrite == Rewrite.DATA_INDICATION:
+            data = route.data_indication(payload)
         else:
             data = payload
         try:
-            route.send(data)
+            route.send(data, dest)
         except OSError:
             self.send_errors += 1
         else:
             self.forwarded += 1
             self.forwarded_bytes += length
+        return True
 
 
 RouteType: Callable[..., Any] = PyRoute
@@ -449,19 +540,28 @@ class TapReaders:
 
 def make_route(
     sock: socket.socket,
-    dest: Address,
+    dest: Address | None,
     control: Control | None = None,
     *,
     rewrite: Rewrite = Rewrite.NONE,
     channel: int = 0,
     budget: BudgetLike | None = None,
+    **turn: Any,
 ) -> RouteLike:
     """A route from ``sock`` to ``dest`` (C when built, else Python); each
     datagram goes with ``control`` (a source address on a wildcard bind),
     rewritten as ``rewrite`` says (``channel``: the number WRAP_CHANNEL puts
-    on), paid from ``budget`` (from :func:`make_budget`)."""
+    on), paid from ``budget`` (from :func:`make_budget`); ``turn``: the
+    ``peer``/``txid`` of a Data indication route, the ``permissions``/``refuse``
+    of a Send route (see :class:`Rewrite`)."""
     route: RouteLike = RouteType(
-        sock, dest, control, rewrite=int(rewrite), channel=channel, budget=budget
+        sock,
+        dest,
+        control,
+        rewrite=int(rewrite),
+        channel=channel,
+        budget=budget,
+        **turn,
     )
     return route
 

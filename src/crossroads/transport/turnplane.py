@@ -27,11 +27,31 @@ peer -> client, on the relay socket
     adds and removes it as either changes, so one lookup answers "ChannelData
     or not" and "allowed or not" at once.
 
-Both routes of an allocation's relay spend one :func:`~crossroads.transport.
+Send and Data indications (RFC 8656 §11) take the plane too:
+
+Send indication, client -> peer
+    Key ``((client host, port), b"\\x00\\x16")`` (the message type) in the
+    listening table, installed with the allocation's relay (:func:`send_route`)
+    where a tap sees the socket's datagrams first. The route parses the
+    indication in place (what :func:`~crossroads.proto.turn.fastpath.
+    parse_send_indication` accepts, FINGERPRINT checked), looks its peer's IP
+    up in the allocation's live permission table and sends the DATA from the
+    relay socket. Anything unusual, an IP without a permission, a peer of the
+    other family, or one of the service's own hosts (the control plane judges
+    those per port) goes to the fallback: the Python path as before.
+Data indication, peer -> client
+    A permitted peer without a channel is answered in Python the first time
+    (:meth:`crossroads.services.turn.UdpRelay.from_peer`), which then installs
+    a :func:`data_route` under the peer's address (at most
+    :data:`MAX_DATA_ROUTES` per relay); it goes when the permission lapses or
+    a channel is bound to the peer. The indication is byte for byte what the
+    Python path writes (fresh transaction id: 8 random bytes and a counter).
+
+Every route of an allocation's relay spends one :func:`~crossroads.transport.
 dataplane.make_budget` (``--turn-max-bps``, both directions, as before).
-Everything else — STUN requests, Send indications, unknown channels, peers
-without a channel (Data indication when permitted) — goes to the taps'
-fallbacks, the service's Python path, which counts every drop by reason.
+Everything else — STUN requests, unusual Send indications, unknown channels,
+peers without a permission — goes to the taps' fallbacks, the service's Python
+path, which counts every drop by reason.
 
 Clients the C plane cannot send to from the right place get no peer -> client
 routes (their relay's fallback sends the ChannelData in Python): TCP/TLS/DTLS
@@ -60,16 +80,27 @@ from crossroads.types import Address
 __all__ = [
     "ACCELERATED",
     "CHANNEL_KEY_BYTES",
+    "MAX_DATA_ROUTES",
     "PAD",
+    "SEND_INDICATION_KEY",
     "channel_header",
     "channel_key",
+    "data_route",
     "listener_tap",
+    "send_route",
     "to_client_route",
     "to_peer_route",
 ]
 
 #: ChannelData's channel number: the first 2 bytes of the message (RFC 8656 §12.4).
 CHANNEL_KEY_BYTES = 2
+#: A Send indication's first 2 bytes (its STUN message type, RFC 8656 §11.4):
+#: the listening side's key of a client's Send route is ``(client, this)``.
+SEND_INDICATION_KEY = b"\x00\x16"
+#: Data indication routes a relay learns (one per permitted peer address that
+#: sent without a channel). A permitted peer could spray source ports; past
+#: this many its datagrams take the Python path, which works the same.
+MAX_DATA_ROUTES = 64
 
 #: Padding bytes after a ChannelData payload of length n over TCP: PAD[n & 3]
 #: (RFC 8656 §12.5).
@@ -120,4 +151,39 @@ def to_client_route(
         rewrite=Rewrite.WRAP_CHANNEL,
         channel=number,
         budget=budget,
+    )
+
+
+def data_route(
+    listener: SendsTo, client: Address, peer: Address, txid: bytes, budget: BudgetLike
+) -> RouteLike:
+    """Peer -> client without a channel: the datagram in a Data indication
+    naming ``peer`` (transaction ids: ``txid``, 8 random bytes, + a counter)."""
+    return make_route(
+        listener,  # type: ignore[arg-type]
+        client,
+        rewrite=Rewrite.DATA_INDICATION,
+        budget=budget,
+        peer=peer,
+        txid=txid,
+    )
+
+
+def send_route(
+    relay: socket.socket,
+    permissions: dict[str, Any],
+    refuse: set[str],
+    budget: BudgetLike,
+) -> RouteLike:
+    """Client -> peer Send indications: the DATA, from the relay socket to the
+    XOR-PEER-ADDRESS, when its IP is in ``permissions`` (the allocation's live
+    table) and not in ``refuse`` (the service's own hosts, judged per port by
+    the control plane)."""
+    return make_route(
+        relay,
+        None,
+        rewrite=Rewrite.UNWRAP_SEND,
+        budget=budget,
+        permissions=permissions,
+        refuse=refuse,
     )

@@ -55,6 +55,8 @@ class FakeRelay:
 
     #: What the core routes client -> peer: channel number -> peer.
     channel_routes: dict[int, Address] = field(default_factory=dict)
+    #: IPs whose permission lapsed (their learned data-plane routes go).
+    lapsed: list[str] = field(default_factory=list)
 
     def allow(self, size: int) -> bool:
         return True
@@ -73,6 +75,9 @@ class FakeRelay:
 
     def unroute_peer(self, peer: Address) -> None:
         self.peer_channels.pop(peer, None)
+
+    def unroute_permission(self, ip: str) -> None:
+        self.lapsed.append(ip)
 
     def unroute_all(self) -> None:
         self.peer_channels.clear()

@@ -580,6 +580,7 @@ def test_channel_bind_tables_and_expiry(harness: Harness) -> None:
     harness.advance(301)
     assert relay.peer_channels == {}
     assert 0x4000 in allocation.routes and relay.channel_routes == {0x4000: PEER}
+    assert relay.lapsed == [PEER[0]]
     harness.request(Method.CREATE_PERMISSION, [XorPeerAddress(*PEER)], udp(), session)
     assert relay.peer_channels == {PEER: 0x4000}
 

@@ -94,6 +94,10 @@ class RelayPort(Protocol):
         """Stop forwarding data from ``peer`` as ChannelData."""
         ...
 
+    def unroute_permission(self, ip: str) -> None:
+        """The permission for ``ip`` lapsed: forward nothing more from it."""
+        ...
+
     def unroute_all(self) -> None:
         """Forward nothing more (the allocation is being deleted)."""
         ...
@@ -212,6 +216,8 @@ class Allocation:
         for channel in self.channels.values():
             if channel.peer[0] == permission.ip:
                 channel.relay.unroute_peer(channel.peer)
+        for relay in self.relays.values():
+            relay.unroute_permission(permission.ip)
 
     # ------------------------------------------------------------ channels
 
