@@ -163,6 +163,21 @@ async def bind_channel(
     assert answer is not None and answer.msg_class == Class.SUCCESS
 
 
+async def create_permission(
+    client: RawClient, session: LongTermSession, peer: tuple[str, int]
+) -> None:
+    """CreatePermission for ``peer``'s IP; it must be answered."""
+    permit = session.sign(
+        Message(
+            Class.REQUEST,
+            Method.CREATE_PERMISSION,
+            os.urandom(12),
+            (XorPeerAddress(*peer),),
+        )
+    )
+    assert (await client.request(permit)) is not None
+
+
 # ------------------------------------------------------------------ credentials
 
 
@@ -440,15 +455,7 @@ async def test_send_indication_slow_and_fast_paths_agree(turn: Any) -> None:
     raw = RawClient(service.stun.primary)
     try:
         session, _ = await signed_allocate(raw)
-        permit = session.sign(
-            Message(
-                Class.REQUEST,
-                Method.CREATE_PERMISSION,
-                os.urandom(12),
-                (XorPeerAddress(*peer.address),),
-            )
-        )
-        assert (await raw.request(permit)) is not None
+        await create_permission(raw, session, peer.address)
         indication = Message(
             Class.INDICATION,
             Method.SEND,
@@ -484,15 +491,7 @@ async def test_data_indications_move_to_the_data_plane_after_the_first(
     raw = RawClient(service.stun.primary)
     try:
         session, _ = await signed_allocate(raw)
-        permit = session.sign(
-            Message(
-                Class.REQUEST,
-                Method.CREATE_PERMISSION,
-                os.urandom(12),
-                (XorPeerAddress(*peer.address),),
-            )
-        )
-        assert (await raw.request(permit)) is not None
+        await create_permission(raw, session, peer.address)
         (relay,) = service.relays
         loop = asyncio.get_running_loop()
         got = []

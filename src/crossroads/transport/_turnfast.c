@@ -997,6 +997,41 @@ route_forward(RouteTap *self, Route *r, const unsigned char *buf, size_t size)
     return 0;
 }
 
+/* Keys with a prefix ((host, port), first bytes) come from few flows too;
+ * building one (a bytes object, a tuple, their hashes) costs more than the
+ * lookup. A direct-mapped cache keyed by the address tuple (itself cached,
+ * so the same object for the same source) and the prefix bytes. */
+#define KEY_CACHE 1024
+
+typedef struct {
+    PyObject *addr;
+    PyObject *key;
+    int size;
+    unsigned char prefix[MAX_PREFIX];
+} KeyEntry;
+
+static KeyEntry kcache[KEY_CACHE];
+
+/* A new reference to ((host, port), buf[:size]), or NULL with an exception. */
+static PyObject *
+prefix_key(PyObject *addr, const unsigned char *buf, int size)
+{
+    uintptr_t h = (uintptr_t)addr >> 4;
+    for (int k = 0; k < size; k++)
+        h = (h ^ buf[k]) * 16777619u;
+    KeyEntry *e = &kcache[(h >> 7) & (KEY_CACHE - 1)];
+    if (e->addr == addr && e->size == size && memcmp(e->prefix, buf, (size_t)size) == 0)
+        return Py_NewRef(e->key);
+    PyObject *key = Py_BuildValue("(Oy#)", addr, (const char *)buf, (Py_ssize_t)size);
+    if (key == NULL)
+        return NULL;
+    Py_XSETREF(e->addr, Py_NewRef(addr));
+    Py_XSETREF(e->key, Py_NewRef(key));
+    e->size = size;
+    memcpy(e->prefix, buf, (size_t)size);
+    return key;
+}
+
 /* One datagram (number `i` of the batch, or -1: handed in as `data`).
  * `key` is its source (host, port); the fallback gets `addr` (the form the
  * reader had, e.g. a 4-tuple on IPv6). Returns 0, or -1 with an exception
@@ -1013,8 +1048,7 @@ route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject
     if (self->prefix == 0) {
         route = PyDict_GetItemWithError(self->routes, key);
     } else if (size >= (size_t)self->prefix) {
-        PyObject *full = Py_BuildValue("(Oy#)", key, (const char *)buf,
-                                       (Py_ssize_t)self->prefix);
+        PyObject *full = prefix_key(key, buf, self->prefix);
         if (full == NULL)
             return -1;
         route = PyDict_GetItemWithError(self->routes, full);
