@@ -515,6 +515,49 @@ async def test_data_indications_move_to_the_data_plane_after_the_first(
         peer.close()
 
 
+async def test_sends_to_this_host_take_the_data_plane_once_judged(turn: Any) -> None:
+    """A loopback peer is one of the server's own hosts: the control plane
+    judges each port. An approved port's Send indications then take the data
+    plane (for a second at a time); a service port is refused every time."""
+    service: TurnService = await turn()
+    peer = Peer()
+    raw = RawClient(service.stun.primary)
+    try:
+        session, _ = await signed_allocate(raw)
+        await create_permission(raw, session, peer.address)
+        taps = [t for e, t in service.taps.items() if e.local == service.stun.primary]
+        tap = taps[0] if ACCELERATED else None
+        for n in range(5):
+            indication = Message(
+                Class.INDICATION,
+                Method.SEND,
+                os.urandom(12),
+                (XorPeerAddress(*peer.address), Data(b"%d" % n)),
+            )
+            raw.send(encode(indication))
+            assert await peer.recv() == b"%d" % n
+        if tap is not None:
+            assert tap.forwarded >= 3  # the first went through Python
+        stun_port = service.stun.primary
+        for _ in range(3):
+            raw.send(
+                encode(
+                    Message(
+                        Class.INDICATION,
+                        Method.SEND,
+                        os.urandom(12),
+                        (XorPeerAddress(*stun_port), Data(b"binding?")),
+                    )
+                )
+            )
+        refused = service.core.counters.drops
+
+        assert await eventually(lambda: refused.get("peer-service-port", 0) == 3)
+    finally:
+        raw.close()
+        peer.close()
+
+
 # ------------------------------------------------------------------ configuration
 
 

@@ -11,6 +11,7 @@ both random route tables and datagrams and compares every output.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,6 +126,7 @@ class Rig:
             budget=self.budget,
             permissions=self.permissions,
             refuse=self.refuse,
+            approved={},
         )
 
     def data_route(self, peer: Any, named: Any = None) -> Any:
@@ -280,6 +282,27 @@ def test_unusual_or_unpermitted_send_indications_fall_back(rig: Rig) -> None:
         )
     ]
     assert drain(rig.peer, 0.1) == []
+
+
+def test_sends_to_the_services_own_hosts_need_a_fresh_approval(rig: Rig) -> None:
+    rig.allow_send()
+    peer = rig.peer.getsockname()
+    rig.permissions[peer[0]] = object()
+    rig.refuse.add(peer[0])
+    route = rig.to_peer[(rig.client.getsockname(), b"\x00\x16")]
+    rig.from_client(send_indication(peer, b"judged"))  # no approval yet
+    turnplane.approve(route, peer, time.monotonic())
+    rig.from_client(send_indication(peer, b"approved"))
+    other_port = (peer[0], peer[1] ^ 1)
+    rig.from_client(send_indication(other_port, b"another port"))
+    turnplane.approve(route, peer, time.monotonic() - turnplane.SELF_PEER_APPROVAL)
+    rig.from_client(send_indication(peer, b"stale"))
+    assert drain(rig.peer) == [b"approved"]
+    assert [data for _, data, _ in rig.fallen] == [
+        send_indication(peer, b"judged"),
+        send_indication(other_port, b"another port"),
+        send_indication(peer, b"stale"),
+    ]
 
 
 @pytest.mark.parametrize("peer", [("192.0.2.7", 4000), ("2001:db8::7", 4000)])

@@ -136,6 +136,7 @@ from crossroads.transport.turnplane import (
     MAX_DATA_ROUTES,
     PAD,
     SEND_INDICATION_KEY,
+    approve,
     channel_header,
     channel_key,
     data_route,
@@ -1429,6 +1430,17 @@ class TurnService:
             return True
         if self.core.self_peer_refused(peer, client[0]):
             return True
+        if peer[0] in self.core.self_peers:
+            # Approved for this port: the Send route may take the next ones
+            # for a second (turnplane.SELF_PEER_APPROVAL).
+            table = self.listener_routes_if_any(endpoint)
+            route = table.get((client, SEND_INDICATION_KEY)) if table else None
+            if (
+                isinstance(relay, UdpRelay)
+                and route is not None
+                and route.sock is relay.sock
+            ):
+                approve(route, peer, time.monotonic())
         if relay.bps and not relay.allow(len(payload)):
             return True
         relay.sendto(payload, peer)

@@ -435,7 +435,8 @@ enum {
     /* A Send indication from a TURN client (RFC 8656 §11.4): its DATA goes
      * to its XOR-PEER-ADDRESS when that IP has a permission (the route's
      * `permissions` dict), is not one `refuse` names (the service's own
-     * hosts: the control plane judges those per port) and is of the out
+     * hosts: the control plane judges those per port; `approved` maps the
+     * (host, port) it approved to a CLOCK_MONOTONIC deadline) and is of the out
      * socket's family. Anything unusual -- another attribute, a repeated
      * one, a bad FINGERPRINT, lengths that disagree -- is not forwarded
      * but handed to the fallback (the full STUN codec), as
@@ -495,6 +496,7 @@ typedef struct {
     PyObject *peer;    /* DATA_INDICATION: the peer (host, port), else None */
     PyObject *permissions; /* UNWRAP_SEND: dict peer host -> permission */
     PyObject *refuse;      /* UNWRAP_SEND: None, or set of hosts for the fallback */
+    PyObject *approved;    /* UNWRAP_SEND: None, or dict (host, port) -> deadline */
     int out_family;
     /* DATA_INDICATION: the peer's address and port (network order), the
      * transaction id's random 8 bytes and a counter for the last 4. */
@@ -535,15 +537,16 @@ static int
 Route_init(Route *self, PyObject *args, PyObject *kwds)
 {
     static char *names[] = {"sock", "dest", "control", "rewrite", "channel",
-                            "budget", "peer", "txid", "permissions", "refuse", NULL};
+                            "budget", "peer", "txid", "permissions", "refuse",
+                            "approved", NULL};
     PyObject *sock, *dest, *control = Py_None, *budget = Py_None, *peer = Py_None;
-    PyObject *permissions = Py_None, *refuse = Py_None;
+    PyObject *permissions = Py_None, *refuse = Py_None, *approved = Py_None;
     const char *txid = NULL;
     Py_ssize_t txid_len = 0;
     int rewrite = REWRITE_NONE, channel = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$iiOOy#OO", names, &sock, &dest,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$iiOOy#OOO", names, &sock, &dest,
                                      &control, &rewrite, &channel, &budget, &peer,
-                                     &txid, &txid_len, &permissions, &refuse))
+                                     &txid, &txid_len, &permissions, &refuse, &approved))
         return -1;
     if (rewrite < REWRITE_NONE || rewrite > REWRITE_UNWRAP_SEND ||
         channel < 0 || channel > 0xFFFF) {
@@ -575,13 +578,15 @@ Route_init(Route *self, PyObject *args, PyObject *kwds)
             return -1;
     }
     if (rewrite == REWRITE_UNWRAP_SEND) {
-        if (!PyDict_Check(permissions) || (refuse != Py_None && !PyAnySet_Check(refuse))) {
-            PyErr_SetString(PyExc_TypeError,
-                            "a Send route needs permissions=dict, refuse=set or None");
+        if (!PyDict_Check(permissions) || (refuse != Py_None && !PyAnySet_Check(refuse)) ||
+            (approved != Py_None && !PyDict_Check(approved))) {
+            PyErr_SetString(PyExc_TypeError, "a Send route needs permissions=dict, "
+                                             "refuse=set or None, approved=dict or None");
             return -1;
         }
         Py_XSETREF(self->permissions, Py_NewRef(permissions));
         Py_XSETREF(self->refuse, refuse == Py_None ? NULL : Py_NewRef(refuse));
+        Py_XSETREF(self->approved, approved == Py_None ? NULL : Py_NewRef(approved));
     }
     if (budget != Py_None && !PyObject_TypeCheck(budget, &BudgetType)) {
         PyErr_SetString(PyExc_TypeError, "budget must be a Budget or None");
@@ -643,7 +648,7 @@ Route_release(Route *self)
 }
 
 #define ROUTE_REFS(X) \
-    X(sock) X(dest) X(control) X(budget) X(peer) X(permissions) X(refuse)
+    X(sock) X(dest) X(control) X(budget) X(peer) X(permissions) X(refuse) X(approved)
 GC_FUNCTIONS(Route, ROUTE_REFS)
 
 static PyMethodDef Route_methods[] = {
@@ -662,7 +667,9 @@ static PyMemberDef Route_members[] = {
     {"permissions", T_OBJECT, offsetof(Route, permissions), READONLY,
      "A Send route's permission table (peer host -> permission)."},
     {"refuse", T_OBJECT, offsetof(Route, refuse), READONLY,
-     "A Send route's hosts left to the fallback."},
+     "A Send route's hosts left to the fallback..."},
+    {"approved", T_OBJECT, offsetof(Route, approved), READONLY,
+     "...but for these (host, port): monotonic deadline of the fallback's approval."},
     {"rewrite", T_INT, offsetof(Route, rewrite), READONLY,
      "What it does to a datagram (dataplane.Rewrite)."},
     {"channel", T_INT, offsetof(Route, channel), READONLY,
@@ -973,6 +980,20 @@ route_forward(RouteTap *self, Route *r, const unsigned char *buf, size_t size)
         PyObject *host = PyTuple_GET_ITEM(where, 0);
         int permitted = PyDict_Contains(r->permissions, host);
         int refused = permitted == 1 && r->refuse != NULL ? PySet_Contains(r->refuse, host) : 0;
+        if (refused == 1 && r->approved != NULL) {
+            /* One of the service's own hosts: the fallback judged this port
+             * and approved it until a deadline (it re-judges after). */
+            PyObject *until = PyDict_GetItemWithError(r->approved, where);
+            if (until != NULL && PyFloat_Check(until)) {
+                struct timespec ts;
+                clock_gettime(CLOCK_MONOTONIC, &ts);
+                double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+                if (now < PyFloat_AS_DOUBLE(until))
+                    refused = 0;
+            } else if (until == NULL && PyErr_Occurred()) {
+                refused = -1;
+            }
+        }
         Py_DECREF(where);
         if (permitted < 0 || refused < 0)
             return -1;

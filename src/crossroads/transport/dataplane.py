@@ -105,8 +105,10 @@ class Rewrite(IntEnum):
     #: TURN client -> peer: a Send indication (RFC 8656 §11.4) that
     #: :func:`~crossroads.proto.turn.fastpath.parse_send_indication` accepts,
     #: to a peer whose IP is in ``permissions``, not in ``refuse``, of the out
-    #: socket's family: its DATA leaves for its XOR-PEER-ADDRESS. Any other
-    #: goes to the fallback (the full codec, which counts what it drops).
+    #: socket's family: its DATA leaves for its XOR-PEER-ADDRESS (an IP in
+    #: ``refuse`` only on a ``(host, port)`` that ``approved`` maps to a
+    #: ``time.monotonic()`` deadline still ahead). Any other goes to the
+    #: fallback (the full codec, which counts what it drops).
     UNWRAP_SEND = 4
 
 
@@ -212,6 +214,7 @@ class PyRoute:
         "peer",
         "permissions",
         "refuse",
+        "approved",
         "packets",
         "octets",
         "_txid",
@@ -231,6 +234,7 @@ class PyRoute:
         txid: bytes = b"",
         permissions: dict[str, Any] | None = None,
         refuse: set[str] | None = None,
+        approved: dict[Address, float] | None = None,
     ) -> None:
         if not Rewrite.NONE <= rewrite <= Rewrite.UNWRAP_SEND:
             raise ValueError("rewrite or channel out of range")
@@ -247,15 +251,20 @@ class PyRoute:
             self.peer = (peer[0], peer[1])
         self.permissions: dict[str, Any] = {}
         self.refuse: set[str] | frozenset[str] = frozenset()
+        self.approved: dict[Address, float] | None = None
         if rewrite == Rewrite.UNWRAP_SEND:
-            if not isinstance(permissions, dict) or not isinstance(
-                refuse, set | frozenset | None
+            if (
+                not isinstance(permissions, dict)
+                or not isinstance(refuse, set | frozenset | None)
+                or not isinstance(approved, dict | None)
             ):
                 raise TypeError(
-                    "a Send route needs permissions=dict, refuse=set or None"
+                    "a Send route needs permissions=dict, refuse=set or None, "
+                    "approved=dict or None"
                 )
             self.permissions = permissions
             self.refuse = refuse if refuse is not None else frozenset()
+            self.approved = approved
         self._txid = bytes(txid)
         self._counter = 0
         if sock.fileno() < 0:
@@ -446,12 +455,15 @@ class PyRouteTap(PyCounters):
                 return False
             dest, payload, _dont_fragment = parsed
             family = socket.AF_INET6 if ":" in dest[0] else socket.AF_INET
-            if (
-                family != route.sock.family
-                or dest[0] not in route.permissions
-                or dest[0] in route.refuse
-            ):
+            if family != route.sock.family or dest[0] not in route.permissions:
                 return False
+            if dest[0] in route.refuse:
+                # One of the service's own hosts: only a port the fallback
+                # approved, until the deadline it set.
+                approved = route.approved
+                until = approved.get(dest) if approved is not None else None
+                if not isinstance(until, float) or time.monotonic() >= until:
+                    return False
         elif rewrite == Rewrite.DATA_INDICATION and len(data) > MAX_DATA_INDICATION:
             self.malformed += 1
             return True

@@ -36,9 +36,11 @@ Send indication, client -> peer
     indication in place (what :func:`~crossroads.proto.turn.fastpath.
     parse_send_indication` accepts, FINGERPRINT checked), looks its peer's IP
     up in the allocation's live permission table and sends the DATA from the
-    relay socket. Anything unusual, an IP without a permission, a peer of the
-    other family, or one of the service's own hosts (the control plane judges
-    those per port) goes to the fallback: the Python path as before.
+    relay socket. Anything unusual, an IP without a permission or a peer of the
+    other family goes to the fallback: the Python path as before. So does one
+    of the service's own hosts (the control plane judges those per port), until
+    the Python path approved that port: then for :data:`SELF_PEER_APPROVAL`
+    seconds (:func:`approve`).
 Data indication, peer -> client
     A permitted peer without a channel is answered in Python the first time
     (:meth:`crossroads.services.turn.UdpRelay.from_peer`), which then installs
@@ -80,8 +82,10 @@ from crossroads.types import Address
 __all__ = [
     "ACCELERATED",
     "CHANNEL_KEY_BYTES",
+    "MAX_APPROVED",
     "MAX_DATA_ROUTES",
     "PAD",
+    "SELF_PEER_APPROVAL",
     "SEND_INDICATION_KEY",
     "channel_header",
     "channel_key",
@@ -101,6 +105,14 @@ SEND_INDICATION_KEY = b"\x00\x16"
 #: sent without a channel). A permitted peer could spray source ports; past
 #: this many its datagrams take the Python path, which works the same.
 MAX_DATA_ROUTES = 64
+#: How long a Send route forwards to a (host, port) of the service's own hosts
+#: after the control plane approved it (it is judged per port: a service port
+#: of this host is refused, RFC 8656 §9 leaves that policy to the server). One
+#: Python judgement per such peer per second instead of per datagram; a port
+#: that became a service port within the second is the exposure.
+SELF_PEER_APPROVAL = 1.0
+#: (host, port) approvals a Send route holds at most (a bound on memory).
+MAX_APPROVED = 64
 
 #: Padding bytes after a ChannelData payload of length n over TCP: PAD[n & 3]
 #: (RFC 8656 §12.5).
@@ -178,7 +190,8 @@ def send_route(
     """Client -> peer Send indications: the DATA, from the relay socket to the
     XOR-PEER-ADDRESS, when its IP is in ``permissions`` (the allocation's live
     table) and not in ``refuse`` (the service's own hosts, judged per port by
-    the control plane)."""
+    the control plane) unless the route's ``approved`` dict holds the (host,
+    port) with a deadline ahead (see :func:`approve`)."""
     return make_route(
         relay,
         None,
@@ -186,4 +199,17 @@ def send_route(
         budget=budget,
         permissions=permissions,
         refuse=refuse,
+        approved={},
     )
+
+
+def approve(route: Any, peer: Address, now: float) -> None:
+    """The control plane let a Send indication to ``peer`` (one of the
+    service's own hosts) through at ``time.monotonic()`` ``now``: the route
+    may forward there for :data:`SELF_PEER_APPROVAL` s."""
+    approved = route.approved
+    if approved is None:
+        return
+    if len(approved) >= MAX_APPROVED and peer not in approved:
+        approved.clear()  # stale ones go; each is re-earned in a second
+    approved[peer] = now + SELF_PEER_APPROVAL
