@@ -510,6 +510,12 @@ async def test_data_indications_move_to_the_data_plane_after_the_first(
         assert relay.tap.forwarded == 2
         to_peer, _, to_client, to_client_bytes, _ = service.counters()
         assert (to_client, to_client_bytes) == (3, 18)
+        # A channel bound to the peer takes over its route: ChannelData now.
+        await bind_channel(raw, session, peer.address)
+        assert relay.learned == 0
+        peer.sock.sendto(b"chan", relay.sock.getsockname())
+        wire = await asyncio.wait_for(loop.sock_recv(raw.sock, 4096), 2)
+        assert wire == b"\x40\x01\x00\x04chan"
     finally:
         raw.close()
         peer.close()

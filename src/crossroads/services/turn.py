@@ -661,6 +661,7 @@ class UdpRelay:
 
     def route_peer(self, peer: Address, number: int) -> None:
         self.peer_channels[peer] = number
+        self._forget_learned(peer)  # ChannelData from now on
         if self.link.out is not None:
             self.peer_routes[peer] = to_client_route(
                 self.link.out, self.client, number, self.budget
@@ -669,6 +670,9 @@ class UdpRelay:
     def unroute_peer(self, peer: Address) -> None:
         self.peer_channels.pop(peer, None)
         self.peer_routes.pop(peer, None)
+        self._forget_learned(peer)
+
+    def _forget_learned(self, peer: Address) -> None:
         learned = self.data_peers.get(peer[0])
         if learned is not None:
             learned.discard(peer)
