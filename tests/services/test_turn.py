@@ -147,35 +147,36 @@ async def signed_allocate(client: RawClient) -> tuple[LongTermSession, Message]:
     return session, answer
 
 
+async def signed_request(
+    client: RawClient, session: LongTermSession, method: Method, *attributes: Any
+) -> Message:
+    """A signed request of ``method``; it must succeed."""
+    request = Message(Class.REQUEST, method, os.urandom(12), attributes)
+    answer = await client.request(session.sign(request))
+    assert answer is not None and answer.msg_class == Class.SUCCESS
+    return answer
+
+
 async def bind_channel(
     client: RawClient, session: LongTermSession, peer: tuple[str, int]
 ) -> None:
     """ChannelBind 0x4001 to ``peer``; it must succeed."""
-    bind = session.sign(
-        Message(
-            Class.REQUEST,
-            Method.CHANNEL_BIND,
-            os.urandom(12),
-            (ChannelNumber(0x4001), XorPeerAddress(*peer)),
-        )
+    await signed_request(
+        client,
+        session,
+        Method.CHANNEL_BIND,
+        ChannelNumber(0x4001),
+        XorPeerAddress(*peer),
     )
-    answer = await client.request(bind)
-    assert answer is not None and answer.msg_class == Class.SUCCESS
 
 
 async def create_permission(
     client: RawClient, session: LongTermSession, peer: tuple[str, int]
 ) -> None:
-    """CreatePermission for ``peer``'s IP; it must be answered."""
-    permit = session.sign(
-        Message(
-            Class.REQUEST,
-            Method.CREATE_PERMISSION,
-            os.urandom(12),
-            (XorPeerAddress(*peer),),
-        )
+    """CreatePermission for ``peer``'s IP; it must succeed."""
+    await signed_request(
+        client, session, Method.CREATE_PERMISSION, XorPeerAddress(*peer)
     )
-    assert (await client.request(permit)) is not None
 
 
 # ------------------------------------------------------------------ credentials
