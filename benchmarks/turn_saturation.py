@@ -50,9 +50,11 @@ the machine's other load weighs on all of them alike):
   hash lookup, no TURN at all: the physical limit of this machine for the shape.
 - for the relays (Unity, natneg), ``crossroads ... (Python twin)``: the same
   server with ``CROSSROADS_TURN_PURE_PYTHON=1`` (the data plane's pure-Python
-  twin), and with ``--before DIR`` one more target, ``crossroads ... (before)``,
-  that runs the crossroads source tree in ``DIR/src`` (e.g. a ``git archive`` of
-  the commit before the data plane) on the same load: before/after in one run.
+  twin);
+- with ``--before DIR``, for TURN and the relays, one more target per worker
+  count, ``crossroads ... (before)``, that runs the crossroads source tree in
+  ``DIR/src`` (e.g. a ``git archive`` of an older commit, with its C extension
+  built in place) on the same load: before/after in one run.
 
 Pinning (``taskset``): servers on CPU 0, the load generator on CPU 1; coturn
 ``-m 2`` gets CPUs 0 and 1 (this machine has two cores), so it shares the
@@ -293,7 +295,7 @@ def spawn_crossroads(
     )
 
 
-def start_crossroads_turn(workers: int | None) -> Target:
+def start_crossroads_turn(workers: int | None, variant: Variant = Variant()) -> Target:
     port = turn.free_port()
     low = 20000 + ((port + 11) % 20) * 1000
     http_port = consecutive_free_ports(workers or 1)
@@ -305,6 +307,7 @@ def start_crossroads_turn(workers: int | None) -> Target:
             "--turn-user", f"{turn.USER}:{turn.PASSWORD}", "--turn-realm", turn.REALM,
             "--allow-loopback-peers", "--relay-ports", f"{low}-{low + 999}",
         ],
+        variant,
     )  # fmt: skip
     try:
         turn.wait_udp_ready(port)
@@ -316,7 +319,7 @@ def start_crossroads_turn(workers: int | None) -> Target:
         stop(process)
         raise
     return Target(
-        crossroads_label(workers),
+        crossroads_label(workers) + variant.suffix,
         process,
         lambda stack, n, size: turn_flows((HOST, port), stack, n, size),
     )
@@ -798,7 +801,7 @@ def main() -> None:
     parser.add_argument(
         "--before",
         type=Path,
-        help="a crossroads source tree (DIR/src) to run as '(before)' for the relays",
+        help="a crossroads source tree (DIR/src) to run as '(before)'",
     )
     parser.add_argument(
         "--no-twin",
@@ -827,6 +830,9 @@ def main() -> None:
         print("crossroads has no --workers flag in this checkout: one process only")
     try:
         binaries = build(workdir)
+        turn_variants = [Variant()]
+        if args.before is not None:
+            turn_variants.append(Variant(" (before)", source=args.before.resolve()))
         if "turn" in parts:
             coturn_servers: list[turn.Server] = []
 
@@ -837,7 +843,11 @@ def main() -> None:
 
             starters: list[tuple[str, Callable[[], Target]]] = [
                 *(
-                    (crossroads_label(n), lambda n=n: start_crossroads_turn(n))
+                    (
+                        crossroads_label(n) + v.suffix,
+                        lambda n=n, v=v: start_crossroads_turn(n, v),
+                    )
+                    for v in turn_variants
                     for n in worker_counts
                 ),
                 ("coturn -m 1", lambda: coturn(1)),

@@ -147,20 +147,36 @@ async def signed_allocate(client: RawClient) -> tuple[LongTermSession, Message]:
     return session, answer
 
 
+async def signed_request(
+    client: RawClient, session: LongTermSession, method: Method, *attributes: Any
+) -> Message:
+    """A signed request of ``method``; it must succeed."""
+    request = Message(Class.REQUEST, method, os.urandom(12), attributes)
+    answer = await client.request(session.sign(request))
+    assert answer is not None and answer.msg_class == Class.SUCCESS
+    return answer
+
+
 async def bind_channel(
     client: RawClient, session: LongTermSession, peer: tuple[str, int]
 ) -> None:
     """ChannelBind 0x4001 to ``peer``; it must succeed."""
-    bind = session.sign(
-        Message(
-            Class.REQUEST,
-            Method.CHANNEL_BIND,
-            os.urandom(12),
-            (ChannelNumber(0x4001), XorPeerAddress(*peer)),
-        )
+    await signed_request(
+        client,
+        session,
+        Method.CHANNEL_BIND,
+        ChannelNumber(0x4001),
+        XorPeerAddress(*peer),
     )
-    answer = await client.request(bind)
-    assert answer is not None and answer.msg_class == Class.SUCCESS
+
+
+async def create_permission(
+    client: RawClient, session: LongTermSession, peer: tuple[str, int]
+) -> None:
+    """CreatePermission for ``peer``'s IP; it must succeed."""
+    await signed_request(
+        client, session, Method.CREATE_PERMISSION, XorPeerAddress(*peer)
+    )
 
 
 # ------------------------------------------------------------------ credentials
@@ -440,15 +456,7 @@ async def test_send_indication_slow_and_fast_paths_agree(turn: Any) -> None:
     raw = RawClient(service.stun.primary)
     try:
         session, _ = await signed_allocate(raw)
-        permit = session.sign(
-            Message(
-                Class.REQUEST,
-                Method.CREATE_PERMISSION,
-                os.urandom(12),
-                (XorPeerAddress(*peer.address),),
-            )
-        )
-        assert (await raw.request(permit)) is not None
+        await create_permission(raw, session, peer.address)
         indication = Message(
             Class.INDICATION,
             Method.SEND,
@@ -468,6 +476,90 @@ async def test_send_indication_slow_and_fast_paths_agree(turn: Any) -> None:
         )
         raw.send(encode(slow))
         assert await peer.recv() == b"slow"
+    finally:
+        raw.close()
+        peer.close()
+
+
+async def test_data_indications_move_to_the_data_plane_after_the_first(
+    turn: Any,
+) -> None:
+    """A permitted peer without a channel: the first datagram is answered by
+    the Python path, which installs a Data indication route; the next ones
+    leave by that route, identical indications on the wire."""
+    service: TurnService = await turn()
+    peer = Peer()
+    raw = RawClient(service.stun.primary)
+    try:
+        session, _ = await signed_allocate(raw)
+        await create_permission(raw, session, peer.address)
+        (relay,) = service.relays
+        loop = asyncio.get_running_loop()
+        got = []
+        for n in range(3):
+            peer.sock.sendto(b"data %d" % n, relay.sock.getsockname())
+            wire = await asyncio.wait_for(loop.sock_recv(raw.sock, 4096), 2)
+            message = decode(wire)
+            assert (message.msg_class, message.method) == (
+                Class.INDICATION,
+                Method.DATA,
+            )
+            got.append((message.get(XorPeerAddress), message.get(Data)))
+        assert [(p.host, p.port) for p, _ in got] == [peer.address] * 3
+        assert [d.value for _, d in got] == [b"data 0", b"data 1", b"data 2"]
+        assert peer.address in relay.peer_routes
+        assert relay.tap.forwarded == 2
+        to_peer, _, to_client, to_client_bytes, _ = service.counters()
+        assert (to_client, to_client_bytes) == (3, 18)
+        # A channel bound to the peer takes over its route: ChannelData now.
+        await bind_channel(raw, session, peer.address)
+        assert relay.learned == 0
+        peer.sock.sendto(b"chan", relay.sock.getsockname())
+        wire = await asyncio.wait_for(loop.sock_recv(raw.sock, 4096), 2)
+        assert wire == b"\x40\x01\x00\x04chan"
+    finally:
+        raw.close()
+        peer.close()
+
+
+async def test_sends_to_this_host_take_the_data_plane_once_judged(turn: Any) -> None:
+    """A loopback peer is one of the server's own hosts: the control plane
+    judges each port. An approved port's Send indications then take the data
+    plane (for a second at a time); a service port is refused every time."""
+    service: TurnService = await turn()
+    peer = Peer()
+    raw = RawClient(service.stun.primary)
+    try:
+        session, _ = await signed_allocate(raw)
+        await create_permission(raw, session, peer.address)
+        taps = [t for e, t in service.taps.items() if e.local == service.stun.primary]
+        tap = taps[0] if ACCELERATED else None
+        for n in range(5):
+            indication = Message(
+                Class.INDICATION,
+                Method.SEND,
+                os.urandom(12),
+                (XorPeerAddress(*peer.address), Data(b"%d" % n)),
+            )
+            raw.send(encode(indication))
+            assert await peer.recv() == b"%d" % n
+        if tap is not None:
+            assert tap.forwarded >= 3  # the first went through Python
+        stun_port = service.stun.primary
+        for _ in range(3):
+            raw.send(
+                encode(
+                    Message(
+                        Class.INDICATION,
+                        Method.SEND,
+                        os.urandom(12),
+                        (XorPeerAddress(*stun_port), Data(b"binding?")),
+                    )
+                )
+            )
+        refused = service.core.counters.drops
+
+        assert await eventually(lambda: refused.get("peer-service-port", 0) == 3)
     finally:
         raw.close()
         peer.close()
@@ -561,7 +653,7 @@ async def test_bandwidth_limit_per_allocation(turn: Any) -> None:
                 received += 1
             # One second's worth (1000 bytes) passes: two or three datagrams.
             assert 1 <= received <= 3
-            assert sum(r.throttled for r in service.relays) >= 7
+            assert sum(r.budget.throttled for r in service.relays) >= 7
             text = await asyncio.to_thread(_metrics_text, service)
             assert 'crossroads_turn_dropped_total{reason="bandwidth-limit"}' in text
     finally:

@@ -17,16 +17,16 @@ which keeps the allocation table and the forwarding tables, and asks this module
 
 Per-packet work never touches the core, a message object or the store:
 
-- client -> peer, ChannelData: one dict lookup for the allocation (by client
-  address and listening endpoint), one for the channel, a slice and a ``sendto``
-  on the relay socket (the ChannelData hook, :attr:`TurnService.router`);
+- ChannelData, both ways, is forwarded by the relay data plane's route table
+  (:mod:`crossroads.transport.turnplane`): taps on the listening sockets and
+  on the relay sockets, one lookup per datagram, the ChannelData header taken
+  off or put on by the route, a per-relay bandwidth budget;
 - client -> peer, Send indication: the attribute walk of
   :func:`~crossroads.proto.turn.fastpath.parse_send_indication`, a permission
   lookup and a ``sendto``;
-- peer -> client (:class:`UdpRelay`): one lookup in the relay's peer -> channel
-  table (which only holds peers with a live permission), a 4-byte header and a
-  send; peers without a channel but with a permission get a Data indication
-  built with ``struct``; anything else is dropped and counted.
+- peer -> client without a channel (:meth:`UdpRelay.from_peer`, the relay
+  tap's fallback): a Data indication built with ``struct`` when the peer has a
+  permission; anything else is dropped and counted.
 
 RFC 6062 TCP relays: each TCP allocation has a listening socket on its relayed
 address; peer data connections (accepted, or opened by Connect) are buffered
@@ -59,7 +59,7 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -117,6 +117,12 @@ from crossroads.services.stun import (
     TurnHooks,
     UdpEndpoint,
 )
+from crossroads.transport.dataplane import (
+    RouteTapLike,
+    TapReaders,
+    make_budget,
+    make_tap,
+)
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
 from crossroads.transport.refusals import RefusalLog
@@ -125,11 +131,17 @@ from crossroads.transport.sockets import listening_ports
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
     ACCELERATED,
+    MAX_DATA_ROUTES,
     PAD,
-    ChannelRouterType,
-    ListenerTapBase,
-    PollerType,
-    RelayTapBase,
+    SEND_INDICATION_KEY,
+    approve,
+    channel_header,
+    channel_key,
+    data_route,
+    listener_tap,
+    send_route,
+    to_client_route,
+    to_peer_route,
 )
 from crossroads.types import Address
 
@@ -462,7 +474,9 @@ class _Collector(Collector):
             merged[reason] = merged.get(reason, 0) + count
         if errors:
             merged["data-plane-malformed-or-send-error"] = errors
-        throttled = stats.retired_throttled + sum(r.throttled for r in service.relays)
+        throttled = stats.retired_throttled + sum(
+            r.budget.throttled for r in service.relays
+        )
         if throttled:
             merged["bandwidth-limit"] = throttled
         for reason, count in sorted(merged.items()):
@@ -510,30 +524,55 @@ class ClientLink:
     """How to reach the client of an allocation: a UDP socket + address, or a
     TCP connection (ChannelData padded to 4 bytes, RFC 8656 §12.5)."""
 
-    __slots__ = ("endpoint", "client", "tcp", "fd")
+    __slots__ = ("endpoint", "client", "tcp", "out")
 
     def __init__(self, endpoint: Endpoint, client: Address) -> None:
         self.endpoint = endpoint
         self.client = client
         self.tcp = endpoint.transport == "tcp"
-        #: The listening socket's fd (UDP), for the C data plane's sends.
-        self.fd = -1
-        if isinstance(endpoint, UdpEndpoint | BatchUdpEndpoint):
-            self.fd = endpoint.fileno()
+        #: What peer -> client routes leave from: the listening UDP socket,
+        #: unless replies must leave from each client's destination address
+        #: (wildcard bind) or go through the endpoint (TCP framing, DTLS).
+        self.out: EndpointSocket | None = None
+        if (
+            isinstance(endpoint, UdpEndpoint | BatchUdpEndpoint)
+            and not endpoint.replies_from_destination
+            and endpoint.fileno() >= 0
+        ):
+            self.out = EndpointSocket(endpoint)
 
     def send(self, data: bytes) -> None:
         self.endpoint.send(data, self.client)
 
 
+class EndpointSocket:
+    """A listening UDP endpoint as a route's out socket: its fd for the C data
+    plane, its ``send`` for the pure-Python twin."""
+
+    __slots__ = ("endpoint",)
+
+    def __init__(self, endpoint: UdpEndpoint | BatchUdpEndpoint) -> None:
+        self.endpoint = endpoint
+
+    def fileno(self) -> int:
+        return self.endpoint.fileno()
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        self.endpoint.send(data, addr)
+
+
 # ------------------------------------------------------------------ UDP relays
 
 
-class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
+class UdpRelay:
     """One relay socket of a UDP allocation (a ``RelayPort`` for the core).
 
-    Its ``datagram_received`` — peer -> client — is the tap's (C or Python, see
-    :mod:`crossroads.transport.turnplane`); peers without a channel come back to
-    :meth:`from_peer` (Data indication, or a drop).
+    A tap of the relay data plane reads it (see
+    :mod:`crossroads.transport.turnplane`): data from a peer with a channel and
+    a live permission leaves as ChannelData by its route; everything else comes
+    to :meth:`from_peer` (ChannelData in Python for clients the plane does not
+    send to, a Data indication, or a counted drop). The core's ``route_*``
+    calls write the routes of both directions.
     """
 
     def __init__(
@@ -544,56 +583,127 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         sock: socket.socket,
         address: Address,
     ) -> None:
-        RelayTapBase.__init__(self)
         self.service = service
         self.allocation = allocation
         self.family = family
         self.address = address
         self.sock = sock
-        self.fd = sock.fileno()
-        self.peer_channels: dict[Address, int] = {}
-        self.fallback = self.from_peer
-        self.bps = float(service.config.max_bps)
+        #: ``--turn-max-bps``, both directions, every route of this relay.
+        self.budget = make_budget(service.config.max_bps)
         self.permissions = allocation.permissions
         self.stats = service.stats
         self.closed = False
-        self.transport: asyncio.DatagramTransport | None = None
-        #: Until the asyncio transport is up, send on the raw socket.
-        self.sendto = self._sock_sendto
         link = allocation.transport_data
         assert isinstance(link, ClientLink)
+        self.link = link
         self.client = link.client
         self.client_send = link.endpoint.send
-        if not link.tcp:
-            self.set_client(link.fd, link.client, link.endpoint.send)
-        self.task: asyncio.Task[Any] | None = None
-        #: True when the socket is read with loop.add_reader (C data plane).
-        self.reading = False
+        #: Peer -> channel number, for bindings whose permission is live.
+        self.peer_channels: dict[Address, int] = {}
+        #: The relay socket's route table: peer -> route to the client.
+        self.peer_routes: dict[Address, Any] = {}
+        #: The channels this relay routes client -> peer.
+        self.channels: set[int] = set()
+        #: Peers (by IP) with a learned Data indication route in peer_routes.
+        self.data_peers: dict[str, set[Address]] = {}
+        self.tap: RouteTapLike = service.relay_tap(
+            sock, self.peer_routes, self.from_peer
+        )
+        self.send_key = (self.client, SEND_INDICATION_KEY)
+        if service.tapped(link.endpoint) and not link.tcp:
+            # Send indications of this client's, once parsed, checked for a
+            # permission and a peer the control plane need not judge per port,
+            # leave from this relay socket on the data plane (the first relay
+            # of a dual allocation takes them; the other family's go to the
+            # Python path, which handles both).
+            table = service.listener_routes(link.endpoint)
+            if self.send_key not in table:
+                table[self.send_key] = send_route(
+                    sock, self.permissions, service.core.self_peers, self.budget
+                )
         #: XOR-PEER-ADDRESS of IPv4 peers does not depend on the transaction
         #: id: cache it (bounded by the permission count in practice).
         self._peer_attributes: dict[Address, bytes] = {}
         self._txid_prefix = os.urandom(8)
         self._txid_counter = 0
 
-    def _sock_sendto(self, data: bytes, addr: Address) -> None:
+    @property
+    def bps(self) -> float:
+        return self.budget.bps
+
+    def allow(self, size: int) -> bool:
+        """Spend ``size`` bytes of the relay's bandwidth budget (False: drop)."""
+        return self.budget.allow(size)
+
+    def sendto(self, data: bytes, addr: Address) -> None:
+        """Send to a peer from the relayed address (Send indications)."""
         try:
             self.sock.sendto(data, addr)
         except OSError:
             self.stats.drop("relay-send-error")
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.DatagramTransport, transport)
-        if self.closed:
-            transport.close()
-            return
-        self.sendto = self.transport.sendto
+    # -- the core's forwarding decisions, as routes ----------------------------
+
+    def route_channel(self, number: int, peer: Address) -> None:
+        table = self.service.listener_routes(self.link.endpoint)
+        table[channel_key(self.client, number)] = to_peer_route(
+            self.sock, peer, self.budget
+        )
+        self.channels.add(number)
+
+    def unroute_channel(self, number: int) -> None:
+        self.channels.discard(number)
+        self.service.unroute_listener(
+            self.link.endpoint, channel_key(self.client, number)
+        )
+
+    def route_peer(self, peer: Address, number: int) -> None:
+        self.peer_channels[peer] = number
+        self._forget_learned(peer)  # ChannelData from now on
+        if self.link.out is not None:
+            self.peer_routes[peer] = to_client_route(
+                self.link.out, self.client, number, self.budget
+            )
+
+    def unroute_peer(self, peer: Address) -> None:
+        self.peer_channels.pop(peer, None)
+        self.peer_routes.pop(peer, None)
+        self._forget_learned(peer)
+
+    def _forget_learned(self, peer: Address) -> None:
+        learned = self.data_peers.get(peer[0])
+        if learned is not None:
+            learned.discard(peer)
+
+    def unroute_permission(self, ip: str) -> None:
+        for peer in self.data_peers.pop(ip, ()):
+            self.peer_routes.pop(peer, None)
+
+    def unroute_all(self) -> None:
+        for number in list(self.channels):
+            self.unroute_channel(number)
+        self.peer_channels.clear()
+        self.peer_routes.clear()
+        self.data_peers.clear()
+        table = self.service.listener_routes_if_any(self.link.endpoint)
+        if table is not None:
+            route = table.get(self.send_key)
+            if route is not None and route.sock is self.sock:
+                self.service.unroute_listener(self.link.endpoint, self.send_key)
+
+    # -- what the routes do not forward ----------------------------------------
 
     def from_peer(self, data: bytes, addr: Address) -> None:
-        """A datagram from a peer that has no channel (RFC 8656 §11.3)."""
+        """A datagram from a peer without a route (RFC 8656 §11.3, §12)."""
+        channel = self.peer_channels.get(addr)
+        if channel is not None:
+            # A client the plane does not send to (TCP, DTLS, wildcard bind).
+            self._channel_data(channel, data)
+            return
         if addr[0] not in self.permissions:
             self.stats.drop("peer-no-permission")
             return
-        if self.bps and not self.allow(len(data)):
+        if self.budget.bps and not self.budget.allow(len(data)):
             return
         attribute = self._peer_attributes.get(addr)
         if attribute is None and ":" not in addr[0]:
@@ -606,80 +716,49 @@ class UdpRelay(RelayTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += len(data)
+        if self.link.out is not None and self.learned < MAX_DATA_ROUTES:
+            # The next ones from this peer take the data plane, until its
+            # permission lapses (unroute_permission) or a channel is bound.
+            self.peer_routes[addr] = data_route(
+                self.link.out, self.client, addr, os.urandom(8), self.budget
+            )
+            self.data_peers.setdefault(addr[0], set()).add(addr)
 
-    def error_received(self, exc: Exception) -> None:
-        # ICMP from a peer (port unreachable...). RFC 8656 §11.4 lets the
-        # server pass it on in an ICMP attribute; crossroads only counts it.
-        self.stats.drop("peer-icmp-error")
+    @property
+    def learned(self) -> int:
+        """Data indication routes learned (at most MAX_DATA_ROUTES)."""
+        return sum(len(peers) for peers in self.data_peers.values())
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.peer_channels.clear()
-        self.service.retire(self)
-        self.fd = -1
-        if self.reading:
-            self.reading = False
-            poller = self.service.poller
-            if poller is not None:
-                poller.unregister(self.sock.fileno())
-            self.sock.close()
-        elif self.transport is not None:
-            self.transport.close()
-        else:
-            if self.task is not None:
-                self.task.cancel()
-            self.sock.close()
-
-
-class PythonClientRelay(UdpRelay):
-    """A UDP relay that sends to its client in Python, through the listening
-    endpoint's ``send``: for a UDP client of a wildcard-bound listener, whose
-    ChannelData must leave from the address the client sent to (the endpoint's
-    :class:`~crossroads.transport.pktinfo.ReplySource`; the C tap would send
-    from the route's source), and the base of :class:`TcpClientRelay`."""
-
-    #: RFC 8656 §12.5: ChannelData over TCP is padded to a multiple of 4 bytes;
-    #: over UDP it is not.
-    padded = False
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        key = addr if len(addr) == 2 else (addr[0], addr[1])
-        channel = self.peer_channels.get(key)
-        if channel is None:
-            self.from_peer(data, key)
-            return
+    def _channel_data(self, channel: int, data: bytes) -> None:
         size = len(data)
-        if self.bps and not self.allow(size):
+        if self.budget.bps and not self.budget.allow(size):
             return
-        frame = _CHANNEL_HEADER(channel, size) + data
-        if self.padded:
+        frame = channel_header(channel, size) + data
+        if self.link.tcp:
+            # RFC 8656 §12.5: over TCP padded to a multiple of 4 bytes.
             frame += PAD[size & 3]
         self.client_send(frame, self.client)
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += size
 
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.unroute_all()
+        self.service.retire(self)
+        self.sock.close()
 
-class TcpClientRelay(PythonClientRelay):
-    """A UDP relay whose client speaks TCP: ChannelData padded to 4 bytes
-    (RFC 8656 §12.5), all in Python."""
 
-    padded = True
+class DivertedEndpoint(asyncio.DatagramProtocol):
+    """The protocol of an asyncio STUN endpoint's transport while TURN's
+    listener tap routes its datagrams (the tap's fallback is the endpoint's
+    own dispatch)."""
 
-
-class ListenerTap(ListenerTapBase, asyncio.DatagramProtocol):  # type: ignore[misc]
-    """Sits in front of one STUN UDP endpoint (see turnplane)."""
-
-    def __init__(self, endpoint: Any, fd: int) -> None:
-        ListenerTapBase.__init__(self)
+    def __init__(self, endpoint: UdpEndpoint, tap: RouteTapLike) -> None:
         self.endpoint = endpoint
-        self.fd = fd
-        self.clients: dict[Address, dict[int, Any]] = {}
-        #: Where datagrams the tap does not relay go: the STUN endpoint's own
-        #: per-datagram dispatch.
-        self.fallback = endpoint.dispatch
+        self.datagram_received = tap.datagram_received  # type: ignore[method-assign]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.endpoint.connection_made(transport)
@@ -785,7 +864,6 @@ class TcpRelay:
         self.sock = sock
         self.address = address
         self.bind_address: Address = (sock.getsockname()[0], sock.getsockname()[1])
-        self.peer_channels: dict[Address, int] = {}  # unused: no channels on TCP
         self.bps = 0.0  # RFC 6062 data is piped; TCP flow control applies
         self.server: asyncio.Server | None = None
         self.closed = False
@@ -793,6 +871,26 @@ class TcpRelay:
 
     def allow(self, size: int) -> bool:
         return True
+
+    # No channels on a TCP allocation (RFC 6062 §4: ChannelBind is refused):
+    # nothing to route.
+    def route_channel(self, number: int, peer: Address) -> None:
+        pass
+
+    def unroute_channel(self, number: int) -> None:
+        pass
+
+    def route_peer(self, peer: Address, number: int) -> None:
+        pass
+
+    def unroute_peer(self, peer: Address) -> None:
+        pass
+
+    def unroute_permission(self, ip: str) -> None:
+        pass
+
+    def unroute_all(self) -> None:
+        pass
 
     def accepted(self) -> PeerSide:
         return PeerSide(self.service, self)
@@ -886,25 +984,23 @@ class TurnService:
         #: Peer data connections by RFC 6062 connection id.
         self.peer_pipes: dict[int, Pipe] = {}
         self.client_pipes: dict[int, Pipe] = {}
-        #: Live UDP relays, and the listener taps in front of the STUN sockets.
+        #: Live UDP relays.
         self.relays: set[UdpRelay] = set()
-        self.taps: dict[Any, ListenerTap] = {}
-        #: Client -> peer ChannelData for hook callers (batched STUN endpoints,
-        #: TCP connections); its per-endpoint client tables are shared with
-        #: the taps. It is the port's ChannelData hook (see :meth:`start`).
-        self.router = ChannelRouterType()
-        self.router.endpoints = {}
-        self.router.fallback = self._channel_data_slow
+        #: Listener taps that take a STUN UDP socket's datagrams before STUN
+        #: does (they read it, or its asyncio transport hands them over).
+        self.taps: dict[Any, RouteTapLike] = {}
+        #: Listener taps without a socket, for endpoints whose ChannelData
+        #: comes through the port's hook (TCP, TLS, DTLS, a STUN socket read
+        #: by STUN): made when the endpoint's first channel is routed.
+        self.hand_taps: dict[Any, RouteTapLike] = {}
         #: What the STUN/TURN port hands this service.
         self.hooks = TurnHooks(
             stun=self.handle_stun,
-            channel_data=self.router.handle_channel_data,
+            channel_data=self.channel_data,
             connection_lost=self.connection_lost,
         )
-        #: C data plane: one epoll set for every socket the taps read.
-        self.poller = PollerType() if PollerType is not None else None
-        if self.poller is not None:
-            self.loop.add_reader(self.poller.fileno(), self.poller.poll)
+        #: Reads every tap (C: one epoll set, one event-loop fd).
+        self.readers = TapReaders()
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)
@@ -958,68 +1054,112 @@ class TurnService:
     def _install_tap(self, endpoint: UdpEndpoint | BatchUdpEndpoint) -> None:
         """Put a listener tap in front of one STUN UDP socket.
 
-        An asyncio endpoint diverts its datagrams to the tap (the transport's
-        protocol). A batched endpoint (recvmmsg, ``--stun-batch-io``) stops
-        reading only with the C data plane: the tap reads the socket and hands
-        what is not ChannelData back to the endpoint's :meth:`dispatch` one
-        datagram at a time. Without C, the batched endpoint keeps reading and
-        calls the ChannelData hook (the router).
+        An asyncio endpoint diverts its datagrams to the tap (through
+        :class:`DivertedEndpoint`). A batched endpoint (recvmmsg,
+        ``--stun-batch-io``) stops reading only with the C data plane: the tap
+        reads the socket and hands what is not routed ChannelData back to the
+        endpoint's :meth:`dispatch` one datagram at a time. Without C, the
+        batched endpoint keeps reading and its ChannelData comes through the
+        hook (:meth:`channel_data`).
         """
         if isinstance(endpoint, UdpEndpoint):
-            fd = endpoint.fileno()
-            if fd < 0:
+            if endpoint.fileno() < 0:
                 return
-            tap = ListenerTap(endpoint, fd)
-            tap.clients = self.router.endpoints.setdefault(endpoint, {})
-            if endpoint.divert(tap):
+            tap = listener_tap(None, {}, endpoint.dispatch)
+            if endpoint.divert(DivertedEndpoint(endpoint, tap)):
                 self.taps[endpoint] = tap
             return
-        if not ACCELERATED or self.poller is None:
-            return
-        if endpoint.replies_from_destination:
+        if not ACCELERATED or endpoint.replies_from_destination:
             # Wildcard bind: the STUN loop answers Binding from the request's
             # destination address (IP_PKTINFO), which a plain recvmmsg here
-            # would lose. Keep its loop; ChannelData still reaches the C
-            # router through handle_channel_data.
+            # would lose. Keep its loop; ChannelData comes through the hook.
             return
-        fd = endpoint.fileno()
-        tap = ListenerTap(endpoint, fd)
-        tap.clients = self.router.endpoints.setdefault(endpoint, {})
+        tap = listener_tap(endpoint.sock, {}, endpoint.dispatch)
         if endpoint.divert():
-            self.poller.register(fd, tap)
+            self.readers.add(tap)
             self.taps[endpoint] = tap
 
     def _restore_taps(self) -> None:
         for endpoint, tap in self.taps.items():
-            if isinstance(endpoint, BatchUdpEndpoint) and self.poller is not None:
-                self.poller.unregister(tap.fd)
+            self.readers.remove(tap)
+            tap.close()
             endpoint.restore()
+            self._retire_tap(tap)
         self.taps.clear()
 
-    def retire(self, relay: UdpRelay) -> None:
-        """Fold a closing relay's data-plane counters into the totals."""
-        self.relays.discard(relay)
+    def relay_tap(
+        self,
+        sock: socket.socket,
+        routes: dict[Any, Any],
+        fallback: Callable[[bytes, Any], None],
+    ) -> RouteTapLike:
+        """A tap reading a relay socket (keyed by the peer's address)."""
+        tap = make_tap(sock, routes, fallback)
+        self.readers.add(tap)
+        return tap
+
+    def tapped(self, endpoint: Endpoint) -> bool:
+        """Whether a tap sees this endpoint's datagrams before STUN does (so
+        a route for Send indications there is used)."""
+        return endpoint in self.taps
+
+    def listener_routes_if_any(self, endpoint: Endpoint) -> dict[Any, Any] | None:
+        """The endpoint's client -> peer route table, if it has one."""
+        tap = self.taps.get(endpoint) or self.hand_taps.get(endpoint)
+        return tap.routes if tap is not None else None
+
+    def listener_routes(self, endpoint: Endpoint) -> dict[Any, Any]:
+        """The client -> peer route table of a listening endpoint."""
+        tap = self.taps.get(endpoint) or self.hand_taps.get(endpoint)
+        if tap is None:
+
+            def unrouted(data: bytes, client: Any) -> None:
+                self._channel_data_slow(data, client, endpoint)
+
+            tap = self.hand_taps[endpoint] = listener_tap(None, {}, unrouted)
+        return tap.routes
+
+    def unroute_listener(self, endpoint: Endpoint, key: Any) -> None:
+        """Remove one client -> peer route; a hand-fed tap left empty goes (TCP
+        connections and DTLS sessions come and go: no empty tables)."""
+        tap = self.taps.get(endpoint) or self.hand_taps.get(endpoint)
+        if tap is None:
+            return
+        tap.routes.pop(key, None)
+        if not tap.routes and endpoint in self.hand_taps:
+            del self.hand_taps[endpoint]
+            self._retire_tap(tap)
+
+    def _retire_tap(self, tap: RouteTapLike) -> None:
         stats = self.stats
-        stats.to_client_packets += relay.forwarded
-        stats.to_client_bytes += relay.forwarded_bytes
-        stats.retired_errors += relay.send_errors + relay.malformed
-        stats.retired_throttled += relay.throttled
+        stats.to_peer_packets += tap.forwarded
+        stats.to_peer_bytes += tap.forwarded_bytes
+        stats.retired_errors += tap.send_errors + tap.malformed
+
+    def retire(self, relay: UdpRelay) -> None:
+        """Stop reading a closing relay; fold its counters into the totals."""
+        self.relays.discard(relay)
+        tap = relay.tap
+        self.readers.remove(tap)
+        tap.close()
+        stats = self.stats
+        stats.to_client_packets += tap.forwarded
+        stats.to_client_bytes += tap.forwarded_bytes
+        stats.retired_errors += tap.send_errors + tap.malformed
+        stats.retired_throttled += relay.budget.throttled
 
     def counters(self) -> tuple[int, int, int, int, int]:
         """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
         data-plane drops), Python and C paths together."""
         stats = self.stats
-        taps = [*self.taps.values(), self.router]
+        taps = [*self.taps.values(), *self.hand_taps.values()]
+        relays = [relay.tap for relay in self.relays]
         to_peer = stats.to_peer_packets + sum(t.forwarded for t in taps)
         to_peer_bytes = stats.to_peer_bytes + sum(t.forwarded_bytes for t in taps)
-        to_client = stats.to_client_packets + sum(r.forwarded for r in self.relays)
-        to_client_bytes = stats.to_client_bytes + sum(
-            r.forwarded_bytes for r in self.relays
-        )
-        errors = (
-            stats.retired_errors
-            + sum(t.send_errors + t.malformed for t in taps)
-            + sum(r.send_errors + r.malformed for r in self.relays)
+        to_client = stats.to_client_packets + sum(t.forwarded for t in relays)
+        to_client_bytes = stats.to_client_bytes + sum(t.forwarded_bytes for t in relays)
+        errors = stats.retired_errors + sum(
+            t.send_errors + t.malformed for t in (*taps, *relays)
         )
         return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
 
@@ -1138,9 +1278,7 @@ class TurnService:
         for task in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await task
-        if self.poller is not None:
-            self.loop.remove_reader(self.poller.fileno())
-            self.poller.close()
+        self.readers.close()
         with contextlib.suppress(KeyError):
             self.ctx.metrics.unregister(self._collector)
         if self.owns_stun:
@@ -1207,16 +1345,26 @@ class TurnService:
         elif kind is PortTraffic.STUN:
             self.handle_stun(data, client, endpoint)
         elif kind is PortTraffic.CHANNEL_DATA:
-            self.router.handle_channel_data(data, client, endpoint)
+            self.channel_data(data, client, endpoint)
         else:
             self.stun.stats.drop("dtls-not-stun")
 
     # ------------------------------------------------------------ port hooks
 
+    def channel_data(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
+        """ChannelData the port hands over (the ChannelData hook): routed by the
+        endpoint's hand-fed tap, or, where a tap in front of the socket did not
+        route it already, counted."""
+        tap = self.hand_taps.get(endpoint)
+        if tap is None:
+            self._channel_data_slow(data, client, endpoint)
+        else:
+            tap.datagram_received(data, client)
+
     def _channel_data_slow(
         self, data: bytes, client: Address, endpoint: Endpoint
     ) -> None:
-        """ChannelData the router did not forward: count why."""
+        """ChannelData no route forwarded: count why."""
         allocation = self.routes.get((client, endpoint))
         if allocation is None:
             self.stats.drop("channel-no-allocation")
@@ -1272,6 +1420,17 @@ class TurnService:
             return True
         if self.core.self_peer_refused(peer, client[0]):
             return True
+        if peer[0] in self.core.self_peers:
+            # Approved for this port: the Send route may take the next ones
+            # for a second (turnplane.SELF_PEER_APPROVAL).
+            table = self.listener_routes_if_any(endpoint)
+            route = table.get((client, SEND_INDICATION_KEY)) if table else None
+            if (
+                isinstance(relay, UdpRelay)
+                and route is not None
+                and route.sock is relay.sock
+            ):
+                approve(route, peer, time.monotonic())
         if relay.bps and not relay.allow(len(payload)):
             return True
         relay.sendto(payload, peer)
@@ -1348,27 +1507,8 @@ class TurnService:
             return None
         link = allocation.transport_data
         assert isinstance(link, ClientLink)
-        kind: type[UdpRelay] = UdpRelay
-        if link.tcp:
-            kind = TcpClientRelay
-        elif link.fd < 0 or (
-            isinstance(link.endpoint, UdpEndpoint | BatchUdpEndpoint)
-            and link.endpoint.replies_from_destination
-        ):
-            # Replies from the client's destination address, or through the
-            # endpoint's own send (DTLS encrypts): not the C tap's sendto.
-            kind = PythonClientRelay
-        relay = kind(self, allocation, family, sock, (advertised, port))
+        relay = UdpRelay(self, allocation, family, sock, (advertised, port))
         self.relays.add(relay)
-        if self.poller is not None and kind is UdpRelay:
-            # The C tap reads the socket itself (recvmmsg), woken through the
-            # service's epoll set: no asyncio transport, no callback per socket.
-            self.poller.register(sock.fileno(), relay)
-            relay.reading = True
-        else:
-            relay.task = self._spawn(
-                self.loop.create_datagram_endpoint(lambda: relay, sock=sock)
-            )
         return relay
 
     def _open_tcp(
@@ -1421,21 +1561,12 @@ class TurnService:
                     link = allocation.transport_data
                     assert isinstance(link, ClientLink)
                     self.routes[(link.client, link.endpoint)] = allocation
-                    clients = self.router.endpoints.setdefault(link.endpoint, {})
-                    clients[link.client] = allocation.routes
                 case AllocationDeleted(allocation=allocation):
                     link = allocation.transport_data
                     if isinstance(link, ClientLink):
                         key = (link.client, link.endpoint)
                         if self.routes.get(key) is allocation:
                             del self.routes[key]
-                        clients = self.router.endpoints.get(link.endpoint)
-                        if clients is not None:
-                            if clients.get(link.client) is allocation.routes:
-                                del clients[link.client]
-                            if not clients and link.endpoint not in self.taps:
-                                # TCP connections come and go: no empty tables.
-                                del self.router.endpoints[link.endpoint]
                         if isinstance(link.endpoint, DtlsListener):
                             # Its DTLS session ends with it (as coturn's does).
                             link.endpoint.end_session(link.client)

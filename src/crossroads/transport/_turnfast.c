@@ -1,29 +1,30 @@
 /*
- * crossroads.transport._turnfast — the TURN UDP data plane in C.
+ * crossroads.transport._turnfast — the relay data plane in C.
  *
- * Optional accelerator for crossroads/transport/turnplane.py, which holds the
- * pure-Python implementation of exactly the same behaviour (used when this
- * module is not built). See that file for the design; in short:
+ * Optional accelerator for crossroads/transport/dataplane.py, which holds the
+ * pure-Python twin of exactly the same behaviour (used when this module is
+ * not built, or with CROSSROADS_TURN_PURE_PYTHON=1). See that file for the
+ * design; in short:
  *
- *   ListenerTap  sits on a STUN/TURN listening UDP socket (as its asyncio
- *                protocol). ChannelData from a known client on a bound channel
- *                is sent straight to the peer from the relay socket; anything
- *                else goes to `fallback(data, addr)` (the STUN endpoint).
- *   RelayTap     is the asyncio protocol of one relay socket. Data from a peer
- *                that has a channel (and a live permission) is sent to the
- *                client as ChannelData; anything else goes to `fallback`.
- *
- * The forwarding tables are the control plane's own Python dicts, read here
- * with PyDict lookups: ListenerTap.clients maps (host, port) -> {channel:
- * (relay, (peer_host, peer_port))}; RelayTap.peer_channels maps (host, port)
- * -> channel. Nothing is copied or kept in sync.
+ *   Route     where a datagram goes: an out socket, a destination, an
+ *             optional control message, an optional header rewrite (TURN's
+ *             ChannelData header off client->peer, on peer->client) and an
+ *             optional Budget (a token bucket shared by an allocation's
+ *             routes). It counts packets and octets.
+ *   RouteTap  one socket read with recvmmsg; each datagram's key (source
+ *             address, or address + first `prefix` bytes) is looked up in
+ *             the control plane's dict of Routes; routed datagrams leave
+ *             with sendmmsg (iovecs into the receive buffers, no copy), the
+ *             rest go to `fallback(data, addr)` in arrival order. A tap
+ *             without a socket takes datagrams handed in by a reader that
+ *             is not ours (`datagram_received`: TCP, DTLS, asyncio).
+ *   Budget    bytes/s token bucket (TURN's --turn-max-bps).
+ *   Poller    one epoll set of taps, one event-loop fd for all of them.
  *
  * Why C: per packet, asyncio/uvloop costs one wakeup, one Python callback
- * and one syscall per direction. After the event loop hands over one
- * datagram, the taps drain the rest of the socket queue with recvmmsg(2)
- * (RECV_BATCH at a time) and send peer->client ChannelData with sendmmsg(2),
- * using two-element iovecs so that no payload is copied. Under load one
- * wakeup moves dozens of datagrams.
+ * and one syscall per direction. Here one wakeup drains every ready socket
+ * in batches of RECV_BATCH, and the only Python object per datagram is its
+ * (cached) address tuple.
  *
  * Everything runs on the event loop thread with the GIL held; the static
  * buffers are safe because no Python code runs between a receive and the
@@ -36,11 +37,14 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
+#include <stdint.h>
 #include <netinet/in.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 /* recvmmsg/sendmmsg batch (the measured knee of batching is ~8-32,
  * reference §5.2; 32 keeps the static buffers at 2 MiB). */
@@ -56,12 +60,65 @@ static struct mmsghdr rmsg[RECV_BATCH];
 static struct iovec riov[RECV_BATCH];
 static struct sockaddr_storage raddr[RECV_BATCH];
 
+/* Header written in front of the data (ChannelData: 4 bytes; a Data
+ * indication: 20-byte STUN header, XOR-PEER-ADDRESS of up to 24 bytes, the
+ * DATA attribute's 4-byte header), the data, and padding. */
+#define MAX_HEADER 48
 static struct mmsghdr smsg[RECV_BATCH + 1];
-static struct iovec siov[RECV_BATCH + 1][2];
-static unsigned char shdr[RECV_BATCH + 1][4];
+static struct iovec siov[RECV_BATCH + 1][3];
+static unsigned char shdr[RECV_BATCH + 1][MAX_HEADER];
+/* The payload bytes each queued datagram counts for. */
+static size_t spayload[RECV_BATCH + 1];
+/* Per-datagram destinations (a Send indication names its peer). */
+static struct sockaddr_storage sdest[RECV_BATCH + 1];
+static const unsigned char zeros[4];
 /* Set while a tap iterates over rbuf: a nested tap call (a fallback that
  * somehow re-enters) must not recvmmsg into the buffers being read. */
 static int draining;
+
+/* ------------------------------------------------------------ type boilerplate */
+
+/* Every type here holds a few Python references; these write the GC
+ * traverse/clear/dealloc trio from one list of fields:
+ *   #define ROUTE_REFS(X) X(sock) X(dest)
+ *   GC_FUNCTIONS(Route, ROUTE_REFS)                                        */
+#define VISIT_REF(field) Py_VISIT(self->field);
+#define CLEAR_REF(field) Py_CLEAR(self->field);
+#define GC_FUNCTIONS(Type, REFS)                                               \
+    static int Type##_traverse(Type *self, visitproc visit, void *arg)         \
+    {                                                                          \
+        REFS(VISIT_REF)                                                        \
+        return 0;                                                              \
+    }                                                                          \
+    static int Type##_clear(Type *self)                                        \
+    {                                                                          \
+        REFS(CLEAR_REF)                                                        \
+        return 0;                                                              \
+    }                                                                          \
+    static void Type##_dealloc(Type *self)                                     \
+    {                                                                          \
+        PyObject_GC_UnTrack(self);                                             \
+        Type##_release(self);                                                  \
+        Type##_clear(self);                                                    \
+        Py_TYPE(self)->tp_free((PyObject *)self);                              \
+    }
+
+/* The type object of `Type`, with its Type_init/_methods/_members. */
+#define TYPE_OBJECT(Type, doc, new_func)                                       \
+    {                                                                          \
+        PyVarObject_HEAD_INIT(NULL, 0)                                         \
+        .tp_name = "crossroads.transport._turnfast." #Type,                   \
+        .tp_basicsize = sizeof(Type),                                          \
+        .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,                   \
+        .tp_doc = doc,                                                         \
+        .tp_new = new_func,                                                    \
+        .tp_init = (initproc)Type##_init,                                      \
+        .tp_dealloc = (destructor)Type##_dealloc,                              \
+        .tp_traverse = (traverseproc)Type##_traverse,                          \
+        .tp_clear = (inquiry)Type##_clear,                                     \
+        .tp_methods = Type##_methods,                                          \
+        .tp_members = Type##_members,                                          \
+    }
 
 /* ------------------------------------------------------------ addresses */
 
@@ -190,7 +247,6 @@ key_from_addr(PyObject *addr)
         return PyTuple_GetSlice(addr, 0, 2);
     return NULL;
 }
-
 /* ------------------------------------------------------------ counters */
 
 #define COUNTER_MEMBERS(Type)                                                   \
@@ -207,7 +263,7 @@ key_from_addr(PyObject *addr)
     {"drained", T_ULONGLONG, offsetof(Type, c.drained), READONLY,                 \
      "Datagrams read by recvmmsg (beyond those the event loop delivered)."},    \
     {"throttled", T_ULONGLONG, offsetof(Type, c.throttled), READONLY,             \
-     "Datagrams dropped by the relay's bandwidth limit."}
+     "Datagrams dropped by their route's Budget (bandwidth limit)."}
 
 #define COUNTER_FIELDS            \
     unsigned long long forwarded; \
@@ -222,124 +278,91 @@ typedef struct {
     COUNTER_FIELDS;
 } Counters;
 
-/* ------------------------------------------------------------ RelayTap */
+/* ------------------------------------------------------------ Budget */
 
+/* A bandwidth limit in bytes/s (TURN's --turn-max-bps, both directions of an
+ * allocation's relay): a token bucket holding at most one second's worth,
+ * refilled from CLOCK_MONOTONIC (the clock of Python's time.monotonic, which
+ * the twin uses). Shared by every route of the relay. */
 typedef struct {
     PyObject_HEAD
-    int fd;
-    int client_fd;
-    struct sockaddr_storage client_sa;
-    socklen_t client_salen;
-    PyObject *peer_channels; /* dict (host, port) -> channel */
-    PyObject *fallback;      /* callable(data, addr) */
-    PyObject *dict;
-    Counters c;
-    int queued;
-    int skip, misses;
-    /* Bandwidth limit of the allocation, both directions (bytes/s; 0 = none):
-     * a token bucket holding at most one second's worth. */
     double bps, tokens, stamp;
-} RelayTap;
+    unsigned long long throttled;
+} Budget;
 
-static PyTypeObject RelayTapType;
+static PyTypeObject BudgetType;
 
-/* Whether `size` more bytes fit the relay's bandwidth budget now. */
+/* Whether `size` more bytes fit the budget now (else counted as throttled). */
 static int
-budget_ok(RelayTap *r, size_t size)
+budget_ok(Budget *b, size_t size)
 {
-    if (r->bps <= 0)
+    if (b->bps <= 0)
         return 1;
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-    double tokens = r->tokens + (now - r->stamp) * r->bps;
-    if (tokens > r->bps)
-        tokens = r->bps;
-    r->stamp = now;
+    double tokens = b->tokens + (now - b->stamp) * b->bps;
+    if (tokens > b->bps)
+        tokens = b->bps;
+    b->stamp = now;
     if (tokens < (double)size) {
-        r->tokens = tokens;
-        r->c.throttled += 1;
+        b->tokens = tokens;
+        b->throttled += 1;
         return 0;
     }
-    r->tokens = tokens - (double)size;
+    b->tokens = tokens - (double)size;
     return 1;
 }
 
-static void
-relay_flush(RelayTap *self)
-{
-    int start = 0;
-    while (start < self->queued) {
-        int sent = sendmmsg(self->client_fd, &smsg[start], self->queued - start,
-                            MSG_DONTWAIT);
-        if (sent <= 0) {
-            if (sent < 0 && errno == EINTR)
-                continue;
-            self->c.send_errors += (unsigned long long)(self->queued - start);
-            break;
-        }
-        for (int i = start; i < start + sent; i++) {
-            self->c.forwarded += 1;
-            self->c.forwarded_bytes += siov[i][1].iov_len;
-        }
-        start += sent;
-    }
-    self->queued = 0;
-}
-
-static void
-relay_queue(RelayTap *self, long channel, const unsigned char *payload, size_t size)
-{
-    int i = self->queued;
-    shdr[i][0] = (unsigned char)(channel >> 8);
-    shdr[i][1] = (unsigned char)channel;
-    shdr[i][2] = (unsigned char)(size >> 8);
-    shdr[i][3] = (unsigned char)size;
-    siov[i][0].iov_base = shdr[i];
-    siov[i][0].iov_len = 4;
-    siov[i][1].iov_base = (void *)payload;
-    siov[i][1].iov_len = size;
-    memset(&smsg[i], 0, sizeof(smsg[i]));
-    smsg[i].msg_hdr.msg_name = &self->client_sa;
-    smsg[i].msg_hdr.msg_namelen = self->client_salen;
-    smsg[i].msg_hdr.msg_iov = siov[i];
-    smsg[i].msg_hdr.msg_iovlen = 2;
-    self->queued = i + 1;
-}
-
-/* One datagram from a peer. `data` may be NULL (then the bytes are built for
- * the fallback from buf/size). Returns 0, or -1 with an exception set. */
 static int
-relay_one(RelayTap *self, const unsigned char *buf, size_t size, PyObject *key,
-          PyObject *data)
+Budget_init(Budget *self, PyObject *args, PyObject *kwds)
 {
-    PyObject *channel = PyDict_GetItemWithError(self->peer_channels, key);
-    if (channel != NULL && PyLong_Check(channel) && size <= 0xFFFF) {
-        if (budget_ok(self, size))
-            relay_queue(self, PyLong_AsLong(channel), buf, size);
-        return 0;
-    }
-    if (PyErr_Occurred())
+    static char *names[] = {"bps", NULL};
+    double bps = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|d", names, &bps))
         return -1;
-    /* Not ours to forward: keep order, flush first, then Python decides
-     * (Data indication with a permission, or a counted drop). */
-    if (self->queued)
-        relay_flush(self);
-    PyObject *bytes = data;
-    if (bytes == NULL) {
-        bytes = PyBytes_FromStringAndSize((const char *)buf, (Py_ssize_t)size);
-        if (bytes == NULL)
-            return -1;
-    } else {
-        Py_INCREF(bytes);
-    }
-    PyObject *result = PyObject_CallFunctionObjArgs(self->fallback, bytes, key, NULL);
-    Py_DECREF(bytes);
-    if (result == NULL)
-        return -1;
-    Py_DECREF(result);
+    self->bps = bps;
     return 0;
 }
+
+static PyObject *
+Budget_allow(Budget *self, PyObject *arg)
+{
+    Py_ssize_t size = PyLong_AsSsize_t(arg);
+    if (size < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "size must be >= 0");
+        return NULL;
+    }
+    return PyBool_FromLong(budget_ok(self, (size_t)size));
+}
+
+static PyMethodDef Budget_methods[] = {
+    {"allow", (PyCFunction)Budget_allow, METH_O,
+     "allow(size): spend `size` bytes of the budget (False: drop it)."},
+    {NULL},
+};
+
+static PyMemberDef Budget_members[] = {
+    {"bps", T_DOUBLE, offsetof(Budget, bps), 0, "Bytes per second (0: no limit)."},
+    {"throttled", T_ULONGLONG, offsetof(Budget, throttled), READONLY,
+     "Datagrams refused for want of budget."},
+    {NULL},
+};
+
+static PyTypeObject BudgetType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "crossroads.transport._turnfast.Budget",
+    .tp_basicsize = sizeof(Budget),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Budget(bps): a token bucket of bytes/s shared by routes.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Budget_init,
+    .tp_methods = Budget_methods,
+    .tp_members = Budget_members,
+};
+
+/* ------------------------------------------------------------ helpers */
 
 static void
 prepare_recv(void)
@@ -353,294 +376,6 @@ prepare_recv(void)
         rmsg[i].msg_hdr.msg_iov = &riov[i];
         rmsg[i].msg_hdr.msg_iovlen = 1;
     }
-}
-
-/* Whether to try a drain now. A drain that finds the queue empty costs a
- * syscall for nothing, so after each empty one the next 2^k - 1 callbacks
- * (k <= 6) skip it; any non-empty drain resets this. At low rates the
- * event loop's one-datagram callbacks are all there is; under load most
- * drains return a full batch. */
-static int
-should_drain(int *skip)
-{
-    if (*skip > 0) {
-        (*skip)--;
-        return 0;
-    }
-    return 1;
-}
-
-static void
-drain_result(int n, int *skip, int *misses)
-{
-    if (n > 0) {
-        *misses = 0;
-    } else {
-        if (*misses < 6)
-            (*misses)++;
-        *skip = (1 << *misses) - 1;
-    }
-}
-
-static int
-receive_batch(int fd)
-{
-    prepare_recv();
-    int n;
-    do {
-        n = recvmmsg(fd, rmsg, RECV_BATCH, MSG_DONTWAIT, NULL);
-    } while (n < 0 && errno == EINTR);
-    return n;
-}
-
-/* Drain the relay socket: recvmmsg batches, ChannelData out with sendmmsg. */
-static PyObject *
-relay_drain(RelayTap *self)
-{
-    if (self->fd < 0 || draining)
-        Py_RETURN_NONE;
-    draining = 1;
-    for (int round = 0; round < MAX_ROUNDS; round++) {
-        int n = receive_batch(self->fd);
-        if (round == 0)
-            drain_result(n, &self->skip, &self->misses);
-        if (n <= 0)
-            break;
-        self->c.batches += 1;
-        self->c.drained += (unsigned long long)n;
-        for (int i = 0; i < n; i++) {
-            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
-                self->c.malformed += 1;
-                continue;
-            }
-            PyObject *peer = tuple_from_sockaddr(&raddr[i]);
-            if (peer == NULL) {
-                PyErr_Clear();
-                self->c.malformed += 1;
-                continue;
-            }
-            int rc = relay_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL);
-            Py_DECREF(peer);
-            if (rc < 0) {
-                relay_flush(self);
-                draining = 0;
-                return NULL;
-            }
-        }
-        if (self->queued)
-            relay_flush(self);
-        if (n < RECV_BATCH)
-            break;
-    }
-    draining = 0;
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-RelayTap_datagram_received(RelayTap *self, PyObject *args)
-{
-    PyObject *data, *addr;
-    if (!PyArg_ParseTuple(args, "SO", &data, &addr))
-        return NULL;
-    if (self->peer_channels == NULL || self->fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "RelayTap not configured");
-        return NULL;
-    }
-    PyObject *key = key_from_addr(addr);
-    if (key == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "bad address");
-        return NULL;
-    }
-    int rc = relay_one(self, (const unsigned char *)PyBytes_AS_STRING(data),
-                       (size_t)PyBytes_GET_SIZE(data), key, data);
-    Py_DECREF(key);
-    if (rc < 0)
-        return NULL;
-    /* The queued send may point into `data`: flush before it can go away. */
-    if (self->queued)
-        relay_flush(self);
-    if (!should_drain(&self->skip))
-        Py_RETURN_NONE;
-    return relay_drain(self);
-}
-
-/* For loop.add_reader(fd, relay.readable): the relay reads its socket. */
-static PyObject *
-RelayTap_readable(RelayTap *self, PyObject *unused)
-{
-    if (self->peer_channels == NULL || self->fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "RelayTap not configured");
-        return NULL;
-    }
-    self->skip = 0;
-    return relay_drain(self);
-}
-
-static PyObject *
-RelayTap_set_client(RelayTap *self, PyObject *args)
-{
-    int fd;
-    PyObject *addr, *unused = NULL;
-    if (!PyArg_ParseTuple(args, "iO|O", &fd, &addr, &unused))
-        return NULL;
-    if (sockaddr_from_tuple(addr, &self->client_sa, &self->client_salen) < 0) {
-        PyErr_SetString(PyExc_ValueError, "client address must be (ip, port)");
-        return NULL;
-    }
-    self->client_fd = fd;
-    Py_RETURN_NONE;
-}
-
-static int
-RelayTap_init(RelayTap *self, PyObject *args, PyObject *kwds)
-{
-    self->fd = -1;
-    self->client_fd = -1;
-    return 0;
-}
-
-static int
-RelayTap_traverse(RelayTap *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->peer_channels);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->dict);
-    return 0;
-}
-
-static int
-RelayTap_clear(RelayTap *self)
-{
-    Py_CLEAR(self->peer_channels);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->dict);
-    return 0;
-}
-
-static void
-RelayTap_dealloc(RelayTap *self)
-{
-    PyObject_GC_UnTrack(self);
-    RelayTap_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *
-RelayTap_allow(RelayTap *self, PyObject *arg)
-{
-    Py_ssize_t size = PyLong_AsSsize_t(arg);
-    if (size < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "size must be >= 0");
-        return NULL;
-    }
-    return PyBool_FromLong(budget_ok(self, (size_t)size));
-}
-
-static PyMethodDef RelayTap_methods[] = {
-    {"readable", (PyCFunction)RelayTap_readable, METH_NOARGS,
-     "Drain the socket (for loop.add_reader)."},
-    {"allow", (PyCFunction)RelayTap_allow, METH_O,
-     "allow(size): spend `size` bytes of the bandwidth budget (False: drop)."},
-    {"datagram_received", (PyCFunction)RelayTap_datagram_received, METH_VARARGS,
-     "Forward peer data to the client (asyncio DatagramProtocol callback)."},
-    {"set_client", (PyCFunction)RelayTap_set_client, METH_VARARGS,
-     "set_client(fd, (host, port)[, sendto]): where ChannelData goes."},
-    {NULL},
-};
-
-static PyMemberDef RelayTap_members[] = {
-    {"fd", T_INT, offsetof(RelayTap, fd), 0, "Relay socket fd (-1: no drain)."},
-    {"bps", T_DOUBLE, offsetof(RelayTap, bps), 0,
-     "Bandwidth limit in bytes/s, both directions (0: none)."},
-    {"peer_channels", T_OBJECT_EX, offsetof(RelayTap, peer_channels), 0,
-     "dict (host, port) -> channel number."},
-    {"fallback", T_OBJECT_EX, offsetof(RelayTap, fallback), 0,
-     "callable(data, addr) for datagrams not forwarded here."},
-    COUNTER_MEMBERS(RelayTap),
-    {NULL},
-};
-
-static PyTypeObject RelayTapType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "crossroads.transport._turnfast.RelayTap",
-    .tp_basicsize = sizeof(RelayTap),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Peer -> client ChannelData forwarding for one relay socket.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)RelayTap_init,
-    .tp_dealloc = (destructor)RelayTap_dealloc,
-    .tp_traverse = (traverseproc)RelayTap_traverse,
-    .tp_clear = (inquiry)RelayTap_clear,
-    .tp_methods = RelayTap_methods,
-    .tp_members = RelayTap_members,
-    .tp_dictoffset = offsetof(RelayTap, dict),
-};
-
-/* ------------------------------------------------------------ ListenerTap */
-
-typedef struct {
-    PyObject_HEAD
-    int fd;
-    PyObject *clients;  /* dict (host, port) -> {channel: (relay, peer)} */
-    PyObject *fallback; /* callable(data, addr) */
-    PyObject *dict;
-    Counters c;
-    int skip, misses;
-} ListenerTap;
-
-/* Try to forward one ChannelData datagram from a client whose channel table
- * (channel -> (relay, peer)) is looked up in `clients` by `key`.
- * Returns 1 when handled (forwarded, or dropped as malformed), 0 when it is
- * not ours to forward, -1 with an exception set. */
-static int
-forward_channel_data(PyObject *clients, const unsigned char *buf, size_t size,
-                     PyObject *key, Counters *c)
-{
-    if (size < 4 || buf[0] < 0x40 || buf[0] >= 0x80)
-        return 0;
-    PyObject *routes = PyDict_GetItemWithError(clients, key);
-    if (routes == NULL || !PyDict_Check(routes))
-        return PyErr_Occurred() ? -1 : 0;
-    long number = ((long)buf[0] << 8) | buf[1];
-    PyObject *channel = PyLong_FromLong(number);
-    if (channel == NULL)
-        return -1;
-    PyObject *route = PyDict_GetItemWithError(routes, channel);
-    Py_DECREF(channel);
-    if (route == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    if (!PyTuple_Check(route) || PyTuple_GET_SIZE(route) != 2 ||
-        !PyObject_TypeCheck(PyTuple_GET_ITEM(route, 0), &RelayTapType))
-        return 0;
-    RelayTap *relay = (RelayTap *)PyTuple_GET_ITEM(route, 0);
-    size_t length = ((size_t)buf[2] << 8) | buf[3];
-    /* RFC 8656 §12.5: shorter than claimed is dropped; up to 3 bytes of
-     * padding may follow (optional over UDP, mandatory over TCP). */
-    if (size < 4 + length || size - 4 - length > 3) {
-        c->malformed += 1;
-        return 1;
-    }
-    struct sockaddr_storage sa;
-    socklen_t salen;
-    if (relay->fd < 0 ||
-        sockaddr_from_tuple(PyTuple_GET_ITEM(route, 1), &sa, &salen) != 0)
-        return 0;
-    if (!budget_ok(relay, length))
-        return 1; /* counted on the relay */
-    ssize_t sent;
-    do {
-        sent = sendto(relay->fd, buf + 4, length, MSG_DONTWAIT,
-                      (struct sockaddr *)&sa, salen);
-    } while (sent < 0 && errno == EINTR);
-    if (sent < 0) {
-        c->send_errors += 1;
-    } else {
-        c->forwarded += 1;
-        c->forwarded_bytes += length;
-    }
-    return 1;
 }
 
 static int
@@ -663,271 +398,15 @@ call_fallback(PyObject *fallback, const unsigned char *buf, size_t size,
     return 0;
 }
 
-/* One datagram from a client. Returns 0, or -1 with an exception set. */
-static int
-listener_one(ListenerTap *self, const unsigned char *buf, size_t size,
-             PyObject *key, PyObject *data, PyObject *addr)
-{
-    int rc = forward_channel_data(self->clients, buf, size, key,
-                                  &self->c);
-    if (rc != 0)
-        return rc < 0 ? -1 : 0;
-    return call_fallback(self->fallback, buf, size, data, addr, NULL);
-}
-
-/* Drain the listening socket: recvmmsg batches, forward or fall back. */
-static PyObject *
-listener_drain(ListenerTap *self)
-{
-    if (self->fd < 0 || draining)
-        Py_RETURN_NONE;
-    draining = 1;
-    for (int round = 0; round < MAX_ROUNDS; round++) {
-        int n = receive_batch(self->fd);
-        if (round == 0)
-            drain_result(n, &self->skip, &self->misses);
-        if (n <= 0)
-            break;
-        self->c.batches += 1;
-        self->c.drained += (unsigned long long)n;
-        for (int i = 0; i < n; i++) {
-            if (rmsg[i].msg_hdr.msg_flags & MSG_TRUNC) {
-                self->c.malformed += 1;
-                continue;
-            }
-            PyObject *peer = tuple_from_sockaddr(&raddr[i]);
-            if (peer == NULL) {
-                PyErr_Clear();
-                self->c.malformed += 1;
-                continue;
-            }
-            int rc = listener_one(self, rbuf[i], rmsg[i].msg_len, peer, NULL, peer);
-            Py_DECREF(peer);
-            if (rc < 0) {
-                draining = 0;
-                return NULL;
-            }
-        }
-        if (n < RECV_BATCH)
-            break;
-    }
-    draining = 0;
-    Py_RETURN_NONE;
-}
-
-static PyObject *
-ListenerTap_datagram_received(ListenerTap *self, PyObject *args)
-{
-    PyObject *data, *addr;
-    if (!PyArg_ParseTuple(args, "SO", &data, &addr))
-        return NULL;
-    if (self->clients == NULL || self->fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "ListenerTap not configured");
-        return NULL;
-    }
-    PyObject *key = key_from_addr(addr);
-    if (key == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "bad address");
-        return NULL;
-    }
-    int rc = listener_one(self, (const unsigned char *)PyBytes_AS_STRING(data),
-                          (size_t)PyBytes_GET_SIZE(data), key, data, addr);
-    Py_DECREF(key);
-    if (rc < 0)
-        return NULL;
-    if (!should_drain(&self->skip))
-        Py_RETURN_NONE;
-    return listener_drain(self);
-}
-
-/* For loop.add_reader(fd, tap.readable): the tap reads the socket itself. */
-static PyObject *
-ListenerTap_readable(ListenerTap *self, PyObject *unused)
-{
-    if (self->clients == NULL || self->fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "ListenerTap not configured");
-        return NULL;
-    }
-    self->skip = 0;
-    return listener_drain(self);
-}
-
-static int
-ListenerTap_init(ListenerTap *self, PyObject *args, PyObject *kwds)
-{
-    self->fd = -1;
-    return 0;
-}
-
-static int
-ListenerTap_traverse(ListenerTap *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->clients);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->dict);
-    return 0;
-}
-
-static int
-ListenerTap_clear(ListenerTap *self)
-{
-    Py_CLEAR(self->clients);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->dict);
-    return 0;
-}
-
-static void
-ListenerTap_dealloc(ListenerTap *self)
-{
-    PyObject_GC_UnTrack(self);
-    ListenerTap_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyMethodDef ListenerTap_methods[] = {
-    {"datagram_received", (PyCFunction)ListenerTap_datagram_received, METH_VARARGS,
-     "Forward client ChannelData (asyncio DatagramProtocol callback)."},
-    {"readable", (PyCFunction)ListenerTap_readable, METH_NOARGS,
-     "Drain the socket (for loop.add_reader)."},
-    {NULL},
-};
-
-static PyMemberDef ListenerTap_members[] = {
-    {"fd", T_INT, offsetof(ListenerTap, fd), 0, "Listening socket fd (-1: no drain)."},
-    {"clients", T_OBJECT_EX, offsetof(ListenerTap, clients), 0,
-     "dict (host, port) -> {channel: (relay, peer)}."},
-    {"fallback", T_OBJECT_EX, offsetof(ListenerTap, fallback), 0,
-     "callable(data, addr) for datagrams not forwarded here."},
-    COUNTER_MEMBERS(ListenerTap),
-    {NULL},
-};
-
-static PyTypeObject ListenerTapType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "crossroads.transport._turnfast.ListenerTap",
-    .tp_basicsize = sizeof(ListenerTap),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Client -> peer ChannelData forwarding for one listening socket.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)ListenerTap_init,
-    .tp_dealloc = (destructor)ListenerTap_dealloc,
-    .tp_traverse = (traverseproc)ListenerTap_traverse,
-    .tp_clear = (inquiry)ListenerTap_clear,
-    .tp_methods = ListenerTap_methods,
-    .tp_members = ListenerTap_members,
-    .tp_dictoffset = offsetof(ListenerTap, dict),
-};
-
-/* ------------------------------------------------------------ ChannelRouter */
-
-/* For listeners that read their own socket (the STUN service's batched
- * recvmmsg endpoints) and TCP connections: they call
- * handle_channel_data(data, client, endpoint) per ChannelData message. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *endpoints; /* dict endpoint -> {(host, port): {channel: route}} */
-    PyObject *fallback;  /* callable(data, client, endpoint) */
-    PyObject *dict;
-    Counters c;
-} ChannelRouter;
-
-static PyObject *
-ChannelRouter_handle(ChannelRouter *self, PyObject *args)
-{
-    PyObject *data, *client, *endpoint;
-    if (!PyArg_ParseTuple(args, "SOO", &data, &client, &endpoint))
-        return NULL;
-    if (self->endpoints == NULL || self->fallback == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "ChannelRouter not configured");
-        return NULL;
-    }
-    PyObject *clients = PyDict_GetItemWithError(self->endpoints, endpoint);
-    if (clients != NULL && PyDict_Check(clients)) {
-        int rc = forward_channel_data(
-            clients, (const unsigned char *)PyBytes_AS_STRING(data),
-            (size_t)PyBytes_GET_SIZE(data), client, &self->c);
-        if (rc < 0)
-            return NULL;
-        if (rc > 0)
-            Py_RETURN_NONE;
-    } else if (PyErr_Occurred()) {
-        return NULL;
-    }
-    PyObject *result =
-        PyObject_CallFunctionObjArgs(self->fallback, data, client, endpoint, NULL);
-    if (result == NULL)
-        return NULL;
-    Py_DECREF(result);
-    Py_RETURN_NONE;
-}
-
-static int
-ChannelRouter_traverse(ChannelRouter *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->endpoints);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->dict);
-    return 0;
-}
-
-static int
-ChannelRouter_clear(ChannelRouter *self)
-{
-    Py_CLEAR(self->endpoints);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->dict);
-    return 0;
-}
-
-static void
-ChannelRouter_dealloc(ChannelRouter *self)
-{
-    PyObject_GC_UnTrack(self);
-    ChannelRouter_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyMethodDef ChannelRouter_methods[] = {
-    {"handle_channel_data", (PyCFunction)ChannelRouter_handle, METH_VARARGS,
-     "handle_channel_data(data, client, endpoint): forward or fall back."},
-    {NULL},
-};
-
-static PyMemberDef ChannelRouter_members[] = {
-    {"endpoints", T_OBJECT_EX, offsetof(ChannelRouter, endpoints), 0,
-     "dict endpoint -> {(host, port): {channel: (relay, peer)}}."},
-    {"fallback", T_OBJECT_EX, offsetof(ChannelRouter, fallback), 0,
-     "callable(data, client, endpoint) for what is not forwarded here."},
-    COUNTER_MEMBERS(ChannelRouter),
-    {NULL},
-};
-
-static PyTypeObject ChannelRouterType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "crossroads.transport._turnfast.ChannelRouter",
-    .tp_basicsize = sizeof(ChannelRouter),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Client -> peer ChannelData forwarding for hook callers.",
-    .tp_new = PyType_GenericNew,
-    .tp_dealloc = (destructor)ChannelRouter_dealloc,
-    .tp_traverse = (traverseproc)ChannelRouter_traverse,
-    .tp_clear = (inquiry)ChannelRouter_clear,
-    .tp_methods = ChannelRouter_methods,
-    .tp_members = ChannelRouter_members,
-    .tp_dictoffset = offsetof(ChannelRouter, dict),
-};
-
-/* ------------------------------------------------------------ Route / RouteTap */
+/* ------------------------------------------------------------ Route */
 
 /* The generic half of the data plane: a socket whose datagrams are forwarded
  * by a route table the control plane writes (see dataplane.py for the design
  * and the pure-Python twin). The key is the source (host, port), or
  * ((host, port), first `prefix` bytes) when a protocol names its route in a
- * header (the Unity relay's RELAY frame: header + from/to allocation ids).
- * The value is a Route: an out socket, a destination and the route's
- * counters. Datagrams are forwarded unchanged; what has no route goes to
+ * header (the Unity relay's RELAY frame; TURN's ChannelData channel number).
+ * The value is a Route: an out socket, a destination, the route's counters
+ * and what it does to the datagram on the way. What has no route goes to
  * `fallback(data, addr)`. */
 
 /* Largest control message a route sends with: in6_pktinfo is 20 bytes
@@ -937,6 +416,70 @@ static PyTypeObject ChannelRouterType = {
 /* Room for the control messages a tap receives (both pktinfo options may be
  * on for a dual-stack socket; pktinfo.ANCILLARY_BYTES). */
 #define TAP_CONTROL 128
+
+/* What a route does to a datagram (dataplane.Rewrite). */
+enum {
+    /* Forward unchanged. */
+    REWRITE_NONE = 0,
+    /* A ChannelData message from a TURN client: check its length field and
+     * send the application data alone (RFC 8656 §12.5: shorter than
+     * claimed is malformed; up to 3 bytes of padding may follow). */
+    REWRITE_UNWRAP_CHANNEL = 1,
+    /* Data from a TURN peer: prepend the ChannelData header (channel number,
+     * length; RFC 8656 §12.4). Over UDP no padding (§12.5). */
+    REWRITE_WRAP_CHANNEL = 2,
+    /* Data from a TURN peer without a channel: a Data indication (RFC 8656
+     * §11.6: STUN header with a fresh transaction id, XOR-PEER-ADDRESS,
+     * DATA padded to 4 bytes), as proto/turn/fastpath.py writes it. */
+    REWRITE_DATA_INDICATION = 3,
+    /* A Send indication from a TURN client (RFC 8656 §11.4): its DATA goes
+     * to its XOR-PEER-ADDRESS when that IP has a permission (the route's
+     * `permissions` dict), is not one `refuse` names (the service's own
+     * hosts: the control plane judges those per port; `approved` maps the
+     * (host, port) it approved to a CLOCK_MONOTONIC deadline) and is of the out
+     * socket's family. Anything unusual -- another attribute, a repeated
+     * one, a bad FINGERPRINT, lengths that disagree -- is not forwarded
+     * but handed to the fallback (the full STUN codec), as
+     * fastpath.parse_send_indication does. */
+    REWRITE_UNWRAP_SEND = 4,
+};
+/* RFC 8489 §5 magic cookie, §14.7 FINGERPRINT XOR. */
+#define MAGIC_COOKIE 0x2112A442u
+#define FINGERPRINT_XOR 0x5354554Eu
+#define STUN_HEADER 20
+#define SEND_INDICATION 0x0016
+#define DATA_INDICATION 0x0017
+#define ATTR_XOR_PEER_ADDRESS 0x0012
+#define ATTR_DATA 0x0013
+#define ATTR_DONT_FRAGMENT 0x001A
+#define ATTR_FINGERPRINT 0x8028
+
+static uint32_t crc_table[256];
+
+static void
+crc_init(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[n] = c;
+    }
+}
+
+/* CRC-32 (ISO 3309, zlib's), for FINGERPRINT (RFC 8489 §14.7). */
+static uint32_t
+crc32_of(const unsigned char *buf, size_t size)
+{
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < size; i++)
+        c = crc_table[(c ^ buf[i]) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+/* ChannelData header: channel number (2 bytes) and length (2 bytes). */
+#define CHANNEL_HEADER 4
+/* RFC 8656 §12.5: at most 3 bytes of padding after the application data. */
+#define CHANNEL_MAX_PADDING 3
 
 static unsigned char rctl[RECV_BATCH][TAP_CONTROL];
 static unsigned char sctl[RECV_BATCH + 1][CMSG_SPACE(ROUTE_CONTROL)];
@@ -949,9 +492,24 @@ typedef struct {
     PyObject *sock; /* the out socket: kept alive while the route exists */
     PyObject *dest; /* (host, port) */
     PyObject *control; /* None, or (level, type, data): sendmsg ancillary data */
+    PyObject *budget;  /* None, or a Budget */
+    PyObject *peer;    /* DATA_INDICATION: the peer (host, port), else None */
+    PyObject *permissions; /* UNWRAP_SEND: dict peer host -> permission */
+    PyObject *refuse;      /* UNWRAP_SEND: None, or set of hosts for the fallback */
+    PyObject *approved;    /* UNWRAP_SEND: None, or dict (host, port) -> deadline */
+    int out_family;
+    /* DATA_INDICATION: the peer's address and port (network order), the
+     * transaction id's random 8 bytes and a counter for the last 4. */
+    int peer_family;
+    unsigned char peer_addr[16];
+    unsigned char peer_port[2];
+    unsigned char txid[12];
+    uint32_t txid_counter;
     int clevel, ctype;
     unsigned char cdata[ROUTE_CONTROL];
     size_t clen;
+    int rewrite;
+    int channel;
     unsigned long long packets;
     unsigned long long octets;
 } Route;
@@ -978,11 +536,62 @@ fd_of(PyObject *sock)
 static int
 Route_init(Route *self, PyObject *args, PyObject *kwds)
 {
-    static char *names[] = {"sock", "dest", "control", NULL};
-    PyObject *sock, *dest, *control = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O", names, &sock, &dest,
-                                     &control))
+    static char *names[] = {"sock", "dest", "control", "rewrite", "channel",
+                            "budget", "peer", "txid", "permissions", "refuse",
+                            "approved", NULL};
+    PyObject *sock, *dest, *control = Py_None, *budget = Py_None, *peer = Py_None;
+    PyObject *permissions = Py_None, *refuse = Py_None, *approved = Py_None;
+    const char *txid = NULL;
+    Py_ssize_t txid_len = 0;
+    int rewrite = REWRITE_NONE, channel = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|O$iiOOy#OOO", names, &sock, &dest,
+                                     &control, &rewrite, &channel, &budget, &peer,
+                                     &txid, &txid_len, &permissions, &refuse, &approved))
         return -1;
+    if (rewrite < REWRITE_NONE || rewrite > REWRITE_UNWRAP_SEND ||
+        channel < 0 || channel > 0xFFFF) {
+        PyErr_SetString(PyExc_ValueError, "rewrite or channel out of range");
+        return -1;
+    }
+    if (rewrite == REWRITE_DATA_INDICATION) {
+        struct sockaddr_storage ss;
+        socklen_t sslen;
+        if (txid_len != 8 || sockaddr_from_tuple(peer, &ss, &sslen) < 0) {
+            PyErr_SetString(PyExc_ValueError,
+                            "a Data indication route needs peer=(ip, port), txid=8 bytes");
+            return -1;
+        }
+        self->peer_family = ss.ss_family;
+        if (ss.ss_family == AF_INET) {
+            struct sockaddr_in *v4 = (struct sockaddr_in *)&ss;
+            memcpy(self->peer_addr, &v4->sin_addr, 4);
+            memcpy(self->peer_port, &v4->sin_port, 2);
+        } else {
+            struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)&ss;
+            memcpy(self->peer_addr, &v6->sin6_addr, 16);
+            memcpy(self->peer_port, &v6->sin6_port, 2);
+        }
+        memcpy(self->txid, txid, 8);
+        self->txid_counter = 0;
+        Py_XSETREF(self->peer, PyTuple_GetSlice(peer, 0, 2));
+        if (self->peer == NULL)
+            return -1;
+    }
+    if (rewrite == REWRITE_UNWRAP_SEND) {
+        if (!PyDict_Check(permissions) || (refuse != Py_None && !PyAnySet_Check(refuse)) ||
+            (approved != Py_None && !PyDict_Check(approved))) {
+            PyErr_SetString(PyExc_TypeError, "a Send route needs permissions=dict, "
+                                             "refuse=set or None, approved=dict or None");
+            return -1;
+        }
+        Py_XSETREF(self->permissions, Py_NewRef(permissions));
+        Py_XSETREF(self->refuse, refuse == Py_None ? NULL : Py_NewRef(refuse));
+        Py_XSETREF(self->approved, approved == Py_None ? NULL : Py_NewRef(approved));
+    }
+    if (budget != Py_None && !PyObject_TypeCheck(budget, &BudgetType)) {
+        PyErr_SetString(PyExc_TypeError, "budget must be a Budget or None");
+        return -1;
+    }
     self->clen = 0;
     if (control != Py_None) {
         int level, type;
@@ -1004,70 +613,79 @@ Route_init(Route *self, PyObject *args, PyObject *kwds)
     int fd = fd_of(sock);
     if (fd < 0)
         return -1;
-    if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
+    struct sockaddr_storage local;
+    socklen_t local_len = sizeof(local);
+    if (getsockname(fd, (struct sockaddr *)&local, &local_len) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->out_family = local.ss_family;
+    if (dest == Py_None && rewrite == REWRITE_UNWRAP_SEND) {
+        /* Each Send indication names its own destination. */
+        self->dest_salen = 0;
+        Py_XSETREF(self->dest, Py_NewRef(Py_None));
+    } else if (sockaddr_from_tuple(dest, &self->dest_sa, &self->dest_salen) < 0) {
         PyErr_SetString(PyExc_ValueError, "dest must be (ip, port)");
         return -1;
     }
     self->out_fd = fd;
+    self->rewrite = rewrite;
+    self->channel = channel;
     Py_XSETREF(self->sock, Py_NewRef(sock));
-    PyObject *key = PyTuple_GetSlice(dest, 0, 2);
-    if (key == NULL)
-        return -1;
-    Py_XSETREF(self->dest, key);
-    return 0;
-}
-
-static int
-Route_traverse(Route *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->sock);
-    Py_VISIT(self->dest);
-    Py_VISIT(self->control);
-    return 0;
-}
-
-static int
-Route_clear(Route *self)
-{
-    Py_CLEAR(self->sock);
-    Py_CLEAR(self->dest);
-    Py_CLEAR(self->control);
+    Py_XSETREF(self->budget, budget == Py_None ? NULL : Py_NewRef(budget));
+    if (dest != Py_None) {
+        PyObject *key = PyTuple_GetSlice(dest, 0, 2);
+        if (key == NULL)
+            return -1;
+        Py_XSETREF(self->dest, key);
+    }
     return 0;
 }
 
 static void
-Route_dealloc(Route *self)
+Route_release(Route *self)
 {
-    PyObject_GC_UnTrack(self);
-    Route_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
 }
+
+#define ROUTE_REFS(X) \
+    X(sock) X(dest) X(control) X(budget) X(peer) X(permissions) X(refuse) X(approved)
+GC_FUNCTIONS(Route, ROUTE_REFS)
+
+static PyMethodDef Route_methods[] = {
+    {NULL},
+};
 
 static PyMemberDef Route_members[] = {
     {"sock", T_OBJECT_EX, offsetof(Route, sock), READONLY, "The socket it leaves from."},
     {"dest", T_OBJECT_EX, offsetof(Route, dest), READONLY, "(host, port) it goes to."},
     {"control", T_OBJECT_EX, offsetof(Route, control), READONLY,
      "None, or the (level, type, data) control message sent with each datagram."},
+    {"budget", T_OBJECT, offsetof(Route, budget), READONLY,
+     "None, or the Budget it spends."},
+    {"peer", T_OBJECT, offsetof(Route, peer), READONLY,
+     "The peer a Data indication names (None for other rewrites)."},
+    {"permissions", T_OBJECT, offsetof(Route, permissions), READONLY,
+     "A Send route's permission table (peer host -> permission)."},
+    {"refuse", T_OBJECT, offsetof(Route, refuse), READONLY,
+     "A Send route's hosts left to the fallback..."},
+    {"approved", T_OBJECT, offsetof(Route, approved), READONLY,
+     "...but for these (host, port): monotonic deadline of the fallback's approval."},
+    {"rewrite", T_INT, offsetof(Route, rewrite), READONLY,
+     "What it does to a datagram (dataplane.Rewrite)."},
+    {"channel", T_INT, offsetof(Route, channel), READONLY,
+     "The channel number a WRAP_CHANNEL route puts in front."},
     {"packets", T_ULONGLONG, offsetof(Route, packets), 0,
      "Datagrams that took this route (sent or not)."},
     {"octets", T_ULONGLONG, offsetof(Route, octets), 0,
-     "Bytes of those datagrams."},
+     "Bytes of those datagrams (the application data, without a rewritten header)."},
     {NULL},
 };
 
-static PyTypeObject RouteType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "crossroads.transport._turnfast.Route",
-    .tp_basicsize = sizeof(Route),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Route(sock, dest[, control]): forward unchanged from `sock` to `dest`.",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)Route_init,
-    .tp_dealloc = (destructor)Route_dealloc,
-    .tp_traverse = (traverseproc)Route_traverse,
-    .tp_clear = (inquiry)Route_clear,
-    .tp_members = Route_members,
-};
+static PyTypeObject RouteType = TYPE_OBJECT(
+    Route, "Route(sock, dest[, control], *, rewrite=0, channel=0, budget=None).",
+    PyType_GenericNew);
+
+/* ------------------------------------------------------------ RouteTap */
 
 /* Longest key prefix (the Unity relay's is 36 bytes). */
 #define MAX_PREFIX 64
@@ -1079,14 +697,13 @@ typedef struct {
     int length_at;   /* -1, or offset of a u16 BE that must equal the rest's size */
     int max_size;    /* larger datagrams are dropped as malformed */
     char ancillary;  /* receive control messages, hand them to the fallback */
-    PyObject *sock;
+    PyObject *sock;     /* None: a tap that only takes datagrams handed in */
     PyObject *routes;   /* dict key -> Route */
     PyObject *fallback; /* callable(data, (host, port)) */
-    PyObject *dict;
     Counters c;
     int queued;
     int queued_fd;
-    PyObject *held[RECV_BATCH]; /* the queued routes (their sockaddrs are in use) */
+    PyObject *held[RECV_BATCH + 1]; /* the queued routes (their sockaddrs are in use) */
 } RouteTap;
 
 static PyTypeObject RouteTapType;
@@ -1109,7 +726,7 @@ route_flush(RouteTap *self)
         }
         for (int i = start; i < start + sent; i++) {
             self->c.forwarded += 1;
-            self->c.forwarded_bytes += siov[i][0].iov_len;
+            self->c.forwarded_bytes += spayload[i];
         }
         start += sent;
     }
@@ -1118,19 +735,89 @@ route_flush(RouteTap *self)
     self->queued = 0;
 }
 
+/* Write the Data indication header for `size` bytes of data into `hdr`;
+ * returns its length (RFC 8656 §11.6; the layout of fastpath.data_indication). */
+static size_t
+data_indication_header(Route *r, unsigned char *hdr, size_t size)
+{
+    size_t attr = r->peer_family == AF_INET ? 8 : 20;
+    size_t pad = (4 - (size & 3)) & 3;
+    size_t length = 4 + attr + 4 + size + pad;
+    r->txid_counter += 1;
+    r->txid[8] = (unsigned char)(r->txid_counter >> 24);
+    r->txid[9] = (unsigned char)(r->txid_counter >> 16);
+    r->txid[10] = (unsigned char)(r->txid_counter >> 8);
+    r->txid[11] = (unsigned char)r->txid_counter;
+    unsigned char cookie[4] = {0x21, 0x12, 0xA4, 0x42};
+    hdr[0] = DATA_INDICATION >> 8;
+    hdr[1] = DATA_INDICATION & 0xFF;
+    hdr[2] = (unsigned char)(length >> 8);
+    hdr[3] = (unsigned char)length;
+    memcpy(hdr + 4, cookie, 4);
+    memcpy(hdr + 8, r->txid, 12);
+    unsigned char *a = hdr + STUN_HEADER;
+    a[0] = 0;
+    a[1] = ATTR_XOR_PEER_ADDRESS;
+    a[2] = 0;
+    a[3] = (unsigned char)attr;
+    a[4] = 0;
+    a[5] = r->peer_family == AF_INET ? 1 : 2;
+    a[6] = r->peer_port[0] ^ 0x21;
+    a[7] = r->peer_port[1] ^ 0x12;
+    /* XOR with the cookie (IPv4), or the cookie and transaction id (IPv6). */
+    for (size_t k = 0; k < attr - 4; k++)
+        a[8 + k] = r->peer_addr[k] ^ (k < 4 ? cookie[k] : r->txid[k - 4]);
+    unsigned char *d = a + 4 + attr;
+    d[0] = 0;
+    d[1] = ATTR_DATA;
+    d[2] = (unsigned char)(size >> 8);
+    d[3] = (unsigned char)size;
+    return STUN_HEADER + 4 + attr + 4;
+}
+
+/* Queue `size` bytes at `payload` along `route` (to `dest`, or the route's
+ * own destination when NULL), with the route's header rewrite. */
 static void
-route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t size)
+route_queue(RouteTap *self, Route *route, const unsigned char *payload, size_t size,
+            const struct sockaddr_storage *dest, socklen_t dest_len)
 {
     if (self->queued && (self->queued_fd != route->out_fd || self->queued == RECV_BATCH))
         route_flush(self);
     int i = self->queued;
-    siov[i][0].iov_base = (void *)payload;
-    siov[i][0].iov_len = size;
+    struct iovec *iov = siov[i];
     memset(&smsg[i], 0, sizeof(smsg[i]));
-    smsg[i].msg_hdr.msg_name = &route->dest_sa;
-    smsg[i].msg_hdr.msg_namelen = route->dest_salen;
-    smsg[i].msg_hdr.msg_iov = siov[i];
-    smsg[i].msg_hdr.msg_iovlen = 1;
+    smsg[i].msg_hdr.msg_iov = iov;
+    if (route->rewrite == REWRITE_WRAP_CHANNEL) {
+        shdr[i][0] = (unsigned char)(route->channel >> 8);
+        shdr[i][1] = (unsigned char)route->channel;
+        shdr[i][2] = (unsigned char)(size >> 8);
+        shdr[i][3] = (unsigned char)size;
+        iov->iov_base = shdr[i];
+        iov->iov_len = CHANNEL_HEADER;
+        iov++;
+    } else if (route->rewrite == REWRITE_DATA_INDICATION) {
+        iov->iov_base = shdr[i];
+        iov->iov_len = data_indication_header(route, shdr[i], size);
+        iov++;
+    }
+    iov->iov_base = (void *)payload;
+    iov->iov_len = size;
+    iov++;
+    if (route->rewrite == REWRITE_DATA_INDICATION && (size & 3)) {
+        iov->iov_base = (void *)zeros;
+        iov->iov_len = 4 - (size & 3);
+        iov++;
+    }
+    smsg[i].msg_hdr.msg_iovlen = (size_t)(iov - siov[i]);
+    spayload[i] = size;
+    if (dest != NULL) {
+        memcpy(&sdest[i], dest, dest_len);
+        smsg[i].msg_hdr.msg_name = &sdest[i];
+        smsg[i].msg_hdr.msg_namelen = dest_len;
+    } else {
+        smsg[i].msg_hdr.msg_name = &route->dest_sa;
+        smsg[i].msg_hdr.msg_namelen = route->dest_salen;
+    }
     if (route->clen) {
         memset(sctl[i], 0, sizeof(sctl[i]));
         smsg[i].msg_hdr.msg_control = sctl[i];
@@ -1180,10 +867,199 @@ ancdata_list(int i)
     return list;
 }
 
-/* One datagram (number `i` of the batch). Returns 0, or -1 with an
- * exception set. */
+/* A Send indication this plane forwards: its peer and DATA. Returns 1, or 0
+ * for anything fastpath.parse_send_indication would not accept either. */
 static int
-route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject *addr)
+parse_send(const unsigned char *buf, size_t size, struct sockaddr_storage *peer,
+           socklen_t *peer_len, const unsigned char **data, size_t *data_len)
+{
+    static const unsigned char cookie[4] = {0x21, 0x12, 0xA4, 0x42};
+    if (size < STUN_HEADER || buf[0] != 0 || buf[1] != SEND_INDICATION)
+        return 0;
+    size_t length = ((size_t)buf[2] << 8) | buf[3];
+    if (length + STUN_HEADER != size || (length & 3) || memcmp(buf + 4, cookie, 4))
+        return 0;
+    int have_peer = 0, have_data = 0;
+    size_t offset = STUN_HEADER;
+    while (offset < size) {
+        if (size - offset < 4)
+            return 0;
+        unsigned kind = ((unsigned)buf[offset] << 8) | buf[offset + 1];
+        size_t alen = ((size_t)buf[offset + 2] << 8) | buf[offset + 3];
+        size_t start = offset + 4, end = start + alen;
+        if (end > size)
+            return 0;
+        const unsigned char *v = buf + start;
+        switch (kind) {
+        case ATTR_DATA:
+            if (have_data)
+                return 0;
+            have_data = 1;
+            *data = v;
+            *data_len = alen;
+            break;
+        case ATTR_XOR_PEER_ADDRESS: {
+            if (have_peer || alen < 2)
+                return 0;
+            have_peer = 1;
+            memset(peer, 0, sizeof(*peer));
+            unsigned short port = (unsigned short)((((unsigned)v[2] << 8) | v[3]) ^ 0x2112);
+            if (v[1] == 0x01 && alen == 8) {
+                struct sockaddr_in *v4 = (struct sockaddr_in *)peer;
+                v4->sin_family = AF_INET;
+                v4->sin_port = htons(port);
+                unsigned char *a = (unsigned char *)&v4->sin_addr;
+                for (int k = 0; k < 4; k++)
+                    a[k] = v[4 + k] ^ cookie[k];
+                *peer_len = sizeof(*v4);
+            } else if (v[1] == 0x02 && alen == 20) {
+                struct sockaddr_in6 *v6 = (struct sockaddr_in6 *)peer;
+                v6->sin6_family = AF_INET6;
+                v6->sin6_port = htons(port);
+                unsigned char *a = (unsigned char *)&v6->sin6_addr;
+                for (int k = 0; k < 16; k++)
+                    a[k] = v[4 + k] ^ buf[4 + k]; /* cookie + transaction id */
+                *peer_len = sizeof(*v6);
+            } else {
+                return 0;
+            }
+            break;
+        }
+        case ATTR_DONT_FRAGMENT:
+            if (alen != 0)
+                return 0;
+            break;
+        case ATTR_FINGERPRINT: {
+            if (alen != 4 || end != size)
+                return 0;
+            uint32_t expected = crc32_of(buf, offset) ^ FINGERPRINT_XOR;
+            uint32_t got = ((uint32_t)v[0] << 24) | ((uint32_t)v[1] << 16) |
+                           ((uint32_t)v[2] << 8) | v[3];
+            if (got != expected)
+                return 0;
+            break;
+        }
+        default:
+            return 0;
+        }
+        offset = start + ((alen + 3) & ~(size_t)3);
+    }
+    return have_peer && have_data && offset == size;
+}
+
+/* Forward one routed datagram: apply the route's rewrite and budget, then
+ * queue it. Returns 0 when done with it (forwarded, or dropped and
+ * counted), 1 when it is the fallback's after all (an unusual Send
+ * indication), -1 with an exception set. */
+static int
+route_forward(RouteTap *self, Route *r, const unsigned char *buf, size_t size)
+{
+    const unsigned char *payload = buf;
+    size_t length = size;
+    struct sockaddr_storage peer;
+    socklen_t peer_len = 0;
+    if (r->rewrite == REWRITE_UNWRAP_CHANNEL) {
+        if (size < CHANNEL_HEADER) {
+            self->c.malformed += 1;
+            return 0;
+        }
+        length = ((size_t)buf[2] << 8) | buf[3];
+        if (size < CHANNEL_HEADER + length ||
+            size - CHANNEL_HEADER - length > CHANNEL_MAX_PADDING) {
+            self->c.malformed += 1;
+            return 0;
+        }
+        payload = buf + CHANNEL_HEADER;
+    } else if (r->rewrite == REWRITE_UNWRAP_SEND) {
+        if (!parse_send(buf, size, &peer, &peer_len, &payload, &length) ||
+            peer.ss_family != r->out_family)
+            return 1;
+        PyObject *where = tuple_from_sockaddr(&peer);
+        if (where == NULL)
+            return -1;
+        PyObject *host = PyTuple_GET_ITEM(where, 0);
+        int permitted = PyDict_Contains(r->permissions, host);
+        int refused = permitted == 1 && r->refuse != NULL ? PySet_Contains(r->refuse, host) : 0;
+        if (refused == 1 && r->approved != NULL) {
+            /* One of the service's own hosts: the fallback judged this port
+             * and approved it until a deadline (it re-judges after). */
+            PyObject *until = PyDict_GetItemWithError(r->approved, where);
+            if (until != NULL && PyFloat_Check(until)) {
+                struct timespec ts;
+                clock_gettime(CLOCK_MONOTONIC, &ts);
+                double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+                if (now < PyFloat_AS_DOUBLE(until))
+                    refused = 0;
+            } else if (until == NULL && PyErr_Occurred()) {
+                refused = -1;
+            }
+        }
+        Py_DECREF(where);
+        if (permitted < 0 || refused < 0)
+            return -1;
+        if (!permitted || refused)
+            return 1;
+    } else if (r->rewrite == REWRITE_DATA_INDICATION &&
+               size > 0xFFFF - (MAX_HEADER - STUN_HEADER) - 3) {
+        /* Its length field could not hold it. */
+        self->c.malformed += 1;
+        return 0;
+    }
+    if (r->budget != NULL && !budget_ok((Budget *)r->budget, length)) {
+        self->c.throttled += 1; /* and on the budget */
+        return 0;
+    }
+    r->packets += 1;
+    r->octets += length;
+    if (peer_len)
+        route_queue(self, r, payload, length, &peer, peer_len);
+    else
+        route_queue(self, r, payload, length, NULL, 0);
+    return 0;
+}
+
+/* Keys with a prefix ((host, port), first bytes) come from few flows too;
+ * building one (a bytes object, a tuple, their hashes) costs more than the
+ * lookup. A direct-mapped cache keyed by the address tuple (itself cached,
+ * so the same object for the same source) and the prefix bytes. */
+#define KEY_CACHE 1024
+
+typedef struct {
+    PyObject *addr;
+    PyObject *key;
+    int size;
+    unsigned char prefix[MAX_PREFIX];
+} KeyEntry;
+
+static KeyEntry kcache[KEY_CACHE];
+
+/* A new reference to ((host, port), buf[:size]), or NULL with an exception. */
+static PyObject *
+prefix_key(PyObject *addr, const unsigned char *buf, int size)
+{
+    uintptr_t h = (uintptr_t)addr >> 4;
+    for (int k = 0; k < size; k++)
+        h = (h ^ buf[k]) * 16777619u;
+    KeyEntry *e = &kcache[(h >> 7) & (KEY_CACHE - 1)];
+    if (e->addr == addr && e->size == size && memcmp(e->prefix, buf, (size_t)size) == 0)
+        return Py_NewRef(e->key);
+    PyObject *key = Py_BuildValue("(Oy#)", addr, (const char *)buf, (Py_ssize_t)size);
+    if (key == NULL)
+        return NULL;
+    Py_XSETREF(e->addr, Py_NewRef(addr));
+    Py_XSETREF(e->key, Py_NewRef(key));
+    e->size = size;
+    memcpy(e->prefix, buf, (size_t)size);
+    return key;
+}
+
+/* One datagram (number `i` of the batch, or -1: handed in as `data`).
+ * `key` is its source (host, port); the fallback gets `addr` (the form the
+ * reader had, e.g. a 4-tuple on IPv6). Returns 0, or -1 with an exception
+ * set. */
+static int
+route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject *key,
+          PyObject *addr, PyObject *data)
 {
     if (size > (size_t)self->max_size) {
         self->c.malformed += 1;
@@ -1191,34 +1067,31 @@ route_one(RouteTap *self, int i, const unsigned char *buf, size_t size, PyObject
     }
     PyObject *route = NULL;
     if (self->prefix == 0) {
-        route = PyDict_GetItemWithError(self->routes, addr);
-    } else if (size >= (size_t)self->prefix) {
-        PyObject *key = Py_BuildValue("(Oy#)", addr, (const char *)buf,
-                                      (Py_ssize_t)self->prefix);
-        if (key == NULL)
-            return -1;
         route = PyDict_GetItemWithError(self->routes, key);
-        Py_DECREF(key);
+    } else if (size >= (size_t)self->prefix) {
+        PyObject *full = prefix_key(key, buf, self->prefix);
+        if (full == NULL)
+            return -1;
+        route = PyDict_GetItemWithError(self->routes, full);
+        Py_DECREF(full);
     }
     if (route == NULL && PyErr_Occurred())
         return -1;
     if (route != NULL && PyObject_TypeCheck(route, &RouteType) &&
         length_ok(self, buf, size)) {
-        Route *r = (Route *)route;
-        r->packets += 1;
-        r->octets += size;
-        route_queue(self, r, buf, size);
-        return 0;
+        int rc = route_forward(self, (Route *)route, buf, size);
+        if (rc <= 0)
+            return rc;
     }
     /* Not ours to forward: keep order, flush first, then Python decides. */
     if (self->queued)
         route_flush(self);
     if (!self->ancillary)
-        return call_fallback(self->fallback, buf, size, NULL, addr, NULL);
-    PyObject *ancdata = ancdata_list(i);
+        return call_fallback(self->fallback, buf, size, data, addr, NULL);
+    PyObject *ancdata = i >= 0 ? ancdata_list(i) : PyList_New(0);
     if (ancdata == NULL)
         return -1;
-    int rc = call_fallback(self->fallback, buf, size, NULL, addr, ancdata);
+    int rc = call_fallback(self->fallback, buf, size, data, addr, ancdata);
     Py_DECREF(ancdata);
     return rc;
 }
@@ -1256,7 +1129,7 @@ route_drain(RouteTap *self)
                 self->c.malformed += 1;
                 continue;
             }
-            int rc = route_one(self, i, rbuf[i], rmsg[i].msg_len, addr);
+            int rc = route_one(self, i, rbuf[i], rmsg[i].msg_len, addr, addr, NULL);
             Py_DECREF(addr);
             if (rc < 0) {
                 if (self->queued)
@@ -1285,6 +1158,31 @@ RouteTap_readable(RouteTap *self, PyObject *unused)
     return route_drain(self);
 }
 
+/* One datagram read by someone else (a TCP framer, a DTLS session, an
+ * asyncio endpoint): the same decision as for a drained one. */
+static PyObject *
+RouteTap_datagram_received(RouteTap *self, PyObject *args)
+{
+    PyObject *data, *addr;
+    if (!PyArg_ParseTuple(args, "SO", &data, &addr))
+        return NULL;
+    PyObject *key = key_from_addr(addr);
+    if (key == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "addr must be (host, port, ...)");
+        return NULL;
+    }
+    int rc = route_one(self, -1, (const unsigned char *)PyBytes_AS_STRING(data),
+                       (size_t)PyBytes_GET_SIZE(data), key, addr, data);
+    Py_DECREF(key);
+    /* The queued send points into `data`: flush before it can go away. */
+    if (self->queued)
+        route_flush(self);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *
 RouteTap_close(RouteTap *self, PyObject *unused)
 {
@@ -1308,9 +1206,12 @@ RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "prefix, length_at or max_size out of range");
         return -1;
     }
-    int fd = fd_of(sock);
-    if (fd < 0)
-        return -1;
+    int fd = -1;
+    if (sock != Py_None) {
+        fd = fd_of(sock);
+        if (fd < 0)
+            return -1;
+    }
     self->fd = fd;
     self->prefix = prefix;
     self->length_at = length_at;
@@ -1322,44 +1223,27 @@ RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
     return 0;
 }
 
-static int
-RouteTap_traverse(RouteTap *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->sock);
-    Py_VISIT(self->routes);
-    Py_VISIT(self->fallback);
-    Py_VISIT(self->dict);
-    return 0;
-}
-
-static int
-RouteTap_clear(RouteTap *self)
-{
-    Py_CLEAR(self->sock);
-    Py_CLEAR(self->routes);
-    Py_CLEAR(self->fallback);
-    Py_CLEAR(self->dict);
-    return 0;
-}
-
 static void
-RouteTap_dealloc(RouteTap *self)
+RouteTap_release(RouteTap *self)
 {
-    PyObject_GC_UnTrack(self);
-    RouteTap_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    /* A tap is only freed between drains: nothing is queued. */
 }
+
+#define ROUTE_TAP_REFS(X) X(sock) X(routes) X(fallback)
+GC_FUNCTIONS(RouteTap, ROUTE_TAP_REFS)
 
 static PyMethodDef RouteTap_methods[] = {
     {"readable", (PyCFunction)RouteTap_readable, METH_NOARGS,
      "Drain the socket (for loop.add_reader)."},
+    {"datagram_received", (PyCFunction)RouteTap_datagram_received, METH_VARARGS,
+     "datagram_received(data, addr): route one datagram read elsewhere."},
     {"close", (PyCFunction)RouteTap_close, METH_NOARGS,
      "Stop reading (the owner closes the socket)."},
     {NULL},
 };
 
 static PyMemberDef RouteTap_members[] = {
-    {"fd", T_INT, offsetof(RouteTap, fd), READONLY, "Socket fd (-1: closed)."},
+    {"fd", T_INT, offsetof(RouteTap, fd), READONLY, "Socket fd (-1: closed, or none)."},
     {"prefix", T_INT, offsetof(RouteTap, prefix), READONLY,
      "Datagram bytes in the route key (0: the source address alone)."},
     {"length_at", T_INT, offsetof(RouteTap, length_at), READONLY,
@@ -1368,7 +1252,8 @@ static PyMemberDef RouteTap_members[] = {
      "Larger datagrams are dropped and counted as malformed."},
     {"ancillary", T_BOOL, offsetof(RouteTap, ancillary), READONLY,
      "Whether the fallback gets the datagram's control messages (ancdata)."},
-    {"sock", T_OBJECT_EX, offsetof(RouteTap, sock), READONLY, "The socket read."},
+    {"sock", T_OBJECT_EX, offsetof(RouteTap, sock), READONLY,
+     "The socket read (None: datagrams are handed in)."},
     {"routes", T_OBJECT_EX, offsetof(RouteTap, routes), READONLY,
      "The route table: key -> Route."},
     {"fallback", T_OBJECT_EX, offsetof(RouteTap, fallback), READONLY,
@@ -1377,33 +1262,18 @@ static PyMemberDef RouteTap_members[] = {
     {NULL},
 };
 
-static PyTypeObject RouteTapType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "crossroads.transport._turnfast.RouteTap",
-    .tp_basicsize = sizeof(RouteTap),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "A socket forwarded by a route table (see dataplane.py).",
-    .tp_new = PyType_GenericNew,
-    .tp_init = (initproc)RouteTap_init,
-    .tp_dealloc = (destructor)RouteTap_dealloc,
-    .tp_traverse = (traverseproc)RouteTap_traverse,
-    .tp_clear = (inquiry)RouteTap_clear,
-    .tp_methods = RouteTap_methods,
-    .tp_members = RouteTap_members,
-    .tp_dictoffset = offsetof(RouteTap, dict),
-};
+static PyTypeObject RouteTapType = TYPE_OBJECT(
+    RouteTap, "A socket forwarded by a route table (see dataplane.py).",
+    PyType_GenericNew);
 
 /* ------------------------------------------------------------ Poller */
 
-/* One epoll set holding every relay socket (and the listening sockets the
- * taps read themselves). The event loop watches only the epoll fd: one
+/* One epoll set holding every tapped socket (relay sockets, and the
+ * listening sockets the taps read themselves). The event loop watches only the epoll fd: one
  * wakeup, one Python-level call, then poll() drains every ready socket in C.
  * With one relay socket per allocation this replaces one event-loop callback
  * per socket per datagram. Level-triggered: a socket left with data (the
  * MAX_ROUNDS cap) keeps the epoll fd readable for the next loop turn. */
-#include <sys/epoll.h>
-#include <unistd.h>
-
 #define POLL_EVENTS 128
 
 typedef struct {
@@ -1437,11 +1307,8 @@ Poller_register(Poller *self, PyObject *args)
     PyObject *tap;
     if (!PyArg_ParseTuple(args, "iO", &fd, &tap))
         return NULL;
-    if (!PyObject_TypeCheck(tap, &RelayTapType) &&
-        !PyObject_TypeCheck(tap, &ListenerTapType) &&
-        !PyObject_TypeCheck(tap, &RouteTapType)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "tap must be a RelayTap, ListenerTap or RouteTap");
+    if (!PyObject_TypeCheck(tap, &RouteTapType)) {
+        PyErr_SetString(PyExc_TypeError, "tap must be a RouteTap");
         return NULL;
     }
     if (self->epfd < 0) {
@@ -1505,25 +1372,10 @@ Poller_poll(Poller *self, PyObject *unused)
     PyObject *failed = NULL;
     for (int i = 0; i < n && failed == NULL; i++) {
         PyObject *tap = held[i];
-        PyObject *result;
-        if (PyObject_TypeCheck(tap, &RelayTapType)) {
-            RelayTap *relay = (RelayTap *)tap;
-            if (relay->fd < 0 || relay->peer_channels == NULL || relay->fallback == NULL)
-                continue;
-            relay->skip = 0;
-            result = relay_drain(relay);
-        } else if (PyObject_TypeCheck(tap, &RouteTapType)) {
-            RouteTap *routed = (RouteTap *)tap;
-            if (routed->fd < 0)
-                continue;
-            result = route_drain(routed);
-        } else {
-            ListenerTap *listener = (ListenerTap *)tap;
-            if (listener->fd < 0 || listener->clients == NULL || listener->fallback == NULL)
-                continue;
-            listener->skip = 0;
-            result = listener_drain(listener);
-        }
+        RouteTap *routed = (RouteTap *)tap;
+        if (routed->fd < 0)
+            continue;
+        PyObject *result = route_drain(routed);
         if (result == NULL)
             failed = tap;
         else
@@ -1554,29 +1406,17 @@ Poller_close(Poller *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static int
-Poller_traverse(Poller *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->taps);
-    return 0;
-}
-
-static int
-Poller_clear(Poller *self)
-{
-    Py_CLEAR(self->taps);
-    return 0;
-}
-
 static void
-Poller_dealloc(Poller *self)
+Poller_release(Poller *self)
 {
-    PyObject_GC_UnTrack(self);
-    if (self->epfd >= 0)
+    if (self->epfd >= 0) {
         close(self->epfd);
-    Poller_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+        self->epfd = -1;
+    }
 }
+
+#define POLLER_REFS(X) X(taps)
+GC_FUNCTIONS(Poller, POLLER_REFS)
 
 static PyObject *
 Poller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
@@ -1589,7 +1429,7 @@ Poller_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
 static PyMethodDef Poller_methods[] = {
     {"register", (PyCFunction)Poller_register, METH_VARARGS,
-     "register(fd, tap): drain `fd` with `tap` (RelayTap, ListenerTap, RouteTap)."},
+     "register(fd, tap): drain `fd` with `tap` (a RouteTap)."},
     {"unregister", (PyCFunction)Poller_unregister, METH_O, "unregister(fd)."},
     {"poll", (PyCFunction)Poller_poll, METH_NOARGS,
      "Drain every ready socket (for loop.add_reader(poller.fileno(), poller.poll))."},
@@ -1606,70 +1446,43 @@ static PyMemberDef Poller_members[] = {
     {NULL},
 };
 
-static PyTypeObject PollerType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "crossroads.transport._turnfast.Poller",
-    .tp_basicsize = sizeof(Poller),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "An epoll set of data-plane sockets (TURN and route taps), drained in C.",
-    .tp_new = Poller_new,
-    .tp_init = (initproc)Poller_init,
-    .tp_dealloc = (destructor)Poller_dealloc,
-    .tp_traverse = (traverseproc)Poller_traverse,
-    .tp_clear = (inquiry)Poller_clear,
-    .tp_methods = Poller_methods,
-    .tp_members = Poller_members,
-};
+static PyTypeObject PollerType = TYPE_OBJECT(
+    Poller, "An epoll set of route taps, drained in C.", Poller_new);
 
 /* ------------------------------------------------------------ module */
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "crossroads.transport._turnfast",
-    .m_doc = "TURN UDP data plane (recvmmsg/sendmmsg); see turnplane.py.",
+    .m_doc = "The relay data plane (recvmmsg/sendmmsg); see dataplane.py.",
     .m_size = -1,
 };
 
 PyMODINIT_FUNC
 PyInit__turnfast(void)
 {
-    if (PyType_Ready(&RelayTapType) < 0 || PyType_Ready(&ListenerTapType) < 0 ||
-        PyType_Ready(&ChannelRouterType) < 0 || PyType_Ready(&PollerType) < 0 ||
-        PyType_Ready(&RouteType) < 0 || PyType_Ready(&RouteTapType) < 0)
-        return NULL;
+    crc_init();
+    PyTypeObject *types[] = {&BudgetType, &RouteType, &RouteTapType, &PollerType};
+    const char *names[] = {"Budget", "Route", "RouteTap", "Poller"};
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (PyType_Ready(types[i]) < 0)
+            return NULL;
+    }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&RelayTapType);
-    if (PyModule_AddObject(m, "RelayTap", (PyObject *)&RelayTapType) < 0) {
-        Py_DECREF(&RelayTapType);
-        Py_DECREF(m);
-        return NULL;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (PyModule_AddObjectRef(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
     }
-    Py_INCREF(&ListenerTapType);
-    if (PyModule_AddObject(m, "ListenerTap", (PyObject *)&ListenerTapType) < 0) {
-        Py_DECREF(&ListenerTapType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&ChannelRouterType);
-    if (PyModule_AddObject(m, "ChannelRouter", (PyObject *)&ChannelRouterType) < 0) {
-        Py_DECREF(&ChannelRouterType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&PollerType);
-    if (PyModule_AddObject(m, "Poller", (PyObject *)&PollerType) < 0) {
-        Py_DECREF(&PollerType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddObjectRef(m, "Route", (PyObject *)&RouteType) < 0 ||
-        PyModule_AddObjectRef(m, "RouteTap", (PyObject *)&RouteTapType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) < 0) {
+    if (PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_NONE", REWRITE_NONE) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_UNWRAP_CHANNEL", REWRITE_UNWRAP_CHANNEL) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_WRAP_CHANNEL", REWRITE_WRAP_CHANNEL) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_DATA_INDICATION", REWRITE_DATA_INDICATION) < 0 ||
+        PyModule_AddIntConstant(m, "REWRITE_UNWRAP_SEND", REWRITE_UNWRAP_SEND) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,9 +1,12 @@
-"""Type stub of the optional C data plane (see _turnfast.c and turnplane.py)."""
+"""Type stub of the optional C data plane (see _turnfast.c and dataplane.py)."""
 
 from collections.abc import Callable
 from typing import Any
 
 RECV_BATCH: int
+REWRITE_NONE: int
+REWRITE_UNWRAP_CHANNEL: int
+REWRITE_WRAP_CHANNEL: int
 
 class _Counters:
     forwarded: int
@@ -14,34 +17,16 @@ class _Counters:
     drained: int
     throttled: int
 
-class ListenerTap(_Counters):
-    fd: int
-    clients: dict[tuple[str, int], dict[int, tuple[Any, tuple[str, int]]]]
-    fallback: Callable[[bytes, Any], None]
-    def datagram_received(self, data: bytes, addr: Any) -> None: ...
-    def readable(self) -> None: ...
-
-class RelayTap(_Counters):
-    fd: int
+class Budget:
     bps: float
-    peer_channels: dict[tuple[str, int], int]
-    fallback: Callable[[bytes, Any], None]
-    def datagram_received(self, data: bytes, addr: Any) -> None: ...
+    throttled: int
+    def __init__(self, bps: float = ...) -> None: ...
     def allow(self, size: int) -> bool: ...
-    def readable(self) -> None: ...
-    def set_client(self, fd: int, addr: tuple[str, int], sendto: Any = ...) -> None: ...
-
-class ChannelRouter(_Counters):
-    endpoints: dict[Any, dict[tuple[str, int], dict[int, tuple[Any, tuple[str, int]]]]]
-    fallback: Callable[[bytes, tuple[str, int], Any], None]
-    def handle_channel_data(
-        self, data: bytes, client: tuple[str, int], endpoint: Any
-    ) -> None: ...
 
 class Poller:
     wakeups: int
     events: int
-    def register(self, fd: int, tap: RelayTap | ListenerTap | RouteTap) -> None: ...
+    def register(self, fd: int, tap: RouteTap) -> None: ...
     def unregister(self, fd: int) -> None: ...
     def poll(self) -> None: ...
     def fileno(self) -> int: ...
@@ -51,6 +36,9 @@ class Route:
     sock: Any
     dest: tuple[str, int]
     control: tuple[int, int, bytes] | None
+    rewrite: int
+    channel: int
+    budget: Budget | None
     packets: int
     octets: int
     def __init__(
@@ -58,6 +46,10 @@ class Route:
         sock: Any,
         dest: tuple[str, int],
         control: tuple[int, int, bytes] | None = ...,
+        *,
+        rewrite: int = ...,
+        channel: int = ...,
+        budget: Budget | None = ...,
     ) -> None: ...
 
 class RouteTap(_Counters):
@@ -81,4 +73,5 @@ class RouteTap(_Counters):
         ancillary: bool = ...,
     ) -> None: ...
     def readable(self) -> None: ...
+    def datagram_received(self, data: bytes, addr: Any) -> None: ...
     def close(self) -> None: ...

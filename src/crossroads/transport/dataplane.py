@@ -7,17 +7,32 @@ that decides *who may talk to whom*) and a data plane that moves the datagrams.
 The data plane is a set of :class:`RouteTap` objects, one per socket, each with a
 *route table*, a plain dict the control plane owns and writes:
 
-``key -> Route(out_sock, dest)``
+``key -> Route(out_sock, dest[, control], rewrite=, channel=, budget=)``
     ``key`` is the datagram's source ``(host, port)``; when the protocol names
     its route in a header, it is ``((host, port), data[:prefix])`` (the Unity
-    relay's RELAY frame: signature, version, type, from and to allocation ids).
-    A datagram whose key is in the table — and, with ``length_at``, whose own
-    u16 length field agrees with its size — is sent *unchanged* from
-    ``out_sock`` to ``dest``, and the route counts it (``packets``,
-    ``octets``: what idle timeouts and quotas read). Anything else goes to
-    ``fallback(data, (host, port))``, in arrival order: that is where the
-    control plane learns addresses, answers, counts and drops. The fallback
-    may install or remove routes; the next datagram sees the change.
+    relay's RELAY frame: signature, version, type, from and to allocation ids;
+    TURN's ChannelData: the channel number). A datagram whose key is in the
+    table — and, with ``length_at``, whose own u16 length field agrees with
+    its size — is sent from ``out_sock`` to ``dest``, and the route counts it
+    (``packets``, ``octets``: what idle timeouts and quotas read). Anything
+    else goes to ``fallback(data, (host, port))``, in arrival order: that is
+    where the control plane learns addresses, answers, counts and drops. The
+    fallback may install or remove routes; the next datagram sees the change.
+
+``rewrite`` (:class:`Rewrite`)
+    What the route does to the datagram on the way: nothing (the Unity relay,
+    natneg, RakNet), or TURN's ChannelData header — taken off client -> peer
+    (after checking its length field, RFC 8656 §12.5; a mismatch is dropped
+    and counted as malformed) and put on peer -> client (``channel``, and the
+    length; no padding over UDP, §12.5).
+``budget`` (:func:`make_budget`)
+    A bytes/s token bucket the route spends from (TURN's ``--turn-max-bps``,
+    shared by every route of one relay, both directions); a datagram it cannot
+    pay for is dropped and counted (``throttled``, on the tap and the budget).
+
+A tap may have no socket (``sock=None``): it then only routes what a reader of
+its own hands in with ``datagram_received(data, addr)`` — TURN's ChannelData
+over TCP, TLS and DTLS, and from asyncio endpoints — with the same decisions.
 
 Nothing per datagram is parsed, allocated (beyond the address key) or stored.
 Routes are installed only for traffic already proven legitimate (a learned
@@ -33,9 +48,8 @@ Two implementations with identical decisions:
   Python object per datagram but its (cached) address tuple;
 - :class:`PyRouteTap` / :class:`PyRoute` below: ``recvfrom``, a dict lookup and a
   ``sendto`` per datagram, used when the accelerator is not built or
-  ``CROSSROADS_TURN_PURE_PYTHON=1`` is set (the same switch as the TURN taps in
-  :mod:`crossroads.transport.turnplane`, whose ChannelData/Send taps are the
-  header-rewriting half of this plane).
+  ``CROSSROADS_TURN_PURE_PYTHON=1`` is set (TURN uses this plane too; see
+  :mod:`crossroads.transport.turnplane` for its routes).
 
 The owner registers ``tap.readable`` with ``loop.add_reader(tap.fd, ...)``, calls
 ``tap.close()`` before closing the socket, and reads the counters.
@@ -51,9 +65,12 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Callable
+from enum import IntEnum
 from typing import Any, Protocol
 
+from crossroads.proto.turn.fastpath import data_indication, parse_send_indication
 from crossroads.types import Address
 
 #: Datagrams the Python twin reads per readiness callback: enough to amortise the
@@ -70,6 +87,79 @@ TAP_CONTROL = 128
 #: A control message, as ``socket.recvmsg`` returns and ``sendmsg`` takes it.
 Control = tuple[int, int, bytes]
 
+#: ChannelData header: channel number and length, 2 bytes each (RFC 8656 §12.4).
+CHANNEL_HEADER = 4
+#: RFC 8656 §12.5: up to 3 bytes of padding may follow ChannelData's data.
+CHANNEL_MAX_PADDING = 3
+
+
+class Rewrite(IntEnum):
+    """What a route does to a datagram (the C side's ``REWRITE_*``)."""
+
+    #: Forward unchanged.
+    NONE = 0
+    #: TURN client -> peer: a ChannelData message whose length field agrees
+    #: with its size (0-3 bytes of padding allowed) leaves as its data alone.
+    UNWRAP_CHANNEL = 1
+    #: TURN peer -> client: the data leaves as ChannelData on ``channel``.
+    WRAP_CHANNEL = 2
+    #: TURN peer -> client without a channel: the data leaves in a Data
+    #: indication naming ``peer`` (RFC 8656 §11.6), transaction id ``txid``
+    #: (8 random bytes) + a 4-byte counter of the route's.
+    DATA_INDICATION = 3
+    #: TURN client -> peer: a Send indication (RFC 8656 §11.4) that
+    #: :func:`~crossroads.proto.turn.fastpath.parse_send_indication` accepts,
+    #: to a peer whose IP is in ``permissions``, not in ``refuse``, of the out
+    #: socket's family: its DATA leaves for its XOR-PEER-ADDRESS (an IP in
+    #: ``refuse`` only on a ``(host, port)`` that ``approved`` maps to a
+    #: ``time.monotonic()`` deadline still ahead). Any other goes to the
+    #: fallback (the full codec, which counts what it drops).
+    UNWRAP_SEND = 4
+
+
+#: The largest data a Data indication route carries: its length field (u16)
+#: must hold the attributes (up to 28 bytes with an IPv6 peer) and padding.
+MAX_DATA_INDICATION = 0xFFFF - 28 - 3
+
+
+class BudgetLike(Protocol):
+    """A bytes/s token bucket (see :func:`make_budget`)."""
+
+    bps: float
+
+    @property
+    def throttled(self) -> int: ...
+    def allow(self, size: int) -> bool: ...
+
+
+class PyBudget:
+    """Pure-Python ``Budget``: at most ``bps`` bytes a second, bursts of one
+    second's worth (a token bucket on ``time.monotonic``, C's CLOCK_MONOTONIC)."""
+
+    __slots__ = ("bps", "throttled", "_tokens", "_stamp")
+
+    def __init__(self, bps: float = 0.0) -> None:
+        self.bps = float(bps)
+        self.throttled = 0
+        self._tokens = 0.0
+        self._stamp = 0.0
+
+    def allow(self, size: int) -> bool:
+        """Spend ``size`` bytes of the budget; False: drop it (counted)."""
+        if size < 0:
+            raise ValueError("size must be >= 0")
+        if self.bps <= 0:
+            return True
+        now = time.monotonic()
+        tokens = min(self.bps, self._tokens + (now - self._stamp) * self.bps)
+        self._stamp = now
+        if tokens < size:
+            self._tokens = tokens
+            self.throttled += 1
+            return False
+        self._tokens = tokens - size
+        return True
+
 
 class RouteLike(Protocol):
     """What the control planes read from a route, whichever implementation."""
@@ -80,6 +170,12 @@ class RouteLike(Protocol):
     def dest(self) -> Address: ...
     @property
     def control(self) -> Control | None: ...
+    @property
+    def rewrite(self) -> int: ...
+    @property
+    def channel(self) -> int: ...
+    @property
+    def budget(self) -> BudgetLike | None: ...
 
     #: Datagrams and bytes that took the route (writable: a control plane that
     #: forwards a datagram itself may count it here).
@@ -102,36 +198,121 @@ class RouteTapLike(Protocol):
     def send_errors(self) -> int: ...
     @property
     def malformed(self) -> int: ...
+    @property
+    def throttled(self) -> int: ...
     def readable(self) -> None: ...
+    def datagram_received(self, data: bytes, addr: Any) -> None: ...
     def close(self) -> None: ...
 
 
 class PyRoute:
-    """Pure-Python ``Route``: forward unchanged from ``sock`` to ``dest``."""
+    """Pure-Python ``Route``: forward from ``sock`` to ``dest``, rewritten as
+    ``rewrite`` says, paid from ``budget``."""
 
-    __slots__ = ("sock", "dest", "control", "packets", "octets")
+    __slots__ = (
+        "sock",
+        "dest",
+        "control",
+        "rewrite",
+        "channel",
+        "budget",
+        "peer",
+        "permissions",
+        "refuse",
+        "approved",
+        "packets",
+        "octets",
+        "_txid",
+        "_counter",
+    )
 
     def __init__(
-        self, sock: socket.socket, dest: Address, control: Control | None = None
+        self,
+        sock: socket.socket,
+        dest: Address | None,
+        control: Control | None = None,
+        *,
+        rewrite: int = Rewrite.NONE,
+        channel: int = 0,
+        budget: PyBudget | None = None,
+        peer: Address | None = None,
+        txid: bytes = b"",
+        permissions: dict[str, Any] | None = None,
+        refuse: set[str] | None = None,
+        approved: dict[Address, float] | None = None,
     ) -> None:
+        if not Rewrite.NONE <= rewrite <= Rewrite.UNWRAP_SEND:
+            raise ValueError("rewrite or channel out of range")
+        if not 0 <= channel <= 0xFFFF:
+            raise ValueError("rewrite or channel out of range")
+        if budget is not None and not isinstance(budget, PyBudget):
+            raise TypeError("budget must be a Budget or None")
+        self.peer: Address | None = None
+        if rewrite == Rewrite.DATA_INDICATION:
+            if peer is None or len(txid) != 8 or not _is_address(peer):
+                raise ValueError(
+                    "a Data indication route needs peer=(ip, port), txid=8 bytes"
+                )
+            self.peer = (peer[0], peer[1])
+        self.permissions: dict[str, Any] = {}
+        self.refuse: set[str] | frozenset[str] = frozenset()
+        self.approved: dict[Address, float] | None = None
+        if rewrite == Rewrite.UNWRAP_SEND:
+            if (
+                not isinstance(permissions, dict)
+                or not isinstance(refuse, set | frozenset | None)
+                or not isinstance(approved, dict | None)
+            ):
+                raise TypeError(
+                    "a Send route needs permissions=dict, refuse=set or None, "
+                    "approved=dict or None"
+                )
+            self.permissions = permissions
+            self.refuse = refuse if refuse is not None else frozenset()
+            self.approved = approved
+        self._txid = bytes(txid)
+        self._counter = 0
         if sock.fileno() < 0:
             raise ValueError("the out socket is closed")
-        if not _is_ip(dest[0]) or not 0 <= dest[1] <= 65535:
+        if dest is None and rewrite == Rewrite.UNWRAP_SEND:
+            dest = ("0.0.0.0", 0)  # each Send indication names its own
+        if dest is None or not _is_address(dest):
             raise ValueError("dest must be (ip, port)")
         if control is not None and not 0 < len(control[2]) <= ROUTE_CONTROL:
             raise ValueError("control data must be 1-20 bytes")
         self.sock = sock
         self.dest: Address = (dest[0], dest[1])
         self.control = control
+        self.rewrite = int(rewrite)
+        self.channel = channel
+        self.budget = budget
         self.packets = 0
         self.octets = 0
 
-    def send(self, data: bytes) -> None:
-        """Send ``data`` along the route (raises ``OSError`` as ``sendto``)."""
+    def send(self, data: bytes, dest: Address | None = None) -> None:
+        """Send ``data`` along the route, or to ``dest`` (raises ``OSError``
+        as ``sendto``)."""
         if self.control is None:
-            self.sock.sendto(data, self.dest)
+            self.sock.sendto(data, dest or self.dest)
         else:
-            self.sock.sendmsg([data], [self.control], 0, self.dest)
+            self.sock.sendmsg([data], [self.control], 0, dest or self.dest)
+
+    def data_indication(self, payload: bytes) -> bytes:
+        """The next Data indication of this route carrying ``payload``."""
+        assert self.peer is not None
+        self._counter = (self._counter + 1) & 0xFFFFFFFF
+        txid = self._txid + self._counter.to_bytes(4, "big")
+        return data_indication(self.peer, payload, txid)
+
+
+def _is_address(addr: object) -> bool:
+    return (
+        isinstance(addr, tuple)
+        and len(addr) >= 2
+        and _is_ip(addr[0])
+        and isinstance(addr[1], int)
+        and 0 <= addr[1] <= 65535
+    )
 
 
 def _is_ip(host: object) -> bool:
@@ -165,7 +346,7 @@ class PyRouteTap(PyCounters):
 
     def __init__(
         self,
-        sock: socket.socket,
+        sock: socket.socket | None,
         routes: dict[Any, Any],
         fallback: Callable[..., None],
         *,
@@ -179,7 +360,7 @@ class PyRouteTap(PyCounters):
         if not 0 <= max_size <= MAX_DATAGRAM:
             raise ValueError("prefix, length_at or max_size out of range")
         self.sock = sock
-        self.fd = sock.fileno()
+        self.fd = sock.fileno() if sock is not None else -1
         self.routes = routes
         self.fallback = fallback
         self.prefix = prefix
@@ -195,10 +376,10 @@ class PyRouteTap(PyCounters):
     def readable(self) -> None:
         """Drain up to :data:`PY_BATCH` datagrams (for ``loop.add_reader``)."""
         sock = self.sock
+        if sock is None:
+            return
         ancillary = self.ancillary
-        routes = self.routes
-        prefix = self.prefix
-        length_at = self.length_at
+        ancdata: list[Control] = []
         for _ in range(PY_BATCH):
             if self.fd < 0:
                 return
@@ -213,48 +394,118 @@ class PyRouteTap(PyCounters):
                 # ICMP errors from earlier sends surface here on Linux; keep reading.
                 continue
             self.drained += 1
-            size = len(data)
-            if size > self.max_size:
-                self.malformed += 1
-                continue
             addr: Address = raw if len(raw) == 2 else (raw[0], raw[1])
-            if prefix == 0:
-                route = routes.get(addr)
-            elif size >= prefix:
-                route = routes.get((addr, data[:prefix]))
-            else:
-                route = None
-            if route is not None and (
+            self._one(data, addr, addr, ancdata)
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        """Route one datagram read elsewhere (``addr`` as its reader has it;
+        the key is its ``(host, port)``)."""
+        if not isinstance(data, bytes):
+            raise TypeError("data must be bytes")
+        if not isinstance(addr, tuple) or len(addr) < 2:
+            raise ValueError("addr must be (host, port, ...)")
+        key: Address = addr if len(addr) == 2 else (addr[0], addr[1])
+        self._one(data, key, addr, [])
+
+    def _one(
+        self, data: bytes, key: Address, addr: Any, ancdata: list[Control]
+    ) -> None:
+        size = len(data)
+        if size > self.max_size:
+            self.malformed += 1
+            return
+        prefix = self.prefix
+        if prefix == 0:
+            route = self.routes.get(key)
+        elif size >= prefix:
+            route = self.routes.get((key, data[:prefix]))
+        else:
+            route = None
+        length_at = self.length_at
+        if (
+            route is not None
+            and (
                 length_at < 0
                 or (
                     size >= length_at + 2
                     and size - length_at - 2
                     == (data[length_at] << 8 | data[length_at + 1])
                 )
-            ):
-                route.packets += 1
-                route.octets += size
-                try:
-                    route.send(data)
-                except OSError:
-                    self.send_errors += 1
-                else:
-                    self.forwarded += 1
-                    self.forwarded_bytes += size
-                continue
-            if ancillary:
-                self.fallback(data, addr, ancdata)
-            else:
-                self.fallback(data, addr)
+            )
+            and self._forward(route, data)
+        ):
+            return
+        if self.ancillary:
+            self.fallback(data, addr, ancdata)
+        else:
+            self.fallback(data, addr)
+
+    def _forward(self, route: PyRoute, data: bytes) -> bool:
+        """Forward (or drop and count) a routed datagram; False: it is the
+        fallback's after all (a Send indication this plane does not take)."""
+        rewrite = route.rewrite
+        payload = data
+        dest: Address | None = None
+        if rewrite == Rewrite.UNWRAP_CHANNEL:
+            size = len(data)
+            length = (data[2] << 8 | data[3]) if size >= CHANNEL_HEADER else size
+            extra = size - CHANNEL_HEADER - length
+            if extra < 0 or extra > CHANNEL_MAX_PADDING:
+                self.malformed += 1
+                return True
+            payload = data[CHANNEL_HEADER : CHANNEL_HEADER + length]
+        elif rewrite == Rewrite.UNWRAP_SEND:
+            parsed = parse_send_indication(data)
+            if parsed is None:
+                return False
+            dest, payload, _dont_fragment = parsed
+            family = socket.AF_INET6 if ":" in dest[0] else socket.AF_INET
+            if family != route.sock.family or dest[0] not in route.permissions:
+                return False
+            if dest[0] in route.refuse:
+                # One of the service's own hosts: only a port the fallback
+                # approved, until the deadline it set.
+                approved = route.approved
+                until = approved.get(dest) if approved is not None else None
+                if not isinstance(until, float) or time.monotonic() >= until:
+                    return False
+        elif rewrite == Rewrite.DATA_INDICATION and len(data) > MAX_DATA_INDICATION:
+            self.malformed += 1
+            return True
+        length = len(payload)
+        budget = route.budget
+        if budget is not None and not budget.allow(length):
+            self.throttled += 1
+            return True
+        route.packets += 1
+        route.octets += length
+        if rewrite == Rewrite.WRAP_CHANNEL:
+            channel = route.channel
+            data = bytes((channel >> 8, channel & 0xFF, length >> 8, length & 0xFF))
+            data += payload
+        elif rewrite == Rewrite.DATA_INDICATION:
+            data = route.data_indication(payload)
+        else:
+            data = payload
+        try:
+            route.send(data, dest)
+        except OSError:
+            self.send_errors += 1
+        else:
+            self.forwarded += 1
+            self.forwarded_bytes += length
+        return True
 
 
-RouteType: Callable[[socket.socket, Address, Control | None], Any] = PyRoute
+RouteType: Callable[..., Any] = PyRoute
 RouteTapType: Callable[..., Any] = PyRouteTap
+BudgetType: Callable[[float], Any] = PyBudget
 PollerType: Callable[[], Any] | None = None
 #: Whether the C implementation is in use.
 ACCELERATED = False
 if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes"):
     try:
+        from crossroads.transport._turnfast import Budget as _CBudget
         from crossroads.transport._turnfast import Poller as _CPoller
         from crossroads.transport._turnfast import Route as _CRoute
         from crossroads.transport._turnfast import RouteTap as _CRouteTap
@@ -263,6 +514,7 @@ if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes")
     else:
         RouteType = _CRoute
         RouteTapType = _CRouteTap
+        BudgetType = _CBudget
         PollerType = _CPoller
         ACCELERATED = True
 
@@ -304,16 +556,41 @@ class TapReaders:
 
 
 def make_route(
-    sock: socket.socket, dest: Address, control: Control | None = None
+    sock: socket.socket,
+    dest: Address | None,
+    control: Control | None = None,
+    *,
+    rewrite: Rewrite = Rewrite.NONE,
+    channel: int = 0,
+    budget: BudgetLike | None = None,
+    **turn: Any,
 ) -> RouteLike:
     """A route from ``sock`` to ``dest`` (C when built, else Python); each
-    datagram goes with ``control`` (a source address on a wildcard bind)."""
-    route: RouteLike = RouteType(sock, dest, control)
+    datagram goes with ``control`` (a source address on a wildcard bind),
+    rewritten as ``rewrite`` says (``channel``: the number WRAP_CHANNEL puts
+    on), paid from ``budget`` (from :func:`make_budget`); ``turn``: the
+    ``peer``/``txid`` of a Data indication route, the ``permissions``/``refuse``
+    of a Send route (see :class:`Rewrite`)."""
+    route: RouteLike = RouteType(
+        sock,
+        dest,
+        control,
+        rewrite=int(rewrite),
+        channel=channel,
+        budget=budget,
+        **turn,
+    )
     return route
 
 
+def make_budget(bps: float) -> BudgetLike:
+    """A token bucket of ``bps`` bytes a second (0: no limit) for routes."""
+    budget: BudgetLike = BudgetType(float(bps))
+    return budget
+
+
 def make_tap(
-    sock: socket.socket,
+    sock: socket.socket | None,
     routes: dict[Any, Any],
     fallback: Callable[..., None],
     *,
@@ -322,7 +599,8 @@ def make_tap(
     max_size: int = MAX_DATAGRAM,
     ancillary: bool = False,
 ) -> RouteTapLike:
-    """A tap reading ``sock`` through ``routes`` (C when built, else Python).
+    """A tap reading ``sock`` through ``routes`` (C when built, else Python;
+    ``sock=None``: datagrams are handed in with ``datagram_received``).
     ``fallback(data, addr)``, or ``fallback(data, addr, ancdata)`` with
     ``ancillary`` (the socket's control messages, as ``recvmsg`` gives them)."""
     tap: RouteTapLike = RouteTapType(

@@ -1,213 +1,215 @@
-"""The TURN UDP data plane: two asyncio datagram protocols ("taps").
+"""TURN on the relay data plane: the routes a UDP allocation puts in the tables.
 
 Theory of operation
 -------------------
-The control plane (:mod:`crossroads.proto.turn`) keeps the forwarding tables as
-plain dicts; the taps read them, one lookup per datagram, and never call back
-into the control plane for a datagram they can forward:
+TURN forwards through the same route table as every other relay
+(:mod:`crossroads.transport.dataplane`); it is the relay whose routes *rewrite*
+the datagram and spend a bandwidth budget. The control plane
+(:mod:`crossroads.proto.turn`) decides; the service writes, per live channel
+binding, two routes:
 
-:class:`ListenerTap`
-    Installed as the protocol of each STUN/TURN listening UDP socket (in front
-    of the STUN endpoint). A ChannelData datagram from a client that has an
-    allocation, on a channel that is bound, is sent to the peer from the relay
-    socket. Everything else — STUN requests, Send indications, unknown
-    channels, malformed ChannelData — goes to ``fallback(data, addr)``, the STUN
-    endpoint, which dispatches it as usual (TURN's slow path counts the drops).
-    ``clients`` maps the client ``(host, port)`` to the allocation's
-    ``routes`` dict ``{channel: (relay, (peer_host, peer_port))}``.
+client -> peer, on the listening side
+    Key ``((client host, port), channel number as 2 bytes)`` (:func:`channel_key`)
+    in the table of the listening endpoint the client uses: read by a tap with
+    ``prefix=`` :data:`CHANNEL_KEY_BYTES` (:func:`listener_tap`) that drains the
+    STUN/TURN socket itself (C, recvmmsg) or takes what another reader hands
+    in (asyncio endpoints, TCP, TLS, DTLS). Value: :func:`to_peer_route`, from
+    the relay socket to the peer, ChannelData header off
+    (``Rewrite.UNWRAP_CHANNEL``; a length field that disagrees with the size
+    is dropped and counted as malformed, RFC 8656 §12.5). A binding needs no
+    permission check in this direction (RFC 8656 §12.5), so the route lives
+    exactly as long as the binding.
+peer -> client, on the relay socket
+    Key: the peer ``(host, port)`` in the relay socket's table. Value:
+    :func:`to_client_route`, from the listening socket to the client,
+    ChannelData header on (``Rewrite.WRAP_CHANNEL``). It exists only while the
+    binding *and* the peer's permission are live (RFC 8656 §9, §12): the core
+    adds and removes it as either changes, so one lookup answers "ChannelData
+    or not" and "allowed or not" at once.
 
-:class:`RelayTap`
-    The protocol of one relay socket. A datagram from a peer found in
-    ``peer_channels`` (``(host, port) -> channel``; it only holds peers whose
-    permission is live) goes to the client as ChannelData; anything else goes
-    to ``fallback(data, addr)``, which sends a Data indication when the peer has
-    a permission and drops it otherwise.
+Send and Data indications (RFC 8656 §11) take the plane too:
 
-Two implementations with identical behaviour:
+Send indication, client -> peer
+    Key ``((client host, port), b"\\x00\\x16")`` (the message type) in the
+    listening table, installed with the allocation's relay (:func:`send_route`)
+    where a tap sees the socket's datagrams first. The route parses the
+    indication in place (what :func:`~crossroads.proto.turn.fastpath.
+    parse_send_indication` accepts, FINGERPRINT checked), looks its peer's IP
+    up in the allocation's live permission table and sends the DATA from the
+    relay socket. Anything unusual, an IP without a permission or a peer of the
+    other family goes to the fallback: the Python path as before. So does one
+    of the service's own hosts (the control plane judges those per port), until
+    the Python path approved that port: then for :data:`SELF_PEER_APPROVAL`
+    seconds (:func:`approve`).
+Data indication, peer -> client
+    A permitted peer without a channel is answered in Python the first time
+    (:meth:`crossroads.services.turn.UdpRelay.from_peer`), which then installs
+    a :func:`data_route` under the peer's address (at most
+    :data:`MAX_DATA_ROUTES` per relay); it goes when the permission lapses or
+    a channel is bound to the peer. The indication is byte for byte what the
+    Python path writes (fresh transaction id: 8 random bytes and a counter).
 
-- the C accelerator :mod:`crossroads.transport._turnfast` (built at install
-  time when a C compiler is present). The relay sockets — and the listening
-  sockets the STUN service would read in batches — go into one epoll set
-  (``Poller``) that the event loop watches as a single fd: one wakeup drains
-  every ready socket with ``recvmmsg`` and sends peer->client ChannelData with
-  ``sendmmsg`` — no payload copies, no Python object per datagram but its
-  address. See ``benchmarks/turn.py`` for what that buys.
-- the pure-Python classes below, used when the accelerator is missing or
-  ``CROSSROADS_TURN_PURE_PYTHON=1`` is set: one datagram per callback, a
-  couple of dict lookups, a slice and a ``sendto``.
+Every route of an allocation's relay spends one :func:`~crossroads.transport.
+dataplane.make_budget` (``--turn-max-bps``, both directions, as before).
+Everything else — STUN requests, unusual Send indications, unknown channels,
+peers without a permission — goes to the taps' fallbacks, the service's Python
+path, which counts every drop by reason.
 
-:class:`ChannelRouter`
-    The same client -> peer forwarding for listeners that read their socket
-    themselves — the STUN service's batched ``recvmmsg`` endpoints — and for
-    TCP connections: they call ``handle_channel_data(data, client, endpoint)``
-    (the STUN extension hook) and the router looks the client up in
-    ``endpoints[endpoint]``, the same dicts the listener taps use.
-
-Both count what they forward in ``forwarded`` / ``forwarded_bytes`` and what they
-drop as malformed in ``malformed`` (the service exports these).
+Clients the C plane cannot send to from the right place get no peer -> client
+routes (their relay's fallback sends the ChannelData in Python): TCP/TLS/DTLS
+clients (framing, padding to 4 bytes over TCP, encryption) and clients of a
+wildcard-bound listener (replies leave from the address the client sent to,
+which the endpoint tracks per client).
 """
 
 from __future__ import annotations
 
-import os
-import time
+import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from crossroads.transport.dataplane import PyCounters
+from crossroads.transport.dataplane import (
+    ACCELERATED,
+    BudgetLike,
+    Rewrite,
+    RouteLike,
+    RouteTapLike,
+    make_route,
+    make_tap,
+)
+from crossroads.types import Address
 
-Address = tuple[str, int]
-Route = tuple[Any, Address]
+__all__ = [
+    "ACCELERATED",
+    "CHANNEL_KEY_BYTES",
+    "MAX_APPROVED",
+    "MAX_DATA_ROUTES",
+    "PAD",
+    "SELF_PEER_APPROVAL",
+    "SEND_INDICATION_KEY",
+    "channel_header",
+    "channel_key",
+    "data_route",
+    "listener_tap",
+    "send_route",
+    "to_client_route",
+    "to_peer_route",
+]
 
-#: Padding bytes after a ChannelData payload of length n over TCP: _PAD[n & 3].
+#: ChannelData's channel number: the first 2 bytes of the message (RFC 8656 §12.4).
+CHANNEL_KEY_BYTES = 2
+#: A Send indication's first 2 bytes (its STUN message type, RFC 8656 §11.4):
+#: the listening side's key of a client's Send route is ``(client, this)``.
+SEND_INDICATION_KEY = b"\x00\x16"
+#: Data indication routes a relay learns (one per permitted peer address that
+#: sent without a channel). A permitted peer could spray source ports; past
+#: this many its datagrams take the Python path, which works the same.
+MAX_DATA_ROUTES = 64
+#: How long a Send route forwards to a (host, port) of the service's own hosts
+#: after the control plane approved it (it is judged per port: a service port
+#: of this host is refused, RFC 8656 §9 leaves that policy to the server). One
+#: Python judgement per such peer per second instead of per datagram; a port
+#: that became a service port within the second is the exposure.
+SELF_PEER_APPROVAL = 1.0
+#: (host, port) approvals a Send route holds at most (a bound on memory).
+MAX_APPROVED = 64
+
+#: Padding bytes after a ChannelData payload of length n over TCP: PAD[n & 3]
+#: (RFC 8656 §12.5).
 PAD = (b"", b"\x00\x00\x00", b"\x00\x00", b"\x00")
 
 
-class PyListenerTap(PyCounters):
-    """Pure-Python :class:`ListenerTap`."""
+class SendsTo(Protocol):
+    """An out "socket" for routes: a fd for C, ``sendto`` for the twin."""
 
-    def __init__(self) -> None:
-        self.fd = -1
-        self.clients: dict[Address, dict[int, Route]] = {}
-        self.fallback: Callable[[bytes, Any], None] = _unset
-        super().__init__()
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        size = len(data)
-        if size >= 4 and 0x40 <= data[0] < 0x80:
-            routes = self.clients.get(addr if len(addr) == 2 else (addr[0], addr[1]))
-            if routes is not None:
-                route = routes.get((data[0] << 8) | data[1])
-                if route is not None:
-                    length = (data[2] << 8) | data[3]
-                    extra = size - 4 - length
-                    # RFC 8656 §12.5: shorter than claimed is dropped; over
-                    # UDP up to 3 bytes of padding may follow.
-                    if extra < 0 or extra > 3:
-                        self.malformed += 1
-                        return
-                    relay = route[0]
-                    if relay.bps and not relay.allow(length):
-                        return  # counted by the relay
-                    relay.sendto(data[4 : 4 + length], route[1])
-                    self.forwarded += 1
-                    self.forwarded_bytes += length
-                    return
-        self.fallback(data, addr)
+    def fileno(self) -> int: ...
+    def sendto(self, data: bytes, addr: Address, /) -> Any: ...
 
 
-class PyRelayTap(PyCounters):
-    """Pure-Python :class:`RelayTap` (UDP clients; TCP clients override
-    ``datagram_received``)."""
-
-    def __init__(self) -> None:
-        self.fd = -1
-        self.peer_channels: dict[Address, int] = {}
-        self.fallback: Callable[[bytes, Any], None] = _unset
-        super().__init__()
-        self._client: Address = ("", 0)
-        self._client_sendto: Callable[[bytes, Address], None] = _unset
-        #: Bandwidth limit, bytes/s both directions (0: none), token bucket.
-        self.bps = 0.0
-        self._tokens = 0.0
-        self._stamp = 0.0
-
-    def allow(self, size: int) -> bool:
-        """Spend ``size`` bytes of the bandwidth budget; False: drop it."""
-        if self.bps <= 0:
-            return True
-        now = time.monotonic()
-        tokens = min(self.bps, self._tokens + (now - self._stamp) * self.bps)
-        self._stamp = now
-        if tokens < size:
-            self._tokens = tokens
-            self.throttled += 1
-            return False
-        self._tokens = tokens - size
-        return True
-
-    def set_client(
-        self, fd: int, addr: Address, sendto: Callable[[bytes, Address], None]
-    ) -> None:
-        """Where ChannelData goes: ``sendto(frame, addr)`` from the listener."""
-        self._client = addr
-        self._client_sendto = sendto
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        key = addr if len(addr) == 2 else (addr[0], addr[1])
-        channel = self.peer_channels.get(key)
-        if channel is None:
-            self.fallback(data, key)
-            return
-        size = len(data)
-        if self.bps and not self.allow(size):
-            return
-        self._client_sendto(
-            bytes((channel >> 8, channel & 0xFF, size >> 8, size & 0xFF)) + data,
-            self._client,
-        )
-        self.forwarded += 1
-        self.forwarded_bytes += size
+def channel_key(client: Address, number: int) -> tuple[Address, bytes]:
+    """The listening side's route key of ChannelData on ``number`` from ``client``."""
+    return (client, number.to_bytes(CHANNEL_KEY_BYTES, "big"))
 
 
-class PyChannelRouter(PyCounters):
-    """Pure-Python :class:`ChannelRouter`."""
-
-    def __init__(self) -> None:
-        self.endpoints: dict[Any, dict[Address, dict[int, Route]]] = {}
-        self.fallback: Callable[[bytes, Address, Any], None] = _unset
-        super().__init__()
-
-    def handle_channel_data(self, data: bytes, client: Address, endpoint: Any) -> None:
-        clients = self.endpoints.get(endpoint)
-        if clients is not None:
-            routes = clients.get(client)
-            if routes is not None and len(data) >= 4:
-                route = routes.get((data[0] << 8) | data[1])
-                if route is not None:
-                    length = (data[2] << 8) | data[3]
-                    extra = len(data) - 4 - length
-                    if extra < 0 or extra > 3:
-                        self.malformed += 1
-                        return
-                    relay = route[0]
-                    if relay.bps and not relay.allow(length):
-                        return  # counted by the relay
-                    relay.sendto(data[4 : 4 + length], route[1])
-                    self.forwarded += 1
-                    self.forwarded_bytes += length
-                    return
-        self.fallback(data, client, endpoint)
+def channel_header(number: int, size: int) -> bytes:
+    """A ChannelData header (RFC 8656 §12.4)."""
+    return bytes((number >> 8, number & 0xFF, size >> 8, size & 0xFF))
 
 
-def _unset(*args: Any) -> None:
-    raise RuntimeError("tap used before it was configured")
+def listener_tap(
+    sock: socket.socket | None,
+    routes: dict[Any, Any],
+    fallback: Callable[[bytes, Any], None],
+) -> RouteTapLike:
+    """A tap on a STUN/TURN listening socket (``None``: fed by another reader
+    with ``datagram_received``); what is not routed ChannelData goes to
+    ``fallback(data, addr)``."""
+    return make_tap(sock, routes, fallback, prefix=CHANNEL_KEY_BYTES)
 
 
-ListenerTapBase: type[Any]
-RelayTapBase: type[Any]
-ChannelRouterType: type[Any]
-#: The C epoll set of taps (None in pure-Python mode).
-PollerType: type[Any] | None = None
-ACCELERATED = False
-if os.environ.get("CROSSROADS_TURN_PURE_PYTHON", "") not in ("1", "true", "yes"):
-    try:
-        from crossroads.transport._turnfast import (
-            ChannelRouter,
-            ListenerTap,
-            Poller,
-            RelayTap,
-        )
-    except ImportError:  # not built (no C compiler at install time)
-        pass
-    else:
-        ACCELERATED = True
-if ACCELERATED:
-    ListenerTapBase = ListenerTap
-    RelayTapBase = RelayTap
-    ChannelRouterType = ChannelRouter
-    PollerType = Poller
-else:
-    ListenerTapBase = PyListenerTap
-    RelayTapBase = PyRelayTap
-    ChannelRouterType = PyChannelRouter
+def to_peer_route(relay: socket.socket, peer: Address, budget: BudgetLike) -> RouteLike:
+    """Client -> peer: ChannelData's data, from the relay socket to ``peer``."""
+    return make_route(relay, peer, rewrite=Rewrite.UNWRAP_CHANNEL, budget=budget)
+
+
+def to_client_route(
+    listener: SendsTo, client: Address, number: int, budget: BudgetLike
+) -> RouteLike:
+    """Peer -> client: the peer's datagram as ChannelData on ``number``, from
+    the listening socket."""
+    return make_route(
+        listener,  # type: ignore[arg-type]
+        client,
+        rewrite=Rewrite.WRAP_CHANNEL,
+        channel=number,
+        budget=budget,
+    )
+
+
+def data_route(
+    listener: SendsTo, client: Address, peer: Address, txid: bytes, budget: BudgetLike
+) -> RouteLike:
+    """Peer -> client without a channel: the datagram in a Data indication
+    naming ``peer`` (transaction ids: ``txid``, 8 random bytes, + a counter)."""
+    return make_route(
+        listener,  # type: ignore[arg-type]
+        client,
+        rewrite=Rewrite.DATA_INDICATION,
+        budget=budget,
+        peer=peer,
+        txid=txid,
+    )
+
+
+def send_route(
+    relay: socket.socket,
+    permissions: dict[str, Any],
+    refuse: set[str],
+    budget: BudgetLike,
+) -> RouteLike:
+    """Client -> peer Send indications: the DATA, from the relay socket to the
+    XOR-PEER-ADDRESS, when its IP is in ``permissions`` (the allocation's live
+    table) and not in ``refuse`` (the service's own hosts, judged per port by
+    the control plane) unless the route's ``approved`` dict holds the (host,
+    port) with a deadline ahead (see :func:`approve`)."""
+    return make_route(
+        relay,
+        None,
+        rewrite=Rewrite.UNWRAP_SEND,
+        budget=budget,
+        permissions=permissions,
+        refuse=refuse,
+        approved={},
+    )
+
+
+def approve(route: Any, peer: Address, now: float) -> None:
+    """The control plane let a Send indication to ``peer`` (one of the
+    service's own hosts) through at ``time.monotonic()`` ``now``: the route
+    may forward there for :data:`SELF_PEER_APPROVAL` s."""
+    approved = route.approved
+    if approved is None:
+        return
+    if len(approved) >= MAX_APPROVED and peer not in approved:
+        approved.clear()  # stale ones go; each is re-earned in a second
+    approved[peer] = now + SELF_PEER_APPROVAL

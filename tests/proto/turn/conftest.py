@@ -53,11 +53,35 @@ class FakeRelay:
     sent: list[tuple[bytes, Address]] = field(default_factory=list)
     bps: float = 0.0
 
+    #: What the core routes client -> peer: channel number -> peer.
+    channel_routes: dict[int, Address] = field(default_factory=dict)
+    #: IPs whose permission lapsed (their learned data-plane routes go).
+    lapsed: list[str] = field(default_factory=list)
+
     def allow(self, size: int) -> bool:
         return True
 
     def sendto(self, data: bytes, addr: Address) -> None:
         self.sent.append((data, addr))
+
+    def route_channel(self, number: int, peer: Address) -> None:
+        self.channel_routes[number] = peer
+
+    def unroute_channel(self, number: int) -> None:
+        self.channel_routes.pop(number, None)
+
+    def route_peer(self, peer: Address, number: int) -> None:
+        self.peer_channels[peer] = number
+
+    def unroute_peer(self, peer: Address) -> None:
+        self.peer_channels.pop(peer, None)
+
+    def unroute_permission(self, ip: str) -> None:
+        self.lapsed.append(ip)
+
+    def unroute_all(self) -> None:
+        self.peer_channels.clear()
+        self.channel_routes.clear()
 
     def close(self) -> None:
         self.closed = True

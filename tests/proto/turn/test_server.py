@@ -567,19 +567,22 @@ def test_channel_bind_tables_and_expiry(harness: Harness) -> None:
     allocation = harness.server.allocations[udp()]
     relay = allocation.relays[Family.IPV4]
     assert allocation.routes[0x4000] == (relay, PEER)
+    assert relay.channel_routes == {0x4000: PEER}
     assert relay.peer_channels == {PEER: 0x4000}
     assert PEER[0] in allocation.permissions  # ChannelBind installs the permission
 
     # Permission lapses at 300 s: peer data stops, client->peer still routed.
     harness.advance(301)
     assert relay.peer_channels == {}
-    assert 0x4000 in allocation.routes
+    assert 0x4000 in allocation.routes and relay.channel_routes == {0x4000: PEER}
+    assert relay.lapsed == [PEER[0]]
     harness.request(Method.CREATE_PERMISSION, [XorPeerAddress(*PEER)], udp(), session)
     assert relay.peer_channels == {PEER: 0x4000}
 
     # Channel lapses at 600 s.
     harness.advance(300)
     assert allocation.routes == {} and relay.peer_channels == {}
+    assert relay.channel_routes == {}
     assert harness.server.channel_count == 0
 
 

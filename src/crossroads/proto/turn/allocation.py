@@ -15,16 +15,19 @@ once (so a deleted allocation and its relay sockets are freed now, not when
 their old deadline would have come, up to an hour later) and the heap drops such
 empty entries in bulk once they are as many as the live ones.
 
-The *forwarding tables* are plain dicts the data plane reads with one lookup per
-packet; only this module writes them:
+The *forwarding tables* are kept here and mirrored into the data plane's route
+table (:mod:`crossroads.transport.turnplane`) through the :class:`RelayPort`;
+only this module writes them:
 
 - :attr:`Allocation.routes` — channel number -> ``(relay, peer address)`` for
   ChannelData from the client (only live bindings; a binding needs no permission
-  check in this direction, RFC 8656 §12.5);
-- :attr:`RelayPort.peer_channels` — peer address -> channel number for data from a
-  peer, holding only bindings whose permission is live, so one lookup answers
-  "ChannelData or not" and "allowed or not" at once;
-- :attr:`Allocation.permitted` — peer IP -> :class:`Permission`, for Send
+  check in this direction, RFC 8656 §12.5); each entry is also
+  :meth:`RelayPort.route_channel`;
+- peer address -> channel number for data from a peer, holding only bindings
+  whose permission is live, so one lookup answers "ChannelData or not" and
+  "allowed or not" at once: :meth:`RelayPort.route_peer` /
+  :meth:`RelayPort.unroute_peer`;
+- :attr:`Allocation.permissions` — peer IP -> :class:`Permission`, for Send
   indications and Data indications (peers without a channel).
 
 Expired channel bindings stay reserved for 5 more minutes (RFC 8656 §12: a number
@@ -65,15 +68,42 @@ Schedule = Callable[[float, "Kind", object], TimerHandle]
 class RelayPort(Protocol):
     """A relay socket owned by the transport (one per allocation and family).
 
-    The core reads :attr:`address` and :attr:`family`, and maintains
-    :attr:`peer_channels` (the data plane's peer -> channel table).
+    The core reads :attr:`address` and :attr:`family`, and tells it which
+    traffic the data plane may forward (the ``route_*`` / ``unroute_*`` calls);
+    the transport turns those into routes.
     """
 
     address: Address
     family: Family
-    peer_channels: dict[Address, int]
-    #: Bandwidth limit in bytes/s for the data plane (0: none).
-    bps: float
+
+    @property
+    def bps(self) -> float:
+        """Bandwidth limit in bytes/s for the data plane (0: none)."""
+        ...
+
+    def route_channel(self, number: int, peer: Address) -> None:
+        """Forward the client's ChannelData on ``number`` to ``peer``."""
+        ...
+
+    def unroute_channel(self, number: int) -> None:
+        """Stop forwarding the client's ChannelData on ``number``."""
+        ...
+
+    def route_peer(self, peer: Address, number: int) -> None:
+        """Forward data from ``peer`` to the client as ChannelData on ``number``."""
+        ...
+
+    def unroute_peer(self, peer: Address) -> None:
+        """Stop forwarding data from ``peer`` as ChannelData."""
+        ...
+
+    def unroute_permission(self, ip: str) -> None:
+        """The permission for ``ip`` lapsed: forward nothing more from it."""
+        ...
+
+    def unroute_all(self) -> None:
+        """Forward nothing more (the allocation is being deleted)."""
+        ...
 
     def allow(self, size: int) -> bool:
         """Spend ``size`` bytes of the bandwidth budget (False: drop)."""
@@ -179,7 +209,7 @@ class Allocation:
         # Channels to this IP whose permission had lapsed forward again.
         for channel in self.channels.values():
             if channel.active and channel.peer[0] == ip:
-                channel.relay.peer_channels[channel.peer] = channel.number
+                channel.relay.route_peer(channel.peer, channel.number)
 
     def expire_permission(self, permission: Permission) -> None:
         """Remove a lapsed permission and stop peer data that depended on it."""
@@ -188,7 +218,9 @@ class Allocation:
             del self.permissions[permission.ip]
         for channel in self.channels.values():
             if channel.peer[0] == permission.ip:
-                channel.relay.peer_channels.pop(channel.peer, None)
+                channel.relay.unroute_peer(channel.peer)
+        for relay in self.relays.values():
+            relay.unroute_permission(permission.ip)
 
     # ------------------------------------------------------------ channels
 
@@ -226,8 +258,9 @@ class Allocation:
             channel.active = True
         self.install_permission(peer[0], now, schedule)
         self.routes[number] = (relay, peer)
+        relay.route_channel(number, peer)
         if peer[0] in self.permissions:
-            relay.peer_channels[peer] = number
+            relay.route_peer(peer, number)
         return channel
 
     def expire_channel(
@@ -239,7 +272,8 @@ class Allocation:
         """A binding lapsed: stop forwarding, keep the pair reserved 5 minutes."""
         channel.active = False
         self.routes.pop(channel.number, None)
-        channel.relay.peer_channels.pop(channel.peer, None)
+        channel.relay.unroute_channel(channel.number)
+        channel.relay.unroute_peer(channel.peer)
         # Counted from the moment the binding lapsed, not from when the timer
         # ran (a late timer must not lengthen the quarantine).
         channel.expires = min(channel.expires, now) + CHANNEL_QUARANTINE
@@ -274,7 +308,7 @@ class Allocation:
             cancel(channel.timer)
             channel.timer = None
         for relay in self.relays.values():
-            relay.peer_channels.clear()
+            relay.unroute_all()
         self.permissions.clear()
         self.channels.clear()
         self.channel_of_peer.clear()
