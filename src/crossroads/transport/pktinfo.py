@@ -121,6 +121,13 @@ class ReplySource:
             # the normalised a.b.c.d form.
             known[short] = control
 
+    def learn(self, addr: Any, ancdata: list[tuple[int, int, bytes]]) -> None:
+        """Reply to ``addr`` from where its datagram (carrying ``ancdata``, as
+        ``recvmsg`` gives it) was sent to."""
+        control = reply_control(ancdata)
+        if control is not None:
+            self.remember(addr, control)
+
     def control_for(self, addr: Any) -> Control | None:
         """The control message a datagram to ``addr`` leaves with (None: the
         kernel picks the source)."""
@@ -129,9 +136,7 @@ class ReplySource:
     def recvfrom(self, bufsize: int) -> tuple[bytes, Any]:
         """Like ``socket.recvfrom``, learning where the datagram was sent to."""
         data, ancdata, _flags, addr = self.sock.recvmsg(bufsize, ANCILLARY_BYTES)
-        control = reply_control(ancdata)
-        if control is not None:
-            self.remember(addr, control)
+        self.learn(addr, ancdata)
         return data, addr
 
     def sendto(self, data: bytes, addr: Any) -> int:
