@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.openttd.admission import (
+    CODES_EXHAUSTED,
     Refusal,
     may_take_over,
     refuse_join,
@@ -399,7 +400,10 @@ class Coordinator:
             return wanted
         if state.code is not None:
             return state.code
-        return await self.registry.new_code()
+        code = await self.registry.new_code()
+        if code is None:
+            self.refuse(conn, CODES_EXHAUSTED, "none")
+        return code
 
     async def _can_take_over(
         self, conn: PacketConnection, msg: ServerRegister, existing: ServerRecord
