@@ -11,8 +11,6 @@ code and secret still gets its own code.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
 from crossroads.client.openttd import GameInfoResponder
@@ -30,19 +28,16 @@ pytestmark = pytest.mark.timeout(60)
 CAP = 2
 
 
-@pytest.fixture
-async def game_server() -> AsyncIterator[GameInfoResponder]:
-    responder = GameInfoResponder()
-    await responder.start()
+async def test_new_servers_beyond_the_code_cap_are_refused() -> None:
+    game_server = GameInfoResponder()  # answers the registration's probe
+    await game_server.start()
     try:
-        yield responder
+        await refused_beyond_the_cap(game_server)
     finally:
-        await responder.close()
+        await game_server.close()
 
 
-async def test_new_servers_beyond_the_code_cap_are_refused(
-    game_server: GameInfoResponder,
-) -> None:
+async def refused_beyond_the_cap(game_server: GameInfoResponder) -> None:
     async with running(max_invite_codes=CAP) as rt:
         first, second = [await register(rt, game_server.port) for _ in range(CAP)]
         third = await gc(rt)
