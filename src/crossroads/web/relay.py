@@ -32,6 +32,7 @@ from crossroads.errors import DecodeError, StoreError
 from crossroads.proto import jsontext
 from crossroads.proto.bounded import BoundedMap
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.counting import spend_token
 from crossroads.ratelog import RateLimitedLog
 from crossroads.services.relay_allocations import (
     AllocationError,
@@ -246,13 +247,7 @@ class RateLimiter:
         if bucket is None:
             bucket = [self.burst, now]
             self._buckets.put(client, bucket)
-        tokens = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
-        bucket[1] = now
-        if tokens < 1:
-            bucket[0] = tokens
-            return False
-        bucket[0] = tokens - 1
-        return True
+        return spend_token(bucket, now, self.rate, self.burst)
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
