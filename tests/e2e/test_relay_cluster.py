@@ -53,6 +53,11 @@ def start_node_b(redis_url: str, log: Path) -> subprocess.Popen[bytes]:
                 redis_url,
                 "--relay-port",
                 "0",
+                # Every port the OS's choice, as loopback_config() does in
+                # process: the DTLS endpoint's default (7790) was taken once by
+                # another process and node B did not start.
+                "--relay-dtls-port",
+                "0",
                 "--relay-node-only",
                 "--relay-node-id",
                 "node-b",

@@ -385,7 +385,8 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
         "symmetric.",
         "A cell reads `✅ via seconds` (the",
         "step that connected and the time it took; `(retry)` when only the",
-        "method's retry connected, as a game retries natneg) or `❌`. How each",
+        "method's retry connected, as a game retries: natneg, and the sdk's",
+        "random searches) or `❌`. How each",
         "kind is built: [nat-lab.md](nat-lab.md).",
         "",
         *(
@@ -401,11 +402,12 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
         ),
         "## Summary",
         "",
-        "First attempt and with one retry (only natneg retries; for the other",
-        "methods the two columns are the same), with median / p90 time to connect.",
+        "First attempt and with retries (natneg retries once, the sdk's",
+        "random-search pairs up to twice; for the other methods the two columns",
+        "are the same), with median / p90 time to connect.",
         "",
         "| method | what it tries | first attempt | median / p90 |"
-        " with one retry | median / p90 |",
+        " with retries | median / p90 |",
         "|---|---|---|---|---|---|",
     ]
     for name in methods:

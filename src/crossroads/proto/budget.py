@@ -37,6 +37,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from crossroads.proto.bounded import BoundedMap
+
 #: Sources remembered at once; beyond it the least recently charged one is
 #: forgotten (its bucket refills), so memory stays bounded whatever the number
 #: of addresses an attacker has. The global bucket still bounds them all.
@@ -91,8 +93,8 @@ class FailureBudget:
     ) -> None:
         self.config = config
         self.max_sources = max_sources
-        #: source -> [tokens, last update]; insertion order = least recently used.
-        self._sources: dict[str, list[float]] = {}
+        #: source -> [tokens, last update], least recently charged evicted first.
+        self._sources: BoundedMap[str, list[float]] = BoundedMap(max_sources)
         self._global = [config.global_burst, 0.0]
         self._global_started = False
         #: Lookups refused because a bucket was empty, per bucket.
@@ -109,12 +111,10 @@ class FailureBudget:
         bucket[1] = now
 
     def _source_bucket(self, key: str, now: float) -> list[float]:
-        bucket = self._sources.pop(key, None)
+        bucket = self._sources.get(key)
         if bucket is None:
-            if len(self._sources) >= self.max_sources:
-                del self._sources[next(iter(self._sources))]
             bucket = [self.config.per_source_burst, now]
-        self._sources[key] = bucket
+            self._sources.put(key, bucket)
         return bucket
 
     def try_spend(self, source: str, now: float) -> bool:
@@ -148,7 +148,7 @@ class FailureBudget:
         """Give back the token of a lookup that succeeded."""
         config = self.config
         if config.per_source_rate > 0:
-            bucket = self._sources.get(source_key(source))
+            bucket = self._sources.peek(source_key(source))
             if bucket is not None:
                 bucket[0] = min(config.per_source_burst, bucket[0] + 1.0)
         if config.global_rate > 0:

@@ -10,6 +10,9 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from crossroads.errors import StoreError
@@ -120,6 +123,21 @@ class RedisStore:
     MAX_CONNECTIONS = 64
     #: How long an operation waits for a pooled connection before StoreError.
     POOL_TIMEOUT = 10.0
+    #: How long one reply may take. Every Store call is one small command (or a
+    #: SCAN page of 500 keys) that a live Redis answers in well under a
+    #: millisecond; a Redis that stopped answering (SIGSTOP, a frozen VM, a
+    #: black-holed route: the socket stays open, nothing comes back) would
+    #: otherwise hold the caller -- an HTTP request, a heartbeat -- for as long
+    #: as redis-py's default allows (none before redis-py 6; 5 s, retried, in
+    #: 8.x: 20 s a call measured). 2 s leaves a loaded machine ample margin.
+    SOCKET_TIMEOUT = 2.0
+    #: A PING on a connection idle this long before it is used (redis-py's
+    #: health check): a connection a restarted Redis dropped is noticed there.
+    HEALTH_CHECK_INTERVAL = 10
+    #: Retries of a command on a dropped connection (a Redis restart: the
+    #: pool's connection is stale, a new one works) -- not on a read timeout: a
+    #: Redis that did not answer in SOCKET_TIMEOUT will not answer a retry.
+    RETRIES = 1
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -128,8 +146,11 @@ class RedisStore:
             max_connections=self.MAX_CONNECTIONS,
             timeout=self.POOL_TIMEOUT,
             decode_responses=False,
-            health_check_interval=10,
-            retry_on_timeout=True,
+            health_check_interval=self.HEALTH_CHECK_INTERVAL,
+            retry=Retry(
+                NoBackoff(), self.RETRIES, supported_errors=(RedisConnectionError,)
+            ),
+            socket_timeout=self.SOCKET_TIMEOUT,
             socket_connect_timeout=5,
         )
         self.outage = OutageLog(url)

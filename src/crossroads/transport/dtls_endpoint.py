@@ -1,10 +1,14 @@
 """Runs a :class:`~crossroads.proto.dtls.server.DtlsServer` on one UDP socket.
 
 The same shape as :class:`crossroads.transport.relay.RelayEndpoint`: the socket
-is read with ``loop.add_reader`` in batches, the core's one timer (the
-driver's :class:`~crossroads.transport.driver.CoreTimer`) is re-armed after
-every batch, and what the core emits is sent with non-blocking ``sendto`` (a
-full kernel buffer drops and counts the datagram, as a UDP server should). Decrypted records and session changes go to ``on_events``; whoever
+is read by the relay data plane's reader (a
+:class:`~crossroads.transport.dataplane.RouteTap` with no routes: recvmmsg
+batches in C when built, its pure-Python twin otherwise), so every datagram
+reaches the core in arrival order through the tap's fallback; the core's one
+timer (the driver's :class:`~crossroads.transport.driver.CoreTimer`) is
+re-armed after every batch, and what the core emits is sent with non-blocking
+``sendto`` (a full kernel buffer drops and counts the datagram, as a UDP server
+should). Decrypted records and session changes go to ``on_events``; whoever
 owns the endpoint answers through :meth:`DtlsEndpoint.send_to`.
 """
 
@@ -13,18 +17,14 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from crossroads.proto.dtls.handshake import Closed, Established, Event
 from crossroads.proto.dtls.server import DtlsServer
+from crossroads.transport.dataplane import make_tap
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import ReplySource, is_wildcard
 from crossroads.types import Address
-
-#: Datagrams read per readiness callback (as transport/relay.py: enough to
-#: amortise the wake-up, few enough to keep timers and HTTP responsive).
-BATCH = 64
-#: Largest UDP payload: read any datagram whole (the core rejects the oversize).
-MAX_DATAGRAM = 65535
 
 
 class DtlsEndpoint:
@@ -41,10 +41,16 @@ class DtlsEndpoint:
         self.on_events = on_events
         self.send_failures = 0
         self._loop = asyncio.get_running_loop()
-        self._v4 = sock.family == socket.AF_INET
         self._replies = (
             ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
         )
+        #: No routes: every datagram goes to :meth:`_received` (the tap reads
+        #: whole datagrams, up to 64 KiB; the core rejects the oversize).
+        self.tap = make_tap(
+            sock, {}, self._received, ancillary=self._replies is not None
+        )
+        #: The time of the batch being read (set by its first datagram).
+        self._batch_now: float | None = None
         self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
         self._closed = False
         #: Addresses that have a session, and those whose session just ended
@@ -65,6 +71,7 @@ class DtlsEndpoint:
             return
         self._closed = True
         self._loop.remove_reader(self.sock.fileno())
+        self.tap.close()
         self._timer.close()
         self.sock.close()
 
@@ -77,20 +84,20 @@ class DtlsEndpoint:
             self._transmit(now)
 
     def _readable(self) -> None:
-        replies = self._replies
-        recvfrom = self.sock.recvfrom if replies is None else replies.recvfrom
-        now = self._loop.time()
-        v4 = self._v4
-        for _ in range(BATCH):
-            try:
-                data, raw = recvfrom(MAX_DATAGRAM)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                continue  # asynchronous errors (ICMP) surface here
-            addr: Address = raw if v4 else (raw[0], raw[1])
-            self.core.receive_datagram(data, addr, now)
-        self._flush(now)
+        self.tap.readable()
+        now = self._batch_now
+        if now is not None:
+            self._batch_now = None
+            self._flush(now)
+
+    def _received(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
+        """The tap's fallback: one datagram, in arrival order."""
+        if self._replies is not None and ancdata:
+            self._replies.learn(addr, ancdata)
+        now = self._batch_now
+        if now is None:
+            now = self._batch_now = self._loop.time()
+        self.core.receive_datagram(data, addr, now)
 
     def _transmit(self, now: float) -> None:
         sendto = self.sock.sendto if self._replies is None else self._replies.sendto

@@ -29,6 +29,7 @@ import socket
 import struct
 from typing import Any, cast
 
+from crossroads.proto.bounded import BoundedMap
 from crossroads.types import Address, normalize_address
 
 IP_PKTINFO: int = getattr(socket, "IP_PKTINFO", 8)
@@ -37,8 +38,8 @@ IPV6_PKTINFO: int = getattr(socket, "IPV6_PKTINFO", 50)
 #: Room for one control message: in6_pktinfo is 20 bytes, in_pktinfo 12
 #: (ip(7), ipv6(7)). Both options may be on for a dual-stack socket.
 ANCILLARY_BYTES = socket.CMSG_SPACE(20) * 2
-#: Client addresses remembered per socket; beyond it the oldest is forgotten
-#: (its next datagram teaches it again). 65,536 entries of ~200 bytes: ~13 MB
+#: Client addresses remembered per socket; beyond it the least recently heard
+#: one is forgotten (its next datagram teaches it again). 65,536 entries of ~200 bytes: ~13 MB
 #: at worst, the same bound as the STUN address cache.
 MAX_CLIENTS = 65_536
 #: Datagrams read per readiness callback (the same amortisation as the relay
@@ -101,7 +102,7 @@ class ReplySource:
         enable_pktinfo(sock)
         self.sock = sock
         self.capacity = capacity
-        self._known: dict[Address, Control] = {}
+        self._known: BoundedMap[Address, Control] = BoundedMap(capacity)
 
     def __len__(self) -> int:
         return len(self._known)
@@ -112,31 +113,34 @@ class ReplySource:
         key: Address = (addr[0], addr[1])
         if known.get(key) == control:
             return
-        if key not in known and len(known) >= self.capacity:
-            del known[next(iter(known))]
-        known[key] = control
+        known.put(key, control)
         short = normalize_address(addr)
         if short != key:
             # A dual-stack socket sees ::ffff:a.b.c.d; callers often send to
             # the normalised a.b.c.d form.
-            known[short] = control
+            known.put(short, control)
+
+    def learn(self, addr: Any, ancdata: list[tuple[int, int, bytes]]) -> None:
+        """Reply to ``addr`` from where its datagram (carrying ``ancdata``, as
+        ``recvmsg`` gives it) was sent to."""
+        control = reply_control(ancdata)
+        if control is not None:
+            self.remember(addr, control)
 
     def control_for(self, addr: Any) -> Control | None:
         """The control message a datagram to ``addr`` leaves with (None: the
         kernel picks the source)."""
-        return self._known.get((addr[0], addr[1]))
+        return self._known.peek((addr[0], addr[1]))
 
     def recvfrom(self, bufsize: int) -> tuple[bytes, Any]:
         """Like ``socket.recvfrom``, learning where the datagram was sent to."""
         data, ancdata, _flags, addr = self.sock.recvmsg(bufsize, ANCILLARY_BYTES)
-        control = reply_control(ancdata)
-        if control is not None:
-            self.remember(addr, control)
+        self.learn(addr, ancdata)
         return data, addr
 
     def sendto(self, data: bytes, addr: Any) -> int:
         """Like ``socket.sendto``, from the address ``addr`` last sent to."""
-        control = self._known.get((addr[0], addr[1]))
+        control = self._known.peek((addr[0], addr[1]))
         if control is None:
             return self.sock.sendto(data, addr)
         return self.sock.sendmsg([data], [control], 0, addr)

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto import jsontext
+from crossroads.proto.bounded import BoundedMap
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.counting import spend_token
 from crossroads.ratelog import RateLimitedLog
@@ -197,7 +198,9 @@ MAX_BODY = 16 * 1024
 #: Unity's error code for an unknown or expired join code (reference §1.3); the
 #: one failure a join-code guesser pays for.
 JOIN_CODE_NOT_FOUND = 15009
-#: Client IPs tracked by the rate limiter before the oldest is forgotten.
+#: Client IPs tracked by the rate limiter before the least recently seen one
+#: is forgotten (its bucket refills): memory bounded whatever the number of
+#: addresses, ~100 bytes an entry.
 MAX_TRACKED_CLIENTS = 65_536
 
 #: A route handler of the allocations API.
@@ -220,13 +223,27 @@ async def _read_body(request: Request) -> bytes:
 
 
 class RateLimiter:
-    """A token bucket per client IP, for the calls that create allocations."""
+    """A token bucket per client IP, for the calls that create allocations.
+    A full table forgets the least recently *seen* client, so one that keeps
+    calling (and keeps being refused) stays refused while new addresses
+    arrive: forgetting the oldest *inserted* one handed it a fresh bucket."""
 
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        clock: Callable[[], float],
+        max_clients: int = MAX_TRACKED_CLIENTS,
+    ) -> None:
         self.rate = rate
         self.burst = burst
         self.clock = clock
-        self._buckets: dict[str, list[float]] = {}
+        self._buckets: BoundedMap[str, list[float]] = BoundedMap(max_clients)
+
+    @property
+    def forgotten(self) -> int:
+        """Clients whose bucket was dropped to make room (a full table)."""
+        return self._buckets.evicted
 
     def allow(self, client: str) -> bool:
         if self.rate <= 0:
@@ -234,9 +251,8 @@ class RateLimiter:
         now = self.clock()
         bucket = self._buckets.get(client)
         if bucket is None:
-            if len(self._buckets) >= MAX_TRACKED_CLIENTS:
-                del self._buckets[next(iter(self._buckets))]
-            bucket = self._buckets[client] = [self.burst, now]
+            bucket = [self.burst, now]
+            self._buckets.put(client, bucket)
         return spend_token(bucket, now, self.rate, self.burst)
 
 

@@ -25,6 +25,13 @@ forwarder with RakNet's unconnected ping, report (``5c 08``), and the
 coordinator asks the one with the lowest summed ping; both then send through
 the port they are given. Connected when a game datagram crosses both ways.
 
+A matrix run starts one :class:`LabProxyServer` for all its attempts
+(:func:`prepare`), as a real proxy server outlives the games it carries. One
+per attempt, closed when its attempt ended, was listed to the attempts running
+beside it too: one that picked it by ping lost its forwarder in the middle of
+its game data when the other attempt finished (1 cell in ~100 failed under
+load, always a relay pair).
+
 This is crossroads' emulation of the client plugins, not the stock C++
 client (the PyPI wheel exposes the peer, not the plugins); what it proves is
 the server side: the exchange and the forwarders between real kernel NATs.
@@ -36,6 +43,7 @@ import asyncio
 import os
 import socket
 import time
+from typing import Any
 
 from crossroads.errors import DecodeError
 from crossroads.lab import netns
@@ -471,14 +479,38 @@ async def proxy(a: LabClient, b: LabClient) -> str | None:
     return f"{which}, chosen by ping from {listed}" if listed else which
 
 
+#: ``Attempt.shared`` key of the matrix run's :class:`LabProxyServer` (None
+#: when it could not log in: the coordinator's own forwarder only).
+SHARED_PROXY = "raknet-proxy-server"
+
+
+async def prepare(lab: Lab, shared: dict[str, Any]) -> None:
+    """One second UDPProxyServer for the whole matrix run (module docstring)."""
+    if SHARED_PROXY in shared:
+        return
+    second = LabProxyServer(lab)
+    try:
+        await second.start()
+    except TimeoutError:
+        await second.close()
+        shared[SHARED_PROXY] = None
+        return
+    shared[SHARED_PROXY] = second
+    shared["cleanups"].append(second.close)
+
+
 async def run(attempt: Attempt) -> Outcome:
     started = time.monotonic()
     a = LabClient(attempt.lab.udp_socket(attempt.a))
     b = LabClient(attempt.lab.udp_socket(attempt.b))
-    second = LabProxyServer(attempt.lab)
+    # A lone attempt (no matrix run around it) brings its own second server.
+    own = None if SHARED_PROXY in attempt.shared else LabProxyServer(attempt.lab)
     try:
         try:
-            await asyncio.gather(a.connect(), b.connect(), second.start())
+            starts = [a.connect(), b.connect()]
+            if own is not None:
+                starts.append(own.start())
+            await asyncio.gather(*starts)
         except TimeoutError as exc:
             return Outcome(False, detail=str(exc))
         if await punchthrough(a, b):
@@ -493,7 +525,8 @@ async def run(attempt: Attempt) -> Outcome:
     finally:
         a.sock.close()
         b.sock.close()
-        await second.close()
+        if own is not None:
+            await own.close()
 
 
 def expected_via(x: NatKind, y: NatKind) -> str | None:
@@ -515,6 +548,7 @@ METHOD = register(
         # connect, punch request, CONNECT_AT_TIME, punch, proxy request, ping
         # round, forwarder answer: a few lab round trips each.
         timeout=6 * STEP_S + PUNCH_S + 8,
+        prepare=prepare,
         needs=("raknet",),
     )
 )

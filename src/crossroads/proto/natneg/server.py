@@ -92,9 +92,9 @@ import heapq
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import TypeVar
 
 from crossroads.errors import DecodeError
+from crossroads.proto.bounded import BoundedMap
 from crossroads.proto.counting import spend_token
 from crossroads.proto.natneg.packets import (
     NATIFY_COOKIE,
@@ -124,9 +124,6 @@ from crossroads.proto.natneg.packets import (
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.timing import crossing_leads
 from crossroads.types import Address
-
-K = TypeVar("K")
-V = TypeVar("V")
 
 
 class Endpoint(IntEnum):
@@ -519,8 +516,13 @@ class NatNegServer:
         self._out: list[tuple[bytes, Address, Endpoint]] = []
         self._events: list[Event] = []
         self._buckets: dict[str, list[float]] = {}
-        self._nat_history: dict[str, tuple[int, float]] = {}
-        self._failed_pairs: dict[tuple[str, str], float] = {}
+        #: Bounded by ``max_history`` each, oldest report forgotten first.
+        self._nat_history: BoundedMap[str, tuple[int, float]] = BoundedMap(
+            self.config.max_history, lru=False
+        )
+        self._failed_pairs: BoundedMap[tuple[str, str], float] = BoundedMap(
+            self.config.max_history, lru=False
+        )
         self._preinits: dict[int, _PreinitEntry] = {}
         self._next_housekeeping: float | None = None
 
@@ -724,21 +726,15 @@ class NatNegServer:
         self._prune_buckets(now)
         history = self._nat_history
         for ip in [ip for ip, (_, expires) in history.items() if expires <= now]:
-            del history[ip]
+            history.pop(ip)
         for pair in [p for p, expires in self._failed_pairs.items() if expires <= now]:
-            del self._failed_pairs[pair]
+            self._failed_pairs.pop(pair)
         for cookie in [c for c, e in self._preinits.items() if e.expires <= now]:
             del self._preinits[cookie]
         busy = (
             self._buckets or self._nat_history or self._failed_pairs or self._preinits
         )
         self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL if busy else None
-
-    def _remember(self, table: dict[K, V], key: K, value: V) -> None:
-        if key not in table and len(table) >= self.config.max_history:
-            # Oldest insertion first: dicts keep insertion order.
-            del table[next(iter(table))]
-        table[key] = value
 
     # ------------------------------------------------------------ INIT
 
@@ -1191,9 +1187,7 @@ class NatNegServer:
         nat_type = p.nat_type
         ip = addr[0]
         if nat_type is not None and nat_type < NatType.UNKNOWN:
-            self._remember(
-                self._nat_history, ip, (nat_type, now + self.config.history_ttl)
-            )
+            self._nat_history.put(ip, (nat_type, now + self.config.history_ttl))
             self._arm_housekeeping(now)
         session = self._sessions.get(p.cookie)
         if (
@@ -1211,8 +1205,7 @@ class NatNegServer:
                     session, Outcome.CONNECTED if success else Outcome.FAILED, now
                 )
                 if not success and a.public_ip != b.public_ip:
-                    self._remember(
-                        self._failed_pairs,
+                    self._failed_pairs.put(
                         _pair(a.public_ip, b.public_ip),
                         now + self.config.history_ttl,
                     )

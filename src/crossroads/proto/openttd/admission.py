@@ -51,6 +51,16 @@ class Refusal:
     close: bool = True
 
 
+#: A new server when ``--openttd-max-invite-codes`` codes are reserved: each
+#: lives 30 days, so without a global cap many source addresses (IPv6 /64s
+#: are cheap), each within its rate, could grow the store without bound.
+CODES_EXHAUSTED = Refusal(
+    "codes-exhausted",
+    ErrorType.REGISTRATION_FAILED,
+    "no invite codes left on this coordinator, try again later",
+)
+
+
 def refuse_registration(
     msg: ServerRegister,
     rate_ok: bool,

@@ -46,7 +46,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from crossroads.proto.openttd.admission import may_take_over, registered_record
+from crossroads.proto.openttd.admission import (
+    CODES_EXHAUSTED,
+    may_take_over,
+    registered_record,
+)
 from crossroads.proto.openttd.codes import (
     check_invite_code_secret,
     looks_like_invite_code,
@@ -79,7 +83,8 @@ class InstanceAlive:
 
 @dataclass(frozen=True, slots=True)
 class NewCode:
-    """Reserve a fresh invite code (answer: ``str``)."""
+    """Reserve a fresh invite code (answer: ``str``, or None when the
+    deployment's invite-code cap is reached)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +366,11 @@ class ServerRegistration:
         match self._step:
             case Step.NEW_CODE if isinstance(answer, str):
                 return self._start_check(answer, now)
+            case Step.NEW_CODE if answer is None:
+                # The deployment's invite-code cap is reached.
+                self.stage = Stage.DONE
+                exhausted = CODES_EXHAUSTED
+                return [Refused(exhausted.result, exhausted.error, exhausted.detail)]
             case Step.GET_SERVER if answer is None and code is not None:
                 return [self._keep(code)]
             case Step.GET_SERVER if isinstance(answer, ServerRecord):

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
+from crossroads.proto.bounded import BoundedMap
 
 U24 = 1 << 24
 HALF_U24 = 1 << 23
@@ -343,7 +344,12 @@ class ReliabilityLayer:
         self._split_gate = -1
         self._queue: deque[tuple[Frame, bytes]] = deque()
         self._in_flight: dict[int, _InFlight] = {}
-        self._datagrams: dict[int, tuple[int, list[int]]] = {}
+        #: Sent datagrams awaiting an ACK: (sent ms, reliable numbers). A peer
+        #: that never ACKs leaves the oldest forgotten (their frames were resent
+        #: in later datagrams anyway).
+        self._datagrams: BoundedMap[int, tuple[int, list[int]]] = BoundedMap(
+            4 * RESEND_BUFFER, lru=False
+        )
         self._srtt: float | None = None
         self._rttvar = 0.0
         #: Time of the last reliable send, for the keep-alive ping rule.
@@ -499,7 +505,7 @@ class ReliabilityLayer:
 
     def _on_ack(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
         for number in self._numbers_in(ranges):
-            entry = self._datagrams.pop(number, None)
+            entry = self._datagrams.pop(number)
             if entry is None:
                 continue
             sent_ms, reliables = entry
@@ -514,7 +520,7 @@ class ReliabilityLayer:
 
     def _on_nak(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
         for number in self._numbers_in(ranges):
-            entry = self._datagrams.pop(number, None)
+            entry = self._datagrams.pop(number)
             if entry is None:
                 continue
             for index in entry[1]:
@@ -688,10 +694,7 @@ class ReliabilityLayer:
         number = self._next_datagram
         self._next_datagram = (number + 1) % U24
         if reliables:
-            self._datagrams[number] = (now_ms, reliables)
-            if len(self._datagrams) > 4 * RESEND_BUFFER:
-                # Unanswered datagrams of frames since resent: forget the oldest.
-                self._datagrams.pop(next(iter(self._datagrams)))
+            self._datagrams.put(number, (now_ms, reliables))
         return bytes([DATA_FLAGS]) + number.to_bytes(3, "little") + bytes(body)
 
     def _chunked_ranges(self, flags: int, numbers: list[int]) -> list[bytes]:

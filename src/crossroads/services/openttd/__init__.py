@@ -74,6 +74,11 @@ def _positive(value: float) -> None:
         raise ValueError("must be greater than 0")
 
 
+def _not_negative(value: float) -> None:
+    if value < 0:
+        raise ValueError("must be 0 or more")
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """The ``[openttd]`` section."""
@@ -179,6 +184,14 @@ class Config:
         kind="int",
         check=_positive,
         help="Registered servers per source IP (IPv6: per /64), per instance.",
+    )
+    max_invite_codes: int = setting(
+        250_000,
+        kind="int",
+        check=_not_negative,
+        help="Invite codes reserved at once across the deployment (each for 30 days "
+        "after its server was last seen); a new server beyond it is refused. "
+        "0: no cap.",
     )
     listing_cache: float = setting(
         2.0, kind="float", check=_positive, help="Seconds a server listing is reused."
@@ -362,6 +375,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
         os.urandom,
         instance=service.instance,
         instance_every=cfg.instance_heartbeat,
+        max_codes=cfg.max_invite_codes,
     )
     service.registry = registry
     bus = Bus(store, service.instance, ctx.metrics)

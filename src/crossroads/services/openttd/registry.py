@@ -12,6 +12,9 @@ key                              value                                         l
                                  re-publishes it, store/shared_secret.py)
 ``openttd:code:<code>``          an issued invite code (SET NX claims it)      30 days,
                                                                                refreshed
+``openttd:codes:<day>``          INCR count of codes drawn that UTC day        31 days
+                                 (the global cap, ``--openttd-max-invite-
+                                 codes``)
 ``openttd:servers``              hash: code -> server record (below)           per field
                                                                                ``expires``
 ``openttd:newgrf``               hash: ``<grfid>-<md5>`` -> index and name     none
@@ -74,6 +77,13 @@ INSTANCE_TTL = INSTANCE_EVERY * INSTANCE_HEARTBEATS
 #: How often to draw a new code when the drawn one is taken (2^40 codes: one
 #: retry is already astronomically rare).
 CODE_ATTEMPTS = 16
+#: The global cap counts codes drawn per UTC day, one counter key a day. A
+#: reservation lives CODE_RESERVATION, so the codes reserved now are at most
+#: those drawn in the last CODE_DAYS days (counting the oldest, partly expired
+#: day whole errs on the safe side). No per-key count is needed: a SCAN of a
+#: million keys per registration would be the flood it guards against.
+CODE_DAY = 24 * 3600.0
+CODE_DAYS = int(CODE_RESERVATION // CODE_DAY) + 1
 
 
 def channel(instance: str) -> str:
@@ -94,10 +104,18 @@ class Registry:
     #: NewGRF lookup table cache: key -> index, index -> NewGRF.
     newgrf_index: dict[tuple[int, bytes], int] = field(default_factory=dict)
     newgrf_by_index: dict[int, NewGRF] = field(default_factory=dict)
+    #: Invite codes reserved at once across the deployment; 0: no cap.
+    max_codes: int = 0
+    #: (day, codes drawn on the days before it that still count): final once
+    #: the day is over, so read once a day per instance.
+    _earlier_days: tuple[int, int] = field(default=(-1, 0), init=False, repr=False)
 
     # --------------------------------------------------------------- codes
 
-    async def new_code(self) -> str:
+    async def new_code(self) -> str | None:
+        """A newly reserved invite code; None when ``max_codes`` are reserved."""
+        if self.max_codes and not await self._count_new_code():
+            return None
         for _ in range(CODE_ATTEMPTS):
             code = make_invite_code(self.random_bytes(8))
             if await self.store.set(
@@ -105,6 +123,23 @@ class Registry:
             ):
                 return code
         raise RuntimeError("could not draw a free invite code")
+
+    async def _count_new_code(self) -> bool:
+        """Count one more code drawn today; False (uncounted) over the cap."""
+        day = int(self.wall_clock() // CODE_DAY)
+        key = f"{PREFIX}codes:{day}"
+        drawn_today = await self.store.incr(key)
+        await self.store.expire(key, CODE_DAYS * CODE_DAY)
+        if self._earlier_days[0] != day:
+            earlier = 0
+            for past in range(day - CODE_DAYS + 1, day):
+                raw = await self.store.get(f"{PREFIX}codes:{past}")
+                earlier += int(raw) if raw is not None and raw.isdigit() else 0
+            self._earlier_days = (day, earlier)
+        if drawn_today + self._earlier_days[1] > self.max_codes:
+            await self.store.incr(key, -1)
+            return False
+        return True
 
     async def keep_code(self, code: str) -> None:
         await self.store.set(f"{PREFIX}code:{code}", b"1", ttl=CODE_RESERVATION)
