@@ -92,8 +92,9 @@ def test_reader_fields_and_end() -> None:
 
 
 def test_reader_errors() -> None:
-    with pytest.raises(DecodeError, match="inside a field"):
+    with pytest.raises(DecodeError, match="truncated") as short:
         Reader(b"\x01").u16()
+    assert short.value.reason == "short"
     with pytest.raises(DecodeError, match="NUL"):
         Reader(b"abc").string(10)
     with pytest.raises(DecodeError, match="exceeds"):
@@ -104,8 +105,9 @@ def test_reader_errors() -> None:
         Reader(b"\x02").boolean()
     r = Reader(b"\0x")
     assert r.string(5) == ""
-    with pytest.raises(DecodeError, match="trailing"):
+    with pytest.raises(DecodeError, match="trailing") as trailing:
         r.end()
+    assert trailing.value.reason == "trailing-bytes"
 
 
 def test_free_text_is_truncated_like_openttd() -> None:
