@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from enum import IntEnum
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -130,3 +132,14 @@ def test_writer_refuses_what_the_peer_would_refuse() -> None:
 def test_writer_header_counts_the_whole_packet() -> None:
     assert Writer(3).u8(1).finish() == b"\x04\x00\x03\x01"
     assert packet(7) == b"\x03\x00\x07"
+
+
+def test_reader_u8_enum() -> None:
+    class Colour(IntEnum):
+        RED = 0
+        BLUE = 3
+
+    assert Reader(b"\x03").u8_enum(Colour, "bad-colour") is Colour.BLUE
+    with pytest.raises(DecodeError, match="Colour 2") as bad:
+        Reader(b"\x02").u8_enum(Colour, "bad-colour")
+    assert bad.value.reason == "bad-colour"

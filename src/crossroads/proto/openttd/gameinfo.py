@@ -139,11 +139,7 @@ def decode_game_info(
     if version >= 7:
         ticks = r.u64()
     if version >= 6:
-        raw_nst = r.u8()
-        try:
-            nst = NewGRFSerialization(raw_nst)
-        except ValueError:
-            raise DecodeError(f"NewGRF serialization {raw_nst}", "bad-nst") from None
+        nst = r.u8_enum(NewGRFSerialization, "bad-nst")
     if version >= 5:
         gs_version = r.u32()
         gs_name = r.string(NAME_LENGTH, truncate=True)

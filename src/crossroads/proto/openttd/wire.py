@@ -20,7 +20,8 @@ fields. Nothing here does I/O.
 from __future__ import annotations
 
 import struct
-from typing import ClassVar, Literal
+from enum import IntEnum
+from typing import ClassVar, Literal, TypeVar
 
 from crossroads.errors import DecodeError, LocalProtocolError
 from crossroads.proto.binary import ByteReader
@@ -44,6 +45,8 @@ ERROR_DETAIL_LENGTH = 100
 NAME_LENGTH = 80
 REVISION_LENGTH = 33
 GRF_NAME_LENGTH = 80
+
+EnumT = TypeVar("EnumT", bound=IntEnum)
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -69,6 +72,15 @@ class Reader(ByteReader):
         if value > 1:
             raise DecodeError(f"boolean field holds {value}", "bad-bool")
         return value == 1
+
+    def u8_enum(self, kind: type[EnumT], reason: str) -> EnumT:
+        """A uint8 that must be a member of ``kind``; any other value is a
+        :class:`DecodeError` labelled ``reason``."""
+        raw = self.u8()
+        try:
+            return kind(raw)
+        except ValueError:
+            raise DecodeError(f"{kind.__name__} {raw}", reason) from None
 
     def u16(self) -> int:
         return self.uint(2)
