@@ -162,3 +162,40 @@ def test_random_bytes_decode_or_raise_decode_error(data: bytes) -> None:
 @given(game_info(7))
 def test_json_round_trip(info: GameInfo) -> None:
     assert game_info_from_json(game_info_to_json(info)) == info
+
+
+def test_json_form_names_every_field() -> None:
+    # Store records of other instances (and older releases) carry this form:
+    # every GameInfo field under its own name, NewGRFs as hex strings.
+    grf = NewGRF(0x4D470102, bytes(range(16)), "OpenGFX+")
+    expected: dict[str, object] = {
+        "server_name": "s",
+        "server_revision": "14.1",
+        "use_password": True,
+        "clients_max": 1,
+        "clients_on": 2,
+        "spectators_on": 3,
+        "map_width": 4,
+        "map_height": 5,
+        "landscape": 2,
+        "dedicated": True,
+        "companies_max": 6,
+        "companies_on": 7,
+        "spectators_max": 8,
+        "game_date": 9,
+        "start_date": 10,
+        "newgrfs": [
+            {"grfid": "4d470102", "md5": bytes(range(16)).hex(), "name": "OpenGFX+"}
+        ],
+        "gamescript_version": 11,
+        "gamescript_name": "gs",
+        "ticks_playing": 12,
+    }
+    # Each value differs from its field's default, so a field missing from
+    # either direction shows.
+    scalars = {key: value for key, value in expected.items() if key != "newgrfs"}
+    info = GameInfo(newgrfs=(grf,), **scalars)  # type: ignore[arg-type]
+    assert game_info_to_json(info) == expected
+    assert game_info_from_json(expected) == info
+    with pytest.raises(ValueError, match="map_width"):
+        game_info_from_json({**expected, "map_width": True})

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from enum import IntEnum
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -92,8 +94,9 @@ def test_reader_fields_and_end() -> None:
 
 
 def test_reader_errors() -> None:
-    with pytest.raises(DecodeError, match="inside a field"):
+    with pytest.raises(DecodeError, match="truncated") as short:
         Reader(b"\x01").u16()
+    assert short.value.reason == "short"
     with pytest.raises(DecodeError, match="NUL"):
         Reader(b"abc").string(10)
     with pytest.raises(DecodeError, match="exceeds"):
@@ -104,8 +107,9 @@ def test_reader_errors() -> None:
         Reader(b"\x02").boolean()
     r = Reader(b"\0x")
     assert r.string(5) == ""
-    with pytest.raises(DecodeError, match="trailing"):
+    with pytest.raises(DecodeError, match="trailing") as trailing:
         r.end()
+    assert trailing.value.reason == "trailing-bytes"
 
 
 def test_free_text_is_truncated_like_openttd() -> None:
@@ -128,3 +132,14 @@ def test_writer_refuses_what_the_peer_would_refuse() -> None:
 def test_writer_header_counts_the_whole_packet() -> None:
     assert Writer(3).u8(1).finish() == b"\x04\x00\x03\x01"
     assert packet(7) == b"\x03\x00\x07"
+
+
+def test_reader_u8_enum() -> None:
+    class Colour(IntEnum):
+        RED = 0
+        BLUE = 3
+
+    assert Reader(b"\x03").u8_enum(Colour, "bad-colour") is Colour.BLUE
+    with pytest.raises(DecodeError, match="Colour 2") as bad:
+        Reader(b"\x02").u8_enum(Colour, "bad-colour")
+    assert bad.value.reason == "bad-colour"

@@ -27,6 +27,25 @@ def test_external_address_response() -> None:
     )
 
 
+def test_response_layouts() -> None:
+    # RFC 6886 §3.2: version 0, opcode 128, result, epoch, external IPv4 address
+    address = natpmp.ExternalAddressResponse(0, 3600, "203.0.113.1")
+    assert address.encode() == bytes.fromhex(
+        "0080 0000 00000e10 cb007101".replace(" ", "")
+    )
+    # §3.3: version 0, opcode 128 + 2 (TCP), result 2, epoch, internal port,
+    # mapped external port, lifetime
+    mapped = natpmp.MapResponse(natpmp.Opcode.MAP_TCP, 2, 10, 5000, 6000, 7200)
+    assert mapped.encode() == bytes.fromhex(
+        "0082 0002 0000000a 1388 1770 00001c20".replace(" ", "")
+    )
+    # §3.4: a deletion asks for external port 0 and lifetime 0
+    delete = natpmp.MapRequest(natpmp.Opcode.MAP_TCP, 5000, 0, 0)
+    assert delete.encode() == bytes.fromhex(
+        "0002 0000 1388 0000 00000000".replace(" ", "")
+    )
+
+
 def test_mapping_response_and_error() -> None:
     ok = natpmp.MapResponse(natpmp.Opcode.MAP_UDP, 0, 10, 5000, 6000, 3600)
     assert natpmp.decode_response(ok.encode()) == ok

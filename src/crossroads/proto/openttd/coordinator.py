@@ -135,6 +135,26 @@ VERSION_TURN = 5
 VERSION_REUSE_ERROR = 6
 
 
+def open_service_packet(
+    packet_type: int,
+    payload: bytes,
+    expected: IntEnum,
+    first_version: int,
+    service: str,
+) -> tuple[Reader, int]:
+    """Open the one packet the STUN or TURN service receives: it must be of type
+    ``expected`` and lead with a coordinator protocol version from
+    ``first_version`` (the one that brought the service) to ours. Returns the
+    reader after the version, and the version; ``service`` names it in errors."""
+    if packet_type != expected:
+        raise DecodeError(f"{service} packet type {packet_type}", "bad-type")
+    r = Reader(payload)
+    version = r.u8()
+    if not first_version <= version <= COORDINATOR_VERSION:
+        raise DecodeError(f"{service} protocol version {version}", "version")
+    return r, version
+
+
 # ----------------------------------------------------------- peer -> coordinator
 
 
@@ -426,11 +446,7 @@ def decode_peer_packet(packet_type: int, payload: bytes) -> PeerMessage:
 
 
 def _gc_error(r: Reader, version: int, lookup: Mapping[int, NewGRF]) -> GcMessage:
-    raw = r.u8()
-    try:
-        error = ErrorType(raw)
-    except ValueError:
-        raise DecodeError(f"error type {raw}", "bad-error") from None
+    error = r.u8_enum(ErrorType, "bad-error")
     return GcError(error, r.string(ERROR_DETAIL_LENGTH))
 
 
@@ -441,11 +457,7 @@ def _gc_register_ack(
     if version >= VERSION_INVITE_CODES:
         code = r.string(INVITE_CODE_LENGTH)
         secret = r.string(INVITE_CODE_SECRET_LENGTH)
-    raw = r.u8()
-    try:
-        connection_type = ConnectionType(raw)
-    except ValueError:
-        raise DecodeError(f"connection type {raw}", "bad-connection-type") from None
+    connection_type = r.u8_enum(ConnectionType, "bad-connection-type")
     return GcRegisterAck(connection_type, code, secret)
 
 

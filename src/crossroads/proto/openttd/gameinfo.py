@@ -26,8 +26,9 @@ whatever version each listing client asks for.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
+from typing import get_type_hints
 
 from crossroads.errors import DecodeError, LocalProtocolError
 from crossroads.proto.openttd.wire import (
@@ -138,11 +139,7 @@ def decode_game_info(
     if version >= 7:
         ticks = r.u64()
     if version >= 6:
-        raw_nst = r.u8()
-        try:
-            nst = NewGRFSerialization(raw_nst)
-        except ValueError:
-            raise DecodeError(f"NewGRF serialization {raw_nst}", "bad-nst") from None
+        nst = r.u8_enum(NewGRFSerialization, "bad-nst")
     if version >= 5:
         gs_version = r.u32()
         gs_name = r.string(NAME_LENGTH, truncate=True)
@@ -276,32 +273,20 @@ def encode_game_info(
     w.boolean(info.dedicated)
 
 
+#: :class:`GameInfo`'s integer fields (the counts, sizes and dates), by name,
+#: the same in the JSON form; the others are read one by one.
+_INTEGER_FIELDS = tuple(k for k, t in get_type_hints(GameInfo).items() if t is int)
+
+
 def game_info_to_json(info: GameInfo) -> dict[str, object]:
-    """A JSON-able dict (store records and the HTTP API)."""
-    return {
-        "server_name": info.server_name,
-        "server_revision": info.server_revision,
-        "use_password": info.use_password,
-        "clients_max": info.clients_max,
-        "clients_on": info.clients_on,
-        "spectators_on": info.spectators_on,
-        "map_width": info.map_width,
-        "map_height": info.map_height,
-        "landscape": info.landscape,
-        "dedicated": info.dedicated,
-        "companies_max": info.companies_max,
-        "companies_on": info.companies_on,
-        "spectators_max": info.spectators_max,
-        "game_date": info.game_date,
-        "start_date": info.start_date,
-        "newgrfs": [
-            {"grfid": f"{g.grfid:08x}", "md5": g.md5.hex(), "name": g.name}
-            for g in info.newgrfs
-        ],
-        "gamescript_version": info.gamescript_version,
-        "gamescript_name": info.gamescript_name,
-        "ticks_playing": info.ticks_playing,
-    }
+    """A JSON-able dict (store records and the HTTP API): every field under its
+    own name, NewGRFs as objects of hex strings."""
+    data: dict[str, object] = {f.name: getattr(info, f.name) for f in fields(info)}
+    data["newgrfs"] = [
+        {"grfid": f"{g.grfid:08x}", "md5": g.md5.hex(), "name": g.name}
+        for g in info.newgrfs
+    ]
+    return data
 
 
 def game_info_from_json(data: Mapping[str, object]) -> GameInfo:
@@ -336,23 +321,12 @@ def game_info_from_json(data: Mapping[str, object]) -> GameInfo:
         )
     ticks = data.get("ticks_playing")
     return GameInfo(
+        use_password=bool(data["use_password"]),
+        dedicated=bool(data["dedicated"]),
+        newgrfs=tuple(grfs),
+        ticks_playing=ticks if isinstance(ticks, int) else None,
         server_name=text("server_name"),
         server_revision=text("server_revision"),
-        use_password=bool(data["use_password"]),
-        clients_max=integer("clients_max"),
-        clients_on=integer("clients_on"),
-        spectators_on=integer("spectators_on"),
-        map_width=integer("map_width"),
-        map_height=integer("map_height"),
-        landscape=integer("landscape"),
-        dedicated=bool(data["dedicated"]),
-        companies_max=integer("companies_max"),
-        companies_on=integer("companies_on"),
-        spectators_max=integer("spectators_max"),
-        game_date=integer("game_date"),
-        start_date=integer("start_date"),
-        newgrfs=tuple(grfs),
-        gamescript_version=integer("gamescript_version"),
         gamescript_name=text("gamescript_name"),
-        ticks_playing=ticks if isinstance(ticks, int) else None,
+        **{key: integer(key) for key in _INTEGER_FIELDS},
     )

@@ -43,6 +43,7 @@ gives the wall time that corresponded to the ``now`` it started the core with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -62,6 +63,7 @@ from crossroads.proto.openttd.verify import (
     Concluded,
     Probe,
     RegistrationCheck,
+    VerifyCommand,
 )
 
 # ------------------------------------------------------------ store requests
@@ -254,8 +256,7 @@ class ServerRegistration:
         return None if check is None else check.get_timer()
 
     def handle_timer(self, now: float) -> list[RegistrationCommand]:
-        check = self._checking
-        return [] if check is None else self._from_check(check.handle_timer(now), now)
+        return self._to_check(lambda check: check.handle_timer(now), now)
 
     @property
     def done(self) -> bool:
@@ -319,34 +320,29 @@ class ServerRegistration:
         self, family: int, ok: bool, now: float
     ) -> list[RegistrationCommand]:
         """The server's GC_STUN_RESULT for our V token."""
-        check = self._checking
-        return (
-            []
-            if check is None
-            else self._from_check(check.stun_result(family, ok, now), now)
-        )
+        return self._to_check(lambda check: check.stun_result(family, ok, now), now)
 
     def stun_observed(
         self, family: int, host: str, now: float
     ) -> list[RegistrationCommand]:
         """The STUN service saw the server's V token from ``host``."""
-        check = self._checking
-        return (
-            []
-            if check is None
-            else self._from_check(check.stun_observed(family, host, now), now)
-        )
+        return self._to_check(lambda check: check.stun_observed(family, host, now), now)
 
     def probe_result(
         self, host: str, ok: bool, now: float
     ) -> list[RegistrationCommand]:
         """A :class:`Probe` finished."""
+        return self._to_check(lambda check: check.probe_result(host, ok, now), now)
+
+    def _to_check(
+        self,
+        event: Callable[[RegistrationCheck], list[VerifyCommand]],
+        now: float,
+    ) -> list[RegistrationCommand]:
+        """Feed ``event`` to the check while its inputs count (stage 2); what
+        it emits, its conclusion turned into the record's write."""
         check = self._checking
-        return (
-            []
-            if check is None
-            else self._from_check(check.probe_result(host, ok, now), now)
-        )
+        return [] if check is None else self._from_check(event(check), now)
 
     # -------------------------------------------------------------- stages
 
@@ -426,7 +422,7 @@ class ServerRegistration:
         return self._from_check(self.check.start(now), now)
 
     def _from_check(
-        self, commands: list[SendToServer | Probe | Concluded], now: float
+        self, commands: list[VerifyCommand], now: float
     ) -> list[RegistrationCommand]:
         out: list[RegistrationCommand] = []
         for command in commands:

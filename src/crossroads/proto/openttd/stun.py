@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from crossroads.errors import DecodeError
-from crossroads.proto.openttd.coordinator import COORDINATOR_VERSION, VERSION_STUN
-from crossroads.proto.openttd.wire import TOKEN_LENGTH, Reader, Writer
+from crossroads.proto.openttd.coordinator import VERSION_STUN, open_service_packet
+from crossroads.proto.openttd.wire import TOKEN_LENGTH, Writer
 
 
 class StunPacketType(IntEnum):
@@ -38,13 +37,10 @@ class StunRequest:
 
 def decode_stun_packet(packet_type: int, payload: bytes) -> StunRequest:
     """Decode the only packet the STUN service receives."""
-    if packet_type != StunPacketType.SERCLI_STUN:
-        raise DecodeError(f"STUN packet type {packet_type}", "bad-type")
-    r = Reader(payload)
-    version = r.u8()
     # STUN arrived with coordinator protocol 3 (PR #9443).
-    if not VERSION_STUN <= version <= COORDINATOR_VERSION:
-        raise DecodeError(f"STUN protocol version {version}", "version")
+    r, version = open_service_packet(
+        packet_type, payload, StunPacketType.SERCLI_STUN, VERSION_STUN, "STUN"
+    )
     request = StunRequest(version, r.string(TOKEN_LENGTH), r.u8())
     r.end()
     return request

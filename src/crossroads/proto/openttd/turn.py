@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
-from crossroads.proto.openttd.coordinator import COORDINATOR_VERSION, VERSION_TURN
+from crossroads.proto.openttd.coordinator import VERSION_TURN, open_service_packet
 from crossroads.proto.openttd.wire import HOSTNAME_LENGTH, TOKEN_LENGTH, Reader, Writer
 
 
@@ -54,13 +54,10 @@ TurnMessage = TurnConnect | TurnConnected | TurnError
 
 def decode_turn_connect(packet_type: int, payload: bytes) -> TurnConnect:
     """Decode the only packet the TURN service receives before relaying."""
-    if packet_type != TurnPacketType.SERCLI_CONNECT:
-        raise DecodeError(f"TURN packet type {packet_type}", "bad-type")
-    r = Reader(payload)
-    version = r.u8()
     # TURN arrived with coordinator protocol 5 (PR #9447).
-    if not VERSION_TURN <= version <= COORDINATOR_VERSION:
-        raise DecodeError(f"TURN protocol version {version}", "version")
+    r, version = open_service_packet(
+        packet_type, payload, TurnPacketType.SERCLI_CONNECT, VERSION_TURN, "TURN"
+    )
     message = TurnConnect(version, r.string(TOKEN_LENGTH))
     r.end()
     return message

@@ -20,8 +20,11 @@ fields. Nothing here does I/O.
 from __future__ import annotations
 
 import struct
+from enum import IntEnum
+from typing import ClassVar, Literal, TypeVar
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.proto.binary import ByteReader
 
 #: Size of the packet header: uint16 size + uint8 type (``packet.h``).
 HEADER_SIZE = 3
@@ -43,32 +46,26 @@ NAME_LENGTH = 80
 REVISION_LENGTH = 33
 GRF_NAME_LENGTH = 80
 
+EnumT = TypeVar("EnumT", bound=IntEnum)
+
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-class Reader:
-    """Reads fields from one packet payload; every failure is a :class:`DecodeError`."""
+class Reader(ByteReader):
+    """Reads fields from one packet payload (a little-endian
+    :class:`crossroads.proto.binary.ByteReader`); every failure is a
+    :class:`DecodeError` whose reason labels the OpenTTD drop metrics."""
 
-    __slots__ = ("_data", "_pos")
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-        self._pos = 0
-
-    def remaining(self) -> int:
-        return len(self._data) - self._pos
-
-    def _need(self, size: int) -> int:
-        pos = self._pos
-        if pos + size > len(self._data):
-            raise DecodeError("packet ends inside a field", "short")
-        self._pos = pos + size
-        return pos
+    __slots__ = ()
+    PROTOCOL: ClassVar[str] = "OpenTTD"
+    BYTEORDER: ClassVar[Literal["big", "little"]] = "little"
+    TRUNCATED: ClassVar[str] = "short"
+    TRAILING: ClassVar[str] = "trailing-bytes"
 
     def u8(self) -> int:
-        return self._data[self._need(1)]
+        return self.uint(1)
 
     def boolean(self) -> bool:
         value = self.u8()
@@ -76,21 +73,26 @@ class Reader:
             raise DecodeError(f"boolean field holds {value}", "bad-bool")
         return value == 1
 
+    def u8_enum(self, kind: type[EnumT], reason: str) -> EnumT:
+        """A uint8 that must be a member of ``kind``; any other value is a
+        :class:`DecodeError` labelled ``reason``."""
+        raw = self.u8()
+        try:
+            return kind(raw)
+        except ValueError:
+            raise DecodeError(f"{kind.__name__} {raw}", reason) from None
+
     def u16(self) -> int:
-        value: int = _U16.unpack_from(self._data, self._need(2))[0]
-        return value
+        return self.uint(2)
 
     def u32(self) -> int:
-        value: int = _U32.unpack_from(self._data, self._need(4))[0]
-        return value
+        return self.uint(4)
 
     def u64(self) -> int:
-        value: int = _U64.unpack_from(self._data, self._need(8))[0]
-        return value
+        return self.uint(8)
 
     def raw(self, size: int) -> bytes:
-        pos = self._need(size)
-        return bytes(self._data[pos : pos + size])
+        return bytes(self.take(size))
 
     def string(self, limit: int, *, truncate: bool = False) -> str:
         """A NUL-terminated UTF-8 string of at most ``limit`` bytes with the NUL.
@@ -100,11 +102,11 @@ class Reader:
         Used with ``truncate`` for free-text fields a real server fills from user
         data (server and NewGRF names), strictly for identifiers (tokens, codes).
         """
-        end = self._data.find(b"\0", self._pos)
+        end = self.data.find(b"\0", self.pos)
         if end < 0:
             raise DecodeError("string without NUL terminator", "unterminated")
-        raw = self._data[self._pos : end]
-        self._pos = end + 1
+        raw = self.data[self.pos : end]
+        self.pos = end + 1
         if len(raw) >= limit:
             if not truncate:
                 raise DecodeError(
@@ -125,10 +127,7 @@ class Reader:
 
     def end(self) -> None:
         """Fail when bytes are left over (the reference GC closes on trailing data)."""
-        if self._pos != len(self._data):
-            raise DecodeError(
-                f"{len(self._data) - self._pos} trailing bytes", "trailing-bytes"
-            )
+        self.finish()
 
 
 class Writer:

@@ -46,16 +46,31 @@ class Result(IntEnum):
     UNSUPPORTED_OPCODE = 5
 
 
-_EXT_RESPONSE = struct.Struct("!BBHI4s")
-_MAP_REQUEST = struct.Struct("!BBHHHI")
-_MAP_RESPONSE = struct.Struct("!BBHIHHI")
+#: RFC 6886 §3.2, §3.3: every message opens with version and opcode; a
+#: response adds its result code and the gateway's epoch.
+_REQUEST_HEADER = struct.Struct("!BB")
 _HEADER = struct.Struct("!BBHI")
+#: RFC 6886 §3.1: a response's opcode is its request's + 128.
+RESPONSE_BIT = 128
+#: §3.3 bodies after the header: reserved, internal port, suggested external
+#: port, lifetime (request); internal port, mapped external port, lifetime
+#: (response).
+_MAP_REQUEST_BODY = struct.Struct("!HHHI")
+_MAP_RESPONSE_BODY = struct.Struct("!HHI")
+#: §3.2: the external IPv4 address.
+_ADDRESS_SIZE = 4
+_EXT_RESPONSE_SIZE = _HEADER.size + _ADDRESS_SIZE
+_MAP_RESPONSE_SIZE = _HEADER.size + _MAP_RESPONSE_BODY.size
+
+
+def _response_header(opcode: int, result: int, epoch: int) -> bytes:
+    return _HEADER.pack(VERSION, RESPONSE_BIT + opcode, result, epoch)
 
 
 @dataclass(frozen=True, slots=True)
 class ExternalAddressRequest:
     def encode(self) -> bytes:
-        return bytes([VERSION, Opcode.EXTERNAL_ADDRESS])
+        return _REQUEST_HEADER.pack(VERSION, Opcode.EXTERNAL_ADDRESS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +81,10 @@ class MapRequest:
     lifetime: int
 
     def encode(self) -> bytes:
-        return _MAP_REQUEST.pack(
-            VERSION,
-            self.opcode,
-            0,
-            self.internal_port,
-            self.external_port,
-            self.lifetime,
+        body = _MAP_REQUEST_BODY.pack(
+            0, self.internal_port, self.external_port, self.lifetime
         )
+        return _REQUEST_HEADER.pack(VERSION, self.opcode) + body
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,13 +94,8 @@ class ExternalAddressResponse:
     address: str
 
     def encode(self) -> bytes:
-        return _EXT_RESPONSE.pack(
-            VERSION,
-            128 + Opcode.EXTERNAL_ADDRESS,
-            self.result,
-            self.epoch,
-            ipaddress.IPv4Address(self.address).packed,
-        )
+        header = _response_header(Opcode.EXTERNAL_ADDRESS, self.result, self.epoch)
+        return header + ipaddress.IPv4Address(self.address).packed
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +108,10 @@ class MapResponse:
     lifetime: int
 
     def encode(self) -> bytes:
-        return _MAP_RESPONSE.pack(
-            VERSION,
-            128 + self.opcode,
-            self.result,
-            self.epoch,
-            self.internal_port,
-            self.external_port,
-            self.lifetime,
+        body = _MAP_RESPONSE_BODY.pack(
+            self.internal_port, self.external_port, self.lifetime
         )
+        return _response_header(self.opcode, self.result, self.epoch) + body
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,25 +134,25 @@ def decode_response(data: bytes) -> Response:
     version, opcode, result, epoch = _HEADER.unpack_from(data)
     if version != VERSION:
         raise DecodeError("not a NAT-PMP response", "bad-version")
-    if opcode < 128:
+    if opcode < RESPONSE_BIT:
         raise DecodeError("NAT-PMP request, not a response", "not-response")
-    op = opcode - 128
+    op = opcode - RESPONSE_BIT
     if result != Result.SUCCESS and len(data) not in (
-        _EXT_RESPONSE.size,
-        _MAP_RESPONSE.size,
+        _EXT_RESPONSE_SIZE,
+        _MAP_RESPONSE_SIZE,
     ):
         return ErrorResponse(op, result, epoch)
     if op == Opcode.EXTERNAL_ADDRESS:
-        if len(data) != _EXT_RESPONSE.size:
+        if len(data) != _EXT_RESPONSE_SIZE:
             raise DecodeError("bad external address response size", "size")
-        _, _, _, _, packed = _EXT_RESPONSE.unpack(data)
-        return ExternalAddressResponse(
-            result, epoch, str(ipaddress.IPv4Address(packed))
-        )
+        address = ipaddress.IPv4Address(data[_HEADER.size :])
+        return ExternalAddressResponse(result, epoch, str(address))
     if op in (Opcode.MAP_UDP, Opcode.MAP_TCP):
-        if len(data) != _MAP_RESPONSE.size:
+        if len(data) != _MAP_RESPONSE_SIZE:
             raise DecodeError("bad mapping response size", "size")
-        _, _, _, _, internal, external, lifetime = _MAP_RESPONSE.unpack(data)
+        internal, external, lifetime = _MAP_RESPONSE_BODY.unpack_from(
+            data, _HEADER.size
+        )
         return MapResponse(Opcode(op), result, epoch, internal, external, lifetime)
     if result != Result.SUCCESS:
         return ErrorResponse(op, result, epoch)

@@ -32,7 +32,12 @@ from crossroads.services.base import (
 )
 from crossroads.services.openttd.bounded import BoundedStore
 from crossroads.services.openttd.bus import Bus
-from crossroads.services.openttd.conn import Limits, Listener, PacketConnection
+from crossroads.services.openttd.conn import (
+    Limits,
+    Listener,
+    PacketConnection,
+    PacketHandler,
+)
 from crossroads.services.openttd.coordinator import (
     Coordinator,
     CoordinatorSettings,
@@ -395,6 +400,27 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
     public_host = ctx.config.core.public_host
     host = ctx.host
 
+    async def listen(
+        role: str, handler: PacketHandler, port: int, idle_timeout: float
+    ) -> Address:
+        """Start ``role``'s listener under the section's connection limits; only
+        the idle timeout differs between roles."""
+        listener = Listener(
+            role,
+            handler,
+            Limits(
+                max_connections=cfg.max_connections,
+                max_per_address=cfg.max_connections_per_address,
+                packet_timeout=cfg.packet_timeout,
+                idle_timeout=idle_timeout,
+            ),
+            dropped,
+            connections,
+            ctx.connections,
+        )
+        service.listeners[role] = listener
+        return await listener.start(host, port)
+
     try:
         if "turn" in cfg.roles:
             turn = TurnService(
@@ -405,21 +431,9 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 max_relays=relay_cap(cfg.max_connections),
             )
             service.turn = turn
-            listener = Listener(
-                "turn",
-                turn,
-                Limits(
-                    max_connections=cfg.max_connections,
-                    max_per_address=cfg.max_connections_per_address,
-                    packet_timeout=cfg.packet_timeout,
-                    idle_timeout=cfg.turn_wait + cfg.packet_timeout,
-                ),
-                dropped,
-                connections,
-                ctx.connections,
+            address = await listen(
+                "turn", turn, cfg.turn_port, cfg.turn_wait + cfg.packet_timeout
             )
-            service.listeners["turn"] = listener
-            address = await listener.start(host, cfg.turn_port)
             announce_host = public_host or (host if _specific(host) else "")
             if cfg.turn_address:
                 service.turn_public = cfg.turn_address
@@ -434,21 +448,9 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 )
 
         if "stun" in cfg.roles:
-            listener = Listener(
-                "stun",
-                StunService(bus, ctx.metrics),
-                Limits(
-                    max_connections=cfg.max_connections,
-                    max_per_address=cfg.max_connections_per_address,
-                    packet_timeout=cfg.packet_timeout,
-                    idle_timeout=cfg.stun_hold,
-                ),
-                dropped,
-                connections,
-                ctx.connections,
+            await listen(
+                "stun", StunService(bus, ctx.metrics), cfg.stun_port, cfg.stun_hold
             )
-            service.listeners["stun"] = listener
-            await listener.start(host, cfg.stun_port)
 
         listing = ListingCache(registry, cfg.listing_cache)
         if "coordinator" in cfg.roles:
@@ -523,21 +525,9 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
             duties.add(Duty.SWEEP, SWEEP_EVERY, sweep)
             if service.turn is None and not cfg.turn_address:
                 duties.add(Duty.DISCOVER_RELAYS, TURN_ANNOUNCE_EVERY, refresh_relays)
-            listener = Listener(
-                "coordinator",
-                coordinator,
-                Limits(
-                    max_connections=cfg.max_connections,
-                    max_per_address=cfg.max_connections_per_address,
-                    packet_timeout=cfg.packet_timeout,
-                    idle_timeout=cfg.idle_timeout,
-                ),
-                dropped,
-                connections,
-                ctx.connections,
+            await listen(
+                "coordinator", coordinator, cfg.coordinator_port, cfg.idle_timeout
             )
-            service.listeners["coordinator"] = listener
-            await listener.start(host, cfg.coordinator_port)
             service.listeners = {
                 role: service.listeners[role]
                 for role in ROLES

@@ -121,7 +121,7 @@ from crossroads.services.openttd.runners import (
     AttemptRunner,
     RegistrationRunner,
     Runner,
-    query_store,
+    run_store_request,
 )
 from crossroads.transport.driver import CoreTimer
 
@@ -592,7 +592,7 @@ class Coordinator:
             if isinstance(command, Resolved):
                 return command
             try:
-                answer = await query_store(self.registry, command.query)
+                answer = await run_store_request(self.registry, command)
             except StoreError:
                 commands = lookup.store_failed(command.request)
             else:

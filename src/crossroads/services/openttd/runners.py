@@ -46,9 +46,7 @@ from crossroads.proto.openttd.registration import (
     RegistrationCommand,
     ServerRegistration,
     StoreFailed,
-    StoreQuery,
     StoreRead,
-    StoreUpdate,
     StoreWrite,
 )
 from crossroads.proto.openttd.verify import Probe
@@ -60,24 +58,23 @@ from crossroads.services.openttd.registry import Registry
 log = logging.getLogger("crossroads.openttd")
 
 
-async def query_store(registry: Registry, query: StoreQuery) -> object:
-    """Run a core's Store read (raises StoreError)."""
-    match query:
-        case GetServer(code):
+async def run_store_request(
+    registry: Registry, request: StoreRead | StoreWrite
+) -> object:
+    """Run a core's Store request: a read's answer, None for a write (what the
+    core's ``store_result`` takes). Raises StoreError."""
+    match request:
+        case StoreRead(query=GetServer(code)):
             return await registry.get_server(code)
-        case InstanceAlive(instance):
+        case StoreRead(query=InstanceAlive(instance)):
             return await registry.instance_alive(instance)
-        case NewCode():
+        case StoreRead(query=NewCode()):
             return await registry.new_code()
-
-
-async def update_store(registry: Registry, update: StoreUpdate) -> None:
-    """Run a core's Store write (raises StoreError)."""
-    match update:
-        case KeepCode(code):
+        case StoreWrite(update=KeepCode(code)):
             await registry.keep_code(code)
-        case PutServer(record):
+        case StoreWrite(update=PutServer(record)):
             await registry.put_server(record)
+    return None
 
 
 class ProbeSettings(Protocol):
@@ -270,20 +267,13 @@ class RegistrationRunner(Runner):
             return  # the connection went away: nothing more to do or store
         coordinator = self.coordinator
         match command:
-            case StoreRead(request, query):
+            case StoreRead() | StoreWrite():
                 try:
-                    answer = await query_store(coordinator.registry, query)
+                    answer = await run_store_request(coordinator.registry, command)
                 except StoreError:
-                    self._feed_failure(request)
+                    self._feed_failure(command.request)
                 else:
-                    self._feed_answer(request, answer)
-            case StoreWrite(request, update):
-                try:
-                    await update_store(coordinator.registry, update)
-                except StoreError:
-                    self._feed_failure(request)
-                else:
-                    self._feed_answer(request, None)
+                    self._feed_answer(command.request, answer)
             case SendToServer(message):
                 coordinator.send(self.conn, message)
             case Probe(host, port):
