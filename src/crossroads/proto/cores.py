@@ -45,7 +45,9 @@ from crossroads.proto.turn.server import TurnServer
 #: Cores on one socket (driven by :class:`~crossroads.transport.driver.DatagramDriver`
 #: or an owner that feeds them the same way). RakNetNode also reads datagrams
 #: of its second and NAT-type-detection sockets (``receive_second``,
-#: ``receive_s3p4``, ``side_datagrams``), beside the API.
+#: ``receive_s3p4``), beside the API, and gives those of the latter as
+#: ``side_datagrams()``, ``(data, destination, socket)`` like a
+#: :class:`MultiSocketCore`.
 DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
     DtlsClient,
     DtlsServer,
