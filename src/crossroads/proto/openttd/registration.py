@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.admission import may_take_over, registered_record
 from crossroads.proto.openttd.codes import (
     check_invite_code_secret,
@@ -208,8 +209,10 @@ class RegistrationSettings:
     server_ttl: float
 
 
-class ServerRegistration:
-    """One registration's flow; see the module docstring."""
+class ServerRegistration(EventQueue[RegistrationCommand]):
+    """One registration's flow; see the module docstring. The commands an
+    input causes are its return value; those of the timer are queued for
+    :meth:`pop_events` (the core API)."""
 
     def __init__(
         self,
@@ -221,6 +224,7 @@ class ServerRegistration:
         now: float,
         wall: float,
     ) -> None:
+        super().__init__()
         #: Names the flow: its check's token and the new session.
         self.key = key
         self.message = message
@@ -248,9 +252,12 @@ class ServerRegistration:
         check = self._checking
         return None if check is None else check.get_timer()
 
-    def handle_timer(self, now: float) -> list[RegistrationCommand]:
+    def handle_timer(self, now: float) -> None:
+        """The check's deadline; its commands go to :meth:`pop_events`."""
         check = self._checking
-        return [] if check is None else self._from_check(check.handle_timer(now), now)
+        if check is not None:
+            check.handle_timer(now)
+            self._events += self._from_check(check.pop_events(), now)
 
     @property
     def done(self) -> bool:
