@@ -72,7 +72,7 @@ class DatagramCore(TimedCore, Protocol):
         """One datagram from ``addr`` (``(host, port)``)."""
         ...
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+    def datagrams_to_send(self, now: float) -> list[Datagram]:
         """What to send now, as ``(data, destination)``; the queue is emptied."""
         ...
 
@@ -88,7 +88,7 @@ class MultiSocketCore(TimedCore, Protocol[SocketT]):
         """One datagram from ``addr`` on ``socket``."""
         ...
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, SocketT]]:
+    def datagrams_to_send(self, now: float) -> list[SocketDatagram[SocketT]]:
         """What to send now, as ``(data, destination, socket)``."""
         ...
 
