@@ -20,6 +20,7 @@ import pytest
 import crossroads.proto
 from crossroads.proto import core as api
 from crossroads.proto import cores
+from crossroads.types import Address
 
 #: The methods of the core API, by Protocol (TimedCore's are in every one).
 API: dict[type, tuple[str, ...]] = {
@@ -123,6 +124,44 @@ def test_core_has_its_protocols_methods(core: type, protocol: type) -> None:
         assert all(p.default is not p.empty for p in actual[len(expected) :])
         for want, have in zip(expected, actual, strict=False):
             assert have.kind in (have.POSITIONAL_ONLY, have.POSITIONAL_OR_KEYWORD)
-            # The socket of a MultiSocketCore is the core's own name for it.
-            if want.name != "socket":
-                assert have.name == want.name, (core, name, have.name, want.name)
+            assert have.name == want.name, (core, name, have.name, want.name)
+
+
+#: Cores that keep a queue of their own instead of proto/core.py's, and why.
+OWN_QUEUES: dict[str, str] = {
+    "RakNetNode": "its datagrams are its RakNetServer's; its events are a "
+    "bounded deque, so nobody has to read them",
+}
+
+
+def test_every_core_uses_the_one_outbox_and_event_queue() -> None:
+    """The pull methods are written once (proto/core.py): a core inherits
+    Outbox / EventQueue rather than swapping a list of its own."""
+    for core, protocol in _table():
+        if core.__name__ in OWN_QUEUES:
+            continue
+        if protocol in (api.DatagramCore, api.MultiSocketCore):
+            assert issubclass(core, api.Outbox), core
+        if protocol is api.EventSource:
+            assert issubclass(core, api.EventQueue), core
+
+
+class _Echo(api.Outbox[api.Datagram], api.EventQueue[str]):
+    """Both queues on one core, as most cores have them."""
+
+    def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
+        self._outbox.append((data, addr))
+        self._events.append(f"echoed {len(data)}")
+
+
+def test_outbox_and_event_queue_give_everything_once_oldest_first() -> None:
+    core = _Echo()
+    peer = ("192.0.2.1", 4000)
+    core.receive_datagram(b"a", peer, 1.0)
+    core.receive_datagram(b"bb", peer, 1.0)
+    assert core.datagrams_to_send(1.0) == [(b"a", peer), (b"bb", peer)]
+    assert core.pop_events() == ["echoed 1", "echoed 2"]
+    assert core.datagrams_to_send(1.0) == []
+    assert core.pop_events() == []
+    core.receive_datagram(b"c", peer, 2.0)
+    assert core.datagrams_to_send(2.0) == [(b"c", peer)]

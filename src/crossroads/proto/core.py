@@ -26,13 +26,16 @@ websockets name it: ``receive_data(conn, data, now)`` in,
 ``data_to_send()`` out, each item tagged with its connection.
 
 These are :class:`typing.Protocol` classes: a core satisfies them by shape,
-without inheriting from anything here.
+without inheriting from anything here. The queues behind the pull methods are
+written once, below (:class:`Outbox`, :class:`EventQueue`): a core inherits
+them and appends to ``self._outbox`` / ``self._events`` where it produces
+output (a plain ``list.append``: no call on the hot paths).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from crossroads.types import Address
 
@@ -41,6 +44,13 @@ SocketT = TypeVar("SocketT", bound=Hashable)
 ConnT = TypeVar("ConnT", bound=Hashable)
 ReceivedT = TypeVar("ReceivedT", contravariant=True)
 SentT = TypeVar("SentT")
+ItemT = TypeVar("ItemT")
+
+#: One datagram to send from a core on one socket: ``(data, destination)``.
+Datagram = tuple[bytes, Address]
+#: One datagram to send from a core on several sockets: ``(data, destination,
+#: socket)``, the socket in the core's own name for it.
+SocketDatagram = tuple[bytes, Address, SocketT]
 
 
 class TimedCore(Protocol):
@@ -62,7 +72,7 @@ class DatagramCore(TimedCore, Protocol):
         """One datagram from ``addr`` (``(host, port)``)."""
         ...
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
+    def datagrams_to_send(self, now: float) -> list[Datagram]:
         """What to send now, as ``(data, destination)``; the queue is emptied."""
         ...
 
@@ -78,7 +88,7 @@ class MultiSocketCore(TimedCore, Protocol[SocketT]):
         """One datagram from ``addr`` on ``socket``."""
         ...
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, SocketT]]:
+    def datagrams_to_send(self, now: float) -> list[SocketDatagram[SocketT]]:
         """What to send now, as ``(data, destination, socket)``."""
         ...
 
@@ -105,3 +115,37 @@ class EventSource(Protocol[EventT]):
     def pop_events(self) -> list[EventT]:
         """The events since the last call, oldest first; the queue is emptied."""
         ...
+
+
+class Outbox(Generic[ItemT]):
+    """The datagram queue behind ``datagrams_to_send``, written once for every
+    core. ``ItemT`` is :data:`Datagram` for a :class:`DatagramCore`,
+    :data:`SocketDatagram` for a :class:`MultiSocketCore`. A core that filters
+    or adds to what leaves (a reflection budget, retransmissions) overrides
+    :meth:`datagrams_to_send` and calls this one first.
+
+    Cooperative: ``__init__`` calls ``super().__init__()``, so a core can
+    inherit both this and :class:`EventQueue`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._outbox: list[ItemT] = []
+
+    def datagrams_to_send(self, now: float) -> list[ItemT]:
+        """What to send now, oldest first; the queue is emptied."""
+        out, self._outbox = self._outbox, []
+        return out
+
+
+class EventQueue(Generic[EventT]):
+    """The event queue behind ``pop_events`` (:class:`EventSource`), written
+    once for every core. Cooperative like :class:`Outbox`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._events: list[EventT] = []
+
+    def pop_events(self) -> list[EventT]:
+        """The events since the last call, oldest first; the queue is emptied."""
+        events, self._events = self._events, []
+        return events

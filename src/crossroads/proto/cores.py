@@ -27,7 +27,9 @@ from crossroads.proto.dtls.client import DtlsClient
 from crossroads.proto.dtls.server import DtlsServer
 from crossroads.proto.natneg.server import Endpoint as NatNegSocket
 from crossroads.proto.natneg.server import NatNegServer
+from crossroads.proto.openttd.duties import Duties
 from crossroads.proto.openttd.ladder import ConnectAttempt
+from crossroads.proto.openttd.registration import ServerRegistration
 from crossroads.proto.openttd.verify import RegistrationCheck
 from crossroads.proto.punch.coordinator import Coordinator
 from crossroads.proto.raknet.nattype import NatTypeDetectionServer
@@ -45,7 +47,9 @@ from crossroads.proto.turn.server import TurnServer
 #: Cores on one socket (driven by :class:`~crossroads.transport.driver.DatagramDriver`
 #: or an owner that feeds them the same way). RakNetNode also reads datagrams
 #: of its second and NAT-type-detection sockets (``receive_second``,
-#: ``receive_s3p4``, ``side_datagrams``), beside the API.
+#: ``receive_s3p4``), beside the API, and gives those of the latter as
+#: ``side_datagrams()``, ``(data, destination, socket)`` like a
+#: :class:`MultiSocketCore`.
 DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
     DtlsClient,
     DtlsServer,
@@ -73,12 +77,18 @@ MULTI_SOCKET_CORES: tuple[type[MultiSocketCore[Any]], ...] = (
 _SIGNALLING: type[StreamCore[int, str | bytes, str]] = Coordinator
 STREAM_CORES: tuple[type[StreamCore[Any, Any, Any]], ...] = (_SIGNALLING,)
 
-#: Cores that take messages from another core rather than datagrams (the
-#: RakNet server plugins, fed by :class:`RakNetNode` from its peer's events):
-#: the timer half of the API only.
+#: Cores that take messages from another core or their owner rather than
+#: datagrams: the timer half of the API. The RakNet server plugins, fed by
+#: :class:`RakNetNode` from its peer's events; the OpenTTD coordinator's flows
+#: (a join, a registration and its check) and the OpenTTD service's periodic
+#: duties, whose timers queue what they cause for ``pop_events``.
 TIMED_CORES: tuple[type[TimedCore], ...] = (
+    ConnectAttempt,
+    Duties,
     NatPunchthroughServer,
     NatTypeDetectionServer,
+    RegistrationCheck,
+    ServerRegistration,
     UDPProxyCoordinator,
 )
 
@@ -86,22 +96,22 @@ TIMED_CORES: tuple[type[TimedCore], ...] = (
 #: Binding core has none: its drops are plain counters, its replies are all
 #: it gives.
 EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
+    ConnectAttempt,
     Coordinator,
+    Duties,
     DtlsClient,
     DtlsServer,
     NatNegServer,
     RakNetNode,
     RakNetServer,
+    RegistrationCheck,
     RelayClient,
     RelayServer,
+    ServerRegistration,
     StunClientCore,
     TurnServer,
 )
 
-#: Cores with a timer that do not have the API's shape yet, and why.
-DEVIATIONS: dict[type, str] = {
-    ConnectAttempt: "handle_timer(now) returns the commands to carry out "
-    "instead of queueing them (the OpenTTD coordinator's flows, proto/openttd/)",
-    RegistrationCheck: "handle_timer(now) returns the commands to carry out "
-    "instead of queueing them (the OpenTTD coordinator's flows, proto/openttd/)",
-}
+#: Cores with a timer that do not have the API's shape yet, and why: none
+#: today; a new one must give its reason here.
+DEVIATIONS: dict[type, str] = {}

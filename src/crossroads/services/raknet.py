@@ -219,7 +219,7 @@ class _Driver(DatagramDriver):
         relay_nodes = self.service.relay_nodes
         if relay_nodes is not None:
             relay_nodes.carry(self.service.node.proxy.pop_remote_requests())
-        for role, data, addr in self.service.node.side_datagrams():
+        for data, addr, role in self.service.node.side_datagrams():
             transport = self.service.side.get(role)
             if transport is not None:
                 transport.sendto(data, addr)

@@ -19,6 +19,7 @@ from crossroads.proto.openttd.ladder import (
     SendToServer,
     Side,
 )
+from tests.proto.openttd.timers import fire
 
 KEY = "0a1b2c3d" + "00" * 12
 TICKET = "0123456789abcdef:0123456789abcdef"
@@ -190,8 +191,8 @@ def test_stun_wait_pairs_what_arrived() -> None:
     a.stun_observed(Side.SERVER, 2, "203.0.113.5", 2, 0.1)
     a.stun_result(Side.SERVER, 2, True, 0.1)
     # Neither side reported its second family: wait for the STUN deadline.
-    assert a.handle_timer(4.9) == []
-    out = a.handle_timer(5.0)
+    assert fire(a, 4.9) == []
+    out = fire(a, 5.0)
     assert out[0] == SendToClient(GcStunConnect(C, 1, 2, "203.0.113.5", 2))
 
 
@@ -253,8 +254,8 @@ def test_tracking_zero_means_the_client_gave_up() -> None:
 def test_overall_timeout() -> None:
     a, _ = attempt()
     assert a.get_timer() == CONNECT_TIMEOUT
-    assert a.handle_timer(CONNECT_TIMEOUT - 0.1) == []
-    assert a.handle_timer(CONNECT_TIMEOUT) == [
+    assert fire(a, CONNECT_TIMEOUT - 0.1) == []
+    assert fire(a, CONNECT_TIMEOUT) == [
         SendToClient(GcConnectFailed(C)),
         Finished(False, "direct-ipv4", "timeout"),
     ]

@@ -37,6 +37,7 @@ from crossroads.proto.openttd.registration import (
     StoreWrite,
 )
 from crossroads.proto.openttd.verify import CHECK_TIMEOUT, Probe
+from tests.proto.openttd.timers import fire
 
 KEY = b"instance key"
 CODE = "+abcdefg"
@@ -220,8 +221,8 @@ def test_the_check_times_out_into_the_record_of_an_unreachable_server() -> None:
     reg = flow()
     read = only(reg.start(0.0), StoreRead)
     reg.store_result(read.request, CODE, 0.0)
-    assert reg.handle_timer(CHECK_TIMEOUT - 0.1) == []
-    out = reg.handle_timer(CHECK_TIMEOUT)
+    assert fire(reg, CHECK_TIMEOUT - 0.1) == []
+    out = fire(reg, CHECK_TIMEOUT)
     write = only(out[1:], StoreWrite)
     assert isinstance(write.update, PutServer)
     assert write.update.record.connection_type == ConnectionType.TURN
@@ -274,7 +275,7 @@ def test_any_input_order_ends_at_most_once(
             case "probe":
                 seen += reg.probe_result(SOURCE, bool(value), now)
             case _:
-                seen += reg.handle_timer(float(number))
+                seen += fire(reg, float(number))
         timer = reg.get_timer()
         assert timer is None or reg.stage.value == "checking"
     ends = [i for i, c in enumerate(seen) if isinstance(c, TERMINAL)]

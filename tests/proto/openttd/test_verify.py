@@ -12,6 +12,7 @@ from crossroads.proto.openttd.verify import (
     Probe,
     RegistrationCheck,
 )
+from tests.proto.openttd.timers import fire
 
 KEY = "0a1b2c3d" + "11" * 12
 V = "V" + KEY
@@ -94,8 +95,8 @@ def test_timeout_concludes_with_what_is_known() -> None:
     c.start(0.0)
     c.stun_result(2, True, 0.1)
     assert c.get_timer() == CHECK_TIMEOUT
-    assert c.handle_timer(CHECK_TIMEOUT - 1) == []
-    out = c.handle_timer(CHECK_TIMEOUT)
+    assert fire(c, CHECK_TIMEOUT - 1) == []
+    out = fire(c, CHECK_TIMEOUT)
     assert out == [
         SendToServer(GcConnectFailed(V)),
         Concluded(ConnectionType.STUN, (), True),

@@ -30,7 +30,7 @@ def request(c2_port: int) -> bytes:
 
 def run(
     node: RakNetNode, client: Client, until: float, now: float
-) -> tuple[float, list[tuple[Socket, bytes, tuple[str, int]]]]:
+) -> tuple[float, list[tuple[bytes, tuple[str, int], Socket]]]:
     sent = []
     while now < until:
         timer = node.get_timer()
@@ -49,12 +49,12 @@ def test_the_test_sequence_each_state_twice_then_symmetric() -> None:
     host = CLIENT[0]
     oob = lambda kind: m.OutOfBand(7, bytes([2, kind])).encode()  # noqa: E731
     assert sent == [
-        (Socket.S4P5, b"\x00", (host, 32958)),
-        (Socket.S4P5, b"\x00", (host, 32958)),
-        (Socket.S2P3, oob(NatType.FULL_CONE), CLIENT),
-        (Socket.S2P3, oob(NatType.FULL_CONE), CLIENT),
-        (Socket.S1P2, oob(NatType.ADDRESS_RESTRICTED), CLIENT),
-        (Socket.S1P2, oob(NatType.ADDRESS_RESTRICTED), CLIENT),
+        (b"\x00", (host, 32958), Socket.S4P5),
+        (b"\x00", (host, 32958), Socket.S4P5),
+        (oob(NatType.FULL_CONE), CLIENT, Socket.S2P3),
+        (oob(NatType.FULL_CONE), CLIENT, Socket.S2P3),
+        (oob(NatType.ADDRESS_RESTRICTED), CLIENT, Socket.S1P2),
+        (oob(NatType.ADDRESS_RESTRICTED), CLIENT, Socket.S1P2),
     ]
     probes = client.take(MessageId.NAT_TYPE_DETECTION_REQUEST)
     assert len(probes) == 2

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from crossroads.errors import DecodeError
+from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.dtls.wire import (
     HandshakeFragment,
     decode_fragments,
@@ -171,24 +172,15 @@ class Closed:
 Event = HelloReceived | Established | ApplicationData | HandshakeFailed | Closed
 
 
-class Endpoint:
+class Endpoint(Outbox[Datagram], EventQueue[Event]):
     """The output side both DTLS cores share (the core API of
     :mod:`crossroads.proto.core`): datagrams to send, events, and drops counted
     by reason (a metric label each)."""
 
     def __init__(self) -> None:
+        super().__init__()
         #: Drops by reason (metrics).
         self.drops: dict[str, int] = {}
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[Event] = []
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
 
     def _drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1

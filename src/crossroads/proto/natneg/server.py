@@ -95,6 +95,7 @@ from enum import Enum, IntEnum
 
 from crossroads.errors import DecodeError
 from crossroads.proto.bounded import BoundedMap
+from crossroads.proto.core import EventQueue, Outbox, SocketDatagram
 from crossroads.proto.counting import spend_token
 from crossroads.proto.natneg.packets import (
     NATIFY_COOKIE,
@@ -486,7 +487,7 @@ def _valid_private_ip(local_ip: str, public_ip: str) -> bool:
 # ------------------------------------------------------------------------ core
 
 
-class NatNegServer:
+class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
     """The natneg server core: feed it datagrams and time, send what it returns.
 
     ``receive_datagram`` / ``datagrams_to_send`` / ``get_timer`` / ``handle_timer``
@@ -500,6 +501,7 @@ class NatNegServer:
         config: ServerConfig | None = None,
         reflection: ReflectionBudget | None = None,
     ) -> None:
+        super().__init__()
         self.config = config or ServerConfig()
         #: natneg has no authentication: every datagram it sends goes through
         #: this budget (docs/security.md, "Reflection budget"); None: no budget.
@@ -513,8 +515,6 @@ class NatNegServer:
         self._seq = 0
         #: Last :class:`SessionId` serial handed out; serials never repeat.
         self._serial = 0
-        self._out: list[tuple[bytes, Address, Endpoint]] = []
-        self._events: list[Event] = []
         self._buckets: dict[str, list[float]] = {}
         #: Bounded by ``max_history`` each, oldest report forgotten first.
         self._nat_history: BoundedMap[str, tuple[int, float]] = BoundedMap(
@@ -551,9 +551,9 @@ class NatNegServer:
         data: bytes,
         addr: Address,
         now: float,
-        endpoint: Endpoint = Endpoint.PRIMARY,
+        socket: Endpoint = Endpoint.PRIMARY,
     ) -> None:
-        """Process one datagram that ``endpoint`` received from ``addr``."""
+        """Process one datagram that ``socket`` received from ``addr``."""
         ip = addr[0]
         if ":" in ip:
             # Every natneg address field is 4 bytes: an IPv6 client cannot be
@@ -573,19 +573,19 @@ class NatNegServer:
         self.stats.received[ptype] += 1
         match packet:
             case Init():
-                self._on_init(packet, data, addr, endpoint, now)
+                self._on_init(packet, data, addr, socket, now)
             case ConnectAck():
                 self._on_connect_ack(packet, addr, now)
             case Report():
-                self._on_report(packet, addr, endpoint, now)
+                self._on_report(packet, addr, socket, now)
             case AddressCheck():
-                self._on_address_check(packet, addr, endpoint)
+                self._on_address_check(packet, addr, socket)
             case NatifyRequest():
-                self._on_natify(packet, addr, endpoint)
+                self._on_natify(packet, addr, socket)
             case Preinit():
-                self._on_preinit(packet, addr, endpoint, now)
+                self._on_preinit(packet, addr, socket, now)
             case BackupTest():
-                self._on_backup_test(packet, addr, endpoint)
+                self._on_backup_test(packet, addr, socket)
             case ErtAck():
                 self._on_ert_ack(packet, addr, now)
             case _:
@@ -602,7 +602,7 @@ class NatNegServer:
         INIT_ACKs and delayed CONNECTs alike, is sent only within the
         destination's reflection budget; the rest are dropped and counted.
         """
-        out, self._out = self._out, []
+        out = super().datagrams_to_send(now)
         budget = self.reflection
         if budget.enabled:
             allowed = [
@@ -616,11 +616,6 @@ class NatNegServer:
             out = allowed
         self.stats.sent += len(out)
         return out
-
-    def pop_events(self) -> list[Event]:
-        """Events since the last call (the transport acts on :class:`RelayNeeded`)."""
-        events, self._events = self._events, []
-        return events
 
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` must next run, or None."""
@@ -687,7 +682,7 @@ class NatNegServer:
         dropped[reason] = dropped.get(reason, 0) + 1
 
     def _send(self, packet: Packet, addr: Address, endpoint: Endpoint) -> None:
-        self._out.append((packet.encode(), addr, endpoint))
+        self._outbox.append((packet.encode(), addr, endpoint))
 
     def _schedule(self, session: _Session, when: float) -> None:
         """Make ``when`` the session's one deadline (earlier entries go stale)."""
@@ -775,7 +770,7 @@ class NatNegServer:
         # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
         # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
         # Built from the INIT's bytes directly: this is the hottest reply.
-        self._out.append(
+        self._outbox.append(
             (
                 data[:7]
                 + b"\x01"
@@ -1048,7 +1043,7 @@ class NatNegServer:
             )
             wire = packet.encode()
             for addr, endpoint in client.mappings.values():
-                self._out.append((wire, addr, endpoint))
+                self._outbox.append((wire, addr, endpoint))
 
     def _on_connect_ack(self, p: ConnectAck, addr: Address, now: float) -> None:
         # Only the cookie and byte 13 are set by the SDK; the rest is stack garbage.
@@ -1111,7 +1106,7 @@ class NatNegServer:
                 client.version, session.cookie, "0.0.0.0", 0, 0, code
             ).encode()
             for addr, endpoint in client.mappings.values():
-                self._out.append((wire, addr, endpoint))
+                self._outbox.append((wire, addr, endpoint))
 
     def _conclude(self, session: _Session, outcome: Outcome, now: float) -> None:
         """Emit the session's one :class:`NegotiationFinished` (later calls: no-op)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.deadlines import DeadlineBook
 
 
@@ -32,10 +33,12 @@ class Duty(Enum):
     DISCOVER_RELAYS = "relay discovery"
 
 
-class Duties:
-    """Which periodic duties are due (see the module docstring)."""
+class Duties(EventQueue[Duty]):
+    """Which periodic duties are due (see the module docstring): the timer
+    queues them for :meth:`pop_events`."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._periods: dict[Duty, float] = {}
         self._deadlines: DeadlineBook[Duty] = DeadlineBook()
         self._running: set[Duty] = set()
@@ -50,11 +53,12 @@ class Duties:
     def get_timer(self) -> float | None:
         return self._deadlines.get_timer()
 
-    def handle_timer(self, now: float) -> list[Duty]:
-        """The duties to start now; tell :meth:`finished` when each is done."""
+    def handle_timer(self, now: float) -> None:
+        """Queue the duties to start now; tell :meth:`finished` when each is
+        done."""
         due = self._deadlines.due(now)
         self._running.update(due)
-        return due
+        self._events += due
 
     def finished(self, duty: Duty, now: float) -> None:
         """``duty`` is done (or failed): due again one period from ``now``."""

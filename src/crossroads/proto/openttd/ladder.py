@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.codes import TokenSide, token_for
 from crossroads.proto.openttd.coordinator import (
     VERSION_STUN,
@@ -160,8 +161,11 @@ def _ip_version(host: str) -> int:
         return 0
 
 
-class ConnectAttempt:
-    """One join by invite code; see the module docstring."""
+class ConnectAttempt(EventQueue[Command]):
+    """One join by invite code; see the module docstring. The commands an
+    input causes are its return value; those of the timer are queued for
+    :meth:`pop_events` (the core API's :class:`~crossroads.proto.core.TimedCore`
+    and :class:`~crossroads.proto.core.EventSource`)."""
 
     def __init__(
         self,
@@ -177,6 +181,7 @@ class ConnectAttempt:
         timeout: float = CONNECT_TIMEOUT,
         stun_wait: float = STUN_WAIT,
     ) -> None:
+        super().__init__()
         self.attempt_key = attempt_key
         self.invite_code = invite_code
         self.client_token = token_for(TokenSide.CLIENT, attempt_key)
@@ -308,18 +313,19 @@ class ConnectAttempt:
         self._server_gone = True
         return self._finish(False, "server left")
 
-    def handle_timer(self, now: float) -> list[Command]:
+    def handle_timer(self, now: float) -> None:
+        """Give up at the deadline, or pair what STUN found at the end of its
+        wait; the commands go to :meth:`pop_events`."""
         if self._stage is _Stage.DONE:
-            return []
+            return
         if now >= self._deadline:
-            return self._finish(False, "timeout")
-        if (
+            self._events += self._finish(False, "timeout")
+        elif (
             self._stage is _Stage.STUN_COLLECT
             and self._stun_deadline is not None
             and now >= self._stun_deadline
         ):
-            return self._pair(now)
-        return []
+            self._events += self._pair(now)
 
     # --------------------------------------------------------------- internals
 

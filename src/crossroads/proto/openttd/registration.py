@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.admission import (
     CODES_EXHAUSTED,
     may_take_over,
@@ -215,8 +216,10 @@ class RegistrationSettings:
     server_ttl: float
 
 
-class ServerRegistration:
-    """One registration's flow; see the module docstring."""
+class ServerRegistration(EventQueue[RegistrationCommand]):
+    """One registration's flow; see the module docstring. The commands an
+    input causes are its return value; those of the timer are queued for
+    :meth:`pop_events` (the core API)."""
 
     def __init__(
         self,
@@ -228,6 +231,7 @@ class ServerRegistration:
         now: float,
         wall: float,
     ) -> None:
+        super().__init__()
         #: Names the flow: its check's token and the new session.
         self.key = key
         self.message = message
@@ -255,8 +259,12 @@ class ServerRegistration:
         check = self._checking
         return None if check is None else check.get_timer()
 
-    def handle_timer(self, now: float) -> list[RegistrationCommand]:
-        return self._to_check(lambda check: check.handle_timer(now), now)
+    def handle_timer(self, now: float) -> None:
+        """The check's deadline; its commands go to :meth:`pop_events`."""
+        check = self._checking
+        if check is not None:
+            check.handle_timer(now)
+            self._events += self._from_check(check.pop_events(), now)
 
     @property
     def done(self) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.codes import TokenSide, token_for
 from crossroads.proto.openttd.coordinator import (
     VERSION_STUN,
@@ -65,8 +66,10 @@ VerifyCommand = SendToServer | Probe | Concluded
 
 
 @dataclass(slots=True)
-class RegistrationCheck:
-    """One server's reachability check; see the module docstring."""
+class RegistrationCheck(EventQueue[VerifyCommand]):
+    """One server's reachability check; see the module docstring. The
+    commands an input causes are its return value; those of the timer are
+    queued for :meth:`pop_events` (the core API)."""
 
     check_key: str
     server_version: int
@@ -84,6 +87,7 @@ class RegistrationCheck:
     _done: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        EventQueue.__init__(self)  # the dataclass __init__ does not call it
         self.token = token_for(TokenSide.VERIFY, self.check_key)
         self._deadline = self.now + self.timeout
 
@@ -131,10 +135,10 @@ class RegistrationCheck:
         self._probed[host] = ok
         return self._maybe_conclude()
 
-    def handle_timer(self, now: float) -> list[VerifyCommand]:
-        if self._done or now < self._deadline:
-            return []
-        return self._conclude()
+    def handle_timer(self, now: float) -> None:
+        """Conclude with what is known at the deadline (to :meth:`pop_events`)."""
+        if not self._done and now >= self._deadline:
+            self._events += self._conclude()
 
     def _probe(self, host: str) -> list[VerifyCommand]:
         if host in self._probed or host in self._probing:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 from crossroads.errors import DecodeError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.core import EventQueue
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.rendezvous import (
     OBSERVED_SIZE,
@@ -283,7 +284,7 @@ class _Session:
         return min(self.members.values(), key=lambda m: m.seniority).peer
 
 
-class Coordinator:
+class Coordinator(EventQueue[Event]):
     """The sans-I/O signalling server (see the module docstring)."""
 
     def __init__(
@@ -296,6 +297,7 @@ class Coordinator:
         reflection: ReflectionBudget | None = None,
         guesses: FailureBudget | None = None,
     ) -> None:
+        super().__init__()
         self.config = config
         #: Rendezvous answers per source IP (docs/security.md, "Reflection
         #: budget"): a token holder can spoof the source; None: no budget.
@@ -321,7 +323,6 @@ class Coordinator:
         self._next_attempt = 1
         self._out: list[tuple[int, str]] = []
         self._close: list[tuple[int, int, str]] = []
-        self._events: list[Event] = []
 
     def set_turn_credentials(
         self, make: Callable[[str], sig.TurnInfo | None] | None
@@ -393,11 +394,6 @@ class Coordinator:
     def connections_to_close(self) -> list[tuple[int, int, str]]:
         """(connection id, WebSocket close code, reason)."""
         out, self._close = self._close, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        """The events since the last call, oldest first (the core API)."""
-        out, self._events = self._events, []
         return out
 
     def get_timer(self) -> float | None:

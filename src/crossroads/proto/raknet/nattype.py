@@ -102,10 +102,11 @@ class NatTypeDetectionServer:
         self.s3p4 = s3p4
         self.attempts: dict[int, Attempt] = {}
         self.stats = DetectionStats()
-        self._out: list[tuple[Socket, bytes, Address]] = []
+        self._out: list[tuple[bytes, Address, Socket]] = []
 
-    def side_datagrams(self) -> list[tuple[Socket, bytes, Address]]:
-        """Datagrams for the extra sockets, with the socket each leaves from."""
+    def side_datagrams(self) -> list[tuple[bytes, Address, Socket]]:
+        """Datagrams for the extra sockets, as ``(data, destination, socket)``
+        (the order of the core API's :class:`~crossroads.proto.core.MultiSocketCore`)."""
         out, self._out = self._out, []
         return out
 
@@ -175,16 +176,16 @@ class NatTypeDetectionServer:
         host, c1_port = attempt.address
         if attempt.state <= State.TESTING_NONE_2:
             self._out.append(
-                (Socket.S4P5, bytes([NatType.NONE]), (host, attempt.c2_port))
+                (bytes([NatType.NONE]), (host, attempt.c2_port), Socket.S4P5)
             )
         elif attempt.state <= State.TESTING_FULL_CONE_2:
             oob = OutOfBand(self.peer.guid, bytes([NAT_TYPE_DETECT, NatType.FULL_CONE]))
-            self._out.append((Socket.S2P3, oob.encode(), (host, c1_port)))
+            self._out.append((oob.encode(), (host, c1_port), Socket.S2P3))
         elif attempt.state <= State.TESTING_ADDRESS_RESTRICTED_2:
             oob = OutOfBand(
                 self.peer.guid, bytes([NAT_TYPE_DETECT, NatType.ADDRESS_RESTRICTED])
             )
-            self._out.append((Socket.S1P2, oob.encode(), (host, c1_port)))
+            self._out.append((oob.encode(), (host, c1_port), Socket.S1P2))
         else:
             writer = BitWriter()
             writer.write_u8(MessageId.NAT_TYPE_DETECTION_REQUEST)

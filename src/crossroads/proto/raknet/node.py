@@ -91,8 +91,9 @@ class RakNetNode:
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         return self.peer.datagrams_to_send(now)
 
-    def side_datagrams(self) -> list[tuple[Socket, bytes, Address]]:
-        """Datagrams for NAT type detection's extra sockets."""
+    def side_datagrams(self) -> list[tuple[bytes, Address, Socket]]:
+        """Datagrams for NAT type detection's extra sockets, as ``(data,
+        destination, socket)``."""
         return [] if self.detection is None else self.detection.side_datagrams()
 
     def get_timer(self) -> float | None:

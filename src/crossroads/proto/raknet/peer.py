@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from crossroads.errors import DecodeError
+from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS
 from crossroads.proto.raknet.messages import MessageId
@@ -189,7 +190,7 @@ class Stats:
     messages_out: int = 0
 
 
-class RakNetServer:
+class RakNetServer(Outbox[Datagram], EventQueue[Event]):
     """See the module docstring. Time (``now``) is in seconds of a monotonic
     clock; RakNet times on the wire are its milliseconds."""
 
@@ -200,6 +201,7 @@ class RakNetServer:
         guid: int | None = None,
         random_guid: Callable[[], int] = lambda: secrets.randbits(64),
     ) -> None:
+        super().__init__()
         self.config = config or ServerConfig()
         self.guid = guid if guid is not None else random_guid()
         self.stats = Stats()
@@ -207,9 +209,7 @@ class RakNetServer:
         self._by_guid: dict[int, Address] = {}
         self._per_ip: Counter[str] = Counter()
         self._budget = SplitBudget(self.config.split_budget)
-        self._out: list[tuple[bytes, Address]] = []
         self._dirty: set[Address] = set()
-        self._events: list[Event] = []
         self._tokens = self.config.handshakes_per_second
         self._tokens_at = 0.0
         self._tick: float | None = None
@@ -246,7 +246,7 @@ class RakNetServer:
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         now_ms = int(now * 1000)
-        out, self._out = self._out, []
+        out = super().datagrams_to_send(now)
         for addr in self._dirty:
             conn = self.connections.get(addr)
             if conn is None:
@@ -279,10 +279,6 @@ class RakNetServer:
             self._sweep(now_ms)
         self._schedule(now)
 
-    def pop_events(self) -> list[Event]:
-        events, self._events = self._events, []
-        return events
-
     # ------------------------------------------------------------ for plugins
 
     def send(
@@ -312,10 +308,10 @@ class RakNetServer:
 
     def send_out_of_band(self, addr: Address, payload: bytes) -> None:
         """An ``0d`` datagram with this server's GUID (no connection needed)."""
-        self._out.append((m.OutOfBand(self.guid, payload).encode(), addr))
+        self._outbox.append((m.OutOfBand(self.guid, payload).encode(), addr))
 
     def send_raw(self, addr: Address, data: bytes) -> None:
-        self._out.append((data, addr))
+        self._outbox.append((data, addr))
 
     def close(self, addr: Address, now: float) -> None:
         """Send DISCONNECTION_NOTIFICATION and forget the connection."""
@@ -382,7 +378,9 @@ class RakNetServer:
                 return
             # The pong must not be larger than the ping: cap the user data.
             response = self.config.offline_ping_response[: max(0, len(data) - 33)]
-            self._out.append((m.unconnected_pong(ping.time, self.guid, response), addr))
+            self._outbox.append(
+                (m.unconnected_pong(ping.time, self.guid, response), addr)
+            )
             return
         if not self._take_token(now):
             self.stats.dropped["handshake-rate"] += 1
@@ -391,10 +389,10 @@ class RakNetServer:
             request1 = m.OpenConnectionRequest1.decode(data)
             if request1.protocol != m.PROTOCOL_VERSION:
                 self.stats.dropped["protocol-version"] += 1
-                self._out.append((m.incompatible_protocol(self.guid), addr))
+                self._outbox.append((m.incompatible_protocol(self.guid), addr))
                 return
             mtu = min(request1.mtu, m.MAXIMUM_MTU)
-            self._out.append((m.open_connection_reply_1(self.guid, mtu), addr))
+            self._outbox.append((m.open_connection_reply_1(self.guid, mtu), addr))
             return
         request2 = m.OpenConnectionRequest2.decode(data)
         self._open(request2, addr, conn, now_ms)
@@ -412,7 +410,7 @@ class RakNetServer:
         if conn is not None:
             if conn.guid == request.guid and conn.state is State.HANDSHAKE:
                 # The client's retry after a lost REPLY_2.
-                self._out.append(
+                self._outbox.append(
                     (m.open_connection_reply_2(self.guid, addr, conn.mtu), addr)
                 )
                 return
@@ -442,11 +440,11 @@ class RakNetServer:
         self._by_guid[request.guid] = addr
         self._per_ip[addr[0]] += 1
         self.stats.handshakes += 1
-        self._out.append((m.open_connection_reply_2(self.guid, addr, mtu), addr))
+        self._outbox.append((m.open_connection_reply_2(self.guid, addr, mtu), addr))
 
     def _refuse(self, kind: MessageId, addr: Address, reason: str) -> None:
         self.stats.dropped[reason] += 1
-        self._out.append((m.handshake_refusal(kind, self.guid), addr))
+        self._outbox.append((m.handshake_refusal(kind, self.guid), addr))
 
     def _take_token(self, now: float) -> bool:
         rate = self.config.handshakes_per_second

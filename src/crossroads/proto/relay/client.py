@@ -32,6 +32,7 @@ from enum import IntEnum
 from typing import Final
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import bind_hmac
 from crossroads.types import Address
@@ -116,7 +117,7 @@ ClientEvent = (
 )
 
 
-class RelayClient:
+class RelayClient(Outbox[Datagram], EventQueue[ClientEvent]):
     """One allocation's connection to a relay server.
 
     Args:
@@ -139,6 +140,7 @@ class RelayClient:
         config: RelayClientConfig | None = None,
         nonce: int = 0,
     ) -> None:
+        super().__init__()
         if len(allocation_id) != m.ALLOCATION_ID_SIZE or len(key) != m.KEY_SIZE:
             raise LocalProtocolError("allocation ID is 16 bytes and key 64 bytes")
         self.allocation_id = allocation_id
@@ -156,8 +158,6 @@ class RelayClient:
             if host_connection_data is not None
             else None
         )
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[ClientEvent] = []
         self._want_connect = False
         self._bound_once = False
         self._started_at: float | None = None
@@ -266,15 +266,6 @@ class RelayClient:
                 self._on_error(code, now)
             case _:
                 pass  # PING echoes: receiving them is the point.
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[ClientEvent]:
-        """Events produced since the last call, oldest first."""
-        out, self._events = self._events, []
-        return out
 
     def get_timer(self) -> float | None:
         if (

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.counting import spend_token
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
@@ -270,7 +271,7 @@ class RelayServerConfig:
 # ------------------------------------------------------------------------- server
 
 
-class RelayServer:
+class RelayServer(Outbox[Datagram], EventQueue[Event]):
     """One relay node's protocol state. See the module docstring.
 
     Args:
@@ -287,6 +288,7 @@ class RelayServer:
         wall_offset: float = 0.0,
         reflection: ReflectionBudget | None = None,
     ) -> None:
+        super().__init__()
         self.config = config
         #: ERRORs to sources that are not bound where they claim to be
         #: (docs/security.md, "Reflection budget"); None: no budget.
@@ -308,8 +310,6 @@ class RelayServer:
         self.ended_total: dict[str, int] = {}
         self.relayed_packets = 0
         self.relayed_octets = 0
-        self._outbox: list[tuple[bytes, Address]] = []
-        self._events: list[Event] = []
         # Allocation IDs that ended, until their token's bind deadline (Unix time):
         # a still-valid token must not resurrect a closed allocation.
         self._ended: dict[bytes, float] = {}
@@ -382,16 +382,6 @@ class RelayServer:
         handler(data, addr, now)
         if self._next_sweep is None and (self.allocations or self._ended):
             self._next_sweep = now + self._tick
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        """Datagrams produced since the last call, with their destinations."""
-        out, self._outbox = self._outbox, []
-        return out
-
-    def pop_events(self) -> list[Event]:
-        """Events produced since the last call, oldest first."""
-        out, self._events = self._events, []
-        return out
 
     def get_timer(self) -> float | None:
         return self._next_sweep

@@ -23,9 +23,10 @@ address on purpose.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from crossroads.errors import DecodeError
+from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.stun.attributes import Attribute
 from crossroads.proto.stun.constants import Class, Method
 from crossroads.proto.stun.message import Message, decode, encode, is_stun
@@ -96,8 +97,7 @@ class _Transaction:
     give_up_at: float | None = None
 
 
-@dataclass(slots=True)
-class StunClientCore:
+class StunClientCore(Outbox[Datagram], EventQueue[Event]):
     """Concurrent STUN client transactions on one socket (see module docstring).
 
     Args:
@@ -105,13 +105,13 @@ class StunClientCore:
             RFC 8489 §6: "uniformly and randomly chosen").
     """
 
-    random_bytes: Callable[[int], bytes]
-    _pending: dict[bytes, _Transaction] = field(default_factory=dict)
-    _outbox: list[tuple[bytes, Address]] = field(default_factory=list)
-    _events: list[Event] = field(default_factory=list)
-    #: Datagrams that were neither a response to a pending transaction nor a
-    #: request, by reason (for diagnostics).
-    ignored: dict[str, int] = field(default_factory=dict)
+    def __init__(self, random_bytes: Callable[[int], bytes]) -> None:
+        super().__init__()
+        self.random_bytes = random_bytes
+        self._pending: dict[bytes, _Transaction] = {}
+        #: Datagrams that were neither a response to a pending transaction nor
+        #: a request, by reason (for diagnostics).
+        self.ignored: dict[str, int] = {}
 
     def start_request(
         self,
@@ -216,11 +216,6 @@ class StunClientCore:
                     t.next_at = now + t.interval
                     t.interval *= 2  # RFC 8489 §6.2.1: RTO doubles each time
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
-        """Datagrams to send now, with their destinations."""
-        out, self._outbox = self._outbox, []
-        return out
-
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` must next be called, or None."""
         deadlines = [
@@ -232,8 +227,3 @@ class StunClientCore:
     def handle_timer(self, now: float) -> None:
         """Retransmit what is due and fail what has run out of time."""
         self._send_due(now)
-
-    def pop_events(self) -> list[Event]:
-        """Drain the events produced so far."""
-        out, self._events = self._events, []
-        return out

@@ -74,6 +74,7 @@ import struct
 import zlib
 from collections.abc import Sequence
 
+from crossroads.proto.core import Outbox
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.stun.attributes import (
     ATTRIBUTE_CLASSES,
@@ -154,7 +155,7 @@ def _address_attr(atype: int, address: tuple[str, int]) -> bytes:
     return _attr(atype, struct.pack("!xBH", family, address[1]) + ip.packed)
 
 
-class BindingCore:
+class BindingCore(Outbox[Reply]):
     """Answers STUN Binding requests; see the module docstring.
 
     Args:
@@ -187,6 +188,7 @@ class BindingCore:
         limiter: SourceRateLimiter | None = None,
         drops: dict[str, int] | None = None,
     ) -> None:
+        super().__init__()
         if len(advertised) not in (1, 2, 4):
             raise ValueError("advertised must have 1, 2 or 4 endpoints")
         self.advertised = tuple(advertised)
@@ -203,7 +205,6 @@ class BindingCore:
         #: Input that got no answer, by reason (metric labels): plain ints, the
         #: service exports them at scrape time.
         self.drops: dict[str, int] = {} if drops is None else drops
-        self._outbox: list[Reply] = []
         self._cache: dict[str, tuple[int, bytes, bytes]] = {}
         software_attr = _attr(AttrType.SOFTWARE, software.encode()) if software else b""
         # Pre-encoded tails per (receiving, sending) endpoint pair, for RFC 5389+
@@ -314,13 +315,6 @@ class BindingCore:
         drops = self.drops
         drops[DROP_REFLECTION] = drops.get(DROP_REFLECTION, 0) + 1
         return None
-
-    def datagrams_to_send(self, now: float) -> list[Reply]:
-        """The replies since the last call, as ``(data, destination,
-        send_from)``; the queue is emptied."""
-        out = self._outbox
-        self._outbox = []
-        return out
 
     def get_timer(self) -> float | None:
         """Always None: the Binding core keeps no deadlines (the limiter and

@@ -67,6 +67,7 @@ from enum import IntEnum
 from typing import Protocol, cast
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.proto.core import EventQueue, Outbox, SocketDatagram
 from crossroads.proto.counting import decrement
 from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
@@ -403,7 +404,7 @@ class _Reject(Exception):
 # ------------------------------------------------------------------ core
 
 
-class TurnServer:
+class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
     """The TURN control plane. See the module docstring."""
 
     def __init__(
@@ -417,6 +418,7 @@ class TurnServer:
         own_ports: Callable[[], Collection[int]] = frozenset,
         reflection: ReflectionBudget | None = None,
     ) -> None:
+        super().__init__()
         self.settings = settings
         #: Unauthenticated answers over UDP per source IP (docs/security.md,
         #: "Reflection budget"); None: no budget.
@@ -447,8 +449,6 @@ class TurnServer:
         #: timers use the monotonic ``now``. The transport keeps it current.
         self.clock_offset = 0.0
         self._deadlines = Deadlines()
-        self._events: list[TurnEvent] = []
-        self._outbox: list[tuple[bytes, Address, Listener]] = []
         self._limiter = TokenBuckets(
             settings.unauthenticated_rate, settings.unauthenticated_burst
         )
@@ -481,18 +481,6 @@ class TurnServer:
             raise ValueError("the realm cannot change without a restart")
         self.settings = settings
         self.credentials = credentials
-
-    def pop_events(self) -> list[TurnEvent]:
-        """Events queued since the last call, oldest first."""
-        events, self._events = self._events, []
-        return events
-
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, Listener]]:
-        """What goes to clients, as ``(data, client, listener)``, oldest first:
-        answers, ConnectionAttempt indications, late Connect responses. The
-        queue is emptied."""
-        out, self._outbox = self._outbox, []
-        return out
 
     def _to_client(self, five: FiveTuple, data: bytes) -> None:
         self._outbox.append((data, five[1], (five[0], five[2])))

@@ -317,7 +317,8 @@ class DutyRunner:
         self.timer.rearm()
 
     def handle_timer(self, now: float) -> None:
-        for duty in self.duties.handle_timer(now):
+        self.duties.handle_timer(now)
+        for duty in self.duties.pop_events():
             task = asyncio.create_task(self._run(duty))
             self.running.add(task)
             task.add_done_callback(self.running.discard)

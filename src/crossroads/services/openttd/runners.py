@@ -200,7 +200,8 @@ class AttemptRunner(Runner):
         released = [command for release, command in self.held if release <= now]
         self.held = [(release, c) for release, c in self.held if release > now]
         self.measure_round_trips()
-        return released + self.attempt.handle_timer(now)
+        self.attempt.handle_timer(now)
+        return released + self.attempt.pop_events()
 
     def measure_round_trips(self) -> None:
         """Tell the attempt both coordinator connections' round trips (the
@@ -260,7 +261,8 @@ class RegistrationRunner(Runner):
         return self.flow.get_timer()
 
     def on_timer(self, now: float) -> list[RegistrationCommand]:
-        return self.flow.handle_timer(now)
+        self.flow.handle_timer(now)
+        return self.flow.pop_events()
 
     async def execute(self, command: RegistrationCommand) -> None:
         if self.finished:
