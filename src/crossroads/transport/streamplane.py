@@ -13,8 +13,14 @@ payload byte:
 - each direction owns a pipe; a readable source is ``splice``\\ d into the pipe
   and the pipe ``splice``\\ d into the destination socket (splice(2): the
   kernel moves page references, the bytes are never copied to user space);
-- readiness drives it (``loop.add_reader`` / ``loop.add_writer`` on the two
-  sockets). A direction reads only while its pipe is empty: when the
+- readiness drives it: the plane's own level-triggered epoll set, watched by
+  the event loop as one descriptor, reports each socket's readability and
+  writability to the direction waiting for it, and a socket's error or hang-up
+  (EPOLLERR, EPOLLHUP) to whichever handler is waiting, which then meets the
+  error in its splice or send. (Not ``loop.add_reader`` per socket: uvloop
+  stops watching a descriptor that reports EPOLLERR, without calling its
+  reader, so a peer's reset would go unnoticed until the idle timeout.) A
+  direction reads only while its pipe is empty: when the
   destination cannot take what the pipe holds, the direction stops reading
   its source and waits for the destination to be writable (backpressure: a
   peer that stops reading stalls its sender's TCP window, and the relay holds
@@ -47,6 +53,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import select
 import socket
 from collections.abc import Callable
 
@@ -59,6 +66,11 @@ SPLICES_PER_WAKEUP = 16
 #: by default), so a second of slack costs nothing and one timer serves every
 #: route.
 SWEEP_EVERY = 1.0
+#: Readiness events one wakeup takes from the plane's epoll set.
+EVENTS_PER_WAKEUP = 256
+#: Events that wake a reader / a writer: its own, or the socket's failure.
+READ_EVENTS = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
+WRITE_EVENTS = select.EPOLLOUT | select.EPOLLERR | select.EPOLLHUP
 #: Why a route ended (:attr:`StreamRoute.reason`).
 CLOSED = "closed"  # both sides finished their streams
 RESET = "reset"  # a socket failed (RST, broken pipe)
@@ -120,6 +132,10 @@ class _Direction:
                 os.close(fd)
 
 
+#: A direction's readiness handler and its argument.
+_Handler = tuple[Callable[[_Direction], None], _Direction]
+
+
 class StreamRoute:
     """Two connected TCP sockets, each one's bytes forwarded to the other."""
 
@@ -164,13 +180,13 @@ class StreamRoute:
             return
         self.closed = True
         self.reason = reason
-        loop = self.plane.loop
+        plane = self.plane
         for way in (self.a_to_b, self.b_to_a):
             if way.reading:
-                loop.remove_reader(way.src.fileno())
+                plane.remove_reader(way.src.fileno())
                 way.reading = False
             if way.writing:
-                loop.remove_writer(way.dst.fileno())
+                plane.remove_writer(way.dst.fileno())
                 way.writing = False
             way.close_pipe()
         self.a.close()
@@ -219,7 +235,7 @@ class StreamRoute:
         self._stop_reading(way)
         if not way.writing:
             way.writing = True
-            self.plane.loop.add_writer(way.dst.fileno(), self._writable, way)
+            self.plane.add_writer(way.dst.fileno(), self._writable, way)
         return False
 
     def _flushed(self, way: _Direction) -> None:
@@ -228,17 +244,17 @@ class StreamRoute:
             if not self._flush_or_fail(way):
                 return
         if way.writing:
-            self.plane.loop.remove_writer(way.dst.fileno())
+            self.plane.remove_writer(way.dst.fileno())
             way.writing = False
         if way.eof:
             self._finish(way)
         elif not way.reading:
             way.reading = True
-            self.plane.loop.add_reader(way.src.fileno(), self._readable, way)
+            self.plane.add_reader(way.src.fileno(), self._readable, way)
 
     def _stop_reading(self, way: _Direction) -> None:
         if way.reading:
-            self.plane.loop.remove_reader(way.src.fileno())
+            self.plane.remove_reader(way.src.fileno())
             way.reading = False
 
     def _finish(self, way: _Direction) -> None:
@@ -271,6 +287,63 @@ class StreamPlane:
         self.ended: dict[str, int] = {}
         self.forwarded_bytes = 0
         self._sweeper: asyncio.TimerHandle | None = None
+        #: fd -> [its reader, its writer], each (callback, direction) or None.
+        self._watched: dict[int, list[_Handler | None]] = {}
+        self._epoll = select.epoll()
+        self.loop.add_reader(self._epoll.fileno(), self._ready)
+
+    # ------------------------------------------------------------ readiness
+
+    def add_reader(
+        self, fd: int, callback: Callable[[_Direction], None], way: _Direction
+    ) -> None:
+        self._watch(fd, 0, (callback, way))
+
+    def remove_reader(self, fd: int) -> None:
+        self._watch(fd, 0, None)
+
+    def add_writer(
+        self, fd: int, callback: Callable[[_Direction], None], way: _Direction
+    ) -> None:
+        self._watch(fd, 1, (callback, way))
+
+    def remove_writer(self, fd: int) -> None:
+        self._watch(fd, 1, None)
+
+    def _watch(self, fd: int, slot: int, handler: _Handler | None) -> None:
+        handlers = self._watched.get(fd)
+        if handlers is None:
+            if handler is None:
+                return
+            handlers = self._watched[fd] = [None, None]
+            handlers[slot] = handler
+            self._epoll.register(fd, self._mask(handlers))
+            return
+        handlers[slot] = handler
+        if handlers == [None, None]:
+            del self._watched[fd]
+            with contextlib.suppress(OSError):
+                self._epoll.unregister(fd)
+        else:
+            self._epoll.modify(fd, self._mask(handlers))
+
+    @staticmethod
+    def _mask(handlers: list[_Handler | None]) -> int:
+        reader, writer = handlers
+        return (select.EPOLLIN if reader else 0) | (select.EPOLLOUT if writer else 0)
+
+    def _ready(self) -> None:
+        for fd, events in self._epoll.poll(0, EVENTS_PER_WAKEUP):
+            # Looked up afresh for each handler: the first may have ended the
+            # route (and so unwatched the descriptor).
+            handlers = self._watched.get(fd)
+            if handlers is not None and handlers[0] and events & READ_EVENTS:
+                callback, way = handlers[0]
+                callback(way)
+            handlers = self._watched.get(fd)
+            if handlers is not None and handlers[1] and events & WRITE_EVENTS:
+                callback, way = handlers[1]
+                callback(way)
 
     def join(
         self,
@@ -321,6 +394,9 @@ class StreamPlane:
             self._sweeper = None
         for route in list(self.routes):
             route.close(SHUTDOWN)
+        if not self._epoll.closed:
+            self.loop.remove_reader(self._epoll.fileno())
+            self._epoll.close()
 
     def _sweep(self) -> None:
         self._sweeper = None
