@@ -212,7 +212,14 @@ class AttemptRunner(Runner):
         attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
 
     def _hold(self, delay: float, command: Command) -> None:
-        self.held.append((self.loop.time() + delay, command))
+        # Never before a message still held for the same connection: a later
+        # attempt's GC_STUN_CONNECT (a shorter lead) must not overtake the
+        # earlier attempt's on the way to the server.
+        release = self.loop.time() + delay
+        for earlier, held in self.held:
+            if type(held) is type(command):
+                release = max(release, earlier)
+        self.held.append((release, command))
         self.coordinator.schedule(self)
 
     def cancel(self) -> None:
