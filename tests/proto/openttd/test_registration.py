@@ -8,6 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crossroads.proto.openttd.admission import Refusal
 from crossroads.proto.openttd.codes import invite_code_secret
 from crossroads.proto.openttd.coordinator import (
     ConnectionType,
@@ -156,9 +157,11 @@ def test_a_second_server_with_a_copied_secret_is_refused() -> None:
     assert alive.query == InstanceAlive("other")
     refused = only(reg.store_result(alive.request, True, 0.2), Refused)
     assert refused == Refused(
-        "code-in-use",
-        ErrorType.REUSE_OF_INVITE_CODE,
-        "invite code is in use by another server",
+        Refusal(
+            "code-in-use",
+            ErrorType.REUSE_OF_INVITE_CODE,
+            "invite code is in use by another server",
+        )
     )
     assert reg.done
 

@@ -51,6 +51,15 @@ class Refusal:
     close: bool = True
 
 
+#: A server claims an invite code (with its valid secret) that another live
+#: server holds.
+CODE_IN_USE = Refusal(
+    "code-in-use",
+    ErrorType.REUSE_OF_INVITE_CODE,
+    "invite code is in use by another server",
+)
+
+
 #: A new server when ``--openttd-max-invite-codes`` codes are reserved: each
 #: lives 30 days, so without a global cap many source addresses (IPv6 /64s
 #: are cheap), each within its rate, could grow the store without bound.

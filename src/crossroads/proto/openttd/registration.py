@@ -49,7 +49,9 @@ from enum import Enum
 
 from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.admission import (
+    CODE_IN_USE,
     CODES_EXHAUSTED,
+    Refusal,
     may_take_over,
     registered_record,
 )
@@ -139,12 +141,10 @@ class EndSession:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """Answer GC_ERROR(``error``, ``detail``) and close; ``result`` labels
+    """Answer GC_ERROR as ``refusal`` says and close; its ``result`` labels
     the registrations metric."""
 
-    result: str
-    error: ErrorType
-    detail: str
+    refusal: Refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,8 +373,7 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
             case Step.NEW_CODE if answer is None:
                 # The deployment's invite-code cap is reached.
                 self.stage = Stage.DONE
-                exhausted = CODES_EXHAUSTED
-                return [Refused(exhausted.result, exhausted.error, exhausted.detail)]
+                return [Refused(CODES_EXHAUSTED)]
             case Step.GET_SERVER if answer is None and code is not None:
                 return [self._keep(code)]
             case Step.GET_SERVER if isinstance(answer, ServerRecord):
@@ -401,13 +400,7 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
         verdict = may_take_over(existing, self.registrant.host, msg.server_port, alive)
         if verdict is None:
             self.stage = Stage.DONE
-            return [
-                Refused(
-                    "code-in-use",
-                    ErrorType.REUSE_OF_INVITE_CODE,
-                    "invite code is in use by another server",
-                )
-            ]
+            return [Refused(CODE_IN_USE)]
         commands: list[RegistrationCommand] = []
         if verdict.drop_session:
             commands.append(EndSession(existing.owner, existing.code, existing.session))

@@ -427,8 +427,7 @@ class Coordinator:
         self, runner: RegistrationRunner, refused: Refused
     ) -> None:
         self._registration_ended(runner)
-        self.metrics.registrations.labels(refused.result, "none").inc()
-        self.fail(runner.conn, refused.error, refused.detail, close=True)
+        self.refuse(runner.conn, refused.refusal, "none")
 
     def registration_store_failed(
         self, runner: RegistrationRunner, failed: StoreFailed
