@@ -32,6 +32,7 @@ from tests.adversarial.h12_store_support import (
     runtime_in_thread,
 )
 from tests.conftest import runtime  # noqa: F401 - the fixture
+from tests.strategies import json_values as any_json
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,20 +97,13 @@ def test_malicious_body_is_400_with_the_error_envelope(
     assert_envelope(response, 400)
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
-    lambda children: (
-        st.lists(children, max_size=5)
-        | st.dictionaries(
-            st.sampled_from(
-                ["maxConnections", "region", "allocationId", "joinCode", "__gameId"]
-            )
-            | st.text(max_size=10),
-            children,
-            max_size=5,
-        )
-    ),
+json_values = any_json(
+    text_size=40,
+    width=5,
     max_leaves=20,
+    keys=st.sampled_from(
+        ["maxConnections", "region", "allocationId", "joinCode", "__gameId"]
+    ),
 )
 bodies = (
     st.binary(max_size=2000)

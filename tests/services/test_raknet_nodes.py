@@ -18,6 +18,7 @@ from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.store.memory import MemoryStore
 from tests.proto.raknet.support import RecordingForwarders
+from tests.strategies import json_values as any_json
 
 SOURCE, TARGET = ["198.51.100.10", 40000], ["192.0.2.20", 50000]
 
@@ -88,14 +89,7 @@ def test_an_instance_without_a_forwarder_refuses_to_forward() -> None:
     assert refused.value.reason == "not-a-node"
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(st.text(max_size=10), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = any_json()
 
 
 @settings(max_examples=300, deadline=None)

@@ -26,6 +26,7 @@ from crossroads.proto.openttd.bus import (
 )
 from crossroads.proto.openttd.wire import TCP_MTU
 from tests.proto.openttd.strategies import u8, u16
+from tests.strategies import json_values as any_json
 
 names = st.text(max_size=80)
 reports = st.one_of(
@@ -128,14 +129,7 @@ def test_malformed_messages_are_refused_with_a_reason(data: bytes, reason: str) 
     assert refused.value.reason == reason
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=4)
-        | st.dictionaries(st.text(max_size=10), inner, max_size=4)
-    ),
-    max_leaves=12,
-)
+json_values = any_json()
 
 
 @settings(max_examples=500, deadline=None)

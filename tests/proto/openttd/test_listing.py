@@ -25,6 +25,7 @@ from crossroads.proto.openttd.listing import (
 )
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.wire import PacketSplitter
+from tests.strategies import json_values as any_json
 
 
 def record(
@@ -134,14 +135,7 @@ def test_any_stored_bytes_are_live_or_swept(raw: dict[str, bytes]) -> None:
     assert set(parsed) | set(dead) == set(raw)
 
 
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=3)
-        | st.dictionaries(st.text(max_size=8), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
+json_values = any_json(text_size=8, width=3, max_leaves=8)
 
 
 @settings(max_examples=300, deadline=None)
