@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -25,7 +25,7 @@ from crossroads.client.stun import (
     discover_nat,
     stun_binding,
 )
-from crossroads.types import Address
+from crossroads.types import Address, show_address
 
 DEFAULT_PORT = 3478
 
@@ -46,6 +46,12 @@ def _emit(data: dict[str, Any]) -> None:
     click.echo(json.dumps(data, indent=2))
 
 
+def _fail(address: Address, exc: Exception, **known: Any) -> NoReturn:
+    """Print the server, what is ``known`` so far and the error; exit 1."""
+    _emit({"server": show_address(address), **known, "error": str(exc)})
+    sys.exit(1)
+
+
 @click.group()
 def stun() -> None:
     """Query STUN servers (RFC 8489, RFC 5780)."""
@@ -60,13 +66,12 @@ def binding(server: str, tcp: bool) -> None:
     try:
         result = asyncio.run(stun_binding(address, transport="tcp" if tcp else "udp"))
     except (StunClientError, OSError) as exc:
-        _emit({"server": _fmt(address), "error": str(exc)})
-        sys.exit(1)
+        _fail(address, exc)
     _emit(
         {
-            "server": _fmt(result.server),
-            "local": _fmt(result.local),
-            "mapped": _fmt(result.mapped),
+            "server": show_address(result.server),
+            "local": show_address(result.local),
+            "mapped": show_address(result.mapped),
             "response_origin": _maybe(result.response_origin),
             "other_address": _maybe(result.other_address),
             "software": result.software,
@@ -85,17 +90,15 @@ def nat(server: str, no_hairpin: bool) -> None:
     try:
         behavior = asyncio.run(discover_nat(address, hairpinning=not no_hairpin))
     except StunErrorResponse as exc:
-        _emit({"server": _fmt(address), "error": str(exc)})
-        sys.exit(1)
+        _fail(address, exc)
     except (StunClientError, OSError) as exc:
-        _emit({"server": _fmt(address), "udp": False, "error": str(exc)})
-        sys.exit(1)
+        _fail(address, exc, udp=False)
     _emit(
         {
-            "server": _fmt(address),
+            "server": show_address(address),
             "udp": True,
-            "local": _fmt(behavior.local),
-            "mapped": _fmt(behavior.mapped),
+            "local": show_address(behavior.local),
+            "mapped": show_address(behavior.mapped),
             "behind_nat": behavior.behind_nat,
             "rfc5780": behavior.rfc5780_supported,
             "other_address": _maybe(behavior.other_address),
@@ -109,10 +112,5 @@ def nat(server: str, no_hairpin: bool) -> None:
     )
 
 
-def _fmt(address: Address) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _maybe(address: Address | None) -> str | None:
-    return None if address is None else _fmt(address)
+    return None if address is None else show_address(address)
