@@ -322,11 +322,7 @@ class Lab:
     def namespaces(self) -> list[str]:
         out = [self.inet_ns, self.server_ns]
         for site in self.sites:
-            out.append(self.host_ns(site))
-            if site.kind.natted:
-                out.append(self.router_ns(site))
-            if site.kind.double:
-                out.append(self.cgn_ns(site))
+            out += [self.host_ns(site), *self.routers(site)]
         return out
 
     def routers(self, site: Site) -> list[str]:
