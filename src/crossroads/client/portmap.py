@@ -21,7 +21,7 @@ import logging
 import secrets
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -143,33 +143,26 @@ async def _request(
         transport.close()
 
 
+@dataclass(eq=False)
 class PortMapper:
     """Hold a UDP port mapping for ``internal_port`` (see module docstring)."""
 
-    def __init__(
-        self,
-        internal_port: int,
-        *,
-        gateway: str | None = None,
-        internal_ip: str | None = None,
-        lifetime: int = DEFAULT_LIFETIME,
-        methods: tuple[str, ...] = ("pcp", "natpmp", "upnp"),
-        upnp_timeout: int = UPNP_DISCOVERY,
-        socket_factory: SocketFactory | None = None,
-    ) -> None:
-        self.internal_port = internal_port
-        self.gateway = gateway
-        self.internal_ip = internal_ip
-        self.lifetime = lifetime
-        self.methods = methods
-        self.upnp_timeout = upnp_timeout
-        #: Makes the UDP sockets for PCP / NAT-PMP (e.g. inside a namespace).
-        self.socket_factory = socket_factory
-        self.mapping: Mapping | None = None
-        self._nonce = secrets.token_bytes(12)
-        self._refresh: asyncio.Task[None] | None = None
-        self._igd: Any = None
-        self._requester: Any = None
+    internal_port: int
+    _: KW_ONLY
+    gateway: str | None = None
+    internal_ip: str | None = None
+    lifetime: int = DEFAULT_LIFETIME
+    methods: tuple[str, ...] = ("pcp", "natpmp", "upnp")
+    upnp_timeout: int = UPNP_DISCOVERY
+    #: Makes the UDP sockets for PCP / NAT-PMP (e.g. inside a namespace).
+    socket_factory: SocketFactory | None = None
+    mapping: Mapping | None = field(default=None, init=False)
+    _nonce: bytes = field(
+        default_factory=lambda: secrets.token_bytes(12), init=False, repr=False
+    )
+    _refresh: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _igd: Any = field(default=None, init=False, repr=False)
+    _requester: Any = field(default=None, init=False, repr=False)
 
     async def start(self) -> Mapping | None:
         """Try each method in turn; returns the mapping, or None if none worked."""
