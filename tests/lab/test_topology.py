@@ -4,12 +4,13 @@ route out of the lab."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 
 import pytest
 
 from crossroads.lab import netns
-from crossroads.lab.topology import TOPOLOGY_VERSION, Lab, LabError
+from crossroads.lab.topology import TOPOLOGY_VERSION, Lab, LabError, State
 
 from .conftest import unique_prefix
 
@@ -20,6 +21,19 @@ def test_bad_prefix_is_refused() -> None:
     for bad in ("", "a-b", "X", "1abc", "abcdefghijklm"):
         with pytest.raises(LabError):
             Lab(bad)
+
+
+def test_state_file_round_trips_and_keeps_its_keys() -> None:
+    state = State("xr", {"server": 4242}, created=1700000000.5, version=4)
+    text = state.dump()
+    # `down` and `exec` of older code read this file too: the keys stay.
+    assert json.loads(text) == {
+        "prefix": "xr",
+        "pids": {"server": 4242},
+        "created": 1700000000.5,
+        "version": 4,
+    }
+    assert State.load(text) == state
 
 
 def test_names_resolve(lab: Lab) -> None:

@@ -39,7 +39,7 @@ import struct
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from crossroads.lab import natpmp, netns
@@ -210,15 +210,7 @@ class State:
     version: int = 0
 
     def dump(self) -> str:
-        return json.dumps(
-            {
-                "prefix": self.prefix,
-                "pids": self.pids,
-                "created": self.created,
-                "version": self.version,
-            },
-            indent=2,
-        )
+        return json.dumps(asdict(self), indent=2)
 
     @classmethod
     def load(cls, text: str) -> State:
