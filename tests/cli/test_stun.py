@@ -65,3 +65,16 @@ def test_unreachable_server_prints_the_error_and_exits_1() -> None:
     assert list(out) == ["server", "error"], out
     assert out["server"] == f"127.0.0.1:{port}"
     assert "refused" in str(out["error"]).lower() or "111" in str(out["error"]), out
+
+
+@pytest.mark.parametrize("bad", ["192.0.2.1:abc", ":3478", "192.0.2.1:70000"])
+def test_a_bad_server_argument_is_a_usage_error(bad: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "crossroads", "stun", "binding", bad],
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Invalid value for 'SERVER'" in done.stderr
+    assert "Traceback" not in done.stderr

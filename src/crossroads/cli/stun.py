@@ -42,6 +42,18 @@ def parse_server(text: str) -> Address:
     return text, DEFAULT_PORT
 
 
+def _server(ctx: click.Context, param: click.Parameter, value: str) -> Address:
+    """The SERVER argument as an address (:func:`parse_server`); anything
+    else is a usage error (exit 2), not a traceback."""
+    try:
+        host, port = parse_server(value)
+    except ValueError:
+        host, port = "", 0
+    if not host or not 0 < port < 65536:
+        raise click.BadParameter(f"{value!r} is not HOST, HOST:PORT or [IPv6]:PORT")
+    return host, port
+
+
 def _emit(data: dict[str, Any]) -> None:
     click.echo(json.dumps(data, indent=2))
 
@@ -58,11 +70,10 @@ def stun() -> None:
 
 
 @stun.command()
-@click.argument("server")
+@click.argument("address", metavar="SERVER", callback=_server)
 @click.option("--tcp", is_flag=True, help="Use TCP instead of UDP.")
-def binding(server: str, tcp: bool) -> None:
+def binding(address: Address, tcp: bool) -> None:
     """Send one Binding request and print the reflexive address."""
-    address = parse_server(server)
     try:
         result = asyncio.run(stun_binding(address, transport="tcp" if tcp else "udp"))
     except (StunClientError, OSError) as exc:
@@ -82,11 +93,10 @@ def binding(server: str, tcp: bool) -> None:
 
 
 @stun.command()
-@click.argument("server")
+@click.argument("address", metavar="SERVER", callback=_server)
 @click.option("--no-hairpin", is_flag=True, help="Skip the hairpinning test.")
-def nat(server: str, no_hairpin: bool) -> None:
+def nat(address: Address, no_hairpin: bool) -> None:
     """RFC 5780 NAT behaviour discovery: mapping, filtering, hairpinning."""
-    address = parse_server(server)
     try:
         behavior = asyncio.run(discover_nat(address, hairpinning=not no_hairpin))
     except StunErrorResponse as exc:
