@@ -7,7 +7,8 @@
     crossroads stun nat 198.51.100.1                    # RFC 5780 NAT behaviour
 
 Output is one JSON object on stdout, for people and scripts alike. Exit code 0
-on an answer, 1 when the server did not answer or answered with an error.
+on an answer, 1 when the server did not answer or answered with an error, 2
+when SERVER is not an address (click's usage error, on stderr).
 """
 
 from __future__ import annotations
