@@ -35,7 +35,7 @@ from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.sockets import bound_address, make_tcp_listener
 from crossroads.transport.tls import Certificates, TlsAcceptor, certificates_for
 from crossroads.transport.tls_sort import ALPN, Application, TlsSorter
-from crossroads.types import Address
+from crossroads.types import Address, show_address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
 from crossroads.web.console import Console
 from crossroads.web.guard import HttpGuard
@@ -84,11 +84,11 @@ class Runtime:
         ]
         host, port = self.http_address
         lines.append(
-            f"http: tcp {_join(host, port)} (console /, /admin, /healthz, /metrics)"
+            f"http: tcp {show_address((host, port))} (console /, /admin, /healthz, /metrics)"
         )
         if self.https_address is not None:
             lines.append(
-                f"https: tcp {_join(*self.https_address)} (the same, over TLS)"
+                f"https: tcp {show_address(self.https_address)} (the same, over TLS)"
             )
         return lines
 
@@ -133,10 +133,6 @@ class Runtime:
 
 #: "udp 127.0.0.1:3478" or "udp [::]:3478" in a service's describe() line.
 _UDP_ADDRESS = re.compile(r"\budp (?:\[[0-9a-fA-F:.]*\]|[0-9.]+):(\d+)")
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _listen_https(
@@ -383,7 +379,7 @@ def write_server_file(
     elif host == "::":
         host = "::1"
     path = state_dir / SERVER_FILE
-    body = {"pid": pid or os.getpid(), "url": f"http://{_join(host, port)}"}
+    body = {"pid": pid or os.getpid(), "url": f"http://{show_address((host, port))}"}
     try:
         state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         path.write_text(json.dumps(body) + "\n")

@@ -16,6 +16,12 @@ JoinCode = NewType("JoinCode", str)
 AllocationId = NewType("AllocationId", bytes)
 
 
+def show_address(address: Address) -> str:
+    """``host:port``, with brackets around an IPv6 host."""
+    host, port = address[0], address[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def normalize_address(addr: tuple[object, ...]) -> Address:
     """Reduce an OS socket address (2- or 4-tuple) to ``(host, port)``."""
     host, port = addr[0], addr[1]

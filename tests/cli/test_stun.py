@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -52,3 +53,28 @@ def test_binding_and_nat_commands(
     assert code == 0, out
     assert out["mapping"] == out["filtering"] == "endpoint-independent", out
     assert out["behind_nat"] is False and out["hairpinning"] is True, out
+
+
+def test_unreachable_server_prints_the_error_and_exits_1() -> None:
+    # A port bound but not listening: the TCP connect is refused at once.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        code, out = _cli("binding", f"127.0.0.1:{port}", "--tcp")
+    assert code == 1
+    assert list(out) == ["server", "error"], out
+    assert out["server"] == f"127.0.0.1:{port}"
+    assert "refused" in str(out["error"]).lower() or "111" in str(out["error"]), out
+
+
+@pytest.mark.parametrize("bad", ["192.0.2.1:abc", ":3478", "192.0.2.1:70000"])
+def test_a_bad_server_argument_is_a_usage_error(bad: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "crossroads", "stun", "binding", bad],
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Invalid value for 'SERVER'" in done.stderr
+    assert "Traceback" not in done.stderr

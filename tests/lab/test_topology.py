@@ -4,12 +4,20 @@ route out of the lab."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import json
 import subprocess
 
 import pytest
 
 from crossroads.lab import netns
-from crossroads.lab.topology import TOPOLOGY_VERSION, Lab, LabError
+from crossroads.lab.topology import (
+    TOPOLOGY_VERSION,
+    Lab,
+    LabError,
+    State,
+    make_sites,
+)
 
 from .conftest import unique_prefix
 
@@ -20,6 +28,45 @@ def test_bad_prefix_is_refused() -> None:
     for bad in ("", "a-b", "X", "1abc", "abcdefghijklm"):
         with pytest.raises(LabError):
             Lab(bad)
+
+
+def test_state_file_round_trips_and_keeps_its_keys() -> None:
+    state = State("xr", {"server": 4242}, created=1700000000.5, version=4)
+    text = state.dump()
+    # `down` and `exec` of older code read this file too: the keys stay.
+    assert json.loads(text) == {
+        "prefix": "xr",
+        "pids": {"server": 4242},
+        "created": 1700000000.5,
+        "version": 4,
+    }
+    assert State.load(text) == state
+
+
+def test_site_addresses_are_the_documented_plan() -> None:
+    sites = make_sites()
+    third = sites[2]
+    assert (third.lan_net, third.gateway, third.host_ip) == (
+        "192.168.3.0/24",
+        "192.168.3.1",
+        "192.168.3.2",
+    )
+    assert (third.lan_net6, third.gateway6, third.host_ip6) == (
+        "2001:db8:3::/64",
+        "2001:db8:3::1",
+        "2001:db8:3::2",
+    )
+    for site in sites:
+        lan = ipaddress.ip_network(site.lan_net)
+        lan6 = ipaddress.ip_network(site.lan_net6)
+        assert ipaddress.ip_address(site.gateway) in lan
+        assert ipaddress.ip_address(site.gateway6) in lan6
+        assert ipaddress.ip_address(site.host_ip6) in lan6
+        if site.kind.natted:
+            assert ipaddress.ip_address(site.host_ip) in lan
+        else:
+            assert site.host_ip == site.public_ip
+    assert len({site.lan_net for site in sites}) == len(sites)
 
 
 def test_names_resolve(lab: Lab) -> None:

@@ -213,6 +213,20 @@ async def test_openapi_documents_the_relay_api() -> None:
         assert schema["required"] == ["maxConnections"]
         assert "201" in allocate["responses"] and "401" in allocate["responses"]
         assert "AllocationModel" in document["components"]["schemas"]
+        # Generated clients name their calls after the operation ids.
+        operation_ids = {
+            path: next(iter(ops.values()))["operationId"]
+            for path, ops in paths.items()
+            if path.startswith("/v1/")
+        }
+        assert operation_ids == {
+            "/v1/allocate": "allocate_v1_allocate_post",
+            "/v1/joincode": "create_join_code_v1_joincode_post",
+            "/v1/join": "join_v1_join_post",
+            "/v1/regions": "regions_v1_regions_get",
+        }
+        # The body is documented once, by the model, not as a parameter.
+        assert "parameters" not in paths["/v1/join"]["post"]
 
 
 async def test_allocations_are_rate_limited_per_client() -> None:

@@ -7,7 +7,8 @@
     crossroads stun nat 198.51.100.1                    # RFC 5780 NAT behaviour
 
 Output is one JSON object on stdout, for people and scripts alike. Exit code 0
-on an answer, 1 when the server did not answer or answered with an error.
+on an answer, 1 when the server did not answer or answered with an error, 2
+when SERVER is not an address (click's usage error, on stderr).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -25,7 +26,7 @@ from crossroads.client.stun import (
     discover_nat,
     stun_binding,
 )
-from crossroads.types import Address
+from crossroads.types import Address, show_address
 
 DEFAULT_PORT = 3478
 
@@ -42,8 +43,26 @@ def parse_server(text: str) -> Address:
     return text, DEFAULT_PORT
 
 
+def _server(ctx: click.Context, param: click.Parameter, value: str) -> Address:
+    """The SERVER argument as an address (:func:`parse_server`); anything
+    else is a usage error (exit 2), not a traceback."""
+    try:
+        host, port = parse_server(value)
+    except ValueError:
+        host, port = "", 0
+    if not host or not 0 < port < 65536:
+        raise click.BadParameter(f"{value!r} is not HOST, HOST:PORT or [IPv6]:PORT")
+    return host, port
+
+
 def _emit(data: dict[str, Any]) -> None:
     click.echo(json.dumps(data, indent=2))
+
+
+def _fail(address: Address, exc: Exception, **known: Any) -> NoReturn:
+    """Print the server, what is ``known`` so far and the error; exit 1."""
+    _emit({"server": show_address(address), **known, "error": str(exc)})
+    sys.exit(1)
 
 
 @click.group()
@@ -52,21 +71,19 @@ def stun() -> None:
 
 
 @stun.command()
-@click.argument("server")
+@click.argument("address", metavar="SERVER", callback=_server)
 @click.option("--tcp", is_flag=True, help="Use TCP instead of UDP.")
-def binding(server: str, tcp: bool) -> None:
+def binding(address: Address, tcp: bool) -> None:
     """Send one Binding request and print the reflexive address."""
-    address = parse_server(server)
     try:
         result = asyncio.run(stun_binding(address, transport="tcp" if tcp else "udp"))
     except (StunClientError, OSError) as exc:
-        _emit({"server": _fmt(address), "error": str(exc)})
-        sys.exit(1)
+        _fail(address, exc)
     _emit(
         {
-            "server": _fmt(result.server),
-            "local": _fmt(result.local),
-            "mapped": _fmt(result.mapped),
+            "server": show_address(result.server),
+            "local": show_address(result.local),
+            "mapped": show_address(result.mapped),
             "response_origin": _maybe(result.response_origin),
             "other_address": _maybe(result.other_address),
             "software": result.software,
@@ -77,25 +94,22 @@ def binding(server: str, tcp: bool) -> None:
 
 
 @stun.command()
-@click.argument("server")
+@click.argument("address", metavar="SERVER", callback=_server)
 @click.option("--no-hairpin", is_flag=True, help="Skip the hairpinning test.")
-def nat(server: str, no_hairpin: bool) -> None:
+def nat(address: Address, no_hairpin: bool) -> None:
     """RFC 5780 NAT behaviour discovery: mapping, filtering, hairpinning."""
-    address = parse_server(server)
     try:
         behavior = asyncio.run(discover_nat(address, hairpinning=not no_hairpin))
     except StunErrorResponse as exc:
-        _emit({"server": _fmt(address), "error": str(exc)})
-        sys.exit(1)
+        _fail(address, exc)
     except (StunClientError, OSError) as exc:
-        _emit({"server": _fmt(address), "udp": False, "error": str(exc)})
-        sys.exit(1)
+        _fail(address, exc, udp=False)
     _emit(
         {
-            "server": _fmt(address),
+            "server": show_address(address),
             "udp": True,
-            "local": _fmt(behavior.local),
-            "mapped": _fmt(behavior.mapped),
+            "local": show_address(behavior.local),
+            "mapped": show_address(behavior.mapped),
             "behind_nat": behavior.behind_nat,
             "rfc5780": behavior.rfc5780_supported,
             "other_address": _maybe(behavior.other_address),
@@ -109,10 +123,5 @@ def nat(server: str, no_hairpin: bool) -> None:
     )
 
 
-def _fmt(address: Address) -> str:
-    host, port = address
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _maybe(address: Address | None) -> str | None:
-    return None if address is None else _fmt(address)
+    return None if address is None else show_address(address)

@@ -142,22 +142,16 @@ class PeerSocket:
     async def open(
         self, host: str = "0.0.0.0", port: int = 0, sock: socket.socket | None = None
     ) -> None:
-        loop = asyncio.get_running_loop()
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             sock.bind((host, port))
-        sock.setblocking(False)
-        _, protocol = await loop.create_datagram_endpoint(
-            lambda: _UdpTransport(self, 0), sock=sock
-        )
-        self.main = protocol
+        self.main = await self._attach(sock)
 
     async def open_v6(
         self, host: str = "::", port: int = 0, sock: socket.socket | None = None
     ) -> bool:
         """Open the IPv6 socket (IPv6 only: IPv4 stays on the main socket, whose
         NAT mappings port prediction counts). False when the host has no IPv6."""
-        loop = asyncio.get_running_loop()
         try:
             if sock is None:
                 sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
@@ -167,12 +161,17 @@ class PeerSocket:
             if sock is not None:
                 sock.close()
             return False
+        self.v6 = await self._attach(sock)
+        return True
+
+    async def _attach(self, sock: socket.socket) -> _UdpTransport:
+        """Read and send on ``sock`` (made non-blocking) through this router."""
         sock.setblocking(False)
+        loop = asyncio.get_running_loop()
         _, protocol = await loop.create_datagram_endpoint(
             lambda: _UdpTransport(self, 0), sock=sock
         )
-        self.v6 = protocol
-        return True
+        return protocol
 
     def transport_for(self, dest: Address) -> _UdpTransport:
         """The socket that sends to ``dest``: IPv6 destinations leave from the

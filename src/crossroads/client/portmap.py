@@ -21,9 +21,9 @@ import logging
 import secrets
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from crossroads.errors import DecodeError
 from crossroads.proto.portmap import natpmp, pcp
@@ -45,6 +45,8 @@ UPNP_DISCOVERY = 2
 
 
 SocketFactory = Callable[[], socket.socket]
+#: What a request's ``accept`` callback makes of the answer it takes.
+Answer = TypeVar("Answer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,11 @@ def default_gateway() -> str | None:
     return None
 
 
+def _any_answer(data: bytes) -> bytes:
+    """Take whatever comes back (a delete's answer is not looked at)."""
+    return data
+
+
 def local_ip_towards(host: str) -> str | None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -102,9 +109,9 @@ async def _request(
     gateway: Address,
     local_ip: str,
     payload: bytes,
-    accept: Any,
+    accept: Callable[[bytes], Answer | None],
     factory: SocketFactory | None = None,
-) -> Any:
+) -> Answer | None:
     """Send ``payload`` with retransmissions; the first answer ``accept`` takes."""
     loop = asyncio.get_running_loop()
     if factory is not None:
@@ -136,33 +143,26 @@ async def _request(
         transport.close()
 
 
+@dataclass(eq=False)
 class PortMapper:
     """Hold a UDP port mapping for ``internal_port`` (see module docstring)."""
 
-    def __init__(
-        self,
-        internal_port: int,
-        *,
-        gateway: str | None = None,
-        internal_ip: str | None = None,
-        lifetime: int = DEFAULT_LIFETIME,
-        methods: tuple[str, ...] = ("pcp", "natpmp", "upnp"),
-        upnp_timeout: int = UPNP_DISCOVERY,
-        socket_factory: SocketFactory | None = None,
-    ) -> None:
-        self.internal_port = internal_port
-        self.gateway = gateway
-        self.internal_ip = internal_ip
-        self.lifetime = lifetime
-        self.methods = methods
-        self.upnp_timeout = upnp_timeout
-        #: Makes the UDP sockets for PCP / NAT-PMP (e.g. inside a namespace).
-        self.socket_factory = socket_factory
-        self.mapping: Mapping | None = None
-        self._nonce = secrets.token_bytes(12)
-        self._refresh: asyncio.Task[None] | None = None
-        self._igd: Any = None
-        self._requester: Any = None
+    internal_port: int
+    _: KW_ONLY
+    gateway: str | None = None
+    internal_ip: str | None = None
+    lifetime: int = DEFAULT_LIFETIME
+    methods: tuple[str, ...] = ("pcp", "natpmp", "upnp")
+    upnp_timeout: int = UPNP_DISCOVERY
+    #: Makes the UDP sockets for PCP / NAT-PMP (e.g. inside a namespace).
+    socket_factory: SocketFactory | None = None
+    mapping: Mapping | None = field(default=None, init=False)
+    _nonce: bytes = field(
+        default_factory=lambda: secrets.token_bytes(12), init=False, repr=False
+    )
+    _refresh: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+    _igd: Any = field(default=None, init=False, repr=False)
+    _requester: Any = field(default=None, init=False, repr=False)
 
     async def start(self) -> Mapping | None:
         """Try each method in turn; returns the mapping, or None if none worked."""
@@ -225,66 +225,36 @@ class PortMapper:
                 return None
             return response
 
-        response = await _request(
-            (self.gateway, pcp.PORT),
-            self.internal_ip,
-            request.encode(),
-            accept,
-            self.socket_factory,
-        )
+        response = await self._ask(pcp.PORT, request.encode(), accept)
         if (
             not isinstance(response, pcp.MapResponse)
             or response.result != pcp.Result.SUCCESS
         ):
             return None
-        return Mapping(
-            "pcp",
-            response.external_ip,
-            response.external_port,
-            self.internal_ip,
-            self.internal_port,
-            response.lifetime,
+        return self._mapped(
+            "pcp", response.external_ip, response.external_port, response.lifetime
         )
 
     async def _natpmp(self, lifetime: int) -> Mapping | None:
-        assert self.gateway and self.internal_ip
-        gateway = (self.gateway, natpmp.PORT)
-
         def accept_address(data: bytes) -> natpmp.Response | None:
             try:
                 return natpmp.decode_response(data)
             except DecodeError:
                 return None
 
-        address = await _request(
-            gateway,
-            self.internal_ip,
-            natpmp.ExternalAddressRequest().encode(),
-            accept_address,
-            self.socket_factory,
+        address = await self._ask(
+            natpmp.PORT, natpmp.ExternalAddressRequest().encode(), accept_address
         )
         if not isinstance(address, natpmp.ExternalAddressResponse) or address.result:
             return None
-        previous = self.mapping.external_port if self.mapping else self.internal_port
         request = natpmp.MapRequest(
-            natpmp.Opcode.MAP_UDP, self.internal_port, previous, lifetime
+            natpmp.Opcode.MAP_UDP, self.internal_port, self._previous_port(), lifetime
         )
-        response = await _request(
-            gateway,
-            self.internal_ip,
-            request.encode(),
-            accept_address,
-            self.socket_factory,
-        )
+        response = await self._ask(natpmp.PORT, request.encode(), accept_address)
         if not isinstance(response, natpmp.MapResponse) or response.result:
             return None
-        return Mapping(
-            "natpmp",
-            address.address,
-            response.external_port,
-            self.internal_ip,
-            self.internal_port,
-            response.lifetime,
+        return self._mapped(
+            "natpmp", address.address, response.external_port, response.lifetime
         )
 
     async def _upnp(self, lifetime: int) -> Mapping | None:
@@ -319,9 +289,7 @@ class PortMapper:
             )
             self._igd = IgdDevice(device, None)
         igd = self._igd
-        external_port = (
-            self.mapping.external_port if self.mapping else self.internal_port
-        )
+        external_port = self._previous_port()
         await igd.async_add_port_mapping(
             remote_host=ipaddress.IPv4Address("0.0.0.0"),
             external_port=external_port,
@@ -335,8 +303,30 @@ class PortMapper:
         external_ip = await igd.async_get_external_ip_address()
         if not external_ip:
             return None
+        return self._mapped("upnp", external_ip, external_port, lifetime)
+
+    async def _ask(
+        self, port: int, payload: bytes, accept: Callable[[bytes], Answer | None]
+    ) -> Answer | None:
+        """Send ``payload`` to the gateway's ``port`` from our internal address
+        (with retransmissions); the first answer ``accept`` takes, or None."""
+        assert self.gateway and self.internal_ip
+        return await _request(
+            (self.gateway, port), self.internal_ip, payload, accept, self.socket_factory
+        )
+
+    def _previous_port(self) -> int:
+        """The external port to ask for: the one held (a renewal keeps it),
+        else the internal port."""
+        return self.mapping.external_port if self.mapping else self.internal_port
+
+    def _mapped(
+        self, method: str, external_ip: str, external_port: int, lifetime: int
+    ) -> Mapping:
+        """The mapping a gateway granted to our internal address and port."""
+        assert self.internal_ip
         return Mapping(
-            "upnp",
+            method,
             external_ip,
             external_port,
             self.internal_ip,
@@ -376,24 +366,12 @@ class PortMapper:
                     0,
                     self.internal_ip,
                 )
-                await _request(
-                    (self.gateway, pcp.PORT),
-                    self.internal_ip,
-                    request.encode(),
-                    lambda d: d,
-                    self.socket_factory,
-                )
+                await self._ask(pcp.PORT, request.encode(), _any_answer)
             elif mapping.method == "natpmp":
                 delete = natpmp.MapRequest(
                     natpmp.Opcode.MAP_UDP, self.internal_port, 0, 0
                 )
-                await _request(
-                    (self.gateway, natpmp.PORT),
-                    self.internal_ip,
-                    delete.encode(),
-                    lambda d: d,
-                    self.socket_factory,
-                )
+                await self._ask(natpmp.PORT, delete.encode(), _any_answer)
             elif self._igd is not None:
                 await self._igd.async_delete_port_mapping(
                     remote_host=ipaddress.IPv4Address("0.0.0.0"),

@@ -249,6 +249,7 @@ def _wildcard_for(host: str) -> str:
     return "::" if ipaddress.ip_address(host).version == 6 else "0.0.0.0"
 
 
+@dataclass(eq=False)
 class StunClient:
     """A STUN client bound to one local UDP socket.
 
@@ -257,15 +258,9 @@ class StunClient:
     they all see the same NAT mapping.
     """
 
-    def __init__(
-        self,
-        transport: asyncio.DatagramTransport,
-        protocol: _Protocol,
-        local: Address,
-    ) -> None:
-        self._transport = transport
-        self._protocol = protocol
-        self.local = local
+    _transport: asyncio.DatagramTransport
+    _protocol: _Protocol
+    local: Address
 
     @classmethod
     async def open(cls, local: Address = ("0.0.0.0", 0)) -> StunClient:

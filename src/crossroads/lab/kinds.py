@@ -223,14 +223,12 @@ def router_ruleset(
     pre: list[str] = []
     post: list[str] = []
     record: list[str] = []
-    forward = [
+    forward = _forward_rules(
+        kind,
         "ct state established,related accept",
         'iifname "lan" accept',
         'iifname "wan" ct status dnat accept',
-    ]
-    if not kind.udp:
-        # The firewall passes only TCP (and ICMP): UDP dies both ways.
-        forward.insert(0, "meta l4proto udp drop")
+    )
 
     udp_flow = f'ip saddr {lan_net} oifname "wan" meta l4proto udp'
     match kind.allocation:
@@ -309,6 +307,18 @@ def cgn_ruleset(*, inside_net: str) -> str:
     )
 
 
+def _forward_rules(kind: NatKind, *rules: str) -> list[str]:
+    """A router's forward chain: ``rules``, after a UDP drop for a firewall
+    that passes only TCP (and ICMP), so that UDP dies both ways."""
+    return ["meta l4proto udp drop", *rules] if not kind.udp else list(rules)
+
+
+def _chain(name: str, hook: str, rules: list[str], policy: str = "accept") -> str:
+    """One nftables base chain, a rule a line."""
+    body = "".join(f"    {rule}\n" for rule in rules)
+    return f"  chain {name} {{\n    {hook}; policy {policy};\n{body}  }}\n"
+
+
 def _table(
     *,
     pre: list[str],
@@ -318,10 +328,6 @@ def _table(
     input_wan_drop: bool,
     accept_input: list[str],
 ) -> str:
-    def chain(name: str, hook: str, rules: list[str], policy: str = "accept") -> str:
-        body = "".join(f"    {rule}\n" for rule in rules)
-        return f"  chain {name} {{\n    {hook}; policy {policy};\n{body}  }}\n"
-
     input_rules = [
         'iifname "wan" ct state established,related accept',
         'iifname "wan" meta l4proto icmp accept',
@@ -339,11 +345,11 @@ def _table(
         "    type inet_service . ipv4_addr\n"
         f"    flags dynamic,timeout; timeout {MAPPING_TIMEOUT_S}s\n"
         "  }\n"
-        + chain("prerouting", "type nat hook prerouting priority dstnat", pre)
-        + chain("postrouting", "type nat hook postrouting priority srcnat", post)
-        + chain("record", "type filter hook postrouting priority 300", record)
-        + chain("forward", "type filter hook forward priority filter", forward, "drop")
-        + chain("input", "type filter hook input priority filter", input_rules)
+        + _chain("prerouting", "type nat hook prerouting priority dstnat", pre)
+        + _chain("postrouting", "type nat hook postrouting priority srcnat", post)
+        + _chain("record", "type filter hook postrouting priority 300", record)
+        + _chain("forward", "type filter hook forward priority filter", forward, "drop")
+        + _chain("input", "type filter hook input priority filter", input_rules)
         + "}\n"
     )
 
@@ -354,27 +360,22 @@ def router_firewall6(kind: NatKind) -> str:
     unsolicited from the WAN. Its filtering is conntrack's (address and port
     dependent), so two hosts reach each other only by sending at the same time.
     ICMPv6 passes (neighbour discovery, errors)."""
-    forward = [
+    forward = _forward_rules(
+        kind,
         "ct state established,related accept",
         "meta l4proto ipv6-icmp accept",
         'iifname "lan" accept',
+    )
+    input_rules = [
+        'iifname "wan" ct state established,related accept',
+        'iifname "wan" meta l4proto ipv6-icmp accept',
+        'iifname "wan" drop',
     ]
-    if not kind.udp:
-        forward.insert(0, "meta l4proto udp drop")
-    body = "".join(f"    {rule}\n" for rule in forward)
     return (
         "table ip6 xr6 {\n"
-        "  chain forward {\n"
-        "    type filter hook forward priority filter; policy drop;\n"
-        f"{body}"
-        "  }\n"
-        "  chain input {\n"
-        "    type filter hook input priority filter; policy accept;\n"
-        '    iifname "wan" ct state established,related accept\n'
-        '    iifname "wan" meta l4proto ipv6-icmp accept\n'
-        '    iifname "wan" drop\n'
-        "  }\n"
-        "}\n"
+        + _chain("forward", "type filter hook forward priority filter", forward, "drop")
+        + _chain("input", "type filter hook input priority filter", input_rules)
+        + "}\n"
     )
 
 

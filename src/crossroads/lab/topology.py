@@ -39,7 +39,7 @@ import struct
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from crossroads.lab import natpmp, netns
@@ -137,6 +137,14 @@ class Site:
     def name(self) -> str:
         return f"{self.kind.name}-{self.letter}"
 
+    def _lan(self, host: int) -> str:
+        """Address ``host`` of the site's LAN, 192.168.<index + 1>.0/24."""
+        return f"192.168.{self.index + 1}.{host}"
+
+    def _lan6(self, host: str) -> str:
+        """Address ``host`` of the site's IPv6 LAN, 2001:db8:<index + 1>::/64."""
+        return f"2001:db8:{self.index + 1:x}::{host}"
+
     @property
     def public_ip(self) -> str:
         """The outermost public address: the host's own, or its (outer) router's."""
@@ -144,18 +152,16 @@ class Site:
 
     @property
     def lan_net(self) -> str:
-        return f"192.168.{self.index + 1}.0/24"
+        return self._lan(0) + "/24"
 
     @property
     def host_ip(self) -> str:
-        if not self.kind.natted:
-            return self.public_ip
-        return f"192.168.{self.index + 1}.2"
+        return self._lan(2) if self.kind.natted else self.public_ip
 
     @property
     def gateway(self) -> str:
         """The host's default gateway (its router's LAN address)."""
-        return f"192.168.{self.index + 1}.1"
+        return self._lan(1)
 
     @property
     def ipv6(self) -> bool:
@@ -163,15 +169,15 @@ class Site:
 
     @property
     def lan_net6(self) -> str:
-        return f"2001:db8:{self.index + 1:x}::/64"
+        return self._lan6("") + "/64"
 
     @property
     def host_ip6(self) -> str:
-        return f"2001:db8:{self.index + 1:x}::2"
+        return self._lan6("2")
 
     @property
     def gateway6(self) -> str:
-        return f"2001:db8:{self.index + 1:x}::1"
+        return self._lan6("1")
 
     @property
     def router_wan_ip6(self) -> str:
@@ -210,15 +216,7 @@ class State:
     version: int = 0
 
     def dump(self) -> str:
-        return json.dumps(
-            {
-                "prefix": self.prefix,
-                "pids": self.pids,
-                "created": self.created,
-                "version": self.version,
-            },
-            indent=2,
-        )
+        return json.dumps(asdict(self), indent=2)
 
     @classmethod
     def load(cls, text: str) -> State:
@@ -322,11 +320,7 @@ class Lab:
     def namespaces(self) -> list[str]:
         out = [self.inet_ns, self.server_ns]
         for site in self.sites:
-            out.append(self.host_ns(site))
-            if site.kind.natted:
-                out.append(self.router_ns(site))
-            if site.kind.double:
-                out.append(self.cgn_ns(site))
+            out += [self.host_ns(site), *self.routers(site)]
         return out
 
     def routers(self, site: Site) -> list[str]:

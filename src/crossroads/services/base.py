@@ -31,6 +31,7 @@ from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates, HandshakeLimits
 from crossroads.types import Address, IPAddress
+from crossroads.types import show_address as show_address  # re-exported
 
 T = TypeVar("T")
 
@@ -95,12 +96,6 @@ class Reloadable(Protocol):
                 stays in force).
         """
         ...
-
-
-def show_address(address: Address) -> str:
-    """``host:port``, with brackets around an IPv6 host."""
-    host, port = address[0], address[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class HttpsPortGuest(Protocol):

@@ -47,18 +47,21 @@ class MemoryStore:
         self._deadlines: dict[str, float] = {}
         self._subscribers: dict[str, list[MemorySubscription]] = {}
 
+    def _drop(self, key: str) -> None:
+        """Forget ``key``: its value and its deadline."""
+        self._values.pop(key, None)
+        self._deadlines.pop(key, None)
+
     def _live(self, key: str) -> bool:
         deadline = self._deadlines.get(key)
         if deadline is not None and deadline <= self._clock():
-            self._values.pop(key, None)
-            del self._deadlines[key]
+            self._drop(key)
         return key in self._values
 
     def _expire_all(self) -> None:
         now = self._clock()
         for key in [k for k, d in self._deadlines.items() if d <= now]:
-            self._values.pop(key, None)
-            del self._deadlines[key]
+            self._drop(key)
 
     async def get(self, key: str) -> bytes | None:
         if not self._live(key):
@@ -92,15 +95,13 @@ class MemoryStore:
         for key in keys:
             if self._live(key):
                 count += 1
-            self._values.pop(key, None)
-            self._deadlines.pop(key, None)
+            self._drop(key)
         return count
 
     async def delete_if_equal(self, key: str, value: bytes) -> bool:
         if not self._live(key) or self._values.get(key) != value:
             return False
-        self._values.pop(key, None)
-        self._deadlines.pop(key, None)
+        self._drop(key)
         return True
 
     async def expire(self, key: str, ttl: float) -> bool:

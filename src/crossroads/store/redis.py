@@ -114,6 +114,12 @@ return 0
 """
 
 
+def _millis(ttl: float) -> int:
+    """A TTL in whole milliseconds, at least 1: a TTL under a millisecond
+    would round to ``PX 0``, which Redis refuses ("invalid expire time")."""
+    return max(1, int(ttl * 1000))
+
+
 class RedisStore:
     """A Store on a Redis server. Reconnects on its own (redis-py's pool)."""
 
@@ -170,7 +176,7 @@ class RedisStore:
         ttl: float | None = None,
         only_if_absent: bool = False,
     ) -> bool:
-        px = None if ttl is None else max(1, int(ttl * 1000))
+        px = None if ttl is None else _millis(ttl)
         result = await self._run(self._redis.set(key, value, px=px, nx=only_if_absent))
         return bool(result)
 
@@ -185,7 +191,7 @@ class RedisStore:
         return bool(deleted)
 
     async def expire(self, key: str, ttl: float) -> bool:
-        return bool(await self._run(self._redis.pexpire(key, max(1, int(ttl * 1000)))))
+        return bool(await self._run(self._redis.pexpire(key, _millis(ttl))))
 
     async def ttl(self, key: str) -> float | None:
         millis = int(await self._run(self._redis.pttl(key)))

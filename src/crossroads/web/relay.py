@@ -207,6 +207,8 @@ MAX_TRACKED_CLIENTS = 65_536
 Handler = Callable[[Request], Awaitable[JSONResponse]]
 #: The request body model :func:`_parse` validates against.
 Model = TypeVar("Model", bound=BaseModel)
+#: A POST route handler, given the request and its validated JSON body.
+BodyHandler = Callable[[Request, Model], Awaitable[JSONResponse]]
 
 
 async def _read_body(request: Request) -> bytes:
@@ -390,43 +392,64 @@ def make_router(
             response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
-    @router.post(
+    def posted(
+        path: str,
+        body_model: type[Model],
+        response_model: type[BaseModel],
+        summary: str,
+        status_code: int = 200,
+    ) -> Callable[[BodyHandler[Model]], Handler]:
+        """Register a POST route at ``path`` whose JSON body is ``body_model``:
+        documented, :func:`guarded` under the path's name, and the handler
+        given the parsed body (an invalid one is answered 400 before it)."""
+
+        def wrap(handler: BodyHandler[Model]) -> Handler:
+            async def parsed(request: Request) -> JSONResponse:
+                return await handler(request, await _parse(request, body_model))
+
+            # The handler's name, not "parsed", makes the route's operationId;
+            # no __wrapped__, or FastAPI would read the body parameter as its own.
+            parsed.__name__ = handler.__name__
+            parsed.__qualname__ = handler.__qualname__
+            parsed.__doc__ = handler.__doc__
+            route = guarded(path.removeprefix("/"))(parsed)
+            router.post(
+                path,
+                status_code=status_code,
+                response_model=response_model,
+                responses=_ERRORS,
+                openapi_extra=_body_schema(body_model),
+                summary=summary,
+            )(route)
+            return route
+
+        return wrap
+
+    @posted(
         "/allocate",
+        AllocateRequest,
+        AllocateResponse,
+        "Allocate a seat for a host on the least-loaded relay of a region",
         status_code=201,
-        response_model=AllocateResponse,
-        responses=_ERRORS,
-        openapi_extra=_body_schema(AllocateRequest),
-        summary="Allocate a seat for a host on the least-loaded relay of a region",
     )
-    @guarded("allocate")
-    async def allocate(request: Request) -> JSONResponse:
-        body = await _parse(request, AllocateRequest)
+    async def allocate(request: Request, body: AllocateRequest) -> JSONResponse:
         grant = await allocator.allocate(body.maxConnections, body.region)
         return _envelope(201, {"allocation": encode_grant(grant)})
 
-    @router.post(
+    @posted(
         "/joincode",
-        response_model=JoinCodeResponse,
-        responses=_ERRORS,
-        openapi_extra=_body_schema(JoinCodeRequest),
-        summary="Get the join code of a host allocation (the same one each time)",
+        JoinCodeRequest,
+        JoinCodeResponse,
+        "Get the join code of a host allocation (the same one each time)",
     )
-    @guarded("joincode")
-    async def create_join_code(request: Request) -> JSONResponse:
-        body = await _parse(request, JoinCodeRequest)
+    async def create_join_code(request: Request, body: JoinCodeRequest) -> JSONResponse:
         code = await allocator.join_code(body.allocationId)
         return _envelope(200, {"joinCode": code})
 
-    @router.post(
-        "/join",
-        response_model=JoinResponse,
-        responses=_ERRORS,
-        openapi_extra=_body_schema(JoinRequest),
-        summary="Join a host's session with its join code",
+    @posted(
+        "/join", JoinRequest, JoinResponse, "Join a host's session with its join code"
     )
-    @guarded("join")
-    async def join(request: Request) -> JSONResponse:
-        body = await _parse(request, JoinRequest)
+    async def join(request: Request, body: JoinRequest) -> JSONResponse:
         client = request.client.host if request.client else ""
         if not codes_tried.try_spend(client, clock()):
             raise AllocationError(

@@ -7,22 +7,14 @@ TCP passes every lab NAT and the ``udp-blocked`` firewall, so all pairs connect.
 from __future__ import annotations
 
 from crossroads.lab.kinds import every_pair
-from crossroads.lab.matrix import Attempt, Method, Outcome, register
-from crossroads.lab.methods.turn_udp import exchange
-
-
-async def run(attempt: Attempt) -> Outcome:
-    return await exchange(attempt.lab, attempt.a, attempt.b, "tcp")
-
+from crossroads.lab.matrix import register
+from crossroads.lab.methods.turn_udp import turn_method
 
 METHOD = register(
-    Method(
-        name="turn-tcp",
-        summary="crossroads' TURN relay, allocations over TCP (crossroads TURN client)",
-        run=run,
+    turn_method(
+        "tcp",
+        "crossroads' TURN relay, allocations over TCP (crossroads TURN client)",
         # Every lab site can open a TCP connection to the server.
         expected=every_pair,
-        timeout=15.0,
-        needs=("turn",),
     )
 )

@@ -7,7 +7,7 @@ binds a channel to it; then one ChannelData frame goes each way
 to the server's TURN port, so the NAT kinds' mapping and filtering do not matter:
 it connects whenever both sites can reach the server over the transport.
 
-:func:`open_client` is shared with ``turn-tcp`` (same exchange, TCP allocation).
+:func:`turn_method` makes ``turn-tcp`` too (same exchange, TCP allocation).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Callable
 from typing import Literal
 
 from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.lab import netns
-from crossroads.lab.kinds import both_udp
+from crossroads.lab.kinds import NatKind, both_udp
 from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.topology import LAB_TURN_USER, SERVER_IPS, Lab, Site
 from crossroads.types import Address
@@ -102,18 +103,30 @@ async def exchange(lab: Lab, a: Site, b: Site, transport: Transport) -> Outcome:
     return Outcome(True, "relay", time.monotonic() - started)
 
 
-async def run(attempt: Attempt) -> Outcome:
-    return await exchange(attempt.lab, attempt.a, attempt.b, "udp")
+def turn_method(
+    transport: Transport, summary: str, expected: Callable[[NatKind, NatKind], bool]
+) -> Method:
+    """The ``turn-<transport>`` method: :func:`exchange` with allocations over
+    ``transport``, connecting for the pairs ``expected`` names."""
+
+    async def run(attempt: Attempt) -> Outcome:
+        return await exchange(attempt.lab, attempt.a, attempt.b, transport)
+
+    return Method(
+        name=f"turn-{transport}",
+        summary=summary,
+        run=run,
+        expected=expected,
+        timeout=15.0,
+        needs=("turn",),
+    )
 
 
 METHOD = register(
-    Method(
-        name="turn-udp",
-        summary="crossroads' TURN relay, allocations over UDP (crossroads TURN client)",
-        run=run,
+    turn_method(
+        "udp",
+        "crossroads' TURN relay, allocations over UDP (crossroads TURN client)",
         # Both sites must send UDP to the server: only udp-blocked cannot.
         expected=both_udp,
-        timeout=15.0,
-        needs=("turn",),
     )
 )
