@@ -153,6 +153,19 @@ class RemoteForwardingRequest:
     timeout_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardingReply:
+    """A server's ``5c 0a`` (or a relay node's answer) to a forwarding request
+    between ``source`` and ``target``: its UDPForwarderResult, and the IP
+    (empty: the server's own) and port the forwarder listens on."""
+
+    source: Address
+    target: Address
+    ip: str
+    result: int
+    port: int
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     source: Address
@@ -231,7 +244,9 @@ class UDPProxyCoordinator:
     ) -> None:
         """A relay node's answer to a :class:`RemoteForwardingRequest`."""
         try:
-            self._server_answered(node, source, target, ip, result, port, now)
+            self._server_answered(
+                node, ForwardingReply(source, target, ip, result, port), now
+            )
         except DecodeError as exc:
             self.stats.dropped[f"relay-node-{exc.reason}"] += 1
 
@@ -565,22 +580,14 @@ class UDPProxyCoordinator:
         source = reader.read_address()
         target = reader.read_address()
         ip = reader.read_rakstring().decode("latin-1")
-        result = reader.read_u8()
-        port = reader.read_u16()
-        self._server_answered(address, source, target, ip, result, port, now)
+        reply = ForwardingReply(source, target, ip, reader.read_u8(), reader.read_u16())
+        self._server_answered(address, reply, now)
 
     def _server_answered(
-        self,
-        address: Address,
-        source: Address,
-        target: Address,
-        ip: str,
-        result: int,
-        port: int,
-        now: float,
+        self, address: Address, reply: ForwardingReply, now: float
     ) -> None:
         """A server's (or relay node's) answer to a forwarding request."""
-        request = self.requests.get((source, target))
+        request = self.requests.get((reply.source, reply.target))
         if (
             request is None
             or request.server != address
@@ -589,10 +596,10 @@ class UDPProxyCoordinator:
             self.stats.dropped["unexpected-server-reply"] += 1
             return
         try:
-            outcome = ForwarderResult(result)
+            outcome = ForwarderResult(reply.result)
         except ValueError:
             raise DecodeError("unknown UDPForwarderResult", "bad-result") from None
         if outcome in (ForwarderResult.NO_SOCKETS, ForwarderResult.BIND_FAILED):
             self._try_next(request, now)
             return
-        self._forwarded(request, outcome, ip or address[0], port, now)
+        self._forwarded(request, outcome, reply.ip or address[0], reply.port, now)

@@ -502,6 +502,10 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         rebind = addr != alloc.address
         if rebind:
             self._move(alloc, addr)
+        self._bound(alloc, addr, rebind)
+
+    def _bound(self, alloc: Allocation, addr: Address, rebind: bool) -> None:
+        """Answer a BIND that (re)bound ``alloc`` to ``addr`` and say so."""
         self._outbox.append((_BIND_RECEIVED, addr))
         self._events.append(
             AllocationBound(
@@ -549,17 +553,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         )
         self.allocations[alloc.allocation_id] = alloc
         self.load += alloc.weight
-        self._outbox.append((_BIND_RECEIVED, addr))
-        self._events.append(
-            AllocationBound(
-                alloc.allocation_id,
-                alloc.host_allocation_id,
-                alloc.is_host,
-                alloc.max_connections,
-                addr,
-                rebind=False,
-            )
-        )
+        self._bound(alloc, addr, rebind=False)
 
     def _sender(
         self, allocation_id: bytes, addr: Address, now: float
