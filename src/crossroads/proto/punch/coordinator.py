@@ -815,6 +815,10 @@ class Coordinator(EventQueue[Event]):
             return
         session.joins[peer.id] = _Join(peer.id, now + JOIN_TIMEOUT)
         peer.joining.add(session.id)
+        self._send_join_start(peer, session)
+
+    def _send_join_start(self, peer: _Peer, session: _Session) -> None:
+        """Step 1 of a verified join: the members ``peer`` must reach first."""
         self._send(
             peer,
             sig.JoinStart(
@@ -839,15 +843,7 @@ class Coordinator(EventQueue[Event]):
         missing = set(session.members) - set(result.connected)
         if missing:
             # Members changed during the join: repeat step 1 (reference §2.6).
-            self._send(
-                peer,
-                sig.JoinStart(
-                    session.id,
-                    session.host(),
-                    tuple(session.members.values()),
-                    self._turn(peer),
-                ),
-            )
+            self._send_join_start(peer, session)
             return
         join.capable = True
         join.deadline = now + JOIN_ANSWER_TIMEOUT

@@ -575,19 +575,23 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         alloc.last_activity = now
         return alloc
 
-    def _on_ping(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.PING_SIZE:
+    def _fixed_size_sender(
+        self, data: bytes, size: int, addr: Address, now: float
+    ) -> Allocation | None:
+        """The sender of a fixed-size message (its allocation id in bytes
+        4-20), or None when the size is wrong or :meth:`_sender` refuses it."""
+        if len(data) != size:
             self._drop("bad-size")
-            return
-        if self._sender(bytes(data[4:20]), addr, now) is not None:
+            return None
+        return self._sender(bytes(data[4:20]), addr, now)
+
+    def _on_ping(self, data: bytes, addr: Address, now: float) -> None:
+        if self._fixed_size_sender(data, m.PING_SIZE, addr, now) is not None:
             # Echo it: UTP re-binds when it hears nothing for 3 heartbeats.
             self._outbox.append((data, addr))
 
     def _on_connect_request(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.CONNECT_REQUEST_SIZE:
-            self._drop("bad-size")
-            return
-        joiner = self._sender(bytes(data[4:20]), addr, now)
+        joiner = self._fixed_size_sender(data, m.CONNECT_REQUEST_SIZE, addr, now)
         if joiner is None:
             return
         length = data[20]
@@ -650,10 +654,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         )
 
     def _on_disconnect(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.DISCONNECT_SIZE:
-            self._drop("bad-size")
-            return
-        sender = self._sender(bytes(data[4:20]), addr, now)
+        sender = self._fixed_size_sender(data, m.DISCONNECT_SIZE, addr, now)
         if sender is None:
             return
         to_id = bytes(data[20:36])
@@ -688,10 +689,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         self._drop("rate-limited")
 
     def _on_close(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.CLOSE_SIZE:
-            self._drop("bad-size")
-            return
-        alloc = self._sender(bytes(data[4:20]), addr, now)
+        alloc = self._fixed_size_sender(data, m.CLOSE_SIZE, addr, now)
         if alloc is not None:
             self._end(alloc, "closed", now, notify=False)
 
