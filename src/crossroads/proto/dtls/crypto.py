@@ -22,12 +22,13 @@ import hmac
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESCCM, AESGCM
 
 from crossroads.errors import DecodeError
+from crossroads.proto import replay
 from crossroads.proto.dtls.wire import DTLS1_2, RECORD_HEADER, VERIFY_DATA_SIZE, Record
 
 #: RFC 5288 §3 / RFC 6655 §3: 8 explicit nonce bytes in every record.
@@ -253,30 +254,11 @@ def psk_session_keys(
     )
 
 
-class ReplayWindow:
+class ReplayWindow(replay.ReplayWindow):
     """RFC 6347 §4.1.2.6 sliding window over received sequence numbers."""
 
-    __slots__ = ("highest", "bits")
-
-    def __init__(self) -> None:
-        self.highest = -1
-        self.bits = 0
-
-    def fresh(self, sequence: int) -> bool:
-        """False for a duplicate or a record older than the window."""
-        if sequence > self.highest:
-            return True
-        offset = self.highest - sequence
-        return offset < REPLAY_WINDOW and not (self.bits >> offset) & 1
-
-    def accept(self, sequence: int) -> None:
-        """Mark ``sequence`` seen (call after the record authenticated)."""
-        if sequence > self.highest:
-            shift = sequence - self.highest
-            self.bits = ((self.bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1)
-            self.highest = sequence
-        else:
-            self.bits |= 1 << (self.highest - sequence)
+    __slots__ = ()
+    SIZE: ClassVar[int] = REPLAY_WINDOW
 
 
 def open_fresh(read: RecordProtection, window: ReplayWindow, record: Record) -> bytes:
