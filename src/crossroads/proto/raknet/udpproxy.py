@@ -79,6 +79,7 @@ from crossroads.errors import DecodeError
 from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS, BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.peer import RakNetServer
+from crossroads.proto.sweep import SweepTimer
 from crossroads.types import Address
 
 #: A server that does not answer a forwarding request within this long is
@@ -218,7 +219,7 @@ class UDPProxyCoordinator:
         self._remote: list[RemoteForwardingRequest] = []
         self.requests: dict[tuple[Address, Address], Request] = {}
         self.stats = ProxyStats()
-        self._next_sweep: float | None = None
+        self._sweep = SweepTimer(SWEEP_INTERVAL)
 
     # ------------------------------------------------------------- hooks
 
@@ -282,12 +283,11 @@ class UDPProxyCoordinator:
                     self._try_next(request, now)
 
     def get_timer(self) -> float | None:
-        return self._next_sweep if self.requests else None
+        return self._sweep.deadline if self.requests else None
 
     def handle_timer(self, now: float) -> None:
-        if self._next_sweep is None or now < self._next_sweep:
+        if not self._sweep.due(now):
             return
-        self._next_sweep = now + SWEEP_INTERVAL
         now_ms = int(now * 1000)
         for key, request in list(self.requests.items()):
             if request.forget_ms is not None:
@@ -375,8 +375,7 @@ class UDPProxyCoordinator:
             self._result(request, Sub.ALL_SERVERS_BUSY, target_guid, None, None, now)
             return
         self.requests[(source, target)] = request
-        if self._next_sweep is None:
-            self._next_sweep = now + SWEEP_INTERVAL
+        self._sweep.arm(now)
         self._start(request, now)
 
     def _candidates(self) -> list[Address]:

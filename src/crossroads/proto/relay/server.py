@@ -65,6 +65,7 @@ from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import AllocationClaims, TokenSealer, verify_bind_hmac
+from crossroads.proto.sweep import SweepTimer
 from crossroads.types import Address
 
 #: One slow-path decision per message type, to keep dispatch a dict lookup.
@@ -317,7 +318,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         self._slow_buckets: dict[str, list[float]] = {}
         self._error_buckets: dict[str, list[float]] = {}
         self._tick = config.tick()
-        self._next_sweep: float | None = None
+        self._sweep = SweepTimer(self._tick)
         self._handlers: dict[m.MessageType, Callable[[bytes, Address, float], None]] = {
             m.MessageType.BIND: self._on_bind,
             m.MessageType.PING: self._on_ping,
@@ -380,18 +381,18 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             self._drop("unexpected-type")
             return
         handler(data, addr, now)
-        if self._next_sweep is None and (self.allocations or self._ended):
-            self._next_sweep = now + self._tick
+        if self.allocations or self._ended:
+            self._sweep.arm(now)
 
     def get_timer(self) -> float | None:
-        return self._next_sweep
+        return self._sweep.deadline
 
     def handle_timer(self, now: float) -> None:
-        if self._next_sweep is None or now < self._next_sweep:
+        if not self._sweep.due(now):
             return
         self.sweep(now)
-        busy = self.allocations or self._ended or self._suspended
-        self._next_sweep = now + self._tick if busy else None
+        if not (self.allocations or self._ended or self._suspended):
+            self._sweep.stop()
 
     def sweep(self, now: float) -> None:
         """Fold route counters into activity and metrics, then expire timers."""
