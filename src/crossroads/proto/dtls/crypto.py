@@ -29,7 +29,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESCCM, AESGCM
 
 from crossroads.errors import DecodeError
 from crossroads.proto import replay
-from crossroads.proto.dtls.wire import DTLS1_2, RECORD_HEADER, VERIFY_DATA_SIZE, Record
+from crossroads.proto.dtls.wire import (
+    DTLS1_2,
+    RECORD_HEADER,
+    VERIFY_DATA_SIZE,
+    Alert,
+    AlertLevel,
+    ContentType,
+    Record,
+)
 
 #: RFC 5288 §3 / RFC 6655 §3: 8 explicit nonce bytes in every record.
 EXPLICIT_NONCE_SIZE: Final = 8
@@ -198,6 +206,12 @@ class RecordProtection:
         aad = _AAD.pack(self.epoch, high, low, content_type, DTLS1_2, size)
         sealed = self._aead.encrypt(self._salt + explicit, plaintext, aad)
         return header + explicit + sealed
+
+    def seal_warning(self, sequence: int, description: int) -> bytes:
+        """A warning-level alert (RFC 5246 §7.2: close_notify, no_renegotiation)
+        protected as record ``sequence``."""
+        alert = Alert(AlertLevel.WARNING, description)
+        return self.seal(ContentType.ALERT, sequence, alert.encode())
 
     def open(self, record: Record) -> bytes:
         """The plaintext of ``record``; DecodeError when it does not authenticate."""
