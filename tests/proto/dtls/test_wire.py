@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from crossroads.errors import DecodeError
 from crossroads.proto.dtls import wire as w
-from crossroads.proto.dtls.crypto import ReplayWindow
+from crossroads.proto.dtls.crypto import SUITES, RecordProtection, ReplayWindow
 from crossroads.proto.dtls.handshake import Reassembler
 from tests.proto.dtls.support import CLIENT, SERVER, Wire, make_client, make_server
 
@@ -170,3 +170,19 @@ def test_client_core_survives_random_datagrams(data: bytes) -> None:
     client.start(0.0)
     client.receive_datagram(data, SERVER, 0.0)
     client.handle_timer(100.0)
+
+
+def test_a_sealed_warning_is_a_two_byte_warning_alert_record() -> None:
+    suite = SUITES[0x00A8]
+    key, salt = bytes(range(suite.key_size)), b"salt"
+    sealed = RecordProtection(suite, key, salt, 1).seal_warning(
+        7, w.AlertDescription.CLOSE_NOTIFY
+    )
+    assert sealed == RecordProtection(suite, key, salt, 1).seal(
+        w.ContentType.ALERT, 7, b"\x01\x00"
+    )
+    (record,), bad = w.split_records(sealed)
+    assert bad is None
+    assert (record.content_type, record.epoch, record.sequence) == (21, 1, 7)
+    opened = RecordProtection(suite, key, salt, 1).open(record)
+    assert w.Alert.decode(opened) == w.Alert(1, w.AlertDescription.CLOSE_NOTIFY)

@@ -126,9 +126,9 @@ def test_random_bytes_are_decode_errors(data: bytes) -> None:
 
 def test_replay_window_edges() -> None:
     w = ReplayWindow()
-    assert w.check(0)
+    assert w.fresh(0)
     w.accept(0)
-    assert not w.check(0)
+    assert not w.fresh(0)
     w.accept(5000)
-    assert not w.check(5000 - REPLAY_WINDOW)
-    assert w.check(5000 - REPLAY_WINDOW + 1)
+    assert not w.fresh(5000 - REPLAY_WINDOW)
+    assert w.fresh(5000 - REPLAY_WINDOW + 1)

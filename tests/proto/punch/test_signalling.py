@@ -213,6 +213,23 @@ def test_typed_garbage_decodes_or_raises(kind: str, members: dict[str, object]) 
             '{"type": "punch_result", "attempt": 1, "ok": true, "step": "teleport"}',
             "bad-value",
         ),
+        ('{"type": "join_result", "session": "s", "connected": "a"}', "bad-type"),
+        (
+            '{"type": "join_result", "session": "s", "connected": '
+            + json.dumps([f"p{i}" for i in range(33)])
+            + "}",
+            "too-many",
+        ),
+        (
+            '{"type": "punch_ready", "attempt": 1, "candidates": {"local": {}}}',
+            "bad-type",
+        ),
+        (
+            '{"type": "punch_ready", "attempt": 1, "candidates": {"local": '
+            + json.dumps([["192.0.2.1", 1000 + i] for i in range(9)])
+            + "}}",
+            "too-many",
+        ),
         ("[" * 100_000 + "]" * 100_000, "too-large"),
         ('{"type": "signal", "to": "x", "data": "' + "a" * 5000 + '"}', "too-large"),
         # 5 000 characters, 20 000 bytes of UTF-8: the limit counts bytes

@@ -12,6 +12,7 @@ from crossroads.errors import DecodeError, LocalProtocolError
 from crossroads.proto.stun import (
     BINDING_REQUEST,
     MAGIC_COOKIE,
+    AddressErrorCode,
     AttrType,
     ChangeRequest,
     Class,
@@ -266,3 +267,29 @@ def test_sort_traffic_agrees_with_the_demux_helpers(data: bytes) -> None:
 def test_sort_traffic_of_an_empty_datagram_raises_index_error() -> None:
     with pytest.raises(IndexError):
         sort_traffic(b"")
+
+
+def test_error_code_values_byte_for_byte() -> None:
+    # RFC 8489 §14.8: reserved (21 bits), class (3 bits), number (8 bits), reason;
+    # RFC 8656 §18.12: the same with the family in the first byte.
+    error = ErrorCodeAttribute(438, "Stale Nonce")
+    assert error.encode_value(b"") == b"\x00\x00\x04\x26Stale Nonce"
+    address_error = AddressErrorCode(2, 440, "no v6")
+    assert address_error.encode_value(b"") == b"\x02\x00\x04\x28no v6"
+    # The class is the low 3 bits of its byte: set reserved bits are ignored.
+    assert ErrorCodeAttribute.decode_value(b"\xff\xff\xfc\x26x", b"") == (
+        ErrorCodeAttribute(438, "x")
+    )
+    assert AddressErrorCode.decode_value(b"\x01\x00\x04\x28", b"") == (
+        AddressErrorCode(1, 440, "")
+    )
+    for bad in (
+        b"\x00\x00\x04",
+        b"\x00\x00\x02\x00",
+        b"\x00\x00\x04\x64",
+        b"\0\0\4\0\xff",
+    ):
+        with pytest.raises(DecodeError):
+            ErrorCodeAttribute.decode_value(bad, b"")
+        with pytest.raises(DecodeError):
+            AddressErrorCode.decode_value(bad, b"")

@@ -134,15 +134,10 @@ class DtlsClient(Endpoint):
     def close(self, now: float) -> None:
         """Send close_notify and stop."""
         if self.state == ClientState.ESTABLISHED and self._write is not None:
-            alert = w.Alert(w.AlertLevel.WARNING, w.AlertDescription.CLOSE_NOTIFY)
-            self._outbox.append(
-                (
-                    self._write.seal(
-                        w.ContentType.ALERT, self._app_seq, alert.encode()
-                    ),
-                    self.server,
-                )
+            close_notify = self._write.seal_warning(
+                self._app_seq, w.AlertDescription.CLOSE_NOTIFY
             )
+            self._outbox.append((close_notify, self.server))
             self._app_seq += 1
         self.state = ClientState.CLOSED
         self._timer = None

@@ -22,13 +22,14 @@ import hmac
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import ClassVar, Final
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESCCM, AESGCM
 
 from crossroads.errors import DecodeError
-from crossroads.proto.dtls.wire import DTLS1_2, RECORD_HEADER, VERIFY_DATA_SIZE, Record
+from crossroads.proto import replay
+from crossroads.proto.dtls import wire as w
 
 #: RFC 5288 §3 / RFC 6655 §3: 8 explicit nonce bytes in every record.
 EXPLICIT_NONCE_SIZE: Final = 8
@@ -142,7 +143,7 @@ def verify_data(
     messages ``transcript``."""
     label = b"client finished" if from_client else b"server finished"
     digest = transcript_hash(suite, transcript)
-    return prf(suite.hash_name, master, label, digest, VERIFY_DATA_SIZE)
+    return prf(suite.hash_name, master, label, digest, w.VERIFY_DATA_SIZE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,20 +186,26 @@ class RecordProtection:
         """The whole protected record."""
         high, low = sequence >> 32, sequence & 0xFFFFFFFF
         size = len(plaintext)
-        header = RECORD_HEADER.pack(
+        header = w.RECORD_HEADER.pack(
             content_type,
-            DTLS1_2,
+            w.DTLS1_2,
             self.epoch,
             high,
             low,
             size + EXPLICIT_NONCE_SIZE + self.suite.tag_size,
         )
         explicit = header[3:11]
-        aad = _AAD.pack(self.epoch, high, low, content_type, DTLS1_2, size)
+        aad = _AAD.pack(self.epoch, high, low, content_type, w.DTLS1_2, size)
         sealed = self._aead.encrypt(self._salt + explicit, plaintext, aad)
         return header + explicit + sealed
 
-    def open(self, record: Record) -> bytes:
+    def seal_warning(self, sequence: int, description: int) -> bytes:
+        """A warning-level alert (RFC 5246 §7.2: close_notify, no_renegotiation)
+        protected as record ``sequence``."""
+        alert = w.Alert(w.AlertLevel.WARNING, description)
+        return self.seal(w.ContentType.ALERT, sequence, alert.encode())
+
+    def open(self, record: w.Record) -> bytes:
         """The plaintext of ``record``; DecodeError when it does not authenticate."""
         fragment = record.fragment
         plain_size = len(fragment) - EXPLICIT_NONCE_SIZE - self.suite.tag_size
@@ -253,33 +260,14 @@ def psk_session_keys(
     )
 
 
-class ReplayWindow:
+class ReplayWindow(replay.ReplayWindow):
     """RFC 6347 §4.1.2.6 sliding window over received sequence numbers."""
 
-    __slots__ = ("highest", "bits")
-
-    def __init__(self) -> None:
-        self.highest = -1
-        self.bits = 0
-
-    def fresh(self, sequence: int) -> bool:
-        """False for a duplicate or a record older than the window."""
-        if sequence > self.highest:
-            return True
-        offset = self.highest - sequence
-        return offset < REPLAY_WINDOW and not (self.bits >> offset) & 1
-
-    def accept(self, sequence: int) -> None:
-        """Mark ``sequence`` seen (call after the record authenticated)."""
-        if sequence > self.highest:
-            shift = sequence - self.highest
-            self.bits = ((self.bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1)
-            self.highest = sequence
-        else:
-            self.bits |= 1 << (self.highest - sequence)
+    __slots__ = ()
+    SIZE: ClassVar[int] = REPLAY_WINDOW
 
 
-def open_fresh(read: RecordProtection, window: ReplayWindow, record: Record) -> bytes:
+def open_fresh(read: RecordProtection, window: ReplayWindow, record: w.Record) -> bytes:
     """The plaintext of a record not seen before: RFC 6347 §4.1.2.6 checks the
     replay window first and marks the record seen only once it authenticated.
 

@@ -259,15 +259,10 @@ class DtlsServer(Endpoint):
         session = self.sessions.get(addr)
         if session is None:
             return
-        alert = w.Alert(w.AlertLevel.WARNING, w.AlertDescription.CLOSE_NOTIFY)
-        self._outbox.append(
-            (
-                session.write.seal(
-                    w.ContentType.ALERT, session.write_seq, alert.encode()
-                ),
-                addr,
-            )
+        close_notify = session.write.seal_warning(
+            session.write_seq, w.AlertDescription.CLOSE_NOTIFY
         )
+        self._outbox.append((close_notify, addr))
         self._end_session(session, "closed")
 
     def get_timer(self) -> float | None:
@@ -671,17 +666,10 @@ class DtlsServer(Endpoint):
                     # RFC 5746 §4.4 / RFC 5246 §7.2.2: refuse renegotiation
                     # with a warning; the session goes on.
                     self._drop("renegotiation")
-                    alert = w.Alert(
-                        w.AlertLevel.WARNING, w.AlertDescription.NO_RENEGOTIATION
+                    refusal = session.write.seal_warning(
+                        session.write_seq, w.AlertDescription.NO_RENEGOTIATION
                     )
-                    self._outbox.append(
-                        (
-                            session.write.seal(
-                                w.ContentType.ALERT, session.write_seq, alert.encode()
-                            ),
-                            session.address,
-                        )
-                    )
+                    self._outbox.append((refusal, session.address))
                     session.write_seq += 1
                 else:
                     self._drop("unexpected-handshake")

@@ -45,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 from crossroads.errors import DecodeError, LocalProtocolError
 
@@ -627,46 +627,48 @@ _C = TypeVar("_C", bound=_ConnectBody)
 _P = TypeVar("_P", bound=_PreinitBody)
 
 
-def _init_body_decoder(cls: type[_B]) -> Callable[[bytes, int, int], _B]:
-    def decode_body(data: bytes, version: int, cookie: int) -> _B:
-        if len(data) < INIT_SIZE:
-            raise _short(data, INIT_SIZE, cls.TYPE.name)
-        return cls(version, cookie, *_init_fields(data), data[INIT_SIZE:])
+def _connect_fields(data: bytes) -> tuple[str, int, int, int]:
+    """remote IPv4, remote port, gotyourdata and finished of a CONNECT body at
+    offset 12 (ref §3.3; the caller checked the size)."""
+    port = int.from_bytes(data[16:18], "big")
+    return bytes_to_ip(data, 12), port, data[18], data[19]
+
+
+def _preinit_fields(data: bytes) -> tuple[int, int, int]:
+    """clientindex, state and clientID of a PREINIT body at offset 12 (ref §3.6;
+    the caller checked the size)."""
+    return data[12], data[13], int.from_bytes(data[14:18], "big")
+
+
+#: A packet class with a fixed body after the header and a kept tail.
+_Body = TypeVar("_Body", bound=_InitBody | _ConnectBody | _PreinitBody)
+
+
+def _tail_decoder(
+    cls: type[_Body], size: int, read: Callable[[bytes], tuple[Any, ...]]
+) -> Callable[[bytes, int, int], _Body]:
+    """The decoder of ``cls``: at least ``size`` bytes, the fixed fields
+    ``read`` takes from them, and the bytes after ``size`` kept as the tail."""
+
+    def decode_body(data: bytes, version: int, cookie: int) -> _Body:
+        if len(data) < size:
+            raise _short(data, size, cls.TYPE.name)
+        values: tuple[Any, ...] = (version, cookie, *read(data), data[size:])
+        return cls(*values)
 
     return decode_body
 
 
-def _connect_decoder(cls: type[_C]) -> Callable[[bytes, int, int], _C]:
-    def decode_connect(data: bytes, version: int, cookie: int) -> _C:
-        if len(data) < CONNECT_SIZE:
-            raise _short(data, CONNECT_SIZE, cls.TYPE.name)
-        return cls(
-            version,
-            cookie,
-            bytes_to_ip(data, 12),
-            int.from_bytes(data[16:18], "big"),
-            data[18],
-            data[19],
-            data[CONNECT_SIZE:],
-        )
-
-    return decode_connect
+def _init_body_decoder(cls: type[_Body]) -> Callable[[bytes, int, int], _Body]:
+    return _tail_decoder(cls, INIT_SIZE, _init_fields)
 
 
-def _preinit_decoder(cls: type[_P]) -> Callable[[bytes, int, int], _P]:
-    def decode_preinit(data: bytes, version: int, cookie: int) -> _P:
-        if len(data) < PREINIT_SIZE:
-            raise _short(data, PREINIT_SIZE, cls.TYPE.name)
-        return cls(
-            version,
-            cookie,
-            data[12],
-            data[13],
-            int.from_bytes(data[14:18], "big"),
-            data[PREINIT_SIZE:],
-        )
+def _connect_decoder(cls: type[_Body]) -> Callable[[bytes, int, int], _Body]:
+    return _tail_decoder(cls, CONNECT_SIZE, _connect_fields)
 
-    return decode_preinit
+
+def _preinit_decoder(cls: type[_Body]) -> Callable[[bytes, int, int], _Body]:
+    return _tail_decoder(cls, PREINIT_SIZE, _preinit_fields)
 
 
 def _decode_report(data: bytes, version: int, cookie: int) -> Report:

@@ -123,6 +123,7 @@ from crossroads.proto.natneg.packets import (
     ip_to_bytes,
 )
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
+from crossroads.proto.sweep import SweepTimer
 from crossroads.proto.timing import crossing_leads
 from crossroads.types import Address
 
@@ -524,7 +525,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             self.config.max_history, lru=False
         )
         self._preinits: dict[int, _PreinitEntry] = {}
-        self._next_housekeeping: float | None = None
+        self._housekeeping_timer = SweepTimer(_HOUSEKEEPING_INTERVAL)
 
     # ------------------------------------------------------------ public API
 
@@ -592,8 +593,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 # Server-to-client types (INIT_ACK, CONNECT, ...), CONNECT_PING
                 # (client to client) and STATE_UPDATE (never sent, ref §2).
                 self._drop("unexpected-type")
-        if self._next_housekeeping is None:
-            self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL
+        self._housekeeping_timer.arm(now)
 
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, Endpoint]]:
         """Datagrams to send: (bytes, destination, endpoint to send from).
@@ -620,7 +620,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
     def get_timer(self) -> float | None:
         """When :meth:`handle_timer` must next run, or None."""
         deadline = self._heap[0][0] if self._heap else None
-        house = self._next_housekeeping
+        house = self._housekeeping_timer.deadline
         if house is not None and (deadline is None or house < deadline):
             return house
         return deadline
@@ -633,7 +633,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             session = self._sessions.get(cookie)
             if session is not None and session.timer == seq:
                 self._on_session_timer(session, now)
-        if self._next_housekeeping is not None and self._next_housekeeping <= now:
+        if self._housekeeping_timer.due(now):
             self._housekeeping(now)
 
     def relay_allocated(
@@ -729,7 +729,8 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         busy = (
             self._buckets or self._nat_history or self._failed_pairs or self._preinits
         )
-        self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL if busy else None
+        if not busy:
+            self._housekeeping_timer.stop()
 
     # ------------------------------------------------------------ INIT
 
@@ -1183,7 +1184,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         ip = addr[0]
         if nat_type is not None and nat_type < NatType.UNKNOWN:
             self._nat_history.put(ip, (nat_type, now + self.config.history_ttl))
-            self._arm_housekeeping(now)
+            self._housekeeping_timer.arm(now)
         session = self._sessions.get(p.cookie)
         if (
             session is not None
@@ -1204,16 +1205,12 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                         _pair(a.public_ip, b.public_ip),
                         now + self.config.history_ttl,
                     )
-                    self._arm_housekeeping(now)
+                    self._housekeeping_timer.arm(now)
         self._events.append(
             ReportReceived(
                 p.cookie, p.client_index, bool(p.neg_result), nat_type, p.game_name
             )
         )
-
-    def _arm_housekeeping(self, now: float) -> None:
-        if self._next_housekeeping is None:
-            self._next_housekeeping = now + _HOUSEKEEPING_INTERVAL
 
     def _on_address_check(
         self, p: AddressCheck, addr: Address, endpoint: Endpoint
@@ -1287,7 +1284,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 return
             entry = _PreinitEntry(now + self.config.session_timeout)
             self._preinits[p.cookie] = entry
-            self._arm_housekeeping(now)
+            self._housekeeping_timer.arm(now)
         entry.slots[p.client_index] = (addr, endpoint, p.version)
         partner = entry.slots[1 - p.client_index]
         if partner is None:

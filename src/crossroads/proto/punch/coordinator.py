@@ -815,6 +815,10 @@ class Coordinator(EventQueue[Event]):
             return
         session.joins[peer.id] = _Join(peer.id, now + JOIN_TIMEOUT)
         peer.joining.add(session.id)
+        self._send_join_start(peer, session)
+
+    def _send_join_start(self, peer: _Peer, session: _Session) -> None:
+        """Step 1 of a verified join: the members ``peer`` must reach first."""
         self._send(
             peer,
             sig.JoinStart(
@@ -839,15 +843,7 @@ class Coordinator(EventQueue[Event]):
         missing = set(session.members) - set(result.connected)
         if missing:
             # Members changed during the join: repeat step 1 (reference §2.6).
-            self._send(
-                peer,
-                sig.JoinStart(
-                    session.id,
-                    session.host(),
-                    tuple(session.members.values()),
-                    self._turn(peer),
-                ),
-            )
+            self._send_join_start(peer, session)
             return
         join.capable = True
         join.deadline = now + JOIN_ANSWER_TIMEOUT
@@ -1002,13 +998,17 @@ class Coordinator(EventQueue[Event]):
             self._send(a, sig.PunchPrepare(attempt.id, b.id))
             self._send(b, sig.PunchPrepare(attempt.id, a.id))
 
+    def _attempt_of(self, peer: _Peer, attempt_id: int, phase: str) -> _Attempt | None:
+        """Attempt ``attempt_id`` if ``peer`` is one of its two sides and it is
+        in ``phase``; None for anything else a client may claim."""
+        attempt = self._attempts.get(attempt_id)
+        if attempt is None or peer.id not in (attempt.a, attempt.b):
+            return None
+        return attempt if attempt.phase == phase else None
+
     def _punch_ready(self, peer: _Peer, ready: sig.PunchReady, now: float) -> None:
-        attempt = self._attempts.get(ready.attempt)
-        if (
-            attempt is None
-            or peer.id not in (attempt.a, attempt.b)
-            or attempt.phase != "preparing"
-        ):
+        attempt = self._attempt_of(peer, ready.attempt, "preparing")
+        if attempt is None:
             self._error(
                 peer.conn,
                 "unknown_attempt",
@@ -1064,12 +1064,8 @@ class Coordinator(EventQueue[Event]):
         )
 
     def _punch_result(self, peer: _Peer, result: sig.PunchResult, now: float) -> None:
-        attempt = self._attempts.get(result.attempt)
-        if (
-            attempt is None
-            or peer.id not in (attempt.a, attempt.b)
-            or attempt.phase != "started"
-        ):
+        attempt = self._attempt_of(peer, result.attempt, "started")
+        if attempt is None:
             self._error(
                 peer.conn, "unknown_attempt", "no such running attempt", "punch_result"
             )

@@ -206,6 +206,13 @@ class Plan:
     def sockets(self, role: str) -> int:
         return self.initiator_sockets if role == "initiator" else self.responder_sockets
 
+    def set_sockets(self, role: str, count: int) -> None:
+        """``role`` must open ``count`` extra sockets."""
+        if role == "initiator":
+            self.initiator_sockets = count
+        else:
+            self.responder_sockets = count
+
 
 class _NatModel:
     """Predicts the public port one side's NAT gives each new destination."""
@@ -270,6 +277,16 @@ def _random_ports(
 
 def _is_ipv6(host: str) -> bool:
     return ":" in host
+
+
+def _random_against(a: _NatModel, b: _NatModel, mapping: str) -> tuple[str, str] | None:
+    """``(hard role, other role)`` when one side's NAT maps at random and the
+    other's maps as ``mapping``; None for any other pair."""
+    if a.mapping == "random" and b.mapping == mapping:
+        return "initiator", "responder"
+    if b.mapping == "random" and a.mapping == mapping:
+        return "responder", "initiator"
+    return None
 
 
 def _behind_nat(peer: PeerInfo) -> bool:
@@ -395,18 +412,12 @@ def plan(
     t += PREDICTION_SLOTS * SLOT_DURATION
 
     # -- birthday: random mapping against endpoint-independent mapping
-    hard = easy = None
-    if a.mapping == "random" and b.mapping == "independent":
-        hard, easy = "initiator", "responder"
-    elif b.mapping == "random" and a.mapping == "independent":
-        hard, easy = "responder", "initiator"
-    if hard is not None and easy is not None:
+    roles = _random_against(a, b, "independent")
+    if roles is not None:
+        hard, easy = roles
         duration = birthday_probes / birthday_rate + BIRTHDAY_RESEND
         easy_endpoint = (nat[easy].ip or "", nat[easy].public_port)
-        if hard == "initiator":
-            result.initiator_sockets = birthday_sockets
-        else:
-            result.responder_sockets = birthday_sockets
+        result.set_sockets(hard, birthday_sockets)
         rounds = int(duration / BIRTHDAY_RESEND) + 1
         for r in range(rounds):
             for s in range(1, birthday_sockets + 1):
@@ -425,12 +436,9 @@ def plan(
         t += duration
 
     # -- prediction spray: random mapping against sequential mapping
-    hard = seq = None
-    if a.mapping == "random" and b.mapping == "sequential":
-        hard, seq = "initiator", "responder"
-    elif b.mapping == "random" and a.mapping == "sequential":
-        hard, seq = "responder", "initiator"
-    if hard is not None and seq is not None and spray_ports > 0:
+    roles = _random_against(a, b, "sequential")
+    if roles is not None and spray_ports > 0:
+        hard, seq = roles
         count = min(spray_ports, NAT_PORT_SPAN // 2)  # leaves room for taken ones
         # Both sides compute the sequential side's ports; only it knows the
         # random ports they aim at (they stay in ``own_role``'s plan).
@@ -455,10 +463,7 @@ def plan(
         )
         result.sprays(seq).append(seq_spray)
         result.sprays(hard).append(hard_spray)
-        if hard == "initiator":
-            result.initiator_sockets = spray_sockets
-        else:
-            result.responder_sockets = spray_sockets
+        result.set_sockets(hard, spray_sockets)
         t = hard_spray.at + hard_spray.duration
     result.steps.append(Step("punch", punch_start, t))
     for role in sends:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import ClassVar
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -46,6 +47,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.proto import replay
 
 PACKET_TYPE = 0xC5
 HEADER = struct.Struct("!B8sQ")
@@ -114,32 +116,11 @@ def receiver_id(datagram: bytes) -> bytes | None:
     return datagram[1:9]
 
 
-class ReplayWindow:
-    """Sliding-window replay check over 64-bit counters."""
+class ReplayWindow(replay.ReplayWindow):
+    """Sliding-window replay check over the 64-bit counters."""
 
-    __slots__ = ("highest", "_bits")
-
-    def __init__(self) -> None:
-        self.highest = -1
-        self._bits = 0  # bit i set: counter (highest - i) was seen
-
-    def check(self, counter: int) -> bool:
-        """True if ``counter`` is new (not yet seen and not too old)."""
-        if counter > self.highest:
-            return True
-        offset = self.highest - counter
-        if offset >= REPLAY_WINDOW:
-            return False
-        return not (self._bits >> offset) & 1
-
-    def accept(self, counter: int) -> None:
-        """Mark ``counter`` seen (call only after the datagram authenticated)."""
-        if counter > self.highest:
-            shift = counter - self.highest
-            self._bits = ((self._bits << shift) | 1) & ((1 << REPLAY_WINDOW) - 1)
-            self.highest = counter
-        else:
-            self._bits |= 1 << (self.highest - counter)
+    __slots__ = ()
+    SIZE: ClassVar[int] = REPLAY_WINDOW
 
 
 class SecureChannel:
@@ -172,7 +153,7 @@ class SecureChannel:
             raise DecodeError("not a sealed datagram", "not-sealed")
         if rid != self.keys.recv_id:
             raise DecodeError("datagram is for another channel", "wrong-receiver")
-        if not self._window.check(counter):
+        if not self._window.fresh(counter):
             raise DecodeError("replayed or too old datagram", "replay")
         nonce = b"\0\0\0\0" + counter.to_bytes(8, "big")
         try:

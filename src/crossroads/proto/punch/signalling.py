@@ -137,14 +137,18 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def _ids(obj: Mapping[str, Any], key: str, max_items: int) -> tuple[str, ...]:
-    value = _need(obj, key)
+def _bounded_list(value: Any, key: str, max_items: int) -> list[Any]:
+    """``value`` (member ``key``) if it is a list of at most ``max_items``."""
     if not isinstance(value, list):
         raise DecodeError(f"{key} must be a list", "bad-type")
     if len(value) > max_items:
         raise DecodeError(f"{key} has more than {max_items} items", "too-many")
+    return value
+
+
+def _ids(obj: Mapping[str, Any], key: str, max_items: int) -> tuple[str, ...]:
     out = []
-    for item in value:
+    for item in _bounded_list(_need(obj, key), key, max_items):
         if not isinstance(item, str) or not 0 < len(item) <= MAX_ID_CHARS:
             raise DecodeError(f"{key} must hold peer ids", "bad-type")
         out.append(item)
@@ -305,11 +309,7 @@ def _endpoint(obj: Mapping[str, Any], key: str) -> Endpoint | None:
 def _endpoints(
     obj: Mapping[str, Any], key: str, max_items: int
 ) -> tuple[Endpoint, ...]:
-    value = obj.get(key, [])
-    if not isinstance(value, list):
-        raise DecodeError(f"{key} must be a list", "bad-type")
-    if len(value) > max_items:
-        raise DecodeError(f"{key} has more than {max_items} items", "too-many")
+    value = _bounded_list(obj.get(key, []), key, max_items)
     return tuple(Endpoint.from_json(v, key) for v in value)
 
 

@@ -45,6 +45,7 @@ from crossroads.errors import DecodeError
 from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS, BitReader, BitWriter
 from crossroads.proto.raknet.messages import MAXIMUM_NUMBER_OF_INTERNAL_IDS, MessageId
 from crossroads.proto.raknet.peer import RakNetServer
+from crossroads.proto.sweep import SweepTimer
 from crossroads.types import Address
 
 #: ``ID_NAT_PING`` / ``ID_NAT_PONG``, the sub-ids of out-of-band messages.
@@ -109,7 +110,7 @@ class NatPunchthroughServer:
         self.stats = PunchStats()
         self._session = 0
         self._attempts = 0
-        self._next_update: float | None = None
+        self._updates = SweepTimer(UPDATE_INTERVAL)
 
     # ------------------------------------------------------------- hooks
 
@@ -188,12 +189,11 @@ class NatPunchthroughServer:
         return True
 
     def get_timer(self) -> float | None:
-        return self._next_update if self._attempts else None
+        return self._updates.deadline if self._attempts else None
 
     def handle_timer(self, now: float) -> None:
-        if self._next_update is None or now < self._next_update:
+        if not self._updates.due(now):
             return
-        self._next_update = now + UPDATE_INTERVAL
         now_ms = int(now * 1000)
         for user in list(self.users.values()):
             for attempt in user.attempts:
@@ -239,8 +239,7 @@ class NatPunchthroughServer:
         sender.attempts.append(attempt)
         recipient.attempts.append(attempt)
         self._attempts += 1
-        if self._next_update is None:
-            self._next_update = now + UPDATE_INTERVAL
+        self._updates.arm(now)
         self._start(sender, now)
 
     def _start(self, user: User, now: float) -> None:

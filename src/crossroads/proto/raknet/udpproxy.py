@@ -79,6 +79,7 @@ from crossroads.errors import DecodeError
 from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS, BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.peer import RakNetServer
+from crossroads.proto.sweep import SweepTimer
 from crossroads.types import Address
 
 #: A server that does not answer a forwarding request within this long is
@@ -153,6 +154,19 @@ class RemoteForwardingRequest:
     timeout_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardingReply:
+    """A server's ``5c 0a`` (or a relay node's answer) to a forwarding request
+    between ``source`` and ``target``: its UDPForwarderResult, and the IP
+    (empty: the server's own) and port the forwarder listens on."""
+
+    source: Address
+    target: Address
+    ip: str
+    result: int
+    port: int
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     source: Address
@@ -205,7 +219,7 @@ class UDPProxyCoordinator:
         self._remote: list[RemoteForwardingRequest] = []
         self.requests: dict[tuple[Address, Address], Request] = {}
         self.stats = ProxyStats()
-        self._next_sweep: float | None = None
+        self._sweep = SweepTimer(SWEEP_INTERVAL)
 
     # ------------------------------------------------------------- hooks
 
@@ -231,7 +245,9 @@ class UDPProxyCoordinator:
     ) -> None:
         """A relay node's answer to a :class:`RemoteForwardingRequest`."""
         try:
-            self._server_answered(node, source, target, ip, result, port, now)
+            self._server_answered(
+                node, ForwardingReply(source, target, ip, result, port), now
+            )
         except DecodeError as exc:
             self.stats.dropped[f"relay-node-{exc.reason}"] += 1
 
@@ -267,12 +283,11 @@ class UDPProxyCoordinator:
                     self._try_next(request, now)
 
     def get_timer(self) -> float | None:
-        return self._next_sweep if self.requests else None
+        return self._sweep.deadline if self.requests else None
 
     def handle_timer(self, now: float) -> None:
-        if self._next_sweep is None or now < self._next_sweep:
+        if not self._sweep.due(now):
             return
-        self._next_sweep = now + SWEEP_INTERVAL
         now_ms = int(now * 1000)
         for key, request in list(self.requests.items()):
             if request.forget_ms is not None:
@@ -360,8 +375,7 @@ class UDPProxyCoordinator:
             self._result(request, Sub.ALL_SERVERS_BUSY, target_guid, None, None, now)
             return
         self.requests[(source, target)] = request
-        if self._next_sweep is None:
-            self._next_sweep = now + SWEEP_INTERVAL
+        self._sweep.arm(now)
         self._start(request, now)
 
     def _candidates(self) -> list[Address]:
@@ -565,22 +579,14 @@ class UDPProxyCoordinator:
         source = reader.read_address()
         target = reader.read_address()
         ip = reader.read_rakstring().decode("latin-1")
-        result = reader.read_u8()
-        port = reader.read_u16()
-        self._server_answered(address, source, target, ip, result, port, now)
+        reply = ForwardingReply(source, target, ip, reader.read_u8(), reader.read_u16())
+        self._server_answered(address, reply, now)
 
     def _server_answered(
-        self,
-        address: Address,
-        source: Address,
-        target: Address,
-        ip: str,
-        result: int,
-        port: int,
-        now: float,
+        self, address: Address, reply: ForwardingReply, now: float
     ) -> None:
         """A server's (or relay node's) answer to a forwarding request."""
-        request = self.requests.get((source, target))
+        request = self.requests.get((reply.source, reply.target))
         if (
             request is None
             or request.server != address
@@ -589,10 +595,10 @@ class UDPProxyCoordinator:
             self.stats.dropped["unexpected-server-reply"] += 1
             return
         try:
-            outcome = ForwarderResult(result)
+            outcome = ForwarderResult(reply.result)
         except ValueError:
             raise DecodeError("unknown UDPForwarderResult", "bad-result") from None
         if outcome in (ForwarderResult.NO_SOCKETS, ForwarderResult.BIND_FAILED):
             self._try_next(request, now)
             return
-        self._forwarded(request, outcome, ip or address[0], port, now)
+        self._forwarded(request, outcome, reply.ip or address[0], reply.port, now)

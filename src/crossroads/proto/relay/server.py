@@ -65,6 +65,7 @@ from crossroads.proto.policy import AddressPolicy, Verdict
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import AllocationClaims, TokenSealer, verify_bind_hmac
+from crossroads.proto.sweep import SweepTimer
 from crossroads.types import Address
 
 #: One slow-path decision per message type, to keep dispatch a dict lookup.
@@ -317,7 +318,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         self._slow_buckets: dict[str, list[float]] = {}
         self._error_buckets: dict[str, list[float]] = {}
         self._tick = config.tick()
-        self._next_sweep: float | None = None
+        self._sweep = SweepTimer(self._tick)
         self._handlers: dict[m.MessageType, Callable[[bytes, Address, float], None]] = {
             m.MessageType.BIND: self._on_bind,
             m.MessageType.PING: self._on_ping,
@@ -380,18 +381,18 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             self._drop("unexpected-type")
             return
         handler(data, addr, now)
-        if self._next_sweep is None and (self.allocations or self._ended):
-            self._next_sweep = now + self._tick
+        if self.allocations or self._ended:
+            self._sweep.arm(now)
 
     def get_timer(self) -> float | None:
-        return self._next_sweep
+        return self._sweep.deadline
 
     def handle_timer(self, now: float) -> None:
-        if self._next_sweep is None or now < self._next_sweep:
+        if not self._sweep.due(now):
             return
         self.sweep(now)
-        busy = self.allocations or self._ended or self._suspended
-        self._next_sweep = now + self._tick if busy else None
+        if not (self.allocations or self._ended or self._suspended):
+            self._sweep.stop()
 
     def sweep(self, now: float) -> None:
         """Fold route counters into activity and metrics, then expire timers."""
@@ -502,6 +503,10 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         rebind = addr != alloc.address
         if rebind:
             self._move(alloc, addr)
+        self._bound(alloc, addr, rebind)
+
+    def _bound(self, alloc: Allocation, addr: Address, rebind: bool) -> None:
+        """Answer a BIND that (re)bound ``alloc`` to ``addr`` and say so."""
         self._outbox.append((_BIND_RECEIVED, addr))
         self._events.append(
             AllocationBound(
@@ -549,17 +554,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         )
         self.allocations[alloc.allocation_id] = alloc
         self.load += alloc.weight
-        self._outbox.append((_BIND_RECEIVED, addr))
-        self._events.append(
-            AllocationBound(
-                alloc.allocation_id,
-                alloc.host_allocation_id,
-                alloc.is_host,
-                alloc.max_connections,
-                addr,
-                rebind=False,
-            )
-        )
+        self._bound(alloc, addr, rebind=False)
 
     def _sender(
         self, allocation_id: bytes, addr: Address, now: float
@@ -581,19 +576,23 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         alloc.last_activity = now
         return alloc
 
-    def _on_ping(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.PING_SIZE:
+    def _fixed_size_sender(
+        self, data: bytes, size: int, addr: Address, now: float
+    ) -> Allocation | None:
+        """The sender of a fixed-size message (its allocation id in bytes
+        4-20), or None when the size is wrong or :meth:`_sender` refuses it."""
+        if len(data) != size:
             self._drop("bad-size")
-            return
-        if self._sender(bytes(data[4:20]), addr, now) is not None:
+            return None
+        return self._sender(bytes(data[4:20]), addr, now)
+
+    def _on_ping(self, data: bytes, addr: Address, now: float) -> None:
+        if self._fixed_size_sender(data, m.PING_SIZE, addr, now) is not None:
             # Echo it: UTP re-binds when it hears nothing for 3 heartbeats.
             self._outbox.append((data, addr))
 
     def _on_connect_request(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.CONNECT_REQUEST_SIZE:
-            self._drop("bad-size")
-            return
-        joiner = self._sender(bytes(data[4:20]), addr, now)
+        joiner = self._fixed_size_sender(data, m.CONNECT_REQUEST_SIZE, addr, now)
         if joiner is None:
             return
         length = data[20]
@@ -656,10 +655,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         )
 
     def _on_disconnect(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.DISCONNECT_SIZE:
-            self._drop("bad-size")
-            return
-        sender = self._sender(bytes(data[4:20]), addr, now)
+        sender = self._fixed_size_sender(data, m.DISCONNECT_SIZE, addr, now)
         if sender is None:
             return
         to_id = bytes(data[20:36])
@@ -694,10 +690,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         self._drop("rate-limited")
 
     def _on_close(self, data: bytes, addr: Address, now: float) -> None:
-        if len(data) != m.CLOSE_SIZE:
-            self._drop("bad-size")
-            return
-        alloc = self._sender(bytes(data[4:20]), addr, now)
+        alloc = self._fixed_size_sender(data, m.CLOSE_SIZE, addr, now)
         if alloc is not None:
             self._end(alloc, "closed", now, notify=False)
 

@@ -37,7 +37,6 @@ _U16_RESERVED = struct.Struct("!H2x")
 #: REQUESTED-TRANSPORT and the address families: one byte, then RFFU (§18.7).
 _BYTE_RESERVED = struct.Struct("!B3x")
 _FAMILY_PORT = struct.Struct("!xBH")
-_CODE = struct.Struct("!HBB")
 
 #: XOR for the port of XOR-address attributes: the top 16 bits of the cookie.
 _PORT_XOR = 0x2112
@@ -523,18 +522,27 @@ class ChangeRequest(Attribute):
 # ---------------------------------------------------------------- errors
 
 
-def _encode_code(code: int) -> tuple[int, int]:
+def _encode_error(head: int, code: int, reason: str) -> bytes:
+    """The value ERROR-CODE and ADDRESS-ERROR-CODE share: a first byte
+    (reserved 0 / the address family), a reserved byte, the class (the hundreds)
+    and the number (the rest) of ``code``, then the UTF-8 reason phrase."""
     if not 300 <= code <= 699:
         raise ValueError(f"error code {code} outside 300-699")
-    return code // 100, code % 100
+    return bytes((head, 0, code // 100, code % 100)) + reason.encode("utf-8")
 
 
-def _decode_code(name: str, klass: int, number: int) -> int:
-    # RFC 8489 §14.8: class 3-6, number 0-99.
-    klass &= 0x07
+def _decode_error(name: str, value: bytes) -> tuple[int, int, str]:
+    """``(first byte, code, reason)`` of an :func:`_encode_error` value."""
+    if len(value) < 4:
+        raise _bad(name, f"length {len(value)}")
+    # RFC 8489 §14.8: class 3-6 (the low 3 bits of its byte), number 0-99.
+    klass, number = value[2] & 0x07, value[3]
     if not 3 <= klass <= 6 or number > 99:
         raise _bad(name, f"bad error code {klass}/{number}")
-    return klass * 100 + number
+    try:
+        return value[0], klass * 100 + number, value[4:].decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad(name, "reason not UTF-8") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -546,19 +554,12 @@ class ErrorCodeAttribute(Attribute):
     reason: str = ""
 
     def encode_value(self, key: bytes) -> bytes:
-        klass, number = _encode_code(self.code)
-        return _CODE.pack(0, klass, number) + self.reason.encode("utf-8")
+        return _encode_error(0, self.code, self.reason)
 
     @classmethod
     def decode_value(cls, value: bytes, key: bytes) -> Self:
-        if len(value) < 4:
-            raise _bad(cls.__name__, f"length {len(value)}")
-        _, klass, number = _CODE.unpack_from(value)
-        code = _decode_code(cls.__name__, klass, number)
-        try:
-            return cls(code, value[4:].decode("utf-8"))
-        except UnicodeDecodeError:
-            raise _bad(cls.__name__, "reason not UTF-8") from None
+        _, code, reason = _decode_error(cls.__name__, value)
+        return cls(code, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -571,18 +572,11 @@ class AddressErrorCode(Attribute):
     reason: str = ""
 
     def encode_value(self, key: bytes) -> bytes:
-        klass, number = _encode_code(self.code)
-        return bytes((self.family, 0, klass, number)) + self.reason.encode("utf-8")
+        return _encode_error(self.family, self.code, self.reason)
 
     @classmethod
     def decode_value(cls, value: bytes, key: bytes) -> Self:
-        if len(value) < 4:
-            raise _bad(cls.__name__, f"length {len(value)}")
-        code = _decode_code(cls.__name__, value[2], value[3])
-        try:
-            return cls(value[0], code, value[4:].decode("utf-8"))
-        except UnicodeDecodeError:
-            raise _bad(cls.__name__, "reason not UTF-8") from None
+        return cls(*_decode_error(cls.__name__, value))
 
 
 @dataclass(frozen=True, slots=True)

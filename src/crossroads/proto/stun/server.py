@@ -406,32 +406,14 @@ class BindingCore(Outbox[Reply]):
             return self._error(
                 data, addr, local, fingerprint, 420, [UnknownAttributes((_CHANGE,))]
             )
-        if flags > 0:
-            if tcp:
-                return self._error(
-                    data,
-                    addr,
-                    local,
-                    fingerprint,
-                    400,
-                    reason="CHANGE-REQUEST over TCP",
-                )
-            send_from = local ^ ((2 if flags & 4 else 0) | (1 if flags & 2 else 0))
-        if response_port >= 0:
-            if padding >= 0:
-                return self._error(
-                    data,
-                    addr,
-                    local,
-                    fingerprint,
-                    400,
-                    reason="PADDING with RESPONSE-PORT",
-                )
-            if tcp or response_port == 0:
-                return self._error(
-                    data, addr, local, fingerprint, 400, reason="bad RESPONSE-PORT"
-                )
-            dest = (host, response_port)
+        if flags > 0 or response_port >= 0:
+            refused = _refused_rfc5780(flags, response_port, padding, tcp)
+            if refused:
+                return self._error(data, addr, local, fingerprint, 400, reason=refused)
+            if flags > 0:
+                send_from = local ^ ((2 if flags & 4 else 0) | (1 if flags & 2 else 0))
+            if response_port >= 0:
+                dest = (host, response_port)
 
         family, packed, xored = entry
         port = addr[1]
@@ -516,6 +498,25 @@ class BindingCore(Outbox[Reply]):
             attrs.append(Software(self.software))
         msg = Message(Class.ERROR, Method.BINDING, data[8:20], tuple(attrs), cookie)
         return encode(msg, fingerprint=fingerprint), addr, local
+
+
+def _refused_rfc5780(flags: int, response_port: int, padding: int, tcp: bool) -> str:
+    """Why a Binding request's RFC 5780 attributes earn a 400, or ``""``.
+
+    ``flags`` are CHANGE-REQUEST's A|B bits, ``response_port`` RESPONSE-PORT's
+    value and ``padding`` PADDING's length (each -1 when absent); the server
+    rules of RFC 5780 §6.1: a change of address or port cannot be answered over
+    TCP, PADDING and RESPONSE-PORT together are refused, and a RESPONSE-PORT is
+    for UDP only (port 0 cannot be sent to).
+    """
+    if flags > 0 and tcp:
+        return "CHANGE-REQUEST over TCP"
+    if response_port >= 0:
+        if padding >= 0:
+            return "PADDING with RESPONSE-PORT"
+        if tcp or response_port == 0:
+            return "bad RESPONSE-PORT"
+    return ""
 
 
 def _with_length(response: bytes, extra: int = 0) -> bytes:

@@ -122,6 +122,7 @@ from crossroads.proto.turn.allocation import (
     Listener,
     Permission,
     RelayPort,
+    Schedule,
     TimerHandle,
 )
 from crossroads.proto.turn.auth import (
@@ -496,30 +497,24 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             match kind:
                 case Kind.ALLOCATION:
                     assert isinstance(subject, Allocation)
-                    if subject.dead:
-                        continue
-                    if subject.expires > now:
-                        subject.timer = schedule(subject.expires, kind, subject)
-                    else:
+                    if not _not_due(subject, now, schedule, kind, subject):
                         self.delete_allocation(subject, "expired", now)
                 case Kind.PERMISSION:
                     allocation, permission = cast(
                         tuple[Allocation, Permission], subject
                     )
-                    if permission.dead or allocation.dead:
+                    if allocation.dead:
                         continue
-                    if permission.expires > now:
-                        permission.timer = schedule(permission.expires, kind, subject)
-                    else:
+                    if not _not_due(permission, now, schedule, kind, subject):
                         allocation.expire_permission(permission)
                 case Kind.CHANNEL | Kind.QUARANTINE:
                     allocation, channel = cast(tuple[Allocation, Channel], subject)
-                    if channel.dead or allocation.dead:
+                    if allocation.dead:
                         continue
-                    if channel.expires > now:
-                        again = Kind.CHANNEL if channel.active else Kind.QUARANTINE
-                        channel.timer = schedule(channel.expires, again, subject)
-                    elif channel.active:
+                    again = Kind.CHANNEL if channel.active else Kind.QUARANTINE
+                    if _not_due(channel, now, schedule, again, subject):
+                        continue
+                    if channel.active:
                         allocation.expire_channel(channel, now, schedule)
                     else:
                         allocation.forget_channel(channel)
@@ -528,11 +523,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                     self.ports.expire(subject)
                 case Kind.CONNECTION:
                     assert isinstance(subject, TcpConnection)
-                    if subject.dead:
-                        continue
-                    if subject.expires > now:
-                        subject.timer = schedule(subject.expires, kind, subject)
-                    else:
+                    if not _not_due(subject, now, schedule, kind, subject):
                         self._connection_timeout(subject)
                 case Kind.FREED:
                     assert isinstance(subject, Freed)
@@ -1436,6 +1427,30 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         connection.client = five
         self._events.append(BindConnection(connection.id, five))
         return self._answer(msg, auth, success_response(msg))
+
+
+class _Expiring(Protocol):
+    """What a deadline of the heap refers to: an allocation, a permission, a
+    channel binding or a TCP connection (each refreshed by moving ``expires``
+    on, not by touching the heap)."""
+
+    expires: float
+    dead: bool
+    timer: TimerHandle | None
+
+
+def _not_due(
+    item: _Expiring, now: float, schedule: Schedule, kind: Kind, subject: object
+) -> bool:
+    """True when ``item``'s deadline needs nothing now: it was deleted early,
+    or it was refreshed since its heap entry was made (the entry is made again
+    for ``expires``, as ``kind`` for ``subject``). False: it lapsed."""
+    if item.dead:
+        return True
+    if item.expires > now:
+        item.timer = schedule(item.expires, kind, subject)
+        return True
+    return False
 
 
 def _canonical(address: Address) -> Address:
