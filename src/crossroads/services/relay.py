@@ -516,14 +516,12 @@ class RelayCollector(Collector):
             "reason",
             core.drops,
         )
-        errors = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_errors_sent",
             "ERROR messages sent, by code.",
-            labels=["code"],
+            "code",
+            {str(int(code)): count for code, count in core.errors_sent.items()},
         )
-        for code, count in sorted(core.errors_sent.items()):
-            errors.add_metric([str(int(code))], count)
-        yield errors
         yield counter_by(
             "crossroads_relay_allocations_ended",
             "Allocations that ended, by reason.",

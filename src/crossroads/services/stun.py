@@ -62,8 +62,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import crossroads
-from crossroads.config import setting
+from crossroads.config import check_non_negative, check_positive, setting
 from crossroads.errors import ConfigError, DecodeError
+from crossroads.metrics import counter_by
 from crossroads.proto.stun.message import (
     PortTraffic,
     sort_traffic,
@@ -109,16 +110,6 @@ _TCP_REFUSALS = {
 BIND_ATTEMPTS = 30
 
 
-def _check_non_negative(value: int) -> None:
-    if value < 0:
-        raise ValueError("must be >= 0")
-
-
-def _check_positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError("must be > 0")
-
-
 @dataclass(frozen=True, slots=True)
 class Config:
     """``[stun]`` settings."""
@@ -155,39 +146,39 @@ class Config:
     rate_limit: int = setting(
         100,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Binding requests answered per second per source IP; 0 = unlimited.",
     )
     rate_limit_sources: int = setting(
         100_000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Source IPs tracked by the rate limiter per second (memory bound).",
     )
     tcp_max_connections: int = setting(
         10_000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Concurrent TCP connections (also capped by the descriptor share "
         "of the listener, see docs/security.md); more are closed at once.",
     )
     tcp_max_connections_per_ip: int = setting(
         128,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Concurrent TCP connections from one IPv4 address or IPv6 /64.",
     )
     tcp_message_timeout: float = setting(
         10.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds a TCP client has to send its first complete message after "
         "connecting, and to finish any message it has started (slowloris).",
     )
     tcp_idle_timeout: float = setting(
         900.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds before an idle TCP connection is closed.",
     )
 
@@ -293,14 +284,12 @@ class _Collector(Collector):
         responses.add_metric(["tcp", "success"], stats.tcp_success)
         responses.add_metric(["tcp", "error"], stats.tcp_error)
         yield responses
-        dropped = CounterMetricFamily(
+        yield counter_by(
             "crossroads_stun_dropped",
             "Input dropped by the STUN service, by reason.",
-            labels=["reason"],
+            "reason",
+            stats.drops,
         )
-        for reason, count in sorted(stats.drops.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
         gauge = GaugeMetricFamily(
             "crossroads_stun_tcp_connections", "Open STUN/TURN TCP connections."
         )
