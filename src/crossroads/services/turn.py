@@ -60,7 +60,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -552,22 +552,7 @@ class EndpointSocket:
 # ------------------------------------------------------------------ UDP relays
 
 
-@dataclass(eq=False)
-class RelaySocket:
-    """What every relay socket of an allocation holds (the core's
-    ``RelayPort``): the socket, bound for ``allocation``'s ``family`` and
-    advertised as ``address``. Compared by identity (kept in sets)."""
-
-    service: TurnService
-    allocation: Allocation
-    family: Family
-    sock: socket.socket
-    address: Address
-    closed: bool = field(default=False, init=False)
-
-
-@dataclass(eq=False)
-class UdpRelay(RelaySocket):
+class UdpRelay:
     """One relay socket of a UDP allocation (a ``RelayPort`` for the core).
 
     A tap of the relay data plane reads it (see
@@ -578,12 +563,24 @@ class UdpRelay(RelaySocket):
     calls write the routes of both directions.
     """
 
-    def __post_init__(self) -> None:
-        service, allocation, sock = self.service, self.allocation, self.sock
+    def __init__(
+        self,
+        service: TurnService,
+        allocation: Allocation,
+        family: Family,
+        sock: socket.socket,
+        address: Address,
+    ) -> None:
+        self.service = service
+        self.allocation = allocation
+        self.family = family
+        self.address = address
+        self.sock = sock
         #: ``--turn-max-bps``, both directions, every route of this relay.
         self.budget = make_budget(service.config.max_bps)
         self.permissions = allocation.permissions
         self.stats = service.stats
+        self.closed = False
         link = allocation.transport_data
         assert isinstance(link, ClientLink)
         self.link = link
@@ -838,19 +835,27 @@ class Pipe(asyncio.Protocol):
             self.other.close()
 
 
-@dataclass(eq=False)
-class TcpRelay(RelaySocket):
+class TcpRelay:
     """The listening socket of an RFC 6062 TCP allocation (a ``RelayPort``)."""
 
-    #: RFC 6062 data is piped; TCP flow control applies.
-    bps: float = field(default=0.0, init=False)
-    server: asyncio.Server | None = field(default=None, init=False)
-    task: asyncio.Task[Any] | None = field(default=None, init=False)
-
-    def __post_init__(self) -> None:
-        #: Where Connect's outgoing connections bind (RFC 6062 §5.2).
-        name = self.sock.getsockname()
-        self.bind_address: Address = (name[0], name[1])
+    def __init__(
+        self,
+        service: TurnService,
+        allocation: Allocation,
+        family: Family,
+        sock: socket.socket,
+        address: Address,
+    ) -> None:
+        self.service = service
+        self.allocation = allocation
+        self.family = family
+        self.sock = sock
+        self.address = address
+        self.bind_address: Address = (sock.getsockname()[0], sock.getsockname()[1])
+        self.bps = 0.0  # RFC 6062 data is piped; TCP flow control applies
+        self.server: asyncio.Server | None = None
+        self.closed = False
+        self.task: asyncio.Task[Any] | None = None
 
     def allow(self, size: int) -> bool:
         return True
