@@ -300,34 +300,63 @@ class _Collector(Collector):
 # ------------------------------------------------------------------ UDP
 
 
-class _UdpDispatch:
+class _PortEndpoint:
+    """What a UDP socket and a TCP connection of the STUN/TURN port do alike
+    with a message that is not a Binding request (an :class:`Endpoint`)."""
+
+    service: StunService
+    core: BindingCore
+    index: int
+    local: Address
+    transport: Literal["udp", "tcp"]
+    _loop: asyncio.AbstractEventLoop
+
+    def send(self, data: bytes, addr: Address) -> None:
+        raise NotImplementedError
+
+    def _before_turn(self, addr: Address, slot: int) -> None:
+        """Called before a message goes to TURN (see BatchUdpEndpoint)."""
+
+    def _pass_on(self, kind: PortTraffic, data: bytes, addr: Any, slot: int) -> None:
+        """STUN to TURN's ``stun`` hook and ChannelData to its ``channel_data``,
+        from ``(host, port)``; with no TURN attached, a STUN message goes to
+        the core, which counts it and discards it silently (RFC 8489 §6.3), and
+        ChannelData is dropped and counted. ``addr``: as the socket reports it;
+        ``slot``: the recvmmsg batch slot, or -1."""
+        turn = self.service.turn
+        if kind is PortTraffic.STUN:
+            if turn is not None:
+                client = _client(addr)
+                self._before_turn(client, slot)
+                turn.stun(data, client, self)
+            else:
+                self.core.receive_datagram(data, addr, self._loop.time(), self.index)
+        elif kind is PortTraffic.CHANNEL_DATA:
+            if turn is not None:
+                turn.channel_data(data, _client(addr), self)
+            else:
+                self.service.stats.drop("channel-data-no-turn")
+        else:
+            self.service.stats.drop(DROP_NOT_STUN)
+
+
+class _UdpDispatch(_PortEndpoint):
     """Per-datagram dispatch of one UDP socket of the STUN/TURN port, shared by
     both endpoint kinds: the asyncio endpoint for every datagram, the recvmmsg
     endpoint for each datagram of its drain loop and for those a reader that
     took its socket over (the TURN data plane) hands back.
     """
 
-    service: StunService
     group: _Group
-    core: BindingCore
-    index: int
-    local: Address
     transport: Literal["udp"]
     requests: int
     success: int
     errors: int
-    _loop: asyncio.AbstractEventLoop
-
-    def send(self, data: bytes, addr: Address) -> None:
-        raise NotImplementedError
 
     def _reply(self, data: bytes, addr: Any, slot: int) -> None:
         """A Binding reply to the sender of ``addr`` (received in batch slot
         ``slot``, or -1 outside a batch)."""
         self.send(data, addr)
-
-    def _before_turn(self, addr: Address, slot: int) -> None:
-        """Called before a message goes to TURN (see BatchUdpEndpoint)."""
 
     def dispatch(self, data: bytes, addr: Any, slot: int = -1) -> None:
         """One datagram from ``addr`` (as the socket reports it: a 4-tuple on
@@ -353,25 +382,7 @@ class _UdpDispatch:
                     else:
                         self.errors += 1
                 return
-            turn = self.service.turn
-            if kind is PortTraffic.STUN:
-                if turn is not None:
-                    client = _client(addr)
-                    self._before_turn(client, slot)
-                    turn.stun(data, client, self)
-                else:
-                    # Not Binding, no TURN: the core counts it and discards it
-                    # silently (RFC 8489 §6.3).
-                    self.core.receive_datagram(
-                        data, addr, self._loop.time(), self.index
-                    )
-            elif kind is PortTraffic.CHANNEL_DATA:
-                if turn is not None:
-                    turn.channel_data(data, _client(addr), self)
-                else:
-                    stats.drop("channel-data-no-turn")
-            else:
-                stats.drop(DROP_NOT_STUN)
+            self._pass_on(kind, data, addr, slot)
         except IndexError:
             stats.drop("empty")
         except Exception:  # never let one datagram kill the socket
@@ -557,7 +568,7 @@ def _client(addr: Any) -> Address:
 # ------------------------------------------------------------------ TCP
 
 
-class TcpConnection(asyncio.Protocol):
+class TcpConnection(_PortEndpoint, asyncio.Protocol):
     """One accepted TCP connection (an :class:`Endpoint`)."""
 
     def __init__(self, service: StunService, group: _Group, index: int) -> None:
@@ -661,19 +672,8 @@ class TcpConnection(asyncio.Protocol):
                     else:
                         stats.tcp_error += 1
                 return
-            turn = self.service.turn
-            if kind is PortTraffic.STUN:
-                if turn is not None:
-                    turn.stun(frame, self.peer, self)
-                else:
-                    # Not Binding, no TURN: counted, silently discarded.
-                    self.core.receive_datagram(
-                        frame, self.peer, self._loop.time(), self.index
-                    )
-            elif turn is not None:
-                turn.channel_data(frame, self.peer, self)
-            else:
-                stats.drop("channel-data-no-turn")
+            # The framing let only STUN and ChannelData through.
+            self._pass_on(kind, frame, self.peer, -1)
         except Exception:
             log.exception("STUN TCP frame handler failed")
             stats.drop("internal-error")
