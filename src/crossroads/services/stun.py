@@ -347,11 +347,20 @@ class _UdpDispatch(_PortEndpoint):
     took its socket over (the TURN data plane) hands back.
     """
 
-    group: _Group
-    transport: Literal["udp"]
-    requests: int
-    success: int
-    errors: int
+    def __init__(
+        self, service: StunService, group: _Group, index: int, local: Address
+    ) -> None:
+        self.service = service
+        self.group = group
+        self.core = group.core
+        self.index = index
+        self.local = local
+        self.transport: Literal["udp"] = "udp"
+        #: Binding requests, and the success and error responses sent.
+        self.requests = 0
+        self.success = 0
+        self.errors = 0
+        self._loop = asyncio.get_running_loop()
 
     def _reply(self, data: bytes, addr: Any, slot: int) -> None:
         """A Binding reply to the sender of ``addr`` (received in batch slot
@@ -396,17 +405,8 @@ class UdpEndpoint(_UdpDispatch, asyncio.DatagramProtocol):
     def __init__(
         self, service: StunService, group: _Group, index: int, local: Address
     ) -> None:
-        self.service = service
-        self.group = group
-        self.core = group.core
-        self.index = index
-        self.local = local
-        self.transport: Literal["udp"] = "udp"
+        super().__init__(service, group, index, local)
         self.udp: asyncio.DatagramTransport | None = None
-        self.requests = 0
-        self.success = 0
-        self.errors = 0
-        self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's UDPTransport is not a subclass of asyncio.DatagramTransport.
@@ -469,22 +469,13 @@ class BatchUdpEndpoint(_UdpDispatch):
         local: Address,
         sock: socket.socket,
     ) -> None:
-        self.service = service
-        self.group = group
-        self.core = group.core
-        self.index = index
-        self.local = local
-        self.transport: Literal["udp"] = "udp"
+        super().__init__(service, group, index, local)
         self.sock = sock
         # On a wildcard bind, reply from the address the client sent to.
         self.mm = MmsgSocket(sock, pktinfo=is_wildcard(local[0]))
         #: On a wildcard bind, what TURN sends (answers, Data indications,
         #: late responses) leaves from the address the client sent to as well.
         self.replies = ReplySource(sock) if self.mm.pktinfo else None
-        self.requests = 0
-        self.success = 0
-        self.errors = 0
-        self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
         self._closed = False
         #: Another reader drains the socket (see :meth:`divert`).
