@@ -71,6 +71,7 @@ from crossroads.services.base import (
     SessionInfo,
     show_address,
     stop_task,
+    stop_tasks,
 )
 from crossroads.services.relay_allocations import (
     HEARTBEATS_PER_TTL,
@@ -340,8 +341,7 @@ class RelayNode:
         for server in self.ws_servers:
             server.close()
         self.endpoint.close()
-        for task in self._tasks:
-            await stop_task(task)
+        await stop_tasks(self._tasks)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
 

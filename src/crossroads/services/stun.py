@@ -64,7 +64,7 @@ from prometheus_client.registry import Collector
 import crossroads
 from crossroads.config import check_non_negative, check_positive, setting
 from crossroads.errors import ConfigError, DecodeError
-from crossroads.metrics import counter_by
+from crossroads.metrics import counter_by, unregister
 from crossroads.proto.stun.message import (
     PortTraffic,
     sort_traffic,
@@ -82,6 +82,7 @@ from crossroads.transport.pktinfo import (
     open_datagram_endpoint,
 )
 from crossroads.transport.sockets import bind_socket, family_of
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.types import Address
 
@@ -993,9 +994,7 @@ class StunService:
             return
         self._closed = True
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait(self._sweeper)
         for group in self.groups:
             for server in group.tcp_servers:
                 server.close()
@@ -1011,8 +1010,7 @@ class StunService:
             for server in group.tcp_servers:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(server.wait_closed(), 2)
-        with contextlib.suppress(KeyError):
-            self.ctx.metrics.unregister(self._collector)
+        unregister(self.ctx.metrics, self._collector)
         self.ctx.connections.forget("stun")
 
 

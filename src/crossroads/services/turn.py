@@ -75,7 +75,7 @@ from crossroads.config import (
     setting,
 )
 from crossroads.errors import ConfigError
-from crossroads.metrics import counter_by
+from crossroads.metrics import counter_by, unregister
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.stun.message import PortTraffic, sort_traffic
 from crossroads.proto.stun.server import BindingCore
@@ -114,7 +114,12 @@ from crossroads.proto.turn.server import (
     TurnSettings,
 )
 from crossroads.ratelog import RateLimitedLog
-from crossroads.services.base import ServiceContext, SessionInfo, show_address
+from crossroads.services.base import (
+    ServiceContext,
+    SessionInfo,
+    show_address,
+    stop_tasks,
+)
 from crossroads.services.stun import (
     BatchUdpEndpoint,
     Endpoint,
@@ -1254,21 +1259,15 @@ class TurnService:
         self._restore_taps()
         for listener in self.dtls_listeners:
             listener.close()
-        with contextlib.suppress(KeyError):
-            self.ctx.metrics.unregister(self._dtls_collector)
+        unregister(self.ctx.metrics, self._dtls_collector)
         self.core.close()
         self._transmit()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
             pipe.close()
         self._timer.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        await stop_tasks(list(self._tasks))
         self.readers.close()
-        with contextlib.suppress(KeyError):
-            self.ctx.metrics.unregister(self._collector)
+        unregister(self.ctx.metrics, self._collector)
         if self.owns_stun:
             await self.stun.close()
 
