@@ -138,7 +138,7 @@ from crossroads.transport.driver import CoreTimer
 from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.reuseport import sibling_ports
-from crossroads.transport.sockets import listening_ports
+from crossroads.transport.sockets import listening_ports, set_buffers
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
     ACCELERATED,
@@ -1475,9 +1475,7 @@ class TurnService:
         try:
             if af == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, option, RELAY_BUFFER_BYTES)
+            set_buffers(sock, RELAY_BUFFER_BYTES)
             if dont_fragment:
                 if af == socket.AF_INET:
                     sock.setsockopt(
