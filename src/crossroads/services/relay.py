@@ -644,10 +644,8 @@ class RelayService:
         lines = []
         if self.node is not None and self.bound is not None:
             info = self.node.info
-            host, port = self.bound
-            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             lines.append(
-                f"udp {shown} (node {info.node_id}, region {info.region}, "
+                f"udp {show_address(self.bound)} (node {info.node_id}, region {info.region}, "
                 f"public {info.host}:{info.port})"
             )
             if self.node.dtls is not None:

@@ -71,7 +71,7 @@ from crossroads.proto.stun.message import (
     stream_frame_length,
 )
 from crossroads.proto.stun.server import DROP_NOT_STUN, BindingCore
-from crossroads.services.base import ServiceContext
+from crossroads.services.base import ServiceContext, show_address
 from crossroads.transport import mmsg
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.transport.mmsg import MmsgSocket
@@ -549,7 +549,7 @@ class BatchUdpEndpoint(_UdpDispatch):
 
     def _drop(self, reason: str, count: int) -> None:
         if reason == "recv-failed":
-            log.warning("STUN recvmmsg failed on %s", _join(*self.local))
+            log.warning("STUN recvmmsg failed on %s", show_address(self.local))
         self.service.stats.drop(reason, count)
 
 
@@ -876,14 +876,14 @@ class StunService:
                 await open_datagram_endpoint(endpoint, udp_sock)
             group.udp.append(endpoint)
             self.udp_endpoints.append(endpoint)
-            self._descriptions.append(f"udp {_join(*local)}{labels[index]}")
+            self._descriptions.append(f"udp {show_address(local)}{labels[index]}")
             if tcp_sock is not None:
                 server = await loop.create_server(
                     lambda i=index: TcpConnection(self, group, i),  # type: ignore[misc]
                     sock=tcp_sock,
                 )
                 group.tcp_servers.append(server)
-                self._descriptions.append(f"tcp {_join(*local)}{labels[index]}")
+                self._descriptions.append(f"tcp {show_address(local)}{labels[index]}")
 
     def tls_protocol_factory(self) -> Callable[[], asyncio.Protocol]:
         """The protocol of one STUN/TURN-over-TLS connection, given the TLS
@@ -913,7 +913,7 @@ class StunService:
     def add_tls_address(self, address: Address) -> None:
         """A TLS listener the service does not own serves it at ``address``."""
         self.tls_addresses.append(address)
-        self._descriptions.append(f"tls {_join(*address)}")
+        self._descriptions.append(f"tls {show_address(address)}")
 
     async def listen_tls(
         self, port: int, context: ssl.SSLContext, limits: HandshakeLimits
@@ -1012,10 +1012,6 @@ class StunService:
                     await asyncio.wait_for(server.wait_closed(), 2)
         unregister(self.ctx.metrics, self._collector)
         self.ctx.connections.forget("stun")
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(ctx: ServiceContext) -> StunService:
