@@ -107,6 +107,37 @@ async def _check_bad_input(runtime: Runtime) -> None:
     assert 'crossroads_stun_dropped_total{reason="malformed"} 1.0' in text
 
 
+async def test_tcp_without_turn_discards_other_methods_and_channel_data() -> None:
+    """Over TCP with no TURN attached, the same rules as over UDP: another
+    method is discarded silently (RFC 8489 §6.3), ChannelData is dropped, both
+    counted, and the connection goes on serving Binding."""
+    runtime = await start(default_config(loopback_config(core__only=["stun"])))
+    try:
+        host, port = _stun(runtime).primary
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            allocate = encode(request(Method.ALLOCATE, b"A" * 12))
+            channel = b"\x40\x01\x00\x03abc\x00"
+            binding = encode(request(Method.BINDING, b"B" * 12))
+            writer.write(allocate + channel + binding)
+            await writer.drain()
+            header = await asyncio.wait_for(reader.readexactly(20), 5)
+            body = await reader.readexactly(int.from_bytes(header[2:4], "big"))
+            answer = decode(header + body)
+            assert answer.transaction_id == b"B" * 12
+            assert answer.msg_class is Class.SUCCESS
+        finally:
+            writer.close()
+        text = await asyncio.to_thread(_metrics, runtime)
+        assert 'crossroads_stun_dropped_total{reason="unsupported-method"} 1.0' in text
+        assert (
+            'crossroads_stun_dropped_total{reason="channel-data-no-turn"} 1.0' in text
+        )
+        assert 'crossroads_stun_requests_total{transport="tcp"} 1.0' in text
+    finally:
+        await runtime.close()
+
+
 async def test_tcp_binding_with_split_and_pipelined_frames(runtime: Runtime) -> None:
     host, port = _stun(runtime).primary
     reader, writer = await asyncio.open_connection(host, port)

@@ -1,4 +1,4 @@
-"""cancel_and_wait and stop_task: a background task is over when close returns,
+"""cancel_and_wait, stop_task and stop_tasks: a background task is over when close returns,
 even one that swallowed a cancellation; Sweeper: a periodic sweep started once
 and stopped on close."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from crossroads.services.base import stop_task
+from crossroads.services.base import stop_task, stop_tasks
 from crossroads.transport.tasks import Sweeper, cancel_and_wait
 from tests.conftest import eventually
 
@@ -80,6 +80,32 @@ async def test_stop_task_does_not_raise_what_the_task_failed_with() -> None:
     await asyncio.sleep(0)
     await stop_task(task)
     assert isinstance(task.exception(), RuntimeError)
+
+
+async def test_stop_tasks_cancels_every_task_before_waiting_for_any() -> None:
+    """A service's close: every task has ended when it returns, None entries
+    are skipped, a failure is not raised, and each task sees its cancellation
+    only once every one of them has been asked to stop (none works on while
+    another ends)."""
+    all_asked: list[bool] = []
+
+    async def worker() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            all_asked.append(all(t.cancelling() or t.done() for t in tasks))
+            raise
+
+    async def broken() -> None:
+        raise RuntimeError("lookup failed")
+
+    tasks = [asyncio.create_task(worker()) for _ in range(2)]
+    failed = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    await stop_tasks([tasks[0], None, failed, tasks[1]])
+    assert all(task.cancelled() for task in tasks)
+    assert isinstance(failed.exception(), RuntimeError)
+    assert all_asked == [True, True]
 
 
 async def test_the_sweeper_sweeps_with_loop_time_until_stopped() -> None:

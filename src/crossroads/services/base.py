@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
@@ -184,3 +184,13 @@ async def stop_task(task: asyncio.Task[Any]) -> None:
     await cancel_until_done(task)
     if not task.cancelled():
         task.exception()  # retrieved: a failure at shutdown is not reported twice
+
+
+async def stop_tasks(tasks: Iterable[asyncio.Task[Any] | None]) -> None:
+    """:func:`stop_task` for each of ``tasks`` (None skipped), all cancelled
+    before the first is waited for: none goes on working while another ends."""
+    live = [task for task in tasks if task is not None]
+    for task in live:
+        task.cancel()
+    for task in live:
+        await stop_task(task)

@@ -53,7 +53,7 @@ from crossroads.proto.punch.coordinator import (
     ProbeDropped,
     PunchFinished,
 )
-from crossroads.services.base import Service, ServiceContext, SessionInfo
+from crossroads.services.base import Service, ServiceContext, SessionInfo, stop_tasks
 from crossroads.services.p2p_master import MasterServer, make_master_router
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import open_datagram_endpoint
@@ -300,14 +300,7 @@ class P2PService:
         for queue in self._queues.values():
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(("close", 1001, "server shutting down"))
-        tasks = [self._directory_task, self._heartbeat_task, *self._lookups]
-        for task in tasks:
-            if task is not None:
-                task.cancel()
-        for task in tasks:
-            if task is not None:
-                with contextlib.suppress(BaseException):
-                    await task
+        await stop_tasks([self._directory_task, self._heartbeat_task, *self._lookups])
         # Free our codes at once rather than after their TTL; a Store that is
         # down by now lets them expire.
         if self.owned_codes:

@@ -152,14 +152,12 @@ class _Collector(Collector):
         if relay_nodes is not None:
             add_counts(dropped, relay_nodes.dropped, "relay-node-")
         yield dropped
-        unhandled = CounterMetricFamily(
+        yield counter_by(
             "crossroads_raknet_unhandled_messages",
             "Messages for plugins this server does not run, by message id.",
-            labels=["id"],
+            "id",
+            {str(kind): count for kind, count in node.unhandled.items()},
         )
-        for kind, count in sorted(node.unhandled.items()):
-            unhandled.add_metric([str(kind)], count)
-        yield unhandled
         punch = node.punch.stats
         outcomes = CounterMetricFamily(
             "crossroads_raknet_punchthrough_outcomes",

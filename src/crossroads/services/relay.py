@@ -71,6 +71,7 @@ from crossroads.services.base import (
     SessionInfo,
     show_address,
     stop_task,
+    stop_tasks,
 )
 from crossroads.services.relay_allocations import (
     HEARTBEATS_PER_TTL,
@@ -340,8 +341,7 @@ class RelayNode:
         for server in self.ws_servers:
             server.close()
         self.endpoint.close()
-        for task in self._tasks:
-            await stop_task(task)
+        await stop_tasks(self._tasks)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
 
@@ -516,14 +516,12 @@ class RelayCollector(Collector):
             "reason",
             core.drops,
         )
-        errors = CounterMetricFamily(
+        yield counter_by(
             "crossroads_relay_errors_sent",
             "ERROR messages sent, by code.",
-            labels=["code"],
+            "code",
+            {str(int(code)): count for code, count in core.errors_sent.items()},
         )
-        for code, count in sorted(core.errors_sent.items()):
-            errors.add_metric([str(int(code))], count)
-        yield errors
         yield counter_by(
             "crossroads_relay_allocations_ended",
             "Allocations that ended, by reason.",
@@ -646,10 +644,8 @@ class RelayService:
         lines = []
         if self.node is not None and self.bound is not None:
             info = self.node.info
-            host, port = self.bound
-            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             lines.append(
-                f"udp {shown} (node {info.node_id}, region {info.region}, "
+                f"udp {show_address(self.bound)} (node {info.node_id}, region {info.region}, "
                 f"public {info.host}:{info.port})"
             )
             if self.node.dtls is not None:

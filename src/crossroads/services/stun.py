@@ -62,15 +62,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import crossroads
-from crossroads.config import setting
+from crossroads.config import check_non_negative, check_positive, setting
 from crossroads.errors import ConfigError, DecodeError
+from crossroads.metrics import counter_by, unregister
 from crossroads.proto.stun.message import (
     PortTraffic,
     sort_traffic,
     stream_frame_length,
 )
 from crossroads.proto.stun.server import DROP_NOT_STUN, BindingCore
-from crossroads.services.base import ServiceContext
+from crossroads.services.base import ServiceContext, show_address
 from crossroads.transport import mmsg
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.transport.mmsg import MmsgSocket
@@ -81,6 +82,7 @@ from crossroads.transport.pktinfo import (
     open_datagram_endpoint,
 )
 from crossroads.transport.sockets import bind_socket, family_of
+from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
 from crossroads.types import Address
 
@@ -107,16 +109,6 @@ _TCP_REFUSALS = {
 #: Retries when binding "any free port" (port 0) must find the same free port on
 #: several addresses / both protocols.
 BIND_ATTEMPTS = 30
-
-
-def _check_non_negative(value: int) -> None:
-    if value < 0:
-        raise ValueError("must be >= 0")
-
-
-def _check_positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError("must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,39 +147,39 @@ class Config:
     rate_limit: int = setting(
         100,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Binding requests answered per second per source IP; 0 = unlimited.",
     )
     rate_limit_sources: int = setting(
         100_000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Source IPs tracked by the rate limiter per second (memory bound).",
     )
     tcp_max_connections: int = setting(
         10_000,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Concurrent TCP connections (also capped by the descriptor share "
         "of the listener, see docs/security.md); more are closed at once.",
     )
     tcp_max_connections_per_ip: int = setting(
         128,
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Concurrent TCP connections from one IPv4 address or IPv6 /64.",
     )
     tcp_message_timeout: float = setting(
         10.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds a TCP client has to send its first complete message after "
         "connecting, and to finish any message it has started (slowloris).",
     )
     tcp_idle_timeout: float = setting(
         900.0,
         kind="float",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds before an idle TCP connection is closed.",
     )
 
@@ -293,14 +285,12 @@ class _Collector(Collector):
         responses.add_metric(["tcp", "success"], stats.tcp_success)
         responses.add_metric(["tcp", "error"], stats.tcp_error)
         yield responses
-        dropped = CounterMetricFamily(
+        yield counter_by(
             "crossroads_stun_dropped",
             "Input dropped by the STUN service, by reason.",
-            labels=["reason"],
+            "reason",
+            stats.drops,
         )
-        for reason, count in sorted(stats.drops.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
         gauge = GaugeMetricFamily(
             "crossroads_stun_tcp_connections", "Open STUN/TURN TCP connections."
         )
@@ -311,34 +301,72 @@ class _Collector(Collector):
 # ------------------------------------------------------------------ UDP
 
 
-class _UdpDispatch:
+class _PortEndpoint:
+    """What a UDP socket and a TCP connection of the STUN/TURN port do alike
+    with a message that is not a Binding request (an :class:`Endpoint`)."""
+
+    service: StunService
+    core: BindingCore
+    index: int
+    local: Address
+    transport: Literal["udp", "tcp"]
+    _loop: asyncio.AbstractEventLoop
+
+    def send(self, data: bytes, addr: Address) -> None:
+        raise NotImplementedError
+
+    def _before_turn(self, addr: Address, slot: int) -> None:
+        """Called before a message goes to TURN (see BatchUdpEndpoint)."""
+
+    def _pass_on(self, kind: PortTraffic, data: bytes, addr: Any, slot: int) -> None:
+        """STUN to TURN's ``stun`` hook and ChannelData to its ``channel_data``,
+        from ``(host, port)``; with no TURN attached, a STUN message goes to
+        the core, which counts it and discards it silently (RFC 8489 §6.3), and
+        ChannelData is dropped and counted. ``addr``: as the socket reports it;
+        ``slot``: the recvmmsg batch slot, or -1."""
+        turn = self.service.turn
+        if kind is PortTraffic.STUN:
+            if turn is not None:
+                client = _client(addr)
+                self._before_turn(client, slot)
+                turn.stun(data, client, self)
+            else:
+                self.core.receive_datagram(data, addr, self._loop.time(), self.index)
+        elif kind is PortTraffic.CHANNEL_DATA:
+            if turn is not None:
+                turn.channel_data(data, _client(addr), self)
+            else:
+                self.service.stats.drop("channel-data-no-turn")
+        else:
+            self.service.stats.drop(DROP_NOT_STUN)
+
+
+class _UdpDispatch(_PortEndpoint):
     """Per-datagram dispatch of one UDP socket of the STUN/TURN port, shared by
     both endpoint kinds: the asyncio endpoint for every datagram, the recvmmsg
     endpoint for each datagram of its drain loop and for those a reader that
     took its socket over (the TURN data plane) hands back.
     """
 
-    service: StunService
-    group: _Group
-    core: BindingCore
-    index: int
-    local: Address
-    transport: Literal["udp"]
-    requests: int
-    success: int
-    errors: int
-    _loop: asyncio.AbstractEventLoop
-
-    def send(self, data: bytes, addr: Address) -> None:
-        raise NotImplementedError
+    def __init__(
+        self, service: StunService, group: _Group, index: int, local: Address
+    ) -> None:
+        self.service = service
+        self.group = group
+        self.core = group.core
+        self.index = index
+        self.local = local
+        self.transport: Literal["udp"] = "udp"
+        #: Binding requests, and the success and error responses sent.
+        self.requests = 0
+        self.success = 0
+        self.errors = 0
+        self._loop = asyncio.get_running_loop()
 
     def _reply(self, data: bytes, addr: Any, slot: int) -> None:
         """A Binding reply to the sender of ``addr`` (received in batch slot
         ``slot``, or -1 outside a batch)."""
         self.send(data, addr)
-
-    def _before_turn(self, addr: Address, slot: int) -> None:
-        """Called before a message goes to TURN (see BatchUdpEndpoint)."""
 
     def dispatch(self, data: bytes, addr: Any, slot: int = -1) -> None:
         """One datagram from ``addr`` (as the socket reports it: a 4-tuple on
@@ -364,25 +392,7 @@ class _UdpDispatch:
                     else:
                         self.errors += 1
                 return
-            turn = self.service.turn
-            if kind is PortTraffic.STUN:
-                if turn is not None:
-                    client = _client(addr)
-                    self._before_turn(client, slot)
-                    turn.stun(data, client, self)
-                else:
-                    # Not Binding, no TURN: the core counts it and discards it
-                    # silently (RFC 8489 §6.3).
-                    self.core.receive_datagram(
-                        data, addr, self._loop.time(), self.index
-                    )
-            elif kind is PortTraffic.CHANNEL_DATA:
-                if turn is not None:
-                    turn.channel_data(data, _client(addr), self)
-                else:
-                    stats.drop("channel-data-no-turn")
-            else:
-                stats.drop(DROP_NOT_STUN)
+            self._pass_on(kind, data, addr, slot)
         except IndexError:
             stats.drop("empty")
         except Exception:  # never let one datagram kill the socket
@@ -396,17 +406,8 @@ class UdpEndpoint(_UdpDispatch, asyncio.DatagramProtocol):
     def __init__(
         self, service: StunService, group: _Group, index: int, local: Address
     ) -> None:
-        self.service = service
-        self.group = group
-        self.core = group.core
-        self.index = index
-        self.local = local
-        self.transport: Literal["udp"] = "udp"
+        super().__init__(service, group, index, local)
         self.udp: asyncio.DatagramTransport | None = None
-        self.requests = 0
-        self.success = 0
-        self.errors = 0
-        self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's UDPTransport is not a subclass of asyncio.DatagramTransport.
@@ -469,22 +470,13 @@ class BatchUdpEndpoint(_UdpDispatch):
         local: Address,
         sock: socket.socket,
     ) -> None:
-        self.service = service
-        self.group = group
-        self.core = group.core
-        self.index = index
-        self.local = local
-        self.transport: Literal["udp"] = "udp"
+        super().__init__(service, group, index, local)
         self.sock = sock
         # On a wildcard bind, reply from the address the client sent to.
         self.mm = MmsgSocket(sock, pktinfo=is_wildcard(local[0]))
         #: On a wildcard bind, what TURN sends (answers, Data indications,
         #: late responses) leaves from the address the client sent to as well.
         self.replies = ReplySource(sock) if self.mm.pktinfo else None
-        self.requests = 0
-        self.success = 0
-        self.errors = 0
-        self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._readable)
         self._closed = False
         #: Another reader drains the socket (see :meth:`divert`).
@@ -557,7 +549,7 @@ class BatchUdpEndpoint(_UdpDispatch):
 
     def _drop(self, reason: str, count: int) -> None:
         if reason == "recv-failed":
-            log.warning("STUN recvmmsg failed on %s", _join(*self.local))
+            log.warning("STUN recvmmsg failed on %s", show_address(self.local))
         self.service.stats.drop(reason, count)
 
 
@@ -568,7 +560,7 @@ def _client(addr: Any) -> Address:
 # ------------------------------------------------------------------ TCP
 
 
-class TcpConnection(asyncio.Protocol):
+class TcpConnection(_PortEndpoint, asyncio.Protocol):
     """One accepted TCP connection (an :class:`Endpoint`)."""
 
     def __init__(self, service: StunService, group: _Group, index: int) -> None:
@@ -672,19 +664,8 @@ class TcpConnection(asyncio.Protocol):
                     else:
                         stats.tcp_error += 1
                 return
-            turn = self.service.turn
-            if kind is PortTraffic.STUN:
-                if turn is not None:
-                    turn.stun(frame, self.peer, self)
-                else:
-                    # Not Binding, no TURN: counted, silently discarded.
-                    self.core.receive_datagram(
-                        frame, self.peer, self._loop.time(), self.index
-                    )
-            elif turn is not None:
-                turn.channel_data(frame, self.peer, self)
-            else:
-                stats.drop("channel-data-no-turn")
+            # The framing let only STUN and ChannelData through.
+            self._pass_on(kind, frame, self.peer, -1)
         except Exception:
             log.exception("STUN TCP frame handler failed")
             stats.drop("internal-error")
@@ -895,14 +876,14 @@ class StunService:
                 await open_datagram_endpoint(endpoint, udp_sock)
             group.udp.append(endpoint)
             self.udp_endpoints.append(endpoint)
-            self._descriptions.append(f"udp {_join(*local)}{labels[index]}")
+            self._descriptions.append(f"udp {show_address(local)}{labels[index]}")
             if tcp_sock is not None:
                 server = await loop.create_server(
                     lambda i=index: TcpConnection(self, group, i),  # type: ignore[misc]
                     sock=tcp_sock,
                 )
                 group.tcp_servers.append(server)
-                self._descriptions.append(f"tcp {_join(*local)}{labels[index]}")
+                self._descriptions.append(f"tcp {show_address(local)}{labels[index]}")
 
     def tls_protocol_factory(self) -> Callable[[], asyncio.Protocol]:
         """The protocol of one STUN/TURN-over-TLS connection, given the TLS
@@ -932,7 +913,7 @@ class StunService:
     def add_tls_address(self, address: Address) -> None:
         """A TLS listener the service does not own serves it at ``address``."""
         self.tls_addresses.append(address)
-        self._descriptions.append(f"tls {_join(*address)}")
+        self._descriptions.append(f"tls {show_address(address)}")
 
     async def listen_tls(
         self, port: int, context: ssl.SSLContext, limits: HandshakeLimits
@@ -1013,9 +994,7 @@ class StunService:
             return
         self._closed = True
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await cancel_and_wait(self._sweeper)
         for group in self.groups:
             for server in group.tcp_servers:
                 server.close()
@@ -1031,13 +1010,8 @@ class StunService:
             for server in group.tcp_servers:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(server.wait_closed(), 2)
-        with contextlib.suppress(KeyError):
-            self.ctx.metrics.unregister(self._collector)
+        unregister(self.ctx.metrics, self._collector)
         self.ctx.connections.forget("stun")
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(ctx: ServiceContext) -> StunService:

@@ -68,8 +68,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.config import Config as RuntimeConfig
-from crossroads.config import setting
+from crossroads.config import (
+    check_networks,
+    check_non_negative,
+    check_positive,
+    setting,
+)
 from crossroads.errors import ConfigError
+from crossroads.metrics import counter_by, unregister
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.stun.message import PortTraffic, sort_traffic
 from crossroads.proto.stun.server import BindingCore
@@ -108,7 +114,12 @@ from crossroads.proto.turn.server import (
     TurnSettings,
 )
 from crossroads.ratelog import RateLimitedLog
-from crossroads.services.base import ServiceContext, SessionInfo, show_address
+from crossroads.services.base import (
+    ServiceContext,
+    SessionInfo,
+    show_address,
+    stop_tasks,
+)
 from crossroads.services.stun import (
     BatchUdpEndpoint,
     Endpoint,
@@ -127,7 +138,7 @@ from crossroads.transport.driver import CoreTimer
 from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.reuseport import sibling_ports
-from crossroads.transport.sockets import listening_ports
+from crossroads.transport.sockets import listening_ports, set_buffers
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import (
     ACCELERATED,
@@ -170,23 +181,9 @@ def _check_users(values: tuple[str, ...]) -> None:
         parse_user_spec(value)
 
 
-def _check_networks(values: tuple[str, ...]) -> None:
-    parse_networks(values)
-
-
 def _check_alternates(values: tuple[str, ...]) -> None:
     for value in values:
         _parse_host_port(value)
-
-
-def _check_non_negative(value: float) -> None:
-    if value < 0:
-        raise ValueError("must be >= 0")
-
-
-def _check_positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError("must be > 0")
 
 
 #: Default allocations per user. A browser makes one or two per peer
@@ -296,13 +293,13 @@ class Config:
     allowed_peers: tuple[str, ...] = setting(
         (),
         kind="list",
-        check=_check_networks,
+        check=check_networks,
         help="Peer ranges always allowed (CIDR), overriding the deny lists.",
     )
     denied_peers: tuple[str, ...] = setting(
         (),
         kind="list",
-        check=_check_networks,
+        check=check_networks,
         help="Extra peer ranges denied (CIDR).",
     )
     max_lifetime: int = setting(
@@ -314,20 +311,20 @@ class Config:
     user_quota: int = setting(
         DEFAULT_USER_QUOTA,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Allocations per user (the user part of a time-limited username) "
         "(0 = no limit): 486 beyond.",
     )
     ip_quota: int = setting(
         DEFAULT_IP_QUOTA,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Allocations per client IP address (0 = no limit): 486 beyond.",
     )
     total_quota: int = setting(
         0,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Allocations in this process: 486 beyond, or 300 to an alternate "
         "server. 0 = sized from the relay port range and the descriptor limit "
         "(see docs/security.md).",
@@ -335,14 +332,14 @@ class Config:
     nonce_lifetime: int = setting(
         int(NONCE_LIFETIME),
         kind="int",
-        check=_check_positive,
+        check=check_positive,
         help="Seconds a nonce stays fresh before 438 Stale Nonce (a closing "
         "Refresh with LIFETIME 0 is honoured with a stale nonce anyway).",
     )
     max_credential_ttl: int = setting(
         DEFAULT_MAX_CREDENTIAL_TTL,
         kind="int",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="Longest validity of a time-limited (--turn-secret) username, "
         "seconds from now; a username expiring later is refused (0 = no cap).",
     )
@@ -382,7 +379,7 @@ class Config:
     unauthenticated_rate: float = setting(
         100.0,
         kind="float",
-        check=_check_non_negative,
+        check=check_non_negative,
         help="401/438 answers per second per source IP (flood protection).",
     )
 
@@ -464,11 +461,6 @@ class _Collector(Collector):
         volume.add_metric(["to_peer"], to_peer_bytes)
         volume.add_metric(["to_client"], to_client_bytes)
         yield volume
-        dropped = CounterMetricFamily(
-            "crossroads_turn_dropped",
-            "Input dropped by TURN, by reason.",
-            labels=["reason"],
-        )
         merged = dict(stats.drops)
         for reason, count in core.counters.drops.items():
             merged[reason] = merged.get(reason, 0) + count
@@ -479,9 +471,12 @@ class _Collector(Collector):
         )
         if throttled:
             merged["bandwidth-limit"] = throttled
-        for reason, count in sorted(merged.items()):
-            dropped.add_metric([reason], count)
-        yield dropped
+        yield counter_by(
+            "crossroads_turn_dropped",
+            "Input dropped by TURN, by reason.",
+            "reason",
+            merged,
+        )
         responses = CounterMetricFamily(
             "crossroads_turn_responses",
             "TURN responses by method and code (0 = success).",
@@ -495,14 +490,12 @@ class _Collector(Collector):
         )
         created.add_metric([], core.counters.allocations_created)
         yield created
-        deleted = CounterMetricFamily(
+        yield counter_by(
             "crossroads_turn_allocations_deleted",
             "Allocations deleted, by reason.",
-            labels=["reason"],
+            "reason",
+            core.counters.allocations_deleted,
         )
-        for reason, count in sorted(core.counters.allocations_deleted.items()):
-            deleted.add_metric([reason], count)
-        yield deleted
         stale = CounterMetricFamily(
             "crossroads_turn_stale_nonce_releases",
             "Refresh(LIFETIME=0) honoured although its nonce was stale.",
@@ -1266,21 +1259,15 @@ class TurnService:
         self._restore_taps()
         for listener in self.dtls_listeners:
             listener.close()
-        with contextlib.suppress(KeyError):
-            self.ctx.metrics.unregister(self._dtls_collector)
+        unregister(self.ctx.metrics, self._dtls_collector)
         self.core.close()
         self._transmit()
         for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
             pipe.close()
         self._timer.close()
-        for task in list(self._tasks):
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(BaseException):
-                await task
+        await stop_tasks(list(self._tasks))
         self.readers.close()
-        with contextlib.suppress(KeyError):
-            self.ctx.metrics.unregister(self._collector)
+        unregister(self.ctx.metrics, self._collector)
         if self.owns_stun:
             await self.stun.close()
 
@@ -1488,9 +1475,7 @@ class TurnService:
         try:
             if af == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, option, RELAY_BUFFER_BYTES)
+            set_buffers(sock, RELAY_BUFFER_BYTES)
             if dont_fragment:
                 if af == socket.AF_INET:
                     sock.setsockopt(

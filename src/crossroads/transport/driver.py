@@ -18,7 +18,10 @@ code-style-anchors.md §2):
    ``core.handle_timer(now)`` runs, then step 2.
 
 :class:`DatagramDriver` does all of this for a core on one UDP socket,
-:class:`SocketSetDriver` for a core on several (natneg's).
+:class:`SocketSetDriver` for a core on several (natneg's), and
+:class:`TapDriver` for a core on one socket that the relay data plane reads
+(the Unity relay node, DTLS): step 1 per datagram the tap does not forward
+itself, step 2 once per batch.
 :class:`CoreTimer` is step 3 alone, for owners whose core spans several
 sockets (natneg, p2p rendezvous), a WebSocket (p2p signalling, the Unity relay
 client) or the STUN/TURN port (the TURN control core), and that do steps 1-2
@@ -30,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
-from typing import Any, Generic, cast
+from typing import Any, Generic, TypeVar, cast
 
 from crossroads.proto.core import (
     DatagramCore,
@@ -38,8 +41,15 @@ from crossroads.proto.core import (
     MultiSocketCore,
     SocketT,
 )
-from crossroads.transport.pktinfo import open_datagram_endpoint
+from crossroads.transport.dataplane import make_tap
+from crossroads.transport.pktinfo import (
+    ReplySource,
+    is_wildcard,
+    open_datagram_endpoint,
+)
 from crossroads.types import Address, normalize_address
+
+TapCoreT = TypeVar("TapCoreT", bound=DatagramCore)
 
 
 class CoreTimer:
@@ -257,3 +267,91 @@ class _NamedSocket(asyncio.DatagramProtocol, Generic[SocketT]):
     def error_received(self, exc: Exception) -> None:
         # ICMP errors for earlier sends (port unreachable): nothing to do.
         pass
+
+
+class TapDriver(Generic[TapCoreT]):
+    """Runs one :class:`~crossroads.proto.core.DatagramCore` on one bound,
+    non-blocking UDP socket read by a relay data-plane tap
+    (:func:`~crossroads.transport.dataplane.make_tap`: recvmmsg batches in C
+    when built, its pure-Python twin otherwise).
+
+    The tap forwards what ``routes`` says itself; every other datagram reaches
+    the core in arrival order, all of one batch with the time its first one was
+    handed over. After the batch the subclass's :meth:`_flush` sends what the
+    core emits and dispatches its events, then re-arms the one timer. On a
+    wildcard bind, replies leave from the address each client sent to
+    (:mod:`crossroads.transport.pktinfo`).
+    """
+
+    def __init__(
+        self,
+        core: TapCoreT,
+        sock: socket.socket,
+        routes: dict[Any, Any],
+        *,
+        prefix: int = 0,
+        length_at: int = -1,
+    ) -> None:
+        self.core = core
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._replies = (
+            ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
+        )
+        self.tap = make_tap(
+            sock,
+            routes,
+            self._received,
+            prefix=prefix,
+            length_at=length_at,
+            ancillary=self._replies is not None,
+        )
+        #: The time of the batch being read (set by its first datagram that
+        #: reaches the core; None between batches).
+        self._batch_now: float | None = None
+        self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
+        self._closed = False
+
+    def start(self) -> None:
+        self._loop.add_reader(self.sock.fileno(), self._readable)
+
+    def close(self) -> None:
+        """Stop reading, stop the timer, close the socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self.sock.fileno())
+        self.tap.close()
+        self._timer.close()
+        self.sock.close()
+
+    def _flush(self, now: float) -> None:
+        """Send what the core emits and dispatch its events; re-arm the timer."""
+        raise NotImplementedError
+
+    def _sendto(self, data: bytes, addr: Address) -> None:
+        """Send one datagram from this socket (raises OSError as ``sendto``)."""
+        if self._replies is None:
+            self.sock.sendto(data, addr)
+        else:
+            self._replies.sendto(data, addr)
+
+    def _readable(self) -> None:
+        self.tap.readable()
+        now = self._batch_now
+        if now is not None:
+            self._batch_now = None
+            self._flush(now)
+
+    def _received(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
+        """The tap's fallback: one datagram it did not forward, in arrival order."""
+        if self._replies is not None and ancdata:
+            self._replies.learn(addr, ancdata)
+        now = self._batch_now
+        if now is None:
+            now = self._batch_now = self._loop.time()
+        self.core.receive_datagram(data, addr, now)
+
+    def _on_timer(self, now: float) -> None:
+        self.core.handle_timer(now)
+        self._flush(now)

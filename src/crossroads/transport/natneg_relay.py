@@ -43,7 +43,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.refusals import RefusalLog
-from crossroads.transport.sockets import SOCKET_BUFFER_BYTES
+from crossroads.transport.sockets import set_buffers
 from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address
 
@@ -233,11 +233,7 @@ class RelayPool:
     def _bind(self) -> socket.socket:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-                except OSError:
-                    pass
+            set_buffers(sock)
             sock.setblocking(False)
             if self.port_range is None:
                 sock.bind((self.bind_host, 0))

@@ -40,16 +40,14 @@ take the data plane exactly as before.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
 from crossroads.proto.relay.server import Event, ForwardEntry, RelayServer
-from crossroads.transport.dataplane import RouteLike, make_route, make_tap
-from crossroads.transport.driver import CoreTimer
-from crossroads.transport.pktinfo import ReplySource, is_wildcard, reply_control
+from crossroads.transport.dataplane import RouteLike, make_route
+from crossroads.transport.driver import TapDriver
 from crossroads.types import Address
 
 #: First port of the client addresses given to stream connections: one above
@@ -86,7 +84,7 @@ class OffPlaneForward:
         self.endpoint.forward_plaintext(data, self.source, self.dest)
 
 
-class RelayEndpoint:
+class RelayEndpoint(TapDriver[RelayServer]):
     """Runs one :class:`RelayServer` on one bound, non-blocking UDP socket."""
 
     def __init__(
@@ -95,31 +93,21 @@ class RelayEndpoint:
         sock: socket.socket,
         on_events: Callable[[list[Event]], None] = lambda events: None,
     ) -> None:
-        self.core = core
-        self.sock = sock
+        # The tap forwards along the core's routes (prefix: the RELAY header
+        # and both allocation IDs; DataLength checked at that offset).
+        super().__init__(
+            core,
+            sock,
+            core.routes,
+            prefix=RELAY_ROUTE_SIZE,
+            length_at=RELAY_ROUTE_SIZE,
+        )
         self.on_events = on_events
         self._flush_failures = 0
         #: Plaintext datagrams from an address that has a DTLS session.
         self.plaintext_refused = 0
         self._secure: SecureSide | None = None
-        self._loop = asyncio.get_running_loop()
-        #: On a wildcard bind, replies and relayed frames leave from the address
-        #: each client sent to (:mod:`crossroads.transport.pktinfo`).
-        self._replies = (
-            ReplySource(sock) if is_wildcard(sock.getsockname()[0]) else None
-        )
         core.set_forwarding(self.make_forward)
-        self.tap = make_tap(
-            sock,
-            core.routes,
-            self._slow,
-            prefix=RELAY_ROUTE_SIZE,
-            length_at=RELAY_ROUTE_SIZE,
-            ancillary=self._replies is not None,
-        )
-        self._slow_now: float | None = None
-        self._timer = CoreTimer(self._loop, core.get_timer, self._on_timer)
-        self._closed = False
         #: Stream connections by their client address: where frames to them go.
         self._streams: dict[Address, Callable[[bytes], None]] = {}
         self._next_stream = 0
@@ -131,22 +119,10 @@ class RelayEndpoint:
         """Datagrams the kernel refused (relayed frames and replies)."""
         return self.tap.send_errors + self._flush_failures
 
-    def start(self) -> None:
-        self._loop.add_reader(self.sock.fileno(), self._readable)
-
     def attach_secure(self, side: SecureSide) -> None:
         """Reach ``side``'s session addresses through it, and refuse their
         plaintext datagrams here."""
         self._secure = side
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._loop.remove_reader(self.sock.fileno())
-        self.tap.close()
-        self._timer.close()
-        self.sock.close()
 
     def make_forward(self, dest: Address, source: Address) -> ForwardEntry:
         """A data-plane route from this socket to ``dest`` (the core's factory),
@@ -164,37 +140,25 @@ class RelayEndpoint:
 
     # ------------------------------------------------------------- fast path
 
-    def _readable(self) -> None:
-        self.tap.readable()
-        now = self._slow_now
-        if now is not None:
-            self._slow_now = None
-            self._flush(now)
-
     def forward_plaintext(self, data: bytes, source: Address, dest: Address) -> None:
         """A plaintext frame of this socket routed to or from a client that is
-        not on it (the pure-Python tap's path; the C tap's is :meth:`_slow`)."""
+        not on it (the pure-Python tap's path; the C tap's is :meth:`_received`)."""
         secure = self._secure
         if secure is not None and source in secure.sessions:
             self.plaintext_refused += 1
         else:
             self._send(data, dest)
 
-    def _slow(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
+    def _received(self, data: bytes, addr: Address, ancdata: Any = None) -> None:
+        """The tap's fallback (the slow path): to the core, unless ``addr``
+        holds a DTLS session. A routed frame of a pair with an off-plane end
+        reaches here too (the C tap forwards only its own routes); the core's
+        ``receive_datagram`` takes it."""
         secure = self._secure
         if secure is not None and addr in secure.sessions:
             self.plaintext_refused += 1
             return
-        if self._replies is not None and ancdata:
-            control = reply_control(ancdata)
-            if control is not None:
-                self._replies.remember(addr, control)
-        now = self._slow_now
-        if now is None:
-            now = self._slow_now = self._loop.time()
-        # receive_datagram, not receive_slow: a routed frame of a pair with an
-        # off-plane end reaches here (the C tap forwards only its own routes).
-        self.core.receive_datagram(data, addr, now)
+        super()._received(data, addr, ancdata)
 
     # ------------------------------------------------- DTLS and stream clients
 
@@ -246,10 +210,7 @@ class RelayEndpoint:
             secure.send_to(addr, data)
             return
         try:
-            if self._replies is None:
-                self.sock.sendto(data, addr)
-            else:
-                self._replies.sendto(data, addr)
+            self._sendto(data, addr)
         except OSError:
             self._flush_failures += 1
 
@@ -269,7 +230,3 @@ class RelayEndpoint:
         if events:
             self.on_events(events)
         self._timer.rearm()
-
-    def _on_timer(self, now: float) -> None:
-        self.core.handle_timer(now)
-        self._flush(now)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass, field
 from typing import cast
 
 from websockets.exceptions import InvalidState
@@ -92,24 +93,18 @@ FAILURES = {
 }
 
 
+@dataclass(eq=False)
 class WebSocketListener:
     """What the connections of one ``ws`` or ``wss`` listener share."""
 
-    def __init__(
-        self,
-        endpoint: RelayEndpoint,
-        admission: Admission,
-        idle_timeout: float,
-        handshake_timeout: float = HANDSHAKE_TIMEOUT,
-    ) -> None:
-        self.endpoint = endpoint
-        self.admission = admission
-        self.idle_timeout = idle_timeout
-        self.handshake_timeout = handshake_timeout
-        #: Refusals and drops by reason (exported as metrics).
-        self.drops: dict[str, int] = {}
-        #: Connections that completed the WebSocket handshake.
-        self.upgraded = 0
+    endpoint: RelayEndpoint
+    admission: Admission
+    idle_timeout: float
+    handshake_timeout: float = HANDSHAKE_TIMEOUT
+    #: Refusals and drops by reason (exported as metrics).
+    drops: dict[str, int] = field(default_factory=dict, init=False)
+    #: Connections that completed the WebSocket handshake.
+    upgraded: int = field(default=0, init=False)
 
     def drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1

@@ -56,6 +56,14 @@ def family_of(host: str) -> socket.AddressFamily:
     )
 
 
+def set_buffers(sock: socket.socket, size: int = SOCKET_BUFFER_BYTES) -> None:
+    """Ask for ``size``-byte kernel receive and send buffers (the kernel caps
+    them at ``net.core.rmem_max`` / ``wmem_max``; a refusal leaves the default)."""
+    for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
 def bind_socket(
     host: str,
     port: int,
@@ -101,9 +109,7 @@ def _new_socket(
         if kind == socket.SOCK_STREAM:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         else:
-            for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+            set_buffers(sock)
         if family == socket.AF_INET6:
             only = host != "::" if v6only is None else v6only
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if only else 0)
