@@ -4,8 +4,10 @@ Control plane (reference ``openttd-coordinator.md`` section 6): each side
 connects and sends SERCLI_CONNECT with the ticket the coordinator gave both. A
 ticket is ``<id>:<secret>``; the coordinator stored ``id -> secret`` in the store
 with a 30 s TTL. The first side is checked against the store and waits (at most
-:attr:`TurnService.wait_timeout`); the second must present the same ticket
-(constant-time compare). Both then get TURN_CONNECTED with the other's IP, the
+:attr:`TurnService.wait_timeout`, in the sans-I/O
+:class:`~crossroads.proto.openttd.lobby.TurnLobby`, whose one timer holds every
+side's deadline); the second must present the same ticket (constant-time
+compare). Both then get TURN_CONNECTED with the other's IP, the
 ticket is deleted (single use), and the pair switches to relaying.
 
 Data plane: both sockets are handed over (:meth:`PacketConnection.hand_over`)
@@ -25,12 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
+from crossroads.proto.openttd.lobby import MISMATCH, TurnLobby
 from crossroads.proto.openttd.turn import (
     TurnConnected,
     decode_turn_connect,
@@ -39,6 +41,7 @@ from crossroads.proto.openttd.turn import (
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.registry import Registry
 from crossroads.transport.admission import current_fd_limit
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.streamplane import IDLE, StreamPlane, StreamRoute
 
 #: A lone side waits this long for its peer (reference section 6: 20 s).
@@ -66,13 +69,6 @@ def relay_cap(max_connections: int, fd_limit: int | None = None) -> int:
     return max(1, min(max_connections // 2, by_fds))
 
 
-@dataclass(slots=True)
-class _Waiting:
-    conn: PacketConnection
-    secret: str
-    timer: asyncio.TimerHandle
-
-
 class TurnService:
     """Handler for the TURN listener."""
 
@@ -87,7 +83,10 @@ class TurnService:
         self.registry = registry
         self.loop = asyncio.get_running_loop()
         self.wait_timeout = wait_timeout
-        self.waiting: dict[str, _Waiting] = {}
+        #: The sides waiting for their peer, under one timer
+        #: (proto/openttd/lobby.py).
+        self.lobby: TurnLobby[PacketConnection] = TurnLobby(wait_timeout, MAX_WAITING)
+        self.timer = CoreTimer(self.loop, self.lobby.get_timer, self._handle_timer)
         self.plane = StreamPlane(
             idle_timeout=relay_idle_timeout,
             max_routes=max_relays if max_relays is not None else relay_cap(50000),
@@ -147,12 +146,11 @@ class TurnService:
             return
         if conn.closed or self._pair_with_waiting(conn, ticket_id, secret):
             return
-        if len(self.waiting) >= MAX_WAITING:
+        if not self.lobby.wait(ticket_id, secret, conn, self.loop.time()):
             self.sessions.labels("over-limit").inc()
             conn.close("over-limit")
             return
-        timer = self.loop.call_later(self.wait_timeout, self._expire, ticket_id, conn)
-        self.waiting[ticket_id] = _Waiting(conn, secret, timer)
+        self.timer.rearm()
 
     def _invalid(self, conn: PacketConnection) -> None:
         self.sessions.labels("invalid-ticket").inc()
@@ -161,28 +159,20 @@ class TurnService:
     def _pair_with_waiting(
         self, conn: PacketConnection, ticket_id: str, secret: str
     ) -> bool:
-        waiting = self.waiting.get(ticket_id)
-        if waiting is None:
-            return False
-        if waiting.conn.closed:
-            self._forget(ticket_id, waiting)
-            return False
-        if not hmac.compare_digest(waiting.secret, secret):
+        waiting = self.lobby.pair(ticket_id, secret)
+        if waiting is MISMATCH:
             self._invalid(conn)
             return True
-        self._forget(ticket_id, waiting)
-        self._pair(waiting.conn, conn, ticket_id)
+        self.timer.rearm()
+        if waiting is None or waiting.closed:
+            return False
+        self._pair(waiting, conn, ticket_id)
         return True
 
-    def _forget(self, ticket_id: str, waiting: _Waiting) -> None:
-        waiting.timer.cancel()
-        if self.waiting.get(ticket_id) is waiting:
-            del self.waiting[ticket_id]
-
-    def _expire(self, ticket_id: str, conn: PacketConnection) -> None:
-        waiting = self.waiting.get(ticket_id)
-        if waiting is not None and waiting.conn is conn:
-            del self.waiting[ticket_id]
+    def _handle_timer(self, now: float) -> None:
+        """The lobby's timer: close the sides whose peer never came."""
+        self.lobby.handle_timer(now)
+        for conn in self.lobby.pop_events():
             self.sessions.labels("peer-never-came").inc()
             conn.close("peer-never-came")
 
@@ -253,9 +243,8 @@ class TurnService:
     def closed(self, conn: PacketConnection) -> None:
         ticket_id = conn.state
         if isinstance(ticket_id, str):
-            waiting = self.waiting.get(ticket_id)
-            if waiting is not None and waiting.conn is conn:
-                self._forget(ticket_id, waiting)
+            self.lobby.leave(ticket_id, conn)
+            self.timer.rearm()
         route = self.route_of.get(conn)
         if route is not None:
             # Closed from outside the plane (shutdown, an operator): the
@@ -263,7 +252,6 @@ class TurnService:
             route.close()
 
     def cancel_all(self) -> None:
-        for waiting in list(self.waiting.values()):
-            waiting.timer.cancel()
-        self.waiting.clear()
+        self.timer.close()
+        self.lobby.clear()
         self.plane.close()
