@@ -60,6 +60,7 @@ from crossroads.proto.openttd.codes import (
     looks_like_invite_code,
 )
 from crossroads.proto.openttd.coordinator import ErrorType, GcError, ServerRegister
+from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.ladder import SendToServer
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.verify import (
@@ -106,8 +107,26 @@ class PutServer:
     record: ServerRecord
 
 
+@dataclass(frozen=True, slots=True)
+class IndexNewgrfs:
+    """Give each of ``newgrfs`` a lookup index, creating at most ``budget``
+    new ones (answer: ``int``, how many were new; proto/openttd/update.py)."""
+
+    newgrfs: tuple[NewGRF, ...]
+    budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeleteServer:
+    """Delete the record of ``code`` if it still belongs to ``session``
+    (answer: None; proto/openttd/update.py)."""
+
+    code: str
+    session: str
+
+
 StoreQuery = GetServer | InstanceAlive | NewCode
-StoreUpdate = KeepCode | PutServer
+StoreUpdate = KeepCode | PutServer | IndexNewgrfs | DeleteServer
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +139,8 @@ class StoreRead:
 
 @dataclass(frozen=True, slots=True)
 class StoreWrite:
-    """Run ``update``; feed ``store_result(request, None)`` when done."""
+    """Run ``update``; feed ``store_result(request, answer)`` when done (the
+    answer is None unless the update's docstring names one)."""
 
     request: int
     update: StoreUpdate

@@ -26,7 +26,6 @@ server, for peers at protocol 6).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -89,7 +88,7 @@ from crossroads.proto.openttd.ladder import (
     Side,
 )
 from crossroads.proto.openttd.listing import lookup_packets
-from crossroads.proto.openttd.lookup import CodeLookup, Resolved
+from crossroads.proto.openttd.lookup import CodeLookup
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
     Refused,
@@ -111,6 +110,12 @@ from crossroads.proto.openttd.routing import (
     route_stun_seen,
 )
 from crossroads.proto.openttd.seats import Seats
+from crossroads.proto.openttd.update import (
+    ServerLeavingFlow,
+    ServerUpdateFlow,
+    Updated,
+    UpdateFailed,
+)
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
@@ -121,7 +126,7 @@ from crossroads.services.openttd.runners import (
     AttemptRunner,
     RegistrationRunner,
     Runner,
-    run_store_request,
+    run_store_flow,
 )
 from crossroads.transport.driver import CoreTimer
 
@@ -351,9 +356,8 @@ class Coordinator:
                 task.add_done_callback(_log_task_error)
 
     async def _forget_server(self, code: str, session: str) -> None:
-        try:
-            await self.registry.delete_server(code, session)
-        except StoreError:
+        left = await run_store_flow(self.registry, ServerLeavingFlow(code, session))
+        if left is None or left.store_failed:
             self.metrics.store_errors.inc()
         self.listing.invalidate()
 
@@ -482,23 +486,23 @@ class Coordinator:
             # Updates only follow an ACK; anything else is a confused peer.
             self.fail(conn, ErrorType.UNKNOWN, "update before registration", close=True)
             return
-        try:
-            if msg.info.newgrfs and state.newgrf_budget > 0:
-                state.newgrf_budget -= await self.registry.index_newgrfs(
-                    msg.info.newgrfs, state.newgrf_budget
-                )
-            wall = self.wall_clock()
-            if record.info is None:
-                self.listing.invalidate()  # the server becomes listable
-            record.info = msg.info
-            record.game_info_version = msg.game_info_version
-            record.updated = wall
-            record.expires = wall + self.settings.server_ttl
-            await self.registry.put_server(record)
-        except StoreError:
-            self.metrics.store_errors.inc()
-            return
-        self.metrics.updates.inc()
+        flow = ServerUpdateFlow(
+            record,
+            msg,
+            state.newgrf_budget,
+            self.wall_clock(),
+            self.settings.server_ttl,
+        )
+        outcome = await run_store_flow(self.registry, flow)
+        match outcome:
+            case Updated(indexed, became_listable):
+                state.newgrf_budget -= indexed
+                if became_listable:
+                    self.listing.invalidate()
+                self.metrics.updates.inc()
+            case UpdateFailed(indexed):
+                state.newgrf_budget -= indexed
+                self.metrics.store_errors.inc()
 
     def adopt_secret_key(self, key: bytes, previous: list[bytes]) -> None:
         """Sign new invite-code secrets with ``key``; still accept ``previous``."""
@@ -547,9 +551,11 @@ class Coordinator:
             self.fail(conn, ErrorType.UNKNOWN, "too many unknown invite codes", True)
             return
         local = self.local_servers.get(code)
-        resolved = await self._resolve(
-            CodeLookup(code, self.state(local).record if local is not None else None)
+        resolved = await run_store_flow(
+            self.registry,
+            CodeLookup(code, self.state(local).record if local is not None else None),
         )
+        assert resolved is not None  # a lookup always resolves
         record = resolved.record
         if resolved.store_failed:
             self.metrics.store_errors.inc()
@@ -582,20 +588,6 @@ class Coordinator:
         runner.measure_round_trips()
         self.attempts.add(key, code, conn, runner)
         runner.feed(attempt.start(now))
-
-    async def _resolve(self, lookup: CodeLookup) -> Resolved:
-        """Run ``lookup`` to its end, executing its Store reads."""
-        commands = lookup.start()
-        while True:
-            command = commands[0]
-            if isinstance(command, Resolved):
-                return command
-            try:
-                answer = await run_store_request(self.registry, command)
-            except StoreError:
-                commands = lookup.store_failed(command.request)
-            else:
-                commands = lookup.store_result(command.request, answer)
 
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
         runner.cancel()
@@ -725,8 +717,9 @@ class Coordinator:
         self.attempts.clear()
         self.checks.clear()
         for code, conn in list(self.local_servers.items()):
-            with contextlib.suppress(StoreError):
-                await self.registry.delete_server(code, self.state(conn).session)
+            await run_store_flow(
+                self.registry, ServerLeavingFlow(code, self.state(conn).session)
+            )
         await asyncio.sleep(0)
 
 

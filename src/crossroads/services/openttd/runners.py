@@ -19,7 +19,8 @@ import asyncio
 import dataclasses
 import logging
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
@@ -35,8 +36,10 @@ from crossroads.proto.openttd.ladder import (
 )
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
+    DeleteServer,
     EndSession,
     GetServer,
+    IndexNewgrfs,
     InstanceAlive,
     KeepCode,
     NewCode,
@@ -61,8 +64,9 @@ log = logging.getLogger("crossroads.openttd")
 async def run_store_request(
     registry: Registry, request: StoreRead | StoreWrite
 ) -> object:
-    """Run a core's Store request: a read's answer, None for a write (what the
-    core's ``store_result`` takes). Raises StoreError."""
+    """Run a core's Store request: a read's answer, None for a write unless
+    the write names one (what the core's ``store_result`` takes). Raises
+    StoreError."""
     match request:
         case StoreRead(query=GetServer(code)):
             return await registry.get_server(code)
@@ -74,6 +78,48 @@ async def run_store_request(
             await registry.keep_code(code)
         case StoreWrite(update=PutServer(record)):
             await registry.put_server(record)
+        case StoreWrite(update=IndexNewgrfs(newgrfs, budget)):
+            return await registry.index_newgrfs(newgrfs, budget)
+        case StoreWrite(update=DeleteServer(code, session)):
+            await registry.delete_server(code, session)
+    return None
+
+
+OutcomeT = TypeVar("OutcomeT")
+OutcomeT_co = TypeVar("OutcomeT_co", covariant=True)
+
+
+class StoreFlow(Protocol[OutcomeT_co]):
+    """A short flow that only waits on the Store (a join's code lookup, a
+    server's update or leaving): its commands are Store requests until one
+    outcome ends it."""
+
+    def start(self) -> Sequence[StoreRead | StoreWrite | OutcomeT_co]: ...
+    def store_result(
+        self, request: int, answer: object
+    ) -> Sequence[StoreRead | StoreWrite | OutcomeT_co]: ...
+    def store_failed(
+        self, request: int
+    ) -> Sequence[StoreRead | StoreWrite | OutcomeT_co]: ...
+
+
+async def run_store_flow(
+    registry: Registry, flow: StoreFlow[OutcomeT]
+) -> OutcomeT | None:
+    """Run ``flow`` to its outcome, executing its Store requests one at a time
+    and feeding each answer (or failure) back; None if the flow stopped
+    without an outcome."""
+    commands = flow.start()
+    while commands:
+        command = commands[0]
+        if not isinstance(command, StoreRead | StoreWrite):
+            return command
+        try:
+            answer = await run_store_request(registry, command)
+        except StoreError:
+            commands = flow.store_failed(command.request)
+        else:
+            commands = flow.store_result(command.request, answer)
     return None
 
 

@@ -1,0 +1,163 @@
+"""A registered server's SERVER_UPDATE, and its leaving, as Store flows (sans-I/O).
+
+Theory of operation
+-------------------
+Like a join's :class:`~crossroads.proto.openttd.lookup.CodeLookup`, each flow
+here emits typed Store requests (the registration's :class:`StoreWrite`, with a
+correlation id) and takes the answers back as inputs
+(``store_result(request, answer)``, or ``store_failed(request)`` when the
+Store could not answer); it ends with one outcome for the service to count.
+Only the answer to the request a flow waits for is taken.
+
+:class:`ServerUpdateFlow`: a seated server sends SERVER_UPDATE every 30 s
+(reference ``openttd-coordinator.md`` section 3) with its current game info.
+
+1. When the info names NewGRFs and the server's session still has NewGRF
+   budget, index them (:class:`IndexNewgrfs`, answer: how many were new; the
+   budget bounds how far one server can grow the shared lookup table);
+2. then the record takes the new info, and its ``updated`` / ``expires``
+   stamps move to the update's wall time (``expires`` one ``server_ttl``
+   later), and is written (:class:`PutServer`);
+3. :class:`Updated` ends it: count the update, spend the budget, and refresh
+   the listing when this was the server's first game info (it becomes
+   listable).
+
+A Store failure at either step ends with :class:`UpdateFailed` (counted; the
+connection stays: the next update or heartbeat writes the record again). A
+failure in step 1 leaves the record as it was.
+
+:class:`ServerLeavingFlow`: a seated server's connection closed. Its record is
+deleted if it still belongs to the closed session (:class:`DeleteServer`: a
+newer registration of the same code elsewhere keeps its own), then
+:class:`Left` says whether the Store answered; either way the listing is
+refreshed (the record expires by itself otherwise).
+
+The record is the caller's: :class:`ServerUpdateFlow` updates it in place, as
+the seated server's live record is what joins and heartbeats read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from crossroads.proto.openttd.coordinator import ServerUpdate
+from crossroads.proto.openttd.gameinfo import NewGRF
+from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.registration import (
+    DeleteServer,
+    IndexNewgrfs,
+    PutServer,
+    StoreWrite,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Updated:
+    """The record is stored: count it, spend ``newgrfs_indexed`` of the
+    session's NewGRF budget; refresh the listing when ``became_listable``."""
+
+    newgrfs_indexed: int
+    became_listable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateFailed:
+    """The Store failed: count it (``newgrfs_indexed`` were indexed before)."""
+
+    newgrfs_indexed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """The record is gone (``store_failed``: the Store could not say)."""
+
+    store_failed: bool = False
+
+
+UpdateCommand = StoreWrite | Updated | UpdateFailed
+LeavingCommand = StoreWrite | Left
+
+#: The requests of the flows, in order (each flow makes each at most once).
+_INDEX = 1
+_PUT = 2
+_DELETE = 3
+
+
+class ServerUpdateFlow:
+    """One SERVER_UPDATE; see the module docstring."""
+
+    def __init__(
+        self,
+        record: ServerRecord,
+        message: ServerUpdate,
+        newgrf_budget: int,
+        wall: float,
+        server_ttl: float,
+    ) -> None:
+        self.record = record
+        self.message = message
+        self.newgrf_budget = newgrf_budget
+        self.wall = wall
+        self.server_ttl = server_ttl
+        self.indexed = 0
+        self._became_listable = False
+        self._waiting_for: int | None = None
+
+    def start(self) -> list[UpdateCommand]:
+        newgrfs: tuple[NewGRF, ...] = self.message.info.newgrfs
+        if newgrfs and self.newgrf_budget > 0:
+            self._waiting_for = _INDEX
+            return [StoreWrite(_INDEX, IndexNewgrfs(newgrfs, self.newgrf_budget))]
+        return self._put()
+
+    def store_result(self, request: int, answer: object) -> list[UpdateCommand]:
+        if request != self._waiting_for:
+            return []
+        self._waiting_for = None
+        if request == _INDEX:
+            # An answer that is not a count is the Store's fault, not the
+            # server's: nothing was spent that we can tell.
+            if isinstance(answer, int) and not isinstance(answer, bool):
+                self.indexed = max(0, min(answer, self.newgrf_budget))
+            return self._put()
+        return [Updated(self.indexed, self._became_listable)]
+
+    def store_failed(self, request: int) -> list[UpdateCommand]:
+        if request != self._waiting_for:
+            return []
+        self._waiting_for = None
+        return [UpdateFailed(self.indexed)]
+
+    def _put(self) -> list[UpdateCommand]:
+        record = self.record
+        self._became_listable = record.info is None
+        record.info = self.message.info
+        record.game_info_version = self.message.game_info_version
+        record.updated = self.wall
+        record.expires = self.wall + self.server_ttl
+        self._waiting_for = _PUT
+        return [StoreWrite(_PUT, PutServer(record))]
+
+
+class ServerLeavingFlow:
+    """A seated server's connection closed; see the module docstring."""
+
+    def __init__(self, code: str, session: str) -> None:
+        self.code = code
+        self.session = session
+        self._done = False
+
+    def start(self) -> list[LeavingCommand]:
+        return [StoreWrite(_DELETE, DeleteServer(self.code, self.session))]
+
+    def store_result(self, request: int, answer: object) -> list[LeavingCommand]:
+        return self._end(request, store_failed=False)
+
+    def store_failed(self, request: int) -> list[LeavingCommand]:
+        return self._end(request, store_failed=True)
+
+    def _end(self, request: int, store_failed: bool) -> list[LeavingCommand]:
+        if request != _DELETE or self._done:
+            return []
+        self._done = True
+        return [Left(store_failed)]

@@ -1,0 +1,138 @@
+"""A server's SERVER_UPDATE and its leaving as Store flows: requests out,
+answers in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from crossroads.proto.openttd.coordinator import (
+    ConnectionType,
+    NewGRFSerialization,
+    ServerGameType,
+    ServerUpdate,
+)
+from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF
+from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.registration import (
+    DeleteServer,
+    IndexNewgrfs,
+    PutServer,
+    StoreWrite,
+)
+from crossroads.proto.openttd.update import (
+    Left,
+    ServerLeavingFlow,
+    ServerUpdateFlow,
+    Updated,
+    UpdateFailed,
+)
+
+WALL = 1_700_000_000.0
+TTL = 90.0
+GRFS = (NewGRF(1, bytes(16), "one"), NewGRF(2, bytes(range(16)), None))
+
+
+def record() -> ServerRecord:
+    return ServerRecord(
+        code="+abc",
+        owner="0a1b2c3d",
+        session="s1",
+        protocol=6,
+        game_type=ServerGameType.PUBLIC,
+        connection_type=ConnectionType.DIRECT,
+        source="192.0.2.7",
+        port=3979,
+        direct=[("192.0.2.7", 3979)],
+        registered=WALL - 100,
+        expires=WALL - 10,
+    )
+
+
+def update(newgrfs: tuple[NewGRF, ...] = ()) -> ServerUpdate:
+    return ServerUpdate(
+        protocol=6,
+        game_info_version=7,
+        serialization=NewGRFSerialization.GRFID_MD5,
+        info=GameInfo(server_name="x", newgrfs=newgrfs),
+    )
+
+
+def only(commands: list[Any], kind: type) -> Any:
+    assert len(commands) == 1 and isinstance(commands[0], kind), commands
+    return commands[0]
+
+
+def test_an_update_without_newgrfs_writes_the_record_and_the_first_lists_it() -> None:
+    stored = record()
+    flow = ServerUpdateFlow(stored, update(), 512, WALL, TTL)
+    put = only(flow.start(), StoreWrite)
+    assert put.update == PutServer(stored)
+    assert stored.info == GameInfo(server_name="x")
+    assert stored.game_info_version == 7
+    assert (stored.updated, stored.expires) == (WALL, WALL + TTL)
+    assert flow.store_result(put.request + 1, None) == []  # not its request
+    assert only(flow.store_result(put.request, None), Updated) == Updated(0, True)
+    # The next update of a listed server does not refresh the listing.
+    again = ServerUpdateFlow(stored, update(), 512, WALL + 30, TTL)
+    put = only(again.start(), StoreWrite)
+    assert again.store_result(put.request, None) == [Updated(0, False)]
+    assert stored.expires == WALL + 30 + TTL
+
+
+def test_newgrfs_are_indexed_within_the_budget_before_the_write() -> None:
+    stored = record()
+    flow = ServerUpdateFlow(stored, update(GRFS), 1, WALL, TTL)
+    index = only(flow.start(), StoreWrite)
+    assert index.update == IndexNewgrfs(GRFS, 1)
+    assert stored.info is None  # not touched before the index is written
+    put = only(flow.store_result(index.request, 1), StoreWrite)
+    assert isinstance(put.update, PutServer)
+    assert flow.store_result(put.request, None) == [Updated(1, True)]
+
+
+def test_no_budget_left_means_no_index_request() -> None:
+    flow = ServerUpdateFlow(record(), update(GRFS), 0, WALL, TTL)
+    assert isinstance(only(flow.start(), StoreWrite).update, PutServer)
+
+
+def test_a_store_failure_ends_the_update_and_an_index_failure_leaves_the_record() -> (
+    None
+):
+    stored = record()
+    flow = ServerUpdateFlow(stored, update(GRFS), 512, WALL, TTL)
+    index = only(flow.start(), StoreWrite)
+    assert flow.store_failed(index.request) == [UpdateFailed(0)]
+    assert stored.info is None and stored.expires == WALL - 10
+    assert flow.store_result(index.request, 3) == []  # over
+
+    flow = ServerUpdateFlow(stored, update(GRFS), 512, WALL, TTL)
+    index = only(flow.start(), StoreWrite)
+    put = only(flow.store_result(index.request, 2), StoreWrite)
+    assert flow.store_failed(put.request) == [UpdateFailed(2)]
+
+
+@given(st.one_of(st.none(), st.booleans(), st.text(), st.integers(-(2**40), 2**40)))
+def test_a_malformed_index_answer_never_spends_outside_the_budget(
+    answer: object,
+) -> None:
+    flow = ServerUpdateFlow(record(), update(GRFS), 5, WALL, TTL)
+    index = only(flow.start(), StoreWrite)
+    put = only(flow.store_result(index.request, answer), StoreWrite)
+    updated = only(flow.store_result(put.request, None), Updated)
+    assert 0 <= updated.newgrfs_indexed <= 5
+
+
+def test_leaving_deletes_the_record_of_its_own_session_once() -> None:
+    flow = ServerLeavingFlow("+abc", "s1")
+    delete = only(flow.start(), StoreWrite)
+    assert delete.update == DeleteServer("+abc", "s1")
+    assert flow.store_result(delete.request + 5, None) == []
+    assert flow.store_result(delete.request, None) == [Left(False)]
+    assert flow.store_failed(delete.request) == []
+
+    failing = ServerLeavingFlow("+abc", "s1")
+    delete = only(failing.start(), StoreWrite)
+    assert failing.store_failed(delete.request) == [Left(True)]
