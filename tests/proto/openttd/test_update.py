@@ -16,7 +16,7 @@ from crossroads.proto.openttd.coordinator import (
 )
 from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.registration import (
+from crossroads.proto.openttd.store import (
     DeleteServer,
     IndexNewgrfs,
     PutServer,

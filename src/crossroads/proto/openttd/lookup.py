@@ -5,7 +5,7 @@ Theory of operation
 CLIENT_CONNECT names an invite code (reference ``openttd-coordinator.md``
 section 4). :class:`CodeLookup` decides where its record comes from and emits
 what it needs, like every coordinator flow (the Store request types are the
-registration's, :mod:`crossroads.proto.openttd.registration`):
+coordinator's, :mod:`crossroads.proto.openttd.store`):
 
 - a string that does not have the shape of a code is never looked up: it is
   unknown at once, so a guesser sending junk costs no Store read;
@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 from crossroads.proto.openttd.codes import looks_like_invite_code
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.registration import GetServer, StoreRead
+from crossroads.proto.openttd.store import (
+    GetServer,
+    StoreRead,
+)
 
 
 @dataclass(frozen=True, slots=True)

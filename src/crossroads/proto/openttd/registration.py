@@ -60,91 +60,25 @@ from crossroads.proto.openttd.codes import (
     looks_like_invite_code,
 )
 from crossroads.proto.openttd.coordinator import ErrorType, GcError, ServerRegister
-from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.ladder import SendToServer
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.store import (
+    GetServer,
+    InstanceAlive,
+    KeepCode,
+    NewCode,
+    PutServer,
+    StoreQuery,
+    StoreRead,
+    StoreUpdate,
+    StoreWrite,
+)
 from crossroads.proto.openttd.verify import (
     Concluded,
     Probe,
     RegistrationCheck,
     VerifyCommand,
 )
-
-# ------------------------------------------------------------ store requests
-
-
-@dataclass(frozen=True, slots=True)
-class GetServer:
-    """Read the record of ``code`` (answer: ``ServerRecord | None``)."""
-
-    code: str
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceAlive:
-    """Does coordinator ``instance`` still beat? (answer: ``bool``)."""
-
-    instance: str
-
-
-@dataclass(frozen=True, slots=True)
-class NewCode:
-    """Reserve a fresh invite code (answer: ``str``, or None when the
-    deployment's invite-code cap is reached)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KeepCode:
-    """Renew the reservation of ``code`` (answer: None)."""
-
-    code: str
-
-
-@dataclass(frozen=True, slots=True)
-class PutServer:
-    """Write the server's record (answer: None)."""
-
-    record: ServerRecord
-
-
-@dataclass(frozen=True, slots=True)
-class IndexNewgrfs:
-    """Give each of ``newgrfs`` a lookup index, creating at most ``budget``
-    new ones (answer: ``int``, how many were new; proto/openttd/update.py)."""
-
-    newgrfs: tuple[NewGRF, ...]
-    budget: int
-
-
-@dataclass(frozen=True, slots=True)
-class DeleteServer:
-    """Delete the record of ``code`` if it still belongs to ``session``
-    (answer: None; proto/openttd/update.py)."""
-
-    code: str
-    session: str
-
-
-StoreQuery = GetServer | InstanceAlive | NewCode
-StoreUpdate = KeepCode | PutServer | IndexNewgrfs | DeleteServer
-
-
-@dataclass(frozen=True, slots=True)
-class StoreRead:
-    """Run ``query``; feed the answer to ``store_result(request, answer)``."""
-
-    request: int
-    query: StoreQuery
-
-
-@dataclass(frozen=True, slots=True)
-class StoreWrite:
-    """Run ``update``; feed ``store_result(request, answer)`` when done (the
-    answer is None unless the update's docstring names one)."""
-
-    request: int
-    update: StoreUpdate
-
 
 # ----------------------------------------------------------------- outcomes
 

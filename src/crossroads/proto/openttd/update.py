@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 Like a join's :class:`~crossroads.proto.openttd.lookup.CodeLookup`, each flow
-here emits typed Store requests (the registration's :class:`StoreWrite`, with a
-correlation id) and takes the answers back as inputs
+here emits typed Store requests (:class:`StoreWrite`, with a correlation id,
+:mod:`crossroads.proto.openttd.store`) and takes the answers back as inputs
 (``store_result(request, answer)``, or ``store_failed(request)`` when the
 Store could not answer); it ends with one outcome for the service to count.
 Only the answer to the request a flow waits for is taken.
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from crossroads.proto.openttd.coordinator import ServerUpdate
 from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.registration import (
+from crossroads.proto.openttd.store import (
     DeleteServer,
     IndexNewgrfs,
     PutServer,

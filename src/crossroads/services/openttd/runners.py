@@ -36,21 +36,28 @@ from crossroads.proto.openttd.ladder import (
 )
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
-    DeleteServer,
     EndSession,
-    GetServer,
-    IndexNewgrfs,
-    InstanceAlive,
-    KeepCode,
-    NewCode,
-    PutServer,
     Refused,
     Registered,
     RegistrationCommand,
     ServerRegistration,
     StoreFailed,
+)
+from crossroads.proto.openttd.store import (
+    AllServers,
+    DeadInstances,
+    DeleteServer,
+    GetServer,
+    IndexNewgrfs,
+    InstanceAlive,
+    KeepCode,
+    LoadNewgrfs,
+    NewCode,
+    NewgrfCounter,
+    PutServer,
     StoreRead,
     StoreWrite,
+    SweepServers,
 )
 from crossroads.proto.openttd.verify import Probe
 from crossroads.services.openttd.conn import PacketConnection
@@ -82,6 +89,16 @@ async def run_store_request(
             return await registry.index_newgrfs(newgrfs, budget)
         case StoreWrite(update=DeleteServer(code, session)):
             await registry.delete_server(code, session)
+        case StoreRead(query=AllServers()):
+            return await registry.all_servers()
+        case StoreRead(query=DeadInstances(owners)):
+            return await registry.dead_instances(set(owners))
+        case StoreRead(query=NewgrfCounter()):
+            return await registry.newgrf_counter()
+        case StoreWrite(update=SweepServers(codes)):
+            await registry.sweep(list(codes))
+        case StoreWrite(update=LoadNewgrfs()):
+            await registry.load_newgrfs()
     return None
 
 
