@@ -18,8 +18,6 @@ import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Gauge
-
 from crossroads.config import setting
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.duties import Duties, Duty
@@ -43,6 +41,7 @@ from crossroads.services.openttd.coordinator import (
     CoordinatorSettings,
 )
 from crossroads.services.openttd.listing import ListingCache
+from crossroads.services.openttd.metrics import counter, gauge
 from crossroads.services.openttd.registry import (
     INSTANCE_EVERY,
     NEWGRF_COUNTER_KEY,
@@ -386,17 +385,15 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
     service.registry = registry
     bus = Bus(store, service.instance, ctx.metrics)
     service.bus = bus
-    dropped = Counter(
-        "crossroads_openttd_dropped",
+    dropped = counter(
+        ctx.metrics,
+        "dropped",
         "OpenTTD connections closed for bad input or limits, by listener and reason.",
-        ["listener", "reason"],
-        registry=ctx.metrics,
+        "listener",
+        "reason",
     )
-    connections = Gauge(
-        "crossroads_openttd_connections",
-        "Open OpenTTD connections, by listener.",
-        ["listener"],
-        registry=ctx.metrics,
+    connections = gauge(
+        ctx.metrics, "connections", "Open OpenTTD connections, by listener.", "listener"
     )
     public_host = ctx.config.core.public_host
     host = ctx.host

@@ -10,13 +10,14 @@ connection until the peer closes it or :attr:`Limits.idle_timeout` passes.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from crossroads.proto.openttd.bus import StunSeen
 from crossroads.proto.openttd.codes import parse_token
 from crossroads.proto.openttd.stun import decode_stun_packet
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
+from crossroads.services.openttd.metrics import counter
 
 
 class StunService:
@@ -24,11 +25,8 @@ class StunService:
 
     def __init__(self, bus: Bus, metrics: CollectorRegistry) -> None:
         self.bus = bus
-        self.requests = Counter(
-            "crossroads_openttd_stun_requests",
-            "SERCLI_STUN packets, by result.",
-            ["result"],
-            registry=metrics,
+        self.requests = counter(
+            metrics, "stun_requests", "SERCLI_STUN packets, by result.", "result"
         )
 
     async def handle(

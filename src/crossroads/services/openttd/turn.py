@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
@@ -39,6 +39,7 @@ from crossroads.proto.openttd.turn import (
     encode_turn_packet,
 )
 from crossroads.services.openttd.conn import PacketConnection
+from crossroads.services.openttd.metrics import counter, gauge
 from crossroads.services.openttd.registry import Registry
 from crossroads.transport.admission import current_fd_limit
 from crossroads.transport.driver import CoreTimer
@@ -94,28 +95,19 @@ class TurnService:
         #: The two connections of each live route, and each one's route.
         self.pairs: dict[StreamRoute, tuple[PacketConnection, PacketConnection]] = {}
         self.route_of: dict[PacketConnection, StreamRoute] = {}
-        self.sessions = Counter(
-            "crossroads_openttd_turn_sessions",
-            "TURN connections, by outcome.",
-            ["result"],
-            registry=metrics,
+        self.sessions = counter(
+            metrics, "turn_sessions", "TURN connections, by outcome.", "result"
         )
-        self.relays = Gauge(
-            "crossroads_openttd_turn_relays",
-            "Relayed pairs in progress.",
-            registry=metrics,
-        )
-        self.relays_ended = Counter(
-            "crossroads_openttd_turn_relays_ended",
+        self.relays = gauge(metrics, "turn_relays", "Relayed pairs in progress.")
+        self.relays_ended = counter(
+            metrics,
+            "turn_relays_ended",
             "Relays ended, by reason (closed: both sides finished; reset; idle; "
             "shutdown).",
-            ["reason"],
-            registry=metrics,
+            "reason",
         )
-        self.relayed_bytes = Counter(
-            "crossroads_openttd_turn_bytes",
-            "Bytes relayed (counted when a relay ends).",
-            registry=metrics,
+        self.relayed_bytes = counter(
+            metrics, "turn_bytes", "Bytes relayed (counted when a relay ends)."
         )
 
     async def handle(
