@@ -17,12 +17,17 @@ from crossroads.proto.openttd.coordinator import (
 from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
+    AnnounceInstance,
     DeleteServer,
     IndexNewgrfs,
+    KeepCode,
     PutServer,
     StoreWrite,
 )
 from crossroads.proto.openttd.update import (
+    Beat,
+    BeatFailed,
+    InstanceBeat,
     Left,
     ServerLeavingFlow,
     ServerUpdateFlow,
@@ -136,3 +141,55 @@ def test_leaving_deletes_the_record_of_its_own_session_once() -> None:
     failing = ServerLeavingFlow("+abc", "s1")
     delete = only(failing.start(), StoreWrite)
     assert failing.store_failed(delete.request) == [Left(True)]
+
+
+def test_a_beat_that_finds_its_key_does_nothing_more() -> None:
+    beat = InstanceBeat("0a1b2c3d", [record()])
+    announce = only(beat.start(), StoreWrite)
+    assert announce.update == AnnounceInstance("0a1b2c3d")
+    assert beat.store_result(announce.request, False) == [Beat(0)]
+
+
+def test_a_beat_after_the_store_lost_everything_puts_every_record_back() -> None:
+    first, second = record(), record()
+    second.code = "+def"
+    beat = InstanceBeat("0a1b2c3d", [first, second])
+    command = only(beat.start(), StoreWrite)
+    writes = []
+    answer: object = True  # the liveness key was missing
+    while True:
+        commands = beat.store_result(command.request, answer)
+        if not isinstance(commands[0], StoreWrite):
+            break
+        command = only(commands, StoreWrite)
+        writes.append(command.update)
+        answer = None
+    assert writes == [
+        KeepCode("+abc"),
+        PutServer(first),
+        KeepCode("+def"),
+        PutServer(second),
+    ]
+    assert commands == [Beat(2)]
+
+
+@given(st.integers(0, 5), st.booleans())
+def test_a_store_failure_stops_the_beat_wherever_it_comes(
+    fail_at: int, junk_first: bool
+) -> None:
+    beat = InstanceBeat("0a1b2c3d", [record(), record()])
+    commands: list[Any] = beat.start()
+    step = 0
+    while isinstance(commands[0], StoreWrite):
+        request = commands[0].request
+        assert beat.store_result(request + 7, True) == []  # never its request
+        if step == fail_at:
+            commands = beat.store_failed(request)
+            assert commands == [BeatFailed()]
+            break
+        commands = beat.store_result(request, True if step == 0 else None)
+        step += 1
+    else:
+        assert commands == [Beat(2)]
+    if junk_first:
+        assert beat.store_result(0, True) == []  # over: nothing more happens

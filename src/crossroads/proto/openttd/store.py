@@ -16,7 +16,9 @@ Who asks what: a registration (:mod:`.registration`) reads codes and records
 and writes the record; a join's lookup (:mod:`.lookup`) reads a record; a
 server's update and leaving (:mod:`.update`) index NewGRFs, write and delete
 the record; a listing refresh (:mod:`.listing`) reads every record, sweeps
-the dead ones and reloads the NewGRF lookup table.
+the dead ones and reloads the NewGRF lookup table; the instance's beat
+(:mod:`.update`) renews its liveness and puts back what a Store that lost
+everything no longer holds.
 """
 
 from __future__ import annotations
@@ -112,11 +114,25 @@ class LoadNewgrfs:
     cache (answer: None)."""
 
 
+@dataclass(frozen=True, slots=True)
+class AnnounceInstance:
+    """Renew coordinator ``instance``'s liveness key (answer: ``bool``, True
+    when the key had been missing: first start, or the Store lost it)."""
+
+    instance: str
+
+
 StoreQuery = (
     GetServer | InstanceAlive | NewCode | AllServers | DeadInstances | NewgrfCounter
 )
 StoreUpdate = (
-    KeepCode | PutServer | IndexNewgrfs | DeleteServer | SweepServers | LoadNewgrfs
+    KeepCode
+    | PutServer
+    | IndexNewgrfs
+    | DeleteServer
+    | SweepServers
+    | LoadNewgrfs
+    | AnnounceInstance
 )
 
 

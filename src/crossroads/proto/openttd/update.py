@@ -32,6 +32,15 @@ newer registration of the same code elsewhere keeps its own), then
 :class:`Left` says whether the Store answered; either way the listing is
 refreshed (the record expires by itself otherwise).
 
+:class:`InstanceBeat`: every ``instance_heartbeat`` seconds the coordinator
+renews its liveness key (:class:`AnnounceInstance`). When the key had been
+missing, the Store lost this instance's state (a Redis restarted empty): for
+every server seated here, renew its code's reservation (:class:`KeepCode`)
+and write its record again (:class:`PutServer`), one after the other; then
+:class:`Beat` says how many were put back (the service refreshes the listing
+and logs it). A Store failure stops the beat (:class:`BeatFailed`); the next
+beat finds the key missing again and starts over.
+
 The record is the caller's: :class:`ServerUpdateFlow` updates it in place, as
 the seated server's live record is what joins and heartbeats read.
 """
@@ -44,8 +53,10 @@ from crossroads.proto.openttd.coordinator import ServerUpdate
 from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
+    AnnounceInstance,
     DeleteServer,
     IndexNewgrfs,
+    KeepCode,
     PutServer,
     StoreWrite,
 )
@@ -74,8 +85,21 @@ class Left:
     store_failed: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """The beat is done; ``restored`` records were put back."""
+
+    restored: int
+
+
+@dataclass(frozen=True, slots=True)
+class BeatFailed:
+    """The Store failed during the beat (the next one tries again)."""
+
+
 UpdateCommand = StoreWrite | Updated | UpdateFailed
 LeavingCommand = StoreWrite | Left
+BeatCommand = StoreWrite | Beat | BeatFailed
 
 #: The requests of the flows, in order (each flow makes each at most once).
 _INDEX = 1
@@ -161,3 +185,41 @@ class ServerLeavingFlow:
             return []
         self._done = True
         return [Left(store_failed)]
+
+
+class InstanceBeat:
+    """One liveness beat of the coordinator; see the module docstring.
+    ``records`` are the servers seated here when the beat started."""
+
+    def __init__(self, instance: str, records: list[ServerRecord]) -> None:
+        self.instance = instance
+        self.records = records
+        # The writes after the announcement, in order: the requests 1, 2 ...
+        self._writes = [
+            update
+            for record in records
+            for update in (KeepCode(record.code), PutServer(record))
+        ]
+        self._waiting_for: int | None = None
+
+    def start(self) -> list[BeatCommand]:
+        self._waiting_for = 0
+        return [StoreWrite(0, AnnounceInstance(self.instance))]
+
+    def store_result(self, request: int, answer: object) -> list[BeatCommand]:
+        if request != self._waiting_for:
+            return []
+        if request == 0 and answer is not True:
+            self._waiting_for = None
+            return [Beat(0)]  # the key was there: the Store has our state
+        if request == len(self._writes):
+            self._waiting_for = None
+            return [Beat(len(self.records))]
+        self._waiting_for = request + 1
+        return [StoreWrite(request + 1, self._writes[request])]
+
+    def store_failed(self, request: int) -> list[BeatCommand]:
+        if request != self._waiting_for:
+            return []
+        self._waiting_for = None
+        return [BeatFailed()]

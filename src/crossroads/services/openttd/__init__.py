@@ -22,6 +22,7 @@ from crossroads.config import setting
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.duties import Duties, Duty
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.update import Beat, InstanceBeat
 from crossroads.services.base import (
     ServiceContext,
     SessionInfo,
@@ -49,6 +50,7 @@ from crossroads.services.openttd.registry import (
     TURN_ANNOUNCE_EVERY,
     Registry,
 )
+from crossroads.services.openttd.runners import run_store_flow
 from crossroads.services.openttd.stun import StunService
 from crossroads.services.openttd.turn import TurnService, relay_cap
 from crossroads.services.openttd.web import make_router
@@ -354,19 +356,19 @@ async def _heartbeat(
         adopted = await shared_secret.republish()
         if adopted is not None:
             coordinator.adopt_secret_key(adopted, shared_secret.previous)
-    if not await registry.announce_instance(instance):
-        return
-    records = coordinator.local_records()
-    for record in records:
-        await registry.keep_code(record.code)
-        await registry.put_server(record)
-    if records:
+    beat = await run_store_flow(
+        registry, InstanceBeat(instance, coordinator.local_records())
+    )
+    if isinstance(beat, Beat) and beat.restored:
         coordinator.listing.invalidate()
         log.warning(
             "openttd: the store had lost this instance's records; re-created %d "
             "server(s)",
-            len(records),
+            beat.restored,
         )
+    elif not isinstance(beat, Beat):
+        # The store logs the outage once (store/redis.py).
+        log.debug("openttd: heartbeat failed: the store did not answer")
 
 
 async def serve(ctx: ServiceContext) -> OpenTTDService:

@@ -45,6 +45,7 @@ from crossroads.proto.openttd.registration import (
 )
 from crossroads.proto.openttd.store import (
     AllServers,
+    AnnounceInstance,
     DeadInstances,
     DeleteServer,
     GetServer,
@@ -99,6 +100,8 @@ async def run_store_request(
             await registry.sweep(list(codes))
         case StoreWrite(update=LoadNewgrfs()):
             await registry.load_newgrfs()
+        case StoreWrite(update=AnnounceInstance(instance)):
+            return await registry.announce_instance(instance)
     return None
 
 
