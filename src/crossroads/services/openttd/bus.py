@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.openttd.bus import BusMessage, decode_bus_message
+from crossroads.proto.openttd.routing import Forward
 from crossroads.services.openttd.metrics import counter
 from crossroads.services.openttd.registry import channel
 from crossroads.store.base import Store, Subscription
@@ -81,6 +82,10 @@ class Bus:
             # A handler bug must not stop the bus.
             log.exception("openttd bus: handler failed")
             self._dropped.labels("handler-error").inc()
+
+    async def publish(self, forward: Forward) -> None:
+        """Run a core's bus command (proto/openttd/routing.py)."""
+        await self.send(forward.instance, forward.message)
 
     async def send(self, instance: str, message: BusMessage) -> None:
         if instance == self.instance and self._handler is not None:

@@ -105,9 +105,11 @@ from crossroads.proto.openttd.routing import (
     attempt_commands,
     check_commands,
     report_side,
+    route_end_session,
     route_forwarded_report,
     route_peer_report,
     route_stun_seen,
+    route_to_server,
 )
 from crossroads.proto.openttd.seats import Seats
 from crossroads.proto.openttd.update import (
@@ -279,10 +281,11 @@ class Coordinator:
     async def send_to_server(self, record: ServerRecord, message: GcMessage) -> None:
         data = encode_gc_packet(message, record.protocol)
         conn = self.local_servers.get(record.code)
-        if conn is not None:
+        forward = route_to_server(record.code, record.owner, conn is not None, data)
+        if forward is not None:
+            await self.bus.publish(forward)
+        elif conn is not None:
             conn.send(data)
-            return
-        await self.bus.send(record.owner, ForwardToServer(record.code, data))
 
     # ------------------------------------------------------ PacketHandler API
 
@@ -403,10 +406,11 @@ class Coordinator:
     async def end_session(self, owner: str, code: str, session: str) -> None:
         """Close the seated session ``session`` of ``code``, here or at
         ``owner`` (a server re-registered while its old connection lived)."""
-        if owner == self.instance:
+        forward = route_end_session(owner, code, session, self.instance)
+        if forward is None:
             self.drop_local(code, session)
         else:
-            await self.bus.send(owner, DropSession(code, session))
+            await self.bus.publish(forward)
 
     def drop_local(self, code: str, session: str) -> None:
         conn = self.local_servers.get(code)
@@ -615,8 +619,8 @@ class Coordinator:
         match route_peer_report(token, report, self.instance, state.code):
             case Local(parsed):
                 self.local_report(parsed, report, conn, state.code)
-            case Forward(instance, message):
-                await self.bus.send(instance, message)
+            case Forward() as forward:
+                await self.bus.publish(forward)
             case Ignore(reason):
                 self.metrics.ignored.labels(reason).inc()
 
