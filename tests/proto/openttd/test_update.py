@@ -8,13 +8,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crossroads.proto.openttd.coordinator import (
-    ConnectionType,
-    NewGRFSerialization,
-    ServerGameType,
-    ServerUpdate,
-)
-from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF
+from crossroads.proto.openttd.coordinator import ServerUpdate
+from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF, NewGRFSerialization
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
     AnnounceInstance,
@@ -34,26 +29,16 @@ from crossroads.proto.openttd.update import (
     Updated,
     UpdateFailed,
 )
+from tests.proto.openttd.test_registration import CODE, WALL
+from tests.proto.openttd.test_registration import record as owned_record
 
-WALL = 1_700_000_000.0
 TTL = 90.0
 GRFS = (NewGRF(1, bytes(16), "one"), NewGRF(2, bytes(range(16)), None))
 
 
 def record() -> ServerRecord:
-    return ServerRecord(
-        code="+abc",
-        owner="0a1b2c3d",
-        session="s1",
-        protocol=6,
-        game_type=ServerGameType.PUBLIC,
-        connection_type=ConnectionType.DIRECT,
-        source="192.0.2.7",
-        port=3979,
-        direct=[("192.0.2.7", 3979)],
-        registered=WALL - 100,
-        expires=WALL - 10,
-    )
+    """A seated server's record before its first update."""
+    return owned_record("0a1b2c3d")
 
 
 def update(newgrfs: tuple[NewGRF, ...] = ()) -> ServerUpdate:
@@ -110,7 +95,7 @@ def test_a_store_failure_ends_the_update_and_an_index_failure_leaves_the_record(
     flow = ServerUpdateFlow(stored, update(GRFS), 512, WALL, TTL)
     index = only(flow.start(), StoreWrite)
     assert flow.store_failed(index.request) == [UpdateFailed(0)]
-    assert stored.info is None and stored.expires == WALL - 10
+    assert stored.info is None and stored.expires == WALL + 10
     assert flow.store_result(index.request, 3) == []  # over
 
     flow = ServerUpdateFlow(stored, update(GRFS), 512, WALL, TTL)
@@ -131,14 +116,14 @@ def test_a_malformed_index_answer_never_spends_outside_the_budget(
 
 
 def test_leaving_deletes_the_record_of_its_own_session_once() -> None:
-    flow = ServerLeavingFlow("+abc", "s1")
+    flow = ServerLeavingFlow(CODE, "s1")
     delete = only(flow.start(), StoreWrite)
-    assert delete.update == DeleteServer("+abc", "s1")
+    assert delete.update == DeleteServer(CODE, "s1")
     assert flow.store_result(delete.request + 5, None) == []
     assert flow.store_result(delete.request, None) == [Left(False)]
     assert flow.store_failed(delete.request) == []
 
-    failing = ServerLeavingFlow("+abc", "s1")
+    failing = ServerLeavingFlow(CODE, "s1")
     delete = only(failing.start(), StoreWrite)
     assert failing.store_failed(delete.request) == [Left(True)]
 
@@ -165,7 +150,7 @@ def test_a_beat_after_the_store_lost_everything_puts_every_record_back() -> None
         writes.append(command.update)
         answer = None
     assert writes == [
-        KeepCode("+abc"),
+        KeepCode(CODE),
         PutServer(first),
         KeepCode("+def"),
         PutServer(second),
