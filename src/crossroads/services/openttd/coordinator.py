@@ -6,11 +6,14 @@ runs one :class:`~crossroads.proto.openttd.registration.ServerRegistration` per
 registering server (invite code, reachability check, record) and one
 :class:`~crossroads.proto.openttd.ladder.ConnectAttempt` per join
 (:mod:`.runners` executes their commands in order, Store requests included, and
-feeds the answers back), and keeps the shared records in the store
-(:mod:`.registry`). Every deadline of every flow is under one timer
-(:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`). The
-decisions are sans-I/O: who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
-report goes (:mod:`crossroads.proto.openttd.routing`), what is listed
+feeds the answers back). The flows that only wait on the Store run through
+:func:`~crossroads.services.openttd.runners.run_store_flow`: a join's code
+lookup, a SERVER_UPDATE and a closed server's record
+(:mod:`crossroads.proto.openttd.update`). Every deadline of every flow is under
+one timer (:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`).
+The decisions are sans-I/O: who may register or join
+(:mod:`crossroads.proto.openttd.admission`), where a report or any other bus
+send goes (:mod:`crossroads.proto.openttd.routing`), what is listed
 (:mod:`crossroads.proto.openttd.listing`). A command for a server held by
 another instance, or a report for an attempt owned by another instance,
 travels over the bus as a typed message (:mod:`crossroads.proto.openttd.bus`).
