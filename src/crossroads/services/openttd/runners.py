@@ -5,12 +5,17 @@ An :class:`AttemptRunner` runs a join's
 :class:`RegistrationRunner` a registration's
 :class:`~crossroads.proto.openttd.registration.ServerRegistration`. Each executes
 its core's commands in order, one at a time (a command may await the Store or
-the bus); a Store request's answer goes back into the core as an input. No
+the bus); a Store request's answer goes back into the core as an input
+(:func:`run_store_request` is the one place a Store request becomes a registry
+call; :func:`run_store_flow` runs the flows that wait on nothing else). No
 runner has a timer of its own: after every input a runner reports its core's
 deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
 ``get_timer`` / ``handle_timer`` covers them all
 (:class:`~crossroads.proto.openttd.deadlines.DeadlineBook`). What a command needs
 from the coordinator service is the small :class:`RunnerOwner` interface.
+
+A :class:`DutyRunner` runs the service's periodic
+:class:`~crossroads.proto.openttd.duties.Duties` on one timer of its own.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import asyncio
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
 from crossroads.proto.openttd.coordinator import GcMessage
+from crossroads.proto.openttd.duties import Duties, Duty
 from crossroads.proto.openttd.ladder import (
     Command,
     ConnectAttempt,
@@ -61,10 +67,12 @@ from crossroads.proto.openttd.store import (
     SweepServers,
 )
 from crossroads.proto.openttd.verify import Probe
+from crossroads.services.base import stop_task
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import Registry
+from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -387,3 +395,48 @@ class RegistrationRunner(Runner):
         super().cancel()
         for task in list(self.probes):
             task.cancel()
+
+
+class DutyRunner:
+    """Runs the service's periodic duties (proto/openttd/duties.py) on one
+    timer, each duty as a task that never overlaps itself."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.duties = Duties()
+        self.actions: dict[Duty, Callable[[], Awaitable[None]]] = {}
+        self.running: set[asyncio.Task[None]] = set()
+        self.timer = CoreTimer(self.loop, self.duties.get_timer, self.handle_timer)
+
+    def add(
+        self, duty: Duty, period: float, action: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run ``action`` now and every ``period`` seconds after it finished."""
+        self.actions[duty] = action
+        self.duties.add(duty, period, self.loop.time())
+        self.timer.rearm()
+
+    def handle_timer(self, now: float) -> None:
+        self.duties.handle_timer(now)
+        for duty in self.duties.pop_events():
+            task = asyncio.create_task(self._run(duty))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
+
+    async def _run(self, duty: Duty) -> None:
+        try:
+            await self.actions[duty]()
+        except StoreError as exc:
+            # The store logs the outage once (store/redis.py); a line per duty
+            # and period would bury it.
+            log.debug("openttd: %s failed: %s", duty.value, exc)
+        except Exception:
+            log.exception("openttd: %s failed", duty.value)
+        finally:
+            self.duties.finished(duty, self.loop.time())
+            self.timer.rearm()
+
+    async def close(self) -> None:
+        self.timer.close()
+        for task in list(self.running):
+            await stop_task(task)
