@@ -46,6 +46,7 @@ from crossroads.proto.openttd.gameinfo import NewGRF, NewGRFSerialization
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
     AllServers,
+    AwaitedRequest,
     DeadInstances,
     LoadNewgrfs,
     NewgrfCounter,
@@ -149,15 +150,14 @@ class ListingRefresh:
         self.wall = wall
         self.parsed: Parsed = {}
         self.dead: list[str] = []
-        self._waiting_for: int | None = None
+        self._awaited = AwaitedRequest()
 
     def start(self) -> list[RefreshCommand]:
-        return [self._read(Step.ALL_SERVERS, AllServers())]
+        return [self._awaited.read(Step.ALL_SERVERS, AllServers())]
 
     def store_result(self, request: int, answer: object) -> list[RefreshCommand]:
-        if request != self._waiting_for:
+        if not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         match request:
             case Step.ALL_SERVERS if isinstance(answer, Mapping):
                 raw = {
@@ -167,39 +167,29 @@ class ListingRefresh:
                 }
                 self.parsed, self.dead = sort_records(raw, self.previous, self.wall)
                 owners = frozenset(r.owner for _, r in self.parsed.values())
-                return [self._read(Step.DEAD_INSTANCES, DeadInstances(owners))]
+                return [self._awaited.read(Step.DEAD_INSTANCES, DeadInstances(owners))]
             case Step.DEAD_INSTANCES if isinstance(
                 answer, Collection
             ) and not isinstance(answer, str | bytes):
                 self.dead += without_owners(self.parsed, answer)
                 if self.dead:
-                    self._waiting_for = Step.SWEEP
-                    return [StoreWrite(Step.SWEEP, SweepServers(tuple(self.dead)))]
-                return [self._read(Step.NEWGRF_COUNTER, NewgrfCounter())]
+                    sweep = SweepServers(tuple(self.dead))
+                    return [self._awaited.write(Step.SWEEP, sweep)]
+                return [self._awaited.read(Step.NEWGRF_COUNTER, NewgrfCounter())]
             case Step.SWEEP:
-                return [self._read(Step.NEWGRF_COUNTER, NewgrfCounter())]
+                return [self._awaited.read(Step.NEWGRF_COUNTER, NewgrfCounter())]
             case Step.NEWGRF_COUNTER:
                 counter = _counter(answer)
                 if counter is not None and counter > self.newgrf_max:
                     self.newgrf_max = counter
-                    self._waiting_for = Step.LOAD_NEWGRFS
-                    return [StoreWrite(Step.LOAD_NEWGRFS, LoadNewgrfs())]
+                    return [self._awaited.write(Step.LOAD_NEWGRFS, LoadNewgrfs())]
                 return [self._refreshed()]
             case Step.LOAD_NEWGRFS:
                 return [self._refreshed()]
         return [RefreshFailed()]  # an answer of the wrong type
 
     def store_failed(self, request: int) -> list[RefreshCommand]:
-        if request != self._waiting_for:
-            return []
-        self._waiting_for = None
-        return [RefreshFailed()]
-
-    def _read(
-        self, request: Step, query: AllServers | DeadInstances | NewgrfCounter
-    ) -> StoreRead:
-        self._waiting_for = request
-        return StoreRead(request, query)
+        return [RefreshFailed()] if self._awaited.answered(request) else []
 
     def _refreshed(self) -> Refreshed:
         live = sorted((r for _, r in self.parsed.values()), key=lambda r: r.registered)

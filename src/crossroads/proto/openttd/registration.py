@@ -63,6 +63,7 @@ from crossroads.proto.openttd.coordinator import ErrorType, GcError, ServerRegis
 from crossroads.proto.openttd.ladder import SendToServer
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
+    AwaitedRequest,
     GetServer,
     InstanceAlive,
     KeepCode,
@@ -196,7 +197,7 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
         self.check: RegistrationCheck | None = None
         self._wall_offset = wall - now
         self._request = 0
-        self._waiting_for: int | None = None
+        self._awaited = AwaitedRequest()
         self._step = Step.NEW_CODE
         self._existing: ServerRecord | None = None
         #: The record being written, and the check's conclusion.
@@ -252,9 +253,8 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
         self, request: int, answer: object, now: float
     ) -> list[RegistrationCommand]:
         """The answer to ``request`` (see each request's docstring)."""
-        if request != self._waiting_for or self.stage is Stage.DONE:
+        if self.stage is Stage.DONE or not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         if self.stage is Stage.STORING:
             assert self._stored is not None
             self.stage = Stage.DONE
@@ -263,9 +263,8 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
 
     def store_failed(self, request: int, now: float) -> list[RegistrationCommand]:
         """The Store could not answer ``request``."""
-        if request != self._waiting_for or self.stage is Stage.DONE:
+        if self.stage is Stage.DONE or not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         storing = self.stage is Stage.STORING
         self.stage = Stage.DONE
         if storing:
@@ -310,13 +309,11 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
 
     def _read(self, query: StoreQuery) -> StoreRead:
         self._request += 1
-        self._waiting_for = self._request
-        return StoreRead(self._request, query)
+        return self._awaited.read(self._request, query)
 
     def _write(self, update: StoreUpdate) -> StoreWrite:
         self._request += 1
-        self._waiting_for = self._request
-        return StoreWrite(self._request, update)
+        return self._awaited.write(self._request, update)
 
     def _choose(self, answer: object, now: float) -> list[RegistrationCommand]:
         """A step of stage 1 got its answer (a malformed one is a failure)."""

@@ -151,3 +151,30 @@ class StoreWrite:
 
     request: int
     update: StoreUpdate
+
+
+class AwaitedRequest:
+    """The one Store request a flow waits for, by correlation id: a flow sends
+    each request through :meth:`read` / :meth:`write` and takes an answer only
+    when :meth:`answered` says it is the awaited one (a late, repeated or
+    foreign answer is ignored)."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self) -> None:
+        self._request: int | None = None
+
+    def read(self, request: int, query: StoreQuery) -> StoreRead:
+        self._request = request
+        return StoreRead(request, query)
+
+    def write(self, request: int, update: StoreUpdate) -> StoreWrite:
+        self._request = request
+        return StoreWrite(request, update)
+
+    def answered(self, request: int) -> bool:
+        """Is ``request`` the awaited one? If so, nothing is awaited any more."""
+        if self._request is None or request != self._request:
+            return False
+        self._request = None
+        return True

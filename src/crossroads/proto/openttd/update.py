@@ -54,6 +54,7 @@ from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
     AnnounceInstance,
+    AwaitedRequest,
     DeleteServer,
     IndexNewgrfs,
     KeepCode,
@@ -125,19 +126,19 @@ class ServerUpdateFlow:
         self.server_ttl = server_ttl
         self.indexed = 0
         self._became_listable = False
-        self._waiting_for: int | None = None
+        self._awaited = AwaitedRequest()
 
     def start(self) -> list[UpdateCommand]:
         newgrfs: tuple[NewGRF, ...] = self.message.info.newgrfs
         if newgrfs and self.newgrf_budget > 0:
-            self._waiting_for = _INDEX
-            return [StoreWrite(_INDEX, IndexNewgrfs(newgrfs, self.newgrf_budget))]
+            return [
+                self._awaited.write(_INDEX, IndexNewgrfs(newgrfs, self.newgrf_budget))
+            ]
         return self._put()
 
     def store_result(self, request: int, answer: object) -> list[UpdateCommand]:
-        if request != self._waiting_for:
+        if not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         if request == _INDEX:
             # An answer that is not a count is the Store's fault, not the
             # server's: nothing was spent that we can tell.
@@ -147,9 +148,8 @@ class ServerUpdateFlow:
         return [Updated(self.indexed, self._became_listable)]
 
     def store_failed(self, request: int) -> list[UpdateCommand]:
-        if request != self._waiting_for:
+        if not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         return [UpdateFailed(self.indexed)]
 
     def _put(self) -> list[UpdateCommand]:
@@ -159,8 +159,7 @@ class ServerUpdateFlow:
         record.game_info_version = self.message.game_info_version
         record.updated = self.wall
         record.expires = self.wall + self.server_ttl
-        self._waiting_for = _PUT
-        return [StoreWrite(_PUT, PutServer(record))]
+        return [self._awaited.write(_PUT, PutServer(record))]
 
 
 class ServerLeavingFlow:
@@ -169,22 +168,16 @@ class ServerLeavingFlow:
     def __init__(self, code: str, session: str) -> None:
         self.code = code
         self.session = session
-        self._done = False
+        self._awaited = AwaitedRequest()
 
     def start(self) -> list[LeavingCommand]:
-        return [StoreWrite(_DELETE, DeleteServer(self.code, self.session))]
+        return [self._awaited.write(_DELETE, DeleteServer(self.code, self.session))]
 
     def store_result(self, request: int, answer: object) -> list[LeavingCommand]:
-        return self._end(request, store_failed=False)
+        return [Left(False)] if self._awaited.answered(request) else []
 
     def store_failed(self, request: int) -> list[LeavingCommand]:
-        return self._end(request, store_failed=True)
-
-    def _end(self, request: int, store_failed: bool) -> list[LeavingCommand]:
-        if request != _DELETE or self._done:
-            return []
-        self._done = True
-        return [Left(store_failed)]
+        return [Left(True)] if self._awaited.answered(request) else []
 
 
 class InstanceBeat:
@@ -200,26 +193,19 @@ class InstanceBeat:
             for record in records
             for update in (KeepCode(record.code), PutServer(record))
         ]
-        self._waiting_for: int | None = None
+        self._awaited = AwaitedRequest()
 
     def start(self) -> list[BeatCommand]:
-        self._waiting_for = 0
-        return [StoreWrite(0, AnnounceInstance(self.instance))]
+        return [self._awaited.write(0, AnnounceInstance(self.instance))]
 
     def store_result(self, request: int, answer: object) -> list[BeatCommand]:
-        if request != self._waiting_for:
+        if not self._awaited.answered(request):
             return []
         if request == 0 and answer is not True:
-            self._waiting_for = None
             return [Beat(0)]  # the key was there: the Store has our state
         if request == len(self._writes):
-            self._waiting_for = None
             return [Beat(len(self.records))]
-        self._waiting_for = request + 1
-        return [StoreWrite(request + 1, self._writes[request])]
+        return [self._awaited.write(request + 1, self._writes[request])]
 
     def store_failed(self, request: int) -> list[BeatCommand]:
-        if request != self._waiting_for:
-            return []
-        self._waiting_for = None
-        return [BeatFailed()]
+        return [BeatFailed()] if self._awaited.answered(request) else []
