@@ -5,7 +5,13 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crossroads.proto.openttd.lobby import MISMATCH, TurnLobby
+from crossroads.proto.openttd.lobby import (
+    MISMATCH,
+    TicketCheck,
+    TicketVerdict,
+    TurnLobby,
+)
+from crossroads.proto.openttd.store import GetTicket, StoreRead
 
 
 def test_the_second_side_pairs_with_the_first_and_the_wait_ends() -> None:
@@ -113,3 +119,19 @@ def test_every_waiting_side_ends_exactly_once(
         expected = min((w[1] for w in waiting.values()), default=None)
         assert lobby.get_timer() == expected
     assert len(ended) == len(set(ended))
+
+
+def test_a_ticket_is_valid_only_with_the_stored_secret() -> None:
+    check = TicketCheck("left", "secret")
+    [read] = check.start()
+    assert read == StoreRead(1, GetTicket("left"))
+    assert check.store_result(2, "secret") == []  # not its request
+    assert check.store_result(1, "secret") == [TicketVerdict.VALID]
+    assert check.store_result(1, "secret") == []  # answered already
+    for stored in (None, "other", b"secret", 7):
+        check = TicketCheck("left", "secret")
+        check.start()
+        assert check.store_result(1, stored) == [TicketVerdict.INVALID]
+    check = TicketCheck("left", "secret")
+    check.start()
+    assert check.store_failed(1) == [TicketVerdict.STORE_ERROR]

@@ -16,6 +16,10 @@ timer (the core API, :mod:`crossroads.proto.core`): when a side's wait runs
 out, :meth:`~TurnLobby.handle_timer` removes it and queues it for
 :meth:`~TurnLobby.pop_events`; the service closes it ("peer-never-came").
 
+Before a first side waits, its ticket is checked against the one the
+coordinator stored (:class:`TicketCheck`: a :class:`GetTicket` read, the
+secret compared in constant time; the service runs it like every Store flow).
+
 Bounded: at most ``max_waiting`` sides wait at once (each is an open socket);
 :meth:`~TurnLobby.wait` refuses more. A side that goes away
 (:meth:`~TurnLobby.leave`) takes its entry and its deadline with it.
@@ -32,6 +36,7 @@ from typing import Generic, TypeVar
 
 from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.deadlines import DeadlineBook
+from crossroads.proto.openttd.store import AwaitedRequest, GetTicket, StoreRead
 
 Conn = TypeVar("Conn", bound=Hashable)
 
@@ -111,3 +116,42 @@ class TurnLobby(EventQueue[Conn], Generic[Conn]):
     def _remove(self, ticket_id: str) -> None:
         del self._waiting[ticket_id]
         self._deadlines.discard(ticket_id)
+
+
+class TicketVerdict(Enum):
+    """What a :class:`TicketCheck` found."""
+
+    #: The coordinator stored this ticket: the side may wait.
+    VALID = "valid"
+    #: No such ticket, or another secret: close the side (a guess).
+    INVALID = "invalid"
+    #: The Store did not answer: close the side without judging it.
+    STORE_ERROR = "store-error"
+
+
+TicketCommand = StoreRead | TicketVerdict
+
+
+class TicketCheck:
+    """Is ``ticket_id``:``secret`` a ticket the coordinator stored? One Store
+    read, then a :class:`TicketVerdict`."""
+
+    def __init__(self, ticket_id: str, secret: str) -> None:
+        self.ticket_id = ticket_id
+        self.secret = secret
+        self._awaited = AwaitedRequest()
+
+    def start(self) -> list[TicketCommand]:
+        return [self._awaited.read(1, GetTicket(self.ticket_id))]
+
+    def store_result(self, request: int, answer: object) -> list[TicketCommand]:
+        if not self._awaited.answered(request):
+            return []
+        if isinstance(answer, str) and hmac.compare_digest(answer, self.secret):
+            return [TicketVerdict.VALID]
+        return [TicketVerdict.INVALID]
+
+    def store_failed(self, request: int) -> list[TicketCommand]:
+        if not self._awaited.answered(request):
+            return []
+        return [TicketVerdict.STORE_ERROR]

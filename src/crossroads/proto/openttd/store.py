@@ -18,7 +18,8 @@ server's update and leaving (:mod:`.update`) index NewGRFs, write and delete
 the record; a listing refresh (:mod:`.listing`) reads every record, sweeps
 the dead ones and reloads the NewGRF lookup table; the instance's beat
 (:mod:`.update`) renews its liveness and puts back what a Store that lost
-everything no longer holds.
+everything no longer holds; a join stores a TURN ticket, and the TURN
+listener checks it (:mod:`.lobby`) and drops it once used.
 """
 
 from __future__ import annotations
@@ -122,8 +123,38 @@ class AnnounceInstance:
     instance: str
 
 
+@dataclass(frozen=True, slots=True)
+class GetTicket:
+    """Read the secret half of TURN ticket ``ticket_id`` (answer: ``str |
+    None``)."""
+
+    ticket_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PutTicket:
+    """Store TURN ticket ``ticket_id`` -> ``secret`` for whichever instance's
+    TURN listener the peers reach (answer: None)."""
+
+    ticket_id: str
+    secret: str
+
+
+@dataclass(frozen=True, slots=True)
+class DropTicket:
+    """Delete a TURN ticket both sides used (single use; answer: None)."""
+
+    ticket_id: str
+
+
 StoreQuery = (
-    GetServer | InstanceAlive | NewCode | AllServers | DeadInstances | NewgrfCounter
+    GetServer
+    | InstanceAlive
+    | NewCode
+    | AllServers
+    | DeadInstances
+    | NewgrfCounter
+    | GetTicket
 )
 StoreUpdate = (
     KeepCode
@@ -133,6 +164,8 @@ StoreUpdate = (
     | SweepServers
     | LoadNewgrfs
     | AnnounceInstance
+    | PutTicket
+    | DropTicket
 )
 
 

@@ -54,7 +54,9 @@ from crossroads.proto.openttd.store import (
     AnnounceInstance,
     DeadInstances,
     DeleteServer,
+    DropTicket,
     GetServer,
+    GetTicket,
     IndexNewgrfs,
     InstanceAlive,
     KeepCode,
@@ -62,6 +64,7 @@ from crossroads.proto.openttd.store import (
     NewCode,
     NewgrfCounter,
     PutServer,
+    PutTicket,
     StoreRead,
     StoreWrite,
     SweepServers,
@@ -110,6 +113,12 @@ async def run_store_request(
             await registry.load_newgrfs()
         case StoreWrite(update=AnnounceInstance(instance)):
             return await registry.announce_instance(instance)
+        case StoreRead(query=GetTicket(ticket_id)):
+            return await registry.get_ticket(ticket_id)
+        case StoreWrite(update=PutTicket(ticket_id, secret)):
+            await registry.put_ticket(ticket_id, secret)
+        case StoreWrite(update=DropTicket(ticket_id)):
+            await registry.drop_ticket(ticket_id)
     return None
 
 
@@ -316,7 +325,9 @@ class AttemptRunner(Runner):
                 parts = split_ticket(ticket)
                 if parts is not None:
                     try:
-                        await coordinator.registry.put_ticket(*parts)
+                        await run_store_request(
+                            coordinator.registry, StoreWrite(0, PutTicket(*parts))
+                        )
                     except StoreError:
                         coordinator.metrics.store_errors.inc()
             case Finished():

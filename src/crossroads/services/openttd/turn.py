@@ -26,13 +26,19 @@ service does: it gives a prober nothing to learn).
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 
 from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
-from crossroads.proto.openttd.lobby import MISMATCH, TurnLobby
+from crossroads.proto.openttd.lobby import (
+    MISMATCH,
+    TicketCheck,
+    TicketVerdict,
+    TurnLobby,
+)
+from crossroads.proto.openttd.store import DropTicket, StoreWrite
 from crossroads.proto.openttd.turn import (
     TurnConnected,
     decode_turn_connect,
@@ -41,6 +47,7 @@ from crossroads.proto.openttd.turn import (
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import counter, gauge
 from crossroads.services.openttd.registry import Registry
+from crossroads.services.openttd.runners import run_store_flow, run_store_request
 from crossroads.transport.admission import current_fd_limit
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.streamplane import IDLE, StreamPlane, StreamRoute
@@ -127,13 +134,12 @@ class TurnService:
         conn.state = ticket_id
         if self._pair_with_waiting(conn, ticket_id, secret):
             return
-        try:
-            stored = await self.registry.get_ticket(ticket_id)
-        except StoreError:
+        verdict = await run_store_flow(self.registry, TicketCheck(ticket_id, secret))
+        if verdict is TicketVerdict.STORE_ERROR:
             self.sessions.labels("store-error").inc()
             conn.close("store-error")
             return
-        if stored is None or not hmac.compare_digest(stored, secret):
+        if verdict is not TicketVerdict.VALID:
             self._invalid(conn)
             return
         if conn.closed or self._pair_with_waiting(conn, ticket_id, secret):
@@ -224,10 +230,9 @@ class TurnService:
                 conn.close(f"relay-{route.reason}")
 
     async def _drop_ticket(self, ticket_id: str) -> None:
-        try:
-            await self.registry.drop_ticket(ticket_id)
-        except StoreError:
-            pass
+        with contextlib.suppress(StoreError):
+            # Single use, but the ticket's TTL removes it anyway.
+            await run_store_request(self.registry, StoreWrite(0, DropTicket(ticket_id)))
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:
         self.sessions.labels("malformed").inc()
