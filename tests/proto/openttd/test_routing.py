@@ -16,7 +16,12 @@ from crossroads.proto.openttd.bus import (
     StunSeen,
 )
 from crossroads.proto.openttd.codes import parse_token
-from crossroads.proto.openttd.coordinator import GcDirectConnect
+from crossroads.proto.openttd.coordinator import (
+    ClientConnected,
+    ConnectFailed,
+    GcDirectConnect,
+    StunResult,
+)
 from crossroads.proto.openttd.ladder import Finished, SendToClient, Side
 from crossroads.proto.openttd.routing import (
     Forward,
@@ -24,6 +29,7 @@ from crossroads.proto.openttd.routing import (
     Local,
     attempt_commands,
     check_commands,
+    peer_report,
     report_side,
     route_end_session,
     route_forwarded_report,
@@ -158,3 +164,9 @@ def test_any_stun_token_is_routed_or_ignored(raw: str) -> None:
         assert route == Ignore("unknown-token")
     else:
         assert isinstance(route, Forward) and route.instance == parsed.instance
+
+
+def test_each_reporting_packet_carries_its_report() -> None:
+    assert peer_report(ConnectFailed(6, token("C"), 3)) == ConnectFailedReport(3)
+    assert peer_report(ClientConnected(6, token("C"))) == ConnectedReport()
+    assert peer_report(StunResult(6, token("S"), 2, True)) == StunReport(2, True)

@@ -41,6 +41,11 @@ from crossroads.proto.openttd.bus import (
     StunSeen,
 )
 from crossroads.proto.openttd.codes import ParsedToken, TokenSide, parse_token
+from crossroads.proto.openttd.coordinator import (
+    ClientConnected,
+    ConnectFailed,
+    StunResult,
+)
 from crossroads.proto.openttd.ladder import Command, ConnectAttempt, Side
 
 CommandT = TypeVar("CommandT")
@@ -73,6 +78,19 @@ class Forward:
 
     instance: str
     message: BusMessage
+
+
+def peer_report(message: ConnectFailed | ClientConnected | StunResult) -> Report:
+    """The report a peer's packet on a token carries (reference
+    ``openttd-coordinator.md`` section 4): a failed method, the client's
+    success, or whether a STUN packet went out."""
+    match message:
+        case ConnectFailed(tracking_number=tracking_number):
+            return ConnectFailedReport(tracking_number)
+        case ClientConnected():
+            return ConnectedReport()
+        case StunResult(family=family, result=result):
+            return StunReport(family, result)
 
 
 def route_peer_report(

@@ -47,8 +47,6 @@ from crossroads.proto.openttd.admission import (
 from crossroads.proto.openttd.attempts import AttemptBook
 from crossroads.proto.openttd.bus import (
     BusMessage,
-    ConnectedReport,
-    ConnectFailedReport,
     DropSession,
     ForwardToServer,
     PeerReport,
@@ -107,6 +105,7 @@ from crossroads.proto.openttd.routing import (
     Local,
     attempt_commands,
     check_commands,
+    peer_report,
     report_side,
     route_end_session,
     route_forwarded_report,
@@ -320,22 +319,9 @@ class Coordinator:
                 await self.on_listing(conn, state, message)
             case ClientConnect():
                 await self.on_connect(conn, state, message)
-            case ConnectFailed():
-                await self.on_report(
-                    conn,
-                    state,
-                    message.token,
-                    ConnectFailedReport(message.tracking_number),
-                )
-            case ClientConnected():
-                await self.on_report(conn, state, message.token, ConnectedReport())
-            case StunResult():
-                await self.on_report(
-                    conn,
-                    state,
-                    message.token,
-                    StunReport(message.family, message.result),
-                )
+            case ConnectFailed() | ClientConnected() | StunResult():
+                report = peer_report(message)
+                await self.on_report(conn, state, message.token, report)
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:
         # GC_ERROR(UNKNOWN) makes OpenTTD close its side (Receive_GC_ERROR).
