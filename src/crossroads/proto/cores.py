@@ -29,6 +29,7 @@ from crossroads.proto.natneg.server import Endpoint as NatNegSocket
 from crossroads.proto.natneg.server import NatNegServer
 from crossroads.proto.openttd.duties import Duties
 from crossroads.proto.openttd.ladder import ConnectAttempt
+from crossroads.proto.openttd.lobby import TurnLobby
 from crossroads.proto.openttd.registration import ServerRegistration
 from crossroads.proto.openttd.verify import RegistrationCheck
 from crossroads.proto.punch.coordinator import Coordinator
@@ -80,8 +81,9 @@ STREAM_CORES: tuple[type[StreamCore[Any, Any, Any]], ...] = (_SIGNALLING,)
 #: Cores that take messages from another core or their owner rather than
 #: datagrams: the timer half of the API. The RakNet server plugins, fed by
 #: :class:`RakNetNode` from its peer's events; the OpenTTD coordinator's flows
-#: (a join, a registration and its check) and the OpenTTD service's periodic
-#: duties, whose timers queue what they cause for ``pop_events``.
+#: (a join, a registration and its check), the OpenTTD service's periodic
+#: duties and its TURN lobby, whose timers queue what they cause for
+#: ``pop_events``.
 TIMED_CORES: tuple[type[TimedCore], ...] = (
     ConnectAttempt,
     Duties,
@@ -89,6 +91,7 @@ TIMED_CORES: tuple[type[TimedCore], ...] = (
     NatTypeDetectionServer,
     RegistrationCheck,
     ServerRegistration,
+    TurnLobby,
     UDPProxyCoordinator,
 )
 
@@ -109,6 +112,7 @@ EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
     RelayServer,
     ServerRegistration,
     StunClientCore,
+    TurnLobby,
     TurnServer,
 )
 

@@ -4,6 +4,7 @@ are live, and the GC_LISTING packets of each listing shape."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,11 +20,23 @@ from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF, NewGRFSerializat
 from crossroads.proto.openttd.listing import (
     MAX_SHAPES,
     ListingPacker,
+    ListingRefresh,
+    Refreshed,
+    RefreshFailed,
     lookup_packets,
     sort_records,
     without_owners,
 )
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.store import (
+    AllServers,
+    DeadInstances,
+    LoadNewgrfs,
+    NewgrfCounter,
+    StoreRead,
+    StoreWrite,
+    SweepServers,
+)
 from crossroads.proto.openttd.wire import PacketSplitter
 from tests.strategies import json_values as any_json
 
@@ -177,3 +190,83 @@ def test_a_client_gets_the_newgrf_entries_after_its_cursor() -> None:
     # A cursor beyond our table (another deployment's): everything again.
     assert indexes(lookup_packets(table, 9)) == ([1, 2, 3], {3})
     assert lookup_packets({}, 0) == []
+
+
+def answer_one(commands: list[Any], kind: type) -> Any:
+    assert len(commands) == 1 and isinstance(commands[0], kind), commands
+    return commands[0]
+
+
+def test_a_refresh_reads_sweeps_and_reloads_newgrfs_in_order() -> None:
+    previous, _ = sort_records({"+a": record("+a").to_json()}, {}, wall=0.0)
+    refresh = ListingRefresh(previous, newgrf_max=1000, wall=50.0)
+    read = answer_one(refresh.start(), StoreRead)
+    assert read.query == AllServers()
+    raw = {
+        "+a": record("+a", owner="x").to_json(),
+        "+b": record("+b", owner="gone").to_json(),
+        "+old": record("+old", expires=10.0).to_json(),
+        "+bad": b"{",
+    }
+    dead = answer_one(refresh.store_result(read.request, raw), StoreRead)
+    assert dead.query == DeadInstances(frozenset({"x", "gone"}))
+    assert refresh.store_result(dead.request + 1, set()) == []  # not its request
+    sweep = answer_one(refresh.store_result(dead.request, {"gone"}), StoreWrite)
+    assert isinstance(sweep.update, SweepServers)
+    assert sorted(sweep.update.codes) == ["+b", "+bad", "+old"]
+    counter = answer_one(refresh.store_result(sweep.request, None), StoreRead)
+    assert counter.query == NewgrfCounter()
+    load = answer_one(refresh.store_result(counter.request, b"2000"), StoreWrite)
+    assert load.update == LoadNewgrfs()
+    done = answer_one(refresh.store_result(load.request, None), Refreshed)
+    assert [r.code for r in done.records] == ["+a"]
+    assert list(done.parsed) == ["+a"] and done.newgrf_max == 2000
+
+
+def test_nothing_to_sweep_and_no_new_newgrfs_take_three_reads() -> None:
+    refresh = ListingRefresh({}, newgrf_max=2000, wall=0.0)
+    read = answer_one(refresh.start(), StoreRead)
+    dead = answer_one(
+        refresh.store_result(read.request, {"+a": record("+a").to_json()}), StoreRead
+    )
+    counter = answer_one(refresh.store_result(dead.request, set()), StoreRead)
+    assert counter.query == NewgrfCounter()
+    done = answer_one(refresh.store_result(counter.request, b"2000"), Refreshed)
+    assert done.newgrf_max == 2000 and [r.code for r in done.records] == ["+a"]
+
+
+@given(
+    st.integers(0, 3),
+    st.one_of(
+        st.none(),
+        st.text(max_size=5),
+        st.binary(max_size=25),
+        st.integers(),
+        st.lists(st.binary(max_size=3), max_size=3),
+    ),
+)
+def test_a_failure_or_a_malformed_answer_at_any_step_ends_it_without_a_crash(
+    fail_at: int, junk: object
+) -> None:
+    """Whatever the Store answers (or fails) at step ``fail_at``, the refresh
+    ends in one outcome and never lists a record it did not parse."""
+    good: list[object] = [{"+a": record("+a").to_json()}, set(), b"0", None]
+    refresh = ListingRefresh({}, newgrf_max=0, wall=0.0)
+    commands: list[Any] = refresh.start()
+    step = 0
+    while isinstance(commands[0], StoreRead | StoreWrite):
+        request = commands[0].request
+        if step == fail_at:
+            commands = (
+                refresh.store_failed(request)
+                if junk is None
+                else (refresh.store_result(request, junk))
+            )
+        else:
+            commands = refresh.store_result(request, good[min(step, 3)])
+        step += 1
+        assert len(commands) == 1
+    outcome = commands[0]
+    assert isinstance(outcome, Refreshed | RefreshFailed)
+    if isinstance(outcome, Refreshed):
+        assert all(r.code == "+a" for r in outcome.records)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from crossroads.proto.openttd.lookup import CodeLookup, Resolved
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.registration import GetServer, StoreRead
+from crossroads.proto.openttd.store import (
+    GetServer,
+    StoreRead,
+)
 from tests.proto.openttd.test_listing import record as listed_record
 
 CODE = "+abcdefg"

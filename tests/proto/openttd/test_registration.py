@@ -23,17 +23,19 @@ from crossroads.proto.openttd.ladder import SendToServer
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
     EndSession,
-    GetServer,
-    InstanceAlive,
-    KeepCode,
-    NewCode,
-    PutServer,
     Refused,
     Registered,
     Registrant,
     RegistrationSettings,
     ServerRegistration,
     StoreFailed,
+)
+from crossroads.proto.openttd.store import (
+    GetServer,
+    InstanceAlive,
+    KeepCode,
+    NewCode,
+    PutServer,
     StoreRead,
     StoreWrite,
 )

@@ -9,11 +9,19 @@ from hypothesis import strategies as st
 from crossroads.proto.openttd.bus import (
     ConnectedReport,
     ConnectFailedReport,
+    DropSession,
+    ForwardToServer,
     PeerReport,
     StunReport,
+    StunSeen,
 )
 from crossroads.proto.openttd.codes import parse_token
-from crossroads.proto.openttd.coordinator import GcDirectConnect
+from crossroads.proto.openttd.coordinator import (
+    ClientConnected,
+    ConnectFailed,
+    GcDirectConnect,
+    StunResult,
+)
 from crossroads.proto.openttd.ladder import Finished, SendToClient, Side
 from crossroads.proto.openttd.routing import (
     Forward,
@@ -21,10 +29,14 @@ from crossroads.proto.openttd.routing import (
     Local,
     attempt_commands,
     check_commands,
+    peer_report,
     report_side,
+    route_end_session,
     route_forwarded_report,
     route_peer_report,
+    route_stun_request,
     route_stun_seen,
+    route_to_server,
 )
 from tests.proto.openttd.test_ladder import attempt
 from tests.proto.openttd.test_verify import check
@@ -122,3 +134,39 @@ def test_only_a_stun_result_reaches_a_registration_check() -> None:
 def test_any_token_is_routed_somewhere(reported: str, server_code: str | None) -> None:
     route = route_peer_report(reported, ConnectedReport(), HERE, server_code)
     assert isinstance(route, Local | Forward | Ignore)
+
+
+def test_a_packet_for_a_server_seated_elsewhere_goes_to_its_owner() -> None:
+    assert route_to_server("+abc", THERE, True, b"pkt") is None
+    assert route_to_server("+abc", THERE, False, b"pkt") == Forward(
+        THERE, ForwardToServer("+abc", b"pkt")
+    )
+
+
+def test_a_superseded_session_is_closed_where_it_is_seated() -> None:
+    assert route_end_session(HERE, "+abc", "s1", HERE) is None
+    assert route_end_session(THERE, "+abc", "s1", HERE) == Forward(
+        THERE, DropSession("+abc", "s1")
+    )
+
+
+def test_what_the_stun_listener_saw_goes_to_the_tokens_instance() -> None:
+    seen = route_stun_request(token("C", THERE), 1, "198.51.100.2", 40000)
+    assert seen == Forward(THERE, StunSeen(token("C", THERE), 1, "198.51.100.2", 40000))
+    assert route_stun_request("junk", 1, "198.51.100.2", 1) == Ignore("unknown-token")
+
+
+@given(st.text(max_size=40))
+def test_any_stun_token_is_routed_or_ignored(raw: str) -> None:
+    route = route_stun_request(raw, 2, "2001:db8::1", 3975)
+    parsed = parse_token(raw)
+    if parsed is None:
+        assert route == Ignore("unknown-token")
+    else:
+        assert isinstance(route, Forward) and route.instance == parsed.instance
+
+
+def test_each_reporting_packet_carries_its_report() -> None:
+    assert peer_report(ConnectFailed(6, token("C"), 3)) == ConnectFailedReport(3)
+    assert peer_report(ClientConnected(6, token("C"))) == ConnectedReport()
+    assert peer_report(StunResult(6, token("S"), 2, True)) == StunReport(2, True)

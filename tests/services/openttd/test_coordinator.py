@@ -28,6 +28,7 @@ from crossroads.proto.openttd.coordinator import (
 )
 from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF, NewGRFSerialization
 from crossroads.runtime import Runtime
+from crossroads.services.openttd.registry import NEWGRF_COUNTER_KEY
 from tests.services.openttd.helpers import (
     AF_INET,
     AF_INET6,
@@ -36,6 +37,7 @@ from tests.services.openttd.helpers import (
     http_get,
     recv_until,
     register,
+    service,
     turn_connect,
     turn_connected,
     until_gone,
@@ -483,3 +485,28 @@ async def test_listing_puts_the_clients_revision_first(
         for peer in (old, new):
             await peer.close()
         await lister.close()
+
+
+async def test_a_corrupt_newgrf_counter_in_the_store_does_not_stop_the_listing(
+    ottd: Runtime, game_server: GameInfoResponder
+) -> None:
+    """The counter is read on every listing refresh; a value that is not a
+    number (another writer, a hand edit) is ignored, not a crash of every
+    CLIENT_LISTING."""
+    registry = service(ottd).registry
+    assert registry is not None
+    server = await register(ottd, game_server.port)
+    lister = await gc(ottd)
+    try:
+        await update(server, INFO)
+        await until_listed(ottd, "Protocol test")
+        await registry.store.set(NEWGRF_COUNTER_KEY, b"not a number")
+        coordinator = service(ottd).coordinator
+        assert coordinator is not None
+        coordinator.listing.loaded_at = -1e9  # the next listing re-reads
+        await lister.send_message(ClientListing(6, 6, "13.0", 0))
+        listing = await recv_until(lister, GcListing)
+        assert [e.connection_string for e in listing.entries] == [server.code]
+    finally:
+        await lister.close()
+        await server.close()

@@ -12,6 +12,7 @@ from crossroads.proto.openttd.codes import make_ticket, split_ticket
 from crossroads.proto.openttd.turn import TurnConnect, encode_turn_packet
 from crossroads.runtime import Runtime
 from crossroads.services.openttd.turn import relay_cap
+from tests.conftest import eventually
 from tests.services.openttd.helpers import (
     metric_value,
     metrics,
@@ -226,3 +227,31 @@ def test_relays_are_capped_by_connections_and_descriptors() -> None:
     assert relay_cap(50000, fd_limit=1024) == 42
     assert relay_cap(50000, fd_limit=1 << 20) == 25000
     assert relay_cap(1, fd_limit=1 << 20) == 1
+
+
+async def test_waiting_sides_share_the_lobbys_one_timer(ottd: Runtime) -> None:
+    """Each lone side's 20 s wait is a deadline in the TURN lobby under one
+    timer (no event-loop timer per side); a side that leaves takes its
+    deadline with it."""
+    turn = service(ottd).turn
+    assert turn is not None
+    tickets = [await issue(ottd) for _ in range(3)]
+    sides = [(await turn_connect(ottd, ticket))[0] for ticket in tickets]
+    try:
+
+        async def all_waiting() -> bool:
+            return len(turn.lobby) == 3
+
+        await eventually(all_waiting, "three sides waiting")
+        first = turn.lobby.get_timer()
+        assert first is not None and turn.timer.armed_at == first
+        for side in sides:
+            await side.close()
+
+        async def none_waiting() -> bool:
+            return len(turn.lobby) == 0 and turn.timer.armed_at is None
+
+        await eventually(none_waiting, "the lobby empty and its timer disarmed")
+    finally:
+        for side in sides:
+            await side.close()

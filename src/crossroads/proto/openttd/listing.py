@@ -1,15 +1,26 @@
 """The server list: which stored records are live, and their GC_LISTING packets.
 
 Theory of operation. The service (``ListingCache`` in
-services/openttd/listing.py) re-reads the ``openttd:servers`` hash at most
-every few seconds and hands the raw values to :func:`sort_records` with what the previous
-refresh parsed: only values whose bytes changed are parsed again, and records
-that are corrupt or past their ``expires`` (wall clock) are named for sweeping.
-:func:`without_owners` then drops the records of instances that stopped
-heartbeating (the service asks the Store which ones). The survivors, oldest
-registration first, go to :meth:`ListingPacker.refresh`. A client at
-protocol 4 or later first gets the NewGRF lookup entries it lacks
-(:func:`lookup_packets`).
+services/openttd/listing.py) runs a :class:`ListingRefresh` at most every few
+seconds; like every coordinator flow it emits typed Store requests
+(:mod:`crossroads.proto.openttd.store`) and takes the answers back:
+
+1. read the ``openttd:servers`` hash (:class:`AllServers`) and hand the raw
+   values to :func:`sort_records` with what the previous refresh parsed: only
+   values whose bytes changed are parsed again, and records that are corrupt
+   or past their ``expires`` (wall clock) are named for sweeping;
+2. ask which owners stopped heartbeating (:class:`DeadInstances`);
+   :func:`without_owners` drops their records, to sweep too;
+3. delete everything named for sweeping (:class:`SweepServers`), if anything;
+4. read the NewGRF counter (:class:`NewgrfCounter`) and, when another
+   instance handed out indexes we have not seen, reload the lookup table
+   (:class:`LoadNewgrfs`);
+5. :class:`Refreshed` carries the survivors, oldest registration first, which
+   the service hands to :meth:`ListingPacker.refresh`.
+
+A Store failure at any step ends it with :class:`RefreshFailed`: the service
+keeps serving the previous list. A client at protocol 4 or later first gets
+the NewGRF lookup entries it lacks (:func:`lookup_packets`).
 
 :class:`ListingPacker` turns the public records into the GC_LISTING packets of
 one listing shape (game-info version, NewGRF serialization, invite codes or
@@ -22,6 +33,8 @@ clock, no sockets.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from enum import IntEnum
 
 from crossroads.proto.openttd.coordinator import (
     ListingEntry,
@@ -31,6 +44,16 @@ from crossroads.proto.openttd.coordinator import (
 )
 from crossroads.proto.openttd.gameinfo import NewGRF, NewGRFSerialization
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.store import (
+    AllServers,
+    AwaitedRequest,
+    DeadInstances,
+    LoadNewgrfs,
+    NewgrfCounter,
+    StoreRead,
+    StoreWrite,
+    SweepServers,
+)
 
 #: Listing shapes kept packed at once: revisions are client input, so the
 #: cache of shapes is bounded and starts over when full.
@@ -87,6 +110,98 @@ def lookup_packets(table: Mapping[int, NewGRF], cursor: int) -> list[bytes]:
         cursor = 0
     fresh = sorted((index, grf) for index, grf in table.items() if index > cursor)
     return newgrf_lookup_packets(fresh, top)
+
+
+@dataclass(frozen=True, slots=True)
+class Refreshed:
+    """The live records, oldest registration first; ``parsed`` (with their
+    bytes) and ``newgrf_max`` are the next refresh's starting point."""
+
+    records: list[ServerRecord]
+    parsed: Parsed
+    newgrf_max: int
+
+
+@dataclass(frozen=True, slots=True)
+class RefreshFailed:
+    """The Store failed: keep the previous list."""
+
+
+RefreshCommand = StoreRead | StoreWrite | Refreshed | RefreshFailed
+
+
+class Step(IntEnum):
+    """The requests of a refresh, in order (each made at most once)."""
+
+    ALL_SERVERS = 1
+    DEAD_INSTANCES = 2
+    SWEEP = 3
+    NEWGRF_COUNTER = 4
+    LOAD_NEWGRFS = 5
+
+
+class ListingRefresh:
+    """One re-read of the server list; see the module docstring. ``wall`` is
+    the wall-clock time records expire against."""
+
+    def __init__(self, previous: Parsed, newgrf_max: int, wall: float) -> None:
+        self.previous = previous
+        self.newgrf_max = newgrf_max
+        self.wall = wall
+        self.parsed: Parsed = {}
+        self.dead: list[str] = []
+        self._awaited = AwaitedRequest()
+
+    def start(self) -> list[RefreshCommand]:
+        return [self._awaited.read(Step.ALL_SERVERS, AllServers())]
+
+    def store_result(self, request: int, answer: object) -> list[RefreshCommand]:
+        if not self._awaited.answered(request):
+            return []
+        match request:
+            case Step.ALL_SERVERS if isinstance(answer, Mapping):
+                raw = {
+                    code: value
+                    for code, value in answer.items()
+                    if isinstance(code, str) and isinstance(value, bytes)
+                }
+                self.parsed, self.dead = sort_records(raw, self.previous, self.wall)
+                owners = frozenset(r.owner for _, r in self.parsed.values())
+                return [self._awaited.read(Step.DEAD_INSTANCES, DeadInstances(owners))]
+            case Step.DEAD_INSTANCES if isinstance(
+                answer, Collection
+            ) and not isinstance(answer, str | bytes):
+                self.dead += without_owners(self.parsed, answer)
+                if self.dead:
+                    sweep = SweepServers(tuple(self.dead))
+                    return [self._awaited.write(Step.SWEEP, sweep)]
+                return [self._awaited.read(Step.NEWGRF_COUNTER, NewgrfCounter())]
+            case Step.SWEEP:
+                return [self._awaited.read(Step.NEWGRF_COUNTER, NewgrfCounter())]
+            case Step.NEWGRF_COUNTER:
+                counter = _counter(answer)
+                if counter is not None and counter > self.newgrf_max:
+                    self.newgrf_max = counter
+                    return [self._awaited.write(Step.LOAD_NEWGRFS, LoadNewgrfs())]
+                return [self._refreshed()]
+            case Step.LOAD_NEWGRFS:
+                return [self._refreshed()]
+        return [RefreshFailed()]  # an answer of the wrong type
+
+    def store_failed(self, request: int) -> list[RefreshCommand]:
+        return [RefreshFailed()] if self._awaited.answered(request) else []
+
+    def _refreshed(self) -> Refreshed:
+        live = sorted((r for _, r in self.parsed.values()), key=lambda r: r.registered)
+        return Refreshed(live, self.parsed, self.newgrf_max)
+
+
+def _counter(raw: object) -> int | None:
+    """The NewGRF counter's value; None when absent or not a number (a
+    corrupt key must not stop the listing)."""
+    if not isinstance(raw, bytes) or not raw.isdigit() or len(raw) > 20:
+        return None
+    return int(raw)
 
 
 class ListingPacker:

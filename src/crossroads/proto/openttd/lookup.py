@@ -5,7 +5,7 @@ Theory of operation
 CLIENT_CONNECT names an invite code (reference ``openttd-coordinator.md``
 section 4). :class:`CodeLookup` decides where its record comes from and emits
 what it needs, like every coordinator flow (the Store request types are the
-registration's, :mod:`crossroads.proto.openttd.registration`):
+coordinator's, :mod:`crossroads.proto.openttd.store`):
 
 - a string that does not have the shape of a code is never looked up: it is
   unknown at once, so a guesser sending junk costs no Store read;
@@ -27,7 +27,11 @@ from dataclasses import dataclass
 
 from crossroads.proto.openttd.codes import looks_like_invite_code
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.proto.openttd.registration import GetServer, StoreRead
+from crossroads.proto.openttd.store import (
+    AwaitedRequest,
+    GetServer,
+    StoreRead,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,21 +56,22 @@ class CodeLookup:
         self.code = code
         self.local = local
         self.done = False
+        self._awaited = AwaitedRequest()
 
     def start(self) -> list[LookupCommand]:
         if not looks_like_invite_code(self.code):
             return self._resolve(None)
         if self.local is not None:
             return self._resolve(self.local)
-        return [StoreRead(_READ, GetServer(self.code))]
+        return [self._awaited.read(_READ, GetServer(self.code))]
 
     def store_result(self, request: int, answer: object) -> list[LookupCommand]:
-        if self.done or request != _READ:
+        if not self._awaited.answered(request):
             return []
         return self._resolve(answer if isinstance(answer, ServerRecord) else None)
 
     def store_failed(self, request: int) -> list[LookupCommand]:
-        if self.done or request != _READ:
+        if not self._awaited.answered(request):
             return []
         return self._resolve(None, store_failed=True)
 

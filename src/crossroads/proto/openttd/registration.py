@@ -62,69 +62,24 @@ from crossroads.proto.openttd.codes import (
 from crossroads.proto.openttd.coordinator import ErrorType, GcError, ServerRegister
 from crossroads.proto.openttd.ladder import SendToServer
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.store import (
+    AwaitedRequest,
+    GetServer,
+    InstanceAlive,
+    KeepCode,
+    NewCode,
+    PutServer,
+    StoreQuery,
+    StoreRead,
+    StoreUpdate,
+    StoreWrite,
+)
 from crossroads.proto.openttd.verify import (
     Concluded,
     Probe,
     RegistrationCheck,
     VerifyCommand,
 )
-
-# ------------------------------------------------------------ store requests
-
-
-@dataclass(frozen=True, slots=True)
-class GetServer:
-    """Read the record of ``code`` (answer: ``ServerRecord | None``)."""
-
-    code: str
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceAlive:
-    """Does coordinator ``instance`` still beat? (answer: ``bool``)."""
-
-    instance: str
-
-
-@dataclass(frozen=True, slots=True)
-class NewCode:
-    """Reserve a fresh invite code (answer: ``str``, or None when the
-    deployment's invite-code cap is reached)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KeepCode:
-    """Renew the reservation of ``code`` (answer: None)."""
-
-    code: str
-
-
-@dataclass(frozen=True, slots=True)
-class PutServer:
-    """Write the server's record (answer: None)."""
-
-    record: ServerRecord
-
-
-StoreQuery = GetServer | InstanceAlive | NewCode
-StoreUpdate = KeepCode | PutServer
-
-
-@dataclass(frozen=True, slots=True)
-class StoreRead:
-    """Run ``query``; feed the answer to ``store_result(request, answer)``."""
-
-    request: int
-    query: StoreQuery
-
-
-@dataclass(frozen=True, slots=True)
-class StoreWrite:
-    """Run ``update``; feed ``store_result(request, None)`` when done."""
-
-    request: int
-    update: StoreUpdate
-
 
 # ----------------------------------------------------------------- outcomes
 
@@ -242,7 +197,7 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
         self.check: RegistrationCheck | None = None
         self._wall_offset = wall - now
         self._request = 0
-        self._waiting_for: int | None = None
+        self._awaited = AwaitedRequest()
         self._step = Step.NEW_CODE
         self._existing: ServerRecord | None = None
         #: The record being written, and the check's conclusion.
@@ -298,9 +253,8 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
         self, request: int, answer: object, now: float
     ) -> list[RegistrationCommand]:
         """The answer to ``request`` (see each request's docstring)."""
-        if request != self._waiting_for or self.stage is Stage.DONE:
+        if self.stage is Stage.DONE or not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         if self.stage is Stage.STORING:
             assert self._stored is not None
             self.stage = Stage.DONE
@@ -309,9 +263,8 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
 
     def store_failed(self, request: int, now: float) -> list[RegistrationCommand]:
         """The Store could not answer ``request``."""
-        if request != self._waiting_for or self.stage is Stage.DONE:
+        if self.stage is Stage.DONE or not self._awaited.answered(request):
             return []
-        self._waiting_for = None
         storing = self.stage is Stage.STORING
         self.stage = Stage.DONE
         if storing:
@@ -356,13 +309,11 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
 
     def _read(self, query: StoreQuery) -> StoreRead:
         self._request += 1
-        self._waiting_for = self._request
-        return StoreRead(self._request, query)
+        return self._awaited.read(self._request, query)
 
     def _write(self, update: StoreUpdate) -> StoreWrite:
         self._request += 1
-        self._waiting_for = self._request
-        return StoreWrite(self._request, update)
+        return self._awaited.write(self._request, update)
 
     def _choose(self, answer: object, now: float) -> list[RegistrationCommand]:
         """A step of stage 1 got its answer (a malformed one is a failure)."""

@@ -12,6 +12,11 @@ coordinator connection is on:
   client's is always on the attempt's owner;
 - anything else is ignored with a reason the service counts (:class:`Ignore`).
 
+Every other bus send is decided here too, as a :class:`Forward`: a packet for
+a server seated on another instance (:func:`route_to_server`), the end of a
+superseded session held elsewhere (:func:`route_end_session`), and what the
+STUN listener saw (:func:`route_stun_request`); the service only publishes.
+
 Once at the owner, :func:`report_side` checks that the report came from the
 peer the token was given to (the client's own connection, or the server
 registered under the attempt's code), and :func:`attempt_commands` /
@@ -25,13 +30,22 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from crossroads.proto.openttd.bus import (
+    BusMessage,
     ConnectedReport,
     ConnectFailedReport,
+    DropSession,
+    ForwardToServer,
     PeerReport,
     Report,
     StunReport,
+    StunSeen,
 )
 from crossroads.proto.openttd.codes import ParsedToken, TokenSide, parse_token
+from crossroads.proto.openttd.coordinator import (
+    ClientConnected,
+    ConnectFailed,
+    StunResult,
+)
 from crossroads.proto.openttd.ladder import Command, ConnectAttempt, Side
 
 CommandT = TypeVar("CommandT")
@@ -59,10 +73,24 @@ class Local:
 
 @dataclass(frozen=True, slots=True)
 class Forward:
-    """Another instance's attempt: publish ``message`` to ``instance``."""
+    """Publish ``message`` to coordinator ``instance`` over the bus (the one
+    command every bus send of the service is)."""
 
     instance: str
-    message: PeerReport
+    message: BusMessage
+
+
+def peer_report(message: ConnectFailed | ClientConnected | StunResult) -> Report:
+    """The report a peer's packet on a token carries (reference
+    ``openttd-coordinator.md`` section 4): a failed method, the client's
+    success, or whether a STUN packet went out."""
+    match message:
+        case ConnectFailed(tracking_number=tracking_number):
+            return ConnectFailedReport(tracking_number)
+        case ClientConnected():
+            return ConnectedReport()
+        case StunResult(family=family, result=result):
+            return StunReport(family, result)
 
 
 def route_peer_report(
@@ -78,6 +106,35 @@ def route_peer_report(
     if parsed.side is TokenSide.SERVER and server_code is not None:
         return Forward(parsed.instance, PeerReport(token, server_code, report))
     return Ignore("foreign-token")
+
+
+def route_to_server(
+    code: str, owner: str, seated_here: bool, data: bytes
+) -> Forward | None:
+    """A packet for the server registered as ``code``: None when its
+    connection is on this instance (``seated_here``: send it there), else
+    forwarded to its record's ``owner``."""
+    return None if seated_here else Forward(owner, ForwardToServer(code, data))
+
+
+def route_end_session(
+    owner: str, code: str, session: str, instance: str
+) -> Forward | None:
+    """Close the seated session ``session`` of ``code``: None when ``owner``
+    is this ``instance`` (close it here), else told to the owner."""
+    return None if owner == instance else Forward(owner, DropSession(code, session))
+
+
+def route_stun_request(
+    token: str, family: int, host: str, port: int
+) -> Forward | Ignore:
+    """The STUN listener saw ``token`` from ``host``:``port``: tell the
+    instance named in the token (which may be this one: the bus delivers
+    that without the Store)."""
+    parsed = parse_token(token)
+    if parsed is None:
+        return Ignore("unknown-token")
+    return Forward(parsed.instance, StunSeen(token, family, host, port))
 
 
 def route_forwarded_report(message: PeerReport, instance: str) -> Local | Ignore:

@@ -15,20 +15,17 @@ import ipaddress
 import logging
 import os
 import random
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-from prometheus_client import Counter, Gauge
 
 from crossroads.config import setting
 from crossroads.errors import StoreError
-from crossroads.proto.openttd.duties import Duties, Duty
+from crossroads.proto.openttd.duties import Duty
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.proto.openttd.update import Beat, InstanceBeat
 from crossroads.services.base import (
     ServiceContext,
     SessionInfo,
     show_address,
-    stop_task,
 )
 from crossroads.services.openttd.bounded import BoundedStore
 from crossroads.services.openttd.bus import Bus
@@ -43,6 +40,7 @@ from crossroads.services.openttd.coordinator import (
     CoordinatorSettings,
 )
 from crossroads.services.openttd.listing import ListingCache
+from crossroads.services.openttd.metrics import counter, gauge
 from crossroads.services.openttd.registry import (
     INSTANCE_EVERY,
     NEWGRF_COUNTER_KEY,
@@ -50,11 +48,11 @@ from crossroads.services.openttd.registry import (
     TURN_ANNOUNCE_EVERY,
     Registry,
 )
+from crossroads.services.openttd.runners import DutyRunner, run_store_flow
 from crossroads.services.openttd.stun import StunService
 from crossroads.services.openttd.turn import TurnService, relay_cap
 from crossroads.services.openttd.web import make_router
 from crossroads.store.shared_secret import SharedSecret
-from crossroads.transport.driver import CoreTimer
 from crossroads.types import Address
 
 NAME = "openttd"
@@ -297,51 +295,6 @@ class OpenTTDService:
             await self.bus.close()
 
 
-class DutyRunner:
-    """Runs the service's periodic duties (proto/openttd/duties.py) on one
-    timer, each duty as a task that never overlaps itself."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.duties = Duties()
-        self.actions: dict[Duty, Callable[[], Awaitable[None]]] = {}
-        self.running: set[asyncio.Task[None]] = set()
-        self.timer = CoreTimer(self.loop, self.duties.get_timer, self.handle_timer)
-
-    def add(
-        self, duty: Duty, period: float, action: Callable[[], Awaitable[None]]
-    ) -> None:
-        """Run ``action`` now and every ``period`` seconds after it finished."""
-        self.actions[duty] = action
-        self.duties.add(duty, period, self.loop.time())
-        self.timer.rearm()
-
-    def handle_timer(self, now: float) -> None:
-        self.duties.handle_timer(now)
-        for duty in self.duties.pop_events():
-            task = asyncio.create_task(self._run(duty))
-            self.running.add(task)
-            task.add_done_callback(self.running.discard)
-
-    async def _run(self, duty: Duty) -> None:
-        try:
-            await self.actions[duty]()
-        except StoreError as exc:
-            # The store logs the outage once (store/redis.py); a line per duty
-            # and period would bury it.
-            log.debug("openttd: %s failed: %s", duty.value, exc)
-        except Exception:
-            log.exception("openttd: %s failed", duty.value)
-        finally:
-            self.duties.finished(duty, self.loop.time())
-            self.timer.rearm()
-
-    async def close(self) -> None:
-        self.timer.close()
-        for task in list(self.running):
-            await stop_task(task)
-
-
 async def _heartbeat(
     registry: Registry,
     coordinator: Coordinator,
@@ -355,19 +308,19 @@ async def _heartbeat(
         adopted = await shared_secret.republish()
         if adopted is not None:
             coordinator.adopt_secret_key(adopted, shared_secret.previous)
-    if not await registry.announce_instance(instance):
-        return
-    records = coordinator.local_records()
-    for record in records:
-        await registry.keep_code(record.code)
-        await registry.put_server(record)
-    if records:
+    beat = await run_store_flow(
+        registry, InstanceBeat(instance, coordinator.local_records())
+    )
+    if isinstance(beat, Beat) and beat.restored:
         coordinator.listing.invalidate()
         log.warning(
             "openttd: the store had lost this instance's records; re-created %d "
             "server(s)",
-            len(records),
+            beat.restored,
         )
+    elif not isinstance(beat, Beat):
+        # The store logs the outage once (store/redis.py).
+        log.debug("openttd: heartbeat failed: the store did not answer")
 
 
 async def serve(ctx: ServiceContext) -> OpenTTDService:
@@ -386,17 +339,15 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
     service.registry = registry
     bus = Bus(store, service.instance, ctx.metrics)
     service.bus = bus
-    dropped = Counter(
-        "crossroads_openttd_dropped",
+    dropped = counter(
+        ctx.metrics,
+        "dropped",
         "OpenTTD connections closed for bad input or limits, by listener and reason.",
-        ["listener", "reason"],
-        registry=ctx.metrics,
+        "listener",
+        "reason",
     )
-    connections = Gauge(
-        "crossroads_openttd_connections",
-        "Open OpenTTD connections, by listener.",
-        ["listener"],
-        registry=ctx.metrics,
+    connections = gauge(
+        ctx.metrics, "connections", "Open OpenTTD connections, by listener.", "listener"
     )
     public_host = ctx.config.core.public_host
     host = ctx.host

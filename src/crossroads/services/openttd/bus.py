@@ -15,10 +15,12 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.openttd.bus import BusMessage, decode_bus_message
+from crossroads.proto.openttd.routing import Forward
+from crossroads.services.openttd.metrics import counter
 from crossroads.services.openttd.registry import channel
 from crossroads.store.base import Store, Subscription
 
@@ -36,16 +38,11 @@ class Bus:
         self._handler: Handler | None = None
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
-        self._dropped = Counter(
-            "crossroads_openttd_bus_dropped",
-            "Bus messages dropped, by reason.",
-            ["reason"],
-            registry=metrics,
+        self._dropped = counter(
+            metrics, "bus_dropped", "Bus messages dropped, by reason.", "reason"
         )
-        self._sent = Counter(
-            "crossroads_openttd_bus_published",
-            "Bus messages published to another instance.",
-            registry=metrics,
+        self._sent = counter(
+            metrics, "bus_published", "Bus messages published to another instance."
         )
 
     async def start(self, handler: Handler) -> None:
@@ -85,6 +82,10 @@ class Bus:
             # A handler bug must not stop the bus.
             log.exception("openttd bus: handler failed")
             self._dropped.labels("handler-error").inc()
+
+    async def publish(self, forward: Forward) -> None:
+        """Run a core's bus command (proto/openttd/routing.py)."""
+        await self.send(forward.instance, forward.message)
 
     async def send(self, instance: str, message: BusMessage) -> None:
         if instance == self.instance and self._handler is not None:

@@ -6,11 +6,14 @@ runs one :class:`~crossroads.proto.openttd.registration.ServerRegistration` per
 registering server (invite code, reachability check, record) and one
 :class:`~crossroads.proto.openttd.ladder.ConnectAttempt` per join
 (:mod:`.runners` executes their commands in order, Store requests included, and
-feeds the answers back), and keeps the shared records in the store
-(:mod:`.registry`). Every deadline of every flow is under one timer
-(:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`). The
-decisions are sans-I/O: who may register or join (:mod:`crossroads.proto.openttd.admission`), where a
-report goes (:mod:`crossroads.proto.openttd.routing`), what is listed
+feeds the answers back). The flows that only wait on the Store run through
+:func:`~crossroads.services.openttd.runners.run_store_flow`: a join's code
+lookup, a SERVER_UPDATE and a closed server's record
+(:mod:`crossroads.proto.openttd.update`). Every deadline of every flow is under
+one timer (:meth:`Coordinator.get_timer` / :meth:`Coordinator.handle_timer`).
+The decisions are sans-I/O: who may register or join
+(:mod:`crossroads.proto.openttd.admission`), where a report or any other bus
+send goes (:mod:`crossroads.proto.openttd.routing`), what is listed
 (:mod:`crossroads.proto.openttd.listing`). A command for a server held by
 another instance, or a report for an attempt owned by another instance,
 travels over the bus as a typed message (:mod:`crossroads.proto.openttd.bus`).
@@ -26,7 +29,6 @@ server, for peers at protocol 6).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -45,8 +47,6 @@ from crossroads.proto.openttd.admission import (
 from crossroads.proto.openttd.attempts import AttemptBook
 from crossroads.proto.openttd.bus import (
     BusMessage,
-    ConnectedReport,
-    ConnectFailedReport,
     DropSession,
     ForwardToServer,
     PeerReport,
@@ -89,7 +89,7 @@ from crossroads.proto.openttd.ladder import (
     Side,
 )
 from crossroads.proto.openttd.listing import lookup_packets
-from crossroads.proto.openttd.lookup import CodeLookup, Resolved
+from crossroads.proto.openttd.lookup import CodeLookup
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
     Refused,
@@ -105,12 +105,21 @@ from crossroads.proto.openttd.routing import (
     Local,
     attempt_commands,
     check_commands,
+    peer_report,
     report_side,
+    route_end_session,
     route_forwarded_report,
     route_peer_report,
     route_stun_seen,
+    route_to_server,
 )
 from crossroads.proto.openttd.seats import Seats
+from crossroads.proto.openttd.update import (
+    ServerLeavingFlow,
+    ServerUpdateFlow,
+    Updated,
+    UpdateFailed,
+)
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
@@ -121,7 +130,7 @@ from crossroads.services.openttd.runners import (
     AttemptRunner,
     RegistrationRunner,
     Runner,
-    run_store_request,
+    run_store_flow,
 )
 from crossroads.transport.driver import CoreTimer
 
@@ -274,10 +283,11 @@ class Coordinator:
     async def send_to_server(self, record: ServerRecord, message: GcMessage) -> None:
         data = encode_gc_packet(message, record.protocol)
         conn = self.local_servers.get(record.code)
-        if conn is not None:
+        forward = route_to_server(record.code, record.owner, conn is not None, data)
+        if forward is not None:
+            await self.bus.publish(forward)
+        elif conn is not None:
             conn.send(data)
-            return
-        await self.bus.send(record.owner, ForwardToServer(record.code, data))
 
     # ------------------------------------------------------ PacketHandler API
 
@@ -309,22 +319,9 @@ class Coordinator:
                 await self.on_listing(conn, state, message)
             case ClientConnect():
                 await self.on_connect(conn, state, message)
-            case ConnectFailed():
-                await self.on_report(
-                    conn,
-                    state,
-                    message.token,
-                    ConnectFailedReport(message.tracking_number),
-                )
-            case ClientConnected():
-                await self.on_report(conn, state, message.token, ConnectedReport())
-            case StunResult():
-                await self.on_report(
-                    conn,
-                    state,
-                    message.token,
-                    StunReport(message.family, message.result),
-                )
+            case ConnectFailed() | ClientConnected() | StunResult():
+                report = peer_report(message)
+                await self.on_report(conn, state, message.token, report)
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:
         # GC_ERROR(UNKNOWN) makes OpenTTD close its side (Receive_GC_ERROR).
@@ -351,9 +348,8 @@ class Coordinator:
                 task.add_done_callback(_log_task_error)
 
     async def _forget_server(self, code: str, session: str) -> None:
-        try:
-            await self.registry.delete_server(code, session)
-        except StoreError:
+        left = await run_store_flow(self.registry, ServerLeavingFlow(code, session))
+        if left is None or left.store_failed:
             self.metrics.store_errors.inc()
         self.listing.invalidate()
 
@@ -399,10 +395,11 @@ class Coordinator:
     async def end_session(self, owner: str, code: str, session: str) -> None:
         """Close the seated session ``session`` of ``code``, here or at
         ``owner`` (a server re-registered while its old connection lived)."""
-        if owner == self.instance:
+        forward = route_end_session(owner, code, session, self.instance)
+        if forward is None:
             self.drop_local(code, session)
         else:
-            await self.bus.send(owner, DropSession(code, session))
+            await self.bus.publish(forward)
 
     def drop_local(self, code: str, session: str) -> None:
         conn = self.local_servers.get(code)
@@ -482,23 +479,23 @@ class Coordinator:
             # Updates only follow an ACK; anything else is a confused peer.
             self.fail(conn, ErrorType.UNKNOWN, "update before registration", close=True)
             return
-        try:
-            if msg.info.newgrfs and state.newgrf_budget > 0:
-                state.newgrf_budget -= await self.registry.index_newgrfs(
-                    msg.info.newgrfs, state.newgrf_budget
-                )
-            wall = self.wall_clock()
-            if record.info is None:
-                self.listing.invalidate()  # the server becomes listable
-            record.info = msg.info
-            record.game_info_version = msg.game_info_version
-            record.updated = wall
-            record.expires = wall + self.settings.server_ttl
-            await self.registry.put_server(record)
-        except StoreError:
-            self.metrics.store_errors.inc()
-            return
-        self.metrics.updates.inc()
+        flow = ServerUpdateFlow(
+            record,
+            msg,
+            state.newgrf_budget,
+            self.wall_clock(),
+            self.settings.server_ttl,
+        )
+        outcome = await run_store_flow(self.registry, flow)
+        match outcome:
+            case Updated(indexed, became_listable):
+                state.newgrf_budget -= indexed
+                if became_listable:
+                    self.listing.invalidate()
+                self.metrics.updates.inc()
+            case UpdateFailed(indexed):
+                state.newgrf_budget -= indexed
+                self.metrics.store_errors.inc()
 
     def adopt_secret_key(self, key: bytes, previous: list[bytes]) -> None:
         """Sign new invite-code secrets with ``key``; still accept ``previous``."""
@@ -547,9 +544,11 @@ class Coordinator:
             self.fail(conn, ErrorType.UNKNOWN, "too many unknown invite codes", True)
             return
         local = self.local_servers.get(code)
-        resolved = await self._resolve(
-            CodeLookup(code, self.state(local).record if local is not None else None)
+        resolved = await run_store_flow(
+            self.registry,
+            CodeLookup(code, self.state(local).record if local is not None else None),
         )
+        assert resolved is not None  # a lookup always resolves
         record = resolved.record
         if resolved.store_failed:
             self.metrics.store_errors.inc()
@@ -583,20 +582,6 @@ class Coordinator:
         self.attempts.add(key, code, conn, runner)
         runner.feed(attempt.start(now))
 
-    async def _resolve(self, lookup: CodeLookup) -> Resolved:
-        """Run ``lookup`` to its end, executing its Store reads."""
-        commands = lookup.start()
-        while True:
-            command = commands[0]
-            if isinstance(command, Resolved):
-                return command
-            try:
-                answer = await run_store_request(self.registry, command)
-            except StoreError:
-                commands = lookup.store_failed(command.request)
-            else:
-                commands = lookup.store_result(command.request, answer)
-
     def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
         runner.cancel()
         key = runner.attempt.attempt_key
@@ -623,8 +608,8 @@ class Coordinator:
         match route_peer_report(token, report, self.instance, state.code):
             case Local(parsed):
                 self.local_report(parsed, report, conn, state.code)
-            case Forward(instance, message):
-                await self.bus.send(instance, message)
+            case Forward() as forward:
+                await self.bus.publish(forward)
             case Ignore(reason):
                 self.metrics.ignored.labels(reason).inc()
 
@@ -725,8 +710,9 @@ class Coordinator:
         self.attempts.clear()
         self.checks.clear()
         for code, conn in list(self.local_servers.items()):
-            with contextlib.suppress(StoreError):
-                await self.registry.delete_server(code, self.state(conn).session)
+            await run_store_flow(
+                self.registry, ServerLeavingFlow(code, self.state(conn).session)
+            )
         await asyncio.sleep(0)
 
 

@@ -1,30 +1,26 @@
-"""The OpenTTD server list as the coordinator serves it: Store reads and
-sweeps around the sans-I/O :mod:`crossroads.proto.openttd.listing`."""
+"""The OpenTTD server list as the coordinator serves it: when to refresh,
+around the sans-I/O refresh flow of :mod:`crossroads.proto.openttd.listing`."""
 
 from __future__ import annotations
 
 import asyncio
 
-from crossroads.proto.openttd.listing import (
-    ListingPacker,
-    sort_records,
-    without_owners,
-)
+from crossroads.errors import StoreError
+from crossroads.proto.openttd.listing import ListingPacker, ListingRefresh, Refreshed
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.services.openttd.registry import (
-    NEWGRF_COUNTER_KEY,
-    SERVERS_KEY,
-    Registry,
-)
+from crossroads.services.openttd.registry import Registry
+from crossroads.services.openttd.runners import run_store_flow
 
 
 class ListingCache:
     """The server list, re-read from the store at most every ``ttl`` s.
 
     Clients refresh their server list by hand and all at once after an outage;
-    one HGETALL every couple of seconds serves them all. What is live and how
-    it is packed is the sans-I/O :mod:`crossroads.proto.openttd.listing`; this
-    class does the reads and the sweeps.
+    one HGETALL every couple of seconds serves them all. What is live, what
+    is swept and how it is packed is the sans-I/O
+    :mod:`crossroads.proto.openttd.listing` (its :class:`ListingRefresh` flow,
+    run by :func:`~crossroads.services.openttd.runners.run_store_flow`); this
+    class decides when to refresh.
 
     :meth:`invalidate` asks for an earlier refresh when a server becomes
     listable or leaves, but refreshes stay at least :data:`MIN_REFRESH` apart so
@@ -61,24 +57,19 @@ class ListingCache:
             if self._fresh(now):
                 return self.records
             self._dirty = False
-            raw = await self.registry.store.hgetall(SERVERS_KEY)
-            parsed, dead = sort_records(raw, self._raw, self.registry.wall_clock())
-            gone = await self.registry.dead_instances(
-                {r.owner for _, r in parsed.values()}
+            refresh = ListingRefresh(
+                self._raw, self._newgrf_max, self.registry.wall_clock()
             )
-            dead += without_owners(parsed, gone)
-            self._raw = parsed
-            if dead:
-                await self.registry.sweep(dead)
-            live = sorted((r for _, r in parsed.values()), key=lambda r: r.registered)
-            self.records = live
+            outcome = await run_store_flow(self.registry, refresh)
+            if not isinstance(outcome, Refreshed):
+                # The previous list stays; the callers count the failure.
+                raise StoreError("the server list could not be read")
+            self._raw = outcome.parsed
+            self._newgrf_max = outcome.newgrf_max
+            self.records = outcome.records
             self.loaded_at = now
-            counter = await self.registry.store.get(NEWGRF_COUNTER_KEY)
-            if counter is not None and int(counter) > self._newgrf_max:
-                await self.registry.load_newgrfs()
-                self._newgrf_max = int(counter)
-            self.packer.refresh([r for r in live if r.public])
-            return live
+            self.packer.refresh([r for r in outcome.records if r.public])
+            return outcome.records
 
     def invalidate(self) -> None:
         self._dirty = True

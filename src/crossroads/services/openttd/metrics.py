@@ -1,59 +1,72 @@
-"""The OpenTTD coordinator's Prometheus metrics (``crossroads_openttd_*``)."""
+"""The OpenTTD service's Prometheus metrics (``crossroads_openttd_*``).
+
+Every collector of the service is declared through :func:`counter` and
+:func:`gauge`, one line each, so the names share one prefix and the listeners
+(coordinator, STUN, TURN, the bus) declare theirs the same way.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+PREFIX = "crossroads_openttd_"
+
+
+def counter(
+    registry: CollectorRegistry, name: str, documentation: str, *labels: str
+) -> Counter:
+    """The counter ``crossroads_openttd_<name>``, by ``labels``."""
+    return Counter(PREFIX + name, documentation, labels, registry=registry)
+
+
+def gauge(
+    registry: CollectorRegistry, name: str, documentation: str, *labels: str
+) -> Gauge:
+    """The gauge ``crossroads_openttd_<name>``, by ``labels``."""
+    return Gauge(PREFIX + name, documentation, labels, registry=registry)
+
 
 class CoordinatorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.registrations = Counter(
-            "crossroads_openttd_registrations",
+        self.registrations = counter(
+            registry,
+            "registrations",
             "Server registrations, by result and connection type.",
-            ["result", "connection_type"],
-            registry=registry,
+            "result",
+            "connection_type",
         )
-        self.servers = Gauge(
-            "crossroads_openttd_servers",
-            "Servers registered on this instance.",
-            registry=registry,
+        self.servers = gauge(
+            registry, "servers", "Servers registered on this instance."
         )
-        self.updates = Counter(
-            "crossroads_openttd_server_updates",
-            "SERVER_UPDATE packets accepted.",
-            registry=registry,
+        self.updates = counter(
+            registry, "server_updates", "SERVER_UPDATE packets accepted."
         )
-        self.listings = Counter(
-            "crossroads_openttd_listings",
-            "CLIENT_LISTING requests answered.",
-            registry=registry,
+        self.listings = counter(
+            registry, "listings", "CLIENT_LISTING requests answered."
         )
-        self.connects = Counter(
-            "crossroads_openttd_connects",
-            "Joins by invite code, by result and by the method that worked or was last tried.",
-            ["result", "method"],
-            registry=registry,
+        self.connects = counter(
+            registry,
+            "connects",
+            "Joins by invite code, by result and by the method that worked or "
+            "was last tried.",
+            "result",
+            "method",
         )
-        self.errors = Counter(
-            "crossroads_openttd_gc_errors",
-            "GC_ERROR packets sent, by error type.",
-            ["error"],
-            registry=registry,
+        self.errors = counter(
+            registry, "gc_errors", "GC_ERROR packets sent, by error type.", "error"
         )
-        self.probes = Counter(
-            "crossroads_openttd_probes",
+        self.probes = counter(
+            registry,
+            "probes",
             "Direct probes (game-protocol exchanges), by result.",
-            ["result"],
-            registry=registry,
+            "result",
         )
-        self.ignored = Counter(
-            "crossroads_openttd_ignored",
+        self.ignored = counter(
+            registry,
+            "ignored",
             "Well-formed reports that were ignored, by reason.",
-            ["reason"],
-            registry=registry,
+            "reason",
         )
-        self.store_errors = Counter(
-            "crossroads_openttd_store_errors",
-            "Store operations that failed.",
-            registry=registry,
+        self.store_errors = counter(
+            registry, "store_errors", "Store operations that failed."
         )

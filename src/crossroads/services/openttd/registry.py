@@ -176,6 +176,14 @@ class Registry:
         if current == session:
             await self.store.hdel(SERVERS_KEY, code)
 
+    async def all_servers(self) -> dict[str, bytes]:
+        """Every stored record, raw, by invite code."""
+        return await self.store.hgetall(SERVERS_KEY)
+
+    async def newgrf_counter(self) -> bytes | None:
+        """The highest NewGRF lookup index handed out, as stored."""
+        return await self.store.get(NEWGRF_COUNTER_KEY)
+
     async def sweep(self, codes: list[str]) -> None:
         if codes:
             await self.store.hdel(SERVERS_KEY, *codes)

@@ -5,12 +5,17 @@ An :class:`AttemptRunner` runs a join's
 :class:`RegistrationRunner` a registration's
 :class:`~crossroads.proto.openttd.registration.ServerRegistration`. Each executes
 its core's commands in order, one at a time (a command may await the Store or
-the bus); a Store request's answer goes back into the core as an input. No
+the bus); a Store request's answer goes back into the core as an input
+(:func:`run_store_request` is the one place a Store request becomes a registry
+call; :func:`run_store_flow` runs the flows that wait on nothing else). No
 runner has a timer of its own: after every input a runner reports its core's
 deadline to the coordinator (:meth:`RunnerOwner.schedule`), whose one
 ``get_timer`` / ``handle_timer`` covers them all
 (:class:`~crossroads.proto.openttd.deadlines.DeadlineBook`). What a command needs
 from the coordinator service is the small :class:`RunnerOwner` interface.
+
+A :class:`DutyRunner` runs the service's periodic
+:class:`~crossroads.proto.openttd.duties.Duties` on one timer of its own.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import asyncio
 import dataclasses
 import logging
 from collections import deque
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
 from crossroads.proto.openttd.coordinator import GcMessage
+from crossroads.proto.openttd.duties import Duties, Duty
 from crossroads.proto.openttd.ladder import (
     Command,
     ConnectAttempt,
@@ -36,24 +43,39 @@ from crossroads.proto.openttd.ladder import (
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
     EndSession,
-    GetServer,
-    InstanceAlive,
-    KeepCode,
-    NewCode,
-    PutServer,
     Refused,
     Registered,
     RegistrationCommand,
     ServerRegistration,
     StoreFailed,
+)
+from crossroads.proto.openttd.store import (
+    AllServers,
+    AnnounceInstance,
+    DeadInstances,
+    DeleteServer,
+    DropTicket,
+    GetServer,
+    GetTicket,
+    IndexNewgrfs,
+    InstanceAlive,
+    KeepCode,
+    LoadNewgrfs,
+    NewCode,
+    NewgrfCounter,
+    PutServer,
+    PutTicket,
     StoreRead,
     StoreWrite,
+    SweepServers,
 )
 from crossroads.proto.openttd.verify import Probe
+from crossroads.services.base import stop_task
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import Registry
+from crossroads.transport.driver import CoreTimer
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -61,8 +83,9 @@ log = logging.getLogger("crossroads.openttd")
 async def run_store_request(
     registry: Registry, request: StoreRead | StoreWrite
 ) -> object:
-    """Run a core's Store request: a read's answer, None for a write (what the
-    core's ``store_result`` takes). Raises StoreError."""
+    """Run a core's Store request: a read's answer, None for a write unless
+    the write names one (what the core's ``store_result`` takes). Raises
+    StoreError."""
     match request:
         case StoreRead(query=GetServer(code)):
             return await registry.get_server(code)
@@ -74,6 +97,66 @@ async def run_store_request(
             await registry.keep_code(code)
         case StoreWrite(update=PutServer(record)):
             await registry.put_server(record)
+        case StoreWrite(update=IndexNewgrfs(newgrfs, budget)):
+            return await registry.index_newgrfs(newgrfs, budget)
+        case StoreWrite(update=DeleteServer(code, session)):
+            await registry.delete_server(code, session)
+        case StoreRead(query=AllServers()):
+            return await registry.all_servers()
+        case StoreRead(query=DeadInstances(owners)):
+            return await registry.dead_instances(set(owners))
+        case StoreRead(query=NewgrfCounter()):
+            return await registry.newgrf_counter()
+        case StoreWrite(update=SweepServers(codes)):
+            await registry.sweep(list(codes))
+        case StoreWrite(update=LoadNewgrfs()):
+            await registry.load_newgrfs()
+        case StoreWrite(update=AnnounceInstance(instance)):
+            return await registry.announce_instance(instance)
+        case StoreRead(query=GetTicket(ticket_id)):
+            return await registry.get_ticket(ticket_id)
+        case StoreWrite(update=PutTicket(ticket_id, secret)):
+            await registry.put_ticket(ticket_id, secret)
+        case StoreWrite(update=DropTicket(ticket_id)):
+            await registry.drop_ticket(ticket_id)
+    return None
+
+
+OutcomeT = TypeVar("OutcomeT")
+OutcomeT_co = TypeVar("OutcomeT_co", covariant=True)
+
+
+class StoreFlow(Protocol[OutcomeT_co]):
+    """A short flow that only waits on the Store (a join's code lookup, a
+    server's update or leaving): its commands are Store requests until one
+    outcome ends it."""
+
+    def start(self) -> Sequence[StoreRead | StoreWrite | OutcomeT_co]: ...
+    def store_result(
+        self, request: int, answer: object
+    ) -> Sequence[StoreRead | StoreWrite | OutcomeT_co]: ...
+    def store_failed(
+        self, request: int
+    ) -> Sequence[StoreRead | StoreWrite | OutcomeT_co]: ...
+
+
+async def run_store_flow(
+    registry: Registry, flow: StoreFlow[OutcomeT]
+) -> OutcomeT | None:
+    """Run ``flow`` to its outcome, executing its Store requests one at a time
+    and feeding each answer (or failure) back; None if the flow stopped
+    without an outcome."""
+    commands = flow.start()
+    while commands:
+        command = commands[0]
+        if not isinstance(command, StoreRead | StoreWrite):
+            return command
+        try:
+            answer = await run_store_request(registry, command)
+        except StoreError:
+            commands = flow.store_failed(command.request)
+        else:
+            commands = flow.store_result(command.request, answer)
     return None
 
 
@@ -242,7 +325,9 @@ class AttemptRunner(Runner):
                 parts = split_ticket(ticket)
                 if parts is not None:
                     try:
-                        await coordinator.registry.put_ticket(*parts)
+                        await run_store_request(
+                            coordinator.registry, StoreWrite(0, PutTicket(*parts))
+                        )
                     except StoreError:
                         coordinator.metrics.store_errors.inc()
             case Finished():
@@ -321,3 +406,48 @@ class RegistrationRunner(Runner):
         super().cancel()
         for task in list(self.probes):
             task.cancel()
+
+
+class DutyRunner:
+    """Runs the service's periodic duties (proto/openttd/duties.py) on one
+    timer, each duty as a task that never overlaps itself."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.duties = Duties()
+        self.actions: dict[Duty, Callable[[], Awaitable[None]]] = {}
+        self.running: set[asyncio.Task[None]] = set()
+        self.timer = CoreTimer(self.loop, self.duties.get_timer, self.handle_timer)
+
+    def add(
+        self, duty: Duty, period: float, action: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Run ``action`` now and every ``period`` seconds after it finished."""
+        self.actions[duty] = action
+        self.duties.add(duty, period, self.loop.time())
+        self.timer.rearm()
+
+    def handle_timer(self, now: float) -> None:
+        self.duties.handle_timer(now)
+        for duty in self.duties.pop_events():
+            task = asyncio.create_task(self._run(duty))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
+
+    async def _run(self, duty: Duty) -> None:
+        try:
+            await self.actions[duty]()
+        except StoreError as exc:
+            # The store logs the outage once (store/redis.py); a line per duty
+            # and period would bury it.
+            log.debug("openttd: %s failed: %s", duty.value, exc)
+        except Exception:
+            log.exception("openttd: %s failed", duty.value)
+        finally:
+            self.duties.finished(duty, self.loop.time())
+            self.timer.rearm()
+
+    async def close(self) -> None:
+        self.timer.close()
+        for task in list(self.running):
+            await stop_task(task)

@@ -10,13 +10,13 @@ connection until the peer closes it or :attr:`Limits.idle_timeout` passes.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
-from crossroads.proto.openttd.bus import StunSeen
-from crossroads.proto.openttd.codes import parse_token
+from crossroads.proto.openttd.routing import Ignore, route_stun_request
 from crossroads.proto.openttd.stun import decode_stun_packet
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
+from crossroads.services.openttd.metrics import counter
 
 
 class StunService:
@@ -24,11 +24,8 @@ class StunService:
 
     def __init__(self, bus: Bus, metrics: CollectorRegistry) -> None:
         self.bus = bus
-        self.requests = Counter(
-            "crossroads_openttd_stun_requests",
-            "SERCLI_STUN packets, by result.",
-            ["result"],
-            registry=metrics,
+        self.requests = counter(
+            metrics, "stun_requests", "SERCLI_STUN packets, by result.", "result"
         )
 
     async def handle(
@@ -41,15 +38,13 @@ class StunService:
             return
         request = decode_stun_packet(packet_type, payload)
         conn.state = request
-        parsed = parse_token(request.token)
-        if parsed is None:
-            self.requests.labels("unknown-token").inc()
-            conn.close("unknown-token")
-            return
         host, port = conn.peer
-        await self.bus.send(
-            parsed.instance, StunSeen(request.token, request.family, host, port)
-        )
+        route = route_stun_request(request.token, request.family, host, port)
+        if isinstance(route, Ignore):
+            self.requests.labels(route.reason).inc()
+            conn.close(route.reason)
+            return
+        await self.bus.publish(route)
         self.requests.labels("ok").inc()
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:

@@ -4,8 +4,10 @@ Control plane (reference ``openttd-coordinator.md`` section 6): each side
 connects and sends SERCLI_CONNECT with the ticket the coordinator gave both. A
 ticket is ``<id>:<secret>``; the coordinator stored ``id -> secret`` in the store
 with a 30 s TTL. The first side is checked against the store and waits (at most
-:attr:`TurnService.wait_timeout`); the second must present the same ticket
-(constant-time compare). Both then get TURN_CONNECTED with the other's IP, the
+:attr:`TurnService.wait_timeout`, in the sans-I/O
+:class:`~crossroads.proto.openttd.lobby.TurnLobby`, whose one timer holds every
+side's deadline); the second must present the same ticket (constant-time
+compare). Both then get TURN_CONNECTED with the other's IP, the
 ticket is deleted (single use), and the pair switches to relaying.
 
 Data plane: both sockets are handed over (:meth:`PacketConnection.hand_over`)
@@ -24,21 +26,30 @@ service does: it gives a prober nothing to learn).
 from __future__ import annotations
 
 import asyncio
-import hmac
-from dataclasses import dataclass
+import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.codes import split_ticket
+from crossroads.proto.openttd.lobby import (
+    MISMATCH,
+    TicketCheck,
+    TicketVerdict,
+    TurnLobby,
+)
+from crossroads.proto.openttd.store import DropTicket, StoreWrite
 from crossroads.proto.openttd.turn import (
     TurnConnected,
     decode_turn_connect,
     encode_turn_packet,
 )
 from crossroads.services.openttd.conn import PacketConnection
+from crossroads.services.openttd.metrics import counter, gauge
 from crossroads.services.openttd.registry import Registry
+from crossroads.services.openttd.runners import run_store_flow, run_store_request
 from crossroads.transport.admission import current_fd_limit
+from crossroads.transport.driver import CoreTimer
 from crossroads.transport.streamplane import IDLE, StreamPlane, StreamRoute
 
 #: A lone side waits this long for its peer (reference section 6: 20 s).
@@ -66,13 +77,6 @@ def relay_cap(max_connections: int, fd_limit: int | None = None) -> int:
     return max(1, min(max_connections // 2, by_fds))
 
 
-@dataclass(slots=True)
-class _Waiting:
-    conn: PacketConnection
-    secret: str
-    timer: asyncio.TimerHandle
-
-
 class TurnService:
     """Handler for the TURN listener."""
 
@@ -87,7 +91,10 @@ class TurnService:
         self.registry = registry
         self.loop = asyncio.get_running_loop()
         self.wait_timeout = wait_timeout
-        self.waiting: dict[str, _Waiting] = {}
+        #: The sides waiting for their peer, under one timer
+        #: (proto/openttd/lobby.py).
+        self.lobby: TurnLobby[PacketConnection] = TurnLobby(wait_timeout, MAX_WAITING)
+        self.timer = CoreTimer(self.loop, self.lobby.get_timer, self._handle_timer)
         self.plane = StreamPlane(
             idle_timeout=relay_idle_timeout,
             max_routes=max_relays if max_relays is not None else relay_cap(50000),
@@ -95,28 +102,19 @@ class TurnService:
         #: The two connections of each live route, and each one's route.
         self.pairs: dict[StreamRoute, tuple[PacketConnection, PacketConnection]] = {}
         self.route_of: dict[PacketConnection, StreamRoute] = {}
-        self.sessions = Counter(
-            "crossroads_openttd_turn_sessions",
-            "TURN connections, by outcome.",
-            ["result"],
-            registry=metrics,
+        self.sessions = counter(
+            metrics, "turn_sessions", "TURN connections, by outcome.", "result"
         )
-        self.relays = Gauge(
-            "crossroads_openttd_turn_relays",
-            "Relayed pairs in progress.",
-            registry=metrics,
-        )
-        self.relays_ended = Counter(
-            "crossroads_openttd_turn_relays_ended",
+        self.relays = gauge(metrics, "turn_relays", "Relayed pairs in progress.")
+        self.relays_ended = counter(
+            metrics,
+            "turn_relays_ended",
             "Relays ended, by reason (closed: both sides finished; reset; idle; "
             "shutdown).",
-            ["reason"],
-            registry=metrics,
+            "reason",
         )
-        self.relayed_bytes = Counter(
-            "crossroads_openttd_turn_bytes",
-            "Bytes relayed (counted when a relay ends).",
-            registry=metrics,
+        self.relayed_bytes = counter(
+            metrics, "turn_bytes", "Bytes relayed (counted when a relay ends)."
         )
 
     async def handle(
@@ -136,23 +134,21 @@ class TurnService:
         conn.state = ticket_id
         if self._pair_with_waiting(conn, ticket_id, secret):
             return
-        try:
-            stored = await self.registry.get_ticket(ticket_id)
-        except StoreError:
+        verdict = await run_store_flow(self.registry, TicketCheck(ticket_id, secret))
+        if verdict is TicketVerdict.STORE_ERROR:
             self.sessions.labels("store-error").inc()
             conn.close("store-error")
             return
-        if stored is None or not hmac.compare_digest(stored, secret):
+        if verdict is not TicketVerdict.VALID:
             self._invalid(conn)
             return
         if conn.closed or self._pair_with_waiting(conn, ticket_id, secret):
             return
-        if len(self.waiting) >= MAX_WAITING:
+        if not self.lobby.wait(ticket_id, secret, conn, self.loop.time()):
             self.sessions.labels("over-limit").inc()
             conn.close("over-limit")
             return
-        timer = self.loop.call_later(self.wait_timeout, self._expire, ticket_id, conn)
-        self.waiting[ticket_id] = _Waiting(conn, secret, timer)
+        self.timer.rearm()
 
     def _invalid(self, conn: PacketConnection) -> None:
         self.sessions.labels("invalid-ticket").inc()
@@ -161,28 +157,20 @@ class TurnService:
     def _pair_with_waiting(
         self, conn: PacketConnection, ticket_id: str, secret: str
     ) -> bool:
-        waiting = self.waiting.get(ticket_id)
-        if waiting is None:
-            return False
-        if waiting.conn.closed:
-            self._forget(ticket_id, waiting)
-            return False
-        if not hmac.compare_digest(waiting.secret, secret):
+        waiting = self.lobby.pair(ticket_id, secret)
+        if waiting is MISMATCH:
             self._invalid(conn)
             return True
-        self._forget(ticket_id, waiting)
-        self._pair(waiting.conn, conn, ticket_id)
+        self.timer.rearm()
+        if waiting is None or waiting.closed:
+            return False
+        self._pair(waiting, conn, ticket_id)
         return True
 
-    def _forget(self, ticket_id: str, waiting: _Waiting) -> None:
-        waiting.timer.cancel()
-        if self.waiting.get(ticket_id) is waiting:
-            del self.waiting[ticket_id]
-
-    def _expire(self, ticket_id: str, conn: PacketConnection) -> None:
-        waiting = self.waiting.get(ticket_id)
-        if waiting is not None and waiting.conn is conn:
-            del self.waiting[ticket_id]
+    def _handle_timer(self, now: float) -> None:
+        """The lobby's timer: close the sides whose peer never came."""
+        self.lobby.handle_timer(now)
+        for conn in self.lobby.pop_events():
             self.sessions.labels("peer-never-came").inc()
             conn.close("peer-never-came")
 
@@ -242,10 +230,9 @@ class TurnService:
                 conn.close(f"relay-{route.reason}")
 
     async def _drop_ticket(self, ticket_id: str) -> None:
-        try:
-            await self.registry.drop_ticket(ticket_id)
-        except StoreError:
-            pass
+        with contextlib.suppress(StoreError):
+            # Single use, but the ticket's TTL removes it anyway.
+            await run_store_request(self.registry, StoreWrite(0, DropTicket(ticket_id)))
 
     def rejected(self, conn: PacketConnection, reason: str) -> None:
         self.sessions.labels("malformed").inc()
@@ -253,9 +240,8 @@ class TurnService:
     def closed(self, conn: PacketConnection) -> None:
         ticket_id = conn.state
         if isinstance(ticket_id, str):
-            waiting = self.waiting.get(ticket_id)
-            if waiting is not None and waiting.conn is conn:
-                self._forget(ticket_id, waiting)
+            self.lobby.leave(ticket_id, conn)
+            self.timer.rearm()
         route = self.route_of.get(conn)
         if route is not None:
             # Closed from outside the plane (shutdown, an operator): the
@@ -263,7 +249,6 @@ class TurnService:
             route.close()
 
     def cancel_all(self) -> None:
-        for waiting in list(self.waiting.values()):
-            waiting.timer.cancel()
-        self.waiting.clear()
+        self.timer.close()
+        self.lobby.clear()
         self.plane.close()
