@@ -539,3 +539,56 @@ def test_c_and_python_make_the_same_decisions(
         finally:
             rig.close()
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
+@pytest.mark.parametrize("per_relay", [3, 40])
+def test_one_poll_over_many_relay_sockets_sends_once_per_outgoing_socket(
+    per_relay: int,
+) -> None:
+    # TURN's peer -> client shape: many allocations' relay sockets, each with a
+    # few datagrams, all leaving as ChannelData by the one listening socket.
+    # One wakeup drains them all, then sends them in one sendmmsg; with 40 a
+    # relay (320 in all, more than the receive arena holds) the queue is
+    # flushed early, and still nothing is lost or reordered within a flow.
+    poller = _turnfast.Poller()
+    listen = udp()
+    relays = [udp() for _ in range(8)]
+    peers = [udp() for _ in range(8)]
+    clients = [udp() for _ in range(8)]
+    budget = _turnfast.Budget(0.0)
+    taps = []
+    try:
+        for number, (relay, peer, client) in enumerate(
+            zip(relays, peers, clients, strict=True)
+        ):
+            routes = {
+                peer.getsockname(): turnplane.to_client_route(
+                    listen, client.getsockname(), 0x4000 + number, budget
+                )
+            }
+            tap = _turnfast.RouteTap(relay, routes, print)
+            poller.register(relay.fileno(), tap)
+            taps.append(tap)
+        for index in range(per_relay):
+            for relay, peer in zip(relays, peers, strict=True):
+                peer.sendto(b"%d" % index, relay.getsockname())
+        poller.poll()
+        for number, client in enumerate(clients):
+            expected = [
+                turnplane.channel_header(0x4000 + number, len(b"%d" % index))
+                + b"%d" % index
+                for index in range(per_relay)
+            ]
+            assert drain(client) == expected
+        assert [tap.forwarded for tap in taps] == [per_relay] * len(taps)
+        if per_relay == 3:
+            # One sendmmsg for the 24 datagrams, not one per relay socket.
+            assert poller.sends == 1
+            assert [tap.sends for tap in taps] == [1] * len(taps)
+        else:
+            assert 2 <= poller.sends < len(taps)
+    finally:
+        poller.close()
+        for sock in (listen, *relays, *peers, *clients):
+            sock.close()
