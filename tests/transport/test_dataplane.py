@@ -363,3 +363,49 @@ def test_a_batch_interleaving_two_out_sockets_keeps_each_flows_order(
             assert rig.tap.sends == 2
     finally:
         other_out.close()
+
+
+@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(senders=st.lists(st.sampled_from("abc"), max_size=60))
+def test_c_and_python_send_each_socket_the_same_sequence(senders: list[str]) -> None:
+    # ``a`` is routed out of ``out``, ``b`` out of a second socket, ``c`` falls
+    # back and its fallback sends a marker out of ``out`` by hand: C's grouped
+    # sends must put on each socket exactly what the twin's one-by-one sends
+    # do, the marker after every ``a`` datagram that came before it.
+    outcomes = []
+    for impl in (
+        (dataplane.PyRouteTap, dataplane.PyRoute),
+        (_turnfast.RouteTap, _turnfast.Route),
+    ):
+        rig = Rig(impl)
+        c, other_out = udp(), udp()
+
+        def by_hand(data: bytes, addr: Any, rig: Rig = rig) -> None:
+            rig.out.sendto(b"marker " + data, rig.dest.getsockname())
+
+        try:
+            rig.tap = rig.tap_type(rig.relay, rig.routes, by_hand)
+            rig.routes[rig.a.getsockname()] = rig.route()
+            rig.routes[rig.b.getsockname()] = rig.route_type(
+                other_out, rig.dest.getsockname()
+            )
+            senders_by_name = {"a": rig.a, "b": rig.b, "c": c}
+            for index, name in enumerate(senders):
+                rig.send(senders_by_name[name], b"%s%d" % (name.encode(), index))
+            rig.tap.readable()
+            names = {rig.out.getsockname(): "out", other_out.getsockname(): "other"}
+            per_socket: dict[str, list[bytes]] = {"out": [], "other": []}
+            while (got := recv(rig.dest, timeout=0.01)) is not None:
+                per_socket[names[got[1]]].append(got[0])
+            outcomes.append(per_socket)
+        finally:
+            rig.close()
+            c.close()
+            other_out.close()
+    assert outcomes[0] == outcomes[1]
+    assert sum(len(sent) for sent in outcomes[0].values()) == len(senders)
