@@ -31,6 +31,15 @@ else:
     IMPLEMENTATIONS.append(pytest.param((_turnfast.RouteTap, _turnfast.Route), id="c"))
 
 
+NEEDS_C = pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
+#: Hypothesis runs of C against the twin: real sockets per example, so few.
+AGAINST_THE_TWIN = settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
 def udp() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
@@ -222,12 +231,8 @@ def test_bad_options_are_refused(impl: tuple[Any, Any]) -> None:
         sock.close()
 
 
-@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@NEEDS_C
+@AGAINST_THE_TWIN
 @given(
     frames=st.lists(
         st.tuples(st.booleans(), st.binary(min_size=0, max_size=80)), max_size=12
@@ -365,12 +370,8 @@ def test_a_batch_interleaving_two_out_sockets_keeps_each_flows_order(
         other_out.close()
 
 
-@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
-@settings(
-    max_examples=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@NEEDS_C
+@AGAINST_THE_TWIN
 @given(senders=st.lists(st.sampled_from("abc"), max_size=60))
 def test_c_and_python_send_each_socket_the_same_sequence(senders: list[str]) -> None:
     # ``a`` is routed out of ``out``, ``b`` out of a second socket, ``c`` falls
