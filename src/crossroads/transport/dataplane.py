@@ -569,31 +569,32 @@ class TapReaders:
             self._poller = None
 
 
+class RouteOptions(TypedDict, total=False):
+    """A route's keyword options (defaults: those of :class:`PyRoute`)."""
+
+    rewrite: int
+    channel: int
+    budget: BudgetLike | None
+    peer: Address
+    txid: bytes
+    permissions: dict[str, Any]
+    refuse: set[str] | None
+    approved: dict[Address, float] | None
+
+
 def make_route(
     sock: socket.socket,
     dest: Address | None,
     control: Control | None = None,
-    *,
-    rewrite: Rewrite = Rewrite.NONE,
-    channel: int = 0,
-    budget: BudgetLike | None = None,
-    **turn: Any,
+    **options: Unpack[RouteOptions],
 ) -> RouteLike:
     """A route from ``sock`` to ``dest`` (C when built, else Python); each
     datagram goes with ``control`` (a source address on a wildcard bind),
     rewritten as ``rewrite`` says (``channel``: the number WRAP_CHANNEL puts
-    on), paid from ``budget`` (from :func:`make_budget`); ``turn``: the
-    ``peer``/``txid`` of a Data indication route, the ``permissions``/``refuse``
-    of a Send route (see :class:`Rewrite`)."""
-    route: RouteLike = RouteType(
-        sock,
-        dest,
-        control,
-        rewrite=int(rewrite),
-        channel=channel,
-        budget=budget,
-        **turn,
-    )
+    on), paid from ``budget`` (from :func:`make_budget`); the ``peer``/``txid``
+    of a Data indication route, the ``permissions``/``refuse``/``approved`` of a
+    Send route (see :class:`Rewrite`)."""
+    route: RouteLike = RouteType(sock, dest, control, **options)
     return route
 
 
