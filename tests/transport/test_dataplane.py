@@ -31,6 +31,15 @@ else:
     IMPLEMENTATIONS.append(pytest.param((_turnfast.RouteTap, _turnfast.Route), id="c"))
 
 
+NEEDS_C = pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
+#: Hypothesis runs of C against the twin: real sockets per example, so few.
+AGAINST_THE_TWIN = settings(
+    max_examples=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+
+
 def udp() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
@@ -222,12 +231,8 @@ def test_bad_options_are_refused(impl: tuple[Any, Any]) -> None:
         sock.close()
 
 
-@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
-@settings(
-    max_examples=60,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture],
-)
+@NEEDS_C
+@AGAINST_THE_TWIN
 @given(
     frames=st.lists(
         st.tuples(st.booleans(), st.binary(min_size=0, max_size=80)), max_size=12
@@ -328,3 +333,80 @@ async def test_tap_readers_drain_every_registered_tap_until_removed() -> None:
         readers.close()
         for sock in socks:
             sock.close()
+
+
+def test_a_batch_interleaving_two_out_sockets_keeps_each_flows_order(
+    rig: Rig,
+) -> None:
+    # ``a``'s flow leaves by ``out``, ``b``'s by another socket, interleaved in
+    # one drain of more than one recvmmsg batch: every datagram arrives, each
+    # flow in its order (the order across the two sockets is not a flow's).
+    other_out = udp()
+    try:
+        rig.routes[rig.a.getsockname()] = rig.route()
+        rig.routes[rig.b.getsockname()] = rig.route_type(
+            other_out, rig.dest.getsockname()
+        )
+        count = 30  # 60: two recvmmsg batches, one readable() of the twin
+        for index in range(count):
+            rig.send(rig.a, b"a%d" % index)
+            rig.send(rig.b, b"b%d" % index)
+        rig.tap.readable()
+        got = [recv(rig.dest) for _ in range(2 * count)]
+        by_source: dict[Any, list[bytes]] = {}
+        for item in got:
+            assert item is not None
+            by_source.setdefault(item[1], []).append(item[0])
+        assert by_source == {
+            rig.out.getsockname(): [b"a%d" % index for index in range(count)],
+            other_out.getsockname(): [b"b%d" % index for index in range(count)],
+        }
+        assert rig.tap.forwarded == 2 * count and rig.fallen == []
+        if rig.tap_type is not dataplane.PyRouteTap:
+            # C: one sendmmsg per outgoing socket for the whole drain, not one
+            # per run of datagrams bound for the same socket (60 here).
+            assert rig.tap.sends == 2
+    finally:
+        other_out.close()
+
+
+@NEEDS_C
+@AGAINST_THE_TWIN
+@given(senders=st.lists(st.sampled_from("abc"), max_size=60))
+def test_c_and_python_send_each_socket_the_same_sequence(senders: list[str]) -> None:
+    # ``a`` is routed out of ``out``, ``b`` out of a second socket, ``c`` falls
+    # back and its fallback sends a marker out of ``out`` by hand: C's grouped
+    # sends must put on each socket exactly what the twin's one-by-one sends
+    # do, the marker after every ``a`` datagram that came before it.
+    outcomes = []
+    for impl in (
+        (dataplane.PyRouteTap, dataplane.PyRoute),
+        (_turnfast.RouteTap, _turnfast.Route),
+    ):
+        rig = Rig(impl)
+        c, other_out = udp(), udp()
+
+        def by_hand(data: bytes, addr: Any, rig: Rig = rig) -> None:
+            rig.out.sendto(b"marker " + data, rig.dest.getsockname())
+
+        try:
+            rig.tap = rig.tap_type(rig.relay, rig.routes, by_hand)
+            rig.routes[rig.a.getsockname()] = rig.route()
+            rig.routes[rig.b.getsockname()] = rig.route_type(
+                other_out, rig.dest.getsockname()
+            )
+            senders_by_name = {"a": rig.a, "b": rig.b, "c": c}
+            for index, name in enumerate(senders):
+                rig.send(senders_by_name[name], b"%s%d" % (name.encode(), index))
+            rig.tap.readable()
+            names = {rig.out.getsockname(): "out", other_out.getsockname(): "other"}
+            per_socket: dict[str, list[bytes]] = {"out": [], "other": []}
+            while (got := recv(rig.dest, timeout=0.01)) is not None:
+                per_socket[names[got[1]]].append(got[0])
+            outcomes.append(per_socket)
+        finally:
+            rig.close()
+            c.close()
+            other_out.close()
+    assert outcomes[0] == outcomes[1]
+    assert sum(len(sent) for sent in outcomes[0].values()) == len(senders)

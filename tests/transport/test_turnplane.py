@@ -539,3 +539,102 @@ def test_c_and_python_make_the_same_decisions(
         finally:
             rig.close()
     assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
+@pytest.mark.parametrize("per_relay", [3, 40])
+def test_one_poll_over_many_relay_sockets_sends_once_per_outgoing_socket(
+    per_relay: int,
+) -> None:
+    # TURN's peer -> client shape: many allocations' relay sockets, each with a
+    # few datagrams, all leaving as ChannelData by the one listening socket.
+    # One wakeup drains them all, then sends them in one sendmmsg; with 40 a
+    # relay (320 in all, more than the receive arena holds) the queue is
+    # flushed early, and still nothing is lost or reordered within a flow.
+    poller = _turnfast.Poller()
+    listen = udp()
+    relays = [udp() for _ in range(8)]
+    peers = [udp() for _ in range(8)]
+    clients = [udp() for _ in range(8)]
+    budget = _turnfast.Budget(0.0)
+    taps = []
+    try:
+        for number, (relay, peer, client) in enumerate(
+            zip(relays, peers, clients, strict=True)
+        ):
+            routes = {
+                peer.getsockname(): turnplane.to_client_route(
+                    listen, client.getsockname(), 0x4000 + number, budget
+                )
+            }
+            tap = _turnfast.RouteTap(relay, routes, print)
+            poller.register(relay.fileno(), tap)
+            taps.append(tap)
+        for index in range(per_relay):
+            for relay, peer in zip(relays, peers, strict=True):
+                peer.sendto(b"%d" % index, relay.getsockname())
+        poller.poll()
+        for number, client in enumerate(clients):
+            expected = [
+                turnplane.channel_header(0x4000 + number, len(b"%d" % index))
+                + b"%d" % index
+                for index in range(per_relay)
+            ]
+            assert drain(client) == expected
+        assert [tap.forwarded for tap in taps] == [per_relay] * len(taps)
+        if per_relay == 3:
+            # One sendmmsg for the 24 datagrams, not one per relay socket.
+            assert poller.sends == 1
+            assert [tap.sends for tap in taps] == [1] * len(taps)
+        else:
+            assert 2 <= poller.sends < len(taps)
+    finally:
+        poller.close()
+        for sock in (listen, *relays, *peers, *clients):
+            sock.close()
+
+
+@pytest.mark.skipif(_turnfast is None, reason="C data plane not built")
+def test_a_fallback_that_tears_down_every_tap_mid_poll_loses_nothing_queued() -> None:
+    # Released allocations: the first fallback of a poll unregisters and
+    # closes every tap, closes their sockets and drops the last references
+    # but the poller's. What was queued before it was sent first; the taps not
+    # yet drained read nothing; nothing is freed while a queued send needs it.
+    poller = _turnfast.Poller()
+    out, dest, peer, stranger = udp(), udp(), udp(), udp()
+    relays = [udp() for _ in range(6)]
+    taps: list[Any] = []
+    torn_down: list[bytes] = []
+
+    def release(data: bytes, addr: Any) -> None:
+        torn_down.append(data)
+        for tap, relay in zip(taps, relays, strict=True):
+            poller.unregister(relay.fileno())
+            tap.close()
+            relay.close()
+        taps.clear()
+
+    try:
+        for relay in relays:
+            routes = {peer.getsockname(): _turnfast.Route(out, dest.getsockname())}
+            tap = _turnfast.RouteTap(relay, routes, release)
+            poller.register(relay.fileno(), tap)
+            taps.append(tap)
+        for number, relay in enumerate(relays):
+            for index in range(3):
+                peer.sendto(b"%d.%d" % (number, index), relay.getsockname())
+            stranger.sendto(b"release %d" % number, relay.getsockname())
+        poller.poll()
+        assert len(torn_down) == 1
+        released = int(torn_down[0].split()[1])
+        # The released relay's own datagrams came before its fallback; any
+        # other relay drained before it forwarded all three.
+        got = drain(dest)
+        assert got[-3:] == [b"%d.%d" % (released, index) for index in range(3)]
+        assert len(got) % 3 == 0 and len(set(got)) == len(got)
+        poller.poll()  # nothing registered, nothing to free twice
+        assert poller.events == len(relays)
+    finally:
+        poller.close()
+        for sock in (out, dest, peer, stranger, *relays):
+            sock.close()

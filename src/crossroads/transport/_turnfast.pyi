@@ -16,6 +16,7 @@ class _Counters:
     batches: int
     drained: int
     throttled: int
+    sends: int
 
 class Budget:
     bps: float
@@ -26,6 +27,7 @@ class Budget:
 class Poller:
     wakeups: int
     events: int
+    sends: int
     def register(self, fd: int, tap: RouteTap) -> None: ...
     def unregister(self, fd: int) -> None: ...
     def poll(self) -> None: ...

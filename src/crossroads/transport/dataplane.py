@@ -45,7 +45,15 @@ Two implementations with identical decisions:
   ``Route``), which drains the socket with ``recvmmsg`` (up to 8 batches of 32
   per readiness callback, the TURN taps' limits) and sends what it routes with
   ``sendmmsg``, the iovecs pointing into the receive buffers: no payload copy, no
-  Python object per datagram but its (cached) address tuple;
+  Python object per datagram but its (cached) address tuple. The receive
+  buffers are an arena larger than one batch and the sends wait in one queue
+  for every tap: one wakeup (``Poller.poll``, or ``readable``) reads every ready
+  socket, then sends with one ``sendmmsg`` per outgoing socket, each socket's
+  datagrams in arrival order (a flow leaves by one socket, so its order holds;
+  the order *across* sockets is not kept, as it never is across sockets). The
+  queue is flushed early before a fallback call (which sees everything before
+  it sent) and when the arena is full. ``sends`` counts the send system calls
+  (on the tap, and on the ``Poller`` for its wakeups);
 - :class:`PyRouteTap` / :class:`PyRoute` below: ``recvfrom``, a dict lookup and a
   ``sendto`` per datagram, used when the accelerator is not built or
   ``CROSSROADS_TURN_PURE_PYTHON=1`` is set (TURN uses this plane too; see
@@ -68,7 +76,7 @@ import socket
 import time
 from collections.abc import Callable
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, Unpack
 
 from crossroads.proto.turn.fastpath import data_indication, parse_send_indication
 from crossroads.types import Address
@@ -200,6 +208,8 @@ class RouteTapLike(Protocol):
     def malformed(self) -> int: ...
     @property
     def throttled(self) -> int: ...
+    @property
+    def sends(self) -> int: ...
     def readable(self) -> None: ...
     def datagram_received(self, data: bytes, addr: Any) -> None: ...
     def close(self) -> None: ...
@@ -339,6 +349,9 @@ class PyCounters:
         self.batches = 0
         self.drained = 0
         self.throttled = 0
+        #: Send system calls that carried this tap's datagrams (C: sendmmsg
+        #: calls, one per outgoing socket per wakeup; here one per datagram).
+        self.sends = 0
 
 
 class PyRouteTap(PyCounters):
@@ -487,6 +500,7 @@ class PyRouteTap(PyCounters):
             data = route.data_indication(payload)
         else:
             data = payload
+        self.sends += 1
         try:
             route.send(data, dest)
         except OSError:
@@ -555,31 +569,32 @@ class TapReaders:
             self._poller = None
 
 
+class RouteOptions(TypedDict, total=False):
+    """A route's keyword options (defaults: those of :class:`PyRoute`)."""
+
+    rewrite: int
+    channel: int
+    budget: BudgetLike | None
+    peer: Address
+    txid: bytes
+    permissions: dict[str, Any]
+    refuse: set[str] | None
+    approved: dict[Address, float] | None
+
+
 def make_route(
     sock: socket.socket,
     dest: Address | None,
     control: Control | None = None,
-    *,
-    rewrite: Rewrite = Rewrite.NONE,
-    channel: int = 0,
-    budget: BudgetLike | None = None,
-    **turn: Any,
+    **options: Unpack[RouteOptions],
 ) -> RouteLike:
     """A route from ``sock`` to ``dest`` (C when built, else Python); each
     datagram goes with ``control`` (a source address on a wildcard bind),
     rewritten as ``rewrite`` says (``channel``: the number WRAP_CHANNEL puts
-    on), paid from ``budget`` (from :func:`make_budget`); ``turn``: the
-    ``peer``/``txid`` of a Data indication route, the ``permissions``/``refuse``
-    of a Send route (see :class:`Rewrite`)."""
-    route: RouteLike = RouteType(
-        sock,
-        dest,
-        control,
-        rewrite=int(rewrite),
-        channel=channel,
-        budget=budget,
-        **turn,
-    )
+    on), paid from ``budget`` (from :func:`make_budget`); the ``peer``/``txid``
+    of a Data indication route, the ``permissions``/``refuse``/``approved`` of a
+    Send route (see :class:`Rewrite`)."""
+    route: RouteLike = RouteType(sock, dest, control, **options)
     return route
 
 
@@ -589,27 +604,25 @@ def make_budget(bps: float) -> BudgetLike:
     return budget
 
 
+class TapOptions(TypedDict, total=False):
+    """A tap's keyword options (defaults: those of :class:`PyRouteTap`)."""
+
+    prefix: int
+    length_at: int
+    max_size: int
+    ancillary: bool
+
+
 def make_tap(
     sock: socket.socket | None,
     routes: dict[Any, Any],
     fallback: Callable[..., None],
-    *,
-    prefix: int = 0,
-    length_at: int = -1,
-    max_size: int = MAX_DATAGRAM,
-    ancillary: bool = False,
+    **options: Unpack[TapOptions],
 ) -> RouteTapLike:
     """A tap reading ``sock`` through ``routes`` (C when built, else Python;
     ``sock=None``: datagrams are handed in with ``datagram_received``).
     ``fallback(data, addr)``, or ``fallback(data, addr, ancdata)`` with
-    ``ancillary`` (the socket's control messages, as ``recvmsg`` gives them)."""
-    tap: RouteTapLike = RouteTapType(
-        sock,
-        routes,
-        fallback,
-        prefix=prefix,
-        length_at=length_at,
-        max_size=max_size,
-        ancillary=ancillary,
-    )
+    ``ancillary`` (the socket's control messages, as ``recvmsg`` gives them);
+    ``prefix``, ``length_at``, ``max_size``: see the module docstring."""
+    tap: RouteTapLike = RouteTapType(sock, routes, fallback, **options)
     return tap

@@ -152,17 +152,30 @@ def to_peer_route(relay: socket.socket, peer: Address, budget: BudgetLike) -> Ro
     return make_route(relay, peer, rewrite=Rewrite.UNWRAP_CHANNEL, budget=budget)
 
 
+def _from_listener(
+    listener: SendsTo,
+    client: Address,
+    rewrite: Rewrite,
+    budget: BudgetLike,
+    **turn: Any,
+) -> RouteLike:
+    """A peer -> client route: from the listening socket to ``client``."""
+    return make_route(
+        listener,  # type: ignore[arg-type]
+        client,
+        rewrite=rewrite,
+        budget=budget,
+        **turn,
+    )
+
+
 def to_client_route(
     listener: SendsTo, client: Address, number: int, budget: BudgetLike
 ) -> RouteLike:
     """Peer -> client: the peer's datagram as ChannelData on ``number``, from
     the listening socket."""
-    return make_route(
-        listener,  # type: ignore[arg-type]
-        client,
-        rewrite=Rewrite.WRAP_CHANNEL,
-        channel=number,
-        budget=budget,
+    return _from_listener(
+        listener, client, Rewrite.WRAP_CHANNEL, budget, channel=number
     )
 
 
@@ -171,13 +184,8 @@ def data_route(
 ) -> RouteLike:
     """Peer -> client without a channel: the datagram in a Data indication
     naming ``peer`` (transaction ids: ``txid``, 8 random bytes, + a counter)."""
-    return make_route(
-        listener,  # type: ignore[arg-type]
-        client,
-        rewrite=Rewrite.DATA_INDICATION,
-        budget=budget,
-        peer=peer,
-        txid=txid,
+    return _from_listener(
+        listener, client, Rewrite.DATA_INDICATION, budget, peer=peer, txid=txid
     )
 
 
