@@ -366,3 +366,21 @@ async def test_udp_proxy_server_chosen_by_the_clients_pings_then_fallback(
         far.close()
         near.close()
         await runtime.close()
+
+
+async def test_describe_brackets_an_ipv6_host() -> None:
+    runtime = await start(
+        default_config(
+            loopback_config(
+                core__only="raknet", raknet__host="::1", raknet__second_host="::1"
+            )
+        )
+    )
+    try:
+        lines = runtime.services["raknet"].describe()
+    finally:
+        await runtime.close()
+    assert [line.split(" ")[1].rsplit(":", 1)[0] for line in lines] == [
+        "[::1]",
+        "[::1]",
+    ]

@@ -76,7 +76,7 @@ from crossroads.services.base import ServiceContext, SessionInfo
 from crossroads.transport.driver import SocketSetDriver
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.sockets import make_udp_socket
-from crossroads.types import Address
+from crossroads.types import Address, show_address
 
 NAME = "natneg"
 log = logging.getLogger("crossroads.natneg")
@@ -546,8 +546,8 @@ class NatNegService:
             Endpoint.PROBE_IP: "probe ip",
         }
         lines = [
-            f"udp {host}:{port} ({roles[endpoint]})"
-            for endpoint, (host, port) in self.addresses.items()
+            f"udp {show_address(address)} ({roles[endpoint]})"
+            for endpoint, address in self.addresses.items()
         ]
         return lines + self._notes
 

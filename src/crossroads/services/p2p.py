@@ -58,7 +58,7 @@ from crossroads.services.p2p_master import MasterServer, make_master_router
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.sockets import bound_address, make_udp_socket
-from crossroads.types import Address, normalize_address
+from crossroads.types import Address, normalize_address, show_address
 
 NAME = "p2p"
 
@@ -285,7 +285,7 @@ class P2PService:
         self._heartbeat_task = asyncio.create_task(self._refresh_codes())
 
     def describe(self) -> list[str]:
-        lines = [f"udp {h}:{p}" for h, p in self._udp]
+        lines = [f"udp {show_address(address)}" for address in self._udp]
         lines.append(f"ws /p2p/v1/ws (advertised as {self.url})")
         lines.append(f"http {self.config.master_path} (MasterServer2)")
         return lines

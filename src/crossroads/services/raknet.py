@@ -35,7 +35,7 @@ from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.transport.driver import DatagramDriver
 from crossroads.transport.raknet_forwarder import ForwarderPool
 from crossroads.transport.sockets import bound_address, make_udp_socket
-from crossroads.types import Address, normalize_address
+from crossroads.types import Address, normalize_address, show_address
 
 NAME = "raknet"
 
@@ -280,8 +280,8 @@ class RakNetService:
             return ["disabled"]
         roles = ["RakNet", "RakNet port-stride"]
         return [
-            f"udp {h}:{p} ({r})"
-            for (h, p), r in zip(self.addresses, roles, strict=False)
+            f"udp {show_address(address)} ({role})"
+            for address, role in zip(self.addresses, roles, strict=False)
         ]
 
     async def close(self) -> None:

@@ -17,7 +17,7 @@ import os
 import random
 from dataclasses import dataclass
 
-from crossroads.config import setting
+from crossroads.config import check_non_negative, check_positive, setting
 from crossroads.errors import StoreError
 from crossroads.proto.openttd.duties import Duty
 from crossroads.proto.openttd.record import ServerRecord
@@ -72,16 +72,6 @@ def _check_roles(roles: tuple[str, ...]) -> None:
         )
 
 
-def _positive(value: float) -> None:
-    if value <= 0:
-        raise ValueError("must be greater than 0")
-
-
-def _not_negative(value: float) -> None:
-    if value < 0:
-        raise ValueError("must be 0 or more")
-
-
 @dataclass(frozen=True, slots=True)
 class Config:
     """The ``[openttd]`` section."""
@@ -116,110 +106,112 @@ class Config:
         "relay at --public-host (or the address the peer reached us on).",
     )
     connect_timeout: float = setting(
-        20.0, kind="float", check=_positive, help="Seconds one join may take in total."
+        20.0,
+        kind="float",
+        check=check_positive,
+        help="Seconds one join may take in total.",
     )
     stun_wait: float = setting(
         5.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds to wait for both peers' STUN results.",
     )
     verify_timeout: float = setting(
         7.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds a registration check may take.",
     )
     probe_timeout: float = setting(
         3.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds for one direct game-protocol probe.",
     )
     packet_timeout: float = setting(
         10.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds to send the first packet, or to finish any started packet.",
     )
     idle_timeout: float = setting(
         90.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds without a packet before a coordinator connection is closed "
         "(servers update every 30 s).",
     )
     stun_hold: float = setting(
         60.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds a STUN connection is kept open.",
     )
     turn_wait: float = setting(
         20.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds a TURN side waits for its peer.",
     )
     relay_idle_timeout: float = setting(
         300.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds a silent TURN relay is kept.",
     )
     max_connections: int = setting(
-        50000, kind="int", check=_positive, help="Open connections per listener."
+        50000, kind="int", check=check_positive, help="Open connections per listener."
     )
     max_connections_per_address: int = setting(
         256,
         kind="int",
-        check=_positive,
+        check=check_positive,
         help="Open connections per listener and source IP.",
     )
     registrations_per_minute: int = setting(
         30,
         kind="int",
-        check=_positive,
+        check=check_positive,
         help="Registrations per source IP (IPv6: per /64) and minute.",
     )
     max_servers_per_address: int = setting(
         64,
         kind="int",
-        check=_positive,
+        check=check_positive,
         help="Registered servers per source IP (IPv6: per /64), per instance.",
     )
     max_invite_codes: int = setting(
         250_000,
         kind="int",
-        check=_not_negative,
+        check=check_non_negative,
         help="Invite codes reserved at once across the deployment (each for 30 days "
         "after its server was last seen); a new server beyond it is refused. "
         "0: no cap.",
     )
     listing_cache: float = setting(
-        2.0, kind="float", check=_positive, help="Seconds a server listing is reused."
+        2.0,
+        kind="float",
+        check=check_positive,
+        help="Seconds a server listing is reused.",
     )
     instance_heartbeat: float = setting(
         INSTANCE_EVERY,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds between this coordinator's liveness beats; another instance "
         "stops advertising its servers three beats after it dies.",
     )
     server_ttl: float = setting(
         90.0,
         kind="float",
-        check=_positive,
+        check=check_positive,
         help="Seconds a server record lives without an update (servers update every 30 s).",
     )
 
     def __post_init__(self) -> None:
         if self.server_ttl <= 30.0:
             raise ValueError("server_ttl: must exceed the 30 s server update period")
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _specific(host: str) -> bool:
@@ -244,7 +236,7 @@ class OpenTTDService:
 
     def describe(self) -> list[str]:
         return [
-            f"tcp {_join(*listener.address)} ({role})"
+            f"tcp {show_address(listener.address)} ({role})"
             for role, listener in self.listeners.items()
         ]
 
@@ -390,7 +382,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
             if cfg.turn_address:
                 service.turn_public = cfg.turn_address
             elif announce_host:
-                service.turn_public = _join(announce_host, address[1])
+                service.turn_public = show_address((announce_host, address[1]))
             if service.turn_public:
                 announced = service.turn_public
                 duties.add(
@@ -435,7 +427,9 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 if service.turn is not None:
                     if service.turn_public:
                         return service.turn_public
-                    return _join(conn.local[0], service.listeners["turn"].address[1])
+                    return show_address(
+                        (conn.local[0], service.listeners["turn"].address[1])
+                    )
                 return random.choice(relays) if relays else None
 
             coordinator = Coordinator(
