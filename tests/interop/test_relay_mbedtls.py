@@ -1,0 +1,299 @@
+"""Unity Relay over DTLS with a real mbedTLS client, UnityTLS's library.
+
+Unity Transport's DTLS is UnityTLS, a closed wrapper around mbedTLS (reference
+unity-secure-transports.md §1). ``mbedtls_dtls_client.c``, compiled here
+against Debian's libmbedtls, does what UnityTLS does for Relay+DTLS: the 16
+raw allocation-id bytes as PSK identity, the 64-byte decoded key as PSK,
+mbedTLS's default ciphersuites and its own HelloVerifyRequest handling. It
+sends relay messages built by crossroads' codec as DTLS application data and
+prints the records it receives as hex lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from crossroads.proto.dtls.handshake import Established
+from crossroads.proto.relay.messages import (
+    HMAC_SIZE,
+    Accepted,
+    Bind,
+    BindReceived,
+    ConnectRequest,
+    Relay,
+)
+from crossroads.proto.relay.token import bind_hmac
+from tests.dtls_psk_support import DtlsPeer
+from tests.e2e.relay_support import (
+    allocate,
+    allocate_pair,
+    allocation_id,
+    api,
+    base_url,
+    endpoint_address,
+    metric,
+    relay_runtime,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SOURCE = Path(__file__).with_name("mbedtls_dtls_client.c")
+HEADER = Path("/usr/include/mbedtls/ssl.h")
+
+#: Exit codes of mbedtls_dtls_client.c.
+EXIT_HANDSHAKE = 4
+
+#: What mbedTLS 2.28's default list and the relay agree on: the relay picks
+#: by its own preference among what the client offers (crypto.SUITES, 0x00A8
+#: first), and mbedTLS's defaults offer TLS_PSK_WITH_AES_128_GCM_SHA256.
+NEGOTIATED_SUITE = "TLS-PSK-WITH-AES-128-GCM-SHA256"
+
+
+@pytest.fixture(scope="module")
+def client_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("cc") is None:
+        pytest.skip("needs cc (Makefile DEBIAN_PACKAGES: gcc)")
+    if not HEADER.exists():
+        pytest.skip("needs mbedTLS headers (Makefile DEBIAN_PACKAGES: libmbedtls-dev)")
+    binary = tmp_path_factory.mktemp("mbedtls") / "mbedtls_dtls_client"
+    subprocess.run(
+        [
+            "cc",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            "-o",
+            str(binary),
+            str(SOURCE),
+            "-lmbedtls",
+            "-lmbedx509",
+            "-lmbedcrypto",
+        ],
+        check=True,
+    )
+    return binary
+
+
+def signed_bind(allocation: dict[str, Any], key: bytes | None = None) -> bytes:
+    """A BIND from crossroads' codec, HMAC'd with the allocation's key as the
+    client does (reference §1.1)."""
+    data = base64.b64decode(allocation["connectionData"])
+    unsigned = Bind(nonce=0, connection_data=data, hmac=bytes(HMAC_SIZE))
+    mac = bind_hmac(
+        key if key is not None else base64.b64decode(allocation["key"]),
+        unsigned.signed_bytes(),
+    )
+    return Bind(nonce=0, connection_data=data, hmac=mac).encode()
+
+
+@dataclass
+class Run:
+    """One finished run of the mbedTLS client."""
+
+    returncode: int
+    lines: list[str]
+    stderr: str
+
+    @property
+    def ciphersuite(self) -> str:
+        return next(line.split()[1] for line in self.lines if line.startswith("ci"))
+
+    @property
+    def records(self) -> list[bytes]:
+        return [
+            bytes.fromhex(line)
+            for line in self.lines
+            if not line.startswith(("ciphersuite", "version"))
+        ]
+
+
+class MbedtlsClient:
+    """The compiled client as a running process, read line by line."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.lines: list[str] = []
+
+    async def line(self, timeout: float = 15.0) -> str:
+        assert self.proc.stdout is not None
+        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
+        assert raw, f"client ended early: {await self.finish()}"
+        text = raw.decode().strip()
+        self.lines.append(text)
+        return text
+
+    async def finish(self, timeout: float = 20.0) -> Run:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        out, err = await asyncio.wait_for(
+            asyncio.gather(self.proc.stdout.read(), self.proc.stderr.read()), timeout
+        )
+        await self.proc.wait()
+        self.lines += out.decode().splitlines()
+        assert self.proc.returncode is not None
+        return Run(self.proc.returncode, self.lines, err.decode())
+
+
+@contextlib.asynccontextmanager
+async def mbedtls_client(
+    binary: Path,
+    server: tuple[str, int],
+    identity: bytes,
+    psk: bytes,
+    steps: list[str],
+) -> AsyncIterator[MbedtlsClient]:
+    """Start the client; it is killed on the way out if still running."""
+    proc = await asyncio.create_subprocess_exec(
+        str(binary),
+        server[0],
+        str(server[1]),
+        identity.hex(),
+        psk.hex(),
+        *steps,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        yield MbedtlsClient(proc)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+
+
+async def run_client(
+    binary: Path,
+    server: tuple[str, int],
+    identity: bytes,
+    psk: bytes,
+    steps: list[str],
+) -> Run:
+    async with mbedtls_client(binary, server, identity, psk, steps) as client:
+        return await client.finish()
+
+
+async def dtls_metrics(rt: Any) -> str:
+    async with httpx.AsyncClient(base_url=base_url(rt)) as http:
+        return (await http.get("/metrics")).text
+
+
+async def test_mbedtls_binds_with_the_raw_allocation_id(client_binary: Path) -> None:
+    async with relay_runtime() as rt, api(rt) as http:
+        allocation = await allocate(http, 1)
+        key = base64.b64decode(allocation["key"])
+        run = await run_client(
+            client_binary,
+            endpoint_address(allocation, "dtls"),
+            allocation_id(allocation),
+            key,
+            [f"w:{signed_bind(allocation).hex()}", "r"],
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.records == [BindReceived().encode()]
+        assert run.ciphersuite == NEGOTIATED_SUITE, run.lines
+        assert "version DTLSv1.2" in run.lines
+        page = await dtls_metrics(rt)
+        # mbedTLS went through our cookie exchange, as UnityTLS does.
+        assert metric(page, "crossroads_relay_dtls_hello_verify_requests_total") >= 1
+        assert metric(page, "crossroads_relay_dtls_handshakes_completed_total") == 1
+
+
+async def test_mbedtls_with_the_uuid_text_identity(client_binary: Path) -> None:
+    """Unity's docs name the allocation ID's canonical text as identity; the
+    relay accepts both (reference §1.3, the safe server rule)."""
+    async with relay_runtime() as rt, api(rt) as http:
+        allocation = await allocate(http, 1)
+        assert len(allocation["allocationId"]) == 36
+        run = await run_client(
+            client_binary,
+            endpoint_address(allocation, "dtls"),
+            allocation["allocationId"].encode(),
+            base64.b64decode(allocation["key"]),
+            [f"w:{signed_bind(allocation).hex()}", "r"],
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.records == [BindReceived().encode()]
+
+
+async def test_mbedtls_with_a_wrong_key_fails_the_handshake(
+    client_binary: Path,
+) -> None:
+    async with relay_runtime() as rt, api(rt) as http:
+        allocation = await allocate(http, 1)
+        key = base64.b64decode(allocation["key"])
+        wrong = bytes(b ^ 1 for b in key)
+        run = await run_client(
+            client_binary,
+            endpoint_address(allocation, "dtls"),
+            allocation_id(allocation),
+            wrong,
+            [f"w:{signed_bind(allocation).hex()}", "r"],
+        )
+        assert run.returncode == EXIT_HANDSHAKE, (run.returncode, run.stderr)
+        # The relay cannot decrypt the client's Finished and says so with a
+        # fatal bad_record_mac alert (RFC 5246 §7.4.9), which mbedTLS reports.
+        assert "fatal alert message was received" in run.stderr, run.stderr
+        assert run.records == []
+        page = await dtls_metrics(rt)
+        assert metric(page, "crossroads_relay_dtls_handshakes_completed_total") == 0
+        failures = "crossroads_relay_dtls_handshake_failures_total"
+        assert metric(page, failures, reason="bad-psk") == 1, page
+
+
+async def test_mbedtls_joiner_and_crossroads_host_relay_both_ways(
+    client_binary: Path,
+) -> None:
+    async with relay_runtime() as rt, api(rt) as http:
+        host_alloc, join_alloc = await allocate_pair(http)
+        hid, jid = allocation_id(host_alloc), allocation_id(join_alloc)
+        server = endpoint_address(host_alloc, "dtls")
+        host = DtlsPeer(server, hid, base64.b64decode(host_alloc["key"]))
+        try:
+            assert isinstance(await host.handshake(), Established)
+            host.send(signed_bind(host_alloc))
+            assert await host.recv() == BindReceived().encode()
+            to_host = os.urandom(100)
+            to_joiner = os.urandom(1200)
+            connect = ConnectRequest(
+                jid, base64.b64decode(join_alloc["hostConnectionData"])
+            )
+            steps = [
+                f"w:{signed_bind(join_alloc).hex()}",
+                "r",
+                f"w:{connect.encode().hex()}",
+                "r",
+                "r",
+                f"w:{Relay(jid, hid, to_host).encode().hex()}",
+            ]
+            async with mbedtls_client(
+                client_binary,
+                server,
+                jid,
+                base64.b64decode(join_alloc["key"]),
+                steps,
+            ) as joiner:
+                assert (await joiner.line()).startswith("ciphersuite ")
+                assert (await joiner.line()).startswith("version ")
+                assert bytes.fromhex(await joiner.line()) == BindReceived().encode()
+                accepted = bytes.fromhex(await joiner.line())
+                assert accepted == Accepted(hid, jid).encode()
+                host.send(Relay(hid, jid, to_joiner).encode())
+                assert bytes.fromhex(await joiner.line()) == (
+                    Relay(hid, jid, to_joiner).encode()
+                )
+                assert await host.recv() == Relay(jid, hid, to_host).encode()
+                run = await joiner.finish()
+                assert run.returncode == 0, run.stderr
+        finally:
+            host.close()
