@@ -35,6 +35,7 @@ from crossroads.proto.relay.messages import (
     Relay,
 )
 from crossroads.proto.relay.token import bind_hmac
+from tests.conftest import eventually
 from tests.dtls_psk_support import DtlsPeer
 from tests.e2e.relay_support import (
     allocate,
@@ -208,6 +209,19 @@ async def test_mbedtls_binds_with_the_raw_allocation_id(client_binary: Path) -> 
         assert metric(page, "crossroads_relay_dtls_hello_verify_requests_total") >= 1
         assert metric(page, "crossroads_relay_dtls_handshakes_completed_total") == 1
 
+        async def session_closed() -> bool:
+            page = await dtls_metrics(rt)
+            return metric(page, "crossroads_relay_dtls_sessions") == 0
+
+        # Its close_notify ends the session and the allocation, and nothing is
+        # sent to (or dropped for) the gone session.
+        await eventually(session_closed, "close_notify ended the DTLS session")
+        page = await dtls_metrics(rt)
+        dropped = "crossroads_relay_dtls_dropped_records_total"
+        assert metric(page, dropped, reason="send-no-session") == 0, [
+            line for line in page.splitlines() if line.startswith(dropped)
+        ]
+
 
 async def test_mbedtls_with_the_uuid_text_identity(client_binary: Path) -> None:
     """Unity's docs name the allocation ID's canonical text as identity; the
@@ -248,7 +262,9 @@ async def test_mbedtls_with_a_wrong_key_fails_the_handshake(
         page = await dtls_metrics(rt)
         assert metric(page, "crossroads_relay_dtls_handshakes_completed_total") == 0
         failures = "crossroads_relay_dtls_handshake_failures_total"
-        assert metric(page, failures, reason="bad-psk") == 1, page
+        assert metric(page, failures, reason="bad-psk") == 1, [
+            line for line in page.splitlines() if line.startswith(failures)
+        ]
 
 
 async def test_mbedtls_joiner_and_crossroads_host_relay_both_ways(
