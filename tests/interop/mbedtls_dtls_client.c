@@ -4,6 +4,9 @@
  * in tests/interop/test_relay_mbedtls.py.
  *
  * Usage: mbedtls_dtls_client HOST PORT IDENTITY_HEX PSK_HEX STEP...
+ *        mbedtls_dtls_client HOST PORT ca:CA_PEM SERVER_NAME STEP...
+ *   The first form is DTLS-PSK (the Unity Relay); the second verifies the
+ *   server's certificate against CA_PEM and SERVER_NAME (TURN over DTLS).
  *   STEP "w:HEX"  writes HEX as one DTLS application-data record;
  *   STEP "r"      reads one record and prints it as a hex line on stdout.
  * After the handshake it prints "ciphersuite <name>" and "version <name>" on
@@ -36,6 +39,7 @@
 #include <mbedtls/platform_util.h>
 #include <mbedtls/ssl.h>
 #include <mbedtls/timing.h>
+#include <mbedtls/x509_crt.h>
 
 /* Per read: generous for a loaded CI machine; the test bounds the whole run. */
 #define READ_TIMEOUT_MS 5000
@@ -123,15 +127,23 @@ static int read_record(mbedtls_ssl_context *ssl) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s HOST PORT IDENTITY_HEX PSK_HEX [w:HEX|r]...\n", argv[0]);
+        fprintf(stderr,
+                "usage: %s HOST PORT (IDENTITY_HEX PSK_HEX | ca:CA_PEM SERVER_NAME) "
+                "[w:HEX|r]...\n",
+                argv[0]);
         return 2;
     }
-    size_t identity_length, psk_length;
-    unsigned char *identity = from_hex(argv[3], &identity_length);
-    unsigned char *psk = from_hex(argv[4], &psk_length);
-    if (identity == NULL || psk == NULL || identity_length == 0 || psk_length == 0) {
-        fprintf(stderr, "bad identity or psk hex\n");
-        return 2;
+    const char *ca_file = strncmp(argv[3], "ca:", 3) == 0 ? argv[3] + 3 : NULL;
+    size_t identity_length = 0, psk_length = 0;
+    unsigned char *identity = NULL;
+    unsigned char *psk = NULL;
+    if (ca_file == NULL) {
+        identity = from_hex(argv[3], &identity_length);
+        psk = from_hex(argv[4], &psk_length);
+        if (identity == NULL || psk == NULL || identity_length == 0 || psk_length == 0) {
+            fprintf(stderr, "bad identity or psk hex\n");
+            return 2;
+        }
     }
 
     mbedtls_net_context net;
@@ -140,6 +152,8 @@ int main(int argc, char **argv) {
     mbedtls_ssl_config conf;
     mbedtls_ssl_context ssl;
     mbedtls_timing_delay_context timer;
+    mbedtls_x509_crt ca;
+    mbedtls_x509_crt_init(&ca);
     mbedtls_net_init(&net);
     mbedtls_entropy_init(&entropy);
     mbedtls_ctr_drbg_init(&drbg);
@@ -162,18 +176,28 @@ int main(int argc, char **argv) {
     mbedtls_ssl_conf_rng(&conf, mbedtls_ctr_drbg_random, &drbg);
     mbedtls_ssl_conf_read_timeout(&conf, READ_TIMEOUT_MS);
     mbedtls_ssl_conf_handshake_timeout(&conf, HANDSHAKE_MIN_MS, HANDSHAKE_MAX_MS);
-    size_t placeholder_length = psk_length < sizeof placeholder ? psk_length : sizeof placeholder;
-    if ((ret = mbedtls_ssl_conf_psk(&conf, placeholder, placeholder_length, identity,
-                                    identity_length)) != 0) {
-        report("ssl_conf_psk", ret);
-        goto done;
+    if (ca_file != NULL) {
+        if ((ret = mbedtls_x509_crt_parse_file(&ca, ca_file)) != 0) {
+            report("x509_crt_parse_file", ret);
+            goto done;
+        }
+        mbedtls_ssl_conf_ca_chain(&conf, &ca, NULL);
+        mbedtls_ssl_conf_authmode(&conf, MBEDTLS_SSL_VERIFY_REQUIRED);
+    } else {
+        size_t placeholder_length =
+            psk_length < sizeof placeholder ? psk_length : sizeof placeholder;
+        if ((ret = mbedtls_ssl_conf_psk(&conf, placeholder, placeholder_length, identity,
+                                        identity_length)) != 0) {
+            report("ssl_conf_psk", ret);
+            goto done;
+        }
+        /* The real key, past the library's compile-time limit (see the top). */
+        mbedtls_platform_zeroize(conf.psk, conf.psk_len);
+        free(conf.psk);
+        conf.psk = psk;
+        conf.psk_len = psk_length;
+        psk = NULL; /* now owned (zeroized and freed) by mbedtls_ssl_config_free */
     }
-    /* The real key, past the library's compile-time limit (see the top). */
-    mbedtls_platform_zeroize(conf.psk, conf.psk_len);
-    free(conf.psk);
-    conf.psk = psk;
-    conf.psk_len = psk_length;
-    psk = NULL; /* now owned (zeroized and freed) by mbedtls_ssl_config_free */
 
     if ((ret = mbedtls_net_connect(&net, argv[1], argv[2], MBEDTLS_NET_PROTO_UDP)) != 0) {
         report("net_connect", ret);
@@ -181,6 +205,11 @@ int main(int argc, char **argv) {
     }
     if ((ret = mbedtls_ssl_setup(&ssl, &conf)) != 0) {
         report("ssl_setup", ret);
+        goto done;
+    }
+    /* The name the certificate must carry (mbedTLS 2.28 checks DNS names). */
+    if (ca_file != NULL && (ret = mbedtls_ssl_set_hostname(&ssl, argv[4])) != 0) {
+        report("ssl_set_hostname", ret);
         goto done;
     }
     mbedtls_ssl_set_bio(&ssl, &net, mbedtls_net_send, mbedtls_net_recv,
@@ -224,6 +253,7 @@ done:
     }
     free(identity);
     mbedtls_net_free(&net);
+    mbedtls_x509_crt_free(&ca);
     mbedtls_ssl_free(&ssl);
     mbedtls_ssl_config_free(&conf);
     mbedtls_ctr_drbg_free(&drbg);

@@ -11,14 +11,8 @@ prints the records it receives as hex lines.
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import os
-import shutil
-import subprocess
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,44 +41,19 @@ from tests.e2e.relay_support import (
     metric,
     relay_runtime,
 )
+from tests.interop.mbedtls_support import (  # noqa: F401 (fixture)
+    EXIT_HANDSHAKE,
+    client_binary,
+    mbedtls_client,
+    run_client,
+)
 
 pytestmark = pytest.mark.timeout(60)
-
-SOURCE = Path(__file__).with_name("mbedtls_dtls_client.c")
-HEADER = Path("/usr/include/mbedtls/ssl.h")
-
-#: Exit codes of mbedtls_dtls_client.c.
-EXIT_HANDSHAKE = 4
 
 #: What mbedTLS 2.28's default list and the relay agree on: the relay picks
 #: by its own preference among what the client offers (crypto.SUITES, 0x00A8
 #: first), and mbedTLS's defaults offer TLS_PSK_WITH_AES_128_GCM_SHA256.
 NEGOTIATED_SUITE = "TLS-PSK-WITH-AES-128-GCM-SHA256"
-
-
-@pytest.fixture(scope="module")
-def client_binary(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("cc") is None:
-        pytest.skip("needs cc (Makefile DEBIAN_PACKAGES: gcc)")
-    if not HEADER.exists():
-        pytest.skip("needs mbedTLS headers (Makefile DEBIAN_PACKAGES: libmbedtls-dev)")
-    binary = tmp_path_factory.mktemp("mbedtls") / "mbedtls_dtls_client"
-    subprocess.run(
-        [
-            "cc",
-            "-O1",
-            "-Wall",
-            "-Werror",
-            "-o",
-            str(binary),
-            str(SOURCE),
-            "-lmbedtls",
-            "-lmbedx509",
-            "-lmbedcrypto",
-        ],
-        check=True,
-    )
-    return binary
 
 
 def signed_bind(allocation: dict[str, Any], key: bytes | None = None) -> bytes:
@@ -99,97 +68,12 @@ def signed_bind(allocation: dict[str, Any], key: bytes | None = None) -> bytes:
     return Bind(nonce=0, connection_data=data, hmac=mac).encode()
 
 
-@dataclass
-class Run:
-    """One finished run of the mbedTLS client."""
-
-    returncode: int
-    lines: list[str]
-    stderr: str
-
-    @property
-    def ciphersuite(self) -> str:
-        return next(line.split()[1] for line in self.lines if line.startswith("ci"))
-
-    @property
-    def records(self) -> list[bytes]:
-        return [
-            bytes.fromhex(line)
-            for line in self.lines
-            if not line.startswith(("ciphersuite", "version"))
-        ]
-
-
-class MbedtlsClient:
-    """The compiled client as a running process, read line by line."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.lines: list[str] = []
-
-    async def line(self, timeout: float = 15.0) -> str:
-        assert self.proc.stdout is not None
-        raw = await asyncio.wait_for(self.proc.stdout.readline(), timeout)
-        assert raw, f"client ended early: {await self.finish()}"
-        text = raw.decode().strip()
-        self.lines.append(text)
-        return text
-
-    async def finish(self, timeout: float = 20.0) -> Run:
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        out, err = await asyncio.wait_for(
-            asyncio.gather(self.proc.stdout.read(), self.proc.stderr.read()), timeout
-        )
-        await self.proc.wait()
-        self.lines += out.decode().splitlines()
-        assert self.proc.returncode is not None
-        return Run(self.proc.returncode, self.lines, err.decode())
-
-
-@contextlib.asynccontextmanager
-async def mbedtls_client(
-    binary: Path,
-    server: tuple[str, int],
-    identity: bytes,
-    psk: bytes,
-    steps: list[str],
-) -> AsyncIterator[MbedtlsClient]:
-    """Start the client; it is killed on the way out if still running."""
-    proc = await asyncio.create_subprocess_exec(
-        str(binary),
-        server[0],
-        str(server[1]),
-        identity.hex(),
-        psk.hex(),
-        *steps,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        yield MbedtlsClient(proc)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
-
-
-async def run_client(
-    binary: Path,
-    server: tuple[str, int],
-    identity: bytes,
-    psk: bytes,
-    steps: list[str],
-) -> Run:
-    async with mbedtls_client(binary, server, identity, psk, steps) as client:
-        return await client.finish()
-
-
 async def dtls_metrics(rt: Any) -> str:
     async with httpx.AsyncClient(base_url=base_url(rt)) as http:
         return (await http.get("/metrics")).text
 
 
-async def test_mbedtls_binds_with_the_raw_allocation_id(client_binary: Path) -> None:
+async def test_mbedtls_binds_with_the_raw_allocation_id(client_binary: Path) -> None:  # noqa: F811
     async with relay_runtime() as rt, api(rt) as http:
         allocation = await allocate(http, 1)
         key = base64.b64decode(allocation["key"])
@@ -223,7 +107,7 @@ async def test_mbedtls_binds_with_the_raw_allocation_id(client_binary: Path) -> 
         ]
 
 
-async def test_mbedtls_with_the_uuid_text_identity(client_binary: Path) -> None:
+async def test_mbedtls_with_the_uuid_text_identity(client_binary: Path) -> None:  # noqa: F811
     """Unity's docs name the allocation ID's canonical text as identity; the
     relay accepts both (reference §1.3, the safe server rule)."""
     async with relay_runtime() as rt, api(rt) as http:
@@ -241,7 +125,7 @@ async def test_mbedtls_with_the_uuid_text_identity(client_binary: Path) -> None:
 
 
 async def test_mbedtls_with_a_wrong_key_fails_the_handshake(
-    client_binary: Path,
+    client_binary: Path,  # noqa: F811
 ) -> None:
     async with relay_runtime() as rt, api(rt) as http:
         allocation = await allocate(http, 1)
@@ -268,7 +152,7 @@ async def test_mbedtls_with_a_wrong_key_fails_the_handshake(
 
 
 async def test_mbedtls_joiner_and_crossroads_host_relay_both_ways(
-    client_binary: Path,
+    client_binary: Path,  # noqa: F811
 ) -> None:
     async with relay_runtime() as rt, api(rt) as http:
         host_alloc, join_alloc = await allocate_pair(http)
