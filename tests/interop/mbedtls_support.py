@@ -100,17 +100,16 @@ class MbedtlsClient:
 async def mbedtls_client(
     binary: Path,
     server: tuple[str, int],
-    identity: bytes,
-    psk: bytes,
+    credentials: list[str],
     steps: list[str],
 ) -> AsyncIterator[MbedtlsClient]:
-    """Start the client; it is killed on the way out if still running."""
+    """Start the client (``credentials`` from :func:`psk` or :func:`ca`); it
+    is killed on the way out if still running."""
     proc = await asyncio.create_subprocess_exec(
         str(binary),
         server[0],
         str(server[1]),
-        identity.hex(),
-        psk.hex(),
+        *credentials,
         *steps,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -123,12 +122,22 @@ async def mbedtls_client(
         await proc.wait()
 
 
+def psk(identity: bytes, key: bytes) -> list[str]:
+    """DTLS-PSK with a binary identity and key."""
+    return [identity.hex(), key.hex()]
+
+
+def ca(ca_pem: Path, server_name: str) -> list[str]:
+    """Certificates: the server's must chain to ``ca_pem`` and name
+    ``server_name``."""
+    return [f"ca:{ca_pem}", server_name]
+
+
 async def run_client(
     binary: Path,
     server: tuple[str, int],
-    identity: bytes,
-    psk: bytes,
+    credentials: list[str],
     steps: list[str],
 ) -> Run:
-    async with mbedtls_client(binary, server, identity, psk, steps) as client:
+    async with mbedtls_client(binary, server, credentials, steps) as client:
         return await client.finish()

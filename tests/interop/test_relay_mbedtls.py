@@ -45,6 +45,7 @@ from tests.interop.mbedtls_support import (  # noqa: F401 (fixture)
     EXIT_HANDSHAKE,
     client_binary,
     mbedtls_client,
+    psk,
     run_client,
 )
 
@@ -80,8 +81,7 @@ async def test_mbedtls_binds_with_the_raw_allocation_id(client_binary: Path) -> 
         run = await run_client(
             client_binary,
             endpoint_address(allocation, "dtls"),
-            allocation_id(allocation),
-            key,
+            psk(allocation_id(allocation), key),
             [f"w:{signed_bind(allocation).hex()}", "r"],
         )
         assert run.returncode == 0, run.stderr
@@ -116,8 +116,9 @@ async def test_mbedtls_with_the_uuid_text_identity(client_binary: Path) -> None:
         run = await run_client(
             client_binary,
             endpoint_address(allocation, "dtls"),
-            allocation["allocationId"].encode(),
-            base64.b64decode(allocation["key"]),
+            psk(
+                allocation["allocationId"].encode(), base64.b64decode(allocation["key"])
+            ),
             [f"w:{signed_bind(allocation).hex()}", "r"],
         )
         assert run.returncode == 0, run.stderr
@@ -134,8 +135,7 @@ async def test_mbedtls_with_a_wrong_key_fails_the_handshake(
         run = await run_client(
             client_binary,
             endpoint_address(allocation, "dtls"),
-            allocation_id(allocation),
-            wrong,
+            psk(allocation_id(allocation), wrong),
             [f"w:{signed_bind(allocation).hex()}", "r"],
         )
         assert run.returncode == EXIT_HANDSHAKE, (run.returncode, run.stderr)
@@ -179,8 +179,7 @@ async def test_mbedtls_joiner_and_crossroads_host_relay_both_ways(
             async with mbedtls_client(
                 client_binary,
                 server,
-                jid,
-                base64.b64decode(join_alloc["key"]),
+                psk(jid, base64.b64decode(join_alloc["key"])),
                 steps,
             ) as joiner:
                 assert (await joiner.line()).startswith("ciphersuite ")
