@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev
 ARGS ?=
 
 .PHONY: install install-system install-python run test lint types pytest clean
@@ -16,7 +16,8 @@ install: install-system install-python
 # running systemd its package also enables a prometheus.service on :9090 —
 # `systemctl disable --now prometheus` if unwanted); systemd brings
 # systemd-analyze for the unit in deploy/.
-# gnutls-bin brings gnutls-cli for the Unity Relay DTLS interop test.
+# gnutls-bin brings gnutls-cli, libmbedtls-dev the mbedTLS library (UnityTLS's)
+# for the Unity Relay DTLS interop tests.
 install-system:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -113,10 +113,12 @@ class RelayDtls:
                         address[0],
                     )
                 case Closed(address=address, reason=reason) if reason != "replaced":
-                    # Its allocations cannot be reached in clear: end them.
+                    # Its allocations cannot be reached in clear: end them,
+                    # without an ERROR to a client whose session is gone (it
+                    # could only be dropped, counted as send-no-session).
                     for allocation in list(self.relay.core.allocations.values()):
                         if allocation.address == address:
-                            self.relay.kick(allocation.allocation_id)
+                            self.relay.kick(allocation.allocation_id, notify=False)
                 case _:
                     pass
 

@@ -216,10 +216,10 @@ class RelayEndpoint(TapDriver[RelayServer]):
 
     # ----------------------------------------------------------- control plane
 
-    def kick(self, allocation_id: bytes) -> bool:
+    def kick(self, allocation_id: bytes, *, notify: bool = True) -> bool:
         """End one allocation now (:meth:`RelayServer.kick`) and send what it says."""
         now = self._loop.time()
-        kicked = self.core.kick(allocation_id, now)
+        kicked = self.core.kick(allocation_id, now, notify=notify)
         self._flush(now)
         return kicked
 

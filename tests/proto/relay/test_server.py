@@ -488,6 +488,28 @@ def test_timeout_sends_error_1_to_client_and_disconnect_to_host() -> None:
     ) in out
 
 
+def test_kick_sends_error_to_client_and_disconnect_to_host() -> None:
+    h = Harness()
+    host, (j1,) = h.session()
+    assert h.server.kick(j1.allocation_id, h.now)
+    assert h.server.datagrams_to_send(h.now) == [
+        (error(j1.allocation_id, m.ErrorCode.PLAYER_TIMED_OUT), J1_ADDR),
+        (m.Disconnect(j1.allocation_id, host.allocation_id).encode(), HOST_ADDR),
+    ]
+
+
+def test_kick_without_notify_still_tells_the_peer() -> None:
+    """A DTLS client whose session closed: nothing can reach it any more, but
+    its host must still hear DISCONNECT."""
+    h = Harness()
+    host, (j1,) = h.session()
+    assert h.server.kick(j1.allocation_id, h.now, notify=False)
+    assert h.server.datagrams_to_send(h.now) == [
+        (m.Disconnect(j1.allocation_id, host.allocation_id).encode(), HOST_ADDR),
+    ]
+    assert not h.server.kick(j1.allocation_id, h.now, notify=False)
+
+
 def test_relayed_traffic_keeps_both_ends_alive() -> None:
     h = Harness(idle_timeout=10.0, sweep_interval=1.0)
     host, (j1,) = h.session()

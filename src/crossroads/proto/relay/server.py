@@ -439,13 +439,15 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             if wall > deadline:
                 del self._ended[allocation_id]
 
-    def kick(self, allocation_id: bytes, now: float) -> bool:
-        """End an allocation on an operator's order (its client gets the same
-        ERROR as on a timeout, its peers are unlinked); False when unknown."""
+    def kick(self, allocation_id: bytes, now: float, *, notify: bool = True) -> bool:
+        """End an allocation on an operator's order or because its DTLS
+        session closed: its peers are unlinked, and with ``notify`` its client
+        gets the same ERROR as on a timeout (not when its session is gone, as
+        nothing could carry it); False when unknown."""
         alloc = self.allocations.get(allocation_id)
         if alloc is None:
             return False
-        self._end(alloc, "revoked", now, notify=True)
+        self._end(alloc, "revoked", now, notify=notify)
         return True
 
     def relayed(self) -> tuple[int, int]:
