@@ -70,7 +70,7 @@ from crossroads.proto.openttd.store import (
     SweepServers,
 )
 from crossroads.proto.openttd.verify import Probe
-from crossroads.services.base import stop_task
+from crossroads.services.base import stop_tasks
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import CoordinatorMetrics
 from crossroads.services.openttd.probe import probe_game_server
@@ -449,5 +449,4 @@ class DutyRunner:
 
     async def close(self) -> None:
         self.timer.close()
-        for task in list(self.running):
-            await stop_task(task)
+        await stop_tasks(self.running)
