@@ -66,13 +66,14 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 from crossroads.transport.dataplane import (
     ACCELERATED,
     BudgetLike,
     Rewrite,
     RouteLike,
+    RouteOptions,
     RouteTapLike,
     make_route,
     make_tap,
@@ -153,20 +154,10 @@ def to_peer_route(relay: socket.socket, peer: Address, budget: BudgetLike) -> Ro
 
 
 def _from_listener(
-    listener: SendsTo,
-    client: Address,
-    rewrite: Rewrite,
-    budget: BudgetLike,
-    **turn: Any,
+    listener: SendsTo, client: Address, **options: Unpack[RouteOptions]
 ) -> RouteLike:
     """A peer -> client route: from the listening socket to ``client``."""
-    return make_route(
-        listener,  # type: ignore[arg-type]
-        client,
-        rewrite=rewrite,
-        budget=budget,
-        **turn,
-    )
+    return make_route(listener, client, **options)  # type: ignore[arg-type]
 
 
 def to_client_route(
@@ -175,7 +166,7 @@ def to_client_route(
     """Peer -> client: the peer's datagram as ChannelData on ``number``, from
     the listening socket."""
     return _from_listener(
-        listener, client, Rewrite.WRAP_CHANNEL, budget, channel=number
+        listener, client, rewrite=Rewrite.WRAP_CHANNEL, budget=budget, channel=number
     )
 
 
@@ -185,7 +176,12 @@ def data_route(
     """Peer -> client without a channel: the datagram in a Data indication
     naming ``peer`` (transaction ids: ``txid``, 8 random bytes, + a counter)."""
     return _from_listener(
-        listener, client, Rewrite.DATA_INDICATION, budget, peer=peer, txid=txid
+        listener,
+        client,
+        rewrite=Rewrite.DATA_INDICATION,
+        budget=budget,
+        peer=peer,
+        txid=txid,
     )
 
 
