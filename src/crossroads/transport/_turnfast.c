@@ -748,6 +748,16 @@ typedef struct {
 
 static PyTypeObject RouteTapType;
 
+/* Count the latest sendmmsg call in `tap`'s sends, once per call. */
+static void
+count_call(RouteTap *tap)
+{
+    if (tap->last_send != sendmmsg_calls) {
+        tap->last_send = sendmmsg_calls;
+        tap->c.sends += 1;
+    }
+}
+
 /* Count `sent` datagrams of sbatch[first...] as forwarded, on their taps. */
 static void
 count_sent(int first, int sent)
@@ -757,10 +767,7 @@ count_sent(int first, int sent)
         RouteTap *tap = (RouteTap *)stap[i];
         tap->c.forwarded += 1;
         tap->c.forwarded_bytes += spayload[i];
-        if (tap->last_send != sendmmsg_calls) {
-            tap->last_send = sendmmsg_calls;
-            tap->c.sends += 1;
-        }
+        count_call(tap);
     }
 }
 
@@ -780,10 +787,7 @@ send_batch(int fd, int count)
              * the socket) must not take the rest of the batch with it. */
             RouteTap *tap = (RouteTap *)stap[sorigin[start]];
             tap->c.send_errors += 1;
-            if (tap->last_send != sendmmsg_calls) {
-                tap->last_send = sendmmsg_calls;
-                tap->c.sends += 1;
-            }
+            count_call(tap);
             start += 1;
             continue;
         }
