@@ -19,7 +19,6 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,6 +30,7 @@ import httpx
 from crossroads.runtime import SERVER_FILE
 from crossroads.services.base import show_address
 from crossroads.state import CREDENTIALS_FILE, resolve_state_dir
+from crossroads.types import frozen
 
 F = TypeVar("F", bound=Callable[..., Any])
 R = TypeVar("R")
@@ -45,7 +45,7 @@ HTTP_TIMEOUT = 10.0
 CLOCK_SKEW_WARNING = 60.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Target:
     """A running server as the CLI reaches it."""
 

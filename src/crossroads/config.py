@@ -30,12 +30,13 @@ import ipaddress
 import os
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from crossroads.errors import ConfigError
 from crossroads.proto.policy import parse_networks
+from crossroads.types import frozen
 
 Kind = Literal["str", "int", "port", "float", "bool", "host", "list", "port_range"]
 
@@ -43,7 +44,7 @@ ENV_PREFIX = "CROSSROADS_"
 _META_KEY = "crossroads"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SettingInfo:
     """How one configuration field is exposed and converted."""
 
@@ -232,7 +233,7 @@ def _check_log_level(level: str) -> None:
         raise ValueError(f"{level!r} is not one of debug, info, warning, error")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CoreConfig:
     """Settings that apply to the whole process."""
 
@@ -419,7 +420,7 @@ def env_name(section: str, f: dataclasses.Field[Any]) -> str:
     return ENV_PREFIX + flag_name(section, f).lstrip("-").replace("-", "_").upper()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """The whole validated configuration: the core section plus one per service."""
 

@@ -32,7 +32,6 @@ import ipaddress
 import logging
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 from crossroads.config import Config
@@ -41,7 +40,7 @@ from crossroads.services.relay import Config as RelayConfig
 from crossroads.services.turn import Config as TurnConfig
 from crossroads.state import LocalCredentials, load_or_create_credentials
 from crossroads.state import resolve_state_dir as _resolve_state_dir
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 log = logging.getLogger("crossroads")
 
@@ -50,7 +49,7 @@ log = logging.getLogger("crossroads")
 DEV_TURN_USER = "dev"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class FirstRun:
     """What :func:`prepare` decided."""
 

@@ -22,10 +22,11 @@ import json
 import os
 import secrets
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 from crossroads.errors import ConfigError
+from crossroads.types import frozen
 
 CREDENTIALS_FILE = "credentials.json"
 #: 32 random bytes per secret: 256 bits, the size of the HMAC-SHA256 key the
@@ -60,7 +61,7 @@ def results_dir(state_dir: Path) -> Path:
 MATRIX_FILE = "nat-matrix.md"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LocalCredentials:
     """Secrets created once per installation (see the module docstring)."""
 

@@ -56,13 +56,13 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from crossroads.config import Config, iter_settings
 from crossroads.errors import ConfigError
 from crossroads.services.relay import Config as RelayConfig
 from crossroads.services.stun import Config as StunConfig
 from crossroads.transport import reuseport
+from crossroads.types import frozen
 
 log = logging.getLogger("crossroads.workers")
 
@@ -88,7 +88,7 @@ EXIT_CONFIG = 2
 _SCALING_SERVICES = ("stun", "turn", "relay")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class WorkerSlot:
     """Which worker this process is, from the supervisor's environment."""
 
@@ -114,7 +114,7 @@ def current_worker(env: Mapping[str, str] | None = None) -> WorkerSlot | None:
         ) from None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class WorkerPlan:
     """How many workers, and what workers 1..count-1 run."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from dataclasses import dataclass
 from typing import Any
 
 import click
@@ -25,6 +24,7 @@ from crossroads.client.p2p import (
 )
 from crossroads.proto.punch import signalling as sig
 from crossroads.transport.tasks import cancel_and_wait
+from crossroads.types import frozen
 
 DEFAULT_SERVER = "ws://127.0.0.1:8080/p2p/v1/ws"
 
@@ -114,7 +114,7 @@ def _show_nat(client: P2PClient) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _ClientSettings:
     """The options ``host`` and ``join`` share: how this peer's client is made."""
 

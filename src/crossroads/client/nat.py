@@ -17,7 +17,6 @@ in an installation whose STUN area is absent; :func:`detect_nat` then raises
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
 from crossroads.errors import CrossroadsError
@@ -27,14 +26,14 @@ from crossroads.proto.punch.nattype import (
     to_string,
     to_string_friendly,
 )
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 
 class NatDetectionUnavailable(CrossroadsError):
     """crossroads.client.stun is not installed in this build."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NatReport:
     """What :func:`detect_nat` found."""
 

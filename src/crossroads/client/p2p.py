@@ -56,7 +56,7 @@ from crossroads.proto.punch import ladder
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import RELAY_FRAME, Coordinator
 from crossroads.proto.punch.secure import Kind, SecureChannel, derive_keys
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 log = logging.getLogger("crossroads.client.p2p")
 
@@ -85,36 +85,36 @@ class JoinRejected(CrossroadsError):
 # ---------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MemberJoined:
     peer: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MemberLeft:
     peer: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class HostChanged:
     old: str
     new: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LinkUp:
     peer: str
     step: str
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LinkDown:
     peer: str
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SignalReceived:
     peer: str
     data: object
@@ -123,7 +123,7 @@ class SignalReceived:
 Event = MemberJoined | MemberLeft | HostChanged | LinkUp | LinkDown | SignalReceived
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectResult:
     """Outcome of one connection attempt to ``peer``."""
 

@@ -17,14 +17,13 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 from crossroads.errors import DecodeError
 from crossroads.proto.punch import rendezvous as rv
 from crossroads.proto.punch.ladder import Plan, Spray
 from crossroads.proto.punch.secure import Kind, SecureChannel, receiver_id
-from crossroads.types import Address, normalize_address
+from crossroads.types import Address, frozen, normalize_address
 
 log = logging.getLogger("crossroads.client.p2p")
 
@@ -297,7 +296,7 @@ class PeerSocket:
             self.v6.close()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RelayPath:
     """One way through a relay: send on ``transport`` to ``addr``, starting
     ``offset`` seconds into the relay step."""
@@ -307,7 +306,7 @@ class RelayPath:
     offset: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LadderResult:
     """How a ladder ended: the step that won and the time from t_go, or failure."""
 

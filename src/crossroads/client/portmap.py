@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from crossroads.errors import DecodeError
 from crossroads.proto.portmap import natpmp, pcp
 from crossroads.transport.tasks import cancel_and_wait
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 log = logging.getLogger("crossroads.client.portmap")
 
@@ -49,7 +49,7 @@ SocketFactory = Callable[[], socket.socket]
 Answer = TypeVar("Answer")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Mapping:
     """A port mapping held on the gateway."""
 

@@ -30,7 +30,6 @@ import asyncio
 import secrets
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
@@ -40,7 +39,7 @@ from crossroads.proto.punch import rendezvous as rv
 from crossroads.proto.raknet import messages as rak
 from crossroads.proto.raknet.punchthrough import NAT_PING, NAT_PONG
 from crossroads.proto.relay import messages as relay
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 T = TypeVar("T")
 
@@ -132,7 +131,7 @@ async def exchange(
         transport.close()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Probe(Generic[T]):
     """One probe: the datagram to send and the parser of its answer (None: not
     the answer to this request; DecodeError: not this protocol)."""

@@ -41,7 +41,6 @@ import base64
 import os
 import socket
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -54,7 +53,7 @@ from crossroads.proto.dtls.handshake import Event as DtlsEvent
 from crossroads.proto.relay import client as core
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.sockets import make_udp_socket
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: Received frames waiting for :meth:`RelayConnection.recv`; beyond this the oldest
 #: is dropped (UDP semantics) so a slow reader cannot grow memory without end.
@@ -80,7 +79,7 @@ class RelayRejected(RelayConnectionError):
     """The host already has its maximum number of connections."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Allocation:
     """An allocation as the API returns it (Unity's Allocation / JoinAllocation)."""
 

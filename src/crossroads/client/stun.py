@@ -61,7 +61,7 @@ from crossroads.proto.stun.client import (
 from crossroads.proto.stun.constants import Class, Method
 from crossroads.proto.stun.message import Message, decode, encode, request
 from crossroads.transport.driver import DatagramDriver
-from crossroads.types import Address, normalize_address
+from crossroads.types import Address, frozen, normalize_address
 
 #: Shorter timers for discovery, where silence is an expected answer: sends at
 #: 0, 0.2, 0.6, 1.4 s and gives up at 2.2 s (RFC 5780 §4 leaves timing to the
@@ -106,7 +106,7 @@ class StunErrorResponse(StunClientError):
         self.response = response
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BindingResult:
     """The answer to one Binding request."""
 
@@ -148,7 +148,7 @@ class FilteringBehavior(StrEnum):
     ADDRESS_AND_PORT_DEPENDENT = "address-and-port-dependent"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NatBehavior:
     """What RFC 5780 discovery found.
 

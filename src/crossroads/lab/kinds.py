@@ -30,8 +30,9 @@ router's network namespace; docs/nat-lab.md explains each one. In short:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
+
+from crossroads.types import frozen
 
 
 class Mapping(StrEnum):
@@ -61,7 +62,7 @@ class Allocation(StrEnum):
     RANDOM = "random"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NatKind:
     """One kind of router in the lab, and the behaviour a probe must see."""
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from crossroads.lab.kinds import KINDS, KINDS_BY_NAME, NatKind
 from crossroads.lab.topology import Lab, Site
+from crossroads.types import frozen
 
 log = logging.getLogger("crossroads.lab.matrix")
 
@@ -34,7 +35,7 @@ log = logging.getLogger("crossroads.lab.matrix")
 VIA_STEPS = ("lan", "direct", "mapping", "punch", "relay")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Outcome:
     """What a method reports: did the two hosts exchange data both ways, and how."""
 
@@ -60,7 +61,7 @@ class Attempt:
     shared: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Result:
     a: str
     b: str
@@ -88,7 +89,7 @@ MethodRun = Callable[[Attempt], Awaitable[Outcome]]
 Prepare = Callable[[Lab, dict[str, Any]], Awaitable[None]]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Method:
     """A column of the matrix."""
 
@@ -163,7 +164,7 @@ def sites_for(lab: Lab, x: NatKind, y: NatKind) -> tuple[Site, Site]:
     return lab.site(f"{x.name}-a"), lab.site(f"{y.name}-b")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Delays:
     """One-way delays (seconds) of one attempt's three paths, from delay lines."""
 

@@ -17,12 +17,11 @@ import asyncio
 import os
 import socket
 import struct
-from dataclasses import dataclass
 
 from crossroads.lab.kinds import Allocation, Filtering, Mapping
 from crossroads.lab.topology import SERVER_IPS, Lab, Site
 from crossroads.lab.udp import local, recv, send
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 MAGIC = b"XRP1"
 _REQUEST = struct.Struct("!4s8sB3x")
@@ -115,7 +114,7 @@ async def ask(
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Behaviour:
     """What the probe measured for one site."""
 

@@ -55,6 +55,7 @@ from crossroads.lab.kinds import (
     router_ruleset,
 )
 from crossroads.lab.udp import recv, send
+from crossroads.types import frozen
 
 log = logging.getLogger("crossroads.lab")
 
@@ -125,7 +126,7 @@ DEFAULT_STATE_ROOT = Path("/run/crossroads-lab")
 TOPOLOGY_VERSION = 4
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Site:
     """One host behind one router (or two, for cgnat), or a public host (open)."""
 

@@ -35,9 +35,9 @@ Sans-I/O: time comes in as ``now`` (seconds, any monotonic origin).
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
 
 from crossroads.proto.bounded import BoundedMap
+from crossroads.types import frozen
 
 #: Sources remembered at once; beyond it the least recently charged one is
 #: forgotten (its bucket refills), so memory stays bounded whatever the number
@@ -62,7 +62,7 @@ def source_key(host: str) -> str:
     return str(address)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BudgetConfig:
     """Rates in failures per second; a rate of 0 switches that bucket off."""
 

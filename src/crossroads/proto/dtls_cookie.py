@@ -38,12 +38,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-from dataclasses import dataclass
 from typing import Final
 
 from crossroads.errors import DecodeError
 from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.wire import HANDSHAKE_HEADER_SIZE, RECORD_HEADER_SIZE
+from crossroads.types import frozen
 
 __all__ = [
     "CONTENT_ALERT",
@@ -88,7 +88,7 @@ def is_dtls(first_byte: int) -> bool:
     return 20 <= first_byte <= 63
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientHello:
     """What the cookie exchange needs from an epoch-0 ClientHello record."""
 

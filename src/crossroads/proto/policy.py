@@ -46,9 +46,10 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
+
+from crossroads.types import frozen
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -194,7 +195,7 @@ def _in_any(address: IPAddress, networks: tuple[IPNetwork, ...]) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AddressPolicy:
     """Decides whether a relay may exchange data with an IP (module docstring)."""
 

@@ -56,7 +56,7 @@ services: a source may receive one allowance from each).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from crossroads.types import frozen
 
 #: DESIGN.md / issue 12: "over any 10 s window". Seconds per period.
 WINDOW = 10.0
@@ -78,7 +78,7 @@ DEFAULT_GLOBAL_ALLOWANCE = 16 * 1024 * 1024
 DROP_REFLECTION = "reflection-budget"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReflectionSettings:
     """How a service's :class:`ReflectionBudget` is sized (see module docstring)."""
 

@@ -30,7 +30,7 @@ from crossroads.transport.admission import ConnectionBudget
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates, HandshakeLimits
-from crossroads.types import Address, IPAddress
+from crossroads.types import Address, IPAddress, frozen
 from crossroads.types import show_address as show_address  # re-exported
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class Service(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionInfo:
     """One live session as admin tools show it (web console, ``crossroads
     sessions``). Plain strings and numbers: it is sent as JSON."""

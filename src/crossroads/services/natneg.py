@@ -41,7 +41,6 @@ import json
 import logging
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +75,7 @@ from crossroads.services.base import ServiceContext, SessionInfo
 from crossroads.transport.driver import SocketSetDriver
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.sockets import make_udp_socket
-from crossroads.types import Address, show_address
+from crossroads.types import Address, frozen, show_address
 
 NAME = "natneg"
 log = logging.getLogger("crossroads.natneg")
@@ -104,7 +103,7 @@ def _check_port_range(value: str) -> None:
     parse_port_range(value)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """``[natneg]``: GameSpy NAT negotiation (flags ``--natneg-*``)."""
 
@@ -302,7 +301,7 @@ def _ipv4_host(host: str, what: str) -> str:
     return host
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Layout:
     """Which socket serves which :class:`Endpoint`, and the probe choices."""
 

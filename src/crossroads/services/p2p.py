@@ -33,7 +33,6 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import cast
 
 from fastapi import APIRouter, WebSocket
@@ -58,7 +57,7 @@ from crossroads.services.p2p_master import MasterServer, make_master_router
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.sockets import bound_address, make_udp_socket
-from crossroads.types import Address, normalize_address, show_address
+from crossroads.types import Address, frozen, normalize_address, show_address
 
 NAME = "p2p"
 
@@ -83,7 +82,7 @@ def _check_timeout(value: int) -> None:
         raise ValueError("must be in 15..900 (MasterServer2's private-server range)")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """Settings of the p2p service."""
 

@@ -19,7 +19,6 @@ import asyncio
 import ipaddress
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -35,7 +34,7 @@ from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.transport.driver import DatagramDriver
 from crossroads.transport.raknet_forwarder import ForwarderPool
 from crossroads.transport.sockets import bound_address, make_udp_socket
-from crossroads.types import Address, normalize_address, show_address
+from crossroads.types import Address, frozen, normalize_address, show_address
 
 NAME = "raknet"
 
@@ -47,7 +46,7 @@ def _check_detection_hosts(value: tuple[str, ...]) -> None:
         ipaddress.IPv4Address(host)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """``[raknet]``: RakNet 4 NAT punchthrough server (flags ``--raknet-*``)."""
 

@@ -40,7 +40,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -95,6 +94,7 @@ from crossroads.transport.sockets import (
     make_udp_socket,
 )
 from crossroads.transport.tls import TlsAcceptor
+from crossroads.types import frozen
 from crossroads.web.relay import ApiKeys, make_router
 
 NAME = "relay"
@@ -118,7 +118,7 @@ def _check_max_connections(value: int) -> None:
         raise ValueError("must be between 1 and 65535")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """The ``[relay]`` section."""
 

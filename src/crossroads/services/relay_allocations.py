@@ -17,13 +17,13 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
 from crossroads.store.base import Store
+from crossroads.types import frozen
 
 if TYPE_CHECKING:
     from crossroads.services.relay import Config
@@ -41,7 +41,7 @@ JOIN_CODE_ATTEMPTS = 10
 # ------------------------------------------------------------------ store records
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NodeInfo:
     """A live relay node as registered in the store."""
 
@@ -134,7 +134,7 @@ class AllocationError(CrossroadsError):
         self.detail = detail
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Grant:
     """An allocation handed to a player."""
 

@@ -84,7 +84,7 @@ from crossroads.transport.pktinfo import (
 from crossroads.transport.sockets import bind_socket, family_of
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 NAME = "stun"
 log = logging.getLogger("crossroads.stun")
@@ -111,7 +111,7 @@ _TCP_REFUSALS = {
 BIND_ATTEMPTS = 30
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """``[stun]`` settings."""
 
@@ -213,7 +213,7 @@ class Endpoint(Protocol):
 MessageHook = Callable[[bytes, Address, Endpoint], None]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnHooks:
     """Where the STUN/TURN port sends what is TURN's (see
     :meth:`StunService.attach_turn`).

@@ -60,7 +60,6 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -154,7 +153,7 @@ from crossroads.transport.turnplane import (
     to_client_route,
     to_peer_route,
 )
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 NAME = "turn"
 log = logging.getLogger("crossroads.turn")
@@ -233,7 +232,7 @@ def _parse_host_port(text: str) -> Address:
     return host, number
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """``[turn]`` settings."""
 

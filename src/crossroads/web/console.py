@@ -28,7 +28,7 @@ import html
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.services.base import Service, SessionAdmin, show_address
 from crossroads.transport.tasks import cancel_and_wait
+from crossroads.types import frozen
 
 #: Seconds between two readings of the counters: fine enough for "packets per
 #: second right now", coarse enough to cost nothing (one registry walk).
@@ -61,7 +62,7 @@ STATUS_CACHE_SECONDS = 1.0
 MATRIX_MAX_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CounterSpec:
     """One number the console shows: a Prometheus sample, summed over labels."""
 
@@ -169,7 +170,7 @@ class ErrorRing(logging.Handler):
 # ------------------------------------------------------------------ snippets
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientPorts:
     """The ports clients use, as bound (0 in a configuration means "any")."""
 

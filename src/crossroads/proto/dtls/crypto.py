@@ -21,7 +21,6 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar, Final
 
 from cryptography.exceptions import InvalidTag
@@ -30,6 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESCCM, AESGCM
 from crossroads.errors import DecodeError
 from crossroads.proto import replay
 from crossroads.proto.dtls import wire as w
+from crossroads.types import frozen
 
 #: RFC 5288 §3 / RFC 6655 §3: 8 explicit nonce bytes in every record.
 EXPLICIT_NONCE_SIZE: Final = 8
@@ -46,7 +46,7 @@ Aead = AESGCM | AESCCM
 _AAD: Final = struct.Struct("!HHIBHH")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CipherSuite:
     """One AEAD PSK cipher suite."""
 
@@ -146,7 +146,7 @@ def verify_data(
     return prf(suite.hash_name, master, label, digest, w.VERIFY_DATA_SIZE)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class KeyBlock:
     client_key: bytes
     server_key: bytes
@@ -227,7 +227,7 @@ class RecordProtection:
             raise DecodeError("record does not authenticate", "bad-mac") from None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionKeys:
     """What a PSK key exchange yields: the master secret and the epoch-1
     protection of each direction (the client writes with ``client_write``, the

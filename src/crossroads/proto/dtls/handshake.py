@@ -14,7 +14,6 @@ within the timer, which starts at 1 s and doubles up to 60 s.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
 
 from crossroads.errors import DecodeError
@@ -24,7 +23,7 @@ from crossroads.proto.dtls.wire import (
     decode_fragments,
     handshake_message,
 )
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: RFC 6347 §4.2.4.1: "initial timer value of 1 second".
 INITIAL_RETRANSMIT: Final = 1.0
@@ -40,7 +39,7 @@ MAX_MESSAGE_SIZE: Final = 8192
 MAX_AHEAD: Final = 4
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Message:
     """A whole handshake message."""
 
@@ -125,7 +124,7 @@ class Retransmitter:
 # -------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class HelloReceived:
     """A ClientHello passed the cookie check (for logging what clients offer)."""
 
@@ -137,7 +136,7 @@ class HelloReceived:
     chosen: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Established:
     """The handshake completed: records can flow."""
 
@@ -147,13 +146,13 @@ class Established:
     extended_master_secret: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ApplicationData:
     address: Address
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class HandshakeFailed:
     """A handshake ended without a session (``reason`` is a metric label)."""
 
@@ -161,7 +160,7 @@ class HandshakeFailed:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Closed:
     """An established session ended (alert, timeout, replaced)."""
 

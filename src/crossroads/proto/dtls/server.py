@@ -80,7 +80,7 @@ from crossroads.proto.dtls.handshake import (
 )
 from crossroads.proto.dtls_cookie import ClientHello as CookieHello
 from crossroads.proto.dtls_cookie import CookieJar, hello_verify_request
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: The PSKs an identity may use, most likely first (a relay node that adopted a
 #: new secret still knows allocations keyed under the previous ones); empty
@@ -96,7 +96,7 @@ COOKIE_SECRET_SIZE: Final = 32
 MAX_SEQUENCE: Final = 2**48 - 1
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class DtlsServerConfig:
     """Limits and timers of a DTLS server."""
 

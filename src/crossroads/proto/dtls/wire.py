@@ -9,12 +9,12 @@ every encoder is its exact inverse. Nothing here keeps state or knows keys.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar, Final
 
 from crossroads.errors import DecodeError
 from crossroads.proto.binary import ByteReader, length_prefixed
+from crossroads.types import frozen
 
 #: RFC 6347 §4.1: DTLS 1.2 is {254, 253}; DTLS 1.0 is {254, 255}. Versions count
 #: *down*, so "at least DTLS 1.2" is ``version <= DTLS1_2``.
@@ -104,7 +104,7 @@ class Reader(ByteReader):
 # ------------------------------------------------------------------ records
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Record:
     """One DTLS record (RFC 6347 §4.1); ``fragment`` is still protected when
     ``epoch`` > 0."""
@@ -169,7 +169,7 @@ def split_records(data: bytes) -> tuple[list[Record], str | None]:
 # ---------------------------------------------------------------- handshake
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class HandshakeFragment:
     """One handshake message fragment (RFC 6347 §4.2.2)."""
 
@@ -231,7 +231,7 @@ def _encode_hello_head(version: int, random: bytes, session_id: bytes) -> bytes:
     return version.to_bytes(2, "big") + random + length_prefixed(1, session_id)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientHello:
     """RFC 6347 §4.2.1 / RFC 5246 §7.4.1.2."""
 
@@ -310,7 +310,7 @@ def _encode_extensions(extensions: tuple[tuple[int, bytes], ...]) -> bytes:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ServerHello:
     """RFC 5246 §7.4.1.3."""
 
@@ -343,7 +343,7 @@ class ServerHello:
         return find_extension(self.extensions, kind)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class HelloVerifyRequest:
     """RFC 6347 §4.2.1."""
 
@@ -376,7 +376,7 @@ def encode_psk_identity(identity: bytes) -> bytes:
     return length_prefixed(2, identity)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Alert:
     """RFC 5246 §7.2."""
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from crossroads.errors import DecodeError
 from crossroads.proto.masterserver.lenient_json import loads
+from crossroads.types import frozen
 
 #: MasterServer2's public limits: default 60 s, at least 15 s, at most 300 s
 #: (900 on private servers; the service's ``master_max_timeout`` picks).
@@ -74,7 +74,7 @@ Scalar = str | int | float | bool | None
 JsonValue = Scalar | list["JsonValue"] | dict[str, "JsonValue"]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PostRequest:
     game_id: str
     client_req_id: Scalar

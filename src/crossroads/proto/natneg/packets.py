@@ -43,11 +43,11 @@ client wins; each such place says so:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, ClassVar, Literal, TypeVar
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.types import frozen
 
 #: ``NNMagicData`` (ref §2).
 MAGIC = b"\xfd\xfc\x1e\x66\x6a\xb2"
@@ -227,7 +227,7 @@ def _init_head(packet: Init | _InitBody) -> bytes:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Init:
     """INIT (0x00), client to server (ref §3.1).
 
@@ -263,7 +263,7 @@ class Init:
         return body + name + b"\0"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _InitBody:
     """The 21-byte INIT-body layout shared by every short packet (ref §3.2).
 
@@ -300,14 +300,14 @@ class _InitBody:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InitAck(_InitBody):
     """INIT_ACK (0x01). The client reads only ``port_type`` (ref §3.2)."""
 
     TYPE: ClassVar[PacketType] = PacketType.INIT_ACK
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ErtTest(_InitBody):
     """ERT_TEST (0x02): reachability probe. In NATify the client reads only
     ``port_type`` (1 solicited, 2 unsolicited IP, 3 unsolicited port; ref §5)."""
@@ -315,14 +315,14 @@ class ErtTest(_InitBody):
     TYPE: ClassVar[PacketType] = PacketType.ERT_TEST
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ErtAck(_InitBody):
     """ERT_ACK (0x03): the first 21 bytes of an ERT_TEST with the type changed."""
 
     TYPE: ClassVar[PacketType] = PacketType.ERT_ACK
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectAck(_InitBody):
     """CONNECT_ACK (0x06). Only the cookie and ``client_index`` are meaningful;
     bytes 12 and 14-20 are uninitialised stack in the SDK client (ref §3.2)."""
@@ -330,28 +330,28 @@ class ConnectAck(_InitBody):
     TYPE: ClassVar[PacketType] = PacketType.CONNECT_ACK
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BackupTest(_InitBody):
     """BACKUP_TEST (0x08): defined by the SDK, sent by no known client (ref §2)."""
 
     TYPE: ClassVar[PacketType] = PacketType.BACKUP_TEST
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BackupAck(_InitBody):
     """BACKUP_ACK (0x09): the answer to BACKUP_TEST (an echo, as DWC does)."""
 
     TYPE: ClassVar[PacketType] = PacketType.BACKUP_ACK
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AddressCheck(_InitBody):
     """ADDRESS_CHECK (0x0A), 73 bytes: cookie = mapping id 0-3 (ref §3.5)."""
 
     TYPE: ClassVar[PacketType] = PacketType.ADDRESS_CHECK
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AddressReply(_InitBody):
     """ADDRESS_REPLY (0x0B): ``ip``/``port`` = the sender's public address as the
     server saw it; the cookie must echo the ADDRESS_CHECK's (ref §3.2)."""
@@ -359,21 +359,21 @@ class AddressReply(_InitBody):
     TYPE: ClassVar[PacketType] = PacketType.ADDRESS_REPLY
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NatifyRequest(_InitBody):
     """NATIFY_REQUEST (0x0C), 73 bytes, cookie 777, ``port_type`` 1-3 (ref §3.5)."""
 
     TYPE: ClassVar[PacketType] = PacketType.NATIFY_REQUEST
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReportAck(_InitBody):
     """REPORT_ACK (0x0E). The client checks only type and cookie (ref §3.2)."""
 
     TYPE: ClassVar[PacketType] = PacketType.REPORT_ACK
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StateUpdate:
     """STATE_UPDATE (0x04): defined, never sent by any client seen (ref §2).
 
@@ -390,7 +390,7 @@ class StateUpdate:
         return _header(self.version, self.TYPE, self.cookie) + self.payload
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _ConnectBody:
     """The 20-byte CONNECT layout (ref §3.3)."""
 
@@ -416,7 +416,7 @@ class _ConnectBody:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Connect(_ConnectBody):
     """CONNECT (0x05), server to client: the peer address to ping, or an error in
     ``finished`` (:class:`Finished`). The client ignores ``got_your_data``."""
@@ -424,7 +424,7 @@ class Connect(_ConnectBody):
     TYPE: ClassVar[PacketType] = PacketType.CONNECT
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectPing(_ConnectBody):
     """CONNECT_PING (0x07), client to client: ``remote_*`` is where the sender
     thinks it is sending, ``got_your_data`` 1 once it heard from the peer."""
@@ -448,7 +448,7 @@ def _host_int32(raw: bytes) -> int | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Report:
     """REPORT (0x0D), 73 bytes, client to natneg1 after a negotiation (ref §3.4).
 
@@ -534,7 +534,7 @@ class Report:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _PreinitBody:
     """The 18-byte PREINIT layout (ref §3.6); ``client_id`` is opaque (BE here)."""
 
@@ -558,14 +558,14 @@ class _PreinitBody:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Preinit(_PreinitBody):
     """PREINIT (0x0F), v4 (only Nintendo DWC titles send it, ref §1)."""
 
     TYPE: ClassVar[PacketType] = PacketType.PREINIT
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PreinitAck(_PreinitBody):
     """PREINIT_ACK (0x10): ``state`` is a :class:`PreinitState`."""
 

@@ -125,7 +125,7 @@ from crossroads.proto.natneg.packets import (
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.sweep import SweepTimer
 from crossroads.proto.timing import crossing_leads
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 
 class Endpoint(IntEnum):
@@ -176,7 +176,7 @@ class SessionId:
     serial: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ServerConfig:
     """Behaviour of the core; every timer and limit has its reason beside it."""
 
@@ -242,7 +242,7 @@ class ServerConfig:
 # ------------------------------------------------------------------------ events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RelayNeeded:
     """Both clients are complete and a direct path looks impossible.
 
@@ -256,7 +256,7 @@ class RelayNeeded:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NegotiationFinished:
     """A session's outcome is known (a REPORT came, or it failed, or it ended)."""
 
@@ -270,7 +270,7 @@ class NegotiationFinished:
     first_attempt: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionClosed:
     """A session is gone from the table: its linger ended, or it was ``replaced``
     by a new negotiation on the same cookie. The transport releases what it holds
@@ -280,7 +280,7 @@ class SessionClosed:
     replaced: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReportReceived:
     """A client reported its result (v3/v4)."""
 
@@ -323,7 +323,7 @@ _GOT_YOUR_DATA = 0x42
 _HOUSEKEEPING_INTERVAL = 10.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NegotiationSummary:
     """One negotiation as an operator sees it."""
 

@@ -24,8 +24,6 @@ registration time and game info. Wall-clock time comes in as ``wall``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from crossroads.proto.openttd.coordinator import (
     ErrorType,
     ServerGameType,
@@ -33,6 +31,7 @@ from crossroads.proto.openttd.coordinator import (
 )
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.verify import Concluded
+from crossroads.types import frozen
 
 #: Joins one client connection may have under way at once (OpenTTD runs one at
 #: a time; a few allow for refresh-hammering, more is abuse).
@@ -41,7 +40,7 @@ MAX_ATTEMPTS_PER_CONNECTION = 8
 LISTABLE_GAME_TYPES = (ServerGameType.PUBLIC, ServerGameType.INVITE_ONLY)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Refusal:
     """Answer GC_ERROR(``error``, ``detail``); ``result`` labels the metric."""
 
@@ -132,7 +131,7 @@ def registered_record(
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TakeOver:
     """The code may be taken; ``drop_session`` closes the old connection."""
 

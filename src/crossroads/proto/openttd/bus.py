@@ -26,12 +26,12 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from crossroads.errors import DecodeError
 from crossroads.proto import busjson
 from crossroads.proto.openttd.wire import TCP_MTU
+from crossroads.types import frozen
 
 #: Largest bus message accepted: a packet is at most :data:`TCP_MTU` bytes
 #: (32 KiB), ~44 KiB in base64, plus the envelope.
@@ -43,19 +43,19 @@ MAX_PACKET_BASE64 = 4 * ((TCP_MTU + 2) // 3)
 U8_MAX = 255
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectFailedReport:
     """SERCLI_CONNECT_FAILED: the method ``tracking_number`` failed."""
 
     tracking_number: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectedReport:
     """SERCLI_CLIENT_CONNECTED: the client reached the server."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StunReport:
     """SERCLI_STUN_RESULT: whether the STUN packet of ``family`` went out."""
 
@@ -66,7 +66,7 @@ class StunReport:
 Report = ConnectFailedReport | ConnectedReport | StunReport
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ForwardToServer:
     code: str
     data: bytes
@@ -76,7 +76,7 @@ class ForwardToServer:
         return busjson.dump_object({"t": "send", "code": self.code, "data": data})
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerReport:
     token: str
     code: str
@@ -94,7 +94,7 @@ class PeerReport:
         return busjson.dump_object(fields)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StunSeen:
     token: str
     family: int
@@ -113,7 +113,7 @@ class StunSeen:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class DropSession:
     code: str
     session: str

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import dataclass
 from enum import Enum
+
+from crossroads.types import frozen
 
 ALPHABET = "abcdefghjkmnpqrstuvwxyzABCDEFGHJKMNQRSTUVWXYZ23456789"
 _ALPHABET_SET = frozenset(ALPHABET)
@@ -84,7 +85,7 @@ class TokenSide(Enum):
     VERIFY = "V"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ParsedToken:
     side: TokenSide
     instance: str

@@ -18,7 +18,6 @@ protocol version that introduced it), and a packet below it is a decode error.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError, LocalProtocolError
@@ -46,6 +45,7 @@ from crossroads.proto.openttd.wire import (
     Writer,
     packet,
 )
+from crossroads.types import frozen
 
 #: ``NETWORK_COORDINATOR_VERSION`` in OpenTTD 12.x-15.x.
 COORDINATOR_VERSION = 6
@@ -158,7 +158,7 @@ def open_service_packet(
 # ----------------------------------------------------------- peer -> coordinator
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ServerRegister:
     """A game server asks to be registered (and to re-use its invite code)."""
 
@@ -169,7 +169,7 @@ class ServerRegister:
     invite_code_secret: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ServerUpdate:
     """A registered server's current game info."""
 
@@ -179,7 +179,7 @@ class ServerUpdate:
     info: GameInfo
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientListing:
     """A client asks for the public server list."""
 
@@ -189,7 +189,7 @@ class ClientListing:
     newgrf_cursor: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientConnect:
     """A client asks to be connected to the server behind an invite code."""
 
@@ -197,7 +197,7 @@ class ClientConnect:
     invite_code: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectFailed:
     """SERCLI_CONNECT_FAILED: the method with ``tracking_number`` failed (0: give up)."""
 
@@ -206,7 +206,7 @@ class ConnectFailed:
     tracking_number: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientConnected:
     """The client reached the server; the attempt ``token`` succeeded."""
 
@@ -214,7 +214,7 @@ class ClientConnected:
     token: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StunResult:
     """SERCLI_STUN_RESULT: whether the STUN packet of ``family`` went out."""
 
@@ -238,20 +238,20 @@ PeerMessage = (
 # ----------------------------------------------------------- coordinator -> peer
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcError:
     error: ErrorType
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcRegisterAck:
     connection_type: ConnectionType
     invite_code: str = ""
     invite_code_secret: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ListingEntry:
     """One server in a GC_LISTING: how to reach it and its game info."""
 
@@ -259,7 +259,7 @@ class ListingEntry:
     info: GameInfo
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcListing:
     """Servers in ``game_info_version``; an empty listing ends the list.
 
@@ -272,18 +272,18 @@ class GcListing:
     entries: tuple[ListingEntry, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcConnecting:
     token: str
     invite_code: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcConnectFailed:
     token: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcDirectConnect:
     token: str
     tracking_number: int
@@ -291,12 +291,12 @@ class GcDirectConnect:
     port: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcStunRequest:
     token: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcStunConnect:
     token: str
     tracking_number: int
@@ -305,7 +305,7 @@ class GcStunConnect:
     port: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcNewgrfLookup:
     """Part of the NewGRF lookup table: entries up to index ``cursor``."""
 
@@ -313,7 +313,7 @@ class GcNewgrfLookup:
     entries: tuple[tuple[int, NewGRF], ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GcTurnConnect:
     token: str
     tracking_number: int

@@ -26,7 +26,7 @@ whatever version each listing client asks for.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from enum import IntEnum
 from typing import get_type_hints
 
@@ -38,6 +38,7 @@ from crossroads.proto.openttd.wire import (
     Reader,
     Writer,
 )
+from crossroads.types import frozen
 
 #: Newest game-info version we read and write (OpenTTD 14+; PR #11886).
 MAX_GAME_INFO_VERSION = 7
@@ -64,7 +65,7 @@ class NewGRFSerialization(IntEnum):
     LOOKUP_ID = 2
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NewGRF:
     """One NewGRF: its id, the MD5 of its file and, when known, its name."""
 
@@ -77,7 +78,7 @@ class NewGRF:
         return (self.grfid, self.md5)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GameInfo:
     """What a server tells about its game (version-independent content)."""
 
@@ -110,7 +111,7 @@ class GameInfo:
         return max(0, self.game_date - self.start_date) * DAY_TICKS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class VersionedGameInfo:
     """A decoded NetworkGameInfo with the version and NST it was written in."""
 

@@ -72,6 +72,7 @@ from crossroads.proto.openttd.coordinator import (
     GcTurnConnect,
 )
 from crossroads.proto.timing import crossing_leads
+from crossroads.types import frozen
 
 #: Overall limit of one join (reference section 7: the reference GC's 20 s
 #: timeout; an OpenTTD client gives up its own connecter well within it).
@@ -89,28 +90,28 @@ STUN_RESULTS_PER_SIDE = 2
 MAX_STUN_LEAD = 0.5
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SendToClient:
     message: GcMessage
     #: Seconds to hold the message first (timed GC_STUN_CONNECT); 0: at once.
     delay: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SendToServer:
     message: GcMessage
     #: Seconds to hold the message first (timed GC_STUN_CONNECT); 0: at once.
     delay: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class IssueTicket:
     """Store this TURN ticket (with its TTL) before sending what follows."""
 
     ticket: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Finished:
     """The attempt is over. ``method`` names what worked (or was last tried)."""
 

@@ -33,7 +33,6 @@ clock, no sockets.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.proto.openttd.coordinator import (
@@ -54,6 +53,7 @@ from crossroads.proto.openttd.store import (
     StoreWrite,
     SweepServers,
 )
+from crossroads.types import frozen
 
 #: Listing shapes kept packed at once: revisions are client input, so the
 #: cache of shapes is bounded and starts over when full.
@@ -112,7 +112,7 @@ def lookup_packets(table: Mapping[int, NewGRF], cursor: int) -> list[bytes]:
     return newgrf_lookup_packets(fresh, top)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Refreshed:
     """The live records, oldest registration first; ``parsed`` (with their
     bytes) and ``newgrf_max`` are the next refresh's starting point."""
@@ -122,7 +122,7 @@ class Refreshed:
     newgrf_max: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RefreshFailed:
     """The Store failed: keep the previous list."""
 

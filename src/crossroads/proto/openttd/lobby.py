@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Hashable
-from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
 
 from crossroads.proto.core import EventQueue
 from crossroads.proto.openttd.deadlines import DeadlineBook
 from crossroads.proto.openttd.store import AwaitedRequest, GetTicket, StoreRead
+from crossroads.types import frozen
 
 Conn = TypeVar("Conn", bound=Hashable)
 
@@ -50,7 +50,7 @@ class Mismatch(Enum):
 MISMATCH = Mismatch.MISMATCH
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _Waiting(Generic[Conn]):
     conn: Conn
     secret: str

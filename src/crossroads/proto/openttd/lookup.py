@@ -23,8 +23,6 @@ refunds the guess budget (:class:`~crossroads.proto.budget.FailureBudget`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from crossroads.proto.openttd.codes import looks_like_invite_code
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.store import (
@@ -32,9 +30,10 @@ from crossroads.proto.openttd.store import (
     GetServer,
     StoreRead,
 )
+from crossroads.types import frozen
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Resolved:
     """The code's record (None: unknown)."""
 

@@ -44,7 +44,6 @@ gives the wall time that corresponded to the ``now`` it started the core with.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
 
 from crossroads.proto.core import EventQueue
@@ -80,11 +79,12 @@ from crossroads.proto.openttd.verify import (
     RegistrationCheck,
     VerifyCommand,
 )
+from crossroads.types import frozen
 
 # ----------------------------------------------------------------- outcomes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class EndSession:
     """The server re-registers while its old session is still seated (at
     ``owner``, maybe this instance): close that session."""
@@ -94,7 +94,7 @@ class EndSession:
     session: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Refused:
     """Answer GC_ERROR as ``refusal`` says and close; its ``result`` labels
     the registrations metric."""
@@ -102,14 +102,14 @@ class Refused:
     refusal: Refusal
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StoreFailed:
     """The Store failed: count it, send ``answer`` if any, close."""
 
     answer: GcError | None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Registered:
     """The record is stored: seat the server under ``record.code`` and ACK
     with ``concluded.connection_type``."""
@@ -146,7 +146,7 @@ class Step(Enum):
     KEEP_CODE = "keep-code"
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Registrant:
     """Who registers: the connection's source and what it holds already."""
 
@@ -159,7 +159,7 @@ class Registrant:
     current_record: ServerRecord | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RegistrationSettings:
     """What the coordinator knows that the flow needs."""
 

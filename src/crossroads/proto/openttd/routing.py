@@ -26,7 +26,6 @@ appear only as "is it the attempt's client" booleans, time comes in as ``now``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from crossroads.proto.openttd.bus import (
@@ -47,6 +46,7 @@ from crossroads.proto.openttd.coordinator import (
     StunResult,
 )
 from crossroads.proto.openttd.ladder import Command, ConnectAttempt, Side
+from crossroads.types import frozen
 
 CommandT = TypeVar("CommandT")
 
@@ -57,21 +57,21 @@ class TakesStunResults(Protocol[CommandT]):
     def stun_result(self, family: int, ok: bool, now: float) -> list[CommandT]: ...
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Ignore:
     """Dropped; ``reason`` labels ``crossroads_openttd_ignored``."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Local:
     """Ours: handle it with the attempt or check ``parsed`` names."""
 
     parsed: ParsedToken
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Forward:
     """Publish ``message`` to coordinator ``instance`` over the bus (the one
     command every bus send of the service is)."""

@@ -24,47 +24,46 @@ listener checks it (:mod:`.lobby`) and drops it once used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.record import ServerRecord
+from crossroads.types import frozen
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GetServer:
     """Read the record of ``code`` (answer: ``ServerRecord | None``)."""
 
     code: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class InstanceAlive:
     """Does coordinator ``instance`` still beat? (answer: ``bool``)."""
 
     instance: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NewCode:
     """Reserve a fresh invite code (answer: ``str``, or None when the
     deployment's invite-code cap is reached)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class KeepCode:
     """Renew the reservation of ``code`` (answer: None)."""
 
     code: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PutServer:
     """Write the server's record (answer: None)."""
 
     record: ServerRecord
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class IndexNewgrfs:
     """Give each of ``newgrfs`` a lookup index, creating at most ``budget``
     new ones (answer: ``int``, how many were new; proto/openttd/update.py)."""
@@ -73,7 +72,7 @@ class IndexNewgrfs:
     budget: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class DeleteServer:
     """Delete the record of ``code`` if it still belongs to ``session``
     (answer: None; proto/openttd/update.py)."""
@@ -82,26 +81,26 @@ class DeleteServer:
     session: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AllServers:
     """Read every stored record (answer: ``Mapping[str, bytes]``, code ->
     raw record)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class DeadInstances:
     """Which of ``owners`` stopped beating? (answer: ``Collection[str]``)."""
 
     owners: frozenset[str]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NewgrfCounter:
     """Read the highest NewGRF lookup index handed out (answer: ``bytes | None``,
     a decimal number)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SweepServers:
     """Delete the records of ``codes`` (corrupt, expired or orphaned; answer:
     None)."""
@@ -109,13 +108,13 @@ class SweepServers:
     codes: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class LoadNewgrfs:
     """Reload the NewGRF lookup table from the Store into the service's
     cache (answer: None)."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AnnounceInstance:
     """Renew coordinator ``instance``'s liveness key (answer: ``bool``, True
     when the key had been missing: first start, or the Store lost it)."""
@@ -123,7 +122,7 @@ class AnnounceInstance:
     instance: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class GetTicket:
     """Read the secret half of TURN ticket ``ticket_id`` (answer: ``str |
     None``)."""
@@ -131,7 +130,7 @@ class GetTicket:
     ticket_id: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PutTicket:
     """Store TURN ticket ``ticket_id`` -> ``secret`` for whichever instance's
     TURN listener the peers reach (answer: None)."""
@@ -140,7 +139,7 @@ class PutTicket:
     secret: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class DropTicket:
     """Delete a TURN ticket both sides used (single use; answer: None)."""
 
@@ -169,7 +168,7 @@ StoreUpdate = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StoreRead:
     """Run ``query``; feed the answer to ``store_result(request, answer)``."""
 
@@ -177,7 +176,7 @@ class StoreRead:
     query: StoreQuery
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StoreWrite:
     """Run ``update``; feed ``store_result(request, answer)`` when done (the
     answer is None unless the update's docstring names one)."""

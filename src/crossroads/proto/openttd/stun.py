@@ -13,11 +13,11 @@ contributes is the address it *sees* the packet come from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.proto.openttd.coordinator import VERSION_STUN, open_service_packet
 from crossroads.proto.openttd.wire import TOKEN_LENGTH, Writer
+from crossroads.types import frozen
 
 
 class StunPacketType(IntEnum):
@@ -26,7 +26,7 @@ class StunPacketType(IntEnum):
     SERCLI_STUN = 0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class StunRequest:
     """A peer announces itself under ``token`` on a socket of ``family``."""
 

@@ -13,12 +13,12 @@ game protocol through it and the service copies bytes without looking at them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
 from crossroads.proto.openttd.coordinator import VERSION_TURN, open_service_packet
 from crossroads.proto.openttd.wire import HOSTNAME_LENGTH, TOKEN_LENGTH, Reader, Writer
+from crossroads.types import frozen
 
 
 class TurnPacketType(IntEnum):
@@ -29,7 +29,7 @@ class TurnPacketType(IntEnum):
     TURN_CONNECTED = 2
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnConnect:
     """A peer presents its ticket."""
 
@@ -37,14 +37,14 @@ class TurnConnect:
     ticket: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnConnected:
     """Both sides arrived: from now on the socket relays the game protocol."""
 
     hostname: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnError:
     """The service refuses the ticket."""
 

@@ -47,8 +47,6 @@ the seated server's live record is what joins and heartbeats read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from crossroads.proto.openttd.coordinator import ServerUpdate
 from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.record import ServerRecord
@@ -61,9 +59,10 @@ from crossroads.proto.openttd.store import (
     PutServer,
     StoreWrite,
 )
+from crossroads.types import frozen
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Updated:
     """The record is stored: count it, spend ``newgrfs_indexed`` of the
     session's NewGRF budget; refresh the listing when ``became_listable``."""
@@ -72,28 +71,28 @@ class Updated:
     became_listable: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class UpdateFailed:
     """The Store failed: count it (``newgrfs_indexed`` were indexed before)."""
 
     newgrfs_indexed: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Left:
     """The record is gone (``store_failed``: the Store could not say)."""
 
     store_failed: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Beat:
     """The beat is done; ``restored`` records were put back."""
 
     restored: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BeatFailed:
     """The Store failed during the beat (the next one tries again)."""
 

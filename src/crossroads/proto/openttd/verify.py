@@ -41,12 +41,13 @@ from crossroads.proto.openttd.coordinator import (
     GcStunRequest,
 )
 from crossroads.proto.openttd.ladder import STUN_RESULTS_PER_SIDE, SendToServer
+from crossroads.types import frozen
 
 #: The probe concludes after this long at most (reference section 7: 7 s).
 CHECK_TIMEOUT = 7.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Probe:
     """Connect to host:port and ask for the game info."""
 
@@ -54,7 +55,7 @@ class Probe:
     port: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Concluded:
     connection_type: ConnectionType
     #: Addresses that answered the probe, IPv4 first.

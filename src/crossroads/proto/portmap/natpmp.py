@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import ipaddress
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
+from crossroads.types import frozen
 
 PORT = 5351
 VERSION = 0
@@ -67,13 +67,13 @@ def _response_header(opcode: int, result: int, epoch: int) -> bytes:
     return _HEADER.pack(VERSION, RESPONSE_BIT + opcode, result, epoch)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ExternalAddressRequest:
     def encode(self) -> bytes:
         return _REQUEST_HEADER.pack(VERSION, Opcode.EXTERNAL_ADDRESS)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MapRequest:
     opcode: Opcode
     internal_port: int
@@ -87,7 +87,7 @@ class MapRequest:
         return _REQUEST_HEADER.pack(VERSION, self.opcode) + body
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ExternalAddressResponse:
     result: int
     epoch: int
@@ -98,7 +98,7 @@ class ExternalAddressResponse:
         return header + ipaddress.IPv4Address(self.address).packed
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MapResponse:
     opcode: Opcode
     result: int
@@ -114,7 +114,7 @@ class MapResponse:
         return _response_header(self.opcode, self.result, self.epoch) + body
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ErrorResponse:
     """A short response that carries only a failure (e.g. the answer a NAT-PMP
     gateway gives to a PCP request: version 0, UNSUPPORTED_VERSION)."""

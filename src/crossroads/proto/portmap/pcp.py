@@ -20,11 +20,11 @@ to 4 bytes); we send none and skip any we receive. Lifetime 0 deletes a mapping
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
 from crossroads.proto.binary import pack_ip16, unpack_ip16
+from crossroads.types import frozen
 
 PORT = 5351
 VERSION = 2
@@ -81,7 +81,7 @@ def _decode_map(data: bytes, offset: int) -> tuple[bytes, int, int, int, str]:
     return nonce, protocol, internal, external, unpack_ip16(ext_ip)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MapRequest:
     nonce: bytes
     protocol: int
@@ -110,7 +110,7 @@ class MapRequest:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MapResponse:
     result: int
     lifetime: int
@@ -128,7 +128,7 @@ class MapResponse:
         return header + _encode_map(self)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ErrorResponse:
     """A response without a usable MAP payload (e.g. UNSUPP_VERSION)."""
 

@@ -59,7 +59,7 @@ from crossroads.proto.punch.rendezvous import (
     classify_mapping,
 )
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: RakNet's server-side phase timeout: "after 10 000 ms in phase" the attempt is
 #: declared unresponsive (reference §2.1 step 4).
@@ -116,7 +116,7 @@ RELAY_MAX_FRAME = 1 + 8 + 1400 + 64
 RELAY_FRAME = 0x01
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CoordinatorConfig:
     """Limits of one coordinator (the service fills these from its config)."""
 
@@ -132,19 +132,19 @@ class CoordinatorConfig:
 # ------------------------------------------------------------------------ events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class FrameRejected:
     """A frame was refused; ``reason`` is a metric label."""
 
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ProbeDropped:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PunchFinished:
     """One side's ladder outcome, or a server-side failure (``side`` = "server")."""
 
@@ -154,7 +154,7 @@ class PunchFinished:
     side: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CodeClaim:
     """Directory mode: claim ``code`` for ``session`` in the store shared by the
     instances; answer with :meth:`Coordinator.code_claimed`."""
@@ -163,14 +163,14 @@ class CodeClaim:
     code: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CodeReleased:
     """Directory mode: the session behind ``code`` ended (drop its claim)."""
 
     code: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CodeLookup:
     """Directory mode: ``join`` named a code no local session holds; find the
     instance that holds it and answer with :meth:`Coordinator.code_located`."""
@@ -203,7 +203,7 @@ class _Bucket:
         return False
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SessionSummary:
     """One open mesh session as an operator sees it."""
 

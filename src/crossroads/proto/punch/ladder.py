@@ -81,7 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossroads.proto.punch.signalling import PeerInfo
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: RakNet internal-address schedule (§2.1): 2 sends per address, 15 ms apart; at
 #: most 5 addresses (MAXIMUM_NUMBER_OF_INTERNAL_IDS_TO_CHECK).
@@ -133,7 +133,7 @@ SPRAY_HEAD_START = 0.15
 FINAL_WAIT = 0.3
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Send:
     """One probe: at ``at`` seconds after t_go, from socket ``socket`` (0 is the
     peer socket, 1.. are birthday sockets) to ``dest``."""
@@ -146,7 +146,7 @@ class Send:
     ttl: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Spray:
     """Many probes in one run, sent by one paced task rather than a timer each.
 
@@ -172,7 +172,7 @@ class Spray:
         return self.count / self.rate
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Step:
     name: str
     start: float

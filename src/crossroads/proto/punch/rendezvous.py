@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import ipaddress
 import struct
-from dataclasses import dataclass
 
 from crossroads.errors import DecodeError
 from crossroads.proto.binary import pack_ip16
+from crossroads.types import frozen
 
 PROBE_MAGIC = b"XRq1"
 OBSERVED_MAGIC = b"XRr1"
@@ -42,7 +42,7 @@ _OBSERVED = struct.Struct("!4sIHBBH16s")
 assert _PROBE.size == PROBE_SIZE and _OBSERVED.size == OBSERVED_SIZE
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Probe:
     """Client -> server: "this is peer ``token``, probing for ``attempt``"."""
 
@@ -63,7 +63,7 @@ class Probe:
         return cls(token, attempt, seq)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Observed:
     """Server -> client: the address the server saw on rendezvous port ``index``."""
 

@@ -33,7 +33,6 @@ datagrams rather than reuse a nonce.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import ClassVar
 
@@ -48,6 +47,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from crossroads.errors import DecodeError, LocalProtocolError
 from crossroads.proto import replay
+from crossroads.types import frozen
 
 PACKET_TYPE = 0xC5
 HEADER = struct.Struct("!B8sQ")
@@ -73,7 +73,7 @@ class Kind(IntEnum):
     CONTROL = 6  # SDK control (JSON): mesh membership, host changes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChannelKeys:
     send_key: bytes
     recv_key: bytes

@@ -19,12 +19,13 @@ import binascii
 import ipaddress
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, field, fields
 from functools import partial
 from typing import Any, ClassVar, Self, TypeVar, cast
 
 from crossroads.errors import DecodeError
 from crossroads.proto import jsontext
+from crossroads.types import frozen
 
 #: Version carried in ``hello``/``welcome``; bumped on incompatible changes only.
 PROTOCOL_VERSION = 1
@@ -264,7 +265,7 @@ def _object(from_json: Callable[[Any], _JsonObject]) -> FieldReader:
     return lambda o, member: from_json(o.get(member))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Endpoint:
     """A transport address; JSON ``["203.0.113.7", 40000]`` (IPv6 without brackets)."""
 
@@ -318,7 +319,7 @@ def _opt(value: Endpoint | TurnInfo | None) -> Any:
     return None if value is None else value.to_json()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Candidates(_JsonObject):
     """What a client knows about its own reachability (sent in ``punch_ready``).
 
@@ -354,7 +355,7 @@ def _ports(o: Mapping[str, Any], member: str) -> tuple[int, ...]:
     return tuple(ports)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerInfo(_JsonObject):
     """Everything one side of a punch needs about the other (``punch_start``)."""
 
@@ -382,7 +383,7 @@ class PeerInfo(_JsonObject):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Member(_JsonObject):
     """One participant of a mesh session."""
 
@@ -453,7 +454,7 @@ def _optional_turn(o: Mapping[str, Any], member: str) -> TurnInfo | None:
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class Hello(Message):
     """First client frame: protocol version and the peer-channel public key."""
 
@@ -465,7 +466,7 @@ class Hello(Message):
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnInfo(_JsonObject):
     """TURN servers and time-limited credentials for this peer (the coturn
     "REST API" scheme: username ``<expiry unix time>:<peer id>``, password
@@ -479,7 +480,7 @@ class TurnInfo(_JsonObject):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Welcome(Message):
     """Answer to ``hello``: the peer id, the UDP rendezvous token and addresses."""
 
@@ -500,7 +501,7 @@ class Welcome(Message):
 
 @_client
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Ping(Message):
     """Round-trip probe, either direction; the receiver answers ``pong`` at once."""
 
@@ -510,14 +511,14 @@ class Ping(Message):
 
 @_client
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Pong(Message):
     TYPE: ClassVar[str] = "pong"
     id: int = _json(_PING_ID)
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class Host(Message):
     """Create a mesh session; answered by ``hosted`` with its invite code."""
 
@@ -529,7 +530,7 @@ class Host(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Hosted(Message):
     TYPE: ClassVar[str] = "hosted"
     session: str = _json(_str)
@@ -540,7 +541,7 @@ class Hosted(Message):
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class Join(Message):
     """Ask to join the session behind an invite code (starts a verified join)."""
 
@@ -549,7 +550,7 @@ class Join(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Redirect(Message):
     """The session behind ``code`` lives on another server instance: reconnect
     to ``url`` (a fresh ``hello`` there) and send the ``join`` again."""
@@ -568,7 +569,7 @@ class Redirect(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class JoinStart(Message):
     """The members a joiner must connect to before it may join (FCM2 step 1)."""
 
@@ -581,7 +582,7 @@ class JoinStart(Message):
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnRefresh(Message):
     """Ask for fresh TURN credentials (only a peer in a session gets them)."""
 
@@ -589,7 +590,7 @@ class TurnRefresh(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Turn(Message):
     """Fresh TURN credentials, the answer to ``turn_refresh``."""
 
@@ -598,7 +599,7 @@ class Turn(Message):
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class JoinResult(Message):
     """The joiner's outcome: which members it reached over the peer channel."""
 
@@ -611,7 +612,7 @@ class JoinResult(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class JoinCapable(Message):
     """To the host: this joiner reached every member; accept or reject it."""
 
@@ -622,7 +623,7 @@ class JoinCapable(Message):
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class JoinAnswer(Message):
     """The host's decision on a ``join_capable`` joiner."""
 
@@ -634,7 +635,7 @@ class JoinAnswer(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class JoinAccepted(Message):
     TYPE: ClassVar[str] = "join_accepted"
     session: str = _json(_str)
@@ -644,7 +645,7 @@ class JoinAccepted(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class JoinRejected(Message):
     TYPE: ClassVar[str] = "join_rejected"
     session: str = _json(_str)
@@ -652,7 +653,7 @@ class JoinRejected(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class MemberJoined(Message):
     TYPE: ClassVar[str] = "member_joined"
     session: str = _json(_str)
@@ -660,7 +661,7 @@ class MemberJoined(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class MemberLeft(Message):
     """A member left (or its signalling connection dropped); ``host`` is the
     host after the departure, by seniority."""
@@ -672,14 +673,14 @@ class MemberLeft(Message):
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class Leave(Message):
     TYPE: ClassVar[str] = "leave"
     session: str = _json(_str)
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class Connect(Message):
     """Ask the coordinator for a punch-through to ``peer``."""
 
@@ -688,7 +689,7 @@ class Connect(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class PunchPrepare(Message):
     """Refresh your mapping (rendezvous probes with this attempt), then answer
     ``punch_ready`` — RakNet's GET_MOST_RECENT_PORT (reference §2.1 step 2)."""
@@ -699,7 +700,7 @@ class PunchPrepare(Message):
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class PunchReady(Message):
     TYPE: ClassVar[str] = "punch_ready"
     attempt: int = _json(_ATTEMPT)
@@ -707,7 +708,7 @@ class PunchReady(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class PunchStart(Message):
     """Start the connection ladder ``delay_ms`` after receiving this frame.
 
@@ -726,7 +727,7 @@ class PunchStart(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class PunchFailed(Message):
     """The attempt ended without a start: ``target_not_connected``,
     ``already_in_progress``, ``target_unresponsive`` or ``connection_lost``."""
@@ -745,7 +746,7 @@ def _step(o: Mapping[str, Any], member: str) -> str:
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class PunchResult(Message):
     """How the ladder ended on this side (RakNet's CLIENT_READY plus the outcome)."""
 
@@ -774,7 +775,7 @@ def _signal_data(o: Mapping[str, Any], member: str) -> Any:
 
 
 @_client
-@dataclass(frozen=True, slots=True)
+@frozen
 class Signal(Message):
     """Application data to another member of a shared session (client -> server)."""
 
@@ -784,7 +785,7 @@ class Signal(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class SignalFrom(Message):
     """Application data from another member (server -> client)."""
 
@@ -794,7 +795,7 @@ class SignalFrom(Message):
 
 
 @_server
-@dataclass(frozen=True, slots=True)
+@frozen
 class Error(Message):
     """A request could not be served. ``ref`` names the request type it answers."""
 

@@ -9,12 +9,11 @@ the magic follows the time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
 from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS, BitReader, BitWriter
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: ``OFFLINE_MESSAGE_DATA_ID`` (RakPeer.cpp:135).
 MAGIC = bytes.fromhex("00ffff00fefefefefdfdfdfd12345678")
@@ -106,7 +105,7 @@ def _expect_magic(data: bytes, offset: int, name: str, size: int = 0) -> None:
         raise DecodeError(f"bad {name}", "bad-magic")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class OpenConnectionRequest1:
     """``05`` magic protocol, zero-padded to the MTU being tried (§1)."""
 
@@ -124,7 +123,7 @@ class OpenConnectionRequest1:
         return body.ljust(self.mtu - UDP_HEADER_SIZE, b"\x00")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class OpenConnectionRequest2:
     """``07`` magic SystemAddress(server as dialled) u16 MTU clientGUID (§1)."""
 
@@ -186,7 +185,7 @@ def handshake_refusal(kind: MessageId, server_guid: int) -> bytes:
     return bytes([kind]) + MAGIC + server_guid.to_bytes(8, "big")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class UnconnectedPing:
     """``01``/``02`` Time magic [clientGUID] (RakPeer.cpp:4635-4680)."""
 
@@ -224,7 +223,7 @@ def unconnected_ping(ping_time: int, client_guid: int) -> bytes:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class UnconnectedPong:
     """``1c`` Time serverGUID magic [offline ping response]: a ping's answer."""
 
@@ -244,7 +243,7 @@ class UnconnectedPong:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class OutOfBand:
     """``0d`` senderGUID magic payload (RakPeer.cpp:2979-2984, 4706-4735)."""
 
@@ -265,7 +264,7 @@ class OutOfBand:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectionRequest:
     """``09`` clientGUID Time bool(doSecurity) [password] (RakPeer.cpp:5004-5030)."""
 
@@ -306,7 +305,7 @@ def connection_request_accepted(
 MAXIMUM_NUMBER_OF_INTERNAL_IDS = 10
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class NewIncomingConnection:
     """``13`` SystemAddress(server) 10×SystemAddress(client's LAN IPs) Time Time."""
 

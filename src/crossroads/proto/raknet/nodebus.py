@@ -18,12 +18,11 @@ and B answers on A's channel::
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
 from typing import Any
 
 from crossroads.errors import DecodeError
 from crossroads.proto import busjson
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: Largest registration or command accepted (both are ~200 bytes).
 MAX_MESSAGE = 4096
@@ -58,7 +57,7 @@ def _header(kind: str, sender: str, source: Address, target: Address) -> dict[st
     return {"t": kind, "from": sender, "source": list(source), "target": list(target)}
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Forward:
     """Node ``sender`` asks for a forwarder between ``source`` and ``target``."""
 
@@ -74,7 +73,7 @@ class Forward:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Forwarded:
     """Node ``sender``'s answer: ``result`` and the forwarder's ``ip``:``port``."""
 

@@ -58,7 +58,7 @@ from crossroads.proto.raknet.reliability import (
     ReliabilityLayer,
     SplitBudget,
 )
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: ``defaultTimeoutTime`` 10 000 ms in release builds (RakPeer.cpp:247-249).
 TIMEOUT_MS = 10_000
@@ -73,7 +73,7 @@ SWEEP_TICK = 0.5
 CLOSE_LINGER_MS = 1000
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ServerConfig:
     """Bounds and identity of one server peer."""
 
@@ -96,7 +96,7 @@ class ServerConfig:
     timeout_ms: int = TIMEOUT_MS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Connected:
     guid: int
     address: Address
@@ -104,7 +104,7 @@ class Connected:
     internal_addresses: tuple[Address, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Disconnected:
     guid: int
     address: Address
@@ -113,14 +113,14 @@ class Disconnected:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MessageReceived:
     guid: int
     address: Address
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class OutOfBandReceived:
     guid: int
     address: Address

@@ -49,11 +49,11 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from dataclasses import dataclass
 from enum import IntEnum
 
 from crossroads.errors import DecodeError
 from crossroads.proto.bounded import BoundedMap
+from crossroads.types import frozen
 
 U24 = 1 << 24
 HALF_U24 = 1 << 23
@@ -129,7 +129,7 @@ class LimitExceeded(DecodeError):
     """The peer made this connection exceed one of the bounds above."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Frame:
     """One message (or one fragment of a split message) inside a datagram."""
 

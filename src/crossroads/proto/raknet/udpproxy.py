@@ -80,7 +80,7 @@ from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS, BitReader, Bit
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.peer import RakNetServer
 from crossroads.proto.sweep import SweepTimer
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: A server that does not answer a forwarding request within this long is
 #: skipped (``DEFAULT_UNRESPONSIVE_PING_TIME_COORDINATOR`` = 2000 + 1000 ms,
@@ -142,7 +142,7 @@ class Forwarders(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RemoteForwardingRequest:
     """Ask the relay node at ``node`` (another crossroads instance, known by
     its RakNet address) to forward between ``source`` and ``target``: the
@@ -154,7 +154,7 @@ class RemoteForwardingRequest:
     timeout_ms: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ForwardingReply:
     """A server's ``5c 0a`` (or a relay node's answer) to a forwarding request
     between ``source`` and ``target``: its UDPForwarderResult, and the IP

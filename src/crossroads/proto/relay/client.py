@@ -27,7 +27,6 @@ Datagrams from anywhere but the relay server are ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
@@ -35,7 +34,7 @@ from crossroads.errors import DecodeError, LocalProtocolError
 from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import bind_hmac
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 _HEARTBEATS_BEFORE_REBIND: Final = 3  # UTP RelayLayer: re-BIND after 3 x heartbeat
 
@@ -49,7 +48,7 @@ class ClientState(IntEnum):
     CLOSED = 5
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RelayClientConfig:
     """Client timers (reference §1.2, UTP defaults)."""
 
@@ -61,51 +60,51 @@ class RelayClientConfig:
     heartbeat: float = 3.0
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Bound:
     """BIND_RECEIVED arrived (``rebind``: it was not the first)."""
 
     rebind: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Connected:
     """ACCEPTED: the joiner is connected to the host ``host_allocation_id``."""
 
     host_allocation_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Rejected:
     """REJECTED: the host already has its maximum number of connections."""
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Data:
     from_allocation_id: bytes
     payload: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerJoined:
     """A host got the first frame from a new joiner."""
 
     allocation_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerLeft:
     allocation_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RelayError:
     """An ERROR from the relay (already acted upon, reported for the record)."""
 
     code: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Invalid:
     """The allocation is unusable: ``timed-out``, ``not-found`` or ``no-answer``."""
 

@@ -27,11 +27,11 @@ The relay's data plane does not use this module for RELAY frames it forwards (se
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.types import frozen
 
 #: ``0x72DA`` little-endian: the wire bytes ``DA 72`` (UTP ``RelayMessageHeader``).
 SIGNATURE: Final = b"\xda\x72"
@@ -131,7 +131,7 @@ def _check_u8(name: str, value: int) -> None:
         raise LocalProtocolError(f"{name} must fit in 8 bits")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Bind:
     """BIND (0), client→relay: attach this UDP address to an allocation.
 
@@ -166,7 +166,7 @@ class Bind:
         return self.signed_bytes() + self.hmac
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BindReceived:
     """BIND_RECEIVED (1), relay→client: the BIND was accepted. Header only."""
 
@@ -174,7 +174,7 @@ class BindReceived:
         return header(MessageType.BIND_RECEIVED)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Ping:
     """PING (2), both ways: keep-alive; resets the idle timer."""
 
@@ -193,7 +193,7 @@ class Ping:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectRequest:
     """CONNECT_REQUEST (3), joiner→relay: connect to the host named by its data.
 
@@ -217,7 +217,7 @@ class ConnectRequest:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _FromTo:
     from_allocation_id: bytes
     to_allocation_id: bytes
@@ -227,7 +227,7 @@ class _FromTo:
         _check_id("to_allocation_id", self.to_allocation_id)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Accepted(_FromTo):
     """ACCEPTED (6), relay→joiner: from = the host, to = the joiner."""
 
@@ -239,7 +239,7 @@ class Accepted(_FromTo):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Rejected(_FromTo):
     """REJECTED (8), relay→joiner: the host's ``maxConnections`` is reached.
 
@@ -254,7 +254,7 @@ class Rejected(_FromTo):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Disconnect(_FromTo):
     """DISCONNECT (9), both ways: the link between two allocations ends."""
 
@@ -266,7 +266,7 @@ class Disconnect(_FromTo):
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Relay:
     """RELAY (10), both ways: ``payload`` from one allocation to another."""
 
@@ -284,7 +284,7 @@ class Relay:
         return relay_frame(self.from_allocation_id, self.to_allocation_id, self.payload)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Close:
     """CLOSE (11), client→relay: unbind and end the allocation (20 bytes)."""
 
@@ -297,7 +297,7 @@ class Close:
         return header(MessageType.CLOSE) + self.allocation_id
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Error:
     """ERROR (12), relay→client. ``code`` is an :class:`ErrorCode` value (a u8)."""
 

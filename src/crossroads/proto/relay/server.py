@@ -66,7 +66,7 @@ from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.token import AllocationClaims, TokenSealer, verify_bind_hmac
 from crossroads.proto.sweep import SweepTimer
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: One slow-path decision per message type, to keep dispatch a dict lookup.
 RouteKey = tuple[Address, bytes]
@@ -149,7 +149,7 @@ class Allocation:
 # ------------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AllocationBound:
     """An allocation was bound (``rebind``: it moved to a new IP:port)."""
 
@@ -161,7 +161,7 @@ class AllocationBound:
     rebind: bool
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerConnected:
     host_allocation_id: bytes
     allocation_id: bytes
@@ -169,7 +169,7 @@ class PeerConnected:
     connections: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerDisconnected:
     host_allocation_id: bytes
     allocation_id: bytes
@@ -177,13 +177,13 @@ class PeerDisconnected:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectRejected:
     host_allocation_id: bytes
     allocation_id: bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ClientRefused:
     """A BIND from an address the policy refuses (dropped, not answered)."""
 
@@ -191,7 +191,7 @@ class ClientRefused:
     verdict: Verdict
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AllocationEnded:
     allocation_id: bytes
     host_allocation_id: bytes
@@ -200,7 +200,7 @@ class AllocationEnded:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BindRejected:
     """A BIND failed authentication: a token this node did not seal
     (``bad-token``), a bad HMAC (``bad-hmac``) or a token past its bind
@@ -224,7 +224,7 @@ Event = (
 # ------------------------------------------------------------------------- config
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RelayServerConfig:
     """Limits and timers of one relay node."""
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final
 
@@ -46,6 +45,7 @@ from crossroads.proto.relay.messages import (
     BIND_SIGNED_SIZE,
     KEY_SIZE,
 )
+from crossroads.types import frozen
 
 TOKEN_VERSION: Final = 1
 _NONCE_SIZE: Final = 12
@@ -60,7 +60,7 @@ class Role(IntEnum):
     JOINER = 1
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AllocationClaims:
     """What a ``connectionData`` token says about its allocation."""
 

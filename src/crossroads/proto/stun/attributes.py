@@ -20,7 +20,6 @@ from __future__ import annotations
 import ipaddress
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import ClassVar, Self
 
 from crossroads.errors import DecodeError
@@ -28,6 +27,7 @@ from crossroads.proto.stun.constants import (
     MAGIC_COOKIE_BYTES,
     AttrType,
 )
+from crossroads.types import frozen
 
 _U16 = struct.Struct("!H")
 _U32 = struct.Struct("!I")
@@ -46,7 +46,7 @@ def _bad(name: str, why: str) -> DecodeError:
     return DecodeError(f"{name}: {why}", reason="bad-attribute")
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Attribute:
     """Base class of every STUN attribute."""
 
@@ -109,7 +109,7 @@ def _encode_xor_address(host: str, port: int, key: bytes) -> bytes:
     return _FAMILY_PORT.pack(family, port ^ _PORT_XOR) + _xor(packed, key)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _Address(Attribute):
     """An address attribute: a host and a port."""
 
@@ -122,7 +122,7 @@ class _Address(Attribute):
         return self.host, self.port
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _PlainAddress(_Address):
     """MAPPED-ADDRESS layout (RFC 8489 §14.1)."""
 
@@ -134,7 +134,7 @@ class _PlainAddress(_Address):
         return cls(*_decode_plain_address(cls.__name__, value))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _XorAddress(_Address):
     """XOR-MAPPED-ADDRESS layout (RFC 8489 §14.2)."""
 
@@ -146,14 +146,14 @@ class _XorAddress(_Address):
         return cls(*_decode_xor_address(cls.__name__, value, key))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MappedAddress(_PlainAddress):
     """MAPPED-ADDRESS (RFC 8489 §14.1): the reflexive address, not obfuscated."""
 
     TYPE: ClassVar[int] = AttrType.MAPPED_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ResponseAddress(_PlainAddress):
     """RESPONSE-ADDRESS (RFC 3489 §11.2.2). Decoded only; servers must not obey it
     (it makes a reflector out of the server)."""
@@ -161,56 +161,56 @@ class ResponseAddress(_PlainAddress):
     TYPE: ClassVar[int] = AttrType.RESPONSE_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class SourceAddress(_PlainAddress):
     """SOURCE-ADDRESS (RFC 3489 §11.2.5): where an RFC 3489 response came from."""
 
     TYPE: ClassVar[int] = AttrType.SOURCE_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChangedAddress(_PlainAddress):
     """CHANGED-ADDRESS (RFC 3489 §11.2.3): the RFC 3489 name of OTHER-ADDRESS."""
 
     TYPE: ClassVar[int] = AttrType.CHANGED_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class XorMappedAddress(_XorAddress):
     """XOR-MAPPED-ADDRESS (RFC 8489 §14.2)."""
 
     TYPE: ClassVar[int] = AttrType.XOR_MAPPED_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class XorPeerAddress(_XorAddress):
     """XOR-PEER-ADDRESS (RFC 8656 §18.3)."""
 
     TYPE: ClassVar[int] = AttrType.XOR_PEER_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class XorRelayedAddress(_XorAddress):
     """XOR-RELAYED-ADDRESS (RFC 8656 §18.5)."""
 
     TYPE: ClassVar[int] = AttrType.XOR_RELAYED_ADDRESS
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AlternateServer(_PlainAddress):
     """ALTERNATE-SERVER (RFC 8489 §14.15), sent with 300 Try Alternate."""
 
     TYPE: ClassVar[int] = AttrType.ALTERNATE_SERVER
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ResponseOrigin(_PlainAddress):
     """RESPONSE-ORIGIN (RFC 5780 §7.3): the address the response was sent from."""
 
     TYPE: ClassVar[int] = AttrType.RESPONSE_ORIGIN
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class OtherAddress(_PlainAddress):
     """OTHER-ADDRESS (RFC 5780 §7.4): the server's alternate IP and port."""
 
@@ -220,7 +220,7 @@ class OtherAddress(_PlainAddress):
 # ---------------------------------------------------------------- text
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _Text(Attribute):
     value: str
 
@@ -235,35 +235,35 @@ class _Text(Attribute):
             raise _bad(cls.__name__, "not UTF-8") from None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Username(_Text):
     """USERNAME (RFC 8489 §14.3), UTF-8, < 509 bytes."""
 
     TYPE: ClassVar[int] = AttrType.USERNAME
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Realm(_Text):
     """REALM (RFC 8489 §14.9)."""
 
     TYPE: ClassVar[int] = AttrType.REALM
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Nonce(_Text):
     """NONCE (RFC 8489 §14.10)."""
 
     TYPE: ClassVar[int] = AttrType.NONCE
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Software(_Text):
     """SOFTWARE (RFC 8489 §14.14)."""
 
     TYPE: ClassVar[int] = AttrType.SOFTWARE
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AlternateDomain(_Text):
     """ALTERNATE-DOMAIN (RFC 8489 §14.16): TLS name for ALTERNATE-SERVER."""
 
@@ -273,7 +273,7 @@ class AlternateDomain(_Text):
 # ---------------------------------------------------------------- opaque bytes
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _Bytes(Attribute):
     value: bytes
     LENGTHS: ClassVar[tuple[int, ...] | None] = None
@@ -288,7 +288,7 @@ class _Bytes(Attribute):
         return cls(bytes(value))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MessageIntegrity(_Bytes):
     """MESSAGE-INTEGRITY (RFC 8489 §14.5): HMAC-SHA1, 20 bytes.
 
@@ -300,7 +300,7 @@ class MessageIntegrity(_Bytes):
     LENGTHS: ClassVar[tuple[int, ...] | None] = (20,)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class MessageIntegritySha256(_Bytes):
     """MESSAGE-INTEGRITY-SHA256 (RFC 8489 §14.6): HMAC-SHA256, 16-32 bytes, x4."""
 
@@ -308,7 +308,7 @@ class MessageIntegritySha256(_Bytes):
     LENGTHS: ClassVar[tuple[int, ...] | None] = (16, 20, 24, 28, 32)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Userhash(_Bytes):
     """USERHASH (RFC 8489 §14.4): SHA-256(username ":" realm), 32 bytes."""
 
@@ -316,14 +316,14 @@ class Userhash(_Bytes):
     LENGTHS: ClassVar[tuple[int, ...] | None] = (32,)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Data(_Bytes):
     """DATA (RFC 8656 §18.4): application data in Send/Data indications."""
 
     TYPE: ClassVar[int] = AttrType.DATA
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ReservationToken(_Bytes):
     """RESERVATION-TOKEN (RFC 8656 §18.9): 8 opaque bytes."""
 
@@ -331,7 +331,7 @@ class ReservationToken(_Bytes):
     LENGTHS: ClassVar[tuple[int, ...] | None] = (8,)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Padding(_Bytes):
     """PADDING (RFC 5780 §7.6): free-form bytes to force IP fragmentation."""
 
@@ -341,7 +341,7 @@ class Padding(_Bytes):
 # ---------------------------------------------------------------- integers
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _Number(Attribute):
     """One unsigned number in a fixed layout: ``LAYOUT`` is its struct, whose
     pad bytes are the attribute's reserved bits (zero on encode, ignored on
@@ -360,35 +360,35 @@ class _Number(Attribute):
         return cls(cls.LAYOUT.unpack(value)[0])
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Lifetime(_Number):
     """LIFETIME (RFC 8656 §18.2): seconds."""
 
     TYPE: ClassVar[int] = AttrType.LIFETIME
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Priority(_Number):
     """PRIORITY (RFC 8445 §16.1, ICE)."""
 
     TYPE: ClassVar[int] = AttrType.PRIORITY
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectionId(_Number):
     """CONNECTION-ID (RFC 6062 §6.2.1)."""
 
     TYPE: ClassVar[int] = AttrType.CONNECTION_ID
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CacheTimeout(_Number):
     """CACHE-TIMEOUT (RFC 5780 §9.1, registered; seconds)."""
 
     TYPE: ClassVar[int] = AttrType.CACHE_TIMEOUT
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Fingerprint(_Number):
     """FINGERPRINT (RFC 8489 §14.7): CRC-32 XOR 0x5354554e. Must be last.
 
@@ -398,7 +398,7 @@ class Fingerprint(_Number):
     TYPE: ClassVar[int] = AttrType.FINGERPRINT
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class IceControlled(_Number):
     """ICE-CONTROLLED (RFC 8445 §16.1): tie-breaker."""
 
@@ -406,7 +406,7 @@ class IceControlled(_Number):
     LAYOUT: ClassVar[struct.Struct] = _U64
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class IceControlling(_Number):
     """ICE-CONTROLLING (RFC 8445 §16.1): tie-breaker."""
 
@@ -414,7 +414,7 @@ class IceControlling(_Number):
     LAYOUT: ClassVar[struct.Struct] = _U64
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChannelNumber(_Number):
     """CHANNEL-NUMBER (RFC 8656 §18.1): 0x4000-0x4FFF in RFC 8656."""
 
@@ -422,7 +422,7 @@ class ChannelNumber(_Number):
     LAYOUT: ClassVar[struct.Struct] = _U16_RESERVED
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ResponsePort(_Number):
     """RESPONSE-PORT (RFC 5780 §7.5): send the response to this port."""
 
@@ -430,7 +430,7 @@ class ResponsePort(_Number):
     LAYOUT: ClassVar[struct.Struct] = _U16_RESERVED
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RequestedTransport(_Number):
     """REQUESTED-TRANSPORT (RFC 8656 §18.7): IANA protocol number (17 UDP, 6 TCP)."""
 
@@ -438,7 +438,7 @@ class RequestedTransport(_Number):
     LAYOUT: ClassVar[struct.Struct] = _BYTE_RESERVED
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RequestedAddressFamily(_Number):
     """REQUESTED-ADDRESS-FAMILY (RFC 8656 §18.8): 1 IPv4, 2 IPv6."""
 
@@ -446,7 +446,7 @@ class RequestedAddressFamily(_Number):
     LAYOUT: ClassVar[struct.Struct] = _BYTE_RESERVED
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AdditionalAddressFamily(_Number):
     """ADDITIONAL-ADDRESS-FAMILY (RFC 8656 §18.11): only 2 (IPv6) is valid."""
 
@@ -457,7 +457,7 @@ class AdditionalAddressFamily(_Number):
 # ---------------------------------------------------------------- flags
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class _Empty(Attribute):
     def encode_value(self, key: bytes) -> bytes:
         return b""
@@ -469,21 +469,21 @@ class _Empty(Attribute):
         return cls()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class DontFragment(_Empty):
     """DONT-FRAGMENT (RFC 8656 §18.8): no value."""
 
     TYPE: ClassVar[int] = AttrType.DONT_FRAGMENT
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class UseCandidate(_Empty):
     """USE-CANDIDATE (RFC 8445 §16.1): no value."""
 
     TYPE: ClassVar[int] = AttrType.USE_CANDIDATE
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class EvenPort(Attribute):
     """EVEN-PORT (RFC 8656 §18.6): one byte, top bit R = reserve the next port."""
 
@@ -500,7 +500,7 @@ class EvenPort(Attribute):
         return cls(bool(value[0] & 0x80))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChangeRequest(Attribute):
     """CHANGE-REQUEST (RFC 5780 §7.2): flags A (change IP, 0x4) and B (port, 0x2)."""
 
@@ -545,7 +545,7 @@ def _decode_error(name: str, value: bytes) -> tuple[int, int, str]:
         raise _bad(name, "reason not UTF-8") from None
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ErrorCodeAttribute(Attribute):
     """ERROR-CODE (RFC 8489 §14.8): code 300-699 and a UTF-8 reason phrase."""
 
@@ -562,7 +562,7 @@ class ErrorCodeAttribute(Attribute):
         return cls(code, reason)
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AddressErrorCode(Attribute):
     """ADDRESS-ERROR-CODE (RFC 8656 §18.12): family, error code, reason."""
 
@@ -579,7 +579,7 @@ class AddressErrorCode(Attribute):
         return cls(*_decode_error(cls.__name__, value))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class UnknownAttributes(Attribute):
     """UNKNOWN-ATTRIBUTES (RFC 8489 §14.13): the types a 420 refers to."""
 
@@ -596,7 +596,7 @@ class UnknownAttributes(Attribute):
         return cls(tuple(t for (t,) in _U16.iter_unpack(value)))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Icmp(Attribute):
     """ICMP (RFC 8656 §18.13): 16 reserved bits, type (7 bits), code (9 bits),
     4 bytes of error data (the MTU for "packet too big", else zero)."""
@@ -626,7 +626,7 @@ class Icmp(Attribute):
 # ---------------------------------------------------------------- passwords
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PasswordAlgorithm(Attribute):
     """PASSWORD-ALGORITHM (RFC 8489 §14.12): algorithm and its parameters."""
 
@@ -651,7 +651,7 @@ class PasswordAlgorithm(Attribute):
         return cls(algorithm, bytes(value[4:]))
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PasswordAlgorithms(Attribute):
     """PASSWORD-ALGORITHMS (RFC 8489 §14.11): list of (algorithm, parameters),
     each parameter block padded to 4 bytes."""
@@ -685,7 +685,7 @@ class PasswordAlgorithms(Attribute):
 # ---------------------------------------------------------------- unknown
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class UnknownAttribute(Attribute):
     """An attribute whose type this codec does not know; kept as raw bytes."""
 

@@ -30,10 +30,10 @@ from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.stun.attributes import Attribute
 from crossroads.proto.stun.constants import Class, Method
 from crossroads.proto.stun.message import Message, decode, encode, is_stun
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TransactionTimers:
     """Retransmission parameters (RFC 8489 §6.2.1 defaults)."""
 
@@ -58,7 +58,7 @@ class TransactionTimers:
 RFC8489_TIMERS = TransactionTimers()
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TransactionResult:
     """The end of one transaction."""
 
@@ -74,7 +74,7 @@ class TransactionResult:
     transmissions: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class RequestReceived:
     """A STUN request arrived on the client socket (e.g. a hairpinned request)."""
 

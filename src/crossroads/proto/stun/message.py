@@ -37,7 +37,6 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple, TypeVar
 
@@ -66,6 +65,7 @@ from crossroads.proto.stun.constants import (
     split_message_type,
 )
 from crossroads.proto.stun.integrity import fingerprint_value
+from crossroads.types import frozen
 
 A = TypeVar("A", bound=Attribute)
 
@@ -83,7 +83,7 @@ _MI256 = AttrType.MESSAGE_INTEGRITY_SHA256
 _FP = AttrType.FINGERPRINT
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Message:
     """One STUN message.
 

@@ -32,10 +32,11 @@ import base64
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from enum import IntEnum
 
 from crossroads.proto.turn.constants import NONCE_LIFETIME
+from crossroads.types import frozen
 
 #: RFC 8489 §9.2: a nonce starting with this cookie carries 24 feature bits in
 #: the 4 base64 characters that follow.
@@ -83,7 +84,7 @@ class Lookup(IntEnum):
     TTL_TOO_LONG = 3
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Credentials:
     """The sources of passwords for one realm."""
 

@@ -18,14 +18,13 @@ tests use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from crossroads.errors import DecodeError
 from crossroads.proto.stun.message import stream_frame_length
 from crossroads.proto.turn.constants import (
     CHANNEL_MAX_RFC5766,
     CHANNEL_MIN,
 )
+from crossroads.types import frozen
 
 #: Channel number and length, 2 bytes each (RFC 8656 §12.4).
 HEADER_SIZE = 4
@@ -33,7 +32,7 @@ HEADER_SIZE = 4
 MAX_PAYLOAD = 0xFFFF
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ChannelData:
     """A decoded ChannelData message."""
 

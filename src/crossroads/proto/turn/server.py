@@ -146,7 +146,7 @@ from crossroads.proto.turn.constants import (
 )
 from crossroads.proto.turn.ports import PortAllocator, Reservation
 from crossroads.proto.turn.ratelimit import TokenBuckets
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: Distinct peer IPs on this host that may hold permissions. Only reachable with
 #: an explicit opt-in (``--allow-loopback-peers`` or an allowed range covering
@@ -165,7 +165,7 @@ OFFERED_ALGORITHMS: tuple[tuple[int, bytes], ...] = (
 # ------------------------------------------------------------------ settings
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class TurnSettings:
     """Policy knobs of the core (built from the service configuration)."""
 
@@ -225,14 +225,14 @@ class RelayBinder(Protocol):
 # ------------------------------------------------------------------ events
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AllocationCreated:
     """A new allocation: the transport installs its data-plane routes."""
 
     allocation: Allocation
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AllocationDeleted:
     """An allocation is gone (relays already closed): drop its routes."""
 
@@ -240,7 +240,7 @@ class AllocationDeleted:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class ConnectPeer:
     """RFC 6062 Connect: open a TCP connection from ``relay`` to ``peer``.
 
@@ -253,7 +253,7 @@ class ConnectPeer:
     peer: Address
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class BindConnection:
     """ConnectionBind succeeded: after sending the response on ``five_tuple``, pipe
     that client data connection to the peer data connection."""
@@ -262,14 +262,14 @@ class BindConnection:
     five_tuple: FiveTuple
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CloseConnection:
     """Close the peer data connection (and its client data connection, if any)."""
 
     connection_id: int
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class PeerRefused:
     """A request named a peer the policy refuses (answered 403): for the log.
     Only requests emit it, never the data path, so a flood of Send indications
@@ -280,7 +280,7 @@ class PeerRefused:
     verdict: Verdict
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class AuthFailed:
     """A signed request failed authentication (unknown or expired user, bad
     MESSAGE-INTEGRITY), answered with 401: for the log, never with a secret.
@@ -306,7 +306,7 @@ TurnEvent = (
 # ------------------------------------------------------------------ state
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Auth:
     """Who sent an authenticated request, and how to sign the answer."""
 

@@ -15,7 +15,6 @@ import ipaddress
 import logging
 import os
 import random
-from dataclasses import dataclass
 
 from crossroads.config import check_non_negative, check_positive, setting
 from crossroads.errors import StoreError
@@ -53,7 +52,7 @@ from crossroads.services.openttd.stun import StunService
 from crossroads.services.openttd.turn import TurnService, relay_cap
 from crossroads.services.openttd.web import make_router
 from crossroads.store.shared_secret import SharedSecret
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 NAME = "openttd"
 ROLES = ("coordinator", "stun", "turn")
@@ -72,7 +71,7 @@ def _check_roles(roles: tuple[str, ...]) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Config:
     """The ``[openttd]`` section."""
 

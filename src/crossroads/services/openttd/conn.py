@@ -30,7 +30,6 @@ import logging
 import os
 import socket
 import struct
-from dataclasses import dataclass
 from typing import Protocol, cast
 
 from prometheus_client import Counter, Gauge
@@ -39,7 +38,7 @@ from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, ConnectionBudget
 from crossroads.transport.sockets import make_tcp_listener
-from crossroads.types import Address, normalize_address
+from crossroads.types import Address, frozen, normalize_address
 
 #: Linux ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_rtt``, the smoothed
 #: RTT in microseconds, follows 8 one-byte fields and 15 u32 fields.
@@ -65,7 +64,7 @@ WRITE_HIGH_WATER = 256 * 1024
 WRITE_HARD_CAP = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class Limits:
     """Bounds of one listener (see the module docstring)."""
 

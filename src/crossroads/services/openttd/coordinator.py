@@ -133,6 +133,7 @@ from crossroads.services.openttd.runners import (
     run_store_flow,
 )
 from crossroads.transport.driver import CoreTimer
+from crossroads.types import frozen
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -144,7 +145,7 @@ NEWGRF_BUDGET_PER_SESSION = 512
 MAX_CONCURRENT_PROBES = 256
 
 
-@dataclass(frozen=True, slots=True)
+@frozen
 class CoordinatorSettings:
     """The coordinator's knobs (from the service Config)."""
 
