@@ -60,6 +60,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -556,7 +557,21 @@ class EndpointSocket:
 # ------------------------------------------------------------------ UDP relays
 
 
-class UdpRelay:
+@dataclass(eq=False)
+class _RelaySocket:
+    """What every relay of an allocation is made from: its socket, bound for
+    ``allocation`` in ``family``, and the ``address`` it is advertised at."""
+
+    service: TurnService
+    allocation: Allocation
+    family: Family
+    sock: socket.socket
+    address: Address
+    closed: bool = field(default=False, init=False)
+
+
+@dataclass(eq=False)
+class UdpRelay(_RelaySocket):
     """One relay socket of a UDP allocation (a ``RelayPort`` for the core).
 
     A tap of the relay data plane reads it (see
@@ -567,24 +582,12 @@ class UdpRelay:
     calls write the routes of both directions.
     """
 
-    def __init__(
-        self,
-        service: TurnService,
-        allocation: Allocation,
-        family: Family,
-        sock: socket.socket,
-        address: Address,
-    ) -> None:
-        self.service = service
-        self.allocation = allocation
-        self.family = family
-        self.address = address
-        self.sock = sock
+    def __post_init__(self) -> None:
+        service, allocation, sock = self.service, self.allocation, self.sock
         #: ``--turn-max-bps``, both directions, every route of this relay.
         self.budget = make_budget(service.config.max_bps)
         self.permissions = allocation.permissions
         self.stats = service.stats
-        self.closed = False
         link = allocation.transport_data
         assert isinstance(link, ClientLink)
         self.link = link
@@ -839,26 +842,15 @@ class Pipe(asyncio.Protocol):
             self.other.close()
 
 
-class TcpRelay:
+@dataclass(eq=False)
+class TcpRelay(_RelaySocket):
     """The listening socket of an RFC 6062 TCP allocation (a ``RelayPort``)."""
 
-    def __init__(
-        self,
-        service: TurnService,
-        allocation: Allocation,
-        family: Family,
-        sock: socket.socket,
-        address: Address,
-    ) -> None:
-        self.service = service
-        self.allocation = allocation
-        self.family = family
-        self.sock = sock
-        self.address = address
-        self.bind_address: Address = (sock.getsockname()[0], sock.getsockname()[1])
+    def __post_init__(self) -> None:
+        bound = self.sock.getsockname()
+        self.bind_address: Address = (bound[0], bound[1])
         self.bps = 0.0  # RFC 6062 data is piped; TCP flow control applies
         self.server: asyncio.Server | None = None
-        self.closed = False
         self.task: asyncio.Task[Any] | None = None
 
     def allow(self, size: int) -> bool:
