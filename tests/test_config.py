@@ -1,13 +1,21 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, make_dataclass
 from pathlib import Path
 
 import pytest
 
-from crossroads.config import CoreConfig, build_config, setting
+from crossroads.config import (
+    CoreConfig,
+    Kind,
+    build_config,
+    register_section,
+    setting,
+    setting_info,
+)
 from crossroads.errors import ConfigError
 
 
@@ -17,8 +25,9 @@ class DemoConfig:
     ports: tuple[int, int] = setting(
         (49152, 65535), kind="port_range", flag="--relay-ports", help="range"
     )
-    users: tuple[str, ...] = setting((), kind="list", help="users")
-    enabled: bool = setting(True, kind="bool", help="on/off")
+    users: tuple[str, ...] = setting((), help="users")
+    enabled: bool = setting(True, help="on/off")
+    ratio: float = setting(0.5, help="ratio")
 
 
 SECTIONS = {"core": CoreConfig, "demo": DemoConfig}
@@ -147,3 +156,38 @@ def test_cli_unknown_file_key_exits_2(tmp_path: Path) -> None:
     result = run_cli("serve", "--config", str(config_file))
     assert result.returncode == 2
     assert f"unknown key bogus in {config_file}" in result.stderr
+
+
+def test_kind_follows_from_the_annotation() -> None:
+    kinds = {f.name: setting_info(f).kind for f in fields(DemoConfig)}
+    assert kinds == {
+        "port": "port",
+        "ports": "port_range",
+        "users": "list",
+        "enabled": "bool",
+        "ratio": "float",
+    }
+    config = build_config(
+        sections=SECTIONS,
+        env={"CROSSROADS_DEMO_RATIO": "0.25", "CROSSROADS_DEMO_ENABLED": "no"},
+    )
+    demo = config.section("demo", DemoConfig)
+    assert (demo.ratio, demo.enabled) == (0.25, False)
+
+
+@pytest.mark.parametrize(
+    ("annotation", "kind", "reason"),
+    [
+        ("int", "float", "kind float does not fit type int"),
+        ("str", "port", "kind port does not fit type str"),
+        ("tuple[int, int]", None, "no kind for type tuple[int, int]"),
+    ],
+)
+def test_a_kind_that_contradicts_the_annotation_is_refused(
+    annotation: str, kind: Kind | None, reason: str
+) -> None:
+    broken = make_dataclass(
+        "Broken", [("value", annotation, setting(1, kind=kind, help="x"))]
+    )
+    with pytest.raises(TypeError, match=re.escape(reason)):
+        register_section("broken", broken)

@@ -57,27 +57,88 @@ class SettingInfo:
     env: str | None = None
 
 
+#: The kind each field annotation implies, so that a declaration names its type
+#: once; ``port``, ``host`` and ``port_range`` narrow a type and are declared.
+_KIND_OF_TYPE: dict[str, Kind] = {
+    "str": "str",
+    "int": "int",
+    "float": "float",
+    "bool": "bool",
+    "tuple[str, ...]": "list",
+}
+_TYPE_OF_NARROWED_KIND: dict[Kind, str] = {
+    "port": "int",
+    "host": "str",
+    "port_range": "tuple[int, int]",
+}
+
+
 def setting(
     default: Any,
     *,
     help: str,
-    kind: Kind = "str",
+    kind: Kind | None = None,
     flag: str | None = None,
     check: Callable[[Any], None] | None = None,
     env: str | None = None,
 ) -> Any:
-    """Declare a configuration field (use as a dataclass field default)."""
-    info = SettingInfo(help=help, kind=kind, flag=flag, check=check, env=env)
+    """Declare a configuration field (use as a dataclass field default).
+
+    ``kind`` follows from the field's annotation (``int``, ``float``, ``bool``,
+    ``str``, ``tuple[str, ...]`` is ``list``); name it only to narrow the type:
+    ``port``, ``host`` or ``port_range``.
+    """
+    info = _Declared(help=help, kind=kind, flag=flag, check=check, env=env)
     if isinstance(default, list):
         default = tuple(default)
     return field(default=default, metadata={_META_KEY: info})
 
 
+@frozen
+class _Declared:
+    """What :func:`setting` was given, before the annotation completes it."""
+
+    help: str
+    kind: Kind | None
+    flag: str | None
+    check: Callable[[Any], None] | None
+    env: str | None
+
+
+def _annotation(f: dataclasses.Field[Any]) -> str:
+    declared = f.type
+    if isinstance(declared, str):
+        return declared.replace(" ", "").replace(",", ", ")
+    return declared.__name__ if isinstance(declared, type) else str(declared)
+
+
 def setting_info(f: dataclasses.Field[Any]) -> SettingInfo:
-    info = f.metadata.get(_META_KEY)
-    if not isinstance(info, SettingInfo):
+    declared = f.metadata.get(_META_KEY)
+    if not isinstance(declared, _Declared):
         raise TypeError(f"config field {f.name} was not declared with setting()")
-    return info
+    annotation = _annotation(f)
+    if declared.kind is None:
+        kind = _KIND_OF_TYPE.get(annotation)
+        if kind is None:
+            raise TypeError(
+                f"config field {f.name}: no kind for type {annotation}; declare one"
+            )
+    else:
+        kind = declared.kind
+        implied = _TYPE_OF_NARROWED_KIND.get(kind) or next(
+            (name for name, k in _KIND_OF_TYPE.items() if k == kind), None
+        )
+        if implied != annotation:
+            raise TypeError(
+                f"config field {f.name}: kind {kind} does not fit type {annotation}"
+            )
+    return SettingInfo(
+        help=declared.help,
+        kind=kind,
+        flag=declared.flag,
+        check=declared.check,
+        env=declared.env,
+    )
 
 
 # --------------------------------------------------------------------- conversions
@@ -249,7 +310,6 @@ class CoreConfig:
     )
     only: tuple[str, ...] = setting(
         (),
-        kind="list",
         help="Run only these services (comma separated); HTTP always runs.",
     )
     log_level: str = setting(
@@ -281,45 +341,38 @@ class CoreConfig:
     # UDP replies may exceed what that IP sent by at most the allowance per 10 s.
     reflection_budget: bool = setting(
         True,
-        kind="bool",
         help="Cap unauthenticated UDP replies per source IP at what it sent plus "
         "--reflection-allowance per 10 s (off: only for load tests on one source).",
     )
     reflection_allowance: int = setting(
         4096,
-        kind="int",
         check=check_non_negative,
         help="Bytes per 10 s a source IP may be sent beyond what it sent (per service).",
     )
     reflection_global_allowance: int = setting(
         16 * 1024 * 1024,
-        kind="int",
         check=check_non_negative,
         help="Bytes per 10 s all sources together may be sent beyond what they sent "
         "(per service): the most a flood of spoofed sources can be amplified.",
     )
     reflection_max_sources: int = setting(
         65_536,
-        kind="int",
         check=check_positive,
         help="Source IPs each service's reflection ledger tracks per 10 s.",
     )
     http_max_connections: int = setting(
         10_000,
-        kind="int",
         check=check_positive,
         help="Concurrent HTTP connections, WebSockets included (also capped by "
         "the descriptor share of the port, see docs/security.md).",
     )
     http_max_connections_per_ip: int = setting(
         128,
-        kind="int",
         check=check_positive,
         help="Concurrent HTTP connections from one IPv4 address or IPv6 /64.",
     )
     http_request_timeout: float = setting(
         20.0,
-        kind="float",
         check=check_positive,
         help="Seconds a client has to send a whole request (headers and body) "
         "after connecting or after the previous response (slowloris).",
@@ -328,21 +381,18 @@ class CoreConfig:
     # join-code / invite-code lookups and failed API keys, each kind its own budget.
     guess_per_source: float = setting(
         30.0,
-        kind="float",
         check=check_non_negative,
         help="Failed code lookups or API keys per minute per source IP (IPv6: per "
         "/64), a minute's worth in a row (0 = no limit).",
     )
     guess_global: float = setting(
         10.0,
-        kind="float",
         check=check_non_negative,
         help="Failed code lookups or API keys per second for this whole instance, "
         "ten seconds' worth in a row (0 = no limit).",
     )
     https_port: int = setting(
         0,
-        kind="int",
         check=_check_port_or_off,
         help="HTTPS port of the HTTP app (REST APIs, pages, p2p WebSocket), "
         "served with --tls-cert; 0 = none. Equal to --turn-tls-port: one TLS "
@@ -350,7 +400,6 @@ class CoreConfig:
     )
     trusted_proxies: tuple[str, ...] = setting(
         (),
-        kind="list",
         flag="--trusted-proxy",
         env="CROSSROADS_TRUSTED_PROXIES",
         check=check_networks,
@@ -375,7 +424,6 @@ class CoreConfig:
     # SO_REUSEPORT STUN/TURN UDP ports (and their own relay nodes with Redis).
     workers: int = setting(
         0,
-        kind="int",
         check=check_non_negative,
         help="Worker processes (0 = auto: one per core with a Redis --store and "
         "a fixed --stun-port, else 1). Extra workers serve STUN/TURN over UDP, "

@@ -107,9 +107,7 @@ def _check_port_range(value: str) -> None:
 class Config:
     """``[natneg]``: GameSpy NAT negotiation (flags ``--natneg-*``)."""
 
-    enabled: bool = setting(
-        True, kind="bool", help="Run the natneg server (config.json 'enabled')."
-    )
+    enabled: bool = setting(True, help="Run the natneg server (config.json 'enabled').")
     host: str = setting(
         "",
         kind="host",
@@ -123,7 +121,6 @@ class Config:
     )
     natneg2_port: int = setting(
         -1,
-        kind="int",
         check=_check_optional_port,
         help="natneg2 UDP port (-1 = same as port).",
     )
@@ -132,13 +129,11 @@ class Config:
     )
     natneg3_port: int = setting(
         -1,
-        kind="int",
         check=_check_optional_port,
         help="natneg3 UDP port (-1 = same as port).",
     )
     probe_port: int = setting(
         -1,
-        kind="int",
         check=_check_optional_port,
         help="Second port on host, source of the 'unsolicited port' NAT probe "
         "(-1 = port + 1, 0 = any free port).",
@@ -151,36 +146,30 @@ class Config:
     )
     session_timeout: float = setting(
         30.0,
-        kind="float",
         check=check_positive,
         help="Seconds to wait for both clients before CONNECT with an error.",
     )
     force_lan_mode: bool = setting(
         False,
-        kind="bool",
         help="Always send the peer's private (INIT) address: LAN parties only.",
     )
     timed_connect: bool = setting(
         True,
-        kind="bool",
         help="Time the two CONNECTs from each client's measured round trip so both "
         "first pings leave at once (false: send both together, as GameSpy did).",
     )
     connect_interval: float = setting(
         1.0,
-        kind="float",
         check=check_positive,
         help="CONNECT resend interval until CONNECT_ACK (s).",
     )
     connect_attempts: int = setting(
         10,
-        kind="int",
         check=check_positive,
         help="CONNECT sends per client before giving up.",
     )
     linger: float = setting(
         20.0,
-        kind="float",
         check=check_positive,
         help="Seconds a finished session answers duplicates.",
     )
@@ -202,16 +191,12 @@ class Config:
     )
     relay_idle_timeout: float = setting(
         60.0,
-        kind="float",
         check=check_positive,
         help="Release a relay pair after this many idle seconds.",
     )
-    max_relays: int = setting(
-        1000, kind="int", check=check_positive, help="Relay pairs at most."
-    )
+    max_relays: int = setting(1000, check=check_positive, help="Relay pairs at most.")
     relay_allow: tuple[str, ...] = setting(
         (),
-        kind="list",
         check=check_networks,
         help="Networks (CIDR) whose clients may still be relayed: loopback, "
         "private, link-local and the server's own addresses are refused "
@@ -219,19 +204,16 @@ class Config:
     )
     max_sessions: int = setting(
         100_000,
-        kind="int",
         check=check_positive,
         help="Concurrent negotiation sessions at most.",
     )
     max_sessions_per_ip: int = setting(
         64,
-        kind="int",
         check=check_positive,
         help="Concurrent sessions one source IP may open.",
     )
     rate_limit: float = setting(
         200.0,
-        kind="float",
         check=check_non_negative,
         help="Packets per second per source IP (0 = no limit).",
     )

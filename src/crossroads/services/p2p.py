@@ -95,19 +95,16 @@ class Config:
     )
     max_connections: int = setting(
         10_000,
-        kind="int",
         check=check_positive,
         help="Signalling WebSocket connections, in total.",
     )
     max_connections_per_ip: int = setting(
         64,
-        kind="int",
         check=check_positive,
         help="Signalling WebSocket connections from one IP.",
     )
     relay_bytes_per_second: int = setting(
         256 * 1024,
-        kind="int",
         check=check_positive,
         help="WebSocket relay budget per connection, bytes/s (the relay is the last resort).",
     )
@@ -125,7 +122,6 @@ class Config:
     )
     turn_ttl: int = setting(
         3600,
-        kind="int",
         check=check_positive,
         help="Lifetime of the TURN credentials handed out, seconds; a session "
         "member asks for fresh ones (turn_refresh) before they expire.",
@@ -142,13 +138,11 @@ class Config:
     )
     master_max_timeout: int = setting(
         300,
-        kind="int",
         check=_check_timeout,
         help="Largest __timeoutSec a listing row may ask for (300 public, 900 private).",
     )
     master_rows_per_ip: int = setting(
         10,
-        kind="int",
         check=check_positive,
         help="Listing rows one IP may hold at once (MasterServer2: 10).",
     )

@@ -50,7 +50,7 @@ def _check_detection_hosts(value: tuple[str, ...]) -> None:
 class Config:
     """``[raknet]``: RakNet 4 NAT punchthrough server (flags ``--raknet-*``)."""
 
-    enabled: bool = setting(True, kind="bool", help="Run the RakNet server.")
+    enabled: bool = setting(True, help="Run the RakNet server.")
     host: str = setting("", kind="host", help="Bind address ('' = the core --host).")
     port: int = setting(
         61111, kind="port", help="UDP port (RakNet's samples dial 61111)."
@@ -70,19 +70,17 @@ class Config:
         "list ('' = --public-host, else the bind address).",
     )
     max_connections: int = setting(
-        4096, kind="int", help="RakNet connections at most (handshakes included)."
+        4096, help="RakNet connections at most (handshakes included)."
     )
     max_connections_per_ip: int = setting(
-        16, kind="int", help="RakNet connections one IP may hold."
+        16, help="RakNet connections one IP may hold."
     )
     handshakes_per_second: float = setting(
         1000.0,
-        kind="float",
         help="Connection requests answered per second, all sources together.",
     )
     detection_hosts: tuple[str, ...] = setting(
         (),
-        kind="list",
         check=_check_detection_hosts,
         help="NAT type detection: IPs for its sockets s2p3, s3p4, s4p5 (one IP: "
         "all three on it, the layout the stock server really uses; three: one "
@@ -90,28 +88,24 @@ class Config:
     )
     proxy: bool = setting(
         True,
-        kind="bool",
         help="Run UDPProxyCoordinator with a built-in UDPProxyServer (forwarding "
         "ports on the bind address).",
     )
     proxy_max_forwarders: int = setting(
-        1000, kind="int", help="Forwarding ports open at once (one per pair)."
+        1000, help="Forwarding ports open at once (one per pair)."
     )
     proxy_password: str = setting(
         "",
-        kind="str",
         help="Password external RakNet UDPProxyServers log in with ('' = none accepted).",
     )
     proxy_relay_nodes: bool = setting(
         False,
-        kind="bool",
         help="UDP proxy: also use the forwarders of the other crossroads "
         "instances sharing the Store, and offer this one's to them (a relay "
         "node; needs a reachable --raknet-advertise-host / --public-host).",
     )
     split_memory: int = setting(
         64 * 1024 * 1024,
-        kind="int",
         help="Bytes of split messages held for reassembly, all connections together.",
     )
 

@@ -136,7 +136,6 @@ class Config:
     )
     dtls: bool = setting(
         True,
-        kind="bool",
         help='Also serve the relay over DTLS 1.2 with PSK (Unity\'s "dtls" '
         "endpoint) on --relay-dtls-port.",
     )
@@ -153,19 +152,17 @@ class Config:
     )
     capacity: int = setting(
         5000,
-        kind="int",
         check=check_positive,
         help="Seats on this node; a host allocation reserves 1 + maxConnections.",
     )
     node_only: bool = setting(
-        False, kind="bool", help="Run only the relay node (no allocations API)."
+        False, help="Run only the relay node (no allocations API)."
     )
     api_only: bool = setting(
-        False, kind="bool", help="Run only the allocations API (no relay node)."
+        False, help="Run only the allocations API (no relay node)."
     )
     api_keys: tuple[str, ...] = setting(
         (),
-        kind="list",
         flag="--api-key",
         env="CROSSROADS_API_KEYS",
         help="API key accepted as 'Authorization: Bearer KEY' (repeatable). "
@@ -181,55 +178,46 @@ class Config:
     )
     max_connections: int = setting(
         UNITY_MAX_CONNECTIONS,
-        kind="int",
         check=_check_max_connections,
         help="Largest maxConnections a host may ask for.",
     )
     bind_timeout: float = setting(
         10.0,
-        kind="float",
         check=check_positive,
         help="Seconds a new allocation has to BIND (Unity: 10).",
     )
     idle_timeout: float = setting(
         10.0,
-        kind="float",
         check=check_positive,
         help="Seconds without traffic before a client is dropped (Unity: 10).",
     )
     host_alone_timeout: float = setting(
         60.0,
-        kind="float",
         check=check_positive,
         help="Idle seconds allowed to a host with no joiner (Unity: 60).",
     )
     heartbeat: float = setting(
         5.0,
-        kind="float",
         check=check_positive,
         help="Seconds between node registrations (the TTL is three of them).",
     )
     join_code_length: int = setting(
-        6, kind="int", check=_check_join_code_length, help="Join code length (6-12)."
+        6, check=_check_join_code_length, help="Join code length (6-12)."
     )
     allow_private_peers: bool = setting(
         False,
-        kind="bool",
         help="Accept clients at loopback/private/link-local addresses (LAN and tests).",
     )
     api_rate: float = setting(
         20.0,
-        kind="float",
         help="Allocate/join calls per second per client IP (0 = no limit; burst 3 s).",
     )
     max_route_pps: float = setting(
         0.0,
-        kind="float",
         help="RELAY frames per second per direction before it is paused (0 = no limit).",
     )
     websocket: bool = setting(
         False,
-        kind="bool",
         help="Serve the relay over WebSockets too: ws on --relay-ws-port, and "
         "wss on --relay-wss-port when a certificate is configured (--tls-cert).",
     )
@@ -250,13 +238,11 @@ class Config:
     )
     ws_max_connections: int = setting(
         10_000,
-        kind="int",
         check=check_positive,
         help="WebSocket connections at once on each of ws and wss.",
     )
     ws_max_connections_per_ip: int = setting(
         64,
-        kind="int",
         check=check_positive,
         help="WebSocket connections at once from one IP (or IPv6 /64) on each "
         "of ws and wss.",

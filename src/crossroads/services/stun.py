@@ -129,7 +129,6 @@ class Config:
     )
     rfc5780: bool = setting(
         True,
-        kind="bool",
         help="RFC 5780 behaviour discovery: alternate port, RESPONSE-ORIGIN, "
         "CHANGE-REQUEST, RESPONSE-PORT, PADDING.",
     )
@@ -137,48 +136,41 @@ class Config:
         f"crossroads {crossroads.__version__}",
         help="SOFTWARE attribute in responses; empty to leave it out.",
     )
-    tcp: bool = setting(True, kind="bool", help="Also serve STUN over TCP.")
+    tcp: bool = setting(True, help="Also serve STUN over TCP.")
     batch_io: bool = setting(
         True,
-        kind="bool",
         help="Read and answer UDP in batches with recvmmsg/sendmmsg (Linux); "
         "off, or where unavailable: one asyncio callback per datagram.",
     )
     rate_limit: int = setting(
         100,
-        kind="int",
         check=check_non_negative,
         help="Binding requests answered per second per source IP; 0 = unlimited.",
     )
     rate_limit_sources: int = setting(
         100_000,
-        kind="int",
         check=check_positive,
         help="Source IPs tracked by the rate limiter per second (memory bound).",
     )
     tcp_max_connections: int = setting(
         10_000,
-        kind="int",
         check=check_positive,
         help="Concurrent TCP connections (also capped by the descriptor share "
         "of the listener, see docs/security.md); more are closed at once.",
     )
     tcp_max_connections_per_ip: int = setting(
         128,
-        kind="int",
         check=check_positive,
         help="Concurrent TCP connections from one IPv4 address or IPv6 /64.",
     )
     tcp_message_timeout: float = setting(
         10.0,
-        kind="float",
         check=check_positive,
         help="Seconds a TCP client has to send its first complete message after "
         "connecting, and to finish any message it has started (slowloris).",
     )
     tcp_idle_timeout: float = setting(
         900.0,
-        kind="float",
         check=check_positive,
         help="Seconds before an idle TCP connection is closed.",
     )

@@ -240,7 +240,6 @@ class Config:
     realm: str = setting("crossroads", help="Realm of the long-term credentials.")
     user: tuple[str, ...] = setting(
         (),
-        kind="list",
         check=_check_users,
         help="A static user 'name:password' (repeatable).",
     )
@@ -249,7 +248,6 @@ class Config:
     )
     secret: tuple[str, ...] = setting(
         (),
-        kind="list",
         help="Shared secret for coturn-style time-limited credentials "
         "(use-auth-secret); several may be given to rotate.",
     )
@@ -279,51 +277,43 @@ class Config:
     )
     allow_loopback_peers: bool = setting(
         False,
-        kind="bool",
         flag="--allow-loopback-peers",
         help="Allow peers on 127.0.0.0/8 and ::1 (tests, local setups).",
     )
     same_host_loopback_peers: bool = setting(
         False,
-        kind="bool",
         help="Allow loopback peers to clients that are themselves on loopback "
         "(development mode turns it on so the printed test command works on one "
         "machine; remote clients still get 403, own service ports stay refused).",
     )
     allowed_peers: tuple[str, ...] = setting(
         (),
-        kind="list",
         check=check_networks,
         help="Peer ranges always allowed (CIDR), overriding the deny lists.",
     )
     denied_peers: tuple[str, ...] = setting(
         (),
-        kind="list",
         check=check_networks,
         help="Extra peer ranges denied (CIDR).",
     )
     max_lifetime: int = setting(
         int(DEFAULT_MAX_ALLOCATION_LIFETIME),
-        kind="int",
         help="Longest allocation lifetime granted, seconds (default 600 s is "
         "what clients get without asking).",
     )
     user_quota: int = setting(
         DEFAULT_USER_QUOTA,
-        kind="int",
         check=check_non_negative,
         help="Allocations per user (the user part of a time-limited username) "
         "(0 = no limit): 486 beyond.",
     )
     ip_quota: int = setting(
         DEFAULT_IP_QUOTA,
-        kind="int",
         check=check_non_negative,
         help="Allocations per client IP address (0 = no limit): 486 beyond.",
     )
     total_quota: int = setting(
         0,
-        kind="int",
         check=check_non_negative,
         help="Allocations in this process: 486 beyond, or 300 to an alternate "
         "server. 0 = sized from the relay port range and the descriptor limit "
@@ -331,45 +321,36 @@ class Config:
     )
     nonce_lifetime: int = setting(
         int(NONCE_LIFETIME),
-        kind="int",
         check=check_positive,
         help="Seconds a nonce stays fresh before 438 Stale Nonce (a closing "
         "Refresh with LIFETIME 0 is honoured with a stale nonce anyway).",
     )
     max_credential_ttl: int = setting(
         DEFAULT_MAX_CREDENTIAL_TTL,
-        kind="int",
         check=check_non_negative,
         help="Longest validity of a time-limited (--turn-secret) username, "
         "seconds from now; a username expiring later is refused (0 = no cap).",
     )
     alternate_server: tuple[str, ...] = setting(
         (),
-        kind="list",
         check=_check_alternates,
         help="ip:port a full server redirects to (300 Try Alternate); repeatable.",
     )
     allow_unauthenticated: bool = setting(
-        False, kind="bool", help="Serve TURN without credentials (not advised)."
+        False, help="Serve TURN without credentials (not advised)."
     )
-    tcp_relay: bool = setting(
-        True, kind="bool", help="Accept TCP relay allocations (RFC 6062)."
-    )
+    tcp_relay: bool = setting(True, help="Accept TCP relay allocations (RFC 6062).")
     rfc8656_channels: bool = setting(
         False,
-        kind="bool",
         help="Only accept channel numbers 0x4000-0x4FFF (RFC 8656) instead of "
         "0x4000-0x7FFF (RFC 5766, what most clients use).",
     )
     max_bps: int = setting(
         0,
-        kind="int",
         help="Bandwidth limit per allocation in bytes/s, both directions "
         "together (0 = none); excess datagrams are dropped and counted.",
     )
-    max_permissions: int = setting(
-        1024, kind="int", help="Permissions per allocation: 508 beyond."
-    )
+    max_permissions: int = setting(1024, help="Permissions per allocation: 508 beyond.")
     tls_port: int = setting(
         5349,
         kind="port",
@@ -378,7 +359,6 @@ class Config:
     )
     unauthenticated_rate: float = setting(
         100.0,
-        kind="float",
         check=check_non_negative,
         help="401/438 answers per second per source IP (flood protection).",
     )

@@ -90,7 +90,6 @@ class Config:
     )
     roles: tuple[str, ...] = setting(
         ROLES,
-        kind="list",
         check=_check_roles,
         help="Listeners this process runs: coordinator, stun, turn.",
     )
@@ -106,83 +105,70 @@ class Config:
     )
     connect_timeout: float = setting(
         20.0,
-        kind="float",
         check=check_positive,
         help="Seconds one join may take in total.",
     )
     stun_wait: float = setting(
         5.0,
-        kind="float",
         check=check_positive,
         help="Seconds to wait for both peers' STUN results.",
     )
     verify_timeout: float = setting(
         7.0,
-        kind="float",
         check=check_positive,
         help="Seconds a registration check may take.",
     )
     probe_timeout: float = setting(
         3.0,
-        kind="float",
         check=check_positive,
         help="Seconds for one direct game-protocol probe.",
     )
     packet_timeout: float = setting(
         10.0,
-        kind="float",
         check=check_positive,
         help="Seconds to send the first packet, or to finish any started packet.",
     )
     idle_timeout: float = setting(
         90.0,
-        kind="float",
         check=check_positive,
         help="Seconds without a packet before a coordinator connection is closed "
         "(servers update every 30 s).",
     )
     stun_hold: float = setting(
         60.0,
-        kind="float",
         check=check_positive,
         help="Seconds a STUN connection is kept open.",
     )
     turn_wait: float = setting(
         20.0,
-        kind="float",
         check=check_positive,
         help="Seconds a TURN side waits for its peer.",
     )
     relay_idle_timeout: float = setting(
         300.0,
-        kind="float",
         check=check_positive,
         help="Seconds a silent TURN relay is kept.",
     )
     max_connections: int = setting(
-        50000, kind="int", check=check_positive, help="Open connections per listener."
+        50000, check=check_positive, help="Open connections per listener."
     )
     max_connections_per_address: int = setting(
         256,
-        kind="int",
         check=check_positive,
         help="Open connections per listener and source IP.",
     )
     registrations_per_minute: int = setting(
         30,
-        kind="int",
         check=check_positive,
         help="Registrations per source IP (IPv6: per /64) and minute.",
     )
     max_servers_per_address: int = setting(
         64,
-        kind="int",
         check=check_positive,
         help="Registered servers per source IP (IPv6: per /64), per instance.",
     )
     max_invite_codes: int = setting(
         250_000,
-        kind="int",
         check=check_non_negative,
         help="Invite codes reserved at once across the deployment (each for 30 days "
         "after its server was last seen); a new server beyond it is refused. "
@@ -190,20 +176,17 @@ class Config:
     )
     listing_cache: float = setting(
         2.0,
-        kind="float",
         check=check_positive,
         help="Seconds a server listing is reused.",
     )
     instance_heartbeat: float = setting(
         INSTANCE_EVERY,
-        kind="float",
         check=check_positive,
         help="Seconds between this coordinator's liveness beats; another instance "
         "stops advertising its servers three beats after it dies.",
     )
     server_ttl: float = setting(
         90.0,
-        kind="float",
         check=check_positive,
         help="Seconds a server record lives without an update (servers update every 30 s).",
     )
