@@ -165,6 +165,7 @@ async def test_chromium_turns_data_channel_through_crossroads(
     print("chromium turns: result", json.dumps(result))
     assert result.get("open"), result
     assert result["received"] == {"a": MESSAGES, "b": MESSAGES}, result
+    assert "local" in result and "remote" in result, result
     assert result["local"]["candidateType"] == "relay", result
     assert result["local"]["relayProtocol"] == "tls", result
     assert result["remote"]["address"] == SERVER_IP, result
