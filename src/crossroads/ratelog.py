@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 #: Seconds between two lines of one reason: a minute is what an operator reading
 #: the log needs to see that failures go on, and bounds a flood to 1,440 lines a
@@ -27,26 +28,20 @@ DEFAULT_INTERVAL = 60.0
 MAX_REASONS = 256
 
 
+@dataclass(eq=False)
 class RateLimitedLog:
     """At most one log line per reason per ``interval`` seconds."""
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        interval: float = DEFAULT_INTERVAL,
-        *,
-        level: int = logging.WARNING,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.logger = logger
-        self.interval = interval
-        self.level = level
-        self.clock = clock
-        #: reason -> (time of the last line, lines held back since).
-        self._last: dict[str, tuple[float, int]] = {}
-        #: Lines written and held back, for tests and metrics.
-        self.written = 0
-        self.suppressed = 0
+    logger: logging.Logger
+    interval: float = DEFAULT_INTERVAL
+    _: KW_ONLY
+    level: int = logging.WARNING
+    clock: Callable[[], float] = time.monotonic
+    #: reason -> (time of the last line, lines held back since).
+    _last: dict[str, tuple[float, int]] = field(default_factory=dict, init=False)
+    #: Lines written and held back, for tests and metrics.
+    written: int = field(default=0, init=False)
+    suppressed: int = field(default=0, init=False)
 
     def log(self, reason: str, message: str, *args: object) -> bool:
         """Log ``message % args`` under ``reason`` unless one was logged within

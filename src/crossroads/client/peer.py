@@ -17,6 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, cast
 
 from crossroads.errors import DecodeError
@@ -320,6 +321,7 @@ class LadderResult:
     first_data: bytes | None = None
 
 
+@dataclass(eq=False)
 class LadderRun:
     """Executes this side's half of a :class:`Plan` and waits for a path.
 
@@ -329,39 +331,30 @@ class LadderRun:
     the step of the acknowledged probe.
     """
 
-    def __init__(
-        self,
-        socket_: PeerSocket,
-        channel: SecureChannel,
-        plan: Plan,
-        role: str,
-        extra: list[_UdpTransport],
-        relays: list[RelayPath] | None = None,
-        *,
-        udp: bool = True,
-    ) -> None:
-        self.socket = socket_
-        self.channel = channel
-        self.plan = plan
-        self.role = role
-        self.extra = extra
-        #: Relay paths, each probed every 100 ms from its offset into the relay
-        #: step: TURN first, the WebSocket relay a moment later.
-        self.relays = relays or []
-        #: False in relay-only mode: only datagrams that came through a relay
-        #: transport count.
-        self.udp = udp
-        self.result: asyncio.Future[LadderResult] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._start = 0.0
-        self._handles: list[asyncio.TimerHandle] = []
-        self._sprays: set[asyncio.Task[None]] = set()
-        self._seq = 0
-        #: Datagrams the sprays sent, counted per chunk of SPRAY_CHUNK (and
-        #: those the kernel refused: a full socket buffer).
-        self.sprayed = 0
-        self.spray_errors = 0
+    socket: PeerSocket
+    channel: SecureChannel
+    plan: Plan
+    role: str
+    extra: list[_UdpTransport]
+    #: Relay paths, each probed every 100 ms from its offset into the relay
+    #: step: TURN first, the WebSocket relay a moment later.
+    relays: list[RelayPath] = field(default_factory=list)
+    _: KW_ONLY
+    #: False in relay-only mode: only datagrams that came through a relay
+    #: transport count.
+    udp: bool = True
+    result: asyncio.Future[LadderResult] = field(init=False)
+    _start: float = field(default=0.0, init=False)
+    _handles: list[asyncio.TimerHandle] = field(default_factory=list, init=False)
+    _sprays: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    _seq: int = field(default=0, init=False)
+    #: Datagrams the sprays sent, counted per chunk of SPRAY_CHUNK (and
+    #: those the kernel refused: a full socket buffer).
+    sprayed: int = field(default=0, init=False)
+    spray_errors: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.result = asyncio.get_running_loop().create_future()
 
     def _transport(self, index: int, dest: Address) -> Transport:
         if index == 0:

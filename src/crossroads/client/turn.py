@@ -45,6 +45,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Literal, Self
 
 from OpenSSL import SSL
@@ -157,42 +158,40 @@ class _Tcp(asyncio.Protocol):
         self.client._lost()
 
 
+@dataclass(eq=False)
 class TurnClient:
     """One TURN allocation's client side. Create with :meth:`connect`."""
 
-    def __init__(
-        self,
-        server: Address,
-        session: LongTermSession,
-        transport: Literal["udp", "tcp"],
-        timeout: float,
-    ) -> None:
-        self.server = server
-        self.session = session
-        self.transport_kind = transport
-        #: Seconds to wait for the answer to one request (all retransmissions).
-        self.timeout = timeout
-        self.relayed: Address | None = None
-        #: Every relayed address of the allocation (two for a dual allocation).
-        self.relayed_addresses: list[Address] = []
-        self.mapped: Address | None = None
-        self.lifetime = 0
-        self.reservation_token: bytes | None = None
-        self.channels: dict[Address, int] = {}
-        self._peers: dict[int, Address] = {}
-        self._permissions: dict[str, float] = {}
-        self._channel_times: dict[int, float] = {}
-        self._pending: dict[bytes, asyncio.Future[tuple[Message, bytes]]] = {}
-        self._queue: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(RECEIVE_QUEUE)
-        self._udp: asyncio.DatagramTransport | None = None
-        self._tcp: asyncio.Transport | None = None
-        self._dtls: DtlsClient | None = None
-        self._refresher: asyncio.Task[None] | None = None
-        self._allocation_deadline = 0.0
-        self._closed = False
-        self._next_channel = 0x4000
-        #: Datagrams dropped because nobody called :meth:`receive`.
-        self.dropped = 0
+    server: Address
+    session: LongTermSession = field(repr=False)
+    transport_kind: Literal["udp", "tcp"]
+    #: Seconds to wait for the answer to one request (all retransmissions).
+    timeout: float
+    relayed: Address | None = field(default=None, init=False)
+    #: Every relayed address of the allocation (two for a dual allocation).
+    relayed_addresses: list[Address] = field(default_factory=list, init=False)
+    mapped: Address | None = field(default=None, init=False)
+    lifetime: int = field(default=0, init=False)
+    reservation_token: bytes | None = field(default=None, init=False)
+    channels: dict[Address, int] = field(default_factory=dict, init=False)
+    _peers: dict[int, Address] = field(default_factory=dict, init=False)
+    _permissions: dict[str, float] = field(default_factory=dict, init=False)
+    _channel_times: dict[int, float] = field(default_factory=dict, init=False)
+    _pending: dict[bytes, asyncio.Future[tuple[Message, bytes]]] = field(
+        default_factory=dict, init=False
+    )
+    _queue: asyncio.Queue[tuple[bytes, Address]] = field(
+        default_factory=lambda: asyncio.Queue(RECEIVE_QUEUE), init=False
+    )
+    _udp: asyncio.DatagramTransport | None = field(default=None, init=False)
+    _tcp: asyncio.Transport | None = field(default=None, init=False)
+    _dtls: DtlsClient | None = field(default=None, init=False)
+    _refresher: asyncio.Task[None] | None = field(default=None, init=False)
+    _allocation_deadline: float = field(default=0.0, init=False)
+    _closed: bool = field(default=False, init=False)
+    _next_channel: int = field(default=0x4000, init=False)
+    #: Datagrams dropped because nobody called :meth:`receive`.
+    dropped: int = field(default=0, init=False)
 
     def renew_credentials(self, username: str, password: str) -> None:
         """Sign later requests (refreshes, permissions, channels) with fresh

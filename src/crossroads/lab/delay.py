@@ -23,6 +23,7 @@ import os
 import random
 import struct
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 
 from crossroads.lab import netns
 
@@ -37,34 +38,32 @@ _MAX_PACKET = 65535
 DEFAULT_TABLE = 77
 
 
+@dataclass(eq=False)
 class DelayLine:
     """Delay every packet from ``src`` to ``dst`` networks (pairs of CIDRs) by
     ``delay`` seconds plus a uniform ``[0, jitter]`` in the namespace ``ns``
     (the lab's internet router), while the ``async with`` block runs."""
 
-    def __init__(
-        self,
-        ns: str,
-        paths: Sequence[tuple[str, str]],
-        *,
-        delay: float,
-        jitter: float = 0.0,
-        table: int = DEFAULT_TABLE,
-        seed: int | None = None,
-    ) -> None:
-        self.ns = ns
-        self.paths = list(paths)
-        self.delay = delay
-        self.jitter = jitter
-        self.table = table
-        self.device = f"dly{table}"
-        self.packets = 0
+    ns: str
+    paths: Sequence[tuple[str, str]]
+    _: KW_ONLY
+    delay: float
+    jitter: float = 0.0
+    table: int = DEFAULT_TABLE
+    seed: InitVar[int | None] = None
+    device: str = field(init=False)
+    packets: int = field(default=0, init=False)
+    _random: random.Random = field(init=False)
+    _fd: int | None = field(default=None, init=False)
+    #: Packets on the line: their release timers, by sequence number.
+    _pending: dict[int, asyncio.TimerHandle] = field(default_factory=dict, init=False)
+    _sequence: int = field(default=0, init=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False)
+
+    def __post_init__(self, seed: int | None) -> None:
+        self.paths = list(self.paths)
+        self.device = f"dly{self.table}"
         self._random = random.Random(seed)
-        self._fd: int | None = None
-        #: Packets on the line: their release timers, by sequence number.
-        self._pending: dict[int, asyncio.TimerHandle] = {}
-        self._sequence = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def __aenter__(self) -> DelayLine:
         with netns.entered(self.ns):

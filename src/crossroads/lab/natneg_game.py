@@ -41,6 +41,7 @@ import json
 import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from crossroads.lab.natneg_sdk import (
@@ -93,27 +94,23 @@ async def exchange_game_data(sock: socket.socket, remote: Address) -> bool:
     return received
 
 
+@dataclass(eq=False)
 class Player:
     """One game: its sockets, its detection, its negotiations."""
 
-    def __init__(
-        self,
-        role: str,
-        cookie: int,
-        servers: list[Address],
-        local_ip: str,
-        deadline: float,
-    ) -> None:
-        self.role = role
-        self.cookie = cookie
-        self.servers = servers
-        self.local_ip = local_ip
-        self.deadline = deadline
-        self.game_sock = _udp() if role == "host" else None
+    role: str
+    cookie: int
+    servers: list[Address]
+    local_ip: str
+    deadline: float
+    game_sock: socket.socket | None = field(init=False)
+    detection: NatDetection | None = field(default=None, init=False)
+    negotiator: SdkNegotiator | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.game_sock = _udp() if self.role == "host" else None
         if self.game_sock is not None:
             self.game_sock.bind(("0.0.0.0", 0))
-        self.detection: NatDetection | None = None
-        self.negotiator: SdkNegotiator | None = None
 
     async def detect(self) -> None:
         self.detection = await detect_nat(

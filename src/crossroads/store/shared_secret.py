@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from crossroads.store.base import Store
 
@@ -36,28 +37,22 @@ log = logging.getLogger("crossroads.store")
 MAX_PREVIOUS = 4
 
 
+@dataclass(eq=False)
 class SharedSecret:
     """The key at ``key`` in ``store``; :meth:`resolve` once, then
     :meth:`republish` on every heartbeat."""
 
-    def __init__(
-        self,
-        store: Store,
-        key: str,
-        what: str,
-        random_bytes: Callable[[int], bytes] = os.urandom,
-    ) -> None:
-        self.store = store
-        self.key = key
-        self.what = what
-        self.random_bytes = random_bytes
-        self.current = b""
-        #: Keys this instance held before an adoption, newest first.
-        self.previous: list[bytes] = []
-        #: Times the store had lost the key and this instance put it back.
-        self.restored = 0
-        #: Times this instance adopted another instance's key.
-        self.adopted = 0
+    store: Store
+    key: str
+    what: str
+    random_bytes: Callable[[int], bytes] = os.urandom
+    current: bytes = field(default=b"", init=False, repr=False)
+    #: Keys this instance held before an adoption, newest first.
+    previous: list[bytes] = field(default_factory=list, init=False, repr=False)
+    #: Times the store had lost the key and this instance put it back.
+    restored: int = field(default=0, init=False)
+    #: Times this instance adopted another instance's key.
+    adopted: int = field(default=0, init=False)
 
     async def resolve(self) -> bytes:
         """The store's key, created (``SET NX``) when there is none."""

@@ -28,7 +28,7 @@ import html
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import KW_ONLY, InitVar, asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -277,26 +277,24 @@ SECURITY_HEADERS = {
 }
 
 
+@dataclass(eq=False)
 class Console:
     """The console of one runtime (routes, sampler task, error ring)."""
 
-    def __init__(
-        self,
-        *,
-        config: Config,
-        metrics: CollectorRegistry,
-        services: Callable[[], Mapping[str, Service]],
-        matrix_path: Path | None = None,
-    ) -> None:
-        self.config = config
-        self.services = services
+    _: KW_ONLY
+    config: Config = field(repr=False)
+    metrics: InitVar[CollectorRegistry]
+    services: Callable[[], Mapping[str, Service]]
+    matrix_path: Path | None = None
+    sampler: Sampler = field(init=False)
+    errors: ErrorRing = field(default_factory=ErrorRing, init=False)
+    started: float = field(default_factory=time.time, init=False)
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _status: dict[str, Any] | None = field(default=None, init=False)
+    _status_at: float = field(default=0.0, init=False)
+
+    def __post_init__(self, metrics: CollectorRegistry) -> None:
         self.sampler = Sampler(metrics)
-        self.errors = ErrorRing()
-        self.matrix_path = matrix_path
-        self.started = time.time()
-        self._task: asyncio.Task[None] | None = None
-        self._status: dict[str, Any] | None = None
-        self._status_at = 0.0
 
     def start(self) -> None:
         logging.getLogger("crossroads").addHandler(self.errors)

@@ -22,6 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import InitVar, dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -224,23 +225,21 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
+@dataclass(eq=False)
 class RateLimiter:
     """A token bucket per client IP, for the calls that create allocations.
     A full table forgets the least recently *seen* client, so one that keeps
     calling (and keeps being refused) stays refused while new addresses
     arrive: forgetting the oldest *inserted* one handed it a fresh bucket."""
 
-    def __init__(
-        self,
-        rate: float,
-        burst: float,
-        clock: Callable[[], float],
-        max_clients: int = MAX_TRACKED_CLIENTS,
-    ) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.clock = clock
-        self._buckets: BoundedMap[str, list[float]] = BoundedMap(max_clients)
+    rate: float
+    burst: float
+    clock: Callable[[], float]
+    max_clients: InitVar[int] = MAX_TRACKED_CLIENTS
+    _buckets: BoundedMap[str, list[float]] = field(init=False)
+
+    def __post_init__(self, max_clients: int) -> None:
+        self._buckets = BoundedMap(max_clients)
 
     @property
     def forgotten(self) -> int:
