@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from enum import IntEnum
 from typing import Final
 
@@ -53,45 +54,42 @@ class ClientState(IntEnum):
     CLOSED = 5
 
 
+@dataclass(eq=False)
 class DtlsClient(Endpoint):
     """The DTLS 1.2 PSK client core (see the module docstring)."""
 
-    def __init__(
-        self,
-        server: Address,
-        identity: bytes,
-        psk: bytes,
-        random_bytes: Callable[[int], bytes],
-        *,
-        cipher_suites: tuple[int, ...] = tuple(crypto.SUITES),
-        offer_extended_master_secret: bool = True,
-        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
-    ) -> None:
+    server: Address
+    identity: bytes
+    psk: bytes = field(repr=False)
+    random_bytes: Callable[[int], bytes]
+    _: KW_ONLY
+    cipher_suites: tuple[int, ...] = tuple(crypto.SUITES)
+    offer_extended_master_secret: bool = True
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    state: ClientState = field(default=ClientState.IDLE, init=False)
+    suite: crypto.CipherSuite | None = field(default=None, init=False)
+    _random: bytes = field(init=False)
+    _reassembler: Reassembler = field(init=False)
+    _transcript: list[bytes] = field(default_factory=list, init=False)
+    _message_seq: int = field(default=0, init=False)
+    _write_seq: int = field(default=0, init=False)
+    _server_random: bytes = field(default=b"", init=False)
+    _ems: bool = field(default=False, init=False)
+    _master: bytes = field(default=b"", init=False, repr=False)
+    _read: crypto.RecordProtection | None = field(default=None, init=False)
+    _write: crypto.RecordProtection | None = field(default=None, init=False)
+    _app_seq: int = field(default=0, init=False)
+    _window: crypto.ReplayWindow = field(
+        default_factory=crypto.ReplayWindow, init=False
+    )
+    _flight: bytes = field(default=b"", init=False)
+    _timer: Retransmitter | None = field(default=None, init=False)
+    _expires: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
         super().__init__()
-        self.server = server
-        self.identity = identity
-        self.psk = psk
-        self.random_bytes = random_bytes
-        self.cipher_suites = cipher_suites
-        self.offer_ems = offer_extended_master_secret
-        self.handshake_timeout = handshake_timeout
-        self.state = ClientState.IDLE
-        self.suite: crypto.CipherSuite | None = None
-        self._random = random_bytes(w.RANDOM_SIZE)
+        self._random = self.random_bytes(w.RANDOM_SIZE)
         self._reassembler = Reassembler(0)
-        self._transcript: list[bytes] = []
-        self._message_seq = 0
-        self._write_seq = 0
-        self._server_random = b""
-        self._ems = False
-        self._master = b""
-        self._read: crypto.RecordProtection | None = None
-        self._write: crypto.RecordProtection | None = None
-        self._app_seq = 0
-        self._window = crypto.ReplayWindow()
-        self._flight = b""
-        self._timer: Retransmitter | None = None
-        self._expires = 0.0
 
     # ------------------------------------------------------------- public API
 
@@ -269,7 +267,7 @@ class DtlsClient(Endpoint):
         self.suite = crypto.SUITES[hello.cipher_suite]
         self._server_random = hello.random
         self._ems = (
-            self.offer_ems
+            self.offer_extended_master_secret
             and hello.extension(w.ExtensionType.EXTENDED_MASTER_SECRET) is not None
         )
         self._transcript.append(message.encode())
@@ -324,7 +322,9 @@ class DtlsClient(Endpoint):
 
     def _hello(self, cookie: bytes) -> bytes:
         extensions: tuple[tuple[int, bytes], ...] = (
-            ((w.ExtensionType.EXTENDED_MASTER_SECRET, b""),) if self.offer_ems else ()
+            ((w.ExtensionType.EXTENDED_MASTER_SECRET, b""),)
+            if self.offer_extended_master_secret
+            else ()
         )
         hello = w.ClientHello(
             version=w.DTLS1_2,

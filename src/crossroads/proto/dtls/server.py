@@ -182,6 +182,7 @@ class _Session:
     window: ReplayWindow = field(default_factory=ReplayWindow)
 
 
+@dataclass(eq=False)
 class DtlsServer(Endpoint):
     """The DTLS 1.2 PSK server core (see the module docstring).
 
@@ -191,37 +192,37 @@ class DtlsServer(Endpoint):
         random_bytes: the randomness source (server randoms, cookie secrets).
     """
 
-    def __init__(
-        self,
-        config: DtlsServerConfig,
-        psk_for: PskLookup,
-        random_bytes: Callable[[int], bytes],
-    ) -> None:
+    config: DtlsServerConfig
+    psk_for: PskLookup
+    random_bytes: Callable[[int], bytes]
+    handshakes: dict[Address, _Handshake] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    sessions: dict[Address, _Session] = field(default_factory=dict, init=False)
+    #: Handshake failures by reason, and counters for metrics and tests.
+    failures: dict[str, int] = field(default_factory=dict, init=False)
+    hello_verify_sent: int = field(default=0, init=False)
+    established_total: int = field(default=0, init=False)
+    _per_ip_handshakes: dict[str, int] = field(default_factory=dict, init=False)
+    _per_ip_sessions: dict[str, int] = field(default_factory=dict, init=False)
+    _timers: list[tuple[float, int, Address]] = field(default_factory=list, init=False)
+    _next_token: int = field(default=0, init=False)
+    _datagrams: int = field(default=0, init=False)
+    _hello_budget: FailureBudget = field(init=False)
+    _cookies: CookieJar = field(init=False)
+
+    def __post_init__(self) -> None:
         super().__init__()
-        self.config = config
-        self.psk_for = psk_for
-        self.random_bytes = random_bytes
-        self.handshakes: dict[Address, _Handshake] = {}
-        self.sessions: dict[Address, _Session] = {}
-        #: Handshake failures by reason, and counters for metrics and tests.
-        self.failures: dict[str, int] = {}
-        self.hello_verify_sent = 0
-        self.established_total = 0
-        self._per_ip_handshakes: dict[str, int] = {}
-        self._per_ip_sessions: dict[str, int] = {}
-        self._timers: list[tuple[float, int, Address]] = []
-        self._next_token = 0
-        self._datagrams = 0
         self._hello_budget = FailureBudget(
             BudgetConfig(
-                per_source_rate=config.hello_rate,
-                per_source_burst=config.hello_burst,
+                per_source_rate=self.config.hello_rate,
+                per_source_burst=self.config.hello_burst,
                 global_rate=0.0,
                 global_burst=0.0,
             )
         )
         self._cookies = CookieJar(
-            random_bytes(COOKIE_SECRET_SIZE), config.cookie_rotation
+            self.random_bytes(COOKIE_SECRET_SIZE), self.config.cookie_rotation
         )
 
     # ------------------------------------------------------------- public API

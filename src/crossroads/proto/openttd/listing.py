@@ -33,6 +33,7 @@ clock, no sockets.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 from crossroads.proto.openttd.coordinator import (
@@ -140,17 +141,17 @@ class Step(IntEnum):
     LOAD_NEWGRFS = 5
 
 
+@dataclass(eq=False)
 class ListingRefresh:
     """One re-read of the server list; see the module docstring. ``wall`` is
     the wall-clock time records expire against."""
 
-    def __init__(self, previous: Parsed, newgrf_max: int, wall: float) -> None:
-        self.previous = previous
-        self.newgrf_max = newgrf_max
-        self.wall = wall
-        self.parsed: Parsed = {}
-        self.dead: list[str] = []
-        self._awaited = AwaitedRequest()
+    previous: Parsed
+    newgrf_max: int
+    wall: float
+    parsed: Parsed = field(default_factory=dict, init=False)
+    dead: list[str] = field(default_factory=list, init=False)
+    _awaited: AwaitedRequest = field(default_factory=AwaitedRequest, init=False)
 
     def start(self) -> list[RefreshCommand]:
         return [self._awaited.read(Step.ALL_SERVERS, AllServers())]

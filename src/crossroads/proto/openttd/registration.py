@@ -44,6 +44,7 @@ gives the wall time that corresponded to the ``now`` it started the core with.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from enum import Enum
 
 from crossroads.proto.core import EventQueue
@@ -171,37 +172,34 @@ class RegistrationSettings:
     server_ttl: float
 
 
+@dataclass(eq=False)
 class ServerRegistration(EventQueue[RegistrationCommand]):
     """One registration's flow; see the module docstring. The commands an
     input causes are its return value; those of the timer are queued for
     :meth:`pop_events` (the core API)."""
 
-    def __init__(
-        self,
-        *,
-        key: str,
-        message: ServerRegister,
-        registrant: Registrant,
-        settings: RegistrationSettings,
-        now: float,
-        wall: float,
-    ) -> None:
+    _: KW_ONLY
+    #: Names the flow: its check's token and the new session.
+    key: str
+    message: ServerRegister = field(repr=False)
+    registrant: Registrant
+    settings: RegistrationSettings = field(repr=False)
+    now: InitVar[float]
+    wall: InitVar[float]
+    stage: Stage = field(default=Stage.CHOOSING, init=False)
+    code: str | None = field(default=None, init=False)
+    check: RegistrationCheck | None = field(default=None, init=False)
+    _wall_offset: float = field(init=False)
+    _request: int = field(default=0, init=False)
+    _awaited: AwaitedRequest = field(default_factory=AwaitedRequest, init=False)
+    _step: Step = field(default=Step.NEW_CODE, init=False)
+    _existing: ServerRecord | None = field(default=None, init=False)
+    #: The record being written, and the check's conclusion.
+    _stored: tuple[ServerRecord, Concluded] | None = field(default=None, init=False)
+
+    def __post_init__(self, now: float, wall: float) -> None:
         super().__init__()
-        #: Names the flow: its check's token and the new session.
-        self.key = key
-        self.message = message
-        self.registrant = registrant
-        self.settings = settings
-        self.stage = Stage.CHOOSING
-        self.code: str | None = None
-        self.check: RegistrationCheck | None = None
         self._wall_offset = wall - now
-        self._request = 0
-        self._awaited = AwaitedRequest()
-        self._step = Step.NEW_CODE
-        self._existing: ServerRecord | None = None
-        #: The record being written, and the check's conclusion.
-        self._stored: tuple[ServerRecord, Concluded] | None = None
 
     # ----------------------------------------------------------- core API
 

@@ -47,6 +47,8 @@ the seated server's live record is what joins and heartbeats read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from crossroads.proto.openttd.coordinator import ServerUpdate
 from crossroads.proto.openttd.gameinfo import NewGRF
 from crossroads.proto.openttd.record import ServerRecord
@@ -107,25 +109,18 @@ _PUT = 2
 _DELETE = 3
 
 
+@dataclass(eq=False)
 class ServerUpdateFlow:
     """One SERVER_UPDATE; see the module docstring."""
 
-    def __init__(
-        self,
-        record: ServerRecord,
-        message: ServerUpdate,
-        newgrf_budget: int,
-        wall: float,
-        server_ttl: float,
-    ) -> None:
-        self.record = record
-        self.message = message
-        self.newgrf_budget = newgrf_budget
-        self.wall = wall
-        self.server_ttl = server_ttl
-        self.indexed = 0
-        self._became_listable = False
-        self._awaited = AwaitedRequest()
+    record: ServerRecord
+    message: ServerUpdate
+    newgrf_budget: int
+    wall: float
+    server_ttl: float
+    indexed: int = field(default=0, init=False)
+    _became_listable: bool = field(default=False, init=False)
+    _awaited: AwaitedRequest = field(default_factory=AwaitedRequest, init=False)
 
     def start(self) -> list[UpdateCommand]:
         newgrfs: tuple[NewGRF, ...] = self.message.info.newgrfs

@@ -137,44 +137,24 @@ class State(Enum):
     CLOSING = "closing"
 
 
+@dataclass(eq=False, slots=True)
 class Connection:
     """One remote system (mutable; owned by :class:`RakNetServer`)."""
 
-    __slots__ = (
-        "address",
-        "guid",
-        "mtu",
-        "layer",
-        "state",
-        "created_ms",
-        "last_receive_ms",
-        "internal_addresses",
-        "system_index",
-        "dialled",
-        "close_reason",
-    )
+    address: Address
+    guid: int
+    mtu: int
+    layer: ReliabilityLayer
+    created_ms: int
+    system_index: int
+    dialled: Address
+    state: State = field(default=State.HANDSHAKE, init=False)
+    last_receive_ms: int = field(init=False)
+    internal_addresses: tuple[Address, ...] = field(default=(), init=False)
+    close_reason: str = field(default="", init=False)
 
-    def __init__(
-        self,
-        address: Address,
-        guid: int,
-        mtu: int,
-        layer: ReliabilityLayer,
-        now_ms: int,
-        system_index: int,
-        dialled: Address,
-    ) -> None:
-        self.address = address
-        self.guid = guid
-        self.mtu = mtu
-        self.layer = layer
-        self.state = State.HANDSHAKE
-        self.created_ms = now_ms
-        self.last_receive_ms = now_ms
-        self.internal_addresses: tuple[Address, ...] = ()
-        self.system_index = system_index
-        self.dialled = dialled
-        self.close_reason = ""
+    def __post_init__(self) -> None:
+        self.last_receive_ms = self.created_ms
 
     @property
     def rtt_ms(self) -> int | None:

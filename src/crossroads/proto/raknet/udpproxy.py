@@ -197,29 +197,27 @@ class ProxyStats:
     dropped: Counter[str] = field(default_factory=Counter)
 
 
+@dataclass(eq=False)
 class UDPProxyCoordinator:
     """See the module docstring."""
 
-    def __init__(
-        self,
-        peer: RakNetServer,
-        forwarders: Forwarders | None,
-        public_ip: str,
-        password: str = "",
-    ) -> None:
-        self.peer = peer
-        self.forwarders = forwarders
-        self.public_ip = public_ip
-        self.password = password
-        self.servers: list[Address] = []
-        #: crossroads relay nodes (RakNet addresses), and which one is this
-        #: instance (its built-in forwarder); see the module docstring.
-        self.relay_nodes: list[Address] = []
-        self.own_address: Address | None = None
-        self._remote: list[RemoteForwardingRequest] = []
-        self.requests: dict[tuple[Address, Address], Request] = {}
-        self.stats = ProxyStats()
-        self._sweep = SweepTimer(SWEEP_INTERVAL)
+    peer: RakNetServer
+    forwarders: Forwarders | None
+    public_ip: str
+    password: str = field(default="", repr=False)
+    servers: list[Address] = field(default_factory=list, init=False)
+    #: crossroads relay nodes (RakNet addresses), and which one is this
+    #: instance (its built-in forwarder); see the module docstring.
+    relay_nodes: list[Address] = field(default_factory=list, init=False)
+    own_address: Address | None = field(default=None, init=False)
+    _remote: list[RemoteForwardingRequest] = field(default_factory=list, init=False)
+    requests: dict[tuple[Address, Address], Request] = field(
+        default_factory=dict, init=False
+    )
+    stats: ProxyStats = field(default_factory=ProxyStats, init=False)
+    _sweep: SweepTimer = field(
+        default_factory=lambda: SweepTimer(SWEEP_INTERVAL), init=False
+    )
 
     # ------------------------------------------------------------- hooks
 

@@ -96,20 +96,16 @@ class Forward:
         self.octets = 0
 
 
+@dataclass(eq=False, slots=True)
 class Route:
     """One direction of a connected pair: its forwarding entry, and the two
     allocations whose activity that entry's traffic proves."""
 
-    __slots__ = ("forward", "seen_packets", "seen_octets", "source", "target")
-
-    def __init__(
-        self, forward: ForwardEntry, source: Allocation, target: Allocation
-    ) -> None:
-        self.forward = forward
-        self.seen_packets = 0
-        self.seen_octets = 0
-        self.source = source
-        self.target = target
+    forward: ForwardEntry
+    source: Allocation
+    target: Allocation
+    seen_packets: int = field(default=0, init=False)
+    seen_octets: int = field(default=0, init=False)
 
     @property
     def dest(self) -> Address:

@@ -16,7 +16,7 @@ expire through the core's single timer (:data:`RESERVATION_LIFETIME`).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Protocol
 
 from crossroads.proto.turn.constants import RESERVATION_LIFETIME
@@ -44,22 +44,25 @@ class Reservation:
     dead: bool = False
 
 
+@dataclass(eq=False)
 class PortAllocator:
     """Hands out relay ports from ``[low, high]``."""
 
-    def __init__(
-        self, low: int, high: int, entropy: Entropy, *, max_attempts: int = 64
-    ) -> None:
-        if not 1 <= low <= high <= 65535:
-            raise ValueError(f"bad relay port range {low}-{high}")
-        self.low = low
-        self.high = high
-        self.entropy = entropy
-        #: A bind that fails this many times in a row ends the search (508):
-        #: bounded work per Allocate even when another program holds the range.
-        self.max_attempts = max_attempts
-        self.in_use: set[int] = set()
-        self.reservations: dict[bytes, Reservation] = {}
+    low: int
+    high: int
+    entropy: Entropy
+    _: KW_ONLY
+    #: A bind that fails this many times in a row ends the search (508):
+    #: bounded work per Allocate even when another program holds the range.
+    max_attempts: int = 64
+    in_use: set[int] = field(default_factory=set, init=False)
+    reservations: dict[bytes, Reservation] = field(
+        default_factory=dict, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.low <= self.high <= 65535:
+            raise ValueError(f"bad relay port range {self.low}-{self.high}")
 
     @property
     def size(self) -> int:

@@ -8,7 +8,10 @@ sources.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 
+
+@dataclass(eq=False, slots=True)
 class TokenBuckets:
     """``allow(key, now)`` spends one token from ``key``'s bucket.
 
@@ -18,13 +21,10 @@ class TokenBuckets:
     full table already means the source is spread too thin to matter).
     """
 
-    __slots__ = ("rate", "burst", "max_keys", "_buckets")
-
-    def __init__(self, rate: float, burst: float, max_keys: int = 65536) -> None:
-        self.rate = rate
-        self.burst = burst
-        self.max_keys = max_keys
-        self._buckets: dict[str, tuple[float, float]] = {}
+    rate: float
+    burst: float
+    max_keys: int = 65536
+    _buckets: dict[str, tuple[float, float]] = field(default_factory=dict, init=False)
 
     def __len__(self) -> int:
         return len(self._buckets)
