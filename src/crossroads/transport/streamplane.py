@@ -56,6 +56,7 @@ import os
 import select
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 #: splice(2) flags: move pages instead of copying, and never block on the pipe.
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -78,38 +79,28 @@ IDLE = "idle"  # no byte either way for idle_timeout
 SHUTDOWN = "shutdown"  # the plane (or its owner) closed it
 
 
+@dataclass(eq=False, slots=True)
 class _Direction:
     """One way of a route: ``src`` -> pipe -> ``dst``."""
 
-    __slots__ = (
-        "src",
-        "dst",
-        "pipe_r",
-        "pipe_w",
-        "capacity",
-        "head",
-        "pending",
-        "octets",
-        "reading",
-        "writing",
-        "eof",
-        "done",
-    )
+    src: socket.socket
+    dst: socket.socket
+    head: bytes
+    pipe_r: int = field(init=False)
+    pipe_w: int = field(init=False)
+    capacity: int = field(init=False)
+    #: Bytes in the pipe, not yet written to ``dst``.
+    pending: int = field(default=0, init=False)
+    #: Bytes read from ``src`` (the head is not counted).
+    octets: int = field(default=0, init=False)
+    reading: bool = field(default=False, init=False)
+    writing: bool = field(default=False, init=False)
+    eof: bool = field(default=False, init=False)
+    done: bool = field(default=False, init=False)
 
-    def __init__(self, src: socket.socket, dst: socket.socket, head: bytes) -> None:
-        self.src = src
-        self.dst = dst
+    def __post_init__(self) -> None:
         self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.capacity: int = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
-        self.head = head
-        #: Bytes in the pipe, not yet written to ``dst``.
-        self.pending = 0
-        #: Bytes read from ``src`` (the head is not counted).
-        self.octets = 0
-        self.reading = False
-        self.writing = False
-        self.eof = False
-        self.done = False
+        self.capacity = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
 
     def flush(self) -> bool:
         """Write the head, then the pipe, to ``dst``; True when all is out.
