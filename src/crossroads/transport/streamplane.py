@@ -56,7 +56,7 @@ import os
 import select
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 #: splice(2) flags: move pages instead of copying, and never block on the pipe.
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -127,31 +127,29 @@ class _Direction:
 _Handler = tuple[Callable[[_Direction], None], _Direction]
 
 
+@dataclass(eq=False)
 class StreamRoute:
     """Two connected TCP sockets, each one's bytes forwarded to the other."""
 
-    def __init__(
-        self,
-        plane: StreamPlane,
-        a: socket.socket,
-        b: socket.socket,
-        to_a: bytes,
-        to_b: bytes,
-        on_closed: Callable[[StreamRoute], None],
-    ) -> None:
-        self.plane = plane
-        self.a = a
-        self.b = b
-        self.a_to_b = _Direction(a, b, to_b)
-        self.b_to_a = _Direction(b, a, to_a)
-        self.on_closed = on_closed
-        self.closed = False
-        #: Why the route ended (one of :data:`CLOSED`, :data:`RESET`,
-        #: :data:`IDLE`, :data:`SHUTDOWN`); empty while it lives.
-        self.reason = ""
-        #: What the idle sweep saw last, and since when.
-        self.seen = -1
-        self.quiet_since = 0.0
+    plane: StreamPlane
+    a: socket.socket
+    b: socket.socket
+    to_a: InitVar[bytes]
+    to_b: InitVar[bytes]
+    on_closed: Callable[[StreamRoute], None]
+    a_to_b: _Direction = field(init=False)
+    b_to_a: _Direction = field(init=False)
+    closed: bool = field(default=False, init=False)
+    #: Why the route ended (one of :data:`CLOSED`, :data:`RESET`,
+    #: :data:`IDLE`, :data:`SHUTDOWN`); empty while it lives.
+    reason: str = field(default="", init=False)
+    #: What the idle sweep saw last, and since when.
+    seen: int = field(default=-1, init=False)
+    quiet_since: float = field(default=0.0, init=False)
+
+    def __post_init__(self, to_a: bytes, to_b: bytes) -> None:
+        self.a_to_b = _Direction(self.a, self.b, to_b)
+        self.b_to_a = _Direction(self.b, self.a, to_a)
 
     @property
     def octets(self) -> int:
