@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import resource
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -99,24 +100,18 @@ def current_fd_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+@dataclass(eq=False)
 class Admission:
     """The live connections of one TCP listener (see the module docstring)."""
 
-    def __init__(
-        self,
-        budget: ConnectionBudget,
-        name: str,
-        max_connections: int,
-        max_per_ip: int,
-    ) -> None:
-        self.budget = budget
-        self.name = name
-        self.configured_max = max_connections
-        self.max_per_ip = max_per_ip
-        self.live = 0
-        self.per_source: dict[str, int] = {}
-        self.refused: dict[str, int] = {}
-        self.closes: dict[str, int] = {}
+    budget: ConnectionBudget
+    name: str
+    configured_max: int
+    max_per_ip: int
+    live: int = field(default=0, init=False)
+    per_source: dict[str, int] = field(default_factory=dict, init=False)
+    refused: dict[str, int] = field(default_factory=dict, init=False)
+    closes: dict[str, int] = field(default_factory=dict, init=False)
 
     @property
     def max_connections(self) -> int:

@@ -75,6 +75,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol, TypedDict, Unpack
 
@@ -354,32 +355,26 @@ class PyCounters:
         self.sends = 0
 
 
+@dataclass(eq=False)
 class PyRouteTap(PyCounters):
     """Pure-Python ``RouteTap`` (see the module docstring)."""
 
-    def __init__(
-        self,
-        sock: socket.socket | None,
-        routes: dict[Any, Any],
-        fallback: Callable[..., None],
-        *,
-        prefix: int = 0,
-        length_at: int = -1,
-        max_size: int = MAX_DATAGRAM,
-        ancillary: bool = False,
-    ) -> None:
-        if not 0 <= prefix <= 64 or not -1 <= length_at <= 65533:
+    sock: socket.socket | None
+    routes: dict[Any, Any]
+    fallback: Callable[..., None]
+    _: KW_ONLY
+    prefix: int = 0
+    length_at: int = -1
+    max_size: int = MAX_DATAGRAM
+    ancillary: bool = False
+    fd: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefix <= 64 or not -1 <= self.length_at <= 65533:
             raise ValueError("prefix, length_at or max_size out of range")
-        if not 0 <= max_size <= MAX_DATAGRAM:
+        if not 0 <= self.max_size <= MAX_DATAGRAM:
             raise ValueError("prefix, length_at or max_size out of range")
-        self.sock = sock
-        self.fd = sock.fileno() if sock is not None else -1
-        self.routes = routes
-        self.fallback = fallback
-        self.prefix = prefix
-        self.length_at = length_at
-        self.max_size = max_size
-        self.ancillary = ancillary
+        self.fd = self.sock.fileno() if self.sock is not None else -1
         super().__init__()
 
     def close(self) -> None:

@@ -70,6 +70,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any, Literal, cast
 
 from cryptography import x509
@@ -259,46 +260,42 @@ class DtlsSession:
         return self.pending()
 
 
+@dataclass(eq=False)
 class DtlsListener(asyncio.DatagramProtocol):
     """A UDP socket serving DTLS sessions (an ``Endpoint`` of the STUN/TURN
     service: ``transport`` is ``"udp"``; see the module docstring)."""
 
-    def __init__(
-        self,
-        certificates: Certificates,
-        deliver: Deliver,
-        limits: HandshakeLimits,
-        drop: Callable[[str], None],
-        reflection: ReflectionBudget,
-        *,
-        max_sessions: int = MAX_SESSIONS,
-        max_sessions_per_ip: int = MAX_SESSIONS_PER_IP,
-        idle_timeout: float = IDLE_TIMEOUT,
-        cookie_secret: bytes | None = None,
-    ) -> None:
-        self.certificates = certificates
-        self.deliver = deliver
-        self.limits = limits
-        self.drop = drop
-        self.reflection = reflection
-        self.max_sessions = max_sessions
-        self.max_sessions_per_ip = max_sessions_per_ip
-        self.idle_timeout = idle_timeout
+    certificates: Certificates
+    deliver: Deliver
+    limits: HandshakeLimits
+    drop: Callable[[str], None]
+    reflection: ReflectionBudget
+    _: KW_ONLY
+    max_sessions: int = MAX_SESSIONS
+    max_sessions_per_ip: int = MAX_SESSIONS_PER_IP
+    idle_timeout: float = IDLE_TIMEOUT
+    cookie_secret: InitVar[bytes | None] = None
+    cookies: CookieJar = field(init=False, repr=False)
+    transport: Literal["udp"] = field(default="udp", init=False)
+    local: Address = field(default=("", 0), init=False)
+    sessions: dict[Address, DtlsSession] = field(default_factory=dict, init=False)
+    #: Live sessions per source (IPv4 address or IPv6 /64).
+    sessions_by_ip: dict[str, int] = field(default_factory=dict, init=False)
+    #: Handshakes that completed; HelloVerifyRequests sent.
+    handshakes: int = field(default=0, init=False)
+    hello_verify_requests: int = field(default=0, init=False)
+    _handshaking: set[DtlsSession] = field(default_factory=set, init=False)
+    _context: SSL.Context = field(init=False, repr=False)
+    _udp: asyncio.DatagramTransport | None = field(default=None, init=False)
+    _loop: asyncio.AbstractEventLoop = field(init=False, repr=False)
+    _tick: asyncio.TimerHandle | None = field(default=None, init=False)
+    _last_sweep: float = field(init=False)
+
+    def __post_init__(self, cookie_secret: bytes | None) -> None:
         self.cookies = CookieJar(cookie_secret or os.urandom(32))
-        self.transport: Literal["udp"] = "udp"
-        self.local: Address = ("", 0)
-        self.sessions: dict[Address, DtlsSession] = {}
-        #: Live sessions per source (IPv4 address or IPv6 /64).
-        self.sessions_by_ip: dict[str, int] = {}
-        #: Handshakes that completed; HelloVerifyRequests sent.
-        self.handshakes = 0
-        self.hello_verify_requests = 0
-        self._handshaking: set[DtlsSession] = set()
-        self._context = server_context(certificates)
-        certificates.on_reload.append(self._reload)
-        self._udp: asyncio.DatagramTransport | None = None
+        self._context = server_context(self.certificates)
+        self.certificates.on_reload.append(self._reload)
         self._loop = asyncio.get_running_loop()
-        self._tick: asyncio.TimerHandle | None = None
         self._last_sweep = self._loop.time()
 
     # -- asyncio ---------------------------------------------------------------

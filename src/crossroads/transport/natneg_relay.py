@@ -31,7 +31,7 @@ import asyncio
 import logging
 import random
 import socket
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
 from crossroads.proto.natneg.packets import MAGIC, PacketType
 from crossroads.proto.natneg.server import SessionId
@@ -132,42 +132,40 @@ class RelayStats:
     released_packets: int = 0
 
 
+@dataclass(eq=False)
 class RelayPool:
     """Allocates and releases relay pairs; owns their sockets."""
 
-    def __init__(
-        self,
-        *,
-        bind_host: str,
-        advertise_host: str,
-        port_range: tuple[int, int] | None,
-        idle_timeout: float,
-        max_pairs: int,
-        policy: AddressPolicy,
-    ) -> None:
-        """``policy``: which client IPs may be relayed (:mod:`crossroads.proto.policy`:
-        the class of bug behind coturn CVE-2020-26262; tests and labs opt in with
-        their ranges)."""
-        self.bind_host = bind_host
-        self.advertise_host = advertise_host
-        self.port_range = port_range
-        self.idle_timeout = idle_timeout
-        self.max_pairs = max_pairs
-        self.policy = policy
+    _: KW_ONLY
+    bind_host: str
+    advertise_host: str
+    port_range: tuple[int, int] | None
+    idle_timeout: float
+    max_pairs: int
+    #: Which client IPs may be relayed (:mod:`crossroads.proto.policy`: the
+    #: class of bug behind coturn CVE-2020-26262; tests and labs opt in with
+    #: their ranges).
+    policy: AddressPolicy
+    refusals: RefusalLog = field(init=False)
+    stats: RelayStats = field(default_factory=RelayStats, init=False)
+    _pairs: dict[SessionId, _Pair] = field(default_factory=dict, init=False)
+    _loop: asyncio.AbstractEventLoop = field(init=False, repr=False)
+    #: Every side's tap: one epoll set drained in C (one wakeup for all pairs).
+    _readers: TapReaders = field(init=False, repr=False)
+    _sweeper: Sweeper = field(init=False, repr=False)
+    _closed: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
         self.refusals = RefusalLog(
             log,
             "natneg relay: client",
             "a relay serves the scope of the address it advertises "
             "(--natneg-relay-host); --natneg-relay-allow admits more",
         )
-        self.stats = RelayStats()
-        self._pairs: dict[SessionId, _Pair] = {}
         self._loop = asyncio.get_running_loop()
-        #: Every side's tap: one epoll set drained in C (one wakeup for all pairs).
         self._readers = TapReaders()
         # Idle detection granularity: a quarter of the timeout, at most 5 s.
         self._sweeper = Sweeper(self.sweep, min(self.idle_timeout / 4, 5.0))
-        self._closed = False
 
     @property
     def active(self) -> int:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from dataclasses import dataclass, field
 
 from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.transport.dataplane import (
     RouteLike,
+    RouteTapLike,
     TapReaders,
     make_route,
     make_tap,
@@ -44,45 +46,29 @@ MAX_DATAGRAM = 1500
 SWEEP_INTERVAL = 0.5
 
 
+@dataclass(eq=False, slots=True)
 class _Entry:
-    __slots__ = (
-        "sock",
-        "port",
-        "side1",
-        "side2",
-        "confirmed1",
-        "confirmed2",
-        "timeout",
-        "last",
-        "routes",
-        "tap",
-        "forwarded_elsewhere",
-        "seen_packets",
-    )
+    sock: socket.socket
+    side1: Address
+    side2: Address
+    timeout: float
+    last: float
+    port: int = field(init=False)
+    confirmed1: Address | None = field(default=None, init=False)
+    confirmed2: Address | None = field(default=None, init=False)
+    #: A route per confirmed side: its address -> where its datagrams go.
+    routes: dict[Address, RouteLike] = field(default_factory=dict, init=False)
+    tap: RouteTapLike = field(init=False)
+    #: Datagrams forwarded by hand or by routes since replaced.
+    forwarded_elsewhere: int = field(default=0, init=False)
+    #: ``packets`` at the last sweep (a change means the entry is alive).
+    seen_packets: int = field(default=0, init=False)
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        side1: Address,
-        side2: Address,
-        timeout: float,
-        now: float,
-    ) -> None:
-        self.sock = sock
-        self.port: int = sock.getsockname()[1]
-        self.side1 = side1
-        self.side2 = side2
-        self.confirmed1: Address | None = None
-        self.confirmed2: Address | None = None
-        self.timeout = timeout
-        self.last = now
-        #: A route per confirmed side: its address -> where its datagrams go.
-        self.routes: dict[Address, RouteLike] = {}
-        self.tap = make_tap(sock, self.routes, self.unrouted, max_size=MAX_DATAGRAM)
-        #: Datagrams forwarded by hand or by routes since replaced.
-        self.forwarded_elsewhere = 0
-        #: ``packets`` at the last sweep (a change means the entry is alive).
-        self.seen_packets = 0
+    def __post_init__(self) -> None:
+        self.port = self.sock.getsockname()[1]
+        self.tap = make_tap(
+            self.sock, self.routes, self.unrouted, max_size=MAX_DATAGRAM
+        )
 
     @property
     def packets(self) -> int:

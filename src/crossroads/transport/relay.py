@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
@@ -65,19 +66,17 @@ class SecureSide(Protocol):
     def send_to(self, addr: Address, data: bytes) -> None: ...
 
 
+@dataclass(eq=False, slots=True)
 class OffPlaneForward:
     """The forwarding entry of a pair with a DTLS or stream end: not a
     data-plane route, so the C tap leaves its frames to the slow path; the
     pure-Python tap calls :meth:`send`, which decides as the slow path would."""
 
-    __slots__ = ("endpoint", "dest", "source", "packets", "octets")
-
-    def __init__(self, endpoint: RelayEndpoint, dest: Address, source: Address) -> None:
-        self.endpoint = endpoint
-        self.dest = dest
-        self.source = source
-        self.packets = 0
-        self.octets = 0
+    endpoint: RelayEndpoint
+    dest: Address
+    source: Address
+    packets: int = field(default=0, init=False)
+    octets: int = field(default=0, init=False)
 
     def send(self, data: bytes) -> None:
         """One plaintext datagram of this socket routed along this entry."""

@@ -56,6 +56,7 @@ import os
 import select
 import socket
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass, field
 
 #: splice(2) flags: move pages instead of copying, and never block on the pipe.
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -78,38 +79,28 @@ IDLE = "idle"  # no byte either way for idle_timeout
 SHUTDOWN = "shutdown"  # the plane (or its owner) closed it
 
 
+@dataclass(eq=False, slots=True)
 class _Direction:
     """One way of a route: ``src`` -> pipe -> ``dst``."""
 
-    __slots__ = (
-        "src",
-        "dst",
-        "pipe_r",
-        "pipe_w",
-        "capacity",
-        "head",
-        "pending",
-        "octets",
-        "reading",
-        "writing",
-        "eof",
-        "done",
-    )
+    src: socket.socket
+    dst: socket.socket
+    head: bytes
+    pipe_r: int = field(init=False)
+    pipe_w: int = field(init=False)
+    capacity: int = field(init=False)
+    #: Bytes in the pipe, not yet written to ``dst``.
+    pending: int = field(default=0, init=False)
+    #: Bytes read from ``src`` (the head is not counted).
+    octets: int = field(default=0, init=False)
+    reading: bool = field(default=False, init=False)
+    writing: bool = field(default=False, init=False)
+    eof: bool = field(default=False, init=False)
+    done: bool = field(default=False, init=False)
 
-    def __init__(self, src: socket.socket, dst: socket.socket, head: bytes) -> None:
-        self.src = src
-        self.dst = dst
+    def __post_init__(self) -> None:
         self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.capacity: int = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
-        self.head = head
-        #: Bytes in the pipe, not yet written to ``dst``.
-        self.pending = 0
-        #: Bytes read from ``src`` (the head is not counted).
-        self.octets = 0
-        self.reading = False
-        self.writing = False
-        self.eof = False
-        self.done = False
+        self.capacity = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
 
     def flush(self) -> bool:
         """Write the head, then the pipe, to ``dst``; True when all is out.
@@ -136,31 +127,29 @@ class _Direction:
 _Handler = tuple[Callable[[_Direction], None], _Direction]
 
 
+@dataclass(eq=False)
 class StreamRoute:
     """Two connected TCP sockets, each one's bytes forwarded to the other."""
 
-    def __init__(
-        self,
-        plane: StreamPlane,
-        a: socket.socket,
-        b: socket.socket,
-        to_a: bytes,
-        to_b: bytes,
-        on_closed: Callable[[StreamRoute], None],
-    ) -> None:
-        self.plane = plane
-        self.a = a
-        self.b = b
-        self.a_to_b = _Direction(a, b, to_b)
-        self.b_to_a = _Direction(b, a, to_a)
-        self.on_closed = on_closed
-        self.closed = False
-        #: Why the route ended (one of :data:`CLOSED`, :data:`RESET`,
-        #: :data:`IDLE`, :data:`SHUTDOWN`); empty while it lives.
-        self.reason = ""
-        #: What the idle sweep saw last, and since when.
-        self.seen = -1
-        self.quiet_since = 0.0
+    plane: StreamPlane
+    a: socket.socket
+    b: socket.socket
+    to_a: InitVar[bytes]
+    to_b: InitVar[bytes]
+    on_closed: Callable[[StreamRoute], None]
+    a_to_b: _Direction = field(init=False)
+    b_to_a: _Direction = field(init=False)
+    closed: bool = field(default=False, init=False)
+    #: Why the route ended (one of :data:`CLOSED`, :data:`RESET`,
+    #: :data:`IDLE`, :data:`SHUTDOWN`); empty while it lives.
+    reason: str = field(default="", init=False)
+    #: What the idle sweep saw last, and since when.
+    seen: int = field(default=-1, init=False)
+    quiet_since: float = field(default=0.0, init=False)
+
+    def __post_init__(self, to_a: bytes, to_b: bytes) -> None:
+        self.a_to_b = _Direction(self.a, self.b, to_b)
+        self.b_to_a = _Direction(self.b, self.a, to_a)
 
     @property
     def octets(self) -> int:

@@ -274,6 +274,7 @@ class HandshakeLimits:
             del self.pending_by_ip[ip]
 
 
+@dataclass(eq=False)
 class TlsAcceptor(asyncio.Protocol):
     """An accepted TCP connection that must speak TLS: ``factory()``'s protocol
     gets the TLS transport once the server-side handshake is done.
@@ -286,17 +287,10 @@ class TlsAcceptor(asyncio.Protocol):
     application data a TLS 1.3 client sends right behind its Finished.
     """
 
-    def __init__(
-        self,
-        context: ssl.SSLContext,
-        factory: Callable[[], asyncio.BaseProtocol],
-        limits: HandshakeLimits,
-        drop: Callable[[str], None],
-    ) -> None:
-        self.context = context
-        self.factory = factory
-        self.limits = limits
-        self.drop = drop
+    context: ssl.SSLContext
+    factory: Callable[[], asyncio.BaseProtocol]
+    limits: HandshakeLimits
+    drop: Callable[[str], None]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         stream = cast(asyncio.Transport, transport)

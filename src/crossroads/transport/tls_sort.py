@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 #: Seconds a client has, after the handshake, to send its first byte. A TURN
 #: client sends its Allocate and a browser its request at once; as long as the
@@ -66,20 +67,15 @@ def classify(first: int) -> Application | None:
     return None
 
 
+@dataclass(eq=False)
 class TlsSorter(asyncio.Protocol):
     """A shared TLS port's connection until its service is known."""
 
-    def __init__(
-        self,
-        factories: Mapping[Application, Callable[[], asyncio.Protocol]],
-        drop: Callable[[str], None],
-        timeout: float = FIRST_BYTES_TIMEOUT,
-    ) -> None:
-        self.factories = factories
-        self.drop = drop
-        self.timeout = timeout
-        self.transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
+    factories: Mapping[Application, Callable[[], asyncio.Protocol]]
+    drop: Callable[[str], None]
+    timeout: float = FIRST_BYTES_TIMEOUT
+    transport: asyncio.Transport | None = field(default=None, init=False)
+    _timer: asyncio.TimerHandle | None = field(default=None, init=False)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
