@@ -27,6 +27,7 @@ import hmac
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -58,22 +59,19 @@ def _same(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
+@dataclass(eq=False)
 class MasterServer:
     """The listing's logic over a Store."""
 
-    def __init__(
-        self,
-        store: Store,
-        *,
-        max_timeout: int,
-        rows_per_ip: int,
-        registry: CollectorRegistry,
-        clock: Any = time.time,
-    ) -> None:
-        self.store = store
-        self.max_timeout = max_timeout
-        self.rows_per_ip = rows_per_ip
-        self.clock = clock
+    store: Store
+    _: KW_ONLY
+    max_timeout: int
+    rows_per_ip: int
+    registry: InitVar[CollectorRegistry]
+    clock: Any = time.time
+    requests: Counter = field(init=False)
+
+    def __post_init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "crossroads_p2p_master_requests",
             "MasterServer2 requests, by method and status.",

@@ -34,6 +34,7 @@ import json
 import logging
 import uuid
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from crossroads.errors import DecodeError, StoreError
@@ -75,36 +76,28 @@ def node_key(node_id: str) -> str:
     return NODE_PREFIX + node_id
 
 
+@dataclass(eq=False)
 class RelayNodes:
     """This instance's side of the relay-node cluster (module docstring)."""
 
-    def __init__(
-        self,
-        store: Store,
-        coordinator: UDPProxyCoordinator,
-        forwarders: Forwarders | None,
-        own_address: Address | None,
-        public_ip: str,
-        wake: Any,
-    ) -> None:
-        self.store = store
-        self.coordinator = coordinator
-        self.forwarders = forwarders
-        #: Where this node registers; None: it only uses the others.
-        self.own_address = own_address
-        self.public_ip = public_ip
-        #: Called (with the loop time) after a reply reached the coordinator,
-        #: so the driver sends what it produced.
-        self.wake = wake
-        self.node_id = uuid.uuid4().hex
-        #: Live nodes by id (this one included when it registers).
-        self.nodes: dict[str, Address] = {}
-        self.dropped: Counter[str] = Counter()
-        self.published = 0
-        self._outbox: deque[tuple[str, bytes]] = deque()
-        self._outbox_ready = asyncio.Event()
-        self._subscription: Subscription | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+    store: Store
+    coordinator: UDPProxyCoordinator
+    forwarders: Forwarders | None
+    #: Where this node registers; None: it only uses the others.
+    own_address: Address | None
+    public_ip: str
+    #: Called (with the loop time) after a reply reached the coordinator,
+    #: so the driver sends what it produced.
+    wake: Any
+    node_id: str = field(default_factory=lambda: uuid.uuid4().hex, init=False)
+    #: Live nodes by id (this one included when it registers).
+    nodes: dict[str, Address] = field(default_factory=dict, init=False)
+    dropped: Counter[str] = field(default_factory=Counter, init=False)
+    published: int = field(default=0, init=False)
+    _outbox: deque[tuple[str, bytes]] = field(default_factory=deque, init=False)
+    _outbox_ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _subscription: Subscription | None = field(default=None, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
 
     async def start(self) -> None:
         self._subscription = await self.store.subscribe(node_key(self.node_id))

@@ -40,6 +40,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from prometheus_client import Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -268,25 +269,43 @@ async def resolve_secret(cfg: Config, store: Store) -> bytes:
 # --------------------------------------------------------------------- relay node
 
 
+@dataclass(eq=False)
 class RelayNode:
     """One relay node: socket, core, registration heartbeat and store bookkeeping."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        store: Store,
-        core: RelayServer,
-        endpoint: RelayEndpoint,
-        info: NodeInfo,
-    ) -> None:
-        self.cfg = cfg
-        self.store = store
-        self.core = core
-        self.endpoint = endpoint
-        self.info = info
-        #: The DTLS endpoint (``--relay-dtls``), None when off.
-        self.dtls: RelayDtls | None = None
-        self.events_dropped = 0
+    cfg: Config = field(repr=False)
+    store: Store
+    core: RelayServer
+    endpoint: RelayEndpoint
+    info: NodeInfo
+    #: The DTLS endpoint (``--relay-dtls``), None when off.
+    dtls: RelayDtls | None = field(default=None, init=False)
+    events_dropped: int = field(default=0, init=False)
+    refusals: RefusalLog = field(init=False)
+    _events: asyncio.Queue[Event] = field(
+        default_factory=lambda: asyncio.Queue(MAX_PENDING_EVENTS), init=False
+    )
+    #: Authentication failures: one line per reason a minute at most.
+    auth_log: RateLimitedLog = field(
+        default_factory=lambda: RateLimitedLog(log), init=False
+    )
+    #: Bound host allocations -> their join code once known.
+    _hosts: dict[uuid.UUID, str | None] = field(default_factory=dict, init=False)
+    #: The API's record of each bound host allocation, as last seen: what
+    #: the heartbeat re-creates when the store lost it (a Redis restarted
+    #: empty), so its join code works again. EXPIRE alone cannot bring
+    #: back a key that is gone.
+    _records: dict[uuid.UUID, dict[str, bytes]] = field(
+        default_factory=dict, init=False
+    )
+    #: Host records (and join codes) re-created after the store lost them.
+    records_restored: int = field(default=0, init=False)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list, init=False)
+    #: The ws/wss listeners by name ("ws", "wss") and their servers.
+    websockets: dict[str, WebSocketListener] = field(default_factory=dict, init=False)
+    ws_servers: list[asyncio.Server] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
         self.refusals = RefusalLog(
             log,
             "relay: client",
@@ -294,22 +313,6 @@ class RelayNode:
             "(--relay-public-host); --relay-allow-private-peers admits every "
             "private scope",
         )
-        self._events: asyncio.Queue[Event] = asyncio.Queue(MAX_PENDING_EVENTS)
-        #: Authentication failures: one line per reason a minute at most.
-        self.auth_log = RateLimitedLog(log)
-        #: Bound host allocations -> their join code once known.
-        self._hosts: dict[uuid.UUID, str | None] = {}
-        #: The API's record of each bound host allocation, as last seen: what
-        #: the heartbeat re-creates when the store lost it (a Redis restarted
-        #: empty), so its join code works again. EXPIRE alone cannot bring
-        #: back a key that is gone.
-        self._records: dict[uuid.UUID, dict[str, bytes]] = {}
-        #: Host records (and join codes) re-created after the store lost them.
-        self.records_restored = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        #: The ws/wss listeners by name ("ws", "wss") and their servers.
-        self.websockets: dict[str, WebSocketListener] = {}
-        self.ws_servers: list[asyncio.Server] = []
 
     def start(self) -> None:
         self.endpoint.on_events = self._enqueue
@@ -569,25 +572,23 @@ class RelayCollector(Collector):
 # ------------------------------------------------------------------------ service
 
 
+@dataclass(eq=False)
 class RelayService:
     """The running ``relay`` service."""
 
     name = NAME
 
-    def __init__(
-        self, node: RelayNode | None, api: bool, bound: tuple[str, int] | None
-    ) -> None:
-        self.node = node
-        self.api = api
-        self.bound = bound
-        #: The allocations API's view of every node (None on a node-only process).
-        self.allocator: Allocator | None = None
-        #: The keys the allocations API accepts (None on a node-only process).
-        self.api_keys: ApiKeys | None = None
-        self._closed = False
-        #: The store-held secret (None when --relay-secret is configured).
-        self.secret: SharedSecret | None = None
-        self._secret_task: asyncio.Task[None] | None = None
+    node: RelayNode | None
+    api: bool
+    bound: tuple[str, int] | None
+    #: The allocations API's view of every node (None on a node-only process).
+    allocator: Allocator | None = field(default=None, init=False)
+    #: The keys the allocations API accepts (None on a node-only process).
+    api_keys: ApiKeys | None = field(default=None, init=False, repr=False)
+    _closed: bool = field(default=False, init=False)
+    #: The store-held secret (None when --relay-secret is configured).
+    secret: SharedSecret | None = field(default=None, init=False, repr=False)
+    _secret_task: asyncio.Task[None] | None = field(default=None, init=False)
 
     def keep_secret(self, shared: SharedSecret, every: float) -> None:
         """Re-publish the shared secret every ``every`` s (store/shared_secret.py)."""

@@ -17,6 +17,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from crossroads.errors import CrossroadsError, DecodeError
@@ -145,23 +146,16 @@ class Grant:
     host_connection_data: bytes | None = None
 
 
+@dataclass(eq=False)
 class Allocator:
     """Chooses relay nodes and creates allocations and join codes in the store."""
 
-    def __init__(
-        self,
-        store: Store,
-        sealer: TokenSealer,
-        cfg: Config,
-        *,
-        clock: Callable[[], float] = time.time,
-        random_bytes: Callable[[int], bytes] = os.urandom,
-    ) -> None:
-        self.store = store
-        self.sealer = sealer
-        self.cfg = cfg
-        self.clock = clock
-        self.random_bytes = random_bytes
+    store: Store
+    sealer: TokenSealer = field(repr=False)
+    cfg: Config = field(repr=False)
+    _: KW_ONLY
+    clock: Callable[[], float] = time.time
+    random_bytes: Callable[[int], bytes] = os.urandom
 
     def record_ttl(self) -> float:
         """How long an allocation's records live unless the node refreshes them."""

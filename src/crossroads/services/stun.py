@@ -55,7 +55,7 @@ import logging
 import socket
 import ssl
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, cast
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -333,6 +333,7 @@ class _PortEndpoint:
             self.service.stats.drop(DROP_NOT_STUN)
 
 
+@dataclass(eq=False)
 class _UdpDispatch(_PortEndpoint):
     """Per-datagram dispatch of one UDP socket of the STUN/TURN port, shared by
     both endpoint kinds: the asyncio endpoint for every datagram, the recvmmsg
@@ -340,19 +341,20 @@ class _UdpDispatch(_PortEndpoint):
     took its socket over (the TURN data plane) hands back.
     """
 
-    def __init__(
-        self, service: StunService, group: _Group, index: int, local: Address
-    ) -> None:
-        self.service = service
-        self.group = group
-        self.core = group.core
-        self.index = index
-        self.local = local
-        self.transport: Literal["udp"] = "udp"
-        #: Binding requests, and the success and error responses sent.
-        self.requests = 0
-        self.success = 0
-        self.errors = 0
+    service: StunService
+    group: _Group
+    index: int
+    local: Address
+    core: BindingCore = field(init=False)
+    transport: Literal["udp"] = field(default="udp", init=False)
+    #: Binding requests, and the success and error responses sent.
+    requests: int = field(default=0, init=False)
+    success: int = field(default=0, init=False)
+    errors: int = field(default=0, init=False)
+    _loop: asyncio.AbstractEventLoop = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.core = self.group.core
         self._loop = asyncio.get_running_loop()
 
     def _reply(self, data: bytes, addr: Any, slot: int) -> None:

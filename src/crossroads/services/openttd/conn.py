@@ -30,13 +30,18 @@ import logging
 import os
 import socket
 import struct
+from dataclasses import InitVar, dataclass, field
 from typing import Protocol, cast
 
 from prometheus_client import Counter, Gauge
 
 from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
-from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, ConnectionBudget
+from crossroads.transport.admission import (
+    REFUSED_OVER_IP_LIMIT,
+    Admission,
+    ConnectionBudget,
+)
 from crossroads.transport.sockets import make_tcp_listener
 from crossroads.types import Address, frozen, normalize_address
 
@@ -274,32 +279,32 @@ class PacketConnection(asyncio.Protocol):
             self.worker = None
 
 
+@dataclass(eq=False)
 class Listener:
     """Accepts :class:`PacketConnection` s for one service and polices them."""
 
-    def __init__(
-        self,
-        name: str,
-        handler: PacketHandler,
-        limits: Limits,
-        dropped: Counter,
-        connections: Gauge,
-        budget: ConnectionBudget,
-    ) -> None:
-        self.name = name
-        self.handler = handler
-        self.limits = limits
+    name: str
+    handler: PacketHandler
+    limits: Limits
+    dropped: Counter
+    gauges: InitVar[Gauge]
+    budget: ConnectionBudget
+    loop: asyncio.AbstractEventLoop = field(init=False)
+    connections: set[PacketConnection] = field(default_factory=set, init=False)
+    admission: Admission = field(init=False)
+    _gauge: Gauge = field(init=False)
+    _server: asyncio.Server | None = field(default=None, init=False)
+    _sweeper: asyncio.Task[None] | None = field(default=None, init=False)
+    address: Address = field(default=("", 0), init=False)
+
+    def __post_init__(self, gauges: Gauge) -> None:
         self.loop = asyncio.get_running_loop()
-        self.connections: set[PacketConnection] = set()
-        self._budget = budget
-        self.admission = budget.listener(
-            f"openttd-{name}", limits.max_connections, limits.max_per_address
+        self.admission = self.budget.listener(
+            f"openttd-{self.name}",
+            self.limits.max_connections,
+            self.limits.max_per_address,
         )
-        self._dropped = dropped
-        self._gauge = connections.labels(name)
-        self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-        self.address: Address = ("", 0)
+        self._gauge = gauges.labels(self.name)
 
     async def start(self, host: str, port: int) -> Address:
         sock = make_tcp_listener(host, port)
@@ -337,7 +342,7 @@ class Listener:
             log.exception("openttd %s: close handler failed", self.name)
 
     def _count(self, reason: str) -> None:
-        self._dropped.labels(self.name, reason).inc()
+        self.dropped.labels(self.name, reason).inc()
         if reason in _DEADLINES:
             self.admission.closed(reason)
 
@@ -402,4 +407,4 @@ class Listener:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5)
         await asyncio.sleep(0)
-        self._budget.forget(self.admission.name)
+        self.budget.forget(self.admission.name)

@@ -254,23 +254,22 @@ class Runner:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(eq=False)
 class AttemptRunner(Runner):
     """Drives one :class:`ConnectAttempt` against real sockets."""
 
-    def __init__(
-        self,
-        coordinator: RunnerOwner,
-        attempt: ConnectAttempt,
-        client: PacketConnection,
-        record: ServerRecord,
-    ) -> None:
-        super().__init__(coordinator)
-        self.attempt = attempt
-        self.client = client
-        self.record = record
-        #: Messages held back to time a STUN pairing, with when each goes
-        #: (their deadlines are this runner's too; dropped with the runner).
-        self.held: list[tuple[float, Command]] = []
+    coordinator: RunnerOwner
+    attempt: ConnectAttempt
+    client: PacketConnection
+    record: ServerRecord
+    #: Messages held back to time a STUN pairing, with when each goes
+    #: (their deadlines are this runner's too; dropped with the runner).
+    held: list[tuple[float, Command]] = dataclasses.field(
+        default_factory=list, init=False
+    )
+
+    def __post_init__(self) -> None:
+        super().__init__(self.coordinator)
 
     def deadline(self) -> float | None:
         deadline = self.attempt.get_timer()
