@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import RELAY_MAX_FRAME
 from crossroads.proto.punch.rendezvous import Observed, Probe
 from crossroads.runtime import Runtime, start
-from crossroads.services.p2p import signalling_url
+from crossroads.services.p2p import MAX_OUTBOUND_FRAMES, signalling_url
 from crossroads.web.app import WS_MAX_MESSAGE_BYTES
 from tests.conftest import loopback_config
 
@@ -273,3 +274,185 @@ async def test_public_url_setting_is_advertised() -> None:
         await runtime.close()
     with pytest.raises(ConfigError, match="public_url"):
         default_config(loopback_config(p2p__public_url="http://x/"))
+
+
+# --------------------------------------------------- a member that stops reading
+
+#: Relay frames the flood may send at most before the test gives up (about
+#: 28 MB: the socket buffers of the path and the server's queue, many times).
+FLOOD_MAX_FRAMES = 20_000
+#: Frames sent between two checks of the metrics.
+FLOOD_BATCH = 250
+
+
+async def rejected(rt: Runtime, reason: str) -> float:
+    """``crossroads_p2p_frames_rejected_total{reason=...}`` from ``/metrics``."""
+    host, port = rt.http_address
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"http://{host}:{port}/metrics")).text
+    prefix = f'crossroads_p2p_frames_rejected_total{{reason="{reason}"}} '
+    for line in metrics.splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    return 0.0
+
+
+async def ping(ws: Any, ping_id: int) -> None:
+    """A ping answered: everything sent before it has been handled."""
+    await ws.send(json.dumps({"type": "ping", "id": ping_id}))
+    assert (await recv_type(ws, "pong"))["id"] == ping_id
+
+
+@pytest.fixture
+async def fast_relay() -> AsyncIterator[Runtime]:
+    # A relay budget far above the flood, so that the receiver's queue, not the
+    # sender's rate limit, is what stops the frames.
+    runtime = await start(
+        default_config(
+            loopback_config(core__only="p2p", p2p__relay_bytes_per_second=10**10)
+        )
+    )
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+async def session_with_a_stalled_guest(
+    rt: Runtime, stack: contextlib.AsyncExitStack
+) -> tuple[Any, str, Any, str]:
+    """A host and a guest in one session, the guest's socket no longer read.
+
+    The guest's client keeps at most one message it was not asked for and its
+    kernel buffer is small, so once the test stops calling ``recv()`` the
+    server's writes towards it stall. Returns (host, host peer, guest, guest peer).
+    """
+    # No permessage-deflate: the relay's sealed datagrams do not compress, and
+    # the bytes on the wire are then the bytes the flood sends.
+    host = await stack.enter_async_context(
+        websockets.connect(ws_url(rt), compression=None)
+    )
+    await host.send(hello())
+    host_peer = (await recv_type(host, "welcome"))["peer"]
+    await host.send(json.dumps({"type": "host"}))
+    hosted = await recv_type(host, "hosted")
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, rt.http_address)
+    guest = await stack.enter_async_context(
+        websockets.connect(ws_url(rt), sock=sock, max_queue=1, compression=None)
+    )
+    await guest.send(hello())
+    guest_peer = (await recv_type(guest, "welcome"))["peer"]
+    # The verified join, the members' side of it reported as done.
+    await guest.send(json.dumps({"type": "join", "code": hosted["code"]}))
+    start = await recv_type(guest, "join_start")
+    assert start["host"] == host_peer
+    await guest.send(
+        json.dumps(
+            {
+                "type": "join_result",
+                "session": hosted["session"],
+                "connected": [host_peer],
+            }
+        )
+    )
+    capable = await recv_type(host, "join_capable")
+    assert capable["peer"] == guest_peer
+    await host.send(
+        json.dumps(
+            {
+                "type": "join_answer",
+                "session": hosted["session"],
+                "peer": guest_peer,
+                "accept": True,
+            }
+        )
+    )
+    await recv_type(guest, "join_accepted")
+    assert (await recv_type(host, "member_joined"))["member"]["peer"] == guest_peer
+    return host, host_peer, guest, guest_peer
+
+
+async def flood_until_dropped(rt: Runtime, host: Any, guest_peer: str) -> int:
+    """Relay frames from ``host`` to the stalled guest until the server drops
+    some for its full queue; returns how many it took (sent, not dropped)."""
+    to_guest = b"\x01" + bytes.fromhex(guest_peer)
+    before = await rejected(rt, "relay-queue-full")
+    sent = 0
+    while sent < FLOOD_MAX_FRAMES:
+        for _ in range(FLOOD_BATCH):
+            await host.send(to_guest + os.urandom(1400))
+        sent += FLOOD_BATCH
+        await ping(host, sent)  # the server has routed every frame sent so far
+        dropped = await rejected(rt, "relay-queue-full") - before
+        if dropped:
+            return sent - int(dropped)
+    pytest.fail(f"{sent} relay frames to a client that reads nothing, none dropped")
+
+
+async def test_relay_to_a_member_that_stopped_reading_drops_and_keeps_it(
+    fast_relay: Runtime,
+) -> None:
+    rt = fast_relay
+    async with contextlib.AsyncExitStack() as stack:
+        host, host_peer, guest, guest_peer = await session_with_a_stalled_guest(
+            rt, stack
+        )
+        taken = await flood_until_dropped(rt, host, guest_peer)
+        # The sender's connection goes on, and dropping relay frames closed
+        # nobody.
+        await ping(host, 1)
+        assert await rejected(rt, "slow-consumer") == 0
+        # The guest, reading again, gets every frame the server took, from the
+        # host, and then its connection answers as before.
+        received = 0
+        while received < taken:
+            message = await asyncio.wait_for(guest.recv(), 5)
+            if isinstance(message, str):  # the server's own keepalive ping
+                assert json.loads(message)["type"] == "ping"
+                continue
+            assert message[1:9] == bytes.fromhex(host_peer)
+            received += 1
+        await ping(guest, 2)
+        # and the relay carries frames again now that the guest keeps up
+        await host.send(b"\x01" + bytes.fromhex(guest_peer) + b"after the drops")
+        message = await asyncio.wait_for(guest.recv(), 5)
+        assert message == b"\x01" + bytes.fromhex(host_peer) + b"after the drops"
+        assert await rejected(rt, "slow-consumer") == 0
+    await assert_alive(rt)
+
+
+async def test_signalling_to_a_member_that_stopped_reading_closes_it_1008(
+    fast_relay: Runtime,
+) -> None:
+    rt = fast_relay
+    async with contextlib.AsyncExitStack() as stack:
+        host, _, guest, guest_peer = await session_with_a_stalled_guest(rt, stack)
+        taken = await flood_until_dropped(rt, host, guest_peer)
+        assert await rejected(rt, "slow-consumer") == 0
+        # A signalling frame finds the guest's queue full: that client is
+        # closed rather than sent a partial conversation.
+        await host.send(json.dumps({"type": "signal", "to": guest_peer, "data": "hi"}))
+        await ping(host, 1)
+        assert await rejected(rt, "slow-consumer") == 1
+        # Reading again, the guest gets what was already on its way and then
+        # the close: the frames still queued were replaced by it.
+        received = 0
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            while True:
+                message = await asyncio.wait_for(guest.recv(), 5)
+                if isinstance(message, bytes):
+                    received += 1
+                else:  # never the refused signal, at most a keepalive ping
+                    assert json.loads(message)["type"] == "ping"
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1008
+        assert info.value.rcvd.reason == "not reading"
+        assert received == taken - MAX_OUTBOUND_FRAMES
+        # The host is told the guest left, and its own connection goes on.
+        left = await recv_type(host, "member_left")
+        assert left["peer"] == guest_peer
+        await ping(host, 2)
+    await assert_alive(rt)

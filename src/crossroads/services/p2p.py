@@ -416,12 +416,9 @@ class P2PService:
     def flush(self) -> None:
         """Move the core's output to the connections, count its events, re-arm."""
         for conn, text in self.core.data_to_send():
-            queue = self._queues.get(conn)
-            if queue is None:
-                continue
-            try:
-                queue.put_nowait(("text", 0, text))
-            except asyncio.QueueFull:
+            if not self._enqueue(conn, "text", text):
+                # Signalling is never dropped: a client that does not read
+                # it is closed.
                 self.rejected.labels("slow-consumer").inc()
                 self._force_close(conn, 1008, "not reading")
         for conn, code, reason in self.core.connections_to_close():
@@ -441,6 +438,18 @@ class P2PService:
                     self._lookups.add(task)
                     task.add_done_callback(self._lookups.discard)
         self._timer.rearm()
+
+    def _enqueue(self, conn: int, kind: str, payload: str | bytes) -> bool:
+        """Queue a frame towards ``conn``; False when its queue is full (the
+        caller's policy decides). A connection already gone takes nothing."""
+        queue = self._queues.get(conn)
+        if queue is None:
+            return True
+        try:
+            queue.put_nowait((kind, 0, payload))
+        except asyncio.QueueFull:
+            return False
+        return True
 
     def _force_close(self, conn: int, code: int, reason: str) -> None:
         queue = self._queues.get(conn)
@@ -512,12 +521,7 @@ class P2PService:
             self.flush()
             return
         target, out = route
-        queue = self._queues.get(target)
-        if queue is None:
-            return
-        try:
-            queue.put_nowait(("bytes", 0, out))
-        except asyncio.QueueFull:
+        if not self._enqueue(target, "bytes", out):
             # A datagram relay may drop: the receiver is behind, as a full UDP
             # socket buffer would drop.
             self.rejected.labels("relay-queue-full").inc()
