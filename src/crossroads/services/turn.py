@@ -1461,8 +1461,6 @@ class TurnService:
             if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
                 log.warning("relay bind %s:%s failed: %s", bind_host, port, exc)
             return None
-        link = allocation.transport_data
-        assert isinstance(link, ClientLink)
         relay = UdpRelay(self, allocation, family, sock, (advertised, port))
         self.relays.add(relay)
         return relay
