@@ -53,8 +53,8 @@ from crossroads.proto.raknet.udpproxy import (
     RemoteForwardingRequest,
     UDPProxyCoordinator,
 )
+from crossroads.services.base import stop_tasks
 from crossroads.store.base import Store, Subscription
-from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
 log = logging.getLogger("crossroads.raknet")
@@ -113,8 +113,7 @@ class RelayNodes:
         ]
 
     async def close(self) -> None:
-        for task in self._tasks:
-            await cancel_and_wait(task)
+        await stop_tasks(self._tasks)
         self._tasks.clear()
         if self._subscription is not None:
             with contextlib.suppress(Exception):
