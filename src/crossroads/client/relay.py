@@ -41,6 +41,7 @@ import base64
 import os
 import socket
 import uuid
+from dataclasses import field
 from typing import Any
 
 import httpx
@@ -85,7 +86,7 @@ class Allocation:
 
     allocation_id: uuid.UUID
     allocation_id_bytes: bytes
-    key: bytes
+    key: bytes = field(repr=False)
     connection_data: bytes
     server: Address
     region: str

@@ -140,7 +140,7 @@ class Grant:
     """An allocation handed to a player."""
 
     allocation_id: uuid.UUID
-    key: bytes
+    key: bytes = field(repr=False)
     connection_data: bytes
     node: NodeInfo
     host_connection_data: bytes | None = None

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Callable
+from dataclasses import field
 from typing import ClassVar, Final
 
 from cryptography.exceptions import InvalidTag
@@ -233,7 +234,7 @@ class SessionKeys:
     protection of each direction (the client writes with ``client_write``, the
     server reads with it, and the other way round)."""
 
-    master: bytes
+    master: bytes = field(repr=False)
     client_write: RecordProtection
     server_write: RecordProtection
 

@@ -149,7 +149,7 @@ class _Handshake:
     timer: Retransmitter
     expires: float
     token: int = 0
-    master: bytes = b""
+    master: bytes = field(default=b"", repr=False)
     identity: bytes = b""
     read: RecordProtection | None = None
     write: RecordProtection | None = None

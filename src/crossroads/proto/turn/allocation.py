@@ -166,7 +166,7 @@ class Allocation:
     realm: str
     #: Long-term key the allocation was created with (RFC 8656 §7.2: later
     #: requests must use the same credentials, else 441).
-    key: bytes
+    key: bytes = field(repr=False)
     relays: dict[Family, RelayPort]
     requested_transport: Transport
     expires: float

@@ -8,7 +8,7 @@ the server core.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from crossroads.proto.stun import (
     Attribute,
@@ -33,7 +33,7 @@ class LongTermSession:
     """Credentials plus the realm/nonce state of one client-server session."""
 
     username: str
-    password: str
+    password: str = field(repr=False)
     realm: str = ""
     nonce: str = ""
     #: Use SHA-256 keys and MESSAGE-INTEGRITY-SHA256 when the server offers them.

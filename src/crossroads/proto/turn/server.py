@@ -313,7 +313,7 @@ class Auth:
     username: str
     quota_user: str
     #: Long-term key (None: unauthenticated mode).
-    key: bytes | None
+    key: bytes | None = field(repr=False)
     #: The request used MESSAGE-INTEGRITY-SHA256 (answer the same way).
     sha256: bool = False
     #: Unix issue time of the request's nonce (0: unauthenticated mode).
