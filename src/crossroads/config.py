@@ -66,7 +66,10 @@ _KIND_OF_TYPE: dict[str, Kind] = {
     "bool": "bool",
     "tuple[str, ...]": "list",
 }
-_TYPE_OF_NARROWED_KIND: dict[Kind, str] = {
+#: The annotation each kind takes, the narrowing ones included.
+_TYPE_OF_KIND: dict[Kind, str] = {
+    kind: name for name, kind in _KIND_OF_TYPE.items()
+} | {
     "port": "int",
     "host": "str",
     "port_range": "tuple[int, int]",
@@ -125,10 +128,7 @@ def setting_info(f: dataclasses.Field[Any]) -> SettingInfo:
             )
     else:
         kind = declared.kind
-        implied = _TYPE_OF_NARROWED_KIND.get(kind) or next(
-            (name for name, k in _KIND_OF_TYPE.items() if k == kind), None
-        )
-        if implied != annotation:
+        if _TYPE_OF_KIND[kind] != annotation:
             raise TypeError(
                 f"config field {f.name}: kind {kind} does not fit type {annotation}"
             )
