@@ -360,6 +360,14 @@ class CoreConfig:
         check=check_positive,
         help="Source IPs each service's reflection ledger tracks per 10 s.",
     )
+    memory_budget: int = setting(
+        0,
+        check=check_non_negative,
+        help="Bytes of memory the per-client tables share (TCP/TLS connections, "
+        "handshakes, DTLS and RakNet sessions, buffered data); every table's cap "
+        "is derived from it (docs/security.md). 0 = a quarter of the machine's "
+        "(or cgroup's) memory, between 64 MiB and 2 GiB.",
+    )
     http_max_connections: int = setting(
         10_000,
         check=check_positive,

@@ -28,11 +28,15 @@ from crossroads.store.base import Store
 from crossroads.transport import reuseport
 from crossroads.transport.admission import (
     BudgetCollector,
-    ConnectionBudget,
+    ResourceBudget,
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
-from crossroads.transport.sockets import bound_address, make_tcp_listener
+from crossroads.transport.sockets import (
+    bound_address,
+    live_listeners,
+    make_tcp_listener,
+)
 from crossroads.transport.tls import Certificates, TlsAcceptor, certificates_for
 from crossroads.transport.tls_sort import ALPN, Application, TlsSorter
 from crossroads.types import Address, show_address
@@ -62,8 +66,8 @@ class Runtime:
     #: The HTTPS listener (--https-port with a certificate), and its address.
     _https: asyncio.Server | None = None
     https_address: Address | None = None
-    #: The descriptor budget and per-listener admissions (caps, counts).
-    connections: ConnectionBudget = field(default_factory=ConnectionBudget)
+    #: The one resource budget: listeners and per-client tables (caps, counts).
+    resources: ResourceBudget = field(default_factory=ResourceBudget)
     _closed: bool = False
 
     def udp_ports(self) -> dict[int, str]:
@@ -170,7 +174,25 @@ async def _listen_https(
         sock.close()
         raise
     runtime.https_address = address
+    runtime.resources.listen("http", "https", "tcp", address, "http")
     return server
+
+
+def _record_listeners(
+    budget: ResourceBudget, service: str, sockets: set[socket.socket]
+) -> None:
+    """Put every socket ``service`` bound while starting into the registry,
+    under the service's name unless the service recorded it itself with a
+    finer kind: a listener nobody describes is still attacked by the battery."""
+    known = {(e.transport, e.address) for e in budget.listeners}
+    for sock in sockets:
+        try:
+            address = bound_address(sock)
+        except OSError:
+            continue
+        transport = "tcp" if sock.type == socket.SOCK_STREAM else "udp"
+        if (transport, address) not in known:
+            budget.listen(service, service, transport, address)
 
 
 async def start(config: Config, *, store: Store | None = None) -> Runtime:
@@ -187,7 +209,9 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     )
     # The hard descriptor limit is the budget; TCP listeners share half of it
     # (crossroads.transport.admission explains the split).
-    budget = runtime.connections = ConnectionBudget(raise_fd_limit())
+    budget = runtime.resources = ResourceBudget(
+        raise_fd_limit(), core.memory_budget or None
+    )
     metrics.register(BudgetCollector(budget))
     metrics.register(KernelDropCollector(runtime.udp_ports))
     ctx = ServiceContext(
@@ -196,7 +220,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         metrics=metrics,
         log=log,
         running=runtime.services,
-        connections=budget,
+        resources=budget,
         certificates=certificates,
     )
     guard = HttpGuard(
@@ -212,14 +236,18 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         # p2p service advertises its signalling URL to other instances).
         sock = make_tcp_listener(config.core.host, config.core.http_port)
         runtime.http_address = ctx.http_address = bound_address(sock)
+        budget.listen("http", "http", "tcp", runtime.http_address, "http")
         for name, module in modules.items():
             if config.enabled(name):
+                before = live_listeners()
                 service: Service = await module.serve(ctx)
                 runtime.services[name] = service
+                _record_listeners(budget, name, live_listeners() - before)
         runtime.console = Console(
             config=config,
             metrics=metrics,
             services=lambda: runtime.services,
+            resources=budget.snapshot,
             matrix_path=results_dir(resolve_state_dir(config.core.state_dir))
             / MATRIX_FILE,
         )

@@ -25,7 +25,7 @@ from crossroads.proto.openttd.coordinator import ClientListing, GcListing
 from crossroads.proto.stun import Method, encode, request
 from crossroads.runtime import Runtime, start
 from crossroads.services.stun import StunService, TcpConnection
-from crossroads.transport.admission import ConnectionBudget
+from crossroads.transport.admission import ResourceBudget
 from tests.adversarial.h12_conn_support import (
     HALF_REQUEST,
     close_all,
@@ -59,7 +59,7 @@ async def _binding_over(
 
 
 def _http_live(runtime: Runtime) -> int:
-    return runtime.connections.admissions["http"].live
+    return runtime.resources.admissions["http"].live
 
 
 # ------------------------------------------------------------------ HTTP
@@ -285,7 +285,7 @@ async def test_stun_tcp_buffers_are_returned_after_a_partial_message_flood() -> 
 
 
 def test_descriptor_shares_leave_room_for_every_listener() -> None:
-    budget = ConnectionBudget(1024)
+    budget = ResourceBudget(1024)
     http = budget.listener("http", 10_000, 10_000)
     others = [budget.listener(name, 10_000, 10_000) for name in ("stun", "a", "b")]
     # Half the limit for listeners, split four ways.

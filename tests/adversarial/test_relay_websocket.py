@@ -27,7 +27,7 @@ from crossroads.proto.relay.server import RelayServer, RelayServerConfig
 from crossroads.proto.relay.token import TokenSealer
 from crossroads.runtime import Runtime
 from crossroads.services.relay import RelayNode
-from crossroads.transport.admission import ConnectionBudget
+from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.relay_ws import WebSocketListener
 from crossroads.transport.sockets import make_udp_socket
@@ -508,7 +508,7 @@ def test_random_input_never_escapes_and_frees_everything(
             TokenSealer(b"f" * 32, os.urandom),
         )
         endpoint = RelayEndpoint(core, make_udp_socket("127.0.0.1", 0))
-        budget = ConnectionBudget(fd_limit=4096)
+        budget = ResourceBudget(fd_limit=4096)
         listener = WebSocketListener(endpoint, budget.listener("ws", 10, 10), 10.0)
         connection = listener.connection()
         transport = RecordingTransport()

@@ -9,7 +9,7 @@ from crossroads.transport.admission import (
     MIN_RESERVE,
     REFUSED_OVER_IP_LIMIT,
     REFUSED_OVER_LIMIT,
-    ConnectionBudget,
+    ResourceBudget,
     source_key,
 )
 
@@ -25,7 +25,7 @@ def test_source_key_is_the_ipv4_address_or_the_ipv6_slash_64() -> None:
 
 
 def test_an_ipv6_host_cannot_dodge_the_cap_by_changing_its_interface_id() -> None:
-    admission = ConnectionBudget(100_000).listener("http", 1000, 2)
+    admission = ResourceBudget(100_000).listener("http", 1000, 2)
     assert admission.admit("2001:db8::1") is None
     assert admission.admit("2001:db8::2") is None
     assert admission.admit("2001:db8::3") == REFUSED_OVER_IP_LIMIT
@@ -33,7 +33,7 @@ def test_an_ipv6_host_cannot_dodge_the_cap_by_changing_its_interface_id() -> Non
 
 
 def test_release_frees_the_slot_and_forgets_the_source() -> None:
-    admission = ConnectionBudget(100_000).listener("stun", 2, 5)
+    admission = ResourceBudget(100_000).listener("stun", 2, 5)
     assert admission.admit("192.0.2.1") is None
     assert admission.admit("192.0.2.2") is None
     assert admission.admit("192.0.2.3") == REFUSED_OVER_LIMIT
@@ -45,7 +45,7 @@ def test_release_frees_the_slot_and_forgets_the_source() -> None:
 
 
 def test_a_stopped_listener_gives_its_share_back() -> None:
-    budget = ConnectionBudget(1000)
+    budget = ResourceBudget(1000)
     first = budget.listener("a", 10_000, 10_000)
     budget.listener("b", 10_000, 10_000)
     assert first.max_connections == 250
@@ -56,7 +56,7 @@ def test_a_stopped_listener_gives_its_share_back() -> None:
 
 @given(st.integers(1, 1 << 22), st.integers(1, 12))
 def test_shares_never_exceed_the_limit_less_the_reserve(limit: int, count: int) -> None:
-    budget = ConnectionBudget(limit)
+    budget = ResourceBudget(limit)
     for i in range(count):
         budget.listener(str(i), 1 << 30, 1 << 30)
     assert budget.share() >= 1

@@ -217,7 +217,7 @@ async def test_shared_port_refuses_what_is_neither(tmp_path: Path) -> None:
             page = (await http.get(f"https://localhost:{port}/metrics")).text
 
         async def counted() -> bool:
-            return rt.connections.admissions["http"].closes.get("tls-sort-unknown") == 1
+            return rt.resources.admissions["http"].closes.get("tls-sort-unknown") == 1
 
         await eventually(counted, "the unknown first byte counted")
         async with httpx.AsyncClient(verify=trust) as http:

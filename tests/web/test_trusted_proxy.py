@@ -92,7 +92,7 @@ async def test_a_trusted_proxy_is_not_held_to_the_per_ip_connection_cap(
         try:
             # The first two are admitted once the server has seen them.
             async def admitted() -> bool:
-                return rt.connections.admissions["http"].live == 2
+                return rt.resources.admissions["http"].live == 2
 
             await eventually(admitted, "two connections admitted")
             assert await healthz_on_new_connection(host, port) == expected

@@ -26,7 +26,7 @@ from crossroads.config import Config
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
-from crossroads.transport.admission import ConnectionBudget
+from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates, HandshakeLimits
@@ -126,9 +126,9 @@ class ServiceContext:
     https_port_guest: HttpsPortGuest | None = None
     #: Where the HTTP API listens (bound before any service starts).
     http_address: Address = ("", 0)
-    #: The descriptor budget every TCP listener registers with (per-IP and
-    #: global caps, a share of the fd limit each).
-    connections: ConnectionBudget = field(default_factory=ConnectionBudget)
+    #: The one resource budget: every listener and per-client table
+    #: registers with it (:mod:`crossroads.transport.admission`).
+    resources: ResourceBudget = field(default_factory=ResourceBudget)
     #: The server certificate of the TLS listeners, None when TLS is off
     #: (see :func:`crossroads.transport.tls.certificates_for`).
     certificates: Certificates | None = None

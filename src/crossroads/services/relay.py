@@ -730,7 +730,7 @@ async def listen_websockets(
         for name, port in wanted:
             listener = WebSocketListener(
                 endpoint,
-                ctx.connections.listener(
+                ctx.resources.listener(
                     f"relay-{name}",
                     cfg.ws_max_connections,
                     cfg.ws_max_connections_per_ip,
@@ -755,7 +755,7 @@ async def listen_websockets(
         for server in servers:
             server.close()
         for name in listeners:
-            ctx.connections.forget(f"relay-{name}")
+            ctx.resources.forget(f"relay-{name}")
         raise
     return listeners, servers, ports
 

@@ -735,7 +735,7 @@ class StunService:
         self.udp_endpoints: list[UdpEndpoint | BatchUdpEndpoint] = []
         self.connections: set[TcpConnection] = set()
         #: Per-IP and global caps of the TCP listener (one for all its ports).
-        self.admission = ctx.connections.listener(
+        self.admission = ctx.resources.listener(
             "stun",
             config.tcp_max_connections,
             config.tcp_max_connections_per_ip,
@@ -1005,7 +1005,7 @@ class StunService:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(server.wait_closed(), 2)
         unregister(self.ctx.metrics, self._collector)
-        self.ctx.connections.forget("stun")
+        self.ctx.resources.forget("stun")
 
 
 async def serve(ctx: ServiceContext) -> StunService:

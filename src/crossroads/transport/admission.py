@@ -1,48 +1,70 @@
-"""Admission of accepted TCP connections, shared by every TCP listener.
+"""The one resource budget of a process: every listener and every per-client
+table registers with it.
 
 Theory of operation
 -------------------
-A process has one file-descriptor limit (``RLIMIT_NOFILE``) and several TCP
-listeners (HTTP with the p2p WebSocket, STUN/TURN over TCP, the three OpenTTD
-ports). Without a plan the first listener to be flooded takes every descriptor
-and the others fail with ``EMFILE`` ("Too many open files"): 1,100 half-sent
-HTTP requests under ``ulimit -n 1024`` used to break TURN allocations and
-OpenTTD. So:
+A process has one descriptor limit (``RLIMIT_NOFILE``), one amount of memory
+it may use for state that strangers make it keep (``--memory-budget``), and
+many listeners that strangers talk to. Without one plan the first listener to
+be flooded takes every descriptor or every byte and the others fail: 1,100
+half-sent HTTP requests under ``ulimit -n 1024`` broke TURN; 1,000 RakNet
+forwarders (one UDP socket each) broke everything else. So nothing that holds
+per-client state is allowed to size itself:
 
-1. At start the soft limit is raised to the hard limit (:func:`raise_fd_limit`):
-   the administrator's hard limit is the real budget, the soft one is often a
-   1,024 left over from ``select()`` days.
-2. :class:`ConnectionBudget` splits the limit. Half of it
-   (:data:`LISTENER_FRACTION`) is for connections accepted by the TCP listeners,
-   shared *evenly* among the listeners that registered; the other half stays for
-   everything else (UDP relay sockets, one per TURN allocation, RFC 6062 peer
-   connections, Redis connections, the listening sockets, log files). A
-   listener's global cap is the smaller of its configured maximum and its share,
-   so a flooded listener stops at its share and the others keep theirs.
-3. Each listener owns one :class:`Admission`: :meth:`Admission.admit` is asked
-   once per accepted connection with the peer's address and refuses the
-   connection over the listener's global cap or over its per-source cap (an
-   IPv4 address, or an IPv6 /64, the smallest block an IPv6 site is given, so
-   one host cannot dodge the cap by rotating its interface identifier);
-   :meth:`Admission.release` is called once when an admitted connection ends.
-   A refused connection is closed at once: it holds its descriptor for one
-   event-loop turn, never longer.
-4. Read deadlines are the listener's own business (a first-message and a
-   partial-message deadline for STUN/TURN, a request deadline for HTTP, packet
-   deadlines for OpenTTD); the closes they cause are counted here
-   (:meth:`Admission.closed`) so that every listener reports refusals and
-   timeouts under the same metric names.
+1. At start the soft descriptor limit is raised to the hard limit
+   (:func:`raise_fd_limit`).
+2. Every per-client state table registers with :class:`ResourceBudget` and
+   gets an :class:`Admission`: accepted TCP connections of a listener, TLS and
+   DTLS handshakes, WebSocket connections, RakNet connections in any state,
+   UDPProxy forwarders, natneg relay pairs, TURN allocations and their relay
+   sockets, OpenTTD stream routes. A table declares what one item costs — its
+   descriptors (:attr:`Admission.descriptors_per_item`) and its fixed memory
+   (:attr:`Admission.bytes_per_item`, the per-item overhead: objects, kernel
+   and library buffers, not the payload alone) — and, for state held before a
+   client proved anything, the deadline in seconds after which it is dropped
+   (:attr:`Admission.preauth_deadline`).
+3. The budget derives every cap from those costs; none is guessed:
 
-Metrics (one collector per runtime): ``crossroads_tcp_connections{listener}``,
+   - descriptors: :data:`MIN_RESERVE` are kept for the process's own files;
+     tables in :attr:`Pool.CONNECTIONS` (accepted TCP connections) share
+     :data:`LISTENER_FRACTION` of the limit, the per-client socket tables in
+     :attr:`Pool.RELAY` share the rest, each in proportion to its weight;
+   - memory: tables with a per-item cost share ``--memory-budget`` in
+     proportion to their weight;
+   - a table's global cap (:attr:`Admission.max_items`) is the smallest of its
+     configured maximum, its descriptor share divided by its descriptors per
+     item and its memory share divided by its bytes per item;
+   - a source's cap (:attr:`Admission.max_per_source`) is at most
+     :data:`PER_SOURCE_FRACTION` of that global cap, so one source (an IPv4
+     address or an IPv6 /64) can never take a table by itself.
+
+4. :meth:`Admission.admit` is asked once per new item with its source and
+   refuses over either cap (counted by reason); :meth:`Admission.release` is
+   called once when the item ends. Variable buffered bytes (split and ordered
+   RakNet data, queued writes) are charged with :meth:`Admission.charge` against
+   the table's memory share and refunded with :meth:`Admission.uncharge`.
+5. Every socket a service listens on is recorded with its service and kind
+   (:meth:`ResourceBudget.listen`); :meth:`ResourceBudget.snapshot` is what the
+   admin API, ``crossroads doctor`` and the adversarial battery
+   (tests/adversarial/test_battery.py) read: the battery attacks every
+   listener in it and fails when the process holds more sockets than the
+   registry accounts for.
+
+Metrics (one collector per runtime): ``crossroads_budget_items{table}``,
+``crossroads_budget_item_limit{table}``, ``crossroads_budget_bytes{table}``,
+``crossroads_budget_refused_total{table,reason}``, and for the TCP listeners
+the older names ``crossroads_tcp_connections{listener}``,
 ``crossroads_tcp_connection_limit{listener}``,
 ``crossroads_tcp_refused_total{listener,reason}``,
-``crossroads_tcp_closed_total{listener,reason}`` and
-``crossroads_fd_limit``.
+``crossroads_tcp_closed_total{listener,reason}``; ``crossroads_fd_limit`` and
+``crossroads_memory_budget_bytes``.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import os
 import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -52,24 +74,53 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.proto.budget import source_key
+from crossroads.types import Address, frozen, show_address
 
 log = logging.getLogger("crossroads")
 
 #: Share of the descriptor limit for connections accepted by TCP listeners,
-#: split evenly among them; the rest is kept for relay sockets (one UDP socket
-#: per TURN allocation), RFC 6062 peer connections, store connections and the
-#: process's own files. Half and half: relays are what a connectivity server is
+#: split among them by weight; the rest is for per-client sockets (one UDP
+#: socket per TURN allocation or RakNet forwarder, RFC 6062 peer connections,
+#: stream routes). Half and half: relays are what a connectivity server is
 #: for, and they must survive a flood of any listener.
 LISTENER_FRACTION = 0.5
-#: Descriptors always left out of the listener shares, however small the limit
+#: Descriptors always left out of every share, however small the limit
 #: (listening and UDP service sockets, epoll, Redis, logs: a few dozen).
 MIN_RESERVE = 64
+#: The largest part of a table one source may hold: one address (or /64) can
+#: never fill a table alone, and 8 sources are needed to fill it. A household
+#: behind one address still gets an eighth of a table that exists for many.
+PER_SOURCE_FRACTION = 1 / 8
 #: Where the kernel's per-process maximum lives; used when the hard limit is
 #: "unlimited", which setrlimit refuses as a soft value.
 NR_OPEN = "/proc/sys/fs/nr_open"
+#: Default memory budget: this part of the machine's memory (or of the
+#: cgroup's limit), for state that unauthenticated and authenticated clients
+#: make the process keep. A quarter leaves the rest to the kernel's socket
+#: buffers, the interpreter and other processes.
+MEMORY_FRACTION = 0.25
+#: Never more than this by default: a relay's per-client state is small, and a
+#: budget larger than needed only lets an attack grow the process further.
+MAX_DEFAULT_MEMORY_BUDGET = 2 << 30
+#: Never less than this by default (a machine that reports very little memory
+#: still runs a small server).
+MIN_DEFAULT_MEMORY_BUDGET = 64 << 20
 
 REFUSED_OVER_LIMIT = "over-limit"
 REFUSED_OVER_IP_LIMIT = "over-ip-limit"
+REFUSED_OVER_MEMORY = "over-memory"
+
+
+class Pool(enum.StrEnum):
+    """Which part of the descriptor limit a table's items come from."""
+
+    #: Connections accepted by a TCP listener (one descriptor each).
+    CONNECTIONS = "connections"
+    #: Per-client sockets a service opens itself (relay sockets, forwarders).
+    RELAY = "relay"
+    #: Items that hold no descriptor of their own (UDP sessions, handshakes in
+    #: progress on a shared socket): memory is their only descriptor-free cost.
+    NONE = "none"
 
 
 def raise_fd_limit() -> int:
@@ -100,35 +151,121 @@ def current_fd_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's, or its cgroup's
+    limit when that is smaller."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in (
+        "/sys/fs/cgroup/memory.max",
+        "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+    ):
+        limit = _read_int(path)
+        if limit is not None and 0 < limit < total:
+            total = limit
+    return total
+
+
+def default_memory_budget() -> int:
+    """``--memory-budget 0``: :data:`MEMORY_FRACTION` of :func:`machine_memory`,
+    between the minimum and maximum defaults."""
+    share = int(machine_memory() * MEMORY_FRACTION)
+    return max(MIN_DEFAULT_MEMORY_BUDGET, min(MAX_DEFAULT_MEMORY_BUDGET, share))
+
+
+@frozen
+class ListenerEntry:
+    """One socket a service listens on, as the registry shows it."""
+
+    service: str
+    #: What speaks on it: "stun", "turn-tls", "raknet", "relay-ws" ...
+    kind: str
+    #: "udp" or "tcp".
+    transport: str
+    address: Address
+    #: The table that admits its clients' state ("" when it keeps none).
+    table: str = ""
+
+    def describe(self) -> str:
+        return (
+            f"{self.transport} {show_address(self.address)} {self.service}/{self.kind}"
+        )
+
+
 @dataclass(eq=False)
 class Admission:
-    """The live connections of one TCP listener (see the module docstring)."""
+    """One per-client table of a process (see the module docstring)."""
 
-    budget: ConnectionBudget
+    budget: ResourceBudget
     name: str
     configured_max: int
-    max_per_ip: int
+    configured_per_source: int
+    pool: Pool = Pool.CONNECTIONS
+    descriptors_per_item: int = 1
+    bytes_per_item: int = 0
+    weight: float = 1.0
+    #: Seconds an item may live before its client proved anything (a
+    #: completed handshake, an authenticated request); None: no pre-auth state.
+    preauth_deadline: float | None = None
     live: int = field(default=0, init=False)
+    buffered: int = field(default=0, init=False)
     per_source: dict[str, int] = field(default_factory=dict, init=False)
     refused: dict[str, int] = field(default_factory=dict, init=False)
     closes: dict[str, int] = field(default_factory=dict, init=False)
 
     @property
+    def max_items(self) -> int:
+        """The global cap in force: the configured maximum, the descriptor
+        share and the memory share, the smallest (never below one)."""
+        cap = self.configured_max
+        if self.descriptors_per_item > 0 and self.pool != Pool.NONE:
+            cap = min(
+                cap, self.budget.descriptor_share(self) // self.descriptors_per_item
+            )
+        if self.bytes_per_item > 0:
+            cap = min(cap, self.budget.memory_share(self) // self.bytes_per_item)
+        return max(1, cap)
+
+    #: The name the TCP listeners used before the budget covered every table.
+    @property
     def max_connections(self) -> int:
-        """The global cap in force: configured maximum or descriptor share."""
-        return min(self.configured_max, self.budget.share())
+        return self.max_items
+
+    @property
+    def max_per_source(self) -> int:
+        """A source's cap: configured, but never above
+        :data:`PER_SOURCE_FRACTION` of the global cap."""
+        fraction = max(1, int(self.max_items * PER_SOURCE_FRACTION))
+        return max(1, min(self.configured_per_source, fraction))
+
+    @property
+    def max_per_ip(self) -> int:
+        return self.max_per_source
+
+    @property
+    def max_bytes(self) -> int:
+        """Variable bytes this table may hold beyond its items' fixed cost."""
+        return max(0, self.budget.memory_share(self) - self.live * self.bytes_per_item)
 
     def admit(self, host: str, *, per_ip_cap: bool = True) -> str | None:
-        """Count a new connection from ``host``; None if admitted, else the
-        reason it is refused (counted; the caller closes the connection).
-        ``per_ip_cap=False`` for a source that speaks for many clients (a
-        trusted reverse proxy): only the global cap applies to it."""
-        if self.live >= self.max_connections:
+        """Count a new item from ``host``; None if admitted, else the reason
+        it is refused (counted; the caller drops the item). ``per_ip_cap=False``
+        for a source that speaks for many clients (a trusted reverse proxy):
+        only the global cap applies to it."""
+        if self.live >= self.max_items:
             reason = REFUSED_OVER_LIMIT
         else:
             key = source_key(host)
             count = self.per_source.get(key, 0)
-            if count < self.max_per_ip or not per_ip_cap:
+            if count < self.max_per_source or not per_ip_cap:
                 self.per_source[key] = count + 1
                 self.live += 1
                 return None
@@ -137,7 +274,7 @@ class Admission:
         return reason
 
     def release(self, host: str) -> None:
-        """An admitted connection from ``host`` ended (call exactly once)."""
+        """An admitted item from ``host`` ended (call exactly once)."""
         key = source_key(host)
         count = self.per_source.get(key, 0)
         if count <= 0:
@@ -148,52 +285,235 @@ class Admission:
             self.per_source[key] = count - 1
         self.live -= 1
 
+    def charge(self, nbytes: int) -> bool:
+        """Take ``nbytes`` of buffered data (count the per-part overhead, not
+        the payload alone) from this table's memory share; False, nothing
+        taken and counted as ``over-memory``, when it does not fit."""
+        if self.buffered + nbytes > self.max_bytes:
+            self.refused[REFUSED_OVER_MEMORY] = (
+                self.refused.get(REFUSED_OVER_MEMORY, 0) + 1
+            )
+            return False
+        self.buffered += nbytes
+        return True
+
+    def uncharge(self, nbytes: int) -> None:
+        """Give back bytes taken with :meth:`charge`."""
+        self.buffered = max(0, self.buffered - nbytes)
+
     def closed(self, reason: str) -> None:
-        """Count a connection the listener closed for ``reason`` (a deadline)."""
+        """Count an item the owner ended for ``reason`` (a deadline, a slow
+        reader)."""
         self.closes[reason] = self.closes.get(reason, 0) + 1
 
+    def row(self) -> dict[str, Any]:
+        """This table as the admin API and ``crossroads doctor`` show it."""
+        return {
+            "table": self.name,
+            "pool": self.pool.value,
+            "live": self.live,
+            "max": self.max_items,
+            "max_per_source": self.max_per_source,
+            "descriptors_per_item": self.descriptors_per_item,
+            "bytes_per_item": self.bytes_per_item,
+            "buffered_bytes": self.buffered,
+            "max_bytes": self.budget.memory_share(self) if self.bytes_per_item else 0,
+            "preauth_deadline": self.preauth_deadline,
+            "refused": dict(self.refused),
+            "closed": dict(self.closes),
+        }
 
-class ConnectionBudget:
-    """The descriptor limit of one process, split among its TCP listeners."""
 
-    def __init__(self, fd_limit: int | None = None) -> None:
+class ResourceBudget:
+    """The descriptor limit and memory budget of one process, shared among
+    its registered tables (see the module docstring)."""
+
+    def __init__(self, fd_limit: int | None = None, memory: int | None = None) -> None:
         self.fd_limit = fd_limit if fd_limit is not None else current_fd_limit()
+        self.memory = memory if memory is not None else default_memory_budget()
         self.admissions: dict[str, Admission] = {}
+        self.listeners: list[ListenerEntry] = []
+
+    # ------------------------------------------------------------ registry
 
     def listener(self, name: str, max_connections: int, max_per_ip: int) -> Admission:
-        """Register the listener ``name`` and return its admission."""
+        """Register the accepted connections of TCP listener ``name``."""
+        return self.table(
+            name,
+            max_items=max_connections,
+            max_per_source=max_per_ip,
+            pool=Pool.CONNECTIONS,
+            descriptors_per_item=1,
+        )
+
+    def table(
+        self,
+        name: str,
+        *,
+        max_items: int,
+        max_per_source: int,
+        pool: Pool = Pool.RELAY,
+        descriptors_per_item: int = 0,
+        bytes_per_item: int = 0,
+        weight: float = 1.0,
+        preauth_deadline: float | None = None,
+    ) -> Admission:
+        """Register the per-client table ``name`` and return its admission.
+
+        Raises:
+            ValueError: ``name`` is registered already, or a table holding
+                descriptors names no descriptor pool.
+        """
         if name in self.admissions:
-            raise ValueError(f"TCP listener {name!r} registered twice")
-        admission = Admission(self, name, max_connections, max_per_ip)
+            raise ValueError(f"table {name!r} registered twice")
+        if descriptors_per_item > 0 and pool == Pool.NONE:
+            raise ValueError(f"table {name!r} holds descriptors but names no pool")
+        admission = Admission(
+            self,
+            name,
+            max_items,
+            max_per_source,
+            pool=pool,
+            descriptors_per_item=descriptors_per_item,
+            bytes_per_item=bytes_per_item,
+            weight=weight,
+            preauth_deadline=preauth_deadline,
+        )
         self.admissions[name] = admission
         return admission
 
     def forget(self, name: str) -> None:
-        """The listener ``name`` stopped: its share goes back to the others."""
+        """The table ``name`` is gone: its shares go back to the others."""
         self.admissions.pop(name, None)
 
-    def reserved(self) -> int:
-        """Descriptors kept out of the listener shares: what relay sockets (one
-        per TURN allocation), peer connections and the process's own files may
-        use. A quota sized from the descriptor limit starts from this."""
-        return self.fd_limit - self.share() * max(1, len(self.admissions))
+    def listen(
+        self, service: str, kind: str, transport: str, address: Address, table: str = ""
+    ) -> None:
+        """Record that ``service`` listens on ``address`` (its clients' state
+        admitted by ``table``)."""
+        entry = ListenerEntry(service, kind, transport, address, table)
+        if entry not in self.listeners:
+            self.listeners.append(entry)
+
+    def unlisten(self, service: str) -> None:
+        """Forget every listener of ``service`` (it stopped)."""
+        self.listeners = [e for e in self.listeners if e.service != service]
+
+    # -------------------------------------------------------------- shares
+
+    def _weights(self, pool: Pool) -> float:
+        return sum(
+            a.weight
+            for a in self.admissions.values()
+            if a.pool == pool and a.descriptors_per_item > 0
+        )
+
+    def connection_pool(self) -> int:
+        """Descriptors for connections accepted by TCP listeners."""
+        return max(
+            0, min(int(self.fd_limit * LISTENER_FRACTION), self.fd_limit - MIN_RESERVE)
+        )
+
+    def relay_pool(self) -> int:
+        """Descriptors for the per-client sockets services open themselves."""
+        return max(0, self.fd_limit - MIN_RESERVE - self.connection_pool())
+
+    def descriptor_share(self, admission: Admission) -> int:
+        """Descriptors ``admission``'s table may hold: its weight's part of
+        its pool."""
+        if admission.pool == Pool.NONE:
+            return self.fd_limit
+        pool = (
+            self.connection_pool()
+            if admission.pool == Pool.CONNECTIONS
+            else self.relay_pool()
+        )
+        total = self._weights(admission.pool) or admission.weight
+        return max(admission.descriptors_per_item, int(pool * admission.weight / total))
+
+    def memory_share(self, admission: Admission) -> int:
+        """Bytes ``admission``'s table may hold (items and buffered data): its
+        weight's part of the memory budget among tables that cost memory."""
+        total = (
+            sum(a.weight for a in self.admissions.values() if a.bytes_per_item > 0)
+            or admission.weight
+        )
+        return int(self.memory * admission.weight / total)
 
     def share(self) -> int:
-        """Connections one listener may hold: an even part of the listener
-        fraction of the limit, never less than one."""
-        listeners = max(1, len(self.admissions))
-        pool = min(int(self.fd_limit * LISTENER_FRACTION), self.fd_limit - MIN_RESERVE)
-        return max(1, pool // listeners)
+        """Connections one TCP listener of weight 1 may hold."""
+        listeners = max(1, int(self._weights(Pool.CONNECTIONS)))
+        return max(1, self.connection_pool() // listeners)
+
+    def reserved(self) -> int:
+        """Descriptors outside the TCP listeners' shares."""
+        return self.fd_limit - self.connection_pool()
+
+    # ------------------------------------------------------------- reading
+
+    def descriptors_accounted(self) -> int:
+        """Descriptors the registered tables hold now, plus the listeners."""
+        held = sum(
+            a.live * a.descriptors_per_item
+            for a in self.admissions.values()
+            if a.pool != Pool.NONE
+        )
+        return held + len(self.listeners)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything the registry knows, as plain JSON values."""
+        return {
+            "fd_limit": self.fd_limit,
+            "memory_budget": self.memory,
+            "reserve": MIN_RESERVE,
+            "connection_pool": self.connection_pool(),
+            "relay_pool": self.relay_pool(),
+            "per_source_fraction": PER_SOURCE_FRACTION,
+            "descriptors_accounted": self.descriptors_accounted(),
+            "listeners": [
+                {
+                    "service": e.service,
+                    "kind": e.kind,
+                    "transport": e.transport,
+                    "host": e.address[0],
+                    "port": e.address[1],
+                    "table": e.table,
+                }
+                for e in self.listeners
+            ],
+            "tables": [a.row() for a in self.admissions.values()],
+        }
 
 
 class BudgetCollector(Collector):
-    """Exports a :class:`ConnectionBudget` at scrape time."""
+    """Exports a :class:`ResourceBudget` at scrape time."""
 
-    def __init__(self, budget: ConnectionBudget) -> None:
+    def __init__(self, budget: ResourceBudget) -> None:
         self.budget = budget
 
     def collect(self) -> Iterator[Any]:
         budget = self.budget
+        items = GaugeMetricFamily(
+            "crossroads_budget_items",
+            "Live items per registered table.",
+            labels=["table"],
+        )
+        item_limit = GaugeMetricFamily(
+            "crossroads_budget_item_limit",
+            "Global cap in force per table (configured, descriptor share and "
+            "memory share, the smallest).",
+            labels=["table"],
+        )
+        buffered = GaugeMetricFamily(
+            "crossroads_budget_bytes",
+            "Variable bytes charged per table (beyond the fixed per-item cost).",
+            labels=["table"],
+        )
+        refused_any = CounterMetricFamily(
+            "crossroads_budget_refused",
+            "Items or bytes refused by a table's caps, per table and reason.",
+            labels=["table", "reason"],
+        )
         live = GaugeMetricFamily(
             "crossroads_tcp_connections",
             "Connections accepted and open, per TCP listener.",
@@ -216,8 +536,15 @@ class BudgetCollector(Collector):
             labels=["listener", "reason"],
         )
         for name, admission in list(budget.admissions.items()):
+            items.add_metric([name], admission.live)
+            item_limit.add_metric([name], admission.max_items)
+            buffered.add_metric([name], admission.buffered)
+            for reason, count in admission.refused.items():
+                refused_any.add_metric([name, reason], count)
+            if admission.pool != Pool.CONNECTIONS:
+                continue
             live.add_metric([name], admission.live)
-            cap.add_metric([name], admission.max_connections)
+            cap.add_metric([name], admission.max_items)
             for reason, count in admission.refused.items():
                 refused.add_metric([name, reason], count)
             for reason, count in admission.closes.items():
@@ -226,4 +553,10 @@ class BudgetCollector(Collector):
             "crossroads_fd_limit", "Soft descriptor limit (RLIMIT_NOFILE) in force."
         )
         limit.add_metric([], budget.fd_limit)
-        yield from (live, cap, refused, closed, limit)
+        memory = GaugeMetricFamily(
+            "crossroads_memory_budget_bytes",
+            "Memory budget shared among the tables (--memory-budget).",
+        )
+        memory.add_metric([], budget.memory)
+        yield from (items, item_limit, buffered, refused_any)
+        yield from (live, cap, refused, closed, limit, memory)

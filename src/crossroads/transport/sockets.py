@@ -36,6 +36,11 @@ def register_listener(sock: socket.socket) -> None:
     _LISTENERS.add(sock)
 
 
+def live_listeners() -> set[socket.socket]:
+    """The registered listening sockets of this process that are still open."""
+    return {sock for sock in list(_LISTENERS) if sock.fileno() >= 0}
+
+
 def listening_ports() -> frozenset[int]:
     """Local ports of the live service listeners of this process."""
     ports: set[int] = set()

@@ -285,6 +285,9 @@ class Console:
     config: Config = field(repr=False)
     metrics: InitVar[CollectorRegistry]
     services: Callable[[], Mapping[str, Service]]
+    #: The runtime's resource registry (listeners, tables, caps), read by
+    #: ``crossroads doctor`` and the adversarial battery; None: not shown.
+    resources: Callable[[], dict[str, Any]] | None = None
     matrix_path: Path | None = None
     sampler: Sampler = field(init=False)
     errors: ErrorRing = field(default_factory=ErrorRing, init=False)
@@ -586,6 +589,13 @@ class Console:
                     for name, admin in self.session_admins().items()
                 }
             )
+
+        @router.get("/console/api/admin/resources")
+        async def resource_registry(request: Request) -> JSONResponse:
+            if not self.authorized(request):
+                return _forbidden()
+            snapshot = self.resources() if self.resources is not None else {}
+            return JSONResponse(snapshot)
 
         @router.get("/console/api/admin/errors")
         async def errors(request: Request) -> JSONResponse:

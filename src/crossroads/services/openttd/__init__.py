@@ -342,7 +342,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
             ),
             dropped,
             connections,
-            ctx.connections,
+            ctx.resources,
         )
         service.listeners[role] = listener
         return await listener.start(host, port)

@@ -40,7 +40,7 @@ from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.admission import (
     REFUSED_OVER_IP_LIMIT,
     Admission,
-    ConnectionBudget,
+    ResourceBudget,
 )
 from crossroads.transport.sockets import make_tcp_listener
 from crossroads.types import Address, frozen, normalize_address
@@ -288,7 +288,7 @@ class Listener:
     limits: Limits
     dropped: Counter
     gauges: InitVar[Gauge]
-    budget: ConnectionBudget
+    budget: ResourceBudget
     loop: asyncio.AbstractEventLoop = field(init=False)
     connections: set[PacketConnection] = field(default_factory=set, init=False)
     admission: Admission = field(init=False)
