@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -257,6 +258,9 @@ def test_doctor(server: Server, cli_env: dict[str, str]) -> None:
         assert f"(rendezvous {index}): seen as 127.0.0.1:" in result.output
     assert "(RakNet): unconnected ping answered (GUID" in result.output
     assert "(RakNet port-stride): NAT_PING answered (source port" in result.output
+    # The resource budget in force, table by table, with the HTTP listener's.
+    assert "resource budget:" in result.output
+    assert re.search(r"^http +tcp \d+ http", result.output, re.MULTILINE)
     dead = cli(cli_env, "doctor", "--url", f"http://127.0.0.1:{free_port()}")
     assert dead.exit_code == 1 and "[FAIL] HTTP" in dead.output
 
@@ -337,3 +341,23 @@ def test_server_file_belongs_to_the_last_server_started(tmp_path: Path) -> None:
         second.stop()
     # ... and the second removes its own.
     assert not server_file.exists()
+
+
+def test_budget_lists_every_table_and_the_listeners_that_feed_it(
+    server: Server, cli_env: dict[str, str]
+) -> None:
+    raw = cli(cli_env, "budget", "--json")
+    assert raw.exit_code == 0, raw.output
+    snapshot = json.loads(raw.output)
+    tables = {t["table"]: t for t in snapshot["tables"]}
+    http = tables["http"]
+    # Derived, not configured: the share of the TCP pool, and a source at most
+    # an eighth of it.
+    assert 1 <= http["max"] <= snapshot["connection_pool"]
+    assert http["max_per_source"] <= max(1, http["max"] // 8)
+    ports = {(e["transport"], e["port"]) for e in snapshot["listeners"]}
+    assert ("tcp", server.http_port) in ports
+    text = cli(cli_env, "budget", "--markdown")
+    assert text.exit_code == 0, text.output
+    assert "| table | listeners | pool |" in text.output
+    assert f"tcp {server.http_port} http" in text.output

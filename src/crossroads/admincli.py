@@ -1,5 +1,5 @@
 """The admin CLI: ``crossroads status``, ``sessions``, ``credentials``, ``revoke``,
-``reload`` and ``doctor``, talking to a running ``crossroads serve``.
+``reload``, ``doctor`` and ``budget``, talking to a running ``crossroads serve``.
 
 The server is found, in order, through ``--url``, ``--http-port`` (on
 127.0.0.1), or the ``server.json`` that ``crossroads serve`` keeps in the state
@@ -191,6 +191,97 @@ def sessions(kind: str | None, as_json: bool, **where: Any) -> None:
             click.echo(f"  {s['id']}  {s['client']}{user}  {s['detail']}{expires}")
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def budget_rows(snapshot: dict[str, Any]) -> list[list[str]]:
+    """The resource budget as table rows (header first): one row per
+    registered table, with the listeners whose clients it admits."""
+    fed_by: dict[str, list[str]] = {}
+    for entry in snapshot.get("listeners", []):
+        address = show_address((entry["host"], entry["port"]))
+        fed_by.setdefault(entry["table"], []).append(
+            f"{entry['transport']} {address.rsplit(':', 1)[-1]} {entry['kind']}"
+        )
+    rows = [
+        [
+            "table",
+            "listeners",
+            "pool",
+            "max",
+            "per source",
+            "fd/item",
+            "bytes/item",
+            "memory share",
+            "pre-auth deadline",
+        ]
+    ]
+    for table in snapshot.get("tables", []):
+        deadline = table["preauth_deadline"]
+        rows.append(
+            [
+                table["table"],
+                ", ".join(fed_by.get(table["table"], [])) or "-",
+                table["pool"],
+                str(table["max"]),
+                str(table["max_per_source"]),
+                str(table["descriptors_per_item"]),
+                _size(table["bytes_per_item"]) if table["bytes_per_item"] else "-",
+                _size(table["max_bytes"]) if table["max_bytes"] else "-",
+                f"{deadline:g} s" if deadline is not None else "-",
+            ]
+        )
+    return rows
+
+
+def render_budget(snapshot: dict[str, Any], *, markdown: bool = False) -> str:
+    """:func:`budget_rows` as aligned text, or as a Markdown table."""
+    rows = budget_rows(snapshot)
+    head = (
+        f"descriptor limit {snapshot['fd_limit']} (TCP connections "
+        f"{snapshot['connection_pool']}, per-client sockets "
+        f"{snapshot['relay_pool']}, reserve {snapshot['reserve']}), memory budget "
+        f"{_size(snapshot['memory_budget'])}"
+    )
+    if markdown:
+        lines = ["| " + " | ".join(rows[0]) + " |"]
+        lines.append("|" + "---|" * len(rows[0]))
+        lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+        return head + "\n\n" + "\n".join(lines)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+        for row in rows
+    ]
+    unlisted = [e for e in snapshot.get("listeners", []) if not e["table"]]
+    for entry in unlisted:
+        lines.append(
+            f"(listener {entry['transport']} {entry['port']} {entry['service']}/"
+            f"{entry['kind']} names no table)"
+        )
+    return head + "\n" + "\n".join(line.rstrip() for line in lines)
+
+
+@click.command()
+@target_options
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@click.option("--markdown", is_flag=True, help="Print a Markdown table.")
+def budget(as_json: bool, markdown: bool, **where: Any) -> None:
+    """The resource budget in force: every table's caps, per-item costs and
+    pre-auth deadline, and the listeners that feed it."""
+    data = request(
+        find_target(**where), "GET", "/console/api/admin/resources", admin=True
+    )
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(render_budget(data, markdown=markdown))
+
+
 @click.command()
 @target_options
 @click.argument("kind")
@@ -376,6 +467,21 @@ async def _doctor(target: Target) -> int:
         if check is not None:
             for ok, text in await check(host, target.url, _udp_ports(service)):
                 report(ok, text)
+    if target.token:
+        try:
+            async with httpx.AsyncClient(timeout=HTTP_TIMEOUT) as http:
+                response = await http.get(
+                    target.url + "/console/api/admin/resources",
+                    headers={"Authorization": f"Bearer {target.token}"},
+                )
+        except httpx.HTTPError as exc:
+            report(False, f"resource budget: {exc}")
+        else:
+            if response.status_code == 200:
+                click.echo("resource budget:")
+                click.echo(render_budget(response.json()))
+            else:
+                click.echo(f"resource budget: not shown (HTTP {response.status_code})")
     return problems
 
 
@@ -513,4 +619,4 @@ async def _tcp_open(host: str, port: int) -> bool:
     return True
 
 
-COMMANDS = (status, sessions, revoke, reload, credentials, doctor)
+COMMANDS = (status, sessions, revoke, reload, credentials, doctor, budget)
