@@ -198,15 +198,18 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def budget_rows(snapshot: dict[str, Any]) -> list[list[str]]:
+def budget_rows(snapshot: dict[str, Any], *, ports: bool = True) -> list[list[str]]:
     """The resource budget as table rows (header first): one row per
-    registered table, with the listeners whose clients it admits."""
+    registered table, with the listeners whose clients it admits (``ports``
+    False: by kind only, as the documentation lists them)."""
     fed_by: dict[str, list[str]] = {}
     for entry in snapshot.get("listeners", []):
-        address = show_address((entry["host"], entry["port"]))
-        fed_by.setdefault(entry["table"], []).append(
-            f"{entry['transport']} {address.rsplit(':', 1)[-1]} {entry['kind']}"
-        )
+        name = f"{entry['transport']} {entry['port']} {entry['kind']}"
+        if not ports:
+            name = f"{entry['transport']} {entry['kind']}"
+        listed = fed_by.setdefault(entry["table"], [])
+        if name not in listed:
+            listed.append(name)
     rows = [
         [
             "table",
@@ -238,9 +241,11 @@ def budget_rows(snapshot: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def render_budget(snapshot: dict[str, Any], *, markdown: bool = False) -> str:
+def render_budget(
+    snapshot: dict[str, Any], *, markdown: bool = False, ports: bool = True
+) -> str:
     """:func:`budget_rows` as aligned text, or as a Markdown table."""
-    rows = budget_rows(snapshot)
+    rows = budget_rows(snapshot, ports=ports)
     head = (
         f"descriptor limit {snapshot['fd_limit']} (TCP connections "
         f"{snapshot['connection_pool']}, per-client sockets "
