@@ -7,7 +7,8 @@ import asyncio
 import socket
 
 from crossroads.proto.raknet.udpproxy import ForwarderResult
-from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.admission import ResourceBudget
+from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
 from tests.conftest import eventually
 
 
@@ -27,7 +28,7 @@ async def recv(
 
 
 async def test_forwarding_both_ways_strangers_caps_and_idle_timeout() -> None:
-    pool = ForwarderPool("127.0.0.1", max_entries=1)
+    pool = ForwarderPool("127.0.0.1", forwarder_table(ResourceBudget(), 1, 1))
     side1, side2, stranger = udp(), udp(), udp()
     try:
         a1, a2 = side1.getsockname(), side2.getsockname()
@@ -68,7 +69,7 @@ async def test_forwarding_both_ways_strangers_caps_and_idle_timeout() -> None:
 async def test_oversized_datagrams_are_dropped_not_truncated() -> None:
     # RakNet never sends more than MAXIMUM_MTU_SIZE (1500) bytes; a larger
     # datagram is not RakNet and is dropped whole (counted by the data plane).
-    pool = ForwarderPool("127.0.0.1", max_entries=1)
+    pool = ForwarderPool("127.0.0.1", forwarder_table(ResourceBudget(), 1, 1))
     side1, side2 = udp(), udp()
     try:
         result, port = pool.start(side1.getsockname(), side2.getsockname(), 5000)
