@@ -102,6 +102,9 @@ class Config:
         help="Forwarding ports open at once (one per pair); never more than the "
         "forwarders' share of the descriptor limit (docs/security.md).",
     )
+    # 64: a whole stock UDPProxyServer's forwarder (DEFAULT_MAX_FORWARD_ENTRIES,
+    # UDPForwarder.cpp) for the players behind one address; the budget lowers
+    # it to an eighth of the cap in force (56 at ulimit -n 1024).
     proxy_max_forwarders_per_ip: int = setting(
         64,
         help="Forwarding ports the clients of one IP (IPv6: /64) may have asked "
