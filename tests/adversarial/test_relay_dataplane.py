@@ -20,8 +20,9 @@ from crossroads.proto.natneg.packets import ConnectPing
 from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy
 from crossroads.proto.raknet.udpproxy import ForwarderResult
+from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.natneg_relay import RelayPool
-from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,7 +105,7 @@ async def test_natneg_pair_forwards_only_its_learned_clients_under_a_flood() -> 
 
 async def test_raknet_forwarder_forwards_only_confirmed_sides_under_a_flood() -> None:
     rng = random.Random(23)
-    pool = ForwarderPool("127.0.0.1", max_entries=1)
+    pool = ForwarderPool("127.0.0.1", forwarder_table(ResourceBudget(), 1, 1))
     side1, side2, stranger = udp("127.0.0.1"), udp("127.0.0.5"), udp("127.0.0.9")
     try:
         result, port = pool.start(side1.getsockname(), side2.getsockname(), 30_000)

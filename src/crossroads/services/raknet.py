@@ -32,7 +32,13 @@ from crossroads.proto.raknet.peer import ServerConfig
 from crossroads.services.base import ServiceContext
 from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.transport.driver import DatagramDriver
-from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.raknet_forwarder import (
+    TABLE as FORWARDER_TABLE,
+)
+from crossroads.transport.raknet_forwarder import (
+    ForwarderPool,
+    forwarder_table,
+)
 from crossroads.transport.sockets import bound_address, make_udp_socket
 from crossroads.types import Address, frozen, normalize_address, show_address
 
@@ -92,7 +98,17 @@ class Config:
         "ports on the bind address).",
     )
     proxy_max_forwarders: int = setting(
-        1000, help="Forwarding ports open at once (one per pair)."
+        1000,
+        help="Forwarding ports open at once (one per pair); never more than the "
+        "forwarders' share of the descriptor limit (docs/security.md).",
+    )
+    # 64: a whole stock UDPProxyServer's forwarder (DEFAULT_MAX_FORWARD_ENTRIES,
+    # UDPForwarder.cpp) for the players behind one address; the budget lowers
+    # it to an eighth of the cap in force (56 at ulimit -n 1024).
+    proxy_max_forwarders_per_ip: int = setting(
+        64,
+        help="Forwarding ports the clients of one IP (IPv6: /64) may have asked "
+        "for at once; never more than an eighth of the global cap in force.",
     )
     proxy_password: str = setting(
         "",
@@ -287,6 +303,7 @@ class RakNetService:
         self.side.clear()
         if self.forwarders is not None:
             await self.forwarders.close()
+            self.forwarders.admission.budget.forget(FORWARDER_TABLE)
             self.forwarders = None
         self.driver = None
         if self._collector is not None and self._registry is not None:
@@ -335,7 +352,21 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         _advertised(public if public else "", bound[0]),
         _advertised(public if public and not cfg.second_host else "", bound[1]),
     ]
-    forwarders = ForwarderPool(host, cfg.proxy_max_forwarders) if cfg.proxy else None
+    forwarders = (
+        ForwarderPool(
+            host,
+            # One UDP socket per forwarder: admitted by the one budget, so
+            # the cap in force is the smaller of the configured one and the
+            # table's share of the descriptors (transport/admission.py).
+            forwarder_table(
+                ctx.resources,
+                cfg.proxy_max_forwarders,
+                cfg.proxy_max_forwarders_per_ip,
+            ),
+        )
+        if cfg.proxy
+        else None
+    )
     node = RakNetNode(
         ServerConfig(
             max_connections=cfg.max_connections,

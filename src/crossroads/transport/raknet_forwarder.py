@@ -19,6 +19,21 @@ drops it. An entry that forwarded nothing for its ``timeoutOnNoDataMS`` is
 closed (UDPForwarder.cpp:440-510); the sweep sees forwarding as a change in the
 routes' packet counts, so an entry closes at most one sweep period late, never
 early.
+
+Bounds (docs/security.md, "RakNet UDPProxy forwarders"): every entry holds
+one UDP socket, so the pool admits entries through one table of the process's
+:class:`~crossroads.transport.admission.ResourceBudget`
+(:func:`forwarder_table`, ``raknet-forwarders``): its global cap is the
+smaller of ``--raknet-proxy-max-forwarders`` and its share of the descriptors
+left for per-client sockets, and the client that asked (its IPv4 address or
+IPv6 /64) holds at most ``--raknet-proxy-max-forwarders-per-ip`` and never
+more than an eighth of that cap. Over either cap the answer is NO_SOCKETS
+(stock UDPForwarder's answer when its entries are used up), which the
+coordinator turns into ALL_SERVERS_BUSY when no other server is left. A
+``timeoutOnNoDataMS`` outside RakNet's range is INVALID_PARAMETERS
+(UDPForwarder.cpp:121-123). An entry ends when it has been idle for its
+timeout, or, if it has forwarded nothing yet, when the coordinator connection
+of a client it was made for closes (:meth:`ForwarderPool.end_client`).
 """
 
 from __future__ import annotations
@@ -27,7 +42,8 @@ import asyncio
 import socket
 from dataclasses import dataclass, field
 
-from crossroads.proto.raknet.udpproxy import ForwarderResult
+from crossroads.proto.raknet.udpproxy import ForwarderResult, timeout_valid
+from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.dataplane import (
     RouteLike,
     RouteTapLike,
@@ -44,6 +60,30 @@ from crossroads.types import Address
 MAX_DATAGRAM = 1500
 #: Idle sweep period: timeouts are seconds long.
 SWEEP_INTERVAL = 0.5
+#: The budget table of the forwarders (metrics, admin API, doctor).
+TABLE = "raknet-forwarders"
+#: Fixed memory of one entry, measured (benchmarks/raknet_forwarders.py, 400
+#: and 1,000 forwarders): ~1.6 KB of process RSS (the socket object, the
+#: entry, its tap and routes, the pool's and the coordinator's records) and
+#: ~2.3 KB of kernel slab (UDP sock, socket inode, file, dentry, epoll item),
+#: rounded up. Datagrams waiting in its buffers are the kernel's, bounded per
+#: socket by its receive buffer.
+FORWARDER_BYTES = 4096
+
+
+def forwarder_table(
+    budget: ResourceBudget, max_items: int, max_per_source: int
+) -> Admission:
+    """Register the forwarders of one pool with ``budget``: one UDP socket each
+    from the per-client socket pool, :data:`FORWARDER_BYTES` each."""
+    return budget.table(
+        TABLE,
+        max_items=max_items,
+        max_per_source=max_per_source,
+        pool=Pool.RELAY,
+        descriptors_per_item=1,
+        bytes_per_item=FORWARDER_BYTES,
+    )
 
 
 @dataclass(eq=False, slots=True)
@@ -53,6 +93,8 @@ class _Entry:
     side2: Address
     timeout: float
     last: float
+    #: The client that asked (charged for the entry in the budget table).
+    requester: Address
     port: int = field(init=False)
     confirmed1: Address | None = field(default=None, init=False)
     confirmed2: Address | None = field(default=None, init=False)
@@ -108,16 +150,22 @@ class _Entry:
 
 
 class ForwarderPool:
-    """The built-in forwarder: implements :class:`~crossroads.proto.raknet.udpproxy.Forwarders`."""
+    """The built-in forwarder: implements :class:`~crossroads.proto.raknet.udpproxy.Forwarders`.
 
-    def __init__(self, host: str, max_entries: int) -> None:
+    ``admission`` is its table in the process's resource budget
+    (:func:`forwarder_table`); the pool admits and releases every entry.
+    """
+
+    def __init__(self, host: str, admission: Admission) -> None:
         self.host = host
-        self.max_entries = max_entries
+        self.admission = admission
         self.entries: dict[tuple[Address, Address], _Entry] = {}
         self.started = 0
         self.released_packets = 0
         #: Oversized datagrams dropped by entries already released.
         self.released_oversized = 0
+        #: Entries ended because a client left before anything was forwarded.
+        self.ended_unused = 0
         self._loop = asyncio.get_running_loop()
         #: Every entry's tap: one epoll set drained in C (one wakeup for all).
         self._readers = TapReaders()
@@ -125,25 +173,49 @@ class ForwarderPool:
         self._sweeper = Sweeper(self.sweep, SWEEP_INTERVAL)
 
     def start(
-        self, source: Address, target: Address, timeout_ms: int
+        self,
+        source: Address,
+        target: Address,
+        timeout_ms: int,
+        requester: Address | None = None,
     ) -> tuple[ForwarderResult, int]:
+        if not timeout_valid(timeout_ms):
+            return ForwarderResult.INVALID_PARAMETERS, 0
         existing = self.entries.get((source, target)) or self.entries.get(
             (target, source)
         )
         if existing is not None:
             return ForwarderResult.FORWARDING_ALREADY_EXISTS, existing.port
-        if len(self.entries) >= self.max_entries or self._closed:
+        if self._closed:
             return ForwarderResult.NO_SOCKETS, 0
+        requester = requester or source
+        if self.admission.admit(requester[0]) is not None:
+            return ForwarderResult.NO_SOCKETS, 0  # counted by the admission
         try:
             sock = make_udp_socket(self.host, 0)
         except OSError:
+            self.admission.release(requester[0])
             return ForwarderResult.BIND_FAILED, 0
-        entry = _Entry(sock, source, target, timeout_ms / 1000, self._loop.time())
+        entry = _Entry(
+            sock, source, target, timeout_ms / 1000, self._loop.time(), requester
+        )
         self.entries[(source, target)] = entry
         self._readers.add(entry.tap)
         self.started += 1
         self._sweeper.start()
         return ForwarderResult.SUCCESS, entry.port
+
+    def end_client(self, address: Address) -> int:
+        ended = 0
+        for key, entry in list(self.entries.items()):
+            if address not in (entry.side1, entry.side2, entry.requester):
+                continue
+            if entry.packets == 0:
+                self._release(key)
+                self.admission.closed("client-left")
+                ended += 1
+        self.ended_unused += ended
+        return ended
 
     def packets(self) -> int:
         return self.released_packets + sum(e.packets for e in self.entries.values())
@@ -161,6 +233,7 @@ class ForwarderPool:
                 entry.last = max(entry.last, now)
             elif now - entry.last > entry.timeout:
                 self._release(key)
+                self.admission.closed("idle")
 
     def _release(self, key: tuple[Address, Address]) -> None:
         entry = self.entries.pop(key)
@@ -169,6 +242,7 @@ class ForwarderPool:
         self._readers.remove(entry.tap)
         entry.tap.close()
         entry.sock.close()
+        self.admission.release(entry.requester[0])
 
     async def close(self) -> None:
         self._closed = True

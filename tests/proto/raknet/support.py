@@ -129,9 +129,19 @@ class RecordingForwarders:
     def __init__(self, result: ForwarderResult = ForwarderResult.SUCCESS) -> None:
         self.result = result
         self.started: list[tuple[Address, Address, int]] = []
+        #: Addresses whose coordinator connection closed, in order.
+        self.ended: list[Address] = []
 
     def start(
-        self, source: Address, target: Address, timeout_ms: int
+        self,
+        source: Address,
+        target: Address,
+        timeout_ms: int,
+        requester: Address | None = None,
     ) -> tuple[ForwarderResult, int]:
         self.started.append((source, target, timeout_ms))
         return self.result, 45000
+
+    def end_client(self, address: Address) -> int:
+        self.ended.append(address)
+        return 0

@@ -130,6 +130,70 @@ def test_a_forwarder_cannot_be_aimed_at_a_third_party() -> None:
     assert forwarders.started == []
 
 
+def test_a_timeout_outside_raknets_range_is_refused_as_invalid_parameters() -> None:
+    """timeoutOnNoDataMS 2^32-1 (49.7 days) or 0 starts no forwarder, here or
+    on an external server; the requester gets what stock RakNet's coordinator
+    answers a server's UDPFORWARDER_INVALID_PARAMETERS: IN_PROGRESS, the
+    server's IP, port 0. RakNet's own maximum (10 min) is served."""
+    forwarders = RecordingForwarders()
+    node, a, b, p = setup(forwarders, password="pw")
+    for timeout_ms in (2**32 - 1, 600_001, 0):
+        a.send(request(B_GUID, timeout_ms), 2.0)
+        assert answer(a) == (
+            Sub.IN_PROGRESS,
+            A_ADDR,
+            B_ADDR,
+            B_GUID,
+            b"203.0.113.1",
+            0,
+        )
+        assert forwarders.started == [] and not node.proxy.requests
+        assert not b.take(MessageId.UDP_PROXY_GENERAL)
+    assert node.proxy.stats.results["invalid_parameters"] == 3
+    login(p, b"pw", 2.5)  # a logged-in stock server is never asked either
+    a.send(request(B_GUID, 2**32 - 1), 2.6)
+    assert answer(a)[0] == Sub.IN_PROGRESS
+    assert not p.take(MessageId.UDP_PROXY_GENERAL)
+    a.send(request(B_GUID, 600_000), 2.7)
+    (asked,) = p.take(MessageId.UDP_PROXY_GENERAL)
+    assert asked[1] == Sub.FORWARDING_REQUEST_FROM_COORDINATOR_TO_SERVER
+
+
+def test_a_server_answering_invalid_parameters_gives_in_progress_port_0() -> None:
+    # OnForwardingReplyFromServerToCoordinator: any result but SUCCESS and
+    # NO_SOCKETS is answered IN_PROGRESS with the server's IP and port, and
+    # the request is forgotten.
+    node, a, _, _ = setup(RecordingForwarders(ForwarderResult.INVALID_PARAMETERS))
+    a.send(request(B_GUID), 2.0)
+    sub, *_, ip, port = answer(a)
+    assert (sub, ip, port) == (Sub.IN_PROGRESS, b"203.0.113.1", 0)
+    assert not node.proxy.requests
+
+
+def test_a_client_leaving_ends_its_requests_and_its_unused_forwarders() -> None:
+    forwarders = RecordingForwarders()
+    node, a, b, _ = setup(forwarders)
+    a.send(request(B_GUID, 600_000), 2.0)
+    assert answer(a)[0] == Sub.FORWARDING_SUCCEEDED
+    assert answer(b)[0] == Sub.FORWARDING_NOTIFICATION
+    # Remembered for the timeout: b's request for the same pair is IN_PROGRESS.
+    b.send(request(A_GUID), 2.1)
+    assert answer(b)[0] == Sub.IN_PROGRESS
+    b.send(bytes([MessageId.DISCONNECTION_NOTIFICATION]), 3.0)
+    # The target left: the forwarder is told (it ends those nobody used) and
+    # the request is forgotten at once, not after 10 minutes.
+    assert forwarders.ended == [B_ADDR]
+    assert not node.proxy.requests
+    # The requester leaving does the same for its own requests.
+    c = Client(a.net, ("198.51.100.77", 1), 0xD4)
+    c.connect(4.0)
+    a.send(request(0xD4, 600_000), 4.1)
+    assert answer(a)[0] == Sub.FORWARDING_SUCCEEDED and node.proxy.requests
+    a.send(bytes([MessageId.DISCONNECTION_NOTIFICATION]), 4.2)
+    assert forwarders.ended == [B_ADDR, A_ADDR]
+    assert not node.proxy.requests
+
+
 def login(client: Client, password: bytes, now: float) -> int:
     writer = BitWriter()
     writer.write_u8(MessageId.UDP_PROXY_GENERAL)

@@ -61,7 +61,8 @@ from crossroads.proto.raknet.reliability import (
     SplitBudget,
 )
 from crossroads.proto.raknet.udpproxy import Sub
-from crossroads.transport.raknet_forwarder import ForwarderPool
+from crossroads.transport.admission import ResourceBudget
+from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
@@ -351,7 +352,12 @@ class LabProxyServer:
     def __init__(self, lab: Lab) -> None:
         self.namespace = lab.server_ns
         self.client = LabClient(lab.server_udp_socket(SERVER_IPS[1]))
-        self.pool = ForwarderPool(SERVER_IPS[1], LAB_PROXY_FORWARDERS)
+        self.pool = ForwarderPool(
+            SERVER_IPS[1],
+            forwarder_table(
+                ResourceBudget(), LAB_PROXY_FORWARDERS, LAB_PROXY_FORWARDERS
+            ),
+        )
         self.logged_in = False
         self.forwarded = 0
         self._task: asyncio.Task[None] | None = None

@@ -22,13 +22,14 @@ from typing import Any
 
 from crossroads.errors import DecodeError
 from crossroads.proto import busjson
+from crossroads.proto.raknet.udpproxy import UDP_FORWARDER_MAXIMUM_TIMEOUT_MS
 from crossroads.types import Address, frozen
 
 #: Largest registration or command accepted (both are ~200 bytes).
 MAX_MESSAGE = 4096
-#: Largest ``timeoutOnNoDataMS`` a node accepts from another (a u32 on the
-#: wire, UDPProxyCoordinator.cpp:170-200).
-MAX_TIMEOUT_MS = 2**32 - 1
+#: Largest ``timeoutOnNoDataMS`` a node accepts from another: what a stock
+#: forwarder accepts (``UDP_FORWARDER_MAXIMUM_TIMEOUT``, UDPProxyCommon.h).
+MAX_TIMEOUT_MS = UDP_FORWARDER_MAXIMUM_TIMEOUT_MS
 #: UDPForwarderResult is one byte on RakNet's wire (UDPForwarder.h).
 MAX_RESULT = 255
 

@@ -65,7 +65,14 @@ through the Store and whose answer comes back with
 
 Bounds: requests in progress, the logged-in servers and relay nodes (so the
 servers to ping and the pings kept per request), the remote requests waiting
-for the service, and (in the forwarder) the forwarding ports.
+for the service, and (in the forwarder) the forwarding ports. A request's
+``timeoutOnNoDataMS`` must be within RakNet's own range (1 ms to
+``UDP_FORWARDER_MAXIMUM_TIMEOUT``, 10 min); else it is answered as stock
+RakNet answers a server's UDPFORWARDER_INVALID_PARAMETERS. When a client's
+connection here closes, the requests it made or is an end of are forgotten and
+the built-in forwarder ends the forwarders tied to it that nobody used yet
+(:meth:`Forwarders.end_client`); a forwarder in use ends when it has been idle
+for its timeout, as in stock RakNet, since the game may still run through it.
 """
 
 from __future__ import annotations
@@ -98,6 +105,21 @@ MAX_RELAY_NODES = 64
 MAX_REMOTE_OUTBOX = 1024
 #: How often remembered requests are forgotten.
 SWEEP_INTERVAL = 0.25
+#: The longest ``timeoutOnNoDataMS`` a forwarder takes: 10 minutes
+#: (``UDP_FORWARDER_MAXIMUM_TIMEOUT``, UDPProxyCommon.h). Stock
+#: UDPForwarder::StartForwarding answers UDPFORWARDER_INVALID_PARAMETERS for 0
+#: or more (UDPForwarder.cpp:121-123) and UDPProxyServer asserts the same range
+#: (UDPProxyServer.cpp OnForwardingRequestFromCoordinatorToServer). RakNet's
+#: own NATCompleteClient sample asks for exactly this maximum, so nothing
+#: lower is refused; an idle forwarder is closed after it, a forwarder nobody
+#: used yet as soon as one of its clients leaves the coordinator.
+UDP_FORWARDER_MAXIMUM_TIMEOUT_MS = 60_000 * 10
+
+
+def timeout_valid(timeout_ms: int) -> bool:
+    """Whether a forwarder may be started with ``timeoutOnNoDataMS`` (stock
+    RakNet's rule: 0 < timeout <= :data:`UDP_FORWARDER_MAXIMUM_TIMEOUT_MS`)."""
+    return 0 < timeout_ms <= UDP_FORWARDER_MAXIMUM_TIMEOUT_MS
 
 
 class Sub(IntEnum):
@@ -136,9 +158,22 @@ class Forwarders(Protocol):
     """The built-in forwarder (an I/O object the service provides)."""
 
     def start(
-        self, source: Address, target: Address, timeout_ms: int
+        self,
+        source: Address,
+        target: Address,
+        timeout_ms: int,
+        requester: Address | None = None,
     ) -> tuple[ForwarderResult, int]:
-        """Relay between ``source`` and ``target``; (result, forwarding port)."""
+        """Relay between ``source`` and ``target`` for ``requester`` (the
+        client that asked, charged for it; None: ``source``); (result,
+        forwarding port). INVALID_PARAMETERS for a timeout outside
+        :func:`timeout_valid`, NO_SOCKETS when full."""
+        ...
+
+    def end_client(self, address: Address) -> int:
+        """The coordinator connection of ``address`` closed: end the
+        forwarders it asked for or serves that have not forwarded anything
+        yet; return how many ended."""
         ...
 
 
@@ -271,9 +306,15 @@ class UDPProxyCoordinator:
         return True
 
     def on_disconnected(self, address: Address, now: float) -> None:
+        # Stock RakNet forgets only the requests ``address`` made
+        # (UDPProxyCoordinator::OnClosedConnection); here also those it is an
+        # end of, since its unused forwarders end with it (below): a request
+        # remembered for a forwarder that is gone would answer IN_PROGRESS.
         for key, request in list(self.requests.items()):
-            if request.requester == address:
+            if address in (request.requester, request.source, request.target):
                 del self.requests[key]
+        if self.forwarders is not None:
+            self.forwarders.end_client(address)
         if address in self.servers:
             self.servers.remove(address)
             for request in list(self.requests.values()):
@@ -367,6 +408,15 @@ class UDPProxyCoordinator:
                 None,
                 now,
             )
+            return
+        if not timeout_valid(timeout_ms):
+            # Stock RakNet passes the value on and its server refuses it with
+            # UDPFORWARDER_INVALID_PARAMETERS, which the coordinator answers
+            # with IN_PROGRESS, the server's IP and port 0 (the last branch of
+            # OnForwardingReplyFromServerToCoordinator). Refused here, before
+            # any server is asked: a debug build of a stock UDPProxyServer
+            # asserts on it, and no forwarder may live 49.7 days (2^32-1 ms).
+            self._invalid(request, now)
             return
         if len(self.requests) >= MAX_REQUESTS:
             self.stats.dropped["requests-full"] += 1
@@ -466,7 +516,7 @@ class UDPProxyCoordinator:
         request.built_in_tried = True
         request.server = None
         result, port = self.forwarders.start(
-            request.source, request.target, request.timeout_ms
+            request.source, request.target, request.timeout_ms, request.requester
         )
         if result in (ForwarderResult.NO_SOCKETS, ForwarderResult.BIND_FAILED):
             self.stats.results[result.name.lower()] += 1
@@ -538,9 +588,21 @@ class UDPProxyCoordinator:
         elif result == ForwarderResult.FORWARDING_ALREADY_EXISTS:
             self.requests.pop((request.source, request.target), None)
             self._result(request, Sub.IN_PROGRESS, request.target_guid, ip, port, now)
+        elif result == ForwarderResult.INVALID_PARAMETERS:
+            self.requests.pop((request.source, request.target), None)
+            self._invalid(request, now, ip)
         else:
             self.stats.results[result.name.lower()] += 1
             self._busy(request, now)
+
+    def _invalid(self, request: Request, now: float, ip: str | None = None) -> None:
+        """Answer a request a forwarder refuses as UDPFORWARDER_INVALID_PARAMETERS
+        the way stock RakNet's coordinator does: IN_PROGRESS with the server's
+        IP and forwarding port 0 (counted as ``invalid_parameters``)."""
+        self.stats.results["invalid_parameters"] += 1
+        if ip is None:
+            ip = self._public_ip(request)
+        self._result(request, Sub.IN_PROGRESS, request.target_guid, ip, 0, now)
 
     def _result(
         self,
