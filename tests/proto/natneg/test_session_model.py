@@ -231,3 +231,23 @@ def test_a_third_client_is_refused_while_the_pair_negotiates() -> None:
         intruder.source(pt) for pt in intruder.port_types()
     ]
     assert core.stats.dropped == {"third-client": 4}
+
+
+def test_a_late_init_of_the_same_attempt_after_the_session_gave_up_is_no_restart() -> (
+    None
+):
+    """The guest's NN3 was held up; the session gave up (init timeout). When the
+    NN3 INIT arrives at last, from the socket its NN1 INIT came from, it belongs
+    to that attempt: ACKed, and the cookie is not taken by a new session."""
+    core = NatNegServer(tight())
+    host = Client(1, HOST_IP, cookie=COOKIE)
+    guest = Client(0, "203.0.113.20", cookie=COOKIE)
+    host.send_inits(core, 0.0)
+    guest.send_inits(core, 0.0, [0, 1, 2])
+    sent(core)
+    run_until(core, 5.5)
+    core.pop_events()
+    guest.send_inits(core, 5.6, [3])
+    assert init_acks(sent(core, 5.6)) == [guest.source(3)]
+    assert core.session_count == 1
+    assert not [e for e in core.pop_events() if isinstance(e, SessionClosed)]

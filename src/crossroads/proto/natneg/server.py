@@ -911,8 +911,13 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             return _Verdict.TAKEOVER if concluded else _Verdict.JOIN
         if not client.is_same(p, addr[0]):
             return _Verdict.TAKEOVER if concluded else _Verdict.THIRD
-        if p.port_type not in client.mappings and session.state in _BEFORE_CONNECT:
-            return _Verdict.JOIN
+        if p.port_type not in client.mappings:
+            if session.state in _BEFORE_CONNECT:
+                return _Verdict.JOIN
+            if client.owns(addr):
+                # A late INIT from a socket this attempt already used (NN3 after
+                # NN1 through a cone NAT): the same attempt, not a new one.
+                return _Verdict.DUPLICATE
         return _Verdict.RESTART
 
     def _late_duplicate(self, p: Init, addr: Address, verdict: _Verdict | None) -> bool:
