@@ -26,6 +26,7 @@ from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.runtime import SERVER_FILE
 from tests.conftest import free_port
 from tests.test_firstrun import _all_ports_any
+from tests.tls_support import write_certificates
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -138,6 +139,41 @@ def test_status_and_sessions_find_the_server(
     assert unknown.exit_code != 0 and "kinds:" in unknown.output
     wrong = cli(cli_env, "sessions", "--admin-token", "wrong")
     assert wrong.exit_code != 0 and "refused the admin token" in wrong.output
+
+
+def test_turn_credentials_list_turns_with_the_certificates_dns_name(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    """Issue 25 item 7: with a certificate, ``turns:`` (TURN over TLS) is listed
+    with the certificate's DNS name (Firefox refuses ``turns:`` with an IP)."""
+    _, cert, key = write_certificates(tmp_path, "turn.crossroads.test")
+    running = Server(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        result = cli(cli_env, "credentials", "turn", "dave")
+        assert result.exit_code == 0, result.output
+        urls = json.loads(result.stdout)["iceServers"][0]["urls"]
+        status = json.loads(cli(cli_env, "status", "--json").stdout)
+        tls_port = status["tls"]["port"]
+        assert urls[-1] == f"turns:turn.crossroads.test:{tls_port}?transport=tcp"
+        assert urls[0] == f"stun:127.0.0.1:{turn_port(cli_env)}"
+        assert result.stderr == ""
+    finally:
+        running.stop()
+
+
+def test_turn_credentials_without_a_dns_name_say_why_no_turns(
+    tmp_path: Path, cli_env: dict[str, str]
+) -> None:
+    _, cert, key = write_certificates(tmp_path, "127.0.0.1")
+    running = Server(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        result = cli(cli_env, "credentials", "turn", "dave")
+        assert result.exit_code == 0, result.output
+        urls = json.loads(result.stdout)["iceServers"][0]["urls"]
+        assert not [url for url in urls if url.startswith("turns:")]
+        assert "Firefox refuses turns: with an IP address" in result.stderr
+    finally:
+        running.stop()
 
 
 def test_turn_credentials_sessions_and_revoke(

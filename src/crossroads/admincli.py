@@ -353,8 +353,13 @@ def credentials_turn(
     user: str, ttl: int, secret: str, url: str | None, http_port: int | None,
     state_dir: str, admin_token: str,
 ) -> None:  # fmt: skip
-    """Time-limited TURN credentials as WebRTC iceServers JSON."""
+    """Time-limited TURN credentials as WebRTC iceServers JSON.
+
+    With a certificate served, a ``turns:`` URL (TURN over TLS) names its DNS
+    name: Firefox refuses ``turns:`` with an IP address. A certificate with
+    IP names only gets no ``turns:`` URL, and a note on stderr says why."""
     from crossroads.client.turn import rest_credentials
+    from crossroads.web.console import TurnTls, ice_urls
 
     if ttl <= 0:
         raise click.ClickException("--ttl must be positive")
@@ -363,16 +368,19 @@ def credentials_turn(
     data = request(target, "GET", "/console/api/status")
     host = urlsplit(target.url).hostname or "127.0.0.1"
     port = _stun_port(data)
-    shown = f"[{host}]" if ":" in host else host
+    tls = data.get("tls")
+    urls, note = ice_urls(
+        host,
+        port,
+        TurnTls(int(tls["port"]), tuple(tls["dns_names"])) if tls else None,
+    )
+    if note:
+        click.echo(note, err=True)
     username, password = rest_credentials(secret, user, ttl)
     body = {
         "iceServers": [
             {
-                "urls": [
-                    f"stun:{shown}:{port}",
-                    f"turn:{shown}:{port}?transport=udp",
-                    f"turn:{shown}:{port}?transport=tcp",
-                ],
+                "urls": urls,
                 "username": username,
                 "credential": password,
             }

@@ -248,6 +248,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             metrics=metrics,
             services=lambda: runtime.services,
             resources=budget.snapshot,
+            certificates=certificates,
             matrix_path=results_dir(resolve_state_dir(config.core.state_dir))
             / MATRIX_FILE,
         )

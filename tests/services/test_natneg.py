@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -480,6 +481,77 @@ async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None
             assert metric(rt, "crossroads_natneg_relays") == 1
     finally:
         host_game.close()
+
+
+async def test_cookie_666_restart_while_waiting_then_another_pair(
+    natneg: Starter,
+) -> None:
+    """Issue 25 items 1 and 2, SDK-like clients on the SDK test program's cookie:
+    the host's first process has its INITs ACKed, waits for a partner who never
+    comes, and dies; its restart (new game and negotiate sockets) meets the guest
+    and the CONNECTs name the live sockets. Right after, another pair on 666 (other
+    addresses) negotiates at once while that session lingers."""
+    rt = await natneg(natneg__session_timeout=5.0, natneg__linger=10.0)
+    srv = servers(rt)
+    wait = {"partner_wait": 4.0}  # the SDK's is 60 s: keep a failure short
+    dead_game = game_socket()
+    first = SdkNegotiator(
+        version=4, cookie=666, client_index=1, servers=srv, game_sock=dead_game, **wait
+    )
+
+    async def waiting() -> bool:
+        first.think(time.monotonic())
+        return first.state == State.INITACK
+
+    first.send_inits(time.monotonic())
+    await eventually(waiting, "the first host's INITs ACKed")
+    first.release()  # the process dies with its sockets
+    dead_game.close()
+    host_game = game_socket()
+    host, guest = negotiators(
+        srv,
+        4,
+        666,
+        host={"game_sock": host_game},
+        guest={"bind_ip": "127.0.0.5"},
+        **wait,
+    )
+    await both(host, guest)
+    assert host.outcome and guest.outcome
+    assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
+    assert guest.connect_guess == address_of(host_game)
+    assert host.connect_guess == address_of(guest.negotiate_sock)
+    await exchange_game_data(host, guest)
+    other_game = game_socket("127.0.0.7")
+    host2, guest2 = negotiators(
+        srv,
+        4,
+        666,
+        host={"game_sock": other_game, "bind_ip": "127.0.0.7"},
+        guest={"bind_ip": "127.0.0.8"},
+        **wait,
+    )
+    try:
+        await both(host2, guest2)
+        assert host2.outcome and guest2.outcome
+        assert host2.outcome.result == NegotiateResult.SUCCESS
+        assert guest2.outcome.result == NegotiateResult.SUCCESS
+        assert guest2.connect_guess == address_of(other_game)
+    finally:
+        host_game.close()
+        other_game.close()
+    assert metric(rt, "crossroads_natneg_dropped_total", reason="third-client") == 0
+    counts = {
+        outcome: metric(
+            rt,
+            "crossroads_natneg_negotiations_total",
+            outcome=outcome,
+            relayed="false",
+            attempt="first",
+        )
+        for outcome in ("restarted", "connected")
+    }
+    assert counts == {"restarted": 1, "connected": 2}
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ API needs the token, revoke ends real sessions (TURN, relay)."""
 
 from __future__ import annotations
 
+import html
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from crossroads.runtime import Runtime, start
 from crossroads.services.stun import StunService
 from crossroads.services.turn import TurnService
 from crossroads.state import MATRIX_FILE, results_dir
+from crossroads.web.console import NO_TURNS_NAME, TurnTls, ice_urls, turns_name
 from tests.conftest import eventually, loopback_config
 from tests.e2e.relay_support import base_url
+from tests.tls_support import write_certificates
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -243,5 +246,70 @@ async def test_nat_matrix_is_shown_when_present(tmp_path: Path) -> None:
         assert "Latest NAT-lab matrix" in page
         assert '<th scope="row">stun</th><td>yes</td>' in page
         assert "&lt;script&gt;" in page and "<script>" not in page
+    finally:
+        await rt.close()
+
+
+# ------------------------------------------------------------------ turns:
+
+
+def test_turns_urls_name_the_certificates_dns_name_never_an_ip() -> None:
+    tls = TurnTls(5349, ("turn.example.test", "*.example.test"))
+    urls, note = ice_urls("192.0.2.1", 3478, tls)
+    assert note is None
+    assert urls == [
+        "stun:192.0.2.1:3478",
+        "turn:192.0.2.1:3478?transport=udp",
+        "turn:192.0.2.1:3478?transport=tcp",
+        "turns:turn.example.test:5349?transport=tcp",
+    ]
+    # The name the client used, when the certificate covers it (or a wildcard).
+    assert turns_name("relay.example.test", tls.dns_names) == "relay.example.test"
+    assert turns_name("a.b.example.test", tls.dns_names) == "turn.example.test"
+    assert turns_name("192.0.2.1", ("*.example.test",)) is None
+    # IP names only: no turns: (Firefox refuses an IP literal), and a note.
+    urls, note = ice_urls("192.0.2.1", 3478, TurnTls(5349, ()))
+    assert not [url for url in urls if url.startswith("turns:")]
+    assert note == NO_TURNS_NAME
+    # No TLS served: the three plain URLs, nothing to say.
+    assert ice_urls("::1", 3478, None) == (
+        [
+            "stun:[::1]:3478",
+            "turn:[::1]:3478?transport=udp",
+            "turn:[::1]:3478?transport=tcp",
+        ],
+        None,
+    )
+
+
+@pytest.mark.parametrize("name", ["turn.crossroads.test", "127.0.0.1"])
+async def test_webrtc_snippet_lists_turns_with_the_certificates_dns_name(
+    tmp_path: Path, name: str
+) -> None:
+    _, cert, key = write_certificates(tmp_path, name)
+    rt = await start(
+        default_config(
+            console_overrides(
+                core__only=["stun", "turn"],
+                core__tls_cert=str(cert),
+                core__tls_key=str(key),
+            )
+        )
+    )
+    try:
+        stun = rt.services["stun"]
+        assert isinstance(stun, StunService) and stun.tls_addresses
+        tls_port = stun.tls_addresses[0][1]
+        async with httpx.AsyncClient(base_url=base_url(rt)) as http:
+            page = (await http.get("/")).text
+            status = (await http.get("/console/api/status")).json()
+        if name == "127.0.0.1":
+            assert status["tls"] == {"port": tls_port, "dns_names": []}
+            assert "&quot;turns:" not in page  # no turns: URL in the snippet
+            assert html.escape(NO_TURNS_NAME) in page
+        else:
+            assert status["tls"] == {"port": tls_port, "dns_names": [name]}
+            assert f"turns:{name}:{tls_port}?transport=tcp" in page
+            assert NO_TURNS_NAME not in page
     finally:
         await rt.close()

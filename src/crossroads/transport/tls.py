@@ -81,6 +81,25 @@ def _leaf_not_after(chain: Path) -> datetime.datetime:
     return leaf.not_valid_after_utc
 
 
+def certificate_dns_names(chain: Path) -> tuple[str, ...]:
+    """The DNS names in the subjectAltName of the first certificate of ``chain``
+    (wildcards included), in certificate order.
+
+    What a ``turns:`` URL may name: Firefox refuses ``turns:`` with an IP literal,
+    and every WebRTC stack checks the name against these (RFC 6125); IP SANs and
+    the subject CN are not offered.
+    """
+    try:
+        leaf = x509.load_pem_x509_certificate(chain.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tls_cert: {chain}: {exc}") from None
+    try:
+        san = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return ()
+    return tuple(san.value.get_values_for_type(x509.DNSName))
+
+
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     """A server context for TLS 1.2+ without renegotiation, holding ``cert``."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -112,6 +131,8 @@ class Certificates:
         self.key = key
         self.context = server_context(cert, key)
         self.not_after = _leaf_not_after(cert)
+        #: The leaf's DNS names (for ``turns:`` URLs), read again on reload.
+        self.dns_names = certificate_dns_names(cert)
         #: Reloads that were refused (the old certificate stayed).
         self.failed_reloads = 0
         #: Counts the loads that took effect.
@@ -146,6 +167,7 @@ class Certificates:
             log.error("TLS certificate not reloaded, keeping the old one: %s", exc)
             return False
         self.not_after = _leaf_not_after(self.cert)
+        self.dns_names = certificate_dns_names(self.cert)
         self.generation += 1
         for callback in list(self.on_reload):
             callback()

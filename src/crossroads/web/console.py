@@ -42,6 +42,7 @@ from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.services.base import Service, SessionAdmin, show_address
 from crossroads.transport.tasks import cancel_and_wait
+from crossroads.transport.tls import Certificates
 from crossroads.types import frozen
 
 #: Seconds between two readings of the counters: fine enough for "packets per
@@ -181,7 +182,64 @@ class ClientPorts:
     http: int = 8080
 
 
-def connect_snippets(host: str, ports: ClientPorts) -> list[tuple[str, str]]:
+@frozen
+class TurnTls:
+    """TURN over TLS as clients reach it: the port and the certificate's DNS
+    names (``/console/api/status`` field ``tls``)."""
+
+    port: int
+    dns_names: tuple[str, ...]
+
+
+#: Why no ``turns:`` URL is offered when the certificate names no usable host.
+NO_TURNS_NAME = (
+    "turns: not listed: the certificate names no DNS name for this host, and "
+    "Firefox refuses turns: with an IP address; add a DNS name to the certificate"
+)
+
+
+def turns_name(host: str, dns_names: tuple[str, ...]) -> str | None:
+    """The DNS name a ``turns:`` URL should carry, or None.
+
+    ``host`` itself when the certificate covers it (exactly, or by a one-label
+    wildcard, RFC 6125 §6.4.3), else the certificate's first DNS name that is
+    not a wildcard. Never an IP literal: Firefox refuses ``turns:`` with one,
+    and a name is what the client checks the certificate against.
+    """
+    wanted = host.lower().rstrip(".")
+    for name in dns_names:
+        name = name.lower().rstrip(".")
+        if name == wanted:
+            return host
+        label, dot, rest = wanted.partition(".")
+        if name.startswith("*.") and dot and label and rest == name[2:]:
+            return host
+    return next((name for name in dns_names if not name.startswith("*")), None)
+
+
+def ice_urls(
+    host: str, stun_port: int, tls: TurnTls | None
+) -> tuple[list[str], str | None]:
+    """The iceServers URLs of this server (RFC 7064/7065): STUN, TURN over UDP
+    and TCP, and ``turns:`` (TURN over TLS) when a certificate with a DNS name is
+    served; and a note saying why ``turns:`` is missing, if it is."""
+    shown = f"[{host}]" if ":" in host else host
+    urls = [
+        f"stun:{shown}:{stun_port}",
+        f"turn:{shown}:{stun_port}?transport=udp",
+        f"turn:{shown}:{stun_port}?transport=tcp",
+    ]
+    if tls is None:
+        return urls, None
+    name = turns_name(host, tls.dns_names)
+    if name is None:
+        return urls, NO_TURNS_NAME
+    return [*urls, f"turns:{name}:{tls.port}?transport=tcp"], None
+
+
+def connect_snippets(
+    host: str, ports: ClientPorts, tls: TurnTls | None = None
+) -> list[tuple[str, str]]:
     """(title, text) for each kind of client, with this server's address."""
     shown = f"[{host}]" if ":" in host else host
     stun_port, coordinator, openttd_stun = (
@@ -190,13 +248,15 @@ def connect_snippets(host: str, ports: ClientPorts) -> list[tuple[str, str]]:
         ports.openttd_stun,
     )
     relay_port, http_port = ports.relay, ports.http
+    urls, note = ice_urls(host, stun_port, tls)
+    turn_urls = ", ".join(f'"{url}"' for url in urls[1:])
     return [
         (
             "WebRTC (browser, libwebrtc)",
-            "const pc = new RTCPeerConnection({iceServers: [\n"
-            f'  {{urls: ["stun:{shown}:{stun_port}"]}},\n'
-            f'  {{urls: ["turn:{shown}:{stun_port}?transport=udp", '
-            f'"turn:{shown}:{stun_port}?transport=tcp"],\n'
+            (f"// {note}\n" if note else "")
+            + "const pc = new RTCPeerConnection({iceServers: [\n"
+            f'  {{urls: ["{urls[0]}"]}},\n'
+            f"  {{urls: [{turn_urls}],\n"
             '   username: "<from crossroads credentials turn USER>",\n'
             '   credential: "<idem>"}]});',
         ),
@@ -288,6 +348,8 @@ class Console:
     #: The runtime's resource registry (listeners, tables, caps), read by
     #: ``crossroads doctor`` and the adversarial battery; None: not shown.
     resources: Callable[[], dict[str, Any]] | None = None
+    #: The process's TLS certificate (its DNS names go into ``turns:`` URLs).
+    certificates: Certificates | None = None
     matrix_path: Path | None = None
     sampler: Sampler = field(init=False)
     errors: ErrorRing = field(default_factory=ErrorRing, init=False)
@@ -366,7 +428,22 @@ class Console:
             "current": self.sampler.current(),
             "series": self.sampler.series(),
             "errors": len(self.errors.records),
+            "tls": asdict(tls) if (tls := self.turn_tls()) is not None else None,
         }
+
+    def turn_tls(self) -> TurnTls | None:
+        """TURN over TLS if this process serves it: its port and the DNS names
+        of the certificate (public: every TLS client is shown it)."""
+        from crossroads.services.stun import StunService
+
+        stun = self.services().get("stun")
+        if (
+            self.certificates is None
+            or not isinstance(stun, StunService)
+            or not stun.tls_addresses
+        ):
+            return None
+        return TurnTls(stun.tls_addresses[0][1], self.certificates.dns_names)
 
     def session_admins(self) -> dict[str, SessionAdmin]:
         return {
@@ -459,7 +536,9 @@ class Console:
         snippets = "".join(
             f"<details><summary>{html.escape(title)}</summary>"
             f"<pre><code>{html.escape(text)}</code></pre></details>"
-            for title, text in connect_snippets(host, self.client_ports(http_port))
+            for title, text in connect_snippets(
+                host, self.client_ports(http_port), self.turn_tls()
+            )
         )
         node_rows = "".join(
             f'<tr><th scope="row">{html.escape(n["region"])}</th>'

@@ -55,11 +55,41 @@ SDK test program always uses 666; a game retries a failed negotiation with the s
 one), so a session's *identity* is its :class:`SessionId`: the cookie plus a serial
 number that never repeats in this process. Every deadline, relay pair and event
 belongs to one SessionId, so nothing left over from an earlier negotiation on the same
-cookie (its timeout, its linger, its relay pair) can touch a later one. A finished
-session is kept for ``linger`` seconds so late duplicates (INITs, CONNECT_ACKs,
-REPORTs) are answered without starting a new negotiation; an INIT from a socket the
-finished session has not seen for that port type is a new negotiation and replaces
-it (:meth:`NatNegServer._restarted`).
+cookie (its timeout, its linger, its relay pair) can touch a later one.
+
+*Restarts, linger and third clients.* What identifies a client is what the
+protocol gives: the cookie, its ``clientindex`` (the slot) and its public IP plus
+the ``localip`` every INIT carries (:meth:`_Client.is_same`). What identifies an
+*attempt* is its sockets: the SDK sends each port type from one socket (GP from
+the game socket, NN1/NN2/NN3 from a negotiate socket it opens per negotiation) to
+one server address (ref §3.1, §6 "Sockets"), so one attempt's INITs of a port type
+all show one public address, and the SDK never resends an ACKed INIT. Hence
+(:meth:`NatNegServer._classify`):
+
+* the same client's INIT of a port type from an address its record does not have
+  for it comes from new sockets: the client *restarted* (a new process, or a retry
+  in-process) and replaces its own record. Before any CONNECT went out, its
+  partner's record is kept (that client will not send its INITs again) and the
+  pair continues in a new session with a fresh ``session_timeout``; after CONNECT,
+  a new session starts with the restarting client alone (its partner was told the
+  old address and will retry by itself). Either way the CONNECT goes to the live
+  sockets. A game socket kept across attempts repeats its known mapping and comes
+  first: that GP INIT is kept aside and counted in the new record if an NN INIT
+  from a new negotiate socket follows;
+* once a session's outcome is settled (FAILING, DONE), its cookie is free: an INIT
+  from another client starts a new session at once. While a pair still
+  negotiates (WAITING to CONNECTING), another client is refused (``third-client``);
+* a replaced session is kept aside until its own deadlines end (error CONNECTs,
+  ``linger``), only to recognise its clients' late packets by their *address*: a
+  repeated INIT is ACKed and not recorded (so a reordered INIT of a dead process
+  never takes its record back), a CONNECT_ACK or REPORT counts for it, not for the
+  negotiation that replaced it. A session replaced because its clients restarted
+  is closed at once (``SessionClosed.replaced``: its relay pair will not be used);
+  one replaced by another pair ends as usual (its clients may be playing through
+  its relay pair).
+
+Spoofing: replacing a record needs an INIT from the client's own public IP and
+naming its private IP, and only moves the CONNECT to another port of that IP.
 
 Outcomes (:class:`Outcome`) say what happened, not what the server hoped: a session
 is *connected* only when a client REPORTs success; CONNECTs acknowledged without a
@@ -161,7 +191,7 @@ class Outcome(Enum):
     UNACKED = "unacked"  # CONNECT resends ran out before one client ACKed
     DEADBEAT = "deadbeat"  # a client waited for a partner who never came
     INIT_TIMEOUT = "init-timeout"  # both came, one never sent all its INITs
-    RESTARTED = "restarted"  # the same clients began again on the cookie mid-CONNECT
+    RESTARTED = "restarted"  # a client began again on the cookie before it ended
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -272,9 +302,10 @@ class NegotiationFinished:
 
 @frozen
 class SessionClosed:
-    """A session is gone from the table: its linger ended, or it was ``replaced``
-    by a new negotiation on the same cookie. The transport releases what it holds
-    for a replaced session (its relay pair is no longer the one clients are told)."""
+    """A session is over: its deadlines ended, or it was ``replaced`` because its
+    own clients started over on the cookie. The transport releases what it holds
+    for a replaced session (its relay pair is no longer the one clients are told);
+    a session another pair took the cookie from ends with ``replaced`` False."""
 
     session: SessionId
     replaced: bool
@@ -346,8 +377,21 @@ class _State(Enum):
     DONE = "done"  # lingering for duplicates
 
 
-#: States in which the clients were sent CONNECTs (an INIT now may be a restart).
-_AFTER_CONNECT = frozenset({_State.CONNECTING, _State.FAILING, _State.DONE})
+#: States before any CONNECT went out: a restarting client's record is replaced
+#: and its partner's kept.
+_BEFORE_CONNECT = frozenset({_State.WAITING, _State.TIMING, _State.RELAY_PENDING})
+#: States whose outcome is settled: the cookie is free for another pair.
+_CONCLUDED = frozenset({_State.FAILING, _State.DONE})
+
+
+class _Verdict(Enum):
+    """What an INIT is to the session that holds its cookie."""
+
+    DUPLICATE = "duplicate"  # repeats a mapping the session recorded
+    JOIN = "join"  # a new port type of a client, or a client in a free slot
+    RESTART = "restart"  # the same client from a new socket: a new attempt
+    TAKEOVER = "takeover"  # another client on a concluded session's cookie
+    THIRD = "third"  # another client while the pair negotiates
 
 
 class _Client:
@@ -364,6 +408,7 @@ class _Client:
         "rtt",
         "next_connect",
         "connects_left",
+        "gp_echo",
     )
 
     def __init__(self, packet: Init, public_ip: str) -> None:
@@ -383,17 +428,34 @@ class _Client:
         #: When this client's next CONNECT is due, and how many are left.
         self.next_connect = 0.0
         self.connects_left = 0
+        #: A GP INIT that repeated the known game-socket mapping and has not been
+        #: followed by an INIT from the known negotiate socket: a late duplicate,
+        #: or the first INIT of a new attempt on a game socket the game kept (see
+        #: "Restarts" in the module docstring).
+        self.gp_echo: tuple[Init, Address, Endpoint] | None = None
 
     def is_same(self, packet: Init, ip: str) -> bool:
-        """Is this INIT from this client rather than a third one on the cookie?
+        """Is this INIT from this client (this process or its restart) rather than
+        a third one on the cookie?
 
         Same public IP and same private IP (the SDK puts the same ``localip`` in
-        every INIT). Two hosts behind one NAT with the same private address and the
-        same ``clientindex`` cannot be told apart; nothing in the packet could.
+        every INIT; its ``clientindex`` chose the slot). Two hosts behind one NAT
+        with the same private address and the same ``clientindex`` cannot be told
+        apart; nothing in the packet could.
         """
         return ip == self.public_ip and (
             packet.version == 1 or packet.local_ip == self.local_ip
         )
+
+    def knows(self, port_type: int, addr: Address) -> bool:
+        """Did this client's INIT of ``port_type`` come from ``addr``?"""
+        mapping = self.mappings.get(port_type)
+        return mapping is not None and mapping[0] == addr
+
+    def owns(self, addr: Address) -> bool:
+        """Is ``addr`` one of this client's mappings (its negotiate socket sends
+        CONNECT_ACK and REPORT, ref §3.2, §3.4, along a mapping an INIT made)?"""
+        return any(mapping[0] == addr for mapping in self.mappings.values())
 
     def complete(self) -> bool:
         need = _REQUIRED[self.version]
@@ -427,7 +489,7 @@ class _Session:
         "relayed",
         "first_attempt",
         "outcome",
-        "game_port_echoes",
+        "closed",
     )
 
     def __init__(self, session_id: SessionId, owner_ip: str, now: float) -> None:
@@ -449,10 +511,20 @@ class _Session:
         self.first_attempt = True
         #: Set once :class:`NegotiationFinished` was emitted (one per session).
         self.outcome: Outcome | None = None
-        #: GP INITs that repeated a known mapping after CONNECT, by client index: a
-        #: late duplicate, or the first INIT of a new negotiation on the same game
-        #: socket (see :meth:`NatNegServer._restarted`).
-        self.game_port_echoes: dict[int, tuple[Init, Address, Endpoint]] = {}
+        #: Set once :class:`SessionClosed` was emitted (one per session).
+        self.closed = False
+
+    def knows(self, p: Init, addr: Address) -> bool:
+        """Is this INIT a repeat of one this session recorded?"""
+        client = self.clients[p.client_index]
+        return client is not None and client.knows(p.port_type, addr)
+
+    def owner_of(self, addr: Address) -> _Client | None:
+        """The client ``addr`` is a mapping of, if any."""
+        for client in self.clients:
+            if client is not None and client.owns(addr):
+                return client
+        return None
 
 
 class _PreinitEntry:
@@ -508,7 +580,11 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         #: this budget (docs/security.md, "Reflection budget"); None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.stats = Stats()
+        #: The negotiation each cookie's new INITs join.
         self._sessions: dict[int, _Session] = {}
+        #: The session a newer one replaced on its cookie, kept until its own
+        #: deadlines end only to answer its clients' late packets (one per cookie).
+        self._lingering: dict[int, _Session] = {}
         self._per_ip: dict[str, int] = {}
         #: Deadlines: (when, sequence number, cookie). A session's entry is live
         #: only while the session's ``timer`` holds that sequence number.
@@ -532,7 +608,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
     @property
     def session_count(self) -> int:
         """Sessions currently held (any state, including lingering ones)."""
-        return len(self._sessions)
+        return len(self._sessions) + len(self._lingering)
 
     def session_summaries(self, now: float) -> list[NegotiationSummary]:
         """Every session held, for operators (admin console, CLI)."""
@@ -544,7 +620,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 clients=sum(client is not None for client in session.clients),
                 age=max(0.0, now - session.created),
             )
-            for session in self._sessions.values()
+            for session in (*self._sessions.values(), *self._lingering.values())
         ]
 
     def receive_datagram(
@@ -631,6 +707,8 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         while heap and heap[0][0] <= now:
             _, seq, cookie = heapq.heappop(heap)
             session = self._sessions.get(cookie)
+            if session is None or session.timer != seq:
+                session = self._lingering.get(cookie)
             if session is not None and session.timer == seq:
                 self._on_session_timer(session, now)
         if self._housekeeping_timer.due(now):
@@ -745,46 +823,44 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             return
         ip = addr[0]
         session = self._sessions.get(p.cookie)
+        verdict = None if session is None else self._classify(session, p, addr)
+        if self._late_duplicate(p, addr, verdict):
+            # A repeat from a replaced negotiation's socket: answered (its sender
+            # may still be waiting for the ACK), never recorded.
+            self._ack_init(data, addr, endpoint)
+            return
         replayed: list[tuple[Init, Address, Endpoint]] = []
-        if session is not None and session.state in _AFTER_CONNECT:
-            if self._restarted(session, p, addr, endpoint):
-                replayed = list(session.game_port_echoes.values())
-                self._delete(session, now, replaced=True)
+        if session is not None:
+            if verdict is _Verdict.THIRD:
+                self._drop("third-client")
+                return
+            if verdict is _Verdict.RESTART and session.state in _BEFORE_CONNECT:
+                session = self._renew(session, p, now)
+            elif verdict in (_Verdict.RESTART, _Verdict.TAKEOVER):
+                replayed = _echoes(session, p, ip)
+                self._retire(session, now, restarted=verdict is _Verdict.RESTART)
                 session = None
         if session is None:
-            if len(self._sessions) >= self.config.max_sessions:
+            # A session that replaces another on its cookie adds at most the one
+            # lingering beside it: the global cap holds for new cookies, and the
+            # per-source cap for whoever opens a session.
+            if verdict is None and self.session_count >= self.config.max_sessions:
                 self._drop("session-limit")
                 return
-            if self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip:
+            if (
+                verdict is not _Verdict.RESTART
+                and self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip
+            ):
                 self._drop("source-limit")
                 return
-            self._serial += 1
-            session = _Session(SessionId(p.cookie, self._serial), ip, now)
-            self._sessions[p.cookie] = session
-            self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
-            self._schedule(session, now + self.config.session_timeout)
+            session = self._open(p.cookie, ip, now)
             for echo, echo_addr, echo_endpoint in replayed:
                 self._record_init(session, echo, echo_addr, echo_endpoint)
         if not self._record_init(session, p, addr, endpoint):
+            # A replayed echo took the slot, but this INIT is from another client.
             self._drop("third-client")
             return
-        # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
-        # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
-        # Built from the INIT's bytes directly: this is the hottest reply.
-        self._outbox.append(
-            (
-                data[:7]
-                + b"\x01"
-                + data[8:15]
-                + ip_to_bytes(ip)
-                + addr[1].to_bytes(2, "big"),
-                addr,
-                endpoint,
-            )
-        )
-        if session.state is _State.FAILING and session.codes[p.client_index] is None:
-            # Joined after the session gave up on it: its partner is gone.
-            session.codes[p.client_index] = Finished.DEADBEAT_PARTNER
+        self._ack_init(data, addr, endpoint)
         client = session.clients[p.client_index]
         assert client is not None
         if (
@@ -800,10 +876,70 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 if first.complete() and second.complete():
                     self._both_complete(session, now)
 
+    def _ack_init(self, data: bytes, addr: Address, endpoint: Endpoint) -> None:
+        # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
+        # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
+        # Built from the INIT's bytes directly: this is the hottest reply.
+        self._outbox.append(
+            (
+                data[:7]
+                + b"\x01"
+                + data[8:15]
+                + ip_to_bytes(addr[0])
+                + addr[1].to_bytes(2, "big"),
+                addr,
+                endpoint,
+            )
+        )
+
+    def _classify(self, session: _Session, p: Init, addr: Address) -> _Verdict:
+        """What an INIT is to the session holding its cookie (see "Restarts").
+
+        A client sends each port type from one socket (GP from the game socket,
+        NN1-3 from one negotiate socket, ref §3.1) to one server address, so the
+        same client's INIT of a port type from another address comes from a new
+        socket: a new attempt. The SDK never resends an ACKed INIT and stops
+        sending INITs once it accepts a CONNECT (ref §6), so nothing else explains
+        it but a late, reordered duplicate of a replaced attempt, which
+        :meth:`_late_duplicate` recognises by its address.
+        """
+        client = session.clients[p.client_index]
+        if client is not None and client.knows(p.port_type, addr):
+            return _Verdict.DUPLICATE
+        concluded = session.state in _CONCLUDED
+        if client is None:
+            return _Verdict.TAKEOVER if concluded else _Verdict.JOIN
+        if not client.is_same(p, addr[0]):
+            return _Verdict.TAKEOVER if concluded else _Verdict.THIRD
+        if p.port_type not in client.mappings:
+            if session.state in _BEFORE_CONNECT:
+                return _Verdict.JOIN
+            if client.owns(addr):
+                # A late INIT from a socket this attempt already used (NN3 after
+                # NN1 through a cone NAT): the same attempt, not a new one.
+                return _Verdict.DUPLICATE
+        return _Verdict.RESTART
+
+    def _late_duplicate(self, p: Init, addr: Address, verdict: _Verdict | None) -> bool:
+        """Is this INIT a repeat of the replaced session still lingering on the
+        cookie, rather than news for the current one?
+
+        Its negotiate socket is gone with its attempt, so an NN INIT from there is
+        a late duplicate whatever the current session would make of it. A game
+        socket may be kept across attempts, so a GP INIT from there counts for the
+        current session unless that would restart a client or be refused.
+        """
+        previous = self._lingering.get(p.cookie)
+        if previous is None or not previous.knows(p, addr):
+            return False
+        if p.port_type != PortType.GP:
+            return verdict is not _Verdict.DUPLICATE
+        return verdict in (_Verdict.RESTART, _Verdict.THIRD)
+
     def _record_init(
         self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
     ) -> bool:
-        """Note the mapping an INIT shows; False if it is from a third client."""
+        """Note the mapping an INIT shows; False if its slot holds another client."""
         ip = addr[0]
         client = session.clients[p.client_index]
         if client is None:
@@ -811,39 +947,70 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             session.clients[p.client_index] = client
         elif not client.is_same(p, ip):
             return False
-        if p.port_type not in client.mappings:
+        mapping = client.mappings.get(p.port_type)
+        if mapping is None:
             client.mappings[p.port_type] = (addr, endpoint)
+        elif mapping[0] == addr:
+            # A repeat. Of the game socket: kept aside in case NN INITs from a new
+            # negotiate socket follow (an attempt on the kept game socket). Of the
+            # negotiate socket: that attempt is still the live one.
+            client.gp_echo = (p, addr, endpoint) if p.port_type == PortType.GP else None
         if p.port_type >= PortType.NN2 and p.local_port:
             # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
             client.local_port = p.local_port
         return True
 
-    def _restarted(
-        self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
-    ) -> bool:
-        """Is this INIT, arriving after CONNECTs went out, a new negotiation?
+    def _open(self, cookie: int, owner_ip: str, now: float) -> _Session:
+        """A new session on ``cookie`` with a fresh serial and its own deadline."""
+        self._serial += 1
+        session = _Session(SessionId(cookie, self._serial), owner_ip, now)
+        self._sessions[cookie] = session
+        self._per_ip[owner_ip] = self._per_ip.get(owner_ip, 0) + 1
+        self._schedule(session, now + self.config.session_timeout)
+        return session
 
-        A client stops sending INITs once it accepts a CONNECT (ref §6 step 3), so
-        an INIT now is either a late duplicate (reordered, or resent before the
-        CONNECT arrived) or the first INIT of a new negotiation on the same cookie.
-        The SDK opens a new negotiate socket per negotiation (ref §6 "Sockets"), so
-        an NN INIT from an address the session has not seen for that port type is
-        a new negotiation. The game socket is kept across negotiations, so a GP
-        INIT from a known address proves nothing: it is answered as a duplicate and
-        kept, and replayed into the new session if an NN INIT then shows a restart
-        (the SDK sends GP first and never resends an acked INIT).
+    def _renew(self, session: _Session, p: Init, now: float) -> _Session:
+        """A client restarted before any CONNECT: it replaces its own record.
+
+        Its partner's record moves to a new session unchanged (a client that has
+        its INITs ACKed sends none again, ref §6, so the partner's record is the
+        only one there will be). The restarting client starts empty but for a GP
+        INIT that repeated its game socket just before (a kept game socket); the
+        new session gets the full ``session_timeout`` from now.
         """
-        known = session.clients[p.client_index]
-        mapping = known.mappings.get(p.port_type) if known is not None else None
-        if mapping is not None and mapping[0] == addr:
-            if p.port_type == PortType.GP:
-                session.game_port_echoes[p.client_index] = (p, addr, endpoint)
-            return False
-        if known is None:
-            # A partner arriving after CONNECT: in FAILING it is told its partner
-            # is gone (see _on_init); once the session is DONE it starts afresh.
-            return session.state is _State.DONE
-        return known.is_same(p, addr[0])
+        index = p.client_index
+        old = session.clients[index]
+        assert old is not None
+        partner = session.clients[1 - index]
+        session.clients[1 - index] = None
+        self._retire(session, now, restarted=True)
+        renewed = self._open(session.cookie, session.owner_ip, now)
+        renewed.clients[1 - index] = partner
+        if old.gp_echo is not None and p.port_type != PortType.GP:
+            self._record_init(renewed, *old.gp_echo)
+        return renewed
+
+    def _retire(self, session: _Session, now: float, *, restarted: bool) -> None:
+        """Take ``session`` off its cookie for a newer one; it lingers aside.
+
+        ``restarted``: its own clients started over, so it is closed now (its
+        relay pair will not be used) and kept only as an address book for late
+        duplicates until ``linger`` ends. Otherwise (another pair on a concluded
+        session's cookie) it runs its remaining deadlines (error CONNECTs, linger)
+        and ends as usual: its clients may be playing through its relay pair.
+        """
+        del self._sessions[session.cookie]
+        older = self._lingering.pop(session.cookie, None)
+        if older is not None:
+            self._delete(older, now)
+        self._lingering[session.cookie] = session
+        if not restarted:
+            return
+        if session.state is not _State.DONE:
+            self._conclude(session, Outcome.RESTARTED, now)
+            session.state = _State.DONE
+            self._schedule(session, now + self.config.linger)
+        self._close(session, replaced=True)
 
     # ------------------------------------------------------------ CONNECT timing
 
@@ -1046,19 +1213,44 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             for addr, endpoint in client.mappings.values():
                 self._outbox.append((wire, addr, endpoint))
 
+    def _session_of(self, cookie: int, index: int, addr: Address) -> _Session | None:
+        """The session whose client ``index`` has ``addr`` among its mappings:
+        the current one on the cookie, else the one lingering beside it.
+
+        CONNECT_ACK and REPORT come from the negotiate socket (ref §3.2, §3.4),
+        along the mapping of an INIT to the same server address, so a late packet
+        of a replaced attempt is told from the live one by its address, not its IP.
+        """
+        for session in (self._sessions.get(cookie), self._lingering.get(cookie)):
+            if session is None:
+                continue
+            client = session.clients[index]
+            if client is not None and client.owns(addr):
+                return session
+        return None
+
     def _on_connect_ack(self, p: ConnectAck, addr: Address, now: float) -> None:
         # Only the cookie and byte 13 are set by the SDK; the rest is stack garbage.
-        session = self._sessions.get(p.cookie)
-        if session is None:
-            self._drop("unknown-cookie")
-            return
         if p.client_index > 1:
             self._drop("bad-client-index")
             return
-        client = session.clients[p.client_index]
-        if client is None or client.public_ip != addr[0]:
-            self._drop("bad-source")
+        session = self._session_of(p.cookie, p.client_index, addr)
+        if session is None:
+            current = self._sessions.get(p.cookie) or self._lingering.get(p.cookie)
+            if current is None:
+                self._drop("unknown-cookie")
+                return
+            client = current.clients[p.client_index]
+            # From the client's IP but none of its sockets: an ACK of an earlier
+            # attempt on the cookie (it must not stop this one's CONNECTs).
+            self._drop(
+                "stale-connect-ack"
+                if client is not None and client.public_ip == addr[0]
+                else "bad-source"
+            )
             return
+        client = session.clients[p.client_index]
+        assert client is not None
         if session.state is not _State.CONNECTING:
             if session.state is not _State.DONE:
                 # No CONNECT of this session was sent yet (or only error CONNECTs,
@@ -1142,24 +1334,34 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 session.state = _State.DONE
                 self._schedule(session, now + self.config.linger)
         else:
-            self._delete(session, now, replaced=False)
+            self._delete(session, now)
 
-    def _delete(self, session: _Session, now: float, *, replaced: bool) -> None:
+    def _delete(self, session: _Session, now: float) -> None:
         # CONNECTs acknowledged but no REPORT: a v1/v2 client (they never report)
-        # or a lost REPORT. Replaced before that: the clients started over.
+        # or a lost REPORT.
         self._conclude(
             session,
             Outcome.UNREPORTED if session.state is _State.DONE else Outcome.RESTARTED,
             now,
         )
-        del self._sessions[session.cookie]
+        cookie = session.cookie
+        if self._sessions.get(cookie) is session:
+            del self._sessions[cookie]
+        elif self._lingering.get(cookie) is session:
+            del self._lingering[cookie]
         session.timer = 0  # its heap entry, if any, is now stale
-        self._events.append(SessionClosed(session.id, replaced))
+        self._close(session, replaced=False)
         count = self._per_ip.get(session.owner_ip, 0) - 1
         if count > 0:
             self._per_ip[session.owner_ip] = count
         else:
             self._per_ip.pop(session.owner_ip, None)
+
+    def _close(self, session: _Session, *, replaced: bool) -> None:
+        """Emit the session's one :class:`SessionClosed`."""
+        if not session.closed:
+            session.closed = True
+            self._events.append(SessionClosed(session.id, replaced))
 
     # ------------------------------------------------------------ stateless
 
@@ -1185,27 +1387,31 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         if nat_type is not None and nat_type < NatType.UNKNOWN:
             self._nat_history.put(ip, (nat_type, now + self.config.history_ttl))
             self._housekeeping_timer.arm(now)
-        session = self._sessions.get(p.cookie)
+        session = (
+            self._session_of(p.cookie, p.client_index, addr)
+            if p.client_index <= 1
+            else None
+        )
         if (
             session is not None
             and session.targets
             and session.state in (_State.CONNECTING, _State.DONE)
         ):
             # A REPORT is the only word on whether the clients reached each other;
-            # it counts only for a session that sent them a peer address.
+            # it counts only for a session that sent them a peer address, and
+            # only from a socket of its own clients.
             a, b = session.clients
             assert a is not None and b is not None
-            if ip in (a.public_ip, b.public_ip):
-                success = bool(p.neg_result)
-                self._conclude(
-                    session, Outcome.CONNECTED if success else Outcome.FAILED, now
+            success = bool(p.neg_result)
+            self._conclude(
+                session, Outcome.CONNECTED if success else Outcome.FAILED, now
+            )
+            if not success and a.public_ip != b.public_ip:
+                self._failed_pairs.put(
+                    _pair(a.public_ip, b.public_ip),
+                    now + self.config.history_ttl,
                 )
-                if not success and a.public_ip != b.public_ip:
-                    self._failed_pairs.put(
-                        _pair(a.public_ip, b.public_ip),
-                        now + self.config.history_ttl,
-                    )
-                    self._housekeeping_timer.arm(now)
+                self._housekeeping_timer.arm(now)
         self._events.append(
             ReportReceived(
                 p.cookie, p.client_index, bool(p.neg_result), nat_type, p.game_name
@@ -1300,6 +1506,28 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self._send(
             PreinitAck(p.version, p.cookie, p.client_index, state, 0), addr, endpoint
         )
+
+
+def _echoes(
+    session: _Session, p: Init, ip: str
+) -> list[tuple[Init, Address, Endpoint]]:
+    """The GP INITs of ``session`` to count in the session ``p`` starts.
+
+    A game socket kept across attempts repeats its known mapping, and comes first
+    (ref §3.1); the client will not send it again once ACKed. Not replayed: the
+    echo of ``p``'s own slot when ``p`` is itself a GP INIT (it shows the game
+    socket changed) or is from another client (a new pair on the cookie).
+    """
+    replayed = []
+    for index, client in enumerate(session.clients):
+        if client is None or client.gp_echo is None:
+            continue
+        if index == p.client_index and (
+            p.port_type == PortType.GP or not client.is_same(p, ip)
+        ):
+            continue
+        replayed.append(client.gp_echo)
+    return replayed
 
 
 def _pair(a: str, b: str) -> tuple[str, str]:
