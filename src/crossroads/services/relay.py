@@ -336,6 +336,9 @@ class RelayNode:
 
     def _enqueue(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, AllocationBound) and self.dtls is not None:
+                # A BIND over DTLS ends the session's pre-auth state.
+                self.dtls.bound(event.address)
             if isinstance(event, BindRejected):
                 # Logged here, not queued: a flood of bad BINDs must not push
                 # the events that update the store out of the bounded queue.
@@ -837,7 +840,14 @@ async def serve(ctx: ServiceContext) -> Service:
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
         node.websockets, node.ws_servers = ws[0], ws[1]
         if dtls_sock is not None:
-            node.dtls = RelayDtls(endpoint, dtls_sock)
+            node.dtls = RelayDtls(endpoint, dtls_sock, ctx.resources)
+            ctx.resources.listen(
+                "relay",
+                "relay-dtls",
+                "udp",
+                bound_address(dtls_sock),
+                "dtls-sessions:relay",
+            )
         node.start()
         try:
             await node.register()
