@@ -14,18 +14,17 @@ import pytest
 from OpenSSL import SSL
 
 from crossroads.proto.reflection import ReflectionBudget
+from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.dtls import (
     DtlsClient,
     DtlsListener,
+    DtlsTables,
     client_context,
     dtls_connect,
+    dtls_tables,
     open_dtls_listener,
 )
-from crossroads.transport.tls import (
-    Certificates,
-    HandshakeLimits,
-    development_certificate,
-)
+from crossroads.transport.tls import Certificates, development_certificate
 from tests.conftest import eventually
 
 
@@ -50,15 +49,23 @@ class EchoServer:
 MakeServer = Callable[..., Awaitable[EchoServer]]
 
 
+def echo_tables(**limits: float) -> DtlsTables:
+    """The DTLS tables of a test listener in a budget of its own (descriptors
+    and memory plenty); ``limits`` are :func:`dtls_tables`' keywords."""
+    budget = ResourceBudget(fd_limit=65_536, memory=1 << 30)
+    return dtls_tables(budget, "test", **limits)  # type: ignore[arg-type]
+
+
 @pytest.fixture(name="make_dtls_server")
 async def make_dtls_server_fixture(tmp_path: Path) -> AsyncIterator[MakeServer]:
-    """``make(certificates=None, limits=None, **listener_options)``; without
-    certificates, a development one in ``tmp_path / "dev"``."""
+    """``make(certificates=None, tables=None, **listener_options)``; without
+    certificates, a development one in ``tmp_path / "dev"``; without tables,
+    :func:`echo_tables`' defaults."""
     servers: list[EchoServer] = []
 
     async def make(
         certificates: Certificates | None = None,
-        limits: HandshakeLimits | None = None,
+        tables: DtlsTables | None = None,
         **options: Any,
     ) -> EchoServer:
         if certificates is None:
@@ -76,7 +83,7 @@ async def make_dtls_server_fixture(tmp_path: Path) -> AsyncIterator[MakeServer]:
         listener = DtlsListener(
             certificates,
             echo,
-            limits or HandshakeLimits(),
+            tables or echo_tables(),
             drop,
             ReflectionBudget(),
             **options,

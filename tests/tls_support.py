@@ -18,11 +18,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.tls import (
     Certificates,
-    HandshakeLimits,
     TlsAcceptor,
+    TlsTables,
     development_certificate,
+    tls_tables,
 )
 from tests.conftest import eventually
 
@@ -45,10 +47,25 @@ class Echo(asyncio.Protocol):
         self.transport.write(data)
 
 
+def echo_tables(**limits: float) -> TlsTables:
+    """The TLS tables of a test listener in a budget of its own (descriptors
+    and memory plenty): ``handshake_timeout``, ``max_handshakes``,
+    ``max_handshakes_per_source``, ``max_connections``, ``max_per_source``."""
+    budget = ResourceBudget(fd_limit=65_536, memory=1 << 30)
+    return tls_tables(
+        budget,
+        "test",
+        listener=None,
+        max_connections=int(limits.pop("max_connections", 10_000)),
+        max_per_source=int(limits.pop("max_per_source", 128)),
+        **limits,  # type: ignore[arg-type]
+    )
+
+
 class Server:
-    def __init__(self, certificates: Certificates, limits: HandshakeLimits) -> None:
+    def __init__(self, certificates: Certificates, tables: TlsTables) -> None:
         self.certificates = certificates
-        self.limits = limits
+        self.tables = tables
         self.drops: Counter[str] = Counter()
         self.server: asyncio.Server | None = None
         self.port = 0
@@ -60,7 +77,7 @@ class Server:
         """Wait until one handshake was dropped for ``reason`` and its slot freed."""
 
         async def check() -> bool:
-            return self.drops[reason] == 1 and self.limits.pending == 0
+            return self.drops[reason] == 1 and self.tables.handshakes.live == 0
 
         await eventually(check, f"one {reason} counted")
 
@@ -68,7 +85,7 @@ class Server:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(
             lambda: TlsAcceptor(
-                self.certificates.context, Echo, self.limits, self.drop
+                self.certificates.context, Echo, self.tables, self.drop
             ),
             "127.0.0.1",
             0,
@@ -82,13 +99,14 @@ MakeServer = Callable[..., Awaitable[Server]]
 @pytest.fixture(name="make_server")
 async def make_server_fixture(tmp_path: Path) -> AsyncIterator[MakeServer]:
     """A TLS echo server behind a TlsAcceptor: ``make(certificates=None,
-    **limits)``; without certificates, a development one in ``tmp_path``."""
+    **limits)`` (limits: :func:`echo_tables`); without certificates, a
+    development one in ``tmp_path``."""
     servers: list[Server] = []
 
     async def make(certificates: Certificates | None = None, **limits: float) -> Server:
         if certificates is None:
             certificates = Certificates(*development_certificate(tmp_path / "dev"))
-        server = Server(certificates, HandshakeLimits(**limits))  # type: ignore[arg-type]
+        server = Server(certificates, echo_tables(**limits))
         await server.start()
         servers.append(server)
         return server

@@ -37,7 +37,12 @@ from crossroads.transport.sockets import (
     live_listeners,
     make_tcp_listener,
 )
-from crossroads.transport.tls import Certificates, TlsAcceptor, certificates_for
+from crossroads.transport.tls import (
+    Certificates,
+    TlsAcceptor,
+    certificates_for,
+    tls_tables,
+)
 from crossroads.transport.tls_sort import ALPN, Application, TlsSorter
 from crossroads.types import Address, show_address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
@@ -157,24 +162,37 @@ async def _listen_https(
     turn = ctx.https_port_guest
     context = certificates.context
     protocol: Callable[[], asyncio.Protocol] = http_protocol
+    # Its own handshake and TLS connection tables (a flood of another TLS
+    # port leaves its handshakes alone); the descriptor is the HTTP port's.
+    tables = tls_tables(
+        runtime.resources,
+        "https",
+        listener=guard.admission,
+        max_connections=core.http_max_connections,
+        max_per_source=core.http_max_connections_per_ip,
+        trusted=guard.is_trusted_proxy,
+    )
     if turn is not None:
         context = certificates.context_with_alpn(list(ALPN))
         factories = {
             Application.TURN: turn.tls_protocol_factory(),
             Application.HTTP: http_protocol,
         }
-        protocol = functools.partial(TlsSorter, factories, drop)
+        protocol = functools.partial(
+            TlsSorter, factories, drop, admission=guard.admission
+        )
         turn.add_tls_address(address)
     try:
         server = await asyncio.get_running_loop().create_server(
-            functools.partial(TlsAcceptor, context, protocol, ctx.tls_limits, drop),
+            functools.partial(TlsAcceptor, context, protocol, tables, drop),
             sock=sock,
         )
     except BaseException:
         sock.close()
+        tables.forget()
         raise
     runtime.https_address = address
-    runtime.resources.listen("http", "https", "tcp", address, "http")
+    runtime.resources.listen("http", "https", "tcp", address, tables.handshakes.name)
     return server
 
 

@@ -16,7 +16,6 @@ from crossroads.proto.dtls_cookie import RECORD_HEADER_SIZE, parse_client_hello
 from crossroads.transport.tls import (
     DEV_CERT_LIFETIME,
     Certificates,
-    HandshakeLimits,
     development_certificate,
 )
 from tests.conftest import eventually
@@ -24,6 +23,7 @@ from tests.dtls_support import (  # noqa: F401 (fixture)
     MakeServer,
     connect,
     echo,
+    echo_tables,
     flight,
     make_dtls_server_fixture,
     memory_client,
@@ -62,8 +62,8 @@ async def test_a_client_hello_flood_gets_only_small_hello_verify_requests(
             sock.close()
     listener = server.listener
     assert listener.hello_verify_requests == 500
-    assert listener.sessions == {} and listener.sessions_by_ip == {}
-    assert listener.limits.pending == 0 and listener.handshakes == 0
+    assert listener.sessions == {} and listener.tables.sessions.live == 0
+    assert listener.tables.handshakes.live == 0 and listener.handshakes == 0
 
 
 async def test_forged_cookies_are_counted_and_challenged_again(
@@ -160,7 +160,7 @@ async def test_slow_handshakes_are_cut_and_counted(
 ) -> None:
     """A client that proves its address and then stops is cut at the handshake
     deadline; its slot is freed."""
-    server = await make_dtls_server(limits=HandshakeLimits(handshake_timeout=0.5))
+    server = await make_dtls_server(tables=echo_tables(handshake_timeout=0.5))
     client = memory_client()
     sock = raw_socket()
     try:
@@ -176,14 +176,15 @@ async def test_slow_handshakes_are_cut_and_counted(
         await server.counted("dtls-handshake-timeout")
     finally:
         sock.close()
-    assert server.listener.sessions == {} and server.listener.limits.pending == 0
+    assert server.listener.sessions == {}
+    assert server.listener.tables.handshakes.live == 0
 
 
 async def test_session_and_handshake_caps_hold(
     make_dtls_server: MakeServer, tmp_path: Path
 ) -> None:
     cafile = tmp_path / "dev" / "dev-cert.pem"
-    server = await make_dtls_server(max_sessions_per_ip=2)
+    server = await make_dtls_server(tables=echo_tables(max_sessions_per_source=2))
     clients = [await connect(server.port, cafile) for _ in range(2)]
     try:
         try:
@@ -199,8 +200,8 @@ async def test_session_and_handshake_caps_hold(
     finally:
         for client, _ in clients:
             client.close()
-    # Handshakes in progress per IP (the TLS limits, shared).
-    limited = await make_dtls_server(limits=HandshakeLimits(max_handshakes_per_ip=1))
+    # Handshakes in progress per IP.
+    limited = await make_dtls_server(tables=echo_tables(max_handshakes_per_source=1))
     first, second = memory_client(), memory_client()
     socks = [raw_socket(), raw_socket()]
     try:

@@ -29,6 +29,7 @@ from tests.e2e.relay_support import (
     base_url,
     endpoint_address,
     metric,
+    raw_bind,
     relay_runtime,
 )
 from tests.proto.dtls.support import CLIENT, Wire, make_client, make_server
@@ -241,3 +242,41 @@ def test_client_hellos_from_one_source_are_rate_limited() -> None:
     server.receive_datagram(hello, ("198.51.100.8", 2000), 0.0)
     server.receive_datagram(hello, ("198.51.100.7", 2000), 1.0)
     assert len(server.datagrams_to_send(1.0)) == 2
+
+
+async def test_a_session_that_does_not_bind_ends_and_one_that_binds_stays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A completed handshake proves the client was given a key, but only a
+    BIND makes the session worth keeping: a silent session ends (close_notify)
+    at the first-message deadline (1 s here instead of 10), counted in
+    dtls-sessions:relay; one that bound stays past it."""
+    monkeypatch.setattr("crossroads.services.relay_dtls.FIRST_MESSAGE_TIMEOUT", 1.0)
+    async with relay_runtime() as rt, api(rt) as http:
+        silent_alloc, bound_alloc = await allocate(http, 1), await allocate(http, 1)
+        server = endpoint_address(silent_alloc, "dtls")
+        peers = [
+            DtlsPeer(
+                server,
+                base64.b64decode(alloc["allocationIdBytes"]),
+                base64.b64decode(alloc["key"]),
+            )
+            for alloc in (silent_alloc, bound_alloc)
+        ]
+        silent, bound = peers
+        try:
+            for peer in peers:
+                assert isinstance(await peer.handshake(), Established)
+            bound.send(raw_bind(bound_alloc, nonce=0))
+            assert (await bound.recv())[:4] == b"\xda\x72\x00\x01"  # BIND_RECEIVED
+            assert await silent.closed(timeout=5.0)
+            await bound.pump(1.5)
+            assert bound.established
+            page = await metrics(rt)
+            assert metric(page, "crossroads_relay_dtls_sessions") == 1
+            row = rt.resources.admissions["dtls-sessions:relay"].row()
+            assert row["closed"] == {"first-message-timeout": 1}
+            assert row["live"] == 1 and row["preauth_deadline"] == 1.0
+        finally:
+            for peer in peers:
+                peer.close()

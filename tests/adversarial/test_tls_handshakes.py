@@ -54,36 +54,48 @@ async def test_garbage_and_truncated_records_fail_and_are_counted(
 
 
 @pytest.mark.parametrize(
-    ("limits", "reason"),
+    ("limits", "sources", "reason"),
     [
-        ({"max_handshakes_per_ip": 3}, "tls-handshake-ip-limit"),
-        ({"max_handshakes": 3}, "tls-handshake-limit"),
+        ({"max_handshakes_per_source": 3}, ["127.0.0.1"] * 4, "tls-handshake-ip-limit"),
+        (
+            {"max_handshakes": 3},
+            ["127.0.7.1", "127.0.7.2", "127.0.7.3", "127.0.7.4"],
+            "tls-handshake-limit",
+        ),
     ],
     ids=["per-ip", "global"],
 )
 async def test_handshake_floods_are_capped(
-    make_server: MakeServer, limits: dict[str, int], reason: str
+    make_server: MakeServer, limits: dict[str, int], sources: list[str], reason: str
 ) -> None:
     """Three silent clients hold every slot; the fourth connection is closed
-    at accept and counted; the slots come back when the three leave."""
+    at accept and counted; the slots come back when the three leave. (A
+    source may hold an eighth of the table at most: the global cap of 3 is
+    filled from three sources.)"""
     server = await make_server(handshake_timeout=30, **limits)
-    idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+    idle = [
+        await asyncio.open_connection("127.0.0.1", server.port, local_addr=(s, 0))
+        for s in sources[:3]
+    ]
+    handshakes = server.tables.handshakes
 
     async def admitted() -> bool:
-        return server.limits.pending == 3
+        return handshakes.live == 3
 
     await eventually(admitted, "three handshakes pending")
-    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", server.port, local_addr=(sources[3], 0)
+    )
     with contextlib.suppress(ConnectionResetError):  # aborted: EOF or RST
         assert await asyncio.wait_for(reader.read(), 10) == b""
     assert server.drops[reason] == 1
-    assert server.limits.pending == 3
+    assert handshakes.live == 3
     for _, w in idle:
         w.close()
     writer.close()
 
     async def released() -> bool:
-        return server.limits.pending == 0 and not server.limits.pending_by_ip
+        return handshakes.live == 0 and not handshakes.per_source
 
     await eventually(released, "slots released when the clients left")
     _, good, _ = await echo_once(server.port, server.certificates.cert)

@@ -101,7 +101,8 @@ async def sessions_ended(runtime: Runtime) -> None:
         return not service.core.allocations and not listener.sessions
 
     await eventually(ended, "allocations and DTLS sessions ended")
-    assert listener.sessions_by_ip == {} and listener.limits.pending == 0
+    assert listener.tables.sessions.live == 0
+    assert listener.tables.handshakes.live == 0
 
 
 async def test_uclient_over_dtls_client_to_client(

@@ -31,7 +31,6 @@ from crossroads.transport.dtls import (
 )
 from crossroads.transport.tls import (
     Certificates,
-    HandshakeLimits,
     development_certificate,
 )
 from tests.dtls_support import (  # noqa: F401 (fixture)
@@ -39,6 +38,7 @@ from tests.dtls_support import (  # noqa: F401 (fixture)
     MakeServer,
     connect,
     echo,
+    echo_tables,
     make_dtls_server_fixture,
 )
 
@@ -136,7 +136,7 @@ async def test_ipv6(tmp_path: Path) -> None:
     listener = DtlsListener(
         certificates,
         deliver,
-        HandshakeLimits(),
+        echo_tables(),
         lambda reason: None,
         ReflectionBudget(),
     )

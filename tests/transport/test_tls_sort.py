@@ -12,12 +12,12 @@ from crossroads.proto.stun.constants import Method
 from crossroads.proto.stun.message import encode, request
 from crossroads.transport.tls import (
     Certificates,
-    HandshakeLimits,
     TlsAcceptor,
     development_certificate,
 )
 from crossroads.transport.tls_sort import ALPN, Application, TlsSorter, classify
 from tests.conftest import eventually
+from tests.tls_support import echo_tables
 
 #: RFC 9110 §9.3 and RFC 5789: every request method a client may start with.
 HTTP_METHODS = [
@@ -83,7 +83,7 @@ async def test_sorting_and_a_silent_client(tmp_path: Path) -> None:
         lambda: TlsAcceptor(
             context,
             lambda: TlsSorter(factories, count, timeout=0.3),
-            HandshakeLimits(),
+            echo_tables(),
             count,
         ),
         "127.0.0.1",

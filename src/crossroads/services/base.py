@@ -29,7 +29,7 @@ from crossroads.store.base import Store
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tasks import cancel_until_done
-from crossroads.transport.tls import Certificates, HandshakeLimits
+from crossroads.transport.tls import Certificates
 from crossroads.types import Address, IPAddress, frozen
 from crossroads.types import show_address as show_address  # re-exported
 
@@ -132,8 +132,6 @@ class ServiceContext:
     #: The server certificate of the TLS listeners, None when TLS is off
     #: (see :func:`crossroads.transport.tls.certificates_for`).
     certificates: Certificates | None = None
-    #: Bounds on TLS handshakes in progress, shared by every TLS listener.
-    tls_limits: HandshakeLimits = field(default_factory=HandshakeLimits)
     _own_addresses: frozenset[IPAddress] | None = field(
         default=None, init=False, repr=False
     )

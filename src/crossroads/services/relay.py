@@ -94,7 +94,7 @@ from crossroads.transport.sockets import (
     make_tcp_listener,
     make_udp_socket,
 )
-from crossroads.transport.tls import TlsAcceptor
+from crossroads.transport.tls import TlsAcceptor, tls_tables
 from crossroads.types import frozen
 from crossroads.web.relay import ApiKeys, make_router
 
@@ -336,6 +336,9 @@ class RelayNode:
 
     def _enqueue(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, AllocationBound) and self.dtls is not None:
+                # A BIND over DTLS ends the session's pre-auth state.
+                self.dtls.bound(event.address)
             if isinstance(event, BindRejected):
                 # Logged here, not queued: a flood of bad BINDs must not push
                 # the events that update the store out of the bounded queue.
@@ -728,23 +731,28 @@ async def listen_websockets(
         log.warning("relay: no certificate (--tls-cert), so no wss endpoint")
     try:
         for name, port in wanted:
-            listener = WebSocketListener(
-                endpoint,
-                ctx.resources.listener(
-                    f"relay-{name}",
-                    cfg.ws_max_connections,
-                    cfg.ws_max_connections_per_ip,
-                ),
-                cfg.idle_timeout,
+            admission = ctx.resources.listener(
+                f"relay-{name}",
+                cfg.ws_max_connections,
+                cfg.ws_max_connections_per_ip,
             )
+            listener = WebSocketListener(endpoint, admission, cfg.idle_timeout)
             sock = make_tcp_listener(ctx.host, port)
             factory: Callable[[], asyncio.BaseProtocol] = listener.connection
             if name == "wss" and certificates is not None:
+                # Its own TLS tables; the descriptor is the wss listener's.
+                tables = tls_tables(
+                    ctx.resources,
+                    "relay-wss",
+                    listener=admission,
+                    max_connections=cfg.ws_max_connections,
+                    max_per_source=cfg.ws_max_connections_per_ip,
+                )
                 factory = functools.partial(
                     TlsAcceptor,
                     certificates.context,
                     listener.connection,
-                    ctx.tls_limits,
+                    tables,
                     listener.drop,
                 )
             server = await loop.create_server(factory, sock=sock)
@@ -756,6 +764,8 @@ async def listen_websockets(
             server.close()
         for name in listeners:
             ctx.resources.forget(f"relay-{name}")
+        ctx.resources.forget("tls-handshakes:relay-wss")
+        ctx.resources.forget("tls-connections:relay-wss")
         raise
     return listeners, servers, ports
 
@@ -830,7 +840,14 @@ async def serve(ctx: ServiceContext) -> Service:
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
         node.websockets, node.ws_servers = ws[0], ws[1]
         if dtls_sock is not None:
-            node.dtls = RelayDtls(endpoint, dtls_sock)
+            node.dtls = RelayDtls(endpoint, dtls_sock, ctx.resources)
+            ctx.resources.listen(
+                "relay",
+                "relay-dtls",
+                "udp",
+                bound_address(dtls_sock),
+                "dtls-sessions:relay",
+            )
         node.start()
         try:
             await node.register()

@@ -83,7 +83,7 @@ from crossroads.transport.pktinfo import (
 )
 from crossroads.transport.sockets import bind_socket, family_of
 from crossroads.transport.tasks import cancel_and_wait
-from crossroads.transport.tls import HandshakeLimits, TlsAcceptor
+from crossroads.transport.tls import TlsAcceptor, TlsTables, tls_tables
 from crossroads.types import Address, frozen
 
 NAME = "stun"
@@ -742,6 +742,8 @@ class StunService:
         )
         #: Where STUN/TURN over TLS listens (see :meth:`listen_tls`).
         self.tls_addresses: list[Address] = []
+        #: The TLS tables of its own TLS listener (None until it listens).
+        self.tls_tables: TlsTables | None = None
         #: The attached TURN hooks, if any (see :meth:`attach_turn`).
         self.turn: TurnHooks | None = None
         self._descriptions: list[str] = []
@@ -909,18 +911,28 @@ class StunService:
         self.tls_addresses.append(address)
         self._descriptions.append(f"tls {show_address(address)}")
 
-    async def listen_tls(
-        self, port: int, context: ssl.SSLContext, limits: HandshakeLimits
-    ) -> int:
+    async def listen_tls(self, port: int, context: ssl.SSLContext) -> int:
         """Serve STUN/TURN over TLS (RFC 8656 §3, RFC 7350) on ``port`` of
         ``--host`` (and ``::`` beside a ``0.0.0.0`` bind); return the port.
 
         A TLS connection is a :class:`TcpConnection` once its handshake is done
-        (bounded by ``limits``, failures counted as drops): same framing, same
+        (bounded by the listener's own TLS tables, ``tls-handshakes:turn`` and
+        ``tls-connections:turn``, failures counted as drops): same framing, same
         caps and idle timeout, TURN and RFC 6062 on it exactly as on TCP, and
-        its peer address is the real client's.
+        its peer address is the real client's. From accept on, it counts
+        against the TCP listener's connection caps.
         """
         loop = asyncio.get_running_loop()
+        cfg = self.config
+        if self.tls_tables is None:
+            self.tls_tables = tls_tables(
+                self.ctx.resources,
+                "turn",
+                listener=self.admission,
+                max_connections=cfg.tcp_max_connections,
+                max_per_source=cfg.tcp_max_connections_per_ip,
+            )
+        tables = self.tls_tables
         host = self.ctx.host
         binds = [(host, False)] + ([("::", True)] if host == "0.0.0.0" else [])
         for bind_host, v6only in binds:
@@ -945,12 +957,15 @@ class StunService:
             connection = self.tls_protocol_factory()
             server = await loop.create_server(
                 functools.partial(
-                    TlsAcceptor, context, connection, limits, self.stats.drop
+                    TlsAcceptor, context, connection, tables, self.stats.drop
                 ),
                 sock=sock,
             )
             group.tcp_servers.append(server)
             self.add_tls_address((bind_host, port))
+            self.ctx.resources.listen(
+                "turn", "turn-tls", "tcp", (bind_host, port), tables.handshakes.name
+            )
         return port
 
     async def _sweep_idle(self) -> None:
@@ -1006,6 +1021,8 @@ class StunService:
                     await asyncio.wait_for(server.wait_closed(), 2)
         unregister(self.ctx.metrics, self._collector)
         self.ctx.resources.forget("stun")
+        if self.tls_tables is not None:
+            self.tls_tables.forget()
 
 
 async def serve(ctx: ServiceContext) -> StunService:

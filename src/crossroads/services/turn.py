@@ -77,7 +77,8 @@ from crossroads.config import (
 from crossroads.errors import ConfigError
 from crossroads.metrics import counter_by, unregister
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
-from crossroads.proto.stun.message import PortTraffic, sort_traffic
+from crossroads.proto.stun.constants import HEADER_LENGTH
+from crossroads.proto.stun.message import PortTraffic, peek_header, sort_traffic
 from crossroads.proto.stun.server import BindingCore
 from crossroads.proto.turn.allocation import Allocation, FiveTuple, Listener
 from crossroads.proto.turn.auth import (
@@ -135,7 +136,13 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.driver import CoreTimer
-from crossroads.transport.dtls import DtlsCollector, DtlsListener, open_dtls_listener
+from crossroads.transport.dtls import (
+    DtlsCollector,
+    DtlsListener,
+    DtlsTables,
+    dtls_tables,
+    open_dtls_listener,
+)
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.reuseport import sibling_ports
 from crossroads.transport.sockets import listening_ports, set_buffers
@@ -897,6 +904,17 @@ class PeerSide(Pipe):
 # ------------------------------------------------------------------ service
 
 
+def is_stun_message(data: bytes) -> bool:
+    """A well-formed STUN message (RFC 8489 §5: header with the magic cookie,
+    length matching the datagram): what ends a DTLS session's pre-auth state."""
+    header = peek_header(data)
+    return (
+        header is not None
+        and header.magic
+        and header.length + HEADER_LENGTH == len(data)
+    )
+
+
 class TurnService:
     """The running TURN service (the STUN/TURN port's :class:`TurnHooks` and
     the core's ``RelayBinder``)."""
@@ -973,6 +991,9 @@ class TurnService:
         self._collector = _Collector(self)
         #: TURN over DTLS listeners (see :meth:`listen_dtls`).
         self.dtls_listeners: list[DtlsListener] = []
+        #: Their sessions and handshakes in the resource budget (one pair of
+        #: tables for the IPv4 and IPv6 listeners).
+        self.dtls_tables: DtlsTables | None = None
         self._dtls_collector = DtlsCollector(self.dtls_listeners)
         self._dtls_binding: BindingCore | None = None
         self._closed = False
@@ -1230,6 +1251,8 @@ class TurnService:
         self._restore_taps()
         for listener in self.dtls_listeners:
             listener.close()
+        if self.dtls_tables is not None:
+            self.dtls_tables.forget()
         unregister(self.ctx.metrics, self._dtls_collector)
         self.core.close()
         self._transmit()
@@ -1258,11 +1281,24 @@ class TurnService:
         Decrypted datagrams take the path of plain UDP ones (:meth:`handle_dtls`);
         the :class:`~crossroads.transport.dtls.DtlsListener` is the allocation's
         endpoint, so replies and relayed data are encrypted for the client's
-        session. Handshakes share the TLS handshake caps.
+        session. Its sessions and handshakes have their own tables
+        (``dtls-sessions:turn``, ``dtls-handshakes:turn``); a session must
+        send a well-formed STUN message within the TCP first-message deadline
+        (``--stun-tcp-message-timeout``) of its handshake, as a TCP or TLS
+        connection must.
         """
         host = self.ctx.host
         binds = [(host, False)] + ([("::", True)] if host == "0.0.0.0" else [])
         self._dtls_binding = self.stun.connection_binding_core(rate_limit=0)
+        stun_config = self.stun.config
+        if self.dtls_tables is None:
+            self.dtls_tables = dtls_tables(
+                self.ctx.resources,
+                "turn",
+                max_sessions_per_source=stun_config.tcp_max_connections_per_ip,
+                first_message_timeout=stun_config.tcp_message_timeout,
+            )
+        tables = self.dtls_tables
         for bind_host, v6only in binds:
             try:
                 listener = await open_dtls_listener(
@@ -1272,10 +1308,10 @@ class TurnService:
                     DtlsListener(
                         certificates,
                         self.handle_dtls,
-                        self.ctx.tls_limits,
+                        tables,
                         self.stun.stats.drop,
                         self.ctx.reflection_budget(),
-                        max_sessions_per_ip=self.stun.config.tcp_max_connections_per_ip,
+                        first_message=is_stun_message,
                     ),
                 )
             except OSError as exc:
@@ -1284,6 +1320,9 @@ class TurnService:
                 log.warning("TURN: no IPv6 DTLS listener on [::]: %s", exc)
                 continue
             self.dtls_listeners.append(listener)
+            self.ctx.resources.listen(
+                "turn", "turn-dtls", "udp", listener.local, tables.sessions.name
+            )
         self.ctx.metrics.register(self._dtls_collector)
 
     def handle_dtls(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
@@ -1749,9 +1788,7 @@ async def serve(ctx: ServiceContext) -> TurnService:
             raise
     elif ctx.certificates is not None:
         try:
-            port = await stun.listen_tls(
-                config.tls_port, ctx.certificates.context, ctx.tls_limits
-            )
+            port = await stun.listen_tls(config.tls_port, ctx.certificates.context)
             await service.listen_dtls(port, ctx.certificates)
         except BaseException:
             await service.close()

@@ -21,14 +21,22 @@ Theory of operation
    charged to the reflection budget) and **nothing is kept**: a ClientHello
    flood, spoofed or not, creates no state.
 2. A ClientHello with a valid cookie proves the client receives at its
-   address. Only then, within the caps (handshakes in progress: the TLS
-   :class:`~crossroads.transport.tls.HandshakeLimits`, shared with TLS; live
-   sessions: ``max_sessions`` and ``max_sessions_per_ip``), a session is made:
+   address. Only then, within the caps of the listener's own tables in the
+   process's resource budget (:class:`DtlsTables`: ``dtls-sessions:NAME``,
+   every session from its cookie to its end with its measured memory, and
+   ``dtls-handshakes:NAME``, the handshakes in progress; per-source caps an
+   eighth of the totals at most, the source an IPv4 address or IPv6 /64),
+   a session is made:
    OpenSSL's ``DTLSv1_listen`` re-checks the same cookie (our verify callback)
    and sets the handshake sequence numbers past the cookie exchange, then the
    handshake runs datagram by datagram. OpenSSL's retransmission timer
    (``DTLSv1_get_timeout``) is served by one periodic tick, and a handshake not
-   done within ``handshake_timeout`` is cut.
+   done within the handshake table's pre-auth deadline is cut.
+   A session whose handshake is done is still pre-auth state until its first
+   valid message (``first_message(data)``; TURN: a well-formed STUN message):
+   one that says nothing valid within the session table's pre-auth deadline
+   (seconds) is ended, so silent sessions cannot hold the table for the
+   idle timeout.
 3. A fresh ClientHello with a valid cookie from an address that has a session
    replaces it (RFC 6347 §4.2.8: a client that restarted; the old association
    goes only after the cookie round trip proved the new one). Renegotiation
@@ -48,6 +56,7 @@ Every refusal is counted through ``drop(reason)``: ``dtls-not-dtls``,
 answered with a new HelloVerifyRequest), ``dtls-reflection-budget``,
 ``dtls-handshake-limit``, ``dtls-handshake-ip-limit``, ``dtls-session-limit``,
 ``dtls-session-ip-limit``, ``dtls-handshake-timeout``,
+``dtls-first-message-timeout``,
 ``dtls-handshake-failed``, ``dtls-session-error``, ``dtls-idle-timeout``,
 ``dtls-send-no-session``, ``dtls-send-failed``.
 
@@ -79,7 +88,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.errors import DecodeError
-from crossroads.proto.budget import source_key
 from crossroads.proto.dtls_cookie import (
     CONTENT_ALERT,
     CONTENT_APPLICATION_DATA,
@@ -90,8 +98,20 @@ from crossroads.proto.dtls_cookie import (
     parse_client_hello,
 )
 from crossroads.proto.reflection import ReflectionBudget
+from crossroads.transport.admission import (
+    REFUSED_OVER_IP_LIMIT,
+    REFUSED_OVER_LIMIT,
+    Admission,
+    Pool,
+    ResourceBudget,
+)
 from crossroads.transport.sockets import bind_socket
-from crossroads.transport.tls import Certificates, HandshakeLimits
+from crossroads.transport.tls import (
+    HANDSHAKE_TIMEOUT,
+    MAX_HANDSHAKES,
+    MAX_HANDSHAKES_PER_SOURCE,
+    Certificates,
+)
 
 log = logging.getLogger("crossroads.dtls")
 
@@ -105,14 +125,31 @@ DTLS_1_2 = 0xFEFD
 #: to fit. 1200 bytes fits IPv6's minimum MTU (1280) less the IP/UDP headers
 #: with room for tunnels (the same choice as QUIC, RFC 9000 §14).
 HANDSHAKE_MTU = 1200
-#: Live sessions at once, process-wide. One established session costs ~80 KB
-#: of resident memory (OpenSSL connection and buffers, measured with pyOpenSSL
-#: 26 / OpenSSL 3.0): 4096 sessions cost ~320 MB at most.
+#: Live sessions at once on one listener, at most (the memory share of its
+#: table may allow fewer): 4096 x SESSION_BYTES is ~400 MB.
 MAX_SESSIONS = 4096
 #: Live sessions from one IPv4 address or IPv6 /64: the TURN service passes
 #: its TCP listener's per-IP cap (``--stun-tcp-max-connections-per-ip``, 128),
-#: as a DTLS session is what a TCP connection is to TURN over TLS.
+#: as a DTLS session is what a TCP connection is to TURN over TLS (the budget
+#: caps it at an eighth of the table's total anyway).
 MAX_SESSIONS_PER_IP = 128
+#: Resident memory of one established DTLS session (OpenSSL connection on
+#: memory BIOs, its buffers, the session object), with a margin: measured as
+#: RSS growth of a ``crossroads serve`` child over 240 sessions, 81 KB each
+#: (pyOpenSSL 26 / OpenSSL 3.0, P-256 certificate). A session whose
+#: handshake stalled after the cookie measured 66 KB.
+SESSION_BYTES = 96 * 1024
+#: A handshake in progress is counted on top of its session (which it is
+#: already): a nominal amount, so the handshake table has a memory share too.
+HANDSHAKE_BYTES = 16 * 1024
+#: Seconds an established session has to send its first valid message. A
+#: TURN client sends its Allocate (or a Binding) right after the handshake;
+#: the same 10 s a TCP or TLS client has for its first message
+#: (``--stun-tcp-message-timeout``).
+FIRST_MESSAGE_TIMEOUT = 10.0
+#: Seconds between checks of the sessions still waiting for a first message
+#: (its deadline is seconds: check every second).
+FIRST_MESSAGE_SWEEP = 1.0
 #: A session that receives nothing for this long ends. A TURN client must
 #: refresh its permissions every 300 s (RFC 8656 §9) or its relay stops, so
 #: 600 s of silence means the client is gone.
@@ -176,10 +213,93 @@ def pack_datagrams(records: list[bytes], mtu: int = HANDSHAKE_MTU) -> list[bytes
     return datagrams
 
 
+def _anything(data: bytes) -> bool:
+    return True
+
+
+@dataclass(eq=False)
+class DtlsTables:
+    """The tables of the process's resource budget a DTLS listener admits its
+    sessions to (module docstring): ``sessions`` from the cookie to the end
+    (memory, and the first-message deadline as its pre-auth deadline),
+    ``handshakes`` while the handshake runs (count and deadline)."""
+
+    handshakes: Admission
+    sessions: Admission
+
+    @property
+    def handshake_timeout(self) -> float:
+        return self.handshakes.preauth_deadline or HANDSHAKE_TIMEOUT
+
+    @property
+    def first_message_timeout(self) -> float:
+        return self.sessions.preauth_deadline or FIRST_MESSAGE_TIMEOUT
+
+    def forget(self) -> None:
+        """The listener stopped: its tables leave the budget."""
+        budget = self.handshakes.budget
+        budget.forget(self.handshakes.name)
+        budget.forget(self.sessions.name)
+
+
+def dtls_tables(
+    budget: ResourceBudget,
+    name: str,
+    *,
+    max_sessions: int = MAX_SESSIONS,
+    max_sessions_per_source: int = MAX_SESSIONS_PER_IP,
+    max_handshakes: int = MAX_HANDSHAKES,
+    max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+    first_message_timeout: float = FIRST_MESSAGE_TIMEOUT,
+) -> DtlsTables:
+    """Register ``dtls-handshakes:NAME`` and ``dtls-sessions:NAME`` with
+    ``budget`` (no descriptor: every session shares the listener's socket)."""
+    handshakes = budget.table(
+        f"dtls-handshakes:{name}",
+        max_items=max_handshakes,
+        max_per_source=max_handshakes_per_source,
+        pool=Pool.NONE,
+        bytes_per_item=HANDSHAKE_BYTES,
+        preauth_deadline=handshake_timeout,
+    )
+    try:
+        sessions = budget.table(
+            f"dtls-sessions:{name}",
+            max_items=max_sessions,
+            max_per_source=max_sessions_per_source,
+            pool=Pool.NONE,
+            bytes_per_item=SESSION_BYTES,
+            preauth_deadline=first_message_timeout,
+        )
+    except BaseException:
+        budget.forget(handshakes.name)
+        raise
+    return DtlsTables(handshakes, sessions)
+
+
+_SESSION_REFUSALS = {
+    REFUSED_OVER_LIMIT: "dtls-session-limit",
+    REFUSED_OVER_IP_LIMIT: "dtls-session-ip-limit",
+}
+_HANDSHAKE_REFUSALS = {
+    REFUSED_OVER_LIMIT: "dtls-handshake-limit",
+    REFUSED_OVER_IP_LIMIT: "dtls-handshake-ip-limit",
+}
+
+
 class DtlsSession:
     """One client's DTLS association: an OpenSSL connection on memory BIOs."""
 
-    __slots__ = ("client", "cookie", "connection", "established", "started", "seen")
+    __slots__ = (
+        "client",
+        "cookie",
+        "connection",
+        "established",
+        "started",
+        "seen",
+        "proved",
+    )
 
     def __init__(
         self, context: SSL.Context, client: Address, cookie: bytes, now: float
@@ -194,6 +314,9 @@ class DtlsSession:
         self.established = False
         self.started = now
         self.seen = now
+        #: A valid first message came (until then: pre-auth state); when
+        #: established, ``started`` is reset to the moment it was.
+        self.proved = False
 
     def start(self, hello: bytes) -> list[bytes]:
         """Feed the cookie-carrying ClientHello; the datagrams to send."""
@@ -267,24 +390,25 @@ class DtlsListener(asyncio.DatagramProtocol):
 
     certificates: Certificates
     deliver: Deliver
-    limits: HandshakeLimits
+    tables: DtlsTables
     drop: Callable[[str], None]
     reflection: ReflectionBudget
     _: KW_ONLY
-    max_sessions: int = MAX_SESSIONS
-    max_sessions_per_ip: int = MAX_SESSIONS_PER_IP
     idle_timeout: float = IDLE_TIMEOUT
+    #: Whether a decrypted datagram is a valid first message (it ends the
+    #: session's pre-auth state); every datagram is still delivered.
+    first_message: Callable[[bytes], bool] = _anything
     cookie_secret: InitVar[bytes | None] = None
     cookies: CookieJar = field(init=False, repr=False)
     transport: Literal["udp"] = field(default="udp", init=False)
     local: Address = field(default=("", 0), init=False)
     sessions: dict[Address, DtlsSession] = field(default_factory=dict, init=False)
-    #: Live sessions per source (IPv4 address or IPv6 /64).
-    sessions_by_ip: dict[str, int] = field(default_factory=dict, init=False)
     #: Handshakes that completed; HelloVerifyRequests sent.
     handshakes: int = field(default=0, init=False)
     hello_verify_requests: int = field(default=0, init=False)
     _handshaking: set[DtlsSession] = field(default_factory=set, init=False)
+    #: Established sessions still waiting for a valid first message.
+    _unproved: set[DtlsSession] = field(default_factory=set, init=False)
     _context: SSL.Context = field(init=False, repr=False)
     _udp: asyncio.DatagramTransport | None = field(default=None, init=False)
     _loop: asyncio.AbstractEventLoop = field(init=False, repr=False)
@@ -374,6 +498,8 @@ class DtlsListener(asyncio.DatagramProtocol):
                     self._session_error(session, exc)
                     return
                 if message:
+                    if not session.proved:
+                        self._prove(session, message)
                     self.deliver(message, client, self)
             else:
                 self._feed(session, data, self._loop.time())
@@ -423,23 +549,23 @@ class DtlsListener(asyncio.DatagramProtocol):
         replacing: DtlsSession | None,
     ) -> None:
         ip = client[0]
-        source = source_key(ip)
-        if replacing is None:
-            if len(self.sessions) >= self.max_sessions:
-                self.drop("dtls-session-limit")
-                return
-            if self.sessions_by_ip.get(source, 0) >= self.max_sessions_per_ip:
-                self.drop("dtls-session-ip-limit")
-                return
-        refused = self.limits.admit(ip)
+        tables = self.tables
+        refused = tables.handshakes.admit(ip)
         if refused is not None:
-            self.drop("d" + refused)  # tls-handshake-limit -> dtls-...
+            self.drop(_HANDSHAKE_REFUSALS[refused])
             return
         if replacing is not None:
+            # RFC 6347 §4.2.8: the new association replaces the old one; its
+            # session item is given back first, so the client's own session
+            # never counts against its replacement.
             self._end(replacing)
+        refused = tables.sessions.admit(ip)
+        if refused is not None:
+            tables.handshakes.release(ip)
+            self.drop(_SESSION_REFUSALS[refused])
+            return
         session = DtlsSession(self._context, client, cookie, now)
         self.sessions[client] = session
-        self.sessions_by_ip[source] = self.sessions_by_ip.get(source, 0) + 1
         self._handshaking.add(session)
         self._hurry()
         try:
@@ -467,7 +593,16 @@ class DtlsListener(asyncio.DatagramProtocol):
         deliver = self.deliver
         for message in received:
             if message:
+                if not session.proved:
+                    self._prove(session, message)
                 deliver(message, client, self)
+
+    def _prove(self, session: DtlsSession, message: bytes) -> None:
+        """``message`` came over ``session``: if it is a valid first message,
+        the session's pre-auth deadline no longer applies."""
+        if session.established and self.first_message(message):
+            session.proved = True
+            self._unproved.discard(session)
 
     def _session_error(self, session: DtlsSession, exc: SSL.Error) -> None:
         if isinstance(exc, SSL.ZeroReturnError):
@@ -491,9 +626,12 @@ class DtlsListener(asyncio.DatagramProtocol):
     def _check_established(self, session: DtlsSession) -> None:
         if session.established and session in self._handshaking:
             self._handshaking.discard(session)
-            self.limits.release(session.client[0])
-            self.limits.completed += 1
+            self.tables.handshakes.release(session.client[0])
             self.handshakes += 1
+            if not session.proved:
+                # Its first-message deadline runs from now.
+                session.started = self._loop.time()
+                self._unproved.add(session)
 
     # -- ending ------------------------------------------------------------------
 
@@ -510,15 +648,17 @@ class DtlsListener(asyncio.DatagramProtocol):
         # the next garbage collection.
         session.connection.set_app_data(None)
         ip = client[0]
-        source = source_key(ip)
-        count = self.sessions_by_ip[source] - 1
-        if count:
-            self.sessions_by_ip[source] = count
-        else:
-            del self.sessions_by_ip[source]
+        self.tables.sessions.release(ip)
+        self._unproved.discard(session)
         if session in self._handshaking:
             self._handshaking.discard(session)
-            self.limits.release(ip)
+            self.tables.handshakes.release(ip)
+
+    def _end_silently(self, session: DtlsSession) -> None:
+        """End a session that never said anything valid: a close_notify, so
+        a real client that was only slow knows to start again."""
+        self.drop("dtls-first-message-timeout")
+        self.end_session(session.client)
 
     def end_session(self, client: Address) -> None:
         """Close ``client``'s session with a close_notify (its TURN allocation
@@ -549,8 +689,14 @@ class DtlsListener(asyncio.DatagramProtocol):
             self.tick(now)
         except Exception:
             log.exception("DTLS timer failed")
-        # Fast while handshakes run (retransmissions), slow otherwise (idle sweep).
-        delay = TICK if self._handshaking else IDLE_SWEEP_INTERVAL
+        # Fast while handshakes run (retransmissions), every second while
+        # sessions wait for a first message, slow otherwise (idle sweep).
+        if self._handshaking:
+            delay = TICK
+        elif self._unproved:
+            delay = FIRST_MESSAGE_SWEEP
+        else:
+            delay = IDLE_SWEEP_INTERVAL
         self._tick = self._loop.call_later(delay, self._on_tick)
 
     def _hurry(self) -> None:
@@ -561,11 +707,14 @@ class DtlsListener(asyncio.DatagramProtocol):
             self._tick = self._loop.call_later(TICK, self._on_tick)
 
     def tick(self, now: float) -> None:
-        """Retransmit handshake flights whose timer ran out, cut handshakes past
-        ``limits.handshake_timeout``, and (every few seconds) idle sessions."""
-        deadline = now - self.limits.handshake_timeout
+        """Retransmit handshake flights whose timer ran out, cut handshakes
+        and sessions without a first message past their pre-auth deadlines,
+        and (every few seconds) idle sessions."""
+        tables = self.tables
+        deadline = now - tables.handshake_timeout
         for session in list(self._handshaking):
             if session.started < deadline:
+                tables.handshakes.closed("handshake-timeout")
                 self._fail(session, "dtls-handshake-timeout")
                 continue
             try:
@@ -575,6 +724,11 @@ class DtlsListener(asyncio.DatagramProtocol):
                 continue
             for datagram in out:
                 self._sendto(datagram, session.client)
+        if self._unproved:
+            silent = now - tables.first_message_timeout
+            for session in [s for s in self._unproved if s.started < silent]:
+                tables.sessions.closed("first-message-timeout")
+                self._end_silently(session)
         if now - self._last_sweep < IDLE_SWEEP_INTERVAL:
             return
         self._last_sweep = now

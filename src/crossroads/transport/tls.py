@@ -15,19 +15,39 @@ Without a certificate, and only on a loopback bind, :func:`development_certifica
 makes (once) a self-signed certificate for ``localhost``, ``127.0.0.1`` and
 ``::1`` in a directory it is given, so ``make run`` has ``turns:`` to try.
 
-Handshakes
-----------
+Handshakes and connections
+--------------------------
 :class:`TlsAcceptor` is the protocol of an accepted TCP connection that must
 speak TLS. The application protocol sees the connection only once the
 handshake is done (``connection_made`` with the TLS transport, whose
 ``peername`` is the real client address, so per-source limits apply to it).
-Until then the connection is bounded: at most ``max_handshakes`` of them at a
-time in the process, ``max_handshakes_per_ip`` per source address, and each
-must finish within ``handshake_timeout`` seconds (a slow-loris client is cut).
-Every refusal and failure is counted through the ``drop(reason)`` callback:
-``tls-handshake-limit``, ``tls-handshake-ip-limit``, ``tls-handshake-timeout``,
+Every TLS listener registers its own tables with the process's one
+:class:`~crossroads.transport.admission.ResourceBudget` (:func:`tls_tables`),
+so a flood of one TLS port cannot take another's handshakes:
+
+- the TCP listener's connection table (its descriptor share) admits the
+  connection at accept and holds it until the handshake is done; then the
+  application protocol (TURN's connection, the HTTP guard, the relay's
+  WebSocket listener) admits it itself, as on a plain port;
+- ``tls-connections:NAME`` counts every TLS connection from accept to close
+  with its measured memory (:data:`CONNECTION_BYTES`), so the memory share
+  caps how many there can be;
+- ``tls-handshakes:NAME`` counts the handshakes in progress (and what a
+  handshake costs beyond an established connection, :data:`HANDSHAKE_BYTES`);
+  each must finish within its pre-auth deadline (:data:`HANDSHAKE_TIMEOUT`,
+  a slow-loris client is cut).
+
+Each table's per-source cap is at most an eighth of its total, the source
+being the IPv4 address or the IPv6 /64. Every refusal and failure is counted
+through the ``drop(reason)`` callback: ``tls-connection-limit``,
+``tls-connection-ip-limit``, ``tls-handshake-limit``,
+``tls-handshake-ip-limit``, ``tls-handshake-timeout``,
 ``tls-handshake-failed``. Renegotiation is off (``OP_NO_RENEGOTIATION``;
 TLS 1.3 has none), and TLS below 1.2 is refused (RFC 8996).
+
+The TLS layer is asyncio's, with one change (:class:`LeanSSLProtocol`): its
+socket read buffer is one TLS record (:data:`READ_BUFFER`) instead of
+256 KiB, which was most of an idle connection's memory.
 """
 
 from __future__ import annotations
@@ -49,6 +69,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from crossroads.errors import ConfigError
+from crossroads.transport.admission import (
+    REFUSED_OVER_IP_LIMIT,
+    REFUSED_OVER_LIMIT,
+    Admission,
+    Pool,
+    ResourceBudget,
+)
 
 log = logging.getLogger("crossroads.tls")
 
@@ -57,13 +84,31 @@ log = logging.getLogger("crossroads.tls")
 #: and still frees a slot held by a client that sends nothing (asyncio's own
 #: default is 60 s).
 HANDSHAKE_TIMEOUT = 10.0
-#: Handshakes in progress at once, process-wide. A handshake costs one
-#: asymmetric signature (~0.1 ms for P-256, ~1 ms for RSA-2048); 256 in flight
-#: is more than two cores can complete within HANDSHAKE_TIMEOUT under a flood.
+#: Handshakes in progress at once on one TLS listener (each has its own
+#: table). A handshake costs one asymmetric signature (~0.1 ms for P-256,
+#: ~1 ms for RSA-2048); 256 in flight is more than two cores can complete
+#: within HANDSHAKE_TIMEOUT under a flood.
 MAX_HANDSHAKES = 256
-#: Handshakes in progress at once from one source IP: a browser opens a few
-#: connections at once; more are a flood.
-MAX_HANDSHAKES_PER_IP = 8
+#: Handshakes in progress at once from one source (IPv4 address or IPv6 /64):
+#: a browser opens a few connections at once; more are a flood. The budget
+#: caps it at an eighth of the table's total anyway.
+MAX_HANDSHAKES_PER_SOURCE = 8
+#: Bytes of asyncio's socket read buffer per TLS connection: one TLS record
+#: (2^14 bytes of plaintext, RFC 8446 §5.1) is what one read needs; asyncio's
+#: own 256 KiB was allocated per connection, idle or not.
+READ_BUFFER = 16 * 1024
+#: Resident memory of one established, idle TLS connection (TLS layer,
+#: OpenSSL connection, the application protocol), with a margin: measured
+#: as RSS growth of a ``crossroads serve`` child over 200 connections that
+#: each sent one STUN Binding, 40 KB each (285 KB with asyncio's 256 KiB read
+#: buffer). Python 3.11, OpenSSL 3.0, P-256 certificate;
+#: tests/adversarial/test_tls_budget.py checks the growth stays within it.
+CONNECTION_BYTES = 48 * 1024
+#: What a connection costs beyond :data:`CONNECTION_BYTES` until its
+#: handshake is done (OpenSSL's record buffers and handshake state, released
+#: after it): 68-71 KB in all measured per connection that sent nothing or
+#: only its ClientHello.
+HANDSHAKE_BYTES = 32 * 1024
 #: A development certificate is made anew when it has less than this left.
 DEV_CERT_MIN_REMAINING = datetime.timedelta(days=7)
 #: Lifetime of a development certificate (a loopback convenience, never public).
@@ -263,37 +308,149 @@ def certificates_for(
 # ------------------------------------------------------------------ handshakes
 
 
-@dataclass
-class HandshakeLimits:
-    """Bounds on TLS handshakes in progress, shared by the listeners that use it."""
+def _nobody(host: str) -> bool:
+    return False
 
-    max_handshakes: int = MAX_HANDSHAKES
-    max_handshakes_per_ip: int = MAX_HANDSHAKES_PER_IP
-    handshake_timeout: float = HANDSHAKE_TIMEOUT
 
-    def __post_init__(self) -> None:
-        self.pending = 0
-        self.pending_by_ip: dict[str, int] = {}
-        self.completed = 0
+@dataclass(eq=False)
+class TlsTables:
+    """The tables of the process's resource budget a TLS listener admits its
+    connections to (see the module docstring): ``listener``, the TCP
+    listener's own connection table (its descriptor share), held until the
+    handshake is done; ``connections``, every TLS connection from accept to
+    close (its memory); ``handshakes``, the handshakes in progress (their
+    count and deadline). ``trusted(host)`` names sources exempt from the
+    per-source caps (a reverse proxy speaks for many clients)."""
 
-    def admit(self, ip: str) -> str | None:
-        """Take a slot for a handshake from ``ip``; the refusal reason if none."""
-        if self.pending >= self.max_handshakes:
-            return "tls-handshake-limit"
-        count = self.pending_by_ip.get(ip, 0)
-        if count >= self.max_handshakes_per_ip:
-            return "tls-handshake-ip-limit"
-        self.pending += 1
-        self.pending_by_ip[ip] = count + 1
-        return None
+    handshakes: Admission
+    connections: Admission
+    listener: Admission | None = None
+    trusted: Callable[[str], bool] = _nobody
+    #: Handshakes that completed.
+    completed: int = 0
 
-    def release(self, ip: str) -> None:
-        self.pending -= 1
-        count = self.pending_by_ip[ip] - 1
-        if count:
-            self.pending_by_ip[ip] = count
-        else:
-            del self.pending_by_ip[ip]
+    @property
+    def handshake_timeout(self) -> float:
+        """Seconds a client has to finish its handshake (the handshake
+        table's pre-auth deadline)."""
+        return self.handshakes.preauth_deadline or HANDSHAKE_TIMEOUT
+
+    def forget(self) -> None:
+        """The listener stopped: its TLS tables leave the budget."""
+        budget = self.handshakes.budget
+        budget.forget(self.handshakes.name)
+        budget.forget(self.connections.name)
+
+
+def tls_tables(
+    budget: ResourceBudget,
+    name: str,
+    *,
+    listener: Admission | None,
+    max_connections: int,
+    max_per_source: int,
+    trusted: Callable[[str], bool] = _nobody,
+    max_handshakes: int = MAX_HANDSHAKES,
+    max_handshakes_per_source: int = MAX_HANDSHAKES_PER_SOURCE,
+    handshake_timeout: float = HANDSHAKE_TIMEOUT,
+) -> TlsTables:
+    """Register the TLS tables of listener ``name`` (``tls-handshakes:NAME``,
+    ``tls-connections:NAME``) with ``budget``. Neither holds a descriptor of
+    its own (Pool.NONE): a TLS connection's descriptor is counted by
+    ``listener``, the TCP listener's connection table."""
+    handshakes = budget.table(
+        f"tls-handshakes:{name}",
+        max_items=max_handshakes,
+        max_per_source=max_handshakes_per_source,
+        pool=Pool.NONE,
+        bytes_per_item=HANDSHAKE_BYTES,
+        preauth_deadline=handshake_timeout,
+    )
+    try:
+        connections = budget.table(
+            f"tls-connections:{name}",
+            max_items=max_connections,
+            max_per_source=max_per_source,
+            pool=Pool.NONE,
+            bytes_per_item=CONNECTION_BYTES,
+        )
+    except BaseException:
+        budget.forget(handshakes.name)
+        raise
+    return TlsTables(handshakes, connections, listener, trusted)
+
+
+class LeanSSLProtocol(sslproto.SSLProtocol):
+    """asyncio's TLS layer with a read buffer sized for one TLS record, not
+    256 KiB, and a callback when the connection is gone.
+
+    asyncio allocates ``max_size`` bytes per connection up front for the
+    socket reads that feed the TLS engine (``SSLProtocol.__init__``); at
+    256 KiB that is most of an idle TLS connection's memory (~285 KB each,
+    measured). A smaller buffer only means more ``recv`` calls for a bulk
+    transfer; OpenSSL's memory BIO reassembles records of any size.
+    """
+
+    max_size = READ_BUFFER
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        app_protocol: asyncio.BaseProtocol,
+        context: ssl.SSLContext,
+        waiter: asyncio.Future[None],
+        on_lost: Callable[[], None],
+        handshake_timeout: int,
+    ) -> None:
+        super().__init__(
+            loop,
+            app_protocol,
+            context,
+            waiter,
+            server_side=True,
+            ssl_handshake_timeout=handshake_timeout,
+        )
+        self._on_lost: Callable[[], None] | None = on_lost
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        try:
+            super().connection_lost(exc)
+        finally:
+            on_lost, self._on_lost = self._on_lost, None
+            if on_lost is not None:
+                on_lost()
+
+
+@dataclass(eq=False)
+class _Handover(asyncio.Protocol):
+    """The application protocol the TLS layer first sees: at the end of the
+    handshake it hands the TLS transport to ``factory()``'s protocol, after
+    ``ready()`` gave back the listener admission the application protocol
+    takes again itself (so a client at its per-source cap is not refused by
+    its own connection)."""
+
+    factory: Callable[[], asyncio.BaseProtocol]
+    ready: Callable[[], None]
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.ready()
+        protocol = self.factory()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        """Never called: the application protocol replaced this one."""
+
+
+#: Refusal reasons of the three tables, as counted by ``drop``.
+_LISTENER_REFUSALS = {
+    REFUSED_OVER_LIMIT: "tls-connection-limit",
+    REFUSED_OVER_IP_LIMIT: "tls-connection-ip-limit",
+}
+_HANDSHAKE_REFUSALS = {
+    REFUSED_OVER_LIMIT: "tls-handshake-limit",
+    REFUSED_OVER_IP_LIMIT: "tls-handshake-ip-limit",
+}
 
 
 @dataclass(eq=False)
@@ -301,39 +458,71 @@ class TlsAcceptor(asyncio.Protocol):
     """An accepted TCP connection that must speak TLS: ``factory()``'s protocol
     gets the TLS transport once the server-side handshake is done.
 
-    The TLS layer is asyncio's :class:`~asyncio.sslproto.SSLProtocol` put on
-    the stream *synchronously* in :meth:`connection_made`, so no byte of the
-    ClientHello can reach a plaintext protocol whatever the event loop (uvloop
-    starts reading before a ``start_tls`` task would run), and the application
+    The TLS layer (:class:`LeanSSLProtocol`) is put on the stream
+    *synchronously* in :meth:`connection_made`, so no byte of the ClientHello
+    can reach a plaintext protocol whatever the event loop (uvloop starts
+    reading before a ``start_tls`` task would run), and the application
     protocol takes over inside the handshake-complete callback, before any
     application data a TLS 1.3 client sends right behind its Finished.
     """
 
     context: ssl.SSLContext
     factory: Callable[[], asyncio.BaseProtocol]
-    limits: HandshakeLimits
+    tables: TlsTables
     drop: Callable[[str], None]
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         stream = cast(asyncio.Transport, transport)
         peer = transport.get_extra_info("peername")
-        ip = str(peer[0]) if peer else ""
-        limits = self.limits
-        refused = limits.admit(ip)
+        host = str(peer[0]) if peer else ""
+        tables = self.tables
+        capped = not tables.trusted(host)
+        listener = tables.listener
+        refused: str | None = None
+        admitted: list[Admission] = []
+        for table, reasons in (
+            (listener, _LISTENER_REFUSALS),
+            (tables.connections, _LISTENER_REFUSALS),
+            (tables.handshakes, _HANDSHAKE_REFUSALS),
+        ):
+            if table is None:
+                continue
+            reason = table.admit(host, per_ip_cap=capped)
+            if reason is not None:
+                refused = reasons[reason]
+                break
+            admitted.append(table)
         if refused is not None:
+            for table in admitted:
+                table.release(host)
             self.drop(refused)
             stream.abort()
             return
+        # What this connection holds: the listener slot until the handshake
+        # is done, the TLS connection item until the stream is gone.
+        holding = {"listener": listener is not None}
+
+        def give_back_listener() -> None:
+            if holding["listener"]:
+                holding["listener"] = False
+                assert listener is not None
+                listener.release(host)
+
+        def lost() -> None:
+            give_back_listener()
+            tables.connections.release(host)
+
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        layer = sslproto.SSLProtocol(
+        timeout = tables.handshake_timeout
+        layer = LeanSSLProtocol(
             loop,
-            self.factory(),
+            _Handover(self.factory, give_back_listener),
             self.context,
             done,
-            server_side=True,
+            lost,
             # Backstop only: our own timer below cuts first and counts it.
-            ssl_handshake_timeout=int(limits.handshake_timeout * 2) + 1,
+            handshake_timeout=int(timeout * 2) + 1,
         )
         timed_out = False
 
@@ -346,20 +535,22 @@ class TlsAcceptor(asyncio.Protocol):
                 done.cancel()
                 stream.abort()
 
-        timer = loop.call_later(limits.handshake_timeout, expired)
+        timer = loop.call_later(timeout, expired)
 
         def finished(future: asyncio.Future[None]) -> None:
             timer.cancel()
-            limits.release(ip)
+            tables.handshakes.release(host)
             if future.cancelled():
                 if timed_out:
+                    tables.handshakes.closed("handshake-timeout")
                     self.drop("tls-handshake-timeout")
                 return
             exc = future.exception()
             if exc is None:
-                limits.completed += 1
+                tables.completed += 1
             else:
-                log.debug("TLS handshake from %s failed: %r", ip, exc)
+                log.debug("TLS handshake from %s failed: %r", host, exc)
+                tables.handshakes.closed("handshake-failed")
                 self.drop("tls-handshake-failed")
 
         done.add_done_callback(finished)

@@ -26,7 +26,9 @@ the client wants:
 
 The chosen protocol gets the TLS transport (``connection_made``) and the bytes
 read so far (``data_received``): from there it is exactly the connection it
-would have been on its own port, with its own caps and deadlines.
+would have been on its own port, with its own caps and deadlines. While it is
+sorted, the connection is held in the port's connection table (its descriptor
+share), as it was during the handshake.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ import asyncio
 import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
+
+from crossroads.transport.admission import Admission
 
 #: Seconds a client has, after the handshake, to send its first byte. A TURN
 #: client sends its Allocate and a browser its request at once; as long as the
@@ -74,10 +79,23 @@ class TlsSorter(asyncio.Protocol):
     factories: Mapping[Application, Callable[[], asyncio.Protocol]]
     drop: Callable[[str], None]
     timeout: float = FIRST_BYTES_TIMEOUT
+    #: The port's connection table (its descriptor share): a connection is
+    #: held in it while it is sorted, then the chosen protocol admits it to
+    #: its own. None: not counted here.
+    admission: Admission | None = None
     transport: asyncio.Transport | None = field(default=None, init=False)
     _timer: asyncio.TimerHandle | None = field(default=None, init=False)
+    _host: str | None = field(default=None, init=False)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.admission is not None:
+            peer = transport.get_extra_info("peername")
+            host = str(peer[0]) if peer else ""
+            if self.admission.admit(host) is not None:
+                self.drop("tls-sort-limit")
+                cast(asyncio.Transport, transport).abort()
+                return
+            self._host = host
         self.transport = transport  # type: ignore[assignment]
         ssl_object = transport.get_extra_info("ssl_object")
         chosen = ssl_object.selected_alpn_protocol() if ssl_object else None
@@ -99,10 +117,18 @@ class TlsSorter(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
+        self._release()
         self.transport = None
+
+    def _release(self) -> None:
+        host, self._host = self._host, None
+        if host is not None and self.admission is not None:
+            self.admission.release(host)
 
     def _hand_over(self, application: Application, data: bytes) -> None:
         self._cancel()
+        # The chosen protocol admits the connection to its own table.
+        self._release()
         transport = self.transport
         assert transport is not None
         self.transport = None
@@ -120,6 +146,7 @@ class TlsSorter(asyncio.Protocol):
 
     def _abort(self) -> None:
         self._cancel()
+        self._release()
         if self.transport is not None:
             self.transport.abort()
             self.transport = None

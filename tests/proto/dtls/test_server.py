@@ -408,3 +408,49 @@ def test_defaults_are_the_ones_the_readme_states() -> None:
     assert config.cookie_rotation == 30.0
     assert config.max_datagram == 1400
     assert (config.hello_rate, config.hello_burst) == (50.0, 200.0)
+
+
+def test_one_ipv6_64_holds_at_most_its_handshake_cap() -> None:
+    """Handshakes are counted per source, an IPv6 /64 (one site's LAN): 40
+    addresses of one /64 get 8 handshakes between them, not 8 each; another
+    /64 still gets its own."""
+    server = make_server()
+    for host in [f"2001:db8:1::{n:x}" for n in range(1, 41)] + ["2001:db8:2::1"]:
+        client = make_client()
+        wire = Wire(client, server, addr=(host, 40000))
+        client.start(wire.now)
+        # ClientHello, HelloVerifyRequest, ClientHello with the cookie,
+        # the server's flight (not answered: the handshake stays open).
+        for _ in range(2):
+            for data, _ in client.datagrams_to_send(wire.now):
+                server.receive_datagram(data, wire.addr, wire.now)
+            for data, addr in server.datagrams_to_send(wire.now):
+                if addr == wire.addr:
+                    client.receive_datagram(data, SERVER, wire.now)
+    per_64: dict[str, int] = {}
+    for host, _ in server.handshakes:
+        prefix = host.rsplit(":", 2)[0]
+        per_64[prefix] = per_64.get(prefix, 0) + 1
+    assert per_64 == {"2001:db8:1": 8, "2001:db8:2": 1}
+    assert server.drops["handshake-cap"] == 32
+
+
+def test_a_session_not_confirmed_in_time_ends_and_a_confirmed_one_stays() -> None:
+    """With a first-message deadline (the relay's: a BIND it accepted), a
+    session nobody confirmed ends with a close_notify after it; one its owner
+    confirmed lives on until the idle timeout."""
+    silent = Wire(make_client(), make_server(first_message_timeout=10.0))
+    silent.handshake()
+    silent.server.pop_events()
+    silent.advance(9.0)
+    assert CLIENT in silent.server.sessions
+    silent.advance(2.0)
+    assert CLIENT not in silent.server.sessions
+    assert Closed(CLIENT, "no-first-message") in silent.server.pop_events()
+    assert silent.client.state == ClientState.CLOSED
+
+    bound = Wire(make_client(), make_server(first_message_timeout=10.0))
+    bound.handshake()
+    bound.server.confirm(CLIENT)
+    bound.advance(20.0)
+    assert CLIENT in bound.server.sessions

@@ -39,6 +39,15 @@ state at all, a *handshake* in progress, and an established *session*.
    gets a ``no_renegotiation`` warning; a close_notify or fatal alert ends the
    session; so does ``idle_timeout`` without a valid record. Plaintext alerts
    never end a session (anyone can forge one).
+5. **Pre-auth state and tables.** Handshakes and sessions are admitted by two
+   injected tables (:class:`Table`: the process's resource budget in a
+   service, :class:`CountingTable` with the config's caps otherwise), which
+   count them per source (IPv4 address or IPv6 /64). With
+   ``first_message_timeout`` set, a session its owner has not
+   :meth:`DtlsServer.confirm` ed (the relay: a BIND it accepted) within that
+   many seconds of the handshake ends with a close_notify
+   (``no-first-message``): the PSK proves the client holds a key, but the
+   session is kept for relaying, which needs a bound allocation.
 
 Everything malformed is dropped and counted in :attr:`DtlsServer.drops` (one
 key per reason); the core does no I/O and reads time only from ``now``.
@@ -50,11 +59,10 @@ import heapq
 import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from crossroads.errors import DecodeError
-from crossroads.proto.budget import BudgetConfig, FailureBudget
-from crossroads.proto.counting import decrement
+from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
 from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.crypto import (
     SUITES,
@@ -131,6 +139,58 @@ class DtlsServerConfig:
     #: up to it. 0 turns it off.
     hello_rate: float = 50.0
     hello_burst: float = 200.0
+    #: Seconds an established session may live before its owner confirms it
+    #: (:meth:`DtlsServer.confirm`); None: no such deadline (the core alone
+    #: cannot tell a valid message).
+    first_message_timeout: float | None = None
+
+
+class Table(Protocol):
+    """Where handshakes or sessions are admitted (the process's resource
+    budget's ``Admission`` satisfies it): ``admit`` returns None, or the
+    reason it refuses; ``release`` once per admitted item; ``closed`` counts
+    an item the core ended for ``reason``."""
+
+    def admit(self, host: str) -> str | None: ...
+
+    def release(self, host: str) -> None: ...
+
+    def closed(self, reason: str) -> None: ...
+
+
+@dataclass(eq=False)
+class CountingTable:
+    """A :class:`Table` of its own: at most ``max_items``, ``max_per_source``
+    per IPv4 address or IPv6 /64."""
+
+    max_items: int
+    max_per_source: int
+    live: int = field(default=0, init=False)
+    per_source: dict[str, int] = field(default_factory=dict, init=False)
+
+    def admit(self, host: str) -> str | None:
+        key = source_key(host)
+        if self.live >= self.max_items:
+            return "over-limit"
+        if self.per_source.get(key, 0) >= self.max_per_source:
+            return "over-ip-limit"
+        self.per_source[key] = self.per_source.get(key, 0) + 1
+        self.live += 1
+        return None
+
+    def release(self, host: str) -> None:
+        key = source_key(host)
+        count = self.per_source.get(key, 0)
+        if count <= 0:
+            return
+        if count == 1:
+            del self.per_source[key]
+        else:
+            self.per_source[key] = count - 1
+        self.live -= 1
+
+    def closed(self, reason: str) -> None:
+        pass
 
 
 @dataclass(slots=True, eq=False)
@@ -180,6 +240,10 @@ class _Session:
     resent_for: int = -1
     token: int = 0
     window: ReplayWindow = field(default_factory=ReplayWindow)
+    #: When the handshake completed; whether the owner confirmed the session
+    #: (its first valid message came).
+    established: float = 0.0
+    confirmed: bool = False
 
 
 @dataclass(eq=False)
@@ -195,6 +259,10 @@ class DtlsServer(Endpoint):
     config: DtlsServerConfig
     psk_for: PskLookup
     random_bytes: Callable[[int], bytes]
+    #: Where handshakes and established sessions are admitted; None: a
+    #: :class:`CountingTable` with the config's caps.
+    handshake_table: Table | None = None
+    session_table: Table | None = None
     handshakes: dict[Address, _Handshake] = field(
         default_factory=dict, init=False, repr=False
     )
@@ -203,8 +271,6 @@ class DtlsServer(Endpoint):
     failures: dict[str, int] = field(default_factory=dict, init=False)
     hello_verify_sent: int = field(default=0, init=False)
     established_total: int = field(default=0, init=False)
-    _per_ip_handshakes: dict[str, int] = field(default_factory=dict, init=False)
-    _per_ip_sessions: dict[str, int] = field(default_factory=dict, init=False)
     _timers: list[tuple[float, int, Address]] = field(default_factory=list, init=False)
     _next_token: int = field(default=0, init=False)
     _datagrams: int = field(default=0, init=False)
@@ -213,6 +279,15 @@ class DtlsServer(Endpoint):
 
     def __post_init__(self) -> None:
         super().__init__()
+        cfg = self.config
+        if self.handshake_table is None:
+            self.handshake_table = CountingTable(
+                cfg.max_handshakes, cfg.max_handshakes_per_ip
+            )
+        if self.session_table is None:
+            self.session_table = CountingTable(
+                cfg.max_sessions, cfg.max_sessions_per_ip
+            )
         self._hello_budget = FailureBudget(
             BudgetConfig(
                 per_source_rate=self.config.hello_rate,
@@ -255,7 +330,7 @@ class DtlsServer(Endpoint):
         self._outbox.append((record, addr))
         return True
 
-    def close(self, addr: Address, now: float) -> None:
+    def close(self, addr: Address, now: float, reason: str = "closed") -> None:
         """End ``addr``'s session with a close_notify alert."""
         session = self.sessions.get(addr)
         if session is None:
@@ -264,7 +339,14 @@ class DtlsServer(Endpoint):
             session.write_seq, w.AlertDescription.CLOSE_NOTIFY
         )
         self._outbox.append((close_notify, addr))
-        self._end_session(session, "closed")
+        self._end_session(session, reason)
+
+    def confirm(self, addr: Address) -> None:
+        """``addr``'s session said something valid (the relay: a BIND it
+        accepted): its first-message deadline no longer applies."""
+        session = self.sessions.get(addr)
+        if session is not None:
+            session.confirmed = True
 
     def get_timer(self) -> float | None:
         return self._timers[0][0] if self._timers else None
@@ -283,8 +365,17 @@ class DtlsServer(Endpoint):
                 continue
             session = self.sessions.get(addr)
             if session is not None and session.token == token:
+                first = self.config.first_message_timeout
                 if now - session.last_rx >= self.config.idle_timeout:
                     self._end_session(session, "idle")
+                elif (
+                    first is not None
+                    and not session.confirmed
+                    and now - session.established >= first
+                ):
+                    assert self.session_table is not None
+                    self.session_table.closed("first-message-timeout")
+                    self.close(addr, now, "no-first-message")
                 else:
                     self._schedule_session(session)
 
@@ -398,19 +489,11 @@ class DtlsServer(Endpoint):
         self._start_handshake(record, fragment, hello, addr, now)
 
     def _admit(self, addr: Address) -> bool:
-        ip = addr[0]
-        cfg = self.config
-        if (
-            len(self.handshakes) >= cfg.max_handshakes
-            or self._per_ip_handshakes.get(ip, 0) >= cfg.max_handshakes_per_ip
-        ):
+        """A handshake item for ``addr`` (its session item is taken when the
+        handshake completes)."""
+        assert self.handshake_table is not None
+        if self.handshake_table.admit(addr[0]) is not None:
             self._drop("handshake-cap")
-            return False
-        if addr not in self.sessions and (
-            len(self.sessions) >= cfg.max_sessions
-            or self._per_ip_sessions.get(ip, 0) >= cfg.max_sessions_per_ip
-        ):
-            self._drop("session-cap")
             return False
         return True
 
@@ -446,6 +529,8 @@ class DtlsServer(Endpoint):
             # renegotiated_connection.
             failure = (w.AlertDescription.HANDSHAKE_FAILURE, "bad-renegotiation-info")
         if failure is not None or chosen is None:
+            assert self.handshake_table is not None
+            self.handshake_table.release(addr[0])
             description, reason = failure or (w.AlertDescription.INTERNAL_ERROR, "")
             alert = w.Alert(w.AlertLevel.FATAL, description).encode()
             self._plain(addr, w.ContentType.ALERT, record.sequence, alert)
@@ -502,7 +587,6 @@ class DtlsServer(Endpoint):
             expires=now + self.config.handshake_timeout,
         )
         self.handshakes[addr] = handshake
-        self._per_ip_handshakes[addr[0]] = self._per_ip_handshakes.get(addr[0], 0) + 1
         self._outbox.append((flight, addr))
         self._schedule_handshake(handshake)
 
@@ -623,10 +707,17 @@ class DtlsServer(Endpoint):
             w.CHANGE_CIPHER_SPEC_BODY,
         ) + handshake.write.seal(w.ContentType.HANDSHAKE, 0, finished)
         addr = handshake.address
-        self._forget_handshake(handshake)
         previous = self.sessions.get(addr)
         if previous is not None:
+            # Its item goes back first: a client's own old session never
+            # counts against its new one.
             self._end_session(previous, "replaced")
+        assert self.session_table is not None
+        if self.session_table.admit(addr[0]) is not None:
+            self._drop("session-cap")
+            self._fail(handshake, w.AlertDescription.INTERNAL_ERROR, "session-cap")
+            return
+        self._forget_handshake(handshake)
         session = _Session(
             address=addr,
             identity=handshake.identity,
@@ -635,9 +726,9 @@ class DtlsServer(Endpoint):
             write=handshake.write,
             last_rx=now,
             final_flight=final,
+            established=now,
         )
         self.sessions[addr] = session
-        self._per_ip_sessions[addr[0]] = self._per_ip_sessions.get(addr[0], 0) + 1
         self.established_total += 1
         self._outbox.append((final, addr))
         self._events.append(
@@ -705,7 +796,8 @@ class DtlsServer(Endpoint):
         if self.sessions.get(session.address) is not session:
             return
         del self.sessions[session.address]
-        decrement(self._per_ip_sessions, session.address[0])
+        assert self.session_table is not None
+        self.session_table.release(session.address[0])
         self._events.append(Closed(session.address, reason))
 
     # ----------------------------------------------------------------- helpers
@@ -728,7 +820,8 @@ class DtlsServer(Endpoint):
     def _forget_handshake(self, handshake: _Handshake) -> None:
         if self.handshakes.get(handshake.address) is handshake:
             del self.handshakes[handshake.address]
-            decrement(self._per_ip_handshakes, handshake.address[0])
+            assert self.handshake_table is not None
+            self.handshake_table.release(handshake.address[0])
 
     def _schedule_handshake(self, handshake: _Handshake) -> None:
         deadline = handshake.timer.deadline
@@ -736,9 +829,11 @@ class DtlsServer(Endpoint):
         handshake.token = self._push(at, handshake.address)
 
     def _schedule_session(self, session: _Session) -> None:
-        session.token = self._push(
-            session.last_rx + self.config.idle_timeout, session.address
-        )
+        at = session.last_rx + self.config.idle_timeout
+        first = self.config.first_message_timeout
+        if first is not None and not session.confirmed:
+            at = min(at, session.established + first)
+        session.token = self._push(at, session.address)
 
     def _push(self, at: float, addr: Address) -> int:
         self._next_token += 1
