@@ -336,6 +336,12 @@ class CoreConfig:
         help="Bearer token of the console's admin pages and API (default: the one "
         "created in --state-dir; with neither, admin pages are refused).",
     )
+    api_docs: bool = setting(
+        False,
+        help="Serve the interactive API documentation (/docs, /redoc and "
+        "/openapi.json). Off by default: it lists every route and schema to "
+        "anyone, from a page that loads scripts from a CDN.",
+    )
     # Reflection budget (docs/security.md "Reflection budget",
     # crossroads.proto.reflection): per source IP and service, unauthenticated
     # UDP replies may exceed what that IP sent by at most the allowance per 10 s.

@@ -276,6 +276,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             store=store,
             routers=[*ctx.routers, runtime.console.router()],
             services=lambda: list(runtime.services),
+            api_docs=core.api_docs,
         )
         runtime._http = make_http_server(app, guard, core.trusted_proxies)
         runtime._http_guard = guard

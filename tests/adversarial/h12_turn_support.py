@@ -169,8 +169,9 @@ async def measure_turn_churn(cycles: int) -> dict[str, int]:
 
 async def p2p_churn(runtime: Runtime, sessions: int, parallel: int = 32) -> None:
     """``sessions`` hosting peers, ``parallel`` at a time: each opens the
-    signalling WebSocket, hosts a session, allocates a TURN relay with the
-    credentials ``hosted`` brings, frees it and goes away."""
+    signalling WebSocket, hosts a session, is joined by a second peer (TURN
+    credentials come only then, pushed to the host), allocates a TURN relay
+    with them, frees it and goes away with its guest."""
     host, port = runtime.http_address
     url = f"ws://{host}:{port}/p2p/v1/ws"
     turn = runtime.services["turn"]
@@ -178,12 +179,20 @@ async def p2p_churn(runtime: Runtime, sessions: int, parallel: int = 32) -> None
     slots = asyncio.Semaphore(parallel)
 
     async def one() -> None:
-        async with slots, websockets.connect(url) as ws:
-            key = base64.b64encode(os.urandom(32)).decode()
-            await ws.send(json.dumps({"type": "hello", "v": 1, "key": key}))
-            await _frame(ws, "welcome")
+        async with (
+            slots,
+            websockets.connect(url) as ws,
+            websockets.connect(url) as guest,
+        ):
+            for peer in (ws, guest):
+                key = base64.b64encode(os.urandom(32)).decode()
+                await peer.send(json.dumps({"type": "hello", "v": 1, "key": key}))
+                await _frame(peer, "welcome")
             await ws.send(json.dumps({"type": "host"}))
-            credentials = (await _frame(ws, "hosted"))["turn"]
+            code = (await _frame(ws, "hosted"))["code"]
+            await guest.send(json.dumps({"type": "join", "code": code}))
+            await _frame(guest, "join_start")
+            credentials = (await _frame(ws, "turn"))["turn"]
             client = DirectClient(
                 turn, credentials["username"], credentials["password"]
             )

@@ -62,6 +62,8 @@ async def rt() -> AsyncIterator[Runtime]:
         # Every hosting peer is a new TURN client on 127.0.0.1: its 401 must
         # not be rate-limited away.
         turn__unauthenticated_rate=100_000,
+        # 32 sessions at once, all from 127.0.0.1.
+        p2p__max_sessions_per_ip=64,
         # A freed allocation is remembered (replay protection) for one nonce
         # lifetime + 5 s: short here, so the test sees it go.
         turn__nonce_lifetime=1,

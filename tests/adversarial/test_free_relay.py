@@ -80,12 +80,14 @@ async def test_session_members_get_working_refreshable_credentials(
         await _until(host, "welcome")
         await host.send(json.dumps({"type": "host"}))
         hosted = await _until(host, "hosted")
-        assert hosted["turn"] is not None
+        # Alone in its session, the host has nobody to relay to (issue 24).
+        assert hosted["turn"] is None
         await guest.send(hello())
         await _until(guest, "welcome")
         await guest.send(json.dumps({"type": "join", "code": hosted["code"]}))
         join_start = await _until(guest, "join_start")
         assert join_start["turn"] is not None
+        assert (await _until(host, "turn"))["turn"] is not None
         await host.send(json.dumps({"type": "turn_refresh"}))
         fresh = (await _until(host, "turn"))["turn"]
         server = tuple(fresh["servers"][0])
@@ -108,10 +110,11 @@ async def test_default_quotas_stop_one_ip_from_taking_the_relay(
     low, high = service.config.relay_ports
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert settings.user_quota == DEFAULT_USER_QUOTA
-    assert settings.ip_quota == DEFAULT_IP_QUOTA
     assert settings.total_quota == auto_total_quota(soft, high - low + 1)
+    # One address holds at most an eighth of the total (issue 24).
+    assert settings.ip_quota == min(DEFAULT_IP_QUOTA, settings.total_quota // 8)
     assert (
-        f"quotas: {DEFAULT_USER_QUOTA} per user, {DEFAULT_IP_QUOTA} per IP, "
+        f"quotas: {DEFAULT_USER_QUOTA} per user, {settings.ip_quota} per IP, "
         f"{settings.total_quota} in total" in service.describe()
     )
     # One IP, many users (one credential each, as minted by an application):
@@ -200,9 +203,19 @@ async def test_the_sdk_renews_its_allocation_with_refreshed_credentials() -> Non
         turn = runtime.services["turn"]
         assert isinstance(turn, TurnService)
         me = P2PClient(ws_url(runtime), bind=("127.0.0.1", 0))
+        guest = P2PClient(ws_url(runtime), bind=("127.0.0.1", 0))
         try:
             await me.start()
-            await me.host()
+            code = await me.host()
+            assert me.turn is None  # nobody to relay to yet (issue 24)
+            await guest.start()
+            await guest.join(code)
+
+            async def allocated() -> bool:
+                return me.turn is not None
+
+            # The host allocates on the credentials pushed with the joiner.
+            await eventually(allocated, "the host's allocation")
             relay = me.turn
             assert isinstance(relay, TurnClientRelay)
             first = relay.client.session.username
@@ -219,4 +232,5 @@ async def test_the_sdk_renews_its_allocation_with_refreshed_credentials() -> Non
             assert await relay.client.refresh() > 0
             assert turn.core.counters.credential_renewals >= 1
         finally:
+            await guest.close()
             await me.close()

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import os
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,8 +32,13 @@ from crossroads.runtime import Runtime
 from crossroads.services.relay import RelayNode
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.relay import RelayEndpoint
-from crossroads.transport.relay_ws import WebSocketListener
+from crossroads.transport.relay_ws import (
+    MAX_BUFFERED,
+    RelayWebSocket,
+    WebSocketListener,
+)
 from crossroads.transport.sockets import make_udp_socket
+from crossroads.transport.tls import development_certificate
 from tests.conftest import eventually
 from tests.e2e.relay_support import (
     BIND_RECEIVED,
@@ -469,6 +477,17 @@ class RecordingTransport(asyncio.Transport):
     def get_write_buffer_size(self) -> int:
         return 0
 
+    def set_write_buffer_limits(
+        self, high: int | None = None, low: int | None = None
+    ) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("192.0.2.7", 40000) if name == "peername" else default
 
@@ -528,3 +547,95 @@ def test_random_input_never_escapes_and_frees_everything(
             endpoint.close()
 
     asyncio.run(run())
+
+
+# ------------------------------------------------- pings from a non-reader
+
+#: Pings a client sends without reading a byte: more than the kernel's socket
+#: buffers take on loopback (tcp_wmem's 4 MiB), so what is left waits in the
+#: server's own write buffer unless the server stops reading.
+PING_FLOOD_BYTES = 24 << 20
+#: What the server may hold for one connection: MAX_BUFFERED, plus the pongs
+#: for one read (asyncio reads at most 256 KiB at a time) before reading stops.
+PONG_BOUND = MAX_BUFFERED + 256 * 1024 + 64 * 1024
+
+
+def _server_side(listener: WebSocketListener) -> list[RelayWebSocket]:
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, RelayWebSocket)
+        and o.listener is listener
+        and o.transport is not None
+    ]
+
+
+async def _ping_without_reading(
+    listener: WebSocketListener,
+    address: tuple[str, int],
+    context: ssl.SSLContext | None = None,
+) -> tuple[int, bool]:
+    """Open a WebSocket with a tiny receive buffer, send PING_FLOOD_BYTES of
+    125-byte pings and read nothing; return the largest write buffer the
+    server's connection had and whether the server closed the connection."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, address)
+    reader, writer = await asyncio.open_connection(
+        sock=sock,
+        ssl=context,
+        server_hostname="localhost" if context is not None else None,
+    )
+    ws = RawWebSocket(reader, writer)
+    try:
+        await ws.handshake(*address)
+        (server,) = _server_side(listener)
+        ping = frame(9, bytes(125))
+        writer.write(ping * (PING_FLOOD_BYTES // len(ping)))
+        peak = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while server.transport is not None and loop.time() < deadline:
+            peak = max(peak, server.transport.get_write_buffer_size())
+            if peak > PONG_BOUND:
+                break  # the old code: no need to watch it reach megabytes
+            await asyncio.sleep(0.02)
+        return peak, server.transport is None
+    finally:
+        writer.transport.abort()
+
+
+@pytest.mark.parametrize("scheme", ["ws", "wss"])
+async def test_pings_from_a_client_that_never_reads_are_bounded(
+    scheme: str, tmp_path: Path
+) -> None:
+    """Finding 5 of issue 24: pongs to a client that pings and never reads
+    were buffered without bound (52 MB of pings: +61 MB RSS on ws, +116 MB on
+    wss). Now every server write counts against MAX_BUFFERED: over it the
+    server stops reading (the pings wait in the client's own socket), and a
+    connection that carries no relay message for the idle timeout is closed,
+    pings or not."""
+    cert, key = development_certificate(tmp_path)
+    async with relay_runtime(
+        relay__websocket=True,
+        relay__idle_timeout=2.0,
+        core__tls_cert=str(cert),
+        core__tls_key=str(key),
+    ) as rt:
+        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        port = node.info.ws_port if scheme == "ws" else node.info.wss_port
+        context = None
+        if scheme == "wss":
+            context = ssl.create_default_context(cafile=str(cert))
+        listener = node.websockets[scheme]
+        peak, closed = await _ping_without_reading(
+            listener, ("127.0.0.1", port), context
+        )
+        assert peak <= PONG_BOUND, f"{peak} bytes buffered for one connection"
+        assert closed, "the pinging connection outlived the idle timeout"
+        assert listener.read_pauses >= 1
+        assert listener.drops.get("idle-timeout") == 1
+        await eventually(
+            lambda: _true(listener.admission.live == 0), "the slot given back"
+        )

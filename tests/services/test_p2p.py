@@ -230,14 +230,25 @@ async def test_session_members_get_turn_rest_credentials() -> None:
         )
     )
     try:
-        async with websockets.connect(ws_url(runtime)) as ws:
+        async with (
+            websockets.connect(ws_url(runtime)) as ws,
+            websockets.connect(ws_url(runtime)) as guest,
+        ):
             await ws.send(hello())
             welcome = await recv_type(ws, "welcome")
-            # Nothing for an anonymous socket (issue 12 item 3) ...
+            # Nothing for an anonymous socket (issue 12 item 3), nor for a
+            # host alone in its session (issue 24 finding 7) ...
             assert welcome["turn"] is None
-            # ... credentials come with the session.
             await ws.send(json.dumps({"type": "host"}))
-            turn = (await recv_type(ws, "hosted"))["turn"]
+            hosted = await recv_type(ws, "hosted")
+            assert hosted["turn"] is None
+            # ... credentials come when there is somebody to relay to: the
+            # joiner in join_start, the host pushed at the same time.
+            await guest.send(hello())
+            await recv_type(guest, "welcome")
+            await guest.send(json.dumps({"type": "join", "code": hosted["code"]}))
+            assert (await recv_type(guest, "join_start"))["turn"] is not None
+            turn = (await recv_type(ws, "turn"))["turn"]
         assert turn["servers"] == [["192.0.2.1", 3478]]
         expires, peer = turn["username"].split(":")
         assert peer == welcome["peer"] and int(expires) == turn["expires"]

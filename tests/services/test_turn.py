@@ -338,7 +338,10 @@ async def test_unknown_attribute_420_and_garbage(turn: Any) -> None:
 
 
 async def test_allocation_flood_beyond_quota_486_and_release(turn: Any) -> None:
-    service: TurnService = await turn(turn__user_quota=3, turn__total_quota=4)
+    # (No per-IP quota: it would be 4 / 8 of the total from this one address.)
+    service: TurnService = await turn(
+        turn__user_quota=3, turn__total_quota=4, turn__ip_quota=0
+    )
     fds = open_fds()
     clients: list[TurnClient] = []
     codes: list[int] = []
@@ -377,7 +380,9 @@ async def test_allocation_flood_beyond_quota_486_and_release(turn: Any) -> None:
 
 async def test_over_capacity_redirects_300(turn: Any) -> None:
     service: TurnService = await turn(
-        turn__total_quota=1, turn__alternate_server=["127.0.0.1:3478"]
+        turn__total_quota=1,
+        turn__ip_quota=0,
+        turn__alternate_server=["127.0.0.1:3478"],
     )
     async with await TurnClient.connect(service.stun.primary, USER, PASSWORD) as a:
         await a.allocate()

@@ -201,7 +201,10 @@ async def test_full_node_answers_no_suitable_relay() -> None:
 
 
 async def test_openapi_documents_the_relay_api() -> None:
-    async with relay_runtime() as rt, httpx.AsyncClient(base_url=base_url(rt)) as http:
+    async with (
+        relay_runtime(core__api_docs=True) as rt,
+        httpx.AsyncClient(base_url=base_url(rt)) as http,
+    ):
         document = (await http.get("/openapi.json")).json()
         paths = document["paths"]
         for path in ("/v1/allocate", "/v1/joincode", "/v1/join"):

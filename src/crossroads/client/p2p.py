@@ -334,6 +334,9 @@ class P2PClient:
         #: Use the TURN credentials of ``welcome`` when no factory is given.
         self._auto_turn = auto_turn
         self.turn: TurnRelay | None = None
+        #: The allocation being made after credentials arrived unasked (a
+        #: host's first joiner); the next punch waits for it.
+        self._turn_opening: asyncio.Task[None] | None = None
         #: An RFC 5780 STUN server (two addresses) for NAT type detection.
         self._stun = stun
         #: The detected NAT type (RFC 5780 + RakNet's names), if ``stun`` given.
@@ -690,6 +693,14 @@ class P2PClient:
             case sig.Turn(turn=turn):
                 self._learn_turn(turn)
                 self._turn_refresh_sent = False
+                if self.turn is None and self._turn_opening is None:
+                    # A host gets credentials only when its first joiner
+                    # arrives (docs/p2p-protocol.md §7): allocate now, so the
+                    # joiner's punch can offer the relayed address.
+                    opening = asyncio.create_task(self._open_turn())
+                    self._turn_opening = opening
+                    self._tasks.add(opening)
+                    opening.add_done_callback(self._task_done)
                 renew = getattr(self.turn, "renew", None)
                 if self._turn_info is turn and callable(renew):
                     # The allocation's own credentials are about to expire
@@ -770,6 +781,11 @@ class P2PClient:
             self.mapping = classify_mapping(ports)[0]
 
     async def _prepare(self, attempt: int) -> None:
+        opening = self._turn_opening
+        if opening is not None and not opening.done():
+            # Candidates name the relayed address: wait for the allocation.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(opening)
         await self._probe(attempt)
         await self.signalling.send(sig.PunchReady(attempt, self._candidates()))
 

@@ -54,6 +54,7 @@ from crossroads.proto.punch.coordinator import (
 )
 from crossroads.services.base import Service, ServiceContext, SessionInfo, stop_tasks
 from crossroads.services.p2p_master import MasterServer, make_master_router
+from crossroads.transport.admission import Pool
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.sockets import bound_address, make_udp_socket
@@ -75,6 +76,13 @@ STORE_RETRY = 0.5
 #: Frames queued towards one slow WebSocket client before it is dropped: a client
 #: that does not read cannot make the server buffer without bound.
 MAX_OUTBOUND_FRAMES = 256
+#: Memory one hosted session holds: ~580 bytes in the coordinator (session,
+#: host member and code records; tracemalloc over 1,000 ``host`` frames), plus
+#: its claim in the code directory (``owned_codes`` and, with the in-memory
+#: store, the key and URL), rounded up. The budget table's per-item cost.
+SESSION_BYTES = 1024
+#: Name of the hosted sessions' table in the resource budget.
+SESSION_TABLE = "p2p-sessions"
 
 
 def _check_timeout(value: int) -> None:
@@ -103,6 +111,19 @@ class Config:
         check=check_positive,
         help="Signalling WebSocket connections from one IP.",
     )
+    max_sessions: int = setting(
+        10_000,
+        check=check_positive,
+        help="Hosted mesh sessions open at once on this instance.",
+    )
+    max_sessions_per_ip: int = setting(
+        16,
+        check=check_positive,
+        help="Hosted mesh sessions opened from one IP (or IPv6 /64) at once; "
+        "never more than an eighth of --p2p-max-sessions. A session's members "
+        "get TURN credentials, so this also bounds the relay one address can "
+        "reach without an account.",
+    )
     relay_bytes_per_second: int = setting(
         256 * 1024,
         check=check_positive,
@@ -111,8 +132,8 @@ class Config:
     turn_secret: str = setting(
         "",
         help="Shared secret of a TURN server (coturn use-auth-secret / --turn-secret): "
-        "peers in a session get time-limited TURN credentials (hosted, join_start, "
-        "turn_refresh). Empty: the TURN "
+        "peers of a session with somebody to relay to get time-limited TURN "
+        "credentials (join_start, a pushed turn, turn_refresh). Empty: the TURN "
         "service's first secret when it runs in this process.",
     )
     turn_server: str = setting(
@@ -194,6 +215,16 @@ class P2PService:
         self.url = config.public_url or signalling_url(
             ctx.config.core.public_host or ctx.host, ctx.http_address[1]
         )
+        self._resources = ctx.resources
+        #: Hosted sessions, per source and in total: a fraction of the total
+        #: per source, as every table of the budget (issue 24 finding 7).
+        self.session_table = ctx.resources.table(
+            SESSION_TABLE,
+            max_items=config.max_sessions,
+            max_per_source=config.max_sessions_per_ip,
+            pool=Pool.NONE,
+            bytes_per_item=SESSION_BYTES,
+        )
         self.core = Coordinator(
             CoordinatorConfig(
                 max_connections=config.max_connections,
@@ -204,6 +235,7 @@ class P2PService:
             directory=True,
             reflection=ctx.reflection_budget(),
             guesses=ctx.guess_budget(),
+            sessions=self.session_table,
         )
         #: Codes this instance holds in the Store (claimed, not yet released).
         self.owned_codes: set[str] = set()
@@ -288,6 +320,7 @@ class P2PService:
             return
         self._closed = True
         self._timer.close()
+        self._resources.forget(SESSION_TABLE)
         for transport in self._transports:
             transport.close()
         for queue in self._queues.values():

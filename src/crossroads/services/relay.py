@@ -86,9 +86,15 @@ from crossroads.services.relay_allocations import (
 from crossroads.services.relay_dtls import RelayDtls
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
+from crossroads.transport.admission import Pool
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
-from crossroads.transport.relay_ws import WebSocketListener
+from crossroads.transport.relay_ws import (
+    HANDSHAKE_TIMEOUT,
+    WS_CONNECTION_BYTES,
+    WSS_CONNECTION_BYTES,
+    WebSocketListener,
+)
 from crossroads.transport.sockets import (
     bound_address,
     make_tcp_listener,
@@ -557,6 +563,15 @@ class RelayCollector(Collector):
             for reason, count in sorted(listener.drops.items()):
                 ws_dropped.add_metric([name, reason], count)
         yield ws_dropped
+        pauses = CounterMetricFamily(
+            "crossroads_relay_websocket_read_pauses",
+            "Times a WebSocket connection stopped reading because its write "
+            "buffer (relay messages, pongs) was full, by listener (ws, wss).",
+            labels=["listener"],
+        )
+        for name, listener in self.node.websockets.items():
+            pauses.add_metric([name], listener.read_pauses)
+        yield pauses
         yield CounterMetricFamily(
             "crossroads_relay_websocket_gone",
             "Relay messages for a WebSocket connection that had closed "
@@ -731,13 +746,26 @@ async def listen_websockets(
         log.warning("relay: no certificate (--tls-cert), so no wss endpoint")
     try:
         for name, port in wanted:
-            admission = ctx.resources.listener(
+            admission = ctx.resources.table(
                 f"relay-{name}",
-                cfg.ws_max_connections,
-                cfg.ws_max_connections_per_ip,
+                max_items=cfg.ws_max_connections,
+                max_per_source=cfg.ws_max_connections_per_ip,
+                pool=Pool.CONNECTIONS,
+                descriptors_per_item=1,
+                # The most one connection holds (write buffer bound, a
+                # read's pongs, TLS buffers for wss), measured.
+                bytes_per_item=(
+                    WSS_CONNECTION_BYTES if name == "wss" else WS_CONNECTION_BYTES
+                ),
+                # Until the upgrade; then the idle rule (relay messages
+                # only, pings do not count) ends a silent client.
+                preauth_deadline=HANDSHAKE_TIMEOUT,
             )
             listener = WebSocketListener(endpoint, admission, cfg.idle_timeout)
             sock = make_tcp_listener(ctx.host, port)
+            ctx.resources.listen(
+                NAME, name, "tcp", bound_address(sock), f"relay-{name}"
+            )
             factory: Callable[[], asyncio.BaseProtocol] = listener.connection
             if name == "wss" and certificates is not None:
                 # Its own TLS tables; the descriptor is the wss listener's.

@@ -129,6 +129,7 @@ from crossroads.services.stun import (
     TurnHooks,
     UdpEndpoint,
 )
+from crossroads.transport.admission import PER_SOURCE_FRACTION
 from crossroads.transport.dataplane import (
     RouteTapLike,
     TapReaders,
@@ -317,7 +318,8 @@ class Config:
     ip_quota: int = setting(
         DEFAULT_IP_QUOTA,
         check=check_non_negative,
-        help="Allocations per client IP address (0 = no limit): 486 beyond.",
+        help="Allocations per client IP address (0 = no limit), never more than "
+        "an eighth of the total quota: 486 beyond.",
     )
     total_quota: int = setting(
         0,
@@ -1724,11 +1726,18 @@ def _settings(config: Config) -> TurnSettings:
     total_quota = config.total_quota or auto_total_quota(
         resource.getrlimit(resource.RLIMIT_NOFILE)[0], high - low + 1
     )
+    # One address never holds more than its fraction of the total, as in every
+    # table of the resource budget (issue 24: at ulimit -n 1024 the total is
+    # 192 and the per-IP quota was 256, so one IP with a few p2p credentials
+    # took the whole relay). 0 keeps meaning "no per-IP quota".
+    ip_quota = config.ip_quota
+    if ip_quota:
+        ip_quota = min(ip_quota, max(1, int(total_quota * PER_SOURCE_FRACTION)))
     return TurnSettings(
         realm=config.realm,
         max_lifetime=float(config.max_lifetime),
         user_quota=config.user_quota,
-        ip_quota=config.ip_quota,
+        ip_quota=ip_quota,
         total_quota=total_quota,
         max_permissions=config.max_permissions,
         channel_max=(

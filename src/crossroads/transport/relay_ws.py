@@ -27,13 +27,29 @@ the core sends to that address comes back here as one binary frame.
    client's receive limit, §2.3) go to the core; a larger one closes with 1009
    (message too big), a text frame with 1003 (unsupported data), like the
    client does itself. Pings are answered with pongs; close is echoed.
-4. **Idle.** A connection that receives nothing for the relay's idle timeout is
-   closed: the native client pings every 500 ms when it hears nothing, and relay
-   PINGs flow every few seconds, so only a dead or silent peer stays that long.
+4. **Idle.** A connection that carries no relay message (binary frame) for the
+   relay's idle timeout is closed. WebSocket pings do not count: they are the
+   native client's own liveness probe (every 500 ms when it hears nothing,
+   §2.3), while relay PINGs flow every few seconds and "the relay's 10 s idle
+   rule still applies" (§2.3). So a connection that only pings, bound or not,
+   is a dead client or an attacker, and it ends like any silent one.
 5. **Sending.** A relay message for the client larger than :data:`MAX_FRAME`
    is dropped (the client would abort on it), and so is one that finds more
    than :data:`MAX_BUFFERED` bytes waiting in the socket: like a full UDP send
    buffer, a slow reader loses frames instead of growing server memory.
+6. **One bound for every write.** Pongs and close frames cannot be dropped like
+   relay messages (the protocol object answers each ping as it parses it), so
+   they count against the same :data:`MAX_BUFFERED` differently: when the
+   write buffer goes over it (the transport's high-water mark) the connection
+   stops *reading* until the buffer is back under :data:`RESUME_BUFFERED`. A
+   client that pings and never reads then fills its own socket, and TCP flow
+   control stops it. This is what websockets' own asyncio protocol (and so
+   uvicorn) does: the pong is followed by ``drain()``, which holds the reader
+   while the transport is over its high-water mark; answering only some pings
+   would also be allowed (RFC 6455 §5.5.3), but needs a parser that defers
+   them. A connection's buffer is thus at most :data:`MAX_BUFFERED` plus the
+   pongs of one read (asyncio reads up to 256 KiB at a time, and a pong is
+   never larger than its ping).
 
 Every refusal and drop is counted by reason in :attr:`WebSocketListener.drops`.
 """
@@ -67,6 +83,17 @@ HANDSHAKE_TIMEOUT = 5.0
 #: to it are dropped: about 180 full frames, a fraction of a second of a game's
 #: traffic.
 MAX_BUFFERED = 256 * 1024
+#: Reading resumes once the write buffer is back under this (a quarter of the
+#: bound, asyncio's own high/low ratio).
+RESUME_BUFFERED = MAX_BUFFERED // 4
+#: Bytes one connection may hold at most, measured under the worst client (a
+#: ping flood that never reads: RSS growth of a ``crossroads serve`` child per
+#: connection, 8 and 32 connections, docs/security.md "WebSocket memory"):
+#: the write buffer (MAX_BUFFERED plus the pongs of one 256 KiB read) and the
+#: protocol objects; for wss also asyncio's TLS layer (its 256 KiB read buffer
+#: and the plaintext and ciphertext waiting on both sides).
+WS_CONNECTION_BYTES = 704 * 1024
+WSS_CONNECTION_BYTES = 1600 * 1024
 #: Close codes (RFC 6455 §7.4.1).
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_GOING_AWAY = 1001
@@ -105,6 +132,8 @@ class WebSocketListener:
     drops: dict[str, int] = field(default_factory=dict, init=False)
     #: Connections that completed the WebSocket handshake.
     upgraded: int = field(default=0, init=False)
+    #: Times a connection stopped reading because its write buffer was full.
+    read_pauses: int = field(default=0, init=False)
 
     def drop(self, reason: str) -> None:
         self.drops[reason] = self.drops.get(reason, 0) + 1
@@ -128,6 +157,7 @@ class RelayWebSocket(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._last_received = 0.0
         self._fragments: bytearray | None = None
+        self._reading_paused = False
 
     # ---------------------------------------------------------------- asyncio
 
@@ -139,6 +169,9 @@ class RelayWebSocket(asyncio.Protocol):
             stream.abort()
             return
         self._admitted = True
+        # Every write (relay messages, pongs, closes) counts against one bound:
+        # over it pause_writing() stops reading (module docstring, point 6).
+        stream.set_write_buffer_limits(high=MAX_BUFFERED, low=RESUME_BUFFERED)
         self._timer = self._loop.call_later(
             self.listener.handshake_timeout, self._handshake_expired
         )
@@ -146,7 +179,6 @@ class RelayWebSocket(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport is None or not self._admitted:
             return
-        self._last_received = self._loop.time()
         self.ws.receive_data(data)
         for event in self.ws.events_received():
             if isinstance(event, Request):
@@ -163,6 +195,24 @@ class RelayWebSocket(asyncio.Protocol):
                 self.ws.receive_eof()
             self._write()
         return None
+
+    def pause_writing(self) -> None:
+        """The write buffer went over :data:`MAX_BUFFERED`: read no more (no
+        more pings to answer) until it drains."""
+        transport = self.transport
+        if transport is not None and not self._reading_paused:
+            self._reading_paused = True
+            self.listener.read_pauses += 1
+            with contextlib.suppress(RuntimeError):  # closing already
+                transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        """The write buffer is back under :data:`RESUME_BUFFERED`."""
+        transport = self.transport
+        if self._reading_paused and transport is not None:
+            self._reading_paused = False
+            with contextlib.suppress(RuntimeError):
+                transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -188,6 +238,7 @@ class RelayWebSocket(asyncio.Protocol):
         if response.status_code != 101:
             return  # counted in data_received (handshake_exc is set)
         self.listener.upgraded += 1
+        self._last_received = self._loop.time()
         self.address = self.listener.endpoint.attach_stream(self.host, self.send)
         if self._timer is not None:
             self._timer.cancel()
@@ -223,6 +274,9 @@ class RelayWebSocket(asyncio.Protocol):
 
     def _frame(self, frame: Frame) -> None:
         opcode = frame.opcode
+        if opcode is Opcode.BINARY or opcode is Opcode.CONT:
+            # Only data counts as life (module docstring, point 4).
+            self._last_received = self._loop.time()
         if opcode is Opcode.BINARY:
             if frame.fin:
                 self._deliver(bytes(frame.data))
@@ -272,16 +326,25 @@ class RelayWebSocket(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
+        # One write per batch: a read full of pings makes thousands of small
+        # pongs, and a transport that keeps each as an object of its own (uvloop
+        # queues them) pays far more than their bytes.
+        pending: list[bytes] = []
         for chunk in self.ws.data_to_send():
             if chunk:
-                transport.write(chunk)
-            else:
-                # The protocol is done (closed, failed or refused): the server
-                # closes the TCP connection first (RFC 6455 §7.1.1).
-                sent = self.ws.close_sent
-                reason = FAILURES.get(sent.code) if sent is not None else None
-                if reason is not None:
-                    self.listener.drop(reason)
-                transport.close()
-                self.transport = None
-                return
+                pending.append(chunk)
+                continue
+            if pending:
+                transport.write(b"".join(pending))
+                pending = []
+            # The protocol is done (closed, failed or refused): the server
+            # closes the TCP connection first (RFC 6455 §7.1.1).
+            sent = self.ws.close_sent
+            reason = FAILURES.get(sent.code) if sent is not None else None
+            if reason is not None:
+                self.listener.drop(reason)
+            transport.close()
+            self.transport = None
+            return
+        if pending:
+            transport.write(pending[0] if len(pending) == 1 else b"".join(pending))

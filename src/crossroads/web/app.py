@@ -34,18 +34,55 @@ class ApiError(Exception):
         self.message = message
 
 
+#: ``Strict-Transport-Security`` on every answer sent over HTTPS (RFC 6797):
+#: a browser that reached the console over TLS keeps to TLS for a year. Not
+#: ``includeSubDomains`` (other hosts of the domain are not ours to pin) and
+#: never over plain HTTP, where a browser ignores it (RFC 6797 §7.2).
+HSTS = b"max-age=31536000"
+
+
+class StrictTransportSecurity:
+    """ASGI middleware: :data:`HSTS` on HTTP answers whose scope's scheme is
+    https (the HTTPS port; or a trusted proxy's ``X-Forwarded-Proto``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("scheme") != "https":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_hsts(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"strict-transport-security", HSTS))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_hsts)
+
+
 def create_app(
     *,
     metrics: CollectorRegistry,
     store: Store,
     routers: Sequence[APIRouter] = (),
     services: Callable[[], list[str]] = lambda: [],
+    api_docs: bool = False,
 ) -> FastAPI:
+    # The interactive docs list every route and schema to anyone, and the
+    # pages load scripts from a CDN: off unless the operator asks
+    # (--api-docs); the README documents the APIs.
     app = FastAPI(
         title="crossroads",
         version=crossroads.__version__,
         description="Connectivity for multiplayer games.",
+        docs_url="/docs" if api_docs else None,
+        redoc_url="/redoc" if api_docs else None,
+        openapi_url="/openapi.json" if api_docs else None,
     )
+    app.add_middleware(StrictTransportSecurity)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

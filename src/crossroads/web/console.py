@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry
 import crossroads
 from crossroads.config import Config
 from crossroads.errors import StoreError
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.services.base import Service, SessionAdmin, show_address
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import Certificates
@@ -357,9 +358,17 @@ class Console:
     _task: asyncio.Task[None] | None = field(default=None, init=False)
     _status: dict[str, Any] | None = field(default=None, init=False)
     _status_at: float = field(default=0.0, init=False)
+    #: Wrong admin tokens a source, and the process, may try (the
+    #: ``--guess-*`` budget every other secret has; before, 188 wrong tokens
+    #: a second were answered 401 without end).
+    token_guesses: FailureBudget = field(init=False)
 
     def __post_init__(self, metrics: CollectorRegistry) -> None:
         self.sampler = Sampler(metrics)
+        core = self.config.core
+        self.token_guesses = FailureBudget(
+            BudgetConfig.from_settings(core.guess_per_source, core.guess_global)
+        )
 
     def start(self) -> None:
         logging.getLogger("crossroads").addHandler(self.errors)
@@ -453,12 +462,42 @@ class Console:
         }
 
     def authorized(self, request: Request) -> bool:
+        """The request carries the admin token (constant-time compare; no
+        budget: :meth:`refusal` is what the admin routes ask)."""
         token = self.config.core.admin_token
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if not token or scheme.lower() != "bearer":
             return False
         return hmac.compare_digest(given.strip().encode(), token.encode())
+
+    def refusal(self, request: Request) -> JSONResponse | None:
+        """None when the request may use the admin API; else the answer.
+
+        A bearer token is a guess: it spends one token of the guessing budget
+        (per source and for the process, proto/budget.py) before it is
+        compared, and a right one is refunded, so guessing gets 429 once the
+        budget is spent, right or wrong, and an admin who types the token
+        right pays nothing. A request with no bearer token guesses nothing."""
+        token = self.config.core.admin_token
+        scheme, _, _ = request.headers.get("authorization", "").partition(" ")
+        if not token or scheme.lower() != "bearer":
+            return _forbidden()
+        source = request.client.host if request.client else ""
+        now = time.monotonic()
+        if not self.token_guesses.try_spend(source, now):
+            return JSONResponse(
+                {
+                    "code": "rate_limited",
+                    "message": "too many wrong admin tokens; retry later",
+                },
+                status_code=429,
+                headers={"Retry-After": "10"},
+            )
+        if not self.authorized(request):
+            return _forbidden()
+        self.token_guesses.refund(source)
+        return None
 
     def client_ports(self, http_port: int) -> ClientPorts:
         """Where this process's services actually listen (public accessors)."""
@@ -660,8 +699,8 @@ class Console:
 
         @router.get("/console/api/admin/sessions")
         async def sessions(request: Request) -> JSONResponse:
-            if not self.authorized(request):
-                return _forbidden()
+            if (refused := self.refusal(request)) is not None:
+                return refused
             return JSONResponse(
                 {
                     name: [asdict(s) for s in admin.sessions()]
@@ -671,21 +710,21 @@ class Console:
 
         @router.get("/console/api/admin/resources")
         async def resource_registry(request: Request) -> JSONResponse:
-            if not self.authorized(request):
-                return _forbidden()
+            if (refused := self.refusal(request)) is not None:
+                return refused
             snapshot = self.resources() if self.resources is not None else {}
             return JSONResponse(snapshot)
 
         @router.get("/console/api/admin/errors")
         async def errors(request: Request) -> JSONResponse:
-            if not self.authorized(request):
-                return _forbidden()
+            if (refused := self.refusal(request)) is not None:
+                return refused
             return JSONResponse({"errors": list(self.errors.records)})
 
         @router.post("/console/api/admin/revoke")
         async def revoke(request: Request) -> JSONResponse:
-            if not self.authorized(request):
-                return _forbidden()
+            if (refused := self.refusal(request)) is not None:
+                return refused
             try:
                 body = await request.json()
                 kind, session_id = str(body["kind"]), str(body["id"])

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from crossroads.errors import DecodeError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
@@ -114,6 +115,33 @@ RELAY_BYTES_RATE = 256 * 1024
 RELAY_BYTES_BURST = 64 * 1024
 RELAY_MAX_FRAME = 1 + 8 + 1400 + 64
 RELAY_FRAME = 0x01
+
+
+class SessionAdmission(Protocol):
+    """Admission of hosted sessions per source and in total (the process's
+    resource budget, ``crossroads.transport.admission.Admission``, is one)."""
+
+    def admit(self, host: str) -> str | None:
+        """None when a new session from ``host`` may open, else why not."""
+        ...
+
+    def release(self, host: str) -> None:
+        """A session admitted for ``host`` ended."""
+        ...
+
+
+@dataclass(eq=False)
+class UnboundedSessions:
+    """No cap but counts (unit tests, and a core run without a budget)."""
+
+    live: int = 0
+
+    def admit(self, host: str) -> str | None:
+        self.live += 1
+        return None
+
+    def release(self, host: str) -> None:
+        self.live -= 1
 
 
 @frozen
@@ -245,6 +273,9 @@ class _Peer:
     queued: int = 0
     sessions: set[str] = field(default_factory=set)
     joining: set[str] = field(default_factory=set)
+    #: TURN credentials were handed to this peer (hosted before a second
+    #: member came, a member gets them pushed once when one does).
+    has_turn: bool = False
 
 
 @dataclass(slots=True)
@@ -272,6 +303,9 @@ class _Session:
     id: str
     code: str
     max_members: int
+    #: The IP that opened the session: its admission is charged to it until
+    #: the session ends, whoever is host by then.
+    source: str = ""
     members: dict[str, sig.Member] = field(default_factory=dict)
     next_seniority: int = 0
     joins: dict[str, _Join] = field(default_factory=dict)
@@ -296,9 +330,13 @@ class Coordinator(EventQueue[Event]):
         directory: bool = False,
         reflection: ReflectionBudget | None = None,
         guesses: FailureBudget | None = None,
+        sessions: SessionAdmission | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        #: Hosted sessions per source and in total (docs/security.md, issue
+        #: 24: three sessions from one IP took the whole TURN quota).
+        self.session_admission: SessionAdmission = sessions or UnboundedSessions()
         #: Rendezvous answers per source IP (docs/security.md, "Reflection
         #: budget"): a token holder can spoof the source; None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
@@ -650,15 +688,44 @@ class Coordinator(EventQueue[Event]):
         self._ping(peer, now)
 
     def _turn(self, peer: _Peer) -> sig.TurnInfo | None:
-        """TURN credentials for a peer that is in (or joining) a session."""
-        if self._turn_credentials is None:
+        """TURN credentials for a peer that is joining a session or in one
+        with somebody else (:meth:`_entitled`)."""
+        if self._turn_credentials is None or not self._entitled(peer):
             return None
+        peer.has_turn = True
         return self._turn_credentials(peer.id)
 
+    def _entitled(self, peer: _Peer) -> bool:
+        """The relay is for reaching other members: a peer is entitled to TURN
+        credentials while it joins a session, or while a session of its has a
+        second member or joiner. A host alone in its session is not (issue 24:
+        three ``host`` frames from one IP, no account, gave three credentials
+        and the whole TURN quota); nor is an anonymous socket (issue 12)."""
+        if peer.joining:
+            return True
+        for session_id in peer.sessions:
+            session = self._sessions.get(session_id)
+            if session is not None and len(session.members) + len(session.joins) > 1:
+                return True
+        return False
+
+    def _share_turn(self, session: _Session) -> None:
+        """A session just got a second participant: members that never had
+        credentials get them now (an SDK host allocates on this ``turn``)."""
+        if self._turn_credentials is None:
+            return
+        for member in session.members.values():
+            other = self._peers.get(member.peer)
+            if other is not None and not other.has_turn:
+                turn = self._turn(other)
+                if turn is not None:
+                    self._send(other, sig.Turn(turn))
+
     def _turn_refresh(self, peer: _Peer) -> None:
-        """Fresh credentials, for a peer in a session only: the relay is for
-        reaching session members, not for anyone who opens a WebSocket."""
-        if not (peer.sessions or peer.joining):
+        """Fresh credentials, for a peer entitled to them only: the relay is
+        for reaching session members, not for anyone who opens a WebSocket
+        or hosts a session nobody joined."""
+        if not self._entitled(peer):
             self._error(
                 peer.conn, "not_in_session", "TURN is for session members", "turn"
             )
@@ -722,7 +789,22 @@ class Coordinator(EventQueue[Event]):
         if hosted >= MAX_HOSTED_SESSIONS:
             self._error(peer.conn, "limit", "too many hosted sessions", "host")
             return
-        session = _Session(self._new_id(), self._new_code(), host.max_members)
+        source = self._source(peer)
+        refused = self.session_admission.admit(source)
+        if refused is not None:
+            self._events.append(FrameRejected(f"sessions-{refused}"))
+            self._error(
+                peer.conn,
+                "limit",
+                "too many sessions from this address"
+                if refused == "over-ip-limit"
+                else "too many sessions on this server",
+                "host",
+            )
+            return
+        session = _Session(
+            self._new_id(), self._new_code(), host.max_members, source=source
+        )
         member = sig.Member(peer.id, peer.key, 0)
         session.members[peer.id] = member
         session.next_seniority = 1
@@ -733,7 +815,8 @@ class Coordinator(EventQueue[Event]):
             session.claimed = False
             self._events.append(CodeClaim(session.id, session.code))
             return
-        self._send(peer, sig.Hosted(session.id, session.code, 0, self._turn(peer)))
+        # No TURN yet: the session has nobody to relay to (see _entitled).
+        self._send(peer, sig.Hosted(session.id, session.code, 0, None))
 
     def code_claimed(self, session_id: str, ok: bool) -> None:
         """The directory's answer to :class:`CodeClaim`: ``ok`` False means
@@ -750,7 +833,7 @@ class Coordinator(EventQueue[Event]):
         session.claimed = True
         host = self._peers.get(session.host())
         if host is not None:
-            self._send(host, sig.Hosted(session.id, session.code, 0, self._turn(host)))
+            self._send(host, sig.Hosted(session.id, session.code, 0, None))
 
     def code_located(self, peer_id: str, code: str, url: str | None) -> None:
         """The directory's answer to :class:`CodeLookup`: the signalling URL of
@@ -816,6 +899,7 @@ class Coordinator(EventQueue[Event]):
         session.joins[peer.id] = _Join(peer.id, now + JOIN_TIMEOUT)
         peer.joining.add(session.id)
         self._send_join_start(peer, session)
+        self._share_turn(session)
 
     def _send_join_start(self, peer: _Peer, session: _Session) -> None:
         """Step 1 of a verified join: the members ``peer`` must reach first."""
@@ -914,6 +998,7 @@ class Coordinator(EventQueue[Event]):
             for join in list(session.joins.values()):
                 self._reject_join(session, join.peer, "session closed")
             del self._sessions[session_id]
+            self.session_admission.release(session.source)
             self._codes.pop(session.code, None)
             if self.directory:
                 self._events.append(CodeReleased(session.code))
