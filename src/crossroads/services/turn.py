@@ -161,6 +161,10 @@ log = logging.getLogger("crossroads.turn")
 
 #: ChannelData header: channel number, length (RFC 8656 §12.4).
 _CHANNEL_HEADER = struct.Struct("!HH").pack
+#: Drop reason of relayed data for a TCP/TLS client whose connection has
+#: :data:`~crossroads.services.stun.TCP_MAX_UNSENT` bytes unsent (the client
+#: stalls; its connection and allocation stay).
+DROP_CLIENT_BUFFER_FULL = "tcp-client-buffer-full"
 #: A pipe pauses reading when the other side has this much unsent (bytes).
 PIPE_HIGH_WATER = 256 * 1024
 #: Linux IP_MTU_DISCOVER / IP_PMTUDISC_DO: set the DF bit (RFC 8656 §7.2
@@ -573,6 +577,11 @@ class UdpRelay(_RelaySocket):
         self.link = link
         self.client = link.client
         self.client_send = link.endpoint.send
+        #: A TCP/TLS client's connection: relayed data for it is dropped
+        #: (counted) while its write buffer is full, never the connection.
+        self.stream = (
+            link.endpoint if isinstance(link.endpoint, TcpConnection) else None
+        )
         #: Peer -> channel number, for bindings whose permission is live.
         self.peer_channels: dict[Address, int] = {}
         #: The relay socket's route table: peer -> route to the client.
@@ -687,7 +696,13 @@ class UdpRelay(_RelaySocket):
             attribute = self._peer_attributes[addr] = xor_peer_address(addr, b"")
         self._txid_counter = (self._txid_counter + 1) & 0xFFFFFFFF
         txid = self._txid_prefix + self._txid_counter.to_bytes(4, "big")
-        self.client_send(data_indication(addr, data, txid, attribute), self.client)
+        indication = data_indication(addr, data, txid, attribute)
+        if self.stream is not None:
+            if not self.stream.send_relayed(indication):
+                self.stats.drop(DROP_CLIENT_BUFFER_FULL)
+                return
+        else:
+            self.client_send(indication, self.client)
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += len(data)
@@ -709,10 +724,13 @@ class UdpRelay(_RelaySocket):
         if self.budget.bps and not self.budget.allow(size):
             return
         frame = channel_header(channel, size) + data
-        if self.link.tcp:
+        if self.stream is not None:
             # RFC 8656 §12.5: over TCP padded to a multiple of 4 bytes.
-            frame += PAD[size & 3]
-        self.client_send(frame, self.client)
+            if not self.stream.send_relayed(frame + PAD[size & 3]):
+                self.stats.drop(DROP_CLIENT_BUFFER_FULL)
+                return
+        else:
+            self.client_send(frame, self.client)
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += size
