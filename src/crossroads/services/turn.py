@@ -687,6 +687,14 @@ class UdpRelay(_RelaySocket):
         if addr[0] not in self.permissions:
             self.stats.drop("peer-no-permission")
             return
+        service = self.service
+        core = service.core
+        self_peer = addr[0] in core.self_peers
+        if self_peer and core.self_peer_refused(addr, self.client[0]):
+            # One of the server's own hosts: a permission covers the IP, the
+            # port is judged here (a freed relayed port may belong to any
+            # socket of the server now).
+            return
         if self.budget.bps and not self.budget.allow(len(data)):
             return
         attribute = self._peer_attributes.get(addr)
@@ -713,6 +721,8 @@ class UdpRelay(_RelaySocket):
                 self.link.out, self.client, addr, os.urandom(8), self.budget
             )
             self.data_peers.setdefault(addr[0], set()).add(addr)
+            if self_peer:
+                service.learned_self_peer(addr, self)
 
     @property
     def learned(self) -> int:
@@ -983,6 +993,10 @@ class TurnService:
         )
         #: Reads every tap (C: one epoll set, one event-loop fd).
         self.readers = TapReaders()
+        #: Relayed address -> relays that learned a Data indication route
+        #: from it, and Send routes that approved it (see :meth:`_forget_relayed`).
+        self.self_peer_routes: dict[Address, set[UdpRelay]] = {}
+        self.self_peer_approvals: dict[Address, set[Any]] = {}
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)
@@ -1118,9 +1132,26 @@ class TurnService:
         stats.to_peer_bytes += tap.forwarded_bytes
         stats.retired_errors += tap.send_errors + tap.malformed
 
+    def learned_self_peer(self, peer: Address, relay: UdpRelay) -> None:
+        """``relay`` learned a Data indication route from ``peer``, an
+        address of this host: it goes when ``peer`` (a relayed address) does."""
+        self.self_peer_routes.setdefault(peer, set()).add(relay)
+
+    def _forget_relayed(self, address: Address) -> None:
+        """The relayed ``address`` is gone: no route another allocation
+        learned from it and no Send approval to it forwards any more (the
+        core ended the channels to it; a new socket may take the port)."""
+        for relay in self.self_peer_routes.pop(address, ()):
+            relay.unroute_peer(address)
+        for route in self.self_peer_approvals.pop(address, ()):
+            approved = route.approved
+            if approved is not None:
+                approved.pop(address, None)
+
     def retire(self, relay: UdpRelay) -> None:
         """Stop reading a closing relay; fold its counters into the totals."""
         self.relays.discard(relay)
+        self._forget_relayed(relay.address)
         tap = relay.tap
         self.readers.remove(tap)
         tap.close()
@@ -1407,6 +1438,8 @@ class TurnService:
                 and route.sock is relay.sock
             ):
                 approve(route, peer, time.monotonic())
+                if peer in self.core.relayed:
+                    self.self_peer_approvals.setdefault(peer, set()).add(route)
         if relay.bps and not relay.allow(len(payload)):
             return True
         relay.sendto(payload, peer)

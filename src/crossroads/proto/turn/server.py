@@ -436,6 +436,12 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self.relayed: dict[Address, Allocation] = {}
         #: IP of relayed addresses -> how many live ones (permissions are per IP).
         self._relayed_hosts: dict[str, int] = {}
+        #: Relayed address -> the other allocations with a channel bound to
+        #: it: their channels end with it (see :meth:`_orphan_peer`).
+        self._channels_to_relayed: dict[Address, set[Allocation]] = {}
+        #: The latest ``now`` seen (deletions outside a request or timer, such
+        #: as a closed TCP connection, date a quarantine from it).
+        self._now = 0.0
         #: Peer IPs on this host that hold a permission: the data path checks
         #: the port of every Send indication to them (module docstring).
         self.self_peers: set[str] = set()
@@ -492,6 +498,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
 
     def handle_timer(self, now: float) -> None:
         """Expire whatever is due at ``now``."""
+        self._now = now
         schedule = self._deadlines.schedule
         for _deadline, kind, subject in self._deadlines.pop_due(now):
             match kind:
@@ -553,6 +560,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         ``allow_unauthenticated``) goes to a source that has proved nothing:
         over UDP it is sent only within the reflection budget.
         """
+        self._now = now
         try:
             msg = decode(data)
         except DecodeError as exc:
@@ -1056,8 +1064,27 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             if self.relayed.get(address) is allocation:
                 del self.relayed[address]
                 decrement(self._relayed_hosts, address[0])
+                self._orphan_peer(address)
             self.ports.release(relay.address[1])
             relay.close()
+
+    def _orphan_peer(self, address: Address) -> None:
+        """The relayed ``address`` is gone: channels other allocations bound
+        to it stop forwarding now (both ways), as if they had expired; the
+        number and the address stay reserved for the quarantine (RFC 8656
+        §12). Its port goes back to the kernel, whose ephemeral range the
+        relay range overlaps: whatever socket of the server takes it next is
+        no peer anyone was allowed. A ChannelBind to it is judged anew (403
+        unless the policy allows the address itself). Send indications and
+        datagrams from it are judged per port on the data path
+        (:meth:`self_peer_refused`); the transport drops the routes it
+        learned for it when the relay closes."""
+        for other in self._channels_to_relayed.pop(address, ()):
+            if other.dead:
+                continue
+            channel = other.channel_of_peer.get(address)
+            if channel is not None and channel.active and not channel.dead:
+                other.expire_channel(channel, self._now, self._deadlines.schedule)
 
     def _add_relayed(self, relay: RelayPort, allocation: Allocation) -> None:
         address = _canonical(relay.address)
@@ -1082,6 +1109,12 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         decrement(self.ip_allocations, five[1][0])
         if now is not None and allocation.transaction_id:
             self._remember_freed(five, allocation.transaction_id, now)
+        for peer in allocation.channel_of_peer:
+            bound = self._channels_to_relayed.get(peer)
+            if bound is not None:
+                bound.discard(allocation)
+                if not bound:
+                    del self._channels_to_relayed[peer]
         for connection_id in list(allocation.connections):
             connection = self.connections.get(connection_id)
             if connection is not None:
@@ -1267,6 +1300,8 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         allocation.bind_channel(
             number.value, address, relay, now, self._deadlines.schedule
         )
+        if address in self.relayed:
+            self._channels_to_relayed.setdefault(address, set()).add(allocation)
         return self._answer(msg, auth, success_response(msg))
 
     # ------------------------------------------------------------ RFC 6062
