@@ -54,7 +54,6 @@ import errno
 import ipaddress
 import logging
 import os
-import resource
 import secrets
 import socket
 import struct
@@ -128,6 +127,7 @@ from crossroads.services.stun import (
     TurnHooks,
     UdpEndpoint,
 )
+from crossroads.transport.admission import Pool
 from crossroads.transport.dataplane import (
     RouteTapLike,
     TapReaders,
@@ -203,23 +203,27 @@ DEFAULT_IP_QUOTA = 256
 #: Default cap on time-limited credentials: one day, what coturn-style
 #: deployments hand out (draft-uberti-behave-turn-rest-00 suggests 86400 s).
 DEFAULT_MAX_CREDENTIAL_TTL = 86400
-#: Descriptors kept back for everything that is not a TURN relay socket
-#: (listeners, HTTP and WebSocket connections, Redis, logs) before the rest is
-#: shared out; see :func:`auto_total_quota`.
-RESERVED_DESCRIPTORS = 256
-
-
-def auto_total_quota(descriptor_limit: int, relay_ports: int) -> int:
-    """The default total allocation quota (``--turn-total-quota 0``).
-
-    TURN may use half of the descriptors above :data:`RESERVED_DESCRIPTORS`
-    (the other half is for every other service), and an allocation costs up
-    to two (one relay socket per address family, RFC 8656 §7.1 dual
-    allocations). It can also never exceed the relay port range. At least 16,
-    so a tiny ``ulimit -n`` still relays something.
-    """
-    by_descriptors = max(0, descriptor_limit - RESERVED_DESCRIPTORS) // 2 // 2
-    return max(16, min(relay_ports, by_descriptors))
+#: The resource budget's table of TURN allocations (docs/security.md).
+ALLOCATION_TABLE = "turn-allocations"
+#: Descriptors an allocation holds at most: one relay socket per address
+#: family (RFC 8656 §7.1 dual allocations).
+DESCRIPTORS_PER_ALLOCATION = 2
+#: Memory one allocation holds in the process, measured: 7.7 KB of RSS per UDP
+#: allocation with one permission and one channel (1,000 allocations of a
+#: ``crossroads serve`` subprocess; allocation, relay, routes and tap, socket
+#: object). The relay socket's kernel buffers are the kernel's (udp_mem).
+BYTES_PER_ALLOCATION = 8 * 1024
+#: The resource budget's table of RFC 6062 peer data connections.
+PEER_CONNECTION_TABLE = "turn-peer-connections"
+#: A peer data connection holds its own descriptor and, once bound, the
+#: client data connection the STUN listener hands over (RFC 6062 §5.4), which
+#: then leaves the listener's table.
+DESCRIPTORS_PER_PEER_CONNECTION = 2
+#: Memory of one peer data connection and its client data connection: two
+#: asyncio transports and protocols, and the data buffered before
+#: ConnectionBind (MAX_PENDING_PEER_BYTES, RFC 6062 §5.3) or while the other
+#: side's write buffer is above its high-water mark (PIPE_HIGH_WATER).
+BYTES_PER_PEER_CONNECTION = 8 * 1024 + MAX_PENDING_PEER_BYTES
 
 
 def _parse_host_port(text: str) -> Address:
@@ -791,6 +795,15 @@ class Pipe(asyncio.Protocol):
         #: Bytes received before the other side exists (bounded, RFC 6062 §5.3).
         self.pending = bytearray()
         self.closed = False
+        #: The client host a peer connection is admitted for in the budget's
+        #: peer connection table (released once, when it ends).
+        self.admitted: str | None = None
+
+    def release(self) -> None:
+        """Give the peer connection's place in the budget back (once)."""
+        if self.admitted is not None:
+            self.service.peer_connection_table.release(self.admitted)
+            self.admitted = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -836,6 +849,7 @@ class Pipe(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.release()
         if not self.closed:
             self.closed = True
             self.service.tcp_connection_lost(self.connection_id)
@@ -843,6 +857,7 @@ class Pipe(asyncio.Protocol):
             self.other.close()
 
     def close(self) -> None:
+        self.release()
         if self.closed:
             return
         self.closed = True
@@ -914,11 +929,20 @@ class PeerSide(Pipe):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        client = self.relay.allocation.five_tuple[1][0]
+        refused = self.service.peer_connection_table.admit(client)
+        if refused is not None:
+            self.service.stats.drop(f"peer-connection-{refused}")
+            self.closed = True
+            transport.close()
+            return
+        self.admitted = client
         peer = transport.get_extra_info("peername")
         connection_id = self.service.peer_accepted(
             self.relay.allocation, (peer[0], peer[1]), self
         )
         if connection_id is None:
+            self.release()
             self.closed = True
             transport.close()
             return
@@ -960,6 +984,25 @@ class TurnService:
             ),
         )
         low, high = config.relay_ports
+        total, per_source = _allocation_caps(config)
+        #: TURN allocations and their relay sockets, in the process's budget.
+        self.allocation_table = ctx.resources.table(
+            ALLOCATION_TABLE,
+            max_items=total,
+            max_per_source=per_source,
+            pool=Pool.RELAY,
+            descriptors_per_item=DESCRIPTORS_PER_ALLOCATION,
+            bytes_per_item=BYTES_PER_ALLOCATION,
+        )
+        #: RFC 6062 peer data connections (and their client data connections).
+        self.peer_connection_table = ctx.resources.table(
+            PEER_CONNECTION_TABLE,
+            max_items=total * TurnSettings().max_connections,
+            max_per_source=per_source * TurnSettings().max_connections,
+            pool=Pool.RELAY,
+            descriptors_per_item=DESCRIPTORS_PER_PEER_CONNECTION,
+            bytes_per_item=BYTES_PER_PEER_CONNECTION,
+        )
         self.core = TurnServer(
             _settings(config),
             credentials,
@@ -972,6 +1015,7 @@ class TurnService:
             # Other workers' ports are this server's too (--workers N).
             own_ports=lambda: listening_ports() | sibling_ports(),
             reflection=ctx.reflection_budget(),
+            admission=self.allocation_table,
         )
         self.core.clock_offset = time.time() - self.loop.time()
         #: (client, endpoint) -> allocation: the client -> peer route table.
@@ -1194,10 +1238,12 @@ class TurnService:
             self.core.reconfigure(_settings(section), credentials)
         except ValueError as exc:
             raise ConfigError(f"turn.realm: {exc}") from None
+        table = self.allocation_table
+        table.configured_max, table.configured_per_source = _allocation_caps(section)
         return [
             f"turn: {len(credentials.users)} users, {len(credentials.secrets)} "
             f"secrets, user quota {section.user_quota}, total quota "
-            f"{section.total_quota}"
+            f"{table.max_items} ({table.max_per_source} per IP)"
         ]
 
     @staticmethod
@@ -1263,10 +1309,10 @@ class TurnService:
             "data plane: " + ("C (recvmmsg/sendmmsg)" if ACCELERATED else "pure Python")
         )
         settings = self.core.settings
+        table = self.allocation_table
         lines.append(
             f"quotas: {settings.user_quota or 'no limit'} per user, "
-            f"{settings.ip_quota or 'no limit'} per IP, "
-            f"{settings.total_quota} in total"
+            f"{table.max_per_source} per IP, {table.max_items} in total"
         )
         for family, (bind, advertised) in self.relay_hosts.items():
             label = "ipv4" if family == Family.IPV4 else "ipv6"
@@ -1291,6 +1337,8 @@ class TurnService:
         await stop_tasks(list(self._tasks))
         self.readers.close()
         unregister(self.ctx.metrics, self._collector)
+        self.ctx.resources.forget(ALLOCATION_TABLE)
+        self.ctx.resources.forget(PEER_CONNECTION_TABLE)
         if self.owns_stun:
             await self.stun.close()
 
@@ -1635,9 +1683,17 @@ class TurnService:
     # ------------------------------------------------------------ RFC 6062
 
     async def _connect_peer(self, cid: int, relay: TcpRelay, peer: Address) -> None:
+        client = relay.allocation.five_tuple[1][0]
+        refused = self.peer_connection_table.admit(client)
+        if refused is not None:
+            self.stats.drop(f"peer-connection-{refused}")
+            self.core.peer_connect_failed(cid)
+            self._after_input()
+            return
         af = socket.AF_INET6 if relay.family == Family.IPV6 else socket.AF_INET
         sock = socket.socket(af, socket.SOCK_STREAM)
         pipe = Pipe(self, cid, "peer")
+        pipe.admitted = client
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -1649,6 +1705,7 @@ class TurnService:
             await self.loop.create_connection(lambda: pipe, sock=sock)
         except (OSError, asyncio.CancelledError) as exc:
             sock.close()
+            pipe.release()
             if not isinstance(exc, asyncio.CancelledError):
                 self.core.peer_connect_failed(cid)
                 self._after_input()
@@ -1734,17 +1791,24 @@ def _credentials(config: Config) -> Credentials:
     return credentials
 
 
-def _settings(config: Config) -> TurnSettings:
+def _allocation_caps(config: Config) -> tuple[int, int]:
+    """The configured total and per-source caps of the allocation table:
+    ``--turn-total-quota`` (0: the relay port range; the budget derives the
+    cap in force from the descriptors and memory left) and ``--turn-ip-quota``
+    (0: no cap of its own; the budget's fraction of the total still holds)."""
     low, high = config.relay_ports
-    total_quota = config.total_quota or auto_total_quota(
-        resource.getrlimit(resource.RLIMIT_NOFILE)[0], high - low + 1
-    )
+    total = config.total_quota or (high - low + 1)
+    return total, config.ip_quota or total
+
+
+def _settings(config: Config) -> TurnSettings:
     return TurnSettings(
         realm=config.realm,
         max_lifetime=float(config.max_lifetime),
         user_quota=config.user_quota,
-        ip_quota=config.ip_quota,
-        total_quota=total_quota,
+        # The resource budget's table holds these (see _allocation_caps).
+        ip_quota=0,
+        total_quota=0,
         max_permissions=config.max_permissions,
         channel_max=(
             CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766

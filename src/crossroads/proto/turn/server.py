@@ -222,6 +222,28 @@ class RelayBinder(Protocol):
         ...
 
 
+class AllocationAdmission(Protocol):
+    """Where allocations are admitted: the process's resource budget
+    (:class:`crossroads.transport.admission.Admission` satisfies it), which
+    derives the total and per-source caps from the descriptors and memory an
+    allocation costs. Without one the core counts ``total_quota`` and
+    ``ip_quota`` of its settings itself."""
+
+    def admit(self, host: str) -> str | None:
+        """Count one allocation of a client at ``host``; None if admitted,
+        else why not (``over-ip-limit``: that source's cap; anything else: the
+        total)."""
+        ...
+
+    def release(self, host: str) -> None:
+        """An admitted allocation of ``host`` ended."""
+        ...
+
+
+#: The reason :meth:`AllocationAdmission.admit` gives for a source over its cap.
+OVER_SOURCE_LIMIT = "over-ip-limit"
+
+
 # ------------------------------------------------------------------ events
 
 
@@ -418,9 +440,12 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         binder: RelayBinder,
         own_ports: Callable[[], Collection[int]] = frozenset,
         reflection: ReflectionBudget | None = None,
+        admission: AllocationAdmission | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
+        #: The resource budget's allocation table (None: the settings' quotas).
+        self.admission = admission
         #: Unauthenticated answers over UDP per source IP (docs/security.md,
         #: "Reflection budget"); None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
@@ -945,6 +970,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                 self.ports.release(reservation.port)
             raise
         lifetime = self._lifetime(msg)
+        client_ip = five[1][0]
         allocation = Allocation(
             five_tuple=five,
             username=auth.username,
@@ -968,6 +994,8 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                     self._close_relays(allocation)
                     if reservation is not None:
                         self.ports.release(reservation.port)
+                    if self.admission is not None:
+                        self.admission.release(client_ip)
                     raise _Reject(code)
                 address_errors.append(
                     AddressErrorCode(family, code, REASONS.get(code, ""))
@@ -992,7 +1020,6 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self.user_allocations[auth.quota_user] = (
             self.user_allocations.get(auth.quota_user, 0) + 1
         )
-        client_ip = five[1][0]
         self.ip_allocations[client_ip] = self.ip_allocations.get(client_ip, 0) + 1
         self.counters.allocations_created += 1
         allocation.timer = self._deadlines.schedule(
@@ -1002,18 +1029,31 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         return response
 
     def _check_quota(self, auth: Auth, client_ip: str) -> None:
+        """Admit one more allocation of ``auth``'s user from ``client_ip``
+        (counted in the admission, if any: the caller releases it when the
+        allocation fails or ends), or raise 486 / 300."""
         settings = self.settings
         if settings.user_quota and (
             self.user_allocations.get(auth.quota_user, 0) >= settings.user_quota
         ):
             self.counters.drop("quota-user")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
-        if settings.ip_quota and (
-            self.ip_allocations.get(client_ip, 0) >= settings.ip_quota
-        ):
+        if self.admission is not None:
+            refused = self.admission.admit(client_ip)
+            over_ip = refused == OVER_SOURCE_LIMIT
+            over_total = refused is not None and not over_ip
+        else:
+            over_ip = bool(
+                settings.ip_quota
+                and self.ip_allocations.get(client_ip, 0) >= settings.ip_quota
+            )
+            over_total = bool(
+                settings.total_quota and len(self.allocations) >= settings.total_quota
+            )
+        if over_ip:
             self.counters.drop("quota-ip")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
-        if settings.total_quota and len(self.allocations) >= settings.total_quota:
+        if over_total:
             if settings.alternate_servers:
                 # Over capacity: redirect (RFC 8656 §7.2, RFC 8489 §10), round robin.
                 servers = settings.alternate_servers
@@ -1107,6 +1147,8 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             del self.allocations[five]
         decrement(self.user_allocations, allocation.quota_user)
         decrement(self.ip_allocations, five[1][0])
+        if self.admission is not None:
+            self.admission.release(five[1][0])
         if now is not None and allocation.transaction_id:
             self._remember_freed(five, allocation.transaction_id, now)
         for peer in allocation.channel_of_peer:
