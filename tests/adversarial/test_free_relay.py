@@ -29,6 +29,7 @@ from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import (
+    ALLOCATION_WEIGHT,
     BYTES_PER_ALLOCATION,
     DEFAULT_IP_QUOTA,
     DEFAULT_USER_QUOTA,
@@ -177,6 +178,7 @@ def test_allocation_caps_come_from_the_budget() -> None:
             max_per_source=DEFAULT_IP_QUOTA,
             descriptors_per_item=DESCRIPTORS_PER_ALLOCATION,
             bytes_per_item=BYTES_PER_ALLOCATION,
+            weight=ALLOCATION_WEIGHT,
         )
         assert (fd_limit - MIN_RESERVE) // 2 >= budget.relay_pool()
         assert (table.max_items, table.max_per_source) == (total, per_ip)

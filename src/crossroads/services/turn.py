@@ -213,6 +213,10 @@ DESCRIPTORS_PER_ALLOCATION = 2
 #: ``crossroads serve`` subprocess; allocation, relay, routes and tap, socket
 #: object). The relay socket's kernel buffers are the kernel's (udp_mem).
 BYTES_PER_ALLOCATION = 8 * 1024
+#: The allocations' share of the relay pool against other relay tables (each
+#: weight 1 by default): TURN is the relay every WebRTC client falls back to,
+#: so it gets twice a game-specific relay's share.
+ALLOCATION_WEIGHT = 2.0
 #: The resource budget's table of RFC 6062 peer data connections.
 PEER_CONNECTION_TABLE = "turn-peer-connections"
 #: A peer data connection holds its own descriptor and, once bound, the
@@ -224,6 +228,9 @@ DESCRIPTORS_PER_PEER_CONNECTION = 2
 #: ConnectionBind (MAX_PENDING_PEER_BYTES, RFC 6062 §5.3) or while the other
 #: side's write buffer is above its high-water mark (PIPE_HIGH_WATER).
 BYTES_PER_PEER_CONNECTION = 8 * 1024 + MAX_PENDING_PEER_BYTES
+#: RFC 6062 TCP relays are rare (no browser asks for them): a small share of
+#: the relay pool, so they cannot take the descriptors UDP allocations need.
+PEER_CONNECTION_WEIGHT = 0.5
 
 
 def _parse_host_port(text: str) -> Address:
@@ -993,6 +1000,7 @@ class TurnService:
             pool=Pool.RELAY,
             descriptors_per_item=DESCRIPTORS_PER_ALLOCATION,
             bytes_per_item=BYTES_PER_ALLOCATION,
+            weight=ALLOCATION_WEIGHT,
         )
         #: RFC 6062 peer data connections (and their client data connections).
         self.peer_connection_table = ctx.resources.table(
@@ -1002,6 +1010,7 @@ class TurnService:
             pool=Pool.RELAY,
             descriptors_per_item=DESCRIPTORS_PER_PEER_CONNECTION,
             bytes_per_item=BYTES_PER_PEER_CONNECTION,
+            weight=PEER_CONNECTION_WEIGHT,
         )
         self.core = TurnServer(
             _settings(config),
