@@ -325,14 +325,15 @@ class Config:
     ip_quota: int = setting(
         DEFAULT_IP_QUOTA,
         check=check_non_negative,
-        help="Allocations per client IP address (0 = no limit): 486 beyond.",
+        help="Allocations per client IP address (0 = no cap of its own), never "
+        "more than an eighth of the total: 486 beyond.",
     )
     total_quota: int = setting(
         0,
         check=check_non_negative,
         help="Allocations in this process: 486 beyond, or 300 to an alternate "
-        "server. 0 = sized from the relay port range and the descriptor limit "
-        "(see docs/security.md).",
+        "server. 0 = the relay port range; the resource budget caps it by the "
+        "descriptors and memory left (see docs/security.md).",
     )
     nonce_lifetime: int = setting(
         int(NONCE_LIFETIME),
