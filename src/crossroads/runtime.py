@@ -231,7 +231,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         raise_fd_limit(), core.memory_budget or None
     )
     metrics.register(BudgetCollector(budget))
-    metrics.register(KernelDropCollector(runtime.udp_ports))
+    kernel_drops = KernelDropCollector(runtime.udp_ports)
+    metrics.register(kernel_drops)
     ctx = ServiceContext(
         config=config,
         store=store,
@@ -239,6 +240,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         log=log,
         running=runtime.services,
         resources=budget,
+        kernel_drops=kernel_drops,
         certificates=certificates,
     )
     guard = HttpGuard(

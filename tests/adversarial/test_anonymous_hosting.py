@@ -137,7 +137,7 @@ async def test_one_ip_with_p2p_credentials_cannot_take_the_turn_quota() -> None:
             other = _client_from(turn, "127.0.0.2", username, password)
             clients.append(other)
             assert (granted, other.allocate()) == (192 // 8, None)
-            assert turn.core.settings.ip_quota == 192 // 8
+            assert turn.allocation_table.max_per_source == 192 // 8
         finally:
             for client in clients:
                 client.release()

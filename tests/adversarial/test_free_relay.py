@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import resource
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,10 +29,17 @@ from crossroads.proto.turn.credentials import LongTermSession
 from crossroads.proto.turn.server import error_code_of
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import (
+    ALLOCATION_WEIGHT,
+    BYTES_PER_ALLOCATION,
     DEFAULT_IP_QUOTA,
     DEFAULT_USER_QUOTA,
+    DESCRIPTORS_PER_ALLOCATION,
     TurnService,
-    auto_total_quota,
+)
+from crossroads.transport.admission import (
+    MIN_RESERVE,
+    PER_SOURCE_FRACTION,
+    ResourceBudget,
 )
 from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
 from tests.conftest import eventually, loopback_config
@@ -107,22 +113,28 @@ async def test_default_quotas_stop_one_ip_from_taking_the_relay(
     # (401s are rate-limited per IP: lifted here, each client needs one.)
     service: TurnService = await turn(turn__unauthenticated_rate=100000)
     settings = service.core.settings
+    table = service.allocation_table
     low, high = service.config.relay_ports
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert settings.user_quota == DEFAULT_USER_QUOTA
-    assert settings.total_quota == auto_total_quota(soft, high - low + 1)
-    # One address holds at most an eighth of the total (issue 24).
-    assert settings.ip_quota == min(DEFAULT_IP_QUOTA, settings.total_quota // 8)
+    # The budget's table holds the total and per-IP caps: the configured ones
+    # (the relay port range when --turn-total-quota is 0), the descriptor and
+    # memory shares, and an eighth of the total per source.
+    assert table.configured_max == high - low + 1
+    assert table.configured_per_source == DEFAULT_IP_QUOTA
+    assert table.max_items <= table.budget.relay_pool() // DESCRIPTORS_PER_ALLOCATION
+    assert table.max_per_source == min(
+        DEFAULT_IP_QUOTA, int(table.max_items * PER_SOURCE_FRACTION)
+    )
     assert (
-        f"quotas: {DEFAULT_USER_QUOTA} per user, {settings.ip_quota} per IP, "
-        f"{settings.total_quota} in total" in service.describe()
+        f"quotas: {DEFAULT_USER_QUOTA} per user, {table.max_per_source} per IP, "
+        f"{table.max_items} in total" in service.describe()
     )
     # One IP, many users (one credential each, as minted by an application):
     # the per-IP quota ends it; the per-user quota ends one user sooner.
     clients: list[DirectClient] = []
     codes: list[int | None] = []
     try:
-        limit = min(settings.ip_quota, settings.total_quota)
+        limit = table.max_per_source
         for index in range(limit + 5):
             username, password = rest_credentials(SECRET, f"player{index}")
             client = DirectClient(service, username, password)
@@ -152,14 +164,26 @@ async def test_user_quota_counts_the_user_part(turn: Any) -> None:
             client.close()
 
 
-def test_auto_total_quota_arithmetic() -> None:
-    # ulimit -n 1024: (1024 - 256) / 2 descriptors for TURN, 2 per allocation.
-    assert auto_total_quota(1024, 16384) == 192
-    # A large limit: the relay port range is the bound.
-    assert auto_total_quota(1_048_576, 16384) == 16384
-    assert auto_total_quota(65536, 16384) == 16320
-    # Never below 16.
-    assert auto_total_quota(64, 16384) == 16
+def test_allocation_caps_come_from_the_budget() -> None:
+    """The TURN allocation table's caps, derived as the budget derives every
+    table's (docs/security.md): alone in the relay pool at ulimit -n 1024 it
+    gets (1024 - 64 - 512) / 2 = 224 allocations, 28 per IP."""
+    for fd_limit, ports, total, per_ip in (
+        (1024, 16384, 224, 28),
+        (65536, 16384, 16352, DEFAULT_IP_QUOTA),
+        (1_048_576, 16384, 16384, DEFAULT_IP_QUOTA),
+    ):
+        budget = ResourceBudget(fd_limit, memory=1 << 40)
+        table = budget.table(
+            "turn-allocations",
+            max_items=ports,
+            max_per_source=DEFAULT_IP_QUOTA,
+            descriptors_per_item=DESCRIPTORS_PER_ALLOCATION,
+            bytes_per_item=BYTES_PER_ALLOCATION,
+            weight=ALLOCATION_WEIGHT,
+        )
+        assert (fd_limit - MIN_RESERVE) // 2 >= budget.relay_pool()
+        assert (table.max_items, table.max_per_source) == (total, per_ip)
 
 
 async def test_p2p_credentials_longer_than_the_turn_cap_refuse_to_start() -> None:

@@ -23,7 +23,7 @@ from crossroads.proto.stun import Method, encode, request
 from crossroads.ratelog import RateLimitedLog
 from crossroads.runtime import Runtime, start
 from crossroads.services.stun import StunService
-from crossroads.transport.kernel_drops import RELAYED, KernelDropCollector
+from crossroads.transport.kernel_drops import RELAYED, KernelDropCollector, udp_table
 from tests.conftest import eventually, loopback_config
 from tests.e2e.relay_support import API_KEY, api, raw_bind, relay_runtime
 
@@ -254,6 +254,39 @@ async def test_kernel_drops_of_turn_relayed_sockets_are_exported(
             for _ in range(30_000):
                 sender.sendto(bytes(1200), relayed)
         assert await relayed_drops() > before
+
+
+async def test_kernel_drops_of_a_relay_socket_closed_between_scrapes_are_counted(
+    turn_runtime: Runtime,
+) -> None:
+    """A relay that lives between two scrapes (a short call) is never in a
+    scrape's view of ``/proc``: its drops are read when it closes (issue 24,
+    finding 10; before, they were lost)."""
+    stun = turn_runtime.services["stun"]
+    assert isinstance(stun, StunService)
+    metrics = turn_runtime.metrics
+
+    def relayed_drops() -> float:
+        value = metrics.get_sample_value(
+            "crossroads_udp_kernel_drops_total", {"socket": RELAYED}
+        )
+        return value or 0.0
+
+    before = relayed_drops()
+    client = await TurnClient.connect(stun.primary, "alice", PASSWORD)
+    try:
+        relayed = await client.allocate()
+        # The event loop is busy sending: nothing reads the relayed socket.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            for _ in range(4_000):
+                sender.sendto(bytes(1200), relayed)
+        dropped = next(
+            drops for _inode, (port, drops) in udp_table().items() if port == relayed[1]
+        )
+        assert dropped > 0
+    finally:
+        await client.close()  # Refresh 0: the relay socket closes
+    assert relayed_drops() - before >= dropped
 
 
 async def _async(value: bool) -> bool:

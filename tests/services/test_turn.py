@@ -338,10 +338,8 @@ async def test_unknown_attribute_420_and_garbage(turn: Any) -> None:
 
 
 async def test_allocation_flood_beyond_quota_486_and_release(turn: Any) -> None:
-    # (No per-IP quota: it would be 4 / 8 of the total from this one address.)
-    service: TurnService = await turn(
-        turn__user_quota=3, turn__total_quota=4, turn__ip_quota=0
-    )
+    # 32 in total: an eighth, 4, per IP (the budget's per-source fraction).
+    service: TurnService = await turn(turn__user_quota=3, turn__total_quota=32)
     fds = open_fds()
     clients: list[TurnClient] = []
     codes: list[int] = []
@@ -357,7 +355,7 @@ async def test_allocation_flood_beyond_quota_486_and_release(turn: Any) -> None:
         assert codes == [0, 0, 0, 486, 486, 486]
         assert len(service.core.allocations) == 3
         assert len(service.relays) == 3
-        # Another user still fits under the total quota, then the total is full.
+        # Another user still fits under the per-IP cap, then this IP is full.
         username, password = rest_credentials(SECRET, "dave")
         other = await TurnClient.connect(service.stun.primary, username, password)
         clients.append(other)

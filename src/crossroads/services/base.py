@@ -27,6 +27,7 @@ from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
 from crossroads.transport.admission import ResourceBudget
+from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates
@@ -129,6 +130,11 @@ class ServiceContext:
     #: The one resource budget: every listener and per-client table
     #: registers with it (:mod:`crossroads.transport.admission`).
     resources: ResourceBudget = field(default_factory=ResourceBudget)
+    #: Kernel drop counters: a service closing a short-lived UDP socket calls
+    #: ``kernel_drops.closing(sock)`` first, so its drops are not lost.
+    kernel_drops: KernelDropCollector = field(
+        default_factory=lambda: KernelDropCollector(dict)
+    )
     #: The server certificate of the TLS listeners, None when TLS is off
     #: (see :func:`crossroads.transport.tls.certificates_for`).
     certificates: Certificates | None = None

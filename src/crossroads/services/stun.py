@@ -92,10 +92,27 @@ log = logging.getLogger("crossroads.stun")
 #: How often TCP deadlines are checked (seconds). Deadlines are coarse on
 #: purpose: one timer for every connection of the service, not one each.
 TCP_SWEEP_INTERVAL = 1.0
-#: A TCP client that does not read its responses is cut off once this many bytes
-#: wait in our write buffer. With at most one partial frame (< 64 KiB, the STUN
-#: length field's limit) in the read buffer, a connection holds < 128 KiB.
+#: Relayed data (ChannelData, Data indications) for a TCP/TLS client is dropped,
+#: and counted, while this many bytes wait unsent in our write buffer: relayed
+#: data is unreliable by contract (RFC 8656 §2.7 carries UDP semantics over the
+#: stream), and a browser or pion client whose reader stalls a moment must lose
+#: datagrams, not its allocation. 64 KiB is asyncio's default high-water mark.
 TCP_MAX_UNSENT = 64 * 1024
+#: What answers to the client's own requests (and the control plane's
+#: indications) may add on top of :data:`TCP_MAX_UNSENT`: a client that keeps
+#: sending requests and never reads the answers is cut off beyond it
+#: (``tcp-slow-reader``). 16 KiB is a hundred TURN answers: more than a client
+#: has requests in flight (RFC 8489 §6.2.1 paces retransmissions, not
+#: pipelining, and a browser has a handful of transactions per allocation).
+#: With at most one partial frame (< 64 KiB, the STUN length field's limit) in
+#: the read buffer, a connection holds < 144 KiB of buffers.
+TCP_CONTROL_ALLOWANCE = 16 * 1024
+#: A connection whose unsent bytes have not drained at all for this long is
+#: closed (``tcp-write-stall-timeout``): its client stopped reading for good.
+#: Twice the 30 s after which an ICE agent gives up a candidate pair that
+#: stopped answering (RFC 7675 §5.1, consent freshness), so no live call is
+#: cut by it.
+TCP_WRITE_STALL_TIMEOUT = 60.0
 #: Batches of 64 datagrams read per readiness callback before yielding to the
 #: event loop (fairness with TCP, HTTP and timers).
 DRAIN_BATCHES = 8
@@ -572,6 +589,14 @@ class TcpConnection(_PortEndpoint, asyncio.Protocol):
         self.frames = 0
         #: When the unfinished frame in ``buffer`` started (None: no partial).
         self.partial_since: float | None = None
+        #: Bytes handed to the transport so far; bytes of its write buffer
+        #: charged to the listener's table (the budget's buffered bytes).
+        self.written = 0
+        self.charged = 0
+        #: Write progress for the stall deadline: the most bytes seen drained,
+        #: and since when nothing more has (None: nothing unsent).
+        self.drained = 0
+        self.stalled_since: float | None = None
         self._loop = asyncio.get_running_loop()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -595,6 +620,7 @@ class TcpConnection(_PortEndpoint, asyncio.Protocol):
         service = self.service
         if self in service.connections:
             service.connections.discard(self)
+            self.uncharge_all()
             service.admission.release(self.peer[0])
             service.stats.tcp_connections = len(service.connections)
             if service.turn is not None:
@@ -605,14 +631,84 @@ class TcpConnection(_PortEndpoint, asyncio.Protocol):
         self.stream = None
 
     def send(self, data: bytes, addr: Address | None = None) -> None:
-        """Write to the connection (part of the :class:`Endpoint` interface)."""
+        """Write an answer or other control message (part of the
+        :class:`Endpoint` interface). It is never dropped; beyond
+        :data:`TCP_MAX_UNSENT` + :data:`TCP_CONTROL_ALLOWANCE` unsent bytes the
+        client is not reading its own answers and the connection is closed."""
         stream = self.stream
         if stream is None or stream.is_closing():
             return
         stream.write(data)
-        if stream.get_write_buffer_size() > TCP_MAX_UNSENT:
+        self.written += len(data)
+        unsent = stream.get_write_buffer_size()
+        if unsent > TCP_MAX_UNSENT + TCP_CONTROL_ALLOWANCE:
             self.service.stats.drop("tcp-slow-reader")
+            self.service.admission.closed("slow-reader")
             stream.abort()
+            return
+        self.settle(unsent)
+
+    def send_relayed(self, data: bytes) -> bool:
+        """Write relayed data (a ChannelData frame, padded, or a Data
+        indication); False, and nothing written, while the client has
+        :data:`TCP_MAX_UNSENT` bytes unsent or the listener's memory share is
+        spent: the caller drops the datagram and counts it."""
+        stream = self.stream
+        if stream is None or stream.is_closing():
+            return False
+        size = len(data)
+        unsent = stream.get_write_buffer_size()
+        if unsent + size > TCP_MAX_UNSENT:
+            return False
+        if unsent:
+            # Queued behind what is unsent: it will sit in our buffer.
+            if not self.service.admission.charge(size):
+                return False
+            self.charged += size
+        stream.write(data)
+        self.written += size
+        self.settle(stream.get_write_buffer_size())
+        return True
+
+    def settle(self, unsent: int) -> None:
+        """Make the bytes charged to the listener's table follow the bytes
+        the transport holds unsent (``unsent``): give back what drained,
+        charge what a partial write left behind (while the share allows)."""
+        charged = self.charged
+        if unsent < charged:
+            self.service.admission.uncharge(charged - unsent)
+            self.charged = unsent
+        elif unsent > charged and self.service.admission.charge(unsent - charged):
+            self.charged = unsent
+
+    def uncharge_all(self) -> None:
+        """The connection leaves the listener: its buffered bytes go back."""
+        if self.charged:
+            self.service.admission.uncharge(self.charged)
+            self.charged = 0
+
+    def resume_writing(self) -> None:
+        """The transport drained below its low-water mark: refund."""
+        if self.stream is not None:
+            self.settle(self.stream.get_write_buffer_size())
+
+    def write_stalled(self, now: float) -> bool:
+        """Settle the charge and tell whether nothing unsent has drained for
+        :data:`TCP_WRITE_STALL_TIMEOUT` (called by the service's sweep)."""
+        stream = self.stream
+        if stream is None:
+            return False
+        unsent = stream.get_write_buffer_size()
+        self.settle(unsent)
+        if not unsent:
+            self.stalled_since = None
+            return False
+        drained = self.written - unsent
+        if self.stalled_since is None or drained > self.drained:
+            self.drained = max(drained, self.drained)
+            self.stalled_since = now
+            return False
+        return now - self.stalled_since > TCP_WRITE_STALL_TIMEOUT
 
     def data_received(self, data: bytes) -> None:
         if self.stream is None:
@@ -779,6 +875,7 @@ class StunService:
         conn.stream = None
         if conn in self.connections:
             self.connections.discard(conn)
+            conn.uncharge_all()
             self.admission.release(conn.peer[0])
         self.stats.tcp_connections = len(self.connections)
         return stream, leftover
@@ -977,8 +1074,10 @@ class StunService:
     def sweep(self, now: float) -> None:
         """Close the TCP connections past a deadline: no first message within
         ``tcp_message_timeout`` of connecting, a message started and not
-        finished within it (each holds up to 64 KiB of buffer), or nothing at
-        all for ``tcp_idle_timeout``."""
+        finished within it (each holds up to 64 KiB of buffer), nothing at
+        all for ``tcp_idle_timeout``, or unsent bytes that have not drained for
+        :data:`TCP_WRITE_STALL_TIMEOUT`; settle every connection's buffered
+        bytes with the budget on the way."""
         cfg = self.config
         idle_deadline = now - cfg.tcp_idle_timeout
         message_deadline = now - cfg.tcp_message_timeout
@@ -992,6 +1091,8 @@ class StunService:
                 reason = "tcp-first-message-timeout"
             elif conn.last_activity < idle_deadline:
                 reason = "tcp-idle-timeout"
+            elif conn.write_stalled(now):
+                reason = "tcp-write-stall-timeout"
             else:
                 continue
             self.stats.drop(reason)

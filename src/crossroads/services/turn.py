@@ -54,7 +54,6 @@ import errno
 import ipaddress
 import logging
 import os
-import resource
 import secrets
 import socket
 import struct
@@ -129,7 +128,7 @@ from crossroads.services.stun import (
     TurnHooks,
     UdpEndpoint,
 )
-from crossroads.transport.admission import PER_SOURCE_FRACTION
+from crossroads.transport.admission import Pool
 from crossroads.transport.dataplane import (
     RouteTapLike,
     TapReaders,
@@ -169,6 +168,10 @@ log = logging.getLogger("crossroads.turn")
 
 #: ChannelData header: channel number, length (RFC 8656 §12.4).
 _CHANNEL_HEADER = struct.Struct("!HH").pack
+#: Drop reason of relayed data for a TCP/TLS client whose connection has
+#: :data:`~crossroads.services.stun.TCP_MAX_UNSENT` bytes unsent (the client
+#: stalls; its connection and allocation stay).
+DROP_CLIENT_BUFFER_FULL = "tcp-client-buffer-full"
 #: A pipe pauses reading when the other side has this much unsent (bytes).
 PIPE_HIGH_WATER = 256 * 1024
 #: Linux IP_MTU_DISCOVER / IP_PMTUDISC_DO: set the DF bit (RFC 8656 §7.2
@@ -207,23 +210,34 @@ DEFAULT_IP_QUOTA = 256
 #: Default cap on time-limited credentials: one day, what coturn-style
 #: deployments hand out (draft-uberti-behave-turn-rest-00 suggests 86400 s).
 DEFAULT_MAX_CREDENTIAL_TTL = 86400
-#: Descriptors kept back for everything that is not a TURN relay socket
-#: (listeners, HTTP and WebSocket connections, Redis, logs) before the rest is
-#: shared out; see :func:`auto_total_quota`.
-RESERVED_DESCRIPTORS = 256
-
-
-def auto_total_quota(descriptor_limit: int, relay_ports: int) -> int:
-    """The default total allocation quota (``--turn-total-quota 0``).
-
-    TURN may use half of the descriptors above :data:`RESERVED_DESCRIPTORS`
-    (the other half is for every other service), and an allocation costs up
-    to two (one relay socket per address family, RFC 8656 §7.1 dual
-    allocations). It can also never exceed the relay port range. At least 16,
-    so a tiny ``ulimit -n`` still relays something.
-    """
-    by_descriptors = max(0, descriptor_limit - RESERVED_DESCRIPTORS) // 2 // 2
-    return max(16, min(relay_ports, by_descriptors))
+#: The resource budget's table of TURN allocations (docs/security.md).
+ALLOCATION_TABLE = "turn-allocations"
+#: Descriptors an allocation holds at most: one relay socket per address
+#: family (RFC 8656 §7.1 dual allocations).
+DESCRIPTORS_PER_ALLOCATION = 2
+#: Memory one allocation holds in the process, measured: 7.7 KB of RSS per UDP
+#: allocation with one permission and one channel (1,000 allocations of a
+#: ``crossroads serve`` subprocess; allocation, relay, routes and tap, socket
+#: object). The relay socket's kernel buffers are the kernel's (udp_mem).
+BYTES_PER_ALLOCATION = 8 * 1024
+#: The allocations' share of the relay pool against other relay tables (each
+#: weight 1 by default): TURN is the relay every WebRTC client falls back to,
+#: so it gets twice a game-specific relay's share.
+ALLOCATION_WEIGHT = 2.0
+#: The resource budget's table of RFC 6062 peer data connections.
+PEER_CONNECTION_TABLE = "turn-peer-connections"
+#: A peer data connection holds its own descriptor and, once bound, the
+#: client data connection the STUN listener hands over (RFC 6062 §5.4), which
+#: then leaves the listener's table.
+DESCRIPTORS_PER_PEER_CONNECTION = 2
+#: Memory of one peer data connection and its client data connection: two
+#: asyncio transports and protocols, and the data buffered before
+#: ConnectionBind (MAX_PENDING_PEER_BYTES, RFC 6062 §5.3) or while the other
+#: side's write buffer is above its high-water mark (PIPE_HIGH_WATER).
+BYTES_PER_PEER_CONNECTION = 8 * 1024 + MAX_PENDING_PEER_BYTES
+#: RFC 6062 TCP relays are rare (no browser asks for them): a small share of
+#: the relay pool, so they cannot take the descriptors UDP allocations need.
+PEER_CONNECTION_WEIGHT = 0.5
 
 
 def _parse_host_port(text: str) -> Address:
@@ -318,15 +332,15 @@ class Config:
     ip_quota: int = setting(
         DEFAULT_IP_QUOTA,
         check=check_non_negative,
-        help="Allocations per client IP address (0 = no limit), never more than "
-        "an eighth of the total quota: 486 beyond.",
+        help="Allocations per client IP address (0 = no cap of its own), never "
+        "more than an eighth of the total: 486 beyond.",
     )
     total_quota: int = setting(
         0,
         check=check_non_negative,
         help="Allocations in this process: 486 beyond, or 300 to an alternate "
-        "server. 0 = sized from the relay port range and the descriptor limit "
-        "(see docs/security.md).",
+        "server. 0 = the relay port range; the resource budget caps it by the "
+        "descriptors and memory left (see docs/security.md).",
     )
     nonce_lifetime: int = setting(
         int(NONCE_LIFETIME),
@@ -582,6 +596,11 @@ class UdpRelay(_RelaySocket):
         self.link = link
         self.client = link.client
         self.client_send = link.endpoint.send
+        #: A TCP/TLS client's connection: relayed data for it is dropped
+        #: (counted) while its write buffer is full, never the connection.
+        self.stream = (
+            link.endpoint if isinstance(link.endpoint, TcpConnection) else None
+        )
         #: Peer -> channel number, for bindings whose permission is live.
         self.peer_channels: dict[Address, int] = {}
         #: The relay socket's route table: peer -> route to the client.
@@ -687,6 +706,14 @@ class UdpRelay(_RelaySocket):
         if addr[0] not in self.permissions:
             self.stats.drop("peer-no-permission")
             return
+        service = self.service
+        core = service.core
+        self_peer = addr[0] in core.self_peers
+        if self_peer and core.self_peer_refused(addr, self.client[0]):
+            # One of the server's own hosts: a permission covers the IP, the
+            # port is judged here (a freed relayed port may belong to any
+            # socket of the server now).
+            return
         if self.budget.bps and not self.budget.allow(len(data)):
             return
         attribute = self._peer_attributes.get(addr)
@@ -696,7 +723,13 @@ class UdpRelay(_RelaySocket):
             attribute = self._peer_attributes[addr] = xor_peer_address(addr, b"")
         self._txid_counter = (self._txid_counter + 1) & 0xFFFFFFFF
         txid = self._txid_prefix + self._txid_counter.to_bytes(4, "big")
-        self.client_send(data_indication(addr, data, txid, attribute), self.client)
+        indication = data_indication(addr, data, txid, attribute)
+        if self.stream is not None:
+            if not self.stream.send_relayed(indication):
+                self.stats.drop(DROP_CLIENT_BUFFER_FULL)
+                return
+        else:
+            self.client_send(indication, self.client)
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += len(data)
@@ -707,6 +740,8 @@ class UdpRelay(_RelaySocket):
                 self.link.out, self.client, addr, os.urandom(8), self.budget
             )
             self.data_peers.setdefault(addr[0], set()).add(addr)
+            if self_peer:
+                service.learned_self_peer(addr, self)
 
     @property
     def learned(self) -> int:
@@ -718,10 +753,13 @@ class UdpRelay(_RelaySocket):
         if self.budget.bps and not self.budget.allow(size):
             return
         frame = channel_header(channel, size) + data
-        if self.link.tcp:
+        if self.stream is not None:
             # RFC 8656 §12.5: over TCP padded to a multiple of 4 bytes.
-            frame += PAD[size & 3]
-        self.client_send(frame, self.client)
+            if not self.stream.send_relayed(frame + PAD[size & 3]):
+                self.stats.drop(DROP_CLIENT_BUFFER_FULL)
+                return
+        else:
+            self.client_send(frame, self.client)
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += size
@@ -732,6 +770,9 @@ class UdpRelay(_RelaySocket):
         self.closed = True
         self.unroute_all()
         self.service.retire(self)
+        # Count what the kernel dropped on it: a relay of a short call may
+        # never have been seen by a scrape.
+        self.service.ctx.kernel_drops.closing(self.sock)
         self.sock.close()
 
 
@@ -769,6 +810,15 @@ class Pipe(asyncio.Protocol):
         #: Bytes received before the other side exists (bounded, RFC 6062 §5.3).
         self.pending = bytearray()
         self.closed = False
+        #: The client host a peer connection is admitted for in the budget's
+        #: peer connection table (released once, when it ends).
+        self.admitted: str | None = None
+
+    def release(self) -> None:
+        """Give the peer connection's place in the budget back (once)."""
+        if self.admitted is not None:
+            self.service.peer_connection_table.release(self.admitted)
+            self.admitted = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -814,6 +864,7 @@ class Pipe(asyncio.Protocol):
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.release()
         if not self.closed:
             self.closed = True
             self.service.tcp_connection_lost(self.connection_id)
@@ -821,6 +872,7 @@ class Pipe(asyncio.Protocol):
             self.other.close()
 
     def close(self) -> None:
+        self.release()
         if self.closed:
             return
         self.closed = True
@@ -892,11 +944,20 @@ class PeerSide(Pipe):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        client = self.relay.allocation.five_tuple[1][0]
+        refused = self.service.peer_connection_table.admit(client)
+        if refused is not None:
+            self.service.stats.drop(f"peer-connection-{refused}")
+            self.closed = True
+            transport.close()
+            return
+        self.admitted = client
         peer = transport.get_extra_info("peername")
         connection_id = self.service.peer_accepted(
             self.relay.allocation, (peer[0], peer[1]), self
         )
         if connection_id is None:
+            self.release()
             self.closed = True
             transport.close()
             return
@@ -949,6 +1010,27 @@ class TurnService:
             ),
         )
         low, high = config.relay_ports
+        total, per_source = _allocation_caps(config)
+        #: TURN allocations and their relay sockets, in the process's budget.
+        self.allocation_table = ctx.resources.table(
+            ALLOCATION_TABLE,
+            max_items=total,
+            max_per_source=per_source,
+            pool=Pool.RELAY,
+            descriptors_per_item=DESCRIPTORS_PER_ALLOCATION,
+            bytes_per_item=BYTES_PER_ALLOCATION,
+            weight=ALLOCATION_WEIGHT,
+        )
+        #: RFC 6062 peer data connections (and their client data connections).
+        self.peer_connection_table = ctx.resources.table(
+            PEER_CONNECTION_TABLE,
+            max_items=total * TurnSettings().max_connections,
+            max_per_source=per_source * TurnSettings().max_connections,
+            pool=Pool.RELAY,
+            descriptors_per_item=DESCRIPTORS_PER_PEER_CONNECTION,
+            bytes_per_item=BYTES_PER_PEER_CONNECTION,
+            weight=PEER_CONNECTION_WEIGHT,
+        )
         self.core = TurnServer(
             _settings(config),
             credentials,
@@ -961,6 +1043,7 @@ class TurnService:
             # Other workers' ports are this server's too (--workers N).
             own_ports=lambda: listening_ports() | sibling_ports(),
             reflection=ctx.reflection_budget(),
+            admission=self.allocation_table,
         )
         self.core.clock_offset = time.time() - self.loop.time()
         #: (client, endpoint) -> allocation: the client -> peer route table.
@@ -985,6 +1068,10 @@ class TurnService:
         )
         #: Reads every tap (C: one epoll set, one event-loop fd).
         self.readers = TapReaders()
+        #: Relayed address -> relays that learned a Data indication route
+        #: from it, and Send routes that approved it (see :meth:`_forget_relayed`).
+        self.self_peer_routes: dict[Address, set[UdpRelay]] = {}
+        self.self_peer_approvals: dict[Address, set[Any]] = {}
         self._pending_endpoints: dict[FiveTuple, Endpoint] = {}
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)
@@ -1123,9 +1210,26 @@ class TurnService:
         stats.to_peer_bytes += tap.forwarded_bytes
         stats.retired_errors += tap.send_errors + tap.malformed
 
+    def learned_self_peer(self, peer: Address, relay: UdpRelay) -> None:
+        """``relay`` learned a Data indication route from ``peer``, an
+        address of this host: it goes when ``peer`` (a relayed address) does."""
+        self.self_peer_routes.setdefault(peer, set()).add(relay)
+
+    def _forget_relayed(self, address: Address) -> None:
+        """The relayed ``address`` is gone: no route another allocation
+        learned from it and no Send approval to it forwards any more (the
+        core ended the channels to it; a new socket may take the port)."""
+        for relay in self.self_peer_routes.pop(address, ()):
+            relay.unroute_peer(address)
+        for route in self.self_peer_approvals.pop(address, ()):
+            approved = route.approved
+            if approved is not None:
+                approved.pop(address, None)
+
     def retire(self, relay: UdpRelay) -> None:
         """Stop reading a closing relay; fold its counters into the totals."""
         self.relays.discard(relay)
+        self._forget_relayed(relay.address)
         tap = relay.tap
         self.readers.remove(tap)
         tap.close()
@@ -1165,10 +1269,12 @@ class TurnService:
             self.core.reconfigure(_settings(section), credentials)
         except ValueError as exc:
             raise ConfigError(f"turn.realm: {exc}") from None
+        table = self.allocation_table
+        table.configured_max, table.configured_per_source = _allocation_caps(section)
         return [
             f"turn: {len(credentials.users)} users, {len(credentials.secrets)} "
             f"secrets, user quota {section.user_quota}, total quota "
-            f"{section.total_quota}"
+            f"{table.max_items} ({table.max_per_source} per IP)"
         ]
 
     @staticmethod
@@ -1234,10 +1340,10 @@ class TurnService:
             "data plane: " + ("C (recvmmsg/sendmmsg)" if ACCELERATED else "pure Python")
         )
         settings = self.core.settings
+        table = self.allocation_table
         lines.append(
             f"quotas: {settings.user_quota or 'no limit'} per user, "
-            f"{settings.ip_quota or 'no limit'} per IP, "
-            f"{settings.total_quota} in total"
+            f"{table.max_per_source} per IP, {table.max_items} in total"
         )
         for family, (bind, advertised) in self.relay_hosts.items():
             label = "ipv4" if family == Family.IPV4 else "ipv6"
@@ -1264,6 +1370,8 @@ class TurnService:
         await stop_tasks(list(self._tasks))
         self.readers.close()
         unregister(self.ctx.metrics, self._collector)
+        self.ctx.resources.forget(ALLOCATION_TABLE)
+        self.ctx.resources.forget(PEER_CONNECTION_TABLE)
         if self.owns_stun:
             await self.stun.close()
 
@@ -1430,6 +1538,8 @@ class TurnService:
                 and route.sock is relay.sock
             ):
                 approve(route, peer, time.monotonic())
+                if peer in self.core.relayed:
+                    self.self_peer_approvals.setdefault(peer, set()).add(route)
         if relay.bps and not relay.allow(len(payload)):
             return True
         relay.sendto(payload, peer)
@@ -1622,9 +1732,17 @@ class TurnService:
     # ------------------------------------------------------------ RFC 6062
 
     async def _connect_peer(self, cid: int, relay: TcpRelay, peer: Address) -> None:
+        client = relay.allocation.five_tuple[1][0]
+        refused = self.peer_connection_table.admit(client)
+        if refused is not None:
+            self.stats.drop(f"peer-connection-{refused}")
+            self.core.peer_connect_failed(cid)
+            self._after_input()
+            return
         af = socket.AF_INET6 if relay.family == Family.IPV6 else socket.AF_INET
         sock = socket.socket(af, socket.SOCK_STREAM)
         pipe = Pipe(self, cid, "peer")
+        pipe.admitted = client
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -1636,6 +1754,7 @@ class TurnService:
             await self.loop.create_connection(lambda: pipe, sock=sock)
         except (OSError, asyncio.CancelledError) as exc:
             sock.close()
+            pipe.release()
             if not isinstance(exc, asyncio.CancelledError):
                 self.core.peer_connect_failed(cid)
                 self._after_input()
@@ -1721,24 +1840,24 @@ def _credentials(config: Config) -> Credentials:
     return credentials
 
 
-def _settings(config: Config) -> TurnSettings:
+def _allocation_caps(config: Config) -> tuple[int, int]:
+    """The configured total and per-source caps of the allocation table:
+    ``--turn-total-quota`` (0: the relay port range; the budget derives the
+    cap in force from the descriptors and memory left) and ``--turn-ip-quota``
+    (0: no cap of its own; the budget's fraction of the total still holds)."""
     low, high = config.relay_ports
-    total_quota = config.total_quota or auto_total_quota(
-        resource.getrlimit(resource.RLIMIT_NOFILE)[0], high - low + 1
-    )
-    # One address never holds more than its fraction of the total, as in every
-    # table of the resource budget (issue 24: at ulimit -n 1024 the total is
-    # 192 and the per-IP quota was 256, so one IP with a few p2p credentials
-    # took the whole relay). 0 keeps meaning "no per-IP quota".
-    ip_quota = config.ip_quota
-    if ip_quota:
-        ip_quota = min(ip_quota, max(1, int(total_quota * PER_SOURCE_FRACTION)))
+    total = config.total_quota or (high - low + 1)
+    return total, config.ip_quota or total
+
+
+def _settings(config: Config) -> TurnSettings:
     return TurnSettings(
         realm=config.realm,
         max_lifetime=float(config.max_lifetime),
         user_quota=config.user_quota,
-        ip_quota=ip_quota,
-        total_quota=total_quota,
+        # The resource budget's table holds these (see _allocation_caps).
+        ip_quota=0,
+        total_quota=0,
         max_permissions=config.max_permissions,
         channel_max=(
             CHANNEL_MAX_RFC8656 if config.rfc8656_channels else CHANNEL_MAX_RFC5766

@@ -11,7 +11,8 @@ from crossroads.client.openttd import PacketStream
 from crossroads.proto.openttd.codes import make_ticket, split_ticket
 from crossroads.proto.openttd.turn import TurnConnect, encode_turn_packet
 from crossroads.runtime import Runtime
-from crossroads.services.openttd.turn import relay_cap
+from crossroads.services.openttd.turn import relay_table
+from crossroads.transport.admission import ResourceBudget
 from tests.conftest import eventually
 from tests.services.openttd.helpers import (
     metric_value,
@@ -204,8 +205,13 @@ async def test_idle_relays_are_closed() -> None:
         try:
             await turn_connected(a)
             await turn_connected(b)
+            turn = service(rt).turn
+            assert turn is not None and turn.table is not None
+            # The pair is one item of the budget's table, until it ends.
+            assert turn.table.live == 1
             assert await a.at_eof(10)
             assert await b.at_eof(10)
+            await eventually(lambda: _true(turn.table.live == 0), "pair released")
             await until_metric(
                 rt, "crossroads_openttd_turn_relays_ended_total", 1, reason="idle"
             )
@@ -222,11 +228,16 @@ async def test_idle_relays_are_closed() -> None:
 
 
 def test_relays_are_capped_by_connections_and_descriptors() -> None:
-    # Six descriptors a route beyond the two accepted sockets, a quarter of
-    # the limit for them (docs/security.md, "Descriptors").
-    assert relay_cap(50000, fd_limit=1024) == 42
-    assert relay_cap(50000, fd_limit=1 << 20) == 25000
-    assert relay_cap(1, fd_limit=1 << 20) == 1
+    # Six descriptors a route beyond the two accepted sockets, from the
+    # budget's relay pool (docs/security.md, "Descriptors"): alone in it at
+    # ulimit -n 1024, (1024 - 64 - 512) // 6 pairs.
+    for fd_limit, connections, pairs in (
+        (1024, 50000, 74),
+        (1 << 20, 50000, 25000),
+        (1 << 20, 1, 1),
+    ):
+        table = relay_table(ResourceBudget(fd_limit, memory=1 << 40), connections)
+        assert table.max_items == pairs
 
 
 async def test_waiting_sides_share_the_lobbys_one_timer(ottd: Runtime) -> None:
@@ -255,3 +266,8 @@ async def test_waiting_sides_share_the_lobbys_one_timer(ottd: Runtime) -> None:
     finally:
         for side in sides:
             await side.close()
+
+
+async def _true(value: bool) -> bool:
+    await asyncio.sleep(0)
+    return value

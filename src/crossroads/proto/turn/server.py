@@ -222,6 +222,28 @@ class RelayBinder(Protocol):
         ...
 
 
+class AllocationAdmission(Protocol):
+    """Where allocations are admitted: the process's resource budget
+    (:class:`crossroads.transport.admission.Admission` satisfies it), which
+    derives the total and per-source caps from the descriptors and memory an
+    allocation costs. Without one the core counts ``total_quota`` and
+    ``ip_quota`` of its settings itself."""
+
+    def admit(self, host: str) -> str | None:
+        """Count one allocation of a client at ``host``; None if admitted,
+        else why not (``over-ip-limit``: that source's cap; anything else: the
+        total)."""
+        ...
+
+    def release(self, host: str) -> None:
+        """An admitted allocation of ``host`` ended."""
+        ...
+
+
+#: The reason :meth:`AllocationAdmission.admit` gives for a source over its cap.
+OVER_SOURCE_LIMIT = "over-ip-limit"
+
+
 # ------------------------------------------------------------------ events
 
 
@@ -418,9 +440,12 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         binder: RelayBinder,
         own_ports: Callable[[], Collection[int]] = frozenset,
         reflection: ReflectionBudget | None = None,
+        admission: AllocationAdmission | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
+        #: The resource budget's allocation table (None: the settings' quotas).
+        self.admission = admission
         #: Unauthenticated answers over UDP per source IP (docs/security.md,
         #: "Reflection budget"); None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
@@ -436,6 +461,12 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self.relayed: dict[Address, Allocation] = {}
         #: IP of relayed addresses -> how many live ones (permissions are per IP).
         self._relayed_hosts: dict[str, int] = {}
+        #: Relayed address -> the other allocations with a channel bound to
+        #: it: their channels end with it (see :meth:`_orphan_peer`).
+        self._channels_to_relayed: dict[Address, set[Allocation]] = {}
+        #: The latest ``now`` seen (deletions outside a request or timer, such
+        #: as a closed TCP connection, date a quarantine from it).
+        self._now = 0.0
         #: Peer IPs on this host that hold a permission: the data path checks
         #: the port of every Send indication to them (module docstring).
         self.self_peers: set[str] = set()
@@ -492,6 +523,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
 
     def handle_timer(self, now: float) -> None:
         """Expire whatever is due at ``now``."""
+        self._now = now
         schedule = self._deadlines.schedule
         for _deadline, kind, subject in self._deadlines.pop_due(now):
             match kind:
@@ -553,6 +585,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         ``allow_unauthenticated``) goes to a source that has proved nothing:
         over UDP it is sent only within the reflection budget.
         """
+        self._now = now
         try:
             msg = decode(data)
         except DecodeError as exc:
@@ -937,6 +970,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                 self.ports.release(reservation.port)
             raise
         lifetime = self._lifetime(msg)
+        client_ip = five[1][0]
         allocation = Allocation(
             five_tuple=five,
             username=auth.username,
@@ -960,6 +994,8 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                     self._close_relays(allocation)
                     if reservation is not None:
                         self.ports.release(reservation.port)
+                    if self.admission is not None:
+                        self.admission.release(client_ip)
                     raise _Reject(code)
                 address_errors.append(
                     AddressErrorCode(family, code, REASONS.get(code, ""))
@@ -984,7 +1020,6 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self.user_allocations[auth.quota_user] = (
             self.user_allocations.get(auth.quota_user, 0) + 1
         )
-        client_ip = five[1][0]
         self.ip_allocations[client_ip] = self.ip_allocations.get(client_ip, 0) + 1
         self.counters.allocations_created += 1
         allocation.timer = self._deadlines.schedule(
@@ -994,18 +1029,31 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         return response
 
     def _check_quota(self, auth: Auth, client_ip: str) -> None:
+        """Admit one more allocation of ``auth``'s user from ``client_ip``
+        (counted in the admission, if any: the caller releases it when the
+        allocation fails or ends), or raise 486 / 300."""
         settings = self.settings
         if settings.user_quota and (
             self.user_allocations.get(auth.quota_user, 0) >= settings.user_quota
         ):
             self.counters.drop("quota-user")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
-        if settings.ip_quota and (
-            self.ip_allocations.get(client_ip, 0) >= settings.ip_quota
-        ):
+        if self.admission is not None:
+            refused = self.admission.admit(client_ip)
+            over_ip = refused == OVER_SOURCE_LIMIT
+            over_total = refused is not None and not over_ip
+        else:
+            over_ip = bool(
+                settings.ip_quota
+                and self.ip_allocations.get(client_ip, 0) >= settings.ip_quota
+            )
+            over_total = bool(
+                settings.total_quota and len(self.allocations) >= settings.total_quota
+            )
+        if over_ip:
             self.counters.drop("quota-ip")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
-        if settings.total_quota and len(self.allocations) >= settings.total_quota:
+        if over_total:
             if settings.alternate_servers:
                 # Over capacity: redirect (RFC 8656 §7.2, RFC 8489 §10), round robin.
                 servers = settings.alternate_servers
@@ -1056,8 +1104,27 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             if self.relayed.get(address) is allocation:
                 del self.relayed[address]
                 decrement(self._relayed_hosts, address[0])
+                self._orphan_peer(address)
             self.ports.release(relay.address[1])
             relay.close()
+
+    def _orphan_peer(self, address: Address) -> None:
+        """The relayed ``address`` is gone: channels other allocations bound
+        to it stop forwarding now (both ways), as if they had expired; the
+        number and the address stay reserved for the quarantine (RFC 8656
+        §12). Its port goes back to the kernel, whose ephemeral range the
+        relay range overlaps: whatever socket of the server takes it next is
+        no peer anyone was allowed. A ChannelBind to it is judged anew (403
+        unless the policy allows the address itself). Send indications and
+        datagrams from it are judged per port on the data path
+        (:meth:`self_peer_refused`); the transport drops the routes it
+        learned for it when the relay closes."""
+        for other in self._channels_to_relayed.pop(address, ()):
+            if other.dead:
+                continue
+            channel = other.channel_of_peer.get(address)
+            if channel is not None and channel.active and not channel.dead:
+                other.expire_channel(channel, self._now, self._deadlines.schedule)
 
     def _add_relayed(self, relay: RelayPort, allocation: Allocation) -> None:
         address = _canonical(relay.address)
@@ -1080,8 +1147,16 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             del self.allocations[five]
         decrement(self.user_allocations, allocation.quota_user)
         decrement(self.ip_allocations, five[1][0])
+        if self.admission is not None:
+            self.admission.release(five[1][0])
         if now is not None and allocation.transaction_id:
             self._remember_freed(five, allocation.transaction_id, now)
+        for peer in allocation.channel_of_peer:
+            bound = self._channels_to_relayed.get(peer)
+            if bound is not None:
+                bound.discard(allocation)
+                if not bound:
+                    del self._channels_to_relayed[peer]
         for connection_id in list(allocation.connections):
             connection = self.connections.get(connection_id)
             if connection is not None:
@@ -1267,6 +1342,8 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         allocation.bind_channel(
             number.value, address, relay, now, self._deadlines.schedule
         )
+        if address in self.relayed:
+            self._channels_to_relayed.setdefault(address, set()).add(allocation)
         return self._answer(msg, auth, success_response(msg))
 
     # ------------------------------------------------------------ RFC 6062

@@ -49,7 +49,7 @@ from crossroads.services.openttd.registry import (
 )
 from crossroads.services.openttd.runners import DutyRunner, run_store_flow
 from crossroads.services.openttd.stun import StunService
-from crossroads.services.openttd.turn import TurnService, relay_cap
+from crossroads.services.openttd.turn import TurnService, relay_table
 from crossroads.services.openttd.web import make_router
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.types import Address, frozen
@@ -354,7 +354,8 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 ctx.metrics,
                 cfg.turn_wait,
                 relay_idle_timeout=cfg.relay_idle_timeout,
-                max_relays=relay_cap(cfg.max_connections),
+                max_relays=max(1, cfg.max_connections // 2),
+                table=relay_table(ctx.resources, cfg.max_connections),
             )
             service.turn = turn
             address = await listen(

@@ -48,7 +48,7 @@ from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import counter, gauge
 from crossroads.services.openttd.registry import Registry
 from crossroads.services.openttd.runners import run_store_flow, run_store_request
-from crossroads.transport.admission import current_fd_limit
+from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.driver import CoreTimer
 from crossroads.transport.streamplane import IDLE, StreamPlane, StreamRoute
 
@@ -59,22 +59,30 @@ MAX_WAITING = 10000
 #: Seconds a relayed pair may stay silent both ways (the service's default
 #: ``relay_idle_timeout``).
 RELAY_IDLE_TIMEOUT = 300.0
-#: Descriptors a relayed pair holds: the two accepted sockets (counted by the
-#: listener's admission), their duplicates and two pipes (the stream route).
-FDS_PER_RELAY = 8
-#: Share of the descriptor limit the relays' own descriptors (six a pair, not
-#: counted by the listener) may take: the admission keeps half the limit
-#: outside the listeners (transport/admission.py), and relays of other services
-#: (TURN allocations) need most of it.
-RELAY_FD_FRACTION = 0.25
+#: The resource budget's table of relayed pairs (docs/security.md).
+RELAY_TABLE = "openttd-relays"
+#: Descriptors a relayed pair holds beyond the two accepted sockets (which the
+#: listener's table counts): their duplicates and two pipes (the stream route).
+FDS_PER_RELAY = 6
+#: Memory of one relayed pair beyond its two connections: the route, its two
+#: pipes' kernel buffers (64 KiB each by default, Linux pipe(7)), the
+#: TURN_CONNECTED packets.
+BYTES_PER_RELAY = 2 * 64 * 1024 + 4096
 
 
-def relay_cap(max_connections: int, fd_limit: int | None = None) -> int:
-    """Relayed pairs one process may hold: half the listener's connections,
-    and no more than :data:`RELAY_FD_FRACTION` of the descriptor limit."""
-    limit = current_fd_limit() if fd_limit is None else fd_limit
-    by_fds = int(limit * RELAY_FD_FRACTION) // (FDS_PER_RELAY - 2)
-    return max(1, min(max_connections // 2, by_fds))
+def relay_table(resources: ResourceBudget, max_connections: int) -> Admission:
+    """Register the relayed pairs with the process's budget: at most half the
+    listener's connections (two a pair), capped by the relay pool's
+    descriptors (:data:`FDS_PER_RELAY` a pair) and the memory share."""
+    pairs = max(1, max_connections // 2)
+    return resources.table(
+        RELAY_TABLE,
+        max_items=pairs,
+        max_per_source=pairs,
+        pool=Pool.RELAY,
+        descriptors_per_item=FDS_PER_RELAY,
+        bytes_per_item=BYTES_PER_RELAY,
+    )
 
 
 class TurnService:
@@ -87,6 +95,7 @@ class TurnService:
         wait_timeout: float = WAIT_TIMEOUT,
         relay_idle_timeout: float = RELAY_IDLE_TIMEOUT,
         max_relays: int | None = None,
+        table: Admission | None = None,
     ) -> None:
         self.registry = registry
         self.loop = asyncio.get_running_loop()
@@ -97,8 +106,12 @@ class TurnService:
         self.timer = CoreTimer(self.loop, self.lobby.get_timer, self._handle_timer)
         self.plane = StreamPlane(
             idle_timeout=relay_idle_timeout,
-            max_routes=max_relays if max_relays is not None else relay_cap(50000),
+            max_routes=max_relays if max_relays is not None else 25000,
         )
+        #: The budget's table of relayed pairs (None: the plane's cap only),
+        #: admitted by the first side's host; the pair's hosts by route.
+        self.table = table
+        self.admitted: dict[StreamRoute, str] = {}
         #: The two connections of each live route, and each one's route.
         self.pairs: dict[StreamRoute, tuple[PacketConnection, PacketConnection]] = {}
         self.route_of: dict[PacketConnection, StreamRoute] = {}
@@ -177,6 +190,31 @@ class TurnService:
     def _pair(
         self, first: PacketConnection, second: PacketConnection, ticket_id: str
     ) -> None:
+        table = self.table
+        if table is not None and table.admit(first.host) is not None:
+            self.sessions.labels("over-limit").inc()
+            first.close("over-limit")
+            second.close("over-limit")
+            return
+        admitted = first.host if table is not None else None
+        route = self._join(first, second)
+        if route is None:
+            if admitted is not None and table is not None:
+                table.release(admitted)
+            return
+        if admitted is not None:
+            if route.closed and table is not None:
+                table.release(admitted)
+            else:
+                self.admitted[route] = admitted
+        task = asyncio.create_task(self._drop_ticket(ticket_id))
+        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    def _join(
+        self, first: PacketConnection, second: PacketConnection
+    ) -> StreamRoute | None:
+        """Hand both sides to the stream plane; the route, or None (both
+        closed) when a side went or the plane is full."""
         first_side = first.hand_over()
         second_side = second.hand_over() if first_side is not None else None
         if first_side is None or second_side is None:
@@ -187,7 +225,7 @@ class TurnService:
             self.sessions.labels("peer-gone").inc()
             first.close("peer-gone")
             second.close("peer-gone")
-            return
+            return None
         (first_sock, first_early), (second_sock, second_early) = first_side, second_side
         route = self.plane.join(
             first_sock,
@@ -200,7 +238,7 @@ class TurnService:
             self.sessions.labels("over-limit").inc()
             first.close("over-limit")
             second.close("over-limit")
-            return
+            return None
         self.sessions.labels("paired").inc()
         if route.closed:
             # Ended while sending TURN_CONNECTED (a side reset meanwhile):
@@ -211,13 +249,15 @@ class TurnService:
             self.pairs[route] = (first, second)
             self.route_of[first] = self.route_of[second] = route
             self.relays.inc()
-        task = asyncio.create_task(self._drop_ticket(ticket_id))
-        task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+        return route
 
     def _relay_ended(self, route: StreamRoute) -> None:
         """The data plane ended ``route``: count it, close both connections."""
         self.relayed_bytes.inc(route.octets)
         self.relays_ended.labels(route.reason).inc()
+        host = self.admitted.pop(route, None)
+        if host is not None and self.table is not None:
+            self.table.release(host)
         pair = self.pairs.pop(route, None)
         if pair is None:
             return
@@ -252,3 +292,5 @@ class TurnService:
         self.timer.close()
         self.lobby.clear()
         self.plane.close()
+        if self.table is not None:
+            self.table.budget.forget(self.table.name)
