@@ -92,6 +92,7 @@ import heapq
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from typing import Protocol
 
 from crossroads.errors import DecodeError
 from crossroads.proto.bounded import BoundedMap
@@ -237,6 +238,56 @@ class ServerConfig:
     #: Source of the NATIFY pt3 ERT ("unsolicited port"): natneg1's IP, other port.
     #: None: pt3 (and pt2 without ``unsolicited_ip``) get no answer.
     unsolicited_port: Endpoint | None = None
+
+
+#: What :meth:`SessionAdmission.admit` answers for a source over its own cap
+#: (the same word as ``crossroads.transport.admission``'s).
+REFUSED_OVER_SOURCE = "over-ip-limit"
+
+
+class SessionAdmission(Protocol):
+    """Admits negotiation sessions by their owner's IP. The service's is a
+    table of the process's resource budget
+    (``crossroads.transport.admission.Admission`` satisfies this)."""
+
+    def admit(self, host: str) -> str | None:
+        """Count a new session of ``host``; None if admitted, else why not."""
+        ...
+
+    def release(self, host: str) -> None:
+        """A session of ``host`` ended (called once per admitted session)."""
+        ...
+
+
+@dataclass(eq=False)
+class SessionCounter:
+    """A :class:`SessionAdmission` of its own: ``max_sessions`` in all,
+    ``max_per_source`` per IP (for a core without a resource budget)."""
+
+    max_sessions: int
+    max_per_source: int
+    live: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+
+    def admit(self, host: str) -> str | None:
+        if self.live >= self.max_sessions:
+            return "over-limit"
+        count = self.per_source.get(host, 0)
+        if count >= self.max_per_source:
+            return REFUSED_OVER_SOURCE
+        self.per_source[host] = count + 1
+        self.live += 1
+        return None
+
+    def release(self, host: str) -> None:
+        count = self.per_source.get(host, 0)
+        if count <= 0:
+            return
+        if count == 1:
+            del self.per_source[host]
+        else:
+            self.per_source[host] = count - 1
+        self.live -= 1
 
 
 # ------------------------------------------------------------------------ events
@@ -501,6 +552,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self,
         config: ServerConfig | None = None,
         reflection: ReflectionBudget | None = None,
+        admission: SessionAdmission | None = None,
     ) -> None:
         super().__init__()
         self.config = config or ServerConfig()
@@ -509,7 +561,12 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self.reflection = ReflectionBudget.or_unlimited(reflection)
         self.stats = Stats()
         self._sessions: dict[int, _Session] = {}
-        self._per_ip: dict[str, int] = {}
+        #: Admits every new session by its owner's IP (global and per-source
+        #: caps); the service injects its table of the process's resource
+        #: budget, tests get :class:`SessionCounter` with the config's caps.
+        self.admission: SessionAdmission = admission or SessionCounter(
+            self.config.max_sessions, self.config.max_sessions_per_ip
+        )
         #: Deadlines: (when, sequence number, cookie). A session's entry is live
         #: only while the session's ``timer`` holds that sequence number.
         self._heap: list[tuple[float, int, int]] = []
@@ -752,16 +809,14 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 self._delete(session, now, replaced=True)
                 session = None
         if session is None:
-            if len(self._sessions) >= self.config.max_sessions:
-                self._drop("session-limit")
-                return
-            if self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip:
-                self._drop("source-limit")
+            refused = self.admission.admit(ip)
+            if refused is not None:
+                over_source = refused == REFUSED_OVER_SOURCE
+                self._drop("source-limit" if over_source else "session-limit")
                 return
             self._serial += 1
             session = _Session(SessionId(p.cookie, self._serial), ip, now)
             self._sessions[p.cookie] = session
-            self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
             self._schedule(session, now + self.config.session_timeout)
             for echo, echo_addr, echo_endpoint in replayed:
                 self._record_init(session, echo, echo_addr, echo_endpoint)
@@ -1155,11 +1210,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         del self._sessions[session.cookie]
         session.timer = 0  # its heap entry, if any, is now stale
         self._events.append(SessionClosed(session.id, replaced))
-        count = self._per_ip.get(session.owner_ip, 0) - 1
-        if count > 0:
-            self._per_ip[session.owner_ip] = count
-        else:
-            self._per_ip.pop(session.owner_ip, None)
+        self.admission.release(session.owner_ip)
 
     # ------------------------------------------------------------ stateless
 
