@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import ssl
@@ -340,6 +341,7 @@ class BatteryServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 # --------------------------------------------------------------- invariants
