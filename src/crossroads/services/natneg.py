@@ -72,6 +72,7 @@ from crossroads.proto.natneg.server import (
 )
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext, SessionInfo
+from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.driver import SocketSetDriver
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.sockets import make_udp_socket
@@ -79,6 +80,20 @@ from crossroads.types import Address, frozen, show_address
 
 NAME = "natneg"
 log = logging.getLogger("crossroads.natneg")
+
+#: Tables of the process's resource budget (docs/security.md).
+SESSIONS_TABLE = "natneg-sessions"
+RELAYS_TABLE = "natneg-relays"
+#: Measured resident memory of one negotiation session that has seen one
+#: INIT (the session, its client record, the heap entry, the per-source and
+#: rate-limiter entries): ~1.3 KB with tracemalloc over 10,000 sessions, so
+#: 2 KiB with the allocator's slack.
+SESSION_BYTES = 2048
+#: Measured memory of one relay pair beyond its two descriptors: two socket
+#: objects, two route taps (C state included) and the pair record: ~1.6 KB
+#: with tracemalloc, ~1.3 KB of RSS over 400 pairs; 4 KiB leaves room for the
+#: routes a pair learns and the allocator's slack.
+RELAY_PAIR_BYTES = 4096
 
 
 def _check_relay_mode(value: str) -> None:
@@ -420,6 +435,8 @@ class NatNegService:
         self._registry: Any = None
         self._closed = False
         self._notes: list[str] = []
+        #: The budget its tables are registered with (None: not registered).
+        self.resources: ResourceBudget | None = None
         self.negotiations = Counter(
             "crossroads_natneg_negotiations",
             "Finished natneg sessions, by outcome.",
@@ -539,6 +556,9 @@ class NatNegService:
         self.driver.close()
         if self.relay is not None:
             await self.relay.close()
+        if self.resources is not None:
+            self.resources.forget(SESSIONS_TABLE)
+            self.resources.forget(RELAYS_TABLE)
         if self._collector is not None and self._registry is not None:
             unregister(self._registry, self._collector, self.negotiations, self.reports)
 
@@ -563,6 +583,51 @@ def core_config(cfg: Config, layout: Layout) -> ServerConfig:
     )
 
 
+#: Listener kinds in the resource registry, by endpoint.
+KINDS = {
+    Endpoint.PRIMARY: "natneg1",
+    Endpoint.NATNEG2: "natneg2",
+    Endpoint.NATNEG3: "natneg3",
+    Endpoint.PROBE_PORT: "natneg-probe-port",
+    Endpoint.PROBE_IP: "natneg-probe-ip",
+}
+
+
+def session_table(budget: ResourceBudget, cfg: Config, core: ServerConfig) -> Admission:
+    """Register the negotiation sessions: no descriptor, no proof of
+    anything (natneg has no authentication), so every session is pre-auth
+    state. The longest a session that never completes lives: the wait for
+    both clients, the error CONNECTs (the core's ``error_attempts``, one
+    interval apart) and the linger that answers late duplicates."""
+    deadline = (
+        core.session_timeout
+        + (core.error_attempts + 1) * core.connect_interval
+        + core.linger
+    )
+    return budget.table(
+        SESSIONS_TABLE,
+        max_items=cfg.max_sessions,
+        max_per_source=cfg.max_sessions_per_ip,
+        pool=Pool.NONE,
+        bytes_per_item=SESSION_BYTES,
+        preauth_deadline=deadline,
+    )
+
+
+def relay_table(budget: ResourceBudget, cfg: Config) -> Admission:
+    """Register the relay pairs: two UDP sockets each, from the relay
+    descriptor pool; a source (the IP of the session's first client) holds
+    at most as many pairs as it may hold sessions."""
+    return budget.table(
+        RELAYS_TABLE,
+        max_items=cfg.max_relays,
+        max_per_source=cfg.max_sessions_per_ip,
+        pool=Pool.RELAY,
+        descriptors_per_item=2,
+        bytes_per_item=RELAY_PAIR_BYTES,
+    )
+
+
 def _relay_advertise(cfg: Config, public_host: str, bind_host: str) -> str | None:
     for candidate in (cfg.relay_host, public_host, bind_host):
         if candidate and candidate not in ("0.0.0.0", "::"):
@@ -581,6 +646,8 @@ async def serve(ctx: ServiceContext) -> NatNegService:
         service = NatNegService(NatNegServer(), None)
         return service
     layout = plan_layout(cfg, core_host)
+    core = core_config(cfg, layout)
+    sessions = session_table(ctx.resources, cfg, core)
     relay: RelayPool | None = None
     notes: list[str] = []
     bind_host = layout.binds[Endpoint.PRIMARY][0]
@@ -595,6 +662,7 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 port_range=parse_port_range(cfg.relay_ports),
                 idle_timeout=cfg.relay_idle_timeout,
                 max_pairs=cfg.max_relays,
+                admission=relay_table(ctx.resources, cfg),
                 policy=AddressPolicy(
                     allow=parse_networks(cfg.relay_allow),
                     self_addresses=ctx.own_addresses(),
@@ -604,8 +672,10 @@ async def serve(ctx: ServiceContext) -> NatNegService:
             ports = cfg.relay_ports or "ephemeral ports"
             notes.append(f"relay udp {advertise} {ports} (mode {cfg.relay_mode})")
     service = NatNegService(
-        NatNegServer(core_config(cfg, layout), ctx.reflection_budget()), relay
+        NatNegServer(core, ctx.reflection_budget(), sessions),
+        relay,
     )
+    service.resources = ctx.resources
     service._notes = notes
     sockets: list[socket.socket] = []
     try:
@@ -619,7 +689,8 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 ) from None
             sockets.append(sock)
             await service.driver.open(endpoint, sock)
-            service.addresses[endpoint] = sock.getsockname()[:2]
+            address = service.addresses[endpoint] = sock.getsockname()[:2]
+            ctx.resources.listen(NAME, KINDS[endpoint], "udp", address, SESSIONS_TABLE)
         for endpoint, owner in layout.shared.items():
             service.driver.share(endpoint, owner)
     except BaseException:

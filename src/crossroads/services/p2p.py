@@ -61,6 +61,9 @@ from crossroads.transport.sockets import bound_address, make_udp_socket
 from crossroads.types import Address, frozen, normalize_address, show_address
 
 NAME = "p2p"
+#: The table that admits the state a rendezvous probe can touch: the
+#: signalling WebSocket of the peer its token names (the HTTP port's).
+RENDEZVOUS_TABLE = "http"
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +215,7 @@ class P2PService:
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.store = ctx.store
+        self.resources = ctx.resources
         self.url = config.public_url or signalling_url(
             ctx.config.core.public_host or ctx.host, ctx.http_address[1]
         )
@@ -299,6 +303,12 @@ class P2PService:
             transport = await open_datagram_endpoint(_Rendezvous(self, index), sock)
             self._transports.append(transport)
             self._udp.append(bound_address(sock))
+            # A probe keeps state only for a peer its token names (observed
+            # addresses, three per attempt): peers are signalling WebSockets,
+            # admitted by the HTTP port's table until they close.
+            self.resources.listen(
+                NAME, "p2p-rendezvous", "udp", self._udp[-1], RENDEZVOUS_TABLE
+            )
         advertised = public_host or host
         self.core.config = CoordinatorConfig(
             max_connections=self.config.max_connections,

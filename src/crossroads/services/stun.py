@@ -88,6 +88,12 @@ from crossroads.types import Address, frozen
 
 NAME = "stun"
 log = logging.getLogger("crossroads.stun")
+#: Listener kinds in the resource registry, by socket index of a group (the
+#: RFC 5780 primary, alternate port, alternate host, both alternates).
+KINDS = ("stun", "stun-alt-port", "stun-alt-host", "stun-alt-host-alt-port")
+#: The table of TURN allocations (registered by the TURN service): the state a
+#: client makes a STUN/TURN UDP socket hold.
+TURN_TABLE = "turn-allocations"
 
 #: How often TCP deadlines are checked (seconds). Deadlines are coarse on
 #: purpose: one timer for every connection of the service, not one each.
@@ -970,6 +976,12 @@ class StunService:
             group.udp.append(endpoint)
             self.udp_endpoints.append(endpoint)
             self._descriptions.append(f"udp {show_address(local)}{labels[index]}")
+            kind = KINDS[index]
+            # A Binding keeps nothing per client (the rate limiter and the
+            # reflection ledger are bounded LRU maps); what a client can make
+            # this socket hold is TURN allocations, admitted by TURN's table.
+            udp_table = TURN_TABLE if self.ctx.config.enabled("turn") else ""
+            self.ctx.resources.listen(NAME, kind, "udp", local, udp_table)
             if tcp_sock is not None:
                 server = await loop.create_server(
                     lambda i=index: TcpConnection(self, group, i),  # type: ignore[misc]
@@ -977,6 +989,9 @@ class StunService:
                 )
                 group.tcp_servers.append(server)
                 self._descriptions.append(f"tcp {show_address(local)}{labels[index]}")
+                self.ctx.resources.listen(
+                    NAME, f"{kind}-tcp", "tcp", local, self.admission.name
+                )
 
     def tls_protocol_factory(self) -> Callable[[], asyncio.Protocol]:
         """The protocol of one STUN/TURN-over-TLS connection, given the TLS

@@ -314,6 +314,9 @@ class Admission:
             "live": self.live,
             "max": self.max_items,
             "max_per_source": self.max_per_source,
+            # The most items one source holds now (the battery checks it
+            # against max_per_source).
+            "largest_source": max(self.per_source.values(), default=0),
             "descriptors_per_item": self.descriptors_per_item,
             "bytes_per_item": self.bytes_per_item,
             "buffered_bytes": self.buffered,

@@ -36,6 +36,7 @@ from dataclasses import KW_ONLY, dataclass, field
 from crossroads.proto.natneg.packets import MAGIC, PacketType
 from crossroads.proto.natneg.server import SessionId
 from crossroads.proto.policy import AddressPolicy, Verdict
+from crossroads.transport.admission import Admission
 from crossroads.transport.dataplane import (
     RouteLike,
     TapReaders,
@@ -116,6 +117,8 @@ class _Pair:
     created: float
     last_active: float
     last_packets: int = 0
+    #: The source the pair is charged to in the pool's admission.
+    source: str = ""
 
 
 @dataclass(slots=True)
@@ -146,6 +149,10 @@ class RelayPool:
     #: class of bug behind coturn CVE-2020-26262; tests and labs opt in with
     #: their ranges).
     policy: AddressPolicy
+    #: The table of the process's resource budget that admits pairs (two
+    #: descriptors each), charged to the session's first client; None: only
+    #: ``max_pairs`` bounds them.
+    admission: Admission | None = None
     refusals: RefusalLog = field(init=False)
     stats: RelayStats = field(default_factory=RelayStats, init=False)
     _pairs: dict[SessionId, _Pair] = field(default_factory=dict, init=False)
@@ -205,6 +212,10 @@ class RelayPool:
         if len(self._pairs) >= self.max_pairs or session in self._pairs:
             self.stats.failed += 1
             return None
+        source = client_ips[0]
+        if self.admission is not None and self.admission.admit(source) is not None:
+            self.stats.failed += 1
+            return None
         socks: list[socket.socket] = []
         try:
             for _ in range(2):
@@ -212,6 +223,8 @@ class RelayPool:
         except OSError as exc:
             for sock in socks:
                 sock.close()
+            if self.admission is not None:
+                self.admission.release(source)
             log.warning("natneg relay: cannot bind a relay socket: %s", exc)
             self.stats.failed += 1
             return None
@@ -219,7 +232,7 @@ class RelayPool:
         side1 = _Side(socks[1], client_ips[1], session.cookie)
         side0.partner, side1.partner = side1, side0
         now = self._loop.time()
-        self._pairs[session] = _Pair(session, (side0, side1), now, now)
+        self._pairs[session] = _Pair(session, (side0, side1), now, now, source=source)
         for side in (side0, side1):
             self._readers.add(side.tap)
         self.stats.allocated += 1
@@ -263,6 +276,8 @@ class RelayPool:
             self._readers.remove(side.tap)
             side.tap.close()
             side.sock.close()
+        if self.admission is not None:
+            self.admission.release(pair.source)
         self.stats.released += 1
 
     def sweep(self, now: float) -> None:
@@ -273,6 +288,8 @@ class RelayPool:
                 pair.last_packets = packets
                 pair.last_active = now
             elif now - pair.last_active >= self.idle_timeout:
+                if self.admission is not None:
+                    self.admission.closed("idle-timeout")
                 self.release(session)
 
     async def close(self) -> None:

@@ -122,6 +122,7 @@ import heapq
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
+from typing import Protocol
 
 from crossroads.errors import DecodeError
 from crossroads.proto.bounded import BoundedMap
@@ -267,6 +268,56 @@ class ServerConfig:
     #: Source of the NATIFY pt3 ERT ("unsolicited port"): natneg1's IP, other port.
     #: None: pt3 (and pt2 without ``unsolicited_ip``) get no answer.
     unsolicited_port: Endpoint | None = None
+
+
+#: What :meth:`SessionAdmission.admit` answers for a source over its own cap
+#: (the same word as ``crossroads.transport.admission``'s).
+REFUSED_OVER_SOURCE = "over-ip-limit"
+
+
+class SessionAdmission(Protocol):
+    """Admits negotiation sessions by their owner's IP. The service's is a
+    table of the process's resource budget
+    (``crossroads.transport.admission.Admission`` satisfies this)."""
+
+    def admit(self, host: str) -> str | None:
+        """Count a new session of ``host``; None if admitted, else why not."""
+        ...
+
+    def release(self, host: str) -> None:
+        """A session of ``host`` ended (called once per admitted session)."""
+        ...
+
+
+@dataclass(eq=False)
+class SessionCounter:
+    """A :class:`SessionAdmission` of its own: ``max_sessions`` in all,
+    ``max_per_source`` per IP (for a core without a resource budget)."""
+
+    max_sessions: int
+    max_per_source: int
+    live: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+
+    def admit(self, host: str) -> str | None:
+        if self.live >= self.max_sessions:
+            return "over-limit"
+        count = self.per_source.get(host, 0)
+        if count >= self.max_per_source:
+            return REFUSED_OVER_SOURCE
+        self.per_source[host] = count + 1
+        self.live += 1
+        return None
+
+    def release(self, host: str) -> None:
+        count = self.per_source.get(host, 0)
+        if count <= 0:
+            return
+        if count == 1:
+            del self.per_source[host]
+        else:
+            self.per_source[host] = count - 1
+        self.live -= 1
 
 
 # ------------------------------------------------------------------------ events
@@ -490,6 +541,7 @@ class _Session:
         "first_attempt",
         "outcome",
         "closed",
+        "holds_slot",
     )
 
     def __init__(self, session_id: SessionId, owner_ip: str, now: float) -> None:
@@ -513,6 +565,9 @@ class _Session:
         self.outcome: Outcome | None = None
         #: Set once :class:`SessionClosed` was emitted (one per session).
         self.closed = False
+        #: Whether it holds the slot its owner was admitted with (a restart
+        #: hands it to the session that replaces it).
+        self.holds_slot = True
 
     def knows(self, p: Init, addr: Address) -> bool:
         """Is this INIT a repeat of one this session recorded?"""
@@ -573,6 +628,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self,
         config: ServerConfig | None = None,
         reflection: ReflectionBudget | None = None,
+        admission: SessionAdmission | None = None,
     ) -> None:
         super().__init__()
         self.config = config or ServerConfig()
@@ -585,7 +641,12 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         #: The session a newer one replaced on its cookie, kept until its own
         #: deadlines end only to answer its clients' late packets (one per cookie).
         self._lingering: dict[int, _Session] = {}
-        self._per_ip: dict[str, int] = {}
+        #: Admits every new session by its owner's IP (global and per-source
+        #: caps); the service injects its table of the process's resource
+        #: budget, tests get :class:`SessionCounter` with the config's caps.
+        self.admission: SessionAdmission = admission or SessionCounter(
+            self.config.max_sessions, self.config.max_sessions_per_ip
+        )
         #: Deadlines: (when, sequence number, cookie). A session's entry is live
         #: only while the session's ``timer`` holds that sequence number.
         self._heap: list[tuple[float, int, int]] = []
@@ -841,18 +902,25 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 self._retire(session, now, restarted=verdict is _Verdict.RESTART)
                 session = None
         if session is None:
-            # A session that replaces another on its cookie adds at most the one
-            # lingering beside it: the global cap holds for new cookies, and the
-            # per-source cap for whoever opens a session.
-            if verdict is None and self.session_count >= self.config.max_sessions:
-                self._drop("session-limit")
-                return
-            if (
-                verdict is not _Verdict.RESTART
-                and self._per_ip.get(ip, 0) >= self.config.max_sessions_per_ip
-            ):
-                self._drop("source-limit")
-                return
+            # A client that restarts takes its own retired session's slot (it
+            # only lingers as an address book now); any other new session is
+            # admitted by its owner's IP: the global and the per-source caps.
+            retired = self._lingering.get(p.cookie)
+            inherits = (
+                verdict is _Verdict.RESTART
+                and retired is not None
+                and retired.holds_slot
+                and retired.owner_ip == ip
+            )
+            if inherits:
+                assert retired is not None
+                retired.holds_slot = False
+            else:
+                refused = self.admission.admit(ip)
+                if refused is not None:
+                    over_source = refused == REFUSED_OVER_SOURCE
+                    self._drop("source-limit" if over_source else "session-limit")
+                    return
             session = self._open(p.cookie, ip, now)
             for echo, echo_addr, echo_endpoint in replayed:
                 self._record_init(session, echo, echo_addr, echo_endpoint)
@@ -965,7 +1033,6 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self._serial += 1
         session = _Session(SessionId(cookie, self._serial), owner_ip, now)
         self._sessions[cookie] = session
-        self._per_ip[owner_ip] = self._per_ip.get(owner_ip, 0) + 1
         self._schedule(session, now + self.config.session_timeout)
         return session
 
@@ -984,6 +1051,8 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         partner = session.clients[1 - index]
         session.clients[1 - index] = None
         self._retire(session, now, restarted=True)
+        # The renewed session takes over the retired one's admission slot.
+        session.holds_slot = False
         renewed = self._open(session.cookie, session.owner_ip, now)
         renewed.clients[1 - index] = partner
         if old.gp_echo is not None and p.port_type != PortType.GP:
@@ -1351,11 +1420,9 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             del self._lingering[cookie]
         session.timer = 0  # its heap entry, if any, is now stale
         self._close(session, replaced=False)
-        count = self._per_ip.get(session.owner_ip, 0) - 1
-        if count > 0:
-            self._per_ip[session.owner_ip] = count
-        else:
-            self._per_ip.pop(session.owner_ip, None)
+        if session.holds_slot:
+            session.holds_slot = False
+            self.admission.release(session.owner_ip)
 
     def _close(self, session: _Session, *, replaced: bool) -> None:
         """Emit the session's one :class:`SessionClosed`."""

@@ -312,6 +312,15 @@ class Listener:
             lambda: PacketConnection(self), sock=sock
         )
         self.address = normalize_address(sock.getsockname())
+        # The registry names the table that admits this port's connections
+        # (the adversarial battery attacks it and checks its caps).
+        self.budget.listen(
+            "openttd",
+            f"openttd-{self.name}",
+            "tcp",
+            self.address,
+            self.admission.name,
+        )
         self._sweeper = asyncio.create_task(self._sweep_forever())
         return self.address
 
