@@ -323,6 +323,9 @@ def test_split_memory_per_connection_is_bounded() -> None:
 # ------------------------------------------- issue 24: what a peer makes us hold
 
 
+FREELIST_NOISE = 1024
+
+
 def _held_and_charged(frames: list[Frame]) -> tuple[int, int, ReliabilityLayer]:
     """Memory a receiver holds after ``frames`` (tracemalloc) and what it charged."""
     receiver = layer(SplitBudget(1 << 40))
@@ -366,7 +369,13 @@ def test_charged_bytes_cover_what_is_held(
     ahead = [Frame(Reliability.RELIABLE, b"\x86", i + 1) for i in range(count)]
     for frames in (parts, waiting, ahead):
         held, charged, receiver = _held_and_charged(frames)
-        assert held <= charged and charged > 0, (frames[0], held, charged)
+        # FREELIST_NOISE: objects freed during the run may stay on CPython's
+        # free lists (allocated, as tracemalloc sees it).
+        assert held <= charged + FREELIST_NOISE and charged > 0, (
+            frames[0],
+            held,
+            charged,
+        )
         receiver.release()
         assert receiver.charged == 0
 

@@ -786,6 +786,7 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
             self._message(conn, payload, now_ms)
             if self.connections.get(conn.address) is not conn:
                 return
+
     def _message(self, conn: Connection, payload: bytes, now_ms: int) -> None:
         kind = payload[0]
         if kind == MessageId.CONNECTED_PING:

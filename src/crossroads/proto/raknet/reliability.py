@@ -99,6 +99,9 @@ SPLIT_PART_OVERHEAD = 128
 SPLIT_OVERHEAD = 1024
 ORDERED_FRAME_OVERHEAD = 448
 SEEN_NUMBER_OVERHEAD = 128
+#: A channel's table of waiting frames, from its first frame until it is
+#: empty again (then it is replaced: a dict never gives back its table).
+WAITING_CHANNEL_OVERHEAD = 384
 #: Datagram-number holes NAKed at once; a larger jump is ACKed without NAKs
 #: (the sender's RTO covers it) so one forged number cannot cost a huge NAK.
 MAX_NAK_GAP = 512
@@ -487,10 +490,14 @@ class ReliabilityLayer:
         elif frame.reliability in _RELIABLE:
             self._reliable_base = (self._reliable_base + 1) % U24
             seen = self._reliable_seen
-            while self._reliable_base in seen:
-                seen.discard(self._reliable_base)
-                self._uncharge(SEEN_NUMBER_OVERHEAD)
-                self._reliable_base = (self._reliable_base + 1) % U24
+            if self._reliable_base in seen:
+                while self._reliable_base in seen:
+                    seen.discard(self._reliable_base)
+                    self._uncharge(SEEN_NUMBER_OVERHEAD)
+                    self._reliable_base = (self._reliable_base + 1) % U24
+                if not seen:
+                    # A set never gives back its table: start a small one.
+                    self._reliable_seen = set()
         if frame.split_count:
             whole = self._reassemble(frame)
             if whole is None:
@@ -509,8 +516,12 @@ class ReliabilityLayer:
             return True
         if self._waiting_count >= MAX_ORDERING_QUEUE:
             raise LimitExceeded("too many frames waiting for order", "ordering")
-        self._charge(ORDERED_FRAME_OVERHEAD + len(frame.payload), "ordering-memory")
-        self._waiting[channel].setdefault(frame.ordering_index, []).append(frame)
+        waiting = self._waiting[channel]
+        cost = ORDERED_FRAME_OVERHEAD + len(frame.payload)
+        self._charge(
+            cost if waiting else cost + WAITING_CHANNEL_OVERHEAD, "ordering-memory"
+        )
+        waiting.setdefault(frame.ordering_index, []).append(frame)
         self._waiting_count += 1
         return True
 
@@ -530,9 +541,12 @@ class ReliabilityLayer:
             if held is None:
                 return
             self._waiting_count -= len(held)
-            self._uncharge(
-                sum(ORDERED_FRAME_OVERHEAD + len(f.payload) for f in held)
-            )
+            freed = sum(ORDERED_FRAME_OVERHEAD + len(f.payload) for f in held)
+            if not waiting:
+                # A dict never gives back its table: start a small one.
+                waiting = self._waiting[channel] = {}
+                freed += WAITING_CHANNEL_OVERHEAD
+            self._uncharge(freed)
             held.sort(
                 key=lambda f: (f.reliability not in _SEQUENCED, f.sequencing_index)
             )
@@ -600,10 +614,9 @@ class ReliabilityLayer:
         self.charged = 0
         self._split_bytes = 0
         self._splits.clear()
-        for waiting in self._waiting:
-            waiting.clear()
+        self._waiting = [{} for _ in range(ORDERING_CHANNELS)]
         self._waiting_count = 0
-        self._reliable_seen.clear()
+        self._reliable_seen = set()
 
     def _on_ack(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
         for number in self._numbers_in(ranges):
