@@ -216,7 +216,7 @@ async def test_handshake_floods_and_slot_exhaustion(rt: Runtime) -> None:
     try:
         await honest.connect(*server)
         flooders = []
-        for i in range(10):  # 10 half-open connections from one IP: 5 fit
+        for i in range(10):  # 10 half-open handshakes from one IP: 6 records
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind(("127.0.0.1", 0))
             s.sendto(m.OpenConnectionRequest2(server, 1492, 1000 + i).encode(), server)
@@ -227,11 +227,12 @@ async def test_handshake_floods_and_slot_exhaustion(rt: Runtime) -> None:
         dropped = service.node.peer.stats.dropped
 
         async def counted() -> bool:
-            return dropped["handshake-rate"] > 0 and dropped["ip-full"] > 0
+            return dropped["handshake-ip-rate"] > 0 and dropped["handshake-evicted"] > 0
 
-        await eventually(counted, "the flood is rate limited and the IP capped")
+        await eventually(counted, "the flood is rate limited, the oldest records go")
         for s in flooders:
             s.close()
+        assert len(service.node.peer.handshakes) <= 6
         assert len(service.node.peer.connections) <= 6
         await honest_peer_still_served(honest)
     finally:
