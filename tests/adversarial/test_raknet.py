@@ -7,9 +7,11 @@ counted; the attacker's connection is closed; the honest peer is unaffected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,7 @@ from crossroads.proto.raknet.reliability import (
     ReliabilityLayer,
     SplitBudget,
 )
+from crossroads.proto.reflection import DEFAULT_ALLOWANCE, DROP_REFLECTION
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
 from crossroads.types import Address
@@ -272,3 +275,184 @@ async def test_out_of_band_and_offline_garbage_is_dropped_and_counted(
         await honest_peer_still_served(honest)
     finally:
         honest.close()
+
+
+# ----------------------------------------------- issue 24, findings 2, 3 and 9
+
+
+@contextlib.asynccontextmanager
+async def raknet_runtime(**overrides: Any) -> AsyncIterator[Runtime]:
+    runtime = await start(
+        default_config(loopback_config(core__only="raknet", **overrides))
+    )
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+def connection_request(guid: int) -> bytes:
+    """A client's first connected datagram: CONNECTION_REQUEST, reliable #0."""
+    writer = BitWriter()
+    writer.write_u8(m.MessageId.CONNECTION_REQUEST)
+    writer.write_u64(guid)
+    writer.write_u64(1)
+    writer.write_bool(False)
+    return datagram(0, Frame(Reliability.RELIABLE_ORDERED, writer.data(), 0, 0, 0, 0))
+
+
+def send_from(source: Address, server: Address, *payloads: bytes) -> None:
+    """Datagrams from ``source`` (any port when its port is 0), not read back."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(source)
+        for data in payloads:
+            sock.sendto(data, server)
+
+
+async def test_a_request_2_flood_from_66_addresses_leaves_room_for_a_real_client() -> (
+    None
+):
+    """Finding 3: 1,056 REQUEST_2 from 66 IPs filled a 1,024-slot table and
+    every real connect failed (server-full)."""
+    async with raknet_runtime(
+        raknet__max_connections=1024, raknet__handshakes_per_second=100_000.0
+    ) as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        for ip in range(66):
+            for port in range(16):
+                guid = 10_000 + ip * 100 + port
+                send_from(
+                    (f"127.0.1.{ip + 1}", 0),
+                    server,
+                    m.OpenConnectionRequest2(server, 1492, guid).encode(),
+                )
+        peer = service.node.peer
+
+        async def flooded() -> bool:
+            return peer.stats.handshakes >= 1000
+
+        await eventually(flooded, "the REQUEST_2 flood arrived")
+        honest = RakNetPeer()
+        try:
+            await honest.connect(*server)
+            await honest_peer_still_served(honest)
+        finally:
+            honest.close()
+        assert peer.stats.dropped["server-full"] == 0
+        assert len(peer.handshakes) <= 1024 and peer.connected_count == 1
+
+
+async def test_blind_handshakes_with_a_victims_address_do_not_keep_it_out() -> None:
+    """Finding 3: 16 blind REQUEST_2 with a victim's source address kept that
+    address out. Here they also send the blind CONNECTION_REQUEST."""
+    async with raknet_runtime() as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        for i in range(16):
+            guid = 5000 + i
+            send_from(
+                ("127.0.0.1", 0),
+                server,
+                m.OpenConnectionRequest2(server, 1492, guid).encode(),
+                connection_request(guid),
+            )
+        peer = service.node.peer
+
+        async def spoofed() -> bool:
+            return len(peer.connections) + len(peer.handshakes) >= 16
+
+        await eventually(spoofed, "the forged handshakes arrived")
+        victim = RakNetPeer()
+        try:
+            await victim.connect(*server)
+            await honest_peer_still_served(victim)
+        finally:
+            victim.close()
+        assert peer.stats.dropped["ip-full"] == 0
+
+
+async def test_one_address_flooding_request_1_takes_only_its_share() -> None:
+    """Finding 3: the handshake bucket was global: one IP sending REQUEST_1
+    faster than the rate took every other client's answers."""
+    async with raknet_runtime(raknet__handshakes_per_second=100.0) as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        request = m.OpenConnectionRequest1(6, 1492).encode()
+        send_from(("127.0.1.66", 0), server, *[request] * 1000)
+        dropped = service.node.peer.stats.dropped
+
+        async def flood_seen() -> bool:
+            return dropped["handshake-ip-rate"] + dropped["handshake-rate"] >= 800
+
+        await eventually(flood_seen, "the REQUEST_1 flood arrived")
+
+        def other_client(ip: str) -> list[bytes]:
+            # Two tries, as a RakNet client that lost one (every 500 ms).
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+                other.bind((ip, 0))
+                other.settimeout(3)
+                for _ in range(2):
+                    other.sendto(request, server)
+                return [other.recvfrom(2048)[0] for _ in range(2)]
+
+        loop = asyncio.get_running_loop()
+        answers = [
+            answer
+            for ip in range(10, 20)
+            for answer in await loop.run_in_executor(
+                None, other_client, f"127.0.1.{ip}"
+            )
+        ]
+        assert len(answers) == 20
+        assert all(a[0] == m.MessageId.OPEN_CONNECTION_REPLY_1 for a in answers)
+        assert dropped["handshake-ip-rate"] >= 800
+
+
+async def test_raknet_answers_from_the_address_it_was_sent_to() -> None:
+    """Finding 9: on a wildcard bind RakNet answered from the route's address;
+    a stock connect to the host's second address failed."""
+    async with raknet_runtime(raknet__host="0.0.0.0") as rt:
+        port = service_of(rt).addresses[0][1]
+
+        def request_1() -> bytes:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                sock.connect(("127.0.0.2", port))  # only accepts 127.0.0.2:port
+                sock.settimeout(3)
+                sock.send(m.OpenConnectionRequest1(6, 1492).encode())
+                return sock.recv(2048)
+
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(None, request_1)
+        assert reply[0] == m.MessageId.OPEN_CONNECTION_REPLY_1
+        peer = RakNetPeer()
+        try:
+            await peer.connect("127.0.0.2", port)
+            await honest_peer_still_served(peer)
+        finally:
+            peer.close()
+
+
+async def test_unconnected_answers_stay_within_the_reflection_budget() -> None:
+    """Finding 9 (low): an 18-byte REQUEST_1 got a 28-byte answer every time,
+    up to the global rate (lifted here, so the rate cannot hide it)."""
+    async with raknet_runtime(raknet__handshakes_per_second=1_000_000.0) as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        request = m.OpenConnectionRequest1(6, 46).encode()  # 18 bytes
+        count = 2000
+        received = 0
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.1.9", 0))
+            sock.settimeout(1)
+            for i in range(count):
+                sock.sendto(request, server)
+                if i % 100 == 99:
+                    await asyncio.sleep(0.01)  # let the server keep up
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    received += len(sock.recvfrom(2048)[0])
+        dropped = service.node.peer.stats.dropped
+        assert received <= count * len(request) + DEFAULT_ALLOWANCE
+        assert dropped[DROP_REFLECTION] > 0

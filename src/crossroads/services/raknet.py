@@ -98,9 +98,10 @@ class Config:
         help="Connection requests answered per second, all sources together.",
     )
     handshakes_per_second_per_ip: float = setting(
-        125.0,
-        help="Connection requests answered per second from one IP or IPv6 /64 "
-        "(checked before the global rate).",
+        0.0,
+        help="Connection requests answered per second from one IP or IPv6 /64, "
+        "checked before the global rate (0 = an eighth of "
+        "--raknet-handshakes-per-second).",
     )
     detection_hosts: tuple[str, ...] = setting(
         (),

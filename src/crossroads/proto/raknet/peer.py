@@ -122,6 +122,12 @@ CONNECT_DEADLINE_MS = 10_000
 #: tests/proto/raknet/test_peer.py::test_per_item_costs_cover_what_is_held.
 HANDSHAKE_BYTES = 768
 CONNECTION_BYTES = 8_192
+#: A source's default share of the handshake rate: an eighth, as a source's
+#: share of any table (PER_SOURCE_FRACTION, transport/admission.py). 125/s of
+#: the default 1,000/s is far above the one or two requests per 500 ms a
+#: connecting RakNet client sends, and eight sources are needed to take the
+#: global rate from everyone else.
+SOURCE_RATE_FRACTION = 1 / 8
 #: Handshake sources whose token buckets are remembered (least recently used
 #: forgotten first: its bucket refills, the global bucket still bounds it):
 #: ~250 bytes each, ~4 MB at most.
@@ -138,11 +144,9 @@ class ServerConfig:
     max_connections_per_ip: int = 16
     #: OPEN_CONNECTION_REQUEST_1/2 answered per second, all sources together.
     handshakes_per_second: float = 1000.0
-    #: ... and per source (IPv4 address or IPv6 /64), checked first: an eighth
-    #: of the global rate (PER_SOURCE_FRACTION of transport/admission.py), far
-    #: above the one or two requests per 500 ms a connecting RakNet client
-    #: sends, so eight sources are needed to take the global rate.
-    handshakes_per_second_per_ip: float = 125.0
+    #: ... and per source (IPv4 address or IPv6 /64), checked first; 0: an
+    #: eighth of the global rate (:data:`SOURCE_RATE_FRACTION`).
+    handshakes_per_second_per_ip: float = 0.0
     #: Bytes the connections may hold for their peers, all together, when the
     #: core is built without a process budget (unit tests, tools).
     split_budget: int = 64 * 1024 * 1024
@@ -355,10 +359,14 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         #: Connections not connected yet, oldest first: the ones that give way.
         self._unverified: OrderedDict[Address, None] = OrderedDict()
         self._by_guid: dict[int, Address] = {}
+        per_source = (
+            cfg.handshakes_per_second_per_ip
+            or cfg.handshakes_per_second * SOURCE_RATE_FRACTION
+        )
         self._rates = FailureBudget(
             BudgetConfig(
-                per_source_rate=cfg.handshakes_per_second_per_ip,
-                per_source_burst=max(1.0, cfg.handshakes_per_second_per_ip),
+                per_source_rate=per_source,
+                per_source_burst=max(1.0, per_source),
                 global_rate=cfg.handshakes_per_second,
                 global_burst=max(1.0, cfg.handshakes_per_second),
             ),
