@@ -10,9 +10,13 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator
+import struct
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from crossroads.config import default_config
@@ -28,7 +32,13 @@ from crossroads.proto.reflection import DEFAULT_ALLOWANCE, DROP_REFLECTION
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
 from crossroads.types import Address
-from tests.conftest import eventually, loopback_config, running_service
+from tests.conftest import (
+    eventually,
+    free_port,
+    loopback_config,
+    running_service,
+    serve_command,
+)
 from tests.interop.raknet_support import RakNetPeer
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,10 +74,10 @@ class Attacker:
     """A RakNet client built from the project's own reliability layer, on a
     plain UDP socket: it completes the handshake, then misbehaves."""
 
-    def __init__(self, server: Address) -> None:
+    def __init__(self, server: Address, host: str = "127.0.0.1") -> None:
         self.server = server
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.sock.settimeout(2)
         self.layer = ReliabilityLayer(1492, SplitBudget(10**9))
         self.guid = int.from_bytes(os.urandom(8), "big")
@@ -93,7 +103,8 @@ class Attacker:
         for data in self.layer.datagrams(now_ms):
             self.sock.sendto(data, self.server)
 
-    def connect(self) -> None:
+    def request(self) -> None:
+        """The handshake up to CONNECTION_REQUEST_ACCEPTED (not answered)."""
         assert self.exchange(m.OpenConnectionRequest1(6, 1492).encode())
         assert self.exchange(
             m.OpenConnectionRequest2(self.server, 1492, self.guid).encode()
@@ -106,6 +117,9 @@ class Attacker:
         self.layer.send(writer.data(), Reliability.RELIABLE_ORDERED, 0, 1)
         self.pump(1)
         assert any(p[0] == m.MessageId.CONNECTION_REQUEST_ACCEPTED for p in self.inbox)
+
+    def connect(self) -> None:
+        self.request()
         writer = BitWriter()
         writer.write_u8(m.MessageId.NEW_INCOMING_CONNECTION)
         for _ in range(11):
@@ -456,3 +470,152 @@ async def test_unconnected_answers_stay_within_the_reflection_budget() -> None:
         dropped = service.node.peer.stats.dropped
         assert received <= count * len(request) + DEFAULT_ALLOWANCE
         assert dropped[DROP_REFLECTION] > 0
+
+
+# ------------------------------------------------------- finding 2: memory
+
+ADMIN_TOKEN = "raknet-memory-test"
+#: Small, so that the table's share is far below what the flood used to take
+#: (+64 MB): the raknet tables get all of it with --only raknet.
+MEMORY_BUDGET = 16 * 1024 * 1024
+#: RSS that is not the tables': the interpreter's own growth, transient frames
+#: and datagrams, allocator fragmentation.
+RSS_SLACK = 8 * 1024 * 1024
+#: The flood of the finding: 16 splits of 4,095 one-byte parts per connection.
+SPLITS, PARTS, FRAMES_PER_DATAGRAM = 16, 4095, 80
+
+
+def rss_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def split_flood(attacker: Attacker) -> Iterator[bytes]:
+    """Datagrams of never-completed split messages, numbered after what the
+    attacker's layer has sent (one-byte parts: the overhead is everything)."""
+    reliable = attacker.layer._next_reliable
+    number = attacker.layer._next_datagram
+    frames: list[bytes] = []
+    for split in range(SPLITS):
+        for index in range(PARTS - 1):  # never the last part
+            frames.append(
+                b"\x50\x00\x08"
+                + (reliable % (1 << 24)).to_bytes(3, "little")
+                + struct.pack(">IHI", PARTS, split, index)
+                + b"x"
+            )
+            reliable += 1
+            if len(frames) == FRAMES_PER_DATAGRAM:
+                yield b"\x84" + number.to_bytes(3, "little") + b"".join(frames)
+                number += 1
+                frames = []
+    if frames:
+        yield b"\x84" + number.to_bytes(3, "little") + b"".join(frames)
+
+
+async def flood(attackers: list[Attacker]) -> None:
+    for attacker in attackers:
+        for i, data in enumerate(split_flood(attacker)):
+            attacker.raw(data)
+            if i % 8 == 7:
+                await asyncio.sleep(0.002)  # within what the server reads
+
+
+async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Finding 2: 16 connections from one IP, each with 16 never-completed
+    splits of 4,095 one-byte parts, grew RSS by 64 MB for 1 MB charged, and
+    connections that had not completed their handshake buffered them too."""
+    http_port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}
+    command = serve_command(
+        "raknet",
+        "--admin-token",
+        ADMIN_TOKEN,
+        "--memory-budget",
+        str(MEMORY_BUDGET),
+        "--raknet-port",
+        "0",
+        "--raknet-second-port",
+        "0",
+        "--no-raknet-proxy",
+        http_port=http_port,
+    )
+    loop = asyncio.get_running_loop()
+    with log.open("wb") as output:
+        child = subprocess.Popen(command, env=env, stdout=output, stderr=output)
+    attackers: list[Attacker] = []
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_port}",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as http:
+
+            async def resources() -> dict[str, Any]:
+                response = await http.get("/console/api/admin/resources")
+                assert response.status_code == 200, response.text
+                snapshot: dict[str, Any] = response.json()
+                return snapshot
+
+            async def up() -> bool:
+                assert child.poll() is None, log.read_text()
+                try:
+                    await resources()
+                except httpx.TransportError:
+                    return False
+                return True
+
+            await eventually(up, "crossroads serve --only raknet answers", 30)
+            snapshot = await resources()
+            (listener,) = [e for e in snapshot["listeners"] if e["kind"] == "raknet"]
+            server = (listener["host"], listener["port"])
+
+            def table() -> dict[str, Any]:
+                (row,) = [
+                    t for t in snapshot["tables"] if t["table"] == "raknet-connections"
+                ]
+                return row
+
+            assert table()["bytes_per_item"] > 0 and table()["preauth_deadline"]
+            # Phase 1: connections that never send NEW_INCOMING_CONNECTION.
+            early = [Attacker(server, "127.0.0.2") for _ in range(16)]
+            attackers += early
+            for attacker in early:
+                await loop.run_in_executor(None, attacker.request)
+            connected = [Attacker(server) for _ in range(16)]
+            attackers += connected
+            for attacker in connected:
+                await loop.run_in_executor(None, attacker.connect)
+            snapshot = await resources()
+            assert table()["live"] == 32
+            before = rss_of(child.pid)
+            await flood(early)
+            snapshot = await resources()
+            assert table()["buffered_bytes"] == 0  # nothing held before connected
+            # Phase 2: connected, the same flood.
+            await flood(connected)
+
+            async def settled() -> bool:
+                nonlocal snapshot
+                snapshot = await resources()
+                return table()["live"] <= 16  # the flooders are cut off
+
+            await eventually(settled, "the connected flooders are cut off", 30)
+            grown = rss_of(child.pid) - before
+            share = table()["max_bytes"]
+            assert share < 64 * 1024 * 1024
+            assert grown <= share + RSS_SLACK, (grown, share)
+            assert table()["buffered_bytes"] == 0  # given back when they went
+    finally:
+        for attacker in attackers:
+            attacker.close()
+        child.terminate()
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
