@@ -7,10 +7,17 @@ counted; the attacker's connection is closed; the honest peer is unaffected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator
+import struct
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from crossroads.config import default_config
@@ -21,11 +28,19 @@ from crossroads.proto.raknet.reliability import (
     Reliability,
     ReliabilityLayer,
     SplitBudget,
+    decode_ranges,
 )
+from crossroads.proto.reflection import DEFAULT_ALLOWANCE, DROP_REFLECTION
 from crossroads.runtime import Runtime, start
 from crossroads.services.raknet import RakNetService
 from crossroads.types import Address
-from tests.conftest import eventually, loopback_config, running_service
+from tests.conftest import (
+    eventually,
+    free_port,
+    loopback_config,
+    running_service,
+    serve_command,
+)
 from tests.interop.raknet_support import RakNetPeer
 
 pytestmark = pytest.mark.timeout(60)
@@ -61,10 +76,10 @@ class Attacker:
     """A RakNet client built from the project's own reliability layer, on a
     plain UDP socket: it completes the handshake, then misbehaves."""
 
-    def __init__(self, server: Address) -> None:
+    def __init__(self, server: Address, host: str = "127.0.0.1") -> None:
         self.server = server
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind((host, 0))
         self.sock.settimeout(2)
         self.layer = ReliabilityLayer(1492, SplitBudget(10**9))
         self.guid = int.from_bytes(os.urandom(8), "big")
@@ -90,7 +105,8 @@ class Attacker:
         for data in self.layer.datagrams(now_ms):
             self.sock.sendto(data, self.server)
 
-    def connect(self) -> None:
+    def request(self) -> None:
+        """The handshake up to CONNECTION_REQUEST_ACCEPTED (not answered)."""
         assert self.exchange(m.OpenConnectionRequest1(6, 1492).encode())
         assert self.exchange(
             m.OpenConnectionRequest2(self.server, 1492, self.guid).encode()
@@ -103,6 +119,9 @@ class Attacker:
         self.layer.send(writer.data(), Reliability.RELIABLE_ORDERED, 0, 1)
         self.pump(1)
         assert any(p[0] == m.MessageId.CONNECTION_REQUEST_ACCEPTED for p in self.inbox)
+
+    def connect(self) -> None:
+        self.request()
         writer = BitWriter()
         writer.write_u8(m.MessageId.NEW_INCOMING_CONNECTION)
         for _ in range(11):
@@ -216,7 +235,7 @@ async def test_handshake_floods_and_slot_exhaustion(rt: Runtime) -> None:
     try:
         await honest.connect(*server)
         flooders = []
-        for i in range(10):  # 10 half-open connections from one IP: 5 fit
+        for i in range(10):  # 10 half-open handshakes from one IP: 6 records
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.bind(("127.0.0.1", 0))
             s.sendto(m.OpenConnectionRequest2(server, 1492, 1000 + i).encode(), server)
@@ -227,11 +246,12 @@ async def test_handshake_floods_and_slot_exhaustion(rt: Runtime) -> None:
         dropped = service.node.peer.stats.dropped
 
         async def counted() -> bool:
-            return dropped["handshake-rate"] > 0 and dropped["ip-full"] > 0
+            return dropped["handshake-ip-rate"] > 0 and dropped["handshake-evicted"] > 0
 
-        await eventually(counted, "the flood is rate limited and the IP capped")
+        await eventually(counted, "the flood is rate limited, the oldest records go")
         for s in flooders:
             s.close()
+        assert len(service.node.peer.handshakes) <= 6
         assert len(service.node.peer.connections) <= 6
         await honest_peer_still_served(honest)
     finally:
@@ -271,3 +291,378 @@ async def test_out_of_band_and_offline_garbage_is_dropped_and_counted(
         await honest_peer_still_served(honest)
     finally:
         honest.close()
+
+
+# ----------------------------------------------- issue 24, findings 2, 3 and 9
+
+
+@contextlib.asynccontextmanager
+async def raknet_runtime(**overrides: Any) -> AsyncIterator[Runtime]:
+    runtime = await start(
+        default_config(loopback_config(core__only="raknet", **overrides))
+    )
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
+
+
+def connection_request(guid: int) -> bytes:
+    """A client's first connected datagram: CONNECTION_REQUEST, reliable #0."""
+    writer = BitWriter()
+    writer.write_u8(m.MessageId.CONNECTION_REQUEST)
+    writer.write_u64(guid)
+    writer.write_u64(1)
+    writer.write_bool(False)
+    return datagram(0, Frame(Reliability.RELIABLE_ORDERED, writer.data(), 0, 0, 0, 0))
+
+
+def send_from(source: Address, server: Address, *payloads: bytes) -> None:
+    """Datagrams from ``source`` (any port when its port is 0), not read back."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(source)
+        for data in payloads:
+            sock.sendto(data, server)
+
+
+async def test_a_request_2_flood_from_66_addresses_leaves_room_for_a_real_client() -> (
+    None
+):
+    """Finding 3: 1,056 REQUEST_2 from 66 IPs filled a 1,024-slot table and
+    every real connect failed (server-full)."""
+    async with raknet_runtime(
+        raknet__max_connections=1024, raknet__handshakes_per_second=100_000.0
+    ) as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        for ip in range(66):
+            for port in range(16):
+                guid = 10_000 + ip * 100 + port
+                send_from(
+                    (f"127.0.1.{ip + 1}", 0),
+                    server,
+                    m.OpenConnectionRequest2(server, 1492, guid).encode(),
+                )
+        peer = service.node.peer
+
+        async def flooded() -> bool:
+            return peer.stats.handshakes >= 1000
+
+        await eventually(flooded, "the REQUEST_2 flood arrived")
+        honest = RakNetPeer()
+        try:
+            await honest.connect(*server)
+            await honest_peer_still_served(honest)
+        finally:
+            honest.close()
+        assert peer.stats.dropped["server-full"] == 0
+        assert len(peer.handshakes) <= 1024 and peer.connected_count == 1
+
+
+async def test_blind_handshakes_with_a_victims_address_do_not_keep_it_out() -> None:
+    """Finding 3: 16 blind REQUEST_2 with a victim's source address kept that
+    address out. Here they also send the blind CONNECTION_REQUEST."""
+    async with raknet_runtime() as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        for i in range(16):
+            guid = 5000 + i
+            send_from(
+                ("127.0.0.1", 0),
+                server,
+                m.OpenConnectionRequest2(server, 1492, guid).encode(),
+                connection_request(guid),
+            )
+        peer = service.node.peer
+
+        async def spoofed() -> bool:
+            return peer.stats.handshakes >= 16
+
+        await eventually(spoofed, "the forged handshakes arrived")
+        victim = RakNetPeer()
+        try:
+            await victim.connect(*server)
+            await honest_peer_still_served(victim)
+        finally:
+            victim.close()
+        assert peer.stats.dropped["ip-full"] == 0
+
+
+async def test_one_address_flooding_request_1_takes_only_its_share() -> None:
+    """Finding 3: the handshake bucket was global: one IP sending REQUEST_1
+    faster than the rate took every other client's answers."""
+    async with raknet_runtime(raknet__handshakes_per_second=100.0) as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        request = m.OpenConnectionRequest1(6, 1492).encode()
+        send_from(("127.0.1.66", 0), server, *[request] * 1000)
+        dropped = service.node.peer.stats.dropped
+
+        async def flood_seen() -> bool:
+            return dropped["handshake-ip-rate"] + dropped["handshake-rate"] >= 800
+
+        await eventually(flood_seen, "the REQUEST_1 flood arrived")
+
+        def other_client(ip: str) -> list[bytes]:
+            # Two tries, as a RakNet client that lost one (every 500 ms).
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as other:
+                other.bind((ip, 0))
+                other.settimeout(3)
+                for _ in range(2):
+                    other.sendto(request, server)
+                return [other.recvfrom(2048)[0] for _ in range(2)]
+
+        loop = asyncio.get_running_loop()
+        answers = [
+            answer
+            for ip in range(10, 20)
+            for answer in await loop.run_in_executor(
+                None, other_client, f"127.0.1.{ip}"
+            )
+        ]
+        assert len(answers) == 20
+        assert all(a[0] == m.MessageId.OPEN_CONNECTION_REPLY_1 for a in answers)
+        assert dropped["handshake-ip-rate"] >= 800
+
+
+async def test_raknet_answers_from_the_address_it_was_sent_to() -> None:
+    """Finding 9: on a wildcard bind RakNet answered from the route's address;
+    a stock connect to the host's second address failed."""
+    async with raknet_runtime(raknet__host="0.0.0.0") as rt:
+        port = service_of(rt).addresses[0][1]
+
+        def request_1() -> bytes:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                sock.connect(("127.0.0.2", port))  # only accepts 127.0.0.2:port
+                sock.settimeout(3)
+                sock.send(m.OpenConnectionRequest1(6, 1492).encode())
+                return sock.recv(2048)
+
+        loop = asyncio.get_running_loop()
+        reply = await loop.run_in_executor(None, request_1)
+        assert reply[0] == m.MessageId.OPEN_CONNECTION_REPLY_1
+        peer = RakNetPeer()
+        try:
+            await peer.connect("127.0.0.2", port)
+            await honest_peer_still_served(peer)
+        finally:
+            peer.close()
+
+
+async def test_unconnected_answers_stay_within_the_reflection_budget() -> None:
+    """Finding 9 (low): an 18-byte REQUEST_1 got a 28-byte answer every time,
+    up to the global rate (lifted here, so the rate cannot hide it)."""
+    async with raknet_runtime(raknet__handshakes_per_second=1_000_000.0) as rt:
+        service = service_of(rt)
+        server = service.addresses[0]
+        request = m.OpenConnectionRequest1(6, 46).encode()  # 18 bytes
+        count = 2000
+        received = 0
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind(("127.0.1.9", 0))
+            sock.setblocking(False)
+            for i in range(count):
+                sock.sendto(request, server)
+                if i % 50 == 49:
+                    await asyncio.sleep(0.01)  # let the server keep up
+                    # ... and read what came back before our buffer fills
+                    with contextlib.suppress(BlockingIOError):
+                        while True:
+                            received += len(sock.recv(2048))
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    received += len(sock.recv(2048))
+        dropped = service.node.peer.stats.dropped
+        assert received <= count * len(request) + DEFAULT_ALLOWANCE
+        assert dropped[DROP_REFLECTION] > 0
+
+
+# ------------------------------------------------------- finding 2: memory
+
+ADMIN_TOKEN = "raknet-memory-test"
+#: Small, so that the table's share is far below what the flood used to take
+#: (+64 MB): the raknet tables get all of it with --only raknet.
+MEMORY_BUDGET = 16 * 1024 * 1024
+#: RSS that is not the tables': the interpreter's own growth, transient frames
+#: and datagrams, allocator fragmentation.
+RSS_SLACK = 8 * 1024 * 1024
+#: The flood of the finding: 16 splits of 4,095 one-byte parts per connection.
+SPLITS, PARTS, FRAMES_PER_DATAGRAM = 16, 4095, 80
+
+
+def rss_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def split_flood(attacker: Attacker) -> Iterator[bytes]:
+    """Datagrams of never-completed split messages, numbered after what the
+    attacker's layer has sent (one-byte parts: the overhead is everything)."""
+    reliable = attacker.layer._next_reliable
+    number = attacker.layer._next_datagram
+    frames: list[bytes] = []
+    for split in range(SPLITS):
+        for index in range(PARTS - 1):  # never the last part
+            frames.append(
+                b"\x50\x00\x08"
+                + (reliable % (1 << 24)).to_bytes(3, "little")
+                + struct.pack(">IHI", PARTS, split, index)
+                + b"x"
+            )
+            reliable += 1
+            if len(frames) == FRAMES_PER_DATAGRAM:
+                yield b"\x84" + number.to_bytes(3, "little") + b"".join(frames)
+                number += 1
+                frames = []
+    if frames:
+        yield b"\x84" + number.to_bytes(3, "little") + b"".join(frames)
+
+
+#: Datagrams sent before waiting for the server's ACK of the last one: the
+#: flood goes as fast as the server takes it (a kernel drop would open a hole
+#: in the reliable numbers, and a connection is cut for that, not for memory).
+WINDOW = 16
+#: Windows without an ACK after which an attacker stops (it was cut off, or
+#: the server holds its datagrams back).
+MISSES = 3
+
+
+def flood_one(attacker: Attacker) -> int:
+    """Send :func:`split_flood` at the server's pace; datagrams acknowledged."""
+    sock = attacker.sock
+    sock.settimeout(0.5)
+    datagrams = list(split_flood(attacker))
+    acked = misses = 0
+    for first in range(0, len(datagrams), WINDOW):
+        batch = datagrams[first : first + WINDOW]
+        for data in batch:
+            sock.sendto(data, attacker.server)
+        last = int.from_bytes(batch[-1][1:4], "little")
+        while True:
+            try:
+                data = sock.recv(4096)
+            except TimeoutError:
+                misses += 1
+                break
+            if data[0] & 0x40 and any(
+                low <= last <= high
+                for low, high in decode_ranges(data, 5 if data[0] & 0x20 else 1)
+            ):
+                acked += len(batch)
+                misses = 0
+                break
+        if misses >= MISSES:
+            break
+    return acked
+
+
+async def flood(attackers: list[Attacker]) -> int:
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(len(attackers)) as pool:
+        counts = await asyncio.gather(
+            *(loop.run_in_executor(pool, flood_one, a) for a in attackers)
+        )
+    return sum(counts)
+
+
+async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Finding 2: 16 connections from one IP, each with 16 never-completed
+    splits of 4,095 one-byte parts, grew RSS by 64 MB for 1 MB charged, and
+    connections that had not completed their handshake buffered them too."""
+    http_port = free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}
+    command = serve_command(
+        "raknet",
+        "--admin-token",
+        ADMIN_TOKEN,
+        "--memory-budget",
+        str(MEMORY_BUDGET),
+        "--raknet-port",
+        "0",
+        "--raknet-second-port",
+        "0",
+        "--no-raknet-proxy",
+        http_port=http_port,
+    )
+    loop = asyncio.get_running_loop()
+    with log.open("wb") as output:
+        child = subprocess.Popen(command, env=env, stdout=output, stderr=output)
+    attackers: list[Attacker] = []
+    try:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{http_port}",
+            headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+        ) as http:
+
+            async def resources() -> dict[str, Any]:
+                response = await http.get("/console/api/admin/resources")
+                assert response.status_code == 200, response.text
+                snapshot: dict[str, Any] = response.json()
+                return snapshot
+
+            async def up() -> bool:
+                assert child.poll() is None, log.read_text()
+                try:
+                    await resources()
+                except httpx.TransportError:
+                    return False
+                return True
+
+            await eventually(up, "crossroads serve --only raknet answers", 30)
+            snapshot = await resources()
+            (listener,) = [e for e in snapshot["listeners"] if e["kind"] == "raknet"]
+            server = (listener["host"], listener["port"])
+
+            def table() -> dict[str, Any]:
+                (row,) = [
+                    t for t in snapshot["tables"] if t["table"] == "raknet-connections"
+                ]
+                return row
+
+            assert table()["bytes_per_item"] > 0 and table()["preauth_deadline"]
+            # Phase 1: connections that never send NEW_INCOMING_CONNECTION.
+            early = [Attacker(server, "127.0.0.2") for _ in range(16)]
+            attackers += early
+            for attacker in early:
+                await loop.run_in_executor(None, attacker.request)
+            connected = [Attacker(server) for _ in range(16)]
+            attackers += connected
+            for attacker in connected:
+                await loop.run_in_executor(None, attacker.connect)
+            snapshot = await resources()
+            assert table()["live"] == 32
+            before = rss_of(child.pid)
+            # Held back, not acknowledged: each stops after its first windows.
+            assert await flood(early) == 0
+            snapshot = await resources()
+            assert table()["buffered_bytes"] == 0  # nothing held before connected
+            # Phase 2: connected, the same flood.
+            await flood(connected)
+
+            async def settled() -> bool:
+                nonlocal snapshot
+                snapshot = await resources()
+                return table()["live"] <= 16  # the flooders are cut off
+
+            await eventually(settled, "the connected flooders are cut off", 30)
+            grown = rss_of(child.pid) - before
+            share = table()["max_bytes"]
+            assert share < 64 * 1024 * 1024
+            assert grown <= share + RSS_SLACK, (grown, share)
+            assert table()["buffered_bytes"] == 0  # given back when they went
+    finally:
+        for attacker in attackers:
+            attacker.close()
+        child.terminate()
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

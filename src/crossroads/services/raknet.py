@@ -8,7 +8,13 @@ answers the port-stride NAT_PING that a RakNet client sends on its first
 ``OpenNAT`` (without it every client's first punch waits 5 s).
 
 The driver is :class:`~crossroads.transport.driver.DatagramDriver`; this
-module adds the second socket, the config section and the metrics. With
+module adds the second socket, the config section and the metrics. On a
+wildcard bind the main socket answers from the address each client sent to
+(:mod:`crossroads.transport.pktinfo`). Handshake records and connections are
+two tables of the process's resource budget (``raknet-handshakes``,
+``raknet-connections``: per-item costs, caps, pre-auth deadlines, and the
+bytes connections hold for their peers), and answers to addresses that are
+not connected are charged to the service's reflection budget. With
 ``--raknet-proxy-relay-nodes`` the UDP proxy also uses the forwarders of the
 other instances sharing the Store (:mod:`crossroads.services.raknet_nodes`).
 """
@@ -28,10 +34,18 @@ from crossroads.config import setting
 from crossroads.metrics import add_counts, counter_by, unregister
 from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
-from crossroads.proto.raknet.peer import ServerConfig
+from crossroads.proto.raknet.peer import (
+    CONNECT_DEADLINE_MS,
+    CONNECTION_BYTES,
+    HANDSHAKE_BYTES,
+    HANDSHAKE_DEADLINE_MS,
+    ServerConfig,
+)
 from crossroads.services.base import ServiceContext
 from crossroads.services.raknet_nodes import RelayNodes
+from crossroads.transport.admission import Pool, ResourceBudget
 from crossroads.transport.driver import DatagramDriver
+from crossroads.transport.pktinfo import open_datagram_endpoint
 from crossroads.transport.raknet_forwarder import (
     TABLE as FORWARDER_TABLE,
 )
@@ -76,14 +90,24 @@ class Config:
         "list ('' = --public-host, else the bind address).",
     )
     max_connections: int = setting(
-        4096, help="RakNet connections at most (handshakes included)."
+        4096,
+        help="RakNet connections at most (also capped by the memory budget); as "
+        "many handshake records (REQUEST_2 answered, CONNECTION_REQUEST awaited).",
     )
     max_connections_per_ip: int = setting(
-        16, help="RakNet connections one IP may hold."
+        16,
+        help="RakNet connections (and handshake records) one IP or IPv6 /64 may "
+        "hold; never more than an eighth of the table.",
     )
     handshakes_per_second: float = setting(
         1000.0,
         help="Connection requests answered per second, all sources together.",
+    )
+    handshakes_per_second_per_ip: float = setting(
+        0.0,
+        help="Connection requests answered per second from one IP or IPv6 /64, "
+        "checked before the global rate (0 = an eighth of "
+        "--raknet-handshakes-per-second).",
     )
     detection_hosts: tuple[str, ...] = setting(
         (),
@@ -119,10 +143,6 @@ class Config:
         help="UDP proxy: also use the forwarders of the other crossroads "
         "instances sharing the Store, and offer this one's to them (a relay "
         "node; needs a reachable --raknet-advertise-host / --public-host).",
-    )
-    split_memory: int = setting(
-        64 * 1024 * 1024,
-        help="Bytes of split messages held for reassembly, all connections together.",
     )
 
 
@@ -283,6 +303,8 @@ class RakNetService:
         self.relay_nodes: RelayNodes | None = None
         self._collector: _Collector | None = None
         self._registry: Any = None
+        #: The process budget the connection tables are registered with.
+        self.resources: ResourceBudget | None = None
 
     def describe(self) -> list[str]:
         if not self.addresses:
@@ -309,6 +331,18 @@ class RakNetService:
         if self._collector is not None and self._registry is not None:
             unregister(self._registry, self._collector)
             self._collector = None
+        if self.resources is not None:
+            self.resources.forget(HANDSHAKE_TABLE)
+            self.resources.forget(CONNECTION_TABLE)
+            self.resources = None
+
+
+#: The resource-budget tables of the service (see the module docstring).
+HANDSHAKE_TABLE = "raknet-handshakes"
+CONNECTION_TABLE = "raknet-connections"
+#: Handshake records are small and short-lived: a quarter of a connection
+#: table's weight in the memory budget is ample.
+HANDSHAKE_WEIGHT = 0.25
 
 
 def _advertised(host: str, bound: Address) -> Address:
@@ -367,12 +401,30 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         if cfg.proxy
         else None
     )
+    resources = ctx.resources
+    handshakes = resources.table(
+        HANDSHAKE_TABLE,
+        max_items=cfg.max_connections,
+        max_per_source=cfg.max_connections_per_ip,
+        pool=Pool.NONE,
+        bytes_per_item=HANDSHAKE_BYTES,
+        weight=HANDSHAKE_WEIGHT,
+        preauth_deadline=HANDSHAKE_DEADLINE_MS / 1000,
+    )
+    connections = resources.table(
+        CONNECTION_TABLE,
+        max_items=cfg.max_connections,
+        max_per_source=cfg.max_connections_per_ip,
+        pool=Pool.NONE,
+        bytes_per_item=CONNECTION_BYTES,
+        preauth_deadline=CONNECT_DEADLINE_MS / 1000,
+    )
     node = RakNetNode(
         ServerConfig(
             max_connections=cfg.max_connections,
             max_connections_per_ip=cfg.max_connections_per_ip,
             handshakes_per_second=cfg.handshakes_per_second,
-            split_budget=cfg.split_memory,
+            handshakes_per_second_per_ip=cfg.handshakes_per_second_per_ip,
             local_addresses=(advertised[0],),
         ),
         bound_addresses=advertised,
@@ -380,17 +432,34 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         forwarders=forwarders,
         proxy_public_ip=public,
         proxy_password=cfg.proxy_password,
+        handshakes=handshakes,
+        connections=connections,
+        reflection=ctx.reflection_budget(),
     )
     service = RakNetService(node)
+    service.resources = resources
     service.forwarders = forwarders
     service.addresses = bound
     service.side_addresses = side_bound
+    resources.listen(NAME, "raknet", "udp", bound[0], CONNECTION_TABLE)
+    # The port-stride and NAT-type sockets answer or probe for connected
+    # clients only (an unconnected NAT_PING gets a reflection-budgeted echo):
+    # whatever state they lead to is a connection's.
+    resources.listen(NAME, "raknet-port-stride", "udp", bound[1], CONNECTION_TABLE)
+    for role, side_address in side_bound.items():
+        resources.listen(
+            NAME,
+            f"raknet-nat-type-{role.name.lower()}",
+            "udp",
+            side_address,
+            CONNECTION_TABLE,
+        )
     loop = asyncio.get_running_loop()
     try:
-        transport, driver = await loop.create_datagram_endpoint(
-            lambda: _Driver(service), sock=sockets[0]
-        )
-        service._transports.append(transport)
+        driver = _Driver(service)
+        # On a wildcard bind, answers leave from the address each client
+        # sent to (a stock client only accepts them from there).
+        service._transports.append(await open_datagram_endpoint(driver, sockets[0]))
         service.driver = driver
         second, _ = await loop.create_datagram_endpoint(
             lambda: _SecondSocket(service), sock=sockets[1]

@@ -3,12 +3,18 @@ floods, liveness; an in-memory client built from the same reliability layer."""
 
 from __future__ import annotations
 
+import gc
+import tracemalloc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossroads.proto.raknet import messages as m
+from crossroads.proto.raknet.bitstream import BitWriter
 from crossroads.proto.raknet.peer import (
+    CONNECTION_BYTES,
+    HANDSHAKE_BYTES,
     Connected,
     Disconnected,
     MessageReceived,
@@ -16,8 +22,13 @@ from crossroads.proto.raknet.peer import (
     RakNetServer,
     ServerConfig,
 )
-from crossroads.proto.raknet.reliability import Frame, Reliability
-from tests.proto.raknet.support import CLIENT, Client, ocr2
+from crossroads.proto.raknet.reliability import Frame, Reliability, decode_ranges
+from crossroads.proto.reflection import (
+    DEFAULT_ALLOWANCE,
+    DROP_REFLECTION,
+    ReflectionBudget,
+)
+from tests.proto.raknet.support import CLIENT, Client, Network, ocr2
 
 SERVER_GUID = 0x1122334455667788
 
@@ -98,28 +109,28 @@ def test_out_of_band_is_an_event() -> None:
 
 def test_connections_per_ip_and_in_total_are_capped() -> None:
     server = new_server(max_connections=3, max_connections_per_ip=2)
-    for port in (1, 2, 3):
-        server.receive_datagram(ocr2(port), ("198.51.100.7", port), 0.0)
-    refusals = [d for d, _ in server.datagrams_to_send(0.0) if d[0] == 0x14]
-    assert len(refusals) == 1 and server.stats.dropped["ip-full"] == 1
-    server.receive_datagram(ocr2(9), ("198.51.100.8", 9), 0.0)
-    server.receive_datagram(ocr2(10), ("198.51.100.9", 10), 0.0)
-    assert server.stats.dropped["server-full"] == 1
-    assert len(server.connections) == 3
+    for port in (1, 2):
+        Client(server, ("198.51.100.7", port), guid=port).connect(1.0)
+    (refusal,) = Client(server, ("198.51.100.7", 3), guid=3).raw(ocr2(3), 1.0)
+    assert refusal[0] == 0x14 and server.stats.dropped["ip-full"] == 1
+    Client(server, ("198.51.100.8", 9), guid=9).connect(1.0)
+    (refusal,) = Client(server, ("198.51.100.9", 10), guid=10).raw(ocr2(10), 1.0)
+    assert refusal[0] == 0x14 and server.stats.dropped["server-full"] == 1
+    assert server.connected_count == 3 and not server.handshakes
 
 
 def test_a_guid_connected_elsewhere_gets_already_connected() -> None:
     server = new_server()
-    server.receive_datagram(ocr2(42), CLIENT, 0.0)
-    server.receive_datagram(ocr2(42), ("198.51.100.99", 1), 0.0)
-    assert [d[0] for d, _ in server.datagrams_to_send(0.0)] == [0x08, 0x12]
+    Client(server).connect(1.0)
+    server.receive_datagram(ocr2(42), ("198.51.100.99", 1), 1.0)
+    assert [d[0] for d, _ in server.datagrams_to_send(1.0)] == [0x12]
 
 
 def test_handshake_floods_are_rate_limited() -> None:
     server = new_server(handshakes_per_second=10.0)
-    for i in range(100):
+    for i in range(100):  # from 100 addresses: the global bucket
         server.receive_datagram(
-            m.OpenConnectionRequest1(6, 576).encode(), ("198.51.100.7", i), 0.0
+            m.OpenConnectionRequest1(6, 576).encode(), (f"198.51.100.{i}", 1), 0.0
         )
     assert len(server.datagrams_to_send(0.0)) == 10
     assert server.stats.dropped["handshake-rate"] == 90
@@ -214,3 +225,234 @@ def test_close_sends_disconnection_notification_and_forgets_the_connection() -> 
         server.handle_timer(now)
         client.pump(now)
     assert not server.connections and now < 3.6
+
+
+# ------------------------------------------------ issue 24: before NEW_INCOMING
+
+
+def request_frame(guid: int, reliable: int = 0, order: int = 0) -> Frame:
+    writer = BitWriter()
+    writer.write_u8(m.MessageId.CONNECTION_REQUEST)
+    writer.write_u64(guid)
+    writer.write_u64(1234)
+    writer.write_bool(False)
+    return Frame(Reliability.RELIABLE_ORDERED, writer.data(), reliable, 0, order, 0)
+
+
+def incoming_frame(reliable: int = 1, order: int = 1) -> Frame:
+    writer = BitWriter()
+    writer.write_u8(m.MessageId.NEW_INCOMING_CONNECTION)
+    for _ in range(11):
+        writer.write_address(("0.0.0.0", 0))
+    writer.write_u64(1)
+    writer.write_u64(2)
+    return Frame(Reliability.RELIABLE_ORDERED, writer.data(), reliable, 0, order, 0)
+
+
+def datagram(number: int, *frames: Frame) -> bytes:
+    return b"\x84" + number.to_bytes(3, "little") + b"".join(f.encode() for f in frames)
+
+
+def run_timers(server: RakNetServer, until: float) -> float:
+    now = 0.0
+    while server.get_timer() is not None and now < until:
+        now = server.get_timer() or now
+        server.handle_timer(now)
+        server.datagrams_to_send(now)
+    return now
+
+
+def test_request_2_leaves_only_a_record_that_expires_in_five_seconds() -> None:
+    server = new_server()
+    server.receive_datagram(ocr2(42), CLIENT, 1.0)
+    assert server.datagrams_to_send(1.0)[0][0][0] == 0x08
+    assert not server.connections and list(server.handshakes) == [CLIENT]
+    assert server.handshake_table.live == 1  # type: ignore[attr-defined]
+    run_timers(server, 7.0)
+    assert not server.handshakes and server.stats.dropped["handshake-deadline"] == 1
+    assert server.handshake_table.live == 0  # type: ignore[attr-defined]
+    server.receive_datagram(datagram(0, request_frame(42)), CLIENT, 7.0)
+    assert not server.connections and server.stats.dropped["unknown-source"] == 1
+
+
+def test_a_connection_must_complete_within_ten_seconds_whatever_it_sends() -> None:
+    """Finding 3: any datagram used to keep a handshake alive."""
+    server = new_server()
+    server.receive_datagram(ocr2(42), CLIENT, 1.0)
+    server.receive_datagram(datagram(0, request_frame(42)), CLIENT, 1.0)
+    assert len(server.connections) == 1 and not server.handshakes
+    now, number = 1.0, 1
+    while server.connections and now < 20.0:
+        now += 0.5
+        ping = Frame(Reliability.UNRELIABLE, m.connected_ping(int(now * 1000)))
+        server.receive_datagram(datagram(number, ping), CLIENT, now)
+        number += 1
+        server.handle_timer(now)
+        server.datagrams_to_send(now)
+    assert not server.connections and now <= 11.6
+    assert server.stats.dropped["connect-deadline"] == 1
+    assert server.connection_table.live == 0  # type: ignore[attr-defined]
+
+
+def test_nothing_is_held_before_new_incoming_connection() -> None:
+    """Finding 2: split parts and frames out of order were buffered for a
+    connection that had not completed its handshake."""
+    server = new_server()
+    server.receive_datagram(ocr2(42), CLIENT, 1.0)
+    server.receive_datagram(datagram(0, request_frame(42)), CLIENT, 1.0)
+    server.datagrams_to_send(1.0)
+    parts = [
+        Frame(
+            Reliability.RELIABLE,
+            bytes(200),
+            2 + i,
+            split_count=64,
+            split_id=i % 16,
+            split_index=i // 16,
+        )
+        for i in range(40)
+    ]
+    early = [
+        Frame(Reliability.RELIABLE_ORDERED, bytes(1000), 50 + i, 0, 5 + i, 0)
+        for i in range(20)
+    ]
+    for i, frame in enumerate(parts + early):
+        server.receive_datagram(datagram(1 + i, frame), CLIENT, 1.1)
+    out = server.datagrams_to_send(1.1)
+    assert server.buffered_bytes == 0 and server.connection_table.buffered == 0  # type: ignore[attr-defined]
+    assert server.stats.dropped["held-back-before-connected"] == 60
+    # None of them was acknowledged: the sender sends them again.
+    acked = [d for d, _ in out if d[0] == 0xC0]
+    assert not any(decode_ranges(a, 1) != [(0, 0)] for a in acked)
+    # After NEW_INCOMING_CONNECTION the same frames are taken (and charged).
+    server.receive_datagram(datagram(100, incoming_frame()), CLIENT, 1.2)
+    assert server.connection(CLIENT) is not None
+    server.receive_datagram(datagram(101, parts[0]), CLIENT, 1.2)
+    assert server.buffered_bytes > 200
+    assert server.connection_table.buffered == server.buffered_bytes  # type: ignore[attr-defined]
+
+
+def test_a_request_2_flood_from_many_sources_does_not_keep_a_real_client_out() -> None:
+    """Finding 3: 1,056 REQUEST_2 from 66 addresses filled 1,024 slots."""
+    server = new_server(max_connections=1024)
+    for ip in range(66):
+        for port in range(16):
+            server.receive_datagram(
+                ocr2(ip * 100 + port), (f"198.51.100.{ip + 10}", port + 1), 1.0
+            )
+    server.datagrams_to_send(1.0)
+    assert not server.connections and len(server.handshakes) <= 1024
+    client = Client(server, ("192.0.2.77", 4000), guid=4242)
+    client.connect(1.5)
+    assert Connected(4242, client.addr, (("192.168.1.20", 50000),)) in (
+        server.pop_events()
+    )
+    assert server.stats.dropped["server-full"] == 0
+
+
+def test_forged_request_2_cannot_keep_an_address_out() -> None:
+    """Finding 3: 16 blind REQUEST_2 with a victim's address kept it out; here a
+    spoofer also completes blind CONNECTION_REQUESTs on 16 ports, and forges a
+    REQUEST_2 with its own GUID on the victim's very address, after the
+    victim's REQUEST_2."""
+    server = new_server()
+    victim_ip = CLIENT[0]
+    for port in range(1, 17):
+        forged = (victim_ip, port)
+        server.receive_datagram(ocr2(900 + port), forged, 1.0)
+        server.receive_datagram(datagram(0, request_frame(900 + port)), forged, 1.0)
+    server.receive_datagram(ocr2(999), CLIENT, 1.0)  # before the victim, too
+    server.datagrams_to_send(1.0)
+    victim = Client(server, CLIENT, guid=42)
+    assert victim.raw(m.OpenConnectionRequest1(6, 1492).encode(), 1.1)[0][0] == 0x06
+    assert victim.raw(ocr2(42), 1.1)[0][0] == 0x08
+    server.receive_datagram(ocr2(777), CLIENT, 1.1)  # forged after it
+    writer = BitWriter()
+    writer.write_u8(m.MessageId.CONNECTION_REQUEST)
+    writer.write_u64(42)
+    writer.write_u64(1234)
+    writer.write_bool(False)
+    victim.send(writer.data(), 1.2)
+    assert victim.take(m.MessageId.CONNECTION_REQUEST_ACCEPTED)
+    victim.send(incoming_frame().payload, 1.2)
+    assert server.address_of(42) == CLIENT
+    assert server.stats.dropped["connect-evicted"] >= 1
+
+
+def test_one_flooding_source_takes_its_share_of_the_handshake_rate_only() -> None:
+    """Finding 3: the 1,000/s handshake bucket was global, so one address
+    sending 3,000 REQUEST_1/s took every other client's handshakes."""
+    server = new_server()
+    for i in range(3000):
+        server.receive_datagram(
+            m.OpenConnectionRequest1(6, 576).encode(), ("198.51.100.66", i), 0.0
+        )
+    answered = len(server.datagrams_to_send(0.0))
+    assert answered <= 125 and server.stats.dropped["handshake-ip-rate"] >= 2875
+    for i in range(20):
+        server.receive_datagram(
+            m.OpenConnectionRequest1(6, 576).encode(), (f"192.0.2.{i}", 1), 0.0
+        )
+    assert len(server.datagrams_to_send(0.0)) == 20
+
+
+def test_answers_to_unconnected_addresses_are_within_the_reflection_budget() -> None:
+    """Finding 9 (low): an 18-byte REQUEST_1 got a 28-byte reply every time."""
+    server = RakNetServer(
+        ServerConfig(handshakes_per_second=1e9, handshakes_per_second_per_ip=1e9),
+        guid=SERVER_GUID,
+        reflection=ReflectionBudget(),
+    )
+    request = m.OpenConnectionRequest1(6, 46).encode()  # the smallest: 18 bytes
+    assert len(request) == 18
+    victim = ("192.0.2.99", 5000)
+    for _ in range(2000):
+        server.receive_datagram(request, victim, 1.0)
+    sent = sum(len(d) for d, _ in server.datagrams_to_send(1.0))
+    assert sent <= 2000 * 18 + DEFAULT_ALLOWANCE
+    assert server.stats.dropped[DROP_REFLECTION] > 0
+    # A real client pads REQUEST_1 to its MTU: it is never refused.
+    client = Client(server, ("192.0.2.1", 4000), guid=7)
+    client.connect(2.0)
+    assert server.address_of(7) == client.addr
+
+
+def test_per_item_costs_cover_what_is_held() -> None:
+    """HANDSHAKE_BYTES and CONNECTION_BYTES are measured, not guessed."""
+    server = RakNetServer(
+        ServerConfig(
+            max_connections=10_000,
+            handshakes_per_second=1e9,
+            handshakes_per_second_per_ip=1e9,
+        ),
+        guid=1,
+    )
+    net = Network(server)
+    n = 200
+    clients = [
+        Client(net, (f"10.0.{i // 256}.{i % 256}", 40000), guid=1000 + i)
+        for i in range(n)
+    ]
+    tracemalloc.start()
+    try:
+        for c in clients[: n // 2]:
+            c.connect(1.0)
+            c.send(b"\x86hello", 1.1)
+        for c in clients[n // 2 :]:
+            server.receive_datagram(ocr2(c.guid), c.addr, 1.0)
+        server.datagrams_to_send(1.1)
+        server.pop_events()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0]
+        for record in list(server.handshakes.values()):
+            server._forget_handshake(record, "test")
+        gc.collect()
+        records = held - tracemalloc.get_traced_memory()[0]
+        for conn in list(server.connections.values()):
+            server._forget(conn)
+        gc.collect()
+        connections = held - records - tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 0 < records / (n // 2) <= HANDSHAKE_BYTES
+    assert 0 < connections / (n // 2) <= CONNECTION_BYTES

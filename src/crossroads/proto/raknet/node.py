@@ -29,9 +29,11 @@ from crossroads.proto.raknet.peer import (
     OutOfBandReceived,
     RakNetServer,
     ServerConfig,
+    Table,
 )
 from crossroads.proto.raknet.punchthrough import NatPunchthroughServer
 from crossroads.proto.raknet.udpproxy import Forwarders, UDPProxyCoordinator
+from crossroads.proto.reflection import ReflectionBudget
 from crossroads.types import Address
 
 #: Events kept for :meth:`RakNetNode.pop_events` (the oldest go first).
@@ -51,8 +53,17 @@ class RakNetNode:
         forwarders: Forwarders | None = None,
         proxy_public_ip: str = "",
         proxy_password: str = "",
+        handshakes: Table | None = None,
+        connections: Table | None = None,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
-        self.peer = RakNetServer(config, guid=guid)
+        self.peer = RakNetServer(
+            config,
+            guid=guid,
+            handshakes=handshakes,
+            connections=connections,
+            reflection=reflection,
+        )
         self.punch = NatPunchthroughServer(self.peer, bound_addresses or [])
         #: UDPProxyCoordinator; ``forwarders`` is the built-in UDPProxyServer.
         self.proxy = UDPProxyCoordinator(

@@ -10,27 +10,50 @@ One :class:`RakNetServer` owns every RakNet connection of one UDP socket.
 2. **Handshake.** ``OPEN_CONNECTION_REQUEST_1`` is padded by the client to
    the MTU it is trying; a protocol other than 6 gets
    ``INCOMPATIBLE_PROTOCOL_VERSION``, else ``REPLY_1`` with that MTU (capped at
-   1492; the reply is smaller than the request). ``REQUEST_2`` (MTU, client
-   GUID) creates the connection, subject to the caps (connections in total and
-   per IP: ``NO_FREE_INCOMING_CONNECTIONS``; a GUID already connected from
-   elsewhere: ``ALREADY_CONNECTED``) and to a global handshake rate (excess is
-   dropped and counted). From then on datagrams from that address go through
-   the connection's :class:`ReliabilityLayer`: the client's reliable
-   ``CONNECTION_REQUEST`` is answered with ``CONNECTION_REQUEST_ACCEPTED``
-   (the client's address as seen, which RakNet clients adopt as their external
-   address), and the client's ``NEW_INCOMING_CONNECTION`` (which lists its LAN
-   addresses) completes it: :class:`Connected`.
-3. **Connected.** ``CONNECTED_PING`` is answered with a pong stamped from the
+   1492; the reply is smaller than the request). Both requests pass a token
+   bucket per source (an IPv4 address or IPv6 /64) *before* the global one, so
+   one flooding address takes its own share of the handshake rate, not
+   everyone's. ``REQUEST_2`` (MTU, client GUID) proves nothing about its source
+   address (RakNet has no cookie without its optional security), so it only
+   leaves a :class:`Handshake` record: address, GUID, MTU, time; no
+   reliability layer, no buffer. Records live :data:`HANDSHAKE_DEADLINE_MS`
+   and are a bounded table that never refuses: a source over its share, or a
+   full table, pushes out its (or the) oldest record, and a new ``REQUEST_2``
+   with another GUID from the same address replaces the record. A spoofed
+   ``REQUEST_2`` can therefore cost the real owner of an address at most a
+   retry; it can never lock it out.
+3. **Connection.** The client's reliable ``CONNECTION_REQUEST`` (the first
+   datagram that comes back from the address that got ``REPLY_2``) turns the
+   record into a :class:`Connection` with a :class:`ReliabilityLayer`, admitted
+   by the connection table (caps per source and in total; when full, the
+   oldest connection still waiting for ``NEW_INCOMING_CONNECTION`` gives way;
+   if every one is connected the ``REQUEST_2`` was already answered with
+   ``NO_FREE_INCOMING_CONNECTIONS``). It is answered with
+   ``CONNECTION_REQUEST_ACCEPTED`` (the client's address as seen, which
+   RakNet clients adopt as their external address), and the client's
+   ``NEW_INCOMING_CONNECTION`` (which lists its LAN addresses) completes it:
+   :class:`Connected`. Until then the connection holds nothing its peer sends
+   (no split part, no frame out of order) and must complete within
+   :data:`CONNECT_DEADLINE_MS` of its ``REQUEST_2``, whatever it sends.
+   Every answer to an address that is not connected is charged to the
+   reflection budget (:mod:`crossroads.proto.reflection`).
+4. **Connected.** ``CONNECTED_PING`` is answered with a pong stamped from the
    same millisecond clock as every other time this server sends (clients
    derive their clock offset from it, and NAT punchthrough's CONNECT_AT_TIME
    depends on that). ``DISCONNECTION_NOTIFICATION`` ends the connection. Any
    other message is a :class:`MessageReceived` for the plugins; a message no
    plugin knows is ignored, as a stock RakPeer without that plugin does.
-4. **Liveness** (RakPeer.cpp:247-249, 5857-5867): a connection that sends
+5. **Liveness** (RakPeer.cpp:247-249, 5857-5867): a connection that sends
    nothing for 10 s, or leaves a reliable message unacknowledged for 10 s, is
    lost (:class:`Disconnected`); when nothing reliable went out for 5 s the
    server sends a reliable ``CONNECTED_PING`` so that a silent peer is noticed.
-   Handshakes that do not complete within 10 s are forgotten.
+
+What a peer makes the server hold is accounted in two tables (:class:`Table`;
+the process's :class:`crossroads.transport.admission.Admission` in
+production): ``handshakes`` (records, :data:`HANDSHAKE_BYTES` each) and
+``connections`` (:data:`CONNECTION_BYTES` each, plus the split parts, frames
+out of order and reliable numbers ahead that their layers charge with their
+overhead).
 
 The one timer: every 50 ms while reliable messages are in flight (resends),
 else every 500 ms while connections exist (liveness sweep).
@@ -42,22 +65,30 @@ connection that breaks a bound of the reliability layer is closed.
 from __future__ import annotations
 
 import secrets
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
 from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import UNASSIGNED_ADDRESS
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.reliability import (
+    DATAGRAM_HEADER,
+    FLAG_ACK,
+    FLAG_NAK,
     LimitExceeded,
+    MemoryBudget,
     Reliability,
     ReliabilityLayer,
     SplitBudget,
+    decode_frames,
 )
+from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.types import Address, frozen
 
 #: ``defaultTimeoutTime`` 10 000 ms in release builds (RakPeer.cpp:247-249).
@@ -71,6 +102,36 @@ SWEEP_TICK = 0.5
 #: A closed connection lingers this long so its DISCONNECTION_NOTIFICATION can
 #: be resent if lost.
 CLOSE_LINGER_MS = 1000
+#: How long a handshake record waits for CONNECTION_REQUEST. The client sends
+#: it as soon as REPLY_2 arrives, reliably: before any round trip is measured
+#: RakNet resends after 2 s (CCRakNetSlidingWindow::GetRTOForRetransmission,
+#: maxThreshold 2000), so 5 s is the first try and two resends. A same-GUID
+#: REQUEST_2 retry (every 500 ms: RakPeerInterface.h Connect's
+#: timeBetweenSendConnectionAttemptsMS) starts it again.
+HANDSHAKE_DEADLINE_MS = 5_000
+#: RakNet's own bound for a connection that is not connected yet:
+#: UNVERIFIED_SENDER / HANDLING_CONNECTION_REQUEST systems are dropped 10 s
+#: after the REQUEST_2 that created them, whatever they send
+#: (RakPeer.cpp:5876-5881).
+CONNECT_DEADLINE_MS = 10_000
+#: Measured fixed memory of one handshake record (the slotted record, its
+#: address tuple, its slots in the dicts that index it: ~680 bytes), and of
+#: one connection after its handshake (Connection, ReliabilityLayer with its
+#: 32-channel tables, the ACK bookkeeping of a few datagrams, its index
+#: entries: ~6,700 bytes); CPython 3.11, 64-bit, ``tracemalloc``, checked by
+#: tests/proto/raknet/test_peer.py::test_per_item_costs_cover_what_is_held.
+HANDSHAKE_BYTES = 768
+CONNECTION_BYTES = 8_192
+#: A source's default share of the handshake rate: an eighth, as a source's
+#: share of any table (PER_SOURCE_FRACTION, transport/admission.py). 125/s of
+#: the default 1,000/s is far above the one or two requests per 500 ms a
+#: connecting RakNet client sends, and eight sources are needed to take the
+#: global rate from everyone else.
+SOURCE_RATE_FRACTION = 1 / 8
+#: Handshake sources whose token buckets are remembered (least recently used
+#: forgotten first: its bucket refills, the global bucket still bounds it):
+#: ~250 bytes each, ~4 MB at most.
+MAX_RATE_SOURCES = 16_384
 
 
 @frozen
@@ -83,7 +144,11 @@ class ServerConfig:
     max_connections_per_ip: int = 16
     #: OPEN_CONNECTION_REQUEST_1/2 answered per second, all sources together.
     handshakes_per_second: float = 1000.0
-    #: Split-message reassembly bytes held by all connections together.
+    #: ... and per source (IPv4 address or IPv6 /64), checked first; 0: an
+    #: eighth of the global rate (:data:`SOURCE_RATE_FRACTION`).
+    handshakes_per_second_per_ip: float = 0.0
+    #: Bytes the connections may hold for their peers, all together, when the
+    #: core is built without a process budget (unit tests, tools).
     split_budget: int = 64 * 1024 * 1024
     #: Addresses sent in CONNECTION_REQUEST_ACCEPTED as the server's own
     #: (at most 10); empty: the address the client dialled.
@@ -131,10 +196,92 @@ Event = Connected | Disconnected | MessageReceived | OutOfBandReceived
 
 
 class State(Enum):
+    #: CONNECTION_REQUEST is being handled (only within one datagram).
     HANDSHAKE = "handshake"
     REQUESTED = "requested"
     CONNECTED = "connected"
     CLOSING = "closing"
+
+
+class Table(MemoryBudget, Protocol):
+    """One accounted table of this core: items admitted per source and in
+    total, bytes charged (:class:`crossroads.transport.admission.Admission`
+    satisfies it; :class:`LocalTable` is the plain one)."""
+
+    @property
+    def max_items(self) -> int: ...
+
+    @property
+    def max_per_source(self) -> int: ...
+
+    def admit(self, host: str) -> str | None:
+        """None if an item from ``host`` is admitted, else why not."""
+        ...
+
+    def release(self, host: str) -> None:
+        """An admitted item from ``host`` ended."""
+        ...
+
+    def closed(self, reason: str) -> None:
+        """Count an item the core ended for ``reason``."""
+        ...
+
+
+@dataclass(eq=False)
+class LocalTable:
+    """A :class:`Table` of its own: caps per source and in total, and a byte
+    limit (a core built without the process budget)."""
+
+    max_items: int
+    max_per_source: int
+    memory: SplitBudget = field(default_factory=lambda: SplitBudget(1 << 62))
+    live: int = field(default=0, init=False)
+    per_source: Counter[str] = field(default_factory=Counter, init=False)
+    closes: Counter[str] = field(default_factory=Counter, init=False)
+
+    def admit(self, host: str) -> str | None:
+        key = source_key(host)
+        if self.live >= self.max_items:
+            return "over-limit"
+        if self.per_source[key] >= self.max_per_source:
+            return "over-ip-limit"
+        self.per_source[key] += 1
+        self.live += 1
+        return None
+
+    def release(self, host: str) -> None:
+        key = source_key(host)
+        if self.per_source[key] <= 0:
+            return
+        self.per_source[key] -= 1
+        if not self.per_source[key]:
+            del self.per_source[key]
+        self.live -= 1
+
+    def charge(self, nbytes: int) -> bool:
+        return self.memory.charge(nbytes)
+
+    def uncharge(self, nbytes: int) -> None:
+        self.memory.uncharge(nbytes)
+
+    def closed(self, reason: str) -> None:
+        self.closes[reason] += 1
+
+    @property
+    def buffered(self) -> int:
+        return self.memory.used
+
+
+@dataclass(eq=False, slots=True)
+class Handshake:
+    """What REQUEST_2 leaves: no layer, no buffer (see the module docstring)."""
+
+    address: Address
+    guid: int
+    mtu: int
+    #: The server address the client dialled (sent back as ours).
+    dialled: Address
+    created_ms: int
 
 
 @dataclass(eq=False, slots=True)
@@ -145,6 +292,8 @@ class Connection:
     guid: int
     mtu: int
     layer: ReliabilityLayer
+    #: When its REQUEST_2 arrived (the connect deadline counts from there);
+    #: when closing, when it was closed.
     created_ms: int
     system_index: int
     dialled: Address
@@ -172,7 +321,12 @@ class Stats:
 
 class RakNetServer(Outbox[Datagram], EventQueue[Event]):
     """See the module docstring. Time (``now``) is in seconds of a monotonic
-    clock; RakNet times on the wire are its milliseconds."""
+    clock; RakNet times on the wire are its milliseconds.
+
+    ``handshakes`` and ``connections`` are the tables that admit and account
+    handshake records and connections (default: :class:`LocalTable` s sized
+    by ``config``); ``reflection`` charges every answer to an address that is
+    not connected (default: none)."""
 
     def __init__(
         self,
@@ -180,41 +334,80 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         *,
         guid: int | None = None,
         random_guid: Callable[[], int] = lambda: secrets.randbits(64),
+        handshakes: Table | None = None,
+        connections: Table | None = None,
+        reflection: ReflectionBudget | None = None,
     ) -> None:
         super().__init__()
-        self.config = config or ServerConfig()
+        self.config = cfg = config or ServerConfig()
         self.guid = guid if guid is not None else random_guid()
         self.stats = Stats()
+        self.handshake_table: Table = handshakes or LocalTable(
+            cfg.max_connections, cfg.max_connections_per_ip
+        )
+        self.connection_table: Table = connections or LocalTable(
+            cfg.max_connections,
+            cfg.max_connections_per_ip,
+            SplitBudget(cfg.split_budget),
+        )
+        self.reflection = ReflectionBudget.or_unlimited(reflection)
+        #: Handshake records, oldest first (see the module docstring).
+        self.handshakes: OrderedDict[Address, Handshake] = OrderedDict()
+        self._handshakes_of: dict[str, dict[Address, None]] = {}
         self.connections: dict[Address, Connection] = {}
+        self._connections_of: dict[str, dict[Address, None]] = {}
+        #: Connections not connected yet, oldest first: the ones that give way.
+        self._unverified: OrderedDict[Address, None] = OrderedDict()
         self._by_guid: dict[int, Address] = {}
-        self._per_ip: Counter[str] = Counter()
-        self._budget = SplitBudget(self.config.split_budget)
+        per_source = (
+            cfg.handshakes_per_second_per_ip
+            or cfg.handshakes_per_second * SOURCE_RATE_FRACTION
+        )
+        self._rates = FailureBudget(
+            BudgetConfig(
+                per_source_rate=per_source,
+                per_source_burst=max(1.0, per_source),
+                global_rate=cfg.handshakes_per_second,
+                global_burst=max(1.0, cfg.handshakes_per_second),
+            ),
+            MAX_RATE_SOURCES,
+        )
         self._dirty: set[Address] = set()
-        self._tokens = self.config.handshakes_per_second
-        self._tokens_at = 0.0
         self._tick: float | None = None
         self._next_sweep = 0.0
         self._next_index = 0
         #: Whether some connection had reliable data in flight when last seen.
         self._busy = False
+        #: The time of the latest input (for answers plugins send).
+        self._now = 0.0
 
     # ------------------------------------------------------------ core API
 
     def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
+        self._now = now
         if not data:
             self.stats.dropped["empty"] += 1
             return
         now_ms = int(now * 1000)
         try:
             conn = self.connections.get(addr)
+            if conn is None or conn.state is not State.CONNECTED:
+                self.reflection.received(addr[0], len(data), now)
             if m.is_offline(data):
-                self._offline(data, addr, conn, now, now_ms)
-            elif conn is None:
-                self.stats.dropped["unknown-source"] += 1
-            elif data[0] & 0x80:
-                self._connected(conn, data, now_ms)
+                self._offline(data, addr, conn, now)
+            elif conn is not None:
+                if data[0] & 0x80:
+                    self._connected(conn, data, now_ms)
+                else:
+                    self.stats.dropped["not-raknet"] += 1
             else:
-                self.stats.dropped["not-raknet"] += 1
+                record = self.handshakes.get(addr)
+                if record is None:
+                    self.stats.dropped["unknown-source"] += 1
+                elif data[0] & 0x80:
+                    self._promote(record, data, now_ms)
+                else:
+                    self.stats.dropped["not-raknet"] += 1
         except LimitExceeded as exc:
             self.stats.dropped[exc.reason] += 1
             conn = self.connections.get(addr)
@@ -227,11 +420,17 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         now_ms = int(now * 1000)
         out = super().datagrams_to_send(now)
+        reflection = self.reflection
         for addr in self._dirty:
             conn = self.connections.get(addr)
             if conn is None:
                 continue
+            unverified = conn.state in (State.HANDSHAKE, State.REQUESTED)
             for data in conn.layer.datagrams(now_ms):
+                if unverified and not reflection.allow(addr[0], len(data), now):
+                    # Lost like any datagram: what is reliable goes again.
+                    self.stats.dropped[DROP_REFLECTION] += 1
+                    continue
                 out.append((data, addr))
             if conn.layer.in_flight:
                 self._busy = True
@@ -246,6 +445,7 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         if self._tick is None or now < self._tick:
             return
         self._tick = None
+        self._now = now
         now_ms = int(now * 1000)
         self._busy = False
         for addr, conn in self.connections.items():
@@ -287,8 +487,13 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         return True
 
     def send_out_of_band(self, addr: Address, payload: bytes) -> None:
-        """An ``0d`` datagram with this server's GUID (no connection needed)."""
-        self._outbox.append((m.OutOfBand(self.guid, payload).encode(), addr))
+        """An ``0d`` datagram with this server's GUID (no connection needed;
+        charged to the reflection budget unless ``addr`` is connected)."""
+        data = m.OutOfBand(self.guid, payload).encode()
+        if self.connection(addr) is not None:
+            self._outbox.append((data, addr))
+        else:
+            self._reply(data, addr)
 
     def send_raw(self, addr: Address, data: bytes) -> None:
         self._outbox.append((data, addr))
@@ -329,18 +534,26 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         return sum(1 for c in self.connections.values() if c.state is State.CONNECTED)
 
     @property
-    def split_bytes(self) -> int:
-        return self._budget.used
+    def buffered_bytes(self) -> int:
+        """Bytes the connections' layers hold for their peers (charged with
+        their overhead)."""
+        return sum(c.layer.charged for c in self.connections.values())
+
+    #: The older name (split reassembly was all that was counted).
+    split_bytes = buffered_bytes
 
     # --------------------------------------------------------------- offline
 
+    def _reply(self, data: bytes, addr: Address) -> None:
+        """Answer an address that has proved nothing: within its reflection
+        budget, else dropped and counted."""
+        if self.reflection.allow(addr[0], len(data), self._now):
+            self._outbox.append((data, addr))
+        else:
+            self.stats.dropped[DROP_REFLECTION] += 1
+
     def _offline(
-        self,
-        data: bytes,
-        addr: Address,
-        conn: Connection | None,
-        now: float,
-        now_ms: int,
+        self, data: bytes, addr: Address, conn: Connection | None, now: float
     ) -> None:
         kind = data[0]
         if kind == MessageId.OUT_OF_BAND_INTERNAL:
@@ -352,30 +565,39 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
             MessageId.UNCONNECTED_PING_OPEN_CONNECTIONS,
         ):
             ping = m.UnconnectedPing.decode(data)
-            full = len(self.connections) >= self.config.max_connections
-            if ping.open_connections_only and full:
+            if ping.open_connections_only and self._slot_for(addr[0]) is not None:
                 self.stats.dropped["ping-no-free-slot"] += 1
                 return
             # The pong must not be larger than the ping: cap the user data.
             response = self.config.offline_ping_response[: max(0, len(data) - 33)]
-            self._outbox.append(
-                (m.unconnected_pong(ping.time, self.guid, response), addr)
-            )
+            self._reply(m.unconnected_pong(ping.time, self.guid, response), addr)
             return
-        if not self._take_token(now):
-            self.stats.dropped["handshake-rate"] += 1
+        if not self._take_token(addr, now):
             return
         if kind == MessageId.OPEN_CONNECTION_REQUEST_1:
             request1 = m.OpenConnectionRequest1.decode(data)
             if request1.protocol != m.PROTOCOL_VERSION:
                 self.stats.dropped["protocol-version"] += 1
-                self._outbox.append((m.incompatible_protocol(self.guid), addr))
+                self._reply(m.incompatible_protocol(self.guid), addr)
                 return
             mtu = min(request1.mtu, m.MAXIMUM_MTU)
-            self._outbox.append((m.open_connection_reply_1(self.guid, mtu), addr))
+            self._reply(m.open_connection_reply_1(self.guid, mtu), addr)
             return
         request2 = m.OpenConnectionRequest2.decode(data)
-        self._open(request2, addr, conn, now_ms)
+        self._open(request2, addr, conn, int(now * 1000))
+
+    def _take_token(self, addr: Address, now: float) -> bool:
+        """One handshake request's token: the source's bucket first, then the
+        global one (each refusal counted by which bucket was empty)."""
+        rates = self._rates
+        before = rates.refused_source
+        if rates.try_spend(addr[0], now):
+            return True
+        if rates.refused_source > before:
+            self.stats.dropped["handshake-ip-rate"] += 1
+        else:
+            self.stats.dropped["handshake-rate"] += 1
+        return False
 
     def _open(
         self,
@@ -388,52 +610,171 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         if mtu < m.MINIMUM_MTU:
             raise DecodeError("MTU below RakNet's smallest", "bad-mtu")
         if conn is not None:
-            if conn.guid == request.guid and conn.state is State.HANDSHAKE:
-                # The client's retry after a lost REPLY_2.
-                self._outbox.append(
-                    (m.open_connection_reply_2(self.guid, addr, conn.mtu), addr)
-                )
-                return
+            # RakNet answers ALREADY_CONNECTED to a REQUEST_2 from an address
+            # past its handshake (RakPeer.cpp:5254-5290).
             self._refuse(MessageId.ALREADY_CONNECTED, addr, "already-connected")
             return
         if request.guid in self._by_guid:
             self._refuse(MessageId.ALREADY_CONNECTED, addr, "guid-in-use")
             return
-        if len(self.connections) >= self.config.max_connections:
-            self._refuse(MessageId.NO_FREE_INCOMING_CONNECTIONS, addr, "server-full")
+        host = addr[0]
+        record = self.handshakes.get(addr)
+        if record is not None:
+            # The client's retry after a lost REPLY_2, or a new REQUEST_2 on
+            # this address: the newest one wins (a forged one cannot keep the
+            # address's owner out), and its deadline starts again.
+            record.guid = request.guid
+            record.mtu = mtu
+            record.dialled = request.server_address
+            record.created_ms = now_ms
+            self.handshakes.move_to_end(addr)
+            mine = self._handshakes_of[source_key(host)]
+            del mine[addr]
+            mine[addr] = None
+            self._reply(m.open_connection_reply_2(self.guid, addr, mtu), addr)
             return
-        if self._per_ip[addr[0]] >= self.config.max_connections_per_ip:
-            self._refuse(MessageId.NO_FREE_INCOMING_CONNECTIONS, addr, "ip-full")
+        full = self._slot_for(host)
+        if full is not None:
+            self._refuse(MessageId.NO_FREE_INCOMING_CONNECTIONS, addr, full)
             return
+        self._make_room_for_handshake(host)
+        refused = self.handshake_table.admit(host)
+        if refused is not None:
+            self._refuse(
+                MessageId.NO_FREE_INCOMING_CONNECTIONS, addr, f"handshake-{refused}"
+            )
+            return
+        record = Handshake(addr, request.guid, mtu, request.server_address, now_ms)
+        self.handshakes[addr] = record
+        self._handshakes_of.setdefault(source_key(host), {})[addr] = None
+        self.stats.handshakes += 1
+        self._reply(m.open_connection_reply_2(self.guid, addr, mtu), addr)
+
+    def _refuse(self, kind: MessageId, addr: Address, reason: str) -> None:
+        self.stats.dropped[reason] += 1
+        self._reply(m.handshake_refusal(kind, self.guid), addr)
+
+    # ------------------------------------------------------------ the tables
+
+    def _slot_for(self, host: str) -> str | None:
+        """Why a connection from ``host`` could not be admitted now (None: it
+        could, if need be in place of one that is not connected yet)."""
+        table = self.connection_table
+        mine = self._connections_of.get(source_key(host))
+        if (
+            mine is not None
+            and len(mine) >= table.max_per_source
+            and not any(a in self._unverified for a in mine)
+        ):
+            return "ip-full"
+        if len(self.connections) >= table.max_items and not self._unverified:
+            return "server-full"
+        return None
+
+    def _make_room_for_handshake(self, host: str) -> None:
+        """A source over its share of records, or a full table, loses its (or
+        the) oldest record: records never refuse a new handshake."""
+        table = self.handshake_table
+        mine = self._handshakes_of.get(source_key(host))
+        if mine is not None and len(mine) >= table.max_per_source:
+            self._forget_handshake(self.handshakes[next(iter(mine))], "evicted")
+        if len(self.handshakes) >= table.max_items:
+            self._forget_handshake(next(iter(self.handshakes.values())), "evicted")
+
+    def _make_room_for_connection(self, host: str) -> str | None:
+        """Free a slot for a connection from ``host`` by ending the oldest
+        connection not connected yet (of the source, or of all) when a cap is
+        reached; the reason when there is none to end."""
+        table = self.connection_table
+        mine = self._connections_of.get(source_key(host))
+        if mine is not None and len(mine) >= table.max_per_source:
+            victim = next((a for a in mine if a in self._unverified), None)
+            if victim is None:
+                return "ip-full"
+            self._evict(self.connections[victim])
+        if len(self.connections) >= table.max_items:
+            if not self._unverified:
+                return "server-full"
+            self._evict(self.connections[next(iter(self._unverified))])
+        return None
+
+    def _evict(self, conn: Connection) -> None:
+        self.stats.dropped["connect-evicted"] += 1
+        self.connection_table.closed("evicted")
+        self._forget(conn)
+
+    def _forget_handshake(self, record: Handshake, reason: str) -> None:
+        """Remove a record: promoted (``reason`` empty), or ended for ``reason``."""
+        addr = record.address
+        if self.handshakes.pop(addr, None) is None:
+            return
+        key = source_key(addr[0])
+        mine = self._handshakes_of.get(key)
+        if mine is not None:
+            mine.pop(addr, None)
+            if not mine:
+                del self._handshakes_of[key]
+        self.handshake_table.release(addr[0])
+        if reason:
+            self.stats.dropped[f"handshake-{reason}"] += 1
+            self.handshake_table.closed(reason)
+
+    def _promote(self, record: Handshake, data: bytes, now_ms: int) -> None:
+        """The first connected datagram from a handshake record's address:
+        a connection if it carries CONNECTION_REQUEST, else dropped (nothing
+        is kept for it)."""
+        if data[0] & (FLAG_ACK | FLAG_NAK) or len(data) < DATAGRAM_HEADER:
+            self.stats.dropped["before-connection-request"] += 1
+            return
+        request: m.ConnectionRequest | None = None
+        for frame in decode_frames(data, DATAGRAM_HEADER):
+            if (
+                not frame.split_count
+                and frame.payload[0] == MessageId.CONNECTION_REQUEST
+            ):
+                request = m.ConnectionRequest.decode(frame.payload)
+                break
+        if request is None:
+            self.stats.dropped["before-connection-request"] += 1
+            return
+        addr = record.address
+        if request.secure:
+            # RakNet's optional security is not offered (REPLY_2 says so).
+            self.stats.dropped["bad-connection-request"] += 1
+            self._forget_handshake(record, "refused")
+            return
+        # RakNet reads the client's GUID here without comparing it with the
+        # REQUEST_2's (RakPeer.cpp ParseConnectionRequestPacket): a REQUEST_2
+        # forged onto this address cannot make the real client's fail.
+        if request.guid in self._by_guid:
+            self.stats.dropped["guid-in-use"] += 1
+            self._forget_handshake(record, "refused")
+            return
+        host = addr[0]
+        full = self._make_room_for_connection(host)
+        if full is None:
+            full = self.connection_table.admit(host)
+        if full is not None:
+            self.stats.dropped[full] += 1
+            self._forget_handshake(record, "refused")
+            return
+        self._forget_handshake(record, "")
         index = self._next_index
         self._next_index = (index + 1) % 65536
         conn = Connection(
             addr,
             request.guid,
-            mtu,
-            ReliabilityLayer(mtu, self._budget),
-            now_ms,
+            record.mtu,
+            ReliabilityLayer(record.mtu, self.connection_table, buffering=False),
+            record.created_ms,
             index,
-            request.server_address,
+            record.dialled,
         )
         self.connections[addr] = conn
+        self._connections_of.setdefault(source_key(host), {})[addr] = None
+        self._unverified[addr] = None
         self._by_guid[request.guid] = addr
-        self._per_ip[addr[0]] += 1
-        self.stats.handshakes += 1
-        self._outbox.append((m.open_connection_reply_2(self.guid, addr, mtu), addr))
-
-    def _refuse(self, kind: MessageId, addr: Address, reason: str) -> None:
-        self.stats.dropped[reason] += 1
-        self._outbox.append((m.handshake_refusal(kind, self.guid), addr))
-
-    def _take_token(self, now: float) -> bool:
-        rate = self.config.handshakes_per_second
-        self._tokens = min(rate, self._tokens + (now - self._tokens_at) * rate)
-        self._tokens_at = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
+        self._connected(conn, data, now_ms)
 
     # ------------------------------------------------------------- connected
 
@@ -442,7 +783,11 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
             conn.layer.receive(data, now_ms)  # ACKs for the notification
             self._dirty.add(conn.address)
             return
-        messages = conn.layer.receive(data, now_ms)
+        layer = conn.layer
+        held_back = layer.held_back
+        messages = layer.receive(data, now_ms)
+        if layer.held_back != held_back:
+            self.stats.dropped["held-back-before-connected"] += 1
         conn.last_receive_ms = now_ms
         self._dirty.add(conn.address)
         for payload in messages:
@@ -498,6 +843,8 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
                 a for a in incoming.internal_addresses if a != UNASSIGNED_ADDRESS
             )
             conn.state = State.CONNECTED
+            conn.layer.buffering = True
+            self._unverified.pop(conn.address, None)
             self.stats.connections += 1
             self._events.append(
                 Connected(conn.guid, conn.address, conn.internal_addresses)
@@ -511,6 +858,13 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
     # ---------------------------------------------------------------- timers
 
     def _sweep(self, now_ms: int) -> None:
+        # Records are in the order of their deadlines (a refreshed one moves
+        # to the end): only the expired ones are looked at.
+        while self.handshakes:
+            record = next(iter(self.handshakes.values()))
+            if now_ms - record.created_ms <= HANDSHAKE_DEADLINE_MS:
+                break
+            self._forget_handshake(record, "deadline")
         timeout = self.config.timeout_ms
         for conn in list(self.connections.values()):
             if conn.state is State.CLOSING:
@@ -520,6 +874,13 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
                 ):
                     self._forget(conn)
                 continue
+            if conn.state is not State.CONNECTED:
+                # Whatever it sends: a deadline, not a silence timeout.
+                if now_ms - conn.created_ms > CONNECT_DEADLINE_MS:
+                    self.stats.dropped["connect-deadline"] += 1
+                    self.connection_table.closed("deadline")
+                    self._forget(conn)
+                continue
             oldest = conn.layer.oldest_unacked_ms()
             if now_ms - conn.last_receive_ms > timeout or (
                 oldest is not None and now_ms - oldest > timeout
@@ -527,17 +888,14 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
                 self.stats.dropped["timeout"] += 1
                 self._drop(conn, "timeout")
                 continue
-            if (
-                conn.state is State.CONNECTED
-                and now_ms - conn.layer.last_reliable_send_ms > timeout // 2
-            ):
+            if now_ms - conn.layer.last_reliable_send_ms > timeout // 2:
                 conn.layer.send(
                     m.connected_ping(now_ms), Reliability.RELIABLE, 0, now_ms
                 )
                 self._dirty.add(conn.address)
 
     def _schedule(self, now: float) -> None:
-        if not self.connections:
+        if not self.connections and not self.handshakes:
             self._tick = None
             return
         step = RESEND_TICK if self._busy else SWEEP_TICK
@@ -556,12 +914,18 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         self._forget(conn)
 
     def _forget(self, conn: Connection) -> None:
-        if self.connections.pop(conn.address, None) is None:
+        addr = conn.address
+        if self.connections.pop(addr, None) is None:
             return
-        if self._by_guid.get(conn.guid) == conn.address:
+        if self._by_guid.get(conn.guid) == addr:
             del self._by_guid[conn.guid]
-        self._per_ip[conn.address[0]] -= 1
-        if self._per_ip[conn.address[0]] <= 0:
-            del self._per_ip[conn.address[0]]
+        key = source_key(addr[0])
+        mine = self._connections_of.get(key)
+        if mine is not None:
+            mine.pop(addr, None)
+            if not mine:
+                del self._connections_of[key]
+        self._unverified.pop(addr, None)
+        self.connection_table.release(addr[0])
         conn.layer.release()
-        self._dirty.discard(conn.address)
+        self._dirty.discard(addr)

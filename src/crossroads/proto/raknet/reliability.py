@@ -29,6 +29,15 @@ one, later ones wait (bounded); a sequenced frame is delivered if it belongs to
 the current ordering index and is newer than the last one delivered, and
 dropped when stale.
 
+What a peer makes the layer hold -- split parts, frames waiting for their
+order, reliable numbers seen above the lowest missing one -- is charged to a
+:class:`MemoryBudget` (the process's resource budget in production) with its
+measured per-item overhead, not the payload alone: 4,095 one-byte parts cost
+~70 bytes each, not one. A layer whose peer has not finished its handshake
+(:attr:`ReliabilityLayer.buffering` False) holds none of it: a datagram with a
+frame that would have to wait is neither processed further nor ACKed, so the
+sender resends it once the connection is complete.
+
 Sending: payloads larger than one datagram are split (and made reliable, as
 RakNet does). A split message's fragments go out one at a time, each once
 the previous one is acknowledged: RakNet 4.081's receiver joins fragments in
@@ -50,6 +59,7 @@ from __future__ import annotations
 import struct
 from collections import deque
 from enum import IntEnum
+from typing import Protocol
 
 from crossroads.errors import DecodeError
 from crossroads.proto.bounded import BoundedMap
@@ -76,7 +86,22 @@ MAX_ORDERING_QUEUE = 1024
 #: message, and bytes held per connection.
 MAX_SPLITS_IN_PROGRESS = 16
 MAX_SPLIT_COUNT = 4096
+#: Charged bytes (payload and overhead) of split reassembly per connection.
 MAX_SPLIT_BYTES = 1024 * 1024
+#: Measured fixed cost of what a peer makes a layer hold, beyond the payload
+#: (CPython 3.11/3.12, 64-bit, ``tracemalloc``; checked by
+#: tests/proto/raknet/test_reliability.py::test_charged_bytes_cover_what_is_held):
+#: one split part (its bytes object header and its slot in the parts dict, int
+#: key, dict growth), one split in progress (the ``_Split`` and its dict), one
+#: frame waiting for its order (the ``Frame``, its list, dict slot and bytes
+#: header), one reliable number seen ahead (an int in a set at 60 % load).
+SPLIT_PART_OVERHEAD = 128
+SPLIT_OVERHEAD = 1024
+ORDERED_FRAME_OVERHEAD = 448
+SEEN_NUMBER_OVERHEAD = 128
+#: A channel's table of waiting frames, from its first frame until it is
+#: empty again (then it is replaced: a dict never gives back its table).
+WAITING_CHANNEL_OVERHEAD = 384
 #: Datagram-number holes NAKed at once; a larger jump is ACKed without NAKs
 #: (the sender's RTO covers it) so one forged number cannot cost a huge NAK.
 MAX_NAK_GAP = 512
@@ -282,14 +307,38 @@ def ahead(index: int, base: int) -> int:
     return d if d < HALF_U24 else d - U24
 
 
+class MemoryBudget(Protocol):
+    """Where a layer charges what its peer makes it hold (split parts, frames
+    waiting for their order, reliable numbers seen ahead); the process's
+    :class:`crossroads.transport.admission.Admission` satisfies it."""
+
+    def charge(self, nbytes: int) -> bool:
+        """Take ``nbytes``; False (nothing taken) when they do not fit."""
+        ...
+
+    def uncharge(self, nbytes: int) -> None:
+        """Give back bytes taken with :meth:`charge`."""
+        ...
+
+
 class SplitBudget:
-    """Reassembly bytes held by all connections of one server together."""
+    """A plain :class:`MemoryBudget`: ``limit`` bytes for every layer that
+    shares it (tests, tools, a server core built without the process budget)."""
 
     __slots__ = ("limit", "used")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.used = 0
+
+    def charge(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.limit:
+            return False
+        self.used += nbytes
+        return True
+
+    def uncharge(self, nbytes: int) -> None:
+        self.used = max(0, self.used - nbytes)
 
 
 class _Split:
@@ -316,10 +365,20 @@ class _InFlight:
 class ReliabilityLayer:
     """Send and receive state of one connection; see the module docstring."""
 
-    def __init__(self, mtu: int, budget: SplitBudget) -> None:
+    def __init__(
+        self, mtu: int, budget: MemoryBudget, *, buffering: bool = True
+    ) -> None:
         #: Largest datagram payload: the MTU minus IP + UDP headers (28).
         self.max_datagram = mtu - 28
         self.budget = budget
+        #: False until the peer completed its handshake: nothing is held for
+        #: it (no split part, no frame out of order, no reliable number ahead).
+        self.buffering = buffering
+        #: Bytes this layer has charged to :attr:`budget` and not given back.
+        self.charged = 0
+        #: Datagrams refused because they would have made an unfinished
+        #: connection hold something (neither processed further nor ACKed).
+        self.held_back = 0
         # receive side
         self._expected_datagram = 0
         self._acks: list[int] = []
@@ -377,7 +436,13 @@ class ReliabilityLayer:
         self._note_datagram(number)
         out: list[bytes] = []
         for frame in frames:
-            self._receive_frame(frame, out)
+            if not self._receive_frame(frame, out):
+                # Not ACKed: the sender resends what it had reliable in this
+                # datagram (frames delivered already are duplicates by then).
+                self.held_back += 1
+                return out
+        if len(self._acks) < RESEND_BUFFER * 4:
+            self._acks.append(number)
         return out
 
     def _note_datagram(self, number: int) -> None:
@@ -388,40 +453,77 @@ class ReliabilityLayer:
                     (self._expected_datagram + i) % U24 for i in range(gap)
                 )
             self._expected_datagram = (number + 1) % U24
-        if len(self._acks) < RESEND_BUFFER * 4:
-            self._acks.append(number)
 
-    def _receive_frame(self, frame: Frame, out: list[bytes]) -> None:
+    def _charge(self, nbytes: int, reason: str) -> None:
+        if not self.budget.charge(nbytes):
+            raise LimitExceeded(f"{reason} over the server's memory budget", reason)
+        self.charged += nbytes
+
+    def _uncharge(self, nbytes: int) -> None:
+        self.budget.uncharge(nbytes)
+        self.charged -= nbytes
+
+    def _must_wait(self, frame: Frame, offset: int) -> bool:
+        """Whether ``frame`` (``offset`` above the lowest reliable number
+        missing) would be held rather than delivered or dropped now."""
+        if offset > 0 or frame.split_count:
+            return True
+        if frame.reliability not in _ORDERED:
+            return False
+        return ahead(frame.ordering_index, self._ordered_read[frame.channel]) > 0
+
+    def _receive_frame(self, frame: Frame, out: list[bytes]) -> bool:
+        """Deliver, hold or drop one frame; False when it would be held while
+        :attr:`buffering` is off (nothing of it is taken)."""
+        offset = 0
         if frame.reliability in _RELIABLE:
             offset = ahead(frame.reliable_index, self._reliable_base)
             if offset < 0 or frame.reliable_index in self._reliable_seen:
-                return  # duplicate
+                return True  # duplicate
             if offset >= RELIABLE_WINDOW:
                 raise LimitExceeded("reliable message number too far ahead", "window")
+        if not self.buffering and self._must_wait(frame, offset):
+            return False
+        if offset > 0:
+            self._charge(SEEN_NUMBER_OVERHEAD, "window-memory")
             self._reliable_seen.add(frame.reliable_index)
-            while self._reliable_base in self._reliable_seen:
-                self._reliable_seen.discard(self._reliable_base)
-                self._reliable_base = (self._reliable_base + 1) % U24
+        elif frame.reliability in _RELIABLE:
+            self._reliable_base = (self._reliable_base + 1) % U24
+            seen = self._reliable_seen
+            if self._reliable_base in seen:
+                while self._reliable_base in seen:
+                    seen.discard(self._reliable_base)
+                    self._uncharge(SEEN_NUMBER_OVERHEAD)
+                    self._reliable_base = (self._reliable_base + 1) % U24
+                if not seen:
+                    # A set never gives back its table: start a small one.
+                    self._reliable_seen = set()
         if frame.split_count:
             whole = self._reassemble(frame)
             if whole is None:
-                return
+                return True
             frame = whole
         if frame.reliability not in _ORDERED:
             out.append(frame.payload)
-            return
+            return True
         channel = frame.channel
         expected = self._ordered_read[channel]
         distance = ahead(frame.ordering_index, expected)
         if distance < 0:
-            return  # older than what was delivered: a stale sequenced frame
+            return True  # older than what was delivered: a stale sequenced frame
         if distance == 0:
             self._deliver_ordered(frame, out)
-            return
+            return True
         if self._waiting_count >= MAX_ORDERING_QUEUE:
             raise LimitExceeded("too many frames waiting for order", "ordering")
-        self._waiting[channel].setdefault(frame.ordering_index, []).append(frame)
+        waiting = self._waiting[channel]
+        cost = ORDERED_FRAME_OVERHEAD + len(frame.payload)
+        self._charge(
+            cost if waiting else cost + WAITING_CHANNEL_OVERHEAD, "ordering-memory"
+        )
+        waiting.setdefault(frame.ordering_index, []).append(frame)
         self._waiting_count += 1
+        return True
 
     def _deliver_ordered(self, frame: Frame, out: list[bytes]) -> None:
         channel = frame.channel
@@ -439,6 +541,12 @@ class ReliabilityLayer:
             if held is None:
                 return
             self._waiting_count -= len(held)
+            freed = sum(ORDERED_FRAME_OVERHEAD + len(f.payload) for f in held)
+            if not waiting:
+                # A dict never gives back its table: start a small one.
+                waiting = self._waiting[channel] = {}
+                freed += WAITING_CHANNEL_OVERHEAD
+            self._uncharge(freed)
             held.sort(
                 key=lambda f: (f.reliability not in _SEQUENCED, f.sequencing_index)
             )
@@ -461,31 +569,34 @@ class ReliabilityLayer:
         if split is None:
             if len(self._splits) >= MAX_SPLITS_IN_PROGRESS:
                 raise LimitExceeded("too many split messages at once", "splits")
+            if self._split_bytes + SPLIT_OVERHEAD > MAX_SPLIT_BYTES:
+                raise LimitExceeded(
+                    "split reassembly over its per-connection cap", "split-memory"
+                )
+            self._charge(SPLIT_OVERHEAD, "split-memory")
+            self._split_bytes += SPLIT_OVERHEAD
             split = self._splits[frame.split_id] = _Split(frame.split_count, frame)
+            split.size = SPLIT_OVERHEAD
         if frame.split_count != split.count:
             raise DecodeError("split count changed within one message", "bad-split")
         if frame.split_index in split.parts:
             return None
-        size = len(frame.payload)
-        if self._split_bytes + size > MAX_SPLIT_BYTES:
+        cost = SPLIT_PART_OVERHEAD + len(frame.payload)
+        if self._split_bytes + cost > MAX_SPLIT_BYTES:
             raise LimitExceeded(
                 "split reassembly over its per-connection cap", "split-memory"
             )
-        if self.budget.used + size > self.budget.limit:
-            raise LimitExceeded(
-                "split reassembly over the server's budget", "split-memory"
-            )
+        self._charge(cost, "split-memory")
         split.parts[frame.split_index] = frame.payload
-        split.size += size
-        self._split_bytes += size
-        self.budget.used += size
+        split.size += cost
+        self._split_bytes += cost
         if frame.split_index == 0:
             split.first = frame
         if len(split.parts) < split.count:
             return None
         del self._splits[frame.split_id]
         self._split_bytes -= split.size
-        self.budget.used -= split.size
+        self._uncharge(split.size)
         payload = b"".join(split.parts[i] for i in range(split.count))
         first = split.first
         return Frame(
@@ -498,10 +609,14 @@ class ReliabilityLayer:
         )
 
     def release(self) -> None:
-        """Give back this connection's share of the split budget (on close)."""
-        self.budget.used -= self._split_bytes
+        """Give back everything this layer holds for its peer (on close)."""
+        self.budget.uncharge(self.charged)
+        self.charged = 0
         self._split_bytes = 0
         self._splits.clear()
+        self._waiting = [{} for _ in range(ORDERING_CHANNELS)]
+        self._waiting_count = 0
+        self._reliable_seen = set()
 
     def _on_ack(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
         for number in self._numbers_in(ranges):
