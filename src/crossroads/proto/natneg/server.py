@@ -46,6 +46,14 @@ of the session's first INIT, each present client gets CONNECT with ``finished`` 
 session has two clients but one never completed) -- ref §8. The client does not ACK
 error CONNECTs, so they are sent ``error_attempts`` times.
 
+*First-attempt relay.* A pair is relayed at once where pinging is predicted to
+fail (:meth:`NatNegServer._relay_reason`, docs/natneg.md): both NATs map per
+destination, or one does and the other filters by address and port. Mapping
+shows in the NN1/NN2/NN3 INITs; filtering in one ERT_TEST from
+``unsolicited_port`` that the server sends, when it decides the pair, to the
+non-symmetric client's negotiate socket (:meth:`NatNegServer._send_probes`):
+unanswered while our own ERT is answered, the filter drops another server port.
+
 Stateless requests are answered from the endpoint that received them: ADDRESS_CHECK
 (NAT mapping probes), NATIFY_REQUEST (reachability probes: the ERT answers come from
 *other* endpoints, :class:`Endpoint`), BACKUP_TEST and the v4 PREINIT handshake.
@@ -1114,7 +1122,10 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         NAT opens a new port toward the peer, which only a filter that ignores the
         source port lets in. Sent when both are complete (each client's own ERT
         already left, so its round trip times the probe) and only when it
-        decides something, so a pair of cones gets no more than before.
+        decides something, so a pair of cones gets no more than before. The
+        probed client's replies (INIT_ACKs, our ERT, the probe: 105 bytes for
+        three INITs of at least 22) may outweigh its INITs by up to 1.6x, only
+        here, within the reflection budget.
         """
         config = self.config
         source = config.unsolicited_port
