@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from crossroads.lab.matrix import Attempt
+from crossroads.lab.kinds import KINDS_BY_NAME
+from crossroads.lab.matrix import Attempt, run_matrix, unexpected
 from crossroads.lab.methods.natneg import (
+    METHOD,
     SERVERS,
     extra_server_args,
     game_data_crosses,
@@ -63,21 +65,49 @@ async def test_symmetric_pair_is_relayed(lab: Lab) -> None:
         SdkNegotiator.close_all()
 
 
-async def test_failed_negotiation_is_relayed_on_retry(lab: Lab) -> None:
+async def test_symmetric_against_port_filtering_is_relayed_on_the_first_attempt(
+    lab: Lab,
+) -> None:
+    """One endpoint-dependent mapping against address-and-port-dependent
+    filtering: the pings could never meet (they failed for ~6.4 s, and only the
+    retry was relayed). The server sees the symmetric NAT in the NN1/NN3 INITs
+    and the port filter in its probe (an ERT from another port goes unanswered),
+    and relays the first attempt."""
     await reset(lab, "symmetric-random-b", "port-restricted-cone-b")
     a, b = lab.site("symmetric-random-b"), lab.site("port-restricted-cone-b")
     host, guest = await negotiate(lab, a, b, 0x55556666)
     try:
-        # One endpoint-dependent mapping against port-dependent filtering: the pings
-        # never meet; both clients time out and REPORT the failure.
-        assert host.outcome and host.outcome.result == NegotiateResult.PING_TIMEOUT
-        assert guest.outcome and guest.outcome.result == NegotiateResult.PING_TIMEOUT
+        assert succeeded(host, guest)
+        assert host.outcome and host.outcome.remote
+        assert guest.outcome and guest.outcome.remote
+        assert host.outcome.remote[0] == SERVER_IPS[0]  # relayed
+        assert guest.outcome.remote[0] == SERVER_IPS[0]
+        assert await game_data_crosses(host, guest)
     finally:
         SdkNegotiator.close_all()
-    # The game retries (with the same cookie, as games do): the server remembers
-    # the failed pair and relays.
-    outcome = await run(Attempt(lab, a, b))
-    assert outcome.connected and outcome.via == "relay"
+
+
+async def test_back_to_back_on_cookie_666_every_pair_connects_first(
+    lab: Lab,
+) -> None:
+    """A small back-to-back matrix with the SDK-faithful players (a process
+    each, game socket lent, NAT detection alongside, 10 ms poll): one cell after
+    another on cookie 666 with no pause, so every negotiation meets the session
+    the previous cell left on the cookie. Every cell connects on the first
+    attempt as predicted: directly between the cones, through the relay the
+    server picks at INIT for the symmetric NAT against the port filters."""
+    kinds = [
+        KINDS_BY_NAME[name]
+        for name in ("port-restricted-cone", "symmetric-random", "cgnat")
+    ]
+    results = await run_matrix(lab, [METHOD], kinds=kinds, back_to_back=True)
+    assert len(results) == 6
+    assert unexpected(results) == [], [r for r in unexpected(results)]
+    assert all(r.first_attempt for r in results), results
+    vias = {(r.a, r.b): r.via for r in results}
+    assert vias[("port-restricted-cone", "symmetric-random")] == "relay"
+    assert vias[("symmetric-random", "cgnat")] == "relay"
+    assert vias[("port-restricted-cone", "cgnat")] == "punch"
 
 
 async def test_players_in_two_processes_connect_on_the_first_attempt(

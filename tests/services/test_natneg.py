@@ -380,6 +380,9 @@ async def test_relay_forced_by_config(natneg: Starter) -> None:
         assert metric(rt, "crossroads_natneg_relays") == 1
         assert metric(rt, "crossroads_natneg_relay_packets_total") >= 4
         assert (
+            metric(rt, "crossroads_natneg_relay_decisions_total", reason="forced") == 1
+        )
+        assert (
             metric(
                 rt,
                 "crossroads_natneg_negotiations_total",
@@ -437,6 +440,13 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
     await both(h2, g2)
     assert h2.outcome and h2.outcome.result == NegotiateResult.SUCCESS
     assert h2.outcome.remote == address_of(g2.negotiate_sock)
+    # Why each was relayed, or not: the guest answered the probe from the probe
+    # port (nothing filters on loopback), so no port filter was predicted.
+    decisions = {
+        reason: metric(rt, "crossroads_natneg_relay_decisions_total", reason=reason)
+        for reason in ("both-symmetric", "symmetric-vs-port-filtering")
+    }
+    assert decisions == {"both-symmetric": 1, "symmetric-vs-port-filtering": 0}
 
 
 @pytest.mark.parametrize("relay_mode", ["auto", "always"])

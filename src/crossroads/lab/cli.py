@@ -170,6 +170,19 @@ def probe(prefix: str) -> None:
     "a one-way delay drawn uniformly from it (lab delay lines; e.g. 20-80).",
 )
 @click.option("--seed", default=1, show_default=True, help="Seed of the delays.")
+@click.option(
+    "--back-to-back",
+    is_flag=True,
+    help="Every cell one after another, no pause, all with one cookie (--cookie), "
+    "as the SDK test program is run; default: attempts in parallel, each game "
+    "with a random cookie.",
+)
+@click.option(
+    "--cookie",
+    default=666,
+    show_default=True,
+    help="The natneg cookie of a --back-to-back run (the SDK test program's).",
+)
 def matrix(
     prefix: str,
     methods: str,
@@ -179,6 +192,8 @@ def matrix(
     parallel: int,
     delay: str,
     seed: int,
+    back_to_back: bool,
+    cookie: int,
 ) -> None:
     """Run every pair of NAT kinds through each method; print, write the table."""
     from crossroads.lab.matrix import (
@@ -228,6 +243,8 @@ def matrix(
                     all_pairs=[m for m in methods.split(",") if m],
                     delay=delay_range,
                     seed=seed,
+                    back_to_back=back_to_back,
+                    cookie=cookie,
                 )
             )
         finally:
@@ -250,6 +267,8 @@ def matrix(
         command += f" --kinds {','.join(kind_names)}"
     if delay:
         command += f" --delay {delay} --seed {seed}"
+    if back_to_back:
+        command += " --back-to-back" + (f" --cookie {cookie}" if cookie != 666 else "")
     written = write_results(
         typed,
         out if out is not None else default_results_dir(),

@@ -85,6 +85,14 @@ class Result:
         }
 
 
+#: Key of :attr:`Attempt.shared` holding the one cookie every attempt of a
+#: back-to-back run uses (methods that take a cookie, natneg); absent: each
+#: attempt draws its own.
+SHARED_COOKIE = "cookie"
+#: The back-to-back run's cookie: the SDK test program's, always the same
+#: (``shared/reference/gamespy-natneg.md`` §3.1).
+SDK_TEST_COOKIE = 666
+
 MethodRun = Callable[[Attempt], Awaitable[Outcome]]
 Prepare = Callable[[Lab, dict[str, Any]], Awaitable[None]]
 
@@ -258,17 +266,28 @@ async def run_matrix(
     all_pairs: Iterable[str] = (),
     delay: tuple[float, float] | None = None,
     seed: int = 1,
+    back_to_back: bool = False,
+    cookie: int = SDK_TEST_COOKIE,
 ) -> list[Result]:
     """Run every pair for every method (a method with ``default_pairs`` runs
     those only unless named in ``all_pairs``); attempts sharing no host run in
     parallel. With ``delay`` (low, high seconds) each attempt's three paths
     (server-a, server-b, a-b) get a one-way delay drawn uniformly from it;
-    without it only pairs with a remapping router do (:func:`delay_span`)."""
+    without it only pairs with a remapping router do (:func:`delay_span`).
+
+    ``back_to_back``: every cell one after another, in table order, with no
+    pause between them, and every attempt with the same ``cookie`` (as the SDK
+    test program plays, and games that reuse theirs): each meets what the one
+    before left on the server."""
+    if back_to_back:
+        parallel = 1
     rng = random.Random(seed)
     free_slots = list(range(parallel))
     methods = list(methods)
     full = set(all_pairs)
     shared: dict[str, Any] = {}
+    if back_to_back:
+        shared[SHARED_COOKIE] = cookie
     cleanups: list[Callable[[], Awaitable[None]]] = []
     shared["cleanups"] = cleanups
     jobs = [(m, x, y) for m in methods for x, y in m.pairs(kinds, m.name in full)]
@@ -390,6 +409,17 @@ def to_markdown(results: Sequence[Result], *, command: str, wall: float) -> str:
         "random searches) or `❌`. How each",
         "kind is built: [nat-lab.md](nat-lab.md).",
         "",
+        *(
+            [
+                "Back to back: every cell one after another, no pause, all on one",
+                "server with one cookie (the SDK test program's 666, for methods",
+                "that take a cookie), so each negotiation meets the session the",
+                "previous cell left on it.",
+                "",
+            ]
+            if "--back-to-back" in command
+            else []
+        ),
         *(
             []
             if "--delay" in command

@@ -8,19 +8,25 @@ host's network namespace, as two games on two machines would be::
 What the process does is what an SDK game does around ``NNBeginNegotiation``
 (``shared/reference/gamespy-natneg.md`` §3.7, §5, §6):
 
-* it opens its *game socket* at start-up; the host lends it to the negotiation
-  (GP INIT, the CONNECT_PINGs and, after success, the game data all leave from
-  it, as ``NNBeginNegotiationWithSocket`` does for a QR2 host); the guest lets the
-  SDK make the negotiate socket and plays on the socket handed back;
+* it opens its *game socket* at start-up and lends it to the negotiation (GP
+  INIT, the CONNECT_PINGs and, after success, the game data all leave from it),
+  as the SDK test program does on both sides (``USE_OWN_SOCK``, ref §3.1) and a
+  QR2 host does with its heartbeat socket (ref §3.7); ``--no-game-socket`` lets
+  the SDK make the negotiate socket and plays on the socket handed back;
 * it runs the SDK's NAT detection (``NNStartNatDetection``: NATIFY/ERT probes and
-  ADDRESS_CHECKs from two more sockets) *alongside* the negotiation, and the
-  REPORT carries the NAT type and mapping scheme found so far (unknown until the
-  detection ends, as in a game that starts negotiating right away);
+  ADDRESS_CHECKs from two more sockets of its own) *alongside* the negotiation,
+  and the REPORT carries the NAT type and mapping scheme found so far (unknown
+  until the detection ends, as in a game that starts negotiating right away);
+* it drives everything from one loop that polls every 10 ms (``NNThink`` and
+  the game socket, as the SDK test program's ``msleep(10)`` loop): a packet
+  waits up to a poll before it is answered;
 * after success it sends game data on the socket it got back, until the other
   side's arrives;
-* a failed negotiation is retried with the *same cookie* and the same game socket
-  when the lobby says so (the lobby is the parent process, which hears both
-  sides: a game learns its partner failed through its master server).
+* its cookie is the one it is given (the SDK test program always uses 666). The
+  lab's lobby retries a failed negotiation as players do: both games start
+  again as *new processes* with new sockets and the same cookie; ``retry``
+  (negotiate again in this process, same game socket) is a game that retries
+  in-process.
 
 Lines on stdin/stdout, one JSON object each, are the lobby:
 
@@ -103,12 +109,14 @@ class Player:
     servers: list[Address]
     local_ip: str
     deadline: float
+    #: Lend a game socket to the negotiation (``NNBeginNegotiationWithSocket``).
+    lend_socket: bool = True
     game_sock: socket.socket | None = field(init=False)
     detection: NatDetection | None = field(default=None, init=False)
     negotiator: SdkNegotiator | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        self.game_sock = _udp() if self.role == "host" else None
+        self.game_sock = _udp() if self.lend_socket else None
         if self.game_sock is not None:
             self.game_sock.bind(("0.0.0.0", 0))
 
@@ -186,7 +194,14 @@ async def _lines() -> asyncio.StreamReader:
 
 async def play(args: argparse.Namespace) -> None:
     servers = [_address(s) for s in args.servers.split(",")]
-    player = Player(args.role, args.cookie, servers, args.local_ip, args.deadline)
+    player = Player(
+        args.role,
+        args.cookie,
+        servers,
+        args.local_ip,
+        args.deadline,
+        lend_socket=args.game_socket,
+    )
     detection = asyncio.ensure_future(player.detect())
     try:
         reader = await _lines()
@@ -231,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--local-ip", default="0.0.0.0")
     parser.add_argument(
         "--deadline", type=float, default=9.0, help="seconds per negotiation"
+    )
+    parser.add_argument(
+        "--game-socket",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="lend the game socket to the negotiation (GP INIT, pings, game data)",
     )
     asyncio.run(play(parser.parse_args(argv)))
 

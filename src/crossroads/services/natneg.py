@@ -60,6 +60,7 @@ from crossroads.errors import ConfigError
 from crossroads.metrics import add_counts, counter_by, unregister
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
+    RELAY_REASONS,
     Endpoint,
     Event,
     NatNegServer,
@@ -443,6 +444,16 @@ class NatNegService:
             ["outcome", "relayed", "attempt"],
             registry=None,
         )
+        #: Why the server relayed, one label per :data:`RELAY_REASONS` (a first
+        #: attempt relayed by prediction, or a retry after a failure).
+        self.relay_reasons = Counter(
+            "crossroads_natneg_relay_decisions",
+            "Negotiations sent to a relay, by why a direct path was predicted to fail.",
+            ["reason"],
+            registry=None,
+        )
+        for reason in RELAY_REASONS:
+            self.relay_reasons.labels(reason)
         self.reports = Counter(
             "crossroads_natneg_reports",
             "REPORTs received, by the client's result.",
@@ -455,20 +466,25 @@ class NatNegService:
     def _handle_events(self, events: list[Event], now: float) -> None:
         for event in events:
             match event:
-                case RelayNeeded(session=session, client_ips=ips, reason=reason):
+                case RelayNeeded(
+                    session=session, client_ips=ips, reason=reason, detail=detail
+                ):
                     pair = self.relay.allocate(session, ips) if self.relay else None
                     if pair is None:
                         log.info(
-                            "natneg %08x: relay needed (%s) but unavailable",
+                            "natneg %08x: relay needed (%s: %s) but unavailable",
                             session.cookie,
                             reason,
+                            detail,
                         )
                         self.core.relay_unavailable(session, now)
                     else:
+                        self.relay_reasons.labels(reason).inc()
                         log.info(
-                            "natneg %08x: relaying (%s) via %s:%d / %s:%d",
+                            "natneg %08x: relaying (%s: %s) via %s:%d / %s:%d",
                             session.cookie,
                             reason,
+                            detail,
                             *pair[0],
                             *pair[1],
                         )
@@ -560,7 +576,13 @@ class NatNegService:
             self.resources.forget(SESSIONS_TABLE)
             self.resources.forget(RELAYS_TABLE)
         if self._collector is not None and self._registry is not None:
-            unregister(self._registry, self._collector, self.negotiations, self.reports)
+            unregister(
+                self._registry,
+                self._collector,
+                self.negotiations,
+                self.relay_reasons,
+                self.reports,
+            )
 
 
 def core_config(cfg: Config, layout: Layout) -> ServerConfig:
@@ -703,5 +725,6 @@ async def serve(ctx: ServiceContext) -> NatNegService:
     service._collector = _Collector(service)
     registry.register(service._collector)
     registry.register(service.negotiations)
+    registry.register(service.relay_reasons)
     registry.register(service.reports)
     return service

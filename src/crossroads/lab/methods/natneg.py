@@ -8,20 +8,24 @@ probe comes from natneg3). Connected when both clients succeed and a game datagr
 then crosses both ways on the sockets they got back.
 
 Each player is its own process in its host's namespace
-(:mod:`crossroads.lab.natneg_game`), as two games on two machines: it runs the
-SDK's NAT detection alongside the negotiation (its REPORT carries what the
-detection found by then), and the host lends its game socket (as a QR2 host does:
-GP INIT, pings and game data from it, ref §3.7). This coroutine is the lobby: it
-starts both together and, as a game does, has both retry a failed negotiation
-once, with the same cookie and the same game socket (the SDK test program always
-uses cookie 666; games reuse theirs): the failed REPORT makes the server relay
-the retry, and the server must tell the new negotiation from the old one
-(docs/natneg.md, "Cookie reuse"). :func:`negotiate` runs both sides in this
-process instead, for tests that look at the negotiators themselves.
-So two symmetric NATs connect through the relay at once, a symmetric NAT against an
-address-and-port-dependent filter on the second try, everything else directly. A
-negotiation whose INITs never reached the server (UDP blocked) is not retried: the
-clients sent no REPORT, so the retry would fail the same way.
+(:mod:`crossroads.lab.natneg_game`), as two games on two machines, and behaves like
+the SDK test program: it lends its game socket (GP INIT, pings and game data from
+it, ref §3.1), runs the SDK's NAT detection alongside the negotiation on sockets of
+its own (its REPORT carries what the detection found by then) and polls every
+10 ms. This coroutine is the lobby: it starts both together and, as players do,
+retries a failed negotiation once with two *new processes* (new sockets) and the
+same cookie. In a back-to-back matrix (``crossroads lab matrix --back-to-back``)
+every cell uses one cookie, 666 as the SDK test program, one after another, so
+each negotiation meets the previous cell's session on the cookie and the server
+must tell them apart (docs/natneg.md, "Cookie reuse"); otherwise each game draws
+its own. :func:`negotiate` runs both sides in this process instead, for tests
+that look at the negotiators themselves.
+
+Every pair with UDP connects on the first attempt: directly where the NAT kinds
+allow it, else through the relay the server picks at once from what it learns at
+INIT (docs/natneg.md, "First-attempt relay"). A negotiation whose INITs never
+reached the server (UDP blocked) is not retried: the clients sent no REPORT, so
+the retry would fail the same way.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 from typing import Any
 
 from crossroads.lab.kinds import Filtering, Mapping, NatKind, both_udp
-from crossroads.lab.matrix import Attempt, Method, Outcome, register
+from crossroads.lab.matrix import SHARED_COOKIE, Attempt, Method, Outcome, register
 from crossroads.lab.natneg_sdk import GAME_DATA, SdkNegotiator, read_game_data
 from crossroads.lab.topology import SERVER_IPS, Lab, Site
 from crossroads.proto.natneg.packets import NegotiateResult
@@ -224,43 +228,59 @@ async def _round(host: _Game, guest: _Game) -> list[dict[str, Any]]:
     return [results[host], results[guest]]
 
 
-async def run(attempt: Attempt) -> Outcome:
-    """Two game processes; the lobby (this coroutine) starts them together and,
-    after a failure, has both retry once with the same cookie."""
-    cookie = int.from_bytes(os.urandom(4), "big")  # one per game: kept for the retry
+async def _start_players(attempt: Attempt, cookie: int) -> list[_Game]:
+    """Two fresh game processes (new sockets), both ready, or an exception."""
     games: list[_Game] = []
     try:
         for site, role in ((attempt.a, "host"), (attempt.b, "guest")):
             games.append(await _Game.start(attempt.lab, site, role, cookie, SERVERS))
-        host, guest = games
         for game in games:
             if (await game.read())["event"] != "ready":
-                return Outcome(False, detail="a player did not start")
-        started = time.monotonic()
-        details: list[str] = []
-        command = "go"
-        for tries in range(2):
-            for game in games:
-                game.tell(command)
-            results = await _round(host, guest)
-            if all(r["result"] == "SUCCESS" and r["data"] for r in results):
-                remote = results[0]["remote"]
-                via = "relay" if remote and remote[0] in SERVER_IPS else "punch"
-                details.append(_detections(results))
-                return Outcome(
-                    True,
-                    via,
-                    time.monotonic() - started,
-                    "; ".join(details),
-                    first_attempt=tries == 0,
-                )
-            details.append("/".join(r["result"].lower() for r in results))
-            if any(r["result"] == NegotiateResult.INIT_TIMEOUT.name for r in results):
-                break  # no REPORT was sent: a retry would fail the same way
-            command = "retry"
-        return Outcome(False, detail="; ".join(details))
-    finally:
+                raise EOFError("a player did not start")
+    except BaseException:
         await asyncio.gather(*(g.stop() for g in games))
+        raise
+    return games
+
+
+async def run(attempt: Attempt) -> Outcome:
+    """Two game processes; the lobby (this coroutine) starts them together and,
+    after a failure, has both retry once as players do: new processes (new
+    sockets), the same cookie. The cookie is the matrix's (a back-to-back run:
+    :data:`crossroads.lab.matrix.SHARED_COOKIE`), else one drawn for this game."""
+    cookie = attempt.shared.get(SHARED_COOKIE)
+    if cookie is None:
+        cookie = int.from_bytes(os.urandom(4), "big")
+    started: float | None = None
+    details: list[str] = []
+    for tries in range(2):
+        try:
+            games = await _start_players(attempt, cookie)
+        except EOFError as exc:
+            return Outcome(False, detail=str(exc))
+        try:
+            if started is None:
+                started = time.monotonic()
+            for game in games:
+                game.tell("go")
+            results = await _round(*games)
+        finally:
+            await asyncio.gather(*(g.stop() for g in games))
+        if all(r["result"] == "SUCCESS" and r["data"] for r in results):
+            remote = results[0]["remote"]
+            via = "relay" if remote and remote[0] in SERVER_IPS else "punch"
+            details.append(_detections(results))
+            return Outcome(
+                True,
+                via,
+                time.monotonic() - started,
+                "; ".join(details),
+                first_attempt=tries == 0,
+            )
+        details.append("/".join(r["result"].lower() for r in results))
+        if any(r["result"] == NegotiateResult.INIT_TIMEOUT.name for r in results):
+            break  # no REPORT was sent: a retry would fail the same way
+    return Outcome(False, detail="; ".join(details))
 
 
 def _detections(results: list[dict[str, Any]]) -> str:
@@ -282,10 +302,11 @@ def direct_expected(x: NatKind, y: NatKind) -> bool:
 
 
 def first_expected(x: NatKind, y: NatKind) -> bool:
-    """The first attempt connects wherever a direct path works, and between two
-    endpoint-dependent mappings, which the server relays at once. A symmetric NAT
-    against address-and-port-dependent filtering needs the retry: only the failed
-    REPORT tells the server to relay.
+    """Every pair with UDP connects on the first attempt: directly where a direct
+    path works, else through the relay the server picks at once -- from the
+    NN1/NN2/NN3 mappings (endpoint-dependent mapping) and its INIT-time ERT probe
+    from another port (address-and-port-dependent filtering), docs/natneg.md
+    "First-attempt relay".
 
     A router that remaps on a knock (``accepts_unsolicited``) is predicted like
     its port-restricted cone: timed CONNECTs make the first pings cross within
@@ -293,10 +314,14 @@ def first_expected(x: NatKind, y: NatKind) -> bool:
     (:data:`crossroads.lab.matrix.REMAP_DELAY`). Without distance (a few
     microseconds between the lab's sites, less than the clients' own 10 ms
     polling) it would be a race no server can settle."""
-    both_symmetric = all(
-        k.mapping is Mapping.ADDRESS_AND_PORT_DEPENDENT for k in (x, y)
-    )
-    return direct_expected(x, y) or (both_symmetric and both_udp(x, y))
+    return both_udp(x, y)
+
+
+def expected_via(x: NatKind, y: NatKind) -> str | None:
+    """``punch`` where the negotiated direct path works, else ``relay``."""
+    if not both_udp(x, y):
+        return None
+    return "punch" if direct_expected(x, y) else "relay"
 
 
 METHOD = register(
@@ -307,6 +332,7 @@ METHOD = register(
         # Everything with UDP connects: directly, or through the relay.
         expected=both_udp,
         expected_first=first_expected,
+        expected_via=expected_via,
         timeout=2 * NEGOTIATION_S + 6,
         needs=("natneg",),
     )

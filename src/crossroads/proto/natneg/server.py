@@ -46,6 +46,14 @@ of the session's first INIT, each present client gets CONNECT with ``finished`` 
 session has two clients but one never completed) -- ref §8. The client does not ACK
 error CONNECTs, so they are sent ``error_attempts`` times.
 
+*First-attempt relay.* A pair is relayed at once where pinging is predicted to
+fail (:meth:`NatNegServer._relay_reason`, docs/natneg.md): both NATs map per
+destination, or one does and the other filters by address and port. Mapping
+shows in the NN1/NN2/NN3 INITs; filtering in one ERT_TEST from
+``unsolicited_port`` that the server sends, when it decides the pair, to the
+non-symmetric client's negotiate socket (:meth:`NatNegServer._send_probes`):
+unanswered while our own ERT is answered, the filter drops another server port.
+
 Stateless requests are answered from the endpoint that received them: ADDRESS_CHECK
 (NAT mapping probes), NATIFY_REQUEST (reachability probes: the ERT answers come from
 *other* endpoints, :class:`Endpoint`), BACKUP_TEST and the v4 PREINIT handshake.
@@ -236,6 +244,20 @@ class ServerConfig:
     #: side would cross anyway, and a client faking a slow ERT_ACK must not be able
     #: to hold its partner's CONNECT back for long.
     max_connect_lead: float = 0.35
+    #: Learn, at INIT, whether a client's NAT filters by port when its partner's
+    #: mapping is endpoint-dependent (the one case where filtering decides the
+    #: pair): one ERT_TEST from ``unsolicited_port`` (natneg1's IP, another port)
+    #: to its negotiate socket, which every SDK version answers from wherever it
+    #: came (ref §3.2, what OpenSpy's three probe drivers rely on, ref §7.1). No
+    #: answer while the client answers our own ERT: address-and-port-dependent
+    #: filtering, so pinging cannot work and the first attempt is relayed.
+    probe_filtering: bool = True
+    #: How long after the client's answer to our own ERT its answer to the probe
+    #: may still come: both leave back to back on one path and the SDK answers
+    #: each in its next ``NNThink``, which the SDK asks games to call about every
+    #: 100 ms (ref §6); an early client's round trip was measured before, so this
+    #: also absorbs the difference of two poll phases.
+    probe_grace: float = 0.1
     #: Error CONNECTs (finished=1/2) are never ACKed by the client (ref §6 step 3),
     #: so they are sent a fixed number of times, ``connect_interval`` apart.
     error_attempts: int = 3
@@ -334,7 +356,11 @@ class RelayNeeded:
     session: SessionId
     #: Public IPv4 of client 0 and client 1 (the only sources the relay may accept).
     client_ips: tuple[str, str]
+    #: Why punching is predicted to fail, one of :data:`RELAY_REASONS` (a metric
+    #: label).
     reason: str
+    #: The evidence, for the log (mappings seen, probe answers).
+    detail: str = field(default="", compare=False)
 
 
 @frozen
@@ -374,6 +400,19 @@ class ReportReceived:
 
 
 Event = RelayNeeded | NegotiationFinished | ReportReceived | SessionClosed
+
+#: Every :attr:`RelayNeeded.reason` (docs/natneg.md, "First-attempt relay"):
+#: ``forced`` (relay mode always), two endpoint-dependent mappings, one against
+#: address-and-port-dependent filtering seen by the INIT-time probe or reported
+#: by an earlier REPORT from the peer's IP, a failed negotiation between the two
+#: IPs within ``history_ttl``.
+RELAY_REASONS = (
+    "forced",
+    "both-symmetric",
+    "symmetric-vs-port-filtering",
+    "symmetric-vs-restricted",
+    "failed-before",
+)
 
 
 @dataclass(slots=True)
@@ -460,6 +499,8 @@ class _Client:
         "next_connect",
         "connects_left",
         "gp_echo",
+        "probe_sent",
+        "probe_open",
     )
 
     def __init__(self, packet: Init, public_ip: str) -> None:
@@ -484,6 +525,11 @@ class _Client:
         #: or the first INIT of a new attempt on a game socket the game kept (see
         #: "Restarts" in the module docstring).
         self.gp_echo: tuple[Init, Address, Endpoint] | None = None
+        #: When the filtering probe (an ERT from ``unsolicited_port``) went out,
+        #: and whether it was answered: True answered, False not in time while
+        #: our own ERT was, None not (yet) known.
+        self.probe_sent: float | None = None
+        self.probe_open: bool | None = None
 
     def is_same(self, packet: Init, ip: str) -> bool:
         """Is this INIT from this client (this process or its restart) rather than
@@ -725,7 +771,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             case BackupTest():
                 self._on_backup_test(packet, addr, socket)
             case ErtAck():
-                self._on_ert_ack(packet, addr, now)
+                self._on_ert_ack(packet, addr, socket, now)
             case _:
                 # Server-to-client types (INIT_ACK, CONNECT, ...), CONNECT_PING
                 # (client to client) and STATE_UPDATE (never sent, ref §2).
@@ -1101,48 +1147,114 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             endpoint,
         )
 
-    def _on_ert_ack(self, p: ErtAck, addr: Address, now: float) -> None:
+    def _on_ert_ack(
+        self, p: ErtAck, addr: Address, endpoint: Endpoint, now: float
+    ) -> None:
         session = self._sessions.get(p.cookie)
         client = (
             session.clients[p.client_index]
             if session is not None and p.client_index <= 1
             else None
         )
+        probe = (
+            client is not None
+            and client.probe_sent is not None
+            and endpoint == self.config.unsolicited_port
+        )
         if (
             session is None
             or client is None
-            or client.ert_sent is None
+            or (client.ert_sent is None and not probe)
             or client.public_ip != addr[0]
         ):
             # NATify ERTs are not ACKed (ref §3.2): nothing else of ours is.
             self._drop("unsolicited-ert-ack")
             return
-        if client.rtt is None:
+        if probe:
+            # The ACK of the probe went to the probe socket: the NAT let a packet
+            # from a port the client never sent to through.
+            if client.probe_open is None:
+                client.probe_open = True
+        elif client.rtt is None:
+            assert client.ert_sent is not None
             client.rtt = now - client.ert_sent
-            if session.state is _State.TIMING and self._rtts_settled(session, now):
-                self._start_connect(session, now)
+        else:
+            return
+        if session.state is _State.TIMING:
+            self._settle(session, now)
 
-    def _rtts_settled(self, session: _Session, now: float) -> bool:
-        """Is every round trip we asked for measured or given up on?"""
-        return all(
-            c is None
-            or c.rtt is not None
-            or c.ert_sent is None
-            or now - c.ert_sent >= self.config.rtt_wait
-            for c in session.clients
+    def _send_probes(self, session: _Session, now: float) -> None:
+        """Probe the filtering of a client whose partner's mapping is
+        endpoint-dependent (``probe_filtering``).
+
+        Only then does filtering decide the pair (docs/nat-matrix.md): a symmetric
+        NAT opens a new port toward the peer, which only a filter that ignores the
+        source port lets in. Sent when both are complete (each client's own ERT
+        already left, so its round trip times the probe) and only when it
+        decides something, so a pair of cones gets no more than before. The
+        probed client's replies (INIT_ACKs, our ERT, the probe: 105 bytes for
+        three INITs of at least 22) may outweigh its INITs by up to 1.6x, only
+        here, within the reflection budget.
+        """
+        config = self.config
+        source = config.unsolicited_port
+        first, second = session.clients
+        if (
+            not config.probe_filtering
+            or source is None
+            or config.relay_mode is not RelayMode.AUTO
+            or config.force_lan_mode
+            or first is None
+            or second is None
+            or first.public_ip == second.public_ip
+            or first.symmetric() == second.symmetric()
+        ):
+            return
+        client = second if first.symmetric() else first
+        mapping = client.mappings.get(PortType.NN1)
+        if client.version < 2 or client.probe_sent is not None or mapping is None:
+            return
+        client.probe_sent = now
+        self._send(
+            ErtTest(client.version, session.cookie, PortType.NN1, client.index),
+            mapping[0],
+            source,
         )
 
-    def _both_complete(self, session: _Session, now: float) -> None:
-        if self._rtts_settled(session, now):
+    def _settle_time(self, session: _Session) -> float | None:
+        """When every round trip and probe asked for is measured or given up on
+        (None: nothing is pending).
+
+        Our own ERT gets ``rtt_wait``; an unanswered probe counts as filtered
+        ``probe_grace`` after the client's own ERT came back (or would have, by
+        the round trip measured before), at most ``rtt_wait`` after it left.
+        """
+        config = self.config
+        pending: list[float] = []
+        for c in session.clients:
+            if c is None:
+                continue
+            if c.ert_sent is not None and c.rtt is None:
+                pending.append(c.ert_sent + config.rtt_wait)
+            if c.probe_sent is not None and c.probe_open is None:
+                limit = c.probe_sent + config.rtt_wait
+                if c.rtt is not None:
+                    limit = min(limit, c.probe_sent + c.rtt + config.probe_grace)
+                pending.append(limit)
+        return max(pending) if pending else None
+
+    def _settle(self, session: _Session, now: float) -> None:
+        """Connect if nothing is pending any more, else wait (state TIMING)."""
+        when = self._settle_time(session)
+        if when is None or when <= now:
             self._start_connect(session, now)
             return
         session.state = _State.TIMING
-        sent = [
-            c.ert_sent
-            for c in session.clients
-            if c is not None and c.ert_sent is not None
-        ]
-        self._schedule(session, max(sent) + self.config.rtt_wait)
+        self._schedule(session, when)
+
+    def _both_complete(self, session: _Session, now: float) -> None:
+        self._send_probes(session, now)
+        self._settle(session, now)
 
     def _connect_leads(self, session: _Session) -> tuple[float, float]:
         """Seconds each client's first CONNECT waits so both arrive together.
@@ -1163,48 +1275,69 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
     def _start_connect(self, session: _Session, now: float) -> None:
         first, second = session.clients
         assert first is not None and second is not None
+        for client in (first, second):
+            if client.probe_sent is not None and client.probe_open is None:
+                # Given up on. It says "filtered" only if the client answered our
+                # own ERT (it answers ERTs and the path works); else nothing.
+                client.probe_open = False if client.rtt is not None else None
         pair = _pair(first.public_ip, second.public_ip)
         session.first_attempt = pair not in self._failed_pairs
-        reason = self._relay_reason(first, second)
-        if reason is None:
+        verdict = self._relay_reason(first, second)
+        if verdict is None:
             self._connect_direct(session, now)
             return
+        reason, detail = verdict
         session.state = _State.RELAY_PENDING
         self._events.append(
-            RelayNeeded(session.id, (first.public_ip, second.public_ip), reason)
+            RelayNeeded(session.id, (first.public_ip, second.public_ip), reason, detail)
         )
         # Safety net: if the transport never answers, negotiate directly.
         self._schedule(session, now + self.config.connect_interval)
 
-    def _relay_reason(self, a: _Client, b: _Client) -> str | None:
-        """Why a direct path between ``a`` and ``b`` looks impossible, or None.
+    def _relay_reason(self, a: _Client, b: _Client) -> tuple[str, str] | None:
+        """Why a direct path between ``a`` and ``b`` is predicted to fail (a
+        :data:`RELAY_REASONS` label and the evidence), or None.
 
-        Only NAT *mapping* is visible in INITs: a client whose NN1/NN2/NN3 INITs
-        (one socket, three server addresses) arrive from different public ports is
-        behind an endpoint-dependent ("symmetric") NAT. Two of them cannot reach each
-        other by pinging observed addresses (each opens a fresh, unknown port toward
-        the other), nor can a symmetric NAT and a port-restricted one. Filtering
-        behaviour is not visible in INITs; it comes from earlier REPORTs of the same
-        public IP (the natType the client detected) and from failed REPORTs between
-        the same two addresses (games retry with a new cookie, ref §7.4).
+        The prediction is docs/nat-matrix.md's: pinging the addresses the server
+        saw fails when both mappings are endpoint-dependent ("symmetric": a
+        client's NN1/NN2/NN3 INITs, one socket to three server addresses, came
+        from different public ports), or when one is and the other NAT filters by
+        address and port: the symmetric side pings from a port nobody saw, which
+        such a filter drops. Mapping shows in the INITs; filtering in the probe of
+        :meth:`_send_probes`, else in an earlier REPORT of the same public IP (the
+        natType its client detected). Failed REPORTs between the same two
+        addresses relay the retry (games retry with a new cookie, ref §7.4).
         """
         mode = self.config.relay_mode
         if mode is RelayMode.NEVER:
             return None
         if mode is RelayMode.ALWAYS:
-            return "forced"
+            return ("forced", "relay mode always")
         if a.public_ip == b.public_ip or self.config.force_lan_mode:
             return None  # the LAN path needs no NAT traversal
         sym_a, sym_b = a.symmetric(), b.symmetric()
         if sym_a and sym_b:
-            return "both-symmetric"
+            return (
+                "both-symmetric",
+                f"{_ports(a)} and {_ports(b)}: both NATs map per destination",
+            )
         hard = (NatType.PORT_RESTRICTED_CONE, NatType.SYMMETRIC)
-        if sym_a and self._known_nat(b.public_ip) in hard:
-            return "symmetric-vs-restricted"
-        if sym_b and self._known_nat(a.public_ip) in hard:
-            return "symmetric-vs-restricted"
+        if sym_a or sym_b:
+            sym, other = (a, b) if sym_a else (b, a)
+            if other.probe_open is False:
+                return (
+                    "symmetric-vs-port-filtering",
+                    f"{_ports(sym)} maps per destination; client {other.index}"
+                    " dropped the ERT from another server port (filters by port)",
+                )
+            if self._known_nat(other.public_ip) in hard:
+                return (
+                    "symmetric-vs-restricted",
+                    f"{_ports(sym)} maps per destination; client {other.index}'s"
+                    " IP reported a port-restricted or symmetric NAT",
+                )
         if _pair(a.public_ip, b.public_ip) in self._failed_pairs:
-            return "failed-before"
+            return ("failed-before", "these two IPs failed to connect directly")
         return None
 
     def _known_nat(self, ip: str) -> int | None:
@@ -1595,6 +1728,16 @@ def _echoes(
             continue
         replayed.append(client.gp_echo)
     return replayed
+
+
+def _ports(client: _Client) -> str:
+    """``client 1 NN1/NN2/NN3 :p1/:p2/:p3``, the mappings that show its NAT."""
+    ports = "/".join(
+        f":{client.mappings[pt][0][1]}"
+        for pt in _NEGOTIATE_SOCKET_PORTS
+        if pt in client.mappings
+    )
+    return f"client {client.index} NN {ports}"
 
 
 def _pair(a: str, b: str) -> tuple[str, str]:
