@@ -162,12 +162,18 @@ async def _listen_https(
     turn = ctx.https_port_guest
     context = certificates.context
     protocol: Callable[[], asyncio.Protocol] = http_protocol
-    # Its own handshake and TLS connection tables (a flood of another TLS
-    # port leaves its handshakes alone); the descriptor is the HTTP port's.
+    # Its own connection table until the handshake (and the sorting) is
+    # done, so that a flood of idle TLS connections here leaves the plain HTTP
+    # port its share; then the HTTP guard admits the connection to the HTTP
+    # table like any request. Its own handshake and TLS connection tables
+    # too (a flood of another TLS port leaves its handshakes alone).
+    connections = runtime.resources.listener(
+        "https", core.http_max_connections, core.http_max_connections_per_ip
+    )
     tables = tls_tables(
         runtime.resources,
         "https",
-        listener=guard.admission,
+        listener=connections,
         max_connections=core.http_max_connections,
         max_per_source=core.http_max_connections_per_ip,
         trusted=guard.is_trusted_proxy,
@@ -178,9 +184,7 @@ async def _listen_https(
             Application.TURN: turn.tls_protocol_factory(),
             Application.HTTP: http_protocol,
         }
-        protocol = functools.partial(
-            TlsSorter, factories, drop, admission=guard.admission
-        )
+        protocol = functools.partial(TlsSorter, factories, drop, admission=connections)
         turn.add_tls_address(address)
     try:
         server = await asyncio.get_running_loop().create_server(
@@ -190,9 +194,10 @@ async def _listen_https(
     except BaseException:
         sock.close()
         tables.forget()
+        runtime.resources.forget(connections.name)
         raise
     runtime.https_address = address
-    runtime.resources.listen("http", "https", "tcp", address, tables.handshakes.name)
+    runtime.resources.listen("http", "https", "tcp", address, connections.name)
     return server
 
 

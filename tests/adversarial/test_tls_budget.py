@@ -171,10 +171,16 @@ async def test_an_idle_tls_flood_on_turn_leaves_https_and_dtls_handshakes(
                 await dtls_binding(client, inbox)
             finally:
                 client.close()
-            # The flood filled its own port's handshake table, not the others.
+            # The flood filled its own port's handshake table, not the others
+            # (on a loaded machine the first idle handshakes may already have
+            # met their deadline: they were admitted all the same).
             rows = tables(server)
             pending = rows["tls-handshakes:turn"]
-            assert pending["live"] >= min(256, pending["max"]) - 8, pending
+            admitted = pending["live"] + sum(pending["closed"].values())
+            # (Bounded by the port's own connection table, and by its
+            # handshake table.)
+            port_cap = min(pending["max"], rows["stun"]["max"])
+            assert admitted >= min(256, port_cap) - 8, (pending, rows["stun"])
             assert rows["tls-handshakes:https"]["refused"] == {}
             assert rows["dtls-handshakes:turn"]["refused"] == {}
         finally:
