@@ -323,6 +323,21 @@ class BatteryServer:
     def sockets(self) -> int:
         return len(_socket_inodes(self.process.pid))
 
+    def revoke_turn_allocations(self) -> int:
+        """End every live TURN allocation as an operator would (admin API);
+        how many. A real client's allocation is authenticated state that
+        lives until its lifetime unless it deallocates; coturn's uclient
+        deallocates at its end, but its Refresh(0) is a UDP datagram that a
+        flood may cost it, and then the allocation would outlive the wait."""
+        listed = self.admin.get("/console/api/admin/sessions").json()
+        count = 0
+        for session in listed.get("turn", []):
+            answer = self.admin.post(
+                "/console/api/admin/revoke", json={"kind": "turn", "id": session["id"]}
+            )
+            count += answer.status_code == 200
+        return count
+
     def healthz(self) -> int:
         """/healthz over a new connection from 127.0.0.1 (a real client)."""
         try:

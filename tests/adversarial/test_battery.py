@@ -423,6 +423,7 @@ def test_all_listeners_at_once_while_real_clients_play(server: BatteryServer) ->
 
         asyncio.run(clients())
         check_invariants(server, baseline, label)
+    server.revoke_turn_allocations()
     wait_drained(server, baseline, label, b.DEFAULT_PREAUTH_BOUND)
 
 
