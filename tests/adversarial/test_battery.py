@@ -11,13 +11,15 @@ reads, the reflection ratio. After each attack the invariants of
 :mod:`tests.adversarial.battery_support` are checked, and while it runs a real
 STUN Binding, TURN Allocate and ``/healthz`` must keep working; once per run
 the heavier real clients (coturn's uclient, the PyPI RakNet peer, a Unity-flow
-relay client) run under every attack at once.
+relay client, a real OpenTTD client joining a real dedicated server) run under
+every attack at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import math
 import os
 import socket
@@ -26,6 +28,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -393,12 +397,86 @@ async def relay_run(http_port: int) -> None:
             await host.close()
 
 
-def test_all_listeners_at_once_while_real_clients_play(server: BatteryServer) -> None:
+@dataclass(frozen=True)
+class _Coordinator:
+    """What the OpenTTD interop helpers need of a crossroads: the variables
+    that point a real OpenTTD at its coordinator and STUN ports."""
+
+    coordinator: int
+    stun: int
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "OTTD_COORDINATOR_CS": f"127.0.0.1:{self.coordinator}",
+            "OTTD_STUN_CS": f"127.0.0.1:{self.stun}",
+        }
+
+
+@contextlib.contextmanager
+def openttd_server(
+    listeners: list[Listener], workdir: Path
+) -> Iterator[tuple[Any, _Coordinator] | None]:
+    """A real OpenTTD 13 dedicated server, invite-only, registered with the
+    battery's coordinator (None where openttd is not installed)."""
+    from tests.conftest import free_port
+    from tests.interop.openttd_support import OpenTTDServer, openttd_available
+
+    if not openttd_available():
+        yield None
+        return
+    ports = {x.kind: x.port for x in listeners if x.service == "openttd"}
+    coordinator = _Coordinator(ports["openttd-coordinator"], ports["openttd-stun"])
+    game = OpenTTDServer(
+        workdir, coordinator, name="battery-game", bind="127.0.0.1",
+        port=free_port(), game_type="invite-only", cpu=0,
+    )  # type: ignore[arg-type]  # fmt: skip
+    try:
+        game.registration()
+        yield game, coordinator
+    finally:
+        game.stop()
+
+
+def openttd_join(game: Any, coordinator: _Coordinator, workdir: Path) -> None:
+    """A real OpenTTD 13 client joins the game by its invite code."""
+    from tests.interop.openttd_support import OpenTTDClient
+
+    client = OpenTTDClient(
+        workdir, coordinator, name="battery-player",  # type: ignore[arg-type]
+        code=game.registration()["code"], cpu=1,
+    )  # fmt: skip
+    try:
+        assert "has joined the game" in game.joined("battery-player", 60)
+    finally:
+        client.stop()
+
+
+def test_all_listeners_at_once_while_real_clients_play(
+    server: BatteryServer, tmp_path: Path
+) -> None:
     """Every UDP listener flooded and every TCP listener half full of idle
-    peers at once, while coturn's uclient, a stock RakNet peer and a Unity
-    relay host and guest use the server."""
+    peers at once, while coturn's uclient, a stock RakNet peer, a Unity relay
+    host and guest, and a real OpenTTD client joining a real dedicated server
+    by invite code use the server."""
     baseline = Baseline.take(server)
     listeners = b.listeners_of(server.snapshot())
+    with openttd_server(listeners, tmp_path) as openttd:
+        play_under_every_attack(server, baseline, listeners, openttd, tmp_path)
+    # The players are gone (the OpenTTD server's coordinator connection with
+    # them); their TURN allocations are authenticated state with a lifetime,
+    # ended here as an operator would.
+    server.revoke_turn_allocations()
+    wait_drained(server, baseline, "every listener at once", b.DEFAULT_PREAUTH_BOUND)
+
+
+def play_under_every_attack(
+    server: BatteryServer,
+    baseline: Baseline,
+    listeners: list[Listener],
+    openttd: tuple[Any, _Coordinator] | None,
+    workdir: Path,
+) -> None:
     raknet = next(
         x for x in listeners if x.service == "raknet" and x.transport == "udp"
     )
@@ -415,16 +493,17 @@ def test_all_listeners_at_once_while_real_clients_play(server: BatteryServer) ->
     with b.held(socks):
 
         async def clients() -> None:
-            await asyncio.gather(
+            players = [
                 uclient_run(stun_port(server)),
                 raknet_run(raknet.port),
                 relay_run(server.http_port),
-            )
+            ]
+            if openttd is not None:
+                players.append(asyncio.to_thread(openttd_join, *openttd, workdir))
+            await asyncio.gather(*players)
 
         asyncio.run(clients())
         check_invariants(server, baseline, label)
-    server.revoke_turn_allocations()
-    wait_drained(server, baseline, label, b.DEFAULT_PREAUTH_BOUND)
 
 
 # ------------------------------------------------ the battery can fail itself
