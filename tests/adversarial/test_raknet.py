@@ -21,13 +21,13 @@ import httpx
 import pytest
 
 from crossroads.config import default_config
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import BitWriter
 from crossroads.proto.raknet.reliability import (
     Frame,
     Reliability,
     ReliabilityLayer,
-    SplitBudget,
     decode_ranges,
 )
 from crossroads.proto.reflection import DEFAULT_ALLOWANCE, DROP_REFLECTION
@@ -81,7 +81,7 @@ class Attacker:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((host, 0))
         self.sock.settimeout(2)
-        self.layer = ReliabilityLayer(1492, SplitBudget(10**9))
+        self.layer = ReliabilityLayer(1492, LocalTable(max_bytes=10**9))
         self.guid = int.from_bytes(os.urandom(8), "big")
         self.inbox: list[bytes] = []
 

@@ -25,12 +25,12 @@ import httpx
 import pytest
 
 from crossroads.client.turn import TurnClient
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import BitWriter
 from crossroads.proto.raknet.reliability import (
     Reliability,
     ReliabilityLayer,
-    SplitBudget,
 )
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.types import Address
@@ -65,7 +65,7 @@ class ProxyClient:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((host, 0))
         self.sock.setblocking(False)
-        self.layer = ReliabilityLayer(1492, SplitBudget(10**9))
+        self.layer = ReliabilityLayer(1492, LocalTable(max_bytes=10**9))
         self.offline: list[bytes] = []
         self.accepted = False
         self.answers: list[int] = []

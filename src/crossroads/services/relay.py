@@ -86,7 +86,7 @@ from crossroads.services.relay_allocations import (
 from crossroads.services.relay_dtls import RelayDtls
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
-from crossroads.transport.admission import Pool
+from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.relay_ws import (
@@ -113,6 +113,16 @@ UNITY_MAX_CONNECTIONS = 150
 #: Events waiting for the store; beyond this they are dropped and counted (the
 #: store lags, the relay must not grow without bound).
 MAX_PENDING_EVENTS = 10_000
+#: The table of the process's resource budget that admits the node's
+#: allocations (docs/security.md).
+ALLOCATIONS_TABLE = "relay-allocations"
+#: Measured memory of one bound allocation with its half of a connected
+#: pair: the allocation record, its two data-plane routes (C route objects
+#: included) and their links, the per-source token buckets and the token's
+#: derived key: ~1.2 KB with tracemalloc and ~1.5 KB of RSS over 40,000
+#: allocations (20,000 hosts with one joiner each); 2 KiB with the
+#: allocator's slack.
+ALLOCATION_BYTES = 2048
 
 
 def _check_join_code_length(value: int) -> None:
@@ -310,6 +320,8 @@ class RelayNode:
     #: The ws/wss listeners by name ("ws", "wss") and their servers.
     websockets: dict[str, WebSocketListener] = field(default_factory=dict, init=False)
     ws_servers: list[asyncio.Server] = field(default_factory=list, init=False)
+    #: The process's budget, where :data:`ALLOCATIONS_TABLE` is registered.
+    budget: ResourceBudget | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.refusals = RefusalLog(
@@ -336,6 +348,8 @@ class RelayNode:
         for server in self.ws_servers:
             server.close()
         self.endpoint.close()
+        if self.budget is not None:
+            self.budget.forget(ALLOCATIONS_TABLE)
         await stop_tasks(self._tasks)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
@@ -798,6 +812,24 @@ async def listen_websockets(
     return listeners, servers, ports
 
 
+def allocation_table(budget: ResourceBudget, cfg: Config) -> Admission:
+    """Register the node's allocations: no descriptor of their own (every
+    client shares the node's sockets), their measured memory, and no pre-auth
+    deadline: an allocation exists only after a BIND signed with the key of
+    a token this node's API sealed (proto/relay/server.py). Hosts reserve
+    seats for their joiners, so twice the seats leaves room for joiners bound
+    but not yet connected; a source holds at most the budget's fraction of
+    that (the per-source cap is left to the budget)."""
+    total = 2 * cfg.capacity
+    return budget.table(
+        ALLOCATIONS_TABLE,
+        max_items=total,
+        max_per_source=total,
+        pool=Pool.NONE,
+        bytes_per_item=ALLOCATION_BYTES,
+    )
+
+
 def _public_host(cfg: Config, ctx: ServiceContext, bound_host: str) -> str:
     if cfg.public_host:
         return cfg.public_host
@@ -827,6 +859,7 @@ async def serve(ctx: ServiceContext) -> Service:
             bound = bound_address(sock)
             public_host = _public_host(cfg, ctx, bound[0])
             loop = asyncio.get_running_loop()
+            allocations = allocation_table(ctx.resources, cfg)
             core = RelayServer(
                 RelayServerConfig(
                     node_id=node_id,
@@ -834,14 +867,13 @@ async def serve(ctx: ServiceContext) -> Service:
                     host_alone_timeout=cfg.host_alone_timeout,
                     policy=client_policy(cfg, ctx, public_host),
                     max_route_pps=cfg.max_route_pps,
-                    # Hosts reserve seats for their joiners; twice the seats leaves
-                    # room for joiners bound but not yet connected.
-                    max_allocations=2 * cfg.capacity,
                 ),
                 sealer,
                 wall_offset=time.time() - loop.time(),
                 reflection=ctx.reflection_budget(),
+                admission=allocations,
             )
+            ctx.resources.listen(NAME, NAME, "udp", bound, ALLOCATIONS_TABLE)
             endpoint = RelayEndpoint(core, sock)
             dtls_sock = make_udp_socket(ctx.host, cfg.dtls_port) if cfg.dtls else None
             ws: tuple[
@@ -851,6 +883,7 @@ async def serve(ctx: ServiceContext) -> Service:
                 ws = await listen_websockets(cfg, ctx, endpoint)
         except BaseException:
             sock.close()
+            ctx.resources.forget(ALLOCATIONS_TABLE)
             raise
         info = NodeInfo(
             node_id=node_id,
@@ -866,6 +899,7 @@ async def serve(ctx: ServiceContext) -> Service:
             wss_host=cfg.wss_host,
         )
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
+        node.budget = ctx.resources
         node.websockets, node.ws_servers = ws[0], ws[1]
         if dtls_sock is not None:
             node.dtls = RelayDtls(endpoint, dtls_sock, ctx.resources)

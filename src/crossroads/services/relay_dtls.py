@@ -32,6 +32,7 @@ from typing import Final
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from crossroads.metrics import counter_by
+from crossroads.proto.admission import Admitter
 from crossroads.proto.dtls.crypto import SUITES
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
@@ -40,7 +41,7 @@ from crossroads.proto.dtls.handshake import (
     HandshakeFailed,
     HelloReceived,
 )
-from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig, Table
+from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig
 from crossroads.proto.relay.server import RelayServer
 from crossroads.ratelog import RateLimitedLog
 from crossroads.transport.admission import Pool, ResourceBudget
@@ -117,8 +118,8 @@ class RelayDtls:
         self.relay = relay
         config = DtlsServerConfig(first_message_timeout=FIRST_MESSAGE_TIMEOUT)
         self.budget = budget
-        handshakes: Table | None = None
-        sessions: Table | None = None
+        handshakes: Admitter | None = None
+        sessions: Admitter | None = None
         if budget is not None:
             handshakes = budget.table(
                 TABLE_HANDSHAKES,

@@ -65,6 +65,7 @@ import crossroads
 from crossroads.config import check_non_negative, check_positive, setting
 from crossroads.errors import ConfigError, DecodeError
 from crossroads.metrics import counter_by, unregister
+from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.proto.stun.message import (
     PortTraffic,
     sort_traffic,
@@ -73,7 +74,6 @@ from crossroads.proto.stun.message import (
 from crossroads.proto.stun.server import DROP_NOT_STUN, BindingCore
 from crossroads.services.base import ServiceContext, show_address
 from crossroads.transport import mmsg
-from crossroads.transport.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.transport.mmsg import MmsgSocket
 from crossroads.transport.pktinfo import (
     DatagramEndpoint,

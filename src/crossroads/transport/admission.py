@@ -73,6 +73,11 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from crossroads.proto.admission import (
+    REFUSED_OVER_IP_LIMIT,
+    REFUSED_OVER_LIMIT,
+    REFUSED_OVER_MEMORY,
+)
 from crossroads.proto.budget import source_key
 from crossroads.types import Address, frozen, show_address
 
@@ -105,10 +110,6 @@ MAX_DEFAULT_MEMORY_BUDGET = 2 << 30
 #: Never less than this by default (a machine that reports very little memory
 #: still runs a small server).
 MIN_DEFAULT_MEMORY_BUDGET = 64 << 20
-
-REFUSED_OVER_LIMIT = "over-limit"
-REFUSED_OVER_IP_LIMIT = "over-ip-limit"
-REFUSED_OVER_MEMORY = "over-memory"
 
 
 class Pool(enum.StrEnum):

@@ -88,6 +88,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.proto.dtls_cookie import (
     CONTENT_ALERT,
     CONTENT_APPLICATION_DATA,
@@ -99,8 +100,6 @@ from crossroads.proto.dtls_cookie import (
 )
 from crossroads.proto.reflection import ReflectionBudget
 from crossroads.transport.admission import (
-    REFUSED_OVER_IP_LIMIT,
-    REFUSED_OVER_LIMIT,
     Admission,
     Pool,
     ResourceBudget,

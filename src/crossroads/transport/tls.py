@@ -69,9 +69,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from crossroads.errors import ConfigError
+from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
 from crossroads.transport.admission import (
-    REFUSED_OVER_IP_LIMIT,
-    REFUSED_OVER_LIMIT,
     Admission,
     Pool,
     ResourceBudget,

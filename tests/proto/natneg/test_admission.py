@@ -4,8 +4,9 @@ session, whatever ends it."""
 
 from __future__ import annotations
 
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.natneg.packets import Init
-from crossroads.proto.natneg.server import NatNegServer, ServerConfig, SessionCounter
+from crossroads.proto.natneg.server import NatNegServer, ServerConfig
 from crossroads.transport.admission import Pool, ResourceBudget
 
 
@@ -44,7 +45,7 @@ def test_a_core_without_a_budget_keeps_its_configured_caps() -> None:
     core = NatNegServer(
         ServerConfig(max_sessions=3, max_sessions_per_ip=2, rate_limit=0)
     )
-    assert isinstance(core.admission, SessionCounter)
+    assert isinstance(core.admission, LocalTable)
     for cookie in range(3):
         core.receive_datagram(
             Init(3, cookie, 0, 0, 0).encode(), ("198.51.100.1", 1), 0.0

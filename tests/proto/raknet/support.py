@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import BitWriter
 from crossroads.proto.raknet.reliability import (
     Reliability,
     ReliabilityLayer,
-    SplitBudget,
 )
 from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.types import Address
@@ -75,7 +75,7 @@ class Client:
         self.net.clients[addr] = self
         self.addr = addr
         self.guid = guid
-        self.layer = ReliabilityLayer(1492, SplitBudget(10**9))
+        self.layer = ReliabilityLayer(1492, LocalTable(max_bytes=10**9))
         self.inbox: list[bytes] = []
         self.offline: list[bytes] = []
         self.accepted = b""

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import reliability
 from crossroads.proto.raknet.reliability import (
     MAX_ORDERING_QUEUE,
@@ -23,7 +24,6 @@ from crossroads.proto.raknet.reliability import (
     LimitExceeded,
     Reliability,
     ReliabilityLayer,
-    SplitBudget,
     decode_frames,
     decode_ranges,
     encode_ranges,
@@ -32,8 +32,8 @@ from crossroads.proto.raknet.reliability import (
 MTU = 1492
 
 
-def layer(budget: SplitBudget | None = None) -> ReliabilityLayer:
-    return ReliabilityLayer(MTU, budget or SplitBudget(64 * 1024 * 1024))
+def layer(budget: LocalTable | None = None) -> ReliabilityLayer:
+    return ReliabilityLayer(MTU, budget or LocalTable(max_bytes=64 * 1024 * 1024))
 
 
 def data_datagram(number: int, *frames: Frame) -> bytes:
@@ -232,7 +232,7 @@ def test_split_messages_in_progress_are_bounded() -> None:
 
 
 def test_split_memory_is_bounded_by_the_shared_budget() -> None:
-    budget = SplitBudget(5000)
+    budget = LocalTable(max_bytes=5000)
     receiver = layer(budget)
     with pytest.raises(LimitExceeded) as info:
         for i in range(10):
@@ -246,9 +246,9 @@ def test_split_memory_is_bounded_by_the_shared_budget() -> None:
             )
             receiver.receive(data_datagram(i, frame), 0)
     assert info.value.reason == "split-memory"
-    assert budget.used <= 5000
+    assert budget.buffered <= 5000
     receiver.release()
-    assert budget.used == 0
+    assert budget.buffered == 0
 
 
 def test_ordering_gaps_are_bounded() -> None:
@@ -328,7 +328,7 @@ FREELIST_NOISE = 1024
 
 def _held_and_charged(frames: list[Frame]) -> tuple[int, int, ReliabilityLayer]:
     """Memory a receiver holds after ``frames`` (tracemalloc) and what it charged."""
-    receiver = layer(SplitBudget(1 << 40))
+    receiver = layer(LocalTable(max_bytes=1 << 40))
     datagrams = [data_datagram(i, f) for i, f in enumerate(frames)]
     gc.collect()
     tracemalloc.start()
@@ -381,17 +381,17 @@ def test_charged_bytes_cover_what_is_held(
 
 
 def test_a_layer_that_may_not_buffer_holds_back_without_acknowledging() -> None:
-    budget = SplitBudget(1 << 30)
+    budget = LocalTable(max_bytes=1 << 30)
     receiver = ReliabilityLayer(MTU, budget, buffering=False)
     split = Frame(Reliability.RELIABLE, b"\x86" * 10, 1, split_count=2, split_index=0)
     early = Frame(Reliability.RELIABLE_ORDERED, b"\x86", 2, 0, 3, 0)
     first = Frame(Reliability.RELIABLE_ORDERED, b"\x09", 0, 0, 0, 0)
     assert receiver.receive(data_datagram(0, first, split), 0) == [b"\x09"]
     assert receiver.receive(data_datagram(1, early), 0) == []
-    assert receiver.held_back == 2 and budget.used == 0 and receiver.charged == 0
+    assert receiver.held_back == 2 and budget.buffered == 0 and receiver.charged == 0
     assert receiver.datagrams(0) == []  # nothing ACKed
     receiver.buffering = True
     # Resent: the delivered frame is a duplicate, the rest is taken now.
     assert receiver.receive(data_datagram(2, first, split), 0) == []
-    assert receiver.charged > 0 and budget.used == receiver.charged
+    assert receiver.charged > 0 and budget.buffered == receiver.charged
     assert decode_ranges(receiver.datagrams(0)[0], 1) == [(2, 2)]

@@ -52,13 +52,13 @@ from crossroads.lab.matrix import Attempt, Method, Outcome, register
 from crossroads.lab.methods.punch import expected as punch_expected
 from crossroads.lab.topology import LAB_RAKNET_PROXY_PASSWORD, SERVER_IPS, Lab
 from crossroads.lab.udp import recv, send
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId
 from crossroads.proto.raknet.reliability import (
     Reliability,
     ReliabilityLayer,
-    SplitBudget,
 )
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.transport.admission import ResourceBudget
@@ -108,7 +108,7 @@ class LabClient:
         self.sock = sock
         self.server = server
         self.guid = int.from_bytes(os.urandom(8), "big")
-        self.layer = ReliabilityLayer(1492, SplitBudget(1 << 20))
+        self.layer = ReliabilityLayer(1492, LocalTable(max_bytes=1 << 20))
         self.inbox: list[bytes] = []
         self.offline: list[bytes] = []
         self.others: list[tuple[bytes, Address]] = []

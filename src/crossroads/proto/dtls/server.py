@@ -40,8 +40,10 @@ state at all, a *handshake* in progress, and an established *session*.
    session; so does ``idle_timeout`` without a valid record. Plaintext alerts
    never end a session (anyone can forge one).
 5. **Pre-auth state and tables.** Handshakes and sessions are admitted by two
-   injected tables (:class:`Table`: the process's resource budget in a
-   service, :class:`CountingTable` with the config's caps otherwise), which
+   injected tables (:class:`~crossroads.proto.admission.Admitter`: the
+   process's resource budget in a service,
+   :class:`~crossroads.proto.admission.LocalTable` with the config's caps
+   otherwise), which
    count them per source (IPv4 address or IPv6 /64). With
    ``first_message_timeout`` set, a session its owner has not
    :meth:`DtlsServer.confirm` ed (the relay: a BIND it accepted) within that
@@ -59,10 +61,11 @@ import heapq
 import hmac
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final
 
 from crossroads.errors import DecodeError
-from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
+from crossroads.proto.admission import Admitter, LocalTable
+from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.crypto import (
     SUITES,
@@ -145,54 +148,6 @@ class DtlsServerConfig:
     first_message_timeout: float | None = None
 
 
-class Table(Protocol):
-    """Where handshakes or sessions are admitted (the process's resource
-    budget's ``Admission`` satisfies it): ``admit`` returns None, or the
-    reason it refuses; ``release`` once per admitted item; ``closed`` counts
-    an item the core ended for ``reason``."""
-
-    def admit(self, host: str) -> str | None: ...
-
-    def release(self, host: str) -> None: ...
-
-    def closed(self, reason: str) -> None: ...
-
-
-@dataclass(eq=False)
-class CountingTable:
-    """A :class:`Table` of its own: at most ``max_items``, ``max_per_source``
-    per IPv4 address or IPv6 /64."""
-
-    max_items: int
-    max_per_source: int
-    live: int = field(default=0, init=False)
-    per_source: dict[str, int] = field(default_factory=dict, init=False)
-
-    def admit(self, host: str) -> str | None:
-        key = source_key(host)
-        if self.live >= self.max_items:
-            return "over-limit"
-        if self.per_source.get(key, 0) >= self.max_per_source:
-            return "over-ip-limit"
-        self.per_source[key] = self.per_source.get(key, 0) + 1
-        self.live += 1
-        return None
-
-    def release(self, host: str) -> None:
-        key = source_key(host)
-        count = self.per_source.get(key, 0)
-        if count <= 0:
-            return
-        if count == 1:
-            del self.per_source[key]
-        else:
-            self.per_source[key] = count - 1
-        self.live -= 1
-
-    def closed(self, reason: str) -> None:
-        pass
-
-
 @dataclass(slots=True, eq=False)
 class _Handshake:
     address: Address
@@ -260,9 +215,9 @@ class DtlsServer(Endpoint):
     psk_for: PskLookup
     random_bytes: Callable[[int], bytes]
     #: Where handshakes and established sessions are admitted; None: a
-    #: :class:`CountingTable` with the config's caps.
-    handshake_table: Table | None = None
-    session_table: Table | None = None
+    #: :class:`~crossroads.proto.admission.LocalTable` with the config's caps.
+    handshake_table: Admitter | None = None
+    session_table: Admitter | None = None
     handshakes: dict[Address, _Handshake] = field(
         default_factory=dict, init=False, repr=False
     )
@@ -281,13 +236,11 @@ class DtlsServer(Endpoint):
         super().__init__()
         cfg = self.config
         if self.handshake_table is None:
-            self.handshake_table = CountingTable(
+            self.handshake_table = LocalTable(
                 cfg.max_handshakes, cfg.max_handshakes_per_ip
             )
         if self.session_table is None:
-            self.session_table = CountingTable(
-                cfg.max_sessions, cfg.max_sessions_per_ip
-            )
+            self.session_table = LocalTable(cfg.max_sessions, cfg.max_sessions_per_ip)
         self._hello_budget = FailureBudget(
             BudgetConfig(
                 per_source_rate=self.config.hello_rate,

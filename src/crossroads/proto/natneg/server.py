@@ -130,9 +130,9 @@ import heapq
 import ipaddress
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT, Admitter, LocalTable
 from crossroads.proto.bounded import BoundedMap
 from crossroads.proto.core import EventQueue, Outbox, SocketDatagram
 from crossroads.proto.counting import spend_token
@@ -290,56 +290,6 @@ class ServerConfig:
     #: Source of the NATIFY pt3 ERT ("unsolicited port"): natneg1's IP, other port.
     #: None: pt3 (and pt2 without ``unsolicited_ip``) get no answer.
     unsolicited_port: Endpoint | None = None
-
-
-#: What :meth:`SessionAdmission.admit` answers for a source over its own cap
-#: (the same word as ``crossroads.transport.admission``'s).
-REFUSED_OVER_SOURCE = "over-ip-limit"
-
-
-class SessionAdmission(Protocol):
-    """Admits negotiation sessions by their owner's IP. The service's is a
-    table of the process's resource budget
-    (``crossroads.transport.admission.Admission`` satisfies this)."""
-
-    def admit(self, host: str) -> str | None:
-        """Count a new session of ``host``; None if admitted, else why not."""
-        ...
-
-    def release(self, host: str) -> None:
-        """A session of ``host`` ended (called once per admitted session)."""
-        ...
-
-
-@dataclass(eq=False)
-class SessionCounter:
-    """A :class:`SessionAdmission` of its own: ``max_sessions`` in all,
-    ``max_per_source`` per IP (for a core without a resource budget)."""
-
-    max_sessions: int
-    max_per_source: int
-    live: int = 0
-    per_source: dict[str, int] = field(default_factory=dict)
-
-    def admit(self, host: str) -> str | None:
-        if self.live >= self.max_sessions:
-            return "over-limit"
-        count = self.per_source.get(host, 0)
-        if count >= self.max_per_source:
-            return REFUSED_OVER_SOURCE
-        self.per_source[host] = count + 1
-        self.live += 1
-        return None
-
-    def release(self, host: str) -> None:
-        count = self.per_source.get(host, 0)
-        if count <= 0:
-            return
-        if count == 1:
-            del self.per_source[host]
-        else:
-            self.per_source[host] = count - 1
-        self.live -= 1
 
 
 # ------------------------------------------------------------------------ events
@@ -674,7 +624,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self,
         config: ServerConfig | None = None,
         reflection: ReflectionBudget | None = None,
-        admission: SessionAdmission | None = None,
+        admission: Admitter | None = None,
     ) -> None:
         super().__init__()
         self.config = config or ServerConfig()
@@ -689,8 +639,8 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self._lingering: dict[int, _Session] = {}
         #: Admits every new session by its owner's IP (global and per-source
         #: caps); the service injects its table of the process's resource
-        #: budget, tests get :class:`SessionCounter` with the config's caps.
-        self.admission: SessionAdmission = admission or SessionCounter(
+        #: budget, tests get a :class:`LocalTable` with the config's caps.
+        self.admission: Admitter = admission or LocalTable(
             self.config.max_sessions, self.config.max_sessions_per_ip
         )
         #: Deadlines: (when, sequence number, cookie). A session's entry is live
@@ -964,7 +914,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             else:
                 refused = self.admission.admit(ip)
                 if refused is not None:
-                    over_source = refused == REFUSED_OVER_SOURCE
+                    over_source = refused == REFUSED_OVER_IP_LIMIT
                     self._drop("source-limit" if over_source else "session-limit")
                     return
             session = self._open(p.cookie, ip, now)

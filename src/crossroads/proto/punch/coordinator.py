@@ -46,9 +46,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import Admitter, LocalTable
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.core import EventQueue
 from crossroads.proto.punch import signalling as sig
@@ -115,33 +115,6 @@ RELAY_BYTES_RATE = 256 * 1024
 RELAY_BYTES_BURST = 64 * 1024
 RELAY_MAX_FRAME = 1 + 8 + 1400 + 64
 RELAY_FRAME = 0x01
-
-
-class SessionAdmission(Protocol):
-    """Admission of hosted sessions per source and in total (the process's
-    resource budget, ``crossroads.transport.admission.Admission``, is one)."""
-
-    def admit(self, host: str) -> str | None:
-        """None when a new session from ``host`` may open, else why not."""
-        ...
-
-    def release(self, host: str) -> None:
-        """A session admitted for ``host`` ended."""
-        ...
-
-
-@dataclass(eq=False)
-class UnboundedSessions:
-    """No cap but counts (unit tests, and a core run without a budget)."""
-
-    live: int = 0
-
-    def admit(self, host: str) -> str | None:
-        self.live += 1
-        return None
-
-    def release(self, host: str) -> None:
-        self.live -= 1
 
 
 @frozen
@@ -330,13 +303,13 @@ class Coordinator(EventQueue[Event]):
         directory: bool = False,
         reflection: ReflectionBudget | None = None,
         guesses: FailureBudget | None = None,
-        sessions: SessionAdmission | None = None,
+        sessions: Admitter | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         #: Hosted sessions per source and in total (docs/security.md, issue
         #: 24: three sessions from one IP took the whole TURN quota).
-        self.session_admission: SessionAdmission = sessions or UnboundedSessions()
+        self.session_admission: Admitter = sessions or LocalTable()
         #: Rendezvous answers per source IP (docs/security.md, "Reflection
         #: budget"): a token holder can spoof the source; None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
+from crossroads.proto.admission import Table
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.nattype import NatTypeDetectionServer, Socket
 from crossroads.proto.raknet.peer import (
@@ -29,7 +30,6 @@ from crossroads.proto.raknet.peer import (
     OutOfBandReceived,
     RakNetServer,
     ServerConfig,
-    Table,
 )
 from crossroads.proto.raknet.punchthrough import NatPunchthroughServer
 from crossroads.proto.raknet.udpproxy import Forwarders, UDPProxyCoordinator

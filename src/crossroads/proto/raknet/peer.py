@@ -48,7 +48,8 @@ One :class:`RakNetServer` owns every RakNet connection of one UDP socket.
    lost (:class:`Disconnected`); when nothing reliable went out for 5 s the
    server sends a reliable ``CONNECTED_PING`` so that a silent peer is noticed.
 
-What a peer makes the server hold is accounted in two tables (:class:`Table`;
+What a peer makes the server hold is accounted in two tables
+(:class:`~crossroads.proto.admission.Table`;
 the process's :class:`crossroads.transport.admission.Admission` in
 production): ``handshakes`` (records, :data:`HANDSHAKE_BYTES` each) and
 ``connections`` (:data:`CONNECTION_BYTES` each, plus the split parts, frames
@@ -69,9 +70,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import LocalTable, Table
 from crossroads.proto.budget import BudgetConfig, FailureBudget, source_key
 from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.raknet import messages as m
@@ -82,10 +83,8 @@ from crossroads.proto.raknet.reliability import (
     FLAG_ACK,
     FLAG_NAK,
     LimitExceeded,
-    MemoryBudget,
     Reliability,
     ReliabilityLayer,
-    SplitBudget,
     decode_frames,
 )
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
@@ -203,75 +202,6 @@ class State(Enum):
     CLOSING = "closing"
 
 
-class Table(MemoryBudget, Protocol):
-    """One accounted table of this core: items admitted per source and in
-    total, bytes charged (:class:`crossroads.transport.admission.Admission`
-    satisfies it; :class:`LocalTable` is the plain one)."""
-
-    @property
-    def max_items(self) -> int: ...
-
-    @property
-    def max_per_source(self) -> int: ...
-
-    def admit(self, host: str) -> str | None:
-        """None if an item from ``host`` is admitted, else why not."""
-        ...
-
-    def release(self, host: str) -> None:
-        """An admitted item from ``host`` ended."""
-        ...
-
-    def closed(self, reason: str) -> None:
-        """Count an item the core ended for ``reason``."""
-        ...
-
-
-@dataclass(eq=False)
-class LocalTable:
-    """A :class:`Table` of its own: caps per source and in total, and a byte
-    limit (a core built without the process budget)."""
-
-    max_items: int
-    max_per_source: int
-    memory: SplitBudget = field(default_factory=lambda: SplitBudget(1 << 62))
-    live: int = field(default=0, init=False)
-    per_source: Counter[str] = field(default_factory=Counter, init=False)
-    closes: Counter[str] = field(default_factory=Counter, init=False)
-
-    def admit(self, host: str) -> str | None:
-        key = source_key(host)
-        if self.live >= self.max_items:
-            return "over-limit"
-        if self.per_source[key] >= self.max_per_source:
-            return "over-ip-limit"
-        self.per_source[key] += 1
-        self.live += 1
-        return None
-
-    def release(self, host: str) -> None:
-        key = source_key(host)
-        if self.per_source[key] <= 0:
-            return
-        self.per_source[key] -= 1
-        if not self.per_source[key]:
-            del self.per_source[key]
-        self.live -= 1
-
-    def charge(self, nbytes: int) -> bool:
-        return self.memory.charge(nbytes)
-
-    def uncharge(self, nbytes: int) -> None:
-        self.memory.uncharge(nbytes)
-
-    def closed(self, reason: str) -> None:
-        self.closes[reason] += 1
-
-    @property
-    def buffered(self) -> int:
-        return self.memory.used
-
-
 @dataclass(eq=False, slots=True)
 class Handshake:
     """What REQUEST_2 leaves: no layer, no buffer (see the module docstring)."""
@@ -346,9 +276,7 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
             cfg.max_connections, cfg.max_connections_per_ip
         )
         self.connection_table: Table = connections or LocalTable(
-            cfg.max_connections,
-            cfg.max_connections_per_ip,
-            SplitBudget(cfg.split_budget),
+            cfg.max_connections, cfg.max_connections_per_ip, cfg.split_budget
         )
         self.reflection = ReflectionBudget.or_unlimited(reflection)
         #: Handshake records, oldest first (see the module docstring).

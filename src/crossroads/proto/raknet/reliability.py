@@ -31,7 +31,8 @@ dropped when stale.
 
 What a peer makes the layer hold -- split parts, frames waiting for their
 order, reliable numbers seen above the lowest missing one -- is charged to a
-:class:`MemoryBudget` (the process's resource budget in production) with its
+:class:`~crossroads.proto.admission.MemoryCharge` (the process's resource
+budget in production) with its
 measured per-item overhead, not the payload alone: 4,095 one-byte parts cost
 ~70 bytes each, not one. A layer whose peer has not finished its handshake
 (:attr:`ReliabilityLayer.buffering` False) holds none of it: a datagram with a
@@ -59,9 +60,9 @@ from __future__ import annotations
 import struct
 from collections import deque
 from enum import IntEnum
-from typing import Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import MemoryCharge
 from crossroads.proto.bounded import BoundedMap
 from crossroads.types import frozen
 
@@ -307,40 +308,6 @@ def ahead(index: int, base: int) -> int:
     return d if d < HALF_U24 else d - U24
 
 
-class MemoryBudget(Protocol):
-    """Where a layer charges what its peer makes it hold (split parts, frames
-    waiting for their order, reliable numbers seen ahead); the process's
-    :class:`crossroads.transport.admission.Admission` satisfies it."""
-
-    def charge(self, nbytes: int) -> bool:
-        """Take ``nbytes``; False (nothing taken) when they do not fit."""
-        ...
-
-    def uncharge(self, nbytes: int) -> None:
-        """Give back bytes taken with :meth:`charge`."""
-        ...
-
-
-class SplitBudget:
-    """A plain :class:`MemoryBudget`: ``limit`` bytes for every layer that
-    shares it (tests, tools, a server core built without the process budget)."""
-
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-
-    def charge(self, nbytes: int) -> bool:
-        if self.used + nbytes > self.limit:
-            return False
-        self.used += nbytes
-        return True
-
-    def uncharge(self, nbytes: int) -> None:
-        self.used = max(0, self.used - nbytes)
-
-
 class _Split:
     __slots__ = ("count", "parts", "size", "first")
 
@@ -366,7 +333,7 @@ class ReliabilityLayer:
     """Send and receive state of one connection; see the module docstring."""
 
     def __init__(
-        self, mtu: int, budget: MemoryBudget, *, buffering: bool = True
+        self, mtu: int, budget: MemoryCharge, *, buffering: bool = True
     ) -> None:
         #: Largest datagram payload: the MTU minus IP + UDP headers (28).
         self.max_datagram = mtu - 28

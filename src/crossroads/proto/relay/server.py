@@ -47,6 +47,17 @@ BIND, so the API never has to reach the node before the player does.
    ERROR 1, its peers DISCONNECT, and later frames ERROR 4. A host that ends
    takes its joiners' allocations with it (there is nobody left to relay to).
    CLOSE ends an allocation at once.
+6. **Admission.** An allocation exists only after an authenticated BIND (a
+   token this node sealed for an API caller with a key, and its HMAC), so
+   there is no pre-auth state to give a deadline. Each one is admitted by an
+   injected :class:`~crossroads.proto.admission.Admitter` (the service's
+   ``relay-allocations`` table of the process's resource budget; without one
+   a :class:`~crossroads.proto.admission.LocalTable` of ``max_allocations``)
+   under its client's source (IPv4 address or IPv6 /64), released when it
+   ends, and moved to the new source when a BIND rebinds it elsewhere: one
+   source, even with many valid tokens, holds at most its share of the node.
+   A BIND over either cap is dropped and counted (``capacity``,
+   ``source-capacity``), unanswered like any refused BIND.
 
 Everything the service must know (metrics, the store's session records) comes
 out as events from :meth:`RelayServer.pop_events`; the core does no I/O.
@@ -59,6 +70,8 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from crossroads.errors import DecodeError
+from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT, Admitter, LocalTable
+from crossroads.proto.budget import source_key
 from crossroads.proto.core import Datagram, EventQueue, Outbox
 from crossroads.proto.counting import spend_token
 from crossroads.proto.policy import AddressPolicy, Verdict
@@ -70,6 +83,10 @@ from crossroads.types import Address, frozen
 
 #: One slow-path decision per message type, to keep dispatch a dict lookup.
 RouteKey = tuple[Address, bytes]
+
+#: The drop reason of a BIND its admission refused, by the table's reason:
+#: the source holds its share, or (anything else) the node is full.
+_REFUSAL_DROPS: Final = {REFUSED_OVER_IP_LIMIT: "source-capacity"}
 
 _BIND_RECEIVED: Final = m.BindReceived().encode()
 
@@ -135,6 +152,8 @@ class Allocation:
     last_activity: float
     #: Host: connected joiners. Joiner: its host, once ACCEPTED.
     peers: set[bytes] = field(default_factory=set)
+    #: Counted in :attr:`RelayServer.admission` under its address's source.
+    admitted: bool = True
 
     @property
     def weight(self) -> int:
@@ -192,7 +211,8 @@ class AllocationEnded:
     allocation_id: bytes
     host_allocation_id: bytes
     is_host: bool
-    #: ``idle``, ``host-alone``, ``closed`` or ``host-ended``.
+    #: ``idle``, ``host-alone``, ``closed``, ``host-ended``, ``revoked`` or
+    #: ``over-limit``.
     reason: str
 
 
@@ -232,7 +252,8 @@ class RelayServerConfig:
     #: How often timers and counters are checked; None = a tenth of the shortest
     #: timeout, between 50 ms and 1 s (idle timers are precise to one tick).
     sweep_interval: float | None = None
-    #: Hard cap on bound allocations (the node's advertised capacity is in seats).
+    #: Hard cap on bound allocations (the node's advertised capacity is in
+    #: seats) when no admission table is injected (:class:`RelayServer`).
     max_allocations: int = 100_000
     #: Which client addresses the relay serves (:mod:`crossroads.proto.policy`):
     #: by default not loopback, private, link-local, reserved or the server's
@@ -276,6 +297,10 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         sealer: opens connection-data tokens and derives allocation keys.
         wall_offset: Unix time minus the ``now`` clock the caller uses (token
             bind deadlines are Unix times, timers run on ``now``).
+        admission: admits allocations per source and in total (the service
+            injects its table of the process's resource budget); None: a
+            :class:`~crossroads.proto.admission.LocalTable` of
+            ``config.max_allocations``.
     """
 
     def __init__(
@@ -284,9 +309,12 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         sealer: TokenSealer,
         wall_offset: float = 0.0,
         reflection: ReflectionBudget | None = None,
+        admission: Admitter | None = None,
     ) -> None:
         super().__init__()
         self.config = config
+        #: Where every bound allocation is counted under its client's source.
+        self.admission: Admitter = admission or LocalTable(config.max_allocations)
         #: ERRORs to sources that are not bound where they claim to be
         #: (docs/security.md, "Reflection budget"); None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
@@ -496,6 +524,8 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             return
         if addr != alloc.address and not self._client_allowed(addr):
             return
+        if addr != alloc.address and not self._readmit(alloc, addr, now):
+            return
         alloc.last_nonce = nonce
         alloc.last_activity = now
         rebind = addr != alloc.address
@@ -536,8 +566,9 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             return
         if not self._client_allowed(addr):
             return
-        if len(self.allocations) >= self.config.max_allocations:
-            self._drop("capacity")
+        refused = self.admission.admit(addr[0])
+        if refused is not None:
+            self._drop(_REFUSAL_DROPS.get(refused, "capacity"))
             return
         alloc = Allocation(
             allocation_id=claims.allocation_id,
@@ -553,6 +584,27 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         self.allocations[alloc.allocation_id] = alloc
         self.load += alloc.weight
         self._bound(alloc, addr, rebind=False)
+
+    def _readmit(self, alloc: Allocation, addr: Address, now: float) -> bool:
+        """Move ``alloc``'s admission to the source of ``addr`` (a rebind):
+        False, nothing moved and the BIND dropped, when that source holds its
+        share already."""
+        old = alloc.address[0]
+        if source_key(addr[0]) == source_key(old):
+            return True
+        # Give back first: a full table must not refuse a move that leaves
+        # the count as it was.
+        self.admission.release(old)
+        refused = self.admission.admit(addr[0])
+        if refused is None:
+            return True
+        self._drop(_REFUSAL_DROPS.get(refused, "capacity"))
+        if self.admission.admit(old) is not None:
+            # The caps shrank meanwhile (a budget's shares move as tables
+            # register): the allocation can no longer be counted, so it ends.
+            alloc.admitted = False
+            self._end(alloc, "over-limit", now, notify=True)
+        return False
 
     def _sender(
         self, allocation_id: bytes, addr: Address, now: float
@@ -753,6 +805,12 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         """Remove ``alloc``; tell its client (timeouts) and its peers."""
         if self.allocations.pop(alloc.allocation_id, None) is None:
             return
+        if alloc.admitted:
+            alloc.admitted = False
+            self.admission.release(alloc.address[0])
+        if reason != "closed":
+            # Ended by the node, not by its client's CLOSE.
+            self.admission.closed(reason)
         self.load -= alloc.weight
         self._ended[alloc.allocation_id] = alloc.bind_deadline
         self.ended_total[reason] = self.ended_total.get(reason, 0) + 1

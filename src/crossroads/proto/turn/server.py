@@ -67,6 +67,12 @@ from enum import IntEnum
 from typing import Protocol, cast
 
 from crossroads.errors import DecodeError, LocalProtocolError
+from crossroads.proto.admission import (
+    REFUSED_OVER_IP_LIMIT,
+    UNBOUNDED,
+    Admitter,
+    LocalTable,
+)
 from crossroads.proto.core import EventQueue, Outbox, SocketDatagram
 from crossroads.proto.counting import decrement
 from crossroads.proto.policy import AddressPolicy, Verdict
@@ -176,8 +182,9 @@ class TurnSettings:
     user_quota: int = 0
     #: Allocations in this process (0 = no limit); 486, or 300 to an alternate.
     total_quota: int = 0
-    #: Allocations per client IP address (0 = no limit); 486 beyond. Stops one
-    #: host with one credential (or many) from taking every relay port.
+    #: Allocations per client source, an IPv4 address or IPv6 /64 (0 = no
+    #: limit); 486 beyond. Stops one host with one credential (or many) from
+    #: taking every relay port.
     ip_quota: int = 0
     #: Permissions per allocation; 508 beyond. Bounds per-allocation state.
     max_permissions: int = 1024
@@ -220,28 +227,6 @@ class RelayBinder(Protocol):
     ) -> RelayPort | None:
         """Bind a relay socket on ``port``; None when the port is taken."""
         ...
-
-
-class AllocationAdmission(Protocol):
-    """Where allocations are admitted: the process's resource budget
-    (:class:`crossroads.transport.admission.Admission` satisfies it), which
-    derives the total and per-source caps from the descriptors and memory an
-    allocation costs. Without one the core counts ``total_quota`` and
-    ``ip_quota`` of its settings itself."""
-
-    def admit(self, host: str) -> str | None:
-        """Count one allocation of a client at ``host``; None if admitted,
-        else why not (``over-ip-limit``: that source's cap; anything else: the
-        total)."""
-        ...
-
-    def release(self, host: str) -> None:
-        """An admitted allocation of ``host`` ended."""
-        ...
-
-
-#: The reason :meth:`AllocationAdmission.admit` gives for a source over its cap.
-OVER_SOURCE_LIMIT = "over-ip-limit"
 
 
 # ------------------------------------------------------------------ events
@@ -440,12 +425,18 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         binder: RelayBinder,
         own_ports: Callable[[], Collection[int]] = frozenset,
         reflection: ReflectionBudget | None = None,
-        admission: AllocationAdmission | None = None,
+        admission: Admitter | None = None,
     ) -> None:
         super().__init__()
         self.settings = settings
-        #: The resource budget's allocation table (None: the settings' quotas).
-        self.admission = admission
+        #: Admits allocations per client source and in total: the resource
+        #: budget's allocation table, which derives its caps from the
+        #: descriptors and memory an allocation costs; without one, a
+        #: :class:`LocalTable` of the settings' ``total_quota`` and
+        #: ``ip_quota`` (0: no cap).
+        self.admission: Admitter = admission or LocalTable(
+            settings.total_quota or UNBOUNDED, settings.ip_quota or UNBOUNDED
+        )
         #: Unauthenticated answers over UDP per source IP (docs/security.md,
         #: "Reflection budget"); None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
@@ -473,7 +464,6 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self.allocations: dict[FiveTuple, Allocation] = {}
         self.connections: dict[int, TcpConnection] = {}
         self.user_allocations: dict[str, int] = {}
-        self.ip_allocations: dict[str, int] = {}
         #: 5-tuple -> the deleted allocation it last had (replayed Allocate: 437).
         self._freed: dict[FiveTuple, Freed] = {}
         self.counters = Counters()
@@ -994,8 +984,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                     self._close_relays(allocation)
                     if reservation is not None:
                         self.ports.release(reservation.port)
-                    if self.admission is not None:
-                        self.admission.release(client_ip)
+                    self.admission.release(client_ip)
                     raise _Reject(code)
                 address_errors.append(
                     AddressErrorCode(family, code, REASONS.get(code, ""))
@@ -1020,7 +1009,6 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self.user_allocations[auth.quota_user] = (
             self.user_allocations.get(auth.quota_user, 0) + 1
         )
-        self.ip_allocations[client_ip] = self.ip_allocations.get(client_ip, 0) + 1
         self.counters.allocations_created += 1
         allocation.timer = self._deadlines.schedule(
             allocation.expires, Kind.ALLOCATION, allocation
@@ -1030,7 +1018,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
 
     def _check_quota(self, auth: Auth, client_ip: str) -> None:
         """Admit one more allocation of ``auth``'s user from ``client_ip``
-        (counted in the admission, if any: the caller releases it when the
+        (counted in the admission: the caller releases it when the
         allocation fails or ends), or raise 486 / 300."""
         settings = self.settings
         if settings.user_quota and (
@@ -1038,18 +1026,9 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         ):
             self.counters.drop("quota-user")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
-        if self.admission is not None:
-            refused = self.admission.admit(client_ip)
-            over_ip = refused == OVER_SOURCE_LIMIT
-            over_total = refused is not None and not over_ip
-        else:
-            over_ip = bool(
-                settings.ip_quota
-                and self.ip_allocations.get(client_ip, 0) >= settings.ip_quota
-            )
-            over_total = bool(
-                settings.total_quota and len(self.allocations) >= settings.total_quota
-            )
+        refused = self.admission.admit(client_ip)
+        over_ip = refused == REFUSED_OVER_IP_LIMIT
+        over_total = refused is not None and not over_ip
         if over_ip:
             self.counters.drop("quota-ip")
             raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
@@ -1146,9 +1125,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         if self.allocations.get(five) is allocation:
             del self.allocations[five]
         decrement(self.user_allocations, allocation.quota_user)
-        decrement(self.ip_allocations, five[1][0])
-        if self.admission is not None:
-            self.admission.release(five[1][0])
+        self.admission.release(five[1][0])
         if now is not None and allocation.transaction_id:
             self._remember_freed(five, allocation.transaction_id, now)
         for peer in allocation.channel_of_peer:

@@ -36,12 +36,9 @@ from typing import Protocol, cast
 from prometheus_client import Counter, Gauge
 
 from crossroads.errors import DecodeError, StoreError
+from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
-from crossroads.transport.admission import (
-    REFUSED_OVER_IP_LIMIT,
-    Admission,
-    ResourceBudget,
-)
+from crossroads.transport.admission import Admission, ResourceBudget
 from crossroads.transport.sockets import make_tcp_listener
 from crossroads.types import Address, frozen, normalize_address
 
