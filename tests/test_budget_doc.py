@@ -75,3 +75,18 @@ async def test_the_budget_tables_in_security_md_are_what_serve_registers(
         "docs/security.md budget tables are stale: "
         "CROSSROADS_UPDATE_DOCS=1 pytest tests/test_budget_doc.py"
     )
+
+
+async def test_every_service_gives_its_tables_back_when_it_stops(
+    tmp_path: Path,
+) -> None:
+    """A stopped service's tables leave the budget (their shares go back to
+    the others); only the runtime's own HTTP and HTTPS tables stay."""
+    runtime = await start(
+        default_config(loopback_config(**full_config_values(tmp_path)))
+    )
+    registered = set(runtime.resources.admissions)
+    await runtime.close()
+    left = set(runtime.resources.admissions)
+    assert left == {"http", "https", "tls-connections:https", "tls-handshakes:https"}
+    assert len(registered) > 20, registered

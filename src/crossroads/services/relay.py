@@ -350,6 +350,10 @@ class RelayNode:
         self.endpoint.close()
         if self.budget is not None:
             self.budget.forget(ALLOCATIONS_TABLE)
+            for name in self.websockets:
+                self.budget.forget(f"relay-{name}")
+            self.budget.forget("tls-handshakes:relay-wss")
+            self.budget.forget("tls-connections:relay-wss")
         await stop_tasks(self._tasks)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
