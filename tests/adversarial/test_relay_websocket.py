@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import hashlib
 import os
@@ -50,6 +51,7 @@ from tests.e2e.relay_support import (
     raw_accepted,
     raw_bind,
     raw_connect,
+    raw_ping,
     raw_relay,
     relay_runtime,
     server_endpoint,
@@ -639,3 +641,123 @@ async def test_pings_from_a_client_that_never_reads_are_bounded(
         await eventually(
             lambda: _true(listener.admission.live == 0), "the slot given back"
         )
+
+
+# ------------------------------------------ upgraded but never bound (issue 24)
+
+#: RFC 6455 §7.4.1: the server ends a connection that broke its policy.
+CLOSE_POLICY_VIOLATION = 1008
+
+
+async def _close_code_while_sending(
+    ws: RawWebSocket, junk: bytes, seconds: float
+) -> int | None:
+    """Send ``junk`` as a binary frame every 100 ms for up to ``seconds``,
+    reading what the server sends; the server's close code, or None if it
+    never closed."""
+
+    async def sender() -> None:
+        while True:
+            ws.send(frame(2, junk))
+            await asyncio.sleep(0.1)
+
+    task = asyncio.create_task(sender())
+    try:
+        return await asyncio.wait_for(ws.close_code(), seconds)
+    except TimeoutError:
+        return None
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _junk(kind: str) -> bytes:
+    if kind == "random":
+        return os.urandom(64)
+    if kind == "ping":  # a well-formed relay PING naming no allocation
+        return raw_ping(os.urandom(16))
+    # A BIND the node cannot open: a token it never sealed.
+    return raw_bind(
+        {"connectionData": base64.b64encode(os.urandom(255)).decode()},
+        0,
+        key=os.urandom(64),
+    )
+
+
+@pytest.mark.parametrize(
+    ("scheme", "kind"),
+    [("ws", "random"), ("ws", "ping"), ("ws", "bad-bind"), ("wss", "random")],
+)
+async def test_a_connection_that_never_binds_is_closed_and_counted(
+    scheme: str, kind: str, tmp_path: Path
+) -> None:
+    """A connection that upgrades and then sends junk binary frames (or relay
+    messages other than a valid BIND) kept its relay-ws/relay-wss slot for
+    ever: the idle rule counts any relay message. Unauthenticated state has a
+    deadline now: no allocation bound within the bind timeout of the upgrade,
+    and the connection is closed (1008) and counted."""
+    cert, key = development_certificate(tmp_path)
+    async with relay_runtime(
+        relay__websocket=True, core__tls_cert=str(cert), core__tls_key=str(key)
+    ) as rt:
+        node = rt.services["relay"].node  # type: ignore[attr-defined]
+        listener = node.websockets[scheme]
+        listener.bind_timeout = 0.5
+        port = node.info.ws_port if scheme == "ws" else node.info.wss_port
+        context = None
+        if scheme == "wss":
+            context = ssl.create_default_context(cafile=str(cert))
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1",
+            port,
+            ssl=context,
+            server_hostname="localhost" if context is not None else None,
+        )
+        ws = RawWebSocket(reader, writer)
+        try:
+            await ws.handshake("127.0.0.1", port)
+            assert ws.status.startswith("HTTP/1.1 101")
+            # Six times the deadline: the old code never closed it.
+            code = await _close_code_while_sending(ws, _junk(kind), 3.0)
+            assert code == CLOSE_POLICY_VIOLATION, "the unbound connection lived on"
+            assert await ws.closed_by_server()
+        finally:
+            writer.transport.abort()
+        assert listener.drops.get("bind-timeout") == 1
+        await eventually(
+            lambda: _true(listener.admission.live == 0), "the slot given back"
+        )
+        page = await metrics(rt)
+        assert (
+            metric(
+                page,
+                "crossroads_relay_websocket_dropped_total",
+                listener=scheme,
+                reason="bind-timeout",
+            )
+            == 1
+        )
+        closed = {t["table"]: t for t in rt.resources.snapshot()["tables"]}[
+            f"relay-{scheme}"
+        ]
+        assert closed["closed"].get("bind-timeout") == 1
+
+
+async def test_a_bound_connection_outlives_the_bind_deadline_until_it_unbinds() -> None:
+    """The Unity flow (BIND right after the upgrade) is not touched by the
+    bind deadline however long it lasts; once the connection's allocation has
+    ended (its CLOSE), it holds nothing again and the deadline applies."""
+    async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
+        listener = listener_of(rt)
+        listener.bind_timeout = 0.5
+        async with udp_host_and_ws_joiner(rt, http) as (host, joiner, hid, jid):
+            for n in range(15):  # 1.5 s: three bind deadlines
+                joiner.send(frame(2, raw_relay(jid, hid, bytes([n]))))
+                assert await host.recv() == raw_relay(jid, hid, bytes([n]))
+                await asyncio.sleep(0.1)
+            assert "bind-timeout" not in listener.drops
+            joiner.send(frame(2, b"\xda\x72\x00\x0b" + jid))  # CLOSE
+            code = await _close_code_while_sending(joiner, raw_ping(jid), 3.0)
+            assert code == CLOSE_POLICY_VIOLATION
+        assert listener.drops.get("bind-timeout") == 1

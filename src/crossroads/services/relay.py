@@ -90,6 +90,7 @@ from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.transport.relay_ws import (
+    BIND_TIMEOUT,
     HANDSHAKE_TIMEOUT,
     WS_CONNECTION_BYTES,
     WSS_CONNECTION_BYTES,
@@ -775,9 +776,10 @@ async def listen_websockets(
                 bytes_per_item=(
                     WSS_CONNECTION_BYTES if name == "wss" else WS_CONNECTION_BYTES
                 ),
-                # Until the upgrade; then the idle rule (relay messages
-                # only, pings do not count) ends a silent client.
-                preauth_deadline=HANDSHAKE_TIMEOUT,
+                # The upgrade, then a BIND (transport/relay_ws.py); then the
+                # idle rule (relay messages only, pings do not count) ends a
+                # silent client.
+                preauth_deadline=HANDSHAKE_TIMEOUT + BIND_TIMEOUT,
             )
             listener = WebSocketListener(endpoint, admission, cfg.idle_timeout)
             sock = make_tcp_listener(ctx.host, port)

@@ -28,7 +28,11 @@ Two kinds of clients share the core without being on this socket:
   :mod:`crossroads.transport.relay_ws`): each connection gets a client address
   of its own, ``(its IP, STREAM_PORT_BASE + n)``, a port no datagram can carry,
   so it never collides with a UDP client; its frames arrive through
-  :meth:`RelayEndpoint.receive` too.
+  :meth:`RelayEndpoint.receive` too. The endpoint follows which allocations
+  are bound at each stream address (the core's :class:`AllocationBound` and
+  :class:`AllocationEnded` events) and tells the connection when it first
+  holds one and when it holds none any more: a connection with no allocation
+  is unauthenticated state, which its transport gives a deadline.
 
 A pair with such an end gets an :class:`OffPlaneForward` instead of a C route:
 the C tap does not forward it (not its route type) and hands the frame to the
@@ -46,7 +50,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
-from crossroads.proto.relay.server import Event, ForwardEntry, RelayServer
+from crossroads.proto.relay.server import (
+    AllocationBound,
+    AllocationEnded,
+    Event,
+    ForwardEntry,
+    RelayServer,
+)
 from crossroads.transport.dataplane import RouteLike, make_route
 from crossroads.transport.driver import TapDriver
 from crossroads.types import Address
@@ -83,6 +93,21 @@ class OffPlaneForward:
         self.endpoint.forward_plaintext(data, self.source, self.dest)
 
 
+@dataclass(eq=False, slots=True)
+class StreamClient:
+    """One attached stream connection: where frames to it go, whom to tell
+    when it starts or stops holding an allocation, and the allocations bound
+    at its address."""
+
+    send: Callable[[bytes], None]
+    on_binding: Callable[[bool], None]
+    allocations: set[bytes] = field(default_factory=set)
+
+
+def _no_binding(bound: bool) -> None:
+    """The default :attr:`StreamClient.on_binding`: nobody to tell."""
+
+
 class RelayEndpoint(TapDriver[RelayServer]):
     """Runs one :class:`RelayServer` on one bound, non-blocking UDP socket."""
 
@@ -107,8 +132,10 @@ class RelayEndpoint(TapDriver[RelayServer]):
         self.plaintext_refused = 0
         self._secure: SecureSide | None = None
         core.set_forwarding(self.make_forward)
-        #: Stream connections by their client address: where frames to them go.
-        self._streams: dict[Address, Callable[[bytes], None]] = {}
+        #: Stream connections by their client address.
+        self._streams: dict[Address, StreamClient] = {}
+        #: The stream address each allocation bound at a stream is bound at.
+        self._stream_of: dict[bytes, Address] = {}
         self._next_stream = 0
         #: Frames for a stream connection that had gone (counted, dropped).
         self.stream_gone = 0
@@ -170,35 +197,77 @@ class RelayEndpoint(TapDriver[RelayServer]):
 
     receive_stream = receive
 
-    def attach_stream(self, host: str, send: Callable[[bytes], None]) -> Address:
+    def attach_stream(
+        self,
+        host: str,
+        send: Callable[[bytes], None],
+        on_binding: Callable[[bool], None] = _no_binding,
+    ) -> Address:
         """A client address for a new stream connection from ``host``; frames
-        the core sends to it are given to ``send``. Call :meth:`detach_stream`
-        when the connection ends."""
+        the core sends to it are given to ``send``, and ``on_binding(True)``
+        is called when the first allocation is bound at it,
+        ``on_binding(False)`` when the last one bound there has ended or moved
+        away. Call :meth:`detach_stream` when the connection ends."""
         self._next_stream = (self._next_stream + 1) % STREAM_PORT_BASE
         addr: Address = (host, STREAM_PORT_BASE + self._next_stream)
         while addr in self._streams:
             self._next_stream = (self._next_stream + 1) % STREAM_PORT_BASE
             addr = (host, STREAM_PORT_BASE + self._next_stream)
-        self._streams[addr] = send
+        self._streams[addr] = StreamClient(send, on_binding)
         return addr
 
     def detach_stream(self, addr: Address) -> None:
         """The stream connection at ``addr`` ended; frames to it are dropped
         (its allocation ends by the core's idle timer or the client's CLOSE)."""
-        self._streams.pop(addr, None)
+        stream = self._streams.pop(addr, None)
+        if stream is not None:
+            for allocation_id in stream.allocations:
+                self._stream_of.pop(allocation_id, None)
 
     def has_stream_from(self, host: str) -> bool:
         """True while a stream connection from ``host`` is attached."""
         return any(addr[0] == host for addr in self._streams)
 
+    def stream_bound(self, addr: Address) -> bool:
+        """True while an allocation is bound at the stream address ``addr``."""
+        stream = self._streams.get(addr)
+        return stream is not None and bool(stream.allocations)
+
     def to_stream(self, data: bytes, addr: Address) -> None:
         """Give ``data`` to the stream connection at ``addr`` (dropped and
         counted when it has gone)."""
-        send = self._streams.get(addr)
-        if send is None:
+        stream = self._streams.get(addr)
+        if stream is None:
             self.stream_gone += 1
         else:
-            send(data)
+            stream.send(data)
+
+    def _follow_streams(self, events: list[Event]) -> None:
+        """Keep each stream's bound allocations from the core's events, and
+        tell a stream when it starts or stops holding one."""
+        for event in events:
+            if isinstance(event, AllocationBound):
+                aid = event.allocation_id
+                if self._stream_of.get(aid) != event.address:
+                    self._unbind_stream(aid)
+                    stream = self._streams.get(event.address)
+                    if stream is not None:
+                        self._stream_of[aid] = event.address
+                        stream.allocations.add(aid)
+                        if len(stream.allocations) == 1:
+                            stream.on_binding(True)
+            elif isinstance(event, AllocationEnded):
+                self._unbind_stream(event.allocation_id)
+
+    def _unbind_stream(self, allocation_id: bytes) -> None:
+        """``allocation_id`` is no longer bound at the stream it was bound at."""
+        addr = self._stream_of.pop(allocation_id, None)
+        stream = None if addr is None else self._streams.get(addr)
+        if stream is None:
+            return
+        stream.allocations.discard(allocation_id)
+        if not stream.allocations:
+            stream.on_binding(False)
 
     def _send(self, data: bytes, addr: Address) -> None:
         if addr[1] >= STREAM_PORT_BASE:
@@ -227,5 +296,7 @@ class RelayEndpoint(TapDriver[RelayServer]):
             self._send(data, addr)
         events = self.core.pop_events()
         if events:
+            if self._streams:
+                self._follow_streams(events)
             self.on_events(events)
         self._timer.rearm()

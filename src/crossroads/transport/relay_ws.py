@@ -27,17 +27,28 @@ the core sends to that address comes back here as one binary frame.
    client's receive limit, §2.3) go to the core; a larger one closes with 1009
    (message too big), a text frame with 1003 (unsupported data), like the
    client does itself. Pings are answered with pongs; close is echoed.
-4. **Idle.** A connection that carries no relay message (binary frame) for the
+4. **Bind deadline.** A connection is unauthenticated state until an
+   allocation is bound at it (a BIND with a token this node sealed and its
+   HMAC, :mod:`crossroads.proto.relay.server`): one that holds none for
+   :data:`BIND_TIMEOUT` after the upgrade is closed with 1008 (policy
+   violation) and counted (``bind-timeout``), whatever it sends meanwhile --
+   junk, PINGs naming nothing and bad BINDs are all relay messages to the idle
+   rule. Unity's client BINDs as soon as the WebSocket is up and retries every
+   second (reference ``unity-relay-and-raknet.md`` §1.2), so a real client is
+   bound within a round trip or two. The deadline starts again when the last
+   allocation bound at the connection ends (its CLOSE, a timeout, an
+   operator's kick): a connection holding nothing is pre-auth state again.
+5. **Idle.** A connection that carries no relay message (binary frame) for the
    relay's idle timeout is closed. WebSocket pings do not count: they are the
    native client's own liveness probe (every 500 ms when it hears nothing,
    §2.3), while relay PINGs flow every few seconds and "the relay's 10 s idle
    rule still applies" (§2.3). So a connection that only pings, bound or not,
    is a dead client or an attacker, and it ends like any silent one.
-5. **Sending.** A relay message for the client larger than :data:`MAX_FRAME`
+6. **Sending.** A relay message for the client larger than :data:`MAX_FRAME`
    is dropped (the client would abort on it), and so is one that finds more
    than :data:`MAX_BUFFERED` bytes waiting in the socket: like a full UDP send
    buffer, a slow reader loses frames instead of growing server memory.
-6. **One bound for every write.** Pongs and close frames cannot be dropped like
+7. **One bound for every write.** Pongs and close frames cannot be dropped like
    relay messages (the protocol object answers each ping as it parses it), so
    they count against the same :data:`MAX_BUFFERED` differently: when the
    write buffer goes over it (the transport's high-water mark) the connection
@@ -79,6 +90,12 @@ MAX_FRAME = 1386
 #: the server 1 s to answer (``connectTimeoutMS``, §2.2); 5 s leaves room for a
 #: slow link and still frees a slot held by a client that sends nothing.
 HANDSHAKE_TIMEOUT = 5.0
+#: Seconds an upgraded connection may hold no bound allocation. Unity's
+#: client sends its BIND as soon as the WebSocket is connected and again every
+#: ``connectTimeoutMS`` (1 s) until BIND_RECEIVED (reference
+#: unity-relay-and-raknet.md §1.2), so 10 s is ten BINDs lost in a row -- the
+#: relay's own 10 s idle rule (same table) would have ended such a client too.
+BIND_TIMEOUT = 10.0
 #: Bytes allowed to wait in a connection's send buffer before relay messages
 #: to it are dropped: about 180 full frames, a fraction of a second of a game's
 #: traffic.
@@ -98,6 +115,7 @@ WSS_CONNECTION_BYTES = 1600 * 1024
 CLOSE_UNSUPPORTED_DATA = 1003
 CLOSE_GOING_AWAY = 1001
 CLOSE_PROTOCOL_ERROR = 1002
+CLOSE_POLICY_VIOLATION = 1008
 CLOSE_INVALID_DATA = 1007
 CLOSE_MESSAGE_TOO_BIG = 1009
 
@@ -107,6 +125,7 @@ DROP_TEXT_FRAME = "text-frame"
 DROP_PROTOCOL_ERROR = "protocol-error"
 DROP_IN_TOO_LARGE = "incoming-too-large"
 DROP_IDLE = "idle-timeout"
+DROP_BIND_TIMEOUT = "bind-timeout"
 DROP_OUT_TOO_LARGE = "outgoing-too-large"
 DROP_SLOW_READER = "slow-reader"
 
@@ -128,6 +147,7 @@ class WebSocketListener:
     admission: Admission
     idle_timeout: float
     handshake_timeout: float = HANDSHAKE_TIMEOUT
+    bind_timeout: float = BIND_TIMEOUT
     #: Refusals and drops by reason (exported as metrics).
     drops: dict[str, int] = field(default_factory=dict, init=False)
     #: Connections that completed the WebSocket handshake.
@@ -155,6 +175,8 @@ class RelayWebSocket(asyncio.Protocol):
         self._admitted = False
         self._loop = asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
+        #: Armed while no allocation is bound at this connection.
+        self._bind_timer: asyncio.TimerHandle | None = None
         self._last_received = 0.0
         self._fragments: bytearray | None = None
         self._reading_paused = False
@@ -170,7 +192,7 @@ class RelayWebSocket(asyncio.Protocol):
             return
         self._admitted = True
         # Every write (relay messages, pongs, closes) counts against one bound:
-        # over it pause_writing() stops reading (module docstring, point 6).
+        # over it pause_writing() stops reading (module docstring, point 7).
         stream.set_write_buffer_limits(high=MAX_BUFFERED, low=RESUME_BUFFERED)
         self._timer = self._loop.call_later(
             self.listener.handshake_timeout, self._handshake_expired
@@ -218,6 +240,9 @@ class RelayWebSocket(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._bind_timer is not None:
+            self._bind_timer.cancel()
+            self._bind_timer = None
         if self.address is not None:
             self.listener.endpoint.detach_stream(self.address)
             self.address = None
@@ -239,12 +264,39 @@ class RelayWebSocket(asyncio.Protocol):
             return  # counted in data_received (handshake_exc is set)
         self.listener.upgraded += 1
         self._last_received = self._loop.time()
-        self.address = self.listener.endpoint.attach_stream(self.host, self.send)
+        self.address = self.listener.endpoint.attach_stream(
+            self.host, self.send, self._binding
+        )
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop.call_later(
             self.listener.idle_timeout, self._check_idle
         )
+        self._binding(False)
+
+    def _binding(self, bound: bool) -> None:
+        """The endpoint says whether an allocation is bound at this
+        connection: the bind deadline stops, or starts (module docstring,
+        point 4)."""
+        if bound:
+            if self._bind_timer is not None:
+                self._bind_timer.cancel()
+                self._bind_timer = None
+        elif self._bind_timer is None and self.transport is not None:
+            self._bind_timer = self._loop.call_later(
+                self.listener.bind_timeout, self._bind_expired
+            )
+
+    def _bind_expired(self) -> None:
+        self._bind_timer = None
+        if self.transport is None or self.ws.state is not State.OPEN:
+            return
+        self.listener.drop(DROP_BIND_TIMEOUT)
+        self.listener.admission.closed(DROP_BIND_TIMEOUT)
+        self._close(CLOSE_POLICY_VIOLATION)
+        self._write()
+        if self.transport is not None:
+            self.transport.abort()
 
     def _handshake_expired(self) -> None:
         self._timer = None
@@ -275,7 +327,7 @@ class RelayWebSocket(asyncio.Protocol):
     def _frame(self, frame: Frame) -> None:
         opcode = frame.opcode
         if opcode is Opcode.BINARY or opcode is Opcode.CONT:
-            # Only data counts as life (module docstring, point 4).
+            # Only data counts as life (module docstring, point 5).
             self._last_received = self._loop.time()
         if opcode is Opcode.BINARY:
             if frame.fin:
