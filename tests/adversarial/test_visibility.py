@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -19,9 +19,13 @@ import pytest
 
 from crossroads.client.turn import TurnClient, TurnClientError, rest_credentials
 from crossroads.config import default_config
+from crossroads.proto.natneg.server import SessionId
+from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.proto.stun import Method, encode, request
 from crossroads.ratelog import RateLimitedLog
 from crossroads.runtime import Runtime, start
+from crossroads.services.natneg import NatNegService
+from crossroads.services.raknet import RakNetService
 from crossroads.services.stun import StunService
 from crossroads.transport.kernel_drops import RELAYED, KernelDropCollector, udp_table
 from tests.conftest import eventually, loopback_config
@@ -287,6 +291,76 @@ async def test_kernel_drops_of_a_relay_socket_closed_between_scrapes_are_counted
     finally:
         await client.close()  # Refresh 0: the relay socket closes
     assert relayed_drops() - before >= dropped
+
+
+def _open_natneg_relay(runtime: Runtime) -> tuple[int, Callable[[], None]]:
+    """One natneg relay pair through the running service's pool: the port of
+    its side 0, and how to release it."""
+    service = runtime.services["natneg"]
+    assert isinstance(service, NatNegService) and service.relay is not None
+    pool = service.relay
+    session = SessionId(cookie=0x0BADC0DE, serial=1)
+    pair = pool.allocate(session, ("127.0.0.2", "127.0.0.3"))
+    assert pair is not None
+    return pair[0][1], lambda: pool.release(session)
+
+
+def _open_raknet_forwarder(runtime: Runtime) -> tuple[int, Callable[[], None]]:
+    """One UDPProxy forwarder through the running service's pool: its port,
+    and how to end it (its client leaves before anything was forwarded)."""
+    service = runtime.services["raknet"]
+    assert isinstance(service, RakNetService) and service.forwarders is not None
+    pool = service.forwarders
+    side1, side2 = ("127.0.0.2", 40001), ("127.0.0.3", 40002)
+    result, port = pool.start(side1, side2, 10_000)
+    assert result is ForwarderResult.SUCCESS
+    return port, lambda: pool.end_client(side1)
+
+
+RELAY_SOCKETS = {
+    "natneg": (
+        _open_natneg_relay,
+        {
+            "core__only": ["natneg"],
+            "natneg__relay_host": "127.0.0.1",
+            "natneg__relay_allow": "127.0.0.0/8",
+        },
+    ),
+    "raknet": (_open_raknet_forwarder, {"core__only": ["raknet"]}),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RELAY_SOCKETS))
+async def test_kernel_drops_of_every_kind_of_relay_socket_are_counted_as_it_closes(
+    kind: str,
+) -> None:
+    """natneg relay pairs and RakNet UDPProxy forwarders are per-client relay
+    sockets like TURN's: one that lives between two scrapes must have its
+    drops counted when it closes (before, only TURN's were)."""
+    open_relay, overrides = RELAY_SOCKETS[kind]
+    runtime = await start(default_config(loopback_config(**overrides)))
+    try:
+        metrics = runtime.metrics
+
+        def relayed_drops() -> float:
+            value = metrics.get_sample_value(
+                "crossroads_udp_kernel_drops_total", {"socket": RELAYED}
+            )
+            return value or 0.0
+
+        before = relayed_drops()  # a scrape before the socket exists
+        port, close = open_relay(runtime)
+        # The event loop is busy sending: nothing reads the relay socket.
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            for _ in range(4_000):
+                sender.sendto(bytes(1200), ("127.0.0.1", port))
+        dropped = next(drops for _inode, (p, drops) in udp_table().items() if p == port)
+        assert dropped > 0
+        close()
+        assert port not in {p for p, _ in udp_table().values()}, "still open"
+        assert relayed_drops() - before >= dropped
+    finally:
+        await runtime.close()
 
 
 async def _async(value: bool) -> bool:

@@ -130,8 +130,8 @@ class ServiceContext:
     #: The one resource budget: every listener and per-client table
     #: registers with it (:mod:`crossroads.transport.admission`).
     resources: ResourceBudget = field(default_factory=ResourceBudget)
-    #: Kernel drop counters: a service closing a short-lived UDP socket calls
-    #: ``kernel_drops.closing(sock)`` first, so its drops are not lost.
+    #: Kernel drop counters: a service closes every short-lived (per-client)
+    #: UDP socket with ``kernel_drops.close(sock)``, so its drops are not lost.
     kernel_drops: KernelDropCollector = field(
         default_factory=lambda: KernelDropCollector(dict)
     )

@@ -685,6 +685,7 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 idle_timeout=cfg.relay_idle_timeout,
                 max_pairs=cfg.max_relays,
                 admission=relay_table(ctx.resources, cfg),
+                kernel_drops=ctx.kernel_drops,
                 policy=AddressPolicy(
                     allow=parse_networks(cfg.relay_allow),
                     self_addresses=ctx.own_addresses(),

@@ -397,6 +397,8 @@ async def serve(ctx: ServiceContext) -> RakNetService:
                 cfg.proxy_max_forwarders,
                 cfg.proxy_max_forwarders_per_ip,
             ),
+            # Each forwarder's socket is closed counting its kernel drops.
+            ctx.kernel_drops,
         )
         if cfg.proxy
         else None

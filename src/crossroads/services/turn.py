@@ -770,10 +770,9 @@ class UdpRelay(_RelaySocket):
         self.closed = True
         self.unroute_all()
         self.service.retire(self)
-        # Count what the kernel dropped on it: a relay of a short call may
+        # Counting what the kernel dropped on it: a relay of a short call may
         # never have been seen by a scrape.
-        self.service.ctx.kernel_drops.closing(self.sock)
-        self.sock.close()
+        self.service.ctx.kernel_drops.close(self.sock)
 
 
 class DivertedEndpoint(asyncio.DatagramProtocol):

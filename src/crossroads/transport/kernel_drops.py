@@ -23,11 +23,13 @@ down. The cost is one ``readlink`` per open descriptor and one pass over the
 namespace's UDP table per scrape, nothing on the data path.
 
 A socket that lives between two scrapes (a TURN relay of a short call, a
-browser's bulk test) would never be seen that way: about a third of the drops
-of a browser bulk test went missing. So whoever closes such a socket calls
-:meth:`KernelDropCollector.closing` first, which reads the socket's own
-counter with ``getsockopt(SO_MEMINFO)`` (``SK_MEMINFO_DROPS``, the same
-``sk_drops``; one system call, no table walk) and adds it to the total.
+browser's bulk test, a natneg relay pair, a RakNet UDPProxy forwarder) would
+never be seen that way: about a third of the drops of a browser bulk test went
+missing. So every per-client relay socket is closed through
+:meth:`KernelDropCollector.close`, which first reads the socket's own counter
+with ``getsockopt(SO_MEMINFO)`` (``SK_MEMINFO_DROPS``, the same ``sk_drops``;
+one system call, no table walk) and adds it to the total
+(:meth:`KernelDropCollector.closing`).
 
 TCP listeners do not have a per-socket drop counter; the namespace-wide
 ``TcpExt: ListenOverflows ListenDrops`` of ``/proc/self/net/netstat`` (SYNs
@@ -161,6 +163,13 @@ class KernelDropCollector(Collector):
         self._live.pop(inode, None)
         if drops:
             self._gone[label] = self._gone.get(label, 0) + drops
+
+    def close(self, sock: socket.socket, label: str = RELAYED) -> None:
+        """Close ``sock``, a per-client UDP socket (a TURN relayed address, a
+        natneg relay side, a RakNet forwarder), counting its drops first: the
+        one close path of every short-lived relay socket."""
+        self.closing(sock, label)
+        sock.close()
 
     def drops(self) -> dict[str, int]:
         """Total kernel drops by label, closed sockets included."""

@@ -43,6 +43,7 @@ from crossroads.transport.dataplane import (
     make_route,
     make_tap,
 )
+from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.sockets import set_buffers
 from crossroads.transport.tasks import Sweeper
@@ -153,6 +154,11 @@ class RelayPool:
     #: descriptors each), charged to the session's first client; None: only
     #: ``max_pairs`` bounds them.
     admission: Admission | None = None
+    #: Closes the pairs' sockets, counting their kernel drops first (the
+    #: runtime's collector; a pair may live between two scrapes).
+    kernel_drops: KernelDropCollector = field(
+        default_factory=lambda: KernelDropCollector(dict)
+    )
     refusals: RefusalLog = field(init=False)
     stats: RelayStats = field(default_factory=RelayStats, init=False)
     _pairs: dict[SessionId, _Pair] = field(default_factory=dict, init=False)
@@ -275,7 +281,7 @@ class RelayPool:
             self.stats.released_packets += side.packets
             self._readers.remove(side.tap)
             side.tap.close()
-            side.sock.close()
+            self.kernel_drops.close(side.sock)
         if self.admission is not None:
             self.admission.release(pair.source)
         self.stats.released += 1

@@ -51,6 +51,7 @@ from crossroads.transport.dataplane import (
     make_route,
     make_tap,
 )
+from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.sockets import make_udp_socket
 from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address
@@ -154,11 +155,19 @@ class ForwarderPool:
 
     ``admission`` is its table in the process's resource budget
     (:func:`forwarder_table`); the pool admits and releases every entry.
+    ``kernel_drops`` closes the entries' sockets, counting their kernel drops
+    first (the runtime's collector: an entry may live between two scrapes).
     """
 
-    def __init__(self, host: str, admission: Admission) -> None:
+    def __init__(
+        self,
+        host: str,
+        admission: Admission,
+        kernel_drops: KernelDropCollector | None = None,
+    ) -> None:
         self.host = host
         self.admission = admission
+        self.kernel_drops = kernel_drops or KernelDropCollector(dict)
         self.entries: dict[tuple[Address, Address], _Entry] = {}
         self.started = 0
         self.released_packets = 0
@@ -241,7 +250,7 @@ class ForwarderPool:
         self.released_oversized += entry.tap.malformed
         self._readers.remove(entry.tap)
         entry.tap.close()
-        entry.sock.close()
+        self.kernel_drops.close(entry.sock)
         self.admission.release(entry.requester[0])
 
     async def close(self) -> None:
