@@ -761,3 +761,30 @@ async def test_a_bound_connection_outlives_the_bind_deadline_until_it_unbinds() 
             code = await _close_code_while_sending(joiner, raw_ping(jid), 3.0)
             assert code == CLOSE_POLICY_VIOLATION
         assert listener.drops.get("bind-timeout") == 1
+
+
+async def test_a_connection_whose_allocation_moved_away_is_unbound_again() -> None:
+    """An allocation bound over ws and then re-bound from a UDP address (a
+    higher nonce) is no longer at the connection: the connection holds
+    nothing, and the bind deadline applies to it again."""
+    async with relay_runtime(relay__websocket=True) as rt, api(rt) as http:
+        listener = listener_of(rt)
+        listener.bind_timeout = 0.5
+        host_alloc, join_alloc = await allocate_pair(http)
+        jid = allocation_id(join_alloc)
+        address = ws_address(rt)
+        udp = server_endpoint(host_alloc, "udp")
+        async with raw_ws(address) as ws:
+            await ws.handshake(*address)
+            ws.send(frame(2, raw_bind(join_alloc, 0)))
+            assert await ws.recv_frame() == (2, BIND_RECEIVED)
+            await asyncio.sleep(1.0)  # twice the deadline: still open
+            assert "bind-timeout" not in listener.drops
+            moved = RawPeer((udp["host"], udp["port"]))
+            try:
+                assert await moved.request(raw_bind(join_alloc, 1)) == BIND_RECEIVED
+            finally:
+                moved.close()
+            code = await _close_code_while_sending(ws, raw_ping(jid), 3.0)
+            assert code == CLOSE_POLICY_VIOLATION
+        assert listener.drops.get("bind-timeout") == 1
