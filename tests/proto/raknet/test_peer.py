@@ -319,7 +319,11 @@ def test_nothing_is_held_before_new_incoming_connection() -> None:
     for i, frame in enumerate(parts + early):
         server.receive_datagram(datagram(1 + i, frame), CLIENT, 1.1)
     out = server.datagrams_to_send(1.1)
-    assert server.buffered_bytes == 0 and server.connection_table.buffered == 0  # type: ignore[attr-defined]
+    # Held: only what the server sends (its CONNECTION_REQUEST_ACCEPTED,
+    # unacknowledged), nothing of what the peer sent.
+    layer = server.connections[CLIENT].layer
+    assert layer.charged == layer.send_bytes > 0
+    assert server.connection_table.buffered == layer.charged  # type: ignore[attr-defined]
     assert server.stats.dropped["held-back-before-connected"] == 60
     # None of them was acknowledged: the sender sends them again.
     acked = [d for d, _ in out if d[0] == 0xC0]
