@@ -569,12 +569,33 @@ async def flood(attackers: list[Attacker]) -> int:
     return sum(counts)
 
 
-async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
-    tmp_path: Path,
-) -> None:
-    """Finding 2: 16 connections from one IP, each with 16 never-completed
-    splits of 4,095 one-byte parts, grew RSS by 64 MB for 1 MB charged, and
-    connections that had not completed their handshake buffered them too."""
+class RakNetChild:
+    """A ``crossroads serve --only raknet`` child with a small memory budget,
+    read through the admin API."""
+
+    def __init__(self, pid: int, http: httpx.AsyncClient) -> None:
+        self.pid = pid
+        self.http = http
+        self.snapshot: dict[str, Any] = {}
+        self.server: Address = ("", 0)
+
+    async def refresh(self) -> dict[str, Any]:
+        response = await self.http.get("/console/api/admin/resources")
+        assert response.status_code == 200, response.text
+        self.snapshot = response.json()
+        return self.snapshot
+
+    def table(self) -> dict[str, Any]:
+        """The ``raknet-connections`` row of the last snapshot."""
+        (row,) = [
+            t for t in self.snapshot["tables"] if t["table"] == "raknet-connections"
+        ]
+        assert isinstance(row, dict)
+        return row
+
+
+@contextlib.asynccontextmanager
+async def raknet_child(tmp_path: Path) -> AsyncIterator[RakNetChild]:
     http_port = free_port()
     log = tmp_path / "serve.log"
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path)}
@@ -591,41 +612,50 @@ async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
         "--no-raknet-proxy",
         http_port=http_port,
     )
-    loop = asyncio.get_running_loop()
     with log.open("wb") as output:
         child = subprocess.Popen(command, env=env, stdout=output, stderr=output)
-    attackers: list[Attacker] = []
     try:
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{http_port}",
             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
         ) as http:
-
-            async def resources() -> dict[str, Any]:
-                response = await http.get("/console/api/admin/resources")
-                assert response.status_code == 200, response.text
-                snapshot: dict[str, Any] = response.json()
-                return snapshot
+            handle = RakNetChild(child.pid, http)
 
             async def up() -> bool:
                 assert child.poll() is None, log.read_text()
                 try:
-                    await resources()
+                    await handle.refresh()
                 except httpx.TransportError:
                     return False
                 return True
 
             await eventually(up, "crossroads serve --only raknet answers", 30)
-            snapshot = await resources()
-            (listener,) = [e for e in snapshot["listeners"] if e["kind"] == "raknet"]
-            server = (listener["host"], listener["port"])
+            (listener,) = [
+                e for e in handle.snapshot["listeners"] if e["kind"] == "raknet"
+            ]
+            handle.server = (listener["host"], listener["port"])
+            yield handle
+    finally:
+        child.terminate()
+        try:
+            child.wait(15)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
 
-            def table() -> dict[str, Any]:
-                (row,) = [
-                    t for t in snapshot["tables"] if t["table"] == "raknet-connections"
-                ]
-                return row
 
+async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Finding 2: 16 connections from one IP, each with 16 never-completed
+    splits of 4,095 one-byte parts, grew RSS by 64 MB for 1 MB charged, and
+    connections that had not completed their handshake buffered them too."""
+    loop = asyncio.get_running_loop()
+    attackers: list[Attacker] = []
+    try:
+        async with raknet_child(tmp_path) as child:
+            server = child.server
+            table = child.table
             assert table()["bytes_per_item"] > 0 and table()["preauth_deadline"]
             # Phase 1: connections that never send NEW_INCOMING_CONNECTION.
             early = [Attacker(server, "127.0.0.2") for _ in range(16)]
@@ -636,19 +666,21 @@ async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
             attackers += connected
             for attacker in connected:
                 await loop.run_in_executor(None, attacker.connect)
-            snapshot = await resources()
+            await child.refresh()
             assert table()["live"] == 32
             before = rss_of(child.pid)
             # Held back, not acknowledged: each stops after its first windows.
             assert await flood(early) == 0
-            snapshot = await resources()
-            assert table()["buffered_bytes"] == 0  # nothing held before connected
+            await child.refresh()
+            # Nothing of the flood is held before connected (it would be
+            # >= 16 x 16 splits x 1 KiB): at most what the server itself has
+            # in flight to the 32 (a keep-alive ping and its ACK record each).
+            assert table()["buffered_bytes"] < 32 * 1024
             # Phase 2: connected, the same flood.
             await flood(connected)
 
             async def settled() -> bool:
-                nonlocal snapshot
-                snapshot = await resources()
+                await child.refresh()
                 return table()["live"] <= 16  # the flooders are cut off
 
             await eventually(settled, "the connected flooders are cut off", 30)
@@ -660,9 +692,84 @@ async def test_split_floods_before_and_after_connecting_stay_within_the_budget(
     finally:
         for attacker in attackers:
             attacker.close()
-        child.terminate()
-        try:
-            child.wait(15)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+
+
+# ------------------------------------- the send side: peers that never ACK
+
+#: Attackers per source address (the per-source cap at MEMORY_BUDGET) and
+#: sources: 48 connections.
+NEVER_ACK_PER_SOURCE, NEVER_ACK_SOURCES = 16, ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+#: Requests per attacker: under the 4,096-message send queue, so that before
+#: the send side was charged each connection held them all (~0.9 MB).
+NEVER_ACK_REQUESTS = 3000
+#: One-byte unreliable frames per datagram (4 bytes each on the wire).
+NEVER_ACK_FRAMES = 350
+
+
+def peak_rss_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def request_flood(attacker: Attacker) -> list[bytes]:
+    """NAT_REQUEST_BOUND_ADDRESSES, unreliable, numbered after what the
+    attacker's layer sent: each is answered with a reliable message."""
+    frame = b"\x00\x00\x08" + bytes([m.MessageId.NAT_REQUEST_BOUND_ADDRESSES])
+    number = attacker.layer._next_datagram
+    out: list[bytes] = []
+    for first in range(0, NEVER_ACK_REQUESTS, NEVER_ACK_FRAMES):
+        count = min(NEVER_ACK_FRAMES, NEVER_ACK_REQUESTS - first)
+        out.append(b"\x84" + number.to_bytes(3, "little") + frame * count)
+        number += 1
+    return out
+
+
+async def test_peers_that_never_ack_stay_within_the_budget(tmp_path: Path) -> None:
+    """The send side was not charged: 48 connected clients asking for
+    NAT_RESPOND_BOUND_ADDRESSES 3,000 times each and never ACKing made the
+    server hold ~0.9 MB per connection (512 messages in flight, the rest
+    queued) with 0 bytes charged. Now the process grows by at most the share
+    it reports, and the connections whose backlog does not fit are lost."""
+    loop = asyncio.get_running_loop()
+    attackers: list[Attacker] = []
+    try:
+        async with raknet_child(tmp_path) as child:
+            attackers += [
+                Attacker(child.server, host)
+                for host in NEVER_ACK_SOURCES
+                for _ in range(NEVER_ACK_PER_SOURCE)
+            ]
+            # At once: one by one, the first would time out (10 s of silence)
+            # before the last connects.
+            with ThreadPoolExecutor(len(attackers)) as pool:
+                await asyncio.gather(
+                    *(loop.run_in_executor(pool, a.connect) for a in attackers)
+                )
+            await child.refresh()
+            assert child.table()["live"] == len(attackers)
+            before = peak_rss_of(child.pid)
+            floods = [request_flood(a) for a in attackers]
+            for round_ in range(max(len(f) for f in floods)):
+                # One datagram per attacker per round, at the server's pace
+                # (a kernel drop would only make the flood smaller).
+                for attacker, datagrams in zip(attackers, floods, strict=True):
+                    if round_ < len(datagrams):
+                        attacker.raw(datagrams[round_])
+                await asyncio.sleep(0.4)
+
+            async def settled() -> bool:
+                await child.refresh()
+                return child.table()["live"] == 0  # every flooder is lost
+
+            await eventually(settled, "the connections that never ACK are lost", 30)
+            row = child.table()
+            grown = peak_rss_of(child.pid) - before
+            share = row["max_bytes"]
+            assert grown <= share + RSS_SLACK, (grown, share)
+            assert row["closed"].get("send-memory", 0) > 0, row
+            assert row["buffered_bytes"] == 0  # given back when they went
+    finally:
+        for attacker in attackers:
+            attacker.close()

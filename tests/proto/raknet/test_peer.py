@@ -10,8 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import messages as m
 from crossroads.proto.raknet.bitstream import BitWriter
+from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import (
     CONNECTION_BYTES,
     HANDSHAKE_BYTES,
@@ -28,7 +30,7 @@ from crossroads.proto.reflection import (
     DROP_REFLECTION,
     ReflectionBudget,
 )
-from tests.proto.raknet.support import CLIENT, Client, Network, ocr2
+from tests.proto.raknet.support import CLIENT, SERVER, Client, Network, ocr2
 
 SERVER_GUID = 0x1122334455667788
 
@@ -319,7 +321,11 @@ def test_nothing_is_held_before_new_incoming_connection() -> None:
     for i, frame in enumerate(parts + early):
         server.receive_datagram(datagram(1 + i, frame), CLIENT, 1.1)
     out = server.datagrams_to_send(1.1)
-    assert server.buffered_bytes == 0 and server.connection_table.buffered == 0  # type: ignore[attr-defined]
+    # Held: only what the server sends (its CONNECTION_REQUEST_ACCEPTED,
+    # unacknowledged), nothing of what the peer sent.
+    layer = server.connections[CLIENT].layer
+    assert layer.charged == layer.send_bytes > 0
+    assert server.connection_table.buffered == layer.charged  # type: ignore[attr-defined]
     assert server.stats.dropped["held-back-before-connected"] == 60
     # None of them was acknowledged: the sender sends them again.
     acked = [d for d, _ in out if d[0] == 0xC0]
@@ -456,3 +462,75 @@ def test_per_item_costs_cover_what_is_held() -> None:
         tracemalloc.stop()
     assert 0 < records / (n // 2) <= HANDSHAKE_BYTES
     assert 0 < connections / (n // 2) <= CONNECTION_BYTES
+
+
+# ------------------------------------------- the send side of peers that never ACK
+
+#: What the flood leaves besides the connections' layers: the ACKs of the
+#: attackers' datagrams waiting to go, counters, transient lists.
+SEND_FLOOD_SLACK = 256 * 1024
+
+
+def test_peers_that_never_ack_cannot_make_the_server_hold_more_than_its_share() -> None:
+    """The send side was not charged: eight connected clients that ask for
+    NAT_RESPOND_BOUND_ADDRESSES 3,000 times each and never ACK made the
+    server hold ~0.9 MB each (512 in flight, the rest queued) for up to 10 s,
+    with the table's buffered bytes at 0. Now what it holds stays within the
+    table's share, and the connections whose reliable backlog does not fit
+    are lost, counted."""
+    share = 1024 * 1024
+    table = LocalTable(max_items=64, max_per_source=64, max_bytes=share)
+    node = RakNetNode(
+        ServerConfig(handshakes_per_second=1e9, handshakes_per_second_per_ip=1e9),
+        bound_addresses=[SERVER],
+        guid=7,
+        connections=table,
+    )
+    net = Network(node)
+    clients = [
+        Client(net, (f"198.51.100.{10 + i}", 40000), guid=100 + i) for i in range(8)
+    ]
+    for client in clients:
+        client.connect(1.0)
+    node.pop_events()
+    assert node.peer.connected_count == 8 and table.buffered == 0
+    request = bytes([m.MessageId.NAT_REQUEST_BOUND_ADDRESSES])
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        peak = 0
+        now = 1.0
+        for _ in range(60):  # 60 rounds of 50 requests per client, 20 ms apart
+            now += 0.02
+            now_ms = int(now * 1000)
+            for client in clients:
+                for _ in range(50):
+                    client.layer.send(request, Reliability.UNRELIABLE, 0, now_ms)
+                for data in client.layer.datagrams(now_ms):
+                    node.receive_datagram(data, client.addr, now)
+            node.datagrams_to_send(now)  # lost on the way: nothing is ACKed
+            node.handle_timer(now)
+            node.pop_events()
+            assert table.buffered <= share
+            peak = max(peak, tracemalloc.get_traced_memory()[0] - before)
+    finally:
+        tracemalloc.stop()
+    assert peak <= share + SEND_FLOOD_SLACK, (peak, share)
+    lost = node.peer.stats.dropped["send-memory"]
+    assert lost > 0 and table.closes["send-memory"] == lost
+    assert node.peer.connected_count == 8 - lost
+    # What the lost connections held is given back; a client that ACKs is
+    # served as before.
+    for conn in list(node.peer.connections.values()):
+        node.peer.close(conn.address, now)
+    now += 2.0
+    node.handle_timer(now)
+    node.datagrams_to_send(now)
+    assert not node.peer.connections and table.buffered == 0
+    honest = Client(net, ("192.0.2.50", 40000), guid=999)
+    honest.connect(now)
+    honest.send(request, now)
+    assert honest.take(m.MessageId.NAT_RESPOND_BOUND_ADDRESSES)
+    honest.pump(now)
+    assert table.buffered == 0

@@ -16,10 +16,12 @@ from crossroads.proto.admission import LocalTable
 from crossroads.proto.raknet import reliability
 from crossroads.proto.raknet.reliability import (
     MAX_ORDERING_QUEUE,
+    MAX_SEND_BYTES,
     MAX_SEND_QUEUE,
     MAX_SPLIT_BYTES,
     MAX_SPLITS_IN_PROGRESS,
     RESEND_BUFFER,
+    UNRELIABLE_TIMEOUT_MS,
     Frame,
     LimitExceeded,
     Reliability,
@@ -294,7 +296,8 @@ def test_large_messages_are_split_to_the_mtu_one_fragment_at_a_time() -> None:
     assert delivered == [payload] and fragments == 8
 
 
-def test_the_send_queue_is_bounded() -> None:
+def test_the_send_queue_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reliability, "MAX_SEND_BYTES", 1 << 40)  # the count alone
     sender = layer()
     for _ in range(MAX_SEND_QUEUE):
         sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
@@ -395,3 +398,146 @@ def test_a_layer_that_may_not_buffer_holds_back_without_acknowledging() -> None:
     assert receiver.receive(data_datagram(2, first, split), 0) == []
     assert receiver.charged > 0 and budget.buffered == receiver.charged
     assert decode_ranges(receiver.datagrams(0)[0], 1) == [(2, 2)]
+
+
+# ------------------------------------ the send side: what a peer that never ACKs costs
+
+
+def _send_held(
+    size: int, count: int, reliability: Reliability, rounds: int
+) -> tuple[int, int, ReliabilityLayer, LocalTable]:
+    """Memory a sender holds after queueing ``count`` messages of ``size``
+    bytes and ``rounds`` of sending them to a peer that never ACKs (2.5 s
+    apart: every round resends what is in flight), and what it charged."""
+    budget = LocalTable(max_bytes=1 << 40)
+    sender = ReliabilityLayer(MTU, budget)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(count):
+            # Payloads made here: the layer holds them from now on.
+            payload = b"\x86" + i.to_bytes(4, "big") + bytes(size)
+            sender.send(payload, reliability, i % 32, 100_000 + i)
+        now = 200_000
+        for _ in range(rounds):
+            sender.datagrams(now)
+            now += 2500
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    return held, sender.charged, sender, budget
+
+
+@pytest.mark.parametrize("size", [1, 16, 100, 700, 1400])
+@pytest.mark.parametrize(
+    ("count", "kind", "rounds"),
+    [
+        (40, Reliability.RELIABLE_ORDERED, 0),
+        (40, Reliability.RELIABLE_ORDERED, 5),
+        (600, Reliability.RELIABLE_ORDERED, 1),
+        (600, Reliability.RELIABLE, 5),
+        (600, Reliability.UNRELIABLE, 0),
+    ],
+)
+def test_send_side_charges_cover_what_is_held(
+    size: int,
+    count: int,
+    kind: Reliability,
+    rounds: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The send side held up to 512 messages in flight and 4,096 queued per
+    connection, uncharged. SEND_MESSAGE_OVERHEAD and the ACK record costs are
+    measured: queued, in flight and resent, the charge covers what is held,
+    and everything is given back once ACKed or released."""
+    monkeypatch.setattr(reliability, "MAX_SEND_BYTES", 1 << 40)
+    held, charged, sender, budget = _send_held(size, count, kind, rounds)
+    assert held <= charged + FREELIST_NOISE and charged > 0, (held, charged)
+    assert budget.buffered == charged == sender.send_bytes
+    receiver = layer()
+    now = 300_000
+    for _ in range(40):  # a peer that does ACK now: everything drains
+        now += 2500
+        for data in sender.datagrams(now):
+            receiver.receive(data, now)
+        for data in receiver.datagrams(now):
+            sender.receive(data, now)
+    if kind is Reliability.UNRELIABLE:
+        assert sender.unreliable_dropped == count  # older than 1 s when they left
+    assert sender.in_flight == sender.queued == 0
+    assert sender.send_bytes == sender.charged == budget.buffered == 0
+    held, charged, sender, budget = _send_held(size, count, kind, rounds)
+    sender.release()
+    assert sender.charged == budget.buffered == 0
+
+
+def test_a_peer_that_never_acks_is_lost_when_its_reliable_backlog_does_not_fit() -> (
+    None
+):
+    """A peer that never ACKs: what the sender holds stops at MAX_SEND_BYTES
+    (charged), then the next reliable message cannot be held."""
+    budget = LocalTable(max_bytes=1 << 40)
+    sender = ReliabilityLayer(MTU, budget)
+    with pytest.raises(LimitExceeded) as info:
+        for i in range(MAX_SEND_QUEUE):
+            sender.send(b"\x86" + bytes(40), Reliability.RELIABLE_ORDERED, 0, i)
+            if i % 50 == 0:
+                sender.datagrams(i)
+    assert info.value.reason == "send-memory"
+    assert 0 < sender.send_bytes <= MAX_SEND_BYTES
+    assert budget.buffered == sender.charged == sender.send_bytes
+
+
+def test_the_servers_share_bounds_every_connection_together() -> None:
+    """Four connections under one table of 300 KB: the first reliable
+    message that does not fit the table is refused, whichever connection."""
+    budget = LocalTable(max_bytes=300_000)
+    senders = [ReliabilityLayer(MTU, budget) for _ in range(4)]
+    lost = 0
+    for i in range(1000):
+        for sender in senders:
+            try:
+                sender.send(b"\x86" + bytes(100), Reliability.RELIABLE, 0, i)
+            except LimitExceeded as exc:
+                assert exc.reason == "send-memory"
+                lost += 1
+    assert lost > 0 and budget.buffered <= 300_000
+    assert all(s.send_bytes < MAX_SEND_BYTES for s in senders)
+
+
+def test_unreliable_messages_go_first() -> None:
+    """Out of room: an unreliable message is dropped (the connection kept);
+    a reliable one makes the queued unreliable ones go before it is refused."""
+    budget = LocalTable(max_bytes=1 << 40)
+    sender = ReliabilityLayer(MTU, budget)
+    for _ in range(RESEND_BUFFER):  # the resend buffer full: nothing ACKed
+        sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    sender.datagrams(0)
+    queued = 0
+    while sender.send(b"\x87" + bytes(100), Reliability.UNRELIABLE, 0, 10):
+        queued += 1
+    assert queued > 0 and sender.unreliable_dropped == 1
+    full = sender.send_bytes
+    assert full <= MAX_SEND_BYTES
+    # A reliable message: the unreliable ones make room for it.
+    assert sender.send(b"\x86" + bytes(100), Reliability.RELIABLE, 0, 20)
+    assert sender.queued == 1 and sender.unreliable_dropped == 1 + queued
+    assert sender.send_bytes < full and budget.buffered == sender.charged
+
+
+def test_queued_unreliable_messages_expire_after_raknets_unreliable_timeout() -> None:
+    budget = LocalTable(max_bytes=1 << 40)
+    sender = ReliabilityLayer(MTU, budget)
+    for _ in range(RESEND_BUFFER):
+        sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    sender.datagrams(0)
+    sender.send(b"\x87old", Reliability.UNRELIABLE, 0, 0)
+    sender.send(b"\x86", Reliability.RELIABLE, 0, 0)
+    sender.send(b"\x87new", Reliability.UNRELIABLE, 0, 600)
+    assert sender.cull_unreliable(UNRELIABLE_TIMEOUT_MS) == 0
+    assert sender.cull_unreliable(UNRELIABLE_TIMEOUT_MS + 1) == 1
+    assert sender.queued == 2 and sender.unreliable_dropped == 1
+    assert sender.cull_unreliable(UNRELIABLE_TIMEOUT_MS + 601) == 1
+    assert sender.queued == 1 and budget.buffered == sender.charged

@@ -54,7 +54,13 @@ the process's :class:`crossroads.transport.admission.Admission` in
 production): ``handshakes`` (records, :data:`HANDSHAKE_BYTES` each) and
 ``connections`` (:data:`CONNECTION_BYTES` each, plus the split parts, frames
 out of order and reliable numbers ahead that their layers charge with their
-overhead).
+overhead, and what they hold to send: queued messages, the resend buffer and
+the ACK records of sent datagrams). A peer that does not take what it is sent
+(never ACKs) cannot make the server hold more than its layer's
+``MAX_SEND_BYTES`` or the table's share: its unreliable messages are dropped
+first, and when a reliable one still does not fit the connection is lost
+(``send-memory``, counted in the table's closes), as RakNet loses a peer
+that stops ACKing (``ID_CONNECTION_LOST``).
 
 The one timer: every 50 ms while reliable messages are in flight (resends),
 else every 500 ms while connections exist (liveness sweep).
@@ -90,6 +96,13 @@ from crossroads.proto.raknet.reliability import (
 from crossroads.proto.reflection import DROP_REFLECTION, ReflectionBudget
 from crossroads.types import Address, frozen
 
+#: Reasons (``crossroads_raknet_dropped{reason}``) of the send side: an
+#: unreliable message dropped for want of room, one dropped after RakNet's
+#: unreliable timeout, a connection lost because its reliable backlog did not
+#: fit (reliability.py: MAX_SEND_BYTES and the connection table's memory).
+DROP_UNRELIABLE = "send-unreliable"
+DROP_UNRELIABLE_TIMEOUT = "send-unreliable-timeout"
+DROP_SEND_MEMORY = "send-memory"
 #: ``defaultTimeoutTime`` 10 000 ms in release builds (RakPeer.cpp:247-249).
 TIMEOUT_MS = 10_000
 #: Resend check interval while reliable data is in flight; RakNet's update
@@ -337,10 +350,11 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
                 else:
                     self.stats.dropped["not-raknet"] += 1
         except LimitExceeded as exc:
-            self.stats.dropped[exc.reason] += 1
             conn = self.connections.get(addr)
             if conn is not None:
-                self._drop(conn, "limit")
+                self._over_limit(conn, exc)
+            else:
+                self.stats.dropped[exc.reason] += 1
         except DecodeError as exc:
             self.stats.dropped[exc.reason] += 1
         self._schedule(now)
@@ -404,10 +418,12 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         if conn is None or conn.state is not State.CONNECTED:
             return False
         try:
-            conn.layer.send(payload, reliability, channel, int(now * 1000))
+            queued = conn.layer.send(payload, reliability, channel, int(now * 1000))
         except LimitExceeded as exc:
-            self.stats.dropped[exc.reason] += 1
-            self._drop(conn, "limit")
+            self._over_limit(conn, exc)
+            return False
+        if not queued:
+            self.stats.dropped[DROP_UNRELIABLE] += 1
             return False
         self.stats.messages_out += 1
         self._dirty.add(addr)
@@ -432,12 +448,20 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         if conn is None:
             return
         if conn.state is State.CONNECTED:
-            conn.layer.send(
-                bytes([MessageId.DISCONNECTION_NOTIFICATION]),
-                Reliability.RELIABLE_ORDERED,
-                0,
-                int(now * 1000),
-            )
+            try:
+                conn.layer.send(
+                    bytes([MessageId.DISCONNECTION_NOTIFICATION]),
+                    Reliability.RELIABLE_ORDERED,
+                    0,
+                    int(now * 1000),
+                )
+            except LimitExceeded:
+                # No room for the notification behind its backlog: closed
+                # without one, as RakNet closes a lost connection.
+                self._drop(conn, "local")
+                self._forget(conn)
+                self._schedule(now)
+                return
             self._dirty.add(addr)
         self._drop(conn, "local")
         if addr in self.connections:
@@ -728,12 +752,13 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
         if kind == MessageId.CONNECTED_PING:
             if len(payload) >= 9:
                 ping_time = int.from_bytes(payload[1:9], "big")
-                conn.layer.send(
+                if not conn.layer.send(
                     m.connected_pong(ping_time, now_ms),
                     Reliability.UNRELIABLE,
                     0,
                     now_ms,
-                )
+                ):
+                    self.stats.dropped[DROP_UNRELIABLE] += 1
             return
         if kind in (MessageId.CONNECTED_PONG, MessageId.DETECT_LOST_CONNECTIONS):
             return
@@ -816,10 +841,17 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
                 self.stats.dropped["timeout"] += 1
                 self._drop(conn, "timeout")
                 continue
+            culled = conn.layer.cull_unreliable(now_ms)
+            if culled:
+                self.stats.dropped[DROP_UNRELIABLE_TIMEOUT] += culled
             if now_ms - conn.layer.last_reliable_send_ms > timeout // 2:
-                conn.layer.send(
-                    m.connected_ping(now_ms), Reliability.RELIABLE, 0, now_ms
-                )
+                try:
+                    conn.layer.send(
+                        m.connected_ping(now_ms), Reliability.RELIABLE, 0, now_ms
+                    )
+                except LimitExceeded as exc:
+                    self._over_limit(conn, exc)
+                    continue
                 self._dirty.add(conn.address)
 
     def _schedule(self, now: float) -> None:
@@ -832,6 +864,17 @@ class RakNetServer(Outbox[Datagram], EventQueue[Event]):
             self._tick = desired
 
     # ------------------------------------------------------------- teardown
+
+    def _over_limit(self, conn: Connection, exc: LimitExceeded) -> None:
+        """``conn`` broke a bound (``exc.reason``): counted and closed. A
+        reliable backlog that cannot be held (``send-memory``) is also counted
+        as a close of the connection table: RakNet's ID_CONNECTION_LOST
+        (RakPeer.cpp:5874-5901), without a DISCONNECTION_NOTIFICATION, which
+        could only wait behind that backlog."""
+        self.stats.dropped[exc.reason] += 1
+        if exc.reason == DROP_SEND_MEMORY:
+            self.connection_table.closed(DROP_SEND_MEMORY)
+        self._drop(conn, "limit")
 
     def _drop(self, conn: Connection, reason: str) -> None:
         """End a connection: event if it was connected; linger if closing."""

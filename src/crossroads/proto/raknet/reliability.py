@@ -50,6 +50,16 @@ or the retransmission timeout (from measured round trips, as
 CCRakNetSlidingWindow's ``GetRTOForRetransmission``) sends them again. Frames
 beyond the resend buffer wait in a bounded queue.
 
+What the send side holds -- queued messages, the resend buffer, the ACK
+records of sent datagrams -- is charged to the same budget with its measured
+overhead, at most :data:`MAX_SEND_BYTES` per connection. A peer that never
+ACKs fills it: an unreliable message that does not fit is dropped, one that
+waited longer than RakNet's unreliable timeout (1 s) is dropped unsent, and a
+reliable message that does not fit first makes every queued unreliable one
+go, then, if it still does not fit, raises :class:`LimitExceeded`
+(``send-memory``): the owner loses the connection, as RakNet does a peer
+that stops ACKing.
+
 Everything is in integer milliseconds of one monotonic clock (``now_ms``).
 Violating a bound raises :class:`LimitExceeded`; malformed bytes raise
 :class:`DecodeError`. The owner closes the connection on either.
@@ -89,6 +99,21 @@ MAX_SPLITS_IN_PROGRESS = 16
 MAX_SPLIT_COUNT = 4096
 #: Charged bytes (payload and overhead) of split reassembly per connection.
 MAX_SPLIT_BYTES = 1024 * 1024
+#: RakPeer's default unreliable timeout (RakPeer.cpp:238 ``unreliableTimeout=1000``;
+#: ReliabilityLayer.cpp:1745-1787 frees queued unreliable messages older than
+#: it): an unreliable message that could not leave within 1 s is dropped.
+UNRELIABLE_TIMEOUT_MS = 1000
+#: Bytes (charged, with overhead) the send side of one connection may hold:
+#: queued messages, the resend buffer and the ACK records of sent datagrams.
+#: Everything this server sends a connected peer is a control message of
+#: ~10-100 bytes, a few per exchange (pongs, punchthrough and proxy replies,
+#: NAT-type probes): 256 KiB holds RakNet's whole resend buffer (512) of them
+#: with their ACK records (charged ~200-250 KB), and a peer that ACKs holds a
+#: round trip's worth, never near it. RakNet itself
+#: has no bound (a peer that stops ACKing is lost after 10 s,
+#: ReliabilityLayer.cpp:1799-1806): here a peer whose reliable backlog would
+#: pass it is lost at once (``send-memory``).
+MAX_SEND_BYTES = 256 * 1024
 #: Measured fixed cost of what a peer makes a layer hold, beyond the payload
 #: (CPython 3.11/3.12, 64-bit, ``tracemalloc``; checked by
 #: tests/proto/raknet/test_reliability.py::test_charged_bytes_cover_what_is_held):
@@ -103,6 +128,18 @@ SEEN_NUMBER_OVERHEAD = 128
 #: A channel's table of waiting frames, from its first frame until it is
 #: empty again (then it is replaced: a dict never gives back its table).
 WAITING_CHANNEL_OVERHEAD = 384
+#: Measured fixed cost of what the send side holds per message beyond its
+#: payload, the larger of its two states: queued (the ``Frame``, its queue
+#: tuple and deque slot, its ints, the payload's bytes header: ~273 bytes)
+#: and in the resend buffer (``_InFlight``, the encoded frame's bytes header
+#: and frame header, its dict slot and ints: ~195 + up to 23); and of one
+#: sent datagram's ACK record (its tuple, list and map entry: ~290) plus its
+#: list slot per reliable number (~20-38 with the list's growth). CPython
+#: 3.11, 64-bit, ``tracemalloc``; checked by
+#: tests/proto/raknet/test_reliability.py::test_send_side_charges_cover_what_is_held.
+SEND_MESSAGE_OVERHEAD = 320
+DATAGRAM_RECORD_OVERHEAD = 320
+RECORD_NUMBER_OVERHEAD = 40
 #: Datagram-number holes NAKed at once; a larger jump is ACKed without NAKs
 #: (the sender's RTO covers it) so one forged number cannot cost a huge NAK.
 MAX_NAK_GAP = 512
@@ -308,6 +345,11 @@ def ahead(index: int, base: int) -> int:
     return d if d < HALF_U24 else d - U24
 
 
+def _record_cost(reliables: list[int]) -> int:
+    """What the ACK record of a datagram carrying ``reliables`` is charged."""
+    return DATAGRAM_RECORD_OVERHEAD + RECORD_NUMBER_OVERHEAD * len(reliables)
+
+
 class _Split:
     __slots__ = ("count", "parts", "size", "first")
 
@@ -319,11 +361,12 @@ class _Split:
 
 
 class _InFlight:
-    __slots__ = ("frame", "data", "sent_ms", "resend_ms", "first_ms")
+    __slots__ = ("data", "cost", "sent_ms", "resend_ms", "first_ms")
 
-    def __init__(self, frame: Frame, data: bytes, now_ms: int) -> None:
-        self.frame = frame
+    def __init__(self, data: bytes, cost: int, now_ms: int) -> None:
         self.data = data
+        #: What its message charged when it was queued (given back on its ACK).
+        self.cost = cost
         self.first_ms = now_ms
         self.sent_ms = now_ms
         self.resend_ms = now_ms
@@ -368,7 +411,10 @@ class ReliabilityLayer:
         self._next_split_id = 0
         #: Reliable number of the split fragment sent last (see _pack's caller).
         self._split_gate = -1
-        self._queue: deque[tuple[Frame, bytes]] = deque()
+        #: Messages not sent yet: (frame, when it was queued, what it charged).
+        self._queue: deque[tuple[Frame, int, int]] = deque()
+        #: Unreliable messages in :attr:`_queue` (the ones that go first).
+        self._queued_unreliable = 0
         self._in_flight: dict[int, _InFlight] = {}
         #: Sent datagrams awaiting an ACK: (sent ms, reliable numbers). A peer
         #: that never ACKs leaves the oldest forgotten (their frames were resent
@@ -376,6 +422,14 @@ class ReliabilityLayer:
         self._datagrams: BoundedMap[int, tuple[int, list[int]]] = BoundedMap(
             4 * RESEND_BUFFER, lru=False
         )
+        #: Bytes the send side holds (queue, resend buffer, ACK records),
+        #: charged to :attr:`budget` with their overhead; part of
+        #: :attr:`charged`, at most :data:`MAX_SEND_BYTES`.
+        self.send_bytes = 0
+        #: Unreliable messages dropped unsent: no room for them
+        #: (:data:`MAX_SEND_BYTES` or the budget), their unreliable timeout, or
+        #: to make room for a reliable one.
+        self.unreliable_dropped = 0
         self._srtt: float | None = None
         self._rttvar = 0.0
         #: Time of the last reliable send, for the keep-alive ping rule.
@@ -584,10 +638,36 @@ class ReliabilityLayer:
         self._waiting = [{} for _ in range(ORDERING_CHANNELS)]
         self._waiting_count = 0
         self._reliable_seen = set()
+        self.send_bytes = 0
+        self._queue = deque()
+        self._queued_unreliable = 0
+        self._in_flight = {}
+        self._datagrams.clear()
+
+    def _forget_datagram(self, number: int) -> tuple[int, list[int]] | None:
+        """Remove the ACK record of datagram ``number`` (giving back its charge)."""
+        entry = self._datagrams.pop(number)
+        if entry is not None:
+            self._give_send(_record_cost(entry[1]))
+        return entry
+
+    def _forget_records_before(self, sent_ms: int) -> None:
+        """Forget the ACK records of datagrams sent before ``sent_ms``, the
+        last send of the oldest message in flight: every frame they carried
+        was ACKed or sent again since, so an ACK of them changes nothing
+        (a lost datagram's record would otherwise stay until pushed out)."""
+        records = self._datagrams
+        while records:
+            number = next(iter(records))
+            entry = records.peek(number)
+            if entry is None or entry[0] >= sent_ms:
+                return
+            self._forget_datagram(number)
 
     def _on_ack(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
+        freed = 0
         for number in self._numbers_in(ranges):
-            entry = self._datagrams.pop(number)
+            entry = self._forget_datagram(number)
             if entry is None:
                 continue
             sent_ms, reliables = entry
@@ -596,13 +676,18 @@ class ReliabilityLayer:
                 flight = self._in_flight.get(index)
                 if flight is not None and flight.sent_ms == sent_ms:
                     fresh = fresh or flight.first_ms == sent_ms
+                    freed += flight.cost
                     del self._in_flight[index]
             if fresh:
                 self._sample_rtt(now_ms - sent_ms)
+        if freed:
+            self._give_send(freed)
+            if not self._in_flight:
+                self._forget_records_before(now_ms + 1)
 
     def _on_nak(self, ranges: list[tuple[int, int]], now_ms: int) -> None:
         for number in self._numbers_in(ranges):
-            entry = self._datagrams.pop(number)
+            entry = self._forget_datagram(number)
             if entry is None:
                 continue
             for index in entry[1]:
@@ -654,8 +739,14 @@ class ReliabilityLayer:
 
     def send(
         self, payload: bytes, reliability: Reliability, channel: int, now_ms: int
-    ) -> None:
-        """Queue one message; large ones are split."""
+    ) -> bool:
+        """Queue one message; large ones are split. Everything queued is
+        charged (:meth:`_take_send`) until it is sent (unreliable) or ACKed
+        (reliable). An unreliable message that does not fit is dropped
+        (False); a reliable one first makes the queued unreliable ones go,
+        and if it still does not fit the connection cannot be kept:
+        :class:`LimitExceeded` (``send-memory``), as RakNet loses a
+        connection whose reliable data the peer does not take."""
         if len(self._queue) >= MAX_SEND_QUEUE:
             raise LimitExceeded("send queue full", "send-queue")
         room = self.max_datagram - DATAGRAM_HEADER - MAX_FRAME_HEADER
@@ -666,6 +757,22 @@ class ReliabilityLayer:
                 reliability = Reliability.RELIABLE
             elif reliability == Reliability.UNRELIABLE_SEQUENCED:
                 reliability = Reliability.RELIABLE_SEQUENCED
+        count = (len(payload) + room - 1) // room if split else 1
+        if split and (
+            count > MAX_SPLIT_COUNT or len(self._queue) + count > MAX_SEND_QUEUE
+        ):
+            raise LimitExceeded("message too large to send", "send-queue")
+        reliable = reliability in _RELIABLE
+        cost = count * SEND_MESSAGE_OVERHEAD + len(payload)
+        if not self._take_send(cost):
+            if not reliable:
+                self.unreliable_dropped += 1
+                return False
+            self._drop_queued_unreliable()
+            if not self._take_send(cost):
+                raise LimitExceeded(
+                    "reliable backlog over the send memory", "send-memory"
+                )
         ordering = sequencing = 0
         if reliability in _SEQUENCED:
             ordering = self._ordered_write[channel]
@@ -677,12 +784,15 @@ class ReliabilityLayer:
             self._sequenced_write[channel] = 0
         if not split:
             self._queue.append(
-                (Frame(reliability, payload, 0, sequencing, ordering, channel), b"")
+                (
+                    Frame(reliability, payload, 0, sequencing, ordering, channel),
+                    now_ms,
+                    cost,
+                )
             )
-            return
-        count = (len(payload) + room - 1) // room
-        if count > MAX_SPLIT_COUNT or len(self._queue) + count > MAX_SEND_QUEUE:
-            raise LimitExceeded("message too large to send", "send-queue")
+            if not reliable:
+                self._queued_unreliable += 1
+            return True
         split_id = self._next_split_id
         self._next_split_id = (split_id + 1) % 65536
         for i in range(count):
@@ -700,9 +810,57 @@ class ReliabilityLayer:
                         split_id,
                         i,
                     ),
-                    b"",
+                    now_ms,
+                    SEND_MESSAGE_OVERHEAD + len(part),
                 )
             )
+        return True
+
+    def _take_send(self, nbytes: int) -> bool:
+        """Charge ``nbytes`` of the send side: within :data:`MAX_SEND_BYTES`
+        for this connection and within the budget; False (nothing taken)
+        when either is full."""
+        if self.send_bytes + nbytes > MAX_SEND_BYTES:
+            return False
+        if not self.budget.charge(nbytes):
+            return False
+        self.send_bytes += nbytes
+        self.charged += nbytes
+        return True
+
+    def _give_send(self, nbytes: int) -> None:
+        self.budget.uncharge(nbytes)
+        self.send_bytes -= nbytes
+        self.charged -= nbytes
+
+    def _drop_queued_unreliable(self, older_than_ms: int | None = None) -> int:
+        """Drop the queued unreliable messages (those queued before
+        ``older_than_ms`` when given); how many went."""
+        if not self._queued_unreliable:
+            return 0
+        kept: deque[tuple[Frame, int, int]] = deque()
+        dropped = freed = 0
+        for item in self._queue:
+            frame, queued_ms, cost = item
+            if frame.reliability not in _RELIABLE and (
+                older_than_ms is None or queued_ms < older_than_ms
+            ):
+                dropped += 1
+                freed += cost
+            else:
+                kept.append(item)
+        if dropped:
+            self._queue = kept
+            self._queued_unreliable -= dropped
+            self.unreliable_dropped += dropped
+            self._give_send(freed)
+        return dropped
+
+    def cull_unreliable(self, now_ms: int) -> int:
+        """Drop unreliable messages queued longer than
+        :data:`UNRELIABLE_TIMEOUT_MS` (RakPeer's unreliable timeout); how
+        many went."""
+        return self._drop_queued_unreliable(now_ms - UNRELIABLE_TIMEOUT_MS)
 
     def datagrams(self, now_ms: int) -> list[bytes]:
         """ACKs, NAKs, due resends and queued frames, packed into datagrams."""
@@ -715,17 +873,22 @@ class ReliabilityLayer:
             self._naks = []
         pending: list[tuple[bytes, int | None]] = []
         rto = self.rto_ms
+        oldest_sent = now_ms
         for number, flight in self._in_flight.items():
             if flight.resend_ms <= now_ms:
                 flight.resend_ms = now_ms + rto
                 flight.sent_ms = now_ms
                 pending.append((flight.data, number))
                 self.resends += 1
+            elif flight.sent_ms < oldest_sent:
+                oldest_sent = flight.sent_ms
+        self._forget_records_before(oldest_sent)
+        sent_unreliable = 0
         while self._queue and len(self._in_flight) < RESEND_BUFFER:
             frame = self._queue[0][0]
             if frame.split_index > 0 and self._split_gate in self._in_flight:
                 break  # the previous fragment is not acknowledged yet
-            self._queue.popleft()
+            _, queued_ms, cost = self._queue.popleft()
             index: int | None = None
             if frame.reliability in _RELIABLE:
                 index = self._next_reliable
@@ -741,15 +904,23 @@ class ReliabilityLayer:
                     frame.split_id,
                     frame.split_index,
                 )
+            else:
+                self._queued_unreliable -= 1
+                sent_unreliable += cost
+                if now_ms - queued_ms > UNRELIABLE_TIMEOUT_MS:
+                    self.unreliable_dropped += 1
+                    continue
             data = frame.encode()
             if index is not None:
-                flight = _InFlight(frame, data, now_ms)
+                flight = _InFlight(data, cost, now_ms)
                 flight.resend_ms = now_ms + rto
                 self._in_flight[index] = flight
                 self.last_reliable_send_ms = now_ms
                 if frame.split_count:
                     self._split_gate = index
             pending.append((data, index))
+        if sent_unreliable:
+            self._give_send(sent_unreliable)
         if pending:
             out.extend(self._pack(pending, now_ms))
         return out
@@ -776,7 +947,13 @@ class ReliabilityLayer:
         number = self._next_datagram
         self._next_datagram = (number + 1) % U24
         if reliables:
-            self._datagrams.put(number, (now_ms, reliables))
+            records = self._datagrams
+            if len(records) >= records.capacity:
+                self._forget_datagram(next(iter(records)))
+            # Not recorded when it does not fit: its frames are resent at
+            # their RTO and acknowledged in a later datagram.
+            if self._take_send(_record_cost(reliables)):
+                records.put(number, (now_ms, reliables))
         return bytes([DATA_FLAGS]) + number.to_bytes(3, "little") + bytes(body)
 
     def _chunked_ranges(self, flags: int, numbers: list[int]) -> list[bytes]:
