@@ -289,7 +289,7 @@ def test_descriptor_shares_leave_room_for_every_listener() -> None:
     http = budget.listener("http", 10_000, 10_000)
     others = [budget.listener(name, 10_000, 10_000) for name in ("stun", "a", "b")]
     # Half the limit for listeners, split four ways.
-    assert http.max_connections == 128
+    assert http.max_items == 128
     admitted = sum(http.admit(f"192.0.2.{i % 250}") is None for i in range(1000))
     assert admitted == 128
     for admission in others:

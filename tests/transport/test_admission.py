@@ -48,10 +48,10 @@ def test_a_stopped_listener_gives_its_share_back() -> None:
     budget = ResourceBudget(1000)
     first = budget.listener("a", 10_000, 10_000)
     budget.listener("b", 10_000, 10_000)
-    assert first.max_connections == 250
+    assert first.max_items == 250
     assert budget.reserved() == 500
     budget.forget("b")
-    assert first.max_connections == 500
+    assert first.max_items == 500
 
 
 @given(st.integers(1, 1 << 22), st.integers(1, 12))

@@ -235,21 +235,12 @@ class Admission:
             cap = min(cap, self.budget.memory_share(self) // self.bytes_per_item)
         return max(1, cap)
 
-    #: The name the TCP listeners used before the budget covered every table.
-    @property
-    def max_connections(self) -> int:
-        return self.max_items
-
     @property
     def max_per_source(self) -> int:
         """A source's cap: configured, but never above
         :data:`PER_SOURCE_FRACTION` of the global cap."""
         fraction = max(1, int(self.max_items * PER_SOURCE_FRACTION))
         return max(1, min(self.configured_per_source, fraction))
-
-    @property
-    def max_per_ip(self) -> int:
-        return self.max_per_source
 
     @property
     def max_bytes(self) -> int:
