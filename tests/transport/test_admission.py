@@ -7,15 +7,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from crossroads.transport.admission import (
-    MIN_RESERVE,
-    PER_SOURCE_FRACTION,
+from crossroads.proto.admission import (
     REFUSED_OVER_IP_LIMIT,
     REFUSED_OVER_LIMIT,
     REFUSED_OVER_MEMORY,
+)
+from crossroads.proto.budget import source_key
+from crossroads.transport.admission import (
+    MIN_RESERVE,
+    PER_SOURCE_FRACTION,
     Pool,
     ResourceBudget,
-    source_key,
 )
 
 

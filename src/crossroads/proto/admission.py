@@ -89,27 +89,37 @@ class Table(Admitter, MemoryCharge, Protocol):
 
 
 @dataclass(eq=False)
-class LocalTable:
-    """The in-memory :class:`Table`: at most ``max_items`` in all,
-    ``max_per_source`` per IPv4 address or IPv6 /64, ``max_bytes`` charged
-    (each :data:`UNBOUNDED` unless given). Refusals and closes are counted by
-    reason, like the budget's tables."""
+class TableCounts:
+    """What every table counts and the one way the counts change: items in
+    all and per source (an IPv4 address or an IPv6 /64), buffered bytes,
+    refusals and closes by reason. The caps in force come from the subclass
+    (:meth:`item_caps`, :meth:`byte_cap`): fixed in :class:`LocalTable`,
+    derived from the process's budget in the transport's ``Admission``."""
 
-    max_items: int = UNBOUNDED
-    max_per_source: int = UNBOUNDED
-    max_bytes: int = UNBOUNDED
     live: int = field(default=0, init=False)
     buffered: int = field(default=0, init=False)
     per_source: dict[str, int] = field(default_factory=dict, init=False)
     refused: dict[str, int] = field(default_factory=dict, init=False)
     closes: dict[str, int] = field(default_factory=dict, init=False)
 
-    def admit(self, host: str) -> str | None:
+    def item_caps(self) -> tuple[int, int]:
+        """(items in all, items per source) in force now."""
+        raise NotImplementedError
+
+    def byte_cap(self) -> int:
+        """Buffered bytes the table may hold now."""
+        raise NotImplementedError
+
+    def admit(self, host: str, *, per_ip_cap: bool = True) -> str | None:
+        """Count a new item of ``host``; None if admitted, else the reason it
+        is refused (counted). ``per_ip_cap=False`` for a source that speaks
+        for many clients (a trusted reverse proxy): only the global cap applies."""
+        total, per_source = self.item_caps()
         key = source_key(host)
         count = self.per_source.get(key, 0)
-        if self.live >= self.max_items:
+        if self.live >= total:
             reason = REFUSED_OVER_LIMIT
-        elif count >= self.max_per_source:
+        elif count >= per_source and per_ip_cap:
             reason = REFUSED_OVER_IP_LIMIT
         else:
             self.per_source[key] = count + 1
@@ -119,6 +129,7 @@ class LocalTable:
         return reason
 
     def release(self, host: str) -> None:
+        """An admitted item of ``host`` ended (call exactly once)."""
         key = source_key(host)
         count = self.per_source.get(key, 0)
         if count <= 0:
@@ -130,10 +141,14 @@ class LocalTable:
         self.live -= 1
 
     def closed(self, reason: str) -> None:
+        """Count an item the owner ended for ``reason``."""
         self.closes[reason] = self.closes.get(reason, 0) + 1
 
     def charge(self, nbytes: int) -> bool:
-        if self.buffered + nbytes > self.max_bytes:
+        """Take ``nbytes`` of buffered data (with their per-part overhead);
+        False, nothing taken and counted as ``over-memory``, when they do not
+        fit."""
+        if self.buffered + nbytes > self.byte_cap():
             self.refused[REFUSED_OVER_MEMORY] = (
                 self.refused.get(REFUSED_OVER_MEMORY, 0) + 1
             )
@@ -142,4 +157,23 @@ class LocalTable:
         return True
 
     def uncharge(self, nbytes: int) -> None:
+        """Give back bytes taken with :meth:`charge`."""
         self.buffered = max(0, self.buffered - nbytes)
+
+
+@dataclass(eq=False)
+class LocalTable(TableCounts):
+    """The in-memory :class:`Table`: at most ``max_items`` in all,
+    ``max_per_source`` per IPv4 address or IPv6 /64, ``max_bytes`` charged
+    (each :data:`UNBOUNDED` unless given). Refusals and closes are counted by
+    reason, like the budget's tables."""
+
+    max_items: int = UNBOUNDED
+    max_per_source: int = UNBOUNDED
+    max_bytes: int = UNBOUNDED
+
+    def item_caps(self) -> tuple[int, int]:
+        return self.max_items, self.max_per_source
+
+    def byte_cap(self) -> int:
+        return self.max_bytes

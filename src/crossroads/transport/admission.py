@@ -67,18 +67,13 @@ import logging
 import os
 import resource
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from crossroads.proto.admission import (
-    REFUSED_OVER_IP_LIMIT,
-    REFUSED_OVER_LIMIT,
-    REFUSED_OVER_MEMORY,
-)
-from crossroads.proto.budget import source_key
+from crossroads.proto.admission import TableCounts
 from crossroads.types import Address, frozen, show_address
 
 log = logging.getLogger("crossroads")
@@ -202,8 +197,10 @@ class ListenerEntry:
 
 
 @dataclass(eq=False)
-class Admission:
-    """One per-client table of a process (see the module docstring)."""
+class Admission(TableCounts):
+    """One per-client table of a process (see the module docstring); its
+    counting is :class:`~crossroads.proto.admission.TableCounts`', its caps
+    are derived from the budget."""
 
     budget: ResourceBudget
     name: str
@@ -216,11 +213,6 @@ class Admission:
     #: Seconds an item may live before its client proved anything (a
     #: completed handshake, an authenticated request); None: no pre-auth state.
     preauth_deadline: float | None = None
-    live: int = field(default=0, init=False)
-    buffered: int = field(default=0, init=False)
-    per_source: dict[str, int] = field(default_factory=dict, init=False)
-    refused: dict[str, int] = field(default_factory=dict, init=False)
-    closes: dict[str, int] = field(default_factory=dict, init=False)
 
     @property
     def max_items(self) -> int:
@@ -247,56 +239,11 @@ class Admission:
         """Variable bytes this table may hold beyond its items' fixed cost."""
         return max(0, self.budget.memory_share(self) - self.live * self.bytes_per_item)
 
-    def admit(self, host: str, *, per_ip_cap: bool = True) -> str | None:
-        """Count a new item from ``host``; None if admitted, else the reason
-        it is refused (counted; the caller drops the item). ``per_ip_cap=False``
-        for a source that speaks for many clients (a trusted reverse proxy):
-        only the global cap applies to it."""
-        if self.live >= self.max_items:
-            reason = REFUSED_OVER_LIMIT
-        else:
-            key = source_key(host)
-            count = self.per_source.get(key, 0)
-            if count < self.max_per_source or not per_ip_cap:
-                self.per_source[key] = count + 1
-                self.live += 1
-                return None
-            reason = REFUSED_OVER_IP_LIMIT
-        self.refused[reason] = self.refused.get(reason, 0) + 1
-        return reason
+    def item_caps(self) -> tuple[int, int]:
+        return self.max_items, self.max_per_source
 
-    def release(self, host: str) -> None:
-        """An admitted item from ``host`` ended (call exactly once)."""
-        key = source_key(host)
-        count = self.per_source.get(key, 0)
-        if count <= 0:
-            return
-        if count == 1:
-            del self.per_source[key]
-        else:
-            self.per_source[key] = count - 1
-        self.live -= 1
-
-    def charge(self, nbytes: int) -> bool:
-        """Take ``nbytes`` of buffered data (count the per-part overhead, not
-        the payload alone) from this table's memory share; False, nothing
-        taken and counted as ``over-memory``, when it does not fit."""
-        if self.buffered + nbytes > self.max_bytes:
-            self.refused[REFUSED_OVER_MEMORY] = (
-                self.refused.get(REFUSED_OVER_MEMORY, 0) + 1
-            )
-            return False
-        self.buffered += nbytes
-        return True
-
-    def uncharge(self, nbytes: int) -> None:
-        """Give back bytes taken with :meth:`charge`."""
-        self.buffered = max(0, self.buffered - nbytes)
-
-    def closed(self, reason: str) -> None:
-        """Count an item the owner ended for ``reason`` (a deadline, a slow
-        reader)."""
-        self.closes[reason] = self.closes.get(reason, 0) + 1
+    def byte_cap(self) -> int:
+        return self.max_bytes
 
     def row(self) -> dict[str, Any]:
         """This table as the admin API and ``crossroads doctor`` show it."""
