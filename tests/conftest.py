@@ -207,6 +207,18 @@ async def runtime() -> AsyncIterator[Runtime]:
         await rt.close()
 
 
+async def until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
+    """Whether the synchronous ``condition`` holds within ``seconds`` (polled
+    every 10 ms), for tests that assert on it themselves."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while not condition():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 async def eventually(
     check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0
 ) -> None:

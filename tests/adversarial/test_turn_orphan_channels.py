@@ -14,11 +14,10 @@ datagram from the new socket as ``peer-loopback``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import select
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -27,7 +26,7 @@ from crossroads.config import default_config
 from crossroads.proto.stun import Class, Data, Message, Method, XorPeerAddress, encode
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import TurnService
-from tests.conftest import loopback_config
+from tests.conftest import loopback_config, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,16 +50,6 @@ async def service_fixture() -> AsyncIterator[TurnService]:
         yield service
     finally:
         await runtime.close()
-
-
-async def until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not condition():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 def take_port(address: tuple[str, int]) -> socket.socket:

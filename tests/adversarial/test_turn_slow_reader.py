@@ -32,7 +32,7 @@ from crossroads.services.stun import (
 )
 from crossroads.services.turn import TurnService
 from crossroads.transport.tls import development_certificate
-from tests.conftest import loopback_config
+from tests.conftest import loopback_config, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,16 +102,6 @@ def server_connection(service: TurnService) -> TcpConnection:
     endpoint = getattr(link, "endpoint", None)
     assert isinstance(endpoint, TcpConnection)
     return endpoint
-
-
-async def until(condition: Callable[[], bool], seconds: float = 10.0) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
-    while not condition():
-        if loop.time() > deadline:
-            return False
-        await asyncio.sleep(0.01)
-    return True
 
 
 def narrow_link(conn: TcpConnection) -> None:
