@@ -880,18 +880,31 @@ def main() -> None:
             variants.append(Variant(" (Python twin)", pure_python=True))
         if args.before is not None:
             variants.append(Variant(" (before)", source=args.before.resolve()))
-        relays: list[tuple[str, str, str, Callable[[int | None, Variant], Target]]] = [
-            ("relay", "Unity relay", "crossroads relay", start_crossroads_relay),
+        # A natneg session's INITs must meet in one process, so ``serve``
+        # refuses ``--only natneg --workers 2`` by design: that part runs in
+        # one worker only.
+        relays: list[
+            tuple[str, str, str, Callable[[int | None, Variant], Target], bool]
+        ] = [
+            ("relay", "Unity relay", "crossroads relay", start_crossroads_relay, True),
             (
                 "natneg",
                 "natneg relay",
                 "crossroads natneg relay",
                 start_crossroads_natneg,
+                False,
             ),
         ]
-        for part, title, name, start in relays:
+        for part, title, name, start, scales in relays:
             if part not in parts:
                 continue
+            part_worker_counts = (
+                worker_counts
+                if scales
+                else [n for n in worker_counts if n is None or n <= 1]
+            )
+            if part_worker_counts != worker_counts:
+                print(f"{title}: one worker only (it does not run in several)")
             relay_starters: list[tuple[str, Callable[[], Target]]] = [
                 *(
                     (
@@ -899,7 +912,7 @@ def main() -> None:
                         lambda n=n, v=v, start=start: start(n, v),
                     )
                     for v in variants
-                    for n in worker_counts
+                    for n in part_worker_counts
                 ),
                 (
                     "bare forwarder",
@@ -915,7 +928,7 @@ def main() -> None:
             summary(
                 f"{title} (both ways)",
                 relay_results,
-                crossroads_label(worker_counts[0]).replace("crossroads", name),
+                crossroads_label(part_worker_counts[0]).replace("crossroads", name),
                 args,
             )
         if "stun" in parts:
