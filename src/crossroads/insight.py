@@ -239,9 +239,9 @@ class InsightRecorder:
 
     # What services call ----------------------------------------------------
 
-    def side(self, host: str, nat: str = "") -> Side:
+    def side(self, host: str, nat: str = "", rtt_ms: float | None = None) -> Side:
         """A side of a record: ``host`` pseudonymised (unless configured raw)."""
-        return self.pseudonymiser.side(host, nat)
+        return self.pseudonymiser.side(host, nat, rtt_ms)
 
     def now(self) -> float:
         """Unix time (records' ``started``)."""

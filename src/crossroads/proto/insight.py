@@ -78,15 +78,20 @@ class Side:
     #: The NAT kind learnt ("symmetric", "port-restricted", "open", ...), ""
     #: when the protocol showed none.
     nat: str = ""
+    #: Its round trip to the server in milliseconds where the protocol
+    #: measured one (natneg ERT), else None.
+    rtt_ms: float | None = None
 
     @classmethod
     def from_json(cls, raw: object) -> Side:
         if not isinstance(raw, dict):
             raise DecodeError("side must be an object")
+        rtt = raw.get("rtt_ms")
         return cls(
             id=_text(raw.get("id", ""), 64),
             prefix=_text(raw.get("prefix", ""), 64),
             nat=_text(raw.get("nat", ""), 64),
+            rtt_ms=None if rtt is None else _number(rtt),
         )
 
 
@@ -273,13 +278,15 @@ class Pseudonymiser:
     #: Keep the IP itself as the side's id (the operator asked for it).
     raw: bool = False
 
-    def side(self, host: str, nat: str = "") -> Side:
+    def side(self, host: str, nat: str = "", rtt_ms: float | None = None) -> Side:
         prefix = public_prefix(host)
         if self.raw:
-            return Side(id=host, prefix=prefix, nat=nat)
+            return Side(id=host, prefix=prefix, nat=nat, rtt_ms=rtt_ms)
         try:
             canonical = str(ipaddress.ip_address(host.split("%", 1)[0]))
         except ValueError:
             canonical = host
         digest = hmac.new(self.key, canonical.encode(), hashlib.sha256).digest()
-        return Side(id=digest[:SIDE_ID_BYTES].hex(), prefix=prefix, nat=nat)
+        return Side(
+            id=digest[:SIDE_ID_BYTES].hex(), prefix=prefix, nat=nat, rtt_ms=rtt_ms
+        )
