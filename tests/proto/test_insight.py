@@ -93,3 +93,7 @@ def test_sides_are_keyed_hashes_unless_raw() -> None:
     assert side.id != one.side("198.51.100.8").id
     assert side.prefix == "198.51.100.0/24" and side.nat == "symmetric"
     assert Pseudonymiser(b"k", raw=True).side("198.51.100.7").id == "198.51.100.7"
+
+
+def test_the_key_is_not_in_the_repr() -> None:
+    assert "secret-key" not in repr(Pseudonymiser(b"secret-key"))

@@ -27,7 +27,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
-from dataclasses import asdict
+from dataclasses import asdict, field
 from typing import Any
 
 from crossroads.errors import DecodeError
@@ -274,7 +274,7 @@ def public_prefix(host: str) -> str:
 class Pseudonymiser:
     """Turns an address into a :class:`Side` (see the module docstring)."""
 
-    key: bytes
+    key: bytes = field(repr=False)
     #: Keep the IP itself as the side's id (the operator asked for it).
     raw: bool = False
 
