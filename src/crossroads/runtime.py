@@ -19,6 +19,8 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from crossroads.config import Config
 from crossroads.errors import ConfigError
+from crossroads.insight import Config as InsightConfig
+from crossroads.insight import InsightRecorder, recorder_for
 from crossroads.services import load_service_modules
 from crossroads.services.base import Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
@@ -48,6 +50,7 @@ from crossroads.types import Address, show_address
 from crossroads.web.app import EmbeddedServer, create_app, make_http_server
 from crossroads.web.console import Console
 from crossroads.web.guard import HttpGuard
+from crossroads.web.insight import insight_router
 from crossroads.workers import WorkerSlot
 
 log = logging.getLogger("crossroads")
@@ -73,6 +76,8 @@ class Runtime:
     https_address: Address | None = None
     #: The one resource budget: listeners and per-client tables (caps, counts).
     resources: ResourceBudget = field(default_factory=ResourceBudget)
+    #: Connection insight: the records services write (crossroads.insight).
+    insight: InsightRecorder = field(default_factory=InsightRecorder)
     _closed: bool = False
 
     def udp_ports(self) -> dict[int, str]:
@@ -137,6 +142,7 @@ class Runtime:
                 await service.close()
             except Exception:
                 log.exception("error while closing %s", name)
+        await self.insight.close()
         await self.store.close()
 
 
@@ -238,6 +244,16 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     metrics.register(BudgetCollector(budget))
     kernel_drops = KernelDropCollector(runtime.udp_ports)
     metrics.register(kernel_drops)
+    insight_config = config.sections.get("insight")
+    insight = runtime.insight = recorder_for(
+        insight_config
+        if isinstance(insight_config, InsightConfig)
+        else InsightConfig(),
+        store,
+        resolve_state_dir(core.state_dir),
+    )
+    insight.register(metrics)
+    insight.start()
     ctx = ServiceContext(
         config=config,
         store=store,
@@ -247,6 +263,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         resources=budget,
         kernel_drops=kernel_drops,
         certificates=certificates,
+        insight=insight,
     )
     guard = HttpGuard(
         budget.listener(
@@ -281,7 +298,11 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         app = create_app(
             metrics=metrics,
             store=store,
-            routers=[*ctx.routers, runtime.console.router()],
+            routers=[
+                *ctx.routers,
+                runtime.console.router(),
+                insight_router(insight, runtime.console.refusal),
+            ],
             services=lambda: list(runtime.services),
             api_docs=core.api_docs,
         )

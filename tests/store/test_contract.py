@@ -130,3 +130,35 @@ async def test_redis_burst_beyond_pool_size_waits_instead_of_failing(
         assert len(await store.keys("burst:")) == burst
     finally:
         await store.close()
+
+
+async def test_hincrby_counts_in_a_hash(store: Store) -> None:
+    assert await store.hincrby("usage", "a", 5) == 5
+    assert await store.hincrby("usage", "a", 2) == 7
+    assert await store.hincrby("usage", "b") == 1
+    assert await store.hgetall("usage") == {"a": b"7", "b": b"1"}
+
+
+async def test_stream_is_capped_and_read_newest_first(store: Store) -> None:
+    ids = [await store.stream_add("s", f"{i}".encode(), maxlen=10) for i in range(300)]
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    length = await store.stream_len("s")
+    # At least the newest maxlen; at most one Redis stream node (100) more.
+    assert 10 <= length <= 10 + 100
+    newest = await store.stream_range("s", count=3)
+    assert [value for _id, value in newest] == [b"299", b"298", b"297"]
+    assert [entry_id for entry_id, _ in newest] == ids[::-1][:3]
+    assert await store.stream_range("missing", count=5) == []
+    assert await store.stream_len("missing") == 0
+
+
+async def test_stream_range_since(store: Store) -> None:
+    first = await store.stream_add("s", b"old", maxlen=100)
+    await asyncio.sleep(0.01)
+    second = await store.stream_add("s", b"new", maxlen=100)
+    since = int(second.split("-")[0])
+    assert int(first.split("-")[0]) < since
+    assert [v for _i, v in await store.stream_range("s", count=10, since_ms=since)] == [
+        b"new"
+    ]
+    assert len(await store.stream_range("s", count=10)) == 2

@@ -26,6 +26,10 @@ SERVICE_MODULES: dict[str, str] = {
 
 def load_service_modules() -> dict[str, ModuleType]:
     """Import every service module and register its config section."""
+    from crossroads import insight
+
+    # Not a service: the recorder every service writes to (crossroads.insight).
+    register_section(insight.NAME, insight.Config)
     modules: dict[str, ModuleType] = {}
     for name, path in SERVICE_MODULES.items():
         module = importlib.import_module(path)

@@ -23,6 +23,7 @@ from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
 from crossroads.config import Config
+from crossroads.insight import InsightRecorder
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.store.base import Store
@@ -138,6 +139,9 @@ class ServiceContext:
     #: The server certificate of the TLS listeners, None when TLS is off
     #: (see :func:`crossroads.transport.tls.certificates_for`).
     certificates: Certificates | None = None
+    #: Connection insight: services record each attempt they coordinated
+    #: (:mod:`crossroads.insight`); the default keeps a ring only.
+    insight: InsightRecorder = field(default_factory=InsightRecorder)
     _own_addresses: frozenset[IPAddress] | None = field(
         default=None, init=False, repr=False
     )

@@ -57,7 +57,9 @@ from crossroads.config import (
     setting,
 )
 from crossroads.errors import ConfigError
+from crossroads.insight import InsightRecorder
 from crossroads.metrics import add_counts, counter_by, unregister
+from crossroads.proto.insight import Attempt, Step, Usage
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
     RELAY_REASONS,
@@ -65,11 +67,13 @@ from crossroads.proto.natneg.server import (
     Event,
     NatNegServer,
     NegotiationFinished,
+    Outcome,
     RelayMode,
     RelayNeeded,
     ReportReceived,
     ServerConfig,
     SessionClosed,
+    SessionId,
 )
 from crossroads.proto.policy import AddressPolicy, parse_networks, scopes_for
 from crossroads.services.base import ServiceContext, SessionInfo
@@ -419,15 +423,47 @@ class _Collector(Collector):
 
 # ---------------------------------------------------------------- service
 
+#: Game names remembered between a REPORT and its negotiation's end: a
+#: bound whatever REPORTs come (entries leave when the negotiation ends).
+MAX_GAME_NAMES = 10_000
+
+#: A step's outcome, by how the negotiation ended (natneg has no more detail:
+#: a FAILED REPORT means the client's pings timed out, ref §6).
+_OUTCOME_STEP = {
+    Outcome.CONNECTED: "ok",
+    Outcome.UNREPORTED: "ok-unreported",
+    Outcome.FAILED: "timed-out",
+    Outcome.UNACKED: "unacked",
+    Outcome.DEADBEAT: "partner-never-came",
+    Outcome.INIT_TIMEOUT: "init-timeout",
+    Outcome.RESTARTED: "restarted",
+}
+
 
 class NatNegService:
     """The running natneg service: sockets, core, timer, relay pool."""
 
     name = NAME
 
-    def __init__(self, core: NatNegServer, relay: RelayPool | None) -> None:
+    def __init__(
+        self,
+        core: NatNegServer,
+        relay: RelayPool | None,
+        insight: InsightRecorder | None = None,
+    ) -> None:
         self.core = core
         self.relay = relay
+        #: Where each finished negotiation's record goes (crossroads.insight).
+        self.insight = insight if insight is not None else InsightRecorder()
+        #: Relayed sessions: why, and when (loop time) the relay was decided.
+        self._relaying: dict[SessionId, tuple[str, float]] = {}
+        #: Records of relayed negotiations, completed with the pair's usage
+        #: when the pair is released (bounded by the relay pairs).
+        self._deferred: dict[SessionId, Attempt] = {}
+        #: The game name the clients REPORTed, by cookie (bounded below).
+        self._games: dict[int, str] = {}
+        if relay is not None:
+            relay.on_release = self._pair_released
         self.addresses: dict[Endpoint, Address] = {}
         self._loop = asyncio.get_running_loop()
         #: The core on its sockets (opened by :func:`serve`).
@@ -480,6 +516,7 @@ class NatNegService:
                         self.core.relay_unavailable(session, now)
                     else:
                         self.relay_reasons.labels(reason).inc()
+                        self._relaying[session] = (reason, now)
                         log.info(
                             "natneg %08x: relaying (%s: %s) via %s:%d / %s:%d",
                             session.cookie,
@@ -501,6 +538,7 @@ class NatNegService:
                         "first" if first_attempt else "retry",
                     ).inc()
                     log.debug("natneg %08x: %s", session.cookie, outcome.value)
+                    self._finished(event, now)
                 case SessionClosed(session=session, replaced=replaced):
                     # Replaced: a new negotiation on the cookie gets its own pair
                     # and nothing will use this one. Ended: a pair that never heard
@@ -509,8 +547,85 @@ class NatNegService:
                     relay = self.relay
                     if relay is not None and (replaced or not relay.in_use(session)):
                         relay.release(session)
-                case ReportReceived(success=success):
+                    self._relaying.pop(session, None)
+                case ReportReceived(success=success, cookie=cookie, game_name=game):
                     self.reports.labels("success" if success else "failure").inc()
+                    if game and len(self._games) < MAX_GAME_NAMES:
+                        self._games[cookie] = game[:64]
+
+    # Connection insight ---------------------------------------------------
+
+    def _finished(self, event: NegotiationFinished, now: float) -> None:
+        """The negotiation's record: recorded now, or (relayed) when its pair
+        is released, with what the pair carried."""
+        insight = self.insight
+        session = event.session
+        outcome = event.outcome
+        relaying = self._relaying.pop(session, None)
+        sides = tuple(
+            insight.side(ip, kind, None if rtt is None else rtt * 1000)
+            for ip, kind, rtt in event.clients
+        )
+        game = self._games.pop(session.cookie, "")
+        connected = outcome in (Outcome.CONNECTED, Outcome.UNREPORTED)
+        result = _OUTCOME_STEP.get(outcome, outcome.value)
+        if relaying is not None:
+            reason, decided = relaying
+            relay_start = max(0.0, event.duration - (now - decided))
+            punch = "predicted-to-fail" if reason != "forced" else "skipped"
+            steps = (
+                Step("punch", 0.0, relay_start, punch),
+                Step("relay", relay_start, event.duration - relay_start, result),
+            )
+            attempt = Attempt(
+                family="natneg",
+                session=f"{session.cookie:08x}",
+                started=insight.now() - event.duration,
+                duration=event.duration,
+                sides=sides,
+                steps=steps,
+                winner="relay" if connected else "",
+                outcome="relayed" if connected else "failed",
+                cause=reason if connected else f"{reason}; relay {outcome.value}",
+                game=game,
+            )
+            if self.relay is not None and self.relay.holds(session):
+                self._deferred[session] = attempt
+                return
+            insight.record(attempt)
+            return
+        cause = "" if outcome == Outcome.CONNECTED else outcome.value
+        if not event.first_attempt and outcome != Outcome.CONNECTED:
+            cause = f"{cause}; client retried after failure"
+        insight.record(
+            Attempt(
+                family="natneg",
+                session=f"{session.cookie:08x}",
+                started=insight.now() - event.duration,
+                duration=event.duration,
+                sides=sides,
+                steps=(Step("punch", 0.0, event.duration, result),),
+                winner="punch" if connected else "",
+                outcome="direct" if connected else "failed",
+                cause=cause,
+                game=game,
+            )
+        )
+
+    def _pair_released(
+        self,
+        session: SessionId,
+        lived: float,
+        up: tuple[int, int],
+        down: tuple[int, int],
+    ) -> None:
+        attempt = self._deferred.pop(session, None)
+        if attempt is None:
+            return
+        usage = Usage(
+            packets_up=up[0], bytes_up=up[1], packets_down=down[0], bytes_down=down[1]
+        )
+        self.insight.record(dataclasses.replace(attempt, usage=usage))
 
     # The Service protocol ---------------------------------------------------
 
@@ -697,6 +812,7 @@ async def serve(ctx: ServiceContext) -> NatNegService:
     service = NatNegService(
         NatNegServer(core, ctx.reflection_budget(), sessions),
         relay,
+        ctx.insight,
     )
     service.resources = ctx.resources
     service._notes = notes

@@ -49,7 +49,9 @@ from prometheus_client.registry import Collector
 from crossroads.config import Config as RuntimeConfig
 from crossroads.config import check_positive, setting
 from crossroads.errors import StoreError
+from crossroads.insight import InsightRecorder
 from crossroads.metrics import counter_by
+from crossroads.proto.insight import Attempt, Step, Usage
 from crossroads.proto.policy import AddressPolicy, Scope, scopes_for
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.server import (
@@ -323,6 +325,8 @@ class RelayNode:
     ws_servers: list[asyncio.Server] = field(default_factory=list, init=False)
     #: The process's budget, where :data:`ALLOCATIONS_TABLE` is registered.
     budget: ResourceBudget | None = field(default=None, init=False)
+    #: Where each ended host-joiner link's record goes (crossroads.insight).
+    insight: InsightRecorder = field(default_factory=InsightRecorder, init=False)
 
     def __post_init__(self) -> None:
         self.refusals = RefusalLog(
@@ -359,8 +363,42 @@ class RelayNode:
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
 
+    def _record(self, event: PeerDisconnected) -> None:
+        """One record per ended link: a Unity relay session is relayed by
+        design (the family has no direct path), so its cause says so; its
+        usage is what the link's two routes counted."""
+        insight = self.insight
+        host_id = uuid.UUID(bytes=event.host_allocation_id)
+        code = self.join_code_of(host_id) or host_id.hex
+        lived = max(0.0, event.connected_for)
+        usage = Usage(
+            packets_up=event.joiner_sent[0],
+            bytes_up=event.joiner_sent[1],
+            packets_down=event.joiner_received[0],
+            bytes_down=event.joiner_received[1],
+        )
+        insight.record(
+            Attempt(
+                family="relay",
+                session=code,
+                started=insight.now() - lived,
+                duration=lived,
+                sides=(
+                    insight.side(event.joiner_address[0]),
+                    insight.side(event.host_address[0]),
+                ),
+                steps=(Step("relay", 0.0, lived, event.reason),),
+                winner="relay",
+                outcome="relayed",
+                cause="relay-only",
+                usage=usage,
+            )
+        )
+
     def _enqueue(self, events: list[Event]) -> None:
         for event in events:
+            if isinstance(event, PeerDisconnected):
+                self._record(event)
             if isinstance(event, AllocationBound) and self.dtls is not None:
                 # A BIND over DTLS ends the session's pre-auth state.
                 self.dtls.bound(event.address)
@@ -906,6 +944,7 @@ async def serve(ctx: ServiceContext) -> Service:
         )
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
         node.budget = ctx.resources
+        node.insight = ctx.insight
         node.websockets, node.ws_servers = ws[0], ws[1]
         if dtls_sock is not None:
             node.dtls = RelayDtls(endpoint, dtls_sock, ctx.resources)

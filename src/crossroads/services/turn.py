@@ -75,6 +75,7 @@ from crossroads.config import (
 )
 from crossroads.errors import ConfigError
 from crossroads.metrics import counter_by, unregister
+from crossroads.proto.insight import Attempt, Step, Usage
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.stun.constants import HEADER_LENGTH
 from crossroads.proto.stun.message import PortTraffic, peek_header, sort_traffic
@@ -520,11 +521,17 @@ class ClientLink:
     """How to reach the client of an allocation: a UDP socket + address, or a
     TCP connection (ChannelData padded to 4 bytes, RFC 8656 §12.5)."""
 
-    __slots__ = ("endpoint", "client", "tcp", "out")
+    __slots__ = ("endpoint", "client", "tcp", "out", "usage", "created")
 
     def __init__(self, endpoint: Endpoint, client: Address) -> None:
         self.endpoint = endpoint
         self.client = client
+        #: What the allocation relayed (connection insight): to-peer packets
+        #: and bytes, to-client packets and bytes, added up from the route
+        #: and tap counters when they go (the data plane counts; nothing is
+        #: written per datagram for it) and on the Python path.
+        self.usage = [0, 0, 0, 0]
+        self.created = time.time()
         self.tcp = endpoint.transport == "tcp"
         #: What peer -> client routes leave from: the listening UDP socket,
         #: unless replies must leave from each client's destination address
@@ -656,6 +663,7 @@ class UdpRelay(_RelaySocket):
 
     def unroute_channel(self, number: int) -> None:
         self.channels.discard(number)
+        self._count(channel_key(self.client, number))
         self.service.unroute_listener(
             self.link.endpoint, channel_key(self.client, number)
         )
@@ -692,7 +700,18 @@ class UdpRelay(_RelaySocket):
         if table is not None:
             route = table.get(self.send_key)
             if route is not None and route.sock is self.sock:
+                self._count(self.send_key)
                 self.service.unroute_listener(self.link.endpoint, self.send_key)
+
+    def _count(self, key: Any) -> None:
+        """Add what a client -> peer route forwarded to the allocation's usage
+        before it goes."""
+        table = self.service.listener_routes_if_any(self.link.endpoint)
+        route = table.get(key) if table is not None else None
+        if route is not None:
+            usage = self.link.usage
+            usage[0] += route.packets
+            usage[1] += route.octets
 
     # -- what the routes do not forward ----------------------------------------
 
@@ -733,6 +752,9 @@ class UdpRelay(_RelaySocket):
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += len(data)
+        usage = self.link.usage
+        usage[2] += 1
+        usage[3] += len(data)
         if self.link.out is not None and self.learned < MAX_DATA_ROUTES:
             # The next ones from this peer take the data plane, until its
             # permission lapses (unroute_permission) or a channel is bound.
@@ -763,6 +785,9 @@ class UdpRelay(_RelaySocket):
         stats = self.stats
         stats.to_client_packets += 1
         stats.to_client_bytes += size
+        usage = self.link.usage
+        usage[2] += 1
+        usage[3] += size
 
     def close(self) -> None:
         if self.closed:
@@ -1237,6 +1262,9 @@ class TurnService:
         stats.to_client_bytes += tap.forwarded_bytes
         stats.retired_errors += tap.send_errors + tap.malformed
         stats.retired_throttled += relay.budget.throttled
+        usage = relay.link.usage
+        usage[2] += tap.forwarded
+        usage[3] += tap.forwarded_bytes
 
     def counters(self) -> tuple[int, int, int, int, int]:
         """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
@@ -1496,6 +1524,9 @@ class TurnService:
                 relay.sendto(payload, peer)
                 self.stats.to_peer_packets += 1
                 self.stats.to_peer_bytes += len(payload)
+                if isinstance(relay, UdpRelay):
+                    relay.link.usage[0] += 1
+                    relay.link.usage[1] += len(payload)
             return
         # The endpoint a request came in on, for open_relay, the answer and
         # ConnectionBind while the core handles it (the core knows five-tuples,
@@ -1545,6 +1576,10 @@ class TurnService:
         stats = self.stats
         stats.to_peer_packets += 1
         stats.to_peer_bytes += len(payload)
+        link = allocation.transport_data
+        if isinstance(link, ClientLink):
+            link.usage[0] += 1
+            link.usage[1] += len(payload)
         return True
 
     def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
@@ -1665,9 +1700,10 @@ class TurnService:
                     link = allocation.transport_data
                     assert isinstance(link, ClientLink)
                     self.routes[(link.client, link.endpoint)] = allocation
-                case AllocationDeleted(allocation=allocation):
+                case AllocationDeleted(allocation=allocation, reason=reason):
                     link = allocation.transport_data
                     if isinstance(link, ClientLink):
+                        self._record(allocation, link, reason)
                         key = (link.client, link.endpoint)
                         if self.routes.get(key) is allocation:
                             del self.routes[key]
@@ -1696,6 +1732,45 @@ class TurnService:
                         client[0],
                         username[:64],
                     )
+
+    def _record(self, allocation: Allocation, link: ClientLink, reason: str) -> None:
+        """One insight record per allocation (TURN relays by definition: a
+        client asks for one when it needs it), with what it relayed. Billed
+        to ``realm/user`` (the quota user of a time-limited name)."""
+        insight = self.ctx.insight
+        lived = max(0.0, time.time() - link.created)
+        to_peer_packets, to_peer_bytes, to_client_packets, to_client_bytes = link.usage
+        # Named by its relayed address (the server's, not the client's: the
+        # client's address is only in the pseudonymous side).
+        relayed = [
+            show_address(relay.address)
+            for relay in allocation.relays.values()
+            if isinstance(relay, _RelaySocket)
+        ]
+        transport = allocation.five_tuple[0].name.lower()
+        insight.record(
+            Attempt(
+                family="turn",
+                session=f"{transport}/{','.join(relayed)}",
+                started=insight.now() - lived,
+                duration=lived,
+                sides=(insight.side(link.client[0]),),
+                steps=(
+                    Step("allocate", 0.0, 0.0, "ok"),
+                    Step("relay", 0.0, lived, reason),
+                ),
+                winner="relay",
+                outcome="relayed",
+                cause="relay-only",
+                game=f"{allocation.realm}/{allocation.quota_user}"[:64],
+                usage=Usage(
+                    packets_up=to_peer_packets,
+                    bytes_up=to_peer_bytes,
+                    packets_down=to_client_packets,
+                    bytes_down=to_client_bytes,
+                ),
+            )
+        )
 
     def _after_input(self) -> None:
         """What follows every call into the core: send what it queued for

@@ -88,6 +88,29 @@ class Store(Protocol):
 
     async def hdel(self, key: str, *fields: str) -> int: ...
 
+    async def hincrby(self, key: str, field: str, amount: int = 1) -> int:
+        """Add ``amount`` to an integer field of a hash (created at 0)."""
+        ...
+
+    async def stream_add(self, key: str, value: bytes, *, maxlen: int) -> str:
+        """Append ``value`` to the capped stream at ``key``; returns its id
+        (``"<unix ms>-<seq>"``, increasing). The stream keeps at least the
+        newest ``maxlen`` entries and at most ``maxlen`` plus one Redis stream
+        node (``stream-node-max-entries``, 100 by default): Redis trims whole
+        nodes (``XADD MAXLEN ~``), which is what makes the cap cheap."""
+        ...
+
+    async def stream_range(
+        self, key: str, *, count: int, since_ms: int = 0
+    ) -> list[tuple[str, bytes]]:
+        """The newest ``count`` entries of the stream, newest first, with an
+        id at or after ``since_ms`` (Unix milliseconds; 0: any)."""
+        ...
+
+    async def stream_len(self, key: str) -> int:
+        """Entries in the stream at ``key`` (0 when there is none)."""
+        ...
+
     async def publish(self, channel: str, message: bytes) -> int:
         """Send to every current subscriber; returns how many got it (0 is fine)."""
         ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 
 
@@ -41,15 +42,24 @@ class MemorySubscription:
 class MemoryStore:
     """A Store in this process's memory. Expired keys vanish on the next access."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._clock = clock
+        #: Stream ids are Unix milliseconds, as Redis makes them.
+        self._wall_clock = wall_clock
         self._values: dict[str, bytes | dict[str, bytes] | int] = {}
+        #: Capped streams: (id milliseconds, sequence, value), oldest first.
+        self._streams: dict[str, deque[tuple[int, int, bytes]]] = {}
         self._deadlines: dict[str, float] = {}
         self._subscribers: dict[str, list[MemorySubscription]] = {}
 
     def _drop(self, key: str) -> None:
         """Forget ``key``: its value and its deadline."""
         self._values.pop(key, None)
+        self._streams.pop(key, None)
         self._deadlines.pop(key, None)
 
     def _live(self, key: str) -> bool:
@@ -160,6 +170,42 @@ class MemoryStore:
         if not table:
             await self.delete(key)
         return count
+
+    async def hincrby(self, key: str, field: str, amount: int = 1) -> int:
+        table = self._hash(key, create=True)
+        assert table is not None
+        value = int(table.get(field, b"0")) + amount
+        table[field] = str(value).encode()
+        return value
+
+    async def stream_add(self, key: str, value: bytes, *, maxlen: int) -> str:
+        if key in self._values:
+            raise TypeError(f"{key} does not hold a stream")
+        stream = self._streams.get(key)
+        if stream is None or stream.maxlen != maxlen:
+            stream = self._streams[key] = deque(stream or (), maxlen=max(1, maxlen))
+        millis = int(self._wall_clock() * 1000)
+        sequence = 0
+        if stream:
+            last_millis, last_sequence, _ = stream[-1]
+            # Ids only grow, as Redis's do, even if the clock steps back.
+            if millis <= last_millis:
+                millis, sequence = last_millis, last_sequence + 1
+        stream.append((millis, sequence, bytes(value)))
+        return f"{millis}-{sequence}"
+
+    async def stream_range(
+        self, key: str, *, count: int, since_ms: int = 0
+    ) -> list[tuple[str, bytes]]:
+        found: list[tuple[str, bytes]] = []
+        for millis, sequence, value in reversed(self._streams.get(key, ())):
+            if len(found) >= count or millis < since_ms:
+                break
+            found.append((f"{millis}-{sequence}", value))
+        return found
+
+    async def stream_len(self, key: str) -> int:
+        return len(self._streams.get(key, ()))
 
     async def publish(self, channel: str, message: bytes) -> int:
         subscribers = list(self._subscribers.get(channel, ()))

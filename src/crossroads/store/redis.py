@@ -230,6 +230,37 @@ class RedisStore:
             return 0
         return int(await self._run(self._redis.hdel(key, *fields)))
 
+    async def hincrby(self, key: str, field: str, amount: int = 1) -> int:
+        return int(await self._run(self._redis.hincrby(key, field, amount)))
+
+    async def stream_add(self, key: str, value: bytes, *, maxlen: int) -> str:
+        # MAXLEN ~: Redis trims whole stream nodes, O(1) amortised; exact
+        # trimming (=) would rewrite a node on every append.
+        entry: Any = await self._run(
+            self._redis.xadd(key, {"v": value}, maxlen=max(1, maxlen), approximate=True)
+        )
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+
+    async def stream_range(
+        self, key: str, *, count: int, since_ms: int = 0
+    ) -> list[tuple[str, bytes]]:
+        if count <= 0:
+            return []
+        raw: Any = await self._run(
+            self._redis.xrevrange(key, "+", f"{max(0, since_ms)}-0", count=count)
+        )
+        found: list[tuple[str, bytes]] = []
+        for entry_id, fields in raw:
+            value = fields.get(b"v")
+            if value is None:
+                continue  # not written by stream_add: ignore it
+            name = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+            found.append((name, bytes(value)))
+        return found
+
+    async def stream_len(self, key: str) -> int:
+        return int(await self._run(self._redis.xlen(key)))
+
     async def publish(self, channel: str, message: bytes) -> int:
         return int(await self._run(self._redis.publish(channel, message)))
 

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import random
 import socket
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 
 from crossroads.proto.natneg.packets import MAGIC, PacketType
@@ -67,6 +68,7 @@ class _Side:
         "routes",
         "tap",
         "forwarded_by_hand",
+        "bytes_by_hand",
     )
 
     def __init__(self, sock: socket.socket, expected_ip: str, cookie: int) -> None:
@@ -82,13 +84,20 @@ class _Side:
         #: At most one route: the learned client -> the partner's learned client.
         self.routes: dict[Address, RouteLike] = {}
         self.tap = make_tap(sock, self.routes, self.unrouted)
-        #: The learning datagrams this side forwarded itself.
+        #: The learning datagrams this side forwarded itself, and their bytes.
         self.forwarded_by_hand = 0
+        self.bytes_by_hand = 0
 
     @property
     def packets(self) -> int:
         """Datagrams relayed from this side's client to the partner's."""
         return self.forwarded_by_hand + sum(r.packets for r in self.routes.values())
+
+    @property
+    def octets(self) -> int:
+        """Bytes relayed from this side's client to the partner's (read from
+        the route's counter: nothing is counted per datagram for it)."""
+        return self.bytes_by_hand + sum(r.octets for r in self.routes.values())
 
     def unrouted(self, data: bytes, addr: Address) -> None:
         """A datagram without a route: learn the client from it, or drop it
@@ -103,6 +112,7 @@ class _Side:
         if partner.src is None:
             return
         self.forwarded_by_hand += 1
+        self.bytes_by_hand += len(data)
         try:
             partner.sock.sendto(data, partner.src)
         except OSError:
@@ -159,6 +169,12 @@ class RelayPool:
     kernel_drops: KernelDropCollector = field(
         default_factory=lambda: KernelDropCollector(dict)
     )
+    #: Called when a pair is released, with the session, the seconds it
+    #: lived and ``(packets, bytes)`` each way (client 0 -> 1, then 1 -> 0),
+    #: read from the routes' counters (connection insight).
+    on_release: (
+        Callable[[SessionId, float, tuple[int, int], tuple[int, int]], None] | None
+    ) = None
     refusals: RefusalLog = field(init=False)
     stats: RelayStats = field(default_factory=RelayStats, init=False)
     _pairs: dict[SessionId, _Pair] = field(default_factory=dict, init=False)
@@ -267,6 +283,10 @@ class RelayPool:
             sock.close()
             raise
 
+    def holds(self, session: SessionId) -> bool:
+        """Has the session a live pair?"""
+        return session in self._pairs
+
     def in_use(self, session: SessionId) -> bool:
         """Has the session's pair learned both clients (is a game using it)?"""
         pair = self._pairs.get(session)
@@ -285,6 +305,14 @@ class RelayPool:
         if self.admission is not None:
             self.admission.release(pair.source)
         self.stats.released += 1
+        if self.on_release is not None:
+            first, second = pair.sides
+            self.on_release(
+                session,
+                self._loop.time() - pair.created,
+                (first.packets, first.octets),
+                (second.packets, second.octets),
+            )
 
     def sweep(self, now: float) -> None:
         """Release pairs that carried nothing for ``idle_timeout`` seconds."""

@@ -325,6 +325,13 @@ class NegotiationFinished:
     #: False when the same two public IPs had a failed negotiation within
     #: ``history_ttl`` (a game's retry); True otherwise.
     first_attempt: bool
+    #: What the server learnt of each client that came, for connection
+    #: insight: public IP, NAT kind (:meth:`_Client.nat_kind`) and the round
+    #: trip its ERT measured (seconds, None when none came back). Not compared:
+    #: evidence, like :attr:`RelayNeeded.detail`.
+    clients: tuple[tuple[str, str, float | None], ...] = field(
+        default=(), compare=False
+    )
 
 
 @frozen
@@ -509,6 +516,16 @@ class _Client:
         if self.use_game_port and PortType.GP not in self.mappings:
             return False
         return need <= self.mappings.keys()
+
+    def nat_kind(self) -> str:
+        """What the INITs and the probe showed: ``symmetric`` (endpoint-
+        dependent mapping), ``port-restricted`` (the probe from another port
+        got no answer), ``cone`` (it did), ``unknown`` (no probe result)."""
+        if self.symmetric():
+            return "symmetric"
+        if self.probe_open is None:
+            return "unknown"
+        return "cone" if self.probe_open else "port-restricted"
 
     def symmetric(self) -> bool:
         """Did the NAT give the negotiate socket different public addresses for
@@ -1465,6 +1482,11 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 session.relayed,
                 now - session.created,
                 session.first_attempt,
+                tuple(
+                    (client.public_ip, client.nat_kind(), client.rtt)
+                    for client in session.clients
+                    if client is not None
+                ),
             )
         )
 

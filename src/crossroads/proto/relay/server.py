@@ -154,6 +154,13 @@ class Allocation:
     peers: set[bytes] = field(default_factory=set)
     #: Counted in :attr:`RelayServer.admission` under its address's source.
     admitted: bool = True
+    #: Frames and bytes this allocation sent and was sent over routes since
+    #: removed (added up when a route goes: a rebind moves routes, so the
+    #: link's totals survive it), and when it was last ACCEPTED. For
+    #: connection insight; nothing per frame.
+    sent: tuple[int, int] = (0, 0)
+    received: tuple[int, int] = (0, 0)
+    connected_at: float = 0.0
 
     @property
     def weight(self) -> int:
@@ -190,6 +197,14 @@ class PeerDisconnected:
     allocation_id: bytes
     connections: int
     reason: str
+    #: What the link carried (frames, bytes): joiner -> host, host -> joiner,
+    #: read from the routes' counters; the two clients' addresses; seconds
+    #: the link lived. Not compared: evidence for connection insight.
+    joiner_sent: tuple[int, int] = field(default=(0, 0), compare=False)
+    joiner_received: tuple[int, int] = field(default=(0, 0), compare=False)
+    host_address: Address = field(default=("", 0), compare=False)
+    joiner_address: Address = field(default=("", 0), compare=False)
+    connected_for: float = field(default=0.0, compare=False)
 
 
 @frozen
@@ -697,6 +712,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             self._unlink(joiner, old_host, "reconnect", now, notify=False)
         host.peers.add(joiner.allocation_id)
         joiner.peers.add(host_id)
+        joiner.connected_at = now
         self.connections += 1
         self._install_routes(host, joiner)
         self._outbox.append((m.Accepted(host_id, joiner.allocation_id).encode(), addr))
@@ -769,6 +785,15 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             if route is not None:
                 self.relayed_packets += route.packets - route.seen_packets
                 self.relayed_octets += route.octets - route.seen_octets
+                source, target = route.source, route.target
+                source.sent = (
+                    source.sent[0] + route.packets,
+                    source.sent[1] + route.octets,
+                )
+                target.received = (
+                    target.received[0] + route.packets,
+                    target.received[1] + route.octets,
+                )
 
     def _move(self, alloc: Allocation, addr: Address) -> None:
         peers = [self.allocations[p] for p in alloc.peers if p in self.allocations]
@@ -797,9 +822,18 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         host, joiner = (a, b) if a.is_host else (b, a)
         self._events.append(
             PeerDisconnected(
-                host.allocation_id, joiner.allocation_id, len(host.peers), reason
+                host.allocation_id,
+                joiner.allocation_id,
+                len(host.peers),
+                reason,
+                joiner_sent=joiner.sent,
+                joiner_received=joiner.received,
+                host_address=host.address,
+                joiner_address=joiner.address,
+                connected_for=now - joiner.connected_at,
             )
         )
+        joiner.sent = joiner.received = (0, 0)
 
     def _end(self, alloc: Allocation, reason: str, now: float, *, notify: bool) -> None:
         """Remove ``alloc``; tell its client (timeouts) and its peers."""

@@ -84,6 +84,24 @@ class BoundedStore:
         async with self._slots:
             return await self.inner.hdel(key, *fields)
 
+    async def hincrby(self, key: str, field: str, amount: int = 1) -> int:
+        async with self._slots:
+            return await self.inner.hincrby(key, field, amount)
+
+    async def stream_add(self, key: str, value: bytes, *, maxlen: int) -> str:
+        async with self._slots:
+            return await self.inner.stream_add(key, value, maxlen=maxlen)
+
+    async def stream_range(
+        self, key: str, *, count: int, since_ms: int = 0
+    ) -> list[tuple[str, bytes]]:
+        async with self._slots:
+            return await self.inner.stream_range(key, count=count, since_ms=since_ms)
+
+    async def stream_len(self, key: str) -> int:
+        async with self._slots:
+            return await self.inner.stream_len(key)
+
     async def publish(self, channel: str, message: bytes) -> int:
         async with self._slots:
             return await self.inner.publish(channel, message)

@@ -1,0 +1,56 @@
+"""A TURN allocation writes one connection-insight record when it ends, with
+the bytes it relayed each way (read from the data plane's counters)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from crossroads.client.turn import TurnClient
+from crossroads.insight import AttemptFilter
+from crossroads.services.turn import TurnService
+from tests.services.test_turn import (  # noqa: F401 (the fixture)
+    PASSWORD,
+    USER,
+    Peer,
+    eventually,
+    turn_fixture,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+DATAGRAMS = 100
+
+
+async def test_allocation_record_counts_what_was_relayed(turn: Any) -> None:
+    service: TurnService = await turn()
+    peer = Peer()
+    insight = service.ctx.insight
+    try:
+        async with await TurnClient.connect(service.stun.primary, USER, PASSWORD) as c:
+            relayed = await c.allocate()
+            await c.bind_channel(peer.address)
+            sent_up = sent_down = 0
+            for n in range(DATAGRAMS):
+                payload = bytes([n % 256]) * 1000
+                await c.send(payload, peer.address)
+                assert await peer.recv() == payload
+                sent_up += len(payload)
+                reply = payload[:400]
+                peer.sock.sendto(reply, relayed)
+                assert (await c.receive(timeout=2))[0] == reply
+                sent_down += len(reply)
+        assert await eventually(lambda: bool(insight.ring))
+    finally:
+        peer.close()
+    [record] = await insight.attempts(AttemptFilter(family="turn"))
+    assert record.outcome == "relayed" and record.winner == "relay"
+    assert record.game == f"{service.core.settings.realm}/{USER}"
+    assert record.usage is not None
+    # The payloads each way, within 1 % (nothing else crossed the relay).
+    assert abs(record.usage.bytes_up - sent_up) <= sent_up / 100
+    assert abs(record.usage.bytes_down - sent_down) <= sent_down / 100
+    assert record.usage.packets_up == record.usage.packets_down == DATAGRAMS
+    assert "127.0.0.1:" not in record.session.split("/", 1)[0]
+    assert record.sides[0].id != "127.0.0.1"
