@@ -145,6 +145,8 @@ def container(image: str, tmp_path: Path) -> Iterator[Container]:
         # The check is run below with `podman healthcheck run`; no systemd
         # timer (there is no systemd here to run one).
         "--health-interval", "disable",
+        # As deploy/kubernetes runs it: readOnlyRootFilesystem.
+        "--read-only",
         *runtime_flags(),
         "--volume", f"{state}:/var/lib/crossroads",
         *(arg for key, value in env.items() for arg in ("--env", f"{key}={value}")),
