@@ -3,10 +3,11 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev mmdebstrap podman runc
 ARGS ?=
+IMAGE ?= localhost/crossroads:latest
 
-.PHONY: install install-system install-python run test lint types pytest clean
+.PHONY: install install-system install-python run test lint types pytest clean image image-test
 
 install: install-system install-python
 
@@ -18,6 +19,8 @@ install: install-system install-python
 # systemd-analyze for the unit in deploy/.
 # gnutls-bin brings gnutls-cli, libmbedtls-dev the mbedTLS library (UnityTLS's)
 # for the Unity Relay DTLS interop tests.
+# mmdebstrap and podman build the container image (`make image`); runc runs it
+# where crun cannot (hybrid cgroups: README, "Image").
 install-system:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -51,6 +54,16 @@ pytest:
 	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
 
 test: install lint types pytest
+
+# The container image, localhost/crossroads:latest (Containerfile), from Debian's
+# packages: nothing is pulled from a registry (README, "Image").
+image: install-system
+	deploy/container/build.sh $(IMAGE)
+
+# Build it and run `crossroads serve` from it: STUN, TURN, the relay API, the
+# health check (also part of `make test`).
+image-test: install-system
+	$(BIN)/pytest -q -p no:cacheprovider tests/test_image.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
