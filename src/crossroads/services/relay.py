@@ -323,6 +323,11 @@ class RelayNode:
     ws_servers: list[asyncio.Server] = field(default_factory=list, init=False)
     #: The process's budget, where :data:`ALLOCATIONS_TABLE` is registered.
     budget: ResourceBudget | None = field(default=None, init=False)
+    #: Draining (:meth:`drain`): registered as draining, so the allocations
+    #: API (of every instance) places new hosts on other nodes and no listing
+    #: shows it; bound sessions keep relaying, their records stay refreshed
+    #: and their join codes still lead here.
+    draining: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.refusals = RefusalLog(
@@ -389,13 +394,23 @@ class RelayNode:
         return code
 
     def registration(self) -> NodeInfo:
-        return dataclasses.replace(self.info, load=self.core.load)
+        return dataclasses.replace(
+            self.info, load=self.core.load, draining=self.draining
+        )
 
     async def register(self) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
         await self.store.set(
             node_key(self.info.node_id), self.registration().to_json(), ttl=ttl
         )
+
+    async def drain(self) -> None:
+        """Leave the node listings now (the API's choice of node, regions, the
+        console's node table skip a draining node); a join code of a bound
+        host still leads here, so its players still join it."""
+        self.draining = True
+        with contextlib.suppress(StoreError):
+            await self.register()
 
     async def _heartbeat(self) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
@@ -656,6 +671,14 @@ class RelayService:
         keys = config.section(NAME, Config).api_keys
         self.api_keys.replace(keys)
         return [f"relay: {len(keys)} API key(s)"]
+
+    async def drain(self) -> None:
+        """New hosts go to other nodes; bound sessions keep relaying."""
+        if self.node is not None:
+            await self.node.drain()
+
+    def live_sessions(self) -> int:
+        return 0 if self.node is None else len(self.node.core.allocations)
 
     async def live_nodes(self) -> list[NodeInfo]:
         """Every relay node registered in the store (all regions, all

@@ -351,6 +351,10 @@ class Console:
     resources: Callable[[], dict[str, Any]] | None = None
     #: The process's TLS certificate (its DNS names go into ``turns:`` URLs).
     certificates: Certificates | None = None
+    #: Whether the instance drains (a banner on every page says so).
+    draining: Callable[[], bool] = lambda: False
+    #: Start a drain; returns its status (``POST /console/api/admin/drain``).
+    drain: Callable[[], dict[str, Any]] | None = None
     matrix_path: Path | None = None
     sampler: Sampler = field(init=False)
     errors: ErrorRing = field(default_factory=ErrorRing, init=False)
@@ -423,6 +427,7 @@ class Console:
     async def _fresh_status(self) -> dict[str, Any]:
         services = self.services()
         return {
+            "draining": self.draining(),
             "relay_nodes": await self.relay_nodes(),
             "version": crossroads.__version__,
             "uptime": time.time() - self.started,
@@ -547,6 +552,7 @@ class Console:
 </nav>
 </header>
 <main id="main" tabindex="-1">
+{DRAINING_BANNER if self.draining() else ""}
 <h1>{html.escape(title)}</h1>
 {body}
 </main>
@@ -721,6 +727,17 @@ class Console:
                 return refused
             return JSONResponse({"errors": list(self.errors.records)})
 
+        @router.post("/console/api/admin/drain")
+        async def drain(request: Request) -> JSONResponse:
+            if (refused := self.refusal(request)) is not None:
+                return refused
+            if self.drain is None:
+                return JSONResponse(
+                    {"code": "not_found", "message": "this server cannot drain"},
+                    status_code=404,
+                )
+            return JSONResponse(self.drain())
+
         @router.post("/console/api/admin/revoke")
         async def revoke(request: Request) -> JSONResponse:
             if (refused := self.refusal(request)) is not None:
@@ -742,6 +759,14 @@ class Console:
             return JSONResponse({"revoked": session_id, "kind": kind})
 
         return router
+
+
+#: Shown at the top of every console page while the instance drains.
+DRAINING_BANNER = (
+    '<p class="banner" role="alert" data-draining><strong>Draining:</strong> '
+    "this instance takes no new sessions; live ones continue until they end "
+    "or the drain timeout passes, then it exits.</p>"
+)
 
 
 def _forbidden() -> JSONResponse:
