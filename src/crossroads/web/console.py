@@ -418,16 +418,15 @@ class Console:
         """The public status, computed at most once per :data:`STATUS_CACHE_SECONDS`
         however many browsers poll it (a registry walk and a store read each)."""
         now = time.monotonic()
-        if self._status is not None and now - self._status_at < STATUS_CACHE_SECONDS:
-            return self._status
-        self._status = await self._fresh_status()
-        self._status_at = now
-        return self._status
+        if self._status is None or now - self._status_at >= STATUS_CACHE_SECONDS:
+            self._status = await self._fresh_status()
+            self._status_at = now
+        # Never cached: a drain shows at once.
+        return {**self._status, "draining": self.draining()}
 
     async def _fresh_status(self) -> dict[str, Any]:
         services = self.services()
         return {
-            "draining": self.draining(),
             "relay_nodes": await self.relay_nodes(),
             "version": crossroads.__version__,
             "uptime": time.time() - self.started,
