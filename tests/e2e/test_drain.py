@@ -235,6 +235,21 @@ async def test_turn_drain_redirects_new_allocations_and_keeps_live_ones(
                 )
             # uclient relayed through the draining node to the end, no loss.
             assert_no_loss(await relaying)
+            # uclient follows the 300 too: a new run against node A relays
+            # through node B with no loss.
+            second_run = await uclient(
+                "-c", "-e", "127.0.0.1", "-r", str(peer_port),
+                "-u", USER, "-w", PASSWORD,
+                "-m", "1", "-n", "10", "-z", "20", "-l", "100",
+                "-p", str(node_a.udp), "127.0.0.1",
+            )  # fmt: skip
+            assert "error 300 (Try Alternate)" in second_run
+            assert_no_loss(second_run)
+            async with httpx.AsyncClient() as http:
+                text = (await http.get(node_b.url + "/metrics")).text
+            # Node B allocated for crossroads' client and for uclient.
+            assert metric(text, "crossroads_turn_allocations_created_total") == 2
+            assert await sessions(node_a, "turn") == 1
             assert node_a.process.poll() is None  # its allocation still lives
             keys = {k.decode() for k in await store.keys(TURN_NODE_PREFIX + "*")}
             assert len(keys) == 1  # node A left the listing, node B stays
