@@ -40,9 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 PROMETHEUS = ROOT / "deploy" / "compose" / "prometheus.yml"
-#: Settings of work not merged yet that the files already set (the drain's
-#: --drain-timeout): known names, ignored by a crossroads without them.
-PENDING = {"CROSSROADS_DRAIN_TIMEOUT"}
 #: Read by crossroads outside the settings table (click, the image).
 OTHER_VARIABLES = {"CROSSROADS_CONFIG", "CROSSROADS_STATE_DIR"}
 #: Sample values for what an operator sets (.env, the Secret, the downward API).
@@ -54,7 +51,7 @@ NODES = ("crossroads-1", "crossroads-2")
 def known_variables() -> set[str]:
     load_service_modules()
     names = {env_name(section, f) for section, f, _ in iter_settings()}
-    return names | PENDING | OTHER_VARIABLES
+    return names | OTHER_VARIABLES
 
 
 def interpolate(value: str) -> str:

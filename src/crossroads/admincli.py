@@ -1,5 +1,5 @@
 """The admin CLI: ``crossroads status``, ``sessions``, ``credentials``, ``revoke``,
-``reload``, ``doctor`` and ``budget``, talking to a running ``crossroads serve``.
+``reload``, ``doctor``, ``budget`` and ``drain``, talking to a running ``crossroads serve``.
 
 The server is found, in order, through ``--url``, ``--http-port`` (on
 127.0.0.1), or the ``server.json`` that ``crossroads serve`` keeps in the state
@@ -301,6 +301,27 @@ def revoke(kind: str, session_id: str, **where: Any) -> None:
         json={"kind": kind, "id": session_id},
     )
     click.echo(f"revoked {kind} {session_id}")
+
+
+@click.command()
+@target_options
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+def drain(as_json: bool, **where: Any) -> None:
+    """Drain the server as SIGTERM does: no new sessions (TURN clients are sent
+    to another node, /readyz answers 503), live ones go on; it exits when they
+    end or --drain-timeout passes."""
+    data = request(find_target(**where), "POST", "/console/api/admin/drain", admin=True)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    live = data.get("live_sessions") or {}
+    total = sum(v for v in live.values() if isinstance(v, int))
+    detail = ", ".join(f"{name} {count}" for name, count in sorted(live.items()))
+    left = data.get("seconds_left")
+    when = f"; exits at the latest in {left:.0f} s" if isinstance(left, float) else ""
+    click.echo(
+        f"draining: {total} live session(s){f' ({detail})' if detail else ''}{when}"
+    )
 
 
 @click.command()
@@ -632,4 +653,4 @@ async def _tcp_open(host: str, port: int) -> bool:
     return True
 
 
-COMMANDS = (status, sessions, revoke, reload, credentials, doctor, budget)
+COMMANDS = (status, sessions, revoke, reload, credentials, doctor, budget, drain)

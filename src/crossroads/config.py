@@ -391,6 +391,13 @@ class CoreConfig:
         help="Seconds a client has to send a whole request (headers and body) "
         "after connecting or after the previous response (slowloris).",
     )
+    drain_timeout: float = setting(
+        3600.0,
+        check=check_positive,
+        help="Seconds a draining instance (SIGTERM, `crossroads drain`) keeps "
+        "its live sessions before it exits anyway; a second SIGTERM exits at "
+        "once. One hour, like STUNner's default termination grace period.",
+    )
     # Guessing budgets (proto/budget.py; arithmetic in docs/security.md): failed
     # join-code / invite-code lookups and failed API keys, each kind its own budget.
     guess_per_source: float = setting(

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -22,7 +23,7 @@ from crossroads.errors import ConfigError
 from crossroads.insight import Config as InsightConfig
 from crossroads.insight import InsightRecorder, recorder_for
 from crossroads.services import load_service_modules
-from crossroads.services.base import Reloadable, Service, ServiceContext
+from crossroads.services.base import Drainable, Reloadable, Service, ServiceContext
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store import open_store
@@ -55,6 +56,10 @@ from crossroads.workers import WorkerSlot
 
 log = logging.getLogger("crossroads")
 
+#: Seconds between two counts of the live sessions while draining: an exit a
+#: second after the last session ends is soon enough for any orchestrator.
+DRAIN_POLL = 1.0
+
 
 @dataclass
 class Runtime:
@@ -78,6 +83,16 @@ class Runtime:
     resources: ResourceBudget = field(default_factory=ResourceBudget)
     #: Connection insight: the records services write (crossroads.insight).
     insight: InsightRecorder = field(default_factory=InsightRecorder)
+    #: True once :meth:`drain` was called (SIGTERM, ``crossroads drain``).
+    draining: bool = False
+    #: Set when a drain is over: the last session ended or the timeout passed.
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Called instead of :meth:`drain` by the admin API when another process
+    #: must start the drain (a ``--workers`` supervisor drains every worker).
+    drain_request: Callable[[], None] | None = None
+    _drain_deadline: float = 0.0
+    _drain_task: asyncio.Task[None] | None = None
+    _draining_gauge: Gauge | None = None
     _closed: bool = False
 
     def udp_ports(self) -> dict[int, str]:
@@ -106,6 +121,85 @@ class Runtime:
             )
         return lines
 
+    def live_sessions(self) -> dict[str, int]:
+        """Live sessions per drainable service (what a drain waits for)."""
+        return {
+            name: service.live_sessions()
+            for name, service in self.services.items()
+            if isinstance(service, Drainable)
+        }
+
+    def drain_status(self) -> dict[str, Any]:
+        """What the admin API and ``crossroads drain`` show."""
+        left = (
+            max(0.0, self._drain_deadline - asyncio.get_running_loop().time())
+            if self.draining
+            else None
+        )
+        return {
+            "draining": self.draining,
+            "live_sessions": self.live_sessions(),
+            "seconds_left": left,
+        }
+
+    def request_drain(self) -> dict[str, Any]:
+        """The admin API's drain: this process's, or the supervisor's."""
+        if self.drain_request is not None and not self.draining:
+            self.drain_request()
+        else:
+            self.drain()
+        return self.drain_status()
+
+    def drain(self) -> None:
+        """Stop taking new work; keep the live sessions until they end or
+        ``--drain-timeout`` passes, then set :attr:`drained` (idempotent).
+
+        Every :class:`Drainable` service refuses or redirects new sessions
+        (TURN: 300 Try Alternate naming a peer node, else 486; the Unity relay
+        node leaves the store's node listing, so the API places new hosts on
+        other nodes ...); ``/readyz`` answers 503 and ``crossroads_draining``
+        is 1. Live sessions keep working meanwhile."""
+        if self.draining or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        self.draining = True
+        self._drain_deadline = loop.time() + self.config.core.drain_timeout
+        if self._draining_gauge is not None:
+            self._draining_gauge.set(1)
+        self._drain_task = asyncio.create_task(self._drain(), name="drain")
+
+    async def _drain(self) -> None:
+        for name, service in self.services.items():
+            if isinstance(service, Drainable):
+                try:
+                    await service.drain()
+                except Exception:
+                    log.exception("%s: drain failed; its sessions still end", name)
+        loop = asyncio.get_running_loop()
+        live = sum(self.live_sessions().values())
+        log.info(
+            "draining: %d live session(s); new sessions go to other instances; "
+            "exiting when they end or in %.0f s (a second SIGTERM exits now)",
+            live,
+            self.config.core.drain_timeout,
+        )
+        while live:
+            if loop.time() >= self._drain_deadline:
+                log.warning(
+                    "drain timeout (--drain-timeout %.0f s): exiting with %d "
+                    "live session(s)",
+                    self.config.core.drain_timeout,
+                    live,
+                )
+                break
+            await asyncio.sleep(
+                min(DRAIN_POLL, max(0.0, self._drain_deadline - loop.time()))
+            )
+            live = sum(self.live_sessions().values())
+        else:
+            log.info("drained: no live session left")
+        self.drained.set()
+
     def reload(self, config: Config) -> list[str]:
         """Hand a new configuration to every service that can apply it live.
 
@@ -124,6 +218,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        if self._drain_task is not None:
+            self._drain_task.cancel()
         if self._https is not None:
             self._https.close()
         if self._http is not None:
@@ -242,6 +338,12 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         raise_fd_limit(), core.memory_budget or None
     )
     metrics.register(BudgetCollector(budget))
+    runtime._draining_gauge = Gauge(
+        "crossroads_draining",
+        "1 while this instance drains (SIGTERM, crossroads drain): it takes no "
+        "new sessions and exits when the live ones end or --drain-timeout passes.",
+        registry=metrics,
+    )
     kernel_drops = KernelDropCollector(runtime.udp_ports)
     metrics.register(kernel_drops)
     insight_config = config.sections.get("insight")
@@ -291,6 +393,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             services=lambda: runtime.services,
             resources=budget.snapshot,
             certificates=certificates,
+            draining=lambda: runtime.draining,
+            drain=runtime.request_drain,
             matrix_path=results_dir(resolve_state_dir(config.core.state_dir))
             / MATRIX_FILE,
         )
@@ -304,6 +408,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
                 insight_router(insight, runtime.console.refusal),
             ],
             services=lambda: list(runtime.services),
+            ready=lambda: not runtime.draining,
             api_docs=core.api_docs,
         )
         runtime._http = make_http_server(app, guard, core.trusted_proxies)
@@ -332,7 +437,9 @@ async def serve_forever(
     reread: Callable[[], Config] | None = None,
     worker: WorkerSlot | None = None,
 ) -> None:
-    """``crossroads serve``: start, log the addresses, run until SIGINT/SIGTERM.
+    """``crossroads serve``: start, log the addresses, run until SIGINT, or
+    until a drain (SIGTERM, ``crossroads drain``) is over (Runtime.drain); a
+    second SIGTERM stops a drain at once.
 
     Missing credentials are filled in from the state directory first
     (:mod:`crossroads.firstrun`); the development ones are printed to stdout, not
@@ -371,6 +478,24 @@ async def serve_forever(
     if worker is not None:
         register_worker_metric(runtime.metrics, worker)
         reuseport.announce_ready()
+        # The admin API's drain drains every worker: the supervisor passes
+        # its SIGTERM on to each (crossroads.workers).
+        runtime.drain_request = functools.partial(
+            os.kill, worker.supervisor_pid, signal.SIGTERM
+        )
+
+    def terminate() -> None:
+        # The first SIGTERM drains (orchestrators send it, then wait their
+        # grace period); a second one, or SIGINT, stops at once.
+        if runtime.draining:
+            log.info("second SIGTERM: stopping now")
+            stop.set()
+        else:
+            runtime.drain()
+
+    loop.add_signal_handler(signal.SIGTERM, terminate)
+    drained = asyncio.create_task(runtime.drained.wait(), name="drained")
+    drained.add_done_callback(lambda _: stop.set())
     for line in runtime.describe():
         log.info("%s", line)
     stun = runtime.services.get("stun")
@@ -407,6 +532,7 @@ async def serve_forever(
         await stop.wait()
         log.info("shutting down")
     finally:
+        drained.cancel()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(signum)
         if server_file is not None:

@@ -276,9 +276,19 @@ class Supervisor:
     """Starts, restarts, signals and stops the workers (module docstring)."""
 
     def __init__(
-        self, plan: WorkerPlan, command: Sequence[str], env: Mapping[str, str]
+        self,
+        plan: WorkerPlan,
+        command: Sequence[str],
+        env: Mapping[str, str],
+        drain_timeout: float = 0.0,
     ) -> None:
         self.plan = plan
+        #: ``--drain-timeout``: on SIGTERM the workers drain (runtime.py) and
+        #: get this long, plus :data:`STOP_GRACE`, before they are killed.
+        self.drain_timeout = drain_timeout
+        #: The signal that stopped the supervisor: passed on to the workers
+        #: (SIGTERM drains them, SIGINT stops them at once).
+        self._stop_signal = signal.SIGTERM
         self.command = list(command)
         self.env = dict(env)
         self.processes: dict[int, asyncio.subprocess.Process] = {}
@@ -295,7 +305,13 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(signum)
 
-    def stop(self) -> None:
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self._stopping.is_set():
+            # A second signal: draining workers stop at once on a second SIGTERM.
+            log.info("second signal: stopping the workers now")
+            self._signal_all(signal.SIGTERM)
+            return
+        self._stop_signal = signal.Signals(signum)
         self._stopping.set()
 
     def reload(self) -> None:
@@ -405,10 +421,15 @@ class Supervisor:
             first = False
 
     async def _stop_all(self) -> None:
-        self._signal_all(signal.SIGTERM)
+        self._signal_all(self._stop_signal)
+        grace = STOP_GRACE
+        if self._stop_signal == signal.SIGTERM:
+            grace += self.drain_timeout
+        deadline = asyncio.get_running_loop().time() + grace
         for index, process in list(self.processes.items()):
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
             try:
-                await asyncio.wait_for(process.wait(), STOP_GRACE)
+                await asyncio.wait_for(process.wait(), left)
             except TimeoutError:
                 log.warning("worker %d did not stop: killing it", index)
                 with contextlib.suppress(ProcessLookupError):
@@ -419,7 +440,7 @@ class Supervisor:
         """Run until SIGINT/SIGTERM (or a worker that cannot start); the exit code."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, self.stop)
+            loop.add_signal_handler(signum, self.stop, signum)
         loop.add_signal_handler(signal.SIGHUP, self.reload)
         # Worker 0 first: it makes every worker's shared sockets, so the
         # SO_REUSEPORT groups are whole before anyone serves a client
@@ -442,9 +463,13 @@ class Supervisor:
             await self._stopping.wait()
             log.info("shutting down %d worker(s)", self.plan.count)
         finally:
-            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                loop.remove_signal_handler(signum)
-            await self._stop_all()
+            # Signals stay handled while the workers drain: a second SIGTERM
+            # stops them at once (Supervisor.stop).
+            try:
+                await self._stop_all()
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                    loop.remove_signal_handler(signum)
             for keeper in keepers:
                 keeper.cancel()
             await asyncio.gather(*keepers, return_exceptions=True)

@@ -350,7 +350,9 @@ class BatteryServer:
     def stop(self) -> None:
         self.admin.close()
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            # SIGINT stops at once; SIGTERM would drain the sessions the
+            # battery left (runtime.serve_forever).
+            self.process.send_signal(signal.SIGINT)
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:

@@ -104,7 +104,7 @@ def serve_with_fd_limit(nofile: int, *args: str) -> Iterator[ServeProcess]:
             yield server
         finally:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal.SIGINT)  # at once (SIGTERM drains)
                 try:
                     process.wait(10)
                 except subprocess.TimeoutExpired:

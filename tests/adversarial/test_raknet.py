@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -636,7 +637,7 @@ async def raknet_child(tmp_path: Path) -> AsyncIterator[RakNetChild]:
             handle.server = (listener["host"], listener["port"])
             yield handle
     finally:
-        child.terminate()
+        child.send_signal(signal.SIGINT)  # at once: SIGTERM would drain
         try:
             child.wait(15)
         except subprocess.TimeoutExpired:

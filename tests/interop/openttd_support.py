@@ -72,10 +72,12 @@ class NetNS:
         )
 
 
-def _stop(process: subprocess.Popen[bytes] | None) -> None:
+def _stop(
+    process: subprocess.Popen[bytes] | None, signum: int = signal.SIGTERM
+) -> None:
     if process is None or process.poll() is not None:
         return
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     try:
         process.wait(5)
     except subprocess.TimeoutExpired:
@@ -213,7 +215,7 @@ class Crossroads:
         return 0.0
 
     def stop(self) -> None:
-        _stop(self.process)
+        _stop(self.process, signal.SIGINT)  # at once: SIGTERM would drain
 
 
 def _config(directory: Path, network: dict[str, str]) -> Path:

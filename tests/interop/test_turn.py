@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import re
 import shutil
+import signal
 import socket
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -549,5 +550,5 @@ async def test_crossroads_serve_only_turn_cli(
         relayed = re.findall(r"relay addr: 127\.0\.0\.1:(\d+)", output)
         assert all(42000 <= int(p) <= 42999 for p in relayed)
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # at once: SIGTERM would drain
         process.wait(10)

@@ -114,7 +114,10 @@ def serve(config_file: Path | None, **params: Any) -> None:
                 # workers read them (no race between N first runs).
                 prepare(config)
                 supervisor = workers.Supervisor(
-                    plan, workers.worker_command(), os.environ
+                    plan,
+                    workers.worker_command(),
+                    os.environ,
+                    drain_timeout=config.core.drain_timeout,
                 )
                 sys.exit(run_async(supervisor.run()))
         else:

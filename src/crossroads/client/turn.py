@@ -53,6 +53,7 @@ from OpenSSL import SSL
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.stun import (
     AdditionalAddressFamily,
+    AlternateServer,
     Attribute,
     ChannelNumber,
     Class,
@@ -99,10 +100,15 @@ RECEIVE_QUEUE = 4096
 class TurnClientError(CrossroadsError):
     """A TURN request failed; ``code`` is the STUN error code (0: no answer)."""
 
-    def __init__(self, code: int, reason: str) -> None:
+    def __init__(
+        self, code: int, reason: str, alternate: Address | None = None
+    ) -> None:
         super().__init__(f"{code} {reason}" if code else reason)
         self.code = code
         self.reason = reason
+        #: ALTERNATE-SERVER of an authenticated 300 Try Alternate (RFC 8489
+        #: §10): where to send the request instead; None otherwise.
+        self.alternate = alternate
 
 
 class TurnTimeout(TurnClientError):
@@ -119,6 +125,49 @@ def rest_credentials(
     expiry = int(time.time() + ttl)
     username = f"{expiry}{separator}{user}" if user else str(expiry)
     return username, rest_password(secret, username)
+
+
+#: Redirects one allocation follows at most (RFC 8489 §10 leaves the bound to
+#: the client; a loop of servers naming each other must end).
+MAX_REDIRECTS = 3
+
+
+async def allocate_following(
+    server: Address,
+    username: str,
+    password: str,
+    *,
+    transport: Literal["udp", "tcp"] = "udp",
+    timeout: float = 10.0,
+    lifetime: int | None = None,
+) -> TurnClient:
+    """Connect and allocate, following 300 Try Alternate to the server its
+    ALTERNATE-SERVER names (RFC 8656 §7.2, RFC 8489 §10: a draining or full
+    server redirects new allocations), at most :data:`MAX_REDIRECTS` times
+    and never to a server already tried. Returns the client of the server
+    that allocated (its :attr:`TurnClient.server`).
+
+    Raises:
+        TurnClientError: the last server's error (a 300 beyond the bound too).
+    """
+    tried: set[Address] = set()
+    while True:
+        tried.add(server)
+        client = await TurnClient.connect(
+            server, username, password, transport=transport, timeout=timeout
+        )
+        try:
+            await client.allocate(lifetime=lifetime)
+            return client
+        except TurnClientError as exc:
+            await client.close()
+            alternate = exc.alternate
+            if alternate is None or alternate in tried or len(tried) > MAX_REDIRECTS:
+                raise
+            server = alternate
+        except BaseException:
+            await client.close()
+            raise
 
 
 class _Udp(asyncio.DatagramProtocol):
@@ -406,8 +455,24 @@ class TurnClient:
                 break  # a signed request was refused: wrong credentials
             if code in (401, 438) and self.session.learn(answer):
                 continue
-            raise TurnClientError(code, error.reason if error else "error")
+            raise TurnClientError(
+                code,
+                error.reason if error else "error",
+                self._alternate(answer, raw) if code == 300 else None,
+            )
         raise TurnClientError(401, "Unauthenticated")
+
+    def _alternate(self, answer: Message, raw: bytes) -> Address | None:
+        """The ALTERNATE-SERVER of a 300, trusted only when the answer is
+        signed with our credentials (RFC 8489 §10: with authentication, a 300
+        without valid MESSAGE-INTEGRITY is discarded; else anyone on the path
+        could send us elsewhere)."""
+        alternate = answer.get(AlternateServer)
+        if alternate is None or not self.session.ready:
+            return None
+        if not self.session.verify(raw, answer):
+            return None
+        return (alternate.host, alternate.port)
 
     # ------------------------------------------------------------ TURN
 

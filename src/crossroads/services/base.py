@@ -100,6 +100,22 @@ class Reloadable(Protocol):
         ...
 
 
+@runtime_checkable
+class Drainable(Protocol):
+    """A service that can stop taking new work while its live sessions go on
+    (``SIGTERM``, ``crossroads drain``: the runtime's graceful drain)."""
+
+    async def drain(self) -> None:
+        """Refuse or redirect new sessions from now on (idempotent); leave
+        every listing that would send new clients here."""
+        ...
+
+    def live_sessions(self) -> int:
+        """Sessions the process waits for before it exits (relayed traffic:
+        allocations, relay sessions, forwarders, TURN streams)."""
+        ...
+
+
 class HttpsPortGuest(Protocol):
     """A service whose TLS connections arrive on the runtime's HTTPS listener,
     sorted from HTTP ones by ALPN or first bytes (:mod:`crossroads.transport.tls_sort`)."""

@@ -315,6 +315,18 @@ class RakNetService:
             for address, role in zip(self.addresses, roles, strict=False)
         ]
 
+    async def drain(self) -> None:
+        """Leave the relay-node listing; the forwarders (relayed game
+        traffic) go on until they end. The punchthrough, type detection and
+        master server keep answering: their exchanges last seconds, and
+        /readyz (503) takes the instance out of the load balancer."""
+        if self.relay_nodes is not None:
+            await self.relay_nodes.withdraw()
+
+    def live_sessions(self) -> int:
+        """Open UDP proxy forwarders (RakNet connections through this node)."""
+        return 0 if self.forwarders is None else len(self.forwarders.entries)
+
     async def close(self) -> None:
         if self.relay_nodes is not None:
             await self.relay_nodes.close()

@@ -123,6 +123,14 @@ class RelayNodes:
             with contextlib.suppress(StoreError):
                 await self.store.delete(node_key(self.node_id))
 
+    async def withdraw(self) -> None:
+        """Stop registering (a drain): the other instances stop handing this
+        node forwarders within a heartbeat; its forwarders go on."""
+        own, self.own_address = self.own_address, None
+        if own is not None:
+            with contextlib.suppress(StoreError):
+                await self.store.delete(node_key(self.node_id))
+
     # ------------------------------------------------------------ heartbeat
 
     async def _heartbeat_forever(self) -> None:

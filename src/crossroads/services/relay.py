@@ -327,6 +327,11 @@ class RelayNode:
     budget: ResourceBudget | None = field(default=None, init=False)
     #: Where each ended host-joiner link's record goes (crossroads.insight).
     insight: InsightRecorder = field(default_factory=InsightRecorder, init=False)
+    #: Draining (:meth:`drain`): registered as draining, so the allocations
+    #: API (of every instance) places new hosts on other nodes and no listing
+    #: shows it; bound sessions keep relaying, their records stay refreshed
+    #: and their join codes still lead here.
+    draining: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.refusals = RefusalLog(
@@ -427,13 +432,23 @@ class RelayNode:
         return code
 
     def registration(self) -> NodeInfo:
-        return dataclasses.replace(self.info, load=self.core.load)
+        return dataclasses.replace(
+            self.info, load=self.core.load, draining=self.draining
+        )
 
     async def register(self) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
         await self.store.set(
             node_key(self.info.node_id), self.registration().to_json(), ttl=ttl
         )
+
+    async def drain(self) -> None:
+        """Leave the node listings now (the API's choice of node, regions, the
+        console's node table skip a draining node); a join code of a bound
+        host still leads here, so its players still join it."""
+        self.draining = True
+        with contextlib.suppress(StoreError):
+            await self.register()
 
     async def _heartbeat(self) -> None:
         ttl = self.cfg.heartbeat * HEARTBEATS_PER_TTL
@@ -694,6 +709,14 @@ class RelayService:
         keys = config.section(NAME, Config).api_keys
         self.api_keys.replace(keys)
         return [f"relay: {len(keys)} API key(s)"]
+
+    async def drain(self) -> None:
+        """New hosts go to other nodes; bound sessions keep relaying."""
+        if self.node is not None:
+            await self.node.drain()
+
+    def live_sessions(self) -> int:
+        return 0 if self.node is None else len(self.node.core.allocations)
 
     async def live_nodes(self) -> list[NodeInfo]:
         """Every relay node registered in the store (all regions, all

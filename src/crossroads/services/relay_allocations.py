@@ -60,6 +60,9 @@ class NodeInfo:
     ws_port: int = 0
     wss_port: int = 0
     wss_host: str = ""
+    #: The node drains (SIGTERM, ``crossroads drain``): no new host is placed
+    #: on it and no listing shows it; its live sessions still take joiners.
+    draining: bool = False
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -75,6 +78,7 @@ class NodeInfo:
                 "wsPort": self.ws_port,
                 "wssPort": self.wss_port,
                 "wssHost": self.wss_host,
+                "draining": self.draining,
             }
         ).encode()
 
@@ -93,6 +97,7 @@ class NodeInfo:
             ws_port=int(data.get("wsPort", 0)),
             wss_port=int(data.get("wssPort", 0)),
             wss_host=str(data.get("wssHost", "")),
+            draining=data.get("draining") is True,
         )
 
 
@@ -162,15 +167,19 @@ class Allocator:
         return self.cfg.bind_timeout + self.cfg.heartbeat * HEARTBEATS_PER_TTL
 
     async def live_nodes(self) -> list[NodeInfo]:
+        """Registered nodes that take new hosts (a draining one does not)."""
         nodes = []
         for key in await self.store.keys("relay:node:"):
             raw = await self.store.get(key)
             if raw is None:
                 continue
             try:
-                nodes.append(NodeInfo.from_json(raw))
+                node = NodeInfo.from_json(raw)
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring malformed relay node record %s", key)
+                continue
+            if not node.draining:
+                nodes.append(node)
         return nodes
 
     async def regions(self) -> list[tuple[str, str]]:

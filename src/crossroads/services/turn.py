@@ -129,6 +129,7 @@ from crossroads.services.stun import (
     TurnHooks,
     UdpEndpoint,
 )
+from crossroads.services.turn_nodes import TurnNodes
 from crossroads.transport.admission import Pool
 from crossroads.transport.dataplane import (
     RouteTapLike,
@@ -1101,6 +1102,8 @@ class TurnService:
         self.auth_log = RateLimitedLog(log)
         self._timer = CoreTimer(self.loop, self.core.get_timer, self._on_timer)
         self._tasks: set[asyncio.Task[Any]] = set()
+        #: This node in the store's TURN node listing (services/turn_nodes.py).
+        self.nodes: TurnNodes | None = None
         self._collector = _Collector(self)
         #: TURN over DTLS listeners (see :meth:`listen_dtls`).
         self.dtls_listeners: list[DtlsListener] = []
@@ -1351,6 +1354,31 @@ class TurnService:
         self._after_input()
         return len(doomed)
 
+    # ------------------------------------------------------------ drain
+
+    def node_addresses(self) -> list[Address]:
+        """Where clients reach this node's TURN, for the other nodes' drains:
+        the advertised relay address of each family (IP literals only) and
+        the STUN port."""
+        port = self.stun.primary[1]
+        found: list[Address] = []
+        for _, advertised in self.relay_hosts.values():
+            try:
+                found.append((str(ipaddress.ip_address(advertised)), port))
+            except ValueError:
+                continue  # a name, or "" (found per client): not advertisable
+        return found
+
+    async def drain(self) -> None:
+        """New Allocates get 300 to a peer node (else 486); live allocations
+        keep their refreshes, permissions, channels and data."""
+        self.core.drain(self.core.settings.alternate_servers)
+        if self.nodes is not None:
+            await self.nodes.drain()
+
+    def live_sessions(self) -> int:
+        return len(self.core.allocations)
+
     def describe(self) -> list[str]:
         low, high = self.config.relay_ports
         lines = list(self.stun.describe()) if self.owns_stun else []
@@ -1381,6 +1409,8 @@ class TurnService:
         if self._closed:
             return
         self._closed = True
+        if self.nodes is not None:
+            await self.nodes.close()
         if self.stun.turn is self.hooks:
             self.stun.detach_turn()
         self._restore_taps()
@@ -1977,6 +2007,13 @@ async def serve(ctx: ServiceContext) -> TurnService:
             await stun.close()
         raise
     service.start()
+    service.nodes = TurnNodes(
+        ctx.store,
+        service.node_addresses(),
+        service.core.drain,
+        configured=service.core.settings.alternate_servers,
+    )
+    service.nodes.start()
     https_port = ctx.config.core.https_port
     if ctx.certificates is not None and https_port and config.tls_port == https_port:
         # One TLS port with HTTPS (443): the runtime's listener sorts each

@@ -69,6 +69,7 @@ def create_app(
     store: Store,
     routers: Sequence[APIRouter] = (),
     services: Callable[[], list[str]] = lambda: [],
+    ready: Callable[[], bool] = lambda: True,
     api_docs: bool = False,
 ) -> FastAPI:
     # The interactive docs list every route and schema to anyone, and the
@@ -141,6 +142,17 @@ def create_app(
             "services": services(),
         }
         return JSONResponse(body, status_code=200 if store_ok else 503)
+
+    @app.get("/readyz", tags=["ops"])
+    async def readyz() -> JSONResponse:
+        # Readiness, for load balancers and Kubernetes: 503 while the instance
+        # drains (it takes no new sessions) or cannot reach the store;
+        # /healthz stays the liveness answer (a draining process is alive).
+        if not ready():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not await store.ping():
+            return JSONResponse({"status": "store-unreachable"}, status_code=503)
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", tags=["ops"], response_class=PlainTextResponse)
     async def prometheus_metrics() -> Response:

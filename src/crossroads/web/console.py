@@ -351,6 +351,10 @@ class Console:
     resources: Callable[[], dict[str, Any]] | None = None
     #: The process's TLS certificate (its DNS names go into ``turns:`` URLs).
     certificates: Certificates | None = None
+    #: Whether the instance drains (a banner on every page says so).
+    draining: Callable[[], bool] = lambda: False
+    #: Start a drain; returns its status (``POST /console/api/admin/drain``).
+    drain: Callable[[], dict[str, Any]] | None = None
     matrix_path: Path | None = None
     sampler: Sampler = field(init=False)
     errors: ErrorRing = field(default_factory=ErrorRing, init=False)
@@ -414,11 +418,11 @@ class Console:
         """The public status, computed at most once per :data:`STATUS_CACHE_SECONDS`
         however many browsers poll it (a registry walk and a store read each)."""
         now = time.monotonic()
-        if self._status is not None and now - self._status_at < STATUS_CACHE_SECONDS:
-            return self._status
-        self._status = await self._fresh_status()
-        self._status_at = now
-        return self._status
+        if self._status is None or now - self._status_at >= STATUS_CACHE_SECONDS:
+            self._status = await self._fresh_status()
+            self._status_at = now
+        # Never cached: a drain shows at once.
+        return {**self._status, "draining": self.draining()}
 
     async def _fresh_status(self) -> dict[str, Any]:
         services = self.services()
@@ -547,6 +551,7 @@ class Console:
 </nav>
 </header>
 <main id="main" tabindex="-1">
+{DRAINING_BANNER if self.draining() else ""}
 <h1>{html.escape(title)}</h1>
 {body}
 </main>
@@ -721,6 +726,17 @@ class Console:
                 return refused
             return JSONResponse({"errors": list(self.errors.records)})
 
+        @router.post("/console/api/admin/drain")
+        async def drain(request: Request) -> JSONResponse:
+            if (refused := self.refusal(request)) is not None:
+                return refused
+            if self.drain is None:
+                return JSONResponse(
+                    {"code": "not_found", "message": "this server cannot drain"},
+                    status_code=404,
+                )
+            return JSONResponse(self.drain())
+
         @router.post("/console/api/admin/revoke")
         async def revoke(request: Request) -> JSONResponse:
             if (refused := self.refusal(request)) is not None:
@@ -742,6 +758,14 @@ class Console:
             return JSONResponse({"revoked": session_id, "kind": kind})
 
         return router
+
+
+#: Shown at the top of every console page while the instance drains.
+DRAINING_BANNER = (
+    '<p class="banner" role="alert" data-draining><strong>Draining:</strong> '
+    "this instance takes no new sessions; live ones continue until they end "
+    "or the drain timeout passes, then it exits.</p>"
+)
 
 
 def _forbidden() -> JSONResponse:

@@ -370,6 +370,37 @@ def test_over_capacity_redirects_to_alternate() -> None:
     assert answer.get(MessageIntegritySha256) is not None
 
 
+def test_draining_redirects_new_allocations_and_keeps_live_ones(
+    harness: Harness,
+) -> None:
+    session = allocated(harness)
+    harness.server.drain([("2001:db8::5", 3478), ("192.0.2.78", 3478)])
+    # A new Allocate: 300 naming the peer of the client's family (RFC 8489
+    # §14.15), signed like every authenticated answer.
+    answer = harness.allocate(udp(2), alice())
+    assert code(answer) == 300
+    assert answer.get(AlternateServer) == AlternateServer("192.0.2.78", 3478)
+    assert answer.get(MessageIntegritySha256) is not None
+    # The live allocation: refresh, permission, channel all still work.
+    refreshed = harness.request(Method.REFRESH, [Lifetime(600)], udp(), session)
+    assert refreshed is not None and refreshed.msg_class == Class.SUCCESS
+    permitted = harness.request(
+        Method.CREATE_PERMISSION, [XorPeerAddress(*PEER)], udp(), session
+    )
+    assert permitted is not None and permitted.msg_class == Class.SUCCESS
+    bound = bind(harness, session, 0x4000, PEER)
+    assert bound is not None and bound.msg_class == Class.SUCCESS
+    assert len(harness.server.allocations) == 1
+
+
+def test_draining_without_a_peer_of_the_family_is_486(harness: Harness) -> None:
+    harness.server.drain([("2001:db8::5", 3478)])
+    assert code(harness.allocate(udp(2), alice())) == 486
+    harness.server.drain([])
+    assert code(harness.allocate(udp(3), alice())) == 486
+    assert harness.server.counters.drops["draining-refused"] == 2
+
+
 def test_even_port_and_reservation_token(harness: Harness) -> None:
     session = alice()
     first = harness.allocate(udp(1), session, [EvenPort(True)])

@@ -475,6 +475,11 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             settings.unauthenticated_rate, settings.unauthenticated_burst
         )
         self._alternate_index = 0
+        #: Set by :meth:`drain`: new allocations are refused (300 to a peer
+        #: node of the client's family, else 486); live ones go on.
+        self.draining = False
+        #: Where a draining server sends new allocations (its peer nodes).
+        self.drain_alternates: tuple[Address, ...] = ()
         self._userhashes: dict[bytes, str] = {
             hashlib.sha256(f"{name}:{credentials.realm}".encode()).digest(): name
             for name in credentials.users
@@ -1016,11 +1021,45 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self._events.append(AllocationCreated(allocation))
         return response
 
+    def drain(self, alternates: Collection[Address] = ()) -> None:
+        """Take no new allocation from now on: an Allocate is answered 300 Try
+        Alternate with ALTERNATE-SERVER naming one of ``alternates`` (RFC 8656
+        §7.2: "the server MAY choose to reject the request with a 300 (Try
+        Alternate) error if it wishes to redirect the client to a different
+        server"; RFC 8489 §10), or 486 Allocation Quota Reached when none is of
+        the client's address family. Refreshes, permissions, channels and data
+        of live allocations are untouched. Called again to update the peers."""
+        self.draining = True
+        self.drain_alternates = tuple(alternates)
+
+    def _drain_alternate(self, client_ip: str) -> Address | None:
+        """The next peer node of ``client_ip``'s family (RFC 8489 §14.15:
+        ALTERNATE-SERVER's "IP address family MUST be identical to that of the
+        source IP address of the request"), round robin; None when none is."""
+        family = ipaddress.ip_address(client_ip).version
+        servers = [
+            server
+            for server in self.drain_alternates
+            if ipaddress.ip_address(server[0]).version == family
+        ]
+        if not servers:
+            return None
+        server = servers[self._alternate_index % len(servers)]
+        self._alternate_index += 1
+        return server
+
     def _check_quota(self, auth: Auth, client_ip: str) -> None:
         """Admit one more allocation of ``auth``'s user from ``client_ip``
         (counted in the admission: the caller releases it when the
         allocation fails or ends), or raise 486 / 300."""
         settings = self.settings
+        if self.draining:
+            alternate = self._drain_alternate(client_ip)
+            if alternate is not None:
+                self.counters.drop("draining-redirected")
+                raise _Reject(TurnError.TRY_ALTERNATE, (AlternateServer(*alternate),))
+            self.counters.drop("draining-refused")
+            raise _Reject(TurnError.ALLOCATION_QUOTA_REACHED)
         if settings.user_quota and (
             self.user_allocations.get(auth.quota_user, 0) >= settings.user_quota
         ):

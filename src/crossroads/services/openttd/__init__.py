@@ -214,6 +214,8 @@ class OpenTTDService:
         self.instance = ""
         self.duties: DutyRunner | None = None
         self.turn_public: str | None = None
+        #: Draining (:meth:`drain`): no new connection, no TURN announcement.
+        self.draining = False
         self._closed = False
 
     def describe(self) -> list[str]:
@@ -221,6 +223,23 @@ class OpenTTDService:
             f"tcp {show_address(listener.address)} ({role})"
             for role, listener in self.listeners.items()
         ]
+
+    async def drain(self) -> None:
+        """Refuse new connections on every listener (OpenTTD has no redirect:
+        its clients and servers reconnect, through DNS or a load balancer, to
+        an instance that listens; registrations and invite codes live in the
+        shared store) and stop announcing this TURN relay to the other
+        coordinators; live connections and TURN streams go on."""
+        self.draining = True
+        for listener in self.listeners.values():
+            listener.stop_accepting()
+        if self.registry is not None and self.turn_public:
+            with contextlib.suppress(StoreError):
+                await self.registry.withdraw_turn(self.turn_public)
+
+    def live_sessions(self) -> int:
+        """Relayed TURN streams (game connections through this instance)."""
+        return 0 if self.turn is None else len(self.turn.pairs)
 
     def address(self, role: str) -> Address:
         return self.listeners[role].address
@@ -368,11 +387,12 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 service.turn_public = show_address((announce_host, address[1]))
             if service.turn_public:
                 announced = service.turn_public
-                duties.add(
-                    Duty.ANNOUNCE_TURN,
-                    TURN_ANNOUNCE_EVERY,
-                    lambda: registry.announce_turn(announced),
-                )
+
+                async def announce_turn() -> None:
+                    if not service.draining:  # a draining relay takes no pair
+                        await registry.announce_turn(announced)
+
+                duties.add(Duty.ANNOUNCE_TURN, TURN_ANNOUNCE_EVERY, announce_turn)
 
         if "stun" in cfg.roles:
             await listen(

@@ -398,6 +398,12 @@ class Listener:
     def handler_busy(self, conn: PacketConnection) -> bool:
         return conn.worker is not None
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket; accepted connections go on (a drain:
+        new clients are refused and go to another instance)."""
+        if self._server is not None:
+            self._server.close()
+
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
