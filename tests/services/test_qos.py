@@ -25,9 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def qos_listeners(rt: Runtime) -> list[Any]:
-    return [
-        x for x in rt.resources.snapshot()["listeners"] if x["kind"] == "qos"
-    ]
+    return [x for x in rt.resources.snapshot()["listeners"] if x["kind"] == "qos"]
 
 
 async def measure(port: int, host: str = "127.0.0.1") -> qos_client.Result:
@@ -36,7 +34,9 @@ async def measure(port: int, host: str = "127.0.0.1") -> qos_client.Result:
 
 
 async def test_only_qos_answers_the_unity_client_and_registers_itself() -> None:
-    rt = await start(default_config(loopback_config(core__only="qos", qos__region="eu")))
+    rt = await start(
+        default_config(loopback_config(core__only="qos", qos__region="eu"))
+    )
     try:
         (listener,) = qos_listeners(rt)
         assert listener["table"] == SOURCES_TABLE and listener["transport"] == "udp"
@@ -66,9 +66,7 @@ async def test_a_relay_node_alone_runs_its_own_qos_listener() -> None:
         assert result.packet_loss == 0.0
         # Nothing registered on its own: the node's record carries it.
         assert await rt.store.keys(SERVER_PREFIX) == []
-    assert SOURCES_TABLE not in {
-        t["table"] for t in rt.resources.snapshot()["tables"]
-    }
+    assert SOURCES_TABLE not in {t["table"] for t in rt.resources.snapshot()["tables"]}
 
 
 async def test_relay_and_qos_in_one_process_share_one_listener() -> None:
