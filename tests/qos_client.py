@@ -12,6 +12,7 @@ per server (for lab tests that run it inside a namespace).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import select
@@ -19,7 +20,9 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 REQUESTS_PER_ENDPOINT = 5
 TITLE = b"QoS request"
@@ -124,6 +127,35 @@ def measure(
         for sock in socks:
             sock.close()
     return results
+
+
+class UdpDelay(asyncio.DatagramProtocol):
+    """A UDP forwarder on loopback that holds every datagram ``delay``
+    seconds each way, to ``target`` and back to the last client (one client
+    at a time is enough for the tests that use it)."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.target: tuple[str, int] | None = None
+        self.client: tuple[str, int] | None = None
+        self.transport: asyncio.DatagramTransport | None = None
+
+    @classmethod
+    def factory(cls, delay: float) -> Callable[[], UdpDelay]:
+        return lambda: cls(delay)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
+        loop = asyncio.get_running_loop()
+        assert self.transport is not None and self.target is not None
+        if addr[:2] == self.target:
+            if self.client is not None:
+                loop.call_later(self.delay, self.transport.sendto, data, self.client)
+        else:
+            self.client = (addr[0], addr[1])
+            loop.call_later(self.delay, self.transport.sendto, data, self.target)
 
 
 def main(argv: list[str]) -> None:

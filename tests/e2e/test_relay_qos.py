@@ -34,34 +34,12 @@ from tests.e2e.relay_support import (
     raw_relay,
     relay_overrides,
 )
+from tests.qos_client import UdpDelay
 
 pytestmark = pytest.mark.timeout(60)
 
 #: One-way delay of the far region's line (ms): far beyond loopback jitter.
 DELAY = 0.040
-
-
-class DelayLine(asyncio.DatagramProtocol):
-    """A UDP forwarder that holds every datagram ``DELAY`` seconds each way
-    (one client at a time is enough for these tests)."""
-
-    def __init__(self) -> None:
-        self.target: tuple[str, int] | None = None
-        self.client: tuple[str, int] | None = None
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple[Any, ...]) -> None:
-        loop = asyncio.get_running_loop()
-        assert self.transport is not None and self.target is not None
-        if addr[:2] == self.target:
-            if self.client is not None:
-                loop.call_later(DELAY, self.transport.sendto, data, self.client)
-        else:
-            self.client = (addr[0], addr[1])
-            loop.call_later(DELAY, self.transport.sendto, data, self.target)
 
 
 def qos_port(rt: Runtime) -> int:
@@ -76,7 +54,7 @@ async def two_regions() -> AsyncIterator[tuple[Runtime, Runtime]]:
     far region sorts first: picking the first listed would be wrong."""
     loop = asyncio.get_running_loop()
     line_transport, line = await loop.create_datagram_endpoint(
-        DelayLine, local_addr=("127.0.0.1", 0)
+        UdpDelay.factory(DELAY), local_addr=("127.0.0.1", 0)
     )
     line_port = line_transport.get_extra_info("sockname")[1]
     store = MemoryStore()

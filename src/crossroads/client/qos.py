@@ -20,11 +20,12 @@ and a player's ping location for a matchmaker::
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from crossroads.errors import DecodeError
 from crossroads.proto.qos.messages import (
@@ -33,6 +34,9 @@ from crossroads.proto.qos.messages import (
     decode_response,
 )
 from crossroads.types import Address
+
+log = logging.getLogger("crossroads.client")
+T = TypeVar("T")
 
 #: Unity's services runner: RequestsPerEndpoint = 5.
 REQUESTS_PER_SERVER = 5
@@ -211,3 +215,51 @@ def parse_endpoint(text: str) -> Address:
     if not sep:
         raise ValueError(f"not host:port: {text!r}")
     return host.strip("[]"), int(port)
+
+
+class MeasuredChoice(Generic[T]):
+    """A factory that picks its region by measurement: called, it measures
+    every region's QoS servers once (the result is kept: Unity's SDK caches
+    its measurement too), then calls the best region's factory. The p2p SDK
+    takes one as its TURN factory::
+
+        turn = MeasuredChoice({
+            "eu": ([("203.0.113.10", 7700)], lambda: TurnClientRelay.open(eu, u, p)),
+            "us": ([("198.51.100.7", 7700)], lambda: TurnClientRelay.open(us, u, p)),
+        })
+        client = P2PClient(url, turn=turn)
+
+    With no answer from any region, the first region's factory is used.
+    """
+
+    def __init__(
+        self,
+        regions: Mapping[str, tuple[Sequence[Address], Callable[[], Awaitable[T]]]],
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        if not regions:
+            raise ValueError("MeasuredChoice needs at least one region")
+        self.regions = dict(regions)
+        self.timeout = timeout
+        #: The measurement, best region first (None: not measured yet).
+        self.results: list[RegionResult] | None = None
+        self._lock = asyncio.Lock()
+
+    async def region(self) -> str:
+        """The best measured region (measuring on the first call)."""
+        async with self._lock:
+            if self.results is None:
+                servers = [
+                    (region, address)
+                    for region, (addresses, _) in self.regions.items()
+                    for address in addresses
+                ]
+                self.results = await measure_regions(servers, self.timeout)
+        if self.results:
+            return self.results[0].region
+        first = next(iter(self.regions))
+        log.info("no QoS server answered; using region %s", first)
+        return first
+
+    async def __call__(self) -> T:
+        return await self.regions[await self.region()][1]()
