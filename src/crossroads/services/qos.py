@@ -237,15 +237,13 @@ def _public_host(ctx: ServiceContext, cfg: Config, relay_host: str, bound: str) 
 
 def _relay_settings(ctx: ServiceContext) -> tuple[str, str, bool]:
     """(region, public host, whether a relay node of this process registers
-    the listener) from the relay section."""
-    from crossroads.services.relay import Config as RelayConfig
-
-    try:
-        relay = ctx.section("relay", RelayConfig)
-    except (KeyError, TypeError):
+    the listener) from the relay section. Read by name, not imported: the
+    relay service imports this module."""
+    relay = ctx.config.sections.get("relay")
+    if relay is None:
         return "local", "", False
-    node = ctx.config.enabled("relay") and not relay.api_only
-    return relay.region, relay.public_host, node
+    node = ctx.config.enabled("relay") and not getattr(relay, "api_only", False)
+    return str(relay.region), str(relay.public_host), node
 
 
 async def start_listener(ctx: ServiceContext) -> QosListener:
