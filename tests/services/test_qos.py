@@ -69,6 +69,13 @@ async def test_a_relay_node_alone_runs_its_own_qos_listener() -> None:
     assert SOURCES_TABLE not in {t["table"] for t in rt.resources.snapshot()["tables"]}
 
 
+async def test_no_relay_qos_runs_no_listener() -> None:
+    async with relay_runtime(relay__node_id="n3", relay__qos=False) as rt:
+        assert qos_listeners(rt) == []
+        record = json.loads(await rt.store.get(node_key("n3")) or b"{}")
+        assert record["qosPort"] == 0
+
+
 async def test_relay_and_qos_in_one_process_share_one_listener() -> None:
     async with relay_runtime(core__only="qos,relay", relay__node_id="n2") as rt:
         (listener,) = qos_listeners(rt)

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -202,7 +203,9 @@ class QosListener:
     region: str
     transport: asyncio.DatagramTransport | None = None
     _budget: ResourceBudget | None = field(default=None, repr=False)
-    _metrics: tuple[object, Collector] | None = field(default=None, repr=False)
+    _metrics: tuple[CollectorRegistry, Collector] | None = field(
+        default=None, repr=False
+    )
 
     @property
     def endpoint(self) -> str:
@@ -222,7 +225,7 @@ class QosListener:
             self._budget = None
         if self._metrics is not None:
             registry, collector = self._metrics
-            unregister(registry, collector)  # type: ignore[arg-type]
+            unregister(registry, collector)
             self._metrics = None
 
 
