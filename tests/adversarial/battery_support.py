@@ -554,6 +554,14 @@ def raknet_openers(server: tuple[str, int], i: int) -> list[bytes]:
     ]
 
 
+def qos_request(i: int) -> bytes:
+    """A Unity QoS request (25 bytes, "QoS request" title; docs/qos.md),
+    packed by the independent client."""
+    from tests.qos_client import request
+
+    return request(i % 5, i & 0xFFFF, i)
+
+
 def natneg_init(i: int) -> bytes:
     """A version-3 natneg INIT with cookie ``i`` (each a new session)."""
     base = int.from_bytes(os.urandom(2), "big") << 16
@@ -579,6 +587,8 @@ def udp_openers(listener: Listener) -> Callable[[int], list[bytes]]:
         return lambda i: [*raknet_openers(listener.address, i), *garbage]
     if service == "p2p":
         return lambda i: [Probe(os.urandom(16), 0, i & 0xFFFF).encode(), *garbage]
+    if kind == "qos":
+        return lambda i: [qos_request(i), *garbage]
     return lambda i: [os.urandom(48), os.urandom(200)]
 
 

@@ -109,9 +109,9 @@ def test_the_registry_covers_every_service_and_tls(server: BatteryServer) -> Non
     that lost a service would make the battery pass by attacking less."""
     listeners = b.listeners_of(server.snapshot())
     services = {x.service for x in listeners}
-    assert {"http", "stun", "turn", "openttd", "natneg", "relay", "p2p", "raknet"} <= (
-        services
-    ), services
+    assert {
+        "http", "stun", "turn", "openttd", "natneg", "relay", "p2p", "raknet", "qos",
+    } <= services, services  # fmt: skip
     ports = {(x.transport, x.port) for x in listeners}
     assert ("tcp", server.https_port) in ports
     assert ("tcp", server.tls_port) in ports and ("udp", server.tls_port) in ports

@@ -87,6 +87,9 @@ async def test_public_pages_show_services_but_no_session_data(
         assert node["region"] == "local" and node["capacity"] == 5000
         assert node["address"].startswith("127.0.0.1:")
         assert "Relay nodes" in page.text and node["node"] in page.text
+        # The QoS server clients measure the region with, and its port.
+        assert node["qos"].startswith("127.0.0.1:") and node["qos"] in page.text
+        assert "QoS (UDP)" in page.text
         # Snippets carry the ports this server really listens on.
         stun_port = turn_server(rt)[1]
         assert f"turn:127.0.0.1:{stun_port}?transport=udp" in page.text

@@ -41,11 +41,18 @@ import base64
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import field
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
+from crossroads.client.qos import (
+    DEFAULT_TIMEOUT,
+    RegionResult,
+    measure_regions,
+    parse_endpoint,
+)
 from crossroads.errors import CrossroadsError
 from crossroads.proto.dtls.client import ClientState as DtlsState
 from crossroads.proto.dtls.client import DtlsClient
@@ -165,13 +172,51 @@ class RelayApi:
         return payload["data"]
 
     async def allocate(
-        self, max_connections: int, region: str | None = None
+        self,
+        max_connections: int,
+        region: str | None = None,
+        qos_results: Sequence[RegionResult] = (),
     ) -> Allocation:
         body: dict[str, Any] = {"maxConnections": max_connections}
         if region is not None:
             body["region"] = region
+        if qos_results:
+            body["qosResults"] = [r.to_json() for r in qos_results]
         data = await self._call("POST", "/v1/allocate", body)
         return Allocation.from_json(data["allocation"])
+
+    async def qos_servers(self, region: str | None = None) -> list[tuple[str, Address]]:
+        """(region, QoS server address) of the relay service (discovery)."""
+        path = "/v1/qos-servers?service=relay"
+        if region is not None:
+            path += f"&region={region}"
+        data = await self._call("GET", path)
+        return [
+            (str(s["region"]), parse_endpoint(str(s["endpoints"][0])))
+            for s in data["servers"]
+            if s.get("endpoints")
+        ]
+
+    async def measure(self, timeout: float = DEFAULT_TIMEOUT) -> list[RegionResult]:
+        """A QoS round over every region's servers, best region first."""
+        return await measure_regions(await self.qos_servers(), timeout)
+
+    async def allocate_measured(
+        self, max_connections: int, timeout: float = DEFAULT_TIMEOUT
+    ) -> Allocation:
+        """Unity's ``CreateAllocationAsync(n)`` without a region: measure every
+        region, then allocate with ``region`` null and the measurements, so
+        the allocation lands in the best measured region that has room."""
+        return await self.allocate(
+            max_connections, qos_results=await self.measure(timeout)
+        )
+
+    async def estimate(self, locations: Sequence[str]) -> dict[str, Any]:
+        """``POST /v1/ping/estimate`` (docs/qos.md, "Ping locations")."""
+        data = await self._call(
+            "POST", "/v1/ping/estimate", {"locations": list(locations)}
+        )
+        return cast(dict[str, Any], data)
 
     async def join_code(self, allocation_id: uuid.UUID) -> str:
         data = await self._call(

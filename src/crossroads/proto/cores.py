@@ -33,6 +33,7 @@ from crossroads.proto.openttd.lobby import TurnLobby
 from crossroads.proto.openttd.registration import ServerRegistration
 from crossroads.proto.openttd.verify import RegistrationCheck
 from crossroads.proto.punch.coordinator import Coordinator
+from crossroads.proto.qos.server import QosServer
 from crossroads.proto.raknet.nattype import NatTypeDetectionServer
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import RakNetServer
@@ -54,6 +55,7 @@ from crossroads.proto.turn.server import TurnServer
 DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
     DtlsClient,
     DtlsServer,
+    QosServer,
     RakNetNode,
     RakNetServer,
     RelayClient,

@@ -18,6 +18,7 @@ SERVICE_MODULES: dict[str, str] = {
     "turn": "crossroads.services.turn",
     "openttd": "crossroads.services.openttd",
     "natneg": "crossroads.services.natneg",
+    "qos": "crossroads.services.qos",
     "relay": "crossroads.services.relay",
     "p2p": "crossroads.services.p2p",
     "raknet": "crossroads.services.raknet",

@@ -75,6 +75,8 @@ from crossroads.services.base import (
     stop_task,
     stop_tasks,
 )
+from crossroads.services.qos import Config as QosConfig
+from crossroads.services.qos import QosListener, QosService, start_listener
 from crossroads.services.relay_allocations import (
     HEARTBEATS_PER_TTL,
     RECORD_FIELDS,
@@ -221,6 +223,12 @@ class Config:
         check=check_positive,
         help="Seconds between node registrations (the TTL is three of them).",
     )
+    qos: bool = setting(
+        True,
+        help="Answer Unity's QoS protocol for this node's region (the qos "
+        "service's listener, or the node's own on --qos-port when the qos "
+        "service does not run in this process).",
+    )
     join_code_length: int = setting(
         6, check=_check_join_code_length, help="Join code length (6-12)."
     )
@@ -299,6 +307,9 @@ class RelayNode:
     info: NodeInfo
     #: The DTLS endpoint (``--relay-dtls``), None when off.
     dtls: RelayDtls | None = field(default=None, init=False)
+    #: The node's own QoS listener, when the qos service does not run in
+    #: this process (None otherwise: that service's listener is registered).
+    qos: QosListener | None = field(default=None, init=False)
     events_dropped: int = field(default=0, init=False)
     refusals: RefusalLog = field(init=False)
     _events: asyncio.Queue[Event] = field(
@@ -367,6 +378,8 @@ class RelayNode:
         await stop_tasks(self._tasks)
         with contextlib.suppress(Exception):
             await self.store.delete(node_key(self.info.node_id))
+        if self.qos is not None:
+            await self.qos.close()
 
     def _record(self, event: PeerDisconnected) -> None:
         """One record per ended link: a Unity relay session is relayed by
@@ -952,6 +965,27 @@ async def serve(ctx: ServiceContext) -> Service:
             sock.close()
             ctx.resources.forget(ALLOCATIONS_TABLE)
             raise
+        qos_listener: QosListener | None = None
+        if cfg.qos:
+            running = ctx.running.get("qos")
+            if isinstance(running, QosService):
+                qos_public = running.listener.public
+            else:
+                try:
+                    qos_listener = await start_listener(ctx)
+                except BaseException:
+                    sock.close()
+                    if dtls_sock is not None:
+                        dtls_sock.close()
+                    ctx.resources.forget(ALLOCATIONS_TABLE)
+                    raise
+                qos_public = qos_listener.public
+            qos_cfg = ctx.section("qos", QosConfig)
+            # The node's own host unless the QoS server was given one.
+            qos_host = qos_cfg.public_host or public_host
+            qos_port = qos_public[1]
+        else:
+            qos_host, qos_port = "", 0
         info = NodeInfo(
             node_id=node_id,
             region=cfg.region,
@@ -964,8 +998,11 @@ async def serve(ctx: ServiceContext) -> Service:
             ws_port=ws[2].get("ws", 0),
             wss_port=ws[2].get("wss", 0),
             wss_host=cfg.wss_host,
+            qos_host=qos_host,
+            qos_port=qos_port,
         )
         node = RelayNode(cfg, ctx.store, core, endpoint, info)
+        node.qos = qos_listener
         node.budget = ctx.resources
         node.insight = ctx.insight
         node.websockets, node.ws_servers = ws[0], ws[1]

@@ -16,15 +16,16 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from crossroads.errors import CrossroadsError, DecodeError
 from crossroads.proto.relay import joincode
 from crossroads.proto.relay.token import AllocationClaims, Role, TokenSealer
+from crossroads.services.qos import registered_servers
 from crossroads.store.base import Store
-from crossroads.types import frozen
+from crossroads.types import frozen, show_address
 
 if TYPE_CHECKING:
     from crossroads.services.relay import Config
@@ -63,6 +64,15 @@ class NodeInfo:
     #: The node drains (SIGTERM, ``crossroads drain``): no new host is placed
     #: on it and no listing shows it; its live sessions still take joiners.
     draining: bool = False
+    #: The node's QoS server (services/qos.py), what clients measure the
+    #: region with; port 0: none.
+    qos_host: str = ""
+    qos_port: int = 0
+
+    @property
+    def full(self) -> bool:
+        """No seat left (discovery does not list a full node's QoS server)."""
+        return self.load >= self.capacity
 
     def to_json(self) -> bytes:
         return json.dumps(
@@ -79,6 +89,8 @@ class NodeInfo:
                 "wssPort": self.wss_port,
                 "wssHost": self.wss_host,
                 "draining": self.draining,
+                "qosHost": self.qos_host,
+                "qosPort": self.qos_port,
             }
         ).encode()
 
@@ -98,6 +110,8 @@ class NodeInfo:
             wss_port=int(data.get("wssPort", 0)),
             wss_host=str(data.get("wssHost", "")),
             draining=data.get("draining") is True,
+            qos_host=str(data.get("qosHost", "")),
+            qos_port=int(data.get("qosPort", 0)),
         )
 
 
@@ -122,6 +136,33 @@ def code_key(code: str) -> str:
 
 
 # ---------------------------------------------------------------- allocation API
+
+
+@frozen
+class QosResult:
+    """One region's QoS measurement, as a client reports it with an
+    allocation request (``qosResults``)."""
+
+    region: str
+    #: Average round trip, ms.
+    latency_ms: float
+    #: Share of requests unanswered, 0..1.
+    packet_loss: float = 0.0
+
+
+#: A region whose measurement lost this much is not considered (Unity's QoS
+#: client marks a server with no answer as invalid, loss 1.0).
+MAX_USABLE_LOSS = 0.99
+
+
+def rank_qos_results(results: Sequence[QosResult]) -> list[QosResult]:
+    """Measured regions, best first: latency inflated by loss (a region losing
+    a fifth of its packets counts as a quarter slower: the retransmissions a
+    game's reliable channel needs), unusable ones left out."""
+    usable = [r for r in results if r.packet_loss < MAX_USABLE_LOSS]
+    return sorted(
+        usable, key=lambda r: (r.latency_ms / (1.0 - r.packet_loss), r.region)
+    )
 
 
 class AllocationError(CrossroadsError):
@@ -208,6 +249,20 @@ class Allocator:
             await self.store.hdel(pending_key(node_id), *stale)
         return seats
 
+    async def _choose_measured(
+        self, region: str | None, seats: int, qos_results: Sequence[QosResult]
+    ) -> NodeInfo:
+        """The node for a request: in ``region`` when it names one; else in
+        the best measured region that has room (Unity: "Relay considers both
+        latency and packet loss", docs/qos.md); else as :meth:`choose_node`."""
+        if region is None and not self.cfg.default_region:
+            for result in rank_qos_results(qos_results):
+                try:
+                    return await self.choose_node(result.region, seats)
+                except AllocationError:
+                    continue  # no live node there, or none with room: next best
+        return await self.choose_node(region, seats)
+
     async def choose_node(self, region: str | None, seats: int) -> NodeInfo:
         nodes = await self.live_nodes()
         wanted = region or self.cfg.default_region or None
@@ -257,7 +312,33 @@ class Allocator:
             node=node,
         )
 
-    async def allocate(self, max_connections: int, region: str | None) -> Grant:
+    async def qos_servers(
+        self, regions: Collection[str] | None = None
+    ) -> list[tuple[str, str]]:
+        """(region, ``host:port``) of every QoS server a client should measure:
+        each live relay node's that has room (a full node is not listed: an
+        allocation would not land there), and each QoS server registered on
+        its own (services/qos.py) in a region that has such a node. Sorted by
+        region, without duplicates."""
+        open_regions: set[str] = set()
+        found: set[tuple[str, str]] = set()
+        for node in await self.live_nodes():
+            if node.full or (regions and node.region not in regions):
+                continue
+            open_regions.add(node.region)
+            if node.qos_port:
+                found.add((node.region, show_address((node.qos_host, node.qos_port))))
+        for server in await registered_servers(self.store):
+            if server.region in open_regions:
+                found.add((server.region, server.endpoint))
+        return sorted(found)
+
+    async def allocate(
+        self,
+        max_connections: int,
+        region: str | None,
+        qos_results: Sequence[QosResult] = (),
+    ) -> Grant:
         if not 1 <= max_connections <= self.cfg.max_connections:
             raise AllocationError(
                 400,
@@ -266,7 +347,7 @@ class Allocator:
                 f"maxConnections must be between 1 and {self.cfg.max_connections}",
             )
         seats = 1 + max_connections
-        node = await self.choose_node(region, seats)
+        node = await self._choose_measured(region, seats, qos_results)
         now = self.clock()
         grant = self._grant(node, Role.HOST, max_connections, None, now)
         ttl = self.record_ttl()

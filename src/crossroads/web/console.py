@@ -410,6 +410,8 @@ class Console:
                 "address": show_address((n.host, n.port)),
                 "load": n.load,
                 "capacity": n.capacity,
+                # What clients measure the region with (0: no QoS server).
+                "qos": show_address((n.qos_host, n.qos_port)) if n.qos_port else "",
             }
             for n in sorted(nodes, key=lambda n: (n.region, n.node_id))
         ]
@@ -587,7 +589,8 @@ class Console:
         node_rows = "".join(
             f'<tr><th scope="row">{html.escape(n["region"])}</th>'
             f"<td>{html.escape(n['node'])}</td><td>{html.escape(n['address'])}</td>"
-            f"<td>{n['load']} / {n['capacity']}</td></tr>"
+            f"<td>{n['load']} / {n['capacity']}</td>"
+            f"<td>{html.escape(n.get('qos', '')) or '-'}</td></tr>"
             for n in status["relay_nodes"]
         )
         nodes_section = (
@@ -595,7 +598,8 @@ class Console:
             '<div class="scroll"><table><caption>Unity relay nodes by region '
             "(seats reserved / capacity)</caption><thead><tr>"
             '<th scope="col">Region</th><th scope="col">Node</th>'
-            '<th scope="col">Address</th><th scope="col">Load</th></tr></thead>'
+            '<th scope="col">Address</th><th scope="col">Load</th>'
+            '<th scope="col">QoS (UDP)</th></tr></thead>'
             f"<tbody>{node_rows}</tbody></table></div></section>"
             if node_rows
             else ""

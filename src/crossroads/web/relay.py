@@ -8,6 +8,10 @@ client written for Unity's service needs only a new base URL and an API key:
 - ``POST /v1/joincode``  ``{"allocationId": uuid}`` → ``data.joinCode``
 - ``POST /v1/join``      ``{"joinCode": str}`` → ``data.allocation`` (+ ``hostConnectionData``)
 - ``GET  /v1/regions``   → ``data.regions`` (no ``meta``, as Unity's)
+- ``GET  /v1/qos-servers?service=relay[&region=…]`` → ``data.servers``, Unity's
+  QoS discovery shape (docs/qos.md)
+- ``POST /v1/ping/estimate`` ``{"locations": [str, …]}`` → relayed round trips
+  per region, the best one, direct bounds (docs/qos.md, "Ping locations")
 
 Every request needs ``Authorization: Bearer <API key>``. Errors use Unity's
 error body ``{"status", "title", "detail", "type", "code"}`` (plus crossroads'
@@ -35,10 +39,17 @@ from crossroads.proto import jsontext
 from crossroads.proto.bounded import BoundedMap
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.counting import spend_token
+from crossroads.proto.qos.location import (
+    MAX_REGIONS,
+    MAX_RTT_MS,
+    estimate,
+    parse_location,
+)
 from crossroads.ratelog import RateLimitedLog
 from crossroads.services.relay_allocations import (
     AllocationError,
     Allocator,
+    QosResult,
     encode_grant,
 )
 from crossroads.web.app import log_client_error
@@ -48,13 +59,45 @@ log = logging.getLogger("crossroads.relay")
 # ------------------------------------------------------------------ JSON models
 
 
+#: Regions a QoS report or an estimate may name (proto/qos/location.py).
+MAX_QOS_RESULTS = MAX_REGIONS
+#: Locations one estimate may compare: a match of 64 players; each pair costs
+#: one line of the answer, so 2,016 lines at most.
+MAX_LOCATIONS = 64
+
+
+class QosResultModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    region: str = Field(max_length=64)
+    latency: float = Field(ge=0, le=MAX_RTT_MS, description="Average round trip, ms.")
+    packetLoss: float = Field(default=0.0, ge=0, le=1, description="0 to 1.")
+
+
+class EstimateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    locations: list[str] = Field(
+        min_length=2,
+        max_length=MAX_LOCATIONS,
+        description="Ping locations (region=rtt,...), one per player.",
+    )
+
+
 class AllocateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     maxConnections: StrictInt = Field(
         description="Joiners the host accepts (1-150 by default)."
     )
     region: str | None = Field(
-        default=None, description="Region id from /v1/regions; default: least loaded."
+        default=None,
+        description="Region id from /v1/regions; default: the best of qosResults "
+        "with room, else the least loaded.",
+    )
+    qosResults: list[QosResultModel] | None = Field(
+        default=None,
+        max_length=MAX_QOS_RESULTS,
+        description="The client's QoS measurements (GET /v1/qos-servers), used "
+        "when region is null: the allocation lands in the best measured region "
+        "that has room (latency and packet loss).",
     )
 
 
@@ -432,7 +475,10 @@ def make_router(
         status_code=201,
     )
     async def allocate(request: Request, body: AllocateRequest) -> JSONResponse:
-        grant = await allocator.allocate(body.maxConnections, body.region)
+        measured = [
+            QosResult(r.region, r.latency, r.packetLoss) for r in body.qosResults or ()
+        ]
+        grant = await allocator.allocate(body.maxConnections, body.region, measured)
         return _envelope(201, {"allocation": encode_grant(grant)})
 
     @posted(
@@ -480,5 +526,71 @@ def make_router(
         found = await allocator.regions()
         body = {"data": {"regions": [{"id": i, "description": d} for i, d in found]}}
         return JSONResponse(body)
+
+    @router.get(
+        "/qos-servers",
+        responses=_ERRORS,
+        summary="QoS servers of a service per region (Unity's QoS discovery shape)",
+    )
+    @guarded("qos-servers")
+    async def qos_servers(request: Request) -> JSONResponse:
+        service = request.query_params.get("service", "relay")
+        if service != "relay":
+            raise AllocationError(
+                400, 15001, "InvalidRequest", "service must be 'relay'"
+            )
+        wanted = request.query_params.getlist("region") or None
+        servers = [
+            {"endpoints": [endpoint], "region": region, "services": ["relay"]}
+            for region, endpoint in await allocator.qos_servers(wanted)
+        ]
+        return JSONResponse({"data": {"servers": servers}})
+
+    @posted(
+        "/ping/estimate",
+        EstimateRequest,
+        BaseModel,
+        "Relayed round trip through each region for two or more ping locations",
+    )
+    async def ping_estimate(request: Request, body: EstimateRequest) -> JSONResponse:
+        try:
+            locations = [parse_location(text) for text in body.locations]
+        except DecodeError as exc:
+            raise AllocationError(
+                400, 15001, "InvalidRequest", f"locations: {exc}"
+            ) from None
+        live = frozenset(region for region, _ in await allocator.regions())
+        result = estimate(locations, live_regions=live)
+        return JSONResponse(
+            {
+                "data": {
+                    "bestRegion": result.best,
+                    "regions": [
+                        {
+                            "region": r.region,
+                            "worstRttMs": round(r.worst_ms, 1),
+                            "pairs": [
+                                {"a": a, "b": b, "rttMs": round(ms, 1)}
+                                for a, b, ms in r.pairs
+                            ],
+                        }
+                        for r in result.regions
+                    ],
+                    "direct": [
+                        {
+                            "a": d.a,
+                            "b": d.b,
+                            "lowMs": round(d.low_ms, 1),
+                            "highMs": round(d.high_ms, 1),
+                            "estimateMs": None
+                            if d.estimate_ms is None
+                            else round(d.estimate_ms, 1),
+                            "errorMs": round(d.error_ms, 1),
+                        }
+                        for d in result.direct
+                    ],
+                }
+            }
+        )
 
     return router

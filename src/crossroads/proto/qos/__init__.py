@@ -1,0 +1,1 @@
+"""The Unity/Multiplay QoS protocol: codec and server core (docs/qos.md)."""
