@@ -21,7 +21,10 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+
+from tests.interop.openttd_chroot import ChrootOpenTTD
 
 OPENTTD = shutil.which("openttd") or "/usr/games/openttd"
 #: An HTTP GET run inside the namespace (so its socket lives there); prints the
@@ -43,6 +46,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def openttd_available() -> bool:
     return Path(OPENTTD).exists()
+
+
+@dataclass(frozen=True)
+class OpenTTDBuild:
+    """One OpenTTD release: the host's binary, or the one in a chroot."""
+
+    release: str
+    chroot: ChrootOpenTTD | None = None
+
+    @property
+    def major(self) -> int:
+        return int(self.release.split(".")[0])
+
+    def argv(self, args: list[str], workdir: Path) -> list[str]:
+        if self.chroot is None:
+            return [OPENTTD, *args]
+        return self.chroot.command(["/usr/games/openttd", *args], workdir)
+
+
+#: Debian bookworm's package, installed on the host (Makefile DEBIAN_PACKAGES).
+HOST_BUILD = OpenTTDBuild("13.0")
 
 
 class NetNS:
@@ -216,9 +240,33 @@ class Crossroads:
         _stop(self.process)
 
 
-def _config(directory: Path, network: dict[str, str]) -> Path:
+#: ``[network]`` settings that live in private.cfg from 14 (13 keeps
+#: ``use_relay_service`` in openttd.cfg: reference section 9, PR #10762).
+PRIVATE_SETTINGS = ("client_name", "server_name", "use_relay_service")
+#: The ``ini_version`` each release writes in openttd.cfg's ``[version]`` group
+#: (observed: what 14.1 and 15.1 save on exit without ``-x``).
+INI_VERSION = {14: 7, 15: 7}
+
+
+def _config(build: OpenTTDBuild, directory: Path, network: dict[str, str]) -> Path:
+    """``DIR/openttd.cfg`` (and ``DIR/private.cfg`` from 14) for ``-c``.
+
+    13 reads everything from openttd.cfg. From 14 the files are laid out as the
+    release saves them: openttd.cfg carries a ``[version]`` group and the
+    private settings go to private.cfg. Without that group, 14 and 15 never
+    open private.cfg (they read every setting from openttd.cfg), and with it
+    they ignore private settings left in openttd.cfg: a headless client then
+    has no name and never answers the relay question
+    (test_private_cfg_needs_a_version_group)."""
     directory.mkdir(parents=True, exist_ok=True)
-    lines = ["[network]"] + [f"{k} = {v}" for k, v in network.items()]
+    generic = dict(network)
+    private: dict[str, str] = {}
+    if build.major >= 14:
+        private = {k: generic.pop(k) for k in PRIVATE_SETTINGS if k in generic}
+    lines = []
+    if build.major >= 14:
+        lines += ["[version]", f"ini_version = {INI_VERSION[build.major]}"]
+    lines += ["[network]"] + [f"{k} = {v}" for k, v in generic.items()]
     # A small map, no AI: start-up in seconds (reference section 10).
     lines += [
         "[game_creation]",
@@ -229,6 +277,10 @@ def _config(directory: Path, network: dict[str, str]) -> Path:
     ]
     path = directory / "openttd.cfg"
     path.write_text("\n".join(lines) + "\n")
+    if private:
+        (directory / "private.cfg").write_text(
+            "\n".join(["[network]"] + [f"{k} = {v}" for k, v in private.items()]) + "\n"
+        )
     return path
 
 
@@ -246,11 +298,13 @@ class OpenTTDServer:
         game_type: str,
         netns: NetNS | None = None,
         cpu: int = 0,
+        build: OpenTTDBuild = HOST_BUILD,
     ) -> None:
         self.name = name
         self.log = workdir / f"{name}.log"
         home = Path(tempfile.mkdtemp(prefix="home-", dir=workdir))
         config = _config(
+            build,
             workdir / name,
             {
                 "server_game_type": game_type,
@@ -261,7 +315,10 @@ class OpenTTDServer:
         )
         command = [
             "taskset", "-c", str(cpu), "chrt", "-b", "0",
-            OPENTTD, "-D", f"{bind}:{port}", "-c", str(config), "-x", "-d", "net=3",
+            *build.argv(
+                ["-D", f"{bind}:{port}", "-c", str(config), "-x", "-d", "net=3"],
+                workdir,
+            ),
         ]  # fmt: skip
         if netns is not None:
             command = netns.prefix() + command
@@ -318,20 +375,26 @@ class OpenTTDClient:
         code: str,
         netns: NetNS | None = None,
         cpu: int = 1,
+        build: OpenTTDBuild = HOST_BUILD,
     ) -> None:
         self.name = name
         self.log = workdir / f"{name}.log"
         home = Path(tempfile.mkdtemp(prefix="home-", dir=workdir))
         config = _config(
+            build,
             workdir / name,
-            # use_relay_service lives in openttd.cfg in 13 (private.cfg from 14);
             # "allow" answers the relay question a GUI would ask.
             {"client_name": name, "use_relay_service": "allow"},
         )
         command = [
             "taskset", "-c", str(cpu), "chrt", "-b", "0",
-            OPENTTD, "-c", str(config), "-x", "-n", code,
-            "-v", "null:ticks=100000000", "-s", "null", "-m", "null", "-d", "net=5",
+            *build.argv(
+                [
+                    "-c", str(config), "-x", "-n", code, "-v", "null:ticks=100000000",
+                    "-s", "null", "-m", "null", "-d", "net=5",
+                ],
+                workdir,
+            ),
         ]  # fmt: skip
         if netns is not None:
             command = netns.prefix() + command

@@ -1,11 +1,16 @@
-"""crossroads' OpenTTD coordinator, STUN and TURN against the real OpenTTD 13.0.
+"""crossroads' OpenTTD coordinator, STUN and TURN against the real OpenTTD
+13.0, 14.1 and 15.1.
 
 Everything runs on loopback (or in a private network namespace) with ports the
-OS picks; the servers and clients are Debian's ``openttd`` binary, headless.
+OS picks; the servers and clients are Debian's ``openttd`` binaries, headless:
+13.0 is the host's (bookworm), 14.1 and 15.1 run in trixie and sid trees built
+by mmdebstrap and cached outside the checkout (openttd_chroot.py). Every test
+runs once per release with the same assertions.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,20 +19,25 @@ from typing import Any
 import pytest
 
 from tests.conftest import RedisServer
+from tests.interop.openttd_chroot import (
+    SUITES,
+    ChrootOpenTTD,
+    ensure_tree,
+    missing_requirement,
+)
 from tests.interop.openttd_support import (
+    HOST_BUILD,
     Crossroads,
     NetNS,
+    OpenTTDBuild,
     OpenTTDClient,
     OpenTTDServer,
     openttd_available,
 )
 
-pytestmark = [
-    pytest.mark.interop,
-    pytest.mark.skipif(
-        not openttd_available(), reason="openttd is not installed (make install)"
-    ),
-]
+pytestmark = [pytest.mark.interop]
+
+RELEASES = [HOST_BUILD.release, *SUITES]
 
 JOIN_TIMEOUT = 45.0
 
@@ -38,9 +48,31 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
     return free_port(host=host)
 
 
+@pytest.fixture(scope="module", params=RELEASES)
+def build(request: pytest.FixtureRequest) -> OpenTTDBuild:
+    """The release under test: the host's 13.0, or a cached chroot's (built
+    here on the first run, printing mmdebstrap's progress)."""
+    release: str = request.param
+    if release == HOST_BUILD.release:
+        if not openttd_available():
+            pytest.skip("openttd is not installed (make install)")
+        return HOST_BUILD
+    problem = missing_requirement()
+    if problem:
+        pytest.skip(problem)
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        tree = ensure_tree(
+            SUITES[release], say=lambda line: print(line, file=sys.stderr, flush=True)
+        )
+    chroot = ChrootOpenTTD(tree)
+    assert chroot.version() == release  # the suite still carries this release
+    return OpenTTDBuild(release, chroot)
+
+
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("openttd-interop")
+def workdir(tmp_path_factory: pytest.TempPathFactory, build: OpenTTDBuild) -> Path:
+    return tmp_path_factory.mktemp(f"openttd-{build.release}")
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +86,17 @@ def crossroads(workdir: Path) -> Iterator[Crossroads]:
 
 @pytest.fixture(scope="module")
 def servers(
-    workdir: Path, crossroads: Crossroads
+    workdir: Path, crossroads: Crossroads, build: OpenTTDBuild
 ) -> Iterator[dict[str, OpenTTDServer]]:
     """One public and one invite-only dedicated server, started together."""
     started = {
         "public": OpenTTDServer(
             workdir, crossroads, name="Public interop", bind="127.0.0.1",
-            port=free_tcp_port(), game_type="public", cpu=0,
+            port=free_tcp_port(), game_type="public", cpu=0, build=build,
         ),
         "invite-only": OpenTTDServer(
             workdir, crossroads, name="Invite interop", bind="127.0.0.1",
-            port=free_tcp_port(), game_type="invite-only", cpu=1,
+            port=free_tcp_port(), game_type="invite-only", cpu=1, build=build,
         ),
     }  # fmt: skip
     try:
@@ -76,7 +108,7 @@ def servers(
 
 @pytest.mark.timeout(120)
 def test_dedicated_servers_register_public_and_invite_only(
-    crossroads: Crossroads, servers: dict[str, OpenTTDServer]
+    crossroads: Crossroads, servers: dict[str, OpenTTDServer], build: OpenTTDBuild
 ) -> None:
     public = servers["public"].registration()
     invite = servers["invite-only"].registration()
@@ -98,9 +130,12 @@ def test_dedicated_servers_register_public_and_invite_only(
     assert public["code"] in by_code and invite["code"] not in by_code
     entry: dict[str, Any] = by_code[public["code"]]
     assert entry["info"]["server_name"] == "Public interop"
-    assert entry["info"]["server_revision"] == "13.0"
+    assert entry["info"]["server_revision"] == build.release
     assert entry["info"]["map_width"] == entry["info"]["map_height"] == 64
-    assert entry["game_info_version"] == 6 and entry["protocol"] == 6
+    # Game-info 7 (a leading ticks_playing) from 14 on; coordinator protocol 6
+    # in every release (reference section 2).
+    assert entry["game_info_version"] == (7 if build.major >= 14 else 6)
+    assert entry["protocol"] == 6
     record = crossroads.json(f"/openttd/servers/{invite['code']}")
     assert isinstance(record, dict)
     assert record["game_type"] == "invite-only"
@@ -111,11 +146,16 @@ def test_dedicated_servers_register_public_and_invite_only(
 
 @pytest.mark.timeout(120)
 def test_client_joins_by_invite_code_directly(
-    workdir: Path, crossroads: Crossroads, servers: dict[str, OpenTTDServer]
+    workdir: Path,
+    crossroads: Crossroads,
+    servers: dict[str, OpenTTDServer],
+    build: OpenTTDBuild,
 ) -> None:
     server = servers["invite-only"]
     code = server.registration()["code"]
-    client = OpenTTDClient(workdir, crossroads, name="direct-client", code=code)
+    client = OpenTTDClient(
+        workdir, crossroads, name="direct-client", code=code, build=build
+    )
     try:
         line = server.joined("direct-client", JOIN_TIMEOUT)
         assert "has joined the game" in line
@@ -155,7 +195,9 @@ def test_server_reconnecting_keeps_its_invite_code(
 
 
 @pytest.mark.timeout(150)
-def test_join_through_turn_when_the_server_is_unreachable(workdir: Path) -> None:
+def test_join_through_turn_when_the_server_is_unreachable(
+    workdir: Path, build: OpenTTDBuild
+) -> None:
     """In a private network namespace, the server listens on 127.0.0.2 while its
     coordinator traffic leaves from 127.0.0.1, so the direct probe fails; an
     iptables rule there refuses every new TCP connection except to the known
@@ -175,7 +217,7 @@ def test_join_through_turn_when_the_server_is_unreachable(workdir: Path) -> None
         )  # fmt: skip
         server = OpenTTDServer(
             turn_dir, crossroads, name="NAT interop", bind="127.0.0.2",
-            port=game_port, game_type="invite-only", netns=netns, cpu=0,
+            port=game_port, game_type="invite-only", netns=netns, cpu=0, build=build,
         )  # fmt: skip
         processes.append(server)
         registration = server.registration()
@@ -186,6 +228,7 @@ def test_join_through_turn_when_the_server_is_unreachable(workdir: Path) -> None
             name="turn-client",
             code=registration["code"],
             netns=netns,
+            build=build,
         )
         processes.append(client)
         assert "has joined the game" in server.joined("turn-client", JOIN_TIMEOUT)
@@ -220,7 +263,7 @@ def test_join_through_turn_when_the_server_is_unreachable(workdir: Path) -> None
 @pytest.mark.timeout(150)
 @pytest.mark.redis
 def test_two_coordinators_on_one_redis(
-    workdir: Path, redis_server: RedisServer
+    workdir: Path, redis_server: RedisServer, build: OpenTTDBuild
 ) -> None:
     """The server registers with coordinator A, the client asks coordinator B.
     The server is not directly reachable, so B drives STUN and TURN through
@@ -237,10 +280,13 @@ def test_two_coordinators_on_one_redis(
         server = OpenTTDServer(
             redis_dir, a, name="Redis interop", bind="127.0.0.2",
             port=free_tcp_port("127.0.0.2"), game_type="invite-only", cpu=0,
+            build=build,
         )  # fmt: skip
         processes.append(server)
         code = server.registration()["code"]
-        client = OpenTTDClient(redis_dir, b, name="redis-client", code=code)
+        client = OpenTTDClient(
+            redis_dir, b, name="redis-client", code=code, build=build
+        )
         processes.append(client)
         assert "has joined the game" in server.joined("redis-client", JOIN_TIMEOUT)
         joined = sum(
