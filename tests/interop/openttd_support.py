@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -412,6 +414,93 @@ class OpenTTDClient:
         """Every peer the client's TCP connects reached (``- using IP:PORT``)."""
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return re.findall(r"- using (\S+) \(IPv", text)
+
+    def stop(self) -> None:
+        _stop(self.process)
+
+
+#: Run inside a network namespace: every IPv4 TCP frame on ``lo`` to or from
+#: port argv[2], appended to argv[1] as (u32 length, frame). AF_PACKET sees a
+#: loopback frame twice (sent and received): the sent copy is skipped.
+_CAPTURE = """
+import socket
+import struct
+import sys
+
+port = int(sys.argv[2])
+sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+sock.bind(("lo", 0))
+with open(sys.argv[1], "wb", buffering=0) as out:
+    print("ready", flush=True)
+    while True:
+        frame, address = sock.recvfrom(1 << 18)
+        if address[2] == socket.PACKET_OUTGOING or frame[12:14] != b"\\x08\\x00":
+            continue
+        ip = frame[14:]
+        if ip[9] != 6:
+            continue
+        tcp = ip[(ip[0] & 15) * 4 :]
+        if port in struct.unpack("!HH", tcp[:4]):
+            out.write(struct.pack("!I", len(frame)) + frame)
+"""
+
+
+class LoopbackCapture:
+    """The TCP byte streams to and from one port in a network namespace, as a
+    packet capture sees them (the kernel's copy, not the programs')."""
+
+    def __init__(self, path: Path, netns: NetNS, port: int) -> None:
+        self.path = path
+        self.port = port
+        self.process: subprocess.Popen[bytes] | None = subprocess.Popen(
+            [*netns.prefix(), sys.executable, "-c", _CAPTURE, str(path), str(port)],
+            stdout=subprocess.PIPE,
+        )
+        assert self.process.stdout is not None
+        if self.process.stdout.readline() != b"ready\n":
+            self.stop()
+            raise RuntimeError("the loopback capture did not start")
+
+    def streams(self) -> dict[tuple[str, str], bytes]:
+        """Each direction's payload in sequence order, keyed by
+        ("ip:port", "ip:port") from sender to receiver."""
+        data = self.path.read_bytes()
+        segments: dict[tuple[str, str], dict[int, bytes]] = {}
+        start: dict[tuple[str, str], int] = {}
+        offset = 0
+        while offset + 4 <= len(data):
+            (length,) = struct.unpack_from("!I", data, offset)
+            ip = data[offset + 18 : offset + 4 + length]
+            offset += 4 + length
+            header = (ip[0] & 15) * 4
+            total = struct.unpack_from("!H", ip, 2)[0]
+            tcp = ip[header:total]
+            sport, dport, seq = struct.unpack_from("!HHI", tcp)
+            flags = tcp[13]
+            src = f"{socket.inet_ntoa(ip[12:16])}:{sport}"
+            dst = f"{socket.inet_ntoa(ip[16:20])}:{dport}"
+            key = (src, dst)
+            if flags & 0x02:  # SYN: the stream starts after it
+                start[key] = (seq + 1) & 0xFFFFFFFF
+            payload = tcp[(tcp[12] >> 4) * 4 :]
+            if payload:
+                segments.setdefault(key, {})[seq] = payload
+        result: dict[tuple[str, str], bytes] = {}
+        for key, by_seq in segments.items():
+            base = start[key]
+            stream = bytearray()
+            for seq, payload in sorted(
+                by_seq.items(), key=lambda item: (item[0] - base) & 0xFFFFFFFF
+            ):
+                at = (seq - base) & 0xFFFFFFFF
+                if at > len(stream):
+                    raise AssertionError(
+                        f"capture lost bytes of {key} at {len(stream)}"
+                    )
+                stream[at : at + len(payload)] = payload
+            result[key] = bytes(stream)
+        return result
 
     def stop(self) -> None:
         _stop(self.process)

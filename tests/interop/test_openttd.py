@@ -28,6 +28,7 @@ from tests.interop.openttd_chroot import (
 from tests.interop.openttd_support import (
     HOST_BUILD,
     Crossroads,
+    LoopbackCapture,
     NetNS,
     OpenTTDBuild,
     OpenTTDClient,
@@ -194,6 +195,30 @@ def test_server_reconnecting_keeps_its_invite_code(
         restarted.stop()
 
 
+def relayed_game_bytes(streams: dict[tuple[str, str], bytes], relay: str) -> bytes:
+    """Check that the relay passed the game stream unchanged and return it.
+
+    ``streams`` are the TCP payloads to and from the relay's address. Each of
+    the two peers' connections starts with one TURN packet each way
+    (SERCLI_CONNECT up, TURN_CONNECTED down; an OpenTTD packet starts with its
+    little-endian u16 size); after that, what one peer sent must be what the
+    other received (a prefix of it while bytes are still in flight)."""
+
+    def game(stream: bytes) -> bytes:
+        return stream[int.from_bytes(stream[:2], "little") :]
+
+    peers = sorted({src for src, dst in streams if dst == relay})
+    assert len(peers) == 2, streams.keys()
+    sent = {peer: game(streams.get((peer, relay), b"")) for peer in peers}
+    received = {peer: game(streams.get((relay, peer), b"")) for peer in peers}
+    first, second = peers
+    for source, sink in ((first, second), (second, first)):
+        a, b = sent[source], received[sink]
+        common = min(len(a), len(b))
+        assert common > 0 and a[:common] == b[:common], (source, sink, len(a), len(b))
+    return b"".join(sent.values())
+
+
 @pytest.mark.timeout(150)
 def test_join_through_turn_when_the_server_is_unreachable(
     workdir: Path, build: OpenTTDBuild
@@ -201,9 +226,14 @@ def test_join_through_turn_when_the_server_is_unreachable(
     """In a private network namespace, the server listens on 127.0.0.2 while its
     coordinator traffic leaves from 127.0.0.1, so the direct probe fails; an
     iptables rule there refuses every new TCP connection except to the known
-    service ports, so the STUN simultaneous open fails too. TURN must carry it."""
+    service ports, so the STUN simultaneous open fails too. TURN must carry it.
+
+    A packet capture on the namespace's loopback checks the relay from outside:
+    what one peer sent after its TURN handshake is what the other received,
+    byte for byte, and from 15 the game stream is encrypted (the client's name,
+    plain in 13 and 14, is nowhere in it)."""
     netns = NetNS()
-    processes: list[Crossroads | OpenTTDServer | OpenTTDClient] = []
+    processes: list[Crossroads | OpenTTDServer | OpenTTDClient | LoopbackCapture] = []
     try:
         turn_dir = workdir / "turn"
         turn_dir.mkdir()
@@ -222,6 +252,10 @@ def test_join_through_turn_when_the_server_is_unreachable(
         processes.append(server)
         registration = server.registration()
         assert registration["connection_type"] == "Behind NAT"
+        capture = LoopbackCapture(
+            turn_dir / "turn.capture", netns, crossroads.ports["turn"]
+        )
+        processes.append(capture)
         client = OpenTTDClient(
             turn_dir,
             crossroads,
@@ -254,6 +288,11 @@ def test_join_through_turn_when_the_server_is_unreachable(
             crossroads.metric("crossroads_openttd_stun_requests_total", result="ok")
             >= 3
         )
+        game = relayed_game_bytes(
+            capture.streams(), f"127.0.0.1:{crossroads.ports['turn']}"
+        )
+        assert len(game) > 10_000  # the map went through the relay
+        assert (b"turn-client" in game) == (build.major < 15)
     finally:
         for process in reversed(processes):
             process.stop()
