@@ -23,9 +23,21 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from crossroads.proto.openttd.coordinator import (
+    COORDINATOR_VERSION,
+    ClientListing,
+    GcListing,
+    GcNewgrfLookup,
+    decode_gc_packet,
+    encode_peer_packet,
+)
+from crossroads.proto.openttd.game import CLIENT_GAME_INFO, decode_server_game_info
+from crossroads.proto.openttd.gameinfo import NewGRF, VersionedGameInfo
+from crossroads.proto.openttd.wire import PacketSplitter
 from tests.interop.openttd_chroot import ChrootOpenTTD
 
 OPENTTD = shutil.which("openttd") or "/usr/games/openttd"
@@ -303,6 +315,7 @@ class OpenTTDServer:
         build: OpenTTDBuild = HOST_BUILD,
     ) -> None:
         self.name = name
+        self.port = port
         self.log = workdir / f"{name}.log"
         home = Path(tempfile.mkdtemp(prefix="home-", dir=workdir))
         config = _config(
@@ -504,3 +517,60 @@ class LoopbackCapture:
 
     def stop(self) -> None:
         _stop(self.process)
+
+
+def _packets(
+    sock: socket.socket, until: Callable[[int, bytes], bool]
+) -> list[tuple[int, bytes]]:
+    """OpenTTD packets read from ``sock`` up to the one ``until`` accepts."""
+    splitter = PacketSplitter()
+    received: list[tuple[int, bytes]] = []
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            raise AssertionError(f"connection closed after {received!r}")
+        for packet_type, payload in splitter.feed(data):
+            received.append((packet_type, payload))
+            if until(packet_type, payload):
+                return received
+
+
+def listing_as_client(
+    crossroads: Crossroads, revision: str, game_info_version: int
+) -> list[tuple[str, VersionedGameInfo]]:
+    """CLIENT_LISTING as a client of ``revision`` sends it (coordinator protocol
+    6, cursor 0), and the servers of the answer as that client decodes them."""
+    request = ClientListing(COORDINATOR_VERSION, game_info_version, revision, 0)
+    lookup: dict[int, NewGRF] = {}
+    servers: list[tuple[str, VersionedGameInfo]] = []
+    address = ("127.0.0.1", crossroads.ports["coordinator"])
+    with socket.create_connection(address, timeout=10) as sock:
+        sock.sendall(encode_peer_packet(request))
+
+        def end(packet_type: int, payload: bytes) -> bool:
+            message = decode_gc_packet(packet_type, payload, lookup=lookup)
+            if isinstance(message, GcNewgrfLookup):
+                lookup.update(message.entries)
+                return False
+            assert isinstance(message, GcListing), message
+            for entry in message.entries:
+                servers.append(
+                    (
+                        entry.connection_string,
+                        VersionedGameInfo(
+                            message.game_info_version, message.serialization, entry.info
+                        ),
+                    )
+                )
+            return not message.entries
+
+        _packets(sock, end)
+    return servers
+
+
+def game_info_from_server(host: str, port: int) -> VersionedGameInfo:
+    """The server's own answer to CLIENT_GAME_INFO on its game port."""
+    with socket.create_connection((host, port), timeout=10) as sock:
+        sock.sendall(CLIENT_GAME_INFO)
+        packet_type, payload = _packets(sock, lambda _t, _p: True)[0]
+    return decode_server_game_info(packet_type, payload)

@@ -10,6 +10,7 @@ runs once per release with the same assertions.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from crossroads.proto.openttd.gameinfo import GameInfo
 from tests.conftest import RedisServer
 from tests.interop.openttd_chroot import (
     SUITES,
@@ -33,6 +35,8 @@ from tests.interop.openttd_support import (
     OpenTTDBuild,
     OpenTTDClient,
     OpenTTDServer,
+    game_info_from_server,
+    listing_as_client,
     openttd_available,
 )
 
@@ -135,8 +139,22 @@ def test_dedicated_servers_register_public_and_invite_only(
     assert entry["info"]["map_width"] == entry["info"]["map_height"] == 64
     # Game-info 7 (a leading ticks_playing) from 14 on; coordinator protocol 6
     # in every release (reference section 2).
-    assert entry["game_info_version"] == (7 if build.major >= 14 else 6)
-    assert entry["protocol"] == 6
+    version = 7 if build.major >= 14 else 6
+    assert entry["game_info_version"] == version and entry["protocol"] == 6
+    # A client of this release asks for the list in its own game-info version
+    # and reads what the server itself answers on its game port (but for the
+    # fields that move with the game clock).
+    listed = dict(listing_as_client(crossroads, build.release, version))
+    assert public["code"] in listed and invite["code"] not in listed
+    own = game_info_from_server("127.0.0.1", servers["public"].port)
+    assert listed[public["code"]].version == own.version == version
+
+    def steady(info: GameInfo) -> GameInfo:
+        return dataclasses.replace(info, game_date=0, ticks_playing=None)
+
+    assert steady(listed[public["code"]].info) == steady(own.info)
+    if version >= 7:
+        assert listed[public["code"]].info.ticks_playing is not None
     record = crossroads.json(f"/openttd/servers/{invite['code']}")
     assert isinstance(record, dict)
     assert record["game_type"] == "invite-only"
