@@ -258,8 +258,8 @@ class Crossroads:
 #: ``use_relay_service`` in openttd.cfg: reference section 9, PR #10762).
 PRIVATE_SETTINGS = ("client_name", "server_name", "use_relay_service")
 #: The ``ini_version`` each release writes in openttd.cfg's ``[version]`` group
-#: (observed: what 14.1 and 15.1 save on exit without ``-x``).
-INI_VERSION = {14: 7, 15: 7}
+#: (observed: what 13.0, 14.1 and 15.1 save on exit without ``-x``).
+INI_VERSION = {13: 2, 14: 7, 15: 7}
 
 
 def _config(build: OpenTTDBuild, directory: Path, network: dict[str, str]) -> Path:
@@ -574,3 +574,41 @@ def game_info_from_server(host: str, port: int) -> VersionedGameInfo:
         sock.sendall(CLIENT_GAME_INFO)
         packet_type, payload = _packets(sock, lambda _t, _p: True)[0]
     return decode_server_game_info(packet_type, payload)
+
+
+def saved_network_settings(
+    build: OpenTTDBuild, directory: Path, files: dict[str, str]
+) -> dict[str, dict[str, str]]:
+    """Start a null-driver OpenTTD on ``-c DIR/openttd.cfg`` with ``files``
+    written in DIR, let it run ten ticks and save its configuration on exit
+    (no ``-x``), and return the ``[network]`` group of each file it wrote: what
+    it saves is what it had read."""
+    directory.mkdir(parents=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    command = build.argv(
+        ["-c", str(directory / "openttd.cfg"), "-v", "null:ticks=10",
+         "-s", "null", "-m", "null"],
+        directory,
+    )  # fmt: skip
+    subprocess.run(
+        command,
+        env={**os.environ, "HOME": str(directory)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    saved: dict[str, dict[str, str]] = {}
+    for name in ("openttd.cfg", "private.cfg"):
+        group: dict[str, str] = {}
+        section = ""
+        path = directory / name
+        for line in path.read_text().splitlines() if path.exists() else []:
+            if line.startswith("["):
+                section = line.strip()
+            elif section == "[network]" and " = " in line:
+                key, _, value = line.partition(" = ")
+                group[key] = value
+        saved[name] = group
+    return saved

@@ -29,6 +29,7 @@ from tests.interop.openttd_chroot import (
 )
 from tests.interop.openttd_support import (
     HOST_BUILD,
+    INI_VERSION,
     Crossroads,
     LoopbackCapture,
     NetNS,
@@ -38,6 +39,7 @@ from tests.interop.openttd_support import (
     game_info_from_server,
     listing_as_client,
     openttd_available,
+    saved_network_settings,
 )
 
 pytestmark = [pytest.mark.interop]
@@ -364,3 +366,47 @@ def test_two_coordinators_on_one_redis(
     finally:
         for process in reversed(processes):
             process.stop()
+
+
+@pytest.mark.timeout(60)
+def test_private_cfg_needs_a_version_group(workdir: Path, build: OpenTTDBuild) -> None:
+    """The pitfall README states where ``use_relay_service`` is explained:
+    OpenTTD reads private.cfg only when openttd.cfg has a ``[version]`` group
+    (``ini_version`` >= 1); otherwise every setting comes from openttd.cfg.
+    From 14, ``use_relay_service`` is one of private.cfg's settings, so a
+    headless client configured there without the group asks the relay
+    question nobody answers."""
+    private = "[network]\nclient_name = probe\nuse_relay_service = allow\n"
+    plain = saved_network_settings(
+        build,
+        workdir / "ini-plain",
+        {
+            "openttd.cfg": "[network]\nserver_game_type = local\n",
+            "private.cfg": private,
+        },
+    )
+    versioned = saved_network_settings(
+        build,
+        workdir / "ini-versioned",
+        {
+            "openttd.cfg": f"[version]\nini_version = {INI_VERSION[build.major]}\n"
+            "[network]\nserver_game_type = local\n",
+            "private.cfg": private,
+        },
+    )
+    assert plain["private.cfg"]["client_name"] == ""  # private.cfg was ignored
+    assert versioned["private.cfg"]["client_name"] == "probe"
+    # Where each release keeps use_relay_service, and what it read there.
+    relay_file = "private.cfg" if build.major >= 14 else "openttd.cfg"
+    assert plain[relay_file]["use_relay_service"] == "ask"
+    assert versioned[relay_file]["use_relay_service"] == (
+        "allow" if build.major >= 14 else "ask"
+    )
+    # Without the group, openttd.cfg alone is read, private settings included.
+    alone = saved_network_settings(
+        build,
+        workdir / "ini-alone",
+        {"openttd.cfg": private},
+    )
+    assert alone["private.cfg"]["client_name"] == "probe"
+    assert alone[relay_file]["use_relay_service"] == "allow"
