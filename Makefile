@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev mmdebstrap
 ARGS ?=
 
 .PHONY: install install-system install-python run test lint types pytest clean
@@ -17,7 +17,9 @@ install: install-system install-python
 # `systemctl disable --now prometheus` if unwanted); systemd brings
 # systemd-analyze for the unit in deploy/.
 # gnutls-bin brings gnutls-cli, libmbedtls-dev the mbedTLS library (UnityTLS's)
-# for the Unity Relay DTLS interop tests.
+# for the Unity Relay DTLS interop tests. mmdebstrap builds the Debian trixie and
+# sid trees that carry OpenTTD 14.1 and 15.1 (tests/interop/openttd_chroot.py,
+# built by the tests on first use and cached outside the checkout).
 install-system:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

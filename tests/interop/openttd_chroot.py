@@ -136,8 +136,15 @@ def ensure_tree(suite: str, say: Callable[[str], None] = print) -> Path:
         ]  # fmt: skip
         say(f"[chroot {suite}] building {tree} from {MIRROR} (about a minute)")
         started = time.monotonic()
+        # mmdebstrap inherits the lock: should this process die, another
+        # worker waits until the orphaned build is over (it ends soon: its
+        # output pipe is gone) before it removes the partial tree.
         process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            pass_fds=(lock.fileno(),),
         )
         assert process.stdout is not None
         output: list[str] = []
