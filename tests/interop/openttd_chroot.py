@@ -136,7 +136,7 @@ def ensure_tree(suite: str, say: Callable[[str], None] = print) -> Path:
         ]  # fmt: skip
         say(f"[chroot {suite}] building {tree} from {MIRROR} (about a minute)")
         started = time.monotonic()
-        # mmdebstrap inherits the lock: should this process die, another
+        # mmdebstrap inherits the lock: should this process be killed, another
         # worker waits until the orphaned build is over (it ends soon: its
         # output pipe is gone) before it removes the partial tree.
         process = subprocess.Popen(
@@ -148,10 +148,16 @@ def ensure_tree(suite: str, say: Callable[[str], None] = print) -> Path:
         )
         assert process.stdout is not None
         output: list[str] = []
-        for line in process.stdout:
-            output.append(line)
-            if line.startswith(("I:", "E:", "W:")):
-                say(f"[chroot {suite}] {line.rstrip()}")
+        try:
+            for line in process.stdout:
+                output.append(line)
+                if line.startswith(("I:", "E:", "W:")):
+                    say(f"[chroot {suite}] {line.rstrip()}")
+        except BaseException:  # interrupted: stop mmdebstrap (it cleans up on TERM)
+            process.terminate()
+            process.wait()
+            _remove(partial)
+            raise
         if process.wait() != 0:
             _remove(partial)
             raise RuntimeError(
