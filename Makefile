@@ -19,8 +19,11 @@ install: install-system install-python
 # systemd-analyze for the unit in deploy/.
 # gnutls-bin brings gnutls-cli, libmbedtls-dev the mbedTLS library (UnityTLS's)
 # for the Unity Relay DTLS interop tests.
-# mmdebstrap and podman build the container image (`make image`); runc runs it
-# where crun cannot (hybrid cgroups: README, "Image").
+# mmdebstrap builds the Debian trixie and sid trees that carry OpenTTD 14.1 and
+# 15.1 (tests/interop/openttd_chroot.py, built by the tests on first use and
+# cached outside the checkout) and the container image's base; podman builds
+# the image (`make image`); runc runs it where crun cannot (hybrid cgroups:
+# README, "Image").
 install-system:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
