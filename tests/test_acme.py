@@ -253,11 +253,15 @@ async def test_obtains_serves_and_renews_without_restart(
 ) -> None:
     # Renew at every check (a 100-year threshold), checked every second: the
     # first order replaces the placeholder, the next ones are renewals.
+    turn_tls = free_port()
     values = acme_values(
         pebble,
         tmp_path / "state",
         core__acme_renew_days=36500.0,
         core__acme_check_interval=1.0,
+        core__only=["stun", "turn"],
+        turn__tls_port=turn_tls,
+        turn__user=["u:p"],
     )
     async with acme_runtime(values) as runtime:
         assert runtime.acme is not None and runtime.https_address is not None
@@ -297,6 +301,10 @@ async def test_obtains_serves_and_renews_without_restart(
         assert runtime.certificates is not None
         assert runtime.certificates.generation > generation
         assert runtime.acme.issued >= 2
+        # TURN over TLS presents the same certificate (one reload for all).
+        turn_leaf = await served_certificate(turn_tls)
+        assert issued_by(turn_leaf, pebble)
+        assert turn_leaf.serial_number != leaf.serial_number
         # The connection from before the renewal still speaks HTTP.
         writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
         await writer.drain()
