@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import ssl
 import stat
 import subprocess
@@ -46,7 +47,7 @@ from crossroads.config import default_config
 from crossroads.errors import ConfigError
 from crossroads.runtime import Runtime, start
 from crossroads.transport.admission import ResourceBudget
-from tests.conftest import eventually, free_port, loopback_config
+from tests.conftest import eventually, free_port, loopback_config, serve_command
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -342,6 +343,12 @@ async def test_a_fresh_certificate_is_kept_and_reused_after_restart(
         assert await acme.check() is False
         served = await served_certificate(runtime.https_address[1])
         assert issued_by(served, pebble)
+        host, http_port = runtime.http_address
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"http://{host}:{http_port}/metrics")).text
+        assert 'crossroads_acme_orders_total{result="issued"} 1.0' in metrics
+        expiry = served.not_valid_after_utc.timestamp()
+        assert f"crossroads_acme_certificate_expiry_seconds {expiry:.9e}" in metrics
     # A restart serves the stored certificate from the start and orders none.
     async with acme_runtime(acme_values(pebble, tmp_path / "state")) as runtime:
         assert runtime.acme is not None and runtime.https_address is not None
@@ -448,3 +455,61 @@ def test_renewal_reason(tmp_path: Path) -> None:
 def test_acme_settings_are_checked(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         default_config(overrides)
+
+
+@needs_pebble
+async def test_serve_orders_at_start_and_sighup_checks_at_once(
+    tmp_path: Path, pebble: Pebble
+) -> None:
+    """The real command line: ``crossroads serve --acme-domain`` orders at
+    start; SIGHUP (``crossroads reload``) checks at once and, the certificate
+    being due (a 100-year threshold), renews it without a restart."""
+    https = free_port()
+    command = serve_command(
+        "stun",
+        "--state-dir", str(tmp_path / "state"),
+        "--https-port", str(https),
+        "--acme-domain", "localhost",
+        "--acme-directory", pebble.directory_url,
+        "--acme-ca-bundle", str(pebble.ca_bundle),
+        "--acme-http-port", str(pebble.http_port),
+        "--acme-renew-days", "36500",
+        # Never by the clock in this test: only at start and on SIGHUP.
+        "--acme-check-interval", "3600",
+    )  # fmt: skip
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        seen: list[int] = []
+
+        async def served_by_pebble() -> bool:
+            if process.poll() is not None:
+                raise AssertionError(log.read_text())
+            try:
+                leaf = await served_certificate(https)
+            except OSError:
+                return False
+            if issued_by(leaf, pebble):
+                seen.append(leaf.serial_number)
+                return True
+            return False
+
+        await eventually(served_by_pebble, "the first certificate", 30)
+        first = seen[-1]
+        process.send_signal(signal.SIGHUP)
+
+        async def renewed() -> bool:
+            return await served_by_pebble() and seen[-1] != first
+
+        await eventually(renewed, "a new certificate after SIGHUP", 30)
+        assert process.poll() is None
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert "TLS certificate reloaded" in text, text

@@ -51,10 +51,10 @@ import datetime
 import logging
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from acme import challenges, client, crypto_util, errors, messages
 from cryptography import x509
@@ -65,6 +65,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from josepy.jwa import ES256
 from josepy.jwk import JWKEC
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.sockets import bound_address, make_tcp_listener
@@ -439,6 +441,31 @@ class AcmeManager:
                 await asyncio.wait_for(self._wake.wait(), wait)
             except TimeoutError:
                 pass
+
+
+class AcmeCollector(Collector):
+    """``crossroads_acme_orders_total{result}`` (issued, failed) and
+    ``crossroads_acme_certificate_expiry_seconds`` (the served leaf's
+    notAfter, Unix time: alert well before it, e.g. under 14 days)."""
+
+    def __init__(self, manager: AcmeManager, not_after: Callable[[], float]) -> None:
+        self.manager = manager
+        self.not_after = not_after
+
+    def collect(self) -> Iterator[Any]:
+        orders = CounterMetricFamily(
+            "crossroads_acme_orders",
+            "ACME certificate orders by result (--acme-domain).",
+            labels=["result"],
+        )
+        orders.add_metric(["issued"], self.manager.issued)
+        orders.add_metric(["failed"], self.manager.failures)
+        yield orders
+        yield GaugeMetricFamily(
+            "crossroads_acme_certificate_expiry_seconds",
+            "notAfter of the certificate the TLS listeners serve (Unix time).",
+            value=self.not_after(),
+        )
 
 
 # ------------------------------------------------------------------ listener

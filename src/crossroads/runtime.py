@@ -242,7 +242,13 @@ async def _start_acme(
 ) -> None:
     """The HTTP-01 listener (unless --acme-http-port is 0) and the renewal
     task, which reloads ``certificates`` as SIGHUP does (crossroads.acme)."""
-    from crossroads.acme import AcmeManager, AcmeOrder, acme_dir, listen_challenges
+    from crossroads.acme import (
+        AcmeCollector,
+        AcmeManager,
+        AcmeOrder,
+        acme_dir,
+        listen_challenges,
+    )
 
     if core.acme_http_port:
         runtime.acme_listener = await listen_challenges(
@@ -267,6 +273,9 @@ async def _start_acme(
         renew_before=datetime.timedelta(days=core.acme_renew_days),
         check_interval=core.acme_check_interval,
         reload=certificates.reload,
+    )
+    runtime.metrics.register(
+        AcmeCollector(runtime.acme, lambda: certificates.not_after.timestamp())
     )
     runtime.acme.start()
 
