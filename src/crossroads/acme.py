@@ -68,7 +68,7 @@ from josepy.jwk import JWKEC
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from crossroads.transport.admission import ResourceBudget
+from crossroads.transport.admission import Pool, ResourceBudget
 from crossroads.transport.sockets import bound_address, make_tcp_listener
 from crossroads.types import Address
 from crossroads.web.app import EmbeddedServer, make_http_server
@@ -493,6 +493,14 @@ class ChallengeListener:
 
 #: The table of the HTTP-01 listener's connections.
 LISTENER_TABLE = "acme-http"
+#: Connections at once on the HTTP-01 listener: a CA validates each name with
+#: one request from each of its vantage points (Let's Encrypt: the primary
+#: and a few remote perspectives) and retries a few times; 64 leaves room for
+#: several orders at once.
+LISTENER_MAX = 64
+#: Its weight in the connection pool, against 1.0 for a listener that serves
+#: clients: it needs a handful of descriptors, not an equal share.
+LISTENER_WEIGHT = 0.25
 
 
 async def listen_challenges(
@@ -516,11 +524,19 @@ async def listen_challenges(
             status_code=404,
         )
 
-    # The CA is one client among strangers here: the same caps as the HTTP
-    # port, its own share of the connection descriptors.
-    guard = HttpGuard(
-        budget.listener(LISTENER_TABLE, max_connections, max_per_ip), request_timeout
+    # The CA is one client among strangers here: the HTTP port's per-IP cap
+    # and request deadline, and its own small share of the connection
+    # descriptors (LISTENER_MAX, LISTENER_WEIGHT), so a flood of port 80
+    # takes nothing from the other listeners.
+    admission = budget.table(
+        LISTENER_TABLE,
+        max_items=min(max_connections, LISTENER_MAX),
+        max_per_source=max_per_ip,
+        pool=Pool.CONNECTIONS,
+        descriptors_per_item=1,
+        weight=LISTENER_WEIGHT,
     )
+    guard = HttpGuard(admission, request_timeout)
     sock = make_tcp_listener(host, port)
     address = bound_address(sock)
     server = make_http_server(app, guard)
