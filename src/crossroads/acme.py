@@ -51,6 +51,7 @@ import datetime
 import logging
 import os
 import random
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -356,6 +357,37 @@ class AcmeOrder:
 # ------------------------------------------------------------------ manager
 
 
+async def _in_daemon_thread(work: Callable[[], None]) -> None:
+    """Run ``work`` in a daemon thread and wait for it. Not the default
+    executor: a process that stops (SIGTERM, the end of a drain) must not wait
+    for an order stuck on a slow CA; its files are written by renames, so
+    stopping mid-order leaves the old ones whole."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            work()
+        except Exception as exc:
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, error)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name="acme-order", daemon=True).start()
+    await done
+
+
 @dataclass(eq=False)
 class AcmeManager:
     """The task that keeps the certificate issued and fresh (module docstring)."""
@@ -408,7 +440,7 @@ class AcmeManager:
             reason,
             self.order.directory_url,
         )
-        await asyncio.to_thread(self.order.run)
+        await _in_daemon_thread(self.order.run)
         self.issued += 1
         if not self.reload():
             raise errors.Error("the new certificate did not load")
