@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev mmdebstrap podman runc
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev mmdebstrap podman runc pebble
 ARGS ?=
 IMAGE ?= localhost/crossroads:latest
 
@@ -24,6 +24,7 @@ install: install-system install-python
 # cached outside the checkout) and the container image's base; podman builds
 # the image (`make image`); runc runs it where crun cannot (hybrid cgroups:
 # README, "Image").
+# pebble is Let's Encrypt's test ACME CA, for --acme-domain (tests/test_acme.py).
 install-system:
 	@missing=""; for p in $(DEBIAN_PACKAGES); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -104,6 +104,15 @@ def test_extra_workers_run_udp_stun_turn_and_their_own_relay_node() -> None:
     assert not second.enabled("natneg") and not second.enabled("openttd")
 
 
+def test_only_worker_zero_orders_the_acme_certificate() -> None:
+    base = config(
+        core__store=REDIS, core__workers=2, core__acme_domain=["turn.example.org"]
+    )
+    plan = plan_workers(base)
+    assert worker_config(base, 0, plan).core.acme_domain == ("turn.example.org",)
+    assert worker_config(base, 1, plan).core.acme_domain == ()
+
+
 def test_worker_relay_dtls_and_websocket_ports_never_collide() -> None:
     base = config(core__store=REDIS, core__workers=3, relay__websocket=True)
     plan = plan_workers(base)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import field
@@ -289,6 +290,28 @@ def _check_port_or_off(value: int) -> None:
         raise ValueError("must be a port (1-65535), or 0 for none")
 
 
+#: A DNS name as a CA issues for it (RFC 1123 labels, a dot between them).
+_DNS_NAME = re.compile(
+    r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$"
+)
+
+
+def _check_acme_domains(names: tuple[str, ...]) -> None:
+    for name in names:
+        if name.startswith("*."):
+            # HTTP-01 proves control of one host name; a CA validates a
+            # wildcard only with DNS-01 (RFC 8555 §8.3, §7.1.3).
+            raise ValueError(f"{name!r}: a wildcard needs DNS-01, not HTTP-01")
+        if not _DNS_NAME.match(name.lower()) or name.replace(".", "").isdigit():
+            raise ValueError(f"{name!r} is not a DNS name")
+
+
+def _check_https_url(url: str) -> None:
+    if not url.startswith("https://"):
+        # RFC 8555 §6.1: ACME is spoken over HTTPS only.
+        raise ValueError(f"{url!r} is not an https:// URL")
+
+
 def _check_log_level(level: str) -> None:
     if level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
         raise ValueError(f"{level!r} is not one of debug, info, warning, error")
@@ -441,6 +464,54 @@ class CoreConfig:
         "development certificate in this directory and serve TLS with it.",
     )
 
+    # Automatic certificates (crossroads.acme, README "Automatic certificates").
+    acme_domain: tuple[str, ...] = setting(
+        (),
+        flag="--acme-domain",
+        env="CROSSROADS_ACME_DOMAINS",
+        check=_check_acme_domains,
+        help="Obtain and renew the TLS certificate for this DNS name with ACME "
+        "(HTTP-01 on --acme-http-port; repeatable, the first names the "
+        "certificate). Replaces --tls-cert; kept in --state-dir/acme.",
+    )
+    acme_directory: str = setting(
+        "https://acme-v02.api.letsencrypt.org/directory",
+        check=_check_https_url,
+        help="ACME directory URL of the certificate authority (default: Let's "
+        "Encrypt production; its staging directory for trials).",
+    )
+    acme_email: str = setting(
+        "",
+        help="Contact address given to the ACME CA (expiry and policy mail); "
+        "empty: none.",
+    )
+    acme_ca_bundle: str = setting(
+        "",
+        help="PEM file of the CA certificates that the ACME directory's own "
+        "HTTPS is checked against (a private or test CA); default: the "
+        "system's trust store.",
+    )
+    acme_http_port: int = setting(
+        80,
+        check=_check_port_or_off,
+        help="Port of the HTTP-01 challenge listener (the CA connects to port 80 "
+        "of the domain; another port only behind a forward to it). It answers "
+        "/.well-known/acme-challenge/ only; 0 = none (the HTTP port serves the "
+        "challenges too).",
+    )
+    acme_renew_days: float = setting(
+        30.0,
+        check=check_positive,
+        help="Renew the ACME certificate when fewer than this many days of it "
+        "remain (Let's Encrypt advises 30 days for its 90-day certificates).",
+    )
+    acme_check_interval: float = setting(
+        43200.0,
+        check=check_positive,
+        help="Seconds between two checks of the ACME certificate's expiry "
+        "(certbot checks twice a day); a failed attempt is retried sooner.",
+    )
+
     # crossroads.workers and docs/architecture.md "Workers": extra processes on
     # SO_REUSEPORT STUN/TURN UDP ports (and their own relay nodes with Redis).
     workers: int = setting(
@@ -454,6 +525,11 @@ class CoreConfig:
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert: --tls-cert and --tls-key go together")
+        if self.acme_domain and self.tls_cert:
+            raise ValueError(
+                "acme_domain: --acme-domain obtains the certificate; "
+                "drop --tls-cert/--tls-key or --acme-domain"
+            )
 
 
 # --------------------------------------------------------------------- sections

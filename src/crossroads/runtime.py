@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import json
 import logging
@@ -14,11 +15,11 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from crossroads.config import Config
+from crossroads.config import Config, CoreConfig
 from crossroads.errors import ConfigError
 from crossroads.insight import Config as InsightConfig
 from crossroads.insight import InsightRecorder, recorder_for
@@ -53,6 +54,11 @@ from crossroads.web.console import Console
 from crossroads.web.guard import HttpGuard
 from crossroads.web.insight import insight_router
 from crossroads.workers import WorkerSlot
+
+if TYPE_CHECKING:
+    # Imported when --acme-domain is set: the ACME library (and requests) load
+    # only for the processes that use them.
+    from crossroads.acme import AcmeManager, ChallengeListener, Challenges
 
 log = logging.getLogger("crossroads")
 
@@ -93,6 +99,10 @@ class Runtime:
     _drain_deadline: float = 0.0
     _drain_task: asyncio.Task[None] | None = None
     _draining_gauge: Gauge | None = None
+    #: Automatic certificates (--acme-domain): the renewal task and the
+    #: HTTP-01 listener (--acme-http-port), None when off.
+    acme: AcmeManager | None = None
+    acme_listener: ChallengeListener | None = None
     _closed: bool = False
 
     def udp_ports(self) -> dict[int, str]:
@@ -118,6 +128,16 @@ class Runtime:
         if self.https_address is not None:
             lines.append(
                 f"https: tcp {show_address(self.https_address)} (the same, over TLS)"
+            )
+        if self.acme is not None:
+            where = (
+                f"tcp {show_address(self.acme_listener.address)} and the HTTP port"
+                if self.acme_listener is not None
+                else "the HTTP port"
+            )
+            lines.append(
+                f"acme: certificate for {', '.join(self.acme.order.domains)} from "
+                f"{self.acme.order.directory_url} (http-01 on {where})"
             )
         return lines
 
@@ -209,6 +229,8 @@ class Runtime:
         applied: list[str] = []
         if self.certificates is not None and self.certificates.reload():
             applied.append("tls: certificate")
+        if self.acme is not None:
+            self.acme.check_now()
         for service in self.services.values():
             if isinstance(service, Reloadable):
                 applied += service.reload(config)
@@ -222,6 +244,10 @@ class Runtime:
             self._drain_task.cancel()
         if self._https is not None:
             self._https.close()
+        if self.acme is not None:
+            await self.acme.close()
+        if self.acme_listener is not None:
+            await self.acme_listener.close()
         if self._http is not None:
             self._http.should_exit = True
         if self._http_task is not None:
@@ -303,6 +329,52 @@ async def _listen_https(
     return server
 
 
+async def _start_acme(
+    runtime: Runtime,
+    core: CoreConfig,
+    certificates: Certificates,
+    challenges: Challenges,
+) -> None:
+    """The HTTP-01 listener (unless --acme-http-port is 0) and the renewal
+    task, which reloads ``certificates`` as SIGHUP does (crossroads.acme)."""
+    from crossroads.acme import (
+        AcmeCollector,
+        AcmeManager,
+        AcmeOrder,
+        acme_dir,
+        listen_challenges,
+    )
+
+    if core.acme_http_port:
+        runtime.acme_listener = await listen_challenges(
+            runtime.resources,
+            core.host,
+            core.acme_http_port,
+            challenges,
+            max_connections=core.http_max_connections,
+            max_per_ip=core.http_max_connections_per_ip,
+            request_timeout=core.http_request_timeout,
+        )
+    order = AcmeOrder(
+        directory_url=core.acme_directory,
+        domains=core.acme_domain,
+        files=acme_dir(resolve_state_dir(core.state_dir)),
+        challenges=challenges,
+        email=core.acme_email,
+        ca_bundle=core.acme_ca_bundle,
+    )
+    runtime.acme = AcmeManager(
+        order,
+        renew_before=datetime.timedelta(days=core.acme_renew_days),
+        check_interval=core.acme_check_interval,
+        reload=certificates.reload,
+    )
+    runtime.metrics.register(
+        AcmeCollector(runtime.acme, lambda: certificates.not_after.timestamp())
+    )
+    runtime.acme.start()
+
+
 def _record_listeners(
     budget: ResourceBudget, service: str, sockets: set[socket.socket]
 ) -> None:
@@ -326,9 +398,17 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
     store = store if store is not None else open_store(config.core.store)
     metrics = CollectorRegistry()
     core = config.core
-    certificates = certificates_for(
-        core.tls_cert, core.tls_key, host=core.host, dev_dir=core.tls_dev_cert_dir
-    )
+    if core.acme_domain:
+        from crossroads.acme import prepare_files
+
+        # The ACME files (a placeholder until the first order completes).
+        certificates: Certificates | None = Certificates(
+            *prepare_files(resolve_state_dir(core.state_dir), core.acme_domain)
+        )
+    else:
+        certificates = certificates_for(
+            core.tls_cert, core.tls_key, host=core.host, dev_dir=core.tls_dev_cert_dir
+        )
     runtime = Runtime(
         config=config, store=store, metrics=metrics, certificates=certificates
     )
@@ -399,6 +479,12 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             / MATRIX_FILE,
         )
         runtime.console.start()
+        challenges: Challenges | None = None
+        if core.acme_domain:
+            from crossroads.acme import Challenges
+
+            challenges = Challenges()
+            ctx.routers.append(challenges.router())
         app = create_app(
             metrics=metrics,
             store=store,
@@ -420,6 +506,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
                 runtime._http_task.result()
                 raise RuntimeError("HTTP server stopped during start-up")
             await asyncio.sleep(0.01)
+        if challenges is not None and certificates is not None:
+            await _start_acme(runtime, core, certificates, challenges)
         if core.https_port and certificates is not None:
             runtime._https = await _listen_https(runtime, ctx, certificates, guard)
         elif core.https_port:

@@ -217,6 +217,8 @@ def worker_config(config: Config, index: int, plan: WorkerPlan) -> Config:
         tls_cert="",
         tls_key="",
         tls_dev_cert_dir="",
+        # Worker 0 orders and renews the certificate (and holds port 80).
+        acme_domain=(),
     )
     sections = dict(config.sections)
     if "stun" in sections:

@@ -271,6 +271,12 @@ class BatteryServer:
             "--https-port", str(https_port),
             "--turn-tls-port", str(tls_port),
             "--tls-dev-cert-dir", str(directory / "tls"),
+            # The HTTP-01 listener of --acme-domain is attacked like the
+            # others; its certificate authority is a closed loopback port, so
+            # the order fails at once (the TLS listeners serve the placeholder).
+            "--acme-domain", "localhost",
+            "--acme-directory", f"https://127.0.0.1:{free_port()}/directory",
+            "--acme-http-port", str(free_port()),
             "--relay-websocket",
             "--admin-token", ADMIN_TOKEN,
             "--memory-budget", str(MEMORY_BUDGET),
@@ -613,7 +619,7 @@ def drain_udp(sock: socket.socket) -> int:
 # ---------------------------------------------------------------- TCP side
 
 TLS_KINDS = frozenset({"https", "turn-tls", "relay-wss", "tls"})
-PLAIN_KINDS = frozenset({"http", "relay-ws"})
+PLAIN_KINDS = frozenset({"http", "relay-ws", "acme-http"})
 
 
 def tls_hello() -> bytes:

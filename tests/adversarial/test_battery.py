@@ -116,6 +116,7 @@ def test_the_registry_covers_every_service_and_tls(server: BatteryServer) -> Non
     assert ("tcp", server.https_port) in ports
     assert ("tcp", server.tls_port) in ports and ("udp", server.tls_port) in ports
     assert sum(x.service == "relay" and x.transport == "tcp" for x in listeners) == 2
+    assert any(x.kind == "acme-http" for x in listeners)
 
 
 # ----------------------------------------------------------------------- UDP
