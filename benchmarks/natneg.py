@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -109,7 +110,7 @@ def server(
                 time.sleep(0.1)
         yield ("127.0.0.1", port), http, process
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # at once: SIGTERM drains
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:

@@ -21,6 +21,7 @@ import argparse
 import os
 import select
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -154,7 +155,7 @@ def measure(kind: str, args: argparse.Namespace) -> tuple[float, float]:
         elapsed = time.monotonic() - started
         cpu = (cpu_ticks(process.pid) - before) / TICK
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # at once: SIGTERM drains
         process.wait(10)
     return answers / elapsed, answers / max(cpu, 1e-9)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -132,7 +133,7 @@ def cpp_server(clients: int) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:
-    process.terminate()
+    process.send_signal(signal.SIGINT)  # at once: SIGTERM drains
     try:
         process.wait(10)
     except subprocess.TimeoutExpired:

@@ -44,6 +44,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import statistics
 import struct
@@ -350,7 +351,7 @@ def crossroads_relay_process() -> Iterator[tuple[str, int]]:
         wait_until(lambda: bool(http_json(f"{base}/v1/regions")), "crossroads")
         yield base, process.pid
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # at once: SIGTERM drains
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:

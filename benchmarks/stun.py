@@ -276,7 +276,7 @@ def main() -> None:
     finally:
         for server in servers:
             if server.process.poll() is None:
-                server.process.send_signal(signal.SIGTERM)
+                server.process.send_signal(signal.SIGINT)  # SIGTERM drains
                 try:
                     server.process.wait(10)
                 except subprocess.TimeoutExpired:

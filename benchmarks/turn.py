@@ -127,7 +127,7 @@ class Server:
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGINT)  # at once: SIGTERM drains
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:

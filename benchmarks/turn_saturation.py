@@ -172,7 +172,7 @@ def build(workdir: Path) -> dict[str, Path]:
 
 def stop(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signal.SIGINT)  # at once: SIGTERM drains
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:
