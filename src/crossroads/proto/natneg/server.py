@@ -244,6 +244,11 @@ class ServerConfig:
     #: side would cross anyway, and a client faking a slow ERT_ACK must not be able
     #: to hold its partner's CONNECT back for long.
     max_connect_lead: float = 0.35
+    #: How often the clients read their sockets: a measured round trip includes up
+    #: to one interval of the client's own delay, so the lead is shortened by half
+    #: of it and never overshoots (proto/timing.py, "Poll delay"). The SDK's natneg
+    #: sample (natneg/simpletest/simpletest.c) calls ``NNThink`` then sleeps 10 ms.
+    client_poll: float = 0.01
     #: Learn, at INIT, whether a client's NAT filters by port when its partner's
     #: mapping is endpoint-dependent (the one case where filtering decides the
     #: pair): one ERT_TEST from ``unsolicited_port`` (natneg1's IP, another port)
@@ -1218,7 +1223,12 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         assert first is not None and second is not None
         if not self.config.timed_connect:
             return (0.0, 0.0)
-        return crossing_leads(first.rtt, second.rtt, self.config.max_connect_lead)
+        return crossing_leads(
+            first.rtt,
+            second.rtt,
+            self.config.max_connect_lead,
+            self.config.client_poll,
+        )
 
     # ------------------------------------------------------------ CONNECT
 
