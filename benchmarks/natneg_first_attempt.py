@@ -73,9 +73,7 @@ async def timed_negotiation(
     await asyncio.gather(lab.reset_nat(a), lab.reset_nat(b))
     started = time.monotonic()
     finished: list[float] = []
-    negotiation = asyncio.ensure_future(
-        negotiate(lab, a, b, cookie, servers_at(port))
-    )
+    negotiation = asyncio.ensure_future(negotiate(lab, a, b, cookie, servers_at(port)))
     # Both results, not the REPORT round trip the v4 client adds after success.
     watched: list[SdkNegotiator] = []
     while not negotiation.done():

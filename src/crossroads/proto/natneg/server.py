@@ -515,6 +515,12 @@ class _Client:
             return False
         return need <= self.mappings.keys()
 
+    def unnated(self) -> bool:
+        """Does the client sit on its public address (the private IP its INITs
+        name is the one they came from)? Then no router of its own can be
+        knocked: nothing filters its partner's first ping."""
+        return self.local_ip == self.public_ip
+
     def symmetric(self) -> bool:
         """Did the NAT give the negotiate socket different public addresses for
         natneg1/2/3? That is endpoint-dependent ("symmetric") mapping (ref §5)."""
@@ -1186,10 +1192,12 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         """
         config = self.config
         pending: list[float] = []
+        timing = self._timing_helps(session)
         for c in session.clients:
             if c is None:
                 continue
-            if c.ert_sent is not None and c.rtt is None:
+            probing = c.probe_sent is not None and c.probe_open is None
+            if c.ert_sent is not None and c.rtt is None and (timing or probing):
                 pending.append(c.ert_sent + config.rtt_wait)
             if c.probe_sent is not None and c.probe_open is None:
                 limit = c.probe_sent + config.rtt_wait
@@ -1211,6 +1219,42 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self._send_probes(session, now)
         self._settle(session, now)
 
+    def _timing_helps(self, session: _Session) -> bool:
+        """Can the CONNECTs' timing change this pair's outcome? Only then is the
+        wait for the round trips worth it: it adds the later client's round trip
+        to every negotiation (docs/natneg.md, "Where timing pays").
+
+        An early first ping breaks a pair only where it knocks on a router that
+        filters (it drops the knock and, if it accepts it in its input, remaps
+        its own client's later pings to a new port) while the other client's NAT
+        filters by port (it drops pings from that new port). Elsewhere a dropped
+        knock costs a round trip: the SDK answers a ping at once (ref §6). So no
+        timing when one side does not filter at all (it sits on its public
+        address, :meth:`_Client.unnated`, or its IP's last REPORT named no NAT or
+        a full cone: its own NAT detection, ref §5), or neither filters by port
+        (a REPORT named a restricted cone); nor when one side maps per
+        destination (the pair is relayed, or the other side lets the new port in
+        whatever the order), nor on a LAN, nor when every pair is relayed.
+        """
+        first, second = session.clients
+        config = self.config
+        if (
+            not config.timed_connect
+            or first is None
+            or second is None
+            or config.relay_mode is RelayMode.ALWAYS
+            or config.force_lan_mode
+            or first.public_ip == second.public_ip
+            or first.symmetric()
+            or second.symmetric()
+        ):
+            return False
+        known = [self._known_nat(c.public_ip) for c in (first, second)]
+        unfiltered = (NatType.NO_NAT, NatType.FULL_CONE)
+        if first.unnated() or second.unnated() or any(k in unfiltered for k in known):
+            return False
+        return not all(k in (*unfiltered, NatType.RESTRICTED_CONE) for k in known)
+
     def _connect_leads(self, session: _Session) -> tuple[float, float]:
         """Seconds each client's first CONNECT waits so both arrive together.
 
@@ -1221,7 +1265,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         """
         first, second = session.clients
         assert first is not None and second is not None
-        if not self.config.timed_connect:
+        if not self._timing_helps(session):
             return (0.0, 0.0)
         return crossing_leads(
             first.rtt,
