@@ -172,7 +172,8 @@ class Config:
     timed_connect: bool = setting(
         True,
         help="Time the two CONNECTs from each client's measured round trip so both "
-        "first pings leave at once (false: send both together, as GameSpy did).",
+        "first pings leave at once, for the pairs whose NATs may need it (both may "
+        "filter by port); false: send both together, as GameSpy did.",
     )
     client_poll: float = setting(
         0.01,

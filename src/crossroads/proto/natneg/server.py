@@ -231,8 +231,11 @@ class ServerConfig:
     #: client's ping phase (7 x 700 ms, ref §6) several times over.
     connect_attempts: int = 10
     #: Time the two clients' CONNECTs so that both reach their clients at the same
-    #: moment (see "CONNECT timing" above). False: send both at once, as GameSpy's
-    #: and every emulator's server did (the benchmark's comparison).
+    #: moment (see "CONNECT timing" above), for the pairs where it can change the
+    #: outcome (:meth:`NatNegServer._timing_helps`). False: send both at once, as
+    #: GameSpy's and every emulator's server did. benchmarks/natneg_first_attempt.py
+    #: set the default: 95/96 remap cells on the first attempt timed against 81/96
+    #: together, for ~0.15-0.2 s more per pair that waits (docs/natneg.md).
     timed_connect: bool = True
     #: How long the CONNECTs may wait for a client's round-trip time (its ERT_ACK).
     #: The ERT goes out when the client's last INIT arrives, so its ACK is one
