@@ -1223,21 +1223,24 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self._settle(session, now)
 
     def _timing_helps(self, session: _Session) -> bool:
-        """Can the CONNECTs' timing change this pair's outcome? Only then is the
-        wait for the round trips worth it: it adds the later client's round trip
-        to every negotiation (docs/natneg.md, "Where timing pays").
+        """Can the CONNECTs' timing change this pair's outcome or cost it a ping
+        interval? Only then is the wait for the round trips worth it: it adds the
+        later client's round trip to every negotiation (docs/natneg.md, "Where
+        timing pays").
 
-        An early first ping breaks a pair only where it knocks on a router that
-        filters (it drops the knock and, if it accepts it in its input, remaps
-        its own client's later pings to a new port) while the other client's NAT
-        filters by port (it drops pings from that new port). Elsewhere a dropped
-        knock costs a round trip: the SDK answers a ping at once (ref §6). So no
+        An early first ping knocks on a router that filters: it drops it and, if
+        it accepts it in its input chain, remaps its own client's later pings to
+        a new port. That breaks the pair when the other NAT filters by port (it
+        drops the new port), and costs a ping interval (700 ms, ref §6) when the
+        knocking side maps per destination (the knocked side's own ping went to a
+        port the symmetric NAT did not open). Elsewhere the SDK answers the
+        partner's ping at once (ref §6) and a knock costs one round trip. So no
         timing when one side does not filter at all (it sits on its public
         address, :meth:`_Client.unnated`, or its IP's last REPORT named no NAT or
-        a full cone: its own NAT detection, ref §5), or neither filters by port
-        (a REPORT named a restricted cone); nor when one side maps per
-        destination (the pair is relayed, or the other side lets the new port in
-        whatever the order), nor on a LAN, nor when every pair is relayed.
+        a full cone: its own NAT detection, ref §5), or when neither maps per
+        destination and neither filters by port (both REPORTed restricted cones);
+        nor when both map per destination (relayed), on a LAN, or when every
+        pair is relayed.
         """
         first, second = session.clients
         config = self.config
@@ -1248,14 +1251,15 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             or config.relay_mode is RelayMode.ALWAYS
             or config.force_lan_mode
             or first.public_ip == second.public_ip
-            or first.symmetric()
-            or second.symmetric()
+            or (first.symmetric() and second.symmetric())
         ):
             return False
         known = [self._known_nat(c.public_ip) for c in (first, second)]
         unfiltered = (NatType.NO_NAT, NatType.FULL_CONE)
         if first.unnated() or second.unnated() or any(k in unfiltered for k in known):
             return False
+        if first.symmetric() or second.symmetric():
+            return True
         return not all(k in (*unfiltered, NatType.RESTRICTED_CONE) for k in known)
 
     def _connect_leads(self, session: _Session) -> tuple[float, float]:
