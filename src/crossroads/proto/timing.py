@@ -14,22 +14,38 @@ The server knows each peer's round-trip time ``rtt``; the message takes about
 at the same moment, so they cross in flight. RakNet's NatPunchthroughServer gets the
 same effect by telling both peers a common start time (CONNECT_AT_TIME); the
 protocols here cannot carry a time, so the server times its sends instead.
+
+*Poll delay.* A client that reads its socket every ``poll`` seconds (the GameSpy
+SDK's sample calls ``NNThink`` every 10 ms) answers a probe up to one interval
+late, so a measured round trip is ``2 d + p`` with ``p`` in ``[0, poll)``. The
+half-difference of two such samples is the true difference of the one-way times
+``D`` give or take ``poll / 2``. A lead of ``D`` plus that error can hold the nearer
+peer's message past the farther peer's arrival, so the farther peer's first packet
+may knock on the nearer one's router before its message arrived: worse than no
+lead at all (issue 25 saw a 5.7 ms lead from a poll-inflated sample cost a pair
+0.7 s). So the lead is the measured half-difference *minus* ``poll / 2``, never
+below 0: it never exceeds ``D``, and never goes to the wrong peer, so the held
+message arrives no later than the other one -- timing only moves the schedule
+from "both at once" toward "both arrive together", never past it. What is left is
+a gap below one poll interval, the size of the peers' own reaction jitter.
 """
 
 from __future__ import annotations
 
 
 def crossing_leads(
-    rtt_a: float | None, rtt_b: float | None, max_lead: float
+    rtt_a: float | None, rtt_b: float | None, max_lead: float, poll: float = 0.0
 ) -> tuple[float, float]:
     """Seconds to hold the message to peer A and to peer B.
 
     One of the two is always 0 (the farther peer's message goes at once); the other
-    is the difference of the one-way times, at most ``max_lead`` (a peer that fakes
-    a slow round trip must not hold its partner back for long). An unknown round
-    trip gives no lead: both at once, as servers have always done.
+    is the difference of the one-way times less half of ``poll`` (the longest
+    delay a client's polling adds to a measured round trip, see "Poll delay"
+    above), at least 0 and at most ``max_lead`` (a peer that fakes a slow round
+    trip must not hold its partner back for long). An unknown round trip gives no
+    lead: both at once, as servers have always done.
     """
     if rtt_a is None or rtt_b is None:
         return (0.0, 0.0)
-    lead = min(abs(rtt_a - rtt_b) / 2, max_lead)
+    lead = min(max(0.0, (abs(rtt_a - rtt_b) - poll) / 2), max_lead)
     return (0.0, lead) if rtt_a >= rtt_b else (lead, 0.0)

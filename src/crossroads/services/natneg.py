@@ -176,7 +176,15 @@ class Config:
     timed_connect: bool = setting(
         True,
         help="Time the two CONNECTs from each client's measured round trip so both "
-        "first pings leave at once (false: send both together, as GameSpy did).",
+        "first pings leave at once, for the pairs whose NATs may need it (both may "
+        "filter by port); false: send both together, as GameSpy did.",
+    )
+    client_poll: float = setting(
+        0.01,
+        check=check_non_negative,
+        help="How often the games read their sockets (s; the SDK sample: every "
+        "10 ms): the CONNECT lead is shortened by half of it so a poll-inflated "
+        "round trip never makes it overshoot.",
     )
     connect_interval: float = setting(
         1.0,
@@ -709,6 +717,7 @@ def core_config(cfg: Config, layout: Layout) -> ServerConfig:
         linger=cfg.linger,
         force_lan_mode=cfg.force_lan_mode,
         timed_connect=cfg.timed_connect,
+        client_poll=cfg.client_poll,
         relay_mode=RelayMode(cfg.relay_mode),
         max_sessions=cfg.max_sessions,
         max_sessions_per_ip=cfg.max_sessions_per_ip,

@@ -928,13 +928,97 @@ def test_connects_are_timed_so_both_arrive_together() -> None:
     assert not [addr for _, addr, _ in connects(out) if addr[0] == b.ip]
     times = connect_times(core, 3.0)
     lead = times[b.ip] - now
-    # a hears its CONNECT at now + 0.1, b at now + lead + 0.02: the same moment.
-    assert abs((now + 0.1) - (times[b.ip] + 0.02)) < 1e-9
-    assert abs(lead - 0.08) < 1e-9
+    # a hears its CONNECT at now + 0.1, b at now + lead + 0.02: the same moment
+    # but for half a poll interval (a round trip may include one, and the lead
+    # must never overshoot: proto/timing.py, "Poll delay").
+    poll = core.config.client_poll
+    assert abs((now + 0.1) - (times[b.ip] + 0.02) - poll / 2) < 1e-9
+    assert abs(lead - (0.08 - poll / 2)) < 1e-9
     # Resends keep each client's own rhythm until it ACKs.
     ack(core, a, 1.2)
     ack(core, b, 1.2)
     assert connect_times(core, 5.0) == {}
+
+
+def test_a_poll_delay_in_a_round_trip_does_not_let_a_ping_overtake_a_connect() -> None:
+    """Both clients 20 ms from the server, 3 ms from each other; a's ERT_ACK
+    waited 9 ms for the SDK's next ``NNThink`` (it polls every 10 ms), b's none.
+    A lead of half the measured difference (4.5 ms to b) makes b's CONNECT arrive
+    after a's first ping reached b's router (issue 25: a 5.7 ms lead cost 0.7 s);
+    the lead must be robust to the poll, so b's CONNECT is not held past a's."""
+    d, d_ab, poll_a = 0.020, 0.003, 0.009
+    core = NatNegServer(tight())
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    a.send_inits(core, 0.0)
+    answer_erts(core, sent(core), 2 * d + poll_a)
+    b.send_inits(core, 0.1)
+    out = sent(core, 0.1)
+    assert connects(out) == []
+    now = 0.1 + 2 * d
+    out = answer_erts(core, out, now)
+    times = {ip: now for ip in {addr[0] for _, addr, _ in connects(out)}}
+    times.update(
+        {ip: t for ip, t in connect_times(core, 1.0).items() if ip not in times}
+    )
+    arrives = {ip: t + d for ip, t in times.items()}
+    # Each side pings the moment its CONNECT arrives (the earliest it can):
+    # the ping reaches the other's router d_ab later.
+    assert arrives[b.ip] <= arrives[a.ip] + d_ab
+    assert arrives[a.ip] <= arrives[b.ip] + d_ab
+
+
+def test_no_wait_for_round_trips_where_timing_cannot_change_the_outcome() -> None:
+    """The wait for the later client's round trip is paid only where an early
+    ping could break the pair or cost it a ping interval: not when one side sits
+    on its public address, has a REPORTed full cone, both REPORTed restricted
+    cones, or both map per destination (relayed). There the CONNECTs go as soon
+    as both are complete, without waiting for the ERT_ACKs."""
+    unnated = Client(0, "198.51.100.1", local_ip="198.51.100.1")
+    a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")
+    cones = {
+        "198.51.100.1": NatType.RESTRICTED_CONE,
+        "203.0.113.7": NatType.RESTRICTED_CONE,
+    }
+    cases: list[tuple[str, Client, Client, dict[str, int]]] = [
+        ("unnated", unnated, Client(1, "203.0.113.7", symmetric=True), {}),
+        ("full cone", a, b, {"198.51.100.1": NatType.FULL_CONE}),
+        ("restricted cones", a, b, cones),
+        (
+            "both symmetric",
+            Client(0, "198.51.100.1", symmetric=True),
+            Client(1, "203.0.113.7", symmetric=True),
+            {},
+        ),
+    ]
+    for name, x, y, history in cases:
+        core = NatNegServer(tight(relay_mode=RelayMode.NEVER))
+        for serial, (ip, nat_type) in enumerate(history.items()):
+            earlier = Client(0, ip, cookie=100 + serial)
+            report(core, earlier, success=True, nat_type=nat_type, now=0.0)
+        x.send_inits(core, 1.0)
+        y.send_inits(core, 1.0)
+        out = connects(sent(core, 1.0))  # no ERT_ACK yet
+        assert {addr[0] for _, addr, _ in out} == {x.ip, y.ip}, name
+
+
+def test_timing_still_waits_where_an_early_ping_can_cost() -> None:
+    """A restricted cone may remap on a knock, and its partner may filter by
+    port; or it drops the first ping of a symmetric partner, whose NAT then
+    drops the cone's ping to the port it saw: a ping interval lost. Both pairs
+    still wait for the round trips."""
+    for b in (Client(1, "203.0.113.7"), Client(1, "203.0.113.7", symmetric=True)):
+        core = NatNegServer(tight(relay_mode=RelayMode.NEVER))
+        report(
+            core,
+            Client(0, "198.51.100.1", cookie=7),
+            success=True,
+            nat_type=NatType.RESTRICTED_CONE,
+            now=0.0,
+        )
+        a = Client(0, "198.51.100.1")
+        a.send_inits(core, 1.0)
+        b.send_inits(core, 1.0)
+        assert connects(sent(core, 1.0)) == []
 
 
 def test_timing_waits_for_an_ert_ack_at_most_rtt_wait() -> None:

@@ -231,8 +231,11 @@ class ServerConfig:
     #: client's ping phase (7 x 700 ms, ref §6) several times over.
     connect_attempts: int = 10
     #: Time the two clients' CONNECTs so that both reach their clients at the same
-    #: moment (see "CONNECT timing" above). False: send both at once, as GameSpy's
-    #: and every emulator's server did (the benchmark's comparison).
+    #: moment (see "CONNECT timing" above), for the pairs where it can change the
+    #: outcome (:meth:`NatNegServer._timing_helps`). False: send both at once, as
+    #: GameSpy's and every emulator's server did. benchmarks/natneg_first_attempt.py
+    #: set the default: 95/96 remap cells on the first attempt timed against 81/96
+    #: together, for ~0.15-0.2 s more per pair that waits (docs/natneg.md).
     timed_connect: bool = True
     #: How long the CONNECTs may wait for a client's round-trip time (its ERT_ACK).
     #: The ERT goes out when the client's last INIT arrives, so its ACK is one
@@ -244,6 +247,11 @@ class ServerConfig:
     #: side would cross anyway, and a client faking a slow ERT_ACK must not be able
     #: to hold its partner's CONNECT back for long.
     max_connect_lead: float = 0.35
+    #: How often the clients read their sockets: a measured round trip includes up
+    #: to one interval of the client's own delay, so the lead is shortened by half
+    #: of it and never overshoots (proto/timing.py, "Poll delay"). The SDK's natneg
+    #: sample (natneg/simpletest/simpletest.c) calls ``NNThink`` then sleeps 10 ms.
+    client_poll: float = 0.01
     #: Learn, at INIT, whether a client's NAT filters by port when its partner's
     #: mapping is endpoint-dependent (the one case where filtering decides the
     #: pair): one ERT_TEST from ``unsolicited_port`` (natneg1's IP, another port)
@@ -526,6 +534,12 @@ class _Client:
         if self.probe_open is None:
             return "unknown"
         return "cone" if self.probe_open else "port-restricted"
+
+    def unnated(self) -> bool:
+        """Does the client sit on its public address (the private IP its INITs
+        name is the one they came from)? Then no router of its own can be
+        knocked: nothing filters its partner's first ping."""
+        return self.local_ip == self.public_ip
 
     def symmetric(self) -> bool:
         """Did the NAT give the negotiate socket different public addresses for
@@ -1198,10 +1212,12 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         """
         config = self.config
         pending: list[float] = []
+        timing = self._timing_helps(session)
         for c in session.clients:
             if c is None:
                 continue
-            if c.ert_sent is not None and c.rtt is None:
+            probing = c.probe_sent is not None and c.probe_open is None
+            if c.ert_sent is not None and c.rtt is None and (timing or probing):
                 pending.append(c.ert_sent + config.rtt_wait)
             if c.probe_sent is not None and c.probe_open is None:
                 limit = c.probe_sent + config.rtt_wait
@@ -1223,6 +1239,46 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         self._send_probes(session, now)
         self._settle(session, now)
 
+    def _timing_helps(self, session: _Session) -> bool:
+        """Can the CONNECTs' timing change this pair's outcome or cost it a ping
+        interval? Only then is the wait for the round trips worth it: it adds the
+        later client's round trip to every negotiation (docs/natneg.md, "Where
+        timing pays").
+
+        An early first ping knocks on a router that filters: it drops it and, if
+        it accepts it in its input chain, remaps its own client's later pings to
+        a new port. That breaks the pair when the other NAT filters by port (it
+        drops the new port), and costs a ping interval (700 ms, ref §6) when the
+        knocking side maps per destination (the knocked side's own ping went to a
+        port the symmetric NAT did not open). Elsewhere the SDK answers the
+        partner's ping at once (ref §6) and a knock costs one round trip. So no
+        timing when one side does not filter at all (it sits on its public
+        address, :meth:`_Client.unnated`, or its IP's last REPORT named no NAT or
+        a full cone: its own NAT detection, ref §5), or when neither maps per
+        destination and neither filters by port (both REPORTed restricted cones);
+        nor when both map per destination (relayed), on a LAN, or when every
+        pair is relayed.
+        """
+        first, second = session.clients
+        config = self.config
+        if (
+            not config.timed_connect
+            or first is None
+            or second is None
+            or config.relay_mode is RelayMode.ALWAYS
+            or config.force_lan_mode
+            or first.public_ip == second.public_ip
+            or (first.symmetric() and second.symmetric())
+        ):
+            return False
+        known = [self._known_nat(c.public_ip) for c in (first, second)]
+        unfiltered = (NatType.NO_NAT, NatType.FULL_CONE)
+        if first.unnated() or second.unnated() or any(k in unfiltered for k in known):
+            return False
+        if first.symmetric() or second.symmetric():
+            return True
+        return not all(k in (*unfiltered, NatType.RESTRICTED_CONE) for k in known)
+
     def _connect_leads(self, session: _Session) -> tuple[float, float]:
         """Seconds each client's first CONNECT waits so both arrive together.
 
@@ -1233,9 +1289,14 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         """
         first, second = session.clients
         assert first is not None and second is not None
-        if not self.config.timed_connect:
+        if not self._timing_helps(session):
             return (0.0, 0.0)
-        return crossing_leads(first.rtt, second.rtt, self.config.max_connect_lead)
+        return crossing_leads(
+            first.rtt,
+            second.rtt,
+            self.config.max_connect_lead,
+            self.config.client_poll,
+        )
 
     # ------------------------------------------------------------ CONNECT
 
