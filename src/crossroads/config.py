@@ -342,6 +342,14 @@ class CoreConfig:
         "/openapi.json). Off by default: it lists every route and schema to "
         "anyone, from a page that loads scripts from a CDN.",
     )
+    # The C data plane sends a burst to one destination as one UDP GSO message
+    # (UDP_SEGMENT, Linux >= 4.18; crossroads.transport._turnfast "UDP GSO").
+    udp_gso: bool = setting(
+        True,
+        help="Send bursts of relayed datagrams to one destination as one UDP GSO "
+        "message on the C data plane (falls back per socket when the kernel "
+        "refuses; off: one datagram per message).",
+    )
     # Reflection budget (docs/security.md "Reflection budget",
     # crossroads.proto.reflection): per source IP and service, unauthenticated
     # UDP replies may exceed what that IP sent by at most the allowance per 10 s.

@@ -35,6 +35,7 @@ from crossroads.transport.admission import (
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.planes import set_udp_gso
 from crossroads.transport.sockets import (
     bound_address,
     live_listeners,
@@ -338,6 +339,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         raise_fd_limit(), core.memory_budget or None
     )
     metrics.register(BudgetCollector(budget))
+    set_udp_gso(core.udp_gso)
     runtime._draining_gauge = Gauge(
         "crossroads_draining",
         "1 while this instance drains (SIGTERM, crossroads drain): it takes no "
