@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev mmdebstrap podman runc pebble
+DEBIAN_PACKAGES := redis-server coturn openttd openttd-opengfx miniupnpd iproute2 iptables nftables procps conntrack gcc libc6-dev stun-client chromium chromium-driver redis-sentinel prometheus systemd gnutls-bin libmbedtls-dev mmdebstrap podman runc pebble clang llvm libbpf-dev bpftool
 ARGS ?=
 IMAGE ?= localhost/crossroads:latest
 

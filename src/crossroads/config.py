@@ -265,6 +265,12 @@ def check_non_negative(value: float) -> None:
         raise ValueError("must be >= 0")
 
 
+def check_dataplane(value: str) -> None:
+    """One of the relay data planes (crossroads.transport.planes)."""
+    if value not in ("auto", "kernel", "c", "python"):
+        raise ValueError("must be auto, kernel, c or python")
+
+
 def check_networks(values: tuple[str, ...]) -> None:
     """Addresses or CIDR networks, parsed as their consumers parse them."""
     parse_networks(values)
@@ -364,6 +370,21 @@ class CoreConfig:
         help="Serve the interactive API documentation (/docs, /redoc and "
         "/openapi.json). Off by default: it lists every route and schema to "
         "anyone, from a page that loads scripts from a CDN.",
+    )
+    # crossroads.transport.planes: which relay data plane runs (docs/architecture.md).
+    dataplane: str = setting(
+        "auto",
+        check=check_dataplane,
+        help="Relay data plane: kernel (eBPF, needs root or CAP_BPF+CAP_NET_ADMIN), "
+        "c (recvmmsg/sendmmsg), python, or auto (the fastest that works here).",
+    )
+    # The C data plane sends a burst to one destination as one UDP GSO message
+    # (UDP_SEGMENT, Linux >= 4.18; crossroads.transport._turnfast "UDP GSO").
+    udp_gso: bool = setting(
+        True,
+        help="Send bursts of relayed datagrams to one destination as one UDP GSO "
+        "message on the C data plane (falls back per socket when the kernel "
+        "refuses; off: one datagram per message).",
     )
     # Reflection budget (docs/security.md "Reflection budget",
     # crossroads.proto.reflection): per source IP and service, unauthenticated

@@ -36,6 +36,9 @@ from crossroads.transport.admission import (
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.planes import Dataplane
+from crossroads.transport.planes import announce as announce_dataplane
+from crossroads.transport.planes import select as select_dataplane
 from crossroads.transport.sockets import (
     bound_address,
     live_listeners,
@@ -104,6 +107,8 @@ class Runtime:
     acme: AcmeManager | None = None
     acme_listener: ChallengeListener | None = None
     _closed: bool = False
+    #: The relay data plane in use (--dataplane; crossroads.transport.planes).
+    dataplane: Dataplane | None = None
 
     def udp_ports(self) -> dict[int, str]:
         """Local UDP port -> the service listening on it, from what each
@@ -266,6 +271,8 @@ class Runtime:
                 log.exception("error while closing %s", name)
         await self.insight.close()
         await self.store.close()
+        if self.dataplane is not None:
+            self.dataplane.close()
 
 
 #: "udp 127.0.0.1:3478" or "udp [::]:3478" in a service's describe() line.
@@ -418,6 +425,8 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         raise_fd_limit(), core.memory_budget or None
     )
     metrics.register(BudgetCollector(budget))
+    runtime.dataplane = select_dataplane(core.dataplane, gso=core.udp_gso)
+    announce_dataplane(runtime.dataplane, metrics)
     runtime._draining_gauge = Gauge(
         "crossroads_draining",
         "1 while this instance drains (SIGTERM, crossroads drain): it takes no "

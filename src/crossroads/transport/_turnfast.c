@@ -111,6 +111,7 @@ static const unsigned char zeros[4];
 /* Set while a tap iterates over arena slots: a nested tap call (a fallback
  * that somehow re-enters) must not recvmmsg into the buffers being read. */
 static int draining;
+static void gso_set_fd(int fd, int allowed);
 
 /* ------------------------------------------------------------ type boilerplate */
 
@@ -670,6 +671,9 @@ Route_init(Route *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->out_fd = fd;
+    /* A new route may take another path (another MTU, another device):
+     * GSO gets another try on its socket (see "UDP GSO" below). */
+    gso_set_fd(fd, 1);
     self->rewrite = rewrite;
     self->channel = channel;
     Py_XSETREF(self->sock, Py_NewRef(sock));
@@ -771,12 +775,159 @@ count_sent(int first, int sent)
     }
 }
 
-/* Send sbatch[0, count) from `fd`: as many sendmmsg calls as the socket
- * takes (MSG_DONTWAIT may send part of it). */
-static void
-send_batch(int fd, int count)
+/* ------------------------------------------------------------ UDP GSO
+ *
+ * A burst of datagrams to one destination (a game server's tick fanned out
+ * to one client through the listening socket, a client's ChannelData to one
+ * peer) leaves as one message with UDP_SEGMENT (Linux >= 4.18,
+ * udp(7)): the stack walks its send path once for the whole run and cuts it
+ * into datagrams of `gso_size` at the device (or in software just before
+ * it), as coturn does since 4.12.
+ * A run is consecutive datagrams of one outgoing socket's batch (so order
+ * holds) with the same destination, the same control message and the same
+ * size; the last one may be shorter (net/ipv4/udp.c cuts every segment
+ * but the last at gso_size). The receiver sees the same datagrams as without GSO.
+ *
+ * A kernel or device that refuses (EIO: no checksum offload on the route's
+ * device; EMSGSIZE or EINVAL: a segment over the device MTU; ENOPROTOOPT or
+ * EINVAL: a kernel without UDP_SEGMENT) gets the run again datagram by
+ * datagram, and GSO stays off for that socket until a new Route or RouteTap
+ * is made on it (a new route may take a path that segments: one refused
+ * call per new route at most). */
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+/* UDP_MAX_SEGMENTS of include/linux/udp.h: 64 since 4.18 (newer kernels
+ * allow 128; 64 is taken everywhere). */
+#define GSO_MAX_SEGMENTS 64
+/* The kernel refuses a segment that does not fit the path MTU with its
+ * headers (EINVAL, udp_send_skb). 1452 = 1500 (Ethernet) - 40 (IPv6) - 8
+ * (UDP): larger datagrams (rare in games, reference §5.2) go alone, so a
+ * burst of them cannot switch GSO off for the socket. */
+#define GSO_MAX_SEGMENT 1452
+/* One GSO message is one IP datagram before segmentation: its length field
+ * is 16 bits (65535 with headers). */
+#define GSO_MAX_BYTES 65000
+/* Sockets whose fd is above this go without GSO (the refusal bitmap). */
+#define GSO_FDS 65536
+
+static int gso_enabled = 1;
+static unsigned char gso_off[GSO_FDS / 8];
+static unsigned long long gso_sends, gso_segments, gso_refused;
+static struct mmsghdr gmsg[QUEUE];
+static struct iovec giov[QUEUE * 3];
+static int gfirst[QUEUE], gcount[QUEUE];
+static union {
+    struct cmsghdr align;
+    unsigned char buf[CMSG_SPACE(ROUTE_CONTROL) + CMSG_SPACE(sizeof(uint16_t))];
+} gctl[QUEUE];
+
+static int
+gso_allowed(int fd)
 {
-    int start = 0;
+    return gso_enabled && fd >= 0 && fd < GSO_FDS && !(gso_off[fd >> 3] & (1u << (fd & 7)));
+}
+
+static void
+gso_set_fd(int fd, int allowed)
+{
+    if (fd < 0 || fd >= GSO_FDS)
+        return;
+    if (allowed)
+        gso_off[fd >> 3] &= (unsigned char)~(1u << (fd & 7));
+    else
+        gso_off[fd >> 3] |= (unsigned char)(1u << (fd & 7));
+}
+
+static size_t
+msg_size(const struct msghdr *h)
+{
+    size_t size = 0;
+    for (size_t k = 0; k < h->msg_iovlen; k++)
+        size += h->msg_iov[k].iov_len;
+    return size;
+}
+
+static int
+same_path(const struct msghdr *a, const struct msghdr *b)
+{
+    return a->msg_namelen == b->msg_namelen &&
+           memcmp(a->msg_name, b->msg_name, a->msg_namelen) == 0 &&
+           a->msg_controllen == b->msg_controllen &&
+           (a->msg_controllen == 0 ||
+            memcmp(a->msg_control, b->msg_control, a->msg_controllen) == 0);
+}
+
+/* Group sbatch[start, count) into gmsg: each run (see above) becomes one
+ * message with a UDP_SEGMENT control message, anything else stays as it is.
+ * gfirst/gcount say which datagrams of sbatch each message carries.
+ * Returns the number of messages. */
+static int
+gso_group(int start, int count)
+{
+    int n = 0;
+    size_t iov_used = 0;
+    int i = start;
+    while (i < count) {
+        struct msghdr *h = &sbatch[i].msg_hdr;
+        size_t seg = msg_size(h);
+        size_t total = seg;
+        int j = i + 1;
+        if (seg > 0 && seg <= GSO_MAX_SEGMENT) {
+            while (j < count && j - i < GSO_MAX_SEGMENTS) {
+                struct msghdr *o = &sbatch[j].msg_hdr;
+                size_t size = msg_size(o);
+                if (size == 0 || size > seg || total + size > GSO_MAX_BYTES || !same_path(h, o))
+                    break;
+                total += size;
+                j++;
+                if (size < seg)
+                    break; /* a shorter datagram ends the run */
+            }
+        }
+        gfirst[n] = i;
+        gcount[n] = j - i;
+        if (j - i == 1) {
+            gmsg[n] = sbatch[i];
+        } else {
+            struct msghdr *g = &gmsg[n].msg_hdr;
+            memset(&gmsg[n], 0, sizeof(gmsg[n]));
+            g->msg_name = h->msg_name;
+            g->msg_namelen = h->msg_namelen;
+            g->msg_iov = &giov[iov_used];
+            for (int k = i; k < j; k++) {
+                struct msghdr *o = &sbatch[k].msg_hdr;
+                memcpy(&giov[iov_used], o->msg_iov, o->msg_iovlen * sizeof(struct iovec));
+                iov_used += o->msg_iovlen;
+            }
+            g->msg_iovlen = (size_t)(&giov[iov_used] - g->msg_iov);
+            unsigned char *ctl = gctl[n].buf;
+            memset(ctl, 0, sizeof(gctl[n].buf));
+            if (h->msg_controllen)
+                memcpy(ctl, h->msg_control, h->msg_controllen);
+            struct cmsghdr *c = (struct cmsghdr *)(void *)(ctl + h->msg_controllen);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t gso_size = (uint16_t)seg;
+            memcpy(CMSG_DATA(c), &gso_size, sizeof(gso_size));
+            g->msg_control = ctl;
+            g->msg_controllen = h->msg_controllen + CMSG_SPACE(sizeof(uint16_t));
+        }
+        n++;
+        i = j;
+    }
+    return n;
+}
+
+/* Send sbatch[start, count) from `fd` datagram by datagram: as many
+ * sendmmsg calls as the socket takes (MSG_DONTWAIT may send part of it). */
+static void
+send_plain(int fd, int start, int count)
+{
     while (start < count) {
         int sent = sendmmsg(fd, &sbatch[start], (unsigned int)(count - start), MSG_DONTWAIT);
         sendmmsg_calls += 1;
@@ -793,6 +944,60 @@ send_batch(int fd, int count)
         }
         count_sent(start, sent);
         start += sent;
+    }
+}
+
+/* Send sbatch[0, count) from `fd`: runs to one destination as GSO messages
+ * where the socket allows it, the rest as they are. */
+static void
+send_batch(int fd, int count)
+{
+    int start = 0;
+    while (start < count) {
+        if (!gso_allowed(fd) || count - start < 2) {
+            send_plain(fd, start, count);
+            return;
+        }
+        int n = gso_group(start, count);
+        if (n == count - start) { /* no run: nothing to gain */
+            send_plain(fd, start, count);
+            return;
+        }
+        int m = 0;
+        int refused = 0;
+        while (m < n) {
+            int sent = sendmmsg(fd, &gmsg[m], (unsigned int)(n - m), MSG_DONTWAIT);
+            sendmmsg_calls += 1;
+            if (sent < 0 && errno == EINTR)
+                continue;
+            if (sent <= 0) {
+                if (gcount[m] > 1 && (errno == EIO || errno == EINVAL || errno == EMSGSIZE ||
+                                     errno == ENOPROTOOPT)) {
+                    /* The kernel or the device will not segment: this
+                     * socket goes without GSO from here on. */
+                    gso_set_fd(fd, 0);
+                    gso_refused += 1;
+                    start = gfirst[m];
+                    refused = 1;
+                    break;
+                }
+                RouteTap *tap = (RouteTap *)stap[sorigin[gfirst[m]]];
+                tap->c.send_errors += (unsigned long long)gcount[m];
+                count_call(tap);
+                m += 1;
+                continue;
+            }
+            for (int k = m; k < m + sent; k++) {
+                count_sent(gfirst[k], gcount[k]);
+                if (gcount[k] > 1) {
+                    gso_sends += 1;
+                    gso_segments += (unsigned long long)gcount[k];
+                }
+            }
+            m += sent;
+        }
+        if (!refused)
+            return;
     }
 }
 
@@ -1329,6 +1534,7 @@ RouteTap_init(RouteTap *self, PyObject *args, PyObject *kwds)
             return -1;
     }
     self->fd = fd;
+    gso_set_fd(fd, 1); /* a new socket on this fd: GSO may work again */
     self->prefix = prefix;
     self->length_at = length_at;
     self->max_size = max_size;
@@ -1570,8 +1776,35 @@ static PyTypeObject PollerType = TYPE_OBJECT(
 
 /* ------------------------------------------------------------ module */
 
+static PyObject *
+module_set_gso(PyObject *m, PyObject *arg)
+{
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    gso_enabled = on;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+module_gso_stats(PyObject *m, PyObject *unused)
+{
+    return Py_BuildValue("{s:O,s:K,s:K,s:K}", "enabled", gso_enabled ? Py_True : Py_False,
+                         "sends", gso_sends, "segments", gso_segments, "refused", gso_refused);
+}
+
+static PyMethodDef module_methods[] = {
+    {"set_gso", (PyCFunction)module_set_gso, METH_O,
+     "set_gso(enabled): send bursts to one destination as UDP GSO messages."},
+    {"gso_stats", (PyCFunction)module_gso_stats, METH_NOARGS,
+     "{'enabled', 'sends' (GSO messages), 'segments' (datagrams in them), "
+     "'refused' (sockets that fell back)}."},
+    {NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
+    .m_methods = module_methods,
     .m_name = "crossroads.transport._turnfast",
     .m_doc = "The relay data plane (recvmmsg/sendmmsg); see dataplane.py.",
     .m_size = -1,

@@ -1,0 +1,386 @@
+"""The kernel data plane: relayed UDP forwarded by an eBPF program on tc ingress.
+
+Theory of operation
+-------------------
+``bpf/relay.bpf.c`` (compiled at install into ``bpf/relay.bpf.o``; see
+``hatch_build.py``) is loaded through libbpf and attached to the ingress of
+each device relayed traffic arrives on. It forwards a datagram only when its
+``(family, source, destination, ChannelData channel)`` is a key of its
+``routes`` map, rewriting it on the way (see the C file for the three
+actions); everything else reaches the sockets as before. This module is the
+only writer of that map: :meth:`KernelPlane.install` puts a
+:class:`KernelRoute` in, :meth:`KernelPlane.remove` takes it out (the next
+datagram of that flow goes to the socket plane, which refuses what has no
+route: a freed allocation, an expired permission), and
+:meth:`KernelPlane.counters` reads its packets and payload bytes.
+
+Why libbpf through :mod:`ctypes`: libbpf is the kernel's own loader (ELF and
+BTF relocation, map creation, the verifier log), packaged by Debian
+(``libbpf1``) and stable in its 1.x ABI; calling its handful of functions
+from Python needs no second C extension built against libbpf-dev and keeps
+the loader readable next to the route logic. No Python binding of libbpf is
+packaged or maintained well enough to depend on.
+
+Attachment: a tcx link (Linux >= 6.6) when the kernel has it — the program
+comes off the device when the link's descriptor closes, so a crashed
+process leaves no forwarding behind; otherwise a classic clsact filter
+(Linux >= 4.5), which :meth:`KernelPlane.close` removes (with the qdisc when
+this plane made it). Nothing is pinned in bpffs: the map lives as long as
+the process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+
+from crossroads.types import frozen
+
+log = logging.getLogger("crossroads.dataplane")
+
+#: The compiled program beside its source (made at install).
+OBJECT_PATH = Path(__file__).with_name("bpf") / "relay.bpf.o"
+PROGRAM = b"crossroads_relay"
+ROUTES_MAP = b"routes"
+#: The map's max_entries in relay.bpf.c.
+MAX_ROUTES = 65536
+
+#: enum bpf_attach_type BPF_TCX_INGRESS (include/uapi/linux/bpf.h, Linux 6.6).
+BPF_TCX_INGRESS = 46
+BPF_TC_INGRESS = 1
+BPF_TC_EGRESS = 2
+#: Our classic tc filter's handle and priority on a device (any fixed pair
+#: identifies it for close() and for clearing a stale one).
+TC_HANDLE = 0xC055
+TC_PRIORITY = 0xC055
+
+BPF_ANY = 0
+
+
+class KernelPlaneUnavailable(RuntimeError):
+    """The kernel plane cannot run here; ``str()`` says why (for the log line)."""
+
+
+class RouteKind(IntEnum):
+    """What the program does to a routed datagram (relay.bpf.c ``KIND_*``)."""
+
+    UNWRAP_CHANNEL = 1  # TURN client -> peer: ChannelData header off
+    WRAP_CHANNEL = 2  # TURN peer -> client: ChannelData header on
+    REWRITE = 3  # Unity relay, natneg pairs, RakNet forwarders: as is
+
+
+@frozen
+class KernelRoute:
+    """One direction of one relayed flow.
+
+    A datagram from ``source`` to ``target`` (one of our addresses) — with
+    ``UNWRAP_CHANNEL``, carrying ChannelData for ``channel`` — leaves from
+    ``out_source`` to ``out_dest``; with ``WRAP_CHANNEL`` it gets ``channel``'s
+    header. Addresses are concrete (no wildcard) and of one family.
+    """
+
+    kind: RouteKind
+    source: tuple[str, int]
+    target: tuple[str, int]
+    out_source: tuple[str, int]
+    out_dest: tuple[str, int]
+    channel: int = 0
+
+
+def _family(host: str) -> int:
+    return 4 if ipaddress.ip_address(host).version == 4 else 6
+
+
+def _addr16(host: str) -> bytes:
+    """The address as 16 bytes (IPv4 in the first four, as the key holds it)."""
+    packed = ipaddress.ip_address(host).packed
+    return packed + bytes(16 - len(packed))
+
+
+def _key(route: KernelRoute) -> bytes:
+    channel = route.channel if route.kind is RouteKind.UNWRAP_CHANNEL else 0
+    return (
+        _addr16(route.source[0])
+        + _addr16(route.target[0])
+        + struct.pack("!HH", route.source[1], route.target[1])
+        + struct.pack("=HBx", channel, _family(route.source[0]))
+    )
+
+
+_VALUE = struct.Struct("=16s16s2s2sHBxIIQQ")
+
+
+def _value(route: KernelRoute, ifindex: int) -> bytes:
+    return _VALUE.pack(
+        _addr16(route.out_source[0]),
+        _addr16(route.out_dest[0]),
+        struct.pack("!H", route.out_source[1]),
+        struct.pack("!H", route.out_dest[1]),
+        route.channel if route.kind is RouteKind.WRAP_CHANNEL else 0,
+        int(route.kind),
+        ifindex,
+        0,
+        0,
+        0,
+    )
+
+
+# ------------------------------------------------------------------ routing
+
+
+def egress_ifindex(host: str) -> int:
+    """The device the kernel routes ``host`` by (RTM_GETROUTE over rtnetlink)."""
+    family = socket.AF_INET if _family(host) == 4 else socket.AF_INET6
+    packed = ipaddress.ip_address(host).packed
+    rta = struct.pack("=HH", 4 + len(packed), 1) + packed  # RTA_DST
+    rtmsg = struct.pack("=BBBBBBBBI", family, len(packed) * 8, 0, 0, 0, 0, 0, 0, 0)
+    body = rtmsg + rta
+    header = struct.pack("=IHHII", 16 + len(body), 26, 1, 1, 0)  # RTM_GETROUTE, REQUEST
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+        nl.settimeout(2.0)
+        nl.send(header + body)
+        reply = nl.recv(65536)
+    length, kind = struct.unpack_from("=IH", reply)
+    if kind == 2:  # NLMSG_ERROR
+        (code,) = struct.unpack_from("=i", reply, 16)
+        raise OSError(-code, f"no route to {host}")
+    offset = 16 + 12
+    while offset + 4 <= length:
+        size, attr = struct.unpack_from("=HH", reply, offset)
+        if size < 4:
+            break
+        if attr == 4:  # RTA_OIF
+            return int(struct.unpack_from("=I", reply, offset + 4)[0])
+        offset += (size + 3) & ~3
+    raise OSError(errno.ENETUNREACH, f"no output device for {host}")
+
+
+# ------------------------------------------------------------------ libbpf
+
+
+class _TcHook(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("ifindex", ctypes.c_int),
+        ("attach_point", ctypes.c_int),
+        ("parent", ctypes.c_uint32),
+        ("_pad", ctypes.c_size_t),
+    ]
+
+
+class _TcOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("prog_fd", ctypes.c_int),
+        ("flags", ctypes.c_uint32),
+        ("prog_id", ctypes.c_uint32),
+        ("handle", ctypes.c_uint32),
+        ("priority", ctypes.c_uint32),
+        ("_pad", ctypes.c_size_t),
+    ]
+
+
+def _libbpf() -> ctypes.CDLL:
+    name = ctypes.util.find_library("bpf") or "libbpf.so.1"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as exc:
+        raise KernelPlaneUnavailable(f"libbpf not found ({exc})") from exc
+    vp, cp, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int
+    signatures: dict[str, tuple[list[type], type | None]] = {
+        "bpf_object__open_file": ([cp, vp], vp),
+        "bpf_object__load": ([vp], i),
+        "bpf_object__close": ([vp], None),
+        "bpf_object__find_program_by_name": ([vp, cp], vp),
+        "bpf_object__find_map_by_name": ([vp, cp], vp),
+        "bpf_program__fd": ([vp], i),
+        "bpf_map__fd": ([vp], i),
+        "bpf_map_update_elem": ([i, vp, vp, ctypes.c_uint64], i),
+        "bpf_map_delete_elem": ([i, vp], i),
+        "bpf_map_lookup_elem": ([i, vp, vp], i),
+        "bpf_link_create": ([i, i, ctypes.c_int, vp], i),
+        "bpf_tc_hook_create": ([vp], i),
+        "bpf_tc_hook_destroy": ([vp], i),
+        "bpf_tc_attach": ([vp, vp], i),
+        "bpf_tc_detach": ([vp, vp], i),
+        "libbpf_set_print": ([vp], vp),
+    }
+    for fn, (args, res) in signatures.items():
+        func = getattr(lib, fn)
+        func.argtypes = args
+        func.restype = res
+    return lib
+
+
+def _hook(ifindex: int) -> _TcHook:
+    return _TcHook(
+        sz=ctypes.sizeof(_TcHook), ifindex=ifindex, attach_point=BPF_TC_INGRESS
+    )
+
+
+def _tc_opts(prog_fd: int = 0) -> _TcOpts:
+    return _TcOpts(
+        sz=ctypes.sizeof(_TcOpts),
+        prog_fd=prog_fd,
+        handle=TC_HANDLE,
+        priority=TC_PRIORITY,
+    )
+
+
+@dataclass(eq=False)
+class _Attachment:
+    ifindex: int
+    link_fd: int  # tcx link, or -1 for a classic filter
+    made_qdisc: bool
+
+
+@dataclass(eq=False)
+class KernelPlane:
+    """The loaded program, its route map and the devices it is attached to."""
+
+    _lib: ctypes.CDLL
+    _obj: int
+    _prog_fd: int
+    _map_fd: int
+    _attached: dict[int, _Attachment] = field(default_factory=dict)
+    _routes: dict[bytes, KernelRoute] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> KernelPlane:
+        """Load (verify) the program; raises :class:`KernelPlaneUnavailable`."""
+        path = path or OBJECT_PATH
+        if not path.exists():
+            raise KernelPlaneUnavailable(
+                f"{path.name} not built (needs clang at install)"
+            )
+        lib = _libbpf()
+        lib.libbpf_set_print(None)  # the reason goes in our one log line
+        obj = lib.bpf_object__open_file(str(path).encode(), None)
+        if not obj:
+            raise KernelPlaneUnavailable(
+                f"cannot open {path.name}: {os.strerror(ctypes.get_errno())}"
+            )
+        rc = lib.bpf_object__load(obj)
+        if rc != 0:
+            lib.bpf_object__close(obj)
+            why = os.strerror(-rc)
+            if -rc == errno.EPERM:
+                why += " (needs root or CAP_BPF and CAP_NET_ADMIN)"
+            raise KernelPlaneUnavailable(f"the kernel refused the program: {why}")
+        prog = lib.bpf_object__find_program_by_name(obj, PROGRAM)
+        rmap = lib.bpf_object__find_map_by_name(obj, ROUTES_MAP)
+        return cls(lib, obj, lib.bpf_program__fd(prog), lib.bpf_map__fd(rmap))
+
+    # ------------------------------------------------------------- devices
+
+    def attach(self, device: str | int) -> None:
+        """Run the program on ``device``'s ingress (a name or an ifindex)."""
+        ifindex = device if isinstance(device, int) else socket.if_nametoindex(device)
+        if ifindex in self._attached:
+            return
+        link = self._lib.bpf_link_create(self._prog_fd, ifindex, BPF_TCX_INGRESS, None)
+        if link >= 0:
+            self._attached[ifindex] = _Attachment(ifindex, link, made_qdisc=False)
+            return
+        # No tcx (Linux < 6.6): a classic clsact filter.
+        hook = _hook(ifindex)
+        made = self._lib.bpf_tc_hook_create(ctypes.byref(hook)) == 0
+        self._lib.bpf_tc_detach(
+            ctypes.byref(hook), ctypes.byref(_tc_opts())
+        )  # a stale one of ours
+        rc = self._lib.bpf_tc_attach(
+            ctypes.byref(hook), ctypes.byref(_tc_opts(self._prog_fd))
+        )
+        if rc != 0:
+            raise OSError(
+                -rc, f"cannot attach to ifindex {ifindex}: {os.strerror(-rc)}"
+            )
+        self._attached[ifindex] = _Attachment(ifindex, -1, made_qdisc=made)
+
+    def detach(self, device: str | int) -> None:
+        """Stop running the program on ``device``."""
+        ifindex = device if isinstance(device, int) else socket.if_nametoindex(device)
+        att = self._attached.pop(ifindex, None)
+        if att is None:
+            return
+        if att.link_fd >= 0:
+            os.close(att.link_fd)
+            return
+        hook = _hook(ifindex)
+        self._lib.bpf_tc_detach(ctypes.byref(hook), ctypes.byref(_tc_opts()))
+        if att.made_qdisc:
+            hook.attach_point = BPF_TC_INGRESS | BPF_TC_EGRESS
+            self._lib.bpf_tc_hook_destroy(ctypes.byref(hook))
+
+    @property
+    def devices(self) -> list[int]:
+        return sorted(self._attached)
+
+    # ------------------------------------------------------------- routes
+
+    def install(self, route: KernelRoute, *, ifindex: int | None = None) -> bool:
+        """Forward ``route`` in the kernel from now on; False when it cannot
+        (mixed families, the map full, no route out): it stays on the socket plane."""
+        if (
+            len(
+                {
+                    _family(h)
+                    for h in (
+                        route.source[0],
+                        route.target[0],
+                        route.out_source[0],
+                        route.out_dest[0],
+                    )
+                }
+            )
+            != 1
+        ):
+            return False
+        key = _key(route)
+        if key not in self._routes and len(self._routes) >= MAX_ROUTES:
+            return False
+        try:
+            out = ifindex if ifindex is not None else egress_ifindex(route.out_dest[0])
+        except OSError:
+            return False
+        value = _value(route, out)
+        rc = self._lib.bpf_map_update_elem(self._map_fd, key, value, BPF_ANY)
+        if rc != 0:
+            return False
+        self._routes[key] = route
+        return True
+
+    def remove(self, route: KernelRoute) -> None:
+        """Stop forwarding ``route`` (the next datagram goes to the sockets)."""
+        key = _key(route)
+        self._routes.pop(key, None)
+        self._lib.bpf_map_delete_elem(self._map_fd, key)
+
+    def counters(self, route: KernelRoute) -> tuple[int, int] | None:
+        """(packets, payload bytes) the kernel forwarded on ``route``; None if not installed."""
+        buf = ctypes.create_string_buffer(_VALUE.size)
+        if self._lib.bpf_map_lookup_elem(self._map_fd, _key(route), buf) != 0:
+            return None
+        *_, packets, octets = _VALUE.unpack(buf.raw)
+        return int(packets), int(octets)
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def close(self) -> None:
+        """Detach from every device and free the program and its map."""
+        for ifindex in list(self._attached):
+            self.detach(ifindex)
+        self._routes.clear()
+        if self._obj:
+            self._lib.bpf_object__close(self._obj)
+            self._obj = 0

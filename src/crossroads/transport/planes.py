@@ -1,0 +1,147 @@
+"""Which relay data plane runs, chosen once per process at start.
+
+The planes, fastest first (docs/architecture.md "The kernel data plane"):
+
+``kernel``
+    The eBPF program of :mod:`crossroads.transport.kernelplane` forwards
+    routed datagrams before they reach a socket; the C plane stays under it
+    for everything the program passes (control traffic, first packets,
+    routes it cannot take).
+``c``
+    :mod:`crossroads.transport._turnfast` (recvmmsg/sendmmsg, UDP GSO).
+``python``
+    The pure-Python twin in :mod:`crossroads.transport.dataplane`.
+
+``--dataplane auto`` takes the first that works here and says which and why
+in one log line; ``crossroads_dataplane_info{kind=...}`` is 1 for it. An
+explicit choice that cannot run is an error at start, not a silent fallback.
+
+The kernel plane is taken by ``auto`` only once the route table writes its
+routes (:data:`KERNEL_ROUTES_WIRED`): until then a loaded program would
+forward nothing, and the log line would not be true.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from crossroads.transport import dataplane
+from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+
+log = logging.getLogger("crossroads.dataplane")
+
+Kind = Literal["kernel", "c", "python"]
+KINDS: tuple[str, ...] = ("auto", "kernel", "c", "python")
+#: Whether a service writes its routes into the kernel plane (the adapter
+#: call in the route table); False: ``auto`` does not pick the kernel plane.
+KERNEL_ROUTES_WIRED = False
+#: What the C plane reads at import (dataplane.py); set for worker processes.
+PURE_PYTHON_ENV = "CROSSROADS_TURN_PURE_PYTHON"
+
+
+class DataplaneError(RuntimeError):
+    """The requested plane cannot run here."""
+
+
+@dataclass(eq=False)
+class Dataplane:
+    """The plane in use, why, and the loaded kernel program (kernel only)."""
+
+    kind: Kind
+    reason: str
+    kernel: KernelPlane | None = None
+
+    def close(self) -> None:
+        if self.kernel is not None:
+            self.kernel.close()
+            self.kernel = None
+
+
+def set_udp_gso(enabled: bool) -> bool:
+    """Turn UDP GSO on the C plane's sends on or off; False when there is no C plane."""
+    try:
+        from crossroads.transport import _turnfast
+    except ImportError:  # pragma: no cover - built by `make install`
+        return False
+    _turnfast.set_gso(enabled)
+    return True
+
+
+def use_python_plane() -> None:
+    """Make every route, tap and budget made from now on the pure-Python twin.
+
+    dataplane.py picks C at import unless PURE_PYTHON_ENV is set; this is the
+    one place that switches it afterwards (and for the workers it starts)."""
+    os.environ[PURE_PYTHON_ENV] = "1"
+    dataplane.RouteType = dataplane.PyRoute
+    dataplane.RouteTapType = dataplane.PyRouteTap
+    dataplane.BudgetType = dataplane.PyBudget
+    dataplane.PollerType = None
+    for name in (
+        "crossroads.transport.dataplane",
+        "crossroads.transport.turnplane",
+        "crossroads.services.turn",
+    ):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "ACCELERATED"):
+            setattr(module, "ACCELERATED", False)  # noqa: B010
+
+
+def select(requested: str, *, gso: bool = True) -> Dataplane:
+    """Choose the plane for ``requested`` (one of :data:`KINDS`)."""
+    if requested not in KINDS:
+        raise DataplaneError(f"--dataplane must be one of {', '.join(KINDS)}")
+    c_built = dataplane.ACCELERATED
+    if requested in ("kernel", "auto") and (
+        requested == "kernel" or KERNEL_ROUTES_WIRED
+    ):
+        try:
+            plane = KernelPlane.load()
+        except KernelPlaneUnavailable as exc:
+            if requested == "kernel":
+                raise DataplaneError(f"--dataplane kernel: {exc}") from exc
+            why = f"eBPF program not loaded ({exc})"
+        else:
+            set_udp_gso(gso)
+            under = "C" if c_built else "Python"
+            reason = f"eBPF program loaded; the {under} plane takes what it passes"
+            if not KERNEL_ROUTES_WIRED:
+                reason += "; no service writes kernel routes yet"
+            return Dataplane("kernel", reason, plane)
+    elif requested == "auto":
+        why = "kernel routes not wired to the route table yet"
+    else:
+        why = f"--dataplane {requested}"
+    if requested == "python":
+        use_python_plane()
+        return Dataplane("python", why)
+    if c_built:
+        set_udp_gso(gso)
+        return Dataplane(
+            "c", f"{why}; C plane built (UDP GSO {'on' if gso else 'off'})"
+        )
+    if requested == "c":
+        raise DataplaneError(
+            "--dataplane c: the C data plane is not built (no C compiler at install)"
+        )
+    return Dataplane("python", f"{why}; C plane not built")
+
+
+def announce(choice: Dataplane, registry: CollectorRegistry) -> None:
+    """The one log line and the info metric."""
+    log.info("dataplane: %s (%s)", choice.kind, choice.reason)
+    info = Gauge(
+        "crossroads_dataplane_info",
+        "1 for the relay data plane in use (kernel: eBPF; c: recvmmsg/sendmmsg; "
+        "python: the pure-Python twin).",
+        ["kind"],
+        registry=registry,
+    )
+    for kind in ("kernel", "c", "python"):
+        info.labels(kind=kind).set(1 if kind == choice.kind else 0)

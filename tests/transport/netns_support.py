@@ -1,0 +1,102 @@
+"""Network namespaces joined by veth, entered per call by this thread (setns).
+
+A socket keeps the namespace it was made in, so one test process can hold
+sockets in several namespaces and load an eBPF program into one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import subprocess
+from collections.abc import Iterator
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns")
+
+
+@contextlib.contextmanager
+def inside(ns: str) -> Iterator[None]:
+    """Run the body in namespace ``ns`` (this thread only)."""
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    try:
+        _setns(target)
+        try:
+            yield
+        finally:
+            _setns(home)
+    finally:
+        os.close(target)
+        os.close(home)
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def can_netns() -> bool:
+    return os.geteuid() == 0 and os.path.isdir("/sys/fs/bpf") or os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def relay_lab(prefix: str) -> Iterator[dict[str, str]]:
+    """client (192.0.2.2) -- server (192.0.2.1 | 198.51.100.1) -- peer (198.51.100.2).
+
+    Yields the namespace names: ``client``, ``server``, ``peer``; the server's
+    devices are ``toc`` (client side) and ``top`` (peer side)."""
+    names = {
+        role: f"{prefix}{role[0]}{os.getpid() % 10000}"
+        for role in ("client", "server", "peer")
+    }
+    c, s, p = names["client"], names["server"], names["peer"]
+    try:
+        for ns in names.values():
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+        ip(
+            "-n",
+            s,
+            "link",
+            "add",
+            "toc",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            c,
+        )
+        ip(
+            "-n",
+            s,
+            "link",
+            "add",
+            "top",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            p,
+        )
+        for ns, dev, addr in (
+            (c, "eth0", "192.0.2.2/24"),
+            (s, "toc", "192.0.2.1/24"),
+            (s, "top", "198.51.100.1/24"),
+            (p, "eth0", "198.51.100.2/24"),
+        ):
+            ip("-n", ns, "addr", "add", addr, "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+        yield names
+    finally:
+        for ns in names.values():
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)

@@ -1,0 +1,102 @@
+"""--dataplane: which relay data plane runs, the log line and the info metric."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from crossroads.transport import dataplane, planes, turnplane
+from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+
+
+def kernel_loads() -> bool:
+    try:
+        KernelPlane.load().close()
+    except KernelPlaneUnavailable:
+        return False
+    return True
+
+
+def test_auto_takes_c_until_kernel_routes_are_wired(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    if not dataplane.ACCELERATED:
+        pytest.skip("C data plane not built")
+    registry = CollectorRegistry()
+    choice = planes.select("auto")
+    with caplog.at_level(logging.INFO, logger="crossroads.dataplane"):
+        planes.announce(choice, registry)
+    assert choice.kind == "c" and choice.kernel is None
+    assert "dataplane: c (kernel routes not wired" in caplog.text
+    assert registry.get_sample_value("crossroads_dataplane_info", {"kind": "c"}) == 1
+    assert (
+        registry.get_sample_value("crossroads_dataplane_info", {"kind": "kernel"}) == 0
+    )
+
+
+@pytest.mark.skipif(not kernel_loads(), reason="eBPF program does not load here")
+def test_kernel_when_asked_or_wired(monkeypatch: pytest.MonkeyPatch) -> None:
+    choice = planes.select("kernel")
+    assert choice.kind == "kernel" and choice.kernel is not None
+    choice.close()
+    assert choice.kernel is None
+    monkeypatch.setattr(planes, "KERNEL_ROUTES_WIRED", True)
+    auto = planes.select("auto")
+    assert auto.kind == "kernel" and "eBPF program loaded" in auto.reason
+    auto.close()
+
+
+def test_kernel_that_cannot_load_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(cls: object, path: object = None) -> KernelPlane:
+        raise KernelPlaneUnavailable(
+            "the kernel refused the program: Operation not permitted"
+        )
+
+    monkeypatch.setattr(KernelPlane, "load", classmethod(refuse))
+    with pytest.raises(
+        planes.DataplaneError, match="--dataplane kernel: the kernel refused"
+    ):
+        planes.select("kernel")
+    monkeypatch.setattr(planes, "KERNEL_ROUTES_WIRED", True)
+    choice = planes.select("auto")
+    assert choice.kind in ("c", "python") and "eBPF program not loaded" in choice.reason
+
+
+def test_python_switches_every_new_route_to_the_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in (
+        "RouteType",
+        "RouteTapType",
+        "BudgetType",
+        "PollerType",
+        "ACCELERATED",
+    ):
+        monkeypatch.setattr(dataplane, name, getattr(dataplane, name))
+    monkeypatch.setattr(turnplane, "ACCELERATED", turnplane.ACCELERATED)
+    import crossroads.services.turn as turn_service
+
+    monkeypatch.setattr(turn_service, "ACCELERATED", turn_service.ACCELERATED)
+    monkeypatch.setenv(
+        planes.PURE_PYTHON_ENV, os.environ.get(planes.PURE_PYTHON_ENV, "")
+    )
+    choice = planes.select("python")
+    assert choice.kind == "python"
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        route = dataplane.make_route(sock, ("127.0.0.1", 9))
+        assert isinstance(route, dataplane.PyRoute)
+        assert isinstance(dataplane.make_budget(0), dataplane.PyBudget)
+    finally:
+        sock.close()
+    assert turnplane.ACCELERATED is False and turn_service.ACCELERATED is False
+    assert os.environ[planes.PURE_PYTHON_ENV] == "1"  # for the workers
+
+
+def test_unknown_plane_is_refused() -> None:
+    with pytest.raises(planes.DataplaneError):
+        planes.select("dpdk")
