@@ -41,6 +41,7 @@ import crossroads
 from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.insight import FAMILIES as INSIGHT_FAMILIES
 from crossroads.services.base import Service, SessionAdmin, show_address
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import Certificates
@@ -521,9 +522,13 @@ class Console:
 
     # ------------------------------------------------------------ pages
 
-    def page(self, title: str, body: str, *, admin: bool) -> HTMLResponse:
-        nav_public = 'aria-current="page"' if not admin else ""
-        nav_admin = 'aria-current="page"' if admin else ""
+    def page(
+        self, title: str, body: str, *, admin: bool, kind: str = ""
+    ) -> HTMLResponse:
+        kind = kind or ("admin" if admin else "public")
+        nav_public = 'aria-current="page"' if kind == "public" else ""
+        nav_admin = 'aria-current="page"' if kind == "admin" else ""
+        nav_insight = 'aria-current="page"' if kind == "insight" else ""
         document = f"""<!doctype html>
 <html lang="en">
 <head>
@@ -534,7 +539,7 @@ class Console:
 <link rel="icon" href="/console/static/favicon.svg" type="image/svg+xml">
 <script src="/console/static/console.js" defer></script>
 </head>
-<body data-page="{"admin" if admin else "public"}" data-poll="{POLL_SECONDS}">
+<body data-page="{kind}" data-poll="{POLL_SECONDS}">
 <a class="skip" href="#main">Skip to content</a>
 <header>
 <p class="brand">crossroads <span class="version">{html.escape(crossroads.__version__)}</span></p>
@@ -543,6 +548,7 @@ class Console:
 <li><a href="/" {nav_public}>Overview</a></li>
 <li><a href="/admin" {nav_admin}>Admin</a></li>
 <li><a href="/metrics">Metrics</a></li>
+<li><a href="/insight" {nav_insight}>Insight</a></li>
 </ul>
 </nav>
 </header>
@@ -652,6 +658,46 @@ class Console:
 """
         return self.page("Admin", body, admin=True)
 
+    def insight_page(self) -> HTMLResponse:
+        """Connection insight: recent attempts with their path drawn, why
+        relayed, why failed, top codes by bytes. The page is a shell; its data
+        comes from ``/v1/insight/*`` with the admin token (records name games
+        and networks)."""
+        families = "".join(
+            f'<option value="{f}">{f}</option>' for f in INSIGHT_FAMILIES
+        )
+        body = f"""
+<form id="token-form" class="token">
+<label for="token">Admin token</label>
+<input id="token" name="token" type="password" autocomplete="current-password" required>
+<button type="submit">Show records</button>
+<p id="admin-status" role="status" aria-live="polite"></p>
+</form>
+<div id="insight" hidden>
+<p class="muted">From the recent records of the cluster (the store's stream),
+newest first; sides are pseudonymous unless the operator keeps raw addresses.</p>
+<section aria-labelledby="why-relayed-h">
+<h2 id="why-relayed-h">Why relayed</h2>
+<div id="why-relayed"></div>
+</section>
+<section aria-labelledby="why-failed-h">
+<h2 id="why-failed-h">Why failed</h2>
+<div id="why-failed"></div>
+</section>
+<section aria-labelledby="top-codes-h">
+<h2 id="top-codes-h">Top codes by bytes relayed</h2>
+<div id="top-codes"></div>
+</section>
+<section aria-labelledby="attempts-h">
+<h2 id="attempts-h">Recent attempts</h2>
+<p><label for="family">Family</label>
+<select id="family" name="family"><option value="">all</option>{families}</select></p>
+<div id="attempts"></div>
+</section>
+</div>
+"""
+        return self.page("Connection insight", body, admin=True, kind="insight")
+
     # ------------------------------------------------------------ routes
 
     def router(self) -> APIRouter:
@@ -675,6 +721,10 @@ class Console:
         @router.get("/admin", include_in_schema=False)
         async def admin() -> HTMLResponse:
             return self.admin_page()
+
+        @router.get("/insight", include_in_schema=False)
+        async def insight() -> HTMLResponse:
+            return self.insight_page()
 
         @router.get("/console/static/{name}", include_in_schema=False)
         async def asset(name: str) -> Response:
