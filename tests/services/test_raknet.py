@@ -273,6 +273,9 @@ async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
     assert record.usage.packets_up > 0 and record.usage.packets_down > 0
     assert record.usage.packets == service.forwarders.packets()
     assert record.usage.bytes_up > len(b"\x86through the proxy")
+    # Both ends are still connected to the server: RakNet's pings name
+    # their round trips.
+    assert all(side.rtt_ms is not None for side in record.sides)
 
 
 def proxy_message(sub: int, body: BitWriter) -> bytes:

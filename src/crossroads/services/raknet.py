@@ -373,6 +373,11 @@ class RakNetService:
             )
         )
 
+    def _ping_ms(self, address: Address) -> float | None:
+        """RakNet's ping of a client still connected to the server, in ms."""
+        conn = self.node.peer.connection(address)
+        return None if conn is None else _ms(conn.rtt_ms)
+
     def proxy_released(self, u: ForwarderUsage) -> None:
         """One UDP proxy forwarder, with what it carried each way."""
         insight = self.insight
@@ -390,7 +395,10 @@ class RakNetService:
                 session=f"proxy-{u.port}",
                 started=insight.now() - (now - u.opened),
                 duration=lived,
-                sides=(insight.side(u.side1[0]), insight.side(u.side2[0])),
+                sides=(
+                    insight.side(u.side1[0], rtt_ms=self._ping_ms(u.side1)),
+                    insight.side(u.side2[0], rtt_ms=self._ping_ms(u.side2)),
+                ),
                 steps=(Step("proxy", 0.0, lived, u.reason),),
                 winner="proxy",
                 outcome="relayed",
