@@ -1,21 +1,25 @@
-"""Connection insight through real kernel NAT: a natneg server in the lab
-(``crossroads serve`` in the server namespace, as deployed), two SDK clients
-behind lab routers. For a pair the lab's NAT kinds say must punch and one
-they say must be relayed, the record's winner matches the prediction
+"""Connection insight through real kernel NAT. natneg: a natneg server in the
+lab (``crossroads serve`` in the server namespace, as deployed), two GameSpy
+SDK clients behind lab routers; for a pair the lab's NAT kinds say must punch
+and one they say must be relayed, the record's winner matches the prediction
 docs/nat-matrix.md prints (``expected_via`` of the natneg method), the relayed
 one names the reason (both endpoint-dependent mappings), and its usage counts
-the bytes the test sent through the relay each way within 1 %."""
+the bytes the test sent through the relay each way within 1 %. p2p: one SDK
+ladder against the lab's own server; its record names the step the SDK
+method's prediction names, from both sides' reports."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
+import time
 from typing import Any
 
 import pytest
 
 from crossroads.lab import netns
+from crossroads.lab.methods import sdk
 from crossroads.lab.methods.natneg import (
     expected_via,
     extra_server_args,
@@ -24,7 +28,8 @@ from crossroads.lab.methods.natneg import (
     succeeded,
 )
 from crossroads.lab.natneg_sdk import SdkNegotiator, read_game_data
-from crossroads.lab.topology import SERVER_IPS, Lab
+from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab
+from crossroads.state import CREDENTIALS_FILE
 from tests.lab.test_natneg import reset
 
 pytestmark = [pytest.mark.lab, pytest.mark.timeout(120)]
@@ -36,15 +41,17 @@ TOKEN = "lab-insight-admin-token-0123456789"
 DATAGRAMS, SIZE = 200, 1000
 
 
-async def insight(lab: Lab, path: str) -> Any:
-    """GET ``path`` from the extra server's HTTP port, in the server namespace."""
+async def insight(
+    lab: Lab, path: str, port: int = HTTP_PORT, token: str = TOKEN
+) -> Any:
+    """GET ``path`` from a lab server's HTTP port, in the server namespace."""
     loop = asyncio.get_running_loop()
     sock = netns.socket_in(lab.server_ns, socket.SOCK_STREAM)
     try:
-        await loop.sock_connect(sock, (SERVER_IPS[0], HTTP_PORT))
+        await loop.sock_connect(sock, (SERVER_IPS[0], port))
         request = (
             f"GET {path} HTTP/1.1\r\nHost: lab\r\nConnection: close\r\n"
-            f"Authorization: Bearer {TOKEN}\r\n\r\n"
+            f"Authorization: Bearer {token}\r\n\r\n"
         )
         await loop.sock_sendall(sock, request.encode())
         chunks = []
@@ -137,3 +144,38 @@ async def test_records_match_the_nat_kinds_prediction_and_the_bytes_sent(
         assert usage["packets_up"] >= DATAGRAMS and usage["packets_down"] >= DATAGRAMS
     finally:
         await lab.stop_extra_server("insight-natneg")
+
+
+async def test_p2p_record_names_the_predicted_step(lab: Lab) -> None:
+    """Two port-restricted cones: the SDK method predicts the punch step."""
+    credentials = lab.state_dir / "server-state" / CREDENTIALS_FILE
+    token = json.loads(credentials.read_text())["admin_token"]
+    await reset(lab, "port-restricted-cone-a", "port-restricted-cone-b")
+    a, b = lab.site("port-restricted-cone-a"), lab.site("port-restricted-cone-b")
+    predicted = sdk.expected_via(a.kind, b.kind)
+    assert predicted == "punch"
+    since = int(time.time()) - 1
+    outcome, mappings = await sdk.connect(lab, a, b)
+    assert outcome.connected and outcome.via == predicted, outcome
+    path = f"/v1/insight/attempts?family=p2p&since={since}"
+    for _ in range(100):
+        found = (await insight(lab, path, SERVER_HTTP_PORT, token))["attempts"]
+        if found:
+            break
+        await asyncio.sleep(0.1)
+    [record] = found
+    assert (record["winner"], record["outcome"], record["cause"]) == (
+        predicted,
+        "direct",
+        "",
+    )
+    steps = [(s["name"], s["outcome"]) for s in record["steps"]]
+    assert steps == [
+        ("prepare", "ok"),
+        ("initiator:punch", "ok"),
+        ("responder:punch", "ok"),
+    ]
+    # The mappings the rendezvous ports saw, as the SDK learned them (the
+    # joiner initiates).
+    assert [s["nat"] for s in record["sides"]] == [mappings[1], mappings[0]]
+    assert {s["prefix"] for s in record["sides"]} == {"198.51.100.0/24"}
