@@ -240,6 +240,15 @@ async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
     await a.connect("127.0.0.1", service.addresses[0][1])
     await b.connect("127.0.0.1", service.addresses[0][1])
     b_guid = await guid_of(service, b)
+    # First a punch, coordinated: the proxy the pair asks for next says the
+    # punch did not connect them.
+    a.send(bytes([m.MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b_guid.to_bytes(8, "big"))
+    ask = await a.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    await b.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    for peer in (a, b):
+        peer.send(ask + peer.port.to_bytes(2, "big"))
+    for peer in (a, b):
+        await peer.expect(m.MessageId.TIMESTAMP)
     request = BitWriter()
     request.write_u8(m.MessageId.UDP_PROXY_GENERAL)
     request.write_u8(6)  # FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR
@@ -266,8 +275,10 @@ async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
     # carried each way (the RakNet handshake and the message), read from its
     # routes.
     await service.forwarders.close()
-    [record] = [r for r in rt.insight.ring if r.family == "raknet"]
+    punched, record = [r for r in rt.insight.ring if r.family == "raknet"]
+    assert (punched.winner, punched.outcome) == ("punch", "direct")
     assert (record.winner, record.outcome) == ("proxy", "relayed")
+    assert record.cause == "punch did not connect: the pair asked for the proxy"
     assert record.session == f"proxy-{proxy[1]}"
     assert record.usage is not None
     assert record.usage.packets_up > 0 and record.usage.packets_down > 0
