@@ -90,7 +90,7 @@ from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.refusals import RefusalLog
-from crossroads.transport.relay import RelayEndpoint
+from crossroads.transport.relay import Impairment, RelayEndpoint
 from crossroads.transport.relay_ws import (
     BIND_TIMEOUT,
     HANDSHAKE_TIMEOUT,
@@ -760,6 +760,17 @@ class RelayService:
         except ValueError:
             return False
         return self.node.endpoint.kick(allocation_id)
+
+    def impair(self, session_id: str, impairment: Impairment | None) -> bool:
+        """QA impairment of one allocation's relayed frames, both ways (by its
+        allocationId; None: stop). Admin only, off unless set."""
+        if self.node is None:
+            return False
+        try:
+            allocation_id = uuid.UUID(session_id).bytes
+        except ValueError:
+            return False
+        return self.node.endpoint.impair(allocation_id, impairment)
 
     async def close(self) -> None:
         if self._closed:

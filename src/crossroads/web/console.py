@@ -42,7 +42,13 @@ from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.insight import FAMILIES as INSIGHT_FAMILIES
-from crossroads.services.base import Service, SessionAdmin, show_address
+from crossroads.services.base import (
+    Impairable,
+    Service,
+    SessionAdmin,
+    show_address,
+)
+from crossroads.transport.relay import Impairment
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import Certificates
 from crossroads.types import frozen
@@ -61,6 +67,10 @@ ERROR_MESSAGE_CHARS = 500
 #: The public status is shared by every viewer for this long: one computation
 #: per second bounds what polling browsers (or a flood of them) cost.
 STATUS_CACHE_SECONDS = 1.0
+#: Longest QA delay or jitter the admin API sets (seconds): a game's own
+#: timeouts are a few seconds (Unity's relay re-binds after 3 missed 3 s
+#: pings), so more would only disconnect it.
+MAX_IMPAIR_SECONDS = 10.0
 #: Largest NAT-lab matrix file shown (bytes); bigger ones are not read.
 MATRIX_MAX_BYTES = 256 * 1024
 
@@ -771,6 +781,49 @@ newest first; sides are pseudonymous unless the operator keeps raw addresses.</p
                 return refused
             return JSONResponse({"errors": list(self.errors.records)})
 
+        @router.post("/console/api/admin/impair")
+        async def impair(request: Request) -> JSONResponse:
+            """QA impairment of one relayed session (delay, jitter, loss), so a
+            developer can try their game on a bad network with unmodified
+            clients; all zero stops it. Off unless set."""
+            if (refused := self.refusal(request)) is not None:
+                return refused
+            try:
+                body = await request.json()
+                kind, session_id = str(body["kind"]), str(body["id"])
+                delay = float(body.get("delay_ms", 0)) / 1000
+                jitter = float(body.get("jitter_ms", 0)) / 1000
+                loss = float(body.get("loss", 0))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return _invalid("need {kind, id, delay_ms, jitter_ms, loss}")
+            if not (
+                0 <= delay <= MAX_IMPAIR_SECONDS
+                and 0 <= jitter <= MAX_IMPAIR_SECONDS
+                and 0 <= loss <= 1
+            ):
+                return _invalid(
+                    f"delay_ms and jitter_ms: 0-{MAX_IMPAIR_SECONDS * 1000:.0f}; "
+                    "loss: 0-1"
+                )
+            service = self.services().get(kind)
+            impairment = Impairment(delay, jitter, loss)
+            if not isinstance(service, Impairable) or not service.impair(
+                session_id, impairment if impairment.active else None
+            ):
+                return JSONResponse(
+                    {"code": "not_found", "message": "no such impairable session"},
+                    status_code=404,
+                )
+            return JSONResponse(
+                {
+                    "impaired": session_id,
+                    "kind": kind,
+                    "delay_ms": delay * 1000,
+                    "jitter_ms": jitter * 1000,
+                    "loss": loss,
+                }
+            )
+
         @router.post("/console/api/admin/revoke")
         async def revoke(request: Request) -> JSONResponse:
             if (refused := self.refusal(request)) is not None:
@@ -792,6 +845,10 @@ newest first; sides are pseudonymous unless the operator keeps raw addresses.</p
             return JSONResponse({"revoked": session_id, "kind": kind})
 
         return router
+
+
+def _invalid(message: str) -> JSONResponse:
+    return JSONResponse({"code": "invalid_request", "message": message}, 400)
 
 
 def _forbidden() -> JSONResponse:
