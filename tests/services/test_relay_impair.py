@@ -80,6 +80,13 @@ async def test_impairment_loses_delays_and_clears() -> None:
             )
             assert unknown.status_code == 404
             assert not endpoint.impaired
+
+            # The link's insight record counts what the impairment lost.
+            host.send(b"\xda\x72\x00\x0b" + hid)  # CLOSE: the session ends
+            assert (await joiner.recv())[:4] == b"\xda\x72\x00\x09"
+            [record] = [a for a in rt.insight.ring if a.family == "relay"]
+            assert record.usage is not None
+            assert dict(record.usage.drops) == {"qa-impairment": 2}
         finally:
             await admin.aclose()
             host.close()

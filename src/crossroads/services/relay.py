@@ -371,11 +371,17 @@ class RelayNode:
         host_id = uuid.UUID(bytes=event.host_allocation_id)
         code = self.join_code_of(host_id) or host_id.hex
         lived = max(0.0, event.connected_for)
+        endpoint = self.endpoint
+        lost = endpoint.pop_lost(
+            event.allocation_id, event.host_allocation_id
+        ) + endpoint.pop_lost(event.host_allocation_id, event.allocation_id)
         usage = Usage(
             packets_up=event.joiner_sent[0],
             bytes_up=event.joiner_sent[1],
             packets_down=event.joiner_received[0],
             bytes_down=event.joiner_received[1],
+            # Counted on the routes, then dropped by a QA impairment.
+            drops=(("qa-impairment", lost),) if lost else (),
         )
         insight.record(
             Attempt(

@@ -170,6 +170,9 @@ class RelayEndpoint(TapDriver[RelayServer]):
         #: Frames an impairment dropped: as asked ("lost"), or because
         #: :data:`MAX_IMPAIRED_PENDING` were held back already ("overflow").
         self.impaired_lost = 0
+        #: Frames an impairment lost, by (from, to) allocation ID: the link's
+        #: insight record reports them as drops (popped when it ends).
+        self.impaired_lost_by: dict[tuple[bytes, bytes], int] = {}
         self.impaired_overflow = 0
         self.impaired_delayed = 0
         self._random = random.Random()
@@ -333,6 +336,11 @@ class RelayEndpoint(TapDriver[RelayServer]):
         impaired = self.impaired
         return impaired.get(bytes(data[4:20])) or impaired.get(bytes(data[20:36]))
 
+    def pop_lost(self, from_id: bytes, to_id: bytes) -> int:
+        """Frames from ``from_id`` to ``to_id`` an impairment lost (forgotten
+        once read: the link's record takes them)."""
+        return self.impaired_lost_by.pop((from_id, to_id), 0)
+
     def _send_later(self, data: bytes, addr: Address) -> None:
         self._impaired_pending -= 1
         self._deliver(data, addr)
@@ -343,6 +351,9 @@ class RelayEndpoint(TapDriver[RelayServer]):
             if impairment is not None:
                 if self._random.random() < impairment.loss:
                     self.impaired_lost += 1
+                    key = (bytes(data[4:20]), bytes(data[20:36]))
+                    lost = self.impaired_lost_by
+                    lost[key] = lost.get(key, 0) + 1
                     return
                 if self._impaired_pending >= MAX_IMPAIRED_PENDING:
                     self.impaired_overflow += 1
