@@ -142,3 +142,29 @@ def test_key_file_created_once_private(tmp_path: Path) -> None:
     assert load_or_create_key(tmp_path / "state") == key
     mode = (tmp_path / "state" / "insight.key").stat().st_mode
     assert stat.S_IMODE(mode) == 0o600
+
+
+async def test_summary_counts_causes_and_ranks_codes_by_bytes() -> None:
+    rec = InsightRecorder()
+    rec.record(attempt(rec, 0, session="BIG", usage=Usage(5, 50_000, 5, 50_000)))
+    rec.record(attempt(rec, 1, session="SMALL"))
+    rec.record(attempt(rec, 2, family="natneg", cause="both-symmetric"))
+    rec.record(attempt(rec, 3, family="natneg", cause="both-symmetric"))
+    rec.record(
+        attempt(rec, 4, outcome="failed", cause="timed-out", winner="", usage=None)
+    )
+    rec.record(attempt(rec, 5, family="natneg", outcome="direct", cause="", usage=None))
+    summary = await rec.summary(top=2)
+    assert summary["why_relayed"] == [
+        {"cause": "both-symmetric", "count": 2},
+        {"cause": "relay-only", "count": 2},
+    ]
+    assert summary["why_failed"] == [{"cause": "timed-out", "count": 1}]
+    assert [c["code"] for c in summary["top_codes"]] == ["BIG", "CODE0"]
+    outcomes = {(o["family"], o["outcome"]): o["count"] for o in summary["outcomes"]}
+    assert outcomes == {
+        ("natneg", "direct"): 1,
+        ("natneg", "relayed"): 2,
+        ("relay", "failed"): 1,
+        ("relay", "relayed"): 2,
+    }

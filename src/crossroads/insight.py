@@ -350,33 +350,71 @@ class InsightRecorder:
                         entry[metric] = int(value)
             for (family, game), entry in sorted(totals.items()):
                 per_game.append({"day": day, "family": family, "game": game, **entry})
-        per_code: dict[tuple[str, str, str], dict[str, Any]] = {}
-        for attempt in await self.recent():
-            if attempt.usage is None:
-                continue
-            day = day_of(attempt.started)
-            key = (day, attempt.family, attempt.session)
-            entry = per_code.setdefault(
-                key,
-                {
-                    "day": day,
-                    "family": attempt.family,
-                    "code": attempt.session,
-                    "game": attempt.game,
-                    **dict.fromkeys(USAGE_FIELDS, 0),
-                },
-            )
-            entry["sessions"] += 1
-            entry["packets_up"] += attempt.usage.packets_up
-            entry["bytes_up"] += attempt.usage.bytes_up
-            entry["packets_down"] += attempt.usage.packets_down
-            entry["bytes_down"] += attempt.usage.bytes_down
-        codes = sorted(
-            per_code.values(),
-            key=lambda e: e["bytes_up"] + e["bytes_down"],
-            reverse=True,
-        )
+        codes = _per_code(await self.recent())
         return {"per_game": per_game, "per_code": codes}
+
+    async def summary(self, top: int = 10) -> dict[str, Any]:
+        """What the console's insight page draws beside the records: attempts
+        by family and outcome, why relayed (relayed attempts by cause), why
+        failed, and the codes that relayed the most bytes, all from the
+        recent records (bounded by :data:`MAX_SCAN`)."""
+        outcomes: dict[tuple[str, str], int] = {}
+        relayed: dict[str, int] = {}
+        failed: dict[str, int] = {}
+        records = await self.recent()
+        for attempt in records:
+            key = (attempt.family, attempt.outcome)
+            outcomes[key] = outcomes.get(key, 0) + 1
+            cause = attempt.cause or "unknown"
+            if attempt.outcome == "relayed":
+                relayed[cause] = relayed.get(cause, 0) + 1
+            elif attempt.outcome == "failed":
+                failed[cause] = failed.get(cause, 0) + 1
+
+        def ranked(counts: dict[str, int]) -> list[dict[str, Any]]:
+            order = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+            return [{"cause": cause, "count": count} for cause, count in order[:top]]
+
+        codes = _per_code(records)
+        return {
+            "outcomes": [
+                {"family": family, "outcome": outcome, "count": count}
+                for (family, outcome), count in sorted(outcomes.items())
+            ],
+            "why_relayed": ranked(relayed),
+            "why_failed": ranked(failed),
+            "top_codes": codes[:top],
+        }
+
+
+def _per_code(records: Iterable[Attempt]) -> list[dict[str, Any]]:
+    """Usage per code (day, family, code) from records, largest first."""
+    per_code: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for attempt in records:
+        if attempt.usage is None:
+            continue
+        day = day_of(attempt.started)
+        key = (day, attempt.family, attempt.session)
+        entry = per_code.setdefault(
+            key,
+            {
+                "day": day,
+                "family": attempt.family,
+                "code": attempt.session,
+                "game": attempt.game,
+                **dict.fromkeys(USAGE_FIELDS, 0),
+            },
+        )
+        entry["sessions"] += 1
+        entry["packets_up"] += attempt.usage.packets_up
+        entry["bytes_up"] += attempt.usage.bytes_up
+        entry["packets_down"] += attempt.usage.packets_down
+        entry["bytes_down"] += attempt.usage.bytes_down
+    return sorted(
+        per_code.values(),
+        key=lambda e: e["bytes_up"] + e["bytes_down"],
+        reverse=True,
+    )
 
 
 def _decode_all(values: Iterable[bytes]) -> Iterable[Attempt]:

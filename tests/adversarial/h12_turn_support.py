@@ -148,6 +148,11 @@ async def measure_turn_churn(cycles: int) -> dict[str, int]:
                 core__only=["stun", "turn"],
                 turn__user=[f"{USER}:{PASSWORD}"],
                 turn__relay_ports=(46000, 46999),
+                # Each allocation leaves an insight record in a bounded ring
+                # and stream: small enough for the warm-up (500 cycles) to
+                # fill, so the churn shows what grows without bound.
+                insight__ring=100,
+                insight__stream_max=100,
             )
         )
     )

@@ -68,6 +68,11 @@ async def rt() -> AsyncIterator[Runtime]:
         # lifetime + 5 s: short here, so the test sees it go.
         turn__nonce_lifetime=1,
         p2p__max_connections_per_ip=1000,
+        # Each freed allocation leaves an insight record in a bounded ring and
+        # stream: small enough for the warm-up (100 sessions) to fill, so the
+        # measured churn shows what grows without bound.
+        insight__ring=50,
+        insight__stream_max=50,
     ) as runtime:
         yield runtime
 

@@ -54,3 +54,33 @@ async def test_allocation_record_counts_what_was_relayed(turn: Any) -> None:
     assert record.usage.packets_up == record.usage.packets_down == DATAGRAMS
     assert "127.0.0.1:" not in record.session.split("/", 1)[0]
     assert record.sides[0].id != "127.0.0.1"
+
+
+async def test_tcp_allocation_record_carries_the_connections_round_trip(
+    turn: Any,
+) -> None:
+    """TURN over TCP shows a round trip: the kernel's smoothed RTT of the
+    client's connection (TCP_INFO), read when the allocation ends: on the
+    side and in the usage. UDP shows none."""
+    service: TurnService = await turn()
+    peer = Peer()
+    insight = service.ctx.insight
+    try:
+        for transport in ("tcp", "udp"):
+            async with await TurnClient.connect(
+                service.stun.primary, USER, PASSWORD, transport=transport
+            ) as c:
+                await c.allocate()
+                await c.bind_channel(peer.address)
+                await c.send(b"x" * 100, peer.address)
+                assert await peer.recv() == b"x" * 100
+        assert await eventually(lambda: len(insight.ring) == 2)
+    finally:
+        peer.close()
+    udp, tcp = await insight.attempts(AttemptFilter(family="turn"))
+    assert tcp.session.startswith("tcp/") and udp.session.startswith("udp/")
+    assert tcp.usage is not None and tcp.usage.rtt_ms is not None
+    # Loopback: a positive round trip well under a second.
+    assert 0 < tcp.usage.rtt_ms < 1000
+    assert tcp.sides[0].rtt_ms == tcp.usage.rtt_ms
+    assert udp.usage is not None and udp.usage.rtt_ms is None

@@ -107,6 +107,21 @@ async def test_punchthrough_between_two_stock_raknet_peers(
     lost = await a.expect(m.MessageId.NAT_CONNECTION_TO_TARGET_LOST)
     assert lost[1:9] == b_guid.to_bytes(8, "big")
 
+    # Insight: the server saw one punch coordinated (whether it connected the
+    # clients tell only their games) and one lost with its target; the
+    # unknown target was refused before it became an attempt.
+    records = [r for r in rt.insight.ring if r.family == "raknet"]
+    assert [(r.outcome, r.winner, r.cause) for r in records] == [
+        ("direct", "punch", ""),
+        ("failed", "", "target-lost"),
+    ]
+    assert [(s.name, s.outcome) for s in records[0].steps][-2:] == [
+        ("ports", "ok"),
+        ("punch", "coordinated"),
+    ]
+    assert records[0].session == f"punch-{int.from_bytes(session, 'big')}"
+    assert len(records[0].sides) == 2
+
 
 async def test_bound_addresses_and_port_stride_ping(
     rt: Runtime, peers: tuple[RakNetPeer, RakNetPeer]
@@ -225,6 +240,15 @@ async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
     await a.connect("127.0.0.1", service.addresses[0][1])
     await b.connect("127.0.0.1", service.addresses[0][1])
     b_guid = await guid_of(service, b)
+    # First a punch, coordinated: the proxy the pair asks for next says the
+    # punch did not connect them.
+    a.send(bytes([m.MessageId.NAT_PUNCHTHROUGH_REQUEST]) + b_guid.to_bytes(8, "big"))
+    ask = await a.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    await b.expect(m.MessageId.NAT_GET_MOST_RECENT_PORT)
+    for peer in (a, b):
+        peer.send(ask + peer.port.to_bytes(2, "big"))
+    for peer in (a, b):
+        await peer.expect(m.MessageId.TIMESTAMP)
     request = BitWriter()
     request.write_u8(m.MessageId.UDP_PROXY_GENERAL)
     request.write_u8(6)  # FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR
@@ -247,6 +271,22 @@ async def test_udp_proxy_two_stock_peers_then_talk_through_the_forwarder(
     a.send(b"\x86through the proxy")
     assert await b.expect(0x86) == b"\x86through the proxy"
     assert service.forwarders is not None and service.forwarders.packets() > 0
+    # Insight: when the forwarder goes, one relayed record with what it
+    # carried each way (the RakNet handshake and the message), read from its
+    # routes.
+    await service.forwarders.close()
+    punched, record = [r for r in rt.insight.ring if r.family == "raknet"]
+    assert (punched.winner, punched.outcome) == ("punch", "direct")
+    assert (record.winner, record.outcome) == ("proxy", "relayed")
+    assert record.cause == "punch did not connect: the pair asked for the proxy"
+    assert record.session == f"proxy-{proxy[1]}"
+    assert record.usage is not None
+    assert record.usage.packets_up > 0 and record.usage.packets_down > 0
+    assert record.usage.packets == service.forwarders.packets()
+    assert record.usage.bytes_up > len(b"\x86through the proxy")
+    # Both ends are still connected to the server: RakNet's pings name
+    # their round trips.
+    assert all(side.rtt_ms is not None for side in record.sides)
 
 
 def proxy_message(sub: int, body: BitWriter) -> bytes:

@@ -30,6 +30,7 @@ from crossroads.store.base import Store
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.localaddrs import own_addresses
+from crossroads.transport.relay import Impairment
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates
 from crossroads.types import Address, IPAddress, frozen
@@ -82,6 +83,16 @@ class SessionAdmin(Protocol):
 
     def revoke(self, session_id: str) -> bool:
         """End one session now; False when no such session is live."""
+        ...
+
+
+@runtime_checkable
+class Impairable(Protocol):
+    """A service whose relayed sessions an operator may impair for QA (delay,
+    jitter, loss; the console's ``/console/api/admin/impair``)."""
+
+    def impair(self, session_id: str, impairment: Impairment | None) -> bool:
+        """Impair one live session (None: stop); False when no such session."""
         ...
 
 

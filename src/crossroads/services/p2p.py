@@ -41,6 +41,8 @@ from starlette.websockets import WebSocketState
 
 from crossroads.config import check_positive, setting
 from crossroads.errors import ConfigError, StoreError
+from crossroads.insight import InsightRecorder
+from crossroads.proto.insight import Attempt, Side, Step
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
     CodeClaim,
@@ -49,6 +51,8 @@ from crossroads.proto.punch.coordinator import (
     Coordinator,
     CoordinatorConfig,
     FrameRejected,
+    LadderConcluded,
+    LadderSide,
     ProbeDropped,
     PunchFinished,
 )
@@ -216,6 +220,8 @@ class P2PService:
         self.loop = asyncio.get_running_loop()
         self.store = ctx.store
         self.resources = ctx.resources
+        #: Where each concluded punch attempt's record goes (crossroads.insight).
+        self.insight = ctx.insight
         self.url = config.public_url or signalling_url(
             ctx.config.core.public_host or ctx.host, ctx.http_address[1]
         )
@@ -474,6 +480,8 @@ class P2PService:
                     self.probes_dropped.labels(reason).inc()
                 case PunchFinished(ok=ok, step=step, side=side):
                     self.punches.labels(side, str(ok).lower(), step or "none").inc()
+                case LadderConcluded():
+                    self.insight.record(ladder_record(self.insight, event))
                 case CodeClaim() | CodeReleased():
                     self._directory_ops.put_nowait(event)
                 case CodeLookup():
@@ -664,3 +672,60 @@ async def serve(ctx: ServiceContext) -> Service:
     ctx.add_router(router)
     ctx.add_router(make_master_router(service.master, config.master_path))
     return service
+
+
+def ladder_record(insight: InsightRecorder, event: LadderConcluded) -> Attempt:
+    """A concluded punch attempt as an insight record. The server sees each
+    side's ``punch_result`` (ok, the step that connected it, its time), not
+    the rungs below it, so the steps are: preparing (queued until both sent
+    ``punch_ready``), then one per side with its reported step. A "relay"
+    win is relayed by TURN: its bytes are in the TURN allocation's record
+    (billed to the credentials' user)."""
+    begin = event.created
+    steps: list[Step] = []
+    if event.started is not None:
+        steps.append(Step("prepare", 0.0, max(0.0, event.started - begin), "ok"))
+    offset = (event.started or event.ended) - begin
+    for role, seen in (("initiator", event.initiator), ("responder", event.responder)):
+        if seen.result is None:
+            steps.append(
+                Step(role, offset, max(0.0, event.ended - begin - offset), "unreported")
+            )
+            continue
+        ok, step, ms = seen.result
+        steps.append(
+            Step(
+                f"{role}:{step or 'none'}", offset, ms / 1000, "ok" if ok else "failed"
+            )
+        )
+    results = [s.result for s in (event.initiator, event.responder)]
+    winner = ""
+    if all(r is not None and r[0] for r in results):
+        winner = results[0][1] if results[0] is not None else ""
+    mappings = f"mappings {event.initiator.mapping}/{event.responder.mapping}"
+    if winner == "relay":
+        outcome, cause = "relayed", f"punch failed ({mappings})"
+    elif winner:
+        outcome, cause = "direct", ""
+    else:
+        outcome = "failed"
+        cause = f"{event.reason or 'ladder failed'} ({mappings})"
+
+    def side(s: LadderSide) -> Side:
+        rtt = None if s.rtt is None else s.rtt * 1000
+        if not s.host:  # never probed: nothing to name it by
+            return Side(id="", nat=s.mapping, rtt_ms=rtt)
+        return insight.side(s.host, s.mapping, rtt)
+
+    duration = max(0.0, event.ended - begin)
+    return Attempt(
+        family="p2p",
+        session=f"attempt-{event.attempt}",
+        started=insight.now() - duration,
+        duration=duration,
+        sides=(side(event.initiator), side(event.responder)),
+        steps=tuple(steps),
+        winner=winner,
+        outcome=outcome,
+        cause=cause,
+    )

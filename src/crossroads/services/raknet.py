@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +32,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.config import setting
+from crossroads.insight import InsightRecorder
 from crossroads.metrics import add_counts, counter_by, unregister
+from crossroads.proto.insight import Attempt, Step, Usage
 from crossroads.proto.raknet.nattype import Socket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.raknet.peer import (
@@ -41,6 +44,7 @@ from crossroads.proto.raknet.peer import (
     HANDSHAKE_DEADLINE_MS,
     ServerConfig,
 )
+from crossroads.proto.raknet.punchthrough import PunchConcluded
 from crossroads.services.base import ServiceContext
 from crossroads.services.raknet_nodes import RelayNodes
 from crossroads.transport.admission import Pool, ResourceBudget
@@ -51,12 +55,24 @@ from crossroads.transport.raknet_forwarder import (
 )
 from crossroads.transport.raknet_forwarder import (
     ForwarderPool,
+    ForwarderUsage,
     forwarder_table,
 )
 from crossroads.transport.sockets import bound_address, make_udp_socket
 from crossroads.types import Address, frozen, normalize_address, show_address
 
 NAME = "raknet"
+#: A proxy asked for by a pair this soon (seconds) after its punch was
+#: coordinated means the punch did not connect: RakNet's samples fall back
+#: to UDPProxyClient on ID_NAT_PUNCHTHROUGH_FAILED, which a client raises
+#: after its punch attempts run out (NatPunchthroughClient: a few seconds).
+PUNCH_THEN_PROXY = 60.0
+#: Coordinated pairs remembered for that (bounded: the oldest go first).
+MAX_PUNCHED = 4096
+
+
+def _ms(value: int | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _check_detection_hosts(value: tuple[str, ...]) -> None:
@@ -243,6 +259,8 @@ class _Driver(DatagramDriver):
 
     def transmit(self, now: float | None = None) -> None:
         super().transmit(now)
+        for concluded in self.service.node.punch.pop_concluded():
+            self.service.punch_concluded(concluded)
         relay_nodes = self.service.relay_nodes
         if relay_nodes is not None:
             relay_nodes.carry(self.service.node.proxy.pop_remote_requests())
@@ -305,6 +323,89 @@ class RakNetService:
         self._registry: Any = None
         #: The process budget the connection tables are registered with.
         self.resources: ResourceBudget | None = None
+        #: Where punch and proxy records go (crossroads.insight).
+        self.insight = InsightRecorder()
+        #: Pairs of IPs whose punch was coordinated, and when (loop time): a
+        #: proxy the same pair asks for soon after says the punch failed.
+        self._punched: OrderedDict[frozenset[str], float] = OrderedDict()
+
+    # Connection insight ---------------------------------------------------
+
+    def punch_concluded(self, c: PunchConcluded) -> None:
+        """One NAT punchthrough attempt as the server saw it. Whether the
+        punch itself worked the server cannot see (the clients tell only
+        their games): a coordinated punch is recorded with the winner
+        "punch" and outcome "direct", and a proxy the same pair asks for
+        within :data:`PUNCH_THEN_PROXY` seconds names it as failed."""
+        insight = self.insight
+        now = asyncio.get_running_loop().time()
+        duration = max(0.0, c.ended - c.requested)
+        started = c.started if c.started is not None else c.ended
+        waited = max(0.0, started - c.requested)
+        steps = []
+        if waited > 0:
+            steps.append(Step("queued", 0.0, waited, "ok"))
+        coordinated = c.outcome == "coordinated"
+        steps.append(
+            Step("ports", waited, duration - waited, "ok" if coordinated else c.outcome)
+        )
+        if coordinated:
+            steps.append(Step("punch", duration, 0.0, "coordinated"))
+            if c.recipient is not None:
+                self._punched[frozenset((c.sender[0], c.recipient[0]))] = c.ended
+                self._punched.move_to_end(frozenset((c.sender[0], c.recipient[0])))
+                while len(self._punched) > MAX_PUNCHED:
+                    self._punched.popitem(last=False)
+        sides = [insight.side(c.sender[0], rtt_ms=_ms(c.rtt_ms[0]))]
+        if c.recipient is not None:
+            sides.append(insight.side(c.recipient[0], rtt_ms=_ms(c.rtt_ms[1])))
+        insight.record(
+            Attempt(
+                family="raknet",
+                session=f"punch-{c.session_id}",
+                started=insight.now() - (now - c.requested),
+                duration=duration,
+                sides=tuple(sides),
+                steps=tuple(steps),
+                winner="punch" if coordinated else "",
+                outcome="direct" if coordinated else "failed",
+                cause="" if coordinated else c.outcome,
+            )
+        )
+
+    def _ping_ms(self, address: Address) -> float | None:
+        """RakNet's ping of a client still connected to the server, in ms."""
+        conn = self.node.peer.connection(address)
+        return None if conn is None else _ms(conn.rtt_ms)
+
+    def proxy_released(self, u: ForwarderUsage) -> None:
+        """One UDP proxy forwarder, with what it carried each way."""
+        insight = self.insight
+        now = asyncio.get_running_loop().time()
+        pair = frozenset((u.side1[0], u.side2[0]))
+        punched = self._punched.pop(pair, None)
+        if punched is not None and u.opened - punched <= PUNCH_THEN_PROXY:
+            cause = "punch did not connect: the pair asked for the proxy"
+        else:
+            cause = "proxy asked for"
+        lived = max(0.0, u.released - u.opened)
+        insight.record(
+            Attempt(
+                family="raknet",
+                session=f"proxy-{u.port}",
+                started=insight.now() - (now - u.opened),
+                duration=lived,
+                sides=(
+                    insight.side(u.side1[0], rtt_ms=self._ping_ms(u.side1)),
+                    insight.side(u.side2[0], rtt_ms=self._ping_ms(u.side2)),
+                ),
+                steps=(Step("proxy", 0.0, lived, u.reason),),
+                winner="proxy",
+                outcome="relayed",
+                cause=cause,
+                usage=Usage(u.packets_up, u.bytes_up, u.packets_down, u.bytes_down),
+            )
+        )
 
     def describe(self) -> list[str]:
         if not self.addresses:
@@ -451,6 +552,9 @@ async def serve(ctx: ServiceContext) -> RakNetService:
         reflection=ctx.reflection_budget(),
     )
     service = RakNetService(node)
+    service.insight = ctx.insight
+    if forwarders is not None:
+        forwarders.on_release = service.proxy_released
     service.resources = resources
     service.forwarders = forwarders
     service.addresses = bound

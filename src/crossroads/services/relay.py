@@ -92,7 +92,7 @@ from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.transport.admission import Admission, Pool, ResourceBudget
 from crossroads.transport.refusals import RefusalLog
-from crossroads.transport.relay import RelayEndpoint
+from crossroads.transport.relay import Impairment, RelayEndpoint
 from crossroads.transport.relay_ws import (
     BIND_TIMEOUT,
     HANDSHAKE_TIMEOUT,
@@ -389,11 +389,17 @@ class RelayNode:
         host_id = uuid.UUID(bytes=event.host_allocation_id)
         code = self.join_code_of(host_id) or host_id.hex
         lived = max(0.0, event.connected_for)
+        endpoint = self.endpoint
+        lost = endpoint.pop_lost(
+            event.allocation_id, event.host_allocation_id
+        ) + endpoint.pop_lost(event.host_allocation_id, event.allocation_id)
         usage = Usage(
             packets_up=event.joiner_sent[0],
             bytes_up=event.joiner_sent[1],
             packets_down=event.joiner_received[0],
             bytes_down=event.joiner_received[1],
+            # Counted on the routes, then dropped by a QA impairment.
+            drops=(("qa-impairment", lost),) if lost else (),
         )
         insight.record(
             Attempt(
@@ -796,6 +802,17 @@ class RelayService:
         except ValueError:
             return False
         return self.node.endpoint.kick(allocation_id)
+
+    def impair(self, session_id: str, impairment: Impairment | None) -> bool:
+        """QA impairment of one allocation's relayed frames, both ways (by its
+        allocationId; None: stop). Admin only, off unless set."""
+        if self.node is None:
+            return False
+        try:
+            allocation_id = uuid.UUID(session_id).bytes
+        except ValueError:
+            return False
+        return self.node.endpoint.impair(allocation_id, impairment)
 
     async def close(self) -> None:
         if self._closed:

@@ -81,7 +81,7 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
-from crossroads.transport.sockets import bind_socket, family_of
+from crossroads.transport.sockets import bind_socket, family_of, tcp_round_trip
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import TlsAcceptor, TlsTables, tls_tables
 from crossroads.types import Address, frozen
@@ -621,6 +621,15 @@ class TcpConnection(_PortEndpoint, asyncio.Protocol):
         self.last_activity = self.accepted = self._loop.time()
         service.connections.add(self)
         service.stats.tcp_connections = len(service.connections)
+
+    def round_trip(self) -> float | None:
+        """The kernel's smoothed RTT of this connection (seconds), None if
+        unknown; still readable in :meth:`connection_lost` (asyncio closes the
+        socket after it returns)."""
+        stream = self.stream
+        if stream is None:
+            return None
+        return tcp_round_trip(stream.get_extra_info("socket"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         service = self.service

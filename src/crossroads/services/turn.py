@@ -1778,13 +1778,18 @@ class TurnService:
             if isinstance(relay, _RelaySocket)
         ]
         transport = allocation.five_tuple[0].name.lower()
+        # TURN over TCP shows a round trip: the kernel's smoothed RTT of the
+        # client's connection (TCP_INFO), read once, here.
+        round_trip = getattr(link.endpoint, "round_trip", None)
+        rtt = round_trip() if link.tcp and callable(round_trip) else None
+        rtt_ms = None if rtt is None else rtt * 1000
         insight.record(
             Attempt(
                 family="turn",
                 session=f"{transport}/{','.join(relayed)}",
                 started=insight.now() - lived,
                 duration=lived,
-                sides=(insight.side(link.client[0]),),
+                sides=(insight.side(link.client[0], rtt_ms=rtt_ms),),
                 steps=(
                     Step("allocate", 0.0, 0.0, "ok"),
                     Step("relay", 0.0, lived, reason),
@@ -1798,6 +1803,7 @@ class TurnService:
                     bytes_up=to_peer_bytes,
                     packets_down=to_client_packets,
                     bytes_down=to_client_bytes,
+                    rtt_ms=rtt_ms,
                 ),
             )
         )

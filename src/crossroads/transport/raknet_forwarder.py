@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from crossroads.proto.raknet.udpproxy import ForwarderResult, timeout_valid
@@ -54,7 +55,7 @@ from crossroads.transport.dataplane import (
 from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.sockets import make_udp_socket
 from crossroads.transport.tasks import Sweeper
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: RakNet's MAXIMUM_MTU_SIZE: nothing larger is a RakNet datagram (dropped and
 #: counted as malformed by the tap).
@@ -87,6 +88,28 @@ def forwarder_table(
     )
 
 
+@frozen
+class ForwarderUsage:
+    """What one forwarder carried, read from its routes when it is released
+    (for the insight record; nothing is counted per datagram for it). ``up``
+    is from ``side1`` (the proxy request's source) to ``side2``."""
+
+    side1: Address
+    side2: Address
+    requester: Address
+    #: The forwarder's port (what the clients were told to send to).
+    port: int
+    #: Loop time the forwarder was opened and released.
+    opened: float
+    released: float
+    packets_up: int
+    bytes_up: int
+    packets_down: int
+    bytes_down: int
+    #: Why it ended: "idle", "client-left", "closed".
+    reason: str
+
+
 @dataclass(eq=False, slots=True)
 class _Entry:
     sock: socket.socket
@@ -106,8 +129,14 @@ class _Entry:
     forwarded_elsewhere: int = field(default=0, init=False)
     #: ``packets`` at the last sweep (a change means the entry is alive).
     seen_packets: int = field(default=0, init=False)
+    #: When it was opened (loop time).
+    opened: float = field(default=0.0, init=False)
+    #: Datagrams and bytes each way (side1 -> side2: 0, back: 1) forwarded by
+    #: hand or by routes since replaced; the live routes hold the rest.
+    done: list[int] = field(default_factory=lambda: [0, 0, 0, 0], init=False)
 
     def __post_init__(self) -> None:
+        self.opened = self.last
         self.port = self.sock.getsockname()[1]
         self.tap = make_tap(
             self.sock, self.routes, self.unrouted, max_size=MAX_DATAGRAM
@@ -136,18 +165,44 @@ class _Entry:
         except OSError:
             return
         self.forwarded_elsewhere += 1
+        way = 0 if addr == self.confirmed1 else 2
+        self.done[way] += 1
+        self.done[way + 1] += len(data)
         self.last = asyncio.get_running_loop().time()
 
     def _route(self) -> None:
         """Rewrite the routes for the confirmed sides."""
-        for route in self.routes.values():
+        for source, route in self.routes.items():
             self.forwarded_elsewhere += route.packets
+            way = 0 if source == self.confirmed1 else 2
+            self.done[way] += route.packets
+            self.done[way + 1] += route.octets
         self.routes.clear()
         c1, c2 = self.confirmed1, self.confirmed2
         if c1 is not None:
             self.routes[c1] = make_route(self.sock, c2 or self.side2)
         if c2 is not None:
             self.routes[c2] = make_route(self.sock, c1 or self.side1)
+
+    def usage(self, released: float, reason: str) -> ForwarderUsage:
+        counts = list(self.done)
+        for source, route in self.routes.items():
+            way = 0 if source == self.confirmed1 else 2
+            counts[way] += route.packets
+            counts[way + 1] += route.octets
+        return ForwarderUsage(
+            self.side1,
+            self.side2,
+            self.requester,
+            self.port,
+            self.opened,
+            released,
+            counts[0],
+            counts[1],
+            counts[2],
+            counts[3],
+            reason,
+        )
 
 
 class ForwarderPool:
@@ -180,6 +235,8 @@ class ForwarderPool:
         self._readers = TapReaders()
         self._closed = False
         self._sweeper = Sweeper(self.sweep, SWEEP_INTERVAL)
+        #: Told what each forwarder carried when it is released (insight).
+        self.on_release: Callable[[ForwarderUsage], None] | None = None
 
     def start(
         self,
@@ -220,7 +277,7 @@ class ForwarderPool:
             if address not in (entry.side1, entry.side2, entry.requester):
                 continue
             if entry.packets == 0:
-                self._release(key)
+                self._release(key, "client-left")
                 self.admission.closed("client-left")
                 ended += 1
         self.ended_unused += ended
@@ -241,11 +298,13 @@ class ForwarderPool:
                 entry.seen_packets = packets
                 entry.last = max(entry.last, now)
             elif now - entry.last > entry.timeout:
-                self._release(key)
+                self._release(key, "idle")
                 self.admission.closed("idle")
 
-    def _release(self, key: tuple[Address, Address]) -> None:
+    def _release(self, key: tuple[Address, Address], reason: str) -> None:
         entry = self.entries.pop(key)
+        if self.on_release is not None:
+            self.on_release(entry.usage(self._loop.time(), reason))
         self.released_packets += entry.packets
         self.released_oversized += entry.tap.malformed
         self._readers.remove(entry.tap)
@@ -256,6 +315,6 @@ class ForwarderPool:
     async def close(self) -> None:
         self._closed = True
         for key in list(self.entries):
-            self._release(key)
+            self._release(key, "closed")
         self._readers.close()
         await self._sweeper.stop()

@@ -44,12 +44,14 @@ take the data plane exactly as before.
 
 from __future__ import annotations
 
+import asyncio
+import random
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE
+from crossroads.proto.relay.messages import RELAY_ROUTE_SIZE, MessageType, header
 from crossroads.proto.relay.server import (
     AllocationBound,
     AllocationEnded,
@@ -59,11 +61,32 @@ from crossroads.proto.relay.server import (
 )
 from crossroads.transport.dataplane import RouteLike, make_route
 from crossroads.transport.driver import TapDriver
-from crossroads.types import Address
+from crossroads.types import Address, frozen
 
 #: First port of the client addresses given to stream connections: one above
 #: the largest UDP port (see the module doc).
 STREAM_PORT_BASE = 0x10000
+#: Frames held back by QA impairments at once, all sessions together: at most
+#: ~6 MB of 1500-byte frames (an operator's test tool, not a data path);
+#: beyond, a frame is dropped and counted.
+MAX_IMPAIRED_PENDING = 4096
+_RELAY = header(MessageType.RELAY)
+
+
+@frozen
+class Impairment:
+    """QA impairment of one allocation's relayed frames, both ways (admin
+    only, off unless set): each frame is lost with probability ``loss``, else
+    sent ``delay`` seconds later, plus or minus up to ``jitter`` (uniform;
+    frames may then arrive out of order, as on a real jittery path)."""
+
+    delay: float = 0.0
+    jitter: float = 0.0
+    loss: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.delay or self.jitter or self.loss)
 
 
 class SecureSide(Protocol):
@@ -139,6 +162,20 @@ class RelayEndpoint(TapDriver[RelayServer]):
         self._next_stream = 0
         #: Frames for a stream connection that had gone (counted, dropped).
         self.stream_gone = 0
+        #: QA impairments by allocation ID, and the client addresses they
+        #: held when set (their links are off the data plane).
+        self.impaired: dict[bytes, Impairment] = {}
+        self._impaired_at: dict[bytes, Address] = {}
+        self._impaired_pending = 0
+        #: Frames an impairment dropped: as asked ("lost"), or because
+        #: :data:`MAX_IMPAIRED_PENDING` were held back already ("overflow").
+        self.impaired_lost = 0
+        #: Frames an impairment lost, by (from, to) allocation ID: the link's
+        #: insight record reports them as drops (popped when it ends).
+        self.impaired_lost_by: dict[tuple[bytes, bytes], int] = {}
+        self.impaired_overflow = 0
+        self.impaired_delayed = 0
+        self._random = random.Random()
 
     @property
     def send_failures(self) -> int:
@@ -155,9 +192,14 @@ class RelayEndpoint(TapDriver[RelayServer]):
         or an :class:`OffPlaneForward` when either end is not a UDP client of
         this socket."""
         secure = self._secure
-        if dest[1] >= STREAM_PORT_BASE or (
-            secure is not None
-            and (dest in secure.sessions or source in secure.sessions)
+        impaired = self._impaired_at.values()
+        if (
+            dest[1] >= STREAM_PORT_BASE
+            or (
+                secure is not None
+                and (dest in secure.sessions or source in secure.sessions)
+            )
+            or (impaired and (dest in impaired or source in impaired))
         ):
             return OffPlaneForward(self, dest, source)
         control = None if self._replies is None else self._replies.control_for(dest)
@@ -269,7 +311,63 @@ class RelayEndpoint(TapDriver[RelayServer]):
         if not stream.allocations:
             stream.on_binding(False)
 
+    # ------------------------------------------------------- QA impairment
+
+    def impair(self, allocation_id: bytes, impairment: Impairment | None) -> bool:
+        """Impair one allocation's relayed frames both ways (None or an
+        inactive one: stop); its links leave the data plane while impaired
+        (their frames go through the core, counted as before). False when no
+        such allocation."""
+        allocation = self.core.allocations.get(allocation_id)
+        if allocation is None:
+            return False
+        if impairment is None or not impairment.active:
+            self.impaired.pop(allocation_id, None)
+            self._impaired_at.pop(allocation_id, None)
+        else:
+            self.impaired[allocation_id] = impairment
+            self._impaired_at[allocation_id] = allocation.address
+        self.core.reroute(allocation_id)
+        return True
+
+    def _impairment_of(self, data: bytes) -> Impairment | None:
+        if len(data) < RELAY_ROUTE_SIZE or data[:4] != _RELAY:
+            return None
+        impaired = self.impaired
+        return impaired.get(bytes(data[4:20])) or impaired.get(bytes(data[20:36]))
+
+    def pop_lost(self, from_id: bytes, to_id: bytes) -> int:
+        """Frames from ``from_id`` to ``to_id`` an impairment lost (forgotten
+        once read: the link's record takes them)."""
+        return self.impaired_lost_by.pop((from_id, to_id), 0)
+
+    def _send_later(self, data: bytes, addr: Address) -> None:
+        self._impaired_pending -= 1
+        self._deliver(data, addr)
+
     def _send(self, data: bytes, addr: Address) -> None:
+        if self.impaired:
+            impairment = self._impairment_of(data)
+            if impairment is not None:
+                if self._random.random() < impairment.loss:
+                    self.impaired_lost += 1
+                    key = (bytes(data[4:20]), bytes(data[20:36]))
+                    lost = self.impaired_lost_by
+                    lost[key] = lost.get(key, 0) + 1
+                    return
+                if self._impaired_pending >= MAX_IMPAIRED_PENDING:
+                    self.impaired_overflow += 1
+                    return
+                spread = self._random.uniform(-impairment.jitter, impairment.jitter)
+                self._impaired_pending += 1
+                self.impaired_delayed += 1
+                asyncio.get_running_loop().call_later(
+                    max(0.0, impairment.delay + spread), self._send_later, data, addr
+                )
+                return
+        self._deliver(data, addr)
+
+    def _deliver(self, data: bytes, addr: Address) -> None:
         if addr[1] >= STREAM_PORT_BASE:
             self.to_stream(data, addr)
             return
@@ -296,6 +394,11 @@ class RelayEndpoint(TapDriver[RelayServer]):
             self._send(data, addr)
         events = self.core.pop_events()
         if events:
+            if self.impaired:
+                for event in events:
+                    if isinstance(event, AllocationEnded):
+                        self.impaired.pop(event.allocation_id, None)
+                        self._impaired_at.pop(event.allocation_id, None)
             if self._streams:
                 self._follow_streams(events)
             self.on_events(events)

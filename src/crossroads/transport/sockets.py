@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import struct
 import weakref
+from typing import Any
 
 from crossroads.transport.reuseport import shared_udp_socket
 from crossroads.types import Address, normalize_address
@@ -146,3 +148,23 @@ def make_tcp_listener(
 
 def bound_address(sock: socket.socket) -> Address:
     return normalize_address(sock.getsockname())
+
+
+#: Linux ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_rtt``, the
+#: smoothed RTT in microseconds, follows 8 one-byte fields and 15 u32 fields.
+_TCP_INFO = getattr(socket, "TCP_INFO", 11)
+_TCPI_RTT_OFFSET = 8 + 15 * 4
+_TCP_INFO_LEN = 104
+
+
+def tcp_round_trip(sock: Any) -> float | None:
+    """The kernel's smoothed round-trip time of a TCP socket (seconds), or
+    None where TCP_INFO is not available (or no sample was taken yet)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < _TCPI_RTT_OFFSET + 4:
+        return None
+    (rtt_us,) = struct.unpack_from("I", info, _TCPI_RTT_OFFSET)
+    return rtt_us / 1e6 if rtt_us else None

@@ -41,7 +41,14 @@ import crossroads
 from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
-from crossroads.services.base import Service, SessionAdmin, show_address
+from crossroads.proto.insight import FAMILIES as INSIGHT_FAMILIES
+from crossroads.services.base import (
+    Impairable,
+    Service,
+    SessionAdmin,
+    show_address,
+)
+from crossroads.transport.relay import Impairment
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import Certificates
 from crossroads.types import frozen
@@ -60,6 +67,10 @@ ERROR_MESSAGE_CHARS = 500
 #: The public status is shared by every viewer for this long: one computation
 #: per second bounds what polling browsers (or a flood of them) cost.
 STATUS_CACHE_SECONDS = 1.0
+#: Longest QA delay or jitter the admin API sets (seconds): a game's own
+#: timeouts are a few seconds (Unity's relay re-binds after 3 missed 3 s
+#: pings), so more would only disconnect it.
+MAX_IMPAIR_SECONDS = 10.0
 #: Largest NAT-lab matrix file shown (bytes); bigger ones are not read.
 MATRIX_MAX_BYTES = 256 * 1024
 
@@ -527,9 +538,13 @@ class Console:
 
     # ------------------------------------------------------------ pages
 
-    def page(self, title: str, body: str, *, admin: bool) -> HTMLResponse:
-        nav_public = 'aria-current="page"' if not admin else ""
-        nav_admin = 'aria-current="page"' if admin else ""
+    def page(
+        self, title: str, body: str, *, admin: bool, kind: str = ""
+    ) -> HTMLResponse:
+        kind = kind or ("admin" if admin else "public")
+        nav_public = 'aria-current="page"' if kind == "public" else ""
+        nav_admin = 'aria-current="page"' if kind == "admin" else ""
+        nav_insight = 'aria-current="page"' if kind == "insight" else ""
         document = f"""<!doctype html>
 <html lang="en">
 <head>
@@ -540,7 +555,7 @@ class Console:
 <link rel="icon" href="/console/static/favicon.svg" type="image/svg+xml">
 <script src="/console/static/console.js" defer></script>
 </head>
-<body data-page="{"admin" if admin else "public"}" data-poll="{POLL_SECONDS}">
+<body data-page="{kind}" data-poll="{POLL_SECONDS}">
 <a class="skip" href="#main">Skip to content</a>
 <header>
 <p class="brand">crossroads <span class="version">{html.escape(crossroads.__version__)}</span></p>
@@ -549,6 +564,7 @@ class Console:
 <li><a href="/" {nav_public}>Overview</a></li>
 <li><a href="/admin" {nav_admin}>Admin</a></li>
 <li><a href="/metrics">Metrics</a></li>
+<li><a href="/insight" {nav_insight}>Insight</a></li>
 </ul>
 </nav>
 </header>
@@ -661,6 +677,46 @@ class Console:
 """
         return self.page("Admin", body, admin=True)
 
+    def insight_page(self) -> HTMLResponse:
+        """Connection insight: recent attempts with their path drawn, why
+        relayed, why failed, top codes by bytes. The page is a shell; its data
+        comes from ``/v1/insight/*`` with the admin token (records name games
+        and networks)."""
+        families = "".join(
+            f'<option value="{f}">{f}</option>' for f in INSIGHT_FAMILIES
+        )
+        body = f"""
+<form id="token-form" class="token">
+<label for="token">Admin token</label>
+<input id="token" name="token" type="password" autocomplete="current-password" required>
+<button type="submit">Show records</button>
+<p id="admin-status" role="status" aria-live="polite"></p>
+</form>
+<div id="insight" hidden>
+<p class="muted">From the recent records of the cluster (the store's stream),
+newest first; sides are pseudonymous unless the operator keeps raw addresses.</p>
+<section aria-labelledby="why-relayed-h">
+<h2 id="why-relayed-h">Why relayed</h2>
+<div id="why-relayed"></div>
+</section>
+<section aria-labelledby="why-failed-h">
+<h2 id="why-failed-h">Why failed</h2>
+<div id="why-failed"></div>
+</section>
+<section aria-labelledby="top-codes-h">
+<h2 id="top-codes-h">Top codes by bytes relayed</h2>
+<div id="top-codes"></div>
+</section>
+<section aria-labelledby="attempts-h">
+<h2 id="attempts-h">Recent attempts</h2>
+<p><label for="family">Family</label>
+<select id="family" name="family"><option value="">all</option>{families}</select></p>
+<div id="attempts"></div>
+</section>
+</div>
+"""
+        return self.page("Connection insight", body, admin=True, kind="insight")
+
     # ------------------------------------------------------------ routes
 
     def router(self) -> APIRouter:
@@ -684,6 +740,10 @@ class Console:
         @router.get("/admin", include_in_schema=False)
         async def admin() -> HTMLResponse:
             return self.admin_page()
+
+        @router.get("/insight", include_in_schema=False)
+        async def insight() -> HTMLResponse:
+            return self.insight_page()
 
         @router.get("/console/static/{name}", include_in_schema=False)
         async def asset(name: str) -> Response:
@@ -741,6 +801,49 @@ class Console:
                 )
             return JSONResponse(self.drain())
 
+        @router.post("/console/api/admin/impair")
+        async def impair(request: Request) -> JSONResponse:
+            """QA impairment of one relayed session (delay, jitter, loss), so a
+            developer can try their game on a bad network with unmodified
+            clients; all zero stops it. Off unless set."""
+            if (refused := self.refusal(request)) is not None:
+                return refused
+            try:
+                body = await request.json()
+                kind, session_id = str(body["kind"]), str(body["id"])
+                delay = float(body.get("delay_ms", 0)) / 1000
+                jitter = float(body.get("jitter_ms", 0)) / 1000
+                loss = float(body.get("loss", 0))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return _invalid("need {kind, id, delay_ms, jitter_ms, loss}")
+            if not (
+                0 <= delay <= MAX_IMPAIR_SECONDS
+                and 0 <= jitter <= MAX_IMPAIR_SECONDS
+                and 0 <= loss <= 1
+            ):
+                return _invalid(
+                    f"delay_ms and jitter_ms: 0-{MAX_IMPAIR_SECONDS * 1000:.0f}; "
+                    "loss: 0-1"
+                )
+            service = self.services().get(kind)
+            impairment = Impairment(delay, jitter, loss)
+            if not isinstance(service, Impairable) or not service.impair(
+                session_id, impairment if impairment.active else None
+            ):
+                return JSONResponse(
+                    {"code": "not_found", "message": "no such impairable session"},
+                    status_code=404,
+                )
+            return JSONResponse(
+                {
+                    "impaired": session_id,
+                    "kind": kind,
+                    "delay_ms": delay * 1000,
+                    "jitter_ms": jitter * 1000,
+                    "loss": loss,
+                }
+            )
+
         @router.post("/console/api/admin/revoke")
         async def revoke(request: Request) -> JSONResponse:
             if (refused := self.refusal(request)) is not None:
@@ -770,6 +873,10 @@ DRAINING_BANNER = (
     "this instance takes no new sessions; live ones continue until they end "
     "or the drain timeout passes, then it exits.</p>"
 )
+
+
+def _invalid(message: str) -> JSONResponse:
+    return JSONResponse({"code": "invalid_request", "message": message}, 400)
 
 
 def _forbidden() -> JSONResponse:

@@ -3,7 +3,9 @@
 - ``GET /v1/insight/attempts?family=&code=&outcome=&since=&limit=``: recent
   records, newest first (``since``: Unix seconds);
 - ``GET /v1/insight/usage?days=``: totals per game per UTC day, and per code;
-- ``GET /v1/insight/export?since=``: the records as JSON lines, for billing.
+- ``GET /v1/insight/export?since=``: the records as JSON lines, for billing;
+- ``GET /v1/insight/summary``: attempts by family and outcome, why relayed,
+  why failed, top codes by bytes (what the console's insight page draws).
 
 Every route needs ``Authorization: Bearer <admin token>`` (the console's
 check, with its guessing budget): records name games and networks.
@@ -74,6 +76,12 @@ def insight_router(
         except ValueError:
             return _bad("days is a number")
         return JSONResponse(await recorder.usage(days))
+
+    @router.get("/v1/insight/summary")
+    async def summary(request: Request) -> JSONResponse:
+        if (refused := refusal(request)) is not None:
+            return refused
+        return JSONResponse(await recorder.summary())
 
     @router.get("/v1/insight/export")
     async def export(request: Request) -> Response:

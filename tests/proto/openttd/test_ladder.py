@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from crossroads.proto.openttd.coordinator import (
     GcConnectFailed,
     GcConnecting,
@@ -15,6 +17,7 @@ from crossroads.proto.openttd.ladder import (
     ConnectAttempt,
     Finished,
     IssueTicket,
+    LadderStep,
     SendToClient,
     SendToServer,
     Side,
@@ -104,6 +107,30 @@ def test_full_ladder_direct_stun_turn() -> None:
     ]
     assert a.connect_failed(Side.CLIENT, 2, 2.1) == []
     assert a.connected(3.0) == [Finished(True, "turn", "connected")]
+    # Every rung tried, with when and how it went (the insight record's steps).
+    expected = (
+        LadderStep("direct-ipv4", 0.0, 1.0, "failed"),
+        LadderStep("stun-request", 1.0, 0.1, "ok"),  # the server's result at 1.1
+        LadderStep("stun-ipv4", 1.1, 0.9, "failed"),
+        LadderStep("turn", 2.0, 1.0, "ok"),
+    )
+    assert [(s.name, s.outcome) for s in a.history] == [
+        (s.name, s.outcome) for s in expected
+    ]
+    assert [(s.start, s.duration) for s in a.history] == [
+        (pytest.approx(s.start), pytest.approx(s.duration)) for s in expected
+    ]
+
+
+def test_history_names_the_reason_a_join_ended_on() -> None:
+    a, _ = attempt(turn=None)
+    a.connect_failed(Side.CLIENT, 1, 0.5)
+    a.handle_timer(0.5 + 5.0)  # STUN's wait passes with nothing reported
+    fire(a, CONNECT_TIMEOUT)
+    assert [(s.name, s.outcome) for s in a.history] == [
+        ("direct-ipv4", "failed"),
+        ("stun-request", "no-pair"),
+    ]
 
 
 def test_stun_connect_to_the_nearer_side_is_held_so_both_syns_cross() -> None:

@@ -7,6 +7,9 @@ import itertools
 import json
 from typing import Any
 
+import pytest
+
+from crossroads.insight import InsightRecorder
 from crossroads.proto.punch import signalling as sig
 from crossroads.proto.punch.coordinator import (
     FRAME_BURST,
@@ -18,8 +21,10 @@ from crossroads.proto.punch.coordinator import (
     Coordinator,
     CoordinatorConfig,
     FrameRejected,
+    LadderConcluded,
 )
 from crossroads.proto.punch.rendezvous import Observed, Probe
+from crossroads.services.p2p import ladder_record
 
 UDP = (
     sig.Endpoint("192.0.2.1", 3480),
@@ -582,3 +587,54 @@ def test_directory_local_codes_join_without_a_lookup() -> None:
     h.send(b, sig.Join(claim.code))  # type: ignore[attr-defined]
     assert h.take(b, "join_start")
     assert directory_events(h) == []
+
+
+def concluded(h: Harness) -> list[LadderConcluded]:
+    return [e for e in h.core.pop_events() if isinstance(e, LadderConcluded)]
+
+
+def test_a_concluded_attempt_carries_both_results_and_what_the_server_saw() -> None:
+    h = Harness()
+    a, pa, b, pb, _ = session_of_two(h, rtt=0.2)
+    start_a, _ = punch(h, a, pa, b, pb)
+    h.now += 1.0
+    h.send(a, sig.PunchResult(start_a["attempt"], True, "relay", 900))
+    assert concluded(h) == []  # one side has not reported yet
+    h.send(b, sig.PunchResult(start_a["attempt"], True, "relay", 950))
+    [event] = concluded(h)
+    assert event.reason == ""
+    assert (event.initiator.host, event.initiator.mapping) == (
+        "198.51.100.7",
+        "independent",
+    )
+    assert event.initiator.result == (True, "relay", 900)
+    assert event.responder.result == (True, "relay", 950)
+    assert event.initiator.rtt == pytest.approx(0.2)
+    # The insight record: the relay won, and why it took the relay.
+    record = ladder_record(InsightRecorder(), event)
+    assert (record.family, record.winner, record.outcome) == ("p2p", "relay", "relayed")
+    assert record.cause == "punch failed (mappings independent/independent)"
+    assert [(s.name, s.outcome) for s in record.steps] == [
+        ("prepare", "ok"),
+        ("initiator:relay", "ok"),
+        ("responder:relay", "ok"),
+    ]
+    assert [s.nat for s in record.sides] == ["independent", "independent"]
+
+
+def test_a_side_leaving_concludes_the_attempt_as_connection_lost() -> None:
+    h = Harness()
+    a, pa, b, pb, _ = session_of_two(h)
+    start_a, _ = punch(h, a, pa, b, pb)
+    h.send(a, sig.PunchResult(start_a["attempt"], True, "punch", 300))
+    h.core.connection_lost(b, h.now)
+    h.pump()
+    [event] = concluded(h)
+    assert event.reason == "connection_lost"
+    record = ladder_record(InsightRecorder(), event)
+    assert (record.outcome, record.winner) == ("failed", "")
+    assert record.cause.startswith("connection_lost")
+    assert [(s.name, s.outcome) for s in record.steps][1:] == [
+        ("initiator:punch", "ok"),
+        ("responder", "unreported"),
+    ]

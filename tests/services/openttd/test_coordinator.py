@@ -288,6 +288,16 @@ async def test_direct_join(ottd: Runtime, game_server: GameInfoResponder) -> Non
             method="direct-ipv4",
             result="ok",
         )
+        # The join's insight record: one rung, direct, the winner.
+        [record] = [a for a in ottd.insight.ring if a.family == "openttd"]
+        assert (record.session, record.game) == (server.code, server.code)
+        assert (record.winner, record.outcome, record.cause) == (
+            "direct-ipv4",
+            "direct",
+            "",
+        )
+        assert [(s.name, s.outcome) for s in record.steps] == [("direct-ipv4", "ok")]
+        assert [s.prefix for s in record.sides] == ["127.0.0.0/24"] * 2
     finally:
         await server.close()
         await client.close()
@@ -347,6 +357,15 @@ async def test_join_through_stun_then_turn(ottd: Runtime) -> None:
         await until_metric(
             ottd, "crossroads_openttd_connects_total", 1, method="turn", result="ok"
         )
+        # The record: STUN paired IPv4, its simultaneous open failed, TURN won.
+        [record] = [a for a in ottd.insight.ring if a.family == "openttd"]
+        assert (record.winner, record.outcome) == ("turn", "relayed")
+        assert record.cause == "stun-ipv4 failed"
+        assert [(s.name, s.outcome) for s in record.steps] == [
+            ("stun-request", "ok"),
+            ("stun-ipv4", "failed"),
+            ("turn", "ok"),
+        ]
         for stream in streams + [relay_client, relay_server]:
             await stream.close()
     finally:

@@ -123,6 +123,20 @@ class Finished:
 Command = SendToClient | SendToServer | IssueTicket | Finished
 
 
+@frozen
+class LadderStep:
+    """One rung tried, for the attempt's insight record: ``start`` and
+    ``duration`` in seconds from the attempt's start; ``outcome`` "ok",
+    "failed" (the client or server reported SERCLI_CONNECT_FAILED), "no-pair"
+    (STUN found no family both sides reached) or the reason the attempt ended
+    on it ("timeout", "client gave up", ...)."""
+
+    name: str
+    start: float
+    duration: float
+    outcome: str
+
+
 class Side(Enum):
     CLIENT = auto()
     SERVER = auto()
@@ -221,8 +235,17 @@ class ConnectAttempt(EventQueue[Command]):
         if lowest >= VERSION_TURN and turn_address:
             steps.append(("turn", "", 0))
         self._steps = steps
+        #: Rungs tried so far (bounded: one per direct address, STUN's
+        #: request and pairs, TURN), the last one open while it runs.
+        self._history: list[LadderStep] = []
+        self._current: tuple[str, float] | None = None
 
     # ----------------------------------------------------------------- queries
+
+    @property
+    def history(self) -> tuple[LadderStep, ...]:
+        """The rungs tried, in order (the record's steps)."""
+        return tuple(self._history)
 
     @property
     def done(self) -> bool:
@@ -259,7 +282,7 @@ class ConnectAttempt(EventQueue[Command]):
             return []
         if tracking_number == 0:
             who = "client" if side is Side.CLIENT else "server"
-            return self._finish(False, f"{who} gave up")
+            return self._finish(False, f"{who} gave up", now)
         if tracking_number != self._tracking or not self._open:
             return []  # stale: a method we already moved past
         self._open = False
@@ -269,7 +292,7 @@ class ConnectAttempt(EventQueue[Command]):
         """CLIENT_CONNECTED: the client holds a game connection to the server."""
         if self._stage is _Stage.DONE:
             return []
-        return self._finish(True, "connected")
+        return self._finish(True, "connected", now)
 
     def round_trip(self, side: Side, rtt: float | None) -> None:
         """The current round-trip time of ``side``'s coordinator connection
@@ -310,9 +333,9 @@ class ConnectAttempt(EventQueue[Command]):
             return []
         if side is Side.CLIENT:
             self._client_gone = True
-            return self._finish(False, "client left")
+            return self._finish(False, "client left", now)
         self._server_gone = True
-        return self._finish(False, "server left")
+        return self._finish(False, "server left", now)
 
     def handle_timer(self, now: float) -> None:
         """Give up at the deadline, or pair what STUN found at the end of its
@@ -320,7 +343,7 @@ class ConnectAttempt(EventQueue[Command]):
         if self._stage is _Stage.DONE:
             return
         if now >= self._deadline:
-            self._events += self._finish(False, "timeout")
+            self._events += self._finish(False, "timeout", now)
         elif (
             self._stage is _Stage.STUN_COLLECT
             and self._stun_deadline is not None
@@ -330,13 +353,27 @@ class ConnectAttempt(EventQueue[Command]):
 
     # --------------------------------------------------------------- internals
 
+    def _begin(self, name: str, now: float) -> None:
+        self._current = (name, now)
+
+    def _end(self, outcome: str, now: float) -> None:
+        if self._current is not None:
+            name, began = self._current
+            self._history.append(
+                LadderStep(name, began - self.started, now - began, outcome)
+            )
+            self._current = None
+
     def _advance(self, now: float) -> list[Command]:
+        self._end("failed", now)
         if self._pairs:
+            self._begin(f"stun-ipv{self._pairs[0][0]}", now)
             return self._stun_connect(self._pairs.pop(0))
         if not self._steps:
-            return self._finish(False, "no method left")
+            return self._finish(False, "no method left", now)
         method, host, port = self._steps.pop(0)
         if method == "stun":
+            self._begin("stun-request", now)
             self._stage = _Stage.STUN_COLLECT
             self._stun_deadline = now + self.stun_wait
             self._stun_requested_at = now
@@ -345,6 +382,7 @@ class ConnectAttempt(EventQueue[Command]):
                 SendToClient(GcStunRequest(self.client_token)),
                 SendToServer(GcStunRequest(self.server_token)),
             ]
+        self._begin(method, now)
         self._tracking += 1
         self._open = True
         self._method = method
@@ -388,6 +426,7 @@ class ConnectAttempt(EventQueue[Command]):
             if client is not None and server is not None:
                 self._pairs.append((version, client, server))
         self._stage = _Stage.METHOD
+        self._end("ok" if self._pairs else "no-pair", now)
         return self._advance(now)
 
     def _stun_connect(
@@ -449,7 +488,8 @@ class ConnectAttempt(EventQueue[Command]):
             MAX_STUN_LEAD,
         )
 
-    def _finish(self, success: bool, reason: str) -> list[Command]:
+    def _finish(self, success: bool, reason: str, now: float) -> list[Command]:
+        self._end("ok" if success else reason, now)
         self._stage = _Stage.DONE
         self._open = False
         commands: list[Command] = []

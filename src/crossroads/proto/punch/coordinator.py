@@ -156,6 +156,39 @@ class PunchFinished:
 
 
 @frozen
+class LadderSide:
+    """One side of a concluded attempt, as the server saw it."""
+
+    #: Its public IP as the rendezvous port saw it ("" if never probed).
+    host: str
+    #: The mapping behaviour classified from its three probes ("unknown").
+    mapping: str
+    #: Its signalling round trip in seconds, if measured.
+    rtt: float | None
+    #: Its punch_result: (ok, step, ms), or None if it never reported.
+    result: tuple[bool, str, int] | None
+
+
+@frozen
+class LadderConcluded:
+    """One punch attempt is over (both reported, the server gave up on it,
+    or a side left): what the insight record is written from. The server
+    sees each side's outcome and winning step (``punch_result``), not the
+    rungs below it."""
+
+    attempt: int
+    #: When it was queued, started (t_go; None: never) and ended.
+    created: float
+    started: float | None
+    ended: float
+    initiator: LadderSide
+    responder: LadderSide
+    #: Why the server ended it without both results ("target_unresponsive",
+    #: "connection_lost", "ladder_timeout"), "" when both reported.
+    reason: str
+
+
+@frozen
 class CodeClaim:
     """Directory mode: claim ``code`` for ``session`` in the store shared by the
     instances; answer with :meth:`Coordinator.code_claimed`."""
@@ -181,7 +214,13 @@ class CodeLookup:
 
 
 Event = (
-    FrameRejected | ProbeDropped | PunchFinished | CodeClaim | CodeReleased | CodeLookup
+    FrameRejected
+    | ProbeDropped
+    | PunchFinished
+    | LadderConcluded
+    | CodeClaim
+    | CodeReleased
+    | CodeLookup
 )
 
 
@@ -262,6 +301,10 @@ class _Attempt:
     ready: dict[str, sig.Candidates] = field(default_factory=dict)
     reported: set[str] = field(default_factory=set)
     t_go: float = 0.0
+    #: Each side's punch_result (ok, step, ms) and what the server knew of
+    #: it at the start (public IP, mapping), for :class:`LadderConcluded`.
+    results: dict[str, tuple[bool, str, int]] = field(default_factory=dict)
+    seen: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -595,7 +638,7 @@ class Coordinator(EventQueue[Event]):
             if attempt.phase == "preparing" and now >= attempt.deadline:
                 self._fail_attempt(attempt, "target_unresponsive", now)
             elif attempt.phase == "started" and now >= attempt.deadline:
-                self._end_attempt(attempt)
+                self._end_attempt(attempt, now, "ladder_timeout")
         for session in list(self._sessions.values()):
             for join in list(session.joins.values()):
                 if now >= join.deadline:
@@ -739,7 +782,7 @@ class Coordinator(EventQueue[Event]):
                         other_peer,
                         sig.PunchFailed(attempt.id, peer_id, "connection_lost"),
                     )
-                self._drop_attempt(attempt)
+                self._drop_attempt(attempt, now, "connection_lost")
         for session_id in list(peer.sessions | peer.joining):
             self._leave(peer, session_id, now, removing=True)
         self._schedule(now)
@@ -1087,6 +1130,9 @@ class Coordinator(EventQueue[Event]):
         attempt.deadline = attempt.t_go + LADDER_TIMEOUT
         info_a = self._peer_info(a, attempt)
         info_b = self._peer_info(b, attempt)
+        for peer, info in ((a, info_a), (b, info_b)):
+            host = info.public.host if info.public is not None else ""
+            attempt.seen[peer.id] = (host, info.mapping)
         for me, other, mine, theirs, role in (
             (a, b, info_a, info_b, "initiator"),
             (b, a, info_b, info_a, "responder"),
@@ -1099,6 +1145,27 @@ class Coordinator(EventQueue[Event]):
                     attempt.id, other.id, other.key, role, delay_ms, mine, theirs
                 ),
             )
+
+    def _concluded(self, attempt: _Attempt, now: float, reason: str) -> LadderConcluded:
+        def side(peer_id: str) -> LadderSide:
+            peer = self._peers.get(peer_id)
+            host, mapping = attempt.seen.get(peer_id, ("", "unknown"))
+            return LadderSide(
+                host,
+                mapping,
+                None if peer is None else peer.rtt,
+                attempt.results.get(peer_id),
+            )
+
+        return LadderConcluded(
+            attempt=attempt.id,
+            created=attempt.created,
+            started=attempt.t_go if attempt.phase == "started" else None,
+            ended=now,
+            initiator=side(attempt.a),
+            responder=side(attempt.b),
+            reason="" if len(attempt.results) == 2 else reason or "unreported",
+        )
 
     def _peer_info(self, peer: _Peer, attempt: _Attempt) -> sig.PeerInfo:
         seen = peer.observed.get(attempt.id) or peer.observed.get(0) or {}
@@ -1131,6 +1198,7 @@ class Coordinator(EventQueue[Event]):
         if peer.id in attempt.reported:
             return
         attempt.reported.add(peer.id)
+        attempt.results[peer.id] = (result.ok, result.step, result.ms)
         self._events.append(
             PunchFinished(
                 result.ok,
@@ -1142,7 +1210,7 @@ class Coordinator(EventQueue[Event]):
         if peer.attempt == attempt.id:
             peer.attempt = None
         if len(attempt.reported) == 2:
-            self._end_attempt(attempt)
+            self._end_attempt(attempt, now)
         self._schedule(now)
 
     def _fail_attempt(self, attempt: _Attempt, reason: str, now: float) -> None:
@@ -1151,14 +1219,15 @@ class Coordinator(EventQueue[Event]):
             if peer is not None:
                 self._send(peer, sig.PunchFailed(attempt.id, other, reason))
         self._events.append(PunchFinished(False, "", 0.0, "server"))
-        self._drop_attempt(attempt)
+        self._drop_attempt(attempt, now, reason)
         self._schedule(now)
 
-    def _end_attempt(self, attempt: _Attempt) -> None:
-        self._drop_attempt(attempt)
+    def _end_attempt(self, attempt: _Attempt, now: float, reason: str = "") -> None:
+        self._drop_attempt(attempt, now, reason)
 
-    def _drop_attempt(self, attempt: _Attempt) -> None:
-        self._attempts.pop(attempt.id, None)
+    def _drop_attempt(self, attempt: _Attempt, now: float, reason: str) -> None:
+        if self._attempts.pop(attempt.id, None) is not None:
+            self._events.append(self._concluded(attempt, now, reason))
         for peer_id in (attempt.a, attempt.b):
             peer = self._peers.get(peer_id)
             if peer is None:

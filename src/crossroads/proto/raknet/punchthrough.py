@@ -37,7 +37,7 @@ and counted.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -65,6 +65,9 @@ MIN_LEAD_MS = 100
 #: a game opens one punch per peer, so 32 is generous.
 MAX_ATTEMPTS_PER_USER = 32
 MAX_ATTEMPTS = 100_000
+#: Concluded attempts kept for the service to read (drained after every
+#: input, so a few are enough; the oldest go first if it falls behind).
+MAX_CONCLUDED = 256
 
 
 class Phase(Enum):
@@ -79,6 +82,30 @@ class Attempt:
     recipient: int
     phase: Phase = Phase.NOT_STARTED
     start_ms: int = 0
+    #: When the request came (seconds, the caller's clock).
+    requested: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PunchConcluded:
+    """What the server saw of one attempt, for its insight record. The server
+    never learns whether the punch itself worked: after CONNECT_AT_TIME the
+    two clients punch each other and tell the server nothing
+    (NatPunchthroughClient reports success or failure to its own game only).
+    ``outcome``: "coordinated" (CONNECT_AT_TIME sent to both),
+    "unresponsive" (a side never sent its port), "target-lost" (a side
+    disconnected)."""
+
+    session_id: int
+    sender: Address
+    recipient: Address | None
+    requested: float
+    #: When both sides were free and asked for their ports (None: never).
+    started: float | None
+    ended: float
+    outcome: str
+    #: Each side's round trip to the server in ms (RakNet's pings), if known.
+    rtt_ms: tuple[int | None, int | None] = (None, None)
 
 
 @dataclass(eq=False, slots=True)
@@ -111,6 +138,44 @@ class NatPunchthroughServer:
         self._session = 0
         self._attempts = 0
         self._updates = SweepTimer(UPDATE_INTERVAL)
+        #: Attempts that ended, for the service's insight records.
+        self.concluded: deque[PunchConcluded] = deque(maxlen=MAX_CONCLUDED)
+
+    def pop_concluded(self) -> list[PunchConcluded]:
+        found = list(self.concluded)
+        self.concluded.clear()
+        return found
+
+    def _conclude(
+        self, attempt: Attempt, now: float, outcome: str, gone: User | None = None
+    ) -> None:
+        def side(guid: int) -> User | None:
+            if gone is not None and gone.guid == guid:
+                return gone
+            return self.users.get(guid)
+
+        sender, recipient = side(attempt.sender), side(attempt.recipient)
+        if sender is None:
+            return
+        self.concluded.append(
+            PunchConcluded(
+                session_id=attempt.session_id,
+                sender=sender.address,
+                recipient=None if recipient is None else recipient.address,
+                requested=attempt.requested,
+                started=(
+                    attempt.start_ms / 1000
+                    if attempt.phase is Phase.GETTING_RECENT_PORTS
+                    else None
+                ),
+                ended=now,
+                outcome=outcome,
+                rtt_ms=(
+                    self._ping(sender),
+                    None if recipient is None else self._ping(recipient),
+                ),
+            )
+        )
 
     # ------------------------------------------------------------- hooks
 
@@ -132,6 +197,7 @@ class NatPunchthroughServer:
             self._attempts -= 1
             if other is None:
                 continue
+            self._conclude(attempt, now, "target-lost", gone=user)
             self._send(
                 other.address,
                 _guid_session(
@@ -235,7 +301,7 @@ class NatPunchthroughServer:
         ):
             self.stats.dropped["attempts-full"] += 1
             return
-        attempt = Attempt(session, guid, target)
+        attempt = Attempt(session, guid, target, requested=now)
         sender.attempts.append(attempt)
         recipient.attempts.append(attempt)
         self._attempts += 1
@@ -304,6 +370,7 @@ class NatPunchthroughServer:
                 now,
             )
             self.stats.connect_at_time += 1
+            self._conclude(attempt, now, "coordinated")
             sender.attempts.remove(attempt)
             recipient.attempts.remove(attempt)
             self._attempts -= 1
@@ -317,6 +384,7 @@ class NatPunchthroughServer:
         recipient = self.users.get(attempt.recipient)
         self._attempts -= 1
         self.stats.unresponsive += 1
+        self._conclude(attempt, now, "unresponsive")
         self._give_up(user, attempt.recipient, attempt, now)
         if recipient is not None:
             self._give_up(recipient, user.guid, attempt, now)

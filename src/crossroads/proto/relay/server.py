@@ -795,6 +795,17 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
                     target.received[1] + route.octets,
                 )
 
+    def reroute(self, allocation_id: bytes) -> bool:
+        """Make the forwarding entries of every link of one allocation again
+        (through the transport's factory, which decides their kind: a link
+        under QA impairment leaves the data plane). Counters carry over as on
+        a rebind. False when no such allocation."""
+        alloc = self.allocations.get(allocation_id)
+        if alloc is None:
+            return False
+        self._move(alloc, alloc.address)
+        return True
+
     def _move(self, alloc: Allocation, addr: Address) -> None:
         peers = [self.allocations[p] for p in alloc.peers if p in self.allocations]
         for peer in peers:

@@ -453,6 +453,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
                 secret_key=secret_key,
                 turn_address=turn_address,
                 guesses=ctx.guess_budget(),
+                insight=ctx.insight,
             )
             coordinator.listing = listing
             service.coordinator = coordinator

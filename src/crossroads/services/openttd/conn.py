@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 from dataclasses import InitVar, dataclass, field
 from typing import Protocol, cast
 
@@ -39,14 +38,8 @@ from crossroads.errors import DecodeError, StoreError
 from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT
 from crossroads.proto.openttd.wire import TCP_MTU, PacketSplitter
 from crossroads.transport.admission import Admission, ResourceBudget
-from crossroads.transport.sockets import make_tcp_listener
+from crossroads.transport.sockets import make_tcp_listener, tcp_round_trip
 from crossroads.types import Address, frozen, normalize_address
-
-#: Linux ``struct tcp_info`` (include/uapi/linux/tcp.h): ``tcpi_rtt``, the smoothed
-#: RTT in microseconds, follows 8 one-byte fields and 15 u32 fields.
-_TCP_INFO = getattr(socket, "TCP_INFO", 11)
-_TCPI_RTT_OFFSET = 8 + 15 * 4
-_TCP_INFO_LEN = 104
 
 log = logging.getLogger("crossroads.openttd")
 
@@ -177,14 +170,7 @@ class PacketConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is None or self.closed:
             return None
-        try:
-            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
-        except (OSError, AttributeError):
-            return None
-        if len(info) < _TCPI_RTT_OFFSET + 4:
-            return None
-        (rtt_us,) = struct.unpack_from("I", info, _TCPI_RTT_OFFSET)
-        return rtt_us / 1e6 if rtt_us else None
+        return tcp_round_trip(sock)
 
     def send(self, data: bytes) -> None:
         transport = self.transport

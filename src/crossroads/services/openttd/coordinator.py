@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from crossroads.errors import StoreError
+from crossroads.insight import InsightRecorder
 from crossroads.proto.budget import BudgetConfig, FailureBudget
+from crossroads.proto.insight import MAX_STEPS, Attempt, Step
 from crossroads.proto.openttd.admission import (
     Refusal,
     refuse_join,
@@ -191,8 +193,11 @@ class Coordinator:
         random_bytes: Callable[[int], bytes] = os.urandom,
         wall_clock: Callable[[], float] = time.time,
         guesses: FailureBudget | None = None,
+        insight: InsightRecorder | None = None,
     ) -> None:
         self.settings = settings
+        #: Where each finished join's record goes (crossroads.insight).
+        self.insight = insight if insight is not None else InsightRecorder()
         #: Budget of CONNECTs naming an unknown invite code, per source and in
         #: total (proto/budget.py); the connection stayed open for the next
         #: guess, so nothing else bounded them.
@@ -596,6 +601,7 @@ class Coordinator:
             result.method,
             result.reason,
         )
+        self.insight.record(join_record(self.insight, runner, result))
 
     # --------------------------------------------------- reports and routing
 
@@ -720,3 +726,41 @@ class Coordinator:
 def _log_task_error(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("openttd: background task failed: %s", task.exception())
+
+
+def join_record(
+    insight: InsightRecorder, runner: AttemptRunner, result: Finished
+) -> Attempt:
+    """A finished join as an insight record: the rungs tried (direct per
+    address, STUN's request and pairs, TURN), the one that carried the game
+    (only the client reports success, CLIENT_CONNECTED), and why the others
+    did not. The TURN relay's bytes are not in it: the relay pairs the two
+    sockets later, by ticket, on its own listener (counted in
+    ``crossroads_openttd_turn_bytes_total``)."""
+    attempt = runner.attempt
+    history = attempt.history
+    steps = tuple(
+        Step(s.name, s.start, s.duration, s.outcome) for s in history[:MAX_STEPS]
+    )
+    duration = history[-1].start + history[-1].duration if history else 0.0
+    missed = "; ".join(f"{s.name} {s.outcome}" for s in history if s.outcome != "ok")
+    if result.success:
+        relayed = result.method == "turn"
+        outcome = "relayed" if relayed else "direct"
+        cause = (missed or "turn only") if relayed else ""
+    else:
+        outcome = "failed"
+        cause = missed or result.reason
+    record = runner.record
+    return Attempt(
+        family="openttd",
+        session=record.code,
+        started=insight.now() - duration,
+        duration=duration,
+        sides=(insight.side(runner.client.host), insight.side(record.source)),
+        steps=steps,
+        winner=result.method if result.success else "",
+        outcome=outcome,
+        cause=cause,
+        game=record.code,
+    )

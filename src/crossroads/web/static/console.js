@@ -1,5 +1,6 @@
 // crossroads console: polls the status API, redraws counters and inline-SVG
-// charts; on the admin page, lists sessions and revokes them with the token.
+// charts; on the admin page, lists sessions and revokes them with the token;
+// on the insight page, draws recent attempts' paths and why they were relayed.
 // Vanilla JavaScript, no dependency, no build step.
 "use strict";
 
@@ -196,7 +197,193 @@ function startAdmin() {
   }, 5000);
 }
 
+// ---------------------------------------------------------------- insight
+
+function muted(text) {
+  const p = document.createElement("p");
+  p.className = "muted";
+  p.textContent = text;
+  return p;
+}
+
+function table(captionText, titles) {
+  const t = document.createElement("table");
+  t.createCaption().textContent = captionText;
+  const head = t.createTHead().insertRow();
+  for (const title of titles) {
+    const th = document.createElement("th");
+    th.scope = "col";
+    th.textContent = title;
+    head.appendChild(th);
+  }
+  t.createTBody();
+  const wrap = document.createElement("div");
+  wrap.className = "scroll";
+  wrap.appendChild(t);
+  return [wrap, t.tBodies[0]];
+}
+
+function bar(fraction, label) {
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", "0 0 100 6");
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.setAttribute("class", "bar");
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", label);
+  const rect = document.createElementNS(SVG, "rect");
+  rect.setAttribute("width", String(Math.max(1, fraction * 100)));
+  rect.setAttribute("height", "6");
+  svg.appendChild(rect);
+  return svg;
+}
+
+function breakdown(holder, rows, what) {
+  holder.replaceChildren();
+  if (!rows.length) {
+    holder.appendChild(muted("None."));
+    return;
+  }
+  const total = rows.reduce((sum, r) => sum + r.count, 0);
+  const [wrap, body] = table(`${total} ${what} attempt(s) by cause`, ["Cause", "Attempts", "Share"]);
+  for (const r of rows) {
+    const row = body.insertRow();
+    cell(row, r.cause, true);
+    cell(row, String(r.count));
+    const share = r.count / total;
+    cell(row, "").appendChild(bar(share, `${Math.round(share * 100)} % of ${what} attempts`));
+  }
+  holder.appendChild(wrap);
+}
+
+function formatBytes(n) {
+  if (n >= 1e9) return `${(n / 1e9).toFixed(1)} GB`;
+  if (n >= 1e6) return `${(n / 1e6).toFixed(1)} MB`;
+  if (n >= 1e3) return `${(n / 1e3).toFixed(1)} kB`;
+  return `${n} B`;
+}
+
+function topCodes(holder, codes) {
+  holder.replaceChildren();
+  if (!codes.length) {
+    holder.appendChild(muted("Nothing relayed yet."));
+    return;
+  }
+  const most = Math.max(1, ...codes.map((c) => c.bytes_up + c.bytes_down));
+  const [wrap, body] = table("Codes by bytes relayed, both ways (today)",
+    ["Code", "Family", "Game", "Sessions", "Up", "Down", "Share"]);
+  for (const c of codes) {
+    const row = body.insertRow();
+    cell(row, c.code, true);
+    cell(row, c.family);
+    cell(row, c.game || "—");
+    cell(row, String(c.sessions));
+    cell(row, formatBytes(c.bytes_up));
+    cell(row, formatBytes(c.bytes_down));
+    const both = c.bytes_up + c.bytes_down;
+    cell(row, "").appendChild(bar(both / most, `${formatBytes(both)} in all`));
+  }
+  holder.appendChild(wrap);
+}
+
+// The path: one lane per step, placed by its start and length within the
+// attempt; the winner drawn solid, the others by outcome.
+function pathDrawing(attempt) {
+  const figure = document.createElement("figure");
+  figure.className = "path";
+  const steps = attempt.steps;
+  const span = Math.max(attempt.duration,
+    ...steps.map((s) => s.start + s.duration), 1e-6);
+  // The winner is the last step of the winner's name (a ladder may retry one).
+  let winning = -1;
+  steps.forEach((s, i) => { if (s.name === attempt.winner) winning = i; });
+  const svg = document.createElementNS(SVG, "svg");
+  svg.setAttribute("viewBox", `0 0 100 ${Math.max(1, steps.length) * 8}`);
+  svg.setAttribute("preserveAspectRatio", "none");
+  svg.setAttribute("aria-hidden", "true");
+  steps.forEach((s, i) => {
+    const rect = document.createElementNS(SVG, "rect");
+    rect.setAttribute("x", String((s.start / span) * 100));
+    rect.setAttribute("y", String(i * 8 + 1));
+    rect.setAttribute("width", String(Math.max(1.5, (s.duration / span) * 100)));
+    rect.setAttribute("height", "6");
+    const winner = i === winning;
+    rect.setAttribute("class", `step ${winner ? "winner" : s.outcome}`);
+    rect.dataset.step = s.name;
+    svg.appendChild(rect);
+  });
+  figure.appendChild(svg);
+  const caption = document.createElement("figcaption");
+  caption.textContent = steps.map((s, i) =>
+    `${s.name} at ${s.start.toFixed(2)} s for ${s.duration.toFixed(2)} s: ${s.outcome}` +
+    (i === winning ? " (winner)" : "")).join("; ") || "no step";
+  figure.appendChild(caption);
+  return figure;
+}
+
+function attemptsTable(holder, attempts) {
+  holder.replaceChildren();
+  if (!attempts.length) {
+    holder.appendChild(muted("No record yet."));
+    return;
+  }
+  const [wrap, body] = table(`${attempts.length} recent attempt(s)`,
+    ["Code", "Family", "Started", "Outcome", "Winner", "Cause", "Path", "Sides", "Relayed"]);
+  for (const a of attempts) {
+    const row = body.insertRow();
+    row.dataset.family = a.family;
+    row.dataset.outcome = a.outcome;
+    cell(row, a.session, true);
+    cell(row, a.family);
+    cell(row, new Date(a.started * 1000).toLocaleTimeString());
+    cell(row, a.outcome).className = `outcome ${a.outcome}`;
+    cell(row, a.winner || "—");
+    cell(row, a.cause || "—");
+    cell(row, "").appendChild(pathDrawing(a));
+    cell(row, a.sides.map((s) => [s.prefix || s.id, s.nat, s.rtt_ms === null ? "" :
+      `${Math.round(s.rtt_ms)} ms`].filter(Boolean).join(" ")).join(" ↔ ") || "—");
+    const u = a.usage;
+    cell(row, u ? `${formatBytes(u.bytes_up + u.bytes_down)}, ${u.packets_up + u.packets_down} packets` +
+      (u.rtt_ms === null ? "" : `, RTT ${Math.round(u.rtt_ms)} ms`) : "—");
+  }
+  holder.appendChild(wrap);
+}
+
+async function loadInsight() {
+  const family = document.getElementById("family").value;
+  const query = new URLSearchParams({ limit: "50" });
+  if (family) query.set("family", family);
+  const [records, summary] = await Promise.all([
+    adminFetch(`/v1/insight/attempts?${query}`),
+    adminFetch("/v1/insight/summary"),
+  ]);
+  breakdown(document.getElementById("why-relayed"), summary.why_relayed, "relayed");
+  breakdown(document.getElementById("why-failed"), summary.why_failed, "failed");
+  topCodes(document.getElementById("top-codes"), summary.top_codes);
+  attemptsTable(document.getElementById("attempts"), records.attempts);
+  document.getElementById("insight").hidden = false;
+}
+
+function startInsight() {
+  const form = document.getElementById("token-form");
+  const shown = () => !document.getElementById("insight").hidden;
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem("crossroads-admin-token", form.token.value);
+    loadInsight().then(() => say("Records loaded.")).catch((error) => {
+      document.getElementById("insight").hidden = true;
+      say(error.message);
+    });
+  });
+  document.getElementById("family").addEventListener("change",
+    () => loadInsight().catch((error) => say(error.message)));
+  if (token()) loadInsight().catch((error) => say(error.message));
+  setInterval(() => {
+    if (token() && shown()) loadInsight().catch((error) => say(error.message));
+  }, 5000);
+}
+
 document.addEventListener("DOMContentLoaded", () => {
   if (document.body.dataset.page === "admin") startAdmin();
+  else if (document.body.dataset.page === "insight") startInsight();
   else startPolling();
 });
