@@ -526,9 +526,9 @@ def stun_request(method: int) -> bytes:
 def dtls_client_hello() -> bytes:
     """A DTLS 1.2 ClientHello (the relay's PSK client's first flight; the
     cookie exchange is the same for every DTLS port)."""
-    from crossroads.proto.dtls.client import DtlsClient
+    from crossroads.proto.dtls.client import PskDtlsClient
 
-    client = DtlsClient(("192.0.2.1", 1), b"x", bytes(64), os.urandom)
+    client = PskDtlsClient(("192.0.2.1", 1), b"x", bytes(64), os.urandom)
     client.start(0.0)
     ((hello, _),) = client.datagrams_to_send(0.0)
     return bytes(hello)

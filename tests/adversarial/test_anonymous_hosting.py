@@ -19,8 +19,8 @@ import websockets
 
 from crossroads.client.turn import rest_credentials
 from crossroads.services.turn import TurnService
-from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
 from tests.adversarial.test_free_relay import _until
+from tests.adversarial.turn_quota_support import DirectClient, p2p_with_turn
 from tests.services.test_p2p import hello, ws_url
 from tests.services.test_turn import SECRET
 

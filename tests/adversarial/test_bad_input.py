@@ -26,7 +26,7 @@ from crossroads.runtime import Runtime
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.registry import channel
 from crossroads.store.memory import MemoryStore
-from tests.adversarial.h12_store_support import (
+from tests.adversarial.store_faults_support import (
     http_base,
     next_frame,
     runtime_in_thread,

@@ -26,7 +26,7 @@ from crossroads.proto.stun import Method, encode, request
 from crossroads.runtime import Runtime, start
 from crossroads.services.stun import StunService, TcpConnection
 from crossroads.transport.admission import ResourceBudget
-from tests.adversarial.h12_conn_support import (
+from tests.adversarial.connection_flood_support import (
     HALF_REQUEST,
     close_all,
     closed_by_server,

@@ -41,7 +41,7 @@ from crossroads.transport.admission import (
     PER_SOURCE_FRACTION,
     ResourceBudget,
 )
-from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
+from tests.adversarial.turn_quota_support import DirectClient, p2p_with_turn
 from tests.conftest import eventually, loopback_config
 from tests.proto.turn.conftest import EPOCH, Harness, udp
 from tests.services.test_p2p import hello, ws_url

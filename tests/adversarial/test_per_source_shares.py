@@ -23,7 +23,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.adversarial.h12_conn_support import (
+from tests.adversarial.connection_flood_support import (
     HALF_REQUEST,
     ServeProcess,
     close_all,

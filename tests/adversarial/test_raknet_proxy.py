@@ -34,7 +34,7 @@ from crossroads.proto.raknet.reliability import (
 )
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.types import Address
-from tests.adversarial.h12_conn_support import serve_with_fd_limit
+from tests.adversarial.connection_flood_support import serve_with_fd_limit
 from tests.conftest import eventually, free_port
 
 pytestmark = pytest.mark.timeout(120)

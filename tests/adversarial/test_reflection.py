@@ -23,7 +23,7 @@ from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.server import RelayServer, RelayServerConfig
 from crossroads.proto.relay.token import TokenSealer
 from crossroads.services.stun import StunService
-from tests.adversarial.h12_reflect_support import PROBES, reflect, start_for
+from tests.adversarial.reflection_support import PROBES, reflect, start_for
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,7 +26,7 @@ from crossroads.client.openttd import GameInfoResponder, GcClient
 from crossroads.proto.openttd.coordinator import ClientConnect, ErrorType, GcError
 from crossroads.proto.openttd.gameinfo import GameInfo
 from crossroads.runtime import Runtime
-from tests.adversarial.h12_store_support import (
+from tests.adversarial.store_faults_support import (
     private_redis,
     redis_command,
     redis_get,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from crossroads.transport.dtls import DtlsClient, client_context, dtls_connect
-from tests.adversarial.h12_conn_support import (
+from tests.adversarial.connection_flood_support import (
     ServeProcess,
     loopback_sources,
     serve_with_fd_limit,

@@ -23,10 +23,9 @@ from crossroads.proto.core import (
     StreamCore,
     TimedCore,
 )
-from crossroads.proto.dtls.client import DtlsClient
-from crossroads.proto.dtls.server import DtlsServer
-from crossroads.proto.natneg.server import Endpoint as NatNegSocket
-from crossroads.proto.natneg.server import NatNegServer
+from crossroads.proto.dtls.client import PskDtlsClient
+from crossroads.proto.dtls.server import PskDtlsServer
+from crossroads.proto.natneg.server import NatNegServer, NatNegSocket
 from crossroads.proto.openttd.duties import Duties
 from crossroads.proto.openttd.ladder import ConnectAttempt
 from crossroads.proto.openttd.lobby import TurnLobby
@@ -52,8 +51,8 @@ from crossroads.proto.turn.server import TurnServer
 #: ``side_datagrams()``, ``(data, destination, socket)`` like a
 #: :class:`MultiSocketCore`.
 DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
-    DtlsClient,
-    DtlsServer,
+    PskDtlsClient,
+    PskDtlsServer,
     RakNetNode,
     RakNetServer,
     RelayClient,
@@ -102,8 +101,8 @@ EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
     ConnectAttempt,
     Coordinator,
     Duties,
-    DtlsClient,
-    DtlsServer,
+    PskDtlsClient,
+    PskDtlsServer,
     NatNegServer,
     RakNetNode,
     RakNetServer,

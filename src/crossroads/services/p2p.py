@@ -314,7 +314,7 @@ class P2PService:
             max_connections=self.config.max_connections,
             max_connections_per_ip=self.config.max_connections_per_ip,
             relay_bytes_per_second=self.config.relay_bytes_per_second,
-            udp=tuple(sig.Endpoint(advertised, port) for _, port in self._udp),
+            udp=tuple(sig.TransportAddress(advertised, port) for _, port in self._udp),
         )
         self._directory_task = asyncio.create_task(self._apply_directory_ops())
         self._heartbeat_task = asyncio.create_task(self._refresh_codes())
@@ -594,7 +594,10 @@ def signalling_url(host: str, port: int) -> str:
 
 
 def turn_credentials(
-    secret: str, server: sig.Endpoint, ttl: int, clock: Callable[[], float] = time.time
+    secret: str,
+    server: sig.TransportAddress,
+    ttl: int,
+    clock: Callable[[], float] = time.time,
 ) -> Callable[[str], sig.TurnInfo]:
     """coturn's REST-API credentials (draft-uberti-behave-turn-rest-00):
     username ``<expiry>:<peer id>``, password ``base64(HMAC-SHA1(secret, username))``."""
@@ -640,7 +643,7 @@ async def serve(ctx: ServiceContext) -> Service:
     if secret and server:
         host, _, port = server.rpartition(":")
         try:
-            endpoint = sig.Endpoint(host.strip("[]"), int(port))
+            endpoint = sig.TransportAddress(host.strip("[]"), int(port))
         except ValueError:
             raise ConfigError(f"p2p.turn_server: {server!r} is not HOST:PORT") from None
         turn = ctx.config.sections.get("turn") if ctx.config.enabled("turn") else None

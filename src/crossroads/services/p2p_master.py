@@ -43,7 +43,7 @@ from crossroads.proto.masterserver.rows import (
     results_hint,
 )
 from crossroads.store.base import Store
-from crossroads.web.app import log_client_error
+from crossroads.transport.httpapi import log_client_error
 
 #: Bodies larger than this are refused with 413 before parsing (64 columns of
 #: 1 KiB values fit).

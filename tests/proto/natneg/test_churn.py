@@ -5,7 +5,7 @@ port, CONNECT_ACK, session ends) leave live-object counts where they started
 from __future__ import annotations
 
 from crossroads.proto.natneg.server import NatNegServer
-from tests.adversarial.h12_turn_support import grown, live_objects
+from tests.adversarial.turn_quota_support import grown, live_objects
 from tests.proto.natneg.test_server import Client, ack, negotiate, run_until, tight
 
 NEGOTIATIONS = 2_000

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from crossroads.proto.relay.messages import Close
 from crossroads.proto.relay.token import Role
-from tests.adversarial.h12_turn_support import grown, live_objects
+from tests.adversarial.turn_quota_support import grown, live_objects
 from tests.proto.relay.test_server import HOST_ADDR, J1_ADDR, Harness, connect, player
 
 SESSIONS = 2_000

@@ -41,7 +41,7 @@ from crossroads.proto.openttd.coordinator import (
 from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF
 from crossroads.runtime import Runtime, start
 from crossroads.services.openttd.registry import PREFIX, SERVERS_KEY
-from tests.adversarial.h12_turn_support import grown, live_objects
+from tests.adversarial.turn_quota_support import grown, live_objects
 from tests.conftest import eventually, loopback_config
 from tests.services.openttd.helpers import (
     Registered,

@@ -124,7 +124,7 @@ class CoordinatorConfig:
     max_connections: int = 10_000
     max_connections_per_ip: int = 64
     #: Rendezvous endpoints handed to clients in ``welcome`` (primary, alt, alt2).
-    udp: tuple[sig.Endpoint, ...] = ()
+    udp: tuple[sig.TransportAddress, ...] = ()
     #: Relay budget per connection, bytes per second (bursts of a quarter of it,
     #: at least 64 KiB).
     relay_bytes_per_second: int = RELAY_BYTES_RATE
@@ -1104,7 +1104,7 @@ class Coordinator(EventQueue[Event]):
         seen = peer.observed.get(attempt.id) or peer.observed.get(0) or {}
         ports = tuple(seen[i][1] for i in sorted(seen))
         mapping, stride = classify_mapping(ports) if len(seen) == 3 else ("unknown", 0)
-        public = sig.Endpoint(*seen[0]) if 0 in seen else None
+        public = sig.TransportAddress(*seen[0]) if 0 in seen else None
         candidates = attempt.ready[peer.id]
         if candidates.mapped is not None and (
             public is None or candidates.mapped.host != public.host
