@@ -23,6 +23,7 @@ from crossroads.proto.core import (
     StreamCore,
     TimedCore,
 )
+from crossroads.proto.dtls.certificate_client import DtlsClient
 from crossroads.proto.dtls.client import PskDtlsClient
 from crossroads.proto.dtls.server import PskDtlsServer
 from crossroads.proto.natneg.server import NatNegServer, NatNegSocket
@@ -51,6 +52,7 @@ from crossroads.proto.turn.server import TurnServer
 #: ``side_datagrams()``, ``(data, destination, socket)`` like a
 #: :class:`MultiSocketCore`.
 DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
+    DtlsClient,
     PskDtlsClient,
     PskDtlsServer,
     RakNetNode,
@@ -101,6 +103,7 @@ EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
     ConnectAttempt,
     Coordinator,
     Duties,
+    DtlsClient,
     PskDtlsClient,
     PskDtlsServer,
     NatNegServer,

@@ -1,4 +1,5 @@
-"""DTLS server sessions on one UDP socket: TURN over DTLS (RFC 8656 §3, RFC 7350).
+"""TURN over DTLS (RFC 8656 §3, RFC 7350): the server's sessions on one UDP
+socket, and the client's association on the one driver.
 
 What it is
 ----------
@@ -65,6 +66,12 @@ SIGHUP reload that loaded (and checked) the files calls back
 (``Certificates.on_reload``) and the listener builds a new OpenSSL context
 from them at once; new handshakes use it, live sessions keep theirs.
 
+The client side is the sans-I/O
+:class:`~crossroads.proto.dtls.certificate_client.DtlsClient` core (OpenSSL
+on memory BIOs as well), run on a connected UDP socket by
+:class:`DtlsConnection`, a :class:`~crossroads.transport.driver.DatagramDriver`;
+:func:`dtls_connect` opens one and waits for its handshake.
+
 Speed: DTLS records are encrypted and decrypted in Python-called OpenSSL, one
 call per datagram; TURN's C data plane handles plaintext UDP only, so DTLS
 clients' relayed data goes through Python (docs/benchmarks.md has figures).
@@ -74,7 +81,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import socket
@@ -82,13 +88,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any, Literal, cast
 
-from cryptography import x509
 from OpenSSL import SSL
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.errors import DecodeError
 from crossroads.proto.admission import REFUSED_OVER_IP_LIMIT, REFUSED_OVER_LIMIT
+from crossroads.proto.dtls.certificate_client import (
+    DTLS_1_2,
+    HANDSHAKE_MTU,
+    READ_SIZE,
+    ClientState,
+    Connected,
+    DtlsClient,
+    Event,
+    is_ip,
+    pack_datagrams,
+    split_records,
+)
+from crossroads.proto.dtls.handshake import ApplicationData, HandshakeFailed
 from crossroads.proto.dtls_cookie import (
     CONTENT_ALERT,
     CONTENT_APPLICATION_DATA,
@@ -104,6 +122,7 @@ from crossroads.transport.admission import (
     Pool,
     ResourceBudget,
 )
+from crossroads.transport.driver import DatagramDriver
 from crossroads.transport.sockets import bind_socket
 from crossroads.transport.tls import (
     HANDSHAKE_TIMEOUT,
@@ -117,13 +136,6 @@ log = logging.getLogger("crossroads.dtls")
 Address = tuple[str, int]
 Deliver = Callable[[bytes, Address, "DtlsListener"], None]
 
-#: RFC 6347 §4.1 version number of DTLS 1.2 (OpenSSL's DTLS1_2_VERSION): DTLS
-#: 1.0 is deprecated by RFC 8996, and every WebRTC stack and coturn speak 1.2.
-DTLS_1_2 = 0xFEFD
-#: Ciphertext MTU for the handshake flights: OpenSSL fragments the certificate
-#: to fit. 1200 bytes fits IPv6's minimum MTU (1280) less the IP/UDP headers
-#: with room for tunnels (the same choice as QUIC, RFC 9000 §14).
-HANDSHAKE_MTU = 1200
 #: Live sessions at once on one listener, at most (the memory share of its
 #: table may allow fewer): 4096 x SESSION_BYTES is ~400 MB.
 MAX_SESSIONS = 4096
@@ -159,7 +171,6 @@ TICK = 0.25
 #: Largest plaintext sent in one record (OpenSSL refuses more: "dtls message
 #: too big"); TURN messages over DTLS are one per record (RFC 8656 §3.1).
 MAX_PLAINTEXT = 16384
-_READ_SIZE = 65536
 
 
 def server_context(certificates: Certificates) -> SSL.Context:
@@ -183,33 +194,6 @@ def server_context(certificates: Certificates) -> SSL.Context:
     context.set_cookie_generate_callback(generate)
     context.set_cookie_verify_callback(verify)
     return context
-
-
-def split_records(data: bytes) -> list[bytes]:
-    """``data`` (what OpenSSL wrote to its memory BIO: whole records back to
-    back) cut into records."""
-    records = []
-    at = 0
-    while at + RECORD_HEADER_SIZE <= len(data):
-        end = at + RECORD_HEADER_SIZE + int.from_bytes(data[at + 11 : at + 13], "big")
-        records.append(data[at:end])
-        at = end
-    return records
-
-
-def pack_datagrams(records: list[bytes], mtu: int = HANDSHAKE_MTU) -> list[bytes]:
-    """Records packed into datagrams of at most ``mtu`` bytes (RFC 6347 §4.1.1:
-    several records may share a datagram; a record is never split)."""
-    datagrams: list[bytes] = []
-    current = b""
-    for record in records:
-        if current and len(current) + len(record) > mtu:
-            datagrams.append(current)
-            current = b""
-        current += record
-    if current:
-        datagrams.append(current)
-    return datagrams
 
 
 def _anything(data: bytes) -> bool:
@@ -345,7 +329,7 @@ class DtlsSession:
                 return self.pending()
         while True:
             try:
-                received.append(connection.recv(_READ_SIZE))
+                received.append(connection.recv(READ_SIZE))
             except SSL.WantReadError:
                 break
         return self.pending()
@@ -356,14 +340,14 @@ class DtlsSession:
         §4.1.2.7). Raises :class:`SSL.Error` on a fatal error."""
         self.connection.bio_write(record)
         try:
-            return self.connection.recv(_READ_SIZE)
+            return self.connection.recv(READ_SIZE)
         except SSL.WantReadError:
             return b""
 
     def pending(self) -> list[bytes]:
         """Datagrams OpenSSL has written (handshake flights, alerts)."""
         try:
-            data = self.connection.bio_read(_READ_SIZE)
+            data = self.connection.bio_read(READ_SIZE)
         except SSL.WantReadError:
             return []
         return pack_datagrams(split_records(data))
@@ -371,7 +355,7 @@ class DtlsSession:
     def encrypt(self, data: bytes) -> bytes:
         """One record carrying ``data`` (raises :class:`SSL.Error`)."""
         self.connection.send(data)
-        return self.connection.bio_read(_READ_SIZE)
+        return self.connection.bio_read(READ_SIZE)
 
     def timeout(self) -> list[bytes]:
         """Serve OpenSSL's handshake retransmission timer; the datagrams to send."""
@@ -805,174 +789,102 @@ def client_context(cafile: str | None = None, *, verify: bool = True) -> SSL.Con
     return context
 
 
-def certificate_names_match(certificate: x509.Certificate, name: str) -> bool:
-    """RFC 6125: ``name`` (a DNS name or an IP address) is in the certificate's
-    subjectAltName (a left-most ``*`` label matches one label)."""
-    try:
-        names = certificate.extensions.get_extension_for_class(
-            x509.SubjectAlternativeName
-        ).value
-    except x509.ExtensionNotFound:
-        return False
-    try:
-        ip = ipaddress.ip_address(name)
-    except ValueError:
-        ip = None
-    if ip is not None:
-        return ip in names.get_values_for_type(x509.IPAddress)
-    wanted = name.lower().rstrip(".")
-    for dns in names.get_values_for_type(x509.DNSName):
-        pattern = dns.lower().rstrip(".")
-        if pattern == wanted:
-            return True
-        if pattern.startswith("*.") and "." in wanted:
-            if wanted.split(".", 1)[1] == pattern[2:]:
-                return True
-    return False
-
-
-class DtlsClient(asyncio.DatagramProtocol):
-    """The client end of one DTLS association on a connected UDP socket.
+class DtlsConnection(DatagramDriver):
+    """A :class:`~crossroads.proto.dtls.certificate_client.DtlsClient` core
+    on a connected UDP socket, on the one driver.
 
     ``deliver(data)`` gets each decrypted datagram; ``lost()`` is called when
-    the association ends. Await :attr:`handshake` before :meth:`send`.
+    the socket closes. Await :attr:`handshake` before :meth:`send`.
     """
+
+    core: DtlsClient
 
     def __init__(
         self,
-        context: SSL.Context,
+        core: DtlsClient,
         deliver: Callable[[bytes], None],
         lost: Callable[[], None],
-        server_hostname: str | None = None,
-        *,
-        check_hostname: bool = True,
     ) -> None:
-        self.connection = SSL.Connection(context)
-        self.connection.set_ciphertext_mtu(HANDSHAKE_MTU)
-        self.connection.set_connect_state()
-        if server_hostname and not _is_ip(server_hostname):
-            self.connection.set_tlsext_host_name(server_hostname.encode("idna"))
-        self.server_hostname = server_hostname if check_hostname else None
+        super().__init__(core)
         self.deliver = deliver
         self.lost = lost
-        self.udp: asyncio.DatagramTransport | None = None
-        self._loop = asyncio.get_running_loop()
         self.handshake: asyncio.Future[None] = self._loop.create_future()
-        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def udp(self) -> asyncio.DatagramTransport | None:
+        """The connected UDP socket's transport (None once closed)."""
+        return self.transport
+
+    @property
+    def connection(self) -> SSL.Connection:
+        """The OpenSSL connection (its peer certificate, its cipher)."""
+        return self.core.connection
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.udp = cast(asyncio.DatagramTransport, transport)
-        self._drive()
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.connection.bio_write(data)
-        self._drive()
+        super().connection_made(transport)
+        now = self._loop.time()
+        self.core.start(now)
+        self.transmit(now)
 
     def error_received(self, exc: Exception) -> None:
         if not self.handshake.done():
             self.handshake.set_exception(DtlsHandshakeError(str(exc)))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        super().connection_lost(exc)
+        self.transport = None
         if not self.handshake.done():
             self.handshake.set_exception(DtlsHandshakeError("socket closed"))
         self.lost()
 
-    def _drive(self) -> None:
-        connection = self.connection
-        try:
-            if not self.handshake.done():
-                try:
-                    connection.do_handshake()
-                except SSL.WantReadError:
-                    self._flush()
-                    self._arm()
-                    return
-                self._check_name()
-                self.handshake.set_result(None)
-            while True:
-                try:
-                    data = connection.recv(_READ_SIZE)
-                except SSL.WantReadError:
-                    break
-                if data:
+    def transmit(self, now: float | None = None) -> None:
+        """Send what the core has to send on the connected socket (no
+        destination: asyncio refuses one on a connected socket), dispatch its
+        events, re-arm its timer."""
+        transport = self.transport
+        if transport is None:
+            return
+        now = self._loop.time() if now is None else now
+        events = self.core.pop_events()
+        if events:
+            self._dispatch(events)
+        for data, _ in self.core.datagrams_to_send(now):
+            transport.sendto(data)
+        self.timer.rearm()
+        if self.core.state in (ClientState.FAILED, ClientState.CLOSED):
+            self._close_socket()
+
+    def _dispatch(self, events: list[Event]) -> None:
+        for event in events:
+            match event:
+                case Connected():
+                    if not self.handshake.done():
+                        self.handshake.set_result(None)
+                case ApplicationData(_, data):
                     self.deliver(data)
-        except SSL.ZeroReturnError:
-            self._flush()
-            self.close()
-            return
-        except (SSL.Error, DtlsHandshakeError) as exc:
-            self._flush()
-            if not self.handshake.done():
-                error = exc if isinstance(exc, DtlsHandshakeError) else None
-                self.handshake.set_exception(error or DtlsHandshakeError(repr(exc)))
-            self.close()
-            return
-        self._flush()
-
-    def _check_name(self) -> None:
-        if self.server_hostname is None:
-            return
-        peer = self.connection.get_peer_certificate()
-        if peer is None or not certificate_names_match(
-            peer.to_cryptography(), self.server_hostname
-        ):
-            raise DtlsHandshakeError(
-                f"certificate does not name {self.server_hostname}"
-            )
-
-    def _arm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        left = self.connection.DTLSv1_get_timeout()
-        if left is not None:
-            self._timer = self._loop.call_later(left, self._retransmit)
-
-    def _retransmit(self) -> None:
-        self._timer = None
-        if self.handshake.done():
-            return
-        try:
-            self.connection.DTLSv1_handle_timeout()
-        except SSL.Error:
-            pass
-        self._flush()
-        self._arm()
-
-    def _flush(self) -> None:
-        try:
-            data = self.connection.bio_read(_READ_SIZE)
-        except SSL.WantReadError:
-            return
-        if self.udp is None:
-            return
-        for datagram in pack_datagrams(split_records(data)):
-            self.udp.sendto(datagram)
+                case HandshakeFailed(_, reason):
+                    if not self.handshake.done():
+                        self.handshake.set_exception(DtlsHandshakeError(reason))
 
     def send(self, data: bytes) -> None:
         """Encrypt and send one datagram (after the handshake)."""
-        if self.udp is None or not self.handshake.done():
-            return
-        self.connection.send(data)
-        self._flush()
+        now = self._loop.time()
+        if self.core.send(data, now):
+            self.transmit(now)
 
     def close(self) -> None:
         """Send close_notify (if up) and close the socket."""
-        if self.handshake.done() and not self.handshake.exception():
-            with contextlib.suppress(SSL.Error):
-                self.connection.shutdown()
-            self._flush()
-        if self.udp is not None:
-            self.udp.close()
+        now = self._loop.time()
+        self.core.close(now)
+        self.transmit(now)
+        self._close_socket()
 
-
-def _is_ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
+    def _close_socket(self) -> None:
+        # The datagrams just queued leave first: asyncio closes a datagram
+        # transport after its buffer is flushed.
+        self.timer.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 async def dtls_connect(
@@ -985,19 +897,18 @@ async def dtls_connect(
     local: Address | None = None,
     timeout: float = 10.0,
     check_hostname: bool = True,
-) -> DtlsClient:
+) -> DtlsConnection:
     """Open a UDP socket to ``server`` and complete a DTLS handshake on it
     (``server_hostname``, default the server's address, is checked against the
     certificate unless ``check_hostname`` is False)."""
     loop = asyncio.get_running_loop()
+    name = server_hostname or server[0]
+    core = DtlsClient(context, server, server_hostname=name if check_hostname else None)
+    if not check_hostname and not is_ip(name):
+        # SNI all the same: a server with several certificates picks by it.
+        core.connection.set_tlsext_host_name(name.encode("idna"))
     _, protocol = await loop.create_datagram_endpoint(
-        lambda: DtlsClient(
-            context,
-            deliver,
-            lost,
-            server_hostname or server[0],
-            check_hostname=check_hostname,
-        ),
+        lambda: DtlsConnection(core, deliver, lost),
         local_addr=local,
         remote_addr=server,
     )
