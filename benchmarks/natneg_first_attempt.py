@@ -3,7 +3,7 @@ CONNECTs sent together (the original GameSpy service's behaviour), side by side.
 
 Runs in the NAT lab (root; ``crossroads lab``'s namespaces and real kernel NAT):
 two ``port-restricted-remap`` sites (port-restricted cones whose routers accept
-unsolicited input, so a ping that knocks first makes the router remap, issue 15)
+unsolicited input, so a ping that knocks first makes the router remap)
 negotiate through two natneg servers in the lab's server namespace, identical but
 for ``--natneg-timed-connect``. Before each run the three paths (server <-> a,
 server <-> b, a <-> b) get a random one-way delay, uniform in [--min-ms, --max-ms],

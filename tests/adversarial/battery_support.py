@@ -1,4 +1,4 @@
-"""The adversarial battery's machinery (issue 24): one real ``crossroads serve``
+"""The adversarial battery's machinery: one real ``crossroads serve``
 with every service, TLS, DTLS and the relay WebSocket on, under ``ulimit -n
 1024``; its listener registry read from the admin API; the attacks of each
 transport; and the invariants checked after every attack.

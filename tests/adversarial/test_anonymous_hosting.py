@@ -1,4 +1,4 @@
-"""Issue 24 finding 7: anonymous relay through p2p hosting.
+"""Anonymous relay through p2p hosting.
 
 ``welcome`` carried no TURN credentials any more, but ``{"type": "host"}``
 needs no account: three hosted sessions from one IP gave three credentials

@@ -1,4 +1,4 @@
-"""Issue 12, item 9: bad input is a 4xx, never a 500.
+"""Bad input is a 4xx, never a 500.
 
 A 5,000-digit integer (beyond CPython's int/str conversion limit) or 2,700
 nested brackets (beyond the recursion limit) in a JSON body gave 500 with a

@@ -1,4 +1,4 @@
-"""Issue 12 item 4: no leaks. After churn, live objects are back where they
+"""No leaks. After churn, live objects are back where they
 started (counted by type after a full collection; not timings, not RSS).
 
 Every TURN allocate/free cycle used to keep ~3.4 KiB (the deleted Allocation

@@ -1,4 +1,4 @@
-"""Issue 12 item 1: idle and half-open connections cannot exhaust the process.
+"""Idle and half-open connections cannot exhaust the process.
 
 Every TCP listener (HTTP with the p2p WebSocket, STUN/TURN over TCP, OpenTTD)
 has per-IP and global caps from one admission helper, read deadlines, and a

@@ -1,4 +1,4 @@
-"""Issue 12, item 8: guessing is bounded per source and globally.
+"""Guessing is bounded per source and globally.
 
 Before: /v1/join answered 678 guesses/s from 100 IPs, wrong API keys were
 unlimited, p2p invite codes could be tried at 1,272/s from one IP over 64

@@ -1,4 +1,4 @@
-"""Issue 24 finding 1: RakNet UDPProxy forwarders under the one resource budget.
+"""RakNet UDPProxy forwarders under the one resource budget.
 
 A real ``crossroads serve --only raknet,stun,turn`` under ``ulimit -n 1024``;
 48 RakNet clients from 3 loopback addresses (16 each, the per-IP connection

@@ -1,4 +1,4 @@
-"""Issue 12, item 10: no UDP service is an amplifier.
+"""No UDP service is an amplifier.
 
 A spoofer names a victim's address as the source of a burst of unauthenticated
 requests; the victim must get back at most what the burst cost plus the

@@ -1,4 +1,4 @@
-"""Issue 12, item 6: Redis faults and instance crashes lose nothing that matters.
+"""Redis faults and instance crashes lose nothing that matters.
 
 A real redis-server (``--save ''``, no persistence) is stopped and started
 again, empty, on the same port. Before: the HTTP APIs answered 500 (a scan

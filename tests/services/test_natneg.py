@@ -451,7 +451,7 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
 
 @pytest.mark.parametrize("relay_mode", ["auto", "always"])
 async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None:
-    """The SDK test program's way (issue 15): cookie 666 every time, the host's
+    """The SDK test program's way: cookie 666 every time, the host's
     own game socket lent each time, the second negotiation right after the first.
     Each gets its own session (and relay pair), none is touched by the other's."""
     rt = await natneg(natneg__relay_mode=relay_mode)
@@ -496,7 +496,7 @@ async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None
 async def test_cookie_666_restart_while_waiting_then_another_pair(
     natneg: Starter,
 ) -> None:
-    """Issue 25 items 1 and 2, SDK-like clients on the SDK test program's cookie:
+    """SDK-like clients on the SDK test program's cookie:
     the host's first process has its INITs ACKed, waits for a partner who never
     comes, and dies; its restart (new game and negotiate sockets) meets the guest
     and the CONNECTs name the live sockets. Right after, another pair on 666 (other

@@ -221,7 +221,7 @@ class P2PService:
         )
         self._resources = ctx.resources
         #: Hosted sessions, per source and in total: a fraction of the total
-        #: per source, as every table of the budget (issue 24 finding 7).
+        #: per source, as every table of the budget (transport/admission.py).
         self.session_table = ctx.resources.table(
             SESSION_TABLE,
             max_items=config.max_sessions,

@@ -8,7 +8,7 @@ every ``__timeoutSec - 1`` s). ``ms2:game:<game>`` marks the game as known for a
 long as any of its rows could live. Each IP may hold at most 10 rows
 (``ms2:ip:<ip>`` maps each row to its expiry time).
 
-Passwords belong to rows, not to the game id (issue 12: the first poster of a
+Passwords belong to rows, not to the game id (otherwise the first poster of a
 game id used to set ``__updatePW``/``__readPW`` for the whole game and so lock
 everyone else out of it): ``__updatePW`` and ``__rowPW`` given when a row is
 created guard updating and deleting *that row*; ``__readPW`` hides *that row*

@@ -1,6 +1,6 @@
 """The natneg core under churn: 2,000 negotiations (two clients, INIT on every
 port, CONNECT_ACK, session ends) leave live-object counts where they started
-(issue 12 item 4; a guard — the core did not leak before either)."""
+(a guard: the core never leaked)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The first-attempt relay rule (issue 25 item 3), driven in memory with a fake
+"""The first-attempt relay rule, driven in memory with a fake
 clock: from what the server learns at INIT -- the NN1/NN2/NN3 mappings and an ERT
 probe from another server port -- a pair that pinging cannot connect (an
 endpoint-dependent mapping against address-and-port-dependent filtering) is

@@ -733,7 +733,7 @@ def test_duplicate_init_after_done_is_acked_and_restart_starts_over() -> None:
 
 
 def test_old_session_deadlines_never_fire_on_a_new_one_with_the_cookie() -> None:
-    """Issue 15 bug (a): the deadline queue keyed sessions by (cookie, generation)
+    """Cookie reuse: the deadline queue keyed sessions by (cookie, generation)
     and every session counted generations from 0, so the first session's session
     timeout fired on the second one (a deadbeat CONNECT 1 s after its INIT)."""
     core = NatNegServer(tight())  # session_timeout 5, connect_interval 1, linger 4
@@ -830,7 +830,7 @@ def test_history_expires() -> None:
 
 
 def test_old_linger_never_deletes_a_new_session_before_its_report() -> None:
-    """Issue 15 bug (a), second face: session 1's linger deleted session 2 early,
+    """Cookie reuse, second face: session 1's linger deleted session 2 early,
     so session 2's failed REPORT found no session and the retry was not relayed."""
     core = NatNegServer(tight())  # linger 4
     a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")

@@ -56,7 +56,7 @@ CONE_B = info(
 def test_cone_pair_steps_and_targets() -> None:
     p = plan(CONE_A, CONE_B)
     # B is behind a NAT (its host candidate is private): no one-sided direct
-    # step, whose probes would knock on B's router before B sent (issue 15).
+    # step, whose probes would knock on B's router before B sent (docs/natneg.md).
     assert [s.name for s in p.steps] == ["punch"]
     assert p.steps[0].start == 0.0
     assert dests(p.initiator, "punch") == [("203.0.113.1", 5000)]
@@ -83,7 +83,7 @@ def test_direct_step_only_to_a_responder_without_nat() -> None:
 
 
 def test_no_probe_reaches_a_nated_responder_before_it_sends() -> None:
-    """The knock of issue 15: every probe the initiator sends to the responder's
+    """The knock a remapping router punishes: every probe the initiator sends to the responder's
     public address leaves no earlier than the responder's first send towards the
     initiator, so a router that accepts unsolicited input never sees one first."""
     for a, b in ((CONE_A, CONE_B), (CONE_B, CONE_A)):

@@ -1,6 +1,6 @@
 """The relay core under churn: 2,000 sessions (a host and a joiner bind,
-connect, close) leave live-object counts where they started (issue 12 item 4;
-a guard — the core did not leak before either)."""
+connect, close) leave live-object counts where they started (a
+guard: the core never leaked)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The OpenTTD coordinator under churn (issue 12 item 4): 2,000 game servers
+"""The OpenTTD coordinator under churn: 2,000 game servers
 register, update, are joined or looked up, and leave, through the real service
 over loopback TCP; afterwards the live objects of every crossroads class and
 every socket are back where they started (counted by type after a full

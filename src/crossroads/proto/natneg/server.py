@@ -26,7 +26,7 @@ A GameSpy SDK client negotiates in four steps (``shared/reference/gamespy-natneg
    arrives (ref §6 step 3). If client A's ping reaches B's router before B has sent
    anything toward A, a port-restricted router drops it and, if it accepts
    unsolicited input, keeps a conntrack entry that makes it *remap* B's later ping
-   to a new port -- and the first attempt fails (issue 15). So when a client is
+   to a new port -- and the first attempt fails (docs/natneg.md, "CONNECT timing"). So when a client is
    complete we send it one ERT_TEST from the endpoint its NN1 INIT reached; every
    SDK version answers with ERT_ACK (ref §3.2), which gives its round-trip time
    ``rtt``. CONNECT to the client with the longer one-way time ``rtt/2`` goes out

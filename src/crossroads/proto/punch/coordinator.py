@@ -314,7 +314,7 @@ class Coordinator(EventQueue[Event]):
         #: budget"): a token holder can spoof the source; None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
         #: Budget of joins naming a code no session holds, per source IP and in
-        #: total (issue 12: 1,272 guesses/s from one IP over 64 WebSockets).
+        #: total (without it, one IP guessed 1,272 codes a second over 64 WebSockets).
         self.guesses = guesses or FailureBudget(BudgetConfig(0.0, 1.0, 0.0, 1.0))
         #: Invite codes are shared with other instances through a directory (the
         #: service's store): codes are claimed before ``hosted`` and a join for a
@@ -652,7 +652,7 @@ class Coordinator(EventQueue[Event]):
                 token.hex(),
                 c.ip,
                 self.config.udp,
-                # No TURN credentials for an anonymous socket (issue 12: with
+                # No TURN credentials for an anonymous socket (with
                 # them one IP made 3,000 allocations): hosted / join_start /
                 # turn_refresh hand them to peers in a session.
                 None,
@@ -671,9 +671,9 @@ class Coordinator(EventQueue[Event]):
     def _entitled(self, peer: _Peer) -> bool:
         """The relay is for reaching other members: a peer is entitled to TURN
         credentials while it joins a session, or while a session of its has a
-        second member or joiner. A host alone in its session is not (issue 24:
+        second member or joiner. A host alone in its session is not (otherwise
         three ``host`` frames from one IP, no account, gave three credentials
-        and the whole TURN quota); nor is an anonymous socket (issue 12)."""
+        and the whole TURN quota); nor is an anonymous socket (a free relay)."""
         if peer.joining:
             return True
         for session_id in peer.sessions:

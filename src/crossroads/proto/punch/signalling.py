@@ -54,7 +54,7 @@ MAX_TEXT_CHARS = 200
 #: Longest instance URL in ``redirect`` (a host name, a port and a path).
 MAX_URL_CHARS = 512
 
-#: Step names of the connection ladder, as the NAT lab reports them (issue 7).
+#: Step names of the connection ladder, as the NAT lab reports them (docs/nat-lab.md).
 STEPS = ("lan", "direct", "mapping", "punch", "relay")
 
 #: Mapping behaviours the server derives from the three rendezvous ports.
@@ -497,9 +497,9 @@ class Welcome(Message):
     udp: tuple[TransportAddress, ...] = _json(
         partial(_endpoints, max_items=3), _json_list
     )
-    #: Always null from crossroads since issue 12: TURN credentials go only to
-    #: peers in a session (``hosted``, ``join_start``, ``turn``). Still decoded,
-    #: for servers that send them here.
+    #: Always null from crossroads (a free relay for anyone otherwise): TURN
+    #: credentials go only to peers in a session (``hosted``, ``join_start``,
+    #: ``turn``). Still decoded, for servers that send them here.
     turn: TurnInfo | None = _json(_optional_turn, _opt, default=None)
 
 
