@@ -24,6 +24,7 @@ from crossroads.proto.core import (
     TimedCore,
 )
 from crossroads.proto.dtls.certificate_client import DtlsClient
+from crossroads.proto.dtls.certificate_server import DtlsServer
 from crossroads.proto.dtls.client import PskDtlsClient
 from crossroads.proto.dtls.server import PskDtlsServer
 from crossroads.proto.natneg.server import NatNegServer, NatNegSocket
@@ -53,6 +54,7 @@ from crossroads.proto.turn.server import TurnServer
 #: :class:`MultiSocketCore`.
 DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
     DtlsClient,
+    DtlsServer,
     PskDtlsClient,
     PskDtlsServer,
     RakNetNode,
@@ -104,6 +106,7 @@ EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
     Coordinator,
     Duties,
     DtlsClient,
+    DtlsServer,
     PskDtlsClient,
     PskDtlsServer,
     NatNegServer,
