@@ -15,8 +15,8 @@ Cells (host A-a <-> host B-b):
 
 * *remap*: ``port-restricted-remap`` against ``port-restricted-remap`` and against
   ``port-restricted-cone``: a port-restricted router that accepts unsolicited
-  input, so a ping that knocks before its own client pinged makes it remap (issue
-  15), against a partner that filters by port: the first attempt fails;
+  input, so a ping that knocks before its own client pinged makes it remap,
+  against a partner that filters by port: the first attempt fails;
 * *rest*: ``port-restricted-cone`` <-> ``port-restricted-cone``, ``full-cone``
   <-> ``restricted-cone``, ``open`` <-> ``cgnat``: a knock is dropped or let in,
   never remembered, and the SDK answers the partner's first ping at once, so

@@ -4,7 +4,7 @@ service, with the reflection budget off (what crossroads did before it) and on.
 Real datagrams on loopback against a real runtime per service. For each service
 it measures one request from a fresh source address (every answer it causes,
 delayed ones included) and a spoofed burst from one address (the burst sizes of
-``tests/adversarial/h12_reflect_support.py``: as large as each service's own
+``tests/adversarial/reflection_support.py``: as large as each service's own
 rate limit lets through at once). Prints a Markdown table for docs/security.md.
 Run: ``.venv/bin/python benchmarks/reflection.py``.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.adversarial.h12_reflect_support import (  # noqa: E402
+from tests.adversarial.reflection_support import (  # noqa: E402
     P2P_SETTINGS,
     PROBES,
     Exchange,

@@ -62,7 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from crossroads.proto.dtls.client import ClientState, DtlsClient  # noqa: E402
+from crossroads.proto.dtls.client import ClientState, PskDtlsClient  # noqa: E402
 from crossroads.proto.dtls.handshake import ApplicationData  # noqa: E402
 from crossroads.proto.relay import messages as m  # noqa: E402
 
@@ -385,7 +385,7 @@ class DtlsSide:
 
     def __init__(self, sock: socket.socket, server: Address, alloc: dict[str, Any]):
         self.sock, self.server = sock, server
-        self.core = DtlsClient(
+        self.core = PskDtlsClient(
             server,
             base64.b64decode(alloc["allocationIdBytes"]),
             base64.b64decode(alloc["key"]),

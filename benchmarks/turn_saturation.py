@@ -43,7 +43,7 @@ the machine's other load weighs on all of them alike):
 
 - ``crossroads``: ``crossroads serve --only stun,turn`` / ``--only relay``: one
   process, or ``--workers 1`` and ``--workers 2`` (on CPUs 0,1) once ``serve``
-  has that flag (issue 17; it has not on this branch);
+  has that flag (older checkouts have not);
 - ``coturn -m 1`` and ``coturn -m 2``: ``turnserver`` with one and two relay
   threads, same credentials, same relay port range size;
 - ``bare``: ``benchmarks/bare_forwarder.c``, epoll + recvmmsg/sendmmsg and a
@@ -245,7 +245,7 @@ def bare_turn_flows(
 
 
 def workers_flag() -> bool:
-    """Whether ``crossroads serve`` has ``--workers`` (issue 17) in this checkout."""
+    """Whether ``crossroads serve`` has ``--workers`` in this checkout."""
     help_text = subprocess.run(
         [sys.executable, "-m", "crossroads", "serve", "--help"],
         capture_output=True,
@@ -818,7 +818,7 @@ def main() -> None:
             sys.exit(f"{tool} not found (make install)")
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-sat-"))
     epochs = iter(range(1, 1 << 30))
-    # --workers N (issue 17) is measured at 1 and 2 once it exists; until then
+    # --workers N is measured at 1 and 2 once it exists; until then
     # crossroads is one process.
     worker_counts: list[int | None] = [1, 2] if workers_flag() else [None]
     print(

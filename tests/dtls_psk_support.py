@@ -1,5 +1,5 @@
 """A DTLS-PSK client (the relay's DTLS) on a real UDP socket for tests: crossroads' sans-I/O
-:class:`DtlsClient` driven by a small asyncio pump (no background task)."""
+:class:`PskDtlsClient` driven by a small asyncio pump (no background task)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import os
 import socket
 
-from crossroads.proto.dtls.client import ClientState, DtlsClient
+from crossroads.proto.dtls.client import ClientState, PskDtlsClient
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
@@ -32,7 +32,7 @@ class DtlsPeer:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.setblocking(False)
         extra = {} if cipher_suites is None else {"cipher_suites": cipher_suites}
-        self.core = DtlsClient(server, identity, psk, os.urandom, **extra)
+        self.core = PskDtlsClient(server, identity, psk, os.urandom, **extra)
         self.events: list[Event] = []
         self.received: list[bytes] = []
         #: Every datagram the peer received (sizes are checked by tests).

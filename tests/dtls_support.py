@@ -16,7 +16,7 @@ from OpenSSL import SSL
 from crossroads.proto.reflection import ReflectionBudget
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.dtls import (
-    DtlsClient,
+    DtlsConnection,
     DtlsListener,
     DtlsTables,
     client_context,
@@ -99,7 +99,7 @@ async def make_dtls_server_fixture(tmp_path: Path) -> AsyncIterator[MakeServer]:
 
 
 class Inbox:
-    """What a DtlsClient delivered."""
+    """What a DtlsConnection delivered."""
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -117,7 +117,7 @@ class Inbox:
 
 async def connect(
     port: int, cafile: Path, local: tuple[str, int] | None = None
-) -> tuple[DtlsClient, Inbox]:
+) -> tuple[DtlsConnection, Inbox]:
     inbox = Inbox()
     client = await dtls_connect(
         ("127.0.0.1", port),
@@ -130,7 +130,7 @@ async def connect(
     return client, inbox
 
 
-async def echo(client: DtlsClient, inbox: Inbox, payload: bytes = b"ping") -> None:
+async def echo(client: DtlsConnection, inbox: Inbox, payload: bytes = b"ping") -> None:
     client.send(payload)
     assert await inbox.get() == payload
 

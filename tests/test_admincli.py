@@ -144,7 +144,7 @@ def test_status_and_sessions_find_the_server(
 def test_turn_credentials_list_turns_with_the_certificates_dns_name(
     tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
-    """Issue 25 item 7: with a certificate, ``turns:`` (TURN over TLS) is listed
+    """With a certificate, ``turns:`` (TURN over TLS) is listed
     with the certificate's DNS name (Firefox refuses ``turns:`` with an IP)."""
     _, cert, key = write_certificates(tmp_path, "turn.crossroads.test")
     running = Server(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key))

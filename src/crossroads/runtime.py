@@ -25,6 +25,9 @@ from crossroads.insight import Config as InsightConfig
 from crossroads.insight import InsightRecorder, recorder_for
 from crossroads.services import load_service_modules
 from crossroads.services.base import Drainable, Reloadable, Service, ServiceContext
+from crossroads.services.openttd import OpenTTDService
+from crossroads.services.relay import RelayService
+from crossroads.services.relay_allocations import NodeInfo
 from crossroads.services.stun import StunService
 from crossroads.state import MATRIX_FILE, resolve_state_dir, results_dir
 from crossroads.store import open_store
@@ -145,6 +148,36 @@ class Runtime:
                 f"{self.acme.order.directory_url} (http-01 on {where})"
             )
         return lines
+
+    # -- what the console shows of particular services (web/ does not import
+    # services/: the runtime, above both, hands these to it)
+
+    async def relay_nodes(self) -> list[NodeInfo]:
+        """Every live relay node, as the allocations API sees them."""
+        relay = self.services.get("relay")
+        return await relay.live_nodes() if isinstance(relay, RelayService) else []
+
+    def bound_ports(self) -> dict[str, int]:
+        """The ports clients reach this process's services on, as bound."""
+        found: dict[str, int] = {}
+        stun = self.services.get("stun")
+        if isinstance(stun, StunService):
+            found["stun"] = stun.primary[1]
+        openttd = self.services.get("openttd")
+        if isinstance(openttd, OpenTTDService):
+            found["coordinator"] = openttd.address("coordinator")[1]
+            found["openttd_stun"] = openttd.address("stun")[1]
+        relay = self.services.get("relay")
+        if isinstance(relay, RelayService) and relay.node is not None:
+            found["relay"] = relay.node.info.port
+        return found
+
+    def turn_tls_port(self) -> int | None:
+        """The port TURN over TLS listens on, None when it does not."""
+        stun = self.services.get("stun")
+        if isinstance(stun, StunService) and stun.tls_addresses:
+            return stun.tls_addresses[0][1]
+        return None
 
     def live_sessions(self) -> dict[str, int]:
         """Live sessions per drainable service (what a drain waits for)."""
@@ -480,6 +513,9 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
             config=config,
             metrics=metrics,
             services=lambda: runtime.services,
+            relay_nodes_source=runtime.relay_nodes,
+            bound_ports=runtime.bound_ports,
+            turn_tls_port=runtime.turn_tls_port,
             resources=budget.snapshot,
             certificates=certificates,
             draining=lambda: runtime.draining,

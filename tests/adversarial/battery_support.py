@@ -1,4 +1,4 @@
-"""The adversarial battery's machinery (issue 24): one real ``crossroads serve``
+"""The adversarial battery's machinery: one real ``crossroads serve``
 with every service, TLS, DTLS and the relay WebSocket on, under ``ulimit -n
 1024``; its listener registry read from the admin API; the attacks of each
 transport; and the invariants checked after every attack.
@@ -532,9 +532,9 @@ def stun_request(method: int) -> bytes:
 def dtls_client_hello() -> bytes:
     """A DTLS 1.2 ClientHello (the relay's PSK client's first flight; the
     cookie exchange is the same for every DTLS port)."""
-    from crossroads.proto.dtls.client import DtlsClient
+    from crossroads.proto.dtls.client import PskDtlsClient
 
-    client = DtlsClient(("192.0.2.1", 1), b"x", bytes(64), os.urandom)
+    client = PskDtlsClient(("192.0.2.1", 1), b"x", bytes(64), os.urandom)
     client.start(0.0)
     ((hello, _),) = client.datagrams_to_send(0.0)
     return bytes(hello)

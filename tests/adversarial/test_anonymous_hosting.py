@@ -1,4 +1,4 @@
-"""Issue 24 finding 7: anonymous relay through p2p hosting.
+"""Anonymous relay through p2p hosting.
 
 ``welcome`` carried no TURN credentials any more, but ``{"type": "host"}``
 needs no account: three hosted sessions from one IP gave three credentials
@@ -19,8 +19,8 @@ import websockets
 
 from crossroads.client.turn import rest_credentials
 from crossroads.services.turn import TurnService
-from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
 from tests.adversarial.test_free_relay import _until
+from tests.adversarial.turn_quota_support import DirectClient, p2p_with_turn
 from tests.services.test_p2p import hello, ws_url
 from tests.services.test_turn import SECRET
 

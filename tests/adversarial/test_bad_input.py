@@ -1,4 +1,4 @@
-"""Issue 12, item 9: bad input is a 4xx, never a 500.
+"""Bad input is a 4xx, never a 500.
 
 A 5,000-digit integer (beyond CPython's int/str conversion limit) or 2,700
 nested brackets (beyond the recursion limit) in a JSON body gave 500 with a
@@ -26,7 +26,7 @@ from crossroads.runtime import Runtime
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.registry import channel
 from crossroads.store.memory import MemoryStore
-from tests.adversarial.h12_store_support import (
+from tests.adversarial.store_faults_support import (
     http_base,
     next_frame,
     runtime_in_thread,

@@ -1,11 +1,11 @@
-"""The adversarial battery every registered listener gets by default (issue 24).
+"""The adversarial battery every registered listener gets by default.
 
 One real ``crossroads serve`` with every service, TLS (HTTPS, TURN over TLS and
 DTLS, relay wss and DTLS) and the relay WebSocket on, under ``ulimit -n 1024``
 and ``--memory-budget 256 MiB``, is started when this module is collected; its
 listener registry (``GET /console/api/admin/resources``) parametrizes the tests,
 so a listener added tomorrow is attacked without anyone writing a test for it.
-Per transport, the attacks of issue 24: floods from many loopback sources, one
+Per transport, the attacks a hardened server must take: floods from many loopback sources, one
 source hogging, pre-auth state, idle and slowloris peers, a client that never
 reads, the reflection ratio. After each attack the invariants of
 :mod:`tests.adversarial.battery_support` are checked, and while it runs a real
@@ -321,7 +321,7 @@ def test_tcp_idle_slow_and_preauth_peers_are_closed(
 
 
 #: What a client that never reads sends at most: enough that answers
-#: buffered without a bound (issue 24 finding 5: WebSocket pongs) exceed
+#: buffered without a bound (WebSocket pongs to a client that never reads) exceed
 #: RSS_SLACK several times over.
 NEVER_READ_VOLUME = 48 << 20
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import socket
 
+from crossroads.services.relay_api import RateLimiter
 from crossroads.transport.pktinfo import ReplySource
-from crossroads.web.relay import RateLimiter
 
 TABLE = 8
 

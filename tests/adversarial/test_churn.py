@@ -1,4 +1,4 @@
-"""Issue 12 item 4: no leaks. After churn, live objects are back where they
+"""No leaks. After churn, live objects are back where they
 started (counted by type after a full collection; not timings, not RSS).
 
 Every TURN allocate/free cycle used to keep ~3.4 KiB (the deleted Allocation
@@ -21,7 +21,7 @@ import pytest
 from crossroads.runtime import Runtime
 from crossroads.services.turn import TurnService
 from crossroads.transport.turnplane import ACCELERATED
-from tests.adversarial.h12_turn_support import (
+from tests.adversarial.turn_quota_support import (
     grown,
     live_objects,
     measure_turn_churn,
@@ -46,7 +46,7 @@ def test_turn_churn_in_the_pure_python_data_plane() -> None:
     # The data plane is chosen at import time: a process of its own.
     env = dict(os.environ, CROSSROADS_TURN_PURE_PYTHON="1")
     result = subprocess.run(
-        [sys.executable, "-m", "tests.adversarial.h12_turn_support", "10000"],
+        [sys.executable, "-m", "tests.adversarial.turn_quota_support", "10000"],
         env=env,
         capture_output=True,
         text=True,

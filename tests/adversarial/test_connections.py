@@ -1,4 +1,4 @@
-"""Issue 12 item 1: idle and half-open connections cannot exhaust the process.
+"""Idle and half-open connections cannot exhaust the process.
 
 Every TCP listener (HTTP with the p2p WebSocket, STUN/TURN over TCP, OpenTTD)
 has per-IP and global caps from one admission helper, read deadlines, and a
@@ -26,7 +26,7 @@ from crossroads.proto.stun import Method, encode, request
 from crossroads.runtime import Runtime, start
 from crossroads.services.stun import StunService, TcpConnection
 from crossroads.transport.admission import ResourceBudget
-from tests.adversarial.h12_conn_support import (
+from tests.adversarial.connection_flood_support import (
     HALF_REQUEST,
     close_all,
     closed_by_server,

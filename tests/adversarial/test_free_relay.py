@@ -1,4 +1,4 @@
-"""Issue 12 item 3: no free relay.
+"""No free relay.
 
 The p2p WebSocket ``welcome`` used to hand every anonymous socket TURN
 credentials valid for an hour; with them one IP made 3,000 allocations in 28 s.
@@ -41,7 +41,7 @@ from crossroads.transport.admission import (
     PER_SOURCE_FRACTION,
     ResourceBudget,
 )
-from tests.adversarial.h12_turn_support import DirectClient, p2p_with_turn
+from tests.adversarial.turn_quota_support import DirectClient, p2p_with_turn
 from tests.conftest import eventually, loopback_config
 from tests.proto.turn.conftest import EPOCH, Harness, udp
 from tests.services.test_p2p import hello, ws_url
@@ -86,7 +86,7 @@ async def test_session_members_get_working_refreshable_credentials(
         await _until(host, "welcome")
         await host.send(json.dumps({"type": "host"}))
         hosted = await _until(host, "hosted")
-        # Alone in its session, the host has nobody to relay to (issue 24).
+        # Alone in its session, the host has nobody to relay to.
         assert hosted["turn"] is None
         await guest.send(hello())
         await _until(guest, "welcome")
@@ -231,7 +231,7 @@ async def test_the_sdk_renews_its_allocation_with_refreshed_credentials() -> Non
         try:
             await me.start()
             code = await me.host()
-            assert me.turn is None  # nobody to relay to yet (issue 24)
+            assert me.turn is None  # nobody to relay to yet
             await guest.start()
             await guest.join(code)
 

@@ -1,4 +1,4 @@
-"""Issue 12, item 8: guessing is bounded per source and globally.
+"""Guessing is bounded per source and globally.
 
 Before: /v1/join answered 678 guesses/s from 100 IPs, wrong API keys were
 unlimited, p2p invite codes could be tried at 1,272/s from one IP over 64
@@ -25,7 +25,7 @@ from crossroads.config import default_config
 from crossroads.proto.openttd.coordinator import ClientConnect, ErrorType, GcError
 from crossroads.runtime import Runtime, start
 from crossroads.services.openttd import OpenTTDService
-from tests.adversarial.h12_store_support import next_frame
+from tests.adversarial.store_faults_support import next_frame
 from tests.conftest import loopback_config
 from tests.e2e.relay_support import API_KEY, api, base_url, relay_runtime
 

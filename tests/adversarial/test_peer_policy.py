@@ -17,7 +17,7 @@ import pytest
 
 from crossroads.client.turn import TurnClient, TurnClientError
 from crossroads.proto.stun import Method, RequestedTransport, XorPeerAddress
-from tests.adversarial.h12_policy_support import (
+from tests.adversarial.peer_policy_support import (
     PASSWORD,
     USER,
     binding_request,

@@ -1,4 +1,4 @@
-"""Issue 24 finding 8: per-source caps above the listener's share.
+"""Per-source caps above the listener's share.
 
 At ``ulimit -n 1024`` the HTTP port's descriptor share was 73 connections and
 its per-IP cap 128: one IP with 110 half-sent requests made ``/healthz``, the
@@ -23,7 +23,7 @@ import httpx
 import pytest
 import websockets
 
-from tests.adversarial.h12_conn_support import (
+from tests.adversarial.connection_flood_support import (
     HALF_REQUEST,
     ServeProcess,
     close_all,

@@ -294,7 +294,7 @@ async def test_out_of_band_and_offline_garbage_is_dropped_and_counted(
         honest.close()
 
 
-# ----------------------------------------------- issue 24, findings 2, 3 and 9
+# ------------------------- what a peer makes a RakNet node hold, and for how long
 
 
 @contextlib.asynccontextmanager

@@ -1,4 +1,4 @@
-"""Issue 24 finding 1: RakNet UDPProxy forwarders under the one resource budget.
+"""RakNet UDPProxy forwarders under the one resource budget.
 
 A real ``crossroads serve --only raknet,stun,turn`` under ``ulimit -n 1024``;
 48 RakNet clients from 3 loopback addresses (16 each, the per-IP connection
@@ -34,7 +34,7 @@ from crossroads.proto.raknet.reliability import (
 )
 from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.types import Address
-from tests.adversarial.h12_conn_support import serve_with_fd_limit
+from tests.adversarial.connection_flood_support import serve_with_fd_limit
 from tests.conftest import eventually, free_port
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Issue 12, item 10: no UDP service is an amplifier.
+"""No UDP service is an amplifier.
 
 A spoofer names a victim's address as the source of a burst of unauthenticated
 requests; the victim must get back at most what the burst cost plus the
@@ -23,7 +23,7 @@ from crossroads.proto.relay import messages as m
 from crossroads.proto.relay.server import RelayServer, RelayServerConfig
 from crossroads.proto.relay.token import TokenSealer
 from crossroads.services.stun import StunService
-from tests.adversarial.h12_reflect_support import PROBES, reflect, start_for
+from tests.adversarial.reflection_support import PROBES, reflect, start_for
 
 pytestmark = pytest.mark.timeout(60)
 

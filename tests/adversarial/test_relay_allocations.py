@@ -1,7 +1,7 @@
 """The Unity relay's allocations are a table of the process's resource budget
 ("relay-allocations"): the UDP listener names it, one source with many valid
 tokens holds at most its share, and the table drains when the allocations
-end (issue 24: every per-client table registers with the one budget)."""
+end (every per-client table registers with the one budget)."""
 
 from __future__ import annotations
 

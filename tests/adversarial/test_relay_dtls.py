@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from crossroads.proto.dtls import wire as w
-from crossroads.proto.dtls.client import DtlsClient
+from crossroads.proto.dtls.client import PskDtlsClient
 from crossroads.proto.dtls.handshake import Established, HandshakeFailed
 from tests.conftest import eventually
 from tests.dtls_psk_support import DtlsPeer
@@ -43,7 +43,7 @@ async def metrics(rt: Any) -> str:
 
 
 def first_hello() -> bytes:
-    client = DtlsClient(("192.0.2.1", 1), b"x", bytes(64), os.urandom)
+    client = PskDtlsClient(("192.0.2.1", 1), b"x", bytes(64), os.urandom)
     client.start(0.0)
     ((hello, _),) = client.datagrams_to_send(0.0)
     return hello
@@ -155,7 +155,7 @@ async def half_open(
 ) -> None:
     """Pass the cookie exchange, take the ServerHello flight, then go silent."""
     loop = asyncio.get_running_loop()
-    client = DtlsClient(server, b"slow", bytes(64), os.urandom)
+    client = PskDtlsClient(server, b"slow", bytes(64), os.urandom)
     client.start(0.0)
     ((hello, _),) = client.datagrams_to_send(0.0)
     sock.sendto(hello, server)

@@ -612,7 +612,7 @@ async def _ping_without_reading(
 async def test_pings_from_a_client_that_never_reads_are_bounded(
     scheme: str, tmp_path: Path
 ) -> None:
-    """Finding 5 of issue 24: pongs to a client that pings and never reads
+    """Pongs to a client that pings and never reads
     were buffered without bound (52 MB of pings: +61 MB RSS on ws, +116 MB on
     wss). Now every server write counts against MAX_BUFFERED: over it the
     server stops reading (the pings wait in the client's own socket), and a
@@ -643,7 +643,7 @@ async def test_pings_from_a_client_that_never_reads_are_bounded(
         )
 
 
-# ------------------------------------------ upgraded but never bound (issue 24)
+# ---------------------------------------------------- upgraded but never bound
 
 #: RFC 6455 §7.4.1: the server ends a connection that broke its policy.
 CLOSE_POLICY_VIOLATION = 1008

@@ -25,7 +25,7 @@ from crossroads.config import default_config
 from crossroads.proto.natneg.packets import Init, PacketType, PortType
 from crossroads.proto.punch.rendezvous import Observed, Probe
 from crossroads.runtime import start
-from tests.adversarial.h12_policy_support import (
+from tests.adversarial.peer_policy_support import (
     PASSWORD,
     USER,
     AliasClient,

@@ -1,4 +1,4 @@
-"""Issue 12 item 12, the small ones: a TURN REST username valid for years is
+"""A TURN REST username valid for years is
 refused; an Allocate replayed on the same 5-tuple after Refresh 0 does not bring
 the allocation back; a MasterServer2 game id cannot be squatted by the first
 poster's passwords."""

@@ -1,4 +1,4 @@
-"""Issue 12 item 5: a call that ends frees its allocation.
+"""A call that ends frees its allocation.
 
 Chromium's closing Refresh (LIFETIME 0) carried a nonce older than the nonce
 lifetime; crossroads answered 438, Chromium did not retry, and the allocation held

@@ -1,4 +1,4 @@
-"""Issue 12, item 6: Redis faults and instance crashes lose nothing that matters.
+"""Redis faults and instance crashes lose nothing that matters.
 
 A real redis-server (``--save ''``, no persistence) is stopped and started
 again, empty, on the same port. Before: the HTTP APIs answered 500 (a scan
@@ -26,7 +26,7 @@ from crossroads.client.openttd import GameInfoResponder, GcClient
 from crossroads.proto.openttd.coordinator import ClientConnect, ErrorType, GcError
 from crossroads.proto.openttd.gameinfo import GameInfo
 from crossroads.runtime import Runtime
-from tests.adversarial.h12_store_support import (
+from tests.adversarial.store_faults_support import (
     private_redis,
     redis_command,
     redis_get,

@@ -22,7 +22,7 @@ import pytest
 
 from crossroads.errors import StoreError
 from crossroads.store.redis import RedisStore
-from tests.adversarial.h12_store_support import private_redis
+from tests.adversarial.store_faults_support import private_redis
 from tests.conftest import RedisServer
 from tests.e2e.relay_support import base_url, relay_runtime
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import httpx
 
-from crossroads.transport.dtls import DtlsClient, client_context, dtls_connect
-from tests.adversarial.h12_conn_support import (
+from crossroads.transport.dtls import DtlsConnection, client_context, dtls_connect
+from tests.adversarial.connection_flood_support import (
     ServeProcess,
     loopback_sources,
     serve_with_fd_limit,
@@ -126,7 +126,7 @@ class DtlsInbox:
 
 async def dtls_session(
     port: int, source: str, timeout: float = 10.0
-) -> tuple[DtlsClient, DtlsInbox]:
+) -> tuple[DtlsConnection, DtlsInbox]:
     inbox = DtlsInbox()
     client = await dtls_connect(
         ("127.0.0.1", port),
@@ -140,7 +140,7 @@ async def dtls_session(
     return client, inbox
 
 
-async def dtls_binding(client: DtlsClient, inbox: DtlsInbox) -> None:
+async def dtls_binding(client: DtlsConnection, inbox: DtlsInbox) -> None:
     """A Binding over the session is answered (a success response)."""
     client.send(binding())
     answer = await asyncio.wait_for(inbox.queue.get(), 10)
@@ -252,7 +252,7 @@ async def test_silent_dtls_sessions_are_dropped_and_lock_nobody_out(
         "--https-port",
         "0",
     ) as (server, port, _):
-        silent: list[DtlsClient] = []
+        silent: list[DtlsConnection] = []
         # The cap is the memory share of the table among those that cost
         # memory in this configuration; read it, fill it from as many sources
         # as its per-source cap needs. (Before, the table did not exist: 16

@@ -1,5 +1,5 @@
 """A TURN channel, permission or learned route to another allocation's relayed
-address dies with that allocation (issue 24, finding 10).
+address dies with that allocation.
 
 Two clients both forced to relay talk through each other's relayed addresses
 (allowed: :meth:`crossroads.proto.turn.server.TurnServer.peer_verdict`). When

@@ -1,5 +1,5 @@
 """TURN over TCP and TLS: a client that stops reading for a while keeps its
-allocation (issue 24, finding 6).
+allocation.
 
 Relayed data is unreliable by contract (docs/security.md, "TURN clients that
 stall"): while a TCP/TLS client's connection has more than 64 KiB unsent, the

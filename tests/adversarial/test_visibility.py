@@ -1,4 +1,4 @@
-"""Issue 12 item 11: visible failures.
+"""Visible failures.
 
 Authentication failures are logged, one line per reason per interval with a
 count of the lines held back, never with a secret; the kernel's UDP receive
@@ -264,8 +264,8 @@ async def test_kernel_drops_of_a_relay_socket_closed_between_scrapes_are_counted
     turn_runtime: Runtime,
 ) -> None:
     """A relay that lives between two scrapes (a short call) is never in a
-    scrape's view of ``/proc``: its drops are read when it closes (issue 24,
-    finding 10; before, they were lost)."""
+    scrape's view of ``/proc``: its drops are read when it closes (otherwise
+    they would be lost)."""
     stun = turn_runtime.services["stun"]
     assert isinstance(stun, StunService)
     metrics = turn_runtime.metrics

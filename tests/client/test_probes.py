@@ -14,7 +14,7 @@ import pytest
 
 from crossroads.client import probes
 from crossroads.errors import DecodeError
-from crossroads.proto.natneg.server import Endpoint, NatNegServer
+from crossroads.proto.natneg.server import NatNegServer, NatNegSocket
 from crossroads.proto.raknet.node import RakNetNode
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
 from crossroads.proto.relay import messages as relay
@@ -47,13 +47,13 @@ def test_the_relay_answers_the_ping_with_error_4_no_larger() -> None:
 @pytest.mark.parametrize(
     ("role", "endpoint"),
     [
-        ("natneg1", Endpoint.PRIMARY),
-        ("natneg2", Endpoint.NATNEG2),
-        ("natneg3", Endpoint.NATNEG3),
+        ("natneg1", NatNegSocket.PRIMARY),
+        ("natneg2", NatNegSocket.NATNEG2),
+        ("natneg3", NatNegSocket.NATNEG3),
     ],
 )
 def test_natneg_answers_address_check_with_the_address_seen(
-    role: str, endpoint: Endpoint
+    role: str, endpoint: NatNegSocket
 ) -> None:
     core = NatNegServer(reflection=no_allowance())
     probe = probes.natneg_probe(role)

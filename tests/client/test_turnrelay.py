@@ -45,7 +45,7 @@ async def test_relay_over_turn_with_session_credentials(turn_server: Address) ->
     try:
         await a.start()
         await b.start()
-        # No credentials before a session (issue 12 item 3): hosting and
+        # No credentials before a session (a free relay): hosting and
         # joining bring them, and the SDK allocates then.
         assert a.turn is None and b.turn is None
         await b.join(await a.host())

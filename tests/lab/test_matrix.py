@@ -128,7 +128,7 @@ def test_remap_pairs_get_distance_by_default() -> None:
     delay lines (20-80 ms per path); --delay sets every pair."""
     k = KINDS_BY_NAME
     remap, cone = k["port-restricted-remap"], k["port-restricted-cone"]
-    assert remap in KINDS  # in the default matrix (issue 15)
+    assert remap in KINDS  # in the default matrix: a common home router
     assert delay_span(remap, cone, None) == REMAP_DELAY == (0.02, 0.08)
     assert delay_span(cone, remap, None) == REMAP_DELAY
     assert delay_span(cone, cone, None) is None
@@ -140,7 +140,7 @@ def test_remapping_routers_connect_first_time_with_distance(
 ) -> None:
     """`lab matrix --delay`: each attempt's paths get 30-60 ms one way (delay
     lines). Two port-restricted cones behind routers that remap on a knock
-    (issue 15) then connect on natneg's first attempt, directly: the timed
+    (docs/natneg.md) then connect on natneg's first attempt, directly: the timed
     CONNECTs make the first pings cross in flight."""
     out = tmp_path / "results"
     proc = subprocess.run(

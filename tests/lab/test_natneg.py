@@ -127,7 +127,7 @@ async def test_players_in_two_processes_connect_on_the_first_attempt(
 
 
 async def test_cookie_666_back_to_back_through_the_relay(lab: Lab) -> None:
-    """Issue 15's two cookie-reuse bugs, as the SDK test program meets them: cookie
+    """The two cookie-reuse bugs, as the SDK test program meets them: cookie
     666 every time, the host's game socket lent each time, the second negotiation
     right after the first, both relayed (two symmetric NATs). The second must get
     a session of its own (its game-socket INIT counted, no deadline of the first)
@@ -184,7 +184,7 @@ async def test_sdk_nat_detection_through_nat(
 
 # --------------------------------------------------------- remapping routers
 
-#: The two sites of issue 15: port-restricted cones behind routers that accept
+#: The two sites where the first attempt failed: port-restricted cones behind routers that accept
 #: unsolicited input, so a ping that arrives first makes the router remap.
 REMAP_A, REMAP_B = "port-restricted-remap-a", "port-restricted-remap-b"
 #: Geometry that makes the race real: the server is 100 ms (one way) from site a
@@ -227,7 +227,7 @@ async def negotiate_far_server(
 async def test_remapping_routers_fail_first_when_connects_go_together(
     lab: Lab, untimed_server: list[Address]
 ) -> None:
-    """Issue 15, the failure: CONNECTs sent together (GameSpy's way). b's first
+    """The failure: CONNECTs sent together (GameSpy's way). b's first
     ping reaches a's router before a has sent anything; the router takes it in,
     and a's own pings leave from a remapped port that b's router never opened."""
     host, guest = await negotiate_far_server(lab, 0x15151515, untimed_server)
@@ -242,7 +242,7 @@ async def test_remapping_routers_fail_first_when_connects_go_together(
 
 
 async def test_timed_connects_cross_behind_remapping_routers(lab: Lab) -> None:
-    """Issue 15, the fix: the lab server times the CONNECTs from the measured
+    """The fix: the lab server times the CONNECTs from the measured
     round trips; both first pings leave together, cross in flight, and the first
     attempt connects directly."""
     host, guest = await negotiate_far_server(lab, 0x15151516, SERVERS)

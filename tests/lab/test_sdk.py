@@ -1,4 +1,4 @@
-"""The p2p SDK through real kernel NAT (issue 8): which ladder step wins for the
+"""The p2p SDK through real kernel NAT: which ladder step wins for the
 pairs that need each technique, and a 4-peer mesh across NAT kinds whose host
 leaves. 100 % connectivity over every pair is checked by test_matrix.py (the
 ``sdk`` method's prediction is "always connects")."""
@@ -51,7 +51,7 @@ def test_relay_prediction_matches_the_cases() -> None:
         if needs_relay(x, y)
     }
     # only UDP-blocked pairs and random-port symmetric NAT on both sides need
-    # the relay (issue 8)
+    # the relay
     assert relay_pairs - {("symmetric-random", "symmetric-random")} == {
         pair for pair in relay_pairs if "udp-blocked" in pair
     }
@@ -111,7 +111,7 @@ def until_punched(
 def test_remapping_routers_punch_on_the_first_ladder(
     lab: Lab, a: str, server_a: float
 ) -> None:
-    """Issue 15 for the SDK: the joiner behind a router that remaps on a knock,
+    """The remapping router for the SDK: the joiner behind a router that remaps on a knock,
     the server ``server_a`` from the host and 20 ms from the joiner, the two
     40 ms apart. No probe reaches a router before its own host has sent towards the
     other, so the first ladder punches; both used to relay. With a remapping

@@ -30,7 +30,7 @@ API: dict[type, tuple[str, ...]] = {
     api.StreamCore: ("receive_data", "data_to_send"),
     api.EventSource: ("pop_events",),
 }
-#: Names of the shapes the cores had before the one API (issue 17).
+#: Names of the shapes the cores had before the one API: none may come back.
 OLD_SHAPES = {"handle", "handle_message", "events", "receive_text", "frames_to_send"}
 
 

@@ -27,7 +27,7 @@ from crossroads.proto.natneg.packets import (
     NegotiateResult,
     PacketType,
 )
-from crossroads.proto.natneg.server import Endpoint
+from crossroads.proto.natneg.server import NatNegSocket
 from crossroads.runtime import Runtime, start
 from crossroads.services.natneg import (
     Config,
@@ -96,9 +96,9 @@ def service_of(rt: Runtime) -> NatNegService:
 def servers(rt: Runtime) -> list[Address]:
     addresses = service_of(rt).addresses
     return [
-        addresses[Endpoint.PRIMARY],
-        addresses.get(Endpoint.NATNEG2, addresses[Endpoint.PRIMARY]),
-        addresses.get(Endpoint.NATNEG3, addresses[Endpoint.PRIMARY]),
+        addresses[NatNegSocket.PRIMARY],
+        addresses.get(NatNegSocket.NATNEG2, addresses[NatNegSocket.PRIMARY]),
+        addresses.get(NatNegSocket.NATNEG3, addresses[NatNegSocket.PRIMARY]),
     ]
 
 
@@ -451,7 +451,7 @@ async def test_relay_for_two_symmetric_mappings(natneg: Starter) -> None:
 
 @pytest.mark.parametrize("relay_mode", ["auto", "always"])
 async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None:
-    """The SDK test program's way (issue 15): cookie 666 every time, the host's
+    """The SDK test program's way: cookie 666 every time, the host's
     own game socket lent each time, the second negotiation right after the first.
     Each gets its own session (and relay pair), none is touched by the other's."""
     rt = await natneg(natneg__relay_mode=relay_mode)
@@ -496,7 +496,7 @@ async def test_cookie_666_back_to_back(natneg: Starter, relay_mode: str) -> None
 async def test_cookie_666_restart_while_waiting_then_another_pair(
     natneg: Starter,
 ) -> None:
-    """Issue 25 items 1 and 2, SDK-like clients on the SDK test program's cookie:
+    """SDK-like clients on the SDK test program's cookie:
     the host's first process has its INITs ACKed, waits for a partner who never
     comes, and dies; its restart (new game and negotiate sockets) meets the guest
     and the CONNECTs name the live sockets. Right after, another pair on 666 (other
@@ -728,23 +728,24 @@ async def test_many_concurrent_negotiations(natneg: Starter) -> None:
 def test_layout_single_ip_and_three_ips() -> None:
     single = plan_layout(Config(), "0.0.0.0")
     assert single.binds == {
-        Endpoint.PRIMARY: ("0.0.0.0", 27901),
-        Endpoint.PROBE_PORT: ("0.0.0.0", 27902),
+        NatNegSocket.PRIMARY: ("0.0.0.0", 27901),
+        NatNegSocket.PROBE_PORT: ("0.0.0.0", 27902),
     }
     assert single.shared == {
-        Endpoint.NATNEG2: Endpoint.PRIMARY,
-        Endpoint.NATNEG3: Endpoint.PRIMARY,
+        NatNegSocket.NATNEG2: NatNegSocket.PRIMARY,
+        NatNegSocket.NATNEG3: NatNegSocket.PRIMARY,
     }
     assert (
-        single.unsolicited_ip is None and single.unsolicited_port is Endpoint.PROBE_PORT
+        single.unsolicited_ip is None
+        and single.unsolicited_port is NatNegSocket.PROBE_PORT
     )
     three = plan_layout(
         Config(host="192.0.2.1", natneg2_host="192.0.2.2", natneg3_host="192.0.2.3"),
         "0.0.0.0",
     )
-    assert three.binds[Endpoint.NATNEG3] == ("192.0.2.3", 27901)
+    assert three.binds[NatNegSocket.NATNEG3] == ("192.0.2.3", 27901)
     # natneg3's IP is never contacted by the NATify ERT socket: the unsolicited-IP source.
-    assert three.unsolicited_ip is Endpoint.NATNEG3
+    assert three.unsolicited_ip is NatNegSocket.NATNEG3
     with pytest.raises(ConfigError, match="IPv4-only"):
         plan_layout(Config(host="2001:db8::1"), "0.0.0.0")
 

@@ -236,8 +236,8 @@ async def test_session_members_get_turn_rest_credentials() -> None:
         ):
             await ws.send(hello())
             welcome = await recv_type(ws, "welcome")
-            # Nothing for an anonymous socket (issue 12 item 3), nor for a
-            # host alone in its session (issue 24 finding 7) ...
+            # Nothing for an anonymous socket (a free relay), nor for a
+            # host alone in its session (nobody to relay to) ...
             assert welcome["turn"] is None
             await ws.send(json.dumps({"type": "host"}))
             hosted = await recv_type(ws, "hosted")

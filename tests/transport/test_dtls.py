@@ -17,17 +17,19 @@ from cryptography.x509.oid import NameOID
 from hypothesis import given
 from hypothesis import strategies as st
 
+from crossroads.proto.dtls.certificate_client import (
+    HANDSHAKE_MTU,
+    certificate_names_match,
+    pack_datagrams,
+    split_records,
+)
 from crossroads.proto.reflection import ReflectionBudget
 from crossroads.transport.dtls import (
-    HANDSHAKE_MTU,
     MAX_PLAINTEXT,
     DtlsListener,
-    certificate_names_match,
     client_context,
     dtls_connect,
     open_dtls_listener,
-    pack_datagrams,
-    split_records,
 )
 from crossroads.transport.tls import (
     Certificates,

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from crossroads.proto.dtls.handshake import ApplicationData, Established, Event
-from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig
-from crossroads.transport.dtls_endpoint import DtlsEndpoint
+from crossroads.proto.dtls.server import PskDtlsServer, PskDtlsServerConfig
+from crossroads.transport.dtls_endpoint import PskDtlsEndpoint
 from tests.conftest import eventually
 from tests.dtls_psk_support import DtlsPeer
 
@@ -43,8 +43,8 @@ async def test_a_wildcard_endpoint_answers_from_the_address_dialled(
     datagram from anywhere but its server: the handshake and an echo complete
     only when every reply leaves from 127.0.0.2."""
     events: list[Event] = []
-    core = DtlsServer(DtlsServerConfig(), psk_for, os.urandom)
-    endpoint = DtlsEndpoint(core, wildcard_socket, events.extend)
+    core = PskDtlsServer(PskDtlsServerConfig(), psk_for, os.urandom)
+    endpoint = PskDtlsEndpoint(core, wildcard_socket, events.extend)
     endpoint.start()
     peer = DtlsPeer(("127.0.0.2", wildcard_socket.getsockname()[1]), IDENTITY, PSK)
     try:

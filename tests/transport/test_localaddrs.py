@@ -62,7 +62,7 @@ def test_listening_ports_follow_the_sockets() -> None:
 def test_interface_addresses_in_a_namespace() -> None:
     """Every address of a veth end in a namespace of the test's own, the
     secondary one too (SIOCGIFCONF would miss the IPv6 one)."""
-    ns = f"h12p-{uuid.uuid4().hex[:8]}"
+    ns = f"lap-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
 

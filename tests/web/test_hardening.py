@@ -1,4 +1,4 @@
-"""Issue 24 note 11: the admin token inside the guessing budget, the API
+"""The admin token inside the guessing budget, the API
 documentation off by default, and HSTS on answers sent over HTTPS."""
 
 from __future__ import annotations

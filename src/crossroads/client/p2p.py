@@ -284,7 +284,7 @@ class P2PClient:
         bind6: Address | None | bool = True,
         relay: str = "allow",
         accept_join: Callable[[str], bool] | None = None,
-        mapped: sig.Endpoint | None = None,
+        mapped: sig.TransportAddress | None = None,
         socket_factory: Callable[[], socket.socket] | None = None,
         socket6_factory: Callable[[], socket.socket] | None = None,
         birthday_rate: float = ladder.BIRTHDAY_RATE,
@@ -389,7 +389,9 @@ class P2PClient:
             )
             mapping = await self.portmapper.start()
             if mapping is not None:
-                self.mapped = sig.Endpoint(mapping.external_ip, mapping.external_port)
+                self.mapped = sig.TransportAddress(
+                    mapping.external_ip, mapping.external_port
+                )
         welcome = await self._hello(timeout)
         # NAT detection and the TURN allocation open flows of their own; on a
         # sequential NAT each takes a port, so they go before the rendezvous
@@ -741,7 +743,7 @@ class P2PClient:
             # Relay only: peers learn no address of ours (no host candidates;
             # no rendezvous either, so the server has no public one to pass on).
             return sig.Candidates(
-                relay=sig.Endpoint(*self.turn.relayed) if self.turn else None,
+                relay=sig.TransportAddress(*self.turn.relayed) if self.turn else None,
                 nat=self.mapping,
             )
         local = []
@@ -750,16 +752,16 @@ class P2PClient:
         ip = bound if not ipaddress.ip_address(bound).is_unspecified else None
         ip = ip or _local_ip_towards(self._server_ip)
         if ip is not None:
-            local.append(sig.Endpoint(ip, port))
+            local.append(sig.TransportAddress(ip, port))
         if self.socket.v6 is not None:
             bound6, port6 = self.socket.v6.local
             ip6 = _ipv6_host_address(bound6)
             if ip6 is not None:
-                local.insert(0, sig.Endpoint(ip6, port6))  # IPv6 first, as ICE
+                local.insert(0, sig.TransportAddress(ip6, port6))  # IPv6 first, as ICE
         return sig.Candidates(
             local=tuple(local),
             mapped=self.mapped,
-            relay=sig.Endpoint(*self.turn.relayed) if self.turn else None,
+            relay=sig.TransportAddress(*self.turn.relayed) if self.turn else None,
             nat=self.nat.name if self.nat is not None else self.mapping,
             flows=self.socket.flows(self._rendezvous),
         )

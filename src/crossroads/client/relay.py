@@ -31,7 +31,7 @@ A joining player::
 inside DTLS 1.2 (PSK) to the allocation's ``dtls`` endpoint, as Unity Transport
 does with ``RelayServerData(allocation, "dtls")``: the handshake (identity = the
 16 raw allocation ID bytes, PSK = the key) runs before the BIND, then each relay
-message is one DTLS record (:class:`crossroads.proto.dtls.client.DtlsClient`).
+message is one DTLS record (:class:`crossroads.proto.dtls.client.PskDtlsClient`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from crossroads.client.qos import (
 )
 from crossroads.errors import CrossroadsError
 from crossroads.proto.dtls.client import ClientState as DtlsState
-from crossroads.proto.dtls.client import DtlsClient
+from crossroads.proto.dtls.client import PskDtlsClient
 from crossroads.proto.dtls.handshake import ApplicationData, HandshakeFailed
 from crossroads.proto.dtls.handshake import Event as DtlsEvent
 from crossroads.proto.relay import client as core
@@ -270,7 +270,7 @@ class RelayConnection:
             config=config,
         )
         #: The DTLS session (``secure``); a new one per local socket.
-        self.dtls: DtlsClient | None = None
+        self.dtls: PskDtlsClient | None = None
         #: DTLS events other than data (established, failed, closed), in order.
         self.dtls_history: list[DtlsEvent] = []
         self._loop = asyncio.get_running_loop()
@@ -422,7 +422,7 @@ class RelayConnection:
     # ------------------------------------------------------------- plumbing
 
     async def _handshake(self, timeout: float) -> None:
-        self.dtls = DtlsClient(
+        self.dtls = PskDtlsClient(
             self.server,
             self.allocation.allocation_id_bytes,
             self.allocation.key,

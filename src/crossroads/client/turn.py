@@ -80,7 +80,7 @@ from crossroads.proto.turn.channeldata import (
     parse_channel_data,
 )
 from crossroads.proto.turn.credentials import LongTermSession
-from crossroads.transport.dtls import DtlsClient, dtls_connect
+from crossroads.transport.dtls import DtlsConnection, dtls_connect
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.types import Address
 
@@ -234,7 +234,7 @@ class TurnClient:
     )
     _udp: asyncio.DatagramTransport | None = field(default=None, init=False)
     _tcp: asyncio.Transport | None = field(default=None, init=False)
-    _dtls: DtlsClient | None = field(default=None, init=False)
+    _dtls: DtlsConnection | None = field(default=None, init=False)
     _refresher: asyncio.Task[None] | None = field(default=None, init=False)
     _allocation_deadline: float = field(default=0.0, init=False)
     _closed: bool = field(default=False, init=False)

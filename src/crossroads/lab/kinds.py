@@ -25,7 +25,7 @@ router's network namespace; docs/nat-lab.md explains each one. In short:
   firewall): the packet is delivered to the router, conntrack confirms an entry for
   it, and when the host later sends from that port to that remote endpoint, SNAT
   finds the reply tuple taken and picks another external port: the mapping is
-  *remapped* for exactly the peer that knocked first (issue 15).
+  *remapped* for exactly the peer that knocked first (docs/natneg.md).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ KINDS: tuple[NatKind, ...] = (
 
 #: Router variants: built in the lab (sites ``-a`` and ``-b``) and usable by name
 #: (``lab matrix --kinds``, ``lab exec``), but not in the default matrix. None at
-#: the moment: ``port-restricted-remap`` joined the default matrix (issue 15).
+#: the moment: ``port-restricted-remap`` is in the default matrix, as common as it is.
 VARIANT_KINDS: tuple[NatKind, ...] = ()
 
 KINDS_BY_NAME: dict[str, NatKind] = {

@@ -23,10 +23,11 @@ from crossroads.proto.core import (
     StreamCore,
     TimedCore,
 )
-from crossroads.proto.dtls.client import DtlsClient
-from crossroads.proto.dtls.server import DtlsServer
-from crossroads.proto.natneg.server import Endpoint as NatNegSocket
-from crossroads.proto.natneg.server import NatNegServer
+from crossroads.proto.dtls.certificate_client import DtlsClient
+from crossroads.proto.dtls.certificate_server import DtlsServer
+from crossroads.proto.dtls.client import PskDtlsClient
+from crossroads.proto.dtls.server import PskDtlsServer
+from crossroads.proto.natneg.server import NatNegServer, NatNegSocket
 from crossroads.proto.openttd.duties import Duties
 from crossroads.proto.openttd.ladder import ConnectAttempt
 from crossroads.proto.openttd.lobby import TurnLobby
@@ -56,6 +57,8 @@ DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
     DtlsClient,
     DtlsServer,
     QosServer,
+    PskDtlsClient,
+    PskDtlsServer,
     RakNetNode,
     RakNetServer,
     RelayClient,
@@ -106,6 +109,8 @@ EVENT_SOURCES: tuple[type[EventSource[Any]], ...] = (
     Duties,
     DtlsClient,
     DtlsServer,
+    PskDtlsClient,
+    PskDtlsServer,
     NatNegServer,
     RakNetNode,
     RakNetServer,

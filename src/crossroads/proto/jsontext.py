@@ -4,8 +4,8 @@
 of more than 4,300 digits raises a plain ``ValueError`` (CPython's limit on
 int/str conversion, CVE-2020-10735), a few thousand nested brackets raise
 ``RecursionError``, and bytes that are not UTF-8 raise ``UnicodeDecodeError``.
-Each of those escaped to the HTTP layer as a 500 with a traceback (issue 12,
-item 9). Every JSON body or frame crossroads reads goes through :func:`loads`.
+Each of those would escape to the HTTP layer as a 500 with a traceback, where
+the client's fault must be a 4xx. Every JSON body or frame crossroads reads goes through :func:`loads`.
 """
 
 from __future__ import annotations

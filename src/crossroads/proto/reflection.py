@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from crossroads.types import frozen
 
-#: DESIGN.md / issue 12: "over any 10 s window". Seconds per period.
+#: DESIGN.md: a reflector must not amplify "over any 10 s window". Seconds per period.
 WINDOW = 10.0
 #: "A small allowance (a few KiB)": 4 KiB covers ~60 STUN Binding exchanges
 #: (68 B over their request each) or ~40 TURN 401 challenges (100 B over) per

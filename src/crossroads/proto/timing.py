@@ -5,8 +5,8 @@ each peer sends its first packet (a natneg CONNECT_PING, a TCP SYN) the moment t
 message arrives. If one peer's first packet reaches the other's router before that
 router's own peer has sent anything toward it, a port-restricted router drops it,
 and a router that accepts unsolicited input keeps a conntrack entry that makes it
-remap its own peer's port when that peer sends -- the first attempt fails (issue 15;
-the arithmetic is in docs/natneg.md, "CONNECT timing").
+remap its own peer's port when that peer sends -- the first attempt fails (the
+arithmetic is in docs/natneg.md, "CONNECT timing").
 
 The server knows each peer's round-trip time ``rtt``; the message takes about
 ``rtt / 2`` to arrive. Sending to the farther peer first and to the nearer one

@@ -26,74 +26,20 @@ from crossroads.config import Config
 from crossroads.insight import InsightRecorder
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.reflection import ReflectionBudget, ReflectionSettings
+from crossroads.service_types import Impairable as Impairable
+from crossroads.service_types import Service as Service  # re-exported
+from crossroads.service_types import SessionAdmin as SessionAdmin
+from crossroads.service_types import SessionInfo as SessionInfo
 from crossroads.store.base import Store
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.kernel_drops import KernelDropCollector
 from crossroads.transport.localaddrs import own_addresses
-from crossroads.transport.relay import Impairment
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates
-from crossroads.types import Address, IPAddress, frozen
+from crossroads.types import Address, IPAddress
 from crossroads.types import show_address as show_address  # re-exported
 
 T = TypeVar("T")
-
-
-class Service(Protocol):
-    """A running service."""
-
-    name: str
-
-    def describe(self) -> list[str]:
-        """Where it listens, one string each (``"udp 0.0.0.0:3478"``)."""
-        ...
-
-    async def close(self) -> None:
-        """Stop listening and release every socket and task. Idempotent."""
-        ...
-
-
-@frozen
-class SessionInfo:
-    """One live session as admin tools show it (web console, ``crossroads
-    sessions``). Plain strings and numbers: it is sent as JSON."""
-
-    #: Stable while the session lives; what :meth:`SessionAdmin.revoke` takes.
-    id: str
-    #: The client's transport address, ``host:port`` (``[v6]:port``).
-    client: str
-    #: User name, or "" when the protocol has none.
-    user: str = ""
-    #: One short line: relayed addresses, peers, region ...
-    detail: str = ""
-    #: Seconds until it expires unless refreshed (None: no deadline).
-    expires_in: float | None = None
-    #: False for sessions that end on their own within seconds (natneg
-    #: negotiations): listed, never revoked.
-    revocable: bool = True
-
-
-@runtime_checkable
-class SessionAdmin(Protocol):
-    """A service whose live sessions an operator can list and end."""
-
-    def sessions(self) -> list[SessionInfo]:
-        """Every live session of this process."""
-        ...
-
-    def revoke(self, session_id: str) -> bool:
-        """End one session now; False when no such session is live."""
-        ...
-
-
-@runtime_checkable
-class Impairable(Protocol):
-    """A service whose relayed sessions an operator may impair for QA (delay,
-    jitter, loss; the console's ``/console/api/admin/impair``)."""
-
-    def impair(self, session_id: str, impairment: Impairment | None) -> bool:
-        """Impair one live session (None: stop); False when no such session."""
-        ...
 
 
 @runtime_checkable

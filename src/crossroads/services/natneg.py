@@ -63,9 +63,9 @@ from crossroads.proto.insight import Attempt, Step, Usage
 from crossroads.proto.natneg.packets import PacketType
 from crossroads.proto.natneg.server import (
     RELAY_REASONS,
-    Endpoint,
     Event,
     NatNegServer,
+    NatNegSocket,
     NegotiationFinished,
     Outcome,
     RelayMode,
@@ -313,13 +313,13 @@ def _ipv4_host(host: str, what: str) -> str:
 
 @frozen
 class Layout:
-    """Which socket serves which :class:`Endpoint`, and the probe choices."""
+    """Which socket serves which :class:`NatNegSocket`, and the probe choices."""
 
-    binds: dict[Endpoint, Address]
+    binds: dict[NatNegSocket, Address]
     #: Endpoints that share the socket of another (endpoint -> owner).
-    shared: dict[Endpoint, Endpoint]
-    unsolicited_ip: Endpoint | None
-    unsolicited_port: Endpoint | None
+    shared: dict[NatNegSocket, NatNegSocket]
+    unsolicited_ip: NatNegSocket | None
+    unsolicited_port: NatNegSocket | None
 
 
 def plan_layout(cfg: Config, core_host: str) -> Layout:
@@ -332,26 +332,26 @@ def plan_layout(cfg: Config, core_host: str) -> Layout:
     probe_port = cfg.probe_port
     if probe_port < 0:
         probe_port = cfg.port + 1 if 0 < cfg.port < 65535 else 0
-    wanted: list[tuple[Endpoint, Address]] = [
-        (Endpoint.PRIMARY, (host, cfg.port)),
-        (Endpoint.NATNEG2, nn2),
-        (Endpoint.NATNEG3, nn3),
-        (Endpoint.PROBE_PORT, (host, probe_port)),
+    wanted: list[tuple[NatNegSocket, Address]] = [
+        (NatNegSocket.PRIMARY, (host, cfg.port)),
+        (NatNegSocket.NATNEG2, nn2),
+        (NatNegSocket.NATNEG3, nn3),
+        (NatNegSocket.PROBE_PORT, (host, probe_port)),
     ]
     if cfg.probe_host:
         probe_ip = _ipv4_host(cfg.probe_host, "probe_host")
-        wanted.append((Endpoint.PROBE_IP, (probe_ip, probe_port)))
+        wanted.append((NatNegSocket.PROBE_IP, (probe_ip, probe_port)))
     # "Same as port" on the same host is the same socket, even for port 0.
     same_as_primary = {
-        Endpoint.NATNEG2: cfg.natneg2_port < 0 and nn2_host == host,
-        Endpoint.NATNEG3: cfg.natneg3_port < 0 and nn3_host == host,
+        NatNegSocket.NATNEG2: cfg.natneg2_port < 0 and nn2_host == host,
+        NatNegSocket.NATNEG3: cfg.natneg3_port < 0 and nn3_host == host,
     }
-    binds: dict[Endpoint, Address] = {}
-    shared: dict[Endpoint, Endpoint] = {}
+    binds: dict[NatNegSocket, Address] = {}
+    shared: dict[NatNegSocket, NatNegSocket] = {}
     for endpoint, address in wanted:
-        owner: Endpoint | None = None
+        owner: NatNegSocket | None = None
         if same_as_primary.get(endpoint):
-            owner = Endpoint.PRIMARY
+            owner = NatNegSocket.PRIMARY
         elif address[1] != 0:
             # Port 0 means "any free port": never the same socket as another.
             owner = next((e for e, a in binds.items() if a == address), None)
@@ -359,15 +359,15 @@ def plan_layout(cfg: Config, core_host: str) -> Layout:
             binds[endpoint] = address
         else:
             shared[endpoint] = owner
-    if Endpoint.PROBE_PORT in shared:
+    if NatNegSocket.PROBE_PORT in shared:
         raise ConfigError("natneg.probe_port: must differ from the natneg ports")
-    unsolicited_ip: Endpoint | None = None
-    if Endpoint.PROBE_IP in binds:
-        unsolicited_ip = Endpoint.PROBE_IP
-    elif Endpoint.NATNEG3 in binds and nn3[0] not in (host, nn2[0], "0.0.0.0"):
+    unsolicited_ip: NatNegSocket | None = None
+    if NatNegSocket.PROBE_IP in binds:
+        unsolicited_ip = NatNegSocket.PROBE_IP
+    elif NatNegSocket.NATNEG3 in binds and nn3[0] not in (host, nn2[0], "0.0.0.0"):
         # The NATify ERT socket sends to natneg1 and natneg2 only (ref §5).
-        unsolicited_ip = Endpoint.NATNEG3
-    return Layout(binds, shared, unsolicited_ip, Endpoint.PROBE_PORT)
+        unsolicited_ip = NatNegSocket.NATNEG3
+    return Layout(binds, shared, unsolicited_ip, NatNegSocket.PROBE_PORT)
 
 
 # ---------------------------------------------------------------- metrics
@@ -472,7 +472,7 @@ class NatNegService:
         self._games: dict[int, str] = {}
         if relay is not None:
             relay.on_release = self._pair_released
-        self.addresses: dict[Endpoint, Address] = {}
+        self.addresses: dict[NatNegSocket, Address] = {}
         self._loop = asyncio.get_running_loop()
         #: The core on its sockets (opened by :func:`serve`).
         self.driver = SocketSetDriver(core, self._handle_events)
@@ -676,11 +676,11 @@ class NatNegService:
         if not self.driver.sockets and not self._notes:
             return ["disabled"]
         roles = {
-            Endpoint.PRIMARY: "natneg1",
-            Endpoint.NATNEG2: "natneg2",
-            Endpoint.NATNEG3: "natneg3",
-            Endpoint.PROBE_PORT: "probe port",
-            Endpoint.PROBE_IP: "probe ip",
+            NatNegSocket.PRIMARY: "natneg1",
+            NatNegSocket.NATNEG2: "natneg2",
+            NatNegSocket.NATNEG3: "natneg3",
+            NatNegSocket.PROBE_PORT: "probe port",
+            NatNegSocket.PROBE_IP: "probe ip",
         }
         lines = [
             f"udp {show_address(address)} ({roles[endpoint]})"
@@ -731,11 +731,11 @@ def core_config(cfg: Config, layout: Layout) -> ServerConfig:
 
 #: Listener kinds in the resource registry, by endpoint.
 KINDS = {
-    Endpoint.PRIMARY: "natneg1",
-    Endpoint.NATNEG2: "natneg2",
-    Endpoint.NATNEG3: "natneg3",
-    Endpoint.PROBE_PORT: "natneg-probe-port",
-    Endpoint.PROBE_IP: "natneg-probe-ip",
+    NatNegSocket.PRIMARY: "natneg1",
+    NatNegSocket.NATNEG2: "natneg2",
+    NatNegSocket.NATNEG3: "natneg3",
+    NatNegSocket.PROBE_PORT: "natneg-probe-port",
+    NatNegSocket.PROBE_IP: "natneg-probe-ip",
 }
 
 
@@ -796,7 +796,7 @@ async def serve(ctx: ServiceContext) -> NatNegService:
     sessions = session_table(ctx.resources, cfg, core)
     relay: RelayPool | None = None
     notes: list[str] = []
-    bind_host = layout.binds[Endpoint.PRIMARY][0]
+    bind_host = layout.binds[NatNegSocket.PRIMARY][0]
     advertise = _relay_advertise(cfg, ctx.config.core.public_host, bind_host)
     if cfg.relay_mode != RelayMode.NEVER.value:
         if advertise is None:

@@ -227,7 +227,7 @@ class P2PService:
         )
         self._resources = ctx.resources
         #: Hosted sessions, per source and in total: a fraction of the total
-        #: per source, as every table of the budget (issue 24 finding 7).
+        #: per source, as every table of the budget (transport/admission.py).
         self.session_table = ctx.resources.table(
             SESSION_TABLE,
             max_items=config.max_sessions,
@@ -320,7 +320,7 @@ class P2PService:
             max_connections=self.config.max_connections,
             max_connections_per_ip=self.config.max_connections_per_ip,
             relay_bytes_per_second=self.config.relay_bytes_per_second,
-            udp=tuple(sig.Endpoint(advertised, port) for _, port in self._udp),
+            udp=tuple(sig.TransportAddress(advertised, port) for _, port in self._udp),
         )
         self._directory_task = asyncio.create_task(self._apply_directory_ops())
         self._heartbeat_task = asyncio.create_task(self._refresh_codes())
@@ -602,7 +602,10 @@ def signalling_url(host: str, port: int) -> str:
 
 
 def turn_credentials(
-    secret: str, server: sig.Endpoint, ttl: int, clock: Callable[[], float] = time.time
+    secret: str,
+    server: sig.TransportAddress,
+    ttl: int,
+    clock: Callable[[], float] = time.time,
 ) -> Callable[[str], sig.TurnInfo]:
     """coturn's REST-API credentials (draft-uberti-behave-turn-rest-00):
     username ``<expiry>:<peer id>``, password ``base64(HMAC-SHA1(secret, username))``."""
@@ -648,7 +651,7 @@ async def serve(ctx: ServiceContext) -> Service:
     if secret and server:
         host, _, port = server.rpartition(":")
         try:
-            endpoint = sig.Endpoint(host.strip("[]"), int(port))
+            endpoint = sig.TransportAddress(host.strip("[]"), int(port))
         except ValueError:
             raise ConfigError(f"p2p.turn_server: {server!r} is not HOST:PORT") from None
         turn = ctx.config.sections.get("turn") if ctx.config.enabled("turn") else None

@@ -8,7 +8,7 @@ every ``__timeoutSec - 1`` s). ``ms2:game:<game>`` marks the game as known for a
 long as any of its rows could live. Each IP may hold at most 10 rows
 (``ms2:ip:<ip>`` maps each row to its expiry time).
 
-Passwords belong to rows, not to the game id (issue 12: the first poster of a
+Passwords belong to rows, not to the game id (otherwise the first poster of a
 game id used to set ``__updatePW``/``__readPW`` for the whole game and so lock
 everyone else out of it): ``__updatePW`` and ``__rowPW`` given when a row is
 created guard updating and deleting *that row*; ``__readPW`` hides *that row*
@@ -43,7 +43,7 @@ from crossroads.proto.masterserver.rows import (
     results_hint,
 )
 from crossroads.store.base import Store
-from crossroads.web.app import log_client_error
+from crossroads.transport.httpapi import log_client_error
 
 #: Bodies larger than this are refused with 413 before parsing (64 columns of
 #: 1 KiB values fit).

@@ -9,7 +9,7 @@ One process runs, by default, both halves:
   load) with a TTL refreshed by a heartbeat, so a node that dies disappears from
   the allocation service by itself;
 - the **allocations API** (``/v1/allocate``, ``/v1/joincode``, ``/v1/join``,
-  ``/v1/regions``; :mod:`crossroads.web.relay`), which picks the least-loaded live
+  ``/v1/regions``; :mod:`crossroads.services.relay_api`), which picks the least-loaded live
   node of a region and hands out sealed connection data and keys.
 
 ``--relay-node-only`` and ``--relay-api-only`` split them across processes that
@@ -87,6 +87,7 @@ from crossroads.services.relay_allocations import (
     node_key,
     pending_key,
 )
+from crossroads.services.relay_api import ApiKeys, make_router
 from crossroads.services.relay_dtls import RelayDtls
 from crossroads.store.base import Store
 from crossroads.store.shared_secret import SharedSecret
@@ -107,7 +108,6 @@ from crossroads.transport.sockets import (
 )
 from crossroads.transport.tls import TlsAcceptor, tls_tables
 from crossroads.types import frozen
-from crossroads.web.relay import ApiKeys, make_router
 
 NAME = "relay"
 log = logging.getLogger("crossroads.relay")

@@ -1,6 +1,6 @@
 """The relay's allocations model: node records, allocations and join codes in the store.
 
-The allocations API (:mod:`crossroads.web.relay`) hands players sealed grants
+The allocations API (:mod:`crossroads.services.relay_api`) hands players sealed grants
 through :class:`Allocator`; the relay nodes (:mod:`crossroads.services.relay`)
 register themselves as :class:`NodeInfo` records and keep their allocations'
 records alive. Both sides meet only in the store, under the keys below (the

@@ -41,11 +41,11 @@ from crossroads.proto.dtls.handshake import (
     HandshakeFailed,
     HelloReceived,
 )
-from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig
+from crossroads.proto.dtls.server import PskDtlsServer, PskDtlsServerConfig
 from crossroads.proto.relay.server import RelayServer
 from crossroads.ratelog import RateLimitedLog
 from crossroads.transport.admission import Pool, ResourceBudget
-from crossroads.transport.dtls_endpoint import DtlsEndpoint
+from crossroads.transport.dtls_endpoint import PskDtlsEndpoint
 from crossroads.transport.relay import RelayEndpoint
 from crossroads.types import Address
 
@@ -116,7 +116,7 @@ class RelayDtls:
         budget: ResourceBudget | None = None,
     ) -> None:
         self.relay = relay
-        config = DtlsServerConfig(first_message_timeout=FIRST_MESSAGE_TIMEOUT)
+        config = PskDtlsServerConfig(first_message_timeout=FIRST_MESSAGE_TIMEOUT)
         self.budget = budget
         handshakes: Admitter | None = None
         sessions: Admitter | None = None
@@ -137,14 +137,14 @@ class RelayDtls:
                 bytes_per_item=SESSION_BYTES,
                 preauth_deadline=FIRST_MESSAGE_TIMEOUT,
             )
-        core = DtlsServer(
+        core = PskDtlsServer(
             config,
             psk_lookup(relay.core),
             os.urandom,
             handshake_table=handshakes,
             session_table=sessions,
         )
-        self.endpoint = DtlsEndpoint(core, sock, self._on_events)
+        self.endpoint = PskDtlsEndpoint(core, sock, self._on_events)
         self.auth_log = RateLimitedLog(log)
         self._offers_logged: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
 

@@ -26,8 +26,8 @@ log = logging.getLogger("crossroads.store")
 
 class OutageLog:
     """One log line when the store becomes unreachable and one when it answers
-    again, however many operations fail in between (issue 12: a traceback per
-    request and per heartbeat buried the one fact that mattered)."""
+    again, however many operations fail in between (a traceback per
+    request and per heartbeat would bury the one fact that matters)."""
 
     def __init__(self, url: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url

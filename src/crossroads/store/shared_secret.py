@@ -7,7 +7,7 @@ instance must hold, created once in the store (``SET NX``) when none is
 configured. The store may lose it: a Redis restarted without persistence
 (``--save ''``) comes back empty. Before, the next instance to start then drew a
 new key and the cluster split in two: tokens from one half failed on the other
-and OpenTTD servers lost their invite codes (issue 12, item 6).
+and OpenTTD servers lost their invite codes.
 
 So every instance that holds the key re-publishes it on each heartbeat with
 ``SET NX``: the first write after the store came back wins, and every other

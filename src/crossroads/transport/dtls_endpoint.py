@@ -1,4 +1,4 @@
-"""Runs a :class:`~crossroads.proto.dtls.server.DtlsServer` on one UDP socket.
+"""Runs a :class:`~crossroads.proto.dtls.server.PskDtlsServer` on one UDP socket.
 
 The same driver as :class:`crossroads.transport.relay.RelayEndpoint`
 (:class:`~crossroads.transport.driver.TapDriver`): the socket is read by the
@@ -8,7 +8,7 @@ otherwise), so every datagram reaches the core in arrival order through the
 tap's fallback; the core's one timer is re-armed after every batch, and what
 the core emits is sent with non-blocking ``sendto`` (a full kernel buffer drops
 and counts the datagram, as a UDP server should). Decrypted records and session changes go to ``on_events``; whoever
-owns the endpoint answers through :meth:`DtlsEndpoint.send_to`.
+owns the endpoint answers through :meth:`PskDtlsEndpoint.send_to`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ import socket
 from collections.abc import Callable, Mapping
 
 from crossroads.proto.dtls.handshake import Closed, Established, Event
-from crossroads.proto.dtls.server import DtlsServer
+from crossroads.proto.dtls.server import PskDtlsServer
 from crossroads.transport.driver import TapDriver
 from crossroads.types import Address
 
 
-class DtlsEndpoint(TapDriver[DtlsServer]):
+class PskDtlsEndpoint(TapDriver[PskDtlsServer]):
     """One DTLS server core on one bound, non-blocking UDP socket."""
 
     def __init__(
         self,
-        core: DtlsServer,
+        core: PskDtlsServer,
         sock: socket.socket,
         on_events: Callable[[list[Event]], None] = lambda events: None,
     ) -> None:

@@ -59,9 +59,10 @@ from crossroads.proto.relay.server import (
     ForwardEntry,
     RelayServer,
 )
+from crossroads.service_types import Impairment as Impairment  # re-exported
 from crossroads.transport.dataplane import RouteLike, make_route
 from crossroads.transport.driver import TapDriver
-from crossroads.types import Address, frozen
+from crossroads.types import Address
 
 #: First port of the client addresses given to stream connections: one above
 #: the largest UDP port (see the module doc).
@@ -71,22 +72,6 @@ STREAM_PORT_BASE = 0x10000
 #: beyond, a frame is dropped and counted.
 MAX_IMPAIRED_PENDING = 4096
 _RELAY = header(MessageType.RELAY)
-
-
-@frozen
-class Impairment:
-    """QA impairment of one allocation's relayed frames, both ways (admin
-    only, off unless set): each frame is lost with probability ``loss``, else
-    sent ``delay`` seconds later, plus or minus up to ``jitter`` (uniform;
-    frames may then arrive out of order, as on a real jittery path)."""
-
-    delay: float = 0.0
-    jitter: float = 0.0
-    loss: float = 0.0
-
-    @property
-    def active(self) -> bool:
-        return bool(self.delay or self.jitter or self.loss)
 
 
 class SecureSide(Protocol):

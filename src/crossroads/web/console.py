@@ -27,11 +27,11 @@ import hmac
 import html
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import KW_ONLY, InitVar, asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -42,16 +42,10 @@ from crossroads.config import Config
 from crossroads.errors import StoreError
 from crossroads.proto.budget import BudgetConfig, FailureBudget
 from crossroads.proto.insight import FAMILIES as INSIGHT_FAMILIES
-from crossroads.services.base import (
-    Impairable,
-    Service,
-    SessionAdmin,
-    show_address,
-)
-from crossroads.transport.relay import Impairment
+from crossroads.service_types import Impairable, Impairment, Service, SessionAdmin
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import Certificates
-from crossroads.types import frozen
+from crossroads.types import frozen, show_address
 
 #: Seconds between two readings of the counters: fine enough for "packets per
 #: second right now", coarse enough to cost nothing (one registry walk).
@@ -192,6 +186,32 @@ class ClientPorts:
     openttd_stun: int = 3975
     relay: int = 7780
     http: int = 8080
+
+
+class RelayNode(Protocol):
+    """What the console shows of one relay node (the relay service's
+    ``NodeInfo`` has these fields)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def region(self) -> str: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def load(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def qos_host(self) -> str: ...
+    @property
+    def qos_port(self) -> int: ...
+
+
+async def _no_relay_nodes() -> Sequence[RelayNode]:
+    return []
 
 
 @frozen
@@ -357,6 +377,15 @@ class Console:
     config: Config = field(repr=False)
     metrics: InitVar[CollectorRegistry]
     services: Callable[[], Mapping[str, Service]]
+    # What the console reads of particular services, given by the runtime
+    # (web/ does not import services/: the layer order in tests/test_imports.py).
+    #: Every live relay node (the relay service's store view), [] without one.
+    relay_nodes_source: Callable[[], Awaitable[Sequence[RelayNode]]] = _no_relay_nodes
+    #: The ports clients reach the services of this process on, as bound, by
+    #: :class:`ClientPorts` field (``stun``, ``coordinator`` ...; not ``http``).
+    bound_ports: Callable[[], Mapping[str, int]] = dict
+    #: The port TURN over TLS listens on, None when it does not.
+    turn_tls_port: Callable[[], int | None] = lambda: None
     #: The runtime's resource registry (listeners, tables, caps), read by
     #: ``crossroads doctor`` and the adversarial battery; None: not shown.
     resources: Callable[[], dict[str, Any]] | None = None
@@ -405,13 +434,8 @@ class Console:
     async def relay_nodes(self) -> list[dict[str, Any]]:
         """Relay nodes by region with their load (public: clients are handed
         these addresses by the allocations API anyway)."""
-        from crossroads.services.relay import RelayService
-
-        relay = self.services().get("relay")
-        if not isinstance(relay, RelayService):
-            return []
         try:
-            nodes = await relay.live_nodes()
+            nodes = await self.relay_nodes_source()
         except StoreError:
             return []
         return [
@@ -460,16 +484,10 @@ class Console:
     def turn_tls(self) -> TurnTls | None:
         """TURN over TLS if this process serves it: its port and the DNS names
         of the certificate (public: every TLS client is shown it)."""
-        from crossroads.services.stun import StunService
-
-        stun = self.services().get("stun")
-        if (
-            self.certificates is None
-            or not isinstance(stun, StunService)
-            or not stun.tls_addresses
-        ):
+        port = self.turn_tls_port()
+        if self.certificates is None or port is None:
             return None
-        return TurnTls(stun.tls_addresses[0][1], self.certificates.dns_names)
+        return TurnTls(port, self.certificates.dns_names)
 
     def session_admins(self) -> dict[str, SessionAdmin]:
         return {
@@ -518,23 +536,7 @@ class Console:
 
     def client_ports(self, http_port: int) -> ClientPorts:
         """Where this process's services actually listen (public accessors)."""
-        from crossroads.services.openttd import OpenTTDService
-        from crossroads.services.relay import RelayService
-        from crossroads.services.stun import StunService
-
-        services = self.services()
-        found: dict[str, int] = {"http": http_port}
-        stun = services.get("stun")
-        if isinstance(stun, StunService):
-            found["stun"] = stun.primary[1]
-        openttd = services.get("openttd")
-        if isinstance(openttd, OpenTTDService):
-            found["coordinator"] = openttd.address("coordinator")[1]
-            found["openttd_stun"] = openttd.address("stun")[1]
-        relay = services.get("relay")
-        if isinstance(relay, RelayService) and relay.node is not None:
-            found["relay"] = relay.node.info.port
-        return ClientPorts(**found)
+        return ClientPorts(**{**self.bound_ports(), "http": http_port})
 
     # ------------------------------------------------------------ pages
 

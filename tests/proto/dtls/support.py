@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from crossroads.proto.dtls.client import DtlsClient
-from crossroads.proto.dtls.server import DtlsServer, DtlsServerConfig
+from crossroads.proto.dtls.client import PskDtlsClient
+from crossroads.proto.dtls.server import PskDtlsServer, PskDtlsServerConfig
 from crossroads.types import Address
 
 SERVER: Address = ("192.0.2.10", 7781)
@@ -26,9 +26,9 @@ def keys(table: dict[bytes, bytes]) -> Callable[[bytes], tuple[bytes, ...]]:
     return lookup
 
 
-def make_server(**config: object) -> DtlsServer:
-    return DtlsServer(
-        DtlsServerConfig(**config),  # type: ignore[arg-type]
+def make_server(**config: object) -> PskDtlsServer:
+    return PskDtlsServer(
+        PskDtlsServerConfig(**config),  # type: ignore[arg-type]
         keys({IDENTITY: PSK}),
         os.urandom,
     )
@@ -36,8 +36,8 @@ def make_server(**config: object) -> DtlsServer:
 
 def make_client(
     identity: bytes = IDENTITY, psk: bytes = PSK, **options: object
-) -> DtlsClient:
-    return DtlsClient(SERVER, identity, psk, os.urandom, **options)  # type: ignore[arg-type]
+) -> PskDtlsClient:
+    return PskDtlsClient(SERVER, identity, psk, os.urandom, **options)  # type: ignore[arg-type]
 
 
 class Wire:
@@ -47,7 +47,9 @@ class Wire:
     every datagram that crossed is recorded.
     """
 
-    def __init__(self, client: DtlsClient, server: DtlsServer, addr: Address = CLIENT):
+    def __init__(
+        self, client: PskDtlsClient, server: PskDtlsServer, addr: Address = CLIENT
+    ):
         self.client = client
         self.server = server
         self.addr = addr

@@ -14,7 +14,7 @@ from crossroads.proto.dtls.handshake import (
     HandshakeFailed,
     HelloReceived,
 )
-from crossroads.proto.dtls.server import DtlsServerConfig
+from crossroads.proto.dtls.server import PskDtlsServerConfig
 from tests.proto.dtls.support import (
     CLIENT,
     IDENTITY,
@@ -399,7 +399,7 @@ def test_a_fragmented_client_hello_is_dropped_without_state() -> None:
 
 
 def test_defaults_are_the_ones_the_readme_states() -> None:
-    config = DtlsServerConfig()
+    config = PskDtlsServerConfig()
     assert config.cipher_suites == (0x00A8, 0x00A9, 0xC0A4, 0xC0A8)
     assert (config.max_handshakes_per_ip, config.max_handshakes) == (8, 1024)
     assert config.handshake_timeout == 15.0

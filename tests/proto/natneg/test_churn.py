@@ -1,11 +1,11 @@
 """The natneg core under churn: 2,000 negotiations (two clients, INIT on every
 port, CONNECT_ACK, session ends) leave live-object counts where they started
-(issue 12 item 4; a guard — the core did not leak before either)."""
+(a guard: the core never leaked)."""
 
 from __future__ import annotations
 
 from crossroads.proto.natneg.server import NatNegServer
-from tests.adversarial.h12_turn_support import grown, live_objects
+from tests.adversarial.turn_quota_support import grown, live_objects
 from tests.proto.natneg.test_server import Client, ack, negotiate, run_until, tight
 
 NEGOTIATIONS = 2_000

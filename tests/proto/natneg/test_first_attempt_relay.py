@@ -1,4 +1,4 @@
-"""The first-attempt relay rule (issue 25 item 3), driven in memory with a fake
+"""The first-attempt relay rule, driven in memory with a fake
 clock: from what the server learns at INIT -- the NN1/NN2/NN3 mappings and an ERT
 probe from another server port -- a pair that pinging cannot connect (an
 endpoint-dependent mapping against address-and-port-dependent filtering) is
@@ -9,8 +9,8 @@ from __future__ import annotations
 from crossroads.proto.natneg.packets import ErtTest, decode
 from crossroads.proto.natneg.server import (
     RELAY_REASONS,
-    Endpoint,
     NatNegServer,
+    NatNegSocket,
     RelayNeeded,
     ServerConfig,
     SessionId,
@@ -30,10 +30,10 @@ FIRST = SessionId(COOKIE, 1)
 
 def probing(**overrides: object) -> ServerConfig:
     """The service's layout: a probe socket on natneg1's IP, another port."""
-    return tight(unsolicited_port=Endpoint.PROBE_PORT, **overrides)
+    return tight(unsolicited_port=NatNegSocket.PROBE_PORT, **overrides)
 
 
-def erts(out: Sent) -> list[tuple[bytes, tuple[str, int], Endpoint]]:
+def erts(out: Sent) -> list[tuple[bytes, tuple[str, int], NatNegSocket]]:
     return [item for item in out if isinstance(decode(item[0]), ErtTest)]
 
 
@@ -46,7 +46,7 @@ def answer(
     for wire, addr, endpoint in erts(out):
         if ip is not None and addr[0] != ip:
             continue
-        if endpoint is Endpoint.PROBE_PORT and not probe:
+        if endpoint is NatNegSocket.PROBE_PORT and not probe:
             continue
         core.receive_datagram(wire[:7] + b"\x03" + wire[8:21], addr, now, endpoint)
     return core.datagrams_to_send(now)
@@ -71,8 +71,8 @@ def test_symmetric_against_a_port_filter_is_relayed_on_the_first_attempt() -> No
     # The guest's own ERT (from natneg1) and the probe (from the probe port),
     # both to its negotiate socket; the symmetric host gets no probe.
     assert sorted((addr, ep) for _, addr, ep in erts(out)) == [
-        (guest.source(1), Endpoint.PRIMARY),
-        (guest.source(1), Endpoint.PROBE_PORT),
+        (guest.source(1), NatNegSocket.PRIMARY),
+        (guest.source(1), NatNegSocket.PROBE_PORT),
     ]
     assert connects(answer(core, out, 1.03, probe=False)) == []
     assert relays(core) == []  # the probe's answer may still come
@@ -117,11 +117,13 @@ def test_an_early_cone_client_is_probed_when_its_partner_shows_symmetric() -> No
     host = Client(1, "198.51.100.10", symmetric=True, version=4, game_port=None)
     guest.send_inits(core, 0.0)
     out = sent(core, 0.0)
-    assert [ep for _, _, ep in erts(out)] == [Endpoint.PRIMARY]  # no probe yet
+    assert [ep for _, _, ep in erts(out)] == [NatNegSocket.PRIMARY]  # no probe yet
     answer(core, out, 0.04, probe=True)  # rtt 40 ms
     host.send_inits(core, 1.0)
     out = sent(core, 1.0)
-    assert (guest.source(1), Endpoint.PROBE_PORT) in [(a, e) for _, a, e in erts(out)]
+    assert (guest.source(1), NatNegSocket.PROBE_PORT) in [
+        (a, e) for _, a, e in erts(out)
+    ]
     answer(core, out, 1.01, probe=False)
     assert connects(run_until(core, 1.139)) == []
     assert relays(core) == []
@@ -148,7 +150,10 @@ def test_no_answer_at_all_proves_nothing_and_cones_get_no_probe() -> None:
     a.send_inits(core, 0.0)
     b.send_inits(core, 0.0)
     out = sent(core, 0.0)
-    assert [ep for _, _, ep in erts(out)] == [Endpoint.PRIMARY, Endpoint.PRIMARY]
+    assert [ep for _, _, ep in erts(out)] == [
+        NatNegSocket.PRIMARY,
+        NatNegSocket.PRIMARY,
+    ]
 
 
 def test_a_probe_answer_from_elsewhere_or_unasked_is_dropped() -> None:
@@ -159,7 +164,7 @@ def test_a_probe_answer_from_elsewhere_or_unasked_is_dropped() -> None:
     a.send_inits(core, 0.0)
     ((ert, _, _),) = erts(sent(core, 0.0))
     ack = ert[:7] + b"\x03" + ert[8:21]
-    core.receive_datagram(ack, a.source(1), 0.01, Endpoint.PROBE_PORT)
+    core.receive_datagram(ack, a.source(1), 0.01, NatNegSocket.PROBE_PORT)
     assert core.stats.dropped == {}  # counted as its own ERT's answer (no probe)
-    core.receive_datagram(ack, ("192.0.2.66", 1), 0.02, Endpoint.PROBE_PORT)
+    core.receive_datagram(ack, ("192.0.2.66", 1), 0.02, NatNegSocket.PROBE_PORT)
     assert core.stats.dropped == {"unsolicited-ert-ack": 1}

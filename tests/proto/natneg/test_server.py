@@ -28,8 +28,8 @@ from crossroads.proto.natneg.packets import (
     decode,
 )
 from crossroads.proto.natneg.server import (
-    Endpoint,
     NatNegServer,
+    NatNegSocket,
     NegotiationFinished,
     Outcome,
     RelayMode,
@@ -45,7 +45,7 @@ COOKIE = 0x1234
 #: The first session of a fresh core.
 FIRST = SessionId(COOKIE, 1)
 
-Sent = list[tuple[bytes, Address, Endpoint]]
+Sent = list[tuple[bytes, Address, NatNegSocket]]
 
 
 class Client:
@@ -87,10 +87,12 @@ class Client:
         # One negotiate socket; a symmetric NAT maps it anew per destination.
         return (self.ip, self.nego_port + (port_type if self.symmetric else 0))
 
-    def endpoint(self, port_type: int) -> Endpoint:
-        return {0: Endpoint.PRIMARY, 1: Endpoint.PRIMARY, 2: Endpoint.NATNEG2}.get(
-            port_type, Endpoint.NATNEG3
-        )
+    def endpoint(self, port_type: int) -> NatNegSocket:
+        return {
+            0: NatNegSocket.PRIMARY,
+            1: NatNegSocket.PRIMARY,
+            2: NatNegSocket.NATNEG2,
+        }.get(port_type, NatNegSocket.NATNEG3)
 
     def init(self, port_type: int) -> bytes:
         use_game = 1 if self.game_port else 0
@@ -121,7 +123,7 @@ def sent(core: NatNegServer, now: float = 0.0) -> Sent:
     return core.datagrams_to_send(now)
 
 
-def connects(out: Sent) -> list[tuple[Connect, Address, Endpoint]]:
+def connects(out: Sent) -> list[tuple[Connect, Address, NatNegSocket]]:
     result = []
     for wire, addr, endpoint in out:
         packet = decode(wire)
@@ -203,14 +205,16 @@ def connected(core: NatNegServer, a: Client, b: Client) -> None:
     ack(core, b, 0.1)
 
 
-def replies(core: NatNegServer, now: float) -> list[tuple[Connect, Address, Endpoint]]:
+def replies(
+    core: NatNegServer, now: float
+) -> list[tuple[Connect, Address, NatNegSocket]]:
     """The CONNECTs the server sends at ``now``, with ERTs answered at once."""
     return connects(answer_erts(core, sent(core, now), now))
 
 
 def negotiate(
     core: NatNegServer, a: Client, b: Client, now: float = 0.0
-) -> list[tuple[Connect, Address, Endpoint]]:
+) -> list[tuple[Connect, Address, NatNegSocket]]:
     """Both clients' INITs at ``now``, ERTs answered at once (zero round trip)."""
     a.send_inits(core, now)
     b.send_inits(core, now)
@@ -419,7 +423,7 @@ def test_report_gets_gamespy_style_report_ack() -> None:
     expected[14] = 0
     assert wire == bytes(expected)
     assert isinstance(decode(wire), ReportAck)
-    assert addr == ("198.51.100.1", 4000) and endpoint is Endpoint.PRIMARY
+    assert addr == ("198.51.100.1", 4000) and endpoint is NatNegSocket.PRIMARY
     assert core.pop_events() == [ReportReceived(666, 0, True, 2, "gmtest")]
 
 
@@ -428,7 +432,7 @@ def test_address_check_reply_and_bad_cookie() -> None:
     for cookie in (0, 3, 1, 2):
         check = AddressCheck(3, cookie, 1, extra=bytes(52))
         core.receive_datagram(
-            check.encode(), ("198.51.100.1", 4000 + cookie), 0.0, Endpoint.NATNEG2
+            check.encode(), ("198.51.100.1", 4000 + cookie), 0.0, NatNegSocket.NATNEG2
         )
     replies = sent(core)
     assert len(replies) == 4
@@ -437,7 +441,7 @@ def test_address_check_reply_and_bad_cookie() -> None:
         assert isinstance(reply, AddressReply) and len(wire) == 21
         assert (reply.ip, reply.port) == addr
         assert reply.cookie == addr[1] - 4000
-        assert endpoint is Endpoint.NATNEG2
+        assert endpoint is NatNegSocket.NATNEG2
     # A cookie the client would use as an out-of-bounds index is never echoed.
     core.receive_datagram(
         AddressCheck(3, 4, 1, extra=bytes(52)).encode(), ("198.51.100.1", 1), 0.0
@@ -448,21 +452,24 @@ def test_address_check_reply_and_bad_cookie() -> None:
 
 def test_natify_erts_come_from_the_probe_endpoints() -> None:
     core = NatNegServer(
-        tight(unsolicited_ip=Endpoint.PROBE_IP, unsolicited_port=Endpoint.PROBE_PORT)
+        tight(
+            unsolicited_ip=NatNegSocket.PROBE_IP,
+            unsolicited_port=NatNegSocket.PROBE_PORT,
+        )
     )
     src = ("198.51.100.1", 5555)
     for pt, endpoint in (
-        (1, Endpoint.PRIMARY),
-        (2, Endpoint.PRIMARY),
-        (3, Endpoint.NATNEG2),
+        (1, NatNegSocket.PRIMARY),
+        (2, NatNegSocket.PRIMARY),
+        (3, NatNegSocket.NATNEG2),
     ):
         request = NatifyRequest(3, 777, pt, extra=bytes(52))
         core.receive_datagram(request.encode(), src, 0.0, endpoint)
     out = sent(core)
     assert [ep for _, _, ep in out] == [
-        Endpoint.PRIMARY,
-        Endpoint.PROBE_IP,
-        Endpoint.PROBE_PORT,
+        NatNegSocket.PRIMARY,
+        NatNegSocket.PROBE_IP,
+        NatNegSocket.PROBE_PORT,
     ]
     for wire, addr, _ in out:
         assert addr == src and len(wire) == 73
@@ -470,9 +477,9 @@ def test_natify_erts_come_from_the_probe_endpoints() -> None:
 
     # Single IP: pt2 falls back to the spare port; without any probe endpoint,
     # pt2/pt3 go unanswered rather than from the solicited endpoint.
-    core = NatNegServer(tight(unsolicited_port=Endpoint.PROBE_PORT))
+    core = NatNegServer(tight(unsolicited_port=NatNegSocket.PROBE_PORT))
     core.receive_datagram(NatifyRequest(3, 777, 2, extra=bytes(52)).encode(), src, 0.0)
-    assert [ep for _, _, ep in sent(core)] == [Endpoint.PROBE_PORT]
+    assert [ep for _, _, ep in sent(core)] == [NatNegSocket.PROBE_PORT]
     core = NatNegServer(tight())
     core.receive_datagram(NatifyRequest(3, 777, 3, extra=bytes(52)).encode(), src, 0.0)
     assert sent(core) == []
@@ -726,7 +733,7 @@ def test_duplicate_init_after_done_is_acked_and_restart_starts_over() -> None:
 
 
 def test_old_session_deadlines_never_fire_on_a_new_one_with_the_cookie() -> None:
-    """Issue 15 bug (a): the deadline queue keyed sessions by (cookie, generation)
+    """Cookie reuse: the deadline queue keyed sessions by (cookie, generation)
     and every session counted generations from 0, so the first session's session
     timeout fired on the second one (a deadbeat CONNECT 1 s after its INIT)."""
     core = NatNegServer(tight())  # session_timeout 5, connect_interval 1, linger 4
@@ -798,7 +805,7 @@ def test_random_traffic_never_raises(steps: list[tuple[bytes, str, float]]) -> N
     now = 0.0
     for data, ip, dt in steps:
         now += dt
-        core.receive_datagram(data, (ip, 1000), now, Endpoint.PRIMARY)
+        core.receive_datagram(data, (ip, 1000), now, NatNegSocket.PRIMARY)
         for wire, _, _ in core.datagrams_to_send(now):
             # Never amplify: no reply is larger than the biggest request.
             assert len(wire) <= 100
@@ -823,7 +830,7 @@ def test_history_expires() -> None:
 
 
 def test_old_linger_never_deletes_a_new_session_before_its_report() -> None:
-    """Issue 15 bug (a), second face: session 1's linger deleted session 2 early,
+    """Cookie reuse, second face: session 1's linger deleted session 2 early,
     so session 2's failed REPORT found no session and the retry was not relayed."""
     core = NatNegServer(tight())  # linger 4
     a, b = Client(0, "198.51.100.1"), Client(1, "203.0.113.7")

@@ -1,4 +1,4 @@
-"""natneg session model under cookie reuse and restarts (issue 25 items 1 and 2),
+"""natneg session model under cookie reuse and restarts,
 driven in memory with a fake clock: a client that starts over on its cookie
 replaces its own record; a finished session does not lock its cookie; a third
 client is refused while a pair negotiates."""
@@ -59,7 +59,7 @@ def init_acks(out: Sent) -> list[Address]:
 
 
 def test_a_client_restarting_while_waiting_gets_its_connect_on_its_live_ports() -> None:
-    """Issue 25 item 1, the capture: the host's first process (GP :56031, NN
+    """The real SDK client's capture: the host's first process (GP :56031, NN
     :44466) waits for a partner who never comes; its restart INITs from new
     sockets (GP :33250, NN :35895). The server merged the new INITs into the old
     record and sent the CONNECT to the dead ports; it must go to the live ones,
@@ -158,7 +158,7 @@ def test_a_late_init_of_the_replaced_process_does_not_take_its_record_back() -> 
 
 
 def test_a_new_pair_on_a_finished_sessions_cookie_negotiates_at_once() -> None:
-    """Issue 25 item 2: for the linger of a DONE session, another pair's INITs on
+    """For the linger of a DONE session, another pair's INITs on
     the cookie were dropped as third-client and that pair ran into the SDK's INIT
     timeout. They start a new session at once; the old pair's late duplicates
     (INITs, CONNECT_ACKs, REPORT) are still the old session's."""

@@ -27,9 +27,9 @@ from crossroads.proto.punch.rendezvous import Observed, Probe
 from crossroads.services.p2p import ladder_record
 
 UDP = (
-    sig.Endpoint("192.0.2.1", 3480),
-    sig.Endpoint("192.0.2.1", 3481),
-    sig.Endpoint("192.0.2.1", 3482),
+    sig.TransportAddress("192.0.2.1", 3480),
+    sig.TransportAddress("192.0.2.1", 3481),
+    sig.TransportAddress("192.0.2.1", 3482),
 )
 
 
@@ -163,7 +163,10 @@ def punch(
     assert prep_a[0]["peer"] == pb and prep_b[0]["peer"] == pa
     attempt = prep_a[0]["attempt"]
     h.send(
-        a, sig.PunchReady(attempt, sig.Candidates((sig.Endpoint("10.0.0.2", 5000),)))
+        a,
+        sig.PunchReady(
+            attempt, sig.Candidates((sig.TransportAddress("10.0.0.2", 5000),))
+        ),
     )
     h.send(b, sig.PunchReady(attempt, sig.Candidates()))
     return h.take(a, "punch_start")[0], h.take(b, "punch_start")[0]
@@ -477,8 +480,8 @@ def test_mapped_candidate_must_be_on_the_public_address() -> None:
     h.send(a, sig.Connect(pb))
     attempt = h.take(a, "punch_prepare")[0]["attempt"]
     h.take(b)
-    good = sig.Candidates(mapped=sig.Endpoint("198.51.100.7", 5000))
-    bad = sig.Candidates(mapped=sig.Endpoint("192.0.2.200", 53))
+    good = sig.Candidates(mapped=sig.TransportAddress("198.51.100.7", 5000))
+    bad = sig.Candidates(mapped=sig.TransportAddress("192.0.2.200", 53))
     h.send(a, sig.PunchReady(attempt, good))
     h.send(b, sig.PunchReady(attempt, bad))
     start_a = h.take(a, "punch_start")[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from crossroads.proto.punch import ladder
-from crossroads.proto.punch.signalling import Candidates, Endpoint, PeerInfo
+from crossroads.proto.punch.signalling import Candidates, PeerInfo, TransportAddress
 
 
 def info(
@@ -13,11 +13,15 @@ def info(
     ports: tuple[int, ...],
     mapping: str,
     stride: int = 0,
-    local: tuple[Endpoint, ...] = (),
-    mapped: Endpoint | None = None,
+    local: tuple[TransportAddress, ...] = (),
+    mapped: TransportAddress | None = None,
 ) -> PeerInfo:
     return PeerInfo(
-        Endpoint(ip, ports[0]), ports, mapping, stride, Candidates(local, mapped)
+        TransportAddress(ip, ports[0]),
+        ports,
+        mapping,
+        stride,
+        Candidates(local, mapped),
     )
 
 
@@ -39,20 +43,20 @@ CONE_A = info(
     "198.51.100.1",
     (4000, 4000, 4000),
     "independent",
-    local=(Endpoint("10.0.1.2", 4000),),
+    local=(TransportAddress("10.0.1.2", 4000),),
 )
 CONE_B = info(
     "203.0.113.1",
     (5000, 5000, 5000),
     "independent",
-    local=(Endpoint("10.0.2.2", 5000),),
+    local=(TransportAddress("10.0.2.2", 5000),),
 )
 
 
 def test_cone_pair_steps_and_targets() -> None:
     p = plan(CONE_A, CONE_B)
     # B is behind a NAT (its host candidate is private): no one-sided direct
-    # step, whose probes would knock on B's router before B sent (issue 15).
+    # step, whose probes would knock on B's router before B sent (docs/natneg.md).
     assert [s.name for s in p.steps] == ["punch"]
     assert p.steps[0].start == 0.0
     assert dests(p.initiator, "punch") == [("203.0.113.1", 5000)]
@@ -67,7 +71,7 @@ def test_direct_step_only_to_a_responder_without_nat() -> None:
         "203.0.113.1",
         (5000, 5000, 5000),
         "independent",
-        local=(Endpoint("203.0.113.1", 5000),),
+        local=(TransportAddress("203.0.113.1", 5000),),
     )
     p = plan(CONE_A, open_b)
     assert [s.name for s in p.steps] == ["direct", "punch"]
@@ -79,7 +83,7 @@ def test_direct_step_only_to_a_responder_without_nat() -> None:
 
 
 def test_no_probe_reaches_a_nated_responder_before_it_sends() -> None:
-    """The knock of issue 15: every probe the initiator sends to the responder's
+    """The knock a remapping router punishes: every probe the initiator sends to the responder's
     public address leaves no earlier than the responder's first send towards the
     initiator, so a router that accepts unsolicited input never sees one first."""
     for a, b in ((CONE_A, CONE_B), (CONE_B, CONE_A)):
@@ -96,7 +100,7 @@ def test_lan_only_behind_the_same_public_address() -> None:
         "198.51.100.1",
         (5000, 5000, 5000),
         "independent",
-        local=(Endpoint("10.0.1.3", 5000),),
+        local=(TransportAddress("10.0.1.3", 5000),),
     )
     p = plan(CONE_A, same_b)
     assert p.steps[0].name == "lan"
@@ -109,7 +113,7 @@ def test_mapping_step_uses_port_mappings() -> None:
         "203.0.113.1",
         (5000, 5000, 5000),
         "random",
-        mapped=Endpoint("203.0.113.1", 6000),
+        mapped=TransportAddress("203.0.113.1", 6000),
     )
     p = plan(CONE_A, mapped_b)
     assert [s.name for s in p.steps][:2] == ["direct", "mapping"]  # no candidates
@@ -203,7 +207,7 @@ def test_random_against_random_has_no_birthday() -> None:
 
 def test_unknown_public_address_only_tries_lan() -> None:
     blocked = PeerInfo(
-        None, (), "unknown", 0, Candidates((Endpoint("10.0.2.2", 5000),))
+        None, (), "unknown", 0, Candidates((TransportAddress("10.0.2.2", 5000),))
     )
     p = plan(CONE_A, blocked)
     assert [s.name for s in p.steps] == ["lan"]
@@ -273,8 +277,14 @@ def test_random_against_sequential_without_spray_budget() -> None:
 
 
 def test_ipv6_host_candidates_are_tried_across_different_nats() -> None:
-    v6_a, v6_b = Endpoint("2001:db8:a::7", 5000), Endpoint("2001:db8:b::9", 6000)
-    lan_a, lan_b = Endpoint("192.168.1.2", 4000), Endpoint("10.0.0.9", 5000)
+    v6_a, v6_b = (
+        TransportAddress("2001:db8:a::7", 5000),
+        TransportAddress("2001:db8:b::9", 6000),
+    )
+    lan_a, lan_b = (
+        TransportAddress("192.168.1.2", 4000),
+        TransportAddress("10.0.0.9", 5000),
+    )
     a = info("198.51.100.1", (4000, 4000, 4000), "independent", local=(v6_a, lan_a))
     b = info("203.0.113.9", (5000, 5000, 5000), "independent", local=(v6_b, lan_b))
     p = plan(a, b)
@@ -286,7 +296,7 @@ def test_ipv6_host_candidates_are_tried_across_different_nats() -> None:
 
 
 def test_no_ipv6_step_unless_both_sides_have_ipv6() -> None:
-    v6_a = Endpoint("2001:db8:a::7", 5000)
+    v6_a = TransportAddress("2001:db8:a::7", 5000)
     a = info("198.51.100.1", (4000, 4000, 4000), "independent", local=(v6_a,))
     b = info("203.0.113.9", (5000, 5000, 5000), "independent")
     assert "lan" not in [s.name for s in plan(a, b).steps]
@@ -294,8 +304,14 @@ def test_no_ipv6_step_unless_both_sides_have_ipv6() -> None:
 
 
 def test_same_nat_tries_ipv6_and_ipv4_host_candidates() -> None:
-    v6_a, lan_a = Endpoint("2001:db8::7", 5000), Endpoint("192.168.1.2", 4000)
-    v6_b, lan_b = Endpoint("2001:db8::9", 6000), Endpoint("192.168.1.3", 4001)
+    v6_a, lan_a = (
+        TransportAddress("2001:db8::7", 5000),
+        TransportAddress("192.168.1.2", 4000),
+    )
+    v6_b, lan_b = (
+        TransportAddress("2001:db8::9", 6000),
+        TransportAddress("192.168.1.3", 4001),
+    )
     a = info("198.51.100.1", (4000, 4000, 4000), "independent", local=(v6_a, lan_a))
     b = info("198.51.100.1", (4001, 4001, 4001), "independent", local=(v6_b, lan_b))
     assert dests(plan(a, b).initiator, "lan") == [v6_b.address(), lan_b.address()]

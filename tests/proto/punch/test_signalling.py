@@ -15,7 +15,7 @@ from crossroads.proto.punch import signalling as sig
 KEY = bytes(range(32))
 
 ENDPOINTS = st.builds(
-    sig.Endpoint,
+    sig.TransportAddress,
     st.ip_addresses().map(str),
     st.integers(1, 65535),
 )
@@ -259,7 +259,7 @@ def test_unknown_members_are_ignored() -> None:
 def test_endpoint_rejects_hostnames_and_port_zero() -> None:
     for bad in (["example.org", 1], ["1.2.3.4", 0], ["1.2.3.4", 70000], "1.2.3.4:5"):
         with pytest.raises(DecodeError):
-            sig.Endpoint.from_json(bad, "x")
+            sig.TransportAddress.from_json(bad, "x")
 
 
 def test_hello_example_from_the_protocol_document() -> None:

@@ -229,7 +229,7 @@ def test_close_sends_disconnection_notification_and_forgets_the_connection() -> 
     assert not server.connections and now < 3.6
 
 
-# ------------------------------------------------ issue 24: before NEW_INCOMING
+# ---------------------------------------- what a peer holds before NEW_INCOMING
 
 
 def request_frame(guid: int, reliable: int = 0, order: int = 0) -> Frame:

@@ -323,7 +323,7 @@ def test_split_memory_per_connection_is_bounded() -> None:
     receiver.release()
 
 
-# ------------------------------------------- issue 24: what a peer makes us hold
+# ------------------------------------------------------ what a peer makes us hold
 
 
 FREELIST_NOISE = 1024

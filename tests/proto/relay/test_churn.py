@@ -1,12 +1,12 @@
 """The relay core under churn: 2,000 sessions (a host and a joiner bind,
-connect, close) leave live-object counts where they started (issue 12 item 4;
-a guard — the core did not leak before either)."""
+connect, close) leave live-object counts where they started (a
+guard: the core never leaked)."""
 
 from __future__ import annotations
 
 from crossroads.proto.relay.messages import Close
 from crossroads.proto.relay.token import Role
-from tests.adversarial.h12_turn_support import grown, live_objects
+from tests.adversarial.turn_quota_support import grown, live_objects
 from tests.proto.relay.test_server import HOST_ADDR, J1_ADDR, Harness, connect, player
 
 SESSIONS = 2_000

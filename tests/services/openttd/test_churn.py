@@ -1,4 +1,4 @@
-"""The OpenTTD coordinator under churn (issue 12 item 4): 2,000 game servers
+"""The OpenTTD coordinator under churn: 2,000 game servers
 register, update, are joined or looked up, and leave, through the real service
 over loopback TCP; afterwards the live objects of every crossroads class and
 every socket are back where they started (counted by type after a full
@@ -41,7 +41,7 @@ from crossroads.proto.openttd.coordinator import (
 from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF
 from crossroads.runtime import Runtime, start
 from crossroads.services.openttd.registry import PREFIX, SERVERS_KEY
-from tests.adversarial.h12_turn_support import grown, live_objects
+from tests.adversarial.turn_quota_support import grown, live_objects
 from tests.conftest import eventually, loopback_config
 from tests.services.openttd.helpers import (
     Registered,

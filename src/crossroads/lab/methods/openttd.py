@@ -56,7 +56,7 @@ CI_PAIRS = (
     ("full-cone", "port-restricted-cone"),
     ("symmetric-random", "symmetric-random"),
     ("open", "udp-blocked"),
-    # TCP simultaneous open behind routers that answer a knocking SYN (issue 15)
+    # TCP simultaneous open behind routers that answer a knocking SYN (docs/natneg.md)
     ("port-restricted-remap", "port-restricted-remap"),
 )
 

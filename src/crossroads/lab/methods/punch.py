@@ -5,7 +5,7 @@ other every 20 ms for up to three seconds, also answering to wherever a packet
 from the peer came from (a peer-reflexive address, as ICE does). Connected when
 each side has heard the other and knows that the other heard it.
 
-No port prediction, no birthday technique: those are the SDK's (issue 8). So two
+No port prediction, no birthday technique: those are the SDK's (method ``sdk``). So two
 endpoint-dependent mappings, or one against address-and-port-dependent
 filtering, do not connect here.
 """

@@ -1,5 +1,5 @@
 """Method ``unity-relay``: the two hosts meet through crossroads' Unity-Relay-
-compatible relay on the lab server (issue 6).
+compatible relay on the lab server.
 
 The game backend's part, done here from the server's own namespace, is the REST
 API: allocate a seat for host A, get its join code, join with it for B. The

@@ -1,4 +1,4 @@
-"""Method ``sdk``: crossroads' peer-to-peer SDK (issue 8) between two lab hosts.
+"""Method ``sdk``: crossroads' peer-to-peer SDK (crossroads.client.p2p) between two lab hosts.
 
 Host A creates a session with ``crossroads.client.p2p`` against the lab server's
 ``p2p`` service and asks its router for a port mapping (PCP, then NAT-PMP: the
@@ -186,7 +186,7 @@ def expected_via(x: NatKind, y: NatKind) -> str:
     The joiner is the initiator. ``direct`` (the joiner alone sends) runs only
     to a host without NAT: to a NATed host it would knock on the host's router
     before the host sent, and ``port-restricted-remap`` then remaps the host's
-    port (issue 15). When either side holds a port mapping from its router's
+    port (docs/natneg.md). When either side holds a port mapping from its router's
     miniupnpd (not behind a carrier-grade NAT, where the mapping is useless and
     the server drops it), ``mapping`` comes next and wins. Everything else that
     can be opened is opened by the punch step (an endpoint-independent filter at

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:meth:`DtlsClient.start` sends a ClientHello (epoch 0, message_seq 0) offering
+:meth:`PskDtlsClient.start` sends a ClientHello (epoch 0, message_seq 0) offering
 the AEAD PSK suites, the extended master secret (RFC 7627) and the secure
 renegotiation SCSV (RFC 5746). A HelloVerifyRequest is answered with the same
 hello plus the cookie (message_seq 1; RFC 6347 §4.2.1), and the Finished hash
@@ -32,7 +32,7 @@ from crossroads.proto.dtls import wire as w
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
-    Endpoint,
+    DtlsCore,
     Established,
     HandshakeFailed,
     Message,
@@ -41,7 +41,7 @@ from crossroads.proto.dtls.handshake import (
 )
 from crossroads.types import Address
 
-#: Same reasoning as DtlsServerConfig.handshake_timeout: four retransmissions.
+#: Same reasoning as PskDtlsServerConfig.handshake_timeout: four retransmissions.
 DEFAULT_HANDSHAKE_TIMEOUT: Final = 15.0
 
 
@@ -55,7 +55,7 @@ class ClientState(IntEnum):
 
 
 @dataclass(eq=False)
-class DtlsClient(Endpoint):
+class PskDtlsClient(DtlsCore):
     """The DTLS 1.2 PSK client core (see the module docstring)."""
 
     server: Address

@@ -1,6 +1,6 @@
 """Pieces both DTLS endpoints share: handshake reassembly, the retransmission
 timer, the events a connection reports and the output side of a core
-(:class:`Endpoint`).
+(:class:`DtlsCore`).
 
 Reassembly (RFC 6347 §4.2.3): a handshake message may arrive in fragments, out
 of order and duplicated. :class:`Reassembler` buffers fragments of the next few
@@ -171,7 +171,7 @@ class Closed:
 Event = HelloReceived | Established | ApplicationData | HandshakeFailed | Closed
 
 
-class Endpoint(Outbox[Datagram], EventQueue[Event]):
+class DtlsCore(Outbox[Datagram], EventQueue[Event]):
     """The output side both DTLS cores share (the core API of
     :mod:`crossroads.proto.core`): datagrams to send, events, and drops counted
     by reason (a metric label each)."""

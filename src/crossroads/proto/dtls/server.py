@@ -46,12 +46,12 @@ state at all, a *handshake* in progress, and an established *session*.
    otherwise), which
    count them per source (IPv4 address or IPv6 /64). With
    ``first_message_timeout`` set, a session its owner has not
-   :meth:`DtlsServer.confirm` ed (the relay: a BIND it accepted) within that
+   :meth:`PskDtlsServer.confirm` ed (the relay: a BIND it accepted) within that
    many seconds of the handshake ends with a close_notify
    (``no-first-message``): the PSK proves the client holds a key, but the
    session is kept for relaying, which needs a bound allocation.
 
-Everything malformed is dropped and counted in :attr:`DtlsServer.drops` (one
+Everything malformed is dropped and counted in :attr:`PskDtlsServer.drops` (one
 key per reason); the core does no I/O and reads time only from ``now``.
 """
 
@@ -81,7 +81,7 @@ from crossroads.proto.dtls.crypto import (
 from crossroads.proto.dtls.handshake import (
     ApplicationData,
     Closed,
-    Endpoint,
+    DtlsCore,
     Established,
     HandshakeFailed,
     HelloReceived,
@@ -108,7 +108,7 @@ MAX_SEQUENCE: Final = 2**48 - 1
 
 
 @frozen
-class DtlsServerConfig:
+class PskDtlsServerConfig:
     """Limits and timers of a DTLS server."""
 
     #: Offered suites, in server preference order (all AEAD; crypto.SUITES).
@@ -143,7 +143,7 @@ class DtlsServerConfig:
     hello_rate: float = 50.0
     hello_burst: float = 200.0
     #: Seconds an established session may live before its owner confirms it
-    #: (:meth:`DtlsServer.confirm`); None: no such deadline (the core alone
+    #: (:meth:`PskDtlsServer.confirm`); None: no such deadline (the core alone
     #: cannot tell a valid message).
     first_message_timeout: float | None = None
 
@@ -190,7 +190,7 @@ class _Session:
     final_flight: bytes | None
     write_seq: int = 1
     resends: int = 0
-    #: The datagram (by :attr:`DtlsServer._datagrams` count) that last made us
+    #: The datagram (by :attr:`PskDtlsServer._datagrams` count) that last made us
     #: resend: a repeated flight of two records gets one answer, not two.
     resent_for: int = -1
     token: int = 0
@@ -202,7 +202,7 @@ class _Session:
 
 
 @dataclass(eq=False)
-class DtlsServer(Endpoint):
+class PskDtlsServer(DtlsCore):
     """The DTLS 1.2 PSK server core (see the module docstring).
 
     Args:
@@ -211,7 +211,7 @@ class DtlsServer(Endpoint):
         random_bytes: the randomness source (server randoms, cookie secrets).
     """
 
-    config: DtlsServerConfig
+    config: PskDtlsServerConfig
     psk_for: PskLookup
     random_bytes: Callable[[int], bytes]
     #: Where handshakes and established sessions are admitted; None: a

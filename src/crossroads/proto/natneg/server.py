@@ -26,7 +26,7 @@ A GameSpy SDK client negotiates in four steps (``shared/reference/gamespy-natneg
    arrives (ref §6 step 3). If client A's ping reaches B's router before B has sent
    anything toward A, a port-restricted router drops it and, if it accepts
    unsolicited input, keeps a conntrack entry that makes it *remap* B's later ping
-   to a new port -- and the first attempt fails (issue 15). So when a client is
+   to a new port -- and the first attempt fails (docs/natneg.md, "CONNECT timing"). So when a client is
    complete we send it one ERT_TEST from the endpoint its NN1 INIT reached; every
    SDK version answers with ERT_ACK (ref §3.2), which gives its round-trip time
    ``rtt``. CONNECT to the client with the longer one-way time ``rtt/2`` goes out
@@ -56,7 +56,7 @@ unanswered while our own ERT is answered, the filter drops another server port.
 
 Stateless requests are answered from the endpoint that received them: ADDRESS_CHECK
 (NAT mapping probes), NATIFY_REQUEST (reachability probes: the ERT answers come from
-*other* endpoints, :class:`Endpoint`), BACKUP_TEST and the v4 PREINIT handshake.
+*other* endpoints, :class:`NatNegSocket`), BACKUP_TEST and the v4 PREINIT handshake.
 
 Sessions are found by cookie (ref §8 "Matching key"), but games reuse cookies (the
 SDK test program always uses 666; a game retries a failed negotiation with the same
@@ -167,7 +167,7 @@ from crossroads.proto.timing import crossing_leads
 from crossroads.types import Address, frozen
 
 
-class Endpoint(IntEnum):
+class NatNegSocket(IntEnum):
     """The server's local sockets, as the core knows them.
 
     The transport tells :meth:`NatNegServer.receive_datagram` which one received a
@@ -294,10 +294,10 @@ class ServerConfig:
     max_history: int = 100_000
     #: Source of the NATIFY pt2 ERT ("unsolicited IP", ref §5): must be an IP the
     #: client's ERT socket never sent to. None: fall back to ``unsolicited_port``.
-    unsolicited_ip: Endpoint | None = None
+    unsolicited_ip: NatNegSocket | None = None
     #: Source of the NATIFY pt3 ERT ("unsolicited port"): natneg1's IP, other port.
     #: None: pt3 (and pt2 without ``unsolicited_ip``) get no answer.
-    unsolicited_port: Endpoint | None = None
+    unsolicited_port: NatNegSocket | None = None
 
 
 # ------------------------------------------------------------------------ events
@@ -477,7 +477,7 @@ class _Client:
         self.use_game_port = bool(packet.use_game_port)
         #: port type -> (public address, endpoint it arrived on); first one wins,
         #: so a late spoofed INIT cannot redirect a client's CONNECT.
-        self.mappings: dict[int, tuple[Address, Endpoint]] = {}
+        self.mappings: dict[int, tuple[Address, NatNegSocket]] = {}
         self.acked = False
         #: When our ERT_TEST went out, and the round trip its ERT_ACK measured.
         self.ert_sent: float | None = None
@@ -489,7 +489,7 @@ class _Client:
         #: followed by an INIT from the known negotiate socket: a late duplicate,
         #: or the first INIT of a new attempt on a game socket the game kept (see
         #: "Restarts" in the module docstring).
-        self.gp_echo: tuple[Init, Address, Endpoint] | None = None
+        self.gp_echo: tuple[Init, Address, NatNegSocket] | None = None
         #: When the filtering probe (an ERT from ``unsolicited_port``) went out,
         #: and whether it was answered: True answered, False not in time while
         #: our own ERT was, None not (yet) known.
@@ -613,7 +613,7 @@ class _PreinitEntry:
     __slots__ = ("slots", "expires")
 
     def __init__(self, expires: float) -> None:
-        self.slots: list[tuple[Address, Endpoint, int] | None] = [None, None]
+        self.slots: list[tuple[Address, NatNegSocket, int] | None] = [None, None]
         self.expires = expires
 
 
@@ -642,12 +642,12 @@ def _valid_private_ip(local_ip: str, public_ip: str) -> bool:
 # ------------------------------------------------------------------------ core
 
 
-class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
+class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
     """The natneg server core: feed it datagrams and time, send what it returns.
 
     ``receive_datagram`` / ``datagrams_to_send`` / ``get_timer`` / ``handle_timer``
     follow DESIGN.md's datagram-core shape, with one addition: every datagram comes
-    in with the :class:`Endpoint` that received it and goes out with the one to send
+    in with the :class:`NatNegSocket` that received it and goes out with the one to send
     it from. Lifecycle events (:data:`Event`) are collected by :meth:`pop_events`.
     """
 
@@ -716,7 +716,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         data: bytes,
         addr: Address,
         now: float,
-        socket: Endpoint = Endpoint.PRIMARY,
+        socket: NatNegSocket = NatNegSocket.PRIMARY,
     ) -> None:
         """Process one datagram that ``socket`` received from ``addr``."""
         ip = addr[0]
@@ -759,7 +759,9 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 self._drop("unexpected-type")
         self._housekeeping_timer.arm(now)
 
-    def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address, Endpoint]]:
+    def datagrams_to_send(
+        self, now: float
+    ) -> list[tuple[bytes, Address, NatNegSocket]]:
         """Datagrams to send: (bytes, destination, endpoint to send from).
 
         natneg authenticates nobody (a cookie is no secret), so every datagram,
@@ -847,7 +849,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         dropped = self.stats.dropped
         dropped[reason] = dropped.get(reason, 0) + 1
 
-    def _send(self, packet: Packet, addr: Address, endpoint: Endpoint) -> None:
+    def _send(self, packet: Packet, addr: Address, endpoint: NatNegSocket) -> None:
         self._outbox.append((packet.encode(), addr, endpoint))
 
     def _schedule(self, session: _Session, when: float) -> None:
@@ -901,7 +903,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
     # ------------------------------------------------------------ INIT
 
     def _on_init(
-        self, p: Init, data: bytes, addr: Address, endpoint: Endpoint, now: float
+        self, p: Init, data: bytes, addr: Address, endpoint: NatNegSocket, now: float
     ) -> None:
         if p.port_type > PortType.NN3:
             self._drop("bad-port-type")
@@ -917,7 +919,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             # may still be waiting for the ACK), never recorded.
             self._ack_init(data, addr, endpoint)
             return
-        replayed: list[tuple[Init, Address, Endpoint]] = []
+        replayed: list[tuple[Init, Address, NatNegSocket]] = []
         if session is not None:
             if verdict is _Verdict.THIRD:
                 self._drop("third-client")
@@ -971,7 +973,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 if first.complete() and second.complete():
                     self._both_complete(session, now)
 
-    def _ack_init(self, data: bytes, addr: Address, endpoint: Endpoint) -> None:
+    def _ack_init(self, data: bytes, addr: Address, endpoint: NatNegSocket) -> None:
         # INIT_ACK: the INIT's bytes 0-14 with type 1, then the public address we
         # saw (UniSpy does the same; the client reads only byte 12, ref §3.2).
         # Built from the INIT's bytes directly: this is the hottest reply.
@@ -1032,7 +1034,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         return verdict in (_Verdict.RESTART, _Verdict.THIRD)
 
     def _record_init(
-        self, session: _Session, p: Init, addr: Address, endpoint: Endpoint
+        self, session: _Session, p: Init, addr: Address, endpoint: NatNegSocket
     ) -> bool:
         """Note the mapping an INIT shows; False if its slot holds another client."""
         ip = addr[0]
@@ -1129,7 +1131,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         )
 
     def _on_ert_ack(
-        self, p: ErtAck, addr: Address, endpoint: Endpoint, now: float
+        self, p: ErtAck, addr: Address, endpoint: NatNegSocket, now: float
     ) -> None:
         session = self._sessions.get(p.cookie)
         client = (
@@ -1599,7 +1601,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
     # ------------------------------------------------------------ stateless
 
     def _on_report(
-        self, p: Report, addr: Address, endpoint: Endpoint, now: float
+        self, p: Report, addr: Address, endpoint: NatNegSocket, now: float
     ) -> None:
         # REPORT_ACK as the real server sent it: the REPORT's first 21 bytes, type
         # 0x0E, byte 14 (negResult) cleared (ref §3.2). Always answered: a v3 client
@@ -1652,7 +1654,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         )
 
     def _on_address_check(
-        self, p: AddressCheck, addr: Address, endpoint: Endpoint
+        self, p: AddressCheck, addr: Address, endpoint: NatNegSocket
     ) -> None:
         # The client indexes nat->mappings[cookie] with the reply's cookie: anything
         # but 0-3 would make it write out of bounds (ref §3.2), so never echo it.
@@ -1664,7 +1666,9 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         )
         self._send(reply, addr, endpoint)
 
-    def _on_natify(self, p: NatifyRequest, addr: Address, endpoint: Endpoint) -> None:
+    def _on_natify(
+        self, p: NatifyRequest, addr: Address, endpoint: NatNegSocket
+    ) -> None:
         """Reachability test (ref §5): echo the request as ERT_TEST (what GameSpy did).
 
         pt1 is answered from where it arrived (solicited). pt2 must come from an IP
@@ -1680,7 +1684,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             self._drop("bad-cookie")
             return
         config = self.config
-        source: Endpoint | None
+        source: NatNegSocket | None
         if p.port_type <= PortType.NN1:
             source = endpoint
         elif p.port_type == PortType.NN2:
@@ -1700,14 +1704,16 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         ert = p.echo_as(ErtTest)
         self._send(ert, addr, source)
 
-    def _on_backup_test(self, p: BackupTest, addr: Address, endpoint: Endpoint) -> None:
+    def _on_backup_test(
+        self, p: BackupTest, addr: Address, endpoint: NatNegSocket
+    ) -> None:
         # No client sends BACKUP_TEST; answer with the echo the DWC emulator uses
         # (same size as the request, so no amplification).
         ack = p.echo_as(BackupAck)
         self._send(ack, addr, endpoint)
 
     def _on_preinit(
-        self, p: Preinit, addr: Address, endpoint: Endpoint, now: float
+        self, p: Preinit, addr: Address, endpoint: NatNegSocket, now: float
     ) -> None:
         """v4 PREINIT (ref §3.6): WAITING_FOR_CLIENT until the partner's PREINIT for
         the same cookie has arrived, then READY to both (the DWC emulator's
@@ -1743,7 +1749,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
 
 def _echoes(
     session: _Session, p: Init, ip: str
-) -> list[tuple[Init, Address, Endpoint]]:
+) -> list[tuple[Init, Address, NatNegSocket]]:
     """The GP INITs of ``session`` to count in the session ``p`` starts.
 
     A game socket kept across attempts repeats its known mapping, and comes first

@@ -189,7 +189,9 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
     stage: Stage = field(default=Stage.CHOOSING, init=False)
     code: str | None = field(default=None, init=False)
     check: RegistrationCheck | None = field(default=None, init=False)
-    _wall_offset: float = field(init=False)
+    #: Unix time minus the ``now`` clock (``RelayServer.wall_offset`` too):
+    #: record timestamps are wall time, deadlines are in ``now``.
+    wall_offset: float = field(init=False)
     _request: int = field(default=0, init=False)
     _awaited: AwaitedRequest = field(default_factory=AwaitedRequest, init=False)
     _step: Step = field(default=Step.NEW_CODE, init=False)
@@ -199,7 +201,7 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
 
     def __post_init__(self, now: float, wall: float) -> None:
         super().__init__()
-        self._wall_offset = wall - now
+        self.wall_offset = wall - now
 
     # ----------------------------------------------------------- core API
 
@@ -397,7 +399,7 @@ class ServerRegistration(EventQueue[RegistrationCommand]):
                 if registrant.current_code == self.code
                 else None
             ),
-            wall=now + self._wall_offset,
+            wall=now + self.wall_offset,
             ttl=self.settings.server_ttl,
         )
         self.stage = Stage.STORING

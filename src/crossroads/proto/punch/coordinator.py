@@ -124,7 +124,7 @@ class CoordinatorConfig:
     max_connections: int = 10_000
     max_connections_per_ip: int = 64
     #: Rendezvous endpoints handed to clients in ``welcome`` (primary, alt, alt2).
-    udp: tuple[sig.Endpoint, ...] = ()
+    udp: tuple[sig.TransportAddress, ...] = ()
     #: Relay budget per connection, bytes per second (bursts of a quarter of it,
     #: at least 64 KiB).
     relay_bytes_per_second: int = RELAY_BYTES_RATE
@@ -357,7 +357,7 @@ class Coordinator(EventQueue[Event]):
         #: budget"): a token holder can spoof the source; None: no budget.
         self.reflection = ReflectionBudget.or_unlimited(reflection)
         #: Budget of joins naming a code no session holds, per source IP and in
-        #: total (issue 12: 1,272 guesses/s from one IP over 64 WebSockets).
+        #: total (without it, one IP guessed 1,272 codes a second over 64 WebSockets).
         self.guesses = guesses or FailureBudget(BudgetConfig(0.0, 1.0, 0.0, 1.0))
         #: Invite codes are shared with other instances through a directory (the
         #: service's store): codes are claimed before ``hosted`` and a join for a
@@ -695,7 +695,7 @@ class Coordinator(EventQueue[Event]):
                 token.hex(),
                 c.ip,
                 self.config.udp,
-                # No TURN credentials for an anonymous socket (issue 12: with
+                # No TURN credentials for an anonymous socket (with
                 # them one IP made 3,000 allocations): hosted / join_start /
                 # turn_refresh hand them to peers in a session.
                 None,
@@ -714,9 +714,9 @@ class Coordinator(EventQueue[Event]):
     def _entitled(self, peer: _Peer) -> bool:
         """The relay is for reaching other members: a peer is entitled to TURN
         credentials while it joins a session, or while a session of its has a
-        second member or joiner. A host alone in its session is not (issue 24:
+        second member or joiner. A host alone in its session is not (otherwise
         three ``host`` frames from one IP, no account, gave three credentials
-        and the whole TURN quota); nor is an anonymous socket (issue 12)."""
+        and the whole TURN quota); nor is an anonymous socket (a free relay)."""
         if peer.joining:
             return True
         for session_id in peer.sessions:
@@ -1171,7 +1171,7 @@ class Coordinator(EventQueue[Event]):
         seen = peer.observed.get(attempt.id) or peer.observed.get(0) or {}
         ports = tuple(seen[i][1] for i in sorted(seen))
         mapping, stride = classify_mapping(ports) if len(seen) == 3 else ("unknown", 0)
-        public = sig.Endpoint(*seen[0]) if 0 in seen else None
+        public = sig.TransportAddress(*seen[0]) if 0 in seen else None
         candidates = attempt.ready[peer.id]
         if candidates.mapped is not None and (
             public is None or candidates.mapped.host != public.host

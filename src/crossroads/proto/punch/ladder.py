@@ -24,7 +24,7 @@ Steps, in order (names as the NAT lab reports them):
              the initiator, and a router that accepts unsolicited input keeps a
              conntrack entry for it that makes it *remap* the responder's port
              when the responder punches later -- the knock that fails first
-             attempts (issue 15, docs/natneg.md "CONNECT timing"). A NAT that
+             attempts (docs/natneg.md "CONNECT timing"). A NAT that
              filters nothing is opened by the ``punch`` step's first slot at the
              same moment, with both sides sending.
 ``mapping``  each side sends to the other's port-mapped (UPnP / NAT-PMP / PCP)
@@ -111,7 +111,7 @@ BIRTHDAY_RESEND = 1.0
 #: (shared/reference/raknet-wire.md §3). The easy side's probes are what must
 #: arrive; a hard-side datagram that reached the easy router first would be a
 #: knock, and a router that accepts unsolicited input would remap the easy
-#: side's port for exactly that hard port -- the one a hit needs (issue 15).
+#: side's port for exactly that hard port -- the one a hit needs (docs/natneg.md).
 BIRTHDAY_TTL = 2
 #: Ports a random NAT allocates from (Linux' default NAT range is 1024-65535).
 BIRTHDAY_LOW_PORT = 1024

@@ -54,7 +54,7 @@ MAX_TEXT_CHARS = 200
 #: Longest instance URL in ``redirect`` (a host name, a port and a path).
 MAX_URL_CHARS = 512
 
-#: Step names of the connection ladder, as the NAT lab reports them (issue 7).
+#: Step names of the connection ladder, as the NAT lab reports them (docs/nat-lab.md).
 STEPS = ("lan", "direct", "mapping", "punch", "relay")
 
 #: Mapping behaviours the server derives from the three rendezvous ports.
@@ -173,7 +173,7 @@ def _as_list(values: tuple[Any, ...]) -> list[Any]:
     return list(values)
 
 
-def _json_list(values: tuple[Endpoint | Member, ...]) -> list[Any]:
+def _json_list(values: tuple[TransportAddress | Member, ...]) -> list[Any]:
     return [v.to_json() for v in values]
 
 
@@ -266,7 +266,7 @@ def _object(from_json: Callable[[Any], _JsonObject]) -> FieldReader:
 
 
 @frozen
-class Endpoint:
+class TransportAddress:
     """A transport address; JSON ``["203.0.113.7", 40000]`` (IPv6 without brackets)."""
 
     host: str
@@ -276,7 +276,7 @@ class Endpoint:
         return [self.host, self.port]
 
     @classmethod
-    def from_json(cls, value: Any, what: str) -> Endpoint:
+    def from_json(cls, value: Any, what: str) -> TransportAddress:
         if not (isinstance(value, list) and len(value) == 2):
             raise DecodeError(f"{what} must be [host, port]", "bad-endpoint")
         host, port = value
@@ -300,21 +300,21 @@ class Endpoint:
         return (self.host, self.port)
 
 
-def _endpoint(obj: Mapping[str, Any], key: str) -> Endpoint | None:
+def _endpoint(obj: Mapping[str, Any], key: str) -> TransportAddress | None:
     value = obj.get(key)
     if value is None:
         return None
-    return Endpoint.from_json(value, key)
+    return TransportAddress.from_json(value, key)
 
 
 def _endpoints(
     obj: Mapping[str, Any], key: str, max_items: int
-) -> tuple[Endpoint, ...]:
+) -> tuple[TransportAddress, ...]:
     value = _bounded_list(obj.get(key, []), key, max_items)
-    return tuple(Endpoint.from_json(v, key) for v in value)
+    return tuple(TransportAddress.from_json(v, key) for v in value)
 
 
-def _opt(value: Endpoint | TurnInfo | None) -> Any:
+def _opt(value: TransportAddress | TurnInfo | None) -> Any:
     """JSON of an optional endpoint or object: null when there is none."""
     return None if value is None else value.to_json()
 
@@ -328,13 +328,13 @@ class Candidates(_JsonObject):
     """
 
     WHAT: ClassVar[str] = "candidates"
-    local: tuple[Endpoint, ...] = _json(
+    local: tuple[TransportAddress, ...] = _json(
         partial(_endpoints, max_items=MAX_LOCAL_CANDIDATES), _json_list, default=()
     )
     #: External address of a UPnP / NAT-PMP / PCP port mapping, if one is held.
-    mapped: Endpoint | None = _json(_endpoint, _opt, default=None)
+    mapped: TransportAddress | None = _json(_endpoint, _opt, default=None)
     #: A relayed address (TURN) the peer may send to, if the client holds one.
-    relay: Endpoint | None = _json(_endpoint, _opt, default=None)
+    relay: TransportAddress | None = _json(_endpoint, _opt, default=None)
     #: The client's own NAT classification (informational, e.g. "port-restricted").
     nat: str = _json(
         partial(_str, max_chars=40, default="", allow_empty=True), default=""
@@ -361,7 +361,7 @@ class PeerInfo(_JsonObject):
 
     WHAT: ClassVar[str] = "peer info"
     #: The address the server saw on its primary rendezvous port.
-    public: Endpoint | None = _json(_endpoint, _opt)
+    public: TransportAddress | None = _json(_endpoint, _opt)
     #: Ports the server saw on its primary, first and second alternate rendezvous
     #: ports, in the order the client probed them (empty when UDP never arrived).
     ports: tuple[int, ...] = _json(_ports, _as_list)
@@ -473,7 +473,9 @@ class TurnInfo(_JsonObject):
     ``base64(HMAC-SHA1(shared secret, username))``)."""
 
     WHAT: ClassVar[str] = "turn"
-    servers: tuple[Endpoint, ...] = _json(partial(_endpoints, max_items=4), _json_list)
+    servers: tuple[TransportAddress, ...] = _json(
+        partial(_endpoints, max_items=4), _json_list
+    )
     username: str = _json(partial(_str, max_chars=128))
     password: str = _json(partial(_str, max_chars=128))
     expires: int = _json(partial(_int, low=0, high=2**40))
@@ -492,10 +494,12 @@ class Welcome(Message):
     #: The client's IP as the server saw the WebSocket connection.
     ip: str = _json(_str)
     #: Primary, first and second alternate rendezvous UDP ports, in probe order.
-    udp: tuple[Endpoint, ...] = _json(partial(_endpoints, max_items=3), _json_list)
-    #: Always null from crossroads since issue 12: TURN credentials go only to
-    #: peers in a session (``hosted``, ``join_start``, ``turn``). Still decoded,
-    #: for servers that send them here.
+    udp: tuple[TransportAddress, ...] = _json(
+        partial(_endpoints, max_items=3), _json_list
+    )
+    #: Always null from crossroads (a free relay for anyone otherwise): TURN
+    #: credentials go only to peers in a session (``hosted``, ``join_start``,
+    #: ``turn``). Still decoded, for servers that send them here.
     turn: TurnInfo | None = _json(_optional_turn, _opt, default=None)
 
 

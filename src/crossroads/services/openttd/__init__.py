@@ -48,8 +48,8 @@ from crossroads.services.openttd.registry import (
     Registry,
 )
 from crossroads.services.openttd.runners import DutyRunner, run_store_flow
-from crossroads.services.openttd.stun import StunService
-from crossroads.services.openttd.turn import TurnService, relay_table
+from crossroads.services.openttd.stun import StunHandler
+from crossroads.services.openttd.turn import TurnHandler, relay_table
 from crossroads.services.openttd.web import make_router
 from crossroads.store.shared_secret import SharedSecret
 from crossroads.types import Address, frozen
@@ -208,7 +208,7 @@ class OpenTTDService:
     def __init__(self) -> None:
         self.listeners: dict[str, Listener] = {}
         self.coordinator: Coordinator | None = None
-        self.turn: TurnService | None = None
+        self.turn: TurnHandler | None = None
         self.bus: Bus | None = None
         self.registry: Registry | None = None
         self.instance = ""
@@ -368,7 +368,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
 
     try:
         if "turn" in cfg.roles:
-            turn = TurnService(
+            turn = TurnHandler(
                 registry,
                 ctx.metrics,
                 cfg.turn_wait,
@@ -396,7 +396,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
 
         if "stun" in cfg.roles:
             await listen(
-                "stun", StunService(bus, ctx.metrics), cfg.stun_port, cfg.stun_hold
+                "stun", StunHandler(bus, ctx.metrics), cfg.stun_port, cfg.stun_hold
             )
 
         listing = ListingCache(registry, cfg.listing_cache)

@@ -5,8 +5,9 @@ This module is I/O glue around the sans-I/O cores in
 runs one :class:`~crossroads.proto.openttd.registration.ServerRegistration` per
 registering server (invite code, reachability check, record) and one
 :class:`~crossroads.proto.openttd.ladder.ConnectAttempt` per join
-(:mod:`.runners` executes their commands in order, Store requests included, and
-feeds the answers back). The flows that only wait on the Store run through
+(its one :class:`Join` or :class:`Check` each: the coordinator executes the
+core's commands in order, Store requests included, and feeds the answers back;
+the cores call nothing, and :mod:`.runners` only keeps the order). The flows that only wait on the Store run through
 :func:`~crossroads.services.openttd.runners.run_store_flow`: a join's code
 lookup, a SERVER_UPDATE and a closed server's record
 (:mod:`crossroads.proto.openttd.update`). Every deadline of every flow is under
@@ -29,11 +30,14 @@ server, for peers at protocol 6).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -62,6 +66,7 @@ from crossroads.proto.openttd.codes import (
     invite_code_secret,
     make_attempt_id,
     make_ticket,
+    split_ticket,
 )
 from crossroads.proto.openttd.coordinator import (
     VERSION_INVITE_CODES,
@@ -86,17 +91,23 @@ from crossroads.proto.openttd.coordinator import (
 )
 from crossroads.proto.openttd.deadlines import DeadlineBook
 from crossroads.proto.openttd.ladder import (
+    Command,
     ConnectAttempt,
     Finished,
+    IssueTicket,
+    SendToClient,
+    SendToServer,
     Side,
 )
 from crossroads.proto.openttd.listing import lookup_packets
 from crossroads.proto.openttd.lookup import CodeLookup
 from crossroads.proto.openttd.record import ServerRecord
 from crossroads.proto.openttd.registration import (
+    EndSession,
     Refused,
     Registered,
     Registrant,
+    RegistrationCommand,
     RegistrationSettings,
     ServerRegistration,
     StoreFailed,
@@ -116,23 +127,25 @@ from crossroads.proto.openttd.routing import (
     route_to_server,
 )
 from crossroads.proto.openttd.seats import Seats
+from crossroads.proto.openttd.store import PutTicket, StoreRead, StoreWrite
 from crossroads.proto.openttd.update import (
     ServerLeavingFlow,
     ServerUpdateFlow,
     Updated,
     UpdateFailed,
 )
+from crossroads.proto.openttd.verify import Probe
 from crossroads.services.openttd.bus import Bus
 from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.limits import AddressRateLimiter
 from crossroads.services.openttd.listing import ListingCache
 from crossroads.services.openttd.metrics import CoordinatorMetrics
+from crossroads.services.openttd.probe import probe_game_server
 from crossroads.services.openttd.registry import Registry
 from crossroads.services.openttd.runners import (
-    AttemptRunner,
-    RegistrationRunner,
-    Runner,
+    CommandQueue,
     run_store_flow,
+    run_store_request,
 )
 from crossroads.transport.driver import CoreTimer
 from crossroads.types import frozen
@@ -161,6 +174,33 @@ class CoordinatorSettings:
     listing_cache: float
 
 
+@dataclass(eq=False)
+class Join:
+    """One join in progress: its core, the joining client's connection, the
+    server's record, and the queue that runs its commands."""
+
+    attempt: ConnectAttempt
+    client: PacketConnection
+    record: ServerRecord
+    commands: CommandQueue = field(init=False)
+    #: Messages held back to time a STUN pairing, with when each goes
+    #: (their deadlines are the join's too; dropped with it).
+    held: list[tuple[float, Command]] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass(eq=False)
+class Check:
+    """One registration in progress: its core, the server's connection, the
+    queue that runs its commands, and its direct probes."""
+
+    flow: ServerRegistration
+    conn: PacketConnection
+    commands: CommandQueue = field(init=False)
+    probes: set[asyncio.Task[None]] = field(default_factory=set)
+    finished: bool = False
+
+
 @dataclass(slots=True)
 class PeerState:
     """What the coordinator knows about one connection."""
@@ -171,7 +211,7 @@ class PeerState:
     session: str = ""
     server_port: int = 0
     game_type: int = 0
-    check: RegistrationRunner | None = None
+    check: Check | None = None
     record: ServerRecord | None = None
     newgrf_budget: int = NEWGRF_BUDGET_PER_SESSION
     superseded: bool = False
@@ -218,13 +258,14 @@ class Coordinator:
         self.seats: Seats[PacketConnection] = Seats()
         #: The servers registered here, by invite code (the seats' own dict).
         self.local_servers = self.seats.by_code
-        self.attempts: AttemptBook[AttemptRunner, PacketConnection] = AttemptBook()
-        self.checks: dict[str, RegistrationRunner] = {}
+        self.attempts: AttemptBook[Join, PacketConnection] = AttemptBook()
+        self.checks: dict[str, Check] = {}
         self.listing = ListingCache(registry, settings.listing_cache)
         self.register_limiter = AddressRateLimiter(settings.registrations_per_minute)
         self.probe_slots = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
-        #: Every runner's deadline, under one timer (proto/openttd/deadlines.py).
-        self.deadlines: DeadlineBook[Runner] = DeadlineBook()
+        #: Every join's and check's deadline, under one timer
+        #: (proto/openttd/deadlines.py).
+        self.deadlines: DeadlineBook[Join | Check] = DeadlineBook()
         self.timer = CoreTimer(self.loop, self.get_timer, self.handle_timer)
 
     # ---------------------------------------------------------------- timer
@@ -234,14 +275,49 @@ class Coordinator:
         return self.deadlines.get_timer()
 
     def handle_timer(self, now: float) -> None:
-        """Run the timers of the runners whose deadline has come."""
-        for runner in self.deadlines.due(now):
-            runner.fire(now)
+        """Run the timers of the joins and checks whose deadline has come."""
+        for due in self.deadlines.due(now):
+            if due.finished:
+                continue
+            if isinstance(due, Check):
+                due.flow.handle_timer(now)
+                self._feed(due, due.flow.pop_events())
+                continue
+            released = [c for release, c in due.held if release <= now]
+            due.held = [(release, c) for release, c in due.held if release > now]
+            self._measure_round_trips(due)
+            due.attempt.handle_timer(now)
+            self._feed(due, released + due.attempt.pop_events())
 
-    def schedule(self, runner: Runner) -> None:
-        """Record ``runner``'s current deadline and re-arm the one timer."""
-        self.deadlines.update(runner, None if runner.finished else runner.deadline())
+    def _deadline(self, flow: Join | Check) -> float | None:
+        if flow.finished:
+            return None
+        if isinstance(flow, Check):
+            return flow.flow.get_timer()
+        deadline = flow.attempt.get_timer()
+        for release, _ in flow.held:
+            if deadline is None or release < deadline:
+                deadline = release
+        return deadline
+
+    def _schedule(self, flow: Join | Check) -> None:
+        """Record ``flow``'s current deadline and re-arm the one timer."""
+        self.deadlines.update(flow, self._deadline(flow))
         self.timer.rearm()
+
+    def _feed(self, flow: Join | Check, commands: Sequence[Any]) -> None:
+        """Queue a core's output for execution (after every input)."""
+        flow.commands.extend(commands)
+        self._schedule(flow)
+
+    def _end(self, flow: Join | Check) -> None:
+        flow.finished = True
+        if isinstance(flow, Join):
+            flow.held.clear()
+        else:
+            for task in list(flow.probes):
+                task.cancel()
+        self._schedule(flow)
 
     # ------------------------------------------------------------- plumbing
 
@@ -340,15 +416,15 @@ class Coordinator:
         now = self.loop.time()
         if state.check is not None:
             self.checks.pop(state.check.flow.key, None)
-            state.check.cancel()
+            self._end(state.check)
             state.check = None
-        for runner in self.attempts.of_client(conn):
-            runner.feed(runner.attempt.peer_gone(Side.CLIENT, now))
+        for join in self.attempts.of_client(conn):
+            self._feed(join, join.attempt.peer_gone(Side.CLIENT, now))
         code = state.code
         if code is not None and self.seats.release(code, conn):
             self.metrics.servers.set(len(self.seats))
-            for runner in self.attempts.of_code(code):
-                runner.feed(runner.attempt.peer_gone(Side.SERVER, now))
+            for join in self.attempts.of_code(code):
+                self._feed(join, join.attempt.peer_gone(Side.SERVER, now))
             if not state.superseded:
                 task = asyncio.create_task(self._forget_server(code, state.session))
                 task.add_done_callback(_log_task_error)
@@ -393,10 +469,55 @@ class Coordinator:
             now=now,
             wall=self.wall_clock(),
         )
-        runner = RegistrationRunner(self, flow, conn)
-        state.check = runner
-        self.checks[key] = runner
-        runner.feed(flow.start(now))
+        check = Check(flow, conn)
+        check.commands = CommandQueue(functools.partial(self._execute_check, check))
+        state.check = check
+        self.checks[key] = check
+        self._feed(check, flow.start(now))
+
+    async def _execute_check(self, check: Check, command: RegistrationCommand) -> None:
+        """Execute one command of a registration's core."""
+        if check.finished:
+            return  # the connection went away: nothing more to do or store
+        flow = check.flow
+        match command:
+            case StoreRead() | StoreWrite():
+                try:
+                    answer = await run_store_request(self.registry, command)
+                except StoreError:
+                    if not check.finished:
+                        now = self.loop.time()
+                        self._feed(check, flow.store_failed(command.request, now))
+                else:
+                    if not check.finished:
+                        now = self.loop.time()
+                        self._feed(
+                            check, flow.store_result(command.request, answer, now)
+                        )
+            case SendToServer(message):
+                self.send(check.conn, message)
+            case Probe(host, port):
+                task = asyncio.create_task(self._probe(check, host, port))
+                check.probes.add(task)
+                task.add_done_callback(check.probes.discard)
+            case EndSession(owner, code, session):
+                try:
+                    await self.end_session(owner, code, session)
+                except StoreError:
+                    self.metrics.store_errors.inc()
+            case Refused():
+                self.registration_refused(check, command)
+            case StoreFailed():
+                self.registration_store_failed(check, command)
+            case Registered():
+                self.registration_concluded(check, command)
+
+    async def _probe(self, check: Check, host: str, port: int) -> None:
+        async with self.probe_slots:
+            ok = await probe_game_server(host, port, self.settings.probe_timeout)
+        self.metrics.probes.labels("ok" if ok else "failed").inc()
+        if not check.finished:
+            self._feed(check, check.flow.probe_result(host, ok, self.loop.time()))
 
     async def end_session(self, owner: str, code: str, session: str) -> None:
         """Close the seated session ``session`` of ``code``, here or at
@@ -418,41 +539,35 @@ class Coordinator:
         self.metrics.ignored.labels("superseded-session").inc()
         conn.close("superseded")
 
-    def _registration_ended(self, runner: RegistrationRunner) -> PeerState:
-        state = self.state(runner.conn)
-        self.checks.pop(runner.flow.key, None)
-        runner.cancel()
-        if state.check is runner:
+    def _registration_ended(self, check: Check) -> PeerState:
+        state = self.state(check.conn)
+        self.checks.pop(check.flow.key, None)
+        self._end(check)
+        if state.check is check:
             state.check = None
         return state
 
-    def registration_refused(
-        self, runner: RegistrationRunner, refused: Refused
-    ) -> None:
-        self._registration_ended(runner)
-        self.refuse(runner.conn, refused.refusal, "none")
+    def registration_refused(self, check: Check, refused: Refused) -> None:
+        self._registration_ended(check)
+        self.refuse(check.conn, refused.refusal, "none")
 
-    def registration_store_failed(
-        self, runner: RegistrationRunner, failed: StoreFailed
-    ) -> None:
-        self._registration_ended(runner)
+    def registration_store_failed(self, check: Check, failed: StoreFailed) -> None:
+        self._registration_ended(check)
         self.metrics.store_errors.inc()
         if failed.answer is None:
             # Close without GC_ERROR: OpenTTD then retries with back-off.
-            runner.conn.close("store-error")
+            check.conn.close("store-error")
         else:
-            self.fail(runner.conn, failed.answer.error, failed.answer.detail, True)
+            self.fail(check.conn, failed.answer.error, failed.answer.detail, True)
 
-    def registration_concluded(
-        self, runner: RegistrationRunner, registered: Registered
-    ) -> None:
-        conn = runner.conn
-        state = self._registration_ended(runner)
+    def registration_concluded(self, check: Check, registered: Registered) -> None:
+        conn = check.conn
+        state = self._registration_ended(check)
         if conn.closed:
             return
         record = registered.record
         code = record.code
-        msg = runner.flow.message
+        msg = check.flow.message
         displaced = self.seats.take(code, conn, conn.host, state.code)
         if displaced is not None:
             self.state(displaced).superseded = True
@@ -583,25 +698,69 @@ class Coordinator:
             timeout=self.settings.connect_timeout,
             stun_wait=self.settings.stun_wait,
         )
-        runner = AttemptRunner(self, attempt, conn, record)
-        runner.measure_round_trips()
-        self.attempts.add(key, code, conn, runner)
-        runner.feed(attempt.start(now))
+        join = Join(attempt, conn, record)
+        join.commands = CommandQueue(functools.partial(self._execute_join, join))
+        self._measure_round_trips(join)
+        self.attempts.add(key, code, conn, join)
+        self._feed(join, attempt.start(now))
 
-    def attempt_finished(self, runner: AttemptRunner, result: Finished) -> None:
-        runner.cancel()
-        key = runner.attempt.attempt_key
+    def _measure_round_trips(self, join: Join) -> None:
+        """Tell the attempt both coordinator connections' round trips (the
+        server's only when its connection is on this instance)."""
+        attempt = join.attempt
+        attempt.round_trip(Side.CLIENT, join.client.round_trip())
+        server = self.local_servers.get(join.record.code)
+        attempt.round_trip(Side.SERVER, server.round_trip() if server else None)
+
+    async def _execute_join(self, join: Join, command: Command) -> None:
+        """Execute one command of a join's core."""
+        log.debug("openttd: join %s -> %s", join.record.code, command)
+        match command:
+            case SendToClient(message, delay) | SendToServer(message, delay) if (
+                delay > 0
+            ):
+                self._hold(join, delay, dataclasses.replace(command, delay=0.0))
+            case SendToClient(message):
+                self.send(join.client, message)
+            case SendToServer(message):
+                await self.send_to_server(join.record, message)
+            case IssueTicket(ticket):
+                parts = split_ticket(ticket)
+                if parts is not None:
+                    try:
+                        await run_store_request(
+                            self.registry, StoreWrite(0, PutTicket(*parts))
+                        )
+                    except StoreError:
+                        self.metrics.store_errors.inc()
+            case Finished():
+                self.attempt_finished(join, command)
+
+    def _hold(self, join: Join, delay: float, command: Command) -> None:
+        # Never before a message still held for the same connection: a later
+        # attempt's GC_STUN_CONNECT (a shorter lead) must not overtake the
+        # earlier attempt's on the way to the server.
+        release = self.loop.time() + delay
+        for earlier, held in join.held:
+            if type(held) is type(command):
+                release = max(release, earlier)
+        join.held.append((release, command))
+        self._schedule(join)
+
+    def attempt_finished(self, join: Join, result: Finished) -> None:
+        self._end(join)
+        key = join.attempt.attempt_key
         self.attempts.remove(key)
         outcome = "ok" if result.success else "failed"
         self.metrics.connects.labels(outcome, result.method).inc()
         log.info(
             "openttd: join of %s %s (%s, %s)",
-            runner.record.code,
+            join.record.code,
             "succeeded" if result.success else "failed",
             result.method,
             result.reason,
         )
-        self.insight.record(join_record(self.insight, runner, result))
+        self.insight.record(join_record(self.insight, join, result))
 
     # --------------------------------------------------- reports and routing
 
@@ -638,25 +797,23 @@ class Coordinator:
             if check is None or conn is not check.conn:
                 self.metrics.ignored.labels("stale-token").inc()
                 return
-            check.feed(check_commands(check.flow, report, now))
+            self._feed(check, check_commands(check.flow, report, now))
             return
-        runner = self.attempts.get(key)
-        if runner is None:
+        join = self.attempts.get(key)
+        if join is None:
             self.metrics.ignored.labels("stale-token").inc()
             return
-        side = report_side(
-            parsed, conn is runner.client, server_code, runner.record.code
-        )
+        side = report_side(parsed, conn is join.client, server_code, join.record.code)
         if isinstance(side, Ignore):
             self.metrics.ignored.labels(side.reason).inc()
             return
         if isinstance(report, StunReport):
-            runner.measure_round_trips()
-        commands = attempt_commands(runner.attempt, side, report, now)
+            self._measure_round_trips(join)
+        commands = attempt_commands(join.attempt, side, report, now)
         if isinstance(commands, Ignore):
             self.metrics.ignored.labels(commands.reason).inc()
             return
-        runner.feed(commands)
+        self._feed(join, commands)
 
     def stun_seen(self, token: str, family: int, host: str, port: int) -> None:
         """The STUN service saw ``token`` (ours) arrive from host:port."""
@@ -672,15 +829,15 @@ class Coordinator:
         if parsed.side is TokenSide.VERIFY:
             check = self.checks.get(parsed.attempt_key)
             if check is not None:
-                check.feed(check.flow.stun_observed(family, host, now))
+                self._feed(check, check.flow.stun_observed(family, host, now))
             return
-        runner = self.attempts.get(parsed.attempt_key)
-        if runner is None:
+        join = self.attempts.get(parsed.attempt_key)
+        if join is None:
             self.metrics.ignored.labels("stale-token").inc()
             return
         side = Side.CLIENT if parsed.side is TokenSide.CLIENT else Side.SERVER
-        runner.measure_round_trips()
-        runner.feed(runner.attempt.stun_observed(side, family, host, port, now))
+        self._measure_round_trips(join)
+        self._feed(join, join.attempt.stun_observed(side, family, host, port, now))
 
     def on_bus(self, message: BusMessage) -> None:
         """A command from another instance (or from our own STUN listener)."""
@@ -706,14 +863,12 @@ class Coordinator:
 
     async def close(self) -> None:
         self.timer.close()
-        for runner in self.attempts.drivers():
-            runner.cancel()
-            if runner.task is not None:
-                runner.task.cancel()
+        for join in self.attempts.drivers():
+            self._end(join)
+            join.commands.stop()
         for check in list(self.checks.values()):
-            check.cancel()
-            if check.task is not None:
-                check.task.cancel()
+            self._end(check)
+            check.commands.stop()
         self.attempts.clear()
         self.checks.clear()
         for code, conn in list(self.local_servers.items()):
@@ -728,16 +883,14 @@ def _log_task_error(task: asyncio.Task[None]) -> None:
         log.warning("openttd: background task failed: %s", task.exception())
 
 
-def join_record(
-    insight: InsightRecorder, runner: AttemptRunner, result: Finished
-) -> Attempt:
+def join_record(insight: InsightRecorder, join: Join, result: Finished) -> Attempt:
     """A finished join as an insight record: the rungs tried (direct per
     address, STUN's request and pairs, TURN), the one that carried the game
     (only the client reports success, CLIENT_CONNECTED), and why the others
     did not. The TURN relay's bytes are not in it: the relay pairs the two
     sockets later, by ticket, on its own listener (counted in
     ``crossroads_openttd_turn_bytes_total``)."""
-    attempt = runner.attempt
+    attempt = join.attempt
     history = attempt.history
     steps = tuple(
         Step(s.name, s.start, s.duration, s.outcome) for s in history[:MAX_STEPS]
@@ -751,13 +904,13 @@ def join_record(
     else:
         outcome = "failed"
         cause = missed or result.reason
-    record = runner.record
+    record = join.record
     return Attempt(
         family="openttd",
         session=record.code,
         started=insight.now() - duration,
         duration=duration,
-        sides=(insight.side(runner.client.host), insight.side(record.source)),
+        sides=(insight.side(join.client.host), insight.side(record.source)),
         steps=steps,
         winner=result.method if result.success else "",
         outcome=outcome,

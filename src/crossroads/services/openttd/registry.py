@@ -69,8 +69,8 @@ TURN_ANNOUNCE_EVERY = 5.0
 #: Instance liveness: refreshed every heartbeat (``--openttd-instance-heartbeat``,
 #: default :data:`INSTANCE_EVERY`), it lives :data:`INSTANCE_HEARTBEATS`
 #: heartbeats, so one late beat is forgiven and an instance killed without a
-#: goodbye stops being advertised after at most that many (issue 12: a killed
-#: instance's servers stayed listed, and joinable, for 80 s).
+#: goodbye stops being advertised after at most that many (with a longer
+#: TTL a killed instance's servers stayed listed, and joinable, for 80 s).
 INSTANCE_EVERY = 10.0
 INSTANCE_HEARTBEATS = 3
 INSTANCE_TTL = INSTANCE_EVERY * INSTANCE_HEARTBEATS

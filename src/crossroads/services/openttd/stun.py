@@ -19,7 +19,7 @@ from crossroads.services.openttd.conn import PacketConnection
 from crossroads.services.openttd.metrics import counter
 
 
-class StunService:
+class StunHandler:
     """Handler for the STUN listener."""
 
     def __init__(self, bus: Bus, metrics: CollectorRegistry) -> None:

@@ -4,7 +4,7 @@ Control plane (reference ``openttd-coordinator.md`` section 6): each side
 connects and sends SERCLI_CONNECT with the ticket the coordinator gave both. A
 ticket is ``<id>:<secret>``; the coordinator stored ``id -> secret`` in the store
 with a 30 s TTL. The first side is checked against the store and waits (at most
-:attr:`TurnService.wait_timeout`, in the sans-I/O
+:attr:`TurnHandler.wait_timeout`, in the sans-I/O
 :class:`~crossroads.proto.openttd.lobby.TurnLobby`, whose one timer holds every
 side's deadline); the second must present the same ticket (constant-time
 compare). Both then get TURN_CONNECTED with the other's IP, the
@@ -85,7 +85,7 @@ def relay_table(resources: ResourceBudget, max_connections: int) -> Admission:
     )
 
 
-class TurnService:
+class TurnHandler:
     """Handler for the TURN listener."""
 
     def __init__(

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, JSONResponse
 
 from crossroads.proto.openttd.record import ServerRecord
-from crossroads.web.app import ApiError
+from crossroads.transport.httpapi import ApiError
 
 LANDSCAPES = ("temperate", "arctic", "tropic", "toyland")
 

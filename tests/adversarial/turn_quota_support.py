@@ -1,4 +1,4 @@
-"""Shared helpers of the h12-turn adversarial tests (TURN quotas, credentials,
+"""Shared helpers of the TURN adversarial tests (TURN quotas, credentials,
 churn): a runtime with p2p and TURN, a TURN client that drives the service
 in-process, and object counts. The turn service fixture is
 ``tests.services.test_turn``'s ``turn``."""
@@ -231,7 +231,7 @@ async def settled(runtime: Runtime) -> None:
 
 
 if __name__ == "__main__":
-    # python -m tests.adversarial.h12_turn_support CYCLES: the TURN churn in a
+    # python -m tests.adversarial.turn_quota_support CYCLES: the TURN churn in a
     # process of its own (the data plane is chosen at import time).
     import json
     import sys

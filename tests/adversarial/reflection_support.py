@@ -1,4 +1,4 @@
-"""Real-datagram reflection probes for every UDP service (issue 12, item 10).
+"""Real-datagram reflection probes for every UDP service.
 
 Shared by ``tests/adversarial/test_reflection.py`` and ``benchmarks/reflection.py``:
 each :class:`Probe` knows one unauthenticated request a spoofer can send, the

@@ -1,4 +1,5 @@
-"""Helpers of the peer-policy and reply-address adversarial tests (h12 items 2, 7)."""
+"""Helpers of the peer-policy and reply-address adversarial tests:
+relayed traffic to forbidden peers, and replies from the address a request came to."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ from crossroads.services.relay_allocations import (
     QosResult,
     encode_grant,
 )
-from crossroads.web.app import log_client_error
+from crossroads.transport.httpapi import log_client_error
 
 log = logging.getLogger("crossroads.relay")
 

@@ -1,4 +1,4 @@
-"""Helpers for the connection and visibility adversarial tests (h12-conn):
+"""Helpers for the connection and visibility adversarial tests:
 a `crossroads serve` subprocess under a lowered descriptor limit, and floods of
 half-open TCP connections from many loopback source addresses."""
 

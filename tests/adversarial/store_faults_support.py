@@ -1,4 +1,4 @@
-"""Helpers of the store, guessing and bad-input adversarial tests (h12-store)."""
+"""Helpers of the store, guessing and bad-input adversarial tests (a store that fails or stalls, guessers, bad requests)."""
 
 from __future__ import annotations
 
