@@ -18,8 +18,8 @@ The order, bottom first (:data:`LAYERS`; docs/architecture.md "Layers"):
    another. A service's HTTP API is its own router, handed to the web app
    through the registry the runtime fills (``ServiceContext.add_router``);
    what the console reads of a service the runtime hands it as callables;
-5. ``runtime``, ``workers``, ``firstrun``, ``config_doc`` and ``lab``: they
-   start and wire services (the lab reads every service's settings to write
+5. ``runtime``, ``acme``, ``workers``, ``firstrun``, ``config_doc`` and ``lab``:
+   they start and wire services (the lab reads every service's settings to write
    ``crossroads serve`` command lines in its namespaces);
 6. entry points: ``cli``, ``admincli``, ``__main__``.
 
@@ -127,6 +127,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("crossroads.client", "crossroads.services", "crossroads.web"),
     (
         "crossroads.runtime",
+        # Orders certificates and serves HTTP-01 on a listener of its own: the
+        # runtime's helper (transport and web below it).
+        "crossroads.acme",
         "crossroads.workers",
         "crossroads.firstrun",
         "crossroads.config_doc",
