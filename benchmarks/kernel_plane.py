@@ -98,6 +98,8 @@ class Step:
     machine_cpu: float  # CPU-s/s of both cores (busy ticks)
     short: int
     sent: int
+    #: ns the eBPF program ran per packet it saw (kernel plane only, else 0).
+    bpf_ns: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -116,6 +118,8 @@ class Running:
     #: (send socket, destination, header, receive socket, echo destination)
     #: for the ping-pong: the client's flow and the peer's way back.
     ping: tuple[Flow, Flow]
+    #: The eBPF program's descriptor (kernel plane): its run time is read.
+    bpf_fd: int | None = None
 
 
 def udp_in(ns: str, host: str, stack: ExitStack) -> socket.socket:
@@ -125,6 +129,18 @@ def udp_in(ns: str, host: str, stack: ExitStack) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, option, 4 * 1024 * 1024)
     sock.bind((host, 0))
     return stack.enter_context(sock)
+
+
+def bpf_run(fd: int | None) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) of a BPF program (needs kernel.bpf_stats_enabled)."""
+    if fd is None:
+        return 0, 0
+    info = dict(
+        line.split(":\t", 1)
+        for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines()
+        if ":\t" in line
+    )
+    return int(info.get("run_time_ns", 0)), int(info.get("run_cnt", 0))
 
 
 def machine_ticks() -> int:
@@ -155,10 +171,12 @@ def run_step(
     gen.stdin.close()
     time.sleep(args.warmup)
     s0 = turn.tree_ticks(target.pid) if target.pid else 0
+    b0 = bpf_run(target.bpf_fd)
     m0, w0 = machine_ticks(), time.monotonic()
     time.sleep(args.seconds)
     s1 = turn.tree_ticks(target.pid) if target.pid else 0
     m1, wall = machine_ticks(), time.monotonic() - w0
+    b1 = bpf_run(target.bpf_fd)
     out = gen.stdout.read()
     gen.wait(args.drain + 30)
     fields = dict(part.split("=") for part in out.split())
@@ -170,6 +188,7 @@ def run_step(
         machine_cpu=(m1 - m0) / turn.TICK / wall,
         short=int(fields["short"]),
         sent=int(fields["sent"]),
+        bpf_ns=(b1[0] - b0[0]) / max(1, b1[1] - b0[1]),
     )
 
 
@@ -295,6 +314,9 @@ def kernel_routing(
 def kernel_plane(
     ns: dict[str, str], stack: ExitStack, n: int, size: int
 ) -> Iterator[Running]:
+    stats = Path("/proc/sys/kernel/bpf_stats_enabled")
+    before = stats.read_text().strip()
+    stats.write_text("1")  # the program's run time per packet (fdinfo)
     with inside(ns["server"]):
         plane = KernelPlane.load()
         try:
@@ -327,9 +349,16 @@ def kernel_plane(
                         raise RuntimeError("kernel plane refused a route")
                 flows.append((c, LISTEN, channel_header(size), p))
                 flows.append((p, relayed, b"", c))
-            yield Running("kernel plane (eBPF, tc)", None, flows, (flows[0], flows[1]))
+            yield Running(
+                "kernel plane (eBPF, tc)",
+                None,
+                flows,
+                (flows[0], flows[1]),
+                plane.program_fd,
+            )
         finally:
             plane.close()
+            stats.write_text(before)
 
 
 def _turn_flows(
@@ -512,26 +541,25 @@ def main() -> None:
                 print(f"  {target.name:<30} {text}  rtt {rtt:7.1f} us", flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    alone = rows[0][2]
     floor = next((r[3] for r in rows if r[0].startswith("kernel routing")), 0.0)
+    same_rate = f"@{args.same_rate / 1000:.0f}k/s"
     print(
         f"\n{'target':<30} {'relayed/s <0.5%':>16} {'server us/pkt':>14} "
-        f"{'machine us/pkt':>15} {f'relay us/pkt @{args.same_rate:.0f}':>20} "
-        f"{'rtt us':>8} {'added/hop us':>13}"
+        f"{'server us/pkt ' + same_rate:>22} {'eBPF ns/pkt':>12} "
+        f"{'machine us/pkt ' + same_rate:>23} {'rtt us':>7} {'added/hop us':>13}"
     )
     for name, best, same, rtt in rows:
         rate = f"{best.delivered:.0f}" if best else "n/a"
         server = f"{best.us(best.server_cpu):.2f}" if best and best.server_cpu else "-"
-        machine = f"{best.us(best.machine_cpu):.2f}" if best else "-"
-        extra = same.us(same.machine_cpu) - alone.us(alone.machine_cpu)
-        relay_us = f"{extra:.2f} (loss {same.loss:.1f}%)"
-        added = (
-            "-"
-            if name in ("generator alone",) or name.startswith("kernel routing")
-            else f"{(rtt - floor) / 2:.1f}"
-        )
+        at_same = f"{same.us(same.server_cpu):.2f}" if same.server_cpu else "-"
+        at_same += f" (loss {same.loss:.1f}%)"
+        bpf = f"{same.bpf_ns:.0f}" if same.bpf_ns else "-"
+        machine = f"{same.us(same.machine_cpu):.2f}"
+        base = name == "generator alone" or name.startswith("kernel routing")
+        added = "-" if base else f"{(rtt - floor) / 2:+.1f}"
         print(
-            f"{name:<30} {rate:>16} {server:>14} {machine:>15} {relay_us:>20} {rtt:>8.1f} {added:>13}"
+            f"{name:<30} {rate:>16} {server:>14} {at_same:>22} {bpf:>12} "
+            f"{machine:>23} {rtt:>7.1f} {added:>13}"
         )
 
 
