@@ -35,8 +35,8 @@ x1.5, then bisected), and one step at the same offered rate for all
 (``--same-rate``). CPU: the server process's own time where there is one, and
 the machine's (both cores' busy ticks in /proc/stat, softirq included), since
 on veth the kernel's forwarding runs in softirq on whichever core sent the
-packet, charged to no relay process. ``relay us/pkt`` is the machine's CPU per
-delivered datagram at the same rate minus the generator's alone at that rate.
+packet, charged to no relay process; for the kernel plane also the eBPF
+program's own run time per packet (``kernel.bpf_stats_enabled``, fdinfo).
 The machine is shared: other work's CPU lands in the machine figure too.
 
 Latency: 500 ping-pongs (64-byte payload) client -> relay -> peer -> relay ->

@@ -182,3 +182,43 @@ async def test_raknet_forwarder_between_stock_peers_through_the_kernel(
             await pool.close()
             a.close()
             b.close()
+
+
+@pytest.mark.parametrize("plane", ["kernel", "c"])
+async def test_the_runtime_hands_the_kernel_plane_to_both_relays(plane: str) -> None:
+    """With --dataplane kernel the natneg relay pool and the RakNet forwarder
+    pool get the runtime's kernel routes; on any other plane they get none."""
+    from crossroads.config import default_config
+    from crossroads.runtime import start
+    from crossroads.services.natneg import NatNegService
+    from crossroads.services.raknet import RakNetService
+    from tests.conftest import loopback_config, running_service
+
+    if plane == "kernel":
+        try:
+            KernelPlane.load().close()
+        except KernelPlaneUnavailable as exc:
+            pytest.skip(f"kernel plane unavailable: {exc}")
+    rt = await start(
+        default_config(
+            loopback_config(
+                core__only="natneg,raknet",
+                core__dataplane=plane,
+                natneg__relay_host="127.0.0.1",
+                natneg__relay_allow="127.0.0.0/8",
+                natneg__natneg2_host="127.0.0.2",
+                natneg__natneg3_host="127.0.0.3",
+                natneg__probe_host="127.0.0.4",
+            )
+        )
+    )
+    try:
+        natneg = running_service(rt, "natneg", NatNegService)
+        raknet = running_service(rt, "raknet", RakNetService)
+        assert natneg.relay is not None and raknet.forwarders is not None
+        kernel = rt.dataplane.kernel if rt.dataplane is not None else None
+        assert (kernel is not None) == (plane == "kernel")
+        for routes in (natneg.relay.kernel, raknet.forwarders.kernel):
+            assert (routes.plane if routes is not None else None) is kernel
+    finally:
+        await rt.close()

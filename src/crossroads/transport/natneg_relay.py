@@ -17,7 +17,10 @@ Data plane: each socket is a :class:`~crossroads.transport.dataplane.RouteTap`. 
 both sides have learned their clients, each side's route table holds one route:
 its client's (ip, port) -> (the partner socket, the partner's client). The tap
 forwards those datagrams itself (in C with recvmmsg/sendmmsg when built): no
-parsing, no Python per datagram, no store. Everything else reaches
+parsing, no Python per datagram, no store. With ``--dataplane kernel`` the
+same two routes also go into the eBPF program's map
+(:mod:`crossroads.transport.kernelroutes`), which then forwards them before
+the socket; they leave it when the pair is released. Everything else reaches
 :meth:`_Side.unrouted`, which learns the client and drops the rest. A pair belongs to one negotiation
 (:class:`~crossroads.proto.natneg.server.SessionId`), not to its cookie: games reuse
 cookies, and a new negotiation on the same cookie gets its own pair while the old

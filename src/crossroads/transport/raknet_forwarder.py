@@ -13,7 +13,10 @@ Data plane: the socket is a :class:`~crossroads.transport.dataplane.RouteTap`
 whose route table holds a route per *confirmed* side (its address -> the other
 side's confirmed address, else the one the coordinator knows). The tap forwards
 those datagrams itself (in C with recvmmsg/sendmmsg when built): no parse, no
-Python per datagram, no store. A datagram without a route reaches
+Python per datagram, no store. With ``--dataplane kernel`` the routes also go
+into the eBPF program's map (:mod:`crossroads.transport.kernelroutes`), which
+forwards them before the socket, and leave it with the entry. A datagram
+without a route reaches
 :meth:`_Entry.unrouted`, which confirms a side (and rewrites both routes) or
 drops it. An entry that forwarded nothing for its ``timeoutOnNoDataMS`` is
 closed (UDPForwarder.cpp:440-510); the sweep sees forwarding as a change in the
