@@ -39,6 +39,7 @@ from crossroads.transport.admission import (
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.planes import Dataplane
 from crossroads.transport.planes import announce as announce_dataplane
 from crossroads.transport.planes import select as select_dataplane
@@ -488,6 +489,11 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         kernel_drops=kernel_drops,
         certificates=certificates,
         insight=insight,
+        kernel_routes=(
+            KernelRoutes(runtime.dataplane.kernel)
+            if runtime.dataplane.kernel is not None
+            else None
+        ),
     )
     guard = HttpGuard(
         budget.listener(

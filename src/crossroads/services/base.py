@@ -33,6 +33,7 @@ from crossroads.service_types import SessionInfo as SessionInfo
 from crossroads.store.base import Store
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.localaddrs import own_addresses
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates
@@ -115,6 +116,9 @@ class ServiceContext:
     #: Connection insight: services record each attempt they coordinated
     #: (:mod:`crossroads.insight`); the default keeps a ring only.
     insight: InsightRecorder = field(default_factory=InsightRecorder)
+    #: The kernel data plane's rewrite routes when ``--dataplane`` chose it
+    #: (natneg relay pairs and RakNet forwarders install theirs there).
+    kernel_routes: KernelRoutes | None = None
     _own_addresses: frozenset[IPAddress] | None = field(
         default=None, init=False, repr=False
     )

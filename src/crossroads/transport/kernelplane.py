@@ -325,6 +325,12 @@ class KernelPlane:
     def devices(self) -> list[int]:
         return sorted(self._attached)
 
+    @property
+    def program_fd(self) -> int:
+        """The loaded program's descriptor (its /proc fdinfo has the kernel's
+        run_time_ns and run_cnt when kernel.bpf_stats_enabled is 1)."""
+        return self._prog_fd
+
     # ------------------------------------------------------------- routes
 
     def install(self, route: KernelRoute, *, ifindex: int | None = None) -> bool:

@@ -17,7 +17,10 @@ Data plane: each socket is a :class:`~crossroads.transport.dataplane.RouteTap`. 
 both sides have learned their clients, each side's route table holds one route:
 its client's (ip, port) -> (the partner socket, the partner's client). The tap
 forwards those datagrams itself (in C with recvmmsg/sendmmsg when built): no
-parsing, no Python per datagram, no store. Everything else reaches
+parsing, no Python per datagram, no store. With ``--dataplane kernel`` the
+same two routes also go into the eBPF program's map
+(:mod:`crossroads.transport.kernelroutes`), which then forwards them before
+the socket; they leave it when the pair is released. Everything else reaches
 :meth:`_Side.unrouted`, which learns the client and drops the rest. A pair belongs to one negotiation
 (:class:`~crossroads.proto.natneg.server.SessionId`), not to its cookie: games reuse
 cookies, and a new negotiation on the same cookie gets its own pair while the old
@@ -45,6 +48,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.kernelroutes import KernelRoutes, RewriteRoute
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.sockets import set_buffers
 from crossroads.transport.tasks import Sweeper
@@ -69,9 +73,17 @@ class _Side:
         "tap",
         "forwarded_by_hand",
         "bytes_by_hand",
+        "kernel",
+        "kernel_route",
     )
 
-    def __init__(self, sock: socket.socket, expected_ip: str, cookie: int) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        expected_ip: str,
+        cookie: int,
+        kernel: KernelRoutes | None = None,
+    ) -> None:
         self.sock = sock
         self.expected_ip = expected_ip
         # Bytes 0-11 of a CONNECT_PING minus the version byte, which we do not check.
@@ -87,17 +99,32 @@ class _Side:
         #: The learning datagrams this side forwarded itself, and their bytes.
         self.forwarded_by_hand = 0
         self.bytes_by_hand = 0
+        #: The kernel plane, when the runtime runs it, and this side's route
+        #: there (the same as its tap's, forwarded before the socket).
+        self.kernel = kernel
+        self.kernel_route: RewriteRoute | None = None
 
     @property
     def packets(self) -> int:
         """Datagrams relayed from this side's client to the partner's."""
-        return self.forwarded_by_hand + sum(r.packets for r in self.routes.values())
+        kernel = self.kernel_route.packets if self.kernel_route is not None else 0
+        return (
+            self.forwarded_by_hand
+            + kernel
+            + sum(r.packets for r in self.routes.values())
+        )
 
     @property
     def octets(self) -> int:
         """Bytes relayed from this side's client to the partner's (read from
         the route's counter: nothing is counted per datagram for it)."""
-        return self.bytes_by_hand + sum(r.octets for r in self.routes.values())
+        kernel = self.kernel_route.octets if self.kernel_route is not None else 0
+        return self.bytes_by_hand + kernel + sum(r.octets for r in self.routes.values())
+
+    def end(self) -> None:
+        """Take the kernel route out (forwarding stops at once), keeping its counts."""
+        if self.kernel_route is not None:
+            self.kernel_route.remove()
 
     def unrouted(self, data: bytes, addr: Address) -> None:
         """A datagram without a route: learn the client from it, or drop it
@@ -119,6 +146,15 @@ class _Side:
             pass
         self.routes[addr] = make_route(partner.sock, partner.src)
         partner.routes[partner.src] = make_route(self.sock, addr)
+        if self.kernel is not None:
+            # The same two routes in the kernel: from here on the eBPF
+            # program forwards them and the taps' routes see nothing.
+            self.kernel_route = self.kernel.rewrite(
+                addr, self.sock, partner.sock, partner.src
+            )
+            partner.kernel_route = self.kernel.rewrite(
+                partner.src, partner.sock, self.sock, addr
+            )
 
 
 @dataclass(slots=True)
@@ -164,6 +200,9 @@ class RelayPool:
     #: descriptors each), charged to the session's first client; None: only
     #: ``max_pairs`` bounds them.
     admission: Admission | None = None
+    #: The kernel data plane's rewrite routes when the runtime runs it
+    #: (``--dataplane kernel``): a learned pair is forwarded there.
+    kernel: KernelRoutes | None = None
     #: Closes the pairs' sockets, counting their kernel drops first (the
     #: runtime's collector; a pair may live between two scrapes).
     kernel_drops: KernelDropCollector = field(
@@ -250,8 +289,8 @@ class RelayPool:
             log.warning("natneg relay: cannot bind a relay socket: %s", exc)
             self.stats.failed += 1
             return None
-        side0 = _Side(socks[0], client_ips[0], session.cookie)
-        side1 = _Side(socks[1], client_ips[1], session.cookie)
+        side0 = _Side(socks[0], client_ips[0], session.cookie, self.kernel)
+        side1 = _Side(socks[1], client_ips[1], session.cookie, self.kernel)
         side0.partner, side1.partner = side1, side0
         now = self._loop.time()
         self._pairs[session] = _Pair(session, (side0, side1), now, now, source=source)
@@ -298,6 +337,7 @@ class RelayPool:
         if pair is None:
             return
         for side in pair.sides:
+            side.end()
             self.stats.released_packets += side.packets
             self._readers.remove(side.tap)
             side.tap.close()

@@ -13,7 +13,10 @@ Data plane: the socket is a :class:`~crossroads.transport.dataplane.RouteTap`
 whose route table holds a route per *confirmed* side (its address -> the other
 side's confirmed address, else the one the coordinator knows). The tap forwards
 those datagrams itself (in C with recvmmsg/sendmmsg when built): no parse, no
-Python per datagram, no store. A datagram without a route reaches
+Python per datagram, no store. With ``--dataplane kernel`` the routes also go
+into the eBPF program's map (:mod:`crossroads.transport.kernelroutes`), which
+forwards them before the socket, and leave it with the entry. A datagram
+without a route reaches
 :meth:`_Entry.unrouted`, which confirms a side (and rewrites both routes) or
 drops it. An entry that forwarded nothing for its ``timeoutOnNoDataMS`` is
 closed (UDPForwarder.cpp:440-510); the sweep sees forwarding as a change in the
@@ -53,6 +56,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
+from crossroads.transport.kernelroutes import KernelRoutes, RewriteRoute
 from crossroads.transport.sockets import make_udp_socket
 from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address, frozen
@@ -119,12 +123,16 @@ class _Entry:
     last: float
     #: The client that asked (charged for the entry in the budget table).
     requester: Address
+    #: The kernel data plane's rewrite routes when the runtime runs it.
+    kernel: KernelRoutes | None = None
     port: int = field(init=False)
     confirmed1: Address | None = field(default=None, init=False)
     confirmed2: Address | None = field(default=None, init=False)
     #: A route per confirmed side: its address -> where its datagrams go.
     routes: dict[Address, RouteLike] = field(default_factory=dict, init=False)
     tap: RouteTapLike = field(init=False)
+    #: The routes' twins in the kernel (forwarded before the socket).
+    kernel_routes: dict[Address, RewriteRoute] = field(default_factory=dict, init=False)
     #: Datagrams forwarded by hand or by routes since replaced.
     forwarded_elsewhere: int = field(default=0, init=False)
     #: ``packets`` at the last sweep (a change means the entry is alive).
@@ -144,7 +152,22 @@ class _Entry:
 
     @property
     def packets(self) -> int:
-        return self.forwarded_elsewhere + sum(r.packets for r in self.routes.values())
+        kernel = sum(r.packets for r in self.kernel_routes.values())
+        return (
+            self.forwarded_elsewhere
+            + kernel
+            + sum(r.packets for r in self.routes.values())
+        )
+
+    def end(self) -> None:
+        """Take the kernel routes out (forwarding stops at once), keeping their counts."""
+        for source, route in self.kernel_routes.items():
+            route.remove()
+            self.forwarded_elsewhere += route.packets
+            way = 0 if source == self.confirmed1 else 2
+            self.done[way] += route.packets
+            self.done[way + 1] += route.octets
+        self.kernel_routes.clear()
 
     def unrouted(self, data: bytes, addr: Address) -> None:
         """A datagram from an unconfirmed address: confirm a side by its IP
@@ -178,11 +201,23 @@ class _Entry:
             self.done[way] += route.packets
             self.done[way + 1] += route.octets
         self.routes.clear()
+        self.end()
         c1, c2 = self.confirmed1, self.confirmed2
         if c1 is not None:
             self.routes[c1] = make_route(self.sock, c2 or self.side2)
         if c2 is not None:
             self.routes[c2] = make_route(self.sock, c1 or self.side1)
+        if self.kernel is not None:
+            # The same routes in the kernel: the eBPF program forwards them
+            # from now on, and the tap's routes see nothing.
+            for side, dest in (
+                (c1, c2 or self.side2),
+                (c2, c1 or self.side1),
+            ):
+                if side is not None:
+                    twin = self.kernel.rewrite(side, self.sock, self.sock, dest)
+                    if twin is not None:
+                        self.kernel_routes[side] = twin
 
     def usage(self, released: float, reason: str) -> ForwarderUsage:
         counts = list(self.done)
@@ -219,8 +254,12 @@ class ForwarderPool:
         host: str,
         admission: Admission,
         kernel_drops: KernelDropCollector | None = None,
+        kernel: KernelRoutes | None = None,
     ) -> None:
         self.host = host
+        #: The kernel data plane (``--dataplane kernel``): confirmed sides are
+        #: forwarded there.
+        self.kernel = kernel
         self.admission = admission
         self.kernel_drops = kernel_drops or KernelDropCollector(dict)
         self.entries: dict[tuple[Address, Address], _Entry] = {}
@@ -263,7 +302,13 @@ class ForwarderPool:
             self.admission.release(requester[0])
             return ForwarderResult.BIND_FAILED, 0
         entry = _Entry(
-            sock, source, target, timeout_ms / 1000, self._loop.time(), requester
+            sock,
+            source,
+            target,
+            timeout_ms / 1000,
+            self._loop.time(),
+            requester,
+            self.kernel,
         )
         self.entries[(source, target)] = entry
         self._readers.add(entry.tap)
@@ -303,6 +348,7 @@ class ForwarderPool:
 
     def _release(self, key: tuple[Address, Address], reason: str) -> None:
         entry = self.entries.pop(key)
+        entry.end()
         if self.on_release is not None:
             self.on_release(entry.usage(self._loop.time(), reason))
         self.released_packets += entry.packets

@@ -1,0 +1,224 @@
+"""natneg relay pairs and RakNet forwarders on the kernel plane, in namespaces.
+
+client (192.0.2.2) -- [toc] server [top] -- peer (198.51.100.2), as in
+test_kernelplane.py. The relay's sockets live in the server namespace, bound
+to the wildcard address, and the event loop runs there (the adapter resolves
+devices and local addresses in its own namespace). Once a pair or forwarder
+has learned its clients, the eBPF program forwards their datagrams: its
+counters grow, the socket taps' routes stay at 0, and the relays' own counts
+(idle sweeps, metrics, insight) include the kernel's. When the pair or
+forwarder ends, forwarding stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from crossroads.proto.natneg.packets import ConnectPing
+from crossroads.proto.natneg.server import SessionId
+from crossroads.proto.policy import AddressPolicy
+from crossroads.proto.raknet.udpproxy import ForwarderResult
+from crossroads.transport.admission import ResourceBudget
+from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+from crossroads.transport.kernelroutes import KernelRoutes
+from crossroads.transport.natneg_relay import RelayPool
+from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
+from tests.transport.netns_support import inside, relay_lab
+
+pytestmark = pytest.mark.timeout(60)
+
+CLIENT_IP, PEER_IP = "192.0.2.2", "198.51.100.2"
+TOWARD_CLIENT, TOWARD_PEER = "192.0.2.1", "198.51.100.1"
+LAB = (ipaddress.ip_network("192.0.2.0/24"), ipaddress.ip_network("198.51.100.0/24"))
+
+
+@pytest.fixture
+def lab() -> Iterator[tuple[dict[str, str], KernelPlane]]:
+    if (
+        subprocess.run(["id", "-u"], capture_output=True, text=True).stdout.strip()
+        != "0"
+    ):
+        pytest.skip("needs root for namespaces and eBPF")
+    with relay_lab("kb") as names:
+        with inside(names["server"]):
+            try:
+                plane = KernelPlane.load()
+            except KernelPlaneUnavailable as exc:
+                pytest.skip(f"kernel plane unavailable: {exc}")
+        try:
+            yield names, plane
+        finally:
+            with inside(names["server"]):
+                plane.close()
+
+
+def udp(ns: str, host: str) -> socket.socket:
+    with inside(ns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    sock.bind((host, 0))
+    return sock
+
+
+async def recv(
+    sock: socket.socket, timeout: float = 1.0
+) -> tuple[bytes, tuple[str, int]] | None:
+    loop = asyncio.get_running_loop()
+    try:
+        data, addr = await asyncio.wait_for(loop.sock_recvfrom(sock, 4096), timeout)
+    except TimeoutError:
+        return None
+    return data, (addr[0], addr[1])
+
+
+def ping(cookie: int) -> bytes:
+    return ConnectPing(4, cookie, "192.0.2.2", 1, 0, 0).encode()
+
+
+async def test_natneg_pair_forwards_through_the_kernel_and_stops_when_released(
+    lab: tuple[dict[str, str], KernelPlane],
+) -> None:
+    ns, plane = lab
+    released: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    a = udp(ns["client"], CLIENT_IP)
+    b = udp(ns["peer"], PEER_IP)
+    with inside(ns["server"]):
+        pool = RelayPool(
+            bind_host="0.0.0.0",
+            advertise_host=TOWARD_CLIENT,
+            port_range=None,
+            idle_timeout=30.0,
+            max_pairs=2,
+            policy=AddressPolicy(allow=LAB),
+            kernel=KernelRoutes(plane),
+            on_release=lambda _s, _t, first, second: released.append((first, second)),
+        )
+        try:
+            session = SessionId(77, 1)
+            pair = pool.allocate(session, (CLIENT_IP, PEER_IP))
+            assert pair is not None
+            side0 = (TOWARD_CLIENT, pair[0][1])
+            side1 = (TOWARD_PEER, pair[1][1])
+            # Learning goes through the sockets: the second ping is forwarded
+            # by hand and installs the routes, in the taps and in the kernel.
+            a.sendto(ping(77), side0)
+            await asyncio.sleep(0.1)
+            b.sendto(ping(77), side1)
+            assert await recv(a) == (ping(77), side0)
+            assert len(plane) == 2
+            sizes = [1, 100, 1400]
+            for n in sizes:
+                a.sendto(bytes(n), side0)
+                assert await recv(b) == (bytes(n), side1)
+                b.sendto(b"r" * n, side1)
+                assert await recv(a) == (b"r" * n, side0)
+            sides = pool._pairs[session].sides
+            # The kernel forwarded it all: the taps' routes saw nothing...
+            assert all(r.packets == 0 for s in sides for r in s.routes.values())
+            # ...and the pool's counts (sweeps, metrics, insight) see it.
+            assert pool.packets() == 1 + 2 * len(sizes)
+            pool.release(session)
+            assert len(plane) == 0
+            assert released == [
+                ((len(sizes), sum(sizes)), (1 + len(sizes), len(ping(77)) + sum(sizes)))
+            ]
+            # Released: nothing crosses any more, at once.
+            a.sendto(b"late", side0)
+            b.sendto(b"late", side1)
+            assert await recv(b, 0.3) is None and await recv(a, 0.3) is None
+        finally:
+            await pool.close()
+            a.close()
+            b.close()
+
+
+async def test_raknet_forwarder_between_stock_peers_through_the_kernel(
+    lab: tuple[dict[str, str], KernelPlane],
+) -> None:
+    """Two stock RakNet 4 peers (PyPI wheel) RakNet-connect through a
+    UDPProxy forwarder; once both sides are confirmed, the kernel forwards."""
+    from tests.interop.raknet_support import ID, RakNetPeer
+
+    ns, plane = lab
+    with inside(ns["client"]):
+        a = RakNetPeer(host=CLIENT_IP)
+    with inside(ns["peer"]):
+        b = RakNetPeer(host=PEER_IP)
+    b.peer.max_incoming_connections = 4  # b hosts the game
+    with inside(ns["server"]):
+        pool = ForwarderPool(
+            "0.0.0.0",
+            forwarder_table(ResourceBudget(), 4, 4),
+            kernel=KernelRoutes(plane),
+        )
+        try:
+            result, port = pool.start((CLIENT_IP, a.port), (PEER_IP, b.port), 5000)
+            assert result == ForwarderResult.SUCCESS
+            await a.connect(TOWARD_CLIENT, port)
+            await b.expect(ID.ID_NEW_INCOMING_CONNECTION)
+            for i in range(20):
+                a.send(b"\x86through the kernel %d" % i)
+                assert await b.expect(0x86) == b"\x86through the kernel %d" % i
+            (entry,) = pool.entries.values()
+            assert len(entry.kernel_routes) == 2
+            kernel = sum(r.packets for r in entry.kernel_routes)
+            assert kernel >= 20
+            assert all(r.packets == 0 for r in entry.routes.values())
+            assert pool.packets() == entry.forwarded_elsewhere + kernel
+            await pool.close()
+            assert len(plane) == 0
+            assert pool.packets() >= kernel
+            # Removed with the forwarder: the connection's traffic stops at once.
+            a.send(b"\x86after")
+            with pytest.raises(AssertionError):
+                await b.expect(0x86, timeout=1.0)
+        finally:
+            await pool.close()
+            a.close()
+            b.close()
+
+
+@pytest.mark.parametrize("plane", ["kernel", "c"])
+async def test_the_runtime_hands_the_kernel_plane_to_both_relays(plane: str) -> None:
+    """With --dataplane kernel the natneg relay pool and the RakNet forwarder
+    pool get the runtime's kernel routes; on any other plane they get none."""
+    from crossroads.config import default_config
+    from crossroads.runtime import start
+    from crossroads.services.natneg import NatNegService
+    from crossroads.services.raknet import RakNetService
+    from tests.conftest import loopback_config, running_service
+
+    if plane == "kernel":
+        try:
+            KernelPlane.load().close()
+        except KernelPlaneUnavailable as exc:
+            pytest.skip(f"kernel plane unavailable: {exc}")
+    rt = await start(
+        default_config(
+            loopback_config(
+                core__only="natneg,raknet",
+                core__dataplane=plane,
+                natneg__relay_host="127.0.0.1",
+                natneg__relay_allow="127.0.0.0/8",
+                natneg__natneg2_host="127.0.0.2",
+                natneg__natneg3_host="127.0.0.3",
+                natneg__probe_host="127.0.0.4",
+            )
+        )
+    )
+    try:
+        natneg = running_service(rt, "natneg", NatNegService)
+        raknet = running_service(rt, "raknet", RakNetService)
+        assert natneg.relay is not None and raknet.forwarders is not None
+        kernel = rt.dataplane.kernel if rt.dataplane is not None else None
+        assert (kernel is not None) == (plane == "kernel")
+        for routes in (natneg.relay.kernel, raknet.forwarders.kernel):
+            assert (routes.plane if routes is not None else None) is kernel
+    finally:
+        await rt.close()
