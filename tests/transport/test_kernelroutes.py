@@ -167,7 +167,7 @@ async def test_raknet_forwarder_between_stock_peers_through_the_kernel(
                 assert await b.expect(0x86) == b"\x86through the kernel %d" % i
             (entry,) = pool.entries.values()
             assert len(entry.kernel_routes) == 2
-            kernel = sum(r.packets for r in entry.kernel_routes)
+            kernel = sum(r.packets for r in entry.kernel_routes.values())
             assert kernel >= 20
             assert all(r.packets == 0 for r in entry.routes.values())
             assert pool.packets() == entry.forwarded_elsewhere + kernel
