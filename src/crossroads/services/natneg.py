@@ -445,6 +445,7 @@ _OUTCOME_STEP = {
     Outcome.DEADBEAT: "partner-never-came",
     Outcome.INIT_TIMEOUT: "init-timeout",
     Outcome.RESTARTED: "restarted",
+    Outcome.GONE: "gone",
 }
 
 
