@@ -395,6 +395,13 @@ class _Collector(Collector):
             "reason",
             core.stats.dropped,
         )
+        yield counter_by(
+            "crossroads_natneg_liveness_checks",
+            "Liveness ERTs to clients silent since their INITs when their partner"
+            " came, by result (asked, alive, replaced by a restart, gone).",
+            "result",
+            core.stats.liveness,
+        )
         yield CounterMetricFamily(
             "crossroads_natneg_packets_sent",
             "natneg packets sent.",

@@ -299,6 +299,7 @@ def test_a_partner_nearer_than_the_restart_never_gets_the_dead_hosts_ports() -> 
     assert targets_for(connect_list, guest.ip) == {live.source(0)}
     assert targets_for(connect_list, HOST_IP) == {guest.source(0)}
     assert {c.finished for c, _, _ in connect_list} == {Finished.NOERROR}
+    assert core.stats.liveness == {"asked": 1, "replaced": 1}
 
 
 def test_a_dead_waiter_is_dropped_and_its_partner_waits_for_the_next_one() -> None:
@@ -325,6 +326,7 @@ def test_a_dead_waiter_is_dropped_and_its_partner_waits_for_the_next_one() -> No
         NegotiationFinished(SessionId(COOKIE, 1), Outcome.GONE, False, 3.2, True)
         in events
     )
+    assert core.stats.liveness == {"asked": 1, "gone": 1}
     # The old session's timeout (at 5.0) no longer ends the partner's wait.
     assert connects(run_until(core, 7.0)) == []
     late = Client(1, HOST_IP, version=4, gp_port=33250, nego_port=35895, cookie=COOKIE)
@@ -349,6 +351,7 @@ def test_a_live_waiter_answers_and_the_pair_is_made() -> None:
     out += connects(run_until(core, 3.5))
     assert targets_for(out, guest.ip) == {host.source(0)}
     assert targets_for(out, HOST_IP) == {guest.source(0)}
+    assert core.stats.liveness == {"asked": 1, "alive": 1}
 
     for silent_ert, late in ((False, 0.45), (True, 3.0)):
         core = NatNegServer(tight())
@@ -363,3 +366,4 @@ def test_a_live_waiter_answers_and_the_pair_is_made() -> None:
         out += answer_erts(core, out, late + 0.05)
         out += run_until(core, late + 1.0)
         assert targets_for(connects(out), guest.ip) == {host.source(0)}
+        assert core.stats.liveness == {}

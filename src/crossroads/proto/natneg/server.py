@@ -406,6 +406,13 @@ class Stats:
     #: Dropped datagrams by reason.
     dropped: dict[str, int] = field(default_factory=dict)
     sent: int = 0
+    #: Liveness ERTs to silent waiting clients (``stale_after``), by result:
+    #: ``asked``, then ``alive`` (answered), ``replaced`` (the client's restart
+    #: came first) or ``gone`` (no answer: its record was dropped).
+    liveness: dict[str, int] = field(default_factory=dict)
+
+    def count_liveness(self, result: str) -> None:
+        self.liveness[result] = self.liveness.get(result, 0) + 1
 
 
 # ----------------------------------------------------------------------- state
@@ -1101,6 +1108,8 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
         """
         old = session.clients[p.client_index]
         assert old is not None
+        if old.check_sent is not None and not old.alive:
+            self.stats.count_liveness("replaced")
         renewed = self._replace(session, p.client_index, now, Outcome.RESTARTED)
         if old.gp_echo is not None and p.port_type != PortType.GP:
             self._record_init(renewed, *old.gp_echo, now)
@@ -1209,6 +1218,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             # The liveness ERT came back from the negotiate socket it went to:
             # the process that INITed is still there.
             client.alive = True
+            self.stats.count_liveness("alive")
         else:
             return
         client.heard = now
@@ -1322,6 +1332,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
             if mapping is None:
                 continue
             client.check_sent = now
+            self.stats.count_liveness("asked")
             self._send(
                 ErtTest(client.version, session.cookie, PortType.NN1, client.index),
                 *mapping,
@@ -1406,6 +1417,7 @@ class NatNegServer(Outbox[SocketDatagram[Endpoint]], EventQueue[Event]):
                 # Silent since its INITs and no answer to the liveness ERT: its
                 # process is gone. Its partner waits for it (or its restart) in
                 # a new session instead of pinging dead ports.
+                self.stats.count_liveness("gone")
                 self._replace(session, index, now, Outcome.GONE)
                 return
         first, second = session.clients
