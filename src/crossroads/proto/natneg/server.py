@@ -84,6 +84,11 @@ all show one public address, and the SDK never resends an ACKed INIT. Hence
   sockets. A game socket kept across attempts repeats its known mapping and comes
   first: that GP INIT is kept aside and counted in the new record if an NN INIT
   from a new negotiate socket follows;
+* a waiting client is silent, so a dead one looks the same: when its partner
+  completes the pair and it has been silent for ``stale_after``, one ERT_TEST
+  asks it first (:meth:`NatNegServer._check_liveness`); its restart replaces
+  it meanwhile, and no answer while it answered ERTs before drops its record
+  (outcome ``gone``), so the partner is never told a dead process's ports;
 * once a session's outcome is settled (FAILING, DONE), its cookie is free: an INIT
   from another client starts a new session at once. While a pair still
   negotiates (WAITING to CONNECTING), another client is refused (``third-client``);
