@@ -10,7 +10,15 @@ from collections.abc import AsyncIterator
 import pytest
 
 from crossroads.lab.kinds import KINDS_BY_NAME
-from crossroads.lab.matrix import Attempt, run_matrix, unexpected
+from crossroads.lab.matrix import (
+    SDK_TEST_COOKIE,
+    SHARED_COOKIE,
+    Attempt,
+    Delays,
+    run_attempt,
+    run_matrix,
+    unexpected,
+)
 from crossroads.lab.methods.natneg import (
     METHOD,
     SERVERS,
@@ -108,6 +116,33 @@ async def test_back_to_back_on_cookie_666_every_pair_connects_first(
     assert vias[("port-restricted-cone", "symmetric-random")] == "relay"
     assert vias[("symmetric-random", "cgnat")] == "relay"
     assert vias[("port-restricted-cone", "cgnat")] == "punch"
+
+
+async def test_a_partner_nearer_than_a_dead_waiters_restart_connects_first(
+    lab: Lab,
+) -> None:
+    """The back-to-back matrix's last differing cell, alone: on cookie 666 the
+    `cgnat` host waits for a partner behind a UDP-blocking router, which never
+    reaches the server, and the lobby stops both; the next game pairs the same
+    host (a new process, new sockets) with a `port-restricted-remap` guest
+    nearer the server. The guest's INITs complete the pair with the dead
+    host's record. The matrix's draw (21.8 against 74.1 ms) left the CONNECTs
+    a few ms before the new host's INITs, a race that connected alone (6/6);
+    here the host is 100 ms away and the guest 10 ms, so the CONNECTs (after
+    the guest's ~20 ms round trip) always left before the restart and the
+    guest pinged the dead process's ports for 6.4 s. The server now asks the
+    silent record whether it is alive (one ERT); the restart replaces it, or
+    the unanswered ERT drops it and the restart joins, and the pair punches on
+    its first attempt."""
+    shared: dict[str, object] = {SHARED_COOKIE: SDK_TEST_COOKIE, "cleanups": []}
+    host = lab.site("cgnat-a")
+    blocked = Attempt(lab, host, lab.site("udp-blocked-b"), shared)
+    alone = await run_attempt(METHOD, blocked)
+    assert not alone.connected, alone
+    pair = Attempt(lab, host, lab.site("port-restricted-remap-b"), shared)
+    result = await run_attempt(METHOD, pair, Delays(0.1, 0.01, 0.0215))
+    assert result.connected and result.first_attempt, result
+    assert result.via == "punch", result
 
 
 async def test_players_in_two_processes_connect_on_the_first_attempt(

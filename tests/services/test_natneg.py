@@ -564,6 +564,69 @@ async def test_cookie_666_restart_while_waiting_then_another_pair(
     assert counts == {"restarted": 1, "connected": 2}
 
 
+async def test_a_dead_waiter_is_asked_and_the_partner_meets_its_restart(
+    natneg: Starter,
+) -> None:
+    """The back-to-back race over loopback with SDK-like clients: the host's
+    first process has its INITs ACKed and its ERT answered, waits past
+    ``stale_after`` and dies. The guest comes first: the server asks the
+    silent record (one ERT to the dead negotiate socket), gets no answer,
+    drops it (``gone``) and keeps the guest waiting, instead of sending it to
+    the dead ports; the host's restart, 0.4 s later, meets the guest."""
+    rt = await natneg(natneg__session_timeout=5.0)
+    srv = servers(rt)
+    wait = {"partner_wait": 4.0}  # the SDK's is 60 s: keep a failure short
+    dead_game = game_socket()
+    first = SdkNegotiator(
+        version=4, cookie=666, client_index=1, servers=srv, game_sock=dead_game, **wait
+    )
+    first.send_inits(time.monotonic())
+    silent_from = time.monotonic()
+    while time.monotonic() - silent_from < 0.8:  # NNThink: answers the ERT
+        first.think(time.monotonic())
+        await asyncio.sleep(0.01)
+    assert first.state == State.INITACK
+    first.release()  # the process dies with its sockets
+    dead_game.close()
+    host_game = game_socket()
+    host, guest = negotiators(
+        srv,
+        4,
+        666,
+        host={"game_sock": host_game},
+        guest={"bind_ip": "127.0.0.5"},
+        **wait,
+    )
+
+    async def restart_later() -> None:
+        await asyncio.sleep(0.4)
+        await host.run()
+
+    try:
+        await asyncio.gather(guest.run(), restart_later())
+        assert host.outcome and guest.outcome
+        assert host.outcome.result == guest.outcome.result == NegotiateResult.SUCCESS
+        assert guest.connect_guess == address_of(host_game)
+        await exchange_game_data(host, guest)
+    finally:
+        host.close()
+        guest.close()
+        host_game.close()
+    checks = {
+        result: metric(rt, "crossroads_natneg_liveness_checks_total", result=result)
+        for result in ("asked", "alive", "replaced", "gone")
+    }
+    assert checks == {"asked": 1, "alive": 0, "replaced": 0, "gone": 1}
+    gone = metric(
+        rt,
+        "crossroads_natneg_negotiations_total",
+        outcome="gone",
+        relayed="false",
+        attempt="first",
+    )
+    assert gone == 1
+
+
 @pytest.mark.parametrize(
     ("relay_host", "relayed", "result"),
     [

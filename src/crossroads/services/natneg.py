@@ -395,6 +395,13 @@ class _Collector(Collector):
             "reason",
             core.stats.dropped,
         )
+        yield counter_by(
+            "crossroads_natneg_liveness_checks",
+            "Liveness ERTs to clients silent since their INITs when their partner"
+            " came, by result (asked, alive, replaced by a restart, gone).",
+            "result",
+            core.stats.liveness,
+        )
         yield CounterMetricFamily(
             "crossroads_natneg_packets_sent",
             "natneg packets sent.",
@@ -445,6 +452,7 @@ _OUTCOME_STEP = {
     Outcome.DEADBEAT: "partner-never-came",
     Outcome.INIT_TIMEOUT: "init-timeout",
     Outcome.RESTARTED: "restarted",
+    Outcome.GONE: "gone",
 }
 
 

@@ -6,6 +6,7 @@ client is refused while a pair negotiates."""
 from __future__ import annotations
 
 from crossroads.proto.natneg.packets import (
+    ErtTest,
     Finished,
     InitAck,
     NatType,
@@ -251,3 +252,118 @@ def test_a_late_init_of_the_same_attempt_after_the_session_gave_up_is_no_restart
     assert init_acks(sent(core, 5.6)) == [guest.source(3)]
     assert core.session_count == 1
     assert not [e for e in core.pop_events() if isinstance(e, SessionClosed)]
+
+
+# ------------------------------------------------------------------ a dead waiter
+
+
+def erts_to(out: Sent, addrs: set[Address], now: float, core: NatNegServer) -> Sent:
+    """Answer, at ``now``, the ERT_TESTs in ``out`` sent to ``addrs`` (the live
+    sockets; a dead process answers nothing); return what the server sends."""
+    for wire, addr, endpoint in out:
+        if addr in addrs and isinstance(decode(wire), ErtTest):
+            core.receive_datagram(wire[:7] + b"\x03" + wire[8:21], addr, now, endpoint)
+    return core.datagrams_to_send(now)
+
+
+def test_a_partner_nearer_than_the_restart_never_gets_the_dead_hosts_ports() -> None:
+    """The back-to-back matrix's last differing cell. The host's first process
+    waited alone on cookie 666 (its partner could not reach the server) and was
+    stopped: its record stays, complete and silent. In the next game the
+    partner, 22 ms from the server, arrives before the new host process, 74 ms
+    away: it completed the pair with the dead record, the CONNECTs left after
+    its round trip, a few ms before the restart's INITs, and it pinged dead
+    ports for 6.4 s. The silent record must be asked first (one ERT), so the
+    restart replaces it and the CONNECTs name the live sockets only."""
+    core = NatNegServer(tight(session_timeout=30.0))
+    old = Client(1, HOST_IP, version=4, gp_port=56031, nego_port=44466, cookie=COOKIE)
+    old.send_inits(core, 0.0)
+    erts_to(sent(core, 0.0), {old.source(1)}, 0.148, core)  # rtt 148 ms
+    # ~6.5 s later the old process is stopped; 0.5 s after that the next game:
+    guest = Client(0, "203.0.113.20", version=4, cookie=COOKIE)
+    guest.send_inits(core, 7.0)
+    out = sent(core, 7.0)
+    live = Client(1, HOST_IP, version=4, gp_port=33250, nego_port=35895, cookie=COOKIE)
+    live_addrs = {live.source(pt) for pt in live.port_types()}
+    out += erts_to(out, {guest.source(1)}, 7.044, core)  # the guest's rtt: 44 ms
+    out += run_until(core, 7.052)
+    live.send_inits(core, 7.052)  # 52 ms after the guest: 74 - 22 ms
+    step = sent(core, 7.052)
+    out += step + erts_to(step, {live.source(1)}, 7.2, core)
+    out += run_until(core, 9.0)
+    dead = {old.source(pt) for pt in old.port_types()}
+    connect_list = connects(out)
+    assert connect_list
+    assert not {addr for _, addr, _ in connect_list} & dead
+    assert {addr for _, addr, _ in connect_list if addr[0] == HOST_IP} == live_addrs
+    assert targets_for(connect_list, guest.ip) == {live.source(0)}
+    assert targets_for(connect_list, HOST_IP) == {guest.source(0)}
+    assert {c.finished for c, _, _ in connect_list} == {Finished.NOERROR}
+    assert core.stats.liveness == {"asked": 1, "replaced": 1}
+
+
+def test_a_dead_waiter_is_dropped_and_its_partner_waits_for_the_next_one() -> None:
+    """No restart comes in time: the unanswered liveness ERT drops the dead
+    record (outcome ``gone``) instead of sending its partner to dead ports; the
+    partner waits in a new session with a fresh timeout, and a host arriving
+    later pairs with it."""
+    core = NatNegServer(tight())  # session_timeout 5
+    old = Client(1, HOST_IP, version=4, gp_port=56031, nego_port=44466, cookie=COOKIE)
+    old.send_inits(core, 0.0)
+    erts_to(sent(core, 0.0), {old.source(1)}, 0.1, core)
+    guest = Client(0, "203.0.113.20", version=4, cookie=COOKIE)
+    guest.send_inits(core, 3.0)
+    out = sent(core, 3.0)
+    assert [addr for wire, addr, _ in out if isinstance(decode(wire), ErtTest)] == [
+        guest.source(1),
+        old.source(1),  # the liveness ERT to the silent record's negotiate socket
+    ]
+    out += erts_to(out, {guest.source(1)}, 3.02, core)
+    out += run_until(core, 3.5)  # the old rtt (0.1) + probe_grace (0.1) passed
+    assert connects(out) == []
+    events = core.pop_events()
+    assert (
+        NegotiationFinished(SessionId(COOKIE, 1), Outcome.GONE, False, 3.2, True)
+        in events
+    )
+    assert core.stats.liveness == {"asked": 1, "gone": 1}
+    # The old session's timeout (at 5.0) no longer ends the partner's wait.
+    assert connects(run_until(core, 7.0)) == []
+    late = Client(1, HOST_IP, version=4, gp_port=33250, nego_port=35895, cookie=COOKIE)
+    late.send_inits(core, 7.5)
+    out = connects(answer_erts(core, sent(core, 7.5), 7.5) + run_until(core, 8.5))
+    assert targets_for(out, guest.ip) == {late.source(0)}
+    assert sent_to(out, HOST_IP) == {late.source(pt) for pt in late.port_types()}
+
+
+def test_a_live_waiter_answers_and_the_pair_is_made() -> None:
+    """A host that really waited (3 s) answers the liveness ERT: the pair is
+    made with its record, no later than its answer. A host heard within
+    ``stale_after`` is not asked (no datagram more, no wait), nor is one that
+    never answered an ERT (no answer would prove nothing: as before)."""
+    core = NatNegServer(tight())
+    host = Client(1, HOST_IP, version=4, cookie=COOKIE)
+    host.send_inits(core, 0.0)
+    answer_erts(core, sent(core, 0.0), 0.1)
+    guest = Client(0, "203.0.113.20", version=4, cookie=COOKIE)
+    guest.send_inits(core, 3.0)
+    out = connects(answer_erts(core, sent(core, 3.0), 3.1))
+    out += connects(run_until(core, 3.5))
+    assert targets_for(out, guest.ip) == {host.source(0)}
+    assert targets_for(out, HOST_IP) == {guest.source(0)}
+    assert core.stats.liveness == {"asked": 1, "alive": 1}
+
+    for silent_ert, late in ((False, 0.45), (True, 3.0)):
+        core = NatNegServer(tight())
+        host.send_inits(core, 0.0)
+        first = sent(core, 0.0)
+        if not silent_ert:
+            answer_erts(core, first, 0.1)
+        guest.send_inits(core, late)
+        out = sent(core, late)
+        erts = [addr for wire, addr, _ in out if isinstance(decode(wire), ErtTest)]
+        assert erts == [guest.source(1)]
+        out += answer_erts(core, out, late + 0.05)
+        out += run_until(core, late + 1.0)
+        assert targets_for(connects(out), guest.ip) == {host.source(0)}
+        assert core.stats.liveness == {}

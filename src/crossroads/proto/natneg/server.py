@@ -84,6 +84,11 @@ all show one public address, and the SDK never resends an ACKed INIT. Hence
   sockets. A game socket kept across attempts repeats its known mapping and comes
   first: that GP INIT is kept aside and counted in the new record if an NN INIT
   from a new negotiate socket follows;
+* a waiting client is silent, so a dead one looks the same: when its partner
+  completes the pair and it has been silent for ``stale_after``, one ERT_TEST
+  asks it first (:meth:`NatNegServer._check_liveness`); its restart replaces
+  it meanwhile, and no answer while it answered ERTs before drops its record
+  (outcome ``gone``), so the partner is never told a dead process's ports;
 * once a session's outcome is settled (FAILING, DONE), its cookie is free: an INIT
   from another client starts a new session at once. While a pair still
   negotiates (WAITING to CONNECTING), another client is refused (``third-client``);
@@ -201,6 +206,9 @@ class Outcome(Enum):
     DEADBEAT = "deadbeat"  # a client waited for a partner who never came
     INIT_TIMEOUT = "init-timeout"  # both came, one never sent all its INITs
     RESTARTED = "restarted"  # a client began again on the cookie before it ended
+    #: A client silent since its INITs did not answer the liveness ERT when its
+    #: partner came: its process is gone (the partner waits on in a new session).
+    GONE = "gone"
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -266,6 +274,20 @@ class ServerConfig:
     #: 100 ms (ref §6); an early client's round trip was measured before, so this
     #: also absorbs the difference of two poll phases.
     probe_grace: float = 0.1
+    #: A complete client silent this long when its partner completes is asked
+    #: whether it is still there before the pair is made: a waiting SDK client
+    #: sends nothing once its INITs are ACKed (ref §6), so a waiting client and
+    #: one whose process died look the same, and a CONNECT naming a dead
+    #: process's ports makes its partner ping them for the SDK's 6.4 s. One
+    #: ERT_TEST to its negotiate socket, which every SDK version answers in any
+    #: state (ref §3.2); asked only of a client that answered our timing ERT
+    #: before, so no answer within its round trip plus ``probe_grace`` (at most
+    #: ``rtt_wait``) means it is gone: its record is dropped and the partner
+    #: waits for it (or its restart) in a new session. 0.5 s is the SDK's INIT
+    #: resend interval (ref §6): a client younger than that has just been heard,
+    #: and both players of one game start within that of each other, so only a
+    #: client that really waited pays the (usually hidden) extra round trip.
+    stale_after: float = 0.5
     #: Error CONNECTs (finished=1/2) are never ACKed by the client (ref §6 step 3),
     #: so they are sent a fixed number of times, ``connect_interval`` apart.
     error_attempts: int = 3
@@ -389,6 +411,13 @@ class Stats:
     #: Dropped datagrams by reason.
     dropped: dict[str, int] = field(default_factory=dict)
     sent: int = 0
+    #: Liveness ERTs to silent waiting clients (``stale_after``), by result:
+    #: ``asked``, then ``alive`` (answered), ``replaced`` (the client's restart
+    #: came first) or ``gone`` (no answer: its record was dropped).
+    liveness: dict[str, int] = field(default_factory=dict)
+
+    def count_liveness(self, result: str) -> None:
+        self.liveness[result] = self.liveness.get(result, 0) + 1
 
 
 # ----------------------------------------------------------------------- state
@@ -466,9 +495,12 @@ class _Client:
         "gp_echo",
         "probe_sent",
         "probe_open",
+        "heard",
+        "check_sent",
+        "alive",
     )
 
-    def __init__(self, packet: Init, public_ip: str) -> None:
+    def __init__(self, packet: Init, public_ip: str, now: float) -> None:
         self.index = packet.client_index
         self.version = packet.version
         self.public_ip = public_ip
@@ -495,6 +527,12 @@ class _Client:
         #: our own ERT was, None not (yet) known.
         self.probe_sent: float | None = None
         self.probe_open: bool | None = None
+        #: When a datagram of this attempt (an INIT, an ERT_ACK) last came in.
+        self.heard = now
+        #: When the liveness ERT went out (``stale_after``), and True once it
+        #: was answered from the client's negotiate socket.
+        self.check_sent: float | None = None
+        self.alive = False
 
     def is_same(self, packet: Init, ip: str) -> bool:
         """Is this INIT from this client (this process or its restart) rather than
@@ -952,8 +990,8 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
                     return
             session = self._open(p.cookie, ip, now)
             for echo, echo_addr, echo_endpoint in replayed:
-                self._record_init(session, echo, echo_addr, echo_endpoint)
-        if not self._record_init(session, p, addr, endpoint):
+                self._record_init(session, echo, echo_addr, echo_endpoint, now)
+        if not self._record_init(session, p, addr, endpoint, now):
             # A replayed echo took the slot, but this INIT is from another client.
             self._drop("third-client")
             return
@@ -1034,13 +1072,18 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
         return verdict in (_Verdict.RESTART, _Verdict.THIRD)
 
     def _record_init(
-        self, session: _Session, p: Init, addr: Address, endpoint: NatNegSocket
+        self,
+        session: _Session,
+        p: Init,
+        addr: Address,
+        endpoint: NatNegSocket,
+        now: float,
     ) -> bool:
         """Note the mapping an INIT shows; False if its slot holds another client."""
         ip = addr[0]
         client = session.clients[p.client_index]
         if client is None:
-            client = _Client(p, ip)
+            client = _Client(p, ip, now)
             session.clients[p.client_index] = client
         elif not client.is_same(p, ip):
             return False
@@ -1055,6 +1098,7 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
         if p.port_type >= PortType.NN2 and p.local_port:
             # GP and NN1 INITs carry port 0; NN2/NN3 the socket the game pings from.
             client.local_port = p.local_port
+        client.heard = now
         return True
 
     def _open(self, cookie: int, owner_ip: str, now: float) -> _Session:
@@ -1074,21 +1118,38 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
         INIT that repeated its game socket just before (a kept game socket); the
         new session gets the full ``session_timeout`` from now.
         """
-        index = p.client_index
-        old = session.clients[index]
+        old = session.clients[p.client_index]
         assert old is not None
+        if old.check_sent is not None and not old.alive:
+            self.stats.count_liveness("replaced")
+        renewed = self._replace(session, p.client_index, now, Outcome.RESTARTED)
+        if old.gp_echo is not None and p.port_type != PortType.GP:
+            self._record_init(renewed, *old.gp_echo, now)
+        return renewed
+
+    def _replace(
+        self, session: _Session, index: int, now: float, outcome: Outcome
+    ) -> _Session:
+        """End ``session`` (with ``outcome``) without the record in slot
+        ``index``; a new session on the cookie, with the full
+        ``session_timeout`` from now, keeps the partner's record unchanged."""
         partner = session.clients[1 - index]
         session.clients[1 - index] = None
-        self._retire(session, now, restarted=True)
+        self._retire(session, now, restarted=True, outcome=outcome)
         # The renewed session takes over the retired one's admission slot.
         session.holds_slot = False
         renewed = self._open(session.cookie, session.owner_ip, now)
         renewed.clients[1 - index] = partner
-        if old.gp_echo is not None and p.port_type != PortType.GP:
-            self._record_init(renewed, *old.gp_echo)
         return renewed
 
-    def _retire(self, session: _Session, now: float, *, restarted: bool) -> None:
+    def _retire(
+        self,
+        session: _Session,
+        now: float,
+        *,
+        restarted: bool,
+        outcome: Outcome = Outcome.RESTARTED,
+    ) -> None:
         """Take ``session`` off its cookie for a newer one; it lingers aside.
 
         ``restarted``: its own clients started over, so it is closed now (its
@@ -1105,7 +1166,7 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
         if not restarted:
             return
         if session.state is not _State.DONE:
-            self._conclude(session, Outcome.RESTARTED, now)
+            self._conclude(session, outcome, now)
             session.state = _State.DONE
             self._schedule(session, now + self.config.linger)
         self._close(session, replaced=True)
@@ -1161,8 +1222,18 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
         elif client.rtt is None:
             assert client.ert_sent is not None
             client.rtt = now - client.ert_sent
+        elif (
+            client.check_sent is not None
+            and not client.alive
+            and client.mappings.get(PortType.NN1) == (addr, endpoint)
+        ):
+            # The liveness ERT came back from the negotiate socket it went to:
+            # the process that INITed is still there.
+            client.alive = True
+            self.stats.count_liveness("alive")
         else:
             return
+        client.heard = now
         if session.state is _State.TIMING:
             self._settle(session, now)
 
@@ -1221,6 +1292,8 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
             probing = c.probe_sent is not None and c.probe_open is None
             if c.ert_sent is not None and c.rtt is None and (timing or probing):
                 pending.append(c.ert_sent + config.rtt_wait)
+            if c.check_sent is not None and not c.alive:
+                pending.append(self._check_deadline(c))
             if c.probe_sent is not None and c.probe_open is None:
                 limit = c.probe_sent + config.rtt_wait
                 if c.rtt is not None:
@@ -1238,8 +1311,52 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
         self._schedule(session, when)
 
     def _both_complete(self, session: _Session, now: float) -> None:
+        self._check_liveness(session, now)
         self._send_probes(session, now)
         self._settle(session, now)
+
+    def _check_liveness(self, session: _Session, now: float) -> None:
+        """Ask a client that has been silent for ``stale_after`` whether its
+        process is still there, before its partner is told its ports.
+
+        A waiting SDK client sends nothing once its INITs are ACKed (ref §6), so
+        a waiting client and a dead one (a game stopped while it waited, a
+        process killed and started again on the same cookie) look the same; a
+        CONNECT naming the dead one's ports makes the partner ping them until
+        the SDK's ping timeout (6.4 s). The SDK answers an ERT_TEST on its
+        negotiate socket in any state (ref §3.2), so one ERT tells: answered, the
+        pair is made; not answered while it answered our timing ERT before
+        (:meth:`_start_connect`), the record is dropped. Its restart, if one is
+        coming, replaces it meanwhile (a restart before CONNECT, :meth:`_renew`).
+        Only a client known to answer ERTs is asked: for any other no answer
+        would prove nothing. One 21-byte datagram, once per record.
+        """
+        for client in session.clients:
+            if (
+                client is None
+                or client.alive
+                or client.check_sent is not None
+                or client.rtt is None
+                or now - client.heard < self.config.stale_after
+            ):
+                continue
+            mapping = client.mappings.get(PortType.NN1)
+            if mapping is None:
+                continue
+            client.check_sent = now
+            self.stats.count_liveness("asked")
+            self._send(
+                ErtTest(client.version, session.cookie, PortType.NN1, client.index),
+                *mapping,
+            )
+
+    def _check_deadline(self, client: _Client) -> float:
+        """When an unanswered liveness ERT means the client is gone: its round
+        trip measured before, plus ``probe_grace`` for its poll, at most
+        ``rtt_wait`` after it left."""
+        assert client.check_sent is not None and client.rtt is not None
+        config = self.config
+        return client.check_sent + min(config.rtt_wait, client.rtt + config.probe_grace)
 
     def _timing_helps(self, session: _Session) -> bool:
         """Can the CONNECTs' timing change this pair's outcome or cost it a ping
@@ -1303,6 +1420,18 @@ class NatNegServer(Outbox[SocketDatagram[NatNegSocket]], EventQueue[Event]):
     # ------------------------------------------------------------ CONNECT
 
     def _start_connect(self, session: _Session, now: float) -> None:
+        for index, client in enumerate(session.clients):
+            if (
+                client is not None
+                and client.check_sent is not None
+                and not client.alive
+            ):
+                # Silent since its INITs and no answer to the liveness ERT: its
+                # process is gone. Its partner waits for it (or its restart) in
+                # a new session instead of pinging dead ports.
+                self.stats.count_liveness("gone")
+                self._replace(session, index, now, Outcome.GONE)
+                return
         first, second = session.clients
         assert first is not None and second is not None
         for client in (first, second):
