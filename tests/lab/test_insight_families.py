@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,11 +27,12 @@ from typing import Any
 import pytest
 
 from crossroads.client.relay import Allocation, RelayConnection
+from crossroads.lab import netns
 from crossroads.lab.matrix import Attempt, run_attempt
 from crossroads.lab.methods import openttd, raknet
 from crossroads.lab.methods import relay as unity
 from crossroads.lab.methods.turn_udp import open_client
-from crossroads.lab.topology import SERVER_HTTP_PORT, Lab
+from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab
 from crossroads.lab.udp import recv, send
 from crossroads.proto.raknet.bitstream import BitReader, BitWriter
 from crossroads.proto.raknet.messages import MessageId
@@ -80,16 +82,27 @@ async def records(
     raise AssertionError(f"{want} {family} records expected, got {found}")
 
 
+def second_of(now: float) -> int:
+    """The API's ``since`` (whole seconds) for records from ``now`` on."""
+    return int(now) - 1
+
+
+def after(now: float) -> Callable[[dict[str, Any]], bool]:
+    """Records of attempts started at ``now`` or later (the API's ``since``
+    is whole seconds: the test before may have left one in that second)."""
+    return lambda record: bool(record["started"] >= now)
+
+
 async def test_openttd_join_record_names_the_predicted_rung(lab: Lab) -> None:
     """A full cone hosting, a port-restricted cone joining: the lab predicts
     TCP hole punching (the coordinator's STUN rung)."""
     a, b = lab.site("full-cone-a"), lab.site("port-restricted-cone-b")
     predicted = openttd.expected_via(a.kind, b.kind)
     assert predicted == "punch"
-    since = int(time.time()) - 1
+    now = time.time()
     result = await run_attempt(openttd.METHOD, Attempt(lab, a, b))
     assert result.connected and result.via == predicted, result
-    [record] = await records(lab, "openttd", since)
+    [record] = await records(lab, "openttd", second_of(now), match=after(now))
     assert (record["winner"], record["outcome"], record["cause"]) == (
         OPENTTD_RUNG[predicted],
         "direct",
@@ -104,6 +117,50 @@ async def test_openttd_join_record_names_the_predicted_rung(lab: Lab) -> None:
     assert record["usage"] is None
 
 
+async def turn_bytes_total(lab: Lab) -> float:
+    """``crossroads_openttd_turn_bytes_total`` on the lab server."""
+    loop = asyncio.get_running_loop()
+    sock = netns.socket_in(lab.server_ns, socket.SOCK_STREAM)
+    try:
+        await loop.sock_connect(sock, (SERVER_IPS[0], SERVER_HTTP_PORT))
+        request = b"GET /metrics HTTP/1.1\r\nHost: lab\r\nConnection: close\r\n\r\n"
+        await loop.sock_sendall(sock, request)
+        chunks = []
+        while chunk := await loop.sock_recv(sock, 65536):
+            chunks.append(chunk)
+    finally:
+        sock.close()
+    for line in b"".join(chunks).decode().splitlines():
+        if line.startswith("crossroads_openttd_turn_bytes_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+async def test_openttd_relayed_join_record_carries_the_relay_bytes(lab: Lab) -> None:
+    """Both behind random-port NATs: the lab predicts the TURN relay. The
+    join's record is written when the relay ends (the OpenTTD processes
+    stop), with the bytes the relay carried each way: the game's own
+    traffic (the map download from the server, the client's commands), not
+    known to the test byte for byte, but exactly what the relay's own
+    counter (``crossroads_openttd_turn_bytes_total``) grew by."""
+    a, b = lab.site("symmetric-random-a"), lab.site("symmetric-random-b")
+    predicted = openttd.expected_via(a.kind, b.kind)
+    assert predicted == "relay"
+    now = time.time()
+    before = await turn_bytes_total(lab)
+    result = await run_attempt(openttd.METHOD, Attempt(lab, a, b))
+    assert result.connected and result.via == predicted, result
+    [record] = await records(lab, "openttd", second_of(now), match=after(now))
+    assert (record["winner"], record["outcome"]) == (OPENTTD_RUNG[predicted], "relayed")
+    # The rungs before TURN failed, and the cause says which.
+    assert record["cause"] and "turn" not in record["cause"], record
+    usage = record["usage"]
+    # The client's commands and acks one way, the map (kilobytes) the other.
+    assert 0 < usage["bytes_up"] < usage["bytes_down"], usage
+    relayed = await turn_bytes_total(lab) - before
+    assert usage["bytes_up"] + usage["bytes_down"] == relayed
+
+
 async def test_raknet_proxy_record_counts_the_bytes_sent(lab: Lab) -> None:
     """Two random-port NATs: the punch fails, the server's own UDP proxy
     forwarder carries the game; its record names the proxy and counts what
@@ -111,7 +168,7 @@ async def test_raknet_proxy_record_counts_the_bytes_sent(lab: Lab) -> None:
     a_site, b_site = lab.site("symmetric-random-a"), lab.site("symmetric-random-b")
     assert raknet.expected_via(a_site.kind, b_site.kind) == "relay"
     await reset(lab, a_site.name, b_site.name)
-    since = int(time.time()) - 1
+    now = time.time()
     a = raknet.LabClient(lab.udp_socket(a_site))
     b = raknet.LabClient(lab.udp_socket(b_site))
     try:
@@ -130,7 +187,11 @@ async def test_raknet_proxy_record_counts_the_bytes_sent(lab: Lab) -> None:
     # Written when the forwarder ends: RakNet's idle timeout the client asked
     # for in its FORWARDING_REQUEST (10 s, lab/methods/raknet.py).
     [record] = await records(
-        lab, "raknet", since, timeout=30.0, match=lambda r: r["winner"] == "proxy"
+        lab,
+        "raknet",
+        second_of(now),
+        timeout=30.0,
+        match=lambda r: r["winner"] == "proxy" and after(now)(r),
     )
     assert (record["outcome"], record["cause"]) == (
         "relayed",
@@ -190,7 +251,7 @@ async def test_unity_relay_record_counts_the_bytes_sent(lab: Lab) -> None:
     (each ``RELAY_HEADER_SIZE`` bytes of header and its payload)."""
     a_site, b_site = lab.site("symmetric-random-a"), lab.site("port-restricted-cone-b")
     await reset(lab, a_site.name, b_site.name)
-    since = int(time.time()) - 1
+    now = time.time()
     host_alloc = Allocation.from_json(
         (await unity.api(lab, "/v1/allocate", {"maxConnections": 1}))["allocation"]
     )
@@ -224,7 +285,7 @@ async def test_unity_relay_record_counts_the_bytes_sent(lab: Lab) -> None:
         await player.close()
         await host.close()
     [record] = await records(
-        lab, "relay", since, match=lambda r: bool(r["session"] == code)
+        lab, "relay", second_of(now), match=lambda r: bool(r["session"] == code)
     )
     assert (record["winner"], record["outcome"], record["cause"]) == (
         "relay",
@@ -247,7 +308,7 @@ async def test_turn_allocation_records_count_the_bytes_sent(lab: Lab) -> None:
     to the peer (up) and what came back to it (down)."""
     a_site, b_site = lab.site("symmetric-random-a"), lab.site("full-cone-b")
     await reset(lab, a_site.name, b_site.name)
-    since = int(time.time()) - 1
+    now = time.time()
     host = await open_client(lab, a_site, "udp")
     player = await open_client(lab, b_site, "udp")
     sent = {"host": 0, "player": 0}
@@ -267,7 +328,7 @@ async def test_turn_allocation_records_count_the_bytes_sent(lab: Lab) -> None:
                 sent[name] += len(payload)
     finally:
         await asyncio.gather(host.close(), player.close())
-    found = await records(lab, "turn", since, want=2)
+    found = await records(lab, "turn", second_of(now), want=2, match=after(now))
     by_relay = {r["session"]: r for r in found}
     for name, other in (("host", "player"), ("player", "host")):
         address = relayed[name]
