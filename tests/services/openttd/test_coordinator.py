@@ -29,6 +29,7 @@ from crossroads.proto.openttd.coordinator import (
 from crossroads.proto.openttd.gameinfo import GameInfo, NewGRF, NewGRFSerialization
 from crossroads.runtime import Runtime
 from crossroads.services.openttd.registry import NEWGRF_COUNTER_KEY
+from tests.conftest import eventually
 from tests.services.openttd.helpers import (
     AF_INET,
     AF_INET6,
@@ -357,7 +358,17 @@ async def test_join_through_stun_then_turn(ottd: Runtime) -> None:
         await until_metric(
             ottd, "crossroads_openttd_connects_total", 1, method="turn", result="ok"
         )
-        # The record: STUN paired IPv4, its simultaneous open failed, TURN won.
+        for stream in streams + [relay_client, relay_server]:
+            await stream.close()
+
+        # The record: STUN paired IPv4, its simultaneous open failed, TURN won;
+        # written when this instance's relay ended, with the bytes it carried
+        # each way (the client connected to the relay first: both sides are
+        # 127.0.0.1 here, and the relay takes the first for the client).
+        async def recorded() -> bool:
+            return any(a.family == "openttd" for a in ottd.insight.ring)
+
+        await eventually(recorded, "the join's record")
         [record] = [a for a in ottd.insight.ring if a.family == "openttd"]
         assert (record.winner, record.outcome) == ("turn", "relayed")
         assert record.cause == "stun-ipv4 failed"
@@ -366,8 +377,8 @@ async def test_join_through_stun_then_turn(ottd: Runtime) -> None:
             ("stun-ipv4", "failed"),
             ("turn", "ok"),
         ]
-        for stream in streams + [relay_client, relay_server]:
-            await stream.close()
+        assert record.usage is not None
+        assert (record.usage.bytes_up, record.usage.bytes_down) == (3, 100_000)
     finally:
         await server.close()
         await client.close()

@@ -457,6 +457,7 @@ async def serve(ctx: ServiceContext) -> OpenTTDService:
             )
             coordinator.listing = listing
             service.coordinator = coordinator
+            coordinator.turn = service.turn
             await bus.start(coordinator.on_bus)
             await registry.announce_instance(service.instance)
 

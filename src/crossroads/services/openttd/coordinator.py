@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry
 from crossroads.errors import StoreError
 from crossroads.insight import InsightRecorder
 from crossroads.proto.budget import BudgetConfig, FailureBudget
-from crossroads.proto.insight import MAX_STEPS, Attempt, Step
+from crossroads.proto.insight import MAX_STEPS, Attempt, Step, Usage
 from crossroads.proto.openttd.admission import (
     Refusal,
     refuse_join,
@@ -147,6 +147,7 @@ from crossroads.services.openttd.runners import (
     run_store_flow,
     run_store_request,
 )
+from crossroads.services.openttd.turn import TurnHandler
 from crossroads.transport.driver import CoreTimer
 from crossroads.types import frozen
 
@@ -238,6 +239,9 @@ class Coordinator:
         self.settings = settings
         #: Where each finished join's record goes (crossroads.insight).
         self.insight = insight if insight is not None else InsightRecorder()
+        #: This instance's TURN relay, when it runs one: a join it relays
+        #: keeps its record until the relay ends, to add the bytes carried.
+        self.turn: TurnHandler | None = None
         #: Budget of CONNECTs naming an unknown invite code, per source and in
         #: total (proto/budget.py); the connection stayed open for the next
         #: guess, so nothing else bounded them.
@@ -760,7 +764,25 @@ class Coordinator:
             result.method,
             result.reason,
         )
-        self.insight.record(join_record(self.insight, join, result))
+        record = join_record(self.insight, join, result)
+        ticket = split_ticket(join.attempt.ticket)
+        if (
+            result.success
+            and result.method == "turn"
+            and self.turn is not None
+            and ticket is not None
+            and self.turn.watch(
+                ticket[0], join.client.host, functools.partial(self._relayed, record)
+            )
+        ):
+            return
+        self.insight.record(record)
+
+    def _relayed(self, record: Attempt, up: int, down: int) -> None:
+        """A join's TURN relay ended here: its record, with what it carried
+        (a TCP stream: bytes, no packets)."""
+        usage = Usage(bytes_up=up, bytes_down=down)
+        self.insight.record(dataclasses.replace(record, usage=usage))
 
     # --------------------------------------------------- reports and routing
 
@@ -887,8 +909,9 @@ def join_record(insight: InsightRecorder, join: Join, result: Finished) -> Attem
     """A finished join as an insight record: the rungs tried (direct per
     address, STUN's request and pairs, TURN), the one that carried the game
     (only the client reports success, CLIENT_CONNECTED), and why the others
-    did not. The TURN relay's bytes are not in it: the relay pairs the two
-    sockets later, by ticket, on its own listener (counted in
+    did not. A join relayed by this instance's TURN relay gets the relay's
+    bytes each way when the relay ends (:meth:`Coordinator._relayed`); one
+    relayed by another instance has none (counted there, in
     ``crossroads_openttd_turn_bytes_total``)."""
     attempt = join.attempt
     history = attempt.history

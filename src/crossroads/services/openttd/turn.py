@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -85,6 +86,10 @@ def relay_table(resources: ResourceBudget, max_connections: int) -> Admission:
     )
 
 
+#: Told the bytes a relay carried, client to server and back, when it ends.
+RelayWatcher = Callable[[int, int], None]
+
+
 class TurnHandler:
     """Handler for the TURN listener."""
 
@@ -115,6 +120,11 @@ class TurnHandler:
         #: The two connections of each live route, and each one's route.
         self.pairs: dict[StreamRoute, tuple[PacketConnection, PacketConnection]] = {}
         self.route_of: dict[PacketConnection, StreamRoute] = {}
+        #: Each live route's ticket id and back (single use: one route a
+        #: ticket), and who waits for the bytes of which (:meth:`watch`).
+        self.ticket_of: dict[StreamRoute, str] = {}
+        self.route_by_ticket: dict[str, StreamRoute] = {}
+        self.watchers: dict[StreamRoute, tuple[str, RelayWatcher]] = {}
         self.sessions = counter(
             metrics, "turn_sessions", "TURN connections, by outcome.", "result"
         )
@@ -207,6 +217,9 @@ class TurnHandler:
                 table.release(admitted)
             else:
                 self.admitted[route] = admitted
+        if not route.closed:
+            self.ticket_of[route] = ticket_id
+            self.route_by_ticket[ticket_id] = route
         task = asyncio.create_task(self._drop_ticket(ticket_id))
         task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
@@ -251,6 +264,21 @@ class TurnHandler:
             self.relays.inc()
         return route
 
+    def watch(self, ticket_id: str, client_host: str, watcher: RelayWatcher) -> bool:
+        """Call ``watcher(client_to_server, server_to_client)`` with the bytes
+        the relay of ``ticket_id`` carried each way when it ends (the join's
+        insight record waits for them); False when no live relay here has
+        that ticket (another instance relays it, or it already ended).
+
+        The side whose host is ``client_host`` is the client: the pair's two
+        sides present the same ticket. Two sides behind one address cannot
+        be told apart; the first to connect is taken for the client then."""
+        route = self.route_by_ticket.get(ticket_id)
+        if route is None or route.closed:
+            return False
+        self.watchers[route] = (client_host, watcher)
+        return True
+
     def _relay_ended(self, route: StreamRoute) -> None:
         """The data plane ended ``route``: count it, close both connections."""
         self.relayed_bytes.inc(route.octets)
@@ -258,7 +286,17 @@ class TurnHandler:
         host = self.admitted.pop(route, None)
         if host is not None and self.table is not None:
             self.table.release(host)
+        ticket_id = self.ticket_of.pop(route, None)
+        if ticket_id is not None:
+            self.route_by_ticket.pop(ticket_id, None)
         pair = self.pairs.pop(route, None)
+        watching = self.watchers.pop(route, None)
+        if watching is not None and pair is not None:
+            client_host, watcher = watching
+            forward, back = route.a_to_b.octets, route.b_to_a.octets
+            if pair[0].host != client_host and pair[1].host == client_host:
+                forward, back = back, forward
+            watcher(forward, back)
         if pair is None:
             return
         self.relays.dec()
