@@ -55,7 +55,7 @@ types:
 	$(BIN)/mypy --strict src
 
 pytest:
-	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -rfE --durations=40 $(ARGS)
 
 test: install lint types pytest
 
