@@ -16,9 +16,11 @@ The planes, fastest first (docs/architecture.md "The kernel data plane"):
 in one log line; ``crossroads_dataplane_info{kind=...}`` is 1 for it. An
 explicit choice that cannot run is an error at start, not a silent fallback.
 
-The kernel plane is taken by ``auto`` only once the route table writes its
-routes (:data:`KERNEL_ROUTES_WIRED`): until then a loaded program would
-forward nothing, and the log line would not be true.
+The kernel plane is taken by ``auto`` only once every relay writes its routes
+there (:data:`KERNEL_ROUTES_WIRED`): the natneg relay's pairs and the RakNet
+UDP proxy's forwarders do (transport/kernelroutes.py); TURN and the Unity
+relay do not yet, and ``auto`` must not claim a plane that leaves the busiest
+relay where it was.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ log = logging.getLogger("crossroads.dataplane")
 
 Kind = Literal["kernel", "c", "python"]
 KINDS: tuple[str, ...] = ("auto", "kernel", "c", "python")
-#: Whether a service writes its routes into the kernel plane (the adapter
-#: call in the route table); False: ``auto`` does not pick the kernel plane.
+#: Whether every relay writes its routes into the kernel plane (TURN and the
+#: Unity relay do not yet); False: ``auto`` does not pick the kernel plane.
 KERNEL_ROUTES_WIRED = False
 #: What the C plane reads at import (dataplane.py); set for worker processes.
 PURE_PYTHON_ENV = "CROSSROADS_TURN_PURE_PYTHON"
@@ -112,10 +114,13 @@ def select(requested: str, *, gso: bool = True) -> Dataplane:
             under = "C" if c_built else "Python"
             reason = f"eBPF program loaded; the {under} plane takes what it passes"
             if not KERNEL_ROUTES_WIRED:
-                reason += "; no service writes kernel routes yet"
+                reason += (
+                    "; natneg and RakNet proxy routes forward in the kernel, "
+                    "TURN and the Unity relay on the plane under it"
+                )
             return Dataplane("kernel", reason, plane)
     elif requested == "auto":
-        why = "kernel routes not wired to the route table yet"
+        why = "TURN and the Unity relay write no kernel routes yet"
     else:
         why = f"--dataplane {requested}"
     if requested == "python":
