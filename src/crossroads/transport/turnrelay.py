@@ -413,17 +413,17 @@ class UdpRelay:
     directions in the port's :class:`TurnRoutes`.
     """
 
-    allocation: Allocation
+    allocation: Allocation = field(repr=False)
     family: Family
     sock: socket.socket
     address: Address
-    link: ClientLink
-    routes: TurnRoutes
-    core: TurnServer
+    link: ClientLink = field(repr=False)
+    routes: TurnRoutes = field(repr=False)
+    core: TurnServer = field(repr=False)
     #: ``--turn-max-bps``, both directions, every route of this relay.
-    budget: BudgetLike
+    budget: BudgetLike = field(repr=False)
     #: Called once the relay's socket closes (kernel drop counting).
-    on_close: Callable[[socket.socket], None]
+    on_close: Callable[[socket.socket], None] = field(repr=False)
     closed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -698,7 +698,7 @@ class TcpRelay:
     family: Family
     sock: socket.socket
     address: Address
-    plane: TurnPlane
+    plane: TurnPlane = field(repr=False)
     closed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
