@@ -23,7 +23,7 @@ from crossroads.proto.stun import (
     request,
 )
 from crossroads.runtime import Runtime, start
-from crossroads.services.stun import Endpoint, StunService, TurnHooks
+from crossroads.services.stun import StunService
 from crossroads.types import Address
 from tests.conftest import loopback_config
 
@@ -243,66 +243,6 @@ def test_alt_port_must_differ() -> None:
         default_config({"stun.port": 4000, "stun.alt_port": 4000})
 
 
-class RecordingTurn:
-    """A minimal real extension: answers every STUN message with its own bytes
-    and echoes ChannelData, through the endpoint it was given."""
-
-    def __init__(self) -> None:
-        self.stun: list[tuple[bytes, Address, str]] = []
-        self.channel: list[tuple[bytes, Address, str]] = []
-        self.lost: list[Address] = []
-
-    def handle_stun(self, data: bytes, client: Address, endpoint: Endpoint) -> None:
-        self.stun.append((data, client, endpoint.transport))
-        endpoint.send(data, client)
-
-    def handle_channel_data(
-        self, data: bytes, client: Address, endpoint: Endpoint
-    ) -> None:
-        self.channel.append((data, client, endpoint.transport))
-        endpoint.send(data, client)
-
-    def connection_lost(self, client: Address, endpoint: Endpoint) -> None:
-        self.lost.append(client)
-
-
-async def test_turn_extension_hook(runtime: Runtime) -> None:
-    stun = _stun(runtime)
-    turn = RecordingTurn()
-    stun.attach_turn(
-        TurnHooks(turn.handle_stun, turn.handle_channel_data, turn.connection_lost)
-    )
-    allocate = encode(request(Method.ALLOCATE, TXID))
-    channel = b"\x40\x00\x00\x04ping"
-    for data in (allocate, channel):
-        result = await asyncio.to_thread(_udp_exchange, data, stun.primary)
-        assert result is not None and result[0] == data
-    # Binding still goes to the STUN core.
-    binding = encode(request(Method.BINDING, TXID))
-    result = await asyncio.to_thread(_udp_exchange, binding, stun.primary)
-    assert result is not None and decode(result[0]).msg_class is Class.SUCCESS
-    assert [t for _, _, t in turn.stun + turn.channel] == ["udp", "udp"]
-
-    host, port = stun.primary
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(allocate + b"\x40\x01\x00\x03abc\x00")
-    await writer.drain()
-    echoed = await asyncio.wait_for(reader.readexactly(len(allocate) + 8), 5)
-    assert echoed == allocate + b"\x40\x01\x00\x03abc\x00"
-    writer.close()
-    await writer.wait_closed()
-    for _ in range(100):
-        if turn.lost:
-            break
-        await asyncio.sleep(0.02)
-    assert turn.lost == [writer.get_extra_info("sockname")[:2]]
-    stun.detach_turn()
-    assert (
-        await asyncio.to_thread(_udp_exchange, allocate, stun.primary, expect=False)
-        is None
-    )
-
-
 async def test_asyncio_datagram_path_without_batching() -> None:
     """The per-datagram asyncio path (used where recvmmsg is unavailable)."""
     runtime = await start(default_config(loopback_config(stun__batch_io=False)))
@@ -320,13 +260,6 @@ async def test_asyncio_datagram_path_without_batching() -> None:
             )
             is None
         )
-        turn = RecordingTurn()
-        stun.attach_turn(
-            TurnHooks(turn.handle_stun, turn.handle_channel_data, turn.connection_lost)
-        )
-        channel = b"\x40\x00\x00\x04ping"
-        result = await asyncio.to_thread(_udp_exchange, channel, stun.primary)
-        assert result is not None and result[0] == channel
         text = await asyncio.to_thread(_metrics, runtime)
         assert 'crossroads_stun_dropped_total{reason="not-stun"} 1.0' in text
     finally:

@@ -664,13 +664,14 @@ async def test_bandwidth_limit_per_allocation(turn: Any) -> None:
 
 
 @pytest.mark.parametrize("batch_io", [True, False], ids=["recvmmsg", "asyncio"])
-async def test_data_plane_takes_over_either_stun_socket_kind_and_gives_it_back(
+async def test_port_taps_either_socket_kind_from_bind_time(
     turn: Any, batch_io: bool
 ) -> None:
-    """The TURN data plane diverts the STUN socket's datagrams (recvmmsg
-    endpoint or asyncio endpoint), relays ChannelData itself and hands the rest
-    (Allocate, ChannelBind, Binding) back to STUN's per-datagram dispatch; on
-    close STUN reads its socket again."""
+    """The STUN/TURN port puts TURN's listener tap in front of its socket when
+    it binds (recvmmsg endpoint with the C plane, or asyncio endpoint): the tap
+    relays ChannelData itself and hands the rest (Allocate, ChannelBind,
+    Binding) to the port's per-datagram dispatch. Nothing is rewired when TURN
+    stops: the port answers Binding on through the same tap."""
     service: TurnService = await turn(stun__batch_io=batch_io)
     endpoint = service.stun.udp_endpoints[0]
     assert (endpoint in service.taps) == (ACCELERATED or not batch_io)
@@ -688,8 +689,8 @@ async def test_data_plane_takes_over_either_stun_socket_kind_and_gives_it_back(
         raw.close()
         peer.close()
     await service.close()
-    assert not service.taps
-    # STUN alone answers on its socket again.
+    assert (endpoint in service.port.routes.taps) == (ACCELERATED or not batch_io)
+    # STUN alone answers on its socket.
     raw = RawClient(service.stun.primary)
     try:
         binding = Message(Class.REQUEST, Method.BINDING, os.urandom(12))

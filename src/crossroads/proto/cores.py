@@ -69,7 +69,7 @@ DATAGRAM_CORES: tuple[type[DatagramCore], ...] = (
 #: Cores on several sockets, each with the core's own name for its sockets:
 #: natneg's endpoints, the Binding core's endpoint index (RFC 5780's four),
 #: TURN's (transport, server address). The STUN/TURN port's owner
-#: (services/stun.py) feeds the last two.
+#: (transport/stunport.py) feeds the last two.
 _NATNEG: type[MultiSocketCore[NatNegSocket]] = NatNegServer
 _BINDING: type[MultiSocketCore[int]] = BindingCore
 _TURN: type[MultiSocketCore[Listener]] = TurnServer

@@ -88,6 +88,7 @@ def use_python_plane() -> None:
     for name in (
         "crossroads.transport.dataplane",
         "crossroads.transport.turnplane",
+        "crossroads.transport.stunport",
         "crossroads.services.turn",
     ):
         module = sys.modules.get(name)

@@ -5,7 +5,8 @@ Theory of operation
 TURN forwards through the same route table as every other relay
 (:mod:`crossroads.transport.dataplane`); it is the relay whose routes *rewrite*
 the datagram and spend a bandwidth budget. The control plane
-(:mod:`crossroads.proto.turn`) decides; the service writes, per live channel
+(:mod:`crossroads.proto.turn`) decides; the port's route table
+(:class:`crossroads.transport.turnrelay.TurnRoutes`) writes, per live channel
 binding, two routes:
 
 client -> peer, on the listening side
@@ -43,7 +44,7 @@ Send indication, client -> peer
     seconds (:func:`approve`).
 Data indication, peer -> client
     A permitted peer without a channel is answered in Python the first time
-    (:meth:`crossroads.services.turn.UdpRelay.from_peer`), which then installs
+    (:meth:`crossroads.transport.turnrelay.UdpRelay.from_peer`, the core deciding), which then installs
     a :func:`data_route` under the peer's address (at most
     :data:`MAX_DATA_ROUTES` per relay); it goes when the permission lapses or
     a channel is bound to the peer. The indication is byte for byte what the

@@ -91,7 +91,7 @@ LAB_PROXY_FORWARDERS = 64
 
 
 def send_with_ttl(sock: socket.socket, data: bytes, to: Address, ttl: int) -> None:
-    """Send one datagram with IP TTL ``ttl``, then restore the socket's TTL
+    """Send one datagram with IP TTL ``ttl``, then set the socket's TTL back
     (as ``SocketLayer::SendToTTL`` does)."""
     old = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)

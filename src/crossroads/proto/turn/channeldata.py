@@ -11,7 +11,7 @@ multiple of 4 bytes, and the length field excludes the padding (§12.5), so a st
 reader needs :class:`StreamFramer` to find message boundaries.
 
 The per-packet relay path does not use :class:`ChannelData` objects; it reads the
-header with two index operations (see ``services/turn.py``). This module is the
+header with two index operations (see ``transport/turnrelay.py``). This module is the
 reference decoder those fast paths must agree with, and what the TCP framer and the
 tests use.
 """

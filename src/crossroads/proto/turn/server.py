@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import struct
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -150,6 +151,11 @@ from crossroads.proto.turn.constants import (
     Transport,
     TurnError,
 )
+from crossroads.proto.turn.fastpath import (
+    data_indication,
+    parse_send_indication,
+    xor_peer_address,
+)
 from crossroads.proto.turn.ports import PortAllocator, Reservation
 from crossroads.proto.turn.ratelimit import TokenBuckets
 from crossroads.types import Address, frozen
@@ -159,6 +165,16 @@ from crossroads.types import Address, frozen
 #: the host) or through relayed addresses, so a handful in practice; the bound
 #: keeps 127.0.0.0/8 from growing the set without limit.
 MAX_SELF_PEERS = 4096
+
+#: ChannelData header: channel number, length (RFC 8656 §12.4).
+_CHANNEL_HEADER = struct.Struct("!HH").pack
+#: Padding after a ChannelData payload of length n over TCP: PAD[n & 3]
+#: (RFC 8656 §12.5).
+PAD = (b"", b"\x00\x00\x00", b"\x00\x00", b"\x00")
+#: XOR-PEER-ADDRESS attributes of IPv4 peers kept for Data indications (the
+#: attribute does not depend on the transaction id of an IPv4 peer); the
+#: cache starts again past this many.
+MAX_PEER_ATTRIBUTES = 1024
 
 #: The algorithms offered in PASSWORD-ALGORITHMS, in preference order
 #: (RFC 8489 §14.11; SHA-256 first, MD5 for RFC 5389 clients).
@@ -475,6 +491,11 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             settings.unauthenticated_rate, settings.unauthenticated_burst
         )
         self._alternate_index = 0
+        #: Data indications (RFC 8656 §11.3) get a fresh transaction id: 8
+        #: random bytes of this core and a counter.
+        self._txid_prefix = ports.entropy.token_bytes(8)
+        self._txid_counter = 0
+        self._peer_attributes: dict[Address, bytes] = {}
         #: Set by :meth:`drain`: new allocations are refused (300 to a peer
         #: node of the client's family, else 486); live ones go on.
         self.draining = False
@@ -1520,6 +1541,102 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         connection.client = five
         self._events.append(BindConnection(connection.id, five))
         return self._answer(msg, auth, success_response(msg))
+
+    # ------------------------------------------------------------ data path
+
+    # What the data plane's routes do not forward comes here (the Python slow
+    # path): the core decides from its tables and frames; the transport sends
+    # and counts what it sent.
+
+    def send_indication(
+        self, data: bytes, addr: Address, socket: Listener
+    ) -> tuple[RelayPort, Address, bytes] | None:
+        """A Send indication (RFC 8656 §11.2) from client ``addr`` on
+        ``socket``, raw: ``(relay, peer, payload)`` to send from the relayed
+        address, the relay's bandwidth budget spent; None when it is dropped
+        (counted by reason). The walk of
+        :func:`~crossroads.proto.turn.fastpath.parse_send_indication` first,
+        without a message object; what it does not take, the full codec
+        (:meth:`send_route`)."""
+        allocation = self.allocations.get((socket[0], addr, socket[1]))
+        parsed = parse_send_indication(data) if allocation is not None else None
+        if allocation is None or parsed is None:
+            route = self.send_route(data, addr, socket)
+            if route is None:
+                return None
+            relay, peer, payload = route
+        else:
+            peer, payload, _dont_fragment = parsed
+            found = allocation.relays.get(
+                Family.IPV6 if ":" in peer[0] else Family.IPV4
+            )
+            if found is None:
+                self.counters.drop("send-family-mismatch")
+                return None
+            if peer[0] not in allocation.permissions:
+                self.counters.drop("send-no-permission")
+                return None
+            if self.self_peer_refused(peer, addr[0]):
+                return None
+            relay = found
+        if relay.bps and not relay.allow(len(payload)):
+            return None
+        return relay, peer, payload
+
+    def peer_data(
+        self, allocation: Allocation, relay: RelayPort, data: bytes, peer: Address
+    ) -> tuple[bytes, bool] | None:
+        """A datagram from ``peer`` on ``relay`` of ``allocation`` that no
+        route forwarded: ``(message for the client, is ChannelData)``, the
+        relay's bandwidth budget spent, or None when it is dropped.
+
+        ChannelData when a live channel is bound to ``peer`` and its
+        permission is live (RFC 8656 §12.6; padded to 4 bytes over TCP,
+        §12.5), else a Data indication when ``peer``'s IP has a permission
+        (§11.3), else nothing (``peer-no-permission``, §9). A peer on one of
+        this host's addresses is judged per port (:meth:`self_peer_refused`).
+        """
+        size = len(data)
+        channel = allocation.channel_of_peer.get(peer)
+        if channel is not None and channel.active and peer[0] in allocation.permissions:
+            if relay.bps and not relay.allow(size):
+                return None
+            frame = _CHANNEL_HEADER(channel.number, size) + data
+            if allocation.five_tuple[0] == Transport.TCP:
+                frame += PAD[size & 3]
+            return frame, True
+        if peer[0] not in allocation.permissions:
+            self.counters.drop("peer-no-permission")
+            return None
+        if peer[0] in self.self_peers and self.self_peer_refused(
+            peer, allocation.five_tuple[1][0]
+        ):
+            # A permission covers the IP; the port is judged here (a freed
+            # relayed port may belong to any socket of the server now).
+            return None
+        if relay.bps and not relay.allow(size):
+            return None
+        attribute = self._peer_attributes.get(peer)
+        if attribute is None and ":" not in peer[0]:
+            if len(self._peer_attributes) >= MAX_PEER_ATTRIBUTES:
+                self._peer_attributes.clear()
+            attribute = self._peer_attributes[peer] = xor_peer_address(peer, b"")
+        self._txid_counter = (self._txid_counter + 1) & 0xFFFFFFFF
+        txid = self._txid_prefix + self._txid_counter.to_bytes(4, "big")
+        return data_indication(peer, data, txid, attribute), False
+
+    def channel_data_unrouted(
+        self, data: bytes, addr: Address, socket: Listener
+    ) -> None:
+        """ChannelData from client ``addr`` on ``socket`` that no route
+        forwarded: count why (RFC 8656 §12.5: discarded silently)."""
+        allocation = self.allocations.get((socket[0], addr, socket[1]))
+        if allocation is None:
+            self.counters.drop("channel-no-allocation")
+        elif len(data) < 4 or allocation.routes.get((data[0] << 8) | data[1]) is None:
+            self.counters.drop("channel-unbound")
+        else:
+            self.counters.drop("channel-unroutable")
 
 
 class _Expiring(Protocol):
