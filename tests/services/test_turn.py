@@ -221,7 +221,7 @@ async def test_stale_nonce_438_and_client_recovers(turn: Any) -> None:
     try:
         session, _ = await signed_allocate(raw)
         # Move the service's wall clock 11 minutes on: the nonce (600 s) is stale.
-        service.core.clock_offset += 660
+        service.core.wall_offset += 660
         refresh = session.sign(Message(Class.REQUEST, Method.REFRESH, os.urandom(12)))
         answer = await raw.request(refresh)
         assert answer is not None and error_code_of(answer) == 438

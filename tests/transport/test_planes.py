@@ -81,8 +81,10 @@ def test_python_switches_every_new_route_to_the_twin(
         monkeypatch.setattr(dataplane, name, getattr(dataplane, name))
     monkeypatch.setattr(turnplane, "ACCELERATED", turnplane.ACCELERATED)
     import crossroads.services.turn as turn_service
+    import crossroads.transport.stunport as stunport
 
     monkeypatch.setattr(turn_service, "ACCELERATED", turn_service.ACCELERATED)
+    monkeypatch.setattr(stunport, "ACCELERATED", stunport.ACCELERATED)
     monkeypatch.setenv(
         planes.PURE_PYTHON_ENV, os.environ.get(planes.PURE_PYTHON_ENV, "")
     )
@@ -96,6 +98,7 @@ def test_python_switches_every_new_route_to_the_twin(
     finally:
         sock.close()
     assert turnplane.ACCELERATED is False and turn_service.ACCELERATED is False
+    assert stunport.ACCELERATED is False
     assert os.environ[planes.PURE_PYTHON_ENV] == "1"  # for the workers
 
 

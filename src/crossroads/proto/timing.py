@@ -22,7 +22,7 @@ half-difference of two such samples is the true difference of the one-way times
 ``D`` give or take ``poll / 2``. A lead of ``D`` plus that error can hold the nearer
 peer's message past the farther peer's arrival, so the farther peer's first packet
 may knock on the nearer one's router before its message arrived: worse than no
-lead at all (issue 25 saw a 5.7 ms lead from a poll-inflated sample cost a pair
+lead at all (in the lab a 5.7 ms lead from a poll-inflated sample cost a pair
 0.7 s). So the lead is the measured half-difference *minus* ``poll / 2``, never
 below 0: it never exceeds ``D``, and never goes to the wrong peer, so the held
 message arrives no later than the other one -- timing only moves the schedule

@@ -49,12 +49,8 @@ from crossroads.metrics import counter_by, unregister
 from crossroads.proto.insight import Attempt, Step, Usage
 from crossroads.proto.policy import AddressPolicy, Scope, parse_networks
 from crossroads.proto.turn.allocation import Allocation, FiveTuple
-from crossroads.proto.turn.auth import (
-    NonceMinter,
-)
-from crossroads.proto.turn.constants import (
-    Family,
-)
+from crossroads.proto.turn.auth import NonceMinter
+from crossroads.proto.turn.constants import Family
 from crossroads.proto.turn.ports import PortAllocator
 from crossroads.proto.turn.server import (
     AllocationDeleted,
@@ -92,7 +88,6 @@ from crossroads.transport.dtls import DtlsCollector, DtlsListener
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.reuseport import sibling_ports
 from crossroads.transport.sockets import listening_ports
-from crossroads.transport.stunport import TcpConnection
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import ACCELERATED
 from crossroads.transport.turnrelay import (
@@ -397,10 +392,7 @@ class TurnService:
             if isinstance(relay, UdpRelay | TcpRelay)
         ]
         transport = allocation.five_tuple[0].name.lower()
-        # TURN over TCP shows a round trip: the kernel's smoothed RTT of the
-        # client's connection (TCP_INFO), read once, here.
-        endpoint = link.endpoint
-        rtt = endpoint.round_trip() if isinstance(endpoint, TcpConnection) else None
+        rtt = link.stream.round_trip() if link.stream is not None else None
         rtt_ms = None if rtt is None else rtt * 1000
         insight.record(
             Attempt(

@@ -120,6 +120,11 @@ class RelayedStream(Protocol):
         """Write relayed data; False (nothing written) while it cannot take it."""
         ...
 
+    def round_trip(self) -> float | None:
+        """The kernel's smoothed RTT of the connection (seconds; TCP_INFO),
+        None if unknown: the one round trip TURN shows (connection insight)."""
+        ...
+
 
 class PortSide(Protocol):
     """What the TURN plane asks of the port it runs on."""
@@ -787,7 +792,7 @@ class TurnPlane(RelayBinder):
         self.on_socket_closed = on_socket_closed
         self.loop = asyncio.get_running_loop()
         self.core = make_core(self)
-        self.core.clock_offset = time.time() - self.loop.time()
+        self.core.wall_offset = time.time() - self.loop.time()
         # One count of drops by reason: the core's and the relays' together.
         self.stats.drops = self.core.counters.drops
         #: Peer data connections by RFC 6062 connection id.
@@ -903,7 +908,7 @@ class TurnPlane(RelayBinder):
                         pipe.close()
 
     def _on_timer(self, now: float) -> None:
-        self.core.clock_offset = time.time() - now
+        self.core.wall_offset = time.time() - now
         self.core.handle_timer(now)
         self._transmit()
 

@@ -139,7 +139,7 @@ class Harness:
             PortAllocator(49152, 49251, SeededEntropy()),
             self.binder,
         )
-        self.server.clock_offset = EPOCH
+        self.server.wall_offset = EPOCH
         self.now = 0.0
 
     def advance(self, seconds: float) -> None:

@@ -352,7 +352,7 @@ class ConnState(IntEnum):
 
 
 @dataclass(slots=True, eq=False)
-class TcpConnection:
+class PeerConnection:
     """An RFC 6062 peer data connection."""
 
     id: int
@@ -478,14 +478,14 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         #: the port of every Send indication to them (module docstring).
         self.self_peers: set[str] = set()
         self.allocations: dict[FiveTuple, Allocation] = {}
-        self.connections: dict[int, TcpConnection] = {}
+        self.connections: dict[int, PeerConnection] = {}
         self.user_allocations: dict[str, int] = {}
         #: 5-tuple -> the deleted allocation it last had (replayed Allocate: 437).
         self._freed: dict[FiveTuple, Freed] = {}
         self.counters = Counters()
         #: Wall-clock minus ``now``: REST credentials and nonces use Unix time,
         #: timers use the monotonic ``now``. The transport keeps it current.
-        self.clock_offset = 0.0
+        self.wall_offset = 0.0
         self._deadlines = Deadlines()
         self._limiter = TokenBuckets(
             settings.unauthenticated_rate, settings.unauthenticated_burst
@@ -570,7 +570,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                     assert isinstance(subject, Reservation)
                     self.ports.expire(subject)
                 case Kind.CONNECTION:
-                    assert isinstance(subject, TcpConnection)
+                    assert isinstance(subject, PeerConnection)
                     if not _not_due(subject, now, schedule, kind, subject):
                         self._connection_timeout(subject)
                 case Kind.FREED:
@@ -740,9 +740,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         attributes: list[Attribute] = [
             Realm(self.credentials.realm),
             Nonce(
-                self.nonces.mint(
-                    _nonce_scope(five), five[1][1], now + self.clock_offset
-                )
+                self.nonces.mint(_nonce_scope(five), five[1][1], now + self.wall_offset)
             ),
         ]
         if self.nonces.offers_password_algorithms:
@@ -771,7 +769,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         ):
             self.counters.response(name, 400)
             return self._answer(msg, None, self._error(msg, TurnError.BAD_REQUEST))
-        unix_now = now + self.clock_offset
+        unix_now = now + self.wall_offset
         # RFC 6062 §5.4: ConnectionBind comes on a new TCP connection, signed
         # with the nonce of the control connection (same client IP): any port.
         any_port = msg.method == Method.CONNECTION_BIND and five[0] == Transport.TCP
@@ -1407,7 +1405,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
                 raise _Reject(TurnError.CONNECTION_ALREADY_EXISTS)
         if len(allocation.connections) >= self.settings.max_connections:
             raise _Reject(TurnError.INSUFFICIENT_CAPACITY)
-        connection = TcpConnection(
+        connection = PeerConnection(
             id=self._new_connection_id(),
             allocation=allocation,
             peer=address,
@@ -1421,14 +1419,14 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self._events.append(ConnectPeer(connection.id, relay, address))
         return None
 
-    def _add_connection(self, connection: TcpConnection) -> None:
+    def _add_connection(self, connection: PeerConnection) -> None:
         self.connections[connection.id] = connection
         connection.allocation.connections.add(connection.id)
         connection.timer = self._deadlines.schedule(
             connection.expires, Kind.CONNECTION, connection
         )
 
-    def _forget_connection(self, connection: TcpConnection) -> None:
+    def _forget_connection(self, connection: PeerConnection) -> None:
         connection.dead = True
         self._deadlines.cancel(connection.timer)
         connection.timer = None
@@ -1460,7 +1458,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
             return
         self._fail_connect(connection)
 
-    def _fail_connect(self, connection: TcpConnection) -> None:
+    def _fail_connect(self, connection: PeerConnection) -> None:
         request, auth = connection.request, connection.auth
         assert request is not None and auth is not None
         self._forget_connection(connection)
@@ -1488,7 +1486,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         if len(allocation.connections) >= self.settings.max_connections:
             self.counters.drop("tcp-peer-over-limit")
             return None
-        connection = TcpConnection(
+        connection = PeerConnection(
             id=self._new_connection_id(),
             allocation=allocation,
             peer=peer,
@@ -1515,7 +1513,7 @@ class TurnServer(Outbox[SocketDatagram[Listener]], EventQueue[TurnEvent]):
         self._forget_connection(connection)
         self._events.append(CloseConnection(connection_id))
 
-    def _connection_timeout(self, connection: TcpConnection) -> None:
+    def _connection_timeout(self, connection: PeerConnection) -> None:
         if connection.state == ConnState.CONNECTING:
             self._fail_connect(connection)
         elif connection.state == ConnState.PENDING:
