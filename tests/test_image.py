@@ -139,7 +139,13 @@ def container(image: str, tmp_path: Path) -> Iterator[Container]:
     name = f"crossroads-test-{os.getpid()}"
     # The HTTP port as the environment variable, not a flag: the image's
     # HEALTHCHECK reads it from there.
-    env = {"CROSSROADS_HTTP_PORT": str(http_port), **port_environment()}
+    env = {
+        "CROSSROADS_HTTP_PORT": str(http_port),
+        # SIGTERM drains: the test's relay session is still bound when it
+        # stops the container, so the drain ends at this timeout.
+        "CROSSROADS_DRAIN_TIMEOUT": "2",
+        **port_environment(),
+    }
     command = [
         "podman", "run", "--detach", "--name", name, "--network", "host",
         # The check is run below with `podman healthcheck run`; no systemd
@@ -203,7 +209,14 @@ async def test_serve_from_the_image_answers_stun_turn_and_relay(
     assert credentials_file.stat().st_uid == UID
     assert credentials_file.stat().st_mode & 0o077 == 0
     credentials = json.loads(credentials_file.read_text())
-    assert (container.state / "server.json").exists()
+    # server.json (for `crossroads drain`) is written once start() returned,
+    # which /healthz answers before.
+    server_file = container.state / "server.json"
+
+    async def server_file_written() -> bool:
+        return server_file.exists()
+
+    await eventually(server_file_written, "server.json in the volume", 30)
 
     # STUN: a Binding request is answered with our own address.
     stun = ("127.0.0.1", container.stun_port())
@@ -248,7 +261,9 @@ async def test_serve_from_the_image_answers_stun_turn_and_relay(
     )
     assert check.returncode == 0, check.stdout + check.stderr
 
-    # SIGTERM (podman stop) stops it cleanly, well before podman's SIGKILL.
+    # SIGTERM (podman stop) drains: the bound relay session holds the
+    # process until --drain-timeout (2 s here), then it exits cleanly, well
+    # before podman's SIGKILL.
     stop = subprocess.run(
         ["podman", "stop", "--time", "30", container.name],
         capture_output=True,
