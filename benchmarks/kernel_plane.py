@@ -196,34 +196,19 @@ def search(
     load: Path, target: Running, args: argparse.Namespace, epochs: Iterator[int]
 ) -> Step | None:
     """x1.5 until a step loses (one retry), then bisect to 8 %."""
-    passed: list[Step] = []
-    low, high, rate = 0.0, 0.0, args.start_rate
-    for _ in range(args.max_steps):
-        for _ in range(2):
-            step = run_step(load, target, rate, args, next(epochs))
-            if args.verbose:
-                print(
-                    f"    {target.name:<30} offered {step.offered:>9.0f}/s delivered "
-                    f"{step.delivered:>9.0f}/s loss {step.loss:6.2f}% server "
-                    f"{step.server_cpu * 100:5.1f}% machine {step.machine_cpu * 100:5.1f}%",
-                    flush=True,
-                )
-            if step.passed:
-                break
-        if step.passed:
-            passed.append(step)
-            low = rate
-        else:
-            high = rate
-        if not high:
-            rate *= 1.5
-        elif not low:
-            rate /= 2
-        elif high / low < 1.08:
-            break
-        else:
-            rate = (low + high) / 2
-    return max(passed, key=lambda s: s.delivered) if passed else None
+
+    def measure(rate: float) -> Step:
+        step = run_step(load, target, rate, args, next(epochs))
+        if args.verbose:
+            print(
+                f"    {target.name:<30} offered {step.offered:>9.0f}/s delivered "
+                f"{step.delivered:>9.0f}/s loss {step.loss:6.2f}% server "
+                f"{step.server_cpu * 100:5.1f}% machine {step.machine_cpu * 100:5.1f}%",
+                flush=True,
+            )
+        return step
+
+    return sat.search_rate(measure, args.start_rate, args.max_steps, 2)
 
 
 def ping_pong(target: Running, rounds: int = 500) -> float:

@@ -81,6 +81,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -611,23 +612,47 @@ def search(
 ) -> Step | None:
     """Raise the offered rate x1.5 until a step loses, then bisect: the best
     passing step (highest delivered rate)."""
-    passed: list[Step] = []
+
+    def measure(rate: float) -> Step:
+        step = run_step(load, target, flows, rate, args, next(epochs))
+        if args.verbose:
+            print(
+                f"    {target.name:<28} offered {step.offered:>9.0f}/s  delivered "
+                f"{step.delivered:>9.0f}/s  loss {step.loss:6.2f}%  server "
+                f"{step.server_cpu * 100:5.1f}%  core {step.core_busy * 100:5.1f}%  "
+                f"load {step.load_cpu * 100:5.1f}%  short {step.short}  "
+                f"rcvbuf-drops {step.rcvbuf_drops}",
+                flush=True,
+            )
+        return step
+
+    # A failed step is tried again (--retries): on a machine shared with
+    # other work one scheduling hiccup of a few ms overflows a socket
+    # buffer and would end the search early.
+    return search_rate(measure, start, args.max_steps, 1 + args.retries)
+
+
+class SearchStep(Protocol):
+    @property
+    def passed(self) -> bool: ...
+    @property
+    def delivered(self) -> float: ...
+
+
+S = TypeVar("S", bound=SearchStep)
+
+
+def search_rate(
+    measure: Callable[[float], S], start: float, max_steps: int, tries: int
+) -> S | None:
+    """The saturation search of every harness here: raise the offered rate
+    x1.5 until a step loses (each rate tried up to ``tries`` times), then
+    bisect until the bounds are within 8 %; the best passing step."""
+    passed: list[S] = []
     low, high, rate = 0.0, 0.0, start
-    for _ in range(args.max_steps):
-        # A failed step is tried again (--retries): on a machine shared with
-        # other work one scheduling hiccup of a few ms overflows a socket
-        # buffer and would end the search early.
-        for _ in range(1 + args.retries):
-            step = run_step(load, target, flows, rate, args, next(epochs))
-            if args.verbose:
-                print(
-                    f"    {target.name:<28} offered {step.offered:>9.0f}/s  delivered "
-                    f"{step.delivered:>9.0f}/s  loss {step.loss:6.2f}%  server "
-                    f"{step.server_cpu * 100:5.1f}%  core {step.core_busy * 100:5.1f}%  "
-                    f"load {step.load_cpu * 100:5.1f}%  short {step.short}  "
-                    f"rcvbuf-drops {step.rcvbuf_drops}",
-                    flush=True,
-                )
+    for _ in range(max_steps):
+        for _ in range(tries):
+            step = measure(rate)
             if step.passed:
                 break
         if step.passed:
