@@ -30,6 +30,7 @@ from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
 from tests.transport.netns_support import inside, relay_lab
+from tests.transport.test_natneg_relay import recv
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,17 +65,6 @@ def udp(ns: str, host: str) -> socket.socket:
     sock.setblocking(False)
     sock.bind((host, 0))
     return sock
-
-
-async def recv(
-    sock: socket.socket, timeout: float = 1.0
-) -> tuple[bytes, tuple[str, int]] | None:
-    loop = asyncio.get_running_loop()
-    try:
-        data, addr = await asyncio.wait_for(loop.sock_recvfrom(sock, 4096), timeout)
-    except TimeoutError:
-        return None
-    return data, (addr[0], addr[1])
 
 
 def ping(cookie: int) -> bytes:
