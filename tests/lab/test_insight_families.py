@@ -34,9 +34,6 @@ from crossroads.lab.methods import relay as unity
 from crossroads.lab.methods.turn_udp import open_client
 from crossroads.lab.topology import SERVER_HTTP_PORT, SERVER_IPS, Lab
 from crossroads.lab.udp import recv, send
-from crossroads.proto.raknet.bitstream import BitReader, BitWriter
-from crossroads.proto.raknet.messages import MessageId
-from crossroads.proto.raknet.udpproxy import Sub
 from crossroads.proto.relay.messages import RELAY_HEADER_SIZE
 from crossroads.state import CREDENTIALS_FILE
 from crossroads.types import Address
@@ -206,21 +203,9 @@ async def test_raknet_proxy_record_counts_the_bytes_sent(lab: Lab) -> None:
 async def proxy_forwarder(a: raknet.LabClient, b: raknet.LabClient) -> Address:
     """UDPProxyClient's request (as lab/methods/raknet.py ``proxy``): the
     forwarder's address."""
-    writer = BitWriter()
-    writer.write_u8(MessageId.UDP_PROXY_GENERAL)
-    writer.write_u8(Sub.FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR)
-    writer.write_address(("0.0.0.0", 0))
-    writer.write_bool(False)
-    writer.write_u64(b.guid)
-    writer.write_u32(10_000)
-    writer.write_bool(False)
-    a.send(writer.data())
-    (answer, _), _ = await asyncio.gather(
-        raknet.proxy_answer(a), raknet.proxy_answer(b)
-    )
-    assert answer[1] == Sub.FORWARDING_SUCCEEDED, answer
-    reader = BitReader(answer, start_bits=16 + 2 * 56 + 64)
-    return (reader.read_rakstring().decode(), reader.read_u16())
+    forwarder, _ = await raknet.request_forwarder(a, b)
+    assert forwarder is not None, "the coordinator refused the forwarder"
+    return forwarder
 
 
 async def through_forwarder(

@@ -463,8 +463,10 @@ async def proxy_answer(client: LabClient) -> tuple[bytes, int]:
     return await client.expect(MessageId.UDP_PROXY_GENERAL), listed
 
 
-async def proxy(a: LabClient, b: LabClient) -> str | None:
-    """The UDP proxy fallback; which forwarder carried the game, or None."""
+async def request_forwarder(a: LabClient, b: LabClient) -> tuple[Address | None, int]:
+    """UDPProxyClient's request from ``a`` for a forwarder to ``b``: the
+    forwarder's address (None: refused) and how many forwarders the clients
+    were asked to ping first."""
     writer = BitWriter()
     writer.write_u8(MessageId.UDP_PROXY_GENERAL)
     writer.write_u8(Sub.FORWARDING_REQUEST_FROM_CLIENT_TO_COORDINATOR)
@@ -476,9 +478,16 @@ async def proxy(a: LabClient, b: LabClient) -> str | None:
     a.send(writer.data())
     (answer, listed), _ = await asyncio.gather(proxy_answer(a), proxy_answer(b))
     if answer[1] != Sub.FORWARDING_SUCCEEDED:
-        return None
+        return None, listed
     reader = BitReader(answer, start_bits=16 + 2 * 56 + 64)
-    forwarder = (reader.read_rakstring().decode(), reader.read_u16())
+    return (reader.read_rakstring().decode(), reader.read_u16()), listed
+
+
+async def proxy(a: LabClient, b: LabClient) -> str | None:
+    """The UDP proxy fallback; which forwarder carried the game, or None."""
+    forwarder, listed = await request_forwarder(a, b)
+    if forwarder is None:
+        return None
     if not await game_data_crosses(a, forwarder, b, forwarder):
         return None
     which = "second forwarder" if forwarder[0] == SERVER_IPS[1] else "server's own"
