@@ -331,6 +331,11 @@ class Supervisor:
                 return
             if not message:
                 return
+            for fd in fds:
+                # Received descriptors are inheritable (recv_fds ignores
+                # MSG_CMSG_CLOEXEC), and every worker started later would
+                # hold every kept socket; each is given its own (pass_fds).
+                os.set_inheritable(fd, False)
             if message == reuseport.READY:
                 self._ready.setdefault(index, asyncio.Event()).set()
             for fd in fds[1:]:  # one socket per message; close any extra

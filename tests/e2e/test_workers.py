@@ -112,6 +112,8 @@ def start_workers(tmp: Path, redis_url: str) -> Workers:
                 "--relay-port", str(relay_port), "--api-key", API_KEY,
                 "--relay-allow-private-peers", "--relay-heartbeat", "1",
                 "--natneg-port", str(natneg_port), "--natneg-probe-port", "0",
+                # SIGTERM drains: sessions the tests leave end after 5 s.
+                "--drain-timeout", "5",
             ],
             stdout=output,
             stderr=subprocess.STDOUT,
@@ -280,6 +282,55 @@ async def test_sighup_reloads_every_worker(workers: Workers) -> None:
     await eventually(both_reloaded, "both workers logged 'reload done'", 20)
 
 
+def udp_socket_inodes(port: int) -> set[int]:
+    """Inodes of the UDP sockets bound to 127.0.0.1:``port`` (/proc/net/udp)."""
+    wanted = f"0100007F:{port:04X}"
+    lines = Path("/proc/net/udp").read_text().splitlines()[1:]
+    return {int(line.split()[9]) for line in lines if line.split()[1] == wanted}
+
+
+def socket_inodes_of(pid: int) -> set[int]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def stun_group(workers: Workers) -> str:
+    """Who holds each socket of the STUN port's SO_REUSEPORT group, for a
+    failure message."""
+    holders = {
+        name: socket_inodes_of(pid)
+        for name, pid in [
+            ("supervisor", workers.process.pid),
+            *((f"worker {i}", pid) for i, pid in workers.pids().items()),
+        ]
+    }
+    return "; ".join(
+        f"socket {inode}: "
+        + ", ".join(n for n, held in holders.items() if inode in held)
+        for inode in sorted(udp_socket_inodes(workers.stun_port))
+    )
+
+
+def assert_each_worker_holds_only_its_own_stun_socket(workers: Workers) -> None:
+    group = udp_socket_inodes(workers.stun_port)
+    assert len(group) == 2, stun_group(workers)
+    assert group <= socket_inodes_of(workers.process.pid), stun_group(workers)
+    held = [socket_inodes_of(pid) & group for pid in workers.pids().values()]
+    assert [len(h) for h in held] == [1, 1] and held[0] != held[1], stun_group(workers)
+
+
+def test_each_worker_holds_only_its_own_stun_socket(workers: Workers) -> None:
+    """The supervisor keeps every worker's socket and passes each worker its
+    own: a worker that also held another's would keep it in the group after
+    that worker and the supervisor had let it go."""
+    assert_each_worker_holds_only_its_own_stun_socket(workers)
+
+
 async def answering_worker(workers: Workers, sock: socket.socket) -> int:
     """Which worker answers a Binding request from ``sock`` (the one whose
     request counter moved)."""
@@ -325,7 +376,8 @@ async def test_restarted_workers_keep_every_client_on_its_worker(
             sock.connect(("127.0.0.1", workers.stun_port))
             clients.append(sock)
         before = [await answering_worker(workers, sock) for sock in clients]
-        assert set(before) == {0, 1}, before  # all on one worker: 2^-11
+        # All on one worker: 2^-11.
+        assert set(before) == {0, 1}, (before, stun_group(workers))
         for index in (0, 1):
             old = workers.pids()
             os.kill(old[index], signal.SIGKILL)
@@ -336,6 +388,7 @@ async def test_restarted_workers_keep_every_client_on_its_worker(
             await eventually(restarted, f"worker {index} restarted", 60)
             after = [await answering_worker(workers, sock) for sock in clients]
             assert after == before, f"clients moved when worker {index} restarted"
+            assert_each_worker_holds_only_its_own_stun_socket(workers)
 
 
 async def test_a_killed_worker_is_restarted_and_the_other_keeps_serving(
@@ -426,6 +479,7 @@ async def test_clients_served_first_stay_on_their_worker_as_the_others_start(
                 "--host", "127.0.0.1", "--only", "stun,turn",
                 "--http-port", str(http_port), "--turn-user", f"{USER}:{PASSWORD}",
                 "--stun-port", str(stun_port), "--stun-alt-port", "0",
+                "--drain-timeout", "5",
             ],
             env=env,
             stdout=output,
