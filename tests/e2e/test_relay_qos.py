@@ -101,7 +101,7 @@ async def unity_qos_round(servers: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 async def test_allocate_without_region_lands_in_the_measured_best_and_relays() -> None:
     async with two_regions() as (far, near), api(near) as http:
-        servers = (await http.get("/v1/qos-servers?service=relay")).json()["data"][
+        servers = (await http.get("/v1/services/relay/servers")).json()["data"][
             "servers"
         ]
         assert {s["region"] for s in servers} == {"a-far", "b-near"}

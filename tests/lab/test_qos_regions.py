@@ -227,7 +227,9 @@ async def test_three_regions_measured_chosen_and_estimated() -> None:
             timeout=10,
         ) as http,
     ):
-        servers = (await http.get("/v1/qos-servers")).json()["data"]["servers"]
+        servers = (await http.get("/v1/services/relay/servers")).json()["data"][
+            "servers"
+        ]
         assert sorted(s["region"] for s in servers) == ["r1", "r2", "r3"]
         endpoints = []
         for s in servers:

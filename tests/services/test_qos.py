@@ -141,29 +141,38 @@ def test_bytes_per_source_is_measured() -> None:
 
 
 async def test_discovery_lists_nodes_with_room_in_unity_shape() -> None:
+    """The two paths of Unity's QoS discovery (Unity.Services.Qos
+    GetServiceServersRequest and GetServersRequest): the SDK's relay QoS asks
+    ``/v1/services/relay/servers``, with ``region`` repeated to filter."""
     async with relay_runtime(relay__region="eu", relay__node_id="eu-1") as rt:
         async with api(rt) as http:
-            body = (await http.get("/v1/qos-servers?service=relay")).json()
+            body = (await http.get("/v1/services/relay/servers")).json()
             (server,) = body["data"]["servers"]
             (listener,) = qos_listeners(rt)
-            assert server == {
-                "endpoints": [f"127.0.0.1:{listener['port']}"],
-                "region": "eu",
-                "services": ["relay"],
-            }
-            none = await http.get("/v1/qos-servers?service=relay&region=us")
+            endpoint = f"127.0.0.1:{listener['port']}"
+            assert server == {"endpoints": [endpoint], "region": "eu"}
+            listed = (await http.get("/v1/servers?service=relay")).json()
+            assert listed["data"]["servers"] == [
+                {"endpoints": [endpoint], "region": "eu", "services": ["relay"]}
+            ]
+            filtered = await http.get("/v1/services/relay/servers?region=us&region=eu")
+            assert filtered.json()["data"]["servers"] == [server]
+            none = await http.get("/v1/services/relay/servers?region=us")
             assert none.json()["data"]["servers"] == []
-            bad = await http.get("/v1/qos-servers?service=multiplay")
-            assert bad.status_code == 400
+            for bad in (
+                "/v1/servers?service=multiplay",
+                "/v1/services/multiplay/servers",
+            ):
+                assert (await http.get(bad)).status_code == 400, bad
             # A full node is not listed (its record says so).
             raw = json.loads(await rt.store.get(node_key("eu-1")) or b"{}")
             raw["load"] = raw["capacity"]
             await rt.store.set(node_key("eu-1"), json.dumps(raw).encode(), ttl=60)
-            full = await http.get("/v1/qos-servers?service=relay")
+            full = await http.get("/v1/services/relay/servers")
             assert full.json()["data"]["servers"] == []
             # A dead node (its record gone) is not listed either.
             await rt.store.delete(node_key("eu-1"))
-            gone = await http.get("/v1/qos-servers?service=relay")
+            gone = await http.get("/v1/services/relay/servers")
             assert gone.json()["data"]["servers"] == []
 
 
@@ -181,20 +190,16 @@ async def test_a_standalone_qos_server_is_listed_while_its_region_has_room() -> 
     try:
         (listener,) = qos_listeners(rt)
         async with api(rt) as http:
-            empty = await http.get("/v1/qos-servers")
+            empty = await http.get("/v1/services/relay/servers")
             assert empty.json()["data"]["servers"] == []  # no relay node in "us"
             node = {
                 "id": "us-1", "region": "us", "description": "us", "host": "192.0.2.5",
                 "port": 7780, "capacity": 10, "load": 0,
             }  # fmt: skip
             await rt.store.set(node_key("us-1"), json.dumps(node).encode(), ttl=60)
-            listed = (await http.get("/v1/qos-servers")).json()["data"]["servers"]
-            assert listed == [
-                {
-                    "endpoints": [f"127.0.0.1:{listener['port']}"],
-                    "region": "us",
-                    "services": ["relay"],
-                }
+            listed = await http.get("/v1/services/relay/servers")
+            assert listed.json()["data"]["servers"] == [
+                {"endpoints": [f"127.0.0.1:{listener['port']}"], "region": "us"}
             ]
     finally:
         await rt.close()

@@ -228,7 +228,10 @@ async def test_openapi_documents_the_relay_api() -> None:
             "/v1/joincode": "create_join_code_v1_joincode_post",
             "/v1/join": "join_v1_join_post",
             "/v1/regions": "regions_v1_regions_get",
-            "/v1/qos-servers": "qos_servers_v1_qos_servers_get",
+            "/v1/services/{service}/servers": (
+                "qos_service_servers_v1_services__service__servers_get"
+            ),
+            "/v1/servers": "qos_servers_v1_servers_get",
             "/v1/ping/estimate": "ping_estimate_v1_ping_estimate_post",
         }
         # The body is documented once, by the model, not as a parameter.

@@ -187,9 +187,9 @@ class RelayApi:
 
     async def qos_servers(self, region: str | None = None) -> list[tuple[str, Address]]:
         """(region, QoS server address) of the relay service (discovery)."""
-        path = "/v1/qos-servers?service=relay"
+        path = "/v1/services/relay/servers"
         if region is not None:
-            path += f"&region={region}"
+            path += f"?region={region}"
         data = await self._call("GET", path)
         return [
             (str(s["region"]), parse_endpoint(str(s["endpoints"][0])))

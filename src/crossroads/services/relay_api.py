@@ -8,8 +8,9 @@ client written for Unity's service needs only a new base URL and an API key:
 - ``POST /v1/joincode``  ``{"allocationId": uuid}`` → ``data.joinCode``
 - ``POST /v1/join``      ``{"joinCode": str}`` → ``data.allocation`` (+ ``hostConnectionData``)
 - ``GET  /v1/regions``   → ``data.regions`` (no ``meta``, as Unity's)
-- ``GET  /v1/qos-servers?service=relay[&region=…]`` → ``data.servers``, Unity's
-  QoS discovery shape (docs/qos.md)
+- ``GET  /v1/services/relay/servers[?region=…]`` and
+  ``GET  /v1/servers?service=relay[&region=…]`` → ``data.servers``, the paths and
+  shapes of Unity's QoS discovery service (docs/qos.md)
 - ``POST /v1/ping/estimate`` ``{"locations": [str, …]}`` → relayed round trips
   per region, the best one, direct bounds (docs/qos.md, "Ping locations")
 
@@ -95,7 +96,7 @@ class AllocateRequest(BaseModel):
     qosResults: list[QosResultModel] | None = Field(
         default=None,
         max_length=MAX_QOS_RESULTS,
-        description="The client's QoS measurements (GET /v1/qos-servers), used "
+        description="The client's QoS measurements (GET /v1/services/relay/servers), used "
         "when region is null: the allocation lands in the best measured region "
         "that has room (latency and packet loss).",
     )
@@ -527,23 +528,47 @@ def make_router(
         body = {"data": {"regions": [{"id": i, "description": d} for i, d in found]}}
         return JSONResponse(body)
 
+    async def qos_listing(
+        request: Request, service: str, extra: str
+    ) -> list[dict[str, Any]]:
+        # Only the relay's QoS servers are known here; Unity's discovery also
+        # lists Multiplay fleets' (service "multiplay", filtered by ``fleet``).
+        if service != "relay":
+            raise AllocationError(
+                400,
+                15001,
+                "InvalidRequest",
+                f"service must be 'relay', not {service!r}",
+            )
+        wanted = request.query_params.getlist("region") or None
+        return [
+            {"endpoints": [endpoint], "region": region, extra: ["relay"]}
+            if extra
+            else {"endpoints": [endpoint], "region": region}
+            for region, endpoint in await allocator.qos_servers(wanted)
+        ]
+
     @router.get(
-        "/qos-servers",
+        "/services/{service}/servers",
         responses=_ERRORS,
-        summary="QoS servers of a service per region (Unity's QoS discovery shape)",
+        summary="QoS servers of one service per region (Unity's "
+        "QosDiscovery GetServiceServers: what the QoS SDK asks for the relay)",
+    )
+    @guarded("qos-servers")
+    async def qos_service_servers(request: Request) -> JSONResponse:
+        servers = await qos_listing(request, request.path_params["service"], "")
+        return JSONResponse({"data": {"servers": servers}})
+
+    @router.get(
+        "/servers",
+        responses=_ERRORS,
+        summary="QoS servers per region, filtered by ?service= (Unity's "
+        "QosDiscovery GetServers)",
     )
     @guarded("qos-servers")
     async def qos_servers(request: Request) -> JSONResponse:
         service = request.query_params.get("service", "relay")
-        if service != "relay":
-            raise AllocationError(
-                400, 15001, "InvalidRequest", "service must be 'relay'"
-            )
-        wanted = request.query_params.getlist("region") or None
-        servers = [
-            {"endpoints": [endpoint], "region": region, "services": ["relay"]}
-            for region, endpoint in await allocator.qos_servers(wanted)
-        ]
+        servers = await qos_listing(request, service, "services")
         return JSONResponse({"data": {"servers": servers}})
 
     @posted(
