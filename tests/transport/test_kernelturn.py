@@ -25,7 +25,11 @@ import pytest
 
 from crossroads.client.turn import TurnClient
 from crossroads.config import default_config
-from crossroads.proto.turn.constants import PERMISSION_LIFETIME
+from crossroads.proto.turn.constants import (
+    CHANNEL_LIFETIME,
+    CHANNEL_QUARANTINE,
+    PERMISSION_LIFETIME,
+)
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import TurnService
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
@@ -42,7 +46,9 @@ TOTALS = re.compile(r"start_mclient: tot_send_msgs=(\d+), tot_recv_msgs=(\d+)")
 
 
 @contextlib.asynccontextmanager
-async def turn_lab() -> AsyncIterator[tuple[dict[str, str], Runtime, TurnService]]:
+async def turn_lab(
+    **overrides: Any,
+) -> AsyncIterator[tuple[dict[str, str], Runtime, TurnService]]:
     """The namespaces and crossroads on the kernel plane in the server one.
 
     Everything after start runs with this thread in the server namespace:
@@ -66,6 +72,7 @@ async def turn_lab() -> AsyncIterator[tuple[dict[str, str], Runtime, TurnService
                     turn__relay_ip=RELAY_IP,
                     turn__user=[f"{USER}:{PASSWORD}"],
                     turn__allowed_peers=["198.51.100.0/24"],
+                    **overrides,
                 )
             )
         )
@@ -202,6 +209,7 @@ async def echoes(ns: str, port: int) -> None:
 class Channel:
     """A client's allocation with a channel bound to a peer."""
 
+    namespaces: dict[str, str]
     service: TurnService
     plane: KernelPlane
     client: TurnClient
@@ -223,11 +231,12 @@ class Channel:
 
 
 @contextlib.asynccontextmanager
-async def bound_channel() -> AsyncIterator[Channel]:
+async def bound_channel(**overrides: Any) -> AsyncIterator[Channel]:
     """A client (TurnClient on a socket of the client namespace) with an
     allocation and a channel bound to a peer, on the kernel plane, that
-    crossed once each way through the kernel."""
-    async with turn_lab() as (ns, rt, service):
+    crossed once each way (through the kernel, unless ``overrides`` say
+    otherwise)."""
+    async with turn_lab(**overrides) as (ns, rt, service):
         _, port = service.stun.primary
         with inside(ns["client"]):
             csock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -240,10 +249,11 @@ async def bound_channel() -> AsyncIterator[Channel]:
             relayed = await client.allocate()
             assert relayed[0] == RELAY_IP
             await client.bind_channel(peer.getsockname())
-            channel = Channel(service, kernel_plane(rt), client, peer, relayed)
-            assert len(channel.plane) == 2
+            channel = Channel(ns, service, kernel_plane(rt), client, peer, relayed)
             assert await channel.both_ways(1) == (True, True)
-            assert kernel_counts(service) == (1, 1)  # the kernel forwarded them
+            if not overrides:
+                assert len(channel.plane) == 2
+                assert kernel_counts(service) == (1, 1)  # the kernel did
             yield channel
         finally:
             await client.close()
@@ -271,15 +281,65 @@ async def test_kernel_stops_peer_data_when_the_permission_lapses() -> None:
         assert (counters[0], counters[2]) == (3, 2)
 
 
-async def test_kernel_stops_a_freed_allocations_channel() -> None:
-    """The red-team case, deallocation: after Refresh 0, ChannelData on the
-    freed channel and datagrams to the freed relayed port cross neither way;
-    what the kernel forwarded stays counted."""
+@pytest.mark.parametrize("end", ["refresh-0", "lifetime", "revoked"])
+async def test_kernel_stops_a_freed_allocations_channel(end: str) -> None:
+    """The red-team case, deallocation: after Refresh 0, the end of the
+    allocation's lifetime, or a revocation (admin kick, ``crossroads
+    revoke``), ChannelData on the freed channel and datagrams to the freed
+    relayed port cross neither way; what the kernel forwarded stays counted."""
     async with bound_channel() as channel:
         service = channel.service
         counted = service.counters()
         assert (counted[0], counted[2]) == (1, 1)
-        await channel.client.refresh(0)
+        if end == "refresh-0":
+            await channel.client.refresh(0)
+        elif end == "lifetime":
+            service.core.handle_timer(service.loop.time() + 7200)
+            service._process_events()
+        else:
+            service.plane.revoke(list(service.core.allocations.values()))
+        assert service.core.allocations == {}
         assert await channel.both_ways(2) == (False, False)
         assert len(channel.plane) == 0 and service.routes.kernel_routes == {}
         assert service.counters()[:4] == counted[:4]
+
+
+async def test_expired_channel_stops_and_rebinds_to_another_peer() -> None:
+    """Channel expiry stops the kernel at once, both ways; once the number is
+    free again (RFC 8656 §12: 5 minutes later) a binding of it to another
+    peer forwards to that peer only."""
+    async with bound_channel() as channel:
+        service, client = channel.service, channel.client
+        await client.refresh(3600)  # the allocation outlives the channel
+        start = service.loop.time()
+        service.core.handle_timer(start + CHANNEL_LIFETIME + 1)
+        service._process_events()
+        assert await channel.both_ways(2) == (False, False)
+        assert len(channel.plane) == 0
+        service.core.handle_timer(start + CHANNEL_LIFETIME + CHANNEL_QUARANTINE + 2)
+        service._process_events()
+        first = channel.peer.getsockname()
+        number = client.channels.pop(first)
+        with inside(channel.namespaces["peer"]):
+            other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        other.bind((PEER_IP, 0))
+        other.setblocking(False)
+        old, channel.peer = channel.peer, other
+        try:
+            await client.bind_channel(other.getsockname(), number)
+            assert len(channel.plane) == 2
+            assert await channel.both_ways(3) == (True, True)
+            assert await recv(old, 0.3) is None
+            assert kernel_counts(service) == (2, 2)
+        finally:
+            channel.peer = old
+            other.close()
+
+
+async def test_a_bandwidth_limit_keeps_the_channel_on_the_sockets() -> None:
+    """--turn-max-bps: the program has no token bucket, so the channel's
+    routes stay in user space, where the limit is enforced."""
+    async with bound_channel(turn__max_bps=1_000_000) as channel:
+        assert len(channel.plane) == 0 and kernel_counts(channel.service) == (0, 0)
+        counters = channel.service.counters()
+        assert (counters[0], counters[2]) == (1, 1)
