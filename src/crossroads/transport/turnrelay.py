@@ -20,7 +20,10 @@ routes those become: the listening side's tables (one per listening endpoint:
 the taps the port made at bind time, or a hand-fed one for a TCP connection or
 a DTLS session) and each relay socket's table. The taps, the C plane and its
 counters read them (:mod:`crossroads.transport.turnplane` says which route
-does what).
+does what). On the kernel plane (``--dataplane kernel``) it also writes each
+UDP channel's two routes into the eBPF program's map, beside the taps' (see
+:meth:`TurnRoutes.kernel_takes` for which flows, docs/architecture.md "The
+kernel data plane"), and removes them with the taps' routes.
 
 Relays are built from those tables (:class:`UdpRelay`, :class:`TcpRelay`), not
 from a reference to a service. RFC 6062 data connections are joined by
