@@ -33,6 +33,7 @@ from crossroads.proto.turn.constants import (
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import TurnService
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+from crossroads.transport.turnrelay import ClientLink
 from tests.conftest import loopback_config, running_service
 from tests.transport.netns_support import inside, relay_lab
 
@@ -291,6 +292,9 @@ async def test_kernel_stops_a_freed_allocations_channel(end: str) -> None:
         service = channel.service
         counted = service.counters()
         assert (counted[0], counted[2]) == (1, 1)
+        (allocation,) = service.core.allocations.values()
+        link = allocation.transport_data
+        assert isinstance(link, ClientLink)
         if end == "refresh-0":
             await channel.client.refresh(0)
         elif end == "lifetime":
@@ -302,6 +306,8 @@ async def test_kernel_stops_a_freed_allocations_channel(end: str) -> None:
         assert await channel.both_ways(2) == (False, False)
         assert len(channel.plane) == 0 and service.routes.kernel_routes == {}
         assert service.counters()[:4] == counted[:4]
+        # The allocation's insight record counts what the kernel forwarded.
+        assert link.usage == [1, len(b"up 1"), 1, len(b"down 1")]
 
 
 async def test_expired_channel_stops_and_rebinds_to_another_peer() -> None:
