@@ -276,8 +276,11 @@ class TurnService:
                 admission=self.allocation_table,
             )
 
-        self.plane = self.port.serve_turn(
-            lambda routes: TurnPlane(
+        def make_plane(routes: TurnRoutes) -> TurnPlane:
+            # On --dataplane kernel, the channel routes the eBPF program can
+            # take are written there too (TurnRoutes, "kernel side").
+            routes.kernel = ctx.kernel_routes
+            return TurnPlane(
                 self.port,
                 routes,
                 make_core,
@@ -287,7 +290,8 @@ class TurnService:
                 on_event=self._on_event,
                 on_socket_closed=ctx.kernel_drops.close,
             )
-        )
+
+        self.plane = self.port.serve_turn(make_plane)
         self.core = self.plane.core
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)

@@ -20,7 +20,10 @@ routes those become: the listening side's tables (one per listening endpoint:
 the taps the port made at bind time, or a hand-fed one for a TCP connection or
 a DTLS session) and each relay socket's table. The taps, the C plane and its
 counters read them (:mod:`crossroads.transport.turnplane` says which route
-does what).
+does what). On the kernel plane (``--dataplane kernel``) it also writes each
+UDP channel's two routes into the eBPF program's map, beside the taps' (see
+:meth:`TurnRoutes.kernel_takes` for which flows, docs/architecture.md "The
+kernel data plane"), and removes them with the taps' routes.
 
 Relays are built from those tables (:class:`UdpRelay`, :class:`TcpRelay`), not
 from a reference to a service. RFC 6062 data connections are joined by
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import ipaddress
 import logging
 import os
 import socket
@@ -62,6 +66,12 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.driver import CoreTimer
+from crossroads.transport.kernelplane import KernelRoute, RouteKind, egress_ifindex
+from crossroads.transport.kernelroutes import (
+    KernelRoutes,
+    RewriteRoute,
+    local_address_for,
+)
 from crossroads.transport.sockets import set_buffers
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.turnplane import (
@@ -218,6 +228,15 @@ class TurnRoutes:
         #: from it, and Send routes that approved it (see :meth:`forget_relayed`).
         self.self_peer_routes: dict[Address, set[UdpRelay]] = {}
         self.self_peer_approvals: dict[Address, set[Any]] = {}
+        #: The kernel plane, when the runtime runs it (``--dataplane
+        #: kernel``): the channel routes it can take are written there too
+        #: (see "kernel side" below).
+        self.kernel: KernelRoutes | None = None
+        #: Each relay's routes in the kernel.
+        self.kernel_routes: dict[UdpRelay, KernelChannels] = {}
+        #: What removed kernel routes forwarded (to-peer packets and bytes,
+        #: to-client packets and bytes; also in ``stats``, with the rest).
+        self.kernel_retired = [0, 0, 0, 0]
 
     # -- listening side --------------------------------------------------------
 
@@ -299,6 +318,7 @@ class TurnRoutes:
     def retire(self, relay: UdpRelay) -> None:
         """Stop reading a closing relay; fold its counters into the totals."""
         self.forget_relayed(relay.address)
+        self.kernel_unroute_all(relay)
         tap = self.relay_taps.pop(relay, None)
         if tap is None:
             return
@@ -333,6 +353,171 @@ class TurnRoutes:
             if approved is not None:
                 approved.pop(address, None)
 
+    # -- kernel side -----------------------------------------------------------
+    #
+    # A channel's two routes (client -> peer: UNWRAP_CHANNEL keyed by the
+    # client, our listening address and the channel; peer -> client:
+    # WRAP_CHANNEL keyed by the peer and the relayed address) are put in the
+    # kernel map beside the socket taps' routes, for the flows the eBPF
+    # program forwards exactly as the taps would (:meth:`kernel_takes`).
+    # The kernel takes them before the socket; the taps' routes stay as the
+    # fallback (a padded ChannelData, a route the map could not hold). They
+    # come and go with the taps' routes, on the core's ``route_*`` calls.
+
+    def kernel_takes(self, relay: UdpRelay, peer: Address) -> bool:
+        """Whether the kernel can forward ``relay``'s channel to ``peer``
+        exactly as the sockets do: a UDP client on a UDP listener bound to
+        one address (``link.out``: the one a peer -> client route leaves
+        from; a wildcard listener replies from each client's destination
+        address, TCP/TLS frame, DTLS encrypts), no ``--turn-max-bps`` (the
+        program has no token bucket), and a peer that is not one of this
+        host's addresses (a relayed address or service port is judged per
+        port by the control plane)."""
+        return (
+            self.kernel is not None
+            and relay.link.out is not None
+            and relay.link.stream is None
+            and relay.budget.bps <= 0
+            and peer[0] not in relay.core.self_peers
+        )
+
+    def kernel_channel(self, relay: UdpRelay, number: int, peer: Address) -> None:
+        """ChannelData from the client on ``number`` goes to ``peer`` (a
+        route of the channel to another peer is replaced)."""
+        routes = self.kernel_routes.get(relay)
+        old = routes.to_peer.get(number) if routes is not None else None
+        if old is not None:
+            if old.route.out_dest == (peer[0], peer[1]):
+                return  # a refresh: the route and its counts stay
+            self.kernel_unroute_channel(relay, number)
+        if not self.kernel_takes(relay, peer):
+            return
+        try:
+            route = KernelRoute(
+                RouteKind.UNWRAP_CHANNEL,
+                (relay.client[0], relay.client[1]),
+                _concrete(relay.endpoint.local, relay.client[0]),
+                _concrete(relay.sock.getsockname(), peer[0]),
+                (peer[0], peer[1]),
+                number,
+            )
+        except (OSError, ValueError):
+            return
+        installed = self._kernel_install(route)
+        if installed is not None:
+            self.kernel_routes.setdefault(relay, KernelChannels()).to_peer[number] = (
+                installed
+            )
+
+    def kernel_peer(self, relay: UdpRelay, peer: Address, number: int) -> None:
+        """Data from ``peer`` goes to the client as ChannelData on ``number``."""
+        routes = self.kernel_routes.get(relay)
+        old = routes.to_client.get(peer) if routes is not None else None
+        if old is not None:
+            if old.route.channel == number:
+                return
+            self.kernel_unroute_peer(relay, peer)
+        if not self.kernel_takes(relay, peer):
+            return
+        try:
+            route = KernelRoute(
+                RouteKind.WRAP_CHANNEL,
+                (peer[0], peer[1]),
+                _concrete(relay.sock.getsockname(), peer[0]),
+                _concrete(relay.endpoint.local, relay.client[0]),
+                (relay.client[0], relay.client[1]),
+                number,
+            )
+        except (OSError, ValueError):
+            return
+        installed = self._kernel_install(route)
+        if installed is not None:
+            self.kernel_routes.setdefault(relay, KernelChannels()).to_client[peer] = (
+                installed
+            )
+
+    def kernel_unroute_channel(self, relay: UdpRelay, number: int) -> None:
+        """Stop the client's ChannelData on ``number`` in the kernel at once;
+        what it forwarded goes to the totals and the allocation's usage."""
+        routes = self.kernel_routes.get(relay)
+        route = routes.to_peer.pop(number, None) if routes is not None else None
+        if route is not None:
+            route.remove()
+            self._fold(relay, route, to_peer=True)
+
+    def kernel_unroute_peer(self, relay: UdpRelay, peer: Address) -> None:
+        """Stop data from ``peer`` in the kernel at once (counted as above)."""
+        routes = self.kernel_routes.get(relay)
+        route = routes.to_client.pop(peer, None) if routes is not None else None
+        if route is not None:
+            route.remove()
+            self._fold(relay, route, to_peer=False)
+
+    def kernel_unroute_all(self, relay: UdpRelay) -> None:
+        """Every kernel route of ``relay`` goes (its allocation ends)."""
+        routes = self.kernel_routes.pop(relay, None)
+        if routes is None:
+            return
+        for route in routes.to_peer.values():
+            route.remove()
+            self._fold(relay, route, to_peer=True)
+        for route in routes.to_client.values():
+            route.remove()
+            self._fold(relay, route, to_peer=False)
+
+    def _fold(self, relay: UdpRelay, route: RewriteRoute, *, to_peer: bool) -> None:
+        """A removed kernel route's counts (final: they outlive the route)
+        join the totals and the allocation's usage, as a tap's do."""
+        packets, octets = route.packets, route.octets
+        stats, usage, retired = self.stats, relay.link.usage, self.kernel_retired
+        at = 0 if to_peer else 2
+        usage[at] += packets
+        usage[at + 1] += octets
+        retired[at] += packets
+        retired[at + 1] += octets
+        if to_peer:
+            stats.to_peer_packets += packets
+            stats.to_peer_bytes += octets
+        else:
+            stats.to_client_packets += packets
+            stats.to_client_bytes += octets
+
+    def kernel_counters(self) -> tuple[int, int, int, int]:
+        """What the kernel forwarded, removed routes and live ones: (to_peer
+        packets, to_peer bytes, to_client packets, to_client bytes)."""
+        live = self._kernel_live()
+        retired = self.kernel_retired
+        return (
+            retired[0] + live[0],
+            retired[1] + live[1],
+            retired[2] + live[2],
+            retired[3] + live[3],
+        )
+
+    def _kernel_live(self) -> list[int]:
+        """What the live kernel routes forwarded (read from the map)."""
+        counts = [0, 0, 0, 0]
+        for channels in self.kernel_routes.values():
+            for at, routes in ((0, channels.to_peer), (2, channels.to_client)):
+                for route in routes.values():
+                    counts[at] += route.packets
+                    counts[at + 1] += route.octets
+        return counts
+
+    def _kernel_install(self, route: KernelRoute) -> RewriteRoute | None:
+        kernel = self.kernel
+        if kernel is None:
+            return None
+        try:
+            # On the ingress of the device the sender's datagrams arrive on.
+            kernel.plane.attach(egress_ifindex(route.source[0]))
+        except (OSError, ValueError) as exc:
+            log.debug("kernel route %s not taken: %s", route, exc)
+            return None
+        if not kernel.plane.install(route):
+            return None
+        return RewriteRoute(kernel.plane, route)
+
     # -- counters and life -----------------------------------------------------
 
     def counters(self) -> tuple[int, int, int, int, int]:
@@ -348,6 +533,12 @@ class TurnRoutes:
         errors = stats.retired_errors + sum(
             t.send_errors + t.malformed for t in (*taps, *relays)
         )
+        # Live kernel routes (removed ones are in ``stats`` already).
+        kernel = self._kernel_live()
+        to_peer += kernel[0]
+        to_peer_bytes += kernel[1]
+        to_client += kernel[2]
+        to_client_bytes += kernel[3]
         return to_peer, to_peer_bytes, to_client, to_client_bytes, errors
 
     def throttled(self) -> int:
@@ -370,6 +561,25 @@ class TurnRoutes:
 
 def _ignore(data: bytes, client: Address, endpoint: Endpoint) -> None:
     """Unrouted ChannelData while no TURN plane runs: nothing to count it."""
+
+
+@dataclass(eq=False)
+class KernelChannels:
+    """One relay's channel routes in the kernel map."""
+
+    #: Client -> peer, by channel number.
+    to_peer: dict[int, RewriteRoute] = field(default_factory=dict)
+    #: Peer -> client, by peer address.
+    to_client: dict[Address, RewriteRoute] = field(default_factory=dict)
+
+
+def _concrete(bound: Any, toward: str) -> tuple[str, int]:
+    """A bound address as the kernel sees it toward ``toward``: a wildcard
+    bind is keyed by the source address the kernel picks toward it."""
+    host, port = str(bound[0]), int(bound[1])
+    if ipaddress.ip_address(host).is_unspecified:
+        host = local_address_for(toward)
+    return host, port
 
 
 # ------------------------------------------------------------------ clients
@@ -481,9 +691,11 @@ class UdpRelay:
             to_peer_route(self.sock, peer, self.budget),
         )
         self.channels.add(number)
+        self.routes.kernel_channel(self, number, peer)
 
     def unroute_channel(self, number: int) -> None:
         self.channels.discard(number)
+        self.routes.kernel_unroute_channel(self, number)
         self._count(
             self.routes.unroute(self.endpoint, channel_key(self.client, number))
         )
@@ -494,9 +706,11 @@ class UdpRelay:
             self.peer_routes[peer] = to_client_route(
                 self.link.out, self.client, number, self.budget
             )
+            self.routes.kernel_peer(self, peer, number)
 
     def unroute_peer(self, peer: Address) -> None:
         self.peer_routes.pop(peer, None)
+        self.routes.kernel_unroute_peer(self, peer)
         self._forget_learned(peer)
 
     def _forget_learned(self, peer: Address) -> None:
@@ -512,6 +726,7 @@ class UdpRelay:
         for number in list(self.channels):
             self.unroute_channel(number)
         self.peer_routes.clear()
+        self.routes.kernel_unroute_all(self)
         self.data_peers.clear()
         table = self.routes.table_if_any(self.endpoint)
         if table is not None:
