@@ -276,11 +276,8 @@ class TurnService:
                 admission=self.allocation_table,
             )
 
-        def make_plane(routes: TurnRoutes) -> TurnPlane:
-            # On --dataplane kernel, the channel routes the eBPF program can
-            # take are written there too (TurnRoutes, "kernel side").
-            routes.kernel = ctx.kernel_routes
-            return TurnPlane(
+        self.plane = self.port.serve_turn(
+            lambda routes: TurnPlane(
                 self.port,
                 routes,
                 make_core,
@@ -290,8 +287,8 @@ class TurnService:
                 on_event=self._on_event,
                 on_socket_closed=ctx.kernel_drops.close,
             )
-
-        self.plane = self.port.serve_turn(make_plane)
+        )
+        self.plane.routes.kernel = ctx.kernel_routes  # before any datagram
         self.core = self.plane.core
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)
