@@ -26,9 +26,9 @@ from crossroads.proto.policy import AddressPolicy
 from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
-from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
+from crossroads.transport.routes import RouteTable
 from tests.transport.netns_support import inside, relay_lab
 from tests.transport.test_natneg_relay import recv
 
@@ -86,7 +86,7 @@ async def test_natneg_pair_forwards_through_the_kernel_and_stops_when_released(
             idle_timeout=30.0,
             max_pairs=2,
             policy=AddressPolicy(allow=LAB),
-            kernel=KernelRoutes(plane),
+            table=RouteTable(plane),
             on_release=lambda _s, _t, first, second: released.append((first, second)),
         )
         try:
@@ -145,7 +145,7 @@ async def test_raknet_forwarder_between_stock_peers_through_the_kernel(
         pool = ForwarderPool(
             "0.0.0.0",
             forwarder_table(ResourceBudget(), 4, 4),
-            kernel=KernelRoutes(plane),
+            table=RouteTable(plane),
         )
         try:
             result, port = pool.start((CLIENT_IP, a.port), (PEER_IP, b.port), 5000)
@@ -208,7 +208,7 @@ async def test_the_runtime_hands_the_kernel_plane_to_both_relays(plane: str) -> 
         assert natneg.relay is not None and raknet.forwarders is not None
         kernel = rt.dataplane.kernel if rt.dataplane is not None else None
         assert (kernel is not None) == (plane == "kernel")
-        for routes in (natneg.relay.kernel, raknet.forwarders.kernel):
+        for routes in (natneg.relay.table, raknet.forwarders.table):
             assert (routes.plane if routes is not None else None) is kernel
     finally:
         await rt.close()
