@@ -17,10 +17,10 @@ in one log line; ``crossroads_dataplane_info{kind=...}`` is 1 for it. An
 explicit choice that cannot run is an error at start, not a silent fallback.
 
 The kernel plane is taken by ``auto`` only once every relay writes its routes
-there (:data:`KERNEL_ROUTES_WIRED`): the natneg relay's pairs and the RakNet
-UDP proxy's forwarders do (transport/kernelroutes.py); TURN and the Unity
-relay do not yet, and ``auto`` must not claim a plane that leaves the busiest
-relay where it was.
+there (:data:`KERNEL_ROUTES_WIRED`): the Unity relay, the natneg relay's
+pairs and the RakNet UDP proxy's forwarders do (their route table,
+transport/routes.py); TURN does not yet, and ``auto`` must not claim a plane
+that leaves the busiest relay where it was.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ log = logging.getLogger("crossroads.dataplane")
 
 Kind = Literal["kernel", "c", "python"]
 KINDS: tuple[str, ...] = ("auto", "kernel", "c", "python")
-#: Whether every relay writes its routes into the kernel plane (TURN and the
-#: Unity relay do not yet); False: ``auto`` does not pick the kernel plane.
+#: Whether every relay writes its routes into the kernel plane (TURN does
+#: not yet); False: ``auto`` does not pick the kernel plane.
 KERNEL_ROUTES_WIRED = False
 #: What the C plane reads at import (dataplane.py); set for worker processes.
 PURE_PYTHON_ENV = "CROSSROADS_TURN_PURE_PYTHON"
@@ -116,12 +116,12 @@ def select(requested: str, *, gso: bool = True) -> Dataplane:
             reason = f"eBPF program loaded; the {under} plane takes what it passes"
             if not KERNEL_ROUTES_WIRED:
                 reason += (
-                    "; natneg and RakNet proxy routes forward in the kernel, "
-                    "TURN and the Unity relay on the plane under it"
+                    "; Unity relay, natneg and RakNet proxy routes forward in "
+                    "the kernel, TURN on the plane under it"
                 )
             return Dataplane("kernel", reason, plane)
     elif requested == "auto":
-        why = "TURN and the Unity relay write no kernel routes yet"
+        why = "TURN writes no kernel routes yet"
     else:
         why = f"--dataplane {requested}"
     if requested == "python":
