@@ -94,7 +94,7 @@ class Entry(Protocol):
     octets: int
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RewriteRoute:
     """One route in the kernel map; its counts outlive its removal."""
 
@@ -126,7 +126,7 @@ class RewriteRoute:
         self.plane = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class InstalledRoute:
     """One route as a relay holds it: the tap's entry and its kernel twin."""
 
@@ -206,23 +206,20 @@ class RouteTable:
     kernel plane when the runtime runs it."""
 
     plane: KernelPlane | None = None
-    #: Every live route by its tap's table and key (:meth:`clear`).
-    _live: dict[tuple[int, object], InstalledRoute] = field(
-        default_factory=dict, repr=False
-    )
+    #: Every live route (:meth:`clear`); a set of the handles themselves,
+    #: the cheapest index (~40 bytes a route).
+    _live: set[InstalledRoute] = field(default_factory=set, repr=False)
 
     def remember(self, route: InstalledRoute) -> None:
-        self._live[(id(route.routes), route.key)] = route
+        self._live.add(route)
 
     def forget(self, route: InstalledRoute) -> None:
-        if self._live.get((id(route.routes), route.key)) is route:
-            del self._live[(id(route.routes), route.key)]
+        self._live.discard(route)
 
     def clear(self, routes: MutableMapping[Any, Any]) -> None:
         """Remove every live route of one tap's table (its owner closes)."""
-        for key, route in list(self._live.items()):
-            if key[0] == id(routes):
-                route.remove()
+        for route in [r for r in self._live if r.routes is routes]:
+            route.remove()
 
     def install(
         self,
@@ -238,9 +235,12 @@ class RouteTable:
         the kernel plane, into the map. The entry's ``sock`` and ``dest`` are
         where it leaves; ``via=None``: the tap's dict only."""
         installed = InstalledRoute(self, routes, source, header, entry, via)
-        old = self._live.get((id(routes), installed.key))
-        if old is not None:
-            old.remove()  # one route per key, in every plane
+        if installed.key in routes:
+            # One route per key in every plane: the one there goes first
+            # (its owner removes it before; this is the safety net).
+            for old in [r for r in self._live if r.routes is routes]:
+                if old.key == installed.key:
+                    old.remove()
         routes[installed.key] = entry
         self.remember(installed)
         installed.twin = self.twin(installed)
