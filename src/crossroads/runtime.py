@@ -39,10 +39,10 @@ from crossroads.transport.admission import (
     raise_fd_limit,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
-from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.planes import Dataplane
 from crossroads.transport.planes import announce as announce_dataplane
 from crossroads.transport.planes import select as select_dataplane
+from crossroads.transport.routes import RouteTable
 from crossroads.transport.sockets import (
     bound_address,
     live_listeners,
@@ -489,11 +489,7 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         kernel_drops=kernel_drops,
         certificates=certificates,
         insight=insight,
-        kernel_routes=(
-            KernelRoutes(runtime.dataplane.kernel)
-            if runtime.dataplane.kernel is not None
-            else None
-        ),
+        route_table=RouteTable(runtime.dataplane.kernel),
     )
     guard = HttpGuard(
         budget.listener(

@@ -16,6 +16,7 @@ import asyncio
 import ipaddress
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -26,11 +27,12 @@ from crossroads.proto.policy import AddressPolicy
 from crossroads.proto.raknet.udpproxy import ForwarderResult
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
-from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
+from crossroads.transport.routes import RouteTable
 from tests.transport.netns_support import inside, relay_lab
 from tests.transport.test_natneg_relay import recv
+from tests.transport.test_relay import SEALER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,7 +88,7 @@ async def test_natneg_pair_forwards_through_the_kernel_and_stops_when_released(
             idle_timeout=30.0,
             max_pairs=2,
             policy=AddressPolicy(allow=LAB),
-            kernel=KernelRoutes(plane),
+            table=RouteTable(plane),
             on_release=lambda _s, _t, first, second: released.append((first, second)),
         )
         try:
@@ -145,7 +147,7 @@ async def test_raknet_forwarder_between_stock_peers_through_the_kernel(
         pool = ForwarderPool(
             "0.0.0.0",
             forwarder_table(ResourceBudget(), 4, 4),
-            kernel=KernelRoutes(plane),
+            table=RouteTable(plane),
         )
         try:
             result, port = pool.start((CLIENT_IP, a.port), (PEER_IP, b.port), 5000)
@@ -208,7 +210,123 @@ async def test_the_runtime_hands_the_kernel_plane_to_both_relays(plane: str) -> 
         assert natneg.relay is not None and raknet.forwarders is not None
         kernel = rt.dataplane.kernel if rt.dataplane is not None else None
         assert (kernel is not None) == (plane == "kernel")
-        for routes in (natneg.relay.kernel, raknet.forwarders.kernel):
+        for routes in (natneg.relay.table, raknet.forwarders.table):
             assert (routes.plane if routes is not None else None) is kernel
+    finally:
+        await rt.close()
+
+
+async def test_unity_host_and_joiner_through_the_kernel_until_revoked(
+    lab: tuple[dict[str, str], KernelPlane],
+) -> None:
+    """A Unity-flow host (client side) and joiner (peer side): BIND and
+    CONNECT go through the relay's socket; once connected, RELAY frames are
+    forwarded by the kernel, as is, each way (the tap's routes see nothing,
+    the core's counts see everything), and a revoked allocation stops the
+    forwarding at once."""
+    from crossroads.proto.relay import messages as m
+    from crossroads.proto.relay.server import RelayServer, RelayServerConfig
+    from crossroads.proto.relay.token import Role
+    from crossroads.transport.relay import RelayEndpoint
+    from crossroads.transport.sockets import make_udp_socket
+    from tests.transport.test_relay import Peer, allocation, bind_message
+
+    ns, plane = lab
+    loop = asyncio.get_running_loop()
+    # The loop runs in the server's namespace: the table resolves devices
+    # and local addresses there when a route is installed.
+    with inside(ns["server"]):
+        core = RelayServer(
+            RelayServerConfig(node_id="node", policy=AddressPolicy(allow=LAB)),
+            SEALER,
+            wall_offset=time.time() - loop.time(),
+        )
+        endpoint = RelayEndpoint(
+            core, make_udp_socket("0.0.0.0", 0), table=RouteTable(plane)
+        )
+        endpoint.start()
+        port = endpoint.sock.getsockname()[1]
+        with inside(ns["client"]):
+            host = Peer(socket.AF_INET, CLIENT_IP, (TOWARD_CLIENT, port))
+        with inside(ns["peer"]):
+            joiner = Peer(socket.AF_INET, PEER_IP, (TOWARD_PEER, port))
+        try:
+            hid, htoken = allocation(Role.HOST)
+            jid, jtoken = allocation(Role.JOINER, hid)
+            bound = m.BindReceived().encode()
+            assert await host.request(bind_message(hid, htoken, 0)) == bound
+            assert await joiner.request(bind_message(jid, jtoken, 0)) == bound
+            connect = m.ConnectRequest(jid, m.pad_connection_data(htoken)).encode()
+            assert await joiner.request(connect) == m.Accepted(hid, jid).encode()
+            assert len(plane) == 2  # one RELAY route each way
+            frames = 20
+            for n in range(frames):
+                up = m.Relay(jid, hid, b"up %d" % n).encode()
+                joiner.sock.sendto(up, joiner.server)
+                assert await host.recv() == up  # as is, from the address it uses
+                down = m.Relay(hid, jid, b"down %d" % n).encode()
+                host.sock.sendto(down, host.server)
+                assert await joiner.recv() == down
+            # A frame whose DataLength lies is not the kernel's: the socket's
+            # core refuses it (nothing reaches the host).
+            bad = m.Relay(jid, hid, b"x").encode() + b"trailing"
+            joiner.sock.sendto(bad, joiner.server)
+            # The kernel forwarded it all: the taps' routes saw nothing...
+            assert all(r.packets == 0 for r in endpoint.routes.values())
+            kernel = sum(
+                getattr(link.forward, "kernel_packets", 0)
+                for link in core._links.values()
+            )
+            assert kernel == 2 * frames
+            # ...and the core's counts (idle timers, metrics, insight) see it.
+            assert core.relayed()[0] == 2 * frames
+            # Revoked: both routes leave the kernel and forwarding stops at once.
+            assert core.kick(jid, loop.time())
+            assert len(plane) == 0
+            late = m.Relay(jid, hid, b"late").encode()
+            joiner.sock.sendto(late, joiner.server)
+            host.sock.sendto(m.Relay(hid, jid, b"late").encode(), host.server)
+            assert late not in await drain(host.sock)
+            assert m.Relay(hid, jid, b"late").encode() not in await drain(joiner.sock)
+            assert core.drops  # the socket plane refused them
+        finally:
+            endpoint.close()
+            host.sock.close()
+            joiner.sock.close()
+
+
+async def drain(sock: socket.socket, quiet: float = 0.3) -> list[bytes]:
+    """Everything ``sock`` receives until ``quiet`` seconds pass without any."""
+    got: list[bytes] = []
+    while (item := await recv(sock, quiet)) is not None:
+        got.append(item[0])
+    return got
+
+
+@pytest.mark.parametrize("plane", ["kernel", "c"])
+async def test_the_runtime_hands_the_kernel_plane_to_the_unity_relay(
+    plane: str,
+) -> None:
+    """With --dataplane kernel the Unity relay's endpoint writes its routes
+    through the runtime's route table, which holds the kernel plane."""
+    from crossroads.config import default_config
+    from crossroads.runtime import start
+    from crossroads.services.relay import RelayService
+    from tests.conftest import loopback_config, running_service
+
+    if plane == "kernel":
+        try:
+            KernelPlane.load().close()
+        except KernelPlaneUnavailable as exc:
+            pytest.skip(f"kernel plane unavailable: {exc}")
+    rt = await start(
+        default_config(loopback_config(core__only="relay", core__dataplane=plane))
+    )
+    try:
+        relay = running_service(rt, "relay", RelayService)
+        kernel = rt.dataplane.kernel if rt.dataplane is not None else None
+        assert (kernel is not None) == (plane == "kernel")
+        assert relay.node is not None
+        assert relay.node.endpoint.table.plane is kernel
     finally:
         await rt.close()

@@ -31,7 +31,7 @@ def test_auto_takes_c_until_kernel_routes_are_wired(
     with caplog.at_level(logging.INFO, logger="crossroads.dataplane"):
         planes.announce(choice, registry)
     assert choice.kind == "c" and choice.kernel is None
-    assert "dataplane: c (the Unity relay writes no kernel routes" in caplog.text
+    assert "dataplane: c (several processes on one host" in caplog.text
     assert registry.get_sample_value("crossroads_dataplane_info", {"kind": "c"}) == 1
     assert (
         registry.get_sample_value("crossroads_dataplane_info", {"kind": "kernel"}) == 0

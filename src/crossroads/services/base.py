@@ -33,8 +33,8 @@ from crossroads.service_types import SessionInfo as SessionInfo
 from crossroads.store.base import Store
 from crossroads.transport.admission import ResourceBudget
 from crossroads.transport.kernel_drops import KernelDropCollector
-from crossroads.transport.kernelroutes import KernelRoutes
 from crossroads.transport.localaddrs import own_addresses
+from crossroads.transport.routes import RouteTable
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.tls import Certificates
 from crossroads.types import Address, IPAddress
@@ -116,9 +116,10 @@ class ServiceContext:
     #: Connection insight: services record each attempt they coordinated
     #: (:mod:`crossroads.insight`); the default keeps a ring only.
     insight: InsightRecorder = field(default_factory=InsightRecorder)
-    #: The kernel data plane's rewrite routes when ``--dataplane`` chose it
-    #: (natneg relay pairs and RakNet forwarders install theirs there).
-    kernel_routes: KernelRoutes | None = None
+    #: The one writer of the address-rewrite relays' routes (the Unity
+    #: relay, natneg relay pairs, RakNet forwarders): into their taps and,
+    #: when ``--dataplane`` chose the kernel plane, its map.
+    route_table: RouteTable = field(default_factory=RouteTable)
     _own_addresses: frozenset[IPAddress] | None = field(
         default=None, init=False, repr=False
     )

@@ -818,7 +818,7 @@ async def serve(ctx: ServiceContext) -> NatNegService:
                 max_pairs=cfg.max_relays,
                 admission=relay_table(ctx.resources, cfg),
                 kernel_drops=ctx.kernel_drops,
-                kernel=ctx.kernel_routes,
+                table=ctx.route_table,
                 policy=AddressPolicy(
                     allow=parse_networks(cfg.relay_allow),
                     self_addresses=ctx.own_addresses(),

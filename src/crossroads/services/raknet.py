@@ -513,7 +513,7 @@ async def serve(ctx: ServiceContext) -> RakNetService:
             # Each forwarder's socket is closed counting its kernel drops.
             ctx.kernel_drops,
             # Confirmed sides forwarded by the eBPF program (--dataplane kernel).
-            ctx.kernel_routes,
+            ctx.route_table,
         )
         if cfg.proxy
         else None

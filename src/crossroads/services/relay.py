@@ -971,7 +971,7 @@ async def serve(ctx: ServiceContext) -> Service:
                 admission=allocations,
             )
             ctx.resources.listen(NAME, NAME, "udp", bound, ALLOCATIONS_TABLE)
-            endpoint = RelayEndpoint(core, sock)
+            endpoint = RelayEndpoint(core, sock, table=ctx.route_table)
             dtls_sock = make_udp_socket(ctx.host, cfg.dtls_port) if cfg.dtls else None
             ws: tuple[
                 dict[str, WebSocketListener], list[asyncio.Server], dict[str, int]

@@ -51,6 +51,9 @@ log = logging.getLogger("crossroads.dataplane")
 OBJECT_PATH = Path(__file__).with_name("bpf") / "relay.bpf.o"
 PROGRAM = b"crossroads_relay"
 ROUTES_MAP = b"routes"
+RELAY_ROUTES_MAP = b"relay_routes"
+#: The bytes of a Unity RELAY frame that name its route (relay.bpf.c RELAY_HEAD).
+RELAY_HEAD = 36
 #: The map's max_entries in relay.bpf.c.
 MAX_ROUTES = 65536
 
@@ -75,7 +78,10 @@ class RouteKind(IntEnum):
 
     UNWRAP_CHANNEL = 1  # TURN client -> peer: ChannelData header off
     WRAP_CHANNEL = 2  # TURN peer -> client: ChannelData header on
-    REWRITE = 3  # Unity relay, natneg pairs, RakNet forwarders: as is
+    REWRITE = 3  # natneg pairs, RakNet forwarders: as is
+    #: Unity RELAY frames: as is, keyed also by the frame's first 36 bytes
+    #: (header, from and to allocation IDs) with its DataLength checked.
+    RELAY = 4
 
 
 @frozen
@@ -94,6 +100,8 @@ class KernelRoute:
     out_source: tuple[str, int]
     out_dest: tuple[str, int]
     channel: int = 0
+    #: ``RELAY``: the first 36 bytes of the frames it forwards.
+    header: bytes = b""
 
 
 def _family(host: str) -> int:
@@ -108,12 +116,17 @@ def _addr16(host: str) -> bytes:
 
 def _key(route: KernelRoute) -> bytes:
     channel = route.channel if route.kind is RouteKind.UNWRAP_CHANNEL else 0
-    return (
+    key = (
         _addr16(route.source[0])
         + _addr16(route.target[0])
         + struct.pack("!HH", route.source[1], route.target[1])
         + struct.pack("=HBx", channel, _family(route.source[0]))
     )
+    if route.kind is RouteKind.RELAY:
+        if len(route.header) != RELAY_HEAD:
+            raise ValueError("a RELAY route needs the frame's 36-byte header")
+        key += route.header
+    return key
 
 
 _VALUE = struct.Struct("=16s16s2s2sHBxIIQQ")
@@ -251,6 +264,7 @@ class KernelPlane:
     _obj: int
     _prog_fd: int
     _map_fd: int
+    _relay_map_fd: int
     _attached: dict[int, _Attachment] = field(default_factory=dict)
     _routes: dict[bytes, KernelRoute] = field(default_factory=dict)
 
@@ -278,7 +292,17 @@ class KernelPlane:
             raise KernelPlaneUnavailable(f"the kernel refused the program: {why}")
         prog = lib.bpf_object__find_program_by_name(obj, PROGRAM)
         rmap = lib.bpf_object__find_map_by_name(obj, ROUTES_MAP)
-        return cls(lib, obj, lib.bpf_program__fd(prog), lib.bpf_map__fd(rmap))
+        relay = lib.bpf_object__find_map_by_name(obj, RELAY_ROUTES_MAP)
+        return cls(
+            lib,
+            obj,
+            lib.bpf_program__fd(prog),
+            lib.bpf_map__fd(rmap),
+            lib.bpf_map__fd(relay),
+        )
+
+    def _map(self, route: KernelRoute) -> int:
+        return self._relay_map_fd if route.kind is RouteKind.RELAY else self._map_fd
 
     # ------------------------------------------------------------- devices
 
@@ -359,7 +383,7 @@ class KernelPlane:
         except OSError:
             return False
         value = _value(route, out)
-        rc = self._lib.bpf_map_update_elem(self._map_fd, key, value, BPF_ANY)
+        rc = self._lib.bpf_map_update_elem(self._map(route), key, value, BPF_ANY)
         if rc != 0:
             return False
         self._routes[key] = route
@@ -369,12 +393,12 @@ class KernelPlane:
         """Stop forwarding ``route`` (the next datagram goes to the sockets)."""
         key = _key(route)
         self._routes.pop(key, None)
-        self._lib.bpf_map_delete_elem(self._map_fd, key)
+        self._lib.bpf_map_delete_elem(self._map(route), key)
 
     def counters(self, route: KernelRoute) -> tuple[int, int] | None:
         """(packets, payload bytes) the kernel forwarded on ``route``; None if not installed."""
         buf = ctypes.create_string_buffer(_VALUE.size)
-        if self._lib.bpf_map_lookup_elem(self._map_fd, _key(route), buf) != 0:
+        if self._lib.bpf_map_lookup_elem(self._map(route), _key(route), buf) != 0:
             return None
         *_, packets, octets = _VALUE.unpack(buf.raw)
         return int(packets), int(octets)

@@ -15,12 +15,12 @@ that, a side accepts datagrams from exactly that (ip, port).
 
 Data plane: each socket is a :class:`~crossroads.transport.dataplane.RouteTap`. Once
 both sides have learned their clients, each side's route table holds one route:
-its client's (ip, port) -> (the partner socket, the partner's client). The tap
+its client's (ip, port) -> (the partner socket, the partner's client), written
+by the runtime's route table (:mod:`crossroads.transport.routes`). The tap
 forwards those datagrams itself (in C with recvmmsg/sendmmsg when built): no
 parsing, no Python per datagram, no store. With ``--dataplane kernel`` the
-same two routes also go into the eBPF program's map
-(:mod:`crossroads.transport.kernelroutes`), which then forwards them before
-the socket; they leave it when the pair is released. Everything else reaches
+table also puts the two routes in the eBPF program's map, which then forwards
+them before the socket; they leave both planes when the pair is released. Everything else reaches
 :meth:`_Side.unrouted`, which learns the client and drops the rest. A pair belongs to one negotiation
 (:class:`~crossroads.proto.natneg.server.SessionId`), not to its cookie: games reuse
 cookies, and a new negotiation on the same cookie gets its own pair while the old
@@ -48,8 +48,8 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
-from crossroads.transport.kernelroutes import KernelRoutes, RewriteRoute
 from crossroads.transport.refusals import RefusalLog
+from crossroads.transport.routes import InstalledRoute, RouteTable
 from crossroads.transport.sockets import set_buffers
 from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address
@@ -73,8 +73,8 @@ class _Side:
         "tap",
         "forwarded_by_hand",
         "bytes_by_hand",
-        "kernel",
-        "kernel_route",
+        "table",
+        "route",
     )
 
     def __init__(
@@ -82,7 +82,7 @@ class _Side:
         sock: socket.socket,
         expected_ip: str,
         cookie: int,
-        kernel: KernelRoutes | None = None,
+        table: RouteTable,
     ) -> None:
         self.sock = sock
         self.expected_ip = expected_ip
@@ -99,32 +99,29 @@ class _Side:
         #: The learning datagrams this side forwarded itself, and their bytes.
         self.forwarded_by_hand = 0
         self.bytes_by_hand = 0
-        #: The kernel plane, when the runtime runs it, and this side's route
-        #: there (the same as its tap's, forwarded before the socket).
-        self.kernel = kernel
-        self.kernel_route: RewriteRoute | None = None
+        #: The route table (the only writer of ``routes``), and this side's
+        #: route once both clients are known.
+        self.table = table
+        self.route: InstalledRoute | None = None
 
     @property
     def packets(self) -> int:
         """Datagrams relayed from this side's client to the partner's."""
-        kernel = self.kernel_route.packets if self.kernel_route is not None else 0
-        return (
-            self.forwarded_by_hand
-            + kernel
-            + sum(r.packets for r in self.routes.values())
-        )
+        routed = self.route.packets if self.route is not None else 0
+        return self.forwarded_by_hand + routed
 
     @property
     def octets(self) -> int:
         """Bytes relayed from this side's client to the partner's (read from
-        the route's counter: nothing is counted per datagram for it)."""
-        kernel = self.kernel_route.octets if self.kernel_route is not None else 0
-        return self.bytes_by_hand + kernel + sum(r.octets for r in self.routes.values())
+        the route's counters: nothing is counted per datagram for it)."""
+        routed = self.route.octets if self.route is not None else 0
+        return self.bytes_by_hand + routed
 
     def end(self) -> None:
-        """Take the kernel route out (forwarding stops at once), keeping its counts."""
-        if self.kernel_route is not None:
-            self.kernel_route.remove()
+        """Take the route out of every plane (forwarding stops at once),
+        keeping its counts."""
+        if self.route is not None:
+            self.route.remove()
 
     def unrouted(self, data: bytes, addr: Address) -> None:
         """A datagram without a route: learn the client from it, or drop it
@@ -144,17 +141,12 @@ class _Side:
             partner.sock.sendto(data, partner.src)
         except OSError:
             pass
-        self.routes[addr] = make_route(partner.sock, partner.src)
-        partner.routes[partner.src] = make_route(self.sock, addr)
-        if self.kernel is not None:
-            # The same two routes in the kernel: from here on the eBPF
-            # program forwards them and the taps' routes see nothing.
-            self.kernel_route = self.kernel.rewrite(
-                addr, self.sock, partner.sock, partner.src
-            )
-            partner.kernel_route = self.kernel.rewrite(
-                partner.src, partner.sock, self.sock, addr
-            )
+        self.route = self.table.install(
+            self.routes, addr, make_route(partner.sock, partner.src), via=self.sock
+        )
+        partner.route = self.table.install(
+            partner.routes, partner.src, make_route(self.sock, addr), via=partner.sock
+        )
 
 
 @dataclass(slots=True)
@@ -200,9 +192,9 @@ class RelayPool:
     #: descriptors each), charged to the session's first client; None: only
     #: ``max_pairs`` bounds them.
     admission: Admission | None = None
-    #: The kernel data plane's rewrite routes when the runtime runs it
-    #: (``--dataplane kernel``): a learned pair is forwarded there.
-    kernel: KernelRoutes | None = None
+    #: The runtime's route table, the only writer of the pairs' routes (with
+    #: ``--dataplane kernel``, also into the kernel's map).
+    table: RouteTable = field(default_factory=RouteTable)
     #: Closes the pairs' sockets, counting their kernel drops first (the
     #: runtime's collector; a pair may live between two scrapes).
     kernel_drops: KernelDropCollector = field(
@@ -289,8 +281,8 @@ class RelayPool:
             log.warning("natneg relay: cannot bind a relay socket: %s", exc)
             self.stats.failed += 1
             return None
-        side0 = _Side(socks[0], client_ips[0], session.cookie, self.kernel)
-        side1 = _Side(socks[1], client_ips[1], session.cookie, self.kernel)
+        side0 = _Side(socks[0], client_ips[0], session.cookie, self.table)
+        side1 = _Side(socks[1], client_ips[1], session.cookie, self.table)
         side0.partner, side1.partner = side1, side0
         now = self._loop.time()
         self._pairs[session] = _Pair(session, (side0, side1), now, now, source=source)

@@ -17,13 +17,15 @@ in one log line; ``crossroads_dataplane_info{kind=...}`` is 1 for it. An
 explicit choice that cannot run is an error at start, not a silent fallback.
 
 The kernel plane is taken by ``auto`` only once every relay writes its routes
-there (:data:`KERNEL_ROUTES_WIRED`): the natneg relay's pairs and the RakNet
-UDP proxy's forwarders do (transport/kernelroutes.py), and so do TURN's UDP
-channels (``TurnRoutes`` in transport/turnrelay.py: ChannelData both ways for
-a UDP client on a listener bound to one address, without ``--turn-max-bps``;
-Send and Data indications, TCP/TLS/DTLS clients and rate-limited relays stay
-on the plane under it). The Unity relay does not yet, and ``auto`` must not
-claim a plane that leaves a relay where it was.
+there (:data:`KERNEL_ROUTES_WIRED`). Every relay now writes them: the Unity
+relay, the natneg relay's pairs and the RakNet UDP proxy's forwarders through
+their route table (transport/routes.py), TURN's UDP channels through
+``TurnRoutes`` (transport/turnrelay.py: ChannelData both ways for a UDP client
+on a listener bound to one address, without ``--turn-max-bps``; Send and Data
+indications, TCP/TLS/DTLS clients and rate-limited relays stay on the plane
+under it). ``auto`` still does not take it: several processes on one host
+each load their own program and only the first one's verdict counts on a
+device (docs/architecture.md "The kernel data plane").
 """
 
 from __future__ import annotations
@@ -43,9 +45,8 @@ log = logging.getLogger("crossroads.dataplane")
 
 Kind = Literal["kernel", "c", "python"]
 KINDS: tuple[str, ...] = ("auto", "kernel", "c", "python")
-#: Whether every relay writes its routes into the kernel plane (natneg, RakNet
-#: and TURN's UDP channels do; the Unity relay does not yet); False: ``auto``
-#: does not pick the kernel plane.
+#: Whether ``auto`` may pick the kernel plane: every relay writes its routes
+#: there, but several processes on one host do not yet share a device.
 KERNEL_ROUTES_WIRED = False
 #: What the C plane reads at import (dataplane.py); set for worker processes.
 PURE_PYTHON_ENV = "CROSSROADS_TURN_PURE_PYTHON"
@@ -120,12 +121,12 @@ def select(requested: str, *, gso: bool = True) -> Dataplane:
             reason = f"eBPF program loaded; the {under} plane takes what it passes"
             if not KERNEL_ROUTES_WIRED:
                 reason += (
-                    "; natneg, RakNet proxy and TURN channel routes forward "
-                    "in the kernel, the Unity relay on the plane under it"
+                    "; Unity relay, natneg, RakNet proxy and TURN channel "
+                    "routes forward in the kernel, the rest on the plane under it"
                 )
             return Dataplane("kernel", reason, plane)
     elif requested == "auto":
-        why = "the Unity relay writes no kernel routes yet"
+        why = "several processes on one host do not share the kernel plane yet"
     else:
         why = f"--dataplane {requested}"
     if requested == "python":

@@ -13,10 +13,10 @@ Data plane: the socket is a :class:`~crossroads.transport.dataplane.RouteTap`
 whose route table holds a route per *confirmed* side (its address -> the other
 side's confirmed address, else the one the coordinator knows). The tap forwards
 those datagrams itself (in C with recvmmsg/sendmmsg when built): no parse, no
-Python per datagram, no store. With ``--dataplane kernel`` the routes also go
-into the eBPF program's map (:mod:`crossroads.transport.kernelroutes`), which
-forwards them before the socket, and leave it with the entry. A datagram
-without a route reaches
+Python per datagram, no store. The runtime's route table
+(:mod:`crossroads.transport.routes`) writes them; with ``--dataplane kernel``
+also into the eBPF program's map, which forwards them before the socket, and
+they leave both planes with the entry. A datagram without a route reaches
 :meth:`_Entry.unrouted`, which confirms a side (and rewrites both routes) or
 drops it. An entry that forwarded nothing for its ``timeoutOnNoDataMS`` is
 closed (UDPForwarder.cpp:440-510); the sweep sees forwarding as a change in the
@@ -56,7 +56,7 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.kernel_drops import KernelDropCollector
-from crossroads.transport.kernelroutes import KernelRoutes, RewriteRoute
+from crossroads.transport.routes import InstalledRoute, RewriteRoute, RouteTable
 from crossroads.transport.sockets import make_udp_socket
 from crossroads.transport.tasks import Sweeper
 from crossroads.types import Address, frozen
@@ -123,16 +123,17 @@ class _Entry:
     last: float
     #: The client that asked (charged for the entry in the budget table).
     requester: Address
-    #: The kernel data plane's rewrite routes when the runtime runs it.
-    kernel: KernelRoutes | None = None
+    #: The runtime's route table: the only writer of ``routes``.
+    table: RouteTable = field(default_factory=RouteTable)
     port: int = field(init=False)
     confirmed1: Address | None = field(default=None, init=False)
     confirmed2: Address | None = field(default=None, init=False)
-    #: A route per confirmed side: its address -> where its datagrams go.
+    #: The tap's routes, a route per confirmed side: its address -> where its
+    #: datagrams go (written by ``table`` only).
     routes: dict[Address, RouteLike] = field(default_factory=dict, init=False)
     tap: RouteTapLike = field(init=False)
-    #: The routes' twins in the kernel (forwarded before the socket).
-    kernel_routes: dict[Address, RewriteRoute] = field(default_factory=dict, init=False)
+    #: The same routes as the entry holds them (every plane's counts).
+    installed: dict[Address, InstalledRoute] = field(default_factory=dict, init=False)
     #: Datagrams forwarded by hand or by routes since replaced.
     forwarded_elsewhere: int = field(default=0, init=False)
     #: ``packets`` at the last sweep (a change means the entry is alive).
@@ -151,23 +152,30 @@ class _Entry:
         )
 
     @property
+    def kernel_routes(self) -> dict[Address, RewriteRoute]:
+        """The routes the kernel forwards now, by source."""
+        return {
+            source: route.twin
+            for source, route in self.installed.items()
+            if route.twin is not None
+        }
+
+    @property
     def packets(self) -> int:
-        kernel = sum(r.packets for r in self.kernel_routes.values())
-        return (
-            self.forwarded_elsewhere
-            + kernel
-            + sum(r.packets for r in self.routes.values())
+        return self.forwarded_elsewhere + sum(
+            r.packets for r in self.installed.values()
         )
 
     def end(self) -> None:
-        """Take the kernel routes out (forwarding stops at once), keeping their counts."""
-        for source, route in self.kernel_routes.items():
+        """Take the routes out of every plane (forwarding stops at once),
+        keeping their counts."""
+        for source, route in self.installed.items():
             route.remove()
             self.forwarded_elsewhere += route.packets
             way = 0 if source == self.confirmed1 else 2
             self.done[way] += route.packets
             self.done[way + 1] += route.octets
-        self.kernel_routes.clear()
+        self.installed.clear()
 
     def unrouted(self, data: bytes, addr: Address) -> None:
         """A datagram from an unconfirmed address: confirm a side by its IP
@@ -194,34 +202,18 @@ class _Entry:
         self.last = asyncio.get_running_loop().time()
 
     def _route(self) -> None:
-        """Rewrite the routes for the confirmed sides."""
-        for source, route in self.routes.items():
-            self.forwarded_elsewhere += route.packets
-            way = 0 if source == self.confirmed1 else 2
-            self.done[way] += route.packets
-            self.done[way + 1] += route.octets
-        self.routes.clear()
+        """Rewrite the routes for the confirmed sides (in every plane)."""
         self.end()
         c1, c2 = self.confirmed1, self.confirmed2
-        if c1 is not None:
-            self.routes[c1] = make_route(self.sock, c2 or self.side2)
-        if c2 is not None:
-            self.routes[c2] = make_route(self.sock, c1 or self.side1)
-        if self.kernel is not None:
-            # The same routes in the kernel: the eBPF program forwards them
-            # from now on, and the tap's routes see nothing.
-            for side, dest in (
-                (c1, c2 or self.side2),
-                (c2, c1 or self.side1),
-            ):
-                if side is not None:
-                    twin = self.kernel.rewrite(side, self.sock, self.sock, dest)
-                    if twin is not None:
-                        self.kernel_routes[side] = twin
+        for side, dest in ((c1, c2 or self.side2), (c2, c1 or self.side1)):
+            if side is not None:
+                self.installed[side] = self.table.install(
+                    self.routes, side, make_route(self.sock, dest), via=self.sock
+                )
 
     def usage(self, released: float, reason: str) -> ForwarderUsage:
         counts = list(self.done)
-        for source, route in self.routes.items():
+        for source, route in self.installed.items():
             way = 0 if source == self.confirmed1 else 2
             counts[way] += route.packets
             counts[way + 1] += route.octets
@@ -254,12 +246,12 @@ class ForwarderPool:
         host: str,
         admission: Admission,
         kernel_drops: KernelDropCollector | None = None,
-        kernel: KernelRoutes | None = None,
+        table: RouteTable | None = None,
     ) -> None:
         self.host = host
-        #: The kernel data plane (``--dataplane kernel``): confirmed sides are
-        #: forwarded there.
-        self.kernel = kernel
+        #: The runtime's route table (with ``--dataplane kernel``, confirmed
+        #: sides are forwarded in the kernel too).
+        self.table = RouteTable() if table is None else table
         self.admission = admission
         self.kernel_drops = kernel_drops or KernelDropCollector(dict)
         self.entries: dict[tuple[Address, Address], _Entry] = {}
@@ -308,7 +300,7 @@ class ForwarderPool:
             timeout_ms / 1000,
             self._loop.time(),
             requester,
-            self.kernel,
+            self.table,
         )
         self.entries[(source, target)] = entry
         self._readers.add(entry.tap)

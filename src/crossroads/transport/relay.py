@@ -1,16 +1,24 @@
 """The relay node's UDP endpoint: the data-plane fast path around a sans-I/O core.
 
-The socket is a :class:`~crossroads.transport.dataplane.RouteTap` over the core's
-forwarding table (:attr:`RelayServer.routes`, keyed by source address and the
-frame's first 36 bytes: header, from and to allocation IDs), with the RELAY
-length check (``DataLength`` at offset 36 must be the rest of the frame). A frame
-between two connected allocations is forwarded unchanged by the tap -- in C with
-``recvmmsg``/``sendmmsg`` when built -- and counted on its route: no parse, no
-Python per frame, no store. Everything else reaches the core (the control
-plane), whose replies are sent once per readiness callback.
+The socket is a :class:`~crossroads.transport.dataplane.RouteTap` over the
+endpoint's forwarding table (:attr:`RelayEndpoint.routes`, keyed by source
+address and the frame's first 36 bytes: header, from and to allocation IDs),
+with the RELAY length check (``DataLength`` at offset 36 must be the rest of the
+frame). A frame between two connected allocations is forwarded unchanged by
+the tap -- in C with ``recvmmsg``/``sendmmsg`` when built -- and counted on its
+route: no parse, no Python per frame, no store. Everything else reaches the
+core (the control plane), whose replies are sent once per readiness callback.
 
-The core makes its forwarding entries through :meth:`RelayEndpoint.make_forward`:
-data-plane routes from this socket. On a wildcard bind each route carries the
+The endpoint is the core's :class:`~crossroads.proto.relay.server.Forwarding`
+port: a route the core announces is written by the runtime's route table
+(:mod:`crossroads.transport.routes`), the table's only writer, into the tap
+and, with ``--dataplane kernel``, into the eBPF program's map as a ``RELAY``
+route (the frame goes out as is, so the kernel can forward it: keyed by the
+client's address and the frame's first 36 bytes, DataLength checked), which
+then forwards it before the socket. Removing a route (a revoked, closed or
+timed-out allocation, a disconnect, a rebind) takes it out of both at once.
+Each entry is made by :meth:`RelayEndpoint.make_forward`: a data-plane route
+from this socket. On a wildcard bind each route carries the
 ``IP_PKTINFO`` source its destination client last sent to
 (:mod:`crossroads.transport.pktinfo`), learned from that client's slow-path
 frames (BIND, CONNECT_REQUEST, a rebind) before any route to it exists. When the
@@ -58,10 +66,13 @@ from crossroads.proto.relay.server import (
     Event,
     ForwardEntry,
     RelayServer,
+    RouteHandle,
+    RouteKey,
 )
 from crossroads.service_types import Impairment as Impairment  # re-exported
 from crossroads.transport.dataplane import RouteLike, make_route
 from crossroads.transport.driver import TapDriver
+from crossroads.transport.routes import RouteTable
 from crossroads.types import Address
 
 #: First port of the client addresses given to stream connections: one above
@@ -124,13 +135,18 @@ class RelayEndpoint(TapDriver[RelayServer]):
         core: RelayServer,
         sock: socket.socket,
         on_events: Callable[[list[Event]], None] = lambda events: None,
+        table: RouteTable | None = None,
     ) -> None:
-        # The tap forwards along the core's routes (prefix: the RELAY header
-        # and both allocation IDs; DataLength checked at that offset).
+        #: The forwarding table the tap reads, written by ``table`` only.
+        self.routes: dict[RouteKey, ForwardEntry] = {}
+        #: The runtime's route table (kernel routes with --dataplane kernel).
+        self.table = RouteTable() if table is None else table
+        # The tap forwards along these routes (prefix: the RELAY header and
+        # both allocation IDs; DataLength checked at that offset).
         super().__init__(
             core,
             sock,
-            core.routes,
+            self.routes,
             prefix=RELAY_ROUTE_SIZE,
             length_at=RELAY_ROUTE_SIZE,
         )
@@ -139,7 +155,7 @@ class RelayEndpoint(TapDriver[RelayServer]):
         #: Plaintext datagrams from an address that has a DTLS session.
         self.plaintext_refused = 0
         self._secure: SecureSide | None = None
-        core.set_forwarding(self.make_forward)
+        core.set_forwarding(self)
         #: Stream connections by their client address.
         self._streams: dict[Address, StreamClient] = {}
         #: The stream address each allocation bound at a stream is bound at.
@@ -171,6 +187,24 @@ class RelayEndpoint(TapDriver[RelayServer]):
         """Reach ``side``'s session addresses through it, and refuse their
         plaintext datagrams here."""
         self._secure = side
+
+    def install(self, key: RouteKey, dest: Address, source: Address) -> RouteHandle:
+        """The core's route, written by the route table: an off-plane entry
+        in the tap's table only; a data-plane route there and in the kernel."""
+        entry = self.make_forward(dest, source)
+        on_plane = not isinstance(entry, OffPlaneForward)
+        return self.table.install(
+            self.routes,
+            key[0],
+            entry,
+            via=self.sock if on_plane else None,
+            header=key[1],
+        )
+
+    def close(self) -> None:
+        """Take every route out of every plane, then close (idempotent)."""
+        self.table.clear(self.routes)
+        super().close()
 
     def make_forward(self, dest: Address, source: Address) -> ForwardEntry:
         """A data-plane route from this socket to ``dest`` (the core's factory),

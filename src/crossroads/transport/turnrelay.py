@@ -66,12 +66,13 @@ from crossroads.transport.dataplane import (
     make_tap,
 )
 from crossroads.transport.driver import CoreTimer
-from crossroads.transport.kernelplane import KernelRoute, RouteKind, egress_ifindex
-from crossroads.transport.kernelroutes import (
-    KernelRoutes,
-    RewriteRoute,
-    local_address_for,
+from crossroads.transport.kernelplane import (
+    KernelPlane,
+    KernelRoute,
+    RouteKind,
+    egress_ifindex,
 )
+from crossroads.transport.routes import RewriteRoute, local_address_for
 from crossroads.transport.sockets import set_buffers
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.turnplane import (
@@ -231,7 +232,7 @@ class TurnRoutes:
         #: The kernel plane, when the runtime runs it (``--dataplane
         #: kernel``): the channel routes it can take are written there too
         #: (see "kernel side" below).
-        self.kernel: KernelRoutes | None = None
+        self.kernel: KernelPlane | None = None
         #: Each relay's routes in the kernel.
         self.kernel_routes: dict[UdpRelay, KernelChannels] = {}
         #: What removed kernel routes forwarded (to-peer packets and bytes,
@@ -505,18 +506,18 @@ class TurnRoutes:
         return counts
 
     def _kernel_install(self, route: KernelRoute) -> RewriteRoute | None:
-        kernel = self.kernel
-        if kernel is None:
+        plane = self.kernel
+        if plane is None:
             return None
         try:
             # On the ingress of the device the sender's datagrams arrive on.
-            kernel.plane.attach(egress_ifindex(route.source[0]))
+            plane.attach(egress_ifindex(route.source[0]))
         except (OSError, ValueError) as exc:
             log.debug("kernel route %s not taken: %s", route, exc)
             return None
-        if not kernel.plane.install(route):
+        if not plane.install(route):
             return None
-        return RewriteRoute(kernel.plane, route)
+        return RewriteRoute(plane, route)
 
     # -- counters and life -----------------------------------------------------
 

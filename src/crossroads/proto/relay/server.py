@@ -23,14 +23,17 @@ BIND, so the API never has to reach the node before the player does.
 3. **RELAY** frames are the data plane. A route is keyed by (source IP:port, the
    first 36 bytes of the frame: header + from ID + to ID) and holds the
    destination IP:port. Forwarding is one dict lookup, one length check and one
-   send: no parse, no allocation per packet. :attr:`RelayServer.routes` is the
-   forwarding table of the relay data plane (:mod:`crossroads.transport.dataplane`):
-   its values are *forwarding entries* made by a factory the transport installs
-   (:meth:`RelayServer.set_forwarding`; in memory, :class:`Forward`), which the
-   data plane counts packets on. The transport forwards what the table routes
-   and hands the core only what misses. Each :class:`Route` links an entry to
-   its two allocations; the periodic *sweep* turns counter changes into
-   activity (for the idle timers) and metrics.
+   send: no parse, no allocation per packet. The core does not write the
+   forwarding table itself: it announces each route to a :class:`Forwarding`
+   port the transport injects (:meth:`RelayServer.set_forwarding`: the
+   transport's route table, :mod:`crossroads.transport.routes`, which writes
+   it into the data plane's taps and, on the kernel plane, the eBPF map; in
+   memory, :class:`MemoryForwarding`), and holds the :class:`RouteHandle` it
+   gets back: the route's counts on every plane, and its removal.
+   :attr:`RelayServer.routes` is that table, for reading. The transport
+   forwards what the table routes and hands the core only what misses. Each
+   :class:`Route` links a handle to its two allocations; the periodic *sweep*
+   turns counter changes into activity (for the idle timers) and metrics.
 4. Anything that misses the route table takes the *slow path*: full decode, a
    per-source token bucket, and the protocol's ERROR or a counted drop. An
    ERROR (21 bytes) can be one byte larger than what provoked it (a 20-byte
@@ -65,7 +68,7 @@ out as events from :meth:`RelayServer.pop_events`; the core does no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -102,15 +105,69 @@ class ForwardEntry(Protocol):
     octets: int
 
 
+class RouteHandle(Protocol):
+    """One installed route as the core holds it: where it goes, what took it
+    on every plane (counts outlive removal), and its removal at once."""
+
+    @property
+    def dest(self) -> Address: ...
+    @property
+    def packets(self) -> int: ...
+    @property
+    def octets(self) -> int: ...
+
+    def remove(self) -> None:
+        """Stop forwarding (the next frame reaches the core)."""
+
+    def restore(self) -> None:
+        """Forward again after :meth:`remove`, counts carried on."""
+
+
+class Forwarding(Protocol):
+    """Where the core's routes are written: the only writer of the
+    forwarding table the data plane reads."""
+
+    @property
+    def routes(self) -> Mapping[RouteKey, ForwardEntry]:
+        """The forwarding table, for reading."""
+
+    def install(self, key: RouteKey, dest: Address, source: Address) -> RouteHandle:
+        """Forward frames keyed ``key`` (from ``source``) to ``dest``."""
+
+
 class Forward:
-    """The in-memory :class:`ForwardEntry` (no transport: tests, simulations)."""
+    """The in-memory :class:`ForwardEntry` and its :class:`RouteHandle`
+    (no transport: tests, simulations)."""
 
-    __slots__ = ("dest", "packets", "octets")
+    __slots__ = ("dest", "packets", "octets", "_table", "_key")
 
-    def __init__(self, dest: Address, source: Address | None = None) -> None:
+    def __init__(
+        self, dest: Address, table: dict[RouteKey, ForwardEntry], key: RouteKey
+    ) -> None:
         self.dest = dest
         self.packets = 0
         self.octets = 0
+        self._table = table
+        self._key = key
+
+    def remove(self) -> None:
+        if self._table.get(self._key) is self:
+            del self._table[self._key]
+
+    def restore(self) -> None:
+        self._table[self._key] = self
+
+
+class MemoryForwarding:
+    """The in-memory :class:`Forwarding`: a dict of :class:`Forward`."""
+
+    def __init__(self) -> None:
+        self.routes: dict[RouteKey, ForwardEntry] = {}
+
+    def install(self, key: RouteKey, dest: Address, source: Address) -> RouteHandle:
+        forward = Forward(dest, self.routes, key)
+        self.routes[key] = forward
+        return forward
 
 
 @dataclass(eq=False, slots=True)
@@ -118,7 +175,7 @@ class Route:
     """One direction of a connected pair: its forwarding entry, and the two
     allocations whose activity that entry's traffic proves."""
 
-    forward: ForwardEntry
+    forward: RouteHandle
     source: Allocation
     target: Allocation
     seen_packets: int = field(default=0, init=False)
@@ -336,11 +393,10 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
         self.sealer = sealer
         self.wall_offset = wall_offset
         self.allocations: dict[bytes, Allocation] = {}
-        #: The data plane's forwarding table; transports read it directly.
-        self.routes: dict[RouteKey, ForwardEntry] = {}
+        #: Where routes are written (see :meth:`set_forwarding`).
+        self._forwarding: Forwarding = MemoryForwarding()
         #: The allocations behind each entry of :attr:`routes` (same keys).
         self._links: dict[RouteKey, Route] = {}
-        self._make_forward: Callable[[Address, Address], ForwardEntry] = Forward
         #: Seats reserved by bound hosts (sum of :attr:`Allocation.weight`).
         self.load = 0
         self.connections = 0
@@ -369,15 +425,17 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
 
     # ------------------------------------------------------------- public API
 
-    def set_forwarding(
-        self, make_forward: Callable[[Address, Address], ForwardEntry]
-    ) -> None:
-        """Let the transport make the forwarding entries (its data plane's route
-        objects, bound to its socket): ``make_forward(dest, source)`` for the
-        frames ``source`` sends to ``dest`` (a transport that reaches some
-        clients another way, DTLS, needs both ends). Call before the first
-        datagram."""
-        self._make_forward = make_forward
+    def set_forwarding(self, forwarding: Forwarding) -> None:
+        """Let the transport write the routes (its route table, which makes
+        each entry for the frames ``source`` sends to ``dest``: a transport
+        that reaches some clients another way, DTLS, needs both ends). Call
+        before the first datagram."""
+        self._forwarding = forwarding
+
+    @property
+    def routes(self) -> Mapping[RouteKey, ForwardEntry]:
+        """The data plane's forwarding table (written by the forwarding port)."""
+        return self._forwarding.routes
 
     def receive_datagram(self, data: bytes, addr: Address, now: float) -> None:
         """Handle one datagram from ``addr``. Never raises on bad input."""
@@ -450,11 +508,9 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
             if limit and delta > limit:
                 too_busy.append(key)
         for key in too_busy:
-            del self.routes[key]
-            self._suspended[key] = (
-                self._links.pop(key),
-                now + self.config.rate_penalty,
-            )
+            route = self._links.pop(key)
+            route.forward.remove()
+            self._suspended[key] = (route, now + self.config.rate_penalty)
             self._drop("route-suspended")
         for key, (route, until) in list(self._suspended.items()):
             if now >= until:
@@ -465,7 +521,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
                     and key[0] == route.source.address
                     and key not in self.routes
                 ):
-                    self.routes[key] = route.forward
+                    route.forward.restore()
                     self._links[key] = route
         cfg = self.config
         for alloc in list(self.allocations.values()):
@@ -771,14 +827,14 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
     def _install_routes(self, a: Allocation, b: Allocation) -> None:
         for source, target in ((a, b), (b, a)):
             key = self._route_key(source, target)
-            forward = self._make_forward(target.address, source.address)
-            self.routes[key] = forward
+            forward = self._forwarding.install(key, target.address, source.address)
             self._links[key] = Route(forward, source, target)
 
     def _remove_routes(self, a: Allocation, b: Allocation) -> None:
         for key in (self._route_key(a, b), self._route_key(b, a)):
-            self.routes.pop(key, None)
             route = self._links.pop(key, None)
+            if route is not None:
+                route.forward.remove()
             if route is None:
                 suspended = self._suspended.pop(key, None)
                 route = suspended[0] if suspended else None

@@ -24,8 +24,15 @@
  *                   full check of RFC 8656 §12.5);
  *   WRAP_CHANNEL    TURN peer -> client: a 4-byte ChannelData header for the
  *                   bound channel goes on (no padding over UDP, §12.5);
- *   REWRITE         Unity RELAY, natneg relay pairs, RakNet UDPProxy: the
- *                   datagram as is.
+ *   REWRITE         natneg relay pairs, RakNet UDPProxy: the datagram as is;
+ *   RELAY           Unity RELAY frames, as is. A host's frames to each of
+ *                   its joiners share one source and destination, so these
+ *                   routes live in `relay_routes`, keyed also by the frame's
+ *                   first 36 bytes (signature, version, type RELAY, from and
+ *                   to allocation IDs), and are taken only when the frame's
+ *                   DataLength (u16 at offset 36) is the rest of it: anything
+ *                   else from that client (BIND, PING, DISCONNECT, CLOSE, a
+ *                   frame to an unconnected ID) reaches the relay's socket.
  * Each rewrites the source to the relay's address and port on the far side
  * and the destination to the route's destination, sets the hop limit of a
  * new datagram (64, what the sockets send with) and fixes the IP and UDP
@@ -54,6 +61,12 @@
 #define KIND_UNWRAP_CHANNEL 1
 #define KIND_WRAP_CHANNEL 2
 #define KIND_REWRITE 3
+#define KIND_RELAY 4
+
+/* Unity RELAY: the bytes that name a route (header + from + to IDs), then
+ * the u16 DataLength (crossroads.proto.relay.messages). */
+#define RELAY_HEAD 36
+#define RELAY_HEADER 38
 
 /* Hop limit of a datagram the relay sends (Linux's default ip_default_ttl
  * and IPv6 hop_limit, what the socket planes send with). */
@@ -93,6 +106,20 @@ struct {
 	__type(key, struct route_key);
 	__type(value, struct route_val);
 } routes SEC(".maps");
+
+struct relay_key {
+	struct route_key flow; /* channel 0 */
+	__u8 head[RELAY_HEAD];
+};
+
+/* Unity RELAY routes (KIND_RELAY), bounded by the relay's allocations x
+ * connections; the same value as `routes`. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct relay_key);
+	__type(value, struct route_val);
+} relay_routes SEC(".maps");
 
 /* Largest payload moved for a ChannelData header (a mask: 2047 bytes, more
  * than an Ethernet MTU's datagram); a larger one goes to the stack. */
@@ -169,10 +196,24 @@ int crossroads_relay(struct __sk_buff *skb)
 			chanword = *(__u32 *)p;
 		}
 	}
+	if (!r && (void *)(p + RELAY_HEADER) <= end) {
+		/* A Unity RELAY frame? Its route names its first 36 bytes; its
+		 * DataLength must be the rest (else the relay's socket decides). */
+		struct relay_key rkey = {};
+		__u16 length = ((__u16)p[RELAY_HEAD] << 8) | p[RELAY_HEAD + 1];
+		if (length == ulen - sizeof(*udp) - RELAY_HEADER) {
+			rkey.flow = key;
+			rkey.flow.channel = 0;
+			__builtin_memcpy(rkey.head, p, RELAY_HEAD);
+			r = bpf_map_lookup_elem(&relay_routes, &rkey);
+			if (r && r->kind != KIND_RELAY)
+				r = NULL;
+		}
+	}
 	if (!r) {
 		key.channel = 0;
 		r = bpf_map_lookup_elem(&routes, &key);
-		if (!r || r->kind == KIND_UNWRAP_CHANNEL)
+		if (!r || r->kind == KIND_UNWRAP_CHANNEL || r->kind == KIND_RELAY)
 			return TC_ACT_OK;
 	}
 
