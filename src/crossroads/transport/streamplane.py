@@ -92,6 +92,11 @@ SWEEP_EVERY = 1.0
 #: high-water mark, so one read never puts the transport's write buffer more
 #: than one mark above it.
 CHUNK = 64 * 1024
+#: The most plaintext one read of a TLS transport delivers: asyncio's
+#: SSLProtocol reads 256 KiB of the socket at a time (``max_size``), and TLS
+#: records (16 KiB, RFC 8446 §5.1) do not add to it. What a transport route
+#: holds for its socket is at most this: the transport is paused meanwhile.
+MAX_TRANSPORT_READ = 256 * 1024
 #: Readiness events one wakeup takes from the plane's epoll set.
 EVENTS_PER_WAKEUP = 256
 #: Events that wake a reader / a writer: its own, or the socket's failure.
@@ -354,8 +359,10 @@ class TransportRoute:
     #: Bytes from ``b`` that ``a`` has not taken yet (at most one chunk of
     #: ``b`` beyond what ``a``'s send buffer holds: ``b`` is paused meanwhile).
     unsent: bytearray = field(default_factory=bytearray, init=False)
-    #: ``b``'s write buffer is above its high-water mark.
+    #: ``b``'s write buffer is above its high-water mark (the transport's:
+    #: asyncio's TLS transports pause their writer at 512 KiB).
     b_full: bool = field(default=False, init=False)
+    high_water: int = field(default=CHUNK, init=False)
     reading: bool = field(default=False, init=False)
     writing: bool = field(default=False, init=False)
     closed: bool = field(default=False, init=False)
@@ -386,8 +393,8 @@ class TransportRoute:
         if self._head_b:
             b.write(self._head_b)
             self._head_b = b""
-        high = _high_water(b)
-        self.b_full = b.get_write_buffer_size() > high
+        self.high_water = _high_water(b)
+        self.b_full = b.get_write_buffer_size() > self.high_water
         b.resume_reading()
         self._flush_a()
         if not self.closed and not self.b_full:
