@@ -23,10 +23,11 @@ counters read them (:mod:`crossroads.transport.turnplane` says which route
 does what).
 
 Relays are built from those tables (:class:`UdpRelay`, :class:`TcpRelay`), not
-from a reference to a service. RFC 6062 data connections are joined by
-:class:`Pipe`: a client data connection may be TLS (RFC 6062 over TURN-TLS),
-which splice(2) cannot carry, so the stream plane's splicer
-(:mod:`crossroads.transport.streamplane`) is not used for it.
+from a reference to a service. RFC 6062 data connections are routes of the
+stream plane (:mod:`crossroads.transport.streamplane`), like every relayed TCP
+flow: a peer connection is held until ConnectionBind, then joined to the
+client's by splice(2), or, when the client's connection is TLS, through a
+transport route.
 """
 
 from __future__ import annotations
