@@ -11,6 +11,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -36,9 +37,10 @@ class _Accepted(asyncio.Protocol):
         self.made = made
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        transport.pause_reading()
-        self.made.set_result(transport)
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        tls = cast(asyncio.Transport, transport)
+        tls.pause_reading()
+        self.made.set_result(tls)
 
 
 @dataclass
