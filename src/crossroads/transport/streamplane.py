@@ -674,6 +674,11 @@ class StreamPlane:
         self._watch(fd, 1, None)
 
     def _watch(self, fd: int, slot: int, handler: _Handler | None) -> None:
+        if self._epoll.closed:
+            # The plane closed: an owner's socket closing after it (a TCP
+            # relay's listener) has nothing left to unwatch.
+            self._watched.pop(fd, None)
+            return
         handlers = self._watched.get(fd)
         if handlers is None:
             if handler is None:
