@@ -88,11 +88,11 @@ from crossroads.transport.dtls import DtlsCollector, DtlsListener
 from crossroads.transport.refusals import RefusalLog
 from crossroads.transport.reuseport import sibling_ports
 from crossroads.transport.sockets import listening_ports
+from crossroads.transport.streamplane import HeldStream, Route
 from crossroads.transport.tls import Certificates
 from crossroads.transport.turnplane import ACCELERATED
 from crossroads.transport.turnrelay import (
     ClientLink,
-    Pipe,
     RelayStats,
     TcpRelay,
     TurnPlane,
@@ -319,12 +319,12 @@ class TurnService:
         return self.plane.relays
 
     @property
-    def peer_pipes(self) -> dict[int, Pipe]:
-        return self.plane.peer_pipes
+    def peer_pipes(self) -> dict[int, HeldStream]:
+        return self.plane.held  # RFC 6062 peer connections before ConnectionBind
 
     @property
-    def client_pipes(self) -> dict[int, Pipe]:
-        return self.plane.client_pipes
+    def client_pipes(self) -> dict[int, Route]:
+        return self.plane.joined  # RFC 6062 data connections, joined
 
     @property
     def taps(self) -> dict[Endpoint, RouteTapLike]:
@@ -337,8 +337,8 @@ class TurnService:
 
     def counters(self) -> tuple[int, int, int, int, int]:
         """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
-        data-plane drops), Python and C paths together."""
-        return self.plane.routes.counters()
+        data-plane drops), Python and C paths and RFC 6062 data connections."""
+        return self.plane.counters()
 
     def _process_events(self) -> None:
         """Act on the core's pending events (after a direct call into it)."""

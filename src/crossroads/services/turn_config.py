@@ -77,12 +77,13 @@ ALLOCATION_WEIGHT = 2.0
 PEER_CONNECTION_TABLE = "turn-peer-connections"
 #: A peer data connection holds its own descriptor and, once bound, the
 #: client data connection the STUN listener hands over (RFC 6062 §5.4), which
-#: then leaves the listener's table.
-DESCRIPTORS_PER_PEER_CONNECTION = 2
-#: Memory of one peer data connection and its client data connection: two
-#: asyncio transports and protocols, and the data buffered before
-#: ConnectionBind (MAX_PENDING_PEER_BYTES, RFC 6062 §5.3) or while the other
-#: side's write buffer is above its high-water mark.
+#: then leaves the listener's table, and the stream plane's two pipes (four
+#: descriptors) that splice(2) a TCP pair (a TLS pair has none).
+DESCRIPTORS_PER_PEER_CONNECTION = 6
+#: Memory of one peer data connection and its client data connection: the
+#: stream route and its sockets, and the data held before ConnectionBind
+#: (MAX_PENDING_PEER_BYTES, RFC 6062 §5.3); a TCP pair's bytes in flight are
+#: in its pipes (kernel pages), a TLS pair's in its transport's buffers.
 BYTES_PER_PEER_CONNECTION = 8 * 1024 + MAX_PENDING_PEER_BYTES
 #: RFC 6062 TCP relays are rare (no browser asks for them): a small share of
 #: the relay pool, so they cannot take the descriptors UDP allocations need.

@@ -39,6 +39,26 @@ Bytes the control plane must send before forwarding starts (a handshake reply,
 and bytes it read past the handshake) go as each direction's *head*, written
 before the first spliced byte.
 
+End of stream is a half-close unless the owner asks for ``half_close=False``
+(RFC 6062 §5.5: a TURN data connection that closes takes its pair with it):
+then a source's FIN, once its pipe is flushed, stops the other direction
+reading, and the route closes as soon as that direction's pipe is flushed too.
+
+A side that is not a plain socket -- a TLS connection, whose plaintext exists
+only in user space -- is an asyncio transport: :meth:`StreamPlane.
+join_transport` pairs it with a socket as a :class:`TransportRoute`, the same
+route with two copies through Python in place of splice(2) and the same
+backpressure: the socket is read only while the transport's write buffer is
+below its high-water mark (asyncio's ``pause_writing`` / ``resume_writing``),
+and the transport is read only while the socket takes what it gives (one
+chunk of at most :data:`CHUNK` bytes waits, unsent, at a time).
+
+A socket whose other side does not exist yet (an RFC 6062 peer connection
+before the client's ConnectionBind) is *held* (:meth:`StreamPlane.hold`): read
+into a buffer up to a limit, then left unread (TCP flow control holds its
+sender back); its failure or FIN ends it. :meth:`HeldStream.release` gives the
+socket and what it read (the head of a route) back.
+
 The plane takes ownership of the sockets it is given (usually duplicates of an
 asyncio transport's socket, see
 :meth:`crossroads.services.openttd.conn.PacketConnection.hand_over`) and
@@ -57,6 +77,7 @@ import select
 import socket
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 #: splice(2) flags: move pages instead of copying, and never block on the pipe.
 SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
@@ -67,6 +88,15 @@ SPLICES_PER_WAKEUP = 16
 #: by default), so a second of slack costs nothing and one timer serves every
 #: route.
 SWEEP_EVERY = 1.0
+#: Bytes one read of a transport route's socket takes: asyncio's default
+#: high-water mark, so one read never puts the transport's write buffer more
+#: than one mark above it.
+CHUNK = 64 * 1024
+#: The most plaintext one read of a TLS transport delivers: asyncio's
+#: SSLProtocol reads 256 KiB of the socket at a time (``max_size``), and TLS
+#: records (16 KiB, RFC 8446 §5.1) do not add to it. What a transport route
+#: holds for its socket is at most this: the transport is paused meanwhile.
+MAX_TRANSPORT_READ = 256 * 1024
 #: Readiness events one wakeup takes from the plane's epoll set.
 EVENTS_PER_WAKEUP = 256
 #: Events that wake a reader / a writer: its own, or the socket's failure.
@@ -91,8 +121,9 @@ class _Direction:
     capacity: int = field(init=False)
     #: Bytes in the pipe, not yet written to ``dst``.
     pending: int = field(default=0, init=False)
-    #: Bytes read from ``src`` (the head is not counted).
+    #: Bytes read from ``src`` (the head is not counted), and in how many reads.
     octets: int = field(default=0, init=False)
+    chunks: int = field(default=0, init=False)
     reading: bool = field(default=False, init=False)
     writing: bool = field(default=False, init=False)
     eof: bool = field(default=False, init=False)
@@ -123,8 +154,8 @@ class _Direction:
                 os.close(fd)
 
 
-#: A direction's readiness handler and its argument.
-_Handler = tuple[Callable[[_Direction], None], _Direction]
+#: A descriptor's readiness handler and its argument.
+_Handler = tuple[Callable[[Any], None], Any]
 
 
 @dataclass(eq=False)
@@ -137,6 +168,9 @@ class StreamRoute:
     to_a: InitVar[bytes]
     to_b: InitVar[bytes]
     on_closed: Callable[[StreamRoute], None]
+    #: False: a FIN ends the route once both pipes are flushed (module
+    #: docstring).
+    half_close: bool = True
     a_to_b: _Direction = field(init=False)
     b_to_a: _Direction = field(init=False)
     closed: bool = field(default=False, init=False)
@@ -204,6 +238,7 @@ class StreamRoute:
                 return
             way.pending += moved
             way.octets += moved
+            way.chunks += 1
             if not self._flush_or_fail(way):
                 return  # failed, or waiting for the destination
         # More may be waiting; the loop calls again (level-triggered).
@@ -252,6 +287,17 @@ class StreamRoute:
         if way.done:
             return
         way.done = True
+        if not self.half_close:
+            other = self.b_to_a if way is self.a_to_b else self.a_to_b
+            if not other.eof:
+                # Read no more from the other side; what its pipe holds
+                # still goes out before the route closes.
+                other.eof = True
+                self._stop_reading(other)
+                self._flushed(other)
+            if self.a_to_b.done and self.b_to_a.done and not self.closed:
+                self.close(CLOSED)
+            return
         try:
             way.dst.shutdown(socket.SHUT_WR)
         except OSError as exc:
@@ -262,16 +308,346 @@ class StreamRoute:
             self.close(CLOSED)
 
 
+@dataclass(eq=False)
+class _Flow:
+    """One way of a :class:`TransportRoute`: what it moved, and its end."""
+
+    octets: int = 0
+    chunks: int = 0
+    eof: bool = False
+    done: bool = False
+
+
+class _TransportSide(asyncio.Protocol):
+    """The protocol a :class:`TransportRoute` sets on its transport."""
+
+    def __init__(self, route: TransportRoute) -> None:
+        self.route = route
+
+    def data_received(self, data: bytes) -> None:
+        self.route.from_transport(data)
+
+    def eof_received(self) -> bool | None:
+        return self.route.transport_eof()
+
+    def pause_writing(self) -> None:
+        self.route.transport_full(True)
+
+    def resume_writing(self) -> None:
+        self.route.transport_full(False)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.route.transport_lost(exc)
+
+
+@dataclass(eq=False)
+class TransportRoute:
+    """A connected TCP socket ``a`` and an asyncio transport ``b`` (a TLS
+    connection: splice(2) cannot carry it), each one's bytes forwarded to the
+    other with the backpressure of a :class:`StreamRoute` (module docstring).
+    """
+
+    plane: StreamPlane
+    a: socket.socket
+    b: asyncio.Transport
+    to_a: InitVar[bytes]
+    to_b: InitVar[bytes]
+    on_closed: Callable[[TransportRoute], None]
+    half_close: bool = True
+    a_to_b: _Flow = field(default_factory=_Flow, init=False)
+    b_to_a: _Flow = field(default_factory=_Flow, init=False)
+    #: Bytes from ``b`` that ``a`` has not taken yet (at most one chunk of
+    #: ``b`` beyond what ``a``'s send buffer holds: ``b`` is paused meanwhile).
+    unsent: bytearray = field(default_factory=bytearray, init=False)
+    #: ``b``'s write buffer is above its high-water mark (the transport's:
+    #: asyncio's TLS transports pause their writer at 512 KiB).
+    b_full: bool = field(default=False, init=False)
+    high_water: int = field(default=CHUNK, init=False)
+    reading: bool = field(default=False, init=False)
+    writing: bool = field(default=False, init=False)
+    closed: bool = field(default=False, init=False)
+    reason: str = field(default="", init=False)
+    seen: int = field(default=-1, init=False)
+    quiet_since: float = field(default=0.0, init=False)
+
+    def __post_init__(self, to_a: bytes, to_b: bytes) -> None:
+        self.unsent += to_a
+        self._head_b = to_b
+
+    @property
+    def octets(self) -> int:
+        """Bytes forwarded both ways (heads not counted)."""
+        return self.a_to_b.octets + self.b_to_a.octets
+
+    @property
+    def buffered(self) -> int:
+        """Bytes the route holds in user space: ``b``'s write buffer and what
+        ``a`` has not taken."""
+        if self.closed:
+            return 0
+        return self.b.get_write_buffer_size() + len(self.unsent)
+
+    def start(self) -> None:
+        b = self.b
+        b.set_protocol(_TransportSide(self))
+        if self._head_b:
+            b.write(self._head_b)
+            self._head_b = b""
+        self.high_water = _high_water(b)
+        self.b_full = b.get_write_buffer_size() > self.high_water
+        b.resume_reading()
+        self._flush_a()
+        if not self.closed and not self.b_full:
+            self._read_a(True)
+
+    def close(self, reason: str = SHUTDOWN) -> None:
+        """End the route: stop watching ``a`` and close it, close ``b`` (what
+        its write buffer holds still goes, unless the route failed), tell the
+        owner (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.reason = reason
+        plane = self.plane
+        fd = self.a.fileno()
+        if self.reading:
+            plane.remove_reader(fd)
+            self.reading = False
+        if self.writing:
+            plane.remove_writer(fd)
+            self.writing = False
+        self.a.close()
+        self.unsent.clear()
+        if reason in (RESET, SHUTDOWN):
+            self.b.abort()
+        else:
+            self.b.close()
+        plane.forget(self)
+        self.on_closed(self)
+
+    # -------------------------------------------------------------- a -> b
+
+    def _read_a(self, on: bool) -> None:
+        if on and not self.reading and not self.a_to_b.eof:
+            self.reading = True
+            self.plane.add_reader(self.a.fileno(), self._readable, None)
+        elif not on and self.reading:
+            self.reading = False
+            self.plane.remove_reader(self.a.fileno())
+
+    def _readable(self, _: object) -> None:
+        flow = self.a_to_b
+        for _ in range(SPLICES_PER_WAKEUP):
+            if self.closed or self.b_full:
+                return
+            try:
+                data = self.a.recv(CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.close(RESET)
+                return
+            if not data:
+                flow.eof = True
+                self._read_a(False)
+                self._finish(flow)
+                return
+            flow.octets += len(data)
+            flow.chunks += 1
+            # May call transport_full(True) at once (above the high-water mark).
+            self.b.write(data)
+
+    def transport_full(self, full: bool) -> None:
+        """``b``'s write buffer went above its high-water mark (stop reading
+        ``a``: its sender's TCP window fills) or drained below the low one."""
+        self.b_full = full
+        if not self.closed:
+            self._read_a(not full)
+
+    # -------------------------------------------------------------- b -> a
+
+    def from_transport(self, data: bytes) -> None:
+        if self.closed:
+            return
+        flow = self.b_to_a
+        flow.octets += len(data)
+        flow.chunks += 1
+        self.unsent += data
+        self._flush_a()
+
+    def _flush_a(self) -> None:
+        """Send what ``a`` takes of :attr:`unsent`; while some remains, ``b``
+        is not read and ``a``'s writability is awaited."""
+        unsent = self.unsent
+        try:
+            while unsent:
+                sent = self.a.send(unsent)
+                del unsent[:sent]
+        except BlockingIOError:
+            pass
+        except OSError:
+            self.close(RESET)
+            return
+        fd = self.a.fileno()
+        if unsent:
+            if not self.writing:
+                self.writing = True
+                self.b.pause_reading()
+                self.plane.add_writer(fd, self._writable, None)
+            return
+        if self.writing:
+            self.writing = False
+            self.plane.remove_writer(fd)
+            if not self.b_to_a.eof:
+                self.b.resume_reading()
+        if self.b_to_a.eof:
+            self._finish(self.b_to_a)
+
+    def _writable(self, _: object) -> None:
+        if not self.closed:
+            self._flush_a()
+
+    def transport_eof(self) -> bool | None:
+        """``b``'s FIN (or TLS close_notify): once :attr:`unsent` is out,
+        half-close ``a`` or end the route."""
+        self.b_to_a.eof = True
+        if not self.closed and not self.writing:
+            self._finish(self.b_to_a)
+        # Keep the transport open while the other way flows (ignored by a
+        # TLS transport, which closes after a close_notify).
+        return self.half_close and not self.closed
+
+    def transport_lost(self, exc: Exception | None) -> None:
+        """``b`` closed: on a failure the route ends at once; on a clean close
+        (a TLS transport closes itself after close_notify) nothing more goes
+        to ``b``, and the route ends once ``a`` took :attr:`unsent`."""
+        if self.closed:
+            return
+        if exc is not None:
+            self.close(RESET)
+            return
+        self.a_to_b.eof = self.a_to_b.done = True
+        self._read_a(False)
+        self.b_to_a.eof = True
+        if not self.writing:
+            self._finish(self.b_to_a)
+
+    # -------------------------------------------------------------- ends
+
+    def _finish(self, flow: _Flow) -> None:
+        if flow.done or self.closed:
+            return
+        flow.done = True
+        if flow is self.b_to_a and self.half_close:
+            try:
+                self.a.shutdown(socket.SHUT_WR)
+            except OSError as exc:
+                if exc.errno != errno.ENOTCONN:
+                    self.close(RESET)
+                    return
+        elif flow is self.a_to_b and self.half_close and self.b.can_write_eof():
+            self.b.write_eof()
+        elif not (self.a_to_b.done and self.b_to_a.done):
+            # No half-close: the other way reads no more; what it holds
+            # still goes (b's write buffer on close, a's unsent first).
+            other = self.b_to_a if flow is self.a_to_b else self.a_to_b
+            other.eof = True
+            if other is self.a_to_b:
+                self._read_a(False)
+                other.done = True
+            else:
+                self.b.pause_reading()
+                if not self.writing:
+                    other.done = True
+        if self.a_to_b.done and self.b_to_a.done:
+            self.close(CLOSED)
+
+
+def _high_water(transport: asyncio.Transport) -> int:
+    """The transport's high-water mark (asyncio's default when it does not
+    say)."""
+    try:
+        return int(transport.get_write_buffer_limits()[1])
+    except (AttributeError, NotImplementedError):
+        return CHUNK
+
+
+@dataclass(eq=False)
+class HeldStream:
+    """A socket waiting for the other side of its route (module docstring)."""
+
+    plane: StreamPlane
+    sock: socket.socket
+    limit: int
+    on_closed: Callable[[HeldStream], None]
+    buffered: bytearray = field(default_factory=bytearray, init=False)
+    reading: bool = field(default=False, init=False)
+    closed: bool = field(default=False, init=False)
+
+    def start(self) -> None:
+        self.reading = True
+        self.plane.add_reader(self.sock.fileno(), self._readable, None)
+
+    def _readable(self, _: object) -> None:
+        if self.closed:
+            return
+        try:
+            data = self.sock.recv(self.limit - len(self.buffered))
+        except BlockingIOError:
+            return
+        except OSError:
+            self.close()
+            return
+        if not data:
+            # A FIN before the route exists ends it (RFC 6062 §5.5).
+            self.close()
+            return
+        self.buffered += data
+        if len(self.buffered) >= self.limit:
+            self._stop()
+
+    def _stop(self) -> None:
+        if self.reading:
+            self.reading = False
+            self.plane.remove_reader(self.sock.fileno())
+
+    def release(self) -> tuple[socket.socket, bytes]:
+        """Stop holding: the socket (the caller owns it now) and the bytes
+        read from it."""
+        self._stop()
+        self.closed = True
+        self.plane.held.discard(self)
+        data = bytes(self.buffered)
+        self.buffered.clear()
+        return self.sock, data
+
+    def close(self) -> None:
+        """Close the socket and tell the owner (once)."""
+        if self.closed:
+            return
+        self._stop()
+        self.closed = True
+        self.plane.held.discard(self)
+        self.sock.close()
+        self.on_closed(self)
+
+
+#: A route of the plane, either kind.
+Route = StreamRoute | TransportRoute
+
+
 class StreamPlane:
     """The stream routes of one owner (see the module docstring)."""
 
-    def __init__(self, *, idle_timeout: float, max_routes: int) -> None:
-        if idle_timeout <= 0 or max_routes < 1:
+    def __init__(self, *, idle_timeout: float | None, max_routes: int) -> None:
+        """``idle_timeout`` None: no idle sweep (the owner ends its routes)."""
+        if (idle_timeout is not None and idle_timeout <= 0) or max_routes < 1:
             raise ValueError("idle_timeout and max_routes must be positive")
         self.loop = asyncio.get_running_loop()
         self.idle_timeout = idle_timeout
         self.max_routes = max_routes
-        self.routes: set[StreamRoute] = set()
+        self.routes: set[Route] = set()
+        self.held: set[HeldStream] = set()
         #: Routes ended, by reason; bytes forwarded by ended routes.
         self.ended: dict[str, int] = {}
         self.forwarded_bytes = 0
@@ -283,23 +659,26 @@ class StreamPlane:
 
     # ------------------------------------------------------------ readiness
 
-    def add_reader(
-        self, fd: int, callback: Callable[[_Direction], None], way: _Direction
-    ) -> None:
-        self._watch(fd, 0, (callback, way))
+    def add_reader(self, fd: int, callback: Callable[[Any], None], arg: Any) -> None:
+        """Call ``callback(arg)`` while ``fd`` is readable (or failed)."""
+        self._watch(fd, 0, (callback, arg))
 
     def remove_reader(self, fd: int) -> None:
         self._watch(fd, 0, None)
 
-    def add_writer(
-        self, fd: int, callback: Callable[[_Direction], None], way: _Direction
-    ) -> None:
-        self._watch(fd, 1, (callback, way))
+    def add_writer(self, fd: int, callback: Callable[[Any], None], arg: Any) -> None:
+        """Call ``callback(arg)`` while ``fd`` is writable (or failed)."""
+        self._watch(fd, 1, (callback, arg))
 
     def remove_writer(self, fd: int) -> None:
         self._watch(fd, 1, None)
 
     def _watch(self, fd: int, slot: int, handler: _Handler | None) -> None:
+        if self._epoll.closed:
+            # The plane closed: an owner's socket closing after it (a TCP
+            # relay's listener) has nothing left to unwatch.
+            self._watched.pop(fd, None)
+            return
         handlers = self._watched.get(fd)
         if handlers is None:
             if handler is None:
@@ -342,6 +721,7 @@ class StreamPlane:
         to_a: bytes = b"",
         to_b: bytes = b"",
         on_closed: Callable[[StreamRoute], None],
+        half_close: bool = True,
     ) -> StreamRoute | None:
         """Forward ``a`` <-> ``b`` (connected, non-blocking TCP sockets the
         plane now owns), after sending ``to_a`` / ``to_b``. None, and both
@@ -352,15 +732,57 @@ class StreamPlane:
             return None
         a.setblocking(False)
         b.setblocking(False)
-        route = StreamRoute(self, a, b, to_a, to_b, on_closed)
-        route.quiet_since = self.loop.time()
-        self.routes.add(route)
-        if self._sweeper is None:
-            self._sweeper = self.loop.call_later(SWEEP_EVERY, self._sweep)
+        route = StreamRoute(self, a, b, to_a, to_b, on_closed, half_close)
+        self._add(route)
         route.start()
         return route
 
-    def forget(self, route: StreamRoute) -> None:
+    def join_transport(
+        self,
+        a: socket.socket,
+        b: asyncio.Transport,
+        *,
+        to_a: bytes = b"",
+        to_b: bytes = b"",
+        on_closed: Callable[[TransportRoute], None],
+        half_close: bool = True,
+    ) -> TransportRoute | None:
+        """Forward ``a`` (a connected TCP socket the plane now owns) <-> ``b``
+        (an asyncio transport, given a protocol of the plane's: a TLS
+        connection), after sending ``to_a`` / ``to_b``. None, ``a`` closed and
+        ``b`` aborted, when the plane is full."""
+        if len(self.routes) >= self.max_routes:
+            a.close()
+            b.abort()
+            return None
+        a.setblocking(False)
+        route = TransportRoute(self, a, b, to_a, to_b, on_closed, half_close)
+        self._add(route)
+        route.start()
+        return route
+
+    def hold(
+        self,
+        sock: socket.socket,
+        *,
+        limit: int,
+        on_closed: Callable[[HeldStream], None],
+    ) -> HeldStream:
+        """Read ``sock`` (a connected TCP socket the plane now owns) into a
+        buffer of at most ``limit`` bytes until :meth:`HeldStream.release`."""
+        sock.setblocking(False)
+        held = HeldStream(self, sock, limit, on_closed)
+        self.held.add(held)
+        held.start()
+        return held
+
+    def _add(self, route: Route) -> None:
+        route.quiet_since = self.loop.time()
+        self.routes.add(route)
+        if self._sweeper is None and self.idle_timeout is not None:
+            self._sweeper = self.loop.call_later(SWEEP_EVERY, self._sweep)
+
+    def forget(self, route: Route) -> None:
         """Called by a route as it ends."""
         self.routes.discard(route)
         self.ended[route.reason] = self.ended.get(route.reason, 0) + 1
@@ -368,6 +790,8 @@ class StreamPlane:
 
     def sweep(self, now: float) -> None:
         """Close the routes whose counters have not moved for ``idle_timeout``."""
+        if self.idle_timeout is None:
+            return
         for route in list(self.routes):
             octets = route.octets
             if octets != route.seen:
@@ -383,6 +807,8 @@ class StreamPlane:
             self._sweeper = None
         for route in list(self.routes):
             route.close(SHUTDOWN)
+        for held in list(self.held):
+            held.close()
         if not self._epoll.closed:
             self.loop.remove_reader(self._epoll.fileno())
             self._epoll.close()

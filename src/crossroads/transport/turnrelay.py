@@ -26,10 +26,11 @@ UDP channel's two routes into the eBPF program's map, beside the taps' (see
 kernel data plane"), and removes them with the taps' routes.
 
 Relays are built from those tables (:class:`UdpRelay`, :class:`TcpRelay`), not
-from a reference to a service. RFC 6062 data connections are joined by
-:class:`Pipe`: a client data connection may be TLS (RFC 6062 over TURN-TLS),
-which splice(2) cannot carry, so the stream plane's splicer
-(:mod:`crossroads.transport.streamplane`) is not used for it.
+from a reference to a service. RFC 6062 data connections are routes of the
+stream plane (:mod:`crossroads.transport.streamplane`), like every relayed TCP
+flow: a peer connection is held until ConnectionBind, then joined to the
+client's by splice(2), or, when the client's connection is TLS, through a
+transport route.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 from crossroads.proto.turn.allocation import Allocation, FiveTuple, Listener
 from crossroads.proto.turn.constants import MAX_PENDING_PEER_BYTES, Family, Transport
@@ -57,6 +58,7 @@ from crossroads.proto.turn.server import (
     TurnEvent,
     TurnServer,
 )
+from crossroads.transport import streamplane
 from crossroads.transport.admission import Admission
 from crossroads.transport.dataplane import (
     BudgetLike,
@@ -74,6 +76,7 @@ from crossroads.transport.kernelplane import (
 )
 from crossroads.transport.routes import RewriteRoute, local_address_for
 from crossroads.transport.sockets import set_buffers
+from crossroads.transport.streamplane import HeldStream, Route, StreamPlane
 from crossroads.transport.tasks import cancel_until_done
 from crossroads.transport.turnplane import (
     MAX_DATA_ROUTES,
@@ -795,122 +798,6 @@ class UdpRelay:
 # ------------------------------------------------------------------ TCP relays
 
 
-class Pipe(asyncio.Protocol):
-    """One side of a joined pair of TCP connections (RFC 6062 §5.3-5.4),
-    with flow control; either side may be TLS."""
-
-    def __init__(self, plane: TurnPlane, connection_id: int, name: str) -> None:
-        self.plane = plane
-        self.connection_id = connection_id
-        self.name = name
-        self.transport: asyncio.Transport | None = None
-        self.other: Pipe | None = None
-        #: Bytes received before the other side exists (bounded, RFC 6062 §5.3).
-        self.pending = bytearray()
-        self.closed = False
-        #: The client host a peer connection is admitted for in the budget's
-        #: peer connection table (released once, when it ends).
-        self.admitted: str | None = None
-
-    def release(self) -> None:
-        """Give the peer connection's place in the budget back (once)."""
-        if self.admitted is not None:
-            self.plane.peer_connections.release(self.admitted)
-            self.admitted = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        other = self.other
-        if other is not None and other.transport is not None:
-            other.transport.write(data)
-            stats = self.plane.stats
-            if self.name == "peer":
-                stats.to_client_packets += 1
-                stats.to_client_bytes += len(data)
-            else:
-                stats.to_peer_packets += 1
-                stats.to_peer_bytes += len(data)
-            return
-        self.pending += data
-        if len(self.pending) >= MAX_PENDING_PEER_BYTES and self.transport:
-            # Stop reading: TCP flow control holds the peer back.
-            self.transport.pause_reading()
-
-    def pause_writing(self) -> None:
-        if self.other is not None and self.other.transport is not None:
-            self.other.transport.pause_reading()
-
-    def resume_writing(self) -> None:
-        if self.other is not None and self.other.transport is not None:
-            self.other.transport.resume_reading()
-
-    def splice(self, other: Pipe) -> None:
-        """Connect to ``other`` and flush what was buffered on both sides."""
-        self.other = other
-        other.other = self
-        for side in (self, other):
-            if side.pending and side.other and side.other.transport:
-                side.other.transport.write(bytes(side.pending))
-                side.pending.clear()
-            if side.transport is not None:
-                side.transport.resume_reading()
-
-    def eof_received(self) -> bool | None:
-        self.close()
-        return None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.release()
-        if not self.closed:
-            self.closed = True
-            self.plane.tcp_connection_lost(self.connection_id)
-        if self.other is not None and not self.other.closed:
-            self.other.close()
-
-    def close(self) -> None:
-        self.release()
-        if self.closed:
-            return
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-        self.plane.tcp_connection_lost(self.connection_id)
-        if self.other is not None:
-            self.other.close()
-
-
-class PeerSide(Pipe):
-    """A peer data connection accepted on a TCP relay (RFC 6062 §5.3)."""
-
-    def __init__(self, plane: TurnPlane, relay: TcpRelay) -> None:
-        super().__init__(plane, 0, "peer")
-        self.relay = relay
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        plane = self.plane
-        client = self.relay.allocation.five_tuple[1][0]
-        refused = plane.peer_connections.admit(client)
-        if refused is not None:
-            plane.stats.drop(f"peer-connection-{refused}")
-            self.closed = True
-            transport.close()
-            return
-        self.admitted = client
-        peer = transport.get_extra_info("peername")
-        connection_id = plane.peer_accepted(
-            self.relay.allocation, (peer[0], peer[1]), self
-        )
-        if connection_id is None:
-            self.release()
-            self.closed = True
-            transport.close()
-            return
-        self.connection_id = connection_id
-
-
 @dataclass(eq=False)
 class TcpRelay:
     """The listening socket of an RFC 6062 TCP allocation (a ``RelayPort``)."""
@@ -925,9 +812,9 @@ class TcpRelay:
     def __post_init__(self) -> None:
         bound = self.sock.getsockname()
         self.bind_address: Address = (bound[0], bound[1])
-        self.bps = 0.0  # RFC 6062 data is piped; TCP flow control applies
-        self.server: asyncio.Server | None = None
-        self.task: asyncio.Task[Any] | None = None
+        self.bps = 0.0  # RFC 6062 data is spliced; TCP flow control applies
+        # Peers' connections are accepted on the stream plane's epoll set.
+        self.plane.streams.add_reader(self.sock.fileno(), self.plane.accept, self)
 
     def allow(self, size: int) -> bool:
         return True
@@ -952,9 +839,6 @@ class TcpRelay:
     def unroute_all(self) -> None:
         pass
 
-    def accepted(self) -> PeerSide:
-        return PeerSide(self.plane, self)
-
     def sendto(self, data: bytes, addr: Address) -> None:
         self.plane.stats.drop("send-on-tcp-allocation")
 
@@ -962,12 +846,8 @@ class TcpRelay:
         if self.closed:
             return
         self.closed = True
-        if self.server is not None:
-            self.server.close()
-        else:
-            if self.task is not None:
-                self.task.cancel()
-            self.sock.close()
+        self.plane.streams.remove_reader(self.sock.fileno())
+        self.sock.close()
 
 
 # ------------------------------------------------------------------ the plane
@@ -1011,9 +891,22 @@ class TurnPlane(RelayBinder):
         self.core.wall_offset = time.time() - self.loop.time()
         # One count of drops by reason: the core's and the relays' together.
         self.stats.drops = self.core.counters.drops
-        #: Peer data connections by RFC 6062 connection id.
-        self.peer_pipes: dict[int, Pipe] = {}
-        self.client_pipes: dict[int, Pipe] = {}
+        #: RFC 6062 data connections on the stream plane: no idle timeout (a
+        #: connection lives as long as its allocation, RFC 6062 §5.5), as many
+        #: as the budget's peer connection table admits.
+        self.streams = StreamPlane(
+            idle_timeout=None, max_routes=max(1, peer_connections.max_items)
+        )
+        #: Peer data connections waiting for ConnectionBind, and joined data
+        #: connections, by RFC 6062 connection id.
+        self.held: dict[int, HeldStream] = {}
+        self.joined: dict[int, Route] = {}
+        #: The client host each peer data connection was admitted for in the
+        #: budget's table (released once, when the connection ends).
+        self._admitted: dict[int, str] = {}
+        #: (to-peer chunks, bytes, to-client chunks, bytes) of the joined
+        #: connections that ended.
+        self._stream_totals = [0, 0, 0, 0]
         self._timer = CoreTimer(self.loop, self.core.get_timer, self._on_timer)
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
@@ -1118,10 +1011,13 @@ class TurnPlane(RelayBinder):
             case BindConnection(connection_id=cid, five_tuple=five):
                 self._bind_connection(cid, five)
             case CloseConnection(connection_id=cid):
-                for table in (self.peer_pipes, self.client_pipes):
-                    pipe = table.pop(cid, None)
-                    if pipe is not None:
-                        pipe.close()
+                held = self.held.pop(cid, None)
+                if held is not None:
+                    held.close()
+                route = self.joined.pop(cid, None)
+                if route is not None:
+                    route.close(streamplane.CLOSED)
+                self._release(cid)
 
     def _on_timer(self, now: float) -> None:
         self.core.wall_offset = time.time() - now
@@ -1208,15 +1104,7 @@ class TurnPlane(RelayBinder):
         except OSError:
             sock.close()
             return None
-        relay = TcpRelay(allocation, family, sock, (advertised, port), self)
-
-        async def listen() -> None:
-            relay.server = await self.loop.create_server(relay.accepted, sock=sock)
-            if relay.closed:
-                relay.server.close()
-
-        relay.task = self._spawn(listen())
-        return relay
+        return TcpRelay(allocation, family, sock, (advertised, port), self)
 
     # ------------------------------------------------------------ RFC 6062
 
@@ -1230,8 +1118,6 @@ class TurnPlane(RelayBinder):
             return
         af = socket.AF_INET6 if relay.family == Family.IPV6 else socket.AF_INET
         sock = socket.socket(af, socket.SOCK_STREAM)
-        pipe = Pipe(self, cid, "peer")
-        pipe.admitted = client
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -1240,60 +1126,152 @@ class TurnPlane(RelayBinder):
                 # RFC 6062 §5.2: from the relayed transport address.
                 sock.bind(relay.bind_address)
             await self.loop.sock_connect(sock, peer)
-            await self.loop.create_connection(lambda: pipe, sock=sock)
         except (OSError, asyncio.CancelledError) as exc:
             sock.close()
-            pipe.release()
+            self.peer_connections.release(client)
             if not isinstance(exc, asyncio.CancelledError):
                 self.core.peer_connect_failed(cid)
                 self.step()
             return
-        if cid not in self.core.connections:
-            pipe.close()
+        if cid not in self.core.connections or self.closed:
+            sock.close()
+            self.peer_connections.release(client)
             return
-        self.peer_pipes[cid] = pipe
+        self._hold(cid, sock, client)
         self.core.peer_connected(cid, self.loop.time())
         self.step()
 
-    def peer_accepted(
-        self, allocation: Allocation, peer: Address, pipe: Pipe
-    ) -> int | None:
-        cid = self.core.peer_accepted(allocation, peer, self.loop.time())
-        if cid is not None:
-            self.peer_pipes[cid] = pipe
-        self.step()
-        return cid
+    def accept(self, relay: TcpRelay) -> None:
+        """Peers connecting to a TCP relay (RFC 6062 §5.3): each admitted by
+        the budget and the core is held until the client binds it."""
+        client = relay.allocation.five_tuple[1][0]
+        for _ in range(streamplane.SPLICES_PER_WAKEUP):
+            if relay.closed:
+                return
+            try:
+                sock, peer = relay.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError:
+                return  # ECONNABORTED, EMFILE...: the next readiness retries
+            refused = self.peer_connections.admit(client)
+            if refused is not None:
+                self.stats.drop(f"peer-connection-{refused}")
+                sock.close()
+                continue
+            cid = self.core.peer_accepted(
+                relay.allocation, (peer[0], peer[1]), self.loop.time()
+            )
+            if cid is None:
+                self.peer_connections.release(client)
+                sock.close()
+            else:
+                self._hold(cid, sock, client)
+            self.step()
+
+    def _hold(self, cid: int, sock: socket.socket, client: str) -> None:
+        """Read a peer data connection (at most MAX_PENDING_PEER_BYTES, RFC
+        6062 §5.3) until the client binds it."""
+        self._admitted[cid] = client
+
+        def closed(held: HeldStream) -> None:
+            if self.held.pop(cid, None) is not None:
+                self.tcp_connection_lost(cid)
+
+        self.held[cid] = self.streams.hold(
+            sock, limit=MAX_PENDING_PEER_BYTES, on_closed=closed
+        )
 
     def _bind_connection(self, cid: int, five: FiveTuple) -> None:
-        """Take the client data connection over from the port."""
+        """Take the client data connection over from the port and join it to
+        the peer's on the stream plane."""
         endpoint = self.port.endpoint(five)
-        peer_pipe = self.peer_pipes.get(cid)
-        if endpoint is None or peer_pipe is None:
+        if endpoint is None or cid not in self.held:
             self.core.connection_closed(cid)
             return
-        client_pipe = Pipe(self, cid, "client")
-        self.client_pipes[cid] = client_pipe
         stream, leftover = self.port.detach_stream(endpoint)
         if stream is None:
             self.core.connection_closed(cid)
             return
+        # After the ConnectionBind response (already written) the connection
+        # carries raw application data (RFC 6062 §5.4): nothing more is read
+        # from it until the route reads it.
+        stream.pause_reading()
+        self.loop.call_soon(self._join, cid, stream, leftover)
 
-        def splice() -> None:
-            # After the ConnectionBind response (already written) the
-            # connection carries raw application data (RFC 6062 §5.4).
-            stream.set_protocol(client_pipe)
-            client_pipe.connection_made(stream)
-            if leftover:
-                client_pipe.pending += leftover
-            client_pipe.splice(peer_pipe)
+    def _join(self, cid: int, stream: asyncio.Transport, leftover: bytes) -> None:
+        held = self.held.pop(cid, None)
+        if held is None or self.closed:
+            stream.abort()
+            return
+        peer, head = held.release()
 
-        self.loop.call_soon(splice)
+        def closed(route: Route) -> None:
+            self._fold(route)
+            self.joined.pop(cid, None)
+            self.tcp_connection_lost(cid)
+
+        client = _plain_socket(stream)
+        route: Route | None
+        if client is not None:
+            # TCP: the two sockets are spliced (the transport's own descriptor
+            # goes; the duplicate carries the connection).
+            stream.abort()
+            route = self.streams.join(
+                peer, client, to_a=leftover, to_b=head, on_closed=closed,
+                half_close=False,
+            )  # fmt: skip
+        else:
+            # TLS: the plaintext exists in user space only.
+            route = self.streams.join_transport(
+                peer, stream, to_a=leftover, to_b=head, on_closed=closed,
+                half_close=False,
+            )  # fmt: skip
+        if route is None:
+            self.stats.drop("peer-connection-over-limit")
+            self.tcp_connection_lost(cid)
+        elif not route.closed:
+            self.joined[cid] = route
+
+    def _fold(self, route: Route) -> None:
+        """An ended route's counters join the totals."""
+        totals = self._stream_totals
+        totals[0] += route.b_to_a.chunks
+        totals[1] += route.b_to_a.octets
+        totals[2] += route.a_to_b.chunks
+        totals[3] += route.a_to_b.octets
+
+    def counters(self) -> tuple[int, int, int, int, int]:
+        """The route table's counters (:meth:`TurnRoutes.counters`) with the
+        RFC 6062 data connections' added: their packets are the chunks the
+        stream plane read, counted by the routes (nothing per chunk here)."""
+        to_peer, to_peer_bytes, to_client, to_client_bytes, errors = (
+            self.routes.counters()
+        )
+        totals = list(self._stream_totals)
+        for route in self.joined.values():
+            totals[0] += route.b_to_a.chunks
+            totals[1] += route.b_to_a.octets
+            totals[2] += route.a_to_b.chunks
+            totals[3] += route.a_to_b.octets
+        return (
+            to_peer + totals[0],
+            to_peer_bytes + totals[1],
+            to_client + totals[2],
+            to_client_bytes + totals[3],
+            errors,
+        )
+
+    def _release(self, cid: int) -> None:
+        """Give the data connection's place in the budget back (once)."""
+        client = self._admitted.pop(cid, None)
+        if client is not None:
+            self.peer_connections.release(client)
 
     def tcp_connection_lost(self, cid: int) -> None:
+        self._release(cid)
         if self.closed:
             return
-        self.peer_pipes.pop(cid, None)
-        self.client_pipes.pop(cid, None)
         self.core.connection_closed(cid)
         self.step()
 
@@ -1318,8 +1296,11 @@ class TurnPlane(RelayBinder):
         self.closed = True
         self.core.close()
         self._transmit()
-        for pipe in list(self.peer_pipes.values()) + list(self.client_pipes.values()):
-            pipe.close()
+        self.held.clear()
+        self.joined.clear()
+        self.streams.close()  # closed routes give their budget places back
+        for cid in list(self._admitted):
+            self._release(cid)
         self._timer.close()
         tasks = list(self._tasks)
         for task in tasks:
@@ -1328,6 +1309,22 @@ class TurnPlane(RelayBinder):
             await cancel_until_done(task)
             if not task.cancelled():
                 task.exception()  # retrieved: not reported again at shutdown
+
+
+def _plain_socket(stream: asyncio.Transport) -> socket.socket | None:
+    """A duplicate of a plain TCP transport's socket, to splice (None: TLS,
+    bytes still unsent, or no socket)."""
+    if stream.get_extra_info("sslcontext") is not None:
+        return None
+    if stream.get_write_buffer_size() or stream.is_closing():
+        return None
+    raw = stream.get_extra_info("socket")
+    if raw is None:
+        return None
+    try:
+        return socket.socket(fileno=os.dup(raw.fileno()))
+    except OSError:
+        return None
 
 
 def _listener(endpoint: Endpoint) -> Listener:
