@@ -451,7 +451,11 @@ class KernelPlane:
 
     def install(self, route: KernelRoute, *, ifindex: int | None = None) -> bool:
         """Forward ``route`` in the kernel from now on; False when it cannot
-        (mixed families, the map full, no route out): it stays on the socket plane."""
+        (mixed families, a port no datagram carries, the map full, no route
+        out): it stays on the socket plane."""
+        ports = (route.source, route.target, route.out_source, route.out_dest)
+        if not all(0 <= address[1] <= 0xFFFF for address in ports):
+            return False
         if (
             len(
                 {
