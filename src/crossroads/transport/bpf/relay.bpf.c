@@ -100,9 +100,14 @@ struct route_val {
 
 /* Bounded by the control plane's own caps (allocations x channels,
  * forwarders, relay pairs); user space refuses to install past it and the
- * route stays on the socket plane. */
+ * route stays on the socket plane. Not preallocated: every process of a
+ * host (--workers N, a test suite) loads its own maps, and a preallocated
+ * pair costs ~25 MB of kernel memory and doubles the load time whether or
+ * not it ever holds a route; only user space inserts (never the program),
+ * so an insert that cannot allocate just leaves the route on the sockets. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 65536);
 	__type(key, struct route_key);
 	__type(value, struct route_val);
@@ -114,9 +119,10 @@ struct relay_key {
 };
 
 /* Unity RELAY routes (KIND_RELAY), bounded by the relay's allocations x
- * connections; the same value as `routes`. */
+ * connections; the same value as `routes`, not preallocated either. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 65536);
 	__type(key, struct relay_key);
 	__type(value, struct route_val);
