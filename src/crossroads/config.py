@@ -376,7 +376,8 @@ class CoreConfig:
         "auto",
         check=check_dataplane,
         help="Relay data plane: kernel (eBPF, needs root or CAP_BPF+CAP_NET_ADMIN), "
-        "c (recvmmsg/sendmmsg), python, or auto (the fastest that works here).",
+        "c (recvmmsg/sendmmsg), python, or auto (kernel where the eBPF program "
+        "loads, else c, else python).",
     )
     # The C data plane sends a burst to one destination as one UDP GSO message
     # (UDP_SEGMENT, Linux >= 4.18; crossroads.transport._turnfast "UDP GSO").

@@ -249,3 +249,21 @@ def test_checksums_of_a_fully_checksummed_sender(
             assert recv(receiver) == expected
     finally:
         raw.close()
+
+
+def test_a_route_with_a_port_no_datagram_carries_stays_on_the_sockets(
+    lab: Lab,
+) -> None:
+    """A Unity relay joiner over WebSocket has a stream address (port
+    0x10000 and up, transport/relay.py STREAM_PORT_BASE): its route cannot be
+    a kernel route, and asking must say so, not raise in the relay's
+    CONNECT handling (found by running the e2e suites with ``auto`` on the
+    kernel plane)."""
+    stream = ("192.0.2.2", 0x10000)
+    assert not lab.install(
+        KernelRoute(RouteKind.REWRITE, stream, LISTEN, RELAYED, PEER)
+    )
+    assert not lab.install(
+        KernelRoute(RouteKind.REWRITE, PEER, RELAYED, LISTEN, stream)
+    )
+    assert len(lab.plane) == 0

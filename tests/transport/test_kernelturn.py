@@ -8,6 +8,10 @@ eBPF program forwards its ChannelData both ways: the kernel routes' counters
 grow, the socket taps forward nothing, and the service's counters (metrics,
 insight) include the kernel's. When a permission lapses or the allocation
 ends, the kernel stops forwarding at once.
+
+The red-team cases (a lapsed permission, a freed allocation, an expired
+channel) run on every plane (``plane``: python, c, kernel) in the same
+namespaces: routes, counters and teardown behave the same on each.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
 from crossroads.transport.turnrelay import ClientLink
 from tests.conftest import loopback_config, running_service
 from tests.transport.netns_support import inside, relay_lab
+from tests.transport.plane_support import PLANES, keep_plane_globals
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,11 +51,20 @@ LOST = re.compile(r"Total lost packets (\d+) \(([\d.]+)%\)")
 TOTALS = re.compile(r"start_mclient: tot_send_msgs=(\d+), tot_recv_msgs=(\d+)")
 
 
+@pytest.fixture(params=PLANES)
+def plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The relay data plane a test runs crossroads on."""
+    keep_plane_globals(monkeypatch)
+    value: str = request.param
+    return value
+
+
 @contextlib.asynccontextmanager
 async def turn_lab(
+    plane: str = "kernel",
     **overrides: Any,
 ) -> AsyncIterator[tuple[dict[str, str], Runtime, TurnService]]:
-    """The namespaces and crossroads on the kernel plane in the server one.
+    """The namespaces and crossroads on ``plane`` in the server one.
 
     Everything after start runs with this thread in the server namespace:
     the relay sockets an Allocate opens are made there."""
@@ -60,16 +74,17 @@ async def turn_lab(
     ):
         pytest.skip("needs root for namespaces and eBPF")
     with relay_lab("kt") as names, inside(names["server"]):
-        try:
-            KernelPlane.load().close()
-        except KernelPlaneUnavailable as exc:
-            pytest.skip(f"kernel plane unavailable: {exc}")
+        if plane == "kernel":
+            try:
+                KernelPlane.load().close()
+            except KernelPlaneUnavailable as exc:
+                pytest.skip(f"kernel plane unavailable: {exc}")
         rt = await start(
             default_config(
                 loopback_config(
                     core__only=["stun", "turn"],
                     core__host=LISTEN_IP,
-                    core__dataplane="kernel",
+                    core__dataplane=plane,
                     turn__relay_ip=RELAY_IP,
                     turn__user=[f"{USER}:{PASSWORD}"],
                     turn__allowed_peers=["198.51.100.0/24"],
@@ -212,10 +227,18 @@ class Channel:
 
     namespaces: dict[str, str]
     service: TurnService
-    plane: KernelPlane
+    #: The kernel plane (None on the socket planes).
+    plane: KernelPlane | None
     client: TurnClient
     peer: socket.socket
     relayed: tuple[str, int]
+
+    def kernel_routes(self) -> int | None:
+        """Routes in the kernel map (None: not on the kernel plane)."""
+        return None if self.plane is None else len(self.plane)
+
+    def kernel_counts(self) -> tuple[int, int] | None:
+        return None if self.plane is None else kernel_counts(self.service)
 
     async def both_ways(self, n: int) -> tuple[bool, bool]:
         """Whether ChannelData from the client reaches the peer, and whether
@@ -232,12 +255,14 @@ class Channel:
 
 
 @contextlib.asynccontextmanager
-async def bound_channel(**overrides: Any) -> AsyncIterator[Channel]:
+async def bound_channel(
+    plane: str = "kernel", **overrides: Any
+) -> AsyncIterator[Channel]:
     """A client (TurnClient on a socket of the client namespace) with an
     allocation and a channel bound to a peer, on the kernel plane, that
     crossed once each way (through the kernel, unless ``overrides`` say
     otherwise)."""
-    async with turn_lab(**overrides) as (ns, rt, service):
+    async with turn_lab(plane, **overrides) as (ns, rt, service):
         _, port = service.stun.primary
         with inside(ns["client"]):
             csock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -250,10 +275,11 @@ async def bound_channel(**overrides: Any) -> AsyncIterator[Channel]:
             relayed = await client.allocate()
             assert relayed[0] == RELAY_IP
             await client.bind_channel(peer.getsockname())
-            channel = Channel(ns, service, kernel_plane(rt), client, peer, relayed)
+            kernel = kernel_plane(rt) if plane == "kernel" else None
+            channel = Channel(ns, service, kernel, client, peer, relayed)
             assert await channel.both_ways(1) == (True, True)
-            if not overrides:
-                assert len(channel.plane) == 2
+            if kernel is not None and not overrides:
+                assert len(kernel) == 2
                 assert kernel_counts(service) == (1, 1)  # the kernel did
             yield channel
         finally:
@@ -261,34 +287,35 @@ async def bound_channel(**overrides: Any) -> AsyncIterator[Channel]:
             peer.close()
 
 
-async def test_kernel_stops_peer_data_when_the_permission_lapses() -> None:
+async def test_kernel_stops_peer_data_when_the_permission_lapses(plane: str) -> None:
     """The red-team case, permission: once the peer's permission lapses its
     datagrams to the relayed address are not forwarded by the kernel (nor
     by the sockets); the channel lives on for ChannelData from the client
     (no permission check that way, RFC 8656 §12.5: the sockets' behaviour)."""
-    async with bound_channel() as channel:
+    async with bound_channel(plane) as channel:
         service = channel.service
         service.core.handle_timer(service.loop.time() + PERMISSION_LIFETIME + 1)
         service._process_events()
         assert await channel.both_ways(2) == (True, False)
-        assert len(channel.plane) == 1
+        assert channel.kernel_routes() in (None, 1)
         # A ChannelBind refresh gives the permission (and the route) back.
         await channel.client.bind_channel(channel.peer.getsockname())
-        assert len(channel.plane) == 2
+        assert channel.kernel_routes() in (None, 2)
         assert await channel.both_ways(3) == (True, True)
-        # 3 up, 2 down, all by the kernel (a removed route's counts stay).
-        assert kernel_counts(service) == (3, 2)
+        # 3 up, 2 down (on the kernel plane all by the kernel: a removed
+        # route's counts stay).
+        assert channel.kernel_counts() in (None, (3, 2))
         counters = service.counters()
         assert (counters[0], counters[2]) == (3, 2)
 
 
 @pytest.mark.parametrize("end", ["refresh-0", "lifetime", "revoked"])
-async def test_kernel_stops_a_freed_allocations_channel(end: str) -> None:
+async def test_kernel_stops_a_freed_allocations_channel(plane: str, end: str) -> None:
     """The red-team case, deallocation: after Refresh 0, the end of the
     allocation's lifetime, or a revocation (admin kick, ``crossroads
     revoke``), ChannelData on the freed channel and datagrams to the freed
     relayed port cross neither way; what the kernel forwarded stays counted."""
-    async with bound_channel() as channel:
+    async with bound_channel(plane) as channel:
         service = channel.service
         counted = service.counters()
         assert (counted[0], counted[2]) == (1, 1)
@@ -304,24 +331,25 @@ async def test_kernel_stops_a_freed_allocations_channel(end: str) -> None:
             service.plane.revoke(list(service.core.allocations.values()))
         assert service.core.allocations == {}
         assert await channel.both_ways(2) == (False, False)
-        assert len(channel.plane) == 0 and service.routes.kernel_routes == {}
+        assert channel.kernel_routes() in (None, 0)
+        assert service.routes.kernel_routes == {}
         assert service.counters()[:4] == counted[:4]
         # The allocation's insight record counts what the kernel forwarded.
         assert link.usage == [1, len(b"up 1"), 1, len(b"down 1")]
 
 
-async def test_expired_channel_stops_and_rebinds_to_another_peer() -> None:
+async def test_expired_channel_stops_and_rebinds_to_another_peer(plane: str) -> None:
     """Channel expiry stops the kernel at once, both ways; once the number is
     free again (RFC 8656 §12: 5 minutes later) a binding of it to another
     peer forwards to that peer only."""
-    async with bound_channel() as channel:
+    async with bound_channel(plane) as channel:
         service, client = channel.service, channel.client
         await client.refresh(3600)  # the allocation outlives the channel
         start = service.loop.time()
         service.core.handle_timer(start + CHANNEL_LIFETIME + 1)
         service._process_events()
         assert await channel.both_ways(2) == (False, False)
-        assert len(channel.plane) == 0
+        assert channel.kernel_routes() in (None, 0)
         service.core.handle_timer(start + CHANNEL_LIFETIME + CHANNEL_QUARANTINE + 2)
         service._process_events()
         first = channel.peer.getsockname()
@@ -333,10 +361,12 @@ async def test_expired_channel_stops_and_rebinds_to_another_peer() -> None:
         old, channel.peer = channel.peer, other
         try:
             await client.bind_channel(other.getsockname(), number)
-            assert len(channel.plane) == 2
+            assert channel.kernel_routes() in (None, 2)
             assert await channel.both_ways(3) == (True, True)
             assert await recv(old, 0.3) is None
-            assert kernel_counts(service) == (2, 2)
+            assert channel.kernel_counts() in (None, (2, 2))
+            counters = service.counters()
+            assert (counters[0], counters[2]) == (2, 2)
         finally:
             channel.peer = old
             other.close()
@@ -346,6 +376,7 @@ async def test_a_bandwidth_limit_keeps_the_channel_on_the_sockets() -> None:
     """--turn-max-bps: the program has no token bucket, so the channel's
     routes stay in user space, where the limit is enforced."""
     async with bound_channel(turn__max_bps=1_000_000) as channel:
-        assert len(channel.plane) == 0 and kernel_counts(channel.service) == (0, 0)
+        assert channel.kernel_routes() == 0
+        assert kernel_counts(channel.service) == (0, 0)
         counters = channel.service.counters()
         assert (counters[0], counters[2]) == (1, 1)

@@ -21,30 +21,39 @@ def kernel_loads() -> bool:
     return True
 
 
-def test_auto_takes_c_until_kernel_routes_are_wired(
+def test_auto_takes_the_kernel_when_the_program_loads(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    if not dataplane.ACCELERATED:
-        pytest.skip("C data plane not built")
+    """Issue 30: ``auto`` is the kernel plane where the program loads, else
+    the C plane (else Python); one log line says which and why."""
     registry = CollectorRegistry()
     choice = planes.select("auto")
     with caplog.at_level(logging.INFO, logger="crossroads.dataplane"):
         planes.announce(choice, registry)
-    assert choice.kind == "c" and choice.kernel is None
-    assert "dataplane: c (several processes on one host" in caplog.text
-    assert registry.get_sample_value("crossroads_dataplane_info", {"kind": "c"}) == 1
-    assert (
-        registry.get_sample_value("crossroads_dataplane_info", {"kind": "kernel"}) == 0
-    )
+    try:
+        if kernel_loads():
+            expected = "kernel"
+            assert choice.kernel is not None
+            assert "dataplane: kernel (eBPF program loaded" in caplog.text
+        else:
+            expected = "c" if dataplane.ACCELERATED else "python"
+            assert choice.kernel is None
+            assert f"dataplane: {expected} (eBPF program not loaded" in caplog.text
+        assert choice.kind == expected
+        for kind in ("kernel", "c", "python"):
+            assert registry.get_sample_value(
+                "crossroads_dataplane_info", {"kind": kind}
+            ) == (1 if kind == expected else 0)
+    finally:
+        choice.close()
 
 
 @pytest.mark.skipif(not kernel_loads(), reason="eBPF program does not load here")
-def test_kernel_when_asked_or_wired(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kernel_when_asked_or_auto() -> None:
     choice = planes.select("kernel")
     assert choice.kind == "kernel" and choice.kernel is not None
     choice.close()
     assert choice.kernel is None
-    monkeypatch.setattr(planes, "KERNEL_ROUTES_WIRED", True)
     auto = planes.select("auto")
     assert auto.kind == "kernel" and "eBPF program loaded" in auto.reason
     auto.close()
@@ -61,7 +70,6 @@ def test_kernel_that_cannot_load_is_an_error(monkeypatch: pytest.MonkeyPatch) ->
         planes.DataplaneError, match="--dataplane kernel: the kernel refused"
     ):
         planes.select("kernel")
-    monkeypatch.setattr(planes, "KERNEL_ROUTES_WIRED", True)
     choice = planes.select("auto")
     assert choice.kind in ("c", "python") and "eBPF program not loaded" in choice.reason
 

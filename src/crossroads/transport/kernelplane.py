@@ -21,12 +21,24 @@ from Python needs no second C extension built against libbpf-dev and keeps
 the loader readable next to the route logic. No Python binding of libbpf is
 packaged or maintained well enough to depend on.
 
-Attachment: a tcx link (Linux >= 6.6) when the kernel has it — the program
-comes off the device when the link's descriptor closes, so a crashed
-process leaves no forwarding behind; otherwise a classic clsact filter
-(Linux >= 4.5), which :meth:`KernelPlane.close` removes (with the qdisc when
-this plane made it). Nothing is pinned in bpffs: the map lives as long as
-the process.
+Several processes on one host (``--workers N``, two servers, a test suite)
+each load their own program with their own maps and attach it to the same
+devices. The program passes what it does not route *down the chain*
+(``TCX_NEXT`` / ``TC_ACT_UNSPEC``), so every process's program sees every
+packet until one of them routes it; the last one's "next" is the stack.
+
+Attachment: a tcx link (Linux >= 6.6) when the kernel has it — links on
+one device run in order, and the program comes off the device when the
+link's descriptor closes, so a crashed process leaves no forwarding
+behind; otherwise a classic clsact filter (Linux >= 4.5) at a priority of
+its own (the first free one from :data:`TC_PRIORITY`), which
+:meth:`KernelPlane.close` removes (with the clsact qdisc when this plane
+made it and no other filter is left on it). A classic filter outlives a
+SIGKILLed process, and holds its program and maps with it: the program
+then forwards only while its *lease* runs — a deadline a thread of this
+process pushes forward every :data:`LEASE_REFRESH` seconds — and passes
+everything once it is :data:`LEASE_SECONDS` old. Nothing is pinned in
+bpffs: the maps live as long as the process (or its stale filter).
 """
 
 from __future__ import annotations
@@ -39,6 +51,8 @@ import logging
 import os
 import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -52,6 +66,13 @@ OBJECT_PATH = Path(__file__).with_name("bpf") / "relay.bpf.o"
 PROGRAM = b"crossroads_relay"
 ROUTES_MAP = b"routes"
 RELAY_ROUTES_MAP = b"relay_routes"
+LEASE_MAP = b"lease"
+#: How long a classic filter's program forwards after its process last
+#: renewed the lease (a SIGKILLed process's routes stop within this), and how
+#: often a live process renews it: four renewals per lease ride out a busy
+#: second without letting a live process's routes lapse.
+LEASE_SECONDS = 2.0
+LEASE_REFRESH = 0.5
 #: The bytes of a Unity RELAY frame that name its route (relay.bpf.c RELAY_HEAD).
 RELAY_HEAD = 36
 #: The map's max_entries in relay.bpf.c.
@@ -61,10 +82,12 @@ MAX_ROUTES = 65536
 BPF_TCX_INGRESS = 46
 BPF_TC_INGRESS = 1
 BPF_TC_EGRESS = 2
-#: Our classic tc filter's handle and priority on a device (any fixed pair
-#: identifies it for close() and for clearing a stale one).
+#: Our classic tc filters' handle, and the first of the priorities they take
+#: on a device: each process the first free one of :data:`TC_PRIORITIES`
+#: (tc runs lower priorities first; all of ours pass what they do not route).
 TC_HANDLE = 0xC055
 TC_PRIORITY = 0xC055
+TC_PRIORITIES = 256
 
 BPF_ANY = 0
 
@@ -240,13 +263,40 @@ def _hook(ifindex: int) -> _TcHook:
     )
 
 
-def _tc_opts(prog_fd: int = 0) -> _TcOpts:
+def _tc_opts(priority: int, prog_fd: int = 0) -> _TcOpts:
     return _TcOpts(
         sz=ctypes.sizeof(_TcOpts),
         prog_fd=prog_fd,
         handle=TC_HANDLE,
-        priority=TC_PRIORITY,
+        priority=priority,
     )
+
+
+#: tc's parents of the clsact qdisc's two hooks (TC_H_MAKE(TC_H_CLSACT,
+#: TC_H_MIN_INGRESS / TC_H_MIN_EGRESS), include/uapi/linux/pkt_sched.h).
+_CLSACT_INGRESS = 0xFFFFFFF2
+_CLSACT_EGRESS = 0xFFFFFFF3
+
+
+def tc_filters(ifindex: int, parent: int = _CLSACT_INGRESS) -> int:
+    """How many classic tc filter entries hang on ``ifindex``'s clsact hook
+    (an RTM_GETTFILTER dump over rtnetlink; 0 when there is no clsact)."""
+    tcmsg = struct.pack("=BBHiIII", socket.AF_UNSPEC, 0, 0, ifindex, 0, parent, 0)
+    # RTM_GETTFILTER, NLM_F_REQUEST | NLM_F_DUMP
+    header = struct.pack("=IHHII", 16 + len(tcmsg), 46, 0x301, 1, 0)
+    count = 0
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+        nl.settimeout(2.0)
+        nl.send(header + tcmsg)
+        while True:
+            reply = nl.recv(65536)
+            offset = 0
+            while offset + 16 <= len(reply):
+                length, kind = struct.unpack_from("=IH", reply, offset)
+                if kind in (2, 3) or length < 16:  # NLMSG_ERROR, NLMSG_DONE
+                    return count
+                count += kind == 44  # RTM_NEWTFILTER
+                offset += (length + 3) & ~3
 
 
 @dataclass(eq=False)
@@ -254,6 +304,7 @@ class _Attachment:
     ifindex: int
     link_fd: int  # tcx link, or -1 for a classic filter
     made_qdisc: bool
+    priority: int = 0  # the classic filter's
 
 
 @dataclass(eq=False)
@@ -265,8 +316,11 @@ class KernelPlane:
     _prog_fd: int
     _map_fd: int
     _relay_map_fd: int
+    _lease_fd: int = -1
     _attached: dict[int, _Attachment] = field(default_factory=dict)
     _routes: dict[bytes, KernelRoute] = field(default_factory=dict)
+    _renewer: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def load(cls, path: Path | None = None) -> KernelPlane:
@@ -293,12 +347,14 @@ class KernelPlane:
         prog = lib.bpf_object__find_program_by_name(obj, PROGRAM)
         rmap = lib.bpf_object__find_map_by_name(obj, ROUTES_MAP)
         relay = lib.bpf_object__find_map_by_name(obj, RELAY_ROUTES_MAP)
+        lease = lib.bpf_object__find_map_by_name(obj, LEASE_MAP)
         return cls(
             lib,
             obj,
             lib.bpf_program__fd(prog),
             lib.bpf_map__fd(rmap),
             lib.bpf_map__fd(relay),
+            lib.bpf_map__fd(lease),
         )
 
     def _map(self, route: KernelRoute) -> int:
@@ -306,29 +362,59 @@ class KernelPlane:
 
     # ------------------------------------------------------------- devices
 
-    def attach(self, device: str | int) -> None:
-        """Run the program on ``device``'s ingress (a name or an ifindex)."""
+    def attach(self, device: str | int, *, tcx: bool = True) -> None:
+        """Run the program on ``device``'s ingress (a name or an ifindex),
+        after any other process's (``tcx=False``: as a classic filter even
+        where tcx exists, which the tests of Linux < 6.6's path use)."""
         ifindex = device if isinstance(device, int) else socket.if_nametoindex(device)
         if ifindex in self._attached:
             return
-        link = self._lib.bpf_link_create(self._prog_fd, ifindex, BPF_TCX_INGRESS, None)
-        if link >= 0:
-            self._attached[ifindex] = _Attachment(ifindex, link, made_qdisc=False)
-            return
-        # No tcx (Linux < 6.6): a classic clsact filter.
+        if tcx:
+            link = self._lib.bpf_link_create(
+                self._prog_fd, ifindex, BPF_TCX_INGRESS, None
+            )
+            if link >= 0:
+                self._attached[ifindex] = _Attachment(ifindex, link, made_qdisc=False)
+                return
+        # No tcx (Linux < 6.6): a classic clsact filter at a priority of our own
+        # (never another process's: replacing it would take its routes away),
+        # forwarding only while this process renews its lease.
+        self._renew_lease()
         hook = _hook(ifindex)
         made = self._lib.bpf_tc_hook_create(ctypes.byref(hook)) == 0
-        self._lib.bpf_tc_detach(
-            ctypes.byref(hook), ctypes.byref(_tc_opts())
-        )  # a stale one of ours
-        rc = self._lib.bpf_tc_attach(
-            ctypes.byref(hook), ctypes.byref(_tc_opts(self._prog_fd))
-        )
+        rc = -errno.EEXIST
+        priority = TC_PRIORITY
+        for priority in range(TC_PRIORITY, TC_PRIORITY + TC_PRIORITIES):
+            rc = self._lib.bpf_tc_attach(
+                ctypes.byref(hook), ctypes.byref(_tc_opts(priority, self._prog_fd))
+            )
+            if rc != -errno.EEXIST:
+                break
         if rc != 0:
             raise OSError(
                 -rc, f"cannot attach to ifindex {ifindex}: {os.strerror(-rc)}"
             )
-        self._attached[ifindex] = _Attachment(ifindex, -1, made_qdisc=made)
+        self._attached[ifindex] = _Attachment(ifindex, -1, made, priority)
+        if self._renewer is None:
+            self._renewer = threading.Thread(
+                target=self._keep_lease, name="crossroads-bpf-lease", daemon=True
+            )
+            self._renewer.start()
+
+    def _renew_lease(self) -> None:
+        deadline = time.clock_gettime_ns(time.CLOCK_MONOTONIC) + int(
+            LEASE_SECONDS * 1e9
+        )
+        self._lib.bpf_map_update_elem(
+            self._lease_fd,
+            struct.pack("=I", 0),
+            struct.pack("=Q", deadline),
+            BPF_ANY,
+        )
+
+    def _keep_lease(self) -> None:
+        while not self._stop.wait(LEASE_REFRESH):
+            self._renew_lease()
 
     def detach(self, device: str | int) -> None:
         """Stop running the program on ``device``."""
@@ -340,8 +426,14 @@ class KernelPlane:
             os.close(att.link_fd)
             return
         hook = _hook(ifindex)
-        self._lib.bpf_tc_detach(ctypes.byref(hook), ctypes.byref(_tc_opts()))
-        if att.made_qdisc:
+        self._lib.bpf_tc_detach(
+            ctypes.byref(hook), ctypes.byref(_tc_opts(att.priority))
+        )
+        # The clsact qdisc goes only when we made it and nobody else's filter
+        # (another process's, a stale one) is on it: deleting it deletes them.
+        if att.made_qdisc and not (
+            tc_filters(ifindex, _CLSACT_INGRESS) or tc_filters(ifindex, _CLSACT_EGRESS)
+        ):
             hook.attach_point = BPF_TC_INGRESS | BPF_TC_EGRESS
             self._lib.bpf_tc_hook_destroy(ctypes.byref(hook))
 
@@ -359,7 +451,11 @@ class KernelPlane:
 
     def install(self, route: KernelRoute, *, ifindex: int | None = None) -> bool:
         """Forward ``route`` in the kernel from now on; False when it cannot
-        (mixed families, the map full, no route out): it stays on the socket plane."""
+        (mixed families, a port no datagram carries, the map full, no route
+        out): it stays on the socket plane."""
+        ports = (route.source, route.target, route.out_source, route.out_dest)
+        if not all(0 <= address[1] <= 0xFFFF for address in ports):
+            return False
         if (
             len(
                 {
@@ -410,6 +506,10 @@ class KernelPlane:
         """Detach from every device and free the program and its map."""
         for ifindex in list(self._attached):
             self.detach(ifindex)
+        if self._renewer is not None:
+            self._stop.set()
+            self._renewer.join()
+            self._renewer = None
         self._routes.clear()
         if self._obj:
             self._lib.bpf_object__close(self._obj)

@@ -16,16 +16,17 @@ The planes, fastest first (docs/architecture.md "The kernel data plane"):
 in one log line; ``crossroads_dataplane_info{kind=...}`` is 1 for it. An
 explicit choice that cannot run is an error at start, not a silent fallback.
 
-The kernel plane is taken by ``auto`` only once every relay writes its routes
-there (:data:`KERNEL_ROUTES_WIRED`). Every relay now writes them: the Unity
-relay, the natneg relay's pairs and the RakNet UDP proxy's forwarders through
-their route table (transport/routes.py), TURN's UDP channels through
-``TurnRoutes`` (transport/turnrelay.py: ChannelData both ways for a UDP client
-on a listener bound to one address, without ``--turn-max-bps``; Send and Data
-indications, TCP/TLS/DTLS clients and rate-limited relays stay on the plane
-under it). ``auto`` still does not take it: several processes on one host
-each load their own program and only the first one's verdict counts on a
-device (docs/architecture.md "The kernel data plane").
+``auto`` takes the kernel plane when the program loads (root or CAP_BPF and
+CAP_NET_ADMIN, a kernel with BTF and the clang-built object): every relay
+writes its routes there — the Unity relay, the natneg relay's pairs and the
+RakNet UDP proxy's forwarders through their route table
+(transport/routes.py), TURN's UDP channels through ``TurnRoutes``
+(transport/turnrelay.py: ChannelData both ways for a UDP client on a
+listener bound to one address, without ``--turn-max-bps``, toward a peer
+that is not one of this host's addresses; Send and Data indications,
+TCP/TLS/DTLS clients and rate-limited relays stay on the plane under it) —
+and several processes on one host share a device (each program passes what
+it does not route on to the next: kernelplane.py).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ log = logging.getLogger("crossroads.dataplane")
 Kind = Literal["kernel", "c", "python"]
 KINDS: tuple[str, ...] = ("auto", "kernel", "c", "python")
 #: Whether ``auto`` may pick the kernel plane: every relay writes its routes
-#: there, but several processes on one host do not yet share a device.
-KERNEL_ROUTES_WIRED = False
+#: there and several processes on one host share a device.
+KERNEL_ROUTES_WIRED = True
 #: What the C plane reads at import (dataplane.py); set for worker processes.
 PURE_PYTHON_ENV = "CROSSROADS_TURN_PURE_PYTHON"
 
@@ -118,15 +119,14 @@ def select(requested: str, *, gso: bool = True) -> Dataplane:
         else:
             set_udp_gso(gso)
             under = "C" if c_built else "Python"
-            reason = f"eBPF program loaded; the {under} plane takes what it passes"
-            if not KERNEL_ROUTES_WIRED:
-                reason += (
-                    "; Unity relay, natneg, RakNet proxy and TURN channel "
-                    "routes forward in the kernel, the rest on the plane under it"
-                )
+            reason = (
+                f"eBPF program loaded; Unity relay, natneg, RakNet proxy and "
+                f"TURN channel routes forward in the kernel, the {under} plane "
+                f"takes what it passes"
+            )
             return Dataplane("kernel", reason, plane)
     elif requested == "auto":
-        why = "several processes on one host do not share the kernel plane yet"
+        why = "the kernel plane is off in this build"
     else:
         why = f"--dataplane {requested}"
     if requested == "python":

@@ -192,7 +192,12 @@ class RelayEndpoint(TapDriver[RelayServer]):
         """The core's route, written by the route table: an off-plane entry
         in the tap's table only; a data-plane route there and in the kernel."""
         entry = self.make_forward(dest, source)
-        on_plane = not isinstance(entry, OffPlaneForward)
+        # A stream client's frames (WebSocket, TCP) never reach this socket,
+        # so no kernel route can carry them: its entry is in the tap's table
+        # only, even toward a UDP client.
+        on_plane = (
+            not isinstance(entry, OffPlaneForward) and key[0][1] < STREAM_PORT_BASE
+        )
         return self.table.install(
             self.routes,
             key[0],

@@ -13,9 +13,10 @@
  * exists, else 0. With a route, the datagram is rewritten and sent out of the
  * route's device with bpf_redirect_neigh (the kernel resolves the next hop's
  * link-layer address, as for a packet the host sends); without one it goes
- * on to the stack, unmodified, and so to the sockets (STUN/TURN control,
- * Send/Data indications, first packets, unknown routes: everything the
- * control plane must see).
+ * on down the chain (PASS below: other processes' programs, then the
+ * stack), unmodified, and so to the sockets (STUN/TURN control, Send/Data
+ * indications, first packets, unknown routes: everything the control plane
+ * must see).
  *
  * Actions (route_val.kind):
  *   UNWRAP_CHANNEL  TURN client -> peer: the 4-byte ChannelData header comes
@@ -99,9 +100,14 @@ struct route_val {
 
 /* Bounded by the control plane's own caps (allocations x channels,
  * forwarders, relay pairs); user space refuses to install past it and the
- * route stays on the socket plane. */
+ * route stays on the socket plane. Not preallocated: every process of a
+ * host (--workers N, a test suite) loads its own maps, and a preallocated
+ * pair costs ~25 MB of kernel memory and doubles the load time whether or
+ * not it ever holds a route; only user space inserts (never the program),
+ * so an insert that cannot allocate just leaves the route on the sockets. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 65536);
 	__type(key, struct route_key);
 	__type(value, struct route_val);
@@ -113,9 +119,10 @@ struct relay_key {
 };
 
 /* Unity RELAY routes (KIND_RELAY), bounded by the relay's allocations x
- * connections; the same value as `routes`. */
+ * connections; the same value as `routes`, not preallocated either. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 65536);
 	__type(key, struct relay_key);
 	__type(value, struct route_val);
@@ -133,6 +140,27 @@ struct {
 	__type(value, __u8[MAX_MOVE + 1]);
 } scratch SEC(".maps");
 
+/* The lease of a program on a classic tc filter (Linux < 6.6): [0] is the
+ * CLOCK_MONOTONIC deadline in ns its process keeps pushing forward, 0 when
+ * every attachment is a tcx link (which dies with its process's descriptor).
+ * A classic filter outlives a SIGKILLed process, and so do this program and
+ * its maps (the filter holds them): past the deadline it passes everything,
+ * so a dead process's stale routes forward nothing. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} lease SEC(".maps");
+
+/* What the program does not route goes on down the chain: the next tcx
+ * program or classic filter on the device (each crossroads process on the
+ * host has its own, with its own routes), then the stack. TCX_NEXT and
+ * TC_ACT_UNSPEC are both -1 (include/uapi/linux/bpf.h, pkt_cls.h); a
+ * program that returned TC_ACT_OK (TCX_PASS) would end the chain and hide
+ * the packet from every later process's program. */
+#define PASS TC_ACT_UNSPEC
+
 static __always_inline int
 csum_l4(struct __sk_buff *skb, __u32 off, __u32 from, __u32 to, __u64 flags)
 {
@@ -149,15 +177,19 @@ int crossroads_relay(struct __sk_buff *skb)
 	__u32 l4;
 	__u16 ulen;
 
+	__u32 zero = 0;
+	__u64 *deadline = bpf_map_lookup_elem(&lease, &zero);
+	if (!deadline || (*deadline && bpf_ktime_get_ns() > *deadline))
+		return PASS; /* its process is gone (or stalled): the sockets decide */
 	if (skb->gso_size)
-		return TC_ACT_OK; /* an aggregate: the stack splits it */
+		return PASS; /* an aggregate: the stack splits it */
 	if ((void *)(eth + 1) > end)
-		return TC_ACT_OK;
+		return PASS;
 	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
 		struct iphdr *ip = (void *)(eth + 1);
 		if ((void *)(ip + 1) > end || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
 		    (ip->frag_off & bpf_htons(0x3FFF)))
-			return TC_ACT_OK;
+			return PASS;
 		key.family = 4;
 		key.saddr[0] = ip->saddr;
 		key.daddr[0] = ip->daddr;
@@ -166,18 +198,18 @@ int crossroads_relay(struct __sk_buff *skb)
 	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
 		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_UDP)
-			return TC_ACT_OK;
+			return PASS;
 		key.family = 6;
 		__builtin_memcpy(key.saddr, &ip6->saddr, 16);
 		__builtin_memcpy(key.daddr, &ip6->daddr, 16);
 		l4 = sizeof(*eth) + sizeof(*ip6);
 		ulen = bpf_ntohs(ip6->payload_len);
 	} else {
-		return TC_ACT_OK;
+		return PASS;
 	}
 	struct udphdr *udp = data + l4;
 	if ((void *)(udp + 1) > end || bpf_ntohs(udp->len) != ulen || ulen < sizeof(*udp))
-		return TC_ACT_OK;
+		return PASS;
 	key.sport = udp->source;
 	key.dport = udp->dest;
 
@@ -192,7 +224,7 @@ int crossroads_relay(struct __sk_buff *skb)
 		if (r) {
 			__u16 length = ((__u16)p[2] << 8) | p[3];
 			if (length != ulen - sizeof(*udp) - CHANNEL_HEADER)
-				return TC_ACT_OK;
+				return PASS;
 			chanword = *(__u32 *)p;
 		}
 	}
@@ -214,7 +246,7 @@ int crossroads_relay(struct __sk_buff *skb)
 		key.channel = 0;
 		r = bpf_map_lookup_elem(&routes, &key);
 		if (!r || r->kind == KIND_UNWRAP_CHANNEL || r->kind == KIND_RELAY)
-			return TC_ACT_OK;
+			return PASS;
 	}
 
 	__u32 payload = ulen - sizeof(*udp);
@@ -225,7 +257,7 @@ int crossroads_relay(struct __sk_buff *skb)
 		payload -= CHANNEL_HEADER;
 	} else if (r->kind == KIND_WRAP_CHANNEL) {
 		if (ulen > 0xFFFF - CHANNEL_HEADER - 40)
-			return TC_ACT_OK;
+			return PASS;
 		delta = CHANNEL_HEADER;
 		chanword = bpf_htonl(((__u32)r->channel << 16) | payload);
 	}
@@ -237,16 +269,15 @@ int crossroads_relay(struct __sk_buff *skb)
 	 * CHECKSUM_PARTIAL packet's csum_start with them, which no helper
 	 * fixes): copy it out, resize the tail, copy it back. */
 	if (delta) {
-		__u32 zero = 0;
 		__u8 *buf = bpf_map_lookup_elem(&scratch, &zero);
 		__u32 from = l4 + sizeof(*udp) + (delta < 0 ? CHANNEL_HEADER : 0);
 		__u32 size = payload;
 		if (!buf || size > MAX_MOVE)
-			return TC_ACT_OK;
+			return PASS;
 		if (size && bpf_skb_load_bytes(skb, from, buf, size & MAX_MOVE))
-			return TC_ACT_OK;
+			return PASS;
 		if (bpf_skb_change_tail(skb, l4 + new_ulen, 0))
-			return TC_ACT_OK; /* nothing changed yet */
+			return PASS; /* nothing changed yet */
 		__u32 to = l4 + sizeof(*udp) + (delta > 0 ? CHANNEL_HEADER : 0);
 		if (size && bpf_skb_store_bytes(skb, to, buf, size & MAX_MOVE, 0))
 			return TC_ACT_SHOT;
