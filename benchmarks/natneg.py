@@ -49,6 +49,11 @@ from crossroads.proto.natneg.packets import (
 )
 from crossroads.proto.natneg.server import NatNegServer, ServerConfig
 
+# The figures in docs/benchmarks.md are the C plane's; run as root, `auto`
+# would forward these loopback relays in the kernel (benchmarks/kernel_plane.py
+# measures that plane). An older tree (--before) ignores the variable.
+os.environ.setdefault("CROSSROADS_DATAPLANE", "c")
+
 HOST_A = "127.0.0.1"
 HOST_B = "127.0.0.5"  # a second "public" address, so the public-address path is used
 

@@ -66,6 +66,11 @@ from crossroads.proto.dtls.client import ClientState, PskDtlsClient  # noqa: E40
 from crossroads.proto.dtls.handshake import ApplicationData  # noqa: E402
 from crossroads.proto.relay import messages as m  # noqa: E402
 
+# The figures in docs/benchmarks.md are the C plane's; run as root, `auto`
+# would forward these loopback relays in the kernel (benchmarks/kernel_plane.py
+# measures that plane). An older tree (--before) ignores the variable.
+os.environ.setdefault("CROSSROADS_DATAPLANE", "c")
+
 Address = tuple[str, int]
 API_KEY = "benchmark-key-0123456789"
 SERVER_CPU = 0

@@ -286,8 +286,13 @@ def spawn_crossroads(
         "--log-level", "warning", *extra, *flags,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
+    # The plane these figures are for (docs/benchmarks.md): as root, `auto`
+    # would forward the natneg part's loopback pairs in the kernel (an older
+    # tree, --before, ignores the variable).
+    env["CROSSROADS_DATAPLANE"] = "c"
     if variant.pure_python:
         env["CROSSROADS_TURN_PURE_PYTHON"] = "1"
+        env["CROSSROADS_DATAPLANE"] = "python"
     if variant.source is not None:
         # Ahead of the editable install's path entry.
         env["PYTHONPATH"] = str(variant.source / "src")
