@@ -262,25 +262,21 @@ class RouteTable:
     kernel plane when the runtime runs it."""
 
     plane: KernelPlane | None = None
-    #: Every live route by its tap's table (:meth:`clear`): sets of the
-    #: handles themselves, the cheapest index (~40 bytes a route), one per
-    #: table so that one owner's close does not walk every relay's routes.
-    _live: dict[int, set[InstalledRoute]] = field(default_factory=dict, repr=False)
+    #: Every live route (:meth:`clear`); a set of the handles themselves,
+    #: the cheapest index (~40 bytes a route; a set per table would cost
+    #: ~250 bytes a TURN relay, whose table holds a route or two).
+    _live: set[InstalledRoute] = field(default_factory=set, repr=False)
 
     def remember(self, route: InstalledRoute) -> None:
-        self._live.setdefault(id(route.routes), set()).add(route)
+        self._live.add(route)
 
     def forget(self, route: InstalledRoute) -> None:
-        live = self._live.get(id(route.routes))
-        if live is not None:
-            live.discard(route)
-            if not live:
-                del self._live[id(route.routes)]
+        self._live.discard(route)
 
     def live(self, routes: MutableMapping[Any, Any]) -> list[InstalledRoute]:
-        """The live routes of one tap's table (a handle holds its table, so
-        the table's ``id`` is not reused while it has any)."""
-        return list(self._live.get(id(routes), ()))
+        """The live routes of one tap's table (a walk over every route: for
+        an owner's close and the replace safety net, not per datagram)."""
+        return [r for r in self._live if r.routes is routes]
 
     def clear(self, routes: MutableMapping[Any, Any]) -> None:
         """Remove every live route of one tap's table (its owner closes)."""

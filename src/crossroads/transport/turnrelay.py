@@ -351,13 +351,13 @@ class TurnRoutes:
     def route_channel(self, relay: UdpRelay, number: int, peer: Address) -> None:
         """ChannelData from the client on ``number`` goes to ``peer``; a
         refresh keeps the route and its counts."""
-        old = relay.to_peer.get(number)
+        old = relay.installed.get(number)
         if old is not None:
             if (old.dest[0], old.dest[1]) == (peer[0], peer[1]):
                 self.route_table.refresh(old)
                 return
             self.unroute_channel(relay, number)
-        relay.to_peer[number] = self.route_table.install(
+        relay.installed[number] = self.route_table.install(
             self.table(relay.endpoint),
             relay.client,
             to_peer_route(relay.sock, peer, relay.budget),
@@ -369,7 +369,7 @@ class TurnRoutes:
         """Stop the client's ChannelData on ``number`` on every plane at once;
         what it forwarded joins the allocation's usage (the kernel's the
         totals too: the tap's are there already)."""
-        installed = relay.to_peer.pop(number, None)
+        installed = relay.installed.pop(number, None)
         if installed is None:
             return
         installed.remove()
@@ -385,7 +385,7 @@ class TurnRoutes:
         relay.forget_learned(peer)
         if relay.link.out is None:
             return  # the relay's fallback sends it (TCP framing, DTLS...)
-        old = relay.to_client.get(peer)
+        old = relay.installed.get(peer)
         if old is not None:
             entry = old.entry
             if (
@@ -395,7 +395,7 @@ class TurnRoutes:
                 self.route_table.refresh(old)
                 return
             self._unroute_to_client(relay, peer)
-        relay.to_client[peer] = self.route_table.install(
+        relay.installed[peer] = self.route_table.install(
             relay.peer_routes,
             peer,
             to_client_route(relay.link.out, relay.client, number, relay.budget),
@@ -408,7 +408,7 @@ class TurnRoutes:
         Data indications on the data plane (parsed and written in user space:
         the relay tap's only), until its permission lapses or a channel is
         bound to it."""
-        relay.to_client[peer] = self.route_table.install(
+        relay.installed[peer] = self.route_table.install(
             relay.peer_routes,
             peer,
             data_route(out, relay.client, peer, os.urandom(8), relay.budget),
@@ -430,10 +430,11 @@ class TurnRoutes:
 
     def unroute_all(self, relay: UdpRelay) -> None:
         """Every route of ``relay`` goes (its allocation ends)."""
-        for number in list(relay.to_peer):
-            self.unroute_channel(relay, number)
-        for peer in list(relay.to_client):
-            self._unroute_to_client(relay, peer)
+        for key in list(relay.installed):
+            if isinstance(key, int):
+                self.unroute_channel(relay, key)
+            else:
+                self._unroute_to_client(relay, key)
         relay.data_peers.clear()
         sending, relay.sending = relay.sending, None
         if sending is not None:
@@ -444,7 +445,7 @@ class TurnRoutes:
             self._settle(relay.endpoint)
 
     def _unroute_to_client(self, relay: UdpRelay, peer: Address) -> None:
-        installed = relay.to_client.pop(peer, None)
+        installed = relay.installed.pop(peer, None)
         if installed is not None:
             installed.remove()
             # The tap's part is in the relay tap's counts (folded at retire).
@@ -519,10 +520,16 @@ class TurnRoutes:
         """Each relay's routes the kernel forwards now."""
         found: dict[UdpRelay, KernelChannels] = {}
         for relay in self.relay_taps:
-            to_peer = {n: r.twin for n, r in relay.to_peer.items() if r.twin}
-            to_client = {p: r.twin for p, r in relay.to_client.items() if r.twin}
-            if to_peer or to_client:
-                found[relay] = KernelChannels(to_peer, to_client)
+            kernel = KernelChannels()
+            for key, route in relay.installed.items():
+                if route.twin is None:
+                    continue
+                if isinstance(key, int):
+                    kernel.to_peer[key] = route.twin
+                else:
+                    kernel.to_client[key] = route.twin
+            if kernel.to_peer or kernel.to_client:
+                found[relay] = kernel
         return found
 
     def kernel_counters(self) -> tuple[int, int, int, int]:
@@ -541,11 +548,11 @@ class TurnRoutes:
         """What the live routes' kernel twins forwarded (read from the map)."""
         counts = [0, 0, 0, 0]
         for relay in self.relay_taps:
-            for at, routes in ((0, relay.to_peer), (2, relay.to_client)):
-                for route in routes.values():
-                    if route.twin is not None:
-                        counts[at] += route.kernel_packets
-                        counts[at + 1] += route.kernel_octets
+            for key, route in relay.installed.items():
+                if route.twin is not None:
+                    at = 0 if isinstance(key, int) else 2
+                    counts[at] += route.kernel_packets
+                    counts[at + 1] += route.kernel_octets
         return counts
 
     def counters(self) -> tuple[int, int, int, int, int]:
@@ -666,12 +673,12 @@ class UdpRelay:
         #: The relay socket's route table: peer -> route to the client
         #: (written by the route table only).
         self.peer_routes: dict[Address, Any] = {}
-        #: The routes as this relay holds them: client -> peer by channel
-        #: number (in the listening endpoint's table), peer -> client by
-        #: peer (ChannelData or a learned Data indication), and the client's
-        #: Send route when this relay has it.
-        self.to_peer: dict[int, InstalledRoute] = {}
-        self.to_client: dict[Address, InstalledRoute] = {}
+        #: The routes as this relay holds them, in one dict (a few hundred
+        #: bytes an allocation less than two): client -> peer by channel
+        #: number (an int; in the listening endpoint's table), peer -> client
+        #: by peer address (ChannelData or a learned Data indication); and
+        #: the client's Send route when this relay has it.
+        self.installed: dict[int | Address, InstalledRoute] = {}
         self.sending: InstalledRoute | None = None
         #: Peers (by IP) with a learned Data indication route in peer_routes.
         self.data_peers: dict[str, set[Address]] = {}
