@@ -29,8 +29,9 @@ that writes that decision down, in every plane that forwards:
   budget on the route: the program has no token bucket — is forwarded by the
   tap as before). A route of a kind the program does not forward (TURN's
   Send and Data indications) or one its owner keeps in user space
-  (``kernel=False``: TURN's peers on this host, judged per port by the
-  control plane) is in the tap's dict only.
+  (``kernel=False``: TURN's flows the program would not forward as the
+  sockets do, :meth:`~crossroads.transport.turnrelay.TurnRoutes.kernel_takes`)
+  is in the tap's dict only.
 
 :meth:`RouteTable.install` writes both and returns an :class:`InstalledRoute`,
 the relay's one handle on it: ``packets``/``octets`` are the sum of the tap's

@@ -323,10 +323,6 @@ class TurnRoutes:
         per port by the control plane)."""
         return relay.link.out is not None and peer[0] not in relay.core.self_peers
 
-    def _via(self, relay: UdpRelay, peer: Address) -> Address | None:
-        """Where the client's ChannelData arrives, when the kernel may take it."""
-        return relay.endpoint.local if self.kernel_takes(relay, peer) else None
-
     def route_send(self, relay: UdpRelay) -> None:
         """The client's Send indications leave from ``relay`` on the data
         plane (the first relay of a dual allocation takes them; the other
@@ -361,8 +357,9 @@ class TurnRoutes:
             self.table(relay.endpoint),
             relay.client,
             to_peer_route(relay.sock, peer, relay.budget),
-            via=self._via(relay, peer),
+            via=relay.endpoint.local,
             header=channel_key(relay.client, number)[1],
+            kernel=self.kernel_takes(relay, peer),
         )
 
     def unroute_channel(self, relay: UdpRelay, number: int) -> None:
