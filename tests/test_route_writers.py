@@ -25,18 +25,14 @@ from tests.test_imports import all_modules
 #: The writers, by module and function (qualified name), and why each may.
 WRITERS: dict[tuple[str, str], str] = {
     ("crossroads.transport.routes", "*"): "the route table itself",
-    # Known second writer: TURN's routes (channel wrap/unwrap, Send and Data
-    # indication routes with per-allocation budgets, learned peer routes)
-    # are written by TurnRoutes and its relays, not yet through the one
-    # table; TURN's kernel routes are being added there (issue 30).
-    ("crossroads.transport.turnrelay", "*"): "TurnRoutes: TURN's own writer",
     # Not taps' tables:
     ("crossroads.proto.turn.allocation", "*"): (
-        "the TURN core's channel bindings (its state; TurnRoutes writes taps)"
+        "the TURN core's channel bindings (its state; the route table writes "
+        "the taps' tables for it)"
     ),
     ("crossroads.transport.kernelplane", "*"): (
         "the kernel plane's record of its map entries, changed only by "
-        "install/remove, which the route table (and TurnRoutes) call"
+        "install/remove, which the route table calls"
     ),
     ("crossroads.proto.relay.server", "MemoryForwarding.install"): (
         "the Unity core's in-memory forwarding port (no transport, no tap)"

@@ -84,3 +84,27 @@ async def test_tcp_allocation_record_carries_the_connections_round_trip(
     assert 0 < tcp.usage.rtt_ms < 1000
     assert tcp.sides[0].rtt_ms == tcp.usage.rtt_ms
     assert udp.usage is not None and udp.usage.rtt_ms is None
+
+
+async def test_a_channel_refresh_keeps_what_its_route_counted(turn: Any) -> None:
+    """A ChannelBind refresh (RFC 8656 §12.2, every few minutes of a call)
+    keeps the channel's route and its counts: the record counts every
+    datagram of the call, before the refresh too (the route was replaced by
+    a fresh one, its counts lost, when TURN wrote its own routes)."""
+    service: TurnService = await turn()
+    peer = Peer()
+    insight = service.ctx.insight
+    try:
+        async with await TurnClient.connect(service.stun.primary, USER, PASSWORD) as c:
+            await c.allocate()
+            number = await c.bind_channel(peer.address)
+            for n in range(2 * 10):
+                if n == 10:
+                    assert await c.bind_channel(peer.address) == number
+                await c.send(b"%d" % n, peer.address)
+                assert await peer.recv() == b"%d" % n
+        assert await eventually(lambda: bool(insight.ring))
+    finally:
+        peer.close()
+    [record] = await insight.attempts(AttemptFilter(family="turn"))
+    assert record.usage is not None and record.usage.packets_up == 2 * 10

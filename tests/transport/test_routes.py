@@ -10,8 +10,18 @@ from typing import Any
 
 import pytest
 
-from crossroads.transport.routes import RouteTable
-from tests.transport.test_dataplane import IMPLEMENTATIONS, Rig, recv
+from crossroads.transport.dataplane import make_budget, make_route
+from crossroads.transport.kernelplane import RouteKind
+from crossroads.transport.routes import RouteTable, kernel_kind
+from crossroads.transport.turnplane import (
+    SEND_INDICATION_KEY,
+    channel_key,
+    data_route,
+    send_route,
+    to_client_route,
+    to_peer_route,
+)
+from tests.transport.test_dataplane import IMPLEMENTATIONS, Rig, recv, udp
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)
@@ -86,3 +96,27 @@ def test_a_second_install_on_a_key_replaces_the_first_everywhere(rig: Rig) -> No
     assert rig.routes == {rig.a.getsockname(): second.entry}
     first.remove()  # already out: it does not take the second with it
     assert rig.routes == {rig.a.getsockname(): second.entry}
+
+
+def test_a_routes_kernel_twin_does_what_the_tap_route_does() -> None:
+    """The kernel's kind follows the tap's route: a plain rewrite (with a
+    header: the Unity relay's RELAY frames), TURN's ChannelData unwrapped
+    (keyed by the channel number in the listening side's key) or wrapped (on
+    the route's channel); Send and Data indications are parsed and written
+    in user space, so they have no kernel twin."""
+    sock, peer, client = udp(), ("192.0.2.9", 5000), ("198.51.100.9", 6000)
+    budget = make_budget(0)
+    try:
+        assert kernel_kind(make_route(sock, peer), None) == (RouteKind.REWRITE, 0)
+        assert kernel_kind(make_route(sock, peer), b"h" * 36) == (RouteKind.RELAY, 0)
+        header = channel_key(client, 0x4001)[1]
+        unwrap = to_peer_route(sock, peer, budget)
+        assert kernel_kind(unwrap, header) == (RouteKind.UNWRAP_CHANNEL, 0x4001)
+        wrap = to_client_route(sock, client, 0x4002, budget)
+        assert kernel_kind(wrap, None) == (RouteKind.WRAP_CHANNEL, 0x4002)
+        data = data_route(sock, client, peer, bytes(8), budget)
+        assert kernel_kind(data, None) is None
+        send = send_route(sock, {}, set(), budget)
+        assert kernel_kind(send, SEND_INDICATION_KEY) is None
+    finally:
+        sock.close()

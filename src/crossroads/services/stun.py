@@ -215,6 +215,7 @@ class StunService:
             ),
             ctx.resources,
             ctx.reflection_budget,
+            ctx.route_table,
         )
         self._collector = _Collector(self)
         self._closed = False

@@ -288,7 +288,6 @@ class TurnService:
                 on_socket_closed=ctx.kernel_drops.close,
             )
         )
-        self.plane.routes.kernel = ctx.route_table.plane  # before any datagram
         self.core = self.plane.core
         #: Authentication failures: one line per reason a minute at most.
         self.auth_log = RateLimitedLog(log)

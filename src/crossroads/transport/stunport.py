@@ -81,6 +81,7 @@ from crossroads.transport.pktinfo import (
     is_wildcard,
     open_datagram_endpoint,
 )
+from crossroads.transport.routes import RouteTable
 from crossroads.transport.sockets import bind_socket, family_of, tcp_round_trip
 from crossroads.transport.tasks import cancel_and_wait
 from crossroads.transport.tls import Certificates, TlsAcceptor, TlsTables, tls_tables
@@ -207,6 +208,10 @@ class EndpointSocket:
 
     def sendto(self, data: bytes, addr: Address) -> None:
         self.endpoint.send(data, addr)
+
+    def getsockname(self) -> Address:
+        """Where it sends from (the kernel twin of a route leaving by it)."""
+        return self.endpoint.local
 
 
 # ------------------------------------------------------------------ UDP
@@ -711,6 +716,7 @@ class StunTurnPort:
         config: PortConfig,
         resources: ResourceBudget,
         reflection: Callable[[], ReflectionBudget],
+        route_table: RouteTable | None = None,
     ) -> None:
         self.config = config
         self.resources = resources
@@ -737,9 +743,10 @@ class StunTurnPort:
         self.dtls_listeners: list[DtlsListener] = []
         self.dtls_tables: DtlsTables | None = None
         self._dtls_binding: BindingCore | None = None
-        #: The TURN route table, from bind time when the port serves TURN.
+        #: TURN's routes, from bind time when the port serves TURN (written
+        #: by the runtime's ``route_table``).
         self.routes: TurnRoutes | None = (
-            TurnRoutes(RelayStats()) if config.turn else None
+            TurnRoutes(RelayStats(), route_table) if config.turn else None
         )
         #: TURN's control core and relays, once the TURN service runs them.
         self.turn: TurnPlane | None = None

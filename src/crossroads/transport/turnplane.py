@@ -2,12 +2,14 @@
 
 Theory of operation
 -------------------
-TURN forwards through the same route table as every other relay
-(:mod:`crossroads.transport.dataplane`); it is the relay whose routes *rewrite*
-the datagram and spend a bandwidth budget. The control plane
-(:mod:`crossroads.proto.turn`) decides; the port's route table
-(:class:`crossroads.transport.turnrelay.TurnRoutes`) writes, per live channel
-binding, two routes:
+TURN forwards through the same taps as every other relay
+(:mod:`crossroads.transport.dataplane`), its routes written by the same route
+table (:class:`crossroads.transport.routes.RouteTable`); it is the relay whose
+routes *rewrite* the datagram and spend a bandwidth budget. The control plane
+(:mod:`crossroads.proto.turn`) decides; TURN's side of the route table
+(:class:`crossroads.transport.turnrelay.TurnRoutes`) has it write, per live
+channel binding, two routes (and, on the kernel plane, their twins in the
+eBPF map):
 
 client -> peer, on the listening side
     Key ``((client host, port), channel number as 2 bytes)`` (:func:`channel_key`)
@@ -122,10 +124,12 @@ PAD = (b"", b"\x00\x00\x00", b"\x00\x00", b"\x00")
 
 
 class SendsTo(Protocol):
-    """An out "socket" for routes: a fd for C, ``sendto`` for the twin."""
+    """An out "socket" for routes: a fd for C, ``sendto`` for the twin,
+    ``getsockname`` for the route's kernel twin (where it leaves from)."""
 
     def fileno(self) -> int: ...
     def sendto(self, data: bytes, addr: Address, /) -> Any: ...
+    def getsockname(self) -> Any: ...
 
 
 def channel_key(client: Address, number: int) -> tuple[Address, bytes]:

@@ -15,15 +15,17 @@ insight), and its one timer is re-armed.
 The core decides everything (permissions, channels, lifetimes, quotas, the
 Send indications and peer datagrams the routes do not take, and their
 framing); it tells each relay what to forward through the ``RelayPort`` calls
-(``route_channel`` ...), and :class:`TurnRoutes` is the only writer of the
-routes those become: the listening side's tables (one per listening endpoint:
-the taps the port made at bind time, or a hand-fed one for a TCP connection or
-a DTLS session) and each relay socket's table. The taps, the C plane and its
-counters read them (:mod:`crossroads.transport.turnplane` says which route
-does what). On the kernel plane (``--dataplane kernel``) it also writes each
-UDP channel's two routes into the eBPF program's map, beside the taps' (see
-:meth:`TurnRoutes.kernel_takes` for which flows, docs/architecture.md "The
-kernel data plane"), and removes them with the taps' routes.
+(``route_channel`` ...), and :class:`TurnRoutes` turns those into routes of
+the runtime's :class:`~crossroads.transport.routes.RouteTable`, the one writer
+of every relay's routes: it picks the table (the listening side's, one per
+listening endpoint: the taps the port made at bind time, or a hand-fed one for
+a TCP connection or a DTLS session; or the relay socket's), keeps the handles
+and folds their counts into the allocations' usage. The taps, the C plane and
+its counters read the tables (:mod:`crossroads.transport.turnplane` says which
+route does what). On the kernel plane (``--dataplane kernel``) the route table
+puts each UDP channel's two routes into the eBPF program's map too, beside the
+taps' (see :meth:`TurnRoutes.kernel_takes` for which flows, docs/architecture.md
+"The kernel data plane"), and removes them with the taps' routes.
 
 Relays are built from those tables (:class:`UdpRelay`, :class:`TcpRelay`), not
 from a reference to a service. RFC 6062 data connections are routes of the
@@ -38,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import ipaddress
 import logging
 import os
 import socket
@@ -62,19 +63,14 @@ from crossroads.transport import streamplane
 from crossroads.transport.admission import Admission
 from crossroads.transport.dataplane import (
     BudgetLike,
+    Rewrite,
     RouteTapLike,
     TapReaders,
     make_budget,
     make_tap,
 )
 from crossroads.transport.driver import CoreTimer
-from crossroads.transport.kernelplane import (
-    KernelPlane,
-    KernelRoute,
-    RouteKind,
-    egress_ifindex,
-)
-from crossroads.transport.routes import RewriteRoute, local_address_for
+from crossroads.transport.routes import InstalledRoute, RewriteRoute, RouteTable
 from crossroads.transport.sockets import set_buffers
 from crossroads.transport.streamplane import HeldStream, Route, StreamPlane
 from crossroads.transport.tasks import cancel_until_done
@@ -204,7 +200,11 @@ class RelayStats:
 
 
 class TurnRoutes:
-    """The route table of the STUN/TURN port: the only writer of TURN routes.
+    """TURN's side of the route table: which tap each route goes in, the
+    handles by channel and peer, and their counts folded into the totals
+    and the allocations' usage. The runtime's
+    :class:`~crossroads.transport.routes.RouteTable` writes every route (the
+    taps' dicts and, on the kernel plane, the eBPF map); nothing here does.
 
     Listening side: one table per listening endpoint, keyed by
     ``(client, first 2 bytes)`` (:func:`~crossroads.transport.turnplane.
@@ -213,10 +213,22 @@ class TurnRoutes:
     whose datagrams come in through the port (TCP, TLS, DTLS: :meth:`table`).
     Relay side: one table per relay socket, keyed by the peer. All taps are
     read by one :class:`~crossroads.transport.dataplane.TapReaders`.
+
+    On the kernel plane (``--dataplane kernel``) a UDP channel's two routes
+    also forward in the eBPF program (client -> peer: ``UNWRAP_CHANNEL``
+    keyed by the client, our listening address and the channel; peer ->
+    client: ``WRAP_CHANNEL`` keyed by the peer and the relayed address), for
+    the flows it forwards exactly as the taps would (:meth:`kernel_takes`;
+    docs/architecture.md "The kernel data plane"). The taps' routes stay as
+    the fallback (a padded ChannelData, a route the map could not hold).
     """
 
-    def __init__(self, stats: RelayStats) -> None:
+    def __init__(
+        self, stats: RelayStats, route_table: RouteTable | None = None
+    ) -> None:
         self.stats = stats
+        #: The runtime's route table: the only writer of the routes below.
+        self.route_table = RouteTable() if route_table is None else route_table
         self.readers = TapReaders()
         #: Taps the port put in front of its UDP sockets at bind time.
         self.taps: dict[Endpoint, RouteTapLike] = {}
@@ -230,14 +242,8 @@ class TurnRoutes:
         self.unrouted: Callable[[bytes, Address, Endpoint], None] = _ignore
         #: Relayed address -> relays that learned a Data indication route
         #: from it, and Send routes that approved it (see :meth:`forget_relayed`).
-        self.self_peer_routes: dict[Address, set[UdpRelay]] = {}
+        self.self_peer_relays: dict[Address, set[UdpRelay]] = {}
         self.self_peer_approvals: dict[Address, set[Any]] = {}
-        #: The kernel plane, when the runtime runs it (``--dataplane
-        #: kernel``): the channel routes it can take are written there too
-        #: (see "kernel side" below).
-        self.kernel: KernelPlane | None = None
-        #: Each relay's routes in the kernel.
-        self.kernel_routes: dict[UdpRelay, KernelChannels] = {}
         #: What removed kernel routes forwarded (to-peer packets and bytes,
         #: to-client packets and bytes; also in ``stats``, with the rest).
         self.kernel_retired = [0, 0, 0, 0]
@@ -280,20 +286,13 @@ class TurnRoutes:
             tap = self.hand_taps[endpoint] = listener_tap(None, {}, unrouted)
         return tap.routes
 
-    def route(self, endpoint: Endpoint, key: Any, route: Any) -> None:
-        self.table(endpoint)[key] = route
-
-    def unroute(self, endpoint: Endpoint, key: Any) -> Any:
-        """Remove one client -> peer route (returned, or None); a hand-fed tap
-        left empty goes (TCP connections and DTLS sessions come and go)."""
-        tap = self.taps.get(endpoint) or self.hand_taps.get(endpoint)
-        if tap is None:
-            return None
-        route = tap.routes.pop(key, None)
-        if not tap.routes and endpoint in self.hand_taps:
+    def _settle(self, endpoint: Endpoint) -> None:
+        """A hand-fed tap left without routes goes (TCP connections and DTLS
+        sessions come and go)."""
+        tap = self.hand_taps.get(endpoint)
+        if tap is not None and not tap.routes:
             del self.hand_taps[endpoint]
             self._retire_listener(tap)
-        return route
 
     def hand_in(self, data: bytes, client: Address, endpoint: Endpoint) -> bool:
         """ChannelData the port read itself: through the endpoint's hand-fed
@@ -310,6 +309,165 @@ class TurnRoutes:
         stats.to_peer_bytes += tap.forwarded_bytes
         stats.retired_errors += tap.send_errors + tap.malformed
 
+    # -- a relay's routes, as the core decides them ----------------------------
+
+    def kernel_takes(self, relay: UdpRelay, peer: Address) -> bool:
+        """Whether the kernel may forward ``relay``'s channel to ``peer``
+        exactly as the sockets do (the route table adds its own conditions:
+        a kernel plane, a device toward the sender, room in the map, no
+        bandwidth budget on the route): a UDP client on a UDP listener bound
+        to one address (``link.out``: the one a peer -> client route leaves
+        from; a wildcard listener replies from each client's destination
+        address, TCP/TLS frame, DTLS encrypts), and a peer that is not one of
+        this host's addresses (a relayed address or service port is judged
+        per port by the control plane)."""
+        return relay.link.out is not None and peer[0] not in relay.core.self_peers
+
+    def route_send(self, relay: UdpRelay) -> None:
+        """The client's Send indications leave from ``relay`` on the data
+        plane (the first relay of a dual allocation takes them; the other
+        family's go to the Python path, which handles both). Parsed and
+        checked in user space: the socket taps' only."""
+        table = self.table(relay.endpoint)
+        if (relay.client, SEND_INDICATION_KEY) in table:
+            return
+        relay.sending = self.route_table.install(
+            table,
+            relay.client,
+            send_route(
+                relay.sock,
+                relay.allocation.permissions,
+                relay.core.self_peers,
+                relay.budget,
+            ),
+            via=None,
+            header=SEND_INDICATION_KEY,
+        )
+
+    def route_channel(self, relay: UdpRelay, number: int, peer: Address) -> None:
+        """ChannelData from the client on ``number`` goes to ``peer``; a
+        refresh keeps the route and its counts."""
+        old = relay.installed.get(number)
+        if old is not None:
+            if (old.dest[0], old.dest[1]) == (peer[0], peer[1]):
+                self.route_table.refresh(old)
+                return
+            self.unroute_channel(relay, number)
+        relay.installed[number] = self.route_table.install(
+            self.table(relay.endpoint),
+            relay.client,
+            to_peer_route(relay.sock, peer, relay.budget),
+            via=relay.endpoint.local,
+            header=channel_key(relay.client, number)[1],
+            kernel=self.kernel_takes(relay, peer),
+        )
+
+    def unroute_channel(self, relay: UdpRelay, number: int) -> None:
+        """Stop the client's ChannelData on ``number`` on every plane at once;
+        what it forwarded joins the allocation's usage (the kernel's the
+        totals too: the tap's are there already)."""
+        installed = relay.installed.pop(number, None)
+        if installed is None:
+            return
+        installed.remove()
+        usage = relay.link.usage
+        usage[0] += installed.packets
+        usage[1] += installed.octets
+        self._fold_kernel(installed, to_peer=True)
+        self._settle(relay.endpoint)
+
+    def route_peer(self, relay: UdpRelay, peer: Address, number: int) -> None:
+        """Data from ``peer`` goes to the client as ChannelData on ``number``
+        (a Data indication route of the peer's is replaced)."""
+        relay.forget_learned(peer)
+        if relay.link.out is None:
+            return  # the relay's fallback sends it (TCP framing, DTLS...)
+        old = relay.installed.get(peer)
+        if old is not None:
+            entry = old.entry
+            if (
+                getattr(entry, "rewrite", None) == Rewrite.WRAP_CHANNEL
+                and getattr(entry, "channel", None) == number
+            ):
+                self.route_table.refresh(old)
+                return
+            self._unroute_to_client(relay, peer)
+        relay.installed[peer] = self.route_table.install(
+            relay.peer_routes,
+            peer,
+            to_client_route(relay.link.out, relay.client, number, relay.budget),
+            via=relay.sock,
+            kernel=self.kernel_takes(relay, peer),
+        )
+
+    def learn_peer(self, relay: UdpRelay, peer: Address, out: SendsTo) -> None:
+        """The next datagrams from ``peer`` (permitted, no channel) leave as
+        Data indications on the data plane (parsed and written in user space:
+        the relay tap's only), until its permission lapses or a channel is
+        bound to it."""
+        relay.installed[peer] = self.route_table.install(
+            relay.peer_routes,
+            peer,
+            data_route(out, relay.client, peer, os.urandom(8), relay.budget),
+            via=relay.sock,
+        )
+        relay.data_peers.setdefault(peer[0], set()).add(peer)
+        if peer[0] in relay.core.self_peers:
+            self.self_peer_relays.setdefault(peer, set()).add(relay)
+
+    def unroute_peer(self, relay: UdpRelay, peer: Address) -> None:
+        """Stop data from ``peer`` on every plane at once."""
+        self._unroute_to_client(relay, peer)
+        relay.forget_learned(peer)
+
+    def unroute_permission(self, relay: UdpRelay, ip: str) -> None:
+        """The permission of ``ip`` lapsed: its learned Data indication routes go."""
+        for peer in relay.data_peers.pop(ip, ()):
+            self._unroute_to_client(relay, peer)
+
+    def unroute_all(self, relay: UdpRelay) -> None:
+        """Every route of ``relay`` goes (its allocation ends)."""
+        for key in list(relay.installed):
+            if isinstance(key, int):
+                self.unroute_channel(relay, key)
+            else:
+                self._unroute_to_client(relay, key)
+        relay.data_peers.clear()
+        sending, relay.sending = relay.sending, None
+        if sending is not None:
+            sending.remove()
+            usage = relay.link.usage
+            usage[0] += sending.packets
+            usage[1] += sending.octets
+            self._settle(relay.endpoint)
+
+    def _unroute_to_client(self, relay: UdpRelay, peer: Address) -> None:
+        installed = relay.installed.pop(peer, None)
+        if installed is not None:
+            installed.remove()
+            # The tap's part is in the relay tap's counts (folded at retire).
+            self._fold_kernel(installed, to_peer=False)
+            usage = relay.link.usage
+            usage[2] += installed.kernel_packets
+            usage[3] += installed.kernel_octets
+
+    def _fold_kernel(self, installed: InstalledRoute, *, to_peer: bool) -> None:
+        """A removed route's kernel counts (final: they outlive the route)
+        join the totals, as a tap's do."""
+        packets, octets = installed.kernel_packets, installed.kernel_octets
+        if not packets:
+            return
+        stats, retired = self.stats, self.kernel_retired
+        at = 0 if to_peer else 2
+        retired[at] += packets
+        retired[at + 1] += octets
+        if to_peer:
+            stats.to_peer_packets += packets
+            stats.to_peer_bytes += octets
+        else:
+            stats.to_client_packets += packets
+            stats.to_client_bytes += octets
+
     # -- relay side ------------------------------------------------------------
 
     def relay_tap(self, relay: UdpRelay) -> RouteTapLike:
@@ -322,7 +480,7 @@ class TurnRoutes:
     def retire(self, relay: UdpRelay) -> None:
         """Stop reading a closing relay; fold its counters into the totals."""
         self.forget_relayed(relay.address)
-        self.kernel_unroute_all(relay)
+        self.unroute_all(relay)
         tap = self.relay_taps.pop(relay, None)
         if tap is None:
             return
@@ -337,11 +495,6 @@ class TurnRoutes:
         usage[2] += tap.forwarded
         usage[3] += tap.forwarded_bytes
 
-    def learned_self_peer(self, peer: Address, relay: UdpRelay) -> None:
-        """``relay`` learned a Data indication route from ``peer``, an
-        address of this host: it goes when ``peer`` (a relayed address) does."""
-        self.self_peer_routes.setdefault(peer, set()).add(relay)
-
     def approved(self, peer: Address, route: Any) -> None:
         """A Send route was approved for ``peer``, a relayed address."""
         self.self_peer_approvals.setdefault(peer, set()).add(route)
@@ -350,141 +503,31 @@ class TurnRoutes:
         """The relayed ``address`` is gone: no route another allocation
         learned from it and no Send approval to it forwards any more (the
         core ended the channels to it; a new socket may take the port)."""
-        for relay in self.self_peer_routes.pop(address, ()):
-            relay.unroute_peer(address)
+        for relay in self.self_peer_relays.pop(address, ()):
+            self.unroute_peer(relay, address)
         for route in self.self_peer_approvals.pop(address, ()):
             approved = route.approved
             if approved is not None:
                 approved.pop(address, None)
 
-    # -- kernel side -----------------------------------------------------------
-    #
-    # A channel's two routes (client -> peer: UNWRAP_CHANNEL keyed by the
-    # client, our listening address and the channel; peer -> client:
-    # WRAP_CHANNEL keyed by the peer and the relayed address) are put in the
-    # kernel map beside the socket taps' routes, for the flows the eBPF
-    # program forwards exactly as the taps would (:meth:`kernel_takes`).
-    # The kernel takes them before the socket; the taps' routes stay as the
-    # fallback (a padded ChannelData, a route the map could not hold). They
-    # come and go with the taps' routes, on the core's ``route_*`` calls.
+    # -- counters and life -----------------------------------------------------
 
-    def kernel_takes(self, relay: UdpRelay, peer: Address) -> bool:
-        """Whether the kernel can forward ``relay``'s channel to ``peer``
-        exactly as the sockets do: a UDP client on a UDP listener bound to
-        one address (``link.out``: the one a peer -> client route leaves
-        from; a wildcard listener replies from each client's destination
-        address, TCP/TLS frame, DTLS encrypts), no ``--turn-max-bps`` (the
-        program has no token bucket), and a peer that is not one of this
-        host's addresses (a relayed address or service port is judged per
-        port by the control plane)."""
-        return (
-            self.kernel is not None
-            and relay.link.out is not None
-            and relay.link.stream is None
-            and relay.budget.bps <= 0
-            and peer[0] not in relay.core.self_peers
-        )
-
-    def kernel_channel(self, relay: UdpRelay, number: int, peer: Address) -> None:
-        """ChannelData from the client on ``number`` goes to ``peer`` (a
-        route of the channel to another peer is replaced)."""
-        routes = self.kernel_routes.get(relay)
-        old = routes.to_peer.get(number) if routes is not None else None
-        if old is not None:
-            if old.route.out_dest == (peer[0], peer[1]):
-                return  # a refresh: the route and its counts stay
-            self.kernel_unroute_channel(relay, number)
-        if not self.kernel_takes(relay, peer):
-            return
-        try:
-            route = KernelRoute(
-                RouteKind.UNWRAP_CHANNEL,
-                (relay.client[0], relay.client[1]),
-                _concrete(relay.endpoint.local, relay.client[0]),
-                _concrete(relay.sock.getsockname(), peer[0]),
-                (peer[0], peer[1]),
-                number,
-            )
-        except (OSError, ValueError):
-            return
-        installed = self._kernel_install(route)
-        if installed is not None:
-            self.kernel_routes.setdefault(relay, KernelChannels()).to_peer[number] = (
-                installed
-            )
-
-    def kernel_peer(self, relay: UdpRelay, peer: Address, number: int) -> None:
-        """Data from ``peer`` goes to the client as ChannelData on ``number``."""
-        routes = self.kernel_routes.get(relay)
-        old = routes.to_client.get(peer) if routes is not None else None
-        if old is not None:
-            if old.route.channel == number:
-                return
-            self.kernel_unroute_peer(relay, peer)
-        if not self.kernel_takes(relay, peer):
-            return
-        try:
-            route = KernelRoute(
-                RouteKind.WRAP_CHANNEL,
-                (peer[0], peer[1]),
-                _concrete(relay.sock.getsockname(), peer[0]),
-                _concrete(relay.endpoint.local, relay.client[0]),
-                (relay.client[0], relay.client[1]),
-                number,
-            )
-        except (OSError, ValueError):
-            return
-        installed = self._kernel_install(route)
-        if installed is not None:
-            self.kernel_routes.setdefault(relay, KernelChannels()).to_client[peer] = (
-                installed
-            )
-
-    def kernel_unroute_channel(self, relay: UdpRelay, number: int) -> None:
-        """Stop the client's ChannelData on ``number`` in the kernel at once;
-        what it forwarded goes to the totals and the allocation's usage."""
-        routes = self.kernel_routes.get(relay)
-        route = routes.to_peer.pop(number, None) if routes is not None else None
-        if route is not None:
-            route.remove()
-            self._fold(relay, route, to_peer=True)
-
-    def kernel_unroute_peer(self, relay: UdpRelay, peer: Address) -> None:
-        """Stop data from ``peer`` in the kernel at once (counted as above)."""
-        routes = self.kernel_routes.get(relay)
-        route = routes.to_client.pop(peer, None) if routes is not None else None
-        if route is not None:
-            route.remove()
-            self._fold(relay, route, to_peer=False)
-
-    def kernel_unroute_all(self, relay: UdpRelay) -> None:
-        """Every kernel route of ``relay`` goes (its allocation ends)."""
-        routes = self.kernel_routes.pop(relay, None)
-        if routes is None:
-            return
-        for route in routes.to_peer.values():
-            route.remove()
-            self._fold(relay, route, to_peer=True)
-        for route in routes.to_client.values():
-            route.remove()
-            self._fold(relay, route, to_peer=False)
-
-    def _fold(self, relay: UdpRelay, route: RewriteRoute, *, to_peer: bool) -> None:
-        """A removed kernel route's counts (final: they outlive the route)
-        join the totals and the allocation's usage, as a tap's do."""
-        packets, octets = route.packets, route.octets
-        stats, usage, retired = self.stats, relay.link.usage, self.kernel_retired
-        at = 0 if to_peer else 2
-        usage[at] += packets
-        usage[at + 1] += octets
-        retired[at] += packets
-        retired[at + 1] += octets
-        if to_peer:
-            stats.to_peer_packets += packets
-            stats.to_peer_bytes += octets
-        else:
-            stats.to_client_packets += packets
-            stats.to_client_bytes += octets
+    @property
+    def kernel_routes(self) -> dict[UdpRelay, KernelChannels]:
+        """Each relay's routes the kernel forwards now."""
+        found: dict[UdpRelay, KernelChannels] = {}
+        for relay in self.relay_taps:
+            kernel = KernelChannels()
+            for key, route in relay.installed.items():
+                if route.twin is None:
+                    continue
+                if isinstance(key, int):
+                    kernel.to_peer[key] = route.twin
+                else:
+                    kernel.to_client[key] = route.twin
+            if kernel.to_peer or kernel.to_client:
+                found[relay] = kernel
+        return found
 
     def kernel_counters(self) -> tuple[int, int, int, int]:
         """What the kernel forwarded, removed routes and live ones: (to_peer
@@ -499,30 +542,15 @@ class TurnRoutes:
         )
 
     def _kernel_live(self) -> list[int]:
-        """What the live kernel routes forwarded (read from the map)."""
+        """What the live routes' kernel twins forwarded (read from the map)."""
         counts = [0, 0, 0, 0]
-        for channels in self.kernel_routes.values():
-            for at, routes in ((0, channels.to_peer), (2, channels.to_client)):
-                for route in routes.values():
-                    counts[at] += route.packets
-                    counts[at + 1] += route.octets
+        for relay in self.relay_taps:
+            for key, route in relay.installed.items():
+                if route.twin is not None:
+                    at = 0 if isinstance(key, int) else 2
+                    counts[at] += route.kernel_packets
+                    counts[at + 1] += route.kernel_octets
         return counts
-
-    def _kernel_install(self, route: KernelRoute) -> RewriteRoute | None:
-        plane = self.kernel
-        if plane is None:
-            return None
-        try:
-            # On the ingress of the device the sender's datagrams arrive on.
-            plane.attach(egress_ifindex(route.source[0]))
-        except (OSError, ValueError) as exc:
-            log.debug("kernel route %s not taken: %s", route, exc)
-            return None
-        if not plane.install(route):
-            return None
-        return RewriteRoute(plane, route)
-
-    # -- counters and life -----------------------------------------------------
 
     def counters(self) -> tuple[int, int, int, int, int]:
         """(to_peer packets, to_peer bytes, to_client packets, to_client bytes,
@@ -577,15 +605,6 @@ class KernelChannels:
     to_client: dict[Address, RewriteRoute] = field(default_factory=dict)
 
 
-def _concrete(bound: Any, toward: str) -> tuple[str, int]:
-    """A bound address as the kernel sees it toward ``toward``: a wildcard
-    bind is keyed by the source address the kernel picks toward it."""
-    host, port = str(bound[0]), int(bound[1])
-    if ipaddress.ip_address(host).is_unspecified:
-        host = local_address_for(toward)
-    return host, port
-
-
 # ------------------------------------------------------------------ clients
 
 
@@ -629,7 +648,7 @@ class UdpRelay:
     peer with a channel and a live permission leaves as ChannelData by its
     route; everything else comes to :meth:`from_peer`, which asks the core
     what to do with it. The core's ``route_*`` calls become routes of both
-    directions in the port's :class:`TurnRoutes`.
+    directions, written by the route table (:class:`TurnRoutes` says where).
     """
 
     allocation: Allocation = field(repr=False)
@@ -648,28 +667,24 @@ class UdpRelay:
     def __post_init__(self) -> None:
         self.client = self.link.client
         self.endpoint = self.link.endpoint
-        #: The relay socket's route table: peer -> route to the client.
+        #: The relay socket's route table: peer -> route to the client
+        #: (written by the route table only).
         self.peer_routes: dict[Address, Any] = {}
-        #: The channels this relay routes client -> peer.
-        self.channels: set[int] = set()
+        #: The routes as this relay holds them, in one dict (a few hundred
+        #: bytes an allocation less than two): client -> peer by channel
+        #: number (an int; in the listening endpoint's table), peer -> client
+        #: by peer address (ChannelData or a learned Data indication); and
+        #: the client's Send route when this relay has it.
+        self.installed: dict[int | Address, InstalledRoute] = {}
+        self.sending: InstalledRoute | None = None
         #: Peers (by IP) with a learned Data indication route in peer_routes.
         self.data_peers: dict[str, set[Address]] = {}
         self.tap = self.routes.relay_tap(self)
-        self.send_key = (self.client, SEND_INDICATION_KEY)
         if self.routes.tapped(self.endpoint) and self.link.stream is None:
             # Send indications of this client's, once parsed, checked for a
             # permission and a peer the control plane need not judge per port,
-            # leave from this relay socket on the data plane (the first relay
-            # of a dual allocation takes them; the other family's go to the
-            # Python path, which handles both).
-            table = self.routes.table(self.endpoint)
-            if self.send_key not in table:
-                table[self.send_key] = send_route(
-                    self.sock,
-                    self.allocation.permissions,
-                    self.core.self_peers,
-                    self.budget,
-                )
+            # leave from this relay socket on the data plane.
+            self.routes.route_send(self)
 
     @property
     def bps(self) -> float:
@@ -689,62 +704,28 @@ class UdpRelay:
     # -- the core's forwarding decisions, as routes ----------------------------
 
     def route_channel(self, number: int, peer: Address) -> None:
-        self.routes.route(
-            self.endpoint,
-            channel_key(self.client, number),
-            to_peer_route(self.sock, peer, self.budget),
-        )
-        self.channels.add(number)
-        self.routes.kernel_channel(self, number, peer)
+        self.routes.route_channel(self, number, peer)
 
     def unroute_channel(self, number: int) -> None:
-        self.channels.discard(number)
-        self.routes.kernel_unroute_channel(self, number)
-        self._count(
-            self.routes.unroute(self.endpoint, channel_key(self.client, number))
-        )
+        self.routes.unroute_channel(self, number)
 
     def route_peer(self, peer: Address, number: int) -> None:
-        self._forget_learned(peer)  # ChannelData from now on
-        if self.link.out is not None:
-            self.peer_routes[peer] = to_client_route(
-                self.link.out, self.client, number, self.budget
-            )
-            self.routes.kernel_peer(self, peer, number)
+        self.routes.route_peer(self, peer, number)
 
     def unroute_peer(self, peer: Address) -> None:
-        self.peer_routes.pop(peer, None)
-        self.routes.kernel_unroute_peer(self, peer)
-        self._forget_learned(peer)
+        self.routes.unroute_peer(self, peer)
 
-    def _forget_learned(self, peer: Address) -> None:
+    def forget_learned(self, peer: Address) -> None:
+        """``peer``'s route is no longer a learned Data indication one."""
         learned = self.data_peers.get(peer[0])
         if learned is not None:
             learned.discard(peer)
 
     def unroute_permission(self, ip: str) -> None:
-        for peer in self.data_peers.pop(ip, ()):
-            self.peer_routes.pop(peer, None)
+        self.routes.unroute_permission(self, ip)
 
     def unroute_all(self) -> None:
-        for number in list(self.channels):
-            self.unroute_channel(number)
-        self.peer_routes.clear()
-        self.routes.kernel_unroute_all(self)
-        self.data_peers.clear()
-        table = self.routes.table_if_any(self.endpoint)
-        if table is not None:
-            route = table.get(self.send_key)
-            if route is not None and route.sock is self.sock:
-                self._count(self.routes.unroute(self.endpoint, self.send_key))
-
-    def _count(self, route: Any) -> None:
-        """Add what a client -> peer route forwarded to the allocation's usage
-        before it goes."""
-        if route is not None:
-            usage = self.link.usage
-            usage[0] += route.packets
-            usage[1] += route.octets
+        self.routes.unroute_all(self)
 
     # -- what the routes do not forward ----------------------------------------
 
@@ -772,12 +753,7 @@ class UdpRelay:
         if not is_channel and link.out is not None and self.learned < MAX_DATA_ROUTES:
             # The next ones from this peer take the data plane, until its
             # permission lapses (unroute_permission) or a channel is bound.
-            self.peer_routes[addr] = data_route(
-                link.out, self.client, addr, os.urandom(8), self.budget
-            )
-            self.data_peers.setdefault(addr[0], set()).add(addr)
-            if addr[0] in self.core.self_peers:
-                self.routes.learned_self_peer(addr, self)
+            self.routes.learn_peer(self, addr, link.out)
 
     @property
     def learned(self) -> int:
