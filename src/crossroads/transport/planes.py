@@ -18,10 +18,10 @@ explicit choice that cannot run is an error at start, not a silent fallback.
 
 ``auto`` takes the kernel plane when the program loads (root or CAP_BPF and
 CAP_NET_ADMIN, a kernel with BTF and the clang-built object): every relay
-writes its routes there — the Unity relay, the natneg relay's pairs and the
-RakNet UDP proxy's forwarders through their route table
-(transport/routes.py), TURN's UDP channels through ``TurnRoutes``
-(transport/turnrelay.py: ChannelData both ways for a UDP client on a
+writes its routes there through the one route table (transport/routes.py) —
+the Unity relay, the natneg relay's pairs, the RakNet UDP proxy's forwarders
+and TURN's UDP channels (``TurnRoutes`` in transport/turnrelay.py decides
+which: ChannelData both ways for a UDP client on a
 listener bound to one address, without ``--turn-max-bps``, toward a peer
 that is not one of this host's addresses; Send and Data indications,
 TCP/TLS/DTLS clients and rate-limited relays stay on the plane under it) —
