@@ -317,8 +317,21 @@ class BatteryServer:
     def alive(self) -> bool:
         return self.process.poll() is None
 
+    def admin_get(self, path: str) -> httpx.Response:
+        """GET on the kept connection; once more on a new one if it was cut.
+
+        The server closes a keep-alive connection idle past
+        ``--http-request-timeout`` (5 s here, for the slowloris checks); a
+        request sent on it as the close comes meets a reset. A browser sends
+        an idempotent request again on a new connection then (RFC 9110
+        §9.2.2), and so does this client."""
+        try:
+            return self.admin.get(path)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            return self.admin.get(path)
+
     def snapshot(self) -> dict[str, Any]:
-        answer = self.admin.get("/console/api/admin/resources")
+        answer = self.admin_get("/console/api/admin/resources")
         assert answer.status_code == 200, (answer.status_code, answer.text[:200])
         result: dict[str, Any] = answer.json()
         return result
@@ -335,7 +348,7 @@ class BatteryServer:
         lives until its lifetime unless it deallocates; coturn's uclient
         deallocates at its end, but its Refresh(0) is a UDP datagram that a
         flood may cost it, and then the allocation would outlive the wait."""
-        listed = self.admin.get("/console/api/admin/sessions").json()
+        listed = self.admin_get("/console/api/admin/sessions").json()
         count = 0
         for session in listed.get("turn", []):
             answer = self.admin.post(
