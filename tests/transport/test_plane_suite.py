@@ -6,7 +6,7 @@ plane alike: the relay's socket (192.0.2.1) and the socket it forwards from
 (198.51.100.1) in the server namespace under a route tap; on the kernel
 plane the eBPF program runs on the server's devices above it. Install,
 forward exact bytes, count, remove (the next datagram reaches the control
-plane at once), restore, and teardown that leaves nothing. TURN's channels
+plane at once), reinstatement, and teardown that leaves nothing. TURN's channels
 run the same cases in test_kernelturn.py.
 """
 
@@ -129,7 +129,7 @@ def test_install_forwards_exact_bytes_and_counts(rig: Rig) -> None:
     assert route.packets == len(sizes)
 
 
-def test_remove_stops_at_once_and_restore_carries_the_counts_on(rig: Rig) -> None:
+def test_remove_stops_at_once_and_reinstate_carries_the_counts_on(rig: Rig) -> None:
     route = rig.install(rig.a)
     assert rig.cross(rig.a, b"one") == "dest"
     route.remove()
@@ -137,7 +137,7 @@ def test_remove_stops_at_once_and_restore_carries_the_counts_on(rig: Rig) -> Non
     assert rig.cross(rig.a, b"two") == "control"  # the very next datagram
     assert (route.packets, route.octets) == (1, 3)  # kept
     with inside(rig.ns["server"]):  # the kernel twin's device is looked up there
-        route.restore()
+        route.reinstate()
     assert rig.cross(rig.a, b"three") == "dest"
     assert (route.packets, route.octets) == (2, 8)
 

@@ -31,7 +31,7 @@ def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
     made.close()
 
 
-def test_install_remove_restore_on_the_tap(rig: Rig) -> None:
+def test_install_remove_reinstate_on_the_tap(rig: Rig) -> None:
     table = RouteTable()
     route = table.install(rig.routes, rig.a.getsockname(), rig.route(), via=rig.relay)
     assert route.twin is None  # no kernel plane
@@ -45,7 +45,7 @@ def test_install_remove_restore_on_the_tap(rig: Rig) -> None:
     rig.tap.readable()
     assert rig.fallen == [(b"two", rig.a.getsockname())]  # to the control plane
     assert (route.packets, route.octets) == (1, 3)  # kept
-    route.restore()
+    route.reinstate()
     rig.send(rig.a, b"three")
     rig.tap.readable()
     assert recv(rig.dest) is not None

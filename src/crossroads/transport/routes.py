@@ -39,7 +39,7 @@ and the kernel's counters (what idle sweeps, metrics, quotas and connection
 insight read; they outlive removal), :meth:`InstalledRoute.remove` takes the
 route out of both planes at once (the next datagram reaches the socket,
 which has no route for it: a released pair, a revoked allocation), and
-:meth:`InstalledRoute.restore` puts it back with its counts (a Unity route
+:meth:`InstalledRoute.reinstate` puts it back with its counts (a Unity route
 suspended for its rate). A route the control plane forwards some other way
 (the Unity relay's DTLS, stream or impaired ends) is installed with no socket
 to read from (``via=None``): in the tap's dict only, which hands it to the
@@ -193,7 +193,7 @@ class InstalledRoute:
     kernel: bool = True
     #: The kernel's route while it forwards this one.
     twin: RewriteRoute | None = None
-    #: Counts of kernel twins already removed (a suspended route restored).
+    #: Counts of kernel twins already removed (a suspended route reinstated).
     _earlier: tuple[int, int] = (0, 0)
     live: bool = field(default=True, init=False)
 
@@ -247,7 +247,7 @@ class InstalledRoute:
             )
             self.twin = None
 
-    def restore(self) -> None:
+    def reinstate(self) -> None:
         """Put a removed route back in every plane, its counts carried on."""
         if self.live:
             return

@@ -119,7 +119,7 @@ class RouteHandle(Protocol):
     def remove(self) -> None:
         """Stop forwarding (the next frame reaches the core)."""
 
-    def restore(self) -> None:
+    def reinstate(self) -> None:
         """Forward again after :meth:`remove`, counts carried on."""
 
 
@@ -154,7 +154,7 @@ class Forward:
         if self._table.get(self._key) is self:
             del self._table[self._key]
 
-    def restore(self) -> None:
+    def reinstate(self) -> None:
         self._table[self._key] = self
 
 
@@ -521,7 +521,7 @@ class RelayServer(Outbox[Datagram], EventQueue[Event]):
                     and key[0] == route.source.address
                     and key not in self.routes
                 ):
-                    route.forward.restore()
+                    route.forward.reinstate()
                     self._links[key] = route
         cfg = self.config
         for alloc in list(self.allocations.values()):
