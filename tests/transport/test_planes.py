@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from crossroads.transport import dataplane, planes, turnplane
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+from tests.transport.plane_support import keep_plane_globals
 
 
 def kernel_loads() -> bool:
@@ -77,23 +78,10 @@ def test_kernel_that_cannot_load_is_an_error(monkeypatch: pytest.MonkeyPatch) ->
 def test_python_switches_every_new_route_to_the_twin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in (
-        "RouteType",
-        "RouteTapType",
-        "BudgetType",
-        "PollerType",
-        "ACCELERATED",
-    ):
-        monkeypatch.setattr(dataplane, name, getattr(dataplane, name))
-    monkeypatch.setattr(turnplane, "ACCELERATED", turnplane.ACCELERATED)
     import crossroads.services.turn as turn_service
     import crossroads.transport.stunport as stunport
 
-    monkeypatch.setattr(turn_service, "ACCELERATED", turn_service.ACCELERATED)
-    monkeypatch.setattr(stunport, "ACCELERATED", stunport.ACCELERATED)
-    monkeypatch.setenv(
-        planes.PURE_PYTHON_ENV, os.environ.get(planes.PURE_PYTHON_ENV, "")
-    )
+    keep_plane_globals(monkeypatch)
     choice = planes.select("python")
     assert choice.kind == "python"
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
