@@ -22,6 +22,15 @@ def _kernel_loads() -> bool:
     return True
 
 
+def skip_unless_kernel_loads() -> None:
+    """Skip the test, saying why, where the kernel plane's program does not
+    load here."""
+    try:
+        KernelPlane.load().close()
+    except KernelPlaneUnavailable as exc:
+        pytest.skip(f"kernel plane unavailable: {exc}")
+
+
 PLANES = [
     pytest.param("python", id="python"),
     pytest.param(

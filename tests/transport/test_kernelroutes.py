@@ -31,6 +31,7 @@ from crossroads.transport.natneg_relay import RelayPool
 from crossroads.transport.raknet_forwarder import ForwarderPool, forwarder_table
 from crossroads.transport.routes import RouteTable
 from tests.transport.netns_support import inside, relay_lab
+from tests.transport.plane_support import skip_unless_kernel_loads
 from tests.transport.test_natneg_relay import recv
 from tests.transport.test_relay import SEALER
 
@@ -187,10 +188,7 @@ async def test_the_runtime_hands_the_kernel_plane_to_both_relays(plane: str) -> 
     from tests.conftest import loopback_config, running_service
 
     if plane == "kernel":
-        try:
-            KernelPlane.load().close()
-        except KernelPlaneUnavailable as exc:
-            pytest.skip(f"kernel plane unavailable: {exc}")
+        skip_unless_kernel_loads()
     rt = await start(
         default_config(
             loopback_config(
@@ -315,10 +313,7 @@ async def test_the_runtime_hands_the_kernel_plane_to_the_unity_relay(
     from tests.conftest import loopback_config, running_service
 
     if plane == "kernel":
-        try:
-            KernelPlane.load().close()
-        except KernelPlaneUnavailable as exc:
-            pytest.skip(f"kernel plane unavailable: {exc}")
+        skip_unless_kernel_loads()
     rt = await start(
         default_config(loopback_config(core__only="relay", core__dataplane=plane))
     )

@@ -36,11 +36,15 @@ from crossroads.proto.turn.constants import (
 )
 from crossroads.runtime import Runtime, start
 from crossroads.services.turn import TurnService
-from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+from crossroads.transport.kernelplane import KernelPlane
 from crossroads.transport.turnrelay import ClientLink
 from tests.conftest import loopback_config, running_service
 from tests.transport.netns_support import inside, relay_lab
-from tests.transport.plane_support import PLANES, keep_plane_globals
+from tests.transport.plane_support import (
+    PLANES,
+    keep_plane_globals,
+    skip_unless_kernel_loads,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -75,10 +79,7 @@ async def turn_lab(
         pytest.skip("needs root for namespaces and eBPF")
     with relay_lab("kt") as names, inside(names["server"]):
         if plane == "kernel":
-            try:
-                KernelPlane.load().close()
-            except KernelPlaneUnavailable as exc:
-                pytest.skip(f"kernel plane unavailable: {exc}")
+            skip_unless_kernel_loads()
         rt = await start(
             default_config(
                 loopback_config(
