@@ -134,9 +134,13 @@ async def echoes(host: str, port: int, process: asyncio.subprocess.Process) -> N
 
 
 async def uclient(*args: str, timeout: float = 60) -> str:
+    return await command_output(tool("turnutils_uclient"), *args, timeout=timeout)
+
+
+async def command_output(*command: str, timeout: float = 60) -> str:
+    """What ``command`` printed (stdout and stderr); killed at ``timeout``."""
     process = await asyncio.create_subprocess_exec(
-        tool("turnutils_uclient"),
-        *args,
+        *command,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )

@@ -39,6 +39,7 @@ from crossroads.services.turn import TurnService
 from crossroads.transport.kernelplane import KernelPlane
 from crossroads.transport.turnrelay import ClientLink
 from tests.conftest import loopback_config, running_service
+from tests.interop.test_turn import command_output
 from tests.transport.netns_support import inside, relay_lab
 from tests.transport.plane_support import (
     PLANES,
@@ -140,22 +141,7 @@ async def recv(sock: socket.socket, timeout: float = 2.0) -> tuple[bytes, Any] |
 
 
 async def in_ns(ns: str, *command: str, timeout: float = 30) -> str:
-    process = await asyncio.create_subprocess_exec(
-        "ip",
-        "netns",
-        "exec",
-        ns,
-        *command,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    try:
-        out, _ = await asyncio.wait_for(process.communicate(), timeout)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-        raise
-    return out.decode(errors="replace")
+    return await command_output("ip", "netns", "exec", ns, *command, timeout=timeout)
 
 
 async def test_uclient_channels_forwarded_by_the_kernel() -> None:
