@@ -20,10 +20,10 @@ near 300k datagrams/s on one core here, below what the kernel plane
 forwards. The peer's device drops and counts what arrives (``load_sink``);
 loss is 1 - counted/sent.
 
-The server core: the server's client-side veth polls in its own NAPI
-thread, pinned to CPU 0 at real-time priority (as softirq would take a
-real core before any process), and every relay process is pinned to CPU 0
-too. So all the work of relaying a packet (the eBPF program, or the stack,
+The server core: the server's veth the load arrives on polls in its own
+NAPI thread, pinned to CPU 0 (at normal priority: under overload it shares
+the core with a relay process as ksoftirqd would), and every relay process
+is pinned to CPU 0 too. So all the work of relaying a packet (the eBPF program, or the stack,
 the socket and the relay process) lands on CPU 0, and "server core
 us/pkt" is CPU 0's busy time per delivered packet; the generator and the
 sink share CPU 1. The machine has two cores: this is the whole of it.
@@ -135,11 +135,14 @@ class Running:
     #: (client socket, where it sends, ChannelData header, peer socket)
     #: per allocation: what the generator's frames carry.
     flows: list[Flow]
-    #: The client's flow and the peer's way back, for the ping-pong (None:
-    #: no round trip, the generator alone).
-    ping: tuple[Flow, Flow] | None
+    #: The same allocations from the peer's side: (peer socket, the relayed
+    #: address, no header, client socket); empty for the generator alone.
+    back: list[Flow]
     #: The eBPF program's descriptor (kernel plane): its run time is read.
     bpf_fd: int | None = None
+
+    def direction(self, down: bool) -> list[Flow]:
+        return self.back if down else self.flows
 
 
 def udp_in(ns: str, host: str, stack: ExitStack) -> socket.socket:
@@ -172,20 +175,33 @@ class Load:
     args: argparse.Namespace
     #: The server's NAPI thread (see :func:`server_napi`).
     napi_pid: int = 0
+    #: Peer to client (TURN: the ChannelData header goes on), else client
+    #: to peer (it comes off).
+    down: bool = False
+
+    @property
+    def sender(self) -> str:
+        """The generator's namespace (its device is its ``eth0``)."""
+        return self.ns["peer" if self.down else "client"]
+
+    @property
+    def server_device(self) -> str:
+        """The server's device the generator's frames arrive on."""
+        return "top" if self.down else "toc"
 
     def frames(self, target: Running) -> list[bytes]:
-        client_mac = xdp_load.mac_of(self.ns["client"], "eth0")
-        server_mac = xdp_load.mac_of(self.ns["server"], "toc")
+        sender_mac = xdp_load.mac_of(self.sender, "eth0")
+        server_mac = xdp_load.mac_of(self.ns["server"], self.server_device)
         size = self.args.payload
         return [
             xdp_load.udp_frame(
-                client_mac,
+                sender_mac,
                 server_mac,
                 send.getsockname(),
                 dest,
                 header + bytes(size),
             )
-            for send, dest, header, _ in target.flows
+            for send, dest, header, _ in target.direction(self.down)
         ]
 
     def step(self, gen: xdp_load.Generator, target: Running, rate: float) -> Step:
@@ -225,7 +241,7 @@ class Load:
         frames = self.frames(target)
         self.loader.configure(round(1e9 / self.args.same_rate), frames)
         gen = xdp_load.Generator(
-            self.loader, self.ns["client"], "eth0", int(sat.LOAD_CPU), frames[0]
+            self.loader, self.sender, "eth0", int(sat.LOAD_CPU), frames[0]
         )
         self.loader.sinking(True)
         gen.start()
@@ -249,7 +265,7 @@ class Load:
     def report(self, target: Running, step: Step) -> None:
         if self.args.verbose:
             print(
-                f"    {target.name:<30} offered {step.offered:>9.0f}/s delivered "
+                f"    {'v' if self.down else '^'} {target.name:<30} offered {step.offered:>9.0f}/s delivered "
                 f"{step.delivered:>9.0f}/s loss {step.loss:6.2f}% napi "
                 f"{step.napi_cpu * 100:5.1f}% process {step.server_cpu * 100:5.1f}% "
                 f"(core 0 {step.core_cpu * 100:5.1f}%)",
@@ -259,23 +275,24 @@ class Load:
 
 @contextlib.contextmanager
 def server_napi(load: Load, program: str | None) -> Iterator[int]:
-    """The server's client-side veth gets NAPI (``program``, unless the
-    target attached its own XDP program) polled by a thread on CPU 0."""
+    """The server's veth the load arrives on gets NAPI (``program``, unless
+    the target attached its own XDP program) polled by a thread on CPU 0."""
+    device = load.server_device
     with ExitStack() as stack:
         if program:
-            load.loader.attach(load.ns["server"], "toc", program)
-            stack.callback(load.loader.detach, load.ns["server"], "toc")
+            load.loader.attach(load.ns["server"], device, program)
+            stack.callback(load.loader.detach, load.ns["server"], device)
         load.napi_pid = stack.enter_context(
-            xdp_load.napi_thread(load.ns["server"], "toc", int(sat.SERVER_CPU))
+            xdp_load.napi_thread(load.ns["server"], device, int(sat.SERVER_CPU))
         )
         yield load.napi_pid
 
 
 def ping_pong(target: Running, rounds: int = 500) -> float:
     """Median round trip (us) client -> relay -> peer -> relay -> client."""
-    if target.ping is None:
+    if not target.back:
         return float("nan")
-    (client, dest, header, peer), (_, back, _, _) = target.ping
+    (client, dest, header, peer), (_, back, _, _) = target.flows[0], target.back[0]
     for sock in (client, peer):
         sock.setblocking(True)
         sock.settimeout(1.0)
@@ -312,7 +329,7 @@ def generator_alone(ns: dict[str, str], stack: ExitStack, n: int, size: int) -> 
     flows = [
         (udp_in(ns["client"], CLIENT_IP, stack), LISTEN, b"", None) for _ in range(n)
     ]
-    return Running("generator alone", None, flows, None)  # type: ignore[arg-type]
+    return Running("generator alone", None, flows, [])  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -331,7 +348,7 @@ def kernel_routing(
             p = udp_in(ns["peer"], PEER_IP, stack)
             flows.append((c, p.getsockname(), b"", p))
             back.append((p, c.getsockname(), b"", c))
-        yield Running("kernel routing (no relay)", None, flows, (flows[0], back[0]))
+        yield Running("kernel routing (no relay)", None, flows, back)
     finally:
         subprocess.run([*forwarding, "net.ipv4.ip_forward=0"], check=False)
         for namespace, net in (
@@ -386,7 +403,7 @@ def kernel_plane(
             "kernel plane (eBPF, tc)",
             None,
             flows,
-            (flows[0], back[0]),
+            back,
             plane.program_fd,
         )
     finally:
@@ -397,8 +414,7 @@ def kernel_plane(
 def _turn_flows(
     ns: dict[str, str], stack: ExitStack, n: int, size: int, server: tuple[str, int]
 ) -> tuple[list[Flow], tuple[Flow, Flow]]:
-    """Client-to-peer flows of ``n`` real allocations, and the first one's
-    way back (the ping-pong's)."""
+    """The flows of ``n`` real allocations, client to peer and back."""
     flows: list[Flow] = []
     back: list[Flow] = []
     for _ in range(n):
@@ -409,7 +425,7 @@ def _turn_flows(
         session.channel_bind(CHANNEL, p.getsockname())
         flows.append((c, server, channel_header(size), p))
         back.append((p, relayed, b"", c))
-    return flows, (flows[0], back[0])
+    return flows, back
 
 
 def _wait_stun(
@@ -463,9 +479,9 @@ def crossroads_turn(
     )  # fmt: skip
     try:
         _wait_stun(ns, stack, LISTEN, proc)
-        flows, ping = _turn_flows(ns, stack, n, size, LISTEN)
+        flows, back = _turn_flows(ns, stack, n, size, LISTEN)
         name = f"crossroads C plane, GSO {'on' if gso else 'off'}"
-        yield Running(name, proc.pid, flows, ping)
+        yield Running(name, proc.pid, flows, back)
     finally:
         sat.stop(proc)
 
@@ -489,8 +505,8 @@ def coturn(
     )  # fmt: skip
     try:
         _wait_stun(ns, stack, LISTEN, proc)
-        flows, ping = _turn_flows(ns, stack, n, size, LISTEN)
-        yield Running("coturn -m 1", proc.pid, flows, ping)
+        flows, back = _turn_flows(ns, stack, n, size, LISTEN)
+        yield Running("coturn -m 1", proc.pid, flows, back)
     finally:
         sat.stop(proc)
         shutil.rmtree(directory, ignore_errors=True)
@@ -520,7 +536,7 @@ def bare(
             relayed = (RELAY_IP, struct.unpack_from("!H", answer, 3)[0])
             flows.append((c, LISTEN, channel_header(size), p))
             back.append((p, relayed, b"", c))
-        yield Running("bare forwarder", proc.pid, flows, (flows[0], back[0]))
+        yield Running("bare forwarder", proc.pid, flows, back)
     finally:
         sat.stop(proc)
 
@@ -536,14 +552,24 @@ def main() -> None:
     parser.add_argument("--start-rate", type=float, default=200_000)
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--same-rate", type=float, default=200_000)
-    parser.add_argument("--only", help="comma-separated target name prefixes")
+    parser.add_argument(
+        "--only",
+        help="comma-separated: generator,routing,kernel,gso,nogso,coturn,bare",
+    )
+    parser.add_argument(
+        "--direction",
+        choices=("up", "down", "both"),
+        default="both",
+        help="up: client -> peer (ChannelData header off); down: peer -> client (on)",
+    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (namespaces, eBPF)")
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-kp-"))
     n, size = args.allocations, args.payload
-    rows: list[tuple[str, Step | None, Step, float]] = []
+    rows: list[tuple[str, str, Step | None, Step, float]] = []
+    directions = {"up": [False], "down": [True], "both": [False, True]}[args.direction]
     stats = Path("/proc/sys/kernel/bpf_stats_enabled")
     stats_before = stats.read_text().strip()
     try:
@@ -553,14 +579,15 @@ def main() -> None:
             lab.callback(loader.close)
             stats.write_text("1")  # the eBPF program's run time per packet
             # Both ends' veths take frames through NAPI (the sinks' XDP
-            # programs, passing until a step); the peer's is polled by a
-            # thread on the generator's CPU, at the same priority as the
-            # server's.
+            # programs, passing until a step), polled by threads on the
+            # generator's CPU.
             for namespace in (ns["client"], ns["peer"]):
                 loader.attach(namespace, "eth0", "load_sink")
-            lab.enter_context(
-                xdp_load.napi_thread(ns["peer"], "eth0", int(sat.LOAD_CPU))
-            )
+                lab.enter_context(
+                    xdp_load.napi_thread(
+                        namespace, "eth0", int(sat.LOAD_CPU), xdp_load.SINK_PRIORITY
+                    )
+                )
             # Static neighbours: no ARP during a step, whatever the sinks drop.
             for namespace, device, host, of in (
                 (ns["server"], "top", PEER_IP, ns["peer"]),
@@ -608,15 +635,19 @@ def main() -> None:
             )
             load = Load(loader, ns, args)
             starters: list[
-                tuple[str, Callable[[ExitStack], contextlib.AbstractContextManager[Running]]]
+                tuple[
+                    str,
+                    str,
+                    Callable[[ExitStack], contextlib.AbstractContextManager[Running]],
+                ]
             ] = [
-                ("load_sink", lambda st: contextlib.nullcontext(generator_alone(ns, st, n, size))),
-                ("load_pass", lambda st: kernel_routing(ns, st, n, size)),
-                ("load_pass", lambda st: kernel_plane(ns, st, n, size)),
-                ("load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=True)),
-                ("load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=False)),
-                ("load_pass", lambda st: coturn(ns, st, n, size)),
-                ("load_pass", lambda st: bare(ns, st, n, size, binaries["bare_forwarder"])),
+                ("generator", "load_sink", lambda st: contextlib.nullcontext(generator_alone(ns, st, n, size))),
+                ("routing", "load_pass", lambda st: kernel_routing(ns, st, n, size)),
+                ("kernel", "load_pass", lambda st: kernel_plane(ns, st, n, size)),
+                ("gso", "load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=True)),
+                ("nogso", "load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=False)),
+                ("coturn", "load_pass", lambda st: coturn(ns, st, n, size)),
+                ("bare", "load_pass", lambda st: bare(ns, st, n, size, binaries["bare_forwarder"])),
             ]  # fmt: skip
             wanted = args.only.split(",") if args.only else None
             print(
@@ -624,30 +655,38 @@ def main() -> None:
                 f"{size}-byte payloads, steps of {args.seconds:g} s; the server's "
                 "NAPI thread and process on CPU 0, the generator and the sink on CPU 1"
             )
-            for program, start in starters:
-                with ExitStack() as stack:
-                    target = stack.enter_context(start(stack))
-                    if wanted and not any(target.name.startswith(w) for w in wanted):
-                        continue
-                    rtt = ping_pong(target)
-                    stack.enter_context(server_napi(load, program))
-                    same, best = load.measure(target)
-                rows.append((target.name, best, same, rtt))
-                text = f"{best.delivered:>9.0f}/s" if best else "      n/a"
-                print(f"  {target.name:<30} {text}  rtt {rtt:7.1f} us", flush=True)
+            for key, program, start in starters:
+                if wanted and key not in wanted:
+                    continue
+                for down in directions:
+                    if down and program == "load_sink":
+                        continue  # the generator alone: one way is enough
+                    load.down = down
+                    with ExitStack() as stack:
+                        target = stack.enter_context(start(stack))
+                        rtt = ping_pong(target)
+                        stack.enter_context(server_napi(load, program))
+                        same, best = load.measure(target)
+                    way = "peer -> client" if down else "client -> peer"
+                    rows.append((target.name, way, best, same, rtt))
+                    text = f"{best.delivered:>9.0f}/s" if best else "      n/a"
+                    print(
+                        f"  {target.name:<30} {way:<15} {text}  rtt {rtt:7.1f} us",
+                        flush=True,
+                    )
     finally:
         stats.write_text(stats_before)
         shutil.rmtree(workdir, ignore_errors=True)
     floor = next(
-        (r[3] for r in rows if r[0].startswith("kernel routing")), float("nan")
+        (r[4] for r in rows if r[0].startswith("kernel routing")), float("nan")
     )
     same_rate = f"@{args.same_rate / 1000:.0f}k/s"
     print(
-        f"\n{'target':<30} {'relayed/s <0.5%':>16} {'server us/pkt':>14} "
+        f"\n{'target':<30} {'direction':<15} {'relayed/s <0.5%':>16} {'server us/pkt':>14} "
         f"{'server us/pkt ' + same_rate:>22} {'of it process':>14} "
         f"{'eBPF ns/pkt':>12} {'rtt us':>7} {'added/hop us':>13}"
     )
-    for name, best, same, rtt in rows:
+    for name, way, best, same, rtt in rows:
         rate = f"{best.delivered:.0f}" if best else "n/a"
         core = f"{best.us(best.relay_cpu):.2f}" if best else "-"
         at_same = f"{same.us(same.relay_cpu):.2f} (loss {same.loss:.1f}%)"
@@ -656,7 +695,7 @@ def main() -> None:
         base = name == "generator alone" or name.startswith("kernel routing")
         added = "-" if base or rtt != rtt else f"{(rtt - floor) / 2:+.1f}"
         print(
-            f"{name:<30} {rate:>16} {core:>14} {at_same:>22} {process:>14} "
+            f"{name:<30} {way:<15} {rate:>16} {core:>14} {at_same:>22} {process:>14} "
             f"{bpf:>12} {rtt:>7.1f} {added:>13}"
         )
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import ipaddress
 import os
 import socket
@@ -341,25 +342,29 @@ class Generator:
             with inside(self.ns):
                 while not self._stop.is_set():
                     rc = self.loader.lib.bpf_prog_test_run_opts(fd, ctypes.byref(opts))
+                    if rc == -errno.EINTR:
+                        continue  # a signal (a child's SIGCHLD): run on
                     if rc:
                         raise OSError(-rc, "BPF_PROG_TEST_RUN (live frames)")
         except BaseException as exc:  # reported by stop()
             self.error = exc
 
 
-#: SCHED_FIFO priority of the NAPI threads: on a real core the receive
-#: path runs in softirq, before any process; a NAPI thread at normal
-#: priority would instead wait for its time slice behind the busy generator
-#: (the sink) or the relay process (the server), and a veth ring holds only
-#: 256 frames.
-NAPI_PRIORITY = 50
+#: SCHED_FIFO priority of a sink's NAPI thread: at normal priority it would
+#: wait for its time slice behind the busy generator on the same CPU, and a
+#: veth ring holds only 256 frames. (A server's NAPI thread stays at normal
+#: priority: under overload it then shares the core with the relay process
+#: as ksoftirqd would, instead of starving it.)
+SINK_PRIORITY = 50
 
 
 @contextlib.contextmanager
-def napi_thread(ns: str, device: str, cpu: int) -> Iterator[int]:
+def napi_thread(
+    ns: str, device: str, cpu: int, fifo_priority: int | None = None
+) -> Iterator[int]:
     """Give ``device`` (which must have NAPI: an XDP program attached) a
-    threaded NAPI poll pinned to ``cpu`` at :data:`NAPI_PRIORITY`; yields
-    the thread's pid."""
+    threaded NAPI poll pinned to ``cpu`` (at ``fifo_priority`` in
+    SCHED_FIFO, else at normal priority); yields the thread's pid."""
     before = napi_threads()
     path = f"/sys/class/net/{device}/threaded"
     subprocess.run(
@@ -374,7 +379,8 @@ def napi_thread(ns: str, device: str, cpu: int) -> Iterator[int]:
         if len(new) != 1:
             raise RuntimeError(f"expected one NAPI thread for {ns}/{device}, got {new}")
         os.sched_setaffinity(new[0], {cpu})
-        os.sched_setscheduler(new[0], os.SCHED_FIFO, os.sched_param(NAPI_PRIORITY))
+        if fifo_priority is not None:
+            os.sched_setscheduler(new[0], os.SCHED_FIFO, os.sched_param(fifo_priority))
         yield new[0]
     finally:
         subprocess.run(
