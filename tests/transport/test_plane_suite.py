@@ -159,6 +159,9 @@ def test_a_header_keys_the_route_by_source_and_prefix(rig: Rig) -> None:
     assert rig.cross(rig.a, frame) == "dest"
     assert rig.cross(rig.a, bytes(36) + (5).to_bytes(2, "big") + b"hello") == "control"
     assert route.packets == 1
+    if rig.xdp:  # the RELAY frame went by XDP
+        assert rig.kernel is not None
+        assert rig.kernel.xdp_stats()["forwarded"] == 1
 
 
 def test_teardown_leaves_nothing(rig: Rig) -> None:
