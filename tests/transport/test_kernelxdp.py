@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -27,6 +28,7 @@ from crossroads.transport.kernelplane import (
     KernelRoute,
     LinkFacts,
     RouteKind,
+    link_facts,
     xdp_policy,
 )
 from tests.transport.netns_support import inside, relay_lab
@@ -264,6 +266,7 @@ def test_auto_takes_xdp_on_nic_drivers_and_tc_on_veth() -> None:
     """The per-device policy (docs/architecture.md "Which hook, per device")."""
     nic, veth = LinkFacts(None, False), LinkFacts("veth", False, 3, 0)
     assert xdp_policy("auto", nic) is None
+    assert "forwarding is off" in (xdp_policy("auto", nic, forwards=False) or "")
     assert "veth" in (xdp_policy("auto", veth) or "")
     assert "bridge" in (xdp_policy("auto", LinkFacts("bridge", False)) or "")
     assert xdp_policy("xdp", veth) is None
@@ -320,3 +323,69 @@ def test_an_ipv4_datagram_without_checksum_keeps_none(names: dict[str, str]) -> 
             assert plane.xdp_stats()["forwarded"] == 6
         finally:
             channel.close()
+
+
+_HOLDER = """
+import time
+from crossroads.transport.kernelplane import KernelPlane, KernelRoute, RouteKind
+plane = KernelPlane.load()
+plane.hook = "xdp"
+plane.attach("toc")
+plane.attach("top")
+assert plane.hooks[plane.devices[0]][0] == "xdp", plane.hooks
+assert plane.install(KernelRoute(RouteKind.REWRITE, ("192.0.2.2", 40000),
+    ("192.0.2.1", 3478), ("198.51.100.1", 50000), ("198.51.100.2", 60000)))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_process_falls_back_to_tc_and_a_killed_one_leaves_no_xdp(
+    names: dict[str, str],
+) -> None:
+    """Another process holds the device's XDP: this one runs tc there and
+    its route forwards through the holder's XDP program (which passes what
+    it does not route); SIGKILLed, the holder's XDP link goes with it."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", names["server"], sys.executable, "-c", _HOLDER],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ,
+        )
+        mine = _udp(names["client"], ("192.0.2.2", 40001))
+        theirs = _udp(names["client"], ("192.0.2.2", 40000))
+        peer = _udp(names["peer"], ("198.51.100.2", 60000))
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "ready"
+            route = KernelRoute(
+                RouteKind.REWRITE, ("192.0.2.2", 40001), ("192.0.2.1", 3478),
+                ("198.51.100.1", 50001), ("198.51.100.2", 60000),
+            )  # fmt: skip
+            with inside(names["server"]):
+                plane.attach("toc")
+                assert plane.install(route)
+                toc = socket.if_nametoindex("toc")
+            hook, why = plane.hooks[toc]
+            assert hook == "tc" and "another XDP program" in why
+            theirs.sendto(b"theirs", ("192.0.2.1", 3478))
+            assert _recv(peer) == (b"theirs", ("198.51.100.1", 50000))
+            mine.sendto(b"mine", ("192.0.2.1", 3478))
+            assert _recv(peer) == (b"mine", ("198.51.100.1", 50001))
+            assert plane.counters(route) == (1, 4)
+            holder.kill()
+            holder.wait(10)
+            with inside(names["server"]):
+                assert not link_facts(toc).xdp
+            mine.sendto(b"still", ("192.0.2.1", 3478))
+            assert _recv(peer) == (b"still", ("198.51.100.1", 50001))
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(10)
+            with inside(names["server"]):
+                plane.close()
+            for sock in (mine, theirs, peer):
+                sock.close()

@@ -39,6 +39,14 @@ then forwards only while its *lease* runs — a deadline a thread of this
 process pushes forward every :data:`LEASE_REFRESH` seconds — and passes
 everything once it is :data:`LEASE_SECONDS` old. Nothing is pinned in
 bpffs: the maps live as long as the process (or its stale filter).
+
+XDP (``--kernel-hook``, :func:`xdp_policy`): the object's second program,
+``crossroads_relay_xdp``, over the same maps, is attached in driver mode in
+front of the tc program where the policy says so, through a bpf_link (it
+goes with the process's descriptor) and only if the device has no XDP
+program yet (one per device: a second process runs tc there). It forwards
+what it can finish and passes the rest, untouched, to tc. It sends frames
+only out of devices :func:`xdp_families` allows (map ``xdp_egress``).
 """
 
 from __future__ import annotations
@@ -274,6 +282,21 @@ def link_facts(ifindex: int, netnsid: int | None = None) -> LinkFacts:
     )
 
 
+def forwarding(name: str) -> int:
+    """The IP families (bit 0: IPv4, bit 1: IPv6) forwarding is on for on
+    device ``name`` (this thread's namespace). ``bpf_fib_lookup`` answers
+    FWD_DISABLED for a device without it (its own check, even for a lookup
+    from the egress side), so XDP can finish no datagram out of it."""
+    families = 0
+    for bit, family in enumerate(("ipv4", "ipv6")):
+        try:
+            on = Path(f"/proc/sys/net/{family}/conf/{name}/forwarding").read_text()
+        except OSError:
+            on = "0"
+        families |= (on.strip() == "1") << bit
+    return families
+
+
 def xdp_families(ifindex: int) -> tuple[int, str]:
     """The IP families (bit 0: IPv4, bit 1: IPv6) whose datagrams the XDP
     program may send out of ``ifindex`` (XDP_TX, a redirect), and why not
@@ -281,16 +304,7 @@ def xdp_families(ifindex: int) -> tuple[int, str]:
     frames sent into it unless its peer has NAPI (an XDP program there;
     GRO on the peer also enables NAPI but rtnetlink does not show it, so
     such a peer is not counted on)."""
-    name = socket.if_indextoname(ifindex)
-    families = 0
-    for bit, family in enumerate(("ipv4", "ipv6")):
-        # bpf_fib_lookup answers FWD_DISABLED on a device without it (its
-        # own check, even for a lookup from the egress side).
-        try:
-            on = Path(f"/proc/sys/net/{family}/conf/{name}/forwarding").read_text()
-        except OSError:
-            on = "0"
-        families |= (on.strip() == "1") << bit
+    families = forwarding(socket.if_indextoname(ifindex))
     if not families:
         return 0, "forwarding is off on it (bpf_fib_lookup needs it)"
     ok, why = _xdp_transmits(ifindex)
@@ -437,13 +451,21 @@ class _LinkOpts(ctypes.Structure):
     ]
 
 
-def xdp_policy(hook: str, facts: LinkFacts) -> str | None:
+def xdp_policy(hook: str, facts: LinkFacts, forwards: bool = True) -> str | None:
     """Why ``hook`` leaves ``facts``' device to tc alone, or None to try XDP
-    in driver mode there (docs/architecture.md "Which hook, per device")."""
+    in driver mode there (docs/architecture.md "Which hook, per device");
+    ``forwards``: forwarding is on for the device (else XDP can finish
+    nothing there: bpf_fib_lookup needs it)."""
     if hook == "tc":
         return "--kernel-hook tc"
-    if hook == "xdp" or facts.kind is None:
+    if hook == "xdp":
         return None
+    if facts.kind is None:
+        if forwards:
+            return None
+        # Attaching XDP resets the rings (a link flap) on some NIC drivers,
+        # and every routed datagram would be passed to tc: no gain.
+        return "forwarding is off on it: XDP could finish nothing (auto)"
     if facts.kind == "veth":
         # Measured (docs/architecture.md): what local senders put on a veth
         # is CHECKSUM_PARTIAL, which the XDP program must pass to tc anyway,
@@ -537,7 +559,7 @@ class KernelPlane:
         ifindex = att.ifindex
         try:
             name = socket.if_indextoname(ifindex)
-            why = xdp_policy(self.hook, link_facts(ifindex))
+            why = xdp_policy(self.hook, link_facts(ifindex), forwarding(name) != 0)
         except OSError as exc:
             name, why = str(ifindex), f"no link facts ({exc.strerror})"
         if why is None:

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
 /*
- * crossroads kernel data plane: relayed UDP forwarded on tc ingress.
+ * crossroads kernel data plane: relayed UDP forwarded on tc ingress (and XDP).
  *
  * Theory of operation
  * -------------------
@@ -47,6 +47,11 @@
  * not fragmented) and IPv6 (UDP as the first next header) of one family on
  * both sides, non-GSO packets, are handled; anything else passes.
  * No loops: the program is straight-line apart from fixed-size copies.
+ *
+ * crossroads_relay_xdp (further down) does the same in XDP, in front of the
+ * tc program, over the same maps and the same parse and lookup; what it
+ * cannot finish it passes to tc untouched (docs/architecture.md "Which
+ * hook, per device").
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
