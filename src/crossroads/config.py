@@ -271,6 +271,12 @@ def check_dataplane(value: str) -> None:
         raise ValueError("must be auto, kernel, c or python")
 
 
+def check_kernel_hook(value: str) -> None:
+    """Where the kernel plane's program runs (crossroads.transport.kernelplane)."""
+    if value not in ("auto", "tc", "xdp"):
+        raise ValueError("must be auto, tc or xdp")
+
+
 def check_networks(values: tuple[str, ...]) -> None:
     """Addresses or CIDR networks, parsed as their consumers parse them."""
     parse_networks(values)
@@ -378,6 +384,16 @@ class CoreConfig:
         help="Relay data plane: kernel (eBPF, needs root or CAP_BPF+CAP_NET_ADMIN), "
         "c (recvmmsg/sendmmsg), python, or auto (kernel where the eBPF program "
         "loads, else c, else python).",
+    )
+    # crossroads.transport.kernelplane xdp_policy: XDP (driver mode) in front
+    # of tc per device (docs/architecture.md "Which hook, per device").
+    kernel_hook: str = setting(
+        "auto",
+        check=check_kernel_hook,
+        help="Kernel plane hook per device: tc (tc ingress only), xdp (also XDP "
+        "in driver mode on every device whose driver has it), or auto (XDP on "
+        "NIC drivers with forwarding on, tc on veth and other virtual devices). XDP passes what it "
+        "cannot finish to tc; a device another process's XDP holds gets tc.",
     )
     # The C data plane sends a burst to one destination as one UDP GSO message
     # (UDP_SEGMENT, Linux >= 4.18; crossroads.transport._turnfast "UDP GSO").

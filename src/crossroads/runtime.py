@@ -459,7 +459,9 @@ async def start(config: Config, *, store: Store | None = None) -> Runtime:
         raise_fd_limit(), core.memory_budget or None
     )
     metrics.register(BudgetCollector(budget))
-    runtime.dataplane = select_dataplane(core.dataplane, gso=core.udp_gso)
+    runtime.dataplane = select_dataplane(
+        core.dataplane, gso=core.udp_gso, hook=core.kernel_hook
+    )
     announce_dataplane(runtime.dataplane, metrics)
     runtime._draining_gauge = Gauge(
         "crossroads_draining",

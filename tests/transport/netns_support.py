@@ -47,7 +47,9 @@ def can_netns() -> bool:
 
 @contextlib.contextmanager
 def relay_lab(prefix: str) -> Iterator[dict[str, str]]:
-    """client (192.0.2.2) -- server (192.0.2.1 | 198.51.100.1) -- peer (198.51.100.2).
+    """client (192.0.2.2) -- server (192.0.2.1 | 198.51.100.1) -- peer (198.51.100.2),
+    and in IPv6 client (2001:db8:2::2) -- (2001:db8:2::1 | 2001:db8:3::1) --
+    peer (2001:db8:3::2).
 
     Yields the namespace names: ``client``, ``server``, ``peer``; the server's
     devices are ``toc`` (client side) and ``top`` (peer side)."""
@@ -96,7 +98,35 @@ def relay_lab(prefix: str) -> Iterator[dict[str, str]]:
         ):
             ip("-n", ns, "addr", "add", addr, "dev", dev)
             ip("-n", ns, "link", "set", dev, "up")
+        for ns, dev, addr in (
+            (c, "eth0", "2001:db8:2::2/64"),
+            (s, "toc", "2001:db8:2::1/64"),
+            (s, "top", "2001:db8:3::1/64"),
+            (p, "eth0", "2001:db8:3::2/64"),
+        ):
+            ip("-n", ns, "addr", "add", addr, "dev", dev, "nodad")
         yield names
     finally:
         for ns in names.values():
             subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
+#: SIOCETHTOOL and ETHTOOL_STXCSUM (include/uapi/linux/sockios.h, ethtool.h).
+_SIOCETHTOOL = 0x8946
+_ETHTOOL_STXCSUM = 0x17
+
+
+def tx_checksum(ns: str, device: str, on: bool) -> None:
+    """Turn a device's transmit checksum offload on or off (``ethtool -K
+    DEV tx on|off``, through the ioctl): off, its local senders' datagrams
+    leave with full checksums, as from a wire, instead of CHECKSUM_PARTIAL."""
+    import array
+    import fcntl
+    import socket
+    import struct
+
+    value = array.array("I", [_ETHTOOL_STXCSUM, int(on)])
+    address, _ = value.buffer_info()
+    request = struct.pack("16sP", device.encode(), address) + bytes(16)
+    with inside(ns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        fcntl.ioctl(sock.fileno(), _SIOCETHTOOL, request)

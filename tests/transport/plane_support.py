@@ -4,12 +4,18 @@ against each")."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from crossroads.transport import dataplane, planes, turnplane
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+from tests.transport.netns_support import inside, tx_checksum
 
 
 def _kernel_loads() -> bool:
@@ -47,6 +53,15 @@ PLANES = [
             not _kernel_loads(), reason="needs root and a kernel that loads the program"
         ),
     ),
+    # The kernel plane with --kernel-hook xdp on a wire_like lab: XDP in
+    # driver mode forwards in front of tc.
+    pytest.param(
+        "xdp",
+        id="xdp",
+        marks=pytest.mark.skipif(
+            not _kernel_loads(), reason="needs root and a kernel that loads the program"
+        ),
+    ),
 ]
 
 
@@ -71,3 +86,64 @@ def keep_plane_globals(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(planes.PURE_PYTHON_ENV, os.environ[planes.PURE_PYTHON_ENV])
     else:
         monkeypatch.delenv(planes.PURE_PYTHON_ENV, raising=False)
+
+
+@contextlib.contextmanager
+def wire_like(names: dict[str, str]) -> Iterator[None]:
+    """Make relay_lab's namespaces look to the server's XDP program like
+    NICs on a wire (docs/architecture.md "Which hook, per device"): the
+    client's and peer's datagrams leave with full checksums (transmit
+    checksum offload off: not CHECKSUM_PARTIAL), their veth ends have NAPI
+    (an XDP program: a routeless kernel plane that passes everything) so
+    the server's XDP frames sent into the veths are delivered, and the
+    server's devices forward (bpf_fib_lookup needs it)."""
+    held: list[KernelPlane] = []
+    try:
+        for role in ("client", "peer"):
+            tx_checksum(names[role], "eth0", False)
+            with inside(names[role]):
+                napi = KernelPlane.load()
+                held.append(napi)
+                napi.hook = "xdp"
+                napi.attach("eth0")
+        for family in ("ipv4", "ipv6"):
+            for dev in ("toc", "top"):
+                subprocess.run(
+                    ["ip", "netns", "exec", names["server"], "sysctl", "-qw",
+                     f"net.{family}.conf.{dev}.forwarding=1"],
+                    check=True, capture_output=True,
+                )  # fmt: skip
+        # The server knows its neighbours (else the first datagrams find no
+        # next hop in XDP and go by tc, which resolves them).
+        prime_neighbours(
+            names["server"],
+            ("192.0.2.2", "198.51.100.2", "2001:db8:2::2", "2001:db8:3::2"),
+        )
+        yield
+    finally:
+        for role, napi in zip(("client", "peer"), held, strict=False):
+            with inside(names[role]):
+                napi.close()
+
+
+def prime_neighbours(ns: str, hosts: tuple[str, ...]) -> None:
+    """Make ``ns`` resolve the link-layer addresses of ``hosts`` (a datagram
+    to the discard port each), waiting (bounded) until it knows them."""
+    for host in hosts:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with inside(ns), socket.socket(family, socket.SOCK_DGRAM) as sock:
+            sock.sendto(b"", (host, 9))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        shown = subprocess.run(
+            ["ip", "-n", ns, "neigh", "show"], capture_output=True, text=True
+        ).stdout
+        known = [
+            line.split()[0]
+            for line in shown.splitlines()
+            if "lladdr" in line and "REACHABLE" in line
+        ]
+        if all(host in known for host in hosts):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{ns} never resolved {hosts}: {shown}")

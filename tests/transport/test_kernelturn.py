@@ -45,6 +45,7 @@ from tests.transport.plane_support import (
     PLANES,
     keep_plane_globals,
     skip_unless_kernel_loads,
+    wire_like,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -78,15 +79,21 @@ async def turn_lab(
         != "0"
     ):
         pytest.skip("needs root for namespaces and eBPF")
-    with relay_lab("kt") as names, inside(names["server"]):
-        if plane == "kernel":
+    xdp = plane == "xdp"
+    with (
+        relay_lab("kt") as names,
+        wire_like(names) if xdp else contextlib.nullcontext(),
+        inside(names["server"]),
+    ):
+        if plane in ("kernel", "xdp"):
             skip_unless_kernel_loads()
         rt = await start(
             default_config(
                 loopback_config(
                     core__only=["stun", "turn"],
                     core__host=LISTEN_IP,
-                    core__dataplane=plane,
+                    core__dataplane="kernel" if xdp else plane,
+                    core__kernel_hook="xdp" if xdp else "tc",
                     turn__relay_ip=RELAY_IP,
                     turn__user=[f"{USER}:{PASSWORD}"],
                     turn__allowed_peers=["198.51.100.0/24"],
@@ -150,31 +157,7 @@ async def test_uclient_channels_forwarded_by_the_kernel() -> None:
     listener taps forwarded none), the service's counters include it, and
     the counts outlive the routes when the allocations end."""
     async with turn_lab() as (ns, rt, service):
-        # The echo peer's port: free in the peer namespace.
-        probe = udp(ns["peer"], PEER_IP)
-        peer_port = probe.getsockname()[1]
-        probe.close()
-        peer = await asyncio.create_subprocess_exec(
-            "ip", "netns", "exec", ns["peer"], "turnutils_peer",
-            "-L", PEER_IP, "-p", str(peer_port),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            await echoes(ns["peer"], peer_port)
-            _, port = service.stun.primary
-            output = await in_ns(
-                ns["client"], "turnutils_uclient", "-c", "-X",
-                "-e", PEER_IP, "-r", str(peer_port), "-u", USER, "-w", PASSWORD,
-                "-m", "2", "-n", "10", "-z", "10", "-l", "100", "-p", str(port),
-                LISTEN_IP,
-            )  # fmt: skip
-        finally:
-            peer.kill()
-            await peer.wait()
-        lost, totals = LOST.search(output), TOTALS.findall(output)
-        assert lost is not None and totals, output[-3000:]
-        sent, received = (int(x) for x in totals[-1])
-        assert lost.group(1) == "0" and sent >= 20 and received == sent, output
+        sent, received = await uclient_channels(ns, service)
         # The kernel forwarded it: both directions counted on its routes
         # (uclient deletes the allocations it used: removed routes' counts)...
         to_peer, to_client = kernel_counts(service)
@@ -193,6 +176,38 @@ async def test_uclient_channels_forwarded_by_the_kernel() -> None:
         assert len(kernel_plane(rt)) == 0 and service.routes.kernel_routes == {}
         # The counts outlive the routes.
         assert service.counters() == counters
+
+
+async def uclient_channels(ns: dict[str, str], service: TurnService) -> tuple[int, int]:
+    """coturn's turnutils_uclient in the client namespace, with channels,
+    through crossroads to turnutils_peer echoing in the peer namespace;
+    asserts 0 loss and returns (sent, received)."""
+    # The echo peer's port: free in the peer namespace.
+    probe = udp(ns["peer"], PEER_IP)
+    peer_port = probe.getsockname()[1]
+    probe.close()
+    peer = await asyncio.create_subprocess_exec(
+        "ip", "netns", "exec", ns["peer"], "turnutils_peer",
+        "-L", PEER_IP, "-p", str(peer_port),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        await echoes(ns["peer"], peer_port)
+        _, port = service.stun.primary
+        output = await in_ns(
+            ns["client"], "turnutils_uclient", "-c", "-X",
+            "-e", PEER_IP, "-r", str(peer_port), "-u", USER, "-w", PASSWORD,
+            "-m", "2", "-n", "10", "-z", "10", "-l", "100", "-p", str(port),
+            LISTEN_IP,
+        )  # fmt: skip
+    finally:
+        peer.kill()
+        await peer.wait()
+    lost, totals = LOST.search(output), TOTALS.findall(output)
+    assert lost is not None and totals, output[-3000:]
+    sent, received = (int(x) for x in totals[-1])
+    assert lost.group(1) == "0" and sent >= 20 and received == sent, output
+    return sent, received
 
 
 async def echoes(ns: str, port: int) -> None:
@@ -262,12 +277,14 @@ async def bound_channel(
             relayed = await client.allocate()
             assert relayed[0] == RELAY_IP
             await client.bind_channel(peer.getsockname())
-            kernel = kernel_plane(rt) if plane == "kernel" else None
+            kernel = kernel_plane(rt) if plane in ("kernel", "xdp") else None
             channel = Channel(ns, service, kernel, client, peer, relayed)
             assert await channel.both_ways(1) == (True, True)
             if kernel is not None and not overrides:
                 assert len(kernel) == 2
                 assert kernel_counts(service) == (1, 1)  # the kernel did
+                if plane == "xdp":  # in XDP, in front of tc
+                    assert kernel.xdp_stats()["forwarded"] == 2
             yield channel
         finally:
             await client.close()

@@ -16,6 +16,7 @@ import select
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from crossroads.transport import dataplane
 from crossroads.transport.kernelplane import KernelPlane, tc_filters
 from crossroads.transport.routes import RouteTable
 from tests.transport.netns_support import inside, relay_lab
-from tests.transport.plane_support import PLANES
+from tests.transport.plane_support import PLANES, wire_like
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,9 +54,11 @@ class Rig:
         self.fallen: list[tuple[bytes, Any]] = []
         self.tap = self.tap_type(self.relay, self.routes, self.fallen_back)
         self.kernel: KernelPlane | None = None
-        if plane == "kernel":
+        if plane in ("kernel", "xdp"):
             with inside(names["server"]):
                 self.kernel = KernelPlane.load()
+            self.kernel.hook = "xdp" if plane == "xdp" else "tc"
+        self.xdp = plane == "xdp"
         self.table = RouteTable(self.kernel)
 
     def udp(self, role: str, host: str) -> socket.socket:
@@ -107,7 +110,8 @@ class Rig:
 
 @pytest.fixture(params=PLANES)
 def rig(request: pytest.FixtureRequest) -> Iterator[Rig]:
-    with relay_lab("ks") as names:
+    xdp = request.param == "xdp"
+    with relay_lab("ks") as names, wire_like(names) if xdp else nullcontext():
         made = Rig(names, request.param)
         try:
             yield made
@@ -124,6 +128,9 @@ def test_install_forwards_exact_bytes_and_counts(rig: Rig) -> None:
     assert (route.packets, route.octets) == (len(sizes), sum(sizes))
     if rig.kernel is not None:  # the program forwarded every one
         assert route.kernel_packets == len(sizes)
+    if rig.xdp:  # ...and in XDP, not tc
+        assert rig.kernel is not None
+        assert rig.kernel.xdp_stats()["forwarded"] == len(sizes)
     # Another source has no route: its datagram reaches the control plane.
     assert rig.cross(rig.b, b"who?") == "control"
     assert route.packets == len(sizes)
@@ -152,6 +159,9 @@ def test_a_header_keys_the_route_by_source_and_prefix(rig: Rig) -> None:
     assert rig.cross(rig.a, frame) == "dest"
     assert rig.cross(rig.a, bytes(36) + (5).to_bytes(2, "big") + b"hello") == "control"
     assert route.packets == 1
+    if rig.xdp:  # the RELAY frame went by XDP
+        assert rig.kernel is not None
+        assert rig.kernel.xdp_stats()["forwarded"] == 1
 
 
 def test_teardown_leaves_nothing(rig: Rig) -> None:

@@ -39,6 +39,14 @@ then forwards only while its *lease* runs — a deadline a thread of this
 process pushes forward every :data:`LEASE_REFRESH` seconds — and passes
 everything once it is :data:`LEASE_SECONDS` old. Nothing is pinned in
 bpffs: the maps live as long as the process (or its stale filter).
+
+XDP (``--kernel-hook``, :func:`xdp_policy`): the object's second program,
+``crossroads_relay_xdp``, over the same maps, is attached in driver mode in
+front of the tc program where the policy says so, through a bpf_link (it
+goes with the process's descriptor) and only if the device has no XDP
+program yet (one per device: a second process runs tc there). It forwards
+what it can finish and passes the rest, untouched, to tc. It sends frames
+only out of devices :func:`xdp_families` allows (map ``xdp_egress``).
 """
 
 from __future__ import annotations
@@ -64,6 +72,11 @@ log = logging.getLogger("crossroads.dataplane")
 #: The compiled program beside its source (made at install).
 OBJECT_PATH = Path(__file__).with_name("bpf") / "relay.bpf.o"
 PROGRAM = b"crossroads_relay"
+XDP_PROGRAM = b"crossroads_relay_xdp"
+XDP_EGRESS_MAP = b"xdp_egress"
+XDP_STATS_MAP = b"xdp_stats"
+#: The slots of ``xdp_stats`` (relay.bpf.c XDP_FORWARDED, XDP_LEFT_*).
+XDP_STATS = ("forwarded", "left-egress", "left-checksum", "left-next-hop", "left-other")
 ROUTES_MAP = b"routes"
 RELAY_ROUTES_MAP = b"relay_routes"
 LEASE_MAP = b"lease"
@@ -81,6 +94,12 @@ MAX_ROUTES = 65536
 #: enum bpf_attach_type BPF_TCX_INGRESS (include/uapi/linux/bpf.h, Linux 6.6).
 BPF_TCX_INGRESS = 46
 BPF_TC_INGRESS = 1
+#: enum bpf_attach_type BPF_XDP, and XDP_FLAGS_DRV_MODE (include/uapi/linux/
+#: if_link.h): driver mode only, never the generic (skb) mode, slower than tc.
+BPF_XDP = 37
+XDP_FLAGS_DRV_MODE = 1 << 2
+#: The per-device hook choices (``--kernel-hook``; docs/architecture.md).
+HOOKS: tuple[str, ...] = ("auto", "tc", "xdp")
 BPF_TC_EGRESS = 2
 #: Our classic tc filters' handle, and the first of the priorities they take
 #: on a device: each process the first free one of :data:`TC_PRIORITIES`
@@ -200,6 +219,118 @@ def egress_ifindex(host: str) -> int:
     raise OSError(errno.ENETUNREACH, f"no output device for {host}")
 
 
+@frozen
+class LinkFacts:
+    """What rtnetlink says of a device (RTM_GETLINK)."""
+
+    #: IFLA_INFO_KIND ("veth", "bridge", ...); None for a hardware or
+    #: paravirtual NIC's driver (no link kind: packets come from a wire).
+    kind: str | None
+    #: An XDP program is attached (IFLA_XDP_ATTACHED != 0).
+    xdp: bool
+    #: The other end of a veth (IFLA_LINK) and its namespace's id as seen
+    #: from here (IFLA_LINK_NETNSID; None: this namespace).
+    peer: int | None = None
+    peer_netnsid: int | None = None
+
+
+def _attrs(buf: bytes, offset: int, end: int) -> dict[int, bytes]:
+    found: dict[int, bytes] = {}
+    while offset + 4 <= end:
+        size, attr = struct.unpack_from("=HH", buf, offset)
+        if size < 4:
+            break
+        found[attr & 0x3FFF] = buf[offset + 4 : offset + size]
+        offset += (size + 3) & ~3
+    return found
+
+
+def link_facts(ifindex: int, netnsid: int | None = None) -> LinkFacts:
+    """The device ``ifindex`` of this namespace, or of the one this
+    namespace knows as ``netnsid`` (IFLA_TARGET_NETNSID, Linux >= 4.20)."""
+    body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, ifindex, 0, 0)
+    if netnsid is not None:
+        body += struct.pack("=HHi", 8, 46, netnsid)  # IFLA_TARGET_NETNSID
+    header = struct.pack("=IHHII", 16 + len(body), 18, 1, 1, 0)  # RTM_GETLINK
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+        nl.settimeout(2.0)
+        nl.send(header + body)
+        reply = nl.recv(65536)
+    length, kind = struct.unpack_from("=IH", reply)
+    if kind == 2:  # NLMSG_ERROR
+        (code,) = struct.unpack_from("=i", reply, 16)
+        raise OSError(-code, f"no device {ifindex}")
+    top = _attrs(reply, 32, length)
+    info = top.get(18)  # IFLA_LINKINFO
+    link_kind = None
+    if info is not None:
+        raw = _attrs(info, 0, len(info)).get(1)  # IFLA_INFO_KIND
+        if raw is not None:
+            link_kind = raw.rstrip(b"\0").decode(errors="replace")
+    xdp = top.get(43)  # IFLA_XDP
+    attached = False
+    if xdp is not None:
+        mode = _attrs(xdp, 0, len(xdp)).get(2)  # IFLA_XDP_ATTACHED
+        attached = bool(mode and mode[0])
+    peer = top.get(5)  # IFLA_LINK
+    nsid = top.get(37)  # IFLA_LINK_NETNSID
+    return LinkFacts(
+        link_kind,
+        attached,
+        struct.unpack("=i", peer[:4])[0] if peer else None,
+        struct.unpack("=i", nsid[:4])[0] if nsid else None,
+    )
+
+
+def forwarding(name: str) -> int:
+    """The IP families (bit 0: IPv4, bit 1: IPv6) forwarding is on for on
+    device ``name`` (this thread's namespace). ``bpf_fib_lookup`` answers
+    FWD_DISABLED for a device without it (its own check, even for a lookup
+    from the egress side), so XDP can finish no datagram out of it."""
+    families = 0
+    for bit, family in enumerate(("ipv4", "ipv6")):
+        try:
+            on = Path(f"/proc/sys/net/{family}/conf/{name}/forwarding").read_text()
+        except OSError:
+            on = "0"
+        families |= (on.strip() == "1") << bit
+    return families
+
+
+def xdp_families(ifindex: int) -> tuple[int, str]:
+    """The IP families (bit 0: IPv4, bit 1: IPv6) whose datagrams the XDP
+    program may send out of ``ifindex`` (XDP_TX, a redirect), and why not
+    when 0: ``bpf_fib_lookup`` needs forwarding on the device; a veth drops
+    frames sent into it unless its peer has NAPI (an XDP program there;
+    GRO on the peer also enables NAPI but rtnetlink does not show it, so
+    such a peer is not counted on)."""
+    families = forwarding(socket.if_indextoname(ifindex))
+    if not families:
+        return 0, "forwarding is off on it (bpf_fib_lookup needs it)"
+    ok, why = _xdp_transmits(ifindex)
+    return (families if ok else 0), why
+
+
+def _xdp_transmits(ifindex: int) -> tuple[bool, str]:
+    facts = link_facts(ifindex)
+    if facts.kind is None:
+        # A NIC driver sets up its XDP transmit queues with a program on it.
+        if facts.xdp:
+            return True, "a NIC driver with an XDP program on it"
+        return False, "a NIC driver without an XDP program"
+    if facts.kind != "veth":
+        return False, f"a {facts.kind} device"
+    if facts.peer is None:
+        return False, "a veth without a peer"
+    try:
+        peer = link_facts(facts.peer, facts.peer_netnsid)
+    except OSError as exc:
+        return False, f"its veth peer cannot be seen ({exc.strerror})"
+    if peer.xdp:
+        return True, "its veth peer has an XDP program (NAPI)"
+    return False, "its veth peer has no XDP program (no NAPI: frames would drop)"
+
+
 # ------------------------------------------------------------------ libbpf
 
 
@@ -249,6 +380,7 @@ def _libbpf() -> ctypes.CDLL:
         "bpf_tc_attach": ([vp, vp], i),
         "bpf_tc_detach": ([vp, vp], i),
         "libbpf_set_print": ([vp], vp),
+        "libbpf_num_possible_cpus": ([], i),
     }
     for fn, (args, res) in signatures.items():
         func = getattr(lib, fn)
@@ -305,6 +437,41 @@ class _Attachment:
     link_fd: int  # tcx link, or -1 for a classic filter
     made_qdisc: bool
     priority: int = 0  # the classic filter's
+    xdp_fd: int = -1  # the XDP link in front of it, if any
+
+
+class _LinkOpts(ctypes.Structure):
+    """struct bpf_link_create_opts up to its ``flags`` (libbpf reads no
+    further than ``sz`` says)."""
+
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("flags", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+    ]
+
+
+def xdp_policy(hook: str, facts: LinkFacts, forwards: bool = True) -> str | None:
+    """Why ``hook`` leaves ``facts``' device to tc alone, or None to try XDP
+    in driver mode there (docs/architecture.md "Which hook, per device");
+    ``forwards``: forwarding is on for the device (else XDP can finish
+    nothing there: bpf_fib_lookup needs it)."""
+    if hook == "tc":
+        return "--kernel-hook tc"
+    if hook == "xdp":
+        return None
+    if facts.kind is None:
+        if forwards:
+            return None
+        # Attaching XDP resets the rings (a link flap) on some NIC drivers,
+        # and every routed datagram would be passed to tc: no gain.
+        return "forwarding is off on it: XDP could finish nothing (auto)"
+    if facts.kind == "veth":
+        # Measured (docs/architecture.md): what local senders put on a veth
+        # is CHECKSUM_PARTIAL, which the XDP program must pass to tc anyway,
+        # and a frame sent into a veth is dropped unless its peer has NAPI.
+        return "a veth: its local senders' checksums are partial (auto)"
+    return f"a {facts.kind} device (auto: XDP only on NIC drivers)"
 
 
 @dataclass(eq=False)
@@ -317,6 +484,14 @@ class KernelPlane:
     _map_fd: int
     _relay_map_fd: int
     _lease_fd: int = -1
+    _xdp_prog_fd: int = -1
+    _xdp_egress_fd: int = -1
+    _xdp_stats_fd: int = -1
+    #: ``--kernel-hook``: where XDP runs in front of tc (:data:`HOOKS`).
+    hook: str = "tc"
+    #: Per device: "xdp" or "tc", and why (the log line).
+    hooks: dict[int, tuple[str, str]] = field(default_factory=dict)
+    _egress: dict[int, int] = field(default_factory=dict)
     _attached: dict[int, _Attachment] = field(default_factory=dict)
     _routes: dict[bytes, KernelRoute] = field(default_factory=dict)
     _renewer: threading.Thread | None = None
@@ -348,6 +523,9 @@ class KernelPlane:
         rmap = lib.bpf_object__find_map_by_name(obj, ROUTES_MAP)
         relay = lib.bpf_object__find_map_by_name(obj, RELAY_ROUTES_MAP)
         lease = lib.bpf_object__find_map_by_name(obj, LEASE_MAP)
+        xdp = lib.bpf_object__find_program_by_name(obj, XDP_PROGRAM)
+        egress = lib.bpf_object__find_map_by_name(obj, XDP_EGRESS_MAP)
+        stats = lib.bpf_object__find_map_by_name(obj, XDP_STATS_MAP)
         return cls(
             lib,
             obj,
@@ -355,6 +533,9 @@ class KernelPlane:
             lib.bpf_map__fd(rmap),
             lib.bpf_map__fd(relay),
             lib.bpf_map__fd(lease),
+            lib.bpf_program__fd(xdp),
+            lib.bpf_map__fd(egress),
+            lib.bpf_map__fd(stats),
         )
 
     def _map(self, route: KernelRoute) -> int:
@@ -369,6 +550,38 @@ class KernelPlane:
         ifindex = device if isinstance(device, int) else socket.if_nametoindex(device)
         if ifindex in self._attached:
             return
+        self._attach_tc(ifindex, tcx)
+        self._attach_xdp(self._attached[ifindex])
+
+    def _attach_xdp(self, att: _Attachment) -> None:
+        """XDP in driver mode in front of the tc program, where the policy
+        and the device allow; one log line per device saying which hook."""
+        ifindex = att.ifindex
+        try:
+            name = socket.if_indextoname(ifindex)
+            why = xdp_policy(self.hook, link_facts(ifindex), forwarding(name) != 0)
+        except OSError as exc:
+            name, why = str(ifindex), f"no link facts ({exc.strerror})"
+        if why is None:
+            opts = _LinkOpts(sz=ctypes.sizeof(_LinkOpts), flags=XDP_FLAGS_DRV_MODE)
+            link = self._lib.bpf_link_create(
+                self._xdp_prog_fd, ifindex, BPF_XDP, ctypes.byref(opts)
+            )
+            if link >= 0:
+                att.xdp_fd = link
+                self._recheck_egress()  # a new XDP program: egress facts change
+                why = "driver mode, passing what it cannot finish to tc"
+            elif -link in (errno.EBUSY, errno.EEXIST):
+                why = "another XDP program is on it (another process's?)"
+            elif -link in (errno.EOPNOTSUPP, errno.EINVAL):
+                why = "its driver has no native XDP"
+            else:
+                why = f"XDP refused: {os.strerror(-link)}"
+        hook = "xdp" if att.xdp_fd >= 0 else "tc"
+        self.hooks[ifindex] = (hook, why)
+        log.info("dataplane: device %s: %s (%s)", name, hook, why)
+
+    def _attach_tc(self, ifindex: int, tcx: bool) -> None:
         if tcx:
             link = self._lib.bpf_link_create(
                 self._prog_fd, ifindex, BPF_TCX_INGRESS, None
@@ -422,6 +635,10 @@ class KernelPlane:
         att = self._attached.pop(ifindex, None)
         if att is None:
             return
+        self.hooks.pop(ifindex, None)
+        if att.xdp_fd >= 0:
+            os.close(att.xdp_fd)
+            self._recheck_egress()
         if att.link_fd >= 0:
             os.close(att.link_fd)
             return
@@ -478,12 +695,55 @@ class KernelPlane:
             out = ifindex if ifindex is not None else egress_ifindex(route.out_dest[0])
         except OSError:
             return False
+        if self.hook != "tc":
+            self._xdp_egress(out)
         value = _value(route, out)
         rc = self._lib.bpf_map_update_elem(self._map(route), key, value, BPF_ANY)
         if rc != 0:
             return False
         self._routes[key] = route
         return True
+
+    def _xdp_egress(self, ifindex: int) -> None:
+        """Tell the XDP program whether it may send frames out of ``ifindex``
+        (else it passes them to tc); looked up again after any XDP attach or
+        detach of ours."""
+        if ifindex in self._egress:
+            return
+        try:
+            families, why = xdp_families(ifindex)
+        except OSError:
+            families, why = 0, "no link facts"
+        self._egress[ifindex] = families
+        key = struct.pack("=I", ifindex)
+        if families:
+            self._lib.bpf_map_update_elem(
+                self._xdp_egress_fd, key, struct.pack("=I", families), BPF_ANY
+            )
+        else:
+            self._lib.bpf_map_delete_elem(self._xdp_egress_fd, key)
+        log.debug("XDP egress ifindex %d: families %d (%s)", ifindex, families, why)
+
+    def _recheck_egress(self) -> None:
+        known = list(self._egress)
+        self._egress.clear()
+        for ifindex in known:
+            self._xdp_egress(ifindex)
+
+    def xdp_stats(self) -> dict[str, int]:
+        """What the XDP program did, summed over CPUs: datagrams it forwarded
+        ("forwarded") and routed ones it passed to tc, by why (relay.bpf.c
+        ``xdp_stats``)."""
+        cpus = max(1, self._lib.libbpf_num_possible_cpus())
+        totals: dict[str, int] = {}
+        for which, name in enumerate(XDP_STATS):
+            buf = ctypes.create_string_buffer(8 * cpus)
+            key = struct.pack("=I", which)
+            if self._lib.bpf_map_lookup_elem(self._xdp_stats_fd, key, buf):
+                totals[name] = 0
+            else:
+                totals[name] = sum(struct.unpack(f"={cpus}Q", buf.raw))
+        return totals
 
     def remove(self, route: KernelRoute) -> None:
         """Stop forwarding ``route`` (the next datagram goes to the sockets)."""
@@ -504,6 +764,7 @@ class KernelPlane:
 
     def close(self) -> None:
         """Detach from every device and free the program and its map."""
+        self._egress.clear()
         for ifindex in list(self._attached):
             self.detach(ifindex)
         if self._renewer is not None:

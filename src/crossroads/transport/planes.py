@@ -102,8 +102,9 @@ def use_python_plane() -> None:
             setattr(module, "ACCELERATED", False)  # noqa: B010
 
 
-def select(requested: str, *, gso: bool = True) -> Dataplane:
-    """Choose the plane for ``requested`` (one of :data:`KINDS`)."""
+def select(requested: str, *, gso: bool = True, hook: str = "auto") -> Dataplane:
+    """Choose the plane for ``requested`` (one of :data:`KINDS`); ``hook``
+    is where the kernel plane's program runs (``--kernel-hook``)."""
     if requested not in KINDS:
         raise DataplaneError(f"--dataplane must be one of {', '.join(KINDS)}")
     c_built = dataplane.ACCELERATED
@@ -117,12 +118,13 @@ def select(requested: str, *, gso: bool = True) -> Dataplane:
                 raise DataplaneError(f"--dataplane kernel: {exc}") from exc
             why = f"eBPF program not loaded ({exc})"
         else:
+            plane.hook = hook
             set_udp_gso(gso)
             under = "C" if c_built else "Python"
             reason = (
                 f"eBPF program loaded; Unity relay, natneg, RakNet proxy and "
                 f"TURN channel routes forward in the kernel, the {under} plane "
-                f"takes what it passes"
+                f"takes what it passes; --kernel-hook {hook}"
             )
             return Dataplane("kernel", reason, plane)
     elif requested == "auto":

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
 /*
- * crossroads kernel data plane: relayed UDP forwarded on tc ingress.
+ * crossroads kernel data plane: relayed UDP forwarded on tc ingress (and XDP).
  *
  * Theory of operation
  * -------------------
@@ -47,6 +47,11 @@
  * not fragmented) and IPv6 (UDP as the first next header) of one family on
  * both sides, non-GSO packets, are handled; anything else passes.
  * No loops: the program is straight-line apart from fixed-size copies.
+ *
+ * crossroads_relay_xdp (further down) does the same in XDP, in front of the
+ * tc program, over the same maps and the same parse and lookup; what it
+ * cannot finish it passes to tc untouched (docs/architecture.md "Which
+ * hook, per device").
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -167,87 +172,126 @@ csum_l4(struct __sk_buff *skb, __u32 off, __u32 from, __u32 to, __u64 flags)
 	return bpf_l4_csum_replace(skb, off, from, to, flags | BPF_F_MARK_MANGLED_0);
 }
 
+/* ------------------------------------------------ shared by both programs */
+
+/* Whether this process's routes may forward (the lease above). */
+static __always_inline int lease_live(void)
+{
+	__u32 zero = 0;
+	__u64 *deadline = bpf_map_lookup_elem(&lease, &zero);
+	return deadline && !(*deadline && bpf_ktime_get_ns() > *deadline);
+}
+
+/* Parse Ethernet + plain IPv4 (no options, not fragmented) or IPv6 (UDP as
+ * the first next header) + UDP whose length agrees with the IP header's:
+ * fills the key's addresses and ports, the UDP header's offset and the UDP
+ * length. Nonzero: not ours (the packet passes untouched). */
+static __always_inline int
+parse_udp(void *data, void *end, struct route_key *key, __u32 *l4, __u16 *ulen)
+{
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return -1;
+	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
+		    (ip->frag_off & bpf_htons(0x3FFF)))
+			return -1;
+		key->family = 4;
+		key->saddr[0] = ip->saddr;
+		key->daddr[0] = ip->daddr;
+		*l4 = sizeof(*eth) + sizeof(*ip);
+		*ulen = bpf_ntohs(ip->tot_len) - sizeof(*ip);
+	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_UDP)
+			return -1;
+		key->family = 6;
+		__builtin_memcpy(key->saddr, &ip6->saddr, 16);
+		__builtin_memcpy(key->daddr, &ip6->daddr, 16);
+		*l4 = sizeof(*eth) + sizeof(*ip6);
+		*ulen = bpf_ntohs(ip6->payload_len);
+	} else {
+		return -1;
+	}
+	struct udphdr *udp = data + *l4;
+	if ((void *)(udp + 1) > end || bpf_ntohs(udp->len) != *ulen || *ulen < sizeof(*udp))
+		return -1;
+	key->sport = udp->source;
+	key->dport = udp->dest;
+	return 0;
+}
+
+/* The live route of a datagram whose UDP data starts at `p`, or NULL (it
+ * passes): a ChannelData route (its length field must be the data's
+ * length; `*chanword` gets the header), a Unity RELAY route (the frame's
+ * first 36 bytes, its DataLength the rest), else an address route of the
+ * other two kinds. */
+static __always_inline struct route_val *
+find_route(struct route_key *key, __u8 *p, void *end, __u16 ulen, __u32 *chanword)
+{
+	struct route_val *r = NULL;
+	if ((void *)(p + CHANNEL_HEADER) <= end && (p[0] & 0xC0) == 0x40) {
+		key->channel = ((__u16)p[0] << 8) | p[1];
+		r = bpf_map_lookup_elem(&routes, key);
+		if (r && r->kind != KIND_UNWRAP_CHANNEL)
+			r = NULL;
+		if (r) {
+			__u16 length = ((__u16)p[2] << 8) | p[3];
+			if (length != ulen - sizeof(struct udphdr) - CHANNEL_HEADER)
+				return NULL;
+			*chanword = *(__u32 *)p;
+			return r;
+		}
+	}
+	if ((void *)(p + RELAY_HEADER) <= end) {
+		/* A Unity RELAY frame? Its route names its first 36 bytes; its
+		 * DataLength must be the rest (else the relay's socket decides). */
+		struct relay_key rkey = {};
+		__u16 length = ((__u16)p[RELAY_HEAD] << 8) | p[RELAY_HEAD + 1];
+		if (length == ulen - sizeof(struct udphdr) - RELAY_HEADER) {
+			rkey.flow = *key;
+			rkey.flow.channel = 0;
+			__builtin_memcpy(rkey.head, p, RELAY_HEAD);
+			r = bpf_map_lookup_elem(&relay_routes, &rkey);
+			if (r && r->kind == KIND_RELAY)
+				return r;
+		}
+	}
+	key->channel = 0;
+	r = bpf_map_lookup_elem(&routes, key);
+	if (!r || r->kind == KIND_UNWRAP_CHANNEL || r->kind == KIND_RELAY)
+		return NULL;
+	return r;
+}
+
+/* ------------------------------------------------ tc ingress */
+
 SEC("tc")
 int crossroads_relay(struct __sk_buff *skb)
 {
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
-	struct ethhdr *eth = data;
 	struct route_key key = {};
-	__u32 l4;
-	__u16 ulen;
-
+	__u32 l4 = 0;
+	__u16 ulen = 0;
 	__u32 zero = 0;
-	__u64 *deadline = bpf_map_lookup_elem(&lease, &zero);
-	if (!deadline || (*deadline && bpf_ktime_get_ns() > *deadline))
+
+	if (!lease_live())
 		return PASS; /* its process is gone (or stalled): the sockets decide */
 	if (skb->gso_size)
 		return PASS; /* an aggregate: the stack splits it */
-	if ((void *)(eth + 1) > end)
+	if (parse_udp(data, end, &key, &l4, &ulen))
 		return PASS;
-	if (eth->h_proto == bpf_htons(ETH_P_IP)) {
-		struct iphdr *ip = (void *)(eth + 1);
-		if ((void *)(ip + 1) > end || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
-		    (ip->frag_off & bpf_htons(0x3FFF)))
-			return PASS;
-		key.family = 4;
-		key.saddr[0] = ip->saddr;
-		key.daddr[0] = ip->daddr;
-		l4 = sizeof(*eth) + sizeof(*ip);
-		ulen = bpf_ntohs(ip->tot_len) - sizeof(*ip);
-	} else if (eth->h_proto == bpf_htons(ETH_P_IPV6)) {
-		struct ipv6hdr *ip6 = (void *)(eth + 1);
-		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_UDP)
-			return PASS;
-		key.family = 6;
-		__builtin_memcpy(key.saddr, &ip6->saddr, 16);
-		__builtin_memcpy(key.daddr, &ip6->daddr, 16);
-		l4 = sizeof(*eth) + sizeof(*ip6);
-		ulen = bpf_ntohs(ip6->payload_len);
-	} else {
+	if (l4 > 64)
 		return PASS;
-	}
 	struct udphdr *udp = data + l4;
-	if ((void *)(udp + 1) > end || bpf_ntohs(udp->len) != ulen || ulen < sizeof(*udp))
+	if ((void *)(udp + 1) > end)
 		return PASS;
-	key.sport = udp->source;
-	key.dport = udp->dest;
-
-	struct route_val *r = NULL;
-	__u8 *p = (void *)(udp + 1);
 	__u32 chanword = 0;
-	if ((void *)(p + CHANNEL_HEADER) <= end && (p[0] & 0xC0) == 0x40) {
-		key.channel = ((__u16)p[0] << 8) | p[1];
-		r = bpf_map_lookup_elem(&routes, &key);
-		if (r && r->kind != KIND_UNWRAP_CHANNEL)
-			r = NULL;
-		if (r) {
-			__u16 length = ((__u16)p[2] << 8) | p[3];
-			if (length != ulen - sizeof(*udp) - CHANNEL_HEADER)
-				return PASS;
-			chanword = *(__u32 *)p;
-		}
-	}
-	if (!r && (void *)(p + RELAY_HEADER) <= end) {
-		/* A Unity RELAY frame? Its route names its first 36 bytes; its
-		 * DataLength must be the rest (else the relay's socket decides). */
-		struct relay_key rkey = {};
-		__u16 length = ((__u16)p[RELAY_HEAD] << 8) | p[RELAY_HEAD + 1];
-		if (length == ulen - sizeof(*udp) - RELAY_HEADER) {
-			rkey.flow = key;
-			rkey.flow.channel = 0;
-			__builtin_memcpy(rkey.head, p, RELAY_HEAD);
-			r = bpf_map_lookup_elem(&relay_routes, &rkey);
-			if (r && r->kind != KIND_RELAY)
-				r = NULL;
-		}
-	}
-	if (!r) {
-		key.channel = 0;
-		r = bpf_map_lookup_elem(&routes, &key);
-		if (!r || r->kind == KIND_UNWRAP_CHANNEL || r->kind == KIND_RELAY)
-			return PASS;
-	}
+	struct route_val *r = find_route(&key, (void *)(udp + 1), end, ulen, &chanword);
+	if (!r)
+		return PASS;
 
 	__u32 payload = ulen - sizeof(*udp);
 	__u16 new_ulen = ulen;
@@ -348,6 +392,274 @@ int crossroads_relay(struct __sk_buff *skb)
 	__sync_fetch_and_add(&r->packets, 1);
 	__sync_fetch_and_add(&r->bytes, payload);
 	return bpf_redirect_neigh(r->ifindex, NULL, 0, 0);
+}
+
+/* ------------------------------------------------ XDP (driver mode) */
+
+/* Egress devices an XDP frame may be sent to (XDP_TX or a redirect), the
+ * value the families (bit 0 IPv4, bit 1 IPv6), written by user space
+ * (kernelplane.py xdp_families): bpf_fib_lookup needs forwarding on the
+ * device; a NIC takes XDP frames only with its driver's XDP transmit path
+ * set up (an XDP program on it), a veth only when its peer has NAPI (an
+ * XDP program or GRO there), else the frame is dropped after the program
+ * returned, where nothing can fall back. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 256);
+	__type(key, __u32);
+	__type(value, __u32);
+} xdp_egress SEC(".maps");
+
+/* What the XDP program did, per CPU: [XDP_FORWARDED] datagrams it forwarded
+ * itself; routed datagrams it could not finish and passed to tc, by why:
+ * an egress it may not send frames to, a partial checksum, no next hop it
+ * can use (no neighbour entry yet, another device, over the MTU: the fib
+ * lookup), anything else (a ChannelData datagram too long to wrap). */
+#define XDP_FORWARDED 0
+#define XDP_LEFT_EGRESS 1
+#define XDP_LEFT_CHECKSUM 2
+#define XDP_LEFT_NEXT_HOP 3
+#define XDP_LEFT_OTHER 4
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 5);
+	__type(key, __u32);
+	__type(value, __u64);
+} xdp_stats SEC(".maps");
+
+static __always_inline int xdp_count(__u32 which, int action)
+{
+	__u64 *n = bpf_map_lookup_elem(&xdp_stats, &which);
+	if (n)
+		*n += 1; /* per CPU: no atomics needed */
+	return action;
+}
+
+static __always_inline __u16 csum_fold(__u64 sum)
+{
+	sum = (sum & 0xFFFF) + (sum >> 16);
+	sum = (sum & 0xFFFF) + (sum >> 16);
+	sum = (sum & 0xFFFF) + (sum >> 16);
+	return (__u16)sum;
+}
+
+/* Headers moved by the ChannelData header's 4 bytes: Ethernet + IPv6 + UDP
+ * at most (62 bytes), in whole words. */
+#define HEAD_MAX 64
+
+SEC("xdp")
+int crossroads_relay_xdp(struct xdp_md *ctx)
+{
+	void *data = (void *)(long)ctx->data;
+	void *end = (void *)(long)ctx->data_end;
+	struct route_key key = {};
+	__u32 l4 = 0;
+	__u16 ulen = 0;
+
+	if (!lease_live())
+		return XDP_PASS;
+	if (parse_udp(data, end, &key, &l4, &ulen))
+		return XDP_PASS;
+	if (l4 != sizeof(struct ethhdr) + sizeof(struct iphdr) &&
+	    l4 != sizeof(struct ethhdr) + sizeof(struct ipv6hdr))
+		return XDP_PASS;
+	struct udphdr *udp = data + l4;
+	if ((void *)(udp + 1) > end)
+		return XDP_PASS;
+	/* The whole datagram is in this buffer (no truncated or multi-buffer
+	 * frame; Ethernet padding after it stays behind). */
+	if (data + l4 + ulen > end)
+		return XDP_PASS;
+	__u32 chanword = 0;
+	struct route_val *r = find_route(&key, (void *)(udp + 1), end, ulen, &chanword);
+	if (!r)
+		return XDP_PASS;
+
+	/* Decide everything before changing a byte: what XDP cannot finish goes
+	 * on to tc (this process's program is on the device too) untouched. */
+	__u32 out = r->ifindex;
+	int v4 = key.family == 4;
+	__u32 *families = bpf_map_lookup_elem(&xdp_egress, &out);
+	if (!families || !(*families & (v4 ? 1 : 2)))
+		return xdp_count(XDP_LEFT_EGRESS, XDP_PASS);
+	__u16 check = udp->check;
+	/* A CHECKSUM_PARTIAL packet (a local or veth sender left the sum to the
+	 * device) carries only its pseudo-header's sum; an XDP frame has no skb
+	 * to say so and leaves as a finished packet, so an incremental update
+	 * would send a wrong checksum. The field equal to the pseudo-header's
+	 * folded sum means that (or, once in 65536 datagrams, a full checksum
+	 * that happens to equal it): tc, whose helpers handle both, takes it. */
+	if (check || !v4) {
+		__u32 pseudo[11] = {};
+		__u64 sum;
+		if (v4) {
+			pseudo[0] = key.saddr[0];
+			pseudo[1] = key.daddr[0];
+			pseudo[2] = bpf_htonl(((__u32)IPPROTO_UDP << 16) | ulen);
+			sum = bpf_csum_diff(NULL, 0, pseudo, 12, 0);
+		} else {
+			__builtin_memcpy(pseudo, key.saddr, 16);
+			__builtin_memcpy(pseudo + 4, key.daddr, 16);
+			pseudo[8] = bpf_htonl(ulen);
+			pseudo[9] = bpf_htonl(IPPROTO_UDP);
+			sum = bpf_csum_diff(NULL, 0, pseudo, 40, 0);
+		}
+		__u16 partial = csum_fold(sum);
+		if (check == partial || !check)
+			return xdp_count(XDP_LEFT_CHECKSUM, XDP_PASS);
+	}
+
+	int delta = 0;
+	__u32 payload = ulen - sizeof(struct udphdr);
+	if (r->kind == KIND_UNWRAP_CHANNEL) {
+		delta = -CHANNEL_HEADER;
+		payload -= CHANNEL_HEADER;
+	} else if (r->kind == KIND_WRAP_CHANNEL) {
+		if (ulen > 0xFFFF - CHANNEL_HEADER - 40)
+			return xdp_count(XDP_LEFT_OTHER, XDP_PASS);
+		delta = CHANNEL_HEADER;
+		chanword = bpf_htonl(((__u32)r->channel << 16) | payload);
+	}
+	__u16 new_ulen = ulen + delta;
+	__u16 ip_len = new_ulen + (v4 ? sizeof(struct iphdr) : 0);
+
+	/* The next hop: the route's device, and its neighbour's address known
+	 * (else the stack resolves it: tc's bpf_redirect_neigh); tot_len makes
+	 * the lookup check the route's MTU. */
+	struct bpf_fib_lookup fib = {};
+	fib.family = v4 ? 2 : 10; /* AF_INET, AF_INET6 */
+	fib.l4_protocol = IPPROTO_UDP;
+	fib.sport = r->sport;
+	fib.dport = r->dport;
+	fib.tot_len = v4 ? ip_len : ip_len + sizeof(struct ipv6hdr);
+	fib.ifindex = out;
+	if (v4) {
+		fib.ipv4_src = r->saddr[0];
+		fib.ipv4_dst = r->daddr[0];
+	} else {
+		__builtin_memcpy(fib.ipv6_src, r->saddr, 16);
+		__builtin_memcpy(fib.ipv6_dst, r->daddr, 16);
+	}
+	/* BPF_FIB_LOOKUP_OUTPUT: the relay sends this datagram from its own
+	 * address (as its socket would), it does not forward the client's. */
+	long rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS || fib.ifindex != out)
+		return xdp_count(XDP_LEFT_NEXT_HOP, XDP_PASS);
+
+	/* The UDP checksum's change, from the old words to the new: addresses
+	 * (pseudo-header), ports, the length (header and pseudo-header) and the
+	 * ChannelData word removed or added (a 4-byte shift keeps the 16-bit
+	 * alignment of what follows). */
+	__u32 from[11] = {}, to[11] = {};
+	__u32 words = v4 ? 5 : 11;
+	__u32 ports = ((__u32)key.dport << 16) | key.sport;
+	__u32 new_ports = ((__u32)r->dport << 16) | r->sport;
+	if (v4) {
+		from[0] = key.saddr[0];
+		from[1] = key.daddr[0];
+		to[0] = r->saddr[0];
+		to[1] = r->daddr[0];
+		from[2] = ports;
+		to[2] = new_ports;
+		from[3] = ((__u32)bpf_htons(ulen) << 16) | bpf_htons(ulen);
+		to[3] = ((__u32)bpf_htons(new_ulen) << 16) | bpf_htons(new_ulen);
+		from[4] = delta < 0 ? chanword : 0;
+		to[4] = delta > 0 ? chanword : 0;
+	} else {
+		__builtin_memcpy(from, key.saddr, 32);
+		__builtin_memcpy(to, r->saddr, 32);
+		from[8] = ports;
+		to[8] = new_ports;
+		from[9] = ((__u32)bpf_htons(ulen) << 16) | bpf_htons(ulen);
+		to[9] = ((__u32)bpf_htons(new_ulen) << 16) | bpf_htons(new_ulen);
+		from[10] = delta < 0 ? chanword : 0;
+		to[10] = delta > 0 ? chanword : 0;
+	}
+	__u16 new_check = 0;
+	if (check) { /* an IPv4 datagram without a checksum (0) keeps none */
+		__s64 diff = bpf_csum_diff(from, words * 4, to, words * 4, (__u16)~check);
+		if (diff < 0)
+			return xdp_count(XDP_LEFT_OTHER, XDP_PASS);
+		new_check = ~csum_fold(diff);
+		if (!new_check)
+			new_check = 0xFFFF; /* a computed 0 is sent as all ones */
+	}
+
+	/* Now change it. The Ethernet, IP and UDP headers move by the 4 bytes
+	 * the ChannelData header takes or leaves (the data stays put). */
+	__u8 head[HEAD_MAX];
+	__u32 hlen = l4 + sizeof(struct udphdr);
+	if (delta) {
+		if (v4) {
+			if (data + 42 > end)
+				return XDP_PASS;
+			__builtin_memcpy(head, data, 42);
+		} else {
+			if (data + 62 > end)
+				return XDP_PASS;
+			__builtin_memcpy(head, data, 62);
+		}
+		if (bpf_xdp_adjust_head(ctx, -delta))
+			return XDP_PASS; /* nothing changed yet */
+		data = (void *)(long)ctx->data;
+		end = (void *)(long)ctx->data_end;
+		if (v4) {
+			if (data + 42 > end)
+				return XDP_DROP; /* cannot be: it grew or had the 4 bytes */
+			__builtin_memcpy(data, head, 42);
+		} else {
+			if (data + 62 > end)
+				return XDP_DROP; /* cannot be: it grew or had the 4 bytes */
+			__builtin_memcpy(data, head, 62);
+		}
+		if (delta > 0) {
+			if (data + hlen + CHANNEL_HEADER > end || hlen > HEAD_MAX)
+				return XDP_DROP;
+			__builtin_memcpy(data + hlen, &chanword, CHANNEL_HEADER);
+		}
+	}
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return XDP_DROP;
+	__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
+	if (v4) {
+		struct iphdr *ip = (void *)(eth + 1);
+		udp = (void *)(ip + 1);
+		if ((void *)(udp + 1) > end)
+			return XDP_DROP;
+		ip->saddr = r->saddr[0];
+		ip->daddr = r->daddr[0];
+		ip->tot_len = bpf_htons(ip_len);
+		ip->ttl = NEW_HOP_LIMIT;
+		ip->check = 0;
+		__u16 *w = (void *)ip;
+		__u64 sum = 0;
+#pragma unroll
+		for (int i = 0; i < 10; i++)
+			sum += w[i];
+		ip->check = ~csum_fold(sum);
+	} else {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		udp = (void *)(ip6 + 1);
+		if ((void *)(udp + 1) > end)
+			return XDP_DROP;
+		__builtin_memcpy(&ip6->saddr, r->saddr, 16);
+		__builtin_memcpy(&ip6->daddr, r->daddr, 16);
+		ip6->payload_len = bpf_htons(new_ulen);
+		ip6->hop_limit = NEW_HOP_LIMIT;
+	}
+	udp->source = r->sport;
+	udp->dest = r->dport;
+	udp->len = bpf_htons(new_ulen);
+	udp->check = new_check;
+
+	__sync_fetch_and_add(&r->packets, 1);
+	__sync_fetch_and_add(&r->bytes, payload);
+	xdp_count(XDP_FORWARDED, 0);
+	if (out == ctx->ingress_ifindex)
+		return XDP_TX;
+	return bpf_redirect(out, 0);
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";

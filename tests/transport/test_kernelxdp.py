@@ -1,0 +1,391 @@
+"""The kernel plane's XDP hook (``--kernel-hook``; issue 30: "XDP where the
+device supports it; choose per device").
+
+client (192.0.2.2, 2001:db8:2::2) -- [toc] server [top] -- peer (198.51.100.2,
+2001:db8:3::2), veth pairs. On relay_lab as is, the veths behave as veths do
+for local senders; ``wire_like`` makes them look like NICs on a wire (full
+checksums, NAPI on the far ends, forwarding on the server's devices). The
+XDP program forwards what it can finish, counted in its ``xdp_stats``; what
+it cannot (a partial checksum, an egress that would drop its frames, no
+neighbour yet, a device another process's XDP holds) goes on to tc, which
+forwards it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from crossroads.transport.kernelplane import (
+    KernelPlane,
+    KernelPlaneUnavailable,
+    KernelRoute,
+    LinkFacts,
+    RouteKind,
+    link_facts,
+    xdp_policy,
+)
+from tests.transport.netns_support import inside, relay_lab
+from tests.transport.plane_support import keep_plane_globals, wire_like
+from tests.transport.test_kernelturn import (
+    kernel_counts,
+    kernel_plane,
+    turn_lab,
+    uclient_channels,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+#: (client, listening address, relayed address, peer) per family.
+FAMILIES = {
+    4: (("192.0.2.2", 40000), ("192.0.2.1", 3478), ("198.51.100.1", 50000), ("198.51.100.2", 60000)),
+    6: (("2001:db8:2::2", 40000), ("2001:db8:2::1", 3478), ("2001:db8:3::1", 50000), ("2001:db8:3::2", 60000)),
+}  # fmt: skip
+CHANNEL = 0x4001
+
+
+@pytest.fixture
+def names() -> Iterator[dict[str, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root for namespaces and eBPF")
+    with relay_lab("xd") as found:
+        yield found
+
+
+def _load(ns: str, hook: str = "xdp") -> KernelPlane:
+    with inside(ns):
+        try:
+            plane = KernelPlane.load()
+        except KernelPlaneUnavailable as exc:
+            pytest.skip(f"kernel plane unavailable: {exc}")
+    plane.hook = hook
+    return plane
+
+
+def _udp(ns: str, addr: tuple[str, int]) -> socket.socket:
+    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    with inside(ns):
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+    sock.bind(addr)
+    sock.settimeout(2.0)
+    return sock
+
+
+def _recv(sock: socket.socket, timeout: float = 2.0) -> tuple[bytes, object] | None:
+    sock.settimeout(timeout)
+    try:
+        data, addr = sock.recvfrom(4096)
+    except TimeoutError:
+        return None
+    return data, (addr[0], addr[1])
+
+
+class Channel:
+    """A ChannelData channel's two kernel routes, on ``plane`` in the server
+    namespace, and the sockets at its ends."""
+
+    def __init__(
+        self, names: dict[str, str], plane: KernelPlane, family: int = 4
+    ) -> None:
+        self.client_addr, self.listen_addr, self.relayed, self.peer_addr = FAMILIES[
+            family
+        ]
+        self.names, self.plane = names, plane
+        self.client = _udp(names["client"], self.client_addr)
+        self.listen = _udp(names["server"], self.listen_addr)
+        self.peer = _udp(names["peer"], self.peer_addr)
+        self.up = KernelRoute(
+            RouteKind.UNWRAP_CHANNEL, self.client_addr, self.listen_addr,
+            self.relayed, self.peer_addr, CHANNEL,
+        )  # fmt: skip
+        self.down = KernelRoute(
+            RouteKind.WRAP_CHANNEL, self.peer_addr, self.relayed,
+            self.listen_addr, self.client_addr, CHANNEL,
+        )  # fmt: skip
+        with inside(names["server"]):
+            plane.attach("toc")
+            plane.attach("top")
+            assert plane.install(self.up) and plane.install(self.down)
+
+    def both_ways(self, data: bytes) -> None:
+        """ChannelData to the peer unwrapped; the peer's answer wrapped."""
+        frame = CHANNEL.to_bytes(2, "big") + len(data).to_bytes(2, "big") + data
+        self.client.sendto(frame, self.listen_addr)
+        assert _recv(self.peer) == (data, self.relayed)
+        self.peer.sendto(data[::-1], self.relayed)
+        back = data[::-1]
+        wrapped = CHANNEL.to_bytes(2, "big") + len(back).to_bytes(2, "big") + back
+        assert _recv(self.client) == (wrapped, self.listen_addr)
+
+    def close(self) -> None:
+        with inside(self.names["server"]):
+            self.plane.close()
+        for sock in (self.client, self.listen, self.peer):
+            sock.close()
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_xdp_forwards_channel_data_both_ways(
+    names: dict[str, str], family: int
+) -> None:
+    """On wire-like veths, XDP in driver mode takes ChannelData's header off
+    and puts it on, exact bytes and valid checksums (the receiving stack
+    verifies them: a wrong one is dropped), for every size up to a
+    full-MTU datagram; tc forwards none of it."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        channel = Channel(names, plane, family)
+        try:
+            sizes = [0, 1, 3, 4, 5, 100, 1399]
+            if family == 6:
+                sizes.append(1500 - 40 - 8 - 4)  # the largest that fits both ways
+            else:
+                sizes.append(1500 - 20 - 8 - 4)
+            for n in sizes:
+                channel.both_ways(bytes((i * 13 + n) % 256 for i in range(n)))
+            stats = plane.xdp_stats()
+            assert stats["forwarded"] == 2 * len(sizes), stats
+            assert plane.counters(channel.up) == (len(sizes), sum(sizes))
+            assert plane.counters(channel.down) == (len(sizes), sum(sizes))
+            assert all(hook == "xdp" for hook, _ in plane.hooks.values())
+        finally:
+            channel.close()
+
+
+def test_partial_checksums_go_to_tc(names: dict[str, str]) -> None:
+    """Datagrams a local socket sends over a veth are CHECKSUM_PARTIAL: the
+    field holds the pseudo-header's sum only, and XDP (no skb, the frame
+    leaves finished) would forward a wrong checksum that the receiver drops.
+    The program leaves them to tc, which forwards them correctly."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        for role in ("client", "peer"):  # back to a veth's default
+            from tests.transport.netns_support import tx_checksum
+
+            tx_checksum(names[role], "eth0", True)
+        channel = Channel(names, plane)
+        try:
+            for n in range(3):
+                channel.both_ways(b"partial %d" % n)
+            stats = plane.xdp_stats()
+            assert stats["forwarded"] == 0 and stats["left-checksum"] == 6, stats
+            assert plane.counters(channel.up) == (3, 27)
+        finally:
+            channel.close()
+
+
+def test_an_egress_that_would_drop_xdp_frames_goes_to_tc(names: dict[str, str]) -> None:
+    """A frame sent into a veth whose peer has no NAPI is dropped after the
+    program returned: with no XDP program on the client's and the peer's
+    ends, the program never sends there; tc forwards."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        pass  # forwarding on, full checksums (tx off stays), no NAPI on the ends
+    channel = Channel(names, plane)
+    try:
+        for n in range(3):
+            channel.both_ways(b"no napi %d" % n)
+        stats = plane.xdp_stats()
+        assert stats["forwarded"] == 0 and stats["left-egress"] == 6, stats
+    finally:
+        channel.close()
+
+
+def test_no_neighbour_yet_goes_to_tc_then_xdp(names: dict[str, str]) -> None:
+    """Without the next hop's link-layer address, bpf_fib_lookup cannot
+    finish the packet: XDP passes it untouched, tc forwards it (resolving
+    the neighbour); the next one goes by XDP."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        channel = Channel(names, plane)
+        try:
+            subprocess.run(
+                ["ip", "-n", names["server"], "neigh", "flush", "dev", "top"],
+                check=True,
+            )
+            frame = CHANNEL.to_bytes(2, "big") + (5).to_bytes(2, "big") + b"first"
+            channel.client.sendto(frame, channel.listen_addr)
+            assert _recv(channel.peer) == (b"first", channel.relayed)
+            stats = plane.xdp_stats()
+            assert stats["forwarded"] == 0 and stats["left-next-hop"] == 1, stats
+            from tests.transport.plane_support import prime_neighbours
+
+            prime_neighbours(names["server"], (channel.peer_addr[0],))
+            channel.client.sendto(frame, channel.listen_addr)
+            assert _recv(channel.peer) == (b"first", channel.relayed)
+            assert plane.xdp_stats()["forwarded"] == 1
+            assert plane.counters(channel.up) == (2, 10)
+        finally:
+            channel.close()
+
+
+def test_a_second_plane_on_the_device_falls_back_to_tc(names: dict[str, str]) -> None:
+    """One XDP program per device: the second plane (another process, a
+    second worker) finds the device taken, says so, and runs tc there; the
+    first one's XDP passes what it does not route, so the second's routes
+    still forward."""
+    first, second = _load(names["server"]), _load(names["server"])
+    with wire_like(names):
+        one = Channel(names, first)
+        try:
+            with inside(names["server"]):
+                second.attach("toc")
+                second.attach("top")
+            hooks = {hook for hook, _ in second.hooks.values()}
+            assert hooks == {"tc"}, second.hooks
+            assert all("another XDP program" in why for _, why in second.hooks.values())
+            route = KernelRoute(
+                RouteKind.REWRITE, ("192.0.2.2", 40001), ("192.0.2.1", 3478),
+                ("198.51.100.1", 50001), ("198.51.100.2", 60000),
+            )  # fmt: skip
+            with inside(names["server"]):
+                assert second.install(route)
+            other = _udp(names["client"], ("192.0.2.2", 40001))
+            try:
+                other.sendto(b"second", ("192.0.2.1", 3478))
+                assert _recv(one.peer) == (b"second", ("198.51.100.1", 50001))
+            finally:
+                other.close()
+            assert second.counters(route) == (1, 6)
+            assert second.xdp_stats()["forwarded"] == 0
+            one.both_ways(b"first's")
+            assert first.xdp_stats()["forwarded"] == 2
+        finally:
+            with inside(names["server"]):
+                second.close()
+            one.close()
+
+
+def test_auto_takes_xdp_on_nic_drivers_and_tc_on_veth() -> None:
+    """The per-device policy (docs/architecture.md "Which hook, per device")."""
+    nic, veth = LinkFacts(None, False), LinkFacts("veth", False, 3, 0)
+    assert xdp_policy("auto", nic) is None
+    assert "forwarding is off" in (xdp_policy("auto", nic, forwards=False) or "")
+    assert "veth" in (xdp_policy("auto", veth) or "")
+    assert "bridge" in (xdp_policy("auto", LinkFacts("bridge", False)) or "")
+    assert xdp_policy("xdp", veth) is None
+    assert xdp_policy("tc", nic) == "--kernel-hook tc"
+
+
+def test_auto_on_veth_says_tc_and_why(
+    names: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    plane = _load(names["server"], "auto")
+    try:
+        with (
+            caplog.at_level(logging.INFO, "crossroads.dataplane"),
+            inside(names["server"]),
+        ):
+            plane.attach("toc")
+        assert "dataplane: device toc: tc (a veth" in caplog.text
+    finally:
+        with inside(names["server"]):
+            plane.close()
+
+
+async def test_uclient_channels_forwarded_by_xdp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """coturn's turnutils_uclient with channels through crossroads on the
+    kernel plane with --kernel-hook xdp: 0 loss, and the XDP program (not
+    tc, not the sockets) forwarded the ChannelData both ways."""
+    keep_plane_globals(monkeypatch)
+    async with turn_lab("xdp") as (ns, rt, service):
+        sent, received = await uclient_channels(ns, service)
+        stats = kernel_plane(rt).xdp_stats()
+        to_peer, to_client = kernel_counts(service)
+        assert to_peer >= sent and to_client >= received
+        # Every datagram the kernel forwarded, XDP did (uclient's first
+        # datagrams may find no neighbour yet: those went by tc).
+        assert stats["forwarded"] >= sent + received - 4, stats
+        assert stats["left-checksum"] == stats["left-egress"] == 0, stats
+        assert all(tap.forwarded == 0 for tap in service.routes.taps.values())
+
+
+def test_an_ipv4_datagram_without_checksum_keeps_none(names: dict[str, str]) -> None:
+    """IPv4 UDP may carry no checksum (0, RFC 768): XDP forwards it with
+    none (an incremental update of 0 would be a wrong checksum, and the
+    receiver would drop it)."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        channel = Channel(names, plane)
+        try:
+            channel.client.setsockopt(socket.SOL_SOCKET, 11, 1)  # SO_NO_CHECK
+            channel.peer.setsockopt(socket.SOL_SOCKET, 11, 1)
+            for n in range(3):
+                channel.both_ways(b"no checksum %d" % n)
+            assert plane.xdp_stats()["forwarded"] == 6
+        finally:
+            channel.close()
+
+
+_HOLDER = """
+import time
+from crossroads.transport.kernelplane import KernelPlane, KernelRoute, RouteKind
+plane = KernelPlane.load()
+plane.hook = "xdp"
+plane.attach("toc")
+plane.attach("top")
+assert plane.hooks[plane.devices[0]][0] == "xdp", plane.hooks
+assert plane.install(KernelRoute(RouteKind.REWRITE, ("192.0.2.2", 40000),
+    ("192.0.2.1", 3478), ("198.51.100.1", 50000), ("198.51.100.2", 60000)))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_second_process_falls_back_to_tc_and_a_killed_one_leaves_no_xdp(
+    names: dict[str, str],
+) -> None:
+    """Another process holds the device's XDP: this one runs tc there and
+    its route forwards through the holder's XDP program (which passes what
+    it does not route); SIGKILLed, the holder's XDP link goes with it."""
+    plane = _load(names["server"])
+    with wire_like(names):
+        holder = subprocess.Popen(
+            ["ip", "netns", "exec", names["server"], sys.executable, "-c", _HOLDER],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ,
+        )
+        mine = _udp(names["client"], ("192.0.2.2", 40001))
+        theirs = _udp(names["client"], ("192.0.2.2", 40000))
+        peer = _udp(names["peer"], ("198.51.100.2", 60000))
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "ready"
+            route = KernelRoute(
+                RouteKind.REWRITE, ("192.0.2.2", 40001), ("192.0.2.1", 3478),
+                ("198.51.100.1", 50001), ("198.51.100.2", 60000),
+            )  # fmt: skip
+            with inside(names["server"]):
+                plane.attach("toc")
+                assert plane.install(route)
+                toc = socket.if_nametoindex("toc")
+            hook, why = plane.hooks[toc]
+            assert hook == "tc" and "another XDP program" in why
+            theirs.sendto(b"theirs", ("192.0.2.1", 3478))
+            assert _recv(peer) == (b"theirs", ("198.51.100.1", 50000))
+            mine.sendto(b"mine", ("192.0.2.1", 3478))
+            assert _recv(peer) == (b"mine", ("198.51.100.1", 50001))
+            assert plane.counters(route) == (1, 4)
+            holder.kill()
+            holder.wait(10)
+            with inside(names["server"]):
+                assert not link_facts(toc).xdp
+            mine.sendto(b"still", ("192.0.2.1", 3478))
+            assert _recv(peer) == (b"still", ("198.51.100.1", 50001))
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(10)
+            with inside(names["server"]):
+                plane.close()
+            for sock in (mine, theirs, peer):
+                sock.close()
