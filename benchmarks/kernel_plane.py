@@ -360,10 +360,20 @@ def kernel_routing(
 
 @contextlib.contextmanager
 def kernel_plane(
-    ns: dict[str, str], stack: ExitStack, n: int, size: int
+    ns: dict[str, str], stack: ExitStack, n: int, size: int, hook: str = "tc"
 ) -> Iterator[Running]:
+    """``relay.bpf.c`` with ``--kernel-hook tc`` or ``xdp`` (the XDP program
+    finishes a datagram only with forwarding on, for bpf_fib_lookup, and
+    toward a veth whose peer takes XDP frames: the sinks' programs)."""
+    forwarding = ["ip", "netns", "exec", ns["server"], "sysctl", "-qw"]
+    if hook == "xdp":
+        subprocess.run([*forwarding, "net.ipv4.conf.all.forwarding=1"], check=True)
+        stack.callback(
+            subprocess.run, [*forwarding, "net.ipv4.conf.all.forwarding=0"], check=False
+        )
     with inside(ns["server"]):
         plane = KernelPlane.load()
+        plane.hook = hook
     try:
         flows: list[Flow] = []
         back: list[Flow] = []
@@ -399,12 +409,15 @@ def kernel_plane(
             plane.attach("top")
             if not all(plane.install(route) for route in routes):
                 raise RuntimeError("kernel plane refused a route")
+        xdp = hook == "xdp"
+        if xdp and {plane.hooks[i][0] for i in plane.devices} != {"xdp"}:
+            raise RuntimeError(f"XDP not attached everywhere: {plane.hooks}")
         yield Running(
-            "kernel plane (eBPF, tc)",
+            f"kernel plane (eBPF, {'XDP' if xdp else 'tc'})",
             None,
             flows,
             back,
-            plane.program_fd,
+            plane.xdp_program_fd if xdp else plane.program_fd,
         )
     finally:
         with inside(ns["server"]):
@@ -554,7 +567,7 @@ def main() -> None:
     parser.add_argument("--same-rate", type=float, default=200_000)
     parser.add_argument(
         "--only",
-        help="comma-separated: generator,routing,kernel,gso,nogso,coturn,bare",
+        help="comma-separated: generator,routing,kernel,xdp,gso,nogso,coturn,bare",
     )
     parser.add_argument(
         "--direction",
@@ -637,13 +650,14 @@ def main() -> None:
             starters: list[
                 tuple[
                     str,
-                    str,
+                    str | None,
                     Callable[[ExitStack], contextlib.AbstractContextManager[Running]],
                 ]
             ] = [
                 ("generator", "load_sink", lambda st: contextlib.nullcontext(generator_alone(ns, st, n, size))),
                 ("routing", "load_pass", lambda st: kernel_routing(ns, st, n, size)),
                 ("kernel", "load_pass", lambda st: kernel_plane(ns, st, n, size)),
+                ("xdp", None, lambda st: kernel_plane(ns, st, n, size, "xdp")),
                 ("gso", "load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=True)),
                 ("nogso", "load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=False)),
                 ("coturn", "load_pass", lambda st: coturn(ns, st, n, size)),

@@ -664,6 +664,11 @@ class KernelPlane:
         run_time_ns and run_cnt when kernel.bpf_stats_enabled is 1)."""
         return self._prog_fd
 
+    @property
+    def xdp_program_fd(self) -> int:
+        """The XDP program's descriptor (the same fdinfo figures)."""
+        return self._xdp_prog_fd
+
     # ------------------------------------------------------------- routes
 
     def install(self, route: KernelRoute, *, ifindex: int | None = None) -> bool:
