@@ -49,9 +49,9 @@ x1.5, then bisected), and one step at the same offered rate for all
 (``--same-rate``). For the kernel plane also the eBPF program's own run
 time per packet (``kernel.bpf_stats_enabled``, fdinfo).
 
-Latency: 500 ping-pongs (64-byte payload) client -> relay -> peer -> relay ->
-client through real sockets (before the load, the sinks passing), median
-round trip; added latency per relay hop is half the difference to the same
+Latency: 2000 ping-pongs (64-byte payload) client -> relay -> peer -> relay ->
+client through real sockets (before the load, the sinks passing; both
+sockets served by one thread on CPU 1), median round trip; added latency per relay hop is half the difference to the same
 ping-pong over kernel routing.
 """
 
@@ -288,10 +288,21 @@ def server_napi(load: Load, program: str | None) -> Iterator[int]:
         yield load.napi_pid
 
 
-def ping_pong(target: Running, rounds: int = 500) -> float:
-    """Median round trip (us) client -> relay -> peer -> relay -> client."""
+def ping_pong(target: Running, rounds: int = 2000) -> float:
+    """Median round trip (us) client -> relay -> peer -> relay -> client,
+    both ends in this thread on the generator's CPU (the relay's process, if
+    any, on the server's): every target pays the same wakeups."""
     if not target.back:
         return float("nan")
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {int(sat.LOAD_CPU)})
+    try:
+        return _ping_pong(target, rounds)
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
+def _ping_pong(target: Running, rounds: int) -> float:
     (client, dest, header, peer), (_, back, _, _) = target.flows[0], target.back[0]
     for sock in (client, peer):
         sock.setblocking(True)
