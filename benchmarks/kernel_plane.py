@@ -178,6 +178,8 @@ class Load:
     #: Peer to client (TURN: the ChannelData header goes on), else client
     #: to peer (it comes off).
     down: bool = False
+    #: Where the saturation search starts.
+    start_rate: float = 200_000
 
     @property
     def sender(self) -> str:
@@ -254,9 +256,7 @@ class Load:
                 self.report(target, step)
                 return step
 
-            best = sat.search_rate(
-                measure, self.args.start_rate, self.args.max_steps, 2
-            )
+            best = sat.search_rate(measure, self.start_rate, self.args.max_steps, 2)
         finally:
             gen.stop()
             self.loader.sinking(False)
@@ -586,13 +586,17 @@ def main() -> None:
         default="both",
         help="up: client -> peer (ChannelData header off); down: peer -> client (on)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of every target; medians reported"
+    )
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (namespaces, eBPF)")
     workdir = Path(tempfile.mkdtemp(prefix="crossroads-bench-kp-"))
     n, size = args.allocations, args.payload
-    rows: list[tuple[str, str, Step | None, Step, float]] = []
+    #: (target, direction) -> per round: (best step, same-rate step, rtt)
+    rows: dict[tuple[str, str], list[tuple[Step | None, Step, float]]] = {}
     directions = {"up": [False], "down": [True], "both": [False, True]}[args.direction]
     stats = Path("/proc/sys/kernel/bpf_stats_enabled")
     stats_before = stats.read_text().strip()
@@ -680,48 +684,94 @@ def main() -> None:
                 f"{size}-byte payloads, steps of {args.seconds:g} s; the server's "
                 "NAPI thread and process on CPU 0, the generator and the sink on CPU 1"
             )
-            for key, program, start in starters:
-                if wanted and key not in wanted:
-                    continue
-                for down in directions:
-                    if down and program == "load_sink":
-                        continue  # the generator alone: one way is enough
-                    load.down = down
-                    with ExitStack() as stack:
-                        target = stack.enter_context(start(stack))
-                        rtt = ping_pong(target)
-                        stack.enter_context(server_napi(load, program))
-                        same, best = load.measure(target)
-                    way = "peer -> client" if down else "client -> peer"
-                    rows.append((target.name, way, best, same, rtt))
-                    text = f"{best.delivered:>9.0f}/s" if best else "      n/a"
-                    print(
-                        f"  {target.name:<30} {way:<15} {text}  rtt {rtt:7.1f} us",
-                        flush=True,
-                    )
+            for round_ in range(1, args.rounds + 1):
+                print(f"round {round_} of {args.rounds}", flush=True)
+                for key, program, start in starters:
+                    if wanted and key not in wanted:
+                        continue
+                    for down in directions:
+                        if down and program == "load_sink":
+                            continue  # the generator alone: one way is enough
+                        load.down = down
+                        with ExitStack() as stack:
+                            target = stack.enter_context(start(stack))
+                            way = "peer -> client" if down else "client -> peer"
+                            runs = rows.setdefault((target.name, way), [])
+                            # A later round starts below the last one's best.
+                            best_before = [r[0].delivered for r in runs if r[0]]
+                            load.start_rate = (
+                                0.7 * best_before[-1]
+                                if best_before
+                                else args.start_rate
+                            )
+                            rtt = ping_pong(target)
+                            stack.enter_context(server_napi(load, program))
+                            same, best = load.measure(target)
+                        runs.append((best, same, rtt))
+                        text = f"{best.delivered:>9.0f}/s" if best else "      n/a"
+                        print(
+                            f"  {target.name:<30} {way:<15} {text}  rtt {rtt:7.1f} us",
+                            flush=True,
+                        )
     finally:
         stats.write_text(stats_before)
         shutil.rmtree(workdir, ignore_errors=True)
-    floor = next(
-        (r[4] for r in rows if r[0].startswith("kernel routing")), float("nan")
+    print_table(rows, args)
+
+
+def _median(values: list[float]) -> float:
+    values = [v for v in values if v == v]
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(
+    rows: dict[tuple[str, str], list[tuple[Step | None, Step, float]]],
+    args: argparse.Namespace,
+) -> None:
+    """Medians over the rounds (each round's relayed/s in the last column)."""
+    floor = _median(
+        [
+            rtt
+            for (name, _), runs in rows.items()
+            for _, _, rtt in runs
+            if name.startswith("kernel routing")
+        ]
     )
     same_rate = f"@{args.same_rate / 1000:.0f}k/s"
     print(
-        f"\n{'target':<30} {'direction':<15} {'relayed/s <0.5%':>16} {'server us/pkt':>14} "
+        f"\nmedians of {args.rounds} round(s)\n"
+        f"{'target':<30} {'direction':<15} {'relayed/s <0.5%':>16} {'server us/pkt':>14} "
         f"{'server us/pkt ' + same_rate:>22} {'of it process':>14} "
-        f"{'eBPF ns/pkt':>12} {'rtt us':>7} {'added/hop us':>13}"
+        f"{'eBPF ns/pkt':>12} {'rtt us':>7} {'added/hop us':>13}  rounds"
     )
-    for name, way, best, same, rtt in rows:
-        rate = f"{best.delivered:.0f}" if best else "n/a"
-        core = f"{best.us(best.relay_cpu):.2f}" if best else "-"
-        at_same = f"{same.us(same.relay_cpu):.2f} (loss {same.loss:.1f}%)"
-        process = f"{same.us(same.server_cpu):.2f}" if same.server_cpu else "-"
-        bpf = f"{same.bpf_ns:.0f}" if same.bpf_ns else "-"
+    for (name, way), runs in rows.items():
+        bests = [b for b, _, _ in runs if b]
+        sames = [s for _, s, _ in runs]
+        rtt = _median([r for _, _, r in runs])
+        rate = f"{_median([b.delivered for b in bests]):.0f}" if bests else "n/a"
+        core = f"{_median([b.us(b.relay_cpu) for b in bests]):.2f}" if bests else "-"
+        at_same = (
+            f"{_median([s.us(s.relay_cpu) for s in sames]):.2f} "
+            f"(loss {_median([s.loss for s in sames]):.1f}%)"
+        )
+        process = (
+            f"{_median([s.us(s.server_cpu) for s in sames]):.2f}"
+            if any(s.server_cpu for s in sames)
+            else "-"
+        )
+        bpf = (
+            f"{_median([s.bpf_ns for s in sames]):.0f}"
+            if any(s.bpf_ns for s in sames)
+            else "-"
+        )
         base = name == "generator alone" or name.startswith("kernel routing")
         added = "-" if base or rtt != rtt else f"{(rtt - floor) / 2:+.1f}"
+        each = " ".join(
+            f"{b.delivered / 1000:.0f}k" if b else "n/a" for b, _, _ in runs
+        )
         print(
             f"{name:<30} {way:<15} {rate:>16} {core:>14} {at_same:>22} {process:>14} "
-            f"{bpf:>12} {rtt:>7.1f} {added:>13}"
+            f"{bpf:>12} {rtt:>7.1f} {added:>13}  {each}"
         )
 
 
