@@ -112,13 +112,12 @@ class Step:
     #: the relay process (0: none).
     napi_cpu: float
     server_cpu: float
+    #: ns the eBPF program ran per packet it saw (kernel plane only, else 0).
+    bpf_ns: float = 0.0
 
     @property
     def relay_cpu(self) -> float:
         return self.napi_cpu + self.server_cpu
-
-    #: ns the eBPF program ran per packet it saw (kernel plane only, else 0).
-    bpf_ns: float = 0.0
 
     @property
     def passed(self) -> bool:
