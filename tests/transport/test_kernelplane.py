@@ -23,7 +23,7 @@ from crossroads.transport.kernelplane import (
     KernelRoute,
     RouteKind,
 )
-from tests.transport.netns_support import inside, relay_lab
+from tests.transport.netns_support import inside, relay_lab, tx_checksum
 
 LISTEN = ("192.0.2.1", 3478)
 RELAYED = ("198.51.100.1", 50000)
@@ -249,6 +249,24 @@ def test_checksums_of_a_fully_checksummed_sender(
             assert recv(receiver) == expected
     finally:
         raw.close()
+
+
+def test_a_partial_checksum_is_finished_right_by_the_egress_device(lab: Lab) -> None:
+    """Sockets on veth send CHECKSUM_PARTIAL datagrams: the program updates only
+    the pseudo-header's sum in them and the device finishes the checksum on the
+    way out. With the server's transmit checksum offload off, the kernel
+    finishes it in software and the far side's stack verifies the result (a
+    wrong pseudo-header update is dropped as a checksum error there)."""
+    assert lab.install(TO_PEER) and lab.install(TO_CLIENT)
+    for device in ("toc", "top"):
+        tx_checksum(lab.ns["server"], device, False)
+    for n in (0, 1, 7, 64, 1001):
+        data = bytes(i % 251 for i in range(n))
+        lab.client.sendto(channel_data(data), LISTEN)
+        assert recv(lab.peer) == (data, RELAYED)
+        lab.peer.sendto(data, RELAYED)
+        assert recv(lab.client) == (channel_data(data), LISTEN)
+    assert lab.plane.counters(TO_PEER) == (5, 1073)
 
 
 def test_a_route_with_a_port_no_datagram_carries_stays_on_the_sockets(

@@ -174,6 +174,14 @@ csum_l4(struct __sk_buff *skb, __u32 off, __u32 from, __u32 to, __u64 flags)
 
 /* ------------------------------------------------ shared by both programs */
 
+static __always_inline __u16 csum_fold(__u64 sum)
+{
+	sum = (sum & 0xFFFF) + (sum >> 16);
+	sum = (sum & 0xFFFF) + (sum >> 16);
+	sum = (sum & 0xFFFF) + (sum >> 16);
+	return (__u16)sum;
+}
+
 /* Whether this process's routes may forward (the lease above). */
 static __always_inline int lease_live(void)
 {
@@ -327,67 +335,84 @@ int crossroads_relay(struct __sk_buff *skb)
 			return TC_ACT_SHOT;
 	}
 
+	/* The UDP checksum's change as two deltas, one helper call each: the
+	 * helpers know whether the checksum is complete or CHECKSUM_PARTIAL
+	 * (only the pseudo-header's delta applies to a partial one). In the
+	 * datagram: the ChannelData word removed or added (a 4-byte shift keeps
+	 * the 16-bit alignment of what follows), the ports, the length field; in
+	 * the pseudo-header: the addresses and the length. */
+	int v4 = key.family == 4;
+	__u32 len_old = bpf_htons(ulen), len_new = bpf_htons(new_ulen);
+	__u32 in_from[3] = {delta < 0 ? chanword : 0, ((__u32)key.dport << 16) | key.sport,
+			    len_old};
+	__u32 in_to[3] = {delta > 0 ? chanword : 0, ((__u32)new_dport << 16) | new_sport,
+			  len_new};
+	__s64 in_diff = bpf_csum_diff(in_from, sizeof(in_from), in_to, sizeof(in_to), 0);
+	__u32 ps_from[9] = {}, ps_to[9] = {};
+	__s64 ps_diff;
+	if (v4) {
+		ps_from[0] = key.saddr[0];
+		ps_from[1] = key.daddr[0];
+		ps_from[2] = len_old;
+		ps_to[0] = r->saddr[0];
+		ps_to[1] = r->daddr[0];
+		ps_to[2] = len_new;
+		ps_diff = bpf_csum_diff(ps_from, 12, ps_to, 12, 0);
+	} else {
+		/* saddr and daddr are adjacent in the key, the value and the header. */
+		__builtin_memcpy(ps_from, key.saddr, 32);
+		__builtin_memcpy(ps_to, r->saddr, 32);
+		ps_from[8] = len_old;
+		ps_to[8] = len_new;
+		ps_diff = bpf_csum_diff(ps_from, 36, ps_to, 36, 0);
+	}
+	if (in_diff < 0 || ps_diff < 0)
+		return TC_ACT_SHOT; /* cannot be: the sizes are fixed */
+	__u32 csum_off = l4 + offsetof(struct udphdr, check);
+	csum_l4(skb, csum_off, 0, (__u32)in_diff, 0);
+	csum_l4(skb, csum_off, 0, (__u32)ps_diff, BPF_F_PSEUDO_HDR);
+
+	/* The headers' fields, written in place (the checksum helpers above
+	 * may have moved the data: fresh pointers). */
 	data = (void *)(long)skb->data;
 	end = (void *)(long)skb->data_end;
 	udp = data + l4;
 	if ((void *)(udp + 1) > end)
 		return TC_ACT_SHOT;
-	/* Every change as a checksum delta: the removed or added ChannelData
-	 * word (a 4-byte shift keeps the 16-bit alignment of what follows), the
-	 * ports, the length (in the header and in the pseudo-header) and the
-	 * addresses (pseudo-header). */
-	__u32 csum_off = l4 + offsetof(struct udphdr, check);
-	if (r->kind == KIND_UNWRAP_CHANNEL) {
-		csum_l4(skb, csum_off, chanword, 0, 4);
-	} else if (r->kind == KIND_WRAP_CHANNEL) {
-		if (bpf_skb_store_bytes(skb, l4 + sizeof(*udp), &chanword, 4, 0))
+	udp->source = new_sport;
+	udp->dest = new_dport;
+	udp->len = (__u16)len_new;
+	if (delta > 0) {
+		__u8 *word = (void *)(udp + 1);
+		if ((void *)(word + CHANNEL_HEADER) > end)
 			return TC_ACT_SHOT;
-		csum_l4(skb, csum_off, 0, chanword, 4);
+		__builtin_memcpy(word, &chanword, CHANNEL_HEADER);
 	}
-	csum_l4(skb, csum_off, key.sport, new_sport, 2);
-	csum_l4(skb, csum_off, key.dport, new_dport, 2);
-	csum_l4(skb, csum_off, bpf_htons(ulen), bpf_htons(new_ulen), 2);
-	csum_l4(skb, csum_off, bpf_htons(ulen), bpf_htons(new_ulen), 2 | BPF_F_PSEUDO_HDR);
-	__u16 ports_len[2] = {new_sport, new_dport};
-	bpf_skb_store_bytes(skb, l4 + offsetof(struct udphdr, source), ports_len, 4, 0);
-	__u16 nl = bpf_htons(new_ulen);
-	bpf_skb_store_bytes(skb, l4 + offsetof(struct udphdr, len), &nl, 2, 0);
-
-	if (key.family == 4) {
-		__u32 l3 = sizeof(struct ethhdr);
-		__u32 ip_csum = l3 + offsetof(struct iphdr, check);
-		data = (void *)(long)skb->data;
-		end = (void *)(long)skb->data_end;
-		struct iphdr *ip = data + l3;
+	if (v4) {
+		struct iphdr *ip = data + sizeof(struct ethhdr);
 		if ((void *)(ip + 1) > end)
 			return TC_ACT_SHOT;
-		__u16 old_ttl_word = *(__u16 *)&ip->ttl;
-		__u16 old_tot = ip->tot_len;
-		__u16 new_tot = bpf_htons(new_ulen + sizeof(*ip));
+		/* The IPv4 header's checksum is always complete: recomputed here
+		 * from the changed words (addresses, total length, TTL). */
 		__u8 ttl_proto[2] = {NEW_HOP_LIMIT, IPPROTO_UDP};
-		__u16 new_ttl_word = *(__u16 *)ttl_proto;
-		csum_l4(skb, csum_off, key.saddr[0], r->saddr[0], 4 | BPF_F_PSEUDO_HDR);
-		csum_l4(skb, csum_off, key.daddr[0], r->daddr[0], 4 | BPF_F_PSEUDO_HDR);
-		bpf_l3_csum_replace(skb, ip_csum, key.saddr[0], r->saddr[0], 4);
-		bpf_l3_csum_replace(skb, ip_csum, key.daddr[0], r->daddr[0], 4);
-		bpf_l3_csum_replace(skb, ip_csum, old_tot, new_tot, 2);
-		bpf_l3_csum_replace(skb, ip_csum, old_ttl_word, new_ttl_word, 2);
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct iphdr, saddr), r->saddr, 4, 0);
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct iphdr, daddr), r->daddr, 4, 0);
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct iphdr, tot_len), &new_tot, 2, 0);
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct iphdr, ttl), ttl_proto, 1, 0);
-	} else {
-		__u32 l3 = sizeof(struct ethhdr);
-		__s64 diff = bpf_csum_diff(key.saddr, 32, r->saddr, 32, 0);
-		/* saddr and daddr are adjacent in the key, the value and the header. */
+		__u16 new_tot = bpf_htons(new_ulen + sizeof(*ip));
+		__u32 from[4] = {ip->saddr, ip->daddr, ip->tot_len, *(__u16 *)&ip->ttl};
+		__u32 to[4] = {r->saddr[0], r->daddr[0], new_tot, *(__u16 *)ttl_proto};
+		__s64 diff = bpf_csum_diff(from, sizeof(from), to, sizeof(to), (__u16)~ip->check);
 		if (diff < 0)
 			return TC_ACT_SHOT;
-		csum_l4(skb, csum_off, 0, (__u32)diff, BPF_F_PSEUDO_HDR);
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct ipv6hdr, saddr), r->saddr, 32, 0);
-		__u16 plen = bpf_htons(new_ulen);
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct ipv6hdr, payload_len), &plen, 2, 0);
-		__u8 hop = NEW_HOP_LIMIT;
-		bpf_skb_store_bytes(skb, l3 + offsetof(struct ipv6hdr, hop_limit), &hop, 1, 0);
+		ip->saddr = r->saddr[0];
+		ip->daddr = r->daddr[0];
+		ip->tot_len = new_tot;
+		ip->ttl = NEW_HOP_LIMIT;
+		ip->check = ~csum_fold(diff);
+	} else {
+		struct ipv6hdr *ip6 = data + sizeof(struct ethhdr);
+		if ((void *)(ip6 + 1) > end)
+			return TC_ACT_SHOT;
+		__builtin_memcpy(&ip6->saddr, r->saddr, 32);
+		ip6->payload_len = (__u16)len_new;
+		ip6->hop_limit = NEW_HOP_LIMIT;
 	}
 	__sync_fetch_and_add(&r->packets, 1);
 	__sync_fetch_and_add(&r->bytes, payload);
@@ -433,14 +458,6 @@ static __always_inline int xdp_count(__u32 which, int action)
 	if (n)
 		*n += 1; /* per CPU: no atomics needed */
 	return action;
-}
-
-static __always_inline __u16 csum_fold(__u64 sum)
-{
-	sum = (sum & 0xFFFF) + (sum >> 16);
-	sum = (sum & 0xFFFF) + (sum >> 16);
-	sum = (sum & 0xFFFF) + (sum >> 16);
-	return (__u16)sum;
 }
 
 /* Headers moved by the ChannelData header's 4 bytes: Ethernet + IPv6 + UDP
