@@ -10,6 +10,7 @@ correctness, not speed.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
 import sys
@@ -22,9 +23,13 @@ import pytest
 from tests.transport.netns_support import inside, relay_lab
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import xdp_load  # noqa: E402
+# Loaded from its file: benchmarks/ on sys.path would shadow packages (its
+# raknet.py is not the PyPI raknet other tests import).
+_spec = importlib.util.spec_from_file_location("xdp_load", BENCHMARKS / "xdp_load.py")
+assert _spec is not None and _spec.loader is not None
+xdp_load = importlib.util.module_from_spec(_spec)
+sys.modules["xdp_load"] = xdp_load  # its dataclasses look their module up
+_spec.loader.exec_module(xdp_load)
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("clang") is None, reason="needs clang"),
