@@ -118,6 +118,13 @@ def fresh_sources(count: int) -> list[str]:
 # ---------------------------------------------------------------- listeners
 
 
+#: Listeners that register after /healthz first answers (the HTTPS port once
+#: its certificate is in place, ACME's HTTP-01 port): the registry read at
+#: collection must wait for them, or the first test function collected
+#: would be parametrized without them.
+LATE_KINDS = frozenset({"https", "acme-http"})
+
+
 @dataclass(frozen=True)
 class Listener:
     """One row of the registry's ``listeners``."""
@@ -303,7 +310,9 @@ class BatteryServer:
             if process.poll() is not None:
                 raise RuntimeError(f"crossroads serve exited:\n{server.output()}")
             with contextlib.suppress(httpx.TransportError):
-                if server.admin.get("/healthz").status_code == 200:
+                if server.admin.get("/healthz").status_code == 200 and (
+                    LATE_KINDS <= {x.kind for x in listeners_of(server.snapshot())}
+                ):
                     return server
             if time.monotonic() > deadline:
                 server.stop()
