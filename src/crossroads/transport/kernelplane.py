@@ -192,14 +192,10 @@ def _value(route: KernelRoute, ifindex: int) -> bytes:
 # ------------------------------------------------------------------ routing
 
 
-def egress_ifindex(host: str) -> int:
-    """The device the kernel routes ``host`` by (RTM_GETROUTE over rtnetlink)."""
-    family = socket.AF_INET if _family(host) == 4 else socket.AF_INET6
-    packed = ipaddress.ip_address(host).packed
-    rta = struct.pack("=HH", 4 + len(packed), 1) + packed  # RTA_DST
-    rtmsg = struct.pack("=BBBBBBBBI", family, len(packed) * 8, 0, 0, 0, 0, 0, 0, 0)
-    body = rtmsg + rta
-    header = struct.pack("=IHHII", 16 + len(body), 26, 1, 1, 0)  # RTM_GETROUTE, REQUEST
+def _rtnetlink(message_type: int, body: bytes, what: str) -> tuple[bytes, int]:
+    """One rtnetlink request (NLM_F_REQUEST) and its reply, and the reply's
+    length; an NLMSG_ERROR reply raises OSError naming ``what``."""
+    header = struct.pack("=IHHII", 16 + len(body), message_type, 1, 1, 0)
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
         nl.settimeout(2.0)
         nl.send(header + body)
@@ -207,16 +203,21 @@ def egress_ifindex(host: str) -> int:
     length, kind = struct.unpack_from("=IH", reply)
     if kind == 2:  # NLMSG_ERROR
         (code,) = struct.unpack_from("=i", reply, 16)
-        raise OSError(-code, f"no route to {host}")
-    offset = 16 + 12
-    while offset + 4 <= length:
-        size, attr = struct.unpack_from("=HH", reply, offset)
-        if size < 4:
-            break
-        if attr == 4:  # RTA_OIF
-            return int(struct.unpack_from("=I", reply, offset + 4)[0])
-        offset += (size + 3) & ~3
-    raise OSError(errno.ENETUNREACH, f"no output device for {host}")
+        raise OSError(-code, what)
+    return reply, length
+
+
+def egress_ifindex(host: str) -> int:
+    """The device the kernel routes ``host`` by (RTM_GETROUTE over rtnetlink)."""
+    family = socket.AF_INET if _family(host) == 4 else socket.AF_INET6
+    packed = ipaddress.ip_address(host).packed
+    rta = struct.pack("=HH", 4 + len(packed), 1) + packed  # RTA_DST
+    rtmsg = struct.pack("=BBBBBBBBI", family, len(packed) * 8, 0, 0, 0, 0, 0, 0, 0)
+    reply, length = _rtnetlink(26, rtmsg + rta, f"no route to {host}")  # RTM_GETROUTE
+    oif = _attrs(reply, 16 + 12, length).get(4)  # RTA_OIF
+    if oif is None or len(oif) < 4:
+        raise OSError(errno.ENETUNREACH, f"no output device for {host}")
+    return int(struct.unpack_from("=I", oif)[0])
 
 
 @frozen
@@ -251,15 +252,7 @@ def link_facts(ifindex: int, netnsid: int | None = None) -> LinkFacts:
     body = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, ifindex, 0, 0)
     if netnsid is not None:
         body += struct.pack("=HHi", 8, 46, netnsid)  # IFLA_TARGET_NETNSID
-    header = struct.pack("=IHHII", 16 + len(body), 18, 1, 1, 0)  # RTM_GETLINK
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
-        nl.settimeout(2.0)
-        nl.send(header + body)
-        reply = nl.recv(65536)
-    length, kind = struct.unpack_from("=IH", reply)
-    if kind == 2:  # NLMSG_ERROR
-        (code,) = struct.unpack_from("=i", reply, 16)
-        raise OSError(-code, f"no device {ifindex}")
+    reply, length = _rtnetlink(18, body, f"no device {ifindex}")  # RTM_GETLINK
     top = _attrs(reply, 32, length)
     info = top.get(18)  # IFLA_LINKINFO
     link_kind = None
