@@ -108,6 +108,14 @@ async def off_loop(call: Callable[..., T], *args: Any) -> T:
     return await asyncio.to_thread(call, *args)
 
 
+FOCUS_FIRST_REVOKE_JS = """
+const button = document.querySelector('section[data-kind="turn"] button.revoke');
+if (!button) return null;
+button.focus();
+return button.getAttribute("aria-label");
+"""
+
+
 def counter(driver: WebDriver, key: str) -> float:
     text = driver.find_element(By.CSS_SELECTOR, f'[data-counter="{key}"]').text
     return float(text or "nan")
@@ -355,13 +363,10 @@ async def test_console_in_chromium_with_real_traffic(
             before = len(turn.sessions())
 
             def press_first_revoke() -> None:
-                button = browser.find_element(
-                    By.CSS_SELECTOR, 'section[data-kind="turn"] button.revoke'
-                )
-                assert button.get_attribute(
-                    "aria-label",
-                ).startswith("Revoke turn session")
-                browser.execute_script("arguments[0].focus()", button)
+                # The page redraws its tables every poll: find and focus the
+                # button in one script, so no handle outlives a redraw.
+                label = browser.execute_script(FOCUS_FIRST_REVOKE_JS)
+                assert str(label).startswith("Revoke turn session"), label
                 browser.switch_to.active_element.send_keys(Keys.ENTER)
 
             await off_loop(press_first_revoke)

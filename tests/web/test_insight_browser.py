@@ -41,6 +41,35 @@ __all__ = ["browser"]  # the fixture, used by name
 FRAMES, SIZE = 40, 500
 
 
+# The page redraws the table whenever the API answers (the family filter asks
+# again), so rows found one call and read the next can be gone: read the whole
+# table in one script, in the browser, at one moment.
+ATTEMPTS_JS = """
+return Array.from(document.querySelectorAll("#attempts tbody tr"), (row) => {
+  const winner = row.querySelector("figure.path rect.winner");
+  return {
+    family: row.dataset.family || "",
+    text: row.innerText,
+    winner: winner ? winner.dataset.step || "" : "",
+  };
+});
+"""
+
+
+def attempts_table(driver: WebDriver) -> list[dict[str, str]]:
+    table: list[dict[str, str]] = driver.execute_script(ATTEMPTS_JS)
+    return table
+
+
+def visible_text(driver: WebDriver, selector: str) -> str:
+    text = driver.execute_script(
+        "const el = document.querySelector(arguments[0]);"
+        " return el ? el.innerText : '';",
+        selector,
+    )
+    return str(text)
+
+
 @pytest.fixture
 async def insight_runtime(tmp_path: Path) -> AsyncIterator[Runtime]:
     rt = await start(
@@ -122,8 +151,7 @@ async def test_insight_page_draws_real_attempts(
     await off_loop(submit, ADMIN_TOKEN)
 
     def rows() -> dict[str, str]:
-        found = browser.find_elements(By.CSS_SELECTOR, "#attempts tbody tr")
-        return {str(row.get_attribute("data-family")): str(row.text) for row in found}
+        return {row["family"]: row["text"] for row in attempts_table(browser)}
 
     async def drawn() -> bool:
         return await off_loop(holder.is_displayed) and {"natneg", "relay"} <= set(
@@ -138,26 +166,15 @@ async def test_insight_page_draws_real_attempts(
 
     # The path: one lane per step, the winner's lane marked.
     def winners() -> dict[str, str]:
-        return {
-            str(row.get_attribute("data-family")): str(
-                row.find_element(
-                    By.CSS_SELECTOR, "figure.path rect.winner"
-                ).get_attribute("data-step")
-            )
-            for row in browser.find_elements(By.CSS_SELECTOR, "#attempts tbody tr")
-        }
+        return {row["family"]: row["winner"] for row in attempts_table(browser)}
 
     assert await off_loop(winners) == {"natneg": "punch", "relay": "relay"}
 
     # Why relayed: the relay session's cause, counted once.
-    why = await off_loop(
-        lambda: browser.find_element(By.CSS_SELECTOR, "#why-relayed tbody").text
-    )
+    why = await off_loop(visible_text, browser, "#why-relayed tbody")
     assert why.split() == ["relay-only", "1"], why
     # Top codes: the session, with the bytes the test sent (both ways).
-    top = await off_loop(
-        lambda: browser.find_element(By.CSS_SELECTOR, "#top-codes tbody tr").text
-    )
+    top = await off_loop(visible_text, browser, "#top-codes tbody tr")
     assert top.startswith(relayed.session), top
     assert relayed.usage.bytes == pytest.approx(sent, rel=0.01)
     half = f"{sent / 2 / 1e3:.1f} kB"
