@@ -249,6 +249,8 @@ def test_checksums_of_a_fully_checksummed_sender(
             assert recv(receiver) == expected
     finally:
         raw.close()
+    # Finished (or absent) checksums: tc moved the headers, not the data.
+    assert lab.plane.tc_moves() == {"headers": 5, "data": 0}
 
 
 def test_a_partial_checksum_is_finished_right_by_the_egress_device(lab: Lab) -> None:
@@ -267,6 +269,8 @@ def test_a_partial_checksum_is_finished_right_by_the_egress_device(lab: Lab) -> 
         lab.peer.sendto(data, RELAYED)
         assert recv(lab.client) == (channel_data(data), LISTEN)
     assert lab.plane.counters(TO_PEER) == (5, 1073)
+    # Partial checksums: tc moved the data behind headers that stayed.
+    assert lab.plane.tc_moves() == {"headers": 0, "data": 10}
 
 
 def test_a_route_with_a_port_no_datagram_carries_stays_on_the_sockets(

@@ -40,7 +40,7 @@ from crossroads.transport.kernelplane import KernelPlane
 from crossroads.transport.turnrelay import ClientLink
 from tests.conftest import loopback_config, running_service
 from tests.interop.test_turn import command_output
-from tests.transport.netns_support import inside, relay_lab
+from tests.transport.netns_support import inside, relay_lab, tx_checksum
 from tests.transport.plane_support import (
     PLANES,
     keep_plane_globals,
@@ -151,17 +151,39 @@ async def in_ns(ns: str, *command: str, timeout: float = 30) -> str:
     return await command_output("ip", "netns", "exec", ns, *command, timeout=timeout)
 
 
-async def test_uclient_channels_forwarded_by_the_kernel() -> None:
+@pytest.mark.parametrize("checksums", ["partial", "finished"])
+async def test_uclient_channels_forwarded_by_the_kernel(checksums: str) -> None:
     """coturn's turnutils_uclient, channels over UDP, with turnutils_peer
     echoing: 0 loss, every ChannelData forwarded by the eBPF program (the
     listener taps forwarded none), the service's counters include it, and
-    the counts outlive the routes when the allocations end."""
+    the counts outlive the routes when the allocations end.
+
+    Sockets on veth send CHECKSUM_PARTIAL datagrams, and tc moves their data
+    by the ChannelData header; with the client's and peer's transmit
+    checksum offload off they arrive finished, as from a NIC, and tc moves
+    the headers instead (relay.bpf.c ``tc_moves``)."""
     async with turn_lab() as (ns, rt, service):
+        if checksums == "finished":
+            for role in ("client", "peer"):
+                tx_checksum(ns[role], "eth0", False)
         sent, received = await uclient_channels(ns, service)
         # The kernel forwarded it: both directions counted on its routes
         # (uclient deletes the allocations it used: removed routes' counts)...
         to_peer, to_client = kernel_counts(service)
         assert to_peer >= sent and to_client >= received
+        moves = kernel_plane(rt).tc_moves()
+        moved = "headers" if checksums == "finished" else "data"
+        assert moves[moved] == to_peer + to_client, moves
+        # /metrics says so: tc on each device, and how it moved ChannelData.
+        scraped = rt.metrics.get_sample_value
+        for device in ("toc", "top"):
+            labels = {"device": device, "hook": "tc"}
+            assert scraped("crossroads_dataplane_device_info", labels) == 1
+        for way, count in moves.items():
+            labels = {"moved": way}
+            assert (
+                scraped("crossroads_dataplane_tc_channel_moves_total", labels) == count
+            )
         # ...the listener taps and relay taps forwarded nothing...
         assert all(tap.forwarded == 0 for tap in service.routes.taps.values())
         assert all(tap.forwarded == 0 for tap in service.routes.relay_taps.values())

@@ -130,15 +130,18 @@ class Channel:
             sock.close()
 
 
+@pytest.mark.parametrize("hook", ["xdp", "tc"])
 @pytest.mark.parametrize("family", [4, 6])
-def test_xdp_forwards_channel_data_both_ways(
-    names: dict[str, str], family: int
+def test_channel_data_with_finished_checksums_both_ways(
+    names: dict[str, str], family: int, hook: str
 ) -> None:
-    """On wire-like veths, XDP in driver mode takes ChannelData's header off
-    and puts it on, exact bytes and valid checksums (the receiving stack
-    verifies them: a wrong one is dropped), for every size up to a
-    full-MTU datagram; tc forwards none of it."""
-    plane = _load(names["server"])
+    """On wire-like veths (finished checksums, as from a NIC), XDP in driver
+    mode takes ChannelData's header off and puts it on, exact bytes and
+    valid checksums (the receiving stack verifies them: a wrong one is
+    dropped), for every size up to a full-MTU datagram, and tc forwards
+    none of it. With ``--kernel-hook tc`` the tc program does the same by
+    moving the headers (``tc_moves``), never the data."""
+    plane = _load(names["server"], hook)
     with wire_like(names):
         channel = Channel(names, plane, family)
         try:
@@ -149,11 +152,13 @@ def test_xdp_forwards_channel_data_both_ways(
                 sizes.append(1500 - 20 - 8 - 4)
             for n in sizes:
                 channel.both_ways(bytes((i * 13 + n) % 256 for i in range(n)))
-            stats = plane.xdp_stats()
-            assert stats["forwarded"] == 2 * len(sizes), stats
+            stats, moves = plane.xdp_stats(), plane.tc_moves()
+            by_xdp = 2 * len(sizes) if hook == "xdp" else 0
+            assert stats["forwarded"] == by_xdp, stats
+            assert moves == {"headers": 2 * len(sizes) - by_xdp, "data": 0}, moves
             assert plane.counters(channel.up) == (len(sizes), sum(sizes))
             assert plane.counters(channel.down) == (len(sizes), sum(sizes))
-            assert all(hook == "xdp" for hook, _ in plane.hooks.values())
+            assert {used for used, _ in plane.hooks.values()} == {hook}
         finally:
             channel.close()
 
@@ -306,6 +311,14 @@ async def test_uclient_channels_forwarded_by_xdp(
         assert stats["forwarded"] >= sent + received - 4, stats
         assert stats["left-checksum"] == stats["left-egress"] == 0, stats
         assert all(tap.forwarded == 0 for tap in service.routes.taps.values())
+        # /metrics says so: the hook per device and the XDP program's counts.
+        scraped = rt.metrics.get_sample_value
+        for device in ("toc", "top"):
+            labels = {"device": device, "hook": "xdp"}
+            assert scraped("crossroads_dataplane_device_info", labels) == 1
+        for outcome, count in kernel_plane(rt).xdp_stats().items():
+            labels = {"outcome": outcome}
+            assert scraped("crossroads_dataplane_xdp_datagrams_total", labels) == count
 
 
 def test_an_ipv4_datagram_without_checksum_keeps_none(names: dict[str, str]) -> None:

@@ -77,6 +77,9 @@ XDP_EGRESS_MAP = b"xdp_egress"
 XDP_STATS_MAP = b"xdp_stats"
 #: The slots of ``xdp_stats`` (relay.bpf.c XDP_FORWARDED, XDP_LEFT_*).
 XDP_STATS = ("forwarded", "left-egress", "left-checksum", "left-next-hop", "left-other")
+TC_MOVES_MAP = b"tc_moves"
+#: The slots of ``tc_moves`` (relay.bpf.c TC_MOVED_HEADERS, TC_MOVED_DATA).
+TC_MOVES = ("headers", "data")
 ROUTES_MAP = b"routes"
 RELAY_ROUTES_MAP = b"relay_routes"
 LEASE_MAP = b"lease"
@@ -480,6 +483,7 @@ class KernelPlane:
     _xdp_prog_fd: int = -1
     _xdp_egress_fd: int = -1
     _xdp_stats_fd: int = -1
+    _tc_moves_fd: int = -1
     #: ``--kernel-hook``: where XDP runs in front of tc (:data:`HOOKS`).
     hook: str = "tc"
     #: Per device: "xdp" or "tc", and why (the log line).
@@ -519,6 +523,7 @@ class KernelPlane:
         xdp = lib.bpf_object__find_program_by_name(obj, XDP_PROGRAM)
         egress = lib.bpf_object__find_map_by_name(obj, XDP_EGRESS_MAP)
         stats = lib.bpf_object__find_map_by_name(obj, XDP_STATS_MAP)
+        moves = lib.bpf_object__find_map_by_name(obj, TC_MOVES_MAP)
         return cls(
             lib,
             obj,
@@ -529,6 +534,7 @@ class KernelPlane:
             lib.bpf_program__fd(xdp),
             lib.bpf_map__fd(egress),
             lib.bpf_map__fd(stats),
+            lib.bpf_map__fd(moves),
         )
 
     def _map(self, route: KernelRoute) -> int:
@@ -732,12 +738,21 @@ class KernelPlane:
         """What the XDP program did, summed over CPUs: datagrams it forwarded
         ("forwarded") and routed ones it passed to tc, by why (relay.bpf.c
         ``xdp_stats``)."""
+        return self._per_cpu_counts(self._xdp_stats_fd, XDP_STATS)
+
+    def tc_moves(self) -> dict[str, int]:
+        """How the tc program moved ChannelData datagrams by the header's 4
+        bytes, summed over CPUs: "headers" (a finished checksum) or "data"
+        (a partial one; relay.bpf.c ``tc_moves``)."""
+        return self._per_cpu_counts(self._tc_moves_fd, TC_MOVES)
+
+    def _per_cpu_counts(self, map_fd: int, names: tuple[str, ...]) -> dict[str, int]:
         cpus = max(1, self._lib.libbpf_num_possible_cpus())
         totals: dict[str, int] = {}
-        for which, name in enumerate(XDP_STATS):
+        for which, name in enumerate(names):
             buf = ctypes.create_string_buffer(8 * cpus)
             key = struct.pack("=I", which)
-            if self._lib.bpf_map_lookup_elem(self._xdp_stats_fd, key, buf):
+            if self._lib.bpf_map_lookup_elem(map_fd, key, buf):
                 totals[name] = 0
             else:
                 totals[name] = sum(struct.unpack(f"={cpus}Q", buf.raw))

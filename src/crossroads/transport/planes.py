@@ -33,11 +33,15 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from crossroads.transport import dataplane
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
@@ -158,3 +162,52 @@ def announce(choice: Dataplane, registry: CollectorRegistry) -> None:
     )
     for kind in ("kernel", "c", "python"):
         info.labels(kind=kind).set(1 if kind == choice.kind else 0)
+    if choice.kernel is not None:
+        registry.register(KernelPlaneCollector(choice))
+
+
+class KernelPlaneCollector(Collector):
+    """Which hook forwards on each device the kernel plane runs on, and how
+    its datagrams went: what XDP forwarded or left to tc and why, and how tc
+    moved ChannelData (read from the programs' per-CPU maps at scrape)."""
+
+    def __init__(self, choice: Dataplane) -> None:
+        self.choice = choice
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        devices = GaugeMetricFamily(
+            "crossroads_dataplane_device_info",
+            "1 per device the kernel plane runs on, with the hook that forwards "
+            "there first (xdp in front of tc, or tc alone; the log says why).",
+            labels=["device", "hook"],
+        )
+        xdp = CounterMetricFamily(
+            "crossroads_dataplane_xdp_datagrams",
+            "Routed datagrams the XDP program forwarded, or left to tc and why "
+            "(left-egress, left-checksum, left-next-hop, left-other).",
+            labels=["outcome"],
+        )
+        moves = CounterMetricFamily(
+            "crossroads_dataplane_tc_channel_moves",
+            "ChannelData datagrams the tc program moved by the header's 4 bytes: "
+            "the headers (a finished checksum) or the data (a partial one).",
+            labels=["moved"],
+        )
+        plane = self.choice.kernel
+        if plane is not None:
+            for ifindex, (hook, _why) in sorted(plane.hooks.copy().items()):
+                devices.add_metric([_device_name(ifindex), hook], 1)
+            for outcome, count in plane.xdp_stats().items():
+                xdp.add_metric([outcome], count)
+            for moved, count in plane.tc_moves().items():
+                moves.add_metric([moved], count)
+        yield devices
+        yield xdp
+        yield moves
+
+
+def _device_name(ifindex: int) -> str:
+    try:
+        return socket.if_indextoname(ifindex)
+    except OSError:  # gone since it was attached
+        return str(ifindex)

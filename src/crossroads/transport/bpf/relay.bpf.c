@@ -145,6 +145,18 @@ struct {
 	__type(value, __u8[MAX_MOVE + 1]);
 } scratch SEC(".maps");
 
+/* How the tc program moved a ChannelData datagram's data by the header's 4
+ * bytes, per CPU: [TC_MOVED_HEADERS] the headers moved (a finished or absent
+ * checksum), [TC_MOVED_DATA] the data copied out and back (a partial one). */
+#define TC_MOVED_HEADERS 0
+#define TC_MOVED_DATA 1
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, __u64);
+} tc_moves SEC(".maps");
+
 /* The lease of a program on a classic tc filter (Linux < 6.6): [0] is the
  * CLOCK_MONOTONIC deadline in ns its process keeps pushing forward, 0 when
  * every attachment is a tcx link (which dies with its process's descriptor).
@@ -188,6 +200,41 @@ static __always_inline int lease_live(void)
 	__u32 zero = 0;
 	__u64 *deadline = bpf_map_lookup_elem(&lease, &zero);
 	return deadline && !(*deadline && bpf_ktime_get_ns() > *deadline);
+}
+
+/* Whether a UDP checksum field holds only its pseudo-header's folded sum.
+ * That is how a CHECKSUM_PARTIAL packet arrives (a local or veth sender left
+ * the sum to the device): a change to it must go through the skb's checksum
+ * state (tc's helpers) and the data must stay where csum_start says. Once in
+ * 65536 datagrams a full checksum equals it too and takes that slower way. */
+static __always_inline int
+pseudo_sum_only(const struct route_key *key, __u16 ulen, __u16 check)
+{
+	__u32 pseudo[10] = {};
+	__s64 sum;
+	if (key->family == 4) {
+		pseudo[0] = key->saddr[0];
+		pseudo[1] = key->daddr[0];
+		pseudo[2] = bpf_htonl(((__u32)IPPROTO_UDP << 16) | ulen);
+		sum = bpf_csum_diff(NULL, 0, pseudo, 12, 0);
+	} else {
+		__builtin_memcpy(pseudo, key->saddr, 16);
+		__builtin_memcpy(pseudo + 4, key->daddr, 16);
+		pseudo[8] = bpf_htonl(ulen);
+		pseudo[9] = bpf_htonl(IPPROTO_UDP);
+		sum = bpf_csum_diff(NULL, 0, pseudo, 40, 0);
+	}
+	return sum >= 0 && check == csum_fold((__u64)sum);
+}
+
+/* Whether a datagram's UDP checksum is finished: a full sum, or none at all
+ * (IPv4's 0; IPv6 has no such choice, and a 0 there is left to the stack). */
+static __always_inline int
+checksum_finished(const struct route_key *key, __u16 ulen, __u16 check)
+{
+	if (!check)
+		return key->family == 4;
+	return !pseudo_sum_only(key, ulen, check);
 }
 
 /* Parse Ethernet + plain IPv4 (no options, not fragmented) or IPv6 (UDP as
@@ -315,12 +362,16 @@ int crossroads_relay(struct __sk_buff *skb)
 	}
 	new_ulen = ulen + delta;
 	__u16 new_sport = r->sport, new_dport = r->dport;
+	__u16 check = udp->check;
 
-	/* The data moves by `delta` behind a UDP header that stays where it is
-	 * (bpf_skb_adjust_room would move the headers instead, and a
-	 * CHECKSUM_PARTIAL packet's csum_start with them, which no helper
-	 * fixes): copy it out, resize the tail, copy it back. */
-	if (delta) {
+	/* The data and the headers part by `delta` bytes. With a finished
+	 * checksum the headers move (bpf_skb_adjust_room between IP and UDP,
+	 * which parse_udp fixed at 20 or 40 bytes) and the UDP header is
+	 * written whole below. A CHECKSUM_PARTIAL packet's csum_start would
+	 * move with them, which no helper fixes: its data moves instead (copy
+	 * it out, resize the tail, copy it back), after a header that stays. */
+	int move_headers = delta && checksum_finished(&key, ulen, check);
+	if (delta && !move_headers) {
 		__u8 *buf = bpf_map_lookup_elem(&scratch, &zero);
 		__u32 from = l4 + sizeof(*udp) + (delta < 0 ? CHANNEL_HEADER : 0);
 		__u32 size = payload;
@@ -367,10 +418,21 @@ int crossroads_relay(struct __sk_buff *skb)
 		ps_diff = bpf_csum_diff(ps_from, 36, ps_to, 36, 0);
 	}
 	if (in_diff < 0 || ps_diff < 0)
-		return TC_ACT_SHOT; /* cannot be: the sizes are fixed */
-	__u32 csum_off = l4 + offsetof(struct udphdr, check);
-	csum_l4(skb, csum_off, 0, (__u32)in_diff, 0);
-	csum_l4(skb, csum_off, 0, (__u32)ps_diff, BPF_F_PSEUDO_HDR);
+		return move_headers ? PASS : TC_ACT_SHOT; /* cannot be: the sizes are fixed */
+	__u16 new_check = 0;
+	if (move_headers) {
+		if (check) { /* an IPv4 datagram without a checksum (0) keeps none */
+			new_check = ~csum_fold((__u16)~check + (__u64)in_diff + (__u64)ps_diff);
+			if (!new_check)
+				new_check = 0xFFFF; /* a computed 0 is sent as all ones */
+		}
+		if (bpf_skb_adjust_room(skb, delta, BPF_ADJ_ROOM_NET, 0))
+			return PASS; /* nothing changed yet (too long to grow, say) */
+	} else {
+		__u32 csum_off = l4 + offsetof(struct udphdr, check);
+		csum_l4(skb, csum_off, 0, (__u32)in_diff, 0);
+		csum_l4(skb, csum_off, 0, (__u32)ps_diff, BPF_F_PSEUDO_HDR);
+	}
 
 	/* The headers' fields, written in place (the checksum helpers above
 	 * may have moved the data: fresh pointers). */
@@ -382,6 +444,8 @@ int crossroads_relay(struct __sk_buff *skb)
 	udp->source = new_sport;
 	udp->dest = new_dport;
 	udp->len = (__u16)len_new;
+	if (move_headers)
+		udp->check = new_check;
 	if (delta > 0) {
 		__u8 *word = (void *)(udp + 1);
 		if ((void *)(word + CHANNEL_HEADER) > end)
@@ -416,6 +480,12 @@ int crossroads_relay(struct __sk_buff *skb)
 	}
 	__sync_fetch_and_add(&r->packets, 1);
 	__sync_fetch_and_add(&r->bytes, payload);
+	if (delta) {
+		__u32 way = move_headers ? TC_MOVED_HEADERS : TC_MOVED_DATA;
+		__u64 *n = bpf_map_lookup_elem(&tc_moves, &way);
+		if (n)
+			*n += 1; /* per CPU: no atomics needed */
+	}
 	return bpf_redirect_neigh(r->ifindex, NULL, 0, 0);
 }
 
@@ -506,25 +576,8 @@ int crossroads_relay_xdp(struct xdp_md *ctx)
 	 * would send a wrong checksum. The field equal to the pseudo-header's
 	 * folded sum means that (or, once in 65536 datagrams, a full checksum
 	 * that happens to equal it): tc, whose helpers handle both, takes it. */
-	if (check || !v4) {
-		__u32 pseudo[11] = {};
-		__u64 sum;
-		if (v4) {
-			pseudo[0] = key.saddr[0];
-			pseudo[1] = key.daddr[0];
-			pseudo[2] = bpf_htonl(((__u32)IPPROTO_UDP << 16) | ulen);
-			sum = bpf_csum_diff(NULL, 0, pseudo, 12, 0);
-		} else {
-			__builtin_memcpy(pseudo, key.saddr, 16);
-			__builtin_memcpy(pseudo + 4, key.daddr, 16);
-			pseudo[8] = bpf_htonl(ulen);
-			pseudo[9] = bpf_htonl(IPPROTO_UDP);
-			sum = bpf_csum_diff(NULL, 0, pseudo, 40, 0);
-		}
-		__u16 partial = csum_fold(sum);
-		if (check == partial || !check)
-			return xdp_count(XDP_LEFT_CHECKSUM, XDP_PASS);
-	}
+	if (!checksum_finished(&key, ulen, check))
+		return xdp_count(XDP_LEFT_CHECKSUM, XDP_PASS);
 
 	int delta = 0;
 	__u32 payload = ulen - sizeof(struct udphdr);
