@@ -40,7 +40,7 @@
  * left them*, and a relay or router on the way rewrites headers in place
  * (MAC addresses, TTL, ports, ChannelData), so a frame that came back would
  * otherwise go out again with another hop's addresses. */
-#define FRAME_MAX 256
+#define FRAME_MAX 1536
 struct flow {
 	__u8 frame[FRAME_MAX];
 };

@@ -108,7 +108,7 @@ def _lib() -> ctypes.CDLL:
 
 _STATE = struct.Struct("=QQQQIIII")  # struct gen_state
 #: struct flow's frame (xdp_load.bpf.c FRAME_MAX).
-FRAME_MAX = 256
+FRAME_MAX = 1536
 
 
 def checksum(data: bytes) -> int:
