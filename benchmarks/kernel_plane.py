@@ -78,7 +78,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from tests.transport.netns_support import inside, ip, relay_lab  # noqa: E402
+from tests.transport.netns_support import (  # noqa: E402
+    inside,
+    ip,
+    ipv4_udp_frame,
+    mac_of,
+    relay_lab,
+)
 
 import relay  # noqa: E402
 import turn  # noqa: E402
@@ -191,11 +197,11 @@ class Load:
         return "top" if self.down else "toc"
 
     def frames(self, target: Running) -> list[bytes]:
-        sender_mac = xdp_load.mac_of(self.sender, "eth0")
-        server_mac = xdp_load.mac_of(self.ns["server"], self.server_device)
+        sender_mac = mac_of(self.sender, "eth0")
+        server_mac = mac_of(self.ns["server"], self.server_device)
         size = self.args.payload
         return [
-            xdp_load.udp_frame(
+            ipv4_udp_frame(
                 sender_mac,
                 server_mac,
                 send.getsockname(),
@@ -620,7 +626,7 @@ def main() -> None:
                 (ns["server"], "top", PEER_IP, ns["peer"]),
                 (ns["server"], "toc", CLIENT_IP, ns["client"]),
             ):
-                mac = xdp_load.mac_of(of, "eth0").hex(":")
+                mac = mac_of(of, "eth0").hex(":")
                 ip(
                     "-n",
                     namespace,
@@ -641,7 +647,7 @@ def main() -> None:
                 "replace",
                 LISTEN_IP,
                 "lladdr",
-                xdp_load.mac_of(ns["server"], "toc").hex(":"),
+                mac_of(ns["server"], "toc").hex(":"),
                 "dev",
                 "eth0",
                 "nud",
@@ -654,7 +660,7 @@ def main() -> None:
                 "replace",
                 RELAY_IP,
                 "lladdr",
-                xdp_load.mac_of(ns["server"], "top").hex(":"),
+                mac_of(ns["server"], "top").hex(":"),
                 "dev",
                 "eth0",
                 "nud",

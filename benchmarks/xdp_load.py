@@ -22,9 +22,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import ipaddress
 import os
-import socket
 import struct
 import subprocess
 import threading
@@ -109,48 +107,6 @@ def _lib() -> ctypes.CDLL:
 _STATE = struct.Struct("=QQQQIIII")  # struct gen_state
 #: struct flow's frame (xdp_load.bpf.c FRAME_MAX).
 FRAME_MAX = 1536
-
-
-def checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
-
-
-def udp_frame(
-    src_mac: bytes,
-    dst_mac: bytes,
-    source: tuple[str, int],
-    dest: tuple[str, int],
-    payload: bytes,
-) -> bytes:
-    """An Ethernet + IPv4 + UDP frame with correct checksums."""
-    saddr = ipaddress.IPv4Address(source[0]).packed
-    daddr = ipaddress.IPv4Address(dest[0]).packed
-    length = 8 + len(payload)
-    pseudo = saddr + daddr + struct.pack("!BBH", 0, socket.IPPROTO_UDP, length)
-    udp = struct.pack("!HHHH", source[1], dest[1], length, 0) + payload
-    check = checksum(pseudo + udp) or 0xFFFF
-    udp = udp[:6] + struct.pack("!H", check) + udp[8:]
-    ip = struct.pack(
-        "!BBHHHBBH4s4s", 0x45, 0, 20 + length, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
-        saddr, daddr,
-    )  # fmt: skip
-    ip = ip[:10] + struct.pack("!H", checksum(ip)) + ip[12:]
-    return dst_mac + src_mac + b"\x08\x00" + ip + udp
-
-
-def mac_of(ns: str, device: str) -> bytes:
-    out = subprocess.run(
-        ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{device}/address"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return bytes.fromhex(out.replace(":", ""))
 
 
 def ifindex_of(ns: str, device: str) -> int:

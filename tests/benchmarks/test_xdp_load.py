@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.transport.netns_support import inside, relay_lab
+from tests.transport.netns_support import inside, ipv4_udp_frame, mac_of, relay_lab
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 # Loaded from its file: benchmarks/ on sys.path would shadow packages (its
@@ -70,10 +70,10 @@ def generate(loader: xdp_load.Loader, ns: dict[str, str], frames: list[bytes]) -
 
 
 def flow_frames(ns: dict[str, str], port: int) -> list[bytes]:
-    client = xdp_load.mac_of(ns["client"], "eth0")
-    server = xdp_load.mac_of(ns["server"], "toc")
+    client = mac_of(ns["client"], "eth0")
+    server = mac_of(ns["server"], "toc")
     return [
-        xdp_load.udp_frame(
+        ipv4_udp_frame(
             client,
             server,
             ("192.0.2.2", 40000 + i),

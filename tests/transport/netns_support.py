@@ -130,3 +130,56 @@ def tx_checksum(ns: str, device: str, on: bool) -> None:
     request = struct.pack("16sP", device.encode(), address) + bytes(16)
     with inside(ns), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         fcntl.ioctl(sock.fileno(), _SIOCETHTOOL, request)
+
+
+def mac_of(ns: str, device: str) -> bytes:
+    """``device``'s link-layer address in namespace ``ns``."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{device}/address"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return bytes.fromhex(out.replace(":", ""))
+
+
+def internet_checksum(data: bytes) -> int:
+    """RFC 1071's checksum of ``data``: the one's complement of its 16-bit
+    one's complement sum."""
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def ipv4_udp_frame(
+    src_mac: bytes,
+    dst_mac: bytes,
+    source: tuple[str, int],
+    dest: tuple[str, int],
+    payload: bytes,
+    *,
+    udp_checksum: bool = True,
+) -> bytes:
+    """An Ethernet + IPv4 + UDP frame as a NIC delivers it: both checksums
+    finished (``udp_checksum=False``: the UDP one 0, "none", RFC 768)."""
+    import socket
+    import struct
+
+    saddr, daddr = socket.inet_aton(source[0]), socket.inet_aton(dest[0])
+    length = 8 + len(payload)
+    udp = struct.pack("!HHHH", source[1], dest[1], length, 0) + payload
+    if udp_checksum:
+        pseudo = saddr + daddr + struct.pack("!BBH", 0, socket.IPPROTO_UDP, length)
+        check = (
+            internet_checksum(pseudo + udp) or 0xFFFF
+        )  # a sum of 0 is sent as all ones
+        udp = udp[:6] + struct.pack("!H", check) + udp[8:]
+    ip = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, 0, 20 + length, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
+        saddr, daddr,
+    )  # fmt: skip
+    ip = ip[:10] + struct.pack("!H", internet_checksum(ip)) + ip[12:]
+    return dst_mac + src_mac + b"\x08\x00" + ip + udp

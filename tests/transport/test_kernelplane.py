@@ -23,13 +23,21 @@ from crossroads.transport.kernelplane import (
     KernelRoute,
     RouteKind,
 )
-from tests.transport.netns_support import inside, relay_lab, tx_checksum
+from tests.transport.netns_support import (
+    inside,
+    ipv4_udp_frame,
+    mac_of,
+    relay_lab,
+    tx_checksum,
+)
 
 LISTEN = ("192.0.2.1", 3478)
 RELAYED = ("198.51.100.1", 50000)
 CLIENT = ("192.0.2.2", 40000)
 PEER = ("198.51.100.2", 60000)
 CHANNEL = 0x4001
+#: A raw frame's source MAC (locally administered; the server does not check it).
+SENDER_MAC = bytes.fromhex("020000000001")
 
 TO_PEER = KernelRoute(RouteKind.UNWRAP_CHANNEL, CLIENT, LISTEN, RELAYED, PEER, CHANNEL)
 TO_CLIENT = KernelRoute(RouteKind.WRAP_CHANNEL, PEER, RELAYED, LISTEN, CLIENT, CHANNEL)
@@ -168,36 +176,6 @@ def test_plain_rewrite_both_ways(lab: Lab) -> None:
     assert lab.plane.counters(routes[0]) == (2, 5 + 500)
 
 
-def _checksum(data: bytes) -> int:
-    if len(data) % 2:
-        data += b"\0"
-    total = sum(struct.unpack(f"!{len(data) // 2}H", data))
-    while total >> 16:
-        total = (total & 0xFFFF) + (total >> 16)
-    return ~total & 0xFFFF
-
-
-def _frame(
-    dst_mac: bytes,
-    src: tuple[str, int],
-    dst: tuple[str, int],
-    payload: bytes,
-    zero_csum: bool,
-) -> bytes:
-    s, d = socket.inet_aton(src[0]), socket.inet_aton(dst[0])
-    ulen = 8 + len(payload)
-    udp = struct.pack("!HHHH", src[1], dst[1], ulen, 0) + payload
-    csum = (
-        0
-        if zero_csum
-        else (_checksum(s + d + struct.pack("!BBH", 0, 17, ulen) + udp) or 0xFFFF)
-    )
-    udp = udp[:6] + struct.pack("!H", csum) + udp[8:]
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + ulen, 1, 0x4000, 64, 17, 0, s, d)
-    ip = ip[:10] + struct.pack("!H", _checksum(ip)) + ip[12:]
-    return dst_mac + b"\x02\0\0\0\0\x01" + b"\x08\x00" + ip + udp
-
-
 @pytest.mark.parametrize(
     "zero_csum", [False, True], ids=["full-checksum", "no-checksum"]
 )
@@ -215,19 +193,7 @@ def test_checksums_of_a_fully_checksummed_sender(
         else ("peer", "top", PEER, RELAYED, lab.peer)
     )
     receiver = lab.peer if direction == "to-peer" else lab.client
-    mac = subprocess.run(
-        [
-            "ip",
-            "netns",
-            "exec",
-            lab.ns["server"],
-            "cat",
-            f"/sys/class/net/{dev}/address",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    mac = mac_of(lab.ns["server"], dev)
     with inside(lab.ns[role]):
         raw = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
         raw.bind(("eth0", 0))
@@ -237,8 +203,8 @@ def test_checksums_of_a_fully_checksummed_sender(
         for n in (0, 1, 7, 64, 1001):
             data = bytes(i % 251 for i in range(n))
             payload = channel_data(data) if direction == "to-peer" else data
-            frame = _frame(
-                bytes.fromhex(mac.replace(":", "")), src, dst, payload, zero_csum
+            frame = ipv4_udp_frame(
+                SENDER_MAC, mac, src, dst, payload, udp_checksum=not zero_csum
             )
             raw.send(frame)
             expected = (
