@@ -13,6 +13,7 @@ each worker's own route map counts what its program forwarded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -23,12 +24,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from crossroads.client.turn import TurnClient
 from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
 from tests.transport.netns_support import inside, relay_lab
+from tests.transport.plane_support import wire_like
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -42,17 +45,24 @@ STARTED = re.compile(r"worker (\d+)/2 started \(pid (\d+)\)")
 PACKETS_AT = 48
 
 
-@pytest.fixture
+@pytest.fixture(params=["tc", "xdp"])
 def server(
-    tmp_path: Path,
-) -> Iterator[tuple[dict[str, str], subprocess.Popen[bytes], Path]]:
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[dict[str, str], Path, str]]:
+    """``--kernel-hook tc`` on relay_lab, or ``xdp`` on it made wire-like
+    (full checksums, NAPI on the far ends, forwarding on: XDP can finish
+    every datagram)."""
     if os.geteuid() != 0:
         pytest.skip("needs root for namespaces and eBPF")
     try:
         KernelPlane.load().close()
     except KernelPlaneUnavailable as exc:
         pytest.skip(f"kernel plane unavailable: {exc}")
-    with relay_lab("ks") as names:
+    hook = request.param
+    with (
+        relay_lab("ks") as names,
+        wire_like(names) if hook == "xdp" else contextlib.nullcontext(),
+    ):
         log = tmp_path / "serve.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("CROSSROADS_")}
         env["XDG_STATE_HOME"] = str(tmp_path / "state")
@@ -61,7 +71,7 @@ def server(
                 [
                     "ip", "netns", "exec", names["server"],
                     sys.executable, "-m", "crossroads", "serve", "--workers", "2",
-                    "--dataplane", "kernel", "--host", LISTEN_IP,
+                    "--dataplane", "kernel", "--kernel-hook", hook, "--host", LISTEN_IP,
                     "--only", "stun,turn", "--http-port", "8080",
                     "--stun-port", str(STUN_PORT), "--stun-alt-port", "3479",
                     "--turn-user", f"{USER}:{PASSWORD}",
@@ -78,7 +88,7 @@ def server(
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise AssertionError(log.read_text())
                 time.sleep(0.1)
-            yield names, process, log
+            yield names, log, hook
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -89,10 +99,8 @@ def server(
                     process.wait()
 
 
-def forwarded_by(pid: int) -> int:
-    """Packets the program of process ``pid`` forwarded on its live TURN
-    routes (its own ``routes`` map, found by the descriptors it holds)."""
-    total = 0
+def maps_of(pid: int) -> Iterator[dict[str, str]]:
+    """The fdinfo fields of each BPF map process ``pid`` holds."""
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             if os.readlink(fd) != "anon_inode:bpf-map":
@@ -100,23 +108,48 @@ def forwarded_by(pid: int) -> int:
             info = Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text()
         except OSError:
             continue
-        fields = dict(
-            line.split(":\t", 1) for line in info.splitlines() if ":\t" in line
-        )
-        if (
-            fields.get("map_type", "").strip() != "1"
-            or fields["key_size"].strip() != "40"
-        ):
+        yield {
+            key: value.strip()
+            for key, value in (
+                line.split(":\t", 1) for line in info.splitlines() if ":\t" in line
+            )
+        }
+
+
+def dump(fields: dict[str, str]) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["bpftool", "-j", "map", "dump", "id", fields["map_id"]],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    entries: list[dict[str, Any]] = json.loads(out)
+    return entries
+
+
+def forwarded_by(pid: int) -> int:
+    """Packets the programs of process ``pid`` forwarded on its live TURN
+    routes (its own ``routes`` map: a hash keyed by 40 bytes)."""
+    total = 0
+    for fields in maps_of(pid):
+        if fields.get("map_type") != "1" or fields.get("key_size") != "40":
             continue
-        dump = subprocess.run(
-            ["bpftool", "-j", "map", "dump", "id", fields["map_id"].strip()],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        for entry in json.loads(dump):
+        for entry in dump(fields):
             raw = bytes(int(b, 16) for b in entry["value"])
             total += int.from_bytes(raw[PACKETS_AT : PACKETS_AT + 8], "little")
+    return total
+
+
+def xdp_forwarded_by(pid: int) -> int:
+    """Datagrams the XDP program of process ``pid`` forwarded itself (its
+    ``xdp_stats`` map, per CPU, 5 slots: [0] is XDP_FORWARDED)."""
+    total = 0
+    for fields in maps_of(pid):
+        if fields.get("map_type") != "6" or fields.get("max_entries") != "5":
+            continue
+        for entry in dump(fields):
+            if entry["formatted"]["key"] == 0:
+                total += sum(cpu["value"] for cpu in entry["formatted"]["values"])
     return total
 
 
@@ -151,9 +184,9 @@ async def one_client(names: dict[str, str], n: int) -> tuple[TurnClient, socket.
 
 
 async def test_both_workers_forward_in_the_kernel(
-    server: tuple[dict[str, str], subprocess.Popen[bytes], Path],
+    server: tuple[dict[str, str], Path, str],
 ) -> None:
-    names, _, log = server
+    names, log, hook = server
     pids = {int(i): int(pid) for i, pid in STARTED.findall(log.read_text())}
     assert sorted(pids) == [0, 1], log.read_text()
     assert log.read_text().count("dataplane: kernel") >= 2, log.read_text()
@@ -168,6 +201,21 @@ async def test_both_workers_forward_in_the_kernel(
         # Each worker's own program forwarded its own clients' channels.
         assert counts[0] > 0 and counts[1] > 0, counts
         assert sum(counts.values()) >= 16 * 4 + 16, counts
+        if hook == "xdp":
+            # One XDP program per device: the first worker's holds it, the
+            # other's routes go by its tc program behind it, and say so.
+            text = log.read_text()
+            for device in ("toc", "top"):
+                assert text.count(f"device {device}: xdp (driver mode") == 1, text
+                held = f"device {device}: tc (another XDP program"
+                assert text.count(held) == 1, text
+            by_xdp = {index: xdp_forwarded_by(pid) for index, pid in pids.items()}
+            holder = max(by_xdp, key=lambda index: by_xdp[index])
+            # The holder's channels went by XDP (their first datagrams may
+            # find no neighbour yet and go by tc); the other's XDP holds
+            # no device and forwarded nothing.
+            assert 0 < by_xdp[holder] <= counts[holder], (by_xdp, counts)
+            assert by_xdp[1 - holder] == 0, by_xdp
     finally:
         for client, peer in clients:
             await client.close()
