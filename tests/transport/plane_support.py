@@ -89,14 +89,15 @@ def keep_plane_globals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextlib.contextmanager
-def wire_like(names: dict[str, str]) -> Iterator[None]:
+def wire_like(names: dict[str, str]) -> Iterator[dict[str, KernelPlane]]:
     """Make relay_lab's namespaces look to the server's XDP program like
     NICs on a wire (docs/architecture.md "Which hook, per device"): the
     client's and peer's datagrams leave with full checksums (transmit
     checksum offload off: not CHECKSUM_PARTIAL), their veth ends have NAPI
     (an XDP program: a routeless kernel plane that passes everything) so
     the server's XDP frames sent into the veths are delivered, and the
-    server's devices forward (bpf_fib_lookup needs it)."""
+    server's devices forward (bpf_fib_lookup needs it). Yields the far ends'
+    XDP holders by role ("client", "peer"): closing one takes NAPI away."""
     held: list[KernelPlane] = []
     try:
         for role in ("client", "peer"):
@@ -119,7 +120,7 @@ def wire_like(names: dict[str, str]) -> Iterator[None]:
             names["server"],
             ("192.0.2.2", "198.51.100.2", "2001:db8:2::2", "2001:db8:3::2"),
         )
-        yield
+        yield dict(zip(("client", "peer"), held, strict=True))
     finally:
         for role, napi in zip(("client", "peer"), held, strict=False):
             with inside(names[role]):

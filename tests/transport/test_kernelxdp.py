@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import pytest
 
 from crossroads.transport.kernelplane import (
+    EGRESS_RECHECK,
     KernelPlane,
     KernelPlaneUnavailable,
     KernelRoute,
@@ -200,6 +201,43 @@ def test_an_egress_that_would_drop_xdp_frames_goes_to_tc(names: dict[str, str]) 
         assert stats["forwarded"] == 0 and stats["left-egress"] == 6, stats
     finally:
         channel.close()
+
+
+def test_an_egress_that_stops_taking_xdp_frames_goes_to_tc_within_a_recheck(
+    names: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The peer's veth end loses its XDP program (NAPI) after the route was
+    installed: XDP frames sent into it would now be dropped after the
+    program returned, where nothing falls back. The plane reads the egress
+    facts again every EGRESS_RECHECK seconds and, from then on, leaves the
+    datagrams to tc: the peer gets them again, with a log line saying why."""
+    plane = _load(names["server"])
+    with wire_like(names) as far_ends:
+        channel = Channel(names, plane)
+        try:
+            channel.both_ways(b"by xdp")
+            assert plane.xdp_stats()["forwarded"] == 2
+            with inside(names["peer"]):
+                far_ends["peer"].close()  # the peer's eth0 has no NAPI now
+            frame = CHANNEL.to_bytes(2, "big") + (4).to_bytes(2, "big") + b"lost"
+            arrived = None
+            with caplog.at_level(logging.INFO, logger="crossroads.dataplane"):
+                for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
+                    channel.client.sendto(frame, channel.listen_addr)
+                    arrived = _recv(channel.peer, 0.1)
+                    if arrived is not None:
+                        break
+            assert arrived == (b"lost", channel.relayed)
+            assert "XDP no longer sends out of top (its veth peer has no XDP" in (
+                caplog.text
+            )
+            before = plane.xdp_stats()
+            channel.both_ways(b"by tc")
+            after = plane.xdp_stats()
+            assert after["left-egress"] == before["left-egress"] + 1, after
+            assert after["forwarded"] == before["forwarded"] + 1, after  # back: XDP
+        finally:
+            channel.close()
 
 
 def test_no_neighbour_yet_goes_to_tc_then_xdp(names: dict[str, str]) -> None:

@@ -46,7 +46,11 @@ front of the tc program where the policy says so, through a bpf_link (it
 goes with the process's descriptor) and only if the device has no XDP
 program yet (one per device: a second process runs tc there). It forwards
 what it can finish and passes the rest, untouched, to tc. It sends frames
-only out of devices :func:`xdp_families` allows (map ``xdp_egress``).
+only out of devices :func:`xdp_families` allows (map ``xdp_egress``), which
+a thread of the process looks at again every :data:`EGRESS_RECHECK`
+seconds: a frame sent out of a device that stopped taking them (its veth
+peer's XDP program, a NIC's, gone) is dropped after the program returned,
+so such a device must leave the map before many are.
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ LEASE_MAP = b"lease"
 #: second without letting a live process's routes lapse.
 LEASE_SECONDS = 2.0
 LEASE_REFRESH = 0.5
+#: How often the XDP egress facts are read again (rtnetlink and sysctl, a
+#: few reads per device): the most a device that stopped taking XDP frames
+#: can black-hole what XDP sends there.
+EGRESS_RECHECK = 1.0
 #: The bytes of a Unity RELAY frame that name its route (relay.bpf.c RELAY_HEAD).
 RELAY_HEAD = 36
 #: The map's max_entries in relay.bpf.c.
@@ -276,6 +284,14 @@ def link_facts(ifindex: int, netnsid: int | None = None) -> LinkFacts:
         struct.unpack("=i", peer[:4])[0] if peer else None,
         struct.unpack("=i", nsid[:4])[0] if nsid else None,
     )
+
+
+def device_name(ifindex: int) -> str:
+    """``ifindex``'s name in this thread's namespace, or "ifindex N" once gone."""
+    try:
+        return socket.if_indextoname(ifindex)
+    except OSError:  # gone
+        return f"ifindex {ifindex}"
 
 
 def forwarding(name: str) -> int:
@@ -492,6 +508,8 @@ class KernelPlane:
     _attached: dict[int, _Attachment] = field(default_factory=dict)
     _routes: dict[bytes, KernelRoute] = field(default_factory=dict)
     _renewer: threading.Thread | None = None
+    _egress_watcher: threading.Thread | None = None
+    _egress_lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
@@ -701,6 +719,7 @@ class KernelPlane:
             return False
         if self.hook != "tc":
             self._xdp_egress(out)
+            self._watch_egress()
         value = _value(route, out)
         rc = self._lib.bpf_map_update_elem(self._map(route), key, value, BPF_ANY)
         if rc != 0:
@@ -708,31 +727,54 @@ class KernelPlane:
         self._routes[key] = route
         return True
 
-    def _xdp_egress(self, ifindex: int) -> None:
+    def _xdp_egress(self, ifindex: int, *, again: bool = False) -> None:
         """Tell the XDP program whether it may send frames out of ``ifindex``
         (else it passes them to tc); looked up again after any XDP attach or
-        detach of ours."""
-        if ifindex in self._egress:
-            return
-        try:
-            families, why = xdp_families(ifindex)
-        except OSError:
-            families, why = 0, "no link facts"
-        self._egress[ifindex] = families
-        key = struct.pack("=I", ifindex)
-        if families:
-            self._lib.bpf_map_update_elem(
-                self._xdp_egress_fd, key, struct.pack("=I", families), BPF_ANY
-            )
+        detach of ours, and every :data:`EGRESS_RECHECK` seconds."""
+        with self._egress_lock:
+            was = self._egress.get(ifindex)
+            if was is not None and not again:
+                return
+            try:
+                families, why = xdp_families(ifindex)
+            except OSError:
+                families, why = 0, "no link facts"
+            self._egress[ifindex] = families
+            if families == was:
+                return
+            key = struct.pack("=I", ifindex)
+            if families:
+                self._lib.bpf_map_update_elem(
+                    self._xdp_egress_fd, key, struct.pack("=I", families), BPF_ANY
+                )
+            else:
+                self._lib.bpf_map_delete_elem(self._xdp_egress_fd, key)
+        if was is None:
+            log.debug("XDP egress ifindex %d: families %d (%s)", ifindex, families, why)
         else:
-            self._lib.bpf_map_delete_elem(self._xdp_egress_fd, key)
-        log.debug("XDP egress ifindex %d: families %d (%s)", ifindex, families, why)
+            log.info(
+                "dataplane: XDP %s out of %s (%s)",
+                "may send" if families else "no longer sends",
+                device_name(ifindex),
+                why,
+            )
 
     def _recheck_egress(self) -> None:
-        known = list(self._egress)
-        self._egress.clear()
-        for ifindex in known:
-            self._xdp_egress(ifindex)
+        for ifindex in list(self._egress):
+            self._xdp_egress(ifindex, again=True)
+
+    def _watch_egress(self) -> None:
+        """Read the egress facts again every :data:`EGRESS_RECHECK` seconds,
+        from a thread of this one's network namespace (it inherits it)."""
+        if self._egress_watcher is None:
+            self._egress_watcher = threading.Thread(
+                target=self._keep_egress, name="crossroads-bpf-egress", daemon=True
+            )
+            self._egress_watcher.start()
+
+    def _keep_egress(self) -> None:
+        while not self._stop.wait(EGRESS_RECHECK):
+            self._recheck_egress()
 
     def xdp_stats(self) -> dict[str, int]:
         """What the XDP program did, summed over CPUs: datagrams it forwarded
@@ -777,13 +819,14 @@ class KernelPlane:
 
     def close(self) -> None:
         """Detach from every device and free the program and its map."""
+        self._stop.set()
+        for thread in (self._renewer, self._egress_watcher):
+            if thread is not None:
+                thread.join()
+        self._renewer = self._egress_watcher = None
         self._egress.clear()
         for ifindex in list(self._attached):
             self.detach(ifindex)
-        if self._renewer is not None:
-            self._stop.set()
-            self._renewer.join()
-            self._renewer = None
         self._routes.clear()
         if self._obj:
             self._lib.bpf_object__close(self._obj)

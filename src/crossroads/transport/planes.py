@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,7 +43,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from crossroads.transport import dataplane
-from crossroads.transport.kernelplane import KernelPlane, KernelPlaneUnavailable
+from crossroads.transport.kernelplane import (
+    KernelPlane,
+    KernelPlaneUnavailable,
+    device_name,
+)
 
 log = logging.getLogger("crossroads.dataplane")
 
@@ -196,7 +199,7 @@ class KernelPlaneCollector(Collector):
         plane = self.choice.kernel
         if plane is not None:
             for ifindex, (hook, _why) in sorted(plane.hooks.copy().items()):
-                devices.add_metric([_device_name(ifindex), hook], 1)
+                devices.add_metric([device_name(ifindex), hook], 1)
             for outcome, count in plane.xdp_stats().items():
                 xdp.add_metric([outcome], count)
             for moved, count in plane.tc_moves().items():
@@ -204,10 +207,3 @@ class KernelPlaneCollector(Collector):
         yield devices
         yield xdp
         yield moves
-
-
-def _device_name(ifindex: int) -> str:
-    try:
-        return socket.if_indextoname(ifindex)
-    except OSError:  # gone since it was attached
-        return str(ifindex)
