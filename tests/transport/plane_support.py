@@ -89,14 +89,18 @@ def keep_plane_globals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @contextlib.contextmanager
-def wire_like(names: dict[str, str]) -> Iterator[dict[str, KernelPlane]]:
+def wire_like(
+    names: dict[str, str], *, forwarding: bool = True
+) -> Iterator[dict[str, KernelPlane]]:
     """Make relay_lab's namespaces look to the server's XDP program like
     NICs on a wire (docs/architecture.md "Which hook, per device"): the
     client's and peer's datagrams leave with full checksums (transmit
     checksum offload off: not CHECKSUM_PARTIAL), their veth ends have NAPI
     (an XDP program: a routeless kernel plane that passes everything) so
     the server's XDP frames sent into the veths are delivered, and the
-    server's devices forward (bpf_fib_lookup needs it). Yields the far ends'
+    server's devices forward (else bpf_fib_lookup answers only FWD_DISABLED
+    and the XDP program takes the next hops user space resolved:
+    ``forwarding=False``, a relay host's usual setting). Yields the far ends'
     XDP holders by role ("client", "peer"): closing one takes NAPI away."""
     held: list[KernelPlane] = []
     try:
@@ -111,7 +115,7 @@ def wire_like(names: dict[str, str]) -> Iterator[dict[str, KernelPlane]]:
             for dev in ("toc", "top"):
                 subprocess.run(
                     ["ip", "netns", "exec", names["server"], "sysctl", "-qw",
-                     f"net.{family}.conf.{dev}.forwarding=1"],
+                     f"net.{family}.conf.{dev}.forwarding={int(forwarding)}"],
                     check=True, capture_output=True,
                 )  # fmt: skip
         # The server knows its neighbours (else the first datagrams find no

@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -131,7 +132,7 @@ class Channel:
             sock.close()
 
 
-@pytest.mark.parametrize("hook", ["xdp", "tc"])
+@pytest.mark.parametrize("hook", ["xdp", "xdp-unforwarded", "tc"])
 @pytest.mark.parametrize("family", [4, 6])
 def test_channel_data_with_finished_checksums_both_ways(
     names: dict[str, str], family: int, hook: str
@@ -140,10 +141,14 @@ def test_channel_data_with_finished_checksums_both_ways(
     mode takes ChannelData's header off and puts it on, exact bytes and
     valid checksums (the receiving stack verifies them: a wrong one is
     dropped), for every size up to a full-MTU datagram, and tc forwards
-    none of it. With ``--kernel-hook tc`` the tc program does the same by
-    moving the headers (``tc_moves``), never the data."""
+    none of it; without forwarding on the server's devices too
+    ("xdp-unforwarded": the next hops user space resolved). With
+    ``--kernel-hook tc`` the tc program does the same by moving the headers
+    (``tc_moves``), never the data."""
+    forwarding = hook != "xdp-unforwarded"
+    hook = hook.split("-")[0]
     plane = _load(names["server"], hook)
-    with wire_like(names):
+    with wire_like(names, forwarding=forwarding):
         channel = Channel(names, plane, family)
         try:
             sizes = [0, 1, 3, 4, 5, 100, 1399]
@@ -268,6 +273,44 @@ def test_no_neighbour_yet_goes_to_tc_then_xdp(names: dict[str, str]) -> None:
             channel.close()
 
 
+def test_without_forwarding_xdp_takes_the_next_hop_user_space_resolved(
+    names: dict[str, str],
+) -> None:
+    """A relay host need not forward: there bpf_fib_lookup answers only
+    FWD_DISABLED, and the XDP program takes the next hop the plane resolved
+    from the routing and neighbour tables (map ``next_hops``). Until the
+    kernel knows the neighbour, datagrams go by tc (which resolves it);
+    within a recheck, by XDP; the route's removal takes its next hop out."""
+    plane = _load(names["server"])
+    with wire_like(names, forwarding=False):
+        subprocess.run(
+            ["ip", "-n", names["server"], "neigh", "flush", "dev", "top"], check=True
+        )
+        channel = Channel(names, plane)
+        try:
+            frame = CHANNEL.to_bytes(2, "big") + (4).to_bytes(2, "big") + b"hop?"
+            channel.client.sendto(frame, channel.listen_addr)
+            assert _recv(channel.peer) == (b"hop?", channel.relayed)
+            stats = plane.xdp_stats()
+            assert stats["forwarded"] == 0 and stats["left-next-hop"] == 1, stats
+            sent = 1
+            for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
+                channel.client.sendto(frame, channel.listen_addr)
+                assert _recv(channel.peer) == (b"hop?", channel.relayed)
+                sent += 1
+                if plane.xdp_stats()["forwarded"]:
+                    break
+                time.sleep(0.1)
+            assert plane.xdp_stats()["forwarded"] == 1
+            assert plane.counters(channel.up) == (sent, 4 * sent)
+            with inside(names["server"]):
+                assert len(plane.next_hops()) == 2  # the peer's and the client's
+                plane.remove(channel.up)
+                assert len(plane.next_hops()) == 1
+        finally:
+            channel.close()
+
+
 def test_a_second_plane_on_the_device_falls_back_to_tc(names: dict[str, str]) -> None:
     """One XDP program per device: the second plane (another process, a
     second worker) finds the device taken, says so, and runs tc there; the
@@ -308,8 +351,7 @@ def test_a_second_plane_on_the_device_falls_back_to_tc(names: dict[str, str]) ->
 def test_auto_takes_xdp_on_nic_drivers_and_tc_on_veth() -> None:
     """The per-device policy (docs/architecture.md "Which hook, per device")."""
     nic, veth = LinkFacts(None, False), LinkFacts("veth", False, 3, 0)
-    assert xdp_policy("auto", nic) is None
-    assert "forwarding is off" in (xdp_policy("auto", nic, forwards=False) or "")
+    assert xdp_policy("auto", nic) is None  # forwarding on or off
     assert "veth" in (xdp_policy("auto", veth) or "")
     assert "bridge" in (xdp_policy("auto", LinkFacts("bridge", False)) or "")
     assert xdp_policy("xdp", veth) is None

@@ -86,6 +86,7 @@ TC_MOVES_MAP = b"tc_moves"
 TC_MOVES = ("headers", "data")
 ROUTES_MAP = b"routes"
 RELAY_ROUTES_MAP = b"relay_routes"
+NEXT_HOPS_MAP = b"next_hops"
 LEASE_MAP = b"lease"
 #: How long a classic filter's program forwards after its process last
 #: renewed the lease (a SIGKILLed process's routes stop within this), and how
@@ -183,6 +184,14 @@ def _key(route: KernelRoute) -> bytes:
 
 
 _VALUE = struct.Struct("=16s16s2s2sHBxIIQQ")
+#: relay.bpf.c struct next_hop_key (ifindex, destination, family) and
+#: struct next_hop (the next hop's MAC, the device's, the device's MTU).
+_NEXT_HOP_KEY = struct.Struct("=I16sB3x")
+_NEXT_HOP = struct.Struct("=6s6sI")
+#: Neighbour states whose link-layer address may be sent to
+#: (include/uapi/linux/neighbour.h NUD_REACHABLE, STALE, DELAY, PROBE,
+#: PERMANENT): not INCOMPLETE or FAILED, nor NOARP (no address).
+_NUD_USABLE = 0x02 | 0x04 | 0x08 | 0x10 | 0x80
 
 
 def _value(route: KernelRoute, ifindex: int) -> bytes:
@@ -218,17 +227,66 @@ def _rtnetlink(message_type: int, body: bytes, what: str) -> tuple[bytes, int]:
     return reply, length
 
 
-def egress_ifindex(host: str) -> int:
-    """The device the kernel routes ``host`` by (RTM_GETROUTE over rtnetlink)."""
+def route_to(host: str) -> tuple[int, str | None]:
+    """The device the kernel routes ``host`` by and the next hop's address
+    on it: the gateway, or ``host`` itself on a link (RTM_GETROUTE over
+    rtnetlink); None for a next hop of another family (RTA_VIA)."""
     family = socket.AF_INET if _family(host) == 4 else socket.AF_INET6
     packed = ipaddress.ip_address(host).packed
     rta = struct.pack("=HH", 4 + len(packed), 1) + packed  # RTA_DST
     rtmsg = struct.pack("=BBBBBBBBI", family, len(packed) * 8, 0, 0, 0, 0, 0, 0, 0)
     reply, length = _rtnetlink(26, rtmsg + rta, f"no route to {host}")  # RTM_GETROUTE
-    oif = _attrs(reply, 16 + 12, length).get(4)  # RTA_OIF
+    attrs = _attrs(reply, 16 + 12, length)
+    oif = attrs.get(4)  # RTA_OIF
     if oif is None or len(oif) < 4:
         raise OSError(errno.ENETUNREACH, f"no output device for {host}")
-    return int(struct.unpack_from("=I", oif)[0])
+    gateway = attrs.get(5)  # RTA_GATEWAY
+    if gateway is not None and len(gateway) == len(packed):
+        hop: str | None = str(ipaddress.ip_address(gateway))
+    else:
+        hop = None if 18 in attrs else host  # RTA_VIA
+    return int(struct.unpack_from("=I", oif)[0]), hop
+
+
+def egress_ifindex(host: str) -> int:
+    """The device the kernel routes ``host`` by (RTM_GETROUTE over rtnetlink)."""
+    return route_to(host)[0]
+
+
+def neighbour_mac(ifindex: int, host: str) -> bytes | None:
+    """The link-layer address the neighbour table holds for ``host`` on
+    ``ifindex`` (RTM_GETNEIGH, Linux >= 4.18), or None: no entry, or one
+    not usable (still resolving, failed)."""
+    family = socket.AF_INET if _family(host) == 4 else socket.AF_INET6
+    packed = ipaddress.ip_address(host).packed
+    ndmsg = struct.pack("=BBHiHBB", family, 0, 0, ifindex, 0, 0, 0)
+    nda = struct.pack("=HH", 4 + len(packed), 1) + packed  # NDA_DST
+    try:
+        reply, length = _rtnetlink(30, ndmsg + nda, f"no neighbour {host}")
+    except OSError:
+        return None
+    (state,) = struct.unpack_from("=H", reply, 16 + 8)
+    mac = _attrs(reply, 16 + 12, length).get(2)  # NDA_LLADDR
+    if not state & _NUD_USABLE or mac is None or len(mac) != 6:
+        return None
+    return mac
+
+
+def next_hop(ifindex: int, host: str) -> bytes | None:
+    """relay.bpf.c's struct next_hop for sending to ``host`` out of
+    ``ifindex`` (the next hop's MAC, the device's, its MTU), or None while
+    the kernel routes ``host`` elsewhere or has not resolved the next hop."""
+    try:
+        out, hop = route_to(host)
+        if out != ifindex or hop is None:
+            return None
+        dmac = neighbour_mac(ifindex, hop)
+        facts = link_facts(ifindex)
+    except OSError:
+        return None
+    if dmac is None or len(facts.mac) != 6 or not facts.mtu:
+        return None
+    return _NEXT_HOP.pack(dmac, facts.mac, facts.mtu)
 
 
 @frozen
@@ -244,6 +302,9 @@ class LinkFacts:
     #: from here (IFLA_LINK_NETNSID; None: this namespace).
     peer: int | None = None
     peer_netnsid: int | None = None
+    #: Its own link-layer address (IFLA_ADDRESS) and MTU (IFLA_MTU).
+    mac: bytes = b""
+    mtu: int = 0
 
 
 def _attrs(buf: bytes, offset: int, end: int) -> dict[int, bytes]:
@@ -278,11 +339,14 @@ def link_facts(ifindex: int, netnsid: int | None = None) -> LinkFacts:
         attached = bool(mode and mode[0])
     peer = top.get(5)  # IFLA_LINK
     nsid = top.get(37)  # IFLA_LINK_NETNSID
+    mtu = top.get(4)  # IFLA_MTU
     return LinkFacts(
         link_kind,
         attached,
         struct.unpack("=i", peer[:4])[0] if peer else None,
         struct.unpack("=i", nsid[:4])[0] if nsid else None,
+        top.get(1, b""),  # IFLA_ADDRESS
+        struct.unpack("=I", mtu[:4])[0] if mtu and len(mtu) >= 4 else 0,
     )
 
 
@@ -294,33 +358,17 @@ def device_name(ifindex: int) -> str:
         return f"ifindex {ifindex}"
 
 
-def forwarding(name: str) -> int:
-    """The IP families (bit 0: IPv4, bit 1: IPv6) forwarding is on for on
-    device ``name`` (this thread's namespace). ``bpf_fib_lookup`` answers
-    FWD_DISABLED for a device without it (its own check, even for a lookup
-    from the egress side), so XDP can finish no datagram out of it."""
-    families = 0
-    for bit, family in enumerate(("ipv4", "ipv6")):
-        try:
-            on = Path(f"/proc/sys/net/{family}/conf/{name}/forwarding").read_text()
-        except OSError:
-            on = "0"
-        families |= (on.strip() == "1") << bit
-    return families
-
-
 def xdp_families(ifindex: int) -> tuple[int, str]:
     """The IP families (bit 0: IPv4, bit 1: IPv6) whose datagrams the XDP
     program may send out of ``ifindex`` (XDP_TX, a redirect), and why not
-    when 0: ``bpf_fib_lookup`` needs forwarding on the device; a veth drops
-    frames sent into it unless its peer has NAPI (an XDP program there;
-    GRO on the peer also enables NAPI but rtnetlink does not show it, so
-    such a peer is not counted on)."""
-    families = forwarding(socket.if_indextoname(ifindex))
-    if not families:
-        return 0, "forwarding is off on it (bpf_fib_lookup needs it)"
+    when 0: a NIC takes XDP frames only with its driver's XDP transmit path
+    set up (an XDP program on it); a veth drops frames sent into it unless
+    its peer has NAPI (an XDP program there; GRO on the peer also enables
+    NAPI but rtnetlink does not show it, so such a peer is not counted on).
+    The next hop comes from bpf_fib_lookup where the device forwards, else
+    from user space (:func:`next_hop`)."""
     ok, why = _xdp_transmits(ifindex)
-    return (families if ok else 0), why
+    return (3 if ok else 0), why
 
 
 def _xdp_transmits(ifindex: int) -> tuple[bool, str]:
@@ -463,21 +511,13 @@ class _LinkOpts(ctypes.Structure):
     ]
 
 
-def xdp_policy(hook: str, facts: LinkFacts, forwards: bool = True) -> str | None:
+def xdp_policy(hook: str, facts: LinkFacts) -> str | None:
     """Why ``hook`` leaves ``facts``' device to tc alone, or None to try XDP
-    in driver mode there (docs/architecture.md "Which hook, per device");
-    ``forwards``: forwarding is on for the device (else XDP can finish
-    nothing there: bpf_fib_lookup needs it)."""
+    in driver mode there (docs/architecture.md "Which hook, per device")."""
     if hook == "tc":
         return "--kernel-hook tc"
-    if hook == "xdp":
+    if hook == "xdp" or facts.kind is None:  # a NIC's packets come from a wire
         return None
-    if facts.kind is None:
-        if forwards:
-            return None
-        # Attaching XDP resets the rings (a link flap) on some NIC drivers,
-        # and every routed datagram would be passed to tc: no gain.
-        return "forwarding is off on it: XDP could finish nothing (auto)"
     if facts.kind == "veth":
         # Measured (docs/architecture.md): what local senders put on a veth
         # is CHECKSUM_PARTIAL, which the XDP program must pass to tc anyway,
@@ -500,6 +540,7 @@ class KernelPlane:
     _xdp_egress_fd: int = -1
     _xdp_stats_fd: int = -1
     _tc_moves_fd: int = -1
+    _next_hops_fd: int = -1
     #: ``--kernel-hook``: where XDP runs in front of tc (:data:`HOOKS`).
     hook: str = "tc"
     #: Per device: "xdp" or "tc", and why (the log line).
@@ -510,6 +551,10 @@ class KernelPlane:
     _renewer: threading.Thread | None = None
     _egress_watcher: threading.Thread | None = None
     _egress_lock: threading.Lock = field(default_factory=threading.Lock)
+    #: next_hops entries (struct next_hop_key): the value written (b"":
+    #: none yet) and how many routes send to it; each route's entry.
+    _hops: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
+    _route_hop: dict[bytes, bytes] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
@@ -542,6 +587,7 @@ class KernelPlane:
         egress = lib.bpf_object__find_map_by_name(obj, XDP_EGRESS_MAP)
         stats = lib.bpf_object__find_map_by_name(obj, XDP_STATS_MAP)
         moves = lib.bpf_object__find_map_by_name(obj, TC_MOVES_MAP)
+        hops = lib.bpf_object__find_map_by_name(obj, NEXT_HOPS_MAP)
         return cls(
             lib,
             obj,
@@ -553,6 +599,7 @@ class KernelPlane:
             lib.bpf_map__fd(egress),
             lib.bpf_map__fd(stats),
             lib.bpf_map__fd(moves),
+            lib.bpf_map__fd(hops),
         )
 
     def _map(self, route: KernelRoute) -> int:
@@ -576,7 +623,7 @@ class KernelPlane:
         ifindex = att.ifindex
         try:
             name = socket.if_indextoname(ifindex)
-            why = xdp_policy(self.hook, link_facts(ifindex), forwarding(name) != 0)
+            why = xdp_policy(self.hook, link_facts(ifindex))
         except OSError as exc:
             name, why = str(ifindex), f"no link facts ({exc.strerror})"
         if why is None:
@@ -725,6 +772,8 @@ class KernelPlane:
         if rc != 0:
             return False
         self._routes[key] = route
+        if self._egress.get(out):  # XDP may send there: it may need our next hop
+            self._hold_next_hop(key, out, route.out_dest[0])
         return True
 
     def _xdp_egress(self, ifindex: int, *, again: bool = False) -> None:
@@ -775,6 +824,74 @@ class KernelPlane:
     def _keep_egress(self) -> None:
         while not self._stop.wait(EGRESS_RECHECK):
             self._recheck_egress()
+            self._refresh_next_hops()
+
+    def _hold_next_hop(self, route_key: bytes, ifindex: int, host: str) -> None:
+        """Count the route ``route_key`` as sending to ``host`` out of
+        ``ifindex``; the first such route writes the next hop (if resolved:
+        else the watcher writes it once the kernel has)."""
+        hop_key = _NEXT_HOP_KEY.pack(ifindex, _addr16(host), _family(host))
+        self._release_next_hop(route_key)
+        with self._egress_lock:
+            self._route_hop[route_key] = hop_key
+            written, users = self._hops.get(hop_key, (b"", 0))
+            self._hops[hop_key] = (written, users + 1)
+            if users:
+                return
+        self._write_next_hop(hop_key)
+
+    def _release_next_hop(self, route_key: bytes) -> None:
+        with self._egress_lock:
+            hop_key = self._route_hop.pop(route_key, None)
+            if hop_key is None:
+                return
+            written, users = self._hops.pop(hop_key)
+            if users > 1:
+                self._hops[hop_key] = (written, users - 1)
+            elif written:
+                self._lib.bpf_map_delete_elem(self._next_hops_fd, hop_key)
+
+    def _write_next_hop(self, hop_key: bytes) -> None:
+        """Resolve ``hop_key``'s next hop now and write (or delete) it if it
+        changed: a new MAC, MTU or route is taken within a recheck."""
+        ifindex, packed, family = _NEXT_HOP_KEY.unpack(hop_key)
+        host = str(ipaddress.ip_address(packed[: 4 if family == 4 else 16]))
+        value = next_hop(ifindex, host) or b""
+        with self._egress_lock:
+            if hop_key not in self._hops:
+                return  # released meanwhile
+            written, users = self._hops[hop_key]
+            if value == written:
+                return
+            self._hops[hop_key] = (value, users)
+            if value:
+                self._lib.bpf_map_update_elem(
+                    self._next_hops_fd, hop_key, value, BPF_ANY
+                )
+            else:
+                self._lib.bpf_map_delete_elem(self._next_hops_fd, hop_key)
+
+    def next_hops(self) -> dict[tuple[int, str], tuple[bytes, bytes, int]]:
+        """The next hops in the map for the routes' destinations, by
+        (ifindex, destination): (next hop's MAC, the device's, MTU)."""
+        with self._egress_lock:
+            held = list(self._hops)
+        found = {}
+        for hop_key in held:
+            buf = ctypes.create_string_buffer(_NEXT_HOP.size)
+            if self._lib.bpf_map_lookup_elem(self._next_hops_fd, hop_key, buf):
+                continue
+            ifindex, packed, family = _NEXT_HOP_KEY.unpack(hop_key)
+            host = str(ipaddress.ip_address(packed[: 4 if family == 4 else 16]))
+            dmac, smac, mtu = _NEXT_HOP.unpack(buf.raw)
+            found[ifindex, host] = (dmac, smac, mtu)
+        return found
+
+    def _refresh_next_hops(self) -> None:
+        with self._egress_lock:
+            held = list(self._hops)
+        for hop_key in held:
+            self._write_next_hop(hop_key)
 
     def xdp_stats(self) -> dict[str, int]:
         """What the XDP program did, summed over CPUs: datagrams it forwarded
@@ -805,6 +922,7 @@ class KernelPlane:
         key = _key(route)
         self._routes.pop(key, None)
         self._lib.bpf_map_delete_elem(self._map(route), key)
+        self._release_next_hop(key)
 
     def counters(self, route: KernelRoute) -> tuple[int, int] | None:
         """(packets, payload bytes) the kernel forwarded on ``route``; None if not installed."""
@@ -828,6 +946,8 @@ class KernelPlane:
         for ifindex in list(self._attached):
             self.detach(ifindex)
         self._routes.clear()
+        self._hops.clear()
+        self._route_hop.clear()
         if self._obj:
             self._lib.bpf_object__close(self._obj)
             self._obj = 0

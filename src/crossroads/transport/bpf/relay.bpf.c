@@ -505,6 +505,33 @@ struct {
 	__type(value, __u32);
 } xdp_egress SEC(".maps");
 
+/* Next hops user space resolved (kernelplane.py, from the routing and
+ * neighbour tables, read again every second) for the destinations of routes
+ * out of a device without forwarding, where bpf_fib_lookup answers only
+ * FWD_DISABLED: the MACs to write and the device's MTU. Bounded like the
+ * routes (one per destination and device at most), written only by user
+ * space. */
+struct next_hop_key {
+	__u32 ifindex;
+	__u32 daddr[4]; /* IPv4: [0] only */
+	__u8 family;    /* 4 or 6 */
+	__u8 pad[3];
+};
+
+struct next_hop {
+	__u8 dmac[6];
+	__u8 smac[6];
+	__u32 mtu;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536);
+	__type(key, struct next_hop_key);
+	__type(value, struct next_hop);
+} next_hops SEC(".maps");
+
 /* What the XDP program did, per CPU: [XDP_FORWARDED] datagrams it forwarded
  * itself; routed datagrams it could not finish and passed to tc, by why:
  * an egress it may not send frames to, a partial checksum, no next hop it
@@ -601,7 +628,8 @@ int crossroads_relay_xdp(struct xdp_md *ctx)
 	fib.l4_protocol = IPPROTO_UDP;
 	fib.sport = r->sport;
 	fib.dport = r->dport;
-	fib.tot_len = v4 ? ip_len : ip_len + sizeof(struct ipv6hdr);
+	__u32 packet_len = v4 ? ip_len : ip_len + sizeof(struct ipv6hdr);
+	fib.tot_len = packet_len;
 	fib.ifindex = out;
 	if (v4) {
 		fib.ipv4_src = r->saddr[0];
@@ -613,8 +641,25 @@ int crossroads_relay_xdp(struct xdp_md *ctx)
 	/* BPF_FIB_LOOKUP_OUTPUT: the relay sends this datagram from its own
 	 * address (as its socket would), it does not forward the client's. */
 	long rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), BPF_FIB_LOOKUP_OUTPUT);
-	if (rc != BPF_FIB_LKUP_RET_SUCCESS || fib.ifindex != out)
+	__u8 dmac[ETH_ALEN], smac[ETH_ALEN];
+	if (rc == BPF_FIB_LKUP_RET_SUCCESS && fib.ifindex == out) {
+		__builtin_memcpy(dmac, fib.dmac, ETH_ALEN);
+		__builtin_memcpy(smac, fib.smac, ETH_ALEN);
+	} else if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED) {
+		/* Forwarding is off on the device (a relay host need not
+		 * forward): the next hop user space resolved, if it has. */
+		struct next_hop_key nkey = {};
+		nkey.ifindex = out;
+		nkey.family = key.family;
+		__builtin_memcpy(nkey.daddr, r->daddr, 16);
+		struct next_hop *hop = bpf_map_lookup_elem(&next_hops, &nkey);
+		if (!hop || packet_len > hop->mtu)
+			return xdp_count(XDP_LEFT_NEXT_HOP, XDP_PASS);
+		__builtin_memcpy(dmac, hop->dmac, ETH_ALEN);
+		__builtin_memcpy(smac, hop->smac, ETH_ALEN);
+	} else {
 		return xdp_count(XDP_LEFT_NEXT_HOP, XDP_PASS);
+	}
 
 	/* The UDP checksum's change, from the old words to the new: addresses
 	 * (pseudo-header), ports, the length (header and pseudo-header) and the
@@ -691,8 +736,8 @@ int crossroads_relay_xdp(struct xdp_md *ctx)
 	struct ethhdr *eth = data;
 	if ((void *)(eth + 1) > end)
 		return XDP_DROP;
-	__builtin_memcpy(eth->h_dest, fib.dmac, ETH_ALEN);
-	__builtin_memcpy(eth->h_source, fib.smac, ETH_ALEN);
+	__builtin_memcpy(eth->h_dest, dmac, ETH_ALEN);
+	__builtin_memcpy(eth->h_source, smac, ETH_ALEN);
 	if (v4) {
 		struct iphdr *ip = (void *)(eth + 1);
 		udp = (void *)(ip + 1);
