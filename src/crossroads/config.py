@@ -392,7 +392,7 @@ class CoreConfig:
         check=check_kernel_hook,
         help="Kernel plane hook per device: tc (tc ingress only), xdp (also XDP "
         "in driver mode on every device whose driver has it), or auto (XDP on "
-        "NIC drivers with forwarding on, tc on veth and other virtual devices). XDP passes what it "
+        "NIC drivers, tc on veth and other virtual devices). XDP passes what it "
         "cannot finish to tc; a device another process's XDP holds gets tc.",
     )
     # The C data plane sends a burst to one destination as one UDP GSO message

@@ -50,7 +50,11 @@ only out of devices :func:`xdp_families` allows (map ``xdp_egress``), which
 a thread of the process looks at again every :data:`EGRESS_RECHECK`
 seconds: a frame sent out of a device that stopped taking them (its veth
 peer's XDP program, a NIC's, gone) is dropped after the program returned,
-so such a device must leave the map before many are.
+so such a device must leave the map before many are. Its next hop comes
+from ``bpf_fib_lookup`` where the device forwards; where it does not (a
+relay host need not), from map ``next_hops``, which the same thread keeps
+from the routing and neighbour tables (:func:`next_hop`) for the
+destinations of the routes XDP may send.
 """
 
 from __future__ import annotations

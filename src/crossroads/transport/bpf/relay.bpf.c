@@ -493,8 +493,7 @@ int crossroads_relay(struct __sk_buff *skb)
 
 /* Egress devices an XDP frame may be sent to (XDP_TX or a redirect), the
  * value the families (bit 0 IPv4, bit 1 IPv6), written by user space
- * (kernelplane.py xdp_families): bpf_fib_lookup needs forwarding on the
- * device; a NIC takes XDP frames only with its driver's XDP transmit path
+ * (kernelplane.py xdp_families): a NIC takes XDP frames only with its driver's XDP transmit path
  * set up (an XDP program on it), a veth only when its peer has NAPI (an
  * XDP program or GRO there), else the frame is dropped after the program
  * returned, where nothing can fall back. */
@@ -536,7 +535,7 @@ struct {
  * itself; routed datagrams it could not finish and passed to tc, by why:
  * an egress it may not send frames to, a partial checksum, no next hop it
  * can use (no neighbour entry yet, another device, over the MTU: the fib
- * lookup), anything else (a ChannelData datagram too long to wrap). */
+ * lookup; with forwarding off, no next hop from user space yet), anything else (a ChannelData datagram too long to wrap). */
 #define XDP_FORWARDED 0
 #define XDP_LEFT_EGRESS 1
 #define XDP_LEFT_CHECKSUM 2
