@@ -376,13 +376,19 @@ def kernel_routing(
 
 @contextlib.contextmanager
 def kernel_plane(
-    ns: dict[str, str], stack: ExitStack, n: int, size: int, hook: str = "tc"
+    ns: dict[str, str],
+    stack: ExitStack,
+    n: int,
+    size: int,
+    hook: str = "tc",
+    forwards: bool = True,
 ) -> Iterator[Running]:
     """``relay.bpf.c`` with ``--kernel-hook tc`` or ``xdp`` (the XDP program
-    finishes a datagram only with forwarding on, for bpf_fib_lookup, and
-    toward a veth whose peer takes XDP frames: the sinks' programs)."""
+    sends toward a veth whose peer takes XDP frames: the sinks' programs),
+    the server forwarding (XDP's next hops from bpf_fib_lookup) or not
+    (from the plane's next_hops map)."""
     forwarding = ["ip", "netns", "exec", ns["server"], "sysctl", "-qw"]
-    if hook == "xdp":
+    if hook == "xdp" and forwards:
         subprocess.run([*forwarding, "net.ipv4.conf.all.forwarding=1"], check=True)
         stack.callback(
             subprocess.run, [*forwarding, "net.ipv4.conf.all.forwarding=0"], check=False
@@ -428,8 +434,9 @@ def kernel_plane(
         xdp = hook == "xdp"
         if xdp and {plane.hooks[i][0] for i in plane.devices} != {"xdp"}:
             raise RuntimeError(f"XDP not attached everywhere: {plane.hooks}")
+        unforwarded = ", no forwarding" if xdp and not forwards else ""
         yield Running(
-            f"kernel plane (eBPF, {'XDP' if xdp else 'tc'})",
+            f"kernel plane (eBPF, {'XDP' if xdp else 'tc'}{unforwarded})",
             None,
             flows,
             back,
@@ -583,7 +590,8 @@ def main() -> None:
     parser.add_argument("--same-rate", type=float, default=200_000)
     parser.add_argument(
         "--only",
-        help="comma-separated: generator,routing,kernel,xdp,gso,nogso,coturn,bare",
+        help="comma-separated: generator,routing,kernel,xdp,xdp-unforwarded,gso,"
+        "nogso,coturn,bare (xdp-unforwarded: not in the default run)",
     )
     parser.add_argument(
         "--direction",
@@ -678,12 +686,17 @@ def main() -> None:
                 ("routing", "load_pass", lambda st: kernel_routing(ns, st, n, size)),
                 ("kernel", "load_pass", lambda st: kernel_plane(ns, st, n, size)),
                 ("xdp", None, lambda st: kernel_plane(ns, st, n, size, "xdp")),
+                ("xdp-unforwarded", None, lambda st: kernel_plane(ns, st, n, size, "xdp", forwards=False)),
                 ("gso", "load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=True)),
                 ("nogso", "load_pass", lambda st: crossroads_turn(ns, st, n, size, gso=False)),
                 ("coturn", "load_pass", lambda st: coturn(ns, st, n, size)),
                 ("bare", "load_pass", lambda st: bare(ns, st, n, size, binaries["bare_forwarder"])),
             ]  # fmt: skip
-            wanted = args.only.split(",") if args.only else None
+            wanted = (
+                args.only.split(",")
+                if args.only
+                else [key for key, _, _ in starters if key != "xdp-unforwarded"]
+            )
             print(
                 f"kernel plane: {n} allocations (ChannelData client -> peer), "
                 f"{size}-byte payloads, steps of {args.seconds:g} s; the server's "
