@@ -311,6 +311,46 @@ def test_without_forwarding_xdp_takes_the_next_hop_user_space_resolved(
             channel.close()
 
 
+def test_an_egress_that_starts_taking_xdp_frames_gets_its_next_hop_in_a_recheck(
+    names: dict[str, str],
+) -> None:
+    """Without forwarding, a route installed while its egress could not take
+    XDP frames (the peer's veth end without NAPI) goes by tc; once the
+    egress can, the watcher resolves the route's next hop too, and XDP
+    forwards it from the next recheck."""
+    plane = _load(names["server"])
+    with wire_like(names, forwarding=False) as far_ends:
+        with inside(names["peer"]):
+            far_ends["peer"].close()
+        channel = Channel(names, plane)
+        napi = None
+        try:
+            frame = CHANNEL.to_bytes(2, "big") + (2).to_bytes(2, "big") + b"up"
+            channel.client.sendto(frame, channel.listen_addr)
+            assert _recv(channel.peer) == (b"up", channel.relayed)
+            stats = plane.xdp_stats()
+            assert stats["forwarded"] == 0 and stats["left-egress"] == 1, stats
+            with inside(names["peer"]):
+                napi = KernelPlane.load()
+                napi.hook = "xdp"
+                napi.attach("eth0")  # NAPI on the peer's end now
+            for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
+                channel.client.sendto(frame, channel.listen_addr)
+                assert _recv(channel.peer) == (b"up", channel.relayed)
+                if plane.xdp_stats()["forwarded"]:
+                    break
+                time.sleep(0.1)
+            assert plane.xdp_stats()["forwarded"] == 1
+            with inside(names["server"]):
+                top = socket.if_nametoindex("top")
+                assert (top, channel.peer_addr[0]) in plane.next_hops()
+        finally:
+            channel.close()
+            if napi is not None:
+                with inside(names["peer"]):
+                    napi.close()
+
+
 def test_a_second_plane_on_the_device_falls_back_to_tc(names: dict[str, str]) -> None:
     """One XDP program per device: the second plane (another process, a
     second worker) finds the device taken, says so, and runs tc there; the

@@ -98,9 +98,10 @@ LEASE_MAP = b"lease"
 #: second without letting a live process's routes lapse.
 LEASE_SECONDS = 2.0
 LEASE_REFRESH = 0.5
-#: How often the XDP egress facts are read again (rtnetlink and sysctl, a
-#: few reads per device): the most a device that stopped taking XDP frames
-#: can black-hole what XDP sends there.
+#: How often the XDP egress facts and next hops are read again (a few
+#: rtnetlink requests per device and per destination): the most a device
+#: that stopped taking XDP frames can black-hole what XDP sends there, and
+#: the most a next hop can lag the neighbour table.
 EGRESS_RECHECK = 1.0
 #: The bytes of a Unity RELAY frame that name its route (relay.bpf.c RELAY_HEAD).
 RELAY_HEAD = 36
@@ -776,7 +777,7 @@ class KernelPlane:
         if rc != 0:
             return False
         self._routes[key] = route
-        if self._egress.get(out):  # XDP may send there: it may need our next hop
+        if self.hook != "tc":
             self._hold_next_hop(key, out, route.out_dest[0])
         return True
 
@@ -832,8 +833,9 @@ class KernelPlane:
 
     def _hold_next_hop(self, route_key: bytes, ifindex: int, host: str) -> None:
         """Count the route ``route_key`` as sending to ``host`` out of
-        ``ifindex``; the first such route writes the next hop (if resolved:
-        else the watcher writes it once the kernel has)."""
+        ``ifindex``. The first such route writes the next hop if XDP may
+        send out of ``ifindex`` and the kernel has resolved it; else the
+        watcher writes it once both hold."""
         hop_key = _NEXT_HOP_KEY.pack(ifindex, _addr16(host), _family(host))
         self._release_next_hop(route_key)
         with self._egress_lock:
@@ -842,7 +844,8 @@ class KernelPlane:
             self._hops[hop_key] = (written, users + 1)
             if users:
                 return
-        self._write_next_hop(hop_key)
+        if self._egress.get(ifindex):
+            self._write_next_hop(hop_key)
 
     def _release_next_hop(self, route_key: bytes) -> None:
         with self._egress_lock:
@@ -892,10 +895,14 @@ class KernelPlane:
         return found
 
     def _refresh_next_hops(self) -> None:
+        """Resolve again the next hops out of devices XDP may send out of
+        (only those: the rest cost no netlink request)."""
         with self._egress_lock:
             held = list(self._hops)
         for hop_key in held:
-            self._write_next_hop(hop_key)
+            (ifindex,) = struct.unpack_from("=I", hop_key)
+            if self._egress.get(ifindex):
+                self._write_next_hop(hop_key)
 
     def xdp_stats(self) -> dict[str, int]:
         """What the XDP program did, summed over CPUs: datagrams it forwarded
