@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from crossroads.transport import kernelplane
 from crossroads.transport.kernelplane import (
     EGRESS_RECHECK,
     KernelPlane,
@@ -33,7 +34,7 @@ from crossroads.transport.kernelplane import (
     link_facts,
     xdp_policy,
 )
-from tests.transport.netns_support import inside, relay_lab
+from tests.transport.netns_support import inside, ip, relay_lab
 from tests.transport.plane_support import keep_plane_globals, wire_like
 from tests.transport.test_kernelturn import (
     kernel_counts,
@@ -349,6 +350,44 @@ def test_an_egress_that_starts_taking_xdp_frames_gets_its_next_hop_in_a_recheck(
             if napi is not None:
                 with inside(names["peer"]):
                     napi.close()
+
+
+def test_a_next_hop_takes_its_neighbours_new_mac_within_a_recheck(
+    names: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without forwarding, the next hop's MAC follows the neighbour table:
+    the peer's MAC changes (a gateway's failover, say) and the server's
+    neighbour entry with it; from the next recheck XDP sends to the new MAC.
+    No destination's route is looked up again here (NEXT_HOP_BATCH 0): one
+    neighbour lookup per gateway does it, however many destinations."""
+    monkeypatch.setattr(kernelplane, "NEXT_HOP_BATCH", 0)
+    plane = _load(names["server"])
+    with wire_like(names, forwarding=False):
+        channel = Channel(names, plane)
+        try:
+            channel.both_ways(b"old mac")
+            assert plane.xdp_stats()["forwarded"] == 2
+            new = "02:00:00:00:0a:0b"
+            peer_ip = channel.peer_addr[0]
+            ip("-n", names["peer"], "link", "set", "eth0", "address", new)
+            ip("-n", names["server"], "neigh", "replace", peer_ip, "lladdr", new,
+               "dev", "top", "nud", "reachable")  # fmt: skip
+            frame = CHANNEL.to_bytes(2, "big") + (3).to_bytes(2, "big") + b"new"
+            arrived = None
+            for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
+                channel.client.sendto(frame, channel.listen_addr)
+                arrived = _recv(channel.peer, 0.1)
+                if arrived is not None:
+                    break
+            assert arrived == (b"new", channel.relayed)
+            with inside(names["server"]):
+                top = socket.if_nametoindex("top")
+            assert plane.next_hops()[top, peer_ip][0] == bytes.fromhex("02000000 0a0b")
+            before = plane.xdp_stats()["forwarded"]
+            channel.both_ways(b"by xdp")
+            assert plane.xdp_stats()["forwarded"] == before + 2
+        finally:
+            channel.close()
 
 
 def test_a_second_plane_on_the_device_falls_back_to_tc(names: dict[str, str]) -> None:

@@ -103,6 +103,11 @@ LEASE_REFRESH = 0.5
 #: that stopped taking XDP frames can black-hole what XDP sends there, and
 #: the most a next hop can lag the neighbour table.
 EGRESS_RECHECK = 1.0
+#: Next hops resolved again per recheck at most (a route lookup each, and a
+#: neighbour and link lookup per gateway and device): a host relaying to ten
+#: thousand destinations takes each one's route change within 40 s, and a
+#: destination the kernel has not resolved yet within a recheck.
+NEXT_HOP_BATCH = 256
 #: The bytes of a Unity RELAY frame that name its route (relay.bpf.c RELAY_HEAD).
 RELAY_HEAD = 36
 #: The map's max_entries in relay.bpf.c.
@@ -277,21 +282,38 @@ def neighbour_mac(ifindex: int, host: str) -> bytes | None:
     return mac
 
 
-def next_hop(ifindex: int, host: str) -> bytes | None:
+@dataclass
+class NextHopLookups:
+    """Answers shared by the next hops resolved in one go: many destinations
+    go through one gateway and out of one device."""
+
+    neighbours: dict[tuple[int, str], bytes | None] = field(default_factory=dict)
+    links: dict[int, LinkFacts] = field(default_factory=dict)
+
+
+def next_hop(
+    ifindex: int, host: str, lookups: NextHopLookups | None = None
+) -> tuple[bytes, str] | None:
     """relay.bpf.c's struct next_hop for sending to ``host`` out of
-    ``ifindex`` (the next hop's MAC, the device's, its MTU), or None while
-    the kernel routes ``host`` elsewhere or has not resolved the next hop."""
+    ``ifindex`` (the next hop's MAC, the device's, its MTU) and the next
+    hop's address (a gateway, or ``host``), or None while the kernel routes
+    ``host`` elsewhere or has not resolved the next hop."""
+    lookups = lookups or NextHopLookups()
     try:
         out, hop = route_to(host)
         if out != ifindex or hop is None:
             return None
-        dmac = neighbour_mac(ifindex, hop)
-        facts = link_facts(ifindex)
+        if (ifindex, hop) not in lookups.neighbours:
+            lookups.neighbours[ifindex, hop] = neighbour_mac(ifindex, hop)
+        dmac = lookups.neighbours[ifindex, hop]
+        if ifindex not in lookups.links:
+            lookups.links[ifindex] = link_facts(ifindex)
+        facts = lookups.links[ifindex]
     except OSError:
         return None
     if dmac is None or len(facts.mac) != 6 or not facts.mtu:
         return None
-    return _NEXT_HOP.pack(dmac, facts.mac, facts.mtu)
+    return _NEXT_HOP.pack(dmac, facts.mac, facts.mtu), hop
 
 
 @frozen
@@ -560,6 +582,10 @@ class KernelPlane:
     #: none yet) and how many routes send to it; each route's entry.
     _hops: dict[bytes, tuple[bytes, int]] = field(default_factory=dict)
     _route_hop: dict[bytes, bytes] = field(default_factory=dict)
+    #: Each written next hop's (device, gateway or destination).
+    _hop_via: dict[bytes, tuple[int, str]] = field(default_factory=dict)
+    #: Where the next resolved next hops' turn starts (:meth:`_refresh_next_hops`).
+    _hop_turn: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
@@ -855,28 +881,63 @@ class KernelPlane:
             written, users = self._hops.pop(hop_key)
             if users > 1:
                 self._hops[hop_key] = (written, users - 1)
-            elif written:
+                return
+            self._hop_via.pop(hop_key, None)
+            if written:
                 self._lib.bpf_map_delete_elem(self._next_hops_fd, hop_key)
 
-    def _write_next_hop(self, hop_key: bytes) -> None:
+    def _write_next_hop(
+        self, hop_key: bytes, lookups: NextHopLookups | None = None
+    ) -> None:
         """Resolve ``hop_key``'s next hop now and write (or delete) it if it
-        changed: a new MAC, MTU or route is taken within a recheck."""
+        changed: a new MAC, MTU or route is taken when its turn comes."""
         ifindex, packed, family = _NEXT_HOP_KEY.unpack(hop_key)
         host = str(ipaddress.ip_address(packed[: 4 if family == 4 else 16]))
-        value = next_hop(ifindex, host) or b""
+        found = next_hop(ifindex, host, lookups)
+        value = found[0] if found else b""
         with self._egress_lock:
             if hop_key not in self._hops:
                 return  # released meanwhile
-            written, users = self._hops[hop_key]
-            if value == written:
-                return
-            self._hops[hop_key] = (value, users)
-            if value:
-                self._lib.bpf_map_update_elem(
-                    self._next_hops_fd, hop_key, value, BPF_ANY
-                )
+            if found:
+                self._hop_via[hop_key] = (ifindex, found[1])
             else:
-                self._lib.bpf_map_delete_elem(self._next_hops_fd, hop_key)
+                self._hop_via.pop(hop_key, None)
+            self._set_next_hop(hop_key, value)
+
+    def _set_next_hop(self, hop_key: bytes, value: bytes) -> None:
+        """Write ``value`` (b"": none) as ``hop_key``'s next hop, in the map
+        and in the books; the caller holds the lock."""
+        written, users = self._hops[hop_key]
+        if value == written:
+            return
+        self._hops[hop_key] = (value, users)
+        if value:
+            self._lib.bpf_map_update_elem(self._next_hops_fd, hop_key, value, BPF_ANY)
+        else:
+            self._lib.bpf_map_delete_elem(self._next_hops_fd, hop_key)
+
+    def _follow_gateways(self, lookups: NextHopLookups) -> None:
+        """One neighbour lookup per gateway (or on-link destination) of the
+        written next hops, and every next hop through one whose MAC changed
+        takes the new one, or goes (to tc, until resolved again) if the
+        kernel lost it: a gateway's failover is followed within a recheck
+        however many destinations go through it."""
+        with self._egress_lock:
+            by_via: dict[tuple[int, str], list[bytes]] = {}
+            for hop_key, via in self._hop_via.items():
+                by_via.setdefault(via, []).append(hop_key)
+        for via, hop_keys in by_via.items():
+            if via not in lookups.neighbours:
+                lookups.neighbours[via] = neighbour_mac(*via)
+            mac = lookups.neighbours[via]
+            with self._egress_lock:
+                for hop_key in hop_keys:
+                    written = self._hops.get(hop_key, (b"", 0))[0]
+                    if not written or written[:6] == mac:
+                        continue
+                    if mac is None:
+                        self._hop_via.pop(hop_key, None)
+                    self._set_next_hop(hop_key, mac + written[6:] if mac else b"")
 
     def next_hops(self) -> dict[tuple[int, str], tuple[bytes, bytes, int]]:
         """The next hops in the map for the routes' destinations, by
@@ -895,14 +956,26 @@ class KernelPlane:
         return found
 
     def _refresh_next_hops(self) -> None:
-        """Resolve again the next hops out of devices XDP may send out of
-        (only those: the rest cost no netlink request)."""
+        """Resolve again up to :data:`NEXT_HOP_BATCH` next hops out of
+        devices XDP may send out of (only those: the rest cost no netlink
+        request): the unresolved ones first, then the others in turn."""
         with self._egress_lock:
-            held = list(self._hops)
-        for hop_key in held:
-            (ifindex,) = struct.unpack_from("=I", hop_key)
-            if self._egress.get(ifindex):
-                self._write_next_hop(hop_key)
+            held = [
+                (hop_key, bool(written))
+                for hop_key, (written, _users) in self._hops.items()
+                if self._egress.get(struct.unpack_from("=I", hop_key)[0])
+            ]
+        unresolved = [hop_key for hop_key, written in held if not written]
+        resolved = [hop_key for hop_key, written in held if written]
+        start = self._hop_turn % len(resolved) if resolved else 0
+        turn = (resolved[start:] + resolved[:start])[
+            : max(0, NEXT_HOP_BATCH - len(unresolved))
+        ]
+        self._hop_turn = start + len(turn)
+        lookups = NextHopLookups()
+        self._follow_gateways(lookups)
+        for hop_key in (unresolved + turn)[:NEXT_HOP_BATCH]:
+            self._write_next_hop(hop_key, lookups)
 
     def xdp_stats(self) -> dict[str, int]:
         """What the XDP program did, summed over CPUs: datagrams it forwarded
@@ -959,6 +1032,7 @@ class KernelPlane:
         self._routes.clear()
         self._hops.clear()
         self._route_hop.clear()
+        self._hop_via.clear()
         if self._obj:
             self._lib.bpf_object__close(self._obj)
             self._obj = 0
