@@ -4,9 +4,10 @@ device supports it; choose per device").
 client (192.0.2.2, 2001:db8:2::2) -- [toc] server [top] -- peer (198.51.100.2,
 2001:db8:3::2), veth pairs. On relay_lab as is, the veths behave as veths do
 for local senders; ``wire_like`` makes them look like NICs on a wire (full
-checksums, NAPI on the far ends, forwarding on the server's devices). The
-XDP program forwards what it can finish, counted in its ``xdp_stats``; what
-it cannot (a partial checksum, an egress that would drop its frames, no
+checksums, NAPI on the far ends, forwarding on the server's devices, or off:
+then the next hops come from the plane's ``next_hops`` map). The XDP
+program forwards what it can finish, counted in its ``xdp_stats``; what it
+cannot (a partial checksum, an egress that would drop its frames, no
 neighbour yet, a device another process's XDP holds) goes on to tc, which
 forwards it.
 """
