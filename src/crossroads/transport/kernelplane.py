@@ -910,11 +910,13 @@ class KernelPlane:
         written, users = self._hops[hop_key]
         if value == written:
             return
-        self._hops[hop_key] = (value, users)
-        if value:
-            self._lib.bpf_map_update_elem(self._next_hops_fd, hop_key, value, BPF_ANY)
-        else:
+        if value and self._lib.bpf_map_update_elem(
+            self._next_hops_fd, hop_key, value, BPF_ANY
+        ):
+            value = b""  # not written (the map full): unresolved, tried again
+        if not value:
             self._lib.bpf_map_delete_elem(self._next_hops_fd, hop_key)
+        self._hops[hop_key] = (value, users)
 
     def _follow_gateways(self, lookups: NextHopLookups) -> None:
         """One neighbour lookup per gateway (or on-link destination) of the
