@@ -31,6 +31,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.transport.netns_support import ifindex_of
+
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "xdp_load.bpf.c"
 
@@ -107,16 +109,6 @@ def _lib() -> ctypes.CDLL:
 _STATE = struct.Struct("=QQQQIIII")  # struct gen_state
 #: struct flow's frame (xdp_load.bpf.c FRAME_MAX).
 FRAME_MAX = 1536
-
-
-def ifindex_of(ns: str, device: str) -> int:
-    out = subprocess.run(
-        ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{device}/ifindex"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return int(out)
 
 
 def napi_threads() -> dict[int, str]:

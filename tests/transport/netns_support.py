@@ -132,15 +132,24 @@ def tx_checksum(ns: str, device: str, on: bool) -> None:
         fcntl.ioctl(sock.fileno(), _SIOCETHTOOL, request)
 
 
-def mac_of(ns: str, device: str) -> bytes:
-    """``device``'s link-layer address in namespace ``ns``."""
-    out = subprocess.run(
-        ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{device}/address"],
+def device_attribute(ns: str, device: str, name: str) -> str:
+    """``/sys/class/net/DEVICE/NAME`` as namespace ``ns`` sees it."""
+    return subprocess.run(
+        ["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{device}/{name}"],
         check=True,
         capture_output=True,
         text=True,
     ).stdout.strip()
-    return bytes.fromhex(out.replace(":", ""))
+
+
+def mac_of(ns: str, device: str) -> bytes:
+    """``device``'s link-layer address in namespace ``ns``."""
+    return bytes.fromhex(device_attribute(ns, device, "address").replace(":", ""))
+
+
+def ifindex_of(ns: str, device: str) -> int:
+    """``device``'s index in namespace ``ns``."""
+    return int(device_attribute(ns, device, "ifindex"))
 
 
 def internet_checksum(data: bytes) -> int:
