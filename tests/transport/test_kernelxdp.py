@@ -37,6 +37,7 @@ from crossroads.transport.kernelplane import (
 )
 from tests.transport.netns_support import inside, ip, relay_lab
 from tests.transport.plane_support import keep_plane_globals, wire_like
+from tests.transport.test_kernelplane import channel_data
 from tests.transport.test_kernelturn import (
     kernel_counts,
     kernel_plane,
@@ -119,13 +120,39 @@ class Channel:
 
     def both_ways(self, data: bytes) -> None:
         """ChannelData to the peer unwrapped; the peer's answer wrapped."""
-        frame = CHANNEL.to_bytes(2, "big") + len(data).to_bytes(2, "big") + data
-        self.client.sendto(frame, self.listen_addr)
+        self.send_up(data)
         assert _recv(self.peer) == (data, self.relayed)
         self.peer.sendto(data[::-1], self.relayed)
-        back = data[::-1]
-        wrapped = CHANNEL.to_bytes(2, "big") + len(back).to_bytes(2, "big") + back
-        assert _recv(self.client) == (wrapped, self.listen_addr)
+        back = channel_data(data[::-1], CHANNEL)
+        assert _recv(self.client) == (back, self.listen_addr)
+
+    def send_up(self, data: bytes) -> None:
+        """``data`` as ChannelData from the client toward the peer."""
+        self.client.sendto(channel_data(data, CHANNEL), self.listen_addr)
+
+    def send_up_until_delivered(self, data: bytes) -> tuple[bytes, object] | None:
+        """Send ``data`` up every 0.1 s, for four rechecks at most, until one
+        reaches the peer (what reached it; None: none did)."""
+        for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
+            self.send_up(data)
+            arrived = _recv(self.peer, 0.1)
+            if arrived is not None:
+                return arrived
+        return None
+
+    def send_up_until_by_xdp(self, data: bytes) -> int:
+        """Send ``data`` up, each reaching the peer, every 0.1 s for four
+        rechecks at most, until the XDP program has forwarded one; how many
+        were sent."""
+        sent = 0
+        for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
+            self.send_up(data)
+            assert _recv(self.peer) == (data, self.relayed)
+            sent += 1
+            if self.plane.xdp_stats()["forwarded"]:
+                break
+            time.sleep(0.1)
+        return sent
 
     def close(self) -> None:
         with inside(self.names["server"]):
@@ -226,14 +253,8 @@ def test_an_egress_that_stops_taking_xdp_frames_goes_to_tc_within_a_recheck(
             assert plane.xdp_stats()["forwarded"] == 2
             with inside(names["peer"]):
                 far_ends["peer"].close()  # the peer's eth0 has no NAPI now
-            frame = CHANNEL.to_bytes(2, "big") + (4).to_bytes(2, "big") + b"lost"
-            arrived = None
             with caplog.at_level(logging.INFO, logger="crossroads.dataplane"):
-                for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
-                    channel.client.sendto(frame, channel.listen_addr)
-                    arrived = _recv(channel.peer, 0.1)
-                    if arrived is not None:
-                        break
+                arrived = channel.send_up_until_delivered(b"lost")
             assert arrived == (b"lost", channel.relayed)
             assert "XDP no longer sends out of top (its veth peer has no XDP" in (
                 caplog.text
@@ -259,15 +280,14 @@ def test_no_neighbour_yet_goes_to_tc_then_xdp(names: dict[str, str]) -> None:
                 ["ip", "-n", names["server"], "neigh", "flush", "dev", "top"],
                 check=True,
             )
-            frame = CHANNEL.to_bytes(2, "big") + (5).to_bytes(2, "big") + b"first"
-            channel.client.sendto(frame, channel.listen_addr)
+            channel.send_up(b"first")
             assert _recv(channel.peer) == (b"first", channel.relayed)
             stats = plane.xdp_stats()
             assert stats["forwarded"] == 0 and stats["left-next-hop"] == 1, stats
             from tests.transport.plane_support import prime_neighbours
 
             prime_neighbours(names["server"], (channel.peer_addr[0],))
-            channel.client.sendto(frame, channel.listen_addr)
+            channel.send_up(b"first")
             assert _recv(channel.peer) == (b"first", channel.relayed)
             assert plane.xdp_stats()["forwarded"] == 1
             assert plane.counters(channel.up) == (2, 10)
@@ -290,19 +310,11 @@ def test_without_forwarding_xdp_takes_the_next_hop_user_space_resolved(
         )
         channel = Channel(names, plane)
         try:
-            frame = CHANNEL.to_bytes(2, "big") + (4).to_bytes(2, "big") + b"hop?"
-            channel.client.sendto(frame, channel.listen_addr)
+            channel.send_up(b"hop?")
             assert _recv(channel.peer) == (b"hop?", channel.relayed)
             stats = plane.xdp_stats()
             assert stats["forwarded"] == 0 and stats["left-next-hop"] == 1, stats
-            sent = 1
-            for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
-                channel.client.sendto(frame, channel.listen_addr)
-                assert _recv(channel.peer) == (b"hop?", channel.relayed)
-                sent += 1
-                if plane.xdp_stats()["forwarded"]:
-                    break
-                time.sleep(0.1)
+            sent = 1 + channel.send_up_until_by_xdp(b"hop?")
             assert plane.xdp_stats()["forwarded"] == 1
             assert plane.counters(channel.up) == (sent, 4 * sent)
             with inside(names["server"]):
@@ -327,8 +339,7 @@ def test_an_egress_that_starts_taking_xdp_frames_gets_its_next_hop_in_a_recheck(
         channel = Channel(names, plane)
         napi = None
         try:
-            frame = CHANNEL.to_bytes(2, "big") + (2).to_bytes(2, "big") + b"up"
-            channel.client.sendto(frame, channel.listen_addr)
+            channel.send_up(b"up")
             assert _recv(channel.peer) == (b"up", channel.relayed)
             stats = plane.xdp_stats()
             assert stats["forwarded"] == 0 and stats["left-egress"] == 1, stats
@@ -336,12 +347,7 @@ def test_an_egress_that_starts_taking_xdp_frames_gets_its_next_hop_in_a_recheck(
                 napi = KernelPlane.load()
                 napi.hook = "xdp"
                 napi.attach("eth0")  # NAPI on the peer's end now
-            for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
-                channel.client.sendto(frame, channel.listen_addr)
-                assert _recv(channel.peer) == (b"up", channel.relayed)
-                if plane.xdp_stats()["forwarded"]:
-                    break
-                time.sleep(0.1)
+            channel.send_up_until_by_xdp(b"up")
             assert plane.xdp_stats()["forwarded"] == 1
             with inside(names["server"]):
                 top = socket.if_nametoindex("top")
@@ -373,14 +379,7 @@ def test_a_next_hop_takes_its_neighbours_new_mac_within_a_recheck(
             ip("-n", names["peer"], "link", "set", "eth0", "address", new)
             ip("-n", names["server"], "neigh", "replace", peer_ip, "lladdr", new,
                "dev", "top", "nud", "reachable")  # fmt: skip
-            frame = CHANNEL.to_bytes(2, "big") + (3).to_bytes(2, "big") + b"new"
-            arrived = None
-            for _ in range(round(4 * EGRESS_RECHECK / 0.1)):
-                channel.client.sendto(frame, channel.listen_addr)
-                arrived = _recv(channel.peer, 0.1)
-                if arrived is not None:
-                    break
-            assert arrived == (b"new", channel.relayed)
+            assert channel.send_up_until_delivered(b"new") == (b"new", channel.relayed)
             with inside(names["server"]):
                 top = socket.if_nametoindex("top")
             assert plane.next_hops()[top, peer_ip][0] == bytes.fromhex("02000000 0a0b")

@@ -535,7 +535,8 @@ struct {
  * itself; routed datagrams it could not finish and passed to tc, by why:
  * an egress it may not send frames to, a partial checksum, no next hop it
  * can use (no neighbour entry yet, another device, over the MTU: the fib
- * lookup; with forwarding off, no next hop from user space yet), anything else (a ChannelData datagram too long to wrap). */
+ * lookup; with forwarding off, no next hop from user space yet), anything
+ * else (a ChannelData datagram too long to wrap). */
 #define XDP_FORWARDED 0
 #define XDP_LEFT_EGRESS 1
 #define XDP_LEFT_CHECKSUM 2
